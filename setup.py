@@ -1,0 +1,123 @@
+"""Build script: Cython extensions, the cffi binding to llama.cpp, and the native build step.
+
+Strategy: ``build_ext`` first builds the patched llama.cpp (``native/build.py``) into ``skippy/lib``
+unless ``SKIPPY_LLAMA_LIB_DIR`` names a prebuilt one, then compiles the Cython modules and the cffi
+API-mode module ``skippy._llama``, which links ``libllama`` with an ``$ORIGIN/lib`` rpath.
+``SKIPPY_DEBUG=1`` builds the Cython modules with line tracing; ``--cython-always`` and
+``--annotate`` are passed through to ``cythonize``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "native"))
+
+CYTHON_VERSION = "3.2.4"
+CYTHON_MODULES = ["skippy._wire", "skippy._radix"]
+
+
+def _cython_extensions(debug: bool) -> list[Extension]:
+    import numpy
+
+    macros = [("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")]
+    if debug:
+        macros += [("CYTHON_TRACE", "1"), ("CYTHON_TRACE_NOGIL", "1"), ("SKIPPY_DEBUG", "1")]
+    extensions = []
+    for module in CYTHON_MODULES:
+        source = ROOT / (module.replace(".", "/") + ".pyx")
+        if not source.exists():
+            continue
+        extensions.append(
+            Extension(
+                module,
+                [str(source.relative_to(ROOT))],
+                include_dirs=[numpy.get_include(), "skippy"],
+                define_macros=macros,
+                extra_compile_args=["-O3"] if not debug else ["-O0", "-g"],
+            )
+        )
+    return extensions
+
+
+class SkippyBuildExt(build_ext):
+    user_options = build_ext.user_options + [
+        ("cython-always", None, "always re-run cythonize"),
+        ("annotate", None, "write Cython annotation HTML next to the sources"),
+    ]
+    boolean_options = build_ext.boolean_options + ["cython-always", "annotate"]
+
+    def initialize_options(self) -> None:
+        super().initialize_options()
+        self.cython_always = False
+        self.annotate = False
+
+    def finalize_options(self) -> None:
+        super().finalize_options()
+        import Cython
+
+        if Cython.__version__ != CYTHON_VERSION:
+            raise RuntimeError(f"skippy pins Cython {CYTHON_VERSION}, found {Cython.__version__}")
+        from Cython.Build import cythonize
+
+        debug = os.environ.get("SKIPPY_DEBUG") == "1"
+        directives = {"language_level": "3", "embedsignature": True}
+        if debug:
+            directives.update(linetrace=True, profile=True)
+        cython_exts = cythonize(
+            _cython_extensions(debug),
+            compiler_directives=directives,
+            force=self.cython_always,
+            annotate=self.annotate,
+            quiet=True,
+        )
+        others = [e for e in self.extensions if e.name not in CYTHON_MODULES]
+        self.extensions = cython_exts + others
+        self.distribution.ext_modules = self.extensions
+
+    def run(self) -> None:
+        lib_dir = self._native_lib_dir()
+        for ext in self.extensions:
+            if ext.name == "skippy._llama":
+                ext.library_dirs = [str(lib_dir)]
+        super().run()
+        if not self.inplace:
+            # Ship the native libraries inside the built package.
+            target = Path(self.build_lib) / "skippy" / "lib"
+            target.mkdir(parents=True, exist_ok=True)
+            for lib in lib_dir.glob("lib*"):
+                self.copy_file(str(lib), str(target / lib.name))
+
+    def _native_lib_dir(self) -> Path:
+        prebuilt = os.environ.get("SKIPPY_LLAMA_LIB_DIR")
+        if prebuilt:
+            return Path(prebuilt).resolve()
+        from build import build_native  # native/build.py
+
+        return build_native(ROOT / "skippy" / "lib")
+
+
+def _ffi_extension() -> Extension:
+    from build_ffi import make_extension  # native/build_ffi.py
+
+    return make_extension()
+
+
+def _all_extensions() -> list[Extension]:
+    exts = [Extension(name, ["<cython>"]) for name in CYTHON_MODULES]
+    if (ROOT / "native" / "build_ffi.py").exists():
+        exts.append(_ffi_extension())
+    return exts
+
+
+setup(
+    ext_modules=_all_extensions(),
+    cmdclass={"build_ext": SkippyBuildExt},
+    zip_safe=False,
+)
