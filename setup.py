@@ -85,6 +85,12 @@ class SkippyBuildExt(build_ext):
         lib_dir = self._native_lib_dir()
         for ext in self.extensions:
             if ext.name == "skippy._llama":
+                from build import patched_source
+                from build_ffi import emit_source
+
+                emit_source()
+                source = patched_source()
+                ext.include_dirs = [str(source / "include"), str(source / "ggml" / "include")]
                 ext.library_dirs = [str(lib_dir)]
         super().run()
         if not self.inplace:
@@ -110,10 +116,7 @@ def _ffi_extension() -> Extension:
 
 
 def _all_extensions() -> list[Extension]:
-    exts = [Extension(name, ["<cython>"]) for name in CYTHON_MODULES]
-    if (ROOT / "native" / "build_ffi.py").exists():
-        exts.append(_ffi_extension())
-    return exts
+    return [Extension(name, ["<cython>"]) for name in CYTHON_MODULES] + [_ffi_extension()]
 
 
 setup(

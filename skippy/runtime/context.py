@@ -1,0 +1,427 @@
+"""A llama.cpp context for one stage: sessions as sequence ids, batches, KV operations, state.
+
+Strategy: one context per stage process, shared by all sessions (one unified KV cell pool; a
+session is a sequence id).  A batch is described by caller-owned numpy arrays; ``decode`` points a
+``llama_batch`` straight at them (activations are never copied on the way in) and releases the GIL
+for the native call.  After ``decode``, :meth:`activations` is a zero-copy view of the hidden states
+of every row (valid until the next decode) and, on the final stage, :meth:`logits` /
+:meth:`sample` read the rows that were flagged as outputs.  Every KV operation is per sequence;
+mirroring them on every stage of a chain is the caller's job.  Saved sequence states carry a tag
+(model identity, layer range, shape) that is checked on restore, because llama.cpp itself only
+checks the layer *count*.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import struct
+import threading
+from typing import Sequence, final
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.runtime import _callbacks
+from skippy.runtime.errors import (
+    ClosedError,
+    ContextError,
+    InvalidBatch,
+    SessionError,
+    StateMismatch,
+    decode_error,
+)
+from skippy.runtime.ffi import ffi, lib
+from skippy.runtime.model import Model
+from skippy.runtime.sampling import Sampler
+
+#: Tag in front of every saved sequence state.
+_STATE_MAGIC = b"SKPYSEQ1"
+_STATE_HEADER = struct.Struct("<8sIIIII24s")  # magic, start, end, n_layer, n_embd, n_ctx, identity
+
+IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float32]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class MemoryReport:
+    """Memory figures of a stage (bytes)."""
+
+    weights: int
+    kv_capacity: int
+    kv_cells_used: int
+    kv_bytes_used: int
+    resident: int
+
+
+def resident_bytes() -> int:
+    """Resident set size of this process."""
+    with open("/proc/self/statm") as handle:
+        return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@final
+class StageContext:
+    """Runs batches of rows for the sessions of one stage.
+
+    Args:
+        model: the loaded stage.
+        n_ctx: KV cells shared by all sessions.
+        max_sessions: sequence ids available to sessions (``0 .. max_sessions-1``).
+        n_batch: most rows one ``decode`` may carry; also the micro-batch size (``n_ubatch``)
+            unless given, so a prefill chunk is computed in one pass (same partition on every stage).
+        threads: compute threads (default: all cores).
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        n_ctx: int = 4096,
+        max_sessions: int = 8,
+        n_batch: int = 512,
+        n_ubatch: int | None = None,
+        threads: int | None = None,
+        threads_batch: int | None = None,
+    ) -> None:
+        if n_ctx <= 0 or n_batch <= 0 or not 1 <= max_sessions <= 256:
+            raise ContextError(
+                f"invalid context sizes: n_ctx={n_ctx}, n_batch={n_batch}, max_sessions={max_sessions} (1..256)"
+            )
+        self.model = model
+        self._lock = threading.Lock()
+        threads = threads or os.cpu_count() or 1
+        params = lib.llama_context_default_params()
+        params.n_ctx = n_ctx
+        params.n_batch = n_batch
+        params.n_ubatch = n_ubatch or n_batch
+        params.n_seq_max = max_sessions
+        params.n_threads = threads
+        params.n_threads_batch = threads_batch or threads
+        params.kv_unified = True
+        params.embeddings = not model.is_last
+        params.no_perf = True
+        params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        _callbacks.take_recent_errors()
+        pointer = lib.llama_init_from_model(model.pointer, params)
+        if pointer == ffi.NULL:
+            detail = _callbacks.take_recent_errors() or "see the skippy.llama log"
+            raise ContextError(f"cannot create a context (n_ctx={n_ctx}, n_batch={n_batch}): {detail}")
+        self._ptr = pointer
+        self._memory = lib.llama_get_memory(pointer)
+        self.n_ctx = int(lib.llama_n_ctx(pointer))
+        self.n_batch = int(lib.llama_n_batch(pointer))
+        self.max_sessions = max_sessions
+        self.n_embd = model.n_embd
+        # Reused batch arrays: numbers are copied in, activations are pointed at in place.
+        self._tokens = np.zeros(self.n_batch, dtype=np.int32)
+        self._positions = np.zeros(self.n_batch, dtype=np.int32)
+        self._seq_ids = np.zeros(self.n_batch, dtype=np.int32)
+        self._n_seq_id = np.ones(self.n_batch, dtype=np.int32)
+        self._outputs = np.zeros(self.n_batch, dtype=np.int8)
+        self._seq_ptrs = ffi.new("llama_seq_id *[]", self.n_batch)
+        self._batch = ffi.new("struct llama_batch *")
+        self._cffi_views = (
+            ffi.cast("llama_token *", ffi.from_buffer(self._tokens)),
+            ffi.cast("llama_pos *", ffi.from_buffer(self._positions)),
+            ffi.cast("llama_seq_id *", ffi.from_buffer(self._seq_ids)),
+            ffi.cast("int32_t *", ffi.from_buffer(self._n_seq_id)),
+            ffi.cast("int8_t *", ffi.from_buffer(self._outputs)),
+        )
+        self._free_sessions = list(range(max_sessions - 1, -1, -1))
+        self._open_sessions: set[int] = set()
+        self._last_rows = 0
+        self._last_output_rows: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
+        self._last_activation_rows = 0
+
+    # -- sessions ----------------------------------------------------------------------------
+    def open_session(self) -> int:
+        """Reserve a free sequence id (its KV is empty)."""
+        with self._lock:
+            if not self._free_sessions:
+                raise SessionError(f"all {self.max_sessions} sessions are in use")
+            seq = self._free_sessions.pop()
+            self._open_sessions.add(seq)
+            return seq
+
+    def close_session(self, seq: int) -> None:
+        """Drop the session's KV and return its sequence id; unknown ids raise SessionError."""
+        with self._lock:
+            if seq not in self._open_sessions:
+                raise SessionError(f"session {seq} is not open")
+            lib.llama_memory_seq_rm(self._memory_ptr(), seq, -1, -1)
+            self._open_sessions.discard(seq)
+            self._free_sessions.append(seq)
+            self._free_sessions.sort(reverse=True)
+
+    @property
+    def sessions_in_use(self) -> int:
+        return len(self._open_sessions)
+
+    # -- compute -----------------------------------------------------------------------------
+    def decode(
+        self,
+        *,
+        positions: Sequence[int] | IntArray,
+        seq_ids: Sequence[int] | IntArray,
+        tokens: Sequence[int] | IntArray | None = None,
+        activations: FloatArray | None = None,
+        outputs: Sequence[bool] | npt.NDArray[np.bool_] | None = None,
+    ) -> None:
+        """Run one batch of rows through the stage's layers.
+
+        Args:
+            positions: absolute position of each row in its session.
+            seq_ids: session (sequence id) of each row.
+            tokens: token ids (first stage only).
+            activations: float32 ``rows x n_embd`` hidden states (other stages).
+            outputs: rows whose logits are wanted (final stage; default: the last row of each
+                session in the batch).  Non-final stages always output every row.
+
+        Raises:
+            InvalidBatch: wrong input kind for this stage, shapes, sizes, ids.
+            KvSlotUnavailable, DecodeAborted, NativeFatalError: llama_decode failed.
+        """
+        model = self.model
+        if (tokens is None) == (activations is None):
+            raise InvalidBatch("give exactly one of tokens or activations")
+        if tokens is not None and not model.is_first:
+            raise InvalidBatch(
+                f"tokens given to a stage starting at layer {model.layers.start}; it takes activations"
+            )
+        if activations is not None and model.is_first:
+            raise InvalidBatch("activations given to the first stage (layer 0); it takes tokens")
+        pos = np.asarray(positions, dtype=np.int32)
+        seq = np.asarray(seq_ids, dtype=np.int32)
+        n_rows = pos.shape[0] if pos.ndim == 1 else -1
+        if n_rows <= 0 or seq.shape != (n_rows,):
+            raise InvalidBatch(f"positions and seq_ids must be equal-length 1-D (got {pos.shape} and {seq.shape})")
+        if n_rows > self.n_batch:
+            raise InvalidBatch(f"{n_rows} rows exceed the context's batch size {self.n_batch}")
+        if seq.min() < 0 or seq.max() >= self.max_sessions:
+            raise InvalidBatch(f"sequence ids must be in 0..{self.max_sessions - 1} (got {seq.min()}..{seq.max()})")
+        if pos.min() < 0:
+            raise InvalidBatch(f"positions must be >= 0 (got {pos.min()})")
+        embd_ptr = ffi.NULL
+        token_ptr = ffi.NULL
+        keep_alive: object = None
+        if tokens is not None:
+            tok = np.asarray(tokens, dtype=np.int32)
+            if tok.shape != (n_rows,):
+                raise InvalidBatch(f"{tok.shape[0] if tok.ndim else 0} tokens for {n_rows} positions")
+            if tok.min() < 0 or tok.max() >= model.n_vocab:
+                raise InvalidBatch(f"token ids must be in 0..{model.n_vocab - 1} (got {tok.min()}..{tok.max()})")
+            self._tokens[:n_rows] = tok
+            token_ptr = self._cffi_views[0]
+        else:
+            act = activations
+            assert act is not None
+            if act.ndim != 2 or act.shape[1] != self.n_embd:
+                raise InvalidBatch(
+                    f"activations must be rows x {self.n_embd} (the model width); got shape {act.shape}"
+                )
+            if act.shape[0] != n_rows:
+                raise InvalidBatch(f"{act.shape[0]} activation rows for {n_rows} positions")
+            if act.dtype != np.float32 or not act.flags.c_contiguous:
+                act = np.ascontiguousarray(act, dtype=np.float32)
+            keep_alive = act
+            embd_ptr = ffi.cast("float *", ffi.from_buffer(act))
+        self._positions[:n_rows] = pos
+        self._seq_ids[:n_rows] = seq
+        out = self._outputs
+        if not model.is_last:
+            out[:n_rows] = 1
+        elif outputs is None:
+            out[:n_rows] = 0
+            # last row of each session in the batch
+            reversed_seq = seq[::-1]
+            _, first_from_end = np.unique(reversed_seq, return_index=True)
+            out[n_rows - 1 - first_from_end] = 1
+        else:
+            flags = np.asarray(outputs, dtype=bool)
+            if flags.shape != (n_rows,):
+                raise InvalidBatch(f"outputs must have one flag per row ({n_rows}), got {flags.shape}")
+            out[:n_rows] = flags
+        with self._lock:
+            pointer = self._context_ptr()
+            lib.skippy_batch_view(
+                self._batch, n_rows, token_ptr, embd_ptr, self._cffi_views[1], self._cffi_views[3],
+                self._seq_ptrs, self._cffi_views[2], self._cffi_views[4],
+            )
+            rc = lib.llama_decode(pointer, self._batch[0])
+            del keep_alive
+            if rc != 0:
+                self._last_rows = 0
+                detail = _callbacks.take_recent_errors() or f"{n_rows} rows"
+                raise decode_error(rc, detail)
+            self._last_rows = n_rows
+            self._last_output_rows = np.flatnonzero(out[:n_rows])
+
+    def activations(self) -> FloatArray:
+        """Hidden states of every row of the last decode (``rows x n_embd`` float32 view).
+
+        The view aliases llama.cpp's output buffer: it is valid until the next decode.
+        """
+        if self.model.is_last:
+            raise InvalidBatch("the final stage produces logits, not activations")
+        if self._last_rows == 0:
+            raise InvalidBatch("no decoded batch to read activations from")
+        pointer = lib.llama_get_embeddings(self._context_ptr())
+        count = self._last_rows * self.n_embd
+        view = np.frombuffer(ffi.buffer(pointer, count * 4), dtype=np.float32)
+        return view.reshape(self._last_rows, self.n_embd)
+
+    def logits(self, row: int) -> FloatArray:
+        """Logits of batch row ``row`` of the last decode (a view valid until the next decode)."""
+        self._check_output_row(row)
+        pointer = lib.llama_get_logits_ith(self._context_ptr(), row)
+        if pointer == ffi.NULL:
+            raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
+        return np.frombuffer(ffi.buffer(pointer, self.model.n_vocab * 4), dtype=np.float32)
+
+    @property
+    def output_rows(self) -> npt.NDArray[np.intp]:
+        """Batch rows of the last decode that have logits (final stage)."""
+        return self._last_output_rows
+
+    def sample(self, samplers: Sequence[Sampler], rows: Sequence[int]) -> IntArray:
+        """Sample one token per (sampler, row) pair from the last decode's logits."""
+        if len(samplers) != len(rows):
+            raise InvalidBatch(f"{len(samplers)} samplers for {len(rows)} rows")
+        for row in rows:
+            self._check_output_row(row)
+        count = len(rows)
+        result = np.zeros(count, dtype=np.int32)
+        pointers = ffi.new("struct llama_sampler *[]", [s.pointer for s in samplers])
+        row_array = np.asarray(rows, dtype=np.int32)
+        with self._lock:
+            lib.skippy_sample_rows(
+                pointers, self._context_ptr(), ffi.cast("int32_t *", ffi.from_buffer(row_array)), count,
+                ffi.cast("llama_token *", ffi.from_buffer(result)),
+            )
+        return result
+
+    def _check_output_row(self, row: int) -> None:
+        if not self.model.is_last:
+            raise InvalidBatch(f"stage {self.model.layers} is not the final stage: it has no logits")
+        if self._last_rows == 0 or row not in self._last_output_rows:
+            raise InvalidBatch(f"row {row} was not an output row of the last decode")
+
+    # -- KV memory ---------------------------------------------------------------------------
+    def remove(self, seq: int, start: int = -1, end: int = -1) -> bool:
+        """Remove positions ``[start, end)`` of a session (-1: open end); False if not possible."""
+        with self._lock:
+            return bool(lib.llama_memory_seq_rm(self._memory_ptr(), seq, start, end))
+
+    def trim(self, seq: int, length: int) -> None:
+        """Keep only positions ``[0, length)`` of a session (the rollback rule)."""
+        if not self.remove(seq, length, -1):
+            raise SessionError(f"cannot trim session {seq} to {length} positions")
+
+    def copy(self, source: int, destination: int, start: int = -1, end: int = -1) -> None:
+        """Share positions ``[start, end)`` of ``source`` with ``destination`` (no data copied)."""
+        with self._lock:
+            lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, start, end)
+
+    def keep(self, seq: int) -> None:
+        """Drop every sequence but ``seq``."""
+        with self._lock:
+            lib.llama_memory_seq_keep(self._memory_ptr(), seq)
+
+    def position_max(self, seq: int) -> int:
+        """Largest position held for ``seq`` (-1 when empty)."""
+        return int(lib.llama_memory_seq_pos_max(self._memory_ptr(), seq))
+
+    def length(self, seq: int) -> int:
+        """Number of positions the session holds (``pos_max + 1``)."""
+        return self.position_max(seq) + 1
+
+    # -- state -------------------------------------------------------------------------------
+    def _state_header(self, seq_length: int) -> bytes:
+        model = self.model
+        return _STATE_HEADER.pack(
+            _STATE_MAGIC, model.layers.start, model.layers.end, model.n_layer, model.n_embd,
+            seq_length, model.identity.encode()[:24],
+        )
+
+    def save_state(self, seq: int) -> bytes:
+        """Serialise a session's KV (this stage's layers), tagged with the stage's identity."""
+        with self._lock:
+            pointer = self._context_ptr()
+            size = lib.llama_state_seq_get_size(pointer, seq)
+            buffer = ffi.new("uint8_t[]", size)
+            written = lib.llama_state_seq_get_data(pointer, buffer, size, seq)
+            if written == 0:
+                raise StateMismatch(f"cannot save the state of session {seq}")
+            length = self.length(seq)
+        return self._state_header(length) + ffi.buffer(buffer, written)[:]
+
+    def load_state(self, seq: int, blob: bytes) -> int:
+        """Restore a state saved by :meth:`save_state` into ``seq``; returns the positions restored.
+
+        Raises:
+            StateMismatch: the blob belongs to another model, layer range or shape, or is corrupt.
+        """
+        if len(blob) < _STATE_HEADER.size:
+            raise StateMismatch(f"state blob of {len(blob)} bytes is too short for its header")
+        magic, start, end, n_layer, n_embd, length, identity = _STATE_HEADER.unpack_from(blob)
+        model = self.model
+        if magic != _STATE_MAGIC:
+            raise StateMismatch("not a skippy sequence state (bad magic)")
+        if (start, end) != (model.layers.start, model.layers.end):
+            raise StateMismatch(f"state is for layers {start}:{end}, this stage runs {model.layers}")
+        if (n_layer, n_embd) != (model.n_layer, model.n_embd):
+            raise StateMismatch(
+                f"state is for a {n_layer}-layer, {n_embd}-wide model; this one is {model.n_layer} x {model.n_embd}"
+            )
+        if identity.rstrip(b"\0") != model.identity.encode()[:24]:
+            raise StateMismatch(f"state was saved from another model file than {model.info.path.name}")
+        payload = blob[_STATE_HEADER.size:]
+        with self._lock:
+            pointer = self._context_ptr()
+            lib.llama_memory_seq_rm(self._memory_ptr(), seq, -1, -1)
+            read = lib.llama_state_seq_set_data(pointer, ffi.from_buffer(payload), len(payload), seq)
+            if read == 0:
+                raise StateMismatch(f"llama.cpp rejected the state for session {seq}: {_callbacks.take_recent_errors()}")
+        return int(length)
+
+    # -- figures -----------------------------------------------------------------------------
+    def kv_cells_used(self) -> int:
+        return int(lib.skippy_kv_cells_used(self._context_ptr(), 256))
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        return self.model.info.kv_bytes_per_cell(self.model.layers.n_layers)
+
+    def memory(self) -> MemoryReport:
+        used = self.kv_cells_used()
+        return MemoryReport(
+            weights=self.model.size_bytes,
+            kv_capacity=self.n_ctx * self.kv_bytes_per_cell,
+            kv_cells_used=used,
+            kv_bytes_used=used * self.kv_bytes_per_cell,
+            resident=resident_bytes(),
+        )
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def _context_ptr(self) -> object:
+        if self._ptr == ffi.NULL:
+            raise ClosedError("stage context is closed")
+        return self._ptr
+
+    def _memory_ptr(self) -> object:
+        self._context_ptr()
+        return self._memory
+
+    def close(self) -> None:
+        """Free the context and its KV cache; idempotent."""
+        with self._lock:
+            if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+                lib.llama_free(self._ptr)
+                self._ptr = ffi.NULL
+
+    def __enter__(self) -> "StageContext":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()

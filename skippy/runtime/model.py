@@ -1,0 +1,289 @@
+"""A GGUF model opened for one contiguous layer range ``[start, end)``.
+
+Strategy: the range is validated in Python first from the GGUF metadata (so the caller gets a
+clear error naming the range, the layer count or the architecture), then passed to the patched
+llama.cpp as the kv overrides ``stage.layer_start`` / ``stage.layer_end``; the library reports
+back the range it loaded, which proves it is the patched build (a stock library ignores the keys).
+Weights are memory-mapped, except on a partial last stage whose head is tied to the token
+embeddings: that stage needs the file's first tensor and its last layers, and the loader can only
+trim the two ends of a mapping, so it would stay resident at full-file size; it is read instead.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Callable, Final, final
+
+from skippy.runtime.errors import (
+    ClosedError,
+    LayerRangeError,
+    ModelLoadError,
+    UnsupportedArchitecture,
+)
+from skippy.runtime.ffi import ffi, lib
+from skippy.runtime import _callbacks
+
+#: Architectures the layer-range patch supports for a partial range.
+SPLIT_ARCHITECTURES: Final = frozenset({"llama", "qwen2", "qwen3"})
+
+ProgressCallback = Callable[[float], object]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LayerRange:
+    """Layers ``[start, end)`` of a model."""
+
+    start: int
+    end: int
+
+    @classmethod
+    def parse(cls, text: str) -> "LayerRange":
+        """Parse ``"A:B"``; raises LayerRangeError on anything else."""
+        parts = text.split(":")
+        if len(parts) != 2:
+            raise LayerRangeError(f"layer range {text!r} is not of the form START:END")
+        try:
+            start, end = int(parts[0]), int(parts[1])
+        except ValueError:
+            raise LayerRangeError(f"layer range {text!r} is not of the form START:END (integers)") from None
+        return cls(start, end)
+
+    def __str__(self) -> str:
+        return f"{self.start}:{self.end}"
+
+    @property
+    def n_layers(self) -> int:
+        return self.end - self.start
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GGUFInfo:
+    """The few facts about a GGUF file needed before loading it."""
+
+    path: Path
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_head: int
+    n_head_kv: int
+    head_dim_k: int
+    head_dim_v: int
+    tied_head: bool
+    file_size: int
+
+    def kv_bytes_per_cell(self, n_layers: int, bytes_per_value: int = 2) -> int:
+        """KV bytes one cell (one token position) takes over ``n_layers`` layers (f16 cache)."""
+        return n_layers * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_value
+
+
+def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
+    """Read architecture, layer count, width and head tying from a GGUF file's metadata."""
+    from gguf import GGUFReader  # imported lazily: only needed at load time
+
+    file = Path(path)
+    if not file.is_file():
+        raise ModelLoadError(f"model file {str(file)!r} does not exist")
+    try:
+        reader = GGUFReader(file, "r")
+    except Exception as exc:  # gguf raises ValueError/struct errors on bad files; normalise them
+        raise ModelLoadError(f"{file} is not a readable GGUF file: {exc}") from exc
+
+    def field(key: str) -> object:
+        entry = reader.fields.get(key)
+        if entry is None:
+            return None
+        return entry.contents()
+
+    arch = field("general.architecture")
+    if not isinstance(arch, str):
+        raise ModelLoadError(f"{file} has no general.architecture")
+    n_layer = field(f"{arch}.block_count")
+    n_embd = field(f"{arch}.embedding_length")
+    if not isinstance(n_layer, int) or not isinstance(n_embd, int):
+        raise ModelLoadError(f"{file} lacks {arch}.block_count / {arch}.embedding_length (vocab-only file?)")
+    names = {tensor.name for tensor in reader.tensors}
+    n_head = field(f"{arch}.attention.head_count")
+    n_head = n_head if isinstance(n_head, int) else 1
+    n_head_kv = field(f"{arch}.attention.head_count_kv")
+    n_head_kv = n_head_kv if isinstance(n_head_kv, int) else n_head
+    head_dim_k = field(f"{arch}.attention.key_length")
+    head_dim_v = field(f"{arch}.attention.value_length")
+    default_head_dim = n_embd // max(1, n_head)
+    return GGUFInfo(
+        path=file,
+        architecture=arch,
+        n_layer=n_layer,
+        n_embd=n_embd,
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim_k=head_dim_k if isinstance(head_dim_k, int) else default_head_dim,
+        head_dim_v=head_dim_v if isinstance(head_dim_v, int) else default_head_dim,
+        tied_head="output.weight" not in names,
+        file_size=file.stat().st_size,
+    )
+
+
+def model_identity(path: Path) -> str:
+    """A cheap content identity of a model file: size plus digests of its head and tail."""
+    size = path.stat().st_size
+    digest = hashlib.sha256(str(size).encode())
+    with path.open("rb") as handle:
+        digest.update(handle.read(4 << 20))
+        handle.seek(max(0, size - (1 << 20)))
+        digest.update(handle.read(1 << 20))
+    return digest.hexdigest()[:24]
+
+
+def validate_range(info: GGUFInfo, layers: LayerRange) -> None:
+    if layers.start < 0 or layers.end <= layers.start:
+        raise LayerRangeError(f"layer range {layers} is empty or negative (need 0 <= START < END)")
+    if layers.end > info.n_layer:
+        raise LayerRangeError(
+            f"layer range {layers} is out of bounds: {info.path.name} has {info.n_layer} layers"
+        )
+    partial = layers.start > 0 or layers.end < info.n_layer
+    if partial and info.architecture not in SPLIT_ARCHITECTURES:
+        raise UnsupportedArchitecture(
+            f"architecture {info.architecture!r} does not support a partial layer range "
+            f"(requested {layers} of {info.n_layer}; supported: {', '.join(sorted(SPLIT_ARCHITECTURES))})"
+        )
+
+
+@final
+class Model:
+    """Layers ``[start, end)`` of a GGUF model loaded into llama.cpp.
+
+    Use as a context manager or call :meth:`close`; the weights are freed when closed.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        layers: LayerRange | str | None = None,
+        *,
+        progress: ProgressCallback | None = None,
+        use_mmap: bool | None = None,
+        n_gpu_layers: int = -1,
+    ) -> None:
+        """Load ``path`` for ``layers`` (default: all).
+
+        Args:
+            path: the GGUF file.
+            layers: a LayerRange, ``"A:B"`` or None for the whole model.
+            progress: called with a fraction in [0, 1] while loading; returning False aborts.
+            use_mmap: force mmap on or off (default: mmap unless a tied-head partial last stage).
+            n_gpu_layers: layers to offload when built with a GPU backend (-1: all).
+
+        Raises:
+            ModelLoadError, LayerRangeError, UnsupportedArchitecture.
+        """
+        self.info = read_gguf_info(path)
+        if layers is None:
+            layers = LayerRange(0, self.info.n_layer)
+        elif isinstance(layers, str):
+            layers = LayerRange.parse(layers)
+        validate_range(self.info, layers)
+        self.layers = layers
+        self._lock = threading.Lock()
+        is_partial_last = layers.end == self.info.n_layer and layers.start > 0
+        if use_mmap is None:
+            use_mmap = not (is_partial_last and self.info.tied_head)
+        self.use_mmap = use_mmap
+
+        params = lib.llama_model_default_params()
+        params.n_gpu_layers = n_gpu_layers
+        params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        overrides = ffi.new("struct llama_model_kv_override[3]")
+        for slot, (key, value) in enumerate((("stage.layer_start", layers.start), ("stage.layer_end", layers.end))):
+            overrides[slot].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
+            overrides[slot].key = key.encode()
+            overrides[slot].val_i64 = value
+        params.kv_overrides = overrides
+        payload = None
+        handle = None
+        if progress is not None:
+            payload = _callbacks.ProgressPayload(progress)
+            handle = ffi.new_handle(payload)
+            params.progress_callback = lib.skippy_on_progress
+            params.progress_callback_user_data = handle
+        _callbacks.take_recent_errors()
+        pointer = lib.llama_model_load_from_file(str(self.info.path).encode(), params)
+        if payload is not None:
+            payload.check()
+        if pointer == ffi.NULL:
+            detail = _callbacks.take_recent_errors() or "see the skippy.llama log"
+            raise ModelLoadError(f"llama.cpp failed to load {self.info.path} layers {layers}: {detail}")
+        self._ptr = pointer
+        loaded = (lib.llama_model_stage_layer_start(pointer), lib.llama_model_stage_layer_end(pointer))
+        if loaded != (layers.start, layers.end):
+            lib.llama_model_free(pointer)
+            self._ptr = ffi.NULL
+            raise ModelLoadError(
+                f"libllama loaded layers {loaded[0]}:{loaded[1]} instead of {layers}: not the patched library"
+            )
+        self.n_layer: Final = lib.llama_model_n_layer(pointer)
+        self.n_embd: Final = lib.llama_model_n_embd(pointer)
+        self._vocab = lib.llama_model_get_vocab(pointer)
+        self.n_vocab: Final = lib.llama_vocab_n_tokens(self._vocab)
+        self.identity: Final = model_identity(self.info.path)
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def architecture(self) -> str:
+        return self.info.architecture
+
+    @property
+    def is_first(self) -> bool:
+        """This stage embeds tokens (layer 0)."""
+        return self.layers.start == 0
+
+    @property
+    def is_last(self) -> bool:
+        """This stage produces logits (last layer)."""
+        return self.layers.end == self.n_layer
+
+    @property
+    def size_bytes(self) -> int:
+        """Bytes of weights this stage loaded (not the file size)."""
+        return int(lib.llama_model_size(self.pointer))
+
+    @property
+    def n_params(self) -> int:
+        return int(lib.llama_model_n_params(self.pointer))
+
+    def is_end_of_generation(self, token: int) -> bool:
+        return bool(lib.llama_vocab_is_eog(self._vocab, token))
+
+    @property
+    def pointer(self) -> object:
+        """The ``llama_model *``; raises ClosedError after close()."""
+        if self._ptr == ffi.NULL:
+            raise ClosedError(f"model {self.info.path.name} [{self.layers}] is closed")
+        return self._ptr
+
+    @property
+    def vocab_pointer(self) -> object:
+        self.pointer  # noqa: B018 - raises when closed
+        return self._vocab
+
+    # -- lifetime ----------------------------------------------------------------------------
+    def close(self) -> None:
+        """Free the weights; idempotent.  Contexts on this model must be closed first."""
+        with self._lock:
+            if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
+                lib.llama_model_free(self._ptr)
+                self._ptr = ffi.NULL
+
+    def __enter__(self) -> "Model":
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if getattr(self, "_ptr", ffi.NULL) == ffi.NULL else "open"
+        return f"<Model {self.info.path.name} {self.architecture} layers {self.layers} of {self.info.n_layer} {state}>"
