@@ -25,7 +25,7 @@ This module and ``_wire.pyx`` expose the same names; ``tests/test_wire*.py`` run
 from __future__ import annotations
 
 import struct
-from typing import Final, NamedTuple, cast
+from typing import Final, NamedTuple, NoReturn, cast
 
 import numpy as np
 
@@ -274,6 +274,12 @@ def _check_kind(kind: object) -> int:
     return int(kind)
 
 
+def _check_version(version: int) -> None:
+    if version != STAGE_STATE_VERSION:
+        raise WireError("unsupported stage state version", field="state.version", value=version,
+                        limit=STAGE_STATE_VERSION)
+
+
 def _check_dtype(dtype: object) -> int:
     if isinstance(dtype, bool) or not isinstance(dtype, int) or not 0 <= int(dtype) <= 2:
         raise WireError("unknown activation wire dtype", field="wire_dtype", value=dtype,
@@ -342,6 +348,57 @@ def _none_or_empty(value: object) -> bool:
     return value is None or np.asarray(value).size == 0
 
 
+def _encode_metadata(metadata: str) -> bytes:
+    """The chat metadata section: u32 byte length, then UTF-8 (§2.5)."""
+    try:
+        text = metadata.encode("utf-8")
+    except UnicodeEncodeError as error:  # lone surrogates cannot go on the wire
+        raise WireError("chat sampling metadata is not UTF-8",
+                        field="chat_sampling_metadata") from error
+    if len(text) > MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES:
+        raise WireError("chat sampling metadata is too large",
+                        field="chat_sampling_metadata_bytes", value=len(text),
+                        limit=MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES)
+    return _U32.pack(len(text)) + text
+
+
+def _activation_shape_error(shape: object, rows: int, width: int) -> NoReturn:
+    raise WireError("F32 activation payload size mismatch", field="activation", value=shape,
+                    limit=f"(rows, width) = {(rows, width)}")
+
+
+def _validate_special_payload(kind: int, token_count: int, tokens: np.ndarray,
+                              positions: np.ndarray, activation: object, raw: bytes,
+                              carries: bool) -> None:
+    """Payload rules other than the activation shape (writer side of §2.7, made strict)."""
+    if kind == MessageKind.STOP or kind == MessageKind.STATE_IMPORT:
+        # The reader never reads these values: writing them would desynchronise the stream.
+        for name, value in (("tokens", tokens), ("positions", positions),
+                            ("activation", activation)):
+            if not _none_or_empty(value):
+                raise WireError("frame kind carries no sideband or activation values",
+                                field=name, value=MessageKind(kind).reference_name)
+    if kind == MessageKind.STATE_IMPORT:
+        if len(raw) > MAX_STAGE_STATE_IMPORT_BYTES:
+            raise WireError("state import raw byte count exceeds maximum", field="raw_bytes",
+                            value=len(raw), limit=MAX_STAGE_STATE_IMPORT_BYTES)
+        if token_count != len(raw):
+            raise WireError("state import raw byte count mismatch", field="token_count",
+                            value=token_count, limit=f"len(raw_bytes) = {len(raw)}")
+        return
+    if raw:
+        raise WireError("only StateImport carries raw bytes", field="raw_bytes", value=len(raw))
+    if kind == MessageKind.STOP:
+        return
+    if token_count < 0:
+        raise WireError("negative wire count", field="token_count", value=token_count,
+                        limit=">= 0")
+    if not carries and not _none_or_empty(activation):
+        raise WireError("frame carries no activation", field="activation",
+                        value=np.asarray(activation).shape,
+                        limit="source_stage_index < 0 or activationless kind")
+
+
 def encode_message(message: StageMessage, wire_dtype: WireDType,
                    width: int | None = None) -> bytes:
     """Encode ``message`` as one frame (``write_stage_message``, protocol.md §2.7).
@@ -366,9 +423,7 @@ def encode_message(message: StageMessage, wire_dtype: WireDType,
                               "too many position sideband values")
     header = [_check_range(name, getattr(state, name), _I32_MIN, _I32_MAX)
               for name in _STATE_FIELDS]
-    if header[0] != STAGE_STATE_VERSION:
-        raise WireError("unsupported stage state version", field="state.version",
-                        value=header[0], limit=STAGE_STATE_VERSION)
+    _check_version(header[0])
     flags = header[3] & ~(_SAMPLING_BIT | _CHAT_BIT)
     sampling = b""
     if message.sampling is not None:
@@ -377,64 +432,32 @@ def encode_message(message: StageMessage, wire_dtype: WireDType,
     metadata = b""
     if message.chat_sampling_metadata is not None:
         flags |= _CHAT_BIT
-        try:
-            text = message.chat_sampling_metadata.encode("utf-8")
-        except UnicodeEncodeError as error:  # lone surrogates cannot go on the wire
-            raise WireError("chat sampling metadata is not UTF-8",
-                            field="chat_sampling_metadata") from error
-        if len(text) > MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES:
-            raise WireError("chat sampling metadata is too large",
-                            field="chat_sampling_metadata_bytes", value=len(text),
-                            limit=MAX_STAGE_CHAT_SAMPLING_METADATA_BYTES)
-        metadata = _U32.pack(len(text)) + text
+        metadata = _encode_metadata(message.chat_sampling_metadata)
     header[3] = flags
     pos_start = _check_range("pos_start", message.pos_start, _I32_MIN, _I32_MAX)
     token_count = _check_range("token_count", message.token_count, _I32_MIN, _I32_MAX)
     request_id = _check_range("request_id", message.request_id, 0, _U64_MAX)
     session_id = _check_range("session_id", message.session_id, 0, _U64_MAX)
     raw = bytes(message.raw_bytes)
+    activation = message.activation
+    carries = carries_activation(kind, header[8])
+    _validate_special_payload(kind, token_count, tokens, positions, activation, raw, carries)
     payload: list[bytes] = []
-    if kind == MessageKind.STOP or kind == MessageKind.STATE_IMPORT:
-        # The reader never reads these values: writing them would desynchronise the stream.
-        for name, value in (("tokens", tokens), ("positions", positions),
-                            ("activation", message.activation)):
-            if not _none_or_empty(value):
-                raise WireError("frame kind carries no sideband or activation values",
-                                field=name, value=MessageKind(kind).reference_name)
     if kind == MessageKind.STATE_IMPORT:
-        if len(raw) > MAX_STAGE_STATE_IMPORT_BYTES:
-            raise WireError("state import raw byte count exceeds maximum", field="raw_bytes",
-                            value=len(raw), limit=MAX_STAGE_STATE_IMPORT_BYTES)
-        if token_count != len(raw):
-            raise WireError("state import raw byte count mismatch", field="token_count",
-                            value=token_count, limit=f"len(raw_bytes) = {len(raw)}")
         payload.append(raw)
-    elif raw:
-        raise WireError("only StateImport carries raw bytes", field="raw_bytes", value=len(raw))
     elif kind != MessageKind.STOP:
-        if token_count < 0:
-            raise WireError("negative wire count", field="token_count", value=token_count,
-                            limit=">= 0")
         payload += (tokens.tobytes(), positions.tobytes())
-        activation = message.activation
-        if carries_activation(kind, header[8]):
+        if carries:
             array = None if activation is None else _float32_rows(activation)
             if width is None:
                 width = 0 if array is None else array.shape[1]
             rows, _ = _activation_sizes(dtype, token_count, width, flags)
-            expected = (rows, width)
             if array is None and rows * width != 0:
-                raise WireError("F32 activation payload size mismatch", field="activation",
-                                value=None, limit=f"(rows, width) = {expected}")
-            if array is not None and array.shape != expected and array.size + rows * width:
-                raise WireError("F32 activation payload size mismatch", field="activation",
-                                value=array.shape, limit=f"(rows, width) = {expected}")
+                _activation_shape_error(None, rows, width)
+            if array is not None and array.shape != (rows, width) and array.size + rows * width:
+                _activation_shape_error(array.shape, rows, width)
             if array is not None and array.size:
                 payload.append(encode_activation(array, WireDType(dtype)))
-        elif not _none_or_empty(activation):
-            raise WireError("frame carries no activation", field="activation",
-                            value=np.asarray(activation).shape,
-                            limit="source_stage_index < 0 or activationless kind")
     header_bytes = _FIXED.pack(kind, pos_start, token_count, len(tokens), len(positions),
                                *header, dtype, request_id, session_id)
     return b"".join((header_bytes, sampling, metadata, *payload))
@@ -510,9 +533,7 @@ def _message_layout(buffer: bytes | bytearray, start: int, end: int,
     fields = _FIXED.unpack_from(buffer, start)
     token_count, token_sideband_count, position_sideband_count = fields[2:5]
     version, flags, source_stage_index, dtype = fields[5], fields[8], fields[13], fields[14]
-    if version != STAGE_STATE_VERSION:
-        raise WireError("unsupported stage state version", field="state.version", value=version,
-                        limit=STAGE_STATE_VERSION)
+    _check_version(version)
     offset = 76
     sampling_offset = -1
     if flags & _SAMPLING_BIT:

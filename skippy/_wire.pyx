@@ -1,0 +1,788 @@
+# cython: language_level=3, embedsignature=True, cdivision=True, initializedcheck=False
+# distutils: language = c
+"""Cython hot paths of the stage frame codec; the API and semantics of ``skippy._wire_py``.
+
+Strategy
+--------
+Same two-step decode as the twin (read the module header of ``_wire_py.py``): ``_layout`` walks
+the uncommitted ``bytearray`` with a pointer-plus-length cursor in the reference reader's order,
+checking every size field against its limit as soon as its bytes are there, and returns either
+the frame length needed so far or a complete :c:type:`MessageLayout`. A complete frame is copied
+once into a ``bytes`` object; sidebands and f32 activations become zero-copy numpy views of it
+(base = the frame, read-only), f16/q8 activations are dequantized into a fresh float32 array by
+``nogil`` loops.
+
+Encoding computes the exact frame size after validating everything, allocates the ``bytes``
+once and writes it with the little-endian stores of ``_byteorder.h`` (the only byte-order code).
+Cold paths whose cost does not matter (the sampling section, unusual argument types, error
+construction) call the twin's helpers, so both implementations raise identical errors.
+
+f16 encoding rounds ties away from zero like the reference (not the hardware's ties-to-even);
+the kernel is branch-free so the compiler can vectorise it.
+"""
+
+cimport cython
+cimport numpy as cnp
+from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.ref cimport Py_INCREF
+from libc.math cimport roundf, fabsf
+from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.string cimport memcpy
+
+import numpy as np
+
+from skippy import _wire_py as _twin
+from skippy.protocol import (
+    END_OF_STREAM,
+    MAX_MESSAGE_FRAME_BYTES,
+    MAX_REPLY_FRAME_BYTES,
+    NEED_DATA,
+    LogitBias,
+    MessageKind,
+    NativeMtpDraft,
+    ReplyKind,
+    ReplyStats,
+    SamplingConfig,
+    StageMessage,
+    StageReply,
+    StateHeader,
+    WireDType,
+    WireError,
+)
+
+cnp.import_array()
+
+if not SKIPPY_HOST_LITTLE_ENDIAN:
+    raise ImportError("skippy._wire supports little-endian hosts only; the pure twin is used")
+
+#: Which implementation this module is.
+IMPLEMENTATION = "cython"
+
+# Limits and bits of protocol.py, as C constants for the hot paths.
+cdef enum:
+    MAX_LOGIT_BIAS = 256
+    MAX_PREDICTED = 262144
+    MAX_SIDEBAND = 1048576
+    MAX_METADATA = 8388608
+    MAX_STATE_IMPORT = 536870912
+    MAX_ACTIVATION = 536870912
+    MAX_DECODED = 536870912
+    VERSION = 11
+    SAMPLING_BIT = 8
+    CHAT_BIT = 32
+    STATS_BYTES = 184
+
+
+cdef frozenset _KIND_CODES = frozenset(int(kind) for kind in MessageKind)
+cdef tuple _KINDS = tuple(MessageKind(code) if code in _KIND_CODES else None for code in range(23))
+cdef tuple _REPLY_KINDS = (None, ReplyKind.ACK, ReplyKind.PREDICTED_TOKEN,
+                           ReplyKind.PREDICTED_TOKENS)
+cdef object _EMPTY_I32 = _twin._EMPTY_I32
+cdef tuple _STATE_FIELDS = _twin._STATE_FIELDS
+
+
+# ------------------------------------------------------------------------------------------
+# Activation kernels (pure C, no Python objects)
+# ------------------------------------------------------------------------------------------
+
+cdef inline uint16_t _f32_bits_to_f16(uint32_t bits) noexcept nogil:
+    # Ties away from zero: add half an ulp, truncate (protocol.md §4.2). All candidates are
+    # computed and one is selected, so the loop has no branches.
+    cdef uint32_t sign = (bits >> 16) & 0x8000u
+    cdef uint32_t magnitude = bits & 0x7FFFFFFFu
+    cdef uint32_t normal = ((magnitude - 0x38000000u) + 0x1000u) >> 13
+    cdef uint32_t shift = 126u - (magnitude >> 23)
+    shift = 31u if shift > 31u else shift
+    cdef uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u
+    cdef uint32_t subnormal = (mantissa + (1u << (shift - 1u))) >> shift
+    cdef uint32_t half = (0x7E00u if magnitude > 0x7F800000u else
+                          0x7C00u if magnitude >= 0x47800000u else
+                          normal if magnitude >= 0x38800000u else
+                          subnormal if magnitude >= 0x33000000u else 0u)
+    return <uint16_t>(half | sign)
+
+
+cdef inline uint32_t _f16_to_f32_bits(uint32_t half) noexcept nogil:
+    cdef uint32_t sign = (half & 0x8000u) << 16
+    cdef uint32_t exponent = (half >> 10) & 0x1Fu
+    cdef uint32_t mantissa = half & 0x3FFu
+    cdef float value
+    cdef uint32_t bits
+    if exponent == 0x1Fu:
+        return sign | 0x7F800000u | (mantissa << 13)
+    if exponent != 0u:
+        return sign | ((exponent + 112u) << 23) | (mantissa << 13)
+    value = <float>mantissa * 5.9604644775390625e-08  # 2^-24: exact for subnormals and zero
+    memcpy(&bits, &value, 4)
+    return sign | bits
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _encode_f16(const uint32_t *source, unsigned char *target,
+                      Py_ssize_t count) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(count):
+        skippy_store_u16(target + 2 * i, _f32_bits_to_f16(source[i]))
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _decode_f16(const unsigned char *source, uint32_t *target,
+                      Py_ssize_t count) noexcept nogil:
+    cdef Py_ssize_t i
+    for i in range(count):
+        target[i] = _f16_to_f32_bits(skippy_load_u16(source + 2 * i))
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _encode_q8(const float *source, unsigned char *target, Py_ssize_t rows,
+                     Py_ssize_t width) noexcept nogil:
+    # [rows x f32 scale][rows x width x i8]; scale = max|x| / 127 (1.0 for an all-zero row),
+    # q = clamp(round_half_away(x / scale), -127, 127); NaN quotients become 0, like Rust's cast.
+    cdef Py_ssize_t row, column
+    cdef const float *values
+    cdef float max_abs, magnitude, scale, rounded
+    cdef int8_t *quantized = <int8_t *>(target + 4 * rows)
+    for row in range(rows):
+        values = source + row * width
+        max_abs = 0.0
+        for column in range(width):
+            magnitude = fabsf(values[column])
+            max_abs = magnitude if magnitude > max_abs else max_abs  # NaN never wins
+        scale = 1.0 if max_abs == 0.0 else max_abs / <float>127.0
+        skippy_store_f32(target + 4 * row, scale)
+        for column in range(width):
+            rounded = roundf(values[column] / scale)
+            rounded = 0.0 if rounded != rounded else rounded
+            rounded = <float>127.0 if rounded > 127.0 else rounded
+            rounded = <float>-127.0 if rounded < -127.0 else rounded
+            quantized[row * width + column] = <int8_t>rounded
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+cdef void _decode_q8(const unsigned char *source, float *target, Py_ssize_t rows,
+                     Py_ssize_t width) noexcept nogil:
+    cdef Py_ssize_t row, column
+    cdef float scale
+    cdef const int8_t *quantized = <const int8_t *>(source + 4 * rows)
+    for row in range(rows):
+        scale = skippy_load_f32(source + 4 * row)
+        for column in range(width):
+            target[row * width + column] = <float>quantized[row * width + column] * scale
+
+
+# ------------------------------------------------------------------------------------------
+# Sizes and arrays
+# ------------------------------------------------------------------------------------------
+
+cdef int _activation_sizes(int dtype, int64_t token_count, int64_t width, int64_t flags,
+                           int64_t *rows, int64_t *wire_bytes) except -1:
+    """(rows, wire bytes) with the §2.6 checks; errors are built by the twin (same text)."""
+    cdef int64_t multiplier = 4 if flags & 128 else (2 if flags & (256 | 64) else 1)
+    cdef int64_t elements
+    if token_count < 0 or width < 0 or (width > 0 and token_count * multiplier >
+                                        (<int64_t>1 << 40) // width):
+        _twin._activation_sizes(dtype, token_count, width, flags)  # raises
+    rows[0] = token_count * multiplier
+    elements = rows[0] * width
+    wire_bytes[0] = elements * 4 if dtype == 0 else (elements * 2 if dtype == 1 else
+                                                      rows[0] * 4 + elements)
+    if wire_bytes[0] > MAX_ACTIVATION or (wire_bytes[0] > 0 and elements * 4 > MAX_DECODED):
+        _twin._activation_sizes(dtype, token_count, width, flags)  # raises
+    return 0
+
+
+cdef object _view(object owner, const unsigned char *data, int nd, cnp.npy_intp *dims,
+                  int typenum):
+    """A read-only numpy view of ``data`` kept alive by ``owner``; a copy if unaligned."""
+    cdef object array
+    cdef Py_ssize_t count = dims[0] if nd == 1 else dims[0] * dims[1]
+    if (<uintptr_t>data) & 3u:
+        array = cnp.PyArray_SimpleNew(nd, dims, typenum)
+        memcpy(cnp.PyArray_DATA(array), data, count * 4)
+    else:
+        array = cnp.PyArray_SimpleNewFromData(nd, dims, typenum, <void *>data)
+        cnp.set_array_base(array, owner)
+    cnp.PyArray_CLEARFLAGS(array, cnp.NPY_ARRAY_WRITEABLE)
+    return array
+
+
+cdef object _decode_activation(object owner, const unsigned char *data, int dtype,
+                               Py_ssize_t rows, Py_ssize_t width):
+    cdef cnp.npy_intp dims[2]
+    dims[0] = rows
+    dims[1] = width
+    if dtype == 0:
+        return _view(owner, data, 2, dims, cnp.NPY_FLOAT32)
+    cdef object array = cnp.PyArray_SimpleNew(2, dims, cnp.NPY_FLOAT32)
+    cdef void *target = cnp.PyArray_DATA(array)
+    with nogil:
+        if dtype == 1:
+            _decode_f16(data, <uint32_t *>target, rows * width)
+        else:
+            _decode_q8(data, <float *>target, rows, width)
+    return array
+
+
+cdef inline bint _is_array(object value, int typenum, int nd):
+    return (cnp.PyArray_Check(value) and cnp.PyArray_TYPE(value) == typenum
+            and cnp.PyArray_NDIM(value) == nd and cnp.PyArray_IS_C_CONTIGUOUS(value))
+
+
+def int32_sideband(data, Py_ssize_t offset, Py_ssize_t count):
+    """``count`` i32 values of ``data`` at ``offset``: a read-only view, or a copy if unaligned."""
+    if count == 0:
+        return _EMPTY_I32
+    if not isinstance(data, bytes) or offset < 0 or count < 0 or offset + 4 * count > len(data):
+        return _twin.int32_sideband(data, offset, count)
+    cdef cnp.npy_intp dims[1]
+    dims[0] = count
+    return _view(data, <const unsigned char *>PyBytes_AS_STRING(data) + offset, 1, dims,
+                 cnp.NPY_INT32)
+
+
+def encode_activation(values, wire_dtype):
+    """Encode a float32 ``(rows, width)`` activation (see ``_wire_py.encode_activation``)."""
+    cdef int dtype = _check_dtype(wire_dtype)
+    array = values if _is_array(values, cnp.NPY_FLOAT32, 2) else _twin._float32_rows(values)
+    cdef int64_t rows_checked, wire_bytes
+    cdef Py_ssize_t rows = cnp.PyArray_DIMS(array)[0], width = cnp.PyArray_DIMS(array)[1]
+    _activation_sizes(dtype, rows, width, 0, &rows_checked, &wire_bytes)
+    out = PyBytes_FromStringAndSize(NULL, wire_bytes)
+    _write_activation(array, dtype, rows, width, <unsigned char *>PyBytes_AS_STRING(out))
+    return out
+
+
+cdef void _write_activation(object array, int dtype, Py_ssize_t rows, Py_ssize_t width,
+                            unsigned char *target) noexcept:
+    cdef const void *source = cnp.PyArray_DATA(array)
+    with nogil:
+        if dtype == 0:
+            memcpy(target, source, rows * width * 4)
+        elif dtype == 1:
+            _encode_f16(<const uint32_t *>source, target, rows * width)
+        else:
+            _encode_q8(<const float *>source, target, rows, width)
+
+
+def decode_activation(data, wire_dtype, Py_ssize_t rows, Py_ssize_t width,
+                      Py_ssize_t offset=0):
+    """Decode an activation segment to float32 ``(rows, width)`` (see the twin)."""
+    cdef int dtype = _check_dtype(wire_dtype)
+    cdef int64_t rows_checked, wire_bytes
+    _activation_sizes(dtype, rows, width, 0, &rows_checked, &wire_bytes)
+    if not isinstance(data, bytes) or offset < 0 or len(data) - offset < wire_bytes:
+        return _twin.decode_activation(data, wire_dtype, rows, width, offset)
+    return _decode_activation(data, <const unsigned char *>PyBytes_AS_STRING(data) + offset,
+                              dtype, rows, width)
+
+
+# ------------------------------------------------------------------------------------------
+# Encoding
+# ------------------------------------------------------------------------------------------
+
+cdef inline int _check_dtype(object dtype) except -1:
+    if type(dtype) is not WireDType:
+        return _twin._check_dtype(dtype)
+    return <int>dtype
+
+
+cdef inline int64_t _i32(str name, object value) except? -1:
+    cdef int64_t number
+    if type(value) is int or type(value) is MessageKind:
+        try:
+            number = value
+        except OverflowError:  # beyond int64: let the twin build the range error
+            return _twin._check_range(name, value, -(1 << 31), (1 << 31) - 1)
+        if -2147483648 <= number <= 2147483647:
+            return number
+    return _twin._check_range(name, value, -(1 << 31), (1 << 31) - 1)
+
+
+cdef inline uint64_t _u64(str name, object value) except? 0xFFFFFFFFFFFFFFFF:
+    if type(value) is int and 0 <= value <= 0xFFFFFFFFFFFFFFFF:
+        return value
+    return _twin._check_range(name, value, 0, 0xFFFFFFFFFFFFFFFF)
+
+
+cdef object _sideband(str name, object values, str reason):
+    if _is_array(values, cnp.NPY_INT32, 1) and cnp.PyArray_SIZE(values) <= MAX_SIDEBAND:
+        return values
+    return _twin._int32_values(name, values, MAX_SIDEBAND, reason)
+
+
+def encode_message(message, wire_dtype, width=None):
+    """Encode ``message`` as one frame; see ``_wire_py.encode_message`` for the contract."""
+    cdef int64_t kind = _i32("kind", message.kind)
+    if kind not in _KIND_CODES:
+        _twin._check_kind(message.kind)
+    cdef int dtype = _check_dtype(wire_dtype)
+    state = message.state
+    tokens = _sideband("tokens", message.tokens, "too many tokens")
+    positions = _sideband("positions", message.positions, "too many position sideband values")
+    cdef int64_t header[10]
+    cdef Py_ssize_t index
+    for index in range(9):
+        header[index] = _i32(_STATE_FIELDS[index], getattr(state, _STATE_FIELDS[index]))
+    header[9] = dtype
+    if header[0] != VERSION:
+        _twin._check_version(header[0])
+    cdef int64_t flags = header[3] & ~(SAMPLING_BIT | CHAT_BIT)
+    sampling = b""
+    metadata = b""
+    if message.sampling is not None:
+        flags |= SAMPLING_BIT
+        sampling = _twin._encode_sampling(message.sampling)
+    if message.chat_sampling_metadata is not None:
+        flags |= CHAT_BIT
+        metadata = _twin._encode_metadata(message.chat_sampling_metadata)
+    header[3] = flags
+    cdef int64_t pos_start = _i32("pos_start", message.pos_start)
+    cdef int64_t token_count = _i32("token_count", message.token_count)
+    cdef uint64_t request_id = _u64("request_id", message.request_id)
+    cdef uint64_t session_id = _u64("session_id", message.session_id)
+    activation = message.activation
+    raw = message.raw_bytes
+    if type(raw) is not bytes:
+        raw = bytes(raw)
+    cdef Py_ssize_t token_n = cnp.PyArray_SIZE(tokens), position_n = cnp.PyArray_SIZE(positions)
+    cdef int64_t rows = 0, wire_bytes = 0, payload = 0
+    cdef bint write_activation = False
+    if kind == 3 or kind == 7 or raw:
+        # Rare kinds and shapes: the twin validates, then its checks are already done.
+        _twin._validate_special_payload(kind, token_count, tokens, positions, activation, raw,
+                                        False)
+        payload = len(raw) if kind == 7 else 0
+    else:
+        if token_count < 0:
+            _twin._validate_special_payload(kind, token_count, tokens, positions, activation, raw,
+                                            True)
+        payload = 4 * (token_n + position_n)
+        if header[8] >= 0 and kind != 15 and kind != 16 and kind != 17:
+            if activation is not None and not _is_array(activation, cnp.NPY_FLOAT32, 2):
+                activation = _twin._float32_rows(activation)
+            if width is None:
+                width = 0 if activation is None else cnp.PyArray_DIMS(activation)[1]
+            _activation_sizes(dtype, token_count, width, flags, &rows, &wire_bytes)
+            if activation is None:
+                if rows * width != 0:
+                    _twin._activation_shape_error(None, rows, width)
+            elif (cnp.PyArray_DIMS(activation)[0] != rows
+                  or cnp.PyArray_DIMS(activation)[1] != width):
+                if cnp.PyArray_SIZE(activation) + rows * width != 0:
+                    _twin._activation_shape_error(activation.shape, rows, width)
+            write_activation = activation is not None and cnp.PyArray_SIZE(activation) > 0
+            if not write_activation:
+                wire_bytes = 0
+            payload += wire_bytes
+        elif activation is not None and activation.size:
+            _twin._validate_special_payload(kind, token_count, tokens, positions, activation,
+                                            raw, False)
+    cdef Py_ssize_t sampling_n = len(sampling), metadata_n = len(metadata)
+    cdef Py_ssize_t total = 76 + sampling_n + metadata_n + payload
+    out = PyBytes_FromStringAndSize(NULL, total)
+    cdef unsigned char *cursor = <unsigned char *>PyBytes_AS_STRING(out)
+    skippy_store_i32(cursor, <int32_t>kind)
+    skippy_store_i32(cursor + 4, <int32_t>pos_start)
+    skippy_store_i32(cursor + 8, <int32_t>token_count)
+    skippy_store_i32(cursor + 12, <int32_t>token_n)
+    skippy_store_i32(cursor + 16, <int32_t>position_n)
+    for index in range(10):
+        skippy_store_i32(cursor + 20 + 4 * index, <int32_t>header[index])
+    skippy_store_u64(cursor + 60, request_id)
+    skippy_store_u64(cursor + 68, session_id)
+    cursor += 76
+    if sampling_n:
+        memcpy(cursor, PyBytes_AS_STRING(sampling), sampling_n)
+        cursor += sampling_n
+    if metadata_n:
+        memcpy(cursor, PyBytes_AS_STRING(metadata), metadata_n)
+        cursor += metadata_n
+    if kind == 7:
+        memcpy(cursor, <const char *>raw, payload)
+    elif kind != 3:
+        memcpy(cursor, cnp.PyArray_DATA(tokens), 4 * token_n)
+        cursor += 4 * token_n
+        memcpy(cursor, cnp.PyArray_DATA(positions), 4 * position_n)
+        cursor += 4 * position_n
+        if write_activation:
+            _write_activation(activation, dtype, rows, width, cursor)
+    return out
+
+
+def encode_reply(reply):
+    """Encode ``reply``; see ``_wire_py.encode_reply`` for the contract."""
+    kind = reply.kind
+    if type(kind) is not ReplyKind:
+        return _twin.encode_reply(reply)  # validates and raises for unknown kinds
+    tokens = reply.predicted_tokens
+    draft = reply.native_mtp_draft
+    stats = reply.stats.as_tuple()
+    if len(tokens) > MAX_PREDICTED or (draft is not None and len(draft.token_ids) > MAX_PREDICTED):
+        return _twin.encode_reply(reply)  # raises the limit error
+    cdef Py_ssize_t token_n = len(tokens), draft_n = 0 if draft is None else len(draft.token_ids)
+    cdef Py_ssize_t total = 12 + 4 * token_n + 8 + (0 if draft is None else 12 + 4 * draft_n)
+    total += STATS_BYTES
+    cdef int64_t predicted = _i32("predicted", reply.predicted)
+    cdef int64_t window_id = _i32("window_id", reply.window_id)
+    cdef int64_t compute_us = 0
+    cdef Py_ssize_t index
+    if draft is not None:
+        if not (type(draft.proposal_compute_us) is int
+                and -(1 << 63) <= draft.proposal_compute_us < (1 << 63)):
+            return _twin.encode_reply(reply)
+        compute_us = draft.proposal_compute_us
+    for value in stats:
+        if not (type(value) is int and -(1 << 63) <= value < (1 << 63)):
+            return _twin.encode_reply(reply)
+    out = PyBytes_FromStringAndSize(NULL, total)
+    cdef unsigned char *cursor = <unsigned char *>PyBytes_AS_STRING(out)
+    skippy_store_i32(cursor, <int32_t>int(kind))
+    skippy_store_i32(cursor + 4, <int32_t>predicted)
+    skippy_store_i32(cursor + 8, <int32_t>token_n)
+    cursor += 12
+    for index in range(token_n):
+        skippy_store_i32(cursor, <int32_t>_i32("predicted_tokens", tokens[index]))
+        cursor += 4
+    skippy_store_i32(cursor, <int32_t>window_id)
+    cursor += 4
+    if draft is None:
+        skippy_store_i32(cursor, 0)
+        cursor += 4
+    else:
+        skippy_store_i32(cursor, 1)
+        skippy_store_i32(cursor + 4, <int32_t>draft_n)
+        cursor += 8
+        for index in range(draft_n):
+            skippy_store_i32(cursor, <int32_t>_i32("native_mtp_draft.token_ids",
+                                                   draft.token_ids[index]))
+            cursor += 4
+        skippy_store_i64(cursor, compute_us)
+        cursor += 8
+    for index in range(23):
+        skippy_store_i64(cursor + 8 * index, <int64_t>stats[index])
+    return out
+
+
+# ------------------------------------------------------------------------------------------
+# Decoding
+# ------------------------------------------------------------------------------------------
+
+cdef class _FrameDecoder:
+    """Buffer shared by both decoders; see ``_wire_py._FrameDecoder`` for the contract."""
+
+    def __cinit__(self, *args, **kwargs):
+        self._buffer = bytearray()
+        self._start = 0
+        self._needed = 0
+        self._closed = False
+        self._metadata = None
+
+    @property
+    def buffered_bytes(self):
+        """Bytes received and not yet returned as frames."""
+        return PyByteArray_GET_SIZE(self._buffer) - self._start
+
+    @property
+    def bytes_needed(self):
+        """Length the pending frame is known to need (0 when nothing is pending)."""
+        return self._needed
+
+    def receive_data(self, data):
+        """Buffer ``data``; ``b""`` marks the end of the stream (see the twin)."""
+        if self._closed:
+            raise RuntimeError("received data after the end of the stream")
+        cdef Py_ssize_t size = len(data)
+        if size == 0:
+            self._closed = True
+            return
+        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        if buffered + size > self._max_buffer_bytes:
+            raise WireError("buffered data exceeds the decoder's cap", field="buffered_bytes",
+                            value=buffered + size, limit=self._max_buffer_bytes)
+        if self._start and buffered == 0:
+            self._buffer.clear()
+            self._start = 0
+        self._buffer += data
+
+    cdef object _not_ready(self, Py_ssize_t needed):
+        if needed > self._max_buffer_bytes:
+            raise WireError("frame exceeds the decoder's buffer cap", field="frame_bytes",
+                            value=needed, limit=self._max_buffer_bytes)
+        self._needed = needed
+        if not self._closed:
+            return NEED_DATA
+        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        if buffered == 0:
+            return END_OF_STREAM
+        raise WireError("failed to fill whole buffer", field="frame_bytes", value=buffered,
+                        limit=needed, end_of_stream=True)
+
+    cdef bytes _commit(self, Py_ssize_t length):
+        cdef Py_ssize_t size = PyByteArray_GET_SIZE(self._buffer)
+        frame = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(self._buffer) + self._start,
+                                          length)
+        self._start += length
+        self._needed = 0
+        if self._start == size:
+            self._buffer.clear()
+            self._start = 0
+        elif self._start > 65536 and self._start * 2 > size:
+            del self._buffer[:self._start]
+            self._start = 0
+        return frame
+
+
+cdef class MessageDecoder(_FrameDecoder):
+    """Incremental :class:`StageMessage` decoder (see ``_wire_py.MessageDecoder``)."""
+
+    cdef readonly Py_ssize_t width
+
+    def __init__(self, Py_ssize_t width, *, max_buffer_bytes=MAX_MESSAGE_FRAME_BYTES + (1 << 20)):
+        self.width = width
+        self._max_buffer_bytes = max_buffer_bytes
+
+    cdef Py_ssize_t _layout(self) except -1:
+        """0 when a whole valid frame is buffered (``_layout_result`` set), else the frame
+        length needed so far. Reads only; checks every size before it is used."""
+        cdef const unsigned char *data = (<const unsigned char *>PyByteArray_AS_STRING(
+            self._buffer)) + self._start
+        cdef Py_ssize_t available = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef MessageLayout *layout = &self._layout_result
+        if available < 4:
+            return 4
+        cdef int32_t kind = skippy_load_i32(data)
+        if kind < 0 or kind > 22 or _KINDS[kind] is None:
+            _twin._check_kind(kind)
+        if available < 76:
+            return 76
+        cdef int32_t token_count = skippy_load_i32(data + 8)
+        cdef int32_t token_n = skippy_load_i32(data + 12)
+        cdef int32_t position_n = skippy_load_i32(data + 16)
+        cdef int32_t version = skippy_load_i32(data + 20)
+        cdef int32_t flags = skippy_load_i32(data + 32)
+        cdef int32_t source = skippy_load_i32(data + 52)
+        cdef int32_t dtype = skippy_load_i32(data + 56)
+        if version != VERSION:
+            _twin._check_version(version)
+        cdef int64_t offset = 76
+        cdef uint32_t count
+        layout.sampling_offset = -1
+        if flags & SAMPLING_BIT:
+            if available < offset + 44:
+                return offset + 44
+            count = skippy_load_u32(data + offset + 40)
+            if count > MAX_LOGIT_BIAS:
+                raise WireError("logit bias count exceeds maximum", field="logit_bias_count",
+                                value=count, limit=MAX_LOGIT_BIAS)
+            layout.sampling_offset = offset
+            offset += 44 + 8 * <int64_t>count
+            if available < offset:
+                return offset
+        self._metadata = None
+        if flags & CHAT_BIT:
+            if available < offset + 4:
+                return offset + 4
+            count = skippy_load_u32(data + offset)
+            if count > MAX_METADATA:
+                raise WireError("chat sampling metadata length exceeds maximum",
+                                field="chat_sampling_metadata_length", value=count,
+                                limit=MAX_METADATA)
+            offset += 4 + <int64_t>count
+            if available < offset:
+                return offset
+            try:
+                self._metadata = (<const char *>data)[offset - count:offset].decode("utf-8")
+            except UnicodeDecodeError as error:  # §2.5: the reader refuses non-UTF-8 metadata
+                raise WireError("chat sampling metadata is not UTF-8",
+                                field="chat_sampling_metadata", value=error.reason) from error
+        if dtype < 0 or dtype > 2:
+            _twin._check_dtype(dtype)
+        layout.payload_offset = offset
+        layout.token_sideband_count = 0
+        layout.position_sideband_count = 0
+        layout.activation_rows = -1
+        if kind == 3:
+            layout.length = offset
+            return 0
+        if token_count < 0 or token_n < 0 or position_n < 0 or token_n > MAX_SIDEBAND or \
+                position_n > MAX_SIDEBAND or (kind == 7 and token_count > MAX_STATE_IMPORT):
+            _twin._message_layout(self._buffer, self._start, self._start + 76, self.width)
+        if kind == 7:
+            offset += token_count
+            if available < offset:
+                return offset
+            layout.length = offset
+            return 0
+        layout.token_sideband_count = token_n
+        layout.position_sideband_count = position_n
+        offset += 4 * (<int64_t>token_n + position_n)
+        cdef int64_t rows, wire_bytes
+        if source >= 0 and kind != 15 and kind != 16 and kind != 17:
+            _activation_sizes(dtype, token_count, self.width, flags, &rows, &wire_bytes)
+            layout.activation_rows = rows
+            offset += wire_bytes
+        if available < offset:
+            return offset
+        layout.length = offset
+        return 0
+
+    def next_message(self):
+        """The next complete message, ``NEED_DATA``, or ``END_OF_STREAM`` after EOF.
+
+        Raises:
+            WireError: the frame is malformed, or the stream ended inside it.
+        """
+        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        if buffered < self._needed or buffered == 0:
+            return self._not_ready(self._needed)
+        cdef Py_ssize_t needed = self._layout()
+        if needed:
+            return self._not_ready(needed)
+        cdef MessageLayout layout = self._layout_result
+        frame = self._commit(layout.length)
+        return self._build(frame, &layout)
+
+    cdef object _build(self, bytes frame, MessageLayout *layout):
+        cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(frame)
+        cdef int32_t kind = skippy_load_i32(data)
+        state = StateHeader(
+            skippy_load_i32(data + 20), skippy_load_i32(data + 24), skippy_load_i32(data + 28),
+            skippy_load_i32(data + 32), skippy_load_i32(data + 36), skippy_load_i32(data + 40),
+            skippy_load_i32(data + 44), skippy_load_i32(data + 48), skippy_load_i32(data + 52),
+            skippy_load_i32(data + 56),
+        )
+        sampling = None
+        if layout.sampling_offset >= 0:
+            sampling = _sampling(data + layout.sampling_offset)
+        tokens = positions = _EMPTY_I32
+        activation = None
+        raw = b""
+        cdef int64_t offset = layout.payload_offset
+        cdef cnp.npy_intp dims[1]
+        if kind == 7:
+            raw = frame[offset:layout.length]
+        elif kind != 3:
+            if layout.token_sideband_count:
+                dims[0] = layout.token_sideband_count
+                tokens = _view(frame, data + offset, 1, dims, cnp.NPY_INT32)
+                offset += 4 * layout.token_sideband_count
+            if layout.position_sideband_count:
+                dims[0] = layout.position_sideband_count
+                positions = _view(frame, data + offset, 1, dims, cnp.NPY_INT32)
+                offset += 4 * layout.position_sideband_count
+            if layout.activation_rows >= 0:
+                activation = _decode_activation(frame, data + offset, skippy_load_i32(data + 56),
+                                                layout.activation_rows, self.width)
+        return StageMessage(
+            _KINDS[kind], skippy_load_i32(data + 4), skippy_load_i32(data + 8), state,
+            skippy_load_u64(data + 60), skippy_load_u64(data + 68), sampling, self._metadata,
+            tokens, positions, activation, raw,
+        )
+
+
+cdef object _sampling(const unsigned char *data):
+    cdef uint32_t count = skippy_load_u32(data + 40)
+    cdef tuple biases = PyTuple_New(count)
+    cdef uint32_t index
+    cdef object bias
+    for index in range(count):
+        bias = LogitBias(skippy_load_i32(data + 44 + 8 * index),
+                         skippy_load_f32(data + 48 + 8 * index))
+        Py_INCREF(bias)
+        PyTuple_SET_ITEM(biases, index, bias)
+    return SamplingConfig(
+        skippy_load_u32(data), skippy_load_u32(data + 4), skippy_load_f32(data + 8),
+        skippy_load_f32(data + 12), skippy_load_i32(data + 16), skippy_load_f32(data + 20),
+        skippy_load_f32(data + 24), skippy_load_f32(data + 28), skippy_load_f32(data + 32),
+        skippy_load_i32(data + 36), biases,
+    )
+
+
+cdef tuple _int32_tuple(const unsigned char *data, Py_ssize_t count):
+    cdef tuple out = PyTuple_New(count)
+    cdef Py_ssize_t index
+    cdef object value
+    for index in range(count):
+        value = skippy_load_i32(data + 4 * index)
+        Py_INCREF(value)
+        PyTuple_SET_ITEM(out, index, value)
+    return out
+
+
+cdef class ReplyDecoder(_FrameDecoder):
+    """Incremental :class:`StageReply` decoder (see ``_wire_py.ReplyDecoder``)."""
+
+    def __init__(self, *, max_buffer_bytes=MAX_REPLY_FRAME_BYTES + (1 << 20)):
+        self._max_buffer_bytes = max_buffer_bytes
+
+    cdef Py_ssize_t _layout(self) except -1:
+        cdef const unsigned char *data = (<const unsigned char *>PyByteArray_AS_STRING(
+            self._buffer)) + self._start
+        cdef Py_ssize_t available = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef MessageLayout *layout = &self._layout_result
+        if available < 12:
+            # Too short to know the size; the twin reports a bad kind from 4 bytes.
+            result = _twin._reply_layout(self._buffer, self._start, self._start + available)
+            return result
+        cdef int32_t kind = skippy_load_i32(data)
+        cdef int32_t count = skippy_load_i32(data + 8)
+        if kind < 1 or kind > 3 or count < 0 or count > MAX_PREDICTED:
+            _twin._reply_layout(self._buffer, self._start, self._start + 12)  # raises
+        cdef int64_t offset = 12 + 4 * <int64_t>count + 4
+        if available < offset + 4:
+            return offset + 4
+        cdef int32_t marker = skippy_load_i32(data + offset)
+        offset += 4
+        layout.draft_offset = -1
+        if marker == 1:
+            if available < offset + 4:
+                return offset + 4
+            count = skippy_load_i32(data + offset)
+            if count < 0 or count > MAX_PREDICTED:
+                _twin._reply_layout(self._buffer, self._start, self._start + offset + 4)
+            layout.draft_offset = offset
+            offset += 4 + 4 * <int64_t>count + 8
+        elif marker != 0:
+            _twin._reply_layout(self._buffer, self._start, self._start + offset)  # raises
+        offset += STATS_BYTES
+        if available < offset:
+            return offset
+        layout.length = offset
+        return 0
+
+    def next_reply(self):
+        """The next complete reply, ``NEED_DATA``, or ``END_OF_STREAM`` after EOF.
+
+        Raises:
+            WireError: the reply is malformed, or the stream ended inside it.
+        """
+        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        if buffered < self._needed or buffered == 0:
+            return self._not_ready(self._needed)
+        cdef Py_ssize_t needed = self._layout()
+        if needed:
+            return self._not_ready(needed)
+        cdef MessageLayout layout = self._layout_result
+        frame = self._commit(layout.length)
+        cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(frame)
+        cdef int32_t count = skippy_load_i32(data + 8)
+        draft = None
+        cdef int32_t draft_count
+        if layout.draft_offset >= 0:
+            draft_count = skippy_load_i32(data + layout.draft_offset)
+            draft = NativeMtpDraft(
+                _int32_tuple(data + layout.draft_offset + 4, draft_count),
+                skippy_load_i64(data + layout.draft_offset + 4 + 4 * draft_count),
+            )
+        stats = ReplyStats(*[skippy_load_i64(data + layout.length - STATS_BYTES + 8 * i)
+                             for i in range(23)])
+        return StageReply(
+            _REPLY_KINDS[skippy_load_i32(data)], skippy_load_i32(data + 4),
+            _int32_tuple(data + 12, count), skippy_load_i32(data + 12 + 4 * count), draft, stats,
+        )
