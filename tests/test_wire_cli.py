@@ -1,0 +1,133 @@
+"""``python -m skippy.wire`` reproduces every shared vector, both directions, via subprocess."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import wire_vectors as vectors
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_cli(*args: str, stdin: bytes, pure: bool = False) -> subprocess.CompletedProcess[bytes]:
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    if pure:
+        env["SKIPPY_NO_EXTENSIONS"] = "1"
+    return subprocess.run([sys.executable, "-m", "skippy.wire", *args], input=stdin,
+                          capture_output=True, env=env, cwd=ROOT, timeout=120, check=False)
+
+
+def json_lines(output: bytes) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in output.decode().splitlines()]
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["default", "pure"])
+def test_encode_every_message_vector(pure: bool) -> None:
+    stdin = json.dumps(vectors.MESSAGE_CASES).encode()
+    result = run_cli("encode", "--hex", stdin=stdin, pure=pure)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout.decode().split() == [case["hex"] for case in vectors.MESSAGE_CASES]
+
+
+@pytest.mark.parametrize("case", vectors.MESSAGE_CASES[:3], ids=vectors.ids(vectors.MESSAGE_CASES[:3]))
+def test_encode_fields_with_options_binary_output(case: dict[str, Any]) -> None:
+    """Bare ``fields`` objects with --dtype/--width, binary frames on stdout."""
+    stdin = json.dumps(case["fields"]).encode()
+    result = run_cli("encode", "--dtype", case["wire_dtype"], "--width",
+                     str(case["activation_width"]), stdin=stdin)
+    assert result.returncode == 0, result.stderr.decode()
+    assert result.stdout == bytes.fromhex(case["hex"])
+
+
+@pytest.mark.parametrize("pure", [False, True], ids=["default", "pure"])
+def test_decode_every_message_vector(pure: bool) -> None:
+    by_width: dict[int, list[dict[str, Any]]] = {}
+    for case in vectors.MESSAGE_CASES:
+        by_width.setdefault(case["activation_width"], []).append(case)
+    for width, cases in by_width.items():
+        stdin = "\n".join(case["hex"] for case in cases).encode()
+        result = run_cli("decode", "--width", str(width), "--hex", stdin=stdin, pure=pure)
+        assert result.returncode == 0, result.stderr.decode()
+        decoded = json_lines(result.stdout)
+        assert len(decoded) == len(cases)
+        for fields, case in zip(decoded, cases):
+            lossy = case["wire_dtype"] != "f32"
+            assert vectors.comparable_fields(fields, lossy) == vectors.comparable_fields(
+                case["fields"], lossy), case["name"]
+
+
+def test_decode_binary_file_and_decode_only(tmp_path: Path) -> None:
+    for case in vectors.MESSAGE_DECODE_ONLY:
+        path = tmp_path / f"{case['name']}.bin"
+        data = bytes.fromhex(case["hex"])
+        frames = case["frames"]
+        # Trailing unread bytes are a cut frame at the end of the input: decode what precedes.
+        path.write_bytes(data[:len(data) - case["trailing_unread_bytes"]])
+        result = run_cli("decode", "--width", str(case["activation_width"]), str(path),
+                         stdin=b"")
+        assert result.returncode == 0, result.stderr.decode()
+        decoded = json_lines(result.stdout)
+        assert [vectors.comparable_fields(f, True) for f in decoded] == [
+            vectors.comparable_fields(frame["fields"], True) for frame in frames]
+
+
+def test_replies_both_directions() -> None:
+    stdin = json.dumps([case["fields"] for case in vectors.REPLY_CASES]).encode()
+    encoded = run_cli("encode", "--replies", "--hex", stdin=stdin)
+    assert encoded.returncode == 0, encoded.stderr.decode()
+    assert encoded.stdout.decode().split() == [case["hex"] for case in vectors.REPLY_CASES]
+    decoded = run_cli("decode", "--replies", "--hex", stdin=encoded.stdout)
+    assert decoded.returncode == 0, decoded.stderr.decode()
+    assert json_lines(decoded.stdout) == [case["fields"] for case in vectors.REPLY_CASES]
+    for case in vectors.REPLY_DECODE_ONLY:
+        result = run_cli("decode", "--replies", "--hex", stdin=case["hex"].encode())
+        assert json_lines(result.stdout) == [frame["fields"] for frame in case["frames"]]
+
+
+INVALID_FRAMES = [case for case in vectors.INVALID_CASES
+                  if case["target"] != "ready" and case["hex"]]
+
+
+@pytest.mark.parametrize("case", INVALID_FRAMES, ids=vectors.ids(INVALID_FRAMES))
+def test_decode_invalid_frame_exits_2(case: dict[str, Any]) -> None:
+    args = ["decode", "--hex"]
+    if case["target"] == "reply":
+        args.append("--replies")
+    else:
+        args += ["--width", str(case["activation_width"])]
+    result = run_cli(*args, stdin=case["hex"].encode())
+    assert result.returncode == 2
+    assert result.stdout == b""
+    stderr = result.stderr.decode()
+    assert "Traceback" not in stderr
+    if case["error_kind"] == "InvalidData":
+        assert any(reason in stderr for reason in {case["error"],
+                                                   *case.get("equivalent_errors", [])})
+    else:
+        assert "failed to fill whole buffer" in stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "stdin"),
+    [
+        (["encode"], b"{not json"),
+        (["encode", "--hex"], b'{"kind": "Nope"}'),
+        (["encode", "--dtype", "f16", "--width", "8"],
+         b'{"kind": "DecodeEmbd", "token_count": 1, "state": {"source_stage_index": 0},'
+         b' "activation": [1.0, 2.0, 3.0]}'),
+        (["encode", "--replies"], b'{"kind": "PredictedToken", "predicted": 4294967296}'),
+        (["decode", "--hex", "--width", "8"], b"zz"),
+    ],
+)
+def test_malformed_input_exits_2(args: list[str], stdin: bytes) -> None:
+    result = run_cli(*args, stdin=stdin)
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr.decode()
+    assert result.stderr.decode().startswith("skippy.wire:")
