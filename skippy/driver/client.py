@@ -1,0 +1,286 @@
+"""``StageClient``: one lane to a chain's first stage, the minimal client every driver builds on.
+
+Strategy: one TCP stream, one reply decoder, strictly ordered request/reply (the protocol carries
+no ids: replies match messages by order).  The driver's messages never carry activations
+(``source_stage_index = -1``), so the lane needs no activation width.  Prefill is pipelined: a
+non-final chunk is ACKed early by the first stage, so up to ``credit`` chunks are sent ahead of
+their ACKs, then the final chunk's PredictedToken ends the prompt.  Every reply wait is bounded
+(``reply_timeout``); a closed or reset lane raises :class:`StageLost` naming the first stage,
+never a trio exception.  Not safe for concurrent use by several tasks: one lane, one caller.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+import trio
+
+from skippy.protocol import (
+    MessageKind,
+    ReplyKind,
+    SamplingConfig,
+    StageMessage,
+    StageReply,
+    WireDType,
+    WireError,
+    check_ready,
+)
+from skippy.stage.config import Address
+
+try:
+    from skippy import wire as codec
+except ImportError:  # skippy.wire (the implementation picker) is not in this checkout yet
+    from skippy import _wire_py as codec  # type: ignore[no-redef]
+
+from skippy.protocol import END_OF_STREAM, NEED_DATA
+
+
+class StageClientError(Exception):
+    """The chain refused a request or answered out of protocol."""
+
+
+class StageLost(StageClientError):
+    """The lane closed: the first stage, or a stage behind it, failed or went away."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class PrefillResult:
+    """The reply to the final prefill chunk plus the ACKs of the others."""
+
+    reply: StageReply
+    acks: tuple[StageReply, ...]
+
+    @property
+    def token(self) -> int:
+        return self.reply.predicted
+
+
+class StageClient:
+    """One lane to a first stage.
+
+    Args:
+        stream: a connected stream whose READY was already read (see :meth:`connect`).
+        address: the first stage, for error messages.
+        reply_timeout: seconds to wait for any one reply.
+    """
+
+    def __init__(self, stream: trio.SocketStream, address: Address, *, reply_timeout: float = 30.0) -> None:
+        self.stream = stream
+        self.address = address
+        self.reply_timeout = reply_timeout
+        self._decoder = codec.ReplyDecoder()
+        self._closed = False
+
+    @classmethod
+    async def connect(cls, address: Address | str, *, connect_timeout: float = 10.0,
+                      reply_timeout: float = 30.0) -> "StageClient":
+        """Dial a first stage and read its READY.
+
+        Raises:
+            StageLost: no connection or no READY within ``connect_timeout``.
+        """
+        target = Address.parse(address) if isinstance(address, str) else address
+        try:
+            with trio.fail_after(connect_timeout):
+                stream = await trio.open_tcp_stream(target.host, target.port)
+                try:
+                    data = b""
+                    while len(data) < 4:
+                        chunk = await stream.receive_some(4 - len(data))
+                        if not chunk:
+                            break
+                        data += chunk
+                    check_ready(data)
+                except BaseException:
+                    await trio.aclose_forcefully(stream)
+                    raise
+        except (OSError, trio.TooSlowError, WireError, trio.BrokenResourceError) as exc:  # all mean "no lane"
+            raise StageLost(f"cannot open a lane to first stage {target}: {exc or type(exc).__name__}") from exc
+        return cls(stream, target, reply_timeout=reply_timeout)
+
+    async def aclose(self) -> None:
+        if not self._closed:
+            self._closed = True
+            await trio.aclose_forcefully(self.stream)
+
+    async def __aenter__(self) -> "StageClient":
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.aclose()
+
+    # -- frames ------------------------------------------------------------------------------
+    async def send(self, message: StageMessage) -> None:
+        """Send one message as is.
+
+        Raises:
+            StageLost: the lane is closed.
+        """
+        frame = codec.encode_message(message, WireDType(message.state.reserved), 0)
+        await self.send_raw(frame)
+
+    async def send_raw(self, frame: bytes) -> None:
+        """Send bytes on the lane (tests use it for malformed frames)."""
+        try:
+            await self.stream.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
+            raise StageLost(self._lost_text("while sending")) from exc
+
+    async def receive(self) -> StageReply:
+        """The next reply.
+
+        Raises:
+            StageLost: the lane closed; StageClientError: timeout or a malformed reply.
+        """
+        try:
+            with trio.fail_after(self.reply_timeout):
+                while True:
+                    try:
+                        result = self._decoder.next_reply()
+                    except WireError as exc:
+                        raise StageClientError(f"malformed reply from first stage {self.address}: {exc}") from exc
+                    if result is END_OF_STREAM:
+                        raise StageLost(self._lost_text("before replying"))
+                    if result is not NEED_DATA:
+                        assert isinstance(result, StageReply)
+                        return result
+                    try:
+                        data = await self.stream.receive_some(1 << 16)
+                    except (trio.BrokenResourceError, trio.ClosedResourceError):  # reset == closed
+                        data = b""
+                    self._decoder.receive_data(data)
+        except trio.TooSlowError as exc:
+            raise StageClientError(f"no reply from first stage {self.address} within {self.reply_timeout:g} s") from exc
+
+    def _lost_text(self, when: str) -> str:
+        return (f"lane to first stage {self.address} closed {when}: a stage of the chain failed or was lost "
+                "(the stage logs name it)")
+
+    async def request(self, message: StageMessage, expect: ReplyKind | tuple[ReplyKind, ...]) -> StageReply:
+        """Send ``message`` and return its reply, checking the reply kind."""
+        await self.send(message)
+        reply = await self.receive()
+        kinds = expect if isinstance(expect, tuple) else (expect,)
+        if reply.kind not in kinds:
+            raise StageClientError(
+                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
+                f"{message.kind.reference_name}"
+            )
+        return reply
+
+    # -- operations --------------------------------------------------------------------------
+    async def configure(self, session_id: int, *, sampling: SamplingConfig | None = None,
+                        prompt_token_count: int = 0, request_id: int = 0,
+                        metadata: str | None = None) -> StageReply:
+        """ConfigureGeneration: the session's sampling (absent: greedy); returns the ACK."""
+        message = StageMessage.create(
+            MessageKind.CONFIGURE_GENERATION, request_id=request_id, session_id=session_id,
+            sampling=sampling, chat_sampling_metadata=metadata,
+            state_changes={"prompt_token_count": prompt_token_count},
+        )
+        return await self.request(message, ReplyKind.ACK)
+
+    async def prefill(self, session_id: int, tokens: Sequence[int], *, pos_start: int = 0,
+                      chunk_size: int = 256, credit: int = 2, request_id: int = 0,
+                      sampling: SamplingConfig | None = None) -> PrefillResult:
+        """Send ``tokens`` as prefill chunks (pipelined under ``credit`` early ACKs).
+
+        Returns:
+            The final chunk's PredictedToken and the ACKs of the other chunks.
+        """
+        if not tokens:
+            raise ValueError("prefill needs at least one token")
+        if chunk_size <= 0 or credit < 0:
+            raise ValueError(f"chunk_size must be > 0 and credit >= 0 (got {chunk_size}, {credit})")
+        values = np.asarray(tokens, dtype=np.int32)
+        total = len(values)
+        acks: list[StageReply] = []
+        outstanding = 0
+        for begin in range(0, total, chunk_size):
+            end = min(total, begin + chunk_size)
+            final = end == total
+            kind = MessageKind.PREFILL_FINAL_EMBD if final else MessageKind.PREFILL_EMBD
+            message = StageMessage.create(
+                kind, pos_start=pos_start + begin, token_count=end - begin, request_id=request_id,
+                session_id=session_id, tokens=values[begin:end], sampling=sampling if final else None,
+                state_changes={"seq_id": begin // chunk_size, "prompt_token_count": pos_start + total,
+                               "current_token": int(values[end - 1])},
+            )
+            await self.send(message)
+            if final:
+                break
+            outstanding += 1
+            while outstanding > credit:
+                acks.append(await self._expect(ReplyKind.ACK, kind))
+                outstanding -= 1
+        while outstanding:
+            acks.append(await self._expect(ReplyKind.ACK, MessageKind.PREFILL_EMBD))
+            outstanding -= 1
+        reply = await self._expect(ReplyKind.PREDICTED_TOKEN, MessageKind.PREFILL_FINAL_EMBD)
+        return PrefillResult(reply, tuple(acks))
+
+    async def _expect(self, kind: ReplyKind, sent: MessageKind) -> StageReply:
+        reply = await self.receive()
+        if reply.kind != kind:
+            raise StageClientError(
+                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
+                f"{sent.reference_name}; expected {kind.reference_name}"
+            )
+        return reply
+
+    async def decode(self, session_id: int, token: int, position: int, *, decode_step: int = -1,
+                     request_id: int = 0) -> StageReply:
+        """DecodeEmbd of ``token`` at the authoritative ``position``; returns PredictedToken."""
+        message = StageMessage.create(
+            MessageKind.DECODE_EMBD, pos_start=position, token_count=1, request_id=request_id,
+            session_id=session_id, tokens=np.asarray([token], dtype=np.int32),
+            state_changes={"decode_step": decode_step, "current_token": token},
+        )
+        return await self.request(message, ReplyKind.PREDICTED_TOKEN)
+
+    async def verify(self, session_id: int, tokens: Sequence[int], position: int, *, window_id: int,
+                     request_id: int = 0) -> StageReply:
+        """VerifyWindow of ``tokens`` from ``position``; returns PredictedTokens (one per token)."""
+        values = np.asarray(tokens, dtype=np.int32)
+        message = StageMessage.create(
+            MessageKind.VERIFY_WINDOW, pos_start=position, token_count=len(values), request_id=request_id,
+            session_id=session_id, tokens=values,
+            state_changes={"seq_id": window_id, "current_token": int(values[0]) if len(values) else -1},
+        )
+        reply = await self.request(message, ReplyKind.PREDICTED_TOKENS)
+        if reply.window_id != window_id:
+            raise StageClientError(f"verify window reply out of order: id {reply.window_id}, expected {window_id}")
+        return reply
+
+    async def retire(self, session_id: int, position: int, count: int, *, request_id: int = 0) -> None:
+        """RetireVerifyWindow (no reply)."""
+        await self.send(StageMessage.create(
+            MessageKind.RETIRE_VERIFY_WINDOW, pos_start=position, token_count=count,
+            request_id=request_id, session_id=session_id,
+        ))
+
+    async def trim(self, session_id: int, length: int, *, request_id: int = 0) -> StageReply:
+        """TrimSession to ``length`` positions on every stage; returns the ACK."""
+        message = StageMessage.create(MessageKind.TRIM_SESSION, token_count=length, request_id=request_id,
+                                      session_id=session_id)
+        return await self.request(message, ReplyKind.ACK)
+
+    async def stop(self, session_id: int, *, request_id: int = 0) -> StageReply:
+        """Stop: end the session on every stage; returns the ACK (sent after the chain's)."""
+        return await self.request(StageMessage.stop(request_id=request_id, session_id=session_id), ReplyKind.ACK)
+
+    async def generate_greedy(self, session_id: int, prompt: Sequence[int], steps: int, *,
+                              chunk_size: int = 256, credit: int = 2) -> list[int]:
+        """Configure, prefill ``prompt``, decode ``steps - 1`` more tokens, stop; the tokens."""
+        await self.configure(session_id, prompt_token_count=len(prompt))
+        result = await self.prefill(session_id, prompt, chunk_size=chunk_size, credit=credit)
+        tokens = [result.token]
+        position = len(prompt)
+        while len(tokens) < steps:
+            reply = await self.decode(session_id, tokens[-1], position, decode_step=len(tokens) - 1)
+            tokens.append(reply.predicted)
+            position += 1
+        await self.stop(session_id)
+        return tokens

@@ -1,0 +1,14 @@
+"""The stage server: ``python -m skippy.stage --model M --layers A:B --listen H:P [--downstream H:P]``.
+
+Modules by job: ``config`` (settings), ``server`` (load, listen, shutdown), ``connection`` (one
+lane's nursery of receive / compute / forward / reply tasks), ``scheduler`` (the runtime's single
+owner, cross-session decode batching), ``executor`` (runtime calls and the session table),
+``transport`` (frames over trio streams, downstream dialing, wire conditions), ``stats``.
+"""
+
+from skippy.stage.config import Address, StageConfig, parse_config
+from skippy.stage.errors import DownstreamLost, StageError
+from skippy.stage.server import StageServer, load_runtime, run_stage
+
+__all__ = ["Address", "DownstreamLost", "StageConfig", "StageError", "StageServer", "load_runtime",
+           "parse_config", "run_stage"]

@@ -1,0 +1,55 @@
+"""``python -m skippy.stage``: parse settings, load the layer range (with progress), serve.
+
+Strategy: everything slow or fallible happens before the listener exists (settings, model load,
+context creation), each failure ending the process with one clear line and exit status 2, so a
+launcher that sees READY knows the stage is loaded.  Logs go to stderr; the line
+``stage layers A:B ready on HOST:PORT`` announces the bound address (useful with port 0).
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from typing import Sequence
+
+import trio
+
+from skippy.stage.config import parse_config
+from skippy.stage.server import load_runtime, run_stage
+
+log = logging.getLogger("skippy.stage")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_config(argv)
+    logging.basicConfig(
+        level=config.log_level, stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s[layers " + config.layers + "]: %(message)s",
+    )
+    started = time.monotonic()
+    last_report = [-1.0]
+
+    def progress(fraction: float) -> bool:
+        if fraction - last_report[0] >= 0.25 or fraction >= 1.0 > last_report[0]:
+            last_report[0] = fraction
+            log.info("loading %s layers %s: %3.0f%%", config.model, config.layers, fraction * 100)
+        return True
+
+    try:
+        executor = load_runtime(config, progress)
+    except (ValueError, OSError, RuntimeError) as exc:  # includes the runtime's typed load errors
+        log.error("cannot start stage: %s", exc)
+        return 2
+    except Exception as exc:  # NativeError subclasses not derived from ValueError
+        log.error("cannot start stage: %s: %s", type(exc).__name__, exc)
+        return 2
+    log.info("loaded %s layers %s in %.2f s (width %d)", config.model, config.layers,
+             time.monotonic() - started, executor.n_embd)
+    trio.run(run_stage, config, executor)
+    log.info("stage layers %s stopped", config.layers)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

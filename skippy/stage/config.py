@@ -1,0 +1,227 @@
+"""Stage settings: one frozen dataclass, filled from a TOML/JSON file and then the command line.
+
+Strategy: every setting has exactly one definition (``_OPTIONS``: name, type, default, help) from
+which both the argparse flags and the config-file schema are derived, so the two forms cannot
+drift.  Precedence: built-in defaults < config file (``--config``) < explicit flags.  Values are
+validated once, in :func:`StageConfig.validated`, with messages that name the setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import tomllib
+from pathlib import Path
+from typing import Any, Final, Sequence
+
+from skippy.protocol import WireDType
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Address:
+    """A ``HOST:PORT`` pair."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str) -> "Address":
+        """Parse ``HOST:PORT`` (``tcp://`` prefix allowed, IPv6 as ``[::1]:PORT``).
+
+        Raises:
+            ValueError: missing or invalid port.
+        """
+        body = text.removeprefix("tcp://")
+        host, sep, port = body.rpartition(":")
+        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+            raise ValueError(f"address {text!r} is not HOST:PORT")
+        host = host.strip("[]") or "127.0.0.1"
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageConfig:
+    """Everything a stage process needs; see ``python -m skippy.stage --help`` for each field."""
+
+    model: str
+    layers: str
+    listen: Address = Address("127.0.0.1", 0)
+    downstream: Address | None = None
+    ctx_size: int = 4096
+    max_sessions: int = 8
+    threads: int = 0
+    batch_size: int = 512
+    wire_dtype: WireDType = WireDType.F32
+    max_inflight: int = 4
+    reply_credit_limit: int | None = None
+    connect_timeout: float = 60.0
+    batch_window_ms: float = 0.0
+    wire_delay_ms: float = 0.0
+    wire_mbps: float = 0.0
+    stats_file: Path | None = None
+    drain_timeout: float = 2.0
+    log_level: str = "INFO"
+
+    @property
+    def credit_limit(self) -> int:
+        """Unacknowledged early-ACKed prefill chunks allowed downstream (at least 1)."""
+        if self.reply_credit_limit is not None:
+            return max(1, self.reply_credit_limit)
+        return max(1, self.max_inflight - 1)
+
+    def validated(self) -> "StageConfig":
+        """Return self after checking every value.
+
+        Raises:
+            ValueError: naming the setting and the value.
+        """
+        checks = [
+            (self.ctx_size > 0, f"ctx_size must be > 0 (got {self.ctx_size})"),
+            (1 <= self.max_sessions <= 256, f"max_sessions must be in 1..256 (got {self.max_sessions})"),
+            (self.threads >= 0, f"threads must be >= 0 (got {self.threads})"),
+            (self.batch_size > 0, f"batch_size must be > 0 (got {self.batch_size})"),
+            (self.max_inflight >= 1, f"max_inflight must be >= 1 (got {self.max_inflight})"),
+            (self.reply_credit_limit is None or self.reply_credit_limit >= 0,
+             f"reply_credit_limit must be >= 0 (got {self.reply_credit_limit})"),
+            (self.connect_timeout > 0, f"connect_timeout must be > 0 (got {self.connect_timeout})"),
+            (0 <= self.batch_window_ms <= 10, f"batch_window_ms must be in [0, 10] (got {self.batch_window_ms})"),
+            (math.isfinite(self.wire_delay_ms) and self.wire_delay_ms >= 0,
+             f"wire_delay_ms must be finite and >= 0 (got {self.wire_delay_ms})"),
+            (math.isfinite(self.wire_mbps) and self.wire_mbps >= 0,
+             f"wire_mbps must be finite and >= 0, 0 = unlimited (got {self.wire_mbps})"),
+            (self.drain_timeout >= 0, f"drain_timeout must be >= 0 (got {self.drain_timeout})"),
+            (self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
+             f"log_level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level})"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise ValueError(f"invalid stage setting: {message}")
+        return self
+
+
+def _dtype(text: str) -> WireDType:
+    try:
+        return WireDType[text.upper()]
+    except KeyError:
+        raise ValueError(f"activation wire dtype {text!r} is not f32, f16 or q8") from None
+
+
+def _optional_address(text: str) -> Address | None:
+    return None if text in ("", "none") else Address.parse(text)
+
+
+def _optional_int(text: str) -> int | None:
+    return None if str(text) in ("", "none") else int(text)
+
+
+def _optional_path(text: str) -> Path | None:
+    return None if text in ("", "none") else Path(text)
+
+
+#: name -> (parser from text, help).  The dataclass holds the defaults.
+_OPTIONS: Final[dict[str, tuple[Any, str]]] = {
+    "model": (str, "GGUF model file (or null:n_embd=..,n_layer=.. for the no-compute runtime)"),
+    "layers": (str, "layer range START:END this stage runs (half-open)"),
+    "listen": (Address.parse, "HOST:PORT to listen on for upstream lanes (default 127.0.0.1:0, port 0 = any)"),
+    "downstream": (_optional_address, "HOST:PORT of the next stage; absent on the final stage"),
+    "ctx_size": (int, "KV cells shared by all sessions of this stage"),
+    "max_sessions": (int, "concurrent sessions (lanes, llama sequence ids)"),
+    "threads": (int, "compute threads (0 = all cores)"),
+    "batch_size": (int, "rows per llama.cpp batch; use the same value on every stage for exactness"),
+    "wire_dtype": (_dtype, "activation dtype sent downstream: f32 (exact), f16 or q8"),
+    "max_inflight": (int, "frames in flight per lane; the default credit limit is max_inflight - 1"),
+    "reply_credit_limit": (_optional_int, "early-ACKed prefill chunks allowed unacknowledged downstream"),
+    "connect_timeout": (float, "seconds to keep retrying the downstream connect before failing the lane"),
+    "batch_window_ms": (float, "wait this long to collect more decode rows into one batch (0 = none)"),
+    "wire_delay_ms": (float, "simulated one-way delay added to downstream writes (benchmarks)"),
+    "wire_mbps": (float, "simulated downstream bandwidth in Mbit/s (0 = unlimited)"),
+    "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
+    "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),
+    "log_level": (str, "DEBUG, INFO, WARNING or ERROR"),
+}
+
+
+def load_config_file(path: Path) -> dict[str, Any]:
+    """Read a TOML (``.toml``) or JSON file of settings (keys as in ``--help``, ``-`` or ``_``).
+
+    Raises:
+        ValueError: unreadable file or unknown keys.
+    """
+    text = path.read_bytes()
+    try:
+        data = tomllib.loads(text.decode()) if path.suffix == ".toml" else json.loads(text)
+    except (ValueError, UnicodeDecodeError) as exc:  # both parsers raise ValueError subclasses
+        raise ValueError(f"cannot parse stage config {path}: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ValueError(f"stage config {path} must be a table/object of settings")
+    data = data.get("stage", data)
+    settings = {str(key).replace("-", "_"): value for key, value in data.items()}
+    unknown = sorted(set(settings) - set(_OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown settings in {path}: {', '.join(unknown)}")
+    return settings
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m skippy.stage",
+        description="Serve layers START:END of a GGUF model as one stage of a skippy chain.",
+    )
+    parser.add_argument("--config", type=Path, help="TOML or JSON file with any of the settings below")
+    defaults = {f.name: f.default for f in dataclasses.fields(StageConfig)}
+    for name, (_, help_text) in _OPTIONS.items():
+        default = defaults.get(name, dataclasses.MISSING)
+        shown = "" if default is dataclasses.MISSING or default is None else f" (default: {_show(default)})"
+        parser.add_argument(f"--{name.replace('_', '-')}", dest=name, default=None, help=help_text + shown)
+    return parser
+
+
+def _show(value: object) -> str:
+    if isinstance(value, WireDType):
+        return value.name.lower()
+    return str(value)
+
+
+def parse_config(argv: Sequence[str] | None = None) -> StageConfig:
+    """Build the validated config from ``argv`` (and ``--config``).
+
+    Raises:
+        SystemExit: via argparse, with a message, on bad input.
+    """
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    raw: dict[str, Any] = {}
+    try:
+        if args.config is not None:
+            raw.update(load_config_file(args.config))
+        raw.update({name: getattr(args, name) for name in _OPTIONS if getattr(args, name) is not None})
+        return config_from_mapping(raw)
+    except (ValueError, OSError) as exc:
+        parser.error(str(exc))
+
+
+def config_from_mapping(raw: dict[str, Any]) -> StageConfig:
+    """Convert raw settings (strings or native values) to a validated StageConfig.
+
+    Raises:
+        ValueError: missing model/layers or an invalid value.
+    """
+    values: dict[str, Any] = {}
+    for name, value in raw.items():
+        convert = _OPTIONS[name][0]
+        if value is None or (name == "wire_dtype" and isinstance(value, WireDType)):
+            values[name] = value
+        elif isinstance(value, str) or convert in (Address.parse, _optional_address, _dtype, _optional_path):
+            values[name] = convert(str(value))
+        else:
+            values[name] = convert(value)
+    for required in ("model", "layers"):
+        if not values.get(required):
+            raise ValueError(f"--{required} is required (on the command line or in --config)")
+    values["log_level"] = str(values.get("log_level", "INFO")).upper()
+    return StageConfig(**values).validated()

@@ -1,0 +1,530 @@
+"""One upstream connection (a lane): one nursery, four tasks, small bounded channels between them.
+
+Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
+
+* ``receive_messages`` reads and decodes frames, refuses kinds and headers the stage does not
+  serve, and gives every message that expects an answer a *reply slot*, queued to the upstream
+  writer in message order.  A non-final prefill chunk's slot is filled with an ACK at once: the
+  early ACK, sent before compute.
+* ``compute_messages`` handles each message in order: session control and generation control go
+  to the scheduler (trim / configure / release), prefix-cache control is answered as a miss,
+  executable kinds are auto-aligned and run by the scheduler.  The final stage fills the slot with
+  its PredictedToken(s) or ACK; other stages hand the output to the forwarder.
+* ``forward_activations`` encodes frames in the wire dtype and writes them downstream (through
+  the optional simulated wire).  Early-ACKed chunks take a *reply credit* first, so at most
+  ``credit_limit`` of them are unacknowledged downstream.
+* ``relay_replies`` reads downstream replies, in the order frames were written: the ACKs of
+  early-ACKed chunks are absorbed (their stats kept for the next reply, their credit returned);
+  everything else is relayed upstream with this stage's timings merged into the stats.  A Stop's
+  session is released after the downstream ACK, before the ACK goes upstream.
+* ``write_replies`` is the only writer of the upstream stream: it waits for each slot in order.
+
+Replies upstream therefore keep message order whatever finishes first.  Any failure (a malformed
+frame, a refused kind, a runtime error, a lost downstream) raises out of the nursery, which
+cancels the other tasks; the connection is closed with one log line naming the reason, sessions
+it opened are released, and its downstream lane is closed, which cascades the close down the
+chain.  The stage and its other connections carry on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import itertools
+import logging
+import math
+import time
+
+import numpy as np
+import trio
+
+from skippy.protocol import (
+    MessageKind,
+    ReplyKind,
+    ReplyStats,
+    StageMessage,
+    StageReply,
+    WireDType,
+)
+from skippy.stage.errors import DownstreamLost, StageError
+from skippy.stage.executor import Outputs, WorkItem, WorkResult, sampling_params
+from skippy.stage.scheduler import Scheduler
+from skippy.stage.stats import StageStats
+from skippy.stage.transport import (
+    MessageReader,
+    ReplyReader,
+    WireCondition,
+    codec,
+    connect_stage,
+    send_frame,
+)
+
+log = logging.getLogger("skippy.stage")
+
+#: Messages buffered between receive and compute (small: this is the backpressure).
+MESSAGE_QUEUE = 2
+#: Upstream replies that may wait for their turn.
+REPLY_QUEUE = 16
+
+_connection_ids = itertools.count(1)
+
+_REFUSED_KINDS = {
+    MessageKind.STATE_IMPORT: "binary state import is no longer supported by the skippy runtime ABI",
+    MessageKind.STATE_EXPORT: "binary state export is no longer supported by the skippy runtime ABI",
+    MessageKind.PREDICTION_RETURN_OPEN: "direct prediction return (PredictionReturnOpen) is not supported by this stage",
+}
+_CONTROL_KINDS = frozenset({
+    MessageKind.STOP, MessageKind.TRIM_SESSION, MessageKind.CONFIGURE_GENERATION,
+    MessageKind.RETIRE_VERIFY_WINDOW, MessageKind.PROBE_PREFILL, MessageKind.RESTORE_PREFILL,
+    MessageKind.TRY_RESTORE_PREFILL, MessageKind.TRY_RESTORE_PREFILL_DECODE,
+})
+_OUTPUTS = {
+    MessageKind.PREFILL_EMBD: Outputs.NONE,
+    MessageKind.DECODE_REPLAY_EMBD: Outputs.NONE,
+    MessageKind.VERIFY_WINDOW: Outputs.ALL,
+}
+
+
+def _now_us() -> int:
+    return time.perf_counter_ns() // 1000
+
+
+class Expect(enum.Enum):
+    """What the relay does with the downstream reply to a forwarded frame."""
+
+    ABSORB_ACK = "absorb"  #: an early-ACKed chunk: keep its stats, return its credit
+    RELAY_ACK = "ack"  #: relay an ACK upstream
+    STOP_ACK = "stop"  #: release the session, then relay the ACK
+    RELAY_PREDICTION = "prediction"  #: relay PredictedToken(s) upstream
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class ReplySlot:
+    """One upstream reply, filled by whichever task produces it, written in message order."""
+
+    filled: trio.Event = dataclasses.field(default_factory=trio.Event)
+    reply: StageReply | None = None
+
+    def fill(self, reply: StageReply) -> None:
+        self.reply = reply
+        self.filled.set()
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Forward:
+    """A frame on its way downstream and what to do with its reply."""
+
+    message: StageMessage
+    expect: Expect | None
+    slot: ReplySlot | None
+    session: int
+    received_us: int
+    enqueued_at: float
+    compute_us: int = 0
+    queue_us: int = 0
+    batch_size: int = 0
+    write_us: int = 0
+    frame_bytes: int = 0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class LaneSettings:
+    """What every connection of a stage shares."""
+
+    width: int
+    is_last: bool
+    downstream: object | None  # an Address; typed loosely to keep config out of the hot path
+    wire_dtype: WireDType
+    credit_limit: int
+    max_inflight: int
+    connect_timeout: float
+    wire: WireCondition
+
+
+def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,
+                 batch_size: int) -> ReplyStats:
+    """Add one stage's timings to reply stats travelling upstream.
+
+    The v11 reply has no per-stage timing fields outside verify windows, so skippy reports every
+    predicted reply's per-stage compute / forward-write / downstream-wait / total microseconds in
+    the ``verify_window_*_us`` sums with ``verify_window_stage_count`` += 1, and the largest native
+    batch in ``verify_window_max_tokens`` (max-merged).  For a VerifyWindow the fields keep their
+    reference meaning (the window size is the batch).
+    """
+    return dataclasses.replace(
+        base,
+        verify_window_compute_us=base.verify_window_compute_us + compute_us,
+        verify_window_forward_write_us=base.verify_window_forward_write_us + write_us,
+        verify_window_downstream_wait_us=base.verify_window_downstream_wait_us + wait_us,
+        verify_window_total_us=base.verify_window_total_us + total_us,
+        verify_window_stage_count=base.verify_window_stage_count + 1,
+        verify_window_max_tokens=max(base.verify_window_max_tokens, batch_size),
+    )
+
+
+class Connection:
+    """Serves one upstream lane until it closes or fails.
+
+    Args:
+        upstream: the accepted stream (READY already sent).
+        peer: the upstream address, for logs.
+        settings: the stage's lane settings.
+        scheduler: the stage's scheduler.
+        stats: the stage's counters.
+    """
+
+    def __init__(self, upstream: trio.SocketStream, peer: str, settings: LaneSettings,
+                 scheduler: Scheduler, stats: StageStats) -> None:
+        self.id = next(_connection_ids)
+        self.upstream = upstream
+        self.peer = peer
+        self.settings = settings
+        self.scheduler = scheduler
+        self.stats = stats
+        self.sessions: set[int] = set()
+        self.downstream: trio.SocketStream | None = None
+        self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
+        self._credits = trio.Semaphore(settings.credit_limit)
+        self._pending_stats = ReplyStats()
+
+    # -- lifetime ----------------------------------------------------------------------------
+    async def run(self) -> None:
+        """Serve the lane; never raises except Cancelled (failures are logged and counted)."""
+        self.stats.connections_open += 1
+        self.stats.connections_total += 1
+        self.stats.touch()
+        try:
+            await self._serve()
+        except* trio.Cancelled:
+            raise
+        except* Exception as group:
+            reason = "; ".join(_describe(exc) for exc in _leaves(group))
+            self.stats.connection_errors += 1
+            log.error("closing lane %d from %s: %s", self.id, self.peer, reason)
+        finally:
+            with trio.CancelScope(shield=True):
+                await self._cleanup()
+
+    async def _cleanup(self) -> None:
+        orphans = sorted(self.sessions)
+        self.sessions.clear()
+        for key in orphans:
+            try:
+                released = await self.scheduler.call(lambda key=key: self.scheduler.executor.release(key))
+            except StageError as exc:  # a release that fails must not stop the others
+                log.warning("lane %d: releasing session %d failed: %s", self.id, key & ((1 << 64) - 1), exc)
+                continue
+            if released:
+                self.stats.orphan_sessions_released += 1
+        for stream in (self.downstream, self.upstream):
+            if stream is not None:
+                with trio.move_on_after(1):
+                    await trio.aclose_forcefully(stream)
+        self.stats.connections_open -= 1
+        self.stats.touch()
+        log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
+
+    async def _serve(self) -> None:
+        messages_send, messages_receive = trio.open_memory_channel[tuple[StageMessage, ReplySlot | None, int]](MESSAGE_QUEUE)
+        slots_send, slots_receive = trio.open_memory_channel[ReplySlot](REPLY_QUEUE)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.write_replies, slots_receive)
+            nursery.start_soon(self.compute_messages, messages_receive, nursery)
+            nursery.start_soon(self.receive_messages, messages_send, slots_send)
+
+    async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
+        address = self.settings.downstream
+        assert address is not None
+        self.downstream = await connect_stage(address, self.settings.connect_timeout)  # type: ignore[arg-type]
+        forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
+        expect_send, expect_receive = trio.open_memory_channel[Forward](math.inf)
+        nursery.start_soon(self.forward_activations, forwards_receive, expect_send)
+        nursery.start_soon(self.relay_replies, expect_receive)
+        return forwards_send
+
+    # -- tasks -------------------------------------------------------------------------------
+    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[StageMessage, ReplySlot | None, int]],
+                               slots: trio.MemorySendChannel[ReplySlot]) -> None:
+        reader = MessageReader(self.upstream, self.peer, self.settings.width)
+        async with messages, slots:
+            while True:
+                message = await reader.next()
+                if message is None:
+                    return
+                received_us = _now_us()
+                self._check_message(message)
+                self.stats.messages += 1
+                slot = None if message.kind is MessageKind.RETIRE_VERIFY_WINDOW else ReplySlot()
+                if message.kind is MessageKind.PREFILL_EMBD:
+                    assert slot is not None
+                    slot.fill(StageReply.ack())
+                    self.stats.early_acks += 1
+                if slot is not None:
+                    await slots.send(slot)
+                await messages.send((message, slot, received_us))
+
+    def _check_message(self, message: StageMessage) -> None:
+        kind = MessageKind(message.kind)
+        refused = _REFUSED_KINDS.get(kind)
+        if refused is not None:
+            raise StageError(f"{kind.reference_name} refused: {refused}")
+        if kind not in _CONTROL_KINDS and not message.state.matches_kind(kind):
+            raise StageError(
+                f"binary stage state does not match message kind {kind.reference_name} "
+                f"(phase {message.state.phase}, flags {message.state.flags:#x})"
+            )
+
+    async def write_replies(self, slots: trio.MemoryReceiveChannel[ReplySlot]) -> None:
+        async with slots:
+            async for slot in slots:
+                await slot.filled.wait()
+                assert slot.reply is not None
+                await send_frame(self.upstream, codec.encode_reply(slot.reply), self.peer, downstream=False)
+
+    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[StageMessage, ReplySlot | None, int]],
+                               nursery: trio.Nursery) -> None:
+        forwards: trio.MemorySendChannel[Forward] | None = None
+        try:
+            async with messages:
+                async for message, slot, received_us in messages:
+                    if forwards is None and self.settings.downstream is not None:
+                        forwards = await self._open_downstream(nursery)
+                    await self._handle(message, slot, received_us, forwards)
+        finally:
+            if forwards is not None:
+                await forwards.aclose()
+
+    def _session_key(self, message: StageMessage) -> int:
+        # Sessions are namespaced by connection: a lane's disconnect releases only its own.
+        key = (self.id << 64) | (message.session_id or 0)
+        return key
+
+    async def _handle(self, message: StageMessage, slot: ReplySlot | None, received_us: int,
+                      forwards: trio.MemorySendChannel[Forward] | None) -> None:
+        kind = MessageKind(message.kind)
+        key = self._session_key(message)
+        executor = self.scheduler.executor
+
+        def forward(expect: Expect | None, outgoing: StageMessage = message) -> Forward:
+            return Forward(outgoing, expect, slot, key, received_us, trio.current_time())
+
+        if kind is MessageKind.STOP:
+            if forwards is not None:
+                await forwards.send(forward(Expect.STOP_ACK))
+            else:
+                await self._release(key)
+                assert slot is not None
+                slot.fill(StageReply.ack(self._take_pending()))
+            return
+        if kind is MessageKind.RETIRE_VERIFY_WINDOW:
+            if message.pos_start < 0 or message.token_count < 0:
+                raise StageError(f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
+            if forwards is not None:
+                await forwards.send(forward(None))
+            return
+        assert slot is not None
+        if kind.is_prefix_cache_control:
+            # No prefix cache yet: every probe / restore is a miss, answered here, not forwarded.
+            slot.fill(StageReply.ack(dataclasses.replace(self._take_pending(), kv_lookup_misses=1)))
+            return
+        if kind is MessageKind.TRIM_SESSION:
+            trimmed = await self.scheduler.call(lambda: executor.trim(key, message.token_count))
+            self.stats.trimmed_tokens += trimmed
+            await self._control_done(slot, forwards, forward)
+            return
+        if kind is MessageKind.CONFIGURE_GENERATION:
+            params = sampling_params(message.sampling)
+            self.sessions.add(key)
+            await self.scheduler.call(lambda: executor.configure(key, params))
+            await self._control_done(slot, forwards, forward)
+            return
+        await self._execute(kind, message, slot, key, received_us, forwards)
+
+    async def _control_done(self, slot: ReplySlot, forwards: trio.MemorySendChannel[Forward] | None,
+                            forward: object) -> None:
+        if forwards is not None:
+            await forwards.send(forward(Expect.RELAY_ACK))  # type: ignore[operator]
+        else:
+            slot.fill(StageReply.ack(self._take_pending()))
+
+    async def _release(self, key: int) -> None:
+        self.sessions.discard(key)
+        executor = self.scheduler.executor
+        if await self.scheduler.call(lambda: executor.release(key)):
+            self.stats.sessions_released += 1
+            self.stats.touch()
+
+    def _take_pending(self) -> ReplyStats:
+        stats, self._pending_stats = self._pending_stats, ReplyStats()
+        return stats
+
+    def _work_item(self, kind: MessageKind, message: StageMessage, key: int) -> WorkItem:
+        count = message.token_count
+        if count <= 0:
+            raise StageError(f"{kind.reference_name} with token_count {count}: nothing to execute")
+        tokens = np.asarray(message.tokens, dtype=np.int32)
+        if tokens.shape[0] == 0 and count == 1 and message.state.current_token >= 0:
+            tokens = np.asarray([message.state.current_token], dtype=np.int32)
+        positions = np.asarray(message.positions, dtype=np.int32)
+        if positions.shape[0] != count:
+            if message.pos_start < 0:
+                raise StageError(f"{kind.reference_name} with negative pos_start {message.pos_start}")
+            positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
+        activations = None
+        if not self.scheduler.executor.is_first:
+            if message.activation is None:
+                raise StageError(
+                    f"{kind.reference_name} without an activation (source_stage_index "
+                    f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
+                )
+            activations = np.asarray(message.activation, dtype=np.float32)
+            if activations.shape != (count, self.settings.width):
+                raise StageError(
+                    f"activation of shape {activations.shape} does not match token_count {count} x width {self.settings.width}"
+                )
+        elif tokens.shape[0] != count:
+            raise StageError(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
+        return WorkItem(
+            session=key, positions=positions, tokens=tokens if self.scheduler.executor.is_first else None,
+            activations=activations, align_to=message.authoritative_session_position,
+            outputs=_OUTPUTS.get(kind, Outputs.LAST), sampling=sampling_params(message.sampling),
+        )
+
+    async def _execute(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, key: int,
+                       received_us: int, forwards: trio.MemorySendChannel[Forward] | None) -> None:
+        item = self._work_item(kind, message, key)
+        self.sessions.add(key)
+        if kind.is_prefill:
+            self.stats.prefill_chunks += 1
+        elif kind is MessageKind.VERIFY_WINDOW:
+            self.stats.verify_windows += 1
+        else:
+            self.stats.decode_items += 1
+        result, queue_us = await self.scheduler.execute(item)
+        early_acked = kind is MessageKind.PREFILL_EMBD
+        if forwards is None:
+            self._reply_final(kind, message, slot, result, received_us, early_acked)
+            return
+        if result.activations is None:
+            raise StageError("stage has a downstream but produced no activation")
+        outgoing = dataclasses.replace(
+            message,
+            state=dataclasses.replace(message.state, source_stage_index=message.state.source_stage_index + 1,
+                                      reserved=int(self.settings.wire_dtype)),
+            activation=result.activations,
+            chat_sampling_metadata=None,
+        )
+        if early_acked:
+            expect = Expect.ABSORB_ACK
+        elif kind.requires_predicted_reply:
+            expect = Expect.RELAY_PREDICTION
+        else:
+            expect = Expect.RELAY_ACK
+        await forwards.send(Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
+                                    result.compute_us, queue_us, result.batch_size))
+
+    def _reply_final(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, result: WorkResult,
+                     received_us: int, early_acked: bool) -> None:
+        if early_acked:
+            return
+        stats = self._take_pending()
+        if not kind.requires_predicted_reply:
+            slot.fill(StageReply.ack(stats))
+            return
+        stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
+                             total_us=_now_us() - received_us, batch_size=result.batch_size)
+        if kind is MessageKind.VERIFY_WINDOW:
+            stats = dataclasses.replace(
+                stats, verify_window_request_count=stats.verify_window_request_count + 1,
+                verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
+                verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
+            )
+            slot.fill(StageReply.predicted_token_vector(tuple(result.tokens), window_id=message.state.seq_id,
+                                                        stats=stats))
+            return
+        if not result.tokens:
+            raise StageError(f"{kind.reference_name} produced no prediction")
+        slot.fill(StageReply.predicted_token(result.tokens[-1], stats=stats))
+
+    async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward],
+                                  expectations: trio.MemorySendChannel[Forward]) -> None:
+        stream = self.downstream
+        assert stream is not None
+        wire = self.settings.wire
+        limit = self.settings.credit_limit
+        async with forwards, expectations:
+            async for item in forwards:
+                if item.expect is Expect.ABSORB_ACK:
+                    if self._credits.value == 0:
+                        self.stats.credit_waits += 1
+                    await self._credits.acquire()
+                    pending = limit - self._credits.value
+                    if pending > self.stats.max_pending_prefill_acks:
+                        self.stats.max_pending_prefill_acks = pending
+                        self.stats.touch()
+                frame = codec.encode_message(item.message, self.settings.wire_dtype, self.settings.width)
+                item.frame_bytes = len(frame)
+                if item.expect is not None:
+                    expectations.send_nowait(item)
+                started = _now_us()
+                if wire.active:
+                    await wire.write(stream, frame, self.downstream_name, item.enqueued_at)
+                else:
+                    await send_frame(stream, frame, self.downstream_name, downstream=True)
+                item.write_us = _now_us() - started
+                self.stats.forward_write_us += item.write_us
+
+    async def relay_replies(self, expectations: trio.MemoryReceiveChannel[Forward]) -> None:
+        stream = self.downstream
+        assert stream is not None
+        reader = ReplyReader(stream, self.downstream_name)
+        async with expectations:
+            async for item in expectations:
+                started = _now_us()
+                reply = await reader.next()
+                wait_us = _now_us() - started
+                self.stats.downstream_wait_us += wait_us
+                expect = item.expect
+                if expect is Expect.RELAY_PREDICTION:
+                    if reply.kind not in (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS):
+                        raise DownstreamLost(
+                            f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
+                            f"to {MessageKind(item.message.kind).reference_name}; expected a prediction"
+                        )
+                elif reply.kind != ReplyKind.ACK:
+                    raise DownstreamLost(
+                        f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
+                        f"to {MessageKind(item.message.kind).reference_name}; expected downstream ACK"
+                    )
+                if expect is Expect.ABSORB_ACK:
+                    self._pending_stats = self._pending_stats.merge(reply.stats).observe_prefill_edge_transport(
+                        item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
+                    )
+                    self._credits.release()
+                    continue
+                assert item.slot is not None
+                stats = self._take_pending().merge(reply.stats)
+                if expect is Expect.STOP_ACK:
+                    await self._release(item.session)
+                if expect is Expect.RELAY_PREDICTION:
+                    stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
+                                         total_us=_now_us() - item.received_us, batch_size=item.batch_size)
+                    item.slot.fill(dataclasses.replace(reply, stats=stats))
+                else:
+                    item.slot.fill(StageReply.ack(stats))
+
+
+def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
+    result: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            result += _leaves(exc)
+        else:
+            result.append(exc)
+    return result
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, StageError):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"

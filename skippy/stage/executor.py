@@ -1,0 +1,341 @@
+"""The synchronous half of a stage: the runtime, its session table, and batch execution.
+
+Strategy: everything here runs on one thread at a time (the scheduler's worker thread, or inline
+for the null runtime), so the session table needs no lock.  A *session* is keyed by the wire's
+``session_id`` (or a per-connection key when that is 0) and owns one llama sequence id plus a
+sampler (final stage).  ``run_decode_batch`` runs one single-row item per session as **one**
+``decode`` call (continuous batching); ``run_item`` runs prefill chunks and verify windows alone,
+split into ``n_batch`` rows so every stage of a chain uses the same micro-batch partition.
+Before an item with an authoritative position executes, the session is auto-aligned: if its KV
+holds more positions than the item's ``pos_start`` it is trimmed back (the v11 rollback rule); if
+it holds fewer, the item is refused (a gap would silently corrupt the sequence).
+
+Activations handed back are copies: the runtime's view is only valid until the next decode, and
+the forwarder encodes them later, on the trio thread.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from typing import Any, Protocol, Sequence
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.protocol import SamplingConfig
+from skippy.runtime.errors import NativeError
+from skippy.runtime.sampling import GREEDY, Sampler, SamplingParams
+from skippy.stage.errors import StageError
+
+IntArray = npt.NDArray[np.int32]
+FloatArray = npt.NDArray[np.float32]
+
+
+class RuntimeContext(Protocol):
+    """What the executor needs of ``StageContext`` (``NullContext`` provides the same)."""
+
+    model: Any
+    n_batch: int
+    n_embd: int
+
+    def open_session(self) -> int: ...
+    def close_session(self, seq: int) -> None: ...
+    def decode(self, *, positions: Any, seq_ids: Any, tokens: Any = None, activations: Any = None,
+               outputs: Any = None) -> None: ...
+    def activations(self) -> FloatArray: ...
+    def sample(self, samplers: Sequence[Sampler], rows: Sequence[int]) -> IntArray: ...
+    def trim(self, seq: int, length: int) -> None: ...
+    def length(self, seq: int) -> int: ...
+    def kv_cells_used(self) -> int: ...
+
+
+class Outputs(enum.Enum):
+    """Which rows of an item the final stage turns into predicted tokens."""
+
+    NONE = "none"  #: a non-final prefill chunk: no logits needed
+    LAST = "last"  #: a final prefill chunk or a decode: the last row
+    ALL = "all"  #: a verify window: every row
+
+
+@dataclasses.dataclass(slots=True)
+class WorkItem:
+    """One executable message, reduced to what the runtime needs."""
+
+    session: int
+    positions: IntArray
+    tokens: IntArray | None = None
+    activations: FloatArray | None = None
+    align_to: int | None = None
+    outputs: Outputs = Outputs.LAST
+    sampling: SamplingParams | None = None
+
+    @property
+    def rows(self) -> int:
+        return int(self.positions.shape[0])
+
+    @property
+    def batchable(self) -> bool:
+        """A single-row decode: may share a native batch with other sessions' decodes."""
+        return self.rows == 1 and self.outputs is not Outputs.ALL
+
+
+@dataclasses.dataclass(slots=True)
+class WorkResult:
+    """What one item produced."""
+
+    activations: FloatArray | None = None
+    tokens: list[int] = dataclasses.field(default_factory=list)
+    batch_size: int = 1
+    compute_us: int = 0
+    trimmed_tokens: int = 0
+
+
+@dataclasses.dataclass(slots=True)
+class _Session:
+    seq: int
+    params: SamplingParams = GREEDY
+    sampler: Sampler | None = None
+
+
+def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
+    """The runtime sampling settings for a wire sampling section (None when absent).
+
+    A present but disabled section (``flags == 0``) means greedy.
+
+    Raises:
+        StageError: values the sampler cannot use (named in the message).
+    """
+    if config is None:
+        return None
+    if not config.enabled:
+        return GREEDY
+    top_p = config.top_p if 0.0 < config.top_p <= 1.0 else 1.0
+    try:
+        return SamplingParams(
+            temperature=config.temperature, top_k=max(0, config.top_k), top_p=top_p,
+            min_p=min(max(config.min_p, 0.0), 1.0), repeat_penalty=config.repeat_penalty,
+            frequency_penalty=config.frequency_penalty, presence_penalty=config.presence_penalty,
+            penalty_last_n=max(-1, config.penalty_last_n),
+            logit_bias=tuple((b.token_id, b.bias) for b in config.logit_bias),
+            seed=config.seed & 0xFFFFFFFF,
+        )
+    except ValueError as exc:  # SamplingParams validates ranges; refuse the message, naming them
+        raise StageError(f"sampling section refused: {exc}") from exc
+
+
+class Executor:
+    """Owns the runtime context and the session table of one stage.
+
+    Args:
+        context: a ``StageContext`` or ``NullContext``.
+    """
+
+    def __init__(self, context: RuntimeContext) -> None:
+        self.context = context
+        self.model = context.model
+        self.is_first: bool = bool(self.model.is_first)
+        self.is_last: bool = bool(self.model.is_last)
+        self.n_embd: int = int(context.n_embd)
+        self.n_batch: int = int(context.n_batch)
+        #: The null runtime never blocks; the scheduler runs it inline.
+        self.blocking: bool = bool(getattr(context, "blocking", True))
+        self._sessions: dict[int, _Session] = {}
+
+    # -- sessions ----------------------------------------------------------------------------
+    @property
+    def session_count(self) -> int:
+        return len(self._sessions)
+
+    def _session(self, key: int) -> _Session:
+        session = self._sessions.get(key)
+        if session is None:
+            try:
+                seq = self.context.open_session()
+            except NativeError as exc:  # all sequence ids taken: refuse this session only
+                raise StageError(f"cannot open session {key}: {exc}") from exc
+            session = self._sessions[key] = _Session(seq)
+        return session
+
+    def configure(self, key: int, params: SamplingParams | None) -> None:
+        """Set a session's sampling (opening the session); None keeps the current settings."""
+        session = self._session(key)
+        if params is not None and params != session.params:
+            self._set_params(session, params)
+
+    def _set_params(self, session: _Session, params: SamplingParams) -> None:
+        if session.sampler is not None:
+            session.sampler.close()
+            session.sampler = None
+        session.params = params
+
+    def _sampler(self, session: _Session) -> Sampler:
+        if session.sampler is None:
+            session.sampler = Sampler(session.params, int(self.model.n_vocab))
+        return session.sampler
+
+    def trim(self, key: int, length: int) -> int:
+        """Trim a session to ``length`` positions; returns the positions removed."""
+        if length < 0:
+            raise StageError(f"TrimSession to a negative length ({length})")
+        session = self._sessions.get(key)
+        if session is None:
+            return 0
+        held = self.context.length(session.seq)
+        if held > length:
+            self.context.trim(session.seq, length)
+            return held - length
+        return 0
+
+    def release(self, key: int) -> bool:
+        """Drop a session's KV, sequence id and sampler; False when it was not open."""
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return False
+        if session.sampler is not None:
+            session.sampler.close()
+        self.context.close_session(session.seq)
+        return True
+
+    def snapshot(self) -> dict[str, int]:
+        """Session and KV figures for the stats file."""
+        return {"sessions_in_use": len(self._sessions), "kv_cells_used": int(self.context.kv_cells_used())}
+
+    # -- compute -----------------------------------------------------------------------------
+    def _align(self, session: _Session, item: WorkItem) -> int:
+        """Auto-align (see the module header); returns the positions trimmed."""
+        held = self.context.length(session.seq)
+        start = int(item.positions[0])
+        if item.align_to is not None:
+            if held > item.align_to:
+                self.context.trim(session.seq, item.align_to)
+                return held - item.align_to
+            if held < item.align_to:
+                raise StageError(
+                    f"session {item.session} holds {held} positions but the message starts at the "
+                    f"authoritative position {item.align_to} (missing prefill?)"
+                )
+        elif start < held:
+            raise StageError(
+                f"session {item.session} already holds {held} positions; a chunk at position {start} "
+                "would overwrite them (trim the session first)"
+            )
+        return 0
+
+    def _check_input(self, item: WorkItem) -> None:
+        if self.is_first:
+            if item.tokens is None or item.tokens.shape != (item.rows,):
+                raise StageError(f"first stage needs {item.rows} token ids, got "
+                                 f"{None if item.tokens is None else item.tokens.shape[0]}")
+        elif item.activations is None or item.activations.shape != (item.rows, self.n_embd):
+            shape = None if item.activations is None else item.activations.shape
+            raise StageError(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
+
+    def _decode(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
+                item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:
+        try:
+            if self.is_first:
+                self.context.decode(positions=positions, seq_ids=seqs, tokens=item_tokens, outputs=outputs)
+            else:
+                self.context.decode(positions=positions, seq_ids=seqs, activations=item_activations,
+                                    outputs=outputs)
+        except NativeError as exc:  # the runtime refused or failed the batch: fail the message
+            raise StageError(f"runtime error: {exc}") from exc
+
+    def run_item(self, item: WorkItem) -> WorkResult:
+        """Run one prefill chunk, verify window or decode on its own."""
+        self._check_input(item)
+        session = self._session(item.session)
+        if item.sampling is not None and item.sampling != session.params:
+            self._set_params(session, item.sampling)
+        trimmed = self._align(session, item)
+        started = time.perf_counter_ns()
+        rows = item.rows
+        pieces: list[FloatArray] = []
+        tokens: list[int] = []
+        for begin in range(0, rows, self.n_batch):
+            end = min(rows, begin + self.n_batch)
+            count = end - begin
+            seqs = np.full(count, session.seq, dtype=np.int32)
+            outputs: npt.NDArray[np.bool_] | None = None
+            if self.is_last:
+                outputs = np.zeros(count, dtype=bool)
+                if item.outputs is Outputs.ALL:
+                    outputs[:] = True
+                elif item.outputs is Outputs.LAST and end == rows:
+                    outputs[-1] = True
+            self._decode(
+                item.positions[begin:end],
+                seqs,
+                None if item.tokens is None else item.tokens[begin:end],
+                None if item.activations is None else item.activations[begin:end],
+                outputs,
+            )
+            if not self.is_last:
+                pieces.append(np.array(self.context.activations(), dtype=np.float32, copy=True))
+            elif outputs is not None and outputs.any():
+                out_rows = [int(r) for r in np.flatnonzero(outputs)]
+                sampler = self._sampler(session)
+                tokens += [int(t) for t in self.context.sample([sampler] * len(out_rows), out_rows)]
+        activations = None
+        if pieces:
+            activations = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+        compute_us = (time.perf_counter_ns() - started) // 1000
+        return WorkResult(activations, tokens, 1, compute_us, trimmed)
+
+    def run_decode_batch(self, items: Sequence[WorkItem]) -> list[WorkResult | StageError]:
+        """Run single-row items of distinct sessions as one native batch.
+
+        An item that fails its own checks (alignment, input shape) gets a StageError in its slot
+        and is left out of the batch; a runtime failure of the batch fails every item in it.
+        """
+        results: list[WorkResult | StageError] = []
+        ready: list[tuple[int, WorkItem, _Session, int]] = []
+        for index, item in enumerate(items):
+            try:
+                self._check_input(item)
+                session = self._session(item.session)
+                if item.sampling is not None and item.sampling != session.params:
+                    self._set_params(session, item.sampling)
+                trimmed = self._align(session, item)
+            except StageError as exc:
+                results.append(exc)
+                continue
+            results.append(WorkResult())
+            ready.append((index, item, session, trimmed))
+        if not ready:
+            return results
+        count = len(ready)
+        positions = np.fromiter((int(i.positions[0]) for _, i, _, _ in ready), dtype=np.int32, count=count)
+        seqs = np.fromiter((s.seq for _, _, s, _ in ready), dtype=np.int32, count=count)
+        tokens = activations = None
+        if self.is_first:
+            tokens = np.concatenate([i.tokens for _, i, _, _ in ready if i.tokens is not None])
+        else:
+            activations = np.concatenate([i.activations for _, i, _, _ in ready if i.activations is not None])
+        outputs = np.ones(count, dtype=bool) if self.is_last else None
+        started = time.perf_counter_ns()
+        try:
+            self._decode(positions, seqs, tokens, activations, outputs)
+            if self.is_last:
+                samplers = [self._sampler(s) for _, _, s, _ in ready]
+                sampled = [int(t) for t in self.context.sample(samplers, list(range(count)))]
+            else:
+                hidden = np.array(self.context.activations(), dtype=np.float32, copy=True)
+        except StageError as exc:
+            for index, *_ in ready:
+                results[index] = exc
+            return results
+        compute_us = (time.perf_counter_ns() - started) // 1000
+        for row, (index, _, _, trimmed) in enumerate(ready):
+            if self.is_last:
+                results[index] = WorkResult(None, [sampled[row]], count, compute_us, trimmed)
+            else:
+                results[index] = WorkResult(hidden[row:row + 1], [], count, compute_us, trimmed)
+        return results
+
+    def close(self) -> None:
+        """Release every session (samplers included)."""
+        for key in list(self._sessions):
+            self.release(key)

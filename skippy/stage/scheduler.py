@@ -1,0 +1,167 @@
+"""One scheduler per stage: the only path to the runtime, with cross-session decode batching.
+
+Strategy: every connection submits work as a *job* to one queue and awaits its result; a single
+scheduler task owns the :class:`~skippy.stage.executor.Executor`.  When the runtime is free the
+scheduler takes **every** job that is ready (optionally after a small collection window, off by
+default) and runs, in one trip to the worker thread:
+
+* all single-row decode jobs of distinct sessions as one native batch (continuous batching: rows
+  that arrived while the previous batch ran are merged, nothing waits for company by default);
+* then the other jobs (prefill chunks, verify windows, session control) one by one, in arrival
+  order.
+
+Native calls run in ``trio.to_thread.run_sync`` (cffi releases the GIL), never on the trio thread;
+the null runtime, which never blocks, runs inline.  A job's requester that is cancelled simply
+stops waiting: the job still runs, so the runtime and the session table stay consistent.  Each
+connection has at most one job queued at a time, so per-session order is the submission order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from typing import Any, Callable, Generic, TypeVar
+
+import trio
+
+from skippy.stage.errors import StageError
+from skippy.stage.executor import Executor, WorkItem, WorkResult
+from skippy.stage.stats import StageStats
+
+T = TypeVar("T")
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class _Job(Generic[T]):
+    item: WorkItem | None
+    call: Callable[[], T] | None
+    submitted_ns: int
+    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    result: Any = None
+    error: BaseException | None = None
+    wait_us: int = 0
+
+
+class Scheduler:
+    """Serialises and batches runtime work for all connections of a stage.
+
+    Args:
+        executor: the runtime and its session table.
+        stats: counters to update.
+        batch_window: seconds to wait for more decode rows once one is ready (0 = none).
+    """
+
+    def __init__(self, executor: Executor, stats: StageStats, *, batch_window: float = 0.0) -> None:
+        self.executor = executor
+        self.stats = stats
+        self.batch_window = batch_window
+        self._send, self._receive = trio.open_memory_channel[_Job[Any]](math.inf)
+
+    async def execute(self, item: WorkItem) -> tuple[WorkResult, int]:
+        """Run one executable item; returns its result and the microseconds it queued.
+
+        Raises:
+            StageError: the item was refused or the runtime failed it.
+        """
+        job: _Job[WorkResult] = _Job(item, None, time.perf_counter_ns())
+        result = await self._submit(job)
+        return result, job.wait_us
+
+    async def call(self, function: Callable[[], T]) -> T:
+        """Run ``function(…)`` on the runtime thread, in order with the compute jobs."""
+        job: _Job[T] = _Job(None, function, time.perf_counter_ns())
+        result: T = await self._submit(job)
+        return result
+
+    async def _submit(self, job: _Job[T]) -> T:
+        self._send.send_nowait(job)
+        await job.done.wait()
+        if job.error is not None:
+            raise job.error
+        result: T = job.result
+        return result
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """The scheduler loop; runs until cancelled."""
+        task_status.started()
+        async with self._receive:
+            async for first in self._receive:
+                if self.batch_window > 0 and first.item is not None and first.item.batchable:
+                    await trio.sleep(self.batch_window)
+                jobs = [first]
+                while True:
+                    try:
+                        jobs.append(self._receive.receive_nowait())
+                    except trio.WouldBlock:
+                        break
+                started = time.perf_counter_ns()
+                for job in jobs:
+                    job.wait_us = (started - job.submitted_ns) // 1000
+                if self.executor.blocking:
+                    decode_batches, native = await trio.to_thread.run_sync(self._run_jobs, jobs)
+                else:
+                    decode_batches, native = self._run_jobs(jobs)
+                self.stats.native_batches += native
+                for size in decode_batches:
+                    self.stats.observe_decode_batch(size)
+                for job in jobs:
+                    self._account(job)
+                    job.done.set()
+
+    def _account(self, job: _Job[Any]) -> None:
+        result = job.result
+        if isinstance(result, WorkResult):
+            self.stats.compute_us += result.compute_us
+            if result.trimmed_tokens:
+                self.stats.auto_aligns += 1
+                self.stats.trimmed_tokens += result.trimmed_tokens
+        self.stats.touch()
+
+    def _run_jobs(self, jobs: list[_Job[Any]]) -> tuple[list[int], int]:
+        """Worker-thread side: one decode batch, then the rest in order.
+
+        Returns the sizes of the decode batches run and the number of native batches (the
+        stats are updated by the caller, on the trio thread).
+        """
+        decode_batches: list[int] = []
+        native = 0
+        batch: list[_Job[Any]] = []
+        rest: list[_Job[Any]] = []
+        sessions: set[int] = set()
+        for job in jobs:
+            item = job.item
+            if item is not None and item.batchable and item.session not in sessions:
+                sessions.add(item.session)
+                batch.append(job)
+            else:
+                rest.append(job)
+        if len(batch) == 1:
+            rest.insert(0, batch.pop())
+        if batch:
+            items = [job.item for job in batch if job.item is not None]
+            try:
+                outcomes = self.executor.run_decode_batch(items)
+            except Exception as exc:  # an unexpected runtime failure fails these jobs, not the stage
+                outcomes = [StageError(f"decode batch failed: {exc!r}")] * len(items)
+            native += 1
+            decode_batches.append(len(items))
+            for job, outcome in zip(batch, outcomes):
+                if isinstance(outcome, StageError):
+                    job.error = outcome
+                else:
+                    job.result = outcome
+        for job in rest:
+            try:
+                if job.item is not None:
+                    job.result = self.executor.run_item(job.item)
+                    native += 1
+                    if job.item.batchable:
+                        decode_batches.append(1)
+                elif job.call is not None:
+                    job.result = job.call()
+            except StageError as exc:
+                job.error = exc
+            except Exception as exc:  # unexpected failure: fail the one job, keep the stage up
+                job.error = StageError(f"runtime call failed: {exc!r}")
+        return decode_batches, native

@@ -1,0 +1,175 @@
+"""The stage process: load the runtime, then listen, accept lanes, and shut down cleanly.
+
+Strategy: the model is loaded *before* the listener exists, so a stage that answers READY is
+ready.  ``StageServer.serve`` runs, in one nursery, the scheduler (the only user of the runtime),
+the optional stats-file writer, and the listener; each accepted stream is answered READY and
+served by its own :class:`~skippy.stage.connection.Connection` in a second nursery, so one failing
+lane never touches another.  Shutdown (SIGTERM / SIGINT or :meth:`StageServer.shutdown`) stops
+accepting, gives open lanes ``drain_timeout`` seconds to finish, cancels the rest, then releases
+every session and frees the runtime.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any, Callable
+
+import trio
+
+from skippy.runtime.model import LayerRange
+from skippy.runtime.null import NullContext, NullModel, is_null_spec
+from skippy.stage.config import Address, StageConfig
+from skippy.stage.connection import Connection, LaneSettings
+from skippy.stage.executor import Executor
+from skippy.stage.scheduler import Scheduler
+from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
+from skippy.stage.transport import WireCondition, send_ready
+
+log = logging.getLogger("skippy.stage")
+
+
+def load_runtime(config: StageConfig, progress: Callable[[float], object] | None = None) -> Executor:
+    """Load the model range and create its context (the null runtime for ``null:`` specs).
+
+    Raises:
+        skippy.runtime.NativeError / ValueError: the model or range cannot be loaded.
+    """
+    context: Any
+    if is_null_spec(config.model):
+        model: Any = NullModel(config.model, LayerRange.parse(config.layers))
+        context = NullContext(model, n_ctx=config.ctx_size, max_sessions=config.max_sessions,
+                              n_batch=config.batch_size)
+    else:
+        from skippy.runtime import Model, StageContext  # the native library loads only here
+
+        model = Model(config.model, config.layers, progress=progress)
+        try:
+            context = StageContext(model, n_ctx=config.ctx_size, max_sessions=config.max_sessions,
+                                   n_batch=config.batch_size, threads=config.threads or None)
+        except Exception:  # free the weights before reporting a context failure
+            model.close()
+            raise
+    if model.is_last != (config.downstream is None):
+        message = (
+            f"layers {config.layers} of a {model.n_layer}-layer model "
+            + ("end the model, so the stage must not have --downstream" if model.is_last
+               else "do not end the model, so the stage needs --downstream")
+        )
+        context.close()
+        model.close()
+        raise ValueError(message)
+    return Executor(context)
+
+
+class StageServer:
+    """Serves upstream lanes for one loaded stage.
+
+    Args:
+        config: the stage settings.
+        executor: the loaded runtime (see :func:`load_runtime`).
+    """
+
+    def __init__(self, config: StageConfig, executor: Executor) -> None:
+        self.config = config
+        self.executor = executor
+        self.stats = StageStats()
+        self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0)
+        self.settings = LaneSettings(
+            width=executor.n_embd, is_last=executor.is_last, downstream=config.downstream,
+            wire_dtype=config.wire_dtype, credit_limit=config.credit_limit,
+            max_inflight=config.max_inflight, connect_timeout=config.connect_timeout,
+            wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
+        )
+        self.address: Address | None = None
+        self._shutdown = trio.Event()
+
+    def shutdown(self) -> None:
+        """Ask :meth:`serve` to drain and return."""
+        self._shutdown.set()
+
+    async def refresh_runtime_stats(self) -> None:
+        snapshot = await self.scheduler.call(self.executor.snapshot)
+        self.stats.sessions_in_use = snapshot["sessions_in_use"]
+        self.stats.kv_cells_used = snapshot["kv_cells_used"]
+
+    async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
+        """Listen and serve until :meth:`shutdown`; reports the bound address to ``task_status``."""
+        config = self.config
+        async with trio.open_nursery() as system:
+            await system.start(self.scheduler.run)
+            listeners = await trio.open_tcp_listeners(config.listen.port, host=config.listen.host)
+            sockname = listeners[0].socket.getsockname()
+            self.address = Address(sockname[0], sockname[1])
+            if config.stats_file is not None:
+                await system.start(write_stats_periodically, config.stats_file, self.stats,
+                                   self.refresh_runtime_stats)
+            async with trio.open_nursery() as lanes:
+                accept_scope = trio.CancelScope()
+                lanes.start_soon(self._accept, listeners, lanes, accept_scope)
+                log.info("stage layers %s ready on %s (downstream: %s, wire %s)", config.layers,
+                         self.address, config.downstream or "none (final stage)",
+                         config.wire_dtype.name.lower())
+                task_status.started(self.address)
+                await self._shutdown.wait()
+                accept_scope.cancel()
+                log.info("shutting down: %d lane(s) open, draining up to %g s",
+                         self.stats.connections_open, config.drain_timeout)
+                with trio.move_on_after(config.drain_timeout):
+                    while self.stats.connections_open > 0:
+                        await trio.sleep(0.02)
+                lanes.cancel_scope.cancel()
+            with trio.CancelScope(shield=True):
+                await self.scheduler.call(self.executor.close)
+                await self.refresh_runtime_stats()
+                if config.stats_file is not None:
+                    write_stats_file(config.stats_file, self.stats.as_dict())
+            system.cancel_scope.cancel()
+
+    async def _accept(self, listeners: list[trio.SocketListener], lanes: trio.Nursery,
+                      scope: trio.CancelScope) -> None:
+        with scope:
+            async with trio.open_nursery() as acceptors:
+                for listener in listeners:
+                    acceptors.start_soon(self._accept_one, listener, lanes)
+        for listener in listeners:
+            await trio.aclose_forcefully(listener)
+
+    async def _accept_one(self, listener: trio.SocketListener, lanes: trio.Nursery) -> None:
+        while True:
+            try:
+                stream = await listener.accept()
+            except OSError as exc:  # EMFILE and friends: log, back off, keep serving
+                log.warning("accept failed: %s", exc)
+                await trio.sleep(0.1)
+                continue
+            lanes.start_soon(self._serve_lane, stream)
+
+    async def _serve_lane(self, stream: trio.SocketStream) -> None:
+        try:
+            peer = "{}:{}".format(*stream.socket.getpeername()[:2])
+        except OSError:  # the peer is already gone
+            await trio.aclose_forcefully(stream)
+            return
+        try:
+            await send_ready(stream)
+        except (trio.BrokenResourceError, trio.ClosedResourceError):  # a probe that left at once
+            await trio.aclose_forcefully(stream)
+            return
+        await Connection(stream, peer, self.settings, self.scheduler, self.stats).run()
+
+
+async def run_stage(config: StageConfig, executor: Executor, *,
+                    task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve until SIGTERM or SIGINT, then drain and return."""
+    server = StageServer(config, executor)
+    with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        async with trio.open_nursery() as nursery:
+            async def watch_signals() -> None:
+                async for signum in signals:
+                    log.info("received %s: draining", signal.Signals(signum).name)
+                    server.shutdown()
+
+            nursery.start_soon(watch_signals)
+            await server.serve(task_status=task_status)
+            nursery.cancel_scope.cancel()
