@@ -26,6 +26,7 @@ from skippy.runtime.errors import (
 )
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime import _callbacks
+from skippy.runtime.gguf_header import GGUFHeaderError, read_header
 
 #: Architectures the layer-range patch supports for a partial range.
 SPLIT_ARCHITECTURES: Final = frozenset({"llama", "qwen2", "qwen3"})
@@ -82,21 +83,16 @@ class GGUFInfo:
 
 def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     """Read architecture, layer count, width and head tying from a GGUF file's metadata."""
-    from gguf import GGUFReader  # imported lazily: only needed at load time
-
     file = Path(path)
     if not file.is_file():
         raise ModelLoadError(f"model file {str(file)!r} does not exist")
     try:
-        reader = GGUFReader(file, "r")
-    except Exception as exc:  # gguf raises ValueError/struct errors on bad files; normalise them
+        metadata, tensor_names = read_header(file)
+    except (GGUFHeaderError, OSError) as exc:
         raise ModelLoadError(f"{file} is not a readable GGUF file: {exc}") from exc
 
     def field(key: str) -> object:
-        entry = reader.fields.get(key)
-        if entry is None:
-            return None
-        return entry.contents()
+        return metadata.get(key)
 
     arch = field("general.architecture")
     if not isinstance(arch, str):
@@ -105,7 +101,7 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     n_embd = field(f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelLoadError(f"{file} lacks {arch}.block_count / {arch}.embedding_length (vocab-only file?)")
-    names = {tensor.name for tensor in reader.tensors}
+    names = set(tensor_names)
     n_head = field(f"{arch}.attention.head_count")
     n_head = n_head if isinstance(n_head, int) else 1
     n_head_kv = field(f"{arch}.attention.head_count_kv")
