@@ -369,16 +369,15 @@ def encode_message(message, wire_dtype, width=None):
             if width is None:
                 width = 0 if activation is None else cnp.PyArray_DIMS(activation)[1]
             _activation_sizes(dtype, token_count, width, flags, &rows, &wire_bytes)
-            if activation is None:
+            if activation is None or cnp.PyArray_SIZE(activation) + rows * width == 0:
+                # No values: fine only when there are none to send (q8 still sends row scales).
                 if rows * width != 0:
                     _twin._activation_shape_error(None, rows, width)
-            elif (cnp.PyArray_DIMS(activation)[0] != rows
-                  or cnp.PyArray_DIMS(activation)[1] != width):
-                if cnp.PyArray_SIZE(activation) + rows * width != 0:
-                    _twin._activation_shape_error(activation.shape, rows, width)
-            write_activation = activation is not None and cnp.PyArray_SIZE(activation) > 0
-            if not write_activation:
-                wire_bytes = 0
+                activation = np.zeros((rows, width), dtype=np.float32)
+            if (cnp.PyArray_DIMS(activation)[0] != rows
+                    or cnp.PyArray_DIMS(activation)[1] != width):
+                _twin._activation_shape_error(activation.shape, rows, width)
+            write_activation = wire_bytes > 0
             payload += wire_bytes
         elif activation is not None and activation.size:
             _twin._validate_special_payload(kind, token_count, tokens, positions, activation,
@@ -612,7 +611,8 @@ cdef class MessageDecoder(_FrameDecoder):
             return 0
         if token_count < 0 or token_n < 0 or position_n < 0 or token_n > MAX_SIDEBAND or \
                 position_n > MAX_SIDEBAND or (kind == 7 and token_count > MAX_STATE_IMPORT):
-            _twin._message_layout(self._buffer, self._start, self._start + 76, self.width)
+            # The twin walks the same bytes and raises the same error with its message.
+            _twin._message_layout(self._buffer, self._start, self._start + available, self.width)
         if kind == 7:
             offset += token_count
             if available < offset:
@@ -733,7 +733,7 @@ cdef class ReplyDecoder(_FrameDecoder):
         cdef int32_t kind = skippy_load_i32(data)
         cdef int32_t count = skippy_load_i32(data + 8)
         if kind < 1 or kind > 3 or count < 0 or count > MAX_PREDICTED:
-            _twin._reply_layout(self._buffer, self._start, self._start + 12)  # raises
+            _twin._reply_layout(self._buffer, self._start, self._start + available)  # raises
         cdef int64_t offset = 12 + 4 * <int64_t>count + 4
         if available < offset + 4:
             return offset + 4
@@ -745,11 +745,11 @@ cdef class ReplyDecoder(_FrameDecoder):
                 return offset + 4
             count = skippy_load_i32(data + offset)
             if count < 0 or count > MAX_PREDICTED:
-                _twin._reply_layout(self._buffer, self._start, self._start + offset + 4)
+                _twin._reply_layout(self._buffer, self._start, self._start + available)  # raises
             layout.draft_offset = offset
             offset += 4 + 4 * <int64_t>count + 8
         elif marker != 0:
-            _twin._reply_layout(self._buffer, self._start, self._start + offset)  # raises
+            _twin._reply_layout(self._buffer, self._start, self._start + available)  # raises
         offset += STATS_BYTES
         if available < offset:
             return offset

@@ -451,12 +451,15 @@ def encode_message(message: StageMessage, wire_dtype: WireDType,
             array = None if activation is None else _float32_rows(activation)
             if width is None:
                 width = 0 if array is None else array.shape[1]
-            rows, _ = _activation_sizes(dtype, token_count, width, flags)
-            if array is None and rows * width != 0:
-                _activation_shape_error(None, rows, width)
-            if array is not None and array.shape != (rows, width) and array.size + rows * width:
+            rows, wire_bytes = _activation_sizes(dtype, token_count, width, flags)
+            if array is None or array.size + rows * width == 0:
+                # No values: fine only when there are none to send (q8 still sends row scales).
+                if rows * width != 0:
+                    _activation_shape_error(None, rows, width)
+                array = np.zeros((rows, width), dtype=np.float32)
+            if array.shape != (rows, width):
                 _activation_shape_error(array.shape, rows, width)
-            if array is not None and array.size:
+            if wire_bytes:
                 payload.append(encode_activation(array, WireDType(dtype)))
     header_bytes = _FIXED.pack(kind, pos_start, token_count, len(tokens), len(positions),
                                *header, dtype, request_id, session_id)
