@@ -186,6 +186,8 @@ class Connection:
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
         self._credits = trio.Semaphore(settings.credit_limit)
         self._pending_stats = ReplyStats()
+        #: Messages received whose reply has not been written yet (0: the lane is idle).
+        self.inflight = 0
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -260,6 +262,7 @@ class Connection:
                     slot.fill(StageReply.ack())
                     self.stats.early_acks += 1
                 if slot is not None:
+                    self.inflight += 1
                     await slots.send(slot)
                 await messages.send((message, slot, received_us))
 
@@ -280,6 +283,7 @@ class Connection:
                 await slot.filled.wait()
                 assert slot.reply is not None
                 await send_frame(self.upstream, codec.encode_reply(slot.reply), self.peer, downstream=False)
+                self.inflight -= 1
 
     async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[StageMessage, ReplySlot | None, int]],
                                nursery: trio.Nursery) -> None:

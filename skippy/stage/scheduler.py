@@ -75,7 +75,10 @@ class Scheduler:
         return result
 
     async def _submit(self, job: _Job[T]) -> T:
-        self._send.send_nowait(job)
+        try:
+            self._send.send_nowait(job)
+        except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # the stage is shutting down
+            raise StageError("the stage's scheduler has stopped") from exc
         await job.done.wait()
         if job.error is not None:
             raise job.error

@@ -82,6 +82,7 @@ class StageServer:
             wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
         )
         self.address: Address | None = None
+        self.connections: set[Connection] = set()
         self._shutdown = trio.Event()
 
     def shutdown(self) -> None:
@@ -116,7 +117,8 @@ class StageServer:
                 log.info("shutting down: %d lane(s) open, draining up to %g s",
                          self.stats.connections_open, config.drain_timeout)
                 with trio.move_on_after(config.drain_timeout):
-                    while self.stats.connections_open > 0:
+                    # Lanes finish the requests they are in; idle lanes are closed at once.
+                    while any(connection.inflight for connection in self.connections):
                         await trio.sleep(0.02)
                 lanes.cancel_scope.cancel()
             with trio.CancelScope(shield=True):
@@ -128,12 +130,14 @@ class StageServer:
 
     async def _accept(self, listeners: list[trio.SocketListener], lanes: trio.Nursery,
                       scope: trio.CancelScope) -> None:
-        with scope:
-            async with trio.open_nursery() as acceptors:
-                for listener in listeners:
-                    acceptors.start_soon(self._accept_one, listener, lanes)
-        for listener in listeners:
-            await trio.aclose_forcefully(listener)
+        try:
+            with scope:
+                async with trio.open_nursery() as acceptors:
+                    for listener in listeners:
+                        acceptors.start_soon(self._accept_one, listener, lanes)
+        finally:
+            for listener in listeners:
+                await trio.aclose_forcefully(listener)
 
     async def _accept_one(self, listener: trio.SocketListener, lanes: trio.Nursery) -> None:
         while True:
@@ -156,7 +160,12 @@ class StageServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError):  # a probe that left at once
             await trio.aclose_forcefully(stream)
             return
-        await Connection(stream, peer, self.settings, self.scheduler, self.stats).run()
+        connection = Connection(stream, peer, self.settings, self.scheduler, self.stats)
+        self.connections.add(connection)
+        try:
+            await connection.run()
+        finally:
+            self.connections.discard(connection)
 
 
 async def run_stage(config: StageConfig, executor: Executor, *,

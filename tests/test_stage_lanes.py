@@ -1,0 +1,254 @@
+"""Stage server behaviour with the null runtime, in this trio run: ordering, credits, faults.
+
+These tests are about the server (framing, replies, credits, sessions, failures), so the stages
+compute nothing: a chain of null stages answers token ``t`` with ``t + 1`` (see
+``skippy/runtime/null.py``).  Real models and processes are in ``test_stage_chain.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import struct
+
+import numpy as np
+import pytest
+import trio
+
+from skippy.driver import StageClient, StageClientError, StageLost
+from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply, WireDType
+from skippy.stage.transport import codec, send_ready
+
+from stage_helpers import inprocess_chain
+
+WIDTH = 8
+
+
+async def test_chain_of_null_stages_answers_in_order() -> None:
+    async with inprocess_chain(["0:1", "1:3", "3:4"]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+            tokens = await client.generate_greedy(7, list(range(1, 30)), 5, chunk_size=8)
+            assert tokens == [30, 31, 32, 33, 34]
+            reply = await client.verify(8, [5, 6, 7], 0, window_id=42)
+            assert reply.predicted_tokens == (6, 7, 8) and reply.window_id == 42
+            assert reply.stats.verify_window_stage_count == 3
+            await client.retire(8, 0, 3)
+            assert (await client.stop(8)).kind == ReplyKind.ACK
+        await trio.sleep(0.05)
+        for server in servers:
+            assert server.stats.connection_errors == 0
+            assert server.executor.session_count == 0
+
+
+async def test_prefix_cache_kinds_are_misses_and_trim_is_acked() -> None:
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+            await client.prefill(1, [1, 2, 3, 4])
+            probe = StageMessage.create(MessageKind.PROBE_PREFILL, token_count=2, session_id=1,
+                                        tokens=np.asarray([1, 2], dtype=np.int32))
+            reply = await client.request(probe, ReplyKind.ACK)
+            assert reply.stats.kv_lookup_misses == 1
+            assert (await client.trim(1, 2)).kind == ReplyKind.ACK
+            # the trimmed session continues from position 2 on every stage
+            assert (await client.decode(1, 9, 2)).predicted == 10
+            await client.stop(1)
+
+
+async def test_decode_behind_the_kv_trims_it_first() -> None:
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+            await client.prefill(1, [1, 2, 3])
+            for position, token in ((3, 4), (4, 5), (5, 6)):
+                await client.decode(1, token, position)
+            reply = await client.decode(1, 50, 3)  # the coordinator rejected positions 3..5
+            assert reply.predicted == 51
+            for server in servers:
+                assert server.stats.auto_aligns == 1 and server.stats.trimmed_tokens == 3
+            with pytest.raises(StageLost):  # a gap (position ahead of the KV) is refused
+                await client.decode(1, 7, 9)
+
+
+class RecordingDownstream:
+    """A fake final stage: READY, then ACKs slowly, recording how many early-ACKed chunks are pending."""
+
+    def __init__(self) -> None:
+        self.max_outstanding = 0
+        self.kinds: list[int] = []
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        await send_ready(stream)
+        decoder = codec.MessageDecoder(WIDTH)
+        received = 0
+        acked = 0
+        async with trio.open_nursery() as nursery:
+            send, receive = trio.open_memory_channel[StageMessage](100)
+
+            async def answer() -> None:
+                nonlocal acked
+                async for message in receive:
+                    await trio.sleep(0.02)
+                    if message.kind is MessageKind.PREFILL_FINAL_EMBD:
+                        reply = StageReply.predicted_token(99)
+                    else:
+                        reply = StageReply.ack()
+                        acked += 1
+                    await stream.send_all(codec.encode_reply(reply))
+
+            nursery.start_soon(answer)
+            while True:
+                data = await stream.receive_some(1 << 16)
+                decoder.receive_data(data)
+                while True:
+                    message = decoder.next_message()
+                    if not isinstance(message, StageMessage):
+                        break
+                    received += message.kind is MessageKind.PREFILL_EMBD
+                    self.kinds.append(int(message.kind))
+                    self.max_outstanding = max(self.max_outstanding, received - acked)
+                    await send.send(message)
+                if not data:
+                    send.close()
+                    return
+
+
+async def test_credit_limit_bounds_unacknowledged_chunks() -> None:
+    downstream = RecordingDownstream()
+    async with trio.open_nursery() as nursery:
+        listeners = await nursery.start(functools.partial(trio.serve_tcp, downstream.serve, 0, host="127.0.0.1"))
+        port = listeners[0].socket.getsockname()[1]
+        from stage_helpers import config_from_mapping, load_runtime, StageServer
+
+        config = config_from_mapping({"model": "null:n_embd=8,n_layer=4", "layers": "0:2",
+                                      "downstream": f"127.0.0.1:{port}", "reply_credit_limit": 2})
+        server = StageServer(config, load_runtime(config))
+        address = await nursery.start(server.serve)
+        async with await StageClient.connect(address) as client:
+            result = await client.prefill(1, list(range(1, 33)), chunk_size=8, credit=4)
+            assert result.token == 99 and len(result.acks) == 3
+        assert downstream.kinds[:4] == [1, 1, 1, 4]
+        assert downstream.max_outstanding <= 2
+        assert server.stats.max_pending_prefill_acks == 2
+        server.shutdown()
+        nursery.cancel_scope.cancel()
+
+
+def _frame(kind: int, *, source: int = -1, token_count: int = 1, tokens: int = 1, extra: bytes = b"") -> bytes:
+    header = struct.pack("<5i10i2Q", kind, 0, token_count, tokens, 0, 11, 0, 1, 0, 0, 0, -1, 5, source, 0, 0, 3)
+    return header + struct.pack(f"<{tokens}i", *([5] * tokens)) + extra
+
+
+@pytest.mark.parametrize(
+    "case, frame, reason",
+    [
+        ("garbage", b"\xff" * 80, "unknown stage message kind"),
+        ("unknown kind", _frame(10), "unknown stage message kind"),
+        ("truncated", _frame(1)[:50], "failed to fill whole buffer"),
+        ("wrong width", _frame(2, source=0, extra=b"\0" * 4 * (WIDTH // 2)), "failed to fill whole buffer"),
+        ("state import", StageMessage.create(MessageKind.STATE_IMPORT, token_count=2, raw_bytes=b"ab"), "refused"),
+        ("kind mismatch", _frame(2), "does not match message kind"),
+    ],
+)
+async def test_bad_frame_closes_only_its_connection(case: str, frame: object, reason: str,
+                                                    caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="skippy.stage")
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        target = servers[1] if case == "wrong width" else servers[0]
+        async with await StageClient.connect(servers[0].address) as good:  # type: ignore[arg-type]
+            await good.configure(1)
+            await good.prefill(1, [1, 2, 3])
+            bad = await StageClient.connect(target.address)  # type: ignore[arg-type]
+            if isinstance(frame, StageMessage):
+                await bad.send(frame)
+            else:
+                await bad.send_raw(frame)
+                if case in ("truncated", "wrong width"):
+                    await bad.stream.send_eof()
+            with pytest.raises(StageLost):
+                await bad.receive()
+            await bad.aclose()
+            # the parallel session on the same stage carries on
+            assert (await good.decode(1, 3, 3)).predicted == 4
+            await good.stop(1)
+        await trio.sleep(0.05)
+        assert target.stats.connection_errors == 1
+        assert target.executor.session_count == 0
+    assert any(reason in record.getMessage() and "closing lane" in record.getMessage() for record in caplog.records)
+
+
+async def test_lost_downstream_fails_the_client_fast_and_stage_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="skippy.stage")
+    async with trio.open_nursery() as outer:
+        async with inprocess_chain(["0:2", "2:4"]) as servers:
+            first = servers[0]
+            async with await StageClient.connect(first.address) as client:  # type: ignore[arg-type]
+                await client.prefill(1, [1, 2, 3])
+                servers[1].shutdown()  # the final stage goes away
+                await trio.sleep(0.3)
+                with trio.fail_after(2):
+                    with pytest.raises(StageLost, match="first stage"):
+                        await client.decode(1, 3, 3)
+            await trio.sleep(0.05)
+            assert first.stats.connections_open == 0 and first.executor.session_count == 0
+        outer.cancel_scope.cancel()
+
+
+async def test_downstream_unreachable_is_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="skippy.stage")
+    with trio.socket.socket() as probe:
+        await probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    async with inprocess_chain(["0:2"], model="null:n_embd=8,n_layer=4",
+                               downstream=f"127.0.0.1:{port}", connect_timeout=0.3) as servers:
+        async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+            with pytest.raises(StageLost):
+                await client.configure(1)
+    assert any("cannot reach downstream stage" in r.getMessage() for r in caplog.records)
+
+
+async def test_many_sessions_return_to_idle() -> None:
+    async with inprocess_chain(["0:2", "2:4"], max_sessions=4) as servers:
+        for batch in range(20):
+            async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+                for session in range(10):
+                    await client.prefill(session + 1, [1, 2, 3])
+                    await client.decode(session + 1, 3, 3)
+                    if session % 2 == 0:
+                        await client.stop(session + 1)
+                    else:
+                        await client.trim(session + 1, 0)
+                        await client.stop(session + 1)
+        await trio.sleep(0.05)
+        for server in servers:
+            await server.refresh_runtime_stats()
+            assert server.stats.sessions_in_use == 0
+            assert server.stats.kv_cells_used == 0
+            assert server.stats.connections_open == 0
+            assert server.stats.connection_errors == 0
+
+
+async def test_concurrent_decodes_share_a_batch() -> None:
+    async with inprocess_chain(["0:2", "2:4"], batch_window_ms=5) as servers:
+        async def session(number: int) -> None:
+            async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+                tokens = await client.generate_greedy(number, [number, number + 1], 6)
+                assert tokens == [number + 2 + i for i in range(6)]
+
+        async with trio.open_nursery() as nursery:
+            for number in range(1, 9):
+                nursery.start_soon(session, number)
+        assert servers[0].stats.max_decode_batch > 1
+
+
+async def test_client_reports_unexpected_reply_kind() -> None:
+    async with inprocess_chain(["0:4"]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+            message = StageMessage.create(MessageKind.PREFILL_FINAL_EMBD, token_count=1, session_id=1,
+                                          tokens=np.asarray([3], dtype=np.int32))
+            with pytest.raises(StageClientError, match="answered PredictedToken"):
+                await client.request(message, ReplyKind.ACK)
+
+
+def test_wire_dtype_default_is_f32() -> None:
+    from skippy.stage.config import StageConfig
+
+    assert StageConfig(model="m", layers="0:1").wire_dtype is WireDType.F32
