@@ -1,0 +1,201 @@
+"""Real stage processes on a generated model: exactness, batching, rollback, faults, shutdown.
+
+Every test starts ``python -m skippy.stage`` processes (final stage first) on the tiny 4-layer
+llama and drives them with :class:`StageClient`.  The unsplit reference is the whole model in
+this process with the same chunking and batch size, so f32 chains must match it token for token.
+"""
+
+from __future__ import annotations
+
+import signal
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from skippy.driver import StageClient, StageLost
+from skippy.runtime import Model, StageContext
+from skippy.stage.executor import Executor, WorkItem
+from skippy.stage.transport import codec
+from skippy.protocol import WireDType
+
+from stage_helpers import StageProcess, reference_greedy, stage_chain, wait_for_stats
+
+pytestmark = pytest.mark.slow
+
+PROMPTS = [
+    [1, 15043, 3186, 29892, 920, 526, 366, 2599, 13, 450, 4996, 17354],
+    [1, 450, 4996, 17354, 1701, 29916, 432, 17204, 975, 278, 17366, 11203, 29889, 306],
+    [1, 13, 4013, 338, 263, 1243],
+]
+STEPS = 32
+CHUNK = 5
+FLAGS = ["--batch-size", "64", "--ctx-size", "512", "--max-sessions", "8"]
+SPLITS = {1: ["0:4"], 2: ["0:2", "2:4"], 3: ["0:1", "1:2", "2:4"], 4: ["0:1", "1:2", "2:3", "3:4"]}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama: Path) -> list[list[int]]:
+    return [reference_greedy(tiny_llama, prompt, STEPS, chunk_size=CHUNK) for prompt in PROMPTS]
+
+
+async def _generate(address: object, prompts: list[list[int]]) -> list[list[int]]:
+    async with await StageClient.connect(address) as client:  # type: ignore[arg-type]
+        return [await client.generate_greedy(index + 1, prompt, STEPS, chunk_size=CHUNK, credit=2)
+                for index, prompt in enumerate(prompts)]
+
+
+@pytest.mark.parametrize("stages", [1, 2, 3, 4])
+async def test_f32_chain_matches_the_unsplit_model(stages: int, tiny_llama: Path, tmp_path: Path,
+                                                   reference: list[list[int]]) -> None:
+    async with stage_chain(str(tiny_llama), SPLITS[stages], tmp_path, FLAGS) as chain:
+        tokens = await _generate(chain[0].address, PROMPTS)
+    assert tokens == reference
+
+
+@pytest.mark.parametrize("dtype", ["f16", "q8"])
+async def test_lossy_wires_report_agreement_and_logit_error(dtype: str, tiny_llama: Path, tmp_path: Path,
+                                                           reference: list[list[int]]) -> None:
+    async with stage_chain(str(tiny_llama), SPLITS[2], tmp_path, [*FLAGS, "--wire-dtype", dtype]) as chain:
+        tokens = await _generate(chain[0].address, PROMPTS)
+    agree = sum(a == b for got, want in zip(tokens, reference) for a, b in zip(got, want))
+    # Logit error of one hop through the lossy wire, in process (the wire returns tokens only).
+    wire = WireDType[dtype.upper()]
+    with Model(tiny_llama, "0:2") as head, Model(tiny_llama, "2:4") as tail, \
+            StageContext(head, n_ctx=512, n_batch=64, threads=1) as first, \
+            StageContext(tail, n_ctx=512, n_batch=64, threads=1) as last:
+        prompt = PROMPTS[0]
+        positions = list(range(len(prompt)))
+        first.decode(tokens=prompt, positions=positions, seq_ids=[0] * len(prompt))
+        hidden = first.activations().copy()
+        rows = hidden.shape[0]
+        errors = []
+        for variant in (hidden, codec.decode_activation(codec.encode_activation(hidden, wire), wire, rows, hidden.shape[1])):
+            last.remove(0)
+            last.decode(activations=np.ascontiguousarray(variant, dtype=np.float32), positions=positions,
+                        seq_ids=[0] * rows, outputs=[True] * rows)
+            errors.append(np.stack([last.logits(r).copy() for r in range(rows)]))
+        max_error = float(np.max(np.abs(errors[0] - errors[1])))
+    print(f"\n{dtype} wire: token agreement {agree}/{len(PROMPTS) * STEPS}, max logit error {max_error:.3g}")
+    assert agree >= 1 and np.isfinite(max_error)
+
+
+async def test_concurrent_sessions_match_sequential_and_batch(tiny_llama: Path, tmp_path: Path) -> None:
+    prompts = [PROMPTS[i % 3][: 4 + i] for i in range(8)]
+    async with stage_chain(str(tiny_llama), SPLITS[2], tmp_path, FLAGS) as chain:
+        address = chain[0].address
+        sequential = []
+        async with await StageClient.connect(address) as client:  # type: ignore[arg-type]
+            for index, prompt in enumerate(prompts):
+                sequential.append(await client.generate_greedy(100 + index, prompt, 12, chunk_size=CHUNK))
+        concurrent: dict[int, list[int]] = {}
+
+        async def run(index: int) -> None:
+            async with await StageClient.connect(address) as client:  # type: ignore[arg-type]
+                concurrent[index] = await client.generate_greedy(index + 1, prompts[index], 12, chunk_size=CHUNK)
+
+        async with trio.open_nursery() as nursery:
+            for index in range(8):
+                nursery.start_soon(run, index)
+        stats = await wait_for_stats(chain[1], lambda s: s["sessions_in_use"] == 0)
+    assert [concurrent[i] for i in range(8)] == sequential
+    print(f"\nfinal-stage decode batch sizes: {stats['decode_batch_sizes']}")
+    assert int(stats["max_decode_batch"]) > 1  # type: ignore[call-overload]
+
+
+def test_decode_behind_the_kv_gives_the_logits_of_a_session_that_never_went_ahead(tiny_llama: Path) -> None:
+    prompt = [int(t) for t in PROMPTS[0]]
+    n = len(prompt)
+
+    def run(executor: Executor, tokens: list[int], start: int, align: int | None) -> np.ndarray:
+        executor.run_item(WorkItem(1, np.arange(start, start + len(tokens), dtype=np.int32),
+                                   np.asarray(tokens, dtype=np.int32), align_to=align))
+        context = executor.context
+        return context.logits(int(context.output_rows[-1])).copy()  # type: ignore[attr-defined]
+
+    results = []
+    with Model(tiny_llama) as model:
+        for ahead in ([5, 6, 7], []):  # a session that went ahead speculatively, and one that did not
+            with StageContext(model, n_ctx=256, max_sessions=2, n_batch=64, threads=1) as ctx:
+                executor = Executor(ctx)
+                run(executor, prompt, 0, None)
+                for step, token in enumerate(ahead):
+                    run(executor, [token], n + step, n + step)
+                results.append(run(executor, [42], n, n))  # authoritative position n: trims first
+                assert ctx.length(executor._sessions[1].seq) == n + 1
+                executor.close()
+    assert np.array_equal(results[0], results[1])
+
+
+async def test_rollback_through_a_chain(tiny_llama: Path, tmp_path: Path) -> None:
+    prompt = PROMPTS[1]
+    async with stage_chain(str(tiny_llama), SPLITS[2], tmp_path, FLAGS) as chain:
+        async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
+            first = (await client.prefill(1, prompt, chunk_size=CHUNK)).token
+            for step in range(4):
+                await client.decode(1, 100 + step, len(prompt) + step)
+            rolled = await client.decode(1, first, len(prompt))
+            await client.prefill(2, prompt, chunk_size=CHUNK)
+            fresh = await client.decode(2, first, len(prompt))
+            assert rolled.predicted == fresh.predicted
+            window = await client.verify(2, [fresh.predicted, 7, 8], len(prompt) + 1, window_id=5)
+            assert len(window.predicted_tokens) == 3 and window.predicted_tokens[0] == (
+                await client.decode(1, fresh.predicted, len(prompt) + 1)).predicted
+        stats = await wait_for_stats(chain[1], lambda s: s["auto_aligns"] >= 1)
+        assert stats["trimmed_tokens"] == 4
+
+
+async def test_killed_downstream_fails_fast_and_a_restart_serves_new_sessions(tiny_llama: Path, tmp_path: Path) -> None:
+    async with stage_chain(str(tiny_llama), SPLITS[3], tmp_path, FLAGS) as chain:
+        survivor = await StageClient.connect(chain[0].address)  # type: ignore[arg-type]
+        victim = await StageClient.connect(chain[0].address)  # type: ignore[arg-type]
+        try:
+            await victim.prefill(1, PROMPTS[0], chunk_size=CHUNK)
+            lost = chain[2]
+            lost_address = lost.address
+            lost.kill()
+            started = trio.current_time()
+            with pytest.raises(StageLost, match="first stage"):
+                await victim.decode(1, 5, len(PROMPTS[0]))
+            assert trio.current_time() - started < 2.0
+            await trio.sleep(0.2)
+            assert f"downstream stage {lost_address}" in chain[1].log()
+            restarted = StageProcess(str(tiny_llama), "2:4", tmp_path / "stage2b.log", listen=str(lost_address),
+                                     extra=FLAGS)
+            try:
+                await restarted.start()
+                tokens = await survivor.generate_greedy(2, PROMPTS[2], 4, chunk_size=CHUNK)
+                assert tokens == reference_greedy(tiny_llama, PROMPTS[2], 4, chunk_size=CHUNK)
+            finally:
+                restarted.kill()
+        finally:
+            await survivor.aclose()
+            await victim.aclose()
+
+
+async def test_sessions_return_to_idle_and_sigterm_exits_cleanly(tiny_llama: Path, tmp_path: Path) -> None:
+    async with stage_chain(str(tiny_llama), SPLITS[2], tmp_path, FLAGS) as chain:
+        idle_sockets = [stage.socket_count() for stage in chain]
+        for batch in range(10):
+            async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
+                for session in range(20):
+                    await client.configure(session + 1)
+                    await client.prefill(session + 1, PROMPTS[2][:3])
+                    await client.decode(session + 1, 5, 3)
+                    if session % 4 != 3:
+                        await client.stop(session + 1)  # every fourth session is left to the disconnect
+        for stage in chain:
+            stats = await wait_for_stats(stage, lambda s: s["connections_open"] == 0 and s["sessions_in_use"] == 0)
+            assert stats["kv_cells_used"] == 0 and stats["connection_errors"] == 0
+            assert stats["sessions_released"] + stats["orphan_sessions_released"] == 200
+        with trio.fail_after(5):
+            while [stage.socket_count() for stage in chain] != idle_sockets:
+                await trio.sleep(0.05)
+        # SIGTERM with a lane open: it drains and exits 0
+        async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
+            await client.prefill(1, PROMPTS[0][:4])
+            assert chain[0].process is not None
+            chain[0].process.send_signal(signal.SIGTERM)
+            assert await trio.to_thread.run_sync(chain[0].process.wait, 10) == 0
+        assert "stopped" in chain[0].log()
