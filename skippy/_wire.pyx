@@ -27,7 +27,6 @@ from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.ref cimport Py_INCREF
-from libc.math cimport roundf, fabsf
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
 
@@ -105,18 +104,16 @@ cdef inline uint16_t _f32_bits_to_f16(uint32_t bits) noexcept nogil:
 
 
 cdef inline uint32_t _f16_to_f32_bits(uint32_t half) noexcept nogil:
+    # Exact half -> single, branch-free (all candidates computed, one selected).
     cdef uint32_t sign = (half & 0x8000u) << 16
     cdef uint32_t exponent = (half >> 10) & 0x1Fu
     cdef uint32_t mantissa = half & 0x3FFu
-    cdef float value
-    cdef uint32_t bits
-    if exponent == 0x1Fu:
-        return sign | 0x7F800000u | (mantissa << 13)
-    if exponent != 0u:
-        return sign | ((exponent + 112u) << 23) | (mantissa << 13)
-    value = <float>mantissa * 5.9604644775390625e-08  # 2^-24: exact for subnormals and zero
-    memcpy(&bits, &value, 4)
-    return sign | bits
+    cdef float value = <float><int32_t>mantissa * <float>5.9604644775390625e-08  # m x 2^-24
+    cdef uint32_t subnormal
+    memcpy(&subnormal, &value, 4)
+    cdef uint32_t special = 0x7F800000u | (mantissa << 13)
+    cdef uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13)
+    return sign | (special if exponent == 0x1Fu else subnormal if exponent == 0u else normal)
 
 
 @cython.boundscheck(False)
@@ -137,30 +134,10 @@ cdef void _decode_f16(const unsigned char *source, uint32_t *target,
         target[i] = _f16_to_f32_bits(skippy_load_u16(source + 2 * i))
 
 
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef void _encode_q8(const float *source, unsigned char *target, Py_ssize_t rows,
-                     Py_ssize_t width) noexcept nogil:
-    # [rows x f32 scale][rows x width x i8]; scale = max|x| / 127 (1.0 for an all-zero row),
-    # q = clamp(round_half_away(x / scale), -127, 127); NaN quotients become 0, like Rust's cast.
-    cdef Py_ssize_t row, column
-    cdef const float *values
-    cdef float max_abs, magnitude, scale, rounded
-    cdef int8_t *quantized = <int8_t *>(target + 4 * rows)
-    for row in range(rows):
-        values = source + row * width
-        max_abs = 0.0
-        for column in range(width):
-            magnitude = fabsf(values[column])
-            max_abs = magnitude if magnitude > max_abs else max_abs  # NaN never wins
-        scale = 1.0 if max_abs == 0.0 else max_abs / <float>127.0
-        skippy_store_f32(target + 4 * row, scale)
-        for column in range(width):
-            rounded = roundf(values[column] / scale)
-            rounded = 0.0 if rounded != rounded else rounded
-            rounded = <float>127.0 if rounded > 127.0 else rounded
-            rounded = <float>-127.0 if rounded < -127.0 else rounded
-            quantized[row * width + column] = <int8_t>rounded
+cdef extern from "_activation.h":
+    # q8 encoding lives in C so the compiler vectorises its branch-free loops.
+    void _encode_q8 "skippy_encode_q8" (const float *source, unsigned char *target,
+                                        Py_ssize_t rows, Py_ssize_t width) noexcept nogil
 
 
 @cython.boundscheck(False)
