@@ -29,10 +29,7 @@ from skippy.protocol import (
 )
 from skippy.stage.config import Address
 
-try:
-    from skippy import wire as codec
-except ImportError:  # skippy.wire (the implementation picker) is not in this checkout yet
-    from skippy import _wire_py as codec  # type: ignore[no-redef]
+from skippy import wire as codec
 
 from skippy.protocol import END_OF_STREAM, NEED_DATA
 

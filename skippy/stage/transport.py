@@ -19,10 +19,7 @@ import socket
 
 import trio
 
-try:
-    from skippy import wire as codec
-except ImportError:  # skippy.wire (the implementation picker) is not in this checkout yet
-    from skippy import _wire_py as codec  # type: ignore[no-redef]
+from skippy import wire as codec
 
 from skippy.protocol import (
     END_OF_STREAM,

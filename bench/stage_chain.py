@@ -1,0 +1,163 @@
+"""End-to-end stage-chain benchmarks: per-boundary overhead, split vs unsplit decode, batching.
+
+Run: ``PYTHONPATH=. .venv/bin/python bench/stage_chain.py [--quick]``.  Prints one line per figure.
+
+* **Boundary overhead** (null runtime, no compute): decode latency per token of a 1-stage and a
+  3-stage chain of null stages on loopback at width 4096 (f32 frames); the overhead of one stage
+  boundary is ``(t3 - t1) / 2`` per token (target <= 150 us).
+* **Split vs unsplit** (a benchmark-shaped generated llama, 16 x 1024, F16): decode tokens/s of the
+  whole model in this process, against 2- and 4-stage chains of real processes (targets >= 95%
+  and >= 90%).  Every process uses one compute thread, so the comparison is per-token work plus
+  the chain's overhead, not parallelism.
+* **Aggregate decode** with 8 concurrent sessions against 1 on a 2-stage chain (cross-session
+  batching).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from skippy.driver import StageClient  # noqa: E402
+from skippy.stage.config import Address  # noqa: E402
+
+_READY = re.compile(r"ready on (\S+):(\d+)")
+
+
+@contextmanager
+def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Iterator[Address]:
+    """Start stage processes final-first; yield the first stage's address; kill them after."""
+    processes: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as directory:
+        try:
+            downstream: Address | None = None
+            for index in reversed(range(len(splits))):
+                log = Path(directory) / f"stage{index}.log"
+                command = [sys.executable, "-m", "skippy.stage", "--model", model, "--layers", splits[index],
+                           "--threads", "1", *extra]
+                if downstream is not None:
+                    command += ["--downstream", str(downstream)]
+                with log.open("wb") as handle:
+                    process = subprocess.Popen(command, stdout=handle, stderr=handle, cwd=ROOT,
+                                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                processes.append(process)
+                deadline = time.monotonic() + 120
+                while True:
+                    match = _READY.search(log.read_text(errors="replace"))
+                    if match:
+                        downstream = Address(match.group(1), int(match.group(2)))
+                        break
+                    if process.poll() is not None or time.monotonic() > deadline:
+                        raise RuntimeError(f"stage {splits[index]} did not start:\n{log.read_text()}")
+                    time.sleep(0.05)
+            assert downstream is not None
+            yield downstream
+        finally:
+            for process in processes:
+                process.kill()
+                process.wait()
+
+
+async def decode_seconds_per_token(address: Address, prompt: Sequence[int], steps: int, *,
+                                   sessions: int = 1) -> float:
+    """Wall time per decode step (all sessions together) after prefill."""
+    clients = [await StageClient.connect(address) for _ in range(sessions)]
+    try:
+        firsts = []
+        for index, client in enumerate(clients):
+            await client.configure(index + 1)
+            firsts.append((await client.prefill(index + 1, prompt, chunk_size=64)).token)
+
+        async def run(index: int) -> None:
+            token, position = firsts[index], len(prompt)
+            for _ in range(steps):
+                token = (await clients[index].decode(index + 1, token, position)).predicted
+                position += 1
+
+        started = time.perf_counter()
+        async with trio.open_nursery() as nursery:
+            for index in range(sessions):
+                nursery.start_soon(run, index)
+        elapsed = time.perf_counter() - started
+        for index, client in enumerate(clients):
+            await client.stop(index + 1)
+        return elapsed / steps
+    finally:
+        for client in clients:
+            await client.aclose()
+
+
+def boundary_overhead_us(steps: int = 400, width: int = 4096) -> tuple[float, float, float]:
+    """(1-stage us/token, 3-stage us/token, overhead per boundary us) with the null runtime."""
+    model = f"null:n_embd={width},n_layer=3,n_vocab=32000"
+    prompt = list(range(1, 9))
+    with chain(model, ["0:3"]) as address:
+        one = trio.run(decode_seconds_per_token, address, prompt, steps)
+    with chain(model, ["0:1", "1:2", "2:3"]) as address:
+        three = trio.run(decode_seconds_per_token, address, prompt, steps)
+    return one * 1e6, three * 1e6, (three - one) / 2 * 1e6
+
+
+def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> float:
+    from skippy.runtime import Model, StageContext
+    import numpy as np
+
+    with Model(path) as model, StageContext(model, n_ctx=1024, max_sessions=8, n_batch=64, threads=1) as ctx:
+        seq = ctx.open_session()
+        ctx.decode(tokens=list(prompt), positions=list(range(len(prompt))), seq_ids=[seq] * len(prompt))
+        token = int(np.argmax(ctx.logits(int(ctx.output_rows[-1]))))
+        position = len(prompt)
+        started = time.perf_counter()
+        for _ in range(steps):
+            ctx.decode(tokens=[token], positions=[position], seq_ids=[seq])
+            token = int(np.argmax(ctx.logits(int(ctx.output_rows[-1]))))
+            position += 1
+        return steps / (time.perf_counter() - started)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    args = parser.parse_args()
+    steps = 40 if args.quick else 200
+    one, three, overhead = boundary_overhead_us(steps * 2)
+    print(f"null runtime, width 4096 f32: 1 stage {one:.0f} us/token, 3 stages {three:.0f} us/token, "
+          f"overhead per boundary {overhead:.0f} us (target <= 150)")
+
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import preset
+
+    path = ensure_model(preset("llama-16x1024"))
+    prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
+    decode_steps = 16 if args.quick else 48
+    flags = ["--batch-size", "64", "--ctx-size", "1024"]
+    reference = unsplit_tokens_per_second(path, prompt, decode_steps)
+    print(f"llama-16x1024 F16 unsplit (in process, 1 thread): {reference:.1f} tok/s")
+    for splits in (["0:8", "8:16"], ["0:4", "4:8", "8:12", "12:16"]):
+        with chain(str(path), splits, flags) as address:
+            rate = 1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps)
+        target = 95 if len(splits) == 2 else 90
+        print(f"{len(splits)}-stage chain: {rate:.1f} tok/s = {100 * rate / reference:.1f}% of unsplit "
+              f"(target >= {target}%)")
+    with chain(str(path), ["0:8", "8:16"], flags) as address:
+        single = 1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps)
+        eight = 8.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps, 8)
+    print(f"2-stage aggregate decode: 1 session {single:.1f} tok/s, 8 sessions {eight:.1f} tok/s "
+          f"({eight / single:.2f}x)")
+
+
+if __name__ == "__main__":
+    main()
