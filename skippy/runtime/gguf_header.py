@@ -80,9 +80,10 @@ def read_header(path: Path, chunk: int = 1 << 22) -> tuple[dict[str, object], li
             cursor = _Cursor(handle.read(length), path)
             try:
                 return _parse(cursor)
-            except GGUFHeaderError:
+            except (GGUFHeaderError, struct.error) as exc:
+                # the header may extend past what was read: read more, up to the whole file
                 if length >= size:
-                    raise
+                    raise GGUFHeaderError(f"{path}: truncated or malformed GGUF header ({exc})") from exc
                 length = min(size, length * 4)
 
 

@@ -1,0 +1,1 @@
+"""Subcommands of the ``skippy`` command line (one module each)."""
