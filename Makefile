@@ -1,0 +1,42 @@
+# skippy developer tasks.  `make demo` and `make test` work on a fresh machine (Python 3.10+, a C/C++
+# compiler): they create .venv, build the patched llama.cpp and the extensions, then run.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+# llama-cpp-python is the unsplit reference: install it without its own native build (it loads ours).
+export CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
+STAMP := $(VENV)/.skippy-installed
+
+.PHONY: install build demo test test-fast bench wheel clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+
+$(STAMP): $(BIN)/python pyproject.toml setup.py native/build.py native/build_ffi.py $(wildcard native/patches/*.patch native/cdef/*)
+	$(BIN)/pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+# Rebuild the native libraries and extensions in place after editing native/ or *.pyx.
+build: $(STAMP)
+	$(BIN)/python setup.py --quiet build_ext --inplace
+
+demo: install
+	$(BIN)/skippy generate --max-tokens 24 "The three best things about distributed inference are"
+
+test: install
+	$(BIN)/python -m pytest
+
+test-fast: install
+	$(BIN)/python -m pytest -m "not slow"
+
+bench: install
+	$(BIN)/python -m pytest bench --benchmark-only
+
+wheel: $(BIN)/python
+	$(BIN)/pip wheel --no-deps -w dist .
+
+clean:
+	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/_native_stamp.py skippy/_wire.c skippy/_radix.c
