@@ -16,6 +16,7 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/stage_chain.py [--quick]``.  Prints o
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import re
 import subprocess
@@ -154,7 +155,7 @@ def main() -> None:
               f"(target >= {target}%)")
     with chain(str(path), ["0:8", "8:16"], flags) as address:
         single = 1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps)
-        eight = 8.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps, 8)
+        eight = 8.0 / trio.run(functools.partial(decode_seconds_per_token, sessions=8), address, prompt, decode_steps)
     print(f"2-stage aggregate decode: 1 session {single:.1f} tok/s, 8 sessions {eight:.1f} tok/s "
           f"({eight / single:.2f}x)")
 
