@@ -59,7 +59,7 @@ class SkippyBuildExt(build_ext):
         self.annotate = False
 
     def finalize_options(self) -> None:
-        super().finalize_options()
+        # Cythonize first: setuptools' finalize_options annotates the extension objects it finds.
         import Cython
 
         if Cython.__version__ != CYTHON_VERSION:
@@ -70,16 +70,18 @@ class SkippyBuildExt(build_ext):
         directives = {"language_level": "3", "embedsignature": True}
         if debug:
             directives.update(linetrace=True, profile=True)
-        cython_exts = cythonize(
-            _cython_extensions(debug),
-            compiler_directives=directives,
-            force=self.cython_always,
-            annotate=self.annotate,
-            quiet=True,
-        )
-        others = [e for e in self.extensions if e.name not in CYTHON_MODULES]
-        self.extensions = cython_exts + others
-        self.distribution.ext_modules = self.extensions
+        current = self.distribution.ext_modules or []
+        if any(ext.name in CYTHON_MODULES and ext.sources == ["<cython>"] for ext in current):
+            cython_exts = cythonize(
+                _cython_extensions(debug),
+                compiler_directives=directives,
+                force=bool(self.cython_always),
+                annotate=bool(self.annotate),
+                quiet=True,
+            )
+            others = [e for e in current if e.name not in CYTHON_MODULES]
+            self.distribution.ext_modules = cython_exts + others
+        super().finalize_options()
 
     def run(self) -> None:
         lib_dir = self._native_lib_dir()
@@ -94,11 +96,15 @@ class SkippyBuildExt(build_ext):
                 ext.library_dirs = [str(lib_dir)]
         super().run()
         if not self.inplace:
-            # Ship the native libraries inside the built package.
-            target = Path(self.build_lib) / "skippy" / "lib"
-            target.mkdir(parents=True, exist_ok=True)
+            # build_py ran before the native build produced these: ship them in the package too.
+            package = Path(self.build_lib) / "skippy"
+            (package / "lib").mkdir(parents=True, exist_ok=True)
+            (package / "models" / "vocab").mkdir(parents=True, exist_ok=True)
             for lib in lib_dir.glob("lib*"):
-                self.copy_file(str(lib), str(target / lib.name))
+                self.copy_file(str(lib), str(package / "lib" / lib.name))
+            for vocab in (ROOT / "skippy" / "models" / "vocab").glob("*.gguf"):
+                self.copy_file(str(vocab), str(package / "models" / "vocab" / vocab.name))
+            self.copy_file(str(ROOT / "skippy" / "_native_stamp.py"), str(package / "_native_stamp.py"))
 
     def _native_lib_dir(self) -> Path:
         prebuilt = os.environ.get("SKIPPY_LLAMA_LIB_DIR")
