@@ -1,5 +1,16 @@
-"""The driver side of a chain: ``StageClient`` is one lane to a first stage."""
+"""The driver side of a chain: ``StageClient`` is one lane to a first stage; ``Generator`` runs requests on it."""
 
 from skippy.driver.client import PrefillResult, StageClient, StageClientError, StageLost
+from skippy.driver.generator import (
+    Completion,
+    ContextOverflow,
+    Generation,
+    GenerationRequest,
+    Generator,
+    Timing,
+)
 
-__all__ = ["PrefillResult", "StageClient", "StageClientError", "StageLost"]
+__all__ = [
+    "Completion", "ContextOverflow", "Generation", "GenerationRequest", "Generator", "PrefillResult",
+    "StageClient", "StageClientError", "StageLost", "Timing",
+]

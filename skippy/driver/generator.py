@@ -1,0 +1,361 @@
+"""``Generator``: text in, text out, over one :class:`StageClient` lane.
+
+Strategy: the driver holds only the model's vocabulary (a vocab-only load) and its chat template,
+read from the GGUF header; the weights live in the stages.  One request is one session on the
+chain: ConfigureGeneration carries the request's sampling (the final stage samples), the prompt
+goes down as prefill chunks pipelined under the lane's reply credits, then one DecodeEmbd per
+token until ``max_tokens``, an end-of-generation token or a stop string; Stop releases the
+session's KV on every stage.
+
+A run is a :class:`Generation`, an async *iterator object* (not an async generator function), so
+no cancel scope ever spans a ``yield`` and an abandoned run leaves no frame to finalize: each
+``__anext__`` performs one exchange with the chain and returns the text that exchange completed.
+Text is detokenized incrementally (a multi-byte UTF-8 character split across tokens is held back
+until complete) and any tail that could still become a stop string is held back too, so streamed
+text never contains a stop string or a partial character and always concatenates to the final
+text.  Timings come from the clock here (TTFT, inter-token gaps) and from the reply stats the
+stages fill in on the way back (compute / forward-write / downstream-wait microseconds summed over
+the stages, with the stage count).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+from typing import Any, Mapping, Sequence, final
+
+from skippy.driver.client import StageClient
+from skippy.protocol import LogitBias, SamplingConfig, StageReply
+from skippy.runtime.gguf_header import read_header
+from skippy.runtime.sampling import GREEDY, SamplingParams
+from skippy.runtime.tokenizer import TextStream, Tokenizer
+
+#: Used when a model has no ``tokenizer.chat_template``: plain "role: content" lines.
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+class ContextOverflow(ValueError):
+    """The prompt (plus the tokens asked for) does not fit the chain's context."""
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GenerationRequest:
+    """One completion: prompt tokens and when to stop.
+
+    ``max_tokens`` counts sampled tokens (an end-of-generation token ends the run and is not
+    counted); ``stop`` strings end it as soon as one appears in the text (the stop string itself
+    is not returned).
+    """
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = GREEDY
+    stop: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.prompt:
+            raise ValueError("the prompt has no tokens")
+        if self.max_tokens < 1:
+            raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+
+
+@dataclasses.dataclass(slots=True)
+class Timing:
+    """Where one request's time went.  Stage sums cover every stage of the chain."""
+
+    prompt_tokens: int = 0
+    #: Seconds from the first message to the first sampled token.
+    time_to_first_token: float = 0.0
+    #: Seconds from the first token to the last one.
+    decode_seconds: float = 0.0
+    #: Seconds between consecutive tokens (one entry per decode step).
+    inter_token: list[float] = dataclasses.field(default_factory=list)
+    #: Replies with stage timings, and the stage count they reported.
+    replies: int = 0
+    stage_count: int = 0
+    compute_us: int = 0
+    forward_write_us: int = 0
+    downstream_wait_us: int = 0
+
+    def add_reply(self, reply: StageReply) -> None:
+        stats = reply.stats
+        if stats.verify_window_stage_count <= 0:
+            return
+        self.replies += 1
+        self.stage_count = max(self.stage_count, stats.verify_window_stage_count)
+        self.compute_us += stats.verify_window_compute_us
+        self.forward_write_us += stats.verify_window_forward_write_us
+        self.downstream_wait_us += stats.verify_window_downstream_wait_us
+
+    def decode_tokens_per_second(self, completion_tokens: int) -> float:
+        steps = completion_tokens - 1
+        return steps / self.decode_seconds if steps > 0 and self.decode_seconds > 0 else 0.0
+
+    def mean_stage_compute_ms(self) -> float:
+        """Mean compute of one stage for one reply (milliseconds)."""
+        if not self.replies or not self.stage_count:
+            return 0.0
+        return self.compute_us / self.replies / self.stage_count / 1000.0
+
+    def as_dict(self, completion_tokens: int) -> dict[str, Any]:
+        """The JSON form (the API's ``usage.skippy_timing`` extension)."""
+        return {
+            "time_to_first_token_ms": round(self.time_to_first_token * 1000, 3),
+            "decode_ms": round(self.decode_seconds * 1000, 3),
+            "decode_tokens_per_second": round(self.decode_tokens_per_second(completion_tokens), 3),
+            "stage_count": self.stage_count,
+            "stage_compute_ms": round(self.compute_us / 1000, 3),
+            "stage_forward_write_ms": round(self.forward_write_us / 1000, 3),
+            "stage_downstream_wait_ms": round(self.downstream_wait_us / 1000, 3),
+            "mean_stage_compute_ms_per_token": round(self.mean_stage_compute_ms(), 3),
+        }
+
+    def summary(self, completion_tokens: int) -> str:
+        """One line for a terminal."""
+        return (f"prompt {self.prompt_tokens} tokens, TTFT {self.time_to_first_token * 1000:.1f} ms; "
+                f"{completion_tokens} tokens at {self.decode_tokens_per_second(completion_tokens):.1f} tok/s; "
+                f"stage compute {self.compute_us / 1000:.1f} ms over {self.stage_count} stages "
+                f"({self.mean_stage_compute_ms():.2f} ms per stage per token)")
+
+
+@dataclasses.dataclass(slots=True)
+class Completion:
+    """The outcome of a finished :class:`Generation`."""
+
+    text: str
+    tokens: list[int]
+    #: "stop" (end-of-generation token or stop string) or "length" (max_tokens reached).
+    finish_reason: str
+    prompt_tokens: int
+    timing: Timing
+
+    @property
+    def completion_tokens(self) -> int:
+        return len(self.tokens)
+
+
+def sampling_config(params: SamplingParams) -> SamplingConfig:
+    """The wire sampling section for ``params`` (always enabled; temperature 0 means greedy)."""
+    return SamplingConfig(
+        flags=1, seed=params.seed, temperature=params.temperature, top_p=params.top_p, top_k=params.top_k,
+        min_p=params.min_p, presence_penalty=params.presence_penalty,
+        frequency_penalty=params.frequency_penalty, repeat_penalty=params.repeat_penalty,
+        penalty_last_n=params.penalty_last_n,
+        logit_bias=tuple(LogitBias(token, bias) for token, bias in params.logit_bias),
+    )
+
+
+class _StopMatcher:
+    """Holds back text that could still turn into a stop string."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = [stop for stop in stops if stop]
+        self.pending = ""
+
+    def push(self, text: str) -> tuple[str, bool]:
+        """Add text; return (text safe to emit, whether a stop string was found)."""
+        self.pending += text
+        if not self.stops:
+            out, self.pending = self.pending, ""
+            return out, False
+        found = [index for index in (self.pending.find(stop) for stop in self.stops) if index >= 0]
+        if found:
+            out = self.pending[:min(found)]
+            self.pending = ""
+            return out, True
+        hold = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(self.pending)), hold, -1):
+                if self.pending.endswith(stop[:length]):
+                    hold = length
+                    break
+        cut = len(self.pending) - hold
+        out, self.pending = self.pending[:cut], self.pending[cut:]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+
+@final
+class Generation:
+    """One request running on one lane; iterate it for text pieces, then read :attr:`result`.
+
+    Not reusable.  If iteration stops early (an error, a cancelled client), the lane is in an
+    unknown state: close it rather than reuse it.
+    """
+
+    def __init__(self, generator: "Generator", client: StageClient, request: GenerationRequest,
+                 session_id: int) -> None:
+        self._generator = generator
+        self._client = client
+        self.request = request
+        self.session_id = session_id
+        self.tokens: list[int] = []
+        self.timing = Timing(prompt_tokens=len(request.prompt))
+        self.result: Completion | None = None
+        self._text: list[str] = []
+        self._stream: TextStream = generator.tokenizer.stream()
+        self._stops = _StopMatcher(request.stop)
+        self._started = 0.0
+        self._last = 0.0
+        self._position = len(request.prompt)
+
+    def __aiter__(self) -> "Generation":
+        return self
+
+    async def __anext__(self) -> str:
+        """The text the next token completed ('' while a character or stop string is pending).
+
+        Raises:
+            StopAsyncIteration: the run finished (:attr:`result` is set, the session stopped).
+            StageLost, StageClientError: the chain failed.
+        """
+        if self.result is not None:
+            raise StopAsyncIteration
+        client, request = self._client, self.request
+        if not self.tokens:
+            self._started = time.perf_counter()
+            await client.configure(self.session_id, sampling=sampling_config(request.sampling),
+                                   prompt_token_count=len(request.prompt))
+            prefill = await client.prefill(self.session_id, request.prompt, chunk_size=self._generator.chunk_size,
+                                           credit=self._generator.credit)
+            for ack in prefill.acks:
+                self.timing.add_reply(ack)
+            reply = prefill.reply
+            self._last = time.perf_counter()
+            self.timing.time_to_first_token = self._last - self._started
+        else:
+            reply = await client.decode(self.session_id, self.tokens[-1], self._position,
+                                        decode_step=len(self.tokens) - 1)
+            self._position += 1
+            now = time.perf_counter()
+            self.timing.inter_token.append(now - self._last)
+            self.timing.decode_seconds += now - self._last
+            self._last = now
+        self.timing.add_reply(reply)
+        token = int(reply.predicted)
+        if self._generator.tokenizer.is_end_of_generation(token):
+            return await self._finish("stop", self._stream.flush())
+        self.tokens.append(token)
+        piece, stopped = self._stops.push(self._stream.push(token))
+        if stopped:
+            return await self._finish("stop", piece, flushed=True)
+        if len(self.tokens) >= request.max_tokens:
+            return await self._finish("length", piece + self._stream.flush())
+        self._text.append(piece)
+        return piece
+
+    async def _finish(self, reason: str, text: str, *, flushed: bool = False) -> str:
+        if not flushed:
+            text, stopped = self._stops.push(text)
+            if stopped:
+                reason = "stop"
+            else:
+                text += self._stops.flush()
+        self._text.append(text)
+        await self._client.stop(self.session_id)
+        self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing)
+        return text
+
+    async def run(self) -> Completion:
+        """Run to the end; the completion."""
+        async for _ in self:
+            pass
+        assert self.result is not None
+        return self.result
+
+
+@final
+class Generator:
+    """Tokenizer, chat template and generation settings of one served model.
+
+    Args:
+        tokenizer: the model's vocabulary.
+        chat_template: Jinja chat template (``None``: :data:`FALLBACK_CHAT_TEMPLATE`).
+        n_ctx: context length requests must fit (prompt + max_tokens).
+        chunk_size: prefill chunk size (tokens per PrefillEmbd).
+        credit: prefill chunks sent ahead of their ACKs.
+    """
+
+    def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
+                 chunk_size: int = 256, credit: int = 2) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
+        self.n_ctx = n_ctx
+        self.chunk_size = chunk_size
+        self.credit = credit
+        self._formatter: Any = None
+
+    @classmethod
+    def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int = 256,
+                   credit: int = 2) -> "Generator":
+        """Load the vocabulary and chat template of the GGUF at ``path`` (no weights).
+
+        ``n_ctx`` defaults to the smaller of the model's trained context and 4096 (the stage default).
+        """
+        metadata, _ = read_header(Path(path))
+        template = metadata.get("tokenizer.chat_template")
+        trained = next((int(v) for k, v in metadata.items() if k.endswith(".context_length")  # type: ignore[call-overload]
+                        and isinstance(v, int)), 4096)
+        return cls(Tokenizer(path), chat_template=template if isinstance(template, str) else None,
+                   n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size, credit=credit)
+
+    def close(self) -> None:
+        self.tokenizer.close()
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
+        """The prompt text for chat ``messages`` (``add_generation_prompt`` on).
+
+        Raises:
+            ValueError: the template refused the messages.
+        """
+        if self._formatter is None:
+            from skippy.reference import import_llama_cpp
+
+            import_llama_cpp()
+            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+            tokenizer = self.tokenizer
+            eos = tokenizer.piece(tokenizer.eos, special=True).decode("utf-8", "replace") if tokenizer.eos >= 0 else ""
+            bos = tokenizer.piece(tokenizer.bos, special=True).decode("utf-8", "replace") if tokenizer.bos >= 0 else ""
+            self._formatter = Jinja2ChatFormatter(self.chat_template, eos_token=eos, bos_token=bos)
+        try:
+            response = self._formatter(messages=list(messages))
+        except Exception as exc:  # jinja2 raises TemplateError subclasses and the template's own errors
+            raise ValueError(f"the chat template refused the messages: {exc}") from exc
+        prompt: str = response.prompt
+        return prompt
+
+    def encode(self, text: str) -> list[int]:
+        """Prompt tokens of ``text`` (BOS added when the vocabulary wants it; special tokens parsed)."""
+        return self.tokenizer.encode(text, add_special=True, parse_special=True)
+
+    def check_fits(self, prompt_tokens: int, max_tokens: int | None) -> int:
+        """The max_tokens to use for a prompt, defaulting to what the context leaves.
+
+        Raises:
+            ContextOverflow: the prompt, or prompt + max_tokens, exceeds :attr:`n_ctx`.
+        """
+        room = self.n_ctx - prompt_tokens
+        if room < 1 or (max_tokens is not None and max_tokens > room):
+            asked = prompt_tokens + (max_tokens or 0)
+            raise ContextOverflow(
+                f"This model's maximum context length is {self.n_ctx} tokens. However, you requested "
+                f"{asked} tokens ({prompt_tokens} in the prompt, {max_tokens or 0} for the completion). "
+                "Please reduce the prompt or the completion length."
+            )
+        return room if max_tokens is None else max_tokens
+
+    def start(self, client: StageClient, request: GenerationRequest, session_id: int) -> Generation:
+        """A run of ``request`` as session ``session_id`` on ``client`` (nothing is sent yet)."""
+        return Generation(self, client, request, session_id)
+
+    async def generate(self, client: StageClient, request: GenerationRequest, session_id: int) -> Completion:
+        """Run ``request`` to the end."""
+        return await self.start(client, request, session_id).run()
