@@ -14,6 +14,9 @@ from typing import Sequence
 #: Subcommand name -> module under skippy.commands.
 COMMANDS = {
     "generate": "skippy.commands.generate",
+    "serve": "skippy.commands.serve",
+    "up": "skippy.commands.up",
+    "demo": "skippy.commands.demo",
 }
 
 

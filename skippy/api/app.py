@@ -1,0 +1,351 @@
+"""The OpenAI-compatible HTTP app (Starlette, run by hypercorn under trio).
+
+Strategy: the handlers are thin: parse and validate the body (:mod:`skippy.api.errors`), turn it
+into a :class:`GenerationRequest`, lease a lane from the :class:`LanePool`, run a
+:class:`Generation` on it, and shape the OpenAI response.  For a streaming request the first
+exchange with the chain (configure + prefill, up to the first token) runs *before* the response
+starts, so a chain that is down still gets a proper 503 status; after that, failures end the
+event stream with an ``error`` event (the openai client raises on it).  The lease is returned in
+a ``finally`` that also runs when the HTTP client goes away (the lane is then closed, not reused).
+
+Extension: ``usage.skippy_timing`` carries TTFT, decode rate and the stage timings from the
+reply stats.  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, AsyncIterator, Awaitable, Callable, final
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from skippy.api.errors import (
+    ApiError,
+    get_bool,
+    get_float,
+    get_int,
+    get_logit_bias,
+    get_stop,
+    invalid,
+    parse_json_object,
+)
+from skippy.api.lanes import LanePool, Lease
+from skippy.api.metrics import Metrics
+from skippy.driver.client import StageClientError, StageLost
+from skippy.driver.generator import Completion, ContextOverflow, Generation, GenerationRequest, Generator
+from skippy.runtime.sampling import DEFAULT_SEED, SamplingParams
+
+#: OpenAI's default when a completions request has no max_tokens.
+DEFAULT_COMPLETION_TOKENS = 16
+
+
+@final
+class ChainService:
+    """What the handlers share: the model's generator, the lane pool, the metrics.
+
+    Args:
+        generator: tokenizer + chat template of the served model.
+        pool: lanes to the chain's first stage.
+        model_id: the name clients use in ``model``.
+    """
+
+    def __init__(self, generator: Generator, pool: LanePool, model_id: str) -> None:
+        self.generator = generator
+        self.pool = pool
+        self.model_id = model_id
+        self.metrics = Metrics()
+        self.created = int(time.time())
+
+
+def _sampling(body: dict[str, Any], n_vocab: int) -> SamplingParams:
+    temperature = get_float(body, "temperature", minimum=0.0, maximum=2.0)
+    top_p = get_float(body, "top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
+    top_k = get_int(body, "top_k", minimum=0)
+    min_p = get_float(body, "min_p", minimum=0.0, maximum=1.0)
+    presence = get_float(body, "presence_penalty", minimum=-2.0, maximum=2.0)
+    frequency = get_float(body, "frequency_penalty", minimum=-2.0, maximum=2.0)
+    repeat = get_float(body, "repeat_penalty", minimum=0.0, maximum=10.0, exclusive_minimum=True)
+    seed = get_int(body, "seed")
+    return SamplingParams(
+        temperature=1.0 if temperature is None else temperature, top_k=top_k or 0,
+        top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+        repeat_penalty=1.0 if repeat is None else repeat, frequency_penalty=frequency or 0.0,
+        presence_penalty=presence or 0.0, logit_bias=get_logit_bias(body, n_vocab),
+        seed=DEFAULT_SEED if seed is None else seed & 0xFFFFFFFF,
+    )
+
+
+def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool) -> list[int]:
+    generator = service.generator
+    if chat:
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise invalid("messages", "expected a non-empty list of messages")
+        cleaned = []
+        for index, message in enumerate(messages):
+            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+                raise invalid(f"messages[{index}]", "expected an object with a 'role'")
+            content = message.get("content")
+            if isinstance(content, list):  # content parts: keep the text ones
+                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+                           for p in content):
+                    raise invalid(f"messages[{index}].content", "only text content parts are supported")
+                content = "".join(part["text"] for part in content)
+            if content is None:
+                content = ""
+            if not isinstance(content, str):
+                raise invalid(f"messages[{index}].content", "expected a string or a list of text parts")
+            cleaned.append({**message, "content": content})
+        try:
+            text = generator.apply_chat_template(cleaned)
+        except ValueError as exc:
+            raise invalid("messages", str(exc)) from exc
+        return generator.encode(text)
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        tokens = generator.encode(prompt)
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        n_vocab = generator.tokenizer.n_vocab
+        if not all(0 <= t < n_vocab for t in prompt):
+            raise invalid("prompt", f"token ids must be in 0..{n_vocab - 1}")
+        tokens = list(prompt)
+    else:
+        raise invalid("prompt", "expected a string, a list of one string, or a list of token ids")
+    if not tokens:
+        raise invalid("prompt", "the prompt is empty")
+    return tokens
+
+
+def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[GenerationRequest, bool, bool]:
+    """(request, stream, include_usage) for a completions or chat completions body."""
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise invalid("model", "expected the model name (see GET /v1/models)")
+    if model != service.model_id:
+        raise ApiError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'.",
+                       param="model", code="model_not_found")
+    n = get_int(body, "n", minimum=1, maximum=1)
+    del n  # only n=1 is served
+    max_tokens = get_int(body, "max_tokens", minimum=1)
+    if chat and max_tokens is None:
+        max_tokens = get_int(body, "max_completion_tokens", minimum=1)
+    stop = get_stop(body)
+    stream = get_bool(body, "stream")
+    options = body.get("stream_options")
+    if options is not None and not isinstance(options, dict):
+        raise invalid("stream_options", "expected an object")
+    include_usage = bool(options and options.get("include_usage"))
+    sampling = _sampling(body, service.generator.tokenizer.n_vocab)
+    tokens = _prompt_tokens(service, body, chat)
+    if not chat and max_tokens is None:
+        max_tokens = min(DEFAULT_COMPLETION_TOKENS, max(1, service.generator.n_ctx - len(tokens)))
+    try:
+        limit = service.generator.check_fits(len(tokens), max_tokens)
+    except ContextOverflow as exc:
+        raise ApiError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded") from exc
+    return GenerationRequest(tuple(tokens), limit, sampling, stop), stream, include_usage
+
+
+def _usage(completion: Completion) -> dict[str, Any]:
+    return {
+        "prompt_tokens": completion.prompt_tokens,
+        "completion_tokens": completion.completion_tokens,
+        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        "skippy_timing": completion.timing.as_dict(completion.completion_tokens),
+    }
+
+
+def _sse(data: dict[str, Any] | str) -> bytes:
+    return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
+
+
+class _Handlers:
+    def __init__(self, service: ChainService) -> None:
+        self.service = service
+
+    async def chain_error(self, exc: StageClientError) -> ApiError:
+        """A 503 naming the stage that is lost, when it can be told."""
+        pool = self.service.pool
+        await pool.discard_idle()
+        named = await pool.name_lost_stage() if pool.stages else None
+        detail = f"{named}: {exc}" if named else str(exc)
+        return ApiError(503, f"The model chain is unavailable: {detail}", type="service_unavailable",
+                        code="stage_unavailable")
+
+    async def start(self, request: GenerationRequest) -> tuple[Lease, Generation, str]:
+        """Lease a lane and run the first exchange (up to the first token)."""
+        pool = self.service.pool
+        try:
+            lease = await pool.acquire()
+        except StageLost as exc:
+            raise await self.chain_error(exc) from exc
+        self.service.metrics.lanes_open.set(pool.open_lanes)
+        generation = self.service.generator.start(lease.client, request, pool.new_session_id())
+        try:
+            first = await generation.__anext__()
+        except StopAsyncIteration:
+            first = ""
+        except StageClientError as exc:
+            await pool.release(lease)
+            raise await self.chain_error(exc) from exc
+        except BaseException:
+            await pool.release(lease)
+            raise
+        self.service.metrics.first_token(generation.timing)
+        return lease, generation, first
+
+    async def finish(self, lease: Lease, generation: Generation) -> None:
+        lease.clean = generation.result is not None
+        await self.service.pool.release(lease)
+        self.service.metrics.lanes_open.set(self.service.pool.open_lanes)
+        if generation.result is not None:
+            self.service.metrics.generation_done(generation.timing, generation.result.completion_tokens)
+
+    async def generate(self, raw: Request, chat: bool) -> Response:
+        endpoint = "chat_completions" if chat else "completions"
+        metrics = self.service.metrics
+        request, stream, include_usage = _parse(self.service, parse_json_object(await raw.body()), chat)
+        metrics.in_flight.inc()
+        try:
+            lease, generation, first = await self.start(request)
+        except BaseException:
+            metrics.in_flight.dec()
+            raise
+        ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
+        if stream:
+            metrics.request_done(endpoint, 200)
+            return StreamingResponse(self.stream(lease, generation, first, ident, chat, include_usage),
+                                     media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        try:
+            async for _ in generation:
+                pass
+        except StageClientError as exc:
+            raise await self.chain_error(exc) from exc
+        finally:
+            await self.finish(lease, generation)
+            metrics.in_flight.dec()
+        completion = generation.result
+        assert completion is not None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason, "logprobs": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": completion.text}
+        else:
+            choice["text"] = completion.text
+        metrics.request_done(endpoint, 200)
+        return JSONResponse({
+            "id": ident, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.service.model_id, "system_fingerprint": None,
+            "choices": [choice], "usage": _usage(completion),
+        })
+
+    async def stream(self, lease: Lease, generation: Generation, first: str, ident: str, chat: bool,
+                     include_usage: bool) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        model = self.service.model_id
+
+        def chunk(text: str | None, finish: str | None, *, role: bool = False) -> dict[str, Any]:
+            if chat:
+                delta: dict[str, Any] = {}
+                if role:
+                    delta["role"] = "assistant"
+                if text is not None:
+                    delta["content"] = text
+                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+            else:
+                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
+            return {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created, "model": model, "system_fingerprint": None, "choices": [choice]}
+
+        try:
+            if chat:
+                yield _sse(chunk("", None, role=True))
+            if first:
+                yield _sse(chunk(first, None))
+            try:
+                async for piece in generation:
+                    if piece:
+                        yield _sse(chunk(piece, None))
+            except StageClientError as exc:
+                error = await self.chain_error(exc)
+                yield _sse(error.body())
+                return
+            completion = generation.result
+            assert completion is not None
+            yield _sse(chunk(None if chat else "", completion.finish_reason))
+            if include_usage:
+                yield _sse({"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": model, "choices": [], "usage": _usage(completion)})
+            yield _sse("[DONE]")
+        finally:
+            await self.finish(lease, generation)
+            self.service.metrics.in_flight.dec()
+
+    # -- routes --------------------------------------------------------------------------------
+    async def completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=False)
+
+    async def chat_completions(self, request: Request) -> Response:
+        return await self.generate(request, chat=True)
+
+    async def models(self, request: Request) -> Response:
+        self.service.metrics.request_done("models", 200)
+        return JSONResponse({"object": "list", "data": [
+            {"id": self.service.model_id, "object": "model", "created": self.service.created, "owned_by": "skippy"},
+        ]})
+
+    async def model(self, request: Request) -> Response:
+        name = request.path_params["model"]
+        if name != self.service.model_id:
+            raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
+        return JSONResponse({"id": name, "object": "model", "created": self.service.created, "owned_by": "skippy"})
+
+    async def health(self, request: Request) -> Response:
+        problem = await self.service.pool.check()
+        status = 200 if problem is None else 503
+        self.service.metrics.request_done("health", status)
+        body: dict[str, Any] = {"status": "ok" if problem is None else "unavailable",
+                                "model": self.service.model_id, "first_stage": str(self.service.pool.address)}
+        if problem is not None:
+            body["error"] = problem
+        return JSONResponse(body, status_code=status)
+
+    async def metrics(self, request: Request) -> Response:
+        return Response(self.service.metrics.render(), media_type=self.service.metrics.content_type)
+
+
+def create_app(service: ChainService) -> Starlette:
+    """The ASGI app serving ``service``."""
+    handlers = _Handlers(service)
+
+    async def api_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, ApiError)
+        endpoint = request.url.path.strip("/").replace("v1/", "").replace("/", "_") or "root"
+        service.metrics.request_done(endpoint, exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        status = getattr(exc, "status_code", 404)
+        error = ApiError(status, f"{request.method} {request.url.path} is not served here",
+                         code="not_found" if status == 404 else "method_not_allowed")
+        return JSONResponse(error.body(), status_code=status)
+
+    routes = [
+        Route("/v1/models", handlers.models, methods=["GET"]),
+        Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
+        Route("/v1/completions", handlers.completions, methods=["POST"]),
+        Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+        Route("/health", handlers.health, methods=["GET"]),
+        Route("/metrics", handlers.metrics, methods=["GET"]),
+    ]
+    handlers_map: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
+        ApiError: api_error, 404: not_found, 405: not_found,
+    }
+    return Starlette(routes=routes, exception_handlers=handlers_map)

@@ -1,0 +1,62 @@
+"""Prometheus metrics of the API server, in a registry of their own.
+
+Strategy: one :class:`Metrics` object per app (its own ``CollectorRegistry``, so several apps in
+one process — tests — never collide), updated by the request handlers at a few points: a request
+ends (status, tokens), the first token arrives (TTFT), each later token (inter-token gap), and the
+stage timings carried by the replies (mean compute of one stage per reply, and the chain's total).
+"""
+
+from __future__ import annotations
+
+from typing import final
+
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from skippy.driver.generator import Timing
+
+_LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+
+@final
+class Metrics:
+    content_type = CONTENT_TYPE_LATEST
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("skippy_requests", "HTTP requests by endpoint and status", ["endpoint", "status"],
+                                registry=r)
+        self.in_flight = Gauge("skippy_requests_in_flight", "generation requests running", registry=r)
+        self.prompt_tokens = Counter("skippy_prompt_tokens", "prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("skippy_completion_tokens", "tokens generated", registry=r)
+        self.ttft = Histogram("skippy_time_to_first_token_seconds", "time to the first token",
+                              buckets=_LATENCY_BUCKETS, registry=r)
+        self.inter_token = Histogram("skippy_inter_token_seconds", "time between consecutive tokens",
+                                     buckets=_LATENCY_BUCKETS, registry=r)
+        self.stage_compute = Histogram("skippy_stage_compute_seconds",
+                                       "compute of one stage for one reply (chain mean)",
+                                       buckets=_LATENCY_BUCKETS, registry=r)
+        self.chain_compute = Counter("skippy_chain_compute_seconds", "compute summed over all stages", registry=r)
+        self.chain_stages = Gauge("skippy_chain_stages", "stages that reported timings", registry=r)
+        self.lanes_open = Gauge("skippy_lanes_open", "lanes open to the first stage", registry=r)
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        self.requests.labels(endpoint, str(status)).inc()
+
+    def first_token(self, timing: Timing) -> None:
+        self.ttft.observe(timing.time_to_first_token)
+
+    def generation_done(self, timing: Timing, completion_tokens: int) -> None:
+        self.prompt_tokens.inc(timing.prompt_tokens)
+        self.completion_tokens.inc(completion_tokens)
+        for gap in timing.inter_token:
+            self.inter_token.observe(gap)
+        if timing.replies and timing.stage_count:
+            per_stage = timing.compute_us / timing.replies / timing.stage_count / 1e6
+            for _ in range(timing.replies):
+                self.stage_compute.observe(per_stage)
+            self.chain_compute.inc(timing.compute_us / 1e6)
+            self.chain_stages.set(timing.stage_count)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

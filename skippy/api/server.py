@@ -1,0 +1,66 @@
+"""Run the API app with hypercorn inside the caller's trio run.
+
+Strategy: :func:`serve_api` builds the service (vocab-only tokenizer, chat template, lane pool),
+binds with hypercorn's trio worker and reports the bound URL through ``task_status`` (port 0 picks
+a free port), so a launcher can start it with ``nursery.start`` like any other ready-signalling
+task.  Cancelling the task stops the server; the lanes are closed on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Sequence
+
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+
+from skippy.api.app import ChainService, create_app
+from skippy.api.lanes import LanePool, StageInfo
+from skippy.driver.generator import Generator
+from skippy.stage.config import Address
+
+log = logging.getLogger("skippy.api")
+
+
+def model_id_for(path: Path) -> str:
+    """The name the API serves a model file under: its file name without ``.gguf``."""
+    return path.name.removesuffix(".gguf")
+
+
+async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1", port: int = 8000,
+                    model_id: str | None = None, n_ctx: int | None = None, max_lanes: int = 8,
+                    stages: Sequence[StageInfo] = (), reply_timeout: float = 30.0,
+                    task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
+    """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
+
+    Args:
+        model: the GGUF file (only its vocabulary and chat template are read).
+        first_stage: the chain's first stage.
+        host, port: where to listen (port 0: any free port).
+        model_id: the model name clients use (default: the file name without ``.gguf``).
+        n_ctx: context length requests must fit (default: min(trained context, 4096)).
+        max_lanes: concurrent requests (lanes); keep it <= the stages' ``--max-sessions``.
+        stages: every stage, when known, so errors can name a lost one.
+        task_status: receives the base URL once listening.
+    """
+    generator = Generator.from_model(model, n_ctx=n_ctx)
+    pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout)
+    service = ChainService(generator, pool, model_id or model_id_for(model))
+    config = Config()
+    config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
+    config.accesslog = None
+    config.errorlog = log
+    config.graceful_timeout = 1.0
+    config.keep_alive_timeout = 30.0
+    try:
+        async with trio.open_nursery() as nursery:
+            binds = await nursery.start(serve, create_app(service), config)
+            url = binds[0] if binds else f"http://{host}:{port}"
+            log.info("serving %s on %s (first stage %s)", service.model_id, url, first_stage)
+            task_status.started(url)
+    finally:
+        with trio.CancelScope(shield=True):
+            await pool.aclose()
+        generator.close()

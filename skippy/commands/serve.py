@@ -1,0 +1,62 @@
+"""``skippy serve --model M.gguf --first-stage HOST:PORT``: the OpenAI-compatible API for a running chain.
+
+Strategy: the stages run elsewhere (``python -m skippy.stage`` on each host); this process loads
+only the model's vocabulary and chat template and serves HTTP with hypercorn under trio until
+Ctrl-C or SIGTERM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import trio
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API for a running chain",
+                                   description=__doc__)
+    parser.add_argument("--model", type=Path, required=True,
+                        help="the chain's GGUF model (only its vocabulary and chat template are read)")
+    parser.add_argument("--first-stage", required=True, help="HOST:PORT of the chain's first stage")
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000, 0 = any)")
+    parser.add_argument("--model-id", help="model name served in /v1/models (default: file name)")
+    parser.add_argument("--ctx-size", type=int, help="context length a request must fit (default: the "
+                        "model's, at most 4096; match the stages' --ctx-size)")
+    parser.add_argument("--max-lanes", type=int, default=8,
+                        help="concurrent requests, one lane each (default 8; <= the stages' --max-sessions)")
+    parser.set_defaults(run=run)
+
+
+async def _main(args: argparse.Namespace) -> None:
+    from skippy.api.server import serve_api
+    from skippy.launch import cancel_on_signal
+    from skippy.stage.config import Address
+
+    first = Address.parse(args.first_stage)
+    got: list[int] = []
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
+            url = await nursery.start(lambda task_status: serve_api(
+                args.model, first, host=args.host, port=args.port, model_id=args.model_id, n_ctx=args.ctx_size,
+                max_lanes=args.max_lanes, task_status=task_status))
+            print(f"skippy API for {args.model.name} on {url} (first stage {first}); Ctrl-C stops it", flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if not args.model.is_file():
+        print(f"error: model file {args.model} does not exist", file=sys.stderr)
+        return 2
+    try:
+        trio.run(_main, args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,172 @@
+"""``skippy up``: the whole chain on this machine (stages final-first, then the API) in one command.
+
+Strategy: :func:`skippy.launch.run_chain` starts and owns the stage processes; once every stage is
+READY the API starts in this process on the same trio run, then the URL and a ``curl`` line are
+printed.  SIGINT/SIGTERM cancel the run; a stage that exits cancels it too and its last log lines
+are shown; either way every child is stopped before the command returns.  With no ``--model`` the
+generated demo model is used (written once into the model cache).  Loading shows a progress bar on
+a terminal (plain lines otherwise).  :func:`run_up` takes a callback run once the API is up, which
+``skippy demo`` uses to send its request.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shlex
+import signal
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Awaitable, Callable, TextIO
+
+import trio
+
+#: The name the generated demo model is served under.
+DEMO_MODEL_ID = "skippy-demo"
+
+#: Called with the API's base URL once everything is up; the chain stops when it returns.
+OnReady = Callable[[str], Awaitable[None]]
+
+
+def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
+    """Options shared by ``up`` and ``demo``."""
+    parser.add_argument("--model", type=Path, help="GGUF model (default: the generated demo model)")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--stages", type=int, help="number of even stages (default 2)")
+    group.add_argument("--layers", help="contiguous layer ranges, e.g. 0:8,8:16,16:24")
+    parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
+    parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
+    parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="compute threads per stage (default: cores / stages, at least 1)")
+    parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],
+                        help="activation dtype between stages (default f32: exact)")
+    parser.add_argument("--log-dir", type=Path, help="where stage logs go (default: a new temporary directory)")
+
+
+def add_parser(subparsers: Any) -> None:
+    parser = subparsers.add_parser("up", help="start a whole chain locally and serve the OpenAI-compatible API",
+                                   description=__doc__)
+    add_chain_arguments(parser)
+    parser.add_argument("--port", type=int, default=8000, help="API port (default 8000, 0 = any free port)")
+    parser.set_defaults(run=run)
+
+
+class ProgressBar:
+    """Loading progress of the stages on one terminal line (or plain lines off a terminal)."""
+
+    def __init__(self, stream: TextIO, count: int) -> None:
+        self.stream = stream
+        self.count = count
+        self.fractions = [0.0] * count
+        self.tty = stream.isatty()
+        self.drawn = False
+
+    def update(self, index: int, count: int, fraction: float) -> None:
+        self.fractions[index] = max(self.fractions[index], fraction)
+        if not self.tty:
+            return
+        done = sum(self.fractions) / self.count
+        width = 30
+        filled = int(done * width)
+        bar = "#" * filled + "-" * (width - filled)
+        self.stream.write(f"\rloading {self.count} stages [{bar}] {done * 100:3.0f}%")
+        self.stream.flush()
+        self.drawn = True
+
+    def line(self, text: str) -> None:
+        if self.drawn:
+            self.stream.write("\r\x1b[K")
+        self.stream.write(text + "\n")
+        self.stream.flush()
+        self.drawn = False
+
+
+def _split(args: argparse.Namespace, n_layer: int) -> list[tuple[int, int]]:
+    from skippy.local import even_split, parse_split
+
+    if args.layers:
+        split = parse_split(args.layers)
+        if split[-1][1] != n_layer:
+            raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {n_layer} layers")
+        return split
+    return even_split(n_layer, args.stages or 2)
+
+
+async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> int:
+    """Run the chain and API until a signal, a failing stage, or ``on_ready`` returning.
+
+    Returns:
+        0 after a clean stop, 1 when a stage failed, 2 for bad settings.
+    """
+    from skippy.api.server import serve_api
+    from skippy.launch import ChildFailed, StageChild, cancel_on_signal, run_chain
+    from skippy.runtime import read_gguf_info
+
+    err = sys.stderr
+    try:
+        model = args.model or _demo_model(err)
+        info = read_gguf_info(model)
+        split = _split(args, info.n_layer)
+    except (ValueError, OSError) as exc:  # bad --layers/--stages, unreadable model (ModelLoadError is OSError/ValueError)
+        print(f"error: {exc}", file=err)
+        return 2
+    threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
+    options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
+               "--threads", str(threads), "--wire-dtype", args.wire_dtype]
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
+    bar = ProgressBar(err, len(split))
+    failure: list[str] = []
+    got: list[int] = []
+
+    def announce(child: StageChild) -> None:
+        assert child.process is not None
+        bar.line(f"{child.name} pid {child.process.pid} ready on {child.address}")
+
+    print(f"model {model} ({info.architecture}, {info.n_layer} layers) as {len(split)} stages; "
+          f"logs in {log_dir}", file=err, flush=True)
+    with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
+                children = await nursery.start(lambda task_status: run_chain(
+                    model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
+                    announce=announce, task_status=task_status))
+                stages = [child.info() for child in children]
+                model_id = model.name.removesuffix(".gguf") if args.model else DEMO_MODEL_ID
+                url = await nursery.start(lambda task_status: serve_api(
+                    model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
+                    n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status))
+                body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
+                        % model_id)
+                print(f"skippy API on {url}  (model {model_id}; Ctrl-C stops everything)", flush=True)
+                print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+                      flush=True)
+                if on_ready is not None:
+                    await on_ready(url)
+                    nursery.cancel_scope.cancel()
+        except* ChildFailed as group:
+            failure.extend(str(exc) for exc in group.exceptions)
+    if failure:
+        bar.line("error: " + "\nerror: ".join(failure))
+        print("stopped every stage", file=err)
+        return 1
+    if got:
+        print(f"got {signal.Signals(got[0]).name}; stopped every stage", file=err, flush=True)
+    return 0
+
+
+def _demo_model(err: TextIO) -> Path:
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import demo
+
+    print("using the generated demo model (written once into the model cache)", file=err, flush=True)
+    return ensure_model(demo())
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return trio.run(run_up, args)
