@@ -195,10 +195,17 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
     if not any(a.startswith("-DGGML_CUDA") for a in extra):
         args.append("-DGGML_CUDA=OFF")
     args += extra
+    ninja = shutil.which("ninja")
+    if ninja:
+        args += ["-DCMAKE_MAKE_PROGRAM=" + ninja]
     configured = out / ".skippy-configure"
-    wanted = "\n".join([str(source)] + args)
+    wanted = "\n".join([str(source), cmake] + args)
     if not (configured.exists() and configured.read_text() == wanted):
         _log("configuring: cmake " + " ".join(args))
+        # Tools may live in a pip build environment that is gone by the next build: a cache that
+        # names other tool paths is dropped (object files stay, so nothing is recompiled needlessly).
+        (out / "CMakeCache.txt").unlink(missing_ok=True)
+        shutil.rmtree(out / "CMakeFiles", ignore_errors=True)
         out.mkdir(parents=True, exist_ok=True)
         _run([cmake, "-S", str(source), "-B", str(out), *args], "cmake configure")
         configured.write_text(wanted)

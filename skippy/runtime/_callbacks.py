@@ -36,7 +36,16 @@ def recent_errors() -> collections.deque[str]:
     return lines
 
 
+def install_log_handler() -> None:
+    """(Re)route llama.cpp's log to Python; other bindings in the process (llama-cpp-python sets
+    its own handler at import) may have replaced it."""
+    lib.llama_log_set(lib.skippy_on_log, ffi.NULL)
+
+
 def take_recent_errors() -> str:
+    """The recent warning/error lines as one string, forgetting them; re-installs our handler
+    so that the next native call's messages are captured."""
+    install_log_handler()
     lines = recent_errors()
     text = "; ".join(line.strip() for line in lines if line.strip())
     lines.clear()

@@ -37,7 +37,7 @@ if lib.llama_stage_abi_version() != STAGE_ABI_VERSION or lib.LLAMA_STAGE_ABI_VER
 
 from skippy.runtime import _callbacks  # noqa: E402,F401 - registers the extern "Python" callbacks
 
-lib.llama_log_set(lib.skippy_on_log, ffi.NULL)
+_callbacks.install_log_handler()
 lib.llama_backend_init()
 
 __all__ = ["ffi", "lib", "STAGE_ABI_VERSION"]
