@@ -1,0 +1,50 @@
+"""Driver-side speculative decoding: n-gram drafts, acceptance rules, control, window FIFO.
+
+``SpeculativeDecoder`` is what the Generator drives; the other modules are its parts:
+``proposer`` (suffix n-gram drafts), ``acceptance`` (greedy and lossless sampled rules),
+``controller`` (window size and pipeline depth from acceptance and timing), ``window``
+(in-flight windows, authoritative positions, usage counters).
+"""
+
+from skippy.driver.speculation.acceptance import (
+    SamplingSettings,
+    Verdict,
+    accept_greedy,
+    accept_point_mass,
+    accept_point_mass_batch,
+    accept_speculative,
+    accept_tokens,
+    residual_distribution,
+    target_probabilities,
+)
+from skippy.driver.speculation.controller import (
+    ControllerConfig,
+    CostModel,
+    Plan,
+    SpeculationController,
+    expected_tokens,
+    pipelined_rate,
+    serial_rate,
+)
+from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder, WindowRequest
+from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
+from skippy.driver.speculation.window import (
+    SpeculationUsage,
+    UnknownWindowError,
+    Window,
+    WindowError,
+    WindowId,
+    WindowOrderError,
+    WindowOutcome,
+    WindowShapeError,
+    WindowTracker,
+)
+
+__all__ = [
+    "NO_DRAFT", "ControllerConfig", "CostModel", "Draft", "NgramProposer", "Plan", "SamplingSettings",
+    "SpeculationConfig", "SpeculationController", "SpeculationUsage", "SpeculativeDecoder",
+    "UnknownWindowError", "Verdict", "Window", "WindowError", "WindowId", "WindowOrderError",
+    "WindowOutcome", "WindowRequest", "WindowShapeError", "WindowTracker", "accept_greedy",
+    "accept_point_mass", "accept_point_mass_batch", "accept_speculative", "accept_tokens",
+    "expected_tokens", "pipelined_rate", "residual_distribution", "serial_rate", "target_probabilities",
+]

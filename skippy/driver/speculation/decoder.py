@@ -1,0 +1,179 @@
+# The per-request speculative decoder the Generator drives: proposer + controller + window FIFO.
+#
+# Strategy: sans-IO.  The Generator asks `next_window()` for messages to send until it returns
+# None, sends each (a plain DecodeEmbd when `request.is_decode`, else a VerifyWindow with
+# `seq_id = window_id` at `base_position`), then feeds every reply, in arrival order, to
+# `on_reply()`, which returns the newly committed tokens and the authoritative position.  The
+# decoder never blocks, reads clocks or touches sockets; timings come in with the replies.
+#
+# * Epoch start (no live window): propose up to K drafts from the committed history; the
+#   controller picks (K, D) or a plain step.  A plain step with a draft available is scored in
+#   shadow (its first draft against the token the chain returns), so acceptance keeps being
+#   measured while speculation is off.
+# * Pipelining: while fewer than D live windows are in flight, propose K + 1 more drafts from the
+#   optimistic tail (drafts in flight, never indexed) and send them as a continuation window.
+# * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence, final
+
+from skippy.driver.speculation.acceptance import Verdict, accept_tokens
+from skippy.driver.speculation.controller import ControllerConfig, Plan, SpeculationController
+from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
+from skippy.driver.speculation.window import (
+    MAX_WINDOWS_IN_FLIGHT,
+    SpeculationUsage,
+    WindowId,
+    WindowOutcome,
+    WindowTracker,
+)
+
+__all__ = ["SpeculationConfig", "SpeculativeDecoder", "WindowRequest"]
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculationConfig:
+    """Per-request speculation settings.
+
+    Attributes:
+        enabled: False sends plain decode steps only (the per-request opt-out).
+        n_min: shortest suffix n-gram the proposer matches.
+        n_max: longest suffix n-gram the proposer looks up.
+        controller: window / depth control.
+    """
+
+    enabled: bool = True
+    n_min: int = 2
+    n_max: int = 12
+    controller: ControllerConfig = ControllerConfig()
+
+
+@dataclass(frozen=True, slots=True)
+class WindowRequest:
+    """One message to send.
+
+    Attributes:
+        window_id: VerifyWindow ``seq_id`` (pass it back to ``on_reply`` for plain steps too).
+        base_position: the message's ``pos_start`` (authoritative position).
+        tokens: the tokens to send.
+        is_decode: a single committed token: send DecodeEmbd (PredictedToken reply).
+    """
+
+    window_id: WindowId
+    base_position: int
+    tokens: tuple[int, ...]
+    is_decode: bool
+
+
+@final
+class SpeculativeDecoder:
+    """Drafts, windows and acceptance for one request, after its prefill."""
+
+    def __init__(self, prompt: Sequence[int], first_token: int, *, config: SpeculationConfig = SpeculationConfig(),
+                 max_tokens: int | None = None) -> None:
+        """Args:
+            prompt: the prompt tokens (already prefilled on every stage).
+            first_token: the token the prefill reply predicted (committed, position len(prompt)).
+            config: speculation settings.
+            max_tokens: generated tokens wanted in total (first_token included); None: unbounded.
+        """
+        self.config = config
+        self.max_tokens = max_tokens
+        self.proposer = NgramProposer(prompt, n_min=config.n_min, n_max=config.n_max)
+        self.proposer.append(first_token)
+        self.controller = SpeculationController(config.controller)
+        self.tracker = WindowTracker(int(first_token), len(prompt))
+        self.generated: list[int] = [int(first_token)]
+        self._plan = Plan(0, 1, 1.0)
+        self._shadow: Draft = NO_DRAFT
+        self._alone: dict[int, bool] = {}
+
+    @property
+    def usage(self) -> SpeculationUsage:
+        return self.tracker.usage
+
+    @property
+    def kv_length(self) -> int:
+        """Positions whose KV is valid on every stage once in-flight windows drain (trim target)."""
+        return self.tracker.pending_position
+
+    @property
+    def done(self) -> bool:
+        return self.max_tokens is not None and len(self.generated) >= self.max_tokens
+
+    def _budget(self) -> int:
+        """Drafts that may still be sent (beyond what is in flight) without passing max_tokens."""
+        if self.max_tokens is None:
+            return self.controller.config.max_window * self.controller.config.max_depth
+        return self.max_tokens - len(self.generated) - len(self.tracker.optimistic_tail) - 1
+
+    def next_window(self) -> WindowRequest | None:
+        """The next message to send now, or None (wait for a reply, or done)."""
+        if self.done or self.tracker.in_flight >= MAX_WINDOWS_IN_FLIGHT:
+            return None
+        tracker = self.tracker
+        live = tracker.live
+        if not live:
+            budget = self._budget()
+            draft = NO_DRAFT
+            if self.config.enabled and budget > 0:
+                draft = self.proposer.propose(min(budget, self.controller.config.max_window))
+            self._plan = self.controller.plan(len(draft), draft.match_length) if draft.tokens else Plan(0, 1, 1.0)
+            drafts = draft.tokens[:self._plan.window]
+            self._shadow = draft if not drafts else NO_DRAFT
+            window = tracker.open_epoch(drafts, match_length=draft.match_length)
+            self._alone[window.id] = tracker.in_flight == 1
+            return WindowRequest(window.id, window.base_position, window.inputs, not drafts)
+        if self._plan.window == 0 or len(live) >= self._plan.depth:
+            return None
+        budget = min(self._budget(), self._plan.window + 1)
+        if budget <= 0:
+            return None
+        draft = self.proposer.propose(budget, tail=tracker.optimistic_tail)
+        if not draft.tokens:
+            return None
+        window = tracker.open_continuation(draft.tokens, match_length=draft.match_length)
+        self._alone[window.id] = False
+        return WindowRequest(window.id, window.base_position, window.inputs, False)
+
+    def on_reply(self, window_id: int, predicted: Sequence[int], *, wall_seconds: float | None = None,
+                 compute_seconds: float | None = None, verdict: Verdict | None = None) -> WindowOutcome:
+        """Process one reply (PredictedTokens, or PredictedToken for a plain step).
+
+        Args:
+            window_id: the reply's window id (for a plain step, the request's ``window_id``).
+            predicted: the target's token per input row.
+            wall_seconds: send-to-reply time, for the cost model.
+            compute_seconds: compute summed over stages (reply stats), for the cost model.
+            verdict: a verdict computed elsewhere (e.g. from logits); default exact match.
+
+        Returns:
+            The outcome: ``tokens`` are newly committed, in order.
+
+        Raises:
+            WindowError: unknown id, out-of-order reply, or a wrong prediction count.
+        """
+        tracker = self.tracker
+        window = tracker.take_reply(window_id, len(predicted))
+        alone = self._alone.pop(window.id, False)
+        if wall_seconds is not None and compute_seconds is not None:
+            self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone)
+        if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
+            return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
+        following = tracker.live
+        if verdict is None:
+            verdict = accept_tokens(window.inputs[1:], predicted)
+        outcome = tracker.commit(window, verdict)
+        if window.drafts:
+            self.controller.observe_outcome(window.match_length, outcome.accepted, outcome.proposed)
+            if outcome.diverged and following and outcome.accepted == outcome.proposed:
+                self.controller.observe_outcome(following[0].match_length, 0, 1)  # boundary guess missed
+        elif self._shadow.tokens:
+            hit = int(self._shadow.tokens[0] == outcome.tokens[0])
+            self.controller.observe_outcome(self._shadow.match_length, hit, 1)
+            self._shadow = NO_DRAFT
+        room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
+        self.generated.extend(outcome.tokens[:room])
+        self.proposer.extend(outcome.tokens)
+        return outcome
