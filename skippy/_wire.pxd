@@ -3,8 +3,10 @@
 # Call order for a decoder (both kinds):
 #   receive_data(chunk)*  ->  next_message() / next_reply() until NEED_DATA  ->  ...
 #   receive_data(b"")     ->  next_*() until END_OF_STREAM (or WireError if a frame was cut).
-# _layout() only reads the uncommitted buffer; _commit() copies exactly one frame out of it and
-# advances _start; _build() turns that committed frame into Python objects.
+# _layout() only reads the uncommitted bytes (_pending_data/_pending_size: the received bytes chunk
+# when one is held, else the bytearray); _commit() hands out exactly one frame (the chunk itself
+# when the frame is all of it, else a copy) and advances _start; _build() turns that committed
+# frame into Python objects.
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 
@@ -39,6 +41,7 @@ cdef struct MessageLayout:
 
 cdef class _FrameDecoder:
     cdef bytearray _buffer
+    cdef bytes _chunk               # a received bytes object parsed in place, or None
     cdef Py_ssize_t _start
     cdef Py_ssize_t _needed
     cdef bint _closed
@@ -46,5 +49,8 @@ cdef class _FrameDecoder:
     cdef MessageLayout _layout_result
     cdef object _metadata          # decoded chat metadata of the pending frame, or None
 
+    cdef const unsigned char *_pending_data(self) noexcept
+    cdef Py_ssize_t _pending_size(self) noexcept
+    cdef object _pending_object(self)
     cdef object _not_ready(self, Py_ssize_t needed)
     cdef bytes _commit(self, Py_ssize_t length)

@@ -18,13 +18,13 @@ Cold paths whose cost does not matter (the sampling section, unusual argument ty
 construction) call the twin's helpers, so both implementations raise identical errors.
 
 f16 encoding rounds ties away from zero like the reference (not the hardware's ties-to-even);
-the kernel is branch-free so the compiler can vectorise it.
+the f16 and q8 kernels are branch-free C in ``_activation.h`` so the compiler vectorises them.
 """
 
 cimport cython
 cimport numpy as cnp
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
 from cpython.ref cimport Py_INCREF
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
@@ -86,56 +86,13 @@ cdef tuple _STATE_FIELDS = _twin._STATE_FIELDS
 # Activation kernels (pure C, no Python objects)
 # ------------------------------------------------------------------------------------------
 
-cdef inline uint16_t _f32_bits_to_f16(uint32_t bits) noexcept nogil:
-    # Ties away from zero: add half an ulp, truncate (protocol.md §4.2). All candidates are
-    # computed and one is selected, so the loop has no branches.
-    cdef uint32_t sign = (bits >> 16) & 0x8000u
-    cdef uint32_t magnitude = bits & 0x7FFFFFFFu
-    cdef uint32_t normal = ((magnitude - 0x38000000u) + 0x1000u) >> 13
-    cdef uint32_t shift = 126u - (magnitude >> 23)
-    shift = 31u if shift > 31u else shift
-    cdef uint32_t mantissa = (magnitude & 0x7FFFFFu) | 0x800000u
-    cdef uint32_t subnormal = (mantissa + (1u << (shift - 1u))) >> shift
-    cdef uint32_t half = (0x7E00u if magnitude > 0x7F800000u else
-                          0x7C00u if magnitude >= 0x47800000u else
-                          normal if magnitude >= 0x38800000u else
-                          subnormal if magnitude >= 0x33000000u else 0u)
-    return <uint16_t>(half | sign)
-
-
-cdef inline uint32_t _f16_to_f32_bits(uint32_t half) noexcept nogil:
-    # Exact half -> single, branch-free (all candidates computed, one selected).
-    cdef uint32_t sign = (half & 0x8000u) << 16
-    cdef uint32_t exponent = (half >> 10) & 0x1Fu
-    cdef uint32_t mantissa = half & 0x3FFu
-    cdef float value = <float><int32_t>mantissa * <float>5.9604644775390625e-08  # m x 2^-24
-    cdef uint32_t subnormal
-    memcpy(&subnormal, &value, 4)
-    cdef uint32_t special = 0x7F800000u | (mantissa << 13)
-    cdef uint32_t normal = ((exponent + 112u) << 23) | (mantissa << 13)
-    return sign | (special if exponent == 0x1Fu else subnormal if exponent == 0u else normal)
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef void _encode_f16(const uint32_t *source, unsigned char *target,
-                      Py_ssize_t count) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(count):
-        skippy_store_u16(target + 2 * i, _f32_bits_to_f16(source[i]))
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-cdef void _decode_f16(const unsigned char *source, uint32_t *target,
-                      Py_ssize_t count) noexcept nogil:
-    cdef Py_ssize_t i
-    for i in range(count):
-        target[i] = _f16_to_f32_bits(skippy_load_u16(source + 2 * i))
-
-
 cdef extern from "_activation.h":
-    # q8 encoding lives in C so the compiler vectorises its branch-free loops.
+    # The f16 and q8 encoders and the f16 decoder are C, so the compiler sees branch-free loops
+    # it vectorises (the header explains how each stays byte-exact under SSE2).
+    void _encode_f16 "skippy_encode_f16" (const uint32_t *source, unsigned char *target,
+                                          Py_ssize_t count) noexcept nogil
+    void _decode_f16 "skippy_decode_f16" (const unsigned char *source, uint32_t *target,
+                                          Py_ssize_t count) noexcept nogil
     void _encode_q8 "skippy_encode_q8" (const float *source, unsigned char *target,
                                         Py_ssize_t rows, Py_ssize_t width) noexcept nogil
 
@@ -450,19 +407,40 @@ def encode_reply(reply):
 # ------------------------------------------------------------------------------------------
 
 cdef class _FrameDecoder:
-    """Buffer shared by both decoders; see ``_wire_py._FrameDecoder`` for the contract."""
+    """Buffer shared by both decoders; see ``_wire_py._FrameDecoder`` for the contract.
+
+    Unlike the twin, a ``bytes`` chunk that arrives while nothing is buffered is not copied: the
+    decoder keeps a reference to it (``_chunk``, immutable) and parses it in place, and when a
+    frame is the whole chunk ``_commit`` returns the chunk itself, so the usual one frame per
+    read costs no copy at all. Anything else (a partial frame followed by more data, a
+    ``bytearray``/``memoryview`` chunk) goes through the ``bytearray`` as in the twin.
+    """
 
     def __cinit__(self, *args, **kwargs):
         self._buffer = bytearray()
+        self._chunk = None
         self._start = 0
         self._needed = 0
         self._closed = False
         self._metadata = None
 
+    cdef inline const unsigned char *_pending_data(self) noexcept:
+        if self._chunk is not None:
+            return <const unsigned char *>PyBytes_AS_STRING(self._chunk) + self._start
+        return <const unsigned char *>PyByteArray_AS_STRING(self._buffer) + self._start
+
+    cdef inline Py_ssize_t _pending_size(self) noexcept:
+        if self._chunk is not None:
+            return PyBytes_GET_SIZE(self._chunk) - self._start
+        return PyByteArray_GET_SIZE(self._buffer) - self._start
+
+    cdef inline object _pending_object(self):
+        return self._chunk if self._chunk is not None else self._buffer
+
     @property
     def buffered_bytes(self):
         """Bytes received and not yet returned as frames."""
-        return PyByteArray_GET_SIZE(self._buffer) - self._start
+        return self._pending_size()
 
     @property
     def bytes_needed(self):
@@ -477,12 +455,22 @@ cdef class _FrameDecoder:
         if size == 0:
             self._closed = True
             return
-        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef Py_ssize_t buffered = self._pending_size()
         if buffered + size > self._max_buffer_bytes:
             raise WireError("buffered data exceeds the decoder's cap", field="buffered_bytes",
                             value=buffered + size, limit=self._max_buffer_bytes)
-        if self._start and buffered == 0:
-            self._buffer.clear()
+        if buffered == 0:
+            self._chunk = None
+            self._start = 0
+            if PyByteArray_GET_SIZE(self._buffer):
+                self._buffer.clear()
+            if type(data) is bytes:
+                self._chunk = data  # immutable: parsed in place, never copied
+                return
+        elif self._chunk is not None:
+            # A frame continues past this chunk: move its unconsumed tail into the buffer.
+            self._buffer += memoryview(self._chunk)[self._start:]
+            self._chunk = None
             self._start = 0
         self._buffer += data
 
@@ -493,18 +481,32 @@ cdef class _FrameDecoder:
         self._needed = needed
         if not self._closed:
             return NEED_DATA
-        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef Py_ssize_t buffered = self._pending_size()
         if buffered == 0:
             return END_OF_STREAM
         raise WireError("failed to fill whole buffer", field="frame_bytes", value=buffered,
                         limit=needed, end_of_stream=True)
 
     cdef bytes _commit(self, Py_ssize_t length):
-        cdef Py_ssize_t size = PyByteArray_GET_SIZE(self._buffer)
+        cdef Py_ssize_t size
+        cdef bytes frame
+        self._needed = 0
+        if self._chunk is not None:
+            size = PyBytes_GET_SIZE(self._chunk)
+            if self._start == 0 and length == size:
+                frame = self._chunk  # the frame is the whole chunk: no copy
+            else:
+                frame = PyBytes_FromStringAndSize(PyBytes_AS_STRING(self._chunk) + self._start,
+                                                  length)
+            self._start += length
+            if self._start == size:
+                self._chunk = None
+                self._start = 0
+            return frame
+        size = PyByteArray_GET_SIZE(self._buffer)
         frame = PyBytes_FromStringAndSize(PyByteArray_AS_STRING(self._buffer) + self._start,
                                           length)
         self._start += length
-        self._needed = 0
         if self._start == size:
             self._buffer.clear()
             self._start = 0
@@ -526,9 +528,8 @@ cdef class MessageDecoder(_FrameDecoder):
     cdef Py_ssize_t _layout(self) except -1:
         """0 when a whole valid frame is buffered (``_layout_result`` set), else the frame
         length needed so far. Reads only; checks every size before it is used."""
-        cdef const unsigned char *data = (<const unsigned char *>PyByteArray_AS_STRING(
-            self._buffer)) + self._start
-        cdef Py_ssize_t available = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef const unsigned char *data = self._pending_data()
+        cdef Py_ssize_t available = self._pending_size()
         cdef MessageLayout *layout = &self._layout_result
         if available < 4:
             return 4
@@ -589,7 +590,7 @@ cdef class MessageDecoder(_FrameDecoder):
         if token_count < 0 or token_n < 0 or position_n < 0 or token_n > MAX_SIDEBAND or \
                 position_n > MAX_SIDEBAND or (kind == 7 and token_count > MAX_STATE_IMPORT):
             # The twin walks the same bytes and raises the same error with its message.
-            _twin._message_layout(self._buffer, self._start, self._start + available, self.width)
+            _twin._message_layout(self._pending_object(), self._start, self._start + available, self.width)
         if kind == 7:
             offset += token_count
             if available < offset:
@@ -615,7 +616,7 @@ cdef class MessageDecoder(_FrameDecoder):
         Raises:
             WireError: the frame is malformed, or the stream ended inside it.
         """
-        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef Py_ssize_t buffered = self._pending_size()
         if buffered < self._needed or buffered == 0:
             return self._not_ready(self._needed)
         cdef Py_ssize_t needed = self._layout()
@@ -699,18 +700,17 @@ cdef class ReplyDecoder(_FrameDecoder):
         self._max_buffer_bytes = max_buffer_bytes
 
     cdef Py_ssize_t _layout(self) except -1:
-        cdef const unsigned char *data = (<const unsigned char *>PyByteArray_AS_STRING(
-            self._buffer)) + self._start
-        cdef Py_ssize_t available = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef const unsigned char *data = self._pending_data()
+        cdef Py_ssize_t available = self._pending_size()
         cdef MessageLayout *layout = &self._layout_result
         if available < 12:
             # Too short to know the size; the twin reports a bad kind from 4 bytes.
-            result = _twin._reply_layout(self._buffer, self._start, self._start + available)
+            result = _twin._reply_layout(self._pending_object(), self._start, self._start + available)
             return result
         cdef int32_t kind = skippy_load_i32(data)
         cdef int32_t count = skippy_load_i32(data + 8)
         if kind < 1 or kind > 3 or count < 0 or count > MAX_PREDICTED:
-            _twin._reply_layout(self._buffer, self._start, self._start + available)  # raises
+            _twin._reply_layout(self._pending_object(), self._start, self._start + available)  # raises
         cdef int64_t offset = 12 + 4 * <int64_t>count + 4
         if available < offset + 4:
             return offset + 4
@@ -722,11 +722,11 @@ cdef class ReplyDecoder(_FrameDecoder):
                 return offset + 4
             count = skippy_load_i32(data + offset)
             if count < 0 or count > MAX_PREDICTED:
-                _twin._reply_layout(self._buffer, self._start, self._start + available)  # raises
+                _twin._reply_layout(self._pending_object(), self._start, self._start + available)  # raises
             layout.draft_offset = offset
             offset += 4 + 4 * <int64_t>count + 8
         elif marker != 0:
-            _twin._reply_layout(self._buffer, self._start, self._start + available)  # raises
+            _twin._reply_layout(self._pending_object(), self._start, self._start + available)  # raises
         offset += STATS_BYTES
         if available < offset:
             return offset
@@ -739,7 +739,7 @@ cdef class ReplyDecoder(_FrameDecoder):
         Raises:
             WireError: the reply is malformed, or the stream ended inside it.
         """
-        cdef Py_ssize_t buffered = PyByteArray_GET_SIZE(self._buffer) - self._start
+        cdef Py_ssize_t buffered = self._pending_size()
         if buffered < self._needed or buffered == 0:
             return self._not_ready(self._needed)
         cdef Py_ssize_t needed = self._layout()
