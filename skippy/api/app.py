@@ -173,6 +173,7 @@ class _Handlers:
     async def chain_error(self, exc: StageClientError) -> ApiError:
         """A 503 naming the stage that is lost, when it can be told."""
         pool = self.service.pool
+        pool.suspect = True
         await pool.discard_idle()
         named = await pool.name_lost_stage() if pool.stages else None
         detail = f"{named}: {exc}" if named else str(exc)
@@ -182,6 +183,11 @@ class _Handlers:
     async def start(self, request: GenerationRequest) -> tuple[Lease, Generation, str]:
         """Lease a lane and run the first exchange (up to the first token)."""
         pool = self.service.pool
+        if pool.suspect:  # the chain failed recently: answer quickly rather than wait on a dead stage
+            problem = await pool.check()
+            if problem is not None:
+                raise ApiError(503, f"The model chain is unavailable: {problem}", type="service_unavailable",
+                               code="stage_unavailable")
         try:
             lease = await pool.acquire()
         except StageLost as exc:

@@ -70,6 +70,8 @@ class LanePool:
         self._base = random.getrandbits(30)
         self._counter = itertools.count(1)
         self.open_lanes = 0
+        #: Set after a chain failure: requests check the chain (briefly) before taking a lane.
+        self.suspect = False
 
     def new_session_id(self) -> int:
         return (self._base + next(self._counter)) & 0x7FFFFFFF or 1
@@ -128,7 +130,9 @@ class LanePool:
             finally:
                 await client.aclose()
         if problem is None:
+            self.suspect = False
             return None
+        self.suspect = True
         await self.discard_idle()
         return await self.name_lost_stage(timeout) or problem
 

@@ -103,14 +103,14 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     """
     from skippy.api.server import serve_api
     from skippy.launch import ChildFailed, StageChild, cancel_on_signal, run_chain
-    from skippy.runtime import read_gguf_info
+    from skippy.runtime import NativeError, read_gguf_info
 
     err = sys.stderr
     try:
         model = args.model or _demo_model(err)
         info = read_gguf_info(model)
         split = _split(args, info.n_layer)
-    except (ValueError, OSError) as exc:  # bad --layers/--stages, unreadable model (ModelLoadError is OSError/ValueError)
+    except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages; unreadable model (ModelLoadError)
         print(f"error: {exc}", file=err)
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
@@ -148,7 +148,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                     await on_ready(url)
                     nursery.cancel_scope.cancel()
         except* ChildFailed as group:
-            failure.extend(str(exc) for exc in group.exceptions)
+            failure.extend(str(exc) for exc in _leaves(group))
     if failure:
         bar.line("error: " + "\nerror: ".join(failure))
         print("stopped every stage", file=err)
@@ -156,6 +156,13 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     if got:
         print(f"got {signal.Signals(got[0]).name}; stopped every stage", file=err, flush=True)
     return 0
+
+
+def _leaves(error: BaseException) -> list[BaseException]:
+    """The non-group exceptions inside (nested) exception groups."""
+    if isinstance(error, BaseExceptionGroup):
+        return [leaf for inner in error.exceptions for leaf in _leaves(inner)]
+    return [error]
 
 
 def _demo_model(err: TextIO) -> Path:
