@@ -25,10 +25,16 @@ cimport cython
 cimport numpy as cnp
 from cpython.bytearray cimport PyByteArray_AS_STRING, PyByteArray_GET_SIZE
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.tuple cimport PyTuple_New, PyTuple_SET_ITEM
+from cpython.bool cimport PyBool_Check
+from cpython.long cimport PyLong_Check
+from cpython.object cimport PyObject, PyTypeObject, Py_TYPE
 from cpython.ref cimport Py_INCREF
+from cpython.tuple cimport PyTuple_GET_ITEM, PyTuple_New, PyTuple_SET_ITEM
 from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.string cimport memcpy
+
+import dataclasses
+from types import MemberDescriptorType
 
 import numpy as np
 
@@ -72,6 +78,9 @@ cdef enum:
     SAMPLING_BIT = 8
     CHAT_BIT = 32
     STATS_BYTES = 184
+    # Activations smaller than this are converted without releasing the GIL: for a decode frame
+    # (one row) releasing and retaking it costs more than the conversion.
+    NOGIL_ELEMENTS = 65536
 
 
 cdef frozenset _KIND_CODES = frozenset(int(kind) for kind in MessageKind)
@@ -80,6 +89,113 @@ cdef tuple _REPLY_KINDS = (None, ReplyKind.ACK, ReplyKind.PREDICTED_TOKEN,
                            ReplyKind.PREDICTED_TOKENS)
 cdef object _EMPTY_I32 = _twin._EMPTY_I32
 cdef tuple _STATE_FIELDS = _twin._STATE_FIELDS
+
+
+# ------------------------------------------------------------------------------------------
+# Frame objects without __init__
+# ------------------------------------------------------------------------------------------
+# The decoders build frozen, slotted dataclasses from values they have already validated, and
+# the generated __init__ (one object.__setattr__ per field) was most of the per-frame cost. So a
+# decoded object is allocated as object.__new__ would (PyType_GenericAlloc) and its slots are
+# filled directly at the offsets their member descriptors name. This is done only for classes
+# that _slot_layout has checked: every field is an object slot (T_OBJECT_EX, writable), there is
+# no instance __dict__, no __new__ and no __post_init__ (protocol.py validates nothing in
+# __init__; keep it that way or drop the class from here); otherwise the class is called as
+# usual. All fields are always given, so the result equals what __init__ would build.
+
+cdef extern from "Python.h":
+    # object.__new__'s allocation for these classes (their tp_alloc), typed for a C type pointer.
+    object _allocate "PyType_GenericAlloc" (PyTypeObject *cls, Py_ssize_t items)
+    ctypedef struct PyMemberDef:
+        int type
+        Py_ssize_t offset
+        int flags
+    ctypedef struct PyMemberDescrObject:
+        PyMemberDef *d_member
+
+cdef enum:
+    MEMBER_OBJECT_EX = 16   # T_OBJECT_EX / Py_T_OBJECT_EX (structmember.h)
+    MEMBER_READONLY = 1     # READONLY / Py_READONLY
+    MAX_SLOTS = 24
+
+cdef struct SlotLayout:
+    PyTypeObject *cls        # borrowed: the classes live as long as skippy.protocol
+    Py_ssize_t count         # 0: build by calling the class
+    Py_ssize_t offsets[MAX_SLOTS]
+
+
+cdef int _slot_layout(SlotLayout *layout, object cls, tuple expected=None) except -1:
+    """Fill ``layout`` for ``cls``, or leave ``count`` 0 (the slow path) if it does not qualify
+    or its field names are not ``expected`` (the order the encoder's indices assume)."""
+    layout.cls = <PyTypeObject *>cls
+    layout.count = 0
+    names = [field.name for field in dataclasses.fields(cls)]
+    if (expected is not None and tuple(names) != expected) or (len(names) > MAX_SLOTS or cls.__new__ is not object.__new__ or cls.__dictoffset__
+            or hasattr(cls, "__post_init__") or not cls.__dataclass_params__.init):
+        return 0
+    cdef PyMemberDef *member
+    for index, name in enumerate(names):
+        descriptor = cls.__dict__.get(name)
+        if type(descriptor) is not MemberDescriptorType:
+            return 0
+        member = (<PyMemberDescrObject *><PyObject *>descriptor).d_member
+        if member.type != MEMBER_OBJECT_EX or member.flags & MEMBER_READONLY:
+            return 0
+        layout.offsets[index] = member.offset
+    layout.count = len(names)
+    return 0
+
+
+cdef inline void _set_slot(object instance, Py_ssize_t offset, object value) noexcept:
+    # The instance is fresh, so the slot is NULL: store a new reference, release nothing.
+    Py_INCREF(value)
+    (<PyObject **>((<char *><PyObject *>instance) + offset))[0] = <PyObject *>value
+
+
+cdef object _new_object(SlotLayout *layout, tuple values):
+    """``cls(*values)`` for a checked layout, without running ``__init__``."""
+    if layout.count != len(values):
+        return (<object>layout.cls)(*values)
+    instance = _allocate(layout.cls, 0)
+    cdef Py_ssize_t index
+    for index in range(layout.count):
+        _set_slot(instance, layout.offsets[index], <object>PyTuple_GET_ITEM(values, index))
+    return instance
+
+
+cdef inline object _field(object instance, SlotLayout *layout, Py_ssize_t index, str name):
+    """``instance.<name>``, read straight from its slot when ``instance`` is of the layout's class
+    (``name`` is field ``index`` there; checked at import)."""
+    cdef PyObject *value
+    if layout.count and Py_TYPE(instance) == layout.cls:
+        value = (<PyObject **>((<char *><PyObject *>instance) + layout.offsets[index]))[0]
+        if value != NULL:
+            return <object>value
+    return getattr(instance, name)
+
+
+cdef SlotLayout _STATE_LAYOUT, _MESSAGE_LAYOUT, _SAMPLING_LAYOUT, _BIAS_LAYOUT
+cdef SlotLayout _REPLY_LAYOUT, _STATS_LAYOUT, _DRAFT_LAYOUT
+_slot_layout(&_STATE_LAYOUT, StateHeader, _STATE_FIELDS + ("reserved",))
+_slot_layout(&_MESSAGE_LAYOUT, StageMessage, (
+    "kind", "pos_start", "token_count", "state", "request_id", "session_id", "sampling",
+    "chat_sampling_metadata", "tokens", "positions", "activation", "raw_bytes"))
+_slot_layout(&_SAMPLING_LAYOUT, SamplingConfig)
+_slot_layout(&_BIAS_LAYOUT, LogitBias)
+_slot_layout(&_REPLY_LAYOUT, StageReply)
+_slot_layout(&_STATS_LAYOUT, ReplyStats)
+_slot_layout(&_DRAFT_LAYOUT, NativeMtpDraft)
+
+
+cdef object _state_header(const unsigned char *data):
+    """The StateHeader of the ten i32 at ``data`` (frame offset 20)."""
+    if _STATE_LAYOUT.count != 10:
+        return StateHeader(*[skippy_load_i32(data + 4 * index) for index in range(10)])
+    instance = _allocate(_STATE_LAYOUT.cls, 0)
+    cdef Py_ssize_t index
+    for index in range(10):
+        _set_slot(instance, _STATE_LAYOUT.offsets[index], skippy_load_i32(data + 4 * index))
+    return instance
 
 
 # ------------------------------------------------------------------------------------------
@@ -146,6 +262,14 @@ cdef object _view(object owner, const unsigned char *data, int nd, cnp.npy_intp 
     return array
 
 
+cdef void _dequantize(const unsigned char *data, int dtype, void *target, Py_ssize_t rows,
+                      Py_ssize_t width) noexcept nogil:
+    if dtype == 1:
+        _decode_f16(data, <uint32_t *>target, rows * width)
+    else:
+        _decode_q8(data, <float *>target, rows, width)
+
+
 cdef object _decode_activation(object owner, const unsigned char *data, int dtype,
                                Py_ssize_t rows, Py_ssize_t width):
     cdef cnp.npy_intp dims[2]
@@ -155,11 +279,11 @@ cdef object _decode_activation(object owner, const unsigned char *data, int dtyp
         return _view(owner, data, 2, dims, cnp.NPY_FLOAT32)
     cdef object array = cnp.PyArray_SimpleNew(2, dims, cnp.NPY_FLOAT32)
     cdef void *target = cnp.PyArray_DATA(array)
-    with nogil:
-        if dtype == 1:
-            _decode_f16(data, <uint32_t *>target, rows * width)
-        else:
-            _decode_q8(data, <float *>target, rows, width)
+    if rows * width < NOGIL_ELEMENTS:
+        _dequantize(data, dtype, target, rows, width)
+    else:
+        with nogil:
+            _dequantize(data, dtype, target, rows, width)
     return array
 
 
@@ -192,16 +316,24 @@ def encode_activation(values, wire_dtype):
     return out
 
 
+cdef void _quantize(const void *source, int dtype, unsigned char *target, Py_ssize_t rows,
+                    Py_ssize_t width) noexcept nogil:
+    if dtype == 0:
+        memcpy(target, source, rows * width * 4)
+    elif dtype == 1:
+        _encode_f16(<const uint32_t *>source, target, rows * width)
+    else:
+        _encode_q8(<const float *>source, target, rows, width)
+
+
 cdef void _write_activation(object array, int dtype, Py_ssize_t rows, Py_ssize_t width,
                             unsigned char *target) noexcept:
     cdef const void *source = cnp.PyArray_DATA(array)
-    with nogil:
-        if dtype == 0:
-            memcpy(target, source, rows * width * 4)
-        elif dtype == 1:
-            _encode_f16(<const uint32_t *>source, target, rows * width)
-        else:
-            _encode_q8(<const float *>source, target, rows, width)
+    if rows * width < NOGIL_ELEMENTS:
+        _quantize(source, dtype, target, rows, width)
+    else:
+        with nogil:
+            _quantize(source, dtype, target, rows, width)
 
 
 def decode_activation(data, wire_dtype, Py_ssize_t rows, Py_ssize_t width,
@@ -226,9 +358,14 @@ cdef inline int _check_dtype(object dtype) except -1:
     return <int>dtype
 
 
+cdef inline bint _is_int(object value) noexcept:
+    # int and its subclasses (IntEnum members such as Phase), but not bool, as the twin.
+    return PyLong_Check(value) and not PyBool_Check(value)
+
+
 cdef inline int64_t _i32(str name, object value) except? -1:
     cdef int64_t number
-    if type(value) is int or type(value) is MessageKind:
+    if _is_int(value):
         try:
             number = value
         except OverflowError:  # beyond int64: let the twin build the range error
@@ -239,8 +376,11 @@ cdef inline int64_t _i32(str name, object value) except? -1:
 
 
 cdef inline uint64_t _u64(str name, object value) except? 0xFFFFFFFFFFFFFFFF:
-    if type(value) is int and 0 <= value <= 0xFFFFFFFFFFFFFFFF:
-        return value
+    if _is_int(value):
+        try:
+            return value
+        except OverflowError:  # negative or beyond u64: the twin builds the range error
+            pass
     return _twin._check_range(name, value, 0, 0xFFFFFFFFFFFFFFFF)
 
 
@@ -252,36 +392,45 @@ cdef object _sideband(str name, object values, str reason):
 
 def encode_message(message, wire_dtype, width=None):
     """Encode ``message`` as one frame; see ``_wire_py.encode_message`` for the contract."""
-    cdef int64_t kind = _i32("kind", message.kind)
-    if kind not in _KIND_CODES:
-        _twin._check_kind(message.kind)
+    kind_value = _field(message, &_MESSAGE_LAYOUT, 0, "kind")
+    cdef int64_t kind = _i32("kind", kind_value)
+    if kind < 0 or kind > 22 or _KINDS[kind] is None:
+        _twin._check_kind(kind_value)
     cdef int dtype = _check_dtype(wire_dtype)
-    state = message.state
-    tokens = _sideband("tokens", message.tokens, "too many tokens")
-    positions = _sideband("positions", message.positions, "too many position sideband values")
+    state = _field(message, &_MESSAGE_LAYOUT, 3, "state")
+    tokens = _sideband("tokens", _field(message, &_MESSAGE_LAYOUT, 8, "tokens"),
+                       "too many tokens")
+    positions = _sideband("positions", _field(message, &_MESSAGE_LAYOUT, 9, "positions"),
+                          "too many position sideband values")
     cdef int64_t header[10]
     cdef Py_ssize_t index
     for index in range(9):
-        header[index] = _i32(_STATE_FIELDS[index], getattr(state, _STATE_FIELDS[index]))
+        name = <str>PyTuple_GET_ITEM(_STATE_FIELDS, index)
+        header[index] = _i32(name, _field(state, &_STATE_LAYOUT, index, name))
     header[9] = dtype
     if header[0] != VERSION:
         _twin._check_version(header[0])
     cdef int64_t flags = header[3] & ~(SAMPLING_BIT | CHAT_BIT)
     sampling = b""
     metadata = b""
-    if message.sampling is not None:
+    sampling_config = _field(message, &_MESSAGE_LAYOUT, 6, "sampling")
+    if sampling_config is not None:
         flags |= SAMPLING_BIT
-        sampling = _twin._encode_sampling(message.sampling)
-    if message.chat_sampling_metadata is not None:
+        sampling = _twin._encode_sampling(sampling_config)
+    chat_metadata = _field(message, &_MESSAGE_LAYOUT, 7, "chat_sampling_metadata")
+    if chat_metadata is not None:
         flags |= CHAT_BIT
-        metadata = _twin._encode_metadata(message.chat_sampling_metadata)
+        metadata = _twin._encode_metadata(chat_metadata)
     header[3] = flags
-    cdef int64_t pos_start = _i32("pos_start", message.pos_start)
-    cdef int64_t token_count = _i32("token_count", message.token_count)
-    cdef uint64_t request_id = _u64("request_id", message.request_id)
-    cdef uint64_t session_id = _u64("session_id", message.session_id)
-    activation = message.activation
-    raw = message.raw_bytes
+    cdef int64_t pos_start = _i32("pos_start", _field(message, &_MESSAGE_LAYOUT, 1, "pos_start"))
+    cdef int64_t token_count = _i32("token_count",
+                                    _field(message, &_MESSAGE_LAYOUT, 2, "token_count"))
+    cdef uint64_t request_id = _u64("request_id",
+                                    _field(message, &_MESSAGE_LAYOUT, 4, "request_id"))
+    cdef uint64_t session_id = _u64("session_id",
+                                    _field(message, &_MESSAGE_LAYOUT, 5, "session_id"))
+    activation = _field(message, &_MESSAGE_LAYOUT, 10, "activation")
+    raw = _field(message, &_MESSAGE_LAYOUT, 11, "raw_bytes")
     if type(raw) is not bytes:
         raw = bytes(raw)
     cdef Py_ssize_t token_n = cnp.PyArray_SIZE(tokens), position_n = cnp.PyArray_SIZE(positions)
@@ -629,12 +778,7 @@ cdef class MessageDecoder(_FrameDecoder):
     cdef object _build(self, bytes frame, MessageLayout *layout):
         cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(frame)
         cdef int32_t kind = skippy_load_i32(data)
-        state = StateHeader(
-            skippy_load_i32(data + 20), skippy_load_i32(data + 24), skippy_load_i32(data + 28),
-            skippy_load_i32(data + 32), skippy_load_i32(data + 36), skippy_load_i32(data + 40),
-            skippy_load_i32(data + 44), skippy_load_i32(data + 48), skippy_load_i32(data + 52),
-            skippy_load_i32(data + 56),
-        )
+        state = _state_header(data + 20)
         sampling = None
         if layout.sampling_offset >= 0:
             sampling = _sampling(data + layout.sampling_offset)
@@ -657,11 +801,11 @@ cdef class MessageDecoder(_FrameDecoder):
             if layout.activation_rows >= 0:
                 activation = _decode_activation(frame, data + offset, skippy_load_i32(data + 56),
                                                 layout.activation_rows, self.width)
-        return StageMessage(
+        return _new_object(&_MESSAGE_LAYOUT, (
             _KINDS[kind], skippy_load_i32(data + 4), skippy_load_i32(data + 8), state,
             skippy_load_u64(data + 60), skippy_load_u64(data + 68), sampling, self._metadata,
             tokens, positions, activation, raw,
-        )
+        ))
 
 
 cdef object _sampling(const unsigned char *data):
@@ -670,16 +814,27 @@ cdef object _sampling(const unsigned char *data):
     cdef uint32_t index
     cdef object bias
     for index in range(count):
-        bias = LogitBias(skippy_load_i32(data + 44 + 8 * index),
-                         skippy_load_f32(data + 48 + 8 * index))
+        bias = _new_object(&_BIAS_LAYOUT, (skippy_load_i32(data + 44 + 8 * index),
+                                           skippy_load_f32(data + 48 + 8 * index)))
         Py_INCREF(bias)
         PyTuple_SET_ITEM(biases, index, bias)
-    return SamplingConfig(
+    return _new_object(&_SAMPLING_LAYOUT, (
         skippy_load_u32(data), skippy_load_u32(data + 4), skippy_load_f32(data + 8),
         skippy_load_f32(data + 12), skippy_load_i32(data + 16), skippy_load_f32(data + 20),
         skippy_load_f32(data + 24), skippy_load_f32(data + 28), skippy_load_f32(data + 32),
         skippy_load_i32(data + 36), biases,
-    )
+    ))
+
+
+cdef object _reply_stats(const unsigned char *data):
+    """The ReplyStats of the 23 i64 at ``data``."""
+    if _STATS_LAYOUT.count != 23:
+        return ReplyStats(*[skippy_load_i64(data + 8 * index) for index in range(23)])
+    instance = _allocate(_STATS_LAYOUT.cls, 0)
+    cdef Py_ssize_t index
+    for index in range(23):
+        _set_slot(instance, _STATS_LAYOUT.offsets[index], skippy_load_i64(data + 8 * index))
+    return instance
 
 
 cdef tuple _int32_tuple(const unsigned char *data, Py_ssize_t count):
@@ -753,13 +908,12 @@ cdef class ReplyDecoder(_FrameDecoder):
         cdef int32_t draft_count
         if layout.draft_offset >= 0:
             draft_count = skippy_load_i32(data + layout.draft_offset)
-            draft = NativeMtpDraft(
+            draft = _new_object(&_DRAFT_LAYOUT, (
                 _int32_tuple(data + layout.draft_offset + 4, draft_count),
                 skippy_load_i64(data + layout.draft_offset + 4 + 4 * draft_count),
-            )
-        stats = ReplyStats(*[skippy_load_i64(data + layout.length - STATS_BYTES + 8 * i)
-                             for i in range(23)])
-        return StageReply(
+            ))
+        stats = _reply_stats(data + layout.length - STATS_BYTES)
+        return _new_object(&_REPLY_LAYOUT, (
             _REPLY_KINDS[skippy_load_i32(data)], skippy_load_i32(data + 4),
             _int32_tuple(data + 12, count), skippy_load_i32(data + 12 + 4 * count), draft, stats,
-        )
+        ))

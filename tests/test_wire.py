@@ -520,6 +520,87 @@ def test_decoded_f32_activation_is_a_view(wire_impl: ModuleType) -> None:
     assert got.activation.shape == (1, 16) and got.activation.dtype == np.float32
 
 
+def test_decoded_objects_are_ordinary_dataclasses(wire_impl: ModuleType) -> None:
+    """The Cython decoder fills slots without __init__; the objects must not tell."""
+    from skippy.protocol import LogitBias, NativeMtpDraft, SamplingConfig
+
+    sampling = SamplingConfig(1, 7, 0.5, 0.875, 40, 0.0625, 0.0, 0.0, 1.125, 64,  # f32-exact
+                              (LogitBias(3, -1.5), LogitBias(9, 2.0)))
+    message = _message(MessageKind.DECODE_EMBD, token_count=1, pos_start=3, sampling=sampling,
+                       chat_sampling_metadata="{}", state_changes={"source_stage_index": 0},
+                       tokens=np.array([9], dtype=np.int32),
+                       activation=np.ones((1, 4), dtype=np.float32))
+    decoded, _ = decode_messages(wire_impl, [wire_impl.encode_message(message, WireDType.F32)],
+                                 4)
+    got = decoded[0][0]
+    expected_state = dataclasses.replace(message.state, flags=message.state.flags | 8 | 32)
+    assert got == dataclasses.replace(message, state=expected_state)
+    for value, expected in ((got.state, expected_state), (got.sampling, sampling),
+                            (got.sampling.logit_bias[0], sampling.logit_bias[0])):
+        assert type(value) is type(expected)
+        assert value == expected and hash(value) == hash(expected)
+        rebuilt = dataclasses.replace(value)  # through __init__
+        assert rebuilt == expected and repr(rebuilt) == repr(value)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(value, dataclasses.fields(value)[0].name, 1)
+    assert repr(got.kind) == repr(MessageKind.DECODE_EMBD)
+    reply = StageReply.predicted_token(5, (5, 6), window_id=2,
+                                       native_mtp_draft=NativeMtpDraft((7, 8), 11),
+                                       stats=ReplyStats(kv_lookup_hits=3))
+    (got_reply,) = decode_replies(wire_impl, [wire_impl.encode_reply(reply)])
+    assert got_reply == reply and hash(got_reply) == hash(reply)
+    assert repr(got_reply) == repr(dataclasses.replace(got_reply))
+    assert hash(got_reply.stats) == hash(reply.stats)
+
+
+def test_whole_bytes_frame_is_parsed_in_place() -> None:
+    """The Cython decoder neither copies a bytes chunk in nor a whole-chunk frame out."""
+    wire_c = pytest.importorskip(IMPLEMENTATIONS["c"], reason="Cython extension not built")
+    message = _message(MessageKind.DECODE_EMBD, token_count=1, tokens=np.array([9], np.int32),
+                       state_changes={"source_stage_index": 0},
+                       activation=np.arange(8, dtype=np.float32).reshape(1, 8))
+    frame = wire_c.encode_message(message, WireDType.F32)
+    decoder = wire_c.MessageDecoder(8)
+    decoder.receive_data(frame)
+    got = decoder.next_message()
+    assert got == message and got.activation.base is frame and got.tokens.base is frame
+    assert decoder.buffered_bytes == 0 and decoder.next_message() is NEED_DATA
+    # Two frames in one chunk, then a frame split across chunks: copies, same messages.
+    decoder.receive_data(frame + frame[:10])
+    assert decoder.next_message() == message and decoder.buffered_bytes == 10
+    assert decoder.next_message() is NEED_DATA
+    decoder.receive_data(frame[10:] + frame)
+    assert decoder.next_message() == message and decoder.next_message() == message
+    assert decoder.buffered_bytes == 0
+
+
+def test_kernels_match_the_twin_on_special_values() -> None:
+    """f16 and q8 bytes of the vectorised C kernels equal the twin's numpy code."""
+    wire_c = pytest.importorskip(IMPLEMENTATIONS["c"], reason="Cython extension not built")
+    wire_py = importlib.import_module(IMPLEMENTATIONS["py"])
+    rng = np.random.default_rng(11)
+    # Every sign/exponent/top-mantissa prefix with assorted low bits: all f16 rounding regions
+    # (normal, subnormal, ties, overflow, inf, NaN) and f32 subnormals.
+    high = np.arange(1 << 16, dtype=np.uint32) << 16
+    low = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x2000, 0x7FFF, 0x8000, 0xFFFF], np.uint32)
+    bits = (high[:, None] | low[None, :]).reshape(-1)
+    values = np.concatenate([bits, rng.integers(0, 1 << 32, 1 << 16, dtype=np.uint32)])
+    values = values.view(np.float32).reshape(-1, 64)
+    for dtype in (WireDType.F16, WireDType.Q8):
+        assert wire_c.encode_activation(values, dtype) == wire_py.encode_activation(values, dtype)
+    rows = rng.standard_normal((64, 33)).astype(np.float32) * np.float32(1e-30)
+    rows[1] = 0.0
+    rows[2, 5] = np.inf
+    rows[3, ::3] = np.nan
+    rows[4] = rows[4] * np.float32(1e-15)  # subnormal maxima: scales underflow to 0
+    rows[5] = np.float32(127.0) * np.arange(33, dtype=np.float32) / np.float32(32.0) - 63.5
+    for dtype in (WireDType.F16, WireDType.Q8):
+        encoded = wire_c.encode_activation(rows, dtype)
+        assert encoded == wire_py.encode_activation(rows, dtype)
+        assert (wire_c.decode_activation(encoded, dtype, 64, 33).tobytes()
+                == wire_py.decode_activation(encoded, dtype, 64, 33).tobytes())
+
+
 # --------------------------------------------------------------------------------------------
 # Protocol vocabulary
 # --------------------------------------------------------------------------------------------
