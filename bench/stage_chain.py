@@ -1,6 +1,7 @@
 """End-to-end stage-chain benchmarks: per-boundary overhead, split vs unsplit decode, batching.
 
-Run: ``PYTHONPATH=. .venv/bin/python bench/stage_chain.py [--quick]``.  Prints one line per figure.
+Run: ``PYTHONPATH=. .venv/bin/python bench/stage_chain.py [--quick] [--null-only] [--repeat N]``.
+Prints one line per figure.
 
 * **Boundary overhead** (null runtime, no compute): decode latency per token of a 1-stage and a
   3-stage chain of null stages on loopback at width 4096 (f32 frames); the overhead of one stage
@@ -19,6 +20,7 @@ import argparse
 import functools
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -101,14 +103,21 @@ async def decode_seconds_per_token(address: Address, prompt: Sequence[int], step
             await client.aclose()
 
 
-def boundary_overhead_us(steps: int = 400, width: int = 4096) -> tuple[float, float, float]:
-    """(1-stage us/token, 3-stage us/token, overhead per boundary us) with the null runtime."""
+def boundary_overhead_us(steps: int = 400, width: int = 4096, repeat: int = 1) -> tuple[float, float, float]:
+    """(1-stage us/token, 3-stage us/token, overhead per boundary us) with the null runtime.
+
+    Both chains stay up; with ``repeat > 1`` the two are measured alternately ``repeat`` times
+    and the medians are reported (the machine is shared: interleaving cancels slow drifts).
+    """
     model = f"null:n_embd={width},n_layer=3,n_vocab=32000"
     prompt = list(range(1, 9))
-    with chain(model, ["0:3"]) as address:
-        one = trio.run(decode_seconds_per_token, address, prompt, steps)
-    with chain(model, ["0:1", "1:2", "2:3"]) as address:
-        three = trio.run(decode_seconds_per_token, address, prompt, steps)
+    ones: list[float] = []
+    threes: list[float] = []
+    with chain(model, ["0:3"]) as first, chain(model, ["0:1", "1:2", "2:3"]) as second:
+        for _ in range(repeat):
+            ones.append(trio.run(decode_seconds_per_token, first, prompt, steps))
+            threes.append(trio.run(decode_seconds_per_token, second, prompt, steps))
+    one, three = statistics.median(ones), statistics.median(threes)
     return one * 1e6, three * 1e6, (three - one) / 2 * 1e6
 
 
@@ -132,11 +141,16 @@ def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
+    parser.add_argument("--null-only", action="store_true", help="only the null-runtime boundary overhead")
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="alternate the 1- and 3-stage null runs this many times; report medians")
     args = parser.parse_args()
     steps = 40 if args.quick else 200
-    one, three, overhead = boundary_overhead_us(steps * 2)
+    one, three, overhead = boundary_overhead_us(steps * 2, repeat=max(1, args.repeat))
     print(f"null runtime, width 4096 f32: 1 stage {one:.0f} us/token, 3 stages {three:.0f} us/token, "
           f"overhead per boundary {overhead:.0f} us (target <= 150)")
+    if args.null_only:
+        return
 
     from skippy.models.cache import ensure_model
     from skippy.models.spec import preset

@@ -7,6 +7,8 @@ non-final chunk is ACKed early by the first stage, so up to ``credit`` chunks ar
 their ACKs, then the final chunk's PredictedToken ends the prompt.  Every reply wait is bounded
 (``reply_timeout``); a closed or reset lane raises :class:`StageLost` naming the first stage,
 never a trio exception.  Not safe for concurrent use by several tasks: one lane, one caller.
+Frames go through :class:`skippy.stage.transport.SocketIO` (a non-blocking read or write first,
+into one reusable buffer; trio only when the socket would block), as on the stages' hot path.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from skippy.protocol import (
     check_ready,
 )
 from skippy.stage.config import Address
+from skippy.stage.transport import SocketIO, set_no_delay
 
 from skippy import wire as codec
 
@@ -68,6 +71,7 @@ class StageClient:
         self.address = address
         self.reply_timeout = reply_timeout
         self._decoder = codec.ReplyDecoder()
+        self._io = SocketIO(stream, 1 << 16)
         self._closed = False
 
     @classmethod
@@ -82,6 +86,7 @@ class StageClient:
         try:
             with trio.fail_after(connect_timeout):
                 stream = await trio.open_tcp_stream(target.host, target.port)
+                set_no_delay(stream)
                 try:
                     data = b""
                     while len(data) < 4:
@@ -121,7 +126,7 @@ class StageClient:
     async def send_raw(self, frame: bytes) -> None:
         """Send bytes on the lane (tests use it for malformed frames)."""
         try:
-            await self.stream.send_all(frame)
+            await self._io.send_all(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
             raise StageLost(self._lost_text("while sending")) from exc
 
@@ -143,11 +148,7 @@ class StageClient:
                     if result is not NEED_DATA:
                         assert isinstance(result, StageReply)
                         return result
-                    try:
-                        data = await self.stream.receive_some(1 << 16)
-                    except (trio.BrokenResourceError, trio.ClosedResourceError):  # reset == closed
-                        data = b""
-                    self._decoder.receive_data(data)
+                    self._decoder.receive_data(await self._io.receive())  # a reset reads as b""
         except trio.TooSlowError as exc:
             raise StageClientError(f"no reply from first stage {self.address} within {self.reply_timeout:g} s") from exc
 

@@ -8,7 +8,8 @@ pass activations through, and the final stage predicts ``(column 0 + 1) % n_voca
 ``token + 1`` when it is also the first stage).  So a chain of null stages of any length answers
 token ``t`` with ``t + 1``, and a test can check plumbing end to end without a model file.
 Per-session KV is modelled as a set of held positions per sequence id, so trims, rollbacks,
-session reuse and leaks are observable through ``length`` and ``kv_cells_used``.
+session reuse and leaks are observable through ``length`` and ``kv_cells_used``; each sequence's
+length is kept next to its set, so ``length`` (asked before every decode) is O(1), not a scan.
 
 A model spec string selects it from the command line: ``null:n_embd=64,n_layer=4,n_vocab=32000``.
 """
@@ -123,6 +124,8 @@ class NullContext:
         self._free = list(range(max_sessions - 1, -1, -1))
         self._open: set[int] = set()
         self._held: dict[int, set[int]] = {}
+        #: max(held) + 1 per sequence (0 when empty).
+        self._length: dict[int, int] = {}
         self._rows = 0
         self._output_rows: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
         self._activations: FloatArray = np.zeros((0, model.n_embd), dtype=np.float32)
@@ -135,6 +138,7 @@ class NullContext:
         seq = self._free.pop()
         self._open.add(seq)
         self._held[seq] = set()
+        self._length[seq] = 0
         return seq
 
     def close_session(self, seq: int) -> None:
@@ -142,6 +146,7 @@ class NullContext:
             raise SessionError(f"session {seq} is not open")
         self._open.discard(seq)
         self._held.pop(seq, None)
+        self._length.pop(seq, None)
         self._free.append(seq)
         self._free.sort(reverse=True)
 
@@ -185,6 +190,8 @@ class NullContext:
             if len(held) >= self.n_ctx:
                 raise InvalidBatch(f"session {s} is full ({self.n_ctx} positions)")
             held.add(p)
+            if p >= self._length[s]:
+                self._length[s] = p + 1
         self._rows = rows
         if model.is_last:
             if outputs is None:
@@ -230,15 +237,16 @@ class NullContext:
             return True
         low = 0 if start < 0 else start
         high = None if end < 0 else end
-        self._held[seq] = {p for p in held if p < low or (high is not None and p >= high)}
+        kept = {p for p in held if p < low or (high is not None and p >= high)}
+        self._held[seq] = kept
+        self._length[seq] = (max(kept) + 1) if kept else 0
         return True
 
     def trim(self, seq: int, length: int) -> None:
         self.remove(seq, length, -1)
 
     def length(self, seq: int) -> int:
-        held = self._held.get(seq)
-        return (max(held) + 1) if held else 0
+        return self._length.get(seq, 0)
 
     def kv_cells_used(self) -> int:
         return sum(len(held) for held in self._held.values())

@@ -5,21 +5,34 @@ Strategy (the behaviour of the reference's ``handle_binary_connection``, restruc
 * ``receive_messages`` reads and decodes frames, refuses kinds and headers the stage does not
   serve, and gives every message that expects an answer a *reply slot*, queued to the upstream
   writer in message order.  A non-final prefill chunk's slot is filled with an ACK at once: the
-  early ACK, sent before compute.
+  early ACK, sent before compute.  When the lane is idle (no reply outstanding) the slot is
+  *direct* instead: nothing is ahead of it, so whichever task fills it writes the reply itself,
+  and the writer task is not woken at all (the decode hot path: one message in flight).
 * ``compute_messages`` handles each message in order: session control and generation control go
   to the scheduler (trim / configure / release), prefix-cache control is answered as a miss,
   executable kinds are auto-aligned and run by the scheduler.  The final stage fills the slot with
   its PredictedToken(s) or ACK; other stages hand the output to the forwarder.
 * ``forward_activations`` encodes frames in the wire dtype and writes them downstream (through
   the optional simulated wire).  Early-ACKed chunks take a *reply credit* first, so at most
-  ``credit_limit`` of them are unacknowledged downstream.
+  ``credit_limit`` of them are unacknowledged downstream.  Before writing a frame it records what
+  its reply means in the ``expected`` queue.
 * ``relay_replies`` reads downstream replies, in the order frames were written: the ACKs of
   early-ACKed chunks are absorbed (their stats kept for the next reply, their credit returned);
   everything else is relayed upstream with this stage's timings merged into the stats.  A Stop's
-  session is released after the downstream ACK, before the ACK goes upstream.
-* ``write_replies`` is the only writer of the upstream stream: it waits for each slot in order.
+  session is released after the downstream ACK, before the ACK goes upstream.  It parks on the
+  downstream socket, not on a channel: its work arrives as bytes, so a channel hop first would
+  only wake it to park again (and an idle lane notices a lost downstream at once).  The forwarder
+  cancels that wait when it finishes with nothing left to answer.
+* ``write_replies`` writes queued slots in order; a direct slot's reply is written by its filler,
+  and the writer waits for it before writing anything behind it.  So the upstream stream has one
+  writer at a time, and replies keep message order whatever finishes first.
 
-Replies upstream therefore keep message order whatever finishes first.  Any failure (a malformed
+Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and park only when the channel
+is full / empty: a plain ``send`` / ``receive`` is a checkpoint even when it need not wait, and
+each checkpoint is a trip through trio's run loop (see :mod:`skippy.stage.transport` for the
+socket side of the same saving).  The bounds, and so the backpressure, are unchanged.
+
+Any failure (a malformed
 frame, a refused kind, a runtime error, a lost downstream) raises out of the nursery, which
 cancels the other tasks; the connection is closed with one log line naming the reason, sessions
 it opened are released, and its downstream lane is closed, which cascades the close down the
@@ -28,17 +41,19 @@ chain.  The stage and its other connections carry on.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import enum
 import itertools
 import logging
-import math
 import time
+from typing import TypeVar
 
 import numpy as np
 import trio
 
 from skippy.protocol import (
+    EMPTY_REPLY_STATS,
     MessageKind,
     ReplyKind,
     ReplyStats,
@@ -53,6 +68,7 @@ from skippy.stage.stats import StageStats
 from skippy.stage.transport import (
     MessageReader,
     ReplyReader,
+    SocketIO,
     WireCondition,
     codec,
     connect_stage,
@@ -85,8 +101,27 @@ _OUTPUTS = {
 }
 
 
+T = TypeVar("T")
+
+
 def _now_us() -> int:
     return time.perf_counter_ns() // 1000
+
+
+async def _put(channel: trio.MemorySendChannel[T], value: T) -> None:
+    """Send on a bounded channel, parking only when it is full (no checkpoint otherwise)."""
+    try:
+        channel.send_nowait(value)
+    except trio.WouldBlock:  # full: this is the backpressure, wait for room
+        await channel.send(value)
+
+
+async def _take(channel: trio.MemoryReceiveChannel[T]) -> T:
+    """Receive from a channel, parking only when it is empty; EndOfChannel when closed."""
+    try:
+        return channel.receive_nowait()
+    except trio.WouldBlock:  # empty: wait for the producer
+        return await channel.receive()
 
 
 class Expect(enum.Enum):
@@ -100,14 +135,21 @@ class Expect(enum.Enum):
 
 @dataclasses.dataclass(slots=True, eq=False)
 class ReplySlot:
-    """One upstream reply, filled by whichever task produces it, written in message order."""
+    """One upstream reply, filled by whichever task produces it, written in message order.
 
-    filled: trio.Event = dataclasses.field(default_factory=trio.Event)
+    A queued slot's event is set when it is filled (the writer waits for it); a direct slot's
+    when its reply has been written (a queued slot behind it waits for that).  The event is made
+    only when someone waits: on the hot path nobody does.
+    """
+
+    direct: bool = False
     reply: StageReply | None = None
+    event: trio.Event | None = None
 
-    def fill(self, reply: StageReply) -> None:
-        self.reply = reply
-        self.filled.set()
+    def wait_event(self) -> trio.Event:
+        if self.event is None:
+            self.event = trio.Event()
+        return self.event
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -123,6 +165,7 @@ class Forward:
     compute_us: int = 0
     queue_us: int = 0
     batch_size: int = 0
+    sent_us: int = 0
     write_us: int = 0
     frame_bytes: int = 0
 
@@ -162,6 +205,22 @@ def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: i
     )
 
 
+def merge_stats(pending: ReplyStats, reply: ReplyStats) -> ReplyStats:
+    """``pending.merge(reply)``, without the copy when nothing is pending (the decode hot path).
+
+    Merging into empty stats gives back ``reply`` unchanged unless a max-merged field of it is
+    negative or its prefill-edge fields are set without a positive total: only then is the full
+    merge needed.
+    """
+    if pending is EMPTY_REPLY_STATS and reply.prefill_edge_total_us_max >= 0 and min(
+        reply.verify_window_max_tokens, reply.prefill_edge_write_us_max, reply.prefill_edge_wait_us_max
+    ) >= 0 and (reply.prefill_edge_total_us_max > 0 or not (
+        reply.prefill_edge_stage_index or reply.prefill_edge_activation_bytes_max
+    )):
+        return reply
+    return pending.merge(reply)
+
+
 class Connection:
     """Serves one upstream lane until it closes or fails.
 
@@ -185,7 +244,15 @@ class Connection:
         self.downstream: trio.SocketStream | None = None
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
         self._credits = trio.Semaphore(settings.credit_limit)
-        self._pending_stats = ReplyStats()
+        self._pending_stats: ReplyStats = EMPTY_REPLY_STATS
+        self._upstream_io = SocketIO(upstream)
+        self._downstream_io: SocketIO | None = None
+        #: Forwarded frames whose downstream reply has not been read, in write order.
+        self._expected: collections.deque[Forward] = collections.deque()
+        self._forwarding_done = False
+        self._relay_idle: trio.CancelScope | None = None
+        #: The direct slot being answered (at most one: one is made only on an idle lane).
+        self._direct: ReplySlot | None = None
         #: Messages received whose reply has not been written yet (0: the lane is idle).
         self.inflight = 0
 
@@ -238,16 +305,16 @@ class Connection:
         address = self.settings.downstream
         assert address is not None
         self.downstream = await connect_stage(address, self.settings.connect_timeout)  # type: ignore[arg-type]
+        self._downstream_io = SocketIO(self.downstream)
         forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
-        expect_send, expect_receive = trio.open_memory_channel[Forward](math.inf)
-        nursery.start_soon(self.forward_activations, forwards_receive, expect_send)
-        nursery.start_soon(self.relay_replies, expect_receive)
+        nursery.start_soon(self.forward_activations, forwards_receive)
+        nursery.start_soon(self.relay_replies)
         return forwards_send
 
     # -- tasks -------------------------------------------------------------------------------
     async def receive_messages(self, messages: trio.MemorySendChannel[tuple[StageMessage, ReplySlot | None, int]],
                                slots: trio.MemorySendChannel[ReplySlot]) -> None:
-        reader = MessageReader(self.upstream, self.peer, self.settings.width)
+        reader = MessageReader(self._upstream_io, self.peer, self.settings.width)
         async with messages, slots:
             while True:
                 message = await reader.next()
@@ -256,15 +323,19 @@ class Connection:
                 received_us = _now_us()
                 self._check_message(message)
                 self.stats.messages += 1
-                slot = None if message.kind is MessageKind.RETIRE_VERIFY_WINDOW else ReplySlot()
-                if message.kind is MessageKind.PREFILL_EMBD:
-                    assert slot is not None
-                    slot.fill(StageReply.ack())
-                    self.stats.early_acks += 1
-                if slot is not None:
-                    self.inflight += 1
-                    await slots.send(slot)
-                await messages.send((message, slot, received_us))
+                slot = None
+                if message.kind is not MessageKind.RETIRE_VERIFY_WINDOW:
+                    if self.inflight == 0:  # idle lane: nothing ahead, the filler writes the reply
+                        slot = self._direct = ReplySlot(direct=True)
+                        self.inflight += 1
+                    else:
+                        slot = ReplySlot()
+                        self.inflight += 1
+                        await _put(slots, slot)
+                    if message.kind is MessageKind.PREFILL_EMBD:
+                        self.stats.early_acks += 1
+                        await self._reply(slot, StageReply.ack())
+                await _put(messages, (message, slot, received_us))
 
     def _check_message(self, message: StageMessage) -> None:
         kind = MessageKind(message.kind)
@@ -279,18 +350,40 @@ class Connection:
 
     async def write_replies(self, slots: trio.MemoryReceiveChannel[ReplySlot]) -> None:
         async with slots:
-            async for slot in slots:
-                await slot.filled.wait()
+            while True:
+                try:
+                    slot = await _take(slots)
+                except trio.EndOfChannel:  # the receiver is done: no more replies
+                    return
+                if slot.reply is None:
+                    await slot.wait_event().wait()
+                ahead = self._direct
+                if ahead is not None:  # an older direct reply is still being written
+                    await ahead.wait_event().wait()
                 assert slot.reply is not None
-                await send_frame(self.upstream, codec.encode_reply(slot.reply), self.peer, downstream=False)
+                await send_frame(self._upstream_io, codec.encode_reply(slot.reply), self.peer, downstream=False)
                 self.inflight -= 1
+
+    async def _reply(self, slot: ReplySlot, reply: StageReply) -> None:
+        """Fill ``slot``; a direct slot's reply is written here and now."""
+        slot.reply = reply
+        if slot.direct:
+            await send_frame(self._upstream_io, codec.encode_reply(reply), self.peer, downstream=False)
+            self.inflight -= 1
+            self._direct = None
+        if slot.event is not None:
+            slot.event.set()
 
     async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[StageMessage, ReplySlot | None, int]],
                                nursery: trio.Nursery) -> None:
         forwards: trio.MemorySendChannel[Forward] | None = None
         try:
             async with messages:
-                async for message, slot, received_us in messages:
+                while True:
+                    try:
+                        message, slot, received_us = await _take(messages)
+                    except trio.EndOfChannel:  # upstream finished
+                        return
                     if forwards is None and self.settings.downstream is not None:
                         forwards = await self._open_downstream(nursery)
                     await self._handle(message, slot, received_us, forwards)
@@ -314,22 +407,22 @@ class Connection:
 
         if kind is MessageKind.STOP:
             if forwards is not None:
-                await forwards.send(forward(Expect.STOP_ACK))
+                await _put(forwards, forward(Expect.STOP_ACK))
             else:
                 await self._release(key)
                 assert slot is not None
-                slot.fill(StageReply.ack(self._take_pending()))
+                await self._reply(slot, StageReply.ack(self._take_pending()))
             return
         if kind is MessageKind.RETIRE_VERIFY_WINDOW:
             if message.pos_start < 0 or message.token_count < 0:
                 raise StageError(f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
             if forwards is not None:
-                await forwards.send(forward(None))
+                await _put(forwards, forward(None))
             return
         assert slot is not None
         if kind.is_prefix_cache_control:
             # No prefix cache yet: every probe / restore is a miss, answered here, not forwarded.
-            slot.fill(StageReply.ack(dataclasses.replace(self._take_pending(), kv_lookup_misses=1)))
+            await self._reply(slot, StageReply.ack(dataclasses.replace(self._take_pending(), kv_lookup_misses=1)))
             return
         if kind is MessageKind.TRIM_SESSION:
             trimmed = await self.scheduler.call(lambda: executor.trim(key, message.token_count))
@@ -347,9 +440,9 @@ class Connection:
     async def _control_done(self, slot: ReplySlot, forwards: trio.MemorySendChannel[Forward] | None,
                             forward: object) -> None:
         if forwards is not None:
-            await forwards.send(forward(Expect.RELAY_ACK))  # type: ignore[operator]
+            await _put(forwards, forward(Expect.RELAY_ACK))  # type: ignore[operator]
         else:
-            slot.fill(StageReply.ack(self._take_pending()))
+            await self._reply(slot, StageReply.ack(self._take_pending()))
 
     async def _release(self, key: int) -> None:
         self.sessions.discard(key)
@@ -359,7 +452,7 @@ class Connection:
             self.stats.touch()
 
     def _take_pending(self) -> ReplyStats:
-        stats, self._pending_stats = self._pending_stats, ReplyStats()
+        stats, self._pending_stats = self._pending_stats, EMPTY_REPLY_STATS
         return stats
 
     def _work_item(self, kind: MessageKind, message: StageMessage, key: int) -> WorkItem:
@@ -407,7 +500,7 @@ class Connection:
         result, queue_us = await self.scheduler.execute(item)
         early_acked = kind is MessageKind.PREFILL_EMBD
         if forwards is None:
-            self._reply_final(kind, message, slot, result, received_us, early_acked)
+            await self._reply_final(kind, message, slot, result, received_us, early_acked)
             return
         if result.activations is None:
             raise StageError("stage has a downstream but produced no activation")
@@ -424,16 +517,16 @@ class Connection:
             expect = Expect.RELAY_PREDICTION
         else:
             expect = Expect.RELAY_ACK
-        await forwards.send(Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
-                                    result.compute_us, queue_us, result.batch_size))
+        await _put(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
+                                     result.compute_us, queue_us, result.batch_size))
 
-    def _reply_final(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, result: WorkResult,
+    async def _reply_final(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, result: WorkResult,
                      received_us: int, early_acked: bool) -> None:
         if early_acked:
             return
         stats = self._take_pending()
         if not kind.requires_predicted_reply:
-            slot.fill(StageReply.ack(stats))
+            await self._reply(slot, StageReply.ack(stats))
             return
         stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
                              total_us=_now_us() - received_us, batch_size=result.batch_size)
@@ -443,79 +536,104 @@ class Connection:
                 verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
                 verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
             )
-            slot.fill(StageReply.predicted_token_vector(tuple(result.tokens), window_id=message.state.seq_id,
-                                                        stats=stats))
+            await self._reply(slot, StageReply.predicted_token_vector(
+                tuple(result.tokens), window_id=message.state.seq_id, stats=stats))
             return
         if not result.tokens:
             raise StageError(f"{kind.reference_name} produced no prediction")
-        slot.fill(StageReply.predicted_token(result.tokens[-1], stats=stats))
+        await self._reply(slot, StageReply.predicted_token(result.tokens[-1], stats=stats))
 
-    async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward],
-                                  expectations: trio.MemorySendChannel[Forward]) -> None:
-        stream = self.downstream
-        assert stream is not None
+    async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
+        io = self._downstream_io
+        assert io is not None
         wire = self.settings.wire
         limit = self.settings.credit_limit
-        async with forwards, expectations:
-            async for item in forwards:
-                if item.expect is Expect.ABSORB_ACK:
-                    if self._credits.value == 0:
-                        self.stats.credit_waits += 1
-                    await self._credits.acquire()
-                    pending = limit - self._credits.value
-                    if pending > self.stats.max_pending_prefill_acks:
-                        self.stats.max_pending_prefill_acks = pending
-                        self.stats.touch()
-                frame = codec.encode_message(item.message, self.settings.wire_dtype, self.settings.width)
-                item.frame_bytes = len(frame)
-                if item.expect is not None:
-                    expectations.send_nowait(item)
-                started = _now_us()
-                if wire.active:
-                    await wire.write(stream, frame, self.downstream_name, item.enqueued_at)
-                else:
-                    await send_frame(stream, frame, self.downstream_name, downstream=True)
-                item.write_us = _now_us() - started
-                self.stats.forward_write_us += item.write_us
+        try:
+            async with forwards:
+                while True:
+                    try:
+                        item = await _take(forwards)
+                    except trio.EndOfChannel:  # compute finished
+                        return
+                    if item.expect is Expect.ABSORB_ACK:
+                        if self._credits.value == 0:
+                            self.stats.credit_waits += 1
+                        await self._credits.acquire()
+                        pending = limit - self._credits.value
+                        if pending > self.stats.max_pending_prefill_acks:
+                            self.stats.max_pending_prefill_acks = pending
+                            self.stats.touch()
+                    frame = codec.encode_message(item.message, self.settings.wire_dtype, self.settings.width)
+                    item.frame_bytes = len(frame)
+                    if item.expect is not None:
+                        self._expected.append(item)
+                    item.sent_us = started = _now_us()
+                    if wire.active:
+                        await wire.write(io, frame, self.downstream_name, item.enqueued_at)
+                    else:
+                        await send_frame(io, frame, self.downstream_name, downstream=True)
+                    item.write_us = _now_us() - started
+                    self.stats.forward_write_us += item.write_us
+        finally:
+            self._forwarding_done = True
+            if not self._expected and self._relay_idle is not None:
+                self._relay_idle.cancel()  # the relay waits for a reply nobody will send
 
-    async def relay_replies(self, expectations: trio.MemoryReceiveChannel[Forward]) -> None:
-        stream = self.downstream
-        assert stream is not None
-        reader = ReplyReader(stream, self.downstream_name)
-        async with expectations:
-            async for item in expectations:
-                started = _now_us()
+    async def relay_replies(self) -> None:
+        io = self._downstream_io
+        assert io is not None
+        reader = ReplyReader(io, self.downstream_name)
+        expected = self._expected
+        while True:
+            if expected:
                 reply = await reader.next()
-                wait_us = _now_us() - started
-                self.stats.downstream_wait_us += wait_us
-                expect = item.expect
-                if expect is Expect.RELAY_PREDICTION:
-                    if reply.kind not in (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS):
-                        raise DownstreamLost(
-                            f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
-                            f"to {MessageKind(item.message.kind).reference_name}; expected a prediction"
-                        )
-                elif reply.kind != ReplyKind.ACK:
+            else:
+                if self._forwarding_done:
+                    return
+                with trio.CancelScope() as idle:
+                    self._relay_idle = idle
+                    try:
+                        reply = await reader.next()
+                    finally:
+                        self._relay_idle = None
+                if idle.cancelled_caught:  # the forwarder is done and nothing is outstanding
+                    return
+                if not expected:
+                    raise DownstreamLost(
+                        f"downstream stage {self.downstream_name} sent {ReplyKind(reply.kind).reference_name} "
+                        "with no frame outstanding"
+                    )
+            item = expected.popleft()
+            wait_us = max(0, _now_us() - item.sent_us - item.write_us)
+            self.stats.downstream_wait_us += wait_us
+            expect = item.expect
+            if expect is Expect.RELAY_PREDICTION:
+                if reply.kind not in (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS):
                     raise DownstreamLost(
                         f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
-                        f"to {MessageKind(item.message.kind).reference_name}; expected downstream ACK"
+                        f"to {MessageKind(item.message.kind).reference_name}; expected a prediction"
                     )
-                if expect is Expect.ABSORB_ACK:
-                    self._pending_stats = self._pending_stats.merge(reply.stats).observe_prefill_edge_transport(
-                        item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
-                    )
-                    self._credits.release()
-                    continue
-                assert item.slot is not None
-                stats = self._take_pending().merge(reply.stats)
-                if expect is Expect.STOP_ACK:
-                    await self._release(item.session)
-                if expect is Expect.RELAY_PREDICTION:
-                    stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
-                                         total_us=_now_us() - item.received_us, batch_size=item.batch_size)
-                    item.slot.fill(dataclasses.replace(reply, stats=stats))
-                else:
-                    item.slot.fill(StageReply.ack(stats))
+            elif reply.kind != ReplyKind.ACK:
+                raise DownstreamLost(
+                    f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
+                    f"to {MessageKind(item.message.kind).reference_name}; expected downstream ACK"
+                )
+            if expect is Expect.ABSORB_ACK:
+                self._pending_stats = self._pending_stats.merge(reply.stats).observe_prefill_edge_transport(
+                    item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
+                )
+                self._credits.release()
+                continue
+            assert item.slot is not None
+            stats = merge_stats(self._take_pending(), reply.stats)
+            if expect is Expect.STOP_ACK:
+                await self._release(item.session)
+            if expect is Expect.RELAY_PREDICTION:
+                stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
+                                     total_us=_now_us() - item.received_us, batch_size=item.batch_size)
+                await self._reply(item.slot, dataclasses.replace(reply, stats=stats))
+            else:
+                await self._reply(item.slot, StageReply.ack(stats))
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:

@@ -24,7 +24,7 @@ from skippy.stage.connection import Connection, LaneSettings
 from skippy.stage.executor import Executor
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
-from skippy.stage.transport import WireCondition, send_ready
+from skippy.stage.transport import WireCondition, send_ready, set_no_delay
 
 log = logging.getLogger("skippy.stage")
 
@@ -156,8 +156,9 @@ class StageServer:
             await trio.aclose_forcefully(stream)
             return
         try:
+            set_no_delay(stream)
             await send_ready(stream)
-        except (trio.BrokenResourceError, trio.ClosedResourceError):  # a probe that left at once
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):  # a probe that left at once
             await trio.aclose_forcefully(stream)
             return
         connection = Connection(stream, peer, self.settings, self.scheduler, self.stats)
