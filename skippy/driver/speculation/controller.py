@@ -15,7 +15,7 @@
 # * Pipelined plan (D >= 2): an epoch streams windows of n = K + 1 rows (the first carries the
 #   committed token and K drafts, the rest K + 1 drafts) until the first rejection; it commits
 #   1 / (1 - a) tokens on average over E[W] = 1 + a^K / (1 - a^(K+1)) windows, the first after L(n)
-#   and the next ones every I = max(L(n) / D, C(n) / stages).
+#   (or D * C_b(n) once the slowest stage, C_b, saturates) and the next every max(L(n) / D, C_b(n)).
 # * Baseline: 1 token per L(1).  A plan is used only when its expected speedup >= `min_gain`;
 #   otherwise the step is a plain decode ("off").  While off, every `probe_interval` plain steps
 #   with a draft available one small real window (K <= 2) is allowed, refreshing the row cost and
@@ -60,7 +60,9 @@ class ControllerConfig:
     Attributes:
         max_window: most drafts per window (K).
         max_depth: most live windows in flight (D); 1 disables pipelining.
-        stages: stages in the chain (the pipeline's bottleneck is ~C(n) / stages).
+        stages: stages in the chain.
+        bottleneck_share: the slowest stage's share of the summed compute (None: conservatively
+            max(1 / stages, 0.5), since the last stage also runs the output head).
         min_gain: expected speedup needed to speculate on a step.
         prior_acceptance: acceptance assumed before any observation.
         prior_weight: pseudo-observations behind the prior.
@@ -73,6 +75,7 @@ class ControllerConfig:
     max_window: int = 8
     max_depth: int = 4
     stages: int = 1
+    bottleneck_share: float | None = None
     min_gain: float = 1.03
     prior_acceptance: float = 0.3
     prior_weight: float = 2.0
@@ -88,8 +91,17 @@ class ControllerConfig:
             raise ValueError(f"max_depth must be in 1..64 (got {self.max_depth})")
         if self.stages < 1 or self.min_gain < 1.0 or self.halflife <= 0 or self.timing_halflife <= 0:
             raise ValueError("stages >= 1, min_gain >= 1 and positive half-lives are required")
+        if self.bottleneck_share is not None and not 0.0 < self.bottleneck_share <= 1.0:
+            raise ValueError(f"bottleneck_share must be in (0, 1] (got {self.bottleneck_share})")
         if not 0.0 <= self.prior_acceptance < 1.0 or self.prior_weight <= 0 or self.row_cost_ratio < 0:
             raise ValueError("invalid acceptance prior or row cost ratio")
+
+
+    @property
+    def bottleneck(self) -> float:
+        if self.bottleneck_share is not None:
+            return self.bottleneck_share
+        return 1.0 if self.stages == 1 else max(1.0 / self.stages, 0.5)
 
 
 @final
@@ -168,14 +180,21 @@ def serial_rate(acceptance: float, window: int, cost: CostModel) -> float:
     return expected_tokens(acceptance, window) / max(cost.latency(window + 1), 1e-12)
 
 
-def pipelined_rate(acceptance: float, window: int, depth: int, cost: CostModel, stages: int) -> float:
-    """Expected tokens per second streaming windows of ``window + 1`` rows, ``depth`` in flight."""
+def pipelined_rate(acceptance: float, window: int, depth: int, cost: CostModel, bottleneck_share: float) -> float:
+    """Expected tokens per second streaming windows of ``window + 1`` rows, ``depth`` in flight.
+
+    ``bottleneck_share`` is the slowest stage's fraction of the compute summed over stages.
+    """
     if depth <= 1:
         return serial_rate(acceptance, window, cost)
     a = min(max(acceptance, 0.0), _MAX_ACCEPTANCE)
     rows = window + 1
-    first = cost.latency(rows)
-    interval = max(first / depth, cost.compute(rows) / stages)
+    latency = cost.latency(rows)
+    bottleneck = cost.compute(rows) * bottleneck_share
+    interval = max(latency / depth, bottleneck)
+    # Little's law: with `depth` windows queued at a saturated bottleneck, an epoch's first window
+    # waits behind the previous epoch's stale windows, so it takes depth * bottleneck, not latency.
+    first = max(latency, depth * bottleneck)
     windows = 1.0 + a ** window / (1.0 - a ** rows)
     return (1.0 / (1.0 - a)) / max(first + (windows - 1.0) * interval, 1e-12)
 
@@ -250,7 +269,7 @@ class SpeculationController:
         best_rate = base
         for window in range(1, min(max_window, self.config.max_window) + 1):
             for depth in range(1, self.config.max_depth + 1):
-                rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.stages)
+                rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.bottleneck)
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = Plan(window, depth, rate / base), rate
         return best

@@ -1,0 +1,204 @@
+# Simulation harness for driver-side speculative decoding over a modelled chain.
+#
+# Strategy: replay a token stream the target model produced (greedy, so the target's prediction at
+# any correct prefix is the next stream token) through the real `SpeculativeDecoder` (proposer,
+# controller, window FIFO) against a discrete-event model of the chain:
+#
+# * stage i runs messages FIFO; a message of n rows occupies it for overhead + c_i(n), where
+#   c_i(n) is measured on the real stage split (`LocalChain`, per-stage decode times) or given;
+# * each stage boundary adds a one-way delay (default 5 ms); the driver sits next to stage 0 and
+#   the final stage returns predictions straight to the driver across one boundary, so a 2-stage
+#   chain has a 10 ms network round trip;
+# * the driver's own CPU time (proposing, bookkeeping) is measured and added to the clock.
+#
+# The same harness with speculation disabled gives the plain decode baseline.  Rows past a
+# rejected draft get the stream's token too: they are discarded by the acceptance rule anyway.
+#
+# Usage: PYTHONPATH=. python bench/speculation_sim.py [--tokens 160] [--delay-ms 5] [--stages 2]
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from skippy.driver.speculation import SpeculationConfig, SpeculationUsage, SpeculativeDecoder
+from skippy.driver.speculation.controller import ControllerConfig
+
+StageCost = Callable[[int], float]
+
+
+@dataclass(frozen=True)
+class ChainModel:
+    """Per-stage compute (seconds for n rows), one-way delay per boundary, per-message overhead."""
+
+    stage_costs: Sequence[StageCost]
+    one_way_delay: float = 0.005
+    stage_overhead: float = 0.0003
+
+
+@dataclass
+class SimResult:
+    tokens: int
+    seconds: float
+    usage: SpeculationUsage
+    window_sizes: list[int] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def linear_cost(single_row: float, extra_row: float) -> StageCost:
+    """c(n) = single_row + extra_row * (n - 1)."""
+    return lambda rows: single_row + extra_row * (rows - 1)
+
+
+def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
+             config: SpeculationConfig) -> SimResult:
+    """Decode ``stream`` (the target's tokens after ``prompt``) through the modelled chain.
+
+    Returns:
+        Tokens, simulated seconds from the first decode step, and the usage counters.
+    """
+    full = list(prompt) + list(stream)
+    stages = len(chain.stage_costs)
+    decoder = SpeculativeDecoder(prompt, stream[0], config=config, max_tokens=len(stream))
+    free = [0.0] * stages
+    in_flight: deque[tuple[float, int, float, float, tuple[int, ...], int]] = deque()
+    now = 0.0
+    sizes: list[int] = []
+
+    def send(base: int, tokens: tuple[int, ...], window_id: int, sent_at: float) -> None:
+        rows = len(tokens)
+        arrival = sent_at
+        compute = 0.0
+        for index, cost in enumerate(chain.stage_costs):
+            busy = cost(rows)
+            compute += busy
+            start = max(arrival, free[index])
+            free[index] = start + chain.stage_overhead + busy
+            arrival = free[index] + (chain.one_way_delay if stages > 1 else 0.0)
+        in_flight.append((arrival, window_id, sent_at, compute, tokens, base))
+
+    while not decoder.done:
+        started = time.perf_counter()
+        while (request := decoder.next_window()) is not None:
+            sizes.append(len(request.tokens))
+            send(request.base_position, request.tokens, request.window_id, now)
+        now += time.perf_counter() - started
+        if not in_flight:
+            raise RuntimeError("the decoder sent nothing while not done")
+        arrival, window_id, sent_at, compute, tokens, base = in_flight.popleft()
+        now = max(now, arrival)
+        predicted = [full[base + i + 1] if base + i + 1 < len(full) else 0 for i in range(len(tokens))]
+        started = time.perf_counter()
+        decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute)
+        now += time.perf_counter() - started
+    if decoder.generated != list(stream):
+        raise AssertionError("speculative decoding changed the greedy output")
+    return SimResult(len(stream), now, decoder.usage, sizes)
+
+
+def measure_stage_costs(path: Path, split: list[tuple[int, int]], max_rows: int, reps: int = 5) -> list[StageCost]:
+    """Median per-stage decode seconds for 1..max_rows rows on the real split (interpolated).
+
+    A first sweep warms llama.cpp up (the first batches of a new shape are much slower).
+    """
+    from skippy.local import LocalChain
+
+    with LocalChain(path, split, n_ctx=512) as chain:
+        chain.prefill(list(range(100, 132)))
+        table: list[list[float]] = [[0.0] * (max_rows + 1) for _ in split]
+        for rows in [*range(1, max_rows + 1)] * 2:
+            chain.decode(list(range(200, 200 + rows)), list(range(32, 32 + rows)), [0] * rows, [True] * rows)
+            chain.each("remove", 0, 32, -1)
+        for rows in range(1, max_rows + 1):
+            samples: list[list[float]] = [[] for _ in split]
+            for _ in range(reps):
+                before = list(chain.times.compute)
+                chain.decode(list(range(200, 200 + rows)), list(range(32, 32 + rows)), [0] * rows,
+                             [True] * rows)
+                for index, total in enumerate(chain.times.compute):
+                    samples[index].append(total - before[index])
+                chain.each("remove", 0, 32, -1)
+            for index in range(len(split)):
+                table[index][rows] = statistics.median(samples[index])
+    return [(lambda rows, t=row: t[min(rows, max_rows)] + (rows - max_rows) * max(t[max_rows] - t[max_rows - 1], 0.0)
+             * (rows > max_rows)) for row in table]
+
+
+def edit_stream(text: str) -> str:
+    """A plausible "apply an edit" answer: the same code with a renamed identifier and a new line."""
+    renamed = re.sub(r"\bself\b", "this", text)
+    lines = renamed.splitlines(keepends=True)
+    middle = len(lines) // 2
+    return "".join(lines[:middle] + ["    # edited: renamed self to this\n"] + lines[middle:])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--tokens", type=int, default=160, help="tokens generated per workload")
+    parser.add_argument("--delay-ms", type=float, default=5.0, help="one-way delay per stage boundary")
+    parser.add_argument("--stages", type=int, default=2)
+    parser.add_argument("--overhead-ms", type=float, default=0.3, help="per-stage per-message overhead")
+    parser.add_argument("--model", choices=("demo", "tiny"), default="demo")
+    parser.add_argument("--depth", type=int, default=4, help="max verify windows in flight")
+    args = parser.parse_args()
+
+    from skippy.local import LocalChain, even_split
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import demo, tiny
+    from skippy.runtime import SamplingParams
+    from skippy.runtime.tokenizer import Tokenizer
+
+    spec = demo() if args.model == "demo" else tiny()
+    path = ensure_model(spec)
+    split = even_split(spec.n_layer, args.stages)
+    tokenizer = Tokenizer(path)
+    code = Path(__file__).resolve().parents[1].joinpath("skippy", "local.py").read_text()[:2400]
+    prompts = {
+        "repetitive (code, greedy)": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n" * 3,
+        "non-repetitive prompt (greedy)": "The quick brown fox jumps over the lazy dog while seven zebras quietly vanish.",
+    }
+    workloads: dict[str, tuple[list[int], list[int]]] = {}
+    started = time.perf_counter()
+    with LocalChain(path, split, n_ctx=2048) as chain:
+        for name, text in prompts.items():
+            prompt = tokenizer.encode(text)
+            workloads[name] = (prompt, chain.generate(prompt, args.tokens, SamplingParams(), stop_at_eog=False))
+            chain.each("remove", 0)
+        prompt = tokenizer.encode(prompts["non-repetitive prompt (greedy)"])
+        sampled = chain.generate(prompt, args.tokens, SamplingParams(temperature=1.0, seed=7), stop_at_eog=False)
+        workloads["non-repetitive (sampled stream)"] = (prompt, sampled)
+    code_prompt = tokenizer.encode("Rename self to this in:\n" + code)
+    workloads["code edit (synthetic)"] = (code_prompt, tokenizer.encode(edit_stream(code))[:args.tokens])
+    generated = time.perf_counter() - started
+
+    costs = measure_stage_costs(path, split, ControllerConfig().max_window + 2)
+    share = max(cost(5) for cost in costs) / sum(cost(5) for cost in costs)
+    controller = ControllerConfig(stages=args.stages, max_depth=args.depth, bottleneck_share=share)
+    chain_model = ChainModel(costs, args.delay_ms / 1000.0, args.overhead_ms / 1000.0)
+    one_row = sum(cost(1) for cost in costs) * 1000
+    nine_rows = sum(cost(9) for cost in costs) * 1000
+    print(f"model {args.model} split {split}; streams generated in {generated:.1f}s; compute summed over "
+          f"stages: 1 row {one_row:.2f} ms, 9 rows {nine_rows:.2f} ms; one-way delay {args.delay_ms} ms "
+          f"per boundary; overhead {args.overhead_ms} ms per stage message; depth <= {args.depth}; "
+          f"bottleneck share {share:.2f}")
+    print(f"{'workload':34} {'plain tok/s':>11} {'spec tok/s':>10} {'speedup':>8} {'accept':>7} "
+          f"{'proposed':>8} {'windows':>7} {'stale':>5} {'rollbk':>6}")
+    for name, (prompt, stream) in workloads.items():
+        plain = simulate(prompt, stream, chain_model, SpeculationConfig(enabled=False, controller=controller))
+        spec_run = simulate(prompt, stream, chain_model, SpeculationConfig(controller=controller))
+        usage = spec_run.usage
+        print(f"{name:34} {plain.tokens_per_second:11.1f} {spec_run.tokens_per_second:10.1f} "
+              f"{spec_run.tokens_per_second / plain.tokens_per_second:7.2f}x {usage.acceptance_rate:7.2f} "
+              f"{usage.proposed:8d} {usage.windows:7d} {usage.stale_windows:5d} {usage.rollbacks:6d}")
+
+
+if __name__ == "__main__":
+    main()
