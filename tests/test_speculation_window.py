@@ -1,0 +1,160 @@
+"""Window FIFO: commits, authoritative positions, stale windows, errors; the decoder end to end."""
+
+from __future__ import annotations
+
+import pytest
+
+from skippy.driver.speculation import (
+    ControllerConfig,
+    SpeculationConfig,
+    SpeculativeDecoder,
+    UnknownWindowError,
+    Verdict,
+    WindowOrderError,
+    WindowShapeError,
+    WindowTracker,
+)
+
+
+def test_epoch_window_partial_accept_rolls_back() -> None:
+    tracker = WindowTracker(pending_token=50, pending_position=10)
+    window = tracker.open_epoch([1, 2, 3])
+    assert (window.base_position, window.inputs, window.drafts) == (10, (50, 1, 2, 3), (1, 2, 3))
+    outcome = tracker.on_reply(window.id, [1, 9, 7, 7])
+    assert outcome.tokens == (1, 9) and outcome.accepted == 1 and outcome.proposed == 3
+    assert outcome.next_position == 12 and outcome.rollback and outcome.diverged
+    assert (tracker.pending_token, tracker.pending_position) == (9, 12)
+    assert tracker.usage.as_dict() == {"proposed": 3, "accepted": 1, "windows": 1, "rollbacks": 1, "stale_windows": 0}
+
+
+def test_full_accept_and_plain_steps() -> None:
+    tracker = WindowTracker(pending_token=50, pending_position=10)
+    window = tracker.open_epoch([1, 2])
+    outcome = tracker.on_reply(window.id, [1, 2, 3])
+    assert outcome.tokens == (1, 2, 3) and not outcome.rollback and outcome.next_position == 13
+    step = tracker.open_epoch([])
+    assert step.inputs == (3,) and step.base_position == 13
+    assert tracker.on_reply(step.id, [4]).tokens == (4,)
+    assert tracker.pending_position == 14
+    assert tracker.usage.windows == 1 and tracker.usage.rollbacks == 0
+
+
+def test_pipelined_windows_continue_on_matching_boundary() -> None:
+    tracker = WindowTracker(pending_token=50, pending_position=10)
+    first = tracker.open_epoch([1, 2])
+    second = tracker.open_continuation([3, 4, 5])
+    assert second.base_position == 13 and tracker.optimistic_tail == (1, 2, 3, 4, 5)
+    assert tracker.on_reply(first.id, [1, 2, 3]).tokens == (1, 2, 3)
+    outcome = tracker.on_reply(second.id, [4, 5, 6])
+    assert outcome.tokens == (4, 5, 6) and outcome.accepted == 3 and outcome.proposed == 3
+    assert tracker.pending_position == 16
+    assert tracker.usage.accepted == 5 and tracker.usage.proposed == 5
+
+
+def test_boundary_miss_makes_later_windows_stale() -> None:
+    tracker = WindowTracker(pending_token=50, pending_position=10)
+    first = tracker.open_epoch([1, 2])
+    second = tracker.open_continuation([3, 4])
+    third = tracker.open_continuation([5])
+    outcome = tracker.on_reply(first.id, [1, 2, 8])
+    assert outcome.tokens == (1, 2, 8) and outcome.diverged and outcome.next_position == 13
+    assert tracker.live == () and tracker.in_flight == 2
+    restart = tracker.open_epoch([9])  # a new epoch goes out while stale replies drain
+    assert restart.base_position == 13 and restart.inputs == (8, 9)
+    for stale in (second, third):
+        drained = tracker.on_reply(stale.id, [0] * len(stale.inputs))
+        assert drained.stale and drained.tokens == ()
+    assert tracker.on_reply(restart.id, [9, 4]).tokens == (9, 4)
+    assert tracker.usage.stale_windows == 2 and tracker.usage.rollbacks == 1
+
+
+def test_rejection_inside_a_pipelined_window() -> None:
+    tracker = WindowTracker(pending_token=50, pending_position=0)
+    first = tracker.open_epoch([1, 2, 3])
+    tracker.open_continuation([4, 5])
+    outcome = tracker.on_reply(first.id, [1, 7, 0, 0])
+    assert outcome.tokens == (1, 7) and outcome.next_position == 2 and outcome.rollback
+    assert tracker.live == ()
+
+
+def test_reply_errors() -> None:
+    tracker = WindowTracker(pending_token=1, pending_position=0)
+    with pytest.raises(UnknownWindowError):
+        tracker.on_reply(1, [1])
+    first = tracker.open_epoch([2])
+    second = tracker.open_continuation([3])
+    with pytest.raises(WindowOrderError, match="out of order"):
+        tracker.on_reply(second.id, [3])
+    with pytest.raises(UnknownWindowError, match="unknown id 77"):
+        tracker.on_reply(77, [3, 3])
+    with pytest.raises(WindowShapeError, match="sent 2 tokens but the reply has 3"):
+        tracker.on_reply(first.id, [2, 3, 4])
+    assert tracker.in_flight == 2  # a refused reply leaves the FIFO untouched
+
+
+def test_request_errors() -> None:
+    tracker = WindowTracker(pending_token=1, pending_position=0)
+    with pytest.raises(WindowShapeError, match="needs a live window"):
+        tracker.open_continuation([1])
+    window = tracker.open_epoch([2])
+    with pytest.raises(WindowShapeError, match="no live window"):
+        tracker.open_epoch([3])
+    with pytest.raises(WindowShapeError, match="at least one draft"):
+        tracker.open_continuation([])
+    taken = tracker.take_reply(window.id, 2)
+    with pytest.raises(WindowShapeError, match="does not fit"):
+        tracker.commit(taken, Verdict(2, (2, 3, 4)))
+
+
+def test_window_limit() -> None:
+    tracker = WindowTracker(pending_token=1, pending_position=0)
+    tracker.open_epoch([1])
+    for _ in range(63):
+        tracker.open_continuation([1])
+    with pytest.raises(WindowShapeError, match="more than 64"):
+        tracker.open_continuation([1])
+
+
+# ------------------------------------------------------------------------------------ decoder
+
+
+def run(decoder: SpeculativeDecoder, full: list[int], rtt: float = 0.02, row: float = 0.002) -> None:
+    """Drive the decoder against a target that continues ``full`` (FIFO replies)."""
+    queue = []
+    while not decoder.done:
+        while (request := decoder.next_window()) is not None:
+            queue.append(request)
+        request = queue.pop(0)
+        predicted = [full[request.base_position + i + 1] for i in range(len(request.tokens))]
+        rows = len(request.tokens)
+        decoder.on_reply(request.window_id, predicted, wall_seconds=rtt + 0.01 + row * rows,
+                         compute_seconds=0.01 + row * (rows - 1))
+
+
+@pytest.mark.parametrize("depth", [1, 4])
+def test_decoder_greedy_output_is_unchanged(depth: int) -> None:
+    block = [int(t) for t in range(100, 130)]
+    prompt = block + [5] + block
+    stream = block[:10] + [7] + block * 3
+    full = prompt + stream
+    decoder = SpeculativeDecoder(prompt, stream[0], max_tokens=len(stream),
+                                 config=SpeculationConfig(controller=ControllerConfig(max_depth=depth)))
+    run(decoder, full)
+    assert decoder.generated == stream
+    assert decoder.usage.accepted > 0.7 * len(stream)
+    assert decoder.usage.windows < len(stream) / 3
+    assert decoder.kv_length >= len(prompt) + len(stream) - 1
+
+
+def test_decoder_opt_out_sends_plain_steps() -> None:
+    prompt = [1, 2, 3, 1, 2, 3]
+    stream = [1, 2, 3, 1, 2, 3]
+    decoder = SpeculativeDecoder(prompt, stream[0], max_tokens=len(stream), config=SpeculationConfig(enabled=False))
+    seen = []
+    while not decoder.done:
+        request = decoder.next_window()
+        assert request is not None and request.is_decode
+        seen.append(request.base_position)
+        decoder.on_reply(request.window_id, [(prompt + stream)[request.base_position + 1]])
+    assert decoder.generated == stream and seen == [6, 7, 8, 9, 10]
+    assert decoder.usage.windows == 0 and decoder.next_window() is None
