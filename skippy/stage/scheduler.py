@@ -10,7 +10,8 @@ default) and runs, in one trip to the worker thread:
 * then the other jobs (prefill chunks, verify windows, session control) one by one, in arrival
   order.
 
-Native calls run in ``trio.to_thread.run_sync`` (cffi releases the GIL), never on the trio thread;
+Native calls run on the stage's :class:`~skippy.stage.worker.RuntimeThread` (cffi releases the
+GIL; one dedicated thread is cheaper per call than ``trio.to_thread``), never on the trio thread;
 the null runtime, which never blocks, runs inline.  A job's requester that is cancelled simply
 stops waiting: the job still runs, so the runtime and the session table stay consistent.  Each
 connection has at most one job queued at a time, so per-session order is the submission order.
@@ -20,7 +21,7 @@ the submitting task runs its job itself, exactly as the scheduler would have run
 instead of waking the scheduler task and being woken back (two trio hand-offs per message).  The
 runtime is claimed for that run, so jobs submitted meanwhile queue and the scheduler batches them
 as soon as it is released: batching across sessions is unchanged.  A requester cancelled during
-its own run still lets the job finish (``to_thread.run_sync`` does not abandon the thread).
+its own run still lets the job finish (the runtime thread's calls are never abandoned).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ import trio
 from skippy.stage.errors import StageError
 from skippy.stage.executor import Executor, WorkItem, WorkResult
 from skippy.stage.stats import StageStats
+from skippy.stage.worker import RuntimeThread
 
 T = TypeVar("T")
 
@@ -44,7 +46,7 @@ class _Job(Generic[T]):
     item: WorkItem | None
     call: Callable[[], T] | None
     submitted_ns: int
-    done: trio.Event = dataclasses.field(default_factory=trio.Event)
+    done: trio.Event | None = None  #: made when the job is queued (the fast path never waits)
     result: Any = None
     error: BaseException | None = None
     wait_us: int = 0
@@ -69,6 +71,7 @@ class Scheduler:
         #: Jobs submitted to the queue and not yet started.
         self._queued = 0
         self._released: trio.Event | None = None
+        self._thread = RuntimeThread()
 
     async def execute(self, item: WorkItem) -> tuple[WorkResult, int]:
         """Run one executable item; returns its result and the microseconds it queued.
@@ -95,6 +98,7 @@ class Scheduler:
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # the stage is shutting down
                 raise StageError("the stage's scheduler has stopped") from exc
             self._queued += 1
+            job.done = trio.Event()
             await job.done.wait()
         if job.error is not None:
             raise job.error
@@ -104,6 +108,12 @@ class Scheduler:
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The scheduler loop; runs until cancelled."""
         task_status.started()
+        try:
+            await self._serve()
+        finally:
+            self._thread.close()
+
+    async def _serve(self) -> None:
         async with self._receive:
             async for first in self._receive:
                 if self.batch_window > 0 and first.item is not None and first.item.batchable:
@@ -120,6 +130,7 @@ class Scheduler:
                 self._queued -= len(jobs)
                 await self._run_batch(jobs)
                 for job in jobs:
+                    assert job.done is not None
                     job.done.set()
 
     async def _run_batch(self, jobs: list[_Job[Any]]) -> None:
@@ -130,7 +141,7 @@ class Scheduler:
             for job in jobs:
                 job.wait_us = (started - job.submitted_ns) // 1000
             if self.executor.blocking:
-                decode_batches, native = await trio.to_thread.run_sync(self._run_jobs, jobs)
+                decode_batches, native = await self._thread.run_sync(lambda: self._run_jobs(jobs))
             else:
                 decode_batches, native = self._run_jobs(jobs)
         finally:
