@@ -128,8 +128,14 @@ def measure_stage_costs(path: Path, split: list[tuple[int, int]], max_rows: int,
                 chain.each("remove", 0, 32, -1)
             for index in range(len(split)):
                 table[index][rows] = statistics.median(samples[index])
-    return [(lambda rows, t=row: t[min(rows, max_rows)] + (rows - max_rows) * max(t[max_rows] - t[max_rows - 1], 0.0)
-             * (rows > max_rows)) for row in table]
+    # Fit c(n) = c1 + extra (n - 1) per stage: medians on shared CPUs are noisy and a lone spike in
+    # the table would otherwise decide the controller's fate.
+    costs: list[StageCost] = []
+    rows_axis = list(range(1, max_rows + 1))
+    for row in table:
+        slope = statistics.linear_regression(rows_axis, row[1:]).slope
+        costs.append(linear_cost(row[1], max(slope, 0.0)))
+    return costs
 
 
 def edit_stream(text: str) -> str:
@@ -148,6 +154,9 @@ def main() -> None:
     parser.add_argument("--overhead-ms", type=float, default=0.3, help="per-stage per-message overhead")
     parser.add_argument("--model", choices=("demo", "tiny"), default="demo")
     parser.add_argument("--depth", type=int, default=4, help="max verify windows in flight")
+    parser.add_argument("--compute-ms", type=float, default=None,
+                        help="fixed one-row compute summed over stages (skips measuring; split evenly)")
+    parser.add_argument("--row-ms", type=float, default=None, help="fixed extra compute per row, summed")
     args = parser.parse_args()
 
     from skippy.local import LocalChain, even_split
@@ -179,7 +188,11 @@ def main() -> None:
     workloads["code edit (synthetic)"] = (code_prompt, tokenizer.encode(edit_stream(code))[:args.tokens])
     generated = time.perf_counter() - started
 
-    costs = measure_stage_costs(path, split, ControllerConfig().max_window + 2)
+    if args.compute_ms is not None:
+        row_ms = args.row_ms if args.row_ms is not None else 0.1 * args.compute_ms
+        costs = [linear_cost(args.compute_ms / 1000 / args.stages, row_ms / 1000 / args.stages)] * args.stages
+    else:
+        costs = measure_stage_costs(path, split, ControllerConfig().max_window + 2)
     share = max(cost(5) for cost in costs) / sum(cost(5) for cost in costs)
     controller = ControllerConfig(stages=args.stages, max_depth=args.depth, bottleneck_share=share)
     chain_model = ChainModel(costs, args.delay_ms / 1000.0, args.overhead_ms / 1000.0)

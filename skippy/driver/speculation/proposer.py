@@ -111,7 +111,6 @@ class NgramProposer:
         for table in self._index.values():
             table.clear()
         offset = self._offset
-        self._offset = offset
         for token in kept:
             self._history.append(token)
             end = len(self._history) - 1
