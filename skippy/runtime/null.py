@@ -176,7 +176,8 @@ class NullContext:
             values = np.asarray(tokens, dtype=np.int32)
             if values.shape != (rows,):
                 raise InvalidBatch(f"{values.shape} tokens for {rows} positions")
-            if values.min() < 0 or values.max() >= model.n_vocab:
+            low, high = (int(values[0]),) * 2 if rows == 1 else (int(values.min()), int(values.max()))
+            if low < 0 or high >= model.n_vocab:
                 raise InvalidBatch(f"token ids must be in 0..{model.n_vocab - 1}")
         else:
             assert activations is not None

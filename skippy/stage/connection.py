@@ -250,7 +250,9 @@ class Connection:
         #: Forwarded frames whose downstream reply has not been read, in write order.
         self._expected: collections.deque[Forward] = collections.deque()
         self._forwarding_done = False
-        self._relay_idle: trio.CancelScope | None = None
+        #: The relay's scope, and whether it is parked waiting with nothing expected.
+        self._relay_scope = trio.CancelScope()
+        self._relay_idle = False
         #: The direct slot being answered (at most one: one is made only on an idle lane).
         self._direct: ReplySlot | None = None
         #: Messages received whose reply has not been written yet (0: the lane is idle).
@@ -576,13 +578,16 @@ class Connection:
                     self.stats.forward_write_us += item.write_us
         finally:
             self._forwarding_done = True
-            if not self._expected and self._relay_idle is not None:
-                self._relay_idle.cancel()  # the relay waits for a reply nobody will send
+            if not self._expected and self._relay_idle:
+                self._relay_scope.cancel()  # the relay waits for a reply nobody will send
 
     async def relay_replies(self) -> None:
         io = self._downstream_io
         assert io is not None
-        reader = ReplyReader(io, self.downstream_name)
+        with self._relay_scope:  # cancelled only while parked with nothing expected: then it ends
+            await self._relay(ReplyReader(io, self.downstream_name))
+
+    async def _relay(self, reader: ReplyReader) -> None:
         expected = self._expected
         while True:
             if expected:
@@ -590,14 +595,11 @@ class Connection:
             else:
                 if self._forwarding_done:
                     return
-                with trio.CancelScope() as idle:
-                    self._relay_idle = idle
-                    try:
-                        reply = await reader.next()
-                    finally:
-                        self._relay_idle = None
-                if idle.cancelled_caught:  # the forwarder is done and nothing is outstanding
-                    return
+                self._relay_idle = True
+                try:
+                    reply = await reader.next()
+                finally:
+                    self._relay_idle = False
                 if not expected:
                     raise DownstreamLost(
                         f"downstream stage {self.downstream_name} sent {ReplyKind(reply.kind).reference_name} "

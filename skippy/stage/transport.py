@@ -68,13 +68,15 @@ class SocketIO:
     ``ClosedResourceError`` (the stream was closed), so callers map them as for any trio stream.
     """
 
-    __slots__ = ("stream", "_socket", "_buffer", "_view")
+    __slots__ = ("stream", "_socket", "_buffer", "_view", "_drained")
 
     def __init__(self, stream: trio.abc.Stream, receive_size: int = RECEIVE_CHUNK) -> None:
         self.stream = stream
         self._socket: Any = stream.socket if isinstance(stream, trio.SocketStream) else None
         self._buffer = bytearray(receive_size)
         self._view = memoryview(self._buffer)
+        #: The last read came back short, so the socket was empty then: wait before reading.
+        self._drained = False
 
     async def receive(self) -> memoryview | bytes:
         """The next chunk of bytes (valid until the next call); empty at end of stream.
@@ -87,21 +89,25 @@ class SocketIO:
             except (trio.BrokenResourceError, trio.ClosedResourceError):  # a reset reads as end of stream
                 return b""
         while True:
+            if self._drained:  # skip the read that would fail: park until the socket is readable
+                self._drained = False
+                try:
+                    await trio.lowlevel.wait_readable(self._socket)
+                except trio.ClosedResourceError:  # closed by another task: end of stream
+                    return b""
             fd = self._socket.fileno()
             if fd < 0:  # the stream was closed
                 return b""
             try:
                 count = os.readv(fd, (self._buffer,))
-            except BlockingIOError:  # nothing buffered yet: park until the socket is readable
-                try:
-                    await trio.lowlevel.wait_readable(self._socket)
-                except trio.ClosedResourceError:  # closed by another task: end of stream
-                    return b""
+            except BlockingIOError:  # nothing buffered yet: wait, then read again
+                self._drained = True
                 continue
             except InterruptedError:  # a signal arrived mid-call: retry
                 continue
             except OSError:  # reset, or the descriptor went away: end of stream
                 return b""
+            self._drained = count < len(self._buffer)
             return self._view[:count]
 
     def send_now(self, data: bytes | memoryview) -> int:
