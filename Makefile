@@ -23,8 +23,9 @@ install: $(STAMP)
 build: $(STAMP)
 	$(BIN)/python setup.py --quiet build_ext --inplace
 
+# The local pipeline end to end: two stage processes of the generated demo model, the API, one chat completion.
 demo: install
-	$(BIN)/skippy generate --max-tokens 24 "The three best things about distributed inference are"
+	$(BIN)/skippy demo
 
 test: install
 	$(BIN)/python -m pytest

@@ -1,6 +1,10 @@
-"""``skippy generate --layers 0:2,2:4 "prompt"``: run a split in one process next to the unsplit model.
+"""``skippy generate [--layers 0:2,2:4 | --first-stage HOST:PORT] "prompt"``: text through a split model.
 
-Strategy: the stages of the split are called back to back in this process (``LocalChain``); the
+With ``--first-stage`` the prompt goes through a running chain (``python -m skippy.stage`` processes
+or ``skippy up``) via :class:`skippy.driver.Generator`: text streams to the terminal as it is
+generated and a timing summary (TTFT, tokens/s, per-stage compute from the reply stats) ends it.
+
+Otherwise the stages of the split are called back to back in this process (``LocalChain``); the
 same prompt then runs through the unsplit model; the command prints both texts, whether the tokens
 agree, and timings (prefill, decode tokens/s, per-stage compute).  With no ``--model`` it uses the
 generated demo model (written once into the model cache).
@@ -33,7 +37,44 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
     parser.add_argument("--threads", type=int, default=None, help="compute threads (default: all cores)")
     parser.add_argument("--no-compare", action="store_true", help="skip the unsplit comparison run")
+    parser.add_argument("--first-stage", metavar="HOST:PORT",
+                        help="stream through a running chain whose first stage listens here (needs the same --model)")
+    parser.add_argument("--chat", action="store_true", help="with --first-stage: wrap the prompt in the chat template")
+    parser.add_argument("--stop", action="append", default=[], help="with --first-stage: stop string (repeatable)")
     parser.set_defaults(run=run)
+
+
+async def _stream_from_chain(path: Path, args: argparse.Namespace) -> int:
+    import random
+
+    from skippy.driver import GenerationRequest, Generator, StageClient, StageClientError
+    from skippy.runtime import SamplingParams
+
+    generator = Generator.from_model(path)
+    try:
+        text = args.prompt
+        if args.chat:
+            text = generator.apply_chat_template([{"role": "user", "content": text}])
+        prompt = generator.encode(text)
+        max_tokens = generator.check_fits(len(prompt), args.max_tokens)
+        params = SamplingParams(temperature=max(0.0, args.temperature), seed=args.seed & 0xFFFFFFFF)
+        request = GenerationRequest(tuple(prompt), max_tokens, params, tuple(args.stop))
+        async with await StageClient.connect(args.first_stage) as client:
+            run = generator.start(client, request, random.getrandbits(30) + 1)
+            if not args.chat:
+                sys.stdout.write(args.prompt)
+            async for piece in run:
+                sys.stdout.write(piece)
+                sys.stdout.flush()
+        assert run.result is not None
+        print()
+        print(f"[{run.result.finish_reason}] {run.result.timing.summary(run.result.completion_tokens)}")
+        return 0
+    except StageClientError as exc:
+        print(f"\nerror: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        generator.close()
 
 
 def _demo_model() -> Path:
@@ -64,6 +105,15 @@ def run(args: argparse.Namespace) -> int:
     from skippy.runtime.tokenizer import Tokenizer
 
     path = args.model or _demo_model()
+    if args.first_stage:
+        import trio
+
+        try:
+            result: int = trio.run(_stream_from_chain, path, args)
+        except (NativeError, ValueError, OSError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
+        return result
     try:
         info = read_gguf_info(path)
         if args.layers:
