@@ -848,11 +848,18 @@ cdef tuple _int32_tuple(const unsigned char *data, Py_ssize_t count):
     return out
 
 
-cdef class ReplyDecoder(_FrameDecoder):
-    """Incremental :class:`StageReply` decoder (see ``_wire_py.ReplyDecoder``)."""
+include "_wire_ext.pxi"
 
-    def __init__(self, *, max_buffer_bytes=MAX_REPLY_FRAME_BYTES + (1 << 20)):
+
+cdef class ReplyDecoder(_FrameDecoder):
+    """Incremental :class:`StageReply` decoder (see ``_wire_py.ReplyDecoder``); with
+    ``extensions=True`` it also returns ErrorFrame / TimingsFrame (``_wire_ext.pxi``)."""
+
+    cdef public bint extensions
+
+    def __init__(self, *, max_buffer_bytes=MAX_REPLY_FRAME_BYTES + (1 << 20), extensions=False):
         self._max_buffer_bytes = max_buffer_bytes
+        self.extensions = extensions
 
     cdef Py_ssize_t _layout(self) except -1:
         cdef const unsigned char *data = self._pending_data()
@@ -897,7 +904,15 @@ cdef class ReplyDecoder(_FrameDecoder):
         cdef Py_ssize_t buffered = self._pending_size()
         if buffered < self._needed or buffered == 0:
             return self._not_ready(self._needed)
-        cdef Py_ssize_t needed = self._layout()
+        cdef Py_ssize_t needed, length
+        if self.extensions and buffered >= 4 and _is_extension_kind(
+                skippy_load_i32(self._pending_data())):
+            needed = _extension_layout(self._pending_object(), self._start, self._pending_data(),
+                                       buffered, &length)
+            if needed:
+                return self._not_ready(needed)
+            return _build_extension(self._commit(length))
+        needed = self._layout()
         if needed:
             return self._not_ready(needed)
         cdef MessageLayout layout = self._layout_result

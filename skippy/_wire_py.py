@@ -29,6 +29,8 @@ from typing import Final, NamedTuple, NoReturn, cast
 
 import numpy as np
 
+from skippy import _wire_ext_py as _extension
+from skippy._activation_py import _f16_bits_to_f32, _f32_to_f16_bits, _f32_to_q8
 from skippy.protocol import (
     MAX_MESSAGE_FRAME_BYTES,
     MAX_REPLY_FRAME_BYTES,
@@ -59,6 +61,7 @@ from skippy.protocol import (
     activation_row_multiplier,
     carries_activation,
 )
+from skippy.protocol_ext import ErrorFrame, TimingsFrame
 
 __all__ = [
     "IMPLEMENTATION",
@@ -66,10 +69,15 @@ __all__ = [
     "ReplyDecoder",
     "decode_activation",
     "encode_activation",
+    "encode_error",
     "encode_message",
     "encode_reply",
+    "encode_timings",
     "int32_sideband",
 ]
+
+encode_error = _extension.encode_error
+encode_timings = _extension.encode_timings
 
 #: Which implementation this module is (``wire.IMPLEMENTATION`` reports the one in use).
 IMPLEMENTATION: Final = "python"
@@ -128,63 +136,6 @@ def _activation_sizes(dtype: int, token_count: int, width: int, flags: int) -> t
             limit=MAX_STAGE_DECODED_ACTIVATION_BYTES,
         )
     return rows, wire_bytes
-
-
-def _f32_to_f16_bits(values: Float32Array) -> np.ndarray:
-    """IEEE binary16 bits of ``values``, ties away from zero, NaN -> sign|0x7e00 (§4.2)."""
-    bits = values.view(np.uint32)
-    sign = ((bits >> 16) & 0x8000).astype(np.uint32)
-    magnitude = bits & np.uint32(0x7FFFFFFF)
-    # Normal halves: rebias the exponent by (127-15) << 23; adding half an ulp (bit 12) rounds
-    # ties away from zero and lets a mantissa carry roll into the exponent (65520 -> Inf).
-    normal = ((magnitude - np.uint32(0x38000000)) + np.uint32(0x1000)) >> 13
-    # Subnormal halves: shift the mantissa (with its implicit bit) right by 126 - exponent,
-    # adding half of the last kept unit first.
-    exponent = (magnitude >> 23).astype(np.int64)
-    shift = np.clip(126 - exponent, 1, 31).astype(np.uint32)
-    mantissa = ((magnitude & np.uint32(0x7FFFFF)) | np.uint32(0x800000)).astype(np.uint64)
-    subnormal = ((mantissa + (np.uint64(1) << (shift - 1).astype(np.uint64)))
-                 >> shift.astype(np.uint64)).astype(np.uint32)
-    half = np.where(
-        magnitude > 0x7F800000, np.uint32(0x7E00),
-        np.where(
-            magnitude >= 0x47800000, np.uint32(0x7C00),
-            np.where(
-                magnitude >= 0x38800000, normal,
-                np.where(magnitude >= 0x33000000, subnormal, np.uint32(0)),
-            ),
-        ),
-    )
-    return (half | sign).astype("<u2")
-
-
-def _f16_bits_to_f32(halves: np.ndarray) -> Float32Array:
-    """Exact binary16 -> binary32, subnormals, Inf and NaN payloads included (§4.2)."""
-    h = halves.astype(np.uint32)
-    sign = (h & 0x8000) << 16
-    exponent = (h >> 10) & 0x1F
-    mantissa = h & 0x3FF
-    normal = ((exponent + (127 - 15)) << 23) | (mantissa << 13)
-    special = np.uint32(0x7F800000) | (mantissa << 13)
-    # A subnormal half is mantissa x 2^-24, exactly representable in f32.
-    subnormal = (mantissa.astype(np.float32) * np.float32(2.0**-24)).view(np.uint32)
-    bits = np.where(exponent == 0x1F, special, np.where(exponent == 0, subnormal, normal))
-    return cast(Float32Array, (bits | sign).astype(np.uint32).view(np.float32))
-
-
-def _f32_to_q8(values: Float32Array) -> bytes:
-    """Per-row symmetric int8: all f32 scales first, then the values (§4.2)."""
-    with np.errstate(all="ignore"):  # inf/inf and NaN inputs are defined below, not warnings
-        magnitude = np.abs(values)
-        max_abs = np.fmax.reduce(magnitude, axis=1, initial=np.float32(0.0))  # skips NaN
-        scale = np.where(max_abs == 0, np.float32(1.0), max_abs / np.float32(127.0))
-        scale = scale.astype(np.float32)
-        quotient = values / scale[:, None]
-        truncated = np.trunc(quotient)
-        fraction = quotient - truncated
-        rounded = truncated + np.where(np.abs(fraction) >= 0.5, np.sign(quotient), 0)
-        rounded = np.clip(np.where(np.isnan(rounded), 0, rounded), -127, 127)
-    return scale.astype("<f4").tobytes() + rounded.astype(np.int8).tobytes()
 
 
 def encode_activation(values: Float32Array, wire_dtype: WireDType) -> bytes:
@@ -806,20 +757,37 @@ class MessageDecoder(_FrameDecoder):
 
 
 class ReplyDecoder(_FrameDecoder):
-    """Incremental :class:`StageReply` decoder for one stream (``recv_reply``)."""
+    """Incremental :class:`StageReply` decoder for one stream (``recv_reply``).
 
-    def __init__(self, *, max_buffer_bytes: int = MAX_REPLY_FRAME_BYTES + (1 << 20)) -> None:
+    Args:
+        max_buffer_bytes: cap on buffered bytes.
+        extensions: also accept skippy's extension frames (:class:`ErrorFrame`,
+            :class:`TimingsFrame`; docs/protocol.md "Extensions"). Set it only on a connection
+            whose messages carry the extension flag; otherwise their kinds are unknown, as in v11.
+    """
+
+    def __init__(self, *, max_buffer_bytes: int = MAX_REPLY_FRAME_BYTES + (1 << 20),
+                 extensions: bool = False) -> None:
         super().__init__(max_buffer_bytes)
+        self.extensions = extensions
 
-    def next_reply(self) -> StageReply | type[NEED_DATA] | type[END_OF_STREAM]:
-        """The next complete reply, ``NEED_DATA``, or ``END_OF_STREAM`` after EOF.
+    def next_reply(self) -> (StageReply | ErrorFrame | TimingsFrame | type[NEED_DATA]
+                             | type[END_OF_STREAM]):
+        """The next complete reply (or extension frame), ``NEED_DATA``, or ``END_OF_STREAM``.
 
         Raises:
             WireError: the reply is malformed, or the stream ended inside it.
         """
         if not self._pending():
             return self._not_ready(self._needed)
-        result = _reply_layout(self._buffer, self._start, len(self._buffer))
+        buffer, start, end = self._buffer, self._start, len(self._buffer)
+        if self.extensions and end - start >= 4 and not 1 <= _I32.unpack_from(buffer, start)[0] <= 3:
+            if _extension.is_extension_kind(_I32.unpack_from(buffer, start)[0]):
+                length = _extension.extension_layout(buffer, start, end)
+                if length < 0:
+                    return self._not_ready(-length)
+                return _extension.build_extension(self._commit(length))
+        result = _reply_layout(buffer, start, end)
         if isinstance(result, int):
             return self._not_ready(result)
         return _build_reply(self._commit(result.length), result)

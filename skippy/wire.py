@@ -15,6 +15,10 @@ Usage::
     decoder.receive_data(chunk)          # b"" marks the end of the stream
     while (item := decoder.next_message()) is not NEED_DATA: ...
 
+Skippy's negotiated extension frames (Error, Timings; ``docs/protocol.md`` "Extensions") are
+encoded with ``encode_error`` / ``encode_timings`` and decoded by ``ReplyDecoder(extensions=True)``;
+their types live in :mod:`skippy.protocol_ext`.
+
 Every malformed input raises :class:`~skippy.protocol.WireError`; after one on the receive path
 the stream is desynchronised and the connection must be closed. Nothing here does I/O.
 
@@ -38,6 +42,14 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
+from skippy.protocol_ext import (
+    SKIPPY_EXTENSIONS_FLAG,
+    ErrorCode,
+    ErrorFrame,
+    ExtensionNegotiation,
+    TimingRecord,
+    TimingsFrame,
+)
 
 #: Why the Cython extension was not used (None when it is, or when the twin was forced).
 EXTENSION_IMPORT_ERROR: ImportError | None = None
@@ -56,6 +68,8 @@ IMPLEMENTATION: str = _implementation.IMPLEMENTATION
 
 encode_message = _implementation.encode_message
 encode_reply = _implementation.encode_reply
+encode_error = _implementation.encode_error
+encode_timings = _implementation.encode_timings
 encode_activation = _implementation.encode_activation
 decode_activation = _implementation.decode_activation
 int32_sideband = _implementation.int32_sideband
@@ -68,19 +82,27 @@ __all__ = [
     "IMPLEMENTATION",
     "NEED_DATA",
     "READY_BYTES",
+    "SKIPPY_EXTENSIONS_FLAG",
+    "ErrorCode",
+    "ErrorFrame",
+    "ExtensionNegotiation",
     "MessageDecoder",
     "MessageKind",
     "ReplyDecoder",
     "ReplyKind",
     "StageMessage",
     "StageReply",
+    "TimingRecord",
+    "TimingsFrame",
     "WireDType",
     "WireError",
     "check_ready",
     "decode_activation",
     "encode_activation",
+    "encode_error",
     "encode_message",
     "encode_reply",
+    "encode_timings",
     "int32_sideband",
 ]
 

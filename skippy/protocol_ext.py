@@ -1,0 +1,180 @@
+"""Skippy's negotiated extensions to the v11 stage protocol: wire values, frame types, limits.
+
+Strategy
+--------
+v11 (``../shared/reference/protocol.md``) has no error frame and no per-stage timings. This module
+is the vocabulary of the two extension reply frames skippy adds, and of the state-flag bit that
+negotiates them; the layouts, limits and relay rules are in ``docs/protocol.md`` ("Extensions"),
+which every ``#:`` comment below cites as ``ext §N``. Like :mod:`skippy.protocol` it never reads or
+writes bytes (the codec in :mod:`skippy.wire` does) and never does I/O.
+
+Negotiation is one-sided and per connection. A sender that understands the extensions sets
+:data:`SKIPPY_EXTENSIONS_FLAG` in ``state.flags`` of every message it sends; a plain v11 peer
+ignores the bit (protocol.md §2.4) and answers in v11. A receiver that saw the bit on a
+connection *may* answer on that connection with :class:`ErrorFrame` and :class:`TimingsFrame`
+frames; one that never saw it must not (:class:`ExtensionNegotiation` keeps that state). The
+extension reply kinds lie outside v11's reply-kind range, so a reply decoder that was not told
+to accept them (the default) rejects them exactly as v11 does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import IntEnum
+from typing import Final, final
+
+from skippy.protocol import StageMessage, StateHeader
+
+__all__ = [
+    "ERROR_FRAME_BASE_BYTES",
+    "MAX_ERROR_ADDRESS_BYTES",
+    "MAX_ERROR_MESSAGE_BYTES",
+    "MAX_ERROR_FRAME_BYTES",
+    "MAX_TIMING_RECORDS",
+    "PREFIX_EXTENT_FLAG",
+    "SKIPPY_EXTENSIONS_FLAG",
+    "TIMING_RECORD_BYTES",
+    "ErrorCode",
+    "ExtensionNegotiation",
+    "ExtensionReplyKind",
+    "ErrorFrame",
+    "TimingsFrame",
+    "TimingRecord",
+    "append_timing",
+    "requests_extensions",
+    "with_extensions_flag",
+]
+
+#: ext §1: state flag bit 10, "skippy extensions v1" (error and timings reply frames).
+SKIPPY_EXTENSIONS_FLAG: Final = 1 << 10
+#: docs/prefix-cache.md §6: bit 9, the prefix-cache extension. Reserved here so nothing collides.
+PREFIX_EXTENT_FLAG: Final = 1 << 9
+
+#: ext §2: longest ``origin_address`` in UTF-8 bytes ("host:port", a URL at most).
+MAX_ERROR_ADDRESS_BYTES: Final = 256
+#: ext §2: longest ``message`` in UTF-8 bytes; senders truncate at a character boundary.
+MAX_ERROR_MESSAGE_BYTES: Final = 4096
+#: ext §2: kind, code, origin_stage_index, reporter_stage_index and the two u32 lengths.
+ERROR_FRAME_BASE_BYTES: Final = 24
+#: ext §2: the largest legal error frame.
+MAX_ERROR_FRAME_BYTES: Final = (
+    ERROR_FRAME_BASE_BYTES + MAX_ERROR_ADDRESS_BYTES + MAX_ERROR_MESSAGE_BYTES
+)
+#: ext §3: most records in one timings frame (one per stage; stage masks stop at 63 too).
+MAX_TIMING_RECORDS: Final = 64
+#: ext §3: four i32 then four i64.
+TIMING_RECORD_BYTES: Final = 48
+
+
+class ExtensionReplyKind(IntEnum):
+    """Reply-kind codes of the extension frames (ext §1); v11 uses only 1..3."""
+
+    ERROR = 0x5E00  #: ext §2: the lane is closing; relayed upstream unchanged.
+    TIMINGS = 0x5E01  #: ext §3: per-stage timings of the reply frame that follows.
+
+
+class ErrorCode(IntEnum):
+    """Why a lane was closed (ext §2). Codes are never reused; new ones need a new flag bit."""
+
+    DOWNSTREAM_LOST = 1  #: ext §2: the downstream connection closed, reset or timed out.
+    MALFORMED_FRAME = 2  #: ext §2: a frame from upstream raised WireError.
+    RUNTIME_ERROR = 3  #: ext §2: the runtime failed to execute the message.
+    UNSUPPORTED_KIND = 4  #: ext §2: a valid kind this stage does not serve (StateImport ...).
+    STATE_MISMATCH = 5  #: ext §2: the state header does not match the kind (§3.1 matches_kind).
+    OVERLOADED = 6  #: ext §2: no lane, session or KV capacity for the request.
+    SHUTTING_DOWN = 7  #: ext §2: the stage is draining (SIGTERM).
+    INTERNAL = 8  #: ext §2: any other failure inside the stage.
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class ErrorFrame:
+    """Error frame (ext §2): sent upstream just before a stage closes a lane.
+
+    ``origin_*`` name the stage the error is *about*: for ``DOWNSTREAM_LOST`` the lost stage
+    (as far as the reporter knows it), otherwise the stage where it happened. ``reporter_stage_index``
+    is the stage that wrote the frame. -1 means unknown (or the driver).
+    """
+
+    code: ErrorCode
+    origin_stage_index: int
+    reporter_stage_index: int
+    origin_address: str = ""
+    message: str = ""
+
+    def describe(self) -> str:
+        """One line for logs and client exceptions, naming the stage."""
+        where = f"stage {self.origin_stage_index}" if self.origin_stage_index >= 0 else "stage ?"
+        if self.origin_address:
+            where += f" ({self.origin_address})"
+        reporter = ""
+        if self.reporter_stage_index != self.origin_stage_index:
+            reporter = f", reported by stage {self.reporter_stage_index}"
+        return f"{ErrorCode(self.code).name.lower()} at {where}{reporter}: {self.message}"
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class TimingRecord:
+    """One stage's timings for one reply (ext §3). Durations are microseconds, all >= 0."""
+
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    batch_size: int = 0  #: decode items in the llama batch that computed this message.
+    compute_us: int = 0
+    forward_write_us: int = 0  #: writing the activation downstream.
+    downstream_wait_us: int = 0  #: from the downstream write to its reply.
+    queue_wait_us: int = 0  #: from receipt to the scheduler starting the work.
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class TimingsFrame:
+    """Timings frame (ext §3): annotates the next v11 reply frame on the same connection.
+
+    Records are in the order stages appended them: the deepest stage first, stage 0 last.
+    """
+
+    records: tuple[TimingRecord, ...] = ()
+
+
+def append_timing(timings: TimingsFrame | None, record: TimingRecord) -> TimingsFrame:
+    """The relay step of ext §3: ``timings`` from downstream (or None) plus this stage's record."""
+    previous = () if timings is None else timings.records
+    return TimingsFrame((*previous, record))
+
+
+def requests_extensions(flags: int) -> bool:
+    """True when ``state.flags`` carries the extension bit (ext §1)."""
+    return bool(flags & SKIPPY_EXTENSIONS_FLAG)
+
+
+def with_extensions_flag(message: StageMessage) -> StageMessage:
+    """``message`` with the extension bit set in its state flags (ext §1: what a sender does)."""
+    state = message.state
+    if state.flags & SKIPPY_EXTENSIONS_FLAG:
+        return message
+    new_state: StateHeader = replace(state, flags=state.flags | SKIPPY_EXTENSIONS_FLAG)
+    return replace(message, state=new_state)
+
+
+@final
+class ExtensionNegotiation:
+    """Receiver-side negotiation state of one upstream connection (ext §1).
+
+    Call :meth:`observe` with every decoded message before answering it. ``enabled`` turns true
+    at the first message carrying the bit and stays true for the connection's life; until then
+    only v11 reply frames may be sent on it.
+    """
+
+    __slots__ = ("enabled",)
+
+    def __init__(self) -> None:
+        self.enabled = False
+
+    def observe(self, message: StageMessage) -> bool:
+        """Record ``message``'s flag; returns whether extension replies may now be sent."""
+        if not self.enabled and message.state.flags & SKIPPY_EXTENSIONS_FLAG:
+            self.enabled = True
+        return self.enabled
