@@ -8,8 +8,9 @@ Prints one line per figure.
   boundary is ``(t3 - t1) / 2`` per token (target <= 150 us).
 * **Split vs unsplit** (a benchmark-shaped generated llama, 16 x 1024, F16): decode tokens/s of the
   whole model in this process, against 2- and 4-stage chains of real processes (targets >= 95%
-  and >= 90%).  Every process uses one compute thread, so the comparison is per-token work plus
-  the chain's overhead, not parallelism.
+  and >= 90%), measured alternately ``--repeat`` times (medians, and each round's ratio).  Every
+  process uses one compute thread, so the comparison is per-token work plus the chain's overhead,
+  not parallelism.
 * **Aggregate decode** with 8 concurrent sessions against 1 on a 2-stage chain (cross-session
   batching).
 """
@@ -143,7 +144,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="fewer steps (smoke run)")
     parser.add_argument("--null-only", action="store_true", help="only the null-runtime boundary overhead")
     parser.add_argument("--repeat", type=int, default=1,
-                        help="alternate the 1- and 3-stage null runs this many times; report medians")
+                        help="measure the layouts of each figure alternately this many times; report medians")
     args = parser.parse_args()
     steps = 40 if args.quick else 200
     one, three, overhead = boundary_overhead_us(steps * 2, repeat=max(1, args.repeat))
@@ -159,14 +160,22 @@ def main() -> None:
     prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
     decode_steps = 16 if args.quick else 48
     flags = ["--batch-size", "64", "--ctx-size", "1024"]
-    reference = unsplit_tokens_per_second(path, prompt, decode_steps)
+    layouts = (["0:8", "8:16"], ["0:4", "4:8", "8:12", "12:16"])
+    references: list[float] = []
+    rates: dict[int, list[float]] = {len(splits): [] for splits in layouts}
+    with chain(str(path), layouts[0], flags) as two, chain(str(path), layouts[1], flags) as four:
+        for _ in range(max(1, args.repeat)):  # interleaved rounds: machine noise hits all alike
+            references.append(unsplit_tokens_per_second(path, prompt, decode_steps))
+            for count, address in ((2, two), (4, four)):
+                rates[count].append(1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps))
+    reference = statistics.median(references)
     print(f"llama-16x1024 F16 unsplit (in process, 1 thread): {reference:.1f} tok/s")
-    for splits in (["0:8", "8:16"], ["0:4", "4:8", "8:12", "12:16"]):
-        with chain(str(path), splits, flags) as address:
-            rate = 1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps)
-        target = 95 if len(splits) == 2 else 90
-        print(f"{len(splits)}-stage chain: {rate:.1f} tok/s = {100 * rate / reference:.1f}% of unsplit "
-              f"(target >= {target}%)")
+    for count, measured in rates.items():
+        rate = statistics.median(measured)
+        ratios = [100 * r / u for r, u in zip(measured, references)]
+        target = 95 if count == 2 else 90
+        print(f"{count}-stage chain: {rate:.1f} tok/s = {100 * rate / reference:.1f}% of unsplit "
+              f"(target >= {target}%; per round {', '.join(f'{x:.1f}' for x in ratios)})")
     with chain(str(path), ["0:8", "8:16"], flags) as address:
         single = 1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps)
         eight = 8.0 / trio.run(functools.partial(decode_seconds_per_token, sessions=8), address, prompt, decode_steps)
