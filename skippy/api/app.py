@@ -166,6 +166,21 @@ def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
 
+class _LeasedStreamingResponse(StreamingResponse):
+    """A streaming response that returns its lane even if its body never started (early disconnect)."""
+
+    def __init__(self, content: AsyncIterator[bytes], on_close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__(content, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
 class _Handlers:
     def __init__(self, service: ChainService) -> None:
         self.service = service
@@ -208,6 +223,11 @@ class _Handlers:
         return lease, generation, first
 
     async def finish(self, lease: Lease, generation: Generation) -> None:
+        """Return the lane and record the run; idempotent (a stream calls it from two places)."""
+        if lease.returned:
+            return
+        lease.returned = True
+        self.service.metrics.in_flight.dec()
         lease.clean = generation.result is not None
         await self.service.pool.release(lease)
         self.service.metrics.lanes_open.set(self.service.pool.open_lanes)
@@ -227,9 +247,8 @@ class _Handlers:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if stream:
             metrics.request_done(endpoint, 200)
-            return StreamingResponse(self.stream(lease, generation, first, ident, chat, include_usage),
-                                     media_type="text/event-stream",
-                                     headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+            return _LeasedStreamingResponse(self.stream(lease, generation, first, ident, chat, include_usage),
+                                            lambda: self.finish(lease, generation))
         try:
             async for _ in generation:
                 pass
@@ -237,7 +256,6 @@ class _Handlers:
             raise await self.chain_error(exc) from exc
         finally:
             await self.finish(lease, generation)
-            metrics.in_flight.dec()
         completion = generation.result
         assert completion is not None
         choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason, "logprobs": None}
@@ -292,7 +310,6 @@ class _Handlers:
             yield _sse("[DONE]")
         finally:
             await self.finish(lease, generation)
-            self.service.metrics.in_flight.dec()
 
     # -- routes --------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

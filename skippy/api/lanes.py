@@ -45,6 +45,7 @@ class Lease:
 
     client: StageClient
     clean: bool = False
+    returned: bool = False
 
 
 @final
