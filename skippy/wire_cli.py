@@ -11,6 +11,8 @@ turned back into bytes:
 * ``encode [--dtype D] [--width N] [--replies] [--hex] [FILE]`` reads JSON values (a ``fields``
   object, a whole vector case, or arrays of those) and writes the frames (binary, or one hex
   line per frame with ``--hex``).
+* With ``--replies`` both commands also handle skippy's extension frames (``"kind": "Error"`` /
+  ``"Timings"``, docs/protocol.md "Extensions"), mixed freely with v11 replies.
 
 Floats are written as the shortest decimal that round-trips to the float32; non-finite values
 are ``"NaN"``/``"Infinity"``/``"-Infinity"``; the ``*_hex`` fields are exact. Malformed input:
@@ -50,8 +52,17 @@ from skippy.protocol import (
     WireError,
     activation_row_multiplier,
 )
+from skippy.protocol_ext import (
+    ErrorCode,
+    ErrorFrame,
+    ExtensionReplyKind,
+    TimingRecord,
+    TimingsFrame,
+)
 
 __all__ = [
+    "extension_from_fields",
+    "extension_to_fields",
     "main",
     "message_from_fields",
     "message_to_fields",
@@ -61,6 +72,9 @@ __all__ = [
 
 _KINDS_BY_NAME = {kind.reference_name: kind for kind in MessageKind}
 _REPLY_KINDS_BY_NAME = {kind.reference_name: kind for kind in ReplyKind}
+_EXTENSION_KINDS_BY_NAME = {kind.name.title(): kind for kind in ExtensionReplyKind}
+_ERROR_CODES_BY_NAME = {code.name.title().replace("_", ""): code for code in ErrorCode}
+_TIMING_FIELDS = tuple(TimingRecord.__dataclass_fields__)
 _DTYPES_BY_NAME = {dtype.reference_name: dtype for dtype in WireDType}
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repeat_penalty")
@@ -304,6 +318,53 @@ def reply_to_fields(reply: StageReply) -> dict[str, Any]:
     }
 
 
+def _is_extension(fields: dict[str, Any]) -> bool:
+    if "kind_code" in fields:
+        return int(fields["kind_code"]) in ExtensionReplyKind._value2member_map_
+    return fields.get("kind") in _EXTENSION_KINDS_BY_NAME
+
+
+def extension_from_fields(fields: dict[str, Any]) -> ErrorFrame | TimingsFrame:
+    """Build an extension frame (docs/protocol.md "Extensions") from its JSON notation:
+    ``{"kind": "Error", "code": "DownstreamLost", ...}`` or ``{"kind": "Timings", "records":
+    [...]}``; ``kind_code`` / ``code_value`` may replace the names."""
+    kind = (int(fields["kind_code"]) if "kind_code" in fields
+            else _EXTENSION_KINDS_BY_NAME[fields["kind"]])
+    if kind == ExtensionReplyKind.ERROR:
+        code: Any = fields.get("code_value", fields.get("code"))
+        if isinstance(code, str):
+            if code not in _ERROR_CODES_BY_NAME:
+                raise WireError("unknown stage error code", field="code", value=code)
+            code = _ERROR_CODES_BY_NAME[code]
+        return ErrorFrame(code, fields.get("origin_stage_index", -1),
+                          fields.get("reporter_stage_index", -1),
+                          fields.get("origin_address", ""), fields.get("message", ""))
+    return TimingsFrame(tuple(TimingRecord(**record) for record in fields.get("records", ())))
+
+
+def extension_to_fields(frame: ErrorFrame | TimingsFrame) -> dict[str, Any]:
+    """The JSON notation of an extension frame (the inverse of :func:`extension_from_fields`)."""
+    if isinstance(frame, ErrorFrame):
+        code = ErrorCode(frame.code)
+        return {
+            "kind": "Error",
+            "kind_code": int(ExtensionReplyKind.ERROR),
+            "code": code.name.title().replace("_", ""),
+            "code_value": int(code),
+            "origin_stage_index": frame.origin_stage_index,
+            "reporter_stage_index": frame.reporter_stage_index,
+            "origin_address": frame.origin_address,
+            "message": frame.message,
+        }
+    return {
+        "kind": "Timings",
+        "kind_code": int(ExtensionReplyKind.TIMINGS),
+        "record_count": len(frame.records),
+        "records": [{name: getattr(record, name) for name in _TIMING_FIELDS}
+                    for record in frame.records],
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # Commands
 # --------------------------------------------------------------------------------------------
@@ -325,13 +386,16 @@ def decode_frames(data: bytes, width: int, replies: bool) -> Iterator[dict[str, 
     """Yield the fields of every frame in ``data``; the end of ``data`` ends the stream."""
     offset = 0
     if replies:
-        reply_decoder = wire.ReplyDecoder()
+        reply_decoder = wire.ReplyDecoder(extensions=True)  # a debugging tool accepts them all
         reply_decoder.receive_data(data)
         reply_decoder.receive_data(b"")
         while (reply := reply_decoder.next_reply()) is not END_OF_STREAM:
             assert reply is not NEED_DATA  # the stream is closed: never NEED_DATA
-            assert isinstance(reply, StageReply)
-            yield reply_to_fields(reply)
+            if isinstance(reply, (ErrorFrame, TimingsFrame)):
+                yield extension_to_fields(reply)
+            else:
+                assert isinstance(reply, StageReply)
+                yield reply_to_fields(reply)
         return
     decoder = wire.MessageDecoder(width)
     decoder.receive_data(data)
@@ -367,7 +431,12 @@ def encode_frames(text: str, dtype_name: str | None, width: int | None,
     for item in _json_values(text):
         fields = item.get("fields", item)
         if replies:
-            yield wire.encode_reply(reply_from_fields(fields))
+            if not _is_extension(fields):
+                yield wire.encode_reply(reply_from_fields(fields))
+                continue
+            frame = extension_from_fields(fields)
+            yield (wire.encode_error(frame) if isinstance(frame, ErrorFrame)
+                   else wire.encode_timings(frame))
             continue
         name = dtype_name or item.get("wire_dtype")
         if name is not None:
@@ -388,13 +457,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     commands = parser.add_subparsers(dest="command", required=True)
     decode = commands.add_parser("decode", help="frames in, one JSON object per frame out")
     decode.add_argument("--width", type=int, default=0, help="activation width (n_embd)")
-    decode.add_argument("--replies", action="store_true", help="decode StageReply frames")
+    decode.add_argument("--replies", action="store_true", help="decode StageReply frames (and extension frames)")
     decode.add_argument("--hex", action="store_true", help="input is hex text")
     decode.add_argument("file", nargs="?", help="input file (default: stdin)")
     encode = commands.add_parser("encode", help="JSON objects in, frames out")
     encode.add_argument("--dtype", choices=sorted(_DTYPES_BY_NAME), help="activation wire dtype")
     encode.add_argument("--width", type=int, help="activation width (n_embd)")
-    encode.add_argument("--replies", action="store_true", help="encode StageReply frames")
+    encode.add_argument("--replies", action="store_true", help="encode StageReply frames (and extension frames)")
     encode.add_argument("--hex", action="store_true", help="write one hex line per frame")
     encode.add_argument("file", nargs="?", help="input file (default: stdin)")
     arguments = parser.parse_args(argv)
