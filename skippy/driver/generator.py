@@ -301,7 +301,7 @@ class Generator:
         """
         metadata, _ = read_header(Path(path))
         template = metadata.get("tokenizer.chat_template")
-        trained = next((int(v) for k, v in metadata.items() if k.endswith(".context_length")  # type: ignore[call-overload]
+        trained = next((int(v) for k, v in metadata.items() if k.endswith(".context_length")
                         and isinstance(v, int)), 4096)
         return cls(Tokenizer(path), chat_template=template if isinstance(template, str) else None,
                    n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size, credit=credit)
