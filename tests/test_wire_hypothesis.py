@@ -252,3 +252,113 @@ def test_q8_implementations_agree(values: np.ndarray) -> None:
         scale = np.frombuffer(encoded[0][:4 * rows], dtype="<f4")
         error = np.abs(decoded[0][finite].astype(np.float64) - values[finite])
         assert np.all(error <= scale[finite][:, None].astype(np.float64) * 0.501 + 1e-30)
+
+
+# --------------------------------------------------------------------------------------------
+# Extension frames (docs/protocol.md "Extensions")
+# --------------------------------------------------------------------------------------------
+
+from skippy.protocol_ext import (  # noqa: E402
+    MAX_ERROR_ADDRESS_BYTES,
+    MAX_ERROR_MESSAGE_BYTES,
+    MAX_TIMING_RECORDS,
+    ErrorCode,
+    ErrorFrame,
+    TimingRecord,
+    TimingsFrame,
+)
+
+stage_indices = st.integers(-1, (1 << 31) - 1)
+non_negative_i32 = st.integers(0, (1 << 31) - 1)
+non_negative_i64 = st.integers(0, (1 << 63) - 1)
+
+
+def _utf8_text(limit: int) -> st.SearchStrategy[str]:
+    # At most 4 UTF-8 bytes a character, so any draw fits; surrogates cannot be encoded.
+    return st.text(st.characters(blacklist_categories=("Cs",)), max_size=limit // 4)
+
+
+@st.composite
+def error_frames(draw: st.DrawFn) -> ErrorFrame:
+    return ErrorFrame(draw(st.sampled_from(list(ErrorCode))), draw(stage_indices),
+                      draw(stage_indices), draw(_utf8_text(MAX_ERROR_ADDRESS_BYTES)),
+                      draw(_utf8_text(MAX_ERROR_MESSAGE_BYTES)))
+
+
+@st.composite
+def timing_records(draw: st.DrawFn) -> TimingRecord:
+    start = draw(non_negative_i32)
+    end = draw(st.integers(start, (1 << 31) - 1))
+    return TimingRecord(draw(non_negative_i32), start, end, draw(non_negative_i32),
+                        *(draw(non_negative_i64) for _ in range(4)))
+
+
+timings_frames = st.lists(timing_records(), max_size=MAX_TIMING_RECORDS).map(
+    lambda records: TimingsFrame(tuple(records)))
+extension_frames = error_frames() | timings_frames
+
+
+def _encode_any(implementation: Any, frame: Any) -> bytes:
+    if isinstance(frame, ErrorFrame):
+        return bytes(implementation.encode_error(frame))
+    if isinstance(frame, TimingsFrame):
+        return bytes(implementation.encode_timings(frame))
+    return bytes(implementation.encode_reply(frame))
+
+
+@PROPERTY_SETTINGS
+@given(st.lists(extension_frames | replies(), min_size=1, max_size=5))
+def test_extension_frames_round_trip_identically(frames: list[Any]) -> None:
+    encoded = [b"".join(_encode_any(impl, frame) for frame in frames) for impl in IMPLEMENTATIONS]
+    assert encoded[0] == encoded[1]
+    for impl in IMPLEMENTATIONS:
+        for chunks in ([encoded[0]], [encoded[0][i:i + 1] for i in range(len(encoded[0]))]):
+            decoder = impl.ReplyDecoder(extensions=True)
+            out = []
+            for chunk in chunks:
+                decoder.receive_data(chunk)
+                while (item := decoder.next_reply()) is not NEED_DATA:
+                    out.append(item)
+            assert out == frames
+            assert b"".join(_encode_any(impl, item) for item in out) == encoded[0]
+
+
+def extension_outcome(implementation: Any, data: bytes, bytewise: bool) -> list[Any]:
+    decoder = implementation.ReplyDecoder(extensions=True)
+    results: list[Any] = []
+    chunks = [data[i:i + 1] for i in range(len(data))] if bytewise else [data] if data else []
+    try:
+        for chunk in chunks + [b""]:
+            decoder.receive_data(chunk)
+            while True:
+                item = decoder.next_reply()
+                assert decoder.buffered_bytes <= len(data)
+                assert decoder.bytes_needed <= MAX_REPLY_FRAME_BYTES
+                if item is NEED_DATA or item is END_OF_STREAM:
+                    break
+                results.append(_encode_any(implementation, item))
+    except WireError as error:
+        results.append(("error", str(error), error.end_of_stream))
+    return results
+
+
+@PROPERTY_SETTINGS
+@given(extension_frames, st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)),
+                                  min_size=1, max_size=4), st.integers(0, 40))
+def test_mutated_extension_frames_give_frames_or_wire_errors(
+    frame: Any, mutations: list[tuple[int, int]], cut: int
+) -> None:
+    data = bytearray(_encode_any(_wire_c, frame))
+    for position, value in mutations:
+        data[position % len(data)] = value
+    sample = bytes(data[:len(data) - cut] if cut < len(data) else data)
+    results = [extension_outcome(impl, sample, bytewise=False) for impl in IMPLEMENTATIONS]
+    assert results[0] == results[1]
+    assert extension_outcome(_wire_c, sample, bytewise=True) == results[1]
+
+
+@PROPERTY_SETTINGS
+@given(st.sampled_from([b"\x00\x5e\x00\x00", b"\x01\x5e\x00\x00"]), st.binary(max_size=200))
+def test_random_extension_bodies_give_frames_or_wire_errors(head: bytes, body: bytes) -> None:
+    results = [extension_outcome(impl, head + body, bytewise=False) for impl in IMPLEMENTATIONS]
+    assert results[0] == results[1]
