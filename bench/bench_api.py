@@ -79,13 +79,14 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="compute threads per stage (default 1)")
+    parser.add_argument("--log-dir", type=Path, help="keep the stage logs here (default: a temporary directory)")
     args = parser.parse_args()
 
     import tempfile
 
     with tempfile.TemporaryDirectory() as directory:
         command = ["up", "--stages", str(args.stages), "--port", "0", "--threads", str(args.threads),
-                   "--ctx-size", "1024", "--log-dir", str(Path(directory) / "logs")]
+                   "--ctx-size", "1024", "--log-dir", str(args.log_dir or Path(directory) / "logs")]
         if args.model:
             command += ["--model", str(args.model)]
         up = UpProcess(command, Path(directory)).start()

@@ -11,8 +11,9 @@ Ownership: everything runs in one nursery.  A watcher per child turns an unexpec
 :class:`ChildFailed` (with the child's last log lines), which cancels the nursery; SIGINT and
 SIGTERM cancel it too.  On the way out, in a shielded scope, every child still running gets
 SIGTERM, then SIGKILL after a grace period, and is reaped.  Children run in their own session (a
-terminal's Ctrl-C reaches only the launcher, which stops them in order) and, on Linux, with a
-parent-death signal, so not even a SIGKILLed launcher leaves stages behind.
+terminal's Ctrl-C reaches only the launcher, which stops them in order).  No parent-death signal
+is used: Linux ties PR_SET_PDEATHSIG to the *thread* that forked, and trio spawns from worker
+threads that exit when idle, which would SIGTERM healthy stages about ten seconds after start.
 """
 
 from __future__ import annotations
@@ -41,17 +42,6 @@ Progress = Callable[[int, int, float], None]
 
 class ChildFailed(Exception):
     """A stage process exited (or failed to start) while the chain should be running."""
-
-
-def _parent_death_signal() -> None:  # pragma: no cover - runs in the child between fork and exec
-    """Ask Linux to SIGTERM this child when the launcher dies (no-op elsewhere)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):  # not Linux / no prctl: the launcher's cleanup still applies
-        pass
 
 
 @dataclasses.dataclass
@@ -161,7 +151,7 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
                 try:
                     child.process = await trio.lowlevel.open_process(
                         child.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                        env=env, start_new_session=True, preexec_fn=_parent_death_signal,
+                        env=env, start_new_session=True,
                     )
                 except OSError as exc:
                     raise ChildFailed(f"cannot start {child.name}: {exc}") from exc

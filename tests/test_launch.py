@@ -59,6 +59,14 @@ def test_a_signal_stops_every_process(up: UpProcess, number: int) -> None:
     assert "stopped every stage" in up.stderr()
 
 
+def test_stages_outlive_trios_idle_worker_threads(up: UpProcess) -> None:
+    # trio spawns children from worker threads that exit after ~10 s idle; a parent-death signal
+    # tied to that thread once killed healthy stages at that point.
+    time.sleep(12)
+    assert all(pid_alive(pid) for pid in up.stage_pids)
+    serves(up)
+
+
 def test_a_crashing_stage_stops_the_rest_with_its_error(up: UpProcess) -> None:
     victim = up.stage_pids[1]  # announced final-first: this is stage 1 (layers 1:3)
     os.kill(victim, signal.SIGKILL)
