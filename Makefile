@@ -1,4 +1,4 @@
-# skippy developer tasks.  `make demo` and `make test` work on a fresh machine (Python 3.10+, a C/C++
+# skippy developer tasks.  `make demo` and `make test` work on a fresh machine (Python 3.11+, a C/C++
 # compiler): they create .venv, build the patched llama.cpp and the extensions, then run.
 PYTHON ?= python3
 VENV := .venv
