@@ -13,7 +13,15 @@ no cancel scope ever spans a ``yield`` and an abandoned run leaves no frame to f
 Text is detokenized incrementally (a multi-byte UTF-8 character split across tokens is held back
 until complete) and any tail that could still become a stop string is held back too, so streamed
 text never contains a stop string or a partial character and always concatenates to the final
-text.  Timings come from the clock here (TTFT, inter-token gaps) and from the reply stats the
+text.
+
+Speculative decoding (opt in/out per request, ``GenerationRequest.speculation``; the default is
+``Generator.speculation``, applied to greedy requests only): after the prefill a
+:class:`SpeculativeDecoder` drafts from the request's own context and a :class:`SpeculativeRunner`
+keeps verify windows in flight on the lane; one exchange may then commit several tokens, which go
+through the same EOG / stop-string / ``max_tokens`` checks one by one.  At the end the runner
+trims every stage to the KV length the plain loop would leave.  Requests with repetition /
+frequency / presence penalties never speculate (the stage's sampler history is not rolled back).  Timings come from the clock here (TTFT, inter-token gaps) and from the reply stats the
 stages fill in on the way back (compute / forward-write / downstream-wait microseconds summed over
 the stages, with the stage count).
 """
@@ -25,7 +33,11 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence, final
 
-from skippy.driver.client import StageClient
+from skippy.driver.client import StageClient, StageClientError
+from skippy.driver.speculation.controller import ControllerConfig
+from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
+from skippy.driver.speculation.runner import SpeculativeRunner
+from skippy.driver.speculation.window import SpeculationUsage
 from skippy.protocol import LogitBias, SamplingConfig, StageReply
 from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
@@ -36,6 +48,10 @@ FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+
+
+#: Speculation default for greedy requests (see docs/speculation.md for the benchmark behind it).
+DEFAULT_SPECULATION = True
 
 
 class ContextOverflow(ValueError):
@@ -55,6 +71,8 @@ class GenerationRequest:
     max_tokens: int
     sampling: SamplingParams = GREEDY
     stop: tuple[str, ...] = ()
+    #: Speculative decoding: True / False, or None for the generator's default (greedy only).
+    speculation: bool | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -132,6 +150,8 @@ class Completion:
     finish_reason: str
     prompt_tokens: int
     timing: Timing
+    #: Speculation counters (None: the request did not speculate).
+    speculation: SpeculationUsage | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -205,6 +225,7 @@ class Generation:
         self._started = 0.0
         self._last = 0.0
         self._position = len(request.prompt)
+        self._runner: SpeculativeRunner | None = None
 
     def __aiter__(self) -> "Generation":
         return self
@@ -230,6 +251,25 @@ class Generation:
             reply = prefill.reply
             self._last = time.perf_counter()
             self.timing.time_to_first_token = self._last - self._started
+            self.timing.add_reply(reply)
+            tokens: tuple[int, ...] = (int(reply.predicted),)
+            if request.max_tokens > 1 and self._generator.speculates(request):
+                self._start_speculation(tokens[0], reply.stats.verify_window_stage_count)
+        elif self._runner is not None:
+            runner = self._runner
+            try:
+                tokens = await runner.step()
+            except StageClientError:
+                await client.aclose()  # windows in flight or a broken FIFO: the lane is unusable
+                raise
+            now = time.perf_counter()
+            for _ in tokens:
+                self.timing.inter_token.append((now - self._last) / len(tokens))
+            self.timing.decode_seconds += now - self._last
+            self._last = now
+            for stage_reply in runner.replies:
+                self.timing.add_reply(stage_reply)
+            runner.replies.clear()
         else:
             reply = await client.decode(self.session_id, self.tokens[-1], self._position,
                                         decode_step=len(self.tokens) - 1)
@@ -238,20 +278,41 @@ class Generation:
             self.timing.inter_token.append(now - self._last)
             self.timing.decode_seconds += now - self._last
             self._last = now
-        self.timing.add_reply(reply)
-        token = int(reply.predicted)
-        if self._generator.tokenizer.is_end_of_generation(token):
-            return await self._finish("stop", self._stream.flush())
-        self.tokens.append(token)
-        piece, stopped = self._stops.push(self._stream.push(token))
-        if stopped:
-            return await self._finish("stop", piece, flushed=True)
-        if len(self.tokens) >= request.max_tokens:
-            return await self._finish("length", piece + self._stream.flush())
-        self._text.append(piece)
-        return piece
+            self.timing.add_reply(reply)
+            tokens = (int(reply.predicted),)
+        emitted: list[str] = []
+        for token in tokens:
+            if self._generator.tokenizer.is_end_of_generation(token):
+                return await self._finish("stop", "".join(emitted) + self._stream.flush(), eog=True)
+            self.tokens.append(token)
+            piece, stopped = self._stops.push(self._stream.push(token))
+            if stopped:
+                return await self._finish("stop", "".join(emitted) + piece, flushed=True)
+            if len(self.tokens) >= request.max_tokens:
+                return await self._finish("length", "".join(emitted) + piece + self._stream.flush())
+            emitted.append(piece)
+        text = "".join(emitted)
+        self._text.append(text)
+        return text
 
-    async def _finish(self, reason: str, text: str, *, flushed: bool = False) -> str:
+    def _start_speculation(self, first_token: int, stages: int) -> None:
+        generator, request = self._generator, self.request
+        config = SpeculationConfig(controller=dataclasses.replace(generator.controller, stages=max(1, stages)))
+        decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens)
+        self._runner = SpeculativeRunner(self._client, self.session_id, decoder)
+
+    async def _finish(self, reason: str, text: str, *, flushed: bool = False, eog: bool = False) -> str:
+        if self._runner is not None:
+            # The plain loop leaves every received token but the last in the KV (the EOG included).
+            length = len(self.request.prompt) + len(self.tokens) - (0 if eog else 1)
+            try:
+                await self._runner.finish(length)
+            except StageClientError:
+                await self._client.aclose()
+                raise
+            for stage_reply in self._runner.replies:
+                self.timing.add_reply(stage_reply)
+            self._runner.replies.clear()
         if not flushed:
             text, stopped = self._stops.push(text)
             if stopped:
@@ -260,7 +321,9 @@ class Generation:
                 text += self._stops.flush()
         self._text.append(text)
         await self._client.stop(self.session_id)
-        self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing)
+        usage = None if self._runner is None else self._runner.decoder.usage
+        self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
+                                 usage)
         return text
 
     async def run(self) -> Completion:
@@ -281,20 +344,37 @@ class Generator:
         n_ctx: context length requests must fit (prompt + max_tokens).
         chunk_size: prefill chunk size (tokens per PrefillEmbd).
         credit: prefill chunks sent ahead of their ACKs.
+        speculation: speculate on greedy requests that do not say (``GenerationRequest.speculation``).
+        controller: window / depth control (``stages`` is filled in from the prefill reply).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
-                 chunk_size: int = 256, credit: int = 2) -> None:
+                 chunk_size: int = 256, credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
+                 controller: ControllerConfig = ControllerConfig()) -> None:
         self.tokenizer = tokenizer
+        self.speculation = speculation
+        self.controller = controller
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
         self.n_ctx = n_ctx
         self.chunk_size = chunk_size
         self.credit = credit
         self._formatter: Any = None
 
+    def speculates(self, request: GenerationRequest) -> bool:
+        """Whether ``request`` runs speculatively.
+
+        Penalised sampling never does (the final stage's sampler history would keep rejected rows);
+        otherwise the request's own choice wins, and by default only greedy requests speculate.
+        """
+        if request.sampling.uses_penalties:
+            return False
+        if request.speculation is not None:
+            return request.speculation
+        return self.speculation and request.sampling.greedy
+
     @classmethod
     def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int = 256,
-                   credit: int = 2) -> "Generator":
+                   credit: int = 2, speculation: bool = DEFAULT_SPECULATION) -> "Generator":
         """Load the vocabulary and chat template of the GGUF at ``path`` (no weights).
 
         ``n_ctx`` defaults to the smaller of the model's trained context and 4096 (the stage default).
@@ -304,7 +384,8 @@ class Generator:
         trained = next((int(v) for k, v in metadata.items() if k.endswith(".context_length")
                         and isinstance(v, int)), 4096)
         return cls(Tokenizer(path), chat_template=template if isinstance(template, str) else None,
-                   n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size, credit=credit)
+                   n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size, credit=credit,
+                   speculation=speculation)
 
     def close(self) -> None:
         self.tokenizer.close()

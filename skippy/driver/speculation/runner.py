@@ -1,0 +1,157 @@
+# The I/O half of speculative decoding, which drives a `SpeculativeDecoder` over one `StageClient` lane.
+#
+# Strategy: pipelined windows on the lane's send/receive halves (not the blocking `verify()`).
+# `step()` fills the pipeline with every message the decoder wants in flight (DecodeEmbd for a
+# plain step, VerifyWindow with `seq_id = window_id` otherwise), then reads one reply, matches it
+# to the oldest window in flight (the decoder's `WindowError` on an unknown / out-of-order id or a
+# wrong prediction count) and returns the newly committed tokens; stale windows are drained and
+# return nothing, so `step()` reads until something is committed.  Rollback needs no message: the
+# next epoch's VerifyWindow / DecodeEmbd carries the authoritative position and every stage that
+# is ahead trims itself.  `finish(length)` ends a run: a TrimSession (only when some stage may hold
+# KV past `length`) is sent right behind the windows still in flight, their replies are drained,
+# then the trim's ACK, so every stage ends with exactly the KV a non-speculative run leaves.
+#
+# Any reply that does not fit (wrong kind, wrong id) raises `SpeculationProtocolError`, a
+# `StageClientError`: the lane cannot be trusted afterwards and the caller closes it.
+from __future__ import annotations
+
+import time
+from typing import Final, final
+
+import numpy as np
+
+from skippy.driver.client import StageClient, StageClientError
+from skippy.driver.speculation.decoder import SpeculativeDecoder, WindowRequest
+from skippy.driver.speculation.window import WindowError
+from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply
+
+__all__ = ["SpeculationProtocolError", "SpeculativeRunner"]
+
+_PREDICTIONS: Final = (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS)
+
+
+class SpeculationProtocolError(StageClientError):
+    """A verify-window reply broke the FIFO contract (out of order, unknown id, wrong shape/kind)."""
+
+
+@final
+class SpeculativeRunner:
+    """Sends a decoder's windows on a lane and feeds the replies back.
+
+    Args:
+        client: the lane (one caller at a time).
+        session_id: the request's session.
+        decoder: the per-request decoder (created after the prefill).
+        request_id: stamped on every message.
+    """
+
+    def __init__(self, client: StageClient, session_id: int, decoder: SpeculativeDecoder, *,
+                 request_id: int = 0) -> None:
+        self.client = client
+        self.session_id = session_id
+        self.decoder = decoder
+        self.request_id = request_id
+        #: Send time of every message in flight, by window id (FIFO order).
+        self._sent: dict[int, float] = {}
+        #: The furthest position any message sent so far wrote KV to (exclusive).
+        self.kv_high_water = decoder.kv_length
+        #: Replies read (for timing), most recent last; the caller may clear it.
+        self.replies: list[StageReply] = []
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._sent)
+
+    def _message(self, request: WindowRequest) -> StageMessage:
+        tokens = np.asarray(request.tokens, dtype=np.int32)
+        if request.is_decode:
+            step = len(self.decoder.generated) - 1
+            return StageMessage.create(
+                MessageKind.DECODE_EMBD, pos_start=request.base_position, token_count=1,
+                request_id=self.request_id, session_id=self.session_id, tokens=tokens,
+                state_changes={"decode_step": step, "current_token": int(tokens[0])},
+            )
+        return StageMessage.create(
+            MessageKind.VERIFY_WINDOW, pos_start=request.base_position, token_count=len(tokens),
+            request_id=self.request_id, session_id=self.session_id, tokens=tokens,
+            state_changes={"seq_id": int(request.window_id), "current_token": int(tokens[0])},
+        )
+
+    async def _fill(self) -> None:
+        while (request := self.decoder.next_window()) is not None:
+            await self.client.send(self._message(request))
+            self._sent[int(request.window_id)] = time.perf_counter()
+            self.kv_high_water = max(self.kv_high_water, request.base_position + len(request.tokens))
+
+    async def _receive(self) -> tuple[int, StageReply]:
+        """The next reply and the window id it answers (checked against the FIFO by the caller)."""
+        reply = await self.client.receive()
+        if reply.kind not in _PREDICTIONS:
+            raise SpeculationProtocolError(
+                f"first stage {self.client.address} answered {ReplyKind(reply.kind).reference_name} "
+                "to a decode step / verify window; expected a prediction"
+            )
+        if not self._sent:
+            raise SpeculationProtocolError(f"verify window reply with no window in flight (id {reply.window_id})")
+        head = next(iter(self._sent))
+        if reply.kind == ReplyKind.PREDICTED_TOKENS:
+            return reply.window_id, reply
+        return head, reply  # PredictedToken carries no id: it answers the oldest (a plain step)
+
+    async def step(self) -> tuple[int, ...]:
+        """Fill the pipeline, then read replies until at least one token is committed.
+
+        Returns:
+            The newly committed tokens, in order (the decoder's ``generated`` grew by them).
+
+        Raises:
+            SpeculationProtocolError: a reply out of order, for an unknown window, or misshapen.
+            StageLost, StageClientError: the lane failed.
+        """
+        while True:
+            await self._fill()
+            window_id, reply = await self._receive()
+            self.replies.append(reply)
+            sent = self._sent.get(window_id)
+            predicted = reply.predicted_tokens if reply.kind == ReplyKind.PREDICTED_TOKENS else (reply.predicted,)
+            try:
+                outcome = self.decoder.on_reply(
+                    window_id, predicted,
+                    wall_seconds=None if sent is None else time.perf_counter() - sent,
+                    compute_seconds=reply.stats.verify_window_compute_us / 1e6,
+                )
+            except WindowError as exc:
+                raise SpeculationProtocolError(f"first stage {self.client.address}: {exc}") from exc
+            del self._sent[window_id]
+            if outcome.tokens:
+                return outcome.tokens
+
+    async def finish(self, length: int) -> None:
+        """End the run with every stage's KV exactly ``length`` positions long.
+
+        Sends TrimSession(``length``) behind the windows in flight when any message wrote past
+        ``length``, then drains the in-flight replies (checking their FIFO order) and the ACK.
+        """
+        trim = self.kv_high_water > length
+        if trim:
+            await self.client.send(StageMessage.create(
+                MessageKind.TRIM_SESSION, token_count=length, request_id=self.request_id,
+                session_id=self.session_id,
+            ))
+        tracker = self.decoder.tracker
+        while self._sent:
+            window_id, reply = await self._receive()
+            count = len(reply.predicted_tokens) if reply.kind == ReplyKind.PREDICTED_TOKENS else 1
+            try:
+                tracker.take_reply(window_id, count)
+            except WindowError as exc:
+                raise SpeculationProtocolError(f"first stage {self.client.address}: {exc}") from exc
+            del self._sent[window_id]
+        if trim:
+            ack = await self.client.receive()
+            if ack.kind != ReplyKind.ACK:
+                raise SpeculationProtocolError(
+                    f"first stage {self.client.address} answered {ReplyKind(ack.kind).reference_name} "
+                    "to TrimSession; expected ACK"
+                )
+            self.kv_high_water = length
