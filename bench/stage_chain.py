@@ -11,6 +11,8 @@ Prints one line per figure.
   and >= 90%), measured alternately ``--repeat`` times (medians, and each round's ratio).  Every
   process uses one compute thread, so the comparison is per-token work plus the chain's overhead,
   not parallelism.
+  Each chain line also gives the CPU time per token of the client and all stage processes (from
+  ``/proc``), against the unsplit run's: on a shared machine that ratio is the stable one.
 * **Aggregate decode** with 8 concurrent sessions against 1 on a 2-stage chain (cross-session
   batching).
 """
@@ -40,6 +42,21 @@ from skippy.stage.config import Address  # noqa: E402
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 
+#: The stage processes of each running chain, by first-stage address (for CPU accounting).
+PROCESSES: dict[Address, list["subprocess.Popen[bytes]"]] = {}
+
+
+def cpu_seconds(pids: Sequence[int] = ()) -> float:
+    """CPU time of this process plus ``pids`` (every thread), from the scheduler's ns counters.
+
+    On a shared machine wall time mostly measures the neighbours; CPU time measures the work.
+    """
+    total = time.process_time()
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0]) / 1e9
+    return total
+
 
 @contextmanager
 def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Iterator[Address]:
@@ -68,8 +85,10 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Itera
                         raise RuntimeError(f"stage {splits[index]} did not start:\n{log.read_text()}")
                     time.sleep(0.05)
             assert downstream is not None
+            PROCESSES[downstream] = processes
             yield downstream
         finally:
+            PROCESSES.pop(downstream, None)  # type: ignore[arg-type]
             for process in processes:
                 process.kill()
                 process.wait()
@@ -78,6 +97,13 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Itera
 async def decode_seconds_per_token(address: Address, prompt: Sequence[int], steps: int, *,
                                    sessions: int = 1) -> float:
     """Wall time per decode step (all sessions together) after prefill."""
+    return (await decode_cost_per_token(address, prompt, steps, sessions=sessions))[0]
+
+
+async def decode_cost_per_token(address: Address, prompt: Sequence[int], steps: int, *,
+                                sessions: int = 1) -> tuple[float, float]:
+    """(wall seconds, CPU seconds of the client and every stage process) per decode step."""
+    pids = [process.pid for process in PROCESSES.get(address, [])]
     clients = [await StageClient.connect(address) for _ in range(sessions)]
     try:
         firsts = []
@@ -91,14 +117,14 @@ async def decode_seconds_per_token(address: Address, prompt: Sequence[int], step
                 token = (await clients[index].decode(index + 1, token, position)).predicted
                 position += 1
 
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         async with trio.open_nursery() as nursery:
             for index in range(sessions):
                 nursery.start_soon(run, index)
-        elapsed = time.perf_counter() - started
+        elapsed, cpu = time.perf_counter() - started, cpu_seconds(pids) - cpu_started
         for index, client in enumerate(clients):
             await client.stop(index + 1)
-        return elapsed / steps
+        return elapsed / steps, cpu / steps
     finally:
         for client in clients:
             await client.aclose()
@@ -123,6 +149,11 @@ def boundary_overhead_us(steps: int = 400, width: int = 4096, repeat: int = 1) -
 
 
 def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> float:
+    return unsplit_cost_per_token(path, prompt, steps)[0] ** -1
+
+
+def unsplit_cost_per_token(path: Path, prompt: Sequence[int], steps: int) -> tuple[float, float]:
+    """(wall seconds, CPU seconds) per decode step of the whole model in this process."""
     from skippy.runtime import Model, StageContext
     import numpy as np
 
@@ -131,12 +162,12 @@ def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> 
         ctx.decode(tokens=list(prompt), positions=list(range(len(prompt))), seq_ids=[seq] * len(prompt))
         token = int(np.argmax(ctx.logits(int(ctx.output_rows[-1]))))
         position = len(prompt)
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds()
         for _ in range(steps):
             ctx.decode(tokens=[token], positions=[position], seq_ids=[seq])
             token = int(np.argmax(ctx.logits(int(ctx.output_rows[-1]))))
             position += 1
-        return steps / (time.perf_counter() - started)
+        return (time.perf_counter() - started) / steps, (cpu_seconds() - cpu_started) / steps
 
 
 def main() -> None:
@@ -161,21 +192,25 @@ def main() -> None:
     decode_steps = 16 if args.quick else 48
     flags = ["--batch-size", "64", "--ctx-size", "1024"]
     layouts = (["0:8", "8:16"], ["0:4", "4:8", "8:12", "12:16"])
-    references: list[float] = []
-    rates: dict[int, list[float]] = {len(splits): [] for splits in layouts}
+    references: list[tuple[float, float]] = []
+    costs: dict[int, list[tuple[float, float]]] = {len(splits): [] for splits in layouts}
     with chain(str(path), layouts[0], flags) as two, chain(str(path), layouts[1], flags) as four:
         for _ in range(max(1, args.repeat)):  # interleaved rounds: machine noise hits all alike
-            references.append(unsplit_tokens_per_second(path, prompt, decode_steps))
+            references.append(unsplit_cost_per_token(path, prompt, decode_steps))
             for count, address in ((2, two), (4, four)):
-                rates[count].append(1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps))
-    reference = statistics.median(references)
-    print(f"llama-16x1024 F16 unsplit (in process, 1 thread): {reference:.1f} tok/s")
-    for count, measured in rates.items():
-        rate = statistics.median(measured)
-        ratios = [100 * r / u for r, u in zip(measured, references)]
+                costs[count].append(trio.run(decode_cost_per_token, address, prompt, decode_steps))
+    reference = 1.0 / statistics.median(wall for wall, _ in references)
+    reference_cpu = statistics.median(cpu for _, cpu in references)
+    print(f"llama-16x1024 F16 unsplit (in process, 1 thread): {reference:.1f} tok/s, "
+          f"{reference_cpu * 1e3:.1f} ms CPU/token")
+    for count, measured in costs.items():
+        rate = 1.0 / statistics.median(wall for wall, _ in measured)
+        cpu = statistics.median(cpu for _, cpu in measured)
+        ratios = [100 * u / w for (w, _), (u, _) in zip(measured, references)]
         target = 95 if count == 2 else 90
         print(f"{count}-stage chain: {rate:.1f} tok/s = {100 * rate / reference:.1f}% of unsplit "
-              f"(target >= {target}%; per round {', '.join(f'{x:.1f}' for x in ratios)})")
+              f"(target >= {target}%; per round {', '.join(f'{x:.1f}' for x in ratios)}); "
+              f"CPU {cpu * 1e3:.1f} ms/token (all processes) = unsplit's at {100 * reference_cpu / cpu:.1f}%")
     with chain(str(path), ["0:8", "8:16"], flags) as address:
         single = 1.0 / trio.run(decode_seconds_per_token, address, prompt, decode_steps)
         eight = 8.0 / trio.run(functools.partial(decode_seconds_per_token, sessions=8), address, prompt, decode_steps)

@@ -98,10 +98,12 @@ async def test_concurrent_sessions_match_sequential_and_batch(tiny_llama: Path, 
         async with trio.open_nursery() as nursery:
             for index in range(8):
                 nursery.start_soon(run, index)
-        stats = await wait_for_stats(chain[1], lambda s: s["sessions_in_use"] == 0)
+        stats = [await wait_for_stats(stage, lambda s: s["sessions_in_use"] == 0) for stage in chain]
     assert [concurrent[i] for i in range(8)] == sequential
-    print(f"\nfinal-stage decode batch sizes: {stats['decode_batch_sizes']}")
-    assert int(stats["max_decode_batch"]) > 1  # type: ignore[call-overload]
+    print(f"\ndecode batch sizes per stage: {[each['decode_batch_sizes'] for each in stats]}")
+    # Rows batch where they meet: the first stage takes the 8 lanes' rows together; the final
+    # stage only when rows reach it while it computes, which on a tiny model depends on timing.
+    assert max(int(each["max_decode_batch"]) for each in stats) > 1  # type: ignore[call-overload]
 
 
 def test_decode_behind_the_kv_gives_the_logits_of_a_session_that_never_went_ahead(tiny_llama: Path) -> None:

@@ -252,3 +252,101 @@ def test_wire_dtype_default_is_f32() -> None:
     from skippy.stage.config import StageConfig
 
     assert StageConfig(model="m", layers="0:1").wire_dtype is WireDType.F32
+
+
+class SlowDownstream:
+    """A fake final stage: READY, then answers every frame in order after ``delay`` seconds."""
+
+    def __init__(self, delay: float = 0.05, extra_reply: bool = False) -> None:
+        self.delay = delay
+        self.extra_reply = extra_reply
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        await send_ready(stream)
+        decoder = codec.MessageDecoder(WIDTH)
+        while True:
+            data = await stream.receive_some(1 << 16)
+            decoder.receive_data(data)
+            while isinstance(message := decoder.next_message(), StageMessage):
+                await trio.sleep(self.delay)
+                if message.kind is MessageKind.VERIFY_WINDOW:
+                    reply = StageReply.predicted_token_vector((7, 8), window_id=message.state.seq_id)
+                else:
+                    reply = StageReply.ack()
+                await stream.send_all(codec.encode_reply(reply))
+                if self.extra_reply:  # a reply to a frame that was never sent
+                    await stream.send_all(codec.encode_reply(StageReply.ack()))
+            if not data:
+                return
+
+
+async def _stage_before(downstream: SlowDownstream, nursery: trio.Nursery) -> object:
+    listeners = await nursery.start(functools.partial(trio.serve_tcp, downstream.serve, 0, host="127.0.0.1"))
+    port = listeners[0].socket.getsockname()[1]
+    from stage_helpers import config_from_mapping, load_runtime, StageServer
+
+    config = config_from_mapping({"model": "null:n_embd=8,n_layer=4", "layers": "0:2",
+                                  "downstream": f"127.0.0.1:{port}"})
+    server = StageServer(config, load_runtime(config))
+    await nursery.start(server.serve)
+    return server
+
+
+async def test_an_early_ack_waits_for_the_reply_ahead_of_it() -> None:
+    # The verify window's reply is written directly (idle lane) but only after the slow
+    # downstream answers; the chunk's early ACK, ready at once, must still come second.
+    async with trio.open_nursery() as nursery:
+        server = await _stage_before(SlowDownstream(), nursery)
+        async with await StageClient.connect(server.address) as client:  # type: ignore[attr-defined]
+            verify = StageMessage.create(MessageKind.VERIFY_WINDOW, pos_start=0, token_count=2, session_id=1,
+                                         tokens=np.asarray([5, 6], dtype=np.int32), state_changes={"seq_id": 42})
+            chunk = StageMessage.create(MessageKind.PREFILL_EMBD, pos_start=2, token_count=2, session_id=1,
+                                        tokens=np.asarray([7, 8], dtype=np.int32))
+            await client.send(verify)
+            await client.send(chunk)
+            first, second = await client.receive(), await client.receive()
+            assert first.kind == ReplyKind.PREDICTED_TOKENS and first.window_id == 42
+            assert second.kind == ReplyKind.ACK
+            assert all(lane.inflight == 0 for lane in server.connections)  # type: ignore[attr-defined]
+        server.shutdown()  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_unsolicited_downstream_reply_closes_the_lane(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.ERROR, logger="skippy.stage")
+    async with trio.open_nursery() as nursery:
+        server = await _stage_before(SlowDownstream(delay=0, extra_reply=True), nursery)
+        async with await StageClient.connect(server.address) as client:  # type: ignore[attr-defined]
+            await client.configure(1)
+            await trio.sleep(0.2)  # the extra reply arrives while nothing is outstanding
+            with trio.fail_after(2), pytest.raises(StageLost):
+                await client.decode(1, 3, 0)
+        server.shutdown()  # type: ignore[attr-defined]
+        nursery.cancel_scope.cancel()
+    assert any("with no frame outstanding" in r.getMessage() for r in caplog.records)
+
+
+async def test_runtime_thread_runs_calls_in_order_off_the_trio_thread() -> None:
+    import threading
+
+    from skippy.stage.worker import RuntimeThread
+
+    worker = RuntimeThread()
+    try:
+        names = [await worker.run_sync(lambda: threading.current_thread().name) for _ in range(3)]
+        assert names == ["skippy-runtime"] * 3
+        with pytest.raises(ZeroDivisionError):
+            await worker.run_sync(lambda: 1 // 0)
+        finished = threading.Event()
+
+        def slow() -> None:
+            finished.wait(0.2)
+            finished.set()
+
+        with trio.move_on_after(0.01) as scope:  # cancelled mid-call: it still waits for the call
+            await worker.run_sync(slow)
+            assert finished.is_set()  # never abandoned: the call finished first
+            await trio.lowlevel.checkpoint()  # the cancellation is delivered here
+        assert scope.cancelled_caught
+    finally:
+        worker.close()

@@ -17,10 +17,11 @@ stops waiting: the job still runs, so the runtime and the session table stay con
 connection has at most one job queued at a time, so per-session order is the submission order.
 
 Idle fast path: when the runtime is free and nothing is queued (and no batching window is set),
-the submitting task runs its job itself, exactly as the scheduler would have run a batch of one,
-instead of waking the scheduler task and being woken back (two trio hand-offs per message).  The
-runtime is claimed for that run, so jobs submitted meanwhile queue and the scheduler batches them
-as soon as it is released: batching across sessions is unchanged.  A requester cancelled during
+the submitting task runs its job itself, as the scheduler would have, instead of waking the
+scheduler task and being woken back (two trio hand-offs per message).  The runtime is claimed
+first; for a native decode row the task then yields once, so rows other lanes submit in the same
+trio tick join its batch (what one scheduler pass gave), and rows submitted while it runs queue
+and are batched by the scheduler as soon as it is released: batching across sessions is kept.  A requester cancelled during
 its own run still lets the job finish (the runtime thread's calls are never abandoned).
 """
 
@@ -39,6 +40,10 @@ from skippy.stage.stats import StageStats
 from skippy.stage.worker import RuntimeThread
 
 T = TypeVar("T")
+
+#: Trio ticks the idle fast path waits, at most, for rows arriving with its own (it stops at the
+#: first tick that brings none, so a lone session pays one yield).
+_GATHER_TICKS = 3
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -91,7 +96,7 @@ class Scheduler:
 
     async def _submit(self, job: _Job[T]) -> T:
         if not self._busy and not self._queued and (self.batch_window <= 0 or job.item is None):
-            await self._run_batch([job])  # idle: run it here (see the module header)
+            await self._run_here(job)
         else:
             try:
                 self._send.send_nowait(job)
@@ -104,6 +109,34 @@ class Scheduler:
             raise job.error
         result: T = job.result
         return result
+
+    async def _run_here(self, job: _Job[Any]) -> None:
+        """The idle fast path: run ``job`` on this task (with any decode rows of the same tick)."""
+        jobs = [job]
+        if self.executor.blocking and job.item is not None and job.item.batchable:
+            # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
+            # runtime, and take them into this batch: the batching a scheduler pass used to give.
+            self._busy = True
+            try:
+                for _ in range(_GATHER_TICKS):
+                    await trio.lowlevel.cancel_shielded_checkpoint()
+                    before = len(jobs)
+                    while True:
+                        try:
+                            jobs.append(self._receive.receive_nowait())
+                        except trio.WouldBlock:  # nothing more is ready
+                            break
+                    if len(jobs) == before:  # a quiet tick: the rows of this moment are in
+                        break
+            finally:
+                self._busy = False
+            self._queued -= len(jobs) - 1
+        try:
+            await self._run_batch(jobs)
+        finally:
+            for other in jobs[1:]:
+                assert other.done is not None
+                other.done.set()
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The scheduler loop; runs until cancelled."""
