@@ -75,14 +75,14 @@ static inline uint32_t skippy_f16_to_f32_bits(uint32_t half) {
     return sign | (uint32_t)value;
 }
 
-static inline void skippy_encode_f16(const uint32_t *source, unsigned char *target,
+static inline void skippy_encode_f16_portable(const uint32_t *source, unsigned char *target,
                                      Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++) {
         skippy_store_u16(target + 2 * i, skippy_f32_bits_to_f16(source[i]));
     }
 }
 
-static inline void skippy_decode_f16(const unsigned char *source, uint32_t *target,
+static inline void skippy_decode_f16_portable(const unsigned char *source, uint32_t *target,
                                      Py_ssize_t count) {
     for (Py_ssize_t i = 0; i < count; i++) {
         target[i] = skippy_f16_to_f32_bits(skippy_load_u16(source + 2 * i));
@@ -101,7 +101,7 @@ static inline int8_t skippy_q8_round(float quotient) {
     return (int8_t)((rounded ^ negative) - negative);
 }
 
-static inline void skippy_encode_q8(const float *source, unsigned char *target,
+static inline void skippy_encode_q8_portable(const float *source, unsigned char *target,
                                     Py_ssize_t rows, Py_ssize_t width) {
     int8_t *quantized = (int8_t *)(target + 4 * rows);
     for (Py_ssize_t row = 0; row < rows; row++) {
@@ -119,6 +119,57 @@ static inline void skippy_encode_q8(const float *source, unsigned char *target,
             out[column] = skippy_q8_round(values[column] / scale);
         }
     }
+}
+
+/* Run-time dispatch: the AVX2/F16C kernels of _activation_x86.h where the CPU has them, the
+ * portable loops above otherwise. Both write the same bytes; skippy_activation_select(0) forces
+ * the portable ones (tests compare the two). Selected once at module import, before any
+ * conversion runs, so the nogil loops only read the flag. */
+#include "_activation_x86.h"
+
+static int skippy_activation_accelerated = 0;
+
+static int skippy_activation_select(int accelerated) {
+#ifdef SKIPPY_HAVE_X86_KERNELS
+    skippy_activation_accelerated = accelerated && skippy_x86_kernels_supported();
+#else
+    (void)accelerated;
+    skippy_activation_accelerated = 0;
+#endif
+    return skippy_activation_accelerated;
+}
+
+static inline void skippy_encode_f16(const uint32_t *source, unsigned char *target,
+                                     Py_ssize_t count) {
+#ifdef SKIPPY_HAVE_X86_KERNELS
+    if (skippy_activation_accelerated) {
+        skippy_encode_f16_avx2(source, target, count);
+        return;
+    }
+#endif
+    skippy_encode_f16_portable(source, target, count);
+}
+
+static inline void skippy_decode_f16(const unsigned char *source, uint32_t *target,
+                                     Py_ssize_t count) {
+#ifdef SKIPPY_HAVE_X86_KERNELS
+    if (skippy_activation_accelerated) {
+        skippy_decode_f16_avx2(source, target, count);
+        return;
+    }
+#endif
+    skippy_decode_f16_portable(source, target, count);
+}
+
+static inline void skippy_encode_q8(const float *source, unsigned char *target,
+                                    Py_ssize_t rows, Py_ssize_t width) {
+#ifdef SKIPPY_HAVE_X86_KERNELS
+    if (skippy_activation_accelerated) {
+        skippy_encode_q8_avx2(source, target, rows, width);
+        return;
+    }
+#endif
+    skippy_encode_q8_portable(source, target, rows, width);
 }
 
 #endif /* SKIPPY_ACTIVATION_H */

@@ -34,6 +34,7 @@ from libc.stdint cimport int8_t, int32_t, int64_t, uint16_t, uint32_t, uint64_t,
 from libc.string cimport memcpy
 
 import dataclasses
+import os as _os
 from types import MemberDescriptorType
 
 import numpy as np
@@ -211,6 +212,27 @@ cdef extern from "_activation.h":
                                           Py_ssize_t count) noexcept nogil
     void _encode_q8 "skippy_encode_q8" (const float *source, unsigned char *target,
                                         Py_ssize_t rows, Py_ssize_t width) noexcept nogil
+    # Picks the AVX2/F16C kernels where the CPU has them (same bytes; see _activation_x86.h).
+    int _select_kernels "skippy_activation_select" (int accelerated) noexcept
+
+
+cdef str _KERNELS = "portable"
+
+
+def activation_kernels(accelerated=None):
+    """The f16/q8 kernels in use: ``"avx2"`` or ``"portable"``.
+
+    ``accelerated=False`` switches to the portable loops and ``True`` back to AVX2/F16C where
+    the CPU has it (both write identical bytes; tests compare them). Not thread-safe: switch
+    only while no conversion runs. ``SKIPPY_PORTABLE_KERNELS=1`` starts with the portable ones.
+    """
+    global _KERNELS
+    if accelerated is not None:
+        _KERNELS = "avx2" if _select_kernels(bool(accelerated)) else "portable"
+    return _KERNELS
+
+
+activation_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
 
 
 @cython.boundscheck(False)

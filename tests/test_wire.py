@@ -601,6 +601,74 @@ def test_kernels_match_the_twin_on_special_values() -> None:
                 == wire_py.decode_activation(encoded, dtype, 64, 33).tobytes())
 
 
+def test_dispatched_kernels_match_portable() -> None:
+    """The AVX2/F16C kernels (picked at run time) write exactly the portable loops' bytes.
+
+    Ties (f16 normal and subnormal, q8 k + 0.5), NaN payloads of both signs, overflow, f32 and
+    f16 subnormals, every f16 bit pattern, a few million random bit patterns, and row widths
+    that leave loop tails. (The full 2^32 f32 inputs were checked outside the suite.)
+    """
+    wire_c = pytest.importorskip(IMPLEMENTATIONS["c"], reason="Cython extension not built")
+    initial = wire_c.activation_kernels()
+    try:
+        if wire_c.activation_kernels(True) != "avx2":
+            pytest.skip("no AVX2/F16C kernels on this host")
+
+        def both(encode: Any, *args: Any) -> tuple[Any, Any]:
+            assert wire_c.activation_kernels(False) == "portable"
+            portable = encode(*args)
+            assert wire_c.activation_kernels(True) == "avx2"
+            return portable, encode(*args)
+
+        rng = np.random.default_rng(2024)
+        high = np.arange(1 << 16, dtype=np.uint32) << 16
+        low = np.array([0, 1, 0x0FFF, 0x1000, 0x1001, 0x1FFF, 0x2000, 0x3000, 0x7FFF, 0x8000,
+                        0xF000, 0xFFFF], np.uint32)
+        special = (high[:, None] | low[None, :]).reshape(-1)
+        # f16 subnormal ties: (k + 0.5) * 2^-24, and their neighbours.
+        ties = (np.arange(2048, dtype=np.float32) + np.float32(0.5)) * np.float32(2.0**-24)
+        tie_bits = ties.view(np.uint32)
+        random_bits = rng.integers(0, 1 << 32, 3 << 20, dtype=np.uint64).astype(np.uint32)
+        bits = np.concatenate([special, tie_bits - 1, tie_bits, tie_bits + 1, tie_bits | 1 << 31,
+                               random_bits])
+        values = bits.view(np.float32)
+        for count in (values.size, values.size - 1, 7, 9, 31):  # vector loop tails
+            flat = values[:count].reshape(1, -1)
+            portable, fast = both(wire_c.encode_activation, flat, WireDType.F16)
+            assert fast == portable
+        normal = (rng.standard_normal(1 << 20) * 1000).astype(np.float32).reshape(256, -1)
+        portable, fast = both(wire_c.encode_activation, normal, WireDType.F16)
+        assert fast == portable
+        halves = np.arange(1 << 16, dtype="<u2").tobytes()
+        for rows, width in ((256, 256), (1, 65535), (3, 7)):
+            data = halves[:2 * rows * width]
+            portable, fast = both(wire_c.decode_activation, data, WireDType.F16, rows, width)
+            assert fast.tobytes() == portable.tobytes()
+        # q8: rows of every width class, scale-1 rows (max 127) full of exact ties, specials.
+        q8_rows = [values[:(1 << 20) - (1 << 20) % 4099].reshape(-1, 4099),
+                   rng.standard_normal((64, 4096)).astype(np.float32),
+                   rng.standard_normal((33, 37)).astype(np.float32) * np.float32(1e-40),
+                   np.zeros((2, 40), np.float32)]
+        tie_row = np.arange(-127.5, 128.0, 0.5, dtype=np.float32)
+        tie_row = np.clip(tie_row, -127, 127)
+        q8_rows.append(np.tile(tie_row, (3, 1)))
+        nudged = np.concatenate([tie_row.view(np.uint32) + 1, tie_row.view(np.uint32) - 1])
+        q8_rows.append(np.concatenate([nudged.view(np.float32), [np.float32(127)]])[None, :])
+        mixed = rng.standard_normal((40, 100)).astype(np.float32)
+        mixed[0, 3] = np.inf
+        mixed[1, ::7] = np.nan
+        mixed[2, :] = -np.inf
+        mixed[3, ::2] = -np.nan
+        mixed[4] = np.float32(3e38) * np.sign(mixed[4])
+        q8_rows.append(mixed)
+        for block in q8_rows:
+            block = np.ascontiguousarray(block, dtype=np.float32)
+            portable, fast = both(wire_c.encode_activation, block, WireDType.Q8)
+            assert fast == portable, block.shape
+    finally:
+        wire_c.activation_kernels(initial == "avx2")
+
+
 # --------------------------------------------------------------------------------------------
 # Protocol vocabulary
 # --------------------------------------------------------------------------------------------
