@@ -374,7 +374,8 @@ class Generator:
 
     @classmethod
     def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int = 256,
-                   credit: int = 2, speculation: bool = DEFAULT_SPECULATION) -> "Generator":
+                   credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
+                   controller: ControllerConfig = ControllerConfig()) -> "Generator":
         """Load the vocabulary and chat template of the GGUF at ``path`` (no weights).
 
         ``n_ctx`` defaults to the smaller of the model's trained context and 4096 (the stage default).
@@ -385,7 +386,7 @@ class Generator:
                         and isinstance(v, int)), 4096)
         return cls(Tokenizer(path), chat_template=template if isinstance(template, str) else None,
                    n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size, credit=credit,
-                   speculation=speculation)
+                   speculation=speculation, controller=controller)
 
     def close(self) -> None:
         self.tokenizer.close()
