@@ -251,3 +251,29 @@ async def test_a_window_reply_out_of_order_fails_the_lane(tiny_llama: Path) -> N
             nursery.cancel_scope.cancel()
     finally:
         generator.close()
+
+
+async def test_the_api_reports_speculation_in_usage_and_metrics(tiny_llama: Path, tmp_path: Path) -> None:
+    import httpx
+
+    from skippy.api.server import model_id_for, serve_api
+
+    async with stage_chain(str(tiny_llama), SPLITS[2], tmp_path) as stages:
+        assert stages[0].address is not None
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve_api, tiny_llama, stages[0].address, port=0,
+                                                        n_ctx=512, max_lanes=2))
+            body = {"model": model_id_for(tiny_llama), "prompt": CODE, "max_tokens": 48, "temperature": 0}
+            async with httpx.AsyncClient(base_url=url, timeout=30) as http:
+                default = (await http.post("/v1/completions", json=body)).json()
+                off = (await http.post("/v1/completions", json={**body, "speculation": False})).json()
+                bad = await http.post("/v1/completions", json={**body, "speculation": "yes"})
+                metrics = (await http.get("/metrics")).text
+            nursery.cancel_scope.cancel()
+    assert default["choices"][0]["text"] == off["choices"][0]["text"]
+    counters = default["usage"]["skippy_speculation"]
+    assert 0 < counters["accepted"] <= counters["proposed"] and counters["windows"] > 0
+    assert "skippy_speculation" not in off["usage"]
+    assert bad.status_code == 422  # invalid parameter (the API answers 422 for a mistyped field)
+    accepted = [line for line in metrics.splitlines() if line.startswith("skippy_speculation_accepted_tokens_total")]
+    assert accepted and float(accepted[0].split()[-1]) == counters["accepted"]

@@ -9,7 +9,9 @@ event stream with an ``error`` event (the openai client raises on it).  The leas
 a ``finally`` that also runs when the HTTP client goes away (the lane is then closed, not reused).
 
 Extension: ``usage.skippy_timing`` carries TTFT, decode rate and the stage timings from the
-reply stats.  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
+reply stats; ``usage.skippy_speculation`` the speculative-decoding counters (drafts proposed /
+accepted, windows, rollbacks, stale windows) of a request that speculated.  The body field
+``speculation`` (bool) opts a request in or out (default: on for greedy requests).  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
 """
 
 from __future__ import annotations
@@ -150,7 +152,10 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[Gen
         limit = service.generator.check_fits(len(tokens), max_tokens)
     except ContextOverflow as exc:
         raise ApiError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded") from exc
-    return GenerationRequest(tuple(tokens), limit, sampling, stop), stream, include_usage
+    speculation = get_bool(body, "speculation")
+    request = GenerationRequest(tuple(tokens), limit, sampling, stop,
+                                speculation=None if body.get("speculation") is None else speculation)
+    return request, stream, include_usage
 
 
 def _usage(completion: Completion) -> dict[str, Any]:
@@ -159,6 +164,9 @@ def _usage(completion: Completion) -> dict[str, Any]:
         "completion_tokens": completion.completion_tokens,
         "total_tokens": completion.prompt_tokens + completion.completion_tokens,
         "skippy_timing": completion.timing.as_dict(completion.completion_tokens),
+        **({} if completion.speculation is None else {"skippy_speculation": {
+            **completion.speculation.as_dict(),
+            "acceptance_rate": round(completion.speculation.acceptance_rate, 4)}}),
     }
 
 
@@ -233,6 +241,8 @@ class _Handlers:
         self.service.metrics.lanes_open.set(self.service.pool.open_lanes)
         if generation.result is not None:
             self.service.metrics.generation_done(generation.timing, generation.result.completion_tokens)
+            if generation.result.speculation is not None:
+                self.service.metrics.speculation_done(generation.result.speculation)
 
     async def generate(self, raw: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"

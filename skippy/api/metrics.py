@@ -3,7 +3,8 @@
 Strategy: one :class:`Metrics` object per app (its own ``CollectorRegistry``, so several apps in
 one process — tests — never collide), updated by the request handlers at a few points: a request
 ends (status, tokens), the first token arrives (TTFT), each later token (inter-token gap), and the
-stage timings carried by the replies (mean compute of one stage per reply, and the chain's total).
+stage timings carried by the replies (mean compute of one stage per reply, and the chain's total),
+and the speculative-decoding counters of the requests that speculated.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import final
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from skippy.driver.generator import Timing
+from skippy.driver.speculation.window import SpeculationUsage
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
@@ -39,6 +41,17 @@ class Metrics:
         self.chain_compute = Counter("skippy_chain_compute_seconds", "compute summed over all stages", registry=r)
         self.chain_stages = Gauge("skippy_chain_stages", "stages that reported timings", registry=r)
         self.lanes_open = Gauge("skippy_lanes_open", "lanes open to the first stage", registry=r)
+        self.spec_requests = Counter("skippy_speculation_requests", "requests that decoded speculatively",
+                                     registry=r)
+        self.spec_proposed = Counter("skippy_speculation_proposed_tokens", "draft tokens sent in verify windows",
+                                     registry=r)
+        self.spec_accepted = Counter("skippy_speculation_accepted_tokens", "draft tokens the target kept",
+                                     registry=r)
+        self.spec_windows = Counter("skippy_speculation_windows", "verify windows sent", registry=r)
+        self.spec_rollbacks = Counter("skippy_speculation_rollbacks",
+                                      "divergences that rolled stage KV back (authoritative position)", registry=r)
+        self.spec_stale = Counter("skippy_speculation_stale_windows", "pipelined windows drained unused",
+                                  registry=r)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -57,6 +70,14 @@ class Metrics:
                 self.stage_compute.observe(per_stage)
             self.chain_compute.inc(timing.compute_us / 1e6)
             self.chain_stages.set(timing.stage_count)
+
+    def speculation_done(self, usage: SpeculationUsage) -> None:
+        self.spec_requests.inc()
+        self.spec_proposed.inc(usage.proposed)
+        self.spec_accepted.inc(usage.accepted)
+        self.spec_windows.inc(usage.windows)
+        self.spec_rollbacks.inc(usage.rollbacks)
+        self.spec_stale.inc(usage.stale_windows)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
