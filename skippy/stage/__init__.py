@@ -2,8 +2,9 @@
 
 Modules by job: ``config`` (settings), ``server`` (load, listen, shutdown), ``connection`` (one
 lane's nursery of receive / compute / forward / reply tasks), ``scheduler`` (the runtime's single
-owner, cross-session decode batching), ``executor`` (runtime calls and the session table),
-``transport`` (frames over trio streams, downstream dialing, wire conditions), ``stats``.
+owner, cross-session decode batching), ``worker`` (the one thread native calls run on),
+``executor`` (runtime calls and the session table), ``transport`` (frames over trio streams and
+non-blocking socket I/O, downstream dialing, wire conditions), ``stats``.
 """
 
 from skippy.stage.config import Address, StageConfig, parse_config
