@@ -18,7 +18,8 @@ Cold paths whose cost does not matter (the sampling section, unusual argument ty
 construction) call the twin's helpers, so both implementations raise identical errors.
 
 f16 encoding rounds ties away from zero like the reference (not the hardware's ties-to-even);
-the f16 and q8 kernels are branch-free C in ``_activation.h`` so the compiler vectorises them.
+the f16 and q8 kernels are branch-free C in ``_activation.h`` so the compiler vectorises them, with
+AVX2/F16C versions (``_activation_x86.h``, same bytes) picked at run time where the CPU has them.
 """
 
 cimport cython
