@@ -599,6 +599,14 @@ def _saturating(value: int) -> int:
     return max(_I64_MIN, min(_I64_MAX, value))
 
 
+def _sum(left: int, right: int) -> int:
+    """``left + right`` saturated to i64 (the comparison alone when it fits: the usual case)."""
+    total = left + right
+    if _I64_MIN <= total <= _I64_MAX:
+        return total
+    return _I64_MAX if total > 0 else _I64_MIN
+
+
 @final
 @dataclass(frozen=True, slots=True)
 class ReplyStats:
@@ -629,8 +637,19 @@ class ReplyStats:
     prefill_edge_observation_count: int = 0
 
     def as_tuple(self) -> tuple[int, ...]:
-        """The 23 values in wire order."""
-        return dataclasses.astuple(self)
+        """The 23 values in wire order (a plain field tuple: no deep copy, on every encode)."""
+        return (
+            self.kv_lookup_hits, self.kv_lookup_misses, self.kv_lookup_errors,
+            self.kv_imported_pages, self.kv_imported_tokens, self.kv_recorded_pages,
+            self.kv_recorded_bytes, self.kv_hit_stage_mask, self.kv_record_stage_mask,
+            self.verify_window_compute_us, self.verify_window_forward_write_us,
+            self.verify_window_downstream_wait_us, self.verify_window_total_us,
+            self.verify_window_stage_count, self.verify_window_request_count,
+            self.verify_window_token_count, self.verify_window_max_tokens,
+            self.prefill_edge_write_us_max, self.prefill_edge_wait_us_max,
+            self.prefill_edge_total_us_max, self.prefill_edge_stage_index,
+            self.prefill_edge_activation_bytes_max, self.prefill_edge_observation_count,
+        )
 
     def is_empty(self) -> bool:
         """True when nothing was recorded; fields 17-21 are ignored, as in the reference."""
@@ -638,20 +657,42 @@ class ReplyStats:
         return not any(values[:17]) and values[22] == 0
 
     def merge(self, other: ReplyStats) -> ReplyStats:
-        """Combine a downstream reply's stats into ours (the §5.3 merge rules, saturating)."""
-        changes: dict[str, int] = {
-            name: _saturating(getattr(self, name) + getattr(other, name)) for name in _SUM_FIELDS
-        }
-        changes["kv_hit_stage_mask"] = self.kv_hit_stage_mask | other.kv_hit_stage_mask
-        changes["kv_record_stage_mask"] = self.kv_record_stage_mask | other.kv_record_stage_mask
-        for name in ("verify_window_max_tokens", "prefill_edge_write_us_max",
-                     "prefill_edge_wait_us_max"):
-            changes[name] = max(getattr(self, name), getattr(other, name))
-        if other.prefill_edge_total_us_max > self.prefill_edge_total_us_max:
-            changes["prefill_edge_total_us_max"] = other.prefill_edge_total_us_max
-            changes["prefill_edge_stage_index"] = other.prefill_edge_stage_index
-            changes["prefill_edge_activation_bytes_max"] = other.prefill_edge_activation_bytes_max
-        return dataclasses.replace(self, **changes)
+        """Combine a downstream reply's stats into ours (the §5.3 merge rules, saturating).
+
+        Field by field into one constructor call (this runs once per relayed reply): sums for
+        ``_SUM_FIELDS``, OR for the stage masks, max for the ``*_max`` fields, and the prefill
+        edge triple taken from the side with the larger total (ties keep ours).
+        """
+        a, b = self, other
+        if b.prefill_edge_total_us_max > a.prefill_edge_total_us_max:
+            edge = b
+        else:
+            edge = a
+        return ReplyStats(
+            _sum(a.kv_lookup_hits, b.kv_lookup_hits),
+            _sum(a.kv_lookup_misses, b.kv_lookup_misses),
+            _sum(a.kv_lookup_errors, b.kv_lookup_errors),
+            _sum(a.kv_imported_pages, b.kv_imported_pages),
+            _sum(a.kv_imported_tokens, b.kv_imported_tokens),
+            _sum(a.kv_recorded_pages, b.kv_recorded_pages),
+            _sum(a.kv_recorded_bytes, b.kv_recorded_bytes),
+            a.kv_hit_stage_mask | b.kv_hit_stage_mask,
+            a.kv_record_stage_mask | b.kv_record_stage_mask,
+            _sum(a.verify_window_compute_us, b.verify_window_compute_us),
+            _sum(a.verify_window_forward_write_us, b.verify_window_forward_write_us),
+            _sum(a.verify_window_downstream_wait_us, b.verify_window_downstream_wait_us),
+            _sum(a.verify_window_total_us, b.verify_window_total_us),
+            _sum(a.verify_window_stage_count, b.verify_window_stage_count),
+            _sum(a.verify_window_request_count, b.verify_window_request_count),
+            _sum(a.verify_window_token_count, b.verify_window_token_count),
+            max(a.verify_window_max_tokens, b.verify_window_max_tokens),
+            max(a.prefill_edge_write_us_max, b.prefill_edge_write_us_max),
+            max(a.prefill_edge_wait_us_max, b.prefill_edge_wait_us_max),
+            edge.prefill_edge_total_us_max,
+            edge.prefill_edge_stage_index,
+            edge.prefill_edge_activation_bytes_max,
+            _sum(a.prefill_edge_observation_count, b.prefill_edge_observation_count),
+        )
 
     def observe_prefill_edge_transport(
         self, stage_index: int, write_us: int, wait_us: int, activation_bytes: int

@@ -362,3 +362,32 @@ def test_mutated_extension_frames_give_frames_or_wire_errors(
 def test_random_extension_bodies_give_frames_or_wire_errors(head: bytes, body: bytes) -> None:
     results = [extension_outcome(impl, head + body, bytewise=False) for impl in IMPLEMENTATIONS]
     assert results[0] == results[1]
+
+
+def _generic_merge(left: ReplyStats, right: ReplyStats) -> ReplyStats:
+    """The §5.3 merge rules written generically over the field names (the old definition)."""
+    from skippy import protocol
+
+    changes: dict[str, int] = {
+        name: protocol._saturating(getattr(left, name) + getattr(right, name)) for name in protocol._SUM_FIELDS
+    }
+    changes["kv_hit_stage_mask"] = left.kv_hit_stage_mask | right.kv_hit_stage_mask
+    changes["kv_record_stage_mask"] = left.kv_record_stage_mask | right.kv_record_stage_mask
+    for name in ("verify_window_max_tokens", "prefill_edge_write_us_max", "prefill_edge_wait_us_max"):
+        changes[name] = max(getattr(left, name), getattr(right, name))
+    if right.prefill_edge_total_us_max > left.prefill_edge_total_us_max:
+        changes["prefill_edge_total_us_max"] = right.prefill_edge_total_us_max
+        changes["prefill_edge_stage_index"] = right.prefill_edge_stage_index
+        changes["prefill_edge_activation_bytes_max"] = right.prefill_edge_activation_bytes_max
+    return dataclasses.replace(left, **changes)
+
+
+stats_values = st.lists(st.one_of(i64, st.integers(-3, 3)), min_size=23, max_size=23).map(lambda v: ReplyStats(*v))
+
+
+@PROPERTY_SETTINGS
+@given(stats_values, stats_values)
+def test_reply_stats_fast_paths_match_generic_definitions(left: ReplyStats, right: ReplyStats) -> None:
+    """``as_tuple`` (a hand-written field tuple) and ``merge`` (field-wise) keep their meaning."""
+    assert left.as_tuple() == dataclasses.astuple(left)
+    assert left.merge(right) == _generic_merge(left, right)
