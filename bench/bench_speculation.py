@@ -5,7 +5,7 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/bench_speculation.py [--repeat 5] [--
 Two ``python -m skippy.stage`` processes split the generated ``demo`` model (qwen2, 8 x 256) at
 layer 4, each with ``--wire-delay-ms 5`` (added to every downstream write).  The driver is the
 real :class:`Generator` over one :class:`StageClient` lane.  For each workload the same request
-runs with speculation off and on, alternately ``--repeat`` times; the figure is the median decode
+runs with speculation off and on ``--repeat`` times (the order alternating); the figure is the median decode
 tokens/s (``Timing.decode_tokens_per_second``: first token to last) and the ratio of the medians,
 with each round's ratio and the acceptance rate (accepted / proposed drafts) beside it.
 
@@ -94,9 +94,13 @@ async def bench(model: Path, workloads: tuple[Workload, ...], address: Address, 
             spec: list[float] = []
             ratios: list[float] = []
             rates: list[float] = []
-            for _ in range(repeat):
-                off = await run_once(generator, address, prompt, workload, tokens, False, session)
-                on = await run_once(generator, address, prompt, workload, tokens, True, session + 1)
+            for round_index in range(repeat):
+                if round_index % 2:  # alternate the order so drift on a shared machine cancels out
+                    on = await run_once(generator, address, prompt, workload, tokens, True, session + 1)
+                    off = await run_once(generator, address, prompt, workload, tokens, False, session)
+                else:
+                    off = await run_once(generator, address, prompt, workload, tokens, False, session)
+                    on = await run_once(generator, address, prompt, workload, tokens, True, session + 1)
                 session += 2
                 if workload.sampling.greedy and off.tokens != on.tokens:
                     print(f"  MISMATCH in {workload.name}: greedy outputs differ")
