@@ -37,6 +37,16 @@ frame, a refused kind, a runtime error, a lost downstream) raises out of the nur
 cancels the other tasks; the connection is closed with one log line naming the reason, sessions
 it opened are released, and its downstream lane is closed, which cascades the close down the
 chain.  The stage and its other connections carry on.
+
+Negotiated extensions (``docs/protocol.md`` §2-§4, helpers in :mod:`skippy.stage.extensions`):
+every message sent downstream carries the extension flag and the downstream lane decodes Error
+and Timings frames.  When this lane's upstream flagged its messages, a predicted reply is
+preceded by a Timings frame (this stage's record appended to the downstream's, in the same
+write), and a lane closed for a nameable reason (or by a drain) ends with an Error frame: a
+downstream Error relayed unchanged, a lost downstream as ``DOWNSTREAM_LOST`` naming it.  An
+upstream that never flagged sees plain v11 only.  The older v11 ``verify_window_*`` timing
+stats (``timing_stats``) are still added to every predicted reply: the driver's ``Timing`` and
+speculation start read them (see ``StageClient.take_timings`` for the per-stage records).
 """
 
 from __future__ import annotations
@@ -61,7 +71,16 @@ from skippy.protocol import (
     StageReply,
     WireDType,
 )
-from skippy.stage.errors import DownstreamLost, StageError
+from skippy.protocol_ext import (
+    SKIPPY_EXTENSIONS_FLAG,
+    ErrorFrame,
+    ExtensionNegotiation,
+    TimingsFrame,
+    append_timing,
+    with_extensions_flag,
+)
+from skippy.stage import extensions
+from skippy.stage.errors import DownstreamError, DownstreamLost, StageError, StateMismatch, UnsupportedKind
 from skippy.stage.executor import Outputs, WorkItem, WorkResult, sampling_params
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
@@ -145,6 +164,8 @@ class ReplySlot:
     direct: bool = False
     reply: StageReply | None = None
     event: trio.Event | None = None
+    #: The extension Timings frame written just before the reply (negotiated lanes only).
+    timings: TimingsFrame | None = None
 
     def wait_event(self) -> trio.Event:
         if self.event is None:
@@ -257,6 +278,11 @@ class Connection:
         self._direct: ReplySlot | None = None
         #: Messages received whose reply has not been written yet (0: the lane is idle).
         self.inflight = 0
+        #: docs/protocol.md §2: whether this upstream flagged its messages (Error / Timings allowed).
+        self.extensions = ExtensionNegotiation()
+        self.identity = extensions.identity_for(scheduler.executor)
+        #: An upstream write was interrupted mid-frame: no Error frame may follow it.
+        self._upstream_torn = False
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -264,17 +290,41 @@ class Connection:
         self.stats.connections_open += 1
         self.stats.connections_total += 1
         self.stats.touch()
+        error: ErrorFrame | None = None
         try:
             await self._serve()
-        except* trio.Cancelled:
+        except* trio.Cancelled:  # only the server cancels a lane: it is draining (SIGTERM)
+            error = extensions.shutting_down_frame(self.identity.index, self._own_address())
             raise
         except* Exception as group:
-            reason = "; ".join(_describe(exc) for exc in _leaves(group))
+            leaves = _leaves(group)
+            reason = "; ".join(_describe(exc) for exc in leaves)
             self.stats.connection_errors += 1
             log.error("closing lane %d from %s: %s", self.id, self.peer, reason)
+            cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
+            error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
+                                           address=self._own_address(), downstream_address=self.downstream_name)
         finally:
             with trio.CancelScope(shield=True):
+                if error is not None and self.extensions.enabled and not self._upstream_torn:
+                    await self._send_error(error)
                 await self._cleanup()
+
+    def _own_address(self) -> str:
+        try:
+            host, port = self.upstream.socket.getsockname()[:2]
+        except (OSError, AttributeError):  # closed, or not a socket stream
+            return ""
+        return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+    async def _send_error(self, error: ErrorFrame) -> None:
+        """docs/protocol.md §3: the Error frame, last thing on the lane (best effort, bounded)."""
+        try:
+            frame = codec.encode_error(error)
+            with trio.move_on_after(0.5):
+                await self._upstream_io.send_all(frame)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ValueError) as exc:
+            log.debug("lane %d: could not send the Error frame: %s", self.id, exc)
 
     async def _cleanup(self) -> None:
         orphans = sorted(self.sessions)
@@ -323,6 +373,9 @@ class Connection:
                 if message is None:
                     return
                 received_us = _now_us()
+                self.extensions.observe(message)
+                if self.identity.index < 0:
+                    self.identity.observe(message)
                 self._check_message(message)
                 self.stats.messages += 1
                 slot = None
@@ -343,9 +396,9 @@ class Connection:
         kind = MessageKind(message.kind)
         refused = _REFUSED_KINDS.get(kind)
         if refused is not None:
-            raise StageError(f"{kind.reference_name} refused: {refused}")
+            raise UnsupportedKind(f"{kind.reference_name} refused: {refused}")
         if kind not in _CONTROL_KINDS and not message.state.matches_kind(kind):
-            raise StageError(
+            raise StateMismatch(
                 f"binary stage state does not match message kind {kind.reference_name} "
                 f"(phase {message.state.phase}, flags {message.state.flags:#x})"
             )
@@ -363,14 +416,21 @@ class Connection:
                 if ahead is not None:  # an older direct reply is still being written
                     await ahead.wait_event().wait()
                 assert slot.reply is not None
-                await send_frame(self._upstream_io, codec.encode_reply(slot.reply), self.peer, downstream=False)
+                await self._write_upstream(extensions.reply_bytes(slot.reply, slot.timings))
                 self.inflight -= 1
 
-    async def _reply(self, slot: ReplySlot, reply: StageReply) -> None:
-        """Fill ``slot``; a direct slot's reply is written here and now."""
+    async def _write_upstream(self, frame: bytes) -> None:
+        self._upstream_torn = True  # until the whole frame is out: a cancel may cut it
+        await send_frame(self._upstream_io, frame, self.peer, downstream=False)
+        self._upstream_torn = False
+
+    async def _reply(self, slot: ReplySlot, reply: StageReply, timings: TimingsFrame | None = None) -> None:
+        """Fill ``slot`` (``timings``: its Timings frame, negotiated lanes only); a direct slot's
+        reply is written here and now."""
         slot.reply = reply
+        slot.timings = timings
         if slot.direct:
-            await send_frame(self._upstream_io, codec.encode_reply(reply), self.peer, downstream=False)
+            await self._write_upstream(extensions.reply_bytes(reply, timings))
             self.inflight -= 1
             self._direct = None
         if slot.event is not None:
@@ -502,14 +562,15 @@ class Connection:
         result, queue_us = await self.scheduler.execute(item)
         early_acked = kind is MessageKind.PREFILL_EMBD
         if forwards is None:
-            await self._reply_final(kind, message, slot, result, received_us, early_acked)
+            await self._reply_final(kind, message, slot, result, received_us, early_acked, queue_us)
             return
         if result.activations is None:
             raise StageError("stage has a downstream but produced no activation")
         outgoing = dataclasses.replace(
             message,
             state=dataclasses.replace(message.state, source_stage_index=message.state.source_stage_index + 1,
-                                      reserved=int(self.settings.wire_dtype)),
+                                      reserved=int(self.settings.wire_dtype),
+                                      flags=message.state.flags | SKIPPY_EXTENSIONS_FLAG),
             activation=result.activations,
             chat_sampling_metadata=None,
         )
@@ -523,7 +584,7 @@ class Connection:
                                      result.compute_us, queue_us, result.batch_size))
 
     async def _reply_final(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, result: WorkResult,
-                     received_us: int, early_acked: bool) -> None:
+                           received_us: int, early_acked: bool, queue_us: int = 0) -> None:
         if early_acked:
             return
         stats = self._take_pending()
@@ -532,6 +593,10 @@ class Connection:
             return
         stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
                              total_us=_now_us() - received_us, batch_size=result.batch_size)
+        timings = None
+        if self.extensions.enabled:  # docs/protocol.md §4: the producing stage starts the frame
+            timings = TimingsFrame((extensions.own_record(
+                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
         if kind is MessageKind.VERIFY_WINDOW:
             stats = dataclasses.replace(
                 stats, verify_window_request_count=stats.verify_window_request_count + 1,
@@ -539,11 +604,11 @@ class Connection:
                 verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
             )
             await self._reply(slot, StageReply.predicted_token_vector(
-                tuple(result.tokens), window_id=message.state.seq_id, stats=stats))
+                tuple(result.tokens), window_id=message.state.seq_id, stats=stats), timings)
             return
         if not result.tokens:
             raise StageError(f"{kind.reference_name} produced no prediction")
-        await self._reply(slot, StageReply.predicted_token(result.tokens[-1], stats=stats))
+        await self._reply(slot, StageReply.predicted_token(result.tokens[-1], stats=stats), timings)
 
     async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
         io = self._downstream_io
@@ -565,7 +630,10 @@ class Connection:
                         if pending > self.stats.max_pending_prefill_acks:
                             self.stats.max_pending_prefill_acks = pending
                             self.stats.touch()
-                    frame = codec.encode_message(item.message, self.settings.wire_dtype, self.settings.width)
+                    message = item.message
+                    if not message.state.flags & SKIPPY_EXTENSIONS_FLAG:  # §2: always flag downstream
+                        message = item.message = with_extensions_flag(message)
+                    frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
                     item.frame_bytes = len(frame)
                     if item.expect is not None:
                         self._expected.append(item)
@@ -591,13 +659,13 @@ class Connection:
         expected = self._expected
         while True:
             if expected:
-                reply = await reader.next()
+                reply, timings = await reader.next()
             else:
                 if self._forwarding_done:
                     return
                 self._relay_idle = True
                 try:
-                    reply = await reader.next()
+                    reply, timings = await reader.next()
                 finally:
                     self._relay_idle = False
                 if not expected:
@@ -633,7 +701,13 @@ class Connection:
             if expect is Expect.RELAY_PREDICTION:
                 stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
                                      total_us=_now_us() - item.received_us, batch_size=item.batch_size)
-                await self._reply(item.slot, dataclasses.replace(reply, stats=stats))
+                if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
+                    timings = append_timing(timings, extensions.own_record(
+                        self.identity, batch_size=item.batch_size, compute_us=item.compute_us,
+                        write_us=item.write_us, wait_us=wait_us, queue_us=item.queue_us))
+                else:
+                    timings = None
+                await self._reply(item.slot, dataclasses.replace(reply, stats=stats), timings)
             else:
                 await self._reply(item.slot, StageReply.ack(stats))
 

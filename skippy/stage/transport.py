@@ -46,8 +46,9 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
+from skippy.protocol_ext import ErrorFrame, TimingsFrame
 from skippy.stage.config import Address
-from skippy.stage.errors import DownstreamLost, StageError
+from skippy.stage.errors import DownstreamError, DownstreamLost, StageError
 
 __all__ = [
     "MessageReader", "ReplyReader", "SocketIO", "WireCondition", "codec", "connect_stage",
@@ -197,7 +198,7 @@ class MessageReader(_Reader):
         while True:
             try:
                 result = self.decoder.next_message()  # type: ignore[attr-defined]
-            except WireError as exc:
+            except WireError as exc:  # the cause makes it a MALFORMED_FRAME upstream
                 raise StageError(f"malformed frame from {self.peer}: {exc}") from exc
             if result is END_OF_STREAM:
                 return None
@@ -208,21 +209,27 @@ class MessageReader(_Reader):
 
 
 class ReplyReader(_Reader):
-    """Whole :class:`StageReply` frames from a downstream stream.
+    """Whole :class:`StageReply` frames from a downstream stream, with the extension frames.
+
+    The lane's messages are always flagged (``docs/protocol.md`` §2), so its replies are decoded
+    with ``extensions=True``: a Timings frame is kept for the reply it precedes, an Error frame
+    ends the lane as :class:`DownstreamError`.
 
     Raises (from :meth:`next`):
         DownstreamLost: the downstream closed the lane or sent a malformed reply.
     """
 
     def __init__(self, io: SocketIO, peer: str) -> None:
-        super().__init__(io, peer, codec.ReplyDecoder())
+        super().__init__(io, peer, codec.ReplyDecoder(extensions=True))
 
-    async def next(self) -> StageReply:
-        """The next reply.
+    async def next(self) -> tuple[StageReply, TimingsFrame | None]:
+        """The next reply and the Timings frame that preceded it (None without one).
 
         Raises:
+            DownstreamError: the downstream sent an Error frame (it closes the lane after it).
             DownstreamLost: end of stream (the downstream stage is gone) or a malformed reply.
         """
+        timings: TimingsFrame | None = None
         while True:
             try:
                 result = self.decoder.next_reply()  # type: ignore[attr-defined]
@@ -230,10 +237,15 @@ class ReplyReader(_Reader):
                 raise DownstreamLost(f"downstream stage {self.peer} sent a malformed reply: {exc}") from exc
             if result is END_OF_STREAM:
                 raise DownstreamLost(f"downstream stage {self.peer} closed the lane (stage lost)")
-            if result is not NEED_DATA:
-                assert isinstance(result, StageReply)
-                return result
-            await self._fill()
+            if result is NEED_DATA:
+                await self._fill()
+            elif type(result) is StageReply:
+                return result, timings
+            elif type(result) is TimingsFrame:
+                timings = result  # at most one precedes a reply; a second one replaces it
+            else:
+                assert isinstance(result, ErrorFrame)
+                raise DownstreamError(result)
 
 
 def write_failed(peer: str, *, downstream: bool) -> StageError:
