@@ -1,6 +1,6 @@
 """The driver side of a chain: ``StageClient`` is one lane to a first stage; ``Generator`` runs requests on it."""
 
-from skippy.driver.client import PrefillResult, StageClient, StageClientError, StageLost
+from skippy.driver.client import PrefillResult, StageClient, StageClientError, StageLost, StageRemoteError
 from skippy.driver.generator import (
     Completion,
     ContextOverflow,
@@ -12,5 +12,5 @@ from skippy.driver.generator import (
 
 __all__ = [
     "Completion", "ContextOverflow", "Generation", "GenerationRequest", "Generator", "PrefillResult",
-    "StageClient", "StageClientError", "StageLost", "Timing",
+    "StageClient", "StageClientError", "StageLost", "StageRemoteError", "Timing",
 ]

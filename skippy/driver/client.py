@@ -9,10 +9,21 @@ their ACKs, then the final chunk's PredictedToken ends the prompt.  Every reply 
 never a trio exception.  Not safe for concurrent use by several tasks: one lane, one caller.
 Frames go through :class:`skippy.stage.transport.SocketIO` (a non-blocking read or write first,
 into one reusable buffer; trio only when the socket would block), as on the stages' hot path.
+
+Negotiated extensions (``docs/protocol.md`` §2-§4; ``extensions=False`` speaks plain v11): every
+message carries the extension flag and replies are decoded with ``extensions=True``.  A Timings
+frame is kept for the reply it precedes: after :meth:`StageClient.receive` returns,
+``last_timings`` holds that reply's per-stage records (deepest stage first, stage 0 last; None
+when the chain sent none) and :meth:`StageClient.take_timings` hands out every frame received
+since the last call.  An Error frame closes the lane and raises :class:`StageLost` (loss codes:
+``DOWNSTREAM_LOST``, ``SHUTTING_DOWN``) or its subclass :class:`StageRemoteError` (the others),
+with ``ErrorFrame.describe()`` in the text (the failed stage's index and address) and the frame
+as ``.frame``.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from typing import Sequence
 
@@ -29,6 +40,7 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
+from skippy.protocol_ext import ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
 from skippy.stage.config import Address
 from skippy.stage.transport import SocketIO, set_no_delay
 
@@ -42,7 +54,25 @@ class StageClientError(Exception):
 
 
 class StageLost(StageClientError):
-    """The lane closed: the first stage, or a stage behind it, failed or went away."""
+    """The lane closed: the first stage, or a stage behind it, failed or went away.
+
+    ``frame`` is the chain's extension Error frame when one said why (None otherwise).
+    """
+
+    def __init__(self, text: str, frame: ErrorFrame | None = None) -> None:
+        super().__init__(text)
+        self.frame = frame
+
+
+class StageRemoteError(StageLost):
+    """A stage closed the lane for a reason it named other than a loss (malformed frame,
+    runtime error, refused kind, state mismatch, overload, internal error)."""
+
+
+#: Error codes that mean "a stage went away" rather than "a stage refused".
+_LOSS_CODES = frozenset({ErrorCode.DOWNSTREAM_LOST, ErrorCode.SHUTTING_DOWN})
+#: Timings frames kept for take_timings() when nobody takes them.
+_TIMINGS_KEPT = 4096
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -64,19 +94,26 @@ class StageClient:
         stream: a connected stream whose READY was already read (see :meth:`connect`).
         address: the first stage, for error messages.
         reply_timeout: seconds to wait for any one reply.
+        extensions: negotiate skippy's extension frames (Error, Timings); False: plain v11.
     """
 
-    def __init__(self, stream: trio.SocketStream, address: Address, *, reply_timeout: float = 30.0) -> None:
+    def __init__(self, stream: trio.SocketStream, address: Address, *, reply_timeout: float = 30.0,
+                 extensions: bool = True) -> None:
         self.stream = stream
         self.address = address
         self.reply_timeout = reply_timeout
-        self._decoder = codec.ReplyDecoder()
+        self.extensions = extensions
+        self._decoder = codec.ReplyDecoder(extensions=extensions)
+        #: Per-stage timings of the last reply :meth:`receive` returned (None: none came).
+        self.last_timings: TimingsFrame | None = None
+        self._pending_timings: TimingsFrame | None = None
+        self._timings: collections.deque[TimingsFrame] = collections.deque(maxlen=_TIMINGS_KEPT)
         self._io = SocketIO(stream, 1 << 16)
         self._closed = False
 
     @classmethod
     async def connect(cls, address: Address | str, *, connect_timeout: float = 10.0,
-                      reply_timeout: float = 30.0) -> "StageClient":
+                      reply_timeout: float = 30.0, extensions: bool = True) -> "StageClient":
         """Dial a first stage and read its READY.
 
         Raises:
@@ -100,7 +137,7 @@ class StageClient:
                     raise
         except (OSError, trio.TooSlowError, WireError, trio.BrokenResourceError) as exc:  # all mean "no lane"
             raise StageLost(f"cannot open a lane to first stage {target}: {exc or type(exc).__name__}") from exc
-        return cls(stream, target, reply_timeout=reply_timeout)
+        return cls(stream, target, reply_timeout=reply_timeout, extensions=extensions)
 
     async def aclose(self) -> None:
         if not self._closed:
@@ -115,11 +152,13 @@ class StageClient:
 
     # -- frames ------------------------------------------------------------------------------
     async def send(self, message: StageMessage) -> None:
-        """Send one message as is.
+        """Send one message (with the extension flag set when negotiating).
 
         Raises:
             StageLost: the lane is closed.
         """
+        if self.extensions:
+            message = with_extensions_flag(message)
         frame = codec.encode_message(message, WireDType(message.state.reserved), 0)
         await self.send_raw(frame)
 
@@ -143,14 +182,30 @@ class StageClient:
                         result = self._decoder.next_reply()
                     except WireError as exc:
                         raise StageClientError(f"malformed reply from first stage {self.address}: {exc}") from exc
-                    if result is END_OF_STREAM:
-                        raise StageLost(self._lost_text("before replying"))
-                    if result is not NEED_DATA:
-                        assert isinstance(result, StageReply)
+                    if result is NEED_DATA:
+                        self._decoder.receive_data(await self._io.receive())  # a reset reads as b""
+                    elif type(result) is StageReply:
+                        self.last_timings, self._pending_timings = self._pending_timings, None
+                        if self.last_timings is not None:
+                            self._timings.append(self.last_timings)
                         return result
-                    self._decoder.receive_data(await self._io.receive())  # a reset reads as b""
+                    elif type(result) is TimingsFrame:  # annotates the next reply
+                        self._pending_timings = result
+                    elif isinstance(result, ErrorFrame):
+                        await self.aclose()  # nothing follows an Error frame
+                        error = StageLost if ErrorCode(result.code) in _LOSS_CODES else StageRemoteError
+                        raise error(f"lane to first stage {self.address} closed: {result.describe()}", result)
+                    else:
+                        assert result is END_OF_STREAM
+                        raise StageLost(self._lost_text("before replying"))
         except trio.TooSlowError as exc:
             raise StageClientError(f"no reply from first stage {self.address} within {self.reply_timeout:g} s") from exc
+
+    def take_timings(self) -> list[TimingsFrame]:
+        """The Timings frames of the replies received since the last call (oldest first)."""
+        frames = list(self._timings)
+        self._timings.clear()
+        return frames
 
     def _lost_text(self, when: str) -> str:
         return (f"lane to first stage {self.address} closed {when}: a stage of the chain failed or was lost "
