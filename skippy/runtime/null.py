@@ -10,6 +10,9 @@ token ``t`` with ``t + 1``, and a test can check plumbing end to end without a m
 Per-session KV is modelled as a set of held positions per sequence id, so trims, rollbacks,
 session reuse and leaks are observable through ``length`` and ``kv_cells_used``; each sequence's
 length is kept next to its set, so ``length`` (asked before every decode) is O(1), not a scan.
+``copy`` / ``save_state`` / ``load_state`` give it the KV surface the prefix cache needs
+(:class:`skippy.cache.KvBackend`), so lane tests can run a stage with its cache on; a copied
+position counts once per sequence in ``kv_cells_used`` (llama.cpp would share the cell).
 
 A model spec string selects it from the command line: ``null:n_embd=64,n_layer=4,n_vocab=32000``.
 """
@@ -22,7 +25,7 @@ from typing import Sequence, final
 import numpy as np
 import numpy.typing as npt
 
-from skippy.runtime.errors import ContextError, InvalidBatch, SessionError
+from skippy.runtime.errors import ContextError, InvalidBatch, SessionError, StateMismatch
 from skippy.runtime.model import LayerRange
 from skippy.runtime.sampling import Sampler
 
@@ -30,6 +33,8 @@ IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float32]
 
 NULL_PREFIX = "null:"
+#: Magic of a null sequence state (``save_state``), then u32 count and i32 positions.
+_STATE_MAGIC = b"SKNULKV1"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -245,6 +250,48 @@ class NullContext:
 
     def trim(self, seq: int, length: int) -> None:
         self.remove(seq, length, -1)
+
+    def copy(self, source: int, destination: int, start: int = -1, end: int = -1) -> None:
+        """Add ``source``'s positions in ``[start, end)`` to ``destination`` (both open)."""
+        for seq in (source, destination):
+            if seq not in self._open:
+                raise SessionError(f"sequence id {seq} is not open")
+        low = 0 if start < 0 else start
+        copied = {p for p in self._held[source] if p >= low and (end < 0 or p < end)}
+        held = self._held[destination]
+        held |= copied
+        self._length[destination] = (max(held) + 1) if held else 0
+
+    def save_state(self, seq: int) -> bytes:
+        """The sequence's positions as a blob (:meth:`load_state` reads it back)."""
+        if seq not in self._open:
+            raise StateMismatch(f"cannot save the state of session {seq}: not open")
+        positions = sorted(self._held[seq])
+        return _STATE_MAGIC + np.asarray([len(positions)], dtype="<u4").tobytes() + np.asarray(
+            positions, dtype="<i4").tobytes()
+
+    def load_state(self, seq: int, blob: bytes) -> int:
+        """Replace the sequence's positions with a saved blob's; returns the positions loaded.
+
+        Raises:
+            StateMismatch: not a null state, or a truncated / padded one.
+        """
+        if seq not in self._open:
+            raise StateMismatch(f"cannot load a state into session {seq}: not open")
+        if len(blob) < 12 or blob[:8] != _STATE_MAGIC:
+            raise StateMismatch("not a null sequence state (bad magic)")
+        count = int(np.frombuffer(blob, dtype="<u4", count=1, offset=8)[0])
+        if len(blob) != 12 + 4 * count:
+            raise StateMismatch(f"null state of {len(blob)} bytes does not hold {count} positions")
+        held = set(int(p) for p in np.frombuffer(blob, dtype="<i4", count=count, offset=12))
+        self._held[seq] = held
+        self._length[seq] = (max(held) + 1) if held else 0
+        return count
+
+    @property
+    def kv_bytes_per_cell(self) -> int:
+        """What a KV cell would hold in f16 K and V (for cache byte budgets)."""
+        return 4 * self.n_embd * self.model.layers.n_layers
 
     def length(self, seq: int) -> int:
         return self._length.get(seq, 0)

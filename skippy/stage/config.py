@@ -66,6 +66,14 @@ class StageConfig:
     stats_file: Path | None = None
     drain_timeout: float = 2.0
     log_level: str = "INFO"
+    prefix_cache: bool = True
+    cache_slots: int = 8
+    cache_page_size: int = 64
+    cache_resident_tokens: int | None = None
+    cache_spill_entries: int = 64
+    cache_spill_mib: float = 256.0
+    cache_min_tokens: int = 0
+    cache_input_dtype: str | None = None
 
     @property
     def credit_limit(self) -> int:
@@ -97,6 +105,15 @@ class StageConfig:
             (self.drain_timeout >= 0, f"drain_timeout must be >= 0 (got {self.drain_timeout})"),
             (self.log_level.upper() in {"DEBUG", "INFO", "WARNING", "ERROR"},
              f"log_level must be DEBUG, INFO, WARNING or ERROR (got {self.log_level})"),
+            (not self.prefix_cache or (1 <= self.cache_slots and self.max_sessions + self.cache_slots <= 256),
+             f"cache_slots must be >= 1 and max_sessions + cache_slots <= 256 (got {self.cache_slots})"),
+            (self.cache_page_size >= 1, f"cache_page_size must be >= 1 (got {self.cache_page_size})"),
+            (self.cache_resident_tokens is None or self.cache_resident_tokens >= 0,
+             f"cache_resident_tokens must be >= 0 (got {self.cache_resident_tokens})"),
+            (self.cache_spill_entries >= 0, f"cache_spill_entries must be >= 0 (got {self.cache_spill_entries})"),
+            (math.isfinite(self.cache_spill_mib) and self.cache_spill_mib >= 0,
+             f"cache_spill_mib must be finite and >= 0 (got {self.cache_spill_mib})"),
+            (self.cache_min_tokens >= 0, f"cache_min_tokens must be >= 0 (got {self.cache_min_tokens})"),
         ]
         for ok, message in checks:
             if not ok:
@@ -117,6 +134,21 @@ def _optional_address(text: str) -> Address | None:
 
 def _optional_int(text: str) -> int | None:
     return None if str(text) in ("", "none") else int(text)
+
+
+def _bool(text: str | bool) -> bool:
+    if isinstance(text, bool):
+        return text
+    value = str(text).strip().lower()
+    if value in ("1", "true", "yes", "on"):
+        return True
+    if value in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"{text!r} is not a boolean (on/off, true/false)")
+
+
+def _optional_str(text: str) -> str | None:
+    return None if text in ("", "none") else text
 
 
 def _optional_path(text: str) -> Path | None:
@@ -143,6 +175,15 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
     "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR"),
+    "prefix_cache": (_bool, "keep the KV of recent prompt prefixes (docs/prefix-cache.md): on or off"),
+    "cache_slots": (int, "sequence ids reserved for resident cached prefixes (max_sessions + slots <= 256)"),
+    "cache_page_size": (int, "tokens per cache page; use the same value on every stage"),
+    "cache_resident_tokens": (_optional_int, "KV cells resident cached prefixes may hold (none = unlimited)"),
+    "cache_spill_entries": (int, "cached prefixes kept in host memory after eviction (0 = no spill tier)"),
+    "cache_spill_mib": (float, "host memory for spilled prefixes, MiB (0 = no spill tier)"),
+    "cache_min_tokens": (int, "shortest prefix worth caching"),
+    "cache_input_dtype": (_optional_str, "input wire dtype named in the cache identity (default: tokens on "
+                          "the first stage, else this stage's wire_dtype)"),
 }
 
 

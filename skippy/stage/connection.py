@@ -9,7 +9,8 @@ Strategy (the behaviour of the reference's ``handle_binary_connection``, restruc
   *direct* instead: nothing is ahead of it, so whichever task fills it writes the reply itself,
   and the writer task is not woken at all (the decode hot path: one message in flight).
 * ``compute_messages`` handles each message in order: session control and generation control go
-  to the scheduler (trim / configure / release), prefix-cache control is answered as a miss,
+  to the scheduler (trim / configure / release), prefix-cache control goes to
+  :mod:`skippy.stage.prefix_control` (a miss ACK, or a forward whose reply it rewrites),
   executable kinds are auto-aligned and run by the scheduler.  The final stage fills the slot with
   its PredictedToken(s) or ACK; other stages hand the output to the forwarder.
 * ``forward_activations`` encodes frames in the wire dtype and writes them downstream (through
@@ -57,7 +58,7 @@ import enum
 import itertools
 import logging
 import time
-from typing import TypeVar
+from typing import Awaitable, Callable, TypeVar
 
 import numpy as np
 import trio
@@ -81,6 +82,7 @@ from skippy.protocol_ext import (
 )
 from skippy.stage import extensions
 from skippy.stage.errors import DownstreamError, DownstreamLost, StageError, StateMismatch, UnsupportedKind
+from skippy.stage import prefix_control
 from skippy.stage.executor import Outputs, WorkItem, WorkResult, sampling_params
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
@@ -189,6 +191,8 @@ class Forward:
     sent_us: int = 0
     write_us: int = 0
     frame_bytes: int = 0
+    #: Turns the downstream ACK's stats into this stage's reply stats (prefix-cache control).
+    on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -482,9 +486,16 @@ class Connection:
                 await _put(forwards, forward(None))
             return
         assert slot is not None
-        if kind.is_prefix_cache_control:
-            # No prefix cache yet: every probe / restore is a miss, answered here, not forwarded.
-            await self._reply(slot, StageReply.ack(dataclasses.replace(self._take_pending(), kv_lookup_misses=1)))
+        if kind.is_prefix_cache_control:  # docs/prefix-cache.md §6; see skippy.stage.prefix_control
+            self.sessions.add(key)
+            outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=forwards is not None,
+                                                  wire_dtype=self.settings.wire_dtype)
+            self.stats.touch()
+            if outcome.forward is None or forwards is None:
+                await self._reply(slot, StageReply.ack(self._take_pending().merge(outcome.stats)))
+            else:
+                await _put(forwards, Forward(outcome.forward, Expect.RELAY_ACK, slot, key, received_us,
+                                             trio.current_time(), on_reply=outcome.on_reply))
             return
         if kind is MessageKind.TRIM_SESSION:
             trimmed = await self.scheduler.call(lambda: executor.trim(key, message.token_count))
@@ -495,6 +506,9 @@ class Connection:
             params = sampling_params(message.sampling)
             self.sessions.add(key)
             await self.scheduler.call(lambda: executor.configure(key, params))
+            cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
+            if cache_settings is not None and executor.cache is not None:
+                await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
             await self._control_done(slot, forwards, forward)
             return
         await self._execute(kind, message, slot, key, received_us, forwards)
@@ -547,6 +561,8 @@ class Connection:
             session=key, positions=positions, tokens=tokens if self.scheduler.executor.is_first else None,
             activations=activations, align_to=message.authoritative_session_position,
             outputs=_OUTPUTS.get(kind, Outputs.LAST), sampling=sampling_params(message.sampling),
+            prompt_tokens=tokens if kind.is_prefill and tokens.shape[0] == count else None,
+            prefill=kind.is_prefill, final_prefill=kind is MessageKind.PREFILL_FINAL_EMBD,
         )
 
     async def _execute(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, key: int,
@@ -560,6 +576,13 @@ class Connection:
         else:
             self.stats.decode_items += 1
         result, queue_us = await self.scheduler.execute(item)
+        if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream
+            page_size = self.scheduler.executor.cache.page_size if self.scheduler.executor.cache else 1
+            index = min(max(0, message.state.source_stage_index + 1), 62)
+            self._pending_stats = self._pending_stats.merge(ReplyStats(
+                kv_recorded_pages=result.recorded_tokens // page_size,
+                kv_recorded_bytes=result.recorded_tokens * self.scheduler.executor.kv_bytes_per_cell,
+                kv_record_stage_mask=1 << index))
         early_acked = kind is MessageKind.PREFILL_EMBD
         if forwards is None:
             await self._reply_final(kind, message, slot, result, received_us, early_acked, queue_us)
@@ -696,6 +719,8 @@ class Connection:
                 continue
             assert item.slot is not None
             stats = merge_stats(self._take_pending(), reply.stats)
+            if item.on_reply is not None:
+                stats = await item.on_reply(stats)
             if expect is Expect.STOP_ACK:
                 await self._release(item.session)
             if expect is Expect.RELAY_PREDICTION:

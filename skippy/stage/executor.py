@@ -12,6 +12,14 @@ it holds fewer, the item is refused (a gap would silently corrupt the sequence).
 
 Activations handed back are copies: the runtime's view is only valid until the next decode, and
 the forwarder encodes them later, on the trio thread.
+
+Prefix cache (optional ``cache``, a :class:`~skippy.cache.StageCache` over the same context): the
+prefix-control kinds call :meth:`Executor.probe` / :meth:`Executor.restore` / :meth:`Executor.drop`;
+after a restore the session holds ``M`` positions and its first prefill chunk starts at ``M``.
+Each session accumulates the tokens its KV was computed from (restored prefix plus every prefill
+chunk's token sideband, cut back at the chunk's position) and records them after the final chunk
+unless the request opted out; Stop / release drops the session's probe hold.  A decode that finds
+no KV slot asks the cache to give back resident cells and retries once.
 """
 
 from __future__ import annotations
@@ -19,15 +27,18 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import numpy.typing as npt
 
 from skippy.protocol import SamplingConfig
-from skippy.runtime.errors import NativeError
+from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, Sampler, SamplingParams
 from skippy.stage.errors import StageError
+
+if TYPE_CHECKING:
+    from skippy.cache import StageCache
 
 IntArray = npt.NDArray[np.int32]
 FloatArray = npt.NDArray[np.float32]
@@ -70,6 +81,11 @@ class WorkItem:
     align_to: int | None = None
     outputs: Outputs = Outputs.LAST
     sampling: SamplingParams | None = None
+    #: The message's token sideband (every stage gets it; the cache records from it).
+    prompt_tokens: IntArray | None = None
+    #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
+    prefill: bool = False
+    final_prefill: bool = False
 
     @property
     def rows(self) -> int:
@@ -90,6 +106,8 @@ class WorkResult:
     batch_size: int = 1
     compute_us: int = 0
     trimmed_tokens: int = 0
+    #: Tokens the prefix cache newly cached after this item (a final prefill chunk).
+    recorded_tokens: int = 0
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,6 +115,11 @@ class _Session:
     seq: int
     params: SamplingParams = GREEDY
     sampler: Sampler | None = None
+    #: Prefix cache: tenant namespace, whether to record, and the prompt tokens so far (None:
+    #: unknown, e.g. a chunk came without its token sideband: nothing is recorded).
+    namespace: str | None = None
+    record: bool = True
+    prompt: list[int] | None = dataclasses.field(default_factory=list)
 
 
 def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
@@ -132,13 +155,16 @@ class Executor:
         context: a ``StageContext`` or ``NullContext``.
     """
 
-    def __init__(self, context: RuntimeContext) -> None:
+    def __init__(self, context: RuntimeContext, cache: "StageCache | None" = None) -> None:
         self.context = context
+        self.cache = cache
         self.model = context.model
         self.is_first: bool = bool(self.model.is_first)
         self.is_last: bool = bool(self.model.is_last)
         self.n_embd: int = int(context.n_embd)
         self.n_batch: int = int(context.n_batch)
+        #: KV bytes per cell (the recorded-bytes reply stat); 0 when the runtime does not say.
+        self.kv_bytes_per_cell: int = int(getattr(context, "kv_bytes_per_cell", 0))
         #: The null runtime never blocks; the scheduler runs it inline.
         self.blocking: bool = bool(getattr(context, "blocking", True))
         self._sessions: dict[int, _Session] = {}
@@ -193,14 +219,85 @@ class Executor:
         session = self._sessions.pop(key, None)
         if session is None:
             return False
+        if self.cache is not None:
+            self.cache.release(session.seq)
         if session.sampler is not None:
             session.sampler.close()
         self.context.close_session(session.seq)
         return True
 
-    def snapshot(self) -> dict[str, int]:
-        """Session and KV figures for the stats file."""
-        return {"sessions_in_use": len(self._sessions), "kv_cells_used": int(self.context.kv_cells_used())}
+    def snapshot(self) -> dict[str, Any]:
+        """Session, KV and prefix-cache figures for the stats file."""
+        figures: dict[str, Any] = {"sessions_in_use": len(self._sessions),
+                                   "kv_cells_used": int(self.context.kv_cells_used())}
+        if self.cache is not None:
+            figures["prefix_cache"] = {**dataclasses.asdict(self.cache.stats), "holds": self.cache.holds}
+        return figures
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def configure_prefix(self, key: int, namespace: str | None, record: bool) -> None:
+        """Set a session's cache namespace and whether its prompt is recorded (opens it)."""
+        session = self._session(key)
+        session.namespace = namespace
+        session.record = record
+
+    def probe(self, key: int, tokens: IntArray, namespace: str | None) -> int:
+        """Longest cached page-aligned prefix of ``tokens``, held for the session (0: miss)."""
+        if self.cache is None or tokens.shape[0] == 0:
+            return 0
+        session = self._session(key)
+        return self.cache.lookup(tokens, namespace=self._namespace(session, namespace), hold=session.seq)
+
+    def restore(self, key: int, tokens: IntArray, length: int, namespace: str | None) -> int:
+        """Make the session hold exactly ``tokens[:length]``'s KV, or nothing; ``length`` or 0."""
+        if self.cache is None:
+            return 0
+        if not 0 < length <= tokens.shape[0]:
+            raise StageError(f"restore of {length} tokens from a {tokens.shape[0]}-token prefix")
+        session = self._session(key)
+        try:
+            restored = self.cache.restore(session.seq, tokens, length, namespace=self._namespace(session, namespace))
+        except NativeError:  # no room to load a spilled state: a miss, the session left empty
+            self.context.trim(session.seq, 0)
+            restored = 0
+        session.prompt = [int(t) for t in tokens[:restored]]
+        return restored
+
+    def drop(self, key: int) -> None:
+        """Empty a session's KV (a restore that another stage missed); keeps its settings."""
+        session = self._sessions.get(key)
+        if session is None:
+            return
+        if self.cache is not None:
+            self.cache.release(session.seq)
+        self.context.trim(session.seq, 0)
+        session.prompt = []
+
+    @staticmethod
+    def _namespace(session: _Session, namespace: str | None) -> str | None:
+        return session.namespace if namespace is None else namespace
+
+    def _track_prompt(self, session: _Session, item: WorkItem) -> None:
+        start = int(item.positions[0])
+        prompt = session.prompt
+        if self.cache is not None and self.cache.holds:
+            self.cache.release(session.seq)  # a prefill after a probe: the hold is no longer needed
+        if prompt is None or item.prompt_tokens is None or item.prompt_tokens.shape[0] != item.rows \
+                or start > len(prompt):
+            session.prompt = None  # positions without tokens: this prompt cannot be recorded
+            return
+        del prompt[start:]
+        prompt.extend(int(t) for t in item.prompt_tokens)
+
+    def _record(self, session: _Session) -> int:
+        assert self.cache is not None
+        prompt = session.prompt
+        if not session.record or not prompt:
+            return 0
+        try:
+            return self.cache.record(session.seq, np.asarray(prompt, dtype=np.int32), namespace=session.namespace)
+        except NativeError:  # the copy found no room: not cached, the request is unaffected
+            return 0
 
     # -- compute -----------------------------------------------------------------------------
     def _align(self, session: _Session, item: WorkItem) -> int:
@@ -235,13 +332,28 @@ class Executor:
     def _decode(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
                 item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:
         try:
-            if self.is_first:
-                self.context.decode(positions=positions, seq_ids=seqs, tokens=item_tokens, outputs=outputs)
-            else:
-                self.context.decode(positions=positions, seq_ids=seqs, activations=item_activations,
-                                    outputs=outputs)
+            try:
+                self._decode_once(positions, seqs, item_tokens, item_activations, outputs)
+            except KvSlotUnavailable:
+                if self.cache is None or not self.cache.reclaim(int(positions.shape[0])):
+                    raise
+                first: dict[int, int] = {}
+                for seq, position in zip(seqs.tolist(), positions.tolist()):
+                    first[seq] = min(position, first.get(seq, position))
+                for seq, position in first.items():  # undo what a partial batch may have written
+                    if self.context.length(seq) > position:
+                        self.context.trim(seq, position)
+                self._decode_once(positions, seqs, item_tokens, item_activations, outputs)
         except NativeError as exc:  # the runtime refused or failed the batch: fail the message
             raise StageError(f"runtime error: {exc}") from exc
+
+    def _decode_once(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
+                     item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:
+        if self.is_first:
+            self.context.decode(positions=positions, seq_ids=seqs, tokens=item_tokens, outputs=outputs)
+        else:
+            self.context.decode(positions=positions, seq_ids=seqs, activations=item_activations,
+                                outputs=outputs)
 
     def run_item(self, item: WorkItem) -> WorkResult:
         """Run one prefill chunk, verify window or decode on its own."""
@@ -250,6 +362,8 @@ class Executor:
         if item.sampling is not None and item.sampling != session.params:
             self._set_params(session, item.sampling)
         trimmed = self._align(session, item)
+        if item.prefill and self.cache is not None:
+            self._track_prompt(session, item)
         started = time.perf_counter_ns()
         rows = item.rows
         pieces: list[FloatArray] = []
@@ -282,7 +396,8 @@ class Executor:
         if pieces:
             activations = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         compute_us = (time.perf_counter_ns() - started) // 1000
-        return WorkResult(activations, tokens, 1, compute_us, trimmed)
+        recorded = self._record(session) if item.final_prefill and self.cache is not None else 0
+        return WorkResult(activations, tokens, 1, compute_us, trimmed, recorded)
 
     def run_decode_batch(self, items: Sequence[WorkItem]) -> list[WorkResult | StageError]:
         """Run single-row items of distinct sessions as one native batch.
@@ -336,6 +451,8 @@ class Executor:
         return results
 
     def close(self) -> None:
-        """Release every session (samplers included)."""
+        """Release every session (samplers included) and the prefix cache."""
         for key in list(self._sessions):
             self.release(key)
+        if self.cache is not None:
+            self.cache.close()

@@ -7,6 +7,10 @@ served by its own :class:`~skippy.stage.connection.Connection` in a second nurse
 lane never touches another.  Shutdown (SIGTERM / SIGINT or :meth:`StageServer.shutdown`) stops
 accepting, gives open lanes ``drain_timeout`` seconds to finish, cancels the rest, then releases
 every session and frees the runtime.
+
+With ``prefix_cache`` on (the default), the context gets ``cache_slots`` sequence ids above the
+sessions' and a :class:`~skippy.cache.StageCache` claims them right after the context is made,
+before any session opens (:func:`build_cache`); the executor owns it and closes it at shutdown.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ from typing import Any, Callable
 
 import trio
 
+from skippy.cache import CacheBudget, StageCache, context_sessions
 from skippy.runtime.model import LayerRange
 from skippy.runtime.null import NullContext, NullModel, is_null_spec
 from skippy.stage.config import Address, StageConfig
@@ -36,16 +41,18 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         skippy.runtime.NativeError / ValueError: the model or range cannot be loaded.
     """
     context: Any
+    sequence_ids = (context_sessions(config.max_sessions, config.cache_slots) if config.prefix_cache
+                    else config.max_sessions)
     if is_null_spec(config.model):
         model: Any = NullModel(config.model, LayerRange.parse(config.layers))
-        context = NullContext(model, n_ctx=config.ctx_size, max_sessions=config.max_sessions,
+        context = NullContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                               n_batch=config.batch_size)
     else:
         from skippy.runtime import Model, StageContext  # the native library loads only here
 
         model = Model(config.model, config.layers, progress=progress)
         try:
-            context = StageContext(model, n_ctx=config.ctx_size, max_sessions=config.max_sessions,
+            context = StageContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                                    n_batch=config.batch_size, threads=config.threads or None)
         except Exception:  # free the weights before reporting a context failure
             model.close()
@@ -59,7 +66,21 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context.close()
         model.close()
         raise ValueError(message)
-    return Executor(context)
+    return Executor(context, build_cache(config, context) if config.prefix_cache else None)
+
+
+def build_cache(config: StageConfig, context: Any) -> StageCache:
+    """The stage's prefix cache over a fresh context (claims the ids above ``max_sessions``)."""
+    dtype = config.cache_input_dtype
+    if dtype is None and not context.model.is_first:
+        dtype = config.wire_dtype.name.lower()
+    budget = CacheBudget(
+        resident_entries=config.cache_slots, resident_tokens=config.cache_resident_tokens,
+        spill_entries=config.cache_spill_entries, spill_bytes=int(config.cache_spill_mib * (1 << 20)),
+        min_tokens=config.cache_min_tokens,
+    )
+    return StageCache.for_context(context, sessions=config.max_sessions, wire_dtype=dtype,
+                                  page_size=config.cache_page_size, budget=budget)
 
 
 class StageServer:
@@ -93,6 +114,7 @@ class StageServer:
         snapshot = await self.scheduler.call(self.executor.snapshot)
         self.stats.sessions_in_use = snapshot["sessions_in_use"]
         self.stats.kv_cells_used = snapshot["kv_cells_used"]
+        self.stats.prefix_cache = snapshot.get("prefix_cache", {})
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until :meth:`shutdown`; reports the bound address to ``task_status``."""

@@ -45,6 +45,8 @@ class StageStats:
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0
+    #: The prefix cache's counters and gauges (``StageCache.stats``; empty when it is off).
+    prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)
     version: int = 0
 
     def touch(self) -> None:

@@ -1,0 +1,123 @@
+"""The driver's side of the prefix KV cache: configure, probe, restore, then prefill only the rest.
+
+Strategy (docs/prefix-cache.md §6): one request's prefill becomes
+
+1. ConfigureGeneration with the sampling section and, when the cache is used, the chat metadata
+   ``{"skippy.prefix_cache": {"namespace": <key>, "record": <bool>}}`` that every stage keeps for
+   the session (an opted-out request says ``record: false`` and never probes);
+2. ProbePrefill (15, state flag ``PREFIX_EXTENT``) of the page-floor of ``prompt[:-1]`` (``R``
+   tokens). The reply's ``kv_hit_stage_mask`` bit 0 means every stage hit (each stage clears its
+   bit when the one behind it missed), and the chain-wide hit is ``M = R - kv_imported_tokens``
+   (the sum of what each stage cut);
+3. TryRestorePrefill (17) of ``prompt[:M]``; bit 0 again means every stage now holds exactly
+   ``M`` positions. On anything else the driver sends TrimSession(0) so no stage keeps a partial
+   restore, and prefills from 0;
+4. prefill of ``prompt[M:]`` from position ``M`` (at least one token is always left).
+
+A chain without the extension (or with the cache off) answers both messages as misses, so the
+cost of trying is one round trip, and the answer is never wrong: at worst the prompt is prefilled
+in full. ``page_size`` must match the stages' (it only decides where the probe is cut; a stage
+with another page size still returns page-aligned hits of its own size, which are valid).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Sequence
+
+import numpy as np
+
+from skippy.driver.client import PrefillResult, StageClient
+from skippy.protocol import MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply
+from skippy.protocol_ext import PREFIX_EXTENT_FLAG
+
+#: Tokens per page the driver assumes (the stage default).
+DEFAULT_PAGE_SIZE = 64
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CacheRequest:
+    """What one request asks of the cache."""
+
+    #: Probe and restore (False: opt out; the prompt is neither looked up nor recorded).
+    enabled: bool = True
+    #: Tenant key (``prompt_cache_key``, else ``user``); None shares the default namespace.
+    namespace: str | None = None
+    page_size: int = DEFAULT_PAGE_SIZE
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class CachedPrefill:
+    """The prefill's outcome: the final chunk's reply, every other reply, and the cached length."""
+
+    result: PrefillResult
+    #: Prompt tokens restored from the cache on every stage (``cached_tokens``).
+    cached_tokens: int
+    #: Replies of the configure / probe / restore / trim messages (their stats carry kv_* figures).
+    control: tuple[StageReply, ...]
+
+    @property
+    def replies(self) -> tuple[StageReply, ...]:
+        return self.control + self.result.acks
+
+
+def metadata(cache: CacheRequest) -> str:
+    """The ConfigureGeneration / control chat metadata for ``cache``."""
+    return json.dumps({"skippy.prefix_cache": {"namespace": cache.namespace, "record": cache.enabled}},
+                      separators=(",", ":"))
+
+
+def probe_length(prompt_tokens: int, page_size: int) -> int:
+    """``R``: the page-floor of ``prompt[:-1]`` (at least one token is always computed)."""
+    return max(0, (prompt_tokens - 1) // page_size * page_size)
+
+
+def control_message(kind: MessageKind, session_id: int, tokens: Sequence[int], text: str,
+                    request_id: int = 0) -> StageMessage:
+    """A prefix-control message with the extension flag and the token sideband."""
+    values = np.asarray(tokens, dtype=np.int32)
+    return StageMessage.create(
+        kind, request_id=request_id, session_id=session_id, tokens=values, token_count=len(values),
+        pos_start=0, chat_sampling_metadata=text,
+        state_changes={"flags": PREFIX_EXTENT_FLAG, "prompt_token_count": len(values)},
+    )
+
+
+async def lookup_and_restore(client: StageClient, session_id: int, prompt: Sequence[int],
+                             cache: CacheRequest, *, request_id: int = 0) -> tuple[int, list[StageReply]]:
+    """Probe, then restore the chain-wide hit; returns (restored tokens, control replies)."""
+    replies: list[StageReply] = []
+    length = probe_length(len(prompt), cache.page_size)
+    if not cache.enabled or length == 0:
+        return 0, replies
+    text = metadata(cache)
+    probe = await client.request(control_message(MessageKind.PROBE_PREFILL, session_id, prompt[:length], text,
+                                                 request_id), ReplyKind.ACK)
+    replies.append(probe)
+    hit = length - probe.stats.kv_imported_tokens
+    if not probe.stats.kv_hit_stage_mask & 1 or not 0 < hit <= length:
+        return 0, replies
+    restore = await client.request(control_message(MessageKind.TRY_RESTORE_PREFILL, session_id, prompt[:hit], text,
+                                                   request_id), ReplyKind.ACK)
+    replies.append(restore)
+    if restore.stats.kv_hit_stage_mask & 1:
+        return hit, replies
+    replies.append(await client.trim(session_id, 0, request_id=request_id))  # nothing half-restored anywhere
+    return 0, replies
+
+
+async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,
+                  sampling: SamplingConfig | None, cache: CacheRequest | None, chunk_size: int,
+                  credit: int, request_id: int = 0) -> CachedPrefill:
+    """Configure the session and prefill ``prompt``, restoring what the chain has cached."""
+    text = metadata(cache) if cache is not None else None
+    control = [await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
+                                      request_id=request_id, metadata=text)]
+    cached = 0
+    if cache is not None:
+        cached, replies = await lookup_and_restore(client, session_id, prompt, cache, request_id=request_id)
+        control += replies
+    result = await client.prefill(session_id, prompt[cached:], pos_start=cached, chunk_size=chunk_size,
+                                  credit=credit, request_id=request_id)
+    return CachedPrefill(result, cached, tuple(control))

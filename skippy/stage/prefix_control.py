@@ -1,0 +1,122 @@
+"""The stage's side of the prefix-cache chain protocol (docs/prefix-cache.md §6).
+
+Strategy: :func:`handle` turns one prefix-control message (ProbePrefill 15, RestorePrefill 16,
+TryRestorePrefill 17, TryRestorePrefillDecode 18) into an :class:`Outcome`: either stats to ACK
+at once, or a message to forward downstream plus a callback that turns the downstream reply's
+stats into this stage's reply stats.  The connection does the I/O; the executor (on the
+scheduler's thread) does the cache work.
+
+* Without the ``PREFIX_EXTENT`` state flag (a plain v11 peer), with the cache off, for 18 (the
+  driver never sends it; the fused restore-decode is not served) and for malformed requests
+  (token sideband and ``token_count`` disagree), the answer is a miss ACK and nothing is
+  forwarded: the driver then prefills in full, which is always correct.
+* Stage *k* is ``source_stage_index + 1`` (the driver sends -1; each stage forwards with its own
+  index).  A hit sets bit *k* of ``kv_hit_stage_mask``.  A stage with a downstream keeps its bit
+  only if the downstream reply has bit *k+1*; otherwise it clears it (a restore also empties the
+  session), so **bit 0 of the reply means every stage hit** and the driver needs no stage count.
+* Probe: ``lookup`` with a hold, report the tokens cut in ``kv_imported_tokens``, forward the
+  sideband truncated to the hit.  Restore: ``restore`` all or nothing, report
+  ``kv_imported_tokens / pages``, forward unchanged.
+* Namespace: the message's chat metadata ``{"skippy.prefix_cache": {"namespace": ...}}``, else
+  the one the session got from ConfigureGeneration (:func:`prefix_settings`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Awaitable, Callable
+
+import numpy as np
+
+from skippy.protocol import MessageKind, ReplyStats, StageMessage, WireDType
+from skippy.protocol_ext import PREFIX_EXTENT_FLAG
+from skippy.stage.scheduler import Scheduler
+
+#: The chat-metadata key that carries a request's cache settings.
+METADATA_KEY = "skippy.prefix_cache"
+#: Stage masks stop at bit 62 (protocol.md: bit i = stage i, i < 63).
+_MAX_STAGE_BIT = 62
+
+MISS = ReplyStats(kv_lookup_misses=1)
+ERROR = ReplyStats(kv_lookup_misses=1, kv_lookup_errors=1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """What the connection does with a prefix-control message."""
+
+    stats: ReplyStats
+    #: Forward this downstream and relay the reply's stats through ``on_reply`` (None: ACK now).
+    forward: StageMessage | None = None
+    on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
+
+
+def prefix_settings(metadata: str | None) -> tuple[str | None, bool] | None:
+    """(namespace, record) from chat sampling metadata; None when it says nothing about the cache."""
+    if not metadata:
+        return None
+    try:
+        data = json.loads(metadata)
+    except ValueError:  # metadata is free-form for other uses: not ours
+        return None
+    section = data.get(METADATA_KEY) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        return None
+    namespace = section.get("namespace")
+    return (str(namespace) if namespace is not None else None, bool(section.get("record", True)))
+
+
+async def handle(scheduler: Scheduler, message: StageMessage, key: int, *, has_downstream: bool,
+                 wire_dtype: WireDType) -> Outcome:
+    """Serve one prefix-control message (see the module header)."""
+    kind = MessageKind(message.kind)
+    executor = scheduler.executor
+    if (not message.state.flags & PREFIX_EXTENT_FLAG or executor.cache is None
+            or kind is MessageKind.TRY_RESTORE_PREFILL_DECODE):
+        return Outcome(MISS)
+    tokens = np.asarray(message.tokens, dtype=np.int32)
+    if tokens.shape[0] != message.token_count or tokens.shape[0] == 0 or message.pos_start > 0:
+        return Outcome(ERROR)
+    index = min(max(0, message.state.source_stage_index + 1), _MAX_STAGE_BIT)
+    bit = 1 << index
+    settings = prefix_settings(message.chat_sampling_metadata)
+    namespace = settings[0] if settings is not None else None
+
+    def outgoing(sent: np.ndarray) -> StageMessage:
+        state = dataclasses.replace(message.state, source_stage_index=index, reserved=int(wire_dtype))
+        return dataclasses.replace(message, state=state, tokens=sent, token_count=int(sent.shape[0]))
+
+    if kind is MessageKind.PROBE_PREFILL:
+        length = await scheduler.call(lambda: executor.probe(key, tokens, namespace))
+        if length == 0:
+            return Outcome(MISS)
+        mine = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=int(tokens.shape[0]) - length,
+                          kv_hit_stage_mask=bit)
+        if not has_downstream:
+            return Outcome(mine)
+
+        async def probed(reply: ReplyStats) -> ReplyStats:
+            if reply.kv_hit_stage_mask & (bit << 1):
+                return mine.merge(reply)
+            return reply  # a stage behind missed: this stage's bit stays clear (a chain miss)
+
+        return Outcome(mine, outgoing(tokens[:length]), probed)
+
+    length = int(tokens.shape[0])
+    restored = await scheduler.call(lambda: executor.restore(key, tokens, length, namespace))
+    if restored != length:
+        return Outcome(MISS)
+    page_size = executor.cache.page_size
+    mine = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=length, kv_imported_pages=length // page_size,
+                      kv_hit_stage_mask=bit)
+    if not has_downstream:
+        return Outcome(mine)
+
+    async def restored_reply(reply: ReplyStats) -> ReplyStats:
+        if reply.kv_hit_stage_mask & (bit << 1):
+            return mine.merge(reply)
+        await scheduler.call(lambda: executor.drop(key))  # no stage is left half-restored
+        return reply.merge(MISS)
+
+    return Outcome(mine, outgoing(tokens), restored_reply)
