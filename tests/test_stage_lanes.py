@@ -350,3 +350,115 @@ async def test_runtime_thread_runs_calls_in_order_off_the_trio_thread() -> None:
         assert scope.cancelled_caught
     finally:
         worker.close()
+
+
+# -- negotiated extensions (docs/protocol.md §2-§4) ------------------------------------------------
+
+async def test_negotiated_client_gets_one_timing_record_per_stage() -> None:
+    async with inprocess_chain(["0:1", "1:3", "3:4"]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+            await client.configure(1)
+            assert client.last_timings is None  # ACKs carry no timings
+            result = await client.prefill(1, list(range(1, 20)), chunk_size=8)
+            prefill_timings = client.last_timings
+            reply = await client.decode(1, result.token, 19)
+            timings = client.last_timings
+            assert prefill_timings is not None and timings is not None
+            records = timings.records
+            assert [r.stage_index for r in records] == [2, 1, 0]  # deepest first
+            assert [(r.layer_start, r.layer_end) for r in records] == [(3, 4), (1, 3), (0, 1)]
+            assert all(r.batch_size == 1 for r in records)
+            assert records[0].forward_write_us == records[0].downstream_wait_us == 0  # the final stage
+            assert all(r.downstream_wait_us > 0 for r in records[1:])
+            assert reply.stats.verify_window_stage_count == 3  # the v11 stats still flow
+            assert client.take_timings() == [prefill_timings, timings] and client.take_timings() == []
+            await client.stop(1)
+
+
+async def _read_plain(stream: trio.SocketStream, decoder: object) -> object:
+    from skippy.protocol import END_OF_STREAM, NEED_DATA
+
+    while True:
+        result = decoder.next_reply()  # type: ignore[attr-defined]
+        if result is not NEED_DATA:
+            return result
+        data = await stream.receive_some(1 << 16)
+        decoder.receive_data(data)  # type: ignore[attr-defined]
+        if not data and result is END_OF_STREAM:
+            return result
+
+
+async def test_plain_v11_client_gets_plain_replies_and_no_error_frame() -> None:
+    from skippy.protocol import END_OF_STREAM, check_ready
+
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        address = servers[0].address
+        assert address is not None
+        stream = await trio.open_tcp_stream(address.host, address.port)
+        async with stream:
+            check_ready(await stream.receive_some(4))
+            decoder = codec.ReplyDecoder()  # the v11 decoder: an extension frame would be a WireError
+            final = StageMessage.create(MessageKind.PREFILL_FINAL_EMBD, token_count=2, session_id=1,
+                                        tokens=np.asarray([3, 4], dtype=np.int32))
+            await stream.send_all(codec.encode_message(final, WireDType.F32, 0))
+            reply = await _read_plain(stream, decoder)
+            assert isinstance(reply, StageReply) and reply.kind == ReplyKind.PREDICTED_TOKEN and reply.predicted == 5
+            await stream.send_all(b"\xff" * 80)  # malformed: the lane closes without an Error frame
+            with trio.fail_after(2):
+                assert await _read_plain(stream, decoder) is END_OF_STREAM
+
+
+_NEGOTIATED_BAD_FRAMES = [
+    ("garbage", b"\xff" * 80, "MALFORMED_FRAME"),
+    ("truncated", _frame(1)[:50], "MALFORMED_FRAME"),
+    ("state import", StageMessage.create(MessageKind.STATE_IMPORT, token_count=2, raw_bytes=b"ab"), "UNSUPPORTED_KIND"),
+    ("kind mismatch", _frame(2), "STATE_MISMATCH"),
+]
+
+
+@pytest.mark.parametrize("case, frame, code", _NEGOTIATED_BAD_FRAMES)
+async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(case: str, frame: object, code: str) -> None:
+    from skippy.driver import StageRemoteError
+    from skippy.protocol_ext import ErrorCode
+
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        client = await StageClient.connect(servers[0].address)  # type: ignore[arg-type]
+        try:
+            await client.configure(1)  # a flagged message: the lane is negotiated
+            if isinstance(frame, StageMessage):
+                await client.send(frame)
+            else:
+                await client.send_raw(frame)
+                if case == "truncated":
+                    await client.stream.send_eof()
+            with trio.fail_after(2), pytest.raises(StageRemoteError) as raised:
+                await client.receive()
+        finally:
+            await client.aclose()
+        error = raised.value.frame
+        assert error is not None and error.code == ErrorCode[code]
+        assert error.origin_stage_index == error.reporter_stage_index == 0
+        assert error.origin_address == str(servers[0].address)
+        assert code.lower() in str(raised.value) and "stage 0" in str(raised.value)
+
+
+async def test_lost_downstream_is_named_and_a_drain_says_shutting_down() -> None:
+    from skippy.protocol_ext import ErrorCode
+
+    async with trio.open_nursery() as outer:
+        async with inprocess_chain(["0:1", "1:2", "2:4"]) as servers:
+            async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+                await client.prefill(1, [1, 2, 3])
+                lost_address = str(servers[2].address)
+                servers[2].shutdown()  # the final stage drains: its lane says so, stage 1 relays it
+                with trio.fail_after(2), pytest.raises(StageLost) as raised:
+                    await client.decode(1, 3, 3)
+                error = raised.value.frame
+                assert error is not None
+                # stage 2's idle lane is cancelled by the drain (SHUTTING_DOWN, relayed unchanged
+                # by stage 1); if its close wins the race, stage 1 reports DOWNSTREAM_LOST instead
+                assert error.code in (ErrorCode.SHUTTING_DOWN, ErrorCode.DOWNSTREAM_LOST), error
+                print(error.describe())
+                assert error.origin_stage_index == 2 and error.origin_address == lost_address
+                assert f"stage 2 ({lost_address})" in str(raised.value)
+        outer.cancel_scope.cancel()
