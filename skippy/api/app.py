@@ -11,7 +11,10 @@ a ``finally`` that also runs when the HTTP client goes away (the lane is then cl
 Extension: ``usage.skippy_timing`` carries TTFT, decode rate and the stage timings from the
 reply stats; ``usage.skippy_speculation`` the speculative-decoding counters (drafts proposed /
 accepted, windows, rollbacks, stale windows) of a request that speculated.  The body field
-``speculation`` (bool) opts a request in or out (default: on for greedy requests).  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
+``speculation`` (bool) opts a request in or out (default: on for greedy requests).
+Prefix KV cache: on by default; ``prefix_cache: false`` opts a request out; ``prompt_cache_key``
+(else ``user``) is the cache namespace on every stage; ``usage.prompt_tokens_details.cached_tokens``
+is the restored prefix.  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
 """
 
 from __future__ import annotations
@@ -153,8 +156,14 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[Gen
     except ContextOverflow as exc:
         raise ApiError(400, str(exc), param="messages" if chat else "prompt", code="context_length_exceeded") from exc
     speculation = get_bool(body, "speculation")
+    cache_key = body.get("prompt_cache_key", body.get("user"))
+    if cache_key is not None and not isinstance(cache_key, str):
+        raise invalid("prompt_cache_key" if "prompt_cache_key" in body else "user", "expected a string")
+    prefix_cache = get_bool(body, "prefix_cache")
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
-                                speculation=None if body.get("speculation") is None else speculation)
+                                speculation=None if body.get("speculation") is None else speculation,
+                                prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
+                                cache_namespace=cache_key)
     return request, stream, include_usage
 
 
@@ -163,6 +172,7 @@ def _usage(completion: Completion) -> dict[str, Any]:
         "prompt_tokens": completion.prompt_tokens,
         "completion_tokens": completion.completion_tokens,
         "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
         "skippy_timing": completion.timing.as_dict(completion.completion_tokens),
         **({} if completion.speculation is None else {"skippy_speculation": {
             **completion.speculation.as_dict(),
@@ -243,6 +253,7 @@ class _Handlers:
             self.service.metrics.generation_done(generation.timing, generation.result.completion_tokens)
             if generation.result.speculation is not None:
                 self.service.metrics.speculation_done(generation.result.speculation)
+            self.service.metrics.prefix_cache_done(generation.request, generation.result.cached_tokens)
 
     async def generate(self, raw: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"

@@ -13,7 +13,7 @@ from typing import final
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from skippy.driver.generator import Timing
+from skippy.driver.generator import GenerationRequest, Timing
 from skippy.driver.speculation.window import SpeculationUsage
 
 _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
@@ -52,6 +52,12 @@ class Metrics:
                                       "divergences that rolled stage KV back (authoritative position)", registry=r)
         self.spec_stale = Counter("skippy_speculation_stale_windows", "pipelined windows drained unused",
                                   registry=r)
+        self.prefix_lookups = Counter("skippy_prefix_cache_lookups", "requests that looked up the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter("skippy_prefix_cache_hits", "requests that restored a cached prefix",
+                                   registry=r)
+        self.prefix_cached_tokens = Counter("skippy_prefix_cache_cached_tokens",
+                                            "prompt tokens restored from the prefix cache", registry=r)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()
@@ -78,6 +84,13 @@ class Metrics:
         self.spec_windows.inc(usage.windows)
         self.spec_rollbacks.inc(usage.rollbacks)
         self.spec_stale.inc(usage.stale_windows)
+
+    def prefix_cache_done(self, request: GenerationRequest, cached_tokens: int) -> None:
+        if request.prefix_cache is not False:
+            self.prefix_lookups.inc()
+        if cached_tokens:
+            self.prefix_hits.inc()
+            self.prefix_cached_tokens.inc(cached_tokens)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

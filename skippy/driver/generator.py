@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Mapping, Sequence, final
 
+from skippy.driver import prefix
 from skippy.driver.client import StageClient, StageClientError
 from skippy.driver.speculation.controller import ControllerConfig
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
@@ -73,6 +74,10 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     #: Speculative decoding: True / False, or None for the generator's default (greedy only).
     speculation: bool | None = None
+    #: Prefix KV cache: False opts out (no lookup, no record); None: the generator's default.
+    prefix_cache: bool | None = None
+    #: Cache tenant (``prompt_cache_key``, else ``user``); None: the shared default namespace.
+    cache_namespace: str | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -152,6 +157,8 @@ class Completion:
     timing: Timing
     #: Speculation counters (None: the request did not speculate).
     speculation: SpeculationUsage | None = None
+    #: Prompt tokens restored from the prefix cache (``usage.prompt_tokens_details.cached_tokens``).
+    cached_tokens: int = 0
 
     @property
     def completion_tokens(self) -> int:
@@ -226,6 +233,7 @@ class Generation:
         self._last = 0.0
         self._position = len(request.prompt)
         self._runner: SpeculativeRunner | None = None
+        self.cached_tokens = 0
 
     def __aiter__(self) -> "Generation":
         return self
@@ -242,11 +250,12 @@ class Generation:
         client, request = self._client, self.request
         if not self.tokens:
             self._started = time.perf_counter()
-            await client.configure(self.session_id, sampling=sampling_config(request.sampling),
-                                   prompt_token_count=len(request.prompt))
-            prefill = await client.prefill(self.session_id, request.prompt, chunk_size=self._generator.chunk_size,
-                                           credit=self._generator.credit)
-            for ack in prefill.acks:
+            cached = await prefix.prefill(client, self.session_id, request.prompt,
+                                          sampling=sampling_config(request.sampling),
+                                          cache=self._generator.cache_request(request),
+                                          chunk_size=self._generator.chunk_size, credit=self._generator.credit)
+            self.cached_tokens, prefill = cached.cached_tokens, cached.result
+            for ack in cached.replies:
                 self.timing.add_reply(ack)
             reply = prefill.reply
             self._last = time.perf_counter()
@@ -323,7 +332,7 @@ class Generation:
         await self._client.stop(self.session_id)
         usage = None if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
-                                 usage)
+                                 usage, self.cached_tokens)
         return text
 
     async def run(self) -> Completion:
@@ -359,6 +368,14 @@ class Generator:
         self.chunk_size = chunk_size
         self.credit = credit
         self._formatter: Any = None
+        #: Prefix KV cache default for requests that do not say, and the stages' page size.
+        self.prefix_cache = True
+        self.cache_page_size = prefix.DEFAULT_PAGE_SIZE
+
+    def cache_request(self, request: GenerationRequest) -> prefix.CacheRequest:
+        """What ``request`` asks of the chain's prefix cache (opted out: no lookup, no record)."""
+        enabled = self.prefix_cache if request.prefix_cache is None else request.prefix_cache
+        return prefix.CacheRequest(enabled=enabled, namespace=request.cache_namespace, page_size=self.cache_page_size)
 
     def speculates(self, request: GenerationRequest) -> bool:
         """Whether ``request`` runs speculatively.
