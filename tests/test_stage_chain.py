@@ -15,6 +15,7 @@ import pytest
 import trio
 
 from skippy.driver import StageClient, StageLost
+from skippy.protocol_ext import ErrorCode
 from skippy.runtime import Model, StageContext
 from skippy.stage.executor import Executor, WorkItem
 from skippy.stage.transport import codec
@@ -158,9 +159,14 @@ async def test_killed_downstream_fails_fast_and_a_restart_serves_new_sessions(ti
             lost_address = lost.address
             lost.kill()
             started = trio.current_time()
-            with pytest.raises(StageLost, match="first stage"):
+            with pytest.raises(StageLost, match="first stage") as raised:
                 await victim.decode(1, 5, len(PROMPTS[0]))
             assert trio.current_time() - started < 2.0
+            # the extension Error frame, written by stage 1 and relayed by stage 0, names the lost stage
+            error = raised.value.frame
+            assert error is not None and error.code == ErrorCode.DOWNSTREAM_LOST
+            assert (error.origin_stage_index, error.reporter_stage_index) == (2, 1)
+            assert f"stage 2 ({lost_address})" in str(raised.value)
             await trio.sleep(0.2)
             assert f"downstream stage {lost_address}" in chain[1].log()
             restarted = StageProcess(str(tiny_llama), "2:4", tmp_path / "stage2b.log", listen=str(lost_address),
@@ -201,3 +207,37 @@ async def test_sessions_return_to_idle_and_sigterm_exits_cleanly(tiny_llama: Pat
             chain[0].process.send_signal(signal.SIGTERM)
             assert await trio.to_thread.run_sync(chain[0].process.wait, 10) == 0
         assert "stopped" in chain[0].log()
+
+
+async def test_client_sees_each_stages_timings_and_batch_sizes(tiny_llama: Path, tmp_path: Path) -> None:
+    async with stage_chain(str(tiny_llama), SPLITS[3], tmp_path, FLAGS) as chain:
+        async with await StageClient.connect(chain[0].address) as one, \
+                await StageClient.connect(chain[0].address) as two:  # type: ignore[arg-type]
+            for session, client in ((1, one), (2, two)):
+                await client.prefill(session, PROMPTS[0], chunk_size=CHUNK)
+                prefill = client.last_timings
+                assert prefill is not None and [r.stage_index for r in prefill.records] == [2, 1, 0]
+            client_timings: list[object] = []
+            async with trio.open_nursery() as nursery:
+                async def decode(session: int, client: StageClient) -> None:
+                    for step in range(8):
+                        await client.decode(session, 5, len(PROMPTS[0]) + step)
+                        client_timings.append(client.last_timings)
+                nursery.start_soon(decode, 1, one)
+                nursery.start_soon(decode, 2, two)
+    assert len(client_timings) == 16
+    layers = [(2, 4), (1, 2), (0, 1)]
+    batches = []
+    for timings in client_timings:
+        records = timings.records  # type: ignore[attr-defined]
+        assert [r.stage_index for r in records] == [2, 1, 0]
+        assert [(r.layer_start, r.layer_end) for r in records] == layers
+        assert all(1 <= r.batch_size <= 2 and 0 < r.compute_us < 5_000_000 for r in records)
+        assert records[0].forward_write_us == 0 and records[0].downstream_wait_us == 0
+        # from its downstream write to the reply, a stage waits at least as long as the stage below
+        # computed (the split between write and wait depends on when the writer task resumes)
+        for upper, lower in ((records[1], records[0]), (records[2], records[1])):
+            assert upper.forward_write_us + upper.downstream_wait_us >= lower.compute_us
+        assert all(r.queue_wait_us < 5_000_000 and r.forward_write_us < 1_000_000 for r in records)
+        batches += [r.batch_size for r in records]
+    print(f"\nbatch sizes seen: {sorted(set(batches))}; last: {client_timings[-1]}")
