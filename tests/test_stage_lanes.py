@@ -370,7 +370,7 @@ async def test_negotiated_client_gets_one_timing_record_per_stage() -> None:
             assert all(r.batch_size == 1 for r in records)
             assert records[0].forward_write_us == records[0].downstream_wait_us == 0  # the final stage
             assert all(r.downstream_wait_us > 0 for r in records[1:])
-            assert reply.stats.verify_window_stage_count == 3  # the v11 stats still flow
+            assert reply.stats.verify_window_stage_count == 0  # v11 verify stats: VerifyWindow replies only
             assert client.take_timings() == [prefill_timings, timings] and client.take_timings() == []
             await client.stop(1)
 

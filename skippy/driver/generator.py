@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import time
 from pathlib import Path
-from typing import Any, Mapping, Sequence, final
+from typing import Any, Iterable, Mapping, Sequence, final
 
 from skippy.driver import prefix
 from skippy.driver.client import StageClient, StageClientError
@@ -39,7 +39,8 @@ from skippy.driver.speculation.controller import ControllerConfig
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
-from skippy.protocol import LogitBias, SamplingConfig, StageReply
+from skippy.protocol import LogitBias, SamplingConfig
+from skippy.protocol_ext import TimingRecord, TimingsFrame
 from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
@@ -87,6 +88,40 @@ class GenerationRequest:
 
 
 @dataclasses.dataclass(slots=True)
+class StageTiming:
+    """One stage's share of a request: sums over the replies that passed through it."""
+
+    stage_index: int
+    layer_start: int
+    layer_end: int
+    replies: int = 0
+    compute_us: int = 0
+    forward_write_us: int = 0
+    downstream_wait_us: int = 0
+    queue_wait_us: int = 0
+    max_batch_size: int = 0
+
+    def add(self, record: TimingRecord) -> None:
+        self.replies += 1
+        self.compute_us += record.compute_us
+        self.forward_write_us += record.forward_write_us
+        self.downstream_wait_us += record.downstream_wait_us
+        self.queue_wait_us += record.queue_wait_us
+        self.max_batch_size = max(self.max_batch_size, record.batch_size)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "stage": self.stage_index,
+            "layers": f"{self.layer_start}:{self.layer_end}",
+            "compute_ms": round(self.compute_us / 1000, 3),
+            "forward_write_ms": round(self.forward_write_us / 1000, 3),
+            "downstream_wait_ms": round(self.downstream_wait_us / 1000, 3),
+            "queue_wait_ms": round(self.queue_wait_us / 1000, 3),
+            "max_batch_size": self.max_batch_size,
+        }
+
+
+@dataclasses.dataclass(slots=True)
 class Timing:
     """Where one request's time went.  Stage sums cover every stage of the chain."""
 
@@ -97,22 +132,29 @@ class Timing:
     decode_seconds: float = 0.0
     #: Seconds between consecutive tokens (one entry per decode step).
     inter_token: list[float] = dataclasses.field(default_factory=list)
-    #: Replies with stage timings, and the stage count they reported.
+    #: Replies that carried per-stage timings, and the most stages one of them covered.
     replies: int = 0
     stage_count: int = 0
     compute_us: int = 0
     forward_write_us: int = 0
     downstream_wait_us: int = 0
+    #: Totals per stage index (from the chain's Timings frames, docs/protocol.md §4).
+    stages: dict[int, StageTiming] = dataclasses.field(default_factory=dict)
 
-    def add_reply(self, reply: StageReply) -> None:
-        stats = reply.stats
-        if stats.verify_window_stage_count <= 0:
-            return
-        self.replies += 1
-        self.stage_count = max(self.stage_count, stats.verify_window_stage_count)
-        self.compute_us += stats.verify_window_compute_us
-        self.forward_write_us += stats.verify_window_forward_write_us
-        self.downstream_wait_us += stats.verify_window_downstream_wait_us
+    def add_frames(self, frames: Iterable[TimingsFrame]) -> None:
+        """Account the per-stage records of replies (``StageClient.take_timings()``)."""
+        for frame in frames:
+            self.replies += 1
+            self.stage_count = max(self.stage_count, len(frame.records))
+            for record in frame.records:
+                self.compute_us += record.compute_us
+                self.forward_write_us += record.forward_write_us
+                self.downstream_wait_us += record.downstream_wait_us
+                stage = self.stages.get(record.stage_index)
+                if stage is None:
+                    stage = self.stages[record.stage_index] = StageTiming(
+                        record.stage_index, record.layer_start, record.layer_end)
+                stage.add(record)
 
     def decode_tokens_per_second(self, completion_tokens: int) -> float:
         steps = completion_tokens - 1
@@ -135,6 +177,7 @@ class Timing:
             "stage_forward_write_ms": round(self.forward_write_us / 1000, 3),
             "stage_downstream_wait_ms": round(self.downstream_wait_us / 1000, 3),
             "mean_stage_compute_ms_per_token": round(self.mean_stage_compute_ms(), 3),
+            "stages": [self.stages[index].as_dict() for index in sorted(self.stages)],
         }
 
     def summary(self, completion_tokens: int) -> str:
@@ -255,15 +298,13 @@ class Generation:
                                           cache=self._generator.cache_request(request),
                                           chunk_size=self._generator.chunk_size, credit=self._generator.credit)
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
-            for ack in cached.replies:
-                self.timing.add_reply(ack)
             reply = prefill.reply
             self._last = time.perf_counter()
             self.timing.time_to_first_token = self._last - self._started
-            self.timing.add_reply(reply)
+            self.timing.add_frames(client.take_timings())
             tokens: tuple[int, ...] = (int(reply.predicted),)
             if request.max_tokens > 1 and self._generator.speculates(request):
-                self._start_speculation(tokens[0], reply.stats.verify_window_stage_count)
+                self._start_speculation(tokens[0], self.timing.stage_count)
         elif self._runner is not None:
             runner = self._runner
             try:
@@ -276,8 +317,7 @@ class Generation:
                 self.timing.inter_token.append((now - self._last) / len(tokens))
             self.timing.decode_seconds += now - self._last
             self._last = now
-            for stage_reply in runner.replies:
-                self.timing.add_reply(stage_reply)
+            self.timing.add_frames(client.take_timings())
             runner.replies.clear()
         else:
             reply = await client.decode(self.session_id, self.tokens[-1], self._position,
@@ -287,7 +327,7 @@ class Generation:
             self.timing.inter_token.append(now - self._last)
             self.timing.decode_seconds += now - self._last
             self._last = now
-            self.timing.add_reply(reply)
+            self.timing.add_frames(client.take_timings())
             tokens = (int(reply.predicted),)
         emitted: list[str] = []
         for token in tokens:
@@ -319,8 +359,7 @@ class Generation:
             except StageClientError:
                 await self._client.aclose()
                 raise
-            for stage_reply in self._runner.replies:
-                self.timing.add_reply(stage_reply)
+            self.timing.add_frames(self._client.take_timings())
             self._runner.replies.clear()
         if not flushed:
             text, stopped = self._stops.push(text)

@@ -45,9 +45,9 @@ and Timings frames.  When this lane's upstream flagged its messages, a predicted
 preceded by a Timings frame (this stage's record appended to the downstream's, in the same
 write), and a lane closed for a nameable reason (or by a drain) ends with an Error frame: a
 downstream Error relayed unchanged, a lost downstream as ``DOWNSTREAM_LOST`` naming it.  An
-upstream that never flagged sees plain v11 only.  The older v11 ``verify_window_*`` timing
-stats (``timing_stats``) are still added to every predicted reply: the driver's ``Timing`` and
-speculation start read them (see ``StageClient.take_timings`` for the per-stage records).
+upstream that never flagged sees plain v11 only.  Per-stage timings reach the driver through
+those frames (``StageClient.take_timings``); the v11 ``verify_window_*`` stats keep their
+reference meaning and are filled for VerifyWindow replies only (``timing_stats``).
 """
 
 from __future__ import annotations
@@ -211,14 +211,8 @@ class LaneSettings:
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,
                  batch_size: int) -> ReplyStats:
-    """Add one stage's timings to reply stats travelling upstream.
-
-    The v11 reply has no per-stage timing fields outside verify windows, so skippy reports every
-    predicted reply's per-stage compute / forward-write / downstream-wait / total microseconds in
-    the ``verify_window_*_us`` sums with ``verify_window_stage_count`` += 1, and the largest native
-    batch in ``verify_window_max_tokens`` (max-merged).  For a VerifyWindow the fields keep their
-    reference meaning (the window size is the batch).
-    """
+    """Add one stage's share to a VerifyWindow reply's ``verify_window_*`` stats (summed along the
+    chain, ``verify_window_stage_count`` += 1, the largest batch in ``verify_window_max_tokens``)."""
     return dataclasses.replace(
         base,
         verify_window_compute_us=base.verify_window_compute_us + compute_us,
@@ -614,8 +608,9 @@ class Connection:
         if not kind.requires_predicted_reply:
             await self._reply(slot, StageReply.ack(stats))
             return
-        stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
-                             total_us=_now_us() - received_us, batch_size=result.batch_size)
+        if kind is MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
+            stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
+                                 total_us=_now_us() - received_us, batch_size=result.batch_size)
         timings = None
         if self.extensions.enabled:  # docs/protocol.md §4: the producing stage starts the frame
             timings = TimingsFrame((extensions.own_record(
@@ -724,8 +719,10 @@ class Connection:
             if expect is Expect.STOP_ACK:
                 await self._release(item.session)
             if expect is Expect.RELAY_PREDICTION:
-                stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
-                                     total_us=_now_us() - item.received_us, batch_size=item.batch_size)
+                if item.message.kind == MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
+                    stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us,
+                                         wait_us=wait_us, total_us=_now_us() - item.received_us,
+                                         batch_size=item.batch_size)
                 if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
                     timings = append_timing(timings, extensions.own_record(
                         self.identity, batch_size=item.batch_size, compute_us=item.compute_us,

@@ -24,6 +24,7 @@ from skippy.driver.client import StageClient, StageClientError
 from skippy.driver.speculation.decoder import SpeculativeDecoder, WindowRequest
 from skippy.driver.speculation.window import WindowError
 from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply
+from skippy.protocol_ext import TimingsFrame
 
 __all__ = ["SpeculationProtocolError", "SpeculativeRunner"]
 
@@ -118,7 +119,7 @@ class SpeculativeRunner:
                 outcome = self.decoder.on_reply(
                     window_id, predicted,
                     wall_seconds=None if sent is None else time.perf_counter() - sent,
-                    compute_seconds=reply.stats.verify_window_compute_us / 1e6,
+                    compute_seconds=_compute_seconds(self.client.last_timings),
                 )
             except WindowError as exc:
                 raise SpeculationProtocolError(f"first stage {self.client.address}: {exc}") from exc
@@ -155,3 +156,11 @@ class SpeculativeRunner:
                     "to TrimSession; expected ACK"
                 )
             self.kv_high_water = length
+
+
+def _compute_seconds(timings: TimingsFrame | None) -> float:
+    """Compute summed over the stages that reported timings for a reply (0 when none did: a
+    plain v11 chain, where the cost model then sees all of a round trip as transport)."""
+    if timings is None:
+        return 0.0
+    return sum(record.compute_us for record in timings.records) / 1e6
