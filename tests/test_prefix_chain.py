@@ -98,7 +98,13 @@ async def test_outputs_identical_with_the_cache_on_and_off(tiny_llama: Path, gen
             hits.append(await runner.check(conversation))
             conversation += tokens(rng, 6)  # the assistant's reply, part of the next prompt
         assert hits[0] == 0 and all(b > a for a, b in zip(hits[1:], hits[2:])) and hits[-1] > 0
-        stats = [stage.stats()["prefix_cache"] for stage in stages]
+        # the stats files are rewritten every 0.1 s: wait for the last requests to show
+        with trio.move_on_after(5):
+            while True:
+                stats = [stage.stats()["prefix_cache"] for stage in stages]
+                if all(s["hits"] >= 6 and s["records"] >= 3 for s in stats):  # type: ignore[index]
+                    break
+                await trio.sleep(0.05)
         assert all(s["hits"] >= 6 and s["records"] >= 3 for s in stats), stats  # type: ignore[index]
 
 
@@ -125,6 +131,7 @@ async def test_random_prompts_under_a_budget_that_evicts_and_spills(tiny_llama: 
             prompt = rng.choice(prefixes) + tokens(rng, rng.randrange(1, 2 * PAGE))
             hits += await runner.check(prompt) > 0
         assert hits > 10
+        await trio.sleep(0.3)  # the stats files are rewritten every 0.1 s
         for stage in stages:
             stats: Any = stage.stats()["prefix_cache"]
             assert stats["evictions"] > 0 and stats["spills"] > 0 and stats["spill_restores"] > 0, stats

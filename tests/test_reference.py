@@ -27,3 +27,4 @@ def test_reference_generates_and_matches_the_split_chain() -> None:
     # and it still generates through its own high-level API
     text = llm.create_completion("Hello", max_tokens=4, temperature=0.0)["choices"][0]["text"]
     assert isinstance(text, str) and len(text) > 0
+    llm.close()  # free it now, not during interpreter shutdown

@@ -50,11 +50,17 @@ class RuntimeThread:
         result: T = await trio.lowlevel.wait_task_rescheduled(abort)  # unwraps the outcome
         return result
 
-    def close(self) -> None:
-        """Stop the thread after the calls already queued (idempotent)."""
-        if self._thread is not None:
+    def close(self, timeout: float = 60.0) -> None:
+        """Stop the thread after the calls already queued and wait for it (idempotent).
+
+        Waiting matters: the caller frees the native context next, and a call still running on
+        the thread would use it after the free.
+        """
+        thread, self._thread = self._thread, None
+        if thread is not None:
             self._queue.put(_STOP)
-            self._thread = None
+            if thread is not threading.current_thread():
+                thread.join(timeout)
 
     def _serve(self) -> None:
         while True:
