@@ -239,3 +239,34 @@ async def test_a_corrupted_spilled_state_is_a_miss() -> None:
             for server in servers:
                 assert server.executor.session_count == 0
             assert await serve(first) == 12  # recorded again by the full prefill
+
+
+async def test_fused_restore_decode_matches_the_uncached_answer(tiny_llama: Path, generator: Generator,
+                                                                tmp_path: Path) -> None:
+    """A prompt whose all-but-last token is cached takes TryRestorePrefillDecode (18) on every stage."""
+    rng = random.Random(6)
+    async with chain_runner(tiny_llama, generator, tmp_path) as (runner, stages):
+        for pages in (1, 2, 3):
+            prompt = tokens(rng, pages * PAGE + 1)
+            assert await runner.check(prompt) == 0
+            assert await runner.check(prompt) == pages * PAGE  # M = len(prompt) - 1: the fused path
+        # a partial hit (M < len(prompt) - 1) still takes TryRestorePrefill + the suffix prefill
+        conversation = tokens(rng, PAGE + 1)
+        assert await runner.check(conversation) == 0
+        assert await runner.check(conversation[:-1] + tokens(rng, PAGE + 1)) == PAGE
+        # the reply of the fused message itself: PredictedToken with every stage's bit and M imported
+        prompt = tokens(rng, 2 * PAGE + 1)
+        await runner.run(prompt)
+        result = await prefix.prefill(runner.client, 500, prompt, sampling=None,
+                                      cache=prefix.CacheRequest(page_size=PAGE), chunk_size=32, credit=2)
+        await runner.client.stop(500)
+        reply = result.result.reply
+        assert result.cached_tokens == 2 * PAGE and not result.result.acks
+        assert reply.kind == ReplyKind.PREDICTED_TOKEN and reply.stats.kv_hit_stage_mask == 0b11
+        assert reply.stats.kv_imported_tokens == 2 * 2 * PAGE  # summed over both stages
+        plain, _ = await runner.run(prompt, cache=False, steps=1)
+        assert [reply.predicted] == plain
+        with trio.move_on_after(5):
+            while not all(stage.stats()["restore_decodes"] == 4 for stage in stages):
+                await trio.sleep(0.05)
+        assert [stage.stats()["restore_decodes"] for stage in stages] == [4, 4]  # 3 checks + the direct one

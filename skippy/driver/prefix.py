@@ -14,6 +14,12 @@ Strategy (docs/prefix-cache.md §6): one request's prefill becomes
    restore, and prefills from 0;
 4. prefill of ``prompt[M:]`` from position ``M`` (at least one token is always left).
 
+When ``M = len(prompt) - 1`` (the whole prompt but its last token is cached), steps 3 and 4 are
+fused into one TryRestorePrefillDecode (18): the sideband is the whole prompt, ``token_count`` 1,
+``pos_start`` ``M``; every stage restores ``M`` and decodes the last token, and the reply is the
+first token's PredictedToken (a hit only with bit 0 of ``kv_hit_stage_mask``).  A miss ACK is
+handled as a failed TryRestorePrefill: TrimSession(0), then a full prefill.
+
 A chain without the extension (or with the cache off) answers both messages as misses, so the
 cost of trying is one round trip, and the answer is never wrong: at worst the prompt is prefilled
 in full. ``page_size`` must match the stages' (it only decides where the probe is cut; a stage
@@ -84,9 +90,27 @@ def control_message(kind: MessageKind, session_id: int, tokens: Sequence[int], t
     )
 
 
+def restore_decode_message(session_id: int, prompt: Sequence[int], text: str, request_id: int = 0) -> StageMessage:
+    """TryRestorePrefillDecode (18): restore ``prompt[:-1]`` and decode ``prompt[-1]`` at ``M``."""
+    values = np.asarray(prompt, dtype=np.int32)
+    length = len(values) - 1
+    return StageMessage.create(
+        MessageKind.TRY_RESTORE_PREFILL_DECODE, request_id=request_id, session_id=session_id, tokens=values,
+        token_count=1, pos_start=length, chat_sampling_metadata=text,
+        state_changes={"flags": PREFIX_EXTENT_FLAG, "prompt_token_count": len(values),
+                       "current_token": int(values[-1])},
+    )
+
+
 async def lookup_and_restore(client: StageClient, session_id: int, prompt: Sequence[int],
-                             cache: CacheRequest, *, request_id: int = 0) -> tuple[int, list[StageReply]]:
-    """Probe, then restore the chain-wide hit; returns (restored tokens, control replies)."""
+                             cache: CacheRequest, *, request_id: int = 0,
+                             fused: list[StageReply] | None = None) -> tuple[int, list[StageReply]]:
+    """Probe, then restore the chain-wide hit; returns (restored tokens, control replies).
+
+    With ``fused`` (a list to fill) a hit of all but the last token is restored and decoded in one
+    TryRestorePrefillDecode; on success its PredictedToken is appended to ``fused`` and the
+    restored length is ``len(prompt) - 1`` with nothing left to prefill.
+    """
     replies: list[StageReply] = []
     length = probe_length(len(prompt), cache.page_size)
     if not cache.enabled or length == 0:
@@ -98,11 +122,19 @@ async def lookup_and_restore(client: StageClient, session_id: int, prompt: Seque
     hit = length - probe.stats.kv_imported_tokens
     if not probe.stats.kv_hit_stage_mask & 1 or not 0 < hit <= length:
         return 0, replies
-    restore = await client.request(control_message(MessageKind.TRY_RESTORE_PREFILL, session_id, prompt[:hit], text,
-                                                   request_id), ReplyKind.ACK)
-    replies.append(restore)
-    if restore.stats.kv_hit_stage_mask & 1:
-        return hit, replies
+    if fused is not None and hit == len(prompt) - 1:
+        reply = await client.request(restore_decode_message(session_id, prompt, text, request_id),
+                                     (ReplyKind.ACK, ReplyKind.PREDICTED_TOKEN))
+        if reply.kind == ReplyKind.PREDICTED_TOKEN and reply.stats.kv_hit_stage_mask & 1:
+            fused.append(reply)
+            return hit, replies
+        replies.append(reply)
+    else:
+        restore = await client.request(control_message(MessageKind.TRY_RESTORE_PREFILL, session_id, prompt[:hit],
+                                                       text, request_id), ReplyKind.ACK)
+        replies.append(restore)
+        if restore.stats.kv_hit_stage_mask & 1:
+            return hit, replies
     replies.append(await client.trim(session_id, 0, request_id=request_id))  # nothing half-restored anywhere
     return 0, replies
 
@@ -115,9 +147,13 @@ async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *
     control = [await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
                                       request_id=request_id, metadata=text)]
     cached = 0
+    fused: list[StageReply] = []
     if cache is not None:
-        cached, replies = await lookup_and_restore(client, session_id, prompt, cache, request_id=request_id)
+        cached, replies = await lookup_and_restore(client, session_id, prompt, cache, request_id=request_id,
+                                                   fused=fused)
         control += replies
+    if fused:  # restored and decoded in one trip: the reply is the first token's
+        return CachedPrefill(PrefillResult(fused[0], ()), cached, tuple(control))
     result = await client.prefill(session_id, prompt[cached:], pos_start=cached, chunk_size=chunk_size,
                                   credit=credit, request_id=request_id)
     return CachedPrefill(result, cached, tuple(control))

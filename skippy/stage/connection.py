@@ -10,8 +10,9 @@ Strategy (the behaviour of the reference's ``handle_binary_connection``, restruc
   and the writer task is not woken at all (the decode hot path: one message in flight).
 * ``compute_messages`` handles each message in order: session control and generation control go
   to the scheduler (trim / configure / release), prefix-cache control goes to
-  :mod:`skippy.stage.prefix_control` (a miss ACK, or a forward whose reply it rewrites),
-  executable kinds are auto-aligned and run by the scheduler.  The final stage fills the slot with
+  :mod:`skippy.stage.prefix_control` (a miss ACK, or a forward whose reply it rewrites; a
+  TryRestorePrefillDecode hit is answered like a decode: the last stage's PredictedToken, relayed
+  up as ``Expect.RELAY_EITHER``, which also takes a miss ACK), executable kinds are auto-aligned and run by the scheduler.  The final stage fills the slot with
   its PredictedToken(s) or ACK; other stages hand the output to the forwarder.
 * ``forward_activations`` encodes frames in the wire dtype and writes them downstream (through
   the optional simulated wire).  Early-ACKed chunks take a *reply credit* first, so at most
@@ -152,6 +153,7 @@ class Expect(enum.Enum):
     RELAY_ACK = "ack"  #: relay an ACK upstream
     STOP_ACK = "stop"  #: release the session, then relay the ACK
     RELAY_PREDICTION = "prediction"  #: relay PredictedToken(s) upstream
+    RELAY_EITHER = "either"  #: TryRestorePrefillDecode: PredictedToken on a hit, ACK on a miss
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -485,11 +487,21 @@ class Connection:
             outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=forwards is not None,
                                                   wire_dtype=self.settings.wire_dtype)
             self.stats.touch()
+            result = outcome.result
+            if result is not None:  # a TryRestorePrefillDecode hit on this stage
+                self.stats.restore_decodes += 1
+                self._note_recorded(result, message)
             if outcome.forward is None or forwards is None:
-                await self._reply(slot, StageReply.ack(self._take_pending().merge(outcome.stats)))
+                stats = self._take_pending().merge(outcome.stats)
+                if result is None:
+                    await self._reply(slot, StageReply.ack(stats))
+                else:  # the last stage: the fused decode's prediction
+                    await self._reply_final(kind, message, slot, result, received_us, False, stats=stats)
             else:
-                await _put(forwards, Forward(outcome.forward, Expect.RELAY_ACK, slot, key, received_us,
-                                             trio.current_time(), on_reply=outcome.on_reply))
+                await _put(forwards, Forward(
+                    outcome.forward, Expect.RELAY_ACK if result is None else Expect.RELAY_EITHER, slot, key,
+                    received_us, trio.current_time(), result.compute_us if result else 0, 0,
+                    result.batch_size if result else 0, on_reply=outcome.on_reply))
             return
         if kind is MessageKind.TRIM_SESSION:
             trimmed = await self.scheduler.call(lambda: executor.trim(key, message.token_count))
@@ -570,13 +582,7 @@ class Connection:
         else:
             self.stats.decode_items += 1
         result, queue_us = await self.scheduler.execute(item)
-        if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream
-            page_size = self.scheduler.executor.cache.page_size if self.scheduler.executor.cache else 1
-            index = min(max(0, message.state.source_stage_index + 1), 62)
-            self._pending_stats = self._pending_stats.merge(ReplyStats(
-                kv_recorded_pages=result.recorded_tokens // page_size,
-                kv_recorded_bytes=result.recorded_tokens * self.scheduler.executor.kv_bytes_per_cell,
-                kv_record_stage_mask=1 << index))
+        self._note_recorded(result, message)
         early_acked = kind is MessageKind.PREFILL_EMBD
         if forwards is None:
             await self._reply_final(kind, message, slot, result, received_us, early_acked, queue_us)
@@ -600,12 +606,22 @@ class Connection:
         await _put(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
                                      result.compute_us, queue_us, result.batch_size))
 
+    def _note_recorded(self, result: WorkResult, message: StageMessage) -> None:
+        if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream
+            page_size = self.scheduler.executor.cache.page_size if self.scheduler.executor.cache else 1
+            index = min(max(0, message.state.source_stage_index + 1), 62)
+            self._pending_stats = self._pending_stats.merge(ReplyStats(
+                kv_recorded_pages=result.recorded_tokens // page_size,
+                kv_recorded_bytes=result.recorded_tokens * self.scheduler.executor.kv_bytes_per_cell,
+                kv_record_stage_mask=1 << index))
+
     async def _reply_final(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, result: WorkResult,
-                           received_us: int, early_acked: bool, queue_us: int = 0) -> None:
+                           received_us: int, early_acked: bool, queue_us: int = 0,
+                           stats: ReplyStats | None = None) -> None:
         if early_acked:
             return
-        stats = self._take_pending()
-        if not kind.requires_predicted_reply:
+        stats = self._take_pending() if stats is None else stats
+        if not (kind.requires_predicted_reply or kind is MessageKind.TRY_RESTORE_PREFILL_DECODE):
             await self._reply(slot, StageReply.ack(stats))
             return
         if kind is MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
@@ -701,7 +717,8 @@ class Connection:
                         f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
                         f"to {MessageKind(item.message.kind).reference_name}; expected a prediction"
                     )
-            elif reply.kind != ReplyKind.ACK:
+            elif reply.kind != ReplyKind.ACK and not (
+                    expect is Expect.RELAY_EITHER and reply.kind == ReplyKind.PREDICTED_TOKEN):
                 raise DownstreamLost(
                     f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
                     f"to {MessageKind(item.message.kind).reference_name}; expected downstream ACK"
@@ -718,7 +735,7 @@ class Connection:
                 stats = await item.on_reply(stats)
             if expect is Expect.STOP_ACK:
                 await self._release(item.session)
-            if expect is Expect.RELAY_PREDICTION:
+            if expect is Expect.RELAY_PREDICTION or reply.kind == ReplyKind.PREDICTED_TOKEN:
                 if item.message.kind == MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
                     stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us,
                                          wait_us=wait_us, total_us=_now_us() - item.received_us,

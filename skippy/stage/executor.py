@@ -16,6 +16,8 @@ the forwarder encodes them later, on the trio thread.
 Prefix cache (optional ``cache``, a :class:`~skippy.cache.StageCache` over the same context): the
 prefix-control kinds call :meth:`Executor.probe` / :meth:`Executor.restore` / :meth:`Executor.drop`;
 after a restore the session holds ``M`` positions and its first prefill chunk starts at ``M``.
+:meth:`Executor.restore_decode` (TryRestorePrefillDecode) restores ``M`` and runs the last prompt
+token at ``M`` as that 1-token final chunk in the same call.
 Each session accumulates the tokens its KV was computed from (restored prefix plus every prefill
 chunk's token sideband, cut back at the chunk's position) and records them after the final chunk
 unless the request opted out; Stop / release drops the session's probe hold.  A decode that finds
@@ -262,6 +264,22 @@ class Executor:
             restored = 0
         session.prompt = [int(t) for t in tokens[:restored]]
         return restored
+
+    def restore_decode(self, key: int, tokens: IntArray, item: WorkItem, namespace: str | None) -> WorkResult | None:
+        """TryRestorePrefillDecode: restore ``tokens[:-1]`` (``M`` positions, all or nothing), then
+        run ``item`` (the last token at position ``M``) as a 1-token final prefill chunk, exactly what
+        the unfused path runs; None on a miss (the session is left empty)."""
+        length = int(tokens.shape[0]) - 1
+        if self.restore(key, tokens, length, namespace) != length:
+            return None
+        item.prefill = item.final_prefill = True
+        item.prompt_tokens = tokens[length:]
+        item.align_to = length
+        try:
+            return self.run_item(item)
+        except StageError:  # e.g. no KV room for the decode: a miss, nothing left half-done
+            self.drop(key)
+            return None
 
     def drop(self, key: int) -> None:
         """Empty a session's KV (a restore that another stage missed); keeps its settings."""

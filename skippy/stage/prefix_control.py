@@ -6,10 +6,9 @@ at once, or a message to forward downstream plus a callback that turns the downs
 stats into this stage's reply stats.  The connection does the I/O; the executor (on the
 scheduler's thread) does the cache work.
 
-* Without the ``PREFIX_EXTENT`` state flag (a plain v11 peer), with the cache off, for 18 (the
-  driver never sends it; the fused restore-decode is not served) and for malformed requests
-  (token sideband and ``token_count`` disagree), the answer is a miss ACK and nothing is
-  forwarded: the driver then prefills in full, which is always correct.
+* Without the ``PREFIX_EXTENT`` state flag (a plain v11 peer), with the cache off, and for
+  malformed requests (token sideband and ``token_count`` disagree), the answer is a miss ACK and
+  nothing is forwarded: the driver then prefills in full, which is always correct.
 * Stage *k* is ``source_stage_index + 1`` (the driver sends -1; each stage forwards with its own
   index).  A hit sets bit *k* of ``kv_hit_stage_mask``.  A stage with a downstream keeps its bit
   only if the downstream reply has bit *k+1*; otherwise it clears it (a restore also empties the
@@ -17,6 +16,13 @@ scheduler's thread) does the cache work.
 * Probe: ``lookup`` with a hold, report the tokens cut in ``kv_imported_tokens``, forward the
   sideband truncated to the hit.  Restore: ``restore`` all or nothing, report
   ``kv_imported_tokens / pages``, forward unchanged.
+* TryRestorePrefillDecode (18): the sideband is the whole prompt (``M + 1`` tokens),
+  ``token_count`` 1, ``pos_start`` ``M`` (0 accepted).  :meth:`Executor.restore_decode` restores
+  ``M`` all or nothing and runs the last token at ``M`` as a 1-token final prefill chunk (its
+  input: the token on the first stage, the 1-row activation elsewhere).  A hit on the last stage
+  is :attr:`Outcome.result` (the connection replies PredictedToken); elsewhere the activation is
+  forwarded like a DecodeEmbd and the downstream reply (PredictedToken on a chain hit, a miss ACK
+  otherwise) is rewritten by the same induction as a restore: no downstream bit, drop the session.
 * Namespace: the message's chat metadata ``{"skippy.prefix_cache": {"namespace": ...}}``, else
   the one the session got from ConfigureGeneration (:func:`prefix_settings`).
 """
@@ -31,6 +37,7 @@ import numpy as np
 
 from skippy.protocol import MessageKind, ReplyStats, StageMessage, WireDType
 from skippy.protocol_ext import PREFIX_EXTENT_FLAG
+from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.scheduler import Scheduler
 
 #: The chat-metadata key that carries a request's cache settings.
@@ -50,6 +57,8 @@ class Outcome:
     #: Forward this downstream and relay the reply's stats through ``on_reply`` (None: ACK now).
     forward: StageMessage | None = None
     on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
+    #: TryRestorePrefillDecode hit: the fused decode's result (on the last stage, its prediction).
+    result: WorkResult | None = None
 
 
 def prefix_settings(metadata: str | None) -> tuple[str | None, bool] | None:
@@ -72,11 +81,14 @@ async def handle(scheduler: Scheduler, message: StageMessage, key: int, *, has_d
     """Serve one prefix-control message (see the module header)."""
     kind = MessageKind(message.kind)
     executor = scheduler.executor
-    if (not message.state.flags & PREFIX_EXTENT_FLAG or executor.cache is None
-            or kind is MessageKind.TRY_RESTORE_PREFILL_DECODE):
+    if not message.state.flags & PREFIX_EXTENT_FLAG or executor.cache is None:
         return Outcome(MISS)
     tokens = np.asarray(message.tokens, dtype=np.int32)
-    if tokens.shape[0] != message.token_count or tokens.shape[0] == 0 or message.pos_start > 0:
+    fused = kind is MessageKind.TRY_RESTORE_PREFILL_DECODE
+    if fused:
+        if message.token_count != 1 or tokens.shape[0] < 2 or message.pos_start not in (0, tokens.shape[0] - 1):
+            return Outcome(ERROR)
+    elif tokens.shape[0] != message.token_count or tokens.shape[0] == 0 or message.pos_start > 0:
         return Outcome(ERROR)
     index = min(max(0, message.state.source_stage_index + 1), _MAX_STAGE_BIT)
     bit = 1 << index
@@ -86,6 +98,9 @@ async def handle(scheduler: Scheduler, message: StageMessage, key: int, *, has_d
     def outgoing(sent: np.ndarray) -> StageMessage:
         state = dataclasses.replace(message.state, source_stage_index=index, reserved=int(wire_dtype))
         return dataclasses.replace(message, state=state, tokens=sent, token_count=int(sent.shape[0]))
+
+    if fused:
+        return await _restore_decode(scheduler, message, key, tokens, bit, namespace, has_downstream, outgoing)
 
     if kind is MessageKind.PROBE_PREFILL:
         length = await scheduler.call(lambda: executor.probe(key, tokens, namespace))
@@ -113,10 +128,46 @@ async def handle(scheduler: Scheduler, message: StageMessage, key: int, *, has_d
     if not has_downstream:
         return Outcome(mine)
 
+    return Outcome(mine, outgoing(tokens), _chain_reply(scheduler, key, bit, mine))
+
+
+def _chain_reply(scheduler: Scheduler, key: int, bit: int,
+                 mine: ReplyStats) -> Callable[[ReplyStats], Awaitable[ReplyStats]]:
+    """A restore's ``on_reply``: keep this stage's hit only if the next stage hit, else drop it."""
     async def restored_reply(reply: ReplyStats) -> ReplyStats:
         if reply.kv_hit_stage_mask & (bit << 1):
             return mine.merge(reply)
-        await scheduler.call(lambda: executor.drop(key))  # no stage is left half-restored
+        await scheduler.call(lambda: scheduler.executor.drop(key))  # no stage is left half-restored
         return reply.merge(MISS)
 
-    return Outcome(mine, outgoing(tokens), restored_reply)
+    return restored_reply
+
+
+async def _restore_decode(scheduler: Scheduler, message: StageMessage, key: int, tokens: np.ndarray, bit: int,
+                          namespace: str | None, has_downstream: bool,
+                          outgoing: Callable[[np.ndarray], StageMessage]) -> Outcome:
+    """TryRestorePrefillDecode (18) on this stage (see the module header)."""
+    executor = scheduler.executor
+    length = int(tokens.shape[0]) - 1
+    activations = None
+    if not executor.is_first:
+        if message.activation is None:
+            return Outcome(ERROR)
+        activations = np.asarray(message.activation, dtype=np.float32)
+        if activations.shape != (1, executor.n_embd):
+            return Outcome(ERROR)
+    item = WorkItem(session=key, positions=np.asarray([length], dtype=np.int32),
+                    tokens=tokens[length:] if executor.is_first else None, activations=activations,
+                    sampling=sampling_params(message.sampling))
+    result = await scheduler.call(lambda: executor.restore_decode(key, tokens, item, namespace))
+    if result is None:
+        return Outcome(MISS)
+    page_size = executor.cache.page_size if executor.cache is not None else 1
+    mine = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=length, kv_imported_pages=length // page_size,
+                      kv_hit_stage_mask=bit)
+    if not has_downstream:
+        return Outcome(mine, result=result)
+    if result.activations is None:
+        return Outcome(ERROR)  # unreachable: a stage with a downstream always produces activations
+    forward = dataclasses.replace(outgoing(tokens), token_count=1, activation=result.activations)
+    return Outcome(mine, forward, _chain_reply(scheduler, key, bit, mine), result)

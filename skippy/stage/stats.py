@@ -26,6 +26,8 @@ class StageStats:
     prefill_chunks: int = 0
     decode_items: int = 0
     verify_windows: int = 0
+    #: TryRestorePrefillDecode (18) messages this stage restored and decoded (local hits).
+    restore_decodes: int = 0
     native_batches: int = 0
     decode_batches: int = 0
     max_decode_batch: int = 0
