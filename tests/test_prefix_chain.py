@@ -9,6 +9,7 @@ in-process on the null runtime, where the stages' caches can be inspected direct
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from pathlib import Path
 from typing import Any, AsyncIterator, Iterator
@@ -157,17 +158,23 @@ async def test_bad_prefix_requests_miss_and_never_change_the_answer(tiny_llama: 
         for kind in (MessageKind.PROBE_PREFILL, MessageKind.TRY_RESTORE_PREFILL, MessageKind.RESTORE_PREFILL):
             reply = await client.request(control(kind, 99, prompt[:PAGE], flagged=False), ReplyKind.ACK)
             assert reply.stats.kv_hit_stage_mask == 0 and reply.stats.kv_lookup_misses == 1
+        # ... and its fused restore-decode of a cached prefix: a miss ACK too, nothing restored or decoded.
+        plain18 = prefix.restore_decode_message(99, prompt[:PAGE + 1], "")
+        plain18 = dataclasses.replace(plain18, state=dataclasses.replace(plain18.state, flags=0))
+        reply = await client.request(plain18, ReplyKind.ACK)
+        assert reply.stats.kv_hit_stage_mask == 0 and reply.stats.kv_lookup_misses == 1
         # A restore of more tokens than are cached: a miss on the first stage, nothing restored.
         await client.configure(98)
         reply = await client.request(control(MessageKind.TRY_RESTORE_PREFILL, 98, prompt[:3 * PAGE]), ReplyKind.ACK)
         assert reply.stats.kv_hit_stage_mask & 1 == 0 and reply.stats.kv_imported_tokens == 0
-        # The fused restore-decode is not served: a miss.
+        # A fused restore-decode whose prefix is not cached: a miss ACK; with token_count != 1 an error.
+        reply = await client.request(prefix.restore_decode_message(98, prompt[:2 * PAGE + 1], ""), ReplyKind.ACK)
+        assert reply.stats.kv_hit_stage_mask == 0 and reply.stats.kv_lookup_misses == 1
         reply = await client.request(control(MessageKind.TRY_RESTORE_PREFILL_DECODE, 98, prompt[:PAGE + 1]),
                                      ReplyKind.ACK)
-        assert reply.stats.kv_hit_stage_mask == 0
+        assert reply.stats.kv_hit_stage_mask == 0 and reply.stats.kv_lookup_errors == 1
         # A token sideband that disagrees with token_count: an error miss.
         bad = control(MessageKind.PROBE_PREFILL, 98, prompt[:PAGE])
-        import dataclasses
         reply = await client.request(dataclasses.replace(bad, token_count=PAGE + 3), ReplyKind.ACK)
         assert reply.stats.kv_lookup_errors == 1 and reply.stats.kv_hit_stage_mask == 0
         # The session prefills in full afterwards and answers as without a cache.
@@ -234,11 +241,15 @@ async def test_a_corrupted_spilled_state_is_a_miss() -> None:
             spilled = [entry for entry in cache.entries() if entry.seq is None]
             assert len(spilled) == 1 and spilled[0].blob is not None
             spilled[0].blob = spilled[0].blob[:-4] + b"\0\0\0\0"
-            assert await serve(first) == 0  # stage 1 refuses the corrupt state: the chain misses
+            # M = 12 = len(first) - 1: TryRestorePrefillDecode. Stage 0 restores and decodes, stage 1
+            # refuses the corrupt state: stage 0 empties the session, the driver prefills in full.
+            assert await serve(first) == 0
             assert cache.stats.errors == 1
+            assert [server.stats.restore_decodes for server in servers] == [1, 0]
             for server in servers:
                 assert server.executor.session_count == 0
-            assert await serve(first) == 12  # recorded again by the full prefill
+            assert await serve(first) == 12  # recorded again by the full prefill; now fused on both
+            assert [server.stats.restore_decodes for server in servers] == [2, 1]
 
 
 async def test_fused_restore_decode_matches_the_uncached_answer(tiny_llama: Path, generator: Generator,
