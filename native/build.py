@@ -219,14 +219,11 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
         if not built.exists():
             raise NativeBuildError(f"the build did not produce {built}")
         # Copy the real file under the plain name (no version symlinks) so wheels carry one copy.
-        real = built.resolve()
-        target = dest / name
-        if not target.exists() or target.read_bytes() != real.read_bytes():
-            shutil.copyfile(real, target)
+        _install(built.resolve(), dest / name)
     # Extra backends (CUDA, ...) are linked from libggml; copy any that were built.
     for extra_lib in libdir.glob("libggml-*.so"):
         if extra_lib.name not in _library_names():
-            shutil.copyfile(extra_lib.resolve(), dest / extra_lib.name)
+            _install(extra_lib.resolve(), dest / extra_lib.name)
     vocab_dest = ROOT / "skippy" / "models" / "vocab"
     vocab_dest.mkdir(parents=True, exist_ok=True)
     for name in VOCAB_FILES:
@@ -236,6 +233,17 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
             shutil.copyfile(source_vocab, target_vocab)
     (dest / "SOURCE").write_text(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} vendored llama.cpp + patches {patch_digest()}\n")
     return dest
+
+
+def _install(source: Path, target: Path) -> None:
+    """Copy a library into place unless identical.  The copy gets a new inode (written aside,
+    then renamed over the target): a process that has the old file mapped keeps running on it,
+    where overwriting in place would change code under its feet."""
+    if target.exists() and target.read_bytes() == source.read_bytes():
+        return
+    partial = target.with_name(target.name + ".part")
+    shutil.copyfile(source, partial)
+    os.replace(partial, target)
 
 
 def _run(command: list[str], step: str) -> None:
