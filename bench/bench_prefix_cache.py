@@ -9,6 +9,9 @@ A 2-stage chain of real stage processes (f32 wire, page size 64) serves a genera
 1. **TTFT**: cold = a fresh 1024-token prompt opted out of the cache; warm = a 1024-token prompt
    whose first 960 tokens were recorded by an earlier request (that request is not timed). The
    issue's target is warm <= 15% of cold. Both runs ask for one token, so TTFT is the whole run.
+   **Full-prefix hit**: a 961-token prompt whose first 960 tokens are cached (M = len - 1), timed
+   with the fused TryRestorePrefillDecode (one trip after the probe) and without it
+   (TryRestorePrefill + a 1-token prefill, the driver's path before it).
 2. **Multi-turn chat**: conversations share a system prompt; each turn appends a user message
    and the model's reply to the history and sends it all again. Reported: the hit ratio (cached /
    prompt tokens), restored tokens per request, and requests that hit.
@@ -17,6 +20,7 @@ A 2-stage chain of real stage processes (f32 wire, page size 64) serves a genera
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import random
 import statistics
 import sys
@@ -69,6 +73,29 @@ async def ttft(generator: Generator, client: StageClient, trials: int, rng: rand
             "cold_all_ms": [round(s * 1000, 1) for s in cold], "warm_all_ms": [round(s * 1000, 1) for s in warm]}  # type: ignore[dict-item]
 
 
+async def full_prefix(generator: Generator, client: StageClient, trials: int,
+                      rng: random.Random) -> dict[str, float]:
+    plain = generator.cache_request
+    times: dict[str, list[float]] = {"fused": [], "unfused": []}
+    session = 3000
+    for _ in range(trials):
+        for mode in ("fused", "unfused"):
+            prefix = random_tokens(rng, 960)
+            session += 1
+            await run(generator, client, session, prefix + random_tokens(rng, 1), cache=True)  # records 960
+            generator.cache_request = (plain if mode == "fused"  # type: ignore[method-assign]
+                                       else lambda r: dataclasses.replace(plain(r), fused=False))
+            try:
+                session += 1
+                seconds, cached, _ = await run(generator, client, session, prefix + random_tokens(rng, 1), cache=True)
+            finally:
+                generator.cache_request = plain  # type: ignore[method-assign]
+            assert cached == 960, cached
+            times[mode].append(seconds)
+    return {f"{mode}_ms": statistics.median(values) * 1000 for mode, values in times.items()} | {
+        f"{mode}_all_ms": [round(s * 1000, 2) for s in values] for mode, values in times.items()}  # type: ignore[dict-item]
+
+
 async def chat(generator: Generator, client: StageClient, conversations: int, turns: int,
                rng: random.Random) -> dict[str, float]:
     system = random_tokens(rng, 3 * PAGE + 10)
@@ -103,6 +130,10 @@ async def main(args: argparse.Namespace) -> None:
             print(f"TTFT, 1024-token prompt, 2 stages ({args.preset}): cold {figures['cold_ttft_ms']:.1f} ms, "
                   f"first 960 cached {figures['warm_ttft_ms']:.1f} ms -> {figures['ratio'] * 100:.1f}% of cold "
                   f"(target <= 15%); cold runs {figures['cold_all_ms']}, warm runs {figures['warm_all_ms']}")
+            full = await full_prefix(generator, client, args.trials, rng)
+            print(f"TTFT, 961-token prompt, first 960 cached (full-prefix hit): fused restore-decode "
+                  f"{full['fused_ms']:.2f} ms, restore + 1-token prefill {full['unfused_ms']:.2f} ms; "
+                  f"fused runs {full['fused_all_ms']}, unfused runs {full['unfused_all_ms']}")
             if args.turns:
                 stats = await chat(generator, client, args.conversations, args.turns, rng)
                 print(f"multi-turn chat: {stats['requests']} requests ({args.conversations} conversations x "

@@ -51,6 +51,8 @@ class CacheRequest:
     #: Tenant key (``prompt_cache_key``, else ``user``); None shares the default namespace.
     namespace: str | None = None
     page_size: int = DEFAULT_PAGE_SIZE
+    #: Send TryRestorePrefillDecode when all but the last token is cached (False: restore + prefill).
+    fused: bool = True
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -150,7 +152,7 @@ async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *
     fused: list[StageReply] = []
     if cache is not None:
         cached, replies = await lookup_and_restore(client, session_id, prompt, cache, request_id=request_id,
-                                                   fused=fused)
+                                                   fused=fused if cache.fused else None)
         control += replies
     if fused:  # restored and decoded in one trip: the reply is the first token's
         return CachedPrefill(PrefillResult(fused[0], ()), cached, tuple(control))
