@@ -36,11 +36,12 @@ from skippy.protocol import (
     SamplingConfig,
     StageMessage,
     StageReply,
+    StateHeader,
     WireDType,
     WireError,
     check_ready,
 )
-from skippy.protocol_ext import ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
+from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
 from skippy.stage.config import Address
 from skippy.stage.transport import SocketIO, set_no_delay
 
@@ -286,11 +287,15 @@ class StageClient:
     async def decode(self, session_id: int, token: int, position: int, *, decode_step: int = -1,
                      request_id: int = 0) -> StageReply:
         """DecodeEmbd of ``token`` at the authoritative ``position``; returns PredictedToken."""
-        message = StageMessage.create(
-            MessageKind.DECODE_EMBD, pos_start=position, token_count=1, request_id=request_id,
-            session_id=session_id, tokens=np.asarray([token], dtype=np.int32),
-            state_changes={"decode_step": decode_step, "current_token": token},
-        )
+        # The per-token path: one header built with the extension flag already set (what
+        # ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without two copies).
+        header = StateHeader.for_kind(MessageKind.DECODE_EMBD)
+        state = dataclasses.replace(
+            header, decode_step=decode_step, current_token=token,
+            flags=header.flags | SKIPPY_EXTENSIONS_FLAG if self.extensions else header.flags)
+        message = StageMessage(
+            MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
+            session_id=session_id, tokens=np.asarray([token], dtype=np.int32))
         return await self.request(message, ReplyKind.PREDICTED_TOKEN)
 
     async def verify(self, session_id: int, tokens: Sequence[int], position: int, *, window_id: int,

@@ -113,7 +113,10 @@ class Scheduler:
     async def _run_here(self, job: _Job[Any]) -> None:
         """The idle fast path: run ``job`` on this task (with any decode rows of the same tick)."""
         jobs = [job]
-        if self.executor.blocking and job.item is not None and job.item.batchable:
+        # With one lane open nobody else can bring a row this tick (a lane has at most one job
+        # queued): skip the yield, a trip through trio's run loop per message.
+        if (self.executor.blocking and job.item is not None and job.item.batchable
+                and self.stats.connections_open != 1):
             # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
             # runtime, and take them into this batch: the batching a scheduler pass used to give.
             self._busy = True
