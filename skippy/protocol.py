@@ -361,6 +361,10 @@ class ReplyKind(IntEnum):
         return _reference_name(self.name)
 
 
+_FINAL_CHUNK_BIT: Final = int(StateFlag.FINAL_CHUNK)
+_LIGHT_CONTEXT_BIT: Final = int(StateFlag.LIGHT_CONTEXT)
+
+
 def expected_phase(kind: MessageKind) -> Phase:
     """The phase ``StageStateHeader::new`` assigns to ``kind`` (protocol.md §3.1)."""
     if kind.is_decode_replay:
@@ -419,9 +423,10 @@ class StateHeader:
             return True
         if self.phase != expected_phase(kind):
             return False
-        if bool(self.flags & StateFlag.FINAL_CHUNK) != (kind in _FINAL_CHUNK_KINDS):
+        flags = int(self.flags)  # plain ints: IntFlag arithmetic goes through enum machinery
+        if bool(flags & _FINAL_CHUNK_BIT) != (kind in _FINAL_CHUNK_KINDS):
             return False
-        return bool(self.flags & StateFlag.LIGHT_CONTEXT) == (kind is MessageKind.DECODE_LIGHT_CTX)
+        return bool(flags & _LIGHT_CONTEXT_BIT) == (kind is MessageKind.DECODE_LIGHT_CTX)
 
     @property
     def activation_row_multiplier(self) -> int:

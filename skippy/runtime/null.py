@@ -3,9 +3,9 @@
 Strategy: tests that are about the stage server (framing, ordering, credits, failures) and the
 per-boundary overhead benchmark need a stage that answers instantly and predictably.  ``NullModel``
 and ``NullContext`` mirror the attributes and methods the stage server uses, with a deterministic
-"model": the first stage writes each row's token id into column 0 of its activation, middle stages
-pass activations through, and the final stage predicts ``(column 0 + 1) % n_vocab`` (or
-``token + 1`` when it is also the first stage).  So a chain of null stages of any length answers
+"model": the first stage writes each row's token id into column 0 of an otherwise zero
+activation, middle stages pass their input activations through unchanged, and the final stage
+predicts ``(column 0 + 1) % n_vocab`` (or ``token + 1`` when it is also the first stage).  So a chain of null stages of any length answers
 token ``t`` with ``t + 1``, and a test can check plumbing end to end without a model file.
 Per-session KV is modelled as a set of held positions per sequence id, so trims, rollbacks,
 session reuse and leaks are observable through ``length`` and ``kv_cells_used``; each sequence's
@@ -208,6 +208,9 @@ class NullContext:
                 flags = np.asarray(outputs, dtype=bool)
             self._output_rows = np.flatnonzero(flags)
             self._predicted = ((values.astype(np.int64) + 1) % model.n_vocab).astype(np.int32)
+        elif activations is not None:  # a middle stage passes its input through unchanged
+            self._activations = activations
+            self._output_rows = np.arange(rows)
         else:
             out = np.zeros((rows, self.n_embd), dtype=np.float32)
             out[:, 0] = values

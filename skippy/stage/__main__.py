@@ -8,6 +8,7 @@ launcher that sees READY knows the stage is loaded.  Logs go to stderr; the line
 
 from __future__ import annotations
 
+import gc
 import logging
 import sys
 import time
@@ -46,6 +47,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log.info("loaded %s layers %s in %.2f s (width %d)", config.model, config.layers,
              time.monotonic() - started, executor.n_embd)
+    # Everything loaded so far lives until exit: keep the collector from rescanning it.  The
+    # serving loop allocates short-lived objects only, so full collections would only cost.
+    gc.collect()
+    gc.freeze()
     trio.run(run_stage, config, executor)
     log.info("stage layers %s stopped", config.layers)
     return 0

@@ -117,6 +117,8 @@ _CONTROL_KINDS = frozenset({
     MessageKind.RETIRE_VERIFY_WINDOW, MessageKind.PROBE_PREFILL, MessageKind.RESTORE_PREFILL,
     MessageKind.TRY_RESTORE_PREFILL, MessageKind.TRY_RESTORE_PREFILL_DECODE,
 })
+#: (kind, phase, flags) triples already checked and accepted (shared by every lane).
+_ACCEPTED_HEADERS: set[tuple[int, int, int]] = set()
 _OUTPUTS = {
     MessageKind.PREFILL_EMBD: Outputs.NONE,
     MessageKind.DECODE_REPLAY_EMBD: Outputs.NONE,
@@ -284,6 +286,12 @@ class Connection:
         self.identity = extensions.identity_for(scheduler.executor)
         #: An upstream write was interrupted mid-frame: no Error frame may follow it.
         self._upstream_torn = False
+        #: The downstream lane's channel to the forwarder (None until the first message opens it).
+        self._forwards: trio.MemorySendChannel[Forward] | None = None
+        #: Messages handed to the compute task and not finished (0: it is idle, nothing queued).
+        self._compute_backlog = 0
+        #: Frames handed to the forwarder and not yet written (0: it is idle, nothing queued).
+        self._forward_backlog = 0
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -362,6 +370,7 @@ class Connection:
         forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
         nursery.start_soon(self.forward_activations, forwards_receive)
         nursery.start_soon(self.relay_replies)
+        self._forwards = forwards_send
         return forwards_send
 
     # -- tasks -------------------------------------------------------------------------------
@@ -391,18 +400,31 @@ class Connection:
                     if message.kind is MessageKind.PREFILL_EMBD:
                         self.stats.early_acks += 1
                         await self._reply(slot, StageReply.ack())
-                await _put(messages, (message, slot, received_us))
+                if (self._compute_backlog == 0 and message.kind is not MessageKind.PREFILL_EMBD
+                        and (self._forwards is not None or self.settings.downstream is None)):
+                    # Idle-lane fast path: nothing is queued ahead, so handling it here keeps
+                    # message order and saves the hop to the compute task (a run-loop pass).
+                    # Early-ACKed chunks still go through it: receiving must run ahead of them.
+                    await self._handle(message, slot, received_us, self._forwards)
+                else:
+                    self._compute_backlog += 1
+                    await _put(messages, (message, slot, received_us))
 
     def _check_message(self, message: StageMessage) -> None:
+        state = message.state
+        if (message.kind, state.phase, state.flags) in _ACCEPTED_HEADERS:  # the per-token path
+            return
         kind = MessageKind(message.kind)
         refused = _REFUSED_KINDS.get(kind)
         if refused is not None:
             raise UnsupportedKind(f"{kind.reference_name} refused: {refused}")
-        if kind not in _CONTROL_KINDS and not message.state.matches_kind(kind):
+        if kind not in _CONTROL_KINDS and not state.matches_kind(kind):
             raise StateMismatch(
                 f"binary stage state does not match message kind {kind.reference_name} "
-                f"(phase {message.state.phase}, flags {message.state.flags:#x})"
+                f"(phase {state.phase}, flags {state.flags:#x})"
             )
+        if len(_ACCEPTED_HEADERS) < 256:  # bounded: a peer could vary the flag bits at will
+            _ACCEPTED_HEADERS.add((message.kind, state.phase, state.flags))
 
     async def write_replies(self, slots: trio.MemoryReceiveChannel[ReplySlot]) -> None:
         async with slots:
@@ -450,6 +472,7 @@ class Connection:
                     if forwards is None and self.settings.downstream is not None:
                         forwards = await self._open_downstream(nursery)
                     await self._handle(message, slot, received_us, forwards)
+                    self._compute_backlog -= 1
         finally:
             if forwards is not None:
                 await forwards.aclose()
@@ -470,7 +493,7 @@ class Connection:
 
         if kind is MessageKind.STOP:
             if forwards is not None:
-                await _put(forwards, forward(Expect.STOP_ACK))
+                await self._forward(forwards, forward(Expect.STOP_ACK))
             else:
                 await self._release(key)
                 assert slot is not None
@@ -480,7 +503,7 @@ class Connection:
             if message.pos_start < 0 or message.token_count < 0:
                 raise StageError(f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
             if forwards is not None:
-                await _put(forwards, forward(None))
+                await self._forward(forwards, forward(None))
             return
         assert slot is not None
         if kind.is_prefix_cache_control:  # docs/prefix-cache.md §6; see skippy.stage.prefix_control
@@ -499,7 +522,7 @@ class Connection:
                 else:  # the last stage: the fused decode's prediction
                     await self._reply_final(kind, message, slot, result, received_us, False, stats=stats)
             else:
-                await _put(forwards, Forward(
+                await self._forward(forwards, Forward(
                     outcome.forward, Expect.RELAY_ACK if result is None else Expect.RELAY_EITHER, slot, key,
                     received_us, trio.current_time(), result.compute_us if result else 0, 0,
                     result.batch_size if result else 0, on_reply=outcome.on_reply))
@@ -523,7 +546,7 @@ class Connection:
     async def _control_done(self, slot: ReplySlot, forwards: trio.MemorySendChannel[Forward] | None,
                             forward: object) -> None:
         if forwards is not None:
-            await _put(forwards, forward(Expect.RELAY_ACK))  # type: ignore[operator]
+            await self._forward(forwards, forward(Expect.RELAY_ACK))  # type: ignore[operator]
         else:
             await self._reply(slot, StageReply.ack(self._take_pending()))
 
@@ -542,34 +565,43 @@ class Connection:
         count = message.token_count
         if count <= 0:
             raise StageError(f"{kind.reference_name} with token_count {count}: nothing to execute")
-        tokens = np.asarray(message.tokens, dtype=np.int32)
+        # Decoded frames carry int32 / float32 arrays already: no conversion on the per-token path.
+        tokens = message.tokens
+        if tokens.dtype != np.int32:
+            tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.shape[0] == 0 and count == 1 and message.state.current_token >= 0:
             tokens = np.asarray([message.state.current_token], dtype=np.int32)
-        positions = np.asarray(message.positions, dtype=np.int32)
+        positions = message.positions
         if positions.shape[0] != count:
             if message.pos_start < 0:
                 raise StageError(f"{kind.reference_name} with negative pos_start {message.pos_start}")
             positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
+        elif positions.dtype != np.int32:
+            positions = np.asarray(positions, dtype=np.int32)
+        is_first = self.scheduler.executor.is_first
         activations = None
-        if not self.scheduler.executor.is_first:
-            if message.activation is None:
+        if not is_first:
+            activations = message.activation
+            if activations is None:
                 raise StageError(
                     f"{kind.reference_name} without an activation (source_stage_index "
                     f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
                 )
-            activations = np.asarray(message.activation, dtype=np.float32)
+            if activations.dtype != np.float32:
+                activations = np.asarray(activations, dtype=np.float32)
             if activations.shape != (count, self.settings.width):
                 raise StageError(
                     f"activation of shape {activations.shape} does not match token_count {count} x width {self.settings.width}"
                 )
         elif tokens.shape[0] != count:
             raise StageError(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
+        prefill = kind.is_prefill
         return WorkItem(
-            session=key, positions=positions, tokens=tokens if self.scheduler.executor.is_first else None,
-            activations=activations, align_to=message.authoritative_session_position,
-            outputs=_OUTPUTS.get(kind, Outputs.LAST), sampling=sampling_params(message.sampling),
-            prompt_tokens=tokens if kind.is_prefill and tokens.shape[0] == count else None,
-            prefill=kind.is_prefill, final_prefill=kind is MessageKind.PREFILL_FINAL_EMBD,
+            key, positions, tokens if is_first else None, activations, message.authoritative_session_position,
+            _OUTPUTS.get(kind, Outputs.LAST),
+            None if message.sampling is None else sampling_params(message.sampling),
+            tokens if prefill and tokens.shape[0] == count else None,
+            prefill, kind is MessageKind.PREFILL_FINAL_EMBD,
         )
 
     async def _execute(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, key: int,
@@ -610,7 +642,7 @@ class Connection:
             expect = Expect.RELAY_PREDICTION
         else:
             expect = Expect.RELAY_ACK
-        await _put(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
+        await self._forward(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
                                      result.compute_us, queue_us, result.batch_size))
 
     def _note_recorded(self, result: WorkResult, message: StageMessage) -> None:
@@ -651,10 +683,26 @@ class Connection:
             raise StageError(f"{kind.reference_name} produced no prediction")
         await self._reply(slot, StageReply.predicted_token(result.tokens[-1], stats=stats), timings)
 
+    async def _forward(self, forwards: trio.MemorySendChannel[Forward], item: Forward) -> None:
+        """Send ``item`` downstream: written here when the forwarder is idle, else queued to it.
+
+        Writing here saves the hop to the forwarder task (a run-loop pass per message).  It keeps
+        frame order and a single writer: only the one task handling messages (the compute task,
+        or the receiver on its idle-lane fast path; never both, see ``_compute_backlog``) calls
+        this, so with nothing queued to the forwarder no other write can start before this one
+        ends.  Early-ACKed chunks (they take a reply credit) and simulated wires always queue.
+        """
+        if self._forward_backlog == 0 and item.expect is not Expect.ABSORB_ACK and not self.settings.wire.active:
+            self._forward_backlog = 1
+            try:
+                await self._write_forward(item)
+            finally:
+                self._forward_backlog = 0
+            return
+        self._forward_backlog += 1
+        await _put(forwards, item)
+
     async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
-        io = self._downstream_io
-        assert io is not None
-        wire = self.settings.wire
         limit = self.settings.credit_limit
         try:
             async with forwards:
@@ -671,24 +719,32 @@ class Connection:
                         if pending > self.stats.max_pending_prefill_acks:
                             self.stats.max_pending_prefill_acks = pending
                             self.stats.touch()
-                    message = item.message
-                    if not message.state.flags & SKIPPY_EXTENSIONS_FLAG:  # §2: always flag downstream
-                        message = item.message = with_extensions_flag(message)
-                    frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
-                    item.frame_bytes = len(frame)
-                    if item.expect is not None:
-                        self._expected.append(item)
-                    item.sent_us = started = _now_us()
-                    if wire.active:
-                        await wire.write(io, frame, self.downstream_name, item.enqueued_at)
-                    else:
-                        await send_frame(io, frame, self.downstream_name, downstream=True)
-                    item.write_us = _now_us() - started
-                    self.stats.forward_write_us += item.write_us
+                    await self._write_forward(item)
+                    self._forward_backlog -= 1
         finally:
             self._forwarding_done = True
             if not self._expected and self._relay_idle:
                 self._relay_scope.cancel()  # the relay waits for a reply nobody will send
+
+    async def _write_forward(self, item: Forward) -> None:
+        """Encode ``item``'s frame in the wire dtype, note its expected reply, write it downstream."""
+        io = self._downstream_io
+        assert io is not None
+        message = item.message
+        if not message.state.flags & SKIPPY_EXTENSIONS_FLAG:  # §2: always flag downstream
+            message = item.message = with_extensions_flag(message)
+        frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
+        item.frame_bytes = len(frame)
+        if item.expect is not None:
+            self._expected.append(item)
+        item.sent_us = started = _now_us()
+        wire = self.settings.wire
+        if wire.active:
+            await wire.write(io, frame, self.downstream_name, item.enqueued_at)
+        else:
+            await send_frame(io, frame, self.downstream_name, downstream=True)
+        item.write_us = _now_us() - started
+        self.stats.forward_write_us += item.write_us
 
     async def relay_replies(self) -> None:
         io = self._downstream_io

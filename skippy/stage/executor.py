@@ -389,21 +389,26 @@ class Executor:
         for begin in range(0, rows, self.n_batch):
             end = min(rows, begin + self.n_batch)
             count = end - begin
-            seqs = np.full(count, session.seq, dtype=np.int32)
+            seqs = np.empty(count, dtype=np.int32)
+            seqs.fill(session.seq)
             outputs: npt.NDArray[np.bool_] | None = None
             if self.is_last:
-                outputs = np.zeros(count, dtype=bool)
                 if item.outputs is Outputs.ALL:
-                    outputs[:] = True
-                elif item.outputs is Outputs.LAST and end == rows:
-                    outputs[-1] = True
-            self._decode(
-                item.positions[begin:end],
-                seqs,
-                None if item.tokens is None else item.tokens[begin:end],
-                None if item.activations is None else item.activations[begin:end],
-                outputs,
-            )
+                    outputs = np.ones(count, dtype=bool)
+                else:
+                    outputs = np.zeros(count, dtype=bool)
+                    if item.outputs is Outputs.LAST and end == rows:
+                        outputs[-1] = True
+            if count == rows:  # one micro-batch (every decode): the item's arrays as they are
+                self._decode(item.positions, seqs, item.tokens, item.activations, outputs)
+            else:
+                self._decode(
+                    item.positions[begin:end],
+                    seqs,
+                    None if item.tokens is None else item.tokens[begin:end],
+                    None if item.activations is None else item.activations[begin:end],
+                    outputs,
+                )
             if not self.is_last:
                 pieces.append(np.array(self.context.activations(), dtype=np.float32, copy=True))
             elif outputs is not None and outputs.any():

@@ -207,6 +207,8 @@ class Scheduler:
         stats are updated by the caller, on the trio thread).
         """
         decode_batches: list[int] = []
+        if len(jobs) == 1:  # the common case: no batch to form
+            return decode_batches, self._run_one(jobs[0], decode_batches)
         native = 0
         batch: list[_Job[Any]] = []
         rest: list[_Job[Any]] = []
@@ -234,16 +236,22 @@ class Scheduler:
                 else:
                     job.result = outcome
         for job in rest:
-            try:
-                if job.item is not None:
-                    job.result = self.executor.run_item(job.item)
-                    native += 1
-                    if job.item.batchable:
-                        decode_batches.append(1)
-                elif job.call is not None:
-                    job.result = job.call()
-            except StageError as exc:
-                job.error = exc
-            except Exception as exc:  # unexpected failure: fail the one job, keep the stage up
-                job.error = StageError(f"runtime call failed: {exc!r}")
+            native += self._run_one(job, decode_batches)
         return decode_batches, native
+
+    def _run_one(self, job: _Job[Any], decode_batches: list[int]) -> int:
+        """Run one job alone (its error kept on it); returns the native batches it ran."""
+        try:
+            item = job.item
+            if item is not None:
+                job.result = self.executor.run_item(item)
+                if item.batchable:
+                    decode_batches.append(1)
+                return 1
+            if job.call is not None:
+                job.result = job.call()
+        except StageError as exc:
+            job.error = exc
+        except Exception as exc:  # unexpected failure: fail the one job, keep the stage up
+            job.error = StageError(f"runtime call failed: {exc!r}")
+        return 0
