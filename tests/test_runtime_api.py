@@ -55,6 +55,27 @@ def test_samplers() -> None:
         SamplingParams(top_p=0.0)
 
 
+def test_plain_greedy_takes_the_greedy_samplers_pick() -> None:
+    """The argmax shortcut for plain greedy picks what llama.cpp's greedy sampler picks, per row."""
+    with Model(model_path()) as model, StageContext(model, n_ctx=64, n_batch=16, threads=1) as context:
+        context.decode(tokens=PROMPT[:6], positions=range(6), seq_ids=[0] * 6, outputs=[True] * 6)
+        fast, chain = Sampler(SamplingParams(), model.n_vocab), Sampler(SamplingParams(), model.n_vocab)
+        chain.plain_greedy = False  # force the llama.cpp sampler chain
+        assert fast.plain_greedy
+        rows = list(range(6))
+        expected = context.sample([chain] * 6, rows)
+        assert context.sample([fast] * 6, rows).tolist() == expected.tolist()
+        assert expected.tolist() == [int(np.argmax(context.logits(row))) for row in rows]
+        assert not Sampler(SamplingParams(repeat_penalty=1.1), model.n_vocab).plain_greedy
+        assert not Sampler(SamplingParams(logit_bias=((5, 1.0),)), model.n_vocab).plain_greedy
+        fast.close()
+        chain.close()
+        from skippy.runtime import ClosedError
+
+        with pytest.raises(ClosedError):
+            context.sample([fast], [0])
+
+
 def test_activations_view_is_rows_by_width_without_copy() -> None:
     with Model(model_path(), "0:2") as model, StageContext(model, n_ctx=64, n_batch=16, threads=1) as context:
         context.decode(tokens=PROMPT[:5], positions=range(5), seq_ids=[0] * 5)

@@ -74,6 +74,8 @@ class StageRemoteError(StageLost):
 _LOSS_CODES = frozenset({ErrorCode.DOWNSTREAM_LOST, ErrorCode.SHUTTING_DOWN})
 #: Timings frames kept for take_timings() when nobody takes them.
 _TIMINGS_KEPT = 4096
+#: The reference's default DecodeEmbd header (``StateHeader.for_kind``), the per-token template.
+_DECODE_HEADER = StateHeader.for_kind(MessageKind.DECODE_EMBD)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -287,16 +289,23 @@ class StageClient:
     async def decode(self, session_id: int, token: int, position: int, *, decode_step: int = -1,
                      request_id: int = 0) -> StageReply:
         """DecodeEmbd of ``token`` at the authoritative ``position``; returns PredictedToken."""
-        # The per-token path: one header built with the extension flag already set (what
-        # ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without two copies).
-        header = StateHeader.for_kind(MessageKind.DECODE_EMBD)
-        state = dataclasses.replace(
-            header, decode_step=decode_step, current_token=token,
-            flags=header.flags | SKIPPY_EXTENSIONS_FLAG if self.extensions else header.flags)
+        # The per-token path: the header built directly with the extension flag already set
+        # (what ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without
+        # the copies), encoded and sent without ``send``'s checks.
+        template = _DECODE_HEADER
+        state = StateHeader(
+            version=template.version, phase=template.phase,
+            flags=template.flags | SKIPPY_EXTENSIONS_FLAG if self.extensions else template.flags,
+            decode_step=decode_step, current_token=token, reserved=template.reserved)
         message = StageMessage(
             MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
-            session_id=session_id, tokens=np.asarray([token], dtype=np.int32))
-        return await self.request(message, ReplyKind.PREDICTED_TOKEN)
+            session_id=session_id, tokens=np.array((token,), dtype=np.int32))
+        await self.send_raw(codec.encode_message(message, WireDType.F32, 0))
+        reply = await self.receive()
+        if reply.kind != ReplyKind.PREDICTED_TOKEN:
+            raise StageClientError(
+                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to DecodeEmbd")
+        return reply
 
     async def verify(self, session_id: int, tokens: Sequence[int], position: int, *, window_id: int,
                      request_id: int = 0) -> StageReply:

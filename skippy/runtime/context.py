@@ -198,10 +198,13 @@ class StageContext:
             raise InvalidBatch(f"positions and seq_ids must be equal-length 1-D (got {pos.shape} and {seq.shape})")
         if n_rows > self.n_batch:
             raise InvalidBatch(f"{n_rows} rows exceed the context's batch size {self.n_batch}")
-        if seq.min() < 0 or seq.max() >= self.max_sessions:
-            raise InvalidBatch(f"sequence ids must be in 0..{self.max_sessions - 1} (got {seq.min()}..{seq.max()})")
-        if pos.min() < 0:
-            raise InvalidBatch(f"positions must be >= 0 (got {pos.min()})")
+        # One row (every decode) is checked with scalars: numpy reductions cost more than the row.
+        seq_low, seq_high = (int(seq[0]),) * 2 if n_rows == 1 else (int(seq.min()), int(seq.max()))
+        if seq_low < 0 or seq_high >= self.max_sessions:
+            raise InvalidBatch(f"sequence ids must be in 0..{self.max_sessions - 1} (got {seq_low}..{seq_high})")
+        pos_low = int(pos[0]) if n_rows == 1 else int(pos.min())
+        if pos_low < 0:
+            raise InvalidBatch(f"positions must be >= 0 (got {pos_low})")
         embd_ptr = ffi.NULL
         token_ptr = ffi.NULL
         keep_alive: object = None
@@ -209,8 +212,9 @@ class StageContext:
             tok = np.asarray(tokens, dtype=np.int32)
             if tok.shape != (n_rows,):
                 raise InvalidBatch(f"{tok.shape[0] if tok.ndim else 0} tokens for {n_rows} positions")
-            if tok.min() < 0 or tok.max() >= model.n_vocab:
-                raise InvalidBatch(f"token ids must be in 0..{model.n_vocab - 1} (got {tok.min()}..{tok.max()})")
+            tok_low, tok_high = (int(tok[0]),) * 2 if n_rows == 1 else (int(tok.min()), int(tok.max()))
+            if tok_low < 0 or tok_high >= model.n_vocab:
+                raise InvalidBatch(f"token ids must be in 0..{model.n_vocab - 1} (got {tok_low}..{tok_high})")
             self._tokens[:n_rows] = tok
             token_ptr = self._cffi_views[0]
         else:
@@ -291,6 +295,10 @@ class StageContext:
         for row in rows:
             self._check_output_row(row)
         count = len(rows)
+        if all(sampler.plain_greedy and sampler.pointer is not None for sampler in samplers):  # closed: raises
+            # The greedy sampler's pick, without its candidate array (see Sampler.plain_greedy).
+            with self._lock:
+                return np.fromiter((int(np.argmax(self.logits(row))) for row in rows), dtype=np.int32, count=count)
         result = np.zeros(count, dtype=np.int32)
         pointers = ffi.new("struct llama_sampler *[]", [s.pointer for s in samplers])
         row_array = np.asarray(rows, dtype=np.int32)

@@ -70,6 +70,10 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int) -> None:
         self.params = params
+        #: Greedy with nothing before it in the chain: the sample is the logits' first maximum
+        #: (what the greedy sampler picks), which the context takes without building the
+        #: n_vocab-entry candidate array.  Accepting tokens changes nothing in such a chain.
+        self.plain_greedy = params.greedy and not params.uses_penalties and not params.logit_bias
         self._lock = threading.Lock()
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
