@@ -35,6 +35,8 @@ FloatArray = npt.NDArray[np.float32]
 NULL_PREFIX = "null:"
 #: Magic of a null sequence state (``save_state``), then u32 count and i32 positions.
 _STATE_MAGIC = b"SKNULKV1"
+#: Placeholder for the per-row values a middle stage never reads.
+_NO_VALUES = np.zeros(0, dtype=np.int32)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -188,8 +190,9 @@ class NullContext:
             assert activations is not None
             if activations.ndim != 2 or activations.shape != (rows, self.n_embd):
                 raise InvalidBatch(f"activations must be {rows} x {self.n_embd}; got {activations.shape}")
-            values = activations[:, 0].astype(np.int32)
-        for s, p in zip(seq.tolist(), pos.tolist()):
+            values = activations[:, 0].astype(np.int32) if model.is_last else _NO_VALUES
+        pairs = ((int(seq[0]), int(pos[0])),) if rows == 1 else zip(seq.tolist(), pos.tolist())
+        for s, p in pairs:
             if s not in self._open:
                 raise InvalidBatch(f"sequence id {s} is not open")
             held = self._held[s]
