@@ -6,6 +6,11 @@ Prints one line per figure.
 * **Boundary overhead** (null runtime, no compute): decode latency per token of a 1-stage and a
   3-stage chain of null stages on loopback at width 4096 (f32 frames); the overhead of one stage
   boundary is ``(t3 - t1) / 2`` per token (target <= 150 us).
+* **Boundary overhead, one process**: the same chains as stage servers inside this process's trio
+  run (still real loopback TCP between client and stages): one thread does every hop's work, so
+  the difference is the software cost of a boundary without the operating system's part of
+  running four processes on this host's cores (wake-ups on another core, caches that each
+  process finds cold after the others ran).  Both figures are printed.
 * **Split vs unsplit** (a benchmark-shaped generated llama, 16 x 1024, F16): decode tokens/s of the
   whole model in this process, against 2- and 4-stage chains of real processes (targets >= 95%
   and >= 90%), measured alternately ``--repeat`` times (medians, and each round's ratio).  Every
@@ -148,6 +153,40 @@ def boundary_overhead_us(steps: int = 400, width: int = 4096, repeat: int = 1) -
     return one * 1e6, three * 1e6, (three - one) / 2 * 1e6
 
 
+def boundary_overhead_in_process_us(steps: int = 400, width: int = 4096,
+                                    repeat: int = 1) -> tuple[float, float, float]:
+    """As :func:`boundary_overhead_us`, with the stage servers in this process's trio run."""
+    from skippy.stage.config import config_from_mapping
+    from skippy.stage.server import StageServer, load_runtime
+
+    model = f"null:n_embd={width},n_layer=3,n_vocab=32000"
+    prompt = list(range(1, 9))
+
+    async def measure(splits: Sequence[str]) -> float:
+        async with trio.open_nursery() as nursery:
+            servers: list[StageServer] = []
+            downstream: Address | None = None
+            for layers in reversed(splits):
+                config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
+                                              "batch_size": 64, "connect_timeout": 2})
+                server = StageServer(config, load_runtime(config))
+                downstream = await nursery.start(server.serve)
+                servers.append(server)
+            assert downstream is not None
+            seconds = await decode_seconds_per_token(downstream, prompt, steps)
+            for server in servers:
+                server.shutdown()
+            return seconds
+
+    ones: list[float] = []
+    threes: list[float] = []
+    for _ in range(repeat):
+        ones.append(trio.run(measure, ["0:3"]))
+        threes.append(trio.run(measure, ["0:1", "1:2", "2:3"]))
+    one, three = statistics.median(ones), statistics.median(threes)
+    return one * 1e6, three * 1e6, (three - one) / 2 * 1e6
+
+
 def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> float:
     return unsplit_cost_per_token(path, prompt, steps)[0] ** -1
 
@@ -179,8 +218,11 @@ def main() -> None:
     args = parser.parse_args()
     steps = 40 if args.quick else 200
     one, three, overhead = boundary_overhead_us(steps * 2, repeat=max(1, args.repeat))
-    print(f"null runtime, width 4096 f32: 1 stage {one:.0f} us/token, 3 stages {three:.0f} us/token, "
-          f"overhead per boundary {overhead:.0f} us (target <= 150)")
+    print(f"null runtime, width 4096 f32, stage processes: 1 stage {one:.0f} us/token, 3 stages {three:.0f} "
+          f"us/token, overhead per boundary {overhead:.0f} us (target <= 150)")
+    one, three, overhead = boundary_overhead_in_process_us(steps * 2, repeat=max(1, args.repeat))
+    print(f"null runtime, width 4096 f32, stages in one process: 1 stage {one:.0f} us/token, 3 stages "
+          f"{three:.0f} us/token, overhead per boundary {overhead:.0f} us (target <= 150)")
     if args.null_only:
         return
 
