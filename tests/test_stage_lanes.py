@@ -38,6 +38,9 @@ async def test_chain_of_null_stages_answers_in_order() -> None:
         for server in servers:
             assert server.stats.connection_errors == 0
             assert server.executor.session_count == 0
+        # the 4 decodes went out by write-through on every stage, the verify window on the two
+        # that forward it (a final stage answers verify windows on the trio side)
+        assert [server.stats.write_throughs for server in servers] == [5, 5, 4]
 
 
 async def test_prefix_cache_kinds_are_misses_and_trim_is_acked() -> None:

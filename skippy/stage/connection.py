@@ -12,8 +12,9 @@ Strategy (the behaviour of the reference's ``handle_binary_connection``, restruc
   to the scheduler (trim / configure / release), prefix-cache control goes to
   :mod:`skippy.stage.prefix_control` (a miss ACK, or a forward whose reply it rewrites; a
   TryRestorePrefillDecode hit is answered like a decode: the last stage's PredictedToken, relayed
-  up as ``Expect.RELAY_EITHER``, which also takes a miss ACK), executable kinds are auto-aligned and run by the scheduler.  The final stage fills the slot with
-  its PredictedToken(s) or ACK; other stages hand the output to the forwarder.
+  up as ``Expect.RELAY_EITHER``, which also takes a miss ACK), executable kinds are
+  auto-aligned and run by the scheduler.  The final stage fills the slot with its
+  PredictedToken(s) or ACK; other stages hand the output to the forwarder.
 * ``forward_activations`` encodes frames in the wire dtype and writes them downstream (through
   the optional simulated wire).  Early-ACKed chunks take a *reply credit* first, so at most
   ``credit_limit`` of them are unacknowledged downstream.  Before writing a frame it records what
@@ -33,6 +34,23 @@ Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and park only w
 is full / empty: a plain ``send`` / ``receive`` is a checkpoint even when it need not wait, and
 each checkpoint is a trip through trio's run loop (see :mod:`skippy.stage.transport` for the
 socket side of the same saving).  The bounds, and so the backpressure, are unchanged.
+
+Hops that would only add run-loop passes are skipped when nothing is queued, in the same spirit
+as the direct slot (each hop is a pass, and on the decode path every pass finds its code cold):
+
+* *idle-lane fast path*: a message arriving while the compute task has nothing queued (and that
+  is not an early-ACKed chunk, which receiving must run ahead of) is handled on the receiving
+  task itself;
+* a frame for an idle forwarder is written by the task that produced it;
+* *write-through* (:mod:`skippy.stage.write_through`): a decode-like item whose frame has the
+  stream to itself (an idle forwarder downstream; the direct slot of a final stage's
+  PredictedToken) is written by the runtime thread the moment its compute ends, before the trio
+  side hears of it: that hand-back was the largest piece of a stage's time on the chain's
+  critical path.
+
+Each still keeps one writer per stream and message order: only one task handles messages at a
+time (``_compute_backlog``), and a stream is written by a shortcut only when nothing is queued
+for it (``_forward_backlog``, the direct slot).
 
 Any failure (a malformed
 frame, a refused kind, a runtime error, a lost downstream) raises out of the nursery, which
@@ -88,6 +106,7 @@ from skippy.stage import prefix_control
 from skippy.stage.executor import Outputs, WorkItem, WorkResult, sampling_params
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
+from skippy.stage.write_through import StreamGate, WriteThrough
 from skippy.stage.transport import (
     MessageReader,
     ReplyReader,
@@ -116,6 +135,10 @@ _CONTROL_KINDS = frozenset({
     MessageKind.STOP, MessageKind.TRIM_SESSION, MessageKind.CONFIGURE_GENERATION,
     MessageKind.RETIRE_VERIFY_WINDOW, MessageKind.PROBE_PREFILL, MessageKind.RESTORE_PREFILL,
     MessageKind.TRY_RESTORE_PREFILL, MessageKind.TRY_RESTORE_PREFILL_DECODE,
+})
+#: Kinds a final stage answers through write-through: a PredictedToken and nothing else to add.
+_WRITE_THROUGH_FINAL_KINDS = frozenset({
+    MessageKind.DECODE_EMBD, MessageKind.DECODE_READOUT, MessageKind.DECODE_LIGHT_CTX,
 })
 #: (kind, phase, flags) triples already checked and accepted (shared by every lane).
 _ACCEPTED_HEADERS: set[tuple[int, int, int]] = set()
@@ -292,6 +315,8 @@ class Connection:
         self._compute_backlog = 0
         #: Frames handed to the forwarder and not yet written (0: it is idle, nothing queued).
         self._forward_backlog = 0
+        #: What this lane's write-throughs write under (closed before the lane's streams are).
+        self._gate = StreamGate()
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -314,6 +339,7 @@ class Connection:
             error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
                                            address=self._own_address(), downstream_address=self.downstream_name)
         finally:
+            self._gate.close()  # a write-through still queued must not write from here on
             with trio.CancelScope(shield=True):
                 if error is not None and self.extensions.enabled and not self._upstream_torn:
                     await self._send_error(error)
@@ -614,6 +640,14 @@ class Connection:
             self.stats.verify_windows += 1
         else:
             self.stats.decode_items += 1
+        if forwards is not None:
+            if (not kind.is_prefill and self._forward_backlog == 0 and not self.settings.wire.active
+                    and self._downstream_io is not None and self._downstream_io.is_socket):
+                await self._forward_through(kind, message, item, slot, key, received_us)
+                return
+        elif slot is self._direct and kind in _WRITE_THROUGH_FINAL_KINDS and self._upstream_io.is_socket:
+            await self._reply_through(kind, item, slot)
+            return
         result, queue_us = await self.scheduler.execute(item)
         self._note_recorded(result, message)
         early_acked = kind is MessageKind.PREFILL_EMBD
@@ -622,9 +656,21 @@ class Connection:
             return
         if result.activations is None:
             raise StageError("stage has a downstream but produced no activation")
+        outgoing = self._outgoing(message, result.activations)
+        if early_acked:
+            expect = Expect.ABSORB_ACK
+        elif kind.requires_predicted_reply:
+            expect = Expect.RELAY_PREDICTION
+        else:
+            expect = Expect.RELAY_ACK
+        await self._forward(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
+                                     result.compute_us, queue_us, result.batch_size))
+
+    def _outgoing(self, message: StageMessage, activations: np.ndarray) -> StageMessage:
+        """The message to forward: this stage's activation, the source index advanced, flagged."""
         # Built field by field: two dataclasses.replace calls per message cost more (fields() walk).
         state = message.state
-        outgoing = StageMessage(
+        return StageMessage(
             kind=message.kind, pos_start=message.pos_start, token_count=message.token_count,
             state=StateHeader(
                 version=state.version, seq_id=state.seq_id, phase=state.phase,
@@ -634,16 +680,65 @@ class Connection:
                 reserved=int(self.settings.wire_dtype)),
             request_id=message.request_id, session_id=message.session_id, sampling=message.sampling,
             chat_sampling_metadata=None, tokens=message.tokens, positions=message.positions,
-            activation=result.activations, raw_bytes=message.raw_bytes,
+            activation=activations, raw_bytes=message.raw_bytes,
         )
-        if early_acked:
-            expect = Expect.ABSORB_ACK
-        elif kind.requires_predicted_reply:
-            expect = Expect.RELAY_PREDICTION
-        else:
-            expect = Expect.RELAY_ACK
-        await self._forward(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
-                                     result.compute_us, queue_us, result.batch_size))
+
+    async def _forward_through(self, kind: MessageKind, message: StageMessage, item: WorkItem,
+                               slot: ReplySlot | None, key: int, received_us: int) -> None:
+        """Execute ``item`` and have the runtime thread write its frame downstream
+        (:mod:`skippy.stage.write_through`; the caller checked that nothing else is queued)."""
+        expect = Expect.RELAY_PREDICTION if kind.requires_predicted_reply else Expect.RELAY_ACK
+        forward = Forward(message, expect, slot, key, received_us, trio.current_time())
+        width, wire_dtype = self.settings.width, self.settings.wire_dtype
+
+        def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
+            if result.activations is None:
+                raise StageError("stage has a downstream but produced no activation")
+            forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
+            outgoing = forward.message = self._outgoing(message, result.activations)
+            frame = codec.encode_message(outgoing, wire_dtype, width)
+            forward.frame_bytes = len(frame)
+            return frame
+
+        def sent(sent_us: int, write_us: int) -> None:  # runtime thread
+            forward.sent_us, forward.write_us = sent_us, write_us
+
+        assert self._downstream_io is not None
+        through = item.emit = WriteThrough(self._gate, self._downstream_io, build, sent)
+        self._forward_backlog = 1  # this lane's downstream writer until the frame is out
+        self._expected.append(forward)  # before the frame can leave: its reply must find it
+        await self.scheduler.execute(item)
+        forward.write_us += await through.finish(self.downstream_name, downstream=True)
+        self._forward_backlog = 0
+        self.stats.forward_write_us += forward.write_us
+        self.stats.write_throughs += 1
+
+    async def _reply_through(self, kind: MessageKind, item: WorkItem, slot: ReplySlot) -> None:
+        """Execute ``item`` on the final stage and have the runtime thread write its
+        PredictedToken upstream (the lane's direct slot: no other reply may be written first)."""
+        stats = self._take_pending()
+        extensions_on = self.extensions.enabled
+
+        def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
+            if not result.tokens:
+                raise StageError(f"{kind.reference_name} produced no prediction")
+            timings = None
+            if extensions_on:  # docs/protocol.md §4: the producing stage starts the frame
+                timings = TimingsFrame((extensions.own_record(
+                    self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
+            slot.reply, slot.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
+            return extensions.reply_bytes(slot.reply, timings)
+
+        through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
+        self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
+        await self.scheduler.execute(item)
+        await through.finish(self.peer, downstream=False)
+        self._upstream_torn = False
+        self.stats.write_throughs += 1
+        self.inflight -= 1
+        self._direct = None
+        if slot.event is not None:
+            slot.event.set()
 
     def _note_recorded(self, result: WorkResult, message: StageMessage) -> None:
         if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream

@@ -29,7 +29,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import time
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -88,6 +88,10 @@ class WorkItem:
     #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
     prefill: bool = False
     final_prefill: bool = False
+    #: Called with (result, queue_us) as soon as the result exists, where it was computed (the
+    #: runtime thread): the lane's write-through (:mod:`skippy.stage.write_through`).  It must
+    #: not raise.
+    emit: Callable[[WorkResult, int], None] | None = None
 
     @property
     def rows(self) -> int:

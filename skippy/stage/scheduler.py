@@ -235,6 +235,9 @@ class Scheduler:
                     job.error = outcome
                 else:
                     job.result = outcome
+                    emit = job.item.emit if job.item is not None else None
+                    if emit is not None:
+                        emit(outcome, job.wait_us)
         for job in rest:
             native += self._run_one(job, decode_batches)
         return decode_batches, native
@@ -245,6 +248,8 @@ class Scheduler:
             item = job.item
             if item is not None:
                 job.result = self.executor.run_item(item)
+                if item.emit is not None:
+                    item.emit(job.result, job.wait_us)
                 if item.batchable:
                     decode_batches.append(1)
                 return 1

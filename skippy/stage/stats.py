@@ -44,6 +44,8 @@ class StageStats:
     orphan_sessions_released: int = 0
     compute_us: int = 0
     forward_write_us: int = 0
+    #: Frames (downstream activations, final-stage predictions) the runtime thread wrote itself.
+    write_throughs: int = 0
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0

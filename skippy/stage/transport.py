@@ -113,6 +113,11 @@ class SocketIO:
             self._drained = count < len(self._buffer)
             return self._view[:count]
 
+    @property
+    def is_socket(self) -> bool:
+        """Whether the stream is a socket (non-blocking writes from another thread are possible)."""
+        return self._socket is not None
+
     def send_now(self, data: bytes | memoryview) -> int:
         """Write as much of ``data`` as the socket takes now; returns the byte count (may be 0).
 
@@ -255,7 +260,7 @@ def write_failed(peer: str, *, downstream: bool) -> StageError:
     return StageError(f"upstream {peer} closed the connection (write failed)")
 
 
-async def send_frame(io: SocketIO, frame: bytes, peer: str, *, downstream: bool) -> None:
+async def send_frame(io: SocketIO, frame: bytes | memoryview, peer: str, *, downstream: bool) -> None:
     """Write one frame, mapping a broken stream to StageError / DownstreamLost."""
     try:
         await io.send_all(frame)
