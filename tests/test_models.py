@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, quants
+from gguf import GGMLQuantizationType, GGUFReader, quants
 
 from skippy.models import (
     PRESETS,

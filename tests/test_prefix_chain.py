@@ -22,7 +22,6 @@ from contextlib import asynccontextmanager
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver import prefix
 from skippy.protocol import MessageKind, ReplyKind, StageMessage
-from skippy.protocol_ext import PREFIX_EXTENT_FLAG
 
 from stage_helpers import StageProcess, inprocess_chain, stage_chain
 

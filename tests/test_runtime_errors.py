@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 
@@ -33,7 +35,7 @@ def test_missing_file(tmp_path: object) -> None:
         Model("/nonexistent/model.gguf", "0:1")
 
 
-def test_not_a_gguf_file(tmp_path: "os.PathLike[str]") -> None:  # noqa: F821
+def test_not_a_gguf_file(tmp_path: Path) -> None:
     from pathlib import Path
 
     bogus = Path(tmp_path) / "bogus.gguf"
@@ -42,7 +44,7 @@ def test_not_a_gguf_file(tmp_path: "os.PathLike[str]") -> None:  # noqa: F821
         Model(bogus)
 
 
-def test_unsupported_architecture_with_partial_range(tmp_path: "os.PathLike[str]") -> None:  # noqa: F821
+def test_unsupported_architecture_with_partial_range(tmp_path: Path) -> None:
     """A file whose architecture the patch does not cover is refused for a partial range."""
     from pathlib import Path
 

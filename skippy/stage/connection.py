@@ -73,11 +73,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import enum
 import itertools
 import logging
-import time
-from typing import Awaitable, Callable, TypeVar
 
 import numpy as np
 import trio
@@ -90,7 +87,6 @@ from skippy.protocol import (
     StageMessage,
     StageReply,
     StateHeader,
-    WireDType,
 )
 from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
@@ -104,6 +100,7 @@ from skippy.stage import extensions
 from skippy.stage.errors import DownstreamError, DownstreamLost, StageError, StateMismatch, UnsupportedKind
 from skippy.stage import prefix_control
 from skippy.stage.executor import Outputs, WorkItem, WorkResult, sampling_params
+from skippy.stage.lane import Expect, Forward, LaneSettings, ReplySlot, merge_stats, now_us, put, take, timing_stats
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
 from skippy.stage.write_through import StreamGate, WriteThrough
@@ -111,7 +108,6 @@ from skippy.stage.transport import (
     MessageReader,
     ReplyReader,
     SocketIO,
-    WireCondition,
     codec,
     connect_stage,
     send_frame,
@@ -147,125 +143,6 @@ _OUTPUTS = {
     MessageKind.DECODE_REPLAY_EMBD: Outputs.NONE,
     MessageKind.VERIFY_WINDOW: Outputs.ALL,
 }
-
-
-T = TypeVar("T")
-
-
-def _now_us() -> int:
-    return time.perf_counter_ns() // 1000
-
-
-async def _put(channel: trio.MemorySendChannel[T], value: T) -> None:
-    """Send on a bounded channel, parking only when it is full (no checkpoint otherwise)."""
-    try:
-        channel.send_nowait(value)
-    except trio.WouldBlock:  # full: this is the backpressure, wait for room
-        await channel.send(value)
-
-
-async def _take(channel: trio.MemoryReceiveChannel[T]) -> T:
-    """Receive from a channel, parking only when it is empty; EndOfChannel when closed."""
-    try:
-        return channel.receive_nowait()
-    except trio.WouldBlock:  # empty: wait for the producer
-        return await channel.receive()
-
-
-class Expect(enum.Enum):
-    """What the relay does with the downstream reply to a forwarded frame."""
-
-    ABSORB_ACK = "absorb"  #: an early-ACKed chunk: keep its stats, return its credit
-    RELAY_ACK = "ack"  #: relay an ACK upstream
-    STOP_ACK = "stop"  #: release the session, then relay the ACK
-    RELAY_PREDICTION = "prediction"  #: relay PredictedToken(s) upstream
-    RELAY_EITHER = "either"  #: TryRestorePrefillDecode: PredictedToken on a hit, ACK on a miss
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class ReplySlot:
-    """One upstream reply, filled by whichever task produces it, written in message order.
-
-    A queued slot's event is set when it is filled (the writer waits for it); a direct slot's
-    when its reply has been written (a queued slot behind it waits for that).  The event is made
-    only when someone waits: on the hot path nobody does.
-    """
-
-    direct: bool = False
-    reply: StageReply | None = None
-    event: trio.Event | None = None
-    #: The extension Timings frame written just before the reply (negotiated lanes only).
-    timings: TimingsFrame | None = None
-
-    def wait_event(self) -> trio.Event:
-        if self.event is None:
-            self.event = trio.Event()
-        return self.event
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Forward:
-    """A frame on its way downstream and what to do with its reply."""
-
-    message: StageMessage
-    expect: Expect | None
-    slot: ReplySlot | None
-    session: int
-    received_us: int
-    enqueued_at: float
-    compute_us: int = 0
-    queue_us: int = 0
-    batch_size: int = 0
-    sent_us: int = 0
-    write_us: int = 0
-    frame_bytes: int = 0
-    #: Turns the downstream ACK's stats into this stage's reply stats (prefix-cache control).
-    on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class LaneSettings:
-    """What every connection of a stage shares."""
-
-    width: int
-    is_last: bool
-    downstream: object | None  # an Address; typed loosely to keep config out of the hot path
-    wire_dtype: WireDType
-    credit_limit: int
-    max_inflight: int
-    connect_timeout: float
-    wire: WireCondition
-
-
-def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,
-                 batch_size: int) -> ReplyStats:
-    """Add one stage's share to a VerifyWindow reply's ``verify_window_*`` stats (summed along the
-    chain, ``verify_window_stage_count`` += 1, the largest batch in ``verify_window_max_tokens``)."""
-    return dataclasses.replace(
-        base,
-        verify_window_compute_us=base.verify_window_compute_us + compute_us,
-        verify_window_forward_write_us=base.verify_window_forward_write_us + write_us,
-        verify_window_downstream_wait_us=base.verify_window_downstream_wait_us + wait_us,
-        verify_window_total_us=base.verify_window_total_us + total_us,
-        verify_window_stage_count=base.verify_window_stage_count + 1,
-        verify_window_max_tokens=max(base.verify_window_max_tokens, batch_size),
-    )
-
-
-def merge_stats(pending: ReplyStats, reply: ReplyStats) -> ReplyStats:
-    """``pending.merge(reply)``, without the copy when nothing is pending (the decode hot path).
-
-    Merging into empty stats gives back ``reply`` unchanged unless a max-merged field of it is
-    negative or its prefill-edge fields are set without a positive total: only then is the full
-    merge needed.
-    """
-    if pending is EMPTY_REPLY_STATS and reply.prefill_edge_total_us_max >= 0 and min(
-        reply.verify_window_max_tokens, reply.prefill_edge_write_us_max, reply.prefill_edge_wait_us_max
-    ) >= 0 and (reply.prefill_edge_total_us_max > 0 or not (
-        reply.prefill_edge_stage_index or reply.prefill_edge_activation_bytes_max
-    )):
-        return reply
-    return pending.merge(reply)
 
 
 class Connection:
@@ -408,7 +285,7 @@ class Connection:
                 message = await reader.next()
                 if message is None:
                     return
-                received_us = _now_us()
+                received_us = now_us()
                 self.extensions.observe(message)
                 if self.identity.index < 0:
                     self.identity.observe(message)
@@ -422,7 +299,7 @@ class Connection:
                     else:
                         slot = ReplySlot()
                         self.inflight += 1
-                        await _put(slots, slot)
+                        await put(slots, slot)
                     if message.kind is MessageKind.PREFILL_EMBD:
                         self.stats.early_acks += 1
                         await self._reply(slot, StageReply.ack())
@@ -434,7 +311,7 @@ class Connection:
                     await self._handle(message, slot, received_us, self._forwards)
                 else:
                     self._compute_backlog += 1
-                    await _put(messages, (message, slot, received_us))
+                    await put(messages, (message, slot, received_us))
 
     def _check_message(self, message: StageMessage) -> None:
         state = message.state
@@ -456,7 +333,7 @@ class Connection:
         async with slots:
             while True:
                 try:
-                    slot = await _take(slots)
+                    slot = await take(slots)
                 except trio.EndOfChannel:  # the receiver is done: no more replies
                     return
                 if slot.reply is None:
@@ -492,7 +369,7 @@ class Connection:
             async with messages:
                 while True:
                     try:
-                        message, slot, received_us = await _take(messages)
+                        message, slot, received_us = await take(messages)
                     except trio.EndOfChannel:  # upstream finished
                         return
                     if forwards is None and self.settings.downstream is not None:
@@ -760,7 +637,7 @@ class Connection:
             return
         if kind is MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
             stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
-                                 total_us=_now_us() - received_us, batch_size=result.batch_size)
+                                 total_us=now_us() - received_us, batch_size=result.batch_size)
         timings = None
         if self.extensions.enabled:  # docs/protocol.md §4: the producing stage starts the frame
             timings = TimingsFrame((extensions.own_record(
@@ -795,7 +672,7 @@ class Connection:
                 self._forward_backlog = 0
             return
         self._forward_backlog += 1
-        await _put(forwards, item)
+        await put(forwards, item)
 
     async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
         limit = self.settings.credit_limit
@@ -803,7 +680,7 @@ class Connection:
             async with forwards:
                 while True:
                     try:
-                        item = await _take(forwards)
+                        item = await take(forwards)
                     except trio.EndOfChannel:  # compute finished
                         return
                     if item.expect is Expect.ABSORB_ACK:
@@ -832,13 +709,13 @@ class Connection:
         item.frame_bytes = len(frame)
         if item.expect is not None:
             self._expected.append(item)
-        item.sent_us = started = _now_us()
+        item.sent_us = started = now_us()
         wire = self.settings.wire
         if wire.active:
             await wire.write(io, frame, self.downstream_name, item.enqueued_at)
         else:
             await send_frame(io, frame, self.downstream_name, downstream=True)
-        item.write_us = _now_us() - started
+        item.write_us = now_us() - started
         self.stats.forward_write_us += item.write_us
 
     async def relay_replies(self) -> None:
@@ -866,7 +743,7 @@ class Connection:
                         "with no frame outstanding"
                     )
             item = expected.popleft()
-            wait_us = max(0, _now_us() - item.sent_us - item.write_us)
+            wait_us = max(0, now_us() - item.sent_us - item.write_us)
             self.stats.downstream_wait_us += wait_us
             expect = item.expect
             if expect is Expect.RELAY_PREDICTION:
@@ -896,7 +773,7 @@ class Connection:
             if expect is Expect.RELAY_PREDICTION or reply.kind == ReplyKind.PREDICTED_TOKEN:
                 if item.message.kind == MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
                     stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us,
-                                         wait_us=wait_us, total_us=_now_us() - item.received_us,
+                                         wait_us=wait_us, total_us=now_us() - item.received_us,
                                          batch_size=item.batch_size)
                 if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
                     timings = append_timing(timings, extensions.own_record(
