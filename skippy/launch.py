@@ -14,6 +14,9 @@ SIGTERM, then SIGKILL after a grace period, and is reaped.  Children run in thei
 terminal's Ctrl-C reaches only the launcher, which stops them in order).  No parent-death signal
 is used: Linux ties PR_SET_PDEATHSIG to the *thread* that forked, and trio spawns from worker
 threads that exit when idle, which would SIGTERM healthy stages about ten seconds after start.
+Instead each stage's stdin is a pipe this process never writes, and stages run with
+``--exit-on-stdin-eof on``: when the launcher dies, however (SIGKILL included), the kernel
+closes the pipe and every stage drains and exits.
 """
 
 from __future__ import annotations
@@ -73,7 +76,7 @@ class StageChild:
 def stage_command(model: Path, layers: str, *, downstream: Address | None, host: str,
                   options: Sequence[str]) -> list[str]:
     command = [sys.executable, "-m", "skippy.stage", "--model", str(model), "--layers", layers,
-               "--listen", f"{host}:0", *options]
+               "--listen", f"{host}:0", "--exit-on-stdin-eof", "on", *options]
     if downstream is not None:
         command += ["--downstream", str(downstream)]
     return command
@@ -150,7 +153,7 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
                 child.log_path.write_bytes(b"")
                 try:
                     child.process = await trio.lowlevel.open_process(
-                        child.command, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                        child.command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
                         env=env, start_new_session=True,
                     )
                 except OSError as exc:

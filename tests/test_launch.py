@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -67,6 +69,38 @@ def test_stages_outlive_trios_idle_worker_threads(up: UpProcess) -> None:
     serves(up)
 
 
+def test_a_killed_launcher_leaves_no_stage_behind(up: UpProcess) -> None:
+    # SIGKILL runs no handler: the stages notice the launcher's end of their stdin pipe closing.
+    assert up.process is not None and all(pid_alive(pid) for pid in up.stage_pids)
+    up.process.kill()
+    up.process.wait(10)
+    assert wait_gone(up.stage_pids, timeout=10) == []
+
+
+def test_a_stage_exits_cleanly_when_its_stdin_closes(tmp_path: Path) -> None:
+    log = tmp_path / "stage.log"
+    with log.open("wb") as stream:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "skippy.stage", "--model", "null:n_embd=8,n_layer=2", "--layers", "0:2",
+             "--exit-on-stdin-eof", "on"], stdin=subprocess.PIPE, stderr=stream, stdout=stream)
+    try:
+        deadline = time.monotonic() + 30
+        while "ready on" not in log.read_text() and time.monotonic() < deadline:
+            assert process.poll() is None, log.read_text()
+            time.sleep(0.05)
+        time.sleep(0.3)
+        assert process.poll() is None, "the stage must keep serving while its stdin is open"
+        assert process.stdin is not None
+        process.stdin.close()
+        assert process.wait(10) == 0
+        text = log.read_text()
+        assert "standard input closed (the launcher is gone): draining" in text and "stopped" in text
+    finally:
+        if process.poll() is None:
+            process.kill()
+            process.wait()
+
+
 def test_a_crashing_stage_stops_the_rest_with_its_error(up: UpProcess) -> None:
     victim = up.stage_pids[1]  # announced final-first: this is stage 1 (layers 1:3)
     os.kill(victim, signal.SIGKILL)
@@ -100,6 +134,7 @@ def test_stage_command_and_progress_bar(tmp_path: Path) -> None:
     command = stage_command(Path("m.gguf"), "2:4", downstream=Address("127.0.0.1", 9), host="127.0.0.1",
                             options=["--threads", "1"])
     assert command[-2:] == ["--downstream", "127.0.0.1:9"] and "--layers" in command
+    assert command[command.index("--exit-on-stdin-eof") + 1] == "on"  # see test_a_killed_launcher...
     with (tmp_path / "bar").open("w") as stream:
         bar = ProgressBar(stream, 2)
         bar.update(0, 2, 0.5)

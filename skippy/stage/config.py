@@ -65,6 +65,7 @@ class StageConfig:
     wire_mbps: float = 0.0
     stats_file: Path | None = None
     drain_timeout: float = 2.0
+    exit_on_stdin_eof: bool = False
     log_level: str = "INFO"
     prefix_cache: bool = True
     cache_slots: int = 8
@@ -174,6 +175,9 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "wire_mbps": (float, "simulated downstream bandwidth in Mbit/s (0 = unlimited)"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
     "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),
+    "exit_on_stdin_eof": (_bool, "on: drain and exit (as on SIGTERM) when standard input reaches end of file; "
+                          "a launcher holds a pipe on it, so the stage goes when the launcher does, however "
+                          "it dies (with stdin at /dev/null the stage stops at once)"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR"),
     "prefix_cache": (_bool, "keep the KV of recent prompt prefixes (docs/prefix-cache.md): on or off"),
     "cache_slots": (int, "sequence ids reserved for resident cached prefixes (max_sessions + slots <= 256)"),

@@ -16,7 +16,9 @@ before any session opens (:func:`build_cache`); the executor owns it and closes 
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import sys
 from typing import Any, Callable
 
 import trio
@@ -203,5 +205,18 @@ async def run_stage(config: StageConfig, executor: Executor, *,
                     server.shutdown()
 
             nursery.start_soon(watch_signals)
+            if config.exit_on_stdin_eof:
+                nursery.start_soon(_drain_on_stdin_eof, server)
             await server.serve(task_status=task_status)
             nursery.cancel_scope.cancel()
+
+
+async def _drain_on_stdin_eof(server: StageServer) -> None:
+    """Drain the stage when standard input ends: the launcher's pipe closed, so the launcher is
+    gone (a SIGKILL included, which no signal handler of its can turn into a clean stop)."""
+    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
+    async with stream:
+        while await stream.receive_some(4096):  # whatever is written is ignored
+            pass
+    log.info("standard input closed (the launcher is gone): draining")
+    server.shutdown()
