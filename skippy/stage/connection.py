@@ -136,6 +136,8 @@ _CONTROL_KINDS = frozenset({
 _WRITE_THROUGH_FINAL_KINDS = frozenset({
     MessageKind.DECODE_EMBD, MessageKind.DECODE_READOUT, MessageKind.DECODE_LIGHT_CTX,
 })
+_INT32 = np.dtype(np.int32)
+_FLOAT32 = np.dtype(np.float32)
 #: (kind, phase, flags) triples already checked and accepted (shared by every lane).
 _ACCEPTED_HEADERS: set[tuple[int, int, int]] = set()
 _OUTPUTS = {
@@ -315,7 +317,9 @@ class Connection:
 
     def _check_message(self, message: StageMessage) -> None:
         state = message.state
-        if (message.kind, state.phase, state.flags) in _ACCEPTED_HEADERS:  # the per-token path
+        # Plain ints as the key: an IntEnum hashes through a Python-level __hash__.
+        header = (int(message.kind), int(state.phase), int(state.flags))
+        if header in _ACCEPTED_HEADERS:  # the per-token path
             return
         kind = MessageKind(message.kind)
         refused = _REFUSED_KINDS.get(kind)
@@ -327,7 +331,7 @@ class Connection:
                 f"(phase {state.phase}, flags {state.flags:#x})"
             )
         if len(_ACCEPTED_HEADERS) < 256:  # bounded: a peer could vary the flag bits at will
-            _ACCEPTED_HEADERS.add((message.kind, state.phase, state.flags))
+            _ACCEPTED_HEADERS.add(header)
 
     async def write_replies(self, slots: trio.MemoryReceiveChannel[ReplySlot]) -> None:
         async with slots:
@@ -387,7 +391,7 @@ class Connection:
 
     async def _handle(self, message: StageMessage, slot: ReplySlot | None, received_us: int,
                       forwards: trio.MemorySendChannel[Forward] | None) -> None:
-        kind = MessageKind(message.kind)
+        kind = message.kind if type(message.kind) is MessageKind else MessageKind(message.kind)
         key = self._session_key(message)
         executor = self.scheduler.executor
 
@@ -470,7 +474,7 @@ class Connection:
             raise StageError(f"{kind.reference_name} with token_count {count}: nothing to execute")
         # Decoded frames carry int32 / float32 arrays already: no conversion on the per-token path.
         tokens = message.tokens
-        if tokens.dtype != np.int32:
+        if tokens.dtype is not _INT32:  # builtin dtypes are singletons: identity is the cheap test
             tokens = np.asarray(tokens, dtype=np.int32)
         if tokens.shape[0] == 0 and count == 1 and message.state.current_token >= 0:
             tokens = np.asarray([message.state.current_token], dtype=np.int32)
@@ -479,7 +483,7 @@ class Connection:
             if message.pos_start < 0:
                 raise StageError(f"{kind.reference_name} with negative pos_start {message.pos_start}")
             positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
-        elif positions.dtype != np.int32:
+        elif positions.dtype is not _INT32:
             positions = np.asarray(positions, dtype=np.int32)
         is_first = self.scheduler.executor.is_first
         activations = None
@@ -490,7 +494,7 @@ class Connection:
                     f"{kind.reference_name} without an activation (source_stage_index "
                     f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
                 )
-            if activations.dtype != np.float32:
+            if activations.dtype is not _FLOAT32:
                 activations = np.asarray(activations, dtype=np.float32)
             if activations.shape != (count, self.settings.width):
                 raise StageError(
