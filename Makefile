@@ -19,8 +19,10 @@ $(STAMP): $(BIN)/python pyproject.toml setup.py native/build.py native/build_ffi
 
 install: $(STAMP)
 
-# Rebuild the native libraries and extensions in place after editing native/ or *.pyx.
+# Rebuild the native libraries and extensions in place after editing native/ or *.pyx (the
+# editable install built in isolation, so the build requirements are installed here first).
 build: $(STAMP)
+	$(BIN)/pip install --quiet $$($(BIN)/python -c 'import tomllib; print(*tomllib.load(open("pyproject.toml", "rb"))["build-system"]["requires"])')
 	$(BIN)/python setup.py --quiet build_ext --inplace
 
 # The local pipeline end to end: two stage processes of the generated demo model, the API, one chat completion.

@@ -2,7 +2,8 @@
 
 Builds the wheel from this tree (reusing the native build directory), installs it with its
 dependencies into a new virtualenv, and runs a smoke script from outside the source tree: load a
-generated model split in two and compare its logits with the unsplit model's.
+generated model split in two and compare its logits with the unsplit model's.  The sdist (what a
+CUDA host builds its wheel from) carries every source the build needs and no build output.
 """
 
 from __future__ import annotations
@@ -52,3 +53,24 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path: Path) -> None:
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "wheel smoke ok" in result.stdout
+
+
+@pytest.mark.slow
+def test_sdist_carries_the_build_sources_and_no_build_output(tmp_path: Path) -> None:
+    import tarfile
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), str(ROOT)],
+                   check=True, env=env, timeout=1800, capture_output=True)
+    (sdist,) = tmp_path.glob("skippy-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    needed = {str(path.relative_to(ROOT)) for pattern in ("skippy/*.pyx", "skippy/*.pxd", "skippy/*.pxi",
+                                                          "skippy/*.h", "native/*.py", "native/patches/*",
+                                                          "native/cdef/*")
+              for path in ROOT.glob(pattern)}
+    assert {"skippy/_wire.pyx", "native/build.py", "native/patches/0001-layer-range-execution.patch"} <= needed
+    assert needed <= names, f"missing from the sdist: {sorted(needed - names)}"
+    outputs = [name for name in names if name.endswith(".so") or name.endswith(".gguf")
+               or name in ("skippy/_native_stamp.py", "skippy/_wire.c", "skippy/_radix.c")]
+    assert outputs == [], f"build outputs in the sdist: {outputs}"
