@@ -565,8 +565,9 @@ def _build_message(frame: bytes, layout: _MessageLayout, width: int) -> StageMes
         values = _SAMPLING.unpack_from(frame, layout.sampling_offset)
         bias_count = values[10]
         pairs = struct.unpack_from(f"<{'if' * bias_count}", frame, layout.sampling_offset + 44)
+        flags, seed, temperature, top_p, top_k, min_p, presence, frequency, repeat, last_n = values[:10]
         sampling = SamplingConfig(
-            *values[:10],
+            flags, seed, temperature, top_p, top_k, min_p, presence, frequency, repeat, last_n,
             logit_bias=tuple(LogitBias(pairs[i], pairs[i + 1]) for i in range(0, len(pairs), 2)),
         )
     tokens = positions = _EMPTY_I32
@@ -678,7 +679,7 @@ class _FrameDecoder:
         """Length the pending frame is known to need (0 when nothing is pending)."""
         return self._needed
 
-    def receive_data(self, data: bytes) -> None:
+    def receive_data(self, data: bytes | bytearray | memoryview) -> None:
         """Buffer ``data``; ``b""`` marks the end of the stream.
 
         Raises:

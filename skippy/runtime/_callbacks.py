@@ -14,7 +14,7 @@ import logging
 import threading
 from typing import Any, Callable
 
-from skippy._llama import ffi, lib
+from skippy._llama import ffi, lib  # type: ignore[import-not-found]  # cffi-compiled, no stub
 
 _LOG = logging.getLogger("skippy.llama")
 _LEVELS = {

@@ -15,7 +15,7 @@ from skippy.runtime.errors import BindingMismatch
 STAGE_ABI_VERSION = 1
 
 try:
-    from skippy._llama import ffi, lib
+    from skippy._llama import ffi, lib  # type: ignore[import-not-found]  # cffi-compiled, no stub
 except ImportError as exc:  # the extension is missing or libllama lacks our symbols
     raise BindingMismatch(
         f"cannot load skippy._llama ({exc}); build it with `pip install -e .` or `make build`"

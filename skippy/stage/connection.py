@@ -73,6 +73,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import itertools
 import logging
 
@@ -245,7 +246,7 @@ class Connection:
         self.sessions.clear()
         for key in orphans:
             try:
-                released = await self.scheduler.call(lambda key=key: self.scheduler.executor.release(key))
+                released = await self.scheduler.call(functools.partial(self.scheduler.executor.release, key))
             except StageError as exc:  # a release that fails must not stop the others
                 log.warning("lane %d: releasing session %d failed: %s", self.id, key & ((1 << 64) - 1), exc)
                 continue

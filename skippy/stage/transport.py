@@ -81,7 +81,7 @@ class SocketIO:
         #: The last read came back short, so the socket was empty then: wait before reading.
         self._drained = False
 
-    async def receive(self) -> memoryview | bytes:
+    async def receive(self) -> memoryview | bytes | bytearray:
         """The next chunk of bytes (valid until the next call); empty at end of stream.
 
         A reset or a stream closed under the reader also reads as end of stream.

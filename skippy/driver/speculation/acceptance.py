@@ -218,7 +218,7 @@ def accept_point_mass_batch(drafts: npt.ArrayLike, probabilities: npt.ArrayLike,
         if not live.any():
             break
         p = target[:, position, :]
-        uniforms = rng.random(trials)
+        uniforms: npt.NDArray[np.float64] = rng.random(int(trials))
         if position == count:  # bonus row: a plain sample
             bonus = _sample_rows(p, uniforms)
             next_token[live] = bonus[live]
