@@ -1,0 +1,466 @@
+"""The lane's rules, sans-IO: one table of per-kind rules, events in, actions out.
+
+Strategy (h11's shape, for one upstream lane of a stage; no trio, no sockets, no runtime here):
+:mod:`skippy.stage.connection` reads frames, runs the scheduler and writes bytes; at every step
+it tells a :class:`LaneProtocol` what happened and does what the answer says.  Every message
+kind goes through the same steps:
+
+1. ``message_received(message)`` → :class:`Dispatch`, or a typed refusal (:class:`UnsupportedKind`,
+   :class:`InvalidMessage`).  A message that is answered gets a :class:`Ticket`, its place in
+   the upstream reply order; an early-ACKed kind's ACK is due at once (``Dispatch.early_ack``).
+2. The connection runs the kind's :attr:`KindRule.handling` (execute, trim, configure, stop,
+   prefix control, retire) and reports ``computed(dispatch, ...)`` → :class:`SendDownstream`
+   (with the :class:`Expect`-ation for the downstream reply) or :class:`ReplyUpstream` (what the
+   final stage answers) or ``None`` (already answered / nothing to answer).
+3. ``frame_forwarding(forward)`` just before a frame leaves: its reply is expected in write
+   order; a credited frame takes a reply credit (``take_credit`` says whether one is free).
+4. ``downstream_replied(reply)`` → :class:`Relay` (absorb it, or relay it on the frame's ticket,
+   releasing a stopped session first), or :class:`DownstreamLost` for a reply out of protocol.
+5. ``reply_ready(ticket, reply)`` → the tickets whose replies are now due, in message order,
+   for the caller to write; ``replies_written(n)`` when it has, → the next ones due.  The
+   *writer token* is this: whoever gets a non-empty answer writes, and nobody else gets one
+   until it reports back, so the upstream stream has one writer and replies keep message order
+   whatever finishes first.  ``claim_reply_write(ticket)`` hands the token to a write made
+   elsewhere (the runtime thread's write-through) when that ticket is next in line.
+
+The rules (:data:`RULES`, one row per :class:`~skippy.protocol.MessageKind`; reference behaviour
+``../shared/reference/stage-server.md`` §2.1-§2.2):
+
+* **early ACK**: a non-final prefill chunk is ACKed on receipt, before compute, and its forwarded
+  frame holds a **reply credit** until the downstream ACK, which is absorbed (its stats are kept
+  for the next reply).  At most ``credit_limit`` credited frames are unacknowledged downstream.
+* **execute**: prefill, decode and verify kinds run on the runtime; **auto-align** kinds carry
+  the authoritative position (``pos_start`` >= 0): the session is trimmed back to it first.
+* **forward**: every served kind is forwarded by a stage with a downstream (a prefix-cache
+  control message only on a local hit); the downstream reply expected follows from the answer.
+* **answer**: ACK, PredictedToken(s) (VerifyWindow: PredictedTokens with the window's stats),
+  either (TryRestorePrefillDecode: a prediction on a chain hit, a miss ACK), or none
+  (RetireVerifyWindow).  Stop releases the session after the downstream ACK.
+* **header**: executable kinds must pass ``StateHeader.matches_kind``; control kinds are not
+  checked.  StateImport, StateExport and PredictionReturnOpen are refused.
+* **write-through** columns say which kinds' output the runtime thread may write itself
+  (:mod:`skippy.stage.write_through`): the frame of a non-prefill executable kind, and the
+  final stage's reply of a plain decode (a PredictedToken and nothing else).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import enum
+from typing import Awaitable, Callable, Final, Mapping, final
+
+from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
+from skippy.protocol_ext import ExtensionNegotiation, TimingsFrame
+from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
+
+__all__ = [
+    "RULES", "Answer", "Dispatch", "Expect", "Forward", "Handling", "KindRule", "LaneProtocol", "Outputs", "Relay",
+    "ReplyUpstream", "SendDownstream", "Ticket",
+]
+
+
+class Handling(enum.Enum):
+    """What a stage does with a message of a kind (its own part, before any forward)."""
+
+    EXECUTE = "execute"  #: run it on the runtime (a work item)
+    STOP = "stop"  #: end the session (released after the downstream ACK)
+    TRIM = "trim"  #: trim the session to token_count
+    CONFIGURE = "configure"  #: set the session's sampling and cache settings
+    PREFIX_CONTROL = "prefix-control"  #: docs/prefix-cache.md §6 (skippy.stage.prefix_control)
+    RETIRE = "retire"  #: release verify checkpoints (nothing to do on this runtime); no reply
+    REFUSE = "refuse"  #: not served: the lane is closed with UNSUPPORTED_KIND
+
+
+class Answer(enum.Enum):
+    """What the upstream gets for a message of a kind."""
+
+    NONE = "none"  #: nothing (RetireVerifyWindow)
+    ACK = "ack"
+    PREDICTION = "prediction"  #: PredictedToken, or PredictedTokens for a verify window
+    PREDICTION_OR_ACK = "prediction-or-ack"  #: TryRestorePrefillDecode: a prediction on a hit
+
+
+class Outputs(enum.Enum):
+    """Which rows of an executed item the final stage turns into predicted tokens."""
+
+    NONE = "none"  #: a non-final prefill chunk or a replay step: no logits needed
+    LAST = "last"  #: a final prefill chunk or a decode: the last row
+    ALL = "all"  #: a verify window: every row
+
+
+class Expect(enum.Enum):
+    """What the relay does with the downstream reply to a forwarded frame."""
+
+    ABSORB_ACK = "absorb"  #: an early-ACKed chunk: keep its stats, return its credit
+    RELAY_ACK = "ack"  #: relay an ACK upstream
+    STOP_ACK = "stop"  #: release the session, then relay the ACK
+    RELAY_PREDICTION = "prediction"  #: relay PredictedToken(s) upstream
+    RELAY_EITHER = "either"  #: TryRestorePrefillDecode: PredictedToken on a hit, ACK on a miss
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class KindRule:
+    """Everything a lane does differently for one message kind (a row of :data:`RULES`)."""
+
+    handling: Handling
+    answer: Answer
+    #: ACK on receipt, before compute (the reference's early ACK of non-final prefill chunks).
+    early_ack: bool = False
+    #: The forwarded frame holds a reply credit until its (absorbed) downstream ACK.
+    credit: bool = False
+    #: pos_start >= 0 is authoritative: the session is trimmed back to it before executing.
+    auto_align: bool = False
+    #: The state header must match the kind (``StateHeader.matches_kind``).
+    checks_header: bool = True
+    #: Rows the final stage samples (executable kinds).
+    outputs: Outputs = Outputs.LAST
+    #: A verify window: PredictedTokens with the window id and the verify-window stats.
+    window: bool = False
+    #: The runtime thread may write the forwarded frame (:mod:`skippy.stage.write_through`).
+    write_through_down: bool = False
+    #: The runtime thread may write the final stage's reply (a lone PredictedToken).
+    write_through_up: bool = False
+    #: Why the kind is refused (``Handling.REFUSE``).
+    refusal: str = ""
+
+    @property
+    def answered(self) -> bool:
+        """Whether the upstream gets a reply (a ticket is taken on receipt)."""
+        return self.answer is not Answer.NONE
+
+    def expect(self, *, local_hit: bool = False) -> Expect | None:
+        """What the downstream reply to this kind's forwarded frame means (None: no reply).
+
+        Args:
+            local_hit: a TryRestorePrefillDecode that hit on this stage (forwarded as a decode).
+        """
+        if self.credit:
+            return Expect.ABSORB_ACK
+        if self.handling is Handling.STOP:
+            return Expect.STOP_ACK
+        if self.answer is Answer.NONE:
+            return None
+        if self.answer is Answer.PREDICTION:
+            return Expect.RELAY_PREDICTION
+        if self.answer is Answer.PREDICTION_OR_ACK and local_hit:
+            return Expect.RELAY_EITHER
+        return Expect.RELAY_ACK
+
+
+_DECODE: Final = KindRule(Handling.EXECUTE, Answer.PREDICTION, auto_align=True, write_through_down=True,
+                          write_through_up=True)
+_PREFIX: Final = KindRule(Handling.PREFIX_CONTROL, Answer.ACK, checks_header=False)
+
+#: The per-kind rules, one row per kind (see the module header; protocol.md §3 for the kinds).
+RULES: Final[Mapping[MessageKind, KindRule]] = {
+    MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
+                                       outputs=Outputs.NONE),
+    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION),
+    MessageKind.DECODE_EMBD: _DECODE,
+    MessageKind.DECODE_READOUT: _DECODE,
+    MessageKind.DECODE_LIGHT_CTX: _DECODE,
+    MessageKind.DECODE_REPLAY_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, outputs=Outputs.NONE,
+                                             write_through_down=True),
+    MessageKind.DECODE_REPLAY_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, write_through_down=True),
+    MessageKind.VERIFY_WINDOW: KindRule(Handling.EXECUTE, Answer.PREDICTION, auto_align=True, outputs=Outputs.ALL,
+                                        window=True, write_through_down=True),
+    MessageKind.STOP: KindRule(Handling.STOP, Answer.ACK, checks_header=False),
+    MessageKind.TRIM_SESSION: KindRule(Handling.TRIM, Answer.ACK, checks_header=False),
+    MessageKind.CONFIGURE_GENERATION: KindRule(Handling.CONFIGURE, Answer.ACK, checks_header=False),
+    MessageKind.RETIRE_VERIFY_WINDOW: KindRule(Handling.RETIRE, Answer.NONE, checks_header=False),
+    MessageKind.PROBE_PREFILL: _PREFIX,
+    MessageKind.RESTORE_PREFILL: _PREFIX,
+    MessageKind.TRY_RESTORE_PREFILL: _PREFIX,
+    MessageKind.TRY_RESTORE_PREFILL_DECODE: KindRule(Handling.PREFIX_CONTROL, Answer.PREDICTION_OR_ACK,
+                                                     checks_header=False),
+    MessageKind.STATE_IMPORT: KindRule(
+        Handling.REFUSE, Answer.NONE, refusal="binary state import is no longer supported by the skippy runtime ABI"),
+    MessageKind.STATE_EXPORT: KindRule(
+        Handling.REFUSE, Answer.NONE, refusal="binary state export is no longer supported by the skippy runtime ABI"),
+    MessageKind.PREDICTION_RETURN_OPEN: KindRule(
+        Handling.REFUSE, Answer.NONE,
+        refusal="direct prediction return (PredictionReturnOpen) is not supported by this stage"),
+}
+
+#: (kind, phase, flags) headers already checked and accepted, shared by every lane (the per-token
+#: path: one set lookup, plain ints as the key: an IntEnum hashes through Python code).
+_ACCEPTED_HEADERS: dict[tuple[int, int, int], KindRule] = {}
+#: Bound on that cache: a peer could vary the flag bits at will.
+_ACCEPTED_HEADERS_LIMIT: Final = 256
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Ticket:
+    """One upstream reply's place in message order (filled by whichever step produces it)."""
+
+    kind: MessageKind
+    reply: StageReply | None = None
+    #: The extension Timings frame written just before the reply (negotiated lanes only).
+    timings: TimingsFrame | None = None
+
+
+@dataclasses.dataclass(slots=True, eq=False)
+class Forward:
+    """A frame on its way downstream, what its reply means, and the timings the relay reports."""
+
+    message: StageMessage
+    expect: Expect | None
+    ticket: Ticket | None
+    session: int
+    received_us: int
+    enqueued_at: float
+    compute_us: int = 0
+    queue_us: int = 0
+    batch_size: int = 0
+    sent_us: int = 0
+    write_us: int = 0
+    frame_bytes: int = 0
+    #: Turns the downstream reply's stats into this stage's reply stats (prefix-cache control).
+    on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class Dispatch:
+    """Action for a received message: handle it by ``rule``; ``ticket`` is its reply's place."""
+
+    message: StageMessage
+    kind: MessageKind
+    rule: KindRule
+    ticket: Ticket | None
+    #: The early ACK is due now (reply it on ``ticket`` before handling the message).
+    early_ack: bool
+    #: The authoritative position to auto-align the session to (None: no alignment).
+    align_to: int | None
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class SendDownstream:
+    """Action after a stage's own part: forward the message; its reply means ``expect``."""
+
+    expect: Expect | None
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplyUpstream:
+    """Action after the final stage's part: answer the ticket (``answer``: ACK or PREDICTION)."""
+
+    answer: Answer
+    window: bool = False
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class Relay:
+    """Action for a downstream reply: ``absorb`` it (credit returned, stats kept), or relay it on
+    ``forward.ticket`` (``release`` the session first; ``prediction``: relay the predicted reply
+    itself with this stage's timings, else an ACK)."""
+
+    forward: Forward
+    absorb: bool = False
+    release: bool = False
+    prediction: bool = False
+
+
+_SEND_BY_EXPECT: Final = {expect: SendDownstream(expect) for expect in (*Expect, None)}
+_REPLY_ACK: Final = ReplyUpstream(Answer.ACK)
+_REPLY_PREDICTION: Final = ReplyUpstream(Answer.PREDICTION)
+_REPLY_WINDOW: Final = ReplyUpstream(Answer.PREDICTION, window=True)
+
+
+def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule]:
+    """The kind and rule of ``message``, its header checked against the kind.
+
+    Raises:
+        UnsupportedKind: a kind this stage does not serve.
+        InvalidMessage: the state header does not match the kind.
+    """
+    state = message.state
+    header = (int(message.kind), int(state.phase), int(state.flags))
+    rule = _ACCEPTED_HEADERS.get(header)
+    kind = message.kind if type(message.kind) is MessageKind else MessageKind(message.kind)
+    if rule is not None:  # the per-token path
+        return kind, rule
+    rule = RULES[kind]
+    if rule.handling is Handling.REFUSE:
+        raise UnsupportedKind(f"{kind.reference_name} refused: {rule.refusal}")
+    if rule.checks_header and not state.matches_kind(kind):
+        raise InvalidMessage(
+            f"binary stage state does not match message kind {kind.reference_name} "
+            f"(phase {state.phase}, flags {state.flags:#x})"
+        )
+    if len(_ACCEPTED_HEADERS) < _ACCEPTED_HEADERS_LIMIT:
+        _ACCEPTED_HEADERS[header] = rule
+    return kind, rule
+
+
+class LaneProtocol:
+    """The rules of one upstream lane (see the module header for the events and actions).
+
+    Args:
+        credit_limit: credited frames allowed unacknowledged downstream (>= 1).
+    """
+
+    __slots__ = ("credit_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
+                 "_pending_stats", "inflight")
+
+    def __init__(self, credit_limit: int) -> None:
+        if credit_limit < 1:
+            raise ValueError(f"credit_limit must be >= 1 (got {credit_limit})")
+        self.credit_limit = credit_limit
+        self.credits_in_use = 0
+        #: docs/protocol.md §2: whether this upstream flagged its messages (Error / Timings allowed).
+        self.extensions = ExtensionNegotiation()
+        #: Forwarded frames whose downstream reply has not been read, in write order.
+        self._expected: collections.deque[Forward] = collections.deque()
+        #: Tickets not yet written, in message order.
+        self._tickets: collections.deque[Ticket] = collections.deque()
+        #: Someone holds the writer token (a write of due replies is under way).
+        self._writing = False
+        #: Stats of absorbed ACKs and of this stage's own notes, for the next reply upstream.
+        self._pending_stats: ReplyStats = EMPTY_REPLY_STATS
+        #: Messages received whose reply has not been written yet (0: the lane is idle).
+        self.inflight = 0
+
+    # -- upstream: messages in ------------------------------------------------------------------
+    def message_received(self, message: StageMessage) -> Dispatch:
+        """A decoded message arrived from upstream.
+
+        Raises:
+            UnsupportedKind / InvalidMessage: the message is refused (the lane closes).
+        """
+        self.extensions.observe(message)
+        kind, rule = rule_for(message)
+        ticket = None
+        if rule.answer is not Answer.NONE:
+            ticket = Ticket(kind)
+            self._tickets.append(ticket)
+            self.inflight += 1
+        align_to = message.pos_start if rule.auto_align and message.pos_start >= 0 else None
+        return Dispatch(message, kind, rule, ticket, rule.early_ack, align_to)
+
+    def computed(self, dispatch: Dispatch, *, has_downstream: bool, local_hit: bool = False,
+                 forwarded: bool = True) -> SendDownstream | ReplyUpstream | None:
+        """The stage's own part of ``dispatch`` is done: what comes next.
+
+        Args:
+            has_downstream: the stage forwards (not the final stage).
+            local_hit: a prefix-control message hit on this stage (TryRestorePrefillDecode: the
+                reply is a prediction; on the final stage, its own).
+            forwarded: False when the stage's part decided not to forward (a prefix-control miss).
+
+        Returns:
+            SendDownstream, ReplyUpstream, or None when nothing is left to do (early-ACKed on
+            the final stage, or a message that is not answered).
+        """
+        rule = dispatch.rule
+        if has_downstream and forwarded:
+            return _SEND_BY_EXPECT[rule.expect(local_hit=local_hit)]
+        if dispatch.early_ack or dispatch.ticket is None:
+            return None
+        if rule.answer is Answer.PREDICTION or (rule.answer is Answer.PREDICTION_OR_ACK and local_hit):
+            return _REPLY_WINDOW if rule.window else _REPLY_PREDICTION
+        return _REPLY_ACK
+
+    # -- upstream: replies out ------------------------------------------------------------------
+    def reply_ready(self, ticket: Ticket, reply: StageReply,
+                    timings: TimingsFrame | None = None) -> list[Ticket]:
+        """``ticket``'s reply exists; returns the tickets now due, to be written in this order by
+        the caller (then :meth:`replies_written`), or [] when someone else writes them."""
+        if ticket.reply is not None:
+            raise RuntimeError(f"{ticket.kind.reference_name} answered twice")
+        ticket.reply = reply
+        ticket.timings = timings
+        return self._due()
+
+    def replies_written(self, count: int) -> list[Ticket]:
+        """The caller wrote the ``count`` replies it was given; returns the next ones due."""
+        if not self._writing:
+            raise RuntimeError("replies written without the writer token")
+        self._writing = False
+        self.inflight -= count
+        return self._due()
+
+    def claim_reply_write(self, ticket: Ticket) -> bool:
+        """Hand the writer token to a write of ``ticket``'s reply made elsewhere (write-through).
+
+        True when ``ticket`` is next in line and nobody is writing: the ticket leaves the queue and
+        the claimer must call ``replies_written(1)`` once its reply is out (or the lane fails).
+        """
+        if self._writing or not self._tickets or self._tickets[0] is not ticket:
+            return False
+        self._tickets.popleft()
+        self._writing = True
+        return True
+
+    def _due(self) -> list[Ticket]:
+        tickets = self._tickets
+        if self._writing or not tickets or tickets[0].reply is None:
+            return []
+        due = [tickets.popleft()]
+        while tickets and tickets[0].reply is not None:
+            due.append(tickets.popleft())
+        self._writing = True
+        return due
+
+    def stash_stats(self, stats: ReplyStats) -> None:
+        """Keep ``stats`` for the next reply upstream (this stage's notes, absorbed ACKs)."""
+        self._pending_stats = self._pending_stats.merge(stats)
+
+    def take_stats(self) -> ReplyStats:
+        """The stats kept for the next reply upstream (and forget them)."""
+        stats, self._pending_stats = self._pending_stats, EMPTY_REPLY_STATS
+        return stats
+
+    # -- downstream -----------------------------------------------------------------------------
+    @property
+    def expecting(self) -> bool:
+        """Whether a forwarded frame's reply is still to be read."""
+        return bool(self._expected)
+
+    def take_credit(self) -> bool:
+        """Take a reply credit for a credited frame; False when all are in use (wait for a
+        downstream ACK, then ask again)."""
+        if self.credits_in_use >= self.credit_limit:
+            return False
+        self.credits_in_use += 1
+        return True
+
+    def frame_forwarding(self, forward: Forward) -> None:
+        """``forward``'s frame is about to be written: its reply must find it (write order)."""
+        if forward.expect is not None:
+            self._expected.append(forward)
+
+    def downstream_replied(self, reply: StageReply, downstream: str) -> Relay:
+        """A reply arrived from the downstream stage (named ``downstream`` in errors).
+
+        Raises:
+            DownstreamLost: a reply with no frame outstanding, or of the wrong kind.
+        """
+        if not self._expected:
+            raise DownstreamLost(
+                f"downstream stage {downstream} sent {ReplyKind(reply.kind).reference_name} with no frame outstanding"
+            )
+        forward = self._expected.popleft()
+        expect = forward.expect
+        kind = reply.kind
+        if expect is Expect.RELAY_PREDICTION:
+            if kind != ReplyKind.PREDICTED_TOKEN and kind != ReplyKind.PREDICTED_TOKENS:
+                raise DownstreamLost(
+                    f"downstream stage {downstream} answered {ReplyKind(kind).reference_name} to "
+                    f"{MessageKind(forward.message.kind).reference_name}; expected a prediction"
+                )
+            return Relay(forward, prediction=True)
+        if kind != ReplyKind.ACK and not (expect is Expect.RELAY_EITHER and kind == ReplyKind.PREDICTED_TOKEN):
+            raise DownstreamLost(
+                f"downstream stage {downstream} answered {ReplyKind(kind).reference_name} to "
+                f"{MessageKind(forward.message.kind).reference_name}; expected downstream ACK"
+            )
+        if expect is Expect.ABSORB_ACK:
+            self.credits_in_use -= 1
+            return Relay(forward, absorb=True)
+        return Relay(forward, release=expect is Expect.STOP_ACK, prediction=kind == ReplyKind.PREDICTED_TOKEN)
