@@ -10,11 +10,20 @@
 # The shapes of the benchmark presets follow the published configs of Qwen3-0.6B and
 # Llama-3.2-1B; llama-3 rope scaling is left out on purpose (it needs a `rope_freqs` tensor and
 # changes nothing that the split runtime cares about).
+#
+# Architectures beyond llama/qwen2/qwen3 are described in `families.py` (which hparams and
+# tensors each one has); the spec carries their extra hparams as optional fields whose zero /
+# false / empty value means "not in the file". `canonical_dict` leaves such unset fields out, so
+# the canonical JSON (and so the file bytes and cache key) of every spec that existed before
+# those fields is unchanged.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Literal, get_args
+
+from skippy.models.families import OPTIONAL_KEYS, family, quantized_rows
 
 __all__ = [
     "Architecture",
@@ -23,15 +32,34 @@ __all__ = [
     "VocabName",
     "WeightDtype",
     "demo",
+    "gemma3_270m",
     "preset",
+    "qwen3moe_30b_a3b_8e",
     "tiny",
 ]
 
-Architecture = Literal["llama", "qwen2", "qwen3"]
+Architecture = Literal[
+    "llama",
+    "qwen2",
+    "qwen3",
+    "gemma2",
+    "gemma3",
+    "phi3",
+    "mistral3",
+    "olmo2",
+    "granite",
+    "glm4",
+    "qwen2moe",
+    "qwen3moe",
+    "gpt-oss",
+    "glm4moe",
+]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
 
 ARCHITECTURES: Final = frozenset(get_args(Architecture))
+#: The architectures added after llama/qwen2/qwen3, in declaration order.
+NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(Architecture)[3:]
 VOCABS: Final = frozenset(get_args(VocabName))
 WEIGHT_DTYPES: Final = frozenset(get_args(WeightDtype))
 
@@ -60,6 +88,27 @@ class ModelSpec:
         rms_eps: ``<arch>.attention.layer_norm_rms_epsilon``.
         seed: root of every random draw in the file.
         name: ``general.name``; informational only, but part of the cache key.
+
+    The remaining fields are family-specific hparams (see `families.py` for which family
+    requires or permits which); 0 / False / "" means absent from the file.
+
+        rope_dim: ``rope.dimension_count`` when rope covers only part of a head (glm4: half);
+            0 means the whole head.
+        n_expert, n_expert_used: experts per MoE block and how many each token uses.
+        n_ff_exp: hidden width of one expert.
+        n_ff_shexp: hidden width of qwen2moe's shared expert.
+        n_expert_shared: shared experts of glm4moe (each ``n_ff_exp`` wide).
+        n_dense_lead: leading blocks with a dense FFN instead of experts (glm4moe).
+        expert_weights_scale, expert_weights_norm, expert_gating: routing constants
+            (gating 1 = softmax, 2 = sigmoid).
+        sliding_window: the local-attention window of SWA layers.
+        swa_pattern: every ``swa_pattern``-th layer is global, the others are sliding-window
+            (llama.cpp: layer ``il`` is SWA when ``il % swa_pattern < swa_pattern - 1``).
+        rope_theta_swa: rope base of the sliding-window layers.
+        rope_scaling, rope_scaling_factor, rope_orig_ctx: ``"yarn"`` rope scaling.
+        attn_temp_scale: position-dependent attention temperature (mistral3).
+        attn_softcap, final_softcap: attention / final logit soft-capping (gemma2).
+        embedding_scale, residual_scale, attention_scale, logit_scale: granite's multipliers.
     """
 
     arch: Architecture
@@ -77,6 +126,29 @@ class ModelSpec:
     rms_eps: float = 1e-5
     seed: int = 0
     name: str = "skippy-synthetic"
+    rope_dim: int = 0
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_ff_shexp: int = 0
+    n_expert_shared: int = 0
+    n_dense_lead: int = 0
+    expert_weights_scale: float = 0.0
+    expert_weights_norm: bool = False
+    expert_gating: int = 0
+    sliding_window: int = 0
+    swa_pattern: int = 0
+    rope_theta_swa: float = 0.0
+    rope_scaling: str = ""
+    rope_scaling_factor: float = 0.0
+    rope_orig_ctx: int = 0
+    attn_temp_scale: float = 0.0
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    embedding_scale: float = 0.0
+    residual_scale: float = 0.0
+    attention_scale: float = 0.0
+    logit_scale: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -98,20 +170,31 @@ class ModelSpec:
         if self.head_dim is None and self.n_embd % self.n_head != 0:
             raise ValueError(
                 f"n_embd ({self.n_embd}) is not divisible by n_head ({self.n_head}); "
-                "give head_dim explicitly (qwen3/llama only)"
+                "give head_dim explicitly (families with a decoupled head width only)"
             )
         if self.head_dim is not None and self.head_dim <= 0:
             raise ValueError(f"head_dim must be positive, got {self.head_dim!r}")
         if self.n_embd_head % 2 != 0:
             raise ValueError(f"head_dim must be even for rope, got {self.n_embd_head}")
-        if self.arch == "qwen2" and self.n_head * self.n_embd_head != self.n_embd:
-            # llama.cpp's qwen2 loader shapes attn_q/attn_output as n_embd x n_embd.
-            raise ValueError(
-                f"qwen2 needs n_head * head_dim == n_embd, got {self.n_head} * "
-                f"{self.n_embd_head} != {self.n_embd}"
-            )
+        for name in OPTIONAL_KEYS:
+            value = getattr(self, name)
+            if isinstance(value, bool) != (name == "expert_weights_norm"):
+                raise ValueError(f"{name} has the wrong type: {value!r}")
+            if isinstance(value, (int, float)) and value < 0:
+                raise ValueError(f"{name} must not be negative, got {value!r}")
+        if self.rope_dim < 0 or self.rope_dim % 2 or self.rope_dim > self.n_embd_head:
+            raise ValueError(f"rope_dim must be even and at most head_dim, got {self.rope_dim}")
+        if self.arch == "llama" and self.rope_dim not in (0, self.n_embd_head):
+            raise ValueError("llama needs rope_dim == head_dim (llama.cpp checks it)")
+        errors = family(self.arch).check(self)
+        if errors:
+            raise ValueError("; ".join(errors))
         if not self.rope_theta > 0 or not self.rms_eps > 0:
             raise ValueError("rope_theta and rms_eps must be positive")
+        if any(marker in self.name.lower() for marker in ("phi3", "phi-3")):
+            # llama.cpp's vocab loader then sets attributes on "<|endoftext|>", which the
+            # shipped vocabularies lack, and fails with unordered_map::at.
+            raise ValueError(f"name must not contain 'phi3' / 'phi-3' (got {self.name!r})")
         if self.dtype == "Q8_0":
             for label, width in (
                 ("n_embd", self.n_embd),
@@ -122,6 +205,14 @@ class ModelSpec:
                     raise ValueError(
                         f"Q8_0 rows must be a multiple of {Q8_0_BLOCK} values; {label} is {width}"
                     )
+            block = family(self.arch).block
+            for layer in sorted({0, min(self.n_dense_lead, self.n_layer - 1)}):
+                for label, width in quantized_rows(block(self, layer)):
+                    if width % Q8_0_BLOCK != 0:
+                        raise ValueError(
+                            f"Q8_0 rows must be a multiple of {Q8_0_BLOCK} values; "
+                            f"{label} rows are {width}"
+                        )
 
     @property
     def n_embd_head(self) -> int:
@@ -138,21 +229,48 @@ class ModelSpec:
         """Width of the key and value projection outputs (``n_head_kv * head_dim``)."""
         return self.n_head_kv * self.n_embd_head
 
+    @property
+    def n_rot(self) -> int:
+        """Rotary width per head (``rope_dim`` or the whole head)."""
+        return self.rope_dim or self.n_embd_head
+
     def as_dict(self) -> dict[str, Any]:
         """Return the fields as a plain dict (stable order), for hashing and display."""
         return dataclasses.asdict(self)
 
+    def canonical_dict(self) -> dict[str, Any]:
+        """The fields that identify the file: every base field, plus each family field that is
+        set (so specs written before the family fields existed keep their canonical form)."""
+        return {
+            key: value
+            for key, value in self.as_dict().items()
+            if key in _BASE_FIELDS or value != _FIELD_DEFAULTS[key]
+        }
+
     def short_name(self) -> str:
         """A readable file-name stem, e.g. ``qwen3-28x1024-F16-tied``."""
         head = "tied" if self.tied else "untied"
-        return f"{self.arch}-{self.n_layer}x{self.n_embd}-{self.vocab}-{self.dtype}-{head}"
+        experts = f"-{self.n_expert}e{self.n_expert_used}" if self.n_expert else ""
+        return f"{self.arch}-{self.n_layer}x{self.n_embd}{experts}-{self.vocab}-{self.dtype}-{head}"
+
+
+#: The fields ModelSpec had before family-specific hparams existed; always canonical.
+_BASE_FIELDS: Final = frozenset(
+    {
+        "arch", "n_layer", "n_embd", "n_ff", "n_head", "n_head_kv", "head_dim", "vocab",
+        "dtype", "tied", "context_length", "rope_theta", "rms_eps", "seed", "name",
+    }
+)
+_FIELD_DEFAULTS: Final[dict[str, Any]] = {
+    f.name: f.default for f in dataclasses.fields(ModelSpec)
+}
 
 
 def tiny(
     arch: Architecture = "llama",
     *,
     dtype: WeightDtype = "F32",
-    tied: bool = False,
+    tied: bool | None = None,
     vocab: VocabName = "llama-spm",
     n_layer: int = 4,
     n_embd: int = 64,
@@ -161,13 +279,21 @@ def tiny(
     """A test-sized model: 4 layers, n_embd 64, n_ff 128, 4 query / 2 KV heads.
 
     qwen3 gets ``head_dim = 32`` (so ``n_head * head_dim = 128 != n_embd``), exercising the
-    decoupled head width that real Qwen3 checkpoints use. The default vocab is the 32000-token
-    SPM one, which keeps the embedding at 8 MB in F32.
+    decoupled head width that real Qwen3 checkpoints use; so do the other families whose real
+    checkpoints decouple it (gemma3, mistral3, qwen3moe, gpt-oss, glm4moe). The default vocab is
+    the 32000-token SPM one, which keeps the embedding at 8 MB in F32.
+
+    Family constants (see `_TINY_EXTRAS`): sliding-window families get a window of 8 with every
+    other layer global (so a 12-token prompt crosses the window and a 4-layer model has both
+    layer kinds); MoE families get 8 experts of which 2 are used (so routing picks different
+    experts per token); granite gets non-trivial multipliers (12, 0.22, 1/128, 8); glm4 and
+    glm4moe rotate half of each head, as the real models do.
 
     Args:
         arch: the llama.cpp architecture.
         dtype: weight storage type.
-        tied: share the output head with the token embedding.
+        tied: share the output head with the token embedding; ``None`` is the family's first
+            option (untied, except gemma2, which only has a tied head).
         vocab: tokenizer source.
         n_layer: number of blocks.
         n_embd: residual width (a multiple of 32 keeps Q8_0 valid).
@@ -176,6 +302,9 @@ def tiny(
     Returns:
         The validated spec.
     """
+    if tied is None:
+        tied = False not in family(arch).heads
+    decoupled = arch in _DECOUPLED_HEADS
     return ModelSpec(
         arch=arch,
         n_layer=n_layer,
@@ -183,7 +312,7 @@ def tiny(
         n_ff=2 * n_embd,
         n_head=4,
         n_head_kv=2,
-        head_dim=(n_embd // 2) if arch == "qwen3" else None,
+        head_dim=(n_embd // 2) if decoupled else None,
         vocab=vocab,
         dtype=dtype,
         tied=tied,
@@ -191,8 +320,57 @@ def tiny(
         rope_theta=10000.0,
         rms_eps=1e-6 if arch != "llama" else 1e-5,
         seed=seed,
-        name=f"skippy-tiny-{arch}",
+        name=f"skippy-tiny-{arch}".replace("phi3", "phi"),
+        **_TINY_EXTRAS.get(arch, _no_extras)(n_embd),
     )
+
+
+#: Families whose tiny shape has head_dim = n_embd / 2 (n_head * head_dim != n_embd).
+_DECOUPLED_HEADS: Final = frozenset({"qwen3", "gemma3", "mistral3", "qwen3moe", "gpt-oss", "glm4moe"})
+
+#: The tiny sliding window: shorter than the tests' 12-token prompt.
+TINY_SLIDING_WINDOW: Final = 8
+
+
+def _no_extras(n_embd: int) -> dict[str, Any]:
+    del n_embd
+    return {}
+
+
+def _tiny_moe(n_embd: int) -> dict[str, Any]:
+    return {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": n_embd // 2}
+
+
+_TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
+    "gemma2": lambda n: {
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
+        "attn_softcap": 50.0, "final_softcap": 30.0,
+    },
+    "gemma3": lambda n: {
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta_swa": 10000.0,
+    },
+    # yarn over a 16-token original context and the attention temperature floor at 16
+    # positions: a 12-token prompt plus 16 decode steps crosses it.
+    "mistral3": lambda n: {
+        "rope_scaling": "yarn", "rope_scaling_factor": 4.0, "rope_orig_ctx": 16,
+        "attn_temp_scale": 0.1,
+    },
+    "granite": lambda n: {
+        "embedding_scale": 12.0, "residual_scale": 0.22, "attention_scale": 0.0078125,
+        "logit_scale": 8.0,
+    },
+    "glm4": lambda n: {"rope_dim": n // 8},  # half of the n_embd / 4 head
+    "qwen2moe": lambda n: {**_tiny_moe(n), "n_ff_shexp": n},
+    "qwen3moe": _tiny_moe,
+    "gpt-oss": lambda n: {
+        **_tiny_moe(n), "n_ff_exp": n, "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
+        "rope_scaling": "yarn", "rope_scaling_factor": 32.0, "rope_orig_ctx": 4096,
+    },
+    "glm4moe": lambda n: {
+        **_tiny_moe(n), "rope_dim": n // 4, "n_dense_lead": 1, "n_expert_shared": 1,
+        "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+}
 
 
 def demo(*, dtype: WeightDtype = "F16", seed: int = 0) -> ModelSpec:
@@ -290,15 +468,76 @@ def llama_16x1024(
     )
 
 
+def gemma3_270m(*, dtype: WeightDtype = "F16", seed: int = 0) -> ModelSpec:
+    """The shape of Gemma 3 270M: 18 x 640, n_ff 2048, 4 query / 1 KV heads of 256, tied.
+
+    Sliding window 512 with every 6th layer global, rope base 1e6 (global) / 1e4 (local). The
+    real model's 262144-token vocab is replaced by the 32000-token SPM one, so the layers are a
+    larger share of the file than in the real one (which is mostly embedding).
+    """
+    return ModelSpec(
+        arch="gemma3",
+        n_layer=18,
+        n_embd=640,
+        n_ff=2048,
+        n_head=4,
+        n_head_kv=1,
+        head_dim=256,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=True,
+        context_length=32768,
+        rope_theta=1_000_000.0,
+        rms_eps=1e-6,
+        seed=seed,
+        name="skippy-gemma3-270m-shape",
+        sliding_window=512,
+        swa_pattern=6,
+        rope_theta_swa=10_000.0,
+    )
+
+
+def qwen3moe_30b_a3b_8e(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
+    """Qwen3-30B-A3B's block shape with 8 experts (2 used) and 12 of its 48 layers.
+
+    Each block is Qwen3-30B-A3B's (n_embd 2048, 32 query / 4 KV heads of 128, experts of width
+    768), but with 8 experts instead of 128 and a 32000-token SPM vocab, so the file is about
+    0.86 GB in Q8_0 and the expert tensors dominate it (about 2/3), as they do in the real model.
+    """
+    return ModelSpec(
+        arch="qwen3moe",
+        n_layer=12,
+        n_embd=2048,
+        n_ff=6144,
+        n_head=32,
+        n_head_kv=4,
+        head_dim=128,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=False,
+        context_length=40960,
+        rope_theta=1_000_000.0,
+        rms_eps=1e-6,
+        seed=seed,
+        name="skippy-qwen3moe-30b-a3b-8e-shape",
+        n_expert=8,
+        n_expert_used=2,
+        n_ff_exp=768,
+    )
+
+
 #: Named presets; each is a zero-argument factory.
 PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
     "tiny-qwen2": lambda: tiny("qwen2"),
     "tiny-qwen3": lambda: tiny("qwen3"),
+    **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in NEW_ARCHITECTURES},
     "demo": demo,
     "qwen3-0.6b": qwen3_0_6b,
     "llama-3.2-1b": llama_3_2_1b,
     "llama-16x1024": llama_16x1024,
+    "gemma3-270m": gemma3_270m,
+    "qwen3moe-30b-a3b-8e": qwen3moe_30b_a3b_8e,
 }
 
 

@@ -1,15 +1,19 @@
-# Writes seeded random-weight GGUF models that llama.cpp loads as llama, qwen2 or qwen3.
+# Writes seeded random-weight GGUF models that llama.cpp loads, for every architecture family
+# of `families.py` (llama, qwen2, qwen3, gemma2/3, phi3, mistral3, olmo2, granite, glm4 and the
+# MoE families qwen2moe, qwen3moe, gpt-oss, glm4moe).
 #
 # Strategy:
-# - Metadata: every hparam key the three llama.cpp loaders read (block count, context, widths,
-#   head counts, key/value length, rope dimension and base, RMS epsilon, vocab size), file type,
-#   and all `tokenizer.*` keys copied verbatim from a vocab-only GGUF of the llama.cpp tree (see
-#   `vocab_files.py`). The spec itself is stored as JSON under `skippy.synthetic.spec`, which llama.cpp
-#   ignores and which lets a tool tell what a file is.
+# - Metadata: the hparam keys every llama.cpp loader reads (block count, context, widths, head
+#   counts, key/value length, rope dimension and base, RMS epsilon, vocab size), then the
+#   family's own keys (experts, sliding window, soft-capping, multipliers, ...: one key per set
+#   optional spec field, see `family_keys`), file type, and all `tokenizer.*` keys copied
+#   verbatim from a vocab-only GGUF of the llama.cpp tree (see `vocab_files.py`). The spec
+#   itself is stored as JSON under `skippy.synthetic.spec`, which llama.cpp ignores and which
+#   lets a tool tell what a file is.
 # - Tensor order in the file is the order of real converted checkpoints: `token_embd.weight`
-#   first, then each block `blk.0` ... `blk.N-1` in order (attn_norm, attn_q/k/v with qwen2
-#   biases, qwen3 attn_q_norm/attn_k_norm, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down),
-#   then `output_norm.weight` and, unless the head is tied, `output.weight`. A stage that owns a
+#   first, then each block `blk.0` ... `blk.N-1` in order (the family's block list, e.g. for
+#   llama attn_norm, attn_q/k/v, attn_output, ffn_norm, ffn_gate, ffn_up, ffn_down), then
+#   `output_norm.weight` and, unless the head is tied, `output.weight`. A stage that owns a
 #   layer range therefore maps one contiguous run of the file (plus the head or embedding ends),
 #   which is what the loader's byte accounting and the tied-head last stage are measured against.
 # - Weights: each tensor draws from its own generator, seeded with (spec.seed, crc32(name)), so a
@@ -18,10 +22,13 @@
 #   (unit-scale outputs for unit-RMS inputs, so activations stay sane over many layers), the
 #   embedding is N(0, 1/n_embd) (a tied head then gives logits of about unit spread), norm
 #   weights are uniform in [0.6, 1.4] (not 1.0, so a pre/post-norm mix-up changes the output),
-#   and qwen2's q/k/v biases are N(0, 0.1^2).
-# - Storage: 2-D matrices in the spec's dtype (F16 by numpy cast, Q8_0 by gguf.quants, which is
-#   bit-exact with ggml's reference quantizer); 1-D norms and biases stay F32, as llama.cpp's
-#   converters and quantizer leave them.
+#   biases (q/k/v, attention output, experts, expert-selection) are N(0, 0.1^2), gpt-oss
+#   attention sinks N(0, 1). Routers are N(0, 1/n_embd) like any matrix, so router logits of
+#   unit-RMS hidden states have unit spread and top-k picks different experts per token.
+#   Stacked 3-D expert tensors are drawn as one (n_expert * rows, fan_in) matrix.
+# - Storage: 2-D matrices and 3-D experts in the spec's dtype (F16 by numpy cast, Q8_0 by
+#   gguf.quants, which is bit-exact with ggml's reference quantizer); 1-D tensors, biases and
+#   routers (`ffn_gate_inp`) stay F32, as llama.cpp's converters and quantizer leave them.
 # - Streaming: tensor infos are declared up front, then each tensor is generated in row chunks
 #   and written before the next is made, so a multi-GB benchmark model needs about one tensor
 #   of memory. The file appears at its final path only complete (write, then rename).
@@ -34,7 +41,7 @@ import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Final, Literal
+from typing import Final
 
 import numpy as np
 import numpy.typing as npt
@@ -44,15 +51,17 @@ from gguf import (
     MODEL_TENSOR,
     TENSOR_NAMES,
     GGMLQuantizationType,
+    GGUFValueType,
     GGUFWriter,
     LlamaFileType,
     quants,
 )
 
+from skippy.models.families import OPTIONAL_KEYS, TensorKind, family
 from skippy.models.spec import ModelSpec, WeightDtype
 from skippy.models.vocab_files import read_tokenizer
 
-__all__ = ["ProgressCallback", "TensorPlan", "plan_tensors", "write_model"]
+__all__ = ["ProgressCallback", "TensorPlan", "family_keys", "plan_tensors", "write_model"]
 
 #: Called as ``progress(bytes_written, bytes_total)`` after each tensor.
 ProgressCallback = Callable[[int, int], None]
@@ -62,8 +71,6 @@ GENERATOR_VERSION: Final = 1
 
 #: Metadata key holding the spec as JSON.
 SPEC_KEY: Final = "skippy.synthetic.spec"
-
-TensorKind = Literal["embedding", "matrix", "norm", "bias"]
 
 _QTYPES: Final[dict[WeightDtype, GGMLQuantizationType]] = {
     "F32": GGMLQuantizationType.F32,
@@ -128,19 +135,12 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
         n_vocab: number of tokens of its tokenizer.
 
     Returns:
-        The tensor plans, ``token_embd`` first and the head last.
+        The tensor plans, ``token_embd`` first and the head last; the blocks in between are
+        what the spec's family (`skippy.models.families`) declares.
     """
     matrix_type = _QTYPES[spec.dtype]
     f32 = GGMLQuantizationType.F32
-
-    def matrix(tensor: MODEL_TENSOR, out_width: int, in_width: int, block: int) -> TensorPlan:
-        return TensorPlan(
-            _tensor_name(tensor, "weight", block), (out_width, in_width), "matrix", matrix_type
-        )
-
-    def vector(tensor: MODEL_TENSOR, suffix: str, width: int, block: int | None) -> TensorPlan:
-        kind: TensorKind = "bias" if suffix == "bias" else "norm"
-        return TensorPlan(_tensor_name(tensor, suffix, block), (width,), kind, f32)
+    block = family(spec.arch).block
 
     plans = [
         TensorPlan(
@@ -150,25 +150,15 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
             matrix_type,
         )
     ]
-    for block in range(spec.n_layer):
-        plans.append(vector(MODEL_TENSOR.ATTN_NORM, "weight", spec.n_embd, block))
-        for tensor, width in (
-            (MODEL_TENSOR.ATTN_Q, spec.n_q),
-            (MODEL_TENSOR.ATTN_K, spec.n_kv),
-            (MODEL_TENSOR.ATTN_V, spec.n_kv),
-        ):
-            plans.append(matrix(tensor, width, spec.n_embd, block))
-            if spec.arch == "qwen2":
-                plans.append(vector(tensor, "bias", width, block))
-        if spec.arch == "qwen3":
-            plans.append(vector(MODEL_TENSOR.ATTN_Q_NORM, "weight", spec.n_embd_head, block))
-            plans.append(vector(MODEL_TENSOR.ATTN_K_NORM, "weight", spec.n_embd_head, block))
-        plans.append(matrix(MODEL_TENSOR.ATTN_OUT, spec.n_embd, spec.n_q, block))
-        plans.append(vector(MODEL_TENSOR.FFN_NORM, "weight", spec.n_embd, block))
-        plans.append(matrix(MODEL_TENSOR.FFN_GATE, spec.n_ff, spec.n_embd, block))
-        plans.append(matrix(MODEL_TENSOR.FFN_UP, spec.n_ff, spec.n_embd, block))
-        plans.append(matrix(MODEL_TENSOR.FFN_DOWN, spec.n_embd, spec.n_ff, block))
-    plans.append(vector(MODEL_TENSOR.OUTPUT_NORM, "weight", spec.n_embd, None))
+    for layer in range(spec.n_layer):
+        for decl in block(spec, layer):
+            qtype = matrix_type if decl.quantized else f32
+            plans.append(TensorPlan(decl.name, decl.shape, decl.kind, qtype))
+    plans.append(
+        TensorPlan(
+            _tensor_name(MODEL_TENSOR.OUTPUT_NORM, "weight"), (spec.n_embd,), "norm", f32
+        )
+    )
     if not spec.tied:
         plans.append(
             TensorPlan(
@@ -248,16 +238,29 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_head_count_kv(spec.n_head_kv)
     writer.add_key_length(spec.n_embd_head)
     writer.add_value_length(spec.n_embd_head)
-    writer.add_rope_dimension_count(spec.n_embd_head)
+    writer.add_rope_dimension_count(spec.n_rot)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
+    for key, value, value_type in family_keys(spec):
+        writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
+
+
+def family_keys(spec: ModelSpec) -> list[tuple[str, object, GGUFValueType]]:
+    """The family-specific hparam keys of a spec: (full key, value, GGUF type), one for each
+    optional field that is set (see `skippy.models.families.OPTIONAL_KEYS`)."""
+    keys: list[tuple[str, object, GGUFValueType]] = []
+    for name, key in OPTIONAL_KEYS.items():
+        value = getattr(spec, name)
+        if value:
+            keys.append((f"{spec.arch}.{key.suffix}", value, key.type))
+    return keys
 
 
 def spec_json(spec: ModelSpec) -> str:
     """The canonical JSON of a spec plus the generator version (sorted keys, no spaces)."""
-    payload = {"generator_version": GENERATOR_VERSION, **spec.as_dict()}
+    payload = {"generator_version": GENERATOR_VERSION, **spec.canonical_dict()}
     return json.dumps(payload, sort_keys=True, separators=(",", ":"))
 
 
@@ -267,7 +270,15 @@ def _make_tensor(spec: ModelSpec, plan: TensorPlan) -> npt.NDArray[np.generic]:
         return rng.uniform(_NORM_LOW, _NORM_HIGH, size=plan.shape).astype(np.float32)
     if plan.kind == "bias":
         return rng.standard_normal(size=plan.shape, dtype=np.float32) * np.float32(_BIAS_STD)
-    rows, fan_in = plan.shape
+    if plan.kind == "sink":
+        return rng.standard_normal(size=plan.shape, dtype=np.float32)
+    if plan.kind == "vector":
+        scale = np.float32(1.0 / np.sqrt(plan.shape[-1]))
+        return rng.standard_normal(size=plan.shape, dtype=np.float32) * scale
+    # Matrices (2-D, or 3-D stacked experts generated as one (n_expert * out, in) matrix: the
+    # stored bytes are the same, row after row).
+    fan_in = plan.shape[-1]
+    rows = plan.n_values // fan_in
     scale = np.float32(1.0 / np.sqrt(spec.n_embd if plan.kind == "embedding" else fan_in))
     # Fill a preallocated output chunk by chunk: peak memory is the stored tensor plus one
     # float32 chunk, not twice the tensor.

@@ -1,0 +1,513 @@
+# Per-architecture descriptions of synthetic models: which hparams a family needs and which
+# tensors each of its blocks holds, as llama.cpp's loader for that architecture expects them.
+#
+# Strategy: a `Family` is data, not code paths spread through the writer. It names
+# - the head options its loader accepts (`heads`: tied, untied or both),
+# - the optional `ModelSpec` fields it requires / permits (`requires`, `permits`); every such
+#   field maps to one GGUF key (`OPTIONAL_KEYS`), written only when the field is set, so a spec
+#   of one family can never carry another family's keys by accident,
+# - a `block(spec, layer)` function returning that block's tensors in file order, built from a
+#   few shared pieces (attention, dense FFN, mixture of experts) with per-family switches
+#   (biases, fused q/k/v, q/k norms, post-norms, attention sinks, shared experts, ...),
+# - extra shape rules (`rules`), e.g. "n_head * head_dim must equal n_embd" where the loader
+#   shapes attention as n_embd x n_embd.
+# The shapes are numpy (row-major) order: the last axis is the input width (fan_in) and the one
+# Q8_0 blocks run along; ggml's `ne` is the reverse. 3-D expert tensors are (n_expert, out, in).
+# Names and keys are the strings of llama.cpp's src/llama-arch.cpp (tests check them against the
+# pinned tree). The llama/qwen2/qwen3 blocks are exactly what the writer produced before this
+# module existed (same tensors, same order), so their files keep their bytes.
+#
+# Which real checkpoints each description follows is said in its `summary`.
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Final, Literal
+
+from gguf import GGUFValueType
+
+if TYPE_CHECKING:
+    from skippy.models.spec import ModelSpec
+
+__all__ = [
+    "FAMILIES",
+    "Family",
+    "OPTIONAL_KEYS",
+    "OptionalKey",
+    "TensorDecl",
+    "TensorKind",
+    "family",
+    "quantized_rows",
+]
+
+#: What a tensor is; decides its initialisation (see synthetic.py) and, with `quantized`, its type.
+#: embedding: token table; matrix: a projection (2-D, or 3-D stacked experts); norm: RMSNorm
+#: weight; bias: additive bias (any rank); router: expert-gating projection (kept F32, as
+#: llama.cpp's converter and quantizer keep ``ffn_gate_inp``); vector: a 1-D weight used as a
+#: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits.
+TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink"]
+
+
+@dataclass(frozen=True, slots=True)
+class TensorDecl:
+    """One tensor of a model as its family declares it.
+
+    Attributes:
+        name: GGUF tensor name.
+        shape: numpy shape (last axis = input width).
+        kind: see `TensorKind`.
+        quantized: stored in the spec's weight dtype (else always F32).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    kind: TensorKind
+    quantized: bool
+
+
+@dataclass(frozen=True, slots=True)
+class OptionalKey:
+    """A GGUF hparam key written from one optional `ModelSpec` field when that field is set."""
+
+    suffix: str  # the key without the "<arch>." prefix
+    type: GGUFValueType
+
+
+#: Optional spec field -> the key it is written to (only when non-zero / true / non-empty).
+OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
+    "n_expert": OptionalKey("expert_count", GGUFValueType.UINT32),
+    "n_expert_used": OptionalKey("expert_used_count", GGUFValueType.UINT32),
+    "n_ff_exp": OptionalKey("expert_feed_forward_length", GGUFValueType.UINT32),
+    "n_ff_shexp": OptionalKey("expert_shared_feed_forward_length", GGUFValueType.UINT32),
+    "n_expert_shared": OptionalKey("expert_shared_count", GGUFValueType.UINT32),
+    "n_dense_lead": OptionalKey("leading_dense_block_count", GGUFValueType.UINT32),
+    "expert_weights_scale": OptionalKey("expert_weights_scale", GGUFValueType.FLOAT32),
+    "expert_weights_norm": OptionalKey("expert_weights_norm", GGUFValueType.BOOL),
+    "expert_gating": OptionalKey("expert_gating_func", GGUFValueType.UINT32),
+    "sliding_window": OptionalKey("attention.sliding_window", GGUFValueType.UINT32),
+    "swa_pattern": OptionalKey("attention.sliding_window_pattern", GGUFValueType.UINT32),
+    "rope_theta_swa": OptionalKey("rope.freq_base_swa", GGUFValueType.FLOAT32),
+    "rope_scaling": OptionalKey("rope.scaling.type", GGUFValueType.STRING),
+    "rope_scaling_factor": OptionalKey("rope.scaling.factor", GGUFValueType.FLOAT32),
+    "rope_orig_ctx": OptionalKey("rope.scaling.original_context_length", GGUFValueType.UINT32),
+    "attn_temp_scale": OptionalKey("attention.temperature_scale", GGUFValueType.FLOAT32),
+    "attn_softcap": OptionalKey("attn_logit_softcapping", GGUFValueType.FLOAT32),
+    "final_softcap": OptionalKey("final_logit_softcapping", GGUFValueType.FLOAT32),
+    "embedding_scale": OptionalKey("embedding_scale", GGUFValueType.FLOAT32),
+    "residual_scale": OptionalKey("residual_scale", GGUFValueType.FLOAT32),
+    "attention_scale": OptionalKey("attention.scale", GGUFValueType.FLOAT32),
+    "logit_scale": OptionalKey("logit_scale", GGUFValueType.FLOAT32),
+}
+
+_MOE: Final = frozenset({"n_expert", "n_expert_used", "n_ff_exp"})
+_SWA: Final = frozenset({"sliding_window", "swa_pattern"})
+_YARN: Final = frozenset({"rope_scaling", "rope_scaling_factor", "rope_orig_ctx"})
+
+#: A rule returns an error message, or None when the spec satisfies it.
+Rule = Callable[["ModelSpec"], "str | None"]
+
+
+@dataclass(frozen=True, slots=True)
+class Family:
+    """How one llama.cpp architecture's files look.
+
+    Attributes:
+        arch: the ``general.architecture`` string.
+        heads: the accepted values of ``ModelSpec.tied`` (what the loader can load).
+        block: the tensors of block ``layer`` in file order.
+        requires: optional spec fields that must be set.
+        permits: optional spec fields that may be set (``requires`` is implied).
+        rules: further shape checks.
+        summary: which real checkpoints the description follows.
+    """
+
+    arch: str
+    heads: frozenset[bool]
+    block: Callable[["ModelSpec", int], list[TensorDecl]]
+    requires: frozenset[str] = frozenset()
+    permits: frozenset[str] = frozenset()
+    rules: tuple[Rule, ...] = ()
+    summary: str = ""
+
+    @property
+    def allowed(self) -> frozenset[str]:
+        """Every optional field a spec of this family may set."""
+        return self.requires | self.permits
+
+    def check(self, spec: "ModelSpec") -> list[str]:
+        """Return the reasons ``spec`` is not a valid model of this family (empty when valid)."""
+        errors: list[str] = []
+        if spec.tied not in self.heads:
+            kind = "tied" if spec.tied else "untied"
+            errors.append(f"{self.arch} has no {kind} head (llama.cpp's loader would not load it)")
+        for name in sorted(self.requires):
+            if not _is_set(getattr(spec, name)):
+                errors.append(f"{self.arch} needs {name}")
+        for name in sorted(set(OPTIONAL_KEYS) - self.allowed):
+            if _is_set(getattr(spec, name)):
+                errors.append(f"{name} does not apply to {self.arch}")
+        for rule in self.rules:
+            message = rule(spec)
+            if message is not None:
+                errors.append(message)
+        return errors
+
+
+def _is_set(value: object) -> bool:
+    return bool(value)
+
+
+# --- shared pieces -------------------------------------------------------------------------
+
+
+def _blk(layer: int, name: str, suffix: str = "weight") -> str:
+    return f"blk.{layer}.{name}.{suffix}"
+
+
+def _matrix(layer: int, name: str, out_width: int, in_width: int) -> TensorDecl:
+    return TensorDecl(_blk(layer, name), (out_width, in_width), "matrix", True)
+
+
+def _norm(layer: int, name: str, width: int) -> TensorDecl:
+    return TensorDecl(_blk(layer, name), (width,), "norm", False)
+
+
+def _bias(layer: int, name: str, *shape: int) -> TensorDecl:
+    return TensorDecl(_blk(layer, name, "bias"), tuple(shape), "bias", False)
+
+
+def _attention(
+    spec: "ModelSpec",
+    layer: int,
+    *,
+    pre_norm: bool = True,
+    qkv_bias: bool = False,
+    fused_qkv: bool = False,
+    qk_norm: Literal["none", "head", "full"] = "none",
+    out_bias: bool = False,
+    sinks: bool = False,
+    post_norm: bool = False,
+) -> list[TensorDecl]:
+    """The attention sub-block: [attn_norm], q/k/v (or fused qkv) [+biases], [q/k norms],
+    attn_output [+bias], [attn_sinks], [post_attention_norm]."""
+    out: list[TensorDecl] = []
+    if pre_norm:
+        out.append(_norm(layer, "attn_norm", spec.n_embd))
+    if fused_qkv:
+        out.append(_matrix(layer, "attn_qkv", spec.n_q + 2 * spec.n_kv, spec.n_embd))
+        if qkv_bias:
+            out.append(_bias(layer, "attn_qkv", spec.n_q + 2 * spec.n_kv))
+    else:
+        for name, width in (("attn_q", spec.n_q), ("attn_k", spec.n_kv), ("attn_v", spec.n_kv)):
+            out.append(_matrix(layer, name, width, spec.n_embd))
+            if qkv_bias:
+                out.append(_bias(layer, name, width))
+    if qk_norm == "head":
+        out.append(_norm(layer, "attn_q_norm", spec.n_embd_head))
+        out.append(_norm(layer, "attn_k_norm", spec.n_embd_head))
+    elif qk_norm == "full":  # OLMo 2 normalises the whole q and k projections
+        out.append(_norm(layer, "attn_q_norm", spec.n_q))
+        out.append(_norm(layer, "attn_k_norm", spec.n_kv))
+    out.append(_matrix(layer, "attn_output", spec.n_embd, spec.n_q))
+    if out_bias:
+        out.append(_bias(layer, "attn_output", spec.n_embd))
+    if sinks:
+        out.append(TensorDecl(_blk(layer, "attn_sinks"), (spec.n_head,), "sink", False))
+    if post_norm:
+        out.append(_norm(layer, "post_attention_norm", spec.n_embd))
+    return out
+
+
+def _dense_ffn(
+    spec: "ModelSpec",
+    layer: int,
+    *,
+    pre_norm: bool = True,
+    fused_up: bool = False,
+    post_norm: bool = False,
+) -> list[TensorDecl]:
+    """The SwiGLU feed-forward: [ffn_norm], gate, up, down (or up = [gate; up] fused, as
+    phi3 and glm4 store it), [post_ffw_norm]."""
+    out: list[TensorDecl] = []
+    if pre_norm:
+        out.append(_norm(layer, "ffn_norm", spec.n_embd))
+    if fused_up:
+        out.append(_matrix(layer, "ffn_up", 2 * spec.n_ff, spec.n_embd))
+    else:
+        out.append(_matrix(layer, "ffn_gate", spec.n_ff, spec.n_embd))
+        out.append(_matrix(layer, "ffn_up", spec.n_ff, spec.n_embd))
+    out.append(_matrix(layer, "ffn_down", spec.n_embd, spec.n_ff))
+    if post_norm:
+        out.append(_norm(layer, "post_ffw_norm", spec.n_embd))
+    return out
+
+
+def _moe_ffn(
+    spec: "ModelSpec",
+    layer: int,
+    *,
+    pre_norm: bool = True,
+    router_bias: bool = False,
+    expert_bias: bool = False,
+    selection_bias: bool = False,
+    shared: Literal["none", "gated", "plain"] = "none",
+) -> list[TensorDecl]:
+    """The mixture-of-experts feed-forward: [ffn_norm], router ffn_gate_inp (F32) [+bias],
+    [exp_probs_b selection bias], merged 3-D gate/up/down experts [+2-D biases], then the
+    shared expert: "gated" (qwen2moe: a sigmoid gate vector plus its own width n_ff_shexp) or
+    "plain" (glm4moe/deepseek2: n_expert_shared * n_ff_exp wide)."""
+    n_exp, n_ff_exp, n_embd = spec.n_expert, spec.n_ff_exp, spec.n_embd
+    out: list[TensorDecl] = []
+    if pre_norm:
+        out.append(_norm(layer, "ffn_norm", n_embd))
+    out.append(TensorDecl(_blk(layer, "ffn_gate_inp"), (n_exp, n_embd), "router", False))
+    if router_bias:
+        out.append(_bias(layer, "ffn_gate_inp", n_exp))
+    if selection_bias:
+        out.append(_bias(layer, "exp_probs_b", n_exp))
+    for name, rows, cols, bias_width in (
+        ("ffn_gate_exps", n_ff_exp, n_embd, n_ff_exp),
+        ("ffn_up_exps", n_ff_exp, n_embd, n_ff_exp),
+        ("ffn_down_exps", n_embd, n_ff_exp, n_embd),
+    ):
+        out.append(TensorDecl(_blk(layer, name), (n_exp, rows, cols), "matrix", True))
+        if expert_bias:
+            out.append(_bias(layer, name, n_exp, bias_width))
+    if shared == "gated":
+        width = spec.n_ff_shexp
+        out.append(TensorDecl(_blk(layer, "ffn_gate_inp_shexp"), (n_embd,), "vector", False))
+    elif shared == "plain":
+        width = spec.n_expert_shared * n_ff_exp
+    else:
+        return out
+    out.append(_matrix(layer, "ffn_gate_shexp", width, n_embd))
+    out.append(_matrix(layer, "ffn_up_shexp", width, n_embd))
+    out.append(_matrix(layer, "ffn_down_shexp", n_embd, width))
+    return out
+
+
+# --- rules ---------------------------------------------------------------------------------
+
+
+def _coupled_heads(spec: "ModelSpec") -> str | None:
+    # These loaders shape q and attn_output as n_embd x n_embd.
+    if spec.n_q != spec.n_embd:
+        return (
+            f"{spec.arch} needs n_head * head_dim == n_embd, got {spec.n_head} * "
+            f"{spec.n_embd_head} != {spec.n_embd}"
+        )
+    return None
+
+
+def _full_rope(spec: "ModelSpec") -> str | None:
+    # gpt-oss shapes its projections with n_rot, so the rotary width must be the head width.
+    if spec.n_rot != spec.n_embd_head:
+        return f"{spec.arch} needs rope_dim == head_dim"
+    return None
+
+
+def _dense_lead_below_n_layer(spec: "ModelSpec") -> str | None:
+    if spec.n_dense_lead >= spec.n_layer:
+        return f"n_dense_lead ({spec.n_dense_lead}) must be below n_layer ({spec.n_layer})"
+    return None
+
+
+def _experts(spec: "ModelSpec") -> str | None:
+    if spec.n_expert and not 0 < spec.n_expert_used <= spec.n_expert:
+        return f"n_expert_used must be in 1..n_expert ({spec.n_expert}), got {spec.n_expert_used}"
+    if spec.expert_gating not in (0, 1, 2):
+        return f"expert_gating must be 1 (softmax) or 2 (sigmoid), got {spec.expert_gating}"
+    return None
+
+
+def _window(spec: "ModelSpec") -> str | None:
+    if spec.swa_pattern and not spec.sliding_window:
+        return "swa_pattern needs sliding_window"
+    return None
+
+
+def _yarn(spec: "ModelSpec") -> str | None:
+    if spec.rope_scaling not in ("", "yarn"):
+        return f"rope_scaling must be '' or 'yarn', got {spec.rope_scaling!r}"
+    if spec.rope_scaling and not spec.rope_scaling_factor > 0:
+        return "rope_scaling 'yarn' needs rope_scaling_factor > 0"
+    return None
+
+
+def _temperature(spec: "ModelSpec") -> str | None:
+    if spec.attn_temp_scale and not spec.rope_orig_ctx:
+        # llama.cpp floors positions by n_ctx_orig_yarn for the attention temperature.
+        return "attn_temp_scale needs rope_orig_ctx"
+    return None
+
+
+# --- the families --------------------------------------------------------------------------
+
+_BOTH: Final = frozenset({False, True})
+_TIED: Final = frozenset({True})
+_UNTIED: Final = frozenset({False})
+
+
+def _llama(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer) + _dense_ffn(spec, layer)
+
+
+def _qwen2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qkv_bias=True) + _dense_ffn(spec, layer)
+
+
+def _qwen3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qk_norm="head") + _dense_ffn(spec, layer)
+
+
+def _gemma2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, post_norm=True) + _dense_ffn(spec, layer, post_norm=True)
+
+
+def _gemma3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qk_norm="head", post_norm=True) + _dense_ffn(
+        spec, layer, post_norm=True
+    )
+
+
+def _phi3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, fused_qkv=True) + _dense_ffn(spec, layer, fused_up=True)
+
+
+def _olmo2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # OLMo 2 has no pre-norms: q/k norms over the whole projections, then post-norms.
+    return _attention(spec, layer, pre_norm=False, qk_norm="full", post_norm=True) + _dense_ffn(
+        spec, layer, pre_norm=False, post_norm=True
+    )
+
+
+def _glm4(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qkv_bias=True, post_norm=True) + _dense_ffn(
+        spec, layer, fused_up=True, post_norm=True
+    )
+
+
+def _qwen2moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qkv_bias=True) + _moe_ffn(spec, layer, shared="gated")
+
+
+def _qwen3moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qk_norm="head") + _moe_ffn(spec, layer)
+
+
+def _gpt_oss(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # gpt-oss: biases everywhere, per-head sinks; its "post_attention_norm" is the FFN's
+    # input norm (there is no ffn_norm).
+    return _attention(
+        spec, layer, qkv_bias=True, out_bias=True, sinks=True, post_norm=True
+    ) + _moe_ffn(spec, layer, pre_norm=False, router_bias=True, expert_bias=True)
+
+
+def _glm4moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # GLM-4.5(-Air): q/k/v biases, "post_attention_norm" feeds the FFN (no ffn_norm), the first
+    # n_dense_lead blocks are dense, the rest sigmoid-routed experts with a selection bias and
+    # one shared expert.
+    attention = _attention(spec, layer, qkv_bias=True, post_norm=True)
+    if layer < spec.n_dense_lead:
+        return attention + _dense_ffn(spec, layer, pre_norm=False)
+    return attention + _moe_ffn(spec, layer, pre_norm=False, selection_bias=True, shared="plain")
+
+
+#: Every family the writer knows, by ``general.architecture``.
+FAMILIES: Final[dict[str, Family]] = {
+    f.arch: f
+    for f in (
+        Family("llama", _BOTH, _llama, summary="Llama 2/3: pre-norm SwiGLU, GQA"),
+        Family(
+            "qwen2", _BOTH, _qwen2, rules=(_coupled_heads,),
+            summary="Qwen2/2.5: llama plus q/k/v biases",
+        ),
+        Family("qwen3", _BOTH, _qwen3, summary="Qwen3: llama plus per-head q/k RMSNorm"),
+        Family(
+            "gemma2", _TIED, _gemma2,
+            requires=_SWA | {"attn_softcap", "final_softcap"}, permits=frozenset({"rope_theta_swa"}),
+            rules=(_window,),
+            summary="Gemma 2: tied head, post-norms, alternating sliding-window layers, "
+            "attention and final logit soft-capping",
+        ),
+        Family(
+            "gemma3", _BOTH, _gemma3,
+            permits=_SWA | {"rope_theta_swa", "final_softcap"}, rules=(_window,),
+            summary="Gemma 3: Gemma 2's layout plus per-head q/k norms, 5:1 (configurable) "
+            "local/global layers with their own rope base, no soft-capping",
+        ),
+        Family(
+            "phi3", _BOTH, _phi3, rules=(_coupled_heads,),
+            summary="Phi-3/Phi-4-mini: fused attn_qkv, fused gate+up in ffn_up",
+        ),
+        Family(
+            "mistral3", _BOTH, _llama,
+            permits=_YARN | {"attn_temp_scale"}, rules=(_yarn, _temperature),
+            summary="Ministral 3: llama layout with a decoupled head width, yarn rope and a "
+            "position-dependent attention temperature",
+        ),
+        Family(
+            "olmo2", _UNTIED, _olmo2,
+            summary="OLMo 2: no pre-norms, full-width q/k norms, post-norms, untied head",
+        ),
+        Family(
+            "granite", _BOTH, _llama,
+            requires=frozenset({"logit_scale"}),
+            permits=frozenset({"embedding_scale", "residual_scale", "attention_scale"}),
+            summary="Granite 3: llama layout with embedding, residual, attention and logit "
+            "multipliers",
+        ),
+        Family(
+            "glm4", _BOTH, _glm4,
+            summary="GLM-4-0414: q/k/v biases, fused gate+up, post-norms, half-width rope",
+        ),
+        Family(
+            "qwen2moe", _UNTIED, _qwen2moe,
+            requires=_MOE | {"n_ff_shexp"}, rules=(_coupled_heads, _experts),
+            summary="Qwen1.5/2-MoE: q/k/v biases, softmax top-k experts plus a sigmoid-gated "
+            "shared expert",
+        ),
+        Family(
+            "qwen3moe", _BOTH, _qwen3moe,
+            requires=_MOE, rules=(_experts,),
+            summary="Qwen3-MoE (30B-A3B): qwen3 attention, normalised top-k experts, no shared "
+            "expert",
+        ),
+        Family(
+            "gpt-oss", _UNTIED, _gpt_oss,
+            requires=_MOE | {"sliding_window"},
+            permits=frozenset({"swa_pattern", "rope_theta_swa"}) | _YARN,
+            rules=(_experts, _window, _full_rope, _yarn),
+            summary="gpt-oss: attention sinks, biases on attention and experts, alternating "
+            "sliding-window layers, yarn rope",
+        ),
+        Family(
+            "glm4moe", _BOTH, _glm4moe,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(_experts, _dense_lead_below_n_layer),
+            summary="GLM-4.5(-Air): leading dense blocks, sigmoid-routed experts with a "
+            "selection bias, one shared expert, half-width rope",
+        ),
+    )
+}
+
+
+def family(arch: str) -> Family:
+    """Return the family of an architecture name.
+
+    Raises:
+        KeyError: the writer does not know ``arch``.
+    """
+    try:
+        return FAMILIES[arch]
+    except KeyError:
+        raise KeyError(f"no synthetic-model family for {arch!r}; known: {', '.join(FAMILIES)}") from None
+
+
+def quantized_rows(decls: Sequence[TensorDecl]) -> list[tuple[str, int]]:
+    """(name, row width) of every quantized tensor of ``decls``; Q8_0 needs widths % 32 == 0."""
+    return [(d.name, d.shape[-1]) for d in decls if d.quantized]
+
