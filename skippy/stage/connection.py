@@ -1,77 +1,60 @@
-"""One upstream connection (a lane): one nursery, four tasks, small bounded channels between them.
+"""One upstream connection (a lane): I/O only; the rules are :mod:`skippy.stage.lane_protocol`.
 
 Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
+a :class:`Connection` owns the lane's streams and tasks and a
+:class:`~skippy.stage.lane_protocol.LaneProtocol`; it feeds the protocol every event and carries
+out the actions it returns.  Every message takes the same steps:
 
-* ``receive_messages`` reads and decodes frames, refuses kinds and headers the stage does not
-  serve, and gives every message that expects an answer a *reply slot*, queued to the upstream
-  writer in message order.  A non-final prefill chunk's slot is filled with an ACK at once: the
-  early ACK, sent before compute.  When the lane is idle (no reply outstanding) the slot is
-  *direct* instead: nothing is ahead of it, so whichever task fills it writes the reply itself,
-  and the writer task is not woken at all (the decode hot path: one message in flight).
-* ``compute_messages`` handles each message in order: session control and generation control go
-  to the scheduler (trim / configure / release), prefix-cache control goes to
-  :mod:`skippy.stage.prefix_control` (a miss ACK, or a forward whose reply it rewrites; a
-  TryRestorePrefillDecode hit is answered like a decode: the last stage's PredictedToken, relayed
-  up as ``Expect.RELAY_EITHER``, which also takes a miss ACK), executable kinds are
-  auto-aligned and run by the scheduler.  The final stage fills the slot with its
-  PredictedToken(s) or ACK; other stages hand the output to the forwarder.
-* ``forward_activations`` encodes frames in the wire dtype and writes them downstream (through
-  the optional simulated wire).  Early-ACKed chunks take a *reply credit* first, so at most
-  ``credit_limit`` of them are unacknowledged downstream.  Before writing a frame it records what
-  its reply means in the ``expected`` queue.
-* ``relay_replies`` reads downstream replies, in the order frames were written: the ACKs of
-  early-ACKed chunks are absorbed (their stats kept for the next reply, their credit returned);
-  everything else is relayed upstream with this stage's timings merged into the stats.  A Stop's
-  session is released after the downstream ACK, before the ACK goes upstream.  It parks on the
-  downstream socket, not on a channel: its work arrives as bytes, so a channel hop first would
-  only wake it to park again (and an idle lane notices a lost downstream at once).  The forwarder
-  cancels that wait when it finishes with nothing left to answer.
-* ``write_replies`` writes queued slots in order; a direct slot's reply is written by its filler,
-  and the writer waits for it before writing anything behind it.  So the upstream stream has one
-  writer at a time, and replies keep message order whatever finishes first.
+1. **receive** (``receive_messages``): read and decode a frame, ``message_received`` → a
+   :class:`~skippy.stage.lane_protocol.Dispatch` (or a typed refusal, which closes the lane);
+   an early ACK is replied at once.  The dispatch is queued to the compute task.
+2. **handle** (``compute_messages`` → ``_handle``): the stage's own part, by the rule's handling
+   (the scheduler executes, trims, configures, releases; :mod:`skippy.stage.prefix_control`
+   serves prefix control), then ``computed`` → forward downstream, reply upstream, or nothing.
+3. **forward** (``forward_activations``): encode in the wire dtype, take a reply credit for a
+   credited frame, ``frame_forwarding``, write (through the optional simulated wire).
+4. **relay** (``relay_replies``): read a downstream reply, ``downstream_replied`` → absorb it
+   (credit back) or relay it with this stage's timings merged (a Stop's session released first).
+5. **reply**: ``reply_ready`` hands back the replies now due, in message order; the task that
+   got them writes them and reports ``replies_written`` (the protocol's writer token: one
+   writer on the upstream stream at a time, whatever task finished first).
 
-Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and park only when the channel
-is full / empty: a plain ``send`` / ``receive`` is a checkpoint even when it need not wait, and
-each checkpoint is a trip through trio's run loop (see :mod:`skippy.stage.transport` for the
-socket side of the same saving).  The bounds, and so the backpressure, are unchanged.
+The relay parks on the downstream socket, not on a channel (its work arrives as bytes; an idle
+lane notices a lost downstream at once); the forwarder cancels that wait when it finishes with
+nothing left to answer.  Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and
+park only when the channel is full / empty (each checkpoint is a run-loop pass).
 
-Hops that would only add run-loop passes are skipped when nothing is queued, in the same spirit
-as the direct slot (each hop is a pass, and on the decode path every pass finds its code cold):
+Two shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
+on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes:
 
-* *idle-lane fast path*: a message arriving while the compute task has nothing queued (and that
-  is not an early-ACKed chunk, which receiving must run ahead of) is handled on the receiving
-  task itself;
-* a frame for an idle forwarder is written by the task that produced it;
-* *write-through* (:mod:`skippy.stage.write_through`): a decode-like item whose frame has the
-  stream to itself (an idle forwarder downstream; the direct slot of a final stage's
-  PredictedToken) is written by the runtime thread the moment its compute ends, before the trio
-  side hears of it: that hand-back was the largest piece of a stage's time on the chain's
-  critical path.
+* ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
+  is not early-ACKed: receiving must run ahead of those) is handled on the receiving task, and
+  a frame for an idle forwarder (no credit needed, no simulated wire) is written by the task that
+  produced it.  Only one task handles messages at a time (``_compute_backlog``) and a stream is
+  written by a shortcut only when nothing is queued for it (``_forward_backlog``), so order and
+  one writer per stream hold.
+* ``write_through`` (:mod:`skippy.stage.write_through`): a kind whose rule allows it, whose
+  output has the stream to itself (an idle forwarder; on the final stage, the writer token for
+  its reply) is written by the runtime thread the moment its compute ends.
 
-Each still keeps one writer per stream and message order: only one task handles messages at a
-time (``_compute_backlog``), and a stream is written by a shortcut only when nothing is queued
-for it (``_forward_backlog``, the direct slot).
-
-Any failure (a malformed
-frame, a refused kind, a runtime error, a lost downstream) raises out of the nursery, which
-cancels the other tasks; the connection is closed with one log line naming the reason, sessions
-it opened are released, and its downstream lane is closed, which cascades the close down the
-chain.  The stage and its other connections carry on.
+Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
+log line naming the reason (a bug, i.e. anything that is not a
+:class:`~skippy.stage.errors.StageError`, with its traceback), sessions it opened are released,
+and its downstream lane is closed, which cascades the close down the chain.  The stage and its
+other lanes carry on.
 
 Negotiated extensions (``docs/protocol.md`` §2-§4, helpers in :mod:`skippy.stage.extensions`):
 every message sent downstream carries the extension flag and the downstream lane decodes Error
 and Timings frames.  When this lane's upstream flagged its messages, a predicted reply is
 preceded by a Timings frame (this stage's record appended to the downstream's, in the same
-write), and a lane closed for a nameable reason (or by a drain) ends with an Error frame: a
+write), and a lane closed for a reason ends with an Error frame carrying the error's own code: a
 downstream Error relayed unchanged, a lost downstream as ``DOWNSTREAM_LOST`` naming it.  An
-upstream that never flagged sees plain v11 only.  Per-stage timings reach the driver through
-those frames (``StageClient.take_timings``); the v11 ``verify_window_*`` stats keep their
+upstream that never flagged sees plain v11 only.  The v11 ``verify_window_*`` stats keep their
 reference meaning and are filled for VerifyWindow replies only (``timing_stats``).
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
@@ -80,15 +63,7 @@ import logging
 import numpy as np
 import trio
 
-from skippy.protocol import (
-    EMPTY_REPLY_STATS,
-    MessageKind,
-    ReplyKind,
-    ReplyStats,
-    StageMessage,
-    StageReply,
-    StateHeader,
-)
+from skippy.protocol import MessageKind, ReplyStats, StageMessage, StageReply, StateHeader
 from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
     ErrorFrame,
@@ -98,13 +73,23 @@ from skippy.protocol_ext import (
     with_extensions_flag,
 )
 from skippy.stage import extensions
-from skippy.stage.errors import DownstreamError, DownstreamLost, StageError, StateMismatch, UnsupportedKind
 from skippy.stage import prefix_control
-from skippy.stage.executor import Outputs, WorkItem, WorkResult, sampling_params
-from skippy.stage.lane import Expect, Forward, LaneSettings, ReplySlot, merge_stats, now_us, put, take, timing_stats
+from skippy.stage.errors import DownstreamError, InvalidMessage, StageError
+from skippy.stage.executor import WorkItem, WorkResult, sampling_params
+from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
+from skippy.stage.lane_protocol import (
+    Answer,
+    Dispatch,
+    Expect,
+    Forward,
+    Handling,
+    LaneProtocol,
+    ReplyUpstream,
+    SendDownstream,
+    Ticket,
+)
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
-from skippy.stage.write_through import StreamGate, WriteThrough
 from skippy.stage.transport import (
     MessageReader,
     ReplyReader,
@@ -113,39 +98,18 @@ from skippy.stage.transport import (
     connect_stage,
     send_frame,
 )
+from skippy.stage.write_through import StreamGate, WriteThrough
 
 log = logging.getLogger("skippy.stage")
 
+__all__ = ["Connection", "LaneSettings"]
+
 #: Messages buffered between receive and compute (small: this is the backpressure).
 MESSAGE_QUEUE = 2
-#: Upstream replies that may wait for their turn.
-REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
-
-_REFUSED_KINDS = {
-    MessageKind.STATE_IMPORT: "binary state import is no longer supported by the skippy runtime ABI",
-    MessageKind.STATE_EXPORT: "binary state export is no longer supported by the skippy runtime ABI",
-    MessageKind.PREDICTION_RETURN_OPEN: "direct prediction return (PredictionReturnOpen) is not supported by this stage",
-}
-_CONTROL_KINDS = frozenset({
-    MessageKind.STOP, MessageKind.TRIM_SESSION, MessageKind.CONFIGURE_GENERATION,
-    MessageKind.RETIRE_VERIFY_WINDOW, MessageKind.PROBE_PREFILL, MessageKind.RESTORE_PREFILL,
-    MessageKind.TRY_RESTORE_PREFILL, MessageKind.TRY_RESTORE_PREFILL_DECODE,
-})
-#: Kinds a final stage answers through write-through: a PredictedToken and nothing else to add.
-_WRITE_THROUGH_FINAL_KINDS = frozenset({
-    MessageKind.DECODE_EMBD, MessageKind.DECODE_READOUT, MessageKind.DECODE_LIGHT_CTX,
-})
 _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
-#: (kind, phase, flags) triples already checked and accepted (shared by every lane).
-_ACCEPTED_HEADERS: set[tuple[int, int, int]] = set()
-_OUTPUTS = {
-    MessageKind.PREFILL_EMBD: Outputs.NONE,
-    MessageKind.DECODE_REPLAY_EMBD: Outputs.NONE,
-    MessageKind.VERIFY_WINDOW: Outputs.ALL,
-}
 
 
 class Connection:
@@ -167,26 +131,19 @@ class Connection:
         self.settings = settings
         self.scheduler = scheduler
         self.stats = stats
+        self.protocol = LaneProtocol(settings.credit_limit)
         self.sessions: set[int] = set()
         self.downstream: trio.SocketStream | None = None
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
-        self._credits = trio.Semaphore(settings.credit_limit)
-        self._pending_stats: ReplyStats = EMPTY_REPLY_STATS
+        self.identity = extensions.identity_for(scheduler.executor)
         self._upstream_io = SocketIO(upstream)
         self._downstream_io: SocketIO | None = None
-        #: Forwarded frames whose downstream reply has not been read, in write order.
-        self._expected: collections.deque[Forward] = collections.deque()
+        #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
+        self._credit_returned: trio.Event | None = None
         self._forwarding_done = False
         #: The relay's scope, and whether it is parked waiting with nothing expected.
         self._relay_scope = trio.CancelScope()
         self._relay_idle = False
-        #: The direct slot being answered (at most one: one is made only on an idle lane).
-        self._direct: ReplySlot | None = None
-        #: Messages received whose reply has not been written yet (0: the lane is idle).
-        self.inflight = 0
-        #: docs/protocol.md §2: whether this upstream flagged its messages (Error / Timings allowed).
-        self.extensions = ExtensionNegotiation()
-        self.identity = extensions.identity_for(scheduler.executor)
         #: An upstream write was interrupted mid-frame: no Error frame may follow it.
         self._upstream_torn = False
         #: The downstream lane's channel to the forwarder (None until the first message opens it).
@@ -197,6 +154,15 @@ class Connection:
         self._forward_backlog = 0
         #: What this lane's write-throughs write under (closed before the lane's streams are).
         self._gate = StreamGate()
+
+    @property
+    def inflight(self) -> int:
+        """Messages received whose reply has not been written yet (0: the lane is idle)."""
+        return self.protocol.inflight
+
+    @property
+    def extensions(self) -> ExtensionNegotiation:
+        return self.protocol.extensions
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -210,11 +176,14 @@ class Connection:
         except* trio.Cancelled:  # only the server cancels a lane: it is draining (SIGTERM)
             error = extensions.shutting_down_frame(self.identity.index, self._own_address())
             raise
-        except* Exception as group:
+        except* Exception as group:  # any failure closes this lane only; it is logged and reported
             leaves = _leaves(group)
             reason = "; ".join(_describe(exc) for exc in leaves)
             self.stats.connection_errors += 1
             log.error("closing lane %d from %s: %s", self.id, self.peer, reason)
+            for exc in leaves:
+                if extensions.is_bug(exc):
+                    log.error("lane %d: internal error", self.id, exc_info=exc)
             cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
             error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
                                            address=self._own_address(), downstream_address=self.downstream_name)
@@ -261,12 +230,10 @@ class Connection:
         log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
 
     async def _serve(self) -> None:
-        messages_send, messages_receive = trio.open_memory_channel[tuple[StageMessage, ReplySlot | None, int]](MESSAGE_QUEUE)
-        slots_send, slots_receive = trio.open_memory_channel[ReplySlot](REPLY_QUEUE)
+        messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int]](MESSAGE_QUEUE)
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.write_replies, slots_receive)
             nursery.start_soon(self.compute_messages, messages_receive, nursery)
-            nursery.start_soon(self.receive_messages, messages_send, slots_send)
+            nursery.start_soon(self.receive_messages, messages_send)
 
     async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
         address = self.settings.downstream
@@ -279,107 +246,65 @@ class Connection:
         self._forwards = forwards_send
         return forwards_send
 
-    # -- tasks -------------------------------------------------------------------------------
-    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[StageMessage, ReplySlot | None, int]],
-                               slots: trio.MemorySendChannel[ReplySlot]) -> None:
+    # -- step 1: receive ---------------------------------------------------------------------
+    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int]]) -> None:
         reader = MessageReader(self._upstream_io, self.peer, self.settings.width)
-        async with messages, slots:
+        protocol = self.protocol
+        inline = self.settings.inline_hand_offs
+        final = self.settings.downstream is None
+        async with messages:
             while True:
                 message = await reader.next()
                 if message is None:
                     return
                 received_us = now_us()
-                self.extensions.observe(message)
                 if self.identity.index < 0:
                     self.identity.observe(message)
-                self._check_message(message)
+                dispatch = protocol.message_received(message)
                 self.stats.messages += 1
-                slot = None
-                if message.kind is not MessageKind.RETIRE_VERIFY_WINDOW:
-                    if self.inflight == 0:  # idle lane: nothing ahead, the filler writes the reply
-                        slot = self._direct = ReplySlot(direct=True)
-                        self.inflight += 1
-                    else:
-                        slot = ReplySlot()
-                        self.inflight += 1
-                        await put(slots, slot)
-                    if message.kind is MessageKind.PREFILL_EMBD:
-                        self.stats.early_acks += 1
-                        await self._reply(slot, StageReply.ack())
-                if (self._compute_backlog == 0 and message.kind is not MessageKind.PREFILL_EMBD
-                        and (self._forwards is not None or self.settings.downstream is None)):
-                    # Idle-lane fast path: nothing is queued ahead, so handling it here keeps
-                    # message order and saves the hop to the compute task (a run-loop pass).
-                    # Early-ACKed chunks still go through it: receiving must run ahead of them.
-                    await self._handle(message, slot, received_us, self._forwards)
+                if dispatch.early_ack:
+                    assert dispatch.ticket is not None
+                    self.stats.early_acks += 1
+                    await self._reply(dispatch.ticket, StageReply.ack())
+                if (inline and self._compute_backlog == 0 and not dispatch.early_ack
+                        and (final or self._forwards is not None)):
+                    await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
                 else:
                     self._compute_backlog += 1
-                    await put(messages, (message, slot, received_us))
+                    await put(messages, (dispatch, received_us))
 
-    def _check_message(self, message: StageMessage) -> None:
-        state = message.state
-        # Plain ints as the key: an IntEnum hashes through a Python-level __hash__.
-        header = (int(message.kind), int(state.phase), int(state.flags))
-        if header in _ACCEPTED_HEADERS:  # the per-token path
-            return
-        kind = MessageKind(message.kind)
-        refused = _REFUSED_KINDS.get(kind)
-        if refused is not None:
-            raise UnsupportedKind(f"{kind.reference_name} refused: {refused}")
-        if kind not in _CONTROL_KINDS and not state.matches_kind(kind):
-            raise StateMismatch(
-                f"binary stage state does not match message kind {kind.reference_name} "
-                f"(phase {state.phase}, flags {state.flags:#x})"
-            )
-        if len(_ACCEPTED_HEADERS) < 256:  # bounded: a peer could vary the flag bits at will
-            _ACCEPTED_HEADERS.add(header)
+    # -- step 5: reply -----------------------------------------------------------------------
+    async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None) -> None:
+        """Answer ``ticket`` (``timings``: its Timings frame, negotiated lanes only), and write
+        every reply that is now due if this task got the writer token."""
+        await self._write_due(self.protocol.reply_ready(ticket, reply, timings))
 
-    async def write_replies(self, slots: trio.MemoryReceiveChannel[ReplySlot]) -> None:
-        async with slots:
-            while True:
-                try:
-                    slot = await take(slots)
-                except trio.EndOfChannel:  # the receiver is done: no more replies
-                    return
-                if slot.reply is None:
-                    await slot.wait_event().wait()
-                ahead = self._direct
-                if ahead is not None:  # an older direct reply is still being written
-                    await ahead.wait_event().wait()
-                assert slot.reply is not None
-                await self._write_upstream(extensions.reply_bytes(slot.reply, slot.timings))
-                self.inflight -= 1
+    async def _write_due(self, due: list[Ticket]) -> None:
+        protocol = self.protocol
+        while due:
+            if len(due) == 1:
+                frame = extensions.reply_bytes(due[0].reply, due[0].timings)  # type: ignore[arg-type]
+            else:
+                frame = b"".join(extensions.reply_bytes(t.reply, t.timings) for t in due)  # type: ignore[arg-type]
+            self._upstream_torn = True  # until the whole frame is out: a cancel may cut it
+            await send_frame(self._upstream_io, frame, self.peer, downstream=False)
+            self._upstream_torn = False
+            due = protocol.replies_written(len(due))
 
-    async def _write_upstream(self, frame: bytes) -> None:
-        self._upstream_torn = True  # until the whole frame is out: a cancel may cut it
-        await send_frame(self._upstream_io, frame, self.peer, downstream=False)
-        self._upstream_torn = False
-
-    async def _reply(self, slot: ReplySlot, reply: StageReply, timings: TimingsFrame | None = None) -> None:
-        """Fill ``slot`` (``timings``: its Timings frame, negotiated lanes only); a direct slot's
-        reply is written here and now."""
-        slot.reply = reply
-        slot.timings = timings
-        if slot.direct:
-            await self._write_upstream(extensions.reply_bytes(reply, timings))
-            self.inflight -= 1
-            self._direct = None
-        if slot.event is not None:
-            slot.event.set()
-
-    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[StageMessage, ReplySlot | None, int]],
+    # -- step 2: handle ----------------------------------------------------------------------
+    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int]],
                                nursery: trio.Nursery) -> None:
         forwards: trio.MemorySendChannel[Forward] | None = None
         try:
             async with messages:
                 while True:
                     try:
-                        message, slot, received_us = await take(messages)
+                        dispatch, received_us = await take(messages)
                     except trio.EndOfChannel:  # upstream finished
                         return
                     if forwards is None and self.settings.downstream is not None:
                         forwards = await self._open_downstream(nursery)
-                    await self._handle(message, slot, received_us, forwards)
+                    await self._handle(dispatch, received_us)
                     self._compute_backlog -= 1
         finally:
             if forwards is not None:
@@ -387,76 +312,69 @@ class Connection:
 
     def _session_key(self, message: StageMessage) -> int:
         # Sessions are namespaced by connection: a lane's disconnect releases only its own.
-        key = (self.id << 64) | (message.session_id or 0)
-        return key
+        return (self.id << 64) | (message.session_id or 0)
 
-    async def _handle(self, message: StageMessage, slot: ReplySlot | None, received_us: int,
-                      forwards: trio.MemorySendChannel[Forward] | None) -> None:
-        kind = message.kind if type(message.kind) is MessageKind else MessageKind(message.kind)
+    async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
+        """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
+        message = dispatch.message
+        handling = dispatch.rule.handling
         key = self._session_key(message)
+        if handling is Handling.EXECUTE:
+            await self._execute(dispatch, key, received_us)
+            return
         executor = self.scheduler.executor
-
-        def forward(expect: Expect | None, outgoing: StageMessage = message) -> Forward:
-            return Forward(outgoing, expect, slot, key, received_us, trio.current_time())
-
-        if kind is MessageKind.STOP:
-            if forwards is not None:
-                await self._forward(forwards, forward(Expect.STOP_ACK))
-            else:
+        forward = Forward(message, None, dispatch.ticket, key, received_us, 0.0)
+        local_hit = False
+        forwarded = True
+        stats: ReplyStats | None = None
+        result: WorkResult | None = None
+        if handling is Handling.STOP:
+            if self._forwards is None:  # the final stage releases now; others after the downstream ACK
                 await self._release(key)
-                assert slot is not None
-                await self._reply(slot, StageReply.ack(self._take_pending()))
-            return
-        if kind is MessageKind.RETIRE_VERIFY_WINDOW:
+        elif handling is Handling.RETIRE:
             if message.pos_start < 0 or message.token_count < 0:
-                raise StageError(f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
-            if forwards is not None:
-                await self._forward(forwards, forward(None))
-            return
-        assert slot is not None
-        if kind.is_prefix_cache_control:  # docs/prefix-cache.md §6; see skippy.stage.prefix_control
-            self.sessions.add(key)
-            outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=forwards is not None,
-                                                  wire_dtype=self.settings.wire_dtype)
-            self.stats.touch()
-            result = outcome.result
-            if result is not None:  # a TryRestorePrefillDecode hit on this stage
-                self.stats.restore_decodes += 1
-                self._note_recorded(result, message)
-            if outcome.forward is None or forwards is None:
-                stats = self._take_pending().merge(outcome.stats)
-                if result is None:
-                    await self._reply(slot, StageReply.ack(stats))
-                else:  # the last stage: the fused decode's prediction
-                    await self._reply_final(kind, message, slot, result, received_us, False, stats=stats)
-            else:
-                await self._forward(forwards, Forward(
-                    outcome.forward, Expect.RELAY_ACK if result is None else Expect.RELAY_EITHER, slot, key,
-                    received_us, trio.current_time(), result.compute_us if result else 0, 0,
-                    result.batch_size if result else 0, on_reply=outcome.on_reply))
-            return
-        if kind is MessageKind.TRIM_SESSION:
+                raise InvalidMessage(
+                    f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
+        elif handling is Handling.TRIM:
             trimmed = await self.scheduler.call(lambda: executor.trim(key, message.token_count))
             self.stats.trimmed_tokens += trimmed
-            await self._control_done(slot, forwards, forward)
-            return
-        if kind is MessageKind.CONFIGURE_GENERATION:
+        elif handling is Handling.CONFIGURE:
             params = sampling_params(message.sampling)
             self.sessions.add(key)
             await self.scheduler.call(lambda: executor.configure(key, params))
             cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
             if cache_settings is not None and executor.cache is not None:
                 await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
-            await self._control_done(slot, forwards, forward)
-            return
-        await self._execute(kind, message, slot, key, received_us, forwards)
-
-    async def _control_done(self, slot: ReplySlot, forwards: trio.MemorySendChannel[Forward] | None,
-                            forward: object) -> None:
-        if forwards is not None:
-            await self._forward(forwards, forward(Expect.RELAY_ACK))  # type: ignore[operator]
-        else:
-            await self._reply(slot, StageReply.ack(self._take_pending()))
+        else:  # Handling.PREFIX_CONTROL: docs/prefix-cache.md §6; see skippy.stage.prefix_control
+            self.sessions.add(key)
+            outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=self._forwards is not None,
+                                                  wire_dtype=self.settings.wire_dtype)
+            self.stats.touch()
+            result = outcome.result
+            local_hit = result is not None
+            if result is not None:  # a TryRestorePrefillDecode hit on this stage
+                self.stats.restore_decodes += 1
+                self._note_recorded(result, message)
+                forward.compute_us, forward.batch_size = result.compute_us, result.batch_size
+            forwarded = outcome.forward is not None
+            if outcome.forward is not None:
+                forward.message, forward.on_reply = outcome.forward, outcome.on_reply
+            stats = outcome.stats
+        action = self.protocol.computed(dispatch, has_downstream=self._forwards is not None, local_hit=local_hit,
+                                        forwarded=forwarded)
+        if type(action) is SendDownstream:
+            forward.expect = action.expect
+            forward.enqueued_at = trio.current_time()
+            await self._forward(forward)
+        elif type(action) is ReplyUpstream:
+            assert dispatch.ticket is not None
+            pending = self.protocol.take_stats()
+            if stats is not None:
+                pending = pending.merge(stats)
+            if action.answer is Answer.ACK or result is None:
+                await self._reply(dispatch.ticket, StageReply.ack(pending))
+            else:  # the final stage's fused restore-decode: its prediction
+                await self._reply_prediction(dispatch, action, result, received_us, 0, pending)
 
     async def _release(self, key: int) -> None:
         self.sessions.discard(key)
@@ -465,14 +383,11 @@ class Connection:
             self.stats.sessions_released += 1
             self.stats.touch()
 
-    def _take_pending(self) -> ReplyStats:
-        stats, self._pending_stats = self._pending_stats, EMPTY_REPLY_STATS
-        return stats
-
-    def _work_item(self, kind: MessageKind, message: StageMessage, key: int) -> WorkItem:
+    def _work_item(self, dispatch: Dispatch, key: int) -> WorkItem:
+        kind, message = dispatch.kind, dispatch.message
         count = message.token_count
         if count <= 0:
-            raise StageError(f"{kind.reference_name} with token_count {count}: nothing to execute")
+            raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
         # Decoded frames carry int32 / float32 arrays already: no conversion on the per-token path.
         tokens = message.tokens
         if tokens.dtype is not _INT32:  # builtin dtypes are singletons: identity is the cheap test
@@ -482,7 +397,7 @@ class Connection:
         positions = message.positions
         if positions.shape[0] != count:
             if message.pos_start < 0:
-                raise StageError(f"{kind.reference_name} with negative pos_start {message.pos_start}")
+                raise InvalidMessage(f"{kind.reference_name} with negative pos_start {message.pos_start}")
             positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
         elif positions.dtype is not _INT32:
             positions = np.asarray(positions, dtype=np.int32)
@@ -491,62 +406,90 @@ class Connection:
         if not is_first:
             activations = message.activation
             if activations is None:
-                raise StageError(
+                raise InvalidMessage(
                     f"{kind.reference_name} without an activation (source_stage_index "
                     f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
                 )
             if activations.dtype is not _FLOAT32:
                 activations = np.asarray(activations, dtype=np.float32)
             if activations.shape != (count, self.settings.width):
-                raise StageError(
+                raise InvalidMessage(
                     f"activation of shape {activations.shape} does not match token_count {count} x width {self.settings.width}"
                 )
         elif tokens.shape[0] != count:
-            raise StageError(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
+            raise InvalidMessage(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
         prefill = kind.is_prefill
         return WorkItem(
-            key, positions, tokens if is_first else None, activations, message.authoritative_session_position,
-            _OUTPUTS.get(kind, Outputs.LAST),
+            key, positions, tokens if is_first else None, activations, dispatch.align_to, dispatch.rule.outputs,
             None if message.sampling is None else sampling_params(message.sampling),
             tokens if prefill and tokens.shape[0] == count else None,
             prefill, kind is MessageKind.PREFILL_FINAL_EMBD,
         )
 
-    async def _execute(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, key: int,
-                       received_us: int, forwards: trio.MemorySendChannel[Forward] | None) -> None:
-        item = self._work_item(kind, message, key)
+    async def _execute(self, dispatch: Dispatch, key: int, received_us: int) -> None:
+        kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
+        item = self._work_item(dispatch, key)
         self.sessions.add(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1
-        elif kind is MessageKind.VERIFY_WINDOW:
+        elif rule.window:
             self.stats.verify_windows += 1
         else:
             self.stats.decode_items += 1
-        if forwards is not None:
-            if (not kind.is_prefill and self._forward_backlog == 0 and not self.settings.wire.active
+        # An executable kind's next step does not depend on its result: known before it runs.
+        action = self.protocol.computed(dispatch, has_downstream=self._forwards is not None)
+        through = self.settings.write_through
+        if type(action) is SendDownstream:
+            if (through and rule.write_through_down and self._forward_backlog == 0 and not self.settings.wire.active
                     and self._downstream_io is not None and self._downstream_io.is_socket):
-                await self._forward_through(kind, message, item, slot, key, received_us)
+                await self._forward_through(dispatch, item, key, received_us, action.expect)
                 return
-        elif slot is self._direct and kind in _WRITE_THROUGH_FINAL_KINDS and self._upstream_io.is_socket:
-            await self._reply_through(kind, item, slot)
+            result, queue_us = await self.scheduler.execute(item)
+            self._note_recorded(result, message)
+            if result.activations is None:
+                raise StageError("stage has a downstream but produced no activation")
+            await self._forward(Forward(self._outgoing(message, result.activations), action.expect, dispatch.ticket,
+                                        key, received_us, trio.current_time(), result.compute_us, queue_us,
+                                        result.batch_size))
+            return
+        ticket = dispatch.ticket
+        if (type(action) is ReplyUpstream and through and rule.write_through_up and ticket is not None
+                and self._upstream_io.is_socket and self.protocol.claim_reply_write(ticket)):
+            await self._reply_through(dispatch, item, ticket)
             return
         result, queue_us = await self.scheduler.execute(item)
         self._note_recorded(result, message)
-        early_acked = kind is MessageKind.PREFILL_EMBD
-        if forwards is None:
-            await self._reply_final(kind, message, slot, result, received_us, early_acked, queue_us)
+        if type(action) is ReplyUpstream:
+            assert ticket is not None
+            if action.answer is Answer.ACK:
+                await self._reply(ticket, StageReply.ack(self.protocol.take_stats()))
+            else:
+                await self._reply_prediction(dispatch, action, result, received_us, queue_us,
+                                             self.protocol.take_stats())
+
+    async def _reply_prediction(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
+                                received_us: int, queue_us: int, stats: ReplyStats) -> None:
+        """The final stage's predicted reply (PredictedTokens for a verify window)."""
+        assert dispatch.ticket is not None
+        if action.window:  # the reference's verify-window stats
+            stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
+                                 total_us=now_us() - received_us, batch_size=result.batch_size)
+        timings = None
+        if self.extensions.enabled:  # docs/protocol.md §4: the producing stage starts the frame
+            timings = TimingsFrame((extensions.own_record(
+                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
+        if action.window:
+            stats = dataclasses.replace(
+                stats, verify_window_request_count=stats.verify_window_request_count + 1,
+                verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
+                verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
+            )
+            await self._reply(dispatch.ticket, StageReply.predicted_token_vector(
+                tuple(result.tokens), window_id=dispatch.message.state.seq_id, stats=stats), timings)
             return
-        if result.activations is None:
-            raise StageError("stage has a downstream but produced no activation")
-        outgoing = self._outgoing(message, result.activations)
-        if early_acked:
-            expect = Expect.ABSORB_ACK
-        elif kind.requires_predicted_reply:
-            expect = Expect.RELAY_PREDICTION
-        else:
-            expect = Expect.RELAY_ACK
-        await self._forward(forwards, Forward(outgoing, expect, slot, key, received_us, trio.current_time(),
-                                     result.compute_us, queue_us, result.batch_size))
+        if not result.tokens:
+            raise StageError(f"{dispatch.kind.reference_name} produced no prediction")
+        await self._reply(dispatch.ticket, StageReply.predicted_token(result.tokens[-1], stats=stats), timings)
 
     def _outgoing(self, message: StageMessage, activations: np.ndarray) -> StageMessage:
         """The message to forward: this stage's activation, the source index advanced, flagged."""
@@ -565,12 +508,12 @@ class Connection:
             activation=activations, raw_bytes=message.raw_bytes,
         )
 
-    async def _forward_through(self, kind: MessageKind, message: StageMessage, item: WorkItem,
-                               slot: ReplySlot | None, key: int, received_us: int) -> None:
+    async def _forward_through(self, dispatch: Dispatch, item: WorkItem, key: int, received_us: int,
+                               expect: Expect | None) -> None:
         """Execute ``item`` and have the runtime thread write its frame downstream
         (:mod:`skippy.stage.write_through`; the caller checked that nothing else is queued)."""
-        expect = Expect.RELAY_PREDICTION if kind.requires_predicted_reply else Expect.RELAY_ACK
-        forward = Forward(message, expect, slot, key, received_us, trio.current_time())
+        message = dispatch.message
+        forward = Forward(message, expect, dispatch.ticket, key, received_us, trio.current_time())
         width, wire_dtype = self.settings.width, self.settings.wire_dtype
 
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
@@ -588,18 +531,19 @@ class Connection:
         assert self._downstream_io is not None
         through = item.emit = WriteThrough(self._gate, self._downstream_io, build, sent)
         self._forward_backlog = 1  # this lane's downstream writer until the frame is out
-        self._expected.append(forward)  # before the frame can leave: its reply must find it
+        self.protocol.frame_forwarding(forward)  # before the frame can leave: its reply must find it
         await self.scheduler.execute(item)
         forward.write_us += await through.finish(self.downstream_name, downstream=True)
         self._forward_backlog = 0
         self.stats.forward_write_us += forward.write_us
         self.stats.write_throughs += 1
 
-    async def _reply_through(self, kind: MessageKind, item: WorkItem, slot: ReplySlot) -> None:
-        """Execute ``item`` on the final stage and have the runtime thread write its
-        PredictedToken upstream (the lane's direct slot: no other reply may be written first)."""
-        stats = self._take_pending()
+    async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
+        """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken
+        upstream (the caller holds the writer token for ``ticket``)."""
+        stats = self.protocol.take_stats()
         extensions_on = self.extensions.enabled
+        kind = dispatch.kind
 
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
             if not result.tokens:
@@ -608,8 +552,8 @@ class Connection:
             if extensions_on:  # docs/protocol.md §4: the producing stage starts the frame
                 timings = TimingsFrame((extensions.own_record(
                     self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-            slot.reply, slot.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
-            return extensions.reply_bytes(slot.reply, timings)
+            ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
+            return extensions.reply_bytes(ticket.reply, timings)
 
         through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
         self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
@@ -617,59 +561,31 @@ class Connection:
         await through.finish(self.peer, downstream=False)
         self._upstream_torn = False
         self.stats.write_throughs += 1
-        self.inflight -= 1
-        self._direct = None
-        if slot.event is not None:
-            slot.event.set()
+        await self._write_due(self.protocol.replies_written(1))
 
     def _note_recorded(self, result: WorkResult, message: StageMessage) -> None:
         if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream
-            page_size = self.scheduler.executor.cache.page_size if self.scheduler.executor.cache else 1
+            executor = self.scheduler.executor
+            page_size = executor.cache.page_size if executor.cache else 1
             index = min(max(0, message.state.source_stage_index + 1), 62)
-            self._pending_stats = self._pending_stats.merge(ReplyStats(
+            self.protocol.stash_stats(ReplyStats(
                 kv_recorded_pages=result.recorded_tokens // page_size,
-                kv_recorded_bytes=result.recorded_tokens * self.scheduler.executor.kv_bytes_per_cell,
+                kv_recorded_bytes=result.recorded_tokens * executor.kv_bytes_per_cell,
                 kv_record_stage_mask=1 << index))
 
-    async def _reply_final(self, kind: MessageKind, message: StageMessage, slot: ReplySlot, result: WorkResult,
-                           received_us: int, early_acked: bool, queue_us: int = 0,
-                           stats: ReplyStats | None = None) -> None:
-        if early_acked:
-            return
-        stats = self._take_pending() if stats is None else stats
-        if not (kind.requires_predicted_reply or kind is MessageKind.TRY_RESTORE_PREFILL_DECODE):
-            await self._reply(slot, StageReply.ack(stats))
-            return
-        if kind is MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
-            stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
-                                 total_us=now_us() - received_us, batch_size=result.batch_size)
-        timings = None
-        if self.extensions.enabled:  # docs/protocol.md §4: the producing stage starts the frame
-            timings = TimingsFrame((extensions.own_record(
-                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-        if kind is MessageKind.VERIFY_WINDOW:
-            stats = dataclasses.replace(
-                stats, verify_window_request_count=stats.verify_window_request_count + 1,
-                verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
-                verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
-            )
-            await self._reply(slot, StageReply.predicted_token_vector(
-                tuple(result.tokens), window_id=message.state.seq_id, stats=stats), timings)
-            return
-        if not result.tokens:
-            raise StageError(f"{kind.reference_name} produced no prediction")
-        await self._reply(slot, StageReply.predicted_token(result.tokens[-1], stats=stats), timings)
+    # -- step 3: forward ---------------------------------------------------------------------
+    async def _forward(self, item: Forward) -> None:
+        """Send ``item`` downstream: queued to the forwarder, or (shortcut) written here when the
+        forwarder is idle, the frame needs no credit and no simulated wire delays it.
 
-    async def _forward(self, forwards: trio.MemorySendChannel[Forward], item: Forward) -> None:
-        """Send ``item`` downstream: written here when the forwarder is idle, else queued to it.
-
-        Writing here saves the hop to the forwarder task (a run-loop pass per message).  It keeps
-        frame order and a single writer: only the one task handling messages (the compute task,
-        or the receiver on its idle-lane fast path; never both, see ``_compute_backlog``) calls
-        this, so with nothing queued to the forwarder no other write can start before this one
-        ends.  Early-ACKed chunks (they take a reply credit) and simulated wires always queue.
+        Writing here keeps frame order and a single writer: only the one task handling messages
+        calls this, so with nothing queued to the forwarder no other write can start before this
+        one ends.
         """
-        if self._forward_backlog == 0 and item.expect is not Expect.ABSORB_ACK and not self.settings.wire.active:
+        forwards = self._forwards
+        assert forwards is not None
+        if (self._forward_backlog == 0 and item.expect is not Expect.ABSORB_ACK and self.settings.inline_hand_offs
+                and not self.settings.wire.active):
             self._forward_backlog = 1
             try:
                 await self._write_forward(item)
@@ -680,7 +596,7 @@ class Connection:
         await put(forwards, item)
 
     async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
-        limit = self.settings.credit_limit
+        protocol = self.protocol
         try:
             async with forwards:
                 while True:
@@ -689,18 +605,19 @@ class Connection:
                     except trio.EndOfChannel:  # compute finished
                         return
                     if item.expect is Expect.ABSORB_ACK:
-                        if self._credits.value == 0:
+                        if not protocol.take_credit():
                             self.stats.credit_waits += 1
-                        await self._credits.acquire()
-                        pending = limit - self._credits.value
-                        if pending > self.stats.max_pending_prefill_acks:
-                            self.stats.max_pending_prefill_acks = pending
+                            while not protocol.take_credit():
+                                self._credit_returned = trio.Event()
+                                await self._credit_returned.wait()
+                        if protocol.credits_in_use > self.stats.max_pending_prefill_acks:
+                            self.stats.max_pending_prefill_acks = protocol.credits_in_use
                             self.stats.touch()
                     await self._write_forward(item)
                     self._forward_backlog -= 1
         finally:
             self._forwarding_done = True
-            if not self._expected and self._relay_idle:
+            if not protocol.expecting and self._relay_idle:
                 self._relay_scope.cancel()  # the relay waits for a reply nobody will send
 
     async def _write_forward(self, item: Forward) -> None:
@@ -712,8 +629,7 @@ class Connection:
             message = item.message = with_extensions_flag(message)
         frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
         item.frame_bytes = len(frame)
-        if item.expect is not None:
-            self._expected.append(item)
+        self.protocol.frame_forwarding(item)
         item.sent_us = started = now_us()
         wire = self.settings.wire
         if wire.active:
@@ -723,6 +639,7 @@ class Connection:
         item.write_us = now_us() - started
         self.stats.forward_write_us += item.write_us
 
+    # -- step 4: relay -----------------------------------------------------------------------
     async def relay_replies(self) -> None:
         io = self._downstream_io
         assert io is not None
@@ -730,9 +647,9 @@ class Connection:
             await self._relay(ReplyReader(io, self.downstream_name))
 
     async def _relay(self, reader: ReplyReader) -> None:
-        expected = self._expected
+        protocol = self.protocol
         while True:
-            if expected:
+            if protocol.expecting:
                 reply, timings = await reader.next()
             else:
                 if self._forwarding_done:
@@ -742,40 +659,25 @@ class Connection:
                     reply, timings = await reader.next()
                 finally:
                     self._relay_idle = False
-                if not expected:
-                    raise DownstreamLost(
-                        f"downstream stage {self.downstream_name} sent {ReplyKind(reply.kind).reference_name} "
-                        "with no frame outstanding"
-                    )
-            item = expected.popleft()
+            relay = protocol.downstream_replied(reply, self.downstream_name)
+            item = relay.forward
             wait_us = max(0, now_us() - item.sent_us - item.write_us)
             self.stats.downstream_wait_us += wait_us
-            expect = item.expect
-            if expect is Expect.RELAY_PREDICTION:
-                if reply.kind not in (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS):
-                    raise DownstreamLost(
-                        f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
-                        f"to {MessageKind(item.message.kind).reference_name}; expected a prediction"
-                    )
-            elif reply.kind != ReplyKind.ACK and not (
-                    expect is Expect.RELAY_EITHER and reply.kind == ReplyKind.PREDICTED_TOKEN):
-                raise DownstreamLost(
-                    f"downstream stage {self.downstream_name} answered {ReplyKind(reply.kind).reference_name} "
-                    f"to {MessageKind(item.message.kind).reference_name}; expected downstream ACK"
-                )
-            if expect is Expect.ABSORB_ACK:
-                self._pending_stats = self._pending_stats.merge(reply.stats).observe_prefill_edge_transport(
+            if relay.absorb:
+                protocol.pending_stats = protocol.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
                     item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
                 )
-                self._credits.release()
+                if self._credit_returned is not None:
+                    self._credit_returned.set()
+                    self._credit_returned = None
                 continue
-            assert item.slot is not None
-            stats = merge_stats(self._take_pending(), reply.stats)
+            assert item.ticket is not None
+            stats = merge_stats(protocol.take_stats(), reply.stats)
             if item.on_reply is not None:
                 stats = await item.on_reply(stats)
-            if expect is Expect.STOP_ACK:
+            if relay.release:
                 await self._release(item.session)
-            if expect is Expect.RELAY_PREDICTION or reply.kind == ReplyKind.PREDICTED_TOKEN:
+            if relay.prediction:
                 if item.message.kind == MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
                     stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us,
                                          wait_us=wait_us, total_us=now_us() - item.received_us,
@@ -788,9 +690,9 @@ class Connection:
                     timings = None
                 if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
                     reply = dataclasses.replace(reply, stats=stats)
-                await self._reply(item.slot, reply, timings)
+                await self._reply(item.ticket, reply, timings)
             else:
-                await self._reply(item.slot, StageReply.ack(stats))
+                await self._reply(item.ticket, StageReply.ack(stats))
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
@@ -804,6 +706,6 @@ def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
 
 
 def _describe(exc: BaseException) -> str:
-    if isinstance(exc, StageError):
+    if isinstance(exc, StageError) and not extensions.is_bug(exc):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"

@@ -110,7 +110,3 @@ def error_code(exc: BaseException) -> ErrorCode:
     if isinstance(exc, StageError):
         return exc.code
     return ErrorCode.INTERNAL
-
-
-#: The old name of :class:`InvalidMessage`, kept until the lane no longer uses it.
-StateMismatch = InvalidMessage

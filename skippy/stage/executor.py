@@ -27,7 +27,6 @@ no KV slot asks the cache to give back resident cells and retries once.
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
 from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 
@@ -37,7 +36,8 @@ import numpy.typing as npt
 from skippy.protocol import SamplingConfig
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, Sampler, SamplingParams
-from skippy.stage.errors import StageError
+from skippy.stage.errors import InvalidMessage, Overloaded, RuntimeFailure, StageError
+from skippy.stage.lane_protocol import Outputs
 
 if TYPE_CHECKING:
     from skippy.cache import StageCache
@@ -62,14 +62,6 @@ class RuntimeContext(Protocol):
     def trim(self, seq: int, length: int) -> None: ...
     def length(self, seq: int) -> int: ...
     def kv_cells_used(self) -> int: ...
-
-
-class Outputs(enum.Enum):
-    """Which rows of an item the final stage turns into predicted tokens."""
-
-    NONE = "none"  #: a non-final prefill chunk: no logits needed
-    LAST = "last"  #: a final prefill chunk or a decode: the last row
-    ALL = "all"  #: a verify window: every row
 
 
 @dataclasses.dataclass(slots=True)
@@ -134,7 +126,7 @@ def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
     A present but disabled section (``flags == 0``) means greedy.
 
     Raises:
-        StageError: values the sampler cannot use (named in the message).
+        InvalidMessage: values the sampler cannot use (named in the message).
     """
     if config is None:
         return None
@@ -151,7 +143,7 @@ def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
             seed=config.seed & 0xFFFFFFFF,
         )
     except ValueError as exc:  # SamplingParams validates ranges; refuse the message, naming them
-        raise StageError(f"sampling section refused: {exc}") from exc
+        raise InvalidMessage(f"sampling section refused: {exc}") from exc
 
 
 class Executor:
@@ -186,7 +178,7 @@ class Executor:
             try:
                 seq = self.context.open_session()
             except NativeError as exc:  # all sequence ids taken: refuse this session only
-                raise StageError(f"cannot open session {key}: {exc}") from exc
+                raise Overloaded(f"cannot open session {key}: {exc}") from exc
             session = self._sessions[key] = _Session(seq)
         return session
 
@@ -210,7 +202,7 @@ class Executor:
     def trim(self, key: int, length: int) -> int:
         """Trim a session to ``length`` positions; returns the positions removed."""
         if length < 0:
-            raise StageError(f"TrimSession to a negative length ({length})")
+            raise InvalidMessage(f"TrimSession to a negative length ({length})")
         session = self._sessions.get(key)
         if session is None:
             return 0
@@ -259,7 +251,7 @@ class Executor:
         if self.cache is None:
             return 0
         if not 0 < length <= tokens.shape[0]:
-            raise StageError(f"restore of {length} tokens from a {tokens.shape[0]}-token prefix")
+            raise InvalidMessage(f"restore of {length} tokens from a {tokens.shape[0]}-token prefix")
         session = self._session(key)
         try:
             restored = self.cache.restore(session.seq, tokens, length, namespace=self._namespace(session, namespace))
@@ -331,12 +323,12 @@ class Executor:
                 self.context.trim(session.seq, item.align_to)
                 return held - item.align_to
             if held < item.align_to:
-                raise StageError(
+                raise InvalidMessage(
                     f"session {item.session} holds {held} positions but the message starts at the "
                     f"authoritative position {item.align_to} (missing prefill?)"
                 )
         elif start < held:
-            raise StageError(
+            raise InvalidMessage(
                 f"session {item.session} already holds {held} positions; a chunk at position {start} "
                 "would overwrite them (trim the session first)"
             )
@@ -345,11 +337,11 @@ class Executor:
     def _check_input(self, item: WorkItem) -> None:
         if self.is_first:
             if item.tokens is None or item.tokens.shape != (item.rows,):
-                raise StageError(f"first stage needs {item.rows} token ids, got "
+                raise InvalidMessage(f"first stage needs {item.rows} token ids, got "
                                  f"{None if item.tokens is None else item.tokens.shape[0]}")
         elif item.activations is None or item.activations.shape != (item.rows, self.n_embd):
             shape = None if item.activations is None else item.activations.shape
-            raise StageError(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
+            raise InvalidMessage(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
 
     def _decode(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
                 item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:
@@ -366,8 +358,10 @@ class Executor:
                     if self.context.length(seq) > position:
                         self.context.trim(seq, position)
                 self._decode_once(positions, seqs, item_tokens, item_activations, outputs)
+        except KvSlotUnavailable as exc:  # no KV room even after the cache gave some back
+            raise Overloaded(f"no KV cells free for {int(positions.shape[0])} rows: {exc}") from exc
         except NativeError as exc:  # the runtime refused or failed the batch: fail the message
-            raise StageError(f"runtime error: {exc}") from exc
+            raise RuntimeFailure(f"runtime error: {exc}") from exc
 
     def _decode_once(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
                      item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:

@@ -12,8 +12,8 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
   (a stage forwards with ``source_stage_index`` + 1, and the driver sends -1). Until then the
   index is -1 ("unknown", which the frames allow). No setting is needed and none can disagree
   with the chain actually built.
-* Errors. :func:`error_code` maps the exception that closed a lane to its :class:`ErrorCode`;
-  :func:`error_frame` builds the frame (origin = this stage, except ``DOWNSTREAM_LOST``, whose
+* Errors. Every refusal carries its own :class:`ErrorCode` (:mod:`skippy.stage.errors`; anything
+  else is a bug: ``INTERNAL``, :func:`is_bug`); :func:`error_frame` builds the frame (origin = this stage, except ``DOWNSTREAM_LOST``, whose
   origin is the lost stage: index + 1 and the configured downstream address; a downstream Error
   frame is relayed unchanged).
 * Timings. :func:`own_record` is this stage's record for one reply, every value clamped >= 0.
@@ -24,7 +24,7 @@ from __future__ import annotations
 import weakref
 from typing import Any
 
-from skippy.protocol import StageMessage, StageReply, WireError
+from skippy.protocol import StageMessage, StageReply
 from skippy.protocol_ext import (
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
@@ -33,17 +33,13 @@ from skippy.protocol_ext import (
     TimingRecord,
     TimingsFrame,
 )
-from skippy.stage.errors import DownstreamError, DownstreamLost, StateMismatch, UnsupportedKind
+from skippy.stage.errors import DownstreamError, StageError, error_code
 from skippy.stage.transport import codec
 
 __all__ = [
-    "StageIdentity", "error_code", "error_frame", "identity_for", "own_record", "reply_bytes",
+    "StageIdentity", "error_frame", "identity_for", "is_bug", "own_record", "reply_bytes",
     "shutting_down_frame",
 ]
-
-#: Message prefixes of runtime failures raised by the executor / scheduler as plain StageError.
-_RUNTIME_PREFIXES = ("runtime error:", "decode batch failed:", "runtime call failed:")
-
 
 class StageIdentity:
     """This stage's index (inferred, see the module notes), layer range and listen address."""
@@ -74,27 +70,10 @@ def identity_for(executor: Any) -> StageIdentity:
     return identity
 
 
-def error_code(exc: BaseException) -> ErrorCode:
-    """The extension error code for the exception that closed a lane (ext §3 table)."""
-    if isinstance(exc, DownstreamError):
-        return ErrorCode(exc.frame.code)
-    if isinstance(exc, DownstreamLost):
-        return ErrorCode.DOWNSTREAM_LOST
-    if isinstance(exc, UnsupportedKind):
-        return ErrorCode.UNSUPPORTED_KIND
-    if isinstance(exc, StateMismatch):
-        return ErrorCode.STATE_MISMATCH
-    cause = exc.__cause__
-    if isinstance(cause, WireError):
-        return ErrorCode.MALFORMED_FRAME
-    text = str(exc)
-    if text.startswith("cannot open session"):
-        return ErrorCode.OVERLOADED
-    if text.startswith("activation of shape"):
-        return ErrorCode.STATE_MISMATCH
-    if text.startswith(_RUNTIME_PREFIXES) or type(cause).__name__ == "NativeError":
-        return ErrorCode.RUNTIME_ERROR
-    return ErrorCode.INTERNAL
+def is_bug(exc: BaseException) -> bool:
+    """Whether ``exc`` is a bug rather than a refusal: not a :class:`StageError` at all, or the
+    bare base class (a broken invariant); the lane logs those with their traceback."""
+    return not isinstance(exc, StageError) or type(exc) is StageError
 
 
 def _cut(text: str, limit: int) -> str:

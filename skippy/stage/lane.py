@@ -1,27 +1,25 @@
-"""What a lane's tasks pass between them: reply slots, forwarded frames, settings, reply stats.
+"""What a lane's tasks share: the stage's lane settings, reply-stats arithmetic, channel hand-offs.
 
 Strategy: plain data and pure helpers, kept apart from :mod:`skippy.stage.connection` (the tasks
-themselves).  A :class:`ReplySlot` is one upstream reply in message order; a :class:`Forward` is
-one frame on its way downstream with what its reply means (:class:`Expect`) and the timings the
-relay reports; :func:`merge_stats` / :func:`timing_stats` are the reply-stats arithmetic of a
-relayed reply.  ``put`` / ``take`` are the channel hand-offs that park only when they must.
+themselves) and :mod:`skippy.stage.lane_protocol` (the rules).  :class:`LaneSettings` carries
+the two measured shortcuts' switches (``bench/RESULTS-stage.md``); :func:`merge_stats` /
+:func:`timing_stats` are the reply-stats arithmetic of a relayed reply; ``put`` / ``take`` are
+the channel hand-offs that park only when they must.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import enum
 import time
-from typing import Awaitable, Callable, TypeVar
+from typing import TypeVar
 
 import trio
 
-from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply, WireDType
-from skippy.protocol_ext import TimingsFrame
+from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, WireDType
 from skippy.stage.transport import WireCondition
 
 __all__ = [
-    "Expect", "Forward", "LaneSettings", "ReplySlot", "merge_stats", "now_us", "put", "take", "timing_stats",
+    "LaneSettings", "merge_stats", "now_us", "put", "take", "timing_stats",
 ]
 
 T = TypeVar("T")
@@ -47,57 +45,6 @@ async def take(channel: trio.MemoryReceiveChannel[T]) -> T:
         return await channel.receive()
 
 
-class Expect(enum.Enum):
-    """What the relay does with the downstream reply to a forwarded frame."""
-
-    ABSORB_ACK = "absorb"  #: an early-ACKed chunk: keep its stats, return its credit
-    RELAY_ACK = "ack"  #: relay an ACK upstream
-    STOP_ACK = "stop"  #: release the session, then relay the ACK
-    RELAY_PREDICTION = "prediction"  #: relay PredictedToken(s) upstream
-    RELAY_EITHER = "either"  #: TryRestorePrefillDecode: PredictedToken on a hit, ACK on a miss
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class ReplySlot:
-    """One upstream reply, filled by whichever task produces it, written in message order.
-
-    A queued slot's event is set when it is filled (the writer waits for it); a direct slot's
-    when its reply has been written (a queued slot behind it waits for that).  The event is made
-    only when someone waits: on the hot path nobody does.
-    """
-
-    direct: bool = False
-    reply: StageReply | None = None
-    event: trio.Event | None = None
-    #: The extension Timings frame written just before the reply (negotiated lanes only).
-    timings: TimingsFrame | None = None
-
-    def wait_event(self) -> trio.Event:
-        if self.event is None:
-            self.event = trio.Event()
-        return self.event
-
-
-@dataclasses.dataclass(slots=True, eq=False)
-class Forward:
-    """A frame on its way downstream and what to do with its reply."""
-
-    message: StageMessage
-    expect: Expect | None
-    slot: ReplySlot | None
-    session: int
-    received_us: int
-    enqueued_at: float
-    compute_us: int = 0
-    queue_us: int = 0
-    batch_size: int = 0
-    sent_us: int = 0
-    write_us: int = 0
-    frame_bytes: int = 0
-    #: Turns the downstream ACK's stats into this stage's reply stats (prefix-cache control).
-    on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
-
-
 @dataclasses.dataclass(frozen=True, slots=True)
 class LaneSettings:
     """What every connection of a stage shares."""
@@ -110,6 +57,13 @@ class LaneSettings:
     max_inflight: int
     connect_timeout: float
     wire: WireCondition
+    #: Shortcut 1, write-through: the runtime thread writes a decode's frame (or a final stage's
+    #: lone PredictedToken) the moment its compute ends (:mod:`skippy.stage.write_through`).
+    write_through: bool = True
+    #: Shortcut 2, inline hand-offs: a task whose next task is idle does that task's step itself
+    #: (the receiver handles a message when the compute task has nothing queued; a handler writes
+    #: a frame when the forwarder has nothing queued) instead of waking it.
+    inline_hand_offs: bool = True
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

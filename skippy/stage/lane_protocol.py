@@ -306,7 +306,7 @@ class LaneProtocol:
     """
 
     __slots__ = ("credit_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
-                 "_pending_stats", "inflight")
+                 "pending_stats", "inflight")
 
     def __init__(self, credit_limit: int) -> None:
         if credit_limit < 1:
@@ -322,7 +322,7 @@ class LaneProtocol:
         #: Someone holds the writer token (a write of due replies is under way).
         self._writing = False
         #: Stats of absorbed ACKs and of this stage's own notes, for the next reply upstream.
-        self._pending_stats: ReplyStats = EMPTY_REPLY_STATS
+        self.pending_stats: ReplyStats = EMPTY_REPLY_STATS
         #: Messages received whose reply has not been written yet (0: the lane is idle).
         self.inflight = 0
 
@@ -409,11 +409,11 @@ class LaneProtocol:
 
     def stash_stats(self, stats: ReplyStats) -> None:
         """Keep ``stats`` for the next reply upstream (this stage's notes, absorbed ACKs)."""
-        self._pending_stats = self._pending_stats.merge(stats)
+        self.pending_stats = self.pending_stats.merge(stats)
 
     def take_stats(self) -> ReplyStats:
         """The stats kept for the next reply upstream (and forget them)."""
-        stats, self._pending_stats = self._pending_stats, EMPTY_REPLY_STATS
+        stats, self.pending_stats = self.pending_stats, EMPTY_REPLY_STATS
         return stats
 
     # -- downstream -----------------------------------------------------------------------------

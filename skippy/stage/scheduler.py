@@ -34,7 +34,7 @@ from typing import Any, Callable, Generic, TypeVar
 
 import trio
 
-from skippy.stage.errors import StageError
+from skippy.stage.errors import ShuttingDown, StageError
 from skippy.stage.executor import Executor, WorkItem, WorkResult
 from skippy.stage.stats import StageStats
 from skippy.stage.worker import RuntimeThread
@@ -82,7 +82,8 @@ class Scheduler:
         """Run one executable item; returns its result and the microseconds it queued.
 
         Raises:
-            StageError: the item was refused or the runtime failed it.
+            StageError: the item was refused or the runtime failed it (the subclass names why);
+            any other exception is a bug, passed through with its traceback.
         """
         job: _Job[WorkResult] = _Job(item, None, time.perf_counter_ns())
         result = await self._submit(job)
@@ -101,7 +102,7 @@ class Scheduler:
             try:
                 self._send.send_nowait(job)
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # the stage is shutting down
-                raise StageError("the stage's scheduler has stopped") from exc
+                raise ShuttingDown("the stage's scheduler has stopped") from exc
             self._queued += 1
             job.done = trio.Event()
             await job.done.wait()
@@ -226,12 +227,12 @@ class Scheduler:
             items = [job.item for job in batch if job.item is not None]
             try:
                 outcomes = self.executor.run_decode_batch(items)
-            except Exception as exc:  # an unexpected runtime failure fails these jobs, not the stage
-                outcomes = [StageError(f"decode batch failed: {exc!r}")] * len(items)
+            except Exception as exc:  # a bug fails these jobs (their lanes log it), not the stage
+                outcomes = [exc] * len(items)
             native += 1
             decode_batches.append(len(items))
             for job, outcome in zip(batch, outcomes):
-                if isinstance(outcome, StageError):
+                if isinstance(outcome, Exception):
                     job.error = outcome
                 else:
                     job.result = outcome
@@ -255,8 +256,6 @@ class Scheduler:
                 return 1
             if job.call is not None:
                 job.result = job.call()
-        except StageError as exc:
+        except Exception as exc:  # a refusal or a bug fails this one job (its lane reports it), not the stage
             job.error = exc
-        except Exception as exc:  # unexpected failure: fail the one job, keep the stage up
-            job.error = StageError(f"runtime call failed: {exc!r}")
         return 0

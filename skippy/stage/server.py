@@ -103,6 +103,7 @@ class StageServer:
             wire_dtype=config.wire_dtype, credit_limit=config.credit_limit,
             max_inflight=config.max_inflight, connect_timeout=config.connect_timeout,
             wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
+            write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
         )
         self.address: Address | None = None
         self.connections: set[Connection] = set()

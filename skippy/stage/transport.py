@@ -3,8 +3,8 @@
 Strategy: the codec is sans-IO (:mod:`skippy.wire`); this module is the only place that moves its
 bytes over sockets.  A reader owns one decoder and one stream and turns received chunks into whole
 frames (``None`` at a clean end of stream).  trio's stream errors are mapped here, at the
-transport boundary, to :class:`~skippy.stage.errors.StageError` /
-:class:`~skippy.stage.errors.DownstreamLost` with the peer's address in the message, so the
+transport boundary, to :class:`~skippy.stage.errors.MalformedFrame`, :class:`~skippy.stage.errors.UpstreamLost`
+and :class:`~skippy.stage.errors.DownstreamLost` with the peer's address in the message, so the
 connection logic above never sees ``BrokenResourceError`` and a log line always names the peer.
 
 :class:`SocketIO` is the decode hot path's way to the socket.  ``SocketStream.receive_some`` /
@@ -48,7 +48,7 @@ from skippy.protocol import (
 )
 from skippy.protocol_ext import ErrorFrame, TimingsFrame
 from skippy.stage.config import Address
-from skippy.stage.errors import DownstreamError, DownstreamLost, StageError
+from skippy.stage.errors import DownstreamError, DownstreamLost, MalformedFrame, StageError, UpstreamLost
 
 __all__ = [
     "MessageReader", "ReplyReader", "SocketIO", "WireCondition", "codec", "connect_stage",
@@ -192,7 +192,7 @@ class MessageReader(_Reader):
     """Whole :class:`StageMessage` frames from an upstream stream.
 
     Raises (from :meth:`next`):
-        StageError: a malformed, unknown or truncated frame (the codec's reason is kept).
+        MalformedFrame: a malformed, unknown or truncated frame (the codec's reason is kept).
     """
 
     def __init__(self, io: SocketIO, peer: str, width: int) -> None:
@@ -203,8 +203,8 @@ class MessageReader(_Reader):
         while True:
             try:
                 result = self.decoder.next_message()  # type: ignore[attr-defined]
-            except WireError as exc:  # the cause makes it a MALFORMED_FRAME upstream
-                raise StageError(f"malformed frame from {self.peer}: {exc}") from exc
+            except WireError as exc:  # the codec's verdict on the upstream's bytes
+                raise MalformedFrame(f"malformed frame from {self.peer}: {exc}") from exc
             if result is END_OF_STREAM:
                 return None
             if result is not NEED_DATA:
@@ -257,11 +257,11 @@ def write_failed(peer: str, *, downstream: bool) -> StageError:
     """The error for a failed write to ``peer`` (raise it ``from`` the trio error)."""
     if downstream:
         return DownstreamLost(f"downstream stage {peer} closed the lane (write failed)")
-    return StageError(f"upstream {peer} closed the connection (write failed)")
+    return UpstreamLost(f"upstream {peer} closed the connection (write failed)")
 
 
 async def send_frame(io: SocketIO, frame: bytes | memoryview, peer: str, *, downstream: bool) -> None:
-    """Write one frame, mapping a broken stream to StageError / DownstreamLost."""
+    """Write one frame, mapping a broken stream to UpstreamLost / DownstreamLost."""
     try:
         await io.send_all(frame)
     except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:
