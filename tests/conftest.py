@@ -1,4 +1,4 @@
-"""Shared fixtures: generated models (cached by spec) and the prompt used across tests."""
+"""Shared fixtures: generated models (cached by spec), the real model, and the prompt used across tests."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from skippy.models.cache import ensure_model
+from skippy.models.real import RealModelUnavailable, ensure_real_model
 from skippy.models.spec import tiny
 
 #: Token ids of a short English prompt in the llama-spm vocabulary ("Hello world, how are you doing").
@@ -20,3 +21,16 @@ def tiny_llama() -> Path:
 
 def model_path(arch: str = "llama", dtype: str = "F32", tied: bool = False, **kw: object) -> Path:
     return ensure_model(tiny(arch, dtype=dtype, tied=tied, **kw))  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """The real Gemma 3 270M GGUF (assembled into the model cache once, sha256-verified).
+
+    Skips only when the ``skippy[real-model]`` package is not installed; a damaged package
+    (wrong hash) fails the test instead.
+    """
+    try:
+        return ensure_real_model()
+    except RealModelUnavailable as exc:  # the optional extra is absent: nothing to test against
+        pytest.skip(f"real model unavailable: {exc}")

@@ -142,6 +142,8 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[Gen
     if chat and max_tokens is None:
         max_tokens = get_int(body, "max_completion_tokens", minimum=1)
     stop = get_stop(body)
+    if chat:  # a chat turn also ends where the template says (a base model's plain transcript: "\nuser:")
+        stop = service.generator.chat_stop(stop)
     stream = get_bool(body, "stream")
     options = body.get("stream_options")
     if options is not None and not isinstance(options, dict):

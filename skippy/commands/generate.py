@@ -58,7 +58,8 @@ async def _stream_from_chain(path: Path, args: argparse.Namespace) -> int:
         prompt = generator.encode(text)
         max_tokens = generator.check_fits(len(prompt), args.max_tokens)
         params = SamplingParams(temperature=max(0.0, args.temperature), seed=args.seed & 0xFFFFFFFF)
-        request = GenerationRequest(tuple(prompt), max_tokens, params, tuple(args.stop))
+        stop = generator.chat_stop(args.stop) if args.chat else tuple(args.stop)
+        request = GenerationRequest(tuple(prompt), max_tokens, params, stop)
         async with await StageClient.connect(args.first_stage) as client:
             run = generator.start(client, request, random.getrandbits(30) + 1)
             if not args.chat:
