@@ -33,7 +33,7 @@ MODEL_ID = "skippy-demo"
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     directory = tmp_path_factory.mktemp("up-errors")
-    up = UpProcess(["up", "--stages", "2", "--port", "0", "--ctx-size", "256", "--threads", "1",
+    up = UpProcess(["up", "--generated-model", "--stages", "2", "--port", "0", "--ctx-size", "256", "--threads", "1",
                     "--log-dir", str(directory / "logs")], directory).start()
     try:
         yield up

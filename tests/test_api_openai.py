@@ -80,7 +80,7 @@ def reference(demo_path: Path, generator: Generator) -> Iterator[Reference]:
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-stages", "3-stages"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[UpProcess]:
     directory = tmp_path_factory.mktemp(f"up{request.param}")
-    up = UpProcess(["up", "--stages", str(request.param), "--port", "0", "--ctx-size", "512",
+    up = UpProcess(["up", "--generated-model", "--stages", str(request.param), "--port", "0", "--ctx-size", "512",
                     "--threads", "1", "--log-dir", str(directory / "logs")], directory).start()
     try:
         yield up

