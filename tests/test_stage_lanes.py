@@ -3,13 +3,20 @@
 These tests are about the server (framing, replies, credits, sessions, failures), so the stages
 compute nothing: a chain of null stages answers token ``t`` with ``t + 1`` (see
 ``skippy/runtime/null.py``).  Real models and processes are in ``test_stage_chain.py``.
+
+Every test runs twice, with the lane's shortcuts (write-through, inline hand-offs) on and off
+(the ``shortcuts`` fixture), and under trio's autojump clock: a sleep here costs no real time.
+``test_shortcuts_change_no_byte`` runs one scripted exchange under each combination and compares
+what the client and the next stage receive.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 import struct
+from typing import Iterator
 
 import numpy as np
 import pytest
@@ -17,6 +24,7 @@ import trio
 
 from skippy.driver import StageClient, StageClientError, StageLost
 from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply, WireDType
+from skippy.stage.server import StageServer
 from skippy.stage.transport import codec, send_ready
 
 from stage_helpers import inprocess_chain
@@ -24,7 +32,24 @@ from stage_helpers import inprocess_chain
 WIDTH = 8
 
 
-async def test_chain_of_null_stages_answers_in_order() -> None:
+@pytest.fixture(autouse=True, params=["shortcuts-on", "shortcuts-off"])
+def shortcuts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, autojump_clock: object) -> Iterator[bool]:
+    """Run the test with both lane shortcuts on, then off (every StageServer it starts)."""
+    on = request.param == "shortcuts-on"
+    _with_shortcuts(monkeypatch, write_through=on, inline_hand_offs=on)
+    yield on
+
+
+def _with_shortcuts(monkeypatch: pytest.MonkeyPatch, **switches: bool) -> None:
+    original = StageServer.__init__
+
+    def init(self: StageServer, config: object, executor: object) -> None:
+        original(self, dataclasses.replace(config, **switches), executor)  # type: ignore[type-var, arg-type]
+
+    monkeypatch.setattr(StageServer, "__init__", init)
+
+
+async def test_chain_of_null_stages_answers_in_order(shortcuts: bool) -> None:
     async with inprocess_chain(["0:1", "1:3", "3:4"]) as servers:
         async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
             tokens = await client.generate_greedy(7, list(range(1, 30)), 5, chunk_size=8)
@@ -40,7 +65,7 @@ async def test_chain_of_null_stages_answers_in_order() -> None:
             assert server.executor.session_count == 0
         # the 4 decodes went out by write-through on every stage, the verify window on the two
         # that forward it (a final stage answers verify windows on the trio side)
-        assert [server.stats.write_throughs for server in servers] == [5, 5, 4]
+        assert [server.stats.write_throughs for server in servers] == ([5, 5, 4] if shortcuts else [0, 0, 0])
 
 
 async def test_prefix_cache_kinds_are_misses_and_trim_is_acked() -> None:
@@ -465,3 +490,121 @@ async def test_lost_downstream_is_named_and_a_drain_says_shutting_down() -> None
                 assert error.origin_stage_index == 2 and error.origin_address == lost_address
                 assert f"stage 2 ({lost_address})" in str(raised.value)
         outer.cancel_scope.cancel()
+
+
+# -- the shortcuts change no byte ----------------------------------------------------------------
+
+class Tap:
+    """A TCP relay in front of a stage that records every byte sent to it."""
+
+    def __init__(self, target: object) -> None:
+        self.target = target
+        self.sent = bytearray()
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        target = self.target
+        downstream = await trio.open_tcp_stream(target.host, target.port)  # type: ignore[attr-defined]
+
+        async def pump(source: trio.SocketStream, sink: trio.SocketStream, record: bool) -> None:
+            while data := await source.receive_some(1 << 16):
+                if record:
+                    self.sent += data
+                await sink.send_all(data)
+            await sink.send_eof()
+
+        async with downstream, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, stream, downstream, True)
+            nursery.start_soon(pump, downstream, stream, False)
+
+
+def _script() -> list[list[StageMessage]]:
+    """Batches of messages (each batch sent at once, then its replies read): two sessions,
+    pipelined prefill chunks under credits, decodes, a verify window with its retirement and a
+    rollback, a probe, a trim and the stops."""
+    def chunk(session: int, begin: int, count: int, final: bool) -> StageMessage:
+        kind = MessageKind.PREFILL_FINAL_EMBD if final else MessageKind.PREFILL_EMBD
+        tokens = np.arange(begin + 1, begin + count + 1, dtype=np.int32)
+        return StageMessage.create(kind, pos_start=begin, token_count=count, session_id=session, tokens=tokens,
+                                   state_changes={"seq_id": begin // 4, "current_token": int(tokens[-1])})
+
+    def decode(session: int, token: int, position: int) -> StageMessage:
+        return StageMessage.create(MessageKind.DECODE_EMBD, pos_start=position, token_count=1, session_id=session,
+                                   tokens=np.asarray([token], dtype=np.int32), state_changes={"current_token": token})
+
+    verify = StageMessage.create(MessageKind.VERIFY_WINDOW, pos_start=18, token_count=3, session_id=1,
+                                 tokens=np.asarray([5, 6, 7], dtype=np.int32), state_changes={"seq_id": 42})
+    retire = StageMessage.create(MessageKind.RETIRE_VERIFY_WINDOW, pos_start=18, token_count=3, session_id=1)
+    probe = StageMessage.create(MessageKind.PROBE_PREFILL, token_count=2, session_id=2,
+                                tokens=np.asarray([1, 2], dtype=np.int32))
+    configure = [StageMessage.create(MessageKind.CONFIGURE_GENERATION, session_id=session) for session in (1, 2)]
+    return [
+        configure,
+        [chunk(1, begin, 4, begin == 12) for begin in range(0, 16, 4)]
+        + [chunk(2, begin, 4, begin == 4) for begin in range(0, 8, 4)],
+        [decode(1, 17, 16)],
+        [decode(1, 18, 17), decode(2, 9, 8)],
+        [verify, retire, decode(1, 30, 19)],  # the window is rejected past its first token
+        [probe, StageMessage.create(MessageKind.TRIM_SESSION, token_count=4, session_id=2), decode(2, 5, 4)],
+        [StageMessage.stop(session_id=1), StageMessage.stop(session_id=2)],
+    ]
+
+
+#: Reply-stats fields that hold measured durations (or depend on which one was largest).
+_MEASURED = ("verify_window_compute_us", "verify_window_forward_write_us", "verify_window_downstream_wait_us",
+             "verify_window_total_us", "prefill_edge_write_us_max", "prefill_edge_wait_us_max",
+             "prefill_edge_total_us_max", "prefill_edge_stage_index", "prefill_edge_activation_bytes_max")
+
+
+async def _run_script(write_through: bool, inline_hand_offs: bool) -> tuple[bytes, bytes, int]:
+    """Run :func:`_script` against null stages 0:1 -> tap -> 1:3 -> 3:4 with a plain v11 client;
+    returns the client's replies (measured durations zeroed), the bytes stage 0 sent down and the
+    chain's write-through count."""
+    from skippy.protocol import check_ready
+
+    from stage_helpers import StageServer as Server, config_from_mapping, load_runtime
+
+    switches = {"write_through": write_through, "inline_hand_offs": inline_hand_offs, "batch_size": 64,
+                "connect_timeout": 2}
+    async with trio.open_nursery() as nursery:
+        async with inprocess_chain(["1:3", "3:4"], **switches) as tail:
+            tap = Tap(tail[0].address)
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, tap.serve, 0, host="127.0.0.1"))
+            port = listeners[0].socket.getsockname()[1]
+            config = config_from_mapping({"model": "null:n_embd=8,n_layer=4,n_vocab=1000", "layers": "0:1",
+                                          "downstream": f"127.0.0.1:{port}", "reply_credit_limit": 2, **switches})
+            first = Server(config, load_runtime(config))
+            address = await nursery.start(first.serve)
+            replies = bytearray()
+            stream = await trio.open_tcp_stream(address.host, address.port)
+            async with stream:
+                check_ready(await stream.receive_some(4))
+                decoder = codec.ReplyDecoder()
+                for batch in _script():
+                    await stream.send_all(b"".join(codec.encode_message(m, WireDType.F32, 0) for m in batch))
+                    wanted = sum(m.kind is not MessageKind.RETIRE_VERIFY_WINDOW for m in batch)
+                    while wanted:
+                        reply = decoder.next_reply()
+                        if isinstance(reply, StageReply):
+                            stats = dataclasses.replace(reply.stats, **{field: 0 for field in _MEASURED})
+                            replies += codec.encode_reply(dataclasses.replace(reply, stats=stats))
+                            wanted -= 1
+                            continue
+                        data = await stream.receive_some(1 << 16)
+                        assert data, "the stage closed the lane"
+                        decoder.receive_data(data)
+            first.shutdown()
+            await trio.sleep(0.1)
+            assert first.stats.connection_errors == 0 and all(s.stats.connection_errors == 0 for s in tail)
+            write_throughs = first.stats.write_throughs + sum(s.stats.write_throughs for s in tail)
+        nursery.cancel_scope.cancel()
+    return bytes(replies), bytes(tap.sent), write_throughs
+
+
+async def test_shortcuts_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.undo()  # this test sets the switches itself, every combination
+    replies, sent, write_throughs = await _run_script(True, True)
+    assert len(replies) > 0 and len(sent) > 0 and write_throughs > 0
+    for switches in ((True, False), (False, True), (False, False)):
+        other = await _run_script(*switches)
+        assert other[:2] == (replies, sent), switches
+        assert (other[2] > 0) == switches[0]
