@@ -20,6 +20,11 @@ Prints one line per figure.
   ``/proc``), against the unsplit run's: on a shared machine that ratio is the stable one.
 * **Aggregate decode** with 8 concurrent sessions against 1 on a 2-stage chain (cross-session
   batching).
+* ``--shortcuts``: only the lane shortcuts' figures (``skippy/stage/connection.py``), each
+  switch on and off in the same run, rounds interleaved: per-token decode latency and CPU of a
+  3-stage null chain (and its per-boundary cost against a 1-stage chain of the same switches), a
+  2-stage chain of the tiny llama-4x64 (real runtime thread, negligible compute: the hand-backs
+  dominate) and of llama-16x1024 F16.
 """
 
 from __future__ import annotations
@@ -187,6 +192,55 @@ def boundary_overhead_in_process_us(steps: int = 400, width: int = 4096,
     return one * 1e6, three * 1e6, (three - one) / 2 * 1e6
 
 
+#: The lane-shortcut combinations ``--shortcuts`` compares (stage flags per label).
+SHORTCUTS: dict[str, list[str]] = {
+    "both on": [],
+    "write-through off": ["--write-through", "off"],
+    "inline hand-offs off": ["--inline-hand-offs", "off"],
+    "both off": ["--write-through", "off", "--inline-hand-offs", "off"],
+}
+
+
+def shortcuts_ab(repeat: int, quick: bool) -> None:
+    """Print the ``--shortcuts`` figures (see the module header)."""
+    from contextlib import ExitStack
+
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import preset
+
+    null_model = "null:n_embd=4096,n_layer=3,n_vocab=32000"
+    tiny = str(ensure_model(preset("tiny-llama")))
+    big = str(ensure_model(preset("llama-16x1024")))
+    flags = ["--batch-size", "64", "--ctx-size", "1024"]
+    prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
+    cases = [  # (name, model, splits, extra flags, decode steps)
+        ("null 1 stage", null_model, ["0:3"], [], 100 if quick else 400),
+        ("null 3 stages", null_model, ["0:1", "1:2", "2:3"], [], 100 if quick else 400),
+        ("llama-4x64 2 stages", tiny, ["0:2", "2:4"], flags, 50 if quick else 200),
+        ("llama-16x1024 2 stages", big, ["0:8", "8:16"], flags, 16 if quick else 48),
+    ]
+    results: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    with ExitStack() as stack:
+        addresses = {(case[0], label): stack.enter_context(chain(case[1], case[2], [*case[3], *switches]))
+                     for case in cases for label, switches in SHORTCUTS.items()}
+        for _ in range(repeat):  # interleaved rounds: machine noise hits every combination alike
+            for name, _model, _splits, _flags, steps in cases:
+                for label in SHORTCUTS:
+                    cost = trio.run(decode_cost_per_token, addresses[name, label], prompt, steps)
+                    results.setdefault((name, label), []).append(cost)
+    medians = {key: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
+               for key, runs in results.items()}
+    for name, *_ in cases:
+        base_wall, base_cpu = medians[name, "both on"]
+        for label in SHORTCUTS:
+            wall, cpu = medians[name, label]
+            print(f"{name:24s} {label:21s}: {wall * 1e6:8.0f} us/token ({(wall - base_wall) * 1e6:+6.0f}), "
+                  f"CPU {cpu * 1e6:8.0f} us/token ({(cpu - base_cpu) * 1e6:+6.0f})")
+    for label in SHORTCUTS:
+        one, three = medians["null 1 stage", label][0], medians["null 3 stages", label][0]
+        print(f"null boundary, {label:21s}: {(three - one) / 2 * 1e6:.0f} us per boundary")
+
+
 def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> float:
     return unsplit_cost_per_token(path, prompt, steps)[0] ** -1
 
@@ -215,7 +269,12 @@ def main() -> None:
     parser.add_argument("--null-only", action="store_true", help="only the null-runtime boundary overhead")
     parser.add_argument("--repeat", type=int, default=1,
                         help="measure the layouts of each figure alternately this many times; report medians")
+    parser.add_argument("--shortcuts", action="store_true",
+                        help="only the lane shortcuts, each switch on and off in the same run")
     args = parser.parse_args()
+    if args.shortcuts:
+        shortcuts_ab(max(1, args.repeat), args.quick)
+        return
     steps = 40 if args.quick else 200
     one, three, overhead = boundary_overhead_us(steps * 2, repeat=max(1, args.repeat))
     print(f"null runtime, width 4096 f32, stage processes: 1 stage {one:.0f} us/token, 3 stages {three:.0f} "

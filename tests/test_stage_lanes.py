@@ -608,3 +608,74 @@ async def test_shortcuts_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None
         other = await _run_script(*switches)
         assert other[:2] == (replies, sent), switches
         assert (other[2] > 0) == switches[0]
+
+
+# -- typed errors: every refusal names its code; a bug is INTERNAL, logged with its traceback ------
+
+async def _refusal(servers: list[StageServer], action: object) -> object:
+    from skippy.driver import StageRemoteError
+
+    client = await StageClient.connect(servers[0].address)  # type: ignore[arg-type]
+    try:
+        with trio.fail_after(2), pytest.raises(StageRemoteError) as raised:
+            await action(client)  # type: ignore[operator]
+    finally:
+        await client.aclose()
+    return raised.value.frame
+
+
+@pytest.mark.parametrize(
+    "case, code, text",
+    [
+        ("position gap", "STATE_MISMATCH", "holds 3 positions but the message starts at the authoritative position 9"),
+        ("token out of the vocabulary", "RUNTIME_ERROR", "runtime error: token ids must be in 0..999"),
+        ("no free session", "OVERLOADED", "cannot open session"),
+    ],
+)
+async def test_each_refusal_carries_its_own_code(case: str, code: str, text: str) -> None:
+    from skippy.protocol_ext import ErrorCode
+
+    async def act(client: StageClient) -> None:
+        if case == "position gap":
+            await client.prefill(1, [1, 2, 3])
+            await client.decode(1, 7, 9)
+        elif case == "token out of the vocabulary":
+            await client.prefill(1, [1, 5000])
+        else:
+            await client.prefill(1, [1, 2])
+            await client.prefill(2, [1, 2])
+
+    async with inprocess_chain(["0:2", "2:4"], max_sessions=1) as servers:
+        frame = await _refusal(servers, act)
+        assert frame is not None and frame.code is ErrorCode[code], frame
+        assert text in frame.message and frame.origin_stage_index == 0
+        await trio.sleep(0.05)
+        assert all(server.executor.session_count == 0 for server in servers)
+
+
+async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(
+        caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippy.protocol_ext import ErrorCode
+
+    caplog.set_level(logging.ERROR, logger="skippy.stage")
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        final = servers[1].executor
+        original = final.run_item
+
+        def broken(item: object) -> object:
+            if item.session & 0xFFFF == 2:  # type: ignore[attr-defined]
+                return {}["a bug"]  # a KeyError nobody meant to raise
+            return original(item)  # type: ignore[arg-type]
+
+        monkeypatch.setattr(final, "run_item", broken)
+        async with await StageClient.connect(servers[0].address) as good:  # type: ignore[arg-type]
+            await good.prefill(1, [1, 2, 3])
+            frame = await _refusal(servers, lambda client: client.prefill(2, [1, 2, 3]))
+            assert frame is not None and frame.code is ErrorCode.INTERNAL  # relayed unchanged by stage 0
+            assert frame.origin_stage_index == 1 and "KeyError: 'a bug'" in frame.message
+            assert (await good.decode(1, 3, 3)).predicted == 4  # the stage and its other lanes carry on
+            await good.stop(1)
+    tracebacks = [r for r in caplog.records if r.exc_info is not None]
+    assert len(tracebacks) == 1 and tracebacks[0].exc_info[0] is KeyError  # type: ignore[index]
+    # refusals are one line each, without a traceback
+    assert any("closing lane" in r.getMessage() and r.exc_info is None for r in caplog.records)
