@@ -464,7 +464,7 @@ async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(case: st
         finally:
             await client.aclose()
         error = raised.value.frame
-        assert error is not None and error.code == ErrorCode[code]
+        assert error is not None and error.code == ErrorCode[code] and raised.value.code is ErrorCode[code]
         assert error.origin_stage_index == error.reporter_stage_index == 0
         assert error.origin_address == str(servers[0].address)
         assert code.lower() in str(raised.value) and "stage 0" in str(raised.value)

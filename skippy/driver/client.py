@@ -64,6 +64,11 @@ class StageLost(StageClientError):
         super().__init__(text)
         self.frame = frame
 
+    @property
+    def code(self) -> ErrorCode | None:
+        """The chain's error code (from the Error frame), None when no stage said why."""
+        return None if self.frame is None else ErrorCode(self.frame.code)
+
 
 class StageRemoteError(StageLost):
     """A stage closed the lane for a reason it named other than a loss (malformed frame,
