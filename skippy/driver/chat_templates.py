@@ -4,10 +4,10 @@ Strategy: a model file's own template always wins.  When it has none, the family
 way llama.cpp's ``llm_chat_detect_template`` tells its built-in formats apart, but from the
 vocabulary instead of a template text: the turn markers a family was trained with are special
 tokens of its vocabulary (``<start_of_turn>`` for Gemma, ``<|im_start|>`` for ChatML, ...), so a
-marker that encodes to exactly one token whose special piece is the marker itself is evidence of
-the family.  Markers are checked most specific first; without any, ``general.architecture``
-decides (``gemma3`` -> gemma, ``qwen3`` -> chatml, ``llama`` -> llama-2's ``[INST]``, ...).  Each
-built-in is written here as Jinja producing the same text as llama.cpp's C++ formatter for that
+marker that encodes to exactly one token whose special piece is the marker itself (and that
+plain-text tokenization does not produce) is evidence of the family.  Markers are checked most
+specific first; without any, ``general.architecture`` decides (``gemma3`` -> gemma, ``qwen3`` ->
+chatml, ``llama`` -> llama-2's ``[INST]``, ...).  Each built-in is written here as Jinja producing the same text as llama.cpp's C++ formatter for that
 family, without a BOS (the driver's ``encode`` adds it), so the prompt ends in the family's
 assistant header and the model ends its turn with the family's end-of-turn token, which
 llama.cpp's vocabulary marks as end of generation (``llama_vocab_is_eog``; e.g. Gemma's
@@ -265,7 +265,10 @@ def special_token_probe(tokenizer: _Vocabulary) -> Callable[[str], bool]:
 
     def has_special_token(text: str) -> bool:
         tokens = tokenizer.encode(text, add_special=False, parse_special=True)
-        return len(tokens) == 1 and tokenizer.piece(tokens[0], special=True) == text.encode("utf-8")
+        if len(tokens) != 1 or tokenizer.piece(tokens[0], special=True) != text.encode("utf-8"):
+            return False
+        # ordinary text that happens to be one token (a word, a letter) is no marker
+        return tokenizer.encode(text, add_special=False, parse_special=False) != tokens
 
     return has_special_token
 
