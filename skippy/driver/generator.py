@@ -29,6 +29,7 @@ the stages, with the stage count).
 from __future__ import annotations
 
 import dataclasses
+import math
 import logging
 import time
 from pathlib import Path
@@ -38,11 +39,12 @@ from skippy.driver import prefix
 from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT_TEMPLATE  # re-exported
 from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoice, choose_chat_template
 from skippy.driver.client import StageClient, StageClientError
+from skippy.driver.prefill_chunking import PrefillChunker, observation_from
 from skippy.driver.speculation.controller import ControllerConfig
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
-from skippy.protocol import LogitBias, SamplingConfig
+from skippy.protocol import LogitBias, SamplingConfig, StageReply
 from skippy.protocol_ext import TimingRecord, TimingsFrame
 from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
@@ -295,11 +297,14 @@ class Generation:
             cached = await prefix.prefill(client, self.session_id, request.prompt,
                                           sampling=sampling_config(request.sampling),
                                           cache=self._generator.cache_request(request),
-                                          chunk_size=self._generator.chunk_size, credit=self._generator.credit)
+                                          chunk_size=self._generator.prefill_chunk_size,
+                                          credit=self._generator.credit)
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
             reply = prefill.reply
             self._last = time.perf_counter()
             self.timing.time_to_first_token = self._last - self._started
+            self._generator.observe_prefill(len(request.prompt) - cached.cached_tokens, cached.chunk_size, reply,
+                                            client.last_timings)
             self.timing.add_frames(client.take_timings())
             tokens: tuple[int, ...] = (int(reply.predicted),)
             if request.max_tokens > 1 and self._generator.speculates(request):
@@ -390,14 +395,16 @@ class Generator:
         chat_template: Jinja chat template (``None``: :data:`FALLBACK_CHAT_TEMPLATE`).
         chat_template_choice: how ``chat_template`` was chosen (``from_model`` fills it in).
         n_ctx: context length requests must fit (prompt + max_tokens).
-        chunk_size: prefill chunk size (tokens per PrefillEmbd).
+        chunk_size: prefill chunk size (tokens per PrefillEmbd); None (the default): chosen per
+            request by :attr:`chunking`, a :class:`~skippy.driver.prefill_chunking.PrefillChunker`
+            fed with the chain's prefill timings.
         credit: prefill chunks sent ahead of their ACKs.
         speculation: speculate on greedy requests that do not say (``GenerationRequest.speculation``).
         controller: window / depth control (``stages`` is filled in from the prefill reply).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
-                 chunk_size: int = 256, credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
+                 chunk_size: int | None = None, credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
                  controller: ControllerConfig = ControllerConfig(),
                  chat_template_choice: ChatTemplateChoice | None = None) -> None:
         self.tokenizer = tokenizer
@@ -409,11 +416,28 @@ class Generator:
             else ChatTemplateChoice("plain", FALLBACK_CHAT_TEMPLATE, "fallback", "none given", PLAIN_TRANSCRIPT_STOP))
         self.n_ctx = n_ctx
         self.chunk_size = chunk_size
+        #: The adaptive prefill chunk controller (None: ``chunk_size`` is fixed).
+        self.chunking: PrefillChunker | None = PrefillChunker() if chunk_size is None else None
         self.credit = credit
         self._formatter: Any = None
         #: Prefix KV cache default for requests that do not say, and the stages' page size.
         self.prefix_cache = True
         self.cache_page_size = prefix.DEFAULT_PAGE_SIZE
+
+    def prefill_chunk_size(self, tokens: int) -> int:
+        """The chunk size for a prefill of ``tokens`` tokens: the fixed size, or the controller's plan."""
+        if self.chunking is None:
+            assert self.chunk_size is not None
+            return self.chunk_size
+        return self.chunking.plan(tokens)
+
+    def observe_prefill(self, tokens: int, chunk_size: int, reply: StageReply, timings: TimingsFrame | None) -> None:
+        """Feed a finished prefill of ``tokens`` tokens in ``chunk_size`` chunks to the controller
+        (``reply``: the final chunk's, ``timings``: its Timings frame)."""
+        if self.chunking is None or tokens <= 0 or chunk_size <= 0:
+            return
+        last = tokens - (math.ceil(tokens / chunk_size) - 1) * chunk_size
+        self.chunking.observe(observation_from(chunk_size, last, timings, reply.stats))
 
     def cache_request(self, request: GenerationRequest) -> prefix.CacheRequest:
         """What ``request`` asks of the chain's prefix cache (opted out: no lookup, no record)."""
@@ -433,7 +457,7 @@ class Generator:
         return self.speculation and request.sampling.greedy
 
     @classmethod
-    def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int = 256,
+    def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int | None = None,
                    credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
                    controller: ControllerConfig = ControllerConfig(), chat_template: str | None = None) -> "Generator":
         """Load the vocabulary and chat template of the GGUF at ``path`` (no weights).

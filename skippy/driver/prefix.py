@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 
@@ -64,6 +64,8 @@ class CachedPrefill:
     cached_tokens: int
     #: Replies of the configure / probe / restore / trim messages (their stats carry kv_* figures).
     control: tuple[StageReply, ...]
+    #: The prefill's chunk size (0: nothing was prefilled, the fused restore decoded the last token).
+    chunk_size: int = 0
 
     @property
     def replies(self) -> tuple[StageReply, ...]:
@@ -142,9 +144,13 @@ async def lookup_and_restore(client: StageClient, session_id: int, prompt: Seque
 
 
 async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,
-                  sampling: SamplingConfig | None, cache: CacheRequest | None, chunk_size: int,
-                  credit: int, request_id: int = 0) -> CachedPrefill:
-    """Configure the session and prefill ``prompt``, restoring what the chain has cached."""
+                  sampling: SamplingConfig | None, cache: CacheRequest | None,
+                  chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0) -> CachedPrefill:
+    """Configure the session and prefill ``prompt``, restoring what the chain has cached.
+
+    ``chunk_size`` is a size, or a function of the token count left to prefill after the restore
+    that returns one (the driver's adaptive chunking, :mod:`skippy.driver.prefill_chunking`).
+    """
     text = metadata(cache) if cache is not None else None
     control = [await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
                                       request_id=request_id, metadata=text)]
@@ -156,6 +162,7 @@ async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *
         control += replies
     if fused:  # restored and decoded in one trip: the reply is the first token's
         return CachedPrefill(PrefillResult(fused[0], ()), cached, tuple(control))
-    result = await client.prefill(session_id, prompt[cached:], pos_start=cached, chunk_size=chunk_size,
+    size = chunk_size(len(prompt) - cached) if callable(chunk_size) else chunk_size
+    result = await client.prefill(session_id, prompt[cached:], pos_start=cached, chunk_size=size,
                                   credit=credit, request_id=request_id)
-    return CachedPrefill(result, cached, tuple(control))
+    return CachedPrefill(result, cached, tuple(control), size)
