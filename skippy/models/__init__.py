@@ -1,7 +1,8 @@
 # Synthetic GGUF models: seeded random weights, real llama.cpp tokenizers, cached by spec.
 #
 # Strategy: tests, the demo and the benchmarks cannot download weights, so they generate them.
-# `spec.py` says what a model is (and names the presets), `vocab_files.py` finds and reads the
+# `spec.py` says what a model is (and names the presets), `families.py` what each architecture's
+# hparams and blocks look like, `vocab_files.py` finds and reads the
 # tokenizer of a vocab-only GGUF, `synthetic.py` writes the file, `cache.py` keeps one file per
 # spec, and `__main__.py` is the command line (`python -m skippy.models`). The `vocab/` folder
 # (gitignored, no Python in it) is where the native build copies the vocab-only GGUFs.
@@ -15,12 +16,15 @@ from skippy.models.spec import (
     VocabName,
     WeightDtype,
     demo,
+    gemma3_270m,
     llama_3_2_1b,
     llama_16x1024,
     preset,
     qwen3_0_6b,
+    qwen3moe_30b_a3b_8e,
     tiny,
 )
+from skippy.models.families import FAMILIES, Family, family
 from skippy.models.synthetic import TensorPlan, plan_tensors, write_model
 from skippy.models.vocab_files import VocabNotFoundError, read_tokenizer, vocab_path
 
@@ -36,11 +40,16 @@ __all__ = [
     "cached_path",
     "demo",
     "ensure_model",
+    "FAMILIES",
+    "Family",
+    "family",
+    "gemma3_270m",
     "llama_16x1024",
     "llama_3_2_1b",
     "plan_tensors",
     "preset",
     "qwen3_0_6b",
+    "qwen3moe_30b_a3b_8e",
     "read_tokenizer",
     "spec_key",
     "tiny",

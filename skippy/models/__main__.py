@@ -1,8 +1,9 @@
 # Command line for synthetic models: `python -m skippy.models [PRESET] [options]`; a real model's
 # name instead (`python -m skippy.models real-gemma3-270m`) prints its assembled, verified file.
 #
-# Strategy: start from a preset (or, without one, from the tiny shape of --arch), apply every
-# option given explicitly as a field override, validate through `ModelSpec`, then either write to
+# Strategy: start from a preset (or, without one, from the tiny shape of --arch, which carries
+# the family's constants: experts, window, multipliers), apply every option given explicitly as
+# a field override, validate through `ModelSpec`, then either write to
 # --out or go through the cache. The only thing printed on stdout is the resulting path, so shell
 # scripts can do `MODEL=$(python -m skippy.models demo)`; progress goes to stderr.
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 from skippy.models.cache import ensure_model
+from skippy.models.families import family
 from skippy.models.real import REAL_MODELS, RealModelError, ensure_real_model
 from skippy.models.spec import PRESETS, Architecture, ModelSpec, VocabName, WeightDtype, preset, tiny
 from skippy.models.synthetic import write_model
@@ -38,6 +40,10 @@ _FIELD_OPTIONS: dict[str, str] = {
     "rms_eps": "rms_eps",
     "seed": "seed",
     "name": "name",
+    "experts": "n_expert",
+    "experts_used": "n_expert_used",
+    "ff_exp": "n_ff_exp",
+    "sliding_window": "sliding_window",
 }
 
 
@@ -66,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--rms-eps", type=float)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--name")
+    parser.add_argument("--experts", type=int, help="experts per MoE block (MoE families)")
+    parser.add_argument("--experts-used", type=int, help="experts each token uses")
+    parser.add_argument("--ff-exp", type=int, help="hidden width of one expert")
+    parser.add_argument("--sliding-window", type=int, help="window of the sliding-window layers")
     parser.add_argument(
         "--out", type=Path, help="write here instead of the cache (overwrites an existing file)"
     )
@@ -98,9 +108,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         for name, factory in PRESETS.items():
-            print(f"{name:16} {factory()}")
+            spec = factory()
+            print(f"{name:20} {spec.short_name():44} {family(spec.arch).summary}")
         for name, model in REAL_MODELS.items():
-            print(f"{name:16} real weights: {model.file_name} from the {model.distribution} package")
+            print(f"{name:20} {model.file_name:44} real weights, from the {model.distribution} package")
         return 0
     if args.preset in REAL_MODELS:
         return _real_model(args.preset, quiet=args.quiet)

@@ -1,0 +1,79 @@
+"""A minimal GGUF reader for tests: scalar fields, tensor infos and raw tensor bytes.
+
+Strategy: walk the header with ``struct`` (strings and arrays skipped by their lengths), then
+the tensor-info table; tensor data is addressed from the aligned end of the header. Written
+independently of skippy's writer and of gguf's GGUFReader, which builds numpy views of every
+vocabulary entry and takes seconds per file on a 32000-token vocab.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+
+import numpy as np
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGML_TYPES = {0: "F32", 1: "F16", 8: "Q8_0"}
+
+
+@dataclasses.dataclass
+class ParsedGGUF:
+    fields: dict[str, object]  # scalars and strings; arrays as their length
+    tensors: dict[str, tuple[tuple[int, ...], str, int]]  # name -> (ne, type, absolute offset)
+    data: bytes
+
+
+def parse_gguf(path: Path) -> ParsedGGUF:
+    data = path.read_bytes()
+    assert data[:4] == b"GGUF"
+    pos = 4
+
+    def take(fmt: str) -> object:
+        nonlocal pos
+        (value,) = struct.unpack_from("<" + fmt, data, pos)
+        pos += struct.calcsize("<" + fmt)
+        return value
+
+    def string() -> str:
+        nonlocal pos
+        length = int(take("Q"))  # type: ignore[call-overload]
+        pos += length
+        return data[pos - length : pos].decode("utf-8", "replace")
+
+    def value(kind: int) -> object:
+        if kind == 8:
+            return string()
+        if kind == 9:
+            sub, count = int(take("I")), int(take("Q"))  # type: ignore[call-overload]
+            if sub == 8:
+                for _ in range(count):
+                    string()
+            else:
+                nonlocal pos
+                pos += struct.calcsize("<" + _GGUF_SCALARS[sub]) * count
+            return count
+        return take(_GGUF_SCALARS[kind])
+
+    _version, n_tensors, n_kv = take("I"), int(take("Q")), int(take("Q"))  # type: ignore[call-overload]
+    fields = {}
+    for _ in range(n_kv):
+        key = string()
+        fields[key] = value(int(take("I")))  # type: ignore[call-overload]
+    infos = []
+    for _ in range(n_tensors):
+        name = string()
+        ne = tuple(int(take("Q")) for _ in range(int(take("I"))))  # type: ignore[call-overload]
+        infos.append((name, ne, _GGML_TYPES[int(take("I"))], int(take("Q"))))  # type: ignore[call-overload]
+    alignment = int(fields.get("general.alignment", 32))  # type: ignore[call-overload]
+    start = (pos + alignment - 1) // alignment * alignment
+    tensors = {name: (ne, kind, start + offset) for name, ne, kind, offset in infos}
+    assert len(tensors) == n_tensors, "duplicate tensor names"
+    return ParsedGGUF(fields, tensors, data)
+
+
+def tensor_f32(parsed: ParsedGGUF, name: str) -> np.ndarray:
+    ne, kind, offset = parsed.tensors[name]
+    assert kind == "F32"
+    return np.frombuffer(parsed.data, dtype=np.float32, count=int(np.prod(ne)), offset=offset)
