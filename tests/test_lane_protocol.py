@@ -7,6 +7,7 @@ import ast
 import dataclasses
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from skippy.protocol import MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
@@ -192,6 +193,21 @@ def test_misused_replies_are_bugs_not_refusals() -> None:
         lane.reply_ready(ticket, StageReply.ack())
     with pytest.raises(ValueError, match="credit_limit"):
         LaneProtocol(0)
+    with pytest.raises(ValueError, match="reply_limit"):
+        LaneProtocol(1, reply_limit=0)
+
+
+def test_receiving_pauses_while_too_many_replies_wait() -> None:
+    lane = LaneProtocol(1, reply_limit=2)
+    first = lane.message_received(message(K.DECODE_EMBD)).ticket
+    lane.message_received(message(K.RETIRE_VERIFY_WINDOW))  # not answered: does not count
+    assert not lane.receiving_paused
+    lane.message_received(message(K.DECODE_EMBD))
+    assert lane.receiving_paused
+    assert first is not None and lane.reply_ready(first, StageReply.predicted_token(1)) == [first]
+    assert lane.receiving_paused  # taken for writing, not yet written
+    lane.replies_written(1)
+    assert not lane.receiving_paused
 
 
 def test_credits_bound_the_credited_frames_and_absorbed_acks_return_them() -> None:
@@ -278,3 +294,76 @@ def test_the_protocol_module_does_no_io() -> None:
     allowed = {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
                "skippy.protocol_ext", "skippy.stage.errors"}
     assert imported <= allowed, imported - allowed
+
+
+# -- what a lane builds from a message (skippy.stage.lane_messages): pure, refusals typed ----------
+
+def _dispatch(kind: MessageKind, **changes: object) -> Dispatch:
+    return LaneProtocol(1).message_received(StageMessage.create(kind, session_id=1, **changes))
+
+
+@pytest.mark.parametrize(
+    "is_first, changes, reason",
+    [
+        (True, {"token_count": 0}, "with token_count 0: nothing to execute"),
+        (True, {"token_count": 2, "pos_start": -1, "tokens": np.asarray([1, 2], dtype=np.int32)},
+         "with negative pos_start -1"),
+        (True, {"token_count": 2, "tokens": np.asarray([1], dtype=np.int32)}, "1 token ids for token_count 2"),
+        (False, {"token_count": 1}, "without an activation"),
+        (False, {"token_count": 1, "activation": np.zeros((1, 3), dtype=np.float32)},
+         r"activation of shape \(1, 3\) does not match token_count 1 x width 4"),
+    ],
+)
+def test_a_message_the_stage_cannot_run_is_refused_before_it_runs(is_first: bool, changes: dict[str, object],
+                                                                  reason: str) -> None:
+    from skippy.stage.lane_messages import work_item
+
+    with pytest.raises(InvalidMessage, match=reason) as raised:
+        work_item(_dispatch(K.PREFILL_EMBD, **changes), 7, is_first=is_first, width=4)
+    assert raised.value.code is ErrorCode.STATE_MISMATCH
+
+
+def test_a_work_item_carries_what_the_rule_says() -> None:
+    from skippy.stage.lane_messages import work_item
+
+    decode = work_item(_dispatch(K.DECODE_EMBD, pos_start=5, token_count=1, state_changes={"current_token": 9}),
+                       7, is_first=True, width=4)
+    assert decode.session == 7 and decode.align_to == 5 and decode.tokens is not None and decode.tokens.tolist() == [9]
+    assert decode.positions.tolist() == [5] and decode.outputs is Outputs.LAST and decode.batchable
+    window = work_item(_dispatch(K.VERIFY_WINDOW, pos_start=2, token_count=2, activation=np.ones((2, 4), np.float32)),
+                       7, is_first=False, width=4)
+    assert window.outputs is Outputs.ALL and not window.batchable and window.tokens is None
+    chunk = work_item(_dispatch(K.PREFILL_FINAL_EMBD, token_count=2, tokens=np.asarray([3, 4], dtype=np.int32)),
+                      7, is_first=True, width=4)
+    assert chunk.prefill and chunk.final_prefill and chunk.prompt_tokens is not None
+
+
+def test_the_forwarded_message_advances_the_source_and_is_flagged() -> None:
+    from skippy.protocol import WireDType
+    from skippy.stage.lane_messages import outgoing
+
+    original = StageMessage.create(K.DECODE_EMBD, pos_start=3, token_count=1, session_id=4, chat_sampling_metadata="x",
+                                   state_changes={"source_stage_index": 0})
+    sent = outgoing(original, np.ones((1, 4), np.float32), WireDType.F16)
+    assert sent.state.source_stage_index == 1 and sent.state.flags & SKIPPY_EXTENSIONS_FLAG
+    assert sent.state.reserved == int(WireDType.F16) and sent.chat_sampling_metadata is None
+    assert (sent.kind, sent.pos_start, sent.session_id) == (K.DECODE_EMBD, 3, 4)
+
+
+def test_the_final_stage_prediction() -> None:
+    from skippy.stage.errors import StageError
+    from skippy.stage.executor import WorkResult
+    from skippy.stage.lane_messages import final_prediction
+
+    result = WorkResult(None, [5, 6, 7], 1, 40)
+    window = final_prediction(_dispatch(K.VERIFY_WINDOW, state_changes={"seq_id": 42}), result, ReplyStats(),
+                              window=True, total_us=90)
+    assert window.kind == ReplyKind.PREDICTED_TOKENS and window.window_id == 42
+    assert window.predicted_tokens == (5, 6, 7)
+    stats = window.stats
+    assert (stats.verify_window_compute_us, stats.verify_window_total_us, stats.verify_window_stage_count) == (40, 90, 1)
+    assert (stats.verify_window_request_count, stats.verify_window_token_count) == (1, 3)
+    decode = final_prediction(_dispatch(K.DECODE_EMBD), result, ReplyStats(kv_lookup_hits=1), window=False, total_us=0)
+    assert decode.kind == ReplyKind.PREDICTED_TOKEN and decode.predicted == 7 and decode.stats.kv_lookup_hits == 1
+    with pytest.raises(StageError, match="DecodeEmbd produced no prediction"):
+        final_prediction(_dispatch(K.DECODE_EMBD), WorkResult(), ReplyStats(), window=False, total_us=0)

@@ -1,7 +1,9 @@
 """The stage server: ``python -m skippy.stage --model M --layers A:B --listen H:P [--downstream H:P]``.
 
-Modules by job: ``config`` (settings), ``server`` (load, listen, shutdown), ``connection`` (one
-lane's nursery of receive / compute / forward / reply tasks), ``scheduler`` (the runtime's single
+Modules by job: ``config`` (settings), ``server`` (load, listen, shutdown), ``lane_protocol``
+(a lane's rules, sans-IO: the per-kind table, events in, actions out), ``connection`` (one lane's
+I/O: its nursery of receive / compute / forward / relay tasks), ``errors`` (the typed refusals and
+their wire codes), ``scheduler`` (the runtime's single
 owner, cross-session decode batching), ``worker`` (the one thread native calls run on),
 ``executor`` (runtime calls and the session table), ``transport`` (frames over trio streams and
 non-blocking socket I/O, downstream dialing, wire conditions), ``stats``.

@@ -60,10 +60,9 @@ import functools
 import itertools
 import logging
 
-import numpy as np
 import trio
 
-from skippy.protocol import MessageKind, ReplyStats, StageMessage, StageReply, StateHeader
+from skippy.protocol import MessageKind, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
     ErrorFrame,
@@ -73,7 +72,7 @@ from skippy.protocol_ext import (
     with_extensions_flag,
 )
 from skippy.stage import extensions
-from skippy.stage import prefix_control
+from skippy.stage import lane_messages, prefix_control
 from skippy.stage.errors import DownstreamError, InvalidMessage, StageError
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
@@ -106,10 +105,10 @@ __all__ = ["Connection", "LaneSettings"]
 
 #: Messages buffered between receive and compute (small: this is the backpressure).
 MESSAGE_QUEUE = 2
+#: Replies that may wait for their turn before the lane reads no further message.
+REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
-_INT32 = np.dtype(np.int32)
-_FLOAT32 = np.dtype(np.float32)
 
 
 class Connection:
@@ -131,7 +130,7 @@ class Connection:
         self.settings = settings
         self.scheduler = scheduler
         self.stats = stats
-        self.protocol = LaneProtocol(settings.credit_limit)
+        self.protocol = LaneProtocol(settings.credit_limit, REPLY_QUEUE)
         self.sessions: set[int] = set()
         self.downstream: trio.SocketStream | None = None
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
@@ -140,6 +139,8 @@ class Connection:
         self._downstream_io: SocketIO | None = None
         #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
         self._credit_returned: trio.Event | None = None
+        #: Set (and dropped) when replies are written while the receiver is paused for them.
+        self._replies_written: trio.Event | None = None
         self._forwarding_done = False
         #: The relay's scope, and whether it is parked waiting with nothing expected.
         self._relay_scope = trio.CancelScope()
@@ -254,6 +255,9 @@ class Connection:
         final = self.settings.downstream is None
         async with messages:
             while True:
+                while protocol.receiving_paused:  # the backpressure of an upstream not reading replies
+                    self._replies_written = trio.Event()
+                    await self._replies_written.wait()
                 message = await reader.next()
                 if message is None:
                     return
@@ -290,6 +294,9 @@ class Connection:
             await send_frame(self._upstream_io, frame, self.peer, downstream=False)
             self._upstream_torn = False
             due = protocol.replies_written(len(due))
+        if self._replies_written is not None:
+            self._replies_written.set()
+            self._replies_written = None
 
     # -- step 2: handle ----------------------------------------------------------------------
     async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int]],
@@ -383,52 +390,10 @@ class Connection:
             self.stats.sessions_released += 1
             self.stats.touch()
 
-    def _work_item(self, dispatch: Dispatch, key: int) -> WorkItem:
-        kind, message = dispatch.kind, dispatch.message
-        count = message.token_count
-        if count <= 0:
-            raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
-        # Decoded frames carry int32 / float32 arrays already: no conversion on the per-token path.
-        tokens = message.tokens
-        if tokens.dtype is not _INT32:  # builtin dtypes are singletons: identity is the cheap test
-            tokens = np.asarray(tokens, dtype=np.int32)
-        if tokens.shape[0] == 0 and count == 1 and message.state.current_token >= 0:
-            tokens = np.asarray([message.state.current_token], dtype=np.int32)
-        positions = message.positions
-        if positions.shape[0] != count:
-            if message.pos_start < 0:
-                raise InvalidMessage(f"{kind.reference_name} with negative pos_start {message.pos_start}")
-            positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
-        elif positions.dtype is not _INT32:
-            positions = np.asarray(positions, dtype=np.int32)
-        is_first = self.scheduler.executor.is_first
-        activations = None
-        if not is_first:
-            activations = message.activation
-            if activations is None:
-                raise InvalidMessage(
-                    f"{kind.reference_name} without an activation (source_stage_index "
-                    f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
-                )
-            if activations.dtype is not _FLOAT32:
-                activations = np.asarray(activations, dtype=np.float32)
-            if activations.shape != (count, self.settings.width):
-                raise InvalidMessage(
-                    f"activation of shape {activations.shape} does not match token_count {count} x width {self.settings.width}"
-                )
-        elif tokens.shape[0] != count:
-            raise InvalidMessage(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
-        prefill = kind.is_prefill
-        return WorkItem(
-            key, positions, tokens if is_first else None, activations, dispatch.align_to, dispatch.rule.outputs,
-            None if message.sampling is None else sampling_params(message.sampling),
-            tokens if prefill and tokens.shape[0] == count else None,
-            prefill, kind is MessageKind.PREFILL_FINAL_EMBD,
-        )
-
     async def _execute(self, dispatch: Dispatch, key: int, received_us: int) -> None:
         kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
-        item = self._work_item(dispatch, key)
+        item = lane_messages.work_item(dispatch, key, is_first=self.scheduler.executor.is_first,
+                                       width=self.settings.width)
         self.sessions.add(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1
@@ -448,7 +413,7 @@ class Connection:
             self._note_recorded(result, message)
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
-            await self._forward(Forward(self._outgoing(message, result.activations), action.expect, dispatch.ticket,
+            await self._forward(Forward(lane_messages.outgoing(message, result.activations, self.settings.wire_dtype), action.expect, dispatch.ticket,
                                         key, received_us, trio.current_time(), result.compute_us, queue_us,
                                         result.batch_size))
             return
@@ -469,44 +434,16 @@ class Connection:
 
     async def _reply_prediction(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
                                 received_us: int, queue_us: int, stats: ReplyStats) -> None:
-        """The final stage's predicted reply (PredictedTokens for a verify window)."""
+        """The final stage's predicted reply (PredictedTokens for a verify window), with its
+        Timings frame on a negotiated lane (docs/protocol.md §4: the producing stage starts it)."""
         assert dispatch.ticket is not None
-        if action.window:  # the reference's verify-window stats
-            stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0,
-                                 total_us=now_us() - received_us, batch_size=result.batch_size)
         timings = None
-        if self.extensions.enabled:  # docs/protocol.md §4: the producing stage starts the frame
+        if self.extensions.enabled:
             timings = TimingsFrame((extensions.own_record(
                 self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-        if action.window:
-            stats = dataclasses.replace(
-                stats, verify_window_request_count=stats.verify_window_request_count + 1,
-                verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
-                verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
-            )
-            await self._reply(dispatch.ticket, StageReply.predicted_token_vector(
-                tuple(result.tokens), window_id=dispatch.message.state.seq_id, stats=stats), timings)
-            return
-        if not result.tokens:
-            raise StageError(f"{dispatch.kind.reference_name} produced no prediction")
-        await self._reply(dispatch.ticket, StageReply.predicted_token(result.tokens[-1], stats=stats), timings)
-
-    def _outgoing(self, message: StageMessage, activations: np.ndarray) -> StageMessage:
-        """The message to forward: this stage's activation, the source index advanced, flagged."""
-        # Built field by field: two dataclasses.replace calls per message cost more (fields() walk).
-        state = message.state
-        return StageMessage(
-            kind=message.kind, pos_start=message.pos_start, token_count=message.token_count,
-            state=StateHeader(
-                version=state.version, seq_id=state.seq_id, phase=state.phase,
-                flags=state.flags | SKIPPY_EXTENSIONS_FLAG, checkpoint_generation=state.checkpoint_generation,
-                prompt_token_count=state.prompt_token_count, decode_step=state.decode_step,
-                current_token=state.current_token, source_stage_index=state.source_stage_index + 1,
-                reserved=int(self.settings.wire_dtype)),
-            request_id=message.request_id, session_id=message.session_id, sampling=message.sampling,
-            chat_sampling_metadata=None, tokens=message.tokens, positions=message.positions,
-            activation=activations, raw_bytes=message.raw_bytes,
-        )
+        reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
+                                               total_us=now_us() - received_us)
+        await self._reply(dispatch.ticket, reply, timings)
 
     async def _forward_through(self, dispatch: Dispatch, item: WorkItem, key: int, received_us: int,
                                expect: Expect | None) -> None:
@@ -520,7 +457,7 @@ class Connection:
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
             forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
-            outgoing = forward.message = self._outgoing(message, result.activations)
+            outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype)
             frame = codec.encode_message(outgoing, wire_dtype, width)
             forward.frame_bytes = len(frame)
             return frame

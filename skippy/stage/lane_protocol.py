@@ -16,6 +16,8 @@ kind goes through the same steps:
    order; a credited frame takes a reply credit (``take_credit`` says whether one is free).
 4. ``downstream_replied(reply)`` → :class:`Relay` (absorb it, or relay it on the frame's ticket,
    releasing a stopped session first), or :class:`DownstreamLost` for a reply out of protocol.
+   (``receiving_paused``: ``reply_limit`` replies wait to be written; read nothing more until
+   they are.)
 5. ``reply_ready(ticket, reply)`` → the tickets whose replies are now due, in message order,
    for the caller to write; ``replies_written(n)`` when it has, → the next ones due.  The
    *writer token* is this: whoever gets a non-empty answer writes, and nobody else gets one
@@ -303,15 +305,19 @@ class LaneProtocol:
 
     Args:
         credit_limit: credited frames allowed unacknowledged downstream (>= 1).
+        reply_limit: replies that may wait to be written before receiving pauses (>= 1).
     """
 
-    __slots__ = ("credit_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
+    __slots__ = ("credit_limit", "reply_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
                  "pending_stats", "inflight")
 
-    def __init__(self, credit_limit: int) -> None:
+    def __init__(self, credit_limit: int, reply_limit: int = 16) -> None:
         if credit_limit < 1:
             raise ValueError(f"credit_limit must be >= 1 (got {credit_limit})")
+        if reply_limit < 1:
+            raise ValueError(f"reply_limit must be >= 1 (got {reply_limit})")
         self.credit_limit = credit_limit
+        self.reply_limit = reply_limit
         self.credits_in_use = 0
         #: docs/protocol.md §2: whether this upstream flagged its messages (Error / Timings allowed).
         self.extensions = ExtensionNegotiation()
@@ -327,6 +333,12 @@ class LaneProtocol:
         self.inflight = 0
 
     # -- upstream: messages in ------------------------------------------------------------------
+    @property
+    def receiving_paused(self) -> bool:
+        """Too many replies wait to be written: read no further message until some are (the
+        upstream that does not read its replies is held back, not buffered for)."""
+        return self.inflight >= self.reply_limit
+
     def message_received(self, message: StageMessage) -> Dispatch:
         """A decoded message arrived from upstream.
 

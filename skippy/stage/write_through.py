@@ -14,10 +14,11 @@ Safety rules, each kept by the connection that sets one up:
 
 * **One writer.**  A write-through is made only when nothing else may write that stream until it
   is done: downstream, when nothing is queued to the forwarder (the connection holds its forward
-  backlog for the duration); upstream, for the lane's *direct* reply slot, which every queued
-  reply waits for.
-* **Order.**  The downstream frame's :class:`~skippy.stage.connection.Forward` is in the
-  expected-replies queue before the job is submitted, so its reply always finds it.
+  backlog for the duration); upstream, when the lane protocol hands it the writer token for
+  that reply (``LaneProtocol.claim_reply_write``: next in line, nobody writing), which every
+  reply behind it waits for.
+* **Order.**  The downstream frame's :class:`~skippy.stage.lane_protocol.Forward` is in the
+  protocol's expected replies before the job is submitted, so its reply always finds it.
 * **No write after close.**  Every write-through of a lane writes under the lane's
   :class:`StreamGate`, and only while the gate is open.  The lane closes the gate before it
   writes an Error frame or closes its streams, so a write-through whose requester was cancelled

@@ -1,0 +1,121 @@
+"""What a lane builds from a message: its work item, the frame it forwards, the final stage's prediction.
+
+Strategy: pure conversions (no I/O, no runtime calls), so :mod:`skippy.stage.connection` only
+moves bytes and runs tasks, and every refusal of a message's values is raised here as
+:class:`~skippy.stage.errors.InvalidMessage` (``STATE_MISMATCH`` on the wire) before anything
+runs.  Decoded frames carry int32 / float32 arrays already, so the per-token path converts
+nothing (builtin dtypes are singletons: identity is the cheap test); the forwarded message is
+built field by field (two ``dataclasses.replace`` calls per message cost more: a fields() walk
+each).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.protocol import MessageKind, ReplyStats, StageMessage, StageReply, StateHeader, WireDType
+from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+from skippy.stage.errors import InvalidMessage, StageError
+from skippy.stage.executor import WorkItem, WorkResult, sampling_params
+from skippy.stage.lane import timing_stats
+from skippy.stage.lane_protocol import Dispatch
+
+__all__ = ["final_prediction", "outgoing", "work_item"]
+
+_INT32 = np.dtype(np.int32)
+_FLOAT32 = np.dtype(np.float32)
+
+
+def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int) -> WorkItem:
+    """The runtime's view of an executable message (session ``key``).
+
+    Args:
+        is_first: the stage starts at layer 0 (it takes token ids, not activations).
+        width: the activation width the stage takes.
+
+    Raises:
+        InvalidMessage: no rows, no positions, a missing or misshapen activation, or token ids
+            that do not match ``token_count``.
+    """
+    kind, message = dispatch.kind, dispatch.message
+    count = message.token_count
+    if count <= 0:
+        raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
+    tokens = message.tokens
+    if tokens.dtype is not _INT32:
+        tokens = np.asarray(tokens, dtype=np.int32)
+    if tokens.shape[0] == 0 and count == 1 and message.state.current_token >= 0:
+        tokens = np.asarray([message.state.current_token], dtype=np.int32)
+    positions = message.positions
+    if positions.shape[0] != count:
+        if message.pos_start < 0:
+            raise InvalidMessage(f"{kind.reference_name} with negative pos_start {message.pos_start}")
+        positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
+    elif positions.dtype is not _INT32:
+        positions = np.asarray(positions, dtype=np.int32)
+    activations = None
+    if not is_first:
+        activations = message.activation
+        if activations is None:
+            raise InvalidMessage(
+                f"{kind.reference_name} without an activation (source_stage_index "
+                f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
+            )
+        if activations.dtype is not _FLOAT32:
+            activations = np.asarray(activations, dtype=np.float32)
+        if activations.shape != (count, width):
+            raise InvalidMessage(
+                f"activation of shape {activations.shape} does not match token_count {count} x width {width}"
+            )
+    elif tokens.shape[0] != count:
+        raise InvalidMessage(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
+    prefill = kind.is_prefill
+    return WorkItem(
+        key, positions, tokens if is_first else None, activations, dispatch.align_to, dispatch.rule.outputs,
+        None if message.sampling is None else sampling_params(message.sampling),
+        tokens if prefill and tokens.shape[0] == count else None,
+        prefill, kind is MessageKind.PREFILL_FINAL_EMBD,
+    )
+
+
+def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_dtype: WireDType) -> StageMessage:
+    """The message to forward: this stage's activation, the source index advanced, flagged (§2)."""
+    state = message.state
+    return StageMessage(
+        kind=message.kind, pos_start=message.pos_start, token_count=message.token_count,
+        state=StateHeader(
+            version=state.version, seq_id=state.seq_id, phase=state.phase,
+            flags=state.flags | SKIPPY_EXTENSIONS_FLAG, checkpoint_generation=state.checkpoint_generation,
+            prompt_token_count=state.prompt_token_count, decode_step=state.decode_step,
+            current_token=state.current_token, source_stage_index=state.source_stage_index + 1,
+            reserved=int(wire_dtype)),
+        request_id=message.request_id, session_id=message.session_id, sampling=message.sampling,
+        chat_sampling_metadata=None, tokens=message.tokens, positions=message.positions,
+        activation=activations, raw_bytes=message.raw_bytes,
+    )
+
+
+def final_prediction(dispatch: Dispatch, result: WorkResult, stats: ReplyStats, *, window: bool,
+                     total_us: int) -> StageReply:
+    """The final stage's predicted reply: PredictedToken, or for a verify window PredictedTokens
+    with the window id and the reference's verify-window stats (``total_us``: receipt to now).
+
+    Raises:
+        StageError: the runtime produced no prediction (a broken invariant: INTERNAL).
+    """
+    if window:
+        stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0, total_us=total_us,
+                             batch_size=result.batch_size)
+        stats = dataclasses.replace(
+            stats, verify_window_request_count=stats.verify_window_request_count + 1,
+            verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
+            verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
+        )
+        return StageReply.predicted_token_vector(tuple(result.tokens), window_id=dispatch.message.state.seq_id,
+                                                 stats=stats)
+    if not result.tokens:
+        raise StageError(f"{dispatch.kind.reference_name} produced no prediction")
+    return StageReply.predicted_token(result.tokens[-1], stats=stats)
