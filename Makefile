@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 export CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
 STAMP := $(VENV)/.skippy-installed
 
-.PHONY: install build demo test test-fast bench wheel clean
+.PHONY: install build demo test test-fast bench bench-save bench-compare wheel clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,14 +29,39 @@ build: $(STAMP)
 demo: install
 	$(BIN)/skippy demo
 
+# The tests that cover the Cython modules' pure-Python twins, run again with the twins forced.
+TWIN_TESTS := tests/test_wire.py tests/test_wire_extensions.py tests/test_wire_hypothesis.py \
+	tests/test_wire_cli.py tests/test_radix.py tests/test_radix_hypothesis.py
+
+# Everything (CI runs this through .ci/run): the whole suite, the twins' tests with
+# SKIPPY_NO_EXTENSIONS=1, and every benchmark once with --benchmark-disable (so none rots; the
+# suites use their small models then).  Any non-zero pytest status fails, 5 (nothing collected)
+# included.
 test: install
 	$(BIN)/python -m pytest
+	SKIPPY_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q $(TWIN_TESTS)
+	$(BIN)/python -m pytest -q bench --benchmark-disable
 
+# The fast suite (under 90 s on the 2-vCPU development host): no test marked slow.
 test-fast: install
 	$(BIN)/python -m pytest -m "not slow"
 
+# Benchmarks.  `make bench-save` stores a baseline for this machine (pytest-benchmark's storage,
+# under .benchmarks/<host name>/, which git ignores); `make bench-compare` runs the suites again
+# and fails when any benchmark's median is more than BENCH_FAIL slower than the latest baseline
+# (default 10%; on a shared host keep it quiet or widen it: BENCH_FAIL=median:20%).
+BENCH_FAIL ?= median:10%
+BENCH := $(BIN)/python -m pytest bench --benchmark-only --benchmark-group-by=group \
+	--benchmark-storage=file://.benchmarks/$(shell uname -n) --benchmark-columns=min,median,mean,stddev,rounds
+
 bench: install
-	$(BIN)/python -m pytest bench --benchmark-only
+	$(BENCH)
+
+bench-save: install
+	$(BENCH) --benchmark-save=baseline
+
+bench-compare: install
+	$(BENCH) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 
 wheel: $(BIN)/python
 	$(BIN)/pip wheel --no-deps -w dist .
