@@ -30,11 +30,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable, Generic, TypeVar
+from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import trio
 
-from skippy.stage.errors import ShuttingDown, StageError
+from skippy.stage.errors import ShuttingDown
 from skippy.stage.executor import Executor, WorkItem, WorkResult
 from skippy.stage.stats import StageStats
 from skippy.stage.worker import RuntimeThread
@@ -225,6 +225,7 @@ class Scheduler:
             rest.insert(0, batch.pop())
         if batch:
             items = [job.item for job in batch if job.item is not None]
+            outcomes: Sequence[WorkResult | Exception]
             try:
                 outcomes = self.executor.run_decode_batch(items)
             except Exception as exc:  # a bug fails these jobs (their lanes log it), not the stage
