@@ -103,9 +103,16 @@ def tensor_array(reader: GGUFReader, name: str) -> np.ndarray:
     return np.asarray(tensor.data)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch", ARCHS)
+#: The fast suite's share of the matrix (every arch, dtype and tying once; the rest is slow).
+FAST_FILES = {("llama", "F32", False), ("qwen2", "F16", True), ("qwen3", "Q8_0", False)}
+FILE_CASES = [
+    pytest.param(arch, dtype, tied, id=f"{arch}-{dtype}-{'tied' if tied else 'untied'}",
+                 marks=() if (arch, dtype, tied) in FAST_FILES else pytest.mark.slow)
+    for arch in ARCHS for dtype in DTYPES for tied in (False, True)
+]
+
+
+@pytest.mark.parametrize("arch, dtype, tied", FILE_CASES)
 def test_generated_file_has_expected_keys_and_tensors(
     model_cache: Path, arch: str, dtype: str, tied: bool
 ) -> None:
@@ -150,6 +157,7 @@ def test_generated_file_has_expected_keys_and_tensors(
     assert block_of == sorted(block_of), "blocks must be stored in layer order"
 
 
+@pytest.mark.slow
 def test_tokenizer_is_copied_verbatim(tmp_path: Path) -> None:
     # gguf's own reader on both files, for the 32000-token SPM vocab (it takes seconds per file
     # on the 150k-token BPE vocabs, which the next test covers with our parser).
@@ -204,6 +212,7 @@ def test_same_seed_same_bytes_other_seed_other_bytes(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a.gguf", "b.gguf", "c.gguf"]
 
 
+@pytest.mark.slow
 def test_lower_precision_files_round_the_same_weights(model_cache: Path) -> None:
     del model_cache
     readers = {dtype: GGUFReader(ensure_model(tiny("llama", dtype=dtype))) for dtype in DTYPES}  # type: ignore[arg-type]
@@ -218,6 +227,7 @@ def test_lower_precision_files_round_the_same_weights(model_cache: Path) -> None
     np.testing.assert_array_equal(norm, tensor_array(readers["Q8_0"], "blk.1.attn_norm.weight"))
 
 
+@pytest.mark.slow
 def test_weight_scales(model_cache: Path) -> None:
     del model_cache
     spec = tiny("qwen2", dtype="F32", n_embd=128)
@@ -317,6 +327,7 @@ def test_presets_have_the_published_shapes() -> None:
         preset("gpt-5")
 
 
+@pytest.mark.slow
 def test_cli_writes_to_out_and_to_cache(
     model_cache: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

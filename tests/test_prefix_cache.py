@@ -342,6 +342,7 @@ def assert_same_tokens(got: list[np.ndarray], want: list[np.ndarray]) -> None:
         assert np.allclose(g, w, atol=2e-3), float(np.abs(g - w).max())
 
 
+@pytest.mark.slow
 def test_restore_from_resident_and_spill_equals_fresh_prefill() -> None:
     rng = np.random.default_rng(0)
     system = random_tokens(rng, 48)  # 3 pages of 16
@@ -365,6 +366,7 @@ def test_restore_from_resident_and_spill_equals_fresh_prefill() -> None:
         assert_same(logits, chain.fresh(second)[64:])
 
 
+@pytest.mark.slow
 def test_corrupt_spill_on_one_stage_restores_nothing_anywhere() -> None:
     rng = np.random.default_rng(1)
     prompt = random_tokens(rng, 40)
@@ -381,6 +383,7 @@ def test_corrupt_spill_on_one_stage_restores_nothing_anywhere() -> None:
         assert_same(logits, chain.fresh(prompt))
 
 
+@pytest.mark.slow
 def test_many_requests_match_fresh_and_leak_no_cells_or_ids() -> None:
     rng = np.random.default_rng(2)
     prefixes = [random_tokens(rng, 16 * int(rng.integers(1, 4))) for _ in range(5)]

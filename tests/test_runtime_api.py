@@ -38,6 +38,7 @@ def _sample(params: SamplingParams, steps: int = 8) -> list[int]:
         return chain.generate(PROMPT, steps, params, stop_at_eog=False)
 
 
+@pytest.mark.slow
 def test_samplers() -> None:
     greedy = _sample(SamplingParams())
     assert greedy == _sample(SamplingParams())

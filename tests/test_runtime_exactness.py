@@ -30,10 +30,18 @@ def unsplit(arch: str, dtype: str, tied: bool) -> tuple[tuple[np.ndarray, ...], 
     return tuple(logits), tuple(tokens)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("arch", ARCHS)
-@pytest.mark.parametrize("split", SPLITS, ids=lambda s: "+".join(f"{a}:{b}" for a, b in s))
+#: The fast suite's share of the matrix (``-m "not slow"``: every arch, dtype, tying and split
+#: once); the other cases are marked slow and run in ``make test``.
+FAST_CASES = {("llama", "F32", False, 2), ("qwen2", "F16", True, 0), ("qwen3", "Q8_0", False, 1)}
+CASES = [
+    pytest.param(arch, dtype, tied, split,
+                 id=f"{'+'.join(f'{a}:{b}' for a, b in split)}-{arch}-{dtype}-{'tied' if tied else 'untied'}",
+                 marks=() if (arch, dtype, tied, index) in FAST_CASES else pytest.mark.slow)
+    for index, split in enumerate(SPLITS) for arch in ARCHS for dtype in DTYPES for tied in (False, True)
+]
+
+
+@pytest.mark.parametrize("arch, dtype, tied, split", CASES)
 def test_split_logits_are_bitwise_equal(arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]) -> None:
     expected_logits, expected_tokens = unsplit(arch, dtype, tied)
     with InProcessChain(model_path(arch, dtype, tied), split) as chain:

@@ -41,6 +41,7 @@ def interleaved(split: list[tuple[int, int]], prompts: list[list[int]], steps: i
     return per_session, generated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_sessions", [2, 3])
 def test_interleaved_sessions_match_running_alone(n_sessions: int) -> None:
     prompts = [PROMPT, PROMPT[:7], PROMPT[3:]][:n_sessions]
@@ -87,6 +88,7 @@ def test_rollback_not_mirrored_is_caught() -> None:
             chain.decode([5], [n], [0])
 
 
+@pytest.mark.slow
 def test_prefix_copy_then_suffix_equals_fresh_prefill() -> None:
     prefix, suffix = PROMPT[:8], PROMPT[8:]
     with InProcessChain(model_path(), SPLIT) as chain:

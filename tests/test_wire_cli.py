@@ -28,7 +28,7 @@ def json_lines(output: bytes) -> list[dict[str, Any]]:
     return [json.loads(line) for line in output.decode().splitlines()]
 
 
-@pytest.mark.parametrize("pure", [False, True], ids=["default", "pure"])
+@pytest.mark.parametrize("pure", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "pure"])
 def test_encode_every_message_vector(pure: bool) -> None:
     stdin = json.dumps(vectors.MESSAGE_CASES).encode()
     result = run_cli("encode", "--hex", stdin=stdin, pure=pure)
@@ -46,7 +46,7 @@ def test_encode_fields_with_options_binary_output(case: dict[str, Any]) -> None:
     assert result.stdout == bytes.fromhex(case["hex"])
 
 
-@pytest.mark.parametrize("pure", [False, True], ids=["default", "pure"])
+@pytest.mark.parametrize("pure", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "pure"])
 def test_decode_every_message_vector(pure: bool) -> None:
     by_width: dict[int, list[dict[str, Any]]] = {}
     for case in vectors.MESSAGE_CASES:
@@ -63,6 +63,7 @@ def test_decode_every_message_vector(pure: bool) -> None:
                 case["fields"], lossy), case["name"]
 
 
+@pytest.mark.slow
 def test_decode_binary_file_and_decode_only(tmp_path: Path) -> None:
     for case in vectors.MESSAGE_DECODE_ONLY:
         path = tmp_path / f"{case['name']}.bin"
@@ -78,6 +79,7 @@ def test_decode_binary_file_and_decode_only(tmp_path: Path) -> None:
             vectors.comparable_fields(frame["fields"], True) for frame in frames]
 
 
+@pytest.mark.slow
 def test_replies_both_directions() -> None:
     stdin = json.dumps([case["fields"] for case in vectors.REPLY_CASES]).encode()
     encoded = run_cli("encode", "--replies", "--hex", stdin=stdin)

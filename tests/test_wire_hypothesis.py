@@ -125,6 +125,7 @@ def decode_one(implementation: Any, frame: bytes, width: int) -> StageMessage:
     return message
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(messages())
 def test_messages_round_trip_identically(case: tuple[StageMessage, WireDType, int]) -> None:
@@ -154,6 +155,7 @@ def replies(draw: st.DrawFn) -> StageReply:
                       tuple(draw(st.lists(i32, max_size=6))), draw(i32), draft, stats)
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(replies())
 def test_replies_round_trip_identically(reply: StageReply) -> None:
@@ -197,6 +199,7 @@ def test_random_bytes_give_frames_or_wire_errors(data: bytes, width: int,
     assert outcome(_wire_c, data, width, replies, bytewise=True) == results[1]
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(messages(), st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)),
                             min_size=1, max_size=4), st.integers(0, 40))
@@ -212,6 +215,7 @@ def test_mutated_frames_give_frames_or_wire_errors(
     assert results[0] == results[1]
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(hnp.arrays(np.uint32, st.integers(1, 64)))
 def test_f16_matches_ieee_except_ties(bits: np.ndarray) -> None:
@@ -236,6 +240,7 @@ def test_f16_matches_ieee_except_ties(bits: np.ndarray) -> None:
     assert exact.shape == ours.shape
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(hnp.arrays(np.float32, st.tuples(st.integers(0, 5), st.integers(0, 9)),
                   elements=st.floats(width=32)))
@@ -306,6 +311,7 @@ def _encode_any(implementation: Any, frame: Any) -> bytes:
     return bytes(implementation.encode_reply(frame))
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(st.lists(extension_frames | replies(), min_size=1, max_size=5))
 def test_extension_frames_round_trip_identically(frames: list[Any]) -> None:
@@ -342,6 +348,7 @@ def extension_outcome(implementation: Any, data: bytes, bytewise: bool) -> list[
     return results
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(extension_frames, st.lists(st.tuples(st.integers(0, 10_000), st.integers(0, 255)),
                                   min_size=1, max_size=4), st.integers(0, 40))
@@ -385,6 +392,7 @@ def _generic_merge(left: ReplyStats, right: ReplyStats) -> ReplyStats:
 stats_values = st.lists(st.one_of(i64, st.integers(-3, 3)), min_size=23, max_size=23).map(lambda v: ReplyStats(*v))
 
 
+@pytest.mark.slow
 @PROPERTY_SETTINGS
 @given(stats_values, stats_values)
 def test_reply_stats_fast_paths_match_generic_definitions(left: ReplyStats, right: ReplyStats) -> None:
