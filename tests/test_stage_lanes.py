@@ -679,3 +679,63 @@ async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(
     assert len(tracebacks) == 1 and tracebacks[0].exc_info[0] is KeyError  # type: ignore[index]
     # refusals are one line each, without a traceback
     assert any("closing lane" in r.getMessage() and r.exc_info is None for r in caplog.records)
+
+
+# -- a lane over memory streams (no socket: the trio-side write path) ------------------------------
+
+async def test_a_final_stage_lane_over_memory_streams() -> None:
+    import trio.testing
+
+    from skippy.protocol_ext import ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
+    from skippy.stage.connection import Connection
+    from stage_helpers import config_from_mapping, load_runtime
+
+    config = config_from_mapping({"model": "null:n_embd=8,n_layer=4,n_vocab=1000", "layers": "0:4"})
+    server = StageServer(config, load_runtime(config))
+    client_side, stage_side = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(server.scheduler.run)
+        lane = Connection(stage_side, "memory", server.settings, server.scheduler, server.stats)  # type: ignore[arg-type]
+        nursery.start_soon(lane.run)
+        messages = [
+            StageMessage.create(MessageKind.CONFIGURE_GENERATION, session_id=1),
+            StageMessage.create(MessageKind.PREFILL_EMBD, token_count=2, session_id=1,
+                                tokens=np.asarray([1, 2], dtype=np.int32)),
+            StageMessage.create(MessageKind.PREFILL_FINAL_EMBD, pos_start=2, token_count=1, session_id=1,
+                                tokens=np.asarray([3], dtype=np.int32)),
+            StageMessage.create(MessageKind.DECODE_EMBD, pos_start=3, token_count=1, session_id=1,
+                                tokens=np.asarray([4], dtype=np.int32)),
+        ]
+        decoder = codec.ReplyDecoder(extensions=True)
+        received: list[object] = []
+
+        async def read(count: int) -> None:
+            with trio.fail_after(5):
+                while len(received) < count:
+                    result = decoder.next_reply()
+                    if isinstance(result, (StageReply, TimingsFrame, ErrorFrame)):
+                        received.append(result)
+                        continue
+                    decoder.receive_data(await client_side.receive_some(1 << 16))
+
+        async def send(batch: list[StageMessage]) -> None:
+            await client_side.send_all(b"".join(codec.encode_message(with_extensions_flag(m), WireDType.F32, 0)
+                                                for m in batch))
+
+        await send(messages)
+        await read(6)
+        await send([StageMessage.create(MessageKind.STATE_EXPORT, session_id=1)])
+        await read(7)
+        kinds = [(type(r).__name__, getattr(r, "kind", None)) for r in received]
+        assert kinds == [("StageReply", ReplyKind.ACK), ("StageReply", ReplyKind.ACK), ("TimingsFrame", None),
+                         ("StageReply", ReplyKind.PREDICTED_TOKEN), ("TimingsFrame", None),
+                         ("StageReply", ReplyKind.PREDICTED_TOKEN), ("ErrorFrame", None)]
+        assert [r.predicted for r in received if isinstance(r, StageReply) and r.kind == ReplyKind.PREDICTED_TOKEN] == [4, 5]
+        error = received[-1]
+        assert isinstance(error, ErrorFrame) and error.code is ErrorCode.UNSUPPORTED_KIND
+        assert error.origin_address == ""  # not a socket: no address to name
+        with trio.fail_after(5):
+            while server.stats.connections_open:
+                await trio.sleep(0.01)
+        assert server.stats.write_throughs == 0 and server.executor.session_count == 0
+        nursery.cancel_scope.cancel()
