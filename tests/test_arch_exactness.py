@@ -43,6 +43,13 @@ SPLITS = [
 FAST_SPLIT = SPLITS[1]
 DTYPES = ["F32", "F16", "Q8_0"]
 STEPS = 16
+#: One compute thread: on a shared 2-core machine ggml's worker threads spin-wait for each
+#: other and a 2-thread run of these tiny models is ~20x slower than a 1-thread one.
+THREADS = 1
+
+
+def chain(path: Path, split: list[tuple[int, int]]) -> InProcessChain:
+    return InProcessChain(path, split, threads=THREADS)
 
 
 def split_id(split: list[tuple[int, int]]) -> str:
@@ -84,8 +91,8 @@ def model_file(arch: str, dtype: str, tied: bool) -> Path:
 
 @functools.lru_cache(maxsize=None)
 def unsplit(arch: str, dtype: str, tied: bool) -> tuple[tuple[np.ndarray, ...], tuple[int, ...]]:
-    with InProcessChain(model_file(arch, dtype, tied), [(0, N_LAYER)]) as chain:
-        logits, tokens = greedy_run(chain, LONG_PROMPT, steps=STEPS)
+    with chain(model_file(arch, dtype, tied), [(0, N_LAYER)]) as whole:
+        logits, tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
     return tuple(logits), tuple(tokens)
 
 
@@ -98,8 +105,8 @@ def test_split_logits_are_bitwise_equal(
     if spec.sliding_window:
         assert len(LONG_PROMPT) > spec.sliding_window, "the prompt must cross the window"
     expected_logits, expected_tokens = unsplit(arch, dtype, tied)
-    with InProcessChain(model_file(arch, dtype, tied), split) as chain:
-        logits, tokens = greedy_run(chain, LONG_PROMPT, steps=STEPS)
+    with chain(model_file(arch, dtype, tied), split) as stages:
+        logits, tokens = greedy_run(stages, LONG_PROMPT, steps=STEPS)
     assert tokens == list(expected_tokens)
     assert len(logits) == len(expected_logits) == len(LONG_PROMPT) + STEPS
     for row, (got, want) in enumerate(zip(logits, expected_logits)):
@@ -119,8 +126,8 @@ def test_sliding_window_is_in_effect(arch: str) -> None:
     n = len(LONG_PROMPT)
     rows = {}
     for label, s in (("narrow", spec), ("wide", wide)):
-        with InProcessChain(ensure_model(s), [(0, s.n_layer)]) as chain:
-            rows[label] = chain.decode(LONG_PROMPT, list(range(n)), [0] * n, [True] * n)
+        with chain(ensure_model(s), [(0, s.n_layer)]) as whole:
+            rows[label] = whole.decode(LONG_PROMPT, list(range(n)), [0] * n, [True] * n)
     window = spec.sliding_window
     for row in range(window):
         np.testing.assert_allclose(rows["narrow"][row], rows["wide"][row], rtol=0, atol=1e-4)
@@ -154,7 +161,7 @@ def test_router_spreads_the_prompt_over_experts(arch: str) -> None:
     n = len(LONG_PROMPT)
     checked = 0
     for layer in range(max(1, spec.n_dense_lead), spec.n_layer):
-        with InProcessChain(path, [(0, layer)]) as first:
+        with chain(path, [(0, layer)]) as first:
             first.contexts[0].decode(tokens=LONG_PROMPT, positions=list(range(n)), seq_ids=[0] * n)
             hidden = first.contexts[0].activations().copy().reshape(n, spec.n_embd)
         x = _rms_norm(hidden, tensors[f"blk.{layer}.{norm_name}.weight"], spec.rms_eps)
