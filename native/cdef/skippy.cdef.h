@@ -107,6 +107,7 @@ bool llama_vocab_is_eog(const struct llama_vocab * vocab, llama_token token);
 
 /* skippy layer range (native/patches) */
 int32_t llama_stage_abi_version(void);
+const char * llama_stage_arch_refusal(const char * arch_name);
 int32_t llama_model_stage_layer_start(const struct llama_model * model);
 int32_t llama_model_stage_layer_end(const struct llama_model * model);
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from skippy.runtime.errors import BindingMismatch
 
 #: Revision of the layer-range C API this Python code is written against.
-STAGE_ABI_VERSION = 1
+STAGE_ABI_VERSION = 2
 
 try:
     from skippy._llama import ffi, lib  # type: ignore[import-not-found]  # cffi-compiled, no stub

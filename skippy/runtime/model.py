@@ -26,10 +26,9 @@ from skippy.runtime.errors import (
 )
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime import _callbacks
+from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
 from skippy.runtime.gguf_header import GGUFHeaderError, read_header
 
-#: Architectures the layer-range patch supports for a partial range.
-SPLIT_ARCHITECTURES: Final = frozenset({"llama", "qwen2", "qwen3"})
 
 ProgressCallback = Callable[[float], object]
 
@@ -143,10 +142,17 @@ def validate_range(info: GGUFInfo, layers: LayerRange) -> None:
         )
     partial = layers.start > 0 or layers.end < info.n_layer
     if partial and info.architecture not in SPLIT_ARCHITECTURES:
+        reason = REFUSED.get(info.architecture, "an architecture this llama.cpp does not know")
         raise UnsupportedArchitecture(
-            f"architecture {info.architecture!r} does not support a partial layer range "
-            f"(requested {layers} of {info.n_layer}; supported: {', '.join(sorted(SPLIT_ARCHITECTURES))})"
+            f"architecture {info.architecture!r} does not support a partial layer range: {reason} "
+            f"(requested {layers} of {info.n_layer}; see docs/architectures.md)"
         )
+
+
+def architecture_refusal(name: str) -> str | None:
+    """Why the loaded library refuses a partial range of architecture ``name`` (None: it splits)."""
+    reason = lib.llama_stage_arch_refusal(name.encode())
+    return None if reason == ffi.NULL else ffi.string(reason).decode()
 
 
 @final

@@ -1,0 +1,466 @@
+"""Generate the per-architecture half of skippy's layer-range patch from the pinned llama.cpp tree.
+
+Strategy: the hand-written patch ``0001-layer-range-execution.patch`` adds the mechanism (the layer
+range in the hparams, tensor and KV filtering, the embd-only input, ``build_stage_boundary``).  What
+remains per architecture is always the same three edits to its graph builder in
+``src/models/<file>.cpp``, so they are made here by rules instead of by hand:
+
+1. the layer loop ``for (int il = 0; il < n_layer; ++il)`` runs ``il_start .. il_end``;
+2. the "last layer" test ``il == n_layer - 1`` (where the output rows are selected) becomes
+   ``il == il_end - 1``;
+3. right after the layer loop, a stage that is not the last publishes the pre-norm hidden state
+   (``inpL``, which every such loop ends by assigning) and stops building the graph.
+
+A few architectures need one more reviewed edit (``ARCH_EDITS``): gemma2 scales its input by
+sqrt(n_embd) unconditionally (only token input on the first stage may be scaled), and the glm4
+families abort on embedding input (which every later stage receives).  Every edit must match an
+exact number of times, and after editing, the main graph body is linted for the constructs that
+would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
+embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
+``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
+that a layer range cannot carry (recurrent state, cross-layer KV sharing, per-layer token
+embeddings, an encoder), are refused with that reason.
+
+Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
+their hunks; the rest are refused at load time with the reason the classifier found.  The script
+writes:
+
+- ``native/patches/0002-layer-range-architectures.patch``: the model-file hunks plus a new file
+  ``src/llama-stage-archs.inc`` holding the refusal reason of every architecture, which the core
+  patch's loader consults;
+- ``skippy/runtime/_architectures.py``: the same table for the Python side (errors before loading);
+- ``docs/architectures.md``: the table for people.
+
+``--check`` regenerates everything in memory and fails when a committed file differs.
+
+Usage: ``python native/layer_range_gen.py [--check] [--source TREE]``
+"""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+import re
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "native"))
+
+import build as native_build  # noqa: E402  (native/build.py: the pinned tree)
+
+PATCH_PATH = ROOT / "native" / "patches" / "0002-layer-range-architectures.patch"
+PY_TABLE_PATH = ROOT / "skippy" / "runtime" / "_architectures.py"
+DOCS_PATH = ROOT / "docs" / "architectures.md"
+INC_NAME = "src/llama-stage-archs.inc"
+
+#: Architectures that split (tested): hunks are generated for them and the loader accepts a range.
+SPLIT: tuple[str, ...] = (
+    "llama", "qwen2", "qwen3",
+    "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "granite", "glm4",
+    "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe",
+)
+
+#: Extra literal edits per architecture name: (old, new, expected count).
+ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # the sqrt(n_embd) input scale belongs to token input only (on the first stage)
+    "gemma2": [(
+        "inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd));",
+        "inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
+        1,
+    )],
+}
+
+#: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
+EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
+
+#: Constructs in a main graph body that need a human look, with the ones reviewed per architecture.
+LINT = {
+    "n_layer": re.compile(r"\bn_layer\b"),
+    "tok_embd": re.compile(r"model\.tok_embd\b"),
+    "t_inp_embd": re.compile(r"res->t_inp_embd\b"),
+    "ubatch.token": re.compile(r"\bubatch\.token\b"),
+    "ubatch.embd": re.compile(r"\bubatch\.embd\b"),
+}
+REVIEWED: dict[str, dict[str, str]] = {
+    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only"},
+    "gemma2": {"ubatch.token": "the input-scale edit above"},
+    "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+}
+
+LOOP = "for (int il = 0; il < n_layer; ++il)"
+LOOP_NEW = "for (int il = il_start; il < il_end; ++il)"
+LAST = "il == n_layer - 1"
+LAST_NEW = "il == il_end - 1"
+
+
+@dataclass
+class Arch:
+    enum: str
+    name: str
+    cls: str | None = None
+    files: list[str] = field(default_factory=list)
+    status: str = ""        # "splits" or "refused"
+    reason: str = ""        # why refused (or how it splits)
+    new_text: dict[str, str] = field(default_factory=dict)
+
+
+class TransformError(Exception):
+    """The rules do not apply to this graph; the message says which one."""
+
+
+# --- reading the tree ---------------------------------------------------------------------------
+
+
+def read_archs(src: Path) -> list[Arch]:
+    text = (src / "src" / "llama-arch.cpp").read_text()
+    block = text[text.index("LLM_ARCH_NAMES"):]
+    block = block[: block.index("};")]
+    archs = [Arch(enum=m.group(1), name=m.group(2)) for m in re.finditer(r"\{\s*(LLM_ARCH_\w+),\s*\"([^\"]+)\"", block)]
+    archs = [a for a in archs if a.enum != "LLM_ARCH_UNKNOWN"]
+    model_cpp = (src / "src" / "llama-model.cpp").read_text()
+    # the factory: runs of `case LLM_ARCH_X:` followed by `return new llama_model_Y(params);`
+    factory: dict[str, str] = {}
+    pending: list[str] = []
+    for line in model_cpp.splitlines():
+        case = re.match(r"\s*case (LLM_ARCH_\w+):", line)
+        if case:
+            pending.append(case.group(1))
+            continue
+        ret = re.match(r"\s*return new (llama_model_\w+)\(", line)
+        if ret and pending:
+            for enum in pending:
+                factory.setdefault(enum, ret.group(1))
+        if line.strip() and not case:
+            pending = []
+    sources = {p.name: p.read_text() for p in sorted((src / "src" / "models").glob("*.cpp"))}
+    for arch in archs:
+        arch.cls = factory.get(arch.enum)
+        if arch.cls:
+            arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
+    return archs
+
+
+def no_kv_archs(src: Path) -> set[str]:
+    """Architectures whose create_memory returns no KV cache (encoders, embedding models)."""
+    text = (src / "src" / "llama-model.cpp").read_text()
+    start = text.index("llama_memory_i * llama_model::create_memory")
+    body = text[start:]
+    head = body[: body.index("res = nullptr;")]
+    return set(re.findall(r"case (LLM_ARCH_\w+):", head))
+
+
+def base_class(src: Path, cls: str) -> str:
+    header = (src / "src" / "models" / "models.h").read_text()
+    m = re.search(rf"struct {cls}\s*:\s*public\s+(\w+)", header)
+    return m.group(1) if m else ""
+
+
+# --- the transform ------------------------------------------------------------------------------
+
+
+def _match_brace(text: str, open_at: int) -> int:
+    """Index of the brace closing the one at ``open_at`` (comments and strings skipped)."""
+    depth = 0
+    i = open_at
+    n = len(text)
+    while i < n:
+        c = text[i]
+        if text.startswith("//", i):
+            i = text.index("\n", i)
+            continue
+        if text.startswith("/*", i):
+            i = text.index("*/", i) + 2
+            continue
+        if c == '"':
+            i += 1
+            while text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c == "{":
+            depth += 1
+        elif c == "}":
+            depth -= 1
+            if depth == 0:
+                return i
+        i += 1
+    raise TransformError("unbalanced braces")
+
+
+def main_graph_span(text: str) -> tuple[int, int]:
+    """The body of the graph constructor that builds the token-input graph."""
+    embd = text.find("build_inp_embd(model.tok_embd)")
+    if embd < 0:
+        raise TransformError("no build_inp_embd(model.tok_embd) (not a token-input decoder graph)")
+    ctor = None
+    for m in re.finditer(r"::graph(<\w+>)?::graph\([^)]*\)[^{]*\{", text):
+        if m.start() < embd:
+            ctor = m
+    if ctor is None:
+        raise TransformError("no graph constructor before the input embedding")
+    end = _match_brace(text, ctor.end() - 1)
+    if not ctor.end() < embd < end:
+        raise TransformError("the input embedding is not built in a graph constructor")
+    if text.count("build_inp_embd(model.tok_embd)", ctor.end(), end) != 1:
+        raise TransformError("more than one input embedding in the graph")
+    return ctor.end(), end
+
+
+def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
+    """Apply the rules to one model file; returns the new text and the lint findings."""
+    start, end = main_graph_span(text)
+    body = text[start:end]
+    if body.count(LOOP) != 1:
+        raise TransformError(f"expected one `{LOOP}`, found {body.count(LOOP)}")
+    loop_at = body.index(LOOP)
+    loop_open = body.index("{", loop_at)
+    loop_close = _match_brace(body, loop_open)
+    loop_body = body[loop_open:loop_close]
+    if not re.search(r"inpL\s*=\s*cur\s*;\s*$", loop_body):
+        raise TransformError("the layer loop does not end with `inpL = cur;`")
+    if "build_stage_boundary" in body:
+        raise TransformError("already transformed")
+    if body.count(LAST) < 1:
+        raise TransformError(f"no `{LAST}` (output-row selection) in the layer loop")
+    if body.count(LAST, loop_open, loop_close) != body.count(LAST):
+        raise TransformError(f"`{LAST}` outside the layer loop")
+    tail = body[loop_close:]
+    if "model.output_norm" not in tail and "model.output" not in tail:
+        raise TransformError("no output head after the layer loop")
+    indent = re.search(r"\n([ \t]*)[^\n]*$", body[:loop_at]).group(1)
+    boundary = (
+        f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
+        f"{indent}if (build_stage_boundary(inpL)) {{\n{indent}    return;\n{indent}}}"
+    )
+    new_body = (
+        body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
+    )
+    new_body = new_body.replace(LAST, LAST_NEW)
+    guards = new_body.count(EMBD_GUARD[0])
+    new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
+    for old, new, count in ARCH_EDITS.get(arch.name, []):
+        found = new_body.count(old)
+        if found != count:
+            raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
+        new_body = new_body.replace(old, new)
+    # lint what is left in the graph body
+    findings = []
+    scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
+    scan = scan.replace("build_inp_embd(model.tok_embd)", "")
+    for label, pattern in LINT.items():
+        if pattern.search(scan) and label not in REVIEWED.get(arch.name, {}):
+            findings.append(label)
+    if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
+        findings.append("ubatch.embd guard")
+    return text[:start] + new_body + text[end:], findings
+
+
+# --- classification -----------------------------------------------------------------------------
+
+RECURRENT_BASES = {"llama_model_mamba_base", "llama_model_rwkv6_base", "llama_model_rwkv7_base",
+                   "llama_model_delta_net_base"}
+
+
+def classify(src: Path, archs: list[Arch]) -> None:
+    no_kv = no_kv_archs(src)
+    models = src / "src" / "models"
+    for arch in archs:
+        arch.status = "refused"
+        if arch.cls is None:
+            arch.reason = "not a text model llama.cpp can run (no model class)"
+            continue
+        if arch.enum == "LLM_ARCH_CLIP":
+            arch.reason = "not a text model: a vision encoder llama.cpp only quantizes"
+            continue
+        texts = {name: (models / name).read_text() for name in arch.files}
+        joined = "\n".join(texts.values())
+        base = base_class(src, arch.cls)
+        if arch.enum in no_kv:
+            arch.reason = "encoder or embedding model: no KV cache, no causal generation"
+        elif arch.name.startswith("t5") or "build_inp_cross_embd" in joined or "dec_start" in joined:
+            arch.reason = "encoder-decoder: the decoder attends to the encoder output"
+        elif base in RECURRENT_BASES or re.search(r"build_rs\(|build_inp_rs\(|ssm_conv|time_mix", joined):
+            arch.reason = "recurrent state (SSM / linear attention): layer state is not a KV cache per layer"
+        elif "per_layer_tok_embd" in joined or "build_inp_per_layer" in joined:
+            arch.reason = "per-layer token embeddings: every layer needs the input tokens"
+        elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:
+            arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
+        else:
+            main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
+            if len(main) != 1:
+                arch.reason = "graph does not follow the standard layer loop (no single token-input graph)"
+                continue
+            try:
+                new_text, findings = transform(arch, texts[main[0]])
+            except TransformError as exc:
+                arch.reason = f"graph does not follow the standard layer loop ({exc})"
+                continue
+            if findings:
+                arch.reason = "needs review: the graph uses " + ", ".join(findings) + " beyond the layer loop"
+                continue
+            if arch.name in SPLIT:
+                arch.status = "splits"
+                arch.reason = "tested: bitwise-exact splits on synthetic models"
+                arch.new_text = {f"src/models/{main[0]}": new_text}
+            else:
+                arch.reason = ("not validated: the layer-loop rules apply, but no synthetic writer and "
+                               "exactness test cover it yet")
+    missing = set(SPLIT) - {a.name for a in archs if a.status == "splits"}
+    if missing:
+        detail = "; ".join(f"{a.name}: {a.reason}" for a in archs if a.name in missing)
+        raise SystemExit(f"architectures in SPLIT do not transform: {sorted(missing)} ({detail})")
+
+
+# --- outputs ------------------------------------------------------------------------------------
+
+
+def c_string(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_inc(archs: list[Arch]) -> str:
+    lines = [
+        "// generated by native/layer_range_gen.py from the pinned llama.cpp tree: do not edit",
+        "// skippy: whether an architecture accepts a partial layer range; nullptr when it does,",
+        "// else the reason it is refused",
+        "static const char * llm_arch_stage_refusal(llm_arch arch) {",
+        "    switch (arch) {",
+    ]
+    for arch in archs:
+        if arch.status == "splits":
+            lines.append(f"        case {arch.enum}: return nullptr;")
+    for arch in archs:
+        if arch.status != "splits":
+            lines.append(f"        case {arch.enum}: return {c_string(arch.reason)};")
+    lines += [
+        "        default: return \"unknown architecture\";",
+        "    }",
+        "}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def unified(path: str, old: str | None, new: str) -> str:
+    old_lines = [] if old is None else old.splitlines(keepends=True)
+    new_lines = new.splitlines(keepends=True)
+    diff = difflib.unified_diff(
+        old_lines, new_lines,
+        fromfile="/dev/null" if old is None else f"a/{path}", tofile=f"b/{path}", n=3,
+    )
+    text = "".join(diff)
+    header = f"diff --git a/{path} b/{path}\n"
+    if old is None:
+        header += "new file mode 100644\n"
+    return header + text
+
+
+def render_patch(src: Path, archs: list[Arch]) -> str:
+    parts = [
+        "skippy layer ranges, per architecture (generated by native/layer_range_gen.py: do not edit)\n\n"
+        "Applies on top of 0001-layer-range-execution.patch: the layer loop of each split\n"
+        "architecture's graph runs [il_start, il_end), the output rows are selected on the range's\n"
+        "last layer, and a stage that is not the last returns its pre-norm hidden state after the\n"
+        "loop.  src/llama-stage-archs.inc tells the loader which architectures accept a range.\n\n"
+    ]
+    for arch in sorted((a for a in archs if a.status == "splits"), key=lambda a: list(a.new_text)[0]):
+        for path, new_text in arch.new_text.items():
+            parts.append(unified(path, (src / path).read_text(), new_text))
+    parts.append(unified(INC_NAME, None, render_inc(archs)))
+    return "".join(parts)
+
+
+def render_py(archs: list[Arch]) -> str:
+    lines = [
+        "# Generated by native/layer_range_gen.py from the pinned llama.cpp tree: do not edit.",
+        "#",
+        "# Strategy: the same table the patched loader compiles in (src/llama-stage-archs.inc), so a",
+        "# partial layer range of a refused architecture is refused before loading, with the reason.",
+        "from __future__ import annotations",
+        "",
+        "from typing import Final",
+        "",
+        "#: Architectures whose layer ranges split exactly (tested).",
+        "SPLIT_ARCHITECTURES: Final = frozenset({",
+    ]
+    for arch in archs:
+        if arch.status == "splits":
+            lines.append(f"    {arch.name!r},")
+    lines += ["})", "", "#: Every other architecture llama.cpp knows, with the reason it is refused.",
+              "REFUSED: Final[dict[str, str]] = {"]
+    for arch in archs:
+        if arch.status != "splits":
+            lines.append(f"    {arch.name!r}: {arch.reason!r},")
+    lines += ["}", ""]
+    return "\n".join(lines)
+
+
+def render_docs(archs: list[Arch]) -> str:
+    n_split = sum(a.status == "splits" for a in archs)
+    counts: dict[str, int] = {}
+    for arch in archs:
+        if arch.status != "splits":
+            key = arch.reason.split(":")[0].split(" (")[0]
+            counts[key] = counts.get(key, 0) + 1
+    lines = [
+        "# Architectures",
+        "",
+        "Generated by `python native/layer_range_gen.py` from the pinned llama.cpp tree "
+        f"(llama-cpp-python {native_build.LLAMA_CPP_PYTHON_VERSION}); do not edit by hand.",
+        "",
+        "A partial layer range (`--layers START:END` short of the whole model) is accepted only for",
+        "the architectures marked **splits**: their graphs are transformed by the generated patch",
+        "`native/patches/0002-layer-range-architectures.patch` and the exactness suite proves the split",
+        "bitwise equal to the unsplit model on synthetic weights.  Every other architecture still runs",
+        "unsplit (one stage holding all layers); asking for a partial range gets the reason below.",
+        "",
+        f"{len(archs)} architectures: {n_split} split; refused: "
+        + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",
+        "",
+        "| architecture | model source | status | why |",
+        "|---|---|---|---|",
+    ]
+    for arch in sorted(archs, key=lambda a: (a.status != "splits", a.name)):
+        files = ", ".join(f"`{f}`" for f in arch.files) or "-"
+        lines.append(f"| `{arch.name}` | {files} | {arch.status} | {arch.reason} |")
+    lines.append("")
+    return "\n".join(lines)
+
+
+def generate(src: Path) -> dict[Path, str]:
+    archs = read_archs(src)
+    classify(src, archs)
+    return {
+        PATCH_PATH: render_patch(src, archs),
+        PY_TABLE_PATH: render_py(archs),
+        DOCS_PATH: render_docs(archs),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--check", action="store_true", help="fail when a committed output differs")
+    parser.add_argument("--source", type=Path, help="pristine llama.cpp tree (default: the pinned sdist's)")
+    args = parser.parse_args(argv)
+    src = args.source or native_build._pristine_source()
+    outputs = generate(src)
+    stale = []
+    for path, text in outputs.items():
+        current = path.read_text() if path.exists() else None
+        if current == text:
+            continue
+        if args.check:
+            stale.append(str(path.relative_to(ROOT)))
+        else:
+            path.write_text(text)
+            print(f"wrote {path.relative_to(ROOT)}")
+    if stale:
+        print("stale generated files (run python native/layer_range_gen.py): " + ", ".join(stale), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
