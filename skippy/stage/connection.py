@@ -59,10 +59,11 @@ import dataclasses
 import functools
 import itertools
 import logging
+from typing import Awaitable, Callable
 
 import trio
 
-from skippy.protocol import MessageKind, ReplyStats, StageMessage, StageReply
+from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
     ErrorFrame,
@@ -77,12 +78,14 @@ from skippy.stage.errors import DownstreamError, InvalidMessage, StageError
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
 from skippy.stage.lane_protocol import (
+    RULES,
     Answer,
     Dispatch,
     Expect,
     Forward,
     Handling,
     LaneProtocol,
+    Relay,
     ReplyUpstream,
     SendDownstream,
     Ticket,
@@ -109,6 +112,18 @@ MESSAGE_QUEUE = 2
 REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _OwnPart:
+    """What a non-executable handling's own part leaves for the next step."""
+
+    stats: ReplyStats = EMPTY_REPLY_STATS  #: merged into this stage's reply, if it answers
+    result: WorkResult | None = None  #: a TryRestorePrefillDecode hit: the fused decode's result
+    forwarded: bool = True  #: False: nothing to forward (a prefix-control miss)
+
+
+_NOTHING_MORE = _OwnPart()
 
 
 class Connection:
@@ -323,65 +338,78 @@ class Connection:
 
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
-        message = dispatch.message
+        key = self._session_key(dispatch.message)
         handling = dispatch.rule.handling
-        key = self._session_key(message)
         if handling is Handling.EXECUTE:
             await self._execute(dispatch, key, received_us)
             return
-        executor = self.scheduler.executor
-        forward = Forward(message, None, dispatch.ticket, key, received_us, 0.0)
-        local_hit = False
-        forwarded = True
-        stats: ReplyStats | None = None
-        result: WorkResult | None = None
-        if handling is Handling.STOP:
-            if self._forwards is None:  # the final stage releases now; others after the downstream ACK
-                await self._release(key)
-        elif handling is Handling.RETIRE:
-            if message.pos_start < 0 or message.token_count < 0:
-                raise InvalidMessage(
-                    f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
-        elif handling is Handling.TRIM:
-            trimmed = await self.scheduler.call(lambda: executor.trim(key, message.token_count))
-            self.stats.trimmed_tokens += trimmed
-        elif handling is Handling.CONFIGURE:
-            params = sampling_params(message.sampling)
-            self.sessions.add(key)
-            await self.scheduler.call(lambda: executor.configure(key, params))
-            cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
-            if cache_settings is not None and executor.cache is not None:
-                await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
-        else:  # Handling.PREFIX_CONTROL: docs/prefix-cache.md §6; see skippy.stage.prefix_control
-            self.sessions.add(key)
-            outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=self._forwards is not None,
-                                                  wire_dtype=self.settings.wire_dtype)
-            self.stats.touch()
-            result = outcome.result
-            local_hit = result is not None
-            if result is not None:  # a TryRestorePrefillDecode hit on this stage
-                self.stats.restore_decodes += 1
-                self._note_recorded(result, message)
-                forward.compute_us, forward.batch_size = result.compute_us, result.batch_size
-            forwarded = outcome.forward is not None
-            if outcome.forward is not None:
-                forward.message, forward.on_reply = outcome.forward, outcome.on_reply
-            stats = outcome.stats
-        action = self.protocol.computed(dispatch, has_downstream=self._forwards is not None, local_hit=local_hit,
-                                        forwarded=forwarded)
+        forward = Forward(dispatch.message, None, dispatch.ticket, key, received_us, 0.0)
+        own = await self._own_parts[handling](dispatch, key, forward)
+        action = self.protocol.computed(dispatch, has_downstream=self._forwards is not None,
+                                        local_hit=own.result is not None, forwarded=own.forwarded)
         if type(action) is SendDownstream:
             forward.expect = action.expect
             forward.enqueued_at = trio.current_time()
             await self._forward(forward)
         elif type(action) is ReplyUpstream:
             assert dispatch.ticket is not None
-            pending = self.protocol.take_stats()
-            if stats is not None:
-                pending = pending.merge(stats)
-            if action.answer is Answer.ACK or result is None:
-                await self._reply(dispatch.ticket, StageReply.ack(pending))
+            stats = self.protocol.take_stats()
+            if own.stats is not EMPTY_REPLY_STATS:
+                stats = stats.merge(own.stats)
+            if action.answer is Answer.ACK or own.result is None:
+                await self._reply(dispatch.ticket, StageReply.ack(stats))
             else:  # the final stage's fused restore-decode: its prediction
-                await self._reply_prediction(dispatch, action, result, received_us, 0, pending)
+                await self._reply_prediction(dispatch, action, own.result, received_us, 0, stats)
+
+    @functools.cached_property
+    def _own_parts(self) -> dict[Handling, Callable[[Dispatch, int, Forward], Awaitable[_OwnPart]]]:
+        """The stage's own part of each non-executable handling (one method each)."""
+        return {Handling.STOP: self._stop, Handling.RETIRE: self._retire, Handling.TRIM: self._trim,
+                Handling.CONFIGURE: self._configure, Handling.PREFIX_CONTROL: self._prefix_control}
+
+    async def _stop(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+        if self._forwards is None:  # the final stage releases now; others after the downstream ACK
+            await self._release(key)
+        return _NOTHING_MORE
+
+    async def _retire(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+        message = dispatch.message
+        if message.pos_start < 0 or message.token_count < 0:
+            raise InvalidMessage(
+                f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
+        return _NOTHING_MORE  # no checkpoints to release on this runtime; forwarded, never answered
+
+    async def _trim(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+        executor, length = self.scheduler.executor, dispatch.message.token_count
+        self.stats.trimmed_tokens += await self.scheduler.call(lambda: executor.trim(key, length))
+        return _NOTHING_MORE
+
+    async def _configure(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+        executor, message = self.scheduler.executor, dispatch.message
+        params = sampling_params(message.sampling)
+        self.sessions.add(key)
+        await self.scheduler.call(lambda: executor.configure(key, params))
+        cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
+        if cache_settings is not None and executor.cache is not None:
+            await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
+        return _NOTHING_MORE
+
+    async def _prefix_control(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+        """docs/prefix-cache.md §6 (:mod:`skippy.stage.prefix_control`): a local miss is answered
+        here; a hit is forwarded with ``on_reply`` (a TryRestorePrefillDecode hit carries its result)."""
+        message = dispatch.message
+        self.sessions.add(key)
+        outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=self._forwards is not None,
+                                              wire_dtype=self.settings.wire_dtype)
+        self.stats.touch()
+        result = outcome.result
+        if result is not None:
+            self.stats.restore_decodes += 1
+            self._note_recorded(result, message)
+            forward.compute_us, forward.batch_size = result.compute_us, result.batch_size
+        if outcome.forward is not None:
+            forward.message, forward.on_reply = outcome.forward, outcome.on_reply
+        return _OwnPart(outcome.stats, result, forwarded=outcome.forward is not None)
 
     async def _release(self, key: int) -> None:
         self.sessions.discard(key)
@@ -601,35 +629,45 @@ class Connection:
             wait_us = max(0, now_us() - item.sent_us - item.write_us)
             self.stats.downstream_wait_us += wait_us
             if relay.absorb:
-                protocol.pending_stats = protocol.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
-                    item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
-                )
-                if self._credit_returned is not None:
-                    self._credit_returned.set()
-                    self._credit_returned = None
-                continue
-            assert item.ticket is not None
-            stats = merge_stats(protocol.take_stats(), reply.stats)
-            if item.on_reply is not None:
-                stats = await item.on_reply(stats)
-            if relay.release:
-                await self._release(item.session)
-            if relay.prediction:
-                if item.message.kind == MessageKind.VERIFY_WINDOW:  # the reference's verify-window stats
-                    stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us,
-                                         wait_us=wait_us, total_us=now_us() - item.received_us,
-                                         batch_size=item.batch_size)
-                if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
-                    timings = append_timing(timings, extensions.own_record(
-                        self.identity, batch_size=item.batch_size, compute_us=item.compute_us,
-                        write_us=item.write_us, wait_us=wait_us, queue_us=item.queue_us))
-                else:
-                    timings = None
-                if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
-                    reply = dataclasses.replace(reply, stats=stats)
-                await self._reply(item.ticket, reply, timings)
+                self._absorb(item, reply, wait_us)
             else:
-                await self._reply(item.ticket, StageReply.ack(stats))
+                await self._relay_reply(relay, reply, timings, wait_us)
+
+    def _absorb(self, item: Forward, reply: StageReply, wait_us: int) -> None:
+        """An early-ACKed chunk's downstream ACK: its stats (and this edge's transport) are kept
+        for the next reply upstream; its credit is back (the protocol counted it)."""
+        protocol = self.protocol
+        protocol.pending_stats = protocol.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
+            item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
+        )
+        if self._credit_returned is not None:
+            self._credit_returned.set()
+            self._credit_returned = None
+
+    async def _relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int) -> None:
+        """Answer the forwarded message's ticket with the downstream's reply, this stage's share added."""
+        item = relay.forward
+        assert item.ticket is not None
+        stats = merge_stats(self.protocol.take_stats(), reply.stats)
+        if item.on_reply is not None:
+            stats = await item.on_reply(stats)
+        if relay.release:
+            await self._release(item.session)
+        if not relay.prediction:
+            await self._reply(item.ticket, StageReply.ack(stats))
+            return
+        if RULES[item.ticket.kind].window:  # the reference's verify-window stats
+            stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
+                                 total_us=now_us() - item.received_us, batch_size=item.batch_size)
+        if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
+            timings = append_timing(timings, extensions.own_record(
+                self.identity, batch_size=item.batch_size, compute_us=item.compute_us,
+                write_us=item.write_us, wait_us=wait_us, queue_us=item.queue_us))
+        else:
+            timings = None
+        if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
+            reply = dataclasses.replace(reply, stats=stats)
+        await self._reply(item.ticket, reply, timings)
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
