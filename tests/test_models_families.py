@@ -116,6 +116,32 @@ def _glm4moe(s: ModelSpec, layer: int) -> Shapes:
     }
 
 
+def _deepseek2(s: ModelSpec, layer: int) -> Shapes:
+    e, h, rope = s.n_embd, s.n_head, s.n_rot
+    nope, v, q, kv = s.n_embd_head - rope, s.v_head_dim, s.q_lora_rank, s.kv_lora_rank
+    out: Shapes = {
+        "attn_norm.weight": (e,),
+        "attn_q_a_norm.weight": (q,),
+        "attn_kv_a_norm.weight": (kv,),
+        "attn_q_a.weight": (e, q),
+        "attn_q_b.weight": (q, h * (nope + rope)),
+        "attn_kv_a_mqa.weight": (e, kv + rope),
+        "attn_k_b.weight": (nope, kv, h),
+        "attn_v_b.weight": (kv, v, h),
+        "attn_output.weight": (h * v, e),
+    }
+    if layer < s.n_dense_lead:
+        return out | _ffn(s)
+    w = s.n_ff_exp * s.n_expert_shared
+    return out | _experts(s) | {
+        "ffn_norm.weight": (e,),
+        "exp_probs_b.bias": (s.n_expert,),
+        "ffn_gate_shexp.weight": (e, w),
+        "ffn_up_shexp.weight": (e, w),
+        "ffn_down_shexp.weight": (w, e),
+    }
+
+
 EXPECTED_BLOCK: dict[str, Callable[[ModelSpec, int], Shapes]] = {
     "gemma2": lambda s, i: _attn(s) | _ffn(s) | _post(s),
     "gemma3": lambda s, i: _attn(s) | _ffn(s) | _post(s) | _qk_norm(s),
@@ -148,6 +174,7 @@ EXPECTED_BLOCK: dict[str, Callable[[ModelSpec, int], Shapes]] = {
     "qwen3moe": lambda s, i: _attn(s) | _qk_norm(s) | _experts(s) | {"ffn_norm.weight": (s.n_embd,)},
     "gpt-oss": lambda s, i: _gpt_oss(s),
     "glm4moe": _glm4moe,
+    "deepseek2": _deepseek2,
 }
 
 #: Keys (without the arch prefix) each tiny file must carry, with their values.
@@ -187,6 +214,20 @@ EXPECTED_KEYS: dict[str, dict[str, object]] = {
         "expert_shared_count": 1, "leading_dense_block_count": 1, "expert_gating_func": 2,
         "expert_weights_norm": True, "expert_weights_scale": 2.5, "rope.dimension_count": 16,
     },
+    "deepseek2": {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "expert_shared_count": 1, "leading_dense_block_count": 1, "expert_gating_func": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5, "attention.q_lora_rank": 32,
+        "attention.kv_lora_rank": 64, "attention.value_length_mla": 32,
+        "attention.key_length_mla": 48, "attention.key_length": 80,
+        "attention.value_length": 64, "attention.head_count_kv": 1, "rope.dimension_count": 16,
+    },
+}
+
+#: Keys of EXPECTED_KEYS that every file has (not one of the optional family keys).
+COMMON_KEYS = {
+    "rope.dimension_count", "attention.key_length", "attention.value_length",
+    "attention.head_count_kv", "attention.key_length_mla",
 }
 
 #: Tensors stored F32 whatever the file's dtype: 1-D ones, biases and routers.
@@ -239,7 +280,7 @@ def test_family_file_has_the_loaders_tensors_and_keys(
     # No key of another family's optional fields sneaks in.
     optional = {f"{arch}.{k.suffix}" for k in OPTIONAL_KEYS.values()}
     written = {k for k in fields if k in optional}
-    assert written == {f"{arch}.{s}" for s in EXPECTED_KEYS[arch] if s != "rope.dimension_count"}
+    assert written == {f"{arch}.{s}" for s in EXPECTED_KEYS[arch] if s not in COMMON_KEYS}
     actual = {name: (ne, kind) for name, (ne, kind, _) in parsed.tensors.items()}
     assert actual == expected_tensors(spec)
     names = list(parsed.tensors)
@@ -258,6 +299,9 @@ def test_names_and_keys_are_llama_cpps() -> None:
     keys = set(re.findall(r'"%s\.([a-z_.]+)"', source))
     for field_name, key in OPTIONAL_KEYS.items():
         assert key.suffix in keys, f"{field_name} -> {key.suffix} is not a llama.cpp key"
+    for arch, expected in EXPECTED_KEYS.items():
+        for suffix in expected:
+            assert suffix in keys, f"{arch}: {suffix} is not a llama.cpp key"
     tensor_names = set(re.findall(r'"blk\.%d\.([a-z_0-9]+)"', source))
     arch_names = set(re.findall(r'\{ LLM_ARCH_[A-Z0-9_]+, *"([a-z0-9-]+)" *\}', source))
     for arch in NEW_ARCHITECTURES:
@@ -328,6 +372,8 @@ def test_lower_precision_experts_round_the_same_weights(model_cache: Path) -> No
         ("qwen3moe", {"dtype": "Q8_0", "n_ff_exp": 48}, "Q8_0 rows"),
         ("mistral3", {"rope_orig_ctx": 0, "rope_scaling": ""}, "attn_temp_scale needs"),
         ("phi3", {"name": "my-phi3"}, "phi3"),
+        ("deepseek2", {"n_head_kv": 2}, "n_head_kv == 1"),
+        ("deepseek2", {"kv_lora_rank": 0}, "needs kv_lora_rank"),
     ],
 )
 def test_family_rules_refuse_what_the_loader_would(

@@ -97,7 +97,13 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "residual_scale": OptionalKey("residual_scale", GGUFValueType.FLOAT32),
     "attention_scale": OptionalKey("attention.scale", GGUFValueType.FLOAT32),
     "logit_scale": OptionalKey("logit_scale", GGUFValueType.FLOAT32),
+    "q_lora_rank": OptionalKey("attention.q_lora_rank", GGUFValueType.UINT32),
+    "kv_lora_rank": OptionalKey("attention.kv_lora_rank", GGUFValueType.UINT32),
+    "v_head_dim": OptionalKey("attention.value_length_mla", GGUFValueType.UINT32),
 }
+
+#: A key computed from the spec rather than copied from one field: (suffix, value, type).
+DerivedKey = tuple[str, object, GGUFValueType]
 
 _MOE: Final = frozenset({"n_expert", "n_expert_used", "n_ff_exp"})
 _SWA: Final = frozenset({"sliding_window", "swa_pattern"})
@@ -119,6 +125,7 @@ class Family:
         permits: optional spec fields that may be set (``requires`` is implied).
         rules: further shape checks.
         summary: which real checkpoints the description follows.
+        derived_keys: keys computed from several fields (deepseek2's MLA key width).
     """
 
     arch: str
@@ -128,6 +135,7 @@ class Family:
     permits: frozenset[str] = frozenset()
     rules: tuple[Rule, ...] = ()
     summary: str = ""
+    derived_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -306,6 +314,16 @@ def _full_rope(spec: "ModelSpec") -> str | None:
     return None
 
 
+def _mla(spec: "ModelSpec") -> str | None:
+    # DeepSeek-V2/V3 multi-head latent attention, as converted today: one shared latent KV head,
+    # per-head key width head_dim = qk_nope + qk_rope with rope_dim = qk_rope.
+    if spec.n_head_kv != 1:
+        return "deepseek2 (MLA) needs n_head_kv == 1 (one shared latent KV head)"
+    if not 0 < spec.n_rot < spec.n_embd_head:
+        return "deepseek2 needs 0 < rope_dim < head_dim (head_dim = qk_nope + qk_rope)"
+    return None
+
+
 def _dense_lead_below_n_layer(spec: "ModelSpec") -> str | None:
     if spec.n_dense_lead >= spec.n_layer:
         return f"n_dense_lead ({spec.n_dense_lead}) must be below n_layer ({spec.n_layer})"
@@ -413,6 +431,33 @@ def _glm4moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return attention + _moe_ffn(spec, layer, pre_norm=False, selection_bias=True, shared="plain")
 
 
+def _deepseek2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # DeepSeek-V3-style block: low-rank q (q_a, its norm, q_b), the latent kv_a_mqa (latent plus
+    # the shared rope key) and its norm, per-head k_b / v_b (3-D: n_head stacked matrices, as
+    # llama.cpp's MLA path wants them), attn_output; leading dense blocks, then sigmoid-routed
+    # experts with a selection bias and shared experts.
+    e, heads, q_rank, kv_rank = spec.n_embd, spec.n_head, spec.q_lora_rank, spec.kv_lora_rank
+    nope = spec.n_embd_head - spec.n_rot
+    out = [
+        _norm(layer, "attn_norm", e),
+        _matrix(layer, "attn_q_a", q_rank, e),
+        _norm(layer, "attn_q_a_norm", q_rank),
+        _matrix(layer, "attn_q_b", heads * spec.n_embd_head, q_rank),
+        _matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
+        _norm(layer, "attn_kv_a_norm", kv_rank),
+        TensorDecl(_blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
+        TensorDecl(_blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+        _matrix(layer, "attn_output", e, heads * spec.v_head_dim),
+    ]
+    if layer < spec.n_dense_lead:
+        return out + _dense_ffn(spec, layer)
+    return out + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def _deepseek2_keys(spec: "ModelSpec") -> list[DerivedKey]:
+    return [("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32)]
+
+
 #: Every family the writer knows, by ``general.architecture``.
 FAMILIES: Final[dict[str, Family]] = {
     f.arch: f
@@ -490,6 +535,17 @@ FAMILIES: Final[dict[str, Family]] = {
             rules=(_experts, _dense_lead_below_n_layer),
             summary="GLM-4.5(-Air): leading dense blocks, sigmoid-routed experts with a "
             "selection bias, one shared expert, half-width rope",
+        ),
+        Family(
+            "deepseek2", _BOTH, _deepseek2,
+            requires=_MOE | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(_mla, _experts, _dense_lead_below_n_layer),
+            derived_keys=_deepseek2_keys,
+            summary="DeepSeek-V3 (deepseek2): multi-head latent attention with low-rank q, "
+            "leading dense blocks, sigmoid-routed experts with a selection bias, shared experts",
         ),
     )
 }

@@ -53,6 +53,7 @@ Architecture = Literal[
     "qwen3moe",
     "gpt-oss",
     "glm4moe",
+    "deepseek2",
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -109,6 +110,9 @@ class ModelSpec:
         attn_temp_scale: position-dependent attention temperature (mistral3).
         attn_softcap, final_softcap: attention / final logit soft-capping (gemma2).
         embedding_scale, residual_scale, attention_scale, logit_scale: granite's multipliers.
+        q_lora_rank, kv_lora_rank, v_head_dim: deepseek2's multi-head latent attention (low-rank
+            q, the latent KV width, the per-head value width); ``head_dim`` is then the key
+            width qk_nope + qk_rope and ``rope_dim`` qk_rope.
     """
 
     arch: Architecture
@@ -149,6 +153,9 @@ class ModelSpec:
     residual_scale: float = 0.0
     attention_scale: float = 0.0
     logit_scale: float = 0.0
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    v_head_dim: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -230,6 +237,16 @@ class ModelSpec:
         return self.n_head_kv * self.n_embd_head
 
     @property
+    def key_length(self) -> int:
+        """``attention.key_length``: the head width, or for MLA the cached latent + rope key."""
+        return self.kv_lora_rank + self.n_rot if self.kv_lora_rank else self.n_embd_head
+
+    @property
+    def value_length(self) -> int:
+        """``attention.value_length``: the head width, or for MLA the cached latent."""
+        return self.kv_lora_rank or self.n_embd_head
+
+    @property
     def n_rot(self) -> int:
         """Rotary width per head (``rope_dim`` or the whole head)."""
         return self.rope_dim or self.n_embd_head
@@ -305,24 +322,36 @@ def tiny(
     if tied is None:
         tied = False not in family(arch).heads
     decoupled = arch in _DECOUPLED_HEADS
-    return ModelSpec(
-        arch=arch,
-        n_layer=n_layer,
-        n_embd=n_embd,
-        n_ff=2 * n_embd,
-        n_head=4,
-        n_head_kv=2,
-        head_dim=(n_embd // 2) if decoupled else None,
-        vocab=vocab,
-        dtype=dtype,
-        tied=tied,
-        context_length=2048,
-        rope_theta=10000.0,
-        rms_eps=1e-6 if arch != "llama" else 1e-5,
-        seed=seed,
-        name=f"skippy-tiny-{arch}".replace("phi3", "phi"),
-        **_TINY_EXTRAS.get(arch, _no_extras)(n_embd),
-    )
+    fields: dict[str, Any] = {
+        "arch": arch,
+        "n_layer": n_layer,
+        "n_embd": n_embd,
+        "n_ff": 2 * n_embd,
+        "n_head": 4,
+        "n_head_kv": 2,
+        "head_dim": (n_embd // 2) if decoupled else None,
+        "vocab": vocab,
+        "dtype": dtype,
+        "tied": tied,
+        "context_length": 2048,
+        "rope_theta": 10000.0,
+        "rms_eps": 1e-6 if arch != "llama" else 1e-5,
+        "seed": seed,
+        "name": f"skippy-tiny-{arch}".replace("phi3", "phi"),
+    }
+    fields.update(_TINY_EXTRAS.get(arch, _no_extras)(n_embd))
+    return ModelSpec(**fields)
+
+
+def _tiny_deepseek2(n_embd: int) -> dict[str, Any]:
+    # DeepSeek-V3's ratios at width 64: q_lora 32, kv_lora 64, qk_nope 32 + qk_rope 16 keys,
+    # values of 32, one leading dense block, sigmoid routing with a selection bias.
+    return {
+        **_tiny_moe(n_embd), "n_head_kv": 1, "head_dim": n_embd // 2 + n_embd // 4,
+        "rope_dim": n_embd // 4, "q_lora_rank": n_embd // 2, "kv_lora_rank": n_embd,
+        "v_head_dim": n_embd // 2, "n_dense_lead": 1, "n_expert_shared": 1, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    }
 
 
 #: Families whose tiny shape has head_dim = n_embd / 2 (n_head * head_dim != n_embd).
@@ -370,6 +399,7 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         **_tiny_moe(n), "rope_dim": n // 4, "n_dense_lead": 1, "n_expert_shared": 1,
         "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
     },
+    "deepseek2": _tiny_deepseek2,
 }
 
 

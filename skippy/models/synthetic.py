@@ -236,8 +236,8 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
     writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_key_length(spec.n_embd_head)
-    writer.add_value_length(spec.n_embd_head)
+    writer.add_key_length(spec.key_length)
+    writer.add_value_length(spec.value_length)
     writer.add_rope_dimension_count(spec.n_rot)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
@@ -255,6 +255,9 @@ def family_keys(spec: ModelSpec) -> list[tuple[str, object, GGUFValueType]]:
         value = getattr(spec, name)
         if value:
             keys.append((f"{spec.arch}.{key.suffix}", value, key.type))
+    derived = family(spec.arch).derived_keys
+    if derived is not None:
+        keys.extend((f"{spec.arch}.{suffix}", value, kind) for suffix, value, kind in derived(spec))
     return keys
 
 
