@@ -24,7 +24,8 @@ Prints one line per figure.
   switch on and off in the same run, rounds interleaved: per-token decode latency and CPU of a
   3-stage null chain (and its per-boundary cost against a 1-stage chain of the same switches), a
   2-stage chain of the tiny llama-4x64 (real runtime thread, negligible compute: the hand-backs
-  dominate) and of llama-16x1024 F16.
+  dominate) and of llama-16x1024 F16; then the null and llama-4x64 chains as stage servers in
+  this process (CPU of one process: the steadiest figure on a shared host).
 """
 
 from __future__ import annotations
@@ -219,6 +220,11 @@ def shortcuts_ab(repeat: int, quick: bool) -> None:
         ("llama-4x64 2 stages", tiny, ["0:2", "2:4"], flags, 50 if quick else 200),
         ("llama-16x1024 2 stages", big, ["0:8", "8:16"], flags, 16 if quick else 48),
     ]
+    in_process = [  # the same chains as stage servers in this trio run: CPU is this process's
+        ("null 1 stage, one process", null_model, ["0:3"], 100 if quick else 400),
+        ("null 3 stages, one process", null_model, ["0:1", "1:2", "2:3"], 100 if quick else 400),
+        ("llama-4x64 2 st., one process", tiny, ["0:2", "2:4"], 50 if quick else 200),
+    ]
     results: dict[tuple[str, str], list[tuple[float, float]]] = {}
     with ExitStack() as stack:
         addresses = {(case[0], label): stack.enter_context(chain(case[1], case[2], [*case[3], *switches]))
@@ -228,6 +234,13 @@ def shortcuts_ab(repeat: int, quick: bool) -> None:
                 for label in SHORTCUTS:
                     cost = trio.run(decode_cost_per_token, addresses[name, label], prompt, steps)
                     results.setdefault((name, label), []).append(cost)
+            for name, model, splits, steps in in_process:
+                for label, switches in SHORTCUTS.items():
+                    settings = {"write_through": "--write-through" not in switches,
+                                "inline_hand_offs": "--inline-hand-offs" not in switches}
+                    cost = trio.run(_in_process_cost, model, splits, settings, prompt, steps)
+                    results.setdefault((name, label), []).append(cost)
+    cases = [*cases, *((name, model, splits, [], steps) for name, model, splits, steps in in_process)]
     medians = {key: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
                for key, runs in results.items()}
     for name, *_ in cases:
@@ -236,9 +249,33 @@ def shortcuts_ab(repeat: int, quick: bool) -> None:
             wall, cpu = medians[name, label]
             print(f"{name:24s} {label:21s}: {wall * 1e6:8.0f} us/token ({(wall - base_wall) * 1e6:+6.0f}), "
                   f"CPU {cpu * 1e6:8.0f} us/token ({(cpu - base_cpu) * 1e6:+6.0f})")
-    for label in SHORTCUTS:
-        one, three = medians["null 1 stage", label][0], medians["null 3 stages", label][0]
-        print(f"null boundary, {label:21s}: {(three - one) / 2 * 1e6:.0f} us per boundary")
+    for where in ("", ", one process"):
+        for label in SHORTCUTS:
+            one, three = medians[f"null 1 stage{where}", label], medians[f"null 3 stages{where}", label]
+            print(f"null boundary{where}, {label:21s}: {(three[0] - one[0]) / 2 * 1e6:.0f} us wall, "
+                  f"{(three[1] - one[1]) / 2 * 1e6:.0f} us CPU per boundary")
+
+
+async def _in_process_cost(model: str, splits: Sequence[str], settings: dict[str, object], prompt: Sequence[int],
+                           steps: int) -> tuple[float, float]:
+    """(wall, CPU) seconds per decode step of a chain of stage servers in this trio run."""
+    from skippy.stage.config import config_from_mapping
+    from skippy.stage.server import StageServer, load_runtime
+
+    async with trio.open_nursery() as nursery:
+        servers: list[StageServer] = []
+        downstream: Address | None = None
+        for layers in reversed(splits):
+            config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream, "threads": 1,
+                                          "batch_size": 64, "ctx_size": 1024, "connect_timeout": 2, **settings})
+            server = StageServer(config, load_runtime(config))
+            downstream = await nursery.start(server.serve)
+            servers.append(server)
+        assert downstream is not None
+        cost = await decode_cost_per_token(downstream, prompt, steps)
+        for server in servers:
+            server.shutdown()
+    return cost
 
 
 def unsplit_tokens_per_second(path: Path, prompt: Sequence[int], steps: int) -> float:
