@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PRISTINE = ROOT / "build" / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp"
 
 
+@pytest.mark.slow
 def test_generated_files_are_current() -> None:
     if not (PRISTINE / "include" / "llama.h").exists():
         pytest.skip(f"the pinned llama.cpp tree is not extracted at {PRISTINE} (the native build does it)")
@@ -92,6 +93,7 @@ def test_native_loader_names_the_reason_too(tmp_path: Path, monkeypatch: pytest.
         Model(path, LayerRange(1, 3))
 
 
+@pytest.mark.slow
 def test_tensors_that_do_not_match_the_architecture(tmp_path: Path) -> None:
     """A llama-shaped file declared as gemma3 is refused, naming the first missing tensor."""
     source = model_path("llama", "F32", False)

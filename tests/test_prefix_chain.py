@@ -76,6 +76,7 @@ async def chain_runner(tiny_llama: Path, generator: Generator, tmp_path: Path,
             yield Runner(generator, client), stages
 
 
+@pytest.mark.slow
 async def test_outputs_identical_with_the_cache_on_and_off(tiny_llama: Path, generator: Generator,
                                                            tmp_path: Path) -> None:
     rng = random.Random(1)
@@ -108,6 +109,7 @@ async def test_outputs_identical_with_the_cache_on_and_off(tiny_llama: Path, gen
         assert all(s["hits"] >= 6 and s["records"] >= 3 for s in stats), stats  # type: ignore[index]
 
 
+@pytest.mark.slow
 async def test_namespaces_are_isolated_on_every_stage(tiny_llama: Path, generator: Generator,
                                                       tmp_path: Path) -> None:
     rng = random.Random(2)
@@ -146,6 +148,7 @@ def control(kind: MessageKind, session: int, values: list[int], *, flagged: bool
     return message
 
 
+@pytest.mark.slow
 async def test_bad_prefix_requests_miss_and_never_change_the_answer(tiny_llama: Path, generator: Generator,
                                                                    tmp_path: Path) -> None:
     rng = random.Random(4)
@@ -189,6 +192,7 @@ async def test_bad_prefix_requests_miss_and_never_change_the_answer(tiny_llama: 
 NULL_SPLIT = ["0:2", "2:4"]
 
 
+@pytest.mark.slow
 async def test_no_leak_after_500_requests() -> None:
     rng = random.Random(5)
     prefixes = [[rng.randrange(1, 999) for _ in range(rng.randrange(4, 40))] for _ in range(7)]

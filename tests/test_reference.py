@@ -16,6 +16,7 @@ def test_llama_cpp_is_bound_to_the_patched_library() -> None:
     assert hasattr(llama_cpp.llama_cpp._lib, "llama_model_stage_layer_start")
 
 
+@pytest.mark.slow
 def test_reference_generates_and_matches_the_split_chain() -> None:
     path = model_path("qwen3")
     llm = reference.load_reference(path, n_ctx=256, n_batch=64, threads=2)

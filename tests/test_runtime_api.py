@@ -85,6 +85,7 @@ def test_activations_view_is_rows_by_width_without_copy() -> None:
         assert not view.flags.owndata and np.isfinite(view).all()
 
 
+@pytest.mark.slow
 def test_open_close_does_not_leak() -> None:
     def cycle() -> None:
         with Model(model_path(), "1:3") as model, StageContext(model, n_ctx=128, n_batch=16, threads=1) as ctx:
@@ -99,6 +100,7 @@ def test_open_close_does_not_leak() -> None:
     assert resident_bytes() - rss_before < 32 << 20
 
 
+@pytest.mark.slow
 def test_generate_command_prints_both_runs() -> None:
     result = subprocess.run(
         [sys.executable, "-m", "skippy", "generate", "--model", str(model_path()), "--layers", "0:1,1:4",

@@ -67,6 +67,7 @@ def test_skipping_a_layer_is_detected() -> None:
     assert not np.array_equal(got, expected_logits[n - 1])
 
 
+@pytest.mark.slow
 def test_f16_wire_rounding_stays_close() -> None:
     """Rounding hidden states to f16 between stages changes logits only slightly (reported, not exact)."""
     expected_logits, _ = unsplit("llama", "F32", False)

@@ -60,6 +60,7 @@ def test_interleaved_sessions_match_running_alone(n_sessions: int) -> None:
             assert np.allclose(got, want, atol=5e-3), f"session {s}: {np.abs(got - want).max()}"
 
 
+@pytest.mark.slow
 def test_rollback_then_redecode_gives_the_same_logits() -> None:
     with InProcessChain(model_path(), SPLIT) as chain:
         logits, tokens = greedy_run(chain, PROMPT, 5)
@@ -116,6 +117,7 @@ def test_state_round_trip_on_a_middle_stage_is_exact() -> None:
     assert np.array_equal(after_restore[0], never_saved[0])
 
 
+@pytest.mark.slow
 def test_state_from_another_range_or_model_is_refused() -> None:
     path = model_path()
     same_shape_other_model = model_path(seed=7)

@@ -229,6 +229,7 @@ def test_wrong_rules_are_detected() -> None:
     assert chi_square_p_value(np.bincount(always, minlength=6), p) < 1e-12
 
 
+@pytest.mark.slow
 def test_general_draft_distribution() -> None:
     rng = np.random.default_rng(5)
     p = np.array([0.1, 0.4, 0.2, 0.3])

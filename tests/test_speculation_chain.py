@@ -91,7 +91,7 @@ async def run_probed(generator: Generator, stages: Sequence[StageProcess], reque
     return completion.tokens, client.kv, completion.speculation
 
 
-@pytest.mark.parametrize("stage_count", [1, 2, 4])
+@pytest.mark.parametrize("stage_count", [pytest.param(1, marks=pytest.mark.slow), 2, pytest.param(4, marks=pytest.mark.slow)])
 async def test_greedy_speculation_is_exact_and_leaves_the_same_kv(generator: Generator, tiny_llama: Path,
                                                                   tmp_path: Path, stage_count: int) -> None:
     cases = [("code", tuple(generator.encode(CODE)), 48, True), ("loop", tuple(LOOP), 48, True),

@@ -46,6 +46,7 @@ def test_encode_fields_with_options_binary_output(case: dict[str, Any]) -> None:
     assert result.stdout == bytes.fromhex(case["hex"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("pure", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["default", "pure"])
 def test_decode_every_message_vector(pure: bool) -> None:
     by_width: dict[int, list[dict[str, Any]]] = {}
