@@ -51,8 +51,9 @@ test-fast: install
 # and fails when any benchmark's median is more than BENCH_FAIL slower than the latest baseline
 # (default 10%; on a shared host keep it quiet or widen it: BENCH_FAIL=median:20%).
 BENCH_FAIL ?= median:10%
+BENCH_STORAGE := .benchmarks/$(shell uname -n)
 BENCH := $(BIN)/python -m pytest bench --benchmark-only --benchmark-group-by=group \
-	--benchmark-storage=file://.benchmarks/$(shell uname -n) --benchmark-columns=min,median,mean,stddev,rounds
+	--benchmark-storage=file://$(BENCH_STORAGE) --benchmark-columns=min,median,mean,stddev,rounds
 
 bench: install
 	$(BENCH)
@@ -61,6 +62,8 @@ bench-save: install
 	$(BENCH) --benchmark-save=baseline
 
 bench-compare: install
+	@test -n "$$(find $(BENCH_STORAGE) -name '*.json' 2>/dev/null)" || \
+		{ echo "no benchmark baseline in $(BENCH_STORAGE): run make bench-save first" >&2; exit 1; }
 	$(BENCH) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 
 wheel: $(BIN)/python
