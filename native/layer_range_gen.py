@@ -59,7 +59,7 @@ INC_NAME = "src/llama-stage-archs.inc"
 SPLIT: tuple[str, ...] = (
     "llama", "qwen2", "qwen3",
     "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "granite", "glm4",
-    "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe",
+    "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
 )
 
 #: Extra literal edits per architecture name: (old, new, expected count).
