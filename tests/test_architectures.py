@@ -37,7 +37,7 @@ def test_generated_files_are_current() -> None:
 
 def test_the_issue_families_split() -> None:
     wanted = {"llama", "qwen2", "qwen3", "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "granite", "glm4",
-              "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe"}
+              "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2"}
     assert wanted <= SPLIT_ARCHITECTURES
     assert not SPLIT_ARCHITECTURES & set(REFUSED)
 
