@@ -9,7 +9,9 @@ The tiny shapes are chosen so the tests exercise what is particular to each fami
 sliding-window families (gemma2, gemma3, gpt-oss) have a window of 8 with every other layer
 global, so the 20-token prompt crosses the window and every split puts both layer kinds on some
 stage (`test_sliding_window_is_in_effect` shows the window changes the logits); the MoE families
-have 8 experts of which 2 are used per token (`test_router_spreads_the_prompt_over_experts`);
+have 8 experts of which 2 are used per token (`test_router_spreads_the_prompt_over_experts`, a
+proxy for every MoE family, and `test_qwen3moe_block_reference_shows_the_routing`, llama.cpp's
+actual choices for one qwen3moe block);
 glm4moe's first block is dense, so [0:1) holds only it; granite's multipliers are not 1.
 
 The fast subset is one configuration per family (F32, the family's first head option, the
@@ -167,6 +169,7 @@ def test_router_spreads_the_prompt_over_experts(arch: str) -> None:
     this leaves out, so the top-k sets below are a close proxy of llama.cpp's choices, not the
     choices themselves. It shows that with these weights and this prompt routing is far from
     degenerate: over the prompt the top-k picks cover most experts and differ between tokens.
+    For qwen3moe, `test_qwen3moe_block_reference_shows_the_routing` checks the real choices.
     """
     spec = tiny(arch)  # type: ignore[arg-type]
     path = ensure_model(spec)
@@ -195,3 +198,93 @@ def test_router_spreads_the_prompt_over_experts(arch: str) -> None:
         assert len(sets) >= n // 4, f"layer {layer}: only {len(sets)} distinct top-k sets"
         checked += 1
     assert checked >= 2
+
+
+def _rope_neox(x: np.ndarray, positions: np.ndarray, n_rot: int, base: float) -> np.ndarray:
+    half = n_rot // 2
+    freqs = base ** (-np.arange(half, dtype=np.float64) * 2 / n_rot)
+    angle = positions[:, None, None] * freqs[None, None, :]
+    cos, sin = np.cos(angle), np.sin(angle)
+    first, second = x[..., :half], x[..., half:n_rot]
+    rotated = np.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+    return np.concatenate([rotated, x[..., n_rot:]], axis=-1)
+
+
+def test_qwen3moe_block_reference_shows_the_routing() -> None:
+    """The experts llama.cpp picks, exactly (up to float rounding), for one qwen3moe block.
+
+    A numpy reference of block 1 (attention with q/k norms, rope, GQA, f16 KV; softmax top-2
+    of 8 experts, renormalised) is run on the hidden states entering the block (out of stage
+    [0:1)) and must reproduce the hidden states leaving it (out of stage [0:2)) to within
+    rounding (llama.cpp's attention accumulates in f16), while routing any token to another
+    expert pair would move its row at least 10x further: so the top-k sets computed on the way
+    are the ones llama.cpp used. They must cover most experts and differ between tokens.
+    """
+    spec = tiny("qwen3moe")
+    path = ensure_model(spec)
+    parsed = parse_gguf(path)
+
+    def weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        return tensor_f32(parsed, f"blk.1.{name}").astype(np.float64).reshape(shape)
+
+    n = len(LONG_PROMPT)
+    hidden = {}
+    for end in (1, 2):
+        with chain(path, [(0, end)]) as first:
+            first.contexts[0].decode(tokens=LONG_PROMPT, positions=list(range(n)), seq_ids=[0] * n)
+            hidden[end] = first.contexts[0].activations().astype(np.float64).reshape(n, spec.n_embd)
+    e, hd, nh, nkv = spec.n_embd, spec.n_embd_head, spec.n_head, spec.n_head_kv
+    x = hidden[1]
+    a = _rms_norm(x, weight("attn_norm.weight", (e,)), spec.rms_eps)
+    q = (a @ weight("attn_q.weight", (nh * hd, e)).T).reshape(n, nh, hd)
+    k = (a @ weight("attn_k.weight", (nkv * hd, e)).T).reshape(n, nkv, hd)
+    v = (a @ weight("attn_v.weight", (nkv * hd, e)).T).reshape(n, nkv, hd)
+    q = _rms_norm(q, weight("attn_q_norm.weight", (hd,)), spec.rms_eps)
+    k = _rms_norm(k, weight("attn_k_norm.weight", (hd,)), spec.rms_eps)
+    positions = np.arange(n, dtype=np.float64)
+    q = _rope_neox(q, positions, spec.n_rot, spec.rope_theta)
+    k = _rope_neox(k, positions, spec.n_rot, spec.rope_theta)
+    # the KV cache stores k and v as f16
+    k, v = k.astype(np.float16).astype(np.float64), v.astype(np.float16).astype(np.float64)
+    q = q.astype(np.float16).astype(np.float64)  # and the attention kernel takes q in f16
+    k, v = np.repeat(k, nh // nkv, axis=1), np.repeat(v, nh // nkv, axis=1)
+    scores = np.einsum("ihd,jhd->hij", q, k) / np.sqrt(hd)
+    scores = np.where(np.tril(np.ones((n, n), dtype=bool))[None], scores, -np.inf)
+    probs = np.exp(scores - scores.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    attn = np.einsum("hij,jhd->ihd", probs, v).reshape(n, nh * hd)
+    ffn_in = x + attn @ weight("attn_output.weight", (e, nh * hd)).T
+    y = _rms_norm(ffn_in, weight("ffn_norm.weight", (e,)), spec.rms_eps)
+    router = y @ weight("ffn_gate_inp.weight", (spec.n_expert, e)).T
+    gates = np.exp(router - router.max(axis=1, keepdims=True))
+    gates /= gates.sum(axis=1, keepdims=True)
+    chosen = np.argsort(-gates, axis=1)[:, : spec.n_expert_used]
+    f = spec.n_ff_exp
+    gate_w = weight("ffn_gate_exps.weight", (spec.n_expert, f, e))
+    up_w = weight("ffn_up_exps.weight", (spec.n_expert, f, e))
+    down_w = weight("ffn_down_exps.weight", (spec.n_expert, e, f))
+
+    def moe(i: int, experts: np.ndarray) -> np.ndarray:
+        picked = gates[i, experts]
+        total = np.zeros(e)
+        for expert, w in zip(experts, picked / picked.sum()):
+            g = gate_w[expert] @ y[i]
+            total += w * (down_w[expert] @ (g / (1 + np.exp(-g)) * (up_w[expert] @ y[i])))
+        return ffn_in[i] + total
+
+    out = np.stack([moe(i, chosen[i]) for i in range(n)])
+    # Any other choice of experts moves a row far more than the reference's rounding error:
+    # here, the second choice swapped for the third.
+    ranked = np.argsort(-gates, axis=1)
+    swapped = np.stack([moe(i, ranked[i, [0, 2]]) for i in range(n)])
+    row_err = np.abs(out - hidden[2]).max(axis=1)
+    row_alt = np.abs(swapped - hidden[2]).max(axis=1)
+    assert float(row_err.max()) < 1e-2, f"the reference misses block 1 by {row_err.max():.2e}"
+    assert float((row_alt / row_err).min()) > 10, "the check cannot tell expert choices apart"
+    # No near-tie at the top-k boundary, so llama.cpp's float32 choice is the same set.
+    ordered = np.sort(gates, axis=1)[:, ::-1]
+    assert float((ordered[:, 1] - ordered[:, 2]).min()) > 1e-4
+    used = set(chosen.ravel().tolist())
+    sets = {tuple(sorted(row)) for row in chosen.tolist()}
+    assert len(used) >= 6, f"only experts {sorted(used)}"
+    assert len(sets) >= n // 2, f"only {len(sets)} distinct expert pairs over {n} tokens"
