@@ -12,6 +12,13 @@ model's greedy run of a chat prompt is the reference.  For each wire two figures
 - *free-running*: the lossy chain's own greedy run; reported is how many of its tokens equal the
   reference's position by position, and where it first differs (None: never).
 
+Measured on the 2-vCPU development host (``--tokens 128``, split 0:9,9:18, 15 min under load):
+f32 100% / error 0 / 128 of 128 equal; f16 99.22% / 14.73 / 73 of 128 (first divergence at token 0);
+q8 98.44% / 12.16 / 0 of 128 (token 0).  Gemma 3's residual stream is large: at layer 9 the BOS
+row reaches |82,642| (beyond f16's 65,504, so f16 sends Inf there) and the other rows 4,000-7,000,
+and the model's top logits are close (" The" 17.67 vs " " 17.58), so either lossy wire changes the
+very first greedy token; the logit error is ~7-15 on every row.
+
 Run: ``.venv/bin/python bench/real_model_wire.py [--tokens 128] [--layers 0:9,9:18] [--threads 2]``.
 :func:`measure` is what ``tests/test_real_model.py`` calls with a loose bound.
 """
@@ -115,8 +122,13 @@ class WireFigures:
 
 
 def measure(path: Path, split: Sequence[tuple[int, int]], wires: Sequence[WireDType], *, steps: int = 128,
-            threads: int = 2, question: str = QUESTION) -> tuple[list[int], list[WireFigures]]:
-    """The reference tokens of the unsplit model and one :class:`WireFigures` per wire."""
+            threads: int = 2, question: str = QUESTION,
+            free_running: bool = True) -> tuple[list[int], list[WireFigures]]:
+    """The reference tokens of the unsplit model and one :class:`WireFigures` per wire.
+
+    ``free_running=False`` skips the lossy chains' own greedy runs (``free_matches`` is then 0 and
+    ``first_divergence`` None).
+    """
     prompt = chat_prompt(path, question)
     n_layer = split[-1][1]
     with WireChain(path, [(0, n_layer)], WireDType.F32, threads=threads) as whole:
@@ -126,8 +138,10 @@ def measure(path: Path, split: Sequence[tuple[int, int]], wires: Sequence[WireDT
         started = time.perf_counter()
         with WireChain(path, split, wire, threads=threads) as chain:
             forced = teacher_forced(chain, prompt, reference)
-        with WireChain(path, split, wire, threads=threads) as chain:
-            _, free = greedy(chain, prompt, steps)
+        free: list[int] = []
+        if free_running:
+            with WireChain(path, split, wire, threads=threads) as chain:
+                _, free = greedy(chain, prompt, steps)
         error = max(float(np.abs(got - want).max()) for got, want in zip(forced, reference_logits))
         decode_rows = forced[len(prompt) - 1:]
         agreement = sum(int(np.argmax(row)) == token for row, token in zip(decode_rows, reference)) / steps
