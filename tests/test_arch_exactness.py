@@ -288,3 +288,36 @@ def test_qwen3moe_block_reference_shows_the_routing() -> None:
     sets = {tuple(sorted(row)) for row in chosen.tolist()}
     assert len(used) >= 6, f"only experts {sorted(used)}"
     assert len(sets) >= n // 2, f"only {len(sets)} distinct expert pairs over {n} tokens"
+
+
+#: 48 tokens (the 20-token prompt, then more of the llama-spm vocabulary).
+REAL_SHAPE_PROMPT = [*LONG_PROMPT, *range(1000, 28000, 1000), 29889]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides", "splits"),
+    [
+        # Gemma 3 270M's shape; the window cut to 32 so the 48-token prompt crosses it (the
+        # weights do not depend on the window).
+        ("gemma3-270m", {"sliding_window": 32}, [[(0, 9), (9, 18)], [(0, 6), (6, 12), (12, 18)]]),
+        ("qwen3moe-30b-a3b-8e", {}, [[(0, 6), (6, 12)], [(0, 1), (1, 7), (7, 12)]]),
+    ],
+    ids=["gemma3-270m", "qwen3moe-30b-a3b-8e"],
+)
+def test_real_shape_split_logits_are_bitwise_equal(
+    name: str, overrides: dict[str, object], splits: list[list[tuple[int, int]]]
+) -> None:
+    from skippy.models import preset
+
+    spec = preset(name, **overrides)
+    assert len(REAL_SHAPE_PROMPT) == 48 and len(REAL_SHAPE_PROMPT) > spec.sliding_window
+    path = ensure_model(spec)
+    with chain(path, [(0, spec.n_layer)]) as whole:
+        expected, expected_tokens = greedy_run(whole, REAL_SHAPE_PROMPT, steps=8)
+    for split in splits:
+        with chain(path, split) as stages:
+            logits, tokens = greedy_run(stages, REAL_SHAPE_PROMPT, steps=8)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
