@@ -17,9 +17,8 @@ glm4moe's first block is dense, so [0:1) holds only it; granite's multipliers ar
 The fast subset is one configuration per family (F32, the family's first head option, the
 [0:2)+[2:4) split); the full matrix is marked slow. The splits need the layer-range patch for
 these architectures: before it covers one, loading a partial range of it raises
-UnsupportedArchitecture and its tests fail (they are not skipped). deepseek2 (MLA) is the one
-family issue 11 lets the patch either split or refuse with a reason: while the runtime refuses
-it, its cases check that refusal instead (a clear UnsupportedArchitecture naming it).
+UnsupportedArchitecture and its tests fail (they are not skipped). deepseek2 (MLA) is covered
+like the others (its 4 tiny layers: one dense block, then experts).
 """
 
 from __future__ import annotations
@@ -35,11 +34,6 @@ from conftest import PROMPT
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ensure_model, family, tiny
 from skippy.models.spec import NEW_ARCHITECTURES, ModelSpec
-from skippy.runtime import UnsupportedArchitecture
-from skippy.runtime.model import SPLIT_ARCHITECTURES
-
-#: Families that may be refused instead of split (issue 11: "deepseek2 (MLA) if it fits").
-MAY_BE_REFUSED = frozenset({"deepseek2"})
 
 #: 20 tokens of the llama-spm vocabulary: longer than the tiny sliding window (8).
 LONG_PROMPT = [*PROMPT, 3681, 338, 263, 1243, 310, 278, 7934, 29889]
@@ -111,10 +105,6 @@ def test_split_logits_are_bitwise_equal(
 ) -> None:
     spec = spec_of(arch, dtype, tied)
     assert spec.n_layer == N_LAYER
-    if arch in MAY_BE_REFUSED and arch not in SPLIT_ARCHITECTURES:
-        with pytest.raises(UnsupportedArchitecture, match=f"{arch}.*partial layer range: .+"):
-            chain(model_file(arch, dtype, tied), split)
-        return
     if spec.sliding_window:
         assert len(LONG_PROMPT) > spec.sliding_window, "the prompt must cross the window"
     expected_logits, expected_tokens = unsplit(arch, dtype, tied)
@@ -152,13 +142,7 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-@pytest.mark.parametrize(
-    "arch",
-    [
-        a for a in NEW_ARCHITECTURES
-        if tiny(a).n_expert and (a not in MAY_BE_REFUSED or a in SPLIT_ARCHITECTURES)
-    ],
-)
+@pytest.mark.parametrize("arch", [a for a in NEW_ARCHITECTURES if tiny(a).n_expert])
 def test_router_spreads_the_prompt_over_experts(arch: str) -> None:
     """The MoE tests route to several experts.
 
