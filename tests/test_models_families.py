@@ -22,14 +22,13 @@ import struct
 import subprocess
 import sys
 import textwrap
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
 import pytest
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ModelSpec, ensure_model, family, plan_tensors, preset, tiny
-from skippy.models.cache import CACHE_ENV
 from skippy.models.families import FAMILIES, OPTIONAL_KEYS
 from skippy.models.spec import NEW_ARCHITECTURES
 from skippy.models.synthetic import family_keys, spec_json
@@ -43,14 +42,6 @@ DTYPES = ("F32", "F16", "Q8_0")
 N_VOCAB = 32000
 
 Shapes = dict[str, tuple[int, ...]]
-
-
-@pytest.fixture(scope="module")
-def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    directory = tmp_path_factory.mktemp("family-cache")
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(CACHE_ENV, str(directory))
-        yield directory
 
 
 # --- the blocks as llama.cpp's loaders declare them (ggml ne order: input width first) -------
@@ -258,6 +249,17 @@ def all_configs() -> list[tuple[str, str, bool]]:
     ]
 
 
+def structure_cases() -> list[object]:
+    """Every config; the fast suite keeps F32 and Q8_0 (row-width rules) of each family's first
+    head option (the F32 files are the fast exactness tests' too)."""
+    out: list[object] = []
+    for config in all_configs():
+        arch, dtype, tied = config
+        fast = dtype != "F16" and tied == min(family(arch).heads)
+        out.append(pytest.param(config, id=config_id(config), marks=() if fast else (pytest.mark.slow,)))
+    return out
+
+
 def config_id(config: tuple[str, str, bool]) -> str:
     arch, dtype, tied = config
     return f"{arch}-{dtype}-{'tied' if tied else 'untied'}"
@@ -265,10 +267,8 @@ def config_id(config: tuple[str, str, bool]) -> str:
 
 # --- file structure --------------------------------------------------------------------------
 
-@pytest.mark.parametrize("config", all_configs(), ids=config_id)
-def test_family_file_has_the_loaders_tensors_and_keys(
-    model_cache: Path, config: tuple[str, str, bool]
-) -> None:
+@pytest.mark.parametrize("config", structure_cases())
+def test_family_file_has_the_loaders_tensors_and_keys(config: tuple[str, str, bool]) -> None:
     arch, dtype, tied = config
     spec = tiny(arch, dtype=dtype, tied=tied)  # type: ignore[arg-type]
     parsed = parse_gguf(ensure_model(spec))
@@ -327,8 +327,7 @@ def test_existing_specs_keep_their_bytes(tmp_path: Path) -> None:
     assert digest == "ca3f479c4151cfffb2e718b8169bdc4dd853d91291cd2f31265e58392980a30f"
 
 
-def test_lower_precision_experts_round_the_same_weights(model_cache: Path) -> None:
-    del model_cache
+def test_lower_precision_experts_round_the_same_weights() -> None:
     from gguf import GGMLQuantizationType, quants
 
     files = {d: parse_gguf(ensure_model(tiny("qwen3moe", dtype=d))) for d in DTYPES}  # type: ignore[arg-type]
@@ -463,18 +462,15 @@ def _run_unsplit(specs: list[ModelSpec]) -> None:
 
 
 @pytest.mark.slow  # ~30 s on 2 busy cores; the fast exactness tests load every family unsplit too
-def test_llama_cpp_loads_and_runs_every_family(model_cache: Path) -> None:
-    del model_cache
+def test_llama_cpp_loads_and_runs_every_family() -> None:
     _run_unsplit([tiny(arch) for arch in NEW_ARCHITECTURES])  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
-def test_llama_cpp_loads_and_runs_every_family_dtype_and_head(model_cache: Path) -> None:
-    del model_cache
+def test_llama_cpp_loads_and_runs_every_family_dtype_and_head() -> None:
     _run_unsplit([tiny(a, dtype=d, tied=t) for a, d, t in all_configs()])  # type: ignore[arg-type]
 
 
 @pytest.mark.slow
-def test_llama_cpp_loads_the_gemma3_270m_shape(model_cache: Path) -> None:
-    del model_cache
+def test_llama_cpp_loads_the_gemma3_270m_shape() -> None:
     _run_unsplit([preset("gemma3-270m")])
