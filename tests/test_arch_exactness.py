@@ -138,6 +138,35 @@ def test_sliding_window_is_in_effect(arch: str) -> None:
     assert late > 1e-3, "the sliding window changes nothing past it"
 
 
+def _chunked_run(path: Path, split: list[tuple[int, int]], chunk: int) -> list[np.ndarray]:
+    """Prefill LONG_PROMPT in micro-batches of ``chunk`` rows (all rows output), then 8 greedy
+    decode steps; the same partition whatever the split."""
+    logits: list[np.ndarray] = []
+    with chain(path, split) as stages:
+        for start in range(0, len(LONG_PROMPT), chunk):
+            part = LONG_PROMPT[start : start + chunk]
+            positions = list(range(start, start + len(part)))
+            logits += stages.decode(part, positions, [0] * len(part), [True] * len(part))
+        position = len(LONG_PROMPT)
+        for _ in range(8):
+            token = int(np.argmax(logits[-1]))
+            logits += stages.decode([token], [position], [0])
+            position += 1
+    return logits
+
+
+@pytest.mark.parametrize("arch", [a for a in NEW_ARCHITECTURES if tiny(a).sliding_window])
+def test_prefill_in_micro_batches_across_the_window_is_bitwise_equal(arch: str) -> None:
+    """Micro-batches of 6 rows: the window (8) boundary falls inside the second one, so each
+    stage's sliding-window cache must evict and mask across batches exactly as unsplit."""
+    path = ensure_model(tiny(arch))  # type: ignore[arg-type]
+    expected = _chunked_run(path, [(0, N_LAYER)], 6)
+    got = _chunked_run(path, SPLITS[2], 6)
+    assert len(got) == len(expected) == len(LONG_PROMPT) + 8
+    for row, (a, b) in enumerate(zip(got, expected)):
+        assert np.array_equal(a, b), f"row {row}: max diff {np.abs(a - b).max()}"
+
+
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
