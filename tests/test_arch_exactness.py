@@ -34,6 +34,7 @@ from conftest import PROMPT
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ensure_model, family, tiny
 from skippy.models.spec import NEW_ARCHITECTURES, ModelSpec
+from skippy.runtime.model import SPLIT_ARCHITECTURES
 
 #: 20 tokens of the llama-spm vocabulary: longer than the tiny sliding window (8).
 LONG_PROMPT = [*PROMPT, 3681, 338, 263, 1243, 310, 278, 7934, 29889]
@@ -97,6 +98,13 @@ def unsplit(arch: str, dtype: str, tied: bool) -> tuple[tuple[np.ndarray, ...], 
     with chain(model_file(arch, dtype, tied), [(0, N_LAYER)]) as whole:
         logits, tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
     return tuple(logits), tuple(tokens)
+
+
+def test_every_split_architecture_has_a_writer_and_exactness_cases() -> None:
+    """The runtime splits only what a synthetic writer and an exactness suite cover (llama,
+    qwen2 and qwen3 in test_runtime_exactness.py, the others here)."""
+    covered = {"llama", "qwen2", "qwen3"} | set(NEW_ARCHITECTURES)
+    assert SPLIT_ARCHITECTURES <= covered, sorted(SPLIT_ARCHITECTURES - covered)
 
 
 @pytest.mark.parametrize(("arch", "dtype", "tied", "split"), cases())
