@@ -17,7 +17,7 @@ from typing import Any
 
 import trio
 
-from skippy.commands.up import DEMO_MODEL_ID, add_chain_arguments, run_up
+from skippy.commands.up import DEMO_MODEL_ID, add_chain_arguments, configure_logging, run_up
 
 
 def add_parser(subparsers: Any) -> None:
@@ -62,6 +62,7 @@ def chat(url: str, model: str, prompt: str, max_tokens: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace) -> int:
+    configure_logging()
     outcome: dict[str, Any] = {}
 
     async def on_ready(url: str) -> None:

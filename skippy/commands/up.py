@@ -193,7 +193,13 @@ def _default_model(err: TextIO, *, generated: bool = False) -> tuple[Path, str]:
     return path, path.name.removesuffix(".gguf")
 
 
-def run(args: argparse.Namespace) -> int:
+def configure_logging() -> None:
+    """Warnings and errors on stderr, plus the driver's one line on which chat template it serves."""
     logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("skippy.driver.generator").setLevel(logging.INFO)
+
+
+def run(args: argparse.Namespace) -> int:
+    configure_logging()
     return trio.run(run_up, args)
