@@ -18,7 +18,9 @@ The fast subset is one configuration per family (F32, the family's first head op
 [0:2)+[2:4) split); the full matrix is marked slow. The splits need the layer-range patch for
 these architectures: before it covers one, loading a partial range of it raises
 UnsupportedArchitecture and its tests fail (they are not skipped). deepseek2 (MLA) is covered
-like the others (its 4 tiny layers: one dense block, then experts).
+like the others (its 4 tiny layers: one dense block, then experts). The further families with
+writers (gemma, olmoe, smollm3, exaone4, ernie4_5, starcoder2, cohere2, seed_oss) get the same
+cases, which check the runtime's refusal while it does not split them.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ from chain_helpers import InProcessChain, greedy_run
 from conftest import PROMPT
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ensure_model, family, tiny
-from skippy.models.spec import NEW_ARCHITECTURES, ModelSpec
+from skippy.models.spec import EXTRA_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
+from skippy.runtime import UnsupportedArchitecture
 from skippy.runtime.model import SPLIT_ARCHITECTURES
 
 #: 20 tokens of the llama-spm vocabulary: longer than the tiny sliding window (8).
@@ -68,10 +71,10 @@ def spec_of(arch: str, dtype: str, tied: bool) -> ModelSpec:
     return tiny(arch, dtype=dtype, tied=tied)  # type: ignore[arg-type]
 
 
-def cases() -> list[object]:
+def cases(archs: tuple[str, ...] = NEW_ARCHITECTURES) -> list[object]:
     """arch x dtype x head x split; only one configuration per family is in the fast suite."""
     out: list[object] = []
-    for arch in NEW_ARCHITECTURES:
+    for arch in archs:
         first_head = head_options(arch)[0]
         for dtype in DTYPES:
             for tied in head_options(arch):
@@ -103,14 +106,11 @@ def unsplit(arch: str, dtype: str, tied: bool) -> tuple[tuple[np.ndarray, ...], 
 def test_every_split_architecture_has_a_writer_and_exactness_cases() -> None:
     """The runtime splits only what a synthetic writer and an exactness suite cover (llama,
     qwen2 and qwen3 in test_runtime_exactness.py, the others here)."""
-    covered = {"llama", "qwen2", "qwen3"} | set(NEW_ARCHITECTURES)
+    covered = {"llama", "qwen2", "qwen3"} | set(NEW_ARCHITECTURES) | set(EXTRA_ARCHITECTURES)
     assert SPLIT_ARCHITECTURES <= covered, sorted(SPLIT_ARCHITECTURES - covered)
 
 
-@pytest.mark.parametrize(("arch", "dtype", "tied", "split"), cases())
-def test_split_logits_are_bitwise_equal(
-    arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]
-) -> None:
+def assert_split_is_exact(arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]) -> None:
     spec = spec_of(arch, dtype, tied)
     assert spec.n_layer == N_LAYER
     if spec.sliding_window:
@@ -127,7 +127,30 @@ def test_split_logits_are_bitwise_equal(
     assert float(np.std(expected_logits[-1])) > 0.05
 
 
-@pytest.mark.parametrize("arch", [a for a in NEW_ARCHITECTURES if tiny(a).sliding_window])
+@pytest.mark.parametrize(("arch", "dtype", "tied", "split"), cases())
+def test_split_logits_are_bitwise_equal(
+    arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]
+) -> None:
+    assert_split_is_exact(arch, dtype, tied, split)
+
+
+@pytest.mark.parametrize(("arch", "dtype", "tied", "split"), cases(EXTRA_ARCHITECTURES))
+def test_further_family_splits_exactly_or_is_refused(
+    arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]
+) -> None:
+    """Families with writers beyond issue 11's list (gemma, olmoe, smollm3, exaone4, ernie4_5,
+    starcoder2, cohere2, seed_oss): once the runtime splits one, the same bitwise exactness as
+    above; while it does not, a partial range must be refused with the reason."""
+    if arch not in SPLIT_ARCHITECTURES:
+        with pytest.raises(UnsupportedArchitecture, match=f"{arch}.*partial layer range: .+"):
+            chain(model_file(arch, dtype, tied), split)
+        return
+    assert_split_is_exact(arch, dtype, tied, split)
+
+
+@pytest.mark.parametrize(
+    "arch", [a for a in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES if tiny(a).sliding_window]
+)
 def test_sliding_window_is_in_effect(arch: str) -> None:
     """Control: the same weights with a window longer than the prompt give the same logits for
     the rows that see no more than the window, and different ones after it (unsplit runs), so

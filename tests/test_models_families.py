@@ -30,7 +30,7 @@ import pytest
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ModelSpec, ensure_model, family, plan_tensors, preset, tiny
 from skippy.models.families import FAMILIES, OPTIONAL_KEYS
-from skippy.models.spec import NEW_ARCHITECTURES
+from skippy.models.spec import EXTRA_ARCHITECTURES, NEW_ARCHITECTURES
 from skippy.models.synthetic import family_keys, spec_json
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +39,8 @@ LLAMA_ARCH_CPP = (
     REPO_ROOT / "build" / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp" / "src" / "llama-arch.cpp"
 )
 DTYPES = ("F32", "F16", "Q8_0")
+#: Issue 11's families and the further ones with writers.
+ALL_NEW = NEW_ARCHITECTURES + EXTRA_ARCHITECTURES
 N_VOCAB = 32000
 
 Shapes = dict[str, tuple[int, ...]]
@@ -166,6 +168,33 @@ EXPECTED_BLOCK: dict[str, Callable[[ModelSpec, int], Shapes]] = {
     "gpt-oss": lambda s, i: _gpt_oss(s),
     "glm4moe": _glm4moe,
     "deepseek2": _deepseek2,
+    "gemma": lambda s, i: _attn(s) | _ffn(s),
+    "olmoe": lambda s, i: _attn(s) | {
+        "attn_q_norm.weight": (s.n_embd,),
+        "attn_k_norm.weight": (s.n_embd,),
+        "ffn_norm.weight": (s.n_embd,),
+        "ffn_gate_inp.weight": (s.n_embd, s.n_expert),
+        "ffn_gate_exps.weight": (s.n_embd, s.n_ff, s.n_expert),
+        "ffn_up_exps.weight": (s.n_embd, s.n_ff, s.n_expert),
+        "ffn_down_exps.weight": (s.n_ff, s.n_embd, s.n_expert),
+    },
+    "smollm3": lambda s, i: _attn(s) | _ffn(s),
+    "exaone4": lambda s, i: _attn(s, norm=False) | _ffn(s, norm=False) | _post(s) | _qk_norm(s),
+    "ernie4_5": lambda s, i: _attn(s) | _ffn(s),
+    "starcoder2": lambda s, i: _attn(s, bias=True) | {
+        "attn_norm.bias": (s.n_embd,),
+        "attn_output.bias": (s.n_embd,),
+        "ffn_norm.weight": (s.n_embd,),
+        "ffn_norm.bias": (s.n_embd,),
+        "ffn_up.weight": (s.n_embd, s.n_ff),
+        "ffn_up.bias": (s.n_ff,),
+        "ffn_down.weight": (s.n_ff, s.n_embd),
+        "ffn_down.bias": (s.n_embd,),
+    },
+    "cohere2": lambda s, i: _attn(s) | _ffn(s, norm=False),
+    "seed_oss": lambda s, i: _attn(s, bias=True) | _ffn(s, norm=False) | {
+        "post_attention_norm.weight": (s.n_embd,),
+    },
 }
 
 #: Keys (without the arch prefix) each tiny file must carry, with their values.
@@ -213,6 +242,17 @@ EXPECTED_KEYS: dict[str, dict[str, object]] = {
         "attention.key_length_mla": 48, "attention.key_length": 80,
         "attention.value_length": 64, "attention.head_count_kv": 1, "rope.dimension_count": 16,
     },
+    "gemma": {},
+    "olmoe": {"expert_count": 8, "expert_used_count": 2, "attention.head_count_kv": 4},
+    "smollm3": {},
+    "exaone4": {},
+    "ernie4_5": {},
+    "starcoder2": {"attention.layer_norm_epsilon": 1e-5},
+    "cohere2": {
+        "attention.layer_norm_epsilon": 1e-5, "logit_scale": 0.25,
+        "attention.sliding_window": 8, "attention.sliding_window_pattern": 4,
+    },
+    "seed_oss": {},
 }
 
 #: Keys of EXPECTED_KEYS that every file has (not one of the optional family keys).
@@ -233,6 +273,8 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
     }
     if not spec.tied:
         out["output.weight"] = ((spec.n_embd, N_VOCAB), spec.dtype)
+    if spec.arch == "starcoder2":
+        out["output_norm.bias"] = ((spec.n_embd,), "F32")
     for i in range(spec.n_layer):
         for name, ne in EXPECTED_BLOCK[spec.arch](spec, i).items():
             full = f"blk.{i}.{name}"
@@ -243,7 +285,7 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
 def all_configs() -> list[tuple[str, str, bool]]:
     return [
         (arch, dtype, tied)
-        for arch in NEW_ARCHITECTURES
+        for arch in ALL_NEW
         for dtype in DTYPES
         for tied in sorted(family(arch).heads)
     ]
@@ -303,8 +345,8 @@ def test_names_and_keys_are_llama_cpps() -> None:
         for suffix in expected:
             assert suffix in keys, f"{arch}: {suffix} is not a llama.cpp key"
     tensor_names = set(re.findall(r'"blk\.%d\.([a-z_0-9]+)"', source))
-    arch_names = set(re.findall(r'\{ LLM_ARCH_[A-Z0-9_]+, *"([a-z0-9-]+)" *\}', source))
-    for arch in NEW_ARCHITECTURES:
+    arch_names = set(re.findall(r'\{ LLM_ARCH_[A-Z0-9_]+, *"([a-z0-9_-]+)" *\}', source))
+    for arch in ALL_NEW:
         assert arch in arch_names, arch
         spec = tiny(arch)
         for decl in FAMILIES[arch].block(spec, spec.n_layer - 1):
@@ -373,6 +415,9 @@ def test_lower_precision_experts_round_the_same_weights() -> None:
         ("phi3", {"name": "my-phi3"}, "phi3"),
         ("deepseek2", {"n_head_kv": 2}, "n_head_kv == 1"),
         ("deepseek2", {"kv_lora_rank": 0}, "needs kv_lora_rank"),
+        ("olmoe", {"n_head_kv": 2}, "n_head_kv == n_head"),
+        ("cohere2", {"ln_eps": 0.0}, "needs ln_eps"),
+        ("gemma", {"tied": False}, "no untied head"),
     ],
 )
 def test_family_rules_refuse_what_the_loader_would(
@@ -405,7 +450,7 @@ def test_cli_lists_every_family(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert main(["--list"]) == 0
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
-    assert {f"tiny-{arch}" for arch in NEW_ARCHITECTURES} <= listed
+    assert {f"tiny-{arch}" for arch in ALL_NEW} <= listed
     assert {"gemma3-270m", "qwen3moe-30b-a3b-8e"} <= listed
 
 
@@ -455,7 +500,7 @@ def _run_unsplit(specs: list[ModelSpec]) -> None:
         label = spec.short_name()
         assert result["n_params"] == sum(p.n_values for p in plan_tensors(spec, N_VOCAB)), label
         assert result["finite"], label
-        # granite's logit_scale 8 divides the logits by 8
+        # granite's logit_scale 8 divides the logits by 8, cohere2's 0.25 multiplies them
         assert result["spread"] > (0.05 if spec.logit_scale else 0.1), f"{label}: nearly constant"
         assert result["distinct_rows"] == result["rows"], label
         assert result["new_tokens"] == 4, label
@@ -463,7 +508,7 @@ def _run_unsplit(specs: list[ModelSpec]) -> None:
 
 @pytest.mark.slow  # ~30 s on 2 busy cores; the fast exactness tests load every family unsplit too
 def test_llama_cpp_loads_and_runs_every_family() -> None:
-    _run_unsplit([tiny(arch) for arch in NEW_ARCHITECTURES])  # type: ignore[arg-type]
+    _run_unsplit([tiny(arch) for arch in ALL_NEW])  # type: ignore[arg-type]
 
 
 @pytest.mark.slow

@@ -100,6 +100,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "q_lora_rank": OptionalKey("attention.q_lora_rank", GGUFValueType.UINT32),
     "kv_lora_rank": OptionalKey("attention.kv_lora_rank", GGUFValueType.UINT32),
     "v_head_dim": OptionalKey("attention.value_length_mla", GGUFValueType.UINT32),
+    "ln_eps": OptionalKey("attention.layer_norm_epsilon", GGUFValueType.FLOAT32),
 }
 
 #: A key computed from the spec rather than copied from one field: (suffix, value, type).
@@ -126,6 +127,7 @@ class Family:
         rules: further shape checks.
         summary: which real checkpoints the description follows.
         derived_keys: keys computed from several fields (deepseek2's MLA key width).
+        output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
     """
 
     arch: str
@@ -136,6 +138,7 @@ class Family:
     rules: tuple[Rule, ...] = ()
     summary: str = ""
     derived_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
+    output_norm_bias: bool = False
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -189,6 +192,7 @@ def _attention(
     layer: int,
     *,
     pre_norm: bool = True,
+    norm_bias: bool = False,
     qkv_bias: bool = False,
     fused_qkv: bool = False,
     qk_norm: Literal["none", "head", "full"] = "none",
@@ -201,6 +205,8 @@ def _attention(
     out: list[TensorDecl] = []
     if pre_norm:
         out.append(_norm(layer, "attn_norm", spec.n_embd))
+        if norm_bias:
+            out.append(_bias(layer, "attn_norm", spec.n_embd))
     if fused_qkv:
         out.append(_matrix(layer, "attn_qkv", spec.n_q + 2 * spec.n_kv, spec.n_embd))
         if qkv_bias:
@@ -213,7 +219,7 @@ def _attention(
     if qk_norm == "head":
         out.append(_norm(layer, "attn_q_norm", spec.n_embd_head))
         out.append(_norm(layer, "attn_k_norm", spec.n_embd_head))
-    elif qk_norm == "full":  # OLMo 2 normalises the whole q and k projections
+    elif qk_norm == "full":  # OLMo 2 / OLMoE normalise the whole q and k projections
         out.append(_norm(layer, "attn_q_norm", spec.n_q))
         out.append(_norm(layer, "attn_k_norm", spec.n_kv))
     out.append(_matrix(layer, "attn_output", spec.n_embd, spec.n_q))
@@ -233,18 +239,28 @@ def _dense_ffn(
     pre_norm: bool = True,
     fused_up: bool = False,
     post_norm: bool = False,
+    gated: bool = True,
+    biases: bool = False,
 ) -> list[TensorDecl]:
-    """The SwiGLU feed-forward: [ffn_norm], gate, up, down (or up = [gate; up] fused, as
-    phi3 and glm4 store it), [post_ffw_norm]."""
+    """The feed-forward: [ffn_norm], gate, up, down (SwiGLU / GeGLU; or up = [gate; up] fused,
+    as phi3 and glm4 store it; or no gate, as starcoder2's GELU MLP), [post_ffw_norm].
+    ``biases`` adds the norm's bias and the projections' (starcoder2)."""
     out: list[TensorDecl] = []
     if pre_norm:
         out.append(_norm(layer, "ffn_norm", spec.n_embd))
+        if biases:
+            out.append(_bias(layer, "ffn_norm", spec.n_embd))
     if fused_up:
         out.append(_matrix(layer, "ffn_up", 2 * spec.n_ff, spec.n_embd))
     else:
-        out.append(_matrix(layer, "ffn_gate", spec.n_ff, spec.n_embd))
+        if gated:
+            out.append(_matrix(layer, "ffn_gate", spec.n_ff, spec.n_embd))
         out.append(_matrix(layer, "ffn_up", spec.n_ff, spec.n_embd))
+        if biases:
+            out.append(_bias(layer, "ffn_up", spec.n_ff))
     out.append(_matrix(layer, "ffn_down", spec.n_embd, spec.n_ff))
+    if biases:
+        out.append(_bias(layer, "ffn_down", spec.n_embd))
     if post_norm:
         out.append(_norm(layer, "post_ffw_norm", spec.n_embd))
     return out
@@ -259,12 +275,14 @@ def _moe_ffn(
     expert_bias: bool = False,
     selection_bias: bool = False,
     shared: Literal["none", "gated", "plain"] = "none",
+    expert_width: int = 0,
 ) -> list[TensorDecl]:
     """The mixture-of-experts feed-forward: [ffn_norm], router ffn_gate_inp (F32) [+bias],
     [exp_probs_b selection bias], merged 3-D gate/up/down experts [+2-D biases], then the
     shared expert: "gated" (qwen2moe: a sigmoid gate vector plus its own width n_ff_shexp) or
-    "plain" (glm4moe/deepseek2: n_expert_shared * n_ff_exp wide)."""
-    n_exp, n_ff_exp, n_embd = spec.n_expert, spec.n_ff_exp, spec.n_embd
+    "plain" (glm4moe/deepseek2: n_expert_shared * n_ff_exp wide). ``expert_width`` replaces
+    n_ff_exp where the loader sizes experts by feed_forward_length (olmoe)."""
+    n_exp, n_ff_exp, n_embd = spec.n_expert, expert_width or spec.n_ff_exp, spec.n_embd
     out: list[TensorDecl] = []
     if pre_norm:
         out.append(_norm(layer, "ffn_norm", n_embd))
@@ -304,6 +322,13 @@ def _coupled_heads(spec: "ModelSpec") -> str | None:
             f"{spec.arch} needs n_head * head_dim == n_embd, got {spec.n_head} * "
             f"{spec.n_embd_head} != {spec.n_embd}"
         )
+    return None
+
+
+def _mha(spec: "ModelSpec") -> str | None:
+    # OLMoE's loader shapes k/v and the k norm as n_embd wide.
+    if spec.n_head_kv != spec.n_head:
+        return f"{spec.arch} needs n_head_kv == n_head"
     return None
 
 
@@ -454,6 +479,34 @@ def _deepseek2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return out + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
+def _olmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, qk_norm="full") + _moe_ffn(spec, layer, expert_width=spec.n_ff)
+
+
+def _exaone4(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, pre_norm=False, qk_norm="head", post_norm=True) + _dense_ffn(
+        spec, layer, pre_norm=False, post_norm=True
+    )
+
+
+def _starcoder2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return _attention(spec, layer, norm_bias=True, qkv_bias=True, out_bias=True) + _dense_ffn(
+        spec, layer, gated=False, biases=True
+    )
+
+
+def _cohere2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Command R7B: one LayerNorm feeds attention and FFN in parallel (no ffn_norm).
+    return _attention(spec, layer) + _dense_ffn(spec, layer, pre_norm=False)
+
+
+def _seed_oss(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Seed-OSS: q/k/v biases; "post_attention_norm" is the FFN's input norm.
+    return _attention(spec, layer, qkv_bias=True, post_norm=True) + _dense_ffn(
+        spec, layer, pre_norm=False
+    )
+
+
 def _deepseek2_keys(spec: "ModelSpec") -> list[DerivedKey]:
     return [("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32)]
 
@@ -546,6 +599,40 @@ FAMILIES: Final[dict[str, Family]] = {
             derived_keys=_deepseek2_keys,
             summary="DeepSeek-V3 (deepseek2): multi-head latent attention with low-rank q, "
             "leading dense blocks, sigmoid-routed experts with a selection bias, shared experts",
+        ),
+        # Beyond issue 11's list: common families whose loaders follow the same layer loop.
+        Family("gemma", _TIED, _llama, summary="Gemma (1): llama layout, tied head, GeGLU"),
+        Family(
+            "olmoe", _UNTIED, _olmoe,
+            requires=frozenset({"n_expert", "n_expert_used"}),
+            rules=(_coupled_heads, _mha, _experts),
+            summary="OLMoE: full-width q/k norms, softmax top-k experts of width n_ff, untied",
+        ),
+        Family(
+            "smollm3", _BOTH, _llama,
+            summary="SmolLM3: llama layout, every 4th layer without rope (NoPE)",
+        ),
+        Family(
+            "exaone4", _BOTH, _exaone4, rules=(_coupled_heads,),
+            summary="EXAONE 4.0: no pre-norms, per-head q/k norms, post-norms",
+        ),
+        Family("ernie4_5", _BOTH, _llama, summary="ERNIE 4.5 (dense): llama layout"),
+        Family(
+            "starcoder2", _BOTH, _starcoder2,
+            requires=frozenset({"ln_eps"}), rules=(_coupled_heads,), output_norm_bias=True,
+            summary="StarCoder2: LayerNorm with biases, biases on every projection, GELU MLP",
+        ),
+        Family(
+            "cohere2", _TIED, _cohere2,
+            requires=frozenset({"ln_eps", "logit_scale", "sliding_window"}),
+            permits=frozenset({"swa_pattern", "rope_theta_swa"}),
+            rules=(_coupled_heads, _window),
+            summary="Command R7B (cohere2): parallel attention and FFN under one LayerNorm, "
+            "3 sliding-window layers per global one, logit scale, tied",
+        ),
+        Family(
+            "seed_oss", _BOTH, _seed_oss,
+            summary="Seed-OSS: q/k/v biases, post-attention norm feeding the FFN",
         ),
     )
 }

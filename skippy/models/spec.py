@@ -54,13 +54,23 @@ Architecture = Literal[
     "gpt-oss",
     "glm4moe",
     "deepseek2",
+    "gemma",
+    "olmoe",
+    "smollm3",
+    "exaone4",
+    "ernie4_5",
+    "starcoder2",
+    "cohere2",
+    "seed_oss",
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
 
 ARCHITECTURES: Final = frozenset(get_args(Architecture))
-#: The architectures added after llama/qwen2/qwen3, in declaration order.
-NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(Architecture)[3:]
+#: The architectures issue 11 adds to llama/qwen2/qwen3, in declaration order.
+NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(Architecture)[3:15]
+#: Further families with writers, beyond issue 11's list.
+EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(Architecture)[15:]
 VOCABS: Final = frozenset(get_args(VocabName))
 WEIGHT_DTYPES: Final = frozenset(get_args(WeightDtype))
 
@@ -113,6 +123,7 @@ class ModelSpec:
         q_lora_rank, kv_lora_rank, v_head_dim: deepseek2's multi-head latent attention (low-rank
             q, the latent KV width, the per-head value width); ``head_dim`` is then the key
             width qk_nope + qk_rope and ``rope_dim`` qk_rope.
+        ln_eps: LayerNorm epsilon of the families that use LayerNorm (starcoder2, cohere2).
     """
 
     arch: Architecture
@@ -156,6 +167,7 @@ class ModelSpec:
     q_lora_rank: int = 0
     kv_lora_rank: int = 0
     v_head_dim: int = 0
+    ln_eps: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -355,7 +367,9 @@ def _tiny_deepseek2(n_embd: int) -> dict[str, Any]:
 
 
 #: Families whose tiny shape has head_dim = n_embd / 2 (n_head * head_dim != n_embd).
-_DECOUPLED_HEADS: Final = frozenset({"qwen3", "gemma3", "mistral3", "qwen3moe", "gpt-oss", "glm4moe"})
+_DECOUPLED_HEADS: Final = frozenset(
+    {"qwen3", "gemma3", "mistral3", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5", "seed_oss"}
+)
 
 #: The tiny sliding window: shorter than the tests' 12-token prompt.
 TINY_SLIDING_WINDOW: Final = 8
@@ -400,6 +414,13 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
     },
     "deepseek2": _tiny_deepseek2,
+    # OLMoE: MHA, experts as wide as n_ff (half the tiny n_ff).
+    "olmoe": lambda n: {"n_head_kv": 4, "n_ff": n // 2, "n_expert": 8, "n_expert_used": 2},
+    "starcoder2": lambda n: {"ln_eps": 1e-5},
+    "cohere2": lambda n: {
+        "ln_eps": 1e-5, "logit_scale": 0.25, "sliding_window": TINY_SLIDING_WINDOW,
+        "swa_pattern": 4,
+    },
 }
 
 
@@ -561,7 +582,10 @@ PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
     "tiny-qwen2": lambda: tiny("qwen2"),
     "tiny-qwen3": lambda: tiny("qwen3"),
-    **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in NEW_ARCHITECTURES},
+    **{
+        f"tiny-{arch}": functools.partial(tiny, arch)
+        for arch in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES
+    },
     "demo": demo,
     "qwen3-0.6b": qwen3_0_6b,
     "llama-3.2-1b": llama_3_2_1b,

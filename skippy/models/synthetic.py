@@ -159,6 +159,10 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
             _tensor_name(MODEL_TENSOR.OUTPUT_NORM, "weight"), (spec.n_embd,), "norm", f32
         )
     )
+    if family(spec.arch).output_norm_bias:
+        plans.append(
+            TensorPlan(_tensor_name(MODEL_TENSOR.OUTPUT_NORM, "bias"), (spec.n_embd,), "bias", f32)
+        )
     if not spec.tied:
         plans.append(
             TensorPlan(
