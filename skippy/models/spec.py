@@ -309,20 +309,22 @@ def tiny(
 
     qwen3 gets ``head_dim = 32`` (so ``n_head * head_dim = 128 != n_embd``), exercising the
     decoupled head width that real Qwen3 checkpoints use; so do the other families whose real
-    checkpoints decouple it (gemma3, mistral3, qwen3moe, gpt-oss, glm4moe). The default vocab is
-    the 32000-token SPM one, which keeps the embedding at 8 MB in F32.
+    checkpoints decouple it (gemma3, mistral3, qwen3moe, gpt-oss, glm4moe, ernie4_5, seed_oss;
+    deepseek2's MLA key width is 48 = 32 + 16 rope). The default vocab is the 32000-token SPM
+    one, which keeps the embedding at 8 MB in F32.
 
     Family constants (see `_TINY_EXTRAS`): sliding-window families get a window of 8 with every
-    other layer global (so a 12-token prompt crosses the window and a 4-layer model has both
-    layer kinds); MoE families get 8 experts of which 2 are used (so routing picks different
-    experts per token); granite gets non-trivial multipliers (12, 0.22, 1/128, 8); glm4 and
-    glm4moe rotate half of each head, as the real models do.
+    other layer global (cohere2: every 4th), so a 12-token prompt crosses the window and a
+    4-layer model has both layer kinds; MoE families get 8 experts of which 2 are used (so
+    routing picks different experts per token); granite gets non-trivial multipliers (12, 0.22,
+    1/128, 8); glm4 and glm4moe rotate half of each head, as the real models do.
 
     Args:
         arch: the llama.cpp architecture.
         dtype: weight storage type.
         tied: share the output head with the token embedding; ``None`` is the family's first
-            option (untied, except gemma2, which only has a tied head).
+            option (untied, except where the loader only has a tied head: gemma, gemma2,
+            cohere2).
         vocab: tokenizer source.
         n_layer: number of blocks.
         n_embd: residual width (a multiple of 32 keeps Q8_0 valid).
