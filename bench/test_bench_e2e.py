@@ -239,11 +239,10 @@ def prefill_speedups(rounds: int) -> dict[str, list[float]]:
     """Interleaved rounds (``python bench/test_bench_e2e.py``): each round times the unsplit
     prefill and each 2-stage variant back to back, so machine noise hits them alike."""
     path = ensure_model(bench_spec())
-    speedups: dict[str, list[float]] = {"512-chunk": [], "128-chunk": [], "adaptive": []}
+    made = {f"{size}-chunk": Generator.from_model(path, n_ctx=1024, chunk_size=size) for size in (512, 128, 64)}
+    made["adaptive"] = Generator.from_model(path, n_ctx=1024)
+    speedups: dict[str, list[float]] = {name: [] for name in made}
     runner = Unsplit(path)
-    made = {"512-chunk": Generator.from_model(path, n_ctx=1024, chunk_size=512),
-            "128-chunk": Generator.from_model(path, n_ctx=1024, chunk_size=128),
-            "adaptive": Generator.from_model(path, n_ctx=1024)}
     try:
         with chain(str(path), splits(bench_spec().n_layer, 2), FLAGS) as address:
             runner.generate(PREFILL_PROMPT, 0)
