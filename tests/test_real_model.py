@@ -99,7 +99,8 @@ def test_a_hash_mismatch_is_a_clear_error_and_leaves_nothing(real_model: Path, t
 
 @pytest.mark.real_model
 def test_the_cli_prints_the_path(real_model: Path) -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    # the cache the fixture used (another module's session fixture may point the variable elsewhere)
+    env = dict(os.environ, PYTHONPATH=str(ROOT), **{CACHE_ENV: str(real_model.parent)})
     out = subprocess.run([sys.executable, "-m", "skippy.models", "real-gemma3-270m", "--quiet"], env=env,
                          capture_output=True, text=True, check=True, timeout=120)
     assert out.stdout.strip() == str(real_model)
@@ -191,7 +192,9 @@ def _unsplit_chat_text(path: Path, max_tokens: int) -> str:
 
 @pytest.mark.real_model
 @pytest.mark.slow
-def test_skippy_up_two_stages_answers_with_the_unsplit_text(real_model: Path, tmp_path: Path) -> None:
+def test_skippy_up_two_stages_answers_with_the_unsplit_text(real_model: Path, tmp_path: Path,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(real_model.parent))  # where the fixture assembled it (no second copy)
     up = UpProcess(["up", "--stages", "2", "--port", "0", "--ctx-size", "256", "--threads", "1",
                     "--max-sessions", "2", "--log-dir", str(tmp_path / "logs")], tmp_path).start(timeout=300)
     try:
