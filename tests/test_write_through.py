@@ -15,6 +15,11 @@ from skippy.stage.transport import SocketIO
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 
+@pytest.fixture(autouse=True)
+def _virtual_time(autojump_clock: object) -> None:
+    """Waits here (for bytes that must not come) cost no real time."""
+
+
 @asynccontextmanager
 async def _stream_pair(send_buffer: int = 0) -> AsyncIterator[tuple[trio.SocketStream, trio.SocketStream]]:
     left, right = trio.socket.socketpair()

@@ -16,6 +16,7 @@ from typing import Sequence
 
 import trio
 
+from skippy.runtime.errors import NativeError
 from skippy.stage.config import parse_config
 from skippy.stage.server import load_runtime, run_stage
 
@@ -39,11 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         executor = load_runtime(config, progress)
-    except (ValueError, OSError, RuntimeError) as exc:  # includes the runtime's typed load errors
+    except (ValueError, OSError, ImportError) as exc:  # a bad setting or file, a library of another ABI
         log.error("cannot start stage: %s", exc)
         return 2
-    except Exception as exc:  # NativeError subclasses not derived from ValueError
+    except NativeError as exc:  # the runtime's other typed refusals
         log.error("cannot start stage: %s: %s", type(exc).__name__, exc)
+        return 2
+    except Exception:  # a bug: say so, with its traceback
+        log.exception("cannot start stage: internal error")
         return 2
     log.info("loaded %s layers %s in %.2f s (width %d)", config.model, config.layers,
              time.monotonic() - started, executor.n_embd)
