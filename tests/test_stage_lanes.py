@@ -739,3 +739,17 @@ async def test_a_final_stage_lane_over_memory_streams() -> None:
                 await trio.sleep(0.01)
         assert server.stats.write_throughs == 0 and server.executor.session_count == 0
         nursery.cancel_scope.cancel()
+
+
+async def test_a_refused_decode_on_a_lone_final_stage_still_says_why() -> None:
+    # the final stage's decode is answered by write-through: a refusal before its compute has
+    # written nothing, so the Error frame still follows
+    from skippy.protocol_ext import ErrorCode
+
+    async def act(client: StageClient) -> None:
+        await client.prefill(1, [1, 2, 3])
+        await client.decode(1, 7, 9)
+
+    async with inprocess_chain(["0:4"]) as servers:
+        frame = await _refusal(servers, act)
+        assert frame is not None and frame.code is ErrorCode.STATE_MISMATCH, frame

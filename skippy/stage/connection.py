@@ -162,6 +162,8 @@ class Connection:
         self._relay_idle = False
         #: An upstream write was interrupted mid-frame: no Error frame may follow it.
         self._upstream_torn = False
+        #: The write-through answering upstream, from its submission until its reply is out.
+        self._upstream_through: WriteThrough | None = None
         #: The downstream lane's channel to the forwarder (None until the first message opens it).
         self._forwards: trio.MemorySendChannel[Forward] | None = None
         #: Messages handed to the compute task and not finished (0: it is idle, nothing queued).
@@ -205,8 +207,12 @@ class Connection:
                                            address=self._own_address(), downstream_address=self.downstream_name)
         finally:
             self._gate.close()  # a write-through still queued must not write from here on
+            # A write-through that started may have written part of its reply (its emit runs
+            # only once the compute is done: a refusal before that has written nothing).
+            through = self._upstream_through
+            torn = self._upstream_torn or (through is not None and through.ran)
             with trio.CancelScope(shield=True):
-                if error is not None and self.extensions.enabled and not self._upstream_torn:
+                if error is not None and self.extensions.enabled and not torn:
                     await self._send_error(error)
                 await self._cleanup()
 
@@ -520,11 +526,12 @@ class Connection:
             ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
             return extensions.reply_bytes(ticket.reply, timings)
 
-        through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
-        self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
+        through = self._upstream_through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
         await self.scheduler.execute(item)
+        self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
         await through.finish(self.peer, downstream=False)
         self._upstream_torn = False
+        self._upstream_through = None
         self.stats.write_throughs += 1
         await self._write_due(self.protocol.replies_written(1))
 
