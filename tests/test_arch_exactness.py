@@ -346,8 +346,9 @@ REAL_SHAPE_PROMPT = [*LONG_PROMPT, *range(1000, 28000, 1000), 29889]
         # weights do not depend on the window).
         ("gemma3-270m", {"sliding_window": 32}, [[(0, 9), (9, 18)], [(0, 6), (6, 12), (12, 18)]]),
         ("qwen3moe-30b-a3b-8e", {}, [[(0, 6), (6, 12)], [(0, 1), (1, 7), (7, 12)]]),
+        ("gpt-oss-20b-4l", {"sliding_window": 32}, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
     ],
-    ids=["gemma3-270m", "qwen3moe-30b-a3b-8e"],
+    ids=["gemma3-270m", "qwen3moe-30b-a3b-8e", "gpt-oss-20b-4l"],
 )
 def test_real_shape_split_logits_are_bitwise_equal(
     name: str, overrides: dict[str, object], splits: list[list[tuple[int, int]]]

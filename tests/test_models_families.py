@@ -443,6 +443,10 @@ def test_real_shape_presets() -> None:
     assert 0.5e9 < total < 1.0e9
     experts = sum(p.nbytes for p in plans if "_exps" in p.name)
     assert experts / total > 0.5
+    oss = preset("gpt-oss-20b-4l")
+    assert (oss.n_embd, oss.n_head, oss.n_head_kv, oss.n_embd_head) == (2880, 64, 8, 64)
+    assert (oss.n_expert, oss.n_ff_exp, oss.sliding_window, oss.swa_pattern) == (4, 2880, 128, 2)
+    assert 0.5e9 < sum(p.nbytes for p in plan_tensors(oss, N_VOCAB)) < 1.0e9
 
 
 def test_cli_lists_every_family(capsys: pytest.CaptureFixture[str]) -> None:
@@ -451,7 +455,7 @@ def test_cli_lists_every_family(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--list"]) == 0
     listed = {line.split()[0] for line in capsys.readouterr().out.splitlines()}
     assert {f"tiny-{arch}" for arch in ALL_NEW} <= listed
-    assert {"gemma3-270m", "qwen3moe-30b-a3b-8e"} <= listed
+    assert {"gemma3-270m", "qwen3moe-30b-a3b-8e", "gpt-oss-20b-4l"} <= listed
 
 
 # --- llama.cpp loads and runs them unsplit ---------------------------------------------------

@@ -33,6 +33,7 @@ __all__ = [
     "WeightDtype",
     "demo",
     "gemma3_270m",
+    "gpt_oss_20b_4l",
     "preset",
     "qwen3moe_30b_a3b_8e",
     "tiny",
@@ -579,6 +580,40 @@ def qwen3moe_30b_a3b_8e(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelS
     )
 
 
+def gpt_oss_20b_4l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
+    """gpt-oss-20b's block shape with 4 of its 24 layers and 4 of its 32 experts (2 used).
+
+    Each block is gpt-oss-20b's (n_embd 2880, 64 query / 8 KV heads of 64, attention sinks,
+    experts of width 2880, sliding window 128 on every other layer, yarn 32 over 4096, rope
+    base 150000); with the 32000-token SPM vocab the file is about 0.73 GB in Q8_0.
+    """
+    return ModelSpec(
+        arch="gpt-oss",
+        n_layer=4,
+        n_embd=2880,
+        n_ff=2880,
+        n_head=64,
+        n_head_kv=8,
+        head_dim=64,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=False,
+        context_length=131072,
+        rope_theta=150_000.0,
+        rms_eps=1e-5,
+        seed=seed,
+        name="skippy-gpt-oss-20b-4l-shape",
+        n_expert=4,
+        n_expert_used=2,
+        n_ff_exp=2880,
+        sliding_window=128,
+        swa_pattern=2,
+        rope_scaling="yarn",
+        rope_scaling_factor=32.0,
+        rope_orig_ctx=4096,
+    )
+
+
 #: Named presets; each is a zero-argument factory.
 PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
@@ -594,6 +629,7 @@ PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "llama-16x1024": llama_16x1024,
     "gemma3-270m": gemma3_270m,
     "qwen3moe-30b-a3b-8e": qwen3moe_30b_a3b_8e,
+    "gpt-oss-20b-4l": gpt_oss_20b_4l,
 }
 
 
