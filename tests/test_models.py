@@ -104,7 +104,7 @@ def tensor_array(reader: GGUFReader, name: str) -> np.ndarray:
 
 
 #: The fast suite's share of the matrix (one file; the rest is slow).
-FAST_FILES = {("qwen3", "Q8_0", True)}
+FAST_FILES = {("llama", "F32", False)}
 FILE_CASES = [
     pytest.param(arch, dtype, tied, id=f"{arch}-{dtype}-{'tied' if tied else 'untied'}",
                  marks=() if (arch, dtype, tied) in FAST_FILES else pytest.mark.slow)
