@@ -1,12 +1,18 @@
-"""The adaptive prefill chunk controller (sans-IO): plan, ramp, seed, and the observation parser."""
+"""The adaptive prefill chunk controller (sans-IO): plan, ramp, seed, the observation parser; and
+its hook in ``Generator`` over a chain."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
+from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver.prefill_chunking import ChunkingConfig, PrefillChunker, PrefillObservation, observation_from
 from skippy.protocol import ReplyStats
 from skippy.protocol_ext import TimingRecord, TimingsFrame
+
+from stage_helpers import inprocess_chain, reference_greedy
 
 
 def hidden(stages: int = 2) -> PrefillObservation:
@@ -144,3 +150,28 @@ def test_observation_without_edges_uses_the_slowest_stage() -> None:
 def test_observation_needs_timings() -> None:
     assert observation_from(128, 10, None, ReplyStats()) is None
     assert observation_from(128, 10, TimingsFrame(()), ReplyStats()) is None
+
+
+async def test_the_generator_plans_and_learns_over_a_chain(tiny_llama: Path) -> None:
+    """Through a 2-stage chain (in-process servers, tiny llama): the first request uses the
+    ramp's size, learns the stage count and boundary figures, and the next request is cut for
+    the pipeline; both give the unsplit model's tokens with the same chunking."""
+    prompt = tuple(range(100, 260))  # 160 tokens
+    generator = Generator.from_model(tiny_llama, n_ctx=512)
+    assert generator.chunking is not None and generator.chunk_size is None
+    chunker = generator.chunking = PrefillChunker(ChunkingConfig(start=32, step=16, minimum=8, maximum=64,
+                                                                 short_prompt=16))
+    try:
+        async with inprocess_chain(["0:2", "2:4"], model=str(tiny_llama)) as servers:
+            async with await StageClient.connect(servers[0].address) as client:
+                request = GenerationRequest(prompt, 4, speculation=False, prefix_cache=False)
+                first = await generator.generate(client, request, 1)
+                assert chunker.stages == 2 and chunker.wait_ratio is not None and chunker.write_ratio is not None
+                assert chunker.size in (16, 32, 48)  # moved (or held) by what the chain measured
+                planned = chunker.plan(len(prompt))
+                assert planned == min(chunker.size, 40)  # ceil(160 / (2 chunks x 2 stages))
+                second = await generator.generate(client, request, 2)
+    finally:
+        generator.close()
+    assert first.tokens == reference_greedy(tiny_llama, list(prompt), 4, chunk_size=32)[: len(first.tokens)]
+    assert second.tokens == reference_greedy(tiny_llama, list(prompt), 4, chunk_size=planned)[: len(second.tokens)]
