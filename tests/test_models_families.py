@@ -195,6 +195,29 @@ EXPECTED_BLOCK: dict[str, Callable[[ModelSpec, int], Shapes]] = {
     "seed_oss": lambda s, i: _attn(s, bias=True) | _ffn(s, norm=False) | {
         "post_attention_norm.weight": (s.n_embd,),
     },
+    "llama4": lambda s, i: _attn(s) | (
+        _ffn(s) if (i + 1) % s.n_moe_layer_step else _experts(s) | {
+            "ffn_norm.weight": (s.n_embd,),
+            "ffn_gate_shexp.weight": (s.n_embd, s.n_ff_exp),
+            "ffn_up_shexp.weight": (s.n_embd, s.n_ff_exp),
+            "ffn_down_shexp.weight": (s.n_ff_exp, s.n_embd),
+        }
+    ),
+    "minimax-m2": lambda s, i: _attn(s) | _experts(s) | {
+        "attn_q_norm.weight": (s.n_q,),
+        "attn_k_norm.weight": (s.n_kv,),
+        "ffn_norm.weight": (s.n_embd,),
+        "exp_probs_b.bias": (s.n_expert,),
+    },
+    "dots1": lambda s, i: _attn(s) | _qk_norm(s) | (
+        _ffn(s) if i < s.n_dense_lead else _experts(s) | {
+            "ffn_norm.weight": (s.n_embd,),
+            "exp_probs_b.bias": (s.n_expert,),
+            "ffn_gate_shexp.weight": (s.n_embd, s.n_ff_exp),
+            "ffn_up_shexp.weight": (s.n_embd, s.n_ff_exp),
+            "ffn_down_shexp.weight": (s.n_ff_exp, s.n_embd),
+        }
+    ),
 }
 
 #: Keys (without the arch prefix) each tiny file must carry, with their values.
@@ -253,6 +276,19 @@ EXPECTED_KEYS: dict[str, dict[str, object]] = {
         "attention.sliding_window": 8, "attention.sliding_window_pattern": 4,
     },
     "seed_oss": {},
+    "llama4": {
+        "expert_count": 8, "expert_used_count": 1, "expert_feed_forward_length": 32,
+        "interleave_moe_layer_step": 2,
+    },
+    "minimax-m2": {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "expert_gating_func": 2, "rope.dimension_count": 16,
+    },
+    "dots1": {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "expert_shared_count": 1, "leading_dense_block_count": 1, "expert_gating_func": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5, "attention.head_count_kv": 4,
+    },
 }
 
 #: Keys of EXPECTED_KEYS that every file has (not one of the optional family keys).
@@ -418,6 +454,9 @@ def test_lower_precision_experts_round_the_same_weights() -> None:
         ("olmoe", {"n_head_kv": 2}, "n_head_kv == n_head"),
         ("cohere2", {"ln_eps": 0.0}, "needs ln_eps"),
         ("gemma", {"tied": False}, "no untied head"),
+        ("llama4", {"n_moe_layer_step": 0}, "needs n_moe_layer_step"),
+        ("minimax-m2", {"n_ff": 64}, "n_ff_exp == n_ff"),
+        ("dots1", {"n_head_kv": 2}, "n_head_kv == n_head"),
     ],
 )
 def test_family_rules_refuse_what_the_loader_would(

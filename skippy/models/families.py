@@ -101,6 +101,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "kv_lora_rank": OptionalKey("attention.kv_lora_rank", GGUFValueType.UINT32),
     "v_head_dim": OptionalKey("attention.value_length_mla", GGUFValueType.UINT32),
     "ln_eps": OptionalKey("attention.layer_norm_epsilon", GGUFValueType.FLOAT32),
+    "n_moe_layer_step": OptionalKey("interleave_moe_layer_step", GGUFValueType.UINT32),
 }
 
 #: A key computed from the spec rather than copied from one field: (suffix, value, type).
@@ -507,6 +508,41 @@ def _seed_oss(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     )
 
 
+def _llama4(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Llama 4: every n_moe_layer_step-th block is MoE (sigmoid top-k plus one shared expert as
+    # wide as an expert), the others dense.
+    attention = _attention(spec, layer)
+    if (layer + 1) % spec.n_moe_layer_step != 0:
+        return attention + _dense_ffn(spec, layer)
+    shared = [
+        _matrix(layer, "ffn_gate_shexp", spec.n_ff_exp, spec.n_embd),
+        _matrix(layer, "ffn_up_shexp", spec.n_ff_exp, spec.n_embd),
+        _matrix(layer, "ffn_down_shexp", spec.n_embd, spec.n_ff_exp),
+    ]
+    return attention + _moe_ffn(spec, layer) + shared
+
+
+def _minimax_m2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # MiniMax-M2: full-width q/k norms, sigmoid-routed experts (sized by feed_forward_length)
+    # with a selection bias.
+    return _attention(spec, layer, qk_norm="full") + _moe_ffn(
+        spec, layer, selection_bias=True, expert_width=spec.n_ff
+    )
+
+
+def _dots1(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    attention = _attention(spec, layer, qk_norm="head")
+    if layer < spec.n_dense_lead:
+        return attention + _dense_ffn(spec, layer)
+    return attention + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def _expert_width_is_n_ff(spec: "ModelSpec") -> str | None:
+    if spec.n_ff_exp != spec.n_ff:
+        return f"{spec.arch} sizes its experts by n_ff: needs n_ff_exp == n_ff"
+    return None
+
+
 def _deepseek2_keys(spec: "ModelSpec") -> list[DerivedKey]:
     return [("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32)]
 
@@ -633,6 +669,29 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "seed_oss", _BOTH, _seed_oss,
             summary="Seed-OSS: q/k/v biases, post-attention norm feeding the FFN",
+        ),
+        Family(
+            "llama4", _BOTH, _llama4,
+            requires=_MOE | {"n_moe_layer_step"}, rules=(_experts,),
+            summary="Llama 4: MoE every n-th block (top-k plus a shared expert), chunked "
+            "attention on 3 of 4 layers, no rope on the others",
+        ),
+        Family(
+            "minimax-m2", _UNTIED, _minimax_m2,
+            requires=_MOE, permits=frozenset({"expert_gating"}),
+            rules=(_experts, _expert_width_is_n_ff),
+            summary="MiniMax-M2: full-width q/k norms, partial rope, sigmoid-routed experts with "
+            "a selection bias",
+        ),
+        Family(
+            "dots1", _UNTIED, _dots1,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(_mha, _experts, _dense_lead_below_n_layer),
+            summary="dots.llm1: per-head q/k norms, MHA, leading dense blocks, sigmoid experts "
+            "with a selection bias and shared experts",
         ),
     )
 }

@@ -63,6 +63,9 @@ Architecture = Literal[
     "starcoder2",
     "cohere2",
     "seed_oss",
+    "llama4",
+    "minimax-m2",
+    "dots1",
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -125,6 +128,7 @@ class ModelSpec:
             q, the latent KV width, the per-head value width); ``head_dim`` is then the key
             width qk_nope + qk_rope and ``rope_dim`` qk_rope.
         ln_eps: LayerNorm epsilon of the families that use LayerNorm (starcoder2, cohere2).
+        n_moe_layer_step: every n-th block is MoE, the others dense (llama4).
     """
 
     arch: Architecture
@@ -169,6 +173,7 @@ class ModelSpec:
     kv_lora_rank: int = 0
     v_head_dim: int = 0
     ln_eps: float = 0.0
+    n_moe_layer_step: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -371,7 +376,10 @@ def _tiny_deepseek2(n_embd: int) -> dict[str, Any]:
 
 #: Families whose tiny shape has head_dim = n_embd / 2 (n_head * head_dim != n_embd).
 _DECOUPLED_HEADS: Final = frozenset(
-    {"qwen3", "gemma3", "mistral3", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5", "seed_oss"}
+    {
+        "qwen3", "gemma3", "mistral3", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5", "seed_oss",
+        "minimax-m2",
+    }
 )
 
 #: The tiny sliding window: shorter than the tests' 12-token prompt.
@@ -423,6 +431,16 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "cohere2": lambda n: {
         "ln_eps": 1e-5, "logit_scale": 0.25, "sliding_window": TINY_SLIDING_WINDOW,
         "swa_pattern": 4,
+    },
+    # Llama 4: every 2nd block MoE (Maverick's interleave), top-1 of 8 experts plus the shared
+    # one; layer 3 has no rope (every 4th).
+    "llama4": lambda n: {**_tiny_moe(n), "n_expert_used": 1, "n_moe_layer_step": 2},
+    "minimax-m2": lambda n: {
+        **_tiny_moe(n), "n_ff": n // 2, "rope_dim": n // 4, "expert_gating": 2,
+    },
+    "dots1": lambda n: {
+        **_tiny_moe(n), "n_head_kv": 4, "n_dense_lead": 1, "n_expert_shared": 1,
+        "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
     },
 }
 
