@@ -187,7 +187,13 @@ def _chunked_run(path: Path, split: list[tuple[int, int]], chunk: int) -> list[n
     return logits
 
 
-@pytest.mark.parametrize("arch", [a for a in NEW_ARCHITECTURES if tiny(a).sliding_window])
+@pytest.mark.parametrize(
+    "arch",
+    [
+        a for a in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES
+        if tiny(a).sliding_window and (a in NEW_ARCHITECTURES or a in SPLIT_ARCHITECTURES)
+    ],
+)
 def test_prefill_in_micro_batches_across_the_window_is_bitwise_equal(arch: str) -> None:
     """Micro-batches of 6 rows: the window (8) boundary falls inside the second one, so each
     stage's sliding-window cache must evict and mask across batches exactly as unsplit."""
