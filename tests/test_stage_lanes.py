@@ -520,16 +520,21 @@ class Tap:
 def _script() -> list[list[StageMessage]]:
     """Batches of messages (each batch sent at once, then its replies read): two sessions,
     pipelined prefill chunks under credits, decodes, a verify window with its retirement and a
-    rollback, a probe, a trim and the stops."""
+    rollback, a probe, a trim, every other decode-like kind, the restores (misses: no
+    prefix-cache flag) and the stops: every kind a stage serves."""
     def chunk(session: int, begin: int, count: int, final: bool) -> StageMessage:
         kind = MessageKind.PREFILL_FINAL_EMBD if final else MessageKind.PREFILL_EMBD
         tokens = np.arange(begin + 1, begin + count + 1, dtype=np.int32)
         return StageMessage.create(kind, pos_start=begin, token_count=count, session_id=session, tokens=tokens,
                                    state_changes={"seq_id": begin // 4, "current_token": int(tokens[-1])})
 
-    def decode(session: int, token: int, position: int) -> StageMessage:
-        return StageMessage.create(MessageKind.DECODE_EMBD, pos_start=position, token_count=1, session_id=session,
+    def decode(session: int, token: int, position: int, kind: MessageKind = MessageKind.DECODE_EMBD) -> StageMessage:
+        return StageMessage.create(kind, pos_start=position, token_count=1, session_id=session,
                                    tokens=np.asarray([token], dtype=np.int32), state_changes={"current_token": token})
+
+    def prefix(kind: MessageKind, tokens: list[int]) -> StageMessage:
+        return StageMessage.create(kind, token_count=1 if kind is MessageKind.TRY_RESTORE_PREFILL_DECODE else len(tokens),
+                                   session_id=2, tokens=np.asarray(tokens, dtype=np.int32))
 
     verify = StageMessage.create(MessageKind.VERIFY_WINDOW, pos_start=18, token_count=3, session_id=1,
                                  tokens=np.asarray([5, 6, 7], dtype=np.int32), state_changes={"seq_id": 42})
@@ -545,6 +550,10 @@ def _script() -> list[list[StageMessage]]:
         [decode(1, 18, 17), decode(2, 9, 8)],
         [verify, retire, decode(1, 30, 19)],  # the window is rejected past its first token
         [probe, StageMessage.create(MessageKind.TRIM_SESSION, token_count=4, session_id=2), decode(2, 5, 4)],
+        [decode(2, 6, 5, MessageKind.DECODE_READOUT), decode(2, 7, 6, MessageKind.DECODE_LIGHT_CTX),
+         decode(2, 8, 7, MessageKind.DECODE_REPLAY_EMBD), decode(2, 9, 8, MessageKind.DECODE_REPLAY_FINAL_EMBD)],
+        [prefix(MessageKind.RESTORE_PREFILL, [1, 2]), prefix(MessageKind.TRY_RESTORE_PREFILL, [1, 2]),
+         prefix(MessageKind.TRY_RESTORE_PREFILL_DECODE, [1, 2, 3])],
         [StageMessage.stop(session_id=1), StageMessage.stop(session_id=2)],
     ]
 
@@ -601,7 +610,11 @@ async def _run_script(write_through: bool, inline_hand_offs: bool) -> tuple[byte
 
 
 async def test_shortcuts_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+    from skippy.stage.lane_protocol import RULES, Handling
+
     monkeypatch.undo()  # this test sets the switches itself, every combination
+    served = {kind for kind, rule in RULES.items() if rule.handling is not Handling.REFUSE}
+    assert {m.kind for batch in _script() for m in batch} == served
     replies, sent, write_throughs = await _run_script(True, True)
     assert len(replies) > 0 and len(sent) > 0 and write_throughs > 0
     for switches in ((True, False), (False, True), (False, False)):
