@@ -26,7 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -74,7 +74,8 @@ class Stage:
 
 
 @contextmanager
-def chain(model: str, splits: Sequence[str], extra: Sequence[str]) -> Iterator[tuple[Address, list[Stage]]]:
+def chain(model: str, splits: Sequence[str], extra: Sequence[str],
+          env: dict[str, str] | None = None) -> Iterator[tuple[Address, list[Stage]]]:
     """Start probed stage processes final-first; yield the first stage's address and the stages
     (first stage first); kill them after."""
     stages: list[Stage] = []
@@ -90,7 +91,7 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str]) -> Iterator[t
                     command += ["--downstream", str(downstream)]
                 with log.open("wb") as handle:
                     process = subprocess.Popen(command, stdout=handle, stderr=handle, cwd=ROOT,
-                                               env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                                               env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
                 stages.insert(0, Stage(process, probe))
                 deadline = time.monotonic() + 120
                 while True:
@@ -277,6 +278,9 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="also measure each chain with every runtime thread on CPU 0 and all other "
                              "threads (stages' trio threads, the client) on CPU 1")
+    parser.add_argument("--ab-arg", action="append", default=[],
+                        help="also measure both chains with this extra stage argument (repeatable; A/B in "
+                             "the same rounds), e.g. --ab-arg=--inline-decode --ab-arg=off")
     parser.add_argument("--stage-arg", action="append", default=[],
                         help="extra argument for every stage process (repeatable)")
     args = parser.parse_args()
@@ -293,12 +297,24 @@ def main() -> None:
     pinned_ones: list[ChainCost] = []
     pinned_twos: list[ChainCost] = []
     every_cpu = os.sched_getaffinity(0)
-    with chain(str(path), ["0:16"], flags) as (one, one_stages), \
-            chain(str(path), ["0:8", "8:16"], flags) as (two, two_stages):
+    ab_ones: list[ChainCost] = []
+    ab_twos: list[ChainCost] = []
+    ab = " ".join(args.ab_arg)
+    with ExitStack() as stack:
+        one, one_stages = stack.enter_context(chain(str(path), ["0:16"], flags))
+        two, two_stages = stack.enter_context(chain(str(path), ["0:8", "8:16"], flags))
+        if ab:
+            ab_one, ab_one_stages = stack.enter_context(chain(str(path), ["0:16"], [*flags, *args.ab_arg]))
+            ab_two, ab_two_stages = stack.enter_context(chain(str(path), ["0:8", "8:16"], [*flags, *args.ab_arg]))
         for _ in range(args.rounds):  # interleaved: machine noise hits every layout alike
             locals_.append(in_process(path, prompt, args.steps))
             ones.append(trio.run(_measure, one, one_stages, prompt, args.steps))
             twos.append(trio.run(_measure, two, two_stages, prompt, args.steps))
+            if ab:
+                ab_ones.append(trio.run(_measure, ab_one, ab_one_stages, prompt, args.steps))
+                ab_twos.append(trio.run(_measure, ab_two, ab_two_stages, prompt, args.steps))
+                print(f"round, with {ab}: 1 stage {ab_ones[-1].wall_us / 1e3:.2f}, 2 stages "
+                      f"{ab_twos[-1].wall_us / 1e3:.2f} ms/token", flush=True)
             if args.pin:
                 pinned_ones.append(trio.run(_measure, one, one_stages, prompt, args.steps, True))
                 pinned_twos.append(trio.run(_measure, two, two_stages, prompt, args.steps, True))
@@ -316,6 +332,8 @@ def main() -> None:
     print(f"in process, decode per token: whole {whole_cpu:.0f} us CPU ({whole_wall:.0f} wall), "
           f"two contexts {split_cpu:.0f} us CPU ({split_wall:.0f} wall): split {split_cpu - whole_cpu:+.0f} us CPU")
     _report("", ones, twos)
+    if ab:
+        _report(f"with {ab}: ", ab_ones, ab_twos)
     if args.pin:
         _report("pinned (runtime threads on CPU 0, everything else on CPU 1) ", pinned_ones, pinned_twos)
 
@@ -330,6 +348,12 @@ def _report(label: str, ones: list[ChainCost], twos: list[ChainCost]) -> None:
     for field in FIELDS[:9]:
         print(f"  {field}: {_total(one_cost, field):.0f} -> {_total(two_cost, field):.0f} us "
               f"({_total(two_cost, field) - _total(one_cost, field):+.0f})")
+    one_all = _total(one_cost, "runtime_thread_cpu") + _total(one_cost, "other_threads_cpu")
+    two_all = _total(two_cost, "runtime_thread_cpu") + _total(two_cost, "other_threads_cpu")
+    one_out, two_out = one_all - _total(one_cost, "job_cpu"), two_all - _total(two_cost, "job_cpu")
+    print(f"  stage processes' CPU, all threads: {one_all:.0f} -> {two_all:.0f} us ({two_all - one_all:+.0f}); "
+          f"outside the runtime job (trio, hand-offs, write-through): {one_out:.0f} -> {two_out:.0f} us "
+          f"({two_out - one_out:+.0f})")
     print(f"  client CPU: {one_cost.client_cpu_us:.0f} -> {two_cost.client_cpu_us:.0f} us "
           f"({two_cost.client_cpu_us - one_cost.client_cpu_us:+.0f})")
 

@@ -47,10 +47,11 @@ async def _generate(address: object, prompts: list[list[int]]) -> list[list[int]
                 for index, prompt in enumerate(prompts)]
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-async def test_f32_chain_matches_the_unsplit_model(stages: int, tiny_llama: Path, tmp_path: Path,
+@pytest.mark.parametrize(("stages", "inline_decode"), [(1, "on"), (2, "on"), (3, "on"), (4, "on"), (2, "off"), (4, "off")])
+async def test_f32_chain_matches_the_unsplit_model(stages: int, inline_decode: str, tiny_llama: Path, tmp_path: Path,
                                                    reference: list[list[int]]) -> None:
-    async with stage_chain(str(tiny_llama), SPLITS[stages], tmp_path, FLAGS) as chain:
+    flags = [*FLAGS, "--inline-decode", inline_decode]  # decodes on the trio thread, or all on the runtime thread
+    async with stage_chain(str(tiny_llama), SPLITS[stages], tmp_path, flags) as chain:
         tokens = await _generate(chain[0].address, PROMPTS)
     assert tokens == reference
 

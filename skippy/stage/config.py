@@ -65,6 +65,7 @@ class StageConfig:
     wire_mbps: float = 0.0
     write_through: bool = True
     inline_hand_offs: bool = True
+    inline_decode: bool = True
     stats_file: Path | None = None
     drain_timeout: float = 2.0
     exit_on_stdin_eof: bool = False
@@ -179,6 +180,9 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                       "compute ends; off: the trio side writes it (bench/RESULTS-stage.md has both figures)"),
     "inline_hand_offs": (_bool, "on: a lane task does an idle next task's step itself instead of waking it; "
                          "off: every message takes every hop (bench/RESULTS-stage.md has both figures)"),
+    "inline_decode": (_bool, "on: a lone decode row on a stage with one lane open is computed on the trio thread, "
+                      "without the runtime thread's hand-off; off: always on the runtime thread "
+                      "(bench/RESULTS-stage.md has both figures)"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
     "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),
     "exit_on_stdin_eof": (_bool, "on: drain and exit (as on SIGTERM) when standard input reaches end of file; "

@@ -11,8 +11,15 @@ default) and runs, in one trip to the worker thread:
   order.
 
 Native calls run on the stage's :class:`~skippy.stage.worker.RuntimeThread` (cffi releases the
-GIL; one dedicated thread is cheaper per call than ``trio.to_thread``), never on the trio thread;
-the null runtime, which never blocks, runs inline.  A job's requester that is cancelled simply
+GIL; one dedicated thread is cheaper per call than ``trio.to_thread``); the null runtime, which
+never blocks, runs inline.  *Inline decode* (``inline_decode``, on by default): a lone decode row
+while the stage has exactly one lane open runs on the trio thread itself.  Nothing else can need
+that thread during the compute (the lane's next message waits on this row's reply, and there is
+no other lane), and the hand-off it saves is on every token's critical path: the queue put that
+wakes the runtime thread, the GIL passing back and forth, the completion's wake-up fd and run-loop
+pass -- 0.2-0.3 ms of CPU per stage per token on the 2-core bench host
+(``bench/RESULTS-stage.md``, "Per-boundary cost with real compute").  Prefill chunks, verify
+windows, control calls and every job once a second lane is open still go to the runtime thread.  A job's requester that is cancelled simply
 stops waiting: the job still runs, so the runtime and the session table stay consistent.  Each
 connection has at most one job queued at a time, so per-session order is the submission order.
 
@@ -66,10 +73,12 @@ class Scheduler:
         batch_window: seconds to wait for more decode rows once one is ready (0 = none).
     """
 
-    def __init__(self, executor: Executor, stats: StageStats, *, batch_window: float = 0.0) -> None:
+    def __init__(self, executor: Executor, stats: StageStats, *, batch_window: float = 0.0,
+                 inline_decode: bool = True) -> None:
         self.executor = executor
         self.stats = stats
         self.batch_window = batch_window
+        self.inline_decode = inline_decode
         self._send, self._receive = trio.open_memory_channel[_Job[Any]](math.inf)
         #: The runtime is running a batch (the scheduler's or a caller's fast-path job).
         self._busy = False
@@ -177,7 +186,7 @@ class Scheduler:
             started = time.perf_counter_ns()
             for job in jobs:
                 job.wait_us = (started - job.submitted_ns) // 1000
-            if self.executor.blocking:
+            if self.executor.blocking and not self._runs_inline(jobs):
                 decode_batches, native = await self._thread.run_sync(lambda: self._run_jobs(jobs))
             else:
                 decode_batches, native = self._run_jobs(jobs)
@@ -191,6 +200,13 @@ class Scheduler:
             self.stats.observe_decode_batch(size)
         for job in jobs:
             self._account(job)
+
+    def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
+        """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
+        if not self.inline_decode or len(jobs) != 1 or self.stats.connections_open != 1:
+            return False
+        item = jobs[0].item
+        return item is not None and item.batchable
 
     def _account(self, job: _Job[Any]) -> None:
         result = job.result

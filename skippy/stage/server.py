@@ -97,7 +97,8 @@ class StageServer:
         self.config = config
         self.executor = executor
         self.stats = StageStats()
-        self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0)
+        self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0,
+                                   inline_decode=config.inline_decode)
         self.settings = LaneSettings(
             width=executor.n_embd, is_last=executor.is_last, downstream=config.downstream,
             wire_dtype=config.wire_dtype, credit_limit=config.credit_limit,
