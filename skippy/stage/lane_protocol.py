@@ -186,9 +186,10 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
         refusal="direct prediction return (PredictionReturnOpen) is not supported by this stage"),
 }
 
-#: (kind, phase, flags) headers already checked and accepted, shared by every lane (the per-token
-#: path: one set lookup, plain ints as the key: an IntEnum hashes through Python code).
-_ACCEPTED_HEADERS: dict[tuple[int, int, int], KindRule] = {}
+#: (kind, phase, flags) headers already checked and accepted, with their kind and rule, shared by
+#: every lane (the per-token path: one dict lookup, plain ints as the key: an IntEnum hashes
+#: through Python code).
+_ACCEPTED_HEADERS: dict[tuple[int, int, int], tuple[MessageKind, KindRule]] = {}
 #: Bound on that cache: a peer could vary the flag bits at will.
 _ACCEPTED_HEADERS_LIMIT: Final = 256
 
@@ -284,10 +285,10 @@ def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule]:
     """
     state = message.state
     header = (int(message.kind), int(state.phase), int(state.flags))
-    rule = _ACCEPTED_HEADERS.get(header)
-    kind = message.kind if type(message.kind) is MessageKind else MessageKind(message.kind)
-    if rule is not None:  # the per-token path
-        return kind, rule
+    accepted = _ACCEPTED_HEADERS.get(header)
+    if accepted is not None:  # the per-token path
+        return accepted
+    kind = MessageKind(message.kind)
     rule = RULES[kind]
     if rule.handling is Handling.REFUSE:
         raise UnsupportedKind(f"{kind.reference_name} refused: {rule.refusal}")
@@ -297,7 +298,7 @@ def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule]:
             f"(phase {state.phase}, flags {state.flags:#x})"
         )
     if len(_ACCEPTED_HEADERS) < _ACCEPTED_HEADERS_LIMIT:
-        _ACCEPTED_HEADERS[header] = rule
+        _ACCEPTED_HEADERS[header] = kind, rule
     return kind, rule
 
 
@@ -346,15 +347,20 @@ class LaneProtocol:
         Raises:
             UnsupportedKind / InvalidMessage: the message is refused (the lane closes).
         """
-        self.extensions.observe(message)
-        kind, rule = rule_for(message)
+        extensions = self.extensions
+        if not extensions.enabled:
+            extensions.observe(message)
+        state = message.state
+        accepted = _ACCEPTED_HEADERS.get((int(message.kind), int(state.phase), int(state.flags)))
+        kind, rule = rule_for(message) if accepted is None else accepted
         ticket = None
         if rule.answer is not Answer.NONE:
             ticket = Ticket(kind)
             self._tickets.append(ticket)
             self.inflight += 1
-        align_to = message.pos_start if rule.auto_align and message.pos_start >= 0 else None
-        return Dispatch(message, kind, rule, ticket, rule.early_ack, align_to)
+        position = message.pos_start
+        return Dispatch(message, kind, rule, ticket, rule.early_ack,
+                        position if rule.auto_align and position >= 0 else None)
 
     def computed(self, dispatch: Dispatch, *, has_downstream: bool, local_hit: bool = False,
                  forwarded: bool = True) -> SendDownstream | ReplyUpstream | None:
