@@ -10,7 +10,9 @@
 #   few shared pieces (attention, dense FFN, mixture of experts) with per-family switches
 #   (biases, fused q/k/v, q/k norms, post-norms, attention sinks, shared experts, ...),
 # - extra shape rules (`rules`), e.g. "n_head * head_dim must equal n_embd" where the loader
-#   shapes attention as n_embd x n_embd.
+#   shapes attention as n_embd x n_embd,
+# - and the rare extras: keys computed from several fields (`derived_keys`, deepseek2's MLA key
+#   width) and a LayerNorm bias on the final norm (`output_norm_bias`, starcoder2).
 # The shapes are numpy (row-major) order: the last axis is the input width (fan_in) and the one
 # Q8_0 blocks run along; ggml's `ne` is the reverse. 3-D expert tensors are (n_expert, out, in).
 # Names and keys are the strings of llama.cpp's src/llama-arch.cpp (tests check them against the
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, final
 
 from gguf import GGUFValueType
 
@@ -48,6 +50,7 @@ __all__ = [
 TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink"]
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class TensorDecl:
     """One tensor of a model as its family declares it.
@@ -65,6 +68,7 @@ class TensorDecl:
     quantized: bool
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class OptionalKey:
     """A GGUF hparam key written from one optional `ModelSpec` field when that field is set."""
@@ -115,6 +119,7 @@ _YARN: Final = frozenset({"rope_scaling", "rope_scaling_factor", "rope_orig_ctx"
 Rule = Callable[["ModelSpec"], "str | None"]
 
 
+@final
 @dataclass(frozen=True, slots=True)
 class Family:
     """How one llama.cpp architecture's files look.
