@@ -281,6 +281,9 @@ def main() -> None:
     parser.add_argument("--ab-arg", action="append", default=[],
                         help="also measure both chains with this extra stage argument (repeatable; A/B in "
                              "the same rounds), e.g. --ab-arg=--inline-decode --ab-arg=off")
+    parser.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="also measure both chains with this variable in the stages' environment "
+                             "(repeatable; with --ab-arg, the B chains get both)")
     parser.add_argument("--stage-arg", action="append", default=[],
                         help="extra argument for every stage process (repeatable)")
     args = parser.parse_args()
@@ -299,13 +302,15 @@ def main() -> None:
     every_cpu = os.sched_getaffinity(0)
     ab_ones: list[ChainCost] = []
     ab_twos: list[ChainCost] = []
-    ab = " ".join(args.ab_arg)
+    ab_env = dict(item.split("=", 1) for item in args.ab_env)
+    ab = " ".join([*args.ab_arg, *args.ab_env])
     with ExitStack() as stack:
         one, one_stages = stack.enter_context(chain(str(path), ["0:16"], flags))
         two, two_stages = stack.enter_context(chain(str(path), ["0:8", "8:16"], flags))
         if ab:
-            ab_one, ab_one_stages = stack.enter_context(chain(str(path), ["0:16"], [*flags, *args.ab_arg]))
-            ab_two, ab_two_stages = stack.enter_context(chain(str(path), ["0:8", "8:16"], [*flags, *args.ab_arg]))
+            ab_one, ab_one_stages = stack.enter_context(chain(str(path), ["0:16"], [*flags, *args.ab_arg], ab_env))
+            ab_two, ab_two_stages = stack.enter_context(chain(str(path), ["0:8", "8:16"], [*flags, *args.ab_arg],
+                                                              ab_env))
         for _ in range(args.rounds):  # interleaved: machine noise hits every layout alike
             locals_.append(in_process(path, prompt, args.steps))
             ones.append(trio.run(_measure, one, one_stages, prompt, args.steps))
