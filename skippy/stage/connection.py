@@ -7,7 +7,8 @@ out the actions it returns.  Every message takes the same steps:
 
 1. **receive** (``receive_messages``): read and decode a frame, ``message_received`` → a
    :class:`~skippy.stage.lane_protocol.Dispatch` (or a typed refusal, which closes the lane);
-   an early ACK is replied at once.  The dispatch is queued to the compute task.
+   an early ACK is replied at once.  The dispatch is queued to the compute task.  Reading pauses
+   while ``REPLY_QUEUE`` replies wait to be written (an upstream that does not read its replies).
 2. **handle** (``compute_messages`` → ``_handle``): the stage's own part, by the rule's handling
    (the scheduler executes, trims, configures, releases; :mod:`skippy.stage.prefix_control`
    serves prefix control), then ``computed`` → forward downstream, reply upstream, or nothing.
@@ -38,8 +39,8 @@ on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways an
   its reply) is written by the runtime thread the moment its compute ends.
 
 Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
-log line naming the reason (a bug, i.e. anything that is not a
-:class:`~skippy.stage.errors.StageError`, with its traceback), sessions it opened are released,
+log line naming the reason (a bug, i.e. anything that is not a typed refusal of
+:mod:`skippy.stage.errors`, also with its traceback), sessions it opened are released,
 and its downstream lane is closed, which cascades the close down the chain.  The stage and its
 other lanes carry on.
 
