@@ -209,6 +209,15 @@ EXPECTED_BLOCK: dict[str, Callable[[ModelSpec, int], Shapes]] = {
         "ffn_norm.weight": (s.n_embd,),
         "exp_probs_b.bias": (s.n_expert,),
     },
+    "ernie4_5-moe": lambda s, i: _attn(s) | (
+        _ffn(s) if i < s.n_dense_lead else _experts(s) | {
+            "ffn_norm.weight": (s.n_embd,),
+            "exp_probs_b.bias": (s.n_expert,),
+            "ffn_gate_shexp.weight": (s.n_embd, s.n_ff_shexp),
+            "ffn_up_shexp.weight": (s.n_embd, s.n_ff_shexp),
+            "ffn_down_shexp.weight": (s.n_ff_shexp, s.n_embd),
+        }
+    ),
     "dots1": lambda s, i: _attn(s) | _qk_norm(s) | (
         _ffn(s) if i < s.n_dense_lead else _experts(s) | {
             "ffn_norm.weight": (s.n_embd,),
@@ -283,6 +292,11 @@ EXPECTED_KEYS: dict[str, dict[str, object]] = {
     "minimax-m2": {
         "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
         "expert_gating_func": 2, "rope.dimension_count": 16,
+    },
+    "ernie4_5-moe": {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "interleave_moe_layer_step": 1, "leading_dense_block_count": 1,
+        "expert_shared_feed_forward_length": 64,
     },
     "dots1": {
         "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
@@ -457,6 +471,7 @@ def test_lower_precision_experts_round_the_same_weights() -> None:
         ("llama4", {"n_moe_layer_step": 0}, "needs n_moe_layer_step"),
         ("minimax-m2", {"n_ff": 64}, "n_ff_exp == n_ff"),
         ("dots1", {"n_head_kv": 2}, "n_head_kv == n_head"),
+        ("ernie4_5-moe", {"n_moe_layer_step": 2}, "n_moe_layer_step == 1"),
     ],
 )
 def test_family_rules_refuse_what_the_loader_would(

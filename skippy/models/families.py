@@ -280,13 +280,14 @@ def _moe_ffn(
     router_bias: bool = False,
     expert_bias: bool = False,
     selection_bias: bool = False,
-    shared: Literal["none", "gated", "plain"] = "none",
+    shared: Literal["none", "gated", "plain", "own"] = "none",
     expert_width: int = 0,
 ) -> list[TensorDecl]:
     """The mixture-of-experts feed-forward: [ffn_norm], router ffn_gate_inp (F32) [+bias],
     [exp_probs_b selection bias], merged 3-D gate/up/down experts [+2-D biases], then the
-    shared expert: "gated" (qwen2moe: a sigmoid gate vector plus its own width n_ff_shexp) or
-    "plain" (glm4moe/deepseek2: n_expert_shared * n_ff_exp wide). ``expert_width`` replaces
+    shared expert: "gated" (qwen2moe: a sigmoid gate vector plus its own width n_ff_shexp),
+    "plain" (glm4moe/deepseek2: n_expert_shared * n_ff_exp wide) or "own" (ernie4_5-moe: its
+    own width n_ff_shexp, no gate). ``expert_width`` replaces
     n_ff_exp where the loader sizes experts by feed_forward_length (olmoe)."""
     n_exp, n_ff_exp, n_embd = spec.n_expert, expert_width or spec.n_ff_exp, spec.n_embd
     out: list[TensorDecl] = []
@@ -310,6 +311,8 @@ def _moe_ffn(
         out.append(TensorDecl(_blk(layer, "ffn_gate_inp_shexp"), (n_embd,), "vector", False))
     elif shared == "plain":
         width = spec.n_expert_shared * n_ff_exp
+    elif shared == "own" and spec.n_ff_shexp:
+        width = spec.n_ff_shexp
     else:
         return out
     out.append(_matrix(layer, "ffn_gate_shexp", width, n_embd))
@@ -542,6 +545,23 @@ def _dots1(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return attention + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
+def _ernie4_5_moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # ERNIE-4.5-MoE (21B-A3B): llama attention; after n_dense_lead dense blocks, softmax experts
+    # with a selection bias and (optionally) a shared expert of width n_ff_shexp.
+    attention = _attention(spec, layer)
+    if layer < spec.n_dense_lead:
+        return attention + _dense_ffn(spec, layer)
+    return attention + _moe_ffn(spec, layer, selection_bias=True, shared="own")
+
+
+def _every_block_after_the_lead_is_moe(spec: "ModelSpec") -> str | None:
+    # The loader creates experts for every block from n_dense_lead on, the graph only for every
+    # n_moe_layer_step-th: they agree (and real checkpoints are) at step 1.
+    if spec.n_moe_layer_step != 1:
+        return f"{spec.arch} needs n_moe_layer_step == 1"
+    return None
+
+
 def _expert_width_is_n_ff(spec: "ModelSpec") -> str | None:
     if spec.n_ff_exp != spec.n_ff:
         return f"{spec.arch} sizes its experts by n_ff: needs n_ff_exp == n_ff"
@@ -697,6 +717,14 @@ FAMILIES: Final[dict[str, Family]] = {
             rules=(_mha, _experts, _dense_lead_below_n_layer),
             summary="dots.llm1: per-head q/k norms, MHA, leading dense blocks, sigmoid experts "
             "with a selection bias and shared experts",
+        ),
+        Family(
+            "ernie4_5-moe", _BOTH, _ernie4_5_moe,
+            requires=_MOE | {"n_moe_layer_step"},
+            permits=frozenset({"n_ff_shexp", "n_dense_lead"}),
+            rules=(_experts, _dense_lead_below_n_layer, _every_block_after_the_lead_is_moe),
+            summary="ERNIE-4.5-MoE (21B-A3B): a leading dense block, softmax experts with a "
+            "selection bias and a shared expert",
         ),
     )
 }

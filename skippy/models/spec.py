@@ -66,6 +66,7 @@ Architecture = Literal[
     "llama4",
     "minimax-m2",
     "dots1",
+    "ernie4_5-moe",
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -378,7 +379,7 @@ def _tiny_deepseek2(n_embd: int) -> dict[str, Any]:
 _DECOUPLED_HEADS: Final = frozenset(
     {
         "qwen3", "gemma3", "mistral3", "qwen3moe", "gpt-oss", "glm4moe", "ernie4_5", "seed_oss",
-        "minimax-m2",
+        "minimax-m2", "ernie4_5-moe",
     }
 )
 
@@ -441,6 +442,9 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "dots1": lambda n: {
         **_tiny_moe(n), "n_head_kv": 4, "n_dense_lead": 1, "n_expert_shared": 1,
         "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+    "ernie4_5-moe": lambda n: {
+        **_tiny_moe(n), "n_moe_layer_step": 1, "n_dense_lead": 1, "n_ff_shexp": n,
     },
 }
 
