@@ -72,10 +72,17 @@ VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
 
 ARCHITECTURES: Final = frozenset(get_args(Architecture))
-#: The architectures issue 11 adds to llama/qwen2/qwen3, in declaration order.
-NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(Architecture)[3:15]
+#: The architectures issue 11 adds to llama/qwen2/qwen3.
+NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "granite", "glm4",
+    "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
+)
 #: Further families with writers, beyond issue 11's list.
-EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(Architecture)[15:]
+EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "gemma", "olmoe", "smollm3", "exaone4", "ernie4_5", "starcoder2", "cohere2", "seed_oss",
+    "llama4", "minimax-m2", "dots1", "ernie4_5-moe",
+)
+assert ARCHITECTURES == {"llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES}
 VOCABS: Final = frozenset(get_args(VocabName))
 WEIGHT_DTYPES: Final = frozenset(get_args(WeightDtype))
 
