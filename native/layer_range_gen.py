@@ -7,7 +7,8 @@ remains per architecture is always the same three edits to its graph builder in
 
 1. the layer loop ``for (int il = 0; il < n_layer; ++il)`` runs ``il_start .. il_end``;
 2. the "last layer" test ``il == n_layer - 1`` (where the output rows are selected) becomes
-   ``il == il_end - 1``;
+   ``il == il_end - 1``, and tests for the output ids where it did not (a stage that is not the
+   last keeps every row and has none);
 3. right after the layer loop, a stage that is not the last publishes the pre-norm hidden state
    (``inpL``, which every such loop ends by assigning) and stops building the graph.
 
@@ -60,17 +61,18 @@ SPLIT: tuple[str, ...] = (
     "llama", "qwen2", "qwen3",
     "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "granite", "glm4",
     "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
+    "gemma", "olmoe", "smollm3", "exaone4", "ernie4_5", "starcoder2", "cohere2", "seed_oss",
 )
 
 #: Extra literal edits per architecture name: (old, new, expected count).
-ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {
-    # the sqrt(n_embd) input scale belongs to token input only (on the first stage)
-    "gemma2": [(
-        "inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd));",
-        "inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
-        1,
-    )],
-}
+ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
+
+#: Generic edit: the gemma families' sqrt(n_embd) input scale belongs to token input only, so it
+#: is applied once, on the first stage (a later stage's input is already scaled hidden state).
+INPUT_SCALE = (
+    "inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd));",
+    "inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
+)
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -84,8 +86,8 @@ LINT = {
     "ubatch.embd": re.compile(r"\bubatch\.embd\b"),
 }
 REVIEWED: dict[str, dict[str, str]] = {
-    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only"},
-    "gemma2": {"ubatch.token": "the input-scale edit above"},
+    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only",
+               "input op": "the same scale"},
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
@@ -238,22 +240,30 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
         body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
     )
     new_body = new_body.replace(LAST, LAST_NEW)
+    # a row selection that does not test for the output ids (a stage that is not the last has none)
+    new_body = new_body.replace(f"if ({LAST_NEW}) {{", f"if ({LAST_NEW} && inp_out_ids) {{")
+    findings: list[str] = []
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
+    new_body = new_body.replace(INPUT_SCALE[0], INPUT_SCALE[1])
     for old, new, count in ARCH_EDITS.get(arch.name, []):
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
     # lint what is left in the graph body
-    findings = []
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
-    scan = scan.replace("build_inp_embd(model.tok_embd)", "")
+    scan = scan.replace("build_inp_embd(model.tok_embd)", "").replace(INPUT_SCALE[1], "")
+    # anything else done to the input between the embedding and the layer loop runs on every stage
+    prelude = new_body[: new_body.index(LOOP_NEW)].replace("inpL = build_inp_embd(model.tok_embd);", "")
+    prelude = prelude.replace(INPUT_SCALE[1], "")
+    if re.search(r"\binpL\s*=", prelude) and "input op" not in REVIEWED.get(arch.name, {}):
+        findings.append("transforms the input before the layer loop (it would run on every stage)")
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(arch.name, {}):
-            findings.append(label)
+            findings.append(f"uses {label} outside the layer loop")
     if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
-        findings.append("ubatch.embd guard")
+        findings.append("guards on embedding input")
     return text[:start] + new_body + text[end:], findings
 
 
@@ -298,7 +308,7 @@ def classify(src: Path, archs: list[Arch]) -> None:
                 arch.reason = f"graph does not follow the standard layer loop ({exc})"
                 continue
             if findings:
-                arch.reason = "needs review: the graph uses " + ", ".join(findings) + " beyond the layer loop"
+                arch.reason = "needs review: the graph " + "; ".join(findings)
                 continue
             if arch.name in SPLIT:
                 arch.status = "splits"
