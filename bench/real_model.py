@@ -1,6 +1,6 @@
 """The real Gemma 3 270M Q4_K_M unsplit: skippy against stock llama.cpp, measured in one run.
 
-Run: ``.venv/bin/python bench/real_model.py [--rounds N] [--steps 64] [--no-prefill] [--model M.gguf]``.
+Run: ``.venv/bin/python bench/real_model.py [--rounds 7] [--steps 64] [--reps 1] [--no-prefill] [--model M.gguf]``.
 
 Strategy: three ways of running the same file with one compute thread are measured in
 interleaved rounds (each round runs every variant once, so the shared machine's load drifts hit
@@ -16,7 +16,16 @@ them alike), and the medians and the per-round ratios are printed:
   work, so it is timed).
 * **stage**: one ``python -m skippy.stage`` process holding all 18 layers (started as
   ``bench/stage_chain.py`` starts its chains), driven over loopback TCP by ``StageClient``:
-  configure, a 1-token prefill, 64 decodes, stop.
+  configure, a 1-token prefill, 64 decodes, stop.  Twice: with the defaults (prefix cache on:
+  earlier rounds' prompts stay resident in the KV cells, as they would in service) and with
+  ``--prefix-cache off`` (every cell free between requests, as in llama-bench).
+
+Every figure comes twice: wall tokens/s (what the targets are stated in) and CPU seconds per token
+(llama-bench: its process's CPU minus that of a run decoding one token per repetition, so loading
+and warm-up cancel; in-process: the calling thread's CPU, where llama.cpp computes with one
+thread; stage: this client plus every thread of the stage process).  On this shared 2-core host
+the wall figures swing with the neighbours' load even interleaved; CPU per token is the steady
+one, and on a quiet host the two agree.
 
 Prefill: 512 random tokens (a fresh prompt every round, so the stage's prefix cache never hits),
 one 512-row batch everywhere (llama-bench's default n_ubatch is 512).  Targets (issue 11):
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import subprocess
 import sys
@@ -42,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from peer_build import build_peer  # noqa: E402
-from stage_chain import chain  # noqa: E402
+from stage_chain import PROCESSES, chain, cpu_seconds  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
 from skippy.stage.config import Address  # noqa: E402
@@ -63,15 +73,38 @@ def model_path(given: str | None) -> Path:
 
 
 # -- stock llama.cpp -----------------------------------------------------------------------------
-def stock_tokens_per_second(bench: Path, model: Path, *, n_prompt: int, n_gen: int, reps: int) -> float:
-    """Median tokens/s of llama-bench's samples for one test (decode when ``n_gen``, else prefill)."""
+def stock_run(bench: Path, model: Path, *, n_prompt: int, n_gen: int, reps: int) -> tuple[float, float]:
+    """(median tokens/s of llama-bench's samples for one test, CPU seconds of the whole process)."""
     command = [str(bench), "-m", str(model), "-t", "1", "-fa", "0", "-ngl", "0", "-r", str(reps),
                "-p", str(n_prompt), "-n", str(n_gen), "-o", "json"]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(command, capture_output=True, text=True)
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
     if result.returncode != 0:
         raise RuntimeError(f"llama-bench failed ({result.returncode}):\n{result.stderr[-3000:]}")
     tests = json.loads(result.stdout)
-    return float(statistics.median(tests[0]["samples_ts"]))
+    cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    return float(statistics.median(tests[0]["samples_ts"])), cpu
+
+
+class Stock:
+    """Stock llama-bench; CPU per token from two runs that differ only in the tokens timed."""
+
+    def __init__(self, bench: Path, model: Path, reps: int) -> None:
+        self.bench, self.model, self.reps = bench, model, reps
+
+    def baseline_cpu(self) -> float:
+        """CPU of a run that loads, warms up and decodes one token per repetition."""
+        return stock_run(self.bench, self.model, n_prompt=0, n_gen=1, reps=self.reps)[1]
+
+    def decode(self, steps: int, baseline: float) -> tuple[float, float]:
+        rate, cpu = stock_run(self.bench, self.model, n_prompt=0, n_gen=steps, reps=self.reps)
+        return rate, (cpu - baseline) / ((steps - 1) * self.reps)
+
+    def prefill(self, n_prompt: int, baseline: float, decode_cpu: float) -> tuple[float, float]:
+        """Its warm-up is a whole prompt run, and it decodes none of the baseline's 1 + reps tokens."""
+        rate, cpu = stock_run(self.bench, self.model, n_prompt=n_prompt, n_gen=0, reps=self.reps)
+        return rate, (cpu - baseline + (1 + self.reps) * decode_cpu) / (n_prompt * (1 + self.reps))
 
 
 # -- skippy in-process ---------------------------------------------------------------------------
@@ -88,30 +121,31 @@ class InProcess:
         self.sampler = Sampler(GREEDY, self.model.n_vocab)
         self.bos = int(_bos(self.model))
 
-    def decode_tokens_per_second(self, steps: int) -> float:
+    def decode(self, steps: int) -> tuple[float, float]:
+        """(tokens/s, CPU seconds per token) of ``steps`` decodes after a 1-token prompt."""
         ctx, samplers = self.ctx, [self.sampler]
         seq = ctx.open_session()
         try:
             ctx.decode(tokens=[self.bos], positions=[0], seq_ids=[seq])
             token = int(ctx.sample(samplers, [0])[0])
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             for position in range(1, steps + 1):
                 ctx.decode(tokens=[token], positions=[position], seq_ids=[seq])
                 token = int(ctx.sample(samplers, [0])[0])
-            return steps / (time.perf_counter() - started)
+            return steps / (time.perf_counter() - started), (time.thread_time() - cpu_started) / steps
         finally:
             ctx.close_session(seq)
 
-    def prefill_tokens_per_second(self, prompt: Sequence[int]) -> float:
+    def prefill(self, prompt: Sequence[int]) -> tuple[float, float]:
         ctx = self.ctx
         seq = ctx.open_session()
         try:
             n = len(prompt)
-            started = time.perf_counter()
+            started, cpu_started = time.perf_counter(), time.thread_time()
             ctx.decode(tokens=np.asarray(prompt, dtype=np.int32), positions=np.arange(n, dtype=np.int32),
                        seq_ids=np.full(n, seq, dtype=np.int32))
             ctx.sample([self.sampler], [n - 1])
-            return n / (time.perf_counter() - started)
+            return n / (time.perf_counter() - started), (time.thread_time() - cpu_started) / n
         finally:
             ctx.close_session(seq)
 
@@ -128,51 +162,65 @@ def _bos(model: object) -> int:
 
 
 # -- skippy as one stage process -----------------------------------------------------------------
-async def stage_decode_tokens_per_second(address: Address, bos: int, steps: int) -> float:
+async def stage_decode(address: Address, bos: int, steps: int) -> tuple[float, float]:
+    """(tokens/s, CPU seconds per token of this client and the stage process)."""
+    pids = [process.pid for process in PROCESSES.get(address, [])]
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
         token = (await client.prefill(1, [bos], chunk_size=BATCH)).token
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         for position in range(1, steps + 1):
             token = (await client.decode(1, token, position)).predicted
-        rate = steps / (time.perf_counter() - started)
+        rate, cpu = steps / (time.perf_counter() - started), (cpu_seconds(pids) - cpu_started) / steps
         await client.stop(1)
-        return rate
+        return rate, cpu
     finally:
         await client.aclose()
 
 
-async def stage_prefill_tokens_per_second(address: Address, prompt: Sequence[int]) -> float:
+async def stage_prefill(address: Address, prompt: Sequence[int]) -> tuple[float, float]:
+    pids = [process.pid for process in PROCESSES.get(address, [])]
     client = await StageClient.connect(address)
     try:
         await client.configure(1, prompt_token_count=len(prompt))
-        started = time.perf_counter()
+        started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         await client.prefill(1, prompt, chunk_size=BATCH)
         rate = len(prompt) / (time.perf_counter() - started)
+        cpu = (cpu_seconds(pids) - cpu_started) / len(prompt)
         await client.stop(1)
-        return rate
+        return rate, cpu
     finally:
         await client.aclose()
 
 
 # -- the run -------------------------------------------------------------------------------------
-def _summary(name: str, rates: list[float], reference: list[float] | None) -> str:
-    line = f"  {name:<22} {statistics.median(rates):7.2f} tok/s"
+Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
+
+
+def _summary(name: str, samples: list[Sample], reference: list[Sample] | None, target: str = "") -> str:
+    rates = [rate for rate, _ in samples]
+    cpus = [cpu for _, cpu in samples]
+    line = f"  {name:<24} {statistics.median(rates):7.2f} tok/s, {statistics.median(cpus) * 1e3:6.2f} ms CPU/token"
     if reference is not None:
-        ratios = [100 * r / s for r, s in zip(rates, reference)]
-        line += (f"  = {100 * statistics.median(rates) / statistics.median(reference):5.1f}% of stock"
-                 f" (median of per-round ratios {statistics.median(ratios):5.1f}%;"
-                 f" rounds {', '.join(f'{x:.1f}' for x in ratios)})")
+        ref_rates = [rate for rate, _ in reference]
+        ref_cpus = [cpu for _, cpu in reference]
+        wall = [100 * r / s for r, s in zip(rates, ref_rates)]
+        cpu = [100 * s / c for c, s in zip(cpus, ref_cpus)]
+        line += (f"\n      wall: {100 * statistics.median(rates) / statistics.median(ref_rates):5.1f}% of stock"
+                 f" (median of per-round ratios {statistics.median(wall):5.1f}%: {', '.join(f'{x:.0f}' for x in wall)})"
+                 f"\n      CPU:  {100 * statistics.median(ref_cpus) / statistics.median(cpus):5.1f}% of stock's speed"
+                 f" (median of per-round ratios {statistics.median(cpu):5.1f}%: {', '.join(f'{x:.0f}' for x in cpu)})"
+                 f"{'  ' + target if target else ''}")
     return line
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", help="GGUF file (default: the real Gemma 3 270M from skippy[real-model])")
-    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=64, help="decode tokens per measurement")
-    parser.add_argument("--reps", type=int, default=2, help="llama-bench repetitions per round (median)")
+    parser.add_argument("--reps", type=int, default=1, help="llama-bench repetitions per round")
     parser.add_argument("--prompt", type=int, default=512, help="prefill tokens")
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--no-stage", action="store_true", help="skip the stage-process variant")
@@ -180,49 +228,53 @@ def main() -> None:
 
     path = model_path(args.model)
     peer = build_peer()
+    stock = Stock(peer.llama_bench, path, args.reps)
     inproc = InProcess(path)
     n_layer = inproc.model.n_layer
     print(f"model {path.name}: {inproc.model.architecture}, {n_layer} layers, n_embd {inproc.model.n_embd}, "
-          f"n_vocab {inproc.model.n_vocab}; 1 thread everywhere; {args.steps} decode tokens; "
-          f"{args.rounds} interleaved rounds", flush=True)
+          f"n_vocab {inproc.model.n_vocab}; KV {inproc.ctx.n_ctx} cells; 1 thread everywhere; "
+          f"{args.steps} decode tokens; {args.rounds} interleaved rounds", flush=True)
     rng = np.random.default_rng(1234)
-    rates: dict[str, list[float]] = {k: [] for k in
-                                     ("stock", "in-process", "stage", "stock-pp", "in-process-pp", "stage-pp")}
+    names = ("stock", "in-process", "stage", "stage-nocache", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
+    runs: dict[str, list[Sample]] = {name: [] for name in names}
     flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
     try:
-        with chain(str(path), [f"0:{n_layer}"], flags) as address:
+        with chain(str(path), [f"0:{n_layer}"], flags) as address, \
+                chain(str(path), [f"0:{n_layer}"], flags + ["--prefix-cache", "off"]) as bare:
+            trio.run(stage_decode, address, inproc.bos, 4)  # warm the stage's first-request paths
+            trio.run(stage_decode, bare, inproc.bos, 4)
             for round_index in range(args.rounds):
-                rates["stock"].append(stock_tokens_per_second(peer.llama_bench, path, n_prompt=0,
-                                                              n_gen=args.steps, reps=args.reps))
-                rates["in-process"].append(statistics.median(
-                    inproc.decode_tokens_per_second(args.steps) for _ in range(args.reps)))
+                baseline = stock.baseline_cpu()
+                runs["stock"].append(stock.decode(args.steps, baseline))
+                runs["in-process"].append(inproc.decode(args.steps))
                 if not args.no_stage:
-                    rates["stage"].append(statistics.median(
-                        trio.run(stage_decode_tokens_per_second, address, inproc.bos, args.steps)
-                        for _ in range(args.reps)))
+                    runs["stage"].append(trio.run(stage_decode, address, inproc.bos, args.steps))
+                    runs["stage-nocache"].append(trio.run(stage_decode, bare, inproc.bos, args.steps))
                 if not args.no_prefill:
                     prompt = [inproc.bos] + [int(t) for t in rng.integers(1000, inproc.model.n_vocab - 1000,
                                                                           args.prompt - 1)]
-                    rates["stock-pp"].append(stock_tokens_per_second(peer.llama_bench, path, n_prompt=args.prompt,
-                                                                     n_gen=0, reps=1))
-                    rates["in-process-pp"].append(inproc.prefill_tokens_per_second(prompt))
+                    runs["stock-pp"].append(stock.prefill(args.prompt, baseline, runs["stock"][-1][1]))
+                    runs["in-process-pp"].append(inproc.prefill(prompt))
                     if not args.no_stage:
-                        rates["stage-pp"].append(trio.run(stage_prefill_tokens_per_second, address, prompt))
-                print(f"round {round_index + 1}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in rates.items() if v),
-                      flush=True)
+                        runs["stage-pp"].append(trio.run(stage_prefill, address, prompt))
+                        runs["stage-nocache-pp"].append(trio.run(stage_prefill, bare, prompt))
+                print(f"round {round_index + 1}: " + ", ".join(
+                    f"{k} {v[-1][0]:.1f} tok/s {v[-1][1] * 1e3:.2f} ms" for k, v in runs.items() if v), flush=True)
     finally:
         inproc.close()
-    print(f"decode (tg{args.steps}), medians:")
-    print(_summary("stock llama-bench", rates["stock"], None))
-    print(_summary("skippy in-process", rates["in-process"], rates["stock"]) + "  (target >= 99%)")
-    if rates["stage"]:
-        print(_summary("skippy 1 stage process", rates["stage"], rates["stock"]) + "  (target >= 97%)")
-    if rates["stock-pp"]:
+    print(f"decode (tg{args.steps}), medians; CPU = seconds of CPU per token (stage: client + stage process):")
+    print(_summary("stock llama-bench", runs["stock"], None))
+    print(_summary("skippy in-process", runs["in-process"], runs["stock"], "(target >= 99%)"))
+    if runs["stage"]:
+        print(_summary("skippy 1 stage process", runs["stage"], runs["stock"], "(target >= 97%)"))
+        print(_summary("  same, prefix cache off", runs["stage-nocache"], runs["stock"], "(target >= 97%)"))
+    if runs["stock-pp"]:
         print(f"prefill (pp{args.prompt}), medians:")
-        print(_summary("stock llama-bench", rates["stock-pp"], None))
-        print(_summary("skippy in-process", rates["in-process-pp"], rates["stock-pp"]))
-        if rates["stage-pp"]:
-            print(_summary("skippy 1 stage process", rates["stage-pp"], rates["stock-pp"]))
+        print(_summary("stock llama-bench", runs["stock-pp"], None))
+        print(_summary("skippy in-process", runs["in-process-pp"], runs["stock-pp"]))
+        if runs["stage-pp"]:
+            print(_summary("skippy 1 stage process", runs["stage-pp"], runs["stock-pp"]))
+            print(_summary("  same, prefix cache off", runs["stage-nocache-pp"], runs["stock-pp"]))
 
 
 if __name__ == "__main__":
