@@ -229,13 +229,18 @@ def shortcuts_ab(repeat: int, quick: bool) -> None:
     with ExitStack() as stack:
         addresses = {(case[0], label): stack.enter_context(chain(case[1], case[2], [*case[3], *switches]))
                      for case in cases for label, switches in SHORTCUTS.items()}
-        for _ in range(repeat):  # interleaved rounds: machine noise hits every combination alike
+        labels = list(SHORTCUTS)
+        for round_ in range(repeat):  # interleaved rounds: machine noise hits every combination alike
+            # each round starts with the next combination: none always runs first (after the
+            # 16x1024 chains have flushed the caches) or last
+            order = labels[round_ % len(labels):] + labels[:round_ % len(labels)]
             for name, _model, _splits, _flags, steps in cases:
-                for label in SHORTCUTS:
+                for label in order:
                     cost = trio.run(decode_cost_per_token, addresses[name, label], prompt, steps)
                     results.setdefault((name, label), []).append(cost)
             for name, model, splits, steps in in_process:
-                for label, switches in SHORTCUTS.items():
+                for label in order:
+                    switches = SHORTCUTS[label]
                     settings = {"write_through": "--write-through" not in switches,
                                 "inline_hand_offs": "--inline-hand-offs" not in switches}
                     cost = trio.run(_in_process_cost, model, splits, settings, prompt, steps)
