@@ -9,6 +9,7 @@ from typing import Final
 #: Architectures whose layer ranges split exactly (tested).
 SPLIT_ARCHITECTURES: Final = frozenset({
     'llama',
+    'llama4',
     'qwen2',
     'qwen2moe',
     'qwen3',
@@ -26,17 +27,18 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'glm4moe',
     'exaone4',
     'granite',
+    'dots1',
     'ernie4_5',
     'smollm3',
     'gpt-oss',
     'seed_oss',
+    'minimax-m2',
     'mistral3',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
 REFUSED: Final[dict[str, str]] = {
     'clip': 'not a text model: a vision encoder llama.cpp only quantizes',
-    'llama4': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'deci': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'falcon': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'grok': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
@@ -122,7 +124,6 @@ REFUSED: Final[dict[str, str]] = {
     'bailingmoe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'bailingmoe2': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'bailingmoe3': 'recurrent state (SSM / linear attention): layer state is not a KV cache per layer',
-    'dots1': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'dots3note': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'arcee': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'afmoe': 'needs review: the graph transforms the input before the layer loop (it would run on every stage)',
@@ -143,7 +144,6 @@ REFUSED: Final[dict[str, str]] = {
     'apertus': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'minimax-01': 'recurrent state (SSM / linear attention): layer state is not a KV cache per layer',
     'hrm_text': 'graph does not follow the standard layer loop (expected one `for (int il = 0; il < n_layer; ++il)`, found 0)',
-    'minimax-m2': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'minimax-m3': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'cogvlm': 'graph does not follow the standard layer loop (no `il == n_layer - 1` (output-row selection) in the layer loop)',
     'rnd1': 'encoder or embedding model: no KV cache, no causal generation',
