@@ -152,8 +152,15 @@ def test_further_family_splits_exactly_or_is_refused(
     assert_split_is_exact(arch, dtype, tied, split)
 
 
+def fast_only(archs: list[str], fast: set[str]) -> list[object]:
+    """Parameters over ``archs``, all but ``fast`` marked slow (the fast suite keeps one of each
+    kind of check)."""
+    return [pytest.param(a, marks=() if a in fast else (pytest.mark.slow,)) for a in archs]
+
+
 @pytest.mark.parametrize(
-    "arch", [a for a in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES if tiny(a).sliding_window]
+    "arch",
+    fast_only([a for a in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES if tiny(a).sliding_window], {"gemma3"}),
 )
 def test_sliding_window_is_in_effect(arch: str) -> None:
     """Control: the same weights with a window longer than the prompt give the same logits for
@@ -192,10 +199,13 @@ def _chunked_run(path: Path, split: list[tuple[int, int]], chunk: int) -> list[n
 
 @pytest.mark.parametrize(
     "arch",
-    [
-        a for a in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES
-        if tiny(a).sliding_window and (a in NEW_ARCHITECTURES or a in SPLIT_ARCHITECTURES)
-    ],
+    fast_only(
+        [
+            a for a in NEW_ARCHITECTURES + EXTRA_ARCHITECTURES
+            if tiny(a).sliding_window and (a in NEW_ARCHITECTURES or a in SPLIT_ARCHITECTURES)
+        ],
+        {"gpt-oss", "cohere2"},
+    ),
 )
 def test_prefill_in_micro_batches_across_the_window_is_bitwise_equal(arch: str) -> None:
     """Micro-batches of 6 rows: the window (8) boundary falls inside the second one, so each
@@ -212,7 +222,9 @@ def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
 
-@pytest.mark.parametrize("arch", [a for a in NEW_ARCHITECTURES if tiny(a).n_expert])
+@pytest.mark.parametrize(
+    "arch", fast_only([a for a in NEW_ARCHITECTURES if tiny(a).n_expert], {"glm4moe"})
+)
 def test_router_spreads_the_prompt_over_experts(arch: str) -> None:
     """The MoE tests route to several experts.
 
