@@ -194,6 +194,82 @@ async def stage_prefill(address: Address, prompt: Sequence[int]) -> tuple[float,
         await client.aclose()
 
 
+# -- KV experiments (in-process A/Bs) -------------------------------------------------------------
+def _interleaved_decode(model: object, contexts: dict[str, object], steps: int, rounds: int) -> dict[str, list[float]]:
+    """Thread CPU seconds of every decode+sample, the contexts alternated token by token."""
+    from skippy.runtime import Sampler
+    from skippy.runtime.sampling import GREEDY
+
+    sampler = Sampler(GREEDY, model.n_vocab)  # type: ignore[attr-defined]
+    bos = _bos(model)
+    costs: dict[str, list[float]] = {name: [] for name in contexts}
+    last: dict[str, list[int]] = {name: [] for name in contexts}
+    try:
+        for _ in range(rounds):
+            state = {}
+            for name, ctx in contexts.items():
+                seq = ctx.open_session()  # type: ignore[attr-defined]
+                ctx.decode(tokens=[bos], positions=[0], seq_ids=[seq])  # type: ignore[attr-defined]
+                state[name] = (seq, int(ctx.sample([sampler], [0])[0]))  # type: ignore[attr-defined]
+            for position in range(1, steps + 1):
+                for name, ctx in contexts.items():
+                    seq, token = state[name]
+                    started = time.thread_time()
+                    ctx.decode(tokens=[token], positions=[position], seq_ids=[seq])  # type: ignore[attr-defined]
+                    token = int(ctx.sample([sampler], [0])[0])  # type: ignore[attr-defined]
+                    costs[name].append(time.thread_time() - started)
+                    state[name] = (seq, token)
+            for name, ctx in contexts.items():
+                last[name].append(state[name][1])
+                ctx.close_session(state[name][0])  # type: ignore[attr-defined]
+    finally:
+        sampler.close()
+    if len({tuple(tokens) for tokens in last.values()}) != 1:
+        raise AssertionError(f"the variants generated different tokens: {last}")
+    return costs
+
+
+def _report(costs: dict[str, list[float]]) -> None:
+    names = list(costs)
+    base = costs[names[0]]
+    for name in names:
+        ratio = statistics.median(b / c for b, c in zip(base, costs[name]))
+        print(f"  {name:<34} {statistics.median(costs[name]) * 1e3:6.2f} ms CPU/token; "
+              f"speed vs {names[0]}: {100 * ratio:5.1f}% (median of token-paired ratios)")
+
+
+def kv_experiments(path: Path, rounds: int, steps: int) -> None:
+    """(a) a resident prefix in another sequence; (b) a power-of-two KV capacity."""
+    from skippy.runtime import Model, StageContext
+
+    with Model(path) as model:
+        def context(cells: int = CTX_SIZE) -> StageContext:
+            return StageContext(model, n_ctx=cells, max_sessions=SESSIONS + CACHE_SLOTS, n_batch=BATCH, threads=1)
+
+        print("(a) a resident 2048-token prefix in another sequence of the same (unified) KV:")
+        empty, busy = context(), context()
+        try:
+            filler = busy.open_session()
+            rng = np.random.default_rng(7)
+            for start in range(0, 2048, BATCH):
+                busy.decode(tokens=rng.integers(1000, model.n_vocab - 1000, BATCH).astype(np.int32),
+                            positions=np.arange(start, start + BATCH, dtype=np.int32),
+                            seq_ids=np.full(BATCH, filler, dtype=np.int32))
+            _report(_interleaved_decode(model, {"no other cells in use": empty,
+                                                "2048 cells of another sequence": busy}, steps, rounds))
+        finally:
+            empty.close()
+            busy.close()
+        print("(b) KV capacity (transposed V: a layer's V rows are a cell count apart):")
+        variants = {"4096 cells": context(4096), "4352 cells (odd multiple of 256)": context(4352),
+                    "4096 cells again (noise floor)": context(4096), "256 cells": context(256)}
+        try:
+            _report(_interleaved_decode(model, variants, steps, rounds))
+        finally:
+            for ctx in variants.values():
+                ctx.close()
+
+
 # -- the run -------------------------------------------------------------------------------------
 Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
 
@@ -224,9 +300,14 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prefill tokens")
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--no-stage", action="store_true", help="skip the stage-process variant")
+    parser.add_argument("--kv-experiments", action="store_true",
+                        help="only the in-process KV A/Bs (resident prefix; power-of-two capacity)")
     args = parser.parse_args()
 
     path = model_path(args.model)
+    if args.kv_experiments:
+        kv_experiments(path, args.rounds, args.steps)
+        return
     peer = build_peer()
     stock = Stock(peer.llama_bench, path, args.reps)
     inproc = InProcess(path)

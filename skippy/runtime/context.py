@@ -9,13 +9,6 @@ of every row (valid until the next decode) and, on the final stage, :meth:`logit
 mirroring them on every stage of a chain is the caller's job.  Saved sequence states carry a tag
 (model identity, layer range, shape) that is checked on restore, because llama.cpp itself only
 checks the layer *count*.
-
-KV capacity: without flash attention llama.cpp stores V transposed, one row per channel with the
-cells side by side, so the distance between a layer's V rows is the cell count.  A power-of-two
-count (4096 cells: 8 KiB apart) puts every row a decode reads or writes into the same few cache
-sets; on the real Gemma 3 270M that cost ~3% of decode speed against a 256-cell context.  The cells
-asked for are therefore rounded up to an *odd* multiple of 256 (llama.cpp pads to 256 anyway):
-4096 -> 4352.  Numerics are unchanged (the attended span ``n_kv`` depends on the cells in use).
 """
 
 from __future__ import annotations
@@ -46,9 +39,6 @@ from skippy.runtime.sampling import Sampler
 _STATE_MAGIC = b"SKPYSEQ1"
 _STATE_HEADER = struct.Struct("<8sIIIII24s")  # magic, start, end, n_layer, n_embd, n_ctx, identity
 
-#: llama.cpp's KV padding; capacities are odd multiples of it (see the module comment).
-KV_CELL_GRANULE = 256
-
 # The output rows of a one-row decode (shared, never written).
 _ROW_0 = np.zeros(1, dtype=np.intp)
 _ROW_0.flags.writeable = False
@@ -71,12 +61,6 @@ class MemoryReport:
     resident: int
 
 
-def kv_cells(requested: int) -> int:
-    """The KV capacity a context of ``requested`` cells gets: the next odd multiple of 256."""
-    blocks = -(-requested // KV_CELL_GRANULE)
-    return (blocks + 1 - blocks % 2) * KV_CELL_GRANULE
-
-
 def resident_bytes() -> int:
     """Resident set size of this process."""
     with open("/proc/self/statm") as handle:
@@ -89,8 +73,7 @@ class StageContext:
 
     Args:
         model: the loaded stage.
-        n_ctx: KV cells shared by all sessions (at least; rounded up by :func:`kv_cells`, the
-            capacity is ``self.n_ctx``).
+        n_ctx: KV cells shared by all sessions.
         max_sessions: sequence ids available to sessions (``0 .. max_sessions-1``).
         n_batch: most rows one ``decode`` may carry; also the micro-batch size (``n_ubatch``)
             unless given, so a prefill chunk is computed in one pass (same partition on every stage).
@@ -116,7 +99,7 @@ class StageContext:
         self._lock = threading.Lock()
         threads = threads or os.cpu_count() or 1
         params = lib.llama_context_default_params()
-        params.n_ctx = kv_cells(n_ctx)
+        params.n_ctx = n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_ubatch or n_batch
         params.n_seq_max = max_sessions
