@@ -20,7 +20,7 @@ these architectures: before it covers one, loading a partial range of it raises
 UnsupportedArchitecture and its tests fail (they are not skipped). deepseek2 (MLA) is covered
 like the others (its 4 tiny layers: one dense block, then experts). The further families with
 writers (gemma, olmoe, smollm3, exaone4, ernie4_5, starcoder2, cohere2, seed_oss, llama4,
-minimax-m2, dots1, ernie4_5-moe) get the same
+minimax-m2, dots1, ernie4_5-moe, command-r, internlm2, phi2, stablelm, arcee, olmo) get the same
 cases, which check the runtime's refusal while it does not split them.
 """
 
@@ -126,9 +126,10 @@ def assert_split_is_exact(arch: str, dtype: str, tied: bool, split: list[tuple[i
     assert len(logits) == len(expected_logits) == len(LONG_PROMPT) + STEPS
     for row, (got, want) in enumerate(zip(logits, expected_logits)):
         assert np.array_equal(got, want), f"row {row}: max diff {np.abs(got - want).max()}"
-    # The logits are informative, not a constant (granite's logit_scale 8 divides them by 8).
+    # The logits are informative, not a constant (granite's logit_scale 8 divides them by 8,
+    # command-r's 0.0625 multiplies them).
     assert np.isfinite(expected_logits[-1]).all()
-    assert float(np.std(expected_logits[-1])) > 0.05
+    assert float(np.std(expected_logits[-1])) > 0.02
 
 
 @pytest.mark.parametrize(("arch", "dtype", "tied", "split"), cases())
@@ -143,7 +144,8 @@ def test_further_family_splits_exactly_or_is_refused(
     arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]
 ) -> None:
     """Families with writers beyond issue 11's list (gemma, olmoe, smollm3, exaone4, ernie4_5,
-    starcoder2, cohere2, seed_oss, llama4, minimax-m2, dots1, ernie4_5-moe): once the runtime splits one, the same bitwise exactness as
+    starcoder2, cohere2, seed_oss, llama4, minimax-m2, dots1, ernie4_5-moe, command-r,
+    internlm2, phi2, stablelm, arcee, olmo): once the runtime splits one, the same bitwise exactness as
     above; while it does not, a partial range must be refused with the reason."""
     if arch not in SPLIT_ARCHITECTURES:
         with pytest.raises(UnsupportedArchitecture, match=f"{arch}.*partial layer range: .+"):

@@ -12,7 +12,9 @@
 # - extra shape rules (`rules`), e.g. "n_head * head_dim must equal n_embd" where the loader
 #   shapes attention as n_embd x n_embd,
 # - and the rare extras: keys computed from several fields (`derived_keys`, deepseek2's MLA key
-#   width) and a LayerNorm bias on the final norm (`output_norm_bias`, starcoder2).
+#   width) and the ends of the model that differ (`output_norm_bias`, `output_norm`,
+#   `output_bias`: starcoder2/stablelm/phi2 LayerNorm biases, OLMo 1's weightless norms, phi2's
+#   head bias).
 # The shapes are numpy (row-major) order: the last axis is the input width (fan_in) and the one
 # Q8_0 blocks run along; ggml's `ne` is the reverse. 3-D expert tensors are (n_expert, out, in).
 # Names and keys are the strings of llama.cpp's src/llama-arch.cpp (tests check them against the
@@ -106,6 +108,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "v_head_dim": OptionalKey("attention.value_length_mla", GGUFValueType.UINT32),
     "ln_eps": OptionalKey("attention.layer_norm_epsilon", GGUFValueType.FLOAT32),
     "n_moe_layer_step": OptionalKey("interleave_moe_layer_step", GGUFValueType.UINT32),
+    "clamp_kqv": OptionalKey("attention.clamp_kqv", GGUFValueType.FLOAT32),
 }
 
 #: A key computed from the spec rather than copied from one field: (suffix, value, type).
@@ -134,6 +137,8 @@ class Family:
         summary: which real checkpoints the description follows.
         derived_keys: keys computed from several fields (deepseek2's MLA key width).
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
+        output_norm: the final norm has a weight at all (OLMo 1's norms have none).
+        output_bias: the head has a bias over the vocabulary (phi2).
     """
 
     arch: str
@@ -145,6 +150,8 @@ class Family:
     summary: str = ""
     derived_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
     output_norm_bias: bool = False
+    output_norm: bool = True
+    output_bias: bool = False
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -545,6 +552,31 @@ def _dots1(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return attention + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
+def _phi2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Phi-2: one LayerNorm (with bias) feeds attention and the GELU MLP in parallel; fused
+    # q/k/v with bias, biases on every projection.
+    return _attention(
+        spec, layer, norm_bias=True, fused_qkv=True, qkv_bias=True, out_bias=True
+    ) + _dense_ffn(spec, layer, pre_norm=False, gated=False, biases=True)
+
+
+def _stablelm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # StableLM 2: LayerNorms with biases, q/k/v biases, SwiGLU.
+    out = _attention(spec, layer, norm_bias=True, qkv_bias=True)
+    out += [_norm(layer, "ffn_norm", spec.n_embd), _bias(layer, "ffn_norm", spec.n_embd)]
+    return out + _dense_ffn(spec, layer, pre_norm=False)
+
+
+def _arcee(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # AFM (arcee): llama attention, ReLU^2 MLP without a gate.
+    return _attention(spec, layer) + _dense_ffn(spec, layer, gated=False)
+
+
+def _olmo(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # OLMo 1: non-parametric LayerNorms (no norm tensors at all), SwiGLU.
+    return _attention(spec, layer, pre_norm=False) + _dense_ffn(spec, layer, pre_norm=False)
+
+
 def _ernie4_5_moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # ERNIE-4.5-MoE (21B-A3B): llama attention; after n_dense_lead dense blocks, softmax experts
     # with a selection bias and (optionally) a shared expert of width n_ff_shexp.
@@ -725,6 +757,38 @@ FAMILIES: Final[dict[str, Family]] = {
             rules=(_experts, _dense_lead_below_n_layer, _every_block_after_the_lead_is_moe),
             summary="ERNIE-4.5-MoE (21B-A3B): a leading dense block, softmax experts with a "
             "selection bias and a shared expert",
+        ),
+        Family(
+            "command-r", _TIED, _cohere2,
+            requires=frozenset({"ln_eps"}), permits=frozenset({"logit_scale"}),
+            rules=(_coupled_heads,),
+            summary="Command-R: parallel attention and FFN under one LayerNorm, logit scale, tied",
+        ),
+        Family(
+            "internlm2", _UNTIED, _llama, rules=(_coupled_heads,),
+            summary="InternLM2: llama layout, untied head",
+        ),
+        Family(
+            "phi2", _UNTIED, _phi2,
+            requires=frozenset({"ln_eps"}), rules=(_coupled_heads,),
+            output_norm_bias=True, output_bias=True,
+            summary="Phi-2: parallel attention and GELU MLP under one LayerNorm, fused q/k/v, "
+            "biases everywhere (head too), partial rope",
+        ),
+        Family(
+            "stablelm", _UNTIED, _stablelm,
+            requires=frozenset({"ln_eps"}), rules=(_coupled_heads,), output_norm_bias=True,
+            summary="StableLM 2: LayerNorms with biases, q/k/v biases, partial rope",
+        ),
+        Family(
+            "arcee", _BOTH, _arcee,
+            summary="AFM (arcee): llama attention, ReLU^2 MLP without a gate",
+        ),
+        Family(
+            "olmo", _BOTH, _olmo,
+            requires=frozenset({"ln_eps"}), permits=frozenset({"clamp_kqv"}),
+            rules=(_coupled_heads,), output_norm=False,
+            summary="OLMo 1: weightless LayerNorms, q/k/v clamping",
         ),
     )
 }

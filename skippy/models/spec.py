@@ -67,6 +67,12 @@ Architecture = Literal[
     "minimax-m2",
     "dots1",
     "ernie4_5-moe",
+    "command-r",
+    "internlm2",
+    "phi2",
+    "stablelm",
+    "arcee",
+    "olmo",
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -80,7 +86,8 @@ NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 #: Further families with writers, beyond issue 11's list.
 EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gemma", "olmoe", "smollm3", "exaone4", "ernie4_5", "starcoder2", "cohere2", "seed_oss",
-    "llama4", "minimax-m2", "dots1", "ernie4_5-moe",
+    "llama4", "minimax-m2", "dots1", "ernie4_5-moe", "command-r", "internlm2", "phi2",
+    "stablelm", "arcee", "olmo",
 )
 assert ARCHITECTURES == {"llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES}
 VOCABS: Final = frozenset(get_args(VocabName))
@@ -137,6 +144,7 @@ class ModelSpec:
             width qk_nope + qk_rope and ``rope_dim`` qk_rope.
         ln_eps: LayerNorm epsilon of the families that use LayerNorm (starcoder2, cohere2).
         n_moe_layer_step: every n-th block is MoE, the others dense (llama4).
+        clamp_kqv: clip q, k and v to +-clamp_kqv (OLMo 1).
     """
 
     arch: Architecture
@@ -182,6 +190,7 @@ class ModelSpec:
     v_head_dim: int = 0
     ln_eps: float = 0.0
     n_moe_layer_step: int = 0
+    clamp_kqv: float = 0.0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -453,6 +462,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "ernie4_5-moe": lambda n: {
         **_tiny_moe(n), "n_moe_layer_step": 1, "n_dense_lead": 1, "n_ff_shexp": n,
     },
+    "command-r": lambda n: {"ln_eps": 1e-5, "logit_scale": 0.0625},
+    # Phi-2 / StableLM 2 rotate 40% / 25% of each head: here half / a quarter of 16.
+    "phi2": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 8},
+    "stablelm": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 16},
+    # OLMo-7B-0424 clips q/k/v at 8; at this width 1.5 clips some of the tiny model's values.
+    "olmo": lambda n: {"ln_eps": 1e-5, "clamp_kqv": 1.5},
 }
 
 

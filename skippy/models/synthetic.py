@@ -154,12 +154,14 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
         for decl in block(spec, layer):
             qtype = matrix_type if decl.quantized else f32
             plans.append(TensorPlan(decl.name, decl.shape, decl.kind, qtype))
-    plans.append(
-        TensorPlan(
-            _tensor_name(MODEL_TENSOR.OUTPUT_NORM, "weight"), (spec.n_embd,), "norm", f32
+    described = family(spec.arch)
+    if described.output_norm:
+        plans.append(
+            TensorPlan(
+                _tensor_name(MODEL_TENSOR.OUTPUT_NORM, "weight"), (spec.n_embd,), "norm", f32
+            )
         )
-    )
-    if family(spec.arch).output_norm_bias:
+    if described.output_norm_bias:
         plans.append(
             TensorPlan(_tensor_name(MODEL_TENSOR.OUTPUT_NORM, "bias"), (spec.n_embd,), "bias", f32)
         )
@@ -172,6 +174,8 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
                 matrix_type,
             )
         )
+    if described.output_bias:
+        plans.append(TensorPlan(_tensor_name(MODEL_TENSOR.OUTPUT, "bias"), (n_vocab,), "bias", f32))
     return plans
 
 
