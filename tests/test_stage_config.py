@@ -86,3 +86,14 @@ def test_stage_config_is_frozen() -> None:
     config = StageConfig(model="m", layers="0:1")
     with pytest.raises(AttributeError):
         config.model = "x"  # type: ignore[misc]
+
+
+def test_the_lane_shortcuts_are_on_by_default_and_can_be_switched_off() -> None:
+    from skippy.stage.server import StageServer, load_runtime
+
+    base = ["--model", "null:n_embd=8,n_layer=4", "--layers", "0:4"]
+    default = parse_config(base)
+    assert default.write_through and default.inline_hand_offs
+    config = parse_config([*base, "--write-through", "off", "--inline-hand-offs", "off"])
+    settings = StageServer(config, load_runtime(config)).settings
+    assert not settings.write_through and not settings.inline_hand_offs
