@@ -13,9 +13,9 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
   index is -1 ("unknown", which the frames allow). No setting is needed and none can disagree
   with the chain actually built.
 * Errors. Every refusal carries its own :class:`ErrorCode` (:mod:`skippy.stage.errors`; anything
-  else is a bug: ``INTERNAL``, :func:`is_bug`); :func:`error_frame` builds the frame (origin = this stage, except ``DOWNSTREAM_LOST``, whose
-  origin is the lost stage: index + 1 and the configured downstream address; a downstream Error
-  frame is relayed unchanged).
+  else is a bug: ``INTERNAL``, :func:`is_bug`); :func:`error_frame` builds the frame (origin =
+  this stage, except ``DOWNSTREAM_LOST``, whose origin is the lost stage: index + 1 and the
+  configured downstream address; a downstream Error frame is relayed unchanged).
 * Timings. :func:`own_record` is this stage's record for one reply, every value clamped >= 0.
 """
 
