@@ -62,7 +62,7 @@ SPLIT: tuple[str, ...] = (
     "gemma2", "gemma3", "phi3", "mistral3", "olmo2", "granite", "glm4",
     "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
     "gemma", "olmoe", "smollm3", "exaone4", "ernie4_5", "starcoder2", "cohere2", "seed_oss",
-    "llama4", "minimax-m2", "dots1",
+    "llama4", "minimax-m2", "dots1", "ernie4_5-moe",
 )
 
 #: Extra literal edits per architecture name: (old, new, expected count).
