@@ -26,6 +26,7 @@ from typing import Final, final
 from skippy.protocol import StageMessage, StateHeader
 
 __all__ = [
+    "DIRECT_RETURN_FLAG",
     "ERROR_FRAME_BASE_BYTES",
     "MAX_ERROR_ADDRESS_BYTES",
     "MAX_ERROR_MESSAGE_BYTES",
@@ -41,12 +42,18 @@ __all__ = [
     "TimingsFrame",
     "TimingRecord",
     "append_timing",
+    "requests_direct_return",
     "requests_extensions",
+    "with_direct_return_flag",
     "with_extensions_flag",
 ]
 
 #: ext §1: state flag bit 10, "skippy extensions v1" (error and timings reply frames).
 SKIPPY_EXTENSIONS_FLAG: Final = 1 << 10
+#: docs/protocol.md §8: state flag bit 11, "direct return".  On a PredictionReturnOpen: the sender
+#: is a skippy driver opening a return lane for (request_id, session_id).  On a message of a kind
+#: whose rule allows it: its prediction goes over that return lane, not back up the chain.
+DIRECT_RETURN_FLAG: Final = 1 << 11
 #: docs/prefix-cache.md §6: bit 9, the prefix-cache extension. Reserved here so nothing collides.
 PREFIX_EXTENT_FLAG: Final = 1 << 9
 
@@ -148,6 +155,19 @@ def append_timing(timings: TimingsFrame | None, record: TimingRecord) -> Timings
 def requests_extensions(flags: int) -> bool:
     """True when ``state.flags`` carries the extension bit (ext §1)."""
     return bool(flags & SKIPPY_EXTENSIONS_FLAG)
+
+
+def requests_direct_return(flags: int) -> bool:
+    """True when ``state.flags`` carries the direct-return bit (docs/protocol.md §8)."""
+    return bool(flags & DIRECT_RETURN_FLAG)
+
+
+def with_direct_return_flag(message: StageMessage) -> StageMessage:
+    """``message`` with the direct-return bit set (docs/protocol.md §8: the driver's side)."""
+    state = message.state
+    if state.flags & DIRECT_RETURN_FLAG:
+        return message
+    return replace(message, state=replace(state, flags=state.flags | DIRECT_RETURN_FLAG))
 
 
 def with_extensions_flag(message: StageMessage) -> StageMessage:

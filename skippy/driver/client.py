@@ -19,6 +19,15 @@ since the last call.  An Error frame closes the lane and raises :class:`StageLos
 ``DOWNSTREAM_LOST``, ``SHUTTING_DOWN``) or its subclass :class:`StageRemoteError` (the others),
 with ``ErrorFrame.describe()`` in the text (the failed stage's index and address) and the frame
 as ``.frame``.
+
+Direct return (``docs/protocol.md`` §8, off unless asked for): :meth:`StageClient.open_direct_return`
+dials the chain's final stage for one configured session and sends ``PredictionReturnOpen`` with the
+direct-return flag; once that is ACKed, the session's predicted kinds (final prefill chunk, decodes,
+verify windows) carry the flag and their replies are read from that return lane, so they skip every
+reverse hop.  A final stage that refuses the open (or never answers it within the timeout: a v11
+peer) leaves the session hop by hop.  Waiting on the return lane, its loss fails the request at once
+(the chain's own Error frame, read from the first-stage lane within a second, names the stage when
+one came; else the final stage's address is named); ``stop`` closes it.
 """
 
 from __future__ import annotations
@@ -41,7 +50,15 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
+from skippy.protocol_ext import (
+    DIRECT_RETURN_FLAG,
+    SKIPPY_EXTENSIONS_FLAG,
+    ErrorCode,
+    ErrorFrame,
+    TimingsFrame,
+    with_direct_return_flag,
+    with_extensions_flag,
+)
 from skippy.stage.config import Address
 from skippy.stage.transport import SocketIO, set_no_delay
 
@@ -83,6 +100,25 @@ _TIMINGS_KEPT = 4096
 _DECODE_HEADER = StateHeader.for_kind(MessageKind.DECODE_EMBD)
 
 
+#: Seconds to wait, after a return lane closed, for the first-stage lane's Error frame naming why.
+_LOSS_DIAGNOSIS_S = 1.0
+
+
+class _ReturnLane:
+    """The driver's end of one session's return lane (docs/protocol.md §8)."""
+
+    __slots__ = ("stream", "io", "decoder", "address", "session_id", "request_id")
+
+    def __init__(self, stream: trio.SocketStream, address: Address, session_id: int, request_id: int,
+                 extensions: bool) -> None:
+        self.stream = stream
+        self.io = SocketIO(stream, 1 << 16)
+        self.decoder = codec.ReplyDecoder(extensions=extensions)
+        self.address = address
+        self.session_id = session_id
+        self.request_id = request_id
+
+
 @dataclasses.dataclass(frozen=True, slots=True)
 class PrefillResult:
     """The reply to the final prefill chunk plus the ACKs of the others."""
@@ -118,6 +154,8 @@ class StageClient:
         self._timings: collections.deque[TimingsFrame] = collections.deque(maxlen=_TIMINGS_KEPT)
         self._io = SocketIO(stream, 1 << 16)
         self._closed = False
+        #: docs/protocol.md §8: the open return lane, if any (one session at a time).
+        self._return: _ReturnLane | None = None
 
     @classmethod
     async def connect(cls, address: Address | str, *, connect_timeout: float = 10.0,
@@ -148,9 +186,90 @@ class StageClient:
         return cls(stream, target, reply_timeout=reply_timeout, extensions=extensions)
 
     async def aclose(self) -> None:
+        await self.close_direct_return()
         if not self._closed:
             self._closed = True
             await trio.aclose_forcefully(self.stream)
+
+    # -- direct return -----------------------------------------------------------------------
+    @property
+    def direct_session(self) -> int | None:
+        """The session whose predictions come over a return lane (None: all go hop by hop)."""
+        return None if self._return is None else self._return.session_id
+
+    async def open_direct_return(self, address: Address | str, session_id: int, *, request_id: int = 0,
+                                 timeout: float = 2.0) -> bool:
+        """Open a return lane to the chain's final stage for ``session_id`` (configure it first).
+
+        Returns:
+            True once the final stage ACKed the open; False when it refused the kind or did not
+            answer within ``timeout`` (a plain v11 or older stage): the session stays hop by hop.
+
+        Raises:
+            StageLost: the final stage cannot be reached; StageRemoteError: it refused the open
+            for another reason (an unknown session id).
+        """
+        await self.close_direct_return()
+        target = Address.parse(address) if isinstance(address, str) else address
+        opener = await StageClient.connect(target, connect_timeout=timeout, reply_timeout=timeout,
+                                           extensions=self.extensions)
+        message = StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN, request_id=request_id,
+                                      session_id=session_id)
+        try:
+            await opener.send(with_direct_return_flag(message))
+            reply = await opener.receive()
+        except StageRemoteError as exc:
+            await opener.aclose()
+            if exc.code is ErrorCode.UNSUPPORTED_KIND:
+                return False
+            raise
+        except StageClientError:  # no answer (a v11 stage parks the stream) or a close: not served
+            await opener.aclose()
+            return False
+        if reply.kind != ReplyKind.ACK:
+            await opener.aclose()
+            raise StageClientError(f"final stage {target} answered {ReplyKind(reply.kind).reference_name} "
+                                   "to PredictionReturnOpen")
+        lane = _ReturnLane(opener.stream, target, session_id, request_id, self.extensions)
+        lane.decoder = opener._decoder  # anything the final stage sent after the ACK is already in it
+        lane.io = opener._io
+        self._return = lane
+        return True
+
+    async def close_direct_return(self) -> None:
+        """Close the return lane (if one is open); the session's replies go hop by hop again."""
+        lane, self._return = self._return, None
+        if lane is not None:
+            await trio.aclose_forcefully(lane.stream)
+
+    def _direct(self, session_id: int) -> bool:
+        lane = self._return
+        return lane is not None and lane.session_id == session_id
+
+    async def _receive_direct(self) -> StageReply:
+        """The next reply on the return lane; its loss fails at once, naming the stage."""
+        lane = self._return
+        assert lane is not None
+        try:
+            return await self._receive_on(lane.decoder, lane.io, f"return lane to final stage {lane.address}")
+        except StageLost as exc:
+            if exc.frame is not None:  # the final stage said why
+                await self.close_direct_return()
+                raise
+            lost = exc
+        await self.close_direct_return()
+        # The return lane closed without a word: the chain's Error frame (a lost stage named by
+        # its upstream) may be on its way on the first-stage lane.
+        with trio.move_on_after(_LOSS_DIAGNOSIS_S):
+            try:
+                reply = await self.receive()
+            except StageLost as exc:
+                if exc.frame is not None:
+                    raise
+            else:
+                raise StageClientError(f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} "
+                                       "while a direct-return reply was awaited")
+        raise StageLost(f"{lost}: the final stage {lane.address} failed or was lost") from lost
 
     async def __aenter__(self) -> "StageClient":
         return self
@@ -183,15 +302,18 @@ class StageClient:
         Raises:
             StageLost: the lane closed; StageClientError: timeout or a malformed reply.
         """
+        return await self._receive_on(self._decoder, self._io, f"lane to first stage {self.address}")
+
+    async def _receive_on(self, decoder: codec.ReplyDecoder, io: SocketIO, where: str) -> StageReply:
         try:
             with trio.fail_after(self.reply_timeout):
                 while True:
                     try:
-                        result = self._decoder.next_reply()
+                        result = decoder.next_reply()
                     except WireError as exc:
-                        raise StageClientError(f"malformed reply from first stage {self.address}: {exc}") from exc
+                        raise StageClientError(f"malformed reply on {where}: {exc}") from exc
                     if result is NEED_DATA:
-                        self._decoder.receive_data(await self._io.receive())  # a reset reads as b""
+                        decoder.receive_data(await io.receive())  # a reset reads as b""
                     elif type(result) is StageReply:
                         self.last_timings, self._pending_timings = self._pending_timings, None
                         if self.last_timings is not None:
@@ -200,14 +322,17 @@ class StageClient:
                     elif type(result) is TimingsFrame:  # annotates the next reply
                         self._pending_timings = result
                     elif isinstance(result, ErrorFrame):
-                        await self.aclose()  # nothing follows an Error frame
+                        if io is self._io:
+                            await self.aclose()  # nothing follows an Error frame
                         error = StageLost if ErrorCode(result.code) in _LOSS_CODES else StageRemoteError
-                        raise error(f"lane to first stage {self.address} closed: {result.describe()}", result)
+                        raise error(f"{where} closed: {result.describe()}", result)
                     else:
                         assert result is END_OF_STREAM
-                        raise StageLost(self._lost_text("before replying"))
+                        if io is self._io:
+                            raise StageLost(self._lost_text("before replying"))
+                        raise StageLost(f"{where} closed before replying")
         except trio.TooSlowError as exc:
-            raise StageClientError(f"no reply from first stage {self.address} within {self.reply_timeout:g} s") from exc
+            raise StageClientError(f"no reply on {where} within {self.reply_timeout:g} s") from exc
 
     def take_timings(self) -> list[TimingsFrame]:
         """The Timings frames of the replies received since the last call (oldest first)."""
@@ -269,6 +394,8 @@ class StageClient:
                 state_changes={"seq_id": begin // chunk_size, "prompt_token_count": pos_start + total,
                                "current_token": int(values[end - 1])},
             )
+            if final and self._direct(session_id):
+                message = with_direct_return_flag(message)
             await self.send(message)
             if final:
                 break
@@ -279,11 +406,12 @@ class StageClient:
         while outstanding:
             acks.append(await self._expect(ReplyKind.ACK, MessageKind.PREFILL_EMBD))
             outstanding -= 1
-        reply = await self._expect(ReplyKind.PREDICTED_TOKEN, MessageKind.PREFILL_FINAL_EMBD)
+        reply = await self._expect(ReplyKind.PREDICTED_TOKEN, MessageKind.PREFILL_FINAL_EMBD,
+                                   direct=self._direct(session_id))
         return PrefillResult(reply, tuple(acks))
 
-    async def _expect(self, kind: ReplyKind, sent: MessageKind) -> StageReply:
-        reply = await self.receive()
+    async def _expect(self, kind: ReplyKind, sent: MessageKind, *, direct: bool = False) -> StageReply:
+        reply = await (self._receive_direct() if direct else self.receive())
         if reply.kind != kind:
             raise StageClientError(
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
@@ -298,15 +426,18 @@ class StageClient:
         # (what ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without
         # the copies), encoded and sent without ``send``'s checks.
         template = _DECODE_HEADER
+        flags = template.flags | SKIPPY_EXTENSIONS_FLAG if self.extensions else template.flags
+        direct = self._direct(session_id)
+        if direct:
+            flags |= DIRECT_RETURN_FLAG
         state = StateHeader(
-            version=template.version, phase=template.phase,
-            flags=template.flags | SKIPPY_EXTENSIONS_FLAG if self.extensions else template.flags,
+            version=template.version, phase=template.phase, flags=flags,
             decode_step=decode_step, current_token=token, reserved=template.reserved)
         message = StageMessage(
             MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
             session_id=session_id, tokens=np.array((token,), dtype=np.int32))
         await self.send_raw(codec.encode_message(message, WireDType.F32, 0))
-        reply = await self.receive()
+        reply = await (self._receive_direct() if direct else self.receive())
         if reply.kind != ReplyKind.PREDICTED_TOKEN:
             raise StageClientError(
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to DecodeEmbd")
@@ -321,7 +452,11 @@ class StageClient:
             session_id=session_id, tokens=values,
             state_changes={"seq_id": window_id, "current_token": int(values[0]) if len(values) else -1},
         )
-        reply = await self.request(message, ReplyKind.PREDICTED_TOKENS)
+        if self._direct(session_id):
+            await self.send(with_direct_return_flag(message))
+            reply = await self._expect(ReplyKind.PREDICTED_TOKENS, MessageKind.VERIFY_WINDOW, direct=True)
+        else:
+            reply = await self.request(message, ReplyKind.PREDICTED_TOKENS)
         if reply.window_id != window_id:
             raise StageClientError(f"verify window reply out of order: id {reply.window_id}, expected {window_id}")
         return reply
@@ -341,12 +476,22 @@ class StageClient:
 
     async def stop(self, session_id: int, *, request_id: int = 0) -> StageReply:
         """Stop: end the session on every stage; returns the ACK (sent after the chain's)."""
-        return await self.request(StageMessage.stop(request_id=request_id, session_id=session_id), ReplyKind.ACK)
+        reply = await self.request(StageMessage.stop(request_id=request_id, session_id=session_id), ReplyKind.ACK)
+        if self._direct(session_id):
+            await self.close_direct_return()
+        return reply
 
     async def generate_greedy(self, session_id: int, prompt: Sequence[int], steps: int, *,
-                              chunk_size: int = 256, credit: int = 2) -> list[int]:
-        """Configure, prefill ``prompt``, decode ``steps - 1`` more tokens, stop; the tokens."""
+                              chunk_size: int = 256, credit: int = 2,
+                              direct_return: Address | str | None = None) -> list[int]:
+        """Configure, prefill ``prompt``, decode ``steps - 1`` more tokens, stop; the tokens.
+
+        ``direct_return``: the final stage's address, to have its predictions sent straight back
+        (docs/protocol.md §8; hop by hop when it refuses).
+        """
         await self.configure(session_id, prompt_token_count=len(prompt))
+        if direct_return is not None:
+            await self.open_direct_return(direct_return, session_id)
         result = await self.prefill(session_id, prompt, chunk_size=chunk_size, credit=credit)
         tokens = [result.token]
         position = len(prompt)

@@ -63,6 +63,7 @@ class StageConfig:
     batch_window_ms: float = 0.0
     wire_delay_ms: float = 0.0
     wire_mbps: float = 0.0
+    wire_reply_delay_ms: float = 0.0
     write_through: bool = True
     inline_hand_offs: bool = True
     inline_decode: bool = True
@@ -104,6 +105,8 @@ class StageConfig:
             (0 <= self.batch_window_ms <= 10, f"batch_window_ms must be in [0, 10] (got {self.batch_window_ms})"),
             (math.isfinite(self.wire_delay_ms) and self.wire_delay_ms >= 0,
              f"wire_delay_ms must be finite and >= 0 (got {self.wire_delay_ms})"),
+            (math.isfinite(self.wire_reply_delay_ms) and self.wire_reply_delay_ms >= 0,
+             f"wire_reply_delay_ms must be finite and >= 0 (got {self.wire_reply_delay_ms})"),
             (math.isfinite(self.wire_mbps) and self.wire_mbps >= 0,
              f"wire_mbps must be finite and >= 0, 0 = unlimited (got {self.wire_mbps})"),
             (self.drain_timeout >= 0, f"drain_timeout must be >= 0 (got {self.drain_timeout})"),
@@ -176,6 +179,8 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "batch_window_ms": (float, "wait this long to collect more decode rows into one batch (0 = none)"),
     "wire_delay_ms": (float, "simulated one-way delay added to downstream writes (benchmarks)"),
     "wire_mbps": (float, "simulated downstream bandwidth in Mbit/s (0 = unlimited)"),
+    "wire_reply_delay_ms": (float, "simulated one-way delay added to every reply this stage writes, upstream "
+                            "or into a direct-return lane (benchmarks; docs/protocol.md §8)"),
     "write_through": (_bool, "on: the runtime thread writes a decode's frame (or a final stage's token) as its "
                       "compute ends; off: the trio side writes it (bench/RESULTS-stage.md has both figures)"),
     "inline_hand_offs": (_bool, "on: a lane task does an idle next task's step itself instead of waking it; "

@@ -75,7 +75,8 @@ from skippy.protocol_ext import (
 )
 from skippy.stage import extensions
 from skippy.stage import lane_messages, prefix_control
-from skippy.stage.errors import DownstreamError, InvalidMessage, StageError
+from skippy.stage.direct_return import ReturnHub, ReturnLane
+from skippy.stage.errors import DownstreamError, InvalidMessage, ReturnLaneLost, StageError, UnsupportedKind
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
 from skippy.stage.lane_protocol import (
@@ -136,10 +137,11 @@ class Connection:
         settings: the stage's lane settings.
         scheduler: the stage's scheduler.
         stats: the stage's counters.
+        returns: the stage's return lanes (docs/protocol.md §8; None: direct return is refused).
     """
 
     def __init__(self, upstream: trio.SocketStream, peer: str, settings: LaneSettings,
-                 scheduler: Scheduler, stats: StageStats) -> None:
+                 scheduler: Scheduler, stats: StageStats, returns: ReturnHub | None = None) -> None:
         self.id = next(_connection_ids)
         self.upstream = upstream
         self.peer = peer
@@ -173,6 +175,9 @@ class Connection:
         self._forward_backlog = 0
         #: What this lane's write-throughs write under (closed before the lane's streams are).
         self._gate = StreamGate()
+        self.returns = returns
+        #: docs/protocol.md §8: this lane is a session's return lane (set by its open).
+        self._return_lane: ReturnLane | None = None
 
     @property
     def inflight(self) -> int:
@@ -182,6 +187,10 @@ class Connection:
     @property
     def extensions(self) -> ExtensionNegotiation:
         return self.protocol.extensions
+
+    def has_session(self, session_id: int) -> bool:
+        """Whether ``session_id`` is open on this lane (the return hub's owner lookup)."""
+        return self._return_lane is None and ((self.id << 64) | session_id) in self.sessions
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -210,9 +219,10 @@ class Connection:
             self._gate.close()  # a write-through still queued must not write from here on
             # A write-through that started may have written part of its reply (its emit runs
             # only once the compute is done: a refusal before that has written nothing).
-            through = self._upstream_through
-            torn = self._upstream_torn or (through is not None and through.ran)
             with trio.CancelScope(shield=True):
+                await self._close_return_lanes(error)
+                through = self._upstream_through
+                torn = self._upstream_torn or (through is not None and through.ran)
                 if error is not None and self.extensions.enabled and not torn:
                     await self._send_error(error)
                 await self._cleanup()
@@ -224,14 +234,37 @@ class Connection:
             return ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _send_error(self, error: ErrorFrame) -> None:
+    async def _send_error(self, error: ErrorFrame, io: SocketIO | None = None) -> None:
         """docs/protocol.md §3: the Error frame, last thing on the lane (best effort, bounded)."""
         try:
             frame = codec.encode_error(error)
             with trio.move_on_after(0.5):
-                await self._upstream_io.send_all(frame)
+                await (io or self._upstream_io).send_all(frame)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ValueError) as exc:
             log.debug("lane %d: could not send the Error frame: %s", self.id, exc)
+
+    async def _close_return_lanes(self, error: ErrorFrame | None) -> None:
+        """docs/protocol.md §8: a closing return lane unregisters (its own Error frame then waits
+        for a prediction write in progress); a closing chain lane closes its sessions' return
+        lanes, each with this lane's Error frame, so their drivers learn at once."""
+        returns = self.returns
+        if returns is None:
+            return
+        own = self._return_lane
+        if own is not None:
+            returns.remove(own)
+            with trio.move_on_after(0.5):  # a write into it that does not finish: no Error frame
+                await own.lock.acquire()  # never released: nothing may write on it after the Error frame
+                return
+            self._upstream_torn = True
+            return
+        for lane in returns.detach(self.id):
+            async with lane.lock:
+                lane.closed = True
+                if error is not None and lane.extensions:
+                    await self._send_error(error, lane.io)
+            with trio.move_on_after(1):
+                await trio.aclose_forcefully(lane.stream)
 
     async def _cleanup(self) -> None:
         orphans = sorted(self.sessions)
@@ -312,6 +345,8 @@ class Connection:
                 frame = extensions.reply_bytes(due[0].reply, due[0].timings)  # type: ignore[arg-type]
             else:
                 frame = b"".join(extensions.reply_bytes(t.reply, t.timings) for t in due)  # type: ignore[arg-type]
+            if self.settings.reply_delay_s:  # the simulated wire, upstream direction (benchmarks)
+                await trio.sleep(self.settings.reply_delay_s)
             self._upstream_torn = True  # until the whole frame is out: a cancel may cut it
             await send_frame(self._upstream_io, frame, self.peer, downstream=False)
             self._upstream_torn = False
@@ -372,7 +407,21 @@ class Connection:
     def _own_parts(self) -> dict[Handling, Callable[[Dispatch, int, Forward], Awaitable[_OwnPart]]]:
         """The stage's own part of each non-executable handling (one method each)."""
         return {Handling.STOP: self._stop, Handling.RETIRE: self._retire, Handling.TRIM: self._trim,
-                Handling.CONFIGURE: self._configure, Handling.PREFIX_CONTROL: self._prefix_control}
+                Handling.CONFIGURE: self._configure, Handling.PREFIX_CONTROL: self._prefix_control,
+                Handling.RETURN_OPEN: self._return_open}
+
+    async def _return_open(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+        """docs/protocol.md §8: this lane becomes the return lane of the session it names (the
+        protocol checked that it is the lane's first message and flagged); ACKed, not forwarded."""
+        message = dispatch.message
+        if self.returns is None or self.settings.downstream is not None:
+            raise UnsupportedKind("PredictionReturnOpen refused: direct return is served by the final stage only")
+        lane = ReturnLane(self.upstream, self._upstream_io, self.peer, extensions=self.extensions.enabled,
+                          session_id=message.session_id, request_id=message.request_id)
+        self.returns.open(lane)
+        self._return_lane = lane
+        self.stats.return_lanes += 1
+        return _OwnPart(forwarded=False)
 
     async def _stop(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
         if self._forwards is None:  # the final stage releases now; others after the downstream ACK
@@ -454,12 +503,16 @@ class Connection:
             return
         ticket = dispatch.ticket
         if (type(action) is ReplyUpstream and through and rule.write_through_up and ticket is not None
-                and self._upstream_io.is_socket and self.protocol.claim_reply_write(ticket)):
+                and self._upstream_io.is_socket and not self.settings.reply_delay_s
+                and self.protocol.claim_reply_write(ticket)):
             await self._reply_through(dispatch, item, ticket)
             return
         result, queue_us = await self.scheduler.execute(item)
         self._note_recorded(result, message)
         if type(action) is ReplyUpstream:
+            if action.direct:
+                await self._reply_direct(dispatch, action, result, received_us, queue_us)
+                return
             assert ticket is not None
             if action.answer is Answer.ACK:
                 await self._reply(ticket, StageReply.ack(self.protocol.take_stats()))
@@ -479,6 +532,24 @@ class Connection:
         reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
                                                total_us=now_us() - received_us)
         await self._reply(dispatch.ticket, reply, timings)
+
+    async def _reply_direct(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
+                            received_us: int, queue_us: int) -> None:
+        """docs/protocol.md §8: the final stage's prediction, written into the session's return
+        lane (with its Timings frame when that lane negotiated the extensions)."""
+        message = dispatch.message
+        lane = None if self.returns is None else self.returns.get(self.id, message.session_id)
+        if lane is None:
+            raise ReturnLaneLost(f"{dispatch.kind.reference_name} of session {message.session_id} asks for direct "
+                                 "return, but no return lane is open for it on this stage")
+        timings = None
+        if lane.extensions:
+            timings = TimingsFrame((extensions.own_record(
+                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
+        reply = lane_messages.final_prediction(dispatch, result, self.protocol.take_stats(), window=action.window,
+                                               total_us=now_us() - received_us)
+        await lane.send(extensions.reply_bytes(reply, timings), self.settings.reply_delay_s)
+        self.stats.direct_replies += 1
 
     async def _forward_through(self, dispatch: Dispatch, item: WorkItem, key: int, received_us: int,
                                expect: Expect | None) -> None:

@@ -31,7 +31,7 @@ from skippy.protocol_ext import ErrorCode, ErrorFrame
 
 __all__ = [
     "DownstreamError", "DownstreamLost", "InvalidMessage", "MalformedFrame", "Overloaded", "RuntimeFailure",
-    "ShuttingDown", "StageError", "UnsupportedKind", "UpstreamLost", "error_code",
+    "ReturnLaneLost", "ShuttingDown", "StageError", "UnsupportedKind", "UpstreamLost", "error_code",
 ]
 
 
@@ -86,6 +86,13 @@ class UpstreamLost(StageError):
 
     Its code is never sent: there is no one left on that lane to send it to.
     """
+
+    code = ErrorCode.INTERNAL
+
+
+class ReturnLaneLost(StageError):
+    """A session's return lane (docs/protocol.md §8) closed or failed a write: the driver that
+    opened it is gone or gave up on it.  The session's chain lane is closed with this code."""
 
     code = ErrorCode.INTERNAL
 

@@ -64,6 +64,9 @@ class LaneSettings:
     #: (the receiver handles a message when the compute task has nothing queued; a handler writes
     #: a frame when the forwarder has nothing queued) instead of waking it.
     inline_hand_offs: bool = True
+    #: Simulated one-way delay of every reply a stage writes (upstream and into return lanes,
+    #: docs/protocol.md §8), seconds; benchmarks only (``--wire-reply-delay-ms``).
+    reply_delay_s: float = 0.0
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

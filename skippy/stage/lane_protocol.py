@@ -39,7 +39,14 @@ The rules (:data:`RULES`, one row per :class:`~skippy.protocol.MessageKind`; ref
   either (TryRestorePrefillDecode: a prediction on a chain hit, a miss ACK), or none
   (RetireVerifyWindow).  Stop releases the session after the downstream ACK.
 * **header**: executable kinds must pass ``StateHeader.matches_kind``; control kinds are not
-  checked.  StateImport, StateExport and PredictionReturnOpen are refused.
+  checked.  StateImport and StateExport are refused.
+* **direct return** (``docs/protocol.md`` §8): a PredictionReturnOpen carrying the direct-return
+  flag, as the *first* message of a lane, makes that lane a **return lane** (ACKed; anything sent
+  on it afterwards is refused); without the flag, or later on a lane, it is refused as before.
+  A message of a kind whose row has ``direct_return`` and that carries the flag takes no ticket
+  on any stage: a stage with a downstream forwards it expecting no reply, and the final stage
+  answers it on the session's return lane (``ReplyUpstream.direct``).  Control messages, early
+  ACKs and every unflagged message keep the hop-by-hop path.
 * **write-through** columns say which kinds' output the runtime thread may write itself
   (:mod:`skippy.stage.write_through`): the frame of a non-prefill executable kind, and the
   final stage's reply of a plain decode (a PredictedToken and nothing else).
@@ -53,7 +60,7 @@ import enum
 from typing import Awaitable, Callable, Final, Mapping, NamedTuple, final
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
-from skippy.protocol_ext import ExtensionNegotiation, TimingsFrame
+from skippy.protocol_ext import DIRECT_RETURN_FLAG, ExtensionNegotiation, TimingsFrame
 from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
 
 __all__ = [
@@ -71,6 +78,7 @@ class Handling(enum.Enum):
     CONFIGURE = "configure"  #: set the session's sampling and cache settings
     PREFIX_CONTROL = "prefix-control"  #: docs/prefix-cache.md §6 (skippy.stage.prefix_control)
     RETIRE = "retire"  #: release verify checkpoints (nothing to do on this runtime); no reply
+    RETURN_OPEN = "return-open"  #: docs/protocol.md §8: the lane becomes a session's return lane
     REFUSE = "refuse"  #: not served: the lane is closed with UNSUPPORTED_KIND
 
 
@@ -124,7 +132,10 @@ class KindRule:
     write_through_down: bool = False
     #: The runtime thread may write the final stage's reply (a lone PredictedToken).
     write_through_up: bool = False
-    #: Why the kind is refused (``Handling.REFUSE``).
+    #: docs/protocol.md §8: with the direct-return flag, the final stage sends the prediction
+    #: over the session's return lane and no stage answers the message upstream.
+    direct_return: bool = False
+    #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
 
     @property
@@ -152,22 +163,23 @@ class KindRule:
 
 
 _DECODE: Final = KindRule(Handling.EXECUTE, Answer.PREDICTION, auto_align=True, write_through_down=True,
-                          write_through_up=True)
+                          write_through_up=True, direct_return=True)
 _PREFIX: Final = KindRule(Handling.PREFIX_CONTROL, Answer.ACK, checks_header=False)
 
 #: The per-kind rules, one row per kind (see the module header; protocol.md §3 for the kinds).
 RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
                                        outputs=Outputs.NONE),
-    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION),
+    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True),
     MessageKind.DECODE_EMBD: _DECODE,
     MessageKind.DECODE_READOUT: _DECODE,
     MessageKind.DECODE_LIGHT_CTX: _DECODE,
     MessageKind.DECODE_REPLAY_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, outputs=Outputs.NONE,
                                              write_through_down=True),
-    MessageKind.DECODE_REPLAY_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, write_through_down=True),
+    MessageKind.DECODE_REPLAY_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, write_through_down=True,
+                                                   direct_return=True),
     MessageKind.VERIFY_WINDOW: KindRule(Handling.EXECUTE, Answer.PREDICTION, auto_align=True, outputs=Outputs.ALL,
-                                        window=True, write_through_down=True),
+                                        window=True, write_through_down=True, direct_return=True),
     MessageKind.STOP: KindRule(Handling.STOP, Answer.ACK, checks_header=False),
     MessageKind.TRIM_SESSION: KindRule(Handling.TRIM, Answer.ACK, checks_header=False),
     MessageKind.CONFIGURE_GENERATION: KindRule(Handling.CONFIGURE, Answer.ACK, checks_header=False),
@@ -182,8 +194,9 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.STATE_EXPORT: KindRule(
         Handling.REFUSE, Answer.NONE, refusal="binary state export is no longer supported by the skippy runtime ABI"),
     MessageKind.PREDICTION_RETURN_OPEN: KindRule(
-        Handling.REFUSE, Answer.NONE,
-        refusal="direct prediction return (PredictionReturnOpen) is not supported by this stage"),
+        Handling.RETURN_OPEN, Answer.ACK, checks_header=False,
+        refusal="a PredictionReturnOpen is served only as the first message of a lane, with the skippy "
+                "direct-return flag (docs/protocol.md §8)"),
 }
 
 #: (kind, phase, flags) headers already checked and accepted, with their kind and rule, shared by
@@ -239,6 +252,8 @@ class Dispatch(NamedTuple):
     early_ack: bool
     #: The authoritative position to auto-align the session to (None: no alignment).
     align_to: int | None
+    #: docs/protocol.md §8: the prediction goes over the session's return lane (no ticket).
+    direct: bool = False
 
 
 @final
@@ -252,10 +267,12 @@ class SendDownstream:
 @final
 @dataclasses.dataclass(frozen=True, slots=True)
 class ReplyUpstream:
-    """Action after the final stage's part: answer the ticket (``answer``: ACK or PREDICTION)."""
+    """Action after the final stage's part: answer the ticket (``answer``: ACK or PREDICTION), or
+    with ``direct``, send the prediction over the session's return lane (there is no ticket)."""
 
     answer: Answer
     window: bool = False
+    direct: bool = False
 
 
 @final
@@ -274,6 +291,8 @@ _SEND_BY_EXPECT: Final = {expect: SendDownstream(expect) for expect in (*Expect,
 _REPLY_ACK: Final = ReplyUpstream(Answer.ACK)
 _REPLY_PREDICTION: Final = ReplyUpstream(Answer.PREDICTION)
 _REPLY_WINDOW: Final = ReplyUpstream(Answer.PREDICTION, window=True)
+_REPLY_DIRECT: Final = ReplyUpstream(Answer.PREDICTION, direct=True)
+_REPLY_DIRECT_WINDOW: Final = ReplyUpstream(Answer.PREDICTION, window=True, direct=True)
 
 
 def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule]:
@@ -311,7 +330,7 @@ class LaneProtocol:
     """
 
     __slots__ = ("credit_limit", "reply_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
-                 "pending_stats", "inflight")
+                 "pending_stats", "inflight", "messages", "return_lane")
 
     def __init__(self, credit_limit: int, reply_limit: int = 16) -> None:
         if credit_limit < 1:
@@ -333,6 +352,10 @@ class LaneProtocol:
         self.pending_stats: ReplyStats = EMPTY_REPLY_STATS
         #: Messages received whose reply has not been written yet (0: the lane is idle).
         self.inflight = 0
+        #: Messages received on the lane so far.
+        self.messages = 0
+        #: docs/protocol.md §8: the lane opened as a return lane (nothing more may arrive on it).
+        self.return_lane = False
 
     # -- upstream: messages in ------------------------------------------------------------------
     @property
@@ -353,14 +376,27 @@ class LaneProtocol:
         state = message.state
         accepted = _ACCEPTED_HEADERS.get((int(message.kind), int(state.phase), int(state.flags)))
         kind, rule = rule_for(message) if accepted is None else accepted
+        self.messages += 1
+        if self.return_lane or rule.handling is Handling.RETURN_OPEN:
+            self._return_lane_rule(message, kind, rule)
+        direct = rule.direct_return and bool(state.flags & DIRECT_RETURN_FLAG)
         ticket = None
-        if rule.answer is not Answer.NONE:
+        if rule.answer is not Answer.NONE and not direct:
             ticket = Ticket(kind)
             self._tickets.append(ticket)
             self.inflight += 1
         position = message.pos_start
         return Dispatch(message, kind, rule, ticket, rule.early_ack,
-                        position if rule.auto_align and position >= 0 else None)
+                        position if rule.auto_align and position >= 0 else None, direct)
+
+    def _return_lane_rule(self, message: StageMessage, kind: MessageKind, rule: KindRule) -> None:
+        """docs/protocol.md §8: a return lane is opened by its first message and carries nothing else."""
+        if self.return_lane:
+            raise InvalidMessage(f"{kind.reference_name} on a return lane: a return lane carries nothing "
+                                 "after its PredictionReturnOpen")
+        if self.messages != 1 or not message.state.flags & DIRECT_RETURN_FLAG:
+            raise UnsupportedKind(f"{kind.reference_name} refused: {rule.refusal}")
+        self.return_lane = True
 
     def computed(self, dispatch: Dispatch, *, has_downstream: bool, local_hit: bool = False,
                  forwarded: bool = True) -> SendDownstream | ReplyUpstream | None:
@@ -377,6 +413,10 @@ class LaneProtocol:
             the final stage, or a message that is not answered).
         """
         rule = dispatch.rule
+        if dispatch.direct:  # docs/protocol.md §8: the final stage answers on the return lane
+            if has_downstream:
+                return _SEND_BY_EXPECT[None]
+            return _REPLY_DIRECT_WINDOW if rule.window else _REPLY_DIRECT
         if has_downstream and forwarded:
             return _SEND_BY_EXPECT[rule.expect(local_hit=local_hit)]
         if dispatch.early_ack or dispatch.ticket is None:

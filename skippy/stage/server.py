@@ -28,6 +28,7 @@ from skippy.runtime.model import LayerRange
 from skippy.runtime.null import NullContext, NullModel, is_null_spec
 from skippy.stage.config import Address, StageConfig
 from skippy.stage.connection import Connection, LaneSettings
+from skippy.stage.direct_return import ReturnHub
 from skippy.stage.executor import Executor
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
@@ -105,10 +106,17 @@ class StageServer:
             max_inflight=config.max_inflight, connect_timeout=config.connect_timeout,
             wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
             write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
+            reply_delay_s=config.wire_reply_delay_ms / 1000.0,
         )
+        #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).
+        self.returns = ReturnHub(self._lanes_with_session)
         self.address: Address | None = None
         self.connections: set[Connection] = set()
         self._shutdown = trio.Event()
+
+    def _lanes_with_session(self, session_id: int) -> list[int]:
+        """Ids of the open chain lanes that carry ``session_id`` (the return hub's owners)."""
+        return [connection.id for connection in self.connections if connection.has_session(session_id)]
 
     def shutdown(self) -> None:
         """Ask :meth:`serve` to drain and return."""
@@ -187,7 +195,7 @@ class StageServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):  # a probe that left at once
             await trio.aclose_forcefully(stream)
             return
-        connection = Connection(stream, peer, self.settings, self.scheduler, self.stats)
+        connection = Connection(stream, peer, self.settings, self.scheduler, self.stats, self.returns)
         self.connections.add(connection)
         try:
             await connection.run()

@@ -46,6 +46,9 @@ class StageStats:
     forward_write_us: int = 0
     #: Frames (downstream activations, final-stage predictions) the runtime thread wrote itself.
     write_throughs: int = 0
+    #: docs/protocol.md §8: return lanes opened on this stage, predictions written into them.
+    return_lanes: int = 0
+    direct_replies: int = 0
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0

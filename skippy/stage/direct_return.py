@@ -1,0 +1,126 @@
+"""Direct return on the final stage: the return lanes drivers open, and the writes into them.
+
+Strategy (``docs/protocol.md`` §8; the per-kind rules are rows of
+:data:`skippy.stage.lane_protocol.RULES`): a driver that wants its predictions straight from the
+final stage dials that stage and sends ``PredictionReturnOpen{request_id, session_id}`` with the
+direct-return flag as the lane's first message.  That lane's :class:`~skippy.stage.connection.Connection`
+registers a :class:`ReturnLane` here, keyed by the **chain lane that carries the session** (the
+stage's one lane on which that session id is open: the driver configured it first) and the
+session id, ACKs the open, and from then on only reads (anything arriving is a refusal that closes
+the return lane alone).  A flagged message of a direct-return kind on that chain lane is answered
+by writing the prediction (with the Timings frame, when the return lane negotiated the
+extensions) into the return lane; no stage answers it up the chain.
+
+Ownership and faults:
+
+* A return lane is written by the chain lane that owns its session, under the return lane's lock
+  (one writer at a time: the owner's handler, or the return lane's own Error frame at close).
+* The owner closing (its upstream left, or it failed) closes its return lanes, with its Error
+  frame when there is one, so a driver waiting on a return lane learns at once that the chain is
+  gone.  A return lane closing (the driver left, or sent something) just unregisters it; a later
+  flagged message for the session is then a refusal of the chain lane (:class:`ReturnLaneLost`).
+* An open naming a session no lane has, or one that two lanes have (ambiguous), or a session that
+  already has a return lane, is refused; other sessions carry on.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import trio
+
+from skippy.stage.errors import InvalidMessage, ReturnLaneLost, StageError
+from skippy.stage.transport import SocketIO, send_frame
+
+__all__ = ["ReturnHub", "ReturnLane"]
+
+
+class ReturnLane:
+    """One session's return lane (the stream a driver opened to the final stage)."""
+
+    __slots__ = ("stream", "io", "peer", "extensions", "session_id", "request_id", "owner", "lock", "closed")
+
+    def __init__(self, stream: trio.abc.Stream, io: SocketIO, peer: str, *, extensions: bool, session_id: int,
+                 request_id: int) -> None:
+        self.stream = stream
+        self.io = io
+        self.peer = peer
+        #: The open carried the extension flag: Timings and Error frames may be sent on it.
+        self.extensions = extensions
+        self.session_id = session_id
+        self.request_id = request_id
+        #: Id of the chain lane that carries the session (set by :meth:`ReturnHub.open`).
+        self.owner = -1
+        self.lock = trio.Lock()
+        self.closed = False
+
+    async def send(self, frame: bytes, delay_s: float = 0.0) -> None:
+        """Write one reply frame (``delay_s``: the simulated one-way wire delay, benchmarks).
+
+        Raises:
+            ReturnLaneLost: the return lane is closed or the write failed.
+        """
+        async with self.lock:
+            if self.closed:
+                raise ReturnLaneLost(f"the return lane of session {self.session_id} from {self.peer} is closed")
+            if delay_s > 0:
+                await trio.sleep(delay_s)
+            try:
+                await send_frame(self.io, frame, self.peer, downstream=False)
+            except StageError as exc:  # the driver left or reset the return lane
+                self.closed = True
+                raise ReturnLaneLost(
+                    f"the return lane of session {self.session_id} to {self.peer} failed a write") from exc
+
+
+class ReturnHub:
+    """The return lanes of one stage, by (owning chain lane id, session id).
+
+    Args:
+        owners_of: the ids of the chain lanes on which a session id is open.
+    """
+
+    __slots__ = ("_owners_of", "_lanes")
+
+    def __init__(self, owners_of: Callable[[int], list[int]]) -> None:
+        self._owners_of = owners_of
+        self._lanes: dict[tuple[int, int], ReturnLane] = {}
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def open(self, lane: ReturnLane) -> None:
+        """Register ``lane`` for its session.
+
+        Raises:
+            InvalidMessage: no lane has the session, more than one has it, or it has a return lane.
+        """
+        owners = self._owners_of(lane.session_id)
+        if not owners:
+            raise InvalidMessage(f"PredictionReturnOpen for unknown session {lane.session_id} "
+                                 "(configure the session through the chain first)")
+        if len(owners) > 1:
+            raise InvalidMessage(f"PredictionReturnOpen for session {lane.session_id}, which {len(owners)} lanes "
+                                 "carry: ambiguous")
+        key = (owners[0], lane.session_id)
+        if key in self._lanes:
+            raise InvalidMessage(f"session {lane.session_id} already has a return lane")
+        lane.owner = owners[0]
+        self._lanes[key] = lane
+
+    def get(self, owner: int, session_id: int) -> ReturnLane | None:
+        """The return lane of ``session_id`` on chain lane ``owner`` (None: none is open)."""
+        return self._lanes.get((owner, session_id))
+
+    def remove(self, lane: ReturnLane) -> None:
+        """Unregister ``lane`` (its own connection is closing); idempotent."""
+        lane.closed = True
+        if self._lanes.get((lane.owner, lane.session_id)) is lane:
+            del self._lanes[lane.owner, lane.session_id]
+
+    def detach(self, owner: int) -> list[ReturnLane]:
+        """Unregister and return every return lane of chain lane ``owner`` (it is closing)."""
+        lanes = [lane for key, lane in self._lanes.items() if key[0] == owner]
+        for lane in lanes:
+            del self._lanes[lane.owner, lane.session_id]
+        return lanes
