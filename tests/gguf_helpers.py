@@ -56,7 +56,8 @@ def parse_gguf(path: Path) -> ParsedGGUF:
             return count
         return take(_GGUF_SCALARS[kind])
 
-    _version, n_tensors, n_kv = take("I"), int(take("Q")), int(take("Q"))  # type: ignore[call-overload]
+    take("I")  # version
+    n_tensors, n_kv = int(take("Q")), int(take("Q"))  # type: ignore[call-overload]
     fields = {}
     for _ in range(n_kv):
         key = string()

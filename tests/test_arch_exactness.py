@@ -20,7 +20,8 @@ these architectures: before it covers one, loading a partial range of it raises
 UnsupportedArchitecture and its tests fail (they are not skipped). deepseek2 (MLA) is covered
 like the others (its 4 tiny layers: one dense block, then experts). The further families with
 writers (gemma, olmoe, smollm3, exaone4, ernie4_5, starcoder2, cohere2, seed_oss, llama4,
-minimax-m2, dots1, ernie4_5-moe, command-r, internlm2, phi2, stablelm, arcee, olmo) get the same
+minimax-m2, dots1, ernie4_5-moe, command-r, internlm2, phi2, stablelm, arcee, olmo, hunyuan-moe,
+bailingmoe2, exaone, nemotron) get the same
 cases, which check the runtime's refusal while it does not split them.
 """
 
@@ -145,7 +146,7 @@ def test_further_family_splits_exactly_or_is_refused(
 ) -> None:
     """Families with writers beyond issue 11's list (gemma, olmoe, smollm3, exaone4, ernie4_5,
     starcoder2, cohere2, seed_oss, llama4, minimax-m2, dots1, ernie4_5-moe, command-r,
-    internlm2, phi2, stablelm, arcee, olmo): once the runtime splits one, the same bitwise exactness as
+    internlm2, phi2, stablelm, arcee, olmo, hunyuan-moe, bailingmoe2, exaone, nemotron): once the runtime splits one, the same bitwise exactness as
     above; while it does not, a partial range must be refused with the reason."""
     if arch not in SPLIT_ARCHITECTURES:
         with pytest.raises(UnsupportedArchitecture, match=f"{arch}.*partial layer range: .+"):

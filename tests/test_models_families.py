@@ -18,7 +18,6 @@ import hashlib
 import json
 import os
 import re
-import struct
 import subprocess
 import sys
 import textwrap
@@ -242,6 +241,37 @@ EXPECTED_BLOCK: dict[str, Callable[[ModelSpec, int], Shapes]] = {
         "ffn_down.weight": (s.n_ff, s.n_embd),
     },
     "olmo": lambda s, i: _attn(s, norm=False) | _ffn(s, norm=False),
+    "hunyuan-moe": lambda s, i: _attn(s) | _qk_norm(s) | {
+        "ffn_norm.weight": (s.n_embd,),
+        "ffn_gate_inp.weight": (s.n_embd, s.n_expert),
+        "ffn_gate_exps.weight": (s.n_embd, s.n_ff, s.n_expert),
+        "ffn_up_exps.weight": (s.n_embd, s.n_ff, s.n_expert),
+        "ffn_down_exps.weight": (s.n_ff, s.n_embd, s.n_expert),
+        "ffn_gate_shexp.weight": (s.n_embd, s.n_ff_shexp),
+        "ffn_up_shexp.weight": (s.n_embd, s.n_ff_shexp),
+        "ffn_down_shexp.weight": (s.n_ff_shexp, s.n_embd),
+    },
+    "bailingmoe2": lambda s, i: _qk_norm(s) | {
+        "attn_norm.weight": (s.n_embd,),
+        "attn_qkv.weight": (s.n_embd, s.n_embd + 2 * s.n_kv),
+        "attn_output.weight": (s.n_q, s.n_embd),
+    } | (
+        _ffn(s) if i < s.n_dense_lead else _experts(s) | {
+            "ffn_norm.weight": (s.n_embd,),
+            "exp_probs_b.bias": (s.n_expert,),
+            "ffn_gate_shexp.weight": (s.n_embd, s.n_ff_exp),
+            "ffn_up_shexp.weight": (s.n_embd, s.n_ff_exp),
+            "ffn_down_shexp.weight": (s.n_ff_exp, s.n_embd),
+        }
+    ),
+    "exaone": lambda s, i: _attn(s) | _ffn(s),
+    "nemotron": lambda s, i: _attn(s) | {
+        "attn_norm.bias": (s.n_embd,),
+        "ffn_norm.weight": (s.n_embd,),
+        "ffn_norm.bias": (s.n_embd,),
+        "ffn_up.weight": (s.n_embd, s.n_ff),
+        "ffn_down.weight": (s.n_ff, s.n_embd),
+    },
     "dots1": lambda s, i: _attn(s) | _qk_norm(s) | (
         _ffn(s) if i < s.n_dense_lead else _experts(s) | {
             "ffn_norm.weight": (s.n_embd,),
@@ -328,6 +358,17 @@ EXPECTED_KEYS: dict[str, dict[str, object]] = {
     "stablelm": {"attention.layer_norm_epsilon": 1e-5, "rope.dimension_count": 4},
     "arcee": {},
     "olmo": {"attention.layer_norm_epsilon": 1e-5, "attention.clamp_kqv": 1.5},
+    "hunyuan-moe": {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "expert_shared_feed_forward_length": 64,
+    },
+    "bailingmoe2": {
+        "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
+        "expert_shared_count": 1, "leading_dense_block_count": 1, "expert_gating_func": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5, "rope.dimension_count": 8,
+    },
+    "exaone": {},
+    "nemotron": {"attention.layer_norm_epsilon": 1e-5, "rope.dimension_count": 8},
     "dots1": {
         "expert_count": 8, "expert_used_count": 2, "expert_feed_forward_length": 32,
         "expert_shared_count": 1, "leading_dense_block_count": 1, "expert_gating_func": 2,
@@ -354,7 +395,7 @@ def expected_tensors(spec: ModelSpec) -> dict[str, tuple[tuple[int, ...], str]]:
         out["output_norm.weight"] = ((spec.n_embd,), "F32")
     if not spec.tied:
         out["output.weight"] = ((spec.n_embd, N_VOCAB), spec.dtype)
-    if spec.arch in ("starcoder2", "phi2", "stablelm"):
+    if spec.arch in ("starcoder2", "phi2", "stablelm", "nemotron"):
         out["output_norm.bias"] = ((spec.n_embd,), "F32")
     if spec.arch == "phi2":
         out["output.bias"] = ((N_VOCAB,), "F32")

@@ -1,7 +1,8 @@
 # Per-architecture descriptions of synthetic models: which hparams a family needs and which
 # tensors each of its blocks holds, as llama.cpp's loader for that architecture expects them.
 #
-# Strategy: a `Family` is data, not code paths spread through the writer. It names
+# Strategy: a `Family` is data, not code paths spread through the writer (the shared pieces its
+# blocks are built from live in `blocks.py`). It names
 # - the head options its loader accepts (`heads`: tied, untied or both),
 # - the optional `ModelSpec` fields it requires / permits (`requires`, `permits`); every such
 #   field maps to one GGUF key (`OPTIONAL_KEYS`), written only when the field is set, so a spec
@@ -26,9 +27,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Final, Literal, final
+from typing import TYPE_CHECKING, Final, final
 
 from gguf import GGUFValueType
+
+from skippy.models import blocks as b
+from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
@@ -43,31 +47,6 @@ __all__ = [
     "family",
     "quantized_rows",
 ]
-
-#: What a tensor is; decides its initialisation (see synthetic.py) and, with `quantized`, its type.
-#: embedding: token table; matrix: a projection (2-D, or 3-D stacked experts); norm: RMSNorm
-#: weight; bias: additive bias (any rank); router: expert-gating projection (kept F32, as
-#: llama.cpp's converter and quantizer keep ``ffn_gate_inp``); vector: a 1-D weight used as a
-#: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits.
-TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink"]
-
-
-@final
-@dataclass(frozen=True, slots=True)
-class TensorDecl:
-    """One tensor of a model as its family declares it.
-
-    Attributes:
-        name: GGUF tensor name.
-        shape: numpy shape (last axis = input width).
-        kind: see `TensorKind`.
-        quantized: stored in the spec's weight dtype (else always F32).
-    """
-
-    name: str
-    shape: tuple[int, ...]
-    kind: TensorKind
-    quantized: bool
 
 
 @final
@@ -181,225 +160,6 @@ def _is_set(value: object) -> bool:
     return bool(value)
 
 
-# --- shared pieces -------------------------------------------------------------------------
-
-
-def _blk(layer: int, name: str, suffix: str = "weight") -> str:
-    return f"blk.{layer}.{name}.{suffix}"
-
-
-def _matrix(layer: int, name: str, out_width: int, in_width: int) -> TensorDecl:
-    return TensorDecl(_blk(layer, name), (out_width, in_width), "matrix", True)
-
-
-def _norm(layer: int, name: str, width: int) -> TensorDecl:
-    return TensorDecl(_blk(layer, name), (width,), "norm", False)
-
-
-def _bias(layer: int, name: str, *shape: int) -> TensorDecl:
-    return TensorDecl(_blk(layer, name, "bias"), tuple(shape), "bias", False)
-
-
-def _attention(
-    spec: "ModelSpec",
-    layer: int,
-    *,
-    pre_norm: bool = True,
-    norm_bias: bool = False,
-    qkv_bias: bool = False,
-    fused_qkv: bool = False,
-    qk_norm: Literal["none", "head", "full"] = "none",
-    out_bias: bool = False,
-    sinks: bool = False,
-    post_norm: bool = False,
-) -> list[TensorDecl]:
-    """The attention sub-block: [attn_norm], q/k/v (or fused qkv) [+biases], [q/k norms],
-    attn_output [+bias], [attn_sinks], [post_attention_norm]."""
-    out: list[TensorDecl] = []
-    if pre_norm:
-        out.append(_norm(layer, "attn_norm", spec.n_embd))
-        if norm_bias:
-            out.append(_bias(layer, "attn_norm", spec.n_embd))
-    if fused_qkv:
-        out.append(_matrix(layer, "attn_qkv", spec.n_q + 2 * spec.n_kv, spec.n_embd))
-        if qkv_bias:
-            out.append(_bias(layer, "attn_qkv", spec.n_q + 2 * spec.n_kv))
-    else:
-        for name, width in (("attn_q", spec.n_q), ("attn_k", spec.n_kv), ("attn_v", spec.n_kv)):
-            out.append(_matrix(layer, name, width, spec.n_embd))
-            if qkv_bias:
-                out.append(_bias(layer, name, width))
-    if qk_norm == "head":
-        out.append(_norm(layer, "attn_q_norm", spec.n_embd_head))
-        out.append(_norm(layer, "attn_k_norm", spec.n_embd_head))
-    elif qk_norm == "full":  # OLMo 2 / OLMoE normalise the whole q and k projections
-        out.append(_norm(layer, "attn_q_norm", spec.n_q))
-        out.append(_norm(layer, "attn_k_norm", spec.n_kv))
-    out.append(_matrix(layer, "attn_output", spec.n_embd, spec.n_q))
-    if out_bias:
-        out.append(_bias(layer, "attn_output", spec.n_embd))
-    if sinks:
-        out.append(TensorDecl(_blk(layer, "attn_sinks"), (spec.n_head,), "sink", False))
-    if post_norm:
-        out.append(_norm(layer, "post_attention_norm", spec.n_embd))
-    return out
-
-
-def _dense_ffn(
-    spec: "ModelSpec",
-    layer: int,
-    *,
-    pre_norm: bool = True,
-    fused_up: bool = False,
-    post_norm: bool = False,
-    gated: bool = True,
-    biases: bool = False,
-) -> list[TensorDecl]:
-    """The feed-forward: [ffn_norm], gate, up, down (SwiGLU / GeGLU; or up = [gate; up] fused,
-    as phi3 and glm4 store it; or no gate, as starcoder2's GELU MLP), [post_ffw_norm].
-    ``biases`` adds the norm's bias and the projections' (starcoder2)."""
-    out: list[TensorDecl] = []
-    if pre_norm:
-        out.append(_norm(layer, "ffn_norm", spec.n_embd))
-        if biases:
-            out.append(_bias(layer, "ffn_norm", spec.n_embd))
-    if fused_up:
-        out.append(_matrix(layer, "ffn_up", 2 * spec.n_ff, spec.n_embd))
-    else:
-        if gated:
-            out.append(_matrix(layer, "ffn_gate", spec.n_ff, spec.n_embd))
-        out.append(_matrix(layer, "ffn_up", spec.n_ff, spec.n_embd))
-        if biases:
-            out.append(_bias(layer, "ffn_up", spec.n_ff))
-    out.append(_matrix(layer, "ffn_down", spec.n_embd, spec.n_ff))
-    if biases:
-        out.append(_bias(layer, "ffn_down", spec.n_embd))
-    if post_norm:
-        out.append(_norm(layer, "post_ffw_norm", spec.n_embd))
-    return out
-
-
-def _moe_ffn(
-    spec: "ModelSpec",
-    layer: int,
-    *,
-    pre_norm: bool = True,
-    router_bias: bool = False,
-    expert_bias: bool = False,
-    selection_bias: bool = False,
-    shared: Literal["none", "gated", "plain", "own"] = "none",
-    expert_width: int = 0,
-) -> list[TensorDecl]:
-    """The mixture-of-experts feed-forward: [ffn_norm], router ffn_gate_inp (F32) [+bias],
-    [exp_probs_b selection bias], merged 3-D gate/up/down experts [+2-D biases], then the
-    shared expert: "gated" (qwen2moe: a sigmoid gate vector plus its own width n_ff_shexp),
-    "plain" (glm4moe/deepseek2: n_expert_shared * n_ff_exp wide) or "own" (ernie4_5-moe: its
-    own width n_ff_shexp, no gate). ``expert_width`` replaces
-    n_ff_exp where the loader sizes experts by feed_forward_length (olmoe)."""
-    n_exp, n_ff_exp, n_embd = spec.n_expert, expert_width or spec.n_ff_exp, spec.n_embd
-    out: list[TensorDecl] = []
-    if pre_norm:
-        out.append(_norm(layer, "ffn_norm", n_embd))
-    out.append(TensorDecl(_blk(layer, "ffn_gate_inp"), (n_exp, n_embd), "router", False))
-    if router_bias:
-        out.append(_bias(layer, "ffn_gate_inp", n_exp))
-    if selection_bias:
-        out.append(_bias(layer, "exp_probs_b", n_exp))
-    for name, rows, cols, bias_width in (
-        ("ffn_gate_exps", n_ff_exp, n_embd, n_ff_exp),
-        ("ffn_up_exps", n_ff_exp, n_embd, n_ff_exp),
-        ("ffn_down_exps", n_embd, n_ff_exp, n_embd),
-    ):
-        out.append(TensorDecl(_blk(layer, name), (n_exp, rows, cols), "matrix", True))
-        if expert_bias:
-            out.append(_bias(layer, name, n_exp, bias_width))
-    if shared == "gated":
-        width = spec.n_ff_shexp
-        out.append(TensorDecl(_blk(layer, "ffn_gate_inp_shexp"), (n_embd,), "vector", False))
-    elif shared == "plain":
-        width = spec.n_expert_shared * n_ff_exp
-    elif shared == "own" and spec.n_ff_shexp:
-        width = spec.n_ff_shexp
-    else:
-        return out
-    out.append(_matrix(layer, "ffn_gate_shexp", width, n_embd))
-    out.append(_matrix(layer, "ffn_up_shexp", width, n_embd))
-    out.append(_matrix(layer, "ffn_down_shexp", n_embd, width))
-    return out
-
-
-# --- rules ---------------------------------------------------------------------------------
-
-
-def _coupled_heads(spec: "ModelSpec") -> str | None:
-    # These loaders shape q and attn_output as n_embd x n_embd.
-    if spec.n_q != spec.n_embd:
-        return (
-            f"{spec.arch} needs n_head * head_dim == n_embd, got {spec.n_head} * "
-            f"{spec.n_embd_head} != {spec.n_embd}"
-        )
-    return None
-
-
-def _mha(spec: "ModelSpec") -> str | None:
-    # OLMoE's loader shapes k/v and the k norm as n_embd wide.
-    if spec.n_head_kv != spec.n_head:
-        return f"{spec.arch} needs n_head_kv == n_head"
-    return None
-
-
-def _full_rope(spec: "ModelSpec") -> str | None:
-    # gpt-oss shapes its projections with n_rot, so the rotary width must be the head width.
-    if spec.n_rot != spec.n_embd_head:
-        return f"{spec.arch} needs rope_dim == head_dim"
-    return None
-
-
-def _mla(spec: "ModelSpec") -> str | None:
-    # DeepSeek-V2/V3 multi-head latent attention, as converted today: one shared latent KV head,
-    # per-head key width head_dim = qk_nope + qk_rope with rope_dim = qk_rope.
-    if spec.n_head_kv != 1:
-        return "deepseek2 (MLA) needs n_head_kv == 1 (one shared latent KV head)"
-    if not 0 < spec.n_rot < spec.n_embd_head:
-        return "deepseek2 needs 0 < rope_dim < head_dim (head_dim = qk_nope + qk_rope)"
-    return None
-
-
-def _dense_lead_below_n_layer(spec: "ModelSpec") -> str | None:
-    if spec.n_dense_lead >= spec.n_layer:
-        return f"n_dense_lead ({spec.n_dense_lead}) must be below n_layer ({spec.n_layer})"
-    return None
-
-
-def _experts(spec: "ModelSpec") -> str | None:
-    if spec.n_expert and not 0 < spec.n_expert_used <= spec.n_expert:
-        return f"n_expert_used must be in 1..n_expert ({spec.n_expert}), got {spec.n_expert_used}"
-    if spec.expert_gating not in (0, 1, 2):
-        return f"expert_gating must be 1 (softmax) or 2 (sigmoid), got {spec.expert_gating}"
-    return None
-
-
-def _window(spec: "ModelSpec") -> str | None:
-    if spec.swa_pattern and not spec.sliding_window:
-        return "swa_pattern needs sliding_window"
-    return None
-
-
-def _yarn(spec: "ModelSpec") -> str | None:
-    if spec.rope_scaling not in ("", "yarn"):
-        return f"rope_scaling must be '' or 'yarn', got {spec.rope_scaling!r}"
-    if spec.rope_scaling and not spec.rope_scaling_factor > 0:
-        return "rope_scaling 'yarn' needs rope_scaling_factor > 0"
-    return None
-
-
-def _temperature(spec: "ModelSpec") -> str | None:
-    if spec.attn_temp_scale and not spec.rope_orig_ctx:
-        # llama.cpp floors positions by n_ctx_orig_yarn for the attention temperature.
-        return "attn_temp_scale needs rope_orig_ctx"
-    return None
-
-
 # --- the families --------------------------------------------------------------------------
 
 _BOTH: Final = frozenset({False, True})
@@ -408,68 +168,68 @@ _UNTIED: Final = frozenset({False})
 
 
 def _llama(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer) + _dense_ffn(spec, layer)
+    return b.attention(spec, layer) + b.dense_ffn(spec, layer)
 
 
 def _qwen2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qkv_bias=True) + _dense_ffn(spec, layer)
+    return b.attention(spec, layer, qkv_bias=True) + b.dense_ffn(spec, layer)
 
 
 def _qwen3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qk_norm="head") + _dense_ffn(spec, layer)
+    return b.attention(spec, layer, qk_norm="head") + b.dense_ffn(spec, layer)
 
 
 def _gemma2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, post_norm=True) + _dense_ffn(spec, layer, post_norm=True)
+    return b.attention(spec, layer, post_norm=True) + b.dense_ffn(spec, layer, post_norm=True)
 
 
 def _gemma3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qk_norm="head", post_norm=True) + _dense_ffn(
+    return b.attention(spec, layer, qk_norm="head", post_norm=True) + b.dense_ffn(
         spec, layer, post_norm=True
     )
 
 
 def _phi3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, fused_qkv=True) + _dense_ffn(spec, layer, fused_up=True)
+    return b.attention(spec, layer, fused_qkv=True) + b.dense_ffn(spec, layer, fused_up=True)
 
 
 def _olmo2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # OLMo 2 has no pre-norms: q/k norms over the whole projections, then post-norms.
-    return _attention(spec, layer, pre_norm=False, qk_norm="full", post_norm=True) + _dense_ffn(
+    return b.attention(spec, layer, pre_norm=False, qk_norm="full", post_norm=True) + b.dense_ffn(
         spec, layer, pre_norm=False, post_norm=True
     )
 
 
 def _glm4(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qkv_bias=True, post_norm=True) + _dense_ffn(
+    return b.attention(spec, layer, qkv_bias=True, post_norm=True) + b.dense_ffn(
         spec, layer, fused_up=True, post_norm=True
     )
 
 
 def _qwen2moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qkv_bias=True) + _moe_ffn(spec, layer, shared="gated")
+    return b.attention(spec, layer, qkv_bias=True) + b.moe_ffn(spec, layer, shared="gated")
 
 
 def _qwen3moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qk_norm="head") + _moe_ffn(spec, layer)
+    return b.attention(spec, layer, qk_norm="head") + b.moe_ffn(spec, layer)
 
 
 def _gpt_oss(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # gpt-oss: biases everywhere, per-head sinks; its "post_attention_norm" is the FFN's
     # input norm (there is no ffn_norm).
-    return _attention(
+    return b.attention(
         spec, layer, qkv_bias=True, out_bias=True, sinks=True, post_norm=True
-    ) + _moe_ffn(spec, layer, pre_norm=False, router_bias=True, expert_bias=True)
+    ) + b.moe_ffn(spec, layer, pre_norm=False, router_bias=True, expert_bias=True)
 
 
 def _glm4moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # GLM-4.5(-Air): q/k/v biases, "post_attention_norm" feeds the FFN (no ffn_norm), the first
     # n_dense_lead blocks are dense, the rest sigmoid-routed experts with a selection bias and
     # one shared expert.
-    attention = _attention(spec, layer, qkv_bias=True, post_norm=True)
+    attention = b.attention(spec, layer, qkv_bias=True, post_norm=True)
     if layer < spec.n_dense_lead:
-        return attention + _dense_ffn(spec, layer, pre_norm=False)
-    return attention + _moe_ffn(spec, layer, pre_norm=False, selection_bias=True, shared="plain")
+        return attention + b.dense_ffn(spec, layer, pre_norm=False)
+    return attention + b.moe_ffn(spec, layer, pre_norm=False, selection_bias=True, shared="plain")
 
 
 def _deepseek2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
@@ -480,45 +240,45 @@ def _deepseek2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     e, heads, q_rank, kv_rank = spec.n_embd, spec.n_head, spec.q_lora_rank, spec.kv_lora_rank
     nope = spec.n_embd_head - spec.n_rot
     out = [
-        _norm(layer, "attn_norm", e),
-        _matrix(layer, "attn_q_a", q_rank, e),
-        _norm(layer, "attn_q_a_norm", q_rank),
-        _matrix(layer, "attn_q_b", heads * spec.n_embd_head, q_rank),
-        _matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
-        _norm(layer, "attn_kv_a_norm", kv_rank),
-        TensorDecl(_blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
-        TensorDecl(_blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
-        _matrix(layer, "attn_output", e, heads * spec.v_head_dim),
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_q_a", q_rank, e),
+        b.norm(layer, "attn_q_a_norm", q_rank),
+        b.matrix(layer, "attn_q_b", heads * spec.n_embd_head, q_rank),
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
+        b.norm(layer, "attn_kv_a_norm", kv_rank),
+        TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
+        TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+        b.matrix(layer, "attn_output", e, heads * spec.v_head_dim),
     ]
     if layer < spec.n_dense_lead:
-        return out + _dense_ffn(spec, layer)
-    return out + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
 def _olmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, qk_norm="full") + _moe_ffn(spec, layer, expert_width=spec.n_ff)
+    return b.attention(spec, layer, qk_norm="full") + b.moe_ffn(spec, layer, expert_width=spec.n_ff)
 
 
 def _exaone4(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, pre_norm=False, qk_norm="head", post_norm=True) + _dense_ffn(
+    return b.attention(spec, layer, pre_norm=False, qk_norm="head", post_norm=True) + b.dense_ffn(
         spec, layer, pre_norm=False, post_norm=True
     )
 
 
 def _starcoder2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    return _attention(spec, layer, norm_bias=True, qkv_bias=True, out_bias=True) + _dense_ffn(
+    return b.attention(spec, layer, norm_bias=True, qkv_bias=True, out_bias=True) + b.dense_ffn(
         spec, layer, gated=False, biases=True
     )
 
 
 def _cohere2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Command R7B: one LayerNorm feeds attention and FFN in parallel (no ffn_norm).
-    return _attention(spec, layer) + _dense_ffn(spec, layer, pre_norm=False)
+    return b.attention(spec, layer) + b.dense_ffn(spec, layer, pre_norm=False)
 
 
 def _seed_oss(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Seed-OSS: q/k/v biases; "post_attention_norm" is the FFN's input norm.
-    return _attention(spec, layer, qkv_bias=True, post_norm=True) + _dense_ffn(
+    return b.attention(spec, layer, qkv_bias=True, post_norm=True) + b.dense_ffn(
         spec, layer, pre_norm=False
     )
 
@@ -526,64 +286,88 @@ def _seed_oss(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
 def _llama4(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Llama 4: every n_moe_layer_step-th block is MoE (sigmoid top-k plus one shared expert as
     # wide as an expert), the others dense.
-    attention = _attention(spec, layer)
+    attention = b.attention(spec, layer)
     if (layer + 1) % spec.n_moe_layer_step != 0:
-        return attention + _dense_ffn(spec, layer)
+        return attention + b.dense_ffn(spec, layer)
     shared = [
-        _matrix(layer, "ffn_gate_shexp", spec.n_ff_exp, spec.n_embd),
-        _matrix(layer, "ffn_up_shexp", spec.n_ff_exp, spec.n_embd),
-        _matrix(layer, "ffn_down_shexp", spec.n_embd, spec.n_ff_exp),
+        b.matrix(layer, "ffn_gate_shexp", spec.n_ff_exp, spec.n_embd),
+        b.matrix(layer, "ffn_up_shexp", spec.n_ff_exp, spec.n_embd),
+        b.matrix(layer, "ffn_down_shexp", spec.n_embd, spec.n_ff_exp),
     ]
-    return attention + _moe_ffn(spec, layer) + shared
+    return attention + b.moe_ffn(spec, layer) + shared
 
 
 def _minimax_m2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # MiniMax-M2: full-width q/k norms, sigmoid-routed experts (sized by feed_forward_length)
     # with a selection bias.
-    return _attention(spec, layer, qk_norm="full") + _moe_ffn(
+    return b.attention(spec, layer, qk_norm="full") + b.moe_ffn(
         spec, layer, selection_bias=True, expert_width=spec.n_ff
     )
 
 
 def _dots1(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    attention = _attention(spec, layer, qk_norm="head")
+    attention = b.attention(spec, layer, qk_norm="head")
     if layer < spec.n_dense_lead:
-        return attention + _dense_ffn(spec, layer)
-    return attention + _moe_ffn(spec, layer, selection_bias=True, shared="plain")
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
 def _phi2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Phi-2: one LayerNorm (with bias) feeds attention and the GELU MLP in parallel; fused
     # q/k/v with bias, biases on every projection.
-    return _attention(
+    return b.attention(
         spec, layer, norm_bias=True, fused_qkv=True, qkv_bias=True, out_bias=True
-    ) + _dense_ffn(spec, layer, pre_norm=False, gated=False, biases=True)
+    ) + b.dense_ffn(spec, layer, pre_norm=False, gated=False, biases=True)
 
 
 def _stablelm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # StableLM 2: LayerNorms with biases, q/k/v biases, SwiGLU.
-    out = _attention(spec, layer, norm_bias=True, qkv_bias=True)
-    out += [_norm(layer, "ffn_norm", spec.n_embd), _bias(layer, "ffn_norm", spec.n_embd)]
-    return out + _dense_ffn(spec, layer, pre_norm=False)
+    out = b.attention(spec, layer, norm_bias=True, qkv_bias=True)
+    out += [b.norm(layer, "ffn_norm", spec.n_embd), b.bias(layer, "ffn_norm", spec.n_embd)]
+    return out + b.dense_ffn(spec, layer, pre_norm=False)
 
 
 def _arcee(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # AFM (arcee): llama attention, ReLU^2 MLP without a gate.
-    return _attention(spec, layer) + _dense_ffn(spec, layer, gated=False)
+    return b.attention(spec, layer) + b.dense_ffn(spec, layer, gated=False)
 
 
 def _olmo(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # OLMo 1: non-parametric LayerNorms (no norm tensors at all), SwiGLU.
-    return _attention(spec, layer, pre_norm=False) + _dense_ffn(spec, layer, pre_norm=False)
+    return b.attention(spec, layer, pre_norm=False) + b.dense_ffn(spec, layer, pre_norm=False)
+
+
+def _hunyuan_moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Hunyuan-A13B: per-head q/k norms; softmax experts sized by feed_forward_length plus a
+    # shared expert of its own width.
+    return b.attention(spec, layer, qk_norm="head") + b.moe_ffn(
+        spec, layer, shared="own", expert_width=spec.n_ff
+    )
+
+
+def _bailingmoe2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Ling 2.0 (bailingmoe2): fused q/k/v, per-head q/k norms, a leading dense block, sigmoid
+    # experts with a selection bias and shared experts.
+    attention = b.attention(spec, layer, fused_qkv=True, qk_norm="head")
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def _nemotron(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Nemotron(-4/Mini): LayerNorms with biases, squared-ReLU MLP without a gate.
+    out = b.attention(spec, layer, norm_bias=True)
+    out += [b.norm(layer, "ffn_norm", spec.n_embd), b.bias(layer, "ffn_norm", spec.n_embd)]
+    return out + b.dense_ffn(spec, layer, pre_norm=False, gated=False)
 
 
 def _ernie4_5_moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # ERNIE-4.5-MoE (21B-A3B): llama attention; after n_dense_lead dense blocks, softmax experts
     # with a selection bias and (optionally) a shared expert of width n_ff_shexp.
-    attention = _attention(spec, layer)
+    attention = b.attention(spec, layer)
     if layer < spec.n_dense_lead:
-        return attention + _dense_ffn(spec, layer)
-    return attention + _moe_ffn(spec, layer, selection_bias=True, shared="own")
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="own")
 
 
 def _every_block_after_the_lead_is_moe(spec: "ModelSpec") -> str | None:
@@ -610,30 +394,30 @@ FAMILIES: Final[dict[str, Family]] = {
     for f in (
         Family("llama", _BOTH, _llama, summary="Llama 2/3: pre-norm SwiGLU, GQA"),
         Family(
-            "qwen2", _BOTH, _qwen2, rules=(_coupled_heads,),
+            "qwen2", _BOTH, _qwen2, rules=(b.coupled_heads,),
             summary="Qwen2/2.5: llama plus q/k/v biases",
         ),
         Family("qwen3", _BOTH, _qwen3, summary="Qwen3: llama plus per-head q/k RMSNorm"),
         Family(
             "gemma2", _TIED, _gemma2,
             requires=_SWA | {"attn_softcap", "final_softcap"}, permits=frozenset({"rope_theta_swa"}),
-            rules=(_window,),
+            rules=(b.window,),
             summary="Gemma 2: tied head, post-norms, alternating sliding-window layers, "
             "attention and final logit soft-capping",
         ),
         Family(
             "gemma3", _BOTH, _gemma3,
-            permits=_SWA | {"rope_theta_swa", "final_softcap"}, rules=(_window,),
+            permits=_SWA | {"rope_theta_swa", "final_softcap"}, rules=(b.window,),
             summary="Gemma 3: Gemma 2's layout plus per-head q/k norms, 5:1 (configurable) "
             "local/global layers with their own rope base, no soft-capping",
         ),
         Family(
-            "phi3", _BOTH, _phi3, rules=(_coupled_heads,),
+            "phi3", _BOTH, _phi3, rules=(b.coupled_heads,),
             summary="Phi-3/Phi-4-mini: fused attn_qkv, fused gate+up in ffn_up",
         ),
         Family(
             "mistral3", _BOTH, _llama,
-            permits=_YARN | {"attn_temp_scale"}, rules=(_yarn, _temperature),
+            permits=_YARN | {"attn_temp_scale"}, rules=(b.yarn, b.temperature),
             summary="Ministral 3: llama layout with a decoupled head width, yarn rope and a "
             "position-dependent attention temperature",
         ),
@@ -654,13 +438,13 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         Family(
             "qwen2moe", _UNTIED, _qwen2moe,
-            requires=_MOE | {"n_ff_shexp"}, rules=(_coupled_heads, _experts),
+            requires=_MOE | {"n_ff_shexp"}, rules=(b.coupled_heads, b.experts),
             summary="Qwen1.5/2-MoE: q/k/v biases, softmax top-k experts plus a sigmoid-gated "
             "shared expert",
         ),
         Family(
             "qwen3moe", _BOTH, _qwen3moe,
-            requires=_MOE, rules=(_experts,),
+            requires=_MOE, rules=(b.experts,),
             summary="Qwen3-MoE (30B-A3B): qwen3 attention, normalised top-k experts, no shared "
             "expert",
         ),
@@ -668,7 +452,7 @@ FAMILIES: Final[dict[str, Family]] = {
             "gpt-oss", _UNTIED, _gpt_oss,
             requires=_MOE | {"sliding_window"},
             permits=frozenset({"swa_pattern", "rope_theta_swa"}) | _YARN,
-            rules=(_experts, _window, _full_rope, _yarn),
+            rules=(b.experts, b.window, b.full_rope, b.yarn),
             summary="gpt-oss: attention sinks, biases on attention and experts, alternating "
             "sliding-window layers, yarn rope",
         ),
@@ -678,7 +462,7 @@ FAMILIES: Final[dict[str, Family]] = {
             permits=frozenset(
                 {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
             ),
-            rules=(_experts, _dense_lead_below_n_layer),
+            rules=(b.experts, b.dense_lead_below_n_layer),
             summary="GLM-4.5(-Air): leading dense blocks, sigmoid-routed experts with a "
             "selection bias, one shared expert, half-width rope",
         ),
@@ -688,7 +472,7 @@ FAMILIES: Final[dict[str, Family]] = {
             permits=frozenset(
                 {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
             ),
-            rules=(_mla, _experts, _dense_lead_below_n_layer),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer),
             derived_keys=_deepseek2_keys,
             summary="DeepSeek-V3 (deepseek2): multi-head latent attention with low-rank q, "
             "leading dense blocks, sigmoid-routed experts with a selection bias, shared experts",
@@ -698,7 +482,7 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "olmoe", _UNTIED, _olmoe,
             requires=frozenset({"n_expert", "n_expert_used"}),
-            rules=(_coupled_heads, _mha, _experts),
+            rules=(b.coupled_heads, b.mha, b.experts),
             summary="OLMoE: full-width q/k norms, softmax top-k experts of width n_ff, untied",
         ),
         Family(
@@ -706,20 +490,20 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="SmolLM3: llama layout, every 4th layer without rope (NoPE)",
         ),
         Family(
-            "exaone4", _BOTH, _exaone4, rules=(_coupled_heads,),
+            "exaone4", _BOTH, _exaone4, rules=(b.coupled_heads,),
             summary="EXAONE 4.0: no pre-norms, per-head q/k norms, post-norms",
         ),
         Family("ernie4_5", _BOTH, _llama, summary="ERNIE 4.5 (dense): llama layout"),
         Family(
             "starcoder2", _BOTH, _starcoder2,
-            requires=frozenset({"ln_eps"}), rules=(_coupled_heads,), output_norm_bias=True,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
             summary="StarCoder2: LayerNorm with biases, biases on every projection, GELU MLP",
         ),
         Family(
             "cohere2", _TIED, _cohere2,
             requires=frozenset({"ln_eps", "logit_scale", "sliding_window"}),
             permits=frozenset({"swa_pattern", "rope_theta_swa"}),
-            rules=(_coupled_heads, _window),
+            rules=(b.coupled_heads, b.window),
             summary="Command R7B (cohere2): parallel attention and FFN under one LayerNorm, "
             "3 sliding-window layers per global one, logit scale, tied",
         ),
@@ -729,14 +513,14 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         Family(
             "llama4", _BOTH, _llama4,
-            requires=_MOE | {"n_moe_layer_step"}, rules=(_experts,),
+            requires=_MOE | {"n_moe_layer_step"}, rules=(b.experts,),
             summary="Llama 4: MoE every n-th block (top-k plus a shared expert), chunked "
             "attention on 3 of 4 layers, no rope on the others",
         ),
         Family(
             "minimax-m2", _UNTIED, _minimax_m2,
             requires=_MOE, permits=frozenset({"expert_gating"}),
-            rules=(_experts, _expert_width_is_n_ff),
+            rules=(b.experts, _expert_width_is_n_ff),
             summary="MiniMax-M2: full-width q/k norms, partial rope, sigmoid-routed experts with "
             "a selection bias",
         ),
@@ -746,7 +530,7 @@ FAMILIES: Final[dict[str, Family]] = {
             permits=frozenset(
                 {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
             ),
-            rules=(_mha, _experts, _dense_lead_below_n_layer),
+            rules=(b.mha, b.experts, b.dense_lead_below_n_layer),
             summary="dots.llm1: per-head q/k norms, MHA, leading dense blocks, sigmoid experts "
             "with a selection bias and shared experts",
         ),
@@ -754,30 +538,30 @@ FAMILIES: Final[dict[str, Family]] = {
             "ernie4_5-moe", _BOTH, _ernie4_5_moe,
             requires=_MOE | {"n_moe_layer_step"},
             permits=frozenset({"n_ff_shexp", "n_dense_lead"}),
-            rules=(_experts, _dense_lead_below_n_layer, _every_block_after_the_lead_is_moe),
+            rules=(b.experts, b.dense_lead_below_n_layer, _every_block_after_the_lead_is_moe),
             summary="ERNIE-4.5-MoE (21B-A3B): a leading dense block, softmax experts with a "
             "selection bias and a shared expert",
         ),
         Family(
             "command-r", _TIED, _cohere2,
             requires=frozenset({"ln_eps"}), permits=frozenset({"logit_scale"}),
-            rules=(_coupled_heads,),
+            rules=(b.coupled_heads,),
             summary="Command-R: parallel attention and FFN under one LayerNorm, logit scale, tied",
         ),
         Family(
-            "internlm2", _UNTIED, _llama, rules=(_coupled_heads,),
+            "internlm2", _UNTIED, _llama, rules=(b.coupled_heads,),
             summary="InternLM2: llama layout, untied head",
         ),
         Family(
             "phi2", _UNTIED, _phi2,
-            requires=frozenset({"ln_eps"}), rules=(_coupled_heads,),
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
             output_norm_bias=True, output_bias=True,
             summary="Phi-2: parallel attention and GELU MLP under one LayerNorm, fused q/k/v, "
             "biases everywhere (head too), partial rope",
         ),
         Family(
             "stablelm", _UNTIED, _stablelm,
-            requires=frozenset({"ln_eps"}), rules=(_coupled_heads,), output_norm_bias=True,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
             summary="StableLM 2: LayerNorms with biases, q/k/v biases, partial rope",
         ),
         Family(
@@ -787,8 +571,27 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "olmo", _BOTH, _olmo,
             requires=frozenset({"ln_eps"}), permits=frozenset({"clamp_kqv"}),
-            rules=(_coupled_heads,), output_norm=False,
+            rules=(b.coupled_heads,), output_norm=False,
             summary="OLMo 1: weightless LayerNorms, q/k/v clamping",
+        ),
+        Family(
+            "hunyuan-moe", _BOTH, _hunyuan_moe,
+            requires=_MOE | {"n_ff_shexp"}, rules=(b.experts, _expert_width_is_n_ff),
+            summary="Hunyuan-A13B: per-head q/k norms, softmax experts plus a shared expert",
+        ),
+        Family(
+            "bailingmoe2", _UNTIED, _bailingmoe2,
+            requires=_MOE | {"n_expert_shared", "expert_gating"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.coupled_heads, b.experts, b.dense_lead_below_n_layer),
+            summary="Ling 2.0 (bailingmoe2): fused q/k/v, per-head q/k norms, half-width rope, "
+            "leading dense block, sigmoid experts with a selection bias and a shared expert",
+        ),
+        Family("exaone", _BOTH, _llama, summary="EXAONE 3.x: llama layout"),
+        Family(
+            "nemotron", _UNTIED, _nemotron,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="Nemotron: LayerNorms with biases, squared-ReLU MLP, partial rope",
         ),
     )
 }

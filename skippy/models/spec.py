@@ -73,6 +73,10 @@ Architecture = Literal[
     "stablelm",
     "arcee",
     "olmo",
+    "hunyuan-moe",
+    "bailingmoe2",
+    "exaone",
+    "nemotron",
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -87,7 +91,7 @@ NEW_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gemma", "olmoe", "smollm3", "exaone4", "ernie4_5", "starcoder2", "cohere2", "seed_oss",
     "llama4", "minimax-m2", "dots1", "ernie4_5-moe", "command-r", "internlm2", "phi2",
-    "stablelm", "arcee", "olmo",
+    "stablelm", "arcee", "olmo", "hunyuan-moe", "bailingmoe2", "exaone", "nemotron",
 )
 assert ARCHITECTURES == {"llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES}
 VOCABS: Final = frozenset(get_args(VocabName))
@@ -468,6 +472,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "stablelm": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 16},
     # OLMo-7B-0424 clips q/k/v at 8; at this width 1.5 clips some of the tiny model's values.
     "olmo": lambda n: {"ln_eps": 1e-5, "clamp_kqv": 1.5},
+    "hunyuan-moe": lambda n: {**_tiny_moe(n), "n_ff": n // 2, "n_ff_shexp": n},
+    "bailingmoe2": lambda n: {
+        **_tiny_moe(n), "rope_dim": n // 8, "n_dense_lead": 1, "n_expert_shared": 1,
+        "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+    "nemotron": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 8},
 }
 
 
