@@ -3,9 +3,8 @@
 # Strategy: tests, the demo and the benchmarks cannot download weights, so they generate them.
 # `spec.py` says what a model is (and names the presets), `families.py` what each architecture's
 # hparams and blocks look like (built from the pieces in `blocks.py`), `vocab_files.py` finds
-# and reads the
-# tokenizer of a vocab-only GGUF, `synthetic.py` writes the file, `cache.py` keeps one file per
-# spec, and `__main__.py` is the command line (`python -m skippy.models`). The `vocab/` folder
+# and reads the tokenizer of a vocab-only GGUF, `synthetic.py` writes the file, `cache.py` keeps
+# one file per spec, and `__main__.py` is the command line (`python -m skippy.models`). The `vocab/` folder
 # (gitignored, no Python in it) is where the native build copies the vocab-only GGUFs.
 from __future__ import annotations
 
