@@ -4,8 +4,9 @@
 # `spec.py` says what a model is (and names the presets), `families.py` what each architecture's
 # hparams and blocks look like (built from the pieces in `blocks.py`), `vocab_files.py` finds
 # and reads the tokenizer of a vocab-only GGUF, `synthetic.py` writes the file, `cache.py` keeps
-# one file per spec, and `__main__.py` is the command line (`python -m skippy.models`). The `vocab/` folder
-# (gitignored, no Python in it) is where the native build copies the vocab-only GGUFs.
+# one file per spec, and `__main__.py` is the command line (`python -m skippy.models`). The
+# `vocab/` folder (gitignored, no Python in it) is where the native build copies the vocab-only
+# GGUFs.
 from __future__ import annotations
 
 from skippy.models.cache import cache_dir, cached_path, ensure_model, spec_key
