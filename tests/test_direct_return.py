@@ -126,9 +126,11 @@ async def _generate(client: StageClient, session: int, final: object | None, ste
     return await client.generate_greedy(session, PROMPT, steps, chunk_size=3, direct_return=final)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("stages", [1, 2, 3, 4])
-async def test_direct_return_on_and_off_give_the_same_replies(stages: int) -> None:
-    async with inprocess_chain(SPLITS[stages]) as servers:
+@pytest.mark.parametrize(("stages", "shortcuts"), [(1, True), (2, True), (3, True), (4, True), (1, False), (4, False)])
+async def test_direct_return_on_and_off_give_the_same_replies(stages: int, shortcuts: bool) -> None:
+    # the lane shortcuts (bench/RESULTS-stage.md) on and off: the direct path is the same either way
+    async with inprocess_chain(SPLITS[stages], write_through=shortcuts, inline_hand_offs=shortcuts,
+                               inline_decode=shortcuts) as servers:
         final = servers[-1]
         async with await StageClient.connect(servers[0].address) as client:
             plain = await _generate(client, 1, None)
@@ -142,6 +144,10 @@ async def test_direct_return_on_and_off_give_the_same_replies(stages: int) -> No
                     assert await client.open_direct_return(final.address, session)
                 prefill = await client.prefill(session, PROMPT, chunk_size=3)
                 decode = await client.decode(session, prefill.token, len(PROMPT))
+                timings = client.last_timings
+                assert timings is not None  # hop by hop every stage's record; direct, the final stage's
+                assert [r.stage_index for r in timings.records] == (
+                    [stages - 1] if direct_on else list(reversed(range(stages))))
                 window = await client.verify(session, [decode.predicted, 5, 6], len(PROMPT) + 1, window_id=7)
                 await client.stop(session)
                 replies[direct_on] = (prefill.reply.predicted, decode.predicted, window.predicted, window.predicted_tokens, window.window_id)

@@ -211,8 +211,11 @@ class StageClient:
         """
         await self.close_direct_return()
         target = Address.parse(address) if isinstance(address, str) else address
-        opener = await StageClient.connect(target, connect_timeout=timeout, reply_timeout=timeout,
-                                           extensions=self.extensions)
+        try:
+            opener = await StageClient.connect(target, connect_timeout=timeout, reply_timeout=timeout,
+                                               extensions=self.extensions)
+        except StageLost as exc:  # connect names a "first stage": this one is the final stage
+            raise StageLost(f"cannot open a return lane to final stage {target}: {exc.__cause__ or exc}") from exc
         message = StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN, request_id=request_id,
                                       session_id=session_id)
         try:

@@ -52,6 +52,13 @@ write), and a lane closed for a reason ends with an Error frame carrying the err
 downstream Error relayed unchanged, a lost downstream as ``DOWNSTREAM_LOST`` naming it.  An
 upstream that never flagged sees plain v11 only.  The v11 ``verify_window_*`` stats keep their
 reference meaning and are filled for VerifyWindow replies only (``timing_stats``).
+
+Direct return (``docs/protocol.md`` §8, :mod:`skippy.stage.direct_return`): a lane whose first
+message is a flagged PredictionReturnOpen becomes a session's return lane (``_return_open``: it
+registers in the stage's :class:`~skippy.stage.direct_return.ReturnHub`, is ACKed, and then only
+reads).  A flagged predicted kind takes the rule's direct path: a stage with a downstream forwards
+it expecting nothing back, the final stage writes its prediction into the return lane
+(``_reply_direct``).  A closing lane closes its sessions' return lanes with its Error frame.
 """
 
 from __future__ import annotations
