@@ -35,6 +35,7 @@ in-process >= 99% and one stage process >= 97% of stock decode tokens/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import resource
 import statistics
@@ -320,10 +321,12 @@ def main() -> None:
     runs: dict[str, list[Sample]] = {name: [] for name in names}
     flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
     try:
-        with chain(str(path), [f"0:{n_layer}"], flags) as address, \
-                chain(str(path), [f"0:{n_layer}"], flags + ["--prefix-cache", "off"]) as bare:
-            trio.run(stage_decode, address, inproc.bos, 4)  # warm the stage's first-request paths
-            trio.run(stage_decode, bare, inproc.bos, 4)
+        with contextlib.ExitStack() as stack:
+            if not args.no_stage:
+                address = stack.enter_context(chain(str(path), [f"0:{n_layer}"], flags))
+                bare = stack.enter_context(chain(str(path), [f"0:{n_layer}"], flags + ["--prefix-cache", "off"]))
+                trio.run(stage_decode, address, inproc.bos, 4)  # warm the stage's first-request paths
+                trio.run(stage_decode, bare, inproc.bos, 4)
             for round_index in range(args.rounds):
                 baseline = stock.baseline_cpu()
                 runs["stock"].append(stock.decode(args.steps, baseline))
