@@ -63,6 +63,7 @@ SPLIT: tuple[str, ...] = (
     "qwen2moe", "qwen3moe", "gpt-oss", "glm4moe", "deepseek2",
     "gemma", "olmoe", "smollm3", "exaone4", "ernie4_5", "starcoder2", "cohere2", "seed_oss",
     "llama4", "minimax-m2", "dots1", "ernie4_5-moe",
+    "phi2", "exaone", "bailingmoe2", "stablelm", "olmo", "arcee", "command-r", "hunyuan-moe", "nemotron", "internlm2",
 )
 
 #: Extra literal edits per architecture name: (old, new, expected count).
