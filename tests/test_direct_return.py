@@ -51,7 +51,10 @@ def test_the_direct_return_rows_are_the_predicted_kinds_that_execute() -> None:
 def test_a_flagged_prediction_takes_no_ticket_and_is_answered_on_the_return_lane(kind: MessageKind) -> None:
     lane = LaneProtocol(credit_limit=2)
     dispatch = lane.message_received(message(kind, direct=True))
-    assert dispatch.direct and dispatch.ticket is None and lane.inflight == 0
+    # no ticket: no reply goes up; in flight (a drain waits for it) until it leaves the stage
+    assert dispatch.direct and dispatch.ticket is None and lane.inflight == 1
+    lane.direct_done()
+    assert lane.inflight == 0
     # a stage with a downstream forwards it and expects nothing back; the final stage answers
     # it over the return lane
     assert lane.computed(dispatch, has_downstream=True) == SendDownstream(None)
@@ -150,6 +153,8 @@ async def test_direct_return_on_and_off_give_the_same_replies(stages: int, short
                     [stages - 1] if direct_on else list(reversed(range(stages))))
                 window = await client.verify(session, [decode.predicted, 5, 6], len(PROMPT) + 1, window_id=7)
                 await client.stop(session)
+                await trio.sleep(0.05)  # the stages finish their bookkeeping
+                assert all(lane.inflight == 0 for server in servers for lane in server.connections)
                 replies[direct_on] = (prefill.reply.predicted, decode.predicted, window.predicted, window.predicted_tokens, window.window_id)
         assert plain == direct and replies[True] == replies[False]
         assert final.stats.return_lanes == 2 and final.stats.direct_replies == 12 + 3

@@ -506,7 +506,7 @@ class Connection:
                 raise StageError("stage has a downstream but produced no activation")
             outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype)
             await self._forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
-                                        result.compute_us, queue_us, result.batch_size))
+                                        result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
             return
         ticket = dispatch.ticket
         if (type(action) is ReplyUpstream and through and rule.write_through_up and ticket is not None
@@ -557,6 +557,14 @@ class Connection:
                                                total_us=now_us() - received_us)
         await lane.send(extensions.reply_bytes(reply, timings), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
+        self._direct_done()
+
+    def _direct_done(self) -> None:
+        """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""
+        self.protocol.direct_done()
+        if self._replies_written is not None:
+            self._replies_written.set()
+            self._replies_written = None
 
     async def _forward_through(self, dispatch: Dispatch, item: WorkItem, key: int, received_us: int,
                                expect: Expect | None) -> None:
@@ -587,6 +595,8 @@ class Connection:
         self._forward_backlog = 0
         self.stats.forward_write_us += forward.write_us
         self.stats.write_throughs += 1
+        if dispatch.direct:
+            self._direct_done()
 
     async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
         """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken
@@ -689,6 +699,8 @@ class Connection:
             await send_frame(io, frame, self.downstream_name, downstream=True)
         item.write_us = now_us() - started
         self.stats.forward_write_us += item.write_us
+        if item.direct:
+            self._direct_done()
 
     # -- step 4: relay -----------------------------------------------------------------------
     async def relay_replies(self) -> None:

@@ -233,6 +233,8 @@ class Forward:
     sent_us: int = 0
     write_us: int = 0
     frame_bytes: int = 0
+    #: docs/protocol.md §8: a direct-return message (in flight until this frame is written).
+    direct: bool = False
     #: Turns the downstream reply's stats into this stage's reply stats (prefix-cache control).
     on_reply: Callable[[ReplyStats], Awaitable[ReplyStats]] | None = None
 
@@ -381,10 +383,11 @@ class LaneProtocol:
             self._return_lane_rule(message, kind, rule)
         direct = rule.direct_return and bool(state.flags & DIRECT_RETURN_FLAG)
         ticket = None
-        if rule.answer is not Answer.NONE and not direct:
-            ticket = Ticket(kind)
-            self._tickets.append(ticket)
-            self.inflight += 1
+        if rule.answer is not Answer.NONE:
+            self.inflight += 1  # a direct message until direct_done(), any other until its reply is written
+            if not direct:
+                ticket = Ticket(kind)
+                self._tickets.append(ticket)
         position = message.pos_start
         return Dispatch(message, kind, rule, ticket, rule.early_ack,
                         position if rule.auto_align and position >= 0 else None, direct)
@@ -465,6 +468,11 @@ class LaneProtocol:
             due.append(tickets.popleft())
         self._writing = True
         return due
+
+    def direct_done(self) -> None:
+        """A direct-return message left this stage (forwarded, or its prediction written into the
+        return lane): it is no longer in flight here (docs/protocol.md §8)."""
+        self.inflight -= 1
 
     def stash_stats(self, stats: ReplyStats) -> None:
         """Keep ``stats`` for the next reply upstream (this stage's notes, absorbed ACKs)."""
