@@ -202,7 +202,7 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
 #: (kind, phase, flags) headers already checked and accepted, with their kind and rule, shared by
 #: every lane (the per-token path: one dict lookup, plain ints as the key: an IntEnum hashes
 #: through Python code).
-_ACCEPTED_HEADERS: dict[tuple[int, int, int], tuple[MessageKind, KindRule]] = {}
+_ACCEPTED_HEADERS: dict[tuple[int, int, int], tuple[MessageKind, KindRule, bool]] = {}
 #: Bound on that cache: a peer could vary the flag bits at will.
 _ACCEPTED_HEADERS_LIMIT: Final = 256
 
@@ -297,8 +297,9 @@ _REPLY_DIRECT: Final = ReplyUpstream(Answer.PREDICTION, direct=True)
 _REPLY_DIRECT_WINDOW: Final = ReplyUpstream(Answer.PREDICTION, window=True, direct=True)
 
 
-def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule]:
-    """The kind and rule of ``message``, its header checked against the kind.
+def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule, bool]:
+    """The kind and rule of ``message``, its header checked against the kind, and whether it takes
+    the direct-return path (docs/protocol.md §8: a ``direct_return`` row and the flag).
 
     Raises:
         UnsupportedKind: a kind this stage does not serve.
@@ -318,9 +319,11 @@ def rule_for(message: StageMessage) -> tuple[MessageKind, KindRule]:
             f"binary stage state does not match message kind {kind.reference_name} "
             f"(phase {state.phase}, flags {state.flags:#x})"
         )
-    if len(_ACCEPTED_HEADERS) < _ACCEPTED_HEADERS_LIMIT:
-        _ACCEPTED_HEADERS[header] = kind, rule
-    return kind, rule
+    accepted = kind, rule, rule.direct_return and bool(state.flags & DIRECT_RETURN_FLAG)
+    # a return lane's open is never cached: the lane's own state decides it (LaneProtocol._lane_rule)
+    if len(_ACCEPTED_HEADERS) < _ACCEPTED_HEADERS_LIMIT and rule.handling is not Handling.RETURN_OPEN:
+        _ACCEPTED_HEADERS[header] = accepted
+    return accepted
 
 
 class LaneProtocol:
@@ -332,7 +335,7 @@ class LaneProtocol:
     """
 
     __slots__ = ("credit_limit", "reply_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
-                 "pending_stats", "inflight", "messages", "return_lane")
+                 "pending_stats", "inflight", "_chain_lane", "return_lane")
 
     def __init__(self, credit_limit: int, reply_limit: int = 16) -> None:
         if credit_limit < 1:
@@ -354,8 +357,8 @@ class LaneProtocol:
         self.pending_stats: ReplyStats = EMPTY_REPLY_STATS
         #: Messages received whose reply has not been written yet (0: the lane is idle).
         self.inflight = 0
-        #: Messages received on the lane so far.
-        self.messages = 0
+        #: A message other than a return lane's open arrived: this lane is a chain lane.
+        self._chain_lane = False
         #: docs/protocol.md §8: the lane opened as a return lane (nothing more may arrive on it).
         self.return_lane = False
 
@@ -377,11 +380,9 @@ class LaneProtocol:
             extensions.observe(message)
         state = message.state
         accepted = _ACCEPTED_HEADERS.get((int(message.kind), int(state.phase), int(state.flags)))
-        kind, rule = rule_for(message) if accepted is None else accepted
-        self.messages += 1
-        if self.return_lane or rule.handling is Handling.RETURN_OPEN:
-            self._return_lane_rule(message, kind, rule)
-        direct = rule.direct_return and bool(state.flags & DIRECT_RETURN_FLAG)
+        if accepted is None or not self._chain_lane:  # the per-token path skips this
+            accepted = self._lane_rule(message)
+        kind, rule, direct = accepted
         ticket = None
         if rule.answer is not Answer.NONE:
             self.inflight += 1  # a direct message until direct_done(), any other until its reply is written
@@ -392,14 +393,20 @@ class LaneProtocol:
         return Dispatch(message, kind, rule, ticket, rule.early_ack,
                         position if rule.auto_align and position >= 0 else None, direct)
 
-    def _return_lane_rule(self, message: StageMessage, kind: MessageKind, rule: KindRule) -> None:
-        """docs/protocol.md §8: a return lane is opened by its first message and carries nothing else."""
+    def _lane_rule(self, message: StageMessage) -> tuple[MessageKind, KindRule, bool]:
+        """``rule_for`` plus the lane's own rule (docs/protocol.md §8): a return lane is opened by
+        its first message, with the direct-return flag, and carries nothing else."""
+        kind, rule, direct = accepted = rule_for(message)
         if self.return_lane:
             raise InvalidMessage(f"{kind.reference_name} on a return lane: a return lane carries nothing "
                                  "after its PredictionReturnOpen")
-        if self.messages != 1 or not message.state.flags & DIRECT_RETURN_FLAG:
-            raise UnsupportedKind(f"{kind.reference_name} refused: {rule.refusal}")
-        self.return_lane = True
+        if rule.handling is Handling.RETURN_OPEN:
+            if self._chain_lane or not message.state.flags & DIRECT_RETURN_FLAG:
+                raise UnsupportedKind(f"{kind.reference_name} refused: {rule.refusal}")
+            self.return_lane = True
+        else:
+            self._chain_lane = True
+        return accepted
 
     def computed(self, dispatch: Dispatch, *, has_downstream: bool, local_hit: bool = False,
                  forwarded: bool = True) -> SendDownstream | ReplyUpstream | None:
