@@ -1,0 +1,424 @@
+"""skippy 1/2/4 stages against stock llama.cpp unsplit and its RPC backend (2/4 servers), one run.
+
+Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]``.
+
+Strategy: every variant stays up for the whole run (three skippy chains of stage processes, six
+``ggml-rpc-server`` processes) and the rounds are interleaved: each round measures every variant
+once, decode then prefill, in an order rotated by one each round, so slow drifts of this shared
+host's load hit them alike.  Medians over rounds and the per-round ratios to stock are printed.
+
+* **stock**: ``llama-bench -t 1 -fa 0 -ngl 0 -r 1 -p 0 -n 64`` (decode) and ``-p 512 -n 0``
+  (prefill, default ``-ub 512``) of the unpatched pinned tree (``bench/peer_build.py``); the rate
+  is llama-bench's own sample from ``-o json``.
+* **RPC k** (k = 2, 4): k ``ggml-rpc-server -H 127.0.0.1 -p PORT -t 1`` processes (ports below
+  32768: inside the ephemeral range the server sometimes cannot bind and llama-bench then aborts)
+  and the same llama-bench commands with ``-ngl 99 --rpc 127.0.0.1:P1,... -ts 8/9`` (``4/4/4/5``).
+  How ``-ts`` maps layers (``src/llama-model.cpp`` ``load_tensors``): the split is over the
+  model's *devices*, which are the RPC servers only (CPU devices are skipped in the device list:
+  the CPU holds what is not offloaded, here just the token-embedding input layer, which llama.cpp
+  always keeps on the CPU).  With ``-ngl 99`` the offloaded units are the 16 repeating layers plus
+  the output layer (17), and unit ``i`` goes to the first device whose cumulative normalised split
+  exceeds ``i / 17``; so ``8/9`` gives 0:8 and 8:16 + output, ``4/4/4/5`` gives 0:4, 4:8, 8:12,
+  12:16 + output: exactly skippy's stage ranges (the final stage holds the head).  ``1/1`` would
+  give 0:9 and 9:16 + output.  :func:`tensor_split` derives the string from the ranges and
+  :func:`check_rpc_layout` reads llama-bench's ``-v`` log ("layer N assigned to device RPCi")
+  once per layout at start-up and refuses to run if the ranges differ.
+* **skippy k** (k = 1, 2, 4): ``python -m skippy.stage`` processes as ``bench/stage_chain.py``
+  starts them (``--threads 1 --ctx-size 1024 --batch-size 512 --prefix-cache off``: every cell
+  free between requests, as in llama-bench; f32 wire, the default), driven over loopback by
+  ``StageClient``: decode is configure, a 1-token prefill, 64 greedy decodes (timed), stop;
+  prefill is a fresh random prompt every round sent as one 512-token chunk (as llama-bench's
+  single 512-row ubatch), timed to its PredictedToken.
+* ``--pipelined`` adds the micro-batched prefills: RPC with ``-ub 128`` (llama.cpp pipelines
+  micro-batches across servers) and skippy 2/4 stages with 128-token chunks (credit 2).
+
+CPU per token (the host is shared; CPU time is the steady figure): skippy: this client process
+plus every thread of the chain's stage processes (``/proc/<pid>/task/*/schedstat``).  llama-bench:
+its process's CPU (``RUSAGE_CHILDREN``) plus the RPC servers' schedstat delta, minus that of a
+baseline run per variant and round (``-p 0 -n 1``: load, warm-up, one token), so loading (for RPC:
+shipping the weights to the servers) cancels; the decode figure is ``(run - baseline) / (n - 1)``
+and the prefill one accounts for its warm-up prompt (``(run - baseline + 2 * decode) / (2 * n)``).
+
+Per-boundary cost (ms per token per boundary, median of the per-round values): skippy k against
+skippy 1 stage, ``(t_k - t_1) / (k - 1)``; RPC k against stock unsplit, ``(t_rpc_k - t_stock) /
+(k - 1)`` (this one also carries the client <-> server hops, which skippy's 1-stage base already
+pays); and for both, 2 -> 4, ``(t_4 - t_2) / 2``, which counts the same two extra hops on each side.
+
+llama-bench's decode loop reads no logits; skippy's final stage samples (greedy over 32000 logits)
+and its client is Python: both are part of skippy's per-token cost and are timed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import resource
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Iterator, Sequence
+
+import numpy as np
+import trio
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from peer_build import Peer, build_peer, peer_build_dir  # noqa: E402
+from stage_chain import PROCESSES, chain, cpu_seconds  # noqa: E402
+
+from skippy.driver import StageClient  # noqa: E402
+from skippy.stage.config import Address  # noqa: E402
+
+MODEL_PRESET = "llama-16x1024"
+STAGE_COUNTS = (1, 2, 4)
+STAGE_FLAGS = ["--ctx-size", "1024", "--batch-size", "512", "--prefix-cache", "off"]
+BOS = 1  # the generated llama's SPM vocabulary
+
+Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
+
+
+# -- layout ---------------------------------------------------------------------------------------
+def even_layout(n_layer: int, stages: int) -> list[str]:
+    """``stages`` contiguous ranges of ``n_layer`` layers, as equal as possible (16 / 4: 0:4 ... 12:16)."""
+    if not 1 <= stages <= n_layer:
+        raise ValueError(f"cannot split {n_layer} layers into {stages} stages")
+    ends = [round(n_layer * (index + 1) / stages) for index in range(stages)]
+    return [f"{begin}:{end}" for begin, end in zip([0, *ends[:-1]], ends)]
+
+
+def _ranges(splits: Sequence[str]) -> list[tuple[int, int]]:
+    return [(int(a), int(b)) for a, b in (split.split(":") for split in splits)]
+
+
+def tensor_split(splits: Sequence[str], n_layer: int) -> str:
+    """The ``-ts`` string that gives RPC server i exactly ``splits[i]`` (the last one also the head).
+
+    llama.cpp splits the ``n_layer + 1`` offloaded units (layers, then the output layer) over the
+    devices in proportion to ``-ts``; integer weights equal to each device's unit count make the
+    cumulative boundaries fall exactly on the ranges' ends.
+    """
+    ranges = _ranges(splits)
+    if ranges[0][0] != 0 or ranges[-1][1] != n_layer or any(a[1] != b[0] for a, b in zip(ranges, ranges[1:])):
+        raise ValueError(f"{splits} do not cover 0:{n_layer} contiguously")
+    counts = [end - begin for begin, end in ranges]
+    counts[-1] += 1  # the output layer
+    return "/".join(str(count) for count in counts)
+
+
+_ASSIGNED = re.compile(r"layer\s+(\d+) assigned to device (\S+),")
+
+
+def layers_by_device(log: str) -> dict[str, list[int]]:
+    """Units per device from llama-bench ``-v``'s "layer N assigned to device D" lines (first load)."""
+    seen: dict[int, str] = {}
+    for match in _ASSIGNED.finditer(log):
+        seen.setdefault(int(match.group(1)), match.group(2))
+    devices: dict[str, list[int]] = {}
+    for layer in sorted(seen):
+        devices.setdefault(seen[layer], []).append(layer)
+    return devices
+
+
+# -- RPC servers ----------------------------------------------------------------------------------
+def _port_free(port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def free_ports(count: int, start: int = 23000, stop: int = 32000) -> list[int]:
+    """``count`` bindable loopback ports below 32768 (outside the ephemeral range)."""
+    ports: list[int] = []
+    base = start + (os.getpid() * 7) % (stop - start - 100)
+    for offset in range(stop - start):
+        port = start + (base - start + offset) % (stop - start)
+        if _port_free(port):
+            ports.append(port)
+            if len(ports) == count:
+                return ports
+    raise RuntimeError(f"no {count} free ports in {start}..{stop}")
+
+
+@contextlib.contextmanager
+def rpc_servers(peer: Peer, count: int, directory: Path) -> Iterator[tuple[str, list[int]]]:
+    """Start ``count`` one-thread RPC servers; yield (the ``--rpc`` list, their pids)."""
+    processes: list[subprocess.Popen[bytes]] = []
+    try:
+        ports = free_ports(count)
+        for port in ports:
+            log = directory / f"rpc-{port}.log"
+            with log.open("wb") as handle:
+                processes.append(subprocess.Popen(
+                    [str(peer.rpc_server), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                    stdout=handle, stderr=subprocess.STDOUT))
+        for port, process in zip(ports, processes):
+            deadline = time.monotonic() + 30
+            while True:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    text = (directory / f"rpc-{port}.log").read_text(errors="replace")
+                    raise RuntimeError(f"ggml-rpc-server on port {port} did not start:\n{text}")
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                    if probe.connect_ex(("127.0.0.1", port)) == 0:
+                        break
+                time.sleep(0.05)
+        yield ",".join(f"127.0.0.1:{port}" for port in ports), [process.pid for process in processes]
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def _pids_cpu(pids: Sequence[int]) -> float:
+    total = 0.0
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            total += int((task / "schedstat").read_text().split()[0]) / 1e9
+    return total
+
+
+# -- llama-bench variants -------------------------------------------------------------------------
+@dataclasses.dataclass
+class BenchVariant:
+    """One llama-bench configuration (stock unsplit or RPC) with CPU accounting of its servers."""
+
+    bench: Path
+    model: Path
+    args: list[str]
+    server_pids: list[int]
+    _baseline: float | None = None
+    _decode_cpu: float | None = None
+
+    def run(self, extra: Sequence[str], *, verbose: bool = False) -> tuple[dict, float, str]:
+        """(llama-bench's first test as JSON, CPU seconds of it and the servers, stderr)."""
+        command = [str(self.bench), "-m", str(self.model), "-t", "1", "-fa", "0", "-r", "1", *self.args,
+                   *extra, "-o", "json", *(["-v"] if verbose else [])]
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        servers_before = _pids_cpu(self.server_pids)
+        result = subprocess.run(command, capture_output=True, text=True)
+        servers = _pids_cpu(self.server_pids) - servers_before
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        if result.returncode != 0:
+            raise RuntimeError(f"llama-bench failed ({result.returncode}): {' '.join(command)}\n"
+                               f"{result.stderr[-3000:]}")
+        cpu = (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime) + servers
+        return json.loads(result.stdout)[0], cpu, result.stderr
+
+    def baseline(self) -> None:
+        """CPU of a run that loads, warms up and decodes one token (subtracted from the next two)."""
+        self._baseline = self.run(["-p", "0", "-n", "1"])[1]
+
+    def decode(self, steps: int) -> Sample:
+        assert self._baseline is not None
+        test, cpu, _ = self.run(["-p", "0", "-n", str(steps)])
+        self._decode_cpu = (cpu - self._baseline) / (steps - 1)
+        return float(test["samples_ts"][0]), self._decode_cpu
+
+    def prefill(self, n_prompt: int, ubatch: int) -> Sample:
+        """The warm-up is a whole prompt; the baseline decoded 2 tokens (warm-up + 1) that this does not."""
+        assert self._baseline is not None and self._decode_cpu is not None
+        test, cpu, _ = self.run(["-p", str(n_prompt), "-n", "0", "-ub", str(ubatch)])
+        return float(test["samples_ts"][0]), (cpu - self._baseline + 2 * self._decode_cpu) / (2 * n_prompt)
+
+
+def check_rpc_layout(variant: BenchVariant, splits: Sequence[str], n_layer: int) -> str:
+    """Load once with ``-v``; raise unless RPC server i holds exactly ``splits[i]`` (+ head on the last)."""
+    _, _, log = variant.run(["-p", "0", "-n", "1"], verbose=True)
+    devices = layers_by_device(log)
+    got = [(units[0], units[-1] + 1) for units in devices.values()]
+    want = [(begin, end) for begin, end in _ranges(splits)]
+    want[-1] = (want[-1][0], want[-1][1] + 1)  # the output layer is unit n_layer
+    if got != want or not all(name.startswith("RPC") for name in devices):
+        raise RuntimeError(f"-ts did not give the servers skippy's ranges {splits}: {devices}")
+    return ", ".join(f"{name} {units[0]}:{min(units[-1] + 1, n_layer)}{' + output' if units[-1] == n_layer else ''}"
+                     for name, units in devices.items())
+
+
+# -- skippy chains --------------------------------------------------------------------------------
+async def stage_decode(address: Address, steps: int) -> Sample:
+    """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS."""
+    pids = [process.pid for process in PROCESSES.get(address, [])]
+    client = await StageClient.connect(address)
+    try:
+        await client.configure(1)
+        token = (await client.prefill(1, [BOS], chunk_size=512)).token
+        started, cpu_started = time.perf_counter(), cpu_seconds(pids)
+        for position in range(1, steps + 1):
+            token = (await client.decode(1, token, position)).predicted
+        rate, cpu = steps / (time.perf_counter() - started), (cpu_seconds(pids) - cpu_started) / steps
+        await client.stop(1)
+        return rate, cpu
+    finally:
+        await client.aclose()
+
+
+async def stage_prefill(address: Address, prompt: Sequence[int], chunk: int) -> Sample:
+    pids = [process.pid for process in PROCESSES.get(address, [])]
+    client = await StageClient.connect(address)
+    try:
+        await client.configure(1, prompt_token_count=len(prompt))
+        started, cpu_started = time.perf_counter(), cpu_seconds(pids)
+        await client.prefill(1, prompt, chunk_size=chunk, credit=2)
+        rate = len(prompt) / (time.perf_counter() - started)
+        cpu = (cpu_seconds(pids) - cpu_started) / len(prompt)
+        await client.stop(1)
+        return rate, cpu
+    finally:
+        await client.aclose()
+
+
+# -- report ---------------------------------------------------------------------------------------
+def _median(values: Sequence[float]) -> float:
+    return float(statistics.median(values))
+
+
+def summary(title: str, runs: dict[str, list[Sample]], reference: str) -> list[str]:
+    """One line per variant: tok/s, % of ``reference`` (median, per round), ms and CPU ms per token."""
+    lines = [title]
+    ref = runs[reference]
+    ref_rate, ref_cpu = _median([r for r, _ in ref]), _median([c for _, c in ref])
+    for name, samples in runs.items():
+        if not samples:
+            continue
+        rate, cpu = _median([r for r, _ in samples]), _median([c for _, c in samples])
+        per_round = [100 * r / s for (r, _), (s, _) in zip(samples, ref)]
+        lines.append(
+            f"  {name:<22} {rate:7.2f} tok/s {100 * rate / ref_rate:6.1f}% of stock "
+            f"(rounds {', '.join(f'{x:.0f}' for x in per_round)}); {1e3 / rate:7.3f} ms/token, "
+            f"CPU {cpu * 1e3:7.3f} ms/token = stock's speed at {100 * ref_cpu / cpu:5.1f}%")
+    return lines
+
+
+def boundary_lines(runs: dict[str, list[Sample]], pairs: Sequence[tuple[str, str, int]]) -> list[str]:
+    """Extra ms per token per boundary, wall and CPU: median over rounds of (t_a - t_b) / boundaries."""
+    lines = ["  per-boundary cost (ms per token per boundary, median of per-round values):"]
+    for label, (a, b, boundaries) in zip((f"{a} vs {b}" for a, b, _ in pairs), pairs):
+        if not runs.get(a) or not runs.get(b):
+            continue
+        wall = [(1 / ra - 1 / rb) / boundaries * 1e3 for (ra, _), (rb, _) in zip(runs[a], runs[b])]
+        cpu = [(ca - cb) / boundaries * 1e3 for (_, ca), (_, cb) in zip(runs[a], runs[b])]
+        lines.append(f"    {label:<34} wall {_median(wall):+7.3f} ({', '.join(f'{x:+.2f}' for x in wall)}); "
+                     f"CPU {_median(cpu):+7.3f} ({', '.join(f'{x:+.2f}' for x in cpu)})")
+    return lines
+
+
+BOUNDARY_PAIRS = [
+    ("skippy 2", "skippy 1", 1), ("skippy 4", "skippy 1", 3), ("skippy 4", "skippy 2", 2),
+    ("RPC 2", "stock", 1), ("RPC 4", "stock", 3), ("RPC 4", "RPC 2", 2),
+]
+
+
+def existing_peer() -> Peer:
+    """The already-built stock binaries (``--no-build``); raises if either is missing."""
+    out = peer_build_dir()
+    peer = Peer(out / "bin" / "llama-bench", out / "bin" / "ggml-rpc-server", out)
+    for binary in (peer.llama_bench, peer.rpc_server):
+        if not binary.exists():
+            raise SystemExit(f"{binary} is missing: run .venv/bin/python bench/peer_build.py")
+    return peer
+
+
+# -- the run --------------------------------------------------------------------------------------
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=64, help="decode tokens per measurement")
+    parser.add_argument("--prompt", type=int, default=512, help="prefill tokens")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="also RPC with -ub 128 and skippy 2/4 stages with 128-token chunks")
+    parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--preset", default=MODEL_PRESET,
+                        help="generated model (skippy.models preset; a llama-spm vocabulary)")
+    parser.add_argument("--quick", action="store_true", help="1 round, 8 decode tokens, a 64-token prompt")
+    parser.add_argument("--no-build", action="store_true",
+                        help="use the peer binaries already in build/peer-*; never configure or build")
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.rounds, args.steps, args.prompt = 1, 8, 64
+    if args.steps < 2:
+        parser.error("--steps must be >= 2")
+
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import preset
+
+    peer = existing_peer() if args.no_build else build_peer()
+    spec = preset(args.preset)
+    model = ensure_model(spec)
+    n_layer = spec.n_layer
+    layouts = {count: even_layout(n_layer, count) for count in STAGE_COUNTS}
+    started = time.monotonic()
+    load = os.getloadavg()
+    print(f"peer {peer.build_dir} ({peer_build_dir().name}); model {model.name}; 1 compute thread per process; "
+          f"{args.steps} decode tokens, {args.prompt}-token prefill; {args.rounds} interleaved rounds; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
+    rng = np.random.default_rng(1234)
+    micro = min(128, max(1, args.prompt // 4))
+    with tempfile.TemporaryDirectory(prefix="skippy-peer-") as tmp, contextlib.ExitStack() as stack:
+        benches: dict[str, BenchVariant] = {"stock": BenchVariant(peer.llama_bench, model, ["-ngl", "0"], [])}
+        for count in (2, 4):
+            endpoints, pids = stack.enter_context(rpc_servers(peer, count, Path(tmp)))
+            split = tensor_split(layouts[count], n_layer)
+            variant = BenchVariant(peer.llama_bench, model, ["-ngl", "99", "--rpc", endpoints, "-ts", split], pids)
+            print(f"RPC {count}: -ts {split} -> {check_rpc_layout(variant, layouts[count], n_layer)}", flush=True)
+            benches[f"RPC {count}"] = variant
+        chains = {f"skippy {count}": stack.enter_context(chain(str(model), layouts[count], STAGE_FLAGS))
+                  for count in STAGE_COUNTS}
+        for address in chains.values():  # the stages' first-request paths
+            trio.run(stage_decode, address, 2)
+
+        decode_runs: dict[str, list[Sample]] = {name: [] for name in ("stock", "RPC 2", "RPC 4", *chains)}
+        prefill_runs: dict[str, list[Sample]] = {name: [] for name in decode_runs}
+        if args.pipelined:
+            for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4"):
+                prefill_runs[f"{name} /{micro}"] = []
+        names = list(decode_runs)
+        for round_index in range(args.rounds):
+            order = names[round_index % len(names):] + names[:round_index % len(names)]
+            prompt = [BOS] + [int(t) for t in rng.integers(1000, 31000, args.prompt - 1)]
+            for name in order:
+                if name in benches:
+                    bench = benches[name]
+                    bench.baseline()
+                    decode_runs[name].append(bench.decode(args.steps))
+                    if not args.no_prefill:
+                        prefill_runs[name].append(bench.prefill(args.prompt, args.prompt))
+                        if f"{name} /{micro}" in prefill_runs:
+                            prefill_runs[f"{name} /{micro}"].append(bench.prefill(args.prompt, micro))
+                else:
+                    address = chains[name]
+                    decode_runs[name].append(trio.run(stage_decode, address, args.steps))
+                    if not args.no_prefill:
+                        prefill_runs[name].append(trio.run(stage_prefill, address, prompt, args.prompt))
+                        if f"{name} /{micro}" in prefill_runs:
+                            prefill_runs[f"{name} /{micro}"].append(trio.run(stage_prefill, address, prompt, micro))
+            print(f"round {round_index + 1}: " + "; ".join(
+                f"{name} {runs[-1][0]:.1f} tok/s {runs[-1][1] * 1e3:.2f} ms CPU"
+                for name, runs in decode_runs.items()) + " | prefill " + "; ".join(
+                f"{name} {runs[-1][0]:.1f}" for name, runs in prefill_runs.items() if runs), flush=True)
+
+    lines = summary(f"decode (tg{args.steps}), medians of {args.rounds} rounds:", decode_runs, "stock")
+    lines += boundary_lines(decode_runs, BOUNDARY_PAIRS)
+    if not args.no_prefill:
+        lines += summary(f"prefill (pp{args.prompt}, one {args.prompt}-token batch/chunk unless /N), medians:",
+                         prefill_runs, "stock")
+        lines += boundary_lines(prefill_runs, BOUNDARY_PAIRS)
+    load = os.getloadavg()
+    lines.append(f"took {time.monotonic() - started:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print("\n".join(lines), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
