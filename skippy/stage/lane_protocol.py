@@ -45,8 +45,9 @@ The rules (:data:`RULES`, one row per :class:`~skippy.protocol.MessageKind`; ref
   on it afterwards is refused); without the flag, or later on a lane, it is refused as before.
   A message of a kind whose row has ``direct_return`` and that carries the flag takes no ticket
   on any stage: a stage with a downstream forwards it expecting no reply, and the final stage
-  answers it on the session's return lane (``ReplyUpstream.direct``).  Control messages, early
-  ACKs and every unflagged message keep the hop-by-hop path.
+  answers it on the session's return lane (``ReplyUpstream.direct``); it is in flight on a stage
+  until the connection reports ``direct_done`` (forwarded, or written into the return lane).
+  Control messages, early ACKs and every unflagged message keep the hop-by-hop path.
 * **write-through** columns say which kinds' output the runtime thread may write itself
   (:mod:`skippy.stage.write_through`): the frame of a non-prefill executable kind, and the
   final stage's reply of a plain decode (a PredictedToken and nothing else).
