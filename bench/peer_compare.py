@@ -29,10 +29,16 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   ``StageClient``: decode is configure, a 1-token prefill, 64 greedy decodes (timed), stop;
   prefill is a fresh random prompt every round sent as one 512-token chunk (as llama-bench's
   single 512-row ubatch), timed to its PredictedToken.
+* **in-process**: skippy's runtime called directly in this process (``Model`` + ``StageContext``
+  with the stages' settings, 1 thread), the same 1-token prompt, 64 decodes each followed by the
+  greedy ``sample`` the final stage does; prefill one 512-row batch.  It splits the 1-stage gap
+  into the runtime's share (in-process vs stock) and the stage process + client's (skippy 1 vs
+  in-process; both printed as "boundary" rows with one boundary).
 * ``--pipelined`` adds the micro-batched prefills: RPC with ``-ub 128`` (llama.cpp pipelines
   micro-batches across servers) and skippy 2/4 stages with 128-token chunks (credit 2).
 
-CPU per token (the host is shared; CPU time is the steady figure): skippy: this client process
+CPU per token (the host is shared; CPU time is the steadier figure): in-process: the calling
+thread (llama.cpp computes on it with one thread); skippy: this client process
 plus every thread of the chain's stage processes (``/proc/<pid>/task/*/schedstat``).  llama-bench:
 its process's CPU (``RUSAGE_CHILDREN``) plus the RPC servers' schedstat delta, minus that of a
 baseline run per variant and round (``-p 0 -n 1``: load, warm-up, one token), so loading (for RPC:
@@ -279,6 +285,52 @@ async def stage_prefill(address: Address, prompt: Sequence[int], chunk: int) -> 
         await client.aclose()
 
 
+class InProcess:
+    """skippy's runtime called directly: the stages' context settings, 1 thread, greedy sample per token.
+
+    Separates the runtime's share of the 1-stage gap from the stage process and client's.
+    """
+
+    def __init__(self, path: Path) -> None:
+        from skippy.runtime import Model, Sampler, StageContext
+        from skippy.runtime.sampling import GREEDY
+
+        self.model = Model(path)
+        self.ctx = StageContext(self.model, n_ctx=1024, max_sessions=8, n_batch=512, threads=1)
+        self.sampler = Sampler(GREEDY, self.model.n_vocab)
+
+    def decode(self, steps: int) -> Sample:
+        ctx, samplers = self.ctx, [self.sampler]
+        seq = ctx.open_session()
+        try:
+            ctx.decode(tokens=[BOS], positions=[0], seq_ids=[seq])
+            token = int(ctx.sample(samplers, [0])[0])
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            for position in range(1, steps + 1):
+                ctx.decode(tokens=[token], positions=[position], seq_ids=[seq])
+                token = int(ctx.sample(samplers, [0])[0])
+            return steps / (time.perf_counter() - started), (time.thread_time() - cpu_started) / steps
+        finally:
+            ctx.close_session(seq)
+
+    def prefill(self, prompt: Sequence[int]) -> Sample:
+        ctx, n = self.ctx, len(prompt)
+        seq = ctx.open_session()
+        try:
+            started, cpu_started = time.perf_counter(), time.thread_time()
+            ctx.decode(tokens=np.asarray(prompt, dtype=np.int32), positions=np.arange(n, dtype=np.int32),
+                       seq_ids=np.full(n, seq, dtype=np.int32))
+            ctx.sample([self.sampler], [n - 1])
+            return n / (time.perf_counter() - started), (time.thread_time() - cpu_started) / n
+        finally:
+            ctx.close_session(seq)
+
+    def close(self) -> None:
+        self.sampler.close()
+        self.ctx.close()
+        self.model.close()
+
+
 # -- report ---------------------------------------------------------------------------------------
 def _median(values: Sequence[float]) -> float:
     return float(statistics.median(values))
@@ -315,6 +367,7 @@ def boundary_lines(runs: dict[str, list[Sample]], pairs: Sequence[tuple[str, str
 
 
 BOUNDARY_PAIRS = [
+    ("in-process", "stock", 1), ("skippy 1", "in-process", 1),
     ("skippy 2", "skippy 1", 1), ("skippy 4", "skippy 1", 3), ("skippy 4", "skippy 2", 2),
     ("RPC 2", "stock", 1), ("RPC 4", "stock", 3), ("RPC 4", "RPC 2", 2),
 ]
@@ -378,7 +431,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for address in chains.values():  # the stages' first-request paths
             trio.run(stage_decode, address, 2)
 
-        decode_runs: dict[str, list[Sample]] = {name: [] for name in ("stock", "RPC 2", "RPC 4", *chains)}
+        inproc = InProcess(model)
+        stack.callback(inproc.close)
+        decode_runs: dict[str, list[Sample]] = {name: [] for name in ("stock", "RPC 2", "RPC 4", "in-process",
+                                                                      *chains)}
         prefill_runs: dict[str, list[Sample]] = {name: [] for name in decode_runs}
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4"):
@@ -396,6 +452,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                         prefill_runs[name].append(bench.prefill(args.prompt, args.prompt))
                         if f"{name} /{micro}" in prefill_runs:
                             prefill_runs[f"{name} /{micro}"].append(bench.prefill(args.prompt, micro))
+                elif name == "in-process":
+                    decode_runs[name].append(inproc.decode(args.steps))
+                    if not args.no_prefill:
+                        prefill_runs[name].append(inproc.prefill(prompt))
                 else:
                     address = chains[name]
                     decode_runs[name].append(trio.run(stage_decode, address, args.steps))

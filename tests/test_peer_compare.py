@@ -58,7 +58,7 @@ def test_quick_run_reports_every_variant(capsys: pytest.CaptureFixture[str]) -> 
     out = capsys.readouterr().out
     assert "RPC 2: -ts 2/3 -> RPC0 0:2, RPC1 2:4 + output" in out
     assert "RPC 4: -ts 1/1/1/2 -> RPC0 0:1, RPC1 1:2, RPC2 2:3, RPC3 3:4 + output" in out
-    for name in ("stock", "RPC 2", "RPC 4", "skippy 1", "skippy 2", "skippy 4"):
+    for name in ("stock", "RPC 2", "RPC 4", "in-process", "skippy 1", "skippy 2", "skippy 4"):
         assert f"  {name} " in out
     assert out.count("per-boundary cost") == 2  # decode and prefill
     assert "skippy 4 vs skippy 2" in out and "RPC 4 vs RPC 2" in out
