@@ -15,10 +15,13 @@ accepted, windows, rollbacks, stale windows) of a request that speculated.  The 
 Prefix KV cache: on by default; ``prefix_cache: false`` opts a request out; ``prompt_cache_key``
 (else ``user``) is the cache namespace on every stage; ``usage.prompt_tokens_details.cached_tokens``
 is the restored prefix.  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
+Which fields a body may carry, and what each does, is :mod:`skippy.api.fields` (docs/api-fields.md);
+``/tokenize`` and ``/detokenize`` answer as llama-server's do.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -39,6 +42,7 @@ from skippy.api.errors import (
     invalid,
     parse_json_object,
 )
+from skippy.api.fields import check_fields, unsupported
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
 from skippy.driver.client import StageClientError, StageLost
@@ -85,29 +89,66 @@ def _sampling(body: dict[str, Any], n_vocab: int) -> SamplingParams:
     )
 
 
+#: Keys a chat message may carry (others are a 400 naming them).
+_MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio",
+                           "function_call"})
+_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
+def _message_content(index: int, content: Any) -> str:
+    where = f"messages[{index}].content"
+    if isinstance(content, list):  # content parts: text only
+        texts = []
+        for number, part in enumerate(content):
+            if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+                raise invalid(f"{where}[{number}]", "expected a content part object with a 'type'")
+            if part["type"] != "text":
+                raise unsupported(f"{where}[{number}]", f"{part['type']!r} content parts are not served "
+                                  "(text only: this server runs a text-only model)")
+            if not isinstance(part.get("text"), str):
+                raise invalid(f"{where}[{number}].text", "expected a string")
+            texts.append(part["text"])
+        return "".join(texts)
+    if content is None:
+        return ""
+    if not isinstance(content, str):
+        raise invalid(where, "expected a string or a list of text parts")
+    return content
+
+
+def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
+    """The messages, checked and normalised for the chat template (``developer`` is ``system``)."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise invalid("messages", "expected a non-empty list of messages")
+    cleaned = []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise invalid(f"messages[{index}]", "expected an object with a 'role'")
+        role = message["role"]
+        if role not in _ROLES:
+            if role == "function":
+                raise unsupported(f"messages[{index}].role", "the deprecated 'function' role is not served; "
+                                  "use 'tool' messages")
+            raise invalid(f"messages[{index}].role", f"expected one of {', '.join(_ROLES)}, got {role!r}")
+        for key, value in message.items():
+            if key not in _MESSAGE_KEYS:
+                raise unsupported(f"messages[{index}].{key}", "not a chat message field this server reads")
+            if key in ("audio", "function_call") and value is not None:
+                raise unsupported(f"messages[{index}].{key}", "not served (use content and tool_calls)")
+        out = {key: value for key, value in message.items() if value is not None and key not in ("audio",
+                                                                                                  "function_call")}
+        out["role"] = "system" if role == "developer" else role
+        out["content"] = _message_content(index, message.get("content"))
+        cleaned.append(out)
+    return cleaned
+
+
 def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool) -> list[int]:
     generator = service.generator
     if chat:
-        messages = body.get("messages")
-        if not isinstance(messages, list) or not messages:
-            raise invalid("messages", "expected a non-empty list of messages")
-        cleaned = []
-        for index, message in enumerate(messages):
-            if not isinstance(message, dict) or not isinstance(message.get("role"), str):
-                raise invalid(f"messages[{index}]", "expected an object with a 'role'")
-            content = message.get("content")
-            if isinstance(content, list):  # content parts: keep the text ones
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):
-                    raise invalid(f"messages[{index}].content", "only text content parts are supported")
-                content = "".join(part["text"] for part in content)
-            if content is None:
-                content = ""
-            if not isinstance(content, str):
-                raise invalid(f"messages[{index}].content", "expected a string or a list of text parts")
-            cleaned.append({**message, "content": content})
         try:
-            text = generator.apply_chat_template(cleaned)
+            text = generator.apply_chat_template(_chat_messages(body))
         except ValueError as exc:
             raise invalid("messages", str(exc)) from exc
         return generator.encode(text)
@@ -121,6 +162,8 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool) -> l
         if not all(0 <= t < n_vocab for t in prompt):
             raise invalid("prompt", f"token ids must be in 0..{n_vocab - 1}")
         tokens = list(prompt)
+    elif isinstance(prompt, list) and len(prompt) > 1 and all(isinstance(p, (str, list)) for p in prompt):
+        raise unsupported("prompt", "a batch of prompts is not served; send one prompt per request")
     else:
         raise invalid("prompt", "expected a string, a list of one string, or a list of token ids")
     if not tokens:
@@ -128,16 +171,42 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool) -> l
     return tokens
 
 
-def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[GenerationRequest, bool, bool]:
-    """(request, stream, include_usage) for a completions or chat completions body."""
+def _prompt_text(service: ChainService, body: dict[str, Any], tokens: list[int]) -> str:
+    """A completions prompt as text (``echo``): the string sent, or the token ids' text."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return prompt
+    return service.generator.tokenizer.decode(tokens)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Parsed:
+    """A checked request body: what to generate and how to answer."""
+
+    request: GenerationRequest
+    stream: bool
+    include_usage: bool
+    #: Completions ``echo``: the prompt's text, returned before the completion ('' otherwise).
+    echo: str = ""
+
+
+def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
+    """The request of a completions or chat completions body (fields: :mod:`skippy.api.fields`)."""
     model = body.get("model")
     if not isinstance(model, str):
         raise invalid("model", "expected the model name (see GET /v1/models)")
     if model != service.model_id:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'.",
                        param="model", code="model_not_found")
+    check_fields(body, chat)
     n = get_int(body, "n", minimum=1, maximum=1)
-    del n  # only n=1 is served
+    if not chat:
+        best_of = get_int(body, "best_of", minimum=1)
+        if best_of is not None and best_of != (n or 1):
+            raise unsupported("best_of", f"only best_of equal to n ({n or 1}) is served: ranking choices needs "
+                              "log-probabilities")
     max_tokens = get_int(body, "max_tokens", minimum=1)
     if chat and max_tokens is None:
         max_tokens = get_int(body, "max_completion_tokens", minimum=1)
@@ -151,6 +220,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[Gen
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(body, service.generator.tokenizer.n_vocab)
     tokens = _prompt_tokens(service, body, chat)
+    echo = "" if chat or not get_bool(body, "echo") else _prompt_text(service, body, tokens)
     if not chat and max_tokens is None:
         max_tokens = min(DEFAULT_COMPLETION_TOKENS, max(1, service.generator.n_ctx - len(tokens)))
     try:
@@ -166,7 +236,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> tuple[Gen
                                 speculation=None if body.get("speculation") is None else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
                                 cache_namespace=cache_key)
-    return request, stream, include_usage
+    return Parsed(request, stream, include_usage, echo)
 
 
 def _usage(completion: Completion) -> dict[str, Any]:
@@ -260,7 +330,8 @@ class _Handlers:
     async def generate(self, raw: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"
         metrics = self.service.metrics
-        request, stream, include_usage = _parse(self.service, parse_json_object(await raw.body()), chat)
+        parsed = _parse(self.service, parse_json_object(await raw.body()), chat)
+        request, stream, include_usage = parsed.request, parsed.stream, parsed.include_usage
         metrics.in_flight.inc()
         try:
             lease, generation, first = await self.start(request)
@@ -270,7 +341,8 @@ class _Handlers:
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         if stream:
             metrics.request_done(endpoint, 200)
-            return _LeasedStreamingResponse(self.stream(lease, generation, first, ident, chat, include_usage),
+            return _LeasedStreamingResponse(self.stream(lease, generation, first, ident, chat, include_usage,
+                                                                        parsed.echo),
                                             lambda: self.finish(lease, generation))
         try:
             async for _ in generation:
@@ -285,7 +357,7 @@ class _Handlers:
         if chat:
             choice["message"] = {"role": "assistant", "content": completion.text}
         else:
-            choice["text"] = completion.text
+            choice["text"] = parsed.echo + completion.text
         metrics.request_done(endpoint, 200)
         return JSONResponse({
             "id": ident, "object": "chat.completion" if chat else "text_completion",
@@ -294,7 +366,7 @@ class _Handlers:
         })
 
     async def stream(self, lease: Lease, generation: Generation, first: str, ident: str, chat: bool,
-                     include_usage: bool) -> AsyncIterator[bytes]:
+                     include_usage: bool, echo: str = "") -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.service.model_id
 
@@ -314,6 +386,8 @@ class _Handlers:
         try:
             if chat:
                 yield _sse(chunk("", None, role=True))
+            if echo:
+                yield _sse(chunk(echo, None))
             if first:
                 yield _sse(chunk(first, None))
             try:
@@ -353,6 +427,52 @@ class _Handlers:
             raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
         return JSONResponse({"id": name, "object": "model", "created": self.service.created, "owned_by": "skippy"})
 
+    async def tokenize(self, request: Request) -> Response:
+        """llama-server's POST /tokenize: ``content``, ``add_special`` (false), ``parse_special`` (true),
+        ``with_pieces`` (false: ids; true: ``{"id", "piece"}`` with the piece as a string when it is
+        valid UTF-8, else its byte values)."""
+        body = parse_json_object(await request.body())
+        unknown = sorted(set(body) - {"content", "add_special", "parse_special", "with_pieces"})
+        if unknown:
+            raise unsupported(unknown[0], "POST /tokenize reads content, add_special, parse_special, with_pieces")
+        content = body.get("content")
+        if not isinstance(content, str):
+            raise invalid("content", "expected the text to tokenize")
+        add_special = get_bool(body, "add_special")
+        parse_special = body.get("parse_special", True)
+        if not isinstance(parse_special, bool):
+            raise invalid("parse_special", f"expected a boolean, got {json.dumps(parse_special)}")
+        tokenizer = self.service.generator.tokenizer
+        tokens = tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
+        out: list[Any] = list(tokens)
+        if get_bool(body, "with_pieces"):
+            out = []
+            for token in tokens:
+                raw = tokenizer.piece(token, special=True)
+                try:
+                    piece: Any = raw.decode("utf-8")
+                except UnicodeDecodeError:
+                    piece = list(raw)
+                out.append({"id": token, "piece": piece})
+        self.service.metrics.request_done("tokenize", 200)
+        return JSONResponse({"tokens": out})
+
+    async def detokenize(self, request: Request) -> Response:
+        """llama-server's POST /detokenize: ``tokens`` -> ``{"content": text}`` (special tokens rendered)."""
+        body = parse_json_object(await request.body())
+        unknown = sorted(set(body) - {"tokens"})
+        if unknown:
+            raise unsupported(unknown[0], "POST /detokenize reads tokens")
+        tokens = body.get("tokens")
+        tokenizer = self.service.generator.tokenizer
+        if not isinstance(tokens, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in tokens):
+            raise invalid("tokens", "expected a list of token ids")
+        if not all(0 <= t < tokenizer.n_vocab for t in tokens):
+            raise invalid("tokens", f"token ids must be in 0..{tokenizer.n_vocab - 1}")
+        text = b"".join(tokenizer.piece(t, special=True) for t in tokens).decode("utf-8", "replace")
+        self.service.metrics.request_done("detokenize", 200)
+        return JSONResponse({"content": text})
+
     async def health(self, request: Request) -> Response:
         problem = await self.service.pool.check()
         status = 200 if problem is None else 503
@@ -388,6 +508,8 @@ def create_app(service: ChainService) -> Starlette:
         Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+        Route("/tokenize", handlers.tokenize, methods=["POST"]),
+        Route("/detokenize", handlers.detokenize, methods=["POST"]),
         Route("/health", handlers.health, methods=["GET"]),
         Route("/metrics", handlers.metrics, methods=["GET"]),
     ]

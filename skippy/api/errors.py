@@ -4,8 +4,8 @@ Strategy: every refusal is one :class:`ApiError` carrying the HTTP status and th
 OpenAI error body (``message``, ``type``, ``param``, ``code``); handlers raise it, one exception
 handler renders it.  Request bodies are plain JSON objects checked field by field by the small
 typed readers here (no schema library): a field of the wrong type or out of range is a 422 naming
-the field, malformed JSON a 400, an unknown model a 404.  Unknown fields are ignored, as OpenAI
-clients send many this server has no use for.
+the field, malformed JSON a 400, an unknown model a 404.  Which fields a body may carry at all is
+:mod:`skippy.api.fields`'s job (an unknown or unserved field is a 400 naming it).
 """
 
 from __future__ import annotations
