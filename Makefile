@@ -1,21 +1,34 @@
 # skippy developer tasks.  `make demo` and `make test` work on a fresh machine (Python 3.11+, a C/C++
 # compiler): they create .venv, build the patched llama.cpp and the extensions, then run.
 PYTHON ?= python3
-VENV := .venv
+VENV ?= .venv
 BIN := $(VENV)/bin
-# llama-cpp-python is the unsplit reference: install it without its own native build (it loads ours).
-export CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
 STAMP := $(VENV)/.skippy-installed
+# Extra pip options for every install below (e.g. --no-index --find-links DIR for an offline mirror).
+PIP_OPTIONS ?=
 
-.PHONY: install build demo test test-fast bench bench-save bench-compare wheel clean
+# llama-cpp-python is the unsplit reference of the tests (the test extra): it is installed without its
+# own native build (it loads skippy's library).  That library-less wheel is built with a private pip
+# cache in the venv, never the user's: pip caches a wheel built from an sdist under the sdist's
+# name, so any other environment of the user that asks for llama-cpp-python==0.3.36 would get it.
+REFERENCE := llama-cpp-python==0.3.36
+REFERENCE_CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
+REFERENCE_CACHE := $(VENV)/pip-cache-reference
+
+.PHONY: install reference build demo test test-fast bench bench-save bench-compare wheel clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py native/build.py native/build_ffi.py $(wildcard native/patches/*.patch native/cdef/*)
-	$(BIN)/pip install --quiet -e '.[test,real-model]'
+	$(MAKE) --no-print-directory reference
+	$(BIN)/pip install --quiet $(PIP_OPTIONS) -e '.[test,real-model]'
 	touch $(STAMP)
+
+reference: $(BIN)/python
+	CMAKE_ARGS='$(REFERENCE_CMAKE_ARGS)' $(BIN)/pip install --quiet --cache-dir '$(REFERENCE_CACHE)' \
+		$(PIP_OPTIONS) '$(REFERENCE)'
 
 install: $(STAMP)
 
