@@ -1,10 +1,11 @@
-"""llama-cpp-python as the unsplit reference, running on skippy's own libllama.
+"""llama-cpp-python as the unsplit reference of the tests, running on skippy's own libllama.
 
 Strategy: llama-cpp-python is installed without its native build; it loads whichever
 ``libllama`` the ``LLAMA_CPP_LIB_PATH`` directory holds, read once at its first import.  We point
 it at the package's patched library (``skippy/lib``), so the reference and the stages execute the
 same kernels, and check that the library it bound really is ours (it exports the layer-range
-symbols; a stock library would silently ignore a layer range).
+symbols; a stock library would silently ignore a layer range).  It comes with the ``test`` extra;
+the runtime never imports it.
 """
 
 from __future__ import annotations

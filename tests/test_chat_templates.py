@@ -43,14 +43,10 @@ CONVERSATIONS: list[list[dict[str, str]]] = [
 
 
 def render(source: str, messages: list[dict[str, str]]) -> str:
-    """The prompt the driver builds (llama-cpp-python's Jinja2ChatFormatter, as Generator uses it)."""
-    from skippy.reference import import_llama_cpp
+    """The prompt the driver builds (skippy.driver.chat_render, as Generator uses it)."""
+    from skippy.driver.chat_render import ChatRenderer
 
-    import_llama_cpp()
-    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
-    prompt: str = Jinja2ChatFormatter(source, eos_token="</s>", bos_token="<s>")(messages=messages).prompt
-    return prompt
+    return ChatRenderer(source, eos_token="</s>", bos_token="<s>").render(messages)
 
 
 def llama_cpp_format(name: str, messages: list[dict[str, str]]) -> str:

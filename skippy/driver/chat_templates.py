@@ -23,7 +23,7 @@ turn there (:attr:`ChatTemplateChoice.stop`, merged into chat requests by the dr
 built-in family template only when asked for by name.  Unknown families get the plain transcript
 too.  :meth:`ChatTemplateChoice.describe` is the log line saying which and why.
 
-The templates are rendered by llama-cpp-python's ``Jinja2ChatFormatter`` (``trim_blocks`` and
+The templates are rendered by :class:`skippy.driver.chat_render.ChatRenderer` (``trim_blocks`` and
 ``lstrip_blocks`` on), so every piece of output below is an explicit ``{{- ... -}}`` expression
 and newlines come only from string literals.
 """

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Iterable, Mapping, Sequence, final
 
 from skippy.driver import prefix
+from skippy.driver.chat_render import ChatRenderer, ChatTemplateError
 from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT_TEMPLATE  # re-exported
 from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoice, choose_chat_template
 from skippy.driver.client import StageClient, StageClientError
@@ -419,7 +420,7 @@ class Generator:
         #: The adaptive prefill chunk controller (None: ``chunk_size`` is fixed).
         self.chunking: PrefillChunker | None = PrefillChunker() if chunk_size is None else None
         self.credit = credit
-        self._formatter: Any = None
+        self._formatter: ChatRenderer | None = None
         #: Prefix KV cache default for requests that do not say, and the stages' page size.
         self.prefix_cache = True
         self.cache_page_size = prefix.DEFAULT_PAGE_SIZE
@@ -486,28 +487,24 @@ class Generator:
     def close(self) -> None:
         self.tokenizer.close()
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]]) -> str:
-        """The prompt text for chat ``messages`` (``add_generation_prompt`` on).
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **extra: Any) -> str:
+        """The prompt text for chat ``messages`` (``add_generation_prompt`` on), rendered in a
+        sandbox (:class:`skippy.driver.chat_render.ChatRenderer`); ``tools`` and ``extra`` are
+        passed to the template.
 
         Raises:
-            ValueError: the template refused the messages.
+            ValueError: the template refused the messages (:class:`ChatTemplateError`).
         """
         if self._formatter is None:
-            from skippy.reference import import_llama_cpp
-
-            import_llama_cpp()
-            from llama_cpp.llama_chat_format import Jinja2ChatFormatter
-
             tokenizer = self.tokenizer
             eos = tokenizer.piece(tokenizer.eos, special=True).decode("utf-8", "replace") if tokenizer.eos >= 0 else ""
             bos = tokenizer.piece(tokenizer.bos, special=True).decode("utf-8", "replace") if tokenizer.bos >= 0 else ""
-            self._formatter = Jinja2ChatFormatter(self.chat_template, eos_token=eos, bos_token=bos)
+            self._formatter = ChatRenderer(self.chat_template, bos_token=bos, eos_token=eos)
         try:
-            response = self._formatter(messages=list(messages))
-        except Exception as exc:  # jinja2 raises TemplateError subclasses and the template's own errors
+            return self._formatter.render(list(messages), tools=tools, **extra)
+        except ChatTemplateError as exc:
             raise ValueError(f"the chat template refused the messages: {exc}") from exc
-        prompt: str = response.prompt
-        return prompt
 
     def chat_stop(self, stop: Sequence[str] = ()) -> tuple[str, ...]:
         """The stop strings of a chat request: the request's own plus the template's turn ends."""
