@@ -17,6 +17,7 @@ COMMANDS = {
     "serve": "skippy.commands.serve",
     "up": "skippy.commands.up",
     "demo": "skippy.commands.demo",
+    "plan": "skippy.commands.plan",
 }
 
 

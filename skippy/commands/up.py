@@ -43,6 +43,8 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stages", type=int, help="number of even stages (default 2)")
     group.add_argument("--layers", help="contiguous layer ranges, e.g. 0:8,8:16,16:24")
+    group.add_argument("--plan", type=Path, help="a plan file of skippy plan: its model, layer ranges and chain "
+                       "settings, every stage on this machine (its hosts are for per-host starts)")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
@@ -102,6 +104,30 @@ def _split(args: argparse.Namespace, n_layer: int) -> list[tuple[int, int]]:
     return even_split(n_layer, args.stages or 2)
 
 
+def _apply_plan(args: argparse.Namespace) -> list[str]:
+    """Take model, ranges and chain settings from ``args.plan``; the extra stage flags it sets.
+
+    Raises:
+        ValueError: not a readable plan (PlanError).
+    """
+    from skippy.plan import PLAN_ONLY_CHAIN_KEYS, load_plan
+
+    chain, stages = load_plan(args.plan)
+    if args.model is None:
+        args.model = Path(str(chain["model"]))
+    args.layers = ",".join(str(stage["layers"]) for stage in stages)
+    args.ctx_size = int(chain.get("ctx_size", args.ctx_size))
+    args.max_sessions = int(chain.get("max_sessions", args.max_sessions))
+    args.wire_dtype = str(chain.get("wire_dtype", args.wire_dtype))
+    extra: list[str] = []
+    for key, value in chain.items():
+        if key in PLAN_ONLY_CHAIN_KEYS or key in ("model", "ctx_size", "max_sessions", "wire_dtype"):
+            continue
+        text = ("on" if value else "off") if isinstance(value, bool) else str(value)
+        extra += [f"--{key.replace('_', '-')}", text]
+    return extra
+
+
 async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> int:
     """Run the chain and API until a signal, a failing stage, or ``on_ready`` returning.
 
@@ -113,19 +139,22 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     from skippy.runtime import NativeError, read_gguf_info
 
     err = sys.stderr
+    plan_options: list[str] = []
     try:
+        if getattr(args, "plan", None) is not None:
+            plan_options = _apply_plan(args)
         if args.model:
             model, model_id = args.model, args.model.name.removesuffix(".gguf")
         else:
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
         split = _split(args, info.n_layer)
-    except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages; unreadable model (ModelLoadError)
+    except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages/--plan; unreadable model (ModelLoadError)
         print(f"error: {exc}", file=err)
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
-               "--threads", str(threads), "--wire-dtype", args.wire_dtype]
+               "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
     bar = ProgressBar(err, len(split))
     failure: list[str] = []

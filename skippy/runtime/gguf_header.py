@@ -9,6 +9,8 @@ field and takes seconds on a 150k-token vocabulary; this takes milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import struct
 from pathlib import Path
 
@@ -70,8 +72,42 @@ class _Cursor:
             raise GGUFHeaderError(f"{self.path}: truncated GGUF metadata")
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class TensorEntry:
+    """One row of the tensor-info table: name, dimensions, ggml type and data offset."""
+
+    name: str
+    dims: tuple[int, ...]
+    ggml_type: int
+    offset: int
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GGUFLayout:
+    """A GGUF file's scalar metadata, tensor table, and where its header ends.
+
+    ``header_bytes`` is the length of everything before the (aligned) tensor data: the magic,
+    the metadata and the tensor-info table.  Hashing those bytes identifies the model's shapes,
+    types, tokenizer and layout without reading its weights (:func:`header_digest`).
+    """
+
+    metadata: dict[str, object]
+    tensors: tuple[TensorEntry, ...]
+    header_bytes: int
+
+
 def read_header(path: Path, chunk: int = 1 << 22) -> tuple[dict[str, object], list[str]]:
     """Scalar metadata (arrays omitted) and tensor names of a GGUF file."""
+    layout = read_layout(path, chunk)
+    return layout.metadata, [tensor.name for tensor in layout.tensors]
+
+
+def read_layout(path: Path, chunk: int = 1 << 22) -> GGUFLayout:
+    """The metadata, the full tensor table and the header length of a GGUF file.
+
+    Raises:
+        GGUFHeaderError: not a GGUF file, or a truncated / malformed header.
+    """
     size = path.stat().st_size
     with path.open("rb") as handle:
         length = min(size, chunk)
@@ -87,7 +123,14 @@ def read_header(path: Path, chunk: int = 1 << 22) -> tuple[dict[str, object], li
                 length = min(size, length * 4)
 
 
-def _parse(cursor: _Cursor) -> tuple[dict[str, object], list[str]]:
+def header_digest(path: Path, layout: GGUFLayout | None = None) -> str:
+    """sha256 (hex) of the file's header bytes: metadata plus tensor index, no weights."""
+    layout = layout or read_layout(path)
+    with path.open("rb") as handle:
+        return hashlib.sha256(handle.read(layout.header_bytes)).hexdigest()
+
+
+def _parse(cursor: _Cursor) -> GGUFLayout:
     if cursor.data[:4] != _MAGIC:
         raise GGUFHeaderError(f"{cursor.path}: not a GGUF file (bad magic)")
     cursor.offset = 4
@@ -106,11 +149,16 @@ def _parse(cursor: _Cursor) -> tuple[dict[str, object], list[str]]:
             metadata[key] = cursor.string()
         else:
             cursor.skip_value(value_type)
-    names = []
+    tensors = []
     for _ in range(n_tensors):
-        names.append(cursor.string())
+        name = cursor.string()
         n_dims = int(cursor.take("I"))  # type: ignore[call-overload]
-        cursor.offset += 8 * n_dims + 4 + 8  # dims, type, offset
+        if not 0 <= n_dims <= 8:
+            raise GGUFHeaderError(f"{cursor.path}: tensor {name!r} has {n_dims} dimensions")
+        dims = tuple(int(cursor.take("Q")) for _ in range(n_dims))  # type: ignore[call-overload]
+        ggml_type = int(cursor.take("I"))  # type: ignore[call-overload]
+        offset = int(cursor.take("Q"))  # type: ignore[call-overload]
+        tensors.append(TensorEntry(name, dims, ggml_type, offset))
     if cursor.offset > len(cursor.data):
         raise GGUFHeaderError(f"{cursor.path}: truncated GGUF tensor table")
-    return metadata, names
+    return GGUFLayout(metadata, tuple(tensors), cursor.offset)

@@ -206,11 +206,15 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
 }
 
 
-def load_config_file(path: Path) -> dict[str, Any]:
+def load_config_file(path: Path, plan_stage: int | None = None) -> dict[str, Any]:
     """Read a TOML (``.toml``) or JSON file of settings (keys as in ``--help``, ``-`` or ``_``).
 
+    A plan file of ``skippy plan`` (a ``[chain]`` table and ``[[stage]]`` tables) gives the
+    settings of its stage ``plan_stage``: the chain's settings, then that stage's, less the keys
+    that only describe the plan (``host``, ``expected``, ``model_digest``).
+
     Raises:
-        ValueError: unreadable file or unknown keys.
+        ValueError: unreadable file, unknown keys, or a plan without a valid ``plan_stage``.
     """
     text = path.read_bytes()
     try:
@@ -219,6 +223,10 @@ def load_config_file(path: Path) -> dict[str, Any]:
         raise ValueError(f"cannot parse stage config {path}: {exc}") from exc
     if not isinstance(data, dict):
         raise ValueError(f"stage config {path} must be a table/object of settings")
+    if isinstance(data.get("stage"), list):
+        data = _plan_stage_settings(path, data, plan_stage)
+    elif plan_stage is not None:
+        raise ValueError(f"--plan-stage {plan_stage} given but {path} is not a plan (no [[stage]] tables)")
     data = data.get("stage", data)
     settings = {str(key).replace("-", "_"): value for key, value in data.items()}
     unknown = sorted(set(settings) - set(_OPTIONS))
@@ -227,12 +235,29 @@ def load_config_file(path: Path) -> dict[str, Any]:
     return settings
 
 
+def _plan_stage_settings(path: Path, data: dict[str, Any], plan_stage: int | None) -> dict[str, Any]:
+    from skippy.plan import PLAN_ONLY_CHAIN_KEYS, PLAN_ONLY_STAGE_KEYS
+
+    stages = data["stage"]
+    if plan_stage is None or not 0 <= plan_stage < len(stages):
+        raise ValueError(f"{path} is a plan of {len(stages)} stages: name one with --plan-stage 0..{len(stages) - 1}")
+    chain = data.get("chain", {})
+    entry = stages[plan_stage]
+    if not isinstance(chain, dict) or not isinstance(entry, dict):
+        raise ValueError(f"{path}: [chain] and each [[stage]] must be tables")
+    merged = {k: v for k, v in chain.items() if k not in PLAN_ONLY_CHAIN_KEYS}
+    merged.update({k: v for k, v in entry.items() if k not in PLAN_ONLY_STAGE_KEYS})
+    return merged
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m skippy.stage",
         description="Serve layers START:END of a GGUF model as one stage of a skippy chain.",
     )
-    parser.add_argument("--config", type=Path, help="TOML or JSON file with any of the settings below")
+    parser.add_argument("--config", type=Path, help="TOML or JSON file with any of the settings below, or a plan "
+                        "file of skippy plan (with --plan-stage)")
+    parser.add_argument("--plan-stage", type=int, help="with a plan file as --config: run its stage N (0 = first)")
     defaults = {f.name: f.default for f in dataclasses.fields(StageConfig)}
     for name, (_, help_text) in _OPTIONS.items():
         default = defaults.get(name, dataclasses.MISSING)
@@ -258,7 +283,9 @@ def parse_config(argv: Sequence[str] | None = None) -> StageConfig:
     raw: dict[str, Any] = {}
     try:
         if args.config is not None:
-            raw.update(load_config_file(args.config))
+            raw.update(load_config_file(args.config, args.plan_stage))
+        elif args.plan_stage is not None:
+            raise ValueError("--plan-stage needs a plan file as --config")
         raw.update({name: getattr(args, name) for name in _OPTIONS if getattr(args, name) is not None})
         return config_from_mapping(raw)
     except (ValueError, OSError) as exc:

@@ -1,0 +1,524 @@
+"""Plan a chain: contiguous layer ranges for a list of hosts, from the GGUF header alone.
+
+Strategy
+--------
+* **Shape** (:class:`ModelShape`): one pass over the tensor-info table (no weights read). Every
+  ``blk.N.*`` tensor is charged to layer N; ``token_embd`` to the first stage; ``output`` and
+  ``output_norm`` (or, with a tied head, a second copy of ``token_embd``) to the last stage; any
+  other global tensor to every stage.  KV bytes per layer per cell are llama.cpp's f16 cache
+  (``(n_embd_k_gqa + n_embd_v_gqa) * 2``; skippy runs with ``swa_full``, so every layer holds every
+  cell).
+* **Memory of a stage** (:func:`stage_memory`): weights + KV (``ctx_size`` cells, shared by all
+  sessions) + llama.cpp's compute reserve + the stage process itself.  The compute reserve is
+  llama.cpp's graph peak for one micro-batch without flash attention: the larger of the attention
+  scores (``n_ubatch x ctx x n_head`` f32, plus the FFN and residual rows) and, on the last stage,
+  the logits rows (``n_ubatch x n_vocab`` f32).  It is allocated up front but becomes resident only
+  as long prompts fill it, so it is the part of the figure a short test touches least.  The
+  prefix cache's host spill tier (``cache_spill_mib``) is counted on top, as the stage's peak.
+* **Time of a stage**: per-token decode time of its layers.  Without ``--measure`` a decode is
+  taken to read each weight once at ``bandwidth_gbs`` (decode is memory bound); with it, a whole
+  model decode is timed on this machine and shared out by bytes (:func:`measure_layer_times`).
+  A host's ``speed`` divides its time.
+* **Split** (:func:`plan_chain`): hosts keep their order (the chain's order); each gets one
+  non-empty contiguous range.  A dynamic programme over (host, end layer) minimises the slowest
+  stage among splits where every stage fits its host; when none fits, a second programme finds the
+  split with the smallest worst overshoot and :class:`PlanError` names each host that is short
+  and by how much.
+* **File** (:meth:`Plan.to_toml`, :func:`load_plan`): a ``[chain]`` table of settings every stage
+  shares, one ``[[stage]]`` table per host (``host``, ``layers``, ``listen``, ``downstream`` and an
+  ``[stage.expected]`` table of the figures).  ``python -m skippy.stage --config plan.toml
+  --plan-stage N`` runs stage N of it (:func:`skippy.stage.config.load_config_file`), and
+  ``skippy up --plan plan.toml`` runs all of it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import re
+import time
+import tomllib
+from pathlib import Path
+from typing import Any, Final, Sequence, final
+
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
+
+__all__ = [
+    "HostSpec", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
+    "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+]
+
+MIB: Final = 1 << 20
+GIB: Final = 1 << 30
+#: Resident memory of an idle stage process before its model (interpreter, numpy, trio, cffi,
+#: llama.cpp's libraries), measured on the development host (``tests/test_plan.py`` checks it).
+PROCESS_OVERHEAD_BYTES: Final = 88 * MIB
+#: Output buffer llama.cpp keeps per sequence on the last stage (one logits row).
+_F32: Final = 4
+_F16: Final = 2
+_BLOCK = re.compile(r"^blk\.(\d+)\.")
+_HEAD_TENSORS: Final = frozenset({"output.weight", "output.bias", "output_norm.weight", "output_norm.bias"})
+_EMBED_TENSORS: Final = frozenset({"token_embd.weight", "token_embd_norm.weight", "token_embd_norm.bias"})
+
+
+class PlanError(ValueError):
+    """No split fits, or a plan / host description is invalid; the text names what is wrong."""
+
+
+def parse_size(text: str) -> int:
+    """``16GiB``, ``512MiB``, ``8G``, ``1.5T`` or a byte count -> bytes (binary units).
+
+    Raises:
+        PlanError: not a size.
+    """
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kKmMgGtT]?)(i?[bB])?\s*", text)
+    if not match:
+        raise PlanError(f"{text!r} is not a memory size (e.g. 16GiB, 512MiB, 8G)")
+    scale = {"": 1, "k": 1 << 10, "m": MIB, "g": GIB, "t": 1 << 40}[match.group(2).lower()]
+    return int(float(match.group(1)) * scale)
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostSpec:
+    """A host of the chain: its name (the address peers dial), memory budgets and relative speed."""
+
+    name: str
+    memory: int
+    gpu_memory: int = 0
+    speed: float = 1.0
+    port: int = 7000
+
+    @classmethod
+    def parse(cls, text: str) -> "HostSpec":
+        """``NAME=MEMORY[,gpu=MEMORY][,speed=X][,port=N]``, e.g. ``10.0.0.2=16GiB,gpu=24GiB``.
+
+        Raises:
+            PlanError: naming the part that is wrong.
+        """
+        name, sep, rest = text.partition("=")
+        if not sep or not name.strip() or not rest:
+            raise PlanError(f"host {text!r} is not NAME=MEMORY[,gpu=MEMORY][,speed=X][,port=N]")
+        memory_text, *options = rest.split(",")
+        values: dict[str, Any] = {"name": name.strip(), "memory": parse_size(memory_text)}
+        for option in options:
+            key, sep, value = option.partition("=")
+            key = key.strip()
+            if not sep:
+                raise PlanError(f"host {text!r}: option {option!r} is not KEY=VALUE")
+            try:
+                if key == "gpu":
+                    values["gpu_memory"] = parse_size(value)
+                elif key == "speed":
+                    values["speed"] = float(value)
+                elif key == "port":
+                    values["port"] = int(value)
+                else:
+                    raise PlanError(f"host {text!r}: unknown option {key!r} (gpu, speed, port)")
+            except ValueError as exc:
+                if isinstance(exc, PlanError):
+                    raise
+                raise PlanError(f"host {text!r}: {key}={value!r} is not a number") from exc
+        host = cls(**values)
+        if host.memory <= 0 or host.gpu_memory < 0:
+            raise PlanError(f"host {text!r}: memory must be > 0 and gpu memory >= 0")
+        if not (math.isfinite(host.speed) and host.speed > 0):
+            raise PlanError(f"host {text!r}: speed must be a positive number")
+        if not 1 <= host.port <= 65535:
+            raise PlanError(f"host {text!r}: port must be in 1..65535")
+        return host
+
+
+def _tensor_bytes(dims: Sequence[int], ggml_type: int) -> int:
+    try:
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(ggml_type)]
+    except (ValueError, KeyError) as exc:  # a type this gguf package does not know
+        raise PlanError(f"unknown ggml tensor type {ggml_type}") from exc
+    elements = math.prod(dims) if dims else 1
+    return elements // block * size
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs from a GGUF header (bytes unless named otherwise)."""
+
+    path: Path
+    architecture: str
+    n_layer: int
+    n_embd: int
+    n_ff: int
+    n_head: int
+    n_vocab: int
+    layer_bytes: tuple[int, ...]
+    embed_bytes: int
+    head_bytes: int
+    global_bytes: int
+    kv_bytes_per_cell_layer: int
+    tied_head: bool
+    digest: str
+
+    @classmethod
+    def from_gguf(cls, path: str | Path) -> "ModelShape":
+        """Read the shape of ``path`` from its header (milliseconds; no weights are read).
+
+        Raises:
+            PlanError: not a readable GGUF model file, or one without layers.
+        """
+        file = Path(path)
+        try:
+            layout = read_layout(file)
+        except (GGUFHeaderError, OSError) as exc:
+            raise PlanError(f"cannot read {file}: {exc}") from exc
+        return cls._from_layout(file, layout)
+
+    @classmethod
+    def _from_layout(cls, file: Path, layout: GGUFLayout) -> "ModelShape":
+        meta = layout.metadata
+        arch = meta.get("general.architecture")
+        if not isinstance(arch, str):
+            raise PlanError(f"{file} has no general.architecture")
+
+        def number(key: str, default: int | None = None) -> int:
+            value = meta.get(f"{arch}.{key}", default)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise PlanError(f"{file} lacks {arch}.{key} (a vocab-only file?)")
+            return value
+
+        n_layer, n_embd = number("block_count"), number("embedding_length")
+        n_head = number("attention.head_count", 1)
+        n_head_kv = number("attention.head_count_kv", n_head)
+        head_k = number("attention.key_length", n_embd // max(1, n_head))
+        head_v = number("attention.value_length", n_embd // max(1, n_head))
+        layer_bytes = [0] * n_layer
+        embed = head = other = 0
+        n_vocab = 0
+        names = set()
+        for tensor in layout.tensors:
+            names.add(tensor.name)
+            size = _tensor_bytes(tensor.dims, tensor.ggml_type)
+            block = _BLOCK.match(tensor.name)
+            if block:
+                index = int(block.group(1))
+                if not 0 <= index < n_layer:
+                    raise PlanError(f"{file}: tensor {tensor.name} names layer {index} of {n_layer}")
+                layer_bytes[index] += size
+            elif tensor.name in _EMBED_TENSORS:
+                embed += size
+                if tensor.name == "token_embd.weight" and len(tensor.dims) == 2:
+                    n_vocab = tensor.dims[1]
+            elif tensor.name in _HEAD_TENSORS:
+                head += size
+            else:
+                other += size
+        tied = "output.weight" not in names
+        if tied:
+            head += next((_tensor_bytes(t.dims, t.ggml_type) for t in layout.tensors
+                          if t.name == "token_embd.weight"), 0)
+        n_ff = meta.get(f"{arch}.feed_forward_length")
+        return cls(
+            path=file, architecture=arch, n_layer=n_layer, n_embd=n_embd,
+            n_ff=n_ff if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 4 * n_embd,
+            n_head=n_head, n_vocab=n_vocab, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
+            head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=n_head_kv * (head_k + head_v) * _F16,
+            tied_head=tied, digest=header_digest(file, layout),
+        )
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class PlanSettings:
+    """The chain settings a plan is computed for (and writes into its ``[chain]`` table)."""
+
+    ctx_size: int = 4096
+    max_sessions: int = 8
+    batch_size: int = 512
+    cache_spill_mib: float = 256.0
+    prefix_cache: bool = True
+    wire_dtype: str = "f32"
+    bandwidth_gbs: float = 20.0  #: assumed memory bandwidth for time estimates without --measure
+
+    def __post_init__(self) -> None:
+        if self.ctx_size <= 0 or not 1 <= self.max_sessions <= 256 or self.batch_size <= 0:
+            raise PlanError("ctx_size and batch_size must be > 0 and max_sessions in 1..256")
+        if not (math.isfinite(self.bandwidth_gbs) and self.bandwidth_gbs > 0):
+            raise PlanError("bandwidth_gbs must be a positive number")
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageMemory:
+    """A stage's expected memory, by part (bytes)."""
+
+    weights: int
+    kv: int
+    compute: int
+    overhead: int
+    spill: int
+    gpu: int  #: the part placed in GPU memory (weights of the layers, KV, compute) on a GPU host
+
+    @property
+    def resident(self) -> int:
+        """Host memory the stage holds once its compute reserve is in use (spill tier empty)."""
+        return self.weights + self.kv + self.compute + self.overhead - self.gpu
+
+    @property
+    def peak(self) -> int:
+        """``resident`` plus a full prefix-cache spill tier: what the host budget must cover."""
+        return self.resident + self.spill
+
+
+def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings, *,
+                 gpu: bool = False) -> StageMemory:
+    """Expected memory of a stage running layers ``start:end`` (see the module notes)."""
+    first, last = start == 0, end == shape.n_layer
+    weights = sum(shape.layer_bytes[start:end]) + shape.global_bytes
+    weights += shape.embed_bytes if first else 0
+    if last:  # a tied head reads token_embd, which a whole-model stage holds once
+        weights += shape.head_bytes - (shape.embed_bytes if first and shape.tied_head else 0)
+    kv = settings.ctx_size * shape.kv_bytes_per_cell_layer * (end - start)
+    ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch
+    attention = ubatch * settings.ctx_size * shape.n_head * _F32
+    rows = ubatch * (3 * shape.n_ff + 6 * shape.n_embd) * _F32
+    compute = attention + rows
+    if last:
+        logits = ubatch * (shape.n_vocab + shape.n_embd) * _F32
+        compute = max(compute, logits) + settings.max_sessions * shape.n_vocab * _F32
+    spill = int(settings.cache_spill_mib * MIB) if settings.prefix_cache else 0
+    on_gpu = 0
+    if gpu:  # llama.cpp keeps the input embedding on the host; everything else of the range moves
+        on_gpu = weights - (shape.embed_bytes if first else 0) + kv + compute
+    return StageMemory(weights, kv, compute, PROCESS_OVERHEAD_BYTES, spill, on_gpu)
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class StagePlan:
+    """One stage of a plan: its host, range, address and expected figures."""
+
+    index: int
+    host: HostSpec
+    start: int
+    end: int
+    memory: StageMemory
+    decode_ms: float
+
+    @property
+    def layers(self) -> str:
+        return f"{self.start}:{self.end}"
+
+
+@final
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """A computed plan (or one read back from its TOML file)."""
+
+    model: Path
+    digest: str
+    settings: PlanSettings
+    stages: tuple[StagePlan, ...]
+    measured: bool = False
+
+    def describe(self) -> str:
+        """The human-readable plan: one line per stage with its memory and time."""
+        lines = [f"plan for {self.model.name} ({len(self.stages)} stages, ctx {self.settings.ctx_size}, "
+                 f"{self.settings.max_sessions} sessions, batch {self.settings.batch_size}; decode times "
+                 + ("measured on this host" if self.measured
+                    else f"estimated at {self.settings.bandwidth_gbs:g} GB/s") + ")"]
+        for stage in self.stages:
+            memory = stage.memory
+            budget = f"of {stage.host.memory / GIB:.1f} GiB"
+            gpu = (f", GPU {memory.gpu / GIB:.2f} of {stage.host.gpu_memory / GIB:.1f} GiB"
+                   if stage.host.gpu_memory else "")
+            lines.append(
+                f"  stage {stage.index} on {stage.host.name}: layers {stage.layers:>7}  "
+                f"memory {memory.resident / GIB:.2f} GiB (peak {memory.peak / GIB:.2f} {budget}; weights "
+                f"{memory.weights / MIB:.0f} MiB, KV {memory.kv / MIB:.0f} MiB, compute {memory.compute / MIB:.0f} MiB, "
+                f"process {memory.overhead / MIB:.0f} MiB, spill {memory.spill / MIB:.0f} MiB){gpu}  "
+                f"decode {stage.decode_ms:.2f} ms/token")
+        slowest = max(self.stages, key=lambda s: s.decode_ms)
+        total = sum(s.decode_ms for s in self.stages)
+        lines.append(f"  per token: {total:.2f} ms through the chain (slowest stage {slowest.index}: "
+                     f"{slowest.decode_ms:.2f} ms) plus the network")
+        return "\n".join(lines)
+
+    def to_toml(self) -> str:
+        """The plan file (see the module notes)."""
+        settings = self.settings
+        out = [
+            "# skippy plan: python -m skippy.stage --config THIS --plan-stage N on each host,",
+            "# or skippy up --plan THIS on one machine.",
+            "[chain]",
+            f"model = {_quote(str(self.model))}",
+            f"model_digest = {_quote(self.digest)}",
+            f"ctx_size = {settings.ctx_size}",
+            f"max_sessions = {settings.max_sessions}",
+            f"batch_size = {settings.batch_size}",
+            f"wire_dtype = {_quote(settings.wire_dtype)}",
+            f"prefix_cache = {'true' if settings.prefix_cache else 'false'}",
+            f"cache_spill_mib = {settings.cache_spill_mib!r}",
+        ]
+        for stage in self.stages:
+            memory = stage.memory
+            out += ["", "[[stage]]", f"host = {_quote(stage.host.name)}", f"layers = {_quote(stage.layers)}",
+                    f"listen = {_quote(f'0.0.0.0:{stage.host.port}')}"]
+            if stage.index + 1 < len(self.stages):
+                nxt = self.stages[stage.index + 1].host
+                out.append(f"downstream = {_quote(_address(nxt.name, nxt.port))}")
+            out += ["[stage.expected]",
+                    f"memory_bytes = {memory.resident}", f"peak_bytes = {memory.peak}",
+                    f"weights_bytes = {memory.weights}", f"kv_bytes = {memory.kv}",
+                    f"compute_bytes = {memory.compute}", f"gpu_bytes = {memory.gpu}",
+                    f"host_memory_bytes = {stage.host.memory}", f"host_gpu_memory_bytes = {stage.host.gpu_memory}",
+                    f"decode_ms = {stage.decode_ms:.4f}"]
+        return "\n".join(out) + "\n"
+
+
+def _quote(text: str) -> str:
+    return '"' + text.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def _address(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+#: Keys of a plan file that describe the plan, not a stage setting (dropped for a stage config).
+PLAN_ONLY_CHAIN_KEYS: Final = frozenset({"model_digest"})
+PLAN_ONLY_STAGE_KEYS: Final = frozenset({"host", "expected"})
+
+
+def load_plan(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+    """The ``[chain]`` table and the ``[[stage]]`` tables of a plan file.
+
+    Raises:
+        PlanError: unreadable, or not a plan (no ``[chain]`` / ``[[stage]]``, bad ranges).
+    """
+    try:
+        data = tomllib.loads(path.read_text())
+    except (OSError, ValueError) as exc:  # unreadable file; tomllib.TOMLDecodeError is a ValueError
+        raise PlanError(f"cannot read plan {path}: {exc}") from exc
+    chain, stages = data.get("chain"), data.get("stage")
+    if not isinstance(chain, dict) or not isinstance(stages, list) or not stages:
+        raise PlanError(f"{path} is not a skippy plan (needs [chain] and [[stage]] tables)")
+    expected = 0
+    for index, stage in enumerate(stages):
+        layers = stage.get("layers") if isinstance(stage, dict) else None
+        match = re.fullmatch(r"(\d+):(\d+)", str(layers))
+        if not match or int(match.group(1)) != expected or int(match.group(2)) <= expected:
+            raise PlanError(f"{path}: stage {index} layers {layers!r} do not continue the chain at {expected}")
+        expected = int(match.group(2))
+    return chain, stages
+
+
+def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSettings, *,
+               layer_ms: Sequence[float] | None = None, head_ms: float | None = None) -> Plan:
+    """The fastest split of ``shape`` over ``hosts`` (in order) where every stage fits its host.
+
+    Args:
+        layer_ms: per-layer decode time measured on this machine (:func:`measure_layer_times`);
+            None: estimated from bytes at ``settings.bandwidth_gbs``.
+        head_ms: the output head's time with ``layer_ms``.
+
+    Raises:
+        PlanError: more hosts than layers, or no split fits (naming each short host and by how much).
+    """
+    count, n_layer = len(hosts), shape.n_layer
+    if count == 0:
+        raise PlanError("no hosts to plan for")
+    if count > n_layer:
+        raise PlanError(f"{count} hosts but {shape.path.name} has only {n_layer} layers (one stage per host)")
+    measured = layer_ms is not None
+    if layer_ms is None:
+        per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)
+        layer_ms = [b * per_byte for b in shape.layer_bytes]
+        head_ms = shape.head_bytes * per_byte
+    elif len(layer_ms) != n_layer:
+        raise PlanError(f"{len(layer_ms)} layer times for {n_layer} layers")
+    head_time = head_ms or 0.0
+    prefix = [0.0]
+    for value in layer_ms:
+        prefix.append(prefix[-1] + value)
+
+    def cost(host_index: int, start: int, end: int) -> tuple[float, int, StageMemory]:
+        host = hosts[host_index]
+        memory = stage_memory(shape, start, end, settings, gpu=host.gpu_memory > 0)
+        time_ms = (prefix[end] - prefix[start] + (head_time if end == n_layer else 0.0)) / host.speed
+        over = memory.peak - host.memory
+        if host.gpu_memory:
+            over = max(over, memory.gpu - host.gpu_memory)
+        return time_ms, over, memory
+
+    def solve(objective: str) -> list[int] | None:
+        # best[s][j]: best value of hosts 0..s covering layers 0..j-1; choice[s][j]: start of stage s
+        inf = math.inf
+        best = [[inf] * (n_layer + 1) for _ in range(count)]
+        choice = [[-1] * (n_layer + 1) for _ in range(count)]
+        for s in range(count):
+            for end in range(s + 1, n_layer - (count - 1 - s) + 1):
+                starts = [0] if s == 0 else range(s, end)
+                for start in starts:
+                    before = 0.0 if s == 0 else best[s - 1][start]
+                    if before == inf:
+                        continue
+                    time_ms, over, _ = cost(s, start, end)
+                    if objective == "time":
+                        if over > 0:
+                            continue
+                        value = max(before, time_ms)
+                    else:
+                        value = max(before, float(over))
+                    if value < best[s][end]:
+                        best[s][end], choice[s][end] = value, start
+        if best[count - 1][n_layer] == inf:
+            return None
+        bounds, end = [n_layer], n_layer
+        for s in range(count - 1, -1, -1):
+            end = choice[s][end]
+            bounds.append(end)
+        return bounds[::-1]
+
+    bounds = solve("time")
+    if bounds is None:
+        closest = solve("overshoot")
+        assert closest is not None  # without the fit constraint every split is allowed
+        short = []
+        for s in range(count):
+            _, over, memory = cost(s, closest[s], closest[s + 1])
+            if over > 0:
+                host = hosts[s]
+                what = (f"needs {memory.peak / GIB:.2f} GiB of its {host.memory / GIB:.2f} GiB"
+                        if memory.peak > host.memory else
+                        f"needs {memory.gpu / GIB:.2f} GiB of its {host.gpu_memory / GIB:.2f} GiB GPU memory")
+                short.append(f"host {host.name} (layers {closest[s]}:{closest[s + 1]}) {what}: "
+                             f"{over / GIB:.2f} GiB short")
+        raise PlanError(f"{shape.path.name} does not fit on these {count} hosts at ctx {settings.ctx_size}, "
+                        f"{settings.max_sessions} sessions; the closest split leaves " + "; ".join(short))
+    stages = []
+    for s in range(count):
+        time_ms, _, memory = cost(s, bounds[s], bounds[s + 1])
+        stages.append(StagePlan(s, hosts[s], bounds[s], bounds[s + 1], memory, time_ms))
+    return Plan(shape.path, shape.digest, settings, tuple(stages), measured)
+
+
+def measure_layer_times(shape: ModelShape, *, tokens: int = 16, threads: int = 0) -> tuple[list[float], float]:
+    """Per-layer and head decode time (ms) measured here: the whole model decodes ``tokens``
+    single-row steps, and the mean step is shared out by each part's bytes.
+
+    Raises:
+        skippy.runtime.NativeError: the model cannot be loaded here.
+    """
+    import os
+
+    from skippy.runtime import Model, StageContext
+
+    with Model(shape.path) as model, StageContext(model, n_ctx=max(64, tokens + 8), max_sessions=1, n_batch=8,
+                                                  threads=threads or max(1, os.cpu_count() or 1)) as context:
+        context.decode(tokens=[1], positions=[0], seq_ids=[0])
+        started = time.perf_counter()
+        for position in range(1, tokens + 1):
+            context.decode(tokens=[1], positions=[position], seq_ids=[0])
+        step_ms = (time.perf_counter() - started) * 1e3 / tokens
+    total = sum(shape.layer_bytes) + shape.head_bytes
+    return [step_ms * b / total for b in shape.layer_bytes], step_ms * shape.head_bytes / total
