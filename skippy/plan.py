@@ -9,7 +9,8 @@ Strategy
   (``(n_embd_k_gqa + n_embd_v_gqa) * 2``; skippy runs with ``swa_full``, so every layer holds every
   cell).
 * **Memory of a stage** (:func:`stage_memory`): weights + KV (``ctx_size`` cells, shared by all
-  sessions) + llama.cpp's compute reserve + the stage process itself.  The compute reserve is
+  sessions) + llama.cpp's compute reserve + the stage process itself (interpreter, libraries and
+  the tokenizer tables llama.cpp builds on every stage, which grow with the vocabulary).  The compute reserve is
   llama.cpp's graph peak for one micro-batch without flash attention: the larger of the attention
   scores (``n_ubatch x ctx x n_head`` f32, plus the FFN and residual rows) and, on the last stage,
   the logits rows (``n_ubatch x n_vocab`` f32).  It is allocated up front but becomes resident only
@@ -52,9 +53,12 @@ __all__ = [
 
 MIB: Final = 1 << 20
 GIB: Final = 1 << 30
-#: Resident memory of an idle stage process before its model (interpreter, numpy, trio, cffi,
-#: llama.cpp's libraries), measured on the development host (``tests/test_plan.py`` checks it).
-PROCESS_OVERHEAD_BYTES: Final = 88 * MIB
+#: Resident memory of an idle stage process before its weights and KV (interpreter, numpy, trio,
+#: cffi, llama.cpp's libraries), measured on the development host; plus the tokenizer tables every
+#: stage's llama.cpp builds, about this much per vocabulary entry (``tests/test_plan.py`` checks
+#: both through whole stage processes).
+PROCESS_OVERHEAD_BYTES: Final = 60 * MIB
+VOCAB_BYTES_PER_TOKEN: Final = 240
 #: Output buffer llama.cpp keeps per sequence on the last stage (one logits row).
 _F32: Final = 4
 _F16: Final = 2
@@ -290,7 +294,8 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     on_gpu = 0
     if gpu:  # llama.cpp keeps the input embedding on the host; everything else of the range moves
         on_gpu = weights - (shape.embed_bytes if first else 0) + kv + compute
-    return StageMemory(weights, kv, compute, PROCESS_OVERHEAD_BYTES, spill, on_gpu)
+    overhead = PROCESS_OVERHEAD_BYTES + VOCAB_BYTES_PER_TOKEN * shape.n_vocab
+    return StageMemory(weights, kv, compute, overhead, spill, on_gpu)
 
 
 @final
