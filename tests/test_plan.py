@@ -196,3 +196,28 @@ async def test_planned_stages_resident_within_ten_percent(name: str, tmp_path: P
     finally:
         for process in processes:
             process.kill()
+
+
+@pytest.mark.slow
+def test_up_runs_a_plan(tmp_path: Path) -> None:
+    """``skippy up --plan``: the plan's ranges and settings, served through the API."""
+    import httpx
+
+    from api_helpers import UpProcess
+
+    path = model_path("llama")
+    shape = ModelShape.from_gguf(path)
+    plan = plan_chain(shape, [HostSpec("a", GIB), HostSpec("b", GIB, port=7001)],
+                      PlanSettings(ctx_size=256, max_sessions=2, batch_size=32, cache_spill_mib=8))
+    file = tmp_path / "plan.toml"
+    file.write_text(plan.to_toml())
+    up = UpProcess(["up", "--plan", str(file), "--port", "0", "--threads", "1"], tmp_path).start()
+    try:
+        for stage in plan.stages:
+            assert f"stage {stage.index} (layers {stage.layers})" in up.stderr()
+        reply = httpx.post(f"{up.url}/v1/completions", json={"model": path.name.removesuffix(".gguf"),
+                                                             "prompt": "Hello", "max_tokens": 4}, timeout=60)
+        assert reply.status_code == 200, reply.text
+        assert reply.json()["usage"]["completion_tokens"] >= 1
+    finally:
+        up.stop()
