@@ -68,6 +68,7 @@ class StageConfig:
     inline_hand_offs: bool = True
     inline_decode: bool = True
     stats_file: Path | None = None
+    metrics_listen: Address | None = None
     drain_timeout: float = 2.0
     exit_on_stdin_eof: bool = False
     log_level: str = "INFO"
@@ -189,6 +190,8 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                       "without the runtime thread's hand-off; off: always on the runtime thread "
                       "(bench/RESULTS-stage.md has both figures)"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
+    "metrics_listen": (_optional_address, "HOST:PORT to serve Prometheus metrics on (GET /metrics; port 0 = any, "
+                       "logged as 'metrics on http://HOST:PORT/metrics'); absent: no metrics server"),
     "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),
     "exit_on_stdin_eof": (_bool, "on: drain and exit (as on SIGTERM) when standard input reaches end of file; "
                           "a launcher holds a pipe on it, so the stage goes when the launcher does, however "

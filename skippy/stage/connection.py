@@ -74,6 +74,7 @@ import trio
 from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
+    ErrorCode,
     ErrorFrame,
     ExtensionNegotiation,
     TimingsFrame,
@@ -222,6 +223,7 @@ class Connection:
             cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
             error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
                                            address=self._own_address(), downstream_address=self.downstream_name)
+            self.stats.errors_by_code[ErrorCode(error.code).name.lower()] += 1
         finally:
             self._gate.close()  # a write-through still queued must not write from here on
             # A write-through that started may have written part of its reply (its emit runs
@@ -233,6 +235,16 @@ class Connection:
                 if error is not None and self.extensions.enabled and not torn:
                     await self._send_error(error)
                 await self._cleanup()
+
+    @property
+    def upstream_io(self) -> SocketIO:
+        """The upstream lane's socket I/O (its byte counts feed the stage's metrics)."""
+        return self._upstream_io
+
+    @property
+    def downstream_io(self) -> SocketIO | None:
+        """The downstream lane's socket I/O, once connected."""
+        return self._downstream_io
 
     def _own_address(self) -> str:
         try:
@@ -726,6 +738,7 @@ class Connection:
             item = relay.forward
             wait_us = max(0, now_us() - item.sent_us - item.write_us)
             self.stats.downstream_wait_us += wait_us
+            self.stats.downstream_wait_histogram.observe(wait_us)
             if relay.absorb:
                 self._absorb(item, reply, wait_us)
             else:

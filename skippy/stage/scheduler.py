@@ -211,7 +211,9 @@ class Scheduler:
     def _account(self, job: _Job[Any]) -> None:
         result = job.result
         if isinstance(result, WorkResult):
+            self.stats.queue_histogram.observe(max(0, job.wait_us))
             self.stats.compute_us += result.compute_us
+            self.stats.compute_histogram.observe(max(0, result.compute_us))
             if result.trimmed_tokens:
                 self.stats.auto_aligns += 1
                 self.stats.trimmed_tokens += result.trimmed_tokens

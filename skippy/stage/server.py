@@ -111,6 +111,8 @@ class StageServer:
         #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).
         self.returns = ReturnHub(self._lanes_with_session)
         self.address: Address | None = None
+        #: Where ``GET /metrics`` is served (``--metrics-listen``), once bound.
+        self.metrics_address: Address | None = None
         self.connections: set[Connection] = set()
         self._shutdown = trio.Event()
 
@@ -139,6 +141,10 @@ class StageServer:
             if config.stats_file is not None:
                 await system.start(write_stats_periodically, config.stats_file, self.stats,
                                    self.refresh_runtime_stats)
+            if config.metrics_listen is not None:
+                from skippy.stage.metrics import serve_metrics  # prometheus_client only when asked
+
+                self.metrics_address = await system.start(serve_metrics, self, config.metrics_listen)
             async with trio.open_nursery() as lanes:
                 accept_scope = trio.CancelScope()
                 lanes.start_soon(self._accept, listeners, lanes, accept_scope)
@@ -201,6 +207,12 @@ class StageServer:
             await connection.run()
         finally:
             self.connections.discard(connection)
+            stats, upstream, downstream = self.stats, connection.upstream_io, connection.downstream_io
+            stats.upstream_bytes_in += upstream.bytes_in
+            stats.upstream_bytes_out += upstream.bytes_out
+            if downstream is not None:
+                stats.downstream_bytes_in += downstream.bytes_in
+                stats.downstream_bytes_out += downstream.bytes_out
 
 
 async def run_stage(config: StageConfig, executor: Executor, *,

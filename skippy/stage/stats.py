@@ -11,11 +11,42 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+from bisect import bisect_left
 from collections import Counter
 from pathlib import Path
-from typing import Any, Awaitable, Callable
+from typing import Any, Awaitable, Callable, Final
 
 import trio
+
+
+#: Upper bounds (microseconds) of the latency histograms' buckets; the last bucket is +Inf.
+LATENCY_BOUNDS_US: Final = (50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 25_000, 50_000, 100_000,
+                            250_000, 500_000, 1_000_000, 2_500_000, 10_000_000)
+
+
+class LatencyHistogram:
+    """Counts of durations (microseconds) per bucket of :data:`LATENCY_BOUNDS_US`, with their sum.
+
+    One ``bisect`` and two additions per observation, on the trio thread; exported to Prometheus
+    at scrape time (:mod:`skippy.stage.metrics`) and to the stats file as plain lists.
+    """
+
+    __slots__ = ("counts", "sum_us")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(LATENCY_BOUNDS_US) + 1)
+        self.sum_us = 0
+
+    def observe(self, value_us: int) -> None:
+        self.counts[bisect_left(LATENCY_BOUNDS_US, value_us)] += 1
+        self.sum_us += value_us
+
+    @property
+    def count(self) -> int:
+        return sum(self.counts)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"bounds_us": list(LATENCY_BOUNDS_US), "counts": list(self.counts), "sum_us": self.sum_us}
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,6 +85,17 @@ class StageStats:
     kv_cells_used: int = 0
     #: The prefix cache's counters and gauges (``StageCache.stats``; empty when it is off).
     prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: Per-job runtime time, scheduler queue wait, and per-frame downstream wait (write to reply).
+    compute_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
+    queue_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
+    downstream_wait_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
+    #: Lanes closed with an error, by the ErrorCode name of the frame they sent (or would have).
+    errors_by_code: Counter[str] = dataclasses.field(default_factory=Counter)
+    #: Bytes moved by lanes that have closed (open lanes are counted live by their SocketIO).
+    upstream_bytes_in: int = 0
+    upstream_bytes_out: int = 0
+    downstream_bytes_in: int = 0
+    downstream_bytes_out: int = 0
     version: int = 0
 
     def touch(self) -> None:
@@ -68,6 +110,9 @@ class StageStats:
     def as_dict(self) -> dict[str, Any]:
         data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         data["decode_batch_sizes"] = {str(k): v for k, v in sorted(self.decode_batch_sizes.items())}
+        for name in ("compute_histogram", "queue_histogram", "downstream_wait_histogram"):
+            data[name] = getattr(self, name).as_dict()
+        data["errors_by_code"] = dict(self.errors_by_code)
         return data
 
 

@@ -71,7 +71,7 @@ class SocketIO:
     ``ClosedResourceError`` (the stream was closed), so callers map them as for any trio stream.
     """
 
-    __slots__ = ("stream", "_socket", "_buffer", "_view", "_drained")
+    __slots__ = ("stream", "_socket", "_buffer", "_view", "_drained", "bytes_in", "bytes_out")
 
     def __init__(self, stream: trio.abc.Stream, receive_size: int = RECEIVE_CHUNK) -> None:
         self.stream = stream
@@ -80,6 +80,9 @@ class SocketIO:
         self._view = memoryview(self._buffer)
         #: The last read came back short, so the socket was empty then: wait before reading.
         self._drained = False
+        #: Bytes received and sent through this object (the stage's per-lane metrics).
+        self.bytes_in = 0
+        self.bytes_out = 0
 
     async def receive(self) -> memoryview | bytes | bytearray:
         """The next chunk of bytes (valid until the next call); empty at end of stream.
@@ -88,7 +91,9 @@ class SocketIO:
         """
         if self._socket is None:
             try:
-                return await self.stream.receive_some(len(self._buffer))
+                data = await self.stream.receive_some(len(self._buffer))
+                self.bytes_in += len(data)
+                return data
             except (trio.BrokenResourceError, trio.ClosedResourceError):  # a reset reads as end of stream
                 return b""
         while True:
@@ -111,6 +116,7 @@ class SocketIO:
             except OSError:  # reset, or the descriptor went away: end of stream
                 return b""
             self._drained = count < len(self._buffer)
+            self.bytes_in += count
             return self._view[:count]
 
     @property
@@ -129,11 +135,13 @@ class SocketIO:
         if fd < 0:
             raise trio.ClosedResourceError("the stream is closed (or not a socket stream)")
         try:
-            return os.write(fd, data)
+            written = os.write(fd, data)
         except (BlockingIOError, InterruptedError):  # full (or interrupted): nothing written now
             return 0
         except OSError as exc:  # reset / broken pipe / closed descriptor
             raise trio.BrokenResourceError(str(exc)) from exc
+        self.bytes_out += written
+        return written
 
     async def send_all(self, data: bytes | memoryview) -> None:
         """Write all of ``data`` (one call per frame), parking only while the socket is full.
@@ -143,6 +151,7 @@ class SocketIO:
         """
         if self._socket is None:
             await self.stream.send_all(data)
+            self.bytes_out += len(data)
             return
         sent = self.send_now(data)
         if sent == len(data):
