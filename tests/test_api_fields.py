@@ -36,13 +36,11 @@ REFUSED_VALUES: dict[str, Any] = {
     "format": "wav"}, "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
     "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "moderation": {"model": "m"},
     "store": True, "suffix": "tail", "modalities": ["text", "audio"], "best_of": 3,
-    "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
 }
 #: Values for the no-op fields (each must be accepted).
 NO_OP_VALUES: dict[str, Any] = {
     "metadata": {"k": "v"}, "prediction": {"type": "content", "content": "x"}, "service_tier": "auto",
     "safety_identifier": "abc", "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
-    "parallel_tool_calls": False,
 }
 
 
@@ -174,3 +172,35 @@ async def test_tokenize_refuses_bad_input(http: httpx.AsyncClient, generator: Ge
         response = await http.post(path, json=body)
         assert response.status_code in (400, 422), (body, response.text)
         assert response.json()["error"]["param"] == param
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+
+
+async def test_tools_on_a_template_without_tool_support_are_a_clear_400(http: httpx.AsyncClient) -> None:
+    response = await http.post("/v1/chat/completions", json=chat(tools=[WEATHER]))
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert (error["param"], error["code"]) == ("tools", "tools_not_supported")
+    assert "does not render tools" in error["message"]
+    history = [{"role": "user", "content": "hi"}, {"role": "tool", "tool_call_id": "c1", "content": "42"}]
+    response = await http.post("/v1/chat/completions", json=chat(messages=history))
+    assert response.status_code == 400 and response.json()["error"]["param"] == "messages[1]"
+    # tool_choice none with tools: nothing to render, so the request is served
+    response = await http.post("/v1/chat/completions", json=chat(tools=[WEATHER], tool_choice="none"))
+    assert response.status_code == 503, response.text
+
+
+async def test_bad_tool_definitions_are_400s_naming_the_field(http: httpx.AsyncClient) -> None:
+    bad_schema = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+    for tools, param in (([bad_schema], "tools[0].function.parameters"),
+                         ([WEATHER, WEATHER], "tools[1].function.name"),
+                         ([{"type": "function", "function": {"name": "f", "strict": True, "x": 1}}],
+                          "tools[0].function.x")):
+        response = await http.post("/v1/chat/completions", json=chat(tools=tools))
+        assert response.status_code == 400, response.text
+        assert response.json()["error"]["param"] == param
+    response = await http.post("/v1/chat/completions", json=chat(
+        tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_time"}}))
+    assert response.status_code == 422 and response.json()["error"]["param"] == "tool_choice"

@@ -25,7 +25,7 @@ import dataclasses
 import json
 import time
 import uuid
-from typing import Any, AsyncIterator, Awaitable, Callable, final
+from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, final
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -45,8 +45,20 @@ from skippy.api.errors import (
 from skippy.api.fields import check_fields, unsupported
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
+from skippy.api.tool_calls import (
+    ToolCall,
+    ToolCallStream,
+    ToolFormat,
+    ToolsRequest,
+    detect_format,
+    marker_tokens,
+    parse_tool_choice,
+    parse_tools,
+    renders_tools,
+    template_messages,
+)
 from skippy.driver.client import StageClientError, StageLost
-from skippy.driver.generator import Completion, ContextOverflow, Generation, GenerationRequest, Generator
+from skippy.driver.generator import ContextOverflow, Generation, GenerationRequest, Generator
 from skippy.runtime.sampling import DEFAULT_SEED, SamplingParams
 
 #: OpenAI's default when a completions request has no max_tokens.
@@ -69,6 +81,15 @@ class ChainService:
         self.model_id = model_id
         self.metrics = Metrics()
         self.created = int(time.time())
+        self._tool_support: tuple[bool, ToolFormat | None] | None = None
+
+    def tool_support(self) -> tuple[bool, ToolFormat | None]:
+        """(the chat template renders tools, the call syntax it writes); probed once."""
+        if self._tool_support is None:
+            generator = self.generator
+            renders = renders_tools(lambda messages, tools: generator.apply_chat_template(messages, tools=tools))
+            self._tool_support = (renders, detect_format(generator.chat_template) if renders else None)
+        return self._tool_support
 
 
 def _sampling(body: dict[str, Any], n_vocab: int) -> SamplingParams:
@@ -144,14 +165,59 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
     return cleaned
 
 
-def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool) -> list[int]:
+@dataclasses.dataclass(frozen=True, slots=True)
+class ToolPlan:
+    """How one chat request uses tools: the parser's format, the forced call opening, the markers."""
+
+    format: ToolFormat
+    prefix: str
+    parallel: bool
+    special: frozenset[int]
+
+
+def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[str, Any]]
+               ) -> tuple[ToolsRequest, ToolPlan | None]:
+    """The request's tools, checked against what the model's chat template can do."""
+    tools = parse_tools(body)
+    choice = parse_tool_choice(body, tools)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise invalid("parallel_tool_calls", f"expected a boolean, got {json.dumps(parallel)}")
+    request = ToolsRequest(tools, choice, parallel)
+    history = next((index for index, message in enumerate(messages)
+                    if message.get("tool_calls") or message["role"] == "tool"), None)
+    if not request.active and history is None:
+        return request, None
+    renders, format = service.tool_support()
+    template = service.generator.chat_template_choice.describe().removeprefix("chat template: ")
+    if not renders:
+        param = "tools" if request.active else f"messages[{history}]"
+        raise ApiError(400, f"The model's chat template ({template}) does not render tools, so tool calls and "
+                       "tool results cannot be served for this model.", param=param, code="tools_not_supported")
+    if not request.active:
+        return request, None
+    if format is None:
+        raise ApiError(400, f"The model's chat template ({template}) renders tools, but the tool-call syntax it "
+                       "writes is not one this server parses (hermes <tool_call>, Llama 3 JSON, Mistral "
+                       "[TOOL_CALLS], Gemma <|tool_call>).", param="tools", code="tools_not_supported")
+    prefix = format.forced_prefix(choice.name) if choice.mode == "required" else ""
+    generator = service.generator
+    special = marker_tokens(format, lambda text: generator.tokenizer.encode(text, add_special=False,
+                                                                            parse_special=True))
+    return request, ToolPlan(format, prefix, parallel, special)
+
+
+def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
+                   ) -> tuple[list[int], ToolPlan | None]:
     generator = service.generator
     if chat:
+        messages = _chat_messages(body)
+        tools, plan = _tool_plan(service, body, messages)
         try:
-            text = generator.apply_chat_template(_chat_messages(body))
+            text = generator.apply_chat_template(template_messages(messages), tools=list(tools.tools) if plan else None)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from exc
-        return generator.encode(text)
+        return generator.encode(text + (plan.prefix if plan else "")), plan
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -168,7 +234,7 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool) -> l
         raise invalid("prompt", "expected a string, a list of one string, or a list of token ids")
     if not tokens:
         raise invalid("prompt", "the prompt is empty")
-    return tokens
+    return tokens, None
 
 
 def _prompt_text(service: ChainService, body: dict[str, Any], tokens: list[int]) -> str:
@@ -190,6 +256,8 @@ class Parsed:
     include_usage: bool
     #: Completions ``echo``: the prompt's text, returned before the completion ('' otherwise).
     echo: str = ""
+    #: Chat with tools: how the answer is split into content and tool calls (None: no tools).
+    tools: ToolPlan | None = None
 
 
 def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
@@ -219,7 +287,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         raise invalid("stream_options", "expected an object")
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(body, service.generator.tokenizer.n_vocab)
-    tokens = _prompt_tokens(service, body, chat)
+    tokens, plan = _prompt_tokens(service, body, chat)
     echo = "" if chat or not get_bool(body, "echo") else _prompt_text(service, body, tokens)
     if not chat and max_tokens is None:
         max_tokens = min(DEFAULT_COMPLETION_TOKENS, max(1, service.generator.n_ctx - len(tokens)))
@@ -235,21 +303,92 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
-                                cache_namespace=cache_key)
-    return Parsed(request, stream, include_usage, echo)
+                                cache_namespace=cache_key,
+                                render_special=plan.special if plan else frozenset())
+    return Parsed(request, stream, include_usage, echo, plan)
 
 
-def _usage(completion: Completion) -> dict[str, Any]:
+def _usage(generations: Sequence[Generation]) -> dict[str, Any]:
+    """OpenAI usage for the choices of one request: the prompt once, every choice's completion tokens
+    (timings and speculation counters are the first choice's)."""
+    completions = [generation.result for generation in generations if generation.result is not None]
+    completion = completions[0]
+    generated = sum(item.completion_tokens for item in completions)
     return {
         "prompt_tokens": completion.prompt_tokens,
-        "completion_tokens": completion.completion_tokens,
-        "total_tokens": completion.prompt_tokens + completion.completion_tokens,
+        "completion_tokens": generated,
+        "total_tokens": completion.prompt_tokens + generated,
         "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
         "skippy_timing": completion.timing.as_dict(completion.completion_tokens),
         **({} if completion.speculation is None else {"skippy_speculation": {
             **completion.speculation.as_dict(),
             "acceptance_rate": round(completion.speculation.acceptance_rate, 4)}}),
     }
+
+
+class _Choice:
+    """One choice of a response: its generation, and the text / tool calls it turns into."""
+
+    def __init__(self, index: int, generation: Generation, first: str, parsed: Parsed) -> None:
+        self.index = index
+        self.generation = generation
+        self.text = [first]
+        self.echo = parsed.echo
+        plan = parsed.tools
+        self.calls: list[ToolCall] = []
+        self.parser = None if plan is None else ToolCallStream(plan.format, plan.prefix, parallel=plan.parallel)
+
+    def _finish_reason(self) -> str:
+        result = self.generation.result
+        assert result is not None
+        return "tool_calls" if self.calls else result.finish_reason
+
+    def whole(self, chat: bool) -> dict[str, Any]:
+        """The non-streamed choice (the generation has finished)."""
+        text = "".join(self.text)
+        if not chat:
+            return {"index": self.index, "text": self.echo + text, "finish_reason": self._finish_reason(),
+                    "logprobs": None}
+        message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.parser is not None:
+            content = self.parser.push(text)
+            rest, self.calls = self.parser.finish()
+            content += rest
+            message["content"] = content if content.strip() or not self.calls else None
+            if self.calls:
+                message["tool_calls"] = [call.as_dict() for call in self.calls]
+        return {"index": self.index, "message": message, "finish_reason": self._finish_reason(), "logprobs": None}
+
+    def opening(self, chat: bool) -> list[dict[str, Any]]:
+        """The first stream deltas: the role (chat), the echo, the first exchange's text."""
+        out = [{"index": self.index, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}] \
+            if chat else []
+        if self.echo:
+            out.append({"index": self.index, "text": self.echo, "finish_reason": None})
+        return out + self.piece(self.text[0], chat)
+
+    def piece(self, text: str, chat: bool) -> list[dict[str, Any]]:
+        """The stream deltas for one piece of generated text."""
+        if not chat:
+            return [{"index": self.index, "text": text, "finish_reason": None}] if text else []
+        if self.parser is not None:
+            text = self.parser.push(text)
+        return [{"index": self.index, "delta": {"content": text}, "finish_reason": None}] if text else []
+
+    def closing(self, chat: bool) -> list[dict[str, Any]]:
+        """The last stream deltas: held-back content, the tool calls, the finish reason."""
+        out: list[dict[str, Any]] = []
+        if not chat:
+            return [{"index": self.index, "text": "", "finish_reason": self._finish_reason()}]
+        if self.parser is not None:
+            rest, self.calls = self.parser.finish()
+            if rest:
+                out.append({"index": self.index, "delta": {"content": rest}, "finish_reason": None})
+            for number, call in enumerate(self.calls):
+                out.append({"index": self.index, "delta": {"tool_calls": [call.as_dict(number)]},
+                            "finish_reason": None})
+        out.append({"index": self.index, "delta": {}, "finish_reason": self._finish_reason()})
+        return out
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
@@ -312,101 +451,84 @@ class _Handlers:
         self.service.metrics.first_token(generation.timing)
         return lease, generation, first
 
-    async def finish(self, lease: Lease, generation: Generation) -> None:
-        """Return the lane and record the run; idempotent (a stream calls it from two places)."""
+    async def finish(self, lease: Lease, generations: list[Generation]) -> None:
+        """Return the lane and record the runs; idempotent (a stream calls it from two places)."""
         if lease.returned:
             return
         lease.returned = True
         self.service.metrics.in_flight.dec()
-        lease.clean = generation.result is not None
+        lease.clean = all(generation.result is not None for generation in generations)
         await self.service.pool.release(lease)
         self.service.metrics.lanes_open.set(self.service.pool.open_lanes)
-        if generation.result is not None:
-            self.service.metrics.generation_done(generation.timing, generation.result.completion_tokens)
-            if generation.result.speculation is not None:
-                self.service.metrics.speculation_done(generation.result.speculation)
-            self.service.metrics.prefix_cache_done(generation.request, generation.result.cached_tokens)
+        for generation in generations:
+            if generation.result is not None:
+                self.service.metrics.generation_done(generation.timing, generation.result.completion_tokens)
+                if generation.result.speculation is not None:
+                    self.service.metrics.speculation_done(generation.result.speculation)
+                self.service.metrics.prefix_cache_done(generation.request, generation.result.cached_tokens)
 
     async def generate(self, raw: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"
         metrics = self.service.metrics
         parsed = _parse(self.service, parse_json_object(await raw.body()), chat)
-        request, stream, include_usage = parsed.request, parsed.stream, parsed.include_usage
         metrics.in_flight.inc()
         try:
-            lease, generation, first = await self.start(request)
+            lease, generation, first = await self.start(parsed.request)
         except BaseException:
             metrics.in_flight.dec()
             raise
+        choices = [_Choice(0, generation, first, parsed)]
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
-        if stream:
+        generations = [choice.generation for choice in choices]
+        if parsed.stream:
             metrics.request_done(endpoint, 200)
-            return _LeasedStreamingResponse(self.stream(lease, generation, first, ident, chat, include_usage,
-                                                                        parsed.echo),
-                                            lambda: self.finish(lease, generation))
+            return _LeasedStreamingResponse(self.stream(lease, choices, ident, chat, parsed),
+                                            lambda: self.finish(lease, generations))
         try:
-            async for _ in generation:
-                pass
+            for choice in choices:
+                async for piece in choice.generation:
+                    choice.text.append(piece)
         except StageClientError as exc:
             raise await self.chain_error(exc) from exc
         finally:
-            await self.finish(lease, generation)
-        completion = generation.result
-        assert completion is not None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": completion.finish_reason, "logprobs": None}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": completion.text}
-        else:
-            choice["text"] = parsed.echo + completion.text
+            await self.finish(lease, generations)
         metrics.request_done(endpoint, 200)
         return JSONResponse({
             "id": ident, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.service.model_id, "system_fingerprint": None,
-            "choices": [choice], "usage": _usage(completion),
+            "choices": [choice.whole(chat) for choice in choices], "usage": _usage(generations),
         })
 
-    async def stream(self, lease: Lease, generation: Generation, first: str, ident: str, chat: bool,
-                     include_usage: bool, echo: str = "") -> AsyncIterator[bytes]:
+    async def stream(self, lease: Lease, choices: list["_Choice"], ident: str, chat: bool,
+                     parsed: Parsed) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.service.model_id
+        kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(text: str | None, finish: str | None, *, role: bool = False) -> dict[str, Any]:
-            if chat:
-                delta: dict[str, Any] = {}
-                if role:
-                    delta["role"] = "assistant"
-                if text is not None:
-                    delta["content"] = text
-                choice: dict[str, Any] = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
-            else:
-                choice = {"index": 0, "text": text or "", "finish_reason": finish, "logprobs": None}
-            return {"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                    "created": created, "model": model, "system_fingerprint": None, "choices": [choice]}
+        def chunk(choice: dict[str, Any]) -> bytes:
+            return _sse({"id": ident, "object": kind, "created": created, "model": model,
+                         "system_fingerprint": None, "choices": [{**choice, "logprobs": None}]})
 
         try:
-            if chat:
-                yield _sse(chunk("", None, role=True))
-            if echo:
-                yield _sse(chunk(echo, None))
-            if first:
-                yield _sse(chunk(first, None))
-            try:
-                async for piece in generation:
-                    if piece:
-                        yield _sse(chunk(piece, None))
-            except StageClientError as exc:
-                error = await self.chain_error(exc)
-                yield _sse(error.body())
-                return
-            completion = generation.result
-            assert completion is not None
-            yield _sse(chunk(None if chat else "", completion.finish_reason))
-            if include_usage:
-                yield _sse({"id": ident, "object": "chat.completion.chunk" if chat else "text_completion",
-                            "created": created, "model": model, "choices": [], "usage": _usage(completion)})
+            for choice in choices:
+                for delta in choice.opening(chat):
+                    yield chunk(delta)
+                try:
+                    async for piece in choice.generation:
+                        for delta in choice.piece(piece, chat):
+                            yield chunk(delta)
+                except StageClientError as exc:
+                    error = await self.chain_error(exc)
+                    yield _sse(error.body())
+                    return
+                for delta in choice.closing(chat):
+                    yield chunk(delta)
+            if parsed.include_usage:
+                yield _sse({"id": ident, "object": kind, "created": created, "model": model, "choices": [],
+                            "usage": _usage([choice.generation for choice in choices])})
             yield _sse("[DONE]")
         finally:
-            await self.finish(lease, generation)
+            await self.finish(lease, [choice.generation for choice in choices])
 
     # -- routes --------------------------------------------------------------------------------
     async def completions(self, request: Request) -> Response:

@@ -113,11 +113,11 @@ CHAT_FIELDS: Final[Mapping[str, Field]] = {
     "messages": Field(Handling.SERVED, "system / developer / user / assistant / tool turns, rendered by the "
                       "model's chat template; text content only"),
     "max_completion_tokens": Field(Handling.SERVED, "as max_tokens (max_tokens wins when both are set)"),
-    "tools": Field(Handling.REFUSED, "tool calling is not served yet",
-                   lambda value: None if not value else "tool calling is not served yet"),
-    "tool_choice": Field(Handling.REFUSED, "only none (no tools)",
-                         _unless_in("tool calling is not served yet", "none")),
-    "parallel_tool_calls": Field(Handling.NO_OP, "accepted; without tools it cannot change the answer"),
+    "tools": Field(Handling.SERVED, "function tools, rendered through the model's chat template's tools variable "
+                   "(a template without tool support: 400); calls parsed back into tool_calls"),
+    "tool_choice": Field(Handling.SERVED, "auto, none, required, or a named function (forced by opening the call "
+                         "in the answer)"),
+    "parallel_tool_calls": Field(Handling.SERVED, "false keeps the first tool call only"),
     "prompt_cache_key": Field(Handling.SERVED, "prefix-cache namespace (tenant isolation); cannot change the "
                               "answer"),
     "logprobs": Field(Handling.REFUSED, _LOGPROBS_LATER, _unless_in(_LOGPROBS_LATER, False)),

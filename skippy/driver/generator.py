@@ -81,6 +81,8 @@ class GenerationRequest:
     prefix_cache: bool | None = None
     #: Cache tenant (``prompt_cache_key``, else ``user``); None: the shared default namespace.
     cache_namespace: str | None = None
+    #: Tokens whose special text appears in the output (e.g. a tool-call marker that is a control token).
+    render_special: frozenset[int] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.prompt:
@@ -272,7 +274,7 @@ class Generation:
         self.timing = Timing(prompt_tokens=len(request.prompt))
         self.result: Completion | None = None
         self._text: list[str] = []
-        self._stream: TextStream = generator.tokenizer.stream()
+        self._stream: TextStream = generator.tokenizer.stream(request.render_special)
         self._stops = _StopMatcher(request.stop)
         self._started = 0.0
         self._last = 0.0

@@ -73,8 +73,9 @@ class Tokenizer:
     def is_end_of_generation(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), token))
 
-    def stream(self) -> "TextStream":
-        return TextStream(self)
+    def stream(self, special: frozenset[int] = frozenset()) -> "TextStream":
+        """An incremental detokenizer; tokens in ``special`` are rendered as their special text."""
+        return TextStream(self, special)
 
     def close(self) -> None:
         with self._lock:
@@ -92,13 +93,14 @@ class Tokenizer:
 class TextStream:
     """Turns tokens into text incrementally; never splits a UTF-8 character."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, special: frozenset[int] = frozenset()) -> None:
         self._tokenizer = tokenizer
+        self._special = special
         self._decoder = codecs.getincrementaldecoder("utf-8")("replace")
 
     def push(self, token: int) -> str:
         """Text completed by this token ('' while a multi-byte character is incomplete)."""
-        return self._decoder.decode(self._tokenizer.piece(token))
+        return self._decoder.decode(self._tokenizer.piece(token, special=token in self._special))
 
     def flush(self) -> str:
         return self._decoder.decode(b"", final=True)
