@@ -12,26 +12,42 @@ Extension: ``usage.skippy_timing`` carries TTFT, decode rate and the stage timin
 reply stats; ``usage.skippy_speculation`` the speculative-decoding counters (drafts proposed /
 accepted, windows, rollbacks, stale windows) of a request that speculated.  The body field
 ``speculation`` (bool) opts a request in or out (default: on for greedy requests).
-Prefix KV cache: on by default; ``prefix_cache: false`` opts a request out; ``prompt_cache_key``
-(else ``user``) is the cache namespace on every stage; ``usage.prompt_tokens_details.cached_tokens``
-is the restored prefix.  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
+Prefix KV cache: on by default; ``prefix_cache: false`` opts a request out; the cache namespace
+on every stage is derived from the caller's API key, subdivided by ``prompt_cache_key`` (else
+``user``) (:mod:`skippy.api.auth`); ``usage.prompt_tokens_details.cached_tokens`` is the restored
+prefix.  ``top_k``, ``min_p`` and ``repeat_penalty`` are accepted as llama.cpp servers do.
 Which fields a body may carry, and what each does, is :mod:`skippy.api.fields` (docs/api-fields.md);
 ``/tokenize`` and ``/detokenize`` answer as llama-server's do.
+
+Around the handlers (:func:`create_app`): CORS only when origins are configured, API keys
+(:mod:`skippy.api.auth`), JSON-only bodies under a size limit (:mod:`skippy.api.guard`), and a
+catch-all that answers any unexpected exception with OpenAI's error body (500) and logs it.
+Bodies over :data:`INLINE_PARSE_BYTES` are parsed and tokenised in a worker thread, one at a time.
+Lanes are taken through :mod:`skippy.api.admission` (a bounded queue, 429 when full; a first
+exchange the chain refuses as overloaded is retried).  A stream whose client goes away is stopped
+between two tokens (each step with the chain is shielded from the cancellation), its session
+stopped on every stage and the lane kept (:meth:`Generation.abort`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, final
 
+import trio
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from skippy.api.admission import Admission, is_overloaded
+from skippy.api.auth import ApiKeys, AuthMiddleware, scope_tenant
 from skippy.api.errors import (
     ApiError,
     get_bool,
@@ -39,10 +55,12 @@ from skippy.api.errors import (
     get_int,
     get_logit_bias,
     get_stop,
+    internal_error,
     invalid,
     parse_json_object,
 )
 from skippy.api.fields import check_fields, unsupported
+from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
 from skippy.api.tool_calls import (
@@ -63,6 +81,12 @@ from skippy.runtime.sampling import DEFAULT_SEED, SamplingParams
 
 #: OpenAI's default when a completions request has no max_tokens.
 DEFAULT_COMPLETION_TOKENS = 16
+#: Bodies up to this size are parsed and tokenised on the event loop; larger ones in a worker thread.
+INLINE_PARSE_BYTES = 32 * 1024
+#: Seconds allowed to stop the session of a request whose client went away (else the lane is closed).
+ABORT_TIMEOUT = 5.0
+
+log = logging.getLogger("skippy.api")
 
 
 @final
@@ -73,12 +97,22 @@ class ChainService:
         generator: tokenizer + chat template of the served model.
         pool: lanes to the chain's first stage.
         model_id: the name clients use in ``model``.
+        keys: accepted API keys and the cache salt (default: no keys, one anonymous tenant).
+        admission: the queue in front of ``pool`` (default: :class:`Admission` defaults).
+        max_body_bytes: the request-body limit (413 above it).
+        cors_origins: origins allowed to call from a browser (default none: no CORS headers).
     """
 
-    def __init__(self, generator: Generator, pool: LanePool, model_id: str) -> None:
+    def __init__(self, generator: Generator, pool: LanePool, model_id: str, *, keys: ApiKeys | None = None,
+                 admission: Admission | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 cors_origins: tuple[str, ...] = ()) -> None:
         self.generator = generator
         self.pool = pool
         self.model_id = model_id
+        self.keys = keys or ApiKeys()
+        self.admission = admission or Admission(pool)
+        self.max_body_bytes = max_body_bytes
+        self.cors_origins = cors_origins
         self.metrics = Metrics()
         self.created = int(time.time())
         self._tool_support: tuple[bool, ToolFormat | None] | None = None
@@ -95,7 +129,7 @@ class ChainService:
 def _sampling(body: dict[str, Any], n_vocab: int) -> SamplingParams:
     temperature = get_float(body, "temperature", minimum=0.0, maximum=2.0)
     top_p = get_float(body, "top_p", minimum=0.0, maximum=1.0, exclusive_minimum=True)
-    top_k = get_int(body, "top_k", minimum=0)
+    top_k = get_int(body, "top_k", minimum=0, maximum=n_vocab)
     min_p = get_float(body, "min_p", minimum=0.0, maximum=1.0)
     presence = get_float(body, "presence_penalty", minimum=-2.0, maximum=2.0)
     frequency = get_float(body, "frequency_penalty", minimum=-2.0, maximum=2.0)
@@ -413,6 +447,7 @@ class _LeasedStreamingResponse(StreamingResponse):
 class _Handlers:
     def __init__(self, service: ChainService) -> None:
         self.service = service
+        self._parse_limiter = trio.CapacityLimiter(1)
 
     async def chain_error(self, exc: StageClientError) -> ApiError:
         """A 503 naming the stage that is lost, when it can be told."""
@@ -432,24 +467,38 @@ class _Handlers:
             if problem is not None:
                 raise ApiError(503, f"The model chain is unavailable: {problem}", type="service_unavailable",
                                code="stage_unavailable")
-        try:
-            lease = await pool.acquire()
-        except StageLost as exc:
-            raise await self.chain_error(exc) from exc
-        self.service.metrics.lanes_open.set(pool.open_lanes)
-        generation = self.service.generator.start(lease.client, request, pool.new_session_id())
-        try:
-            first = await generation.__anext__()
-        except StopAsyncIteration:
-            first = ""
-        except StageClientError as exc:
-            await pool.release(lease)
-            raise await self.chain_error(exc) from exc
-        except BaseException:
-            await pool.release(lease)
-            raise
-        self.service.metrics.first_token(generation.timing)
-        return lease, generation, first
+        admission = self.service.admission
+        deadline = admission.deadline()
+        attempt = 0
+        while True:
+            try:
+                with self.service.metrics.queue_waiting.track_inprogress():
+                    lease = await admission.acquire(deadline)
+            except StageLost as exc:
+                raise await self.chain_error(exc) from exc
+            self.service.metrics.lanes_open.set(pool.open_lanes)
+            generation = self.service.generator.start(lease.client, request, pool.new_session_id())
+            try:
+                first = await generation.__anext__()
+            except StopAsyncIteration:
+                first = ""
+            except StageClientError as exc:
+                await self._release(lease)
+                if not is_overloaded(exc):
+                    raise await self.chain_error(exc) from exc
+                self.service.metrics.overload_retries.inc()
+                await admission.retry_after_overload(attempt, deadline, exc)  # a session not yet freed
+                attempt += 1
+                continue
+            except BaseException:
+                await self._release(lease)
+                raise
+            self.service.metrics.first_token(generation.timing)
+            return lease, generation, first
+
+    async def _release(self, lease: Lease) -> None:
+        self.service.admission.released(lease)
+        await self.service.pool.release(lease)
 
     async def finish(self, lease: Lease, generations: list[Generation]) -> None:
         """Return the lane and record the runs; idempotent (a stream calls it from two places)."""
@@ -458,7 +507,20 @@ class _Handlers:
         lease.returned = True
         self.service.metrics.in_flight.dec()
         lease.clean = all(generation.result is not None for generation in generations)
-        await self.service.pool.release(lease)
+        if not lease.clean:  # the client went away: stop the session on every stage, keep the lane
+            with trio.CancelScope(shield=True, deadline=trio.current_time() + ABORT_TIMEOUT):
+                try:
+                    for generation in generations:
+                        if not await generation.abort():
+                            break
+                    else:
+                        lease.clean = True
+                except StageClientError:
+                    lease.clean = False
+            counter = self.service.metrics.lanes_kept_after_abort if lease.clean else \
+                self.service.metrics.lanes_closed_after_abort
+            counter.inc()
+        await self._release(lease)
         self.service.metrics.lanes_open.set(self.service.pool.open_lanes)
         for generation in generations:
             if generation.result is not None:
@@ -470,7 +532,15 @@ class _Handlers:
     async def generate(self, raw: Request, chat: bool) -> Response:
         endpoint = "chat_completions" if chat else "completions"
         metrics = self.service.metrics
-        parsed = _parse(self.service, parse_json_object(await raw.body()), chat)
+        data = await raw.body()
+        if len(data) <= INLINE_PARSE_BYTES:
+            parsed = _parse(self.service, parse_json_object(data), chat)
+        else:  # tokenising megabytes takes seconds: not on the event loop, and one body at a time
+            parsed = await trio.to_thread.run_sync(lambda: _parse(self.service, parse_json_object(data), chat),
+                                                   limiter=self._parse_limiter)
+        tenant = scope_tenant(raw.scope, self.service.keys)
+        parsed = dataclasses.replace(parsed, request=dataclasses.replace(
+            parsed.request, cache_namespace=tenant.cache_namespace(parsed.request.cache_namespace)))
         metrics.in_flight.inc()
         try:
             lease, generation, first = await self.start(parsed.request)
@@ -514,12 +584,21 @@ class _Handlers:
                 for delta in choice.opening(chat):
                     yield chunk(delta)
                 try:
-                    async for piece in choice.generation:
+                    while True:
+                        with trio.CancelScope(shield=True):  # a client that leaves stops us between steps
+                            try:
+                                piece = await choice.generation.__anext__()
+                            except StopAsyncIteration:
+                                break
                         for delta in choice.piece(piece, chat):
                             yield chunk(delta)
                 except StageClientError as exc:
                     error = await self.chain_error(exc)
                     yield _sse(error.body())
+                    return
+                except Exception as exc:  # a bug: the stream still ends with an OpenAI-shaped error event
+                    log.exception("stream %s failed", ident)
+                    yield _sse(internal_error(exc).body())
                     return
                 for delta in choice.closing(chat):
                     yield chunk(delta)
@@ -617,7 +696,12 @@ def create_app(service: ChainService) -> Starlette:
         assert isinstance(exc, ApiError)
         endpoint = request.url.path.strip("/").replace("v1/", "").replace("/", "_") or "root"
         service.metrics.request_done(endpoint, exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+    async def unexpected(request: Request, exc: Exception) -> Response:
+        log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        error = internal_error(exc)
+        return JSONResponse(error.body(), status_code=error.status)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
@@ -636,6 +720,17 @@ def create_app(service: ChainService) -> Starlette:
         Route("/metrics", handlers.metrics, methods=["GET"]),
     ]
     handlers_map: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
-        ApiError: api_error, 404: not_found, 405: not_found,
+        ApiError: api_error, 404: not_found, 405: not_found, Exception: unexpected,
     }
-    return Starlette(routes=routes, exception_handlers=handlers_map)
+
+    def refused(path: str) -> None:
+        service.metrics.request_done(path.strip("/").replace("v1/", "").replace("/", "_") or "root", 401)
+
+    # Outermost first: CORS answers preflights before keys are asked for; the guard runs after auth.
+    middleware = [Middleware(AuthMiddleware, keys=service.keys, on_refused=refused),
+                  Middleware(RequestGuard, max_body_bytes=service.max_body_bytes)]
+    if service.cors_origins:
+        middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),
+                                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+                                        max_age=600))
+    return Starlette(routes=routes, exception_handlers=handlers_map, middleware=middleware)

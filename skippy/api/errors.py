@@ -5,14 +5,20 @@ OpenAI error body (``message``, ``type``, ``param``, ``code``); handlers raise i
 handler renders it.  Request bodies are plain JSON objects checked field by field by the small
 typed readers here (no schema library): a field of the wrong type or out of range is a 422 naming
 the field, malformed JSON a 400, an unknown model a 404.  Which fields a body may carry at all is
-:mod:`skippy.api.fields`'s job (an unknown or unserved field is a 400 naming it).
+:mod:`skippy.api.fields`'s job (an unknown or unserved field is a 400 naming it).  A body is
+refused 400 before any field is read when it nests deeper than :data:`MAX_JSON_DEPTH` or holds a
+lone UTF-16 surrogate (``"\\ud800"`` is valid JSON but no text: it could be neither tokenised nor
+echoed back in an error).
 """
 
 from __future__ import annotations
 
 import json
 import math
-from typing import Any, Mapping, final
+from typing import Any, Iterable, Mapping, final
+
+#: Deepest nesting of arrays and objects a request body may have (OpenAI bodies need about 6).
+MAX_JSON_DEPTH = 64
 
 
 @final
@@ -20,16 +26,25 @@ class ApiError(Exception):
     """An error the API answers with ``{"error": {...}}``."""
 
     def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
-                 param: str | None = None, code: str | None = None) -> None:
+                 param: str | None = None, code: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
         self.type = type
         self.param = param
         self.code = code
+        #: Extra response headers (``Retry-After`` on a 429).
+        self.headers = dict(headers or {})
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def internal_error(exc: BaseException) -> ApiError:
+    """A 500 for an unexpected exception (a bug); the details go to the server log, not the client."""
+    return ApiError(500, f"The server had an error while processing your request ({type(exc).__name__}); "
+                         "the server log has the details.", type="server_error", code="internal_error")
 
 
 def invalid(param: str, message: str) -> ApiError:
@@ -45,11 +60,65 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     """
     try:
         data = json.loads(raw)
+    except RecursionError:  # the C scanner's own recursion guard: far deeper than MAX_JSON_DEPTH
+        raise ApiError(400, f"The JSON body nests arrays or objects more than {MAX_JSON_DEPTH} deep.",
+                       code="invalid_json") from None
     except ValueError as exc:  # JSONDecodeError and UnicodeDecodeError are both ValueErrors
         raise ApiError(400, f"We could not parse the JSON body of your request: {exc}", code="invalid_json") from exc
     if not isinstance(data, dict):
         raise ApiError(400, "The request body must be a JSON object.", code="invalid_json")
+    _check_tree(data)
     return data
+
+
+def _check_tree(root: dict[str, Any]) -> None:
+    """Refuse nesting deeper than MAX_JSON_DEPTH and strings with lone surrogates (iteratively)."""
+    stack: list[tuple[Any, int, str]] = [(root, 1, "")]
+    while stack:
+        value, depth, path = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            raise ApiError(400, f"The JSON body nests arrays or objects more than {MAX_JSON_DEPTH} deep "
+                                f"(at '{path}').", code="invalid_json")
+        items: Iterable[tuple[str, Any]]
+        if isinstance(value, dict):
+            for key in value:
+                _check_text(key, f"{path}.{_shown(key)}" if path else _shown(key))
+            items = ((f"{path}.{_shown(k)}" if path else _shown(k), v) for k, v in value.items())
+        else:
+            items = ((f"{path}[{i}]", v) for i, v in enumerate(value))
+        for where, item in items:
+            if isinstance(item, str):
+                _check_text(item, where)
+            elif isinstance(item, (dict, list)):
+                stack.append((item, depth + 1, where))
+
+
+def _shown(key: str) -> str:
+    return key.encode("utf-8", "backslashreplace").decode("ascii", "replace")[:64]
+
+
+def _check_text(text: str, where: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ApiError(400, f"Invalid value for '{where}': the string holds a lone UTF-16 surrogate "
+                            f"(\\u{ord(text[exc.start]):04x} at offset {exc.start}), which is not text.",
+                       param=where, code="invalid_json") from None
+
+
+def _finite(value: int | float) -> bool:
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
+def _brief(value: Any) -> str:
+    """A field's value for an error message, at most 80 characters."""
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10 ** 30:
+        return f"an integer of {len(str(abs(value)))} digits"
+    text = json.dumps(value)
+    return text if len(text) <= 80 else text[:77] + "..."
 
 
 def get_int(body: Mapping[str, Any], name: str, *, minimum: int | None = None, maximum: int | None = None
@@ -58,11 +127,11 @@ def get_int(body: Mapping[str, Any], name: str, *, minimum: int | None = None, m
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int):
-        raise invalid(name, f"expected an integer, got {json.dumps(value)}")
+        raise invalid(name, f"expected an integer, got {_brief(value)}")
     if minimum is not None and value < minimum:
-        raise invalid(name, f"{value} is less than the minimum of {minimum}")
+        raise invalid(name, f"{_brief(value)} is less than the minimum of {minimum}")
     if maximum is not None and value > maximum:
-        raise invalid(name, f"{value} is greater than the maximum of {maximum}")
+        raise invalid(name, f"{_brief(value)} is greater than the maximum of {maximum}")
     return value
 
 
@@ -71,8 +140,8 @@ def get_float(body: Mapping[str, Any], name: str, *, minimum: float, maximum: fl
     value = body.get(name)
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-        raise invalid(name, f"expected a number, got {json.dumps(value)}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not _finite(value):
+        raise invalid(name, f"expected a finite number, got {_brief(value)}")
     if value < minimum or (exclusive_minimum and value == minimum):
         raise invalid(name, f"{value} is {'not greater than' if exclusive_minimum else 'less than'} the minimum of {minimum}")
     if value > maximum:
@@ -85,7 +154,7 @@ def get_bool(body: Mapping[str, Any], name: str) -> bool:
     if value is None:
         return False
     if not isinstance(value, bool):
-        raise invalid(name, f"expected a boolean, got {json.dumps(value)}")
+        raise invalid(name, f"expected a boolean, got {_brief(value)}")
     return value
 
 
@@ -111,7 +180,7 @@ def get_logit_bias(body: Mapping[str, Any], n_vocab: int) -> tuple[tuple[int, fl
         try:
             token = int(key)
         except ValueError:
-            raise invalid("logit_bias", f"key {key!r} is not a token id") from None
+            raise invalid("logit_bias", f"key {_brief(key)} is not a token id") from None
         if not 0 <= token < n_vocab:
             raise invalid("logit_bias", f"token id {token} is outside the vocabulary (0..{n_vocab - 1})")
         if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not -100 <= bias <= 100:

@@ -46,6 +46,8 @@ class Lease:
     client: StageClient
     clean: bool = False
     returned: bool = False
+    #: time.monotonic() when the lane was handed out (0: not recorded).
+    acquired_at: float = 0.0
 
 
 @final
@@ -73,6 +75,11 @@ class LanePool:
         self.open_lanes = 0
         #: Set after a chain failure: requests check the chain (briefly) before taking a lane.
         self.suspect = False
+
+    @property
+    def free_lanes(self) -> int:
+        """Lanes a request could take now without waiting."""
+        return int(self._slots.value)
 
     def new_session_id(self) -> int:
         return (self._base + next(self._counter)) & 0x7FFFFFFF or 1

@@ -4,7 +4,8 @@ Strategy: one :class:`Metrics` object per app (its own ``CollectorRegistry``, so
 one process — tests — never collide), updated by the request handlers at a few points: a request
 ends (status, tokens), the first token arrives (TTFT), each later token (inter-token gap), and the
 stage timings carried by the replies (mean compute of one stage per reply, and the chain's total),
-and the speculative-decoding counters of the requests that speculated.
+the speculative-decoding counters of the requests that speculated, and admission (requests
+waiting for a lane, retries after an overloaded stage, lanes kept or closed after a client left).
 """
 
 from __future__ import annotations
@@ -58,6 +59,14 @@ class Metrics:
                                    registry=r)
         self.prefix_cached_tokens = Counter("skippy_prefix_cache_cached_tokens",
                                             "prompt tokens restored from the prefix cache", registry=r)
+        self.queue_waiting = Gauge("skippy_queue_waiting", "requests waiting for a lane", registry=r)
+        self.overload_retries = Counter("skippy_overload_retries",
+                                        "first exchanges retried after a stage had no free session", registry=r)
+        self.lanes_kept_after_abort = Counter("skippy_lanes_kept_after_abort",
+                                              "lanes kept after a client left mid-stream (session stopped)",
+                                              registry=r)
+        self.lanes_closed_after_abort = Counter("skippy_lanes_closed_after_abort",
+                                                "lanes closed after a client left mid-exchange", registry=r)
 
     def request_done(self, endpoint: str, status: int) -> None:
         self.requests.labels(endpoint, str(status)).inc()

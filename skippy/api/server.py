@@ -16,7 +16,10 @@ import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
 
+from skippy.api.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT, Admission
 from skippy.api.app import ChainService, create_app
+from skippy.api.auth import ApiKeys
+from skippy.api.guard import DEFAULT_MAX_BODY_BYTES
 from skippy.api.lanes import LanePool, StageInfo
 from skippy.driver.generator import Generator
 from skippy.stage.config import Address
@@ -32,6 +35,9 @@ def model_id_for(path: Path) -> str:
 async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1", port: int = 8000,
                     model_id: str | None = None, n_ctx: int | None = None, max_lanes: int = 8,
                     stages: Sequence[StageInfo] = (), reply_timeout: float = 30.0,
+                    keys: ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                    max_queue: int = DEFAULT_MAX_QUEUE, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
+                    cors_origins: Sequence[str] = (),
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -43,11 +49,17 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         n_ctx: context length requests must fit (default: min(trained context, 4096)).
         max_lanes: concurrent requests (lanes); keep it <= the stages' ``--max-sessions``.
         stages: every stage, when known, so errors can name a lost one.
+        keys: accepted API keys and cache salt (None: no keys).
+        max_body_bytes: request-body limit (413 above it).
+        max_queue, queue_timeout: requests that may wait for a lane, and for how long (429 beyond).
+        cors_origins: origins allowed to call from browsers (none: CORS off).
         task_status: receives the base URL once listening.
     """
     generator = Generator.from_model(model, n_ctx=n_ctx)
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout)
-    service = ChainService(generator, pool, model_id or model_id_for(model))
+    service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys,
+                           admission=Admission(pool, max_queue=max_queue, timeout=queue_timeout),
+                           max_body_bytes=max_body_bytes, cors_origins=tuple(cors_origins))
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None
@@ -58,7 +70,9 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         async with trio.open_nursery() as nursery:
             binds = await nursery.start(serve, create_app(service), config)
             url = binds[0] if binds else f"http://{host}:{port}"
-            log.info("serving %s on %s (first stage %s)", service.model_id, url, first_stage)
+            log.info("serving %s on %s (first stage %s; %s)", service.model_id, url, first_stage,
+                     f"{len(service.keys)} API keys" if service.keys.required else "no API key: open to anyone "
+                     "who can reach it")
             task_status.started(url)
     finally:
         with trio.CancelScope(shield=True):

@@ -16,6 +16,8 @@ from typing import Any
 
 import trio
 
+from skippy.commands.api_options import add_api_options, api_settings
+
 
 def add_parser(subparsers: Any) -> None:
     parser = subparsers.add_parser("serve", help="serve the OpenAI-compatible API for a running chain",
@@ -30,6 +32,7 @@ def add_parser(subparsers: Any) -> None:
                         "model's, at most 4096; match the stages' --ctx-size)")
     parser.add_argument("--max-lanes", type=int, default=8,
                         help="concurrent requests, one lane each (default 8; <= the stages' --max-sessions)")
+    add_api_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -39,13 +42,14 @@ async def _main(args: argparse.Namespace) -> None:
     from skippy.stage.config import Address
 
     first = Address.parse(args.first_stage)
+    settings = api_settings(args)
     got: list[int] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
             url = await nursery.start(lambda task_status: serve_api(
                 args.model, first, host=args.host, port=args.port, model_id=args.model_id, n_ctx=args.ctx_size,
-                max_lanes=args.max_lanes, task_status=task_status))
+                max_lanes=args.max_lanes, task_status=task_status, **settings))
             print(f"skippy API for {args.model.name} on {url} (first stage {first}); Ctrl-C stops it", flush=True)
 
 

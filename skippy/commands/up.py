@@ -25,6 +25,8 @@ from typing import Any, Awaitable, Callable, TextIO
 
 import trio
 
+from skippy.commands.api_options import add_api_options, api_settings
+
 #: The name the generated demo model is served under.
 DEMO_MODEL_ID = "skippy-demo"
 
@@ -60,6 +62,7 @@ def add_parser(subparsers: Any) -> None:
                                    description=__doc__)
     add_chain_arguments(parser)
     parser.add_argument("--port", type=int, default=8000, help="API port (default 8000, 0 = any free port)")
+    add_api_options(parser)
     parser.set_defaults(run=run)
 
 
@@ -149,6 +152,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
         split = _split(args, info.n_layer)
+        settings = api_settings(args)
     except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages/--plan; unreadable model (ModelLoadError)
         print(f"error: {exc}", file=err)
         return 2
@@ -176,11 +180,14 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 stages = [child.info() for child in children]
                 url = await nursery.start(lambda task_status: serve_api(
                     model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
-                    n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status))
+                    n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status,
+                    **settings))
                 body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
                         % model_id)
                 print(f"skippy API on {url}  (model {model_id}; Ctrl-C stops everything)", flush=True)
-                print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}",
+                auth = " -H 'Authorization: Bearer YOUR_KEY'" if settings["keys"].required else ""
+                print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+                      f"-d {shlex.quote(body)}",
                       flush=True)
                 if on_ready is not None:
                     await on_ready(url)

@@ -260,8 +260,9 @@ class _StopMatcher:
 class Generation:
     """One request running on one lane; iterate it for text pieces, then read :attr:`result`.
 
-    Not reusable.  If iteration stops early (an error, a cancelled client), the lane is in an
-    unknown state: close it rather than reuse it.
+    Not reusable.  If iteration stops early between pieces (a client that went away), :meth:`abort`
+    stops the session and keeps the lane usable; after an error or a step that was cancelled the
+    lane is in an unknown state: close it rather than reuse it.
     """
 
     def __init__(self, generator: "Generator", client: StageClient, request: GenerationRequest,
@@ -281,6 +282,8 @@ class Generation:
         self._position = len(request.prompt)
         self._runner: SpeculativeRunner | None = None
         self.cached_tokens = 0
+        self._exchanging = False  # inside a step (or interrupted in one)
+        self._touched = False  # a message was sent for the session
 
     def __aiter__(self) -> "Generation":
         return self
@@ -294,7 +297,39 @@ class Generation:
         """
         if self.result is not None:
             raise StopAsyncIteration
+        self._exchanging = True  # stays set if the step fails or is cancelled: the lane is mid-exchange
+        piece = await self._step()
+        self._exchanging = False
+        return piece
+
+    async def abort(self) -> bool:
+        """End a run that stopped early between pieces, leaving the lane reusable.
+
+        Drains what a speculative run still has in flight, then stops the session, whose ACK
+        comes back only once every stage has released it.
+
+        Returns:
+            True when the lane is clean again; False when the run was interrupted inside an
+            exchange (a reply may still be on its way): close the lane instead.
+
+        Raises:
+            StageClientError: the chain failed while draining or stopping.
+        """
+        if self.result is not None or not self._touched:
+            return True
+        if self._exchanging:
+            return False
+        self._exchanging = True
+        if self._runner is not None:
+            await self._runner.finish(self._runner.kv_high_water)
+            self._runner.replies.clear()
+        await self._client.stop(self.session_id)
+        self._exchanging = False
+        return True
+
+    async def _step(self) -> str:
         client, request = self._client, self.request
+        self._touched = True
         if not self.tokens:
             self._started = time.perf_counter()
             cached = await prefix.prefill(client, self.session_id, request.prompt,

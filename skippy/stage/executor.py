@@ -196,7 +196,14 @@ class Executor:
 
     def _sampler(self, session: _Session) -> Sampler:
         if session.sampler is None:
-            session.sampler = Sampler(session.params, int(self.model.n_vocab))
+            params = session.params
+            n_ctx = int(getattr(self.context, "n_ctx", 0))
+            if params.uses_penalties and 0 < n_ctx < params.penalty_last_n:
+                # llama.cpp sizes the penalty window's ring buffer by penalty_last_n: a peer's
+                # 2^31 would be an 8 GiB allocation.  No session holds more than n_ctx tokens,
+                # so a longer window means the same thing as n_ctx.
+                params = dataclasses.replace(params, penalty_last_n=n_ctx)
+            session.sampler = Sampler(params, int(self.model.n_vocab))
         return session.sampler
 
     def trim(self, key: int, length: int) -> int:

@@ -67,6 +67,8 @@ class LaneSettings:
     #: Simulated one-way delay of every reply a stage writes (upstream and into return lanes,
     #: docs/protocol.md §8), seconds; benchmarks only (``--wire-reply-delay-ms``).
     reply_delay_s: float = 0.0
+    #: The most rows one message may carry (the stage's KV cells; 0: no limit).
+    max_rows: int = 0
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

@@ -27,35 +27,38 @@ __all__ = ["final_prediction", "outgoing", "work_item"]
 
 _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
+#: One past the largest position an int32 holds.
+_POSITION_END = 1 << 31
 
 
-def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int) -> WorkItem:
+def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_rows: int = 0) -> WorkItem:
     """The runtime's view of an executable message (session ``key``).
+
+    Every count the peer sent is checked against the frame's own contents (the token ids on the
+    first stage, the activation elsewhere) and ``max_rows`` *before* any array is made from it,
+    so a claimed ``token_count`` never sizes an allocation by itself.
 
     Args:
         is_first: the stage starts at layer 0 (it takes token ids, not activations).
         width: the activation width the stage takes.
+        max_rows: the most rows one message may carry on this stage (its KV cells; 0: no limit).
 
     Raises:
-        InvalidMessage: no rows, no positions, a missing or misshapen activation, or token ids
-            that do not match ``token_count``.
+        InvalidMessage: no rows, more rows than the stage holds, no positions, a missing or
+            misshapen activation, or token ids that do not match ``token_count``.
     """
     kind, message = dispatch.kind, dispatch.message
     count = message.token_count
     if count <= 0:
         raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
+    if 0 < max_rows < count:
+        raise InvalidMessage(f"{kind.reference_name} with token_count {count}: more rows than this stage's "
+                             f"{max_rows} KV cells (--ctx-size)")
     tokens = message.tokens
     if tokens.dtype is not _INT32:
         tokens = np.asarray(tokens, dtype=np.int32)
     if tokens.shape[0] == 0 and count == 1 and message.state.current_token >= 0:
         tokens = np.asarray([message.state.current_token], dtype=np.int32)
-    positions = message.positions
-    if positions.shape[0] != count:
-        if message.pos_start < 0:
-            raise InvalidMessage(f"{kind.reference_name} with negative pos_start {message.pos_start}")
-        positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
-    elif positions.dtype is not _INT32:
-        positions = np.asarray(positions, dtype=np.int32)
     activations = None
     if not is_first:
         activations = message.activation
@@ -64,14 +67,25 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int) -> Wo
                 f"{kind.reference_name} without an activation (source_stage_index "
                 f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
             )
-        if activations.dtype is not _FLOAT32:
-            activations = np.asarray(activations, dtype=np.float32)
         if activations.shape != (count, width):
             raise InvalidMessage(
                 f"activation of shape {activations.shape} does not match token_count {count} x width {width}"
             )
+        if activations.dtype is not _FLOAT32:
+            activations = np.asarray(activations, dtype=np.float32)
     elif tokens.shape[0] != count:
         raise InvalidMessage(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
+    # From here on ``count`` is backed by the frame's own rows: arrays sized by it are bounded.
+    positions = message.positions
+    if positions.shape[0] != count:
+        if message.pos_start < 0:
+            raise InvalidMessage(f"{kind.reference_name} with negative pos_start {message.pos_start}")
+        if message.pos_start + count > _POSITION_END:
+            raise InvalidMessage(f"{kind.reference_name}: positions {message.pos_start}..{message.pos_start + count - 1} "
+                                 "do not fit in int32")
+        positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
+    elif positions.dtype is not _INT32:
+        positions = np.asarray(positions, dtype=np.int32)
     prefill = kind.is_prefill
     return WorkItem(
         key, positions, tokens if is_first else None, activations, dispatch.align_to, dispatch.rule.outputs,

@@ -67,7 +67,7 @@ def prefix_settings(metadata: str | None) -> tuple[str | None, bool] | None:
         return None
     try:
         data = json.loads(metadata)
-    except ValueError:  # metadata is free-form for other uses: not ours
+    except (ValueError, RecursionError):  # free-form for other uses (or absurdly nested): not ours
         return None
     section = data.get(METADATA_KEY) if isinstance(data, dict) else None
     if not isinstance(section, dict):

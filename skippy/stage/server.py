@@ -106,7 +106,7 @@ class StageServer:
             max_inflight=config.max_inflight, connect_timeout=config.connect_timeout,
             wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
             write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
-            reply_delay_s=config.wire_reply_delay_ms / 1000.0,
+            reply_delay_s=config.wire_reply_delay_ms / 1000.0, max_rows=config.ctx_size,
         )
         #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).
         self.returns = ReturnHub(self._lanes_with_session)

@@ -1,0 +1,57 @@
+"""The API's exposure options shared by ``skippy up`` and ``skippy serve``: keys, limits, queue, CORS.
+
+Strategy: :func:`add_api_options` declares the flags once; :func:`api_settings` turns the parsed
+arguments into the keyword arguments of :func:`skippy.api.server.serve_api` (reading a key file
+here, so a bad one is reported before anything starts).  A namespace without these attributes
+(``skippy demo``) gets the defaults: no keys, the default limits.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from skippy.api.admission import DEFAULT_MAX_QUEUE, DEFAULT_QUEUE_TIMEOUT
+from skippy.api.auth import API_KEY_ENV, CACHE_SALT_ENV, ApiKeys
+from skippy.api.guard import DEFAULT_MAX_BODY_BYTES
+
+
+def add_api_options(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("API exposure")
+    group.add_argument("--api-key", metavar="KEY|FILE",
+                       help="require 'Authorization: Bearer KEY': one key, or a file of keys (one a line, each its "
+                            f"own tenant); default ${API_KEY_ENV}, else no key (one anonymous tenant). A file keeps "
+                            "keys out of the process list")
+    group.add_argument("--cache-salt", help="secret mixed into every tenant's prefix-cache namespace "
+                                            f"(default ${CACHE_SALT_ENV}, else none)")
+    group.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                       help=f"largest request body; larger ones get 413 unread (default {DEFAULT_MAX_BODY_BYTES})")
+    group.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                       help="requests that may wait for a lane; beyond it 429 + Retry-After "
+                            f"(default {DEFAULT_MAX_QUEUE})")
+    group.add_argument("--queue-timeout", type=float, default=DEFAULT_QUEUE_TIMEOUT,
+                       help=f"seconds a request may wait for a lane before 429 (default {DEFAULT_QUEUE_TIMEOUT:g})")
+    group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                       help="allow browser calls from ORIGIN (repeatable; '*' for any); default: no CORS")
+
+
+def api_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """``serve_api`` keyword arguments from the parsed options.
+
+    Raises:
+        ValueError: a key file that cannot be read or holds no key; a bad limit.
+    """
+    max_body = getattr(args, "max_body_bytes", DEFAULT_MAX_BODY_BYTES)
+    max_queue = getattr(args, "max_queue", DEFAULT_MAX_QUEUE)
+    timeout = getattr(args, "queue_timeout", DEFAULT_QUEUE_TIMEOUT)
+    if max_body < 1:
+        raise ValueError(f"--max-body-bytes must be positive (got {max_body})")
+    if max_queue < 0:
+        raise ValueError(f"--max-queue must be >= 0 (got {max_queue})")
+    if not timeout > 0:
+        raise ValueError(f"--queue-timeout must be > 0 (got {timeout})")
+    return {
+        "keys": ApiKeys.from_option(getattr(args, "api_key", None), salt=getattr(args, "cache_salt", None)),
+        "max_body_bytes": max_body, "max_queue": max_queue, "queue_timeout": timeout,
+        "cors_origins": tuple(getattr(args, "cors_origin", ()) or ()),
+    }
