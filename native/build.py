@@ -148,7 +148,7 @@ def patched_source() -> Path:
     pristine = _pristine_source()
     target = BUILD / "llama-src"
     stamp = target / ".skippy-patched"
-    wanted = f"{pristine}\n{patch_digest()}\n"
+    wanted = f"{pristine.resolve()}\n{patch_digest()}\n"  # resolved: worktrees sharing a tree agree
     if stamp.exists() and stamp.read_text() == wanted:
         return target
     _log(f"preparing patched source in {target}")

@@ -22,6 +22,8 @@ CDEF = NATIVE / "cdef" / "skippy.cdef.h"
 SHIM = NATIVE / "cdef" / "skippy_shim.c"
 GENERATED = ROOT / "build" / "ffi" / "skippy_llama.c"
 MODULE = "skippy._llama"
+#: libllama, and ggml's registry/device API (libggml, libggml-base) that the binding calls directly.
+LIBRARIES = ["llama", "ggml", "ggml-base"]
 
 
 def binding_stamp() -> str:
@@ -39,7 +41,7 @@ def make_ffi() -> FFI:
     ffi.set_source(
         MODULE,
         f'#define SKIPPY_BINDING_STAMP "{stamp}"\n' + SHIM.read_text(),
-        libraries=["llama"],
+        libraries=LIBRARIES,
     )
     return ffi
 
@@ -60,6 +62,6 @@ def make_extension() -> Extension:
     return Extension(
         MODULE,
         sources=[str(GENERATED.relative_to(ROOT))],
-        libraries=["llama"],
+        libraries=LIBRARIES,
         extra_link_args=["-Wl,-rpath,$ORIGIN/lib"],
     )

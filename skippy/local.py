@@ -15,7 +15,8 @@ from typing import Sequence
 
 import numpy as np
 
-from skippy.runtime import LayerRange, Model, Sampler, SamplingParams, StageContext
+from skippy.offload import OffloadSettings, devices
+from skippy.runtime import LayerRange, Model, Sampler, SamplingParams, StageContext, read_gguf_info
 
 Split = Sequence[tuple[int, int]]
 
@@ -52,15 +53,18 @@ class LocalChain:
     """Stages ``split`` of the model at ``path``, in this process."""
 
     def __init__(self, path: str | Path, split: Split, *, n_ctx: int = 1024, max_sessions: int = 4,
-                 n_batch: int = 64, threads: int | None = None) -> None:
+                 n_batch: int = 64, threads: int | None = None, offload: OffloadSettings | None = None) -> None:
         self.models: list[Model] = []
         self.contexts: list[StageContext] = []
         try:
             for start, end in split:
-                model = Model(path, LayerRange(start, end))
+                resolved = None
+                if offload is not None:
+                    resolved = offload.resolve(devices(), start, end, read_gguf_info(path).n_layer)
+                model = Model(path, LayerRange(start, end), offload=resolved)
                 self.models.append(model)
                 self.contexts.append(StageContext(model, n_ctx=n_ctx, max_sessions=max_sessions,
-                                                  n_batch=n_batch, threads=threads))
+                                                  n_batch=n_batch, threads=threads, offload=resolved))
         except BaseException:
             self.close()
             raise

@@ -25,6 +25,14 @@ enum llama_model_kv_override_type { LLAMA_KV_OVERRIDE_TYPE_INT, LLAMA_KV_OVERRID
 enum llama_pooling_type { LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, ... };
 enum llama_flash_attn_type { LLAMA_FLASH_ATTN_TYPE_AUTO, LLAMA_FLASH_ATTN_TYPE_DISABLED,
                              LLAMA_FLASH_ATTN_TYPE_ENABLED, ... };
+enum llama_split_mode { LLAMA_SPLIT_MODE_NONE, LLAMA_SPLIT_MODE_LAYER, LLAMA_SPLIT_MODE_ROW, ... };
+enum ggml_type { GGML_TYPE_F32, GGML_TYPE_F16, GGML_TYPE_Q4_0, GGML_TYPE_Q8_0, ... };
+
+/* ggml backends and devices (libggml / libggml-base) */
+typedef struct ggml_backend_device * ggml_backend_dev_t;
+typedef struct ggml_backend_reg * ggml_backend_reg_t;
+enum ggml_backend_dev_type { GGML_BACKEND_DEVICE_TYPE_CPU, GGML_BACKEND_DEVICE_TYPE_GPU, GGML_BACKEND_DEVICE_TYPE_IGPU,
+                             GGML_BACKEND_DEVICE_TYPE_ACCEL, ... };
 
 typedef bool (*llama_progress_callback)(float progress, void * user_data);
 
@@ -46,7 +54,10 @@ struct llama_model_kv_override {
 };
 
 struct llama_model_params {
+    ggml_backend_dev_t * devices;
     int32_t n_gpu_layers;
+    enum llama_split_mode split_mode;
+    int32_t main_gpu;
     enum llama_load_mode load_mode;
     llama_progress_callback progress_callback;
     void * progress_callback_user_data;
@@ -65,6 +76,8 @@ struct llama_context_params {
     int32_t  n_threads_batch;
     enum llama_pooling_type pooling_type;
     enum llama_flash_attn_type flash_attn_type;
+    enum ggml_type type_k;
+    enum ggml_type type_v;
     bool embeddings;
     bool offload_kqv;
     bool no_perf;
@@ -88,6 +101,16 @@ struct llama_sampler_chain_params {
 void llama_backend_init(void);
 void llama_log_set(ggml_log_callback log_callback, void * user_data);
 const char * llama_print_system_info(void);
+size_t ggml_backend_reg_count(void);
+ggml_backend_reg_t ggml_backend_reg_get(size_t index);
+const char * ggml_backend_reg_name(ggml_backend_reg_t reg);
+ggml_backend_reg_t ggml_backend_load(const char * path);
+size_t ggml_backend_dev_count(void);
+ggml_backend_dev_t ggml_backend_dev_get(size_t index);
+const char * ggml_backend_dev_name(ggml_backend_dev_t device);
+const char * ggml_backend_dev_description(ggml_backend_dev_t device);
+enum ggml_backend_dev_type ggml_backend_dev_type(ggml_backend_dev_t device);
+void ggml_backend_dev_memory(ggml_backend_dev_t device, size_t * free, size_t * total);
 
 /* model */
 struct llama_model_params llama_model_default_params(void);

@@ -21,7 +21,7 @@ import signal
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Awaitable, Callable, TextIO
+from typing import Any, Awaitable, Callable, Final, TextIO
 
 import trio
 
@@ -55,6 +55,31 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],
                         help="activation dtype between stages (default f32: exact)")
     parser.add_argument("--log-dir", type=Path, help="where stage logs go (default: a new temporary directory)")
+    gpu = parser.add_argument_group("GPU settings, passed to every stage (python -m skippy.stage --help; docs/gpu.md)")
+    for flag, help_text in GPU_FLAGS.items():
+        gpu.add_argument(flag, help=help_text)
+
+
+#: Stage settings ``up`` passes through unchanged when given (the stage checks them).
+GPU_FLAGS: Final = {
+    "--n-gpu-layers": "layers of each stage on the GPU (default: all when there is one)",
+    "--device": "GPU device(s) each stage uses (CUDA0,CUDA1; none = CPU only)",
+    "--main-gpu": "index among a stage's GPUs for --split-mode none/row",
+    "--split-mode": "none, layer or row",
+    "--flash-attn": "off (default), on or auto",
+    "--cache-type-k": "f16 (default), f32, q8_0 or q4_0",
+    "--cache-type-v": "f16 (default), f32, q8_0 or q4_0 (quantized needs --flash-attn on/auto)",
+}
+
+
+def gpu_options(args: argparse.Namespace) -> list[str]:
+    """The GPU flags given to ``up``, as stage arguments."""
+    options = []
+    for flag in GPU_FLAGS:
+        value = getattr(args, flag.removeprefix("--").replace("-", "_"))
+        if value is not None:
+            options += [flag, value]
+    return options
 
 
 def add_parser(subparsers: Any) -> None:
@@ -140,6 +165,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     from skippy.api.server import serve_api
     from skippy.launch import ChildFailed, StageChild, cancel_on_signal, run_chain
     from skippy.runtime import NativeError, read_gguf_info
+    from skippy.stage.config import config_from_mapping
 
     err = sys.stderr
     plan_options: list[str] = []
@@ -153,12 +179,15 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         info = read_gguf_info(model)
         split = _split(args, info.n_layer)
         settings = api_settings(args)
-    except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages/--plan; unreadable model (ModelLoadError)
+        gpu = gpu_options(args)
+        config_from_mapping({"model": str(model), "layers": "0:1",  # the GPU values, checked before any stage starts
+                             **{flag.removeprefix("--").replace("-", "_"): value for flag, value in zip(gpu[::2], gpu[1::2])}})
+    except (ValueError, OSError, NativeError) as exc:  # bad --layers/--stages/--plan/GPU settings; unreadable model
         print(f"error: {exc}", file=err)
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
-               "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options]
+               "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
     bar = ProgressBar(err, len(split))
     failure: list[str] = []

@@ -33,6 +33,7 @@ from skippy.runtime.errors import (
 )
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime.model import Model
+from skippy.offload import Offload
 from skippy.runtime.sampling import Sampler
 
 #: Tag in front of every saved sequence state.
@@ -78,6 +79,8 @@ class StageContext:
         n_batch: most rows one ``decode`` may carry; also the micro-batch size (``n_ubatch``)
             unless given, so a prefill chunk is computed in one pass (same partition on every stage).
         threads: compute threads (default: all cores).
+        offload: flash attention and KV cache types (:mod:`skippy.offload`; default: flash
+            attention off, f16 caches).
     """
 
     def __init__(
@@ -90,6 +93,7 @@ class StageContext:
         n_ubatch: int | None = None,
         threads: int | None = None,
         threads_batch: int | None = None,
+        offload: Offload | None = None,
     ) -> None:
         if n_ctx <= 0 or n_batch <= 0 or not 1 <= max_sessions <= 256:
             raise ContextError(
@@ -109,6 +113,13 @@ class StageContext:
         params.embeddings = not model.is_last
         params.no_perf = True
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if offload is not None:
+            params.flash_attn_type = {"off": lib.LLAMA_FLASH_ATTN_TYPE_DISABLED, "on": lib.LLAMA_FLASH_ATTN_TYPE_ENABLED,
+                                      "auto": lib.LLAMA_FLASH_ATTN_TYPE_AUTO}[offload.flash_attn]
+            types = {"f32": lib.GGML_TYPE_F32, "f16": lib.GGML_TYPE_F16, "q8_0": lib.GGML_TYPE_Q8_0,
+                     "q4_0": lib.GGML_TYPE_Q4_0}
+            params.type_k = types[offload.cache_type_k]
+            params.type_v = types[offload.cache_type_v]
         _callbacks.take_recent_errors()
         pointer = lib.llama_init_from_model(model.pointer, params)
         if pointer == ffi.NULL:

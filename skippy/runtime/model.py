@@ -25,6 +25,7 @@ from skippy.runtime.errors import (
     UnsupportedArchitecture,
 )
 from skippy.runtime.ffi import ffi, lib
+from skippy.offload import Offload
 from skippy.runtime import _callbacks
 from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
 from skippy.runtime.gguf_header import GGUFHeaderError, read_header
@@ -170,6 +171,7 @@ class Model:
         progress: ProgressCallback | None = None,
         use_mmap: bool | None = None,
         n_gpu_layers: int = -1,
+        offload: Offload | None = None,
     ) -> None:
         """Load ``path`` for ``layers`` (default: all).
 
@@ -179,6 +181,7 @@ class Model:
             progress: called with a fraction in [0, 1] while loading; returning False aborts.
             use_mmap: force mmap on or off (default: mmap unless a tied-head partial last stage).
             n_gpu_layers: layers to offload when built with a GPU backend (-1: all).
+            offload: resolved GPU settings (:mod:`skippy.offload`); they replace ``n_gpu_layers``.
 
         Raises:
             ModelLoadError, LayerRangeError, UnsupportedArchitecture.
@@ -198,6 +201,17 @@ class Model:
 
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers
+        chosen_devices = None
+        if offload is not None:
+            params.n_gpu_layers = offload.n_gpu_layers
+            params.split_mode = {"none": lib.LLAMA_SPLIT_MODE_NONE, "layer": lib.LLAMA_SPLIT_MODE_LAYER,
+                                 "row": lib.LLAMA_SPLIT_MODE_ROW}[offload.split_mode]
+            params.main_gpu = offload.main_gpu
+            if offload.device_indices:  # a NULL-terminated list of the devices to use
+                chosen_devices = ffi.new("ggml_backend_dev_t[]", len(offload.device_indices) + 1)
+                for slot, index in enumerate(offload.device_indices):
+                    chosen_devices[slot] = lib.ggml_backend_dev_get(index)
+                params.devices = chosen_devices
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
         overrides = ffi.new("struct llama_model_kv_override[3]")
         for slot, (key, value) in enumerate((("stage.layer_start", layers.start), ("stage.layer_end", layers.end))):

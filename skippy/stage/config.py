@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Final, Sequence
 
 from skippy.protocol import WireDType
+from skippy.offload import CACHE_TYPES, FLASH_ATTN_MODES, SPLIT_MODES, OffloadSettings
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -80,6 +81,20 @@ class StageConfig:
     cache_spill_mib: float = 256.0
     cache_min_tokens: int = 0
     cache_input_dtype: str | None = None
+    n_gpu_layers: int | None = None
+    device: str | None = None
+    main_gpu: int | None = None
+    split_mode: str = "layer"
+    flash_attn: str = "off"
+    cache_type_k: str = "f16"
+    cache_type_v: str = "f16"
+
+    @property
+    def offload(self) -> OffloadSettings:
+        """The GPU settings (resolved against the host's devices when the stage loads)."""
+        names = tuple(name.strip() for name in self.device.split(",")) if self.device else ()
+        return OffloadSettings(self.n_gpu_layers, names, self.main_gpu, self.split_mode, self.flash_attn,
+                               self.cache_type_k, self.cache_type_v)
 
     @property
     def credit_limit(self) -> int:
@@ -126,6 +141,10 @@ class StageConfig:
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid stage setting: {message}")
+        try:
+            self.offload.check()
+        except ValueError as exc:
+            raise ValueError(f"invalid stage setting: {exc}") from None
         return self
 
 
@@ -157,6 +176,19 @@ def _bool(text: str | bool) -> bool:
 
 def _optional_str(text: str) -> str | None:
     return None if text in ("", "none") else text
+
+
+def _gpu_layers(text: str) -> int | None:
+    return None if str(text) in ("", "none", "all") else int(text)
+
+
+def _choice(name: str, *allowed: str) -> Any:
+    def parse(text: str) -> str:
+        value = str(text).strip().lower()
+        if value not in allowed:
+            raise ValueError(f"{name} {text!r} is not one of {', '.join(allowed)}")
+        return value
+    return parse
 
 
 def _optional_path(text: str) -> Path | None:
@@ -206,6 +238,19 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "cache_min_tokens": (int, "shortest prefix worth caching"),
     "cache_input_dtype": (_optional_str, "input wire dtype named in the cache identity (default: tokens on "
                           "the first stage, else this stage's wire_dtype)"),
+    "n_gpu_layers": (_gpu_layers, "how many of the stage's layers run on the GPU (its last ones); default: all "
+                     "of them when the build has a GPU backend and the host a GPU, else 0 (docs/gpu.md)"),
+    "device": (_optional_str, "GPU device(s) the stage uses, comma-separated (CUDA0,CUDA1); none = CPU only; "
+               "default: every GPU"),
+    "main_gpu": (_optional_int, "index among the stage's GPUs for split_mode none (the whole stage) or row"),
+    "split_mode": (_choice("split_mode", *SPLIT_MODES), "how a stage spans several GPUs: none, layer or row"),
+    "flash_attn": (_choice("flash_attn", *FLASH_ATTN_MODES),
+                   "flash attention: off, on or auto (not bitwise equal to off; use the same on every stage "
+                   "and in the reference)"),
+    "cache_type_k": (_choice("cache_type_k", *CACHE_TYPES),
+                     "K cache type: f32, f16, q8_0 or q4_0 (quantized: less memory, not bitwise equal to f16)"),
+    "cache_type_v": (_choice("cache_type_v", *CACHE_TYPES),
+                     "V cache type: f32, f16, q8_0 or q4_0 (quantized needs flash_attn on or auto)"),
 }
 
 

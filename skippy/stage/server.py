@@ -51,12 +51,16 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context = NullContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                               n_batch=config.batch_size)
     else:
-        from skippy.runtime import Model, StageContext  # the native library loads only here
+        from skippy.offload import devices
+        from skippy.runtime import Model, StageContext, read_gguf_info  # the native library loads only here
 
-        model = Model(config.model, config.layers, progress=progress)
+        layers = LayerRange.parse(config.layers)
+        offload = config.offload.resolve(devices(), layers.start, layers.end, read_gguf_info(config.model).n_layer)
+        log.info("compute: %s", offload.describe())
+        model = Model(config.model, layers, progress=progress, offload=offload)
         try:
             context = StageContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
-                                   n_batch=config.batch_size, threads=config.threads or None)
+                                   n_batch=config.batch_size, threads=config.threads or None, offload=offload)
         except Exception:  # free the weights before reporting a context failure
             model.close()
             raise
