@@ -86,7 +86,11 @@ async def test_no_key_is_401_everywhere(http: httpx.AsyncClient, method: str, pa
 
 async def test_health_needs_no_key_and_a_key_opens_the_rest(http: httpx.AsyncClient) -> None:
     health = await http.get("/health")  # nothing listens behind the pool: unhealthy, but not refused
-    assert health.status_code == 503 and health.json()["status"] == "unavailable"
+    assert health.status_code == 503 and health.json() == {"status": "unavailable"}  # no addresses for strangers
+    wrong = await http.get("/health", headers=auth("sk-wrong"))
+    assert wrong.status_code == 503 and wrong.json() == {"status": "unavailable"}
+    told = (await http.get("/health", headers=auth())).json()
+    assert told["model"] == MODEL_ID and "127.0.0.1:9" in told["first_stage"] and told["error"]
     for key in (KEY_A, KEY_B):
         models = await http.get("/v1/models", headers=auth(key))
         assert models.status_code == 200 and models.json()["data"][0]["id"] == MODEL_ID
@@ -343,13 +347,18 @@ async def test_an_overloaded_chain_is_retried_until_the_deadline(autojump_clock:
     assert 5 <= attempts <= 10 and trio.current_time() <= deadline
 
 
-async def test_a_large_prompt_is_tokenised_off_the_event_loop(http: httpx.AsyncClient) -> None:
+@pytest.mark.parametrize("path", ["/v1/completions", "/tokenize"])
+async def test_a_large_prompt_is_tokenised_off_the_event_loop(http: httpx.AsyncClient, path: str) -> None:
     prompt = ("The quick brown fox jumps over the lazy dog. " * 25_000)[:1_000_000]  # ~0.5 s to tokenise
     finished: list[str] = []
 
     async def big() -> None:
-        response = await http.post("/v1/completions", json={"model": MODEL_ID, "prompt": prompt}, headers=auth())
-        assert_openai_error(response, 400, "context_length_exceeded")
+        if path == "/tokenize":
+            response = await http.post(path, json={"content": prompt}, headers=auth())
+            assert response.status_code == 200 and len(response.json()["tokens"]) > 100_000
+        else:
+            response = await http.post(path, json={"model": MODEL_ID, "prompt": prompt}, headers=auth())
+            assert_openai_error(response, 400, "context_length_exceeded")
         finished.append("big")
 
     async def small() -> None:
@@ -362,3 +371,14 @@ async def test_a_large_prompt_is_tokenised_off_the_event_loop(http: httpx.AsyncC
         nursery.start_soon(big)
         nursery.start_soon(small)
     assert finished == ["small", "big"]
+
+
+async def test_metrics_labels_never_carry_a_client_chosen_path(http: httpx.AsyncClient) -> None:
+    for index in range(3):
+        await http.get(f"/v1/models/no-such-model-{index}", headers=auth())
+        await http.get(f"/random/path/{index}")
+    metrics = (await http.get("/metrics", headers=auth())).text
+    assert "no-such-model" not in metrics and "random" not in metrics
+    assert 'skippy_requests_total{endpoint="model",status="404"} 3.0' in metrics
+    assert 'skippy_requests_total{endpoint="other",status="401"} 3.0' in metrics
+    assert "skippy_queue_waiting 0.0" in metrics

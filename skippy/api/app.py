@@ -34,6 +34,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 import uuid
 from typing import Any, AsyncIterator, Awaitable, Callable, Sequence, final
@@ -47,7 +48,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from skippy.api.admission import Admission, is_overloaded
-from skippy.api.auth import ApiKeys, AuthMiddleware, scope_tenant
+from skippy.api.auth import ApiKeys, AuthMiddleware, is_authenticated, scope_tenant
 from skippy.api.errors import (
     ApiError,
     get_bool,
@@ -83,6 +84,8 @@ from skippy.runtime.sampling import DEFAULT_SEED, SamplingParams
 DEFAULT_COMPLETION_TOKENS = 16
 #: Bodies up to this size are parsed and tokenised on the event loop; larger ones in a worker thread.
 INLINE_PARSE_BYTES = 32 * 1024
+#: Seconds a healthy /health answer is reused.
+HEALTH_REUSE_S = 1.0
 #: Seconds allowed to stop the session of a request whose client went away (else the lane is closed).
 ABORT_TIMEOUT = 5.0
 
@@ -114,6 +117,7 @@ class ChainService:
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins
         self.metrics = Metrics()
+        self.metrics.queue_waiting.set_function(lambda: self.admission.waiting)
         self.created = int(time.time())
         self._tool_support: tuple[bool, ToolFormat | None] | None = None
 
@@ -448,6 +452,7 @@ class _Handlers:
     def __init__(self, service: ChainService) -> None:
         self.service = service
         self._parse_limiter = trio.CapacityLimiter(1)
+        self._health_ok_at = -math.inf
 
     async def chain_error(self, exc: StageClientError) -> ApiError:
         """A 503 naming the stage that is lost, when it can be told."""
@@ -472,8 +477,7 @@ class _Handlers:
         attempt = 0
         while True:
             try:
-                with self.service.metrics.queue_waiting.track_inprogress():
-                    lease = await admission.acquire(deadline)
+                lease = await admission.acquire(deadline)
             except StageLost as exc:
                 raise await self.chain_error(exc) from exc
             self.service.metrics.lanes_open.set(pool.open_lanes)
@@ -644,7 +648,12 @@ class _Handlers:
         if not isinstance(parse_special, bool):
             raise invalid("parse_special", f"expected a boolean, got {json.dumps(parse_special)}")
         tokenizer = self.service.generator.tokenizer
-        tokens = tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
+        if len(content) <= INLINE_PARSE_BYTES:
+            tokens = tokenizer.encode(content, add_special=add_special, parse_special=parse_special)
+        else:  # as for generation bodies: megabytes are tokenised off the event loop, one at a time
+            tokens = await trio.to_thread.run_sync(
+                lambda: tokenizer.encode(content, add_special=add_special, parse_special=parse_special),
+                limiter=self._parse_limiter)
         out: list[Any] = list(tokens)
         if get_bool(body, "with_pieces"):
             out = []
@@ -675,17 +684,39 @@ class _Handlers:
         return JSONResponse({"content": text})
 
     async def health(self, request: Request) -> Response:
-        problem = await self.service.pool.check()
+        """200 when the whole chain answers, else 503.  Served without a key; then (when keys are
+        configured) only the status is told, not the model, the stage addresses or the error."""
+        pool = self.service.pool
+        now = trio.current_time()
+        if not pool.suspect and now - self._health_ok_at < HEALTH_REUSE_S:
+            problem = None  # a healthy answer a moment ago: a flood of probes does not dial the chain
+        else:
+            problem = await pool.check()
+            if problem is None:
+                self._health_ok_at = trio.current_time()
         status = 200 if problem is None else 503
         self.service.metrics.request_done("health", status)
-        body: dict[str, Any] = {"status": "ok" if problem is None else "unavailable",
-                                "model": self.service.model_id, "first_stage": str(self.service.pool.address)}
-        if problem is not None:
-            body["error"] = problem
+        body: dict[str, Any] = {"status": "ok" if problem is None else "unavailable"}
+        if not self.service.keys.required or is_authenticated(request.scope):
+            body.update(model=self.service.model_id, first_stage=str(pool.address))
+            if problem is not None:
+                body["error"] = problem
         return JSONResponse(body, status_code=status)
 
     async def metrics(self, request: Request) -> Response:
         return Response(self.service.metrics.render(), media_type=self.service.metrics.content_type)
+
+
+_ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+              "/tokenize": "tokenize", "/detokenize": "detokenize", "/health": "health", "/metrics": "metrics"}
+
+
+def endpoint_label(path: str) -> str:
+    """The metrics label of a request path: one of the served endpoints, ``model``, or ``other``
+    (never the path itself, which a client chooses: labels must stay a small fixed set)."""
+    if path.startswith("/v1/models/"):
+        return "model"
+    return _ENDPOINTS.get(path, "other")
 
 
 def create_app(service: ChainService) -> Starlette:
@@ -694,8 +725,7 @@ def create_app(service: ChainService) -> Starlette:
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        endpoint = request.url.path.strip("/").replace("v1/", "").replace("/", "_") or "root"
-        service.metrics.request_done(endpoint, exc.status)
+        service.metrics.request_done(endpoint_label(request.url.path), exc.status)
         return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     async def unexpected(request: Request, exc: Exception) -> Response:
@@ -724,7 +754,7 @@ def create_app(service: ChainService) -> Starlette:
     }
 
     def refused(path: str) -> None:
-        service.metrics.request_done(path.strip("/").replace("v1/", "").replace("/", "_") or "root", 401)
+        service.metrics.request_done(endpoint_label(path), 401)
 
     # Outermost first: CORS answers preflights before keys are asked for; the guard runs after auth.
     middleware = [Middleware(AuthMiddleware, keys=service.keys, on_refused=refused),

@@ -7,7 +7,8 @@ shares with a real key, and the tenant's id is a short prefix of that digest (sa
 to streaming): with keys configured, every HTTP request but ``GET /health`` must carry
 ``Authorization: Bearer <key>`` and is otherwise answered 401 with OpenAI's error body and a
 ``WWW-Authenticate: Bearer`` header; the authenticated :class:`Tenant` goes into
-``scope["skippy.tenant"]``.  Without keys every caller is the one anonymous tenant.
+``scope["skippy.tenant"]``.  ``/health`` is served to anyone, as the anonymous tenant unless a
+valid key came with it (it then says less).  Without keys every caller is the one anonymous tenant.
 
 Prefix-cache namespaces (:meth:`Tenant.cache_namespace`) are derived, never taken from the
 client: SHA-256 over the server's salt, the tenant id and the request's own ``prompt_cache_key``
@@ -158,10 +159,6 @@ class AuthMiddleware:
             scope[TENANT_SCOPE_KEY] = self.keys.anonymous
             await self.app(scope, receive, send)
             return
-        if scope["path"] in PUBLIC_PATHS:
-            scope[TENANT_SCOPE_KEY] = self.keys.anonymous
-            await self.app(scope, receive, send)
-            return
         header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
         tenant: Tenant | None = None
         if header is None:
@@ -175,6 +172,10 @@ class AuthMiddleware:
             else:
                 tenant = self.keys.tenant(token)
                 message, code = ("Incorrect API key provided.", "invalid_api_key")
+        if tenant is None and scope["path"] in PUBLIC_PATHS:  # served, as nobody in particular
+            scope[TENANT_SCOPE_KEY] = self.keys.anonymous
+            await self.app(scope, receive, send)
+            return
         if tenant is None:
             if self.on_refused is not None:
                 self.on_refused(scope["path"])
@@ -182,6 +183,12 @@ class AuthMiddleware:
             return
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)
+
+
+def is_authenticated(scope: Mapping[str, Any]) -> bool:
+    """Whether the request presented a configured key."""
+    tenant = scope.get(TENANT_SCOPE_KEY)
+    return isinstance(tenant, Tenant) and tenant.id != "anonymous"
 
 
 def scope_tenant(scope: Mapping[str, Any], keys: ApiKeys | None = None) -> Tenant:
