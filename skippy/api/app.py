@@ -90,6 +90,8 @@ HEALTH_REUSE_S = 1.0
 ABORT_TIMEOUT = 5.0
 
 log = logging.getLogger("skippy.api")
+#: Choices per request (``n``): each is a session on every stage while the request runs.
+MAX_CHOICES = 8
 
 
 @final
@@ -296,6 +298,16 @@ class Parsed:
     echo: str = ""
     #: Chat with tools: how the answer is split into content and tool calls (None: no tools).
     tools: ToolPlan | None = None
+    #: Choices (``n``): choice ``i`` samples with seed ``seed + i``.
+    n: int = 1
+
+    def choice_request(self, index: int) -> GenerationRequest:
+        """The request of choice ``index`` (its own seed, so seeded choices differ and reproduce)."""
+        if index == 0:
+            return self.request
+        sampling = dataclasses.replace(self.request.sampling,
+                                       seed=(self.request.sampling.seed + index) & 0xFFFFFFFF)
+        return dataclasses.replace(self.request, sampling=sampling)
 
 
 def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
@@ -307,7 +319,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'.",
                        param="model", code="model_not_found")
     check_fields(body, chat)
-    n = get_int(body, "n", minimum=1, maximum=1)
+    n = get_int(body, "n", minimum=1, maximum=MAX_CHOICES)
     if not chat:
         best_of = get_int(body, "best_of", minimum=1)
         if best_of is not None and best_of != (n or 1):
@@ -338,12 +350,15 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     if cache_key is not None and not isinstance(cache_key, str):
         raise invalid("prompt_cache_key" if "prompt_cache_key" in body else "user", "expected a string")
     prefix_cache = get_bool(body, "prefix_cache")
+    if (n or 1) > 1:  # choices share one lane and run one after another: no speculation windows between them
+        speculation = False
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
-                                speculation=None if body.get("speculation") is None else speculation,
+                                speculation=None if body.get("speculation") is None and (n or 1) == 1
+                                else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
                                 cache_namespace=cache_key,
                                 render_special=plan.special if plan else frozenset())
-    return Parsed(request, stream, include_usage, echo, plan)
+    return Parsed(request, stream, include_usage, echo, plan, n or 1)
 
 
 def _usage(generations: Sequence[Generation]) -> dict[str, Any]:
@@ -504,6 +519,24 @@ class _Handlers:
         self.service.admission.released(lease)
         await self.service.pool.release(lease)
 
+    async def fork_choices(self, lease: Lease, parent: Generation, parsed: Parsed) -> list["_Choice"]:
+        """Choices 1..n-1: each a session forked from the first choice's prompt KV on every stage
+        (the prompt is prefilled once), started up to its first token while the parent still holds it."""
+        choices = []
+        stages = parent.timing.stage_count
+        for index in range(1, parsed.n):
+            generation = self.service.generator.start(lease.client, parsed.choice_request(index),
+                                                      self.service.pool.new_session_id(),
+                                                      fork=(parent.session_id, stages))
+            choices.append(_Choice(index, generation, "", parsed))
+            try:
+                choices[-1].text[0] = await generation.__anext__()
+            except StopAsyncIteration:
+                pass
+            except StageClientError as exc:
+                raise await self.chain_error(exc) from exc
+        return choices
+
     async def finish(self, lease: Lease, generations: list[Generation]) -> None:
         """Return the lane and record the runs; idempotent (a stream calls it from two places)."""
         if lease.returned:
@@ -552,6 +585,11 @@ class _Handlers:
             metrics.in_flight.dec()
             raise
         choices = [_Choice(0, generation, first, parsed)]
+        try:
+            choices += await self.fork_choices(lease, generation, parsed)
+        except BaseException:
+            await self.finish(lease, [choice.generation for choice in choices])
+            raise
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         generations = [choice.generation for choice in choices]
         if parsed.stream:

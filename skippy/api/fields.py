@@ -95,7 +95,7 @@ _COMMON: Final[dict[str, Field]] = {
     "logit_bias": Field(Handling.SERVED, "token id -> bias in [-100, 100]"),
     "presence_penalty": Field(Handling.SERVED, "-2..2, llama.cpp's penalty sampler"),
     "frequency_penalty": Field(Handling.SERVED, "-2..2, llama.cpp's penalty sampler"),
-    "n": Field(Handling.SERVED, "choices per request"),
+    "n": Field(Handling.SERVED, "1..8 choices; the prompt is prefilled once and forked per choice"),
     "user": Field(Handling.SERVED, "prefix-cache namespace when prompt_cache_key is absent (no other effect)"),
     # llama.cpp server extensions
     "top_k": Field(Handling.SERVED, "llama.cpp extension: top-k sampling (0: off)"),

@@ -266,7 +266,7 @@ class Generation:
     """
 
     def __init__(self, generator: "Generator", client: StageClient, request: GenerationRequest,
-                 session_id: int) -> None:
+                 session_id: int, fork: tuple[int, int] | None = None) -> None:
         self._generator = generator
         self._client = client
         self.request = request
@@ -284,6 +284,8 @@ class Generation:
         self.cached_tokens = 0
         self._exchanging = False  # inside a step (or interrupted in one)
         self._touched = False  # a message was sent for the session
+        #: (parent session id, stage count): the prompt's KV is forked from a session of this lane.
+        self._fork = fork
 
     def __aiter__(self) -> "Generation":
         return self
@@ -332,17 +334,25 @@ class Generation:
         self._touched = True
         if not self.tokens:
             self._started = time.perf_counter()
-            cached = await prefix.prefill(client, self.session_id, request.prompt,
-                                          sampling=sampling_config(request.sampling),
-                                          cache=self._generator.cache_request(request),
-                                          chunk_size=self._generator.prefill_chunk_size,
-                                          credit=self._generator.credit)
+            if self._fork is not None:
+                cached = await prefix.fork_prefill(client, self.session_id, request.prompt, parent=self._fork[0],
+                                                   stages=self._fork[1], sampling=sampling_config(request.sampling),
+                                                   cache=self._generator.cache_request(request),
+                                                   chunk_size=self._generator.prefill_chunk_size,
+                                                   credit=self._generator.credit)
+            else:
+                cached = await prefix.prefill(client, self.session_id, request.prompt,
+                                              sampling=sampling_config(request.sampling),
+                                              cache=self._generator.cache_request(request),
+                                              chunk_size=self._generator.prefill_chunk_size,
+                                              credit=self._generator.credit)
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
             reply = prefill.reply
             self._last = time.perf_counter()
             self.timing.time_to_first_token = self._last - self._started
-            self._generator.observe_prefill(len(request.prompt) - cached.cached_tokens, cached.chunk_size, reply,
-                                            client.last_timings)
+            if self._fork is None:
+                self._generator.observe_prefill(len(request.prompt) - cached.cached_tokens, cached.chunk_size, reply,
+                                                client.last_timings)
             self.timing.add_frames(client.take_timings())
             tokens: tuple[int, ...] = (int(reply.predicted),)
             if request.max_tokens > 1 and self._generator.speculates(request):
@@ -567,9 +577,15 @@ class Generator:
             )
         return room if max_tokens is None else max_tokens
 
-    def start(self, client: StageClient, request: GenerationRequest, session_id: int) -> Generation:
-        """A run of ``request`` as session ``session_id`` on ``client`` (nothing is sent yet)."""
-        return Generation(self, client, request, session_id)
+    def start(self, client: StageClient, request: GenerationRequest, session_id: int,
+              fork: tuple[int, int] | None = None) -> Generation:
+        """A run of ``request`` as session ``session_id`` on ``client`` (nothing is sent yet).
+
+        ``fork`` (parent session id, stage count): another choice of the same prompt; the parent
+        session, on the same lane, must hold the prompt's KV (its first exchange done, not stopped).
+        The fork's KV prefix is copied on every stage and only the last prompt token is computed.
+        """
+        return Generation(self, client, request, session_id, fork)
 
     async def generate(self, client: StageClient, request: GenerationRequest, session_id: int) -> Completion:
         """Run ``request`` to the end."""

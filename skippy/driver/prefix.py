@@ -20,6 +20,10 @@ fused into one TryRestorePrefillDecode (18): the sideband is the whole prompt, `
 first token's PredictedToken (a hit only with bit 0 of ``kv_hit_stage_mask``).  A miss ACK is
 handled as a failed TryRestorePrefill: TrimSession(0), then a full prefill.
 
+A request's further choices (``n`` > 1) are forks: :func:`fork_prefill` configures each new session
+with ``{"skippy.fork": {"session": <first choice's>, "length": len(prompt) - 1}}`` so every stage
+copies that KV prefix (skippy/stage/prefix_control.py), and only the last prompt token is computed.
+
 A chain without the extension (or with the cache off) answers both messages as misses, so the
 cost of trying is one round trip, and the answer is never wrong: at worst the prompt is prefilled
 in full. ``page_size`` must match the stages' (it only decides where the probe is cut; a stage
@@ -141,6 +145,38 @@ async def lookup_and_restore(client: StageClient, session_id: int, prompt: Seque
             return hit, replies
     replies.append(await client.trim(session_id, 0, request_id=request_id))  # nothing half-restored anywhere
     return 0, replies
+
+
+def fork_metadata(cache: CacheRequest, parent: int, length: int) -> str:
+    """ConfigureGeneration metadata that forks a session from ``parent``'s first ``length`` positions
+    (the new session records nothing: its prompt is its parent's)."""
+    return json.dumps({"skippy.prefix_cache": {"namespace": cache.namespace, "record": False},
+                       "skippy.fork": {"session": parent, "length": length}}, separators=(",", ":"))
+
+
+async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[int], *, parent: int, stages: int,
+                       sampling: SamplingConfig | None, cache: CacheRequest,
+                       chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0) -> CachedPrefill:
+    """Configure ``session_id`` as a fork of ``parent`` (which holds ``prompt``'s KV on every stage of
+    the lane) and compute only the last prompt token, whose logits the fork cannot carry.
+
+    The fork holds when the ACK says every one of the ``stages`` stages forked (``kv_lookup_hits``
+    ``stages``, ``kv_imported_tokens`` ``stages * (len(prompt) - 1)``, no miss); otherwise the prompt
+    is prefilled in full from position 0 (the auto-align rule trims whatever a stage did copy).
+    ``cached_tokens`` of the result is the forked length.
+    """
+    length = len(prompt) - 1
+    text = fork_metadata(cache, parent, length) if length > 0 else metadata(dataclasses.replace(cache, enabled=False))
+    ack = await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
+                                 request_id=request_id, metadata=text)
+    stats = ack.stats
+    forked = length if (length > 0 and stages > 0 and stats.kv_lookup_hits == stages and not stats.kv_lookup_misses
+                        and stats.kv_imported_tokens == stages * length) else 0
+    rest = len(prompt) - forked
+    size = chunk_size(rest) if callable(chunk_size) else chunk_size
+    result = await client.prefill(session_id, prompt[forked:], pos_start=forked, chunk_size=size,
+                                  credit=credit, request_id=request_id)
+    return CachedPrefill(result, forked, (ack,), size)
 
 
 async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,

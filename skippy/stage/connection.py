@@ -394,8 +394,11 @@ class Connection:
                 await forwards.aclose()
 
     def _session_key(self, message: StageMessage) -> int:
+        return self._key_of(message.session_id)
+
+    def _key_of(self, session_id: int) -> int:
         # Sessions are namespaced by connection: a lane's disconnect releases only its own.
-        return (self.id << 64) | (message.session_id or 0)
+        return (self.id << 64) | (session_id or 0)
 
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
@@ -467,7 +470,22 @@ class Connection:
         cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
         if cache_settings is not None and executor.cache is not None:
             await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
-        return _NOTHING_MORE
+        fork = prefix_control.fork_settings(message.chat_sampling_metadata)
+        if fork is None:
+            return _NOTHING_MORE
+        parent = self._key_of(fork[0])
+        forked = await self.scheduler.call(lambda: executor.fork(parent, key, fork[1]))
+        own = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=forked) if forked else ReplyStats(kv_lookup_misses=1)
+        if forked:
+            self.stats.forked_sessions += 1
+            self.stats.forked_tokens += forked
+            self.stats.touch()
+
+        async def add_own(stats: ReplyStats) -> ReplyStats:
+            return stats.merge(own)
+
+        forward.on_reply = add_own
+        return _OwnPart(own)
 
     async def _prefix_control(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
         """docs/prefix-cache.md §6 (:mod:`skippy.stage.prefix_control`): a local miss is answered
@@ -500,6 +518,7 @@ class Connection:
         self.sessions.add(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1
+            self.stats.prefill_tokens += message.token_count
         elif rule.window:
             self.stats.verify_windows += 1
         else:

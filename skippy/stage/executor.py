@@ -16,6 +16,7 @@ the forwarder encodes them later, on the trio thread.
 Prefix cache (optional ``cache``, a :class:`~skippy.cache.StageCache` over the same context): the
 prefix-control kinds call :meth:`Executor.probe` / :meth:`Executor.restore` / :meth:`Executor.drop`;
 after a restore the session holds ``M`` positions and its first prefill chunk starts at ``M``.
+:meth:`Executor.fork` does the same from another session of the same lane (``n`` > 1 choices).
 :meth:`Executor.restore_decode` (TryRestorePrefillDecode) restores ``M`` and runs the last prompt
 token at ``M`` as that 1-token final chunk in the same call.
 Each session accumulates the tokens its KV was computed from (restored prefix plus every prefill
@@ -60,6 +61,7 @@ class RuntimeContext(Protocol):
     def activations(self) -> FloatArray: ...
     def sample(self, samplers: Sequence[Sampler], rows: Sequence[int]) -> IntArray: ...
     def trim(self, seq: int, length: int) -> None: ...
+    def copy(self, source: int, destination: int, start: int = -1, end: int = -1) -> None: ...
     def length(self, seq: int) -> int: ...
     def kv_cells_used(self) -> int: ...
 
@@ -283,6 +285,23 @@ class Executor:
         except StageError:  # e.g. no KV room for the decode: a miss, nothing left half-done
             self.drop(key)
             return None
+
+    def fork(self, parent: int, key: int, length: int) -> int:
+        """Make session ``key`` (opened if needed, emptied first) hold the first ``length`` positions of
+        session ``parent``'s KV, shared cell by cell (``n`` > 1 choices: the prompt is prefilled once);
+        ``length``, or 0 when the parent is not open here or holds fewer positions."""
+        source = self._sessions.get(parent)
+        if source is None or parent == key or length < 1 or self.context.length(source.seq) < length:
+            return 0
+        session = self._session(key)
+        self.context.trim(session.seq, 0)
+        try:
+            self.context.copy(source.seq, session.seq, 0, length)
+        except NativeError:
+            self.context.trim(session.seq, 0)
+            return 0
+        session.prompt = None if source.prompt is None or len(source.prompt) < length else source.prompt[:length]
+        return length
 
     def drop(self, key: int) -> None:
         """Empty a session's KV (a restore that another stage missed); keeps its settings."""

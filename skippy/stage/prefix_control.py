@@ -23,6 +23,11 @@ scheduler's thread) does the cache work.
   is :attr:`Outcome.result` (the connection replies PredictedToken); elsewhere the activation is
   forwarded like a DecodeEmbd and the downstream reply (PredictedToken on a chain hit, a miss ACK
   otherwise) is rewritten by the same induction as a restore: no downstream bit, drop the session.
+* Fork (``n`` > 1 choices): a ConfigureGeneration whose chat metadata holds ``{"skippy.fork":
+  {"session": P, "length": M}}`` makes the new session hold the first ``M`` positions of session
+  ``P`` of the same lane (:meth:`Executor.fork`, a KV copy that shares cells); each stage that
+  forked adds ``kv_lookup_hits`` 1 and ``kv_imported_tokens`` ``M`` to the ACK, one that could not
+  adds ``kv_lookup_misses`` 1, so the driver sees whether every stage did (a v11 peer adds nothing).
 * Namespace: the message's chat metadata ``{"skippy.prefix_cache": {"namespace": ...}}``, else
   the one the session got from ConfigureGeneration (:func:`prefix_settings`).
 """
@@ -42,6 +47,8 @@ from skippy.stage.scheduler import Scheduler
 
 #: The chat-metadata key that carries a request's cache settings.
 METADATA_KEY = "skippy.prefix_cache"
+#: The chat-metadata key of a ConfigureGeneration that forks a session from another one.
+FORK_KEY = "skippy.fork"
 #: Stage masks stop at bit 62 (protocol.md: bit i = stage i, i < 63).
 _MAX_STAGE_BIT = 62
 
@@ -74,6 +81,27 @@ def prefix_settings(metadata: str | None) -> tuple[str | None, bool] | None:
         return None
     namespace = section.get("namespace")
     return (str(namespace) if namespace is not None else None, bool(section.get("record", True)))
+
+
+def fork_settings(metadata: str | None) -> tuple[int, int] | None:
+    """(parent session id, length) from ConfigureGeneration's ``{"skippy.fork": {"session", "length"}}``
+    (a request's ``n`` > 1 choices); None when absent or malformed (the session is then not forked,
+    and the driver, seeing no fork in the ACK's stats, prefills it in full)."""
+    if not metadata:
+        return None
+    try:
+        data = json.loads(metadata)
+    except ValueError:
+        return None
+    section = data.get(FORK_KEY) if isinstance(data, dict) else None
+    if not isinstance(section, dict):
+        return None
+    session, length = section.get("session"), section.get("length")
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (session, length)):
+        return None
+    if not (0 < session <= 0xFFFFFFFF and 0 < length <= 1 << 24):
+        return None
+    return session, length
 
 
 async def handle(scheduler: Scheduler, message: StageMessage, key: int, *, has_downstream: bool,

@@ -55,6 +55,11 @@ class StageStats:
 
     messages: int = 0
     prefill_chunks: int = 0
+    #: Positions the prefill chunks computed (a restored or forked prefix is not counted).
+    prefill_tokens: int = 0
+    #: Sessions forked from another session of their lane (``n`` > 1 choices) and the positions copied.
+    forked_sessions: int = 0
+    forked_tokens: int = 0
     decode_items: int = 0
     verify_windows: int = 0
     #: TryRestorePrefillDecode (18) messages this stage restored and decoded (local hits).

@@ -1,0 +1,96 @@
+"""``n`` > 1 on a real 2-stage chain: the prompt is prefilled once and forked per choice.
+
+The stages' stats files show it: for ``n=4`` each stage computes the prompt once plus one position
+per further choice (its last prompt token, whose logits a KV copy cannot carry) and forks three
+sessions.  Greedy forked choices equal the plain ``n=1`` answer (a wrong KV copy would diverge at
+once); sampled choices differ from one another and a seeded request reproduces them.  (A sampled
+fork is not bitwise the ``n=1`` request with that seed: the fork computes its last prompt token
+as a 1-row batch, the plain prefill inside the prompt's batch, and at temperature 1.0 on random
+weights the last bits of those logits can tip a later sample.  The prefix cache's restore has the
+same property; requests here opt out of it so repeats are computed the same way.)
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import trio
+
+from skippy.api.server import serve_api
+from skippy.driver.generator import Generator
+from skippy.models.cache import ensure_model
+from skippy.models.spec import demo
+
+from stage_helpers import stage_chain
+
+pytestmark = pytest.mark.slow
+
+MODEL = "skippy-demo"
+PROMPT = "Once upon a time, in a small village by the sea, there lived"
+
+
+async def stats(paths: list[Path]) -> list[dict[str, Any]]:
+    await trio.sleep(0.5)  # the stats files are rewritten a few times a second
+    return [json.loads(path.read_text()) for path in paths]
+
+
+async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -> None:
+    model = ensure_model(demo())
+    generator = Generator.from_model(model)
+    prompt_tokens = len(generator.encode(PROMPT))
+    generator.close()
+    async with stage_chain(str(model), ["0:4", "4:8"], tmp_path, ["--ctx-size", "1024"]) as stages:
+        assert stages[0].address is not None
+        paths = [stage.stats_path for stage in stages]
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(serve_api, model, stages[0].address, port=0, n_ctx=1024,
+                                                        max_lanes=2, model_id=MODEL))
+            body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 1234, "n": 4,
+                    "prefix_cache": False}
+            async with httpx.AsyncClient(base_url=url, timeout=60) as http:
+                before = await stats(paths)
+                response = await http.post("/v1/completions", json=body)
+                after = await stats(paths)
+                assert response.status_code == 200, response.text
+                first = response.json()
+                again = (await http.post("/v1/completions", json=body)).json()
+                greedy = {**body, "temperature": 0, "n": 3}
+                forks = (await http.post("/v1/completions", json=greedy)).json()
+                single = (await http.post("/v1/completions", json={**greedy, "n": 1})).json()
+                streamed = await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+                    "temperature": 1.0, "seed": 7, "n": 3, "stream": True})
+                chat = (await http.post("/v1/chat/completions", json={
+                    "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
+                    "temperature": 1.0, "seed": 7, "n": 3})).json()
+                too_many = await http.post("/v1/completions", json={**body, "n": 9})
+            nursery.cancel_scope.cancel()
+    texts = [choice["text"] for choice in first["choices"]]
+    assert [choice["index"] for choice in first["choices"]] == [0, 1, 2, 3]
+    assert len(set(texts)) > 1, texts
+    assert [choice["text"] for choice in again["choices"]] == texts  # seeded: reproducible
+    assert [choice["text"] for choice in forks["choices"]] == [single["choices"][0]["text"]] * 3  # forks are exact
+    assert first["usage"]["prompt_tokens"] == prompt_tokens
+    assert first["usage"]["completion_tokens"] == 4 * 8  # max_tokens 8 each (random weights rarely stop)
+    assert forks["usage"]["completion_tokens"] == 3 * single["usage"]["completion_tokens"]
+    for old, new in zip(before, after):  # every stage: the prompt once, plus the last token of 3 forks
+        assert new["prefill_tokens"] - old["prefill_tokens"] == prompt_tokens + 3, (old, new)
+        assert new["forked_sessions"] - old["forked_sessions"] == 3
+        assert new["forked_tokens"] - old["forked_tokens"] == 3 * (prompt_tokens - 1)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines()
+              if line.startswith("data: ") and line != "data: [DONE]"]
+    pieces: dict[int, str] = {}
+    finishes: dict[int, str] = {}
+    for event in events:
+        for choice in event["choices"]:
+            pieces[choice["index"]] = pieces.get(choice["index"], "") + (choice["delta"].get("content") or "")
+            if choice["finish_reason"]:
+                finishes[choice["index"]] = choice["finish_reason"]
+    assert sorted(finishes) == [0, 1, 2]
+    assert [pieces[index] for index in range(3)] == [choice["message"]["content"] for choice in chat["choices"]]
+    assert too_many.status_code == 422 and too_many.json()["error"]["param"] == "n"
