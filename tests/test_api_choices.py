@@ -1,4 +1,5 @@
-"""``n`` > 1 on a real 2-stage chain: the prompt is prefilled once and forked per choice.
+"""``n`` > 1 on a real 2-stage chain: the prompt is prefilled once and forked per choice.  (The same
+chain also shows that the documented no-op fields of skippy/api/fields.py leave an answer unchanged.)
 
 The stages' stats files show it: for ``n=4`` each stage computes the prompt once plus one position
 per further choice (its last prompt token, whose logits a KV copy cannot carry) and forks three
@@ -69,6 +70,14 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
                     "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
                     "temperature": 1.0, "seed": 7, "n": 3})).json()
                 too_many = await http.post("/v1/completions", json={**body, "n": 9})
+                plain = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
+                         "temperature": 0, "prefix_cache": False}
+                no_ops = {"metadata": {"k": "v"}, "service_tier": "auto", "safety_identifier": "u1",
+                          "prompt_cache_retention": "24h", "prompt_cache_options": {"ttl": "30m"},
+                          "prediction": {"type": "content", "content": "unrelated"}, "store": False,
+                          "parallel_tool_calls": True, "modalities": ["text"], "logprobs": False}
+                answers = [(await http.post("/v1/chat/completions", json=fields)).json()
+                           for fields in (plain, {**plain, **no_ops})]
             nursery.cancel_scope.cancel()
     texts = [choice["text"] for choice in first["choices"]]
     assert [choice["index"] for choice in first["choices"]] == [0, 1, 2, 3]
@@ -94,3 +103,5 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
     assert sorted(finishes) == [0, 1, 2]
     assert [pieces[index] for index in range(3)] == [choice["message"]["content"] for choice in chat["choices"]]
     assert too_many.status_code == 422 and too_many.json()["error"]["param"] == "n"
+    # the documented no-op fields do not change the answer
+    assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]
