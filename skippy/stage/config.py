@@ -95,6 +95,14 @@ class StageConfig:
         names = tuple(name.strip() for name in self.device.split(",")) if self.device else ()
         return OffloadSettings(self.n_gpu_layers, names, self.main_gpu, self.split_mode, self.flash_attn,
                                self.cache_type_k, self.cache_type_v)
+    # -- limits per peer and in total (skippy.stage.limits) --
+    session_quota: int | None = None
+    max_connections: int = 512
+    idle_timeout: float = 600.0
+    header_timeout: float = 10.0
+    frame_timeout: float = 60.0
+    max_frame_mib: float | None = None
+    max_buffered_mib: float = 256.0
 
     @property
     def credit_limit(self) -> int:
@@ -137,6 +145,15 @@ class StageConfig:
             (math.isfinite(self.cache_spill_mib) and self.cache_spill_mib >= 0,
              f"cache_spill_mib must be finite and >= 0 (got {self.cache_spill_mib})"),
             (self.cache_min_tokens >= 0, f"cache_min_tokens must be >= 0 (got {self.cache_min_tokens})"),
+            (self.session_quota is None or self.session_quota >= 0,
+             f"session_quota must be >= 0, 0 = no quota (got {self.session_quota})"),
+            (self.max_connections >= 0, f"max_connections must be >= 0, 0 = no limit (got {self.max_connections})"),
+            *((math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, 0 = none (got {value})")
+              for name, value in (("idle_timeout", self.idle_timeout), ("header_timeout", self.header_timeout),
+                                  ("frame_timeout", self.frame_timeout),
+                                  ("max_buffered_mib", self.max_buffered_mib))),
+            (self.max_frame_mib is None or (math.isfinite(self.max_frame_mib) and self.max_frame_mib > 0),
+             f"max_frame_mib must be > 0 (got {self.max_frame_mib})"),
         ]
         for ok, message in checks:
             if not ok:
@@ -172,6 +189,10 @@ def _bool(text: str | bool) -> bool:
     if value in ("0", "false", "no", "off"):
         return False
     raise ValueError(f"{text!r} is not a boolean (on/off, true/false)")
+
+
+def _optional_float(text: str) -> float | None:
+    return None if str(text) in ("", "none") else float(text)
 
 
 def _optional_str(text: str) -> str | None:
@@ -251,6 +272,17 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                      "K cache type: f32, f16, q8_0 or q4_0 (quantized: less memory, not bitwise equal to f16)"),
     "cache_type_v": (_choice("cache_type_v", *CACHE_TYPES),
                      "V cache type: f32, f16, q8_0 or q4_0 (quantized needs flash_attn on or auto)"),
+    "session_quota": (_optional_int, "sessions one upstream connection may hold (none = a fair share: half of "
+                      "max_sessions, at least 1; 0 = no quota)"),
+    "max_connections": (int, "upstream connections served at once; more are closed before READY (0 = no limit)"),
+    "idle_timeout": (float, "seconds a connection with nothing in flight may stay silent before it is closed "
+                     "(0 = never)"),
+    "header_timeout": (float, "seconds from a frame's first byte to its whole 76-byte header (0 = no limit)"),
+    "frame_timeout": (float, "seconds from a frame's first byte to its last (0 = no limit)"),
+    "max_frame_mib": (_optional_float, "largest frame accepted, MiB (none = what ctx_size rows of activation "
+                      "need, plus 1 MiB)"),
+    "max_buffered_mib": (float, "MiB all connections together may hold in large frames being read or handled; "
+                         "a frame waits for room (0 = no limit)"),
 }
 
 

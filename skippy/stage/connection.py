@@ -84,8 +84,9 @@ from skippy.protocol_ext import (
 from skippy.stage import extensions
 from skippy.stage import lane_messages, prefix_control
 from skippy.stage.direct_return import ReturnHub, ReturnLane
-from skippy.stage.errors import DownstreamError, InvalidMessage, ReturnLaneLost, StageError, UnsupportedKind
+from skippy.stage.errors import DownstreamError, InvalidMessage, Overloaded, ReturnLaneLost, StageError, UnsupportedKind
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
+from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
 from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
 from skippy.stage.lane_protocol import (
     RULES,
@@ -146,10 +147,12 @@ class Connection:
         scheduler: the stage's scheduler.
         stats: the stage's counters.
         returns: the stage's return lanes (docs/protocol.md §8; None: direct return is refused).
+        budget: the stage's buffer budget (:mod:`skippy.stage.limits`; None: unlimited).
     """
 
     def __init__(self, upstream: trio.SocketStream, peer: str, settings: LaneSettings,
-                 scheduler: Scheduler, stats: StageStats, returns: ReturnHub | None = None) -> None:
+                 scheduler: Scheduler, stats: StageStats, returns: ReturnHub | None = None,
+                 budget: BufferBudget | None = None) -> None:
         self.id = next(_connection_ids)
         self.upstream = upstream
         self.peer = peer
@@ -186,6 +189,15 @@ class Connection:
         self.returns = returns
         #: docs/protocol.md §8: this lane is a session's return lane (set by its open).
         self._return_lane: ReturnLane | None = None
+        #: :mod:`skippy.stage.limits`: the stage's buffer budget, the bytes this lane holds of it
+        #: (frames received and not yet handled), the upstream reader (its frame timings), and
+        #: the limit the watchdog found passed (the lane closes with it).
+        self.budget = budget
+        self._held = 0
+        self._reader: MessageReader | None = None
+        self._aborted: StageError | None = None
+        self._serve_scope: trio.CancelScope | None = None
+        self._last_reply = trio.current_time()
 
     @property
     def inflight(self) -> int:
@@ -209,6 +221,8 @@ class Connection:
         error: ErrorFrame | None = None
         try:
             await self._serve()
+            if self._aborted is not None:  # the watchdog cancelled the lane: say why
+                raise self._aborted
         except* trio.Cancelled:  # only the server cancels a lane: it is draining (SIGTERM)
             error = extensions.shutting_down_frame(self.identity.index, self._own_address())
             raise
@@ -216,7 +230,8 @@ class Connection:
             leaves = _leaves(group)
             reason = "; ".join(_describe(exc) for exc in leaves)
             self.stats.connection_errors += 1
-            log.error("closing lane %d from %s: %s", self.id, self.peer, reason)
+            idle = all(isinstance(exc, IdleLane) for exc in leaves)
+            log.log(logging.INFO if idle else logging.ERROR, "closing lane %d from %s: %s", self.id, self.peer, reason)
             for exc in leaves:
                 if extensions.is_bug(exc):
                     log.error("lane %d: internal error", self.id, exc_info=exc)
@@ -286,6 +301,10 @@ class Connection:
                 await trio.aclose_forcefully(lane.stream)
 
     async def _cleanup(self) -> None:
+        if self.budget is not None:
+            reader = self._reader
+            self.budget.release(self._held + (reader.take_reserved() if reader is not None else 0))
+            self._held = 0
         orphans = sorted(self.sessions)
         self.sessions.clear()
         for key in orphans:
@@ -305,10 +324,46 @@ class Connection:
         log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
 
     async def _serve(self) -> None:
-        messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int]](MESSAGE_QUEUE)
+        messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int, int]](MESSAGE_QUEUE)
         async with trio.open_nursery() as nursery:
+            self._serve_scope = nursery.cancel_scope
             nursery.start_soon(self.compute_messages, messages_receive, nursery)
             nursery.start_soon(self.receive_messages, messages_send)
+
+    # -- limits (skippy.stage.limits) ----------------------------------------------------------
+    def overdue(self, now: float, limits: StageLimits) -> Exception | None:
+        """The read or idle timeout this lane has passed (the server's watchdog asks), or None."""
+        reader = self._reader
+        if reader is None or self._return_lane is not None:  # a return lane only waits for writes into it
+            return None
+        decoder = reader.decoder
+        protocol = self.protocol
+        busy = protocol.inflight or protocol.expecting or self._compute_backlog
+        idle = None if busy else max(reader.last_frame, self._last_reply)
+        return limits.overdue(now, frame_started=reader.frame_started,
+                              buffered=decoder.buffered_bytes,  # type: ignore[attr-defined]
+                              needed=decoder.bytes_needed, idle_since=idle)  # type: ignore[attr-defined]
+
+    def abort(self, error: StageError) -> None:
+        """Close the lane for ``error`` (a limit passed): its tasks are cancelled, it is reported."""
+        if self._aborted is None and self._serve_scope is not None:
+            self._aborted = error
+            self._serve_scope.cancel()
+
+    def _claim(self, key: int) -> None:
+        """Count session ``key`` as this lane's, refusing one beyond the lane's quota."""
+        sessions = self.sessions
+        if key not in sessions:
+            quota = self.settings.session_quota
+            if quota and len(sessions) >= quota:
+                raise Overloaded(f"lane from {self.peer} already holds {len(sessions)} sessions, its quota "
+                                 f"(--session-quota {quota}); session {key & ((1 << 64) - 1)} refused")
+            sessions.add(key)
+
+    def _release_held(self, held: int) -> None:
+        if held:
+            self._held -= held
+            self.budget.release(held)  # type: ignore[union-attr]
 
     async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
         address = self.settings.downstream
@@ -322,8 +377,10 @@ class Connection:
         return forwards_send
 
     # -- step 1: receive ---------------------------------------------------------------------
-    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int]]) -> None:
-        reader = MessageReader(self._upstream_io, self.peer, self.settings.width)
+    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int, int]]) -> None:
+        settings = self.settings
+        reader = self._reader = MessageReader(self._upstream_io, self.peer, settings.width,
+                                              max_frame_bytes=settings.max_frame_bytes or None, budget=self.budget)
         protocol = self.protocol
         inline = self.settings.inline_hand_offs
         final = self.settings.downstream is None
@@ -336,6 +393,8 @@ class Connection:
                 if message is None:
                     return
                 received_us = now_us()
+                held = reader.take_reserved() if reader.reserved else 0
+                self._held += held
                 if self.identity.index < 0:
                     self.identity.observe(message)
                 dispatch = protocol.message_received(message)
@@ -346,10 +405,13 @@ class Connection:
                     await self._reply(dispatch.ticket, StageReply.ack())
                 if (inline and self._compute_backlog == 0 and not dispatch.early_ack
                         and (final or self._forwards is not None)):
-                    await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
+                    try:
+                        await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
+                    finally:
+                        self._release_held(held)
                 else:
                     self._compute_backlog += 1
-                    await put(messages, (dispatch, received_us))
+                    await put(messages, (dispatch, received_us, held))
 
     # -- step 5: reply -----------------------------------------------------------------------
     async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None) -> None:
@@ -359,6 +421,8 @@ class Connection:
 
     async def _write_due(self, due: list[Ticket]) -> None:
         protocol = self.protocol
+        if due:
+            self._last_reply = trio.current_time()
         while due:
             if len(due) == 1:
                 frame = extensions.reply_bytes(due[0].reply, due[0].timings)  # type: ignore[arg-type]
@@ -375,19 +439,22 @@ class Connection:
             self._replies_written = None
 
     # -- step 2: handle ----------------------------------------------------------------------
-    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int]],
+    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int]],
                                nursery: trio.Nursery) -> None:
         forwards: trio.MemorySendChannel[Forward] | None = None
         try:
             async with messages:
                 while True:
                     try:
-                        dispatch, received_us = await take(messages)
+                        dispatch, received_us, held = await take(messages)
                     except trio.EndOfChannel:  # upstream finished
                         return
-                    if forwards is None and self.settings.downstream is not None:
-                        forwards = await self._open_downstream(nursery)
-                    await self._handle(dispatch, received_us)
+                    try:
+                        if forwards is None and self.settings.downstream is not None:
+                            forwards = await self._open_downstream(nursery)
+                        await self._handle(dispatch, received_us)
+                    finally:
+                        self._release_held(held)
                     self._compute_backlog -= 1
         finally:
             if forwards is not None:
@@ -465,7 +532,7 @@ class Connection:
     async def _configure(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
         executor, message = self.scheduler.executor, dispatch.message
         params = sampling_params(message.sampling)
-        self.sessions.add(key)
+        self._claim(key)
         await self.scheduler.call(lambda: executor.configure(key, params))
         cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
         if cache_settings is not None and executor.cache is not None:
@@ -491,7 +558,7 @@ class Connection:
         """docs/prefix-cache.md §6 (:mod:`skippy.stage.prefix_control`): a local miss is answered
         here; a hit is forwarded with ``on_reply`` (a TryRestorePrefillDecode hit carries its result)."""
         message = dispatch.message
-        self.sessions.add(key)
+        self._claim(key)
         outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=self._forwards is not None,
                                               wire_dtype=self.settings.wire_dtype)
         self.stats.touch()
@@ -515,7 +582,7 @@ class Connection:
         kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
         item = lane_messages.work_item(dispatch, key, is_first=self.scheduler.executor.is_first,
                                        width=self.settings.width, max_rows=self.settings.max_rows)
-        self.sessions.add(key)
+        self._claim(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += message.token_count

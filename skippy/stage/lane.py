@@ -69,6 +69,10 @@ class LaneSettings:
     reply_delay_s: float = 0.0
     #: The most rows one message may carry (the stage's KV cells; 0: no limit).
     max_rows: int = 0
+    #: Sessions one lane may hold (0: no quota) and the largest frame it may send (0: the
+    #: codec's limit); :mod:`skippy.stage.limits`.
+    session_quota: int = 0
+    max_frame_bytes: int = 0
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

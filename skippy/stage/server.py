@@ -31,6 +31,7 @@ from skippy.stage.connection import Connection, LaneSettings
 from skippy.stage.direct_return import ReturnHub
 from skippy.stage.executor import Executor
 from skippy.stage.scheduler import Scheduler
+from skippy.stage.limits import BufferBudget, StageLimits, fair_share, frame_limit, return_freed_memory
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
 from skippy.stage.transport import WireCondition, send_ready, set_no_delay
 
@@ -90,6 +91,20 @@ def build_cache(config: StageConfig, context: Any) -> StageCache:
                                   page_size=config.cache_page_size, budget=budget)
 
 
+def stage_limits(config: StageConfig, width: int) -> StageLimits:
+    """The stage's limits from its settings (defaults filled in: the fair-share quota, the frame
+    size the stage's KV could use; a frame limit above the buffer budget is lowered to it)."""
+    budget = int(config.max_buffered_mib * (1 << 20))
+    frame = (int(config.max_frame_mib * (1 << 20)) if config.max_frame_mib is not None
+             else frame_limit(config.ctx_size, width))
+    if budget:
+        frame = min(frame, budget)
+    quota = fair_share(config.max_sessions) if config.session_quota is None else config.session_quota
+    return StageLimits(session_quota=quota, max_connections=config.max_connections,
+                       idle_timeout=config.idle_timeout, header_timeout=config.header_timeout,
+                       frame_timeout=config.frame_timeout, max_frame_bytes=frame, max_buffered_bytes=budget)
+
+
 class StageServer:
     """Serves upstream lanes for one loaded stage.
 
@@ -102,6 +117,7 @@ class StageServer:
         self.config = config
         self.executor = executor
         self.stats = StageStats()
+        self.limits = stage_limits(config, executor.n_embd)
         self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0,
                                    inline_decode=config.inline_decode)
         self.settings = LaneSettings(
@@ -111,13 +127,20 @@ class StageServer:
             wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
             write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
             reply_delay_s=config.wire_reply_delay_ms / 1000.0, max_rows=config.ctx_size,
+            session_quota=self.limits.session_quota, max_frame_bytes=self.limits.max_frame_bytes,
         )
+        self.budget = BufferBudget(self.limits.max_buffered_bytes)
         #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).
         self.returns = ReturnHub(self._lanes_with_session)
         self.address: Address | None = None
         #: Where ``GET /metrics`` is served (``--metrics-listen``), once bound.
         self.metrics_address: Address | None = None
         self.connections: set[Connection] = set()
+        #: Accepted connections not yet closed (READY included): the count --max-connections bounds.
+        self.accepted = 0
+        #: Connections refused at the limit, and lanes closed since the last heap trim.
+        self.refused = 0
+        self._closed_since_trim = 0
         self._shutdown = trio.Event()
 
     def _lanes_with_session(self, session_id: int) -> list[int]:
@@ -149,6 +172,7 @@ class StageServer:
                 from skippy.stage.metrics import serve_metrics  # prometheus_client only when asked
 
                 self.metrics_address = await system.start(serve_metrics, self, config.metrics_listen)
+            system.start_soon(self._watch_limits)
             async with trio.open_nursery() as lanes:
                 accept_scope = trio.CancelScope()
                 lanes.start_soon(self._accept, listeners, lanes, accept_scope)
@@ -191,9 +215,43 @@ class StageServer:
                 log.warning("accept failed: %s", exc)
                 await trio.sleep(0.1)
                 continue
+            limit = self.limits.max_connections
+            if limit and self.accepted >= limit:  # refused before READY: the peer sees a close
+                self.refused += 1
+                if self.refused == 1 or self.refused % 1000 == 0:
+                    log.warning("refused a connection: %d open, the limit (--max-connections); %d refused so far",
+                                self.accepted, self.refused)
+                await trio.aclose_forcefully(stream)
+                continue
+            self.accepted += 1
             lanes.start_soon(self._serve_lane, stream)
 
+    async def _watch_limits(self) -> None:
+        """Close lanes past their read or idle timeouts; give closed lanes' memory back."""
+        limits = self.limits
+        period = min(limits.watch_period, 1.0)
+        while True:
+            await trio.sleep(period)
+            now = trio.current_time()
+            for connection in list(self.connections):
+                error = connection.overdue(now, limits)
+                if error is not None:
+                    connection.abort(error)  # type: ignore[arg-type]
+            if self._closed_since_trim and not self.accepted:
+                self._closed_since_trim = 0
+                return_freed_memory()
+            elif self._closed_since_trim >= 64:
+                self._closed_since_trim = 0
+                return_freed_memory()
+
     async def _serve_lane(self, stream: trio.SocketStream) -> None:
+        try:
+            await self._serve_accepted(stream)
+        finally:
+            self.accepted -= 1
+            self._closed_since_trim += 1
+
+    async def _serve_accepted(self, stream: trio.SocketStream) -> None:
         try:
             peer = "{}:{}".format(*stream.socket.getpeername()[:2])
         except OSError:  # the peer is already gone
@@ -205,7 +263,7 @@ class StageServer:
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):  # a probe that left at once
             await trio.aclose_forcefully(stream)
             return
-        connection = Connection(stream, peer, self.settings, self.scheduler, self.stats, self.returns)
+        connection = Connection(stream, peer, self.settings, self.scheduler, self.stats, self.returns, self.budget)
         self.connections.add(connection)
         try:
             await connection.run()

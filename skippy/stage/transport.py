@@ -49,6 +49,7 @@ from skippy.protocol import (
 from skippy.protocol_ext import ErrorFrame, TimingsFrame
 from skippy.stage.config import Address
 from skippy.stage.errors import DownstreamError, DownstreamLost, MalformedFrame, StageError, UpstreamLost
+from skippy.stage.limits import SMALL_FRAME, BufferBudget
 
 __all__ = [
     "MessageReader", "ReplyReader", "SocketIO", "WireCondition", "codec", "connect_stage",
@@ -57,6 +58,10 @@ __all__ = [
 
 #: Largest chunk read from a socket at once (the size of each reader's reusable buffer).
 RECEIVE_CHUNK = 1 << 18
+#: A reader's first buffer (grown to its full size when a read fills it).
+FIRST_CHUNK = 1 << 12
+#: Frames at least this big are decoded on a worker thread (their copy and dtype conversion).
+LARGE_FRAME = 1 << 20
 
 
 class SocketIO:
@@ -71,15 +76,19 @@ class SocketIO:
     ``ClosedResourceError`` (the stream was closed), so callers map them as for any trio stream.
     """
 
-    __slots__ = ("stream", "_socket", "_buffer", "_view", "_drained", "bytes_in", "bytes_out")
+    __slots__ = ("stream", "_socket", "_buffer", "_view", "_drained", "_receive_size", "bytes_in", "bytes_out")
 
     def __init__(self, stream: trio.abc.Stream, receive_size: int = RECEIVE_CHUNK) -> None:
         self.stream = stream
         self._socket: Any = stream.socket if isinstance(stream, trio.SocketStream) else None
-        self._buffer = bytearray(receive_size)
+        #: The buffer starts small and grows to ``receive_size`` once a read fills it: an idle
+        #: or slow lane pins a few KiB, not a full chunk.
+        self._receive_size = receive_size
+        self._buffer = bytearray()  # allocated when the first bytes are there to read
         self._view = memoryview(self._buffer)
         #: The last read came back short, so the socket was empty then: wait before reading.
-        self._drained = False
+        #: (True at first: a new lane waits for its first bytes without a buffer.)
+        self._drained = self._socket is not None
         #: Bytes received and sent through this object (the stage's per-lane metrics).
         self.bytes_in = 0
         self.bytes_out = 0
@@ -91,7 +100,7 @@ class SocketIO:
         """
         if self._socket is None:
             try:
-                data = await self.stream.receive_some(len(self._buffer))
+                data = await self.stream.receive_some(self._receive_size)
                 self.bytes_in += len(data)
                 return data
             except (trio.BrokenResourceError, trio.ClosedResourceError):  # a reset reads as end of stream
@@ -106,6 +115,9 @@ class SocketIO:
             fd = self._socket.fileno()
             if fd < 0:  # the stream was closed
                 return b""
+            if not self._buffer:
+                self._buffer = bytearray(min(self._receive_size, FIRST_CHUNK))
+                self._view = memoryview(self._buffer)
             try:
                 count = os.readv(fd, (self._buffer,))
             except BlockingIOError:  # nothing buffered yet: wait, then read again
@@ -115,9 +127,13 @@ class SocketIO:
                 continue
             except OSError:  # reset, or the descriptor went away: end of stream
                 return b""
+            view = self._view[:count]
             self._drained = count < len(self._buffer)
             self.bytes_in += count
-            return self._view[:count]
+            if not self._drained and count < self._receive_size:  # full: grow for the next read
+                self._buffer = bytearray(self._receive_size)
+                self._view = memoryview(self._buffer)
+            return view
 
     @property
     def is_socket(self) -> bool:
@@ -198,28 +214,67 @@ class _Reader:
 
 
 class MessageReader(_Reader):
-    """Whole :class:`StageMessage` frames from an upstream stream.
+    """Whole :class:`StageMessage` frames from an upstream stream, within the stage's limits.
+
+    Args:
+        max_frame_bytes: the largest frame accepted (None: the codec's own limit).
+        budget: the stage's buffer budget; a frame over ``SMALL_FRAME`` reserves its size from
+            it before its bytes are read (:mod:`skippy.stage.limits`); :meth:`take_reserved`
+            hands the reservation of the frame just returned to the caller, who releases it.
+
+    ``frame_started`` is when the first byte of the frame being read arrived (None between
+    frames) and ``last_frame`` when the last whole frame did, for the read and idle timeouts.
 
     Raises (from :meth:`next`):
-        MalformedFrame: a malformed, unknown or truncated frame (the codec's reason is kept).
+        MalformedFrame: a malformed, unknown, truncated or oversized frame (the codec's reason is kept).
+        Overloaded: a frame bigger than the whole buffer budget.
     """
 
-    def __init__(self, io: SocketIO, peer: str, width: int) -> None:
-        super().__init__(io, peer, codec.MessageDecoder(width))
+    def __init__(self, io: SocketIO, peer: str, width: int, *, max_frame_bytes: int | None = None,
+                 budget: BufferBudget | None = None) -> None:
+        decoder = (codec.MessageDecoder(width) if max_frame_bytes is None
+                   else codec.MessageDecoder(width, max_buffer_bytes=max_frame_bytes + RECEIVE_CHUNK))
+        super().__init__(io, peer, decoder)
+        self.max_frame_bytes = max_frame_bytes
+        self.budget = budget
+        self.reserved = 0
+        self.frame_started: float | None = None
+        self.last_frame = trio.current_time()
+
+    def take_reserved(self) -> int:
+        """The budget bytes held for the frame just returned (the caller releases them)."""
+        reserved, self.reserved = self.reserved, 0
+        return reserved
 
     async def next(self) -> StageMessage | None:
         """The next message, or None when the peer closed the stream between frames."""
+        decoder = self.decoder
         while True:
+            needed = decoder.bytes_needed  # type: ignore[attr-defined]
             try:
-                result = self.decoder.next_message()  # type: ignore[attr-defined]
+                if needed >= LARGE_FRAME and decoder.buffered_bytes >= needed:  # type: ignore[attr-defined]
+                    result = await trio.to_thread.run_sync(decoder.next_message)  # type: ignore[attr-defined]
+                else:
+                    result = decoder.next_message()  # type: ignore[attr-defined]
             except WireError as exc:  # the codec's verdict on the upstream's bytes
                 raise MalformedFrame(f"malformed frame from {self.peer}: {exc}") from exc
             if result is END_OF_STREAM:
                 return None
             if result is not NEED_DATA:
                 assert isinstance(result, StageMessage)
+                self.last_frame = now = trio.current_time()
+                self.frame_started = now if decoder.buffered_bytes else None  # type: ignore[attr-defined]
                 return result
+            needed = decoder.bytes_needed  # type: ignore[attr-defined]
+            if self.max_frame_bytes is not None and needed > self.max_frame_bytes:
+                raise MalformedFrame(f"malformed frame from {self.peer}: a {needed}-byte frame exceeds this "
+                                     f"stage's {self.max_frame_bytes}-byte limit (--max-frame-mib)")
+            if self.budget is not None and needed > SMALL_FRAME and needed > self.reserved:
+                await self.budget.reserve(needed - self.reserved, self.peer)
+                self.reserved = needed
             await self._fill()
+            if self.frame_started is None:
+                self.frame_started = trio.current_time()
 
 
 class ReplyReader(_Reader):
