@@ -44,6 +44,7 @@ DOCUMENTED = [
     ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
                '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome", "days": 2}}\n</tool_call>',
      "", [("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Rome", "days": 2})]),
+    ("hermes", 'A<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>\nDone.', "A\nDone.", [("f", {})]),
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', "", [("get_weather", {"city": "Paris"})]),
     ("llama3", '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', "",
      [("get_weather", {"city": "Paris"})]),

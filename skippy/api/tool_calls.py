@@ -16,7 +16,8 @@ family's own call syntax, which a :class:`ToolFormat` turns into OpenAI ``tool_c
 The format is told from the template text (the markers its tool-call rendering writes).
 :class:`ToolCallStream` is the streaming side: text before a call's opening marker streams as
 content, a tail that could be the start of a marker is held back (as stop strings are), and from
-the marker on everything is kept; at the end the kept text is parsed into calls, or, when it does
+the marker on everything is kept; at the end the kept text is parsed into calls (text a model writes
+between or after its calls comes back as content), or, when it does
 not parse, returned as content, so no generated text is ever lost.  Calls are emitted when the
 generation ends (one ``delta.tool_calls`` entry per call, complete).
 
@@ -99,10 +100,20 @@ def _json_values(text: str) -> list[Any] | None:
 
 # -- the formats ---------------------------------------------------------------------------------
 
-def _parse_hermes(text: str) -> list[ToolCall] | None:
-    calls = []
+#: A parser's answer: the calls and the text between / after them (None: not a call region).
+Parsed = tuple[list["ToolCall"], str] | None
+
+
+def _outside(pieces: list[str]) -> str:
+    """Text a model wrote between or after its calls ('' when only whitespace)."""
+    text = "".join(pieces)
+    return text if text.strip() else ""
+
+
+def _parse_hermes(text: str) -> Parsed:
+    calls, outside = [], []
     for block in re.split(r"<tool_call>", text)[1:]:
-        body = block.split("</tool_call>", 1)[0]
+        body, _, after = block.partition("</tool_call>")
         values = _json_values(body.strip())
         if not values or len(values) != 1:
             return None
@@ -110,22 +121,23 @@ def _parse_hermes(text: str) -> list[ToolCall] | None:
         if call is None:
             return None
         calls.append(call)
-    return calls or None
+        outside.append(after)
+    return (calls, _outside(outside)) if calls else None
 
 
-def _parse_llama3(text: str) -> list[ToolCall] | None:
+def _parse_llama3(text: str) -> Parsed:
     values = _json_values(text.replace("<|python_tag|>", " "))
     if not values:
         return None
     calls = [_json_call(value, ("parameters", "arguments")) for value in values]
-    return None if any(call is None for call in calls) else [call for call in calls if call is not None]
+    return None if any(call is None for call in calls) else ([call for call in calls if call is not None], "")
 
 
 _MISTRAL_CALL: Final = re.compile(r"^\s*([A-Za-z0-9_-]{1,64})\s*(?:\[CALL_ID\]\s*([A-Za-z0-9]+)\s*)?\[ARGS\]",
                                   re.DOTALL)
 
 
-def _parse_mistral(text: str) -> list[ToolCall] | None:
+def _parse_mistral(text: str) -> Parsed:
     calls: list[ToolCall] = []
     for block in text.split("[TOOL_CALLS]")[1:]:
         named = _MISTRAL_CALL.match(block)
@@ -143,7 +155,7 @@ def _parse_mistral(text: str) -> list[ToolCall] | None:
             if call is None:
                 return None
             calls.append(call)
-    return calls or None
+    return (calls, "") if calls else None
 
 
 _QUOTE: Final = '<|"|>'
@@ -198,10 +210,12 @@ def _gemma_value(text: str, at: int) -> tuple[Any, int]:
         return word, match.end()  # a bare word: read as a string
 
 
-def _parse_gemma(text: str) -> list[ToolCall] | None:
-    calls = []
+def _parse_gemma(text: str) -> Parsed:
+    calls, outside = [], []
     for block in re.split(r"<\|tool_call>|<start_function_call>", text)[1:]:
-        body = re.split(r"<tool_call\|>|<end_function_call>", block, maxsplit=1)[0].strip()
+        parts = re.split(r"<tool_call\|>|<end_function_call>", block, maxsplit=1)
+        body = parts[0].strip()
+        outside.append(parts[1] if len(parts) > 1 else "")
         match = re.match(r"call:([A-Za-z0-9_.-]{1,64})\s*", body)
         if match is None:
             return None
@@ -212,7 +226,7 @@ def _parse_gemma(text: str) -> list[ToolCall] | None:
         if not isinstance(arguments, dict) or body[end:].strip():
             return None
         calls.append(ToolCall(match.group(1), json.dumps(arguments, ensure_ascii=False)))
-    return calls or None
+    return (calls, _outside(outside)) if calls else None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -222,8 +236,8 @@ class ToolFormat:
     name: str
     #: Texts that open a call; the first one found starts the call region.
     openers: tuple[str, ...]
-    #: Text -> calls (None: the text is not a well-formed call region).
-    parse: Callable[[str], list[ToolCall] | None]
+    #: Text -> (calls, the text outside them); None: the text is not a well-formed call region.
+    parse: Callable[[str], Parsed]
     #: Tokens whose special piece must appear in the text for the parser (rendered, not dropped).
     special_markers: tuple[str, ...]
     #: The call region may only start at the very beginning of the answer (llama3's bare JSON).
@@ -477,12 +491,13 @@ class ToolCallStream:
             out, self._pending = self._pending, ""
             return out, []
         region, self._region = self._region, None
-        calls = self.format.parse(region)
-        if not calls:
+        parsed = self.format.parse(region)
+        if parsed is None:
             return region, []
+        calls, outside = parsed
         mistral = self.format.name.startswith("mistral")
         calls = [dataclasses.replace(call, id=call.id or _call_id(mistral)) for call in calls]
-        return "", calls if self.parallel else calls[:1]
+        return outside, calls if self.parallel else calls[:1]
 
 
 # -- the template side ---------------------------------------------------------------------------
