@@ -382,3 +382,36 @@ async def test_metrics_labels_never_carry_a_client_chosen_path(http: httpx.Async
     assert 'skippy_requests_total{endpoint="model",status="404"} 3.0' in metrics
     assert 'skippy_requests_total{endpoint="other",status="401"} 3.0' in metrics
     assert "skippy_queue_waiting 0.0" in metrics
+
+
+async def test_a_client_that_leaves_the_queue_frees_its_place(generator: Generator) -> None:
+    lanes = FakePool(1)
+    await lanes.acquire()  # the only lane is busy
+    admission = Admission(lanes, timeout=60)  # type: ignore[arg-type]
+    service = ChainService(generator, LanePool(Address("127.0.0.1", 9), max_lanes=1), MODEL_ID, admission=admission)
+    app = create_app(service)
+    body = json.dumps({"model": MODEL_ID, "prompt": "hi", "max_tokens": 2}).encode()
+    calls = 0
+
+    async def receive() -> dict[str, Any]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return {"type": "http.request", "body": body, "more_body": False}
+        await trio.sleep(0.2)  # then the client hangs up
+        return {"type": "http.disconnect"}
+
+    sent: list[dict[str, Any]] = []
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "path": "/v1/completions", "raw_path": b"/v1/completions", "query_string": b"", "root_path": "",
+             "scheme": "http", "server": ("api", 80), "client": ("c", 1),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+    started = trio.current_time()
+    await app(scope, receive, send)
+    assert trio.current_time() - started < 10  # not the 60 s queue timeout
+    assert sent[0]["status"] == 499 and json.loads(sent[1]["body"])["error"]["code"] == "client_gone"
+    assert admission.waiting == 0 and admission.gone == 1 and lanes.free_lanes == 0

@@ -1,7 +1,8 @@
 """Admission under load: a bounded, timed queue in front of the lane pool; 429 only when it is full.
 
 Strategy: a request takes a lane at once when one is free; otherwise it waits, first come first
-served (the pool's semaphore is FIFO), while fewer than ``max_queue`` requests are waiting.  The
+served (the pool's semaphore is FIFO), while fewer than ``max_queue`` requests are waiting, and
+leaves the queue if its client disconnects meanwhile (:meth:`Admission.acquire_while_present`).  The
 ``max_queue + 1``-th is answered 429 at once, and one that waits ``timeout`` seconds is answered
 429 too; both carry ``Retry-After``: the expected wait, from a moving average of how long a
 request holds its lane, times the queue ahead of it, over the lanes (1 to 60 s).
@@ -16,7 +17,7 @@ from __future__ import annotations
 
 import math
 import time
-from typing import final
+from typing import Any, Awaitable, Callable, final
 
 import trio
 
@@ -62,6 +63,8 @@ class Admission:
         self.waiting = 0
         #: Requests refused 429 so far (queue full, waited too long).
         self.refused = 0
+        #: Requests whose client left while they waited.
+        self.gone = 0
         #: Moving average of the seconds a request holds its lane.
         self.hold_seconds = 1.0
 
@@ -103,6 +106,47 @@ class Admission:
             self.waiting -= 1
         raise self._busy(f"The server is busy: no lane came free within {self.timeout:g} s. Retry later.",
                          "queue_timeout")
+
+    async def acquire_while_present(self, deadline: float, receive: Callable[[], Awaitable[dict[str, Any]]]
+                                    ) -> Lease:
+        """:meth:`acquire`, giving up if the HTTP client disconnects while it waits in the queue
+        (``receive`` is the request's ASGI receive; its body must already have been read).
+
+        Raises:
+            ApiError: 429 as :meth:`acquire`; 499 ``client_gone`` when the client left first.
+            StageLost: the first stage cannot be reached.
+        """
+        if self.pool.free_lanes > 0:
+            return await self.acquire(deadline)
+        outcome: list[Lease | BaseException] = []
+
+        async def wait(cancel: trio.CancelScope) -> None:
+            try:
+                outcome.append(await self.acquire(deadline))
+            except (ApiError, StageClientError) as exc:
+                outcome.append(exc)
+            cancel.cancel()
+
+        async def watch(cancel: trio.CancelScope) -> None:
+            while (await receive())["type"] != "http.disconnect":
+                pass
+            cancel.cancel()
+
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(wait, nursery.cancel_scope)
+                nursery.start_soon(watch, nursery.cancel_scope)
+        except BaseException:  # cancelled from outside: a lane already taken goes back
+            for item in outcome:
+                if isinstance(item, Lease):
+                    await self.pool.release(item)
+            raise
+        if not outcome:
+            self.gone += 1
+            raise ApiError(499, "The client closed the request while it waited for a lane.", code="client_gone")
+        if isinstance(outcome[0], BaseException):
+            raise outcome[0]
+        return outcome[0]
 
     async def retry_after_overload(self, attempt: int, deadline: float, exc: StageClientError) -> None:
         """Sleep before retrying a request the chain refused as overloaded (attempt 0, 1, ...).

@@ -479,8 +479,9 @@ class _Handlers:
         return ApiError(503, f"The model chain is unavailable: {detail}", type="service_unavailable",
                         code="stage_unavailable")
 
-    async def start(self, request: GenerationRequest) -> tuple[Lease, Generation, str]:
-        """Lease a lane and run the first exchange (up to the first token)."""
+    async def start(self, request: GenerationRequest, raw: Request | None = None) -> tuple[Lease, Generation, str]:
+        """Lease a lane and run the first exchange (up to the first token); ``raw``: the HTTP
+        request, whose client leaving while it waits for a lane ends the wait."""
         pool = self.service.pool
         if pool.suspect:  # the chain failed recently: answer quickly rather than wait on a dead stage
             problem = await pool.check()
@@ -492,7 +493,8 @@ class _Handlers:
         attempt = 0
         while True:
             try:
-                lease = await admission.acquire(deadline)
+                lease = await (admission.acquire(deadline) if raw is None
+                               else admission.acquire_while_present(deadline, raw.receive))
             except StageLost as exc:
                 raise await self.chain_error(exc) from exc
             self.service.metrics.lanes_open.set(pool.open_lanes)
@@ -580,7 +582,7 @@ class _Handlers:
             parsed.request, cache_namespace=tenant.cache_namespace(parsed.request.cache_namespace)))
         metrics.in_flight.inc()
         try:
-            lease, generation, first = await self.start(parsed.request)
+            lease, generation, first = await self.start(parsed.request, raw)
         except BaseException:
             metrics.in_flight.dec()
             raise
