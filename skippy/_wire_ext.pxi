@@ -1,4 +1,4 @@
-# Extension reply frames (Error 0x5E00, Timings 0x5E01): the Cython section matching
+# Extension reply frames (Error 0x5E00, Timings 0x5E01, Identity 0x5E02): the Cython section matching
 # skippy/_wire_ext_py.py, included by _wire.pyx (one module, one build command).
 #
 # Strategy: same layouts, same checks, same order as the twin (docs/protocol.md "Extensions").
@@ -7,7 +7,9 @@
 # frames are rare (one error per lane, one small timings frame per reply when negotiated), so the
 # dataclasses are built by calling their classes; only the v11 reply path is tuned. Call order:
 # ReplyDecoder.next_reply() -> _extension_layout() (only when the decoder accepts extensions and
-# the kind is 0x5E00/0x5E01) -> _commit() -> _build_extension().
+# the kind is 0x5E00..0x5E02) -> _commit() -> _build_extension().  The Identity frame is sent once
+# per probe connection (docs/protocol.md §9), so its layout, build and encode are the twin's own
+# functions called from here: one implementation of a cold path, identical by construction.
 
 from skippy import _wire_ext_py as _ext_twin
 from skippy.protocol_ext import ErrorCode, ErrorFrame, ExtensionReplyKind, TimingRecord, TimingsFrame
@@ -15,7 +17,8 @@ from skippy.protocol_ext import ErrorCode, ErrorFrame, ExtensionReplyKind, Timin
 cdef enum:
     ERROR_KIND = 0x5E00
     TIMINGS_KIND = 0x5E01
-    MAX_ERROR_CODE = 8
+    IDENTITY_KIND = 0x5E02
+    MAX_ERROR_CODE = 9
     MAX_ADDRESS = 256
     MAX_ERROR_MESSAGE = 4096
     MAX_RECORDS = 64
@@ -26,7 +29,7 @@ cdef tuple _ERROR_CODES = tuple(ErrorCode(code) if code in ErrorCode._value2memb
 
 
 cdef inline bint _is_extension_kind(int32_t kind) noexcept:
-    return kind == ERROR_KIND or kind == TIMINGS_KIND
+    return kind == ERROR_KIND or kind == TIMINGS_KIND or kind == IDENTITY_KIND
 
 
 cdef bint _record_valid(const unsigned char *record) noexcept:
@@ -56,6 +59,12 @@ cdef Py_ssize_t _extension_layout(object owner, Py_ssize_t start, const unsigned
     cdef uint32_t address_n, message_n
     cdef int64_t offset
     cdef Py_ssize_t index
+    if kind == IDENTITY_KIND:
+        needed = _ext_twin.extension_layout(owner, start, start + available)
+        if needed < 0:
+            return -needed
+        length[0] = needed
+        return 0
     if kind == ERROR_KIND:
         if available < 20:
             return 20
@@ -100,6 +109,8 @@ cdef object _build_extension(bytes frame):
     cdef uint32_t address_n, message_n
     cdef const unsigned char *record
     cdef int32_t index
+    if skippy_load_i32(data) == IDENTITY_KIND:
+        return _ext_twin.build_extension(frame)
     if skippy_load_i32(data) == ERROR_KIND:
         address_n = skippy_load_u32(data + 16)
         message_n = skippy_load_u32(data + 20 + address_n)
@@ -191,6 +202,11 @@ cdef bint _store_record(unsigned char *cursor, object record):
         skippy_store_i32(cursor + 4 * index, <int32_t>values[index])
         skippy_store_i64(cursor + 16 + 8 * index, values[4 + index])
     return True
+
+
+def encode_identity(identity):
+    """Encode an Identity frame (the twin's ``encode_identity``; see the header)."""
+    return _ext_twin.encode_identity(identity)
 
 
 def encode_timings(timings):

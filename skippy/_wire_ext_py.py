@@ -1,4 +1,4 @@
-"""Pure-Python codec of skippy's extension reply frames (Error, Timings), twin of ``_wire_ext.pxi``.
+"""Pure-Python codec of skippy's extension reply frames (Error, Timings, Identity), twin of ``_wire_ext.pxi``.
 
 Strategy
 --------
@@ -24,6 +24,8 @@ from typing import Final
 from skippy.protocol import WireError
 from skippy.protocol_ext import (
     ERROR_FRAME_BASE_BYTES,
+    IDENTITY_FRAME_BASE_BYTES,
+    MAX_IDENTITY_NAME_BYTES,
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_TIMING_RECORDS,
@@ -31,17 +33,20 @@ from skippy.protocol_ext import (
     ErrorCode,
     ExtensionReplyKind,
     ErrorFrame,
+    IdentityFrame,
     TimingsFrame,
     TimingRecord,
 )
 
-__all__ = ["build_extension", "encode_error", "encode_timings", "extension_layout"]
+__all__ = ["build_extension", "encode_error", "encode_identity", "encode_timings", "extension_layout"]
 
 _ERROR_HEAD: Final = struct.Struct("<iiiiI")  # kind, code, origin, reporter, address length
 _U32: Final = struct.Struct("<I")
 _I32: Final = struct.Struct("<i")
 _TIMINGS_HEAD: Final = struct.Struct("<ii")  # kind, record count
 _RECORD: Final = struct.Struct("<iiiiqqqq")
+_IDENTITY_HEAD: Final = struct.Struct("<iiiiii32sI")  # kind, 5 figures, digest, name length
+_IDENTITY_FIELDS: Final = ("layer_start", "layer_end", "layer_count", "ctx_size", "batch_size")
 _ERROR_CODES: Final = frozenset(int(code) for code in ErrorCode)
 _EXTENSION_KINDS: Final = frozenset(int(kind) for kind in ExtensionReplyKind)
 _RECORD_I32_FIELDS: Final = ("stage_index", "layer_start", "layer_end", "batch_size")
@@ -52,6 +57,7 @@ _I32_MAX: Final = (1 << 31) - 1
 _I64_MAX: Final = (1 << 63) - 1
 
 assert _RECORD.size == TIMING_RECORD_BYTES and _ERROR_HEAD.size + 4 == ERROR_FRAME_BASE_BYTES
+assert _IDENTITY_HEAD.size == IDENTITY_FRAME_BASE_BYTES
 
 
 # --------------------------------------------------------------------------------------------
@@ -100,6 +106,23 @@ def _check_record(index: int, values: tuple[object, ...]) -> tuple[int, ...]:
     if out[2] < out[1]:
         raise WireError("timing layer range is reversed", field=f"timings[{index}].layer_end",
                         value=out[2], limit=f">= layer_start = {out[1]}")
+    return tuple(out)
+
+
+def _check_identity(values: tuple[object, ...]) -> tuple[int, ...]:
+    """The five figures of an Identity frame: ints, 0 <= start < end <= count, ctx and batch >= 1."""
+    out = []
+    for name, value in zip(_IDENTITY_FIELDS, values):
+        if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= _I32_MAX:
+            raise WireError("identity value out of range", field=name, value=value, limit=f"[0, {_I32_MAX}]")
+        out.append(int(value))
+    start, end, count, ctx, batch = out
+    if not start < end <= count:
+        raise WireError("identity layer range is invalid", field="layer_end", value=end,
+                        limit=f"layer_start = {start} < layer_end <= layer_count = {count}")
+    if ctx < 1 or batch < 1:
+        raise WireError("identity context settings must be >= 1", field="ctx_size" if ctx < 1 else "batch_size",
+                        value=min(ctx, batch), limit=">= 1")
     return tuple(out)
 
 
@@ -153,6 +176,22 @@ def encode_timings(timings: TimingsFrame) -> bytes:
     return b"".join(parts)
 
 
+def encode_identity(identity: IdentityFrame) -> bytes:
+    """Encode an Identity frame (docs/protocol.md §9).
+
+    Raises:
+        WireError: a figure out of range, a reversed or empty range, a digest that is not 32
+            bytes, a name over its limit; raised before anything is built.
+    """
+    values = _check_identity(tuple(getattr(identity, name) for name in _IDENTITY_FIELDS))
+    digest = identity.digest
+    if not isinstance(digest, bytes) or len(digest) != 32:
+        raise WireError("identity digest must be 32 bytes", field="digest",
+                        value=len(digest) if isinstance(digest, bytes) else type(digest).__name__, limit=32)
+    name = _utf8("model_name", identity.model_name, MAX_IDENTITY_NAME_BYTES)
+    return _IDENTITY_HEAD.pack(ExtensionReplyKind.IDENTITY, *values, digest, len(name)) + name
+
+
 # --------------------------------------------------------------------------------------------
 # Decoding
 # --------------------------------------------------------------------------------------------
@@ -193,6 +232,20 @@ def extension_layout(buffer: bytes | bytearray, start: int, end: int) -> int:
         _decode_text("address", buffer, start + 20, address_length)
         _decode_text("message", buffer, start + offset - message_length, message_length)
         return offset
+    if kind == ExtensionReplyKind.IDENTITY:
+        if available < IDENTITY_FRAME_BASE_BYTES:
+            return -IDENTITY_FRAME_BASE_BYTES
+        head = _IDENTITY_HEAD.unpack_from(buffer, start)
+        _check_identity(head[1:6])
+        name_length = head[7]
+        if name_length > MAX_IDENTITY_NAME_BYTES:
+            raise WireError("identity model_name length exceeds maximum", field="model_name_length",
+                            value=name_length, limit=MAX_IDENTITY_NAME_BYTES)
+        length = IDENTITY_FRAME_BASE_BYTES + name_length
+        if available < length:
+            return -length
+        _decode_text("model_name", buffer, start + IDENTITY_FRAME_BASE_BYTES, name_length)
+        return length
     if available < 8:
         return -8
     count = _I32.unpack_from(buffer, start + 4)[0]
@@ -213,9 +266,13 @@ def _decode_text(name: str, buffer: bytes | bytearray, offset: int, length: int)
                         value=error.reason) from error
 
 
-def build_extension(frame: bytes) -> ErrorFrame | TimingsFrame:
+def build_extension(frame: bytes) -> ErrorFrame | TimingsFrame | IdentityFrame:
     """The dataclass of a committed frame that :func:`extension_layout` accepted."""
     kind = _I32.unpack_from(frame, 0)[0]
+    if kind == ExtensionReplyKind.IDENTITY:
+        head = _IDENTITY_HEAD.unpack_from(frame, 0)
+        name = _decode_text("model_name", frame, IDENTITY_FRAME_BASE_BYTES, head[7])
+        return IdentityFrame(*head[1:6], bytes(head[6]), name)
     if kind == ExtensionReplyKind.ERROR:
         _, code, origin, reporter, address_length = _ERROR_HEAD.unpack_from(frame, 0)
         message_length = _U32.unpack_from(frame, 20 + address_length)[0]

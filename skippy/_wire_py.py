@@ -72,12 +72,14 @@ __all__ = [
     "encode_error",
     "encode_message",
     "encode_reply",
+    "encode_identity",
     "encode_timings",
     "int32_sideband",
 ]
 
 encode_error = _extension.encode_error
 encode_timings = _extension.encode_timings
+encode_identity = _extension.encode_identity
 
 #: Which implementation this module is (``wire.IMPLEMENTATION`` reports the one in use).
 IMPLEMENTATION: Final = "python"

@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Final, final
 
-from skippy.protocol import StageMessage, StateHeader
+from skippy.protocol import MessageKind, StageMessage, StateHeader
 
 __all__ = [
     "DIRECT_RETURN_FLAG",
@@ -39,9 +39,15 @@ __all__ = [
     "ExtensionNegotiation",
     "ExtensionReplyKind",
     "ErrorFrame",
+    "IDENTITY_FRAME_BASE_BYTES",
+    "IdentityFrame",
+    "MAX_IDENTITY_NAME_BYTES",
+    "MODEL_IDENTITY_FLAG",
     "TimingsFrame",
     "TimingRecord",
     "append_timing",
+    "identity_query",
+    "is_identity_query",
     "requests_direct_return",
     "requests_extensions",
     "with_direct_return_flag",
@@ -56,6 +62,10 @@ SKIPPY_EXTENSIONS_FLAG: Final = 1 << 10
 DIRECT_RETURN_FLAG: Final = 1 << 11
 #: docs/prefix-cache.md §6: bit 9, the prefix-cache extension. Reserved here so nothing collides.
 PREFIX_EXTENT_FLAG: Final = 1 << 9
+#: docs/protocol.md §9: state flag bit 12, "model identity".  On a lane's first message, a
+#: PredictionReturnOpen without bit 11: "send me your Identity frame" (the lane then closes).  On
+#: any other message: the sender also understands ``ErrorCode.MODEL_MISMATCH``.
+MODEL_IDENTITY_FLAG: Final = 1 << 12
 
 #: ext §2: longest ``origin_address`` in UTF-8 bytes ("host:port", a URL at most).
 MAX_ERROR_ADDRESS_BYTES: Final = 256
@@ -71,6 +81,10 @@ MAX_ERROR_FRAME_BYTES: Final = (
 MAX_TIMING_RECORDS: Final = 64
 #: ext §3: four i32 then four i64.
 TIMING_RECORD_BYTES: Final = 48
+#: §9: kind, five i32 figures, the 32-byte digest and the u32 name length.
+IDENTITY_FRAME_BASE_BYTES: Final = 60
+#: §9: longest model file name in UTF-8 bytes.
+MAX_IDENTITY_NAME_BYTES: Final = 256
 
 
 class ExtensionReplyKind(IntEnum):
@@ -78,6 +92,7 @@ class ExtensionReplyKind(IntEnum):
 
     ERROR = 0x5E00  #: ext §2: the lane is closing; relayed upstream unchanged.
     TIMINGS = 0x5E01  #: ext §3: per-stage timings of the reply frame that follows.
+    IDENTITY = 0x5E02  #: §9: the stage's model identity, answering an identity query.
 
 
 class ErrorCode(IntEnum):
@@ -91,6 +106,9 @@ class ErrorCode(IntEnum):
     OVERLOADED = 6  #: ext §2: no lane, session or KV capacity for the request.
     SHUTTING_DOWN = 7  #: ext §2: the stage is draining (SIGTERM).
     INTERNAL = 8  #: ext §2: any other failure inside the stage.
+    #: §9 (bit 12): the downstream stage serves another model file, a range that does not
+    #: continue this one, or other context settings.  Sent only to an upstream flagging bit 12.
+    MODEL_MISMATCH = 9
 
 
 @final
@@ -144,6 +162,54 @@ class TimingsFrame:
     """
 
     records: tuple[TimingRecord, ...] = ()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class IdentityFrame:
+    """Identity frame (docs/protocol.md §9): what model a stage serves, and how.
+
+    ``digest`` is the sha256 of the GGUF file's header (metadata and tensor index, not the
+    weights); ``model_name`` its file name, for messages only.
+    """
+
+    layer_start: int
+    layer_end: int
+    layer_count: int
+    ctx_size: int
+    batch_size: int
+    digest: bytes
+    model_name: str = ""
+
+    def describe(self) -> str:
+        """``NAME (sha256 1234abcd…) layers A:B of N, ctx C, batch B``."""
+        return (f"{self.model_name or '?'} (header sha256 {self.digest.hex()[:12]}) layers "
+                f"{self.layer_start}:{self.layer_end} of {self.layer_count}, ctx {self.ctx_size}, "
+                f"batch {self.batch_size}")
+
+    def mismatch(self, downstream: "IdentityFrame") -> str | None:
+        """Why ``downstream`` cannot follow this stage in a chain (None: it can)."""
+        if downstream.digest != self.digest:
+            return "the model files differ"
+        if downstream.layer_start != self.layer_end:
+            return f"its layers start at {downstream.layer_start}, not at {self.layer_end}"
+        if (downstream.ctx_size, downstream.batch_size) != (self.ctx_size, self.batch_size):
+            return "the context settings (ctx, batch) differ"
+        return None
+
+
+def identity_query(request_id: int = 0) -> StageMessage:
+    """The identity query (§9): a flagged PredictionReturnOpen, a lane's only message."""
+    message = StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN, request_id=request_id, session_id=0)
+    return replace(message, state=replace(
+        message.state, flags=message.state.flags | SKIPPY_EXTENSIONS_FLAG | MODEL_IDENTITY_FLAG))
+
+
+def is_identity_query(message: StageMessage) -> bool:
+    """Whether ``message`` asks for the Identity frame (§9): kind 20 with bit 12, without bit 11."""
+    flags = message.state.flags
+    return (message.kind is MessageKind.PREDICTION_RETURN_OPEN and bool(flags & MODEL_IDENTITY_FLAG)
+            and not flags & DIRECT_RETURN_FLAG)
 
 
 def append_timing(timings: TimingsFrame | None, record: TimingRecord) -> TimingsFrame:

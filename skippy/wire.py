@@ -47,6 +47,7 @@ from skippy.protocol_ext import (
     ErrorCode,
     ErrorFrame,
     ExtensionNegotiation,
+    IdentityFrame,
     TimingRecord,
     TimingsFrame,
 )
@@ -70,6 +71,7 @@ encode_message = _implementation.encode_message
 encode_reply = _implementation.encode_reply
 encode_error = _implementation.encode_error
 encode_timings = _implementation.encode_timings
+encode_identity = _implementation.encode_identity
 encode_activation = _implementation.encode_activation
 decode_activation = _implementation.decode_activation
 int32_sideband = _implementation.int32_sideband
@@ -86,6 +88,7 @@ __all__ = [
     "ErrorCode",
     "ErrorFrame",
     "ExtensionNegotiation",
+    "IdentityFrame",
     "MessageDecoder",
     "MessageKind",
     "ReplyDecoder",
@@ -100,6 +103,7 @@ __all__ = [
     "decode_activation",
     "encode_activation",
     "encode_error",
+    "encode_identity",
     "encode_message",
     "encode_reply",
     "encode_timings",

@@ -55,6 +55,7 @@ from skippy.protocol import (
 from skippy.protocol_ext import (
     ErrorCode,
     ErrorFrame,
+    IdentityFrame,
     ExtensionReplyKind,
     TimingRecord,
     TimingsFrame,
@@ -75,6 +76,7 @@ _REPLY_KINDS_BY_NAME = {kind.reference_name: kind for kind in ReplyKind}
 _EXTENSION_KINDS_BY_NAME = {kind.name.title(): kind for kind in ExtensionReplyKind}
 _ERROR_CODES_BY_NAME = {code.name.title().replace("_", ""): code for code in ErrorCode}
 _TIMING_FIELDS = tuple(TimingRecord.__dataclass_fields__)
+_IDENTITY_FIELDS = ("layer_start", "layer_end", "layer_count", "ctx_size", "batch_size")
 _DTYPES_BY_NAME = {dtype.reference_name: dtype for dtype in WireDType}
 _SAMPLING_FLOATS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
                     "repeat_penalty")
@@ -324,7 +326,7 @@ def _is_extension(fields: dict[str, Any]) -> bool:
     return fields.get("kind") in _EXTENSION_KINDS_BY_NAME
 
 
-def extension_from_fields(fields: dict[str, Any]) -> ErrorFrame | TimingsFrame:
+def extension_from_fields(fields: dict[str, Any]) -> ErrorFrame | TimingsFrame | IdentityFrame:
     """Build an extension frame (docs/protocol.md "Extensions") from its JSON notation:
     ``{"kind": "Error", "code": "DownstreamLost", ...}`` or ``{"kind": "Timings", "records":
     [...]}``; ``kind_code`` / ``code_value`` may replace the names."""
@@ -339,11 +341,22 @@ def extension_from_fields(fields: dict[str, Any]) -> ErrorFrame | TimingsFrame:
         return ErrorFrame(code, fields.get("origin_stage_index", -1),
                           fields.get("reporter_stage_index", -1),
                           fields.get("origin_address", ""), fields.get("message", ""))
+    if kind == ExtensionReplyKind.IDENTITY:
+        try:
+            digest = bytes.fromhex(str(fields.get("digest", "")))
+        except ValueError as error:  # not hex: report it like any bad field
+            raise WireError("identity digest is not hex", field="digest") from error
+        return IdentityFrame(*(fields.get(name, 0) for name in _IDENTITY_FIELDS), digest,
+                             fields.get("model_name", ""))
     return TimingsFrame(tuple(TimingRecord(**record) for record in fields.get("records", ())))
 
 
-def extension_to_fields(frame: ErrorFrame | TimingsFrame) -> dict[str, Any]:
+def extension_to_fields(frame: ErrorFrame | TimingsFrame | IdentityFrame) -> dict[str, Any]:
     """The JSON notation of an extension frame (the inverse of :func:`extension_from_fields`)."""
+    if isinstance(frame, IdentityFrame):
+        return {"kind": "Identity", "kind_code": int(ExtensionReplyKind.IDENTITY),
+                **{name: getattr(frame, name) for name in _IDENTITY_FIELDS},
+                "digest": frame.digest.hex(), "model_name": frame.model_name}
     if isinstance(frame, ErrorFrame):
         code = ErrorCode(frame.code)
         return {
@@ -391,7 +404,7 @@ def decode_frames(data: bytes, width: int, replies: bool) -> Iterator[dict[str, 
         reply_decoder.receive_data(b"")
         while (reply := reply_decoder.next_reply()) is not END_OF_STREAM:
             assert reply is not NEED_DATA  # the stream is closed: never NEED_DATA
-            if isinstance(reply, (ErrorFrame, TimingsFrame)):
+            if isinstance(reply, (ErrorFrame, TimingsFrame, IdentityFrame)):
                 yield extension_to_fields(reply)
             else:
                 assert isinstance(reply, StageReply)
@@ -435,6 +448,9 @@ def encode_frames(text: str, dtype_name: str | None, width: int | None,
                 yield wire.encode_reply(reply_from_fields(fields))
                 continue
             frame = extension_from_fields(fields)
+            if isinstance(frame, IdentityFrame):
+                yield wire.encode_identity(frame)
+                continue
             yield (wire.encode_error(frame) if isinstance(frame, ErrorFrame)
                    else wire.encode_timings(frame))
             continue

@@ -37,9 +37,14 @@ from skippy.protocol_ext import (
     ErrorCode,
     ErrorFrame,
     ExtensionNegotiation,
+    IdentityFrame,
+    MODEL_IDENTITY_FLAG,
+    DIRECT_RETURN_FLAG,
     TimingRecord,
     TimingsFrame,
     append_timing,
+    identity_query,
+    is_identity_query,
     requests_extensions,
     with_extensions_flag,
 )
@@ -73,7 +78,7 @@ def bytewise(data: bytes) -> Iterator[bytes]:
 
 FEEDS = {"whole": whole, "bytewise": bytewise}
 
-Frame = ErrorFrame | TimingsFrame | StageReply
+Frame = ErrorFrame | TimingsFrame | IdentityFrame | StageReply
 
 
 def encode(wire_impl: ModuleType, frame: Frame) -> bytes:
@@ -81,6 +86,8 @@ def encode(wire_impl: ModuleType, frame: Frame) -> bytes:
         return bytes(wire_impl.encode_error(frame))
     if isinstance(frame, TimingsFrame):
         return bytes(wire_impl.encode_timings(frame))
+    if isinstance(frame, IdentityFrame):
+        return bytes(wire_impl.encode_identity(frame))
     return bytes(wire_impl.encode_reply(frame))
 
 
@@ -125,6 +132,17 @@ CASES: list[tuple[str, Frame, str]] = [
      "015e0000" "40000000" + ("ffffff7f" "00000000" "ffffff7f" "ffffff7f" "ffffffffffffff7f"
                               + "00" * 8 + "ffffffffffffff7f" + "00" * 8) * 64),
 ]
+DIGEST = bytes(range(32))
+IDENTITY = IdentityFrame(8, 16, 24, 4096, 512, DIGEST, "m.gguf")
+IDENTITY_HEX = ("025e0000" "08000000" "10000000" "18000000" "00100000" "00020000" + DIGEST.hex()
+                + "06000000" + b"m.gguf".hex())
+CASES += [
+    ("identity", IDENTITY, IDENTITY_HEX),
+    ("identity_no_name", IdentityFrame(0, 1, 1, 1, 1, b"\xff" * 32),
+     "025e0000" "00000000" "01000000" "01000000" "01000000" "01000000" + "ff" * 32 + "00000000"),
+    ("error_model_mismatch", ErrorFrame(ErrorCode.MODEL_MISMATCH, 1, 0, "h:2", "x"),
+     "005e0000" "09000000" "01000000" "00000000" "03000000" "683a32" "01000000" "78"),
+]
 CASE_IDS = [case[0] for case in CASES]
 V11_REPLIES = [bytes.fromhex(case["hex"]) for case in vectors.REPLY_CASES]
 
@@ -163,7 +181,7 @@ def test_back_to_back_with_v11_replies(wire_impl: ModuleType) -> None:
         expected.append(vectors.REPLY_CASES[index]["fields"])
     for feed in FEEDS.values():
         decoded = decode(wire_impl, feed(bytes(stream)))
-        assert [item if isinstance(item, (ErrorFrame, TimingsFrame)) else reply_to_fields(item)
+        assert [item if isinstance(item, (ErrorFrame, TimingsFrame, IdentityFrame)) else reply_to_fields(item)
                 for item in decoded] == expected
 
 
@@ -193,7 +211,7 @@ def test_not_negotiated_decoder_rejects_like_v11(wire_impl: ModuleType, name: st
 
 def test_unknown_kind_still_rejected_when_negotiated(wire_impl: ModuleType) -> None:
     decoder = wire_impl.ReplyDecoder(extensions=True)
-    decoder.receive_data(bytes.fromhex("025e0000"))
+    decoder.receive_data(bytes.fromhex("035e0000"))
     with pytest.raises(WireError, match="unknown stage reply kind"):
         decoder.next_reply()
 
@@ -207,8 +225,20 @@ INVALID: list[tuple[str, str, str, str]] = [
     # id, bytes, reason, field
     ("unknown_code_0", ERROR_HEAD + "00000000" "00000000" "00000000" "00000000",
      "unknown stage error code", "code"),
-    ("unknown_code_9", ERROR_HEAD + "09000000" "00000000" "00000000" "00000000",
+    ("unknown_code_10", ERROR_HEAD + "0a000000" "00000000" "00000000" "00000000",
      "unknown stage error code", "code"),
+    ("identity_reversed", IDENTITY_HEX[:8] + "10000000" "08000000" + IDENTITY_HEX[24:],
+     "identity layer range is invalid", "layer_end"),
+    ("identity_past_count", IDENTITY_HEX[:16] + "20000000" + IDENTITY_HEX[24:],
+     "identity layer range is invalid", "layer_end"),
+    ("identity_negative_ctx", IDENTITY_HEX[:32] + "ffffffff" + IDENTITY_HEX[40:],
+     "identity value out of range", "ctx_size"),
+    ("identity_zero_batch", IDENTITY_HEX[:40] + "00000000" + IDENTITY_HEX[48:],
+     "identity context settings must be >= 1", "batch_size"),
+    ("identity_name_huge", IDENTITY_HEX[:112] + "ffffffff", "identity model_name length exceeds maximum",
+     "model_name_length"),
+    ("identity_name_not_utf8", IDENTITY_HEX[:112] + "01000000" "ff", "stage error model_name is not UTF-8",
+     "model_name"),
     ("origin_below_minus_1", ERROR_HEAD + "01000000" "feffffff" "00000000" "00000000",
      "stage index out of range", "origin_stage_index"),
     ("reporter_below_minus_1", ERROR_HEAD + "01000000" "00000000" "00000080" "00000000",
@@ -325,6 +355,12 @@ WRITER_REJECTS: list[tuple[str, Frame, str, str]] = [
      "timing value out of range", "timings[0].batch_size"),
     ("reversed_layers", TimingsFrame((dataclasses.replace(RECORD, layer_end=7),)),
      "timing layer range is reversed", "timings[0].layer_end"),
+    ("identity_digest_short", dataclasses.replace(IDENTITY, digest=b"x"), "identity digest must be 32 bytes",
+     "digest"),
+    ("identity_empty_range", dataclasses.replace(IDENTITY, layer_end=8), "identity layer range is invalid",
+     "layer_end"),
+    ("identity_name_long", dataclasses.replace(IDENTITY, model_name="n" * 257),
+     "stage error model_name length exceeds maximum", "model_name_length"),
 ]
 
 
@@ -349,8 +385,27 @@ def test_flag_bits_do_not_collide() -> None:
     v11_bits = 0
     for flag in StateFlag:
         v11_bits |= int(flag)
-    assert SKIPPY_EXTENSIONS_FLAG == 1 << 10
+    assert SKIPPY_EXTENSIONS_FLAG == 1 << 10 and MODEL_IDENTITY_FLAG == 1 << 12
     assert not SKIPPY_EXTENSIONS_FLAG & (v11_bits | PREFIX_EXTENT_FLAG)
+    assert not MODEL_IDENTITY_FLAG & (v11_bits | PREFIX_EXTENT_FLAG | SKIPPY_EXTENSIONS_FLAG | DIRECT_RETURN_FLAG)
+
+
+def test_identity_query_and_mismatch_rules(wire_impl: ModuleType) -> None:
+    query = identity_query()
+    assert is_identity_query(query) and query.kind is MessageKind.PREDICTION_RETURN_OPEN
+    frame = wire_impl.encode_message(query, WireDType.F32, 8)
+    decoder = wire_impl.MessageDecoder(8)
+    decoder.receive_data(bytes(frame))
+    assert is_identity_query(decoder.next_message())  # a plain v11 message on the wire
+    return_open = dataclasses.replace(query, state=dataclasses.replace(
+        query.state, flags=query.state.flags | DIRECT_RETURN_FLAG))
+    assert not is_identity_query(return_open)
+    upstream = dataclasses.replace(IDENTITY, layer_start=0, layer_end=8)
+    assert upstream.mismatch(IDENTITY) is None
+    assert upstream.mismatch(dataclasses.replace(IDENTITY, digest=b"\0" * 32)) == "the model files differ"
+    assert "start at 9" in str(upstream.mismatch(dataclasses.replace(IDENTITY, layer_start=9)))
+    assert "context" in str(upstream.mismatch(dataclasses.replace(IDENTITY, ctx_size=1)))
+    assert "m.gguf" in IDENTITY.describe() and DIGEST.hex()[:12] in IDENTITY.describe()
 
 
 def test_flag_is_carried_by_the_v11_codec_and_changes_only_the_flags(wire_impl: ModuleType
