@@ -43,6 +43,7 @@ async def _main(args: argparse.Namespace) -> None:
 
     first = Address.parse(args.first_stage)
     settings = api_settings(args)
+    await _check_model(first, args.model)
     got: list[int] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         async with trio.open_nursery() as nursery:
@@ -51,6 +52,19 @@ async def _main(args: argparse.Namespace) -> None:
                 args.model, first, host=args.host, port=args.port, model_id=args.model_id, n_ctx=args.ctx_size,
                 max_lanes=args.max_lanes, task_status=task_status, **settings))
             print(f"skippy API for {args.model.name} on {url} (first stage {first}); Ctrl-C stops it", flush=True)
+
+
+async def _check_model(first: Any, model: Path) -> None:
+    """docs/protocol.md §9: refuse a first stage that serves another model file (ValueError)."""
+    from skippy.identity import check_first_stage
+
+    try:
+        problem = await check_first_stage(first, model)
+    except OSError as exc:  # not up yet: lanes will retry; the check is the stages' job then
+        logging.getLogger("skippy.api").warning("cannot ask first stage %s for its model identity: %s", first, exc)
+        return
+    if problem is not None:
+        raise ValueError(problem)
 
 
 def run(args: argparse.Namespace) -> int:

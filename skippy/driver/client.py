@@ -52,6 +52,7 @@ from skippy.protocol import (
 )
 from skippy.protocol_ext import (
     DIRECT_RETURN_FLAG,
+    MODEL_IDENTITY_FLAG,
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
     ErrorFrame,
@@ -98,6 +99,8 @@ _LOSS_CODES = frozenset({ErrorCode.DOWNSTREAM_LOST, ErrorCode.SHUTTING_DOWN})
 _TIMINGS_KEPT = 4096
 #: The reference's default DecodeEmbd header (``StateHeader.for_kind``), the per-token template.
 _DECODE_HEADER = StateHeader.for_kind(MessageKind.DECODE_EMBD)
+#: Flags an extension-aware driver sets on every message: extension frames (§2) and model identity (§9).
+_AWARE_FLAGS = SKIPPY_EXTENSIONS_FLAG | MODEL_IDENTITY_FLAG
 
 
 #: Seconds to wait, after a return lane closed, for the first-stage lane's Error frame naming why.
@@ -289,6 +292,9 @@ class StageClient:
         """
         if self.extensions:
             message = with_extensions_flag(message)
+            if not message.state.flags & MODEL_IDENTITY_FLAG:  # docs/protocol.md §9: it knows MODEL_MISMATCH
+                message = dataclasses.replace(message, state=dataclasses.replace(
+                    message.state, flags=message.state.flags | MODEL_IDENTITY_FLAG))
         frame = codec.encode_message(message, WireDType(message.state.reserved), 0)
         await self.send_raw(frame)
 
@@ -429,7 +435,7 @@ class StageClient:
         # (what ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without
         # the copies), encoded and sent without ``send``'s checks.
         template = _DECODE_HEADER
-        flags = template.flags | SKIPPY_EXTENSIONS_FLAG if self.extensions else template.flags
+        flags = template.flags | _AWARE_FLAGS if self.extensions else template.flags
         direct = self._direct(session_id)
         if direct:
             flags |= DIRECT_RETURN_FLAG

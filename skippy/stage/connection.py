@@ -73,12 +73,14 @@ import trio
 
 from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
+    MODEL_IDENTITY_FLAG,
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
     ErrorFrame,
     ExtensionNegotiation,
     TimingsFrame,
     append_timing,
+    is_identity_query,
     with_extensions_flag,
 )
 from skippy.stage import extensions
@@ -198,6 +200,10 @@ class Connection:
         self._aborted: StageError | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._last_reply = trio.current_time()
+        #: docs/protocol.md §9: a message came (an identity query is only a lane's first), and the
+        #: upstream flags bit 12 (so it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
+        self._lane_used = False
+        self._identity_aware = False
 
     @property
     def inflight(self) -> int:
@@ -238,6 +244,8 @@ class Connection:
             cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
             error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
                                            address=self._own_address(), downstream_address=self.downstream_name)
+            if error.code is ErrorCode.MODEL_MISMATCH and not self._identity_aware:
+                error = dataclasses.replace(error, code=ErrorCode.STATE_MISMATCH)  # §9: the v11-era code
             self.stats.errors_by_code[ErrorCode(error.code).name.lower()] += 1
         finally:
             self._gate.close()  # a write-through still queued must not write from here on
@@ -250,6 +258,14 @@ class Connection:
                 if error is not None and self.extensions.enabled and not torn:
                     await self._send_error(error)
                 await self._cleanup()
+
+    async def _answer_identity(self) -> None:
+        """docs/protocol.md §9: the lane's first message was an identity query: answer the
+        Identity frame (when this stage has one) and close the lane."""
+        identity = self.settings.identity
+        if identity is not None:
+            await send_frame(self._upstream_io, codec.encode_identity(identity), self.peer,  # type: ignore[arg-type]
+                             downstream=False)
 
     @property
     def upstream_io(self) -> SocketIO:
@@ -370,6 +386,8 @@ class Connection:
         assert address is not None
         self.downstream = await connect_stage(address, self.settings.connect_timeout)  # type: ignore[arg-type]
         self._downstream_io = SocketIO(self.downstream)
+        if self.settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet
+            await self.settings.identities.verify(address)  # type: ignore[attr-defined]
         forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
         nursery.start_soon(self.forward_activations, forwards_receive)
         nursery.start_soon(self.relay_replies)
@@ -397,6 +415,12 @@ class Connection:
                 self._held += held
                 if self.identity.index < 0:
                     self.identity.observe(message)
+                if message.state.flags & MODEL_IDENTITY_FLAG:
+                    self._identity_aware = True  # docs/protocol.md §9: it knows MODEL_MISMATCH
+                    if is_identity_query(message) and not self._lane_used:
+                        await self._answer_identity()
+                        return
+                self._lane_used = True
                 dispatch = protocol.message_received(message)
                 self.stats.messages += 1
                 if dispatch.early_ack:

@@ -73,6 +73,10 @@ class LaneSettings:
     #: codec's limit); :mod:`skippy.stage.limits`.
     session_quota: int = 0
     max_frame_bytes: int = 0
+    #: docs/protocol.md §9: this stage's Identity frame (answers identity queries; None: none) and
+    #: its checker of the downstream (``skippy.identity.DownstreamIdentities``; None: no check).
+    identity: object | None = None
+    identities: object | None = None
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

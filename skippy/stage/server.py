@@ -105,6 +105,21 @@ def stage_limits(config: StageConfig, width: int) -> StageLimits:
                        frame_timeout=config.frame_timeout, max_frame_bytes=frame, max_buffered_bytes=budget)
 
 
+def _identity_settings(config: StageConfig, executor: Executor) -> dict[str, Any]:
+    """docs/protocol.md §9: this stage's Identity frame and its downstream checker."""
+    from skippy.identity import DownstreamIdentities, file_identity  # see skippy.identity: imports skippy.stage
+
+    layers = LayerRange.parse(config.layers)
+    count = int(getattr(executor.model, "n_layer", layers.end))
+    try:
+        own = file_identity(config.model, layers.start, layers.end, count, config.ctx_size, config.batch_size)
+    except (OSError, ValueError) as exc:  # a model that loaded but whose header cannot be hashed
+        log.warning("no model identity for %s: %s; identity queries go unanswered", config.model, exc)
+        return {}
+    checker = DownstreamIdentities(own) if config.downstream is not None else None
+    return {"identity": own, "identities": checker}
+
+
 class StageServer:
     """Serves upstream lanes for one loaded stage.
 
@@ -128,6 +143,9 @@ class StageServer:
             write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
             reply_delay_s=config.wire_reply_delay_ms / 1000.0, max_rows=config.ctx_size,
             session_quota=self.limits.session_quota, max_frame_bytes=self.limits.max_frame_bytes,
+
+
+            **_identity_settings(config, executor),
         )
         self.budget = BufferBudget(self.limits.max_buffered_bytes)
         #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).
