@@ -153,7 +153,8 @@ async def test_credit_limit_bounds_unacknowledged_chunks() -> None:
         async with await StageClient.connect(address) as client:
             result = await client.prefill(1, list(range(1, 33)), chunk_size=8, credit=4)
             assert result.token == 99 and len(result.acks) == 3
-        assert downstream.kinds[:4] == [1, 1, 1, 4]
+        # (kind 20 first: the stage's model-identity query, docs/protocol.md §9, on its own connection)
+        assert [kind for kind in downstream.kinds if kind != 20][:4] == [1, 1, 1, 4]
         assert downstream.max_outstanding <= 2
         assert server.stats.max_pending_prefill_acks == 2
         server.shutdown()
