@@ -113,6 +113,8 @@ def test_keys_from_a_file_or_one_value(tmp_path: Path) -> None:
         ApiKeys.from_option(str(tmp_path / "empty"), environ={})
     with pytest.raises(ValueError, match="whitespace"):
         ApiKeys(["two words"])
+    with pytest.raises(ValueError, match="does not exist"):  # a mistyped path is not taken as the key
+        ApiKeys.from_option(str(tmp_path / "kyes"), environ={})
 
 
 # -- tenants -----------------------------------------------------------------------------------------

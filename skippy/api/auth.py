@@ -109,7 +109,8 @@ class ApiKeys:
         no authentication.  ``salt`` defaults to ``$SKIPPY_CACHE_SALT`` (else none).
 
         Raises:
-            ValueError: the file holds no key, cannot be read, or a key is malformed.
+            ValueError: the file holds no key, cannot be read, or a key is malformed; ``value``
+                looks like a path (has ``/``, starts with ``~`` or ``.``) but names no file.
         """
         value = value if value is not None else environ.get(API_KEY_ENV) or None
         salt = salt if salt is not None else environ.get(CACHE_SALT_ENV, "")
@@ -125,6 +126,8 @@ class ApiKeys:
             if not keys:
                 raise ValueError(f"{path} holds no API key (one key a line)")
             return cls(keys, salt=salt)
+        if "/" in value or value.startswith(("~", ".")):  # meant as a file: never serve a path as a key
+            raise ValueError(f"API key file {value} does not exist (a key with '/' in it goes in a file)")
         return cls([value], salt=salt)
 
 
