@@ -18,6 +18,7 @@ COMMANDS = {
     "up": "skippy.commands.up",
     "demo": "skippy.commands.demo",
     "plan": "skippy.commands.plan",
+    "certs": "skippy.commands.certs",
 }
 
 

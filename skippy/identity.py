@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import ssl
 from pathlib import Path
 
 import trio
@@ -37,6 +38,7 @@ from skippy.protocol_ext import ErrorCode, IdentityFrame, identity_query
 from skippy.runtime.gguf_header import GGUFHeaderError, header_digest
 from skippy.stage.config import Address
 from skippy.stage.errors import StageError
+from skippy.stage.tls import handshake_as_client
 
 __all__ = ["DownstreamIdentities", "ModelMismatch", "check_first_stage", "file_identity", "query_identity"]
 
@@ -76,8 +78,10 @@ def file_identity(model: str, layer_start: int, layer_end: int, layer_count: int
     return IdentityFrame(layer_start, layer_end, layer_count, ctx_size, batch_size, file_digest(model), encoded)
 
 
-async def query_identity(address: Address, *, timeout: float = QUERY_TIMEOUT) -> IdentityFrame | None:
-    """Ask the stage at ``address`` for its Identity frame (module notes).
+async def query_identity(address: Address, *, timeout: float = QUERY_TIMEOUT,
+                         tls: ssl.SSLContext | None = None) -> IdentityFrame | None:
+    """Ask the stage at ``address`` for its Identity frame (module notes; ``tls``: the asker's
+    mutual-TLS context when the link uses TLS, :mod:`skippy.stage.tls`).
 
     Returns:
         The frame, or None when the peer answers none (a plain v11 or an older skippy stage).
@@ -86,7 +90,9 @@ async def query_identity(address: Address, *, timeout: float = QUERY_TIMEOUT) ->
         OSError: the peer cannot be reached at all (connect refused, READY missing).
     """
     with trio.move_on_after(timeout):
-        stream = await trio.open_tcp_stream(address.host, address.port)
+        stream: trio.abc.Stream = await trio.open_tcp_stream(address.host, address.port)
+        if tls is not None:
+            stream = await handshake_as_client(stream, tls, address.host)  # type: ignore[arg-type]
         async with stream:
             ready = b""
             while len(ready) < 4:
@@ -126,9 +132,11 @@ def _describe_pair(own_label: str, own: IdentityFrame, other_label: str, other: 
 class DownstreamIdentities:
     """A stage's checks of its downstream (module notes); one per stage, shared by its lanes."""
 
-    def __init__(self, own: IdentityFrame, *, timeout: float = QUERY_TIMEOUT) -> None:
+    def __init__(self, own: IdentityFrame, *, timeout: float = QUERY_TIMEOUT,
+                 tls: ssl.SSLContext | None = None) -> None:
         self.own = own
         self.timeout = timeout
+        self.tls = tls
         self._plain: set[str] = set()
 
     async def verify(self, address: Address) -> IdentityFrame | None:
@@ -141,7 +149,7 @@ class DownstreamIdentities:
         if key in self._plain:
             return None
         try:
-            frame = await query_identity(address, timeout=self.timeout)
+            frame = await query_identity(address, timeout=self.timeout, tls=self.tls)
         except OSError as exc:  # the lane's own connect just worked: report, do not fail on it
             log.warning("could not ask downstream stage %s for its model identity: %s", address, exc)
             return None
@@ -157,7 +165,8 @@ class DownstreamIdentities:
         return frame
 
 
-async def check_first_stage(address: Address, model: str | Path, *, timeout: float = QUERY_TIMEOUT) -> str | None:
+async def check_first_stage(address: Address, model: str | Path, *, timeout: float = QUERY_TIMEOUT,
+                            tls: ssl.SSLContext | None = None) -> str | None:
     """The driver's check: the stage at ``address`` starts at layer 0 of the same model file.
 
     Returns:
@@ -167,7 +176,7 @@ async def check_first_stage(address: Address, model: str | Path, *, timeout: flo
     Raises:
         OSError: the first stage cannot be reached.
     """
-    frame = await query_identity(address, timeout=timeout)
+    frame = await query_identity(address, timeout=timeout, tls=tls)
     if frame is None:
         return None
     path = Path(model)

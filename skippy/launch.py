@@ -129,6 +129,7 @@ async def _stop(children: Sequence[StageChild], grace: float) -> None:
 
 async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str = "127.0.0.1",
                     stage_options: Sequence[str] = (), log_dir: Path, progress: Progress | None = None,
+                    per_stage_options: Callable[[int], Sequence[str]] | None = None,
                     announce: Callable[[StageChild], None] | None = None, ready_timeout: float = 300.0,
                     grace: float = 5.0,
                     task_status: trio.TaskStatus[list[StageChild]] = trio.TASK_STATUS_IGNORED) -> None:
@@ -148,8 +149,9 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
         async with trio.open_nursery() as nursery:
             downstream: Address | None = None
             for child in reversed(children):
+                options = [*stage_options, *(per_stage_options(child.index) if per_stage_options else ())]
                 child.command = stage_command(model, child.layers, downstream=downstream, host=host,
-                                              options=stage_options)
+                                              options=options)
                 child.log_path.write_bytes(b"")
                 try:
                     child.process = await trio.lowlevel.open_process(

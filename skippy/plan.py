@@ -372,6 +372,9 @@ class Plan:
             if stage.index + 1 < len(self.stages):
                 nxt = self.stages[stage.index + 1].host
                 out.append(f"downstream = {_quote(_address(nxt.name, nxt.port))}")
+            # links off loopback use mutual TLS: `skippy certs certs --stages N` makes these (docs/security.md)
+            out += [f"tls_cert = {_quote(f'certs/stage-{stage.index}.pem')}",
+                    f"tls_key = {_quote(f'certs/stage-{stage.index}.key')}", f"tls_ca = {_quote('certs/ca.pem')}"]
             out += ["[stage.expected]",
                     f"memory_bytes = {memory.resident}", f"peak_bytes = {memory.peak}",
                     f"weights_bytes = {memory.weights}", f"kv_bytes = {memory.kv}",

@@ -34,7 +34,8 @@ def test_every_option_has_help() -> None:
 @pytest.mark.parametrize("suffix", [".toml", ".json"])
 def test_config_file_then_flags(tmp_path: Path, suffix: str) -> None:
     settings = {"model": "m.gguf", "layers": "2:4", "wire-dtype": "q8", "reply_credit_limit": 2,
-                "downstream": "tcp://10.0.0.2:9000", "wire_delay_ms": 1.5}
+                "downstream": "tcp://10.0.0.2:9000", "wire_delay_ms": 1.5,
+                "tls": "off"}  # a remote downstream needs TLS files otherwise (test_stage_tls.py)
     path = tmp_path / f"stage{suffix}"
     if suffix == ".json":
         path.write_text(json.dumps(settings))

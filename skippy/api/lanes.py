@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import ssl
 from typing import Sequence, final
 
 import trio
@@ -62,8 +63,10 @@ class LanePool:
     """
 
     def __init__(self, address: Address, *, max_lanes: int = 8, stages: Sequence[StageInfo] = (),
-                 connect_timeout: float = 5.0, reply_timeout: float = 30.0) -> None:
+                 connect_timeout: float = 5.0, reply_timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
         self.address = address
+        #: The driver's mutual-TLS context for the stage links (skippy.stage.tls; None: plain TCP).
+        self.tls = tls
         self.max_lanes = max_lanes
         self.stages = tuple(stages)
         self.connect_timeout = connect_timeout
@@ -92,10 +95,14 @@ class LanePool:
         """
         await self._slots.acquire()
         try:
-            if self._idle:
-                return Lease(self._idle.pop())
+            while self._idle:
+                idle = self._idle.pop()
+                if not idle.peer_closed():
+                    return Lease(idle)
+                self.open_lanes -= 1  # the stage closed it meanwhile (its --idle-timeout)
+                await idle.aclose()
             client = await StageClient.connect(self.address, connect_timeout=self.connect_timeout,
-                                               reply_timeout=self.reply_timeout)
+                                               reply_timeout=self.reply_timeout, tls=self.tls)
             self.open_lanes += 1
             return Lease(client)
         except BaseException:
@@ -127,7 +134,8 @@ class LanePool:
         """None when the whole chain answers; otherwise what is wrong, naming the stage if known."""
         problem: str | None = None
         try:
-            client = await StageClient.connect(self.address, connect_timeout=timeout, reply_timeout=timeout)
+            client = await StageClient.connect(self.address, connect_timeout=timeout, reply_timeout=timeout,
+                                               tls=self.tls)
         except StageLost as exc:
             problem = str(exc)
         else:
@@ -150,7 +158,7 @@ class LanePool:
 
         async def probe(stage: StageInfo) -> None:
             try:
-                client = await StageClient.connect(stage.address, connect_timeout=timeout)
+                client = await StageClient.connect(stage.address, connect_timeout=timeout, tls=self.tls)
             except StageLost:
                 lost.append(str(stage))
             else:

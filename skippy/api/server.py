@@ -9,6 +9,7 @@ task.  Cancelling the task stops the server; the lanes are closed on the way out
 from __future__ import annotations
 
 import logging
+import ssl
 from pathlib import Path
 from typing import Sequence
 
@@ -37,7 +38,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     stages: Sequence[StageInfo] = (), reply_timeout: float = 30.0,
                     keys: ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                     max_queue: int = DEFAULT_MAX_QUEUE, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
-                    cors_origins: Sequence[str] = (),
+                    cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -53,10 +54,11 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         max_body_bytes: request-body limit (413 above it).
         max_queue, queue_timeout: requests that may wait for a lane, and for how long (429 beyond).
         cors_origins: origins allowed to call from browsers (none: CORS off).
+        stage_tls: the driver's mutual-TLS context for the chain's links (None: plain TCP).
         task_status: receives the base URL once listening.
     """
     generator = Generator.from_model(model, n_ctx=n_ctx)
-    pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout)
+    pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
     service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys,
                            admission=Admission(pool, max_queue=max_queue, timeout=queue_timeout),
                            max_body_bytes=max_body_bytes, cors_origins=tuple(cors_origins))

@@ -32,8 +32,35 @@ def add_parser(subparsers: Any) -> None:
                         "model's, at most 4096; match the stages' --ctx-size)")
     parser.add_argument("--max-lanes", type=int, default=8,
                         help="concurrent requests, one lane each (default 8; <= the stages' --max-sessions)")
+    tls = parser.add_argument_group("mutual TLS to the chain (docs/security.md; skippy certs makes the files)")
+    tls.add_argument("--tls", choices=["auto", "on", "off"], default="auto",
+                     help="TLS to the first stage: on, off, or auto = on when it is not on a loopback address")
+    tls.add_argument("--tls-cert", type=Path, help="this driver's certificate (DIR/driver-0.pem)")
+    tls.add_argument("--tls-key", type=Path, help="this driver's private key")
+    tls.add_argument("--tls-ca", type=Path, help="the chain CA certificate (DIR/ca.pem)")
     add_api_options(parser)
     parser.set_defaults(run=run)
+
+
+def driver_tls(args: argparse.Namespace, first: Any) -> Any:
+    """The driver's TLS context for the chain, or None (plain TCP).
+
+    Raises:
+        ValueError: TLS is on and a file is missing or unreadable.
+    """
+    import ssl
+
+    from skippy.stage.tls import TlsFiles, client_context, link_uses_tls
+
+    if not link_uses_tls(args.tls, first.host):
+        return None
+    if None in (args.tls_cert, args.tls_key, args.tls_ca):
+        raise ValueError(f"the first stage {first} is reached with TLS (--tls {args.tls}): give --tls-cert, "
+                         "--tls-key and --tls-ca (skippy certs makes them), or --tls off on a trusted network")
+    try:
+        return client_context(TlsFiles(args.tls_cert, args.tls_key, args.tls_ca))
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the driver's TLS files: {exc}") from exc
 
 
 async def _main(args: argparse.Namespace) -> None:
@@ -42,24 +69,25 @@ async def _main(args: argparse.Namespace) -> None:
     from skippy.stage.config import Address
 
     first = Address.parse(args.first_stage)
+    stage_tls = driver_tls(args, first)
     settings = api_settings(args)
-    await _check_model(first, args.model)
+    await _check_model(first, args.model, stage_tls)
     got: list[int] = []
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
             url = await nursery.start(lambda task_status: serve_api(
                 args.model, first, host=args.host, port=args.port, model_id=args.model_id, n_ctx=args.ctx_size,
-                max_lanes=args.max_lanes, task_status=task_status, **settings))
+                max_lanes=args.max_lanes, task_status=task_status, stage_tls=stage_tls, **settings))
             print(f"skippy API for {args.model.name} on {url} (first stage {first}); Ctrl-C stops it", flush=True)
 
 
-async def _check_model(first: Any, model: Path) -> None:
+async def _check_model(first: Any, model: Path, tls: Any = None) -> None:
     """docs/protocol.md §9: refuse a first stage that serves another model file (ValueError)."""
     from skippy.identity import check_first_stage
 
     try:
-        problem = await check_first_stage(first, model)
+        problem = await check_first_stage(first, model, tls=tls)
     except OSError as exc:  # not up yet: lanes will retry; the check is the stages' job then
         logging.getLogger("skippy.api").warning("cannot ask first stage %s for its model identity: %s", first, exc)
         return

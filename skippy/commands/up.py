@@ -18,6 +18,7 @@ import logging
 import os
 import shlex
 import signal
+import ssl
 import sys
 import tempfile
 from pathlib import Path
@@ -55,6 +56,9 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],
                         help="activation dtype between stages (default f32: exact)")
     parser.add_argument("--log-dir", type=Path, help="where stage logs go (default: a new temporary directory)")
+    parser.add_argument("--tls", action="store_true",
+                        help="mutual TLS 1.3 on every stage link: a chain CA and certificates are made in "
+                             "LOG_DIR/certs (skippy certs; docs/security.md)")
     gpu = parser.add_argument_group("GPU settings, passed to every stage (python -m skippy.stage --help; docs/gpu.md)")
     for flag, help_text in GPU_FLAGS.items():
         gpu.add_argument(flag, help=help_text)
@@ -189,6 +193,13 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
                "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
+    stage_tls, per_stage = None, None
+    if getattr(args, "tls", False):
+        try:
+            stage_tls, per_stage = _provision_tls(log_dir / "certs", len(split))
+        except (RuntimeError, OSError, ValueError) as exc:  # no cryptography library, unwritable directory
+            print(f"error: {exc}", file=err)
+            return 2
     bar = ProgressBar(err, len(split))
     failure: list[str] = []
     got: list[int] = []
@@ -205,12 +216,12 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
                 children = await nursery.start(lambda task_status: run_chain(
                     model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
-                    announce=announce, task_status=task_status))
+                    announce=announce, per_stage_options=per_stage, task_status=task_status))
                 stages = [child.info() for child in children]
                 url = await nursery.start(lambda task_status: serve_api(
                     model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
                     n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status,
-                    **settings))
+                    stage_tls=stage_tls, **settings))
                 body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
                         % model_id)
                 print(f"skippy API on {url}  (model {model_id}; Ctrl-C stops everything)", flush=True)
@@ -230,6 +241,21 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     if got:
         print(f"got {signal.Signals(got[0]).name}; stopped every stage", file=err, flush=True)
     return 0
+
+
+def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callable[[int], list[str]]]:
+    """Certificates for a local chain (a CA, ``stage-I``, ``driver-0``): the API's client context and
+    each stage's TLS flags."""
+    from skippy.certs import make_chain_certificates
+    from skippy.stage.tls import TlsFiles, client_context
+
+    make_chain_certificates(directory, [*(f"stage-{i}" for i in range(count)), "driver-0"])
+
+    def flags(index: int) -> list[str]:
+        files = TlsFiles.in_directory(directory, f"stage-{index}")
+        return ["--tls", "on", "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
+
+    return client_context(TlsFiles.in_directory(directory, "driver-0")), flags
 
 
 def _leaves(error: BaseException) -> list[BaseException]:

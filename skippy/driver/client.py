@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import select
+import ssl
 from typing import Sequence
 
 import numpy as np
@@ -61,6 +63,7 @@ from skippy.protocol_ext import (
     with_extensions_flag,
 )
 from skippy.stage.config import Address
+from skippy.stage.tls import handshake_as_client
 from skippy.stage.transport import SocketIO, set_no_delay
 
 from skippy import wire as codec
@@ -159,20 +162,29 @@ class StageClient:
         self._closed = False
         #: docs/protocol.md §8: the open return lane, if any (one session at a time).
         self._return: _ReturnLane | None = None
+        #: The TLS context this lane was opened with (a return lane uses it too).
+        self.tls: ssl.SSLContext | None = None
 
     @classmethod
     async def connect(cls, address: Address | str, *, connect_timeout: float = 10.0,
-                      reply_timeout: float = 30.0, extensions: bool = True) -> "StageClient":
+                      reply_timeout: float = 30.0, extensions: bool = True,
+                      tls: ssl.SSLContext | None = None) -> "StageClient":
         """Dial a first stage and read its READY.
 
+        Args:
+            tls: the driver's mutual-TLS context (``skippy.stage.tls.client_context``); READY
+                then comes after the handshake.  None: plain TCP.
+
         Raises:
-            StageLost: no connection or no READY within ``connect_timeout``.
+            StageLost: no connection, a failed TLS handshake, or no READY within ``connect_timeout``.
         """
         target = Address.parse(address) if isinstance(address, str) else address
         try:
             with trio.fail_after(connect_timeout):
                 stream = await trio.open_tcp_stream(target.host, target.port)
                 set_no_delay(stream)
+                if tls is not None:
+                    stream = await handshake_as_client(stream, tls, target.host)  # type: ignore[assignment]
                 try:
                     data = b""
                     while len(data) < 4:
@@ -186,7 +198,22 @@ class StageClient:
                     raise
         except (OSError, trio.TooSlowError, WireError, trio.BrokenResourceError) as exc:  # all mean "no lane"
             raise StageLost(f"cannot open a lane to first stage {target}: {exc or type(exc).__name__}") from exc
-        return cls(stream, target, reply_timeout=reply_timeout, extensions=extensions)
+        client = cls(stream, target, reply_timeout=reply_timeout, extensions=extensions)
+        client.tls = tls
+        return client
+
+    def peer_closed(self) -> bool:
+        """Whether the stage closed this idle lane, or wrote on it unasked (an Error frame): it
+        cannot carry a request (a pool checks before reusing a lane; stages close idle ones)."""
+        if self._closed:
+            return True
+        stream = getattr(self.stream, "transport_stream", self.stream)
+        sock = getattr(stream, "socket", None)
+        if sock is None:
+            return False
+        poller = select.poll()
+        poller.register(sock.fileno(), select.POLLIN | select.POLLERR | select.POLLHUP)
+        return bool(poller.poll(0))
 
     async def aclose(self) -> None:
         await self.close_direct_return()
@@ -216,7 +243,7 @@ class StageClient:
         target = Address.parse(address) if isinstance(address, str) else address
         try:
             opener = await StageClient.connect(target, connect_timeout=timeout, reply_timeout=timeout,
-                                               extensions=self.extensions)
+                                               extensions=self.extensions, tls=self.tls)
         except StageLost as exc:  # connect names a "first stage": this one is the final stage
             raise StageLost(f"cannot open a return lane to final stage {target}: {exc.__cause__ or exc}") from exc
         message = StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN, request_id=request_id,

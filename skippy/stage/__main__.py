@@ -18,7 +18,7 @@ import trio
 
 from skippy.runtime.errors import NativeError
 from skippy.stage.config import parse_config
-from skippy.stage.server import load_runtime, run_stage
+from skippy.stage.server import load_runtime, run_stage, stage_tls
 
 log = logging.getLogger("skippy.stage")
 
@@ -38,6 +38,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             log.info("loading %s layers %s: %3.0f%%", config.model, config.layers, fraction * 100)
         return True
 
+    try:
+        stage_tls(config)  # certificate files are checked before the model loads
+    except ValueError as exc:
+        log.error("cannot start stage: %s", exc)
+        return 2
     try:
         executor = load_runtime(config, progress)
     except (ValueError, OSError, ImportError) as exc:  # a bad setting or file, a library of another ABI

@@ -103,6 +103,11 @@ class StageConfig:
     frame_timeout: float = 60.0
     max_frame_mib: float | None = None
     max_buffered_mib: float = 256.0
+    # -- mutual TLS on stage links (skippy.stage.tls) --
+    tls: str = "auto"
+    tls_cert: Path | None = None
+    tls_key: Path | None = None
+    tls_ca: Path | None = None
 
     @property
     def credit_limit(self) -> int:
@@ -110,6 +115,17 @@ class StageConfig:
         if self.reply_credit_limit is not None:
             return max(1, self.reply_credit_limit)
         return max(1, self.max_inflight - 1)
+
+    @property
+    def tls_files_needed(self) -> str:
+        """Why this stage needs TLS files ("" when none of its links uses TLS)."""
+        from skippy.stage.tls import link_uses_tls
+
+        if link_uses_tls(self.tls, self.listen.host):
+            return f"the stage listens on {self.listen}" + ("" if self.tls == "on" else ", not a loopback address")
+        if self.downstream is not None and link_uses_tls(self.tls, self.downstream.host):
+            return f"the downstream {self.downstream}" + ("" if self.tls == "on" else " is not a loopback address")
+        return ""
 
     def validated(self) -> "StageConfig":
         """Return self after checking every value.
@@ -154,6 +170,10 @@ class StageConfig:
                                   ("max_buffered_mib", self.max_buffered_mib))),
             (self.max_frame_mib is None or (math.isfinite(self.max_frame_mib) and self.max_frame_mib > 0),
              f"max_frame_mib must be > 0 (got {self.max_frame_mib})"),
+            (self.tls in ("auto", "on", "off"), f"tls must be auto, on or off (got {self.tls})"),
+            (not self.tls_files_needed or None not in (self.tls_cert, self.tls_key, self.tls_ca),
+             f"{self.tls_files_needed}: TLS is on (--tls {self.tls}), so --tls-cert, --tls-key and --tls-ca are "
+             "needed (skippy certs makes them; --tls off for a trusted network)"),
         ]
         for ok, message in checks:
             if not ok:
@@ -281,6 +301,11 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "frame_timeout": (float, "seconds from a frame's first byte to its last (0 = no limit)"),
     "max_frame_mib": (_optional_float, "largest frame accepted, MiB (none = what ctx_size rows of activation "
                       "need, plus 1 MiB)"),
+    "tls": (str, "mutual TLS 1.3 on this stage's links: on, off, or auto = on for a link whose address (listen, "
+            "downstream) is not a loopback one"),
+    "tls_cert": (_optional_path, "this stage's certificate, PEM (skippy certs DIR --stages N makes DIR/stage-I.pem)"),
+    "tls_key": (_optional_path, "this stage's private key, PEM"),
+    "tls_ca": (_optional_path, "the chain CA certificate, PEM: peers must hold a certificate it signed"),
     "max_buffered_mib": (float, "MiB all connections together may hold in large frames being read or handled; "
                          "a frame waits for room (0 = no limit)"),
 }

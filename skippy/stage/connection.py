@@ -279,7 +279,7 @@ class Connection:
 
     def _own_address(self) -> str:
         try:
-            host, port = self.upstream.socket.getsockname()[:2]
+            host, port = getattr(self.upstream, "transport_stream", self.upstream).socket.getsockname()[:2]
         except (OSError, AttributeError):  # closed, or not a socket stream
             return ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
@@ -384,7 +384,8 @@ class Connection:
     async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
         address = self.settings.downstream
         assert address is not None
-        self.downstream = await connect_stage(address, self.settings.connect_timeout)  # type: ignore[arg-type]
+        self.downstream = await connect_stage(address, self.settings.connect_timeout,  # type: ignore[arg-type]
+                                              tls=self.settings.downstream_tls)
         self._downstream_io = SocketIO(self.downstream)
         if self.settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet
             await self.settings.identities.verify(address)  # type: ignore[attr-defined]

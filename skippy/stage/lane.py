@@ -10,6 +10,7 @@ the channel hand-offs that park only when they must.
 from __future__ import annotations
 
 import dataclasses
+import ssl
 import time
 from typing import TypeVar
 
@@ -77,6 +78,8 @@ class LaneSettings:
     #: its checker of the downstream (``skippy.identity.DownstreamIdentities``; None: no check).
     identity: object | None = None
     identities: object | None = None
+    #: TLS context of the downstream link (:mod:`skippy.stage.tls`; None: plain TCP).
+    downstream_tls: ssl.SSLContext | None = None
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

@@ -15,9 +15,11 @@ before any session opens (:func:`build_cache`); the executor owns it and closes 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import signal
+import ssl
 import sys
 from typing import Any, Callable
 
@@ -32,6 +34,7 @@ from skippy.stage.direct_return import ReturnHub
 from skippy.stage.executor import Executor
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.limits import BufferBudget, StageLimits, fair_share, frame_limit, return_freed_memory
+from skippy.stage.tls import TlsFiles, client_context, handshake_as_server, link_uses_tls, server_context
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
 from skippy.stage.transport import WireCondition, send_ready, set_no_delay
 
@@ -105,7 +108,7 @@ def stage_limits(config: StageConfig, width: int) -> StageLimits:
                        frame_timeout=config.frame_timeout, max_frame_bytes=frame, max_buffered_bytes=budget)
 
 
-def _identity_settings(config: StageConfig, executor: Executor) -> dict[str, Any]:
+def _identity_settings(config: StageConfig, executor: Executor, tls: ssl.SSLContext | None) -> dict[str, Any]:
     """docs/protocol.md §9: this stage's Identity frame and its downstream checker."""
     from skippy.identity import DownstreamIdentities, file_identity  # see skippy.identity: imports skippy.stage
 
@@ -116,8 +119,34 @@ def _identity_settings(config: StageConfig, executor: Executor) -> dict[str, Any
     except (OSError, ValueError) as exc:  # a model that loaded but whose header cannot be hashed
         log.warning("no model identity for %s: %s; identity queries go unanswered", config.model, exc)
         return {}
-    checker = DownstreamIdentities(own) if config.downstream is not None else None
+    checker = DownstreamIdentities(own, tls=tls) if config.downstream is not None else None
     return {"identity": own, "identities": checker}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StageTls:
+    """The stage's TLS contexts: for the lanes it accepts, and for its downstream link."""
+
+    server: ssl.SSLContext | None
+    downstream: ssl.SSLContext | None
+
+
+def stage_tls(config: StageConfig) -> StageTls | None:
+    """The contexts of the links that use TLS (:mod:`skippy.stage.tls`), None when none does.
+
+    Raises:
+        ValueError: a certificate, key or CA file that cannot be loaded (named).
+    """
+    listen = link_uses_tls(config.tls, config.listen.host)
+    downstream = config.downstream is not None and link_uses_tls(config.tls, config.downstream.host)
+    if not (listen or downstream):
+        return None
+    assert config.tls_cert is not None and config.tls_key is not None and config.tls_ca is not None  # validated
+    files = TlsFiles(config.tls_cert, config.tls_key, config.tls_ca)
+    try:
+        return StageTls(server_context(files) if listen else None, client_context(files) if downstream else None)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(f"cannot load the stage's TLS files ({files.cert}, {files.key}, {files.ca}): {exc}") from exc
 
 
 class StageServer:
@@ -133,6 +162,10 @@ class StageServer:
         self.executor = executor
         self.stats = StageStats()
         self.limits = stage_limits(config, executor.n_embd)
+        #: Mutual TLS on the listening and downstream links (None: plain TCP on both).
+        self.tls = stage_tls(config)
+        #: Connections refused at the TLS handshake.
+        self.tls_refused = 0
         self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0,
                                    inline_decode=config.inline_decode)
         self.settings = LaneSettings(
@@ -143,9 +176,8 @@ class StageServer:
             write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
             reply_delay_s=config.wire_reply_delay_ms / 1000.0, max_rows=config.ctx_size,
             session_quota=self.limits.session_quota, max_frame_bytes=self.limits.max_frame_bytes,
-
-
-            **_identity_settings(config, executor),
+            downstream_tls=self.tls.downstream if self.tls is not None else None,
+            **_identity_settings(config, executor, self.tls.downstream if self.tls is not None else None),
         )
         self.budget = BufferBudget(self.limits.max_buffered_bytes)
         #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).
@@ -275,13 +307,20 @@ class StageServer:
         except OSError:  # the peer is already gone
             await trio.aclose_forcefully(stream)
             return
+        set_no_delay(stream)
+        lane: trio.abc.Stream = stream
+        if self.tls is not None and self.tls.server is not None:  # authenticated before anything is said
+            secure = await handshake_as_server(stream, self.tls.server, peer, self.limits.header_timeout or 10.0)
+            if secure is None:
+                self.tls_refused += 1
+                return
+            lane = secure
         try:
-            set_no_delay(stream)
-            await send_ready(stream)
+            await send_ready(lane)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):  # a probe that left at once
-            await trio.aclose_forcefully(stream)
+            await trio.aclose_forcefully(lane)
             return
-        connection = Connection(stream, peer, self.settings, self.scheduler, self.stats, self.returns, self.budget)
+        connection = Connection(lane, peer, self.settings, self.scheduler, self.stats, self.returns, self.budget)
         self.connections.add(connection)
         try:
             await connection.run()

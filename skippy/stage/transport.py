@@ -31,6 +31,7 @@ import dataclasses
 import math
 import os
 import socket
+import ssl
 from typing import Any
 
 import trio
@@ -50,6 +51,7 @@ from skippy.protocol_ext import ErrorFrame, TimingsFrame
 from skippy.stage.config import Address
 from skippy.stage.errors import DownstreamError, DownstreamLost, MalformedFrame, StageError, UpstreamLost
 from skippy.stage.limits import SMALL_FRAME, BufferBudget
+from skippy.stage.tls import handshake_as_client
 
 __all__ = [
     "MessageReader", "ReplyReader", "SocketIO", "WireCondition", "codec", "connect_stage",
@@ -339,8 +341,9 @@ def set_no_delay(stream: trio.abc.Stream) -> None:
 
 
 async def connect_stage(address: Address, timeout: float, *, attempt_timeout: float = 2.0,
-                        ready_timeout: float = 10.0) -> trio.SocketStream:
-    """Dial a stage and complete READY, retrying until ``timeout`` seconds have passed.
+                        ready_timeout: float = 10.0, tls: ssl.SSLContext | None = None) -> trio.abc.Stream:
+    """Dial a stage and complete READY, retrying until ``timeout`` seconds have passed (with
+    ``tls``, READY comes after a mutually authenticated TLS handshake: :mod:`skippy.stage.tls`).
 
     Raises:
         DownstreamLost: the deadline passed; the message names the address and the last error.
@@ -354,15 +357,17 @@ async def connect_stage(address: Address, timeout: float, *, attempt_timeout: fl
             raise DownstreamLost(
                 f"cannot reach downstream stage {address} within {timeout:g} s: {last_error}"
             )
-        stream: trio.SocketStream | None = None
+        stream: trio.abc.Stream | None = None
         try:
             with trio.fail_after(min(attempt_timeout, remaining)):
                 stream = await trio.open_tcp_stream(address.host, address.port)
-            set_no_delay(stream)
+                set_no_delay(stream)
+                if tls is not None:
+                    stream = await handshake_as_client(stream, tls, address.host)
             with trio.fail_after(min(ready_timeout, max(remaining, 0.01))):
                 await receive_ready(stream, str(address))
             return stream
-        except (OSError, trio.TooSlowError, DownstreamLost) as exc:  # refused / slow / no READY: retry
+        except (OSError, trio.TooSlowError, DownstreamLost) as exc:  # refused / slow / no READY / TLS: retry
             last_error = str(exc) or type(exc).__name__
             if stream is not None:
                 await trio.aclose_forcefully(stream)
