@@ -112,12 +112,13 @@ class Stock:
 class InProcess:
     """The runtime with the stage server's context settings, kept open across rounds."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, cells: int = CTX_SIZE, model: object | None = None) -> None:
         from skippy.runtime import Model, Sampler, StageContext
         from skippy.runtime.sampling import GREEDY
 
-        self.model = Model(path)
-        self.ctx = StageContext(self.model, n_ctx=CTX_SIZE, max_sessions=SESSIONS + CACHE_SLOTS,
+        self.owns_model = model is None
+        self.model = Model(path) if model is None else model
+        self.ctx = StageContext(self.model, n_ctx=cells, max_sessions=SESSIONS + CACHE_SLOTS,
                                 n_batch=BATCH, threads=1)
         self.sampler = Sampler(GREEDY, self.model.n_vocab)
         self.bos = int(_bos(self.model))
@@ -153,7 +154,8 @@ class InProcess:
     def close(self) -> None:
         self.sampler.close()
         self.ctx.close()
-        self.model.close()
+        if self.owns_model:
+            self.model.close()
 
 
 def _bos(model: object) -> int:
@@ -312,12 +314,15 @@ def main() -> None:
     peer = build_peer()
     stock = Stock(peer.llama_bench, path, args.reps)
     inproc = InProcess(path)
+    # llama-bench's own context is n_prompt + n_gen cells (256 here): the same runtime at that size
+    # separates what llama.cpp's transposed-V layout costs at the stage's 4096 cells from skippy
+    small = InProcess(path, cells=256, model=inproc.model)
     n_layer = inproc.model.n_layer
     print(f"model {path.name}: {inproc.model.architecture}, {n_layer} layers, n_embd {inproc.model.n_embd}, "
           f"n_vocab {inproc.model.n_vocab}; KV {inproc.ctx.n_ctx} cells; 1 thread everywhere; "
           f"{args.steps} decode tokens; {args.rounds} interleaved rounds", flush=True)
     rng = np.random.default_rng(1234)
-    names = ("stock", "in-process", "stage", "stage-nocache", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
+    names = ("stock", "in-process", "in-process-256", "stage", "stage-nocache", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
     runs: dict[str, list[Sample]] = {name: [] for name in names}
     flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
     try:
@@ -331,6 +336,7 @@ def main() -> None:
                 baseline = stock.baseline_cpu()
                 runs["stock"].append(stock.decode(args.steps, baseline))
                 runs["in-process"].append(inproc.decode(args.steps))
+                runs["in-process-256"].append(small.decode(args.steps))
                 if not args.no_stage:
                     runs["stage"].append(trio.run(stage_decode, address, inproc.bos, args.steps))
                     runs["stage-nocache"].append(trio.run(stage_decode, bare, inproc.bos, args.steps))
@@ -345,10 +351,12 @@ def main() -> None:
                 print(f"round {round_index + 1}: " + ", ".join(
                     f"{k} {v[-1][0]:.1f} tok/s {v[-1][1] * 1e3:.2f} ms" for k, v in runs.items() if v), flush=True)
     finally:
+        small.close()
         inproc.close()
     print(f"decode (tg{args.steps}), medians; CPU = seconds of CPU per token (stage: client + stage process):")
     print(_summary("stock llama-bench", runs["stock"], None))
     print(_summary("skippy in-process", runs["in-process"], runs["stock"], "(target >= 99%)"))
+    print(_summary("  same, 256 KV cells", runs["in-process-256"], runs["stock"], "(llama-bench's KV size)"))
     if runs["stage"]:
         print(_summary("skippy 1 stage process", runs["stage"], runs["stock"], "(target >= 97%)"))
         print(_summary("  same, prefix cache off", runs["stage-nocache"], runs["stock"], "(target >= 97%)"))
