@@ -79,9 +79,12 @@ def calls_of(calls: Any) -> list[tuple[str, Any]]:
 
 def run_stream(format: ToolFormat, text: str, step: int, prefix: str = "") -> tuple[str, list[Any]]:
     stream = ToolCallStream(format, prefix)
-    shown = "".join(stream.push(text[at:at + step]) for at in range(0, len(text), step))
-    rest, calls = stream.finish()
-    return shown + rest, calls
+    shown, calls = "", []
+    for at in range(0, len(text), step):
+        shown += stream.push(text[at:at + step])
+        calls += stream.take_calls()
+    rest, last = stream.finish()
+    return shown + rest, calls + last
 
 
 @pytest.mark.parametrize("name, text, content, expected", DOCUMENTED)
@@ -113,6 +116,21 @@ def test_content_streams_before_a_call_and_holds_a_partial_marker() -> None:
     assert calls_of(stream.finish()[1]) == [("f", {})]
     llama = ToolCallStream(FORMATS["llama3"])
     assert llama.push("  ") == "" and llama.push("It is {") == "  It is {"  # not at the start: content
+
+
+def test_a_closed_call_is_handed_over_before_the_generation_ends() -> None:
+    stream = ToolCallStream(FORMATS["hermes"])
+    assert stream.push('<tool_call>\n{"name": "a", "arguments": {}}\n</tool') == ""
+    assert stream.take_calls() == []
+    assert stream.push("_call>\n") == ""
+    assert calls_of(stream.take_calls()) == [("a", {})]
+    assert stream.push("Then <tool_call>\n{\"name\": \"b\", ") == "\nThen "
+    assert stream.push('"arguments": {"x": 1}}</tool_call>') == ""
+    assert calls_of(stream.take_calls()) == [("b", {"x": 1})]
+    assert stream.finish() == ("", [])
+    gemma = ToolCallStream(FORMATS["gemma"])
+    gemma.push('<|tool_call>call:f{a:1}<tool_call|>')
+    assert calls_of(gemma.take_calls()) == [("f", {"a": 1})]
 
 
 def test_parallel_false_keeps_the_first_call() -> None:

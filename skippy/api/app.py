@@ -405,7 +405,9 @@ class _Choice:
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.parser is not None:
             content = self.parser.push(text)
-            rest, self.calls = self.parser.finish()
+            self.calls = self.parser.take_calls()
+            rest, calls = self.parser.finish()
+            self.calls += calls
             content += rest
             message["content"] = content if content.strip() or not self.calls else None
             if self.calls:
@@ -424,22 +426,25 @@ class _Choice:
         """The stream deltas for one piece of generated text."""
         if not chat:
             return [{"index": self.index, "text": text, "finish_reason": None}] if text else []
-        if self.parser is not None:
-            text = self.parser.push(text)
-        return [{"index": self.index, "delta": {"content": text}, "finish_reason": None}] if text else []
+        if self.parser is None:
+            return [{"index": self.index, "delta": {"content": text}, "finish_reason": None}] if text else []
+        return self._deltas(self.parser.push(text), self.parser.take_calls())
+
+    def _deltas(self, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
+        out: list[dict[str, Any]] = []
+        if content:
+            out.append({"index": self.index, "delta": {"content": content}, "finish_reason": None})
+        for call in calls:
+            out.append({"index": self.index, "delta": {"tool_calls": [call.as_dict(len(self.calls))]},
+                        "finish_reason": None})
+            self.calls.append(call)
+        return out
 
     def closing(self, chat: bool) -> list[dict[str, Any]]:
-        """The last stream deltas: held-back content, the tool calls, the finish reason."""
-        out: list[dict[str, Any]] = []
+        """The last stream deltas: held-back content, the tool calls not yet sent, the finish reason."""
         if not chat:
             return [{"index": self.index, "text": "", "finish_reason": self._finish_reason()}]
-        if self.parser is not None:
-            rest, self.calls = self.parser.finish()
-            if rest:
-                out.append({"index": self.index, "delta": {"content": rest}, "finish_reason": None})
-            for number, call in enumerate(self.calls):
-                out.append({"index": self.index, "delta": {"tool_calls": [call.as_dict(number)]},
-                            "finish_reason": None})
+        out = [] if self.parser is None else self._deltas(*self.parser.finish())
         out.append({"index": self.index, "delta": {}, "finish_reason": self._finish_reason()})
         return out
 

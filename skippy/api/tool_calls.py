@@ -18,8 +18,9 @@ The format is told from the template text (the markers its tool-call rendering w
 content, a tail that could be the start of a marker is held back (as stop strings are), and from
 the marker on everything is kept; at the end the kept text is parsed into calls (text a model writes
 between or after its calls comes back as content), or, when it does
-not parse, returned as content, so no generated text is ever lost.  Calls are emitted when the
-generation ends (one ``delta.tool_calls`` entry per call, complete).
+not parse, returned as content, so no generated text is ever lost.  A call is handed over as soon
+as it is closed (formats with a closing marker: hermes, gemma) or when the generation ends (the
+others); a stream sends it as one complete ``delta.tool_calls`` entry (id, name, arguments).
 
 ``tool_choice`` ``required`` / a named function is forced by writing the format's call opening
 (and the name) at the start of the assistant turn (:meth:`ToolFormat.forced_prefix`); the model
@@ -245,6 +246,8 @@ class ToolFormat:
     #: ``forced_prefix`` templates: any call, and a named one ({name}).
     force_any: str = ""
     force_named: str = ""
+    #: Texts that close a call: a closed call is handed over while the generation goes on.
+    closers: tuple[str, ...] = ()
 
     def forced_prefix(self, name: str | None) -> str:
         """The text written at the start of the answer to force a call (of ``name``, when given)."""
@@ -271,7 +274,8 @@ class ToolFormat:
 
 FORMATS: Final[Mapping[str, ToolFormat]] = {
     "hermes": ToolFormat("hermes", ("<tool_call>",), _parse_hermes, ("<tool_call>", "</tool_call>"),
-                         force_any="<tool_call>\n", force_named='<tool_call>\n{{"name": "{name}", "arguments": '),
+                         force_any="<tool_call>\n", force_named='<tool_call>\n{{"name": "{name}", "arguments": ',
+                         closers=("</tool_call>",)),
     "llama3": ToolFormat("llama3", ("<|python_tag|>", "{"), _parse_llama3, ("<|python_tag|>",), at_start_only=True,
                          force_any='{"name": "', force_named='{{"name": "{name}", "parameters": '),
     "mistral": ToolFormat("mistral", ("[TOOL_CALLS]",), _parse_mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
@@ -281,7 +285,8 @@ FORMATS: Final[Mapping[str, ToolFormat]] = {
                              force_named='[TOOL_CALLS][{{"name": "{name}", "arguments": '),
     "gemma": ToolFormat("gemma", ("<|tool_call>", "<start_function_call>"), _parse_gemma,
                         ("<|tool_call>", "<tool_call|>", _QUOTE, "<start_function_call>", "<end_function_call>"),
-                        force_any="<|tool_call>call:", force_named="<|tool_call>call:{name}{{"),
+                        force_any="<|tool_call>call:", force_named="<|tool_call>call:{name}{{",
+                        closers=("<tool_call|>", "<end_function_call>")),
 }
 
 
@@ -449,7 +454,9 @@ class ToolCallStream:
         self.parallel = parallel
         self._pending = prefix
         self._region: str | None = None
-        self._seen_text = bool(prefix)
+        self._ready: list[ToolCall] = []
+        self._handed = 0
+        self._after_call = False
         if prefix:
             self._enter(0)
 
@@ -457,16 +464,25 @@ class ToolCallStream:
         self._region, self._pending = self._pending[at:], ""
 
     def push(self, text: str) -> str:
-        """Add generated text; returns the content that can be shown now."""
+        """Add generated text; returns the content that can be shown now (closed calls wait in
+        :meth:`take_calls`)."""
         if self._region is not None:
             self._region += text
-            return ""
+            return self._release()
         self._pending += text
         at = self.format.find_opener(self._pending)
         if at >= 0:
             out = self._pending[:at]
+            if self._after_call and not out.strip():
+                out = ""  # only whitespace between two calls
+            self._after_call = False
             self._enter(at)
-            return out
+            return out + self._release()
+        if self._after_call:
+            held = self.format.could_open(self._pending)
+            if not self._pending[:len(self._pending) - held].strip():
+                return ""  # whitespace after a call (perhaps before the next): shown only if text follows
+            self._after_call = False
         if self.format.at_start_only:
             if not self._pending.strip():
                 return ""  # nothing but whitespace yet: the answer could still start with a call
@@ -481,23 +497,50 @@ class ToolCallStream:
         out, self._pending = self._pending[:cut], self._pending[cut:]
         return out
 
+    def _release(self) -> str:
+        """When every call of the region so far is closed and parses, hand the calls over and read
+        what follows as content again (a call that does not parse waits for :meth:`finish`)."""
+        region = self._region
+        assert region is not None
+        ends = [region.rfind(closer) + len(closer) for closer in self.format.closers if closer in region]
+        if not ends:
+            return ""
+        end = max(ends)
+        parsed = self.format.parse(region[:end])
+        if parsed is None or parsed[1]:
+            return ""
+        self._ready += parsed[0]
+        self._region, self._pending, self._after_call = None, "", True
+        return self.push(region[end:])
+
     def _disarm(self) -> None:
         """A start-only format whose answer did not start with a call: the rest is plain content."""
         self.format = dataclasses.replace(self.format, openers=(), at_start_only=False)
 
+    def take_calls(self) -> list[ToolCall]:
+        """The calls closed since the last take, with their ids (only the first call of all when
+        ``parallel`` is off)."""
+        mistral = self.format.name.startswith("mistral")
+        calls = [dataclasses.replace(call, id=call.id or _call_id(mistral)) for call in self._ready]
+        self._ready = []
+        if not self.parallel:
+            calls = calls[:max(0, 1 - self._handed)]
+        self._handed += len(calls)
+        return calls
+
     def finish(self) -> tuple[str, list[ToolCall]]:
-        """(content not yet returned, the calls); a region that does not parse comes back as content."""
+        """(content not yet returned, the calls not yet taken); a region that does not parse comes
+        back as content."""
         if self._region is None:
             out, self._pending = self._pending, ""
-            return out, []
+            return ("" if self._after_call and not out.strip() else out), self.take_calls()
         region, self._region = self._region, None
         parsed = self.format.parse(region)
         if parsed is None:
-            return region, []
+            return region, self.take_calls()
         calls, outside = parsed
-        mistral = self.format.name.startswith("mistral")
-        calls = [dataclasses.replace(call, id=call.id or _call_id(mistral)) for call in calls]
-        return outside, calls if self.parallel else calls[:1]
+        self._ready += calls
+        return outside, self.take_calls()
 
 
 # -- the template side ---------------------------------------------------------------------------
