@@ -9,6 +9,7 @@ harness (``bench/fuzz_stage.py``).
 from __future__ import annotations
 
 import os
+import random
 import struct
 from pathlib import Path
 
@@ -79,3 +80,43 @@ async def until_closed(stream: trio.abc.Stream, timeout: float) -> bytes:
             if not chunk:
                 return received
             received += chunk
+
+
+# -- mutation (the fuzz campaign: tests/test_stage_fuzz.py, bench/fuzz_stage.py) --------------------
+#: Values a mutated 32-bit field takes.
+EXTREMES = (0, 1, -1, 2, 3, 4095, 4096, 4097, 1 << 16, 1 << 20, 1 << 28, (1 << 31) - 1, -(1 << 31), 0x7FFFFFFE)
+
+
+def seed_frames(width: int = 8) -> list[bytes]:
+    """Valid-looking frames of every kind (and a few with activations) to mutate."""
+    frames = []
+    for kind in MessageKind:
+        frames.append(raw_frame(kind, token_count=1, tokens=1, width=width))
+        frames.append(raw_frame(kind, token_count=3, tokens=3, positions=3, width=width))
+        frames.append(raw_frame(kind, token_count=2, tokens=2, source_stage_index=0, activation_rows=2, width=width))
+    return frames
+
+
+def mutate(frame: bytes, rng: random.Random) -> bytes:
+    """One random mutation of ``frame``: a 32-bit field set to an extreme value, bit flips, a
+    truncation, an extension with garbage, a splice, or a duplicated frame."""
+    data = bytearray(frame)
+    choice = rng.randrange(7)
+    if choice == 0 or choice == 1:  # a header field (or one anywhere) set to an extreme value
+        limit = min(len(data), FIXED.size if choice == 0 else len(data))
+        offset = rng.randrange(0, max(1, limit - 3)) & ~3
+        data[offset:offset + 4] = struct.pack("<i", rng.choice(EXTREMES))
+    elif choice == 2:  # bit flips
+        for _ in range(rng.randint(1, 8)):
+            index = rng.randrange(len(data))
+            data[index] ^= 1 << rng.randrange(8)
+    elif choice == 3:  # truncated
+        data = data[:rng.randrange(len(data))]
+    elif choice == 4:  # garbage after it
+        data += rng.randbytes(rng.randint(1, 300))
+    elif choice == 5:  # a splice of random bytes
+        start = rng.randrange(len(data))
+        data[start:start + rng.randint(1, 40)] = rng.randbytes(rng.randint(0, 40))
+    else:  # the frame twice, the second mutated
+        data += mutate(bytes(frame), rng)
+    return bytes(data)
