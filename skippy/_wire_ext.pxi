@@ -1,5 +1,9 @@
-# Extension reply frames (Error 0x5E00, Timings 0x5E01, Identity 0x5E02): the Cython section matching
-# skippy/_wire_ext_py.py, included by _wire.pyx (one module, one build command).
+# Extension reply frames (Error 0x5E00, Timings 0x5E01, Identity 0x5E02, SamplingAccepted 0x5E03,
+# Logprobs 0x5E04): the Cython section matching skippy/_wire_ext_py.py, included by _wire.pyx (one
+# module, one build command).  Identity, SamplingAccepted and Logprobs (docs/protocol.md §9, §10)
+# are cold frames (one per identity query, one per configure, one per predicted reply of a logprobs
+# request): they are decoded and encoded by the twin's own functions, called from here, so one
+# implementation serves both and the two cannot disagree.
 #
 # Strategy: same layouts, same checks, same order as the twin (docs/protocol.md "Extensions").
 # Sizes are read with the _byteorder.h loads and checked before use; any check that fails is
@@ -18,6 +22,8 @@ cdef enum:
     ERROR_KIND = 0x5E00
     TIMINGS_KIND = 0x5E01
     IDENTITY_KIND = 0x5E02
+    SAMPLING_ACCEPTED_KIND = 0x5E03
+    LOGPROBS_KIND = 0x5E04
     MAX_ERROR_CODE = 9
     MAX_ADDRESS = 256
     MAX_ERROR_MESSAGE = 4096
@@ -29,7 +35,10 @@ cdef tuple _ERROR_CODES = tuple(ErrorCode(code) if code in ErrorCode._value2memb
 
 
 cdef inline bint _is_extension_kind(int32_t kind) noexcept:
-    return kind == ERROR_KIND or kind == TIMINGS_KIND or kind == IDENTITY_KIND
+    return ERROR_KIND <= kind <= LOGPROBS_KIND
+
+encode_sampling_accepted = _ext_twin.encode_sampling_accepted
+encode_logprobs = _ext_twin.encode_logprobs
 
 
 cdef bint _record_valid(const unsigned char *record) noexcept:
@@ -59,7 +68,7 @@ cdef Py_ssize_t _extension_layout(object owner, Py_ssize_t start, const unsigned
     cdef uint32_t address_n, message_n
     cdef int64_t offset
     cdef Py_ssize_t index
-    if kind == IDENTITY_KIND:
+    if kind == IDENTITY_KIND or kind == SAMPLING_ACCEPTED_KIND or kind == LOGPROBS_KIND:  # cold: the twin's layout
         needed = _ext_twin.extension_layout(owner, start, start + available)
         if needed < 0:
             return -needed
@@ -109,9 +118,10 @@ cdef object _build_extension(bytes frame):
     cdef uint32_t address_n, message_n
     cdef const unsigned char *record
     cdef int32_t index
-    if skippy_load_i32(data) == IDENTITY_KIND:
+    cdef int32_t kind = skippy_load_i32(data)
+    if kind == IDENTITY_KIND or kind == SAMPLING_ACCEPTED_KIND or kind == LOGPROBS_KIND:
         return _ext_twin.build_extension(frame)
-    if skippy_load_i32(data) == ERROR_KIND:
+    if kind == ERROR_KIND:
         address_n = skippy_load_u32(data + 16)
         message_n = skippy_load_u32(data + 20 + address_n)
         return ErrorFrame(

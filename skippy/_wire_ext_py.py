@@ -1,8 +1,10 @@
-"""Pure-Python codec of skippy's extension reply frames (Error, Timings, Identity), twin of ``_wire_ext.pxi``.
+"""Pure-Python codec of skippy's extension reply frames, twin of ``_wire_ext.pxi``.
+
+Error and Timings (``docs/protocol.md`` §3-§4), Identity (§9), SamplingAccepted and Logprobs (§10).
 
 Strategy
 --------
-The two frames are laid out like v11 replies (little-endian, no length prefix, the first i32 is
+The frames are laid out like v11 replies (little-endian, no length prefix, the first i32 is
 the kind) so a reply decoder tells them apart by kind alone: ``_wire_py.ReplyDecoder`` and the
 Cython one call :func:`extension_layout` only for a kind outside v11's 1..3, and only when the
 decoder was built with ``extensions=True``; a v11 frame never reaches this module, so the v11
@@ -18,6 +20,7 @@ The Cython section raises its errors through this module, so both give identical
 
 from __future__ import annotations
 
+import math
 import struct
 from typing import Final
 
@@ -26,19 +29,27 @@ from skippy.protocol_ext import (
     ERROR_FRAME_BASE_BYTES,
     IDENTITY_FRAME_BASE_BYTES,
     MAX_IDENTITY_NAME_BYTES,
+    GRAMMAR_FEATURE,
+    LOGPROBS_FEATURE,
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
+    MAX_LOGPROB_ROWS,
     MAX_TIMING_RECORDS,
+    MAX_TOP_LOGPROBS,
     TIMING_RECORD_BYTES,
     ErrorCode,
     ExtensionReplyKind,
     ErrorFrame,
     IdentityFrame,
+    LogprobsFrame,
+    SamplingAcceptedFrame,
     TimingsFrame,
     TimingRecord,
+    TokenLogprobs,
 )
 
-__all__ = ["build_extension", "encode_error", "encode_identity", "encode_timings", "extension_layout"]
+__all__ = ["build_extension", "encode_error", "encode_identity", "encode_logprobs", "encode_sampling_accepted",
+           "encode_timings", "extension_layout"]
 
 _ERROR_HEAD: Final = struct.Struct("<iiiiI")  # kind, code, origin, reporter, address length
 _U32: Final = struct.Struct("<I")
@@ -55,6 +66,10 @@ _RECORD_I64_FIELDS: Final = ("compute_us", "forward_write_us", "downstream_wait_
 _RECORD_FIELDS: Final = _RECORD_I32_FIELDS + _RECORD_I64_FIELDS
 _I32_MAX: Final = (1 << 31) - 1
 _I64_MAX: Final = (1 << 63) - 1
+_FEATURES: Final = GRAMMAR_FEATURE | LOGPROBS_FEATURE
+_SAMPLING_ACCEPTED: Final = struct.Struct("<ii")  # kind, features
+_LOGPROBS_HEAD: Final = struct.Struct("<iii")  # kind, row count, top count
+_PAIR: Final = struct.Struct("<if")  # token, log-probability
 
 assert _RECORD.size == TIMING_RECORD_BYTES and _ERROR_HEAD.size + 4 == ERROR_FRAME_BASE_BYTES
 assert _IDENTITY_HEAD.size == IDENTITY_FRAME_BASE_BYTES
@@ -126,6 +141,33 @@ def _check_identity(values: tuple[object, ...]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def _check_features(features: object) -> int:
+    if isinstance(features, bool) or not isinstance(features, int) or not 0 <= features <= _FEATURES:
+        raise WireError("unknown sampling feature bits", field="features", value=features,
+                        limit=f"0..{_FEATURES}")
+    return int(features)
+
+
+def _check_logprob_counts(rows: int, top: int) -> None:
+    if not 0 <= rows <= MAX_LOGPROB_ROWS:
+        raise WireError("logprob row count out of range", field="logprob_row_count", value=rows,
+                        limit=f"0..{MAX_LOGPROB_ROWS}")
+    if not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise WireError("top logprob count out of range", field="top_logprob_count", value=top,
+                        limit=f"0..{MAX_TOP_LOGPROBS}")
+
+
+def _check_pair(name: str, token: object, logprob: object) -> tuple[int, float]:
+    if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token <= _I32_MAX:
+        raise WireError("logprob token out of range", field=f"{name}.token", value=token,
+                        limit=f"[0, {_I32_MAX}]")
+    if isinstance(logprob, bool) or not isinstance(logprob, (int, float)) \
+            or not (-math.inf < float(logprob) <= 0.0):
+        raise WireError("logprob out of range", field=f"{name}.logprob", value=logprob,
+                        limit="finite and <= 0")
+    return int(token), float(logprob)
+
+
 def _utf8(name: str, text: object, limit: int) -> bytes:
     if not isinstance(text, str):
         raise WireError("value is not a string", field=name, value=type(text).__name__)
@@ -192,6 +234,42 @@ def encode_identity(identity: IdentityFrame) -> bytes:
     return _IDENTITY_HEAD.pack(ExtensionReplyKind.IDENTITY, *values, digest, len(name)) + name
 
 
+def encode_sampling_accepted(frame: SamplingAcceptedFrame) -> bytes:
+    """Encode a SamplingAccepted frame (docs/protocol.md §10).
+
+    Raises:
+        WireError: feature bits outside GRAMMAR_FEATURE | LOGPROBS_FEATURE.
+    """
+    return _SAMPLING_ACCEPTED.pack(ExtensionReplyKind.SAMPLING_ACCEPTED, _check_features(frame.features))
+
+
+def encode_logprobs(frame: LogprobsFrame) -> bytes:
+    """Encode a Logprobs frame (docs/protocol.md §10).
+
+    Raises:
+        WireError: too many rows or alternatives, a row whose alternatives are not ``top_count``
+            long, a negative token, or a log-probability that is not finite and <= 0; raised
+            before anything is built.
+    """
+    rows = tuple(frame.rows)
+    top = frame.top_count
+    if isinstance(top, bool) or not isinstance(top, int):
+        raise WireError("top logprob count out of range", field="top_logprob_count", value=top,
+                        limit=f"0..{MAX_TOP_LOGPROBS}")
+    _check_logprob_counts(len(rows), top)
+    parts = [_LOGPROBS_HEAD.pack(ExtensionReplyKind.LOGPROBS, len(rows), top)]
+    for index, row in enumerate(rows):
+        parts.append(_PAIR.pack(*_check_pair(f"logprobs[{index}]", row.token, row.logprob)))
+        alternatives = tuple(row.top)
+        if len(alternatives) != top:
+            raise WireError("logprob row has the wrong number of alternatives",
+                            field=f"logprobs[{index}].top", value=len(alternatives), limit=top)
+        for slot, pair in enumerate(alternatives):
+            token, logprob = pair
+            parts.append(_PAIR.pack(*_check_pair(f"logprobs[{index}].top[{slot}]", token, logprob)))
+    return b"".join(parts)
+
+
 # --------------------------------------------------------------------------------------------
 # Decoding
 # --------------------------------------------------------------------------------------------
@@ -213,6 +291,23 @@ def extension_layout(buffer: bytes | bytearray, start: int, end: int) -> int:
     """
     available = end - start
     kind = _I32.unpack_from(buffer, start)[0]
+    if kind == ExtensionReplyKind.SAMPLING_ACCEPTED:
+        if available < 8:
+            return -8
+        _check_features(_I32.unpack_from(buffer, start + 4)[0])
+        return 8
+    if kind == ExtensionReplyKind.LOGPROBS:
+        if available < 12:
+            return -12
+        _, rows, top = _LOGPROBS_HEAD.unpack_from(buffer, start)
+        _check_logprob_counts(rows, top)
+        length = 12 + rows * 8 * (1 + top)
+        if available < length:
+            return -length
+        for index, (token, logprob) in enumerate(_PAIR.iter_unpack(bytes(buffer[start + 12:start + length]))):
+            row, slot = divmod(index, 1 + top)
+            _check_pair(f"logprobs[{row}]" + (f".top[{slot - 1}]" if slot else ""), token, logprob)
+        return length
     if kind == ExtensionReplyKind.ERROR:
         if available < 20:
             return -20
@@ -266,13 +361,24 @@ def _decode_text(name: str, buffer: bytes | bytearray, offset: int, length: int)
                         value=error.reason) from error
 
 
-def build_extension(frame: bytes) -> ErrorFrame | TimingsFrame | IdentityFrame:
+def build_extension(frame: bytes) -> ErrorFrame | TimingsFrame | IdentityFrame | SamplingAcceptedFrame | LogprobsFrame:
     """The dataclass of a committed frame that :func:`extension_layout` accepted."""
     kind = _I32.unpack_from(frame, 0)[0]
     if kind == ExtensionReplyKind.IDENTITY:
         head = _IDENTITY_HEAD.unpack_from(frame, 0)
         name = _decode_text("model_name", frame, IDENTITY_FRAME_BASE_BYTES, head[7])
         return IdentityFrame(*head[1:6], bytes(head[6]), name)
+    if kind == ExtensionReplyKind.SAMPLING_ACCEPTED:
+        return SamplingAcceptedFrame(_I32.unpack_from(frame, 4)[0])
+    if kind == ExtensionReplyKind.LOGPROBS:
+        _, count, top = _LOGPROBS_HEAD.unpack_from(frame, 0)
+        pairs = list(_PAIR.iter_unpack(frame[12:]))
+        rows = []
+        for row in range(count):
+            token, logprob = pairs[row * (1 + top)]
+            alternatives = tuple(pairs[row * (1 + top) + 1:(row + 1) * (1 + top)])
+            rows.append(TokenLogprobs(token, logprob, alternatives))
+        return LogprobsFrame(top, tuple(rows))
     if kind == ExtensionReplyKind.ERROR:
         _, code, origin, reporter, address_length = _ERROR_HEAD.unpack_from(frame, 0)
         message_length = _U32.unpack_from(frame, 20 + address_length)[0]

@@ -80,6 +80,8 @@ __all__ = [
 encode_error = _extension.encode_error
 encode_timings = _extension.encode_timings
 encode_identity = _extension.encode_identity
+encode_sampling_accepted = _extension.encode_sampling_accepted
+encode_logprobs = _extension.encode_logprobs
 
 #: Which implementation this module is (``wire.IMPLEMENTATION`` reports the one in use).
 IMPLEMENTATION: Final = "python"

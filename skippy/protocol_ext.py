@@ -45,6 +45,17 @@ __all__ = [
     "MODEL_IDENTITY_FLAG",
     "TimingsFrame",
     "TimingRecord",
+    "LOGPROBS_FEATURE",
+    "GRAMMAR_FEATURE",
+    "MAX_LOGPROB_ROWS",
+    "MAX_TOP_LOGPROBS",
+    "SAMPLING_EXTENSION_FLAG",
+    "SAMPLING_METADATA_KEY",
+    "Annotation",
+    "LogprobsFrame",
+    "SamplingAcceptedFrame",
+    "SamplingRequest",
+    "TokenLogprobs",
     "append_timing",
     "identity_query",
     "is_identity_query",
@@ -66,6 +77,18 @@ PREFIX_EXTENT_FLAG: Final = 1 << 9
 #: PredictionReturnOpen without bit 11: "send me your Identity frame" (the lane then closes).  On
 #: any other message: the sender also understands ``ErrorCode.MODEL_MISMATCH``.
 MODEL_IDENTITY_FLAG: Final = 1 << 12
+#: docs/protocol.md §10: state flag bit 13, "sampling extension".  On a ConfigureGeneration: its chat
+#: metadata carries the session's grammar / logprobs request under :data:`SAMPLING_METADATA_KEY`.
+SAMPLING_EXTENSION_FLAG: Final = 1 << 13
+#: docs/protocol.md §10: the chat-metadata key of the sampling extension.
+SAMPLING_METADATA_KEY: Final = "skippy.sampling"
+#: docs/protocol.md §10: SamplingAccepted feature bits.
+GRAMMAR_FEATURE: Final = 1 << 0
+LOGPROBS_FEATURE: Final = 1 << 1
+#: docs/protocol.md §10: most positions in one Logprobs frame (a verify window's rows at most).
+MAX_LOGPROB_ROWS: Final = 4096
+#: docs/protocol.md §10: most alternatives per position (OpenAI's ``top_logprobs`` limit).
+MAX_TOP_LOGPROBS: Final = 20
 
 #: ext §2: longest ``origin_address`` in UTF-8 bytes ("host:port", a URL at most).
 MAX_ERROR_ADDRESS_BYTES: Final = 256
@@ -93,6 +116,8 @@ class ExtensionReplyKind(IntEnum):
     ERROR = 0x5E00  #: ext §2: the lane is closing; relayed upstream unchanged.
     TIMINGS = 0x5E01  #: ext §3: per-stage timings of the reply frame that follows.
     IDENTITY = 0x5E02  #: §9: the stage's model identity, answering an identity query.
+    SAMPLING_ACCEPTED = 0x5E03  #: §10: the final stage installed a session's sampling extension.
+    LOGPROBS = 0x5E04  #: §10: log-probabilities of the predicted reply that follows.
 
 
 class ErrorCode(IntEnum):
@@ -210,6 +235,87 @@ def is_identity_query(message: StageMessage) -> bool:
     flags = message.state.flags
     return (message.kind is MessageKind.PREDICTION_RETURN_OPEN and bool(flags & MODEL_IDENTITY_FLAG)
             and not flags & DIRECT_RETURN_FLAG)
+class SamplingAcceptedFrame:
+    """SamplingAccepted frame (docs/protocol.md §10): precedes the ACK of a ConfigureGeneration
+    whose sampling extension the final stage installed; relayed upstream unchanged.
+
+    ``features``: :data:`GRAMMAR_FEATURE` | :data:`LOGPROBS_FEATURE`, the parts installed.
+    """
+
+    features: int
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class TokenLogprobs:
+    """One predicted position: the token, its log-probability under the model (the log-softmax of
+    the final stage's logits row, before any sampling transform) and the ``top`` alternatives
+    (token, log-probability), most likely first."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class LogprobsFrame:
+    """Logprobs frame (docs/protocol.md §10): one entry per predicted token of the reply that
+    follows on the same connection (PredictedToken: 1; PredictedTokens: one per token), each with
+    ``top_count`` alternatives; relayed upstream unchanged."""
+
+    top_count: int
+    rows: tuple[TokenLogprobs, ...] = ()
+
+
+@final
+@dataclass(frozen=True, slots=True)
+class SamplingRequest:
+    """A session's sampling extension (docs/protocol.md §10), carried in ConfigureGeneration's chat
+    metadata as ``{"skippy.sampling": {"grammar": ..., "grammar_root": ..., "logprobs": ...}}``.
+
+    ``grammar``: GBNF text the final stage samples under (None: unconstrained); ``logprobs``: the
+    number of alternatives per position to report (0: the sampled token's only; None: no report).
+    """
+
+    grammar: str | None = None
+    grammar_root: str = "root"
+    logprobs: int | None = None
+
+    @property
+    def features(self) -> int:
+        """The SamplingAccepted feature bits this request asks for."""
+        return (GRAMMAR_FEATURE if self.grammar is not None else 0) | (
+            LOGPROBS_FEATURE if self.logprobs is not None else 0)
+
+    def section(self) -> dict[str, object]:
+        """The JSON object that goes under :data:`SAMPLING_METADATA_KEY`."""
+        return {"grammar": self.grammar, "grammar_root": self.grammar_root, "logprobs": self.logprobs}
+
+    @classmethod
+    def from_section(cls, section: object) -> "SamplingRequest":
+        """Parse the metadata section (hostile input: every field is checked).
+
+        Raises:
+            ValueError: not an object, or a field of the wrong type or out of range (named).
+        """
+        if not isinstance(section, dict):
+            raise ValueError(f"{SAMPLING_METADATA_KEY} must be an object")
+        grammar = section.get("grammar")
+        root = section.get("grammar_root", "root")
+        logprobs = section.get("logprobs")
+        if grammar is not None and not isinstance(grammar, str):
+            raise ValueError(f"{SAMPLING_METADATA_KEY}.grammar must be a string or null")
+        if not isinstance(root, str) or not root:
+            raise ValueError(f"{SAMPLING_METADATA_KEY}.grammar_root must be a non-empty string")
+        if logprobs is not None and (isinstance(logprobs, bool) or not isinstance(logprobs, int)
+                                     or not 0 <= logprobs <= MAX_TOP_LOGPROBS):
+            raise ValueError(f"{SAMPLING_METADATA_KEY}.logprobs must be null or an integer in 0..{MAX_TOP_LOGPROBS}")
+        return cls(grammar, root, logprobs)
+
+
+#: Extension frames a stage relays upstream unchanged, before the reply they precede.
+Annotation = SamplingAcceptedFrame | LogprobsFrame
 
 
 def append_timing(timings: TimingsFrame | None, record: TimingRecord) -> TimingsFrame:

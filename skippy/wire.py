@@ -72,6 +72,8 @@ encode_reply = _implementation.encode_reply
 encode_error = _implementation.encode_error
 encode_timings = _implementation.encode_timings
 encode_identity = _implementation.encode_identity
+encode_sampling_accepted = _implementation.encode_sampling_accepted
+encode_logprobs = _implementation.encode_logprobs
 encode_activation = _implementation.encode_activation
 decode_activation = _implementation.decode_activation
 int32_sideband = _implementation.int32_sideband
@@ -106,6 +108,8 @@ __all__ = [
     "encode_identity",
     "encode_message",
     "encode_reply",
+    "encode_logprobs",
+    "encode_sampling_accepted",
     "encode_timings",
     "int32_sideband",
 ]

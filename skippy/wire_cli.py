@@ -57,9 +57,14 @@ from skippy.protocol_ext import (
     ErrorFrame,
     IdentityFrame,
     ExtensionReplyKind,
+    LogprobsFrame,
+    SamplingAcceptedFrame,
     TimingRecord,
     TimingsFrame,
+    TokenLogprobs,
 )
+
+ExtensionFrame = ErrorFrame | TimingsFrame | IdentityFrame | SamplingAcceptedFrame | LogprobsFrame
 
 __all__ = [
     "extension_from_fields",
@@ -73,7 +78,8 @@ __all__ = [
 
 _KINDS_BY_NAME = {kind.reference_name: kind for kind in MessageKind}
 _REPLY_KINDS_BY_NAME = {kind.reference_name: kind for kind in ReplyKind}
-_EXTENSION_KINDS_BY_NAME = {kind.name.title(): kind for kind in ExtensionReplyKind}
+_EXTENSION_KINDS_BY_NAME = {"".join(part.title() for part in kind.name.split("_")): kind
+                            for kind in ExtensionReplyKind}
 _ERROR_CODES_BY_NAME = {code.name.title().replace("_", ""): code for code in ErrorCode}
 _TIMING_FIELDS = tuple(TimingRecord.__dataclass_fields__)
 _IDENTITY_FIELDS = ("layer_start", "layer_end", "layer_count", "ctx_size", "batch_size")
@@ -326,7 +332,7 @@ def _is_extension(fields: dict[str, Any]) -> bool:
     return fields.get("kind") in _EXTENSION_KINDS_BY_NAME
 
 
-def extension_from_fields(fields: dict[str, Any]) -> ErrorFrame | TimingsFrame | IdentityFrame:
+def extension_from_fields(fields: dict[str, Any]) -> ExtensionFrame:
     """Build an extension frame (docs/protocol.md "Extensions") from its JSON notation:
     ``{"kind": "Error", "code": "DownstreamLost", ...}`` or ``{"kind": "Timings", "records":
     [...]}``; ``kind_code`` / ``code_value`` may replace the names."""
@@ -348,15 +354,29 @@ def extension_from_fields(fields: dict[str, Any]) -> ErrorFrame | TimingsFrame |
             raise WireError("identity digest is not hex", field="digest") from error
         return IdentityFrame(*(fields.get(name, 0) for name in _IDENTITY_FIELDS), digest,
                              fields.get("model_name", ""))
+    if kind == ExtensionReplyKind.SAMPLING_ACCEPTED:
+        return SamplingAcceptedFrame(fields.get("features", 0))
+    if kind == ExtensionReplyKind.LOGPROBS:
+        return LogprobsFrame(fields.get("top_count", 0), tuple(
+            TokenLogprobs(row["token"], row["logprob"], tuple((int(t), float(lp)) for t, lp in row.get("top", ())))
+            for row in fields.get("rows", ())))
     return TimingsFrame(tuple(TimingRecord(**record) for record in fields.get("records", ())))
 
 
-def extension_to_fields(frame: ErrorFrame | TimingsFrame | IdentityFrame) -> dict[str, Any]:
+def extension_to_fields(frame: ExtensionFrame) -> dict[str, Any]:
     """The JSON notation of an extension frame (the inverse of :func:`extension_from_fields`)."""
     if isinstance(frame, IdentityFrame):
         return {"kind": "Identity", "kind_code": int(ExtensionReplyKind.IDENTITY),
                 **{name: getattr(frame, name) for name in _IDENTITY_FIELDS},
                 "digest": frame.digest.hex(), "model_name": frame.model_name}
+    if isinstance(frame, SamplingAcceptedFrame):
+        return {"kind": "SamplingAccepted", "kind_code": int(ExtensionReplyKind.SAMPLING_ACCEPTED),
+                "features": frame.features}
+    if isinstance(frame, LogprobsFrame):
+        return {"kind": "Logprobs", "kind_code": int(ExtensionReplyKind.LOGPROBS), "top_count": frame.top_count,
+                "rows": [{"token": row.token, "logprob": float32_to_json(row.logprob),
+                          "top": [[token, float32_to_json(logprob)] for token, logprob in row.top]}
+                         for row in frame.rows]}
     if isinstance(frame, ErrorFrame):
         code = ErrorCode(frame.code)
         return {
@@ -404,7 +424,7 @@ def decode_frames(data: bytes, width: int, replies: bool) -> Iterator[dict[str, 
         reply_decoder.receive_data(b"")
         while (reply := reply_decoder.next_reply()) is not END_OF_STREAM:
             assert reply is not NEED_DATA  # the stream is closed: never NEED_DATA
-            if isinstance(reply, (ErrorFrame, TimingsFrame, IdentityFrame)):
+            if isinstance(reply, (ErrorFrame, TimingsFrame, IdentityFrame, SamplingAcceptedFrame, LogprobsFrame)):
                 yield extension_to_fields(reply)
             else:
                 assert isinstance(reply, StageReply)
@@ -450,9 +470,14 @@ def encode_frames(text: str, dtype_name: str | None, width: int | None,
             frame = extension_from_fields(fields)
             if isinstance(frame, IdentityFrame):
                 yield wire.encode_identity(frame)
-                continue
-            yield (wire.encode_error(frame) if isinstance(frame, ErrorFrame)
-                   else wire.encode_timings(frame))
+            elif isinstance(frame, ErrorFrame):
+                yield wire.encode_error(frame)
+            elif isinstance(frame, SamplingAcceptedFrame):
+                yield wire.encode_sampling_accepted(frame)
+            elif isinstance(frame, LogprobsFrame):
+                yield wire.encode_logprobs(frame)
+            else:
+                yield wire.encode_timings(frame)
             continue
         name = dtype_name or item.get("wire_dtype")
         if name is not None:

@@ -32,8 +32,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "api-fields.md"
 
 #: A value for each refused field that asks for what is not served.
 REFUSED_VALUES: dict[str, Any] = {
-    "logprobs": True, "top_logprobs": 2, "response_format": {"type": "json_object"}, "audio": {"voice": "alloy",
-    "format": "wav"}, "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
+    "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
     "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "moderation": {"model": "m"},
     "store": True, "suffix": "tail", "modalities": ["text", "audio"], "best_of": 3,
 }
@@ -120,11 +119,12 @@ async def test_an_unknown_field_is_a_400_naming_it(http: httpx.AsyncClient, chat
 
 async def test_neutral_values_of_refused_fields_are_accepted(http: httpx.AsyncClient) -> None:
     for fields in ({"logprobs": False}, {"top_logprobs": None}, {"response_format": {"type": "text"}},
+                   {"logprobs": True, "top_logprobs": 3}, {"response_format": {"type": "json_object"}},
                    {"store": False}, {"modalities": ["text"]}, {"audio": None}, {"stream_options": {
                        "include_usage": True, "include_obfuscation": False}}):
         response = await http.post("/v1/chat/completions", json=chat(**fields))
         assert response.status_code == 503, (fields, response.text)
-    response = await http.post("/v1/completions", json=completion(best_of=1, suffix="", logprobs=0))
+    response = await http.post("/v1/completions", json=completion(best_of=1, suffix="", logprobs=2, grammar='root ::= "a"'))
     assert response.status_code == 503, response.text
 
 

@@ -211,7 +211,7 @@ def test_not_negotiated_decoder_rejects_like_v11(wire_impl: ModuleType, name: st
 
 def test_unknown_kind_still_rejected_when_negotiated(wire_impl: ModuleType) -> None:
     decoder = wire_impl.ReplyDecoder(extensions=True)
-    decoder.receive_data(bytes.fromhex("035e0000"))
+    decoder.receive_data(bytes.fromhex("7f5e0000"))
     with pytest.raises(WireError, match="unknown stage reply kind"):
         decoder.next_reply()
 

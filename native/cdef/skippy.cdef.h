@@ -95,6 +95,12 @@ struct llama_sampler_chain_params {
     ...;
 };
 
+typedef struct llama_token_data {
+    llama_token id;
+    float logit;
+    float p;
+} llama_token_data;
+
 #define LLAMA_STAGE_ABI_VERSION ...
 
 /* backend, logging */
@@ -177,8 +183,11 @@ struct llama_sampler * llama_sampler_init_penalties(int32_t n_vocab, int32_t pen
                                                     float penalty_freq, float penalty_present);
 struct llama_sampler * llama_sampler_init_logit_bias(int32_t n_vocab, int32_t n_logit_bias,
                                                      const llama_logit_bias * logit_bias);
+struct llama_sampler * llama_sampler_init_grammar(const struct llama_vocab * vocab, const char * grammar_str,
+                                                  const char * grammar_root);
 llama_token llama_sampler_sample(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
 void llama_sampler_accept(struct llama_sampler * smpl, llama_token token);
+
 void llama_sampler_reset(struct llama_sampler * smpl);
 void llama_sampler_free(struct llama_sampler * smpl);
 
@@ -197,6 +206,8 @@ void skippy_batch_view(struct llama_batch * batch, int32_t n_tokens, llama_token
                        int8_t * outputs);
 int32_t skippy_sample_rows(struct llama_sampler ** samplers, struct llama_context * ctx, const int32_t * rows,
                            int32_t n_rows, llama_token * out);
+int32_t skippy_sample_row_checked(struct llama_sampler * chain, struct llama_sampler * grammar, const float * logits,
+                                  int32_t n_vocab, llama_token_data * scratch, llama_token * out);
 size_t skippy_kv_cells_used(struct llama_context * ctx, int32_t n_seq);
 
 /* callbacks into Python (skippy/runtime/_callbacks.py) */

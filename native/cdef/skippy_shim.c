@@ -6,6 +6,7 @@
  */
 #include <stdint.h>
 #include <stddef.h>
+#include <math.h>
 #include "llama.h"
 
 const char * const skippy_binding_stamp = SKIPPY_BINDING_STAMP;
@@ -35,6 +36,73 @@ int32_t skippy_sample_rows(struct llama_sampler ** samplers, struct llama_contex
         out[i] = llama_sampler_sample(samplers[i], ctx, rows[i]);
     }
     return n_rows;
+}
+
+static void skippy_fill_candidates(const float * logits, int32_t n_vocab, llama_token_data * scratch) {
+    for (llama_token token = 0; token < n_vocab; ++token) {
+        scratch[token].id = token;
+        scratch[token].logit = logits[token];
+        scratch[token].p = 0.0f;
+    }
+}
+
+/* The candidate `smpl` picked from `candidates`, or -1 when it picked none or a forbidden one. */
+static llama_token skippy_picked(const llama_token_data_array * candidates, int32_t n_vocab) {
+    if (candidates->selected < 0 || candidates->selected >= (int64_t) candidates->size) {
+        return -1;
+    }
+    const llama_token_data picked = candidates->data[candidates->selected];
+    if (!(picked.logit > -INFINITY) || picked.id < 0 || picked.id >= n_vocab) {
+        return -1;
+    }
+    return picked.id;
+}
+
+/* Sample one row (its `logits`, n_vocab floats) under a grammar, as llama_sampler_sample does, but
+ * refusing instead of accepting a token the grammar forbids: when a grammar forbids every token the
+ * chain still "picks" one, and accepting it would throw inside llama.cpp (an exception through the
+ * C API ends the process).  `scratch` holds n_vocab entries, owned by the caller.
+ *
+ * grammar == NULL: the grammar is inside `chain`; apply the chain, check the pick, accept it.
+ * grammar != NULL: the chain has none and its transforms commute with the grammar's mask (greedy,
+ * or temperature and a draw): first the chain picks from every token; when the grammar allows that
+ * pick it is the answer (the constrained argmax, or a draw from the masked distribution: a draw
+ * from p that lands on an allowed token, else a draw from p restricted to the allowed tokens, gives
+ * each allowed token p / P(allowed)); otherwise the grammar masks the candidates and the chain picks
+ * again.  The first try costs one grammar check instead of a pass over the vocabulary.
+ * Returns 0 with *out set, or -1 (nothing accepted). */
+int32_t skippy_sample_row_checked(struct llama_sampler * chain, struct llama_sampler * grammar, const float * logits,
+                                  int32_t n_vocab, llama_token_data * scratch, llama_token * out) {
+    skippy_fill_candidates(logits, n_vocab, scratch);
+    llama_token_data_array candidates = { scratch, (size_t) n_vocab, -1, false };
+    llama_sampler_apply(chain, &candidates);
+    llama_token token = skippy_picked(&candidates, n_vocab);
+    if (grammar != NULL) {
+        if (token >= 0) {
+            llama_token_data one = { token, 0.0f, 0.0f };
+            llama_token_data_array single = { &one, 1, -1, false };
+            llama_sampler_apply(grammar, &single);
+            if (!(one.logit > -INFINITY)) {
+                token = -1;
+            }
+        }
+        if (token < 0) {
+            skippy_fill_candidates(logits, n_vocab, scratch);
+            llama_token_data_array masked = { scratch, (size_t) n_vocab, -1, false };
+            llama_sampler_apply(grammar, &masked);
+            llama_sampler_apply(chain, &masked);
+            token = skippy_picked(&masked, n_vocab);
+        }
+        if (token < 0) {
+            return -1;
+        }
+        llama_sampler_accept(grammar, token);
+    } else if (token < 0) {
+        return -1;
+    }
+    llama_sampler_accept(chain, token);
+    *out = token;
+    return 0;
 }
 
 /* Cells in use: the sum over sequences [0, n_seq) of their position span (pos_max - pos_min + 1). */

@@ -64,6 +64,7 @@ from skippy.api.fields import check_fields, unsupported
 from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
+from skippy.api.structured import LogprobsReport, parse_constraints
 from skippy.api.tool_calls import (
     ToolCall,
     ToolCallStream,
@@ -77,6 +78,7 @@ from skippy.api.tool_calls import (
     template_messages,
 )
 from skippy.driver.client import StageClientError, StageLost
+from skippy.driver.prefix import SamplingExtensionRefused
 from skippy.driver.generator import ContextOverflow, Generation, GenerationRequest, Generator
 from skippy.runtime.sampling import DEFAULT_SEED, SamplingParams
 
@@ -300,6 +302,8 @@ class Parsed:
     tools: ToolPlan | None = None
     #: Choices (``n``): choice ``i`` samples with seed ``seed + i``.
     n: int = 1
+    #: Logprobs asked for: each choice's report starts from this one (skippy/api/structured.py).
+    logprobs: LogprobsReport | None = None
 
     def choice_request(self, index: int) -> GenerationRequest:
         """The request of choice ``index`` (its own seed, so seeded choices differ and reproduce)."""
@@ -352,13 +356,16 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     prefix_cache = get_bool(body, "prefix_cache")
     if (n or 1) > 1:  # choices share one lane and run one after another: no speculation windows between them
         speculation = False
+    constraints = parse_constraints(body, chat, service.generator.tokenizer)  # skippy/api/structured.py
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None and (n or 1) == 1
                                 else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
                                 cache_namespace=cache_key,
-                                render_special=plan.special if plan else frozenset())
-    return Parsed(request, stream, include_usage, echo, plan, n or 1)
+                                render_special=plan.special if plan else frozenset(),
+                                grammar=constraints.grammar, logprobs=constraints.logprobs)
+    report = None if constraints.logprobs is None else LogprobsReport(service.generator.tokenizer, chat, len(echo))
+    return Parsed(request, stream, include_usage, echo, plan, n or 1, report)
 
 
 def _usage(generations: Sequence[Generation]) -> dict[str, Any]:
@@ -390,6 +397,7 @@ class _Choice:
         plan = parsed.tools
         self.calls: list[ToolCall] = []
         self.parser = None if plan is None else ToolCallStream(plan.format, plan.prefix, parallel=plan.parallel)
+        self.logprobs = None if parsed.logprobs is None else dataclasses.replace(parsed.logprobs)
 
     def _finish_reason(self) -> str:
         result = self.generation.result
@@ -401,7 +409,7 @@ class _Choice:
         text = "".join(self.text)
         if not chat:
             return {"index": self.index, "text": self.echo + text, "finish_reason": self._finish_reason(),
-                    "logprobs": None}
+                    "logprobs": self._logprobs(fresh=False)}
         message: dict[str, Any] = {"role": "assistant", "content": text}
         if self.parser is not None:
             content = self.parser.push(text)
@@ -412,7 +420,15 @@ class _Choice:
             message["content"] = content if content.strip() or not self.calls else None
             if self.calls:
                 message["tool_calls"] = [call.as_dict() for call in self.calls]
-        return {"index": self.index, "message": message, "finish_reason": self._finish_reason(), "logprobs": None}
+        return {"index": self.index, "message": message, "finish_reason": self._finish_reason(),
+                "logprobs": self._logprobs(fresh=False)}
+
+    def _logprobs(self, *, fresh: bool) -> dict[str, Any] | None:
+        """This choice's logprobs: all of them, or (streaming) the tokens' since the last chunk."""
+        if self.logprobs is None:
+            return None
+        rows = self.generation.logprobs
+        return self.logprobs.fresh(rows) if fresh else self.logprobs.whole(rows)
 
     def opening(self, chat: bool) -> list[dict[str, Any]]:
         """The first stream deltas: the role (chat), the echo, the first exchange's text."""
@@ -425,15 +441,18 @@ class _Choice:
     def piece(self, text: str, chat: bool) -> list[dict[str, Any]]:
         """The stream deltas for one piece of generated text."""
         if not chat:
-            return [{"index": self.index, "text": text, "finish_reason": None}] if text else []
+            return [{"index": self.index, "text": text, "finish_reason": None,
+                     "logprobs": self._logprobs(fresh=True)}] if text else []
         if self.parser is None:
-            return [{"index": self.index, "delta": {"content": text}, "finish_reason": None}] if text else []
+            return [{"index": self.index, "delta": {"content": text}, "finish_reason": None,
+                     "logprobs": self._logprobs(fresh=True)}] if text else []
         return self._deltas(self.parser.push(text), self.parser.take_calls())
 
     def _deltas(self, content: str, calls: list[ToolCall]) -> list[dict[str, Any]]:
         out: list[dict[str, Any]] = []
         if content:
-            out.append({"index": self.index, "delta": {"content": content}, "finish_reason": None})
+            out.append({"index": self.index, "delta": {"content": content}, "finish_reason": None,
+                        "logprobs": self._logprobs(fresh=True)})
         for call in calls:
             out.append({"index": self.index, "delta": {"tool_calls": [call.as_dict(len(self.calls))]},
                         "finish_reason": None})
@@ -443,9 +462,11 @@ class _Choice:
     def closing(self, chat: bool) -> list[dict[str, Any]]:
         """The last stream deltas: held-back content, the tool calls not yet sent, the finish reason."""
         if not chat:
-            return [{"index": self.index, "text": "", "finish_reason": self._finish_reason()}]
+            return [{"index": self.index, "text": "", "finish_reason": self._finish_reason(),
+                     "logprobs": self._logprobs(fresh=True)}]
         out = [] if self.parser is None else self._deltas(*self.parser.finish())
-        out.append({"index": self.index, "delta": {}, "finish_reason": self._finish_reason()})
+        out.append({"index": self.index, "delta": {}, "finish_reason": self._finish_reason(),
+                    "logprobs": self._logprobs(fresh=True)})
         return out
 
 
@@ -508,6 +529,11 @@ class _Handlers:
                 first = await generation.__anext__()
             except StopAsyncIteration:
                 first = ""
+            except SamplingExtensionRefused as exc:  # the chain is up but cannot serve this request's sampling
+                await self._release(lease)
+                raise ApiError(501, str(exc), type="not_implemented",
+                               param="response_format" if request.grammar is not None else "logprobs",
+                               code="unsupported_by_chain") from exc
             except StageClientError as exc:
                 await self._release(lease)
                 if not is_overloaded(exc):
@@ -626,7 +652,7 @@ class _Handlers:
 
         def chunk(choice: dict[str, Any]) -> bytes:
             return _sse({"id": ident, "object": kind, "created": created, "model": model,
-                         "system_fingerprint": None, "choices": [{**choice, "logprobs": None}]})
+                         "system_fingerprint": None, "choices": [{"logprobs": None, **choice}]})
 
         try:
             for choice in choices:

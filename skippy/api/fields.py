@@ -4,7 +4,7 @@ Strategy: one table per endpoint lists every field of OpenAI's current chat/comp
 completions request bodies (plus the llama.cpp and skippy extensions this server reads), each
 with its :class:`Handling` and a one-line note.  :func:`check_fields` runs before anything else
 looks at a body: a field that is not in the table, or that asks for something this server does
-not do (``logprobs: true`` before log-probabilities are served, ``modalities: ["audio"]``, ...),
+not do (``modalities: ["audio"]``, ``suffix``, ...),
 is a 400 naming the field, so no request is answered with a 200 while a field it set was quietly
 dropped.  A *no-op* is a field that cannot change the generated answer (``metadata``,
 ``service_tier``, ``safety_identifier``, ...); it is accepted and documented as having no effect.
@@ -61,24 +61,12 @@ def _modalities(value: Any) -> str | None:
     return 'only ["text"] output is served (no audio)'
 
 
-def _response_format(value: Any) -> str | None:
-    if value is None or (isinstance(value, dict) and value.get("type") == "text"):
-        return None
-    return "structured output (json_object / json_schema) is not served yet; only {\"type\": \"text\"}"
-
-
-def _top_logprobs(value: Any) -> str | None:
-    return None if value is None or value == 0 else "log-probabilities are not served yet"
-
-
 def _stream_options(value: Any) -> str | None:
     if value is None or not isinstance(value, dict):
         return None  # the handler answers a non-object with a 422
     unknown = sorted(set(value) - {"include_usage", "include_obfuscation"})
     return f"unknown option(s) {', '.join(unknown)}" if unknown else None
 
-
-_LOGPROBS_LATER: Final = "log-probabilities are not served yet"
 
 #: Fields both endpoints share, as they behave on both.
 _COMMON: Final[dict[str, Field]] = {
@@ -105,6 +93,10 @@ _COMMON: Final[dict[str, Field]] = {
     "speculation": Field(Handling.SERVED, "skippy extension: speculative decoding on/off (never changes a "
                          "greedy answer)"),
     "prefix_cache": Field(Handling.SERVED, "skippy extension: false opts out of the prefix KV cache"),
+    # structured output (values checked by skippy/api/structured.py; docs/structured-output.md)
+    "response_format": Field(Handling.SERVED, "text, json_object, or json_schema (strict or not): the answer is "
+                             "sampled under the schema's grammar (docs/structured-output.md)"),
+    "grammar": Field(Handling.SERVED, "llama.cpp extension: GBNF grammar the answer follows"),
 }
 
 #: POST /v1/chat/completions (OpenAI's reference, and the fields the ``openai`` SDK sends).
@@ -120,10 +112,8 @@ CHAT_FIELDS: Final[Mapping[str, Field]] = {
     "parallel_tool_calls": Field(Handling.SERVED, "false keeps the first tool call only"),
     "prompt_cache_key": Field(Handling.SERVED, "prefix-cache namespace (tenant isolation); cannot change the "
                               "answer"),
-    "logprobs": Field(Handling.REFUSED, _LOGPROBS_LATER, _unless_in(_LOGPROBS_LATER, False)),
-    "top_logprobs": Field(Handling.REFUSED, _LOGPROBS_LATER, _top_logprobs),
-    "response_format": Field(Handling.REFUSED, "only {\"type\": \"text\"} (structured output is not served yet)",
-                             _response_format),
+    "logprobs": Field(Handling.SERVED, "true: choices[].logprobs.content, the model's log-softmax per token"),
+    "top_logprobs": Field(Handling.SERVED, "0..20 alternatives per token (needs logprobs: true)"),
     "modalities": Field(Handling.SERVED, 'only ["text"]', _modalities),
     "audio": Field(Handling.REFUSED, "audio output is not served", _unless_null("audio output is not served")),
     "functions": Field(Handling.REFUSED, "deprecated; use tools",
@@ -154,7 +144,8 @@ COMPLETION_FIELDS: Final[Mapping[str, Field]] = {
     **_COMMON,
     "prompt": Field(Handling.SERVED, "a string, a list of one string, or a list of token ids"),
     "echo": Field(Handling.SERVED, "the prompt's text is returned before the completion"),
-    "logprobs": Field(Handling.REFUSED, _LOGPROBS_LATER, _unless_in(_LOGPROBS_LATER, 0)),
+    "logprobs": Field(Handling.SERVED, "0..20: the legacy logprobs object (tokens, token_logprobs, top_logprobs, "
+                      "text_offset)"),
     "best_of": Field(Handling.SERVED, "only best_of == n (every generated choice is returned); ranking "
                      "needs log-probabilities"),
     "suffix": Field(Handling.REFUSED, "no insertion (fill-in-the-middle) completions",

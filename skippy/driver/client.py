@@ -58,6 +58,8 @@ from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
     ErrorFrame,
+    LogprobsFrame,
+    SamplingAcceptedFrame,
     TimingsFrame,
     with_direct_return_flag,
     with_extensions_flag,
@@ -157,6 +159,12 @@ class StageClient:
         #: Per-stage timings of the last reply :meth:`receive` returned (None: none came).
         self.last_timings: TimingsFrame | None = None
         self._pending_timings: TimingsFrame | None = None
+        #: docs/protocol.md §10: the SamplingAccepted / Logprobs frames that preceded the last reply
+        #: :meth:`receive` returned (None: none came).
+        self.last_accepted: SamplingAcceptedFrame | None = None
+        self.last_logprobs: LogprobsFrame | None = None
+        self._pending_accepted: SamplingAcceptedFrame | None = None
+        self._pending_logprobs: LogprobsFrame | None = None
         self._timings: collections.deque[TimingsFrame] = collections.deque(maxlen=_TIMINGS_KEPT)
         self._io = SocketIO(stream, 1 << 16)
         self._closed = False
@@ -354,9 +362,15 @@ class StageClient:
                         self.last_timings, self._pending_timings = self._pending_timings, None
                         if self.last_timings is not None:
                             self._timings.append(self.last_timings)
+                        self.last_logprobs, self._pending_logprobs = self._pending_logprobs, None
+                        self.last_accepted, self._pending_accepted = self._pending_accepted, None
                         return result
                     elif type(result) is TimingsFrame:  # annotates the next reply
                         self._pending_timings = result
+                    elif type(result) is LogprobsFrame:  # docs/protocol.md §10: the next reply's
+                        self._pending_logprobs = result
+                    elif type(result) is SamplingAcceptedFrame:
+                        self._pending_accepted = result
                     elif isinstance(result, ErrorFrame):
                         if io is self._io:
                             await self.aclose()  # nothing follows an Error frame
@@ -395,12 +409,17 @@ class StageClient:
     # -- operations --------------------------------------------------------------------------
     async def configure(self, session_id: int, *, sampling: SamplingConfig | None = None,
                         prompt_token_count: int = 0, request_id: int = 0,
-                        metadata: str | None = None) -> StageReply:
-        """ConfigureGeneration: the session's sampling (absent: greedy); returns the ACK."""
+                        metadata: str | None = None, flags: int = 0) -> StageReply:
+        """ConfigureGeneration: the session's sampling (absent: greedy); returns the ACK.
+
+        ``flags``: extension state flags to set (the sampling extension's, docs/protocol.md §10).
+        """
+        changes: dict[str, int] = {"prompt_token_count": prompt_token_count}
+        if flags:
+            changes["flags"] = StateHeader.for_kind(MessageKind.CONFIGURE_GENERATION).flags | flags
         message = StageMessage.create(
             MessageKind.CONFIGURE_GENERATION, request_id=request_id, session_id=session_id,
-            sampling=sampling, chat_sampling_metadata=metadata,
-            state_changes={"prompt_token_count": prompt_token_count},
+            sampling=sampling, chat_sampling_metadata=metadata, state_changes=changes,
         )
         return await self.request(message, ReplyKind.ACK)
 

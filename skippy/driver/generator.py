@@ -46,7 +46,7 @@ from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDeco
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
 from skippy.protocol import LogitBias, SamplingConfig, StageReply
-from skippy.protocol_ext import TimingRecord, TimingsFrame
+from skippy.protocol_ext import SamplingRequest, TimingRecord, TimingsFrame, TokenLogprobs
 from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
@@ -83,12 +83,23 @@ class GenerationRequest:
     cache_namespace: str | None = None
     #: Tokens whose special text appears in the output (e.g. a tool-call marker that is a control token).
     render_special: frozenset[int] = frozenset()
+    #: GBNF grammar every sampled token follows (structured output; None: unconstrained).
+    grammar: str | None = None
+    #: Log-probabilities per sampled token with this many alternatives (None: not reported).
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt:
             raise ValueError("the prompt has no tokens")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1 (got {self.max_tokens})")
+
+    @property
+    def sampling_extension(self) -> SamplingRequest | None:
+        """What the final stage must install for this request (docs/protocol.md §10), if anything."""
+        if self.grammar is None and self.logprobs is None:
+            return None
+        return SamplingRequest(grammar=self.grammar, logprobs=self.logprobs)
 
 
 @dataclasses.dataclass(slots=True)
@@ -206,6 +217,8 @@ class Completion:
     speculation: SpeculationUsage | None = None
     #: Prompt tokens restored from the prefix cache (``usage.prompt_tokens_details.cached_tokens``).
     cached_tokens: int = 0
+    #: One entry per token of ``tokens`` when the request asked for logprobs (else None).
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -286,6 +299,8 @@ class Generation:
         self._touched = False  # a message was sent for the session
         #: (parent session id, stage count): the prompt's KV is forked from a session of this lane.
         self._fork = fork
+        #: One entry per token of :attr:`tokens` (a request that asked for logprobs).
+        self.logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
 
     def __aiter__(self) -> "Generation":
         return self
@@ -339,13 +354,15 @@ class Generation:
                                                    stages=self._fork[1], sampling=sampling_config(request.sampling),
                                                    cache=self._generator.cache_request(request),
                                                    chunk_size=self._generator.prefill_chunk_size,
-                                                   credit=self._generator.credit)
+                                                   credit=self._generator.credit,
+                                                   extension=request.sampling_extension)
             else:
                 cached = await prefix.prefill(client, self.session_id, request.prompt,
                                               sampling=sampling_config(request.sampling),
                                               cache=self._generator.cache_request(request),
                                               chunk_size=self._generator.prefill_chunk_size,
-                                              credit=self._generator.credit)
+                                              credit=self._generator.credit,
+                                              extension=request.sampling_extension)
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
             reply = prefill.reply
             self._last = time.perf_counter()
@@ -381,11 +398,14 @@ class Generation:
             self._last = now
             self.timing.add_frames(client.take_timings())
             tokens = (int(reply.predicted),)
+        rows = self._reply_logprobs(len(tokens))
         emitted: list[str] = []
-        for token in tokens:
+        for index, token in enumerate(tokens):
             if self._generator.tokenizer.is_end_of_generation(token):
                 return await self._finish("stop", "".join(emitted) + self._stream.flush(), eog=True)
             self.tokens.append(token)
+            if self.logprobs is not None:
+                self.logprobs.append(rows[index])
             piece, stopped = self._stops.push(self._stream.push(token))
             if stopped:
                 return await self._finish("stop", "".join(emitted) + piece, flushed=True)
@@ -395,6 +415,21 @@ class Generation:
         text = "".join(emitted)
         self._text.append(text)
         return text
+
+    def _reply_logprobs(self, count: int) -> tuple[TokenLogprobs, ...]:
+        """The last reply's logprobs (docs/protocol.md §10), one per predicted token; () when the
+        request did not ask.
+
+        Raises:
+            StageClientError: they were asked for and did not come (or not one per token).
+        """
+        if self.logprobs is None:
+            return ()
+        frame = self._client.last_logprobs
+        if frame is None or len(frame.rows) != count:
+            raise StageClientError(f"the chain sent {0 if frame is None else len(frame.rows)} logprob entries "
+                                   f"for a reply of {count} token(s)")
+        return frame.rows
 
     def _start_speculation(self, first_token: int, stages: int) -> None:
         generator, request = self._generator, self.request
@@ -423,7 +458,7 @@ class Generation:
         await self._client.stop(self.session_id)
         usage = None if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
-                                 usage, self.cached_tokens)
+                                 usage, self.cached_tokens, self.logprobs)
         return text
 
     async def run(self) -> Completion:
@@ -495,10 +530,13 @@ class Generator:
     def speculates(self, request: GenerationRequest) -> bool:
         """Whether ``request`` runs speculatively.
 
-        Penalised sampling never does (the final stage's sampler history would keep rejected rows);
-        otherwise the request's own choice wins, and by default only greedy requests speculate.
+        Penalised sampling never does (the final stage's sampler history would keep rejected rows),
+        nor does a request with a grammar (the grammar's state would advance over rejected drafts
+        and verify rows would be sampled under the wrong state) or with logprobs (reported per
+        committed token only); otherwise the request's own choice wins, and by default only greedy
+        requests speculate.
         """
-        if request.sampling.uses_penalties:
+        if request.sampling.uses_penalties or request.grammar is not None or request.logprobs is not None:
             return False
         if request.speculation is not None:
             return request.speculation

@@ -38,9 +38,19 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from skippy.driver.client import PrefillResult, StageClient
+from skippy.driver.client import PrefillResult, StageClient, StageClientError
 from skippy.protocol import MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply
-from skippy.protocol_ext import PREFIX_EXTENT_FLAG
+from skippy.protocol_ext import (
+    PREFIX_EXTENT_FLAG,
+    SAMPLING_EXTENSION_FLAG,
+    SAMPLING_METADATA_KEY,
+    SamplingRequest,
+)
+
+
+class SamplingExtensionRefused(StageClientError):
+    """The chain did not confirm a request's grammar / logprobs (docs/protocol.md §10): its final
+    stage predates the extension, or a stage between dropped the confirmation."""
 
 #: Tokens per page the driver assumes (the stage default).
 DEFAULT_PAGE_SIZE = 64
@@ -80,6 +90,16 @@ def metadata(cache: CacheRequest) -> str:
     """The ConfigureGeneration / control chat metadata for ``cache``."""
     return json.dumps({"skippy.prefix_cache": {"namespace": cache.namespace, "record": cache.enabled}},
                       separators=(",", ":"))
+
+
+def configure_metadata(cache: CacheRequest | None, extension: SamplingRequest | None) -> str | None:
+    """ConfigureGeneration's chat metadata: the cache settings and the sampling extension (§10)."""
+    sections: dict[str, object] = {}
+    if cache is not None:
+        sections["skippy.prefix_cache"] = {"namespace": cache.namespace, "record": cache.enabled}
+    if extension is not None:
+        sections[SAMPLING_METADATA_KEY] = extension.section()
+    return json.dumps(sections, separators=(",", ":")) if sections else None
 
 
 def probe_length(prompt_tokens: int, page_size: int) -> int:
@@ -147,28 +167,56 @@ async def lookup_and_restore(client: StageClient, session_id: int, prompt: Seque
     return 0, replies
 
 
-def fork_metadata(cache: CacheRequest, parent: int, length: int) -> str:
+def fork_metadata(cache: CacheRequest, parent: int, length: int, extension: SamplingRequest | None = None) -> str:
     """ConfigureGeneration metadata that forks a session from ``parent``'s first ``length`` positions
-    (the new session records nothing: its prompt is its parent's)."""
-    return json.dumps({"skippy.prefix_cache": {"namespace": cache.namespace, "record": False},
-                       "skippy.fork": {"session": parent, "length": length}}, separators=(",", ":"))
+    (the new session records nothing: its prompt is its parent's), with the sampling extension (§10)."""
+    sections: dict[str, object] = {"skippy.prefix_cache": {"namespace": cache.namespace, "record": False},
+                                   "skippy.fork": {"session": parent, "length": length}}
+    if extension is not None:
+        sections[SAMPLING_METADATA_KEY] = extension.section()
+    return json.dumps(sections, separators=(",", ":"))
+
+
+def _check_confirmed(client: StageClient, extension: SamplingRequest | None) -> None:
+    """docs/protocol.md §10: the configure ACK just received must come with the final stage's
+    SamplingAccepted frame naming every feature asked for.
+
+    Raises:
+        SamplingExtensionRefused: it did not.
+    """
+    if extension is None:
+        return
+    accepted = client.last_accepted
+    if accepted is None or accepted.features & extension.features != extension.features:
+        wanted = " and ".join(name for name, on in (("grammar", extension.grammar is not None),
+                                                    ("logprobs", extension.logprobs is not None)) if on)
+        raise SamplingExtensionRefused(
+            f"the chain at {client.address} did not confirm the request's {wanted}: every stage must be a "
+            "skippy stage with the sampling extension (docs/protocol.md §10)")
 
 
 async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[int], *, parent: int, stages: int,
                        sampling: SamplingConfig | None, cache: CacheRequest,
-                       chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0) -> CachedPrefill:
+                       chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0,
+                       extension: SamplingRequest | None = None) -> CachedPrefill:
     """Configure ``session_id`` as a fork of ``parent`` (which holds ``prompt``'s KV on every stage of
     the lane) and compute only the last prompt token, whose logits the fork cannot carry.
 
     The fork holds when the ACK says every one of the ``stages`` stages forked (``kv_lookup_hits``
     ``stages``, ``kv_imported_tokens`` ``stages * (len(prompt) - 1)``, no miss); otherwise the prompt
     is prefilled in full from position 0 (the auto-align rule trims whatever a stage did copy).
-    ``cached_tokens`` of the result is the forked length.
+    ``cached_tokens`` of the result is the forked length.  ``extension`` as for :func:`prefill`.
+
+    Raises:
+        SamplingExtensionRefused: the chain did not confirm ``extension``.
     """
     length = len(prompt) - 1
-    text = fork_metadata(cache, parent, length) if length > 0 else metadata(dataclasses.replace(cache, enabled=False))
+    text = (fork_metadata(cache, parent, length, extension) if length > 0
+            else configure_metadata(dataclasses.replace(cache, enabled=False), extension))
     ack = await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
-                                 request_id=request_id, metadata=text)
+                                 request_id=request_id, metadata=text,
+                                 flags=SAMPLING_EXTENSION_FLAG if extension is not None else 0)
+    _check_confirmed(client, extension)
     stats = ack.stats
     forked = length if (length > 0 and stages > 0 and stats.kv_lookup_hits == stages and not stats.kv_lookup_misses
                         and stats.kv_imported_tokens == stages * length) else 0
@@ -181,15 +229,23 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
 
 async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,
                   sampling: SamplingConfig | None, cache: CacheRequest | None,
-                  chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0) -> CachedPrefill:
+                  chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0,
+                  extension: SamplingRequest | None = None) -> CachedPrefill:
     """Configure the session and prefill ``prompt``, restoring what the chain has cached.
 
     ``chunk_size`` is a size, or a function of the token count left to prefill after the restore
     that returns one (the driver's adaptive chunking, :mod:`skippy.driver.prefill_chunking`).
+    ``extension``: the session's grammar / logprobs (docs/protocol.md §10), sent with the
+    sampling-extension flag; the final stage must confirm it in the configure ACK.
+
+    Raises:
+        SamplingExtensionRefused: the chain did not confirm ``extension``.
     """
-    text = metadata(cache) if cache is not None else None
+    text = configure_metadata(cache, extension)
+    flags = SAMPLING_EXTENSION_FLAG if extension is not None else 0
     control = [await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
-                                      request_id=request_id, metadata=text)]
+                                      request_id=request_id, metadata=text, flags=flags)]
+    _check_confirmed(client, extension)
     cached = 0
     fused: list[StageReply] = []
     if cache is not None:

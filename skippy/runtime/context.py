@@ -34,7 +34,7 @@ from skippy.runtime.errors import (
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime.model import Model
 from skippy.offload import Offload
-from skippy.runtime.sampling import Sampler
+from skippy.runtime.sampling import GrammarDeadEnd, Sampler
 
 #: Tag in front of every saved sequence state.
 _STATE_MAGIC = b"SKPYSEQ1"
@@ -101,6 +101,8 @@ class StageContext:
             )
         self.model = model
         self._lock = threading.Lock()
+        #: Candidate array of the checked (grammar) sampling path, allocated at its first use.
+        self._candidates: object = None
         threads = threads or os.cpu_count() or 1
         params = lib.llama_context_default_params()
         params.n_ctx = n_ctx
@@ -333,6 +335,9 @@ class StageContext:
                     result[slot] = np.frombuffer(ffi.buffer(logits, size), dtype=np.float32).argmax()
             return result
         result = np.zeros(count, dtype=np.int32)
+        if any(sampler.checked for sampler in samplers):
+            self._sample_checked(samplers, rows, result)
+            return result
         pointers = ffi.new("struct llama_sampler *[]", [s.pointer for s in samplers])
         row_array = np.asarray(rows, dtype=np.int32)
         with self._lock:
@@ -341,6 +346,29 @@ class StageContext:
                 ffi.cast("llama_token *", ffi.from_buffer(result)),
             )
         return result
+
+    def _sample_checked(self, samplers: Sequence[Sampler], rows: Sequence[int], result: IntArray) -> None:
+        """Sample row by row with ``skippy_sample_row_checked`` (a grammar in some chain: see
+        :mod:`skippy.runtime.sampling`); the candidate array is kept for the context's life.
+
+        Raises:
+            GrammarDeadEnd: a grammar allowed no token of its row (that row's sampler accepted nothing).
+        """
+        n_vocab = int(self.model.n_vocab)
+        with self._lock:
+            if self._candidates is None:
+                self._candidates = ffi.new("llama_token_data[]", n_vocab)
+            pointer = self._context_ptr()
+            picked = ffi.new("llama_token *")
+            for slot, (sampler, row) in enumerate(zip(samplers, rows)):
+                logits = lib.llama_get_logits_ith(pointer, row)
+                if logits == ffi.NULL:
+                    raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
+                if lib.skippy_sample_row_checked(sampler.pointer, sampler.grammar_pointer, logits, n_vocab,
+                                                 self._candidates, picked) != 0:
+                    raise GrammarDeadEnd(f"the grammar allows no token of the vocabulary after the text so far "
+                                         f"(row {row})")
+                result[slot] = picked[0]
 
     def _check_output_row(self, row: int) -> None:
         if not self.model.is_last:

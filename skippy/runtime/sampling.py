@@ -5,6 +5,20 @@ the final stage: logit bias, repetition penalties, then either greedy or top-k, 
 temperature and a seeded draw.  ``llama_sampler_sample`` samples from a row of the last decode
 and records the token in the chain's history (for penalties).  Greedy is an exact argmax, so a
 split chain and the unsplit reference pick identical tokens from identical logits.
+
+Structured output: a GBNF ``grammar`` adds llama.cpp's grammar sampler, so the token picked is
+one the grammar allows next, and the grammar accepts it (which advances its state).  With top-k,
+top-p or min-p the grammar sits in the chain right after the penalties (every later step sees only
+allowed tokens: the exact order).  Greedy, or temperature and a draw alone, commute with the
+grammar's mask, so there the grammar is kept beside the chain and only checks the chain's pick,
+masking the whole vocabulary only when the pick is forbidden (the same distribution, one check
+instead of a vocabulary pass per token; see ``skippy_sample_row_checked`` in
+``native/cdef/skippy_shim.c``).  Either way the sampler is *checked* (:attr:`Sampler.checked`): the
+context samples it with ``skippy_sample_row_checked``, which refuses (:class:`GrammarDeadEnd`)
+instead of accepting a token the grammar forbade (when it forbids every token; llama.cpp would
+throw through its C API and end the process).  Grammar text
+is bounded before llama.cpp parses it (:func:`check_grammar_text`: size and nesting depth; the
+parser recurses once per nesting level).
 """
 
 from __future__ import annotations
@@ -14,11 +28,53 @@ import math
 import threading
 from typing import final
 
-from skippy.runtime.errors import ClosedError
+from skippy.runtime import _callbacks
+from skippy.runtime.errors import ClosedError, NativeError
 from skippy.runtime.ffi import ffi, lib
 
 #: llama.cpp's "pick a random seed" value.
 DEFAULT_SEED = 0xFFFFFFFF
+#: Longest GBNF grammar accepted (UTF-8 bytes); JSON-schema grammars are a few KiB.
+MAX_GRAMMAR_BYTES = 256 * 1024
+#: Deepest nesting of parenthesised groups accepted (llama.cpp's parser recurses per level).
+MAX_GRAMMAR_NESTING = 128
+
+
+class GrammarDeadEnd(NativeError):
+    """The session's grammar allows no token of the vocabulary at this position."""
+
+
+def check_grammar_text(grammar: str) -> None:
+    """Bound a GBNF text before llama.cpp parses it: size and parenthesis nesting.
+
+    Raises:
+        ValueError: too long, nested too deep, or containing a NUL (C strings end there).
+    """
+    data = grammar.encode("utf-8", "replace")
+    if len(data) > MAX_GRAMMAR_BYTES:
+        raise ValueError(f"the grammar is {len(data)} bytes; at most {MAX_GRAMMAR_BYTES} are accepted")
+    if "\0" in grammar:
+        raise ValueError("the grammar contains a NUL character")
+    depth = deepest = 0
+    index, size = 0, len(grammar)
+    while index < size:
+        char = grammar[index]
+        if char in "\"[":  # a literal or a character class: skip it, escapes included
+            close = '"' if char == '"' else "]"
+            index += 1
+            while index < size and grammar[index] != close:
+                index += 2 if grammar[index] == "\\" else 1
+        elif char == "#":  # a comment runs to the end of the line
+            while index < size and grammar[index] not in "\r\n":
+                index += 1
+        elif char == "(":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif char == ")":
+            depth -= 1
+        index += 1
+    if deepest > MAX_GRAMMAR_NESTING:
+        raise ValueError(f"the grammar nests groups {deepest} deep; at most {MAX_GRAMMAR_NESTING} are accepted")
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -35,6 +91,9 @@ class SamplingParams:
     penalty_last_n: int = 64
     logit_bias: tuple[tuple[int, float], ...] = ()
     seed: int = DEFAULT_SEED
+    #: GBNF grammar every sampled token must follow (None: unconstrained), and its start rule.
+    grammar: str | None = None
+    grammar_root: str = "root"
 
     def __post_init__(self) -> None:
         checks = [
@@ -47,10 +106,14 @@ class SamplingParams:
             (math.isfinite(self.presence_penalty), "presence_penalty must be finite"),
             (self.penalty_last_n >= -1, "penalty_last_n must be >= -1"),
             (0 <= self.seed <= 0xFFFFFFFF, "seed must fit in 32 bits"),
+            (self.grammar is None or bool(self.grammar_root), "grammar_root must not be empty"),
         ]
         for ok, message in checks:
             if not ok:
                 raise ValueError(f"invalid sampling parameters: {message}")
+        if self.grammar is not None:
+            check_grammar_text(self.grammar)
+            check_grammar_text(self.grammar_root)
 
     @property
     def greedy(self) -> bool:
@@ -66,15 +129,43 @@ GREEDY = SamplingParams()
 
 @final
 class Sampler:
-    """A llama.cpp sampler chain for one session.  Close it (or use ``with``) when done."""
+    """A llama.cpp sampler chain for one session.  Close it (or use ``with``) when done.
 
-    def __init__(self, params: SamplingParams, n_vocab: int) -> None:
+    Args:
+        params: the settings.
+        n_vocab: the vocabulary size.
+        vocab: the model's ``llama_vocab`` pointer (needed for a grammar).
+
+    Raises:
+        ValueError: a logit bias outside the vocabulary, or a grammar that does not parse (the
+            message carries llama.cpp's reason).
+    """
+
+    def __init__(self, params: SamplingParams, n_vocab: int, vocab: object = None) -> None:
         self.params = params
         #: Greedy with nothing before it in the chain: the sample is the logits' first maximum
         #: (what the greedy sampler picks), which the context takes without building the
         #: n_vocab-entry candidate array.  Accepting tokens changes nothing in such a chain.
-        self.plain_greedy = params.greedy and not params.uses_penalties and not params.logit_bias
+        self.plain_greedy = (params.greedy and not params.uses_penalties and not params.logit_bias
+                             and params.grammar is None)
+        #: Sampled with a check that the pick is allowed (see the module header).
+        self.checked = params.grammar is not None
         self._lock = threading.Lock()
+        grammar = ffi.NULL
+        if params.grammar is not None:
+            if vocab is None or vocab == ffi.NULL:
+                raise ValueError("a grammar needs the model's vocabulary (this runtime has none)")
+            _callbacks.take_recent_errors()
+            grammar = lib.llama_sampler_init_grammar(vocab, params.grammar.encode("utf-8"),
+                                                     params.grammar_root.encode("utf-8"))
+            if grammar == ffi.NULL:
+                reason = _callbacks.take_recent_errors().strip() or "llama.cpp refused it"
+                raise ValueError(f"the grammar does not parse: {reason}")
+        #: The grammar kept beside the chain (see the module header), or NULL.
+        self._grammar = ffi.NULL
+        beside = params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
+        if grammar != ffi.NULL and beside:
+            self._grammar, grammar = grammar, ffi.NULL
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -82,6 +173,9 @@ class Sampler:
             for token, _ in params.logit_bias:
                 if not 0 <= token < n_vocab:
                     lib.llama_sampler_free(chain)
+                    for owned in (grammar, self._grammar):
+                        if owned != ffi.NULL:
+                            lib.llama_sampler_free(owned)
                     raise ValueError(f"logit_bias token {token} is outside the vocabulary (0..{n_vocab - 1})")
             biases = ffi.new("llama_logit_bias[]", len(params.logit_bias))
             for slot, (token, bias) in enumerate(params.logit_bias):
@@ -98,6 +192,8 @@ class Sampler:
                     params.frequency_penalty, params.presence_penalty,
                 ),
             )
+        if grammar != ffi.NULL:
+            lib.llama_sampler_chain_add(chain, grammar)  # the chain owns it from here
         if params.greedy:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_greedy())
         else:
@@ -117,18 +213,36 @@ class Sampler:
             raise ClosedError("sampler is closed")
         return self._ptr
 
+    @property
+    def grammar_pointer(self) -> object:
+        """The grammar sampler kept beside the chain (NULL when the grammar is in the chain, or none)."""
+        self.pointer  # raises when closed
+        return self._grammar
+
     def accept(self, token: int) -> None:
-        """Record a token that was not sampled here (a prompt token, an accepted draft)."""
+        """Record a token that was not sampled here (a prompt token, an accepted draft).
+
+        Raises:
+            ValueError: the sampler has a grammar (a token it forbids would end the process).
+        """
+        if self.checked:
+            raise ValueError("a grammar sampler accepts only the tokens it sampled")
         lib.llama_sampler_accept(self.pointer, token)
 
     def reset(self) -> None:
+        """Forget the history (penalties) and restart the grammar from its root rule."""
         lib.llama_sampler_reset(self.pointer)
+        if self._grammar != ffi.NULL:
+            lib.llama_sampler_reset(self._grammar)
 
     def close(self) -> None:
         with self._lock:
             if self._ptr != ffi.NULL:
                 lib.llama_sampler_free(self._ptr)
                 self._ptr = ffi.NULL
+            if self._grammar != ffi.NULL:
+                lib.llama_sampler_free(self._grammar)
+                self._grammar = ffi.NULL
 
     def __enter__(self) -> "Sampler":
         return self

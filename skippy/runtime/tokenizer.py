@@ -46,6 +46,11 @@ class Tokenizer:
             raise ClosedError("tokenizer is closed")
         return self._vocab
 
+    @property
+    def vocab_pointer(self) -> object:
+        """The ``llama_vocab`` pointer (a grammar is parsed against it); valid until :meth:`close`."""
+        return self._vocab_ptr()
+
     def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
         """Token ids of ``text`` (with BOS when the vocabulary wants it and ``add_special``)."""
         data = text.encode("utf-8")

@@ -66,6 +66,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
+import json
 import logging
 from typing import Awaitable, Callable
 
@@ -74,9 +75,13 @@ import trio
 from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
     MODEL_IDENTITY_FLAG,
+    SAMPLING_EXTENSION_FLAG,
+    SAMPLING_METADATA_KEY,
     SKIPPY_EXTENSIONS_FLAG,
+    Annotation,
     ErrorCode,
     ErrorFrame,
+    SamplingRequest,
     ExtensionNegotiation,
     TimingsFrame,
     append_timing,
@@ -132,6 +137,8 @@ class _OwnPart:
     """What a non-executable handling's own part leaves for the next step."""
 
     stats: ReplyStats = EMPTY_REPLY_STATS  #: merged into this stage's reply, if it answers
+    #: docs/protocol.md §10: frames written before this stage's own ACK (SamplingAccepted).
+    annotations: tuple[Annotation, ...] = ()
     result: WorkResult | None = None  #: a TryRestorePrefillDecode hit: the fused decode's result
     forwarded: bool = True  #: False: nothing to forward (a prefix-control miss)
 
@@ -439,10 +446,12 @@ class Connection:
                     await put(messages, (dispatch, received_us, held))
 
     # -- step 5: reply -----------------------------------------------------------------------
-    async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None) -> None:
-        """Answer ``ticket`` (``timings``: its Timings frame, negotiated lanes only), and write
-        every reply that is now due if this task got the writer token."""
-        await self._write_due(self.protocol.reply_ready(ticket, reply, timings))
+    async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None,
+                     annotations: tuple[Annotation, ...] = ()) -> None:
+        """Answer ``ticket`` (``timings``: its Timings frame, ``annotations``: its §10 frames;
+        negotiated lanes only), and write every reply that is now due if this task got the
+        writer token."""
+        await self._write_due(self.protocol.reply_ready(ticket, reply, timings, annotations))
 
     async def _write_due(self, due: list[Ticket]) -> None:
         protocol = self.protocol
@@ -450,9 +459,10 @@ class Connection:
             self._last_reply = trio.current_time()
         while due:
             if len(due) == 1:
-                frame = extensions.reply_bytes(due[0].reply, due[0].timings)  # type: ignore[arg-type]
+                frame = extensions.reply_bytes(due[0].reply, due[0].timings, due[0].annotations)  # type: ignore[arg-type]
             else:
-                frame = b"".join(extensions.reply_bytes(t.reply, t.timings) for t in due)  # type: ignore[arg-type]
+                frame = b"".join(extensions.reply_bytes(t.reply, t.timings, t.annotations)  # type: ignore[arg-type]
+                                 for t in due)
             if self.settings.reply_delay_s:  # the simulated wire, upstream direction (benchmarks)
                 await trio.sleep(self.settings.reply_delay_s)
             self._upstream_torn = True  # until the whole frame is out: a cancel may cut it
@@ -513,7 +523,8 @@ class Connection:
             if own.stats is not EMPTY_REPLY_STATS:
                 stats = stats.merge(own.stats)
             if action.answer is Answer.ACK or own.result is None:
-                await self._reply(dispatch.ticket, StageReply.ack(stats))
+                annotations = own.annotations if self.extensions.enabled else ()
+                await self._reply(dispatch.ticket, StageReply.ack(stats), None, annotations)
             else:  # the final stage's fused restore-decode: its prediction
                 await self._reply_prediction(dispatch, action, own.result, received_us, 0, stats)
 
@@ -562,9 +573,16 @@ class Connection:
         cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
         if cache_settings is not None and executor.cache is not None:
             await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
+        annotations: tuple[Annotation, ...] = ()
+        if self.settings.downstream is None:  # docs/protocol.md §10: the final stage's part
+            flagged = bool(message.state.flags & SAMPLING_EXTENSION_FLAG)
+            extension = _sampling_request(message.chat_sampling_metadata) if flagged else None
+            features = await self.scheduler.call(lambda: executor.configure_extension(key, extension))
+            if flagged:
+                annotations = extensions.sampling_accepted(features)
         fork = prefix_control.fork_settings(message.chat_sampling_metadata)
         if fork is None:
-            return _NOTHING_MORE
+            return _OwnPart(annotations=annotations) if annotations else _NOTHING_MORE
         parent = self._key_of(fork[0])
         forked = await self.scheduler.call(lambda: executor.fork(parent, key, fork[1]))
         own = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=forked) if forked else ReplyStats(kv_lookup_misses=1)
@@ -577,7 +595,7 @@ class Connection:
             return stats.merge(own)
 
         forward.on_reply = add_own
-        return _OwnPart(own)
+        return _OwnPart(own, annotations=annotations)
 
     async def _prefix_control(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
         """docs/prefix-cache.md §6 (:mod:`skippy.stage.prefix_control`): a local miss is answered
@@ -656,12 +674,14 @@ class Connection:
         Timings frame on a negotiated lane (docs/protocol.md §4: the producing stage starts it)."""
         assert dispatch.ticket is not None
         timings = None
+        annotations: tuple[Annotation, ...] = ()
         if self.extensions.enabled:
             timings = TimingsFrame((extensions.own_record(
                 self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
+            annotations = extensions.logprobs_annotation(result.logprobs)
         reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
                                                total_us=now_us() - received_us)
-        await self._reply(dispatch.ticket, reply, timings)
+        await self._reply(dispatch.ticket, reply, timings, annotations)
 
     async def _reply_direct(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
                             received_us: int, queue_us: int) -> None:
@@ -673,12 +693,14 @@ class Connection:
             raise ReturnLaneLost(f"{dispatch.kind.reference_name} of session {message.session_id} asks for direct "
                                  "return, but no return lane is open for it on this stage")
         timings = None
+        annotations: tuple[Annotation, ...] = ()
         if lane.extensions:
             timings = TimingsFrame((extensions.own_record(
                 self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
+            annotations = extensions.logprobs_annotation(result.logprobs)
         reply = lane_messages.final_prediction(dispatch, result, self.protocol.take_stats(), window=action.window,
                                                total_us=now_us() - received_us)
-        await lane.send(extensions.reply_bytes(reply, timings), self.settings.reply_delay_s)
+        await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
         self._direct_done()
 
@@ -735,8 +757,9 @@ class Connection:
             if extensions_on:  # docs/protocol.md §4: the producing stage starts the frame
                 timings = TimingsFrame((extensions.own_record(
                     self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
+                ticket.annotations = extensions.logprobs_annotation(result.logprobs)
             ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
-            return extensions.reply_bytes(ticket.reply, timings)
+            return extensions.reply_bytes(ticket.reply, timings, ticket.annotations)
 
         through = self._upstream_through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
         await self.scheduler.execute(item)
@@ -853,7 +876,7 @@ class Connection:
             if relay.absorb:
                 self._absorb(item, reply, wait_us)
             else:
-                await self._relay_reply(relay, reply, timings, wait_us)
+                await self._relay_reply(relay, reply, timings, wait_us, reader.annotations)
 
     def _absorb(self, item: Forward, reply: StageReply, wait_us: int) -> None:
         """An early-ACKed chunk's downstream ACK: its stats (and this edge's transport) are kept
@@ -866,8 +889,10 @@ class Connection:
             self._credit_returned.set()
             self._credit_returned = None
 
-    async def _relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int) -> None:
-        """Answer the forwarded message's ticket with the downstream's reply, this stage's share added."""
+    async def _relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int,
+                           annotations: tuple[Annotation, ...] = ()) -> None:
+        """Answer the forwarded message's ticket with the downstream's reply, this stage's share added
+        (``annotations``: the downstream's §10 frames, relayed unchanged to a negotiated upstream)."""
         item = relay.forward
         assert item.ticket is not None
         stats = merge_stats(self.protocol.take_stats(), reply.stats)
@@ -875,8 +900,10 @@ class Connection:
             stats = await item.on_reply(stats)
         if relay.release:
             await self._release(item.session)
+        if annotations and not self.extensions.enabled:
+            annotations = ()  # a v11 upstream cannot have asked for them (docs/protocol.md §10)
         if not relay.prediction:
-            await self._reply(item.ticket, StageReply.ack(stats))
+            await self._reply(item.ticket, StageReply.ack(stats), None, annotations)
             return
         if RULES[item.ticket.kind].window:  # the reference's verify-window stats
             stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
@@ -889,7 +916,21 @@ class Connection:
             timings = None
         if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
             reply = dataclasses.replace(reply, stats=stats)
-        await self._reply(item.ticket, reply, timings)
+        await self._reply(item.ticket, reply, timings, annotations)
+
+
+def _sampling_request(metadata: str | None) -> SamplingRequest:
+    """docs/protocol.md §10: the sampling extension in a flagged ConfigureGeneration's metadata.
+
+    Raises:
+        InvalidMessage: no such section, or a malformed one (named).
+    """
+    try:
+        data = json.loads(metadata or "")
+        return SamplingRequest.from_section(data.get(SAMPLING_METADATA_KEY) if isinstance(data, dict) else None)
+    except ValueError as exc:  # JSON errors and the section's own checks: refuse the configure
+        raise InvalidMessage(f"ConfigureGeneration carries the sampling-extension flag but its "
+                             f"{SAMPLING_METADATA_KEY} metadata is refused: {exc}") from exc
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:

@@ -35,8 +35,9 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.protocol import SamplingConfig
+from skippy.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
-from skippy.runtime.sampling import GREEDY, Sampler, SamplingParams
+from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
 from skippy.stage.errors import InvalidMessage, Overloaded, RuntimeFailure, StageError
 from skippy.stage.lane_protocol import Outputs
 
@@ -108,6 +109,8 @@ class WorkResult:
     trimmed_tokens: int = 0
     #: Tokens the prefix cache newly cached after this item (a final prefill chunk).
     recorded_tokens: int = 0
+    #: One entry per predicted token, for a session that asked for logprobs (final stage).
+    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass(slots=True)
@@ -115,6 +118,8 @@ class _Session:
     seq: int
     params: SamplingParams = GREEDY
     sampler: Sampler | None = None
+    #: docs/protocol.md §10: the session's grammar and logprobs request (final stage).
+    extension: SamplingRequest | None = None
     #: Prefix cache: tenant namespace, whether to record, and the prompt tokens so far (None:
     #: unknown, e.g. a chunk came without its token sideband: nothing is recorded).
     namespace: str | None = None
@@ -146,6 +151,22 @@ def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
         )
     except ValueError as exc:  # SamplingParams validates ranges; refuse the message, naming them
         raise InvalidMessage(f"sampling section refused: {exc}") from exc
+
+
+def logprobs_of_row(logits: FloatArray, token: int, top: int) -> TokenLogprobs:
+    """``token``'s log-probability in one logits row (its log-softmax, in float64) and the ``top``
+    most likely tokens with theirs (ties: the lower token id first)."""
+    values = np.asarray(logits, dtype=np.float64)
+    peak = float(values.max())
+    total = peak + float(np.log(np.exp(values - peak).sum()))
+    alternatives: tuple[tuple[int, float], ...] = ()
+    if top > 0:
+        count = min(top, values.shape[0])
+        candidates = np.argpartition(-values, count - 1)[:count]
+        order = np.lexsort((candidates, -values[candidates]))
+        alternatives = tuple((int(candidates[i]), min(0.0, float(values[candidates[i]]) - total)) for i in order)
+    return TokenLogprobs(int(token), min(0.0, float(values[token]) - total), alternatives)
+
 
 
 class Executor:
@@ -198,15 +219,59 @@ class Executor:
 
     def _sampler(self, session: _Session) -> Sampler:
         if session.sampler is None:
-            params = session.params
+            params, extension = session.params, session.extension
             n_ctx = int(getattr(self.context, "n_ctx", 0))
             if params.uses_penalties and 0 < n_ctx < params.penalty_last_n:
                 # llama.cpp sizes the penalty window's ring buffer by penalty_last_n: a peer's
                 # 2^31 would be an 8 GiB allocation.  No session holds more than n_ctx tokens,
                 # so a longer window means the same thing as n_ctx.
                 params = dataclasses.replace(params, penalty_last_n=n_ctx)
-            session.sampler = Sampler(params, int(self.model.n_vocab))
+            if extension is not None and extension.grammar is not None:
+                params = dataclasses.replace(params, grammar=extension.grammar, grammar_root=extension.grammar_root)
+            session.sampler = Sampler(params, int(self.model.n_vocab), getattr(self.model, "vocab_pointer", None))
         return session.sampler
+
+    def configure_extension(self, key: int, extension: SamplingRequest | None) -> int:
+        """Install a session's sampling extension (docs/protocol.md §10; the final stage only;
+        None: a configure without one, which removes an earlier one).
+
+        The sampler is built at once, so a grammar that does not parse refuses the
+        ConfigureGeneration rather than a later message.  Returns the feature bits installed.
+
+        Raises:
+            InvalidMessage: the grammar is refused (too large, too deep, does not parse).
+        """
+        session = self._session(key)
+        if extension is None and session.extension is None:
+            return 0
+        self._set_params(session, session.params)  # a new grammar starts from its first rule
+        session.extension = extension
+        if extension is None:
+            return 0
+        try:
+            self._sampler(session)
+        except ValueError as exc:  # Sampler / SamplingParams name what is wrong with the grammar
+            session.extension = None
+            raise InvalidMessage(f"sampling extension refused: {exc}") from exc
+        return extension.features
+
+    def _sample(self, session: _Session, rows: list[int]) -> tuple[list[int], list[TokenLogprobs] | None]:
+        """Sample ``rows`` of the last decode with the session's sampler; with their logprobs when
+        the session asked for them (computed from the same logits rows).
+
+        Raises:
+            RuntimeFailure: the session's grammar allows no token here.
+        """
+        sampler = self._sampler(session)
+        try:
+            tokens = [int(t) for t in self.context.sample([sampler] * len(rows), rows)]
+        except GrammarDeadEnd as exc:  # the grammar cannot go on with this vocabulary
+            raise RuntimeFailure(f"sampling refused: {exc}") from exc
+        extension = session.extension
+        if extension is None or extension.logprobs is None:
+            return tokens, None
+        return tokens, [logprobs_of_row(self.context.logits(row), token, extension.logprobs)
+                        for row, token in zip(rows, tokens)]
 
     def trim(self, key: int, length: int) -> int:
         """Trim a session to ``length`` positions; returns the positions removed."""
@@ -410,6 +475,7 @@ class Executor:
         rows = item.rows
         pieces: list[FloatArray] = []
         tokens: list[int] = []
+        logprobs: list[TokenLogprobs] | None = None
         for begin in range(0, rows, self.n_batch):
             end = min(rows, begin + self.n_batch)
             count = end - begin
@@ -437,14 +503,16 @@ class Executor:
                 pieces.append(np.array(self.context.activations(), dtype=np.float32, copy=True))
             elif outputs is not None and outputs.any():
                 out_rows = [int(r) for r in np.flatnonzero(outputs)]
-                sampler = self._sampler(session)
-                tokens += [int(t) for t in self.context.sample([sampler] * len(out_rows), out_rows)]
+                sampled, sampled_logprobs = self._sample(session, out_rows)
+                tokens += sampled
+                if sampled_logprobs is not None:
+                    logprobs = (logprobs or []) + sampled_logprobs
         activations = None
         if pieces:
             activations = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
         compute_us = (time.perf_counter_ns() - started) // 1000
         recorded = self._record(session) if item.final_prefill and self.cache is not None else 0
-        return WorkResult(activations, tokens, 1, compute_us, trimmed, recorded)
+        return WorkResult(activations, tokens, 1, compute_us, trimmed, recorded, logprobs)
 
     def run_decode_batch(self, items: Sequence[WorkItem]) -> list[WorkResult | StageError]:
         """Run single-row items of distinct sessions as one native batch.
@@ -482,7 +550,14 @@ class Executor:
             self._decode(positions, seqs, tokens, activations, outputs)
             if self.is_last:
                 samplers = [self._sampler(s) for _, _, s, _ in ready]
-                sampled = [int(t) for t in self.context.sample(samplers, list(range(count)))]
+                try:
+                    sampled = [int(t) for t in self.context.sample(samplers, list(range(count)))]
+                except GrammarDeadEnd as exc:  # a session's grammar cannot go on: the batch fails
+                    raise RuntimeFailure(f"sampling refused: {exc}") from exc
+                batch_logprobs: list[TokenLogprobs | None] = [
+                    None if s.extension is None or s.extension.logprobs is None
+                    else logprobs_of_row(self.context.logits(row), sampled[row], s.extension.logprobs)
+                    for row, (_, _, s, _) in enumerate(ready)]
             else:
                 hidden = np.array(self.context.activations(), dtype=np.float32, copy=True)
         except StageError as exc:
@@ -492,7 +567,9 @@ class Executor:
         compute_us = (time.perf_counter_ns() - started) // 1000
         for row, (index, _, _, trimmed) in enumerate(ready):
             if self.is_last:
-                results[index] = WorkResult(None, [sampled[row]], count, compute_us, trimmed)
+                entry = batch_logprobs[row]
+                results[index] = WorkResult(None, [sampled[row]], count, compute_us, trimmed,
+                                            logprobs=None if entry is None else [entry])
             else:
                 results[index] = WorkResult(hidden[row:row + 1], [], count, compute_us, trimmed)
         return results

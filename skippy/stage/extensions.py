@@ -17,6 +17,9 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
   this stage, except ``DOWNSTREAM_LOST``, whose origin is the lost stage: index + 1 and the
   configured downstream address; a downstream Error frame is relayed unchanged).
 * Timings. :func:`own_record` is this stage's record for one reply, every value clamped >= 0.
+* Annotations (docs/protocol.md §10: SamplingAccepted, Logprobs). The final stage writes them
+  before the reply they belong to; every other stage relays them unchanged, and only to an
+  upstream that negotiated the extensions (a v11 upstream cannot have asked for them).
 """
 
 from __future__ import annotations
@@ -28,8 +31,11 @@ from skippy.protocol import StageMessage, StageReply
 from skippy.protocol_ext import (
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
+    Annotation,
     ErrorCode,
     ErrorFrame,
+    LogprobsFrame,
+    SamplingAcceptedFrame,
     TimingRecord,
     TimingsFrame,
 )
@@ -117,8 +123,29 @@ def own_record(identity: StageIdentity, *, batch_size: int, compute_us: int, wri
     )
 
 
-def reply_bytes(reply: StageReply, timings: TimingsFrame | None) -> bytes:
-    """The bytes of one upstream reply: the Timings frame (when given) then the reply, one write."""
-    if timings is None:
-        return codec.encode_reply(reply)
-    return codec.encode_timings(timings) + codec.encode_reply(reply)
+def reply_bytes(reply: StageReply, timings: TimingsFrame | None, annotations: tuple[Annotation, ...] = ()) -> bytes:
+    """The bytes of one upstream reply: its annotations and Timings frame (when given), then the
+    reply, for one write."""
+    if not annotations:
+        if timings is None:
+            return codec.encode_reply(reply)
+        return codec.encode_timings(timings) + codec.encode_reply(reply)
+    parts = [codec.encode_logprobs(frame) if type(frame) is LogprobsFrame
+             else codec.encode_sampling_accepted(frame) for frame in annotations]  # type: ignore[arg-type]
+    if timings is not None:
+        parts.append(codec.encode_timings(timings))
+    parts.append(codec.encode_reply(reply))
+    return b"".join(parts)
+
+
+def logprobs_annotation(result_logprobs: object, top: int | None = None) -> tuple[Annotation, ...]:
+    """The Logprobs annotation of a final-stage result (``WorkResult.logprobs``; () when none)."""
+    if not result_logprobs:
+        return ()
+    rows = tuple(result_logprobs)  # type: ignore[call-overload]
+    return (LogprobsFrame(len(rows[0].top) if top is None else top, rows),)
+
+
+def sampling_accepted(features: int) -> tuple[Annotation, ...]:
+    """The SamplingAccepted annotation of a configure ACK."""
+    return (SamplingAcceptedFrame(features),)

@@ -61,7 +61,7 @@ import enum
 from typing import Awaitable, Callable, Final, Mapping, NamedTuple, final
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
-from skippy.protocol_ext import DIRECT_RETURN_FLAG, ExtensionNegotiation, TimingsFrame
+from skippy.protocol_ext import DIRECT_RETURN_FLAG, Annotation, ExtensionNegotiation, TimingsFrame
 from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
 
 __all__ = [
@@ -216,6 +216,8 @@ class Ticket:
     reply: StageReply | None = None
     #: The extension Timings frame written just before the reply (negotiated lanes only).
     timings: TimingsFrame | None = None
+    #: docs/protocol.md §10: SamplingAccepted / Logprobs frames written before the reply.
+    annotations: tuple[Annotation, ...] = ()
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -437,14 +439,16 @@ class LaneProtocol:
         return _REPLY_ACK
 
     # -- upstream: replies out ------------------------------------------------------------------
-    def reply_ready(self, ticket: Ticket, reply: StageReply,
-                    timings: TimingsFrame | None = None) -> list[Ticket]:
+    def reply_ready(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None,
+                    annotations: tuple[Annotation, ...] = ()) -> list[Ticket]:
         """``ticket``'s reply exists; returns the tickets now due, to be written in this order by
         the caller (then :meth:`replies_written`), or [] when someone else writes them."""
         if ticket.reply is not None:
             raise RuntimeError(f"{ticket.kind.reference_name} answered twice")
         ticket.reply = reply
         ticket.timings = timings
+        if annotations:
+            ticket.annotations = annotations
         return self._due()
 
     def replies_written(self, count: int) -> list[Ticket]:

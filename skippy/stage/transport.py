@@ -47,7 +47,7 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
-from skippy.protocol_ext import ErrorFrame, TimingsFrame
+from skippy.protocol_ext import Annotation, ErrorFrame, LogprobsFrame, SamplingAcceptedFrame, TimingsFrame
 from skippy.stage.config import Address
 from skippy.stage.errors import DownstreamError, DownstreamLost, MalformedFrame, StageError, UpstreamLost
 from skippy.stage.limits import SMALL_FRAME, BufferBudget
@@ -292,6 +292,9 @@ class ReplyReader(_Reader):
 
     def __init__(self, io: SocketIO, peer: str) -> None:
         super().__init__(io, peer, codec.ReplyDecoder(extensions=True))
+        #: The annotation frames (docs/protocol.md §10) that preceded the last reply :meth:`next`
+        #: returned, to relay with it.
+        self.annotations: tuple[Annotation, ...] = ()
 
     async def next(self) -> tuple[StageReply, TimingsFrame | None]:
         """The next reply and the Timings frame that preceded it (None without one).
@@ -301,6 +304,8 @@ class ReplyReader(_Reader):
             DownstreamLost: end of stream (the downstream stage is gone) or a malformed reply.
         """
         timings: TimingsFrame | None = None
+        if self.annotations:
+            self.annotations = ()
         while True:
             try:
                 result = self.decoder.next_reply()  # type: ignore[attr-defined]
@@ -314,6 +319,8 @@ class ReplyReader(_Reader):
                 return result, timings
             elif type(result) is TimingsFrame:
                 timings = result  # at most one precedes a reply; a second one replaces it
+            elif type(result) is LogprobsFrame or type(result) is SamplingAcceptedFrame:
+                self.annotations += (result,)  # docs/protocol.md §10: relayed with the reply
             else:
                 assert isinstance(result, ErrorFrame)
                 raise DownstreamError(result)

@@ -1,0 +1,262 @@
+"""Structured output and logprobs on the OpenAI API: request fields in, response fields out.
+
+Strategy: the request side turns ``response_format`` (``text``, ``json_object``, ``json_schema``
+with ``strict``), llama-server's ``grammar`` (GBNF text) and ``logprobs`` / ``top_logprobs``
+into the two things the chain understands (docs/protocol.md §10): one GBNF grammar the final
+stage samples under, and the number of alternatives per position to report.  Every field is
+checked here and refused with a 400 naming it; a grammar is also *parsed* here, by llama.cpp
+against the served model's vocabulary (the driver's vocab-only load), so a grammar that does
+not parse never reaches a stage.
+
+JSON Schema → GBNF is llama-cpp-python's converter (``llama_cpp.llama_grammar``, the Python port
+of llama.cpp's ``json_schema_to_grammar``); we write no converter of our own.  That file is pure
+Python and is loaded on its own (:func:`_llama_grammar`), so the server needs llama-cpp-python
+installed (the test extra has it) but never its native library; without it, JSON response formats
+are a 501 saying how to install it, and GBNF ``grammar`` still works.  The schema is
+first checked as a JSON Schema (``jsonschema``'s metaschema check).  What the converter covers,
+and so what is enforced, is listed in docs/structured-output.md: types, ``properties`` /
+``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` / ``oneOf`` /
+``allOf`` of objects, ``items`` / ``prefixItems`` / ``minItems`` / ``maxItems``,
+``minLength`` / ``maxLength``, ``pattern`` (a regex subset), string ``format`` date / time /
+date-time / uuid, local ``$ref`` / ``$defs`` (fetching remote ones is off: a 400).  A schema
+keyword it does not know (numeric bounds among them) is not enforced, which the docs say.
+
+The response side shapes the final stage's log-probabilities (log-softmax of the model's logits,
+before temperature, penalties or the grammar) as OpenAI's chat ``logprobs.content`` entries or
+the legacy completions ``logprobs`` object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.util
+import json
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+from skippy.api.errors import ApiError
+from skippy.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy.runtime.sampling import Sampler, SamplingParams
+from skippy.runtime.tokenizer import Tokenizer
+
+__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "completion_logprobs", "parse_constraints"]
+
+
+def bad(param: str, message: str) -> ApiError:
+    """A 400 naming the field (structured-output and logprobs refusals)."""
+    return ApiError(400, f"Invalid value for '{param}': {message}", param=param, code="invalid_value")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Constraints:
+    """What a request asks of the final stage beyond plain sampling."""
+
+    #: GBNF the sampled text follows (None: unconstrained).
+    grammar: str | None = None
+    #: Alternatives per position to report (None: no logprobs; 0: the sampled token's only).
+    logprobs: int | None = None
+    #: The request asked for JSON (json_object / json_schema): what the docs promise holds for it.
+    json: bool = False
+
+
+#: How to get the converter when llama-cpp-python is not installed (it is not a runtime dependency:
+#: the package builds llama.cpp on install unless told not to; skippy needs only this pure-Python file).
+_CONVERTER_HINT = ("JSON response formats use llama-cpp-python's JSON-schema converter; install it without its "
+                   "native build: CMAKE_ARGS='-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF' pip install llama-cpp-python==0.3.36 "
+                   "(a GBNF 'grammar' works without it)")
+
+
+@functools.cache
+def _llama_grammar() -> Any:
+    """llama-cpp-python's ``llama_grammar`` module, loaded from its file on its own.
+
+    The module is pure Python (stdlib imports only); importing it through the ``llama_cpp``
+    package would load that package's native library, which the API server neither needs nor has.
+
+    Raises:
+        ApiError: 501 when llama-cpp-python is not installed.
+    """
+    spec = importlib.util.find_spec("llama_cpp")
+    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
+    path = next((Path(place) / "llama_grammar.py" for place in locations
+                 if (Path(place) / "llama_grammar.py").is_file()), None)
+    if path is None:
+        raise ApiError(501, _CONVERTER_HINT, type="not_implemented", param="response_format",
+                       code="converter_unavailable")
+    loader = importlib.util.spec_from_file_location("skippy_llama_cpp_grammar", path)
+    assert loader is not None and loader.loader is not None
+    module = importlib.util.module_from_spec(loader)
+    loader.loader.exec_module(module)
+    return module
+
+
+#: The converter's string-character rule lets raw control characters into strings, which JSON
+#: forbids (llama.cpp's own converter has since excluded them), and any code point llama.cpp's
+#: UTF-8 decoder produces from byte tokens, surrogates and values past U+10FFFF included, which
+#: are not UTF-8 (found by the 100-sample test: a detokenizer shows them as U+FFFD, breaking
+#: maxLength).  The one correction we apply to its output.
+_CONVERTER_CHAR_RULE = 'char ::= [^"\\\\] | '
+_JSON_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\U001FFFFF] | '
+
+
+def _schema_grammar(schema: Any, param: str) -> str:
+    if not isinstance(schema, dict):
+        raise bad(param, "expected a JSON Schema object")
+    try:
+        import jsonschema
+    except ImportError as exc:  # the api extra installs it; say what is missing rather than guess
+        raise ApiError(500, "json_schema needs the 'jsonschema' package on the server", param=param) from exc
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.exceptions.SchemaError as exc:
+        raise bad(param, f"not a valid JSON Schema: {exc.message}") from exc
+    try:
+        text: str = _llama_grammar().json_schema_to_gbnf(json.dumps(schema))
+    except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError, RecursionError) as exc:
+        # the converter's refusals (unsupported or unresolvable parts) come as these
+        raise bad(param, f"the schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from exc
+    return text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
+
+
+def _response_format(body: Mapping[str, Any]) -> tuple[str | None, bool]:
+    value = body.get("response_format")
+    if value is None:
+        return None, False
+    if not isinstance(value, dict) or not isinstance(value.get("type"), str):
+        raise bad("response_format", "expected an object with a 'type'")
+    kind = value["type"]
+    if kind == "text":
+        return None, False
+    if kind == "json_object":
+        return _llama_grammar().JSON_GBNF, True
+    if kind == "json_schema":
+        spec = value.get("json_schema")
+        if not isinstance(spec, dict):
+            raise bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
+        name = spec.get("name")
+        if name is not None and not isinstance(name, str):
+            raise bad("response_format.json_schema.name", "expected a string")
+        strict = spec.get("strict")
+        if strict is not None and not isinstance(strict, bool):
+            raise bad("response_format.json_schema.strict", "expected a boolean")
+        if "schema" not in spec:
+            raise bad("response_format.json_schema.schema", "missing: the JSON Schema the answer must follow")
+        # strict or not, the answer is sampled under the schema's grammar: every answer that
+        # completes (finish_reason "stop") follows it.
+        return _schema_grammar(spec["schema"], "response_format.json_schema.schema"), True
+    raise bad("response_format.type", f"expected 'text', 'json_object' or 'json_schema', got {json.dumps(kind)}")
+
+
+def _check_grammar(text: str, param: str, tokenizer: Tokenizer) -> None:
+    """Parse ``text`` with llama.cpp against the served vocabulary (400 naming ``param`` if it fails)."""
+    try:
+        params = SamplingParams(grammar=text)
+        Sampler(params, tokenizer.n_vocab, tokenizer.vocab_pointer).close()
+    except ValueError as exc:  # check_grammar_text's bounds or llama.cpp's parse failure
+        raise bad(param, str(exc)) from exc
+
+
+def _logprobs(body: Mapping[str, Any], chat: bool) -> int | None:
+    value = body.get("logprobs")
+    if chat:
+        if value is not None and not isinstance(value, bool):
+            raise bad("logprobs", f"expected a boolean, got {json.dumps(value)}")
+        top = body.get("top_logprobs")
+        if top is not None:
+            if isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_TOP_LOGPROBS:
+                raise bad("top_logprobs", f"expected an integer in 0..{MAX_TOP_LOGPROBS}, got {json.dumps(top)}")
+            if not value:
+                raise bad("top_logprobs", "needs 'logprobs': true")
+        return (top or 0) if value else None
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_TOP_LOGPROBS:
+        raise bad("logprobs", f"expected an integer in 0..{MAX_TOP_LOGPROBS}, got {json.dumps(value)}")
+    return value
+
+
+def parse_constraints(body: Mapping[str, Any], chat: bool, tokenizer: Tokenizer) -> Constraints:
+    """The request's grammar and logprobs settings.
+
+    Raises:
+        ApiError: 400 naming the field: a malformed ``response_format``, an invalid JSON Schema or
+            one the converter refuses, a ``grammar`` that does not parse, ``grammar`` together
+            with a JSON ``response_format``, ``top_logprobs`` / ``logprobs`` out of range.
+    """
+    grammar, is_json = _response_format(body)
+    param = "response_format"
+    raw = body.get("grammar")
+    if raw is not None:
+        if not isinstance(raw, str):
+            raise bad("grammar", "expected GBNF text (a string)")
+        if grammar is not None:
+            raise bad("grammar", "give either 'grammar' or a JSON 'response_format', not both")
+        if raw.strip():
+            grammar, param = raw, "grammar"
+    if grammar is not None:
+        _check_grammar(grammar, param, tokenizer)
+    return Constraints(grammar, _logprobs(body, chat), is_json)
+
+
+def _token_text(tokenizer: Tokenizer, token: int) -> tuple[str, list[int]]:
+    data = tokenizer.piece(token)
+    return data.decode("utf-8", "replace"), list(data)
+
+
+def chat_logprobs(tokenizer: Tokenizer, rows: Sequence[TokenLogprobs]) -> dict[str, Any]:
+    """OpenAI's chat ``choices[].logprobs`` for the positions ``rows``."""
+    content = []
+    for row in rows:
+        text, data = _token_text(tokenizer, row.token)
+        top = []
+        for token, logprob in row.top:
+            alt_text, alt_data = _token_text(tokenizer, token)
+            top.append({"token": alt_text, "logprob": logprob, "bytes": alt_data})
+        content.append({"token": text, "logprob": row.logprob, "bytes": data, "top_logprobs": top})
+    return {"content": content, "refusal": None}
+
+
+def completion_logprobs(tokenizer: Tokenizer, rows: Sequence[TokenLogprobs], offset: int = 0) -> dict[str, Any]:
+    """The legacy completions ``choices[].logprobs`` (``text_offset`` counts characters from ``offset``)."""
+    tokens, values, tops, offsets = [], [], [], []
+    position = offset
+    for row in rows:
+        text, _ = _token_text(tokenizer, row.token)
+        tokens.append(text)
+        values.append(row.logprob)
+        top: dict[str, float] = {}
+        for token, logprob in row.top:
+            top.setdefault(_token_text(tokenizer, token)[0], logprob)
+        tops.append(top)
+        offsets.append(position)
+        position += len(text)
+    return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
+
+
+@dataclasses.dataclass(slots=True)
+class LogprobsReport:
+    """One choice's logprobs in a response: all of them (:meth:`whole`), or those of the tokens
+    committed since the last streamed chunk (:meth:`fresh`)."""
+
+    tokenizer: Tokenizer
+    chat: bool
+    #: Characters before the first token (the completions echo), for ``text_offset``.
+    offset: int = 0
+    reported: int = 0
+
+    def whole(self, rows: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if rows is None:
+            return None
+        if self.chat:
+            return chat_logprobs(self.tokenizer, rows)
+        return completion_logprobs(self.tokenizer, rows, self.offset)
+
+    def fresh(self, rows: Sequence[TokenLogprobs] | None) -> dict[str, Any] | None:
+        if rows is None:
+            return None
+        new, self.reported = rows[self.reported:], len(rows)
+        shaped = self.whole(new)
+        if shaped is not None and not self.chat:
+            self.offset += sum(len(token) for token in shaped["tokens"])
+        return shaped
