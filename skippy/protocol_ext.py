@@ -235,6 +235,10 @@ def is_identity_query(message: StageMessage) -> bool:
     flags = message.state.flags
     return (message.kind is MessageKind.PREDICTION_RETURN_OPEN and bool(flags & MODEL_IDENTITY_FLAG)
             and not flags & DIRECT_RETURN_FLAG)
+
+
+@final
+@dataclass(frozen=True, slots=True)
 class SamplingAcceptedFrame:
     """SamplingAccepted frame (docs/protocol.md §10): precedes the ACK of a ConfigureGeneration
     whose sampling extension the final stage installed; relayed upstream unchanged.
