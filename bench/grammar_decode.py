@@ -4,9 +4,10 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/grammar_decode.py [--model real|tiny|
 [--tokens 48] [--rounds 3] [--sampling greedy|top-k]``.  Prints one line per run and a summary.
 
 Strategy: one ``skippy up`` chain (stage processes + API, as a user runs it).  Each round sends
-the same chat request twice, in alternating order: once with ``response_format`` json_schema
-(a person: name, age, hobbies), once without (the end-of-generation token biased away, so it runs
-to ``--tokens``).  The figures are the API's own ``usage.skippy_timing``: decode tokens/s (first
+the same completions request twice, in alternating order: once with ``response_format``
+json_schema (a person: name, age, hobbies; it ends when the JSON does), once without (the
+end-of-generation token biased away, so it runs to ``--tokens``; completions add no chat-template
+stop string).  The figures are the API's own ``usage.skippy_timing``: decode tokens/s (first
 to last token, at the driver) and the final stage's compute per token (where the grammar runs).
 ``greedy`` keeps the grammar beside the sampler (it checks the greedy pick and masks the
 vocabulary only when the pick is forbidden); ``top-k`` (temperature 0.8, top_k 40) puts it in the
@@ -41,7 +42,7 @@ SCHEMA = {
     "required": ["name", "age", "hobbies"],
     "additionalProperties": False,
 }
-MESSAGES = [{"role": "user", "content": "Describe a fictional person as JSON with a name, an age and hobbies."}]
+PROMPT = "Here is a fictional person described as JSON, with a name, an age and hobbies:\n"
 
 
 def model_path(name: str) -> Path:
@@ -59,14 +60,14 @@ def model_path(name: str) -> Path:
 
 def run(http: httpx.Client, url: str, model: str, tokens: int, grammar: bool, sampling: str, eos: int,
         seed: int) -> dict[str, Any]:
-    body: dict[str, Any] = {"model": model, "messages": MESSAGES, "max_tokens": tokens, "seed": seed,
-                            "speculation": False}
+    body: dict[str, Any] = {"model": model, "prompt": PROMPT, "max_tokens": tokens, "seed": seed,
+                            "speculation": False, "prefix_cache": False}
     body.update({"temperature": 0} if sampling == "greedy" else {"temperature": 0.8, "top_k": 40})
     if grammar:
         body["response_format"] = {"type": "json_schema", "json_schema": {"name": "person", "schema": SCHEMA}}
     else:
         body["logit_bias"] = {str(eos): -100}
-    response = http.post(url + "/v1/chat/completions", json=body)
+    response = http.post(url + "/v1/completions", json=body)
     response.raise_for_status()
     data = response.json()
     usage = data["usage"]
@@ -75,7 +76,7 @@ def run(http: httpx.Client, url: str, model: str, tokens: int, grammar: bool, sa
     count = usage["completion_tokens"]
     return {"tokens": count, "tok_s": timing["decode_tokens_per_second"],
             "final_compute_ms_per_token": final["compute_ms"] / max(1, count),  # the (cached) prefill included
-            "text": data["choices"][0]["message"]["content"], "finish": data["choices"][0]["finish_reason"]}
+            "text": data["choices"][0]["text"], "finish": data["choices"][0]["finish_reason"]}
 
 
 def main() -> int:
