@@ -70,6 +70,7 @@ class StageConfig:
     inline_decode: bool = True
     stats_file: Path | None = None
     metrics_listen: Address | None = None
+    downstream_file: Path | None = None
     drain_timeout: float = 2.0
     exit_on_stdin_eof: bool = False
     log_level: str = "INFO"
@@ -263,6 +264,8 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                       "without the runtime thread's hand-off; off: always on the runtime thread "
                       "(bench/RESULTS-stage.md has both figures)"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
+    "downstream_file": (_optional_path, "a file holding HOST:PORT of the next stage, read at every downstream dial "
+                        "(overrides --downstream while it exists): a launcher re-wires a running stage by rewriting it"),
     "metrics_listen": (_optional_address, "HOST:PORT to serve Prometheus metrics on (GET /metrics; port 0 = any, "
                        "logged as 'metrics on http://HOST:PORT/metrics'); absent: no metrics server"),
     "drain_timeout": (float, "seconds to let lanes finish after SIGTERM before cancelling them"),

@@ -390,6 +390,9 @@ class Connection:
 
     async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
         address = self.settings.downstream
+        if self.settings.downstream_file is not None:  # re-wired by a launcher (--downstream-file)
+            address = _read_downstream_file(self.settings.downstream_file) or address
+            self.downstream_name = str(address)
         assert address is not None
         self.downstream = await connect_stage(address, self.settings.connect_timeout,  # type: ignore[arg-type]
                                               tls=self.settings.downstream_tls)
@@ -947,3 +950,17 @@ def _describe(exc: BaseException) -> str:
     if isinstance(exc, StageError) and not extensions.is_bug(exc):
         return str(exc)
     return f"{type(exc).__name__}: {exc}"
+
+
+def _read_downstream_file(path: object) -> object | None:
+    """The address in a ``--downstream-file`` (None while it is missing, empty or unreadable)."""
+    from pathlib import Path
+
+    from skippy.stage.config import Address
+
+    try:
+        text = Path(str(path)).read_text().strip()
+        return Address.parse(text) if text else None
+    except (OSError, ValueError) as exc:  # not written yet / half written: keep the configured one
+        log.warning("downstream file %s unreadable (%s); using --downstream", path, exc)
+        return None

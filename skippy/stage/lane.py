@@ -80,6 +80,8 @@ class LaneSettings:
     identities: object | None = None
     #: TLS context of the downstream link (:mod:`skippy.stage.tls`; None: plain TCP).
     downstream_tls: ssl.SSLContext | None = None
+    #: A file naming the downstream, read at every dial (``--downstream-file``; None: none).
+    downstream_file: object | None = None
 
 
 def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,

@@ -178,6 +178,7 @@ class StageServer:
             session_quota=self.limits.session_quota, max_frame_bytes=self.limits.max_frame_bytes,
             downstream_tls=self.tls.downstream if self.tls is not None else None,
             **_identity_settings(config, executor, self.tls.downstream if self.tls is not None else None),
+            downstream_file=config.downstream_file,
         )
         self.budget = BufferBudget(self.limits.max_buffered_bytes)
         #: docs/protocol.md §8: the return lanes drivers open to this stage (when it is final).

@@ -1,0 +1,297 @@
+"""Place a chain on a Ray cluster: one placement-group bundle per stage, one actor per stage process.
+
+Strategy
+--------
+* **Placement.** One placement group with a bundle per stage (``{"CPU": cpus}``), strategy
+  ``STRICT_SPREAD`` when the cluster has a node per stage (else ``SPREAD``): Ray picks the nodes,
+  and reschedules a lost node's bundle onto a node with room.
+* **Stages.** Each stage process (``python -m skippy.stage``) is owned by a :class:`StageActor`
+  scheduled into its bundle.  The actor starts it listening on its node's IP (port 0), reads its
+  log until ``ready on HOST:PORT`` and reports that address and its node id; the stage runs with
+  ``--exit-on-stdin-eof on`` on a pipe the actor holds, so it goes when its actor (or node) does.
+  Stages start final first, each READY before the next, and each gets ``--downstream`` from the
+  address the next one reported, plus a ``--downstream-file`` the actor can rewrite.
+* **A lost stage** (:meth:`RayChain.watch`): every ``poll_interval`` the launcher asks each actor
+  whether its process lives.  A dead process or an unreachable actor (its node left) restarts that
+  stage: a new actor in the same bundle (Ray has moved the bundle if the node is gone), the same
+  range, the same downstream; then its upstream neighbour's downstream file is rewritten, so its
+  next lane dials the new address.  The other stages keep running.  Requests in flight on the lost
+  stage fail at once through the chain's own path (its upstream sends ``DOWNSTREAM_LOST`` naming
+  it, or the driver's lane to a lost first stage closes); ``on_restart`` tells the API about a new
+  first stage.
+* **Shutdown** stops every stage process, kills the actors and removes the placement group, so
+  nothing is left on the cluster.
+
+Ray is an optional extra (``pip install 'skippy[ray]'``); this module imports it at import time
+and is imported only by ``skippy up --ray``.  Every node needs skippy and the model file at the
+same path.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import logging
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from skippy.stage.config import Address
+
+__all__ = ["RayChain", "RayStage", "StageActor"]
+
+log = logging.getLogger("skippy.ray")
+
+_READY = re.compile(r"ready on (\S+):(\d+)")
+_METRICS = re.compile(r"metrics on (http://\S+/metrics)")
+
+
+@ray.remote(num_cpus=0)
+class StageActor:
+    """Owns one stage process on its node (the bundle reserves the resources)."""
+
+    def __init__(self) -> None:
+        self.process: subprocess.Popen[bytes] | None = None
+        self.tail: collections.deque[str] = collections.deque(maxlen=30)
+        self.directory = Path(tempfile.mkdtemp(prefix="skippy-ray-stage-"))
+        self.downstream_file = self.directory / "downstream"
+
+    def start(self, arguments: Sequence[str], downstream: str | None, ready_timeout: float = 300.0,
+              metrics: bool = False) -> tuple[str, int, str, int, str]:
+        """Start the stage; (host, port, node id, pid, metrics URL or "") once it is READY.
+
+        Raises:
+            RuntimeError: the stage exited or was not READY in time (with its last log lines).
+        """
+        host = ray.util.get_node_ip_address()
+        command = [sys.executable, "-m", "skippy.stage", *arguments, "--listen", f"{host}:0",
+                   "--exit-on-stdin-eof", "on", "--downstream-file", str(self.downstream_file)]
+        if downstream is not None:
+            self.set_downstream(downstream)
+            command += ["--downstream", downstream]
+        if metrics:
+            command += ["--metrics-listen", f"{host}:0"]
+        self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                                        stderr=subprocess.PIPE)
+        ready: list[tuple[str, int]] = []
+        metrics_url: list[str] = []
+        got = threading.Event()
+
+        def read_log() -> None:
+            assert self.process is not None and self.process.stderr is not None
+            for raw in self.process.stderr:
+                line = raw.decode("utf-8", "replace").rstrip()
+                self.tail.append(line)
+                found = _METRICS.search(line)
+                if found:
+                    metrics_url.append(found.group(1))
+                match = _READY.search(line)
+                if match and not got.is_set():
+                    ready.append((match.group(1), int(match.group(2))))
+                    got.set()
+            got.set()
+
+        threading.Thread(target=read_log, daemon=True).start()
+        got.wait(ready_timeout)
+        if not ready:
+            self.stop()
+            raise RuntimeError("stage did not get ready; its last log lines:\n" + "\n".join(self.tail))
+        node = ray.get_runtime_context().get_node_id()
+        return ready[0][0], ready[0][1], node, self.process.pid, (metrics_url[0] if metrics_url else "")
+
+    def set_downstream(self, address: str) -> None:
+        """Point the stage's next downstream dial at ``address`` (atomic rewrite of its file)."""
+        temporary = self.downstream_file.with_suffix(".tmp")
+        temporary.write_text(address)
+        os.replace(temporary, self.downstream_file)
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def last_lines(self) -> list[str]:
+        return list(self.tail)
+
+    def stop(self, grace: float = 5.0) -> None:
+        process = self.process
+        if process is None or process.poll() is not None:
+            return
+        process.terminate()
+        try:
+            process.wait(grace)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(10)
+
+
+@dataclasses.dataclass
+class RayStage:
+    """One placed stage: its range, actor, address and node."""
+
+    index: int
+    layers: str
+    actor: Any = None
+    address: Address | None = None
+    node_id: str = ""
+    pid: int = 0
+    restarts: int = 0
+    metrics_url: str = ""
+
+    @property
+    def name(self) -> str:
+        return f"stage {self.index} (layers {self.layers})"
+
+
+class RayChain:
+    """A chain placed on a Ray cluster (see the module notes).
+
+    Args:
+        model: the GGUF file (the same path on every node).
+        split: the layer ranges, in chain order.
+        stage_options: flags every stage gets (ctx size, sessions, ...).
+        address: the Ray cluster (None: ``ray.init()``'s default: RAY_ADDRESS or a local one).
+        cpus_per_stage: the CPU reservation of each bundle.
+        metrics: each stage serves Prometheus metrics on its node (``metrics_url``).
+    """
+
+    def __init__(self, model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
+                 address: str | None = None, cpus_per_stage: float = 1.0, metrics: bool = True) -> None:
+        self.metrics = metrics
+        self.model = model
+        self.stages = [RayStage(index, f"{a}:{b}") for index, (a, b) in enumerate(split)]
+        self.options = list(stage_options)
+        self.address = address
+        self.cpus = cpus_per_stage
+        self.group: PlacementGroup | None = None
+        self._initialized = False
+        #: Names the actors (``skippy-<id>-stage<i>-<attempt>``), so Ray's listing shows whose they are.
+        self.chain_id = f"{os.getpid()}-{id(self) & 0xFFFFFF:x}"
+        self._attempts = itertools.count()
+
+    # -- placement ---------------------------------------------------------------------------
+    def start(self, announce: Callable[[RayStage], None] | None = None, timeout: float = 300.0) -> None:
+        """Connect, reserve the bundles and start every stage, final first (blocking).
+
+        Raises:
+            RuntimeError: no placement within ``timeout`` or a stage that failed to start.
+        """
+        if not ray.is_initialized():
+            ray.init(address=self.address, log_to_driver=False)
+            self._initialized = True
+        nodes = [node for node in ray.nodes() if node.get("Alive")]
+        strategy = "STRICT_SPREAD" if len(nodes) >= len(self.stages) else "SPREAD"
+        self.group = placement_group([{"CPU": self.cpus}] * len(self.stages), strategy=strategy)
+        try:
+            ray.get(self.group.ready(), timeout=timeout)
+        except ray.exceptions.GetTimeoutError as exc:
+            raise RuntimeError(f"Ray could not place {len(self.stages)} bundles of {self.cpus:g} CPU "
+                               f"({strategy}) within {timeout:g} s") from exc
+        downstream: Address | None = None
+        for stage in reversed(self.stages):
+            self._start_stage(stage, downstream, timeout)
+            if announce is not None:
+                announce(stage)
+            downstream = stage.address
+
+    def _start_stage(self, stage: RayStage, downstream: Address | None, timeout: float) -> None:
+        assert self.group is not None
+        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=stage.index)
+        stage.actor = StageActor.options(  # type: ignore[attr-defined]
+            scheduling_strategy=strategy, max_restarts=0, num_cpus=0,
+            name=f"skippy-{self.chain_id}-stage{stage.index}-{next(self._attempts)}", namespace="skippy").remote()
+        arguments = ["--model", str(self.model), "--layers", stage.layers, *self.options]
+        try:
+            host, port, node, pid, metrics_url = ray.get(stage.actor.start.remote(
+                arguments, None if downstream is None else str(downstream), timeout, self.metrics),
+                timeout=timeout + 60)
+        except (ray.exceptions.RayError, RuntimeError) as exc:  # RayTaskError wraps the actor's RuntimeError
+            try:
+                ray.kill(stage.actor, no_restart=True)
+            except (ray.exceptions.RayError, ValueError):  # already gone
+                pass
+            raise RuntimeError(f"{stage.name} failed to start on Ray: {exc}") from exc
+        stage.address, stage.node_id, stage.pid, stage.metrics_url = Address(host, port), node, pid, metrics_url
+
+    # -- a lost stage ------------------------------------------------------------------------
+    def bundle_nodes(self) -> list[str]:
+        """The node id of each bundle, from Ray's placement-group table."""
+        assert self.group is not None
+        table = ray.util.placement_group_table(self.group)
+        return [table["bundles_to_node_id"][index] for index in range(len(self.stages))]
+
+    def lost(self, timeout: float = 1.0) -> list[RayStage]:
+        """The stages whose process or actor is gone (asks every actor; blocking)."""
+        gone = []
+        refs = [(stage, stage.actor.alive.remote()) for stage in self.stages]
+        for stage, ref in refs:
+            try:
+                if not ray.get(ref, timeout=timeout):
+                    gone.append(stage)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # actor or node gone
+                gone.append(stage)
+        return gone
+
+    def restart(self, stage: RayStage, timeout: float = 300.0) -> None:
+        """Start ``stage`` again in its bundle (same range, same downstream) and re-wire its upstream."""
+        try:
+            ray.kill(stage.actor, no_restart=True)
+        except (ray.exceptions.RayError, ValueError):  # already dead with its node
+            pass
+        assert self.group is not None
+        following = self.stages[stage.index + 1] if stage.index + 1 < len(self.stages) else None
+        deadline = time.monotonic() + timeout
+        stage.restarts += 1
+        while True:
+            # Until Ray notices a node has left (missed heartbeats), the bundle still maps to it
+            # and an actor placed there dies unstarted: try again until the bundle has moved.
+            ray.get(self.group.ready(), timeout=timeout)
+            try:
+                self._start_stage(stage, None if following is None else following.address, timeout)
+                break
+            except RuntimeError as exc:
+                if time.monotonic() > deadline:
+                    raise
+                log.info("%s not restarted yet (%s); retrying", stage.name, str(exc).splitlines()[0])
+                time.sleep(1.0)
+        if stage.index > 0:
+            upstream = self.stages[stage.index - 1]
+            ray.get(upstream.actor.set_downstream.remote(str(stage.address)), timeout=30)
+
+    def watch_once(self) -> list[RayStage]:
+        """One pass of the watcher: restart every lost stage; returns the restarted ones."""
+        gone = self.lost()
+        for stage in sorted(gone, key=lambda s: -s.index):  # downstream first: upstreams get its new address
+            log.warning("%s at %s is lost; restarting it", stage.name, stage.address)
+            self.restart(stage)
+        return gone
+
+    # -- teardown ----------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Stop every stage process and actor, remove the placement group (and disconnect)."""
+        for stage in self.stages:
+            if stage.actor is None:
+                continue
+            try:
+                ray.get(stage.actor.stop.remote(), timeout=15)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # its node is gone
+                pass
+            try:
+                ray.kill(stage.actor, no_restart=True)
+            except (ray.exceptions.RayError, ValueError):  # already gone
+                pass
+        if self.group is not None:
+            remove_placement_group(self.group)
+            self.group = None
+        if self._initialized:
+            ray.shutdown()
+            self._initialized = False
