@@ -295,3 +295,30 @@ class RayChain:
         if self._initialized:
             ray.shutdown()
             self._initialized = False
+
+
+async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
+                        address: str | None = None, announce: Callable[[RayStage], None] | None = None,
+                        on_restart: Callable[[RayStage], Any] | None = None, poll_interval: float = 0.5,
+                        task_status: Any = None) -> None:
+    """``skippy up --ray``: place and run the chain until cancelled (trio; Ray calls in a thread).
+
+    Reports the placed :class:`RayStage` list through ``task_status``; then watches, restarting
+    lost stages and calling ``on_restart`` (in the trio thread) for each; on the way out it shuts
+    everything down.
+    """
+    import trio
+
+    chain = RayChain(model, split, stage_options=stage_options, address=address)
+    try:
+        await trio.to_thread.run_sync(lambda: chain.start(announce), abandon_on_cancel=False)
+        if task_status is not None:
+            task_status.started(chain.stages)
+        while True:
+            await trio.sleep(poll_interval)
+            for stage in await trio.to_thread.run_sync(chain.watch_once):
+                if on_restart is not None:
+                    await on_restart(stage)
+    finally:
+        with trio.CancelScope(shield=True):
+            await trio.to_thread.run_sync(chain.shutdown)

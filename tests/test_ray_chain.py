@@ -4,7 +4,8 @@ One test (Ray takes most of a minute to start four nodes on two cores): three st
 different nodes (asserted from Ray's own view of the actors), greedy tokens equal to the unsplit
 model's; the middle stage killed and its node removed mid-generation fails the request within
 2 s naming the stage; the stage comes back on the spare node, its upstream re-wired, and the next
-request's tokens equal unsplit; shutting down leaves no actor and no stage process.
+request's tokens equal unsplit; shutting down leaves no actor and no stage process; then
+``skippy up --ray ADDRESS`` serves the API from the same cluster and stops cleanly.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import signal
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import trio
 
@@ -23,6 +25,7 @@ from skippy.driver.client import StageClient, StageLost  # noqa: E402
 from skippy.ray_launch import RayChain  # noqa: E402
 
 from conftest import PROMPT  # noqa: E402
+from api_helpers import UpProcess  # noqa: E402
 from stage_helpers import reference_greedy  # noqa: E402
 
 FLAGS = ["--batch-size", "64", "--ctx-size", "512", "--max-sessions", "4", "--threads", "1",
@@ -44,7 +47,7 @@ def _pid_alive(pid: int) -> bool:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
-def test_ray_places_restarts_and_releases(tiny_llama: Path) -> None:
+def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> None:
     from ray.cluster_utils import Cluster
 
     try:
@@ -104,12 +107,26 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path) -> None:
         assert victim.restarts == 1 and victim.node_id != old_node and victim.address != old_address
         pids.append(victim.pid)
         assert trio.run(greedy, 3) == reference
+        chain.shutdown()
+
+        # skippy up --ray ADDRESS: the same placement behind the API, from the command line
+        up = UpProcess(["up", "--model", str(tiny_llama), "--stages", "3", "--ray", cluster.address, "--port", "0",
+                        "--ctx-size", "256", "--max-sessions", "2", "--threads", "1"], tmp_path)
+        try:
+            up.start(timeout=240)
+            assert up.stderr().count("Ray node") == 3
+            reply = httpx.post(f"{up.url}/v1/completions", json={
+                "model": tiny_llama.name.removesuffix(".gguf"), "prompt": "Hello", "max_tokens": 4}, timeout=60)
+            assert reply.status_code == 200, reply.text
+            assert httpx.get(f"{up.url}/health", timeout=30).status_code == 200
+        finally:
+            assert up.signal(signal.SIGTERM, timeout=60) == 0, up.stderr()
     finally:
         chain.shutdown()
         if not ray.is_initialized():  # chain.shutdown() disconnects only a connection it made
             ray.init(address=cluster.address, log_to_driver=False)
         left = [entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)
-                if entry["name"].startswith(f"skippy-{chain.chain_id}-")]
+                if entry["name"].startswith("skippy-")]
         ray.shutdown()
         cluster.shutdown()
     assert not left

@@ -11,7 +11,7 @@ from __future__ import annotations
 import logging
 import ssl
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import trio
 from hypercorn.config import Config
@@ -39,6 +39,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     keys: ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                     max_queue: int = DEFAULT_MAX_QUEUE, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                     cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
+                    on_pool: Callable[[LanePool], None] | None = None,
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -55,10 +56,13 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         max_queue, queue_timeout: requests that may wait for a lane, and for how long (429 beyond).
         cors_origins: origins allowed to call from browsers (none: CORS off).
         stage_tls: the driver's mutual-TLS context for the chain's links (None: plain TCP).
+        on_pool: called with the lane pool once made (a launcher that moves stages re-points it).
         task_status: receives the base URL once listening.
     """
     generator = Generator.from_model(model, n_ctx=n_ctx)
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
+    if on_pool is not None:
+        on_pool(pool)
     service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys,
                            admission=Admission(pool, max_queue=max_queue, timeout=queue_timeout),
                            max_body_bytes=max_body_bytes, cors_origins=tuple(cors_origins))

@@ -91,6 +91,10 @@ def add_parser(subparsers: Any) -> None:
                                    description=__doc__)
     add_chain_arguments(parser)
     parser.add_argument("--port", type=int, default=8000, help="API port (default 8000, 0 = any free port)")
+    parser.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                        help="place the stages on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a local one): one "
+                             "placement-group bundle per stage, spread over nodes; a lost stage is restarted on a node "
+                             "with room and re-wired (needs skippy[ray]; skippy and the model on every node)")
     add_api_options(parser)
     parser.set_defaults(run=run)
 
@@ -194,6 +198,10 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
     stage_tls, per_stage = None, None
+    if getattr(args, "tls", False) and getattr(args, "ray", None):
+        print("error: --tls with --ray is not supported yet (the certificates are not distributed to Ray nodes)",
+              file=err)
+        return 2
     if getattr(args, "tls", False):
         try:
             stage_tls, per_stage = _provision_tls(log_dir / "certs", len(split))
@@ -214,14 +222,19 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
-                children = await nursery.start(lambda task_status: run_chain(
-                    model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
-                    announce=announce, per_stage_options=per_stage, task_status=task_status))
-                stages = [child.info() for child in children]
+                pools: list[Any] = []
+                if getattr(args, "ray", None):
+                    stages = await nursery.start(lambda task_status: _run_on_ray(
+                        args.ray, model, split, options, bar, pools, task_status))
+                else:
+                    children = await nursery.start(lambda task_status: run_chain(
+                        model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
+                        announce=announce, per_stage_options=per_stage, task_status=task_status))
+                    stages = [child.info() for child in children]
                 url = await nursery.start(lambda task_status: serve_api(
                     model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
                     n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status,
-                    stage_tls=stage_tls, **settings))
+                    stage_tls=stage_tls, on_pool=pools.append, **settings))
                 body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
                         % model_id)
                 print(f"skippy API on {url}  (model {model_id}; Ctrl-C stops everything)", flush=True)
@@ -256,6 +269,45 @@ def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callabl
         return ["--tls", "on", "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
 
     return client_context(TlsFiles.in_directory(directory, "driver-0")), flags
+
+
+async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], options: list[str], bar: ProgressBar,
+                      pools: list[Any], task_status: trio.TaskStatus[list[Any]]) -> None:
+    """The chain on Ray (:mod:`skippy.ray_launch`), reported as the API's StageInfo list; a
+    restarted stage re-points the API's lanes (and its health report) at its new address."""
+    from skippy.api.lanes import StageInfo
+    from skippy.launch import ChildFailed
+
+    try:
+        from skippy.ray_launch import run_ray_chain
+    except ImportError as exc:  # the optional extra is missing: say how to get it
+        raise ChildFailed(f"--ray needs Ray: pip install 'skippy[ray]' ({exc})") from exc
+    placed: list[Any] = []
+
+    def infos() -> list[StageInfo]:
+        return [StageInfo(s.index, s.layers, s.address) for s in placed]
+
+    def announce(stage: Any) -> None:
+        bar.line(f"{stage.name} ready on {stage.address} (Ray node {stage.node_id[:12]}, "
+                 f"metrics {stage.metrics_url or 'off'})")
+
+    async def restarted(stage: Any) -> None:
+        bar.line(f"{stage.name} restarted on {stage.address} (Ray node {stage.node_id[:12]})")
+        for pool in pools:
+            pool.stages = tuple(infos())
+            if stage.index == 0:
+                pool.address = stage.address
+                await pool.discard_idle()
+
+    class Relay:
+        """Turns run_ray_chain's RayStage list into the StageInfo list the API takes."""
+
+        def started(self, stages: list[Any]) -> None:
+            placed.extend(stages)
+            task_status.started(infos())
+
+    await run_ray_chain(model, split, stage_options=options, address=None if address == "auto" else address,
+                        announce=announce, on_restart=restarted, task_status=Relay())
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
