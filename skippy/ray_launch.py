@@ -11,6 +11,9 @@ Strategy
   ``--exit-on-stdin-eof on`` on a pipe the actor holds, so it goes when its actor (or node) does.
   Stages start final first, each READY before the next, and each gets ``--downstream`` from the
   address the next one reported, plus a ``--downstream-file`` the actor can rewrite.
+* **Links.** With a certificate directory (``skippy certs``), each actor writes its stage's
+  certificate, key and the chain CA on its node and starts the stage with ``--tls on``: every link
+  between nodes is mutual TLS, and the launcher's driver uses the ``driver-0`` certificate.
 * **A lost stage** (:meth:`RayChain.watch`): every ``poll_interval`` the launcher asks each actor
   whether its process lives.  A dead process or an unreachable actor (its node left) restarts that
   stage: a new actor in the same bundle (Ray has moved the bundle if the node is gone), the same
@@ -68,8 +71,11 @@ class StageActor:
         self.downstream_file = self.directory / "downstream"
 
     def start(self, arguments: Sequence[str], downstream: str | None, ready_timeout: float = 300.0,
-              metrics: bool = False) -> tuple[str, int, str, int, str]:
+              metrics: bool = False, tls: dict[str, bytes] | None = None) -> tuple[str, int, str, int, str]:
         """Start the stage; (host, port, node id, pid, metrics URL or "") once it is READY.
+
+        ``tls``: the stage's certificate, key and the chain CA (PEM bytes), written to this node
+        for ``--tls on``.
 
         Raises:
             RuntimeError: the stage exited or was not READY in time (with its last log lines).
@@ -82,6 +88,14 @@ class StageActor:
             command += ["--downstream", downstream]
         if metrics:
             command += ["--metrics-listen", f"{host}:0"]
+        if tls is not None:
+            paths = {}
+            for part in ("cert", "key", "ca"):
+                path = paths[part] = self.directory / f"{part}.pem"
+                path.write_bytes(tls[part])
+                path.chmod(0o600)
+            command += ["--tls", "on", "--tls-cert", str(paths["cert"]), "--tls-key", str(paths["key"]),
+                        "--tls-ca", str(paths["ca"])]
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
                                         stderr=subprocess.PIPE)
         ready: list[tuple[str, int]] = []
@@ -162,11 +176,16 @@ class RayChain:
         address: the Ray cluster (None: ``ray.init()``'s default: RAY_ADDRESS or a local one).
         cpus_per_stage: the CPU reservation of each bundle.
         metrics: each stage serves Prometheus metrics on its node (``metrics_url``).
+        certificates: a directory of ``skippy certs`` files (``stage-I`` for each stage and the
+            chain CA) to run every link on mutual TLS; each stage's files travel to its node with
+            its actor (None: plain TCP, which stages on non-loopback addresses refuse by default).
     """
 
     def __init__(self, model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
-                 address: str | None = None, cpus_per_stage: float = 1.0, metrics: bool = True) -> None:
+                 address: str | None = None, cpus_per_stage: float = 1.0, metrics: bool = True,
+                 certificates: Path | None = None) -> None:
         self.metrics = metrics
+        self.certificates = certificates
         self.model = model
         self.stages = [RayStage(index, f"{a}:{b}") for index, (a, b) in enumerate(split)]
         self.options = list(stage_options)
@@ -210,9 +229,15 @@ class RayChain:
             scheduling_strategy=strategy, max_restarts=0, num_cpus=0,
             name=f"skippy-{self.chain_id}-stage{stage.index}-{next(self._attempts)}", namespace="skippy").remote()
         arguments = ["--model", str(self.model), "--layers", stage.layers, *self.options]
+        tls = None
+        if self.certificates is not None:
+            name = f"stage-{stage.index}"
+            tls = {"cert": (self.certificates / f"{name}.pem").read_bytes(),
+                   "key": (self.certificates / f"{name}.key").read_bytes(),
+                   "ca": (self.certificates / "ca.pem").read_bytes()}
         try:
             host, port, node, pid, metrics_url = ray.get(stage.actor.start.remote(
-                arguments, None if downstream is None else str(downstream), timeout, self.metrics),
+                arguments, None if downstream is None else str(downstream), timeout, self.metrics, tls),
                 timeout=timeout + 60)
         except (ray.exceptions.RayError, RuntimeError) as exc:  # RayTaskError wraps the actor's RuntimeError
             try:
@@ -298,7 +323,8 @@ class RayChain:
 
 
 async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
-                        address: str | None = None, announce: Callable[[RayStage], None] | None = None,
+                        address: str | None = None, certificates: Path | None = None,
+                        announce: Callable[[RayStage], None] | None = None,
                         on_restart: Callable[[RayStage], Any] | None = None, poll_interval: float = 0.5,
                         task_status: Any = None) -> None:
     """``skippy up --ray``: place and run the chain until cancelled (trio; Ray calls in a thread).
@@ -309,7 +335,7 @@ async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_
     """
     import trio
 
-    chain = RayChain(model, split, stage_options=stage_options, address=address)
+    chain = RayChain(model, split, stage_options=stage_options, address=address, certificates=certificates)
     try:
         await trio.to_thread.run_sync(lambda: chain.start(announce), abandon_on_cancel=False)
         if task_status is not None:

@@ -5,8 +5,10 @@ Topology (each link a veth pair with its own /30; no routing, no loopback betwee
     test process (root ns) --- ns0: stage 0:1 --- ns1: stage 1:3 --- ns2: stage 3:4 (final)
 
 Each stage listens on its namespace's non-loopback address and dials the next over the veth
-link, so the multi-host path (addresses, the lazy downstream dial with its connect retries, the
-model-identity check) runs as between hosts.  The stages start first-to-last, the reverse of
+link, so the multi-host path runs as between hosts: addresses, the TLS default (a non-loopback
+stage refuses to start without certificates, so the chain runs on ``skippy certs``-made mutual
+TLS; a plain-TCP run is refused), the lazy downstream dial with its connect retries and the
+model-identity check (over TLS).  The stages start first-to-last, the reverse of
 what a launcher does, so the first lane's dials wait on nothing.  Needs root and iproute2
 (``ip netns``); skipped with the reason otherwise.
 """
@@ -22,9 +24,11 @@ from typing import Iterator
 import pytest
 import trio
 
+from skippy.certs import make_chain_certificates
 from skippy.driver.client import StageClient, StageRemoteError
 from skippy.protocol_ext import ErrorCode
 from skippy.stage.config import Address
+from skippy.stage.tls import TlsFiles, client_context
 
 from conftest import PROMPT, model_path
 from stage_helpers import StageProcess, reference_greedy
@@ -104,15 +108,21 @@ class NamespacedStage(StageProcess):
         return ["ip", "netns", "exec", self.namespace, *super().command()]
 
 
-def _start_chain(names: list[str], addresses: list[str], model: Path, tmp_path: Path,
+def _tls_flags(certs: Path, index: int) -> list[str]:
+    files = TlsFiles.in_directory(certs, f"stage-{index}")
+    return ["--tls", "on", "--tls-cert", str(files.cert), "--tls-key", str(files.key), "--tls-ca", str(files.ca)]
+
+
+def _start_chain(names: list[str], addresses: list[str], model: Path, tmp_path: Path, certs: Path | None,
                  final_model: Path | None = None) -> list[NamespacedStage]:
     splits = ["0:1", "1:3", "3:4"]
     stages = []
     for index, (name, host) in enumerate(zip(names, addresses)):
         downstream = Address(addresses[index + 1], PORT) if index + 1 < len(names) else None
         path = final_model if (final_model is not None and index == 2) else model
+        extra = [*FLAGS, *(_tls_flags(certs, index) if certs is not None else [])]
         stages.append(NamespacedStage(name, str(path), splits[index], tmp_path / f"ns-stage{index}.log",
-                                      downstream=downstream, listen=f"{host}:{PORT}", extra=FLAGS))
+                                      downstream=downstream, listen=f"{host}:{PORT}", extra=extra))
     return stages
 
 
@@ -120,13 +130,19 @@ def _start_chain(names: list[str], addresses: list[str], model: Path, tmp_path: 
 async def test_three_namespaces_equal_unsplit_and_refuse_a_mismatch(
         namespaces: tuple[list[str], list[str], str], tiny_llama: Path, tmp_path: Path) -> None:
     names, addresses, _ = namespaces
-    stages = _start_chain(names, addresses, tiny_llama, tmp_path)
+    plain = _start_chain(names, addresses, tiny_llama, tmp_path, None)[2]
+    with pytest.raises(RuntimeError, match="not a loopback address"):  # the TLS default on a real link
+        await plain.start()
+    certs = tmp_path / "certs"
+    make_chain_certificates(certs, ["stage-0", "stage-1", "stage-2", "driver-0"])
+    tls = client_context(TlsFiles.in_directory(certs, "driver-0"))
+    stages = _start_chain(names, addresses, tiny_llama, tmp_path, certs)
     try:
         for stage in stages:  # first to last: nothing dials downstream before a lane opens
             address = await stage.start()
             assert address.host == addresses[stages.index(stage)] and not address.host.startswith("127.")
         with trio.fail_after(60):
-            async with await StageClient.connect(stages[0].address) as client:  # type: ignore[arg-type]
+            async with await StageClient.connect(stages[0].address, tls=tls) as client:  # type: ignore[arg-type]
                 tokens = await client.generate_greedy(1, PROMPT, STEPS, chunk_size=CHUNK, credit=2)
         assert tokens == reference_greedy(tiny_llama, PROMPT, STEPS, chunk_size=CHUNK)
         assert "ready on " + addresses[1] in stages[1].log()
@@ -134,11 +150,11 @@ async def test_three_namespaces_equal_unsplit_and_refuse_a_mismatch(
         # the final host now serves another file: the next lane is refused at connect, naming both
         stages[2].kill()
         other = model_path("llama", tied=True)
-        mismatched = _start_chain(names, addresses, tiny_llama, tmp_path, final_model=other)[2]
+        mismatched = _start_chain(names, addresses, tiny_llama, tmp_path, certs, final_model=other)[2]
         stages[2] = mismatched
         await mismatched.start()
         with trio.fail_after(60):
-            async with await StageClient.connect(stages[0].address) as client:  # type: ignore[arg-type]
+            async with await StageClient.connect(stages[0].address, tls=tls) as client:  # type: ignore[arg-type]
                 with pytest.raises(StageRemoteError) as caught:
                     await client.generate_greedy(2, PROMPT, STEPS, chunk_size=CHUNK, credit=2)
         assert caught.value.frame is not None and caught.value.frame.code is ErrorCode.MODEL_MISMATCH

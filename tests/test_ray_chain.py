@@ -21,7 +21,9 @@ import trio
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy[ray]')")
 
+from skippy.certs import make_chain_certificates  # noqa: E402
 from skippy.driver.client import StageClient, StageLost  # noqa: E402
+from skippy.stage.tls import TlsFiles, client_context  # noqa: E402
 from skippy.ray_launch import RayChain  # noqa: E402
 
 from conftest import PROMPT  # noqa: E402
@@ -57,7 +59,10 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> N
         cluster.wait_for_nodes()
     except Exception as exc:  # any failure to bring a local cluster up here: skip, saying why
         pytest.skip(f"Ray cannot start a local cluster here: {type(exc).__name__}: {exc}")
-    chain = RayChain(tiny_llama, [(0, 1), (1, 3), (3, 4)], stage_options=FLAGS)
+    certs = tmp_path / "certs"  # the links between nodes run mutual TLS, each stage's files sent with its actor
+    make_chain_certificates(certs, ["stage-0", "stage-1", "stage-2", "driver-0"])
+    tls = client_context(TlsFiles.in_directory(certs, "driver-0"))
+    chain = RayChain(tiny_llama, [(0, 1), (1, 3), (3, 4)], stage_options=FLAGS, certificates=certs)
     pids: list[int] = []
     try:
         chain.start(timeout=240)
@@ -71,7 +76,7 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> N
         reference = reference_greedy(tiny_llama, PROMPT, 8, chunk_size=CHUNK)
 
         async def greedy(session: int) -> list[int]:
-            async with await StageClient.connect(chain.stages[0].address) as client:  # type: ignore[arg-type]
+            async with await StageClient.connect(chain.stages[0].address, tls=tls) as client:  # type: ignore[arg-type]
                 return await client.generate_greedy(session, PROMPT, 8, chunk_size=CHUNK)
 
         assert trio.run(greedy, 1) == reference
@@ -80,7 +85,7 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> N
         victim_node = next(node for node in workers if node.node_id == victim.node_id)
 
         async def killed_mid_generation() -> tuple[float, str]:
-            async with await StageClient.connect(chain.stages[0].address) as client:  # type: ignore[arg-type]
+            async with await StageClient.connect(chain.stages[0].address, tls=tls) as client:  # type: ignore[arg-type]
                 await client.configure(2, prompt_token_count=len(PROMPT))
                 result = await client.prefill(2, PROMPT, chunk_size=CHUNK)
                 token, position = result.token, len(PROMPT)

@@ -198,11 +198,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
     stage_tls, per_stage = None, None
-    if getattr(args, "tls", False) and getattr(args, "ray", None):
-        print("error: --tls with --ray is not supported yet (the certificates are not distributed to Ray nodes)",
-              file=err)
-        return 2
-    if getattr(args, "tls", False):
+    if getattr(args, "tls", False) or getattr(args, "ray", None):  # Ray links leave the host: always TLS
         try:
             stage_tls, per_stage = _provision_tls(log_dir / "certs", len(split))
         except (RuntimeError, OSError, ValueError) as exc:  # no cryptography library, unwritable directory
@@ -225,7 +221,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 pools: list[Any] = []
                 if getattr(args, "ray", None):
                     stages = await nursery.start(lambda task_status: _run_on_ray(
-                        args.ray, model, split, options, bar, pools, task_status))
+                        args.ray, model, split, options, log_dir / "certs", bar, pools, task_status))
                 else:
                     children = await nursery.start(lambda task_status: run_chain(
                         model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
@@ -271,8 +267,8 @@ def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callabl
     return client_context(TlsFiles.in_directory(directory, "driver-0")), flags
 
 
-async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], options: list[str], bar: ProgressBar,
-                      pools: list[Any], task_status: trio.TaskStatus[list[Any]]) -> None:
+async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], options: list[str], certificates: Path,
+                      bar: ProgressBar, pools: list[Any], task_status: trio.TaskStatus[list[Any]]) -> None:
     """The chain on Ray (:mod:`skippy.ray_launch`), reported as the API's StageInfo list; a
     restarted stage re-points the API's lanes (and its health report) at its new address."""
     from skippy.api.lanes import StageInfo
@@ -307,7 +303,7 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
             task_status.started(infos())
 
     await run_ray_chain(model, split, stage_options=options, address=None if address == "auto" else address,
-                        announce=announce, on_restart=restarted, task_status=Relay())
+                        certificates=certificates, announce=announce, on_restart=restarted, task_status=Relay())
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
