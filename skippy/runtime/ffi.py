@@ -4,12 +4,20 @@ Strategy: ``skippy._llama`` is a cffi API-mode module linked against our patched
 Importing it proves the patched symbols exist (the loader resolves them).  Two stamps must then
 agree: the layer-range ABI revision reported by the library, and the binding stamp compiled into the
 module against the one the build wrote next to it.  Any mismatch is an ImportError naming both
-values.  The llama.cpp backend is initialised and its logging routed to Python once, here.
+values.  The llama.cpp backend is initialised and its logging routed to Python once, here; in a
+wheel built with every CPU variant the best variant for this CPU (and any GPU backend) is loaded
+first (:mod:`skippy.runtime.backends`).
 """
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from skippy.runtime import backends as _backends
 from skippy.runtime.errors import BindingMismatch
+
+_LIB_DIR = Path(__file__).resolve().parent.parent / "lib"
+_backends.preload(_LIB_DIR)  # a CUDA build's runtime libraries, from NVIDIA's wheels
 
 #: Revision of the layer-range C API this Python code is written against.
 STAGE_ABI_VERSION = 2
@@ -38,6 +46,9 @@ if lib.llama_stage_abi_version() != STAGE_ABI_VERSION or lib.LLAMA_STAGE_ABI_VER
 from skippy.runtime import _callbacks  # noqa: E402,F401 - registers the extern "Python" callbacks
 
 _callbacks.install_log_handler()
+
+#: The backend modules loaded for a variants build (skippy.runtime.backends); None when linked in.
+BACKENDS = _backends.load_backends(lib, ffi, _LIB_DIR)
 lib.llama_backend_init()
 
-__all__ = ["ffi", "lib", "STAGE_ABI_VERSION"]
+__all__ = ["ffi", "lib", "BACKENDS", "STAGE_ABI_VERSION"]
