@@ -14,7 +14,7 @@ CPU kernels: by default one portable ``libggml-cpu`` (AVX2 level, linked in), wh
 ggml's dynamic backends (``GGML_BACKEND_DL``) with every x86 CPU variant
 (``GGML_CPU_ALL_VARIANTS``): ``libggml-cpu-<variant>.so`` modules from plain x86-64 up to AMX, of
 which ``skippy.runtime.backends`` loads the best one this CPU runs at import time.  That build
-compiles the CPU backend 15 times (several minutes more on 2 cores), hence only for wheels.  In
+compiles the CPU backend 14 times (several minutes more on 2 cores), hence only for wheels.  In
 that mode other backends (CUDA) are modules too, loaded when their runtime libraries are there.  Every step is skipped when its inputs have not changed, so an unchanged
 rebuild is a Ninja no-op plus a few file comparisons.
 

@@ -13,7 +13,7 @@ without one each is skipped with the devices this build and host do have.  On th
 - a decode benchmark: tokens/s of the unsplit model and of two in-process stages (prints the
   figures; ``SKIPPY_GPU_REPORT=path`` also writes them as JSON).
 
-``scripts/gpu_check.sh`` runs these on a GPU host from the CUDA wheel.
+``scripts/check_cuda_wheel.sh`` runs these on a GPU host from the CUDA wheel.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def gpu() -> Device:
     if not found:
         have = ", ".join(device.describe() for device in devices())
         pytest.skip(f"no GPU device in this build and host (devices: {have}); run on a GPU host with the CUDA "
-                    "wheel (scripts/gpu_check.sh)")
+                    "wheel (scripts/check_cuda_wheel.sh)")
     return found[0]
 
 

@@ -43,6 +43,10 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path: Path) -> None:
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(ROOT)],
                    check=True, env=env, timeout=1800)
     (wheel,) = dist.glob("skippy-*.whl")
+    # auditwheel finds a manylinux tag for it (make wheel repairs to it; README: Wheels)
+    shown = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True,
+                           check=True, timeout=600).stdout
+    assert "manylinux_" in shown, shown
     target = tmp_path / "venv"
     venv.create(target, with_pip=True)
     python = target / "bin" / "python"
