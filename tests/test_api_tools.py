@@ -10,7 +10,11 @@ next token of a script chosen from the prompt, the way a trained model would ans
 rest of a call when the prompt already opens one (``tool_choice`` required / named).  Everything
 else (template rendering with the tools, the call parsed back into ``tool_calls``, streamed
 ``delta.tool_calls``, the tool result rendered back into the prompt) is the real path.
-(Grammar-constrained sampling, issue 14 item 1, would let a real sampler be forced instead.)
+
+The last part turns the script off: ``tool_choice`` required / named is then forced by a grammar
+built from the tools' schemas, and the chain's own sampler (temperature 1.0, random weights)
+writes the call: it must parse, name an allowed function and validate against its schema, with
+the raw API and with LangChain (forced call streamed, result back in, a final answer).
 """
 
 from __future__ import annotations
@@ -63,8 +67,9 @@ def script_for(prompt: str) -> str:
 class ScriptedClient:
     """A lane that runs everything on the real chain but answers with scripted tokens."""
 
-    def __init__(self, inner: StageClient, tokenizer: Tokenizer, end: int) -> None:
+    def __init__(self, inner: StageClient, tokenizer: Tokenizer, end: int, pool: "ScriptedPool") -> None:
         self._inner = inner
+        self._pool = pool
         self._tokenizer = tokenizer
         self._end = end
         self._scripts: dict[int, Iterator[int]] = {}
@@ -75,13 +80,17 @@ class ScriptedClient:
 
     async def prefill(self, session_id: int, tokens: Sequence[int], **kwargs: Any) -> PrefillResult:
         result = await self._inner.prefill(session_id, tokens, **kwargs)
+        if not self._pool.scripted:
+            self._scripts.pop(session_id, None)
+            return result
         text = self._tokenizer.decode(list(tokens))
         script = self._tokenizer.encode(script_for(text), add_special=False, parse_special=True) + [self._end]
         self._scripts[session_id] = iter(script)
         return dataclasses.replace(result, reply=self._replace(session_id, result.reply))
 
     async def decode(self, session_id: int, token: int, position: int, **kwargs: Any) -> Any:
-        return self._replace(session_id, await self._inner.decode(session_id, token, position, **kwargs))
+        reply = await self._inner.decode(session_id, token, position, **kwargs)
+        return self._replace(session_id, reply) if session_id in self._scripts else reply
 
     def _replace(self, session_id: int, reply: Any) -> Any:
         self.predictions += 1
@@ -93,11 +102,13 @@ class ScriptedPool(LanePool):
         super().__init__(*args, **kwargs)
         self.tokenizer, self.end = tokenizer, end
         self.clients: list[ScriptedClient] = []
+        #: False: the chain's own sampled tokens come back (no script).
+        self.scripted = True
 
     async def acquire(self) -> Lease:
         lease = await super().acquire()
         if not isinstance(lease.client, ScriptedClient):
-            lease.client = ScriptedClient(lease.client, self.tokenizer, self.end)  # type: ignore[assignment]
+            lease.client = ScriptedClient(lease.client, self.tokenizer, self.end, self)  # type: ignore[assignment]
             self.clients.append(lease.client)  # type: ignore[arg-type]
         return lease
 
@@ -214,6 +225,69 @@ async def test_langchain_and_litellm_round_trips(api: tuple[str, ScriptedPool]) 
         assert outcome["final"] == ANSWER and not outcome["final_calls"], stream
     assert sum(client.predictions for client in pool.clients) >= 8 * 5  # every token came through the chain
     await tool_choice_checks(url)
+    pool.scripted = False  # from here on the chain samples for real
+    await grammar_forced_calls(url)
+    outcome = await in_thread(functools.partial(langchain_forced_round_trip, url))
+    assert outcome["name"] == "get_weather" and outcome["args"]["city"] in CITIES, outcome
+    assert outcome["finish"] == "tool_calls"
+    assert isinstance(outcome["final"], str) and outcome["final_usage"]["output_tokens"] > 0
+
+
+CITIES = ["Paris", "Rome", "Oslo"]
+FORCED_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
+                                      "parameters": {"type": "object", "properties": {
+                                          "city": {"type": "string", "enum": CITIES}, "days": {"type": "integer"}},
+                                          "required": ["city", "days"]}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
+]
+
+
+async def grammar_forced_calls(url: str) -> None:
+    """tool_choice required / named with the chain's real sampler (random weights): the grammar makes
+    the answer one call of an allowed function whose arguments follow its schema."""
+    import httpx
+    import jsonschema
+
+    schemas = {tool["function"]["name"]: tool["function"]["parameters"] for tool in FORCED_TOOLS}
+    async with httpx.AsyncClient(base_url=url, timeout=120) as http:
+        for seed in range(2):
+            for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+                body = {"model": MODEL, "messages": [{"role": "user", "content": "Weather or time?"}],
+                        "tools": FORCED_TOOLS, "tool_choice": choice, "temperature": 1.0, "seed": seed,
+                        "max_tokens": 64}
+                response = await http.post("/v1/chat/completions", json=body)
+                assert response.status_code == 200, response.text
+                answer = response.json()["choices"][0]
+                assert answer["finish_reason"] == "tool_calls", answer
+                calls = answer["message"]["tool_calls"]
+                assert len(calls) == 1
+                name = calls[0]["function"]["name"]
+                assert name == "get_time" if isinstance(choice, dict) else name in schemas
+                jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
+        clash = await http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
+        assert clash.status_code == 400 and clash.json()["error"]["param"] == "tool_choice"
+
+
+def langchain_forced_round_trip(url: str) -> dict[str, Any]:
+    """LangChain with a forced (named) tool choice on real sampling, the result back in, a final answer."""
+    from langchain_core.messages import HumanMessage, ToolMessage
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=url + "/v1", api_key="unused", max_tokens=64, max_retries=0,
+                      timeout=120, temperature=1.0, seed=3)
+    forced = chat.bind_tools([FORCED_TOOLS[0]], tool_choice="get_weather")
+    messages: list[Any] = [HumanMessage("What is the weather?")]
+    first: Any = None
+    for piece in forced.stream(messages):
+        first = piece if first is None else first + piece
+    assert first.tool_calls, (first.content, first.response_metadata)
+    call = first.tool_calls[0]
+    messages += [first, ToolMessage("sunny", tool_call_id=call["id"])]
+    final = chat.bind_tools([FORCED_TOOLS[0]], tool_choice="none").invoke(messages)
+    return {"name": call["name"], "args": call["args"], "finish": first.response_metadata.get("finish_reason"),
+            "final": final.content, "final_usage": final.usage_metadata}
 
 
 async def tool_choice_checks(url: str) -> None:

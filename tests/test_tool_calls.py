@@ -18,6 +18,7 @@ import pytest
 
 from skippy.api.tool_calls import (
     FORMATS,
+    forcing_grammar,
     ToolCallStream,
     ToolFormat,
     detect_format,
@@ -162,7 +163,9 @@ def test_tool_definitions_and_choice_are_checked() -> None:
            ({"type": "function", "function": {"name": "f", "parameters": {"type": "object", "required": "x"}}},
             "tools[0].function.parameters.required"),
            ({"type": "function", "function": {"name": "bad name"}}, "tools[0].function.name"),
-           ({"type": "custom", "custom": {"name": "f"}}, "tools[0].type")]
+           ({"type": "custom", "custom": {"name": "f"}}, "tools[0].type"),
+           ({"type": "function", "function": {"name": "f", "parameters": {
+               "type": "object", "properties": {"x": {"type": "strnig"}}}}}, "tools[0].function.parameters")]
     for tool, param in bad:
         with pytest.raises(ApiError) as caught:
             parse_tools({"tools": [tool]})
@@ -179,6 +182,28 @@ def test_tool_definitions_and_choice_are_checked() -> None:
     with pytest.raises(ApiError) as caught:
         parse_tool_choice({"tool_choice": {"type": "allowed_tools", "allowed_tools": {}}}, tools)
     assert caught.value.status == 400
+
+
+@pytest.mark.parametrize("name", ["hermes", "llama3", "mistral-v3"])
+def test_forcing_grammars_parse_and_name_every_allowed_call(name: str) -> None:
+    from skippy.api.structured import grammar_converter
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import demo
+    from skippy.runtime.sampling import Sampler, SamplingParams
+    from skippy.runtime.tokenizer import Tokenizer
+
+    converter, fix = grammar_converter()
+    tools = parse_tools({"tools": [WEATHER, {"type": "function", "function": {"name": "get_time"}}]})
+    opener, grammar = forcing_grammar(FORMATS[name], tools, None, converter)
+    assert opener == FORMATS[name].grammar_opener
+    assert '\\"get_weather\\"' in grammar and '\\"get_time\\"' in grammar
+    named = forcing_grammar(FORMATS[name], tools, "get_time", converter)
+    assert named is not None and "get_weather" not in named[1]
+    with Tokenizer(ensure_model(demo())) as tokenizer:  # llama.cpp parses each against a vocabulary
+        for text in (grammar, named[1]):
+            Sampler(SamplingParams(grammar=fix(text)), tokenizer.n_vocab, tokenizer.vocab_pointer).close()
+    assert forcing_grammar(FORMATS["gemma"], tools, None, converter) is None
+    assert forcing_grammar(FORMATS["mistral"], tools, None, converter) is None
 
 
 # -- the families' real templates ----------------------------------------------------------------

@@ -64,13 +64,14 @@ from skippy.api.fields import check_fields, unsupported
 from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
-from skippy.api.structured import LogprobsReport, parse_constraints
+from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints
 from skippy.api.tool_calls import (
     ToolCall,
     ToolCallStream,
     ToolFormat,
     ToolsRequest,
     detect_format,
+    forcing_grammar,
     marker_tokens,
     parse_tool_choice,
     parse_tools,
@@ -215,6 +216,8 @@ class ToolPlan:
     prefix: str
     parallel: bool
     special: frozenset[int]
+    #: GBNF forcing one call (``tool_choice`` required / named; None: forced by ``prefix`` alone or not at all).
+    grammar: str | None = None
 
 
 def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[str, Any]]
@@ -242,11 +245,28 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
         raise ApiError(400, f"The model's chat template ({template}) renders tools, but the tool-call syntax it "
                        "writes is not one this server parses (hermes <tool_call>, Llama 3 JSON, Mistral "
                        "[TOOL_CALLS], Gemma <|tool_call>).", param="tools", code="tools_not_supported")
-    prefix = format.forced_prefix(choice.name) if choice.mode == "required" else ""
+    prefix, grammar = "", None
+    if choice.mode == "required":
+        prefix, grammar = _forcing(format, tools, choice.name)
     generator = service.generator
     special = marker_tokens(format, lambda text: generator.tokenizer.encode(text, add_special=False,
                                                                             parse_special=True))
-    return request, ToolPlan(format, prefix, parallel, special)
+    return request, ToolPlan(format, prefix, parallel, special, grammar)
+
+
+def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | None) -> tuple[str, str | None]:
+    """(prompt suffix, grammar) forcing a call: a grammar from the tools' schemas where the format
+    allows one and the converter is installed, else the format's call opening alone (docs/tools.md)."""
+    try:
+        converter, fix = grammar_converter()
+        forced = forcing_grammar(format, tools, name, converter)
+    except ApiError:  # llama-cpp-python (the converter) is not installed
+        forced = None
+    except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError, RecursionError):
+        forced = None  # a schema the converter cannot turn into a grammar: the call opening still forces
+    if forced is None:
+        return format.forced_prefix(name), None
+    return forced[0], fix(forced[1])
 
 
 def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
@@ -357,13 +377,18 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     if (n or 1) > 1:  # choices share one lane and run one after another: no speculation windows between them
         speculation = False
     constraints = parse_constraints(body, chat, service.generator.tokenizer)  # skippy/api/structured.py
+    grammar = constraints.grammar
+    if plan is not None and plan.grammar is not None:
+        if grammar is not None:
+            raise unsupported("tool_choice", "a forced tool call cannot be combined with response_format or grammar")
+        grammar = plan.grammar
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None and (n or 1) == 1
                                 else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
                                 cache_namespace=cache_key,
                                 render_special=plan.special if plan else frozenset(),
-                                grammar=constraints.grammar, logprobs=constraints.logprobs)
+                                grammar=grammar, logprobs=constraints.logprobs)
     report = None if constraints.logprobs is None else LogprobsReport(service.generator.tokenizer, chat, len(echo))
     return Parsed(request, stream, include_usage, echo, plan, n or 1, report)
 

@@ -107,8 +107,8 @@ CHAT_FIELDS: Final[Mapping[str, Field]] = {
     "max_completion_tokens": Field(Handling.SERVED, "as max_tokens (max_tokens wins when both are set)"),
     "tools": Field(Handling.SERVED, "function tools, rendered through the model's chat template's tools variable "
                    "(a template without tool support: 400); calls parsed back into tool_calls"),
-    "tool_choice": Field(Handling.SERVED, "auto, none, required, or a named function (forced by opening the call "
-                         "in the answer)"),
+    "tool_choice": Field(Handling.SERVED, "auto, none, required, or a named function (forced by a grammar from "
+                         "the tools' schemas, or by opening the call in the answer)"),
     "parallel_tool_calls": Field(Handling.SERVED, "false keeps the first tool call only"),
     "prompt_cache_key": Field(Handling.SERVED, "prefix-cache namespace (tenant isolation); cannot change the "
                               "answer"),

@@ -33,7 +33,7 @@ import functools
 import importlib.util
 import json
 from pathlib import Path
-from typing import Any, Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 from skippy.api.errors import ApiError
 from skippy.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
@@ -98,6 +98,16 @@ def _llama_grammar() -> Any:
 #: maxLength).  The one correction we apply to its output.
 _CONVERTER_CHAR_RULE = 'char ::= [^"\\\\] | '
 _JSON_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\U001FFFFF] | '
+
+
+def grammar_converter() -> tuple[Any, Callable[[str], str]]:
+    """llama-cpp-python's ``llama_grammar`` module and the one correction its output needs (for other
+    builders of schema grammars: forced tool calls, skippy/api/tool_calls.py).
+
+    Raises:
+        ApiError: 501 when llama-cpp-python is not installed.
+    """
+    return _llama_grammar(), lambda text: text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
 
 
 def _schema_grammar(schema: Any, param: str) -> str:

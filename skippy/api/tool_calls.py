@@ -22,10 +22,14 @@ not parse, returned as content, so no generated text is ever lost.  A call is ha
 as it is closed (formats with a closing marker: hermes, gemma) or when the generation ends (the
 others); a stream sends it as one complete ``delta.tool_calls`` entry (id, name, arguments).
 
-``tool_choice`` ``required`` / a named function is forced by writing the format's call opening
-(and the name) at the start of the assistant turn (:meth:`ToolFormat.forced_prefix`); the model
-continues from inside the call, and the parser reads prefix + continuation.  A model that still
-writes no valid call gets its text back as content.
+``tool_choice`` ``required`` / a named function is forced by a grammar where the format's call is
+JSON text (hermes, llama3, mistral-v3: :func:`forcing_grammar`, the tools' parameter schemas turned
+into GBNF by llama-cpp-python's converter, sampled under by the final stage): the answer is one
+call of an allowed function whose arguments follow its schema.  Otherwise (Mistral's
+``[ARGS]`` syntax, Gemma's, or no converter installed) the format's call opening and the name are
+written at the start of the assistant turn (:meth:`ToolFormat.forced_prefix`) and the model
+continues from inside the call; a model that still writes no valid call gets its text back as
+content.  The parser reads prompt suffix + continuation either way.
 """
 
 from __future__ import annotations
@@ -248,6 +252,11 @@ class ToolFormat:
     force_named: str = ""
     #: Texts that close a call: a closed call is handed over while the generation goes on.
     closers: tuple[str, ...] = ()
+    #: Grammar forcing (:func:`forcing_grammar`): the prompt ends in ``grammar_opener`` and the
+    #: grammar writes, per allowed function, ``grammar_call`` split at ``{args}`` around the
+    #: arguments' JSON; "" when the format's call is not JSON text (Gemma) or needs special tokens.
+    grammar_opener: str = ""
+    grammar_call: str = ""
 
     def forced_prefix(self, name: str | None) -> str:
         """The text written at the start of the answer to force a call (of ``name``, when given)."""
@@ -275,19 +284,51 @@ class ToolFormat:
 FORMATS: Final[Mapping[str, ToolFormat]] = {
     "hermes": ToolFormat("hermes", ("<tool_call>",), _parse_hermes, ("<tool_call>", "</tool_call>"),
                          force_any="<tool_call>\n", force_named='<tool_call>\n{{"name": "{name}", "arguments": ',
-                         closers=("</tool_call>",)),
+                         closers=("</tool_call>",), grammar_opener="<tool_call>\n",
+                         grammar_call='{{"name": "{name}", "arguments": {args}}}'),
     "llama3": ToolFormat("llama3", ("<|python_tag|>", "{"), _parse_llama3, ("<|python_tag|>",), at_start_only=True,
-                         force_any='{"name": "', force_named='{{"name": "{name}", "parameters": '),
+                         force_any='{"name": "', force_named='{{"name": "{name}", "parameters": ',
+                         grammar_call='{{"name": "{name}", "parameters": {args}}}'),
     "mistral": ToolFormat("mistral", ("[TOOL_CALLS]",), _parse_mistral, ("[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"),
                           force_any="[TOOL_CALLS]", force_named="[TOOL_CALLS]{name}[ARGS]"),
     "mistral-v3": ToolFormat("mistral-v3", ("[TOOL_CALLS]",), _parse_mistral, ("[TOOL_CALLS]",),
                              force_any="[TOOL_CALLS][",
-                             force_named='[TOOL_CALLS][{{"name": "{name}", "arguments": '),
+                             force_named='[TOOL_CALLS][{{"name": "{name}", "arguments": ',
+                             grammar_opener="[TOOL_CALLS]", grammar_call='[{{"name": "{name}", "arguments": {args}}}]'),
     "gemma": ToolFormat("gemma", ("<|tool_call>", "<start_function_call>"), _parse_gemma,
                         ("<|tool_call>", "<tool_call|>", _QUOTE, "<start_function_call>", "<end_function_call>"),
                         force_any="<|tool_call>call:", force_named="<|tool_call>call:{name}{{",
                         closers=("<tool_call|>", "<end_function_call>")),
 }
+
+
+def forcing_grammar(format: ToolFormat, tools: Sequence[Mapping[str, Any]], name: str | None,
+                    converter: Any) -> tuple[str, str] | None:
+    """(prompt suffix, GBNF) that make the model write one call of ``name`` (or of any tool) whose
+    arguments follow the tool's parameters schema; None when the format cannot be forced this way.
+
+    ``converter`` is llama-cpp-python's ``llama_grammar`` module (its ``SchemaConverter``, the port of
+    llama.cpp's JSON-schema-to-grammar); every tool's schema becomes rules of one grammar whose root
+    is the alternatives of the allowed calls, written in the format's own syntax.
+    """
+    if not format.grammar_call:
+        return None
+    chosen = [tool["function"] for tool in tools if name is None or tool["function"]["name"] == name]
+    if not chosen:
+        return None
+    schema_converter = converter.SchemaConverter(prop_order={}, allow_fetch=False, dotall=False, raw_pattern=False)
+    alternatives = []
+    for index, function in enumerate(chosen):
+        schema = schema_converter.resolve_refs(dict(function.get("parameters") or {"type": "object"}),
+                                               f"tool-{index}")
+        rule = schema_converter.visit(schema, f"tool-{index}-arguments")
+        before, _, after = format.grammar_call.format(name=function["name"], args="\0").partition("\0")
+        parts = [schema_converter._format_literal(before), rule]
+        if after:
+            parts.append(schema_converter._format_literal(after))
+        alternatives.append(" ".join(parts))
+    schema_converter._add_rule("root", " | ".join(f"( {alternative} )" for alternative in alternatives))
+    return format.grammar_opener, schema_converter.format_grammar()
 
 
 def detect_format(template: str) -> ToolFormat | None:
@@ -344,6 +385,16 @@ def _check_schema(where: str, schema: Any) -> None:
     if required is not None and (not isinstance(required, list) or not all(isinstance(r, str) for r in required)):
         raise ApiError(400, f"Invalid value for '{where}.required': expected a list of property names",
                        param=f"{where}.required", code="invalid_value")
+    try:
+        import jsonschema
+    except ImportError:  # the API's dependency; without it only the checks above run
+        jsonschema = None
+    if jsonschema is not None:
+        try:
+            jsonschema.validators.validator_for(schema).check_schema(schema)
+        except jsonschema.exceptions.SchemaError as exc:
+            raise ApiError(400, f"Invalid value for '{where}': not a valid JSON Schema: {exc.message}",
+                           param=where, code="invalid_value") from exc
 
 
 def parse_tools(body: Mapping[str, Any]) -> tuple[dict[str, Any], ...]:
