@@ -137,10 +137,10 @@ class _OwnPart:
     """What a non-executable handling's own part leaves for the next step."""
 
     stats: ReplyStats = EMPTY_REPLY_STATS  #: merged into this stage's reply, if it answers
-    #: docs/protocol.md §10: frames written before this stage's own ACK (SamplingAccepted).
-    annotations: tuple[Annotation, ...] = ()
     result: WorkResult | None = None  #: a TryRestorePrefillDecode hit: the fused decode's result
     forwarded: bool = True  #: False: nothing to forward (a prefix-control miss)
+    #: docs/protocol.md §10: frames written before this stage's own ACK (SamplingAccepted).
+    annotations: tuple[Annotation, ...] = ()
 
 
 _NOTHING_MORE = _OwnPart()
