@@ -2,7 +2,8 @@
 
 Strategy
 --------
-* **Placement.** One placement group with a bundle per stage (``{"CPU": cpus}``), strategy
+* **Placement.** One placement group with a bundle per stage (``{"CPU": cpus}``, plus ``memory``:
+  the stage's expected peak when the chain comes from a ``skippy plan`` file), strategy
   ``STRICT_SPREAD`` when the cluster has a node per stage (else ``SPREAD``): Ray picks the nodes,
   and reschedules a lost node's bundle onto a node with room.
 * **Stages.** Each stage process (``python -m skippy.stage``) is owned by a :class:`StageActor`
@@ -183,8 +184,11 @@ class RayChain:
 
     def __init__(self, model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
                  address: str | None = None, cpus_per_stage: float = 1.0, metrics: bool = True,
-                 certificates: Path | None = None) -> None:
+                 certificates: Path | None = None, memory_per_stage: Sequence[int] | None = None) -> None:
         self.metrics = metrics
+        if memory_per_stage is not None and len(memory_per_stage) != len(split):
+            raise ValueError(f"{len(memory_per_stage)} memory figures for {len(split)} stages")
+        self.memory = list(memory_per_stage) if memory_per_stage is not None else None
         self.certificates = certificates
         self.model = model
         self.stages = [RayStage(index, f"{a}:{b}") for index, (a, b) in enumerate(split)]
@@ -209,12 +213,16 @@ class RayChain:
             self._initialized = True
         nodes = [node for node in ray.nodes() if node.get("Alive")]
         strategy = "STRICT_SPREAD" if len(nodes) >= len(self.stages) else "SPREAD"
-        self.group = placement_group([{"CPU": self.cpus}] * len(self.stages), strategy=strategy)
+        bundles: list[dict[str, float]] = [{"CPU": self.cpus} for _ in self.stages]
+        if self.memory is not None:  # a plan's expected peak per stage: Ray places where it fits
+            for bundle, memory in zip(bundles, self.memory):
+                bundle["memory"] = float(memory)
+        self.group = placement_group(bundles, strategy=strategy)
         try:
             ray.get(self.group.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
-            raise RuntimeError(f"Ray could not place {len(self.stages)} bundles of {self.cpus:g} CPU "
-                               f"({strategy}) within {timeout:g} s") from exc
+            raise RuntimeError(f"Ray could not place {len(self.stages)} bundles ({bundles}, {strategy}) "
+                               f"within {timeout:g} s") from exc
         downstream: Address | None = None
         for stage in reversed(self.stages):
             self._start_stage(stage, downstream, timeout)
@@ -324,6 +332,7 @@ class RayChain:
 
 async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
                         address: str | None = None, certificates: Path | None = None,
+                        memory_per_stage: Sequence[int] | None = None,
                         announce: Callable[[RayStage], None] | None = None,
                         on_restart: Callable[[RayStage], Any] | None = None, poll_interval: float = 0.5,
                         task_status: Any = None) -> None:
@@ -335,7 +344,8 @@ async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_
     """
     import trio
 
-    chain = RayChain(model, split, stage_options=stage_options, address=address, certificates=certificates)
+    chain = RayChain(model, split, stage_options=stage_options, address=address, certificates=certificates,
+                     memory_per_stage=memory_per_stage)
     try:
         await trio.to_thread.run_sync(lambda: chain.start(announce), abandon_on_cancel=False)
         if task_status is not None:

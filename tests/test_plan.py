@@ -221,3 +221,17 @@ def test_up_runs_a_plan(tmp_path: Path) -> None:
         assert reply.json()["usage"]["completion_tokens"] >= 1
     finally:
         up.stop()
+
+
+def test_measured_layer_times_drive_the_plan() -> None:
+    """``--measure``: a whole-model decode timed here and shared out by bytes; the plan says so."""
+    from skippy.plan import measure_layer_times
+
+    path = model_path("llama")
+    shape = ModelShape.from_gguf(path)
+    layer_ms, head_ms = measure_layer_times(shape, tokens=4, threads=1)
+    assert len(layer_ms) == shape.n_layer and all(t > 0 for t in layer_ms) and head_ms > 0
+    plan = plan_chain(shape, [HostSpec("a", GIB), HostSpec("b", GIB)], PlanSettings(ctx_size=256),
+                      layer_ms=layer_ms, head_ms=head_ms)
+    assert plan.measured and "measured on this host" in plan.describe()
+    assert abs(sum(s.decode_ms for s in plan.stages) - (sum(layer_ms) + head_ms)) < 1e-9

@@ -24,6 +24,7 @@ ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skip
 from skippy.certs import make_chain_certificates  # noqa: E402
 from skippy.driver.client import StageClient, StageLost  # noqa: E402
 from skippy.stage.tls import TlsFiles, client_context  # noqa: E402
+from skippy.plan import GIB, HostSpec, ModelShape, PlanSettings, plan_chain  # noqa: E402
 from skippy.ray_launch import RayChain  # noqa: E402
 
 from conftest import PROMPT  # noqa: E402
@@ -114,12 +115,20 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> N
         assert trio.run(greedy, 3) == reference
         chain.shutdown()
 
-        # skippy up --ray ADDRESS: the same placement behind the API, from the command line
-        up = UpProcess(["up", "--model", str(tiny_llama), "--stages", "3", "--ray", cluster.address, "--port", "0",
-                        "--ctx-size", "256", "--max-sessions", "2", "--threads", "1"], tmp_path)
+        # skippy up --ray ADDRESS --plan: the same placement behind the API, from the command line,
+        # each bundle sized by the plan's expected peak memory
+        shape = ModelShape.from_gguf(tiny_llama)
+        plan = plan_chain(shape, [HostSpec(f"h{i}", GIB) for i in range(3)],
+                          PlanSettings(ctx_size=256, max_sessions=2, batch_size=64, cache_spill_mib=16))
+        plan_file = tmp_path / "plan.toml"
+        plan_file.write_text(plan.to_toml())
+        up = UpProcess(["up", "--plan", str(plan_file), "--ray", cluster.address, "--port", "0", "--threads", "1"],
+                       tmp_path)
         try:
             up.start(timeout=240)
             assert up.stderr().count("Ray node") == 3
+            for stage in plan.stages:
+                assert f"stage {stage.index} (layers {stage.layers}) ready on" in up.stderr()
             reply = httpx.post(f"{up.url}/v1/completions", json={
                 "model": tiny_llama.name.removesuffix(".gguf"), "prompt": "Hello", "max_tokens": 4}, timeout=60)
             assert reply.status_code == 200, reply.text

@@ -221,7 +221,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 pools: list[Any] = []
                 if getattr(args, "ray", None):
                     stages = await nursery.start(lambda task_status: _run_on_ray(
-                        args.ray, model, split, options, log_dir / "certs", bar, pools, task_status))
+                        args.ray, model, split, options, log_dir / "certs", getattr(args, "plan", None), bar, pools,
+                        task_status))
                 else:
                     children = await nursery.start(lambda task_status: run_chain(
                         model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
@@ -268,7 +269,8 @@ def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callabl
 
 
 async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], options: list[str], certificates: Path,
-                      bar: ProgressBar, pools: list[Any], task_status: trio.TaskStatus[list[Any]]) -> None:
+                      plan: Path | None, bar: ProgressBar, pools: list[Any],
+                      task_status: trio.TaskStatus[list[Any]]) -> None:
     """The chain on Ray (:mod:`skippy.ray_launch`), reported as the API's StageInfo list; a
     restarted stage re-points the API's lanes (and its health report) at its new address."""
     from skippy.api.lanes import StageInfo
@@ -302,8 +304,14 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
             placed.extend(stages)
             task_status.started(infos())
 
+    memory = None
+    if plan is not None:  # skippy plan's expected peak per stage becomes each bundle's memory
+        from skippy.plan import load_plan
+
+        memory = [int(stage.get("expected", {}).get("peak_bytes", 0)) or None for stage in load_plan(plan)[1]]
+        memory = None if None in memory else memory
     await run_ray_chain(model, split, stage_options=options, address=None if address == "auto" else address,
-                        certificates=certificates, announce=announce, on_restart=restarted, task_status=Relay())
+                        certificates=certificates, memory_per_stage=memory, announce=announce, on_restart=restarted, task_status=Relay())
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
