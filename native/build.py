@@ -234,8 +234,22 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
     jobs = jobs or int(os.environ.get("SKIPPY_BUILD_JOBS", "0")) or (os.cpu_count() or 2)
     _log(f"building target llama with {jobs} jobs")
     _run([cmake, "--build", str(out), "--target", "llama", "-j", str(jobs)], "cmake build")
+    install_libraries(out / "bin", dest)
+    vocab_dest = ROOT / "skippy" / "models" / "vocab"
+    vocab_dest.mkdir(parents=True, exist_ok=True)
+    for name in VOCAB_FILES:
+        source_vocab = source / "models" / name
+        target_vocab = vocab_dest / name
+        if source_vocab.exists() and not target_vocab.exists():
+            shutil.copyfile(source_vocab, target_vocab)
+    (dest / "SOURCE").write_text(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} vendored llama.cpp + patches {patch_digest()}\n")
+    return dest
+
+
+def install_libraries(libdir: Path, dest: Path) -> list[str]:
+    """Copy the built libraries from ``libdir`` into ``dest`` and remove any other ``lib*.so`` there;
+    returns the names installed."""
     dest.mkdir(parents=True, exist_ok=True)
-    libdir = out / "bin"
     installed = set()
     for name in _library_names():
         built = libdir / name
@@ -256,15 +270,7 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
     for stale in dest.glob("lib*.so"):
         if stale.name not in installed:
             stale.unlink()
-    vocab_dest = ROOT / "skippy" / "models" / "vocab"
-    vocab_dest.mkdir(parents=True, exist_ok=True)
-    for name in VOCAB_FILES:
-        source_vocab = source / "models" / name
-        target_vocab = vocab_dest / name
-        if source_vocab.exists() and not target_vocab.exists():
-            shutil.copyfile(source_vocab, target_vocab)
-    (dest / "SOURCE").write_text(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} vendored llama.cpp + patches {patch_digest()}\n")
-    return dest
+    return sorted(installed)
 
 
 def _install(source: Path, target: Path) -> None:

@@ -83,3 +83,48 @@ def test_the_cuda_flavour_rewrite(tmp_path: Path) -> None:
             data = wheel.read(name)
         assert digest == "sha256=" + base64.urlsafe_b64encode(hashlib.sha256(data).digest()).rstrip(b"=").decode()
         assert int(size) == len(data)
+
+
+@pytest.fixture
+def native_build():  # type: ignore[no-untyped-def]
+    """native/build.py as a module of its own (the name ``build`` is also PyPA's package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("skippy_native_build", ROOT / "native" / "build.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _libs(directory: Path, names: list[str]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    for name in names:
+        (directory / name).write_bytes(name.encode())
+
+
+def test_a_variants_build_installs_every_module_and_drops_the_linked_in_backend(
+        native_build, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    monkeypatch.setenv("SKIPPY_CPU_VARIANTS", "all")
+    built = ["libllama.so", "libggml.so", "libggml-base.so", "libggml-cpu-x64.so", "libggml-cpu-haswell.so"]
+    _libs(tmp_path / "bin", built)
+    _libs(tmp_path / "dest", ["libggml-cpu.so", "libllama.so"])
+    (tmp_path / "dest" / "SOURCE").write_text("x")
+    assert native_build.install_libraries(tmp_path / "bin", tmp_path / "dest") == sorted(built)
+    assert sorted(p.name for p in (tmp_path / "dest").iterdir()) == sorted([*built, "SOURCE"])
+    assert (tmp_path / "dest" / "libllama.so").read_bytes() == b"libllama.so"
+    assert "cpu-variants" in native_build.build_dir().name
+
+
+def test_builds_without_their_cpu_backend_fail(native_build, tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    _libs(tmp_path / "bin", ["libllama.so", "libggml.so", "libggml-base.so"])
+    monkeypatch.delenv("SKIPPY_CPU_VARIANTS", raising=False)
+    with pytest.raises(native_build.NativeBuildError, match="libggml-cpu.so"):
+        native_build.install_libraries(tmp_path / "bin", tmp_path / "dest")
+    monkeypatch.setenv("SKIPPY_CPU_VARIANTS", "all")
+    with pytest.raises(native_build.NativeBuildError, match="no libggml-cpu-"):
+        native_build.install_libraries(tmp_path / "bin", tmp_path / "dest")
+    monkeypatch.setenv("SKIPPY_CPU_VARIANTS", "avx512")
+    with pytest.raises(native_build.NativeBuildError, match="use 'all'"):
+        native_build.install_libraries(tmp_path / "bin", tmp_path / "dest")
