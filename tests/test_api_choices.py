@@ -1,5 +1,5 @@
 """``n`` > 1 on a real 2-stage chain: the prompt is prefilled once and forked per choice.  (The same
-chain also shows that the documented no-op fields of skippy/api/fields.py leave an answer unchanged.)
+chain also serves completions' ``best_of`` and shows that the documented no-op fields of skippy/api/fields.py leave an answer unchanged.)
 
 The stages' stats files show it: for ``n=4`` each stage computes the prompt once plus one position
 per further choice (its last prompt token, whose logits a KV copy cannot carry) and forks three
@@ -70,6 +70,9 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
                     "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
                     "temperature": 1.0, "seed": 7, "n": 3})).json()
                 too_many = await http.post("/v1/completions", json={**body, "n": 9})
+                scored = (await http.post("/v1/completions", json={**body, "n": 3, "logprobs": 0})).json()
+                best = (await http.post("/v1/completions", json={**body, "n": 1, "best_of": 3})).json()
+                best_streamed = await http.post("/v1/completions", json={**body, "n": 1, "best_of": 3, "stream": True})
                 plain = {"model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 8,
                          "temperature": 0, "prefix_cache": False}
                 no_ops = {"metadata": {"k": "v"}, "service_tier": "auto", "safety_identifier": "u1",
@@ -103,5 +106,12 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
     assert sorted(finishes) == [0, 1, 2]
     assert [pieces[index] for index in range(3)] == [choice["message"]["content"] for choice in chat["choices"]]
     assert too_many.status_code == 422 and too_many.json()["error"]["param"] == "n"
+    # best_of: the choice with the highest mean token logprob of the same three seeded choices
+    means = [sum(c["logprobs"]["token_logprobs"]) / len(c["logprobs"]["token_logprobs"]) for c in scored["choices"]]
+    assert [c["text"] for c in scored["choices"]] == texts[:3]  # logprobs do not change the samples
+    assert [c["text"] for c in best["choices"]] == [texts[means.index(max(means))]]
+    assert best["choices"][0]["logprobs"] is None and best["choices"][0]["index"] == 0
+    assert best["usage"]["completion_tokens"] == scored["usage"]["completion_tokens"]
+    assert best_streamed.status_code == 400 and best_streamed.json()["error"]["param"] == "best_of"
     # the documented no-op fields do not change the answer
     assert answers[0]["choices"][0]["message"] == answers[1]["choices"][0]["message"]

@@ -324,6 +324,8 @@ class Parsed:
     n: int = 1
     #: Logprobs asked for: each choice's report starts from this one (skippy/api/structured.py).
     logprobs: LogprobsReport | None = None
+    #: Choices generated: ``n``, or completions' ``best_of`` (the ``n`` best by mean token logprob are returned).
+    generated: int = 1
 
     def choice_request(self, index: int) -> GenerationRequest:
         """The request of choice ``index`` (its own seed, so seeded choices differ and reproduce)."""
@@ -345,10 +347,11 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     check_fields(body, chat)
     n = get_int(body, "n", minimum=1, maximum=MAX_CHOICES)
     if not chat:
-        best_of = get_int(body, "best_of", minimum=1)
-        if best_of is not None and best_of != (n or 1):
-            raise unsupported("best_of", f"only best_of equal to n ({n or 1}) is served: ranking choices needs "
-                              "log-probabilities")
+        best_of = get_int(body, "best_of", minimum=1, maximum=MAX_CHOICES)
+        if best_of is not None and best_of < (n or 1):
+            raise invalid("best_of", f"must be at least n ({n or 1})")
+        if best_of is not None and best_of > (n or 1) and get_bool(body, "stream"):
+            raise unsupported("best_of", "best_of greater than n cannot be streamed (the best are known at the end)")
     max_tokens = get_int(body, "max_tokens", minimum=1)
     if chat and max_tokens is None:
         max_tokens = get_int(body, "max_completion_tokens", minimum=1)
@@ -390,7 +393,12 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
                                 render_special=plan.special if plan else frozenset(),
                                 grammar=grammar, logprobs=constraints.logprobs)
     report = None if constraints.logprobs is None else LogprobsReport(service.generator.tokenizer, chat, len(echo))
-    return Parsed(request, stream, include_usage, echo, plan, n or 1, report)
+    generated = n or 1
+    if not chat and best_of is not None and best_of > generated:  # ranking needs each token's logprob
+        generated = best_of
+        if request.logprobs is None:
+            request = dataclasses.replace(request, logprobs=0)
+    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated)
 
 
 def _usage(generations: Sequence[Generation]) -> dict[str, Any]:
@@ -495,6 +503,20 @@ class _Choice:
         return out
 
 
+def _mean_logprob(choice: "_Choice") -> float:
+    rows = choice.generation.logprobs or []
+    return sum(row.logprob for row in rows) / len(rows) if rows else float("-inf")
+
+
+def _best(choices: list["_Choice"], n: int) -> list["_Choice"]:
+    """Completions ``best_of``: the ``n`` choices with the highest mean token log-probability, best
+    first, re-indexed (every generated choice still counts in ``usage``)."""
+    ranked = sorted(choices, key=_mean_logprob, reverse=True)[:n]
+    for index, choice in enumerate(ranked):
+        choice.index = index
+    return ranked
+
+
 def _sse(data: dict[str, Any] | str) -> bytes:
     return f"data: {data if isinstance(data, str) else json.dumps(data)}\n\n".encode()
 
@@ -582,7 +604,7 @@ class _Handlers:
         (the prompt is prefilled once), started up to its first token while the parent still holds it."""
         choices = []
         stages = parent.timing.stage_count
-        for index in range(1, parsed.n):
+        for index in range(1, max(parsed.n, parsed.generated)):
             generation = self.service.generator.start(lease.client, parsed.choice_request(index),
                                                       self.service.pool.new_session_id(),
                                                       fork=(parent.session_id, stages))
@@ -663,10 +685,11 @@ class _Handlers:
         finally:
             await self.finish(lease, generations)
         metrics.request_done(endpoint, 200)
+        shown = _best(choices, parsed.n) if len(choices) > parsed.n else choices
         return JSONResponse({
             "id": ident, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": self.service.model_id, "system_fingerprint": None,
-            "choices": [choice.whole(chat) for choice in choices], "usage": _usage(generations),
+            "choices": [choice.whole(chat) for choice in shown], "usage": _usage(generations),
         })
 
     async def stream(self, lease: Lease, choices: list["_Choice"], ident: str, chat: bool,

@@ -146,8 +146,8 @@ COMPLETION_FIELDS: Final[Mapping[str, Field]] = {
     "echo": Field(Handling.SERVED, "the prompt's text is returned before the completion"),
     "logprobs": Field(Handling.SERVED, "0..20: the legacy logprobs object (tokens, token_logprobs, top_logprobs, "
                       "text_offset)"),
-    "best_of": Field(Handling.SERVED, "only best_of == n (every generated choice is returned); ranking "
-                     "needs log-probabilities"),
+    "best_of": Field(Handling.SERVED, "best_of choices generated (forked like n), the n with the highest mean "
+                     "token log-probability returned; not with stream when greater than n"),
     "suffix": Field(Handling.REFUSED, "no insertion (fill-in-the-middle) completions",
                     _unless_in("suffix (insertion) completions are not served", "")),
 }
