@@ -111,7 +111,7 @@ class Campaign:
                     self.bytes += len(frame)
                     if rng.random() < 0.01:  # slow: drip it (the read timeouts end it), maybe stop half way
                         self.slow += 1
-                        cut = len(frame) if rng.random() < 0.5 else rng.randrange(len(frame))
+                        cut = len(frame) if rng.random() < 0.5 else rng.randint(1, len(frame))
                         for start in range(0, min(cut, 7 * 12), 7):
                             await stream.send_all(frame[start:min(cut, start + 7)])
                             await trio.sleep(0.25)
@@ -152,11 +152,12 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
               "--max-buffered-mib", str(args.max_buffered_mib), "--max-connections", "256",
               "--ctx-size", "1024"]
     final = StageProcess(model, "2:4", directory / "stage1.log", extra=limits)
-    first = StageProcess(model, "0:2", directory / "stage0.log", downstream=await final.start(), extra=limits)
+    first = StageProcess(model, "0:2", directory / "stage0.log", extra=limits)
     stages = [first, final]
     campaign = Campaign(args)
     started = time.monotonic()
     try:
+        first.downstream = await final.start()
         address = await first.start()
         await trio.sleep(0.5)
         rss_start = {s.layers: rss_bytes(s.process.pid) for s in stages}  # type: ignore[union-attr]

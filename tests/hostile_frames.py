@@ -101,6 +101,8 @@ def mutate(frame: bytes, rng: random.Random) -> bytes:
     """One random mutation of ``frame``: a 32-bit field set to an extreme value, bit flips, a
     truncation, an extension with garbage, a splice, or a duplicated frame."""
     data = bytearray(frame)
+    if not data:
+        return rng.randbytes(rng.randint(1, 80))
     choice = rng.randrange(7)
     if choice == 0 or choice == 1:  # a header field (or one anywhere) set to an extreme value
         limit = min(len(data), FIXED.size if choice == 0 else len(data))
@@ -110,8 +112,8 @@ def mutate(frame: bytes, rng: random.Random) -> bytes:
         for _ in range(rng.randint(1, 8)):
             index = rng.randrange(len(data))
             data[index] ^= 1 << rng.randrange(8)
-    elif choice == 3:  # truncated
-        data = data[:rng.randrange(len(data))]
+    elif choice == 3:  # truncated (at least one byte left)
+        data = data[:rng.randint(1, len(data))]
     elif choice == 4:  # garbage after it
         data += rng.randbytes(rng.randint(1, 300))
     elif choice == 5:  # a splice of random bytes

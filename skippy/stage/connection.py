@@ -150,7 +150,7 @@ class Connection:
     """Serves one upstream lane until it closes or fails.
 
     Args:
-        upstream: the accepted stream (READY already sent).
+        upstream: the accepted stream (READY already sent; a TLS stream on a TLS link).
         peer: the upstream address, for logs.
         settings: the stage's lane settings.
         scheduler: the stage's scheduler.
@@ -159,7 +159,7 @@ class Connection:
         budget: the stage's buffer budget (:mod:`skippy.stage.limits`; None: unlimited).
     """
 
-    def __init__(self, upstream: trio.SocketStream, peer: str, settings: LaneSettings,
+    def __init__(self, upstream: trio.abc.Stream, peer: str, settings: LaneSettings,
                  scheduler: Scheduler, stats: StageStats, returns: ReturnHub | None = None,
                  budget: BufferBudget | None = None) -> None:
         self.id = next(_connection_ids)
@@ -170,7 +170,7 @@ class Connection:
         self.stats = stats
         self.protocol = LaneProtocol(settings.credit_limit, REPLY_QUEUE)
         self.sessions: set[int] = set()
-        self.downstream: trio.SocketStream | None = None
+        self.downstream: trio.abc.Stream | None = None
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
         self.identity = extensions.identity_for(scheduler.executor)
         self._upstream_io = SocketIO(upstream)

@@ -102,7 +102,8 @@ class SocketIO:
         """
         if self._socket is None:
             try:
-                data = await self.stream.receive_some(self._receive_size)
+                # a TLS record holds at most 16 KiB: asking for more only allocates more per read
+                data = await self.stream.receive_some(min(self._receive_size, 1 << 14))
                 self.bytes_in += len(data)
                 return data
             except (trio.BrokenResourceError, trio.ClosedResourceError):  # a reset reads as end of stream
