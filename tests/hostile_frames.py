@@ -60,11 +60,15 @@ async def dial(host: str, port: int) -> trio.SocketStream:
     """A raw lane to a stage with its READY read (4 bytes)."""
     stream = await trio.open_tcp_stream(host, port)
     ready = b""
-    while len(ready) < 4:
-        chunk = await stream.receive_some(4 - len(ready))
-        if not chunk:
-            raise ConnectionError("the stage closed before READY")
-        ready += chunk
+    try:
+        while len(ready) < 4:
+            chunk = await stream.receive_some(4 - len(ready))
+            if not chunk:
+                raise ConnectionError("the stage closed before READY")
+            ready += chunk
+    except BaseException:
+        await trio.aclose_forcefully(stream)
+        raise
     return stream
 
 

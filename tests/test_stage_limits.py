@@ -324,3 +324,20 @@ async def test_two_thousand_idle_connections_are_closed_and_memory_returns(tmp_p
             await stream.aclose()
     finally:
         stage.kill()
+
+
+@pytest.mark.parametrize("source", [-5, (1 << 31) - 1])
+async def test_a_source_index_the_forwarded_frame_cannot_carry_is_refused(
+        source: int, caplog: pytest.LogCaptureFixture) -> None:
+    """Found by the fuzz campaign: a first stage forwarded source_stage_index + 1, which for -5 is
+    an activation-less index and for 2^31-1 overflows int32; the encoder then failed as a bug."""
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        address = servers[0].address
+        assert address is not None
+        stream = await dial(address.host, address.port)
+        await stream.send_all(raw_frame(MessageKind.PREFILL_FINAL_EMBD, token_count=1, tokens=1,
+                                        source_stage_index=source, activation_rows=1))
+        error = await until_closed(stream, 5)
+        await stream.aclose()
+        assert f"source_stage_index {source}: not a stage index".encode() in error
+        assert "internal error" not in caplog.text

@@ -240,7 +240,9 @@ class Connection:
             error = extensions.shutting_down_frame(self.identity.index, self._own_address())
             raise
         except* Exception as group:  # any failure closes this lane only; it is logged and reported
-            leaves = _leaves(group)
+            # a lane the watchdog aborted fails wherever its tasks were (a hand-off to a task that
+            # already ended, say): the limit it passed is the reason
+            leaves = [self._aborted] if self._aborted is not None else _leaves(group)
             reason = "; ".join(_describe(exc) for exc in leaves)
             self.stats.connection_errors += 1
             idle = all(isinstance(exc, IdleLane) for exc in leaves)

@@ -48,6 +48,10 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
             misshapen activation, or token ids that do not match ``token_count``.
     """
     kind, message = dispatch.kind, dispatch.message
+    source = message.state.source_stage_index
+    if not -1 <= source < _POSITION_END - 1:  # the forwarded frame carries source + 1, an int32 >= 0
+        raise InvalidMessage(f"{kind.reference_name} with source_stage_index {source}: not a stage index "
+                             "(-1: from the driver)")
     count = message.token_count
     if count <= 0:
         raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
