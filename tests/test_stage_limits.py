@@ -65,7 +65,7 @@ def test_work_item_never_sizes_an_array_by_a_claimed_count(kind: MessageKind, co
     carried = max(tokens, 1 if current >= 0 else 0) if is_first else rows
     assert 0 < item.rows <= carried
     assert item.positions.shape[0] == item.rows
-    assert int(item.positions.max()) < (1 << 31)
+    assert 0 <= int(item.positions.min()) and int(item.positions.max()) < 4096  # within the KV cells
 
 
 @pytest.mark.slow
@@ -341,3 +341,27 @@ async def test_a_source_index_the_forwarded_frame_cannot_carry_is_refused(
         await stream.aclose()
         assert f"source_stage_index {source}: not a stage index".encode() in error
         assert "internal error" not in caplog.text
+
+
+async def test_positions_beyond_the_kv_cells_are_refused_and_do_not_leak_into_a_later_session(
+        tmp_path: Path, tiny_llama: Path) -> None:
+    """Found by the fuzz campaign on the tiny model: a prefill at position 2^31-1 left a cell that
+    llama.cpp never removes from the released sequence, and the next session on that sequence id
+    failed.  Positions at or beyond --ctx-size are now refused before anything runs."""
+    async with inprocess_chain(["0:2", "2:4"], model=str(tiny_llama), ctx_size=256) as servers:
+        address = servers[0].address
+        assert address is not None
+        for pos_start, positions in (((1 << 31) - 1, 0), (0, 1)):
+            stream = await dial(address.host, address.port)
+            frame = raw_frame(MessageKind.PREFILL_FINAL_EMBD, token_count=1, tokens=1, pos_start=pos_start,
+                              positions=positions)
+            if positions:  # the position sideband itself says 2^31-1
+                frame = frame[:-4] + ((1 << 31) - 1).to_bytes(4, "little")
+            await stream.send_all(frame)
+            error = await until_closed(stream, 10)
+            await stream.aclose()
+            assert b"--ctx-size" in error
+        for session in range(1, 10):  # every sequence id is clean for the next sessions
+            async with await StageClient.connect(address) as client:
+                result = await client.prefill(session, [1, 5, 9, 13])
+                assert (await client.decode(session, result.token, 4)).kind is not None

@@ -80,16 +80,28 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
     elif tokens.shape[0] != count:
         raise InvalidMessage(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
     # From here on ``count`` is backed by the frame's own rows: arrays sized by it are bounded.
+    # A session's positions start at 0 and it holds at most max_rows cells, so a position at or
+    # beyond max_rows is a gap no session can fill (and llama.cpp never removes a cell at
+    # position 2^31-1 from a released sequence: found by the fuzz campaign).
+    end = max_rows if max_rows > 0 else _POSITION_END
     positions = message.positions
     if positions.shape[0] != count:
         if message.pos_start < 0:
             raise InvalidMessage(f"{kind.reference_name} with negative pos_start {message.pos_start}")
-        if message.pos_start + count > _POSITION_END:
+        if message.pos_start + count > end:
             raise InvalidMessage(f"{kind.reference_name}: positions {message.pos_start}..{message.pos_start + count - 1} "
-                                 "do not fit in int32")
+                                 f"reach beyond this stage's {end} KV cells (--ctx-size)")
         positions = np.arange(message.pos_start, message.pos_start + count, dtype=np.int32)
-    elif positions.dtype is not _INT32:
-        positions = np.asarray(positions, dtype=np.int32)
+    else:
+        if positions.dtype is not _INT32:
+            positions = np.asarray(positions, dtype=np.int32)
+        if count == 1:
+            low = high = int(positions[0])
+        else:
+            low, high = int(positions.min()), int(positions.max())
+        if low < 0 or high >= end:
+            raise InvalidMessage(f"{kind.reference_name}: positions {low}..{high} outside this stage's "
+                                 f"0..{end - 1} (--ctx-size)")
     prefill = kind.is_prefill
     return WorkItem(
         key, positions, tokens if is_first else None, activations, dispatch.align_to, dispatch.rule.outputs,
