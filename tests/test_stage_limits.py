@@ -365,3 +365,21 @@ async def test_positions_beyond_the_kv_cells_are_refused_and_do_not_leak_into_a_
             async with await StageClient.connect(address) as client:
                 result = await client.prefill(session, [1, 5, 9, 13])
                 assert (await client.decode(session, result.token, 4)).kind is not None
+
+
+async def test_activation_sideband_flags_are_refused_on_a_first_stage() -> None:
+    """Found by the fuzz campaign: a first stage executed a frame flagged for extra activation rows
+    per token (Gemma3n / MTP / RWKV sidebands) and then could not encode the frame it forwards."""
+    from skippy.protocol import StateFlag
+    from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+
+    async with inprocess_chain(["0:2", "2:4"]) as servers:
+        address = servers[0].address
+        assert address is not None
+        stream = await dial(address.host, address.port)
+        flags = int(StateFlag.FINAL_CHUNK | StateFlag.RWKV7_V_FIRST_SIDEBAND) | SKIPPY_EXTENSIONS_FLAG
+        await stream.send_all(raw_frame(MessageKind.PREFILL_FINAL_EMBD, token_count=2, tokens=2, flags=flags))
+        error = await until_closed(stream, 5)
+        await stream.aclose()
+        assert b"not served by this runtime" in error
+        assert servers[0].stats.connection_errors == 1

@@ -52,6 +52,9 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
     if not -1 <= source < _POSITION_END - 1:  # the forwarded frame carries source + 1, an int32 >= 0
         raise InvalidMessage(f"{kind.reference_name} with source_stage_index {source}: not a stage index "
                              "(-1: from the driver)")
+    if message.state.activation_row_multiplier != 1:  # its forwarded frame would need more rows than it has
+        raise InvalidMessage(f"{kind.reference_name} with activation sideband flags {message.state.flags:#x} "
+                             "(Gemma3n / MTP / RWKV rows): not served by this runtime")
     count = message.token_count
     if count <= 0:
         raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
