@@ -643,7 +643,8 @@ async def _refusal(servers: list[StageServer], action: object) -> object:
     "case, code, text",
     [
         ("position gap", "STATE_MISMATCH", "holds 3 positions but the message starts at the authoritative position 9"),
-        ("token out of the vocabulary", "RUNTIME_ERROR", "runtime error: token ids must be in 0..999"),
+        # checked per message before batching (a bad id must not fail other sessions' batch)
+        ("token out of the vocabulary", "STATE_MISMATCH", "token ids must be in 0..999 (got 1..5000)"),
         ("no free session", "OVERLOADED", "cannot open session"),
     ],
 )

@@ -383,3 +383,21 @@ async def test_activation_sideband_flags_are_refused_on_a_first_stage() -> None:
         await stream.aclose()
         assert b"not served by this runtime" in error
         assert servers[0].stats.connection_errors == 1
+
+
+async def test_a_bad_token_id_fails_its_own_message_not_a_shared_decode_batch() -> None:
+    """Found by the fuzz campaign: an out-of-vocabulary id in one lane's decode failed the whole
+    continuous batch, closing a legitimate session decoding beside it."""
+    async with inprocess_chain(["0:4"], batch_window_ms=5) as servers:
+        address = servers[0].address
+        assert address is not None
+        async with await StageClient.connect(address) as good, await StageClient.connect(address) as bad:
+            await good.prefill(1, [1, 2, 3])
+            await bad.prefill(2, [1, 2, 3])
+            async with trio.open_nursery() as nursery:
+                async def hostile() -> None:
+                    with pytest.raises(StageRemoteError, match="token ids must be in"):
+                        await bad.decode(2, 5000, 3)
+                nursery.start_soon(hostile)
+                for position in range(3, 10):
+                    assert (await good.decode(1, position, position)).predicted == position + 1

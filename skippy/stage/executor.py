@@ -184,6 +184,7 @@ class Executor:
         self.is_last: bool = bool(self.model.is_last)
         self.n_embd: int = int(context.n_embd)
         self.n_batch: int = int(context.n_batch)
+        self.n_vocab: int = int(getattr(self.model, "n_vocab", 1 << 31))
         #: KV bytes per cell (the recorded-bytes reply stat); 0 when the runtime does not say.
         self.kv_bytes_per_cell: int = int(getattr(context, "kv_bytes_per_cell", 0))
         #: The null runtime never blocks; the scheduler runs it inline.
@@ -427,9 +428,14 @@ class Executor:
 
     def _check_input(self, item: WorkItem) -> None:
         if self.is_first:
-            if item.tokens is None or item.tokens.shape != (item.rows,):
+            tokens = item.tokens
+            if tokens is None or tokens.shape != (item.rows,):
                 raise InvalidMessage(f"first stage needs {item.rows} token ids, got "
-                                 f"{None if item.tokens is None else item.tokens.shape[0]}")
+                                 f"{None if tokens is None else tokens.shape[0]}")
+            # checked per item, so a bad id fails its own message, not a batch shared with others
+            low, high = (int(tokens[0]),) * 2 if item.rows == 1 else (int(tokens.min()), int(tokens.max()))
+            if low < 0 or high >= self.n_vocab:
+                raise InvalidMessage(f"token ids must be in 0..{self.n_vocab - 1} (got {low}..{high})")
         elif item.activations is None or item.activations.shape != (item.rows, self.n_embd):
             shape = None if item.activations is None else item.activations.shape
             raise InvalidMessage(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
