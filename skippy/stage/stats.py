@@ -131,14 +131,19 @@ def write_stats_file(path: Path, data: dict[str, Any]) -> None:
 async def write_stats_periodically(path: Path, stats: StageStats,
                                    refresh: Callable[[], Awaitable[None]], *, interval: float = 0.1,
                                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Keep ``path`` current: refresh the runtime figures and rewrite it whenever stats change."""
-    written = -1
+    """Keep ``path`` current: refresh the runtime figures every ``interval`` and rewrite the file
+    whenever anything in it changed. The runtime figures are refreshed even when no counter moved:
+    work queued before the last counter change (a KV trim after a rejected draft, say) lands in
+    the runtime afterwards, and a file written only on counter changes would keep the older
+    figure for good."""
     await refresh()
-    write_stats_file(path, stats.as_dict())
+    written = stats.as_dict()
+    write_stats_file(path, written)
     task_status.started()
     while True:
         await trio.sleep(interval)
-        if stats.version != written:
-            written = stats.version
-            await refresh()
-            await trio.to_thread.run_sync(write_stats_file, path, stats.as_dict())
+        await refresh()
+        current = stats.as_dict()
+        if current != written:
+            written = current
+            await trio.to_thread.run_sync(write_stats_file, path, current)
