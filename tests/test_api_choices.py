@@ -62,6 +62,10 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
                 again = (await http.post("/v1/completions", json=body)).json()
                 greedy = {**body, "temperature": 0, "n": 3}
                 forks = (await http.post("/v1/completions", json=greedy)).json()
+                # n = 8 on stages with the default per-lane session quota (4): the forks run one at
+                # a time, so a request never holds more than two sessions of its lane
+                eight = await http.post("/v1/completions", json={**greedy, "n": 8})
+                eight_streamed = await http.post("/v1/completions", json={**greedy, "n": 8, "stream": True})
                 single = (await http.post("/v1/completions", json={**greedy, "n": 1})).json()
                 streamed = await http.post("/v1/chat/completions", json={
                     "model": MODEL, "messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6,
@@ -90,6 +94,16 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
     assert first["usage"]["prompt_tokens"] == prompt_tokens
     assert first["usage"]["completion_tokens"] == 4 * 8  # max_tokens 8 each (random weights rarely stop)
     assert forks["usage"]["completion_tokens"] == 3 * single["usage"]["completion_tokens"]
+    assert eight.status_code == 200, eight.text
+    assert [choice["index"] for choice in eight.json()["choices"]] == list(range(8))
+    assert [choice["text"] for choice in eight.json()["choices"]] == [single["choices"][0]["text"]] * 8
+    assert eight_streamed.status_code == 200, eight_streamed.text
+    streamed_texts: dict[int, str] = {}
+    for line in eight_streamed.text.splitlines():
+        if line.startswith("data: {"):
+            for choice in json.loads(line[6:])["choices"]:
+                streamed_texts[choice["index"]] = streamed_texts.get(choice["index"], "") + choice["text"]
+    assert streamed_texts == {index: single["choices"][0]["text"] for index in range(8)}
     for old, new in zip(before, after):  # every stage: the prompt once, plus the last token of 3 forks
         assert new["prefill_tokens"] - old["prefill_tokens"] == prompt_tokens + 3, (old, new)
         assert new["forked_sessions"] - old["forked_sessions"] == 3

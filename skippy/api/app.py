@@ -508,6 +508,15 @@ def _mean_logprob(choice: "_Choice") -> float:
     return sum(row.logprob for row in rows) / len(rows) if rows else float("-inf")
 
 
+def _run_order(choices: list["_Choice"]) -> list["_Choice"]:
+    """The order a request's choices run in: the forks first, one at a time (each is forked from
+    the first choice's session, started and run to its end, which frees its session), and the
+    first choice last, since its session must outlive every fork. A request with ``n`` choices
+    thus holds two sessions of its lane at most, whatever ``n`` (a stage's per-lane session quota
+    is 4 by default). Streamed chunks carry each choice's ``index``, so clients reassemble them."""
+    return choices[1:] + choices[:1]
+
+
 def _best(choices: list["_Choice"], n: int) -> list["_Choice"]:
     """Completions ``best_of``: the ``n`` choices with the highest mean token log-probability, best
     first, re-indexed (every generated choice still counts in ``usage``)."""
@@ -599,23 +608,15 @@ class _Handlers:
         self.service.admission.released(lease)
         await self.service.pool.release(lease)
 
-    async def fork_choices(self, lease: Lease, parent: Generation, parsed: Parsed) -> list["_Choice"]:
+    def fork_choices(self, lease: Lease, parent: Generation, parsed: Parsed) -> list["_Choice"]:
         """Choices 1..n-1: each a session forked from the first choice's prompt KV on every stage
-        (the prompt is prefilled once), started up to its first token while the parent still holds it."""
-        choices = []
+        (the prompt is prefilled once). Nothing is sent yet: a fork starts when it is run (see
+        :func:`_run_order`), so one request holds at most two sessions of its lane at a time."""
         stages = parent.timing.stage_count
-        for index in range(1, max(parsed.n, parsed.generated)):
-            generation = self.service.generator.start(lease.client, parsed.choice_request(index),
-                                                      self.service.pool.new_session_id(),
-                                                      fork=(parent.session_id, stages))
-            choices.append(_Choice(index, generation, "", parsed))
-            try:
-                choices[-1].text[0] = await generation.__anext__()
-            except StopAsyncIteration:
-                pass
-            except StageClientError as exc:
-                raise await self.chain_error(exc) from exc
-        return choices
+        return [_Choice(index, self.service.generator.start(lease.client, parsed.choice_request(index),
+                                                            self.service.pool.new_session_id(),
+                                                            fork=(parent.session_id, stages)), "", parsed)
+                for index in range(1, max(parsed.n, parsed.generated))]
 
     async def finish(self, lease: Lease, generations: list[Generation]) -> None:
         """Return the lane and record the runs; idempotent (a stream calls it from two places)."""
@@ -664,12 +665,7 @@ class _Handlers:
         except BaseException:
             metrics.in_flight.dec()
             raise
-        choices = [_Choice(0, generation, first, parsed)]
-        try:
-            choices += await self.fork_choices(lease, generation, parsed)
-        except BaseException:
-            await self.finish(lease, [choice.generation for choice in choices])
-            raise
+        choices = [_Choice(0, generation, first, parsed)] + self.fork_choices(lease, generation, parsed)
         ident = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}"
         generations = [choice.generation for choice in choices]
         if parsed.stream:
@@ -677,7 +673,7 @@ class _Handlers:
             return _LeasedStreamingResponse(self.stream(lease, choices, ident, chat, parsed),
                                             lambda: self.finish(lease, generations))
         try:
-            for choice in choices:
+            for choice in _run_order(choices):
                 async for piece in choice.generation:
                     choice.text.append(piece)
         except StageClientError as exc:
@@ -703,7 +699,7 @@ class _Handlers:
                          "system_fingerprint": None, "choices": [{"logprobs": None, **choice}]})
 
         try:
-            for choice in choices:
+            for choice in _run_order(choices):
                 for delta in choice.opening(chat):
                     yield chunk(delta)
                 try:
