@@ -273,6 +273,72 @@ def kv_experiments(path: Path, rounds: int, steps: int) -> None:
                 ctx.close()
 
 
+# -- token-paired wall-clock A/B: in-process against stage processes -----------------------------
+async def paired_decode(path: Path, rounds: int, steps: int) -> None:
+    """Wall time of each token, the variants advanced one token at a time in turn.
+
+    Neighbours on a shared VM move every figure by 10-30% from one minute to the next; a token of
+    each variant taken back to back sees the same machine, so the median of the token-paired
+    ratios is steady where whole-run medians are not.  Variants: the runtime in-process at 256
+    cells (llama-bench's KV size: the stand-in for stock, whose loop cannot be interleaved) and at
+    the stage's 4096 cells, and one stage process with the prefix cache on and off.
+    """
+    n_layer = None
+    inproc = InProcess(path)
+    small = InProcess(path, cells=256, model=inproc.model)
+    n_layer = inproc.model.n_layer
+    flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
+    with contextlib.ExitStack() as stack:
+        stages = {"stage, prefix cache on": stack.enter_context(chain(str(path), [f"0:{n_layer}"], flags)),
+                  "stage, prefix cache off": stack.enter_context(
+                      chain(str(path), [f"0:{n_layer}"], flags + ["--prefix-cache", "off"]))}
+        clients = {name: await StageClient.connect(address) for name, address in stages.items()}
+        walls: dict[str, list[float]] = {"in-process, 256 cells": [], "in-process, 4096 cells": [], **{n: [] for n in stages}}
+        try:
+            for _ in range(rounds + 1):  # the first round warms every path up and is not counted
+                warm = not walls["in-process, 256 cells"] and _ == 0
+                state: dict[str, tuple[object, int]] = {}
+                for name, runtime in (("in-process, 256 cells", small), ("in-process, 4096 cells", inproc)):
+                    seq = runtime.ctx.open_session()
+                    runtime.ctx.decode(tokens=[runtime.bos], positions=[0], seq_ids=[seq])
+                    state[name] = (seq, int(runtime.ctx.sample([runtime.sampler], [0])[0]))
+                for name, client in clients.items():
+                    await client.configure(1)
+                    state[name] = (1, (await client.prefill(1, [inproc.bos], chunk_size=BATCH)).token)
+                runtimes = {"in-process, 256 cells": small, "in-process, 4096 cells": inproc}
+                for position in range(1, steps + 1):
+                    for name in walls:
+                        seq, token = state[name]
+                        started = time.perf_counter()
+                        if name in runtimes:
+                            runtime = runtimes[name]
+                            runtime.ctx.decode(tokens=[token], positions=[position], seq_ids=[seq])
+                            token = int(runtime.ctx.sample([runtime.sampler], [0])[0])
+                        else:
+                            token = (await clients[name].decode(1, token, position)).predicted
+                        if not warm:
+                            walls[name].append(time.perf_counter() - started)
+                        state[name] = (seq, token)
+                finals = {name: state[name][1] for name in walls}
+                if len(set(finals.values())) != 1:
+                    raise AssertionError(f"the variants generated different tokens: {finals}")
+                for name, runtime in runtimes.items():
+                    runtime.ctx.close_session(state[name][0])  # type: ignore[arg-type]
+                for client in clients.values():
+                    await client.stop(1)
+        finally:
+            for client in clients.values():
+                await client.aclose()
+            small.close()
+            inproc.close()
+    base = walls["in-process, 256 cells"]
+    print(f"{rounds} rounds x {steps} tokens, token-paired wall time (speed relative to the first line):")
+    for name, samples in walls.items():
+        ratio = statistics.median(b / c for b, c in zip(base, samples))
+        print(f"  {name:<26} {statistics.median(samples) * 1e3:6.2f} ms/token (median); "
+              f"speed {100 * ratio:5.1f}% (median of token-paired ratios)")
+
+
 # -- the run -------------------------------------------------------------------------------------
 Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
 
@@ -305,9 +371,14 @@ def main() -> None:
     parser.add_argument("--no-stage", action="store_true", help="skip the stage-process variant")
     parser.add_argument("--kv-experiments", action="store_true",
                         help="only the in-process KV A/Bs (resident prefix; power-of-two capacity)")
+    parser.add_argument("--paired", action="store_true",
+                        help="only the token-paired wall-clock A/B of in-process and stage-process decode")
     args = parser.parse_args()
 
     path = model_path(args.model)
+    if args.paired:
+        trio.run(paired_decode, path, args.rounds, args.steps)
+        return
     if args.kv_experiments:
         kv_experiments(path, args.rounds, args.steps)
         return
