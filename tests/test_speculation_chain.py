@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import time
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -65,20 +66,20 @@ class ProbingClient(StageClient):
 
 
 async def settled_kv(stages: Sequence[StageProcess]) -> list[int]:
-    """Every stage's ``kv_cells_used`` once it reads the same twice in a row (the stats files are
-    rewritten every 0.1 s while a stage runs; the request's last exchange was acknowledged before
-    this is called)."""
-    previous = None
-    with trio.fail_after(10):
+    """Every stage's ``kv_cells_used`` from a stats file refreshed after this call began (the
+    files are rewritten every 0.1 s, each with the ``time.time()`` taken before its refresh; the
+    request's last exchange was acknowledged before this is called, so such a refresh sees its
+    final KV)."""
+    asked = time.time()
+    with trio.fail_after(30):
         while True:
-            await trio.sleep(0.25)
+            await trio.sleep(0.05)
             try:
-                figures = [int(stage.stats()["kv_cells_used"]) for stage in stages]  # type: ignore[call-overload]
+                files = [stage.stats() for stage in stages]
             except (OSError, ValueError):
                 continue
-            if figures == previous:
-                return figures
-            previous = figures
+            if all(float(data.get("refreshed_at", 0)) > asked for data in files):  # type: ignore[arg-type]
+                return [int(data["kv_cells_used"]) for data in files]  # type: ignore[call-overload]
 
 
 async def run_probed(generator: Generator, stages: Sequence[StageProcess], request: GenerationRequest,

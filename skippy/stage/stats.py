@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import time
 from bisect import bisect_left
 from collections import Counter
 from pathlib import Path
@@ -131,19 +132,18 @@ def write_stats_file(path: Path, data: dict[str, Any]) -> None:
 async def write_stats_periodically(path: Path, stats: StageStats,
                                    refresh: Callable[[], Awaitable[None]], *, interval: float = 0.1,
                                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
-    """Keep ``path`` current: refresh the runtime figures every ``interval`` and rewrite the file
-    whenever anything in it changed. The runtime figures are refreshed even when no counter moved:
-    work queued before the last counter change (a KV trim after a rejected draft, say) lands in
-    the runtime afterwards, and a file written only on counter changes would keep the older
-    figure for good."""
+    """Keep ``path`` current: refresh the runtime figures and rewrite it every ``interval``.
+
+    The runtime figures are refreshed even when no counter moved: work queued before the last
+    counter change (a KV trim after a rejected draft, say) lands in the runtime afterwards.  Each
+    write carries ``refreshed_at`` (``time.time()`` taken before the refresh), so a reader that
+    needs figures no older than some moment waits for a file refreshed after it.
+    """
     await refresh()
-    written = stats.as_dict()
-    write_stats_file(path, written)
+    write_stats_file(path, {**stats.as_dict(), "refreshed_at": time.time()})
     task_status.started()
     while True:
         await trio.sleep(interval)
+        moment = time.time()
         await refresh()
-        current = stats.as_dict()
-        if current != written:
-            written = current
-            await trio.to_thread.run_sync(write_stats_file, path, current)
+        await trio.to_thread.run_sync(write_stats_file, path, {**stats.as_dict(), "refreshed_at": moment})
