@@ -4,9 +4,14 @@ Strategy: the model is loaded *before* the listener exists, so a stage that answ
 ready.  ``StageServer.serve`` runs, in one nursery, the scheduler (the only user of the runtime),
 the optional stats-file writer, and the listener; each accepted stream is answered READY and
 served by its own :class:`~skippy.stage.connection.Connection` in a second nursery, so one failing
-lane never touches another.  Shutdown (SIGTERM / SIGINT or :meth:`StageServer.shutdown`) stops
-accepting, gives open lanes ``drain_timeout`` seconds to finish, cancels the rest, then releases
-every session and frees the runtime.
+lane never touches another.  A plain-TCP lane whose first byte has not come yet waits in
+:class:`WaitingLanes` (one selector for all of them, one task to wake them) and gets its
+``Connection`` when it becomes readable: an idle lane holds its socket, not a Connection and its
+tasks, which is what lets the memory of a burst of idle lanes go back (see that class); the
+watchdog closes one that waits past ``--idle-timeout``.  Shutdown (SIGTERM / SIGINT or
+:meth:`StageServer.shutdown`) stops accepting, closes the lanes still waiting, gives open lanes
+``drain_timeout`` seconds to finish, cancels the rest, then releases every session and frees the
+runtime.
 
 With ``prefix_cache`` on (the default), the context gets ``cache_slots`` sequence ids above the
 sessions' and a :class:`~skippy.cache.StageCache` claims them right after the context is made,
@@ -18,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import selectors
 import signal
 import ssl
 import sys
@@ -31,9 +37,10 @@ from skippy.runtime.null import NullContext, NullModel, is_null_spec
 from skippy.stage.config import Address, StageConfig
 from skippy.stage.connection import Connection, LaneSettings
 from skippy.stage.direct_return import ReturnHub
+from skippy.stage.errors import StageError, error_code
 from skippy.stage.executor import Executor
 from skippy.stage.scheduler import Scheduler
-from skippy.stage.limits import BufferBudget, StageLimits, fair_share, frame_limit, return_freed_memory
+from skippy.stage.limits import BufferBudget, IdleLane, StageLimits, fair_share, frame_limit, return_freed_memory
 from skippy.stage.tls import TlsFiles, client_context, handshake_as_server, link_uses_tls, server_context
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
 from skippy.stage.transport import WireCondition, send_ready, set_no_delay
@@ -149,6 +156,79 @@ def stage_tls(config: StageConfig) -> StageTls | None:
         raise ValueError(f"cannot load the stage's TLS files ({files.cert}, {files.key}, {files.ca}): {exc}") from exc
 
 
+class WaitingLanes:
+    """Plain-TCP lanes answered READY whose first byte has not arrived: sockets in one selector.
+
+    Why: a lane served by a :class:`~skippy.stage.connection.Connection` holds about 16 KiB of
+    small Python objects (its tasks, coroutines, cancel scopes, channels, protocol state), which
+    CPython's allocator carves from 1 MiB arenas and gives back to the system only when a whole
+    arena is empty.  2,000 idle lanes filled ~30 arenas; once they were closed, the few objects
+    the stage allocated meanwhile and kept (counters, the accept loop's and the watchdog's current
+    frames, timer entries) sat scattered in almost every one of them, so RSS stayed up (52 -> 84 ->
+    83 MiB; ``malloc_trim`` cannot reach those arenas).  Here an idle lane costs its socket objects
+    and one entry, so such a burst needs little heap in the first place.
+
+    :meth:`wait` parks one task on the selector's descriptor; :meth:`take_ready` hands over the
+    lanes that became readable (bytes, end of stream or an error: the Connection finds out which);
+    :meth:`take_overdue` the ones waiting longer than the idle timeout (oldest first: entries are
+    kept in arrival order).  Unavailable where the selector has no descriptor to wait on
+    (:meth:`create` returns None; lanes then get their Connection at once).
+    """
+
+    def __init__(self, selector: selectors.BaseSelector) -> None:
+        self._selector = selector
+        #: descriptor -> (stream, peer, since when it waits), in arrival order
+        self._lanes: dict[int, tuple[trio.SocketStream, str, float]] = {}
+        self.closed = False
+
+    @classmethod
+    def create(cls) -> "WaitingLanes | None":
+        selector = selectors.DefaultSelector()
+        if not hasattr(selector, "fileno"):  # select() / poll(): nothing trio can wait on
+            selector.close()
+            return None
+        return cls(selector)
+
+    def __len__(self) -> int:
+        return len(self._lanes)
+
+    def add(self, stream: trio.SocketStream, peer: str) -> bool:
+        """Hold ``stream`` until it is readable; False once closed (the caller serves it itself)."""
+        if self.closed:
+            return False
+        fd = stream.socket.fileno()
+        self._selector.register(fd, selectors.EVENT_READ)
+        self._lanes[fd] = (stream, peer, trio.current_time())
+        return True
+
+    async def wait(self) -> None:
+        """Return when a held lane may be readable."""
+        await trio.lowlevel.wait_readable(self._selector.fileno())  # type: ignore[attr-defined]
+
+    def take_ready(self) -> list[tuple[trio.SocketStream, str]]:
+        return [self._take(key.fd) for key, _ in self._selector.select(0)]
+
+    def take_overdue(self, now: float, timeout: float) -> list[tuple[trio.SocketStream, str]]:
+        overdue = []
+        for fd, (_, _, since) in self._lanes.items():
+            if now - since <= timeout:
+                break
+            overdue.append(fd)
+        return [self._take(fd) for fd in overdue]
+
+    def close(self) -> list[tuple[trio.SocketStream, str]]:
+        """Stop holding lanes; returns the ones still held (the caller closes them)."""
+        self.closed = True
+        held = [self._take(fd) for fd in list(self._lanes)]
+        self._selector.close()
+        return held
+
+    def _take(self, fd: int) -> tuple[trio.SocketStream, str]:
+        self._selector.unregister(fd)
+        stream, peer, _ = self._lanes.pop(fd)
+        return stream, peer
+
+
 class StageServer:
     """Serves upstream lanes for one loaded stage.
 
@@ -192,6 +272,8 @@ class StageServer:
         #: Connections refused at the limit, and lanes closed since the last heap trim.
         self.refused = 0
         self._closed_since_trim = 0
+        #: Lanes waiting for their first byte, while serving (None: every lane gets its Connection at once).
+        self.waiting: WaitingLanes | None = None
         self._shutdown = trio.Event()
 
     def _lanes_with_session(self, session_id: int) -> list[int]:
@@ -226,6 +308,7 @@ class StageServer:
             system.start_soon(self._watch_limits)
             async with trio.open_nursery() as lanes:
                 accept_scope = trio.CancelScope()
+                self.waiting = WaitingLanes.create()  # closed by _accept, whichever way it ends
                 lanes.start_soon(self._accept, listeners, lanes, accept_scope)
                 log.info("stage layers %s ready on %s (downstream: %s, wire %s)", config.layers,
                          self.address, config.downstream or "none (final stage)",
@@ -254,9 +337,36 @@ class StageServer:
                 async with trio.open_nursery() as acceptors:
                     for listener in listeners:
                         acceptors.start_soon(self._accept_one, listener, lanes)
+                    if self.waiting is not None:
+                        acceptors.start_soon(self._wake_waiting, lanes)
         finally:
+            if self.waiting is not None:  # draining: lanes that never sent a byte are closed at once
+                for stream, _ in self.waiting.close():
+                    self._close_waiting(stream)
             for listener in listeners:
                 await trio.aclose_forcefully(listener)
+
+    async def _wake_waiting(self, lanes: trio.Nursery) -> None:
+        """Give each waiting lane that became readable its Connection."""
+        waiting = self.waiting
+        assert waiting is not None
+        while True:
+            await waiting.wait()
+            for stream, peer in waiting.take_ready():
+                lanes.start_soon(self._serve_woken, stream, peer)
+
+    def _close_waiting(self, stream: trio.SocketStream, peer: str = "", error: StageError | None = None) -> None:
+        """Close a lane that never sent a byte (``error``: the limit it passed, logged as a
+        Connection logs it; None: the stage is draining)."""
+        stats = self.stats
+        if error is not None:
+            log.info("closing lane from %s (no message yet): %s", peer, error)
+            stats.connection_errors += 1
+            stats.errors_by_code[error_code(error).name.lower()] += 1
+        stream.socket.close()
+        stats.connections_open -= 1
+        stats.touch()
+        self._lane_closed()
 
     async def _accept_one(self, listener: trio.SocketListener, lanes: trio.Nursery) -> None:
         while True:
@@ -288,6 +398,10 @@ class StageServer:
                 error = connection.overdue(now, limits)
                 if error is not None:
                     connection.abort(error)  # type: ignore[arg-type]
+            if self.waiting and limits.idle_timeout > 0:
+                for stream, peer in self.waiting.take_overdue(now, limits.idle_timeout):
+                    self._close_waiting(stream, peer, IdleLane(f"lane idle for {limits.idle_timeout:g} s "
+                                                               "(--idle-timeout)"))
             if self._closed_since_trim and not self.accepted:
                 self._closed_since_trim = 0
                 return_freed_memory()
@@ -296,31 +410,55 @@ class StageServer:
                 return_freed_memory()
 
     async def _serve_lane(self, stream: trio.SocketStream) -> None:
+        waits = False
         try:
-            await self._serve_accepted(stream)
+            waits = await self._serve_accepted(stream)
         finally:
-            self.accepted -= 1
-            self._closed_since_trim += 1
+            if not waits:
+                self._lane_closed()
 
-    async def _serve_accepted(self, stream: trio.SocketStream) -> None:
+    def _lane_closed(self) -> None:
+        self.accepted -= 1
+        self._closed_since_trim += 1
+
+    async def _serve_woken(self, stream: trio.SocketStream, peer: str) -> None:
+        """Serve a lane that waited for its first byte (:class:`WaitingLanes`)."""
+        self.stats.connections_open -= 1  # counted while it waited; the Connection counts it again
+        self.stats.connections_total -= 1
+        try:
+            await self._serve_connection(stream, peer)
+        finally:
+            self._lane_closed()
+
+    async def _serve_accepted(self, stream: trio.SocketStream) -> bool:
+        """Answer READY, then serve the lane, or leave it waiting for its first byte (True)."""
         try:
             peer = "{}:{}".format(*stream.socket.getpeername()[:2])
         except OSError:  # the peer is already gone
             await trio.aclose_forcefully(stream)
-            return
+            return False
         set_no_delay(stream)
         lane: trio.abc.Stream = stream
         if self.tls is not None and self.tls.server is not None:  # authenticated before anything is said
             secure = await handshake_as_server(stream, self.tls.server, peer, self.limits.header_timeout or 10.0)
             if secure is None:
                 self.tls_refused += 1
-                return
+                return False
             lane = secure
         try:
             await send_ready(lane)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):  # a probe that left at once
             await trio.aclose_forcefully(lane)
-            return
+            return False
+        if lane is stream and self.waiting is not None and self.waiting.add(stream, peer):
+            self.stats.connections_open += 1  # an open lane, as it will be once it has its Connection
+            self.stats.connections_total += 1
+            self.stats.touch()
+            return True
+        await self._serve_connection(lane, peer)
+        return False
+
+    async def _serve_connection(self, lane: trio.abc.Stream, peer: str) -> None:
         connection = Connection(lane, peer, self.settings, self.scheduler, self.stats, self.returns, self.budget)
         self.connections.add(connection)
         try:
