@@ -1,7 +1,7 @@
 """The long fuzz campaign against a live chain of stage processes (issue 13 item 6).
 
 Run: ``PYTHONPATH=. nice -n 15 .venv/bin/python bench/fuzz_stage.py [--minutes 10] [--workers 24]
-[--model null|tiny-llama] [--max-buffered-mib 64] [--report fuzz.json]``.
+[--model null|tiny-llama] [--max-buffered-mib 64] [--decode-batching off] [--report fuzz.json]``.
 
 A two-stage chain (the null runtime by default, or the tiny llama) runs with tight limits
 (``--header-timeout 2 --frame-timeout 4 --idle-timeout 8`` and the given buffer budget).  While a
@@ -150,7 +150,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
         args.width = 64
     limits = ["--header-timeout", "2", "--frame-timeout", "4", "--idle-timeout", "8",
               "--max-buffered-mib", str(args.max_buffered_mib), "--max-connections", "256",
-              "--ctx-size", "1024"]
+              "--ctx-size", "1024", "--decode-batching", args.decode_batching]
     final = StageProcess(model, "2:4", directory / "stage1.log", extra=limits)
     first = StageProcess(model, "0:2", directory / "stage0.log", extra=limits)
     stages = [first, final]
@@ -207,6 +207,10 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16, help="decode steps per legitimate session")
     parser.add_argument("--max-buffered-mib", type=float, default=64)
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--decode-batching", choices=["on", "off"], default="off",
+                        help="the stages' --decode-batching (default off: with it on, attackers' decode rows "
+                             "share the legitimate session's batches and its greedy tokens may flip at a "
+                             "near-tie, which is summation order, not an attack; see skippy/stage/scheduler.py)")
     parser.add_argument("--report", type=Path)
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)

@@ -68,6 +68,7 @@ class StageConfig:
     write_through: bool = True
     inline_hand_offs: bool = True
     inline_decode: bool = True
+    decode_batching: bool = True
     stats_file: Path | None = None
     metrics_listen: Address | None = None
     downstream_file: Path | None = None
@@ -263,6 +264,9 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "inline_decode": (_bool, "on: a lone decode row on a stage with one lane open is computed on the trio thread, "
                       "without the runtime thread's hand-off; off: always on the runtime thread "
                       "(bench/RESULTS-stage.md has both figures)"),
+    "decode_batching": (_bool, "on: single-row decodes of different sessions that are ready together run as one "
+                        "llama.cpp batch (throughput); off: each runs alone, so a session's logits never "
+                        "depend on other sessions' traffic (bitwise reproducible under load)"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
     "downstream_file": (_optional_path, "a file holding HOST:PORT of the next stage, read at every downstream dial "
                         "(overrides --downstream while it exists): a launcher re-wires a running stage by rewriting it"),

@@ -23,6 +23,12 @@ windows, control calls and every job once a second lane is open still go to the 
 stops waiting: the job still runs, so the runtime and the session table stay consistent.  Each
 connection has at most one job queued at a time, so per-session order is the submission order.
 
+*Decode batching* (``decode_batching``, on by default) can be turned off: llama.cpp's CPU kernels
+take different paths for one row and for several (a batched row's logits differ from the same row
+alone in the last bits: ~2e-6 on the tiny llama), so with batching a session's greedy tokens can
+flip at a near-tie depending on what other sessions were decoding at that moment.  Off, every row
+is its own native batch: a session's results depend only on its own messages.
+
 Idle fast path: when the runtime is free and nothing is queued (and no batching window is set),
 the submitting task runs its job itself, as the scheduler would have, instead of waking the
 scheduler task and being woken back (two trio hand-offs per message).  The runtime is claimed
@@ -74,10 +80,12 @@ class Scheduler:
     """
 
     def __init__(self, executor: Executor, stats: StageStats, *, batch_window: float = 0.0,
-                 inline_decode: bool = True) -> None:
+                 inline_decode: bool = True, decode_batching: bool = True) -> None:
         self.executor = executor
         self.stats = stats
         self.batch_window = batch_window
+        #: False (``--decode-batching off``): every decode row runs as its own native batch.
+        self.decode_batching = decode_batching
         self.inline_decode = inline_decode
         self._send, self._receive = trio.open_memory_channel[_Job[Any]](math.inf)
         #: The runtime is running a batch (the scheduler's or a caller's fast-path job).
@@ -125,7 +133,7 @@ class Scheduler:
         jobs = [job]
         # With one lane open nobody else can bring a row this tick (a lane has at most one job
         # queued): skip the yield, a trip through trio's run loop per message.
-        if (self.executor.blocking and job.item is not None and job.item.batchable
+        if (self.decode_batching and self.executor.blocking and job.item is not None and job.item.batchable
                 and self.stats.connections_open != 1):
             # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
             # runtime, and take them into this batch: the batching a scheduler pass used to give.
@@ -228,6 +236,8 @@ class Scheduler:
         decode_batches: list[int] = []
         if len(jobs) == 1:  # the common case: no batch to form
             return decode_batches, self._run_one(jobs[0], decode_batches)
+        if not self.decode_batching:  # every row alone, in arrival order
+            return decode_batches, sum(self._run_one(job, decode_batches) for job in jobs)
         native = 0
         batch: list[_Job[Any]] = []
         rest: list[_Job[Any]] = []

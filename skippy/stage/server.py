@@ -247,7 +247,7 @@ class StageServer:
         #: Connections refused at the TLS handshake.
         self.tls_refused = 0
         self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0,
-                                   inline_decode=config.inline_decode)
+                                   inline_decode=config.inline_decode, decode_batching=config.decode_batching)
         self.settings = LaneSettings(
             width=executor.n_embd, is_last=executor.is_last, downstream=config.downstream,
             wire_dtype=config.wire_dtype, credit_limit=config.credit_limit,
