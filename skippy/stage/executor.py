@@ -153,6 +153,34 @@ def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
         raise InvalidMessage(f"sampling section refused: {exc}") from exc
 
 
+#: Largest activation magnitude a stage accepts.  Real hidden states stay many orders of magnitude
+#: below it; above it the first RMS norm's sum of squares can overflow float32 (n_embd x 1e34 >
+#: 3.4e38), which turns the row's K/V into inf/NaN.
+ACTIVATION_LIMIT = 1e15
+
+
+def check_activation_values(activations: FloatArray) -> None:
+    """Refuse activations with NaN, infinity or a magnitude above :data:`ACTIVATION_LIMIT`.
+
+    A non-finite value never stays in its own session: the K/V cells it produces hold NaN, and a
+    NaN cell poisons every other session whose attention spans it, masked or not (the mask is
+    added to K.q, and NaN + -inf is NaN; a freed cell keeps its data until it is overwritten).
+    So one peer's frame would corrupt every session of the stage.  ``min``/``max`` propagate
+    NaN, so two reductions with no temporary array check all three conditions.
+
+    Raises:
+        InvalidMessage: naming what was wrong.
+    """
+    if activations.size == 0:
+        return
+    low, high = float(activations.min()), float(activations.max())
+    if not (-ACTIVATION_LIMIT <= low and high <= ACTIVATION_LIMIT):  # NaN fails both comparisons
+        finite = np.isfinite(activations)
+        what = "NaN or infinite values" if not finite.all() else \
+            f"values beyond +-{ACTIVATION_LIMIT:g} (min {low:g}, max {high:g})"
+        raise InvalidMessage(f"activation refused: it carries {what}, which would poison the stage's KV cells")
+
+
 def logprobs_of_row(logits: FloatArray, token: int, top: int) -> TokenLogprobs:
     """``token``'s log-probability in one logits row (its log-softmax, in float64) and the ``top``
     most likely tokens with theirs (ties: the lower token id first)."""
@@ -439,6 +467,8 @@ class Executor:
         elif item.activations is None or item.activations.shape != (item.rows, self.n_embd):
             shape = None if item.activations is None else item.activations.shape
             raise InvalidMessage(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
+        else:
+            check_activation_values(item.activations)
 
     def _decode(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
                 item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:
