@@ -35,6 +35,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
 from hostile_frames import EXTREMES, dial, fd_count, mutate, raw_frame, rss_bytes, seed_frames  # noqa: E402
+from skippy.api.admission import is_overloaded  # noqa: E402
 from skippy.driver import StageClient, StageClientError  # noqa: E402
 from skippy.driver.prefix import configure_metadata  # noqa: E402
 from skippy.protocol import MessageKind  # noqa: E402
@@ -45,6 +46,9 @@ PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 #: Log-probability gap under which two candidates are a near-tie (the runtime's batch- and
 #: placement-dependent differences are ~1e-6 in the logits).
 NEAR_TIE = 1e-3
+#: How long the legitimate client retries a session refused as overloaded (the API's queue
+#: deadline plays this part in skippy up).
+OVERLOAD_DEADLINE_S = 10.0
 
 
 def _near_tie(row: TokenLogprobs) -> bool:
@@ -64,6 +68,7 @@ class Campaign:
         self.failures: list[str] = []
         self.token_changes = 0
         self.near_tie_changes = 0
+        self.overload_retries = 0
         self.unexplained_changes: list[str] = []
         self.step_times: list[float] = []
         self.peak_rss: dict[str, int] = {}
@@ -82,6 +87,8 @@ class Campaign:
         expected: list[int] | None = None
         expected_rows: list[TokenLogprobs] = []
         session = 1
+        overloaded_since: float | None = None
+        attempt = 0
         extension = SamplingRequest(logprobs=2)
         metadata = configure_metadata(None, extension)
         while not self.stop.is_set():
@@ -114,9 +121,24 @@ class Campaign:
                                     f"(top-2 now {rows[at].top}, first run {expected_rows[at].top})")
                         self.sessions += 1
                         session += 1
+                        overloaded_since = None
             except (StageClientError, OSError) as exc:
+                # Every session of a stage taken by many attacker lanes (each within its quota) is
+                # refused as OVERLOADED; skippy's driver (skippy/api/admission.py) retries that
+                # with a back-off within its queue deadline, and so does this client.
+                if isinstance(exc, StageClientError) and is_overloaded(exc):
+                    if overloaded_since is None:
+                        overloaded_since, attempt = time.monotonic(), 0
+                    if time.monotonic() - overloaded_since < OVERLOAD_DEADLINE_S:
+                        self.overload_retries += 1
+                        await trio.sleep(min(0.25, 0.01 * 2 ** attempt))
+                        attempt += 1
+                        continue
+                overloaded_since = None
                 self.failures.append(f"{time.strftime('%H:%M:%S')} session {session}: {exc}")
                 await trio.sleep(0.5)
+            else:
+                overloaded_since = None
 
     @staticmethod
     def _row(client: StageClient) -> TokenLogprobs:
@@ -220,6 +242,7 @@ async def run(args: argparse.Namespace) -> dict[str, object]:
             "crashes": campaign.crashes + ([] if alive else ["a stage died"]),
             "legitimate_sessions": campaign.sessions, "legitimate_steps": campaign.steps,
             "legitimate_failures": campaign.failures[:20], "legitimate_failure_count": len(campaign.failures),
+            "legitimate_overload_retries": campaign.overload_retries,
             "token_changes": campaign.token_changes,
             "token_changes_at_a_near_tie": campaign.near_tie_changes,
             "token_changes_unexplained": campaign.unexplained_changes[:20],
