@@ -18,8 +18,11 @@ Strategy
   prefix cache's host spill tier (``cache_spill_mib``) is counted on top, as the stage's peak.
 * **Time of a stage**: per-token decode time of its layers.  Without ``--measure`` a decode is
   taken to read each weight once at ``bandwidth_gbs`` (decode is memory bound); with it, a whole
-  model decode is timed on this machine and shared out by bytes (:func:`measure_layer_times`).
-  A host's ``speed`` divides its time.
+  model decode is timed and shared out by bytes (:func:`measure_layer_times`): on each Ray node
+  for a cluster's hosts (:mod:`skippy.ray_plan`, one :class:`LayerTimes` per host), else on this
+  machine, and a named host that could not be measured keeps this machine's figure, which the
+  plan says on that stage's line and in its file (``decode_source``).  A host's ``speed`` divides
+  its time.
 * **Split** (:func:`plan_chain`): hosts keep their order (the chain's order); each gets one
   non-empty contiguous range.  A dynamic programme over (host, end layer) minimises the slowest
   stage among splits where every stage fits its host; when none fits, a second programme finds the
@@ -47,7 +50,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
 
 __all__ = [
-    "HostSpec", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
+    "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
     "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
 ]
 
@@ -87,13 +90,23 @@ def parse_size(text: str) -> int:
 @final
 @dataclasses.dataclass(frozen=True, slots=True)
 class HostSpec:
-    """A host of the chain: its name (the address peers dial), memory budgets and relative speed."""
+    """A host of the chain: its name (the address peers dial), memory budgets and relative speed.
+
+    ``node_id``: the Ray node this host is (a plan made from a Ray cluster); ``skippy up --ray``
+    pins the stage's bundle to it.  A host with GPU memory gets one GPU per stage.
+    """
 
     name: str
     memory: int
     gpu_memory: int = 0
     speed: float = 1.0
     port: int = 7000
+    node_id: str = ""
+
+    @property
+    def gpus(self) -> int:
+        """GPUs a stage on this host asks for (its Ray bundle's ``GPU``)."""
+        return 1 if self.gpu_memory > 0 else 0
 
     @classmethod
     def parse(cls, text: str) -> "HostSpec":
@@ -300,6 +313,17 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
 
 @final
 @dataclasses.dataclass(frozen=True, slots=True)
+class LayerTimes:
+    """Per-layer and output-head decode time (ms) of one host, and where the figure comes from
+    (``source``: e.g. ``measured on Ray node 1a2b...``, ``this machine's figure``)."""
+
+    layer_ms: tuple[float, ...]
+    head_ms: float
+    source: str
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
 class StagePlan:
     """One stage of a plan: its host, range, address and expected figures."""
 
@@ -309,6 +333,9 @@ class StagePlan:
     end: int
     memory: StageMemory
     decode_ms: float
+    #: where ``decode_ms`` comes from: "estimated", "measured on this machine", a Ray node, or
+    #: "this machine's figure (HOST not measured)"
+    decode_source: str = "estimated"
 
     @property
     def layers(self) -> str:
@@ -328,21 +355,25 @@ class Plan:
 
     def describe(self) -> str:
         """The human-readable plan: one line per stage with its memory and time."""
+        sources = {stage.decode_source for stage in self.stages}
+        common = sources.pop() if len(sources) == 1 else ""
+        timing = ("decode times " + (f"estimated at {self.settings.bandwidth_gbs:g} GB/s" if common == "estimated"
+                                     else common) if common else "decode times per stage as noted")
         lines = [f"plan for {self.model.name} ({len(self.stages)} stages, ctx {self.settings.ctx_size}, "
-                 f"{self.settings.max_sessions} sessions, batch {self.settings.batch_size}; decode times "
-                 + ("measured on this host" if self.measured
-                    else f"estimated at {self.settings.bandwidth_gbs:g} GB/s") + ")"]
+                 f"{self.settings.max_sessions} sessions, batch {self.settings.batch_size}; {timing})"]
         for stage in self.stages:
             memory = stage.memory
             budget = f"of {stage.host.memory / GIB:.1f} GiB"
             gpu = (f", GPU {memory.gpu / GIB:.2f} of {stage.host.gpu_memory / GIB:.1f} GiB"
                    if stage.host.gpu_memory else "")
+            where = stage.host.name + (f" (Ray node {stage.host.node_id[:12]})" if stage.host.node_id else "")
+            source = "" if common else f" ({stage.decode_source})"
             lines.append(
-                f"  stage {stage.index} on {stage.host.name}: layers {stage.layers:>7}  "
+                f"  stage {stage.index} on {where}: layers {stage.layers:>7}  "
                 f"memory {memory.resident / GIB:.2f} GiB (peak {memory.peak / GIB:.2f} {budget}; weights "
                 f"{memory.weights / MIB:.0f} MiB, KV {memory.kv / MIB:.0f} MiB, compute {memory.compute / MIB:.0f} MiB, "
                 f"process {memory.overhead / MIB:.0f} MiB, spill {memory.spill / MIB:.0f} MiB){gpu}  "
-                f"decode {stage.decode_ms:.2f} ms/token")
+                f"decode {stage.decode_ms:.2f} ms/token{source}")
         slowest = max(self.stages, key=lambda s: s.decode_ms)
         total = sum(s.decode_ms for s in self.stages)
         lines.append(f"  per token: {total:.2f} ms through the chain (slowest stage {slowest.index}: "
@@ -369,6 +400,10 @@ class Plan:
             memory = stage.memory
             out += ["", "[[stage]]", f"host = {_quote(stage.host.name)}", f"layers = {_quote(stage.layers)}",
                     f"listen = {_quote(f'0.0.0.0:{stage.host.port}')}"]
+            if stage.host.node_id:  # skippy up --ray pins this stage's bundle to the node
+                out.append(f"ray_node = {_quote(stage.host.node_id)}")
+            if stage.host.gpus:  # its Ray bundle asks for a GPU
+                out.append(f"gpus = {stage.host.gpus}")
             if stage.index + 1 < len(self.stages):
                 nxt = self.stages[stage.index + 1].host
                 out.append(f"downstream = {_quote(_address(nxt.name, nxt.port))}")
@@ -380,7 +415,7 @@ class Plan:
                     f"weights_bytes = {memory.weights}", f"kv_bytes = {memory.kv}",
                     f"compute_bytes = {memory.compute}", f"gpu_bytes = {memory.gpu}",
                     f"host_memory_bytes = {stage.host.memory}", f"host_gpu_memory_bytes = {stage.host.gpu_memory}",
-                    f"decode_ms = {stage.decode_ms:.4f}"]
+                    f"decode_ms = {stage.decode_ms:.4f}", f"decode_source = {_quote(stage.decode_source)}"]
         return "\n".join(out) + "\n"
 
 
@@ -394,7 +429,7 @@ def _address(host: str, port: int) -> str:
 
 #: Keys of a plan file that describe the plan, not a stage setting (dropped for a stage config).
 PLAN_ONLY_CHAIN_KEYS: Final = frozenset({"model_digest"})
-PLAN_ONLY_STAGE_KEYS: Final = frozenset({"host", "expected"})
+PLAN_ONLY_STAGE_KEYS: Final = frozenset({"host", "expected", "ray_node", "gpus"})
 
 
 def load_plan(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
@@ -421,13 +456,16 @@ def load_plan(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
 
 
 def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSettings, *,
-               layer_ms: Sequence[float] | None = None, head_ms: float | None = None) -> Plan:
+               layer_ms: Sequence[float] | None = None, head_ms: float | None = None,
+               host_times: Sequence[LayerTimes] | None = None) -> Plan:
     """The fastest split of ``shape`` over ``hosts`` (in order) where every stage fits its host.
 
     Args:
-        layer_ms: per-layer decode time measured on this machine (:func:`measure_layer_times`);
-            None: estimated from bytes at ``settings.bandwidth_gbs``.
+        layer_ms: per-layer decode time measured on this machine (:func:`measure_layer_times`),
+            used for every host; None: estimated from bytes at ``settings.bandwidth_gbs``.
         head_ms: the output head's time with ``layer_ms``.
+        host_times: one :class:`LayerTimes` per host (each host's own figures, e.g. measured on
+            its Ray node); overrides ``layer_ms``.
 
     Raises:
         PlanError: more hosts than layers, or no split fits (naming each short host and by how much).
@@ -437,22 +475,31 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
         raise PlanError("no hosts to plan for")
     if count > n_layer:
         raise PlanError(f"{count} hosts but {shape.path.name} has only {n_layer} layers (one stage per host)")
-    measured = layer_ms is not None
-    if layer_ms is None:
-        per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)
-        layer_ms = [b * per_byte for b in shape.layer_bytes]
-        head_ms = shape.head_bytes * per_byte
-    elif len(layer_ms) != n_layer:
-        raise PlanError(f"{len(layer_ms)} layer times for {n_layer} layers")
-    head_time = head_ms or 0.0
-    prefix = [0.0]
-    for value in layer_ms:
-        prefix.append(prefix[-1] + value)
+    if host_times is None:
+        if layer_ms is None:
+            per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)
+            common = LayerTimes(tuple(b * per_byte for b in shape.layer_bytes), shape.head_bytes * per_byte,
+                                "estimated")
+        else:
+            common = LayerTimes(tuple(layer_ms), head_ms or 0.0, "measured on this machine")
+        host_times = [common] * count
+    elif len(host_times) != count:
+        raise PlanError(f"{len(host_times)} host timings for {count} hosts")
+    measured = any(times.source != "estimated" for times in host_times)
+    prefixes = []
+    for times in host_times:
+        if len(times.layer_ms) != n_layer:
+            raise PlanError(f"{len(times.layer_ms)} layer times for {n_layer} layers")
+        prefix = [0.0]
+        for value in times.layer_ms:
+            prefix.append(prefix[-1] + value)
+        prefixes.append(prefix)
 
     def cost(host_index: int, start: int, end: int) -> tuple[float, int, StageMemory]:
-        host = hosts[host_index]
+        host, prefix = hosts[host_index], prefixes[host_index]
+        head_time = host_times[host_index].head_ms if end == n_layer else 0.0
         memory = stage_memory(shape, start, end, settings, gpu=host.gpu_memory > 0)
-        time_ms = (prefix[end] - prefix[start] + (head_time if end == n_layer else 0.0)) / host.speed
+        time_ms = (prefix[end] - prefix[start] + head_time) / host.speed
         over = memory.peak - host.memory
         if host.gpu_memory:
             over = max(over, memory.gpu - host.gpu_memory)
@@ -506,7 +553,7 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
     stages = []
     for s in range(count):
         time_ms, _, memory = cost(s, bounds[s], bounds[s + 1])
-        stages.append(StagePlan(s, hosts[s], bounds[s], bounds[s + 1], memory, time_ms))
+        stages.append(StagePlan(s, hosts[s], bounds[s], bounds[s + 1], memory, time_ms, host_times[s].source))
     return Plan(shape.path, shape.digest, settings, tuple(stages), measured)
 
 

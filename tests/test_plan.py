@@ -233,5 +233,47 @@ def test_measured_layer_times_drive_the_plan() -> None:
     assert len(layer_ms) == shape.n_layer and all(t > 0 for t in layer_ms) and head_ms > 0
     plan = plan_chain(shape, [HostSpec("a", GIB), HostSpec("b", GIB)], PlanSettings(ctx_size=256),
                       layer_ms=layer_ms, head_ms=head_ms)
-    assert plan.measured and "measured on this host" in plan.describe()
+    assert plan.measured and "measured on this machine" in plan.describe()
     assert abs(sum(s.decode_ms for s in plan.stages) - (sum(layer_ms) + head_ms)) < 1e-9
+
+
+def test_each_hosts_own_layer_times_share_the_layers() -> None:
+    """Per-host figures (``--measure`` on each Ray node): a host measured twice as slow gets fewer
+    layers than with one shared figure, and each stage's time is its own host's."""
+    from skippy.plan import LayerTimes
+
+    path = model_path("llama")
+    shape = ModelShape.from_gguf(path)
+    hosts = [HostSpec("fast", GIB), HostSpec("slow", GIB)]
+    even = LayerTimes((1.0,) * shape.n_layer, 0.0, "measured on Ray node aaaa")
+    slow = LayerTimes((3.0,) * shape.n_layer, 0.0, "measured on Ray node bbbb")
+    shared = plan_chain(shape, hosts, PlanSettings(ctx_size=256), host_times=[even, even])
+    own = plan_chain(shape, hosts, PlanSettings(ctx_size=256), host_times=[even, slow])
+    assert [s.layers for s in shared.stages] == ["0:2", "2:4"]
+    assert [s.layers for s in own.stages] == ["0:3", "3:4"]
+    assert [s.decode_ms for s in own.stages] == [3.0, 3.0]
+    assert [s.decode_source for s in own.stages] == [even.source, slow.source]
+    text = own.describe()
+    assert "(measured on Ray node aaaa)" in text and "(measured on Ray node bbbb)" in text
+    assert 'decode_source = "measured on Ray node bbbb"' in own.to_toml()
+    with pytest.raises(PlanError, match="1 host timings for 2 hosts"):
+        plan_chain(shape, hosts, PlanSettings(ctx_size=256), host_times=[even])
+
+
+def test_measure_names_hosts_it_could_not_reach(tmp_path: Path) -> None:
+    """``skippy plan --measure`` with named hosts and no Ray cluster: this machine is measured, and
+    a host that is not this machine keeps this machine's figure, which the plan says for it."""
+    path = model_path("llama")
+    out = tmp_path / "plan.toml"
+    result = subprocess.run(
+        [sys.executable, "-m", "skippy", "plan", "--model", str(path), "--hosts", "127.0.0.1=1GiB",
+         "far-away-host=1GiB", "--ctx-size", "256", "--measure", "-o", str(out)],
+        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    stage0 = next(line for line in lines if line.startswith("  stage 0 on 127.0.0.1"))
+    stage1 = next(line for line in lines if line.startswith("  stage 1 on far-away-host"))
+    assert stage0.endswith("(measured on this machine)"), stage0
+    assert stage1.endswith("(this machine's figure: far-away-host was not measured)"), stage1
+    _, stages = load_plan(out)
+    assert stages[1]["expected"]["decode_source"] == "this machine's figure: far-away-host was not measured"

@@ -1,8 +1,10 @@
 """``skippy plan``: split a model over hosts by memory (and speed), print it, write a plan file.
 
 Strategy: the work is :mod:`skippy.plan` (header-only shape, memory model, split search); this
-module parses the command line, optionally measures decode time here (``--measure``), prints the
-plan and writes its TOML file.  An impossible plan exits with status 1 and the planner's message
+module parses the command line, takes the hosts from ``--hosts`` or from a Ray cluster's alive
+nodes (``--ray [ADDRESS]``, :mod:`skippy.ray_plan`), optionally measures decode time
+(``--measure``: on each Ray node a host is, else on this machine, and a host that is neither
+keeps this machine's figure, said on its line), prints the plan and writes its TOML file.  An impossible plan exits with status 1 and the planner's message
 (each short host and by how much); bad arguments exit with status 2.
 """
 
@@ -19,10 +21,15 @@ def add_parser(subparsers: Any) -> None:
         "plan", help="split a model's layers over hosts by memory and speed; write a plan file",
         description=__doc__)
     parser.add_argument("--model", type=Path, required=True, help="the GGUF model (only its header is read)")
-    parser.add_argument("--hosts", nargs="+", required=True, metavar="HOST",
+    parser.add_argument("--hosts", nargs="+", metavar="HOST",
                         help="one per stage, in chain order: NAME=MEMORY[,gpu=MEMORY][,speed=X][,port=N], "
                              "e.g. 10.0.0.1=16GiB 10.0.0.2=8GiB,gpu=24GiB (NAME is the address the previous "
-                             "stage dials; port default 7000)")
+                             "stage dials; port default 7000); without it, --ray's nodes")
+    parser.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
+                        help="a Ray cluster (ADDRESS, default: RAY_ADDRESS or a local one): without --hosts, one "
+                             "stage per alive node with a CPU (memory from its Ray memory resource, GPU memory from "
+                             "its gpu_memory resource or nvidia-smi), written as ray_node for skippy up --ray --plan; "
+                             "with --measure, every host that is a node is measured on it (needs skippy[ray])")
     parser.add_argument("--ctx-size", type=int, default=4096, help="KV cells per stage, shared by its sessions "
                         "(default 4096)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
@@ -36,35 +43,43 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--bandwidth-gbs", type=float, default=20.0,
                         help="memory bandwidth assumed for decode-time estimates without --measure (default 20)")
     parser.add_argument("--measure", action="store_true",
-                        help="time a whole-model decode on this machine (loads the model) and share it out by "
-                             "layer bytes, instead of estimating from bandwidth")
+                        help="time a whole-model decode (loads the model) and share it out by layer bytes, instead "
+                             "of estimating from bandwidth: on each Ray node with --ray, else on this machine; a "
+                             "host that is neither is given this machine's figure and the plan says so")
     parser.add_argument("--output", "-o", type=Path, help="write the TOML plan here (default: print it)")
     parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from skippy.plan import HostSpec, ModelShape, PlanError, PlanSettings, measure_layer_times, plan_chain
+    from skippy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
     from skippy.runtime.errors import NativeError
 
+    if not args.hosts and not args.ray:
+        print("error: give --hosts, or --ray for a Ray cluster's nodes", file=sys.stderr)
+        return 2
     try:
-        hosts = [HostSpec.parse(text) for text in args.hosts]
+        hosts = [HostSpec.parse(text) for text in args.hosts or ()]
         settings = PlanSettings(ctx_size=args.ctx_size, max_sessions=args.max_sessions,
                                 batch_size=args.batch_size, cache_spill_mib=args.cache_spill_mib,
                                 prefix_cache=args.prefix_cache == "on", wire_dtype=args.wire_dtype,
                                 bandwidth_gbs=args.bandwidth_gbs)
         shape = ModelShape.from_gguf(args.model.resolve())
+        host_times = None
+        if args.ray:
+            hosts, host_times = _from_ray(args, shape, hosts)
+        elif args.measure:
+            host_times = _measured_here(shape, hosts, {})
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    layer_ms = head_ms = None
-    if args.measure:
-        try:
-            layer_ms, head_ms = measure_layer_times(shape)
-        except NativeError as exc:  # the model does not load here: nothing to measure with
-            print(f"error: cannot measure {shape.path.name} here: {exc}", file=sys.stderr)
-            return 2
+    except NativeError as exc:  # the model does not load here: nothing to measure with
+        print(f"error: cannot measure {shape.path.name} here: {exc}", file=sys.stderr)
+        return 2
+    except ImportError as exc:  # --ray without the optional extra
+        print(f"error: --ray needs Ray: pip install 'skippy[ray]' ({exc})", file=sys.stderr)
+        return 2
     try:
-        plan = plan_chain(shape, hosts, settings, layer_ms=layer_ms, head_ms=head_ms)
+        plan = plan_chain(shape, hosts, settings, host_times=host_times)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -75,6 +90,57 @@ def run(args: argparse.Namespace) -> int:
         print(text, end="")
     else:
         args.output.write_text(text)
+        ray_hint = f"; on a Ray cluster: skippy up --ray --plan {args.output}" if args.ray else ""
         print(f"wrote {args.output}; on each host: python -m skippy.stage --config {args.output} --plan-stage N "
-              f"(N = 0..{len(plan.stages) - 1}); on one machine: skippy up --plan {args.output}")
+              f"(N = 0..{len(plan.stages) - 1}); on one machine: skippy up --plan {args.output}{ray_hint}")
     return 0
+
+
+def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any]) -> tuple[list[Any], list[Any] | None]:
+    """The hosts (named, else the cluster's nodes) and, with ``--measure``, each host's times:
+    measured on its node where it is one, else :func:`_measured_here`'s."""
+    from skippy import ray_plan
+
+    with ray_plan.connect(None if args.ray == "auto" else args.ray):
+        hosts = named or ray_plan.cluster_hosts()
+        if not args.measure:
+            return hosts, None
+        node_ids = ray_plan.match_nodes(hosts)
+        on_nodes = ray_plan.measure_on_nodes(shape, [node for node in node_ids if node])
+    return hosts, _measured_here(shape, hosts, {index: on_nodes[node] for index, node in enumerate(node_ids) if node})
+
+
+def _measured_here(shape: Any, hosts: list[Any], known: dict[int, Any]) -> list[Any]:
+    """Each host's :class:`LayerTimes`: ``known`` ones as they are; the rest from one measurement
+    on this machine, labelled as this machine's where the host is, and as a stand-in elsewhere.
+
+    Raises:
+        skippy.runtime.NativeError: the model cannot be loaded here.
+    """
+    from skippy.plan import LayerTimes, measure_layer_times
+
+    if len(known) == len(hosts):
+        return [known[index] for index in range(len(hosts))]
+    layer_ms, head_ms = measure_layer_times(shape)
+    local = _local_names()
+    times = []
+    for index, host in enumerate(hosts):
+        if index in known:
+            times.append(known[index])
+        elif host.name in local:
+            times.append(LayerTimes(tuple(layer_ms), head_ms, "measured on this machine"))
+        else:
+            times.append(LayerTimes(tuple(layer_ms), head_ms, f"this machine's figure: {host.name} was not measured"))
+    return times
+
+
+def _local_names() -> set[str]:
+    """Names and addresses of this machine (a host so named is measured by measuring here)."""
+    import socket
+
+    names = {"localhost", "127.0.0.1", "::1", socket.gethostname()}
+    try:
+        names.update(info[4][0] for info in socket.getaddrinfo(socket.gethostname(), None))
+    except OSError:  # the host name does not resolve: the literal names still count
+        pass
+    return names
