@@ -3,9 +3,17 @@
 Strategy
 --------
 * **Placement.** One placement group with a bundle per stage (``{"CPU": cpus}``, plus ``memory``:
-  the stage's expected peak when the chain comes from a ``skippy plan`` file), strategy
-  ``STRICT_SPREAD`` when the cluster has a node per stage (else ``SPREAD``): Ray picks the nodes,
-  and reschedules a lost node's bundle onto a node with room.
+  the stage's expected peak when the chain comes from a ``skippy plan`` file, and ``GPU: 1`` for a
+  stage the plan gives GPU memory), strategy ``STRICT_SPREAD`` when the cluster has a node per
+  stage (else ``SPREAD``): Ray picks the nodes, and reschedules a lost node's bundle onto a node
+  with room.  A plan made from the cluster (``skippy plan --ray``) names each stage's node: its
+  bundle is pinned there (``bundle_label_selector`` on ``ray.io/node-id``); a pinned bundle whose
+  node is gone cannot move, so that stage restarts in a one-bundle group of its own, unpinned,
+  wherever Ray finds room.
+* **GPUs.** A stage with a GPU bundle gets its actor with ``num_gpus=1``; the actor starts the
+  stage with ``CUDA_VISIBLE_DEVICES`` set to the ids Ray assigned it (``ray.get_gpu_ids()``) and
+  ``--n-gpu-layers all`` unless the options set it.  (On a CPU-only build ``all`` means none, so a
+  node that merely declares a GPU still runs the stage, on its CPU.)
 * **Stages.** Each stage process (``python -m skippy.stage``) is owned by a :class:`StageActor`
   scheduled into its bundle.  The actor starts it listening on its node's IP (port 0), reads its
   log until ``ready on HOST:PORT`` and reports that address and its node id; the stage runs with
@@ -67,16 +75,20 @@ class StageActor:
 
     def __init__(self) -> None:
         self.process: subprocess.Popen[bytes] | None = None
+        self.command: list[str] = []
+        self.environment: dict[str, str] = {}  #: what the stage's environment adds to the actor's
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.directory = Path(tempfile.mkdtemp(prefix="skippy-ray-stage-"))
         self.downstream_file = self.directory / "downstream"
 
     def start(self, arguments: Sequence[str], downstream: str | None, ready_timeout: float = 300.0,
-              metrics: bool = False, tls: dict[str, bytes] | None = None) -> tuple[str, int, str, int, str]:
-        """Start the stage; (host, port, node id, pid, metrics URL or "") once it is READY.
+              metrics: bool = False, tls: dict[str, bytes] | None = None, gpus: int = 0) -> dict[str, Any]:
+        """Start the stage; once it is READY: ``host``, ``port``, ``node`` (id), ``pid``,
+        ``metrics`` (URL or ""), ``command``, ``environment`` (what it adds) and ``gpu_ids``.
 
         ``tls``: the stage's certificate, key and the chain CA (PEM bytes), written to this node
-        for ``--tls on``.
+        for ``--tls on``.  ``gpus``: the actor holds that many of the bundle's GPUs; the stage
+        sees only those (``CUDA_VISIBLE_DEVICES``) and offloads every layer.
 
         Raises:
             RuntimeError: the stage exited or was not READY in time (with its last log lines).
@@ -97,8 +109,14 @@ class StageActor:
                 path.chmod(0o600)
             command += ["--tls", "on", "--tls-cert", str(paths["cert"]), "--tls-key", str(paths["key"]),
                         "--tls-ca", str(paths["ca"])]
+        gpu_ids = [str(gpu) for gpu in ray.get_gpu_ids()] if gpus else []
+        if gpus:
+            self.environment["CUDA_VISIBLE_DEVICES"] = ",".join(gpu_ids)
+            if "--n-gpu-layers" not in arguments:
+                command += ["--n-gpu-layers", "all"]
+        self.command = command
         self.process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.DEVNULL,
-                                        stderr=subprocess.PIPE)
+                                        stderr=subprocess.PIPE, env={**os.environ, **self.environment})
         ready: list[tuple[str, int]] = []
         metrics_url: list[str] = []
         got = threading.Event()
@@ -122,8 +140,9 @@ class StageActor:
         if not ready:
             self.stop()
             raise RuntimeError("stage did not get ready; its last log lines:\n" + "\n".join(self.tail))
-        node = ray.get_runtime_context().get_node_id()
-        return ready[0][0], ready[0][1], node, self.process.pid, (metrics_url[0] if metrics_url else "")
+        return {"host": ready[0][0], "port": ready[0][1], "node": ray.get_runtime_context().get_node_id(),
+                "pid": self.process.pid, "metrics": metrics_url[0] if metrics_url else "", "command": command,
+                "environment": dict(self.environment), "gpu_ids": gpu_ids}
 
     def set_downstream(self, address: str) -> None:
         """Point the stage's next downstream dial at ``address`` (atomic rewrite of its file)."""
@@ -161,6 +180,11 @@ class RayStage:
     pid: int = 0
     restarts: int = 0
     metrics_url: str = ""
+    gpus: int = 0  #: GPUs its bundle reserves
+    pinned_node: str = ""  #: the node its bundle is pinned to ("" none)
+    command: list[str] = dataclasses.field(default_factory=list)  #: the stage process's command line
+    environment: dict[str, str] = dataclasses.field(default_factory=dict)  #: what its environment adds
+    gpu_ids: list[str] = dataclasses.field(default_factory=list)  #: the GPU ids Ray assigned its actor
 
     @property
     def name(self) -> str:
@@ -180,22 +204,31 @@ class RayChain:
         certificates: a directory of ``skippy certs`` files (``stage-I`` for each stage and the
             chain CA) to run every link on mutual TLS; each stage's files travel to its node with
             its actor (None: plain TCP, which stages on non-loopback addresses refuse by default).
+        memory_per_stage: each bundle's ``memory`` (a plan's expected peak).
+        gpus_per_stage: each bundle's ``GPU`` (0: none).
+        nodes: the Ray node id each stage's bundle is pinned to ("" or None: Ray chooses).
     """
 
     def __init__(self, model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
                  address: str | None = None, cpus_per_stage: float = 1.0, metrics: bool = True,
-                 certificates: Path | None = None, memory_per_stage: Sequence[int] | None = None) -> None:
+                 certificates: Path | None = None, memory_per_stage: Sequence[int] | None = None,
+                 gpus_per_stage: Sequence[int] | None = None, nodes: Sequence[str | None] | None = None) -> None:
         self.metrics = metrics
-        if memory_per_stage is not None and len(memory_per_stage) != len(split):
-            raise ValueError(f"{len(memory_per_stage)} memory figures for {len(split)} stages")
+        for name, values in (("memory figures", memory_per_stage), ("GPU counts", gpus_per_stage), ("nodes", nodes)):
+            if values is not None and len(values) != len(split):
+                raise ValueError(f"{len(values)} {name} for {len(split)} stages")
         self.memory = list(memory_per_stage) if memory_per_stage is not None else None
         self.certificates = certificates
         self.model = model
-        self.stages = [RayStage(index, f"{a}:{b}") for index, (a, b) in enumerate(split)]
+        self.stages = [RayStage(index, f"{a}:{b}", gpus=int(gpus_per_stage[index]) if gpus_per_stage else 0,
+                                pinned_node=(nodes[index] or "") if nodes else "")
+                       for index, (a, b) in enumerate(split)]
         self.options = list(stage_options)
         self.address = address
         self.cpus = cpus_per_stage
         self.group: PlacementGroup | None = None
+        #: one-bundle groups of stages restarted off their lost pinned node (stage index -> group)
+        self.replacements: dict[int, PlacementGroup] = {}
         self._initialized = False
         #: Names the actors (``skippy-<id>-stage<i>-<attempt>``), so Ray's listing shows whose they are.
         self.chain_id = f"{os.getpid()}-{id(self) & 0xFFFFFF:x}"
@@ -213,11 +246,15 @@ class RayChain:
             self._initialized = True
         nodes = [node for node in ray.nodes() if node.get("Alive")]
         strategy = "STRICT_SPREAD" if len(nodes) >= len(self.stages) else "SPREAD"
-        bundles: list[dict[str, float]] = [{"CPU": self.cpus} for _ in self.stages]
-        if self.memory is not None:  # a plan's expected peak per stage: Ray places where it fits
-            for bundle, memory in zip(bundles, self.memory):
-                bundle["memory"] = float(memory)
-        self.group = placement_group(bundles, strategy=strategy)
+        bundles = [self._bundle(stage) for stage in self.stages]
+        alive = {node["NodeID"] for node in nodes}
+        for stage in self.stages:
+            if stage.pinned_node and stage.pinned_node not in alive:
+                log.warning("%s: the plan's Ray node %s is not alive; Ray places it", stage.name, stage.pinned_node)
+                stage.pinned_node = ""
+        selectors = [{"ray.io/node-id": stage.pinned_node} if stage.pinned_node else {} for stage in self.stages]
+        self.group = placement_group(bundles, strategy=strategy,
+                                     bundle_label_selector=selectors if any(selectors) else None)
         try:
             ray.get(self.group.ready(), timeout=timeout)
         except ray.exceptions.GetTimeoutError as exc:
@@ -230,11 +267,26 @@ class RayChain:
                 announce(stage)
             downstream = stage.address
 
-    def _start_stage(self, stage: RayStage, downstream: Address | None, timeout: float) -> None:
+    def _bundle(self, stage: RayStage) -> dict[str, float]:
+        bundle = {"CPU": self.cpus}
+        if self.memory is not None:  # a plan's expected peak per stage: Ray places where it fits
+            bundle["memory"] = float(self.memory[stage.index])
+        if stage.gpus:
+            bundle["GPU"] = float(stage.gpus)
+        return bundle
+
+    def placement(self, stage: RayStage) -> tuple[PlacementGroup, int]:
+        """The group and bundle index ``stage`` runs in."""
+        if stage.index in self.replacements:
+            return self.replacements[stage.index], 0
         assert self.group is not None
-        strategy = PlacementGroupSchedulingStrategy(self.group, placement_group_bundle_index=stage.index)
+        return self.group, stage.index
+
+    def _start_stage(self, stage: RayStage, downstream: Address | None, timeout: float) -> None:
+        group, bundle = self.placement(stage)
+        strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=bundle)
         stage.actor = StageActor.options(  # type: ignore[attr-defined]
-            scheduling_strategy=strategy, max_restarts=0, num_cpus=0,
+            scheduling_strategy=strategy, max_restarts=0, num_cpus=0, num_gpus=stage.gpus,
             name=f"skippy-{self.chain_id}-stage{stage.index}-{next(self._attempts)}", namespace="skippy").remote()
         arguments = ["--model", str(self.model), "--layers", stage.layers, *self.options]
         tls = None
@@ -244,8 +296,8 @@ class RayChain:
                    "key": (self.certificates / f"{name}.key").read_bytes(),
                    "ca": (self.certificates / "ca.pem").read_bytes()}
         try:
-            host, port, node, pid, metrics_url = ray.get(stage.actor.start.remote(
-                arguments, None if downstream is None else str(downstream), timeout, self.metrics, tls),
+            started = ray.get(stage.actor.start.remote(
+                arguments, None if downstream is None else str(downstream), timeout, self.metrics, tls, stage.gpus),
                 timeout=timeout + 60)
         except (ray.exceptions.RayError, RuntimeError) as exc:  # RayTaskError wraps the actor's RuntimeError
             try:
@@ -253,14 +305,18 @@ class RayChain:
             except (ray.exceptions.RayError, ValueError):  # already gone
                 pass
             raise RuntimeError(f"{stage.name} failed to start on Ray: {exc}") from exc
-        stage.address, stage.node_id, stage.pid, stage.metrics_url = Address(host, port), node, pid, metrics_url
+        stage.address, stage.node_id, stage.pid = Address(started["host"], started["port"]), started["node"], started["pid"]
+        stage.metrics_url, stage.command = started["metrics"], started["command"]
+        stage.environment, stage.gpu_ids = started["environment"], started["gpu_ids"]
 
     # -- a lost stage ------------------------------------------------------------------------
     def bundle_nodes(self) -> list[str]:
         """The node id of each bundle, from Ray's placement-group table."""
-        assert self.group is not None
-        table = ray.util.placement_group_table(self.group)
-        return [table["bundles_to_node_id"][index] for index in range(len(self.stages))]
+        nodes = []
+        for stage in self.stages:
+            group, bundle = self.placement(stage)
+            nodes.append(ray.util.placement_group_table(group)["bundles_to_node_id"][bundle])
+        return nodes
 
     def lost(self, timeout: float = 1.0) -> list[RayStage]:
         """The stages whose process or actor is gone (asks every actor; blocking)."""
@@ -280,14 +336,17 @@ class RayChain:
             ray.kill(stage.actor, no_restart=True)
         except (ray.exceptions.RayError, ValueError):  # already dead with its node
             pass
-        assert self.group is not None
         following = self.stages[stage.index + 1] if stage.index + 1 < len(self.stages) else None
         deadline = time.monotonic() + timeout
         stage.restarts += 1
         while True:
             # Until Ray notices a node has left (missed heartbeats), the bundle still maps to it
             # and an actor placed there dies unstarted: try again until the bundle has moved.
-            ray.get(self.group.ready(), timeout=timeout)
+            # A bundle pinned to a node that left never moves: the stage gets a group of its own.
+            if stage.pinned_node and stage.index not in self.replacements and not self._alive(stage.pinned_node):
+                log.warning("%s: its Ray node %s left; placing it anywhere with room", stage.name, stage.pinned_node)
+                self.replacements[stage.index] = placement_group([self._bundle(stage)])
+            ray.get(self.placement(stage)[0].ready(), timeout=timeout)
             try:
                 self._start_stage(stage, None if following is None else following.address, timeout)
                 break
@@ -299,6 +358,10 @@ class RayChain:
         if stage.index > 0:
             upstream = self.stages[stage.index - 1]
             ray.get(upstream.actor.set_downstream.remote(str(stage.address)), timeout=30)
+
+    @staticmethod
+    def _alive(node_id: str) -> bool:
+        return any(node["NodeID"] == node_id and node.get("Alive") for node in ray.nodes())
 
     def watch_once(self) -> list[RayStage]:
         """One pass of the watcher: restart every lost stage; returns the restarted ones."""
@@ -322,9 +385,9 @@ class RayChain:
                 ray.kill(stage.actor, no_restart=True)
             except (ray.exceptions.RayError, ValueError):  # already gone
                 pass
-        if self.group is not None:
-            remove_placement_group(self.group)
-            self.group = None
+        for group in [*self.replacements.values(), *([self.group] if self.group is not None else [])]:
+            remove_placement_group(group)
+        self.group, self.replacements = None, {}
         if self._initialized:
             ray.shutdown()
             self._initialized = False
@@ -333,6 +396,7 @@ class RayChain:
 async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
                         address: str | None = None, certificates: Path | None = None,
                         memory_per_stage: Sequence[int] | None = None,
+                        gpus_per_stage: Sequence[int] | None = None, nodes: Sequence[str | None] | None = None,
                         announce: Callable[[RayStage], None] | None = None,
                         on_restart: Callable[[RayStage], Any] | None = None, poll_interval: float = 0.5,
                         task_status: Any = None) -> None:
@@ -345,7 +409,7 @@ async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_
     import trio
 
     chain = RayChain(model, split, stage_options=stage_options, address=address, certificates=certificates,
-                     memory_per_stage=memory_per_stage)
+                     memory_per_stage=memory_per_stage, gpus_per_stage=gpus_per_stage, nodes=nodes)
     try:
         await trio.to_thread.run_sync(lambda: chain.start(announce), abandon_on_cancel=False)
         if task_status is not None:

@@ -94,7 +94,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                         help="place the stages on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a local one): one "
                              "placement-group bundle per stage, spread over nodes; a lost stage is restarted on a node "
-                             "with room and re-wired (needs skippy[ray]; skippy and the model on every node)")
+                             "with room and re-wired (needs skippy[ray]; skippy and the model on every node); with "
+                             "--plan, each bundle gets the plan's memory, a GPU where the plan gives the stage GPU "
+                             "memory, and the plan's Ray node (skippy plan --ray)")
     add_api_options(parser)
     parser.set_defaults(run=run)
 
@@ -286,11 +288,12 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
         return [StageInfo(s.index, s.layers, s.address) for s in placed]
 
     def announce(stage: Any) -> None:
-        bar.line(f"{stage.name} ready on {stage.address} (Ray node {stage.node_id[:12]}, "
+        gpus = f", GPU {','.join(stage.gpu_ids)}" if stage.gpus else ""
+        bar.line(f"{stage.name} pid {stage.pid} ready on {stage.address} (Ray node {stage.node_id[:12]}{gpus}, "
                  f"metrics {stage.metrics_url or 'off'})")
 
     async def restarted(stage: Any) -> None:
-        bar.line(f"{stage.name} restarted on {stage.address} (Ray node {stage.node_id[:12]})")
+        bar.line(f"{stage.name} pid {stage.pid} restarted on {stage.address} (Ray node {stage.node_id[:12]})")
         for pool in pools:
             pool.stages = tuple(infos())
             if stage.index == 0:
@@ -304,14 +307,18 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
             placed.extend(stages)
             task_status.started(infos())
 
-    memory = None
-    if plan is not None:  # skippy plan's expected peak per stage becomes each bundle's memory
+    memory = gpus = nodes = None
+    if plan is not None:  # from skippy plan: each bundle's memory (expected peak), GPU and pinned node
         from skippy.plan import load_plan
 
-        memory = [int(stage.get("expected", {}).get("peak_bytes", 0)) or None for stage in load_plan(plan)[1]]
-        memory = None if None in memory else memory
+        planned = load_plan(plan)[1]
+        peaks = [int(stage.get("expected", {}).get("peak_bytes", 0)) for stage in planned]
+        memory = peaks if all(peaks) else None
+        gpus = [int(stage.get("gpus", 0)) for stage in planned]
+        nodes = [str(stage.get("ray_node", "")) for stage in planned]
     await run_ray_chain(model, split, stage_options=options, address=None if address == "auto" else address,
-                        certificates=certificates, memory_per_stage=memory, announce=announce, on_restart=restarted, task_status=Relay())
+                        certificates=certificates, memory_per_stage=memory, gpus_per_stage=gpus, nodes=nodes,
+                        announce=announce, on_restart=restarted, task_status=Relay())
 
 
 def _leaves(error: BaseException) -> list[BaseException]:
