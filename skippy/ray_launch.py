@@ -346,11 +346,14 @@ class RayChain:
             if stage.pinned_node and stage.index not in self.replacements and not self._alive(stage.pinned_node):
                 log.warning("%s: its Ray node %s left; placing it anywhere with room", stage.name, stage.pinned_node)
                 self.replacements[stage.index] = placement_group([self._bundle(stage)])
-            ray.get(self.placement(stage)[0].ready(), timeout=timeout)
+            # A pinned bundle waits briefly: its node may be found gone meanwhile (a group with a
+            # bundle on a dead node is never ready again), and the next pass replaces it.
+            pinned = bool(stage.pinned_node) and stage.index not in self.replacements
             try:
+                ray.get(self.placement(stage)[0].ready(), timeout=5.0 if pinned else timeout)
                 self._start_stage(stage, None if following is None else following.address, timeout)
                 break
-            except RuntimeError as exc:
+            except (RuntimeError, ray.exceptions.GetTimeoutError) as exc:  # not placed or not started yet
                 if time.monotonic() > deadline:
                     raise
                 log.info("%s not restarted yet (%s); retrying", stage.name, str(exc).splitlines()[0])

@@ -11,6 +11,7 @@ request's tokens equal unsplit; shutting down leaves no actor and no stage proce
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -128,7 +129,7 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> N
             up.start(timeout=240)
             assert up.stderr().count("Ray node") == 3
             for stage in plan.stages:
-                assert f"stage {stage.index} (layers {stage.layers}) ready on" in up.stderr()
+                assert re.search(rf"stage {stage.index} \(layers {stage.layers}\) pid \d+ ready on", up.stderr())
             reply = httpx.post(f"{up.url}/v1/completions", json={
                 "model": tiny_llama.name.removesuffix(".gguf"), "prompt": "Hello", "max_tokens": 4}, timeout=60)
             assert reply.status_code == 200, reply.text

@@ -15,6 +15,8 @@ without hardware), real processes throughout:
 * the first stage's process killed mid-stream: the stream ends within 2 s with an error naming
   stage 0, ``/health`` answers 503 naming stage 0 while it is gone and 200 once the launcher has
   restarted it, and the next request's tokens equal the unsplit model's again;
+* the node of a pinned (CPU) stage removed: that stage restarts in a one-bundle group of its own
+  on a spare node added for it, and the tokens equal the unsplit model's again;
 * SIGTERM leaves no actor and no stage process.
 """
 
@@ -197,6 +199,28 @@ def test_ray_plan_gpu_bundles_and_a_restarted_first_stage(tiny_llama: Path, tmp_
         if 0 in gpu_stages:  # the new actor holds its bundle's GPU too
             assert _proc_environment(restarted[0]).get("CUDA_VISIBLE_DEVICES") == "0"
 
+        text, count = _completion(up.url, model_id, 8)
+        assert count >= 1 and text == _detokenize(up.url, reference[:count])
+
+        # -- a pinned stage's node leaves: the stage restarts in a group of its own, on the spare node --
+        spare = cluster.add_node(num_cpus=1, memory=2 * GIB)
+        cluster.wait_for_nodes()
+        lost = next(index for index in range(3) if index not in gpu_stages)
+        before = _started_pids(up.stderr())
+        cluster.remove_node(workers[by_id[order[lost]]], allow_graceful=False)
+        deadline = time.monotonic() + 120
+        while _started_pids(up.stderr())[lost] == before[lost] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        after = _started_pids(up.stderr())
+        assert after[lost] != before[lost], up.stderr()
+        pids.append(after[lost])
+        assert f"its Ray node {order[lost]} left" in up.stderr()
+        alone = [table for table in ray.util.placement_group_table().values()
+                 if table["state"] == "CREATED" and len(table["bundles"]) == 1]
+        assert [table["bundles_to_node_id"][0] for table in alone] == [spare.node_id], alone
+        deadline = time.monotonic() + 30
+        while httpx.get(f"{up.url}/health", timeout=10).status_code != 200 and time.monotonic() < deadline:
+            time.sleep(0.2)
         text, count = _completion(up.url, model_id, 8)
         assert count >= 1 and text == _detokenize(up.url, reference[:count])
         assert up.signal(signal.SIGTERM, timeout=60) == 0, up.stderr()
