@@ -305,7 +305,8 @@ class RayChain:
             except (ray.exceptions.RayError, ValueError):  # already gone
                 pass
             raise RuntimeError(f"{stage.name} failed to start on Ray: {exc}") from exc
-        stage.address, stage.node_id, stage.pid = Address(started["host"], started["port"]), started["node"], started["pid"]
+        stage.address = Address(started["host"], started["port"])
+        stage.node_id, stage.pid = started["node"], started["pid"]
         stage.metrics_url, stage.command = started["metrics"], started["command"]
         stage.environment, stage.gpu_ids = started["environment"], started["gpu_ids"]
 

@@ -4,7 +4,8 @@ Strategy: the work is :mod:`skippy.plan` (header-only shape, memory model, split
 module parses the command line, takes the hosts from ``--hosts`` or from a Ray cluster's alive
 nodes (``--ray [ADDRESS]``, :mod:`skippy.ray_plan`), optionally measures decode time
 (``--measure``: on each Ray node a host is, else on this machine, and a host that is neither
-keeps this machine's figure, said on its line), prints the plan and writes its TOML file.  An impossible plan exits with status 1 and the planner's message
+keeps this machine's figure, said on its line), prints the plan and writes its TOML file.  An
+impossible plan exits with status 1 and the planner's message
 (each short host and by how much); bad arguments exit with status 2.
 """
 
