@@ -18,7 +18,10 @@ them alike), and the medians and the per-round ratios are printed:
   ``bench/stage_chain.py`` starts its chains), driven over loopback TCP by ``StageClient``:
   configure, a 1-token prefill, 64 decodes, stop.  Twice: with the defaults (prefix cache on:
   earlier rounds' prompts stay resident in the KV cells, as they would in service) and with
-  ``--prefix-cache off`` (every cell free between requests, as in llama-bench).
+  ``--prefix-cache off`` (every cell free between requests, as in llama-bench).  And once more
+  with the defaults as one **decode run** (docs/protocol.md §11): the 64 tokens are asked for in
+  one flagged DecodeEmbd and the stage feeds each prediction to its next step itself, so the
+  driver's round trip leaves each token's critical path.
 
 Every figure comes twice: wall tokens/s (what the targets are stated in) and CPU seconds per token
 (llama-bench: its process's CPU minus that of a run decoding one token per repetition, so loading
@@ -165,16 +168,29 @@ def _bos(model: object) -> int:
 
 
 # -- skippy as one stage process -----------------------------------------------------------------
-async def stage_decode(address: Address, bos: int, steps: int) -> tuple[float, float]:
-    """(tokens/s, CPU seconds per token of this client and the stage process)."""
+async def stage_decode(address: Address, bos: int, steps: int, run: bool = False) -> tuple[float, float]:
+    """(tokens/s, CPU seconds per token of this client and the stage process).
+
+    ``run``: the ``steps`` tokens as one decode run (docs/protocol.md §11: the stage feeds each
+    token to the next step itself) instead of one DecodeEmbd per token.
+    """
     pids = [process.pid for process in PROCESSES.get(address, [])]
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
         token = (await client.prefill(1, [bos], chunk_size=BATCH)).token
         started, cpu_started = time.perf_counter(), cpu_seconds(pids)
-        for position in range(1, steps + 1):
-            token = (await client.decode(1, token, position)).predicted
+        if run:
+            token = (await client.start_run(1, token, 1, max_tokens=steps)).predicted
+            done = 1
+            while client.running:
+                token = (await client.next_run_token(1)).predicted
+                done += 1
+            if done != steps:
+                raise AssertionError(f"the decode run made {done} predictions, not {steps}")
+        else:
+            for position in range(1, steps + 1):
+                token = (await client.decode(1, token, position)).predicted
         rate, cpu = steps / (time.perf_counter() - started), (cpu_seconds(pids) - cpu_started) / steps
         await client.stop(1)
         return rate, cpu
@@ -393,7 +409,7 @@ def main() -> None:
           f"n_vocab {inproc.model.n_vocab}; KV {inproc.ctx.n_ctx} cells; 1 thread everywhere; "
           f"{args.steps} decode tokens; {args.rounds} interleaved rounds", flush=True)
     rng = np.random.default_rng(1234)
-    names = ("stock", "in-process", "in-process-256", "stage", "stage-nocache", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
+    names = ("stock", "in-process", "in-process-256", "stage", "stage-nocache", "stage-run", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
     runs: dict[str, list[Sample]] = {name: [] for name in names}
     flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
     try:
@@ -403,6 +419,7 @@ def main() -> None:
                 bare = stack.enter_context(chain(str(path), [f"0:{n_layer}"], flags + ["--prefix-cache", "off"]))
                 trio.run(stage_decode, address, inproc.bos, 4)  # warm the stage's first-request paths
                 trio.run(stage_decode, bare, inproc.bos, 4)
+                trio.run(stage_decode, address, inproc.bos, 4, True)
             for round_index in range(args.rounds):
                 baseline = stock.baseline_cpu()
                 runs["stock"].append(stock.decode(args.steps, baseline))
@@ -411,6 +428,7 @@ def main() -> None:
                 if not args.no_stage:
                     runs["stage"].append(trio.run(stage_decode, address, inproc.bos, args.steps))
                     runs["stage-nocache"].append(trio.run(stage_decode, bare, inproc.bos, args.steps))
+                    runs["stage-run"].append(trio.run(stage_decode, address, inproc.bos, args.steps, True))
                 if not args.no_prefill:
                     prompt = [inproc.bos] + [int(t) for t in rng.integers(1000, inproc.model.n_vocab - 1000,
                                                                           args.prompt - 1)]
@@ -431,6 +449,7 @@ def main() -> None:
     if runs["stage"]:
         print(_summary("skippy 1 stage process", runs["stage"], runs["stock"], "(target >= 97%)"))
         print(_summary("  same, prefix cache off", runs["stage-nocache"], runs["stock"], "(target >= 97%)"))
+        print(_summary("  same, one decode run", runs["stage-run"], runs["stock"], "(docs/protocol.md §11)"))
     if runs["stock-pp"]:
         print(f"prefill (pp{args.prompt}), medians:")
         print(_summary("stock llama-bench", runs["stock-pp"], None))

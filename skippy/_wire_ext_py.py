@@ -29,6 +29,7 @@ from skippy.protocol_ext import (
     ERROR_FRAME_BASE_BYTES,
     IDENTITY_FRAME_BASE_BYTES,
     MAX_IDENTITY_NAME_BYTES,
+    DECODE_RUN_FEATURE,
     GRAMMAR_FEATURE,
     LOGPROBS_FEATURE,
     MAX_ERROR_ADDRESS_BYTES,
@@ -66,7 +67,7 @@ _RECORD_I64_FIELDS: Final = ("compute_us", "forward_write_us", "downstream_wait_
 _RECORD_FIELDS: Final = _RECORD_I32_FIELDS + _RECORD_I64_FIELDS
 _I32_MAX: Final = (1 << 31) - 1
 _I64_MAX: Final = (1 << 63) - 1
-_FEATURES: Final = GRAMMAR_FEATURE | LOGPROBS_FEATURE
+_FEATURES: Final = GRAMMAR_FEATURE | LOGPROBS_FEATURE | DECODE_RUN_FEATURE
 _SAMPLING_ACCEPTED: Final = struct.Struct("<ii")  # kind, features
 _LOGPROBS_HEAD: Final = struct.Struct("<iii")  # kind, row count, top count
 _PAIR: Final = struct.Struct("<if")  # token, log-probability
@@ -238,7 +239,7 @@ def encode_sampling_accepted(frame: SamplingAcceptedFrame) -> bytes:
     """Encode a SamplingAccepted frame (docs/protocol.md §10).
 
     Raises:
-        WireError: feature bits outside GRAMMAR_FEATURE | LOGPROBS_FEATURE.
+        WireError: feature bits outside GRAMMAR_FEATURE | LOGPROBS_FEATURE | DECODE_RUN_FEATURE.
     """
     return _SAMPLING_ACCEPTED.pack(ExtensionReplyKind.SAMPLING_ACCEPTED, _check_features(frame.features))
 

@@ -26,6 +26,9 @@ from typing import Final, final
 from skippy.protocol import MessageKind, StageMessage, StateHeader
 
 __all__ = [
+    "DECODE_RUN_FEATURE",
+    "DECODE_RUN_FLAG",
+    "DECODE_RUN_METADATA_KEY",
     "DIRECT_RETURN_FLAG",
     "ERROR_FRAME_BASE_BYTES",
     "MAX_ERROR_ADDRESS_BYTES",
@@ -80,11 +83,20 @@ MODEL_IDENTITY_FLAG: Final = 1 << 12
 #: docs/protocol.md §10: state flag bit 13, "sampling extension".  On a ConfigureGeneration: its chat
 #: metadata carries the session's grammar / logprobs request under :data:`SAMPLING_METADATA_KEY`.
 SAMPLING_EXTENSION_FLAG: Final = 1 << 13
+#: docs/protocol.md §11: state flag bit 14, "decode run".  On a DecodeEmbd sent to the first stage:
+#: the stage drives the session's decode loop itself, feeding each predicted token to the next
+#: step, for at most the run's ``max_tokens`` predictions or until a stop token; its chat metadata
+#: carries the run under :data:`DECODE_RUN_METADATA_KEY`.
+DECODE_RUN_FLAG: Final = 1 << 14
+#: docs/protocol.md §11: the chat-metadata key of a decode run.
+DECODE_RUN_METADATA_KEY: Final = "skippy.decode_run"
 #: docs/protocol.md §10: the chat-metadata key of the sampling extension.
 SAMPLING_METADATA_KEY: Final = "skippy.sampling"
 #: docs/protocol.md §10: SamplingAccepted feature bits.
 GRAMMAR_FEATURE: Final = 1 << 0
 LOGPROBS_FEATURE: Final = 1 << 1
+#: docs/protocol.md §11: on the first reply of a decode run, the first stage runs it.
+DECODE_RUN_FEATURE: Final = 1 << 2
 #: docs/protocol.md §10: most positions in one Logprobs frame (a verify window's rows at most).
 MAX_LOGPROB_ROWS: Final = 4096
 #: docs/protocol.md §10: most alternatives per position (OpenAI's ``top_logprobs`` limit).

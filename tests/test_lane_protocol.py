@@ -286,16 +286,25 @@ def test_reply_kinds_compare_as_plain_ints_too() -> None:
     assert lane.downstream_replied(reply, "d:1").prediction
 
 
-def test_the_protocol_module_does_no_io() -> None:
-    source = Path(__file__).resolve().parent.parent / "skippy" / "stage" / "lane_protocol.py"
+_SANS_IO_IMPORTS = {
+    "lane_protocol.py": {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
+                         "skippy.protocol_ext", "skippy.stage.errors", "skippy.stage.decode_run"},
+    # docs/protocol.md §11: the decode run's rules, sans-IO like the protocol that holds them
+    "decode_run.py": {"__future__", "dataclasses", "json", "typing", "numpy", "skippy.protocol",
+                      "skippy.protocol_ext"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(_SANS_IO_IMPORTS))
+def test_the_protocol_modules_do_no_io(module: str) -> None:
+    source = Path(__file__).resolve().parent.parent / "skippy" / "stage" / module
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
             imported |= {alias.name for alias in node.names}
         elif isinstance(node, ast.ImportFrom) and node.module is not None:
             imported.add(node.module)
-    allowed = {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
-               "skippy.protocol_ext", "skippy.stage.errors"}
+    allowed = _SANS_IO_IMPORTS[module]
     assert imported <= allowed, imported - allowed
 
 

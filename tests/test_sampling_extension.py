@@ -103,7 +103,7 @@ def test_the_new_frames_encode_and_decode_byte_for_byte(wire_impl: ModuleType, f
 
 
 @pytest.mark.parametrize(("hex_bytes", "reason", "field"), [
-    ("035e0000" "04000000", "unknown sampling feature bits", "features"),
+    ("035e0000" "08000000", "unknown sampling feature bits", "features"),
     ("045e0000" "01100000" "00000000", "logprob row count out of range", "logprob_row_count"),
     ("045e0000" "ffffffff" "00000000", "logprob row count out of range", "logprob_row_count"),
     ("045e0000" "01000000" "15000000", "top logprob count out of range", "top_logprob_count"),

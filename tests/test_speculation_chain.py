@@ -101,9 +101,13 @@ async def test_greedy_speculation_is_exact_and_leaves_the_same_kv(generator: Gen
         session = 100
         for name, prompt, max_tokens, repetitive in cases:
             plain = GenerationRequest(prompt, max_tokens, speculation=False)
+            generator.decode_runs = False  # the per-token loop: the KV reference
             tokens, kv, usage = await run_probed(generator, stages, plain, session)
             assert usage is None
             assert kv == [len(prompt) + len(tokens) - 1] * stage_count
+            generator.decode_runs = True  # docs/protocol.md §11: a run's tokens are the same (its KV
+            # may run ahead of the driver until the Stop: not compared)
+            assert (await run_probed(generator, stages, plain, session + 2))[0] == tokens, name
             fast = GenerationRequest(prompt, max_tokens, speculation=True)
             spec_tokens, spec_kv, spec_usage = await run_probed(generator, stages, fast, session + 1)
             assert spec_tokens == tokens, name
@@ -113,7 +117,9 @@ async def test_greedy_speculation_is_exact_and_leaves_the_same_kv(generator: Gen
             if name == "loop":  # cut by a stop string in the middle of an accepted run
                 piece = generator.tokenizer.piece(tokens[20]).decode("utf-8", "replace")
                 stops = GenerationRequest(prompt, max_tokens, stop=(piece,), speculation=False)
+                generator.decode_runs = False
                 cut, cut_kv, _ = await run_probed(generator, stages, stops, session + 2)
+                generator.decode_runs = True
                 spec_cut, spec_cut_kv, _ = await run_probed(
                     generator, stages, GenerationRequest(prompt, max_tokens, stop=(piece,), speculation=True),
                     session + 3)

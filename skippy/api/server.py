@@ -39,7 +39,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     keys: ApiKeys | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                     max_queue: int = DEFAULT_MAX_QUEUE, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                     cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
-                    on_pool: Callable[[LanePool], None] | None = None,
+                    on_pool: Callable[[LanePool], None] | None = None, decode_runs: bool = True,
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -57,9 +57,11 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         cors_origins: origins allowed to call from browsers (none: CORS off).
         stage_tls: the driver's mutual-TLS context for the chain's links (None: plain TCP).
         on_pool: called with the lane pool once made (a launcher that moves stages re-points it).
+        decode_runs: requests that do not speculate decode as runs driven by the first stage
+            (docs/protocol.md §11).
         task_status: receives the base URL once listening.
     """
-    generator = Generator.from_model(model, n_ctx=n_ctx)
+    generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs)
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
     if on_pool is not None:
         on_pool(pool)

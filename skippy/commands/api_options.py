@@ -33,6 +33,10 @@ def add_api_options(parser: argparse.ArgumentParser) -> None:
                        help=f"seconds a request may wait for a lane before 429 (default {DEFAULT_QUEUE_TIMEOUT:g})")
     group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="allow browser calls from ORIGIN (repeatable; '*' for any); default: no CORS")
+    generation = parser.add_argument_group("generation")
+    generation.add_argument("--decode-runs", choices=["on", "off"], default="on",
+                            help="on (default): a request that does not speculate decodes as one run driven by the "
+                                 "first stage (docs/protocol.md §11); off: one DecodeEmbd per token from the driver")
 
 
 def api_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -54,4 +58,5 @@ def api_settings(args: argparse.Namespace) -> dict[str, Any]:
         "keys": ApiKeys.from_option(getattr(args, "api_key", None), salt=getattr(args, "cache_salt", None)),
         "max_body_bytes": max_body, "max_queue": max_queue, "queue_timeout": timeout,
         "cors_origins": tuple(getattr(args, "cors_origin", ()) or ()),
+        "decode_runs": getattr(args, "decode_runs", "on") == "on",
     }

@@ -28,6 +28,15 @@ reverse hop.  A final stage that refuses the open (or never answers it within th
 peer) leaves the session hop by hop.  Waiting on the return lane, its loss fails the request at once
 (the chain's own Error frame, read from the first-stage lane within a second, names the stage when
 one came; else the final stage's address is named); ``stop`` closes it.
+
+Decode runs (``docs/protocol.md`` §11): :meth:`StageClient.start_run` sends one DecodeEmbd flagged
+``DECODE_RUN``; a first stage that runs it says so before its first reply and from then on feeds
+each predicted token to the session's next step itself, so :meth:`StageClient.next_run_token`
+only reads.  The client follows the run's end by the same rules as the stage (its budget, a stop
+token); any other message for the session ends it early, and the predictions of steps the stage
+had already started are read and dropped before that message's reply (``run_overshoot`` counts
+them).  A stage that does not say it runs the decode answered it as one step: ``running`` stays
+False and the caller goes on one DecodeEmbd per token.
 """
 
 from __future__ import annotations
@@ -53,6 +62,8 @@ from skippy.protocol import (
     check_ready,
 )
 from skippy.protocol_ext import (
+    DECODE_RUN_FEATURE,
+    DECODE_RUN_FLAG,
     DIRECT_RETURN_FLAG,
     MODEL_IDENTITY_FLAG,
     SKIPPY_EXTENSIONS_FLAG,
@@ -65,6 +76,7 @@ from skippy.protocol_ext import (
     with_extensions_flag,
 )
 from skippy.stage.config import Address
+from skippy.stage.decode_run import DecodeRunRequest
 from skippy.stage.tls import handshake_as_client
 from skippy.stage.transport import SocketIO, set_no_delay
 
@@ -106,6 +118,22 @@ _TIMINGS_KEPT = 4096
 _DECODE_HEADER = StateHeader.for_kind(MessageKind.DECODE_EMBD)
 #: Flags an extension-aware driver sets on every message: extension frames (§2) and model identity (§9).
 _AWARE_FLAGS = SKIPPY_EXTENSIONS_FLAG | MODEL_IDENTITY_FLAG
+
+
+
+
+@dataclasses.dataclass(slots=True)
+class _Run:
+    """The client's view of a decode run (docs/protocol.md §11): predictions still to come."""
+
+    session_id: int
+    left: int
+    stop_tokens: frozenset[int]
+
+    def advance(self, token: int) -> bool:
+        """One prediction arrived; whether the run goes on."""
+        self.left -= 1
+        return self.left > 0 and token not in self.stop_tokens
 
 
 #: Seconds to wait, after a return lane closed, for the first-stage lane's Error frame naming why.
@@ -172,6 +200,10 @@ class StageClient:
         self._return: _ReturnLane | None = None
         #: The TLS context this lane was opened with (a return lane uses it too).
         self.tls: ssl.SSLContext | None = None
+        #: docs/protocol.md §11: the decode run in progress on this lane (None: none).
+        self._run: _Run | None = None
+        #: Predictions of a run read and dropped because a message ended it early.
+        self.run_overshoot = 0
 
     @classmethod
     async def connect(cls, address: Address | str, *, connect_timeout: float = 10.0,
@@ -395,10 +427,17 @@ class StageClient:
                 "(the stage logs name it)")
 
     async def request(self, message: StageMessage, expect: ReplyKind | tuple[ReplyKind, ...]) -> StageReply:
-        """Send ``message`` and return its reply, checking the reply kind."""
+        """Send ``message`` and return its reply, checking the reply kind (a message for the
+        session of a decode run ends the run: its remaining predictions are dropped first)."""
         await self.send(message)
         reply = await self.receive()
         kinds = expect if isinstance(expect, tuple) else (expect,)
+        run = self._run
+        if run is not None and run.session_id == message.session_id:
+            self._run = None
+            while reply.kind == ReplyKind.PREDICTED_TOKEN and ReplyKind.PREDICTED_TOKEN not in kinds:
+                self.run_overshoot += 1  # a step the stage started before this message arrived
+                reply = await self.receive()
         if reply.kind not in kinds:
             raise StageClientError(
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
@@ -474,9 +513,76 @@ class StageClient:
             )
         return reply
 
+    # -- decode runs (docs/protocol.md §11) ---------------------------------------------------
+    @property
+    def running(self) -> bool:
+        """Whether a decode run is in progress (:meth:`next_run_token` reads its next prediction)."""
+        return self._run is not None
+
+    async def start_run(self, session_id: int, token: int, position: int, *, max_tokens: int,
+                        stop_tokens: frozenset[int] = frozenset(), decode_step: int = -1,
+                        request_id: int = 0) -> StageReply:
+        """Start a decode run: DecodeEmbd of ``token`` at ``position``, flagged ``DECODE_RUN``, for
+        at most ``max_tokens`` predictions (this one included), ending after one in
+        ``stop_tokens``; returns the first PredictedToken.
+
+        Afterwards :attr:`running` says whether the first stage runs it (then
+        :meth:`next_run_token` returns each following prediction) or answered a plain decode.
+
+        Raises:
+            ValueError: the lane does not negotiate extensions, a run is already in progress, or
+                a bad ``max_tokens`` / ``stop_tokens``.
+        """
+        if not self.extensions:
+            raise ValueError("a decode run needs skippy's extensions (StageClient(extensions=True))")
+        if self._run is not None:
+            raise ValueError(f"a decode run of session {self._run.session_id} is in progress on this lane")
+        if self._direct(session_id):
+            raise ValueError(f"session {session_id} returns over a direct-return lane; a decode run cannot")
+        request = DecodeRunRequest(max_tokens, frozenset(stop_tokens))
+        template = _DECODE_HEADER
+        state = StateHeader(
+            version=template.version, phase=template.phase, flags=template.flags | _AWARE_FLAGS | DECODE_RUN_FLAG,
+            decode_step=decode_step, current_token=token, reserved=template.reserved)
+        message = StageMessage(
+            MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
+            session_id=session_id, chat_sampling_metadata=request.metadata(),
+            tokens=np.array((token,), dtype=np.int32))
+        await self.send_raw(codec.encode_message(message, WireDType.F32, 0))
+        reply = await self.receive()
+        if reply.kind != ReplyKind.PREDICTED_TOKEN:
+            raise StageClientError(
+                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to a decode run's DecodeEmbd")
+        accepted = self.last_accepted
+        if accepted is not None and accepted.features & DECODE_RUN_FEATURE:
+            run = _Run(session_id, max_tokens, request.stop_tokens)
+            if run.advance(reply.predicted):
+                self._run = run
+        return reply
+
+    async def next_run_token(self, session_id: int) -> StageReply:
+        """The next prediction of the decode run of ``session_id``.
+
+        Raises:
+            StageClientError: no run of that session is in progress, or a reply out of protocol.
+        """
+        run = self._run
+        if run is None or run.session_id != session_id:
+            raise StageClientError(f"no decode run of session {session_id} is in progress on this lane")
+        reply = await self.receive()
+        if reply.kind != ReplyKind.PREDICTED_TOKEN:
+            self._run = None
+            raise StageClientError(
+                f"first stage {self.address} sent {ReplyKind(reply.kind).reference_name} inside a decode run")
+        if not run.advance(reply.predicted):
+            self._run = None
+        return reply
+
     async def decode(self, session_id: int, token: int, position: int, *, decode_step: int = -1,
                      request_id: int = 0) -> StageReply:
         """DecodeEmbd of ``token`` at the authoritative ``position``; returns PredictedToken."""
+        if self._run is not None:
+            raise StageClientError(f"a decode run of session {self._run.session_id} is in progress on this lane")
         # The per-token path: the header built directly with the extension flag already set
         # (what ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without
         # the copies), encoded and sent without ``send``'s checks.
@@ -538,11 +644,12 @@ class StageClient:
 
     async def generate_greedy(self, session_id: int, prompt: Sequence[int], steps: int, *,
                               chunk_size: int = 256, credit: int = 2,
-                              direct_return: Address | str | None = None) -> list[int]:
+                              direct_return: Address | str | None = None, run: bool = False) -> list[int]:
         """Configure, prefill ``prompt``, decode ``steps - 1`` more tokens, stop; the tokens.
 
         ``direct_return``: the final stage's address, to have its predictions sent straight back
-        (docs/protocol.md §8; hop by hop when it refuses).
+        (docs/protocol.md §8; hop by hop when it refuses).  ``run``: decode as one decode run
+        (docs/protocol.md §11; one DecodeEmbd per token when the first stage does not run it).
         """
         await self.configure(session_id, prompt_token_count=len(prompt))
         if direct_return is not None:
@@ -550,6 +657,13 @@ class StageClient:
         result = await self.prefill(session_id, prompt, chunk_size=chunk_size, credit=credit)
         tokens = [result.token]
         position = len(prompt)
+        if run and steps > 1:
+            reply = await self.start_run(session_id, tokens[-1], position, max_tokens=steps - 1, decode_step=0)
+            tokens.append(reply.predicted)
+            position += 1
+            while self.running:
+                tokens.append((await self.next_run_token(session_id)).predicted)
+                position += 1
         while len(tokens) < steps:
             reply = await self.decode(session_id, tokens[-1], position, decode_step=len(tokens) - 1)
             tokens.append(reply.predicted)

@@ -389,8 +389,16 @@ class Generation:
             self.timing.add_frames(client.take_timings())
             runner.replies.clear()
         else:
-            reply = await client.decode(self.session_id, self.tokens[-1], self._position,
-                                        decode_step=len(self.tokens) - 1)
+            if client.running:  # docs/protocol.md §11: the first stage feeds each token to the next step
+                reply = await client.next_run_token(self.session_id)
+            elif self._generator.decode_runs and client.extensions and client.direct_session != self.session_id:
+                reply = await client.start_run(self.session_id, self.tokens[-1], self._position,
+                                               max_tokens=request.max_tokens - len(self.tokens),
+                                               stop_tokens=self._generator.tokenizer.end_of_generation_tokens(),
+                                               decode_step=len(self.tokens) - 1)
+            else:
+                reply = await client.decode(self.session_id, self.tokens[-1], self._position,
+                                            decode_step=len(self.tokens) - 1)
             self._position += 1
             now = time.perf_counter()
             self.timing.inter_token.append(now - self._last)
@@ -484,14 +492,19 @@ class Generator:
         credit: prefill chunks sent ahead of their ACKs.
         speculation: speculate on greedy requests that do not say (``GenerationRequest.speculation``).
         controller: window / depth control (``stages`` is filled in from the prefill reply).
+        decode_runs: a request that does not speculate decodes as one run driven by the first
+            stage (docs/protocol.md §11); False: one DecodeEmbd per token.
     """
 
     def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
                  chunk_size: int | None = None, credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
                  controller: ControllerConfig = ControllerConfig(),
-                 chat_template_choice: ChatTemplateChoice | None = None) -> None:
+                 chat_template_choice: ChatTemplateChoice | None = None, decode_runs: bool = True) -> None:
         self.tokenizer = tokenizer
         self.speculation = speculation
+        #: docs/protocol.md §11: requests that do not speculate decode as one run driven by the
+        #: first stage (a stage that does not run it is driven one DecodeEmbd per token).
+        self.decode_runs = decode_runs
         self.controller = controller
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
         self.chat_template_choice = chat_template_choice or (
@@ -545,7 +558,8 @@ class Generator:
     @classmethod
     def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int | None = None,
                    credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
-                   controller: ControllerConfig = ControllerConfig(), chat_template: str | None = None) -> "Generator":
+                   controller: ControllerConfig = ControllerConfig(), chat_template: str | None = None,
+                   decode_runs: bool = True) -> "Generator":
         """Load the vocabulary and chat template of the GGUF at ``path`` (no weights).
 
         A file without ``tokenizer.chat_template`` gets a built-in one chosen for its family
@@ -567,7 +581,8 @@ class Generator:
             raise
         log.info("%s: %s", Path(path).name, choice.describe())
         return cls(tokenizer, chat_template=choice.source, n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size,
-                   credit=credit, speculation=speculation, controller=controller, chat_template_choice=choice)
+                   credit=credit, speculation=speculation, controller=controller, chat_template_choice=choice,
+                   decode_runs=decode_runs)
 
     def close(self) -> None:
         self.tokenizer.close()

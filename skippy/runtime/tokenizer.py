@@ -40,6 +40,7 @@ class Tokenizer:
         self.eos = int(lib.llama_vocab_eos(self._vocab))
         self._lock = threading.Lock()
         self.path = file
+        self._eog: frozenset[int] | None = None
 
     def _vocab_ptr(self) -> object:
         if self._model == ffi.NULL:
@@ -77,6 +78,13 @@ class Tokenizer:
 
     def is_end_of_generation(self, token: int) -> bool:
         return bool(lib.llama_vocab_is_eog(self._vocab_ptr(), token))
+
+    def end_of_generation_tokens(self) -> frozenset[int]:
+        """Every token id that ends generation (llama.cpp's EOG set; computed once, then cached)."""
+        if self._eog is None:
+            vocab, is_eog = self._vocab_ptr(), lib.llama_vocab_is_eog
+            self._eog = frozenset(token for token in range(self.n_vocab) if is_eog(vocab, token))
+        return self._eog
 
     def stream(self, special: frozenset[int] = frozenset()) -> "TextStream":
         """An incremental detokenizer; tokens in ``special`` are rendered as their special text."""

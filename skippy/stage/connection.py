@@ -63,6 +63,7 @@ it expecting nothing back, the final stage writes its prediction into the return
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import itertools
@@ -74,6 +75,8 @@ import trio
 
 from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
+    DECODE_RUN_FEATURE,
+    DECODE_RUN_FLAG,
     MODEL_IDENTITY_FLAG,
     SAMPLING_EXTENSION_FLAG,
     SAMPLING_METADATA_KEY,
@@ -81,6 +84,7 @@ from skippy.protocol_ext import (
     Annotation,
     ErrorCode,
     ErrorFrame,
+    SamplingAcceptedFrame,
     SamplingRequest,
     ExtensionNegotiation,
     TimingsFrame,
@@ -90,6 +94,7 @@ from skippy.protocol_ext import (
 )
 from skippy.stage import extensions
 from skippy.stage import lane_messages, prefix_control
+from skippy.stage.decode_run import DecodeRun, DecodeRunRequest
 from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.stage.errors import DownstreamError, InvalidMessage, Overloaded, ReturnLaneLost, StageError, UnsupportedKind
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
@@ -130,6 +135,9 @@ MESSAGE_QUEUE = 2
 REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
+
+#: docs/protocol.md §11: the frame before a decode run's first reply (the first stage runs it).
+_RUN_ACCEPTED: tuple[Annotation, ...] = (SamplingAcceptedFrame(DECODE_RUN_FEATURE),)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -211,6 +219,12 @@ class Connection:
         #: upstream flags bit 12 (so it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
         self._lane_used = False
         self._identity_aware = False
+        #: docs/protocol.md §11 (:mod:`skippy.stage.decode_run`): the decode runs this lane drives,
+        #: by session id; the next steps they made, waiting for the compute task (which takes them
+        #: before its channel); and the channel handle that wakes it for one.
+        self._runs: dict[int, DecodeRun] = {}
+        self._run_steps: collections.deque[tuple[Dispatch, int, int]] = collections.deque()
+        self._wake_compute: trio.MemorySendChannel[tuple[Dispatch, int, int] | None] | None = None
 
     @property
     def inflight(self) -> int:
@@ -349,7 +363,8 @@ class Connection:
         log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
 
     async def _serve(self) -> None:
-        messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int, int]](MESSAGE_QUEUE)
+        messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int, int] | None](MESSAGE_QUEUE)
+        self._wake_compute = messages_send.clone()  # closed with the receiving side (receive_messages)
         async with trio.open_nursery() as nursery:
             self._serve_scope = nursery.cancel_scope
             nursery.start_soon(self.compute_messages, messages_receive, nursery)
@@ -408,47 +423,124 @@ class Connection:
         return forwards_send
 
     # -- step 1: receive ---------------------------------------------------------------------
-    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int, int]]) -> None:
+    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None]) -> None:
         settings = self.settings
         reader = self._reader = MessageReader(self._upstream_io, self.peer, settings.width,
                                               max_frame_bytes=settings.max_frame_bytes or None, budget=self.budget)
-        protocol = self.protocol
         inline = self.settings.inline_hand_offs
         final = self.settings.downstream is None
-        async with messages:
-            while True:
-                while protocol.receiving_paused:  # the backpressure of an upstream not reading replies
-                    self._replies_written = trio.Event()
-                    await self._replies_written.wait()
-                message = await reader.next()
-                if message is None:
+        try:
+            async with messages:
+                await self._receive_loop(reader, messages, inline, final)
+        finally:
+            for run in self._runs.values():  # §11: a run ends with its upstream (no step starts after)
+                run.cancelled = True
+            self._runs.clear()
+            if self._wake_compute is not None:  # §11: the decode runs' wake-ups end with the upstream
+                self._wake_compute.close()
+
+    async def _receive_loop(self, reader: MessageReader,
+                            messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None],
+                            inline: bool, final: bool) -> None:
+        protocol = self.protocol
+        while True:
+            while protocol.receiving_paused:  # the backpressure of an upstream not reading replies
+                self._replies_written = trio.Event()
+                await self._replies_written.wait()
+            message = await reader.next()
+            if message is None:
+                return
+            received_us = now_us()
+            held = reader.take_reserved() if reader.reserved else 0
+            self._held += held
+            if self.identity.index < 0:
+                self.identity.observe(message)
+            if message.state.flags & MODEL_IDENTITY_FLAG:
+                self._identity_aware = True  # docs/protocol.md §9: it knows MODEL_MISMATCH
+                if is_identity_query(message) and not self._lane_used:
+                    await self._answer_identity()
                     return
-                received_us = now_us()
-                held = reader.take_reserved() if reader.reserved else 0
-                self._held += held
-                if self.identity.index < 0:
-                    self.identity.observe(message)
-                if message.state.flags & MODEL_IDENTITY_FLAG:
-                    self._identity_aware = True  # docs/protocol.md §9: it knows MODEL_MISMATCH
-                    if is_identity_query(message) and not self._lane_used:
-                        await self._answer_identity()
-                        return
-                self._lane_used = True
-                dispatch = protocol.message_received(message)
-                self.stats.messages += 1
-                if dispatch.early_ack:
-                    assert dispatch.ticket is not None
-                    self.stats.early_acks += 1
-                    await self._reply(dispatch.ticket, StageReply.ack())
-                if (inline and self._compute_backlog == 0 and not dispatch.early_ack
-                        and (final or self._forwards is not None)):
-                    try:
-                        await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
-                    finally:
-                        self._release_held(held)
-                else:
-                    self._compute_backlog += 1
-                    await put(messages, (dispatch, received_us, held))
+            self._lane_used = True
+            dispatch = protocol.message_received(message)
+            self.stats.messages += 1
+            if self._runs:  # §11: any message for a session ends its run (no further step starts)
+                run = self._runs.pop(message.session_id, None)
+                if run is not None:
+                    run.cancelled = True
+            if message.state.flags & DECODE_RUN_FLAG:
+                dispatch = self._start_run(dispatch)
+            if dispatch.early_ack:
+                assert dispatch.ticket is not None
+                self.stats.early_acks += 1
+                await self._reply(dispatch.ticket, StageReply.ack())
+            if (inline and self._compute_backlog == 0 and not dispatch.early_ack
+                    and (final or self._forwards is not None)):
+                try:
+                    await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
+                finally:
+                    self._release_held(held)
+            else:
+                self._compute_backlog += 1
+                await put(messages, (dispatch, received_us, held))
+
+    # -- decode runs (docs/protocol.md §11, skippy.stage.decode_run) ---------------------------
+    def _start_run(self, dispatch: Dispatch) -> Dispatch:
+        """A DecodeEmbd flagged ``DECODE_RUN`` arrived: register its run; the dispatch of its first
+        step (the message without the flag and its metadata) is handled as any decode.
+
+        Raises:
+            InvalidMessage: the flag on another kind, on a lane that did not negotiate the
+                extensions, with direct return, on a stage that is not first, or a bad run section.
+        """
+        message = dispatch.message
+        kind = dispatch.kind
+        where = f"{kind.reference_name} with the decode-run flag (docs/protocol.md §11)"
+        if not dispatch.rule.decode_run:
+            raise InvalidMessage(f"{where}: a decode run starts with a DecodeEmbd only")
+        if not self.extensions.enabled:
+            raise InvalidMessage(f"{where}: the lane did not negotiate skippy's extensions (state flag bit 10)")
+        if dispatch.direct:
+            raise InvalidMessage(f"{where}: a decode run cannot also ask for direct return")
+        if not self.scheduler.executor.is_first:
+            raise InvalidMessage(f"{where}: only the chain's first stage runs a decode loop")
+        try:
+            request = DecodeRunRequest.from_metadata(message.chat_sampling_metadata)
+        except ValueError as exc:
+            raise InvalidMessage(f"{where} refused: {exc}") from None
+        assert dispatch.ticket is not None
+        run = DecodeRun(message, request)
+        self._runs[message.session_id] = run
+        dispatch.ticket.run = run
+        self.stats.decode_runs += 1
+        return dispatch._replace(message=run.first_message(message))
+
+    def _run_step(self, ticket: Ticket, token: int) -> tuple[Annotation, ...]:
+        """A decode run's step predicted ``token`` (its reply is about to be answered): start the
+        next step, unless the run is over; returns the frames its reply carries (the first reply
+        says the stage runs it)."""
+        run = ticket.run
+        assert run is not None
+        message = run.advance(token)
+        if message is None:
+            if self._runs.get(run.session_id) is run:
+                del self._runs[run.session_id]
+        else:
+            step = self.protocol.message_received(message)
+            assert step.ticket is not None
+            step.ticket.run = run
+            self.stats.decode_run_steps += 1
+            self._compute_backlog += 1
+            self._run_steps.append((step, now_us(), 0))
+            wake = self._wake_compute
+            if wake is not None:
+                try:
+                    wake.send_nowait(None)
+                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                    pass  # busy (it takes run_steps first when it comes back), or the lane is ending
+        if run.announced:
+            return ()
+        run.announced = True
+        return _RUN_ACCEPTED
 
     # -- step 5: reply -----------------------------------------------------------------------
     async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None,
@@ -479,16 +571,26 @@ class Connection:
             self._replies_written = None
 
     # -- step 2: handle ----------------------------------------------------------------------
-    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int]],
+    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int] | None],
                                nursery: trio.Nursery) -> None:
         forwards: trio.MemorySendChannel[Forward] | None = None
+        run_steps = self._run_steps
         try:
             async with messages:
                 while True:
-                    try:
-                        dispatch, received_us, held = await take(messages)
-                    except trio.EndOfChannel:  # upstream finished
-                        return
+                    if run_steps:  # §11: a decode run's next step (made before anything queued behind it)
+                        # one run-loop pass first: a step may run entirely on this thread (inline
+                        # decode), and the receiving task must see a Stop that ends the run
+                        await trio.lowlevel.checkpoint()
+                        dispatch, received_us, held = run_steps.popleft()
+                    else:
+                        try:
+                            entry = await take(messages)
+                        except trio.EndOfChannel:  # upstream finished
+                            return
+                        if entry is None:  # a decode run's wake-up: its step is in run_steps
+                            continue
+                        dispatch, received_us, held = entry
                     try:
                         if forwards is None and self.settings.downstream is not None:
                             forwards = await self._open_downstream(nursery)
@@ -686,6 +788,8 @@ class Connection:
             annotations = extensions.logprobs_annotation(result.logprobs)
         reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
                                                total_us=now_us() - received_us)
+        if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
+            annotations += self._run_step(dispatch.ticket, reply.predicted)
         await self._reply(dispatch.ticket, reply, timings, annotations)
 
     async def _reply_direct(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
@@ -764,10 +868,15 @@ class Connection:
                     self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
                 ticket.annotations = extensions.logprobs_annotation(result.logprobs)
             ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
+            if run is not None and not run.announced:  # §11: the run's first reply says it runs
+                ticket.annotations += _RUN_ACCEPTED
             return extensions.reply_bytes(ticket.reply, timings, ticket.annotations)
 
+        run = ticket.run
         through = self._upstream_through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
         await self.scheduler.execute(item)
+        if run is not None and ticket.reply is not None:  # §11: the run's next step
+            self._run_step(ticket, ticket.reply.predicted)
         self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
         await through.finish(self.peer, downstream=False)
         self._upstream_torn = False
@@ -921,6 +1030,8 @@ class Connection:
             timings = None
         if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
             reply = dataclasses.replace(reply, stats=stats)
+        if item.ticket.run is not None:  # §11: the run's next step starts before this reply is out
+            annotations += self._run_step(item.ticket, reply.predicted)
         await self._reply(item.ticket, reply, timings, annotations)
 
 

@@ -62,6 +62,7 @@ from typing import Awaitable, Callable, Final, Mapping, NamedTuple, final
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import DIRECT_RETURN_FLAG, Annotation, ExtensionNegotiation, TimingsFrame
+from skippy.stage.decode_run import DecodeRun
 from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
 
 __all__ = [
@@ -136,6 +137,9 @@ class KindRule:
     #: docs/protocol.md §8: with the direct-return flag, the final stage sends the prediction
     #: over the session's return lane and no stage answers the message upstream.
     direct_return: bool = False
+    #: docs/protocol.md §11: with the decode-run flag, the first stage drives the session's decode
+    #: loop itself (:mod:`skippy.stage.decode_run`).
+    decode_run: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
 
@@ -172,7 +176,7 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
                                        outputs=Outputs.NONE),
     MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True),
-    MessageKind.DECODE_EMBD: _DECODE,
+    MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True),
     MessageKind.DECODE_READOUT: _DECODE,
     MessageKind.DECODE_LIGHT_CTX: _DECODE,
     MessageKind.DECODE_REPLAY_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, outputs=Outputs.NONE,
@@ -218,6 +222,8 @@ class Ticket:
     timings: TimingsFrame | None = None
     #: docs/protocol.md §10: SamplingAccepted / Logprobs frames written before the reply.
     annotations: tuple[Annotation, ...] = ()
+    #: docs/protocol.md §11: the decode run this message is a step of (None: not a run's).
+    run: DecodeRun | None = None
 
 
 @dataclasses.dataclass(slots=True, eq=False)

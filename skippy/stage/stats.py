@@ -86,6 +86,10 @@ class StageStats:
     #: docs/protocol.md §8: return lanes opened on this stage, predictions written into them.
     return_lanes: int = 0
     direct_replies: int = 0
+    #: docs/protocol.md §11: decode runs started on this (first) stage, and the steps it started
+    #: itself (each run's flagged message not counted).
+    decode_runs: int = 0
+    decode_run_steps: int = 0
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0

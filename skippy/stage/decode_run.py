@@ -1,0 +1,161 @@
+"""Decode runs (``docs/protocol.md`` §11): the first stage drives a session's decode loop itself.
+
+Strategy: hop by hop, every decoded token makes a round trip through the driver (reply up, the
+driver's next DecodeEmbd down), so each token pays the driver's Python and two socket hops on its
+critical path.  A **decode run** starts with one DecodeEmbd flagged ``DECODE_RUN`` (bit 14) whose
+chat metadata says how many predictions to make and which tokens end the run; from then on the
+first stage, when a step's prediction comes back (from its own sampler on a one-stage chain, from
+downstream otherwise), answers it upstream as usual *and* feeds that token to the session's next
+step at once.  Downstream stages see plain, unflagged DecodeEmbd messages: only the first stage
+needs to know.  The driver reads one PredictedToken per step, streams them, and stops a run early
+by sending any message for the session (a Stop or a Trim): the first stage starts no step after
+that message arrived, and the steps already started are answered before its reply (message order).
+
+This module is the sans-IO part: the run request (:class:`DecodeRunRequest`, parsed from hostile
+metadata with every field checked) and the run's state (:class:`DecodeRun`), which turns each
+predicted token into the next step's message or says the run is over.  The connection
+(:mod:`skippy.stage.connection`) wires it to its tasks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Final, final
+
+import numpy as np
+
+from skippy.protocol import MessageKind, StageMessage, StateFlag, StateHeader
+from skippy.protocol_ext import DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY
+
+__all__ = ["DecodeRun", "DecodeRunRequest", "MAX_RUN_STOP_TOKENS", "MAX_RUN_TOKENS"]
+
+#: Most predictions one run may ask for (a run is also bounded by the session's KV cells).
+MAX_RUN_TOKENS: Final = 1 << 20
+#: Most stop tokens one run may name (end-of-generation sets are a handful of ids).
+MAX_RUN_STOP_TOKENS: Final = 1024
+#: Largest token id (token ids are int32 on the wire).
+_TOKEN_END: Final = 1 << 31
+#: Header bits a run's own steps never carry: the run flag and the optional sections' bits.
+_STEP_CLEARED: Final = DECODE_RUN_FLAG | int(StateFlag.CHAT_SAMPLING_METADATA) | int(StateFlag.SAMPLING)
+
+
+@final
+@dataclasses.dataclass(frozen=True, slots=True)
+class DecodeRunRequest:
+    """What a run asks for: at most ``max_tokens`` predictions (the flagged message's own included),
+    ending early after a prediction in ``stop_tokens``."""
+
+    max_tokens: int
+    stop_tokens: frozenset[int] = frozenset()
+
+    def __post_init__(self) -> None:
+        if isinstance(self.max_tokens, bool) or not isinstance(self.max_tokens, int) \
+                or not 1 <= self.max_tokens <= MAX_RUN_TOKENS:
+            raise ValueError(f"{DECODE_RUN_METADATA_KEY}.max_tokens must be an integer in 1..{MAX_RUN_TOKENS}")
+        if len(self.stop_tokens) > MAX_RUN_STOP_TOKENS:
+            raise ValueError(f"{DECODE_RUN_METADATA_KEY}.stop_tokens holds {len(self.stop_tokens)} ids; "
+                             f"at most {MAX_RUN_STOP_TOKENS}")
+        for token in self.stop_tokens:
+            if isinstance(token, bool) or not isinstance(token, int) or not 0 <= token < _TOKEN_END:
+                raise ValueError(f"{DECODE_RUN_METADATA_KEY}.stop_tokens must hold token ids in 0..{_TOKEN_END - 1}")
+
+    def metadata(self) -> str:
+        """The chat metadata of the run's flagged DecodeEmbd."""
+        return json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": self.max_tokens,
+                                                     "stop_tokens": sorted(self.stop_tokens)}},
+                          separators=(",", ":"))
+
+    @classmethod
+    def from_metadata(cls, metadata: str | None) -> "DecodeRunRequest":
+        """Parse a flagged DecodeEmbd's chat metadata (hostile input: every field is checked).
+
+        Raises:
+            ValueError: no run section, or a field of the wrong type or out of range (named).
+        """
+        try:
+            data = json.loads(metadata or "")
+        except ValueError as exc:
+            raise ValueError(f"its chat metadata is not JSON ({exc})") from None
+        section = data.get(DECODE_RUN_METADATA_KEY) if isinstance(data, dict) else None
+        if not isinstance(section, dict):
+            raise ValueError(f"its chat metadata has no {DECODE_RUN_METADATA_KEY} object")
+        stops = section.get("stop_tokens", [])
+        if not isinstance(stops, list):
+            raise ValueError(f"{DECODE_RUN_METADATA_KEY}.stop_tokens must be a list of token ids")
+        if len(stops) > MAX_RUN_STOP_TOKENS:  # before building a set from it
+            raise ValueError(f"{DECODE_RUN_METADATA_KEY}.stop_tokens holds {len(stops)} ids; "
+                             f"at most {MAX_RUN_STOP_TOKENS}")
+        for token in stops:
+            if isinstance(token, bool) or not isinstance(token, int):
+                raise ValueError(f"{DECODE_RUN_METADATA_KEY}.stop_tokens must hold token ids in 0..{_TOKEN_END - 1}")
+        return cls(section.get("max_tokens"), frozenset(stops))  # type: ignore[arg-type]
+
+
+class DecodeRun:
+    """One session's run on the first stage: which step comes next, and when it ends.
+
+    Args:
+        message: the run's flagged DecodeEmbd (its session, position, step and header).
+        request: what the run asks for.
+    """
+
+    __slots__ = ("session_id", "request_id", "position", "decode_step", "left", "stop_tokens", "cancelled",
+                 "announced", "steps", "_flags", "_template")
+
+    def __init__(self, message: StageMessage, request: DecodeRunRequest) -> None:
+        self.session_id = message.session_id
+        self.request_id = message.request_id
+        #: The position of the step in flight (the next step's is one more).
+        self.position = message.pos_start
+        self.decode_step = message.state.decode_step
+        #: Predictions still to make, the one in flight included.
+        self.left = request.max_tokens
+        self.stop_tokens = request.stop_tokens
+        #: A message for the session arrived after the run started: no further step starts.
+        self.cancelled = False
+        #: The run's first reply (which says the stage runs it) has been answered.
+        self.announced = False
+        #: Steps this run started, the flagged message's included.
+        self.steps = 1
+        self._template = message.state
+        self._flags = message.state.flags & ~_STEP_CLEARED
+
+    def first_message(self, message: StageMessage) -> StageMessage:
+        """The flagged message as the run's first step: without the run flag and metadata (what
+        the stage executes and forwards)."""
+        state = self._template
+        return StageMessage(
+            MessageKind.DECODE_EMBD, pos_start=message.pos_start, token_count=message.token_count,
+            state=self._header(state.decode_step, state.current_token), request_id=message.request_id,
+            session_id=message.session_id, sampling=message.sampling, tokens=message.tokens,
+            positions=message.positions, activation=message.activation)
+
+    def advance(self, token: int) -> StageMessage | None:
+        """The step in flight predicted ``token``: the next step's message, or None when the run
+        is over (its budget spent, a stop token, or cancelled)."""
+        self.left -= 1
+        if self.cancelled or self.left <= 0 or token in self.stop_tokens:
+            self.left = 0
+            return None
+        self.position += 1
+        if self.decode_step >= 0:
+            self.decode_step += 1
+        self.steps += 1
+        return StageMessage(
+            MessageKind.DECODE_EMBD, pos_start=self.position, token_count=1,
+            state=self._header(self.decode_step, token), request_id=self.request_id, session_id=self.session_id,
+            tokens=np.array((token,), dtype=np.int32))
+
+    @property
+    def over(self) -> bool:
+        """No step of the run is in flight or to come."""
+        return self.left <= 0
+
+    def _header(self, decode_step: int, token: int) -> StateHeader:
+        state = self._template
+        return StateHeader(version=state.version, seq_id=state.seq_id, phase=state.phase, flags=self._flags,
+                           checkpoint_generation=state.checkpoint_generation,
+                           prompt_token_count=state.prompt_token_count, decode_step=decode_step,
+                           current_token=token, source_stage_index=state.source_stage_index,
+                           reserved=state.reserved)

@@ -1,0 +1,285 @@
+"""Decode runs (docs/protocol.md §11): the run's rules without a socket, then chains.
+
+The first tests parse hostile run requests and step a :class:`DecodeRun` by hand.  The chain tests
+run null-runtime stage servers in this trio run, comparing a run's tokens with the per-token
+path's over 1-4 stages with the lane shortcuts on and off, ending runs early (a Stop, a lost
+upstream) and refusing every misuse while the lane's other sessions carry on.  The f32 exactness
+of the real tiny llama over stage processes is marked slow like tests/test_stage_chain.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import trio
+
+from skippy.driver import StageClient
+from skippy.driver.client import StageRemoteError
+from skippy.protocol import MessageKind, StageMessage, StateHeader, WireDType
+from skippy.protocol_ext import (
+    DECODE_RUN_FEATURE,
+    DECODE_RUN_FLAG,
+    DECODE_RUN_METADATA_KEY,
+    SKIPPY_EXTENSIONS_FLAG,
+    ErrorCode,
+)
+from skippy.stage.decode_run import MAX_RUN_STOP_TOKENS, MAX_RUN_TOKENS, DecodeRun, DecodeRunRequest
+from skippy.stage.transport import codec
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stage_helpers import inprocess_chain, reference_greedy, stage_chain, wait_for_stats  # noqa: E402
+
+SPLITS = {1: ["0:4"], 2: ["0:2", "2:4"], 3: ["0:1", "1:2", "2:4"], 4: ["0:1", "1:2", "2:3", "3:4"]}
+PROMPT = [1, 2, 3, 4, 5, 6, 7]
+
+
+# -- the run request, sans-IO ------------------------------------------------------------------
+def test_a_request_round_trips_through_its_metadata() -> None:
+    request = DecodeRunRequest(40, frozenset({2, 106}))
+    assert json.loads(request.metadata()) == {DECODE_RUN_METADATA_KEY: {"max_tokens": 40, "stop_tokens": [2, 106]}}
+    assert DecodeRunRequest.from_metadata(request.metadata()) == request
+
+
+@pytest.mark.parametrize(("metadata", "named"), [
+    (None, "not JSON"),
+    ("{", "not JSON"),
+    ("[]", f"no {DECODE_RUN_METADATA_KEY} object"),
+    ('{"other": 1}', f"no {DECODE_RUN_METADATA_KEY} object"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {}}), "max_tokens must be an integer"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 0}}), "max_tokens must be an integer"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": MAX_RUN_TOKENS + 1}}), "max_tokens must be an integer"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": True}}), "max_tokens must be an integer"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4.0}}), "max_tokens must be an integer"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4, "stop_tokens": 2}}), "must be a list"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4, "stop_tokens": [-1]}}), "token ids in"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4, "stop_tokens": [1 << 31]}}), "token ids in"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4, "stop_tokens": ["2"]}}), "token ids in"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4, "stop_tokens": [False]}}), "token ids in"),
+    (json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 4, "stop_tokens": list(range(MAX_RUN_STOP_TOKENS + 1))}}),
+     f"at most {MAX_RUN_STOP_TOKENS}"),
+])
+def test_a_bad_request_is_refused_naming_the_field(metadata: str | None, named: str) -> None:
+    with pytest.raises(ValueError, match=named):
+        DecodeRunRequest.from_metadata(metadata)
+
+
+def _flagged(position: int = 9, token: int = 42, decode_step: int = 0) -> StageMessage:
+    template = StateHeader.for_kind(MessageKind.DECODE_EMBD)
+    state = StateHeader(version=template.version, phase=template.phase,
+                        flags=template.flags | SKIPPY_EXTENSIONS_FLAG | DECODE_RUN_FLAG,
+                        decode_step=decode_step, current_token=token, reserved=template.reserved)
+    return StageMessage(MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=3,
+                        session_id=5, chat_sampling_metadata=DecodeRunRequest(4).metadata(),
+                        tokens=np.array((token,), dtype=np.int32))
+
+
+def test_a_run_steps_one_position_at_a_time_until_its_budget() -> None:
+    flagged = _flagged()
+    run = DecodeRun(flagged, DecodeRunRequest(4))
+    first = run.first_message(flagged)
+    # what the stage executes and forwards: the same decode without the flag or the metadata
+    assert not first.state.flags & DECODE_RUN_FLAG and first.state.flags & SKIPPY_EXTENSIONS_FLAG
+    assert first.chat_sampling_metadata is None and first.pos_start == 9 and list(first.tokens) == [42]
+    steps = [run.advance(token) for token in (100, 101, 102, 103)]
+    assert steps[-1] is None and run.over and run.steps == 4
+    for index, step in enumerate(steps[:-1]):
+        assert step is not None
+        assert step.kind == MessageKind.DECODE_EMBD and step.session_id == 5 and step.request_id == 3
+        assert step.pos_start == 10 + index and list(step.tokens) == [100 + index]
+        assert step.state.current_token == 100 + index and step.state.decode_step == 1 + index
+        assert not step.state.flags & DECODE_RUN_FLAG and step.chat_sampling_metadata is None
+        # the step encodes as any decode (its header passes the codec's checks)
+        assert len(codec.encode_message(step, WireDType.F32, 0)) > 0
+
+
+def test_a_run_ends_after_a_stop_token_or_when_cancelled() -> None:
+    run = DecodeRun(_flagged(), DecodeRunRequest(100, frozenset({7})))
+    assert run.advance(3) is not None and run.advance(7) is None and run.over
+    run = DecodeRun(_flagged(), DecodeRunRequest(100))
+    assert run.advance(3) is not None
+    run.cancelled = True
+    assert run.advance(4) is None and run.over
+
+
+# -- chains of null stage servers in this process --------------------------------------------------
+@pytest.mark.parametrize(("stages", "shortcuts"), [(1, True), (2, True), (4, True), (1, False), (4, False)])
+async def test_a_run_gives_the_per_token_tokens(stages: int, shortcuts: bool) -> None:
+    async with inprocess_chain(SPLITS[stages], write_through=shortcuts, inline_hand_offs=shortcuts,
+                               inline_decode=shortcuts) as servers:
+        async with await StageClient.connect(servers[0].address) as client:
+            plain = await client.generate_greedy(1, PROMPT, 16, chunk_size=3)
+            run = await client.generate_greedy(2, PROMPT, 16, chunk_size=3, run=True)
+            assert run == plain and client.run_overshoot == 0
+            await trio.sleep(0.05)
+            assert all(lane.inflight == 0 for server in servers for lane in server.connections)
+        first = servers[0]
+        # one run; its steps after the flagged one were started by the first stage itself
+        assert first.stats.decode_runs == 1 and first.stats.decode_run_steps == 14
+        assert all(server.stats.decode_runs == 0 for server in servers[1:])
+        assert all(server.stats.connection_errors == 0 for server in servers)
+
+
+async def test_a_run_ends_at_a_stop_token() -> None:
+    async with inprocess_chain(SPLITS[2]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:
+            plain = await client.generate_greedy(1, PROMPT, 12, chunk_size=3)
+            await client.configure(2, prompt_token_count=len(PROMPT))
+            token = (await client.prefill(2, PROMPT, chunk_size=3)).token
+            stop = plain[5]
+            tokens = [token, (await client.start_run(2, token, len(PROMPT), max_tokens=50,
+                                                     stop_tokens=frozenset({stop}))).predicted]
+            while client.running:
+                tokens.append((await client.next_run_token(2)).predicted)
+            assert tokens == plain[:plain.index(stop) + 1]
+            await client.stop(2)
+            assert client.run_overshoot == 0
+
+
+async def test_a_stop_ends_a_run_early_and_the_lane_carries_on() -> None:
+    async with inprocess_chain(SPLITS[3]) as servers:
+        first = servers[0]
+        async with await StageClient.connect(first.address) as client:
+            reference = await client.generate_greedy(1, PROMPT, 20, chunk_size=3)
+            await client.configure(2, prompt_token_count=len(PROMPT))
+            token = (await client.prefill(2, PROMPT, chunk_size=3)).token
+            tokens = [token, (await client.start_run(2, token, len(PROMPT), max_tokens=100_000)).predicted]
+            for _ in range(4):
+                tokens.append((await client.next_run_token(2)).predicted)
+            await client.stop(2)  # drops the predictions of steps already started, then the Stop's ACK
+            assert not client.running and tokens == reference[:6]
+            assert client.run_overshoot <= 2
+            steps = first.stats.decode_run_steps
+            await trio.sleep(0.1)
+            assert first.stats.decode_run_steps == steps  # no step started after the Stop
+            # the same lane: a new session (and a plain decode) as if nothing happened
+            assert await client.generate_greedy(3, PROMPT, 20, chunk_size=3, run=True) == reference
+            assert await client.generate_greedy(4, PROMPT, 20, chunk_size=3) == reference
+        await trio.sleep(0.05)
+        assert all(server.stats.sessions_in_use == 0 for server in servers)
+        assert all(server.stats.connection_errors == 0 for server in servers)
+
+
+async def test_a_lost_upstream_ends_its_run_and_frees_the_session() -> None:
+    async with inprocess_chain(SPLITS[2]) as servers:
+        first = servers[0]
+        client = await StageClient.connect(first.address)
+        await client.configure(1, prompt_token_count=len(PROMPT))
+        token = (await client.prefill(1, PROMPT, chunk_size=3)).token
+        await client.start_run(1, token, len(PROMPT), max_tokens=100_000)
+        await client.next_run_token(1)
+        await client.aclose()
+        with trio.fail_after(5):
+            while first.stats.sessions_in_use or servers[1].stats.sessions_in_use or first.connections:
+                await trio.sleep(0.02)
+        steps = first.stats.decode_run_steps
+        await trio.sleep(0.2)
+        assert first.stats.decode_run_steps == steps and steps < 1000
+
+
+def _run_message(token: int, position: int, *, kind: MessageKind = MessageKind.DECODE_EMBD,
+                 metadata: str | None = None, session_id: int = 1) -> bytes:
+    template = StateHeader.for_kind(kind)
+    state = StateHeader(version=template.version, phase=template.phase,
+                        flags=template.flags | SKIPPY_EXTENSIONS_FLAG | DECODE_RUN_FLAG, decode_step=-1,
+                        current_token=token, reserved=template.reserved)
+    message = StageMessage(kind, pos_start=position, token_count=1, state=state, session_id=session_id,
+                           chat_sampling_metadata=DecodeRunRequest(8).metadata() if metadata is None else metadata,
+                           tokens=np.array((token,), dtype=np.int32))
+    return codec.encode_message(message, WireDType.F32, 0)
+
+
+@pytest.mark.parametrize(("case", "named"), [
+    ("prefill", "a decode run starts with a DecodeEmbd only"),
+    ("metadata", f"no {DECODE_RUN_METADATA_KEY} object"),
+    ("budget", "max_tokens must be an integer"),
+    ("middle", "only the chain's first stage runs a decode loop"),
+])
+async def test_a_misused_run_is_refused_naming_why_and_the_other_lanes_carry_on(case: str, named: str) -> None:
+    async with inprocess_chain(SPLITS[2]) as servers:
+        target = servers[1] if case == "middle" else servers[0]
+        async with await StageClient.connect(target.address) as bad, \
+                await StageClient.connect(servers[0].address) as good:
+            reference = await good.generate_greedy(1, PROMPT, 10, chunk_size=3)
+            await bad.configure(1, prompt_token_count=len(PROMPT))
+            # (a middle stage cannot prefill tokens: it is refused before anything runs anyway)
+            token = 5 if case == "middle" else (await bad.prefill(1, PROMPT, chunk_size=3)).token
+            if case == "prefill":
+                frame = _run_message(token, len(PROMPT), kind=MessageKind.PREFILL_EMBD)
+            elif case == "metadata":
+                frame = _run_message(token, len(PROMPT), metadata='{"x": 1}')
+            elif case == "budget":
+                frame = _run_message(token, len(PROMPT), metadata=json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": -3}}))
+            else:
+                frame = _run_message(token, len(PROMPT))
+            await bad.send_raw(frame)
+            with trio.fail_after(5), pytest.raises(StageRemoteError, match=named) as raised:
+                await bad.receive()
+            assert raised.value.code is ErrorCode.STATE_MISMATCH
+            assert await good.generate_greedy(2, PROMPT, 10, chunk_size=3, run=True) == reference
+
+
+async def test_a_run_and_a_direct_return_session_do_not_mix() -> None:
+    async with inprocess_chain(SPLITS[2]) as servers:
+        async with await StageClient.connect(servers[0].address) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            assert await client.open_direct_return(servers[-1].address, 1)
+            token = (await client.prefill(1, PROMPT, chunk_size=3)).token
+            with pytest.raises(ValueError, match="direct-return"):
+                await client.start_run(1, token, len(PROMPT), max_tokens=4)
+            await client.stop(1)
+
+
+# -- stage processes on the real tiny llama ----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("stages", [1, 2, 4])
+async def test_f32_chain_matches_the_unsplit_model_with_decode_runs(stages: int, tiny_llama: Path,
+                                                                   tmp_path: Path) -> None:
+    prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 13, 450, 4996, 17354]
+    reference = reference_greedy(tiny_llama, prompt, 24, chunk_size=5)
+    flags = ["--batch-size", "64", "--ctx-size", "512", "--max-sessions", "8"]
+    async with stage_chain(str(tiny_llama), SPLITS[stages], tmp_path, flags) as chain:
+        async with await StageClient.connect(chain[0].address) as client:
+            assert await client.generate_greedy(1, prompt, 24, chunk_size=5, run=True) == reference
+        await wait_for_stats(chain[0], lambda stats: stats["decode_run_steps"] == 22)
+
+
+# -- the driver's generation loop --------------------------------------------------------------------
+@pytest.mark.parametrize("stages", [1, 3])
+async def test_the_generator_decodes_as_runs_with_the_per_token_results(stages: int, tiny_llama: Path) -> None:
+    from skippy.driver.generator import Generator, GenerationRequest
+    from skippy.runtime.sampling import SamplingParams
+
+    generator = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=8)
+    prompt = tuple(generator.encode("The quick brown fox"))
+    sampled = SamplingParams(temperature=0.9, top_k=40, seed=11)
+    requests = [GenerationRequest(prompt, 20, speculation=False),
+                GenerationRequest(prompt, 20, sampling=sampled),
+                GenerationRequest(prompt, 20, sampling=dataclasses.replace(sampled, repeat_penalty=1.3)),
+                GenerationRequest(prompt, 16, speculation=False, logprobs=2)]
+    try:
+        async with inprocess_chain(SPLITS[stages], model=str(tiny_llama), ctx_size=512) as servers:
+            async with await StageClient.connect(servers[0].address) as client:
+                plain_stop = await generator.generate(client, GenerationRequest(prompt, 20, speculation=False), 90)
+                # a stop string cut in the middle of the run: the predictions already made are dropped
+                stop_at = generator.tokenizer.piece(plain_stop.tokens[6]).decode("utf-8", "replace")
+                requests.append(GenerationRequest(prompt, 20, stop=(stop_at,), speculation=False))
+                results = {}
+                for runs in (False, True):
+                    generator.decode_runs = runs
+                    results[runs] = [await generator.generate(client, request, 10 * index + runs)
+                                     for index, request in enumerate(requests)]
+        for plain, run in zip(results[False], results[True]):
+            assert (run.tokens, run.text, run.finish_reason) == (plain.tokens, plain.text, plain.finish_reason)
+            assert run.logprobs == plain.logprobs
+        assert results[True][-1].finish_reason == "stop" and len(results[True][-1].tokens) < 20
+        # every request of the second pass ran as one run on the first stage (as did the one that
+        # found the stop string), none of the first pass
+        assert servers[0].stats.decode_runs == len(requests) + 1
+        assert all(server.stats.sessions_in_use == 0 for server in servers)
+    finally:
+        generator.close()
