@@ -253,16 +253,29 @@ def check_rpc_layout(variant: BenchVariant, splits: Sequence[str], n_layer: int)
 
 
 # -- skippy chains --------------------------------------------------------------------------------
-async def stage_decode(address: Address, steps: int) -> Sample:
-    """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS."""
+async def stage_decode(address: Address, steps: int, run: bool = False) -> Sample:
+    """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS.
+
+    ``run``: the ``steps`` tokens as one decode run (docs/protocol.md §11: the first stage feeds
+    each prediction to the next step itself) instead of one DecodeEmbd per token.
+    """
     pids = [process.pid for process in PROCESSES.get(address, [])]
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
         token = (await client.prefill(1, [BOS], chunk_size=512)).token
         started, cpu_started = time.perf_counter(), cpu_seconds(pids)
-        for position in range(1, steps + 1):
-            token = (await client.decode(1, token, position)).predicted
+        if run:
+            token = (await client.start_run(1, token, 1, max_tokens=steps)).predicted
+            done = 1
+            while client.running:
+                token = (await client.next_run_token(1)).predicted
+                done += 1
+            if done != steps:
+                raise AssertionError(f"the decode run made {done} predictions, not {steps}")
+        else:
+            for position in range(1, steps + 1):
+                token = (await client.decode(1, token, position)).predicted
         rate, cpu = steps / (time.perf_counter() - started), (cpu_seconds(pids) - cpu_started) / steps
         await client.stop(1)
         return rate, cpu
@@ -370,6 +383,7 @@ BOUNDARY_PAIRS = [
     ("in-process", "stock", 1), ("skippy 1", "in-process", 1),
     ("skippy 2", "skippy 1", 1), ("skippy 4", "skippy 1", 3), ("skippy 4", "skippy 2", 2),
     ("RPC 2", "stock", 1), ("RPC 4", "stock", 3), ("RPC 4", "RPC 2", 2),
+    ("skippy 1 run", "in-process", 1), ("skippy 2 run", "skippy 1 run", 1), ("skippy 4 run", "skippy 1 run", 3),
 ]
 
 
@@ -392,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pipelined", action="store_true",
                         help="also RPC with -ub 128 and skippy 2/4 stages with 128-token chunks")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--decode-runs", action="store_true",
+                        help="also decode each skippy chain as one decode run (docs/protocol.md §11)")
     parser.add_argument("--preset", default=MODEL_PRESET,
                         help="generated model (skippy.models preset; a llama-spm vocabulary)")
     parser.add_argument("--quick", action="store_true", help="1 round, 8 decode tokens, a 64-token prompt")
@@ -436,6 +452,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         decode_runs: dict[str, list[Sample]] = {name: [] for name in ("stock", "RPC 2", "RPC 4", "in-process",
                                                                       *chains)}
         prefill_runs: dict[str, list[Sample]] = {name: [] for name in decode_runs}
+        if args.decode_runs:  # the same chains decoding as one decode run (decode only)
+            for name in chains:
+                decode_runs[f"{name} run"] = []
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4"):
                 prefill_runs[f"{name} /{micro}"] = []
@@ -456,6 +475,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     decode_runs[name].append(inproc.decode(args.steps))
                     if not args.no_prefill:
                         prefill_runs[name].append(inproc.prefill(prompt))
+                elif name.endswith(" run"):
+                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
                 else:
                     address = chains[name]
                     decode_runs[name].append(trio.run(stage_decode, address, args.steps))

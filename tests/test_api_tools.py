@@ -92,6 +92,15 @@ class ScriptedClient:
         reply = await self._inner.decode(session_id, token, position, **kwargs)
         return self._replace(session_id, reply) if session_id in self._scripts else reply
 
+    # docs/protocol.md §11: a decode run's predictions are scripted the same way
+    async def start_run(self, session_id: int, token: int, position: int, **kwargs: Any) -> Any:
+        reply = await self._inner.start_run(session_id, token, position, **kwargs)
+        return self._replace(session_id, reply) if session_id in self._scripts else reply
+
+    async def next_run_token(self, session_id: int) -> Any:
+        reply = await self._inner.next_run_token(session_id)
+        return self._replace(session_id, reply) if session_id in self._scripts else reply
+
     def _replace(self, session_id: int, reply: Any) -> Any:
         self.predictions += 1
         return dataclasses.replace(reply, predicted=next(self._scripts[session_id]))

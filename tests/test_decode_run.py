@@ -164,6 +164,35 @@ async def test_a_stop_ends_a_run_early_and_the_lane_carries_on() -> None:
         assert all(server.stats.connection_errors == 0 for server in servers)
 
 
+@pytest.mark.parametrize("stages", [1, 3])
+async def test_end_run_leaves_the_kv_of_the_per_token_loop_and_the_session_goes_on(stages: int,
+                                                                                    tiny_llama: Path) -> None:
+    prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
+    reference = reference_greedy(tiny_llama, prompt, 20, chunk_size=4)
+    async with inprocess_chain(SPLITS[stages], model=str(tiny_llama), ctx_size=512) as servers:
+        async with await StageClient.connect(servers[0].address) as client:
+            await client.configure(1, prompt_token_count=len(prompt))
+            tokens = [(await client.prefill(1, prompt, chunk_size=4)).token]
+            tokens.append((await client.start_run(1, tokens[-1], len(prompt), max_tokens=100)).predicted)
+            for _ in range(5):
+                tokens.append((await client.next_run_token(1)).predicted)
+            await trio.sleep(0.05)  # the stage runs ahead meanwhile: its steps wrote past the driver
+            position = await client.end_run(1)
+            assert position == len(prompt) + len(tokens) - 1 and not client.running
+            for server in servers:  # the cells the run's last steps wrote past the driver are gone
+                await server.refresh_runtime_stats()
+                assert server.stats.kv_cells_used == position
+            # every stage's KV is the per-token loop's: the session goes on where the driver is
+            while len(tokens) < 12:
+                tokens.append((await client.decode(1, tokens[-1], len(prompt) + len(tokens) - 1)).predicted)
+            tokens.append((await client.start_run(1, tokens[-1], len(prompt) + len(tokens) - 1,
+                                                  max_tokens=20 - len(tokens))).predicted)
+            while client.running:
+                tokens.append((await client.next_run_token(1)).predicted)
+            assert tokens == reference
+            await client.stop(1)
+
+
 async def test_a_lost_upstream_ends_its_run_and_frees_the_session() -> None:
     async with inprocess_chain(SPLITS[2]) as servers:
         first = servers[0]

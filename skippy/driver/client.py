@@ -35,7 +35,8 @@ each predicted token to the session's next step itself, so :meth:`StageClient.ne
 only reads.  The client follows the run's end by the same rules as the stage (its budget, a stop
 token); any other message for the session ends it early, and the predictions of steps the stage
 had already started are read and dropped before that message's reply (``run_overshoot`` counts
-them).  A stage that does not say it runs the decode answered it as one step: ``running`` stays
+them).  Those steps wrote KV past the last prediction read: :meth:`StageClient.end_run` ends a
+run with a TrimSession that removes it, so the session can go on; a Stop needs nothing more.  A stage that does not say it runs the decode answered it as one step: ``running`` stays
 False and the caller goes on one DecodeEmbd per token.
 """
 
@@ -129,10 +130,13 @@ class _Run:
     session_id: int
     left: int
     stop_tokens: frozenset[int]
+    #: The position the next prediction would be fed at (the KV length the per-token loop leaves).
+    position: int = 0
 
     def advance(self, token: int) -> bool:
         """One prediction arrived; whether the run goes on."""
         self.left -= 1
+        self.position += 1
         return self.left > 0 and token not in self.stop_tokens
 
 
@@ -555,10 +559,25 @@ class StageClient:
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to a decode run's DecodeEmbd")
         accepted = self.last_accepted
         if accepted is not None and accepted.features & DECODE_RUN_FEATURE:
-            run = _Run(session_id, max_tokens, request.stop_tokens)
+            run = _Run(session_id, max_tokens, request.stop_tokens, position)
             if run.advance(reply.predicted):
                 self._run = run
         return reply
+
+    async def end_run(self, session_id: int, *, request_id: int = 0) -> int:
+        """End the decode run of ``session_id`` early and leave every stage's KV as the per-token
+        loop would after the predictions read so far: a TrimSession to the position of the next
+        token (steps the stage had already started wrote past it); returns that position, where
+        the session goes on (:meth:`decode` or a new run).
+
+        Raises:
+            StageClientError: no run of that session is in progress.
+        """
+        run = self._run
+        if run is None or run.session_id != session_id:
+            raise StageClientError(f"no decode run of session {session_id} is in progress on this lane")
+        await self.trim(session_id, run.position, request_id=request_id)
+        return run.position
 
     async def next_run_token(self, session_id: int) -> StageReply:
         """The next prediction of the decode run of ``session_id``.
