@@ -4,7 +4,9 @@ requirements that flavour needs (NVIDIA's CUDA runtime and cuBLAS wheels for the
 Strategy: the package metadata is static (pyproject.toml), so the CUDA wheel is built like the CPU
 one and rewritten here: the ``.dist-info`` directory is renamed to the new version, ``METADATA``
 gets the new ``Version`` and one ``Requires-Dist`` line per requirement, and ``RECORD`` is written
-again with every file's sha256 and size.  Everything else is copied byte for byte.
+again with every file's sha256 and size (files only, as the wheel spec asks: auditwheel reads every
+RECORD row as a file, and a directory row made ``auditwheel show`` fail with IsADirectoryError).
+Everything else is copied byte for byte.
 
     python scripts/wheel_flavour.py dist/raw/skippy-0.1.0-...whl --local cu130 \
         --requires 'nvidia-cuda-runtime==13.0.*' --requires 'nvidia-cublas==13.*' --outdir dist
@@ -51,6 +53,10 @@ def flavour(wheel: Path, local: str, requires: list[str], outdir: Path) -> Path:
                 data = (head + sep + body).encode()
             info = zipfile.ZipInfo(path, date_time=item.date_time)
             info.external_attr = item.external_attr
+            if item.is_dir():  # a directory entry: kept, stored, and never in RECORD (it lists files)
+                info.compress_type = zipfile.ZIP_STORED
+                out.writestr(info, data)
+                continue
             info.compress_type = zipfile.ZIP_DEFLATED
             out.writestr(info, data)
             records.append(f"{path},{_digest(data)},{len(data)}")

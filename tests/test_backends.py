@@ -53,6 +53,7 @@ def _fake_wheel(path: Path) -> None:
                                              b"Requires-Dist: numpy\n\nA description.\n",
              "pkg-0.1.0.dist-info/WHEEL": b"Wheel-Version: 1.0\nRoot-Is-Purelib: false\nTag: cp311-cp311-linux_x86_64\n"}
     with zipfile.ZipFile(path, "w") as wheel:
+        wheel.writestr("pkg/", b"")  # a directory entry, as auditwheel's repaired wheels have
         record = []
         for name, data in files.items():
             wheel.writestr(name, data)
@@ -75,6 +76,7 @@ def test_the_cuda_flavour_rewrite(tmp_path: Path) -> None:
         record = wheel.read("pkg-0.1.0+cu130.dist-info/RECORD").decode()
         assert wheel.read("pkg/__init__.py") == b"x = 1\n"
     assert "pkg-0.1.0.dist-info/METADATA" not in names
+    assert "pkg/" in names and "\npkg/," not in "\n" + record  # RECORD lists files, never directories
     assert "Version: 0.1.0+cu130\n" in metadata
     assert metadata.index("Requires-Dist: nvidia-cublas>=13.0,<14") < metadata.index("A description.")
     for line in record.strip().splitlines()[:-1]:  # every file's hash is the one stored
