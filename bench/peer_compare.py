@@ -80,7 +80,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from peer_build import Peer, build_peer, peer_build_dir  # noqa: E402
-from stage_chain import PROCESSES, chain, cpu_seconds  # noqa: E402
+from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
 from skippy.stage.config import Address  # noqa: E402
@@ -253,16 +253,19 @@ def check_rpc_layout(variant: BenchVariant, splits: Sequence[str], n_layer: int)
 
 
 # -- skippy chains --------------------------------------------------------------------------------
-async def stage_decode(address: Address, steps: int, run: bool = False) -> Sample:
+async def stage_decode(address: Address, steps: int, run: bool = False, direct: bool = False) -> Sample:
     """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS.
 
     ``run``: the ``steps`` tokens as one decode run (docs/protocol.md §11: the first stage feeds
-    each prediction to the next step itself) instead of one DecodeEmbd per token.
+    each prediction to the next step itself) instead of one DecodeEmbd per token.  ``direct``:
+    the final stage sends the predictions over a return lane (docs/protocol.md §8).
     """
     pids = [process.pid for process in PROCESSES.get(address, [])]
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
+        if direct and not await client.open_direct_return(FINALS[address], 1):
+            raise AssertionError(f"the final stage {FINALS[address]} refused the return lane")
         token = (await client.prefill(1, [BOS], chunk_size=512)).token
         started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         if run:
@@ -383,6 +386,7 @@ BOUNDARY_PAIRS = [
     ("in-process", "stock", 1), ("skippy 1", "in-process", 1),
     ("skippy 2", "skippy 1", 1), ("skippy 4", "skippy 1", 3), ("skippy 4", "skippy 2", 2),
     ("RPC 2", "stock", 1), ("RPC 4", "stock", 3), ("RPC 4", "RPC 2", 2),
+    ("skippy 2 direct", "skippy 1", 1), ("skippy 4 direct", "skippy 1", 3),
     ("skippy 1 run", "in-process", 1), ("skippy 2 run", "skippy 1 run", 1), ("skippy 4 run", "skippy 1 run", 3),
 ]
 
@@ -406,6 +410,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--pipelined", action="store_true",
                         help="also RPC with -ub 128 and skippy 2/4 stages with 128-token chunks")
     parser.add_argument("--no-prefill", action="store_true")
+    parser.add_argument("--direct-return", action="store_true",
+                        help="also decode the 2- and 4-stage chains with direct return (docs/protocol.md §8)")
     parser.add_argument("--decode-runs", action="store_true",
                         help="also decode each skippy chain as one decode run (docs/protocol.md §11)")
     parser.add_argument("--preset", default=MODEL_PRESET,
@@ -455,6 +461,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.decode_runs:  # the same chains decoding as one decode run (decode only)
             for name in chains:
                 decode_runs[f"{name} run"] = []
+        if args.direct_return:  # the same chains with the predictions sent straight back (decode only)
+            for name in chains:
+                if name != "skippy 1":
+                    decode_runs[f"{name} direct"] = []
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4"):
                 prefill_runs[f"{name} /{micro}"] = []
@@ -477,6 +487,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         prefill_runs[name].append(inproc.prefill(prompt))
                 elif name.endswith(" run"):
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
+                elif name.endswith(" direct"):
+                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-7]], args.steps, False, True))
                 else:
                     address = chains[name]
                     decode_runs[name].append(trio.run(stage_decode, address, args.steps))

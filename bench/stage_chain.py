@@ -55,6 +55,8 @@ _READY = re.compile(r"ready on (\S+):(\d+)")
 
 #: The stage processes of each running chain, by first-stage address (for CPU accounting).
 PROCESSES: dict[Address, list["subprocess.Popen[bytes]"]] = {}
+#: The final stage's address of each running chain, by first-stage address (for direct return).
+FINALS: dict[Address, Address] = {}
 
 
 def cpu_seconds(pids: Sequence[int] = ()) -> float:
@@ -76,6 +78,7 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Itera
     with tempfile.TemporaryDirectory() as directory:
         try:
             downstream: Address | None = None
+            final: Address | None = None
             for index in reversed(range(len(splits))):
                 log = Path(directory) / f"stage{index}.log"
                 command = [sys.executable, "-m", "skippy.stage", "--model", model, "--layers", splits[index],
@@ -91,15 +94,18 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Itera
                     match = _READY.search(log.read_text(errors="replace"))
                     if match:
                         downstream = Address(match.group(1), int(match.group(2)))
+                        final = final or downstream
                         break
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"stage {splits[index]} did not start:\n{log.read_text()}")
                     time.sleep(0.05)
             assert downstream is not None
             PROCESSES[downstream] = processes
+            FINALS[downstream] = final  # type: ignore[assignment]
             yield downstream
         finally:
             PROCESSES.pop(downstream, None)  # type: ignore[arg-type]
+            FINALS.pop(downstream, None)  # type: ignore[arg-type]
             for process in processes:
                 process.kill()
                 process.wait()
