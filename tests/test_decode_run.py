@@ -278,7 +278,7 @@ async def test_f32_chain_matches_the_unsplit_model_with_decode_runs(stages: int,
 
 
 # -- the driver's generation loop --------------------------------------------------------------------
-@pytest.mark.parametrize("stages", [1, 3])
+@pytest.mark.parametrize("stages", [1, pytest.param(3, marks=pytest.mark.slow)])
 async def test_the_generator_decodes_as_runs_with_the_per_token_results(stages: int, tiny_llama: Path) -> None:
     from skippy.driver.generator import Generator, GenerationRequest
     from skippy.runtime.sampling import SamplingParams

@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import random
 
+import pytest
 import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -53,6 +54,7 @@ async def _scenario(batches: list[list[bytes]]) -> None:
                 await trio.sleep(0.02)
 
 
+@pytest.mark.slow  # 20 hypothesis chains of real stage servers (the fast suite stays under 90 s)
 @settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**32 - 1), batches=st.integers(1, 4), size=st.integers(1, 12))
 def test_mutated_frames_never_break_a_stage_or_a_session(seed: int, batches: int, size: int) -> None:

@@ -199,6 +199,7 @@ async def test_one_lane_cannot_take_more_than_its_quota_and_a_second_client_is_s
             assert (await other.prefill(9, [1, 2, 3])).token == 4
 
 
+@pytest.mark.slow  # real timeouts of a second or more (the fast suite stays under 90 s)
 async def test_idle_and_slow_lanes_are_closed_by_their_timeouts(caplog: pytest.LogCaptureFixture) -> None:
     """Idle lanes go after --idle-timeout, a header trickled byte by byte after --header-timeout,
     a body that stops coming after --frame-timeout; a session decoding meanwhile is untouched."""
