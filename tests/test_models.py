@@ -52,9 +52,14 @@ QTYPES = {
 }
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A cache directory shared by the whole session (tiny models are written once)."""
+    """A cache directory shared by this module's tests (tiny models are written once).
+
+    Module scope, not session: the redirected cache must end with this module. As a session
+    fixture its ``CACHE_ENV`` stayed set for every later test file, which then regenerated
+    each model they used into the empty temporary cache instead of the persistent one (about
+    15 s of the fast suite)."""
     directory = tmp_path_factory.mktemp("model-cache")
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_ENV, str(directory))
