@@ -1,6 +1,7 @@
 """The real Gemma 3 270M Q4_K_M unsplit: skippy against stock llama.cpp, measured in one run.
 
-Run: ``.venv/bin/python bench/real_model.py [--rounds 7] [--steps 64] [--reps 1] [--no-prefill] [--model M.gguf]``.
+Run: ``.venv/bin/python bench/real_model.py [--rounds 7] [--steps 64] [--reps 1] [--no-prefill] [--model M.gguf]``;
+``--loaders`` for the loader and huge-page comparison in fresh processes (below).
 
 Strategy: three ways of running the same file with one compute thread are measured in
 interleaved rounds (each round runs every variant once, so the shared machine's load drifts hit
@@ -30,6 +31,14 @@ thread; stage: this client plus every thread of the stage process).  On this sha
 the wall figures swing with the neighbours' load even interleaved; CPU per token is the steady
 one, and on a quiet host the two agree.
 
+Loaders (``--loaders``): llama-bench maps the file by default (``-lm mmap``); skippy reads the
+range's tensors into buffers that sit on transparent huge pages (native/patches/0004).  That mode
+measures stock with both loaders and skippy's runtime read on huge pages, read on 4 KiB pages
+(``SKIPPY_HUGE_PAGES=0``) and mapped, each measurement in a fresh process (rounds rotated), so the
+figures say what the loader and the pages are worth apart from the rest of the runtime.  The
+main mode's in-process variant runs in this long-lived process and also measures the same
+runtime with the file mapped.
+
 Prefill: 512 random tokens (a fresh prompt every round, so the stage's prefix cache never hits),
 one 512-row batch everywhere (llama-bench's default n_ubatch is 512).  Targets (issue 11):
 in-process >= 99% and one stage process >= 97% of stock decode tokens/s.
@@ -40,6 +49,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import os
 import resource
 import statistics
 import subprocess
@@ -77,10 +87,11 @@ def model_path(given: str | None) -> Path:
 
 
 # -- stock llama.cpp -----------------------------------------------------------------------------
-def stock_run(bench: Path, model: Path, *, n_prompt: int, n_gen: int, reps: int) -> tuple[float, float]:
+def stock_run(bench: Path, model: Path, *, n_prompt: int, n_gen: int, reps: int,
+              mmap: bool = True) -> tuple[float, float]:
     """(median tokens/s of llama-bench's samples for one test, CPU seconds of the whole process)."""
     command = [str(bench), "-m", str(model), "-t", "1", "-fa", "0", "-ngl", "0", "-r", str(reps),
-               "-p", str(n_prompt), "-n", str(n_gen), "-o", "json"]
+               "-p", str(n_prompt), "-n", str(n_gen), "-lm", "mmap" if mmap else "none", "-o", "json"]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     result = subprocess.run(command, capture_output=True, text=True)
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -94,20 +105,20 @@ def stock_run(bench: Path, model: Path, *, n_prompt: int, n_gen: int, reps: int)
 class Stock:
     """Stock llama-bench; CPU per token from two runs that differ only in the tokens timed."""
 
-    def __init__(self, bench: Path, model: Path, reps: int) -> None:
-        self.bench, self.model, self.reps = bench, model, reps
+    def __init__(self, bench: Path, model: Path, reps: int, mmap: bool = True) -> None:
+        self.bench, self.model, self.reps, self.mmap = bench, model, reps, mmap
 
     def baseline_cpu(self) -> float:
         """CPU of a run that loads, warms up and decodes one token per repetition."""
-        return stock_run(self.bench, self.model, n_prompt=0, n_gen=1, reps=self.reps)[1]
+        return stock_run(self.bench, self.model, n_prompt=0, n_gen=1, reps=self.reps, mmap=self.mmap)[1]
 
     def decode(self, steps: int, baseline: float) -> tuple[float, float]:
-        rate, cpu = stock_run(self.bench, self.model, n_prompt=0, n_gen=steps, reps=self.reps)
+        rate, cpu = stock_run(self.bench, self.model, n_prompt=0, n_gen=steps, reps=self.reps, mmap=self.mmap)
         return rate, (cpu - baseline) / ((steps - 1) * self.reps)
 
     def prefill(self, n_prompt: int, baseline: float, decode_cpu: float) -> tuple[float, float]:
         """Its warm-up is a whole prompt run, and it decodes none of the baseline's 1 + reps tokens."""
-        rate, cpu = stock_run(self.bench, self.model, n_prompt=n_prompt, n_gen=0, reps=self.reps)
+        rate, cpu = stock_run(self.bench, self.model, n_prompt=n_prompt, n_gen=0, reps=self.reps, mmap=self.mmap)
         return rate, (cpu - baseline + (1 + self.reps) * decode_cpu) / (n_prompt * (1 + self.reps))
 
 
@@ -359,6 +370,80 @@ async def paired_decode(path: Path, rounds: int, steps: int) -> None:
 Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
 
 
+#: One in-process measurement in a fresh process (``--loaders``): load, warm up, three blocks of
+#: decodes, print the median tokens/s.  A fresh process per measurement, as llama-bench is one:
+#: a process keeps the physical pages its weights landed on, and between processes that alone
+#: moves decode speed by up to 10% on this host, so a long-lived worker is one draw, not a figure.
+_FRESH_WORKER = r"""
+import statistics, sys, time
+from skippy.runtime import Model, Sampler, StageContext
+from skippy.runtime.sampling import GREEDY
+path, load, steps, cells, sessions = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+model = Model(path, use_mmap=load == "mmap")
+context = StageContext(model, n_ctx=cells, max_sessions=sessions, n_batch=512, threads=1)
+sampler = Sampler(GREEDY, model.n_vocab)
+bos = 2 if model.n_vocab > 2 else 0
+def block(n):
+    seq = context.open_session()
+    context.decode(tokens=[bos], positions=[0], seq_ids=[seq])
+    token = int(context.sample([sampler], [0])[0])
+    started = time.perf_counter()
+    for position in range(1, n + 1):
+        context.decode(tokens=[token], positions=[position], seq_ids=[seq])
+        token = int(context.sample([sampler], [0])[0])
+    rate = n / (time.perf_counter() - started)
+    context.close_session(seq)
+    return rate
+block(2)
+print(statistics.median(block(steps) for _ in range(3)))
+"""
+
+
+def fresh_in_process(path: Path, steps: int, *, load: str, huge_pages: bool) -> float:
+    """Median decode tokens/s of three blocks in a fresh process (the stage's context settings)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env.pop("SKIPPY_HUGE_PAGES", None)
+    if not huge_pages:
+        env["SKIPPY_HUGE_PAGES"] = "0"
+    result = subprocess.run([sys.executable, "-c", _FRESH_WORKER, str(path), load, str(steps), str(CTX_SIZE),
+                             str(SESSIONS + CACHE_SLOTS)], capture_output=True, text=True, env=env)
+    if result.returncode != 0:
+        raise RuntimeError(f"in-process worker failed:\n{result.stderr[-3000:]}")
+    return float(result.stdout.split()[-1])
+
+
+def loader_experiment(path: Path, rounds: int, steps: int) -> None:
+    """Stock llama-bench and skippy's runtime, each loader, a fresh process per measurement."""
+    peer = build_peer()
+
+    def stock(load: str) -> float:
+        command = [str(peer.llama_bench), "-m", str(path), "-t", "1", "-fa", "0", "-ngl", "0", "-r", "3",
+                   "-p", "0", "-n", str(steps), "-lm", load, "-o", "json"]
+        result = subprocess.run(command, capture_output=True, text=True, check=True)
+        return float(statistics.median(json.loads(result.stdout)[0]["samples_ts"]))
+
+    variants = {
+        "stock llama-bench (-lm mmap, its default)": lambda: stock("mmap"),
+        "stock llama-bench -lm none": lambda: stock("none"),
+        "skippy, read + huge pages (default)": lambda: fresh_in_process(path, steps, load="read", huge_pages=True),
+        "skippy, read, SKIPPY_HUGE_PAGES=0": lambda: fresh_in_process(path, steps, load="read", huge_pages=False),
+        "skippy, file mapped (--mmap on)": lambda: fresh_in_process(path, steps, load="mmap", huge_pages=True),
+    }
+    names = list(variants)
+    rates: dict[str, list[float]] = {name: [] for name in names}
+    for index in range(rounds):
+        for name in names[index % len(names):] + names[:index % len(names)]:  # order rotated each round
+            rates[name].append(variants[name]())
+        print(f"round {index + 1}: " + ", ".join(f"{rates[n][-1]:.1f}" for n in names), flush=True)
+    stock_rates, stock_read = rates[names[0]], rates[names[1]]
+    print(f"decode tg{steps}, tokens/s (median of {rounds} rounds, a fresh process each), 1 thread:")
+    for name in names:
+        ratio = statistics.median(r / s for r, s in zip(rates[name], stock_rates))
+        same = statistics.median(r / s for r, s in zip(rates[name], stock_read))
+        print(f"  {name:<44} {statistics.median(rates[name]):6.2f}   {100 * ratio:5.1f}% of stock,"
+              f" {100 * same:5.1f}% of stock -lm none (per-round ratios)")
+
+
 def _summary(name: str, samples: list[Sample], reference: list[Sample] | None, target: str = "") -> str:
     rates = [rate for rate, _ in samples]
     cpus = [cpu for _, cpu in samples]
@@ -387,6 +472,9 @@ def main() -> None:
     parser.add_argument("--no-stage", action="store_true", help="skip the stage-process variant")
     parser.add_argument("--kv-experiments", action="store_true",
                         help="only the in-process KV A/Bs (resident prefix; power-of-two capacity)")
+    parser.add_argument("--loaders", action="store_true",
+                        help="only decode in fresh processes: stock with each loader against skippy's runtime "
+                             "read on huge pages (default), read on 4 KiB pages, and mapped")
     parser.add_argument("--paired", action="store_true",
                         help="only the token-paired wall-clock A/B of in-process and stage-process decode")
     args = parser.parse_args()
@@ -395,12 +483,22 @@ def main() -> None:
     if args.paired:
         trio.run(paired_decode, path, args.rounds, args.steps)
         return
+    if args.loaders:
+        loader_experiment(path, args.rounds, args.steps)
+        return
     if args.kv_experiments:
         kv_experiments(path, args.rounds, args.steps)
         return
     peer = build_peer()
     stock = Stock(peer.llama_bench, path, args.reps)
+    # llama-bench maps the file by default; skippy reads the range's tensors into memory (faster on
+    # the hosts measured): both loaders are measured on both sides, so the table shows what is whose
+    stock_read = Stock(peer.llama_bench, path, args.reps, mmap=False)
     inproc = InProcess(path)
+    from skippy.runtime import Model
+
+    mapped = InProcess(path, model=Model(path, use_mmap=True))
+    mapped.owns_model = True
     # llama-bench's own context is n_prompt + n_gen cells (256 here): the same runtime at that size
     # separates what llama.cpp's transposed-V layout costs at the stage's 4096 cells from skippy
     small = InProcess(path, cells=256, model=inproc.model)
@@ -409,7 +507,7 @@ def main() -> None:
           f"n_vocab {inproc.model.n_vocab}; KV {inproc.ctx.n_ctx} cells; 1 thread everywhere; "
           f"{args.steps} decode tokens; {args.rounds} interleaved rounds", flush=True)
     rng = np.random.default_rng(1234)
-    names = ("stock", "in-process", "in-process-256", "stage", "stage-nocache", "stage-run", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
+    names = ("stock", "stock-read", "in-process", "in-process-mmap", "in-process-256", "stage", "stage-nocache", "stage-run", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
     runs: dict[str, list[Sample]] = {name: [] for name in names}
     flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
     try:
@@ -423,7 +521,9 @@ def main() -> None:
             for round_index in range(args.rounds):
                 baseline = stock.baseline_cpu()
                 runs["stock"].append(stock.decode(args.steps, baseline))
+                runs["stock-read"].append(stock_read.decode(args.steps, stock_read.baseline_cpu()))
                 runs["in-process"].append(inproc.decode(args.steps))
+                runs["in-process-mmap"].append(mapped.decode(args.steps))
                 runs["in-process-256"].append(small.decode(args.steps))
                 if not args.no_stage:
                     runs["stage"].append(trio.run(stage_decode, address, inproc.bos, args.steps))
@@ -441,10 +541,13 @@ def main() -> None:
                     f"{k} {v[-1][0]:.1f} tok/s {v[-1][1] * 1e3:.2f} ms" for k, v in runs.items() if v), flush=True)
     finally:
         small.close()
+        mapped.close()
         inproc.close()
     print(f"decode (tg{args.steps}), medians; CPU = seconds of CPU per token (stage: client + stage process):")
     print(_summary("stock llama-bench", runs["stock"], None))
+    print(_summary("stock llama-bench -lm none", runs["stock-read"], runs["stock"], "(tensors read, not mapped)"))
     print(_summary("skippy in-process", runs["in-process"], runs["stock"], "(target >= 99%)"))
+    print(_summary("  same, file mapped", runs["in-process-mmap"], runs["stock"], "(llama-bench's loader)"))
     print(_summary("  same, 256 KV cells", runs["in-process-256"], runs["stock"], "(llama-bench's KV size)"))
     if runs["stage"]:
         print(_summary("skippy 1 stage process", runs["stage"], runs["stock"], "(target >= 97%)"))

@@ -77,6 +77,28 @@ def test_plain_greedy_takes_the_greedy_samplers_pick() -> None:
             context.sample([fast], [0])
 
 
+@pytest.mark.parametrize("layers", ["0:4", "0:2", "2:4"])
+def test_read_and_mapped_weights_compute_the_same(layers: str) -> None:
+    """The default loader reads the range's tensors into memory; a mapped file is the same weights,
+    so every output (logits or hidden states) is bitwise the same."""
+    outputs = []
+    for use_mmap in (False, True):
+        with Model(model_path(), layers, use_mmap=use_mmap) as model, \
+                StageContext(model, n_ctx=64, n_batch=16, threads=1) as context:
+            assert model.use_mmap is use_mmap
+            if model.is_first:
+                context.decode(tokens=PROMPT[:6], positions=range(6), seq_ids=[0] * 6, outputs=[True] * 6)
+            else:
+                rows = np.random.default_rng(7).standard_normal((6, model.n_embd)).astype(np.float32)
+                context.decode(activations=rows, positions=range(6), seq_ids=[0] * 6, outputs=[True] * 6)
+            outputs.append(np.stack([context.logits(row) for row in range(6)]) if model.is_last
+                           else np.array(context.activations()))
+    assert outputs[0].tobytes() == outputs[1].tobytes()
+    assert np.isfinite(outputs[0]).all()
+    with Model(model_path(), "0:2") as model:
+        assert model.use_mmap is False  # the default
+
+
 def test_activations_view_is_rows_by_width_without_copy() -> None:
     with Model(model_path(), "0:2") as model, StageContext(model, n_ctx=64, n_batch=16, threads=1) as context:
         context.decode(tokens=PROMPT[:5], positions=range(5), seq_ids=[0] * 5)

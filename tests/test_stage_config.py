@@ -98,3 +98,19 @@ def test_the_lane_shortcuts_are_on_by_default_and_can_be_switched_off() -> None:
     config = parse_config([*base, "--write-through", "off", "--inline-hand-offs", "off"])
     settings = StageServer(config, load_runtime(config)).settings
     assert not settings.write_through and not settings.inline_hand_offs
+
+
+def test_the_weights_are_read_unless_the_file_is_mapped() -> None:
+    """--mmap off (the default) reads the stage's tensors into memory; on maps the file."""
+    from conftest import model_path
+    from skippy.stage.server import load_runtime
+
+    base = ["--model", str(model_path()), "--layers", "0:2", "--downstream", "127.0.0.1:9", "--ctx-size", "64",
+            "--max-sessions", "1", "--prefix-cache", "off"]
+    assert parse_config(base).mmap is False
+    for flag, mapped in (("off", False), ("on", True)):
+        executor = load_runtime(parse_config([*base, "--mmap", flag]))
+        try:
+            assert executor.context.model.use_mmap is mapped
+        finally:
+            executor.close()

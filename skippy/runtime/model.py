@@ -179,7 +179,10 @@ class Model:
             path: the GGUF file.
             layers: a LayerRange, ``"A:B"`` or None for the whole model.
             progress: called with a fraction in [0, 1] while loading; returning False aborts.
-            use_mmap: force mmap on or off (default: mmap unless a tied-head partial last stage).
+            use_mmap: map the file (True) or read the range's tensors into process memory (False,
+                the default). Read weights decode faster on the hosts measured (3-4% on the real
+                Gemma 3 270M in-process, bench/RESULTS-real-model.md, "Weights read, not mapped");
+                a mapped file shares its page cache between processes of one host.
             n_gpu_layers: layers to offload when built with a GPU backend (-1: all).
             offload: resolved GPU settings (:mod:`skippy.offload`); they replace ``n_gpu_layers``.
 
@@ -194,10 +197,7 @@ class Model:
         validate_range(self.info, layers)
         self.layers = layers
         self._lock = threading.Lock()
-        is_partial_last = layers.end == self.info.n_layer and layers.start > 0
-        if use_mmap is None:
-            use_mmap = not (is_partial_last and self.info.tied_head)
-        self.use_mmap = use_mmap
+        self.use_mmap = bool(use_mmap)
 
         params = lib.llama_model_default_params()
         params.n_gpu_layers = n_gpu_layers

@@ -90,6 +90,7 @@ class StageConfig:
     flash_attn: str = "off"
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
+    mmap: bool = False
 
     @property
     def offload(self) -> OffloadSettings:
@@ -297,6 +298,8 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                    "and in the reference)"),
     "cache_type_k": (_choice("cache_type_k", *CACHE_TYPES),
                      "K cache type: f32, f16, q8_0 or q4_0 (quantized: less memory, not bitwise equal to f16)"),
+    "mmap": (_bool, "on: map the GGUF file (its page cache shared by the host's processes of that file); off: "
+             "read this stage's tensors into process memory, which decodes faster (bench/RESULTS-real-model.md)"),
     "cache_type_v": (_choice("cache_type_v", *CACHE_TYPES),
                      "V cache type: f32, f16, q8_0 or q4_0 (quantized needs flash_attn on or auto)"),
     "session_quota": (_optional_int, "sessions one upstream connection may hold (none = a fair share: half of "

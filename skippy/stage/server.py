@@ -68,7 +68,7 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         layers = LayerRange.parse(config.layers)
         offload = config.offload.resolve(devices(), layers.start, layers.end, read_gguf_info(config.model).n_layer)
         log.info("compute: %s", offload.describe())
-        model = Model(config.model, layers, progress=progress, offload=offload)
+        model = Model(config.model, layers, progress=progress, offload=offload, use_mmap=config.mmap)
         try:
             context = StageContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                                    n_batch=config.batch_size, threads=config.threads or None, offload=offload)
