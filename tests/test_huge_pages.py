@@ -23,13 +23,10 @@ THP = Path("/sys/kernel/mm/transparent_hugepage/enabled")
 PROBE = r"""
 import json, sys
 import numpy as np
-from skippy.runtime import Model, StageContext
+from skippy.runtime import Model, StageContext, huge_page_bytes
 
 def huge_kib():
-    for line in open("/proc/self/smaps_rollup"):
-        if line.startswith("AnonHugePages:"):
-            return int(line.split()[1])
-    return 0
+    return huge_page_bytes() // 1024
 
 before = huge_kib()
 with Model(sys.argv[1], use_mmap=sys.argv[2] == "mmap") as model, \

@@ -100,8 +100,9 @@ def test_the_lane_shortcuts_are_on_by_default_and_can_be_switched_off() -> None:
     assert not settings.write_through and not settings.inline_hand_offs
 
 
-def test_the_weights_are_read_unless_the_file_is_mapped() -> None:
-    """--mmap off (the default) reads the stage's tensors into memory; on maps the file."""
+def test_the_weights_are_read_unless_the_file_is_mapped(caplog: pytest.LogCaptureFixture) -> None:
+    """--mmap off (the default) reads the stage's tensors into memory; on maps the file; the log
+    says which, and how much of the process the kernel put on huge pages."""
     from conftest import model_path
     from skippy.stage.server import load_runtime
 
@@ -109,8 +110,12 @@ def test_the_weights_are_read_unless_the_file_is_mapped() -> None:
             "--max-sessions", "1", "--prefix-cache", "off"]
     assert parse_config(base).mmap is False
     for flag, mapped in (("off", False), ("on", True)):
-        executor = load_runtime(parse_config([*base, "--mmap", flag]))
+        caplog.clear()
+        with caplog.at_level("INFO", logger="skippy.stage"):
+            executor = load_runtime(parse_config([*base, "--mmap", flag]))
         try:
             assert executor.context.model.use_mmap is mapped
+            expected = "mapped from the file" if mapped else "read into memory"
+            assert any(expected in line and "on 2 MiB pages" in line for line in caplog.messages), caplog.messages
         finally:
             executor.close()

@@ -4,7 +4,7 @@
 ids), exposes activations / logits, KV operations and per-session state; ``Sampler`` picks tokens.
 """
 
-from skippy.runtime.context import MemoryReport, StageContext, resident_bytes
+from skippy.runtime.context import MemoryReport, StageContext, huge_page_bytes, resident_bytes
 from skippy.runtime.errors import (
     BindingMismatch,
     ClosedError,
@@ -27,5 +27,5 @@ __all__ = [
     "BindingMismatch", "ClosedError", "ContextError", "DecodeAborted", "GREEDY", "InvalidBatch",
     "KvSlotUnavailable", "LayerRange", "LayerRangeError", "MemoryReport", "Model", "ModelLoadError",
     "NativeError", "NativeFatalError", "Sampler", "SamplingParams", "SessionError", "StageContext",
-    "StateMismatch", "UnsupportedArchitecture", "read_gguf_info", "resident_bytes",
+    "StateMismatch", "UnsupportedArchitecture", "read_gguf_info", "resident_bytes", "huge_page_bytes",
 ]

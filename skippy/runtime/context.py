@@ -68,6 +68,21 @@ def resident_bytes() -> int:
         return int(handle.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
 
 
+def huge_page_bytes() -> int:
+    """Bytes of this process's anonymous memory on transparent huge pages (0 where not reported).
+
+    With native/patches/0004 the weights read into memory, the KV cache and the compute buffers
+    are advised onto 2 MiB pages; this says how much of that the kernel granted."""
+    try:
+        with open("/proc/self/smaps_rollup") as handle:
+            for line in handle:
+                if line.startswith("AnonHugePages:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 @final
 class StageContext:
     """Runs batches of rows for the sessions of one stage.

@@ -298,10 +298,12 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                    "and in the reference)"),
     "cache_type_k": (_choice("cache_type_k", *CACHE_TYPES),
                      "K cache type: f32, f16, q8_0 or q4_0 (quantized: less memory, not bitwise equal to f16)"),
-    "mmap": (_bool, "on: map the GGUF file (its page cache shared by the host's processes of that file); off: "
-             "read this stage's tensors into process memory, which decodes faster (bench/RESULTS-real-model.md)"),
     "cache_type_v": (_choice("cache_type_v", *CACHE_TYPES),
                      "V cache type: f32, f16, q8_0 or q4_0 (quantized needs flash_attn on or auto)"),
+    "mmap": (_bool, "off (default): read this stage's tensors into memory, on 2 MiB pages where the kernel grants "
+             "them (decodes faster: bench/RESULTS-real-model.md); on: map the GGUF file (page cache, 4 KiB "
+             "pages, shared by the host's processes of that file; the kernel may drop and re-read weight "
+             "pages under memory pressure)"),
     "session_quota": (_optional_int, "sessions one upstream connection may hold (none = a fair share: half of "
                       "max_sessions, at least 1; 0 = no quota)"),
     "max_connections": (int, "upstream connections served at once; more are closed before READY (0 = no limit)"),

@@ -63,7 +63,8 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
                               n_batch=config.batch_size)
     else:
         from skippy.offload import devices
-        from skippy.runtime import Model, StageContext, read_gguf_info  # the native library loads only here
+        # the native library loads only here
+        from skippy.runtime import Model, StageContext, huge_page_bytes, read_gguf_info
 
         layers = LayerRange.parse(config.layers)
         offload = config.offload.resolve(devices(), layers.start, layers.end, read_gguf_info(config.model).n_layer)
@@ -75,6 +76,9 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         except Exception:  # free the weights before reporting a context failure
             model.close()
             raise
+        log.info("weights: %.0f MiB %s; %.0f MiB of this process on 2 MiB pages (SKIPPY_HUGE_PAGES=0: none)",
+                 model.size_bytes / (1 << 20), "mapped from the file" if model.use_mmap else "read into memory",
+                 huge_page_bytes() / (1 << 20))
     if model.is_last != (config.downstream is None):
         message = (
             f"layers {config.layers} of a {model.n_layer}-layer model "
