@@ -276,3 +276,74 @@ async def test_f32_chain_matches_the_unsplit_model_with_direct_return(stages: in
                           for index, prompt in enumerate(prompts)]
                 assert tokens == reference, direct
         await wait_for_stats(chain[-1], lambda stats: stats["direct_replies"] == 2 * 24)  # every prediction
+
+
+# -- the driver's generation loop --------------------------------------------------------------------
+@pytest.mark.parametrize("stages", [3, pytest.param(4, marks=pytest.mark.slow)])
+async def test_the_generator_returns_directly_with_the_hop_by_hop_results(stages: int, tiny_llama: Path) -> None:
+    """Generator.direct_return: requests that do not speculate open a return lane for their
+    session; tokens, text, finish reasons and logprobs equal the hop-by-hop (and decode-run)
+    results, every prediction came over a lane, and nothing is left open."""
+    import dataclasses
+
+    from skippy.driver.generator import GenerationRequest, Generator
+    from skippy.runtime.sampling import SamplingParams
+
+    generator = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=8)
+    prompt = tuple(generator.encode("The quick brown fox"))
+    sampled = SamplingParams(temperature=0.9, top_k=40, seed=11)
+    requests = [GenerationRequest(prompt, 20, speculation=False),
+                GenerationRequest(prompt, 20, sampling=sampled),
+                GenerationRequest(prompt, 20, sampling=dataclasses.replace(sampled, repeat_penalty=1.3)),
+                GenerationRequest(prompt, 16, speculation=False, logprobs=2)]
+    try:
+        async with inprocess_chain(SPLITS[stages], model=str(tiny_llama), ctx_size=512) as servers:
+            async with await StageClient.connect(servers[0].address) as client:
+                plain_stop = await generator.generate(client, GenerationRequest(prompt, 20, speculation=False), 90)
+                stop_at = generator.tokenizer.piece(plain_stop.tokens[6]).decode("utf-8", "replace")
+                requests.append(GenerationRequest(prompt, 20, stop=(stop_at,), speculation=False))
+                results = {}
+                for direct in (False, True):
+                    generator.direct_return = (lambda: servers[-1].address) if direct else None
+                    results[direct] = [await generator.generate(client, request, 10 * index + direct)
+                                       for index, request in enumerate(requests)]
+                assert client.direct_session is None  # each request's lane closed at its stop
+        for hop, direct in zip(results[False], results[True]):
+            assert (direct.tokens, direct.text, direct.finish_reason) == (hop.tokens, hop.text, hop.finish_reason)
+            assert direct.logprobs == hop.logprobs
+        assert results[True][-1].finish_reason == "stop" and len(results[True][-1].tokens) < 20
+        final = servers[-1].stats
+        assert final.return_lanes == len(requests)
+        # every prediction of the second pass (the first token of each included) came back directly
+        assert final.direct_replies >= sum(len(result.tokens) for result in results[True])
+        assert all(server.stats.sessions_in_use == 0 for server in servers)
+    finally:
+        generator.close()
+
+
+def test_the_api_uses_direct_return_on_chains_of_three_or_more_known_stages() -> None:
+    from skippy.api.lanes import LanePool, StageInfo
+    from skippy.api.server import direct_return_source
+    from skippy.stage.config import Address
+
+    def pool(count: int) -> LanePool:
+        stages = [StageInfo(index, f"{index}:{index + 1}", Address("127.0.0.1", 7000 + index)) for index in range(count)]
+        return LanePool(Address("127.0.0.1", 7000), stages=stages)
+
+    given = Address("10.0.0.9", 7002)
+    assert direct_return_source("auto", pool(2), None) is None
+    assert direct_return_source("auto", pool(0), None) is None
+    three = pool(3)
+    source = direct_return_source("auto", three, None)
+    assert source is not None and source() == Address("127.0.0.1", 7002)
+    three.stages = (*three.stages[:2], StageInfo(2, "2:3", Address("127.0.0.1", 7100)))  # a restarted final stage
+    assert source() == Address("127.0.0.1", 7100)
+    on = direct_return_source("on", pool(2), None)
+    assert on is not None and on() == Address("127.0.0.1", 7001)
+    given_source = direct_return_source("auto", pool(0), given)
+    assert given_source is not None and given_source() == given
+    assert direct_return_source("off", pool(4), given) is None
+    with pytest.raises(ValueError, match="--final-stage"):
+        direct_return_source("on", pool(0), None)
+    with pytest.raises(ValueError, match="auto, on or off"):
+        direct_return_source("sometimes", pool(3), None)

@@ -33,6 +33,43 @@ def model_id_for(path: Path) -> str:
     return path.name.removesuffix(".gguf")
 
 
+#: Chains of at least this many stages use direct return under ``auto``: on the development host a
+#: 4-stage chain decoded at 95.5-98.5% of stock llama.cpp with it against 89.8-94.0% hop by hop,
+#: while at 2 stages the two were level (bench/RESULTS-stage.md, "Session 8").
+DIRECT_RETURN_MIN_STAGES = 3
+
+
+def direct_return_source(mode: str, pool: LanePool,
+                         final_stage: Address | None) -> Callable[[], Address | None] | None:
+    """Where the API's requests get their predictions from (docs/protocol.md §8), or None (hop by hop).
+
+    ``off``: never.  ``auto``: when ``final_stage`` is given, or the pool knows the chain's stages
+    and there are at least :data:`DIRECT_RETURN_MIN_STAGES`.  ``on``: whenever a final stage is
+    known.  The address is read per request from the pool's stages (a launcher that restarts a
+    stage updates them), else ``final_stage``.
+
+    Raises:
+        ValueError: ``on`` with no final stage known, or an unknown mode.
+    """
+    if mode not in ("auto", "on", "off"):
+        raise ValueError(f"direct return must be auto, on or off (got {mode!r})")
+    if mode == "off":
+        return None
+    known = len(pool.stages)
+    if final_stage is None and not known:
+        if mode == "on":
+            raise ValueError("direct return is on but the chain's final stage is not known: give --final-stage "
+                             "HOST:PORT")
+        return None
+    if mode == "auto" and final_stage is None and known < DIRECT_RETURN_MIN_STAGES:
+        return None
+
+    def current() -> Address | None:
+        return pool.stages[-1].address if pool.stages else final_stage
+
+    return current
+
+
 async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1", port: int = 8000,
                     model_id: str | None = None, n_ctx: int | None = None, max_lanes: int = 8,
                     stages: Sequence[StageInfo] = (), reply_timeout: float = 30.0,
@@ -40,6 +77,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     max_queue: int = DEFAULT_MAX_QUEUE, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                     cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
                     on_pool: Callable[[LanePool], None] | None = None, decode_runs: bool = True,
+                    direct_return: str = "auto", final_stage: Address | None = None,
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -59,10 +97,20 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         on_pool: called with the lane pool once made (a launcher that moves stages re-points it).
         decode_runs: requests that do not speculate decode as runs driven by the first stage
             (docs/protocol.md §11).
+        direct_return: ``auto``, ``on`` or ``off``: see :func:`direct_return_source`.
+        final_stage: the chain's final stage when ``stages`` is not given (direct return).
         task_status: receives the base URL once listening.
+
+    Raises:
+        ValueError: direct return is on but no final stage is known.
     """
     generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs)
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
+    try:
+        generator.direct_return = direct_return_source(direct_return, pool, final_stage)
+    except ValueError:
+        generator.close()
+        raise
     if on_pool is not None:
         on_pool(pool)
     service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys,

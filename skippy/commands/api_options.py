@@ -37,6 +37,12 @@ def add_api_options(parser: argparse.ArgumentParser) -> None:
     generation.add_argument("--decode-runs", choices=["on", "off"], default="on",
                             help="on (default): a request that does not speculate decodes as one run driven by the "
                                  "first stage (docs/protocol.md §11); off: one DecodeEmbd per token from the driver")
+    generation.add_argument("--direct-return", choices=["auto", "on", "off"], default="auto",
+                            help="a request that does not speculate gets its predictions straight from the final "
+                                 "stage over a return lane instead of back through every stage (docs/protocol.md "
+                                 "§8; decoded one DecodeEmbd per token, without decode runs). auto (default): on "
+                                 "for chains of three or more stages whose addresses are known (skippy up), or "
+                                 "when --final-stage is given; on: also for two stages")
 
 
 def api_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -59,4 +65,5 @@ def api_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_body_bytes": max_body, "max_queue": max_queue, "queue_timeout": timeout,
         "cors_origins": tuple(getattr(args, "cors_origin", ()) or ()),
         "decode_runs": getattr(args, "decode_runs", "on") == "on",
+        "direct_return": getattr(args, "direct_return", "auto"),
     }

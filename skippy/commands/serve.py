@@ -25,6 +25,8 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--model", type=Path, required=True,
                         help="the chain's GGUF model (only its vocabulary and chat template are read)")
     parser.add_argument("--first-stage", required=True, help="HOST:PORT of the chain's first stage")
+    parser.add_argument("--final-stage", help="HOST:PORT of the chain's final stage: its predictions then come "
+                        "straight back over a return lane per request (--direct-return; docs/protocol.md §8)")
     parser.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000, 0 = any)")
     parser.add_argument("--model-id", help="model name served in /v1/models (default: file name)")
@@ -69,6 +71,7 @@ async def _main(args: argparse.Namespace) -> None:
     from skippy.stage.config import Address
 
     first = Address.parse(args.first_stage)
+    final = Address.parse(args.final_stage) if args.final_stage else None
     stage_tls = driver_tls(args, first)
     settings = api_settings(args)
     await _check_model(first, args.model, stage_tls)
@@ -78,7 +81,8 @@ async def _main(args: argparse.Namespace) -> None:
             nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
             url = await nursery.start(lambda task_status: serve_api(
                 args.model, first, host=args.host, port=args.port, model_id=args.model_id, n_ctx=args.ctx_size,
-                max_lanes=args.max_lanes, task_status=task_status, stage_tls=stage_tls, **settings))
+                max_lanes=args.max_lanes, task_status=task_status, stage_tls=stage_tls, final_stage=final,
+                **settings))
             print(f"skippy API for {args.model.name} on {url} (first stage {first}); Ctrl-C stops it", flush=True)
 
 

@@ -33,7 +33,7 @@ import math
 import logging
 import time
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence, final
+from typing import Any, Callable, Iterable, Mapping, Sequence, final
 
 from skippy.driver import prefix
 from skippy.driver.chat_render import ChatRenderer, ChatTemplateError
@@ -50,6 +50,7 @@ from skippy.protocol_ext import SamplingRequest, TimingRecord, TimingsFrame, Tok
 from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
+from skippy.stage.config import Address
 
 log = logging.getLogger(__name__)
 
@@ -362,7 +363,8 @@ class Generation:
                                               cache=self._generator.cache_request(request),
                                               chunk_size=self._generator.prefill_chunk_size,
                                               credit=self._generator.credit,
-                                              extension=request.sampling_extension)
+                                              extension=request.sampling_extension,
+                                              direct_return=self._generator.direct_return_for(request))
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
             reply = prefill.reply
             self._last = time.perf_counter()
@@ -494,6 +496,12 @@ class Generator:
         controller: window / depth control (``stages`` is filled in from the prefill reply).
         decode_runs: a request that does not speculate decodes as one run driven by the first
             stage (docs/protocol.md §11); False: one DecodeEmbd per token.
+
+    :attr:`direct_return` (None by default): a function giving the chain's final stage now (a
+    launcher that restarts stages moves it).  When set, a request that does not speculate opens a
+    return lane to it for its session (docs/protocol.md §8): every prediction comes straight back
+    instead of crossing each stage in reverse.  Such a request is decoded one DecodeEmbd per token
+    (a decode run needs its predictions at the first stage).
     """
 
     def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
@@ -505,6 +513,8 @@ class Generator:
         #: docs/protocol.md §11: requests that do not speculate decode as one run driven by the
         #: first stage (a stage that does not run it is driven one DecodeEmbd per token).
         self.decode_runs = decode_runs
+        #: The final stage's address for direct return, read per request (None: hop by hop).
+        self.direct_return: Callable[[], Address | None] | None = None
         self.controller = controller
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
         self.chat_template_choice = chat_template_choice or (
@@ -539,6 +549,15 @@ class Generator:
         """What ``request`` asks of the chain's prefix cache (opted out: no lookup, no record)."""
         enabled = self.prefix_cache if request.prefix_cache is None else request.prefix_cache
         return prefix.CacheRequest(enabled=enabled, namespace=request.cache_namespace, page_size=self.cache_page_size)
+
+    def direct_return_for(self, request: GenerationRequest) -> Address | None:
+        """The final stage ``request``'s predictions return from directly (None: hop by hop).
+
+        Only for requests that do not speculate and need more than the first token (a single
+        token gains nothing from a second connection)."""
+        if self.direct_return is None or request.max_tokens <= 1 or self.speculates(request):
+            return None
+        return self.direct_return()
 
     def speculates(self, request: GenerationRequest) -> bool:
         """Whether ``request`` runs speculatively.

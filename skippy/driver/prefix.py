@@ -46,6 +46,7 @@ from skippy.protocol_ext import (
     SAMPLING_METADATA_KEY,
     SamplingRequest,
 )
+from skippy.stage.config import Address
 
 
 class SamplingExtensionRefused(StageClientError):
@@ -230,16 +231,21 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
 async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,
                   sampling: SamplingConfig | None, cache: CacheRequest | None,
                   chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0,
-                  extension: SamplingRequest | None = None) -> CachedPrefill:
+                  extension: SamplingRequest | None = None, direct_return: Address | None = None) -> CachedPrefill:
     """Configure the session and prefill ``prompt``, restoring what the chain has cached.
 
     ``chunk_size`` is a size, or a function of the token count left to prefill after the restore
     that returns one (the driver's adaptive chunking, :mod:`skippy.driver.prefill_chunking`).
     ``extension``: the session's grammar / logprobs (docs/protocol.md §10), sent with the
     sampling-extension flag; the final stage must confirm it in the configure ACK.
+    ``direct_return``: the chain's final stage; a return lane to it is opened for the session
+    before the prompt's chunks go (docs/protocol.md §8), so the first token and every later
+    prediction come straight back.  A final stage that refuses leaves the session hop by hop; a
+    restore that already answered the first token (fused) leaves it hop by hop too.
 
     Raises:
         SamplingExtensionRefused: the chain did not confirm ``extension``.
+        StageLost: the final stage named by ``direct_return`` cannot be reached.
     """
     text = configure_metadata(cache, extension)
     flags = SAMPLING_EXTENSION_FLAG if extension is not None else 0
@@ -254,6 +260,8 @@ async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *
         control += replies
     if fused:  # restored and decoded in one trip: the reply is the first token's
         return CachedPrefill(PrefillResult(fused[0], ()), cached, tuple(control))
+    if direct_return is not None:
+        await client.open_direct_return(direct_return, session_id, request_id=request_id)
     size = chunk_size(len(prompt) - cached) if callable(chunk_size) else chunk_size
     result = await client.prefill(session_id, prompt[cached:], pos_start=cached, chunk_size=size,
                                   credit=credit, request_id=request_id)
