@@ -117,4 +117,4 @@ wheel-cuda: $(BIN)/python
 	$(BIN)/python scripts/wheel_flavour.py dist/repaired-cuda/skippy-*.whl --local cu130 $(CUDA_REQUIRES) --outdir dist
 
 clean:
-	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/_native_stamp.py skippy/_wire.c skippy/_radix.c
+	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/_native_stamp.py skippy/_wire.c skippy/_radix.c skippy/_relay.c

@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "native"))
 
 CYTHON_VERSION = "3.2.4"
-CYTHON_MODULES = ["skippy._wire", "skippy._radix"]
+CYTHON_MODULES = ["skippy._wire", "skippy._radix", "skippy._relay"]
 
 
 def _cython_extensions(debug: bool) -> list[Extension]:

@@ -29,6 +29,12 @@ void skippy_batch_view(struct llama_batch * batch, int32_t n_tokens, llama_token
     batch->logits   = outputs;
 }
 
+/* llama_decode of the batch `batch` points to: the decode relay (skippy/_relay.pyx) calls it
+ * through a plain function pointer, which cannot pass a struct by value. */
+int32_t skippy_decode_view(struct llama_context * ctx, const struct llama_batch * batch) {
+    return llama_decode(ctx, *batch);
+}
+
 /* Sample output row rows[i] of the last decode with samplers[i]; returns the number sampled. */
 int32_t skippy_sample_rows(struct llama_sampler ** samplers, struct llama_context * ctx, const int32_t * rows,
                            int32_t n_rows, llama_token * out) {

@@ -17,7 +17,7 @@ import dataclasses
 import os
 import struct
 import threading
-from typing import Sequence, final
+from typing import TYPE_CHECKING, Sequence, final
 
 import numpy as np
 import numpy.typing as npt
@@ -35,6 +35,9 @@ from skippy.runtime.ffi import ffi, lib
 from skippy.runtime.model import Model
 from skippy.offload import Offload
 from skippy.runtime.sampling import GrammarDeadEnd, Sampler
+
+if TYPE_CHECKING:
+    from skippy.runtime.row_batch import RowBatch
 
 #: Tag in front of every saved sequence state.
 _STATE_MAGIC = b"SKPYSEQ1"
@@ -301,6 +304,20 @@ class StageContext:
             else:
                 self._last_output_rows = np.flatnonzero(out[:n_rows])
                 self._last_output_set = frozenset(self._last_output_rows.tolist())
+
+    def row_batch(self, seq: int) -> "RowBatch":
+        """A one-row batch of session ``seq`` for the decode relay (:mod:`skippy.runtime.row_batch`)."""
+        from skippy.runtime.row_batch import RowBatch
+
+        return RowBatch(self, seq)
+
+    def note_external_decode(self, rows: int) -> None:
+        """A :class:`~skippy.runtime.row_batch.RowBatch` decoded one row at a time: the last
+        batch was one row with an output, as after :meth:`decode` of one row."""
+        if rows > 0:
+            self._last_rows = 1
+            self._last_output_rows = _ROW_0
+            self._last_output_set = _SET_0
 
     def activations(self) -> FloatArray:
         """Hidden states of every row of the last decode (``rows x n_embd`` float32 view).

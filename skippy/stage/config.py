@@ -67,6 +67,7 @@ class StageConfig:
     wire_reply_delay_ms: float = 0.0
     write_through: bool = True
     inline_hand_offs: bool = True
+    decode_relay: bool = True
     inline_decode: bool = True
     decode_batching: bool = True
     stats_file: Path | None = None
@@ -262,6 +263,9 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                       "compute ends; off: the trio side writes it (bench/RESULTS-stage.md has both figures)"),
     "inline_hand_offs": (_bool, "on: a lane task does an idle next task's step itself instead of waking it; "
                          "off: every message takes every hop (bench/RESULTS-stage.md has both figures)"),
+    "decode_relay": (_bool, "on: a non-final stage relays a direct-return session's steady decode in a loop "
+                     "outside Python (skippy._relay); off: every token takes the lane's path "
+                     "(bench/RESULTS-stage.md has both figures)"),
     "inline_decode": (_bool, "on: a lone decode row on a stage with one lane open is computed on the trio thread, "
                       "without the runtime thread's hand-off; off: always on the runtime thread "
                       "(bench/RESULTS-stage.md has both figures)"),

@@ -94,6 +94,7 @@ from skippy.protocol_ext import (
 )
 from skippy.stage import extensions
 from skippy.stage import lane_messages, prefix_control
+from skippy.stage.decode_relay import RelayRun, relay_plan
 from skippy.stage.decode_run import DecodeRun, DecodeRunRequest
 from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.stage.errors import DownstreamError, InvalidMessage, Overloaded, ReturnLaneLost, StageError, UnsupportedKind
@@ -225,6 +226,10 @@ class Connection:
         self._runs: dict[int, DecodeRun] = {}
         self._run_steps: collections.deque[tuple[Dispatch, int, int]] = collections.deque()
         self._wake_compute: trio.MemorySendChannel[tuple[Dispatch, int, int] | None] | None = None
+        #: Shortcut 3 (:mod:`skippy.stage.decode_relay`): the frame the last direct-return decode
+        #: was forwarded as (the relay's outgoing template), and the run reading the upstream now.
+        self._relay_frame: bytes | None = None
+        self._relay_run: RelayRun | None = None
 
     @property
     def inflight(self) -> int:
@@ -380,6 +385,8 @@ class Connection:
         protocol = self.protocol
         busy = protocol.inflight or protocol.expecting or self._compute_backlog
         idle = None if busy else max(reader.last_frame, self._last_reply)
+        if self._relay_run is not None:  # the relay reads the upstream: its last frame counts
+            idle = max(idle or 0.0, self._relay_run.idle_since())
         return limits.overdue(now, frame_started=reader.frame_started,
                               buffered=decoder.buffered_bytes,  # type: ignore[attr-defined]
                               needed=decoder.bytes_needed, idle_since=idle)  # type: ignore[attr-defined]
@@ -479,9 +486,40 @@ class Connection:
                     await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
                 finally:
                     self._release_held(held)
+                if self._relay_frame is not None:  # shortcut 3: the next decodes may leave Python
+                    await self._relay_decode(reader, dispatch)
             else:
                 self._compute_backlog += 1
                 await put(messages, (dispatch, received_us, held))
+
+    async def _relay_decode(self, reader: MessageReader, dispatch: Dispatch) -> None:
+        """Shortcut 3 (:mod:`skippy.stage.decode_relay`): ``dispatch`` was a direct-return decode
+        forwarded by write-through; while this lane is the stage's only work, relay the ones that
+        follow it outside Python.  Whatever the relay does not carry is left in ``reader``."""
+        frame, self._relay_frame = self._relay_frame, None
+        upstream, downstream, settings, protocol = self._upstream_io, self._downstream_io, self.settings, self.protocol
+        if (frame is None or downstream is None or self._compute_backlog or self._forward_backlog or self._runs
+                or protocol.inflight or protocol.expecting or reader.decoder.buffered_bytes  # type: ignore[attr-defined]
+                or settings.wire.active or settings.reply_delay_s or not upstream.is_socket
+                or not downstream.is_socket):
+            return
+        executor = self.scheduler.executor
+        plan = relay_plan(dispatch.message, frame, executor=executor, session_key=self._session_key(dispatch.message),
+                          width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows)
+        if plan is None:
+            return
+        run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,
+                       downstream=downstream, reader=reader, downstream_name=self.downstream_name,
+                       width=settings.width, position_end=settings.max_rows)
+        if not self.scheduler.hold(run.stop):
+            run.close()
+            return
+        self._relay_run = run
+        try:
+            await run.run()
+        finally:
+            self._relay_run = None
+            self.scheduler.release_hold()
 
     # -- decode runs (docs/protocol.md §11, skippy.stage.decode_run) ---------------------------
     def _start_run(self, dispatch: Dispatch) -> Dispatch:
@@ -847,6 +885,8 @@ class Connection:
         await self.scheduler.execute(item)
         forward.write_us += await through.finish(self.downstream_name, downstream=True)
         self._forward_backlog = 0
+        if dispatch.direct and self.settings.decode_relay:  # shortcut 3 may carry the next ones
+            self._relay_frame = through.frame
         self.stats.forward_write_us += forward.write_us
         self.stats.write_throughs += 1
         if dispatch.direct:

@@ -234,6 +234,11 @@ class Executor:
             session = self._sessions[key] = _Session(seq)
         return session
 
+    def session_seq(self, key: int) -> int | None:
+        """The sequence id session ``key`` holds, or None when it holds none."""
+        session = self._sessions.get(key)
+        return None if session is None else session.seq
+
     def configure(self, key: int, params: SamplingParams | None) -> None:
         """Set a session's sampling (opening the session); None keeps the current settings."""
         session = self._session(key)

@@ -65,6 +65,9 @@ class LaneSettings:
     #: (the receiver handles a message when the compute task has nothing queued; a handler writes
     #: a frame when the forwarder has nothing queued) instead of waking it.
     inline_hand_offs: bool = True
+    #: Shortcut 3, the decode relay: a non-final stage carries a direct-return session's steady
+    #: decode in a loop outside Python (:mod:`skippy.stage.decode_relay`).
+    decode_relay: bool = True
     #: Simulated one-way delay of every reply a stage writes (upstream and into return lanes,
     #: docs/protocol.md §8), seconds; benchmarks only (``--wire-reply-delay-ms``).
     reply_delay_s: float = 0.0

@@ -93,7 +93,27 @@ class Scheduler:
         #: Jobs submitted to the queue and not yet started.
         self._queued = 0
         self._released: trio.Event | None = None
+        #: The decode relay holding the runtime: called when a job is queued behind it.
+        self._holder_stop: Callable[[], None] | None = None
         self._thread = RuntimeThread()
+
+    def hold(self, stop: Callable[[], None]) -> bool:
+        """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) while
+        this stage has one lane open; ``stop`` is called (on the trio thread) when a job is
+        queued behind it.  False when the runtime is busy, jobs wait, or other lanes are open."""
+        if self._busy or self._queued or self.stats.connections_open != 1:
+            return False
+        self._busy = True
+        self._holder_stop = stop
+        return True
+
+    def release_hold(self) -> None:
+        """The relay gave the runtime back: queued jobs run."""
+        self._holder_stop = None
+        self._busy = False
+        if self._released is not None:
+            self._released.set()
+            self._released = None
 
     async def execute(self, item: WorkItem) -> tuple[WorkResult, int]:
         """Run one executable item; returns its result and the microseconds it queued.
@@ -121,6 +141,8 @@ class Scheduler:
             except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # the stage is shutting down
                 raise ShuttingDown("the stage's scheduler has stopped") from exc
             self._queued += 1
+            if self._holder_stop is not None:  # a decode relay holds the runtime: end its run
+                self._holder_stop()
             job.done = trio.Event()
             await job.done.wait()
         if job.error is not None:

@@ -258,6 +258,7 @@ class StageServer:
             max_inflight=config.max_inflight, connect_timeout=config.connect_timeout,
             wire=WireCondition.from_settings(config.wire_delay_ms, config.wire_mbps),
             write_through=config.write_through, inline_hand_offs=config.inline_hand_offs,
+            decode_relay=config.decode_relay,
             reply_delay_s=config.wire_reply_delay_ms / 1000.0, max_rows=config.ctx_size,
             session_quota=self.limits.session_quota, max_frame_bytes=self.limits.max_frame_bytes,
             downstream_tls=self.tls.downstream if self.tls is not None else None,

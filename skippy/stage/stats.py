@@ -90,6 +90,10 @@ class StageStats:
     #: itself (each run's flagged message not counted).
     decode_runs: int = 0
     decode_run_steps: int = 0
+    #: The decode relay (:mod:`skippy.stage.decode_relay`): its runs, and the tokens it carried
+    #: outside the lane's Python path (also counted as messages and decode items).
+    decode_relay_runs: int = 0
+    decode_relay_steps: int = 0
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0

@@ -138,6 +138,15 @@ class SocketIO:
                 self._view = memoryview(self._buffer)
             return view
 
+    def fileno(self) -> int:
+        """The socket's descriptor (-1 when closed or not a socket): the decode relay reads or
+        writes it directly while the lane waits for it."""
+        return self._socket.fileno() if self._socket is not None else -1
+
+    def mark_drained(self) -> None:
+        """Someone else read the socket: wait for readability before the next read."""
+        self._drained = self._socket is not None
+
     @property
     def is_socket(self) -> bool:
         """Whether the stream is a socket (non-blocking writes from another thread are possible)."""

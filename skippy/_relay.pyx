@@ -1,0 +1,342 @@
+# cython: language_level=3, embedsignature=True, cdivision=True, boundscheck=False, wraparound=False
+# distutils: language = c
+"""The steady-state decode relay of a stage, as a ``nogil`` loop (twin: ``skippy._relay_py``).
+
+Strategy
+--------
+A non-final stage decoding one session with direct return (docs/protocol.md §8) does the same
+thing for every token: read a DecodeEmbd frame from upstream, run one row through its layers,
+write the same message downstream with its own activation.  No reply goes upstream, so nothing
+in the lane protocol changes from one token to the next.  :class:`DecodeRelay` does exactly that
+loop without the GIL: ``poll`` / ``recv`` on the upstream socket, the header checked against the
+session's *template* (the first message of the run, handled in full by the Python lane), the
+activation checked (finite, within the limit) and dequantized, ``llama_decode`` through the
+function pointers the glue passes in, the output patched into the outgoing template and written
+with ``send``.  Only the fields that change per token are taken from the frame: ``pos_start``,
+``decode_step``, ``current_token``, ``request_id``, the token sideband and the activation;
+everything else must equal the template byte for byte.
+
+The loop never refuses anything: the first frame it would not carry exactly as the Python lane
+does (another kind, another session, a position that is not the session's next one, a
+non-finite activation, a failed decode) ends the run with that frame and everything after it
+*handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
+same happens on end of stream or a reset upstream (the lane's reader then sees it), when the
+glue writes the stop descriptor (another job wants the runtime, the lane is closing), and
+after ``max_steps`` tokens (so per-token figures reach the stage's statistics).
+
+Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
+the scheduler holds the runtime for it, and the lane closes neither socket before it returns.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
+from libc.errno cimport EAGAIN, EINTR, errno
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
+from libc.stdlib cimport free, malloc
+from libc.string cimport memcmp, memcpy, memmove
+
+cdef extern from "_byteorder.h":
+    int32_t skippy_load_i32(const unsigned char *p) noexcept nogil
+    float skippy_load_f32(const unsigned char *p) noexcept nogil
+    void skippy_store_i32(unsigned char *p, int32_t v) noexcept nogil
+
+cdef extern from "_activation.h":
+    void _encode_f16 "skippy_encode_f16" (const uint32_t *source, unsigned char *target,
+                                          Py_ssize_t count) noexcept nogil
+    void _decode_f16 "skippy_decode_f16" (const unsigned char *source, uint32_t *target,
+                                          Py_ssize_t count) noexcept nogil
+    int _select_kernels "skippy_activation_select" (int accelerated) noexcept
+
+cdef extern from "<poll.h>" nogil:
+    struct pollfd:
+        int fd
+        short events
+        short revents
+    int poll(pollfd *fds, unsigned long nfds, int timeout)
+    enum:
+        POLLIN
+        POLLOUT
+        POLLERR
+        POLLHUP
+
+cdef extern from "<sys/types.h>":
+    ctypedef long ssize_t
+
+cdef extern from "<sys/socket.h>" nogil:
+    ssize_t recv(int fd, void *buffer, size_t length, int flags)
+    ssize_t send(int fd, const void *buffer, size_t length, int flags)
+    enum:
+        MSG_NOSIGNAL
+
+cdef extern from "<time.h>" nogil:
+    ctypedef long time_t
+    struct timespec:
+        time_t tv_sec
+        long tv_nsec
+    int clock_gettime(int clock, timespec *now)
+    enum:
+        CLOCK_MONOTONIC
+
+import os as _os
+
+from skippy import _relay_py as _twin
+
+#: Which implementation this module is.
+IMPLEMENTATION = "cython"
+
+# Outcomes: the twin's values (checked below), as C constants for the loop.
+cdef enum:
+    _HANDED_BACK = 0
+    _STOPPED = 1
+    _STEP_LIMIT = 2
+    _DOWNSTREAM_FAILED = 3
+
+HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED = _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED
+if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED) != (
+        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED):
+    raise ImportError("skippy._relay and its twin disagree on the outcome codes")
+RelayOutcome = _twin.RelayOutcome
+FIXED_HEADER = _twin.FIXED_HEADER
+template_layout = _twin.template_layout
+
+cdef enum:
+    _HEADER = 76
+    _OFF_POS_START = 4
+    _OFF_TOKEN_N = 12
+    _OFF_POSITION_N = 16
+    _OFF_DECODE_STEP = 44
+    _OFF_CURRENT_TOKEN = 48
+    _OFF_REQUEST_ID = 60
+    _OFF_SESSION_ID = 68
+    _DTYPE_F32 = 0
+    _DTYPE_F16 = 1
+
+ctypedef int32_t (*decode_fn)(void *context, void *batch) noexcept nogil
+ctypedef float *(*embeddings_fn)(void *context) noexcept nogil
+
+_select_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
+
+
+cdef inline int64_t _now_ns() noexcept nogil:
+    cdef timespec now
+    clock_gettime(CLOCK_MONOTONIC, &now)
+    return <int64_t>now.tv_sec * 1000000000 + now.tv_nsec
+
+
+cdef class DecodeRelay:
+    """One session's steady-state decode relay (see the module header; the twin documents the
+    arguments, which both implementations take alike)."""
+
+    cdef int _upstream, _downstream, _stop
+    cdef bytes _in_template, _out_template
+    cdef const unsigned char *_in_header  # the incoming template's bytes (kept alive above)
+    cdef Py_ssize_t _in_length, _out_length, _width, _in_activation, _out_activation
+    cdef int _in_dtype, _out_dtype, _first
+    cdef int32_t _n_vocab
+    cdef int64_t _position_end
+    cdef float _limit
+    cdef void *_context
+    cdef void *_batch
+    cdef decode_fn _decode
+    cdef embeddings_fn _embeddings
+    cdef int32_t *_token_slot
+    cdef int32_t *_position_slot
+    cdef float *_embd_slot
+    cdef unsigned char *_buffer
+    cdef Py_ssize_t _capacity, _filled
+    cdef unsigned char *_out
+    cdef readonly int64_t next_position
+    cdef readonly int64_t last_frame_ns
+    cdef int _max_steps
+
+    def __cinit__(self):
+        self._buffer = NULL
+        self._out = NULL
+
+    def __init__(self, *, int upstream_fd, int downstream_fd, int stop_fd, bytes in_template,
+                 bytes out_template, Py_ssize_t width, bint first, int n_vocab, int64_t next_position,
+                 int64_t position_end, double activation_limit, object runtime, int max_steps=1024):
+        layout = _twin.template_layout(in_template, out_template, width=width, first=first)
+        self._in_length, self._out_length, self._in_activation, self._out_activation = layout[:4]
+        self._in_dtype, self._out_dtype = layout[4:]
+        self._upstream, self._downstream, self._stop = upstream_fd, downstream_fd, stop_fd
+        self._in_template, self._out_template = in_template, out_template
+        self._in_header = <const unsigned char *>PyBytes_AS_STRING(in_template)
+        self._width, self._first, self._n_vocab = width, first, n_vocab
+        self.next_position, self._position_end = next_position, position_end
+        self._limit = <float>activation_limit
+        self._max_steps = max_steps
+        addresses = runtime.addresses()
+        self._context = <void *><uintptr_t>addresses["context"]
+        self._batch = <void *><uintptr_t>addresses["batch"]
+        self._decode = <decode_fn><uintptr_t>addresses["decode"]
+        self._embeddings = <embeddings_fn><uintptr_t>addresses["embeddings"]
+        self._token_slot = <int32_t *><uintptr_t>addresses["token"]
+        self._position_slot = <int32_t *><uintptr_t>addresses["position"]
+        self._embd_slot = <float *><uintptr_t>addresses["embd"]
+        self._capacity = max(self._in_length, _HEADER) * 2 + (1 << 16)
+        self._buffer = <unsigned char *>malloc(self._capacity)
+        self._out = <unsigned char *>malloc(self._out_length)
+        if self._buffer == NULL or self._out == NULL:
+            raise MemoryError()
+        memcpy(self._out, PyBytes_AS_STRING(out_template), self._out_length)
+        self._filled = 0
+        self.last_frame_ns = _now_ns()
+
+    def __dealloc__(self):
+        free(self._buffer)
+        free(self._out)
+
+    def run(self, bytes pending=b""):
+        """Relay until a frame it does not carry, a stop, or ``max_steps``; see the twin's ``run``."""
+        cdef Py_ssize_t count = PyBytes_GET_SIZE(pending)
+        if count > self._capacity:
+            return RelayOutcome(_HANDED_BACK, pending, 0, 0, 0, 0, 0)
+        memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
+        self._filled = count
+        cdef int status
+        cdef int64_t steps = 0, compute_ns = 0, write_ns = 0, bytes_in = 0, bytes_out = 0
+        with nogil:
+            status = self._loop(&steps, &compute_ns, &write_ns, &bytes_in, &bytes_out)
+        leftover = PyBytes_FromStringAndSize(<char *>self._buffer, self._filled)
+        self._filled = 0
+        return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in,
+                            bytes_out)
+
+    cdef int _loop(self, int64_t *steps, int64_t *compute_ns, int64_t *write_ns, int64_t *bytes_in,
+                   int64_t *bytes_out) noexcept nogil:
+        cdef int status
+        cdef int64_t started
+        while steps[0] < self._max_steps:
+            status = self._fill(self._in_length, bytes_in)
+            if status >= 0:
+                return status
+            if not self._carries():
+                return _HANDED_BACK
+            started = _now_ns()
+            if self._step() != 0:
+                return _HANDED_BACK  # the lane runs it again and reports what failed
+            compute_ns[0] += _now_ns() - started
+            started = _now_ns()
+            if self._write(self._out_length) != 0:
+                return _DOWNSTREAM_FAILED
+            write_ns[0] += _now_ns() - started
+            bytes_out[0] += self._out_length
+            self._consume(self._in_length)
+            self.next_position += 1
+            steps[0] += 1
+        return _STEP_LIMIT
+
+    cdef int _fill(self, Py_ssize_t wanted, int64_t *bytes_in) noexcept nogil:
+        """Read until ``wanted`` bytes (a template frame) or a whole header that is not one;
+        -1 when they are there, else the outcome that ends the run."""
+        cdef pollfd fds[2]
+        cdef ssize_t got
+        while True:
+            if self._filled >= _HEADER and not self._header_matches():
+                return -1  # _carries() hands it back
+            if self._filled >= wanted:
+                return -1
+            fds[0].fd, fds[0].events, fds[0].revents = self._upstream, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
+            if poll(fds, 2, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return _HANDED_BACK
+            if fds[1].revents:
+                return _STOPPED
+            got = recv(self._upstream, self._buffer + self._filled, self._capacity - self._filled, 0)
+            if got > 0:
+                if self._filled == 0:
+                    self.last_frame_ns = _now_ns()
+                self._filled += got
+                bytes_in[0] += got
+            elif got == 0:
+                return _HANDED_BACK  # end of stream: the lane's reader sees it
+            elif errno != EAGAIN and errno != EINTR:  # EWOULDBLOCK is EAGAIN on Linux
+                return _HANDED_BACK  # a reset reads as end of stream there too
+
+    cdef bint _header_matches(self) noexcept nogil:
+        """Everything but the per-token fields equals the template."""
+        cdef const unsigned char *frame = self._buffer
+        cdef const unsigned char *template = self._in_header
+        return (memcmp(frame, template, _OFF_POS_START) == 0
+                and memcmp(frame + 8, template + 8, _OFF_DECODE_STEP - 8) == 0
+                and memcmp(frame + 52, template + 52, _OFF_REQUEST_ID - 52) == 0
+                and memcmp(frame + _OFF_SESSION_ID, template + _OFF_SESSION_ID, 8) == 0)
+
+    cdef bint _carries(self) noexcept nogil:
+        """The buffered frame is a template frame the Python lane would run without a word."""
+        cdef const unsigned char *frame = self._buffer
+        cdef int32_t position = skippy_load_i32(frame + _OFF_POS_START)
+        cdef int32_t token_n = skippy_load_i32(frame + _OFF_TOKEN_N)
+        cdef int32_t token
+        cdef Py_ssize_t index
+        cdef float value
+        if self._filled < self._in_length or not self._header_matches():
+            return False
+        if position != self.next_position or (self._position_end > 0 and position >= self._position_end):
+            return False  # a rollback, a gap or the end of the cells: the lane decides
+        if self._first:
+            token = (skippy_load_i32(frame + _HEADER) if token_n == 1
+                     else skippy_load_i32(frame + _OFF_CURRENT_TOKEN))
+            if token < 0 or token >= self._n_vocab:
+                return False
+            self._token_slot[0] = token
+        elif self._in_dtype == _DTYPE_F32:
+            for index in range(self._width):
+                value = skippy_load_f32(frame + self._in_activation + 4 * index)
+                if not (-self._limit <= value <= self._limit):  # NaN fails both
+                    return False
+                self._embd_slot[index] = value
+        else:
+            _decode_f16(frame + self._in_activation, <uint32_t *>self._embd_slot, self._width)
+            for index in range(self._width):
+                value = self._embd_slot[index]
+                if not (-self._limit <= value <= self._limit):
+                    return False
+        self._position_slot[0] = position
+        return True
+
+    cdef int _step(self) noexcept nogil:
+        """Decode the row and patch the outgoing frame; nonzero when the decode failed."""
+        cdef const unsigned char *frame = self._buffer
+        cdef unsigned char *out = self._out
+        cdef float *hidden
+        cdef Py_ssize_t index
+        if self._decode(self._context, self._batch) != 0:
+            return 1
+        hidden = self._embeddings(self._context)
+        if hidden == NULL:
+            return 1
+        memcpy(out + _OFF_POS_START, frame + _OFF_POS_START, 4)
+        memcpy(out + _OFF_DECODE_STEP, frame + _OFF_DECODE_STEP, 8)
+        memcpy(out + _OFF_REQUEST_ID, frame + _OFF_REQUEST_ID, 8)
+        memcpy(out + _HEADER, frame + _HEADER, self._out_activation - _HEADER)  # the sidebands
+        if self._out_dtype == _DTYPE_F32:
+            memcpy(out + self._out_activation, hidden, 4 * self._width)
+        else:
+            _encode_f16(<const uint32_t *>hidden, out + self._out_activation, self._width)
+        return 0
+
+    cdef int _write(self, Py_ssize_t length) noexcept nogil:
+        """Write the outgoing frame, waiting while the socket is full; nonzero on failure."""
+        cdef Py_ssize_t sent = 0
+        cdef ssize_t wrote
+        cdef pollfd fds[1]
+        while sent < length:
+            wrote = send(self._downstream, self._out + sent, length - sent, MSG_NOSIGNAL)
+            if wrote > 0:
+                sent += wrote
+                continue
+            if wrote < 0 and (errno == EAGAIN or errno == EINTR):
+                fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLOUT, 0
+                if poll(fds, 1, -1) < 0 and errno != EINTR:
+                    return 1
+                continue
+            return 1
+        return 0
+
+    cdef void _consume(self, Py_ssize_t length) noexcept nogil:
+        self._filled -= length
+        if self._filled:
+            memmove(self._buffer, self._buffer + length, self._filled)

@@ -1,0 +1,249 @@
+"""The steady-state decode relay of a stage, in pure Python (twin of ``skippy._relay``).
+
+Strategy: the same loop as the Cython module (read its header for what the relay carries and
+what it hands back), step for step and byte for byte: ``select.poll`` and ``os.read`` /
+``os.write`` on the two sockets, the header compared with the template outside the per-token
+fields, the activation checked and dequantized with numpy, the row decoded through the
+runtime's one-row batch, the outgoing template patched.  It holds the GIL throughout, so it
+saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it
+and the relay tests run against both.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import select
+import struct
+import time
+from typing import Any, NamedTuple
+
+import numpy as np
+
+#: Which implementation this module is.
+IMPLEMENTATION = "python"
+
+#: The run ended at a frame the relay does not carry (or at end of stream, a reset, a failed
+#: decode): ``leftover`` starts with it; the lane reads on from there.
+HANDED_BACK = 0
+#: The stop descriptor was written: the run ended between frames.
+STOPPED = 1
+#: ``max_steps`` tokens were relayed (the glue accounts them and starts the next run).
+STEP_LIMIT = 2
+#: Writing downstream failed (reset, broken pipe): the lane fails as for any write.
+DOWNSTREAM_FAILED = 3
+
+#: The fixed part of a message frame (docs/protocol.md §2.2).
+FIXED_HEADER = 76
+_POS_START, _TOKEN_N, _POSITION_N = 4, 12, 16
+_DECODE_STEP, _CURRENT_TOKEN, _FLAGS, _SOURCE, _DTYPE = 44, 48, 32, 52, 56
+_REQUEST_ID, _SESSION_ID = 60, 68
+#: The state flags that add a section or rows the relay does not carry (sampling, chat metadata,
+#: the activation row multipliers).
+_UNCARRIED_FLAGS = 1 | 2 | 64 | 128 | 256
+_I32 = struct.Struct("<i")
+_DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
+
+
+class RelayOutcome(NamedTuple):
+    """How a run ended and what it did (microseconds, bytes)."""
+
+    status: int
+    leftover: bytes
+    steps: int
+    compute_us: int
+    write_us: int
+    bytes_in: int
+    bytes_out: int
+
+
+def template_layout(in_template: bytes, out_template: bytes, *, width: int,
+                    first: bool) -> tuple[int, int, int, int, int, int]:
+    """``(in_length, out_length, in_activation, out_activation, in_dtype, out_dtype)`` of a
+    session's template frames (offsets of the activation sections).
+
+    Raises:
+        ValueError: a pair of frames the relay cannot carry (the glue checks first; this keeps
+            either implementation from running on one).
+    """
+    if len(in_template) < FIXED_HEADER or len(out_template) < FIXED_HEADER:
+        raise ValueError("a template is shorter than the fixed header")
+    for name, frame in (("incoming", in_template), ("outgoing", out_template)):
+        if _I32.unpack_from(frame, _FLAGS)[0] & _UNCARRIED_FLAGS:
+            raise ValueError(f"the {name} template carries a section or rows the relay does not carry")
+        if _I32.unpack_from(frame, 8)[0] != 1:
+            raise ValueError(f"the {name} template is not one row")
+    sidebands = 4 * (_I32.unpack_from(in_template, _TOKEN_N)[0] + _I32.unpack_from(in_template, _POSITION_N)[0])
+    if out_template[_TOKEN_N:_POSITION_N + 4] != in_template[_TOKEN_N:_POSITION_N + 4] or sidebands < 0:
+        raise ValueError("the templates' sidebands differ")
+    in_dtype = _I32.unpack_from(in_template, _DTYPE)[0]
+    out_dtype = _I32.unpack_from(out_template, _DTYPE)[0]
+    if out_dtype not in _DTYPE_BYTES or (not first and in_dtype not in _DTYPE_BYTES):
+        raise ValueError("the relay carries f32 and f16 activations only")
+    activation = FIXED_HEADER + sidebands
+    in_length = activation + (0 if first else width * _DTYPE_BYTES[in_dtype])
+    out_length = activation + width * _DTYPE_BYTES[out_dtype]
+    if len(in_template) != in_length or len(out_template) != out_length:
+        raise ValueError("a template's length does not match its layout")
+    return in_length, out_length, activation, activation, in_dtype, out_dtype
+
+
+class DecodeRelay:
+    """One session's steady-state decode relay.
+
+    Args:
+        upstream_fd / downstream_fd: the lane's sockets (non-blocking; the lane keeps owning them).
+        stop_fd: readable when the run must end (an eventfd the glue writes).
+        in_template / out_template: the run's first frame as received, and the frame the lane
+            forwarded for it.
+        width: the activation width; first: the stage takes token ids (layer 0).
+        n_vocab: token ids must be below it (first stage).
+        next_position: the session's next position (its KV length); position_end: the cells
+            the stage holds (0: no limit).
+        activation_limit: the largest magnitude an activation value may have.
+        runtime: the one-row batch (``skippy.runtime.RowBatch``).
+        max_steps: the most tokens one :meth:`run` relays.
+    """
+
+    def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, in_template: bytes,
+                 out_template: bytes, width: int, first: bool, n_vocab: int, next_position: int,
+                 position_end: int, activation_limit: float, runtime: Any, max_steps: int = 1024) -> None:
+        (self._in_length, self._out_length, self._in_activation, self._out_activation,
+         self._in_dtype, self._out_dtype) = template_layout(in_template, out_template, width=width, first=first)
+        self._upstream, self._downstream, self._stop = upstream_fd, downstream_fd, stop_fd
+        self._in_template = in_template
+        self._out = bytearray(out_template)
+        self._width, self._first, self._n_vocab = width, first, n_vocab
+        self.next_position, self._position_end = next_position, position_end
+        self._limit = float(np.float32(activation_limit))
+        self._runtime = runtime
+        self._max_steps = max_steps
+        self._capacity = max(self._in_length, FIXED_HEADER) * 2 + (1 << 16)
+        self._buffer = bytearray()
+        self._poll = select.poll()
+        self._poll.register(upstream_fd, select.POLLIN)
+        self._poll.register(stop_fd, select.POLLIN)
+        self.last_frame_ns = time.monotonic_ns()
+
+    def run(self, pending: bytes = b"") -> RelayOutcome:
+        """Relay frames (``pending`` first: bytes the lane had read) until one it does not carry,
+        a stop, or ``max_steps``; blocking, on a worker thread."""
+        if len(pending) > self._capacity:
+            return RelayOutcome(HANDED_BACK, pending, 0, 0, 0, 0, 0)
+        self._buffer = bytearray(pending)
+        counters = [0, 0, 0, 0, 0]  # steps, compute ns, write ns, bytes in, bytes out
+        status = self._loop(counters)
+        leftover, self._buffer = bytes(self._buffer), bytearray()
+        steps, compute_ns, write_ns, bytes_in, bytes_out = counters
+        return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out)
+
+    def _loop(self, counters: list[int]) -> int:
+        while counters[0] < self._max_steps:
+            status = self._fill(self._in_length, counters)
+            if status >= 0:
+                return status
+            if not self._carries():
+                return HANDED_BACK
+            started = time.perf_counter_ns()
+            if not self._step():
+                return HANDED_BACK
+            counters[1] += time.perf_counter_ns() - started
+            started = time.perf_counter_ns()
+            if not self._write():
+                return DOWNSTREAM_FAILED
+            counters[2] += time.perf_counter_ns() - started
+            counters[4] += self._out_length
+            del self._buffer[:self._in_length]
+            self.next_position += 1
+            counters[0] += 1
+        return STEP_LIMIT
+
+    def _fill(self, wanted: int, counters: list[int]) -> int:
+        while True:
+            if len(self._buffer) >= FIXED_HEADER and not self._header_matches():
+                return -1
+            if len(self._buffer) >= wanted:
+                return -1
+            ready = dict(self._poll.poll())
+            if ready.get(self._stop):
+                return STOPPED
+            if not ready.get(self._upstream):
+                continue
+            try:
+                data = os.read(self._upstream, self._capacity - len(self._buffer))
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return HANDED_BACK
+            if not data:
+                return HANDED_BACK
+            if not self._buffer:
+                self.last_frame_ns = time.monotonic_ns()
+            self._buffer += data
+            counters[3] += len(data)
+
+    def _header_matches(self) -> bool:
+        frame, template = self._buffer, self._in_template
+        return (frame[:_POS_START] == template[:_POS_START] and frame[8:_DECODE_STEP] == template[8:_DECODE_STEP]
+                and frame[52:_REQUEST_ID] == template[52:_REQUEST_ID]
+                and frame[_SESSION_ID:FIXED_HEADER] == template[_SESSION_ID:FIXED_HEADER])
+
+    def _carries(self) -> bool:
+        frame = self._buffer
+        if len(frame) < self._in_length or not self._header_matches():
+            return False
+        position = _I32.unpack_from(frame, _POS_START)[0]
+        if position != self.next_position or (self._position_end > 0 and position >= self._position_end):
+            return False
+        runtime = self._runtime
+        if self._first:
+            token_n = _I32.unpack_from(frame, _TOKEN_N)[0]
+            token = _I32.unpack_from(frame, FIXED_HEADER if token_n == 1 else _CURRENT_TOKEN)[0]
+            if not 0 <= token < self._n_vocab:
+                return False
+            runtime.token[0] = token
+        else:
+            start, width = self._in_activation, self._width
+            dtype = np.float32 if self._in_dtype == 0 else np.float16
+            values = np.frombuffer(bytes(frame[start:start + width * np.dtype(dtype).itemsize]),
+                                   dtype=np.dtype(dtype).newbyteorder("<")).astype(np.float32)
+            low, high = float(values.min()), float(values.max())
+            if not (-self._limit <= low and high <= self._limit):
+                return False
+            runtime.embd[:] = values
+        runtime.position[0] = position
+        return True
+
+    def _step(self) -> bool:
+        runtime = self._runtime
+        if runtime.decode() != 0:
+            return False
+        hidden = runtime.hidden()
+        frame, out = self._buffer, self._out
+        out[_POS_START:_POS_START + 4] = frame[_POS_START:_POS_START + 4]
+        out[_DECODE_STEP:_DECODE_STEP + 8] = frame[_DECODE_STEP:_DECODE_STEP + 8]
+        out[_REQUEST_ID:_REQUEST_ID + 8] = frame[_REQUEST_ID:_REQUEST_ID + 8]
+        out[FIXED_HEADER:self._out_activation] = frame[FIXED_HEADER:self._out_activation]
+        if self._out_dtype == 0:
+            encoded = hidden.astype("<f4").tobytes()
+        else:
+            from skippy import _wire_py  # the codec's own f16 rounding (ties away from zero)
+
+            encoded = _wire_py.encode_activation(hidden.reshape(1, -1), 1)  # type: ignore[arg-type]
+        out[self._out_activation:] = encoded
+        return True
+
+    def _write(self) -> bool:
+        view = memoryview(self._out)
+        while view:
+            try:
+                view = view[os.write(self._downstream, view):]
+            except (BlockingIOError, InterruptedError):
+                waiter = select.poll()
+                waiter.register(self._downstream, select.POLLOUT)
+                waiter.poll()
+            except OSError as exc:
+                if exc.errno in (errno.EAGAIN, errno.EINTR):
+                    continue
+                return False
+        return True

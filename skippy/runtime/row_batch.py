@@ -1,0 +1,92 @@
+"""A one-row batch whose inputs live in fixed arrays: the decode relay's view of a context.
+
+Strategy: the decode relay (:mod:`skippy._relay`) runs one session's rows without Python, so it
+needs what ``StageContext.decode`` builds per call, built once: a ``llama_batch`` pointed at
+arrays of one token, one position, one sequence id and one ``n_embd`` row of activations, with
+the row flagged as an output.  The relay writes the token (first stage) or the activation and
+the position into those arrays, then calls ``skippy_decode_view`` and ``llama_get_embeddings``
+through the raw addresses :meth:`RowBatch.addresses` gives; the pure-Python twin calls
+:meth:`RowBatch.decode` and :meth:`RowBatch.hidden`, the same functions through cffi.
+
+The batch is only valid while its context is open and nothing else decodes on it: the caller
+(the stage's scheduler, which holds the runtime for the relay) keeps both true.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, final
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.runtime.errors import InvalidBatch
+from skippy.runtime.ffi import ffi, lib
+
+if TYPE_CHECKING:
+    from skippy.runtime.context import StageContext
+
+__all__ = ["RowBatch"]
+
+
+@final
+class RowBatch:
+    """One row of session ``seq`` on ``context`` (a non-final stage: its output is activations).
+
+    Raises:
+        InvalidBatch: the context is a final stage's (it produces logits), or ``seq`` is not open.
+    """
+
+    def __init__(self, context: "StageContext", seq: int) -> None:
+        if context.model.is_last:
+            raise InvalidBatch("the final stage produces logits, not activations: no relay batch")
+        if not 0 <= seq < context.max_sessions:
+            raise InvalidBatch(f"sequence id {seq} outside 0..{context.max_sessions - 1}")
+        self._context = context
+        self.width = context.n_embd
+        self.token: npt.NDArray[np.int32] = np.zeros(1, dtype=np.int32)
+        self.position: npt.NDArray[np.int32] = np.zeros(1, dtype=np.int32)
+        self.embd: npt.NDArray[np.float32] = np.zeros(self.width, dtype=np.float32)
+        self._seq = np.full(1, seq, dtype=np.int32)
+        self._n_seq = np.ones(1, dtype=np.int32)
+        self._outputs = np.ones(1, dtype=np.int8)
+        self._seq_ptrs = ffi.new("llama_seq_id *[]", 1)
+        self._batch = ffi.new("struct llama_batch *")
+        first = context.model.is_first
+        lib.skippy_batch_view(
+            self._batch, 1,
+            ffi.cast("llama_token *", ffi.from_buffer(self.token)) if first else ffi.NULL,
+            ffi.NULL if first else ffi.cast("float *", ffi.from_buffer(self.embd)),
+            ffi.cast("llama_pos *", ffi.from_buffer(self.position)),
+            ffi.cast("int32_t *", ffi.from_buffer(self._n_seq)), self._seq_ptrs,
+            ffi.cast("llama_seq_id *", ffi.from_buffer(self._seq)),
+            ffi.cast("int8_t *", ffi.from_buffer(self._outputs)),
+        )
+
+    def addresses(self) -> dict[str, int]:
+        """Raw addresses for the Cython relay: the context, the batch, the two native functions
+        and the three input slots."""
+        def address(pointer: object) -> int:
+            return int(ffi.cast("uintptr_t", pointer))
+
+        return {
+            "context": address(self._context._context_ptr()),
+            "batch": address(self._batch),
+            "decode": address(ffi.addressof(lib, "skippy_decode_view")),
+            "embeddings": address(ffi.addressof(lib, "llama_get_embeddings")),
+            "token": address(ffi.from_buffer(self.token)),
+            "position": address(ffi.from_buffer(self.position)),
+            "embd": address(ffi.from_buffer(self.embd)),
+        }
+
+    def decode(self) -> int:
+        """Run the row (the twin's call); llama_decode's return code."""
+        return int(lib.skippy_decode_view(self._context._context_ptr(), self._batch))
+
+    def hidden(self) -> npt.NDArray[np.float32]:
+        """The row's output activation (a view valid until the next decode)."""
+        pointer = lib.llama_get_embeddings(self._context._context_ptr())
+        return np.frombuffer(ffi.buffer(pointer, self.width * 4), dtype=np.float32)
+
+    def finished(self, rows: int) -> None:
+        """Tell the context a relay decoded on it (its last batch was one of ours, ``rows`` > 0)."""
+        self._context.note_external_decode(rows)
