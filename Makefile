@@ -44,7 +44,7 @@ demo: install
 
 # The tests that cover the Cython modules' pure-Python twins, run again with the twins forced.
 TWIN_TESTS := tests/test_wire.py tests/test_wire_extensions.py tests/test_wire_hypothesis.py \
-	tests/test_wire_cli.py tests/test_radix.py tests/test_radix_hypothesis.py
+	tests/test_wire_cli.py tests/test_radix.py tests/test_radix_hypothesis.py tests/test_decode_relay.py
 
 # Everything (CI runs this through .ci/run): the whole suite, the twins' tests with
 # SKIPPY_NO_EXTENSIONS=1, and every benchmark once with --benchmark-disable (so none rots; the

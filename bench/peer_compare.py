@@ -387,6 +387,7 @@ BOUNDARY_PAIRS = [
     ("skippy 2", "skippy 1", 1), ("skippy 4", "skippy 1", 3), ("skippy 4", "skippy 2", 2),
     ("RPC 2", "stock", 1), ("RPC 4", "stock", 3), ("RPC 4", "RPC 2", 2),
     ("skippy 2 direct", "skippy 1", 1), ("skippy 4 direct", "skippy 1", 3),
+    ("skippy 2 direct relay-off", "skippy 1", 1), ("skippy 4 direct relay-off", "skippy 1", 3),
     ("skippy 1 run", "in-process", 1), ("skippy 2 run", "skippy 1 run", 1), ("skippy 4 run", "skippy 1 run", 3),
 ]
 
@@ -412,6 +413,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--direct-return", action="store_true",
                         help="also decode the 2- and 4-stage chains with direct return (docs/protocol.md §8)")
+    parser.add_argument("--relay-off", action="store_true",
+                        help="with --direct-return: also 2- and 4-stage chains started with --decode-relay off "
+                             "(the decode relay's A/B in the same run)")
     parser.add_argument("--decode-runs", action="store_true",
                         help="also decode each skippy chain as one decode run (docs/protocol.md §11)")
     parser.add_argument("--preset", default=MODEL_PRESET,
@@ -450,21 +454,29 @@ def main(argv: Sequence[str] | None = None) -> int:
             benches[f"RPC {count}"] = variant
         chains = {f"skippy {count}": stack.enter_context(chain(str(model), layouts[count], STAGE_FLAGS))
                   for count in STAGE_COUNTS}
+        if args.direct_return and args.relay_off:  # the same splits without the decode relay
+            for count in (2, 4):
+                chains[f"skippy {count} relay-off"] = stack.enter_context(
+                    chain(str(model), layouts[count], [*STAGE_FLAGS, "--decode-relay", "off"]))
         for address in chains.values():  # the stages' first-request paths
             trio.run(stage_decode, address, 2)
 
         inproc = InProcess(model)
         stack.callback(inproc.close)
+        measured = [name for name in chains if not name.endswith("relay-off")]  # hop by hop, and prefill
         decode_runs: dict[str, list[Sample]] = {name: [] for name in ("stock", "RPC 2", "RPC 4", "in-process",
-                                                                      *chains)}
+                                                                      *measured)}
         prefill_runs: dict[str, list[Sample]] = {name: [] for name in decode_runs}
         if args.decode_runs:  # the same chains decoding as one decode run (decode only)
-            for name in chains:
+            for name in measured:
                 decode_runs[f"{name} run"] = []
         if args.direct_return:  # the same chains with the predictions sent straight back (decode only)
-            for name in chains:
+            for name in measured:
                 if name != "skippy 1":
                     decode_runs[f"{name} direct"] = []
+            for name in chains:
+                if name.endswith("relay-off"):
+                    decode_runs[f"{name[:-len(' relay-off')]} direct relay-off"] = []
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4"):
                 prefill_runs[f"{name} /{micro}"] = []
@@ -489,6 +501,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
                 elif name.endswith(" direct"):
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-7]], args.steps, False, True))
+                elif name.endswith(" direct relay-off"):
+                    chain_name = name[:-len(" direct relay-off")] + " relay-off"
+                    decode_runs[name].append(trio.run(stage_decode, chains[chain_name], args.steps, False, True))
                 else:
                     address = chains[name]
                     decode_runs[name].append(trio.run(stage_decode, address, args.steps))

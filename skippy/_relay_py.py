@@ -20,6 +20,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from skippy.protocol import StateFlag
+
 #: Which implementation this module is.
 IMPLEMENTATION = "python"
 
@@ -40,7 +42,8 @@ _DECODE_STEP, _CURRENT_TOKEN, _FLAGS, _SOURCE, _DTYPE = 44, 48, 32, 52, 56
 _REQUEST_ID, _SESSION_ID = 60, 68
 #: The state flags that add a section or rows the relay does not carry (sampling, chat metadata,
 #: the activation row multipliers).
-_UNCARRIED_FLAGS = 1 | 2 | 64 | 128 | 256
+_UNCARRIED_FLAGS = int(StateFlag.SAMPLING | StateFlag.CHAT_SAMPLING_METADATA | StateFlag.RWKV7_V_FIRST_SIDEBAND
+                       | StateFlag.GEMMA3N_ALTUP_SIDEBAND | StateFlag.INKLING_MTP_EMBD_SIDEBAND)
 _I32 = struct.Struct("<i")
 _DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
 

@@ -107,6 +107,11 @@ class Scheduler:
         self._holder_stop = stop
         return True
 
+    @property
+    def held(self) -> bool:
+        """A decode relay holds the runtime now."""
+        return self._holder_stop is not None
+
     def release_hold(self) -> None:
         """The relay gave the runtime back: queued jobs run."""
         self._holder_stop = None

@@ -290,6 +290,14 @@ class StageServer:
         self._shutdown.set()
 
     async def refresh_runtime_stats(self) -> None:
+        """Read the runtime's figures (sessions, KV cells, prefix cache) into the statistics.
+
+        While a decode relay holds the runtime the figures are left as they are (one session
+        grows by a cell per token): a read would queue behind the relay and end its run, and the
+        stats file refreshes ten times a second.
+        """
+        if self.scheduler.held:
+            return
         snapshot = await self.scheduler.call(self.executor.snapshot)
         self.stats.sessions_in_use = snapshot["sessions_in_use"]
         self.stats.kv_cells_used = snapshot["kv_cells_used"]

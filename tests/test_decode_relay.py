@@ -1,0 +1,469 @@
+"""The decode relay (skippy/_relay.pyx, its twin skippy/_relay_py.py, skippy/stage/decode_relay.py).
+
+The loop's tests run both implementations on real contexts of the tiny llama over socket pairs:
+every frame it forwards equals, byte for byte, the frame the lane's own path builds for the same
+message (``lane_messages.outgoing`` + the codec, on a second context fed the same rows), and
+every frame it does not carry comes back unread with the run's outcome.  The lane tests run
+in-process chains with the relay on and off and compare the bytes that cross a boundary, the
+tokens, and what happens when other work, a rollback or a shutdown interrupts a run.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+import threading
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import trio
+
+from skippy import _relay_py
+from skippy.protocol import MessageKind, SamplingConfig, StageMessage, StateHeader, WireDType
+from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG
+from skippy.runtime import Model, StageContext
+from skippy.stage import lane_messages
+from skippy.stage.executor import ACTIVATION_LIMIT
+from skippy.stage.transport import codec
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+try:
+    from skippy import _relay as _relay_cython
+except ImportError:  # pragma: no cover - the extension is built by `make install`
+    _relay_cython = None
+
+IMPLEMENTATIONS = [pytest.param(_relay_py, id="python"),
+                   pytest.param(_relay_cython, id="cython",
+                                marks=pytest.mark.skipif(_relay_cython is None, reason="skippy._relay not built"))]
+PROMPT = [1, 15043, 3186, 29892, 920, 526, 366]
+SESSION = 7
+
+
+def decode_message(position: int, *, token: int = 0, activation: np.ndarray | None = None, step: int = 0,
+                   source: int = -1, dtype: WireDType = WireDType.F32, session: int = SESSION,
+                   kind: MessageKind = MessageKind.DECODE_EMBD, flags: int = DIRECT_RETURN_FLAG | SKIPPY_EXTENSIONS_FLAG,
+                   sampling: SamplingConfig | None = None) -> StageMessage:
+    """A DecodeEmbd as the driver (source -1) or a stage (source >= 0) sends it."""
+    state = StateHeader(flags=flags, decode_step=step, current_token=token, source_stage_index=source,
+                        reserved=int(dtype))
+    return StageMessage(kind, pos_start=position, token_count=1, state=state, request_id=3, session_id=session,
+                        sampling=sampling, tokens=np.array([token], dtype=np.int32) if source < 0 else
+                        np.zeros(0, dtype=np.int32), activation=activation)
+
+
+class Side:
+    """One stage range of the tiny llama with a session that holds the prompt's prefill."""
+
+    def __init__(self, path: Path, layers: str) -> None:
+        self.model = Model(path, layers)
+        self.context = StageContext(self.model, n_ctx=256, max_sessions=2, n_batch=64, threads=1)
+        self.seq = self.context.open_session()
+        self.first = self.model.is_first
+        self.width = self.context.n_embd
+
+    def prefill(self, rows: np.ndarray) -> None:
+        count = len(rows)
+        if self.first:
+            self.context.decode(tokens=rows, positions=list(range(count)), seq_ids=[self.seq] * count)
+        else:
+            self.context.decode(activations=rows, positions=list(range(count)), seq_ids=[self.seq] * count)
+
+    def lane_frame(self, message: StageMessage, out_dtype: WireDType) -> bytes:
+        """What the lane's own path forwards for ``message`` (and decodes it on this context)."""
+        position = message.pos_start
+        if self.first:
+            self.context.decode(tokens=[int(message.tokens[0])], positions=[position], seq_ids=[self.seq])
+        else:
+            self.context.decode(activations=np.ascontiguousarray(message.activation, dtype=np.float32),
+                                positions=[position], seq_ids=[self.seq])
+        hidden = np.array(self.context.activations(), dtype=np.float32, copy=True)
+        return codec.encode_message(lane_messages.outgoing(message, hidden, out_dtype), out_dtype, self.width)
+
+    def close(self) -> None:
+        self.context.close()
+        self.model.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_hidden(tiny_llama: Path) -> np.ndarray:
+    """The prompt's activations after layer 0 (what the middle stage 1:2 is prefilled with)."""
+    side = Side(tiny_llama, "0:1")
+    try:
+        side.prefill(np.array(PROMPT, dtype=np.int32))
+        return np.array(side.context.activations(), dtype=np.float32, copy=True)
+    finally:
+        side.close()
+
+
+class Bench:
+    """A relay under test (``relay_side``) and a twin context (``lane_side``) fed the same rows,
+    wired to socket pairs: ``upstream`` writes into the relay, ``downstream`` reads from it."""
+
+    def __init__(self, implementation: Any, path: Path, layers: str, prompt_hidden: np.ndarray,
+                 in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
+                 max_steps: int = 1024) -> None:
+        self.relay_side, self.lane_side = Side(path, layers), Side(path, layers)
+        self.first = self.relay_side.first
+        rows = np.array(PROMPT, dtype=np.int32) if self.first else prompt_hidden
+        for side in (self.relay_side, self.lane_side):
+            side.prefill(rows)
+        self.in_dtype, self.out_dtype = in_dtype, out_dtype
+        self.position = len(PROMPT)
+        self.rng = np.random.default_rng(5)
+        # the run's first message: the lane handles it (here: both contexts), its frame is the template
+        primer = self.message(self.position)
+        self.in_template = codec.encode_message(primer, in_dtype, self.relay_side.width)
+        self.out_template = self.lane_side.lane_frame(primer, out_dtype)
+        self.relay_side.lane_frame(primer, out_dtype)
+        self.position += 1
+        self.upstream, upstream_end = socket.socketpair()
+        downstream_end, self.downstream = socket.socketpair()
+        for sock in (upstream_end, downstream_end):
+            sock.setblocking(False)
+        self._ends = (upstream_end, downstream_end)
+        self.stop_fd = os.eventfd(0, os.EFD_NONBLOCK)
+        self.rows = self.relay_side.context.row_batch(self.relay_side.seq)
+        self.relay = implementation.DecodeRelay(
+            upstream_fd=upstream_end.fileno(), downstream_fd=downstream_end.fileno(), stop_fd=self.stop_fd,
+            in_template=self.in_template, out_template=self.out_template, width=self.relay_side.width,
+            first=self.first, n_vocab=self.relay_side.model.n_vocab, next_position=self.position,
+            position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.rows, max_steps=max_steps)
+
+    def message(self, position: int, **changes: Any) -> StageMessage:
+        if self.first:
+            return decode_message(position, token=int(self.rng.integers(3, 30000)), step=position, **changes)
+        activation = self.rng.standard_normal((1, self.relay_side.width)).astype(np.float32)
+        if self.in_dtype is WireDType.F16:  # what the wire carries is what both sides decode
+            activation = activation.astype(np.float16).astype(np.float32)
+        return decode_message(position, activation=activation, step=position, source=0, dtype=self.in_dtype,
+                              **changes)
+
+    def frame(self, message: StageMessage) -> bytes:
+        return codec.encode_message(message, self.in_dtype, self.relay_side.width)
+
+    def run(self, data: bytes, *, pending: bytes = b"", close: bool = False) -> Any:
+        """Write ``data`` upstream (then close it if asked), run the relay until it returns."""
+        self.upstream.sendall(data)
+        if close:
+            self.upstream.shutdown(socket.SHUT_WR)
+        return self.relay.run(pending)
+
+    def forwarded(self, count: int) -> list[bytes]:
+        length = len(self.out_template)
+        frames = []
+        self.downstream.settimeout(5)
+        for _ in range(count):
+            data = b""
+            while len(data) < length:
+                data += self.downstream.recv(length - len(data))
+            frames.append(data)
+        self.downstream.setblocking(False)
+        try:
+            extra = self.downstream.recv(1 << 16)
+        except BlockingIOError:
+            extra = b""
+        assert extra == b"", "the relay wrote more than the frames expected"
+        return frames
+
+    def close(self) -> None:
+        for sock in (self.upstream, self.downstream, *self._ends):
+            sock.close()
+        os.close(self.stop_fd)
+        self.relay_side.close()
+        self.lane_side.close()
+
+
+@pytest.fixture
+def make_bench(tiny_llama: Path, prompt_hidden: np.ndarray) -> Iterator[Any]:
+    benches: list[Bench] = []
+
+    def make(implementation: Any, layers: str, **options: Any) -> Bench:
+        bench = Bench(implementation, tiny_llama, layers, prompt_hidden, **options)
+        benches.append(bench)
+        return bench
+
+    yield make
+    for bench in benches:
+        bench.close()
+
+
+# -- the loop: the lane's bytes, and everything it hands back ----------------------------------------
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("layers", "in_dtype", "out_dtype"), [
+    ("0:1", WireDType.F32, WireDType.F32), ("0:1", WireDType.F32, WireDType.F16),
+    ("1:2", WireDType.F32, WireDType.F32), ("1:2", WireDType.F16, WireDType.F16), ("1:2", WireDType.F16, WireDType.F32),
+], ids=["first-f32", "first-f16", "middle-f32", "middle-f16", "middle-f16-in"])
+def test_the_relay_forwards_exactly_the_lanes_frames(implementation: Any, make_bench: Any, layers: str,
+                                                     in_dtype: WireDType, out_dtype: WireDType) -> None:
+    bench = make_bench(implementation, layers, in_dtype=in_dtype, out_dtype=out_dtype)
+    messages = [bench.message(bench.position + index) for index in range(6)]
+    stop = codec.encode_message(StageMessage.create(MessageKind.STOP, session_id=SESSION), WireDType.F32, 0)
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages) + stop)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == 6
+    assert outcome.leftover == stop  # the Stop is the lane's, unread
+    expected = [bench.lane_side.lane_frame(message, out_dtype) for message in messages]
+    assert bench.forwarded(6) == expected
+    assert bench.relay.next_position == bench.position + 6
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 6
+    assert outcome.bytes_out == 6 * len(bench.out_template) and outcome.bytes_in == len(outcome.leftover) + sum(
+        len(bench.frame(message)) for message in messages)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_pending_bytes_are_relayed_first(implementation: Any, make_bench: Any) -> None:
+    bench = make_bench(implementation, "1:2")
+    first, second = (bench.message(bench.position + index) for index in range(2))
+    frame = bench.frame(first)
+    # half a frame the lane had read, the rest (and the next frame) still in the socket
+    outcome = bench.run(frame[40:] + bench.frame(second), pending=frame[:40], close=True)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == 2 and outcome.leftover == b""
+    assert bench.forwarded(2) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in (first, second)]
+
+
+def _variants(bench: Bench) -> dict[str, bytes]:
+    """Frames the relay must not carry, each after one it carries."""
+    position = bench.position + 1
+    nan = bench.message(position)
+    if not bench.first:
+        assert nan.activation is not None
+        nan.activation[0, 3] = np.nan
+    huge = bench.message(position)
+    if not bench.first:
+        assert huge.activation is not None
+        huge.activation[0, 0] = 2 * ACTIVATION_LIMIT
+    variants = {
+        "rollback": bench.frame(bench.message(position - 2)),
+        "gap": bench.frame(bench.message(position + 1)),
+        "other-session": bench.frame(bench.message(position, session=SESSION + 1)),
+        "not-direct": bench.frame(bench.message(position, flags=SKIPPY_EXTENSIONS_FLAG)),
+        "other-kind": bench.frame(bench.message(position, kind=MessageKind.DECODE_READOUT)),
+        "sampling": bench.frame(bench.message(position, sampling=SamplingConfig(flags=1, seed=4))),
+    }
+    if bench.first:
+        variants["token-out-of-vocabulary"] = codec.encode_message(
+            decode_message(position, token=bench.relay_side.model.n_vocab, step=position), WireDType.F32, 0)
+    else:
+        variants["nan"] = bench.frame(nan)
+        variants["beyond-the-limit"] = bench.frame(huge)
+    return variants
+
+
+_COMMON = ["rollback", "gap", "other-session", "not-direct", "other-kind", "sampling"]
+REFUSED = ([("0:1", name) for name in [*_COMMON, "token-out-of-vocabulary"]]
+           + [("1:2", name) for name in [*_COMMON, "nan", "beyond-the-limit"]])
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("layers", "name"), REFUSED, ids=[f"{'first' if layers == '0:1' else 'middle'}-{name}"
+                                                           for layers, name in REFUSED])
+def test_what_the_relay_does_not_carry_is_handed_back_unread(implementation: Any, make_bench: Any, layers: str,
+                                                             name: str) -> None:
+    bench = make_bench(implementation, layers)
+    carried = bench.message(bench.position)
+    refused = _variants(bench)[name]
+    outcome = bench.run(bench.frame(carried) + refused)
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, refused)
+    assert bench.forwarded(1) == [bench.lane_side.lane_frame(carried, WireDType.F32)]
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 1  # nothing else ran
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(implementation: Any,
+                                                                         make_bench: Any) -> None:
+    bench = make_bench(implementation, "1:2", max_steps=2)
+    # stopped while waiting for a frame (from another thread, as the lane's trio side does)
+    threading.Timer(0.05, os.eventfd_write, (bench.stop_fd, 1)).start()
+    assert bench.run(b"").status == implementation.STOPPED
+    os.eventfd_read(bench.stop_fd)
+    # max_steps: a third frame waits for the next run
+    frames = [bench.frame(bench.message(bench.position + index)) for index in range(3)]
+    outcome = bench.run(b"".join(frames))
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.STEP_LIMIT, 2, frames[2])
+    # end of stream in the middle of a frame: the partial frame comes back for the lane's reader
+    outcome = bench.run(frames[2][:50], pending=b"", close=True)
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 0, frames[2][:50])
+    bench.forwarded(2)
+    # the downstream goes away: the write fails
+    other = make_bench(implementation, "1:2")
+    other.downstream.close()
+    outcome = other.run(other.frame(other.message(other.position)))
+    assert outcome.status == implementation.DOWNSTREAM_FAILED
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_templates_the_relay_cannot_carry_are_refused(implementation: Any, make_bench: Any) -> None:
+    bench = make_bench(implementation, "1:2")
+    q8 = codec.encode_message(bench.message(bench.position), WireDType.Q8, bench.relay_side.width)
+    with pytest.raises(ValueError, match="f32 and f16"):
+        implementation.template_layout(q8, bench.out_template, width=bench.relay_side.width, first=False)
+    sampled = bench.frame(bench.message(bench.position, sampling=SamplingConfig(flags=1)))
+    with pytest.raises(ValueError, match="section"):
+        implementation.template_layout(sampled, bench.out_template, width=bench.relay_side.width, first=False)
+    with pytest.raises(ValueError, match="length"):
+        implementation.template_layout(bench.in_template + b"\0", bench.out_template, width=bench.relay_side.width,
+                                       first=False)
+
+
+# -- lanes: in-process chains with the relay on and off ----------------------------------------------
+from stage_helpers import reference_greedy  # noqa: E402
+
+from skippy.driver import StageClient  # noqa: E402
+from skippy.stage.config import Address, config_from_mapping  # noqa: E402
+from skippy.stage.server import StageServer, load_runtime  # noqa: E402
+
+SPLITS = ["0:1", "1:2", "2:4"]
+
+
+class Tap:
+    """A TCP proxy in front of a stage, keeping every byte sent towards it (the messages)."""
+
+    def __init__(self, target: Address) -> None:
+        self.target = target
+        self.sent = bytearray()
+
+    async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        port = listeners[0].socket.getsockname()[1]
+        task_status.started(Address("127.0.0.1", port))
+        await trio.serve_listeners(self._handle, listeners)
+
+    async def _handle(self, client: trio.SocketStream) -> None:
+        server = await trio.open_tcp_stream(self.target.host, self.target.port)
+
+        async def pump(source: trio.SocketStream, sink: trio.SocketStream, keep: bytearray | None) -> None:
+            try:
+                async for chunk in source:
+                    if keep is not None:
+                        keep += chunk
+                    await sink.send_all(chunk)
+            except (trio.BrokenResourceError, trio.ClosedResourceError):
+                pass
+            finally:
+                await trio.aclose_forcefully(sink)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(pump, client, server, self.sent)
+            nursery.start_soon(pump, server, client, None)
+
+
+class TappedChain:
+    """Stage servers of the tiny llama in this trio run, a :class:`Tap` in front of every stage
+    after the first (so each tap holds what the stage before it forwarded)."""
+
+    def __init__(self, servers: list[StageServer], taps: list[Tap]) -> None:
+        self.servers, self.taps = servers, taps
+
+    @property
+    def first(self) -> Address:
+        address = self.servers[0].address
+        assert address is not None
+        return address
+
+    @property
+    def final(self) -> Address:
+        address = self.servers[-1].address
+        assert address is not None
+        return address
+
+
+async def _tapped_chain(nursery: trio.Nursery, model: Path, relay: bool) -> TappedChain:
+    servers: list[StageServer] = []
+    taps: list[Tap] = []
+    downstream: Address | None = None
+    for index, layers in reversed(list(enumerate(SPLITS))):
+        config = config_from_mapping({"model": str(model), "layers": layers, "downstream": downstream,
+                                      "batch_size": 64, "ctx_size": 512, "connect_timeout": 2,
+                                      "decode_relay": relay})
+        server = StageServer(config, load_runtime(config))
+        address = await nursery.start(server.serve)
+        servers.insert(0, server)
+        if index > 0:
+            tap = Tap(address)
+            taps.insert(0, tap)
+            address = await nursery.start(tap.serve)
+        downstream = address
+    return TappedChain(servers, taps)
+
+
+async def _session(client: StageClient, chain: TappedChain, session: int, prompt: list[int], steps: int,
+                   rollback_at: int | None = None) -> list[int]:
+    """A direct-return session: prefill, ``steps`` decodes (rolled back two positions once, at
+    step ``rollback_at``, as a rejected draft would), stop."""
+    await client.configure(session, prompt_token_count=len(prompt))
+    assert await client.open_direct_return(chain.final, session)
+    tokens = [(await client.prefill(session, prompt, chunk_size=3)).token]
+    position = len(prompt)
+    for step in range(steps):
+        if step == rollback_at:
+            position -= 2
+            del tokens[-2:]
+        tokens.append((await client.decode(session, tokens[-1], position, decode_step=step)).predicted)
+        position += 1
+    await client.stop(session)
+    return tokens
+
+
+async def test_the_relay_sends_the_bytes_the_lane_sends_and_the_unsplit_tokens(tiny_llama: Path) -> None:
+    prompts = [PROMPT, [1, 13, 4013, 338, 263, 1243]]
+    reference = [reference_greedy(tiny_llama, prompt, 25, chunk_size=3) for prompt in prompts]
+    sent: dict[bool, list[bytes]] = {}
+    for relay in (True, False):
+        async with trio.open_nursery() as nursery:
+            chain = await _tapped_chain(nursery, tiny_llama, relay)
+            async with await StageClient.connect(chain.first) as client:
+                tokens = [await _session(client, chain, index + 1, prompt, 24) for index, prompt in enumerate(prompts)]
+            assert tokens == reference
+            stats = [server.stats for server in chain.servers]
+            carried = 2 * 23  # every decode but each session's first
+            assert [s.decode_relay_steps for s in stats] == ([carried, carried, 0] if relay else [0, 0, 0])
+            assert all(s.decode_items == 2 * 24 and s.connection_errors == 0 for s in stats)
+            sent[relay] = [bytes(tap.sent) for tap in chain.taps]
+            nursery.cancel_scope.cancel()
+    assert sent[True] == sent[False]  # every forwarded frame, byte for byte
+    assert all(len(frames) > 2 * 24 * 76 for frames in sent[True])
+
+
+async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: Path) -> None:
+    other_prompt = [1, 13, 4013, 338, 263, 1243]
+    results: dict[bool, tuple[list[int], list[int], list[int]]] = {}
+    for relay in (True, False):
+        async with trio.open_nursery() as nursery:
+            chain = await _tapped_chain(nursery, tiny_llama, relay)
+            async with await StageClient.connect(chain.first) as client:
+                # a session decoding (relayed after its first decode) while a second lane runs a
+                # whole request in the middle of it: its jobs stop the runs, the second lane's
+                # requests take the lane's path, and the first session's relay starts again after
+                await client.configure(1, prompt_token_count=len(PROMPT))
+                assert await client.open_direct_return(chain.final, 1)
+                tokens = [(await client.prefill(1, PROMPT, chunk_size=3)).token]
+                for step in range(12):
+                    if step == 6:
+                        async with await StageClient.connect(chain.first) as other:
+                            other_tokens = await _session(other, chain, 2, other_prompt, 10)
+                    tokens.append((await client.decode(1, tokens[-1], len(PROMPT) + step, decode_step=step)).predicted)
+                await client.stop(1)
+                rolled = await _session(client, chain, 3, PROMPT, 12, rollback_at=7)
+                results[relay] = (tokens, other_tokens, rolled)
+                if relay:
+                    stats = chain.servers[0].stats
+                    assert stats.decode_relay_runs >= 3 and stats.decode_relay_steps >= 12
+                # a run waiting for its next frame when the stages shut down: it is stopped, joined,
+                # and the lane closes (a thread left waiting would hang this scope)
+                await client.configure(4, prompt_token_count=len(PROMPT))
+                assert await client.open_direct_return(chain.final, 4)
+                token = (await client.prefill(4, PROMPT, chunk_size=3)).token
+                for step in range(3):
+                    token = (await client.decode(4, token, len(PROMPT) + step, decode_step=step)).predicted
+                with trio.fail_after(5):
+                    for server in chain.servers:
+                        server.shutdown()
+                    while any(server.stats.connections_open for server in chain.servers):
+                        await trio.sleep(0.01)
+            nursery.cancel_scope.cancel()
+    assert results[True] == results[False]
+    reference = reference_greedy(tiny_llama, PROMPT, 13, chunk_size=3)
+    assert results[True][0] == reference and results[True][2] == reference[:11]  # the rollback re-ran two
