@@ -71,6 +71,7 @@ def _thread_samples(pid: int) -> dict[int, ThreadSample]:
 class Stage:
     process: "subprocess.Popen[bytes]"
     probe: Path
+    address: Address | None = None
 
 
 @contextmanager
@@ -92,12 +93,12 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str],
                 with log.open("wb") as handle:
                     process = subprocess.Popen(command, stdout=handle, stderr=handle, cwd=ROOT,
                                                env=dict(os.environ, PYTHONPATH=str(ROOT), **(env or {})))
-                stages.insert(0, Stage(process, probe))
+                stages.insert(0, stage := Stage(process, probe))
                 deadline = time.monotonic() + 120
                 while True:
                     match = _READY.search(log.read_text(errors="replace"))
                     if match:
-                        downstream = Address(match.group(1), int(match.group(2)))
+                        downstream = stage.address = Address(match.group(1), int(match.group(2)))
                         break
                     if process.poll() is not None or time.monotonic() > deadline:
                         raise RuntimeError(f"stage {splits[index]} did not start:\n{log.read_text()}")
@@ -170,10 +171,12 @@ def pin(stages: list[Stage], compute_cpu: int, io_cpu: int) -> None:
 
 
 async def _measure(address: Address, stages: list[Stage], prompt: Sequence[int], steps: int,
-                   pinned: bool = False) -> ChainCost:
+                   pinned: bool = False, direct: bool = False) -> ChainCost:
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
+        if direct:  # docs/protocol.md §8: predictions come straight from the final stage
+            assert stages[-1].address is not None and await client.open_direct_return(stages[-1].address, 1)
         token = (await client.prefill(1, prompt, chunk_size=64)).token
         position = len(prompt)
         for _ in range(2):  # warm: the first decode after prefill rebuilds the graph
@@ -284,9 +287,14 @@ def main() -> None:
     parser.add_argument("--ab-env", action="append", default=[], metavar="NAME=VALUE",
                         help="also measure both chains with this variable in the stages' environment "
                              "(repeatable; with --ab-arg, the B chains get both)")
+    parser.add_argument("--direct-return", action="store_true",
+                        help="decode with direct return (docs/protocol.md §8), so the 2-stage chain's first "
+                             "stage uses the decode relay (its probe then sees only the first decode: the "
+                             "per-stage CPU split is the Python path's; wall and thread CPU stay exact)")
     parser.add_argument("--stage-arg", action="append", default=[],
                         help="extra argument for every stage process (repeatable)")
     args = parser.parse_args()
+    direct = args.direct_return
 
     from skippy.models.cache import ensure_model
     from skippy.models.spec import preset
@@ -313,11 +321,11 @@ def main() -> None:
                                                               ab_env))
         for _ in range(args.rounds):  # interleaved: machine noise hits every layout alike
             locals_.append(in_process(path, prompt, args.steps))
-            ones.append(trio.run(_measure, one, one_stages, prompt, args.steps))
-            twos.append(trio.run(_measure, two, two_stages, prompt, args.steps))
+            ones.append(trio.run(_measure, one, one_stages, prompt, args.steps, False, direct))
+            twos.append(trio.run(_measure, two, two_stages, prompt, args.steps, False, direct))
             if ab:
-                ab_ones.append(trio.run(_measure, ab_one, ab_one_stages, prompt, args.steps))
-                ab_twos.append(trio.run(_measure, ab_two, ab_two_stages, prompt, args.steps))
+                ab_ones.append(trio.run(_measure, ab_one, ab_one_stages, prompt, args.steps, False, direct))
+                ab_twos.append(trio.run(_measure, ab_two, ab_two_stages, prompt, args.steps, False, direct))
                 print(f"round, with {ab}: 1 stage {ab_ones[-1].wall_us / 1e3:.2f}, 2 stages "
                       f"{ab_twos[-1].wall_us / 1e3:.2f} ms/token", flush=True)
             if args.pin:

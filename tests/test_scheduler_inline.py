@@ -30,10 +30,11 @@ class _BlockingNull(NullContext):
         super().decode(**kwargs)  # type: ignore[arg-type]
 
 
-def _scheduler(inline: bool, lanes: int) -> tuple[Scheduler, _BlockingNull]:
+def _scheduler(inline: bool, lanes: int, return_lanes: int = 0) -> tuple[Scheduler, _BlockingNull]:
     context = _BlockingNull(NullModel(NullSpec(n_embd=8, n_layer=2), "0:2"))
     stats = StageStats()
-    stats.connections_open = lanes
+    stats.connections_open = lanes + return_lanes
+    stats.return_lanes_open = return_lanes
     return Scheduler(Executor(context), stats, inline_decode=inline), context
 
 
@@ -47,10 +48,14 @@ def _prefill() -> WorkItem:
                     prefill=True)
 
 
-@pytest.mark.parametrize(("inline", "lanes", "on_trio_thread"), [(True, 1, True), (False, 1, False), (True, 2, False)])
+@pytest.mark.parametrize(("inline", "lanes", "return_lanes", "on_trio_thread"), [
+    (True, 1, 0, True), (False, 1, 0, False), (True, 2, 0, False),
+    (True, 1, 2, True),  # a final stage's return lanes (docs/protocol.md §8) bring no work
+    (True, 2, 1, False),
+])
 async def test_a_lone_decode_runs_on_the_trio_thread_only_when_inline_and_one_lane(
-        inline: bool, lanes: int, on_trio_thread: bool) -> None:
-    scheduler, context = _scheduler(inline, lanes)
+        inline: bool, lanes: int, return_lanes: int, on_trio_thread: bool) -> None:
+    scheduler, context = _scheduler(inline, lanes, return_lanes)
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
         await scheduler.execute(_prefill())

@@ -364,6 +364,8 @@ class Connection:
                 with trio.move_on_after(1):
                     await trio.aclose_forcefully(stream)
         self.stats.connections_open -= 1
+        if self._return_lane is not None:
+            self.stats.return_lanes_open -= 1
         self.stats.touch()
         log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
 
@@ -691,6 +693,7 @@ class Connection:
         self.returns.open(lane)
         self._return_lane = lane
         self.stats.return_lanes += 1
+        self.stats.return_lanes_open += 1  # not a lane that brings work (the scheduler's shortcuts)
         return _OwnPart(forwarded=False)
 
     async def _stop(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:

@@ -13,7 +13,8 @@ default) and runs, in one trip to the worker thread:
 Native calls run on the stage's :class:`~skippy.stage.worker.RuntimeThread` (cffi releases the
 GIL; one dedicated thread is cheaper per call than ``trio.to_thread``); the null runtime, which
 never blocks, runs inline.  *Inline decode* (``inline_decode``, on by default): a lone decode row
-while the stage has exactly one lane open runs on the trio thread itself.  Nothing else can need
+while the stage has exactly one lane open (return lanes, which only carry predictions written
+into them, not counted: ``StageStats.working_lanes``) runs on the trio thread itself.  Nothing else can need
 that thread during the compute (the lane's next message waits on this row's reply, and there is
 no other lane), and the hand-off it saves is on every token's critical path: the queue put that
 wakes the runtime thread, the GIL passing back and forth, the completion's wake-up fd and run-loop
@@ -101,7 +102,7 @@ class Scheduler:
         """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) while
         this stage has one lane open; ``stop`` is called (on the trio thread) when a job is
         queued behind it.  False when the runtime is busy, jobs wait, or other lanes are open."""
-        if self._busy or self._queued or self.stats.connections_open != 1:
+        if self._busy or self._queued or self.stats.working_lanes != 1:
             return False
         self._busy = True
         self._holder_stop = stop
@@ -161,7 +162,7 @@ class Scheduler:
         # With one lane open nobody else can bring a row this tick (a lane has at most one job
         # queued): skip the yield, a trip through trio's run loop per message.
         if (self.decode_batching and self.executor.blocking and job.item is not None and job.item.batchable
-                and self.stats.connections_open != 1):
+                and self.stats.working_lanes != 1):
             # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
             # runtime, and take them into this batch: the batching a scheduler pass used to give.
             self._busy = True
@@ -238,7 +239,7 @@ class Scheduler:
 
     def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
         """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
-        if not self.inline_decode or len(jobs) != 1 or self.stats.connections_open != 1:
+        if not self.inline_decode or len(jobs) != 1 or self.stats.working_lanes != 1:
             return False
         item = jobs[0].item
         return item is not None and item.batchable
