@@ -321,7 +321,7 @@ async def test_the_generator_returns_directly_with_the_hop_by_hop_results(stages
         generator.close()
 
 
-def test_the_api_uses_direct_return_on_chains_of_three_or_more_known_stages() -> None:
+def test_the_api_uses_direct_return_on_chains_of_two_or_more_known_stages() -> None:
     from skippy.api.lanes import LanePool, StageInfo
     from skippy.api.server import direct_return_source
     from skippy.stage.config import Address
@@ -331,8 +331,10 @@ def test_the_api_uses_direct_return_on_chains_of_three_or_more_known_stages() ->
         return LanePool(Address("127.0.0.1", 7000), stages=stages)
 
     given = Address("10.0.0.9", 7002)
-    assert direct_return_source("auto", pool(2), None) is None
+    assert direct_return_source("auto", pool(1), None) is None  # one stage: its own reply is direct
     assert direct_return_source("auto", pool(0), None) is None
+    two = direct_return_source("auto", pool(2), None)
+    assert two is not None and two() == Address("127.0.0.1", 7001)
     three = pool(3)
     source = direct_return_source("auto", three, None)
     assert source is not None and source() == Address("127.0.0.1", 7002)

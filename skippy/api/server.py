@@ -33,10 +33,12 @@ def model_id_for(path: Path) -> str:
     return path.name.removesuffix(".gguf")
 
 
-#: Chains of at least this many stages use direct return under ``auto``: on the development host a
-#: 4-stage chain decoded at 95.5-98.5% of stock llama.cpp with it against 89.8-94.0% hop by hop,
-#: while at 2 stages the two were level (bench/RESULTS-stage.md, "Session 8").
-DIRECT_RETURN_MIN_STAGES = 3
+#: Chains of at least this many stages use direct return under ``auto``.  With the decode relay
+#: (``skippy.stage.decode_relay``, which only carries direct-return decodes) it pays from two
+#: stages on: on the development host 2 stages decoded at 99.8-101.0% of stock llama.cpp with it
+#: against 97.8-99.4% hop by hop, 4 stages at 96.9-97.1% against 91.3-96.5%
+#: (bench/RESULTS-stage.md, "Session 9"; before the relay, 2 stages were level).
+DIRECT_RETURN_MIN_STAGES = 2
 
 
 def direct_return_source(mode: str, pool: LanePool,

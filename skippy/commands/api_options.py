@@ -40,9 +40,10 @@ def add_api_options(parser: argparse.ArgumentParser) -> None:
     generation.add_argument("--direct-return", choices=["auto", "on", "off"], default="auto",
                             help="a request that does not speculate gets its predictions straight from the final "
                                  "stage over a return lane instead of back through every stage (docs/protocol.md "
-                                 "§8; decoded one DecodeEmbd per token, without decode runs). auto (default): on "
-                                 "for chains of three or more stages whose addresses are known (skippy up), or "
-                                 "when --final-stage is given; on: also for two stages")
+                                 "§8; decoded one DecodeEmbd per token, without decode runs, which the stages before "
+                                 "the final one relay outside Python). auto (default): on for chains of two or more "
+                                 "stages whose addresses are known (skippy up), or when --final-stage is given; on: "
+                                 "the same, and an error when no final stage is known")
 
 
 def api_settings(args: argparse.Namespace) -> dict[str, Any]:
