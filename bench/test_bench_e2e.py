@@ -12,7 +12,9 @@ the tiny llama stands in):
 * *1-stage*: one stage process holding every layer, driven over loopback (the driver lane only);
 * *2-stage*: two stage processes, half the layers each.
 
-Group ``e2e-decode``: seconds per round of ``DECODE_STEPS`` greedy tokens for each.  The ratios
+Group ``e2e-decode``: seconds per round of ``DECODE_STEPS`` greedy tokens for each, and for the
+2-stage chain once more with direct return (the API's default there: the first stage relays the
+decode outside Python, :mod:`skippy.stage.decode_relay`).  The ratios
 are in each 2-stage / 1-stage entry's ``extra_info``: ``percent_of_unsplit`` (decode tokens/s
 against the unsplit run) and, on the 2-stage entry, ``boundary_us_per_token`` (2-stage minus
 1-stage, per token: the cost of one stage boundary).  A regression of either shows as the
@@ -43,7 +45,7 @@ import trio
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from stage_chain import chain  # noqa: E402
+from stage_chain import FINALS, chain  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
 from skippy.driver.generator import Generator, GenerationRequest  # noqa: E402
@@ -128,10 +130,14 @@ def unsplit(model: Path) -> Iterator[Unsplit]:
     runner.close()
 
 
-async def chain_decode(address: Address, prompt: Sequence[int], steps: int) -> float:
-    """Seconds for ``steps`` decode steps through a chain, after its prefill (not timed)."""
+async def chain_decode(address: Address, prompt: Sequence[int], steps: int, direct: bool = False) -> float:
+    """Seconds for ``steps`` decode steps through a chain, after its prefill (not timed); with
+    ``direct``, the predictions come straight from the final stage (docs/protocol.md §8) and the
+    stages before it relay the decode outside Python (skippy.stage.decode_relay)."""
     async with await StageClient.connect(address) as client:
         await client.configure(1)
+        if direct:
+            assert await client.open_direct_return(FINALS[address], 1)
         token = (await client.prefill(1, prompt, chunk_size=64)).token
         started = time.perf_counter()
         for position in range(len(prompt), len(prompt) + steps):
@@ -165,15 +171,16 @@ def test_decode_unsplit(benchmark: Any, unsplit: Unsplit) -> None:
         benchmark.extra_info["us_per_token"] = median / DECODE_STEPS * 1e6
 
 
-@pytest.mark.parametrize("stages", [1, 2], ids=["1-stage", "2-stage"])
-def test_decode_chain(benchmark: Any, chains: dict[int, Address], stages: int) -> None:
+@pytest.mark.parametrize(("stages", "direct"), [(1, False), (2, False), (2, True)],
+                         ids=["1-stage", "2-stage", "2-stage-direct"])
+def test_decode_chain(benchmark: Any, chains: dict[int, Address], stages: int, direct: bool) -> None:
     benchmark.group = "e2e-decode"
     address = chains[stages]
-    trio.run(chain_decode, address, DECODE_PROMPT, 2)  # warm-up
-    seconds = benchmark.pedantic(lambda: trio.run(chain_decode, address, DECODE_PROMPT, DECODE_STEPS),
+    trio.run(chain_decode, address, DECODE_PROMPT, 2, direct)  # warm-up
+    seconds = benchmark.pedantic(lambda: trio.run(chain_decode, address, DECODE_PROMPT, DECODE_STEPS, direct),
                                  rounds=5, iterations=1)
     assert seconds > 0
-    median = record(benchmark, f"decode-{stages}-stage")
+    median = record(benchmark, f"decode-{stages}-stage{'-direct' if direct else ''}")
     if median is None:
         return
     benchmark.extra_info["us_per_token"] = median / DECODE_STEPS * 1e6

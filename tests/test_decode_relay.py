@@ -27,6 +27,7 @@ from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG
 from skippy.runtime import Model, StageContext
 from skippy.stage import lane_messages
 from skippy.stage.executor import ACTIVATION_LIMIT
+from skippy.stage.scheduler import RECENT_WORK_S
 from skippy.stage.transport import codec
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -414,7 +415,8 @@ async def test_the_relay_sends_the_bytes_the_lane_sends_and_the_unsplit_tokens(t
     for relay in (True, False):
         async with trio.open_nursery() as nursery:
             chain = await _tapped_chain(nursery, tiny_llama, relay)
-            async with await StageClient.connect(chain.first) as client:
+            # an idle lane beside the working one (as an API pool keeps) does not keep the relay off
+            async with await StageClient.connect(chain.first) as client, await StageClient.connect(chain.first):
                 tokens = [await _session(client, chain, index + 1, prompt, 24) for index, prompt in enumerate(prompts)]
             assert tokens == reference
             stats = [server.stats for server in chain.servers]
@@ -444,6 +446,7 @@ async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: 
                     if step == 6:
                         async with await StageClient.connect(chain.first) as other:
                             other_tokens = await _session(other, chain, 2, other_prompt, 10)
+                        await trio.sleep(RECENT_WORK_S + 0.1)  # until then the two lanes' rows would batch
                     tokens.append((await client.decode(1, tokens[-1], len(PROMPT) + step, decode_step=step)).predicted)
                 await client.stop(1)
                 rolled = await _session(client, chain, 3, PROMPT, 12, rollback_at=7)

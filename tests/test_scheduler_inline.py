@@ -66,3 +66,59 @@ async def test_a_lone_decode_runs_on_the_trio_thread_only_when_inline_and_one_la
     assert prefill_thread != here  # a prefill chunk always goes to the runtime thread
     assert (decode_thread == here) is on_trio_thread
     assert result.tokens == [6]
+
+
+def _lane_decode(lane: int, position: int) -> WorkItem:
+    return WorkItem(session=(lane << 64) | 1, positions=np.array([position], dtype=np.int32),
+                    tokens=np.array([5], dtype=np.int32))
+
+
+async def test_a_relay_holds_the_runtime_until_work_is_queued_behind_it() -> None:
+    """Scheduler.hold (skippy.stage.decode_relay): only for the lane that brought the last work,
+    refused while another lane brought work lately; a job queued behind it stops it and runs
+    once it is released."""
+    scheduler, context = _scheduler(True, 2)
+    stops: list[str] = []
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await scheduler.execute(_lane_decode(1, 0))
+        assert scheduler.hold(lambda: stops.append("1"), 1) and scheduler.held
+        assert not scheduler.hold(lambda: stops.append("again"), 1)  # held already
+        done = trio.Event()
+
+        async def other_lane() -> None:
+            await scheduler.execute(_lane_decode(2, 0))
+            done.set()
+
+        nursery.start_soon(other_lane)
+        await trio.sleep(0.05)
+        assert stops == ["1"] and not done.is_set()  # queued behind the hold, which was asked to stop
+        scheduler.release_hold()
+        with trio.fail_after(2):
+            await done.wait()
+        # lane 2 brought work just now: lane 1 may not hold (their rows batch), lane 2 may not either
+        # while lane 1's work is as recent
+        assert not scheduler.hold(lambda: None, 1) and not scheduler.hold(lambda: None, 2)
+        nursery.cancel_scope.cancel()
+    assert len(context.threads) == 2
+
+
+async def test_lanes_that_brought_no_work_lately_do_not_keep_a_relay_off() -> None:
+    from skippy.stage import scheduler as scheduler_module
+
+    scheduler, _ = _scheduler(True, 3)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await scheduler.execute(_lane_decode(2, 0))
+        await scheduler.execute(_lane_decode(1, 0))
+        assert not scheduler.hold(lambda: None, 1)
+        scheduler_module_recent = scheduler_module.RECENT_WORK_S
+        try:
+            scheduler_module.RECENT_WORK_S = 0.01
+            await trio.sleep(0.02)
+            await scheduler.execute(_lane_decode(1, 1))
+            assert scheduler.hold(lambda: None, 1)  # lane 2 (and a lane that never sent) are idle
+        finally:
+            scheduler_module.RECENT_WORK_S = scheduler_module_recent
+        scheduler.release_hold()
+        nursery.cancel_scope.cancel()

@@ -25,7 +25,7 @@ lane notices a lost downstream at once); the forwarder cancels that wait when it
 nothing left to answer.  Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and
 park only when the channel is full / empty (each checkpoint is a run-loop pass).
 
-Two shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
+Three shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
 on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes:
 
 * ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
@@ -37,6 +37,11 @@ on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways an
 * ``write_through`` (:mod:`skippy.stage.write_through`): a kind whose rule allows it, whose
   output has the stream to itself (an idle forwarder; on the final stage, the writer token for
   its reply) is written by the runtime thread the moment its compute ends.
+* ``decode_relay`` (:mod:`skippy.stage.decode_relay`): after a direct-return DecodeEmbd went
+  through all of the above on a stage with a downstream, and the lane is the stage's only work,
+  the receiving task hands the upstream socket to a ``nogil`` loop that relays the session's
+  next decodes (read, compute, write) and hands back, unread, the first frame it would not
+  carry exactly as these steps do; the receiving task then reads on from there.
 
 Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
 log line naming the reason (a bug, i.e. anything that is not a typed refusal of
@@ -513,7 +518,7 @@ class Connection:
         run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,
                        downstream=downstream, reader=reader, downstream_name=self.downstream_name,
                        width=settings.width, position_end=settings.max_rows)
-        if not self.scheduler.hold(run.stop):
+        if not self.scheduler.hold(run.stop, self.id):
             run.close()
             return
         self._relay_run = run

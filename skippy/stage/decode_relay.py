@@ -5,8 +5,8 @@ for a flagged DecodeEmbd, so once a session decodes steadily every token is the 
 steps: read, compute, write downstream.  After the lane has handled such a message in full (its
 one path: the protocol, the executor, the write-through), :func:`relay_plan` decides whether the
 next ones may go through :mod:`skippy._relay` (its ``nogil`` loop; the twin ``skippy._relay_py``
-with ``SKIPPY_NO_EXTENSIONS=1``): the lane must be this stage's only one with nothing queued,
-in flight or buffered, both streams plain sockets with no simulated wire, the message one row
+with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered, no
+other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both streams plain sockets with no simulated wire, the message one row
 of f32/f16 with no sampling or metadata section, and the runtime a native context.  Then
 :meth:`RelayRun.run` holds the scheduler's runtime, runs the loop on a worker thread and waits.
 

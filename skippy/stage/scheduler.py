@@ -55,6 +55,10 @@ from skippy.stage.worker import RuntimeThread
 
 T = TypeVar("T")
 
+#: A lane that brought work within this many seconds keeps a decode relay from holding the
+#: runtime for another lane (:meth:`Scheduler.hold`): their rows batch instead.
+RECENT_WORK_S = 0.5
+
 #: Trio ticks the idle fast path waits, at most, for rows arriving with its own (it stops at the
 #: first tick that brings none, so a lone session pays one yield).
 _GATHER_TICKS = 3
@@ -96,14 +100,23 @@ class Scheduler:
         self._released: trio.Event | None = None
         #: The decode relay holding the runtime: called when a job is queued behind it.
         self._holder_stop: Callable[[], None] | None = None
+        #: When each lane (a session key's upper bits) last submitted a work item.
+        self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
 
-    def hold(self, stop: Callable[[], None]) -> bool:
-        """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) while
-        this stage has one lane open; ``stop`` is called (on the trio thread) when a job is
-        queued behind it.  False when the runtime is busy, jobs wait, or other lanes are open."""
-        if self._busy or self._queued or self.stats.working_lanes != 1:
+    def hold(self, stop: Callable[[], None], lane: int) -> bool:
+        """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) of lane
+        ``lane``; ``stop`` is called (on the trio thread) when a job is queued behind it.  False
+        when the runtime is busy, jobs wait, or another lane brought work in the last
+        :data:`RECENT_WORK_S` (idle lanes, such as an API pool keeps open, do not count)."""
+        if self._busy or self._queued:
             return False
+        now = time.monotonic()
+        for other, when in list(self._last_work.items()):
+            if now - when > RECENT_WORK_S:
+                del self._last_work[other]
+            elif other != lane:
+                return False
         self._busy = True
         self._holder_stop = stop
         return True
@@ -139,6 +152,8 @@ class Scheduler:
         return result
 
     async def _submit(self, job: _Job[T]) -> T:
+        if job.item is not None:
+            self._last_work[job.item.session >> 64] = time.monotonic()
         if not self._busy and not self._queued and (self.batch_window <= 0 or job.item is None):
             await self._run_here(job)
         else:
