@@ -102,6 +102,10 @@ class StageCollector(Collector):
         yield counter("decode_tokens", "decode rows computed", stats.decode_items)
         yield counter("verify_windows", "speculative verify windows computed", stats.verify_windows)
         yield counter("native_batches", "llama.cpp batches run", stats.native_batches)
+        yield counter("decode_relay_tokens", "decode rows the decode relay carried outside Python (also in "
+                      "decode_tokens)", stats.decode_relay_steps)
+        yield counter("decode_relay_runs", "runs of the decode relay (each ends at a frame it hands back)",
+                      stats.decode_relay_runs)
         yield counter("connections", "upstream lanes accepted", stats.connections_total)
         yield gauge("connections_open", "upstream lanes open now", stats.connections_open)
         yield gauge("sessions_in_use", "sessions holding a sequence id", stats.sessions_in_use)
