@@ -14,7 +14,11 @@ activation checked (finite, within the limit) and dequantized, ``llama_decode`` 
 function pointers the glue passes in, the output patched into the outgoing template and written
 with ``send``.  Only the fields that change per token are taken from the frame: ``pos_start``,
 ``decode_step``, ``current_token``, ``request_id``, the token sideband and the activation;
-everything else must equal the template byte for byte.
+everything else must equal the template byte for byte.  On the final stage the outgoing
+template is the session's PredictedToken reply (with its Timings frame when the return lane
+negotiated one): the loop samples the row (the greedy pick of the lane's path, the first
+maximum, or the session's llama.cpp sampler chain) and patches the token and the compute time
+into it before writing it into the return lane.
 
 The loop never refuses anything: the first frame it would not carry exactly as the Python lane
 does (another kind, another session, a position that is not the session's next one, a
@@ -22,7 +26,8 @@ non-finite activation, a failed decode) ends the run with that frame and everyth
 *handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
 same happens on end of stream or a reset upstream (the lane's reader then sees it), when the
 glue writes the stop descriptor (another job wants the runtime, the lane is closing), and
-after ``max_steps`` tokens (so per-token figures reach the stage's statistics).
+after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  A write waits
+for a full socket until the abort descriptor says the lane is closing.
 
 Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
 the scheduler holds the runtime for it, and the lane closes neither socket before it returns.
@@ -38,6 +43,7 @@ cdef extern from "_byteorder.h":
     int32_t skippy_load_i32(const unsigned char *p) noexcept nogil
     float skippy_load_f32(const unsigned char *p) noexcept nogil
     void skippy_store_i32(unsigned char *p, int32_t v) noexcept nogil
+    void skippy_store_i64(unsigned char *p, int64_t v) noexcept nogil
 
 cdef extern from "_activation.h":
     void _encode_f16 "skippy_encode_f16" (const uint32_t *source, unsigned char *target,
@@ -67,6 +73,9 @@ cdef extern from "<sys/socket.h>" nogil:
     enum:
         MSG_NOSIGNAL
 
+cdef extern from "<math.h>" nogil:
+    bint isnan(float value)
+
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
     struct timespec:
@@ -89,14 +98,19 @@ cdef enum:
     _STOPPED = 1
     _STEP_LIMIT = 2
     _DOWNSTREAM_FAILED = 3
+    _ABORTED = 4
 
-HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED = _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED
-if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED) != (
-        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED):
+HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED = (
+    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED)
+if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED) != (
+        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED):
     raise ImportError("skippy._relay and its twin disagree on the outcome codes")
 RelayOutcome = _twin.RelayOutcome
 FIXED_HEADER = _twin.FIXED_HEADER
+REPLY_BYTES = _twin.REPLY_BYTES
+TIMINGS_BYTES = _twin.TIMINGS_BYTES
 template_layout = _twin.template_layout
+reply_layout = _twin.reply_layout
 
 cdef enum:
     _HEADER = 76
@@ -112,6 +126,8 @@ cdef enum:
 
 ctypedef int32_t (*decode_fn)(void *context, void *batch) noexcept nogil
 ctypedef float *(*embeddings_fn)(void *context) noexcept nogil
+ctypedef float *(*logits_fn)(void *context, int32_t row) noexcept nogil
+ctypedef int32_t (*sample_fn)(void *sampler, void *context, int32_t row) noexcept nogil
 
 _select_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
 
@@ -126,7 +142,12 @@ cdef class DecodeRelay:
     """One session's steady-state decode relay (see the module header; the twin documents the
     arguments, which both implementations take alike)."""
 
-    cdef int _upstream, _downstream, _stop
+    cdef int _upstream, _downstream, _stop, _abort
+    cdef bint _final
+    cdef Py_ssize_t _token_offset, _compute_offset
+    cdef logits_fn _logits
+    cdef sample_fn _sample
+    cdef void *_sampler  # NULL: the greedy pick
     cdef bytes _in_template, _out_template
     cdef const unsigned char *_in_header  # the incoming template's bytes (kept alive above)
     cdef Py_ssize_t _in_length, _out_length, _width, _in_activation, _out_activation
@@ -152,13 +173,16 @@ cdef class DecodeRelay:
         self._buffer = NULL
         self._out = NULL
 
-    def __init__(self, *, int upstream_fd, int downstream_fd, int stop_fd, bytes in_template,
+    def __init__(self, *, int upstream_fd, int downstream_fd, int stop_fd, int abort_fd, bytes in_template,
                  bytes out_template, Py_ssize_t width, bint first, int n_vocab, int64_t next_position,
-                 int64_t position_end, double activation_limit, object runtime, int max_steps=1024):
-        layout = _twin.template_layout(in_template, out_template, width=width, first=first)
+                 int64_t position_end, double activation_limit, object runtime, bint final=False,
+                 int max_steps=1024):
+        layout = _twin.template_layout(in_template, out_template, width=width, first=first, final=final)
         self._in_length, self._out_length, self._in_activation, self._out_activation = layout[:4]
         self._in_dtype, self._out_dtype = layout[4:]
-        self._upstream, self._downstream, self._stop = upstream_fd, downstream_fd, stop_fd
+        self._final = final
+        self._token_offset, self._compute_offset = _twin.reply_layout(out_template) if final else (-1, -1)
+        self._upstream, self._downstream, self._stop, self._abort = upstream_fd, downstream_fd, stop_fd, abort_fd
         self._in_template, self._out_template = in_template, out_template
         self._in_header = <const unsigned char *>PyBytes_AS_STRING(in_template)
         self._width, self._first, self._n_vocab = width, first, n_vocab
@@ -173,6 +197,11 @@ cdef class DecodeRelay:
         self._token_slot = <int32_t *><uintptr_t>addresses["token"]
         self._position_slot = <int32_t *><uintptr_t>addresses["position"]
         self._embd_slot = <float *><uintptr_t>addresses["embd"]
+        self._logits = <logits_fn><uintptr_t>addresses.get("logits", 0)
+        self._sample = <sample_fn><uintptr_t>addresses.get("sample", 0)
+        self._sampler = <void *><uintptr_t>addresses.get("sampler", 0)
+        if final and self._logits == NULL:
+            raise ValueError("a final stage's relay needs the runtime's logits")
         self._capacity = max(self._in_length, _HEADER) * 2 + (1 << 16)
         self._buffer = <unsigned char *>malloc(self._capacity)
         self._out = <unsigned char *>malloc(self._out_length)
@@ -205,7 +234,7 @@ cdef class DecodeRelay:
     cdef int _loop(self, int64_t *steps, int64_t *compute_ns, int64_t *write_ns, int64_t *bytes_in,
                    int64_t *bytes_out) noexcept nogil:
         cdef int status
-        cdef int64_t started
+        cdef int64_t started, elapsed
         while steps[0] < self._max_steps:
             status = self._fill(self._in_length, bytes_in)
             if status >= 0:
@@ -215,10 +244,14 @@ cdef class DecodeRelay:
             started = _now_ns()
             if self._step() != 0:
                 return _HANDED_BACK  # the lane runs it again and reports what failed
-            compute_ns[0] += _now_ns() - started
+            elapsed = _now_ns() - started
+            compute_ns[0] += elapsed
+            if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
+                skippy_store_i64(self._out + self._compute_offset, elapsed // 1000)
             started = _now_ns()
-            if self._write(self._out_length) != 0:
-                return _DOWNSTREAM_FAILED
+            status = self._write(self._out_length)
+            if status >= 0:
+                return status
             write_ns[0] += _now_ns() - started
             bytes_out[0] += self._out_length
             self._consume(self._in_length)
@@ -229,7 +262,7 @@ cdef class DecodeRelay:
     cdef int _fill(self, Py_ssize_t wanted, int64_t *bytes_in) noexcept nogil:
         """Read until ``wanted`` bytes (a template frame) or a whole header that is not one;
         -1 when they are there, else the outcome that ends the run."""
-        cdef pollfd fds[2]
+        cdef pollfd fds[3]
         cdef ssize_t got
         while True:
             if self._filled >= _HEADER and not self._header_matches():
@@ -238,11 +271,12 @@ cdef class DecodeRelay:
                 return -1
             fds[0].fd, fds[0].events, fds[0].revents = self._upstream, POLLIN, 0
             fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
-            if poll(fds, 2, -1) < 0:
+            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
+            if poll(fds, 3, -1) < 0:
                 if errno == EINTR:
                     continue
                 return _HANDED_BACK
-            if fds[1].revents:
+            if fds[1].revents or fds[2].revents:
                 return _STOPPED
             got = recv(self._upstream, self._buffer + self._filled, self._capacity - self._filled, 0)
             if got > 0:
@@ -303,8 +337,16 @@ cdef class DecodeRelay:
         cdef unsigned char *out = self._out
         cdef float *hidden
         cdef Py_ssize_t index
+        cdef int32_t token
         if self._decode(self._context, self._batch) != 0:
             return 1
+        if self._final:
+            token = self._pick()
+            if token < 0:
+                return 1
+            skippy_store_i32(out + self._token_offset, token)
+            skippy_store_i32(out + self._token_offset + 8, token)  # the token vector's one entry
+            return 0
         hidden = self._embeddings(self._context)
         if hidden == NULL:
             return 1
@@ -318,11 +360,34 @@ cdef class DecodeRelay:
             _encode_f16(<const uint32_t *>hidden, out + self._out_activation, self._width)
         return 0
 
+    cdef int32_t _pick(self) noexcept nogil:
+        """The final stage's token for the decoded row (-1: no logits)."""
+        cdef float *logits
+        cdef int32_t index, best = 0
+        cdef float value, top
+        if self._sampler != NULL:
+            return self._sample(self._sampler, self._context, 0)
+        logits = self._logits(self._context, 0)
+        if logits == NULL:
+            return -1
+        # the lane's greedy pick is numpy's argmax: the first maximum, or the first NaN
+        top = logits[0]
+        if isnan(top):
+            return 0
+        for index in range(1, self._n_vocab):
+            value = logits[index]
+            if isnan(value):
+                return index
+            if value > top:
+                top, best = value, index
+        return best
+
     cdef int _write(self, Py_ssize_t length) noexcept nogil:
-        """Write the outgoing frame, waiting while the socket is full; nonzero on failure."""
+        """Write the outgoing frame, waiting while the socket is full; -1 when it is out, else the
+        outcome that ends the run."""
         cdef Py_ssize_t sent = 0
         cdef ssize_t wrote
-        cdef pollfd fds[1]
+        cdef pollfd fds[2]
         while sent < length:
             wrote = send(self._downstream, self._out + sent, length - sent, MSG_NOSIGNAL)
             if wrote > 0:
@@ -330,11 +395,14 @@ cdef class DecodeRelay:
                 continue
             if wrote < 0 and (errno == EAGAIN or errno == EINTR):
                 fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLOUT, 0
-                if poll(fds, 1, -1) < 0 and errno != EINTR:
-                    return 1
+                fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
+                if poll(fds, 2, -1) < 0 and errno != EINTR:
+                    return _DOWNSTREAM_FAILED
+                if fds[1].revents:
+                    return _ABORTED
                 continue
-            return 1
-        return 0
+            return _DOWNSTREAM_FAILED
+        return -1
 
     cdef void _consume(self, Py_ssize_t length) noexcept nogil:
         self._filled -= length

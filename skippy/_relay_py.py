@@ -4,7 +4,8 @@ Strategy: the same loop as the Cython module (read its header for what the relay
 what it hands back), step for step and byte for byte: ``select.poll`` and ``os.read`` /
 ``os.write`` on the two sockets, the header compared with the template outside the per-token
 fields, the activation checked and dequantized with numpy, the row decoded through the
-runtime's one-row batch, the outgoing template patched.  It holds the GIL throughout, so it
+runtime's one-row batch, the outgoing template patched (a final stage's: the sampled token and
+the Timings record's compute time in its reply).  It holds the GIL throughout, so it
 saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it
 and the relay tests run against both.
 """
@@ -34,6 +35,15 @@ STOPPED = 1
 STEP_LIMIT = 2
 #: Writing downstream failed (reset, broken pipe): the lane fails as for any write.
 DOWNSTREAM_FAILED = 3
+#: The abort descriptor was written while a frame was being written (the lane is closing): the
+#: stream may hold part of a frame.
+ABORTED = 4
+
+#: A final stage's reply: PredictedToken (kind, token, a token vector of that one token, window
+#: id, no draft, 23 i64 stats); with a Timings frame of one record in front (head, 4 i32, 4 i64)
+#: when the return lane negotiated the extensions (docs/protocol.md §4).
+REPLY_BYTES = 12 + 4 + 4 + 4 + 23 * 8
+TIMINGS_BYTES = 8 + 16 + 32
 
 #: The fixed part of a message frame (docs/protocol.md §2.2).
 FIXED_HEADER = 76
@@ -60,15 +70,43 @@ class RelayOutcome(NamedTuple):
     bytes_out: int
 
 
+def reply_layout(reply: bytes) -> tuple[int, int]:
+    """``(token_offset, compute_offset)`` of a final stage's reply template: the token goes at
+    ``token_offset`` and again 8 bytes on (the token vector's one entry); compute: -1 without a
+    Timings frame.
+
+    Raises:
+        ValueError: not a PredictedToken reply (with one Timings record in front, or none).
+    """
+    timings = len(reply) == TIMINGS_BYTES + REPLY_BYTES
+    if len(reply) != REPLY_BYTES and not timings:
+        raise ValueError("the reply template is not one PredictedToken (with one Timings record)")
+    start = TIMINGS_BYTES if timings else 0
+    if timings and reply[:8] != struct.pack("<ii", 0x5E01, 1):
+        raise ValueError("the reply template's first frame is not a Timings frame of one record")
+    kind, _, count = struct.unpack_from("<iii", reply, start)
+    if kind != 2 or count != 1 or reply[start + 20:start + 24] != bytes(4):
+        raise ValueError("the reply template is not a plain PredictedToken")
+    return start + 4, (24 if timings else -1)
+
+
 def template_layout(in_template: bytes, out_template: bytes, *, width: int,
-                    first: bool) -> tuple[int, int, int, int, int, int]:
+                    first: bool, final: bool = False) -> tuple[int, int, int, int, int, int]:
     """``(in_length, out_length, in_activation, out_activation, in_dtype, out_dtype)`` of a
-    session's template frames (offsets of the activation sections).
+    session's template frames (offsets of the activation sections; a final stage's outgoing
+    template is its reply, :func:`reply_layout`, and its out fields are 0).
 
     Raises:
         ValueError: a pair of frames the relay cannot carry (the glue checks first; this keeps
             either implementation from running on one).
     """
+    if final:
+        if first:
+            raise ValueError("a final stage that is also the first takes its decodes hop by hop")
+        reply_layout(out_template)
+        in_length, _, in_activation, _, in_dtype, _ = template_layout(
+            in_template, in_template, width=width, first=False)
+        return in_length, len(out_template), in_activation, 0, in_dtype, 0
     if len(in_template) < FIXED_HEADER or len(out_template) < FIXED_HEADER:
         raise ValueError("a template is shorter than the fixed header")
     for name, frame in (("incoming", in_template), ("outgoing", out_template)):
@@ -95,10 +133,13 @@ class DecodeRelay:
     """One session's steady-state decode relay.
 
     Args:
-        upstream_fd / downstream_fd: the lane's sockets (non-blocking; the lane keeps owning them).
-        stop_fd: readable when the run must end (an eventfd the glue writes).
+        upstream_fd / downstream_fd: the lane's sockets (non-blocking; the lane keeps owning
+            them); a final stage's downstream is the session's return lane.
+        stop_fd: readable when the run must end between frames (an eventfd the glue writes).
+        abort_fd: readable when it must end at once, even in the middle of writing a frame.
         in_template / out_template: the run's first frame as received, and the frame the lane
-            forwarded for it.
+            forwarded for it (a final stage: the reply it wrote, :func:`reply_layout`).
+        final: the stage samples; the runtime's ``sample`` picks the token.
         width: the activation width; first: the stage takes token ids (layer 0).
         n_vocab: token ids must be below it (first stage).
         next_position: the session's next position (its KV length); position_end: the cells
@@ -108,12 +149,16 @@ class DecodeRelay:
         max_steps: the most tokens one :meth:`run` relays.
     """
 
-    def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, in_template: bytes,
+    def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
                  out_template: bytes, width: int, first: bool, n_vocab: int, next_position: int,
-                 position_end: int, activation_limit: float, runtime: Any, max_steps: int = 1024) -> None:
+                 position_end: int, activation_limit: float, runtime: Any, final: bool = False,
+                 max_steps: int = 1024) -> None:
         (self._in_length, self._out_length, self._in_activation, self._out_activation,
-         self._in_dtype, self._out_dtype) = template_layout(in_template, out_template, width=width, first=first)
-        self._upstream, self._downstream, self._stop = upstream_fd, downstream_fd, stop_fd
+         self._in_dtype, self._out_dtype) = template_layout(in_template, out_template, width=width, first=first,
+                                                            final=final)
+        self._final = final
+        self._token_offset, self._compute_offset = reply_layout(out_template) if final else (-1, -1)
+        self._upstream, self._downstream, self._stop, self._abort = upstream_fd, downstream_fd, stop_fd, abort_fd
         self._in_template = in_template
         self._out = bytearray(out_template)
         self._width, self._first, self._n_vocab = width, first, n_vocab
@@ -126,6 +171,7 @@ class DecodeRelay:
         self._poll = select.poll()
         self._poll.register(upstream_fd, select.POLLIN)
         self._poll.register(stop_fd, select.POLLIN)
+        self._poll.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
 
     def run(self, pending: bytes = b"") -> RelayOutcome:
@@ -150,10 +196,14 @@ class DecodeRelay:
             started = time.perf_counter_ns()
             if not self._step():
                 return HANDED_BACK
-            counters[1] += time.perf_counter_ns() - started
+            elapsed = time.perf_counter_ns() - started
+            counters[1] += elapsed
+            if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
+                struct.pack_into("<q", self._out, self._compute_offset, elapsed // 1000)
             started = time.perf_counter_ns()
-            if not self._write():
-                return DOWNSTREAM_FAILED
+            written = self._write()
+            if written is not None:
+                return written
             counters[2] += time.perf_counter_ns() - started
             counters[4] += self._out_length
             del self._buffer[:self._in_length]
@@ -168,7 +218,7 @@ class DecodeRelay:
             if len(self._buffer) >= wanted:
                 return -1
             ready = dict(self._poll.poll())
-            if ready.get(self._stop):
+            if ready.get(self._stop) or ready.get(self._abort):
                 return STOPPED
             if not ready.get(self._upstream):
                 continue
@@ -221,6 +271,13 @@ class DecodeRelay:
         runtime = self._runtime
         if runtime.decode() != 0:
             return False
+        if self._final:
+            token = runtime.sample()
+            if token < 0:
+                return False
+            struct.pack_into("<i", self._out, self._token_offset, token)
+            struct.pack_into("<i", self._out, self._token_offset + 8, token)  # the token vector's entry
+            return True
         hidden = runtime.hidden()
         frame, out = self._buffer, self._out
         out[_POS_START:_POS_START + 4] = frame[_POS_START:_POS_START + 4]
@@ -236,7 +293,9 @@ class DecodeRelay:
         out[self._out_activation:] = encoded
         return True
 
-    def _write(self) -> bool:
+    def _write(self) -> int | None:
+        """Write the outgoing frame, waiting while the socket is full; None when it is out, else
+        the outcome that ends the run."""
         view = memoryview(self._out)
         while view:
             try:
@@ -244,9 +303,11 @@ class DecodeRelay:
             except (BlockingIOError, InterruptedError):
                 waiter = select.poll()
                 waiter.register(self._downstream, select.POLLOUT)
-                waiter.poll()
+                waiter.register(self._abort, select.POLLIN)
+                if dict(waiter.poll()).get(self._abort):
+                    return ABORTED
             except OSError as exc:
                 if exc.errno in (errno.EAGAIN, errno.EINTR):
                     continue
-                return False
-        return True
+                return DOWNSTREAM_FAILED
+        return None

@@ -22,10 +22,11 @@ import pytest
 import trio
 
 from skippy import _relay_py
-from skippy.protocol import MessageKind, SamplingConfig, StageMessage, StateHeader, WireDType
-from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG
-from skippy.runtime import Model, StageContext
-from skippy.stage import lane_messages
+from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, SamplingConfig, StageMessage, StageReply, StateHeader, WireDType
+from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingsFrame
+from skippy.runtime import GREEDY, Model, Sampler, SamplingParams, StageContext
+from skippy.stage import extensions, lane_messages
+from skippy.stage.extensions import StageIdentity
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.scheduler import RECENT_WORK_S
 from skippy.stage.transport import codec
@@ -57,14 +58,18 @@ def decode_message(position: int, *, token: int = 0, activation: np.ndarray | No
 
 
 class Side:
-    """One stage range of the tiny llama with a session that holds the prompt's prefill."""
+    """One stage range of the tiny llama with a session that holds the prompt's prefill (a final
+    stage's session samples with ``params``; ``timings``: its replies carry a Timings frame)."""
 
-    def __init__(self, path: Path, layers: str) -> None:
+    def __init__(self, path: Path, layers: str, params: SamplingParams = GREEDY, timings: bool = True) -> None:
         self.model = Model(path, layers)
         self.context = StageContext(self.model, n_ctx=256, max_sessions=2, n_batch=64, threads=1)
         self.seq = self.context.open_session()
         self.first = self.model.is_first
+        self.final = self.model.is_last
         self.width = self.context.n_embd
+        self.sampler = Sampler(params, self.model.n_vocab, self.model.vocab_pointer) if self.final else None
+        self.timings = timings
 
     def prefill(self, rows: np.ndarray) -> None:
         count = len(rows)
@@ -81,12 +86,35 @@ class Side:
         else:
             self.context.decode(activations=np.ascontiguousarray(message.activation, dtype=np.float32),
                                 positions=[position], seq_ids=[self.seq])
+        if self.final:
+            assert self.sampler is not None
+            return reply_frame(int(self.context.sample([self.sampler], [0])[0]), self.timings)
         hidden = np.array(self.context.activations(), dtype=np.float32, copy=True)
         return codec.encode_message(lane_messages.outgoing(message, hidden, out_dtype), out_dtype, self.width)
 
     def close(self) -> None:
+        if self.sampler is not None:
+            self.sampler.close()
         self.context.close()
         self.model.close()
+
+
+IDENTITY = StageIdentity(False, 1, 4)
+IDENTITY.index = 2
+
+
+def reply_frame(token: int, timings: bool) -> bytes:
+    """A final stage's reply into a return lane, as the lane writes it (compute time 0)."""
+    return extensions.reply_bytes(
+        StageReply.predicted_token(token, stats=EMPTY_REPLY_STATS),
+        TimingsFrame((extensions.own_record(IDENTITY, batch_size=1, compute_us=0),)) if timings else None)
+
+
+def without_compute_time(frame: bytes) -> bytes:
+    """A reply with its Timings record's compute_us zeroed (it is measured, so it differs)."""
+    if len(frame) == _relay_py.TIMINGS_BYTES + _relay_py.REPLY_BYTES:
+        return frame[:24] + bytes(8) + frame[32:]
+    return frame
 
 
 @pytest.fixture(scope="module")
@@ -106,9 +134,9 @@ class Bench:
 
     def __init__(self, implementation: Any, path: Path, layers: str, prompt_hidden: np.ndarray,
                  in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
-                 max_steps: int = 1024) -> None:
-        self.relay_side, self.lane_side = Side(path, layers), Side(path, layers)
-        self.first = self.relay_side.first
+                 max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True) -> None:
+        self.relay_side, self.lane_side = Side(path, layers, params, timings), Side(path, layers, params, timings)
+        self.first, self.final = self.relay_side.first, self.relay_side.final
         rows = np.array(PROMPT, dtype=np.int32) if self.first else prompt_hidden
         for side in (self.relay_side, self.lane_side):
             side.prefill(rows)
@@ -120,6 +148,8 @@ class Bench:
         self.in_template = codec.encode_message(primer, in_dtype, self.relay_side.width)
         self.out_template = self.lane_side.lane_frame(primer, out_dtype)
         self.relay_side.lane_frame(primer, out_dtype)
+        if self.final:  # the lane's template: its reply with the token and compute time to patch
+            self.out_template = reply_frame(0, timings)
         self.position += 1
         self.upstream, upstream_end = socket.socketpair()
         downstream_end, self.downstream = socket.socketpair()
@@ -127,12 +157,14 @@ class Bench:
             sock.setblocking(False)
         self._ends = (upstream_end, downstream_end)
         self.stop_fd = os.eventfd(0, os.EFD_NONBLOCK)
-        self.rows = self.relay_side.context.row_batch(self.relay_side.seq)
+        self.abort_fd = os.eventfd(0, os.EFD_NONBLOCK)
+        self.rows = self.relay_side.context.row_batch(self.relay_side.seq, self.relay_side.sampler)
         self.relay = implementation.DecodeRelay(
             upstream_fd=upstream_end.fileno(), downstream_fd=downstream_end.fileno(), stop_fd=self.stop_fd,
-            in_template=self.in_template, out_template=self.out_template, width=self.relay_side.width,
-            first=self.first, n_vocab=self.relay_side.model.n_vocab, next_position=self.position,
-            position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.rows, max_steps=max_steps)
+            abort_fd=self.abort_fd, in_template=self.in_template, out_template=self.out_template,
+            width=self.relay_side.width, first=self.first, n_vocab=self.relay_side.model.n_vocab,
+            next_position=self.position, position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.rows,
+            final=self.final, max_steps=max_steps)
 
     def message(self, position: int, **changes: Any) -> StageMessage:
         if self.first:
@@ -161,7 +193,7 @@ class Bench:
             data = b""
             while len(data) < length:
                 data += self.downstream.recv(length - len(data))
-            frames.append(data)
+            frames.append(without_compute_time(data) if self.final else data)
         self.downstream.setblocking(False)
         try:
             extra = self.downstream.recv(1 << 16)
@@ -174,6 +206,7 @@ class Bench:
         for sock in (self.upstream, self.downstream, *self._ends):
             sock.close()
         os.close(self.stop_fd)
+        os.close(self.abort_fd)
         self.relay_side.close()
         self.lane_side.close()
 
@@ -212,6 +245,42 @@ def test_the_relay_forwards_exactly_the_lanes_frames(implementation: Any, make_b
     assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 6
     assert outcome.bytes_out == 6 * len(bench.out_template) and outcome.bytes_in == len(outcome.leftover) + sum(
         len(bench.frame(message)) for message in messages)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("params", [GREEDY, SamplingParams(temperature=0.9, top_k=40, seed=11),
+                                    SamplingParams(temperature=0.7, repeat_penalty=1.3, seed=3)],
+                         ids=["greedy", "temperature", "penalties"])
+@pytest.mark.parametrize("timings", [True, False], ids=["timings", "plain"])
+def test_a_final_stage_answers_exactly_the_lanes_replies(implementation: Any, make_bench: Any,
+                                                         params: SamplingParams, timings: bool) -> None:
+    bench = make_bench(implementation, "1:4", params=params, timings=timings)
+    messages = [bench.message(bench.position + index) for index in range(8)]
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == 8 and outcome.leftover == b""
+    expected = [without_compute_time(bench.lane_side.lane_frame(message, WireDType.F32)) for message in messages]
+    replies = bench.forwarded(8)
+    assert replies == expected  # the same tokens (the samplers' states moved alike), the same bytes
+    assert len({reply for reply in replies}) > 1  # tokens that change: a real test of the pick
+
+
+def test_the_greedy_pick_is_numpys_argmax() -> None:
+    """The Cython loop's first-maximum scan (NaN first, as numpy's argmax) on logits it is fed."""
+    if _relay_cython is None:
+        pytest.skip("skippy._relay not built")
+    # (the loop reads the logits through the runtime; here the same rule in numpy terms)
+    for values in ([1.0, 3.0, 3.0, 2.0], [np.nan, 1.0], [1.0, np.nan, 5.0], [-np.inf, -np.inf]):
+        array = np.array(values, dtype=np.float32)
+        expected = int(array.argmax())
+        best, top = 0, array[0]
+        if not np.isnan(top):
+            for index in range(1, len(array)):
+                if np.isnan(array[index]):
+                    best = index
+                    break
+                if array[index] > top:
+                    top, best = array[index], index
+        assert best == expected, values
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -293,6 +362,32 @@ def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(impleme
     other.downstream.close()
     outcome = other.run(other.frame(other.message(other.position)))
     assert outcome.status == implementation.DOWNSTREAM_FAILED
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layers", ["1:2", "1:4"], ids=["middle", "final"])
+def test_an_abort_cuts_a_write_the_downstream_does_not_take(implementation: Any, make_bench: Any,
+                                                            layers: str) -> None:
+    bench = make_bench(implementation, layers)
+    relay_end = bench._ends[1]
+    relay_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    bench.downstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    frames = b"".join(bench.frame(bench.message(bench.position + index)) for index in range(200))
+    writer = threading.Thread(target=bench.upstream.sendall, args=(frames,))
+    writer.start()
+    threading.Timer(0.5, os.eventfd_write, (bench.abort_fd, 1)).start()
+    outcome = bench.relay.run(b"")  # nobody reads downstream: it blocks on a full socket until the abort
+    assert outcome.status == implementation.ABORTED and 0 < outcome.steps < 200
+    bench.downstream.setblocking(False)
+    while True:  # drain, so the writer thread can finish
+        try:
+            if not bench.downstream.recv(1 << 16):
+                break
+        except BlockingIOError:
+            break
+    bench.upstream.shutdown(socket.SHUT_WR)
+    bench._ends[0].close()
+    writer.join(5)
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -421,12 +516,39 @@ async def test_the_relay_sends_the_bytes_the_lane_sends_and_the_unsplit_tokens(t
             assert tokens == reference
             stats = [server.stats for server in chain.servers]
             carried = 2 * 23  # every decode but each session's first
-            assert [s.decode_relay_steps for s in stats] == ([carried, carried, 0] if relay else [0, 0, 0])
+            assert [s.decode_relay_steps for s in stats] == ([carried] * 3 if relay else [0, 0, 0])  # the final too
             assert all(s.decode_items == 2 * 24 and s.connection_errors == 0 for s in stats)
             sent[relay] = [bytes(tap.sent) for tap in chain.taps]
             nursery.cancel_scope.cancel()
     assert sent[True] == sent[False]  # every forwarded frame, byte for byte
     assert all(len(frames) > 2 * 24 * 76 for frames in sent[True])
+
+
+async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(tiny_llama: Path) -> None:
+    """The driver drops the return lane while the final stage's relay holds it: the lane's close
+    aborts the run (no write into a closed socket, no close waiting on the run), and the session
+    goes on hop by hop with the same tokens."""
+    async with trio.open_nursery() as nursery:
+        chain = await _tapped_chain(nursery, tiny_llama, True)
+        final = chain.servers[-1]
+        async with await StageClient.connect(chain.first) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            assert await client.open_direct_return(chain.final, 1)
+            tokens = [(await client.prefill(1, PROMPT, chunk_size=3)).token]
+            for step in range(4):  # relayed on every stage after the first decode
+                tokens.append((await client.decode(1, tokens[-1], len(PROMPT) + step, decode_step=step)).predicted)
+            assert final.stats.decode_relay_runs == 0  # the run is still going (accounted at its end)
+            await client.close_direct_return()
+            with trio.fail_after(5):  # the return lane's close ended the final stage's run
+                while final.stats.decode_relay_runs == 0 or final.stats.return_lanes_open:
+                    await trio.sleep(0.01)
+            assert final.stats.decode_relay_steps == 3
+            for step in range(4, 8):  # hop by hop now: the relays hand the unflagged frames back
+                tokens.append((await client.decode(1, tokens[-1], len(PROMPT) + step, decode_step=step)).predicted)
+            await client.stop(1)
+        assert tokens == reference_greedy(tiny_llama, PROMPT, 9, chunk_size=3)
+        assert all(server.stats.connection_errors == 0 for server in chain.servers)
+        nursery.cancel_scope.cancel()
 
 
 async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: Path) -> None:

@@ -305,11 +305,12 @@ class StageContext:
                 self._last_output_rows = np.flatnonzero(out[:n_rows])
                 self._last_output_set = frozenset(self._last_output_rows.tolist())
 
-    def row_batch(self, seq: int) -> "RowBatch":
-        """A one-row batch of session ``seq`` for the decode relay (:mod:`skippy.runtime.row_batch`)."""
+    def row_batch(self, seq: int, sampler: Sampler | None = None) -> "RowBatch":
+        """A one-row batch of session ``seq`` for the decode relay (:mod:`skippy.runtime.row_batch`;
+        a final stage's picks with ``sampler``)."""
         from skippy.runtime.row_batch import RowBatch
 
-        return RowBatch(self, seq)
+        return RowBatch(self, seq, sampler)
 
     def note_external_decode(self, rows: int) -> None:
         """A :class:`~skippy.runtime.row_batch.RowBatch` decoded one row at a time: the last

@@ -5,8 +5,11 @@ needs what ``StageContext.decode`` builds per call, built once: a ``llama_batch`
 arrays of one token, one position, one sequence id and one ``n_embd`` row of activations, with
 the row flagged as an output.  The relay writes the token (first stage) or the activation and
 the position into those arrays, then calls ``skippy_decode_view`` and ``llama_get_embeddings``
+(a final stage: ``llama_get_logits_ith`` and, for a sampler chain, ``llama_sampler_sample``)
 through the raw addresses :meth:`RowBatch.addresses` gives; the pure-Python twin calls
-:meth:`RowBatch.decode` and :meth:`RowBatch.hidden`, the same functions through cffi.
+:meth:`RowBatch.decode`, :meth:`RowBatch.hidden` and :meth:`RowBatch.sample`, the same functions
+through cffi.  A final stage's pick is the context's own: the first maximum of the row for a
+plain greedy sampler (``StageContext.sample``'s shortcut), else the session's sampler chain.
 
 The batch is only valid while its context is open and nothing else decodes on it: the caller
 (the stage's scheduler, which holds the runtime for the relay) keeps both true.
@@ -24,21 +27,27 @@ from skippy.runtime.ffi import ffi, lib
 
 if TYPE_CHECKING:
     from skippy.runtime.context import StageContext
+    from skippy.runtime.sampling import Sampler
 
 __all__ = ["RowBatch"]
 
 
 @final
 class RowBatch:
-    """One row of session ``seq`` on ``context`` (a non-final stage: its output is activations).
+    """One row of session ``seq`` on ``context``; on a final stage ``sampler`` picks its token.
 
     Raises:
-        InvalidBatch: the context is a final stage's (it produces logits), or ``seq`` is not open.
+        InvalidBatch: ``seq`` out of range, a final stage without a sampler or with one the
+            relay cannot run (a grammar's checked sampler), or a stage that is first and final.
     """
 
-    def __init__(self, context: "StageContext", seq: int) -> None:
-        if context.model.is_last:
-            raise InvalidBatch("the final stage produces logits, not activations: no relay batch")
+    def __init__(self, context: "StageContext", seq: int, sampler: "Sampler | None" = None) -> None:
+        self.final = bool(context.model.is_last)
+        if self.final and (sampler is None or sampler.checked or sampler.pointer is None
+                           or context.model.is_first):
+            raise InvalidBatch("a final stage's relay batch needs a plain sampler, after another stage")
+        self._sampler = sampler
+        self._greedy = sampler is not None and sampler.plain_greedy
         if not 0 <= seq < context.max_sessions:
             raise InvalidBatch(f"sequence id {seq} outside 0..{context.max_sessions - 1}")
         self._context = context
@@ -68,7 +77,7 @@ class RowBatch:
         def address(pointer: object) -> int:
             return int(ffi.cast("uintptr_t", pointer))
 
-        return {
+        addresses = {
             "context": address(self._context._context_ptr()),
             "batch": address(self._batch),
             "decode": address(ffi.addressof(lib, "skippy_decode_view")),
@@ -77,6 +86,12 @@ class RowBatch:
             "position": address(ffi.from_buffer(self.position)),
             "embd": address(ffi.from_buffer(self.embd)),
         }
+        if self.final:
+            assert self._sampler is not None
+            addresses["logits"] = address(ffi.addressof(lib, "llama_get_logits_ith"))
+            addresses["sample"] = address(ffi.addressof(lib, "llama_sampler_sample"))
+            addresses["sampler"] = 0 if self._greedy else address(self._sampler.pointer)
+        return addresses
 
     def decode(self) -> int:
         """Run the row (the twin's call); llama_decode's return code."""
@@ -86,6 +101,17 @@ class RowBatch:
         """The row's output activation (a view valid until the next decode)."""
         pointer = lib.llama_get_embeddings(self._context._context_ptr())
         return np.frombuffer(ffi.buffer(pointer, self.width * 4), dtype=np.float32)
+
+    def sample(self) -> int:
+        """The final stage's token for the decoded row (the twin's call; -1: no logits)."""
+        pointer = self._context._context_ptr()
+        if not self._greedy:
+            assert self._sampler is not None
+            return int(lib.llama_sampler_sample(self._sampler.pointer, pointer, 0))
+        logits = lib.llama_get_logits_ith(pointer, 0)
+        if logits == ffi.NULL:
+            return -1
+        return int(np.frombuffer(ffi.buffer(logits, self._context.model.n_vocab * 4), dtype=np.float32).argmax())
 
     def finished(self, rows: int) -> None:
         """Tell the context a relay decoded on it (its last batch was one of ours, ``rows`` > 0)."""

@@ -78,7 +78,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
+from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import (
     DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
@@ -234,6 +234,7 @@ class Connection:
         #: Shortcut 3 (:mod:`skippy.stage.decode_relay`): the frame the last direct-return decode
         #: was forwarded as (the relay's outgoing template), and the run reading the upstream now.
         self._relay_frame: bytes | None = None
+        self._relay_lane: ReturnLane | None = None
         self._relay_run: RelayRun | None = None
 
     @property
@@ -336,6 +337,8 @@ class Connection:
         own = self._return_lane
         if own is not None:
             returns.remove(own)
+            if own.relay_abort is not None:  # a decode relay writes into it: end that first
+                own.relay_abort()
             with trio.move_on_after(0.5):  # a write into it that does not finish: no Error frame
                 await own.lock.acquire()  # never released: nothing may write on it after the Error frame
                 return
@@ -500,15 +503,18 @@ class Connection:
                 await put(messages, (dispatch, received_us, held))
 
     async def _relay_decode(self, reader: MessageReader, dispatch: Dispatch) -> None:
-        """Shortcut 3 (:mod:`skippy.stage.decode_relay`): ``dispatch`` was a direct-return decode
-        forwarded by write-through; while this lane is the stage's only work, relay the ones that
-        follow it outside Python.  Whatever the relay does not carry is left in ``reader``."""
+        """Shortcut 3 (:mod:`skippy.stage.decode_relay`): ``dispatch`` was a direct-return decode,
+        forwarded by write-through (or, on the final stage, answered into its return lane);
+        while this lane is the stage's only work, relay the ones that follow it outside Python.
+        Whatever the relay does not carry is left in ``reader``."""
         frame, self._relay_frame = self._relay_frame, None
-        upstream, downstream, settings, protocol = self._upstream_io, self._downstream_io, self.settings, self.protocol
+        lane, self._relay_lane = self._relay_lane, None
+        upstream, settings, protocol = self._upstream_io, self.settings, self.protocol
+        downstream = lane.io if lane is not None else self._downstream_io
         if (frame is None or downstream is None or self._compute_backlog or self._forward_backlog or self._runs
                 or protocol.inflight or protocol.expecting or reader.decoder.buffered_bytes  # type: ignore[attr-defined]
                 or settings.wire.active or settings.reply_delay_s or not upstream.is_socket
-                or not downstream.is_socket):
+                or not downstream.is_socket or (lane is not None and (lane.closed or lane.lock.locked()))):
             return
         executor = self.scheduler.executor
         plan = relay_plan(dispatch.message, frame, executor=executor, session_key=self._session_key(dispatch.message),
@@ -516,14 +522,23 @@ class Connection:
         if plan is None:
             return
         run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,
-                       downstream=downstream, reader=reader, downstream_name=self.downstream_name,
+                       downstream=downstream, reader=reader,
+                       downstream_name=self.downstream_name if lane is None else lane.peer,
                        width=settings.width, position_end=settings.max_rows)
         if not self.scheduler.hold(run.stop, self.id):
             run.close()
             return
         self._relay_run = run
         try:
-            await run.run()
+            if lane is None:
+                await run.run()
+                return
+            async with lane.lock:  # the return lane's one writer until the run ends
+                lane.relay_abort = run.abort
+                try:
+                    await run.run()
+                finally:
+                    lane.relay_abort = None
         finally:
             self._relay_run = None
             self.scheduler.release_hold()
@@ -858,6 +873,13 @@ class Connection:
         await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
         self._direct_done()
+        if self.settings.decode_relay and not annotations and dispatch.kind is MessageKind.DECODE_EMBD:
+            # shortcut 3 may answer the next ones: their reply as the lane would write it
+            self._relay_lane = lane
+            self._relay_frame = extensions.reply_bytes(
+                StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS),
+                TimingsFrame((extensions.own_record(self.identity, batch_size=1, compute_us=0),))
+                if lane.extensions else None)
 
     def _direct_done(self) -> None:
         """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""

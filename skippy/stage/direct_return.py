@@ -38,7 +38,8 @@ __all__ = ["ReturnHub", "ReturnLane"]
 class ReturnLane:
     """One session's return lane (the stream a driver opened to the final stage)."""
 
-    __slots__ = ("stream", "io", "peer", "extensions", "session_id", "request_id", "owner", "lock", "closed")
+    __slots__ = ("stream", "io", "peer", "extensions", "session_id", "request_id", "owner", "lock", "closed",
+                 "relay_abort")
 
     def __init__(self, stream: trio.abc.Stream, io: SocketIO, peer: str, *, extensions: bool, session_id: int,
                  request_id: int) -> None:
@@ -53,6 +54,9 @@ class ReturnLane:
         self.owner = -1
         self.lock = trio.Lock()
         self.closed = False
+        #: Set while the chain lane's decode relay writes into this lane (it holds ``lock``): ends
+        #: that run at once, even mid-write, so the lane can close (skippy.stage.decode_relay).
+        self.relay_abort: Callable[[], None] | None = None
 
     async def send(self, frame: bytes, delay_s: float = 0.0) -> None:
         """Write one reply frame (``delay_s``: the simulated one-way wire delay, benchmarks).

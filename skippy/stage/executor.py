@@ -239,6 +239,17 @@ class Executor:
         session = self._sessions.get(key)
         return None if session is None else session.seq
 
+    def relay_sampler(self, key: int) -> Sampler | None:
+        """The final stage's sampler of session ``key`` when a decode relay may pick its tokens
+        as :meth:`run_decode_batch` would (no grammar, no logprobs), else None."""
+        session = self._sessions.get(key)
+        if session is None or not self.is_last:
+            return None
+        if session.extension is not None and session.extension.logprobs is not None:
+            return None
+        sampler = self._sampler(session)
+        return None if sampler.checked or sampler.pointer is None else sampler
+
     def configure(self, key: int, params: SamplingParams | None) -> None:
         """Set a session's sampling (opening the session); None keeps the current settings."""
         session = self._session(key)
