@@ -34,8 +34,8 @@ from stage_helpers import inprocess_chain, reference_greedy
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]
 
 
-@pytest.mark.parametrize("value, reason", [(np.nan, "NaN or infinite"), (np.inf, "NaN or infinite"),
-                                           (-np.inf, "NaN or infinite"), (ACTIVATION_LIMIT * 10, "beyond"),
+@pytest.mark.parametrize("value, reason", [(np.nan, "NaN values"), (np.inf, "infinite values .an f16 wire"),
+                                           (-np.inf, "wire-dtype f32 or q8"), (ACTIVATION_LIMIT * 10, "beyond"),
                                            (-ACTIVATION_LIMIT * 10, "beyond")])
 def test_bad_values_are_refused_naming_why(value: float, reason: str) -> None:
     rows = np.zeros((3, 16), dtype=np.float32)

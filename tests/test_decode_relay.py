@@ -375,7 +375,7 @@ def test_an_abort_cuts_a_write_the_downstream_does_not_take(implementation: Any,
     frames = b"".join(bench.frame(bench.message(bench.position + index)) for index in range(200))
     writer = threading.Thread(target=bench.upstream.sendall, args=(frames,))
     writer.start()
-    threading.Timer(0.5, os.eventfd_write, (bench.abort_fd, 1)).start()
+    threading.Timer(0.2, os.eventfd_write, (bench.abort_fd, 1)).start()
     outcome = bench.relay.run(b"")  # nobody reads downstream: it blocks on a full socket until the abort
     assert outcome.status == implementation.ABORTED and 0 < outcome.steps < 200
     bench.downstream.setblocking(False)

@@ -176,8 +176,13 @@ def check_activation_values(activations: FloatArray) -> None:
     low, high = float(activations.min()), float(activations.max())
     if not (-ACTIVATION_LIMIT <= low and high <= ACTIVATION_LIMIT):  # NaN fails both comparisons
         finite = np.isfinite(activations)
-        what = "NaN or infinite values" if not finite.all() else \
-            f"values beyond +-{ACTIVATION_LIMIT:g} (min {low:g}, max {high:g})"
+        if finite.all():
+            what = f"values beyond +-{ACTIVATION_LIMIT:g} (min {low:g}, max {high:g})"
+        elif np.isnan(activations).any():
+            what = "NaN values"
+        else:  # only infinities: the signature of an activation past f16's range on the wire
+            what = ("infinite values (an f16 wire turns values beyond +-65504 into infinities: this model "
+                    "needs --wire-dtype f32 or q8 upstream)")
         raise InvalidMessage(f"activation refused: it carries {what}, which would poison the stage's KV cells")
 
 
