@@ -14,6 +14,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any, Iterator
 
@@ -592,3 +593,32 @@ async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: 
     assert results[True] == results[False]
     reference = reference_greedy(tiny_llama, PROMPT, 13, chunk_size=3)
     assert results[True][0] == reference and results[True][2] == reference[:11]  # the rollback re-ran two
+
+
+async def test_a_killed_final_stage_fails_a_relayed_request_within_2_s_naming_it(tiny_llama: Path,
+                                                                                 tmp_path: Path) -> None:
+    """Stage processes relaying a session's decode (every stage): the final one is killed while
+    the others wait in their loops for the next frame; the request fails within 2 s, naming it."""
+    from stage_helpers import stage_chain, wait_for_stats
+
+    from skippy.driver import StageLost
+
+    async with stage_chain(str(tiny_llama), SPLITS, tmp_path, ["--ctx-size", "512", "--batch-size", "64"]) as chain:
+        final = chain[-1]
+        assert chain[0].address is not None and final.address is not None
+        async with await StageClient.connect(chain[0].address) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            assert await client.open_direct_return(final.address, 1)
+            token = (await client.prefill(1, PROMPT, chunk_size=3)).token
+            for step in range(6):
+                token = (await client.decode(1, token, len(PROMPT) + step, decode_step=step)).predicted
+            final.kill()
+            started = time.monotonic()
+            with pytest.raises(StageLost) as raised:
+                await client.decode(1, token, len(PROMPT) + 6, decode_step=6)
+            elapsed = time.monotonic() - started
+        assert elapsed < 2, elapsed
+        assert str(final.address.port) in str(raised.value), raised.value
+        # the first stage's run ended with its lane (its relay counters reached the stats file)
+        # the first stage's run ended with its lane, and was accounted (5 tokens relayed)
+        await wait_for_stats(chain[0], lambda stats: stats["decode_relay_steps"] == 5 and stats["connections_open"] == 0)

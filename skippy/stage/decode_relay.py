@@ -152,6 +152,8 @@ class RelayRun:
             self.close()
             raise
         self.steps = 0
+        #: The outcome of a run whose wait was cancelled, to account before the lane closes.
+        self._unaccounted: Any = None
 
     def close(self) -> None:
         """Release the descriptors (after the run, or for a run that never ran); idempotent."""
@@ -187,6 +189,7 @@ class RelayRun:
         try:
             while True:
                 outcome = await self._run_once(pending)
+                self._unaccounted = None
                 self._account(outcome)
                 log.debug("decode relay (%s%s): %d tokens, then %s with %d bytes unread", IMPLEMENTATION,
                           ", final stage" if self.final else "", outcome.steps, _OUTCOMES[outcome.status],
@@ -195,6 +198,9 @@ class RelayRun:
                 if outcome.status != _implementation.STEP_LIMIT:
                     break
         finally:
+            if self._unaccounted is not None:  # cancelled: the thread's run still happened
+                self._account(self._unaccounted)
+                self._unaccounted = None
             self.close()
         if pending:  # (an empty chunk would tell the decoder the stream ended)
             self._reader.decoder.receive_data(pending)  # type: ignore[attr-defined]
@@ -207,10 +213,14 @@ class RelayRun:
             raise write_failed(self._downstream_name, downstream=True) from cause
 
     async def _run_once(self, pending: bytes) -> Any:
+        def relay() -> Any:  # the worker thread: the outcome is kept even if the wait is cancelled
+            self._unaccounted = self._relay.run(pending)
+            return self._unaccounted
+
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
             # never abandoned: a cancel ends the loop (above) and waits for the thread to return
-            outcome = await trio.to_thread.run_sync(self._relay.run, pending)
+            outcome = await trio.to_thread.run_sync(relay)
             nursery.cancel_scope.cancel()
         return outcome
 
