@@ -2,7 +2,7 @@
 
 Strategy: plain data and pure helpers, kept apart from :mod:`skippy.stage.connection` (the tasks
 themselves) and :mod:`skippy.stage.lane_protocol` (the rules).  :class:`LaneSettings` carries
-the two measured shortcuts' switches (``bench/RESULTS-stage.md``); :func:`merge_stats` /
+the three measured shortcuts' switches (``bench/RESULTS-stage.md``); :func:`merge_stats` /
 :func:`timing_stats` are the reply-stats arithmetic of a relayed reply; ``put`` / ``take`` are
 the channel hand-offs that park only when they must.
 """
