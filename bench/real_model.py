@@ -66,7 +66,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from peer_build import build_peer  # noqa: E402
-from stage_chain import PROCESSES, chain, cpu_seconds  # noqa: E402
+from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
 from skippy.stage.config import Address  # noqa: E402
@@ -179,16 +179,21 @@ def _bos(model: object) -> int:
 
 
 # -- skippy as one stage process -----------------------------------------------------------------
-async def stage_decode(address: Address, bos: int, steps: int, run: bool = False) -> tuple[float, float]:
-    """(tokens/s, CPU seconds per token of this client and the stage process).
+async def stage_decode(address: Address, bos: int, steps: int, run: bool = False,
+                       direct: bool = False) -> tuple[float, float]:
+    """(tokens/s, CPU seconds per token of this client and the stage processes).
 
     ``run``: the ``steps`` tokens as one decode run (docs/protocol.md §11: the stage feeds each
-    token to the next step itself) instead of one DecodeEmbd per token.
+    token to the next step itself) instead of one DecodeEmbd per token.  ``direct``: the
+    predictions come straight from the final stage (docs/protocol.md §8), as the API decodes a
+    chain of two or more stages (every stage relays the steady decode outside Python).
     """
     pids = [process.pid for process in PROCESSES.get(address, [])]
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
+        if direct:
+            assert await client.open_direct_return(FINALS[address], 1)
         token = (await client.prefill(1, [bos], chunk_size=BATCH)).token
         started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         if run:
@@ -470,6 +475,9 @@ def main() -> None:
     parser.add_argument("--prompt", type=int, default=512, help="prefill tokens")
     parser.add_argument("--no-prefill", action="store_true")
     parser.add_argument("--no-stage", action="store_true", help="skip the stage-process variant")
+    parser.add_argument("--split", type=int, default=0, metavar="N",
+                        help="also an N-stage chain (even layer split), decoded hop by hop and with direct "
+                             "return (the API's way from two stages on)")
     parser.add_argument("--kv-experiments", action="store_true",
                         help="only the in-process KV A/Bs (resident prefix; power-of-two capacity)")
     parser.add_argument("--loaders", action="store_true",
@@ -507,7 +515,7 @@ def main() -> None:
           f"n_vocab {inproc.model.n_vocab}; KV {inproc.ctx.n_ctx} cells; 1 thread everywhere; "
           f"{args.steps} decode tokens; {args.rounds} interleaved rounds", flush=True)
     rng = np.random.default_rng(1234)
-    names = ("stock", "stock-read", "in-process", "in-process-mmap", "in-process-256", "stage", "stage-nocache", "stage-run", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
+    names = ("stock", "stock-read", "in-process", "in-process-mmap", "in-process-256", "stage", "stage-nocache", "stage-run", "split", "split-direct", "stock-pp", "in-process-pp", "stage-pp", "stage-nocache-pp")
     runs: dict[str, list[Sample]] = {name: [] for name in names}
     flags = ["--ctx-size", str(CTX_SIZE), "--batch-size", str(BATCH)]
     try:
@@ -518,6 +526,12 @@ def main() -> None:
                 trio.run(stage_decode, address, inproc.bos, 4)  # warm the stage's first-request paths
                 trio.run(stage_decode, bare, inproc.bos, 4)
                 trio.run(stage_decode, address, inproc.bos, 4, True)
+            if args.split > 1:
+                bounds = [round(n_layer * index / args.split) for index in range(args.split + 1)]
+                split = stack.enter_context(chain(str(path), [f"{a}:{b}" for a, b in zip(bounds, bounds[1:])],
+                                                  flags))
+                trio.run(stage_decode, split, inproc.bos, 4)
+                trio.run(stage_decode, split, inproc.bos, 4, False, True)
             for round_index in range(args.rounds):
                 baseline = stock.baseline_cpu()
                 runs["stock"].append(stock.decode(args.steps, baseline))
@@ -529,6 +543,9 @@ def main() -> None:
                     runs["stage"].append(trio.run(stage_decode, address, inproc.bos, args.steps))
                     runs["stage-nocache"].append(trio.run(stage_decode, bare, inproc.bos, args.steps))
                     runs["stage-run"].append(trio.run(stage_decode, address, inproc.bos, args.steps, True))
+                if args.split > 1:
+                    runs["split"].append(trio.run(stage_decode, split, inproc.bos, args.steps))
+                    runs["split-direct"].append(trio.run(stage_decode, split, inproc.bos, args.steps, False, True))
                 if not args.no_prefill:
                     prompt = [inproc.bos] + [int(t) for t in rng.integers(1000, inproc.model.n_vocab - 1000,
                                                                           args.prompt - 1)]
@@ -553,6 +570,10 @@ def main() -> None:
         print(_summary("skippy 1 stage process", runs["stage"], runs["stock"], "(target >= 97%)"))
         print(_summary("  same, prefix cache off", runs["stage-nocache"], runs["stock"], "(target >= 97%)"))
         print(_summary("  same, one decode run", runs["stage-run"], runs["stock"], "(docs/protocol.md §11)"))
+    if runs["split"]:
+        print(_summary(f"skippy {args.split} stages, hop by hop", runs["split"], runs["stock"]))
+        print(_summary(f"skippy {args.split} stages, direct return", runs["split-direct"], runs["stock"],
+                       "(the API's default; relayed outside Python)"))
     if runs["stock-pp"]:
         print(f"prefill (pp{args.prompt}), medians:")
         print(_summary("stock llama-bench", runs["stock-pp"], None))

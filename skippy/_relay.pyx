@@ -52,6 +52,10 @@ cdef extern from "_activation.h":
                                           Py_ssize_t count) noexcept nogil
     int _select_kernels "skippy_activation_select" (int accelerated) noexcept
 
+cdef extern from "_relay_pick.h" nogil:
+    # numpy's argmax of a row (the first maximum, or the first NaN), vectorised: see the header.
+    int32_t _first_maximum "skippy_first_maximum" (const float *values, int32_t count) noexcept
+
 cdef extern from "<poll.h>" nogil:
     struct pollfd:
         int fd
@@ -72,9 +76,6 @@ cdef extern from "<sys/socket.h>" nogil:
     ssize_t send(int fd, const void *buffer, size_t length, int flags)
     enum:
         MSG_NOSIGNAL
-
-cdef extern from "<math.h>" nogil:
-    bint isnan(float value)
 
 cdef extern from "<time.h>" nogil:
     ctypedef long time_t
@@ -130,6 +131,14 @@ ctypedef float *(*logits_fn)(void *context, int32_t row) noexcept nogil
 ctypedef int32_t (*sample_fn)(void *sampler, void *context, int32_t row) noexcept nogil
 
 _select_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
+
+
+def first_maximum(values):
+    """The relay's greedy pick over a float32 array (for tests: it must equal ``values.argmax()``)."""
+    cdef const float[::1] view = values
+    if view.shape[0] == 0 or view.shape[0] > 0x7FFFFFFF:
+        raise ValueError("first_maximum takes 1 to 2^31-1 values")
+    return _first_maximum(&view[0], <int32_t>view.shape[0])
 
 
 cdef inline int64_t _now_ns() noexcept nogil:
@@ -363,24 +372,12 @@ cdef class DecodeRelay:
     cdef int32_t _pick(self) noexcept nogil:
         """The final stage's token for the decoded row (-1: no logits)."""
         cdef float *logits
-        cdef int32_t index, best = 0
-        cdef float value, top
         if self._sampler != NULL:
             return self._sample(self._sampler, self._context, 0)
         logits = self._logits(self._context, 0)
         if logits == NULL:
             return -1
-        # the lane's greedy pick is numpy's argmax: the first maximum, or the first NaN
-        top = logits[0]
-        if isnan(top):
-            return 0
-        for index in range(1, self._n_vocab):
-            value = logits[index]
-            if isnan(value):
-                return index
-            if value > top:
-                top, best = value, index
-        return best
+        return _first_maximum(logits, self._n_vocab)
 
     cdef int _write(self, Py_ssize_t length) noexcept nogil:
         """Write the outgoing frame, waiting while the socket is full; -1 when it is out, else the

@@ -266,22 +266,25 @@ def test_a_final_stage_answers_exactly_the_lanes_replies(implementation: Any, ma
 
 
 def test_the_greedy_pick_is_numpys_argmax() -> None:
-    """The Cython loop's first-maximum scan (NaN first, as numpy's argmax) on logits it is fed."""
+    """The Cython loop's vectorised pick (skippy/_relay_pick.h) against numpy's argmax, which the
+    lane's greedy path uses: first maximum, first NaN, signed zeros, infinities, odd lengths."""
     if _relay_cython is None:
         pytest.skip("skippy._relay not built")
-    # (the loop reads the logits through the runtime; here the same rule in numpy terms)
-    for values in ([1.0, 3.0, 3.0, 2.0], [np.nan, 1.0], [1.0, np.nan, 5.0], [-np.inf, -np.inf]):
-        array = np.array(values, dtype=np.float32)
-        expected = int(array.argmax())
-        best, top = 0, array[0]
-        if not np.isnan(top):
-            for index in range(1, len(array)):
-                if np.isnan(array[index]):
-                    best = index
-                    break
-                if array[index] > top:
-                    top, best = array[index], index
-        assert best == expected, values
+    rng = np.random.default_rng(9)
+    cases = [np.array(values, dtype=np.float32) for values in (
+        [1.0, 3.0, 3.0, 2.0], [np.nan, 1.0], [1.0, np.nan, 5.0, np.nan], [-np.inf, -np.inf], [-0.0, 0.0, -1.0],
+        [0.0, -0.0], [2.0], [-np.inf, -1e38, -np.inf, -1e38, -2e38], [np.inf, 1.0, np.inf])]
+    for length in (1, 3, 4, 5, 7, 8, 33, 262144 + 3):
+        row = rng.standard_normal(length).astype(np.float32)
+        cases.append(row)
+        tied = row.copy()
+        tied[rng.integers(0, length, 3)] = row.max() + 1  # the same maximum in up to three places
+        cases.append(tied)
+        with_nan = row.copy()
+        with_nan[rng.integers(0, length)] = np.nan
+        cases.append(with_nan)
+    for values in cases:
+        assert _relay_cython.first_maximum(values) == int(values.argmax()), values[:8]
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
