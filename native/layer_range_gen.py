@@ -65,6 +65,28 @@ SPLIT: tuple[str, ...] = (
     "llama4", "minimax-m2", "dots1", "ernie4_5-moe",
     "phi2", "exaone", "bailingmoe2", "stablelm", "olmo", "arcee", "command-r", "hunyuan-moe", "nemotron", "internlm2",
 )
+# Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
+#
+#: Issue 25, SSM state (Mamba layers; pure and hybrid): patch 0005 owns the state per range.
+SPLIT += ()
+#
+#: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
+SPLIT += ()
+#
+#: Issue 25, RWKV and short-convolution families.
+SPLIT += ()
+#
+#: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
+SPLIT += ()
+#
+#: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
+SPLIT += ()
+#
+#: Issue 26, families the grown rules cover (input transforms, loops written differently).
+SPLIT += ()
+#
+#: Issue 26, per-layer token embeddings and cross-layer KV sharing.
+SPLIT += ()
 
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
@@ -271,8 +293,15 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
 
 # --- classification -----------------------------------------------------------------------------
 
+#: Model bases whose layers keep recurrent state (conv / SSM / WKV / delta-net) instead of, or
+#: beside, KV cells.  Patch 0005 gives a layer range the state of its own layers only, so such a
+#: graph splits by the same rules as an attention one; `is_recurrent` only labels them.
 RECURRENT_BASES = {"llama_model_mamba_base", "llama_model_rwkv6_base", "llama_model_rwkv7_base",
                    "llama_model_delta_net_base"}
+
+
+def is_recurrent(base: str, joined: str) -> bool:
+    return base in RECURRENT_BASES or bool(re.search(r"build_rs\(|build_inp_rs\(|ssm_conv|time_mix", joined))
 
 
 def classify(src: Path, archs: list[Arch]) -> None:
@@ -293,8 +322,6 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "encoder or embedding model: no KV cache, no causal generation"
         elif arch.name.startswith("t5") or "build_inp_cross_embd" in joined or "dec_start" in joined:
             arch.reason = "encoder-decoder: the decoder attends to the encoder output"
-        elif base in RECURRENT_BASES or re.search(r"build_rs\(|build_inp_rs\(|ssm_conv|time_mix", joined):
-            arch.reason = "recurrent state (SSM / linear attention): layer state is not a KV cache per layer"
         elif "per_layer_tok_embd" in joined or "build_inp_per_layer" in joined:
             arch.reason = "per-layer token embeddings: every layer needs the input tokens"
         elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:

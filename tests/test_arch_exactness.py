@@ -37,7 +37,7 @@ from chain_helpers import InProcessChain, greedy_run
 from conftest import PROMPT
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ensure_model, family, tiny
-from skippy.models.spec import EXTRA_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
+from skippy.models.spec import EXTRA_ARCHITECTURES, LATER_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
 from skippy.runtime import UnsupportedArchitecture
 from skippy.runtime.model import SPLIT_ARCHITECTURES
 
@@ -112,6 +112,7 @@ def test_every_split_architecture_has_a_writer_and_exactness_cases() -> None:
     """The runtime splits only what a synthetic writer and an exactness suite cover (llama,
     qwen2 and qwen3 in test_runtime_exactness.py, the others here)."""
     covered = {"llama", "qwen2", "qwen3"} | set(NEW_ARCHITECTURES) | set(EXTRA_ARCHITECTURES)
+    covered |= set(LATER_ARCHITECTURES)
     assert SPLIT_ARCHITECTURES <= covered, sorted(SPLIT_ARCHITECTURES - covered)
 
 
@@ -153,6 +154,33 @@ def test_further_family_splits_exactly_or_is_refused(
             chain(model_file(arch, dtype, tied), split)
         return
     assert_split_is_exact(arch, dtype, tied, split)
+
+
+#: The families of issues 25 and 26 in the fast suite: one per group (the rest run in the full
+#: suite; the fast suite stays under 90 s).
+FAST_LATER: frozenset[str] = frozenset()
+
+
+def later_cases() -> list[object]:
+    """arch x dtype for the families of issues 25 and 26; each case checks all three splits
+    against one unsplit run (one model load per split, not one test per split)."""
+    out: list[object] = []
+    for arch in LATER_ARCHITECTURES:
+        for dtype in DTYPES:
+            fast = arch in FAST_LATER and dtype == "F32"
+            out.append(pytest.param(arch, dtype, id=f"{arch}-{dtype}", marks=() if fast else (pytest.mark.slow,)))
+    return out
+
+
+@pytest.mark.parametrize(("arch", "dtype"), later_cases())
+def test_later_family_splits_are_bitwise_equal(arch: str, dtype: str) -> None:
+    """Issues 25 and 26: every split of SPLITS gives the unsplit logits and tokens, with the
+    family's first head option (the other, where the loader has both, in the slow suite's F16
+    case)."""
+    heads = head_options(arch)
+    tied = heads[-1] if dtype == "F16" else heads[0]
+    for split in SPLITS:
+        assert_split_is_exact(arch, dtype, tied, split)
 
 
 def fast_only(archs: list[str], fast: set[str]) -> list[object]:

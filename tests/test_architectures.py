@@ -44,7 +44,7 @@ def test_the_issue_families_split() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "reason"),
-    [("mamba", "recurrent state"), ("rwkv7", "recurrent state"), ("gemma3n", "per-layer token embeddings"),
+    [("gemma3n", "per-layer token embeddings"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "cross-layer KV")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
@@ -80,16 +80,16 @@ def _write_gguf(path: Path, arch: str, tensors: dict[str, np.ndarray], *, n_laye
 
 
 def test_refused_architecture_names_the_reason(tmp_path: Path) -> None:
-    path = _write_gguf(tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": np.zeros((8, 64), np.float32)})
-    with pytest.raises(UnsupportedArchitecture, match=r"'mamba' does not support a partial layer range: recurrent state"):
+    path = _write_gguf(tmp_path / "bert.gguf", "bert", {"token_embd.weight": np.zeros((8, 64), np.float32)})
+    with pytest.raises(UnsupportedArchitecture, match=r"'bert' does not support a partial layer range: encoder or embedding"):
         Model(path, "1:3")
 
 
 def test_native_loader_names_the_reason_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Behind the Python check, the patched loader refuses with the same reason."""
-    path = _write_gguf(tmp_path / "mamba.gguf", "mamba", {"token_embd.weight": np.zeros((8, 64), np.float32)})
+    path = _write_gguf(tmp_path / "bert.gguf", "bert", {"token_embd.weight": np.zeros((8, 64), np.float32)})
     monkeypatch.setattr(model_module, "validate_range", lambda *_: None)
-    with pytest.raises(ModelLoadError, match="does not support a partial layer range: recurrent state"):
+    with pytest.raises(ModelLoadError, match="does not support a partial layer range: encoder or embedding"):
         Model(path, LayerRange(1, 3))
 
 

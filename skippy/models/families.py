@@ -88,6 +88,20 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "ln_eps": OptionalKey("attention.layer_norm_epsilon", GGUFValueType.FLOAT32),
     "n_moe_layer_step": OptionalKey("interleave_moe_layer_step", GGUFValueType.UINT32),
     "clamp_kqv": OptionalKey("attention.clamp_kqv", GGUFValueType.FLOAT32),
+    # --- issue 25: SSM (keep this group's entries below this line) ---
+    #
+    # --- issue 25: linear attention (keep this group's entries below this line) ---
+    #
+    # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    #
+    # --- issue 26: dense (keep this group's entries below this line) ---
+    #
+    # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    #
+    # --- issue 26: grown rules (keep this group's entries below this line) ---
+    #
+    # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
+    #
 }
 
 #: A key computed from the spec rather than copied from one field: (suffix, value, type).
@@ -593,6 +607,20 @@ FAMILIES: Final[dict[str, Family]] = {
             requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
             summary="Nemotron: LayerNorms with biases, squared-ReLU MLP, partial rope",
         ),
+        # --- issue 25: SSM (keep this group's entries below this line) ---
+        #
+        # --- issue 25: linear attention (keep this group's entries below this line) ---
+        #
+        # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+        #
+        # --- issue 26: dense (keep this group's entries below this line) ---
+        #
+        # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+        #
+        # --- issue 26: grown rules (keep this group's entries below this line) ---
+        #
+        # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
+        #
     )
 }
 

@@ -39,7 +39,7 @@ __all__ = [
     "tiny",
 ]
 
-Architecture = Literal[
+_AttentionArchitecture = Literal[
     "llama",
     "qwen2",
     "qwen3",
@@ -78,6 +78,33 @@ Architecture = Literal[
     "exaone",
     "nemotron",
 ]
+# Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
+#
+#: Issue 25, SSM state (Mamba layers; pure and hybrid).
+_SsmArchitecture = Literal["llama"]
+#
+#: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
+_LinearAttentionArchitecture = Literal["llama"]
+#
+#: Issue 25, RWKV and short-convolution families.
+_RwkvConvArchitecture = Literal["llama"]
+#
+#: Issue 26, dense families the layer-loop rules already covered.
+_DenseArchitecture = Literal["llama"]
+#
+#: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
+_MoeArchitecture = Literal["llama"]
+#
+#: Issue 26, families the grown rules cover (input transforms, loops written differently).
+_RuleArchitecture = Literal["llama"]
+#
+#: Issue 26, per-layer token embeddings and cross-layer KV sharing.
+_PerLayerArchitecture = Literal["llama"]
+#
+Architecture = Literal[
+    _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
+    _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
+]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
 
@@ -93,7 +120,36 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "llama4", "minimax-m2", "dots1", "ernie4_5-moe", "command-r", "internlm2", "phi2",
     "stablelm", "arcee", "olmo", "hunyuan-moe", "bailingmoe2", "exaone", "nemotron",
 )
-assert ARCHITECTURES == {"llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES}
+# Issues 25 and 26: one tuple per group, each in its own block.
+#: Issue 25, SSM state (Mamba layers; pure and hybrid).
+SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
+LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Issue 25, RWKV and short-convolution families.
+RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Issue 26, dense families the layer-loop rules already covered.
+DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
+MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Issue 26, families the grown rules cover (input transforms, loops written differently).
+RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Issue 26, per-layer token embeddings and cross-layer KV sharing.
+PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+#
+#: Every family added by issues 25 and 26 (the exactness suite's later cases).
+LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
+    *DENSE_ARCHITECTURES, *MOE_ARCHITECTURES, *RULE_ARCHITECTURES, *PER_LAYER_ARCHITECTURES,
+)
+assert ARCHITECTURES == {
+    "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
+}
 VOCABS: Final = frozenset(get_args(VocabName))
 WEIGHT_DTYPES: Final = frozenset(get_args(WeightDtype))
 
@@ -195,6 +251,20 @@ class ModelSpec:
     ln_eps: float = 0.0
     n_moe_layer_step: int = 0
     clamp_kqv: float = 0.0
+    # --- issue 25: SSM (keep this group's entries below this line) ---
+    #
+    # --- issue 25: linear attention (keep this group's entries below this line) ---
+    #
+    # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    #
+    # --- issue 26: dense (keep this group's entries below this line) ---
+    #
+    # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    #
+    # --- issue 26: grown rules (keep this group's entries below this line) ---
+    #
+    # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
+    #
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -478,6 +548,20 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
     },
     "nemotron": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 8},
+    # --- issue 25: SSM (keep this group's entries below this line) ---
+    #
+    # --- issue 25: linear attention (keep this group's entries below this line) ---
+    #
+    # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    #
+    # --- issue 26: dense (keep this group's entries below this line) ---
+    #
+    # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    #
+    # --- issue 26: grown rules (keep this group's entries below this line) ---
+    #
+    # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
+    #
 }
 
 
