@@ -19,8 +19,9 @@ exact number of times, and after editing, the main graph body is linted for the 
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
-that a layer range cannot carry (recurrent state, cross-layer KV sharing, per-layer token
-embeddings, an encoder), are refused with that reason.
+that a layer range cannot carry (cross-layer KV sharing, per-layer token embeddings, an encoder),
+are refused with that reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a
+feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
