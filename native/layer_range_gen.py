@@ -87,7 +87,7 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
-SPLIT += ()
+SPLIT += ("gemma4",)
 
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
@@ -101,6 +101,23 @@ INPUT_SCALE = (
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
+
+#: Generic rule for per-layer token embeddings (Gemma 4): a stage past the first takes the hidden
+#: state as its main input and, beside it, the token ids (patch 0006 loads the per-layer tensors and
+#: the token embeddings on every stage); the token input's sqrt(n_embd) scale stays on the first
+#: stage, and a later stage projects its own scaled token embeddings into the per-layer inputs.
+PER_LAYER_EDITS: list[tuple[str, str, int]] = [
+    ("inpL = build_inp_embd(model.tok_embd);",
+     "inpL = build_inp_embd(il_start == 0 ? model.tok_embd : nullptr); // skippy: later stages take hidden states",
+     1),
+    ("inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f);",
+     "inpL = ggml_scale(ctx0, inpL, il_start == 0 && ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
+     1),
+    ("inp_per_layer = project_per_layer_inputs(inpL, inp_per_layer);",
+     "inp_per_layer = project_per_layer_inputs(il_start == 0 ? inpL : build_stage_tok_embd(model.tok_embd, sqrtf(n_embd)),"
+     " inp_per_layer); // skippy: a later stage embeds the token ids itself",
+     1),
+]
 
 #: Constructs in a main graph body that need a human look, with the ones reviewed per architecture.
 LINT = {
@@ -116,6 +133,7 @@ REVIEWED: dict[str, dict[str, str]] = {
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "gemma4": {"n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
 }
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
@@ -271,6 +289,12 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
     new_body = new_body.replace(INPUT_SCALE[0], INPUT_SCALE[1])
+    per_layer = "project_per_layer_inputs(" in new_body
+    for old, new, count in PER_LAYER_EDITS if per_layer else []:
+        found = new_body.count(old)
+        if found != count:
+            raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
+        new_body = new_body.replace(old, new)
     for old, new, count in ARCH_EDITS.get(arch.name, []):
         found = new_body.count(old)
         if found != count:
@@ -279,9 +303,13 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "").replace(INPUT_SCALE[1], "")
+    for _, new, _ in PER_LAYER_EDITS if per_layer else []:
+        scan = scan.replace(new, "")
     # anything else done to the input between the embedding and the layer loop runs on every stage
     prelude = new_body[: new_body.index(LOOP_NEW)].replace("inpL = build_inp_embd(model.tok_embd);", "")
     prelude = prelude.replace(INPUT_SCALE[1], "")
+    for _, new, _ in PER_LAYER_EDITS if per_layer else []:
+        prelude = prelude.replace(new, "")
     if re.search(r"\binpL\s*=", prelude) and "input op" not in REVIEWED.get(arch.name, {}):
         findings.append("transforms the input before the layer loop (it would run on every stage)")
     for label, pattern in LINT.items():
@@ -299,6 +327,10 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
 #: graph splits by the same rules as an attention one; `is_recurrent` only labels them.
 RECURRENT_BASES = {"llama_model_mamba_base", "llama_model_rwkv6_base", "llama_model_rwkv7_base",
                    "llama_model_delta_net_base"}
+
+
+#: A draft head's own graph reads its target model: the target context, its layers or hidden size.
+DRAFT_HEAD = re.compile(r"cparams\.ctx_other|ml\.get_\w+\(LLM_KV_TARGET_")
 
 
 def is_recurrent(base: str, joined: str) -> bool:
@@ -323,10 +355,15 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "encoder or embedding model: no KV cache, no causal generation"
         elif arch.name.startswith("t5") or "build_inp_cross_embd" in joined or "dec_start" in joined:
             arch.reason = "encoder-decoder: the decoder attends to the encoder output"
-        elif "per_layer_tok_embd" in joined or "build_inp_per_layer" in joined:
-            arch.reason = "per-layer token embeddings: every layer needs the input tokens"
-        elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:
-            arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
+        elif DRAFT_HEAD.search(texts.get(f"{arch.name}.cpp", "")):
+            arch.reason = ("draft head: it runs only beside its target model, whose hidden states or "
+                           "embeddings it reads, never as a model of its own")
+        elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined:
+            arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
+                           "(hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame")
+        elif "altup_predict_coef" in joined:
+            arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
+                           "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
@@ -335,7 +372,10 @@ def classify(src: Path, archs: list[Arch]) -> None:
             try:
                 new_text, findings = transform(arch, texts[main[0]])
             except TransformError as exc:
-                arch.reason = f"graph does not follow the standard layer loop ({exc})"
+                if "per_layer_tok_embd" in joined and "project_per_layer_inputs(" not in joined:
+                    arch.reason = "per-layer token embeddings built otherwise than Gemma 4's (the rule does not apply)"
+                else:
+                    arch.reason = f"graph does not follow the standard layer loop ({exc})"
                 continue
             if findings:
                 arch.reason = "needs review: the graph " + "; ".join(findings)

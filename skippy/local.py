@@ -17,6 +17,7 @@ import numpy as np
 
 from skippy.offload import OffloadSettings, devices
 from skippy.runtime import LayerRange, Model, Sampler, SamplingParams, StageContext, read_gguf_info
+from skippy.runtime.cuts import KvGroup, cut_refusal, snap_cuts
 
 Split = Sequence[tuple[int, int]]
 
@@ -34,12 +35,24 @@ def parse_split(text: str) -> list[tuple[int, int]]:
     return [(r.start, r.end) for r in ranges]
 
 
-def even_split(n_layer: int, n_stages: int) -> list[tuple[int, int]]:
-    """Split ``n_layer`` layers into ``n_stages`` contiguous ranges of nearly equal size."""
+def even_split(n_layer: int, n_stages: int, groups: Sequence[KvGroup] = ()) -> list[tuple[int, int]]:
+    """Split ``n_layer`` layers into ``n_stages`` contiguous ranges of nearly equal size; with
+    KV-sharing ``groups`` (``GGUFInfo.kv_groups``) each cut moves to the nearest legal one."""
     if not 1 <= n_stages <= n_layer:
         raise ValueError(f"cannot split {n_layer} layers into {n_stages} stages")
     bounds = [round(i * n_layer / n_stages) for i in range(n_stages + 1)]
+    if groups:
+        bounds = [0, *snap_cuts(n_layer, groups, bounds[1:-1]), n_layer]
     return list(zip(bounds, bounds[1:]))
+
+
+def check_split(split: Split, n_layer: int, groups: Sequence[KvGroup]) -> None:
+    """Raise ValueError when a cut of ``split`` separates layers that share KV (naming the
+    nearest legal cuts)."""
+    for _, cut in split[:-1]:
+        refusal = cut_refusal(n_layer, groups, cut)
+        if refusal is not None:
+            raise ValueError(refusal)
 
 
 @dataclass
@@ -86,7 +99,8 @@ class LocalChain:
             if index == 0:
                 context.decode(tokens=tokens, positions=positions, seq_ids=seq_ids, outputs=flags)
             else:
-                context.decode(activations=hidden, positions=positions, seq_ids=seq_ids, outputs=flags)
+                context.decode(activations=hidden, positions=positions, seq_ids=seq_ids, outputs=flags,
+                               tokens=tokens if context.model.reads_tokens else None)
             if not context.model.is_last:
                 hidden = context.activations()
             self.times.compute[index] += time.perf_counter() - started

@@ -47,6 +47,7 @@ from typing import Any, Final, Sequence, final
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
 
 __all__ = [
@@ -176,6 +177,10 @@ class ModelShape:
     kv_bytes_per_cell_layer: int
     tied_head: bool
     digest: str
+    #: Layers that must share one stage (skippy.runtime.cuts): a split cuts only between groups.
+    kv_groups: tuple[KvGroup, ...] = ()
+    #: Per-layer token embeddings: every stage holds the token embeddings (see stage_memory).
+    reads_tokens: bool = False
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ModelShape":
@@ -235,12 +240,18 @@ class ModelShape:
             head += next((_tensor_bytes(t.dims, t.ggml_type) for t in layout.tensors
                           if t.name == "token_embd.weight"), 0)
         n_ff = meta.get(f"{arch}.feed_forward_length")
+        try:
+            groups = kv_groups(arch, n_layer, meta)
+        except ValueError as exc:
+            raise PlanError(f"{file}: {exc}") from exc
+        per_layer = meta.get(f"{arch}.embedding_length_per_layer_input")
         return cls(
             path=file, architecture=arch, n_layer=n_layer, n_embd=n_embd,
             n_ff=n_ff if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 4 * n_embd,
             n_head=n_head, n_vocab=n_vocab, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
             head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=n_head_kv * (head_k + head_v) * _F16,
-            tied_head=tied, digest=header_digest(file, layout),
+            tied_head=tied, digest=header_digest(file, layout), kv_groups=groups,
+            reads_tokens=isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0,
         )
 
 
@@ -292,9 +303,11 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     """Expected memory of a stage running layers ``start:end`` (see the module notes)."""
     first, last = start == 0, end == shape.n_layer
     weights = sum(shape.layer_bytes[start:end]) + shape.global_bytes
-    weights += shape.embed_bytes if first else 0
-    if last:  # a tied head reads token_embd, which a whole-model stage holds once
-        weights += shape.head_bytes - (shape.embed_bytes if first and shape.tied_head else 0)
+    # per-layer token embeddings: every stage embeds the token ids for its layers' inputs
+    embeds = first or shape.reads_tokens
+    weights += shape.embed_bytes if embeds else 0
+    if last:  # a tied head reads token_embd, which a stage that embeds holds once
+        weights += shape.head_bytes - (shape.embed_bytes if embeds and shape.tied_head else 0)
     kv = settings.ctx_size * shape.kv_bytes_per_cell_layer * (end - start)
     ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch
     attention = ubatch * settings.ctx_size * shape.n_head * _F32
@@ -306,7 +319,7 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     spill = int(settings.cache_spill_mib * MIB) if settings.prefix_cache else 0
     on_gpu = 0
     if gpu:  # llama.cpp keeps the input embedding on the host; everything else of the range moves
-        on_gpu = weights - (shape.embed_bytes if first else 0) + kv + compute
+        on_gpu = weights - (shape.embed_bytes if embeds else 0) + kv + compute
     overhead = PROCESS_OVERHEAD_BYTES + VOCAB_BYTES_PER_TOKEN * shape.n_vocab
     return StageMemory(weights, kv, compute, overhead, spill, on_gpu)
 
@@ -486,6 +499,10 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
     elif len(host_times) != count:
         raise PlanError(f"{len(host_times)} host timings for {count} hosts")
     measured = any(times.source != "estimated" for times in host_times)
+    legal = set(legal_cuts(n_layer, shape.kv_groups))
+    if count - 1 > len(legal):
+        raise PlanError(f"{count} hosts need {count - 1} cuts but {shape.path.name} allows only "
+                        f"{sorted(legal)} (" + "; ".join(g.describe() for g in shape.kv_groups) + ")")
     prefixes = []
     for times in host_times:
         if len(times.layer_ms) != n_layer:
@@ -514,6 +531,8 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
             for end in range(s + 1, n_layer - (count - 1 - s) + 1):
                 starts = [0] if s == 0 else range(s, end)
                 for start in starts:
+                    if s > 0 and start not in legal:
+                        continue  # a cut inside a KV-sharing group
                     before = 0.0 if s == 0 else best[s - 1][start]
                     if before == inf:
                         continue

@@ -44,8 +44,9 @@ def test_the_issue_families_split() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "reason"),
-    [("gemma3n", "per-layer token embeddings"),
-     ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "cross-layer KV")],
+    [("gemma3n", "AltUp: layers hand on n_altup parallel"), ("deepseek4", "hyper-connections"),
+     ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
+     ("eagle3", "draft head"), ("dflash", "draft head")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from skippy.local import LocalChain, even_split, parse_split
+from skippy.local import LocalChain, check_split, even_split, parse_split
 
 
 def add_parser(subparsers: Any) -> None:
@@ -119,8 +119,9 @@ def run(args: argparse.Namespace) -> int:
         info = read_gguf_info(path)
         if args.layers:
             split = parse_split(args.layers)
+            check_split(split, info.n_layer, info.kv_groups)
         else:
-            split = even_split(info.n_layer, args.stages or 2)
+            split = even_split(info.n_layer, args.stages or 2, info.kv_groups)
         if split[-1][1] != info.n_layer:
             raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {info.n_layer} layers")
         with Tokenizer(path) as tokenizer:

@@ -22,11 +22,14 @@ import ssl
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any, Awaitable, Callable, Final, TextIO
+from typing import TYPE_CHECKING, Any, Awaitable, Callable, Final, Sequence, TextIO
 
 import trio
 
 from skippy.commands.api_options import add_api_options, api_settings
+
+if TYPE_CHECKING:
+    from skippy.runtime.cuts import KvGroup
 
 #: The name the generated demo model is served under.
 DEMO_MODEL_ID = "skippy-demo"
@@ -131,15 +134,16 @@ class ProgressBar:
         self.drawn = False
 
 
-def _split(args: argparse.Namespace, n_layer: int) -> list[tuple[int, int]]:
-    from skippy.local import even_split, parse_split
+def _split(args: argparse.Namespace, n_layer: int, groups: Sequence[KvGroup] = ()) -> list[tuple[int, int]]:
+    from skippy.local import check_split, even_split, parse_split
 
     if args.layers:
         split = parse_split(args.layers)
         if split[-1][1] != n_layer:
             raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {n_layer} layers")
+        check_split(split, n_layer, groups)
         return split
-    return even_split(n_layer, args.stages or 2)
+    return even_split(n_layer, args.stages or 2, groups)
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -187,7 +191,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         else:
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
-        split = _split(args, info.n_layer)
+        split = _split(args, info.n_layer, info.kv_groups)
         settings = api_settings(args)
         gpu = gpu_options(args)
         config_from_mapping({"model": str(model), "layers": "0:1",  # the GPU values, checked before any stage starts

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_perlayer as bp
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -101,7 +102,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
-    #
+    "n_embd_per_layer": OptionalKey("embedding_length_per_layer_input", GGUFValueType.UINT32),
+    "n_kv_shared_layers": OptionalKey("attention.shared_kv_layers", GGUFValueType.UINT32),
+    "head_dim_swa": OptionalKey("attention.key_length_swa", GGUFValueType.UINT32),
 }
 
 #: A key computed from the spec rather than copied from one field: (suffix, value, type).
@@ -132,6 +135,8 @@ class Family:
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
+        inputs: tensors outside the blocks written right after ``token_embd`` (given the spec and
+            the vocabulary size): Gemma 4's per-layer token embeddings and rope frequencies.
     """
 
     arch: str
@@ -145,6 +150,7 @@ class Family:
     output_norm_bias: bool = False
     output_norm: bool = True
     output_bias: bool = False
+    inputs: Callable[["ModelSpec", int], list[TensorDecl]] | None = None
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -620,7 +626,15 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 26: grown rules (keep this group's entries below this line) ---
         #
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
-        #
+        Family(
+            "gemma4", _BOTH, bp.gemma4_block,
+            requires=frozenset({"sliding_window", "n_embd_per_layer", "head_dim_swa"}),
+            permits=frozenset({"rope_theta_swa", "final_softcap", "n_kv_shared_layers"}),
+            rules=(bp.gemma4_shape,), derived_keys=bp.gemma4_keys, inputs=bp.gemma4_inputs,
+            summary="Gemma 4 (E2B/E4B): per-layer token embeddings, sliding-window and global "
+            "layers of different head widths, q/k norms and a weightless v norm, GeGLU, per-layer "
+            "output scale, trailing layers that reuse the KV of earlier ones, final soft-capping",
+        ),
     )
 }
 

@@ -99,7 +99,7 @@ _MoeArchitecture = Literal["llama"]
 _RuleArchitecture = Literal["llama"]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
-_PerLayerArchitecture = Literal["llama"]
+_PerLayerArchitecture = Literal["gemma4"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -140,7 +140,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
-PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
 #
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
@@ -264,7 +264,14 @@ class ModelSpec:
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
-    #
+    #: Gemma 4: the width of each layer's slice of the per-layer token embeddings, the trailing
+    #: layers that reuse the KV of earlier ones, the head width of the sliding-window layers and
+    #: the period of the sliding-window pattern (written as the per-layer bool array Gemma 4
+    #: reads: layer il is global when (il + 1) % swa_period == 0).
+    n_embd_per_layer: int = 0
+    n_kv_shared_layers: int = 0
+    head_dim_swa: int = 0
+    swa_period: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -561,7 +568,15 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
-    #
+    # Gemma 4 E2B's layout at width 64: per-layer inputs of 32, global heads of 32 and local ones
+    # of 16, layers 1 and 3 global (both kinds on every multi-layer stage), final soft-capping.
+    # No KV sharing: the exactness suite's cuts 1, 2 and 3 must all be legal (the sharing has
+    # its own test, with its own shape).
+    "gemma4": lambda n: {
+        "head_dim": n // 2, "head_dim_swa": n // 4, "n_embd_per_layer": n // 2,
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2, "rope_theta_swa": 10000.0,
+        "final_softcap": 30.0,
+    },
 }
 
 

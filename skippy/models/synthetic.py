@@ -150,6 +150,9 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
             matrix_type,
         )
     ]
+    inputs = family(spec.arch).inputs
+    for decl in inputs(spec, n_vocab) if inputs is not None else []:
+        plans.append(TensorPlan(decl.name, decl.shape, decl.kind, matrix_type if decl.quantized else f32))
     for layer in range(spec.n_layer):
         for decl in block(spec, layer):
             qtype = matrix_type if decl.quantized else f32

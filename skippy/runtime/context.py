@@ -212,7 +212,8 @@ class StageContext:
         Args:
             positions: absolute position of each row in its session.
             seq_ids: session (sequence id) of each row.
-            tokens: token ids (first stage only).
+            tokens: token ids (the first stage; and, beside the activations, every stage of a
+                model with per-layer token embeddings, whose layers read them).
             activations: float32 ``rows x n_embd`` hidden states (other stages).
             outputs: rows whose logits are wanted (final stage; default: the last row of each
                 session in the batch).  Non-final stages always output every row.
@@ -222,9 +223,15 @@ class StageContext:
             KvSlotUnavailable, DecodeAborted, NativeFatalError: llama_decode failed.
         """
         model = self.model
-        if (tokens is None) == (activations is None):
+        if model.reads_tokens and not model.is_first:
+            if tokens is None or activations is None:
+                raise InvalidBatch(
+                    f"a stage starting at layer {model.layers.start} of {model.architecture} needs the token ids "
+                    "beside the activations (per-layer token embeddings: its layers read them)"
+                )
+        elif (tokens is None) == (activations is None):
             raise InvalidBatch("give exactly one of tokens or activations")
-        if tokens is not None and not model.is_first:
+        elif tokens is not None and not model.is_first:
             raise InvalidBatch(
                 f"tokens given to a stage starting at layer {model.layers.start}; it takes activations"
             )
@@ -256,9 +263,8 @@ class StageContext:
                 raise InvalidBatch(f"token ids must be in 0..{model.n_vocab - 1} (got {tok_low}..{tok_high})")
             self._tokens[:n_rows] = tok
             token_ptr = self._cffi_views[0]
-        else:
+        if activations is not None:
             act = activations
-            assert act is not None
             if act.ndim != 2 or act.shape[1] != self.n_embd:
                 raise InvalidBatch(
                     f"activations must be rows x {self.n_embd} (the model width); got shape {act.shape}"

@@ -2,7 +2,9 @@
 
 Strategy: parse the header sequentially with ``struct``: scalar metadata values are decoded,
 arrays of fixed-size values are skipped by arithmetic, arrays of strings by walking their
-lengths (the only per-element work), and the tensor-info table yields names.  Only what
+lengths (the only per-element work), and the tensor-info table yields names.  Short arrays of
+numbers (per-layer hparams such as Gemma 4's sliding-window pattern, at most
+``_SMALL_ARRAY`` elements) are decoded as tuples.  Only what
 :mod:`skippy.runtime.model` needs is kept.  gguf's ``GGUFReader`` builds numpy views of every
 field and takes seconds on a 150k-token vocabulary; this takes milliseconds.
 """
@@ -18,6 +20,8 @@ _MAGIC = b"GGUF"
 # GGUF value type -> struct format of one element (strings and arrays handled apart)
 _SCALAR = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _STRING, _ARRAY = 8, 9
+#: Arrays of numbers up to this length are decoded (per-layer hparams); longer ones are skipped.
+_SMALL_ARRAY = 4096
 
 
 class GGUFHeaderError(ValueError):
@@ -130,6 +134,14 @@ def header_digest(path: Path, layout: GGUFLayout | None = None) -> str:
         return hashlib.sha256(handle.read(layout.header_bytes)).hexdigest()
 
 
+def _small_numeric_array(cursor: _Cursor) -> bool:
+    """The array at the cursor holds at most ``_SMALL_ARRAY`` numbers (nothing is consumed)."""
+    if cursor.offset + 12 > len(cursor.data):
+        return False
+    element_type, count = struct.unpack_from("<IQ", cursor.data, cursor.offset)
+    return element_type in _SCALAR and count <= _SMALL_ARRAY
+
+
 def _parse(cursor: _Cursor) -> GGUFLayout:
     if cursor.data[:4] != _MAGIC:
         raise GGUFHeaderError(f"{cursor.path}: not a GGUF file (bad magic)")
@@ -147,6 +159,10 @@ def _parse(cursor: _Cursor) -> GGUFLayout:
             metadata[key] = cursor.take(_SCALAR[value_type])
         elif value_type == _STRING:
             metadata[key] = cursor.string()
+        elif value_type == _ARRAY and _small_numeric_array(cursor):
+            element = _SCALAR[int(cursor.take("I"))]  # type: ignore[call-overload]
+            count = int(cursor.take("Q"))  # type: ignore[call-overload]
+            metadata[key] = tuple(cursor.take(element) for _ in range(count))
         else:
             cursor.skip_value(value_type)
     tensors = []

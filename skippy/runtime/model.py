@@ -28,6 +28,7 @@ from skippy.runtime.ffi import ffi, lib
 from skippy.offload import Offload
 from skippy.runtime import _callbacks
 from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
+from skippy.runtime.cuts import KvGroup, cut_refusal, kv_groups
 from skippy.runtime.gguf_header import GGUFHeaderError, read_header
 
 
@@ -75,6 +76,10 @@ class GGUFInfo:
     head_dim_v: int
     tied_head: bool
     file_size: int
+    #: Layers that must share one stage (later layers read earlier layers' KV; skippy.runtime.cuts).
+    kv_groups: tuple[KvGroup, ...] = ()
+    #: Per-layer token embeddings: every stage reads the token ids beside the hidden state.
+    reads_tokens: bool = False
 
     def kv_bytes_per_cell(self, n_layers: int, bytes_per_value: int = 2) -> int:
         """KV bytes one cell (one token position) takes over ``n_layers`` layers (f16 cache)."""
@@ -109,6 +114,11 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     head_dim_k = field(f"{arch}.attention.key_length")
     head_dim_v = field(f"{arch}.attention.value_length")
     default_head_dim = n_embd // max(1, n_head)
+    try:
+        groups = kv_groups(arch, n_layer, metadata)
+    except ValueError as exc:
+        raise ModelLoadError(f"{file}: {exc}") from exc
+    per_layer = field(f"{arch}.embedding_length_per_layer_input")
     return GGUFInfo(
         path=file,
         architecture=arch,
@@ -120,6 +130,8 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
         head_dim_v=head_dim_v if isinstance(head_dim_v, int) else default_head_dim,
         tied_head="output.weight" not in names,
         file_size=file.stat().st_size,
+        kv_groups=groups,
+        reads_tokens=isinstance(per_layer, int) and per_layer > 0,
     )
 
 
@@ -148,6 +160,10 @@ def validate_range(info: GGUFInfo, layers: LayerRange) -> None:
             f"architecture {info.architecture!r} does not support a partial layer range: {reason} "
             f"(requested {layers} of {info.n_layer}; see docs/architectures.md)"
         )
+    for cut in (layers.start, layers.end):
+        refusal = cut_refusal(info.n_layer, info.kv_groups, cut)
+        if refusal is not None:
+            raise LayerRangeError(f"layer range {layers} of {info.path.name}: {refusal}")
 
 
 def architecture_refusal(name: str) -> str | None:
@@ -256,6 +272,11 @@ class Model:
     def is_first(self) -> bool:
         """This stage embeds tokens (layer 0)."""
         return self.layers.start == 0
+
+    @property
+    def reads_tokens(self) -> bool:
+        """Every stage reads the token ids (per-layer token embeddings), not the first only."""
+        return self.info.reads_tokens
 
     @property
     def is_last(self) -> bool:

@@ -792,7 +792,8 @@ class Connection:
     async def _execute(self, dispatch: Dispatch, key: int, received_us: int) -> None:
         kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
         item = lane_messages.work_item(dispatch, key, is_first=self.scheduler.executor.is_first,
-                                       width=self.settings.width, max_rows=self.settings.max_rows)
+                                       width=self.settings.width, max_rows=self.settings.max_rows,
+                                       reads_tokens=self.scheduler.executor.reads_tokens)
         self._claim(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1

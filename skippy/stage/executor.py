@@ -215,6 +215,8 @@ class Executor:
         self.model = context.model
         self.is_first: bool = bool(self.model.is_first)
         self.is_last: bool = bool(self.model.is_last)
+        #: Per-layer token embeddings: this stage reads the token ids beside the activations.
+        self.reads_tokens: bool = bool(getattr(self.model, "reads_tokens", False)) and not self.is_first
         self.n_embd: int = int(context.n_embd)
         self.n_batch: int = int(context.n_batch)
         self.n_vocab: int = int(getattr(self.model, "n_vocab", 1 << 31))
@@ -490,6 +492,10 @@ class Executor:
             raise InvalidMessage(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
         else:
             check_activation_values(item.activations)
+            if self.reads_tokens and (item.tokens is None or item.tokens.shape != (item.rows,)):
+                raise InvalidMessage(
+                    f"this stage's layers read the token ids (per-layer token embeddings): {item.rows} rows "
+                    f"came with {0 if item.tokens is None else item.tokens.shape[0]} token ids")
 
     def _decode(self, positions: IntArray, seqs: IntArray, item_tokens: IntArray | None,
                 item_activations: FloatArray | None, outputs: npt.NDArray[np.bool_] | None) -> None:
@@ -517,7 +523,7 @@ class Executor:
             self.context.decode(positions=positions, seq_ids=seqs, tokens=item_tokens, outputs=outputs)
         else:
             self.context.decode(positions=positions, seq_ids=seqs, activations=item_activations,
-                                outputs=outputs)
+                                outputs=outputs, tokens=item_tokens if self.reads_tokens else None)
 
     def run_item(self, item: WorkItem) -> WorkResult:
         """Run one prefill chunk, verify window or decode on its own."""
@@ -597,9 +603,9 @@ class Executor:
         positions = np.fromiter((int(i.positions[0]) for _, i, _, _ in ready), dtype=np.int32, count=count)
         seqs = np.fromiter((s.seq for _, _, s, _ in ready), dtype=np.int32, count=count)
         tokens = activations = None
-        if self.is_first:
+        if self.is_first or self.reads_tokens:
             tokens = np.concatenate([i.tokens for _, i, _, _ in ready if i.tokens is not None])
-        else:
+        if not self.is_first:
             activations = np.concatenate([i.activations for _, i, _, _ in ready if i.activations is not None])
         outputs = np.ones(count, dtype=bool) if self.is_last else None
         started = time.perf_counter_ns()

@@ -31,7 +31,8 @@ _FLOAT32 = np.dtype(np.float32)
 _POSITION_END = 1 << 31
 
 
-def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_rows: int = 0) -> WorkItem:
+def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_rows: int = 0,
+              reads_tokens: bool = False) -> WorkItem:
     """The runtime's view of an executable message (session ``key``).
 
     Every count the peer sent is checked against the frame's own contents (the token ids on the
@@ -42,6 +43,8 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         is_first: the stage starts at layer 0 (it takes token ids, not activations).
         width: the activation width the stage takes.
         max_rows: the most rows one message may carry on this stage (its KV cells; 0: no limit).
+        reads_tokens: a later stage whose layers read the token ids too (per-layer token
+            embeddings): the frame must carry them beside the activation.
 
     Raises:
         InvalidMessage: no rows, more rows than the stage holds, no positions, a missing or
@@ -80,6 +83,10 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
             )
         if activations.dtype is not _FLOAT32:
             activations = np.asarray(activations, dtype=np.float32)
+        if reads_tokens and tokens.shape[0] != count:
+            raise InvalidMessage(
+                f"{kind.reference_name} with {tokens.shape[0]} token ids for token_count {count} reached a stage "
+                "whose layers read the token ids (per-layer token embeddings)")
     elif tokens.shape[0] != count:
         raise InvalidMessage(f"{kind.reference_name}: {tokens.shape[0]} token ids for token_count {count}")
     # From here on ``count`` is backed by the frame's own rows: arrays sized by it are bounded.
@@ -107,7 +114,7 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
                                  f"0..{end - 1} (--ctx-size)")
     prefill = kind.is_prefill
     return WorkItem(
-        key, positions, tokens if is_first else None, activations, dispatch.align_to, dispatch.rule.outputs,
+        key, positions, tokens if is_first or reads_tokens else None, activations, dispatch.align_to, dispatch.rule.outputs,
         None if message.sampling is None else sampling_params(message.sampling),
         tokens if prefill and tokens.shape[0] == count else None,
         prefill, kind is MessageKind.PREFILL_FINAL_EMBD,

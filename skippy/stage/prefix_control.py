@@ -185,7 +185,8 @@ async def _restore_decode(scheduler: Scheduler, message: StageMessage, key: int,
         if activations.shape != (1, executor.n_embd):
             return Outcome(ERROR)
     item = WorkItem(session=key, positions=np.asarray([length], dtype=np.int32),
-                    tokens=tokens[length:] if executor.is_first else None, activations=activations,
+                    tokens=tokens[length:] if executor.is_first or executor.reads_tokens else None,
+                    activations=activations,
                     sampling=sampling_params(message.sampling))
     result = await scheduler.call(lambda: executor.restore_decode(key, tokens, item, namespace))
     if result is None:
