@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_moe as bm
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -97,6 +98,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 26: dense (keep this group's entries below this line) ---
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    "expert_group_scale": OptionalKey("expert_group_scale", GGUFValueType.FLOAT32),
+    "n_group_experts": OptionalKey("experts_per_group", GGUFValueType.UINT32),
+    "n_ff_chexp": OptionalKey("expert_chunk_feed_forward_length", GGUFValueType.UINT32),
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -398,6 +402,13 @@ def _expert_width_is_n_ff(spec: "ModelSpec") -> str | None:
     return None
 
 
+def _chunk_experts(spec: "ModelSpec") -> str | None:
+    # GroveMoE: one chunk expert per group of n_group_experts experts.
+    if not spec.n_group_experts or spec.n_expert % spec.n_group_experts:
+        return f"{spec.arch} needs n_expert to be a multiple of n_group_experts"
+    return None
+
+
 def _deepseek2_keys(spec: "ModelSpec") -> list[DerivedKey]:
     return [("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32)]
 
@@ -616,6 +627,87 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 26: dense (keep this group's entries below this line) ---
         #
         # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+        Family(
+            "deepseek", _BOTH, bm.deepseek,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale"}),
+            rules=(b.coupled_heads, b.experts, b.dense_lead_below_n_layer),
+            summary="DeepSeek-MoE 16B (deepseek): llama attention, leading dense blocks, "
+            "softmax experts plus shared experts",
+        ),
+        Family(
+            "dbrx", _UNTIED, bm.dbrx,
+            requires=frozenset({"n_expert", "n_expert_used", "ln_eps", "clamp_kqv"}),
+            rules=(b.coupled_heads, b.experts),
+            summary="DBRX: bias-free LayerNorms, fused and clamped q/k/v, an attention-output "
+            "norm feeding softmax experts of width n_ff, untied",
+        ),
+        Family(
+            "grok", _BOTH, bm.grok,
+            requires=_MOE,
+            permits=frozenset({"embedding_scale", "logit_scale", "attn_softcap", "final_softcap"}),
+            rules=(b.coupled_heads, b.experts),
+            summary="Grok-1/2: attention and layer output norms, attention and router "
+            "soft-capping, embedding and logit scales, a dense GELU FFN beside the experts "
+            "(Grok 2)",
+        ),
+        Family(
+            "arctic", _BOTH, bm.arctic,
+            requires=frozenset({"n_expert", "n_expert_used"}),
+            rules=(b.coupled_heads, b.experts),
+            summary="Snowflake Arctic: a residual n_embd-wide dense FFN plus softmax experts "
+            "(n_ff wide) on the block input with their own norm",
+        ),
+        Family(
+            "cohere2moe", _BOTH, bm.cohere2moe,
+            requires=_MOE | {"sliding_window", "logit_scale", "n_dense_lead"},
+            permits=frozenset(
+                {"swa_pattern", "rope_theta_swa", "n_expert_shared", "n_ff_shexp",
+                 "expert_weights_norm", "expert_weights_scale", "expert_gating"}
+            ),
+            rules=(b.experts, b.window, b.dense_lead_below_n_layer),
+            summary="Cohere2 MoE (30B-A3B): parallel attention and FFN under one norm, "
+            "sliding-window layers with rope and global ones without, leading dense blocks, "
+            "sigmoid experts plus shared experts, logit scale",
+        ),
+        Family(
+            "exaone-moe", _UNTIED, bm.exaone_moe,
+            requires=_MOE | {"sliding_window", "expert_gating", "n_ff_shexp"},
+            permits=frozenset(
+                {"swa_pattern", "rope_theta_swa", "n_expert_shared", "n_dense_lead",
+                 "expert_weights_norm", "expert_weights_scale"}
+            ),
+            rules=(b.experts, b.window, b.dense_lead_below_n_layer),
+            summary="EXAONE MoE (K-EXAONE): per-head q/k norms, sliding-window layers with rope "
+            "and global ones without, leading dense blocks, experts with a selection bias and "
+            "a shared expert, untied",
+        ),
+        Family(
+            "bailingmoe", _UNTIED, bm.bailingmoe,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset({"expert_weights_norm", "expert_weights_scale"}),
+            rules=(b.experts, b.full_rope),
+            summary="Ling 1.0 / Ling-lite (bailingmoe): llama attention, softmax experts in "
+            "every block plus shared experts, untied",
+        ),
+        Family(
+            "grovemoe", _BOTH, bm.grovemoe,
+            requires=_MOE | {"expert_group_scale", "n_group_experts", "n_ff_chexp"},
+            rules=(b.experts, _chunk_experts),
+            summary="GroveMoE (Inclusion AI): qwen3 attention, softmax experts plus one "
+            "'adjugate' chunk expert per group sharing the router's probabilities",
+        ),
+        Family(
+            "hy_v3", _BOTH, bm.hy_v3,
+            requires=_MOE | {"n_ff_shexp"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_gating", "expert_weights_norm", "expert_weights_scale"}
+            ),
+            rules=(b.experts, b.dense_lead_below_n_layer),
+            summary="Tencent HY V3 (30B-A3B): per-head q/k norms, dense blocks where no router "
+            "is stored (leading_dense_block_count only tells the writer which), sigmoid experts "
+            "with a selection bias and a shared expert",
+        ),
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---
         #

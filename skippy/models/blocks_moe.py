@@ -1,0 +1,134 @@
+# Blocks of the MoE and sparse-attention families of issue 26 (deepseek, dbrx, grok, arctic,
+# cohere2moe, exaone-moe, bailingmoe, grovemoe, hy_v3, ...), as their llama.cpp loaders
+# (src/models/<arch>.cpp) name and shape them.
+#
+# Strategy: the same pieces as `blocks.py` (attention, dense FFN, mixture of experts) with the
+# few tensors these loaders add written here: DBRX / Grok's attention-output norm, Grok's
+# layer-output norm, Arctic's residual dense FFN beside the experts with their own norm,
+# GroveMoE's chunk experts, HY V3's suffix-less selection bias. Each function returns one
+# block's tensors in file order (numpy shapes: the last axis is the input width).
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from skippy.models import blocks as b
+from skippy.models.blocks import TensorDecl
+
+if TYPE_CHECKING:
+    from skippy.models.spec import ModelSpec
+
+__all__ = [
+    "arctic",
+    "bailingmoe",
+    "cohere2moe",
+    "dbrx",
+    "deepseek",
+    "exaone_moe",
+    "grok",
+    "grovemoe",
+    "hy_v3",
+]
+
+
+def _experts(spec: "ModelSpec", layer: int, name: str, count: int, width: int) -> list[TensorDecl]:
+    """Stacked gate/up/down experts under the names ``ffn_{gate,up,down}_<name>``."""
+    e = spec.n_embd
+    return [
+        TensorDecl(b.blk(layer, f"ffn_gate_{name}"), (count, width, e), "matrix", True),
+        TensorDecl(b.blk(layer, f"ffn_up_{name}"), (count, width, e), "matrix", True),
+        TensorDecl(b.blk(layer, f"ffn_down_{name}"), (count, e, width), "matrix", True),
+    ]
+
+
+def deepseek(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # DeepSeek-MoE (V1): llama attention, leading dense blocks, then softmax top-k experts plus
+    # n_expert_shared shared experts.
+    attention = b.attention(spec, layer)
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, shared="plain")
+
+
+def dbrx(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # DBRX: bias-free LayerNorms, fused q/k/v (clamped), an attention-output norm that feeds the
+    # experts (no ffn_norm), experts as wide as feed_forward_length.
+    e = spec.n_embd
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_qkv", spec.n_q + 2 * spec.n_kv, e),
+        b.matrix(layer, "attn_output", e, spec.n_q),
+        b.norm(layer, "attn_output_norm", e),
+    ] + b.moe_ffn(spec, layer, pre_norm=False, expert_width=spec.n_ff)
+
+
+def grok(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Grok (1 and 2): attention output normed before the residual, a dense GELU FFN beside the
+    # experts (Grok 2; their sum scaled by 1/sqrt(2)), the sum normed by layer_output_norm.
+    e = spec.n_embd
+    attention = b.attention(spec, layer) + [b.norm(layer, "attn_output_norm", e)]
+    return attention + b.dense_ffn(spec, layer) + b.moe_ffn(spec, layer, pre_norm=False) + [
+        b.norm(layer, "layer_output_norm", e)
+    ]
+
+
+def arctic(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Snowflake Arctic: a residual dense SwiGLU as wide as n_embd, and beside it experts
+    # (sized by feed_forward_length) with their own input norm over the block's input.
+    e = spec.n_embd
+    dense = [
+        b.norm(layer, "ffn_norm", e),
+        b.matrix(layer, "ffn_gate", e, e),
+        b.matrix(layer, "ffn_up", e, e),
+        b.matrix(layer, "ffn_down", e, e),
+    ]
+    experts = [b.norm(layer, "ffn_norm_exps", e)] + b.moe_ffn(
+        spec, layer, pre_norm=False, expert_width=spec.n_ff
+    )
+    return b.attention(spec, layer) + dense + experts
+
+
+def cohere2moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Cohere2 MoE: one norm feeds attention and FFN in parallel (no ffn_norm); leading dense
+    # blocks, then routed experts with optional shared experts.
+    attention = b.attention(spec, layer)
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer, pre_norm=False)
+    if not spec.n_expert_shared:
+        return attention + b.moe_ffn(spec, layer, pre_norm=False)
+    shared = "own" if spec.n_ff_shexp else "plain"  # the loader's width: n_ff_shexp, else
+    return attention + b.moe_ffn(spec, layer, pre_norm=False, shared=shared)  # shared x n_ff_exp
+
+
+def exaone_moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # EXAONE MoE: per-head q/k norms, leading dense blocks, then routed experts with a
+    # selection bias and a shared expert (n_ff_shexp wide).
+    attention = b.attention(spec, layer, qk_norm="head")
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="own")
+
+
+def bailingmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Ling (bailingmoe, 1.0): llama attention, softmax experts in every block plus shared
+    # experts.
+    return b.attention(spec, layer) + b.moe_ffn(spec, layer, shared="plain")
+
+
+def grovemoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # GroveMoE: qwen3 attention; the router's probabilities drive both the experts and the
+    # "adjugate" chunk experts (one per group of experts_per_group experts, n_ff_chexp wide).
+    out = b.attention(spec, layer, qk_norm="head") + b.moe_ffn(spec, layer)
+    n_chunk = spec.n_expert // spec.n_group_experts
+    return out + _experts(spec, layer, "chexps", n_chunk, spec.n_ff_chexp)
+
+
+def hy_v3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # HY V3: qwen3 attention; dense blocks where the file has no router, else sigmoid experts
+    # with a selection bias and a shared expert. Its loader asks for the selection bias as
+    # "blk.N.exp_probs_b" (no ".bias" suffix).
+    attention = b.attention(spec, layer, qk_norm="head")
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    moe = b.moe_ffn(spec, layer, shared="own")
+    bias = TensorDecl(f"blk.{layer}.exp_probs_b", (spec.n_expert,), "bias", False)
+    return attention + moe[:2] + [bias] + moe[2:]
