@@ -9,7 +9,7 @@
 # block's tensors in file order (numpy shapes: the last axis is the input width).
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Final
 
 from skippy.models import blocks as b
 from skippy.models.blocks import TensorDecl
@@ -18,16 +18,44 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
+    "DSA",
     "arctic",
+    "chunk_experts",
+    "indexer",
+    "deepseek32",
+    "dsa_indexer",
+    "mla_attention",
     "bailingmoe",
     "cohere2moe",
     "dbrx",
     "deepseek",
     "exaone_moe",
+    "glm_dsa",
+    "glm_dsa_indexer_is_full",
     "grok",
     "grovemoe",
     "hy_v3",
 ]
+
+#: The optional spec fields of DeepSeek sparse attention's lightning indexer.
+DSA: Final = frozenset({"indexer_n_head", "indexer_head_size", "indexer_top_k"})
+
+
+def chunk_experts(spec: "ModelSpec") -> str | None:
+    # GroveMoE: one chunk expert per group of n_group_experts experts.
+    if not spec.n_group_experts or spec.n_expert % spec.n_group_experts:
+        return f"{spec.arch} needs n_expert to be a multiple of n_group_experts"
+    return None
+
+
+def indexer(spec: "ModelSpec") -> str | None:
+    # llama.cpp rotates the indexer's keys and queries with a Hadamard matrix of a power-of-two
+    # size of at least 64 dividing the head width; the head is laid out [rope | nope].
+    if spec.indexer_head_size % 64:
+        return f"{spec.arch} needs indexer_head_size to be a multiple of 64"
+    if spec.n_rot > spec.indexer_head_size:
+        return f"{spec.arch} needs rope_dim <= indexer_head_size"
+    return None
 
 
 def _experts(spec: "ModelSpec", layer: int, name: str, count: int, width: int) -> list[TensorDecl]:
@@ -132,3 +160,68 @@ def hy_v3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     moe = b.moe_ffn(spec, layer, shared="own")
     bias = TensorDecl(f"blk.{layer}.exp_probs_b", (spec.n_expert,), "bias", False)
     return attention + moe[:2] + [bias] + moe[2:]
+
+
+def mla_attention(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    """DeepSeek-V3's multi-head latent attention, as families._deepseek2 writes it: low-rank q
+    (q_a, its norm, q_b), the latent kv_a_mqa and its norm, per-head k_b / v_b, attn_output."""
+    e, heads, q_rank, kv_rank = spec.n_embd, spec.n_head, spec.q_lora_rank, spec.kv_lora_rank
+    nope = spec.n_embd_head - spec.n_rot
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_q_a", q_rank, e),
+        b.norm(layer, "attn_q_a_norm", q_rank),
+        b.matrix(layer, "attn_q_b", heads * spec.n_embd_head, q_rank),
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
+        b.norm(layer, "attn_kv_a_norm", kv_rank),
+        TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
+        TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+        b.matrix(layer, "attn_output", e, heads * spec.v_head_dim),
+    ]
+
+
+def dsa_indexer(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    """The lightning indexer of DeepSeek sparse attention: one key head (LayerNorm with bias),
+    indexer_n_head query heads from the low-rank q, per-head weights from the block input."""
+    e, width, heads = spec.n_embd, spec.indexer_head_size, spec.indexer_n_head
+    return [
+        b.norm(layer, "indexer.k_norm", width),
+        b.bias(layer, "indexer.k_norm", width),
+        b.matrix(layer, "indexer.proj", heads, e),
+        b.matrix(layer, "indexer.attn_k", width, e),
+        b.matrix(layer, "indexer.attn_q_b", heads * width, spec.q_lora_rank),
+    ]
+
+
+def deepseek32(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # DeepSeek-V3.2 (deepseek32): deepseek2's MLA plus a lightning indexer in every block,
+    # whose top-k keys are the only ones each query attends to; leading dense blocks, then
+    # sigmoid experts with a selection bias and shared experts.
+    out = mla_attention(spec, layer) + dsa_indexer(spec, layer)
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+#: GLM-5.2's training context; llama.cpp gives a model with at least this context GLM-5.2's
+#: indexer layout (full indexers on layers 0, 1, 2, 6, 10, ...; "shared" ones elsewhere) when
+#: the file has no attention.indexer.types, and GLM-5 / 5.1's (every layer full) below it.
+GLM_5_2_CONTEXT: Final = 1048576
+
+
+def glm_dsa_indexer_is_full(spec: "ModelSpec", layer: int) -> bool:
+    """Whether a glm-dsa block computes its own top-k (else it reuses the previous full one's)."""
+    if spec.context_length < GLM_5_2_CONTEXT:
+        return True
+    return layer < 2 or (layer - 2) % 4 == 0
+
+
+def glm_dsa(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # GLM-5 / 5.1 / 5.2 (glm-dsa): deepseek32's block with the indexer rotating its heads the
+    # "normal" way; GLM-5.2's shared-indexer layers have no indexer of their own.
+    out = mla_attention(spec, layer)
+    if glm_dsa_indexer_is_full(spec, layer):
+        out += dsa_indexer(spec, layer)
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")

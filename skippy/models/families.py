@@ -101,6 +101,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "expert_group_scale": OptionalKey("expert_group_scale", GGUFValueType.FLOAT32),
     "n_group_experts": OptionalKey("experts_per_group", GGUFValueType.UINT32),
     "n_ff_chexp": OptionalKey("expert_chunk_feed_forward_length", GGUFValueType.UINT32),
+    "indexer_n_head": OptionalKey("attention.indexer.head_count", GGUFValueType.UINT32),
+    "indexer_head_size": OptionalKey("attention.indexer.key_length", GGUFValueType.UINT32),
+    "indexer_top_k": OptionalKey("attention.indexer.top_k", GGUFValueType.UINT32),
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -402,13 +405,6 @@ def _expert_width_is_n_ff(spec: "ModelSpec") -> str | None:
     return None
 
 
-def _chunk_experts(spec: "ModelSpec") -> str | None:
-    # GroveMoE: one chunk expert per group of n_group_experts experts.
-    if not spec.n_group_experts or spec.n_expert % spec.n_group_experts:
-        return f"{spec.arch} needs n_expert to be a multiple of n_group_experts"
-    return None
-
-
 def _deepseek2_keys(spec: "ModelSpec") -> list[DerivedKey]:
     return [("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32)]
 
@@ -693,7 +689,7 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "grovemoe", _BOTH, bm.grovemoe,
             requires=_MOE | {"expert_group_scale", "n_group_experts", "n_ff_chexp"},
-            rules=(b.experts, _chunk_experts),
+            rules=(b.experts, bm.chunk_experts),
             summary="GroveMoE (Inclusion AI): qwen3 attention, softmax experts plus one "
             "'adjugate' chunk expert per group sharing the router's probabilities",
         ),
@@ -707,6 +703,30 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Tencent HY V3 (30B-A3B): per-head q/k norms, dense blocks where no router "
             "is stored (leading_dense_block_count only tells the writer which), sigmoid experts "
             "with a selection bias and a shared expert",
+        ),
+        Family(
+            "deepseek32", _BOTH, bm.deepseek32,
+            requires=_MOE | bm.DSA | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim",
+                                    "expert_gating"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
+            derived_keys=_deepseek2_keys,
+            summary="DeepSeek-V3.2 (deepseek32): DeepSeek-V3's MLA and experts plus the "
+            "lightning indexer of DeepSeek sparse attention (each query attends to its top-k "
+            "keys only)",
+        ),
+        Family(
+            "glm-dsa", _BOTH, bm.glm_dsa,
+            requires=_MOE | bm.DSA | {"n_expert_shared", "q_lora_rank", "kv_lora_rank",
+                                      "v_head_dim"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
+            derived_keys=_deepseek2_keys,
+            summary="GLM-5 / 5.1 / 5.2 (glm-dsa): MLA, sigmoid experts and DeepSeek sparse "
+            "attention; GLM-5.2's layout (a training context of 1M) has shared-indexer layers "
+            "reusing the previous full layer's selection",
         ),
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---

@@ -95,7 +95,7 @@ _DenseArchitecture = Literal["llama"]
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal[
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3",
+    "hy_v3", "deepseek32", "glm-dsa",
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -139,7 +139,7 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3",
+    "hy_v3", "deepseek32", "glm-dsa",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -214,6 +214,9 @@ class ModelSpec:
         expert_group_scale, n_group_experts, n_ff_chexp: GroveMoE's chunk ("adjugate") experts:
             the weight of their output, experts per group (one chunk expert per group) and
             their width.
+        indexer_n_head, indexer_head_size, indexer_top_k: the lightning indexer of DeepSeek
+            sparse attention (query heads, the width of its heads, how many keys each query
+            keeps).
     """
 
     arch: Architecture
@@ -272,6 +275,9 @@ class ModelSpec:
     expert_group_scale: float = 0.0
     n_group_experts: int = 0
     n_ff_chexp: int = 0
+    indexer_n_head: int = 0
+    indexer_head_size: int = 0
+    indexer_top_k: int = 0
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -477,6 +483,14 @@ def _tiny_deepseek2(n_embd: int) -> dict[str, Any]:
     }
 
 
+def _tiny_dsa(n_embd: int) -> dict[str, Any]:
+    # The lightning indexer: 2 heads of 64 (llama.cpp rotates its keys with a Hadamard matrix,
+    # whose size is a multiple of 64), each query keeping its 8 best keys, so over the tests'
+    # 20-token prompt most queries attend to a subset of the positions they could see.
+    del n_embd
+    return {"indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8}
+
+
 #: Families whose tiny shape has head_dim = n_embd / 2 (n_head * head_dim != n_embd).
 _DECOUPLED_HEADS: Final = frozenset(
     {
@@ -603,6 +617,10 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         **_tiny_moe(n), "head_dim": n // 2, "n_dense_lead": 1, "n_ff_shexp": n // 2,
         "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
     },
+    "deepseek32": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
+    # GLM-5's layout (every layer has its own indexer: a 2048-token training context); the
+    # tests give GLM-5.2's shared-indexer layers a context of GLM_5_2_CONTEXT.
+    "glm-dsa": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
