@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Final
 
+from gguf import GGUFValueType
+
 from skippy.models import blocks as b
 from skippy.models.blocks import TensorDecl
 
@@ -35,6 +37,9 @@ __all__ = [
     "grok",
     "grovemoe",
     "hy_v3",
+    "step35",
+    "step35_is_swa",
+    "step35_keys",
 ]
 
 #: The optional spec fields of DeepSeek sparse attention's lightning indexer.
@@ -225,3 +230,26 @@ def glm_dsa(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     if layer < spec.n_dense_lead:
         return out + b.dense_ffn(spec, layer)
     return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def step35_is_swa(layer: int) -> bool:
+    """Step 3.5's layout here: full attention on every 4th layer from 0, sliding window
+    elsewhere (the file states it per layer, as attention.sliding_window_pattern)."""
+    return layer % 4 != 0
+
+
+def step35_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    # The loader reads the pattern only as an array (one flag per layer).
+    pattern = [int(step35_is_swa(layer)) for layer in range(spec.n_layer)]
+    return [("attention.sliding_window_pattern", pattern, GGUFValueType.ARRAY)]
+
+
+def step35(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Step 3.5 (Flash): per-head q/k norms, a head-wise sigmoid output gate, sliding-window
+    # layers rotating the whole rope width and full ones half of it; dense blocks where no
+    # router is stored, else sigmoid experts with a selection bias plus a shared expert.
+    attention = b.attention(spec, layer, qk_norm="head")
+    attention.insert(-1, b.matrix(layer, "attn_gate", spec.n_head, spec.n_embd))
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="own")

@@ -728,6 +728,19 @@ FAMILIES: Final[dict[str, Family]] = {
             "attention; GLM-5.2's layout (a training context of 1M) has shared-indexer layers "
             "reusing the previous full layer's selection",
         ),
+        Family(
+            "step35", _UNTIED, bm.step35,
+            requires=_MOE | {"sliding_window", "n_ff_shexp"},
+            permits=frozenset(
+                {"n_dense_lead", "rope_theta_swa", "expert_gating", "expert_weights_norm",
+                 "expert_weights_scale"}
+            ),
+            rules=(b.experts, b.dense_lead_below_n_layer),
+            derived_keys=bm.step35_keys,
+            summary="Step 3.5 Flash (step35): per-head q/k norms, head-wise output gate, "
+            "sliding-window layers with full rope and full-attention layers with half, dense "
+            "blocks, then sigmoid experts with a selection bias and a shared expert",
+        ),
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---
         #

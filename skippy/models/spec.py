@@ -95,7 +95,7 @@ _DenseArchitecture = Literal["llama"]
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal[
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa",
+    "hy_v3", "deepseek32", "glm-dsa", "step35",
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -139,7 +139,7 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa",
+    "hy_v3", "deepseek32", "glm-dsa", "step35",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -621,6 +621,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # GLM-5's layout (every layer has its own indexer: a 2048-token training context); the
     # tests give GLM-5.2's shared-indexer layers a context of GLM_5_2_CONTEXT.
     "glm-dsa": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
+    # Step 3.5: layer 0 full attention (and the dense block), layers 1-3 a window of 8.
+    "step35": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "n_dense_lead": 1, "n_ff_shexp": n // 2, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #

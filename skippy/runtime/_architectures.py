@@ -56,6 +56,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'grovemoe',
     'minimax-m2',
     'mistral3',
+    'step35',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
@@ -153,7 +154,6 @@ REFUSED: Final[dict[str, str]] = {
     'mistral4': 'graph does not follow the standard layer loop (no single token-input graph)',
     'paddleocr': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'mimo2': 'needs review: the graph uses n_layer outside the layer loop',
-    'step35': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'spark2_5': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'llama-embed': 'graph does not follow the standard layer loop (no single token-input graph)',
     'maincoder': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
