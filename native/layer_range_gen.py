@@ -81,7 +81,10 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
-SPLIT += ()
+SPLIT += (
+    "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
+    "hy_v3", "deepseek32", "glm-dsa", "step35",
+)
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
 SPLIT += ()

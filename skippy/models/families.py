@@ -33,6 +33,7 @@ from gguf import GGUFValueType
 
 from skippy.models import blocks as b
 from skippy.models import blocks_perlayer as bp
+from skippy.models import blocks_moe as bm
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -98,6 +99,12 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 26: dense (keep this group's entries below this line) ---
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    "expert_group_scale": OptionalKey("expert_group_scale", GGUFValueType.FLOAT32),
+    "n_group_experts": OptionalKey("experts_per_group", GGUFValueType.UINT32),
+    "n_ff_chexp": OptionalKey("expert_chunk_feed_forward_length", GGUFValueType.UINT32),
+    "indexer_n_head": OptionalKey("attention.indexer.head_count", GGUFValueType.UINT32),
+    "indexer_head_size": OptionalKey("attention.indexer.key_length", GGUFValueType.UINT32),
+    "indexer_top_k": OptionalKey("attention.indexer.top_k", GGUFValueType.UINT32),
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -622,6 +629,124 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 26: dense (keep this group's entries below this line) ---
         #
         # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+        Family(
+            "deepseek", _BOTH, bm.deepseek,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale"}),
+            rules=(b.coupled_heads, b.experts, b.dense_lead_below_n_layer),
+            summary="DeepSeek-MoE 16B (deepseek): llama attention, leading dense blocks, "
+            "softmax experts plus shared experts",
+        ),
+        Family(
+            "dbrx", _UNTIED, bm.dbrx,
+            requires=frozenset({"n_expert", "n_expert_used", "ln_eps", "clamp_kqv"}),
+            rules=(b.coupled_heads, b.experts),
+            summary="DBRX: bias-free LayerNorms, fused and clamped q/k/v, an attention-output "
+            "norm feeding softmax experts of width n_ff, untied",
+        ),
+        Family(
+            "grok", _BOTH, bm.grok,
+            requires=_MOE,
+            permits=frozenset({"embedding_scale", "logit_scale", "attn_softcap", "final_softcap"}),
+            rules=(b.coupled_heads, b.experts),
+            summary="Grok-1/2: attention and layer output norms, attention and router "
+            "soft-capping, embedding and logit scales, a dense GELU FFN beside the experts "
+            "(Grok 2)",
+        ),
+        Family(
+            "arctic", _BOTH, bm.arctic,
+            requires=frozenset({"n_expert", "n_expert_used"}),
+            rules=(b.coupled_heads, b.experts),
+            summary="Snowflake Arctic: a residual n_embd-wide dense FFN plus softmax experts "
+            "(n_ff wide) on the block input with their own norm",
+        ),
+        Family(
+            "cohere2moe", _BOTH, bm.cohere2moe,
+            requires=_MOE | {"sliding_window", "logit_scale", "n_dense_lead"},
+            permits=frozenset(
+                {"swa_pattern", "rope_theta_swa", "n_expert_shared", "n_ff_shexp",
+                 "expert_weights_norm", "expert_weights_scale", "expert_gating"}
+            ),
+            rules=(b.experts, b.window, b.dense_lead_below_n_layer),
+            summary="Cohere2 MoE (30B-A3B): parallel attention and FFN under one norm, "
+            "sliding-window layers with rope and global ones without, leading dense blocks, "
+            "sigmoid experts plus shared experts, logit scale",
+        ),
+        Family(
+            "exaone-moe", _UNTIED, bm.exaone_moe,
+            requires=_MOE | {"sliding_window", "expert_gating", "n_ff_shexp"},
+            permits=frozenset(
+                {"swa_pattern", "rope_theta_swa", "n_expert_shared", "n_dense_lead",
+                 "expert_weights_norm", "expert_weights_scale"}
+            ),
+            rules=(b.experts, b.window, b.dense_lead_below_n_layer),
+            summary="EXAONE MoE (K-EXAONE): per-head q/k norms, sliding-window layers with rope "
+            "and global ones without, leading dense blocks, experts with a selection bias and "
+            "a shared expert, untied",
+        ),
+        Family(
+            "bailingmoe", _UNTIED, bm.bailingmoe,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset({"expert_weights_norm", "expert_weights_scale"}),
+            rules=(b.experts, b.full_rope),
+            summary="Ling 1.0 / Ling-lite (bailingmoe): llama attention, softmax experts in "
+            "every block plus shared experts, untied",
+        ),
+        Family(
+            "grovemoe", _BOTH, bm.grovemoe,
+            requires=_MOE | {"expert_group_scale", "n_group_experts", "n_ff_chexp"},
+            rules=(b.experts, bm.chunk_experts),
+            summary="GroveMoE (Inclusion AI): qwen3 attention, softmax experts plus one "
+            "'adjugate' chunk expert per group sharing the router's probabilities",
+        ),
+        Family(
+            "hy_v3", _BOTH, bm.hy_v3,
+            requires=_MOE | {"n_ff_shexp"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_gating", "expert_weights_norm", "expert_weights_scale"}
+            ),
+            rules=(b.experts, b.dense_lead_below_n_layer),
+            summary="Tencent HY V3 (30B-A3B): per-head q/k norms, dense blocks where no router "
+            "is stored (leading_dense_block_count only tells the writer which), sigmoid experts "
+            "with a selection bias and a shared expert",
+        ),
+        Family(
+            "deepseek32", _BOTH, bm.deepseek32,
+            requires=_MOE | bm.DSA | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim",
+                                    "expert_gating"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
+            derived_keys=_deepseek2_keys,
+            summary="DeepSeek-V3.2 (deepseek32): DeepSeek-V3's MLA and experts plus the "
+            "lightning indexer of DeepSeek sparse attention (each query attends to its top-k "
+            "keys only)",
+        ),
+        Family(
+            "glm-dsa", _BOTH, bm.glm_dsa,
+            requires=_MOE | bm.DSA | {"n_expert_shared", "q_lora_rank", "kv_lora_rank",
+                                      "v_head_dim"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
+            derived_keys=_deepseek2_keys,
+            summary="GLM-5 / 5.1 / 5.2 (glm-dsa): MLA, sigmoid experts and DeepSeek sparse "
+            "attention; GLM-5.2's layout (a training context of 1M) has shared-indexer layers "
+            "reusing the previous full layer's selection",
+        ),
+        Family(
+            "step35", _UNTIED, bm.step35,
+            requires=_MOE | {"sliding_window", "n_ff_shexp"},
+            permits=frozenset(
+                {"n_dense_lead", "rope_theta_swa", "expert_gating", "expert_weights_norm",
+                 "expert_weights_scale"}
+            ),
+            rules=(b.experts, b.dense_lead_below_n_layer),
+            derived_keys=bm.step35_keys,
+            summary="Step 3.5 Flash (step35): per-head q/k norms, head-wise output gate, "
+            "sliding-window layers with full rope and full-attention layers with half, dense "
+            "blocks, then sigmoid experts with a selection bias and a shared expert",
+        ),
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---
         #

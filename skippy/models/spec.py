@@ -93,7 +93,10 @@ _RwkvConvArchitecture = Literal["llama"]
 _DenseArchitecture = Literal["llama"]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
-_MoeArchitecture = Literal["llama"]
+_MoeArchitecture = Literal[
+    "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
+    "hy_v3", "deepseek32", "glm-dsa", "step35",
+]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
 _RuleArchitecture = Literal["llama"]
@@ -134,7 +137,10 @@ RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
-MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
+    "hy_v3", "deepseek32", "glm-dsa", "step35",
+)
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -205,6 +211,12 @@ class ModelSpec:
         ln_eps: LayerNorm epsilon of the families that use LayerNorm (starcoder2, cohere2).
         n_moe_layer_step: every n-th block is MoE, the others dense (llama4).
         clamp_kqv: clip q, k and v to +-clamp_kqv (OLMo 1).
+        expert_group_scale, n_group_experts, n_ff_chexp: GroveMoE's chunk ("adjugate") experts:
+            the weight of their output, experts per group (one chunk expert per group) and
+            their width.
+        indexer_n_head, indexer_head_size, indexer_top_k: the lightning indexer of DeepSeek
+            sparse attention (query heads, the width of its heads, how many keys each query
+            keeps).
     """
 
     arch: Architecture
@@ -260,6 +272,12 @@ class ModelSpec:
     # --- issue 26: dense (keep this group's entries below this line) ---
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    expert_group_scale: float = 0.0
+    n_group_experts: int = 0
+    n_ff_chexp: int = 0
+    indexer_n_head: int = 0
+    indexer_head_size: int = 0
+    indexer_top_k: int = 0
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -472,6 +490,14 @@ def _tiny_deepseek2(n_embd: int) -> dict[str, Any]:
     }
 
 
+def _tiny_dsa(n_embd: int) -> dict[str, Any]:
+    # The lightning indexer: 2 heads of 64 (llama.cpp rotates its keys with a Hadamard matrix,
+    # whose size is a multiple of 64), each query keeping its 8 best keys, so over the tests'
+    # 20-token prompt most queries attend to a subset of the positions they could see.
+    del n_embd
+    return {"indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8}
+
+
 #: Families whose tiny shape has head_dim = n_embd / 2 (n_head * head_dim != n_embd).
 _DECOUPLED_HEADS: Final = frozenset(
     {
@@ -564,6 +590,50 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 26: dense (keep this group's entries below this line) ---
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
+    # DeepSeek-MoE 16B: one leading dense block, shared experts, softmax routing.
+    "deepseek": lambda n: {**_tiny_moe(n), "n_dense_lead": 1, "n_expert_shared": 1},
+    # DBRX clips q/k/v at 8; at this width 1.5 clips some values. Experts n_ff wide.
+    "dbrx": lambda n: {
+        "ln_eps": 1e-5, "clamp_kqv": 1.5, "n_ff": n // 2, "n_expert": 8, "n_expert_used": 2,
+    },
+    # Grok: the loader's defaults (embedding x78.4, attention softcap 30 and output scale,
+    # router softcap 30, logit scale 0.577) stay in effect; Grok 2's dense FFN beside experts.
+    "grok": _tiny_moe,
+    "arctic": lambda n: {"n_ff": n // 2, "n_expert": 8, "n_expert_used": 2},
+    # Cohere2 MoE: window 8 on odd layers (dense_first pattern 2), the leading dense block and
+    # the even layers global (the latter without rope), a shared expert, sigmoid routing.
+    "cohere2moe": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "swa_pattern": 2, "logit_scale": 0.25, "n_dense_lead": 1, "n_expert_shared": 1,
+        "expert_gating": 2, "expert_weights_norm": True,
+    },
+    "exaone-moe": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "swa_pattern": 2, "n_dense_lead": 1, "n_expert_shared": 1, "n_ff_shexp": n // 2,
+        "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+    "bailingmoe": lambda n: {
+        **_tiny_moe(n), "n_expert_shared": 1, "expert_weights_norm": True,
+    },
+    # GroveMoE: 4 chunk experts (one per 2 experts) of width 32, weighted 0.5.
+    "grovemoe": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "expert_group_scale": 0.5, "n_group_experts": 2,
+        "n_ff_chexp": n // 2,
+    },
+    "hy_v3": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "n_dense_lead": 1, "n_ff_shexp": n // 2,
+        "expert_gating": 2, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+    "deepseek32": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
+    # GLM-5's layout (every layer has its own indexer: a 2048-token training context); the
+    # tests give GLM-5.2's shared-indexer layers a context of GLM_5_2_CONTEXT.
+    "glm-dsa": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
+    # Step 3.5: layer 0 full attention (and the dense block), layers 1-3 a window of 8.
+    "step35": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "n_dense_lead": 1, "n_ff_shexp": n // 2, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
