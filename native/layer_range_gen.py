@@ -77,7 +77,10 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
-SPLIT += ()
+SPLIT += (
+    "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
+    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum",
+)
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 SPLIT += ()

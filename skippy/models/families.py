@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_dense as dense
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -95,6 +96,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
+    "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -615,6 +617,84 @@ FAMILIES: Final[dict[str, Family]] = {
         #
         # --- issue 26: dense (keep this group's entries below this line) ---
         #
+        Family(
+            "baichuan", _UNTIED, dense.baichuan, rules=(b.coupled_heads,),
+            summary="Baichuan 2: llama layout (7B: rope, 13B: ALiBi; other depths, as the tiny "
+            "one, neither)",
+        ),
+        Family(
+            "xverse", _UNTIED, dense.xverse, rules=(b.coupled_heads,),
+            summary="XVERSE-7B/13B/65B: llama layout, untied head",
+        ),
+        Family(
+            "orion", _UNTIED, dense.orion,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="Orion-14B: llama layout with LayerNorms with biases",
+        ),
+        Family(
+            "refact", _BOTH, dense.refact,
+            summary="Refact-1.6B: llama layout, ALiBi (max bias 8) instead of rope",
+        ),
+        Family(
+            "qwen", _UNTIED, dense.qwen, rules=(b.coupled_heads, b.mha),
+            summary="Qwen (1): fused q/k/v with bias, MHA, SwiGLU of half the file's "
+            "feed_forward_length",
+        ),
+        Family(
+            "codeshell", _UNTIED, dense.codeshell,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="CodeShell-7B: LayerNorms with biases, fused q/k/v, biases everywhere, GELU MLP",
+        ),
+        Family(
+            "plamo", _UNTIED, dense.plamo, rules=(b.coupled_heads,),
+            summary="PLaMo-13B: parallel attention and SwiGLU MLP under one RMSNorm",
+        ),
+        Family(
+            "falcon", _BOTH, dense.falcon,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="Falcon-40B: parallel attention (own LayerNorm) and GELU MLP, fused q/k/v, "
+            "grouped KV",
+        ),
+        Family(
+            "maincoder", _BOTH, dense.maincoder,
+            summary="Maincoder-1B: qwen3 layout, q/k norms after rope",
+        ),
+        Family(
+            "pangu-embedded", _BOTH, dense.pangu_embedded,
+            summary="openPangu-Embedded-1B/7B: llama plus q/k/v and attention-output biases",
+        ),
+        Family(
+            "chatglm", _BOTH, dense.chatglm, rules=(b.coupled_heads,),
+            summary="ChatGLM3-6B / GLM-4-9B: fused q/k/v with bias, fused gate+up, half-width rope",
+        ),
+        Family(
+            "jais", _UNTIED, dense.jais,
+            requires=frozenset({"ln_eps", "max_alibi_bias"}), rules=(b.coupled_heads,),
+            output_norm_bias=True,
+            summary="Jais-13B: LayerNorms with biases, fused q/k/v, biases everywhere, SwiGLU, "
+            "ALiBi, 1/head_dim attention scale",
+        ),
+        Family(
+            "hunyuan_vl", _BOTH, dense.hunyuan_vl,
+            summary="HunyuanOCR's text tower (hunyuan_vl): per-head q/k norms after rope",
+        ),
+        Family(
+            "chameleon", _BOTH, dense.chameleon, rules=(b.coupled_heads,),
+            summary="Chameleon-7B: per-head q/k LayerNorms with biases, image-token logits "
+            "masked",
+        ),
+        Family(
+            "plamo3", _BOTH, dense.plamo3,
+            permits=_SWA | {"rope_theta_swa"}, rules=(b.window,),
+            summary="PLaMo 3: fused q/k/v, per-head q/k norms, post-norms, fused gate+up, "
+            "sliding-window layers with their own rope base",
+        ),
+        Family(
+            "mellum", _UNTIED, dense.mellum,
+            requires=_MOE, permits=_SWA | {"rope_theta_swa"}, rules=(b.experts, b.window),
+            summary="Mellum: per-head q/k norms, softmax top-k experts, optional sliding-window "
+            "layers",
+        ),
         # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---

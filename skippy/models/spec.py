@@ -90,7 +90,10 @@ _LinearAttentionArchitecture = Literal["llama"]
 _RwkvConvArchitecture = Literal["llama"]
 #
 #: Issue 26, dense families the layer-loop rules already covered.
-_DenseArchitecture = Literal["llama"]
+_DenseArchitecture = Literal[
+    "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
+    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum",
+]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal["llama"]
@@ -131,7 +134,7 @@ LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 26, dense families the layer-loop rules already covered.
-DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_DenseArchitecture)
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -258,6 +261,7 @@ class ModelSpec:
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
+    max_alibi_bias: float = 0.0
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -555,6 +559,27 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
+    # LayerNorm families; Jais's ALiBi at its real maximum bias; half-width rope for chatglm;
+    # the decoupled head width where the loader allows it; sliding-window layers (window 8,
+    # every other layer global) with their own rope base for plamo3 and mellum.
+    "orion": lambda n: {"ln_eps": 1e-5},
+    "qwen": lambda n: {"n_head_kv": 4},
+    "codeshell": lambda n: {"ln_eps": 1e-5},
+    "falcon": lambda n: {"ln_eps": 1e-5, "n_head_kv": 1},
+    "jais": lambda n: {"ln_eps": 1e-5, "max_alibi_bias": 8.0},
+    "chatglm": lambda n: {"rope_dim": n // 8},
+    "refact": lambda n: {"head_dim": n // 2},
+    "maincoder": lambda n: {"head_dim": n // 2},
+    "pangu-embedded": lambda n: {"head_dim": n // 2},
+    "hunyuan_vl": lambda n: {"head_dim": n // 2},
+    "plamo3": lambda n: {
+        "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
+        "rope_theta_swa": 1000.0,
+    },
+    "mellum": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "swa_pattern": 2, "rope_theta_swa": 1000.0,
+    },
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #

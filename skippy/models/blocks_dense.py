@@ -1,0 +1,153 @@
+# Blocks of the dense families of issue 26 (and the few MoE ones in its list): the families
+# whose graphs the layer-loop rules already covered, written as `families.py` writes the others.
+#
+# Strategy: each function returns one block's tensors in file order, as the family's loader in
+# llama.cpp's src/models/<file>.cpp names and shapes them (numpy order: last axis = input
+# width), built from the shared pieces of `blocks.py` wherever the layout is one of theirs. The
+# few tensors no shared piece has (Falcon's second norm, chameleon's per-head q/k LayerNorms,
+# PLM's kv_b, spark2_5's per-head attention gate, plamo3's suffix-less post-norms) are declared
+# here directly. Which real checkpoints each block follows is said in its family's summary.
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from skippy.models import blocks as b
+from skippy.models.blocks import TensorDecl
+
+if TYPE_CHECKING:
+    from skippy.models.spec import ModelSpec
+
+__all__ = [
+    "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
+    "maincoder", "mellum", "orion", "pangu_embedded", "plamo", "plamo3", "qwen", "refact",
+    "xverse",
+]
+
+
+def baichuan(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Baichuan (2): the llama layout (the converter unpacks W_pack into q/k/v).
+    return b.attention(spec, layer) + b.dense_ffn(spec, layer)
+
+
+refact = baichuan  # Refact-1.6B: the llama layout (ALiBi instead of rope, in the graph)
+xverse = baichuan  # XVERSE: the llama layout
+
+
+def orion(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Orion-14B: LayerNorms with biases, SwiGLU.
+    out = b.attention(spec, layer, norm_bias=True)
+    out += [b.norm(layer, "ffn_norm", spec.n_embd), b.bias(layer, "ffn_norm", spec.n_embd)]
+    return out + b.dense_ffn(spec, layer, pre_norm=False)
+
+
+def qwen(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Qwen (1): fused q/k/v with bias; the file's feed_forward_length is twice the SwiGLU width.
+    e, f = spec.n_embd, spec.n_ff // 2
+    return b.attention(spec, layer, fused_qkv=True, qkv_bias=True) + [
+        b.norm(layer, "ffn_norm", e),
+        b.matrix(layer, "ffn_gate", f, e),
+        b.matrix(layer, "ffn_up", f, e),
+        b.matrix(layer, "ffn_down", e, f),
+    ]
+
+
+def codeshell(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # CodeShell-7B: LayerNorms with biases, fused q/k/v with bias, biases on every projection,
+    # GELU MLP.
+    return b.attention(
+        spec, layer, norm_bias=True, fused_qkv=True, qkv_bias=True, out_bias=True
+    ) + b.dense_ffn(spec, layer, gated=False, biases=True)
+
+
+def plamo(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # PLaMo-13B: one RMSNorm feeds attention and the SwiGLU MLP in parallel.
+    return b.attention(spec, layer) + b.dense_ffn(spec, layer, pre_norm=False)
+
+
+def falcon(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Falcon-40B: attention reads its own LayerNorm (attn_norm_2), the parallel GELU MLP reads
+    # attn_norm; fused q/k/v, no biases on the projections.
+    e = spec.n_embd
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.bias(layer, "attn_norm", e),
+        b.norm(layer, "attn_norm_2", e),
+        b.bias(layer, "attn_norm_2", e),
+        *b.attention(spec, layer, pre_norm=False, fused_qkv=True),
+        *b.dense_ffn(spec, layer, pre_norm=False, gated=False),
+    ]
+
+
+def maincoder(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Maincoder-1B: the qwen3 layout (per-head q/k RMSNorms, applied after rope in the graph).
+    return b.attention(spec, layer, qk_norm="head") + b.dense_ffn(spec, layer)
+
+
+def pangu_embedded(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # openPangu-Embedded: llama plus q/k/v biases and an attention-output bias.
+    return b.attention(spec, layer, qkv_bias=True, out_bias=True) + b.dense_ffn(spec, layer)
+
+
+def chatglm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # ChatGLM3 / GLM-4-9B (chatglm): fused q/k/v with bias, fused gate+up (SwiGLU), half rope.
+    return b.attention(spec, layer, fused_qkv=True, qkv_bias=True) + b.dense_ffn(
+        spec, layer, fused_up=True
+    )
+
+
+def jais(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Jais: LayerNorms with biases, fused q/k/v with bias, biases on every projection, SwiGLU
+    # with biases, ALiBi.
+    e, f = spec.n_embd, spec.n_ff
+    return b.attention(
+        spec, layer, norm_bias=True, fused_qkv=True, qkv_bias=True, out_bias=True
+    ) + [
+        b.norm(layer, "ffn_norm", e),
+        b.bias(layer, "ffn_norm", e),
+        b.matrix(layer, "ffn_down", e, f),
+        b.bias(layer, "ffn_down", e),
+        b.matrix(layer, "ffn_gate", f, e),
+        b.bias(layer, "ffn_gate", f),
+        b.matrix(layer, "ffn_up", f, e),
+        b.bias(layer, "ffn_up", f),
+    ]
+
+
+def hunyuan_vl(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # HunyuanOCR's text tower (hunyuan_vl): per-head q/k RMSNorms after rope.
+    return b.attention(spec, layer, qk_norm="head") + b.dense_ffn(spec, layer)
+
+
+def apertus(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Apertus: per-head q/k RMSNorms, an up/down MLP with the xIELU activation (no gate).
+    return b.attention(spec, layer, qk_norm="head") + b.dense_ffn(spec, layer, gated=False)
+
+
+def chameleon(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Chameleon: per-head q/k LayerNorms with their own weight and bias per head.
+    h, kv, d = spec.n_head, spec.n_head_kv, spec.n_embd_head
+    out = b.attention(spec, layer)
+    at = next(i for i, decl in enumerate(out) if decl.name.endswith("attn_output.weight"))
+    norms = [
+        TensorDecl(b.blk(layer, "attn_q_norm"), (h, d), "norm", False),
+        TensorDecl(b.blk(layer, "attn_k_norm"), (kv, d), "norm", False),
+        TensorDecl(b.blk(layer, "attn_q_norm", "bias"), (h, d), "bias", False),
+        TensorDecl(b.blk(layer, "attn_k_norm", "bias"), (kv, d), "bias", False),
+    ]
+    return out[:at] + norms + out[at:] + b.dense_ffn(spec, layer)
+
+
+def plamo3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # PLaMo 3: fused q/k/v, per-head q/k RMSNorms, post-norms (the loader names them without a
+    # ".weight" suffix), fused gate+up (SwiGLU).
+    e = spec.n_embd
+    out = b.attention(spec, layer, fused_qkv=True, qk_norm="head")
+    out.append(TensorDecl(f"blk.{layer}.post_attention_norm", (e,), "norm", False))
+    out += b.dense_ffn(spec, layer, fused_up=True)
+    out.append(TensorDecl(f"blk.{layer}.post_ffw_norm", (e,), "norm", False))
+    return out
+
+
+def mellum(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Mellum: per-head q/k RMSNorms, softmax top-k experts (no shared expert).
+    return b.attention(spec, layer, qk_norm="head") + b.moe_ffn(spec, layer)
