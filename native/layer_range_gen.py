@@ -79,7 +79,8 @@ SPLIT += ()
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
 SPLIT += (
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
-    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum",
+    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
+    "spark2_5", "maple",
 )
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gguf import GGUFValueType
+
 from skippy.models import blocks as b
 from skippy.models.blocks import TensorDecl
 
@@ -19,8 +21,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
-    "maincoder", "mellum", "orion", "pangu_embedded", "plamo", "plamo3", "qwen", "refact",
-    "xverse",
+    "maincoder", "maple", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
+    "qwen", "refact", "spark2_5", "alternating_swa", "xielu", "xverse",
 ]
 
 
@@ -151,3 +153,49 @@ def plamo3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
 def mellum(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Mellum: per-head q/k RMSNorms, softmax top-k experts (no shared expert).
     return b.attention(spec, layer, qk_norm="head") + b.moe_ffn(spec, layer)
+
+
+def spark2_5(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Spark2.5: llama attention with a sigmoid gate per head on its output (attn_gate, one
+    # row per head), GELU-gated MLP.
+    out = b.attention(spec, layer)
+    at = next(i for i, decl in enumerate(out) if decl.name.endswith("attn_output.weight"))
+    gate = b.matrix(layer, "attn_gate", spec.n_head, spec.n_embd)
+    return out[:at] + [gate] + out[at:] + b.dense_ffn(spec, layer)
+
+
+def maple(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Maple: per-head q/k RMSNorms, softmax top-k experts with a clamped SwiGLU.
+    return b.attention(spec, layer, qk_norm="head") + b.moe_ffn(spec, layer)
+
+
+#: A key computed from the spec: (suffix or full key, value, GGUF type).
+Key = tuple[str, object, GGUFValueType]
+
+
+def alternating_swa(spec: "ModelSpec") -> list[Key]:
+    """``attention.sliding_window_pattern`` as the per-layer array these loaders require: even
+    layers sliding-window, odd ones global."""
+    pattern = [layer % 2 == 0 for layer in range(spec.n_layer)]
+    return [("attention.sliding_window_pattern", pattern, GGUFValueType.ARRAY)]
+
+
+def maple_keys(spec: "ModelSpec") -> list[Key]:
+    """Maple's sliding-window array plus its per-layer SwiGLU clamp (``swiglu_clamp_exp``), here
+    1.0 - 0.1 * layer so that it clips the tiny model's gate and up values and differs per layer
+    (the graph reads it by layer index)."""
+    clamp = [round(1.0 - 0.1 * layer, 6) for layer in range(spec.n_layer)]
+    return alternating_swa(spec) + [("swiglu_clamp_exp", clamp, GGUFValueType.ARRAY)]
+
+
+def xielu(spec: "ModelSpec") -> list[Key]:
+    """Apertus's per-layer xIELU constants (keys without the arch prefix), near the trained
+    model's (alpha_p, alpha_n about 0.8, beta 0.5, eps -1e-6) and different per layer, so that a
+    stage reading another layer's constants would change the logits."""
+    n = spec.n_layer
+    return [
+        ("xielu.alpha_p", [round(0.8 + 0.05 * i, 6) for i in range(n)], GGUFValueType.ARRAY),
+        ("xielu.alpha_n", [round(0.9 - 0.05 * i, 6) for i in range(n)], GGUFValueType.ARRAY),
+        ("xielu.beta", [0.5] * n, GGUFValueType.ARRAY),
+        ("xielu.eps", [-1e-6] * n, GGUFValueType.ARRAY),
+    ]

@@ -131,6 +131,8 @@ class Family:
         rules: further shape checks.
         summary: which real checkpoints the description follows.
         derived_keys: keys computed from several fields (deepseek2's MLA key width).
+        global_keys: derived keys that llama.cpp reads without the ``<arch>.`` prefix
+            (Apertus's per-layer ``xielu.*`` constants).
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
@@ -144,6 +146,7 @@ class Family:
     rules: tuple[Rule, ...] = ()
     summary: str = ""
     derived_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
+    global_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
     output_norm_bias: bool = False
     output_norm: bool = True
     output_bias: bool = False
@@ -694,6 +697,24 @@ FAMILIES: Final[dict[str, Family]] = {
             requires=_MOE, permits=_SWA | {"rope_theta_swa"}, rules=(b.experts, b.window),
             summary="Mellum: per-head q/k norms, softmax top-k experts, optional sliding-window "
             "layers",
+        ),
+        Family(
+            "apertus", _UNTIED, dense.apertus, global_keys=dense.xielu,
+            summary="Apertus-8B: per-head q/k norms, xIELU MLP (per-layer constants), no gate",
+        ),
+        Family(
+            "spark2_5", _BOTH, dense.spark2_5,
+            requires=frozenset({"sliding_window"}), permits=frozenset({"rope_theta_swa"}),
+            derived_keys=dense.alternating_swa,
+            summary="Spark2.5: per-head sigmoid gate on the attention output, GELU-gated MLP, "
+            "sliding-window layers (per-layer pattern array) with their own rope base",
+        ),
+        Family(
+            "maple", _UNTIED, dense.maple,
+            requires=_MOE | {"sliding_window"}, permits=frozenset({"rope_theta_swa"}),
+            rules=(b.experts,), derived_keys=dense.maple_keys,
+            summary="Maple: per-head q/k norms, softmax top-k experts with a per-layer SwiGLU "
+            "clamp, rope on the sliding-window layers only (the global ones are NoPE)",
         ),
         # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
         #

@@ -92,7 +92,8 @@ _RwkvConvArchitecture = Literal["llama"]
 #: Issue 26, dense families the layer-loop rules already covered.
 _DenseArchitecture = Literal[
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
-    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum",
+    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
+    "spark2_5", "maple",
 ]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -579,6 +580,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "mellum": lambda n: {
         **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
         "swa_pattern": 2, "rope_theta_swa": 1000.0,
+    },
+    "apertus": lambda n: {"head_dim": n // 2},
+    "spark2_5": lambda n: {"sliding_window": TINY_SLIDING_WINDOW, "rope_theta_swa": 1000.0},
+    "maple": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "rope_theta_swa": 1000.0,
     },
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---

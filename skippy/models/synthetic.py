@@ -266,6 +266,9 @@ def family_keys(spec: ModelSpec) -> list[tuple[str, object, GGUFValueType]]:
     derived = family(spec.arch).derived_keys
     if derived is not None:
         keys.extend((f"{spec.arch}.{suffix}", value, kind) for suffix, value, kind in derived(spec))
+    unprefixed = family(spec.arch).global_keys
+    if unprefixed is not None:
+        keys.extend(unprefixed(spec))
     return keys
 
 
