@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
-    "maincoder", "maple", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
+    "maincoder", "maple", "mrope_sections", "paddleocr", "qwen2vl", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
     "qwen", "refact", "spark2_5", "alternating_swa", "xielu", "xverse",
 ]
 
@@ -118,6 +118,32 @@ def jais(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
 def hunyuan_vl(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # HunyuanOCR's text tower (hunyuan_vl): per-head q/k RMSNorms after rope.
     return b.attention(spec, layer, qk_norm="head") + b.dense_ffn(spec, layer)
+
+
+def qwen2vl(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Qwen2-VL's text tower: the qwen2 layout (q/k/v biases); M-RoPE in the graph.
+    return b.attention(spec, layer, qkv_bias=True) + b.dense_ffn(spec, layer)
+
+
+def paddleocr(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # PaddleOCR-VL's text tower: ERNIE-4.5's llama layout (loaded by the ernie4_5 loader).
+    return b.attention(spec, layer) + b.dense_ffn(spec, layer)
+
+
+def mrope_sections(spec: "ModelSpec") -> str | None:
+    # ggml's M-RoPE takes four sections that together cover the rotated half-head.
+    if not spec.rope_sections:
+        return None
+    if len(spec.rope_sections) != 4 or any(
+        isinstance(s, bool) or not isinstance(s, int) or s < 0 for s in spec.rope_sections
+    ):
+        return f"rope_sections must be four non-negative ints, got {spec.rope_sections!r}"
+    if sum(spec.rope_sections) != spec.n_rot // 2:
+        return (
+            f"rope_sections must add up to rope_dim / 2 ({spec.n_rot // 2}), got "
+            f"{sum(spec.rope_sections)}"
+        )
+    return None
 
 
 def apertus(spec: "ModelSpec", layer: int) -> list[TensorDecl]:

@@ -97,6 +97,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
+    "rope_sections": OptionalKey("rope.dimension_sections", GGUFValueType.ARRAY),
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -679,7 +680,19 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         Family(
             "hunyuan_vl", _BOTH, dense.hunyuan_vl,
-            summary="HunyuanOCR's text tower (hunyuan_vl): per-head q/k norms after rope",
+            permits=frozenset({"rope_sections"}), rules=(dense.mrope_sections,),
+            summary="HunyuanOCR's text tower (hunyuan_vl): per-head q/k norms after rope, "
+            "XD-RoPE over four position sections",
+        ),
+        Family(
+            "qwen2vl", _BOTH, dense.qwen2vl,
+            requires=frozenset({"rope_sections"}), rules=(b.coupled_heads, dense.mrope_sections),
+            summary="Qwen2-VL's text tower: qwen2 layout (q/k/v biases) with M-RoPE sections",
+        ),
+        Family(
+            "paddleocr", _BOTH, dense.paddleocr,
+            permits=frozenset({"rope_sections"}), rules=(dense.mrope_sections,),
+            summary="PaddleOCR-VL's text tower (ERNIE-4.5-0.3B): llama layout with M-RoPE sections",
         ),
         Family(
             "chameleon", _BOTH, dense.chameleon, rules=(b.coupled_heads,),

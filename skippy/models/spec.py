@@ -93,7 +93,7 @@ _RwkvConvArchitecture = Literal["llama"]
 _DenseArchitecture = Literal[
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple",
+    "spark2_5", "maple", "qwen2vl", "paddleocr",
 ]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -263,6 +263,7 @@ class ModelSpec:
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     max_alibi_bias: float = 0.0
+    rope_sections: tuple[int, ...] = ()
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -572,7 +573,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "refact": lambda n: {"head_dim": n // 2},
     "maincoder": lambda n: {"head_dim": n // 2},
     "pangu-embedded": lambda n: {"head_dim": n // 2},
-    "hunyuan_vl": lambda n: {"head_dim": n // 2},
+    # M-RoPE sections covering the rotated half-head: Qwen2-VL's and PaddleOCR-VL's 16:24:24:0
+    # ratio (the fourth section empty), HunyuanOCR's four equal XD-RoPE sections.
+    "hunyuan_vl": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16,) * 4},
+    "qwen2vl": lambda n: {"rope_sections": (n // 32, 3 * n // 64, 3 * n // 64, 0)},
+    "paddleocr": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16, 3 * n // 32, 3 * n // 32, 0)},
     "plamo3": lambda n: {
         "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
         "rope_theta_swa": 1000.0,
