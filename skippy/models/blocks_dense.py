@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
-    "maincoder", "maple", "mrope_sections", "paddleocr", "qwen2vl", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
+    "low_rank_kv", "maincoder", "maple", "plm", "plm_head_widths", "mrope_sections", "paddleocr", "qwen2vl", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
     "qwen", "refact", "spark2_5", "alternating_swa", "xielu", "xverse",
 ]
 
@@ -225,3 +225,31 @@ def xielu(spec: "ModelSpec") -> list[Key]:
         ("xielu.beta", [0.5] * n, GGUFValueType.ARRAY),
         ("xielu.eps", [-1e-6] * n, GGUFValueType.ARRAY),
     ]
+
+
+def plm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # PLM: q over full heads (nope + rope), kv_a_mqa = the latent plus one shared rope key, its
+    # norm, kv_b expanding the latent to per-head nope keys and values; squared-ReLU MLP.
+    e, h, rank, v = spec.n_embd, spec.n_head, spec.kv_lora_rank, spec.v_head_dim
+    nope = spec.n_embd_head - spec.n_rot
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_q", h * spec.n_embd_head, e),
+        b.matrix(layer, "attn_kv_a_mqa", rank + spec.n_rot, e),
+        b.norm(layer, "attn_kv_a_norm", rank),
+        b.matrix(layer, "attn_kv_b", h * (nope + v), rank),
+        b.matrix(layer, "attn_output", e, h * v),
+        *b.dense_ffn(spec, layer, gated=False),
+    ]
+
+
+def plm_head_widths(spec: "ModelSpec") -> tuple[int, int]:
+    """PLM caches whole keys (nope + rope) and values of v_head_dim per head."""
+    return spec.n_embd_head, spec.v_head_dim
+
+
+def low_rank_kv(spec: "ModelSpec") -> str | None:
+    # The rope part of each key is the rotated tail of the head; the rest comes from kv_b.
+    if not 0 < spec.n_rot < spec.n_embd_head:
+        return f"{spec.arch} needs 0 < rope_dim < head_dim (head_dim = qk_nope + qk_rope)"
+    return None

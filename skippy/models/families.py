@@ -134,6 +134,9 @@ class Family:
         derived_keys: keys computed from several fields (deepseek2's MLA key width).
         global_keys: derived keys that llama.cpp reads without the ``<arch>.`` prefix
             (Apertus's per-layer ``xielu.*`` constants).
+        head_widths: ``attention.key_length`` and ``value_length`` where they are not the
+            spec's `key_length` / `value_length` (PLM caches full per-head keys and values
+            beside a low-rank KV projection).
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
@@ -148,6 +151,7 @@ class Family:
     summary: str = ""
     derived_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
     global_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
+    head_widths: Callable[["ModelSpec"], tuple[int, int]] | None = None
     output_norm_bias: bool = False
     output_norm: bool = True
     output_bias: bool = False
@@ -629,6 +633,13 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "xverse", _UNTIED, dense.xverse, rules=(b.coupled_heads,),
             summary="XVERSE-7B/13B/65B: llama layout, untied head",
+        ),
+        Family(
+            "plm", _TIED, dense.plm,
+            requires=frozenset({"kv_lora_rank", "v_head_dim"}), rules=(b.mha, dense.low_rank_kv),
+            head_widths=dense.plm_head_widths,
+            summary="PLM-1.8B: low-rank KV (kv_a with a shared rope key, kv_b to per-head keys "
+            "and values), partial rope, squared-ReLU MLP, tied",
         ),
         Family(
             "orion", _UNTIED, dense.orion,

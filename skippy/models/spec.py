@@ -93,7 +93,7 @@ _RwkvConvArchitecture = Literal["llama"]
 _DenseArchitecture = Literal[
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple", "qwen2vl", "paddleocr",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm",
 ]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -587,6 +587,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "swa_pattern": 2, "rope_theta_swa": 1000.0,
     },
     "apertus": lambda n: {"head_dim": n // 2},
+    # PLM-1.8B's ratios at width 64: keys of 32 nope + 16 rope, values of 32, a latent of 32.
+    "plm": lambda n: {
+        "n_head_kv": 4, "head_dim": n // 2 + n // 4, "rope_dim": n // 4, "kv_lora_rank": n // 2,
+        "v_head_dim": n // 2,
+    },
     "spark2_5": lambda n: {"sliding_window": TINY_SLIDING_WINDOW, "rope_theta_swa": 1000.0},
     "maple": lambda n: {
         **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,

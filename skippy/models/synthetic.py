@@ -244,8 +244,10 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
     writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_key_length(spec.key_length)
-    writer.add_value_length(spec.value_length)
+    widths = family(spec.arch).head_widths
+    key_length, value_length = widths(spec) if widths else (spec.key_length, spec.value_length)
+    writer.add_key_length(key_length)
+    writer.add_value_length(value_length)
     writer.add_rope_dimension_count(spec.n_rot)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
