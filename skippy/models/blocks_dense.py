@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
     "low_rank_kv", "maincoder", "maple", "plm", "plm_head_widths", "mrope_sections", "paddleocr", "qwen2vl", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
-    "qwen", "refact", "spark2_5", "alternating_swa", "xielu", "xverse",
+    "qwen", "refact", "deci", "heads", "openelm", "per_layer_shapes", "spark2_5", "alternating_swa", "xielu", "xverse",
 ]
 
 
@@ -253,3 +253,82 @@ def low_rank_kv(spec: "ModelSpec") -> str | None:
     if not 0 < spec.n_rot < spec.n_embd_head:
         return f"{spec.arch} needs 0 < rope_dim < head_dim (head_dim = qk_nope + qk_rope)"
     return None
+
+
+def heads(spec: "ModelSpec", layer: int) -> tuple[int, int, int]:
+    """(query heads, KV heads, MLP width) of one layer: the per-layer values where the spec has
+    them, else the model-wide ones."""
+    return (
+        spec.layer_n_head[layer] if spec.layer_n_head else spec.n_head,
+        spec.layer_n_head_kv[layer] if spec.layer_n_head_kv else spec.n_head_kv,
+        spec.layer_n_ff[layer] if spec.layer_n_ff else spec.n_ff,
+    )
+
+
+def openelm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # OpenELM: fused q/k/v of this layer's heads, per-head q/k RMSNorms, SwiGLU of this layer's
+    # width.
+    e, d = spec.n_embd, spec.n_embd_head
+    h, kv, f = heads(spec, layer)
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_qkv", (h + 2 * kv) * d, e),
+        b.norm(layer, "attn_q_norm", d),
+        b.norm(layer, "attn_k_norm", d),
+        b.matrix(layer, "attn_output", e, h * d),
+        b.norm(layer, "ffn_norm", e),
+        b.matrix(layer, "ffn_gate", f, e),
+        b.matrix(layer, "ffn_up", f, e),
+        b.matrix(layer, "ffn_down", e, f),
+    ]
+
+
+def deci(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # DeciLM / Nemotron-51B: per-layer heads and widths; a layer with heads but no KV heads is
+    # "linear attention" (attn_output alone), one without heads has no attention tensors.
+    e, d = spec.n_embd, spec.n_embd_head
+    h, kv, f = heads(spec, layer)
+    out: list[TensorDecl] = []
+    if h and not kv:
+        out += [b.norm(layer, "attn_norm", e), b.matrix(layer, "attn_output", e, e)]
+    elif h:
+        out.append(b.norm(layer, "attn_norm", e))
+        out += [b.matrix(layer, name, w, e) for name, w in (("attn_q", h * d), ("attn_k", kv * d), ("attn_v", kv * d))]
+        out.append(b.matrix(layer, "attn_output", e, h * d))
+    if f:
+        out += [
+            b.norm(layer, "ffn_norm", e),
+            b.matrix(layer, "ffn_gate", f, e),
+            b.matrix(layer, "ffn_down", e, f),
+            b.matrix(layer, "ffn_up", f, e),
+        ]
+    return out
+
+
+def per_layer_shapes(spec: "ModelSpec") -> str | None:
+    # One value per layer; layer 0's are the model-wide fields (llama.cpp's n_head() and n_ff()
+    # are layer 0's); KV heads divide the query heads; Q8_0 rows of every layer are whole blocks.
+    fields = {"layer_n_head": spec.layer_n_head, "layer_n_head_kv": spec.layer_n_head_kv,
+              "layer_n_ff": spec.layer_n_ff}
+    for name, values in fields.items():
+        if len(values) != spec.n_layer or any(
+            isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
+        ):
+            return f"{name} must be {spec.n_layer} non-negative ints, got {values!r}"
+    if heads(spec, 0) != (spec.n_head, spec.n_head_kv, spec.n_ff):
+        return "n_head, n_head_kv and n_ff must be layer 0's per-layer values"
+    for layer in range(spec.n_layer):
+        h, kv, f = heads(spec, layer)
+        if kv and (not h or h % kv):
+            return f"layer {layer}: {h} query heads are not a multiple of {kv} KV heads"
+        if spec.dtype == "Q8_0":
+            for decl in _PER_LAYER_BLOCKS[spec.arch](spec, layer):
+                if decl.quantized and decl.shape[-1] % 32:
+                    return (
+                        f"Q8_0 rows must be a multiple of 32 values; {decl.name} rows are "
+                        f"{decl.shape[-1]}"
+                    )
+    return None
+
+
+_PER_LAYER_BLOCKS = {"openelm": openelm, "deci": deci}

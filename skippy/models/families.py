@@ -98,6 +98,10 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 26: dense (keep this group's entries below this line) ---
     "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
     "rope_sections": OptionalKey("rope.dimension_sections", GGUFValueType.ARRAY),
+    # per-layer head counts and feed-forward widths; each replaces the base key of its name
+    "layer_n_head": OptionalKey("attention.head_count", GGUFValueType.ARRAY),
+    "layer_n_head_kv": OptionalKey("attention.head_count_kv", GGUFValueType.ARRAY),
+    "layer_n_ff": OptionalKey("feed_forward_length", GGUFValueType.ARRAY),
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -113,6 +117,7 @@ DerivedKey = tuple[str, object, GGUFValueType]
 _MOE: Final = frozenset({"n_expert", "n_expert_used", "n_ff_exp"})
 _SWA: Final = frozenset({"sliding_window", "swa_pattern"})
 _YARN: Final = frozenset({"rope_scaling", "rope_scaling_factor", "rope_orig_ctx"})
+_PER_LAYER: Final = frozenset({"layer_n_head", "layer_n_head_kv", "layer_n_ff"})
 
 #: A rule returns an error message, or None when the spec satisfies it.
 Rule = Callable[["ModelSpec"], "str | None"]
@@ -633,6 +638,19 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "xverse", _UNTIED, dense.xverse, rules=(b.coupled_heads,),
             summary="XVERSE-7B/13B/65B: llama layout, untied head",
+        ),
+        Family(
+            "openelm", _TIED, dense.openelm,
+            requires=_PER_LAYER, rules=(dense.per_layer_shapes,),
+            summary="OpenELM: layer-wise scaling (query heads, KV heads and MLP width per layer), "
+            "fused q/k/v, per-head q/k norms, tied",
+        ),
+        Family(
+            "deci", _BOTH, dense.deci,
+            requires=_PER_LAYER, rules=(dense.per_layer_shapes,),
+            summary="Llama-3_1-Nemotron-51B (deci): per-layer heads and MLP widths, with "
+            "attention-free layers (no heads) and \"linear attention\" layers (no KV heads: "
+            "attn_output only)",
         ),
         Family(
             "plm", _TIED, dense.plm,

@@ -93,7 +93,7 @@ _RwkvConvArchitecture = Literal["llama"]
 _DenseArchitecture = Literal[
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
 ]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -264,6 +264,9 @@ class ModelSpec:
     # --- issue 26: dense (keep this group's entries below this line) ---
     max_alibi_bias: float = 0.0
     rope_sections: tuple[int, ...] = ()
+    layer_n_head: tuple[int, ...] = ()
+    layer_n_head_kv: tuple[int, ...] = ()
+    layer_n_ff: tuple[int, ...] = ()
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -587,6 +590,16 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "swa_pattern": 2, "rope_theta_swa": 1000.0,
     },
     "apertus": lambda n: {"head_dim": n // 2},
+    # OpenELM's layer-wise scaling (heads and MLP width grow with depth, 4 queries per KV head
+    # at the top); Nemotron-51B's kinds of layers: attention, attention-free, "linear".
+    "openelm": lambda n: {
+        "head_dim": 16, "n_head": 2, "n_head_kv": 1, "n_ff": n, "layer_n_head": (2, 4, 4, 8),
+        "layer_n_head_kv": (1, 1, 2, 2), "layer_n_ff": (n, 2 * n, 3 * n, 4 * n),
+    },
+    "deci": lambda n: {
+        "layer_n_head": (4, 0, 4, 4), "layer_n_head_kv": (2, 0, 0, 2),
+        "layer_n_ff": (2 * n, n, 3 * n, 2 * n),
+    },
     # PLM-1.8B's ratios at width 64: keys of 32 nope + 16 rope, values of 32, a latent of 32.
     "plm": lambda n: {
         "n_head_kv": 4, "head_dim": n // 2 + n // 4, "rope_dim": n // 4, "kv_lora_rank": n // 2,

@@ -241,9 +241,15 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_block_count(spec.n_layer)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
+    specific = family_keys(spec)
+    # A family key of the same name replaces a base one (per-layer head counts and widths).
+    replaced = {key.removeprefix(f"{spec.arch}.") for key, _, _ in specific}
+    if "feed_forward_length" not in replaced:
+        writer.add_feed_forward_length(spec.n_ff)
+    if "attention.head_count" not in replaced:
+        writer.add_head_count(spec.n_head)
+    if "attention.head_count_kv" not in replaced:
+        writer.add_head_count_kv(spec.n_head_kv)
     widths = family(spec.arch).head_widths
     key_length, value_length = widths(spec) if widths else (spec.key_length, spec.value_length)
     writer.add_key_length(key_length)
@@ -252,7 +258,7 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
-    for key, value, value_type in family_keys(spec):
+    for key, value, value_type in specific:
         writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
 

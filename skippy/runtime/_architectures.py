@@ -10,6 +10,7 @@ from typing import Final
 SPLIT_ARCHITECTURES: Final = frozenset({
     'llama',
     'llama4',
+    'deci',
     'falcon',
     'baichuan',
     'refact',
@@ -38,6 +39,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'olmo',
     'olmo2',
     'olmoe',
+    'openelm',
     'deepseek2',
     'chatglm',
     'glm4',
@@ -72,7 +74,6 @@ SPLIT_ARCHITECTURES: Final = frozenset({
 #: Every other architecture llama.cpp knows, with the reason it is refused.
 REFUSED: Final[dict[str, str]] = {
     'clip': 'not a text model: a vision encoder llama.cpp only quantizes',
-    'deci': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'grok': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'gpt2': 'needs review: the graph transforms the input before the layer loop (it would run on every stage)',
     'gptj': 'not a text model llama.cpp can run (no model class)',
@@ -109,7 +110,6 @@ REFUSED: Final[dict[str, str]] = {
     'cohere2moe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'dbrx': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'muse-glimmer': 'needs review: the graph transforms the input before the layer loop (it would run on every stage)',
-    'openelm': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'arctic': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'deepseek': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'deepseek2-ocr': 'graph does not follow the standard layer loop (no single token-input graph)',
