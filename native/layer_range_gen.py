@@ -78,7 +78,11 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
-SPLIT += ()
+SPLIT += (
+    "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
+    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
+)
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 SPLIT += (

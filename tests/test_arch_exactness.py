@@ -129,9 +129,11 @@ def assert_split_is_exact(arch: str, dtype: str, tied: bool, split: list[tuple[i
     for row, (got, want) in enumerate(zip(logits, expected_logits)):
         assert np.array_equal(got, want), f"row {row}: max diff {np.abs(got - want).max()}"
     # The logits are informative, not a constant (granite's logit_scale 8 divides them by 8,
-    # command-r's 0.0625 multiplies them).
-    assert np.isfinite(expected_logits[-1]).all()
-    assert float(np.std(expected_logits[-1])) > 0.02
+    # command-r's 0.0625 multiplies them; chameleon masks its image tokens with -FLT_MAX, left
+    # out of the spread).
+    last = expected_logits[-1]
+    assert np.isfinite(last).all()
+    assert float(np.std(last[last > np.finfo(np.float32).min])) > 0.02
 
 
 @pytest.mark.parametrize(("arch", "dtype", "tied", "split"), cases())
@@ -158,7 +160,7 @@ def test_further_family_splits_exactly_or_is_refused(
 
 #: The families of issues 25 and 26 in the fast suite: one per group (the rest run in the full
 #: suite; the fast suite stays under 90 s).
-FAST_LATER: frozenset[str] = frozenset({"deepseek32", "gemma4"})
+FAST_LATER: frozenset[str] = frozenset({"deepseek32", "gemma4", "plamo3"})
 
 
 def later_cases() -> list[object]:

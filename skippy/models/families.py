@@ -34,6 +34,7 @@ from gguf import GGUFValueType
 from skippy.models import blocks as b
 from skippy.models import blocks_perlayer as bp
 from skippy.models import blocks_moe as bm
+from skippy.models import blocks_dense as dense
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -97,6 +98,12 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
+    "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
+    "rope_sections": OptionalKey("rope.dimension_sections", GGUFValueType.ARRAY),
+    # per-layer head counts and feed-forward widths; each replaces the base key of its name
+    "layer_n_head": OptionalKey("attention.head_count", GGUFValueType.ARRAY),
+    "layer_n_head_kv": OptionalKey("attention.head_count_kv", GGUFValueType.ARRAY),
+    "layer_n_ff": OptionalKey("feed_forward_length", GGUFValueType.ARRAY),
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     "expert_group_scale": OptionalKey("expert_group_scale", GGUFValueType.FLOAT32),
@@ -120,6 +127,7 @@ DerivedKey = tuple[str, object, GGUFValueType]
 _MOE: Final = frozenset({"n_expert", "n_expert_used", "n_ff_exp"})
 _SWA: Final = frozenset({"sliding_window", "swa_pattern"})
 _YARN: Final = frozenset({"rope_scaling", "rope_scaling_factor", "rope_orig_ctx"})
+_PER_LAYER: Final = frozenset({"layer_n_head", "layer_n_head_kv", "layer_n_ff"})
 
 #: A rule returns an error message, or None when the spec satisfies it.
 Rule = Callable[["ModelSpec"], "str | None"]
@@ -139,6 +147,11 @@ class Family:
         rules: further shape checks.
         summary: which real checkpoints the description follows.
         derived_keys: keys computed from several fields (deepseek2's MLA key width).
+        global_keys: derived keys that llama.cpp reads without the ``<arch>.`` prefix
+            (Apertus's per-layer ``xielu.*`` constants).
+        head_widths: ``attention.key_length`` and ``value_length`` where they are not the
+            spec's `key_length` / `value_length` (PLM caches full per-head keys and values
+            beside a low-rank KV projection).
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
@@ -154,6 +167,8 @@ class Family:
     rules: tuple[Rule, ...] = ()
     summary: str = ""
     derived_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
+    global_keys: Callable[["ModelSpec"], list[DerivedKey]] | None = None
+    head_widths: Callable[["ModelSpec"], tuple[int, int]] | None = None
     output_norm_bias: bool = False
     output_norm: bool = True
     output_bias: bool = False
@@ -628,6 +643,134 @@ FAMILIES: Final[dict[str, Family]] = {
         #
         # --- issue 26: dense (keep this group's entries below this line) ---
         #
+        Family(
+            "baichuan", _UNTIED, dense.baichuan, rules=(b.coupled_heads,),
+            summary="Baichuan 2: llama layout (7B: rope, 13B: ALiBi; other depths, as the tiny "
+            "one, neither)",
+        ),
+        Family(
+            "xverse", _UNTIED, dense.xverse, rules=(b.coupled_heads,),
+            summary="XVERSE-7B/13B/65B: llama layout, untied head",
+        ),
+        Family(
+            "openelm", _TIED, dense.openelm,
+            requires=_PER_LAYER, rules=(dense.per_layer_shapes,),
+            summary="OpenELM: layer-wise scaling (query heads, KV heads and MLP width per layer), "
+            "fused q/k/v, per-head q/k norms, tied",
+        ),
+        Family(
+            "deci", _BOTH, dense.deci,
+            requires=_PER_LAYER, rules=(dense.per_layer_shapes,),
+            summary="Llama-3_1-Nemotron-51B (deci): per-layer heads and MLP widths, with "
+            "attention-free layers (no heads) and \"linear attention\" layers (no KV heads: "
+            "attn_output only)",
+        ),
+        Family(
+            "plm", _TIED, dense.plm,
+            requires=frozenset({"kv_lora_rank", "v_head_dim"}), rules=(b.mha, dense.low_rank_kv),
+            head_widths=dense.plm_head_widths,
+            summary="PLM-1.8B: low-rank KV (kv_a with a shared rope key, kv_b to per-head keys "
+            "and values), partial rope, squared-ReLU MLP, tied",
+        ),
+        Family(
+            "orion", _UNTIED, dense.orion,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="Orion-14B: llama layout with LayerNorms with biases",
+        ),
+        Family(
+            "refact", _BOTH, dense.refact,
+            summary="Refact-1.6B: llama layout, ALiBi (max bias 8) instead of rope",
+        ),
+        Family(
+            "qwen", _UNTIED, dense.qwen, rules=(b.coupled_heads, b.mha),
+            summary="Qwen (1): fused q/k/v with bias, MHA, SwiGLU of half the file's "
+            "feed_forward_length",
+        ),
+        Family(
+            "codeshell", _UNTIED, dense.codeshell,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="CodeShell-7B: LayerNorms with biases, fused q/k/v, biases everywhere, GELU MLP",
+        ),
+        Family(
+            "plamo", _UNTIED, dense.plamo, rules=(b.coupled_heads,),
+            summary="PLaMo-13B: parallel attention and SwiGLU MLP under one RMSNorm",
+        ),
+        Family(
+            "falcon", _BOTH, dense.falcon,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            summary="Falcon-40B: parallel attention (own LayerNorm) and GELU MLP, fused q/k/v, "
+            "grouped KV",
+        ),
+        Family(
+            "maincoder", _BOTH, dense.maincoder,
+            summary="Maincoder-1B: qwen3 layout, q/k norms after rope",
+        ),
+        Family(
+            "pangu-embedded", _BOTH, dense.pangu_embedded,
+            summary="openPangu-Embedded-1B/7B: llama plus q/k/v and attention-output biases",
+        ),
+        Family(
+            "chatglm", _BOTH, dense.chatglm, rules=(b.coupled_heads,),
+            summary="ChatGLM3-6B / GLM-4-9B: fused q/k/v with bias, fused gate+up, half-width rope",
+        ),
+        Family(
+            "jais", _UNTIED, dense.jais,
+            requires=frozenset({"ln_eps", "max_alibi_bias"}), rules=(b.coupled_heads,),
+            output_norm_bias=True,
+            summary="Jais-13B: LayerNorms with biases, fused q/k/v, biases everywhere, SwiGLU, "
+            "ALiBi, 1/head_dim attention scale",
+        ),
+        Family(
+            "hunyuan_vl", _BOTH, dense.hunyuan_vl,
+            permits=frozenset({"rope_sections"}), rules=(dense.mrope_sections,),
+            summary="HunyuanOCR's text tower (hunyuan_vl): per-head q/k norms after rope, "
+            "XD-RoPE over four position sections",
+        ),
+        Family(
+            "qwen2vl", _BOTH, dense.qwen2vl,
+            requires=frozenset({"rope_sections"}), rules=(b.coupled_heads, dense.mrope_sections),
+            summary="Qwen2-VL's text tower: qwen2 layout (q/k/v biases) with M-RoPE sections",
+        ),
+        Family(
+            "paddleocr", _BOTH, dense.paddleocr,
+            permits=frozenset({"rope_sections"}), rules=(dense.mrope_sections,),
+            summary="PaddleOCR-VL's text tower (ERNIE-4.5-0.3B): llama layout with M-RoPE sections",
+        ),
+        Family(
+            "chameleon", _BOTH, dense.chameleon, rules=(b.coupled_heads,),
+            summary="Chameleon-7B: per-head q/k LayerNorms with biases, image-token logits "
+            "masked",
+        ),
+        Family(
+            "plamo3", _BOTH, dense.plamo3,
+            permits=_SWA | {"rope_theta_swa"}, rules=(b.window,),
+            summary="PLaMo 3: fused q/k/v, per-head q/k norms, post-norms, fused gate+up, "
+            "sliding-window layers with their own rope base",
+        ),
+        Family(
+            "mellum", _UNTIED, dense.mellum,
+            requires=_MOE, permits=_SWA | {"rope_theta_swa"}, rules=(b.experts, b.window),
+            summary="Mellum: per-head q/k norms, softmax top-k experts, optional sliding-window "
+            "layers",
+        ),
+        Family(
+            "apertus", _UNTIED, dense.apertus, global_keys=dense.xielu,
+            summary="Apertus-8B: per-head q/k norms, xIELU MLP (per-layer constants), no gate",
+        ),
+        Family(
+            "spark2_5", _BOTH, dense.spark2_5,
+            requires=frozenset({"sliding_window"}), permits=frozenset({"rope_theta_swa"}),
+            derived_keys=dense.alternating_swa,
+            summary="Spark2.5: per-head sigmoid gate on the attention output, GELU-gated MLP, "
+            "sliding-window layers (per-layer pattern array) with their own rope base",
+        ),
+        Family(
+            "maple", _UNTIED, dense.maple,
+            requires=_MOE | {"sliding_window"}, permits=frozenset({"rope_theta_swa"}),
+            rules=(b.experts,), derived_keys=dense.maple_keys,
+            summary="Maple: per-head q/k norms, softmax top-k experts with a per-layer SwiGLU "
+            "clamp, rope on the sliding-window layers only (the global ones are NoPE)",
+        ),
         # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
         Family(
             "deepseek", _BOTH, bm.deepseek,

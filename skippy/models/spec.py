@@ -90,7 +90,11 @@ _LinearAttentionArchitecture = Literal["llama"]
 _RwkvConvArchitecture = Literal["llama"]
 #
 #: Issue 26, dense families the layer-loop rules already covered.
-_DenseArchitecture = Literal["llama"]
+_DenseArchitecture = Literal[
+    "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
+    "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
+]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal[
@@ -134,7 +138,7 @@ LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 26, dense families the layer-loop rules already covered.
-DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_DenseArchitecture)
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
@@ -270,6 +274,11 @@ class ModelSpec:
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
+    max_alibi_bias: float = 0.0
+    rope_sections: tuple[int, ...] = ()
+    layer_n_head: tuple[int, ...] = ()
+    layer_n_head_kv: tuple[int, ...] = ()
+    layer_n_ff: tuple[int, ...] = ()
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     expert_group_scale: float = 0.0
@@ -588,6 +597,52 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
+    # LayerNorm families; Jais's ALiBi at its real maximum bias; half-width rope for chatglm;
+    # the decoupled head width where the loader allows it; sliding-window layers (window 8,
+    # every other layer global) with their own rope base for plamo3 and mellum.
+    "orion": lambda n: {"ln_eps": 1e-5},
+    "qwen": lambda n: {"n_head_kv": 4},
+    "codeshell": lambda n: {"ln_eps": 1e-5},
+    "falcon": lambda n: {"ln_eps": 1e-5, "n_head_kv": 1},
+    "jais": lambda n: {"ln_eps": 1e-5, "max_alibi_bias": 8.0},
+    "chatglm": lambda n: {"rope_dim": n // 8},
+    "refact": lambda n: {"head_dim": n // 2},
+    "maincoder": lambda n: {"head_dim": n // 2},
+    "pangu-embedded": lambda n: {"head_dim": n // 2},
+    # M-RoPE sections covering the rotated half-head: Qwen2-VL's and PaddleOCR-VL's 16:24:24:0
+    # ratio (the fourth section empty), HunyuanOCR's four equal XD-RoPE sections.
+    "hunyuan_vl": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16,) * 4},
+    "qwen2vl": lambda n: {"rope_sections": (n // 32, 3 * n // 64, 3 * n // 64, 0)},
+    "paddleocr": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16, 3 * n // 32, 3 * n // 32, 0)},
+    "plamo3": lambda n: {
+        "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
+        "rope_theta_swa": 1000.0,
+    },
+    "mellum": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "swa_pattern": 2, "rope_theta_swa": 1000.0,
+    },
+    "apertus": lambda n: {"head_dim": n // 2},
+    # OpenELM's layer-wise scaling (heads and MLP width grow with depth, 4 queries per KV head
+    # at the top); Nemotron-51B's kinds of layers: attention, attention-free, "linear".
+    "openelm": lambda n: {
+        "head_dim": 16, "n_head": 2, "n_head_kv": 1, "n_ff": n, "layer_n_head": (2, 4, 4, 8),
+        "layer_n_head_kv": (1, 1, 2, 2), "layer_n_ff": (n, 2 * n, 3 * n, 4 * n),
+    },
+    "deci": lambda n: {
+        "layer_n_head": (4, 0, 4, 4), "layer_n_head_kv": (2, 0, 0, 2),
+        "layer_n_ff": (2 * n, n, 3 * n, 2 * n),
+    },
+    # PLM-1.8B's ratios at width 64: keys of 32 nope + 16 rope, values of 32, a latent of 32.
+    "plm": lambda n: {
+        "n_head_kv": 4, "head_dim": n // 2 + n // 4, "rope_dim": n // 4, "kv_lora_rank": n // 2,
+        "v_head_dim": n // 2,
+    },
+    "spark2_5": lambda n: {"sliding_window": TINY_SLIDING_WINDOW, "rope_theta_swa": 1000.0},
+    "maple": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
+        "rope_theta_swa": 1000.0,
+    },
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     # DeepSeek-MoE 16B: one leading dense block, shared experts, softmax routing.

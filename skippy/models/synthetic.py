@@ -244,16 +244,24 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_block_count(spec.n_layer)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_key_length(spec.key_length)
-    writer.add_value_length(spec.value_length)
+    specific = family_keys(spec)
+    # A family key of the same name replaces a base one (per-layer head counts and widths).
+    replaced = {key.removeprefix(f"{spec.arch}.") for key, _, _ in specific}
+    if "feed_forward_length" not in replaced:
+        writer.add_feed_forward_length(spec.n_ff)
+    if "attention.head_count" not in replaced:
+        writer.add_head_count(spec.n_head)
+    if "attention.head_count_kv" not in replaced:
+        writer.add_head_count_kv(spec.n_head_kv)
+    widths = family(spec.arch).head_widths
+    key_length, value_length = widths(spec) if widths else (spec.key_length, spec.value_length)
+    writer.add_key_length(key_length)
+    writer.add_value_length(value_length)
     writer.add_rope_dimension_count(spec.n_rot)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
-    for key, value, value_type in family_keys(spec):
+    for key, value, value_type in specific:
         writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
 
@@ -269,6 +277,9 @@ def family_keys(spec: ModelSpec) -> list[tuple[str, object, GGUFValueType]]:
     derived = family(spec.arch).derived_keys
     if derived is not None:
         keys.extend((f"{spec.arch}.{suffix}", value, kind) for suffix, value, kind in derived(spec))
+    unprefixed = family(spec.arch).global_keys
+    if unprefixed is not None:
+        keys.extend(unprefixed(spec))
     return keys
 
 
