@@ -12,10 +12,11 @@ remains per architecture is always the same three edits to its graph builder in
 3. right after the layer loop, a stage that is not the last publishes the pre-norm hidden state
    (``inpL``, which every such loop ends by assigning) and stops building the graph.
 
-A few architectures need one more reviewed edit (``ARCH_EDITS``): gemma2 scales its input by
-sqrt(n_embd) unconditionally (only token input on the first stage may be scaled), and the glm4
-families abort on embedding input (which every later stage receives).  Every edit must match an
-exact number of times, and after editing, the main graph body is linted for the constructs that
+Two generic edits follow: an input transform between the embedding and the layer loop (a
+position embedding added, an input norm, a scale) is guarded to run on the first stage only, and
+the glm4 families' refusal of embedding input (which every later stage receives) is limited to the
+first stage.  Every edit must match an exact number of times (``ARCH_EDITS`` holds reviewed
+per-architecture ones), and after editing, the main graph body is linted for the constructs that
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
@@ -91,12 +92,11 @@ SPLIT += ()
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
 
-#: Generic edit: the gemma families' sqrt(n_embd) input scale belongs to token input only, so it
-#: is applied once, on the first stage (a later stage's input is already scaled hidden state).
-INPUT_SCALE = (
-    "inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd));",
-    "inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
-)
+#: Generic edit: an input transform between the embedding and the layer loop (a position
+#: embedding added, an input norm, a scale) belongs to the first stage, whose input is the
+#: embedding; a later stage's input is hidden state that already went through it (and the
+#: transform's own tensors, LLM_TENSOR_LAYER_INPUT, are loaded on the first stage only).
+STAGE_FIRST = "if (il_start == 0) { // skippy: the input transform runs on the first stage only"
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -110,8 +110,7 @@ LINT = {
     "ubatch.embd": re.compile(r"\bubatch\.embd\b"),
 }
 REVIEWED: dict[str, dict[str, str]] = {
-    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only",
-               "input op": "the same scale"},
+    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only"},
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
@@ -136,6 +135,10 @@ class Arch:
 
 class TransformError(Exception):
     """The rules do not apply to this graph; the message says which one."""
+
+
+class InherentRefusal(TransformError):
+    """The graph is understood, and the model itself cannot split; the message is the reason."""
 
 
 # --- reading the tree ---------------------------------------------------------------------------
@@ -234,6 +237,142 @@ def main_graph_span(text: str) -> tuple[int, int]:
     return ctor.end(), end
 
 
+_IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
+_ASSIGNED = re.compile(r"\b(\w+)\s*=(?!=)")
+_DECLARED = re.compile(r"^(?:const\s+)?(?:auto|[\w:]+(?:<[^>]*>)?)\s*[*&]?\s*(\w+)\s*=(?!=)")
+#: Statements that only observe a tensor (name it for the callback, expand the graph with it).
+_CB = re.compile(r"(?:cb\(|ggml_build_forward_expand\(\s*gf\s*,)\s*(\w+)\s*[,)]")
+
+
+def _code(text: str) -> str:
+    """``text`` without comments and string literals (for finding identifiers)."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r'"(?:\\.|[^"\\])*"', '""', text).strip()
+
+
+def _statements(text: str) -> list[tuple[int, int]]:
+    """Spans of the top-level statements of a block's text; a span starts where the previous one
+    ended (its leading blank lines and comments included) and ends after its ``;`` or ``}``."""
+    spans: list[tuple[int, int]] = []
+    start = i = depth = 0
+    n = len(text)
+    while i < n:
+        if text.startswith("//", i):
+            i = text.index("\n", i)
+            continue
+        if text.startswith("/*", i):
+            i = text.index("*/", i) + 2
+            continue
+        c = text[i]
+        if c == '"':
+            i += 1
+            while text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+            if depth < 0:
+                raise TransformError("unbalanced brackets before the layer loop")
+            compound = re.match(r"(if|for|while|switch)\b|\{", _code(text[start:i]))
+            if c == "}" and depth == 0 and compound and not re.match(r"\s*else\b", text[i + 1:]):
+                spans.append((start, i + 1))
+                start = i + 1
+        elif c == ";" and depth == 0:
+            spans.append((start, i + 1))
+            start = i + 1
+        i += 1
+    if _code(text[start:]):
+        raise TransformError("an unterminated statement before the layer loop")
+    return spans
+
+
+def guard_input_transforms(body: str, loop_at: int) -> tuple[str, list[str]]:
+    """Wrap the input transforms between the embedding and the layer loop in ``STAGE_FIRST``.
+
+    A transform is a statement that assigns the embedding's variable; a statement right before
+    one whose results only transforms read (a position embedding looked up) joins it, and so do
+    the calls observing a transform's result (``cb``, ``ggml_build_forward_expand``).  Each run of consecutive transforms becomes one
+    guarded block (nothing is reordered); a name declared in a run and read after it, or another
+    read of the embedding before the loop (which a later stage would see as hidden state), is
+    refused or reported.  Returns the new body and the lint findings.
+    """
+    embd_at = body.index("build_inp_embd(model.tok_embd)")
+    embd_end = body.index(";", embd_at) + 1
+    line_start = body.rfind("\n", 0, embd_at) + 1
+    declared = _ASSIGNED.search(body, line_start, embd_at)
+    if declared is None:
+        raise TransformError("the input embedding is not assigned to a variable")
+    var = declared.group(1)
+    region = body[embd_end:loop_at]
+    spans = _statements(region)
+    codes = [_code(region[a:b]) for a, b in spans]
+    cbs = [_CB.match(code) for code in codes]
+    defs = [set() if cbs[i] else set(_ASSIGNED.findall(code)) for i, code in enumerate(codes)]
+    uses = [set(_IDENT.findall(code)) for code in codes]
+    later_uses = set(_IDENT.findall(_code(body[loop_at:])))
+    guarded = {i for i in range(len(spans)) if var in defs[i]}
+
+    def feeds_guarded(i: int) -> bool:
+        # statement i only computes what the transform right after it (cb calls aside) reads
+        if not defs[i] or i in guarded:
+            return False
+        k = i + 1
+        while k < len(spans) and cbs[k] and cbs[k].group(1) in defs[i]:
+            k += 1
+        if k not in guarded or defs[i] & later_uses:
+            return False
+        readers = {j for j in range(i + 1, len(spans)) if defs[i] & uses[j] and not (cbs[j] and j > i)}
+        return bool(readers) and readers <= guarded
+
+    def names_guarded(i: int) -> bool:
+        # a cb call whose tensor was last assigned by a guarded statement
+        if not cbs[i] or i in guarded:
+            return False
+        name = cbs[i].group(1)
+        writers = [j for j in range(i) if name in defs[j]]
+        return bool(writers) and writers[-1] in guarded
+
+    changed = True
+    while changed:
+        more = {i for i in range(len(spans)) if feeds_guarded(i) or names_guarded(i)}
+        changed = bool(more - guarded)
+        guarded |= more
+    runs: list[list[int]] = []
+    for i in sorted(guarded):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    findings: list[str] = []
+    for i in range(len(spans)):
+        if i not in guarded and not cbs[i] and var in uses[i]:
+            if defs[i] & later_uses:
+                raise InherentRefusal(
+                    "input-embedding skip: the layers read the input embedding (kept as "
+                    f"`{'`, `'.join(sorted(defs[i] & later_uses))}`), which a later stage does not have")
+            findings.append(f"reads the input embedding `{var}` before the layer loop (a later stage has hidden state there)")
+    out: list[str] = []
+    pos = 0
+    for run in runs:
+        inside = set(range(run[0], run[-1] + 1))
+        for i in run:
+            name = _DECLARED.match(codes[i])
+            if name and (name.group(1) in later_uses
+                         or any(name.group(1) in uses[j] for j in range(len(spans)) if j not in inside)):
+                raise TransformError(f"`{name.group(1)}`, declared by an input transform, is read after it")
+        lead = re.match(r"\s*\n", region[spans[run[0]][0]:])  # blank lines stay outside the block
+        first = spans[run[0]][0] + (lead.end() if lead else 0)
+        last = spans[run[-1]][1]
+        indent = re.match(r"[ \t]*", region[first:]).group(0)
+        block = region[first:last]
+        block = "\n".join(("    " + line if line.strip() else line) for line in block.split("\n"))
+        out.append(region[pos:first] + f"{indent}{STAGE_FIRST}\n" + block + f"\n{indent}}}")
+        pos = last
+    out.append(region[pos:])
+    return body[:embd_end] + "".join(out) + body[loop_at:], findings
+
+
 def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     """Apply the rules to one model file; returns the new text and the lint findings."""
     start, end = main_graph_span(text)
@@ -266,10 +405,9 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     new_body = new_body.replace(LAST, LAST_NEW)
     # a row selection that does not test for the output ids (a stage that is not the last has none)
     new_body = new_body.replace(f"if ({LAST_NEW}) {{", f"if ({LAST_NEW} && inp_out_ids) {{")
-    findings: list[str] = []
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
-    new_body = new_body.replace(INPUT_SCALE[0], INPUT_SCALE[1])
+    new_body, findings = guard_input_transforms(new_body, new_body.index(LOOP_NEW))
     for old, new, count in ARCH_EDITS.get(arch.name, []):
         found = new_body.count(old)
         if found != count:
@@ -277,12 +415,7 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
         new_body = new_body.replace(old, new)
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
-    scan = scan.replace("build_inp_embd(model.tok_embd)", "").replace(INPUT_SCALE[1], "")
-    # anything else done to the input between the embedding and the layer loop runs on every stage
-    prelude = new_body[: new_body.index(LOOP_NEW)].replace("inpL = build_inp_embd(model.tok_embd);", "")
-    prelude = prelude.replace(INPUT_SCALE[1], "")
-    if re.search(r"\binpL\s*=", prelude) and "input op" not in REVIEWED.get(arch.name, {}):
-        findings.append("transforms the input before the layer loop (it would run on every stage)")
+    scan = scan.replace("build_inp_embd(model.tok_embd)", "")
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(arch.name, {}):
             findings.append(f"uses {label} outside the layer loop")
@@ -333,6 +466,9 @@ def classify(src: Path, archs: list[Arch]) -> None:
                 continue
             try:
                 new_text, findings = transform(arch, texts[main[0]])
+            except InherentRefusal as exc:
+                arch.reason = str(exc)
+                continue
             except TransformError as exc:
                 arch.reason = f"graph does not follow the standard layer loop ({exc})"
                 continue
