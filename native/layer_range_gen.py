@@ -84,7 +84,7 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-SPLIT += ()
+SPLIT += ("gpt2", "starcoder", "bloom", "mpt")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ()

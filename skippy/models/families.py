@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_rules as br
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -99,6 +100,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
+    "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #
@@ -132,6 +134,8 @@ class Family:
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
+        inputs: tensors of the input end written right after the token embedding (a learned
+            position embedding, an input LayerNorm); loaded by the first stage only.
     """
 
     arch: str
@@ -145,6 +149,7 @@ class Family:
     output_norm_bias: bool = False
     output_norm: bool = True
     output_bias: bool = False
+    inputs: Callable[["ModelSpec"], list[TensorDecl]] | None = None
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -618,6 +623,33 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---
+        Family(
+            "gpt2", _BOTH, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
+            output_norm_bias=True, inputs=br.position_embedding,
+            summary="GPT-2: learned position embeddings, LayerNorms with biases, fused q/k/v, "
+            "biases everywhere, GELU MLP",
+        ),
+        Family(
+            "starcoder", _BOTH, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
+            output_norm_bias=True, inputs=br.position_embedding,
+            summary="StarCoder (1) / SantaCoder: GPT-2's layout with multi-query attention",
+        ),
+        Family(
+            "bloom", _BOTH, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
+            output_norm_bias=True, inputs=br.input_layer_norm,
+            summary="BLOOM: a LayerNorm on the token embeddings, ALiBi (max bias 8), GPT-2's "
+            "block layout",
+        ),
+        Family(
+            "mpt", _BOTH, br.mpt,
+            requires=frozenset({"ln_eps", "max_alibi_bias"}), permits=frozenset({"clamp_kqv"}),
+            rules=(b.coupled_heads,),
+            summary="MPT-7B/30B: ALiBi, bias-free LayerNorms and projections, fused and clamped "
+            "q/k/v, GELU MLP",
+        ),
         #
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
         #

@@ -96,7 +96,7 @@ _DenseArchitecture = Literal["llama"]
 _MoeArchitecture = Literal["llama"]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-_RuleArchitecture = Literal["llama"]
+_RuleArchitecture = Literal["gpt2", "starcoder", "bloom", "mpt"]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 _PerLayerArchitecture = Literal["llama"]
@@ -137,7 +137,7 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gpt2", "starcoder", "bloom", "mpt")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -262,6 +262,8 @@ class ModelSpec:
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
+    #: ALiBi's largest head slope exponent (MPT; BLOOM's loader fixes it at 8).
+    max_alibi_bias: float = 0.0
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #
@@ -559,6 +561,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
+    # GPT-2 and BLOOM are MHA, StarCoder multi-query; MPT clamps q/k/v (as DBRX and some MPT
+    # fine-tunes do) at a value the tiny model's activations cross.
+    "gpt2": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4},
+    "starcoder": lambda n: {"ln_eps": 1e-5, "n_head_kv": 1},
+    "bloom": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4},
+    "mpt": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4, "max_alibi_bias": 8.0, "clamp_kqv": 1.5},
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #
