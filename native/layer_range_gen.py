@@ -128,6 +128,7 @@ class Arch:
     name: str
     cls: str | None = None
     files: list[str] = field(default_factory=list)
+    graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
@@ -170,6 +171,11 @@ def read_archs(src: Path) -> list[Arch]:
         arch.cls = factory.get(arch.enum)
         if arch.cls:
             arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
+            arch.graph_owner = graph_alias(src, arch.cls)
+            if arch.graph_owner:
+                # the graph is the owner's: its constructor lives in the owner's file(s)
+                arch.files += [name for name, body in sources.items()
+                               if re.search(rf"\b{arch.graph_owner}::graph", body) and name not in arch.files]
     return archs
 
 
@@ -180,6 +186,17 @@ def no_kv_archs(src: Path) -> set[str]:
     body = text[start:]
     head = body[: body.index("res = nullptr;")]
     return set(re.findall(r"case (LLM_ARCH_\w+):", head))
+
+
+def graph_alias(src: Path, cls: str) -> str:
+    """The class whose graph ``cls`` reuses (``using graph = llama_model_X::graph...;``), or ""."""
+    header = (src / "src" / "models" / "models.h").read_text()
+    m = re.search(rf"struct {cls}\s*:[^{{]*\{{", header)
+    if m is None:
+        return ""
+    body = header[m.end():_match_brace(header, m.end() - 1)]
+    alias = re.search(r"using graph = (llama_model_\w+)::graph\b", body)
+    return alias.group(1) if alias else ""
 
 
 def base_class(src: Path, cls: str) -> str:
@@ -287,6 +304,45 @@ def _statements(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+def ends_assigning(block: str, var: str) -> bool:
+    """Whether every path through ``block`` (a brace block's inner text) ends by assigning
+    ``var``: its last statement other than observers (``cb``, ``ggml_build_forward_expand``)
+    assigns it, or is an if / else if / else whose every branch does."""
+    spans = _statements(block)
+    codes = [_code(block[a:b]) for a, b in spans]
+    while codes and _CB.match(codes[-1]):
+        codes.pop()
+        spans.pop()
+    if not codes:
+        return False
+    last = codes[-1]
+    if re.match(rf"{var}\s*=(?!=)", last):
+        return True
+    if not last.startswith("if"):
+        return False
+    text = block[spans[-1][0]:spans[-1][1]]
+    blocks: list[tuple[int, int]] = []
+    while (open_at := _top_level_brace(text, blocks[-1][1] + 1 if blocks else 0)) >= 0:
+        blocks.append((open_at, _match_brace(text, open_at)))
+    # exhaustive: the last branch is a plain `else`
+    if len(blocks) < 2 or _code(text[blocks[-2][1] + 1:blocks[-1][0]]) != "else":
+        return False
+    return all(ends_assigning(text[a + 1:b], var) for a, b in blocks)
+
+
+def _top_level_brace(text: str, start: int) -> int:
+    """The first ``{`` at or after ``start`` outside parentheses (-1 when none)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+        elif text[i] == "{" and depth == 0:
+            return i
+    return -1
+
+
 def guard_input_transforms(body: str, loop_at: int) -> tuple[str, list[str]]:
     """Wrap the input transforms between the embedding and the layer loop in ``STAGE_FIRST``.
 
@@ -373,8 +429,13 @@ def guard_input_transforms(body: str, loop_at: int) -> tuple[str, list[str]]:
     return body[:embd_end] + "".join(out) + body[loop_at:], findings
 
 
-def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
-    """Apply the rules to one model file; returns the new text and the lint findings."""
+def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
+    """Apply the rules to one model file; returns the new text and the lint findings.
+
+    ``owner`` names the architecture whose file (and graph) it is, when ``arch`` reuses
+    another's graph: the reviewed edits and lint findings of the file are the owner's.
+    """
+    name = owner or arch.name
     start, end = main_graph_span(text)
     body = text[start:end]
     if body.count(LOOP) != 1:
@@ -382,9 +443,8 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     loop_at = body.index(LOOP)
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
-    loop_body = body[loop_open:loop_close]
-    if not re.search(r"inpL\s*=\s*cur\s*;\s*$", loop_body):
-        raise TransformError("the layer loop does not end with `inpL = cur;`")
+    if not ends_assigning(body[loop_open + 1:loop_close], "inpL"):
+        raise TransformError("the layer loop does not end by assigning `inpL` on every path")
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
     if body.count(LAST) < 1:
@@ -408,7 +468,7 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
     new_body, findings = guard_input_transforms(new_body, new_body.index(LOOP_NEW))
-    for old, new, count in ARCH_EDITS.get(arch.name, []):
+    for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
@@ -417,9 +477,9 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
     for label, pattern in LINT.items():
-        if pattern.search(scan) and label not in REVIEWED.get(arch.name, {}):
+        if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")
-    if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
+    if guards and name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(name, {}):
         findings.append("guards on embedding input")
     return text[:start] + new_body + text[end:], findings
 
@@ -440,6 +500,10 @@ def is_recurrent(base: str, joined: str) -> bool:
 def classify(src: Path, archs: list[Arch]) -> None:
     no_kv = no_kv_archs(src)
     models = src / "src" / "models"
+    owners: dict[str, str] = {}
+    for arch in archs:
+        if arch.cls:
+            owners.setdefault(arch.cls, arch.name)
     for arch in archs:
         arch.status = "refused"
         if arch.cls is None:
@@ -459,13 +523,18 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "per-layer token embeddings: every layer needs the input tokens"
         elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:
             arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
+        elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
+                texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
+        )) and "template <bool embed>" in joined:
+            arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
+                           "a KV cache, no LM head), no causal generation")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
                 arch.reason = "graph does not follow the standard layer loop (no single token-input graph)"
                 continue
             try:
-                new_text, findings = transform(arch, texts[main[0]])
+                new_text, findings = transform(arch, texts[main[0]], owners.get(arch.graph_owner, ""))
             except InherentRefusal as exc:
                 arch.reason = str(exc)
                 continue
@@ -540,9 +609,14 @@ def render_patch(src: Path, archs: list[Arch]) -> str:
         "last layer, and a stage that is not the last returns its pre-norm hidden state after the\n"
         "loop.  src/llama-stage-archs.inc tells the loader which architectures accept a range.\n\n"
     ]
-    for arch in sorted((a for a in archs if a.status == "splits"), key=lambda a: list(a.new_text)[0]):
+    # a graph several architectures share (``using graph = ...``) is one file: edited once
+    files: dict[str, str] = {}
+    for arch in (a for a in archs if a.status == "splits"):
         for path, new_text in arch.new_text.items():
-            parts.append(unified(path, (src / path).read_text(), new_text))
+            if files.setdefault(path, new_text) != new_text:
+                raise SystemExit(f"{path}: the architectures sharing it edit it differently")
+    for path, new_text in sorted(files.items()):
+        parts.append(unified(path, (src / path).read_text(), new_text))
     parts.append(unified(INC_NAME, None, render_inc(archs)))
     return "".join(parts)
 

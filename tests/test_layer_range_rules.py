@@ -93,3 +93,21 @@ def test_an_embedding_the_layers_read_is_an_inherent_refusal() -> None:
 def test_another_read_of_the_embedding_is_reported() -> None:
     _, findings = guard("    ggml_tensor * copy = ggml_cont(ctx0, inpL);\n    cb(copy, \"copy\", -1);\n")
     assert findings == ["reads the input embedding `inpL` before the layer loop (a later stage has hidden state there)"]
+
+
+@pytest.mark.parametrize(
+    ("block", "ends"),
+    [
+        ("x = f(inpL);\n inpL = cur;\n", True),
+        ("inpL = ggml_add(ctx0, cur, ffn_inp);\n inpL = build_cvec(inpL, il);\n cb(inpL, \"l_out\", il);\n", True),
+        ("if (par) {\n  inpL = a;\n} else {\n  cb(b, \"b\", il);\n  inpL = b;\n}\n", True),
+        ("if (p) { inpL = a; } else if (q) { inpL = b; } else { inpL = c; }\n", True),
+        ("inpL = cur;\n if (loop_end) {\n  inpL = build_norm(inpL);\n}\n", False),  # no else
+        ("if (p) { inpL = a; } else if (q) { inpL = b; }\n", False),  # not exhaustive
+        ("if (p) { inpL = a; } else { cur = b; }\n", False),
+        ("inpL = cur;\n cur = ggml_scale(ctx0, cur, 2.0f);\n", False),
+        ("cb(cur, \"x\", il);\n", False),
+    ],
+)
+def test_a_layer_loop_must_end_assigning_the_hidden_state_on_every_path(block: str, ends: bool) -> None:
+    assert gen.ends_assigning(block, "inpL") is ends
