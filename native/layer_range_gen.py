@@ -12,10 +12,11 @@ remains per architecture is always the same three edits to its graph builder in
 3. right after the layer loop, a stage that is not the last publishes the pre-norm hidden state
    (``inpL``, which every such loop ends by assigning) and stops building the graph.
 
-A few architectures need one more reviewed edit (``ARCH_EDITS``): gemma2 scales its input by
-sqrt(n_embd) unconditionally (only token input on the first stage may be scaled), and the glm4
-families abort on embedding input (which every later stage receives).  Every edit must match an
-exact number of times, and after editing, the main graph body is linted for the constructs that
+Two generic edits follow: an input transform between the embedding and the layer loop (a
+position embedding added, an input norm, a scale) is guarded to run on the first stage only, and
+the glm4 families' refusal of embedding input (which every later stage receives) is limited to the
+first stage.  Every edit must match an exact number of times (``ARCH_EDITS`` holds reviewed
+per-architecture ones), and after editing, the main graph body is linted for the constructs that
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
@@ -91,7 +92,7 @@ SPLIT += (
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-SPLIT += ()
+SPLIT += ("gpt2", "starcoder", "bloom", "mpt")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
@@ -99,12 +100,11 @@ SPLIT += ("gemma4",)
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
 
-#: Generic edit: the gemma families' sqrt(n_embd) input scale belongs to token input only, so it
-#: is applied once, on the first stage (a later stage's input is already scaled hidden state).
-INPUT_SCALE = (
-    "inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd));",
-    "inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
-)
+#: Generic edit: an input transform between the embedding and the layer loop (a position
+#: embedding added, an input norm, a scale) belongs to the first stage, whose input is the
+#: embedding; a later stage's input is hidden state that already went through it (and the
+#: transform's own tensors, LLM_TENSOR_LAYER_INPUT, are loaded on the first stage only).
+STAGE_FIRST = "if (il_start == 0) { // skippy: the input transform runs on the first stage only"
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -112,13 +112,11 @@ EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # 
 #: Generic rule for per-layer token embeddings (Gemma 4): a stage past the first takes the hidden
 #: state as its main input and, beside it, the token ids (patch 0006 loads the per-layer tensors and
 #: the token embeddings on every stage); the token input's sqrt(n_embd) scale stays on the first
-#: stage, and a later stage projects its own scaled token embeddings into the per-layer inputs.
+#: stage (the input-transform rule guards it), and a later stage projects its own scaled token
+#: embeddings into the per-layer inputs.
 PER_LAYER_EDITS: list[tuple[str, str, int]] = [
     ("inpL = build_inp_embd(model.tok_embd);",
      "inpL = build_inp_embd(il_start == 0 ? model.tok_embd : nullptr); // skippy: later stages take hidden states",
-     1),
-    ("inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f);",
-     "inpL = ggml_scale(ctx0, inpL, il_start == 0 && ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
      1),
     ("inp_per_layer = project_per_layer_inputs(inpL, inp_per_layer);",
      "inp_per_layer = project_per_layer_inputs(il_start == 0 ? inpL : build_stage_tok_embd(model.tok_embd, sqrtf(n_embd)),"
@@ -135,12 +133,12 @@ LINT = {
     "ubatch.embd": re.compile(r"\bubatch\.embd\b"),
 }
 REVIEWED: dict[str, dict[str, str]] = {
-    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only",
-               "input op": "the same scale"},
+    "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only"},
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
-    "gemma4": {"n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
+    "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
+               "n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
 }
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
@@ -155,6 +153,7 @@ class Arch:
     name: str
     cls: str | None = None
     files: list[str] = field(default_factory=list)
+    graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
@@ -162,6 +161,10 @@ class Arch:
 
 class TransformError(Exception):
     """The rules do not apply to this graph; the message says which one."""
+
+
+class InherentRefusal(TransformError):
+    """The graph is understood, and the model itself cannot split; the message is the reason."""
 
 
 # --- reading the tree ---------------------------------------------------------------------------
@@ -193,6 +196,11 @@ def read_archs(src: Path) -> list[Arch]:
         arch.cls = factory.get(arch.enum)
         if arch.cls:
             arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
+            arch.graph_owner = graph_alias(src, arch.cls)
+            if arch.graph_owner:
+                # the graph is the owner's: its constructor lives in the owner's file(s)
+                arch.files += [name for name, body in sources.items()
+                               if re.search(rf"\b{arch.graph_owner}::graph", body) and name not in arch.files]
     return archs
 
 
@@ -203,6 +211,17 @@ def no_kv_archs(src: Path) -> set[str]:
     body = text[start:]
     head = body[: body.index("res = nullptr;")]
     return set(re.findall(r"case (LLM_ARCH_\w+):", head))
+
+
+def graph_alias(src: Path, cls: str) -> str:
+    """The class whose graph ``cls`` reuses (``using graph = llama_model_X::graph...;``), or ""."""
+    header = (src / "src" / "models" / "models.h").read_text()
+    m = re.search(rf"struct {cls}\s*:[^{{]*\{{", header)
+    if m is None:
+        return ""
+    body = header[m.end():_match_brace(header, m.end() - 1)]
+    alias = re.search(r"using graph = (llama_model_\w+)::graph\b", body)
+    return alias.group(1) if alias else ""
 
 
 def base_class(src: Path, cls: str) -> str:
@@ -260,8 +279,193 @@ def main_graph_span(text: str) -> tuple[int, int]:
     return ctor.end(), end
 
 
-def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
-    """Apply the rules to one model file; returns the new text and the lint findings."""
+_IDENT = re.compile(r"\b[A-Za-z_]\w*\b")
+_ASSIGNED = re.compile(r"\b(\w+)\s*=(?!=)")
+_DECLARED = re.compile(r"^(?:const\s+)?(?:auto|[\w:]+(?:<[^>]*>)?)\s*[*&]?\s*(\w+)\s*=(?!=)")
+#: Statements that only observe a tensor (name it for the callback, expand the graph with it).
+_CB = re.compile(r"(?:cb\(|ggml_build_forward_expand\(\s*gf\s*,)\s*(\w+)\s*[,)]")
+
+
+def _code(text: str) -> str:
+    """``text`` without comments and string literals (for finding identifiers)."""
+    text = re.sub(r"//[^\n]*|/\*.*?\*/", " ", text, flags=re.S)
+    return re.sub(r'"(?:\\.|[^"\\])*"', '""', text).strip()
+
+
+def _statements(text: str) -> list[tuple[int, int]]:
+    """Spans of the top-level statements of a block's text; a span starts where the previous one
+    ended (its leading blank lines and comments included) and ends after its ``;`` or ``}``."""
+    spans: list[tuple[int, int]] = []
+    start = i = depth = 0
+    n = len(text)
+    while i < n:
+        if text.startswith("//", i):
+            i = text.index("\n", i)
+            continue
+        if text.startswith("/*", i):
+            i = text.index("*/", i) + 2
+            continue
+        c = text[i]
+        if c == '"':
+            i += 1
+            while text[i] != '"':
+                i += 2 if text[i] == "\\" else 1
+        elif c in "({[":
+            depth += 1
+        elif c in ")}]":
+            depth -= 1
+            if depth < 0:
+                raise TransformError("unbalanced brackets before the layer loop")
+            compound = re.match(r"(if|for|while|switch)\b|\{", _code(text[start:i]))
+            if c == "}" and depth == 0 and compound and not re.match(r"\s*else\b", text[i + 1:]):
+                spans.append((start, i + 1))
+                start = i + 1
+        elif c == ";" and depth == 0:
+            spans.append((start, i + 1))
+            start = i + 1
+        i += 1
+    if _code(text[start:]):
+        raise TransformError("an unterminated statement before the layer loop")
+    return spans
+
+
+def ends_assigning(block: str, var: str) -> bool:
+    """Whether every path through ``block`` (a brace block's inner text) ends by assigning
+    ``var``: its last statement other than observers (``cb``, ``ggml_build_forward_expand``)
+    assigns it, or is an if / else if / else whose every branch does."""
+    spans = _statements(block)
+    codes = [_code(block[a:b]) for a, b in spans]
+    while codes and _CB.match(codes[-1]):
+        codes.pop()
+        spans.pop()
+    if not codes:
+        return False
+    last = codes[-1]
+    if re.match(rf"{var}\s*=(?!=)", last):
+        return True
+    if not last.startswith("if"):
+        return False
+    text = block[spans[-1][0]:spans[-1][1]]
+    blocks: list[tuple[int, int]] = []
+    while (open_at := _top_level_brace(text, blocks[-1][1] + 1 if blocks else 0)) >= 0:
+        blocks.append((open_at, _match_brace(text, open_at)))
+    # exhaustive: the last branch is a plain `else`
+    if len(blocks) < 2 or _code(text[blocks[-2][1] + 1:blocks[-1][0]]) != "else":
+        return False
+    return all(ends_assigning(text[a + 1:b], var) for a, b in blocks)
+
+
+def _top_level_brace(text: str, start: int) -> int:
+    """The first ``{`` at or after ``start`` outside parentheses (-1 when none)."""
+    depth = 0
+    for i in range(start, len(text)):
+        if text[i] == "(":
+            depth += 1
+        elif text[i] == ")":
+            depth -= 1
+        elif text[i] == "{" and depth == 0:
+            return i
+    return -1
+
+
+def guard_input_transforms(body: str, loop_at: int, readers: set[str] = set()) -> tuple[str, list[str]]:
+    """Wrap the input transforms between the embedding and the layer loop in ``STAGE_FIRST``.
+
+    A transform is a statement that assigns the embedding's variable; a statement right before
+    one whose results only transforms read (a position embedding looked up) joins it, and so do
+    the calls observing a transform's result (``cb``, ``ggml_build_forward_expand``).  Each run of consecutive transforms becomes one
+    guarded block (nothing is reordered); a name declared in a run and read after it, or another
+    read of the embedding before the loop (which a later stage would see as hidden state), is
+    refused or reported; ``readers`` names variables a reviewed edit lets read the embedding
+    (Gemma 4's per-layer projection).  Returns the new body and the lint findings.
+    """
+    embd_at = body.index("build_inp_embd(")
+    embd_end = body.index(";", embd_at) + 1
+    if re.match(r"[ \t]*//[^\n]*", body[embd_end:]):  # a trailing comment stays on its line
+        embd_end = body.index("\n", embd_end)
+    line_start = body.rfind("\n", 0, embd_at) + 1
+    declared = _ASSIGNED.search(body, line_start, embd_at)
+    if declared is None:
+        raise TransformError("the input embedding is not assigned to a variable")
+    var = declared.group(1)
+    region = body[embd_end:loop_at]
+    spans = _statements(region)
+    codes = [_code(region[a:b]) for a, b in spans]
+    cbs = [_CB.match(code) for code in codes]
+    defs = [set() if cbs[i] else set(_ASSIGNED.findall(code)) for i, code in enumerate(codes)]
+    uses = [set(_IDENT.findall(code)) for code in codes]
+    later_uses = set(_IDENT.findall(_code(body[loop_at:])))
+    guarded = {i for i in range(len(spans)) if var in defs[i]}
+
+    def feeds_guarded(i: int) -> bool:
+        # statement i only computes what the transform right after it (cb calls aside) reads
+        if not defs[i] or i in guarded:
+            return False
+        k = i + 1
+        while k < len(spans) and cbs[k] and cbs[k].group(1) in defs[i]:
+            k += 1
+        if k not in guarded or defs[i] & later_uses:
+            return False
+        readers = {j for j in range(i + 1, len(spans)) if defs[i] & uses[j] and not (cbs[j] and j > i)}
+        return bool(readers) and readers <= guarded
+
+    def names_guarded(i: int) -> bool:
+        # a cb call whose tensor was last assigned by a guarded statement
+        if not cbs[i] or i in guarded:
+            return False
+        name = cbs[i].group(1)
+        writers = [j for j in range(i) if name in defs[j]]
+        return bool(writers) and writers[-1] in guarded
+
+    changed = True
+    while changed:
+        more = {i for i in range(len(spans)) if feeds_guarded(i) or names_guarded(i)}
+        changed = bool(more - guarded)
+        guarded |= more
+    runs: list[list[int]] = []
+    for i in sorted(guarded):
+        if runs and runs[-1][-1] == i - 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    findings: list[str] = []
+    for i in range(len(spans)):
+        if i not in guarded and not cbs[i] and var in uses[i]:
+            if defs[i] and defs[i] <= readers:
+                continue
+            if defs[i] & later_uses:
+                raise InherentRefusal(
+                    "input-embedding skip: the layers read the input embedding (kept as "
+                    f"`{'`, `'.join(sorted(defs[i] & later_uses))}`), which a later stage does not have")
+            findings.append(f"reads the input embedding `{var}` before the layer loop (a later stage has hidden state there)")
+    out: list[str] = []
+    pos = 0
+    for run in runs:
+        inside = set(range(run[0], run[-1] + 1))
+        for i in run:
+            name = _DECLARED.match(codes[i])
+            if name and (name.group(1) in later_uses
+                         or any(name.group(1) in uses[j] for j in range(len(spans)) if j not in inside)):
+                raise TransformError(f"`{name.group(1)}`, declared by an input transform, is read after it")
+        lead = re.match(r"\s*\n", region[spans[run[0]][0]:])  # blank lines stay outside the block
+        first = spans[run[0]][0] + (lead.end() if lead else 0)
+        last = spans[run[-1]][1]
+        indent = re.match(r"[ \t]*", region[first:]).group(0)
+        block = region[first:last]
+        block = "\n".join(("    " + line if line.strip() else line) for line in block.split("\n"))
+        out.append(region[pos:first] + f"{indent}{STAGE_FIRST}\n" + block + f"\n{indent}}}")
+        pos = last
+    out.append(region[pos:])
+    return body[:embd_end] + "".join(out) + body[loop_at:], findings
+
+
+def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
+    """Apply the rules to one model file; returns the new text and the lint findings.
+
+    ``owner`` names the architecture whose file (and graph) it is, when ``arch`` reuses
+    another's graph: the reviewed edits and lint findings of the file are the owner's.
+    """
+    name = owner or arch.name
     start, end = main_graph_span(text)
     body = text[start:end]
     if body.count(LOOP) != 1:
@@ -269,9 +473,8 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     loop_at = body.index(LOOP)
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
-    loop_body = body[loop_open:loop_close]
-    if not re.search(r"inpL\s*=\s*cur\s*;\s*$", loop_body):
-        raise TransformError("the layer loop does not end with `inpL = cur;`")
+    if not ends_assigning(body[loop_open + 1:loop_close], "inpL"):
+        raise TransformError("the layer loop does not end by assigning `inpL` on every path")
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
     if body.count(LAST) < 1:
@@ -292,37 +495,31 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     new_body = new_body.replace(LAST, LAST_NEW)
     # a row selection that does not test for the output ids (a stage that is not the last has none)
     new_body = new_body.replace(f"if ({LAST_NEW}) {{", f"if ({LAST_NEW} && inp_out_ids) {{")
-    findings: list[str] = []
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
-    new_body = new_body.replace(INPUT_SCALE[0], INPUT_SCALE[1])
     per_layer = "project_per_layer_inputs(" in new_body
     for old, new, count in PER_LAYER_EDITS if per_layer else []:
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
-    for old, new, count in ARCH_EDITS.get(arch.name, []):
+    # the per-layer projection reads the embedding on the first stage only (PER_LAYER_EDITS)
+    new_body, findings = guard_input_transforms(
+        new_body, new_body.index(LOOP_NEW), readers={"inp_per_layer"} if per_layer else set())
+    for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
-    scan = scan.replace("build_inp_embd(model.tok_embd)", "").replace(INPUT_SCALE[1], "")
+    scan = scan.replace("build_inp_embd(model.tok_embd)", "")
     for _, new, _ in PER_LAYER_EDITS if per_layer else []:
         scan = scan.replace(new, "")
-    # anything else done to the input between the embedding and the layer loop runs on every stage
-    prelude = new_body[: new_body.index(LOOP_NEW)].replace("inpL = build_inp_embd(model.tok_embd);", "")
-    prelude = prelude.replace(INPUT_SCALE[1], "")
-    for _, new, _ in PER_LAYER_EDITS if per_layer else []:
-        prelude = prelude.replace(new, "")
-    if re.search(r"\binpL\s*=", prelude) and "input op" not in REVIEWED.get(arch.name, {}):
-        findings.append("transforms the input before the layer loop (it would run on every stage)")
     for label, pattern in LINT.items():
-        if pattern.search(scan) and label not in REVIEWED.get(arch.name, {}):
+        if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")
-    if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
+    if guards and name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(name, {}):
         findings.append("guards on embedding input")
     return text[:start] + new_body + text[end:], findings
 
@@ -347,6 +544,10 @@ def is_recurrent(base: str, joined: str) -> bool:
 def classify(src: Path, archs: list[Arch]) -> None:
     no_kv = no_kv_archs(src)
     models = src / "src" / "models"
+    owners: dict[str, str] = {}
+    for arch in archs:
+        if arch.cls:
+            owners.setdefault(arch.cls, arch.name)
     for arch in archs:
         arch.status = "refused"
         if arch.cls is None:
@@ -371,13 +572,21 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif "altup_predict_coef" in joined:
             arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
                            "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
+        elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
+                texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
+        )) and "template <bool embed>" in joined:
+            arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
+                           "a KV cache, no LM head), no causal generation")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
                 arch.reason = "graph does not follow the standard layer loop (no single token-input graph)"
                 continue
             try:
-                new_text, findings = transform(arch, texts[main[0]])
+                new_text, findings = transform(arch, texts[main[0]], owners.get(arch.graph_owner, ""))
+            except InherentRefusal as exc:
+                arch.reason = str(exc)
+                continue
             except TransformError as exc:
                 if "per_layer_tok_embd" in joined and "project_per_layer_inputs(" not in joined:
                     arch.reason = "per-layer token embeddings built otherwise than Gemma 4's (the rule does not apply)"
@@ -452,9 +661,14 @@ def render_patch(src: Path, archs: list[Arch]) -> str:
         "last layer, and a stage that is not the last returns its pre-norm hidden state after the\n"
         "loop.  src/llama-stage-archs.inc tells the loader which architectures accept a range.\n\n"
     ]
-    for arch in sorted((a for a in archs if a.status == "splits"), key=lambda a: list(a.new_text)[0]):
+    # a graph several architectures share (``using graph = ...``) is one file: edited once
+    files: dict[str, str] = {}
+    for arch in (a for a in archs if a.status == "splits"):
         for path, new_text in arch.new_text.items():
-            parts.append(unified(path, (src / path).read_text(), new_text))
+            if files.setdefault(path, new_text) != new_text:
+                raise SystemExit(f"{path}: the architectures sharing it edit it differently")
+    for path, new_text in sorted(files.items()):
+        parts.append(unified(path, (src / path).read_text(), new_text))
     parts.append(unified(INC_NAME, None, render_inc(archs)))
     return "".join(parts)
 

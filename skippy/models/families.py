@@ -35,6 +35,7 @@ from skippy.models import blocks as b
 from skippy.models import blocks_perlayer as bp
 from skippy.models import blocks_moe as bm
 from skippy.models import blocks_dense as dense
+from skippy.models import blocks_rules as br
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -114,6 +115,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "indexer_top_k": OptionalKey("attention.indexer.top_k", GGUFValueType.UINT32),
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
+    "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     "n_embd_per_layer": OptionalKey("embedding_length_per_layer_input", GGUFValueType.UINT32),
@@ -156,7 +158,9 @@ class Family:
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
         inputs: tensors outside the blocks written right after ``token_embd`` (given the spec and
-            the vocabulary size): Gemma 4's per-layer token embeddings and rope frequencies.
+            the vocabulary size): Gemma 4's per-layer token embeddings and rope frequencies, a
+            learned position embedding or an input LayerNorm (GPT-2, BLOOM; loaded by the first
+            stage only).
     """
 
     arch: str
@@ -892,6 +896,33 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         #
         # --- issue 26: grown rules (keep this group's entries below this line) ---
+        Family(
+            "gpt2", _BOTH, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
+            output_norm_bias=True, inputs=br.position_embedding,
+            summary="GPT-2: learned position embeddings, LayerNorms with biases, fused q/k/v, "
+            "biases everywhere, GELU MLP",
+        ),
+        Family(
+            "starcoder", _BOTH, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
+            output_norm_bias=True, inputs=br.position_embedding,
+            summary="StarCoder (1) / SantaCoder: GPT-2's layout with multi-query attention",
+        ),
+        Family(
+            "bloom", _BOTH, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,),
+            output_norm_bias=True, inputs=br.input_layer_norm,
+            summary="BLOOM: a LayerNorm on the token embeddings, ALiBi (max bias 8), GPT-2's "
+            "block layout",
+        ),
+        Family(
+            "mpt", _BOTH, br.mpt,
+            requires=frozenset({"ln_eps", "max_alibi_bias"}), permits=frozenset({"clamp_kqv"}),
+            rules=(b.coupled_heads,),
+            summary="MPT-7B/30B: ALiBi, bias-free LayerNorms and projections, fused and clamped "
+            "q/k/v, GELU MLP",
+        ),
         #
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
         Family(

@@ -103,7 +103,7 @@ _MoeArchitecture = Literal[
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-_RuleArchitecture = Literal["llama"]
+_RuleArchitecture = Literal["gpt2", "starcoder", "bloom", "mpt"]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 _PerLayerArchitecture = Literal["gemma4"]
@@ -147,7 +147,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gpt2", "starcoder", "bloom", "mpt")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
@@ -289,6 +289,8 @@ class ModelSpec:
     indexer_top_k: int = 0
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
+    #: ALiBi's largest head slope exponent (MPT; BLOOM's loader fixes it at 8).
+    max_alibi_bias: float = 0.0
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #: Gemma 4: the width of each layer's slice of the per-layer token embeddings, the trailing
@@ -691,6 +693,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     },
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
+    # GPT-2 and BLOOM are MHA, StarCoder multi-query; MPT clamps q/k/v (as DBRX and some MPT
+    # fine-tunes do) at a value the tiny model's activations cross.
+    "gpt2": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4},
+    "starcoder": lambda n: {"ln_eps": 1e-5, "n_head_kv": 1},
+    "bloom": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4},
+    "mpt": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4, "max_alibi_bias": 8.0, "clamp_kqv": 1.5},
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     # Gemma 4 E2B's layout at width 64: per-layer inputs of 32, global heads of 32 and local ones

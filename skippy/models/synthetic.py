@@ -135,8 +135,9 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
         n_vocab: number of tokens of its tokenizer.
 
     Returns:
-        The tensor plans, ``token_embd`` first and the head last; the blocks in between are
-        what the spec's family (`skippy.models.families`) declares.
+        The tensor plans, ``token_embd`` (and the family's other input tensors) first and the
+        head last; the blocks in between are what the spec's family (`skippy.models.families`)
+        declares.
     """
     matrix_type = _QTYPES[spec.dtype]
     f32 = GGMLQuantizationType.F32

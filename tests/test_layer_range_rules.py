@@ -1,0 +1,113 @@
+"""The generator's rules on small graph bodies (native/layer_range_gen.py).
+
+The generated patch itself is checked by test_architectures.py (the committed files are current)
+and its effect by the exactness suites; these tests pin what each rule does to the C++ text it is
+given, including the texts it must refuse.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "native"))
+
+import layer_range_gen as gen  # noqa: E402
+
+LOOP = "    for (int il = il_start; il < il_end; ++il) {\n        inpL = cur;\n    }\n"
+
+
+def guard(prelude: str) -> tuple[str, list[str]]:
+    body = "    inpL = build_inp_embd(model.tok_embd);\n" + prelude + LOOP
+    return gen.guard_input_transforms(body, body.index("    for (int il"))
+
+
+def test_a_position_embedding_runs_on_the_first_stage_only() -> None:
+    new, findings = guard(
+        "    ggml_tensor * inp_pos = build_inp_pos();\n"
+        "    auto * inp_attn = build_attn_inp_kv();\n"
+        "\n"
+        "    ggml_tensor * pos = ggml_get_rows(ctx0, model.pos_embd, inp_pos);\n"
+        "    cb(pos, \"pos_embd\", -1);\n"
+        "    inpL = ggml_add(ctx0, inpL, pos);\n"
+        "    cb(inpL, \"inpL\", -1);\n"
+        "\n"
+        "    ggml_tensor * inp_out_ids = build_inp_out_ids();\n"
+    )
+    assert findings == []
+    assert new.count(gen.STAGE_FIRST) == 1
+    guarded = new[new.index(gen.STAGE_FIRST):new.index("\n    }\n")]
+    assert "model.pos_embd" in guarded and "ggml_add" in guarded and 'cb(inpL, "inpL"' in guarded
+    assert "build_inp_pos" not in guarded and "build_inp_out_ids" not in guarded
+
+
+def test_what_only_feeds_a_transform_joins_it() -> None:
+    new, _ = guard(
+        "    ggml_tensor * inp_pos = build_inp_pos();\n"
+        "    ggml_tensor * pos = ggml_get_rows(ctx0, model.pos_embd, inp_pos);\n"
+        "    inpL = ggml_add(ctx0, inpL, pos);\n"
+        "    auto * inp_attn = build_attn_inp_kv();\n"
+    )
+    guarded = new[new.index(gen.STAGE_FIRST):new.index("\n    }\n")]
+    assert "build_inp_pos" in guarded and "build_attn_inp_kv" not in guarded
+
+
+def test_separate_transforms_are_guarded_separately_and_nothing_moves() -> None:
+    prelude = (
+        "    inpL = ggml_scale(ctx0, inpL, 2.0f);\n"
+        "    auto * inp_attn = build_attn_inp_kv();\n"
+        "    if (model.tok_norm) {\n"
+        "        inpL = build_norm(inpL, model.tok_norm, nullptr, LLM_NORM, 0);\n"
+        "    }\n"
+    )
+    new, findings = guard(prelude)
+    assert findings == []
+    assert new.count(gen.STAGE_FIRST) == 2
+    order = [new.index(s) for s in ("ggml_scale", "build_attn_inp_kv", "build_norm")]
+    assert order == sorted(order)
+
+
+def test_no_transform_leaves_the_body_alone() -> None:
+    body = "    inpL = build_inp_embd(model.tok_embd);\n    auto * inp_attn = build_attn_inp_kv();\n" + LOOP
+    assert gen.guard_input_transforms(body, body.index("    for (int il")) == (body, [])
+
+
+def test_a_name_declared_by_a_transform_and_read_later_is_refused() -> None:
+    with pytest.raises(gen.TransformError, match="`scaled`, declared by an input transform, is read after it"):
+        guard(
+            "    ggml_tensor * scaled = inpL = ggml_scale(ctx0, inpL, 2.0f);\n"
+            "    auto * inp_attn = build_attn_inp_kv(scaled);\n"
+        )
+
+
+def test_an_embedding_the_layers_read_is_an_inherent_refusal() -> None:
+    body = ("    inpL = build_inp_embd(model.tok_embd);\n    ggml_tensor * skip = inpL;\n"
+            "    for (int il = il_start; il < il_end; ++il) {\n        cur = ggml_add(ctx0, cur, skip);\n"
+            "        inpL = cur;\n    }\n")
+    with pytest.raises(gen.InherentRefusal, match="input-embedding skip.*`skip`"):
+        gen.guard_input_transforms(body, body.index("    for (int il"))
+
+
+def test_another_read_of_the_embedding_is_reported() -> None:
+    _, findings = guard("    ggml_tensor * copy = ggml_cont(ctx0, inpL);\n    cb(copy, \"copy\", -1);\n")
+    assert findings == ["reads the input embedding `inpL` before the layer loop (a later stage has hidden state there)"]
+
+
+@pytest.mark.parametrize(
+    ("block", "ends"),
+    [
+        ("x = f(inpL);\n inpL = cur;\n", True),
+        ("inpL = ggml_add(ctx0, cur, ffn_inp);\n inpL = build_cvec(inpL, il);\n cb(inpL, \"l_out\", il);\n", True),
+        ("if (par) {\n  inpL = a;\n} else {\n  cb(b, \"b\", il);\n  inpL = b;\n}\n", True),
+        ("if (p) { inpL = a; } else if (q) { inpL = b; } else { inpL = c; }\n", True),
+        ("inpL = cur;\n if (loop_end) {\n  inpL = build_norm(inpL);\n}\n", False),  # no else
+        ("if (p) { inpL = a; } else if (q) { inpL = b; }\n", False),  # not exhaustive
+        ("if (p) { inpL = a; } else { cur = b; }\n", False),
+        ("inpL = cur;\n cur = ggml_scale(ctx0, cur, 2.0f);\n", False),
+        ("cb(cur, \"x\", il);\n", False),
+    ],
+)
+def test_a_layer_loop_must_end_assigning_the_hidden_state_on_every_path(block: str, ends: bool) -> None:
+    assert gen.ends_assigning(block, "inpL") is ends
