@@ -68,7 +68,7 @@ SPLIT: tuple[str, ...] = (
 # Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
 #
 #: Issue 25, SSM state (Mamba layers; pure and hybrid): patch 0005 owns the state per range.
-SPLIT += ("nemotron_h",)
+SPLIT += ("nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe", "plamo2")
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 SPLIT += ()

@@ -636,6 +636,59 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Nemotron-H: Mamba-2 (M), attention without rope (*) and squared-ReLU MLP "
             "(-) blocks after one RMSNorm each, as layer_pattern lays them out",
         ),
+        Family(
+            "mamba", _BOTH, ssm.mamba,
+            requires=ssm.MAMBA1, rules=(ssm.expansion_2,), derived_keys=ssm.pure_ssm_keys,
+            summary="Mamba (1): RMSNorm and a Mamba-1 mixer per layer, no attention",
+        ),
+        Family(
+            "mamba2", _BOTH, ssm.mamba2,
+            requires=ssm.MAMBA2, rules=(ssm.mamba2_shape,), derived_keys=ssm.pure_ssm_keys,
+            summary="Mamba-2 (Mamba-Codestral): RMSNorm and a Mamba-2 mixer (heads, groups, "
+            "gated grouped RMSNorm) per layer, no attention",
+        ),
+        Family(
+            "jamba", _BOTH, ssm.jamba,
+            requires=ssm.MAMBA1 | {"layer_pattern"},
+            permits=frozenset({"n_expert", "n_expert_used"}),
+            rules=(ssm.expansion_2, b.coupled_heads, b.experts, ssm.pattern("M*")),
+            derived_keys=ssm.hybrid_keys,
+            summary="Jamba: Mamba-1 (dt/B/C norms) or rope-less attention layers, experts of "
+            "width n_ff on every other layer",
+        ),
+        Family(
+            "falcon-h1", _BOTH, ssm.falcon_h1,
+            requires=ssm.MAMBA2, rules=(ssm.mamba2_shape,),
+            summary="Falcon-H1: attention and a Mamba-2 mixer in parallel in every layer, SwiGLU",
+        ),
+        Family(
+            "granitehybrid", _BOTH, ssm.granitehybrid,
+            requires=ssm.MAMBA2 | {"layer_pattern"},
+            permits=frozenset(
+                {"n_expert", "n_expert_used", "n_ff_shexp", "embedding_scale", "residual_scale",
+                 "attention_scale", "logit_scale"}
+            ),
+            rules=(ssm.expansion_2, ssm.mamba2_shape, b.experts, ssm.pattern("M*")),
+            derived_keys=ssm.hybrid_keys,
+            summary="Granite 4.0-H: Mamba-2 or attention layers, experts of width n_ff plus a "
+            "shared expert, granite's multipliers",
+        ),
+        Family(
+            "nemotron_h_moe", _BOTH, ssm.nemotron_h_moe,
+            requires=ssm.MAMBA2 | _MOE | {"layer_pattern", "ln_eps", "n_ff_shexp"},
+            permits=frozenset({"expert_weights_norm", "expert_weights_scale"}),
+            rules=(ssm.mamba2_shape, b.experts, ssm.pattern("M*E")),
+            derived_keys=ssm.nemotron_h_keys,
+            summary="Nemotron-H MoE (Nemotron 3 Nano): Nemotron-H's blocks with sigmoid-routed "
+            "squared-ReLU experts (E) and a shared expert",
+        ),
+        Family(
+            "plamo2", _BOTH, ssm.plamo2,
+            requires=ssm.MAMBA1 | {"layer_pattern"}, rules=(ssm.pattern("M*"),),
+            derived_keys=ssm.plamo2_keys,
+            summary="PLaMo 2: its own Mamba mixer (per-head dt, dt/B/C norms, no groups) or "
+            "fused-qkv attention with q/k norms; post-mixer and post-FFN norms",
+        ),
         #
         # --- issue 25: linear attention (keep this group's entries below this line) ---
         #

@@ -82,7 +82,8 @@ _AttentionArchitecture = Literal[
 #
 #: Issue 25, SSM state (Mamba layers; pure and hybrid).
 _SsmArchitecture = Literal[
-    "nemotron_h",
+    "nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe",
+    "plamo2",
 ]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
@@ -125,7 +126,8 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 # Issues 25 and 26: one tuple per group, each in its own block.
 #: Issue 25, SSM state (Mamba layers; pure and hybrid).
 SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
-    "nemotron_h",
+    "nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe",
+    "plamo2",
 )
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
@@ -575,6 +577,31 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # between a Mamba and an attention layer (2:) and after attention (3:). Mamba-2 mixers:
     # d_inner 2 n_embd in 8 heads of 16, 2 groups, d_state 16, conv width 4.
     "nemotron_h": lambda n: {**_tiny_mamba2(n), "layer_pattern": "MM*-", "ln_eps": 1e-5},
+    "nemotron_h_moe": lambda n: {
+        **_tiny_mamba2(n), **_tiny_moe(n), "layer_pattern": "MM*E", "ln_eps": 1e-5,
+        "n_ff_shexp": n, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+    "mamba2": _tiny_mamba2,
+    "falcon-h1": _tiny_mamba2,
+    # Mamba-1 mixers: dt rank 32 (a Q8_0 row), d_state 16, conv width 4.
+    "mamba": lambda n: {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n, "ssm_d_state": 16, "ssm_dt_rank": n // 2,
+    },
+    "jamba": lambda n: {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n, "ssm_d_state": 16, "ssm_dt_rank": n // 2,
+        "layer_pattern": "MM*M", "n_expert": 8, "n_expert_used": 2,
+    },
+    # Granite 4.0-H-Tiny's kind: experts of width n_ff (here n_embd / 2) plus a shared expert.
+    "granitehybrid": lambda n: {
+        **_tiny_mamba2(n), "layer_pattern": "MM*M", "n_ff": n // 2, "n_expert": 8,
+        "n_expert_used": 2, "n_ff_shexp": n, "embedding_scale": 12.0, "residual_scale": 0.22,
+        "attention_scale": 0.0078125, "logit_scale": 8.0,
+    },
+    # PLaMo 2's mixer: 8 heads over d_inner 2 n_embd, no groups (the loader wants group_count 0).
+    "plamo2": lambda n: {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n, "ssm_d_state": 16, "ssm_dt_rank": 8,
+        "layer_pattern": "MM*M",
+    },
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
