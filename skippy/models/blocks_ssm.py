@@ -288,7 +288,9 @@ def expansion_2(spec: "ModelSpec") -> str | None:
 
 
 def mamba2_shape(spec: "ModelSpec") -> str | None:
-    # heads (time_step_rank) and groups both divide d_inner
+    # heads (time_step_rank) and groups both divide d_inner (unset ones: `requires` says so)
+    if not (spec.ssm_dt_rank and spec.ssm_n_group):
+        return None
     if spec.ssm_d_inner % spec.ssm_dt_rank or spec.ssm_d_inner % spec.ssm_n_group:
         return (
             f"{spec.arch} needs ssm_d_inner ({spec.ssm_d_inner}) divisible by ssm_dt_rank "

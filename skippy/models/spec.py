@@ -805,6 +805,44 @@ def gpt_oss_20b_4l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
     )
 
 
+#: Nemotron-H-8B's 52 blocks (NVIDIA's hybrid_override_pattern): 24 Mamba-2, 4 attention, 24 MLP.
+NEMOTRON_H_8B_PATTERN: Final = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def nemotron_h_8b_8l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
+    """Nemotron-H-8B's block shapes with its first 8 of 52 layers (``M-M-M-M*``).
+
+    Each block is Nemotron-H-8B's (n_embd 4096; Mamba-2 with 128 heads of 64 = d_inner 8192,
+    8 groups, d_state 128, conv 4; attention 32 query / 8 KV heads of 128 without rope; squared-ReLU
+    MLP of 21504); with the 32000-token SPM vocab the file is about 1.3 GB in Q8_0. Each Mamba
+    layer keeps (3 * 10240 + 128 * 8192) * 4 bytes = 4.1 MiB of state per sequence. The whole
+    model is ``preset("nemotron-h-8b-8l", n_layer=52, layer_pattern=NEMOTRON_H_8B_PATTERN)``.
+    """
+    return ModelSpec(
+        arch="nemotron_h",
+        n_layer=8,
+        n_embd=4096,
+        n_ff=21504,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=False,
+        context_length=8192,
+        rms_eps=1e-5,
+        seed=seed,
+        name="skippy-nemotron-h-8b-8l-shape",
+        ln_eps=1e-5,
+        ssm_d_conv=4,
+        ssm_d_inner=8192,
+        ssm_d_state=128,
+        ssm_dt_rank=128,
+        ssm_n_group=8,
+        layer_pattern=NEMOTRON_H_8B_PATTERN[:8],
+    )
+
+
 #: Named presets; each is a zero-argument factory.
 PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
@@ -821,6 +859,8 @@ PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "gemma3-270m": gemma3_270m,
     "qwen3moe-30b-a3b-8e": qwen3moe_30b_a3b_8e,
     "gpt-oss-20b-4l": gpt_oss_20b_4l,
+    "nemotron-h-8b-8l": nemotron_h_8b_8l,
+    **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in SSM_ARCHITECTURES},
 }
 
 
