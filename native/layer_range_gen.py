@@ -70,7 +70,7 @@ SPLIT: tuple[str, ...] = (
 # Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
 #
 #: Issue 25, SSM state (Mamba layers; pure and hybrid): patch 0005 owns the state per range.
-SPLIT += ()
+SPLIT += ("nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe", "plamo2")
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 SPLIT += ()
@@ -139,6 +139,11 @@ REVIEWED: dict[str, dict[str, str]] = {
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
                "n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
+    # Nemotron-H (and its MoE variant, which builds the same graph): n_layer indexes the input of
+    # the layer after the last (cparams.embeddings_layer_inp / res->t_layer_inp), which only the
+    # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
+    "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
 }
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"

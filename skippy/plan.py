@@ -7,9 +7,13 @@ Strategy
   ``output_norm`` (or, with a tied head, a second copy of ``token_embd``) to the last stage; any
   other global tensor to every stage.  KV bytes per layer per cell are llama.cpp's f16 cache
   (``(n_embd_k_gqa + n_embd_v_gqa) * 2``; skippy runs with ``swa_full``, so every layer holds every
-  cell).
+  cell).  A model with Mamba layers (a ``blk.N.ssm_conv1d`` tensor) keeps, per such layer and per
+  sequence, llama.cpp's f32 recurrent state (``n_embd_r() + n_embd_s()``: the conv window
+  ``(d_conv - 1) * (d_inner + 2 * n_group * d_state)`` and the SSM state ``d_state * d_inner``),
+  and KV cells only in its layers with attention projections, of their own width.
 * **Memory of a stage** (:func:`stage_memory`): weights + KV (``ctx_size`` cells, shared by all
-  sessions) + llama.cpp's compute reserve + the stage process itself (interpreter, libraries and
+  sessions) + recurrent state (one slot per sequence id: the sessions and the prefix cache's
+  slots) + llama.cpp's compute reserve + the stage process itself (interpreter, libraries and
   the tokenizer tables llama.cpp builds on every stage, which grow with the vocabulary).  The compute reserve is
   llama.cpp's graph peak for one micro-batch without flash attention: the larger of the attention
   scores (``n_ubatch x ctx x n_head`` f32, plus the FFN and residual rows) and, on the last stage,
@@ -67,6 +71,10 @@ VOCAB_BYTES_PER_TOKEN: Final = 240
 _F32: Final = 4
 _F16: Final = 2
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
+_CONV = re.compile(r"^blk\.(\d+)\.ssm_conv1d\.weight$")
+_KV_PROJ = re.compile(r"^blk\.(\d+)\.attn_(k|v|qkv)\.weight$")
+#: StageConfig.cache_slots' default: the prefix cache's sequence ids beside the sessions'.
+CACHE_SLOTS: Final = 8
 _HEAD_TENSORS: Final = frozenset({"output.weight", "output.bias", "output_norm.weight", "output_norm.bias"})
 _EMBED_TENSORS: Final = frozenset({"token_embd.weight", "token_embd_norm.weight", "token_embd_norm.bias"})
 
@@ -181,6 +189,21 @@ class ModelShape:
     kv_groups: tuple[KvGroup, ...] = ()
     #: Per-layer token embeddings: every stage holds the token embeddings (see stage_memory).
     reads_tokens: bool = False
+    #: KV bytes per cell of each layer where they differ by layer (a hybrid's attention layers
+    #: only); empty: ``kv_bytes_per_cell_layer`` for every layer
+    kv_layer_bytes: tuple[int, ...] = ()
+    #: recurrent-state bytes per sequence of each layer (Mamba layers); empty: none
+    state_layer_bytes: tuple[int, ...] = ()
+
+    def kv_bytes_per_cell(self, start: int, end: int) -> int:
+        """KV bytes per cell of layers ``start:end``."""
+        if self.kv_layer_bytes:
+            return sum(self.kv_layer_bytes[start:end])
+        return self.kv_bytes_per_cell_layer * (end - start)
+
+    def state_bytes_per_sequence(self, start: int, end: int) -> int:
+        """Recurrent-state bytes per sequence of layers ``start:end``."""
+        return sum(self.state_layer_bytes[start:end])
 
     @classmethod
     def from_gguf(cls, path: str | Path) -> "ModelShape":
@@ -218,8 +241,16 @@ class ModelShape:
         embed = head = other = 0
         n_vocab = 0
         names = set()
+        recurrent: set[int] = set()
+        kv_width = [0] * n_layer  # K and V values per cell, from the projections' output widths
         for tensor in layout.tensors:
             names.add(tensor.name)
+            if (conv := _CONV.match(tensor.name)) and int(conv.group(1)) < n_layer:
+                recurrent.add(int(conv.group(1)))
+            if (proj := _KV_PROJ.match(tensor.name)) and int(proj.group(1)) < n_layer and len(tensor.dims) == 2:
+                # attn_qkv holds q too: n_head * head_k of its width
+                width = tensor.dims[1] - (n_head * head_k if proj.group(2) == "qkv" else 0)
+                kv_width[int(proj.group(1))] += width
             size = _tensor_bytes(tensor.dims, tensor.ggml_type)
             block = _BLOCK.match(tensor.name)
             if block:
@@ -245,6 +276,14 @@ class ModelShape:
         except ValueError as exc:
             raise PlanError(f"{file}: {exc}") from exc
         per_layer = meta.get(f"{arch}.embedding_length_per_layer_input")
+        kv_layers: tuple[int, ...] = ()
+        state_layers: tuple[int, ...] = ()
+        if recurrent:  # llama.cpp's n_embd_r() + n_embd_s(), f32, for each Mamba layer
+            d_conv, d_inner = number("ssm.conv_kernel"), number("ssm.inner_size")
+            d_state, n_group = number("ssm.state_size"), number("ssm.group_count", 0)
+            state = ((d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner) * _F32
+            state_layers = tuple(state if i in recurrent else 0 for i in range(n_layer))
+            kv_layers = tuple(width * _F16 for width in kv_width)
         return cls(
             path=file, architecture=arch, n_layer=n_layer, n_embd=n_embd,
             n_ff=n_ff if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 4 * n_embd,
@@ -252,6 +291,7 @@ class ModelShape:
             head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=n_head_kv * (head_k + head_v) * _F16,
             tied_head=tied, digest=header_digest(file, layout), kv_groups=groups,
             reads_tokens=isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0,
+            kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
         )
 
 
@@ -286,11 +326,12 @@ class StageMemory:
     overhead: int
     spill: int
     gpu: int  #: the part placed in GPU memory (weights of the layers, KV, compute) on a GPU host
+    state: int = 0  #: recurrent state of its Mamba layers, every sequence id's
 
     @property
     def resident(self) -> int:
         """Host memory the stage holds once its compute reserve is in use (spill tier empty)."""
-        return self.weights + self.kv + self.compute + self.overhead - self.gpu
+        return self.weights + self.kv + self.state + self.compute + self.overhead - self.gpu
 
     @property
     def peak(self) -> int:
@@ -308,7 +349,8 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     weights += shape.embed_bytes if embeds else 0
     if last:  # a tied head reads token_embd, which a stage that embeds holds once
         weights += shape.head_bytes - (shape.embed_bytes if embeds and shape.tied_head else 0)
-    kv = settings.ctx_size * shape.kv_bytes_per_cell_layer * (end - start)
+    kv = settings.ctx_size * shape.kv_bytes_per_cell(start, end)
+    state = sequence_ids(settings) * shape.state_bytes_per_sequence(start, end)
     ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch
     attention = ubatch * settings.ctx_size * shape.n_head * _F32
     rows = ubatch * (3 * shape.n_ff + 6 * shape.n_embd) * _F32
@@ -319,9 +361,15 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     spill = int(settings.cache_spill_mib * MIB) if settings.prefix_cache else 0
     on_gpu = 0
     if gpu:  # llama.cpp keeps the input embedding on the host; everything else of the range moves
-        on_gpu = weights - (shape.embed_bytes if embeds else 0) + kv + compute
+        on_gpu = weights - (shape.embed_bytes if embeds else 0) + kv + state + compute
     overhead = PROCESS_OVERHEAD_BYTES + VOCAB_BYTES_PER_TOKEN * shape.n_vocab
-    return StageMemory(weights, kv, compute, overhead, spill, on_gpu)
+    return StageMemory(weights, kv, compute, overhead, spill, on_gpu, state)
+
+
+def sequence_ids(settings: PlanSettings) -> int:
+    """llama.cpp sequences of a stage context: the sessions, plus the prefix cache's slots (a
+    recurrent memory holds one state slot per sequence)."""
+    return settings.max_sessions + (CACHE_SLOTS if settings.prefix_cache else 0)
 
 
 @final
@@ -384,7 +432,9 @@ class Plan:
             lines.append(
                 f"  stage {stage.index} on {where}: layers {stage.layers:>7}  "
                 f"memory {memory.resident / GIB:.2f} GiB (peak {memory.peak / GIB:.2f} {budget}; weights "
-                f"{memory.weights / MIB:.0f} MiB, KV {memory.kv / MIB:.0f} MiB, compute {memory.compute / MIB:.0f} MiB, "
+                f"{memory.weights / MIB:.0f} MiB, KV {memory.kv / MIB:.0f} MiB, "
+                + (f"state {memory.state / MIB:.0f} MiB, " if memory.state else "")
+                + f"compute {memory.compute / MIB:.0f} MiB, "
                 f"process {memory.overhead / MIB:.0f} MiB, spill {memory.spill / MIB:.0f} MiB){gpu}  "
                 f"decode {stage.decode_ms:.2f} ms/token{source}")
         slowest = max(self.stages, key=lambda s: s.decode_ms)
@@ -425,7 +475,7 @@ class Plan:
                     f"tls_key = {_quote(f'certs/stage-{stage.index}.key')}", f"tls_ca = {_quote('certs/ca.pem')}"]
             out += ["[stage.expected]",
                     f"memory_bytes = {memory.resident}", f"peak_bytes = {memory.peak}",
-                    f"weights_bytes = {memory.weights}", f"kv_bytes = {memory.kv}",
+                    f"weights_bytes = {memory.weights}", f"kv_bytes = {memory.kv}", f"state_bytes = {memory.state}",
                     f"compute_bytes = {memory.compute}", f"gpu_bytes = {memory.gpu}",
                     f"host_memory_bytes = {stage.host.memory}", f"host_gpu_memory_bytes = {stage.host.gpu_memory}",
                     f"decode_ms = {stage.decode_ms:.4f}", f"decode_source = {_quote(stage.decode_source)}"]

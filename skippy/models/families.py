@@ -36,6 +36,7 @@ from skippy.models import blocks_perlayer as bp
 from skippy.models import blocks_moe as bm
 from skippy.models import blocks_dense as dense
 from skippy.models import blocks_rules as br
+from skippy.models import blocks_ssm as ssm
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -93,6 +94,11 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "n_moe_layer_step": OptionalKey("interleave_moe_layer_step", GGUFValueType.UINT32),
     "clamp_kqv": OptionalKey("attention.clamp_kqv", GGUFValueType.FLOAT32),
     # --- issue 25: SSM (keep this group's entries below this line) ---
+    "ssm_d_conv": OptionalKey("ssm.conv_kernel", GGUFValueType.UINT32),
+    "ssm_d_inner": OptionalKey("ssm.inner_size", GGUFValueType.UINT32),
+    "ssm_d_state": OptionalKey("ssm.state_size", GGUFValueType.UINT32),
+    "ssm_dt_rank": OptionalKey("ssm.time_step_rank", GGUFValueType.UINT32),
+    "ssm_n_group": OptionalKey("ssm.group_count", GGUFValueType.UINT32),
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
@@ -123,7 +129,20 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "head_dim_swa": OptionalKey("attention.key_length_swa", GGUFValueType.UINT32),
 }
 
-#: A key computed from the spec rather than copied from one field: (suffix, value, type).
+#: Optional spec fields that no single key holds: a family's `derived_keys` write what they
+#: mean (a hybrid's layer pattern becomes per-layer head_count_kv / feed_forward_length arrays).
+#: Like `OPTIONAL_KEYS`, a family must permit one before a spec of it may set it.
+DERIVED_FIELDS: Final[frozenset[str]] = frozenset(
+    {
+        # --- issue 25: SSM (keep this group's entries below this line) ---
+        "layer_pattern",
+        #
+    }
+)
+
+#: A key computed from the spec rather than copied from one field: (suffix, value, type). It
+#: replaces a base key of the same suffix (a per-layer array instead of the scalar); a value of
+#: None leaves that base key out (a pure-SSM model has no attention keys).
 DerivedKey = tuple[str, object, GGUFValueType]
 
 _MOE: Final = frozenset({"n_expert", "n_expert_used", "n_ff_exp"})
@@ -148,12 +167,13 @@ class Family:
         permits: optional spec fields that may be set (``requires`` is implied).
         rules: further shape checks.
         summary: which real checkpoints the description follows.
-        derived_keys: keys computed from several fields (deepseek2's MLA key width).
         global_keys: derived keys that llama.cpp reads without the ``<arch>.`` prefix
             (Apertus's per-layer ``xielu.*`` constants).
         head_widths: ``attention.key_length`` and ``value_length`` where they are not the
             spec's `key_length` / `value_length` (PLM caches full per-head keys and values
             beside a low-rank KV projection).
+        derived_keys: keys computed from several fields (deepseek2's MLA key width, a hybrid's
+            per-layer head counts), replacing or leaving out base keys (see `DerivedKey`).
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
@@ -192,7 +212,7 @@ class Family:
         for name in sorted(self.requires):
             if not _is_set(getattr(spec, name)):
                 errors.append(f"{self.arch} needs {name}")
-        for name in sorted(set(OPTIONAL_KEYS) - self.allowed):
+        for name in sorted((set(OPTIONAL_KEYS) | DERIVED_FIELDS) - self.allowed):
             if _is_set(getattr(spec, name)):
                 errors.append(f"{name} does not apply to {self.arch}")
         for rule in self.rules:
@@ -640,6 +660,67 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Nemotron: LayerNorms with biases, squared-ReLU MLP, partial rope",
         ),
         # --- issue 25: SSM (keep this group's entries below this line) ---
+        Family(
+            "nemotron_h", _BOTH, ssm.nemotron_h,
+            requires=ssm.MAMBA2 | {"layer_pattern", "ln_eps"},
+            rules=(ssm.mamba2_shape, ssm.pattern("M*-")),
+            derived_keys=ssm.nemotron_h_keys,
+            summary="Nemotron-H: Mamba-2 (M), attention without rope (*) and squared-ReLU MLP "
+            "(-) blocks after one RMSNorm each, as layer_pattern lays them out",
+        ),
+        Family(
+            "mamba", _BOTH, ssm.mamba,
+            requires=ssm.MAMBA1, rules=(ssm.expansion_2,), derived_keys=ssm.pure_ssm_keys,
+            summary="Mamba (1): RMSNorm and a Mamba-1 mixer per layer, no attention",
+        ),
+        Family(
+            "mamba2", _BOTH, ssm.mamba2,
+            requires=ssm.MAMBA2, rules=(ssm.mamba2_shape,), derived_keys=ssm.pure_ssm_keys,
+            summary="Mamba-2 (Mamba-Codestral): RMSNorm and a Mamba-2 mixer (heads, groups, "
+            "gated grouped RMSNorm) per layer, no attention",
+        ),
+        Family(
+            "jamba", _BOTH, ssm.jamba,
+            requires=ssm.MAMBA1 | {"layer_pattern"},
+            permits=frozenset({"n_expert", "n_expert_used"}),
+            rules=(ssm.expansion_2, b.coupled_heads, b.experts, ssm.pattern("M*")),
+            derived_keys=ssm.hybrid_keys,
+            summary="Jamba: Mamba-1 (dt/B/C norms) or rope-less attention layers, experts of "
+            "width n_ff on every other layer",
+        ),
+        Family(
+            "falcon-h1", _BOTH, ssm.falcon_h1,
+            requires=ssm.MAMBA2, rules=(ssm.mamba2_shape,),
+            summary="Falcon-H1: attention and a Mamba-2 mixer in parallel in every layer, SwiGLU",
+        ),
+        Family(
+            "granitehybrid", _BOTH, ssm.granitehybrid,
+            requires=ssm.MAMBA2 | {"layer_pattern"},
+            permits=frozenset(
+                {"n_expert", "n_expert_used", "n_ff_shexp", "embedding_scale", "residual_scale",
+                 "attention_scale", "logit_scale"}
+            ),
+            rules=(ssm.expansion_2, ssm.mamba2_shape, b.experts, ssm.pattern("M*")),
+            derived_keys=ssm.hybrid_keys,
+            summary="Granite 4.0-H: Mamba-2 or attention layers, experts of width n_ff plus a "
+            "shared expert, granite's multipliers",
+        ),
+        Family(
+            "nemotron_h_moe", _BOTH, ssm.nemotron_h_moe,
+            requires=ssm.MAMBA2 | _MOE | {"layer_pattern", "ln_eps", "n_ff_shexp"},
+            permits=frozenset({"expert_weights_norm", "expert_weights_scale"}),
+            rules=(ssm.mamba2_shape, b.experts, ssm.pattern("M*E")),
+            derived_keys=ssm.nemotron_h_keys,
+            summary="Nemotron-H MoE (Nemotron 3 Nano): Nemotron-H's blocks with sigmoid-routed "
+            "squared-ReLU experts (E) and a shared expert",
+        ),
+        Family(
+            "plamo2", _BOTH, ssm.plamo2,
+            requires=ssm.MAMBA1 | {"layer_pattern"}, rules=(ssm.pattern("M*"),),
+            derived_keys=ssm.plamo2_keys,
+            summary="PLaMo 2: its own Mamba mixer (per-head dt, dt/B/C norms, no groups) or "
+            "fused-qkv attention with q/k norms; post-mixer and post-FFN norms",
+        ),
         #
         # --- issue 25: linear attention (keep this group's entries below this line) ---
         #

@@ -81,7 +81,10 @@ _AttentionArchitecture = Literal[
 # Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
 #
 #: Issue 25, SSM state (Mamba layers; pure and hybrid).
-_SsmArchitecture = Literal["llama"]
+_SsmArchitecture = Literal[
+    "nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe",
+    "plamo2",
+]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 _LinearAttentionArchitecture = Literal["llama"]
@@ -129,7 +132,10 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 )
 # Issues 25 and 26: one tuple per group, each in its own block.
 #: Issue 25, SSM state (Mamba layers; pure and hybrid).
-SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe",
+    "plamo2",
+)
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -268,6 +274,16 @@ class ModelSpec:
     n_moe_layer_step: int = 0
     clamp_kqv: float = 0.0
     # --- issue 25: SSM (keep this group's entries below this line) ---
+    # Mamba mixers: conv kernel width, inner width, state size per channel, dt rank (Mamba-2:
+    # the number of heads), groups of B/C (Mamba-2). layer_pattern lays out a hybrid, one
+    # character per layer: "M" Mamba, "*" attention, "-" dense MLP, "E" experts (see
+    # blocks_ssm.py); n_head / n_head_kv / n_ff describe its non-Mamba layers.
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_dt_rank: int = 0
+    ssm_n_group: int = 0
+    layer_pattern: str = ""
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
@@ -358,7 +374,8 @@ class ModelSpec:
                         f"Q8_0 rows must be a multiple of {Q8_0_BLOCK} values; {label} is {width}"
                     )
             block = family(self.arch).block
-            for layer in sorted({0, min(self.n_dense_lead, self.n_layer - 1)}):
+            # every layer: a hybrid's layers differ by kind, not only past the dense lead
+            for layer in range(self.n_layer):
                 for label, width in quantized_rows(block(self, layer)):
                     if width % Q8_0_BLOCK != 0:
                         raise ValueError(
@@ -530,6 +547,13 @@ def _tiny_moe(n_embd: int) -> dict[str, Any]:
     return {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": n_embd // 2}
 
 
+def _tiny_mamba2(n_embd: int) -> dict[str, Any]:
+    return {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n_embd, "ssm_d_state": 16, "ssm_dt_rank": 8,
+        "ssm_n_group": 2,
+    }
+
+
 _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "gemma2": lambda n: {
         "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
@@ -593,6 +617,35 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     },
     "nemotron": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 8},
     # --- issue 25: SSM (keep this group's entries below this line) ---
+    # Hybrids lay out 4 layers so that the test splits cut inside a run of Mamba layers (1:),
+    # between a Mamba and an attention layer (2:) and after attention (3:). Mamba-2 mixers:
+    # d_inner 2 n_embd in 8 heads of 16, 2 groups, d_state 16, conv width 4.
+    "nemotron_h": lambda n: {**_tiny_mamba2(n), "layer_pattern": "MM*-", "ln_eps": 1e-5},
+    "nemotron_h_moe": lambda n: {
+        **_tiny_mamba2(n), **_tiny_moe(n), "layer_pattern": "MM*E", "ln_eps": 1e-5,
+        "n_ff_shexp": n, "expert_weights_norm": True, "expert_weights_scale": 2.5,
+    },
+    "mamba2": _tiny_mamba2,
+    "falcon-h1": _tiny_mamba2,
+    # Mamba-1 mixers: dt rank 32 (a Q8_0 row), d_state 16, conv width 4.
+    "mamba": lambda n: {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n, "ssm_d_state": 16, "ssm_dt_rank": n // 2,
+    },
+    "jamba": lambda n: {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n, "ssm_d_state": 16, "ssm_dt_rank": n // 2,
+        "layer_pattern": "MM*M", "n_expert": 8, "n_expert_used": 2,
+    },
+    # Granite 4.0-H-Tiny's kind: experts of width n_ff (here n_embd / 2) plus a shared expert.
+    "granitehybrid": lambda n: {
+        **_tiny_mamba2(n), "layer_pattern": "MM*M", "n_ff": n // 2, "n_expert": 8,
+        "n_expert_used": 2, "n_ff_shexp": n, "embedding_scale": 12.0, "residual_scale": 0.22,
+        "attention_scale": 0.0078125, "logit_scale": 8.0,
+    },
+    # PLaMo 2's mixer: 8 heads over d_inner 2 n_embd, no groups (the loader wants group_count 0).
+    "plamo2": lambda n: {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n, "ssm_d_state": 16, "ssm_dt_rank": 8,
+        "layer_pattern": "MM*M",
+    },
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
@@ -900,6 +953,44 @@ def gpt_oss_20b_4l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
     )
 
 
+#: Nemotron-H-8B's 52 blocks (NVIDIA's hybrid_override_pattern): 24 Mamba-2, 4 attention, 24 MLP.
+NEMOTRON_H_8B_PATTERN: Final = "M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M*-M-M-M-M-M-"
+
+
+def nemotron_h_8b_8l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
+    """Nemotron-H-8B's block shapes with its first 8 of 52 layers (``M-M-M-M*``).
+
+    Each block is Nemotron-H-8B's (n_embd 4096; Mamba-2 with 128 heads of 64 = d_inner 8192,
+    8 groups, d_state 128, conv 4; attention 32 query / 8 KV heads of 128 without rope; squared-ReLU
+    MLP of 21504); with the 32000-token SPM vocab the file is about 1.3 GB in Q8_0. Each Mamba
+    layer keeps (3 * 10240 + 128 * 8192) * 4 bytes = 4.1 MiB of state per sequence. The whole
+    model is ``preset("nemotron-h-8b-8l", n_layer=52, layer_pattern=NEMOTRON_H_8B_PATTERN)``.
+    """
+    return ModelSpec(
+        arch="nemotron_h",
+        n_layer=8,
+        n_embd=4096,
+        n_ff=21504,
+        n_head=32,
+        n_head_kv=8,
+        head_dim=128,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=False,
+        context_length=8192,
+        rms_eps=1e-5,
+        seed=seed,
+        name="skippy-nemotron-h-8b-8l-shape",
+        ln_eps=1e-5,
+        ssm_d_conv=4,
+        ssm_d_inner=8192,
+        ssm_d_state=128,
+        ssm_dt_rank=128,
+        ssm_n_group=8,
+        layer_pattern=NEMOTRON_H_8B_PATTERN[:8],
+    )
+
+
 #: Named presets; each is a zero-argument factory.
 PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
@@ -916,6 +1007,8 @@ PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "gemma3-270m": gemma3_270m,
     "qwen3moe-30b-a3b-8e": qwen3moe_30b_a3b_8e,
     "gpt-oss-20b-4l": gpt_oss_20b_4l,
+    "nemotron-h-8b-8l": nemotron_h_8b_8l,
+    **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in SSM_ARCHITECTURES},
 }
 
 

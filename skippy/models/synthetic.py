@@ -6,7 +6,8 @@
 # - Metadata: the hparam keys every llama.cpp loader reads (block count, context, widths, head
 #   counts, key/value length, rope dimension and base, RMS epsilon, vocab size), then the
 #   family's own keys (experts, sliding window, soft-capping, multipliers, ...: one key per set
-#   optional spec field, see `family_keys`), file type, and all `tokenizer.*` keys copied
+#   optional spec field, see `family_keys`; a family's derived key of a base key's name, such
+#   as a hybrid's per-layer head_count_kv array, replaces it, or drops it when None), file type, and all `tokenizer.*` keys copied
 #   verbatim from a vocab-only GGUF of the llama.cpp tree (see `vocab_files.py`). The spec
 #   itself is stored as JSON under `skippy.synthetic.spec`, which llama.cpp ignores and which
 #   lets a tool tell what a file is.
@@ -88,6 +89,10 @@ _CHUNK_VALUES: Final = 1 << 24
 
 _NORM_LOW: Final = 0.6
 _NORM_HIGH: Final = 1.4
+#: A of the state-space families is uniform in [-1.0, -0.1]: with dt = softplus(...) near 0.7
+#: the state keeps 50-93% per token, so it carries over many tokens (and across a split).
+_DECAY_LOW: Final = 0.1
+_DECAY_HIGH: Final = 1.0
 _BIAS_STD: Final = 0.1
 
 
@@ -246,24 +251,28 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
     specific = family_keys(spec)
-    # A family key of the same name replaces a base one (per-layer head counts and widths).
+    # A family key of the same name replaces a base one (per-layer head counts and widths), or
+    # drops it when its value is None (a pure-SSM model has no attention keys).
     replaced = {key.removeprefix(f"{spec.arch}.") for key, _, _ in specific}
-    if "feed_forward_length" not in replaced:
-        writer.add_feed_forward_length(spec.n_ff)
-    if "attention.head_count" not in replaced:
-        writer.add_head_count(spec.n_head)
-    if "attention.head_count_kv" not in replaced:
-        writer.add_head_count_kv(spec.n_head_kv)
     widths = family(spec.arch).head_widths
     key_length, value_length = widths(spec) if widths else (spec.key_length, spec.value_length)
-    writer.add_key_length(key_length)
-    writer.add_value_length(value_length)
-    writer.add_rope_dimension_count(spec.n_rot)
-    writer.add_rope_freq_base(spec.rope_theta)
+    base: list[tuple[str, Callable[[], None]]] = [
+        ("feed_forward_length", lambda: writer.add_feed_forward_length(spec.n_ff)),
+        ("attention.head_count", lambda: writer.add_head_count(spec.n_head)),
+        ("attention.head_count_kv", lambda: writer.add_head_count_kv(spec.n_head_kv)),
+        ("attention.key_length", lambda: writer.add_key_length(key_length)),
+        ("attention.value_length", lambda: writer.add_value_length(value_length)),
+        ("rope.dimension_count", lambda: writer.add_rope_dimension_count(spec.n_rot)),
+        ("rope.freq_base", lambda: writer.add_rope_freq_base(spec.rope_theta)),
+    ]
+    for suffix, add in base:
+        if suffix not in replaced:
+            add()
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
     for key, value, value_type in specific:
-        writer.add_key_value(key, value, value_type)
+        if value is not None:
+            writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
 
 
@@ -298,6 +307,8 @@ def _make_tensor(spec: ModelSpec, plan: TensorPlan) -> npt.NDArray[np.generic]:
         return rng.standard_normal(size=plan.shape, dtype=np.float32) * np.float32(_BIAS_STD)
     if plan.kind == "sink":
         return rng.standard_normal(size=plan.shape, dtype=np.float32)
+    if plan.kind == "decay":
+        return -rng.uniform(_DECAY_LOW, _DECAY_HIGH, size=plan.shape).astype(np.float32)
     if plan.kind == "vector":
         scale = np.float32(1.0 / np.sqrt(plan.shape[-1]))
         return rng.standard_normal(size=plan.shape, dtype=np.float32) * scale
