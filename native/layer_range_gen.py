@@ -74,7 +74,7 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 25, RWKV and short-convolution families.
-SPLIT += ()
+SPLIT += ("lfm2",)
 #
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
 SPLIT += ()
@@ -97,6 +97,15 @@ INPUT_SCALE = (
     "inpL = ggml_scale(ctx0, inpL, sqrtf(n_embd));",
     "inpL = ggml_scale(ctx0, inpL, ubatch.token ? sqrtf(n_embd) : 1.0f); // skippy: token input only",
 )
+
+#: Generic edit: a LayerNorm of the token embeddings before the layer loop (RWKV's "ln0", stored as
+#: ``token_embd_norm`` and loaded with layer 0) belongs to the first stage: a later stage's input is
+#: hidden state.  Keyed on the stage, not on token input, so that a first stage given raw embeddings
+#: normalises them as the unsplit model does.
+INPUT_NORM = re.compile(
+    r"(?P<var>inpL) = (?P<norm>build_norm\((?P=var), model\.tok_norm, model\.tok_norm_b, LLM_NORM, -?\d+\));"
+)
+INPUT_NORM_NEW = r"\g<var> = il_start == 0 ? \g<norm> : \g<var>; // skippy: first stage only"
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -166,7 +175,12 @@ def read_archs(src: Path) -> list[Arch]:
     for arch in archs:
         arch.cls = factory.get(arch.enum)
         if arch.cls:
-            arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
+            owners = [arch.cls]
+            owner = graph_owner(src, arch.cls)
+            if owner is not None:
+                owners.append(owner)  # the graph is built by another class's code (lfm2moe: lfm2's)
+            arch.files = [name for name, body in sources.items()
+                          if any(re.search(rf"\b{cls}::", body) for cls in owners)]
     return archs
 
 
@@ -177,6 +191,17 @@ def no_kv_archs(src: Path) -> set[str]:
     body = text[start:]
     head = body[: body.index("res = nullptr;")]
     return set(re.findall(r"case (LLM_ARCH_\w+):", head))
+
+
+def graph_owner(src: Path, cls: str) -> str | None:
+    """The class whose graph ``cls`` reuses (``using graph = llama_model_X::graph...;``), if any."""
+    header = (src / "src" / "models" / "models.h").read_text()
+    start = re.search(rf"struct {cls}\b[^{{]*\{{", header)
+    if start is None:
+        return None
+    body = header[start.end():_match_brace(header, start.end() - 1)]
+    m = re.search(r"using graph = (llama_model_\w+)::graph\b", body)
+    return m.group(1) if m else None
 
 
 def base_class(src: Path, cls: str) -> str:
@@ -234,6 +259,32 @@ def main_graph_span(text: str) -> tuple[int, int]:
     return ctor.end(), end
 
 
+def carried_variable(prelude: str, body: str) -> str:
+    """The variable that carries the hidden state from layer to layer: ``inpL`` where the loop
+    ends with ``inpL = cur;``, or ``cur`` where the input embedding goes into ``cur`` and the graph
+    has no ``inpL`` at all (each layer then reads and rewrites ``cur``: lfm2)."""
+    loop_at = body.index(LOOP)
+    loop_body = body[body.index("{", loop_at):_match_brace(body, body.index("{", loop_at))]
+    if re.search(r"inpL\s*=\s*cur\s*;\s*$", loop_body):
+        return "inpL"
+    if re.search(r"\bcur = build_inp_embd\(model\.tok_embd\);", prelude) and not re.search(r"\binpL\b", body):
+        return "cur"
+    raise TransformError("the layer loop neither ends with `inpL = cur;` nor carries `cur` from the input embedding")
+
+
+def strip_lambdas(text: str) -> str:
+    """``text`` without the bodies of the lambdas it defines (helpers, not input transforms)."""
+    out = []
+    at = 0
+    for m in re.finditer(r"\[[^\]\n]*\]\s*\([^)]*\)\s*(->\s*[\w:<>* ]+)?\{", text):
+        if m.start() < at:
+            continue
+        out.append(text[at:m.end()])
+        at = _match_brace(text, m.end() - 1)
+    out.append(text[at:])
+    return "".join(out)
+
+
 def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     """Apply the rules to one model file; returns the new text and the lint findings."""
     start, end = main_graph_span(text)
@@ -244,8 +295,7 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
     loop_body = body[loop_open:loop_close]
-    if not re.search(r"inpL\s*=\s*cur\s*;\s*$", loop_body):
-        raise TransformError("the layer loop does not end with `inpL = cur;`")
+    carried = carried_variable(body[:loop_at], body)
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
     if body.count(LAST) < 1:
@@ -258,7 +308,7 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     indent = re.search(r"\n([ \t]*)[^\n]*$", body[:loop_at]).group(1)
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
-        f"{indent}if (build_stage_boundary(inpL)) {{\n{indent}    return;\n{indent}}}"
+        f"{indent}if (build_stage_boundary({carried})) {{\n{indent}    return;\n{indent}}}"
     )
     new_body = (
         body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
@@ -270,6 +320,7 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
     new_body = new_body.replace(INPUT_SCALE[0], INPUT_SCALE[1])
+    new_body = INPUT_NORM.sub(INPUT_NORM_NEW, new_body[:new_body.index(LOOP_NEW)]) + new_body[new_body.index(LOOP_NEW):]
     for old, new, count in ARCH_EDITS.get(arch.name, []):
         found = new_body.count(old)
         if found != count:
@@ -279,9 +330,11 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "").replace(INPUT_SCALE[1], "")
     # anything else done to the input between the embedding and the layer loop runs on every stage
-    prelude = new_body[: new_body.index(LOOP_NEW)].replace("inpL = build_inp_embd(model.tok_embd);", "")
+    prelude = strip_lambdas(new_body[: new_body.index(LOOP_NEW)])
+    prelude = re.sub(rf"(ggml_tensor \* )?{carried} = build_inp_embd\(model\.tok_embd\);", "", prelude)
     prelude = prelude.replace(INPUT_SCALE[1], "")
-    if re.search(r"\binpL\s*=", prelude) and "input op" not in REVIEWED.get(arch.name, {}):
+    prelude = re.sub(r"\binpL = il_start == 0 \? .*// skippy: first stage only", "", prelude)
+    if re.search(rf"\b{carried}\s*=", prelude) and "input op" not in REVIEWED.get(arch.name, {}):
         findings.append("transforms the input before the layer loop (it would run on every stage)")
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(arch.name, {}):
@@ -326,6 +379,9 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "per-layer token embeddings: every layer needs the input tokens"
         elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:
             arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
+        elif re.search(r"\bv_first\b", joined):
+            arch.reason = ("value residual: every layer mixes in the first layer's value projection "
+                           "(v_first), which only the first stage computes")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
@@ -404,9 +460,13 @@ def render_patch(src: Path, archs: list[Arch]) -> str:
         "last layer, and a stage that is not the last returns its pre-norm hidden state after the\n"
         "loop.  src/llama-stage-archs.inc tells the loader which architectures accept a range.\n\n"
     ]
-    for arch in sorted((a for a in archs if a.status == "splits"), key=lambda a: list(a.new_text)[0]):
+    edited: dict[str, str] = {}  # one hunk per file, whichever architectures share it (lfm2moe: lfm2's graph)
+    for arch in archs:
         for path, new_text in arch.new_text.items():
-            parts.append(unified(path, (src / path).read_text(), new_text))
+            if edited.setdefault(path, new_text) != new_text:
+                raise SystemExit(f"architectures sharing {path} edit it differently")
+    for path in sorted(edited):
+        parts.append(unified(path, (src / path).read_text(), edited[path]))
     parts.append(unified(INC_NAME, None, render_inc(archs)))
     return "".join(parts)
 

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_rwkv as rwkv
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -93,6 +94,12 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    "wkv_head_size": OptionalKey("wkv.head_size", GGUFValueType.UINT32),
+    "time_mix_extra_dim": OptionalKey("time_mix_extra_dim", GGUFValueType.UINT32),
+    "time_decay_extra_dim": OptionalKey("time_decay_extra_dim", GGUFValueType.UINT32),
+    "rescale_every_n_layers": OptionalKey("rescale_every_n_layers", GGUFValueType.UINT32),
+    "token_shift_count": OptionalKey("token_shift_count", GGUFValueType.UINT32),
+    "shortconv_l_cache": OptionalKey("shortconv.l_cache", GGUFValueType.UINT32),
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     #
@@ -103,6 +110,11 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #
 }
+
+#: Optional spec fields that are no key of their own but shape a per-layer one:
+#: ``recurrent_layers`` turns ``attention.head_count_kv`` into an array with 0 at those layers
+#: (llama.cpp's mark of a recurrent layer in a hybrid model).
+LAYER_FIELDS: Final = frozenset({"recurrent_layers"})
 
 #: A key computed from the spec rather than copied from one field: (suffix, value, type).
 DerivedKey = tuple[str, object, GGUFValueType]
@@ -132,6 +144,9 @@ class Family:
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
+        output_norm_name: the final norm's tensor name (LFM2 stores it as ``token_embd_norm``).
+        input_norm: a LayerNorm (weight and bias ``token_embd_norm``) of the token embeddings
+            before the first block (RWKV's ln0).
     """
 
     arch: str
@@ -145,6 +160,8 @@ class Family:
     output_norm_bias: bool = False
     output_norm: bool = True
     output_bias: bool = False
+    output_norm_name: str = "output_norm"
+    input_norm: bool = False
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -160,7 +177,7 @@ class Family:
         for name in sorted(self.requires):
             if not _is_set(getattr(spec, name)):
                 errors.append(f"{self.arch} needs {name}")
-        for name in sorted(set(OPTIONAL_KEYS) - self.allowed):
+        for name in sorted((set(OPTIONAL_KEYS) | LAYER_FIELDS) - self.allowed):
             if _is_set(getattr(spec, name)):
                 errors.append(f"{name} does not apply to {self.arch}")
         for rule in self.rules:
@@ -398,6 +415,13 @@ def _expert_width_is_n_ff(spec: "ModelSpec") -> str | None:
     return None
 
 
+def _one_token_shift(spec: "ModelSpec") -> str | None:
+    # rwkv6qwen2 keeps one shifted row per layer (its graph asserts n_embd_r == n_embd).
+    if spec.token_shift_count != 1:
+        return f"{spec.arch} needs token_shift_count == 1"
+    return None
+
+
 def _deepseek2_keys(spec: "ModelSpec") -> list[DerivedKey]:
     return [("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32)]
 
@@ -612,6 +636,31 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 25: linear attention (keep this group's entries below this line) ---
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+        Family(
+            "lfm2", _BOTH, rwkv.lfm2,
+            requires=frozenset({"shortconv_l_cache", "recurrent_layers"}),
+            rules=(b.coupled_heads, rwkv.hybrid_layers), output_norm_name="token_embd_norm",
+            summary="LFM2: gated short-convolution blocks (causal conv of l_cache taps) "
+            "interleaved with GQA attention blocks with per-head q/k norms, SwiGLU FFNs",
+        ),
+        Family(
+            "rwkv6", _UNTIED, rwkv.rwkv6,
+            requires=frozenset({"wkv_head_size", "time_mix_extra_dim", "time_decay_extra_dim", "ln_eps"}),
+            permits=frozenset({"rescale_every_n_layers"}),
+            rules=(rwkv.wkv_heads,), output_norm_bias=True, input_norm=True,
+            summary="RWKV-6 (Finch): LayerNorm of the embeddings, WKV-6 time mixing with "
+            "data-dependent token shift and decay, squared-ReLU channel mixing, halving of the "
+            "hidden state every n layers",
+        ),
+        Family(
+            "rwkv6qwen2", _UNTIED, rwkv.rwkv6qwen2,
+            requires=frozenset({"wkv_head_size", "time_mix_extra_dim", "time_decay_extra_dim",
+                                "token_shift_count"}),
+            permits=frozenset({"rescale_every_n_layers"}),
+            rules=(rwkv.wkv_heads, _one_token_shift),
+            summary="QRWKV-6 (rwkv6qwen2): Qwen2 blocks with RWKV-6 time mixing as gated linear "
+            "attention over GQA k/v (with biases) instead of softmax attention",
+        ),
         #
         # --- issue 26: dense (keep this group's entries below this line) ---
         #

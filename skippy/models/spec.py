@@ -87,7 +87,7 @@ _SsmArchitecture = Literal["llama"]
 _LinearAttentionArchitecture = Literal["llama"]
 #
 #: Issue 25, RWKV and short-convolution families.
-_RwkvConvArchitecture = Literal["llama"]
+_RwkvConvArchitecture = Literal["lfm2"]
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 _DenseArchitecture = Literal["llama"]
@@ -128,7 +128,7 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, RWKV and short-convolution families.
-RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2",)
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -256,6 +256,18 @@ class ModelSpec:
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    # wkv_head_size: RWKV head width (n_head * wkv_head_size == n_embd); time_mix_extra_dim,
+    # time_decay_extra_dim: RWKV-6's low-rank token-shift and decay widths;
+    # rescale_every_n_layers: RWKV-6 halves the hidden state after every n-th layer;
+    # token_shift_count: shifted rows kept per layer (QRWKV: 1); shortconv_l_cache: LFM2's conv
+    # taps; recurrent_layers: the layers of a hybrid without attention (head_count_kv 0 there).
+    wkv_head_size: int = 0
+    time_mix_extra_dim: int = 0
+    time_decay_extra_dim: int = 0
+    rescale_every_n_layers: int = 0
+    token_shift_count: int = 0
+    shortconv_l_cache: int = 0
+    recurrent_layers: tuple[int, ...] = ()
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     #
@@ -553,6 +565,20 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    # LFM2: conv, conv, attention, conv, so the tests' cuts fall inside the run of conv layers
+    # (at 1), between a conv and an attention layer (at 2) and after the attention one (at 3).
+    "lfm2": lambda n: {"shortconv_l_cache": 3, "recurrent_layers": (0, 1, 3)},
+    # RWKV-6: heads of 16, low-rank widths of a quarter / an eighth of n_embd, the hidden state
+    # halved after every 2nd layer (the real models: every 6th).
+    "rwkv6": lambda n: {
+        "n_head_kv": 4, "wkv_head_size": 16, "time_mix_extra_dim": n // 4,
+        "time_decay_extra_dim": n // 8, "rescale_every_n_layers": 2, "ln_eps": 1e-5,
+    },
+    # QRWKV-6: GQA k/v (2 of the 4 WKV heads), one token-shift row per layer.
+    "rwkv6qwen2": lambda n: {
+        "wkv_head_size": 16, "time_mix_extra_dim": n // 4, "time_decay_extra_dim": n // 8,
+        "token_shift_count": 1,
+    },
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     #

@@ -150,21 +150,22 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
             matrix_type,
         )
     ]
+    described = family(spec.arch)
+    if described.input_norm:  # RWKV's ln0, stored right after the embedding it normalises
+        for suffix, kind in (("weight", "norm"), ("bias", "bias")):
+            plans.append(
+                TensorPlan(_tensor_name(MODEL_TENSOR.TOKEN_EMBD_NORM, suffix), (spec.n_embd,), kind, f32)
+            )
     for layer in range(spec.n_layer):
         for decl in block(spec, layer):
             qtype = matrix_type if decl.quantized else f32
             plans.append(TensorPlan(decl.name, decl.shape, decl.kind, qtype))
-    described = family(spec.arch)
     if described.output_norm:
         plans.append(
-            TensorPlan(
-                _tensor_name(MODEL_TENSOR.OUTPUT_NORM, "weight"), (spec.n_embd,), "norm", f32
-            )
+            TensorPlan(f"{described.output_norm_name}.weight", (spec.n_embd,), "norm", f32)
         )
     if described.output_norm_bias:
-        plans.append(
-            TensorPlan(_tensor_name(MODEL_TENSOR.OUTPUT_NORM, "bias"), (spec.n_embd,), "bias", f32)
-        )
+        plans.append(TensorPlan(f"{described.output_norm_name}.bias", (spec.n_embd,), "bias", f32))
     if not spec.tied:
         plans.append(
             TensorPlan(
@@ -243,7 +244,13 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_embedding_length(spec.n_embd)
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
+    if spec.recurrent_layers:
+        # a hybrid: 0 KV heads marks a recurrent layer (see families.LAYER_FIELDS)
+        writer.add_head_count_kv(
+            [0 if il in spec.recurrent_layers else spec.n_head_kv for il in range(spec.n_layer)]
+        )
+    else:
+        writer.add_head_count_kv(spec.n_head_kv)
     writer.add_key_length(spec.key_length)
     writer.add_value_length(spec.value_length)
     writer.add_rope_dimension_count(spec.n_rot)
