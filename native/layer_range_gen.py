@@ -74,7 +74,7 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 25, RWKV and short-convolution families.
-SPLIT += ("lfm2",)
+SPLIT += ("lfm2", "rwkv6", "rwkv6qwen2")
 #
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
 SPLIT += ()
@@ -106,6 +106,11 @@ INPUT_NORM = re.compile(
     r"(?P<var>inpL) = (?P<norm>build_norm\((?P=var), model\.tok_norm, model\.tok_norm_b, LLM_NORM, -?\d+\));"
 )
 INPUT_NORM_NEW = r"\g<var> = il_start == 0 ? \g<norm> : \g<var>; // skippy: first stage only"
+
+#: Generic edit to a loader: an assertion that each layer has one of two tensors (RWKV-6: fused or
+#: separate lerps) holds for the stage's own layers only; the others' tensors are never created.
+LOADER_EITHER = re.compile(r"GGML_ASSERT\(!\((layer\.\w+ == NULL && layer\.\w+ == NULL)\)\);")
+LOADER_EITHER_NEW = r"GGML_ASSERT(!hparams.in_stage(i) || !(\1)); // skippy: other stages' layers are not loaded"
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -341,7 +346,8 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
             findings.append(f"uses {label} outside the layer loop")
     if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
         findings.append("guards on embedding input")
-    return text[:start] + new_body + text[end:], findings
+    outside = (LOADER_EITHER.sub(LOADER_EITHER_NEW, part) for part in (text[:start], text[end:]))
+    return next(outside) + new_body + next(outside), findings
 
 
 # --- classification -----------------------------------------------------------------------------

@@ -87,7 +87,7 @@ _SsmArchitecture = Literal["llama"]
 _LinearAttentionArchitecture = Literal["llama"]
 #
 #: Issue 25, RWKV and short-convolution families.
-_RwkvConvArchitecture = Literal["lfm2"]
+_RwkvConvArchitecture = Literal["lfm2", "rwkv6", "rwkv6qwen2"]
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 _DenseArchitecture = Literal["llama"]
@@ -128,7 +128,7 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, RWKV and short-convolution families.
-RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2",)
+RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2", "rwkv6", "rwkv6qwen2")
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
