@@ -74,7 +74,7 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 25, RWKV and short-convolution families.
-SPLIT += ("lfm2", "rwkv6", "rwkv6qwen2")
+SPLIT += ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
 #
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
 SPLIT += ()

@@ -18,7 +18,7 @@ from skippy.models.blocks import TensorDecl
 if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
-__all__ = ["hybrid_layers", "lfm2", "rwkv6", "rwkv6qwen2", "wkv_heads"]
+__all__ = ["hybrid_layers", "lfm2", "lfm2moe", "rwkv6", "rwkv6qwen2", "wkv_heads"]
 
 
 def _f32(layer: int, name: str, *shape: int) -> TensorDecl:
@@ -90,21 +90,32 @@ def rwkv6qwen2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     ]
 
 
-def lfm2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    # LFM2: an "operator norm", then either a gated short convolution (in_proj to b, c, x; a
-    # depthwise causal conv of l_cache taps over b*x; c times that; out_proj) or GQA attention
-    # with per-head q/k norms; then the SwiGLU FFN.
+def _lfm2_mixer(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # An "operator norm", then either a gated short convolution (in_proj to b, c, x; a depthwise
+    # causal conv of l_cache taps over b*x; c times that; out_proj) or GQA attention with
+    # per-head q/k norms.
     e = spec.n_embd
-    if layer in spec.recurrent_layers:
-        mixer = [
-            b.norm(layer, "attn_norm", e),
-            _f32(layer, "shortconv.conv", e, spec.shortconv_l_cache),
-            b.matrix(layer, "shortconv.in_proj", 3 * e, e),
-            b.matrix(layer, "shortconv.out_proj", e, e),
-        ]
-    else:
-        mixer = b.attention(spec, layer, qk_norm="head")
-    return mixer + b.dense_ffn(spec, layer)
+    if layer not in spec.recurrent_layers:
+        return b.attention(spec, layer, qk_norm="head")
+    return [
+        b.norm(layer, "attn_norm", e),
+        _f32(layer, "shortconv.conv", e, spec.shortconv_l_cache),
+        b.matrix(layer, "shortconv.in_proj", 3 * e, e),
+        b.matrix(layer, "shortconv.out_proj", e, e),
+    ]
+
+
+def lfm2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # LFM2: the mixer, then a SwiGLU FFN.
+    return _lfm2_mixer(spec, layer) + b.dense_ffn(spec, layer)
+
+
+def lfm2moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # LFM2-MoE (8B-A1B): the mixer, then a dense FFN for the leading n_dense_lead blocks and
+    # sigmoid-routed experts with a selection bias (renormalised top-k) for the others.
+    if layer < spec.n_dense_lead:
+        return _lfm2_mixer(spec, layer) + b.dense_ffn(spec, layer)
+    return _lfm2_mixer(spec, layer) + b.moe_ffn(spec, layer, selection_bias=True)
 
 
 # --- rules ---------------------------------------------------------------------------------

@@ -644,6 +644,15 @@ FAMILIES: Final[dict[str, Family]] = {
             "interleaved with GQA attention blocks with per-head q/k norms, SwiGLU FFNs",
         ),
         Family(
+            "lfm2moe", _BOTH, rwkv.lfm2moe,
+            requires=_MOE | {"shortconv_l_cache", "recurrent_layers", "expert_gating"},
+            permits=frozenset({"n_dense_lead"}),
+            rules=(b.coupled_heads, rwkv.hybrid_layers, b.experts, b.dense_lead_below_n_layer),
+            output_norm_name="token_embd_norm",
+            summary="LFM2-MoE (8B-A1B): LFM2's conv / attention mixers, leading dense blocks, then "
+            "sigmoid-routed experts with a selection bias",
+        ),
+        Family(
             "rwkv6", _UNTIED, rwkv.rwkv6,
             requires=frozenset({"wkv_head_size", "time_mix_extra_dim", "time_decay_extra_dim", "ln_eps"}),
             permits=frozenset({"rescale_every_n_layers"}),

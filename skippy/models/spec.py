@@ -87,7 +87,7 @@ _SsmArchitecture = Literal["llama"]
 _LinearAttentionArchitecture = Literal["llama"]
 #
 #: Issue 25, RWKV and short-convolution families.
-_RwkvConvArchitecture = Literal["lfm2", "rwkv6", "rwkv6qwen2"]
+_RwkvConvArchitecture = Literal["lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe"]
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 _DenseArchitecture = Literal["llama"]
@@ -128,7 +128,7 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, RWKV and short-convolution families.
-RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2", "rwkv6", "rwkv6qwen2")
+RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -568,6 +568,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # LFM2: conv, conv, attention, conv, so the tests' cuts fall inside the run of conv layers
     # (at 1), between a conv and an attention layer (at 2) and after the attention one (at 3).
     "lfm2": lambda n: {"shortconv_l_cache": 3, "recurrent_layers": (0, 1, 3)},
+    # LFM2-MoE: the same layer kinds; block 0 dense, then top-2 of 8 sigmoid-routed experts.
+    "lfm2moe": lambda n: {
+        **_tiny_moe(n), "shortconv_l_cache": 3, "recurrent_layers": (0, 1, 3), "n_dense_lead": 1,
+        "expert_gating": 2,
+    },
     # RWKV-6: heads of 16, low-rank widths of a quarter / an eighth of n_embd, the hidden state
     # halved after every 2nd layer (the real models: every 6th).
     "rwkv6": lambda n: {
