@@ -387,7 +387,8 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
         elif re.search(r"\bv_first\b", joined):
             arch.reason = ("value residual: every layer mixes in the first layer's value projection "
-                           "(v_first), which only the first stage computes")
+                           "(v_first), which only the first stage computes; a later stage would need it "
+                           "beside the hidden state (the protocol's RWKV7 v_first sideband, not served)")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:

@@ -17,6 +17,7 @@ from chain_helpers import InProcessChain
 from test_arch_exactness import LONG_PROMPT, THREADS
 
 from skippy.models import ensure_model, tiny
+from skippy.models.spec import ModelSpec
 from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
 
 #: Two prompts of different lengths (the second is the first 12 tokens of the first, shifted).
@@ -24,7 +25,7 @@ PROMPTS = (LONG_PROMPT, [t + 7 for t in LONG_PROMPT[:12]])
 
 
 @functools.lru_cache(maxsize=None)
-def _spec(arch: str):  # type: ignore[no-untyped-def]
+def _spec(arch: str) -> ModelSpec:
     return tiny(arch)  # type: ignore[arg-type]
 
 
