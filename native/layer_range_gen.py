@@ -76,7 +76,7 @@ SPLIT += ("nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid"
 SPLIT += ()
 #
 #: Issue 25, RWKV and short-convolution families.
-SPLIT += ()
+SPLIT += ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
 #
 #: Issue 26, dense families the layer-loop rules already covered (writers and exactness added).
 SPLIT += (
@@ -105,6 +105,11 @@ ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
 #: embedding; a later stage's input is hidden state that already went through it (and the
 #: transform's own tensors, LLM_TENSOR_LAYER_INPUT, are loaded on the first stage only).
 STAGE_FIRST = "if (il_start == 0) { // skippy: the input transform runs on the first stage only"
+
+#: Generic edit to a loader: an assertion that each layer has one of two tensors (RWKV-6: fused or
+#: separate lerps) holds for the stage's own layers only; the others' tensors are never created.
+LOADER_EITHER = re.compile(r"GGML_ASSERT\(!\((layer\.\w+ == NULL && layer\.\w+ == NULL)\)\);")
+LOADER_EITHER_NEW = r"GGML_ASSERT(!hparams.in_stage(i) || !(\1)); // skippy: other stages' layers are not loaded"
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -334,6 +339,18 @@ def _statements(text: str) -> list[tuple[int, int]]:
     return spans
 
 
+def carried_variable(prelude: str, body: str, loop_body: str) -> str:
+    """The variable that carries the hidden state from layer to layer: ``inpL`` where the loop
+    ends by assigning it, or ``cur`` where the input embedding goes into ``cur`` and the graph
+    has no ``inpL`` at all (each layer then reads and rewrites ``cur``: lfm2)."""
+    if ends_assigning(loop_body, "inpL"):
+        return "inpL"
+    if re.search(r"\bcur = build_inp_embd\(model\.tok_embd\);", prelude) and not re.search(r"\binpL\b", body):
+        return "cur"
+    raise TransformError("the layer loop does not end by assigning `inpL` on every path (nor carries `cur` "
+                         "from the input embedding)")
+
+
 def ends_assigning(block: str, var: str) -> bool:
     """Whether every path through ``block`` (a brace block's inner text) ends by assigning
     ``var``: its last statement other than observers (``cb``, ``ggml_build_forward_expand``)
@@ -478,8 +495,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     loop_at = body.index(LOOP)
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
-    if not ends_assigning(body[loop_open + 1:loop_close], "inpL"):
-        raise TransformError("the layer loop does not end by assigning `inpL` on every path")
+    carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
     if body.count(LAST) < 1:
@@ -492,7 +508,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     indent = re.search(r"\n([ \t]*)[^\n]*$", body[:loop_at]).group(1)
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
-        f"{indent}if (build_stage_boundary(inpL)) {{\n{indent}    return;\n{indent}}}"
+        f"{indent}if (build_stage_boundary({carried})) {{\n{indent}    return;\n{indent}}}"
     )
     new_body = (
         body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
@@ -526,7 +542,8 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             findings.append(f"uses {label} outside the layer loop")
     if guards and name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(name, {}):
         findings.append("guards on embedding input")
-    return text[:start] + new_body + text[end:], findings
+    outside = (LOADER_EITHER.sub(LOADER_EITHER_NEW, part) for part in (text[:start], text[end:]))
+    return next(outside) + new_body + next(outside), findings
 
 
 # --- classification -----------------------------------------------------------------------------
@@ -582,6 +599,10 @@ def classify(src: Path, archs: list[Arch]) -> None:
         )) and "template <bool embed>" in joined:
             arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
                            "a KV cache, no LM head), no causal generation")
+        elif re.search(r"\bv_first\b", joined):
+            arch.reason = ("value residual: every layer mixes in the first layer's value projection "
+                           "(v_first), which only the first stage computes; a later stage would need it "
+                           "beside the hidden state (the protocol's RWKV7 v_first sideband, not served)")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:

@@ -37,6 +37,7 @@ from skippy.models import blocks_moe as bm
 from skippy.models import blocks_dense as dense
 from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
+from skippy.models import blocks_rwkv as rwkv
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -103,6 +104,12 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    "wkv_head_size": OptionalKey("wkv.head_size", GGUFValueType.UINT32),
+    "time_mix_extra_dim": OptionalKey("time_mix_extra_dim", GGUFValueType.UINT32),
+    "time_decay_extra_dim": OptionalKey("time_decay_extra_dim", GGUFValueType.UINT32),
+    "rescale_every_n_layers": OptionalKey("rescale_every_n_layers", GGUFValueType.UINT32),
+    "token_shift_count": OptionalKey("token_shift_count", GGUFValueType.UINT32),
+    "shortconv_l_cache": OptionalKey("shortconv.l_cache", GGUFValueType.UINT32),
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
@@ -137,6 +144,10 @@ DERIVED_FIELDS: Final[frozenset[str]] = frozenset(
         # --- issue 25: SSM (keep this group's entries below this line) ---
         "layer_pattern",
         #
+        # --- issue 25: RWKV / short conv ---
+        # ``recurrent_layers`` turns ``attention.head_count_kv`` into an array with 0 at those
+        # layers (llama.cpp's mark of a recurrent layer in a hybrid model)
+        "recurrent_layers",
     }
 )
 
@@ -181,6 +192,7 @@ class Family:
             the vocabulary size): Gemma 4's per-layer token embeddings and rope frequencies, a
             learned position embedding or an input LayerNorm (GPT-2, BLOOM; loaded by the first
             stage only).
+        output_norm_name: the final norm's tensor name (LFM2 stores it as ``token_embd_norm``).
     """
 
     arch: str
@@ -197,6 +209,7 @@ class Family:
     output_norm: bool = True
     output_bias: bool = False
     inputs: Callable[["ModelSpec", int], list[TensorDecl]] | None = None
+    output_norm_name: str = "output_norm"
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -447,6 +460,13 @@ def _every_block_after_the_lead_is_moe(spec: "ModelSpec") -> str | None:
 def _expert_width_is_n_ff(spec: "ModelSpec") -> str | None:
     if spec.n_ff_exp != spec.n_ff:
         return f"{spec.arch} sizes its experts by n_ff: needs n_ff_exp == n_ff"
+    return None
+
+
+def _one_token_shift(spec: "ModelSpec") -> str | None:
+    # rwkv6qwen2 keeps one shifted row per layer (its graph asserts n_embd_r == n_embd).
+    if spec.token_shift_count != 1:
+        return f"{spec.arch} needs token_shift_count == 1"
     return None
 
 
@@ -725,6 +745,40 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 25: linear attention (keep this group's entries below this line) ---
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+        Family(
+            "lfm2", _BOTH, rwkv.lfm2,
+            requires=frozenset({"shortconv_l_cache", "recurrent_layers"}),
+            rules=(b.coupled_heads, rwkv.hybrid_layers), output_norm_name="token_embd_norm",
+            summary="LFM2: gated short-convolution blocks (causal conv of l_cache taps) "
+            "interleaved with GQA attention blocks with per-head q/k norms, SwiGLU FFNs",
+        ),
+        Family(
+            "lfm2moe", _BOTH, rwkv.lfm2moe,
+            requires=_MOE | {"shortconv_l_cache", "recurrent_layers", "expert_gating"},
+            permits=frozenset({"n_dense_lead"}),
+            rules=(b.coupled_heads, rwkv.hybrid_layers, b.experts, b.dense_lead_below_n_layer),
+            output_norm_name="token_embd_norm",
+            summary="LFM2-MoE (8B-A1B): LFM2's conv / attention mixers, leading dense blocks, then "
+            "sigmoid-routed experts with a selection bias",
+        ),
+        Family(
+            "rwkv6", _UNTIED, rwkv.rwkv6,
+            requires=frozenset({"wkv_head_size", "time_mix_extra_dim", "time_decay_extra_dim", "ln_eps"}),
+            permits=frozenset({"rescale_every_n_layers"}),
+            rules=(rwkv.wkv_heads,), output_norm_bias=True, inputs=br.input_layer_norm,
+            summary="RWKV-6 (Finch): LayerNorm of the embeddings, WKV-6 time mixing with "
+            "data-dependent token shift and decay, squared-ReLU channel mixing, halving of the "
+            "hidden state every n layers",
+        ),
+        Family(
+            "rwkv6qwen2", _UNTIED, rwkv.rwkv6qwen2,
+            requires=frozenset({"wkv_head_size", "time_mix_extra_dim", "time_decay_extra_dim",
+                                "token_shift_count"}),
+            permits=frozenset({"rescale_every_n_layers"}),
+            rules=(rwkv.wkv_heads, _one_token_shift),
+            summary="QRWKV-6 (rwkv6qwen2): Qwen2 blocks with RWKV-6 time mixing as gated linear "
+            "attention over GQA k/v (with biases) instead of softmax attention",
+        ),
         #
         # --- issue 26: dense (keep this group's entries below this line) ---
         #

@@ -90,7 +90,7 @@ _SsmArchitecture = Literal[
 _LinearAttentionArchitecture = Literal["llama"]
 #
 #: Issue 25, RWKV and short-convolution families.
-_RwkvConvArchitecture = Literal["llama"]
+_RwkvConvArchitecture = Literal["lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe"]
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 _DenseArchitecture = Literal[
@@ -141,7 +141,7 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, RWKV and short-convolution families.
-RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
 #
 #: Issue 26, dense families the layer-loop rules already covered.
 DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_DenseArchitecture)
@@ -288,6 +288,18 @@ class ModelSpec:
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    # wkv_head_size: RWKV head width (n_head * wkv_head_size == n_embd); time_mix_extra_dim,
+    # time_decay_extra_dim: RWKV-6's low-rank token-shift and decay widths;
+    # rescale_every_n_layers: RWKV-6 halves the hidden state after every n-th layer;
+    # token_shift_count: shifted rows kept per layer (QRWKV: 1); shortconv_l_cache: LFM2's conv
+    # taps; recurrent_layers: the layers of a hybrid without attention (head_count_kv 0 there).
+    wkv_head_size: int = 0
+    time_mix_extra_dim: int = 0
+    time_decay_extra_dim: int = 0
+    rescale_every_n_layers: int = 0
+    token_shift_count: int = 0
+    shortconv_l_cache: int = 0
+    recurrent_layers: tuple[int, ...] = ()
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     max_alibi_bias: float = 0.0
@@ -650,6 +662,25 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
+    # LFM2: conv, conv, attention, conv, so the tests' cuts fall inside the run of conv layers
+    # (at 1), between a conv and an attention layer (at 2) and after the attention one (at 3).
+    "lfm2": lambda n: {"shortconv_l_cache": 3, "recurrent_layers": (0, 1, 3)},
+    # LFM2-MoE: the same layer kinds; block 0 dense, then top-2 of 8 sigmoid-routed experts.
+    "lfm2moe": lambda n: {
+        **_tiny_moe(n), "shortconv_l_cache": 3, "recurrent_layers": (0, 1, 3), "n_dense_lead": 1,
+        "expert_gating": 2,
+    },
+    # RWKV-6: heads of 16, low-rank widths of a quarter / an eighth of n_embd, the hidden state
+    # halved after every 2nd layer (the real models: every 6th).
+    "rwkv6": lambda n: {
+        "n_head_kv": 4, "wkv_head_size": 16, "time_mix_extra_dim": n // 4,
+        "time_decay_extra_dim": n // 8, "rescale_every_n_layers": 2, "ln_eps": 1e-5,
+    },
+    # QRWKV-6: GQA k/v (2 of the 4 WKV heads), one token-shift row per layer.
+    "rwkv6qwen2": lambda n: {
+        "wkv_head_size": 16, "time_mix_extra_dim": n // 4, "time_decay_extra_dim": n // 8,
+        "token_shift_count": 1,
+    },
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
     # LayerNorm families; Jais's ALiBi at its real maximum bias; half-width rope for chatglm;

@@ -159,21 +159,17 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
     inputs = family(spec.arch).inputs
     for decl in inputs(spec, n_vocab) if inputs is not None else []:
         plans.append(TensorPlan(decl.name, decl.shape, decl.kind, matrix_type if decl.quantized else f32))
+    described = family(spec.arch)
     for layer in range(spec.n_layer):
         for decl in block(spec, layer):
             qtype = matrix_type if decl.quantized else f32
             plans.append(TensorPlan(decl.name, decl.shape, decl.kind, qtype))
-    described = family(spec.arch)
     if described.output_norm:
         plans.append(
-            TensorPlan(
-                _tensor_name(MODEL_TENSOR.OUTPUT_NORM, "weight"), (spec.n_embd,), "norm", f32
-            )
+            TensorPlan(f"{described.output_norm_name}.weight", (spec.n_embd,), "norm", f32)
         )
     if described.output_norm_bias:
-        plans.append(
-            TensorPlan(_tensor_name(MODEL_TENSOR.OUTPUT_NORM, "bias"), (spec.n_embd,), "bias", f32)
-        )
+        plans.append(TensorPlan(f"{described.output_norm_name}.bias", (spec.n_embd,), "bias", f32))
     if not spec.tied:
         plans.append(
             TensorPlan(
@@ -259,7 +255,10 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     base: list[tuple[str, Callable[[], None]]] = [
         ("feed_forward_length", lambda: writer.add_feed_forward_length(spec.n_ff)),
         ("attention.head_count", lambda: writer.add_head_count(spec.n_head)),
-        ("attention.head_count_kv", lambda: writer.add_head_count_kv(spec.n_head_kv)),
+        # a hybrid's recurrent layers (recurrent_layers) have 0 KV heads: llama.cpp's mark of them
+        ("attention.head_count_kv", lambda: writer.add_head_count_kv(
+            [0 if il in spec.recurrent_layers else spec.n_head_kv for il in range(spec.n_layer)]
+            if spec.recurrent_layers else spec.n_head_kv)),
         ("attention.key_length", lambda: writer.add_key_length(key_length)),
         ("attention.value_length", lambda: writer.add_value_length(value_length)),
         ("rope.dimension_count", lambda: writer.add_rope_dimension_count(spec.n_rot)),
