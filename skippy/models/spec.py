@@ -84,7 +84,7 @@ _AttentionArchitecture = Literal[
 _SsmArchitecture = Literal["llama"]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-_LinearAttentionArchitecture = Literal["llama"]
+_LinearAttentionArchitecture = Literal["qwen35"]
 #
 #: Issue 25, RWKV and short-convolution families.
 _RwkvConvArchitecture = Literal["llama"]
@@ -125,7 +125,7 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("qwen35",)
 #
 #: Issue 25, RWKV and short-convolution families.
 RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -254,6 +254,17 @@ class ModelSpec:
     # --- issue 25: SSM (keep this group's entries below this line) ---
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    # Gated delta-net layers (names of the Hugging Face configs of Qwen3-Next / Qwen3.5):
+    # linear_conv_kernel: the causal conv's width (``ssm.conv_kernel``); linear_key_head_dim:
+    # the key (and value) head width (``ssm.state_size``); linear_num_key_heads /
+    # linear_num_value_heads: ``ssm.group_count`` / ``ssm.time_step_rank`` (``ssm.inner_size``
+    # is derived); full_attention_interval: every n-th layer is full attention, the others
+    # delta-net.
+    linear_conv_kernel: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    full_attention_interval: int = 0
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
@@ -551,6 +562,15 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 25: SSM (keep this group's entries below this line) ---
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    # Qwen3.5: delta-net layers with full attention every 3rd (R R A R: the splits cut inside
+    # a delta-net run, between delta-net and attention, and after attention); gated q with a
+    # decoupled head width of 32, a quarter of each head rotated; 2 key heads repeated over 4
+    # value heads of 16.
+    "qwen35": lambda n: {
+        "head_dim": n // 2, "rope_dim": n // 8, "linear_conv_kernel": 4,
+        "linear_key_head_dim": n // 4, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "full_attention_interval": 3,
+    },
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
