@@ -8,7 +8,7 @@
 # which layers are recurrent.
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Any, Final
 
 from gguf import GGUFValueType
 
@@ -24,8 +24,12 @@ __all__ = [
     "every_layer_quantizes",
     "mrope_sections",
     "is_recurrent",
+    "delta_net_keys",
     "qwen35",
     "qwen35_keys",
+    "qwen35moe",
+    "qwen3next",
+    "tiny_delta_net",
 ]
 
 #: The spec fields every gated delta-net family needs.
@@ -48,22 +52,26 @@ def _delta_net_widths(spec: "ModelSpec") -> tuple[int, int]:
     return head * spec.linear_num_key_heads, head * spec.linear_num_value_heads
 
 
-def gated_delta_net(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+def gated_delta_net(spec: "ModelSpec", layer: int, *, fused_ba: bool = False) -> list[TensorDecl]:
     """The delta-net mixer of Qwen3-Next / Qwen3.5 (without its input norm): fused q/k/v
     ``attn_qkv``, the output gate ``attn_gate`` (z), the causal conv over q/k/v (F32), the
-    per-head dt bias and decay ``ssm_a``, the beta and alpha (decay input) projections, the
-    gated output norm (one head wide) and ``ssm_out``."""
+    per-head dt bias and decay ``ssm_a``, the beta and alpha (decay input) projections (Qwen3-Next
+    fuses them in ``ssm_ba``), the gated output norm (one head wide) and ``ssm_out``."""
     key, value = _delta_net_widths(spec)
     heads_v = spec.linear_num_value_heads
     conv = 2 * key + value
-    return [
+    out = [
         b.matrix(layer, "attn_qkv", conv, spec.n_embd),
         b.matrix(layer, "attn_gate", value, spec.n_embd),
         TensorDecl(b.blk(layer, "ssm_conv1d"), (conv, spec.linear_conv_kernel), "matrix", False),
         b.bias(layer, "ssm_dt", heads_v),
         TensorDecl(f"blk.{layer}.ssm_a", (heads_v,), "decay", False),
-        b.matrix(layer, "ssm_beta", heads_v, spec.n_embd),
-        b.matrix(layer, "ssm_alpha", heads_v, spec.n_embd),
+    ]
+    if fused_ba:
+        out.append(b.matrix(layer, "ssm_ba", 2 * heads_v, spec.n_embd))
+    else:
+        out += [b.matrix(layer, "ssm_beta", heads_v, spec.n_embd), b.matrix(layer, "ssm_alpha", heads_v, spec.n_embd)]
+    return out + [
         b.norm(layer, "ssm_norm", spec.linear_key_head_dim),
         b.matrix(layer, "ssm_out", spec.n_embd, value),
     ]
@@ -82,25 +90,55 @@ def gated_attention(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     ]
 
 
-def qwen35(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    # Qwen3.5 (dense): attn_norm, post_attention_norm (the FFN's input norm), the layer's mixer
-    # (delta-net or gated attention), SwiGLU.
+def _hybrid(spec: "ModelSpec", layer: int, *, fused_ba: bool = False) -> list[TensorDecl]:
+    # The Qwen3-Next family's block head: attn_norm, post_attention_norm (the FFN's input
+    # norm), then the layer's mixer (delta-net or gated attention).
     out = [b.norm(layer, "attn_norm", spec.n_embd), b.norm(layer, "post_attention_norm", spec.n_embd)]
-    out += gated_delta_net(spec, layer) if is_recurrent(spec, layer) else gated_attention(spec, layer)
-    return out + b.dense_ffn(spec, layer, pre_norm=False)
+    if is_recurrent(spec, layer):
+        return out + gated_delta_net(spec, layer, fused_ba=fused_ba)
+    return out + gated_attention(spec, layer)
+
+
+def qwen35(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Qwen3.5 (dense): the hybrid mixer, SwiGLU.
+    return _hybrid(spec, layer) + b.dense_ffn(spec, layer, pre_norm=False)
+
+
+def qwen35moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Qwen3.5-MoE: the hybrid mixer, softmax top-k experts plus a sigmoid-gated shared expert.
+    return _hybrid(spec, layer) + b.moe_ffn(spec, layer, pre_norm=False, shared="gated")
+
+
+def qwen3next(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Qwen3-Next: Qwen3.5-MoE's block with beta and alpha fused in ssm_ba.
+    return _hybrid(spec, layer, fused_ba=True) + b.moe_ffn(spec, layer, pre_norm=False, shared="gated")
+
+
+def delta_net_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    # ssm.inner_size is the value width (value heads times the shared head width).
+    _, value = _delta_net_widths(spec)
+    return [("ssm.inner_size", value, GGUFValueType.UINT32)]
 
 
 def qwen35_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
-    # ssm.inner_size is the value width; rope.dimension_sections splits the rotated half-width
-    # over (time, height, width) as Qwen3.5's mrope_section [11, 11, 10] does for 32 pairs.
-    _, value = _delta_net_widths(spec)
+    # Qwen3.5 adds rope.dimension_sections: the rotated half-width over (time, height, width),
+    # as its mrope_section [11, 11, 10] does for 32 pairs.
     pairs = spec.n_rot // 2
     first = -(-pairs // 3)
     sections = [first, first, pairs - 2 * first, 0]
-    return [
-        ("ssm.inner_size", value, GGUFValueType.UINT32),
-        ("rope.dimension_sections", sections, GGUFValueType.ARRAY),
-    ]
+    return delta_net_keys(spec) + [("rope.dimension_sections", sections, GGUFValueType.ARRAY)]
+
+
+def tiny_delta_net(n_embd: int) -> dict[str, Any]:
+    """The tiny shape's delta-net fields (`skippy.models.spec.tiny`): a head width of n_embd / 2
+    (decoupled), a quarter of it rotated, 2 key heads of n_embd / 4 repeated over 4 value heads,
+    full attention every 3rd layer (R R A R: the test splits cut inside a delta-net run, between
+    delta-net and attention, and after attention)."""
+    return {
+        "head_dim": n_embd // 2, "rope_dim": n_embd // 8, "linear_conv_kernel": 4,
+        "linear_key_head_dim": n_embd // 4, "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4, "full_attention_interval": 3,
+    }
 
 
 # --- rules ---------------------------------------------------------------------------------

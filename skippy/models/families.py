@@ -624,6 +624,22 @@ FAMILIES: Final[dict[str, Family]] = {
             "(sigmoid-gated q, per-head q/k norms, interleaved M-RoPE on part of each head), "
             "post-attention norm feeding a SwiGLU FFN",
         ),
+        Family(
+            "qwen35moe", _BOTH, bl.qwen35moe,
+            requires=bl.DELTA_NET | _MOE | {"n_ff_shexp"}, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes, b.experts),
+            derived_keys=bl.qwen35_keys,
+            summary="Qwen3.5-MoE (35B-A3B): Qwen3.5's hybrid layers, softmax top-k experts plus "
+            "a sigmoid-gated shared expert",
+        ),
+        Family(
+            "qwen3next", _BOTH, bl.qwen3next,
+            requires=bl.DELTA_NET | _MOE | {"n_ff_shexp"}, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.every_layer_quantizes, b.experts),
+            derived_keys=bl.delta_net_keys,
+            summary="Qwen3-Next (80B-A3B): gated delta-net layers (beta and alpha fused) with "
+            "gated full attention every n-th, neox rope, experts plus a gated shared expert",
+        ),
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
         #
