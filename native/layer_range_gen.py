@@ -19,8 +19,9 @@ exact number of times, and after editing, the main graph body is linted for the 
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
-that a layer range cannot carry (recurrent state, cross-layer KV sharing, per-layer token
-embeddings, an encoder), are refused with that reason.
+that a layer range cannot carry (cross-layer KV sharing, per-layer token embeddings, a residual
+stream wider than the hidden state (hyper-connections) or banked across layers, an encoder), are
+refused with that reason.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -115,6 +116,8 @@ REVIEWED: dict[str, dict[str, str]] = {
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
+                              "model's depth (n_layer stays the whole model's on every stage)"},
 }
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
@@ -326,6 +329,12 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "per-layer token embeddings: every layer needs the input tokens"
         elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:
             arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
+        elif re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined):
+            arch.reason = ("hyper-connections: between layers the residual stream is several streams of "
+                           "n_embd, wider than the one hidden state per row a stage hands on")
+        elif "attn_res_block_size" in joined:
+            arch.reason = ("cross-layer residual attention: layers mix the banked inputs of earlier blocks, "
+                           "which a later stage does not receive")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
