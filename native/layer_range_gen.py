@@ -72,7 +72,7 @@ SPLIT: tuple[str, ...] = (
 SPLIT += ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-SPLIT += ("qwen35", "qwen35moe", "qwen3next")
+SPLIT += ("qwen35", "qwen35moe", "qwen3next", "minimax-01")
 #
 #: Issue 25, RWKV and short-convolution families.
 SPLIT += ()
@@ -91,6 +91,20 @@ SPLIT += ()
 
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
+
+#: The same, for the model file outside the graph constructor (a model's own graph inputs).
+FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # lightning-attention inputs are built on every stage but used only by lightning layers: a
+    # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
+    "minimax-01": [(
+        "        // this operates on assumption that we have an equal ubatch split\n",
+        "        // this operates on assumption that we have an equal ubatch split\n"
+        "        if (inp_slopes == nullptr || inp_slopes->buffer == nullptr) {\n"
+        "            return; // skippy: a stage without lightning-attention layers\n"
+        "        }\n",
+        1,
+    )],
+}
 
 #: Generic edit: the gemma families' sqrt(n_embd) input scale belongs to token input only, so it
 #: is applied once, on the first stage (a later stage's input is already scaled hidden state).
@@ -291,7 +305,13 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
             findings.append(f"uses {label} outside the layer loop")
     if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
         findings.append("guards on embedding input")
-    return text[:start] + new_body + text[end:], findings
+    head, tail = text[:start], text[end:]
+    for old, new, count in FILE_EDITS.get(arch.name, []):
+        found = head.count(old) + tail.count(old)
+        if found != count:
+            raise TransformError(f"file edit {old!r}: expected {count} match(es) outside the graph, found {found}")
+        head, tail = head.replace(old, new), tail.replace(old, new)
+    return head + new_body + tail, findings
 
 
 # --- classification -----------------------------------------------------------------------------

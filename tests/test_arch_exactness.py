@@ -37,7 +37,9 @@ from chain_helpers import InProcessChain, greedy_run
 from conftest import PROMPT
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ensure_model, family, tiny
+from skippy.models.blocks_linear import is_recurrent
 from skippy.models.spec import EXTRA_ARCHITECTURES, LATER_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
+from skippy.models.spec import LINEAR_ATTENTION_ARCHITECTURES
 from skippy.runtime import UnsupportedArchitecture
 from skippy.runtime.model import SPLIT_ARCHITECTURES
 
@@ -428,3 +430,14 @@ def test_real_shape_split_logits_are_bitwise_equal(
         assert tokens == expected_tokens, split
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("arch", fast_only(list(LINEAR_ATTENTION_ARCHITECTURES), {"qwen35"}))
+def test_hybrid_stage_of_one_layer_kind_is_bitwise_equal(arch: str) -> None:
+    """Issue 25, linear attention: the tiny hybrids are R R A R (recurrent, attention), so in
+    [0:2)+[2:3)+[3:4) the first stage holds no attention layer and the second no recurrent
+    one; each builds the unused inputs of the kind it lacks (which get no buffer) and must still
+    give the unsplit logits."""
+    spec = tiny(arch)  # type: ignore[arg-type]
+    assert [is_recurrent(spec, layer) for layer in range(N_LAYER)] == [True, True, False, True]
+    assert_split_is_exact(arch, "F32", head_options(arch)[0], [(0, 2), (2, 3), (3, 4)])

@@ -22,6 +22,7 @@ __all__ = [
     "DELTA_NET",
     "delta_net",
     "every_layer_quantizes",
+    "minimax_01",
     "mrope_sections",
     "is_recurrent",
     "delta_net_keys",
@@ -112,6 +113,23 @@ def qwen35moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
 def qwen3next(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Qwen3-Next: Qwen3.5-MoE's block with beta and alpha fused in ssm_ba.
     return _hybrid(spec, layer, fused_ba=True) + b.moe_ffn(spec, layer, pre_norm=False, shared="gated")
+
+
+def minimax_01(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # MiniMax-Text-01: lightning-attention layers (fused silu q/k/v, a norm over the heads'
+    # output, a sigmoid output gate) with softmax attention every n-th; softmax top-k experts
+    # sized by feed_forward_length.
+    if is_recurrent(spec, layer):
+        mixer = [
+            b.norm(layer, "attn_norm", spec.n_embd),
+            b.norm(layer, "attn_norm_2", spec.n_q),
+            b.matrix(layer, "attn_qkv", 3 * spec.n_q, spec.n_embd),
+            b.matrix(layer, "attn_gate", spec.n_q, spec.n_embd),
+            b.matrix(layer, "attn_output", spec.n_embd, spec.n_q),
+        ]
+    else:
+        mixer = b.attention(spec, layer)
+    return mixer + b.moe_ffn(spec, layer, expert_width=spec.n_ff)
 
 
 def delta_net_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:

@@ -640,6 +640,13 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Qwen3-Next (80B-A3B): gated delta-net layers (beta and alpha fused) with "
             "gated full attention every n-th, neox rope, experts plus a gated shared expert",
         ),
+        Family(
+            "minimax-01", _BOTH, bl.minimax_01,
+            requires=_MOE | {"full_attention_interval", "residual_scale"},
+            rules=(b.experts, _expert_width_is_n_ff, bl.every_layer_quantizes),
+            summary="MiniMax-Text-01: lightning (linear) attention layers with softmax attention "
+            "every n-th, residuals from the scaled pre-norm output, softmax top-k experts",
+        ),
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
         #

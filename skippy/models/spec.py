@@ -85,7 +85,7 @@ _AttentionArchitecture = Literal[
 _SsmArchitecture = Literal["llama"]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next"]
+_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next", "minimax-01"]
 #
 #: Issue 25, RWKV and short-convolution families.
 _RwkvConvArchitecture = Literal["llama"]
@@ -126,7 +126,9 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("qwen35", "qwen35moe", "qwen3next")
+LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "qwen35", "qwen35moe", "qwen3next", "minimax-01",
+)
 #
 #: Issue 25, RWKV and short-convolution families.
 RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -569,6 +571,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # expert as wide as n_embd.
     "qwen35moe": lambda n: {**tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n},
     "qwen3next": lambda n: {**tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n},
+    # MiniMax-Text-01: lightning attention with softmax attention every 3rd layer (R R A R, as
+    # above), half of each head rotated, experts as wide as n_ff, residual scale 2.
+    "minimax-01": lambda n: {
+        **_tiny_moe(n), "n_ff": n // 2, "n_ff_exp": n // 2, "rope_dim": n // 8,
+        "full_attention_interval": 3, "residual_scale": 2.0,
+    },
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #

@@ -46,6 +46,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'smollm3',
     'gpt-oss',
     'seed_oss',
+    'minimax-01',
     'minimax-m2',
     'mistral3',
 })
@@ -142,7 +143,6 @@ REFUSED: Final[dict[str, str]] = {
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
     'grovemoe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'apertus': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
-    'minimax-01': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'hrm_text': 'graph does not follow the standard layer loop (expected one `for (int il = 0; il < n_layer; ++il)`, found 0)',
     'minimax-m3': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'cogvlm': 'graph does not follow the standard layer loop (no `il == n_layer - 1` (output-row selection) in the layer loop)',
