@@ -25,6 +25,10 @@ __all__ = [
     "minimax_01",
     "mrope_sections",
     "is_recurrent",
+    "kda",
+    "kimi_linear",
+    "kimi_linear_keys",
+    "mla_no_q_lora",
     "delta_net_keys",
     "qwen35",
     "qwen35_keys",
@@ -130,6 +134,70 @@ def minimax_01(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     else:
         mixer = b.attention(spec, layer)
     return mixer + b.moe_ffn(spec, layer, expert_width=spec.n_ff)
+
+
+def kda(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    """Kimi Delta Attention (without its input norm): separate q/k/v projections, each with its
+    own causal conv (F32, ggml ``{d_conv, 1, d_inner}``), the low-rank decay-gate input
+    ``ssm_f_a``/``ssm_f_b`` with a per-channel dt bias and per-head decay ``ssm_a``, beta, the
+    low-rank output gate ``ssm_g_a``/``ssm_g_b``, the per-head output norm and ``attn_output``.
+    Every head is ``kda_head_dim`` wide."""
+    head, n_head, e = spec.kda_head_dim, spec.n_head, spec.n_embd
+    inner = head * n_head
+    convs = [
+        TensorDecl(b.blk(layer, name), (inner, 1, spec.linear_conv_kernel), "matrix", False)
+        for name in ("ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v")
+    ]
+    return convs + [
+        b.matrix(layer, "attn_q", inner, e),
+        b.matrix(layer, "attn_k", inner, e),
+        b.matrix(layer, "attn_v", inner, e),
+        b.matrix(layer, "ssm_f_a", head, e),
+        b.matrix(layer, "ssm_f_b", inner, head),
+        b.matrix(layer, "ssm_beta", n_head, e),
+        TensorDecl(f"blk.{layer}.ssm_a", (n_head, 1), "decay", False),
+        b.bias(layer, "ssm_dt", inner),
+        b.matrix(layer, "ssm_g_a", head, e),
+        b.matrix(layer, "ssm_g_b", inner, head),
+        b.norm(layer, "ssm_norm", head),
+        b.matrix(layer, "attn_output", e, inner),
+    ]
+
+
+def mla_no_q_lora(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    """Multi-head latent attention without q compression (without its input norm), as
+    deepseek2's converter splits it for the latent cache: the latent ``attn_kv_a_mqa`` (latent
+    plus the shared rope key) and its norm, full-width ``attn_q``, per-head ``attn_k_b`` /
+    ``attn_v_b`` (3-D), ``attn_output``."""
+    heads, kv_rank = spec.n_head, spec.kv_lora_rank
+    nope = spec.n_embd_head - spec.n_rot
+    return [
+        b.norm(layer, "attn_kv_a_norm", kv_rank),
+        b.matrix(layer, "attn_q", heads * spec.n_embd_head, spec.n_embd),
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, spec.n_embd),
+        TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
+        TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+        b.matrix(layer, "attn_output", spec.n_embd, heads * spec.v_head_dim),
+    ]
+
+
+def kimi_linear(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Kimi-Linear (48B-A3B): KDA layers with NoPE MLA every n-th; leading dense blocks, then
+    # sigmoid-routed experts with a selection bias and shared experts.
+    out = [b.norm(layer, "attn_norm", spec.n_embd)]
+    out += kda(spec, layer) if is_recurrent(spec, layer) else mla_no_q_lora(spec, layer)
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def kimi_linear_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    # The layer kinds are told by the KV heads per layer: 0 for KDA, one latent head for MLA.
+    kv_heads = [0 if is_recurrent(spec, layer) else spec.n_head_kv for layer in range(spec.n_layer)]
+    return [
+        ("attention.head_count_kv", kv_heads, GGUFValueType.ARRAY),
+        ("attention.key_length_mla", spec.n_embd_head, GGUFValueType.UINT32),
+    ]
 
 
 def delta_net_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:

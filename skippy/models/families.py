@@ -97,6 +97,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "linear_num_key_heads": OptionalKey("ssm.group_count", GGUFValueType.UINT32),
     "linear_num_value_heads": OptionalKey("ssm.time_step_rank", GGUFValueType.UINT32),
     "full_attention_interval": OptionalKey("full_attention_interval", GGUFValueType.UINT32),
+    "kda_head_dim": OptionalKey("kda.head_dim", GGUFValueType.UINT32),
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
@@ -646,6 +647,19 @@ FAMILIES: Final[dict[str, Family]] = {
             rules=(b.experts, _expert_width_is_n_ff, bl.every_layer_quantizes),
             summary="MiniMax-Text-01: lightning (linear) attention layers with softmax attention "
             "every n-th, residuals from the scaled pre-norm output, softmax top-k experts",
+        ),
+        Family(
+            "kimi-linear", _UNTIED, bl.kimi_linear,
+            requires=_MOE | {
+                "kda_head_dim", "linear_conv_kernel", "full_attention_interval", "kv_lora_rank",
+                "v_head_dim", "n_expert_shared", "expert_gating",
+            },
+            permits=frozenset({"n_dense_lead", "expert_weights_scale"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bl.every_layer_quantizes),
+            derived_keys=bl.kimi_linear_keys,
+            summary="Kimi-Linear (48B-A3B): Kimi Delta Attention layers with NoPE multi-head "
+            "latent attention every n-th, leading dense blocks, sigmoid experts with a selection "
+            "bias and shared experts",
         ),
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---

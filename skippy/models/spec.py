@@ -85,7 +85,7 @@ _AttentionArchitecture = Literal[
 _SsmArchitecture = Literal["llama"]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next", "minimax-01"]
+_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear"]
 #
 #: Issue 25, RWKV and short-convolution families.
 _RwkvConvArchitecture = Literal["llama"]
@@ -127,7 +127,7 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
-    "qwen35", "qwen35moe", "qwen3next", "minimax-01",
+    "qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear",
 )
 #
 #: Issue 25, RWKV and short-convolution families.
@@ -268,6 +268,9 @@ class ModelSpec:
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
     full_attention_interval: int = 0
+    # kda_head_dim: Kimi Delta Attention's head width (``kda.head_dim``); its layers are the
+    # full_attention_interval pattern's recurrent ones (KV heads 0 per layer in the file).
+    kda_head_dim: int = 0
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
@@ -576,6 +579,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "minimax-01": lambda n: {
         **_tiny_moe(n), "n_ff": n // 2, "n_ff_exp": n // 2, "rope_dim": n // 8,
         "full_attention_interval": 3, "residual_scale": 2.0,
+    },
+    # Kimi-Linear: KDA (heads of 32) with MLA every 3rd layer (R R A R; MLA widths as the tiny
+    # deepseek2's, one latent KV head), a leading dense block, sigmoid experts plus a shared one.
+    "kimi-linear": lambda n: {
+        **_tiny_deepseek2(n), "q_lora_rank": 0, "expert_weights_norm": False,
+        "kda_head_dim": n // 2, "linear_conv_kernel": 4, "full_attention_interval": 3,
     },
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---

@@ -247,14 +247,16 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_embedding_length(spec.n_embd)
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
+    keys = family_keys(spec)
+    if f"{spec.arch}.attention.head_count_kv" not in {key for key, _, _ in keys}:
+        writer.add_head_count_kv(spec.n_head_kv)  # else per layer, among the family's keys
     writer.add_key_length(spec.key_length)
     writer.add_value_length(spec.value_length)
     writer.add_rope_dimension_count(spec.n_rot)
     writer.add_rope_freq_base(spec.rope_theta)
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
-    for key, value, value_type in family_keys(spec):
+    for key, value, value_type in keys:
         writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
 

@@ -49,6 +49,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'minimax-01',
     'minimax-m2',
     'mistral3',
+    'kimi-linear',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
@@ -157,7 +158,6 @@ REFUSED: Final[dict[str, str]] = {
     'spark2_5': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'llama-embed': 'graph does not follow the standard layer loop (no single token-input graph)',
     'maincoder': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
-    'kimi-linear': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'kimi-k3': 'cross-layer residual attention: layers mix the banked inputs of earlier blocks, which a later stage does not receive',
     'glm5-next': 'hyper-connections: between layers the residual stream is several streams of n_embd, wider than the one hidden state per row a stage hands on',
     'talkie': 'needs review: the graph transforms the input before the layer loop (it would run on every stage)',
