@@ -72,7 +72,7 @@ SPLIT: tuple[str, ...] = (
 SPLIT += ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-SPLIT += ("qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear")
+SPLIT += ("qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear", "bailingmoe3")
 #
 #: Issue 25, RWKV and short-convolution families.
 SPLIT += ()

@@ -28,7 +28,9 @@ __all__ = [
     "kda",
     "kimi_linear",
     "kimi_linear_keys",
-    "mla_no_q_lora",
+    "bailingmoe3",
+    "bailingmoe3_keys",
+    "mla",
     "delta_net_keys",
     "qwen35",
     "qwen35_keys",
@@ -41,6 +43,8 @@ __all__ = [
 DELTA_NET: Final = frozenset(
     {"linear_conv_kernel", "linear_key_head_dim", "linear_num_key_heads", "linear_num_value_heads"}
 )
+#: Ling's KDA decay-gate lower bound, negated (llama.cpp requires it below 0).
+KDA_GATE_FLOOR: Final = 5.0
 #: llama.cpp's default when ``full_attention_interval`` is absent from the file.
 DEFAULT_FULL_ATTENTION_INTERVAL: Final = 4
 
@@ -136,59 +140,91 @@ def minimax_01(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return mixer + b.moe_ffn(spec, layer, expert_width=spec.n_ff)
 
 
-def kda(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+def kda(spec: "ModelSpec", layer: int, *, low_rank_gates: bool = True) -> list[TensorDecl]:
     """Kimi Delta Attention (without its input norm): separate q/k/v projections, each with its
-    own causal conv (F32, ggml ``{d_conv, 1, d_inner}``), the low-rank decay-gate input
-    ``ssm_f_a``/``ssm_f_b`` with a per-channel dt bias and per-head decay ``ssm_a``, beta, the
-    low-rank output gate ``ssm_g_a``/``ssm_g_b``, the per-head output norm and ``attn_output``.
-    Every head is ``kda_head_dim`` wide."""
+    own causal conv (F32, ggml ``{d_conv, 1, d_inner}``; Ling's 4-D ``{d_conv, 1, d_inner, 1}``
+    without low-rank gates), the decay-gate input ``ssm_f_a`` (low rank: then ``ssm_f_b``)
+    with a per-channel dt bias and per-head decay ``ssm_a``, beta, the output gate ``ssm_g_a``
+    (low rank: then ``ssm_g_b``), the per-head output norm and ``attn_output``. Every head is
+    ``kda_head_dim`` wide."""
     head, n_head, e = spec.kda_head_dim, spec.n_head, spec.n_embd
     inner = head * n_head
-    convs = [
-        TensorDecl(b.blk(layer, name), (inner, 1, spec.linear_conv_kernel), "matrix", False)
+    conv_shape = (inner, 1, spec.linear_conv_kernel) if low_rank_gates else (1, inner, 1, spec.linear_conv_kernel)
+    out = [
+        TensorDecl(b.blk(layer, name), conv_shape, "matrix", False)
         for name in ("ssm_conv1d_q", "ssm_conv1d_k", "ssm_conv1d_v")
     ]
-    return convs + [
-        b.matrix(layer, "attn_q", inner, e),
-        b.matrix(layer, "attn_k", inner, e),
-        b.matrix(layer, "attn_v", inner, e),
-        b.matrix(layer, "ssm_f_a", head, e),
-        b.matrix(layer, "ssm_f_b", inner, head),
+    out += [b.matrix(layer, "attn_q", inner, e), b.matrix(layer, "attn_k", inner, e), b.matrix(layer, "attn_v", inner, e)]
+    if low_rank_gates:
+        out += [b.matrix(layer, "ssm_f_a", head, e), b.matrix(layer, "ssm_f_b", inner, head)]
+    else:
+        out.append(b.matrix(layer, "ssm_f_a", inner, e))
+    out += [
         b.matrix(layer, "ssm_beta", n_head, e),
         TensorDecl(f"blk.{layer}.ssm_a", (n_head, 1), "decay", False),
         b.bias(layer, "ssm_dt", inner),
-        b.matrix(layer, "ssm_g_a", head, e),
-        b.matrix(layer, "ssm_g_b", inner, head),
-        b.norm(layer, "ssm_norm", head),
-        b.matrix(layer, "attn_output", e, inner),
     ]
+    if low_rank_gates:
+        out += [b.matrix(layer, "ssm_g_a", head, e), b.matrix(layer, "ssm_g_b", inner, head)]
+    else:
+        out.append(b.matrix(layer, "ssm_g_a", inner, e))
+    return out + [b.norm(layer, "ssm_norm", head), b.matrix(layer, "attn_output", e, inner)]
 
 
-def mla_no_q_lora(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    """Multi-head latent attention without q compression (without its input norm), as
-    deepseek2's converter splits it for the latent cache: the latent ``attn_kv_a_mqa`` (latent
-    plus the shared rope key) and its norm, full-width ``attn_q``, per-head ``attn_k_b`` /
-    ``attn_v_b`` (3-D), ``attn_output``."""
-    heads, kv_rank = spec.n_head, spec.kv_lora_rank
+def mla(spec: "ModelSpec", layer: int, *, head_gate: bool = False) -> list[TensorDecl]:
+    """Multi-head latent attention (without its input norm), as deepseek2's converter splits
+    it for the latent cache: low-rank q (``attn_q_a``, its norm, ``attn_q_b``) when
+    ``q_lora_rank`` is set, else full-width ``attn_q``; the latent ``attn_kv_a_mqa`` (latent
+    plus the shared rope key) and its norm, per-head ``attn_k_b`` / ``attn_v_b`` (3-D), Ling's
+    per-head sigmoid gate ``attn_gate`` (``head_gate``), ``attn_output``."""
+    heads, kv_rank, q_rank, e = spec.n_head, spec.kv_lora_rank, spec.q_lora_rank, spec.n_embd
     nope = spec.n_embd_head - spec.n_rot
-    return [
+    if q_rank:
+        out = [
+            b.matrix(layer, "attn_q_a", q_rank, e),
+            b.norm(layer, "attn_q_a_norm", q_rank),
+            b.matrix(layer, "attn_q_b", heads * spec.n_embd_head, q_rank),
+        ]
+    else:
+        out = [b.matrix(layer, "attn_q", heads * spec.n_embd_head, e)]
+    out += [
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
         b.norm(layer, "attn_kv_a_norm", kv_rank),
-        b.matrix(layer, "attn_q", heads * spec.n_embd_head, spec.n_embd),
-        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, spec.n_embd),
         TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
         TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
-        b.matrix(layer, "attn_output", spec.n_embd, heads * spec.v_head_dim),
     ]
+    if head_gate:
+        out.append(b.matrix(layer, "attn_gate", heads, e))
+    return out + [b.matrix(layer, "attn_output", e, heads * spec.v_head_dim)]
 
 
 def kimi_linear(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # Kimi-Linear (48B-A3B): KDA layers with NoPE MLA every n-th; leading dense blocks, then
     # sigmoid-routed experts with a selection bias and shared experts.
     out = [b.norm(layer, "attn_norm", spec.n_embd)]
-    out += kda(spec, layer) if is_recurrent(spec, layer) else mla_no_q_lora(spec, layer)
+    out += kda(spec, layer) if is_recurrent(spec, layer) else mla(spec, layer)
     if layer < spec.n_dense_lead:
         return out + b.dense_ffn(spec, layer)
     return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def bailingmoe3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Ling 2.5 (bailingmoe3): KDA with full-rank gates, MLA (low-rank q, a per-head output gate,
+    # rope on the shared key) every n-th; leading dense blocks, then sigmoid experts with a
+    # selection bias and shared experts.
+    out = [b.norm(layer, "attn_norm", spec.n_embd)]
+    if is_recurrent(spec, layer):
+        out += kda(spec, layer, low_rank_gates=False)
+    else:
+        out += mla(spec, layer, head_gate=True)
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def bailingmoe3_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    # Kimi-Linear's keys plus KDA's gate floor (Ling clamps the decay gate from below).
+    return kimi_linear_keys(spec) + [("kda.gate_lower_bound", -KDA_GATE_FLOOR, GGUFValueType.FLOAT32)]
 
 
 def kimi_linear_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:

@@ -661,6 +661,21 @@ FAMILIES: Final[dict[str, Family]] = {
             "latent attention every n-th, leading dense blocks, sigmoid experts with a selection "
             "bias and shared experts",
         ),
+        Family(
+            "bailingmoe3", _BOTH, bl.bailingmoe3,
+            requires=_MOE | {
+                "kda_head_dim", "linear_conv_kernel", "full_attention_interval", "kv_lora_rank",
+                "v_head_dim", "n_expert_shared", "expert_gating",
+            },
+            permits=frozenset(
+                {"q_lora_rank", "n_dense_lead", "expert_weights_scale", "expert_weights_norm"}
+            ),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bl.every_layer_quantizes),
+            derived_keys=bl.bailingmoe3_keys,
+            summary="Ling 2.5 (bailingmoe3): KDA layers with full-rank gates and MLA with a "
+            "per-head output gate every n-th, leading dense blocks, sigmoid experts with a "
+            "selection bias and shared experts",
+        ),
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
         #

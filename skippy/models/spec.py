@@ -85,7 +85,7 @@ _AttentionArchitecture = Literal[
 _SsmArchitecture = Literal["llama"]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear"]
+_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear", "bailingmoe3"]
 #
 #: Issue 25, RWKV and short-convolution families.
 _RwkvConvArchitecture = Literal["llama"]
@@ -127,7 +127,7 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
-    "qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear",
+    "qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear", "bailingmoe3",
 )
 #
 #: Issue 25, RWKV and short-convolution families.
@@ -585,6 +585,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "kimi-linear": lambda n: {
         **_tiny_deepseek2(n), "q_lora_rank": 0, "expert_weights_norm": False,
         "kda_head_dim": n // 2, "linear_conv_kernel": 4, "full_attention_interval": 3,
+    },
+    # Ling 2.5 (bailingmoe3): the same layer pattern, low-rank q as the tiny deepseek2's.
+    "bailingmoe3": lambda n: {
+        **_tiny_deepseek2(n), "kda_head_dim": n // 2, "linear_conv_kernel": 4,
+        "full_attention_interval": 3,
     },
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
