@@ -441,3 +441,20 @@ def test_hybrid_stage_of_one_layer_kind_is_bitwise_equal(arch: str) -> None:
     spec = tiny(arch)  # type: ignore[arg-type]
     assert [is_recurrent(spec, layer) for layer in range(N_LAYER)] == [True, True, False, True]
     assert_split_is_exact(arch, "F32", head_options(arch)[0], [(0, 2), (2, 3), (3, 4)])
+
+
+def test_qwen35_trunk_with_a_nextn_block_splits_exactly() -> None:
+    """Issue 25: a Qwen3.5 file with a multi-token-prediction (NextN) block after its 4 trunk
+    blocks (block_count 5, nextn_predict_layers 1) splits its trunk exactly as the plain one:
+    the NextN block belongs to the last stage and the trunk's layer count stays 4."""
+    spec = dataclasses.replace(tiny("qwen35"), n_nextn=1)
+    path = ensure_model(spec)
+    with chain(path, [(0, N_LAYER)]) as whole:
+        assert whole.contexts[0].model.n_layer == N_LAYER
+        expected, expected_tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
+    for split in SPLITS:
+        with chain(path, split) as stages:
+            logits, tokens = greedy_run(stages, LONG_PROMPT, steps=STEPS)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"

@@ -34,6 +34,7 @@ __all__ = [
     "delta_net_keys",
     "qwen35",
     "qwen35_keys",
+    "qwen35_nextn",
     "qwen35moe",
     "qwen3next",
     "tiny_delta_net",
@@ -109,8 +110,25 @@ def _hybrid(spec: "ModelSpec", layer: int, *, fused_ba: bool = False) -> list[Te
 
 
 def qwen35(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    # Qwen3.5 (dense): the hybrid mixer, SwiGLU.
-    return _hybrid(spec, layer) + b.dense_ffn(spec, layer, pre_norm=False)
+    # Qwen3.5 (dense): the hybrid mixer, SwiGLU; the NextN (MTP) blocks follow the last trunk
+    # block in the file.
+    out = _hybrid(spec, layer) + b.dense_ffn(spec, layer, pre_norm=False)
+    if layer == spec.n_layer - 1:
+        for mtp in range(spec.n_layer, spec.n_layer + spec.n_nextn):
+            out += qwen35_nextn(spec, mtp)
+    return out
+
+
+def qwen35_nextn(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    """A Qwen3.5 multi-token-prediction block: a full-attention block plus the NextN input
+    projection of [embedding; hidden state] and its two norms (the head is the model's)."""
+    out = [b.norm(layer, "attn_norm", spec.n_embd), b.norm(layer, "post_attention_norm", spec.n_embd)]
+    out += gated_attention(spec, layer) + b.dense_ffn(spec, layer, pre_norm=False)
+    return out + [
+        b.matrix(layer, "nextn.eh_proj", spec.n_embd, 2 * spec.n_embd),
+        b.norm(layer, "nextn.enorm", spec.n_embd),
+        b.norm(layer, "nextn.hnorm", spec.n_embd),
+    ]
 
 
 def qwen35moe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
@@ -244,11 +262,14 @@ def delta_net_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]
 
 def qwen35_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
     # Qwen3.5 adds rope.dimension_sections: the rotated half-width over (time, height, width),
-    # as its mrope_section [11, 11, 10] does for 32 pairs.
+    # as its mrope_section [11, 11, 10] does for 32 pairs; block_count counts the NextN blocks.
     pairs = spec.n_rot // 2
     first = -(-pairs // 3)
     sections = [first, first, pairs - 2 * first, 0]
-    return delta_net_keys(spec) + [("rope.dimension_sections", sections, GGUFValueType.ARRAY)]
+    keys = delta_net_keys(spec) + [("rope.dimension_sections", sections, GGUFValueType.ARRAY)]
+    if spec.n_nextn:
+        keys.append(("block_count", spec.n_layer + spec.n_nextn, GGUFValueType.UINT32))
+    return keys
 
 
 def tiny_delta_net(n_embd: int) -> dict[str, Any]:

@@ -98,6 +98,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "linear_num_value_heads": OptionalKey("ssm.time_step_rank", GGUFValueType.UINT32),
     "full_attention_interval": OptionalKey("full_attention_interval", GGUFValueType.UINT32),
     "kda_head_dim": OptionalKey("kda.head_dim", GGUFValueType.UINT32),
+    "n_nextn": OptionalKey("nextn_predict_layers", GGUFValueType.UINT32),
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
@@ -619,7 +620,7 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 25: linear attention (keep this group's entries below this line) ---
         Family(
             "qwen35", _BOTH, bl.qwen35,
-            requires=bl.DELTA_NET, permits=frozenset({"full_attention_interval"}),
+            requires=bl.DELTA_NET, permits=frozenset({"full_attention_interval", "n_nextn"}),
             rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes), derived_keys=bl.qwen35_keys,
             summary="Qwen3.5 (dense): gated delta-net layers with full attention every n-th "
             "(sigmoid-gated q, per-head q/k norms, interleaved M-RoPE on part of each head), "

@@ -271,6 +271,9 @@ class ModelSpec:
     # kda_head_dim: Kimi Delta Attention's head width (``kda.head_dim``); its layers are the
     # full_attention_interval pattern's recurrent ones (KV heads 0 per layer in the file).
     kda_head_dim: int = 0
+    # n_nextn: multi-token-prediction (NextN) blocks after the n_layer trunk blocks
+    # (``nextn_predict_layers``; ``block_count`` then counts both).
+    n_nextn: int = 0
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #

@@ -242,14 +242,16 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_name(spec.name)
     writer.add_file_type(int(_FILE_TYPES[spec.dtype]))
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    writer.add_block_count(spec.n_layer)
+    keys = family_keys(spec)
+    overridden = {key for key, _, _ in keys}  # a family may give these per layer / count MTP blocks
+    if f"{spec.arch}.block_count" not in overridden:
+        writer.add_block_count(spec.n_layer)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
     writer.add_feed_forward_length(spec.n_ff)
     writer.add_head_count(spec.n_head)
-    keys = family_keys(spec)
-    if f"{spec.arch}.attention.head_count_kv" not in {key for key, _, _ in keys}:
-        writer.add_head_count_kv(spec.n_head_kv)  # else per layer, among the family's keys
+    if f"{spec.arch}.attention.head_count_kv" not in overridden:
+        writer.add_head_count_kv(spec.n_head_kv)
     writer.add_key_length(spec.key_length)
     writer.add_value_length(spec.value_length)
     writer.add_rope_dimension_count(spec.n_rot)
