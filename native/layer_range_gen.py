@@ -20,9 +20,10 @@ per-architecture ones), and after editing, the main graph body is linted for the
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
-that a layer range cannot carry (cross-layer KV sharing, per-layer token embeddings, an encoder),
-are refused with that reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a
-feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
+that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
+or banked across layers, a value residual from the first layer, an encoder), are refused with that
+reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a feature: it belongs to its
+layer, and patch ``0005`` gives a range the state of its own layers.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -73,7 +74,7 @@ SPLIT: tuple[str, ...] = (
 SPLIT += ("nemotron_h", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h_moe", "plamo2")
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-SPLIT += ()
+SPLIT += ("qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear", "bailingmoe3")
 #
 #: Issue 25, RWKV and short-convolution families.
 SPLIT += ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
@@ -110,6 +111,22 @@ STAGE_FIRST = "if (il_start == 0) { // skippy: the input transform runs on the f
 #: separate lerps) holds for the stage's own layers only; the others' tensors are never created.
 LOADER_EITHER = re.compile(r"GGML_ASSERT\(!\((layer\.\w+ == NULL && layer\.\w+ == NULL)\)\);")
 LOADER_EITHER_NEW = r"GGML_ASSERT(!hparams.in_stage(i) || !(\1)); // skippy: other stages' layers are not loaded"
+
+#: Reviewed literal edits of a model file outside the graph constructor (a model's own graph
+#: inputs), per architecture: (old, new, expected count).
+FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # lightning-attention inputs are built on every stage but used only by lightning layers: a
+    # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
+    "minimax-01": [(
+        "        // this operates on assumption that we have an equal ubatch split\n",
+        "        // this operates on assumption that we have an equal ubatch split\n"
+        "        if (inp_slopes == nullptr || inp_slopes->buffer == nullptr) {\n"
+        "            return; // skippy: a stage without lightning-attention layers\n"
+        "        }\n",
+        1,
+    )],
+}
+
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -149,6 +166,8 @@ REVIEWED: dict[str, dict[str, str]] = {
     # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
     "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
     "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
+                              "model's depth (n_layer stays the whole model's on every stage)"},
 }
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
@@ -542,8 +561,14 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             findings.append(f"uses {label} outside the layer loop")
     if guards and name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(name, {}):
         findings.append("guards on embedding input")
-    outside = (LOADER_EITHER.sub(LOADER_EITHER_NEW, part) for part in (text[:start], text[end:]))
-    return next(outside) + new_body + next(outside), findings
+    head, tail = text[:start], text[end:]
+    for old, new, count in FILE_EDITS.get(arch.name, []):
+        found = head.count(old) + tail.count(old)
+        if found != count:
+            raise TransformError(f"file edit {old!r}: expected {count} match(es) outside the graph, found {found}")
+        head, tail = head.replace(old, new), tail.replace(old, new)
+    head, tail = (LOADER_EITHER.sub(LOADER_EITHER_NEW, part) for part in (head, tail))
+    return head + new_body + tail, findings
 
 
 # --- classification -----------------------------------------------------------------------------
@@ -588,7 +613,7 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif DRAFT_HEAD.search(texts.get(f"{arch.name}.cpp", "")):
             arch.reason = ("draft head: it runs only beside its target model, whose hidden states or "
                            "embeddings it reads, never as a model of its own")
-        elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined:
+        elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined):
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
                            "(hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame")
         elif "altup_predict_coef" in joined:
@@ -603,6 +628,9 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = ("value residual: every layer mixes in the first layer's value projection "
                            "(v_first), which only the first stage computes; a later stage would need it "
                            "beside the hidden state (the protocol's RWKV7 v_first sideband, not served)")
+        elif "attn_res_block_size" in joined:
+            arch.reason = ("cross-layer residual attention: layers mix the banked inputs of earlier blocks, "
+                           "which a later stage does not receive")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:

@@ -40,7 +40,9 @@ from chain_helpers import InProcessChain, greedy_run
 from conftest import PROMPT
 from gguf_helpers import parse_gguf, tensor_f32
 from skippy.models import ensure_model, family, tiny
+from skippy.models.blocks_linear import is_recurrent
 from skippy.models.spec import EXTRA_ARCHITECTURES, LATER_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
+from skippy.models.spec import LINEAR_ATTENTION_ARCHITECTURES
 from skippy.runtime import UnsupportedArchitecture
 from skippy.runtime.model import SPLIT_ARCHITECTURES
 
@@ -163,7 +165,7 @@ def test_further_family_splits_exactly_or_is_refused(
 
 #: The families of issues 25 and 26 in the fast suite: one per group (the rest run in the full
 #: suite; the fast suite stays under 90 s).
-FAST_LATER: frozenset[str] = frozenset({"deepseek32", "gemma4", "gpt2", "lfm2", "nemotron_h", "plamo3"})
+FAST_LATER: frozenset[str] = frozenset({"deepseek32", "gemma4", "gpt2", "lfm2", "nemotron_h", "plamo3", "qwen35"})
 
 
 def later_cases() -> list[object]:
@@ -430,6 +432,34 @@ def test_real_shape_split_logits_are_bitwise_equal(
     for split in splits:
         with chain(path, split) as stages:
             logits, tokens = greedy_run(stages, REAL_SHAPE_PROMPT, steps=8)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("arch", fast_only(list(LINEAR_ATTENTION_ARCHITECTURES), {"qwen35"}))
+def test_hybrid_stage_of_one_layer_kind_is_bitwise_equal(arch: str) -> None:
+    """Issue 25, linear attention: the tiny hybrids are R R A R (recurrent, attention), so in
+    [0:2)+[2:3)+[3:4) the first stage holds no attention layer and the second no recurrent
+    one; each builds the unused inputs of the kind it lacks (which get no buffer) and must still
+    give the unsplit logits."""
+    spec = tiny(arch)  # type: ignore[arg-type]
+    assert [is_recurrent(spec, layer) for layer in range(N_LAYER)] == [True, True, False, True]
+    assert_split_is_exact(arch, "F32", head_options(arch)[0], [(0, 2), (2, 3), (3, 4)])
+
+
+def test_qwen35_trunk_with_a_nextn_block_splits_exactly() -> None:
+    """Issue 25: a Qwen3.5 file with a multi-token-prediction (NextN) block after its 4 trunk
+    blocks (block_count 5, nextn_predict_layers 1) splits its trunk exactly as the plain one:
+    the NextN block belongs to the last stage and the trunk's layer count stays 4."""
+    spec = dataclasses.replace(tiny("qwen35"), n_nextn=1)
+    path = ensure_model(spec)
+    with chain(path, [(0, N_LAYER)]) as whole:
+        assert whole.contexts[0].model.n_layer == N_LAYER
+        expected, expected_tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
+    for split in SPLITS:
+        with chain(path, split) as stages:
+            logits, tokens = greedy_run(stages, LONG_PROMPT, steps=STEPS)
         assert tokens == expected_tokens, split
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"

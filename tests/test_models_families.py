@@ -652,3 +652,21 @@ def test_llama_cpp_loads_and_runs_every_family_dtype_and_head() -> None:
 @pytest.mark.slow
 def test_llama_cpp_loads_the_gemma3_270m_shape() -> None:
     _run_unsplit([preset("gemma3-270m")])
+
+
+def test_qwen35moe_real_shape_preset() -> None:
+    """Issue 25's real hybrid shape: Qwen3.5-35B-A3B's blocks (8 of 40 layers: two groups of
+    three delta-net layers and one attention layer), all 256 experts; about 7.3 GB in Q8_0."""
+    from skippy.models.blocks_linear import is_recurrent
+
+    spec = preset("qwen35moe-35b-a3b-8l")
+    assert (spec.n_embd, spec.n_head, spec.n_head_kv, spec.n_embd_head, spec.n_rot) == (2048, 16, 2, 256, 64)
+    assert (spec.n_expert, spec.n_expert_used, spec.n_ff_exp, spec.n_ff_shexp) == (256, 8, 512, 512)
+    assert (spec.linear_num_key_heads, spec.linear_num_value_heads, spec.linear_key_head_dim) == (16, 32, 128)
+    assert [is_recurrent(spec, layer) for layer in range(spec.n_layer)] == [True, True, True, False] * 2
+    plans = plan_tensors(spec, N_VOCAB)
+    total = sum(p.nbytes for p in plans)
+    assert 7.0e9 < total < 7.6e9
+    assert sum(p.nbytes for p in plans if "_exps" in p.name) / total > 0.9
+    # written a tensor at a time: the largest (one layer's stacked experts) is under 300 MB
+    assert max(p.nbytes for p in plans) < 300e6

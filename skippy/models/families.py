@@ -38,6 +38,7 @@ from skippy.models import blocks_dense as dense
 from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
+from skippy.models import blocks_linear as bl
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -102,6 +103,13 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "ssm_n_group": OptionalKey("ssm.group_count", GGUFValueType.UINT32),
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    "linear_conv_kernel": OptionalKey("ssm.conv_kernel", GGUFValueType.UINT32),
+    "linear_key_head_dim": OptionalKey("ssm.state_size", GGUFValueType.UINT32),
+    "linear_num_key_heads": OptionalKey("ssm.group_count", GGUFValueType.UINT32),
+    "linear_num_value_heads": OptionalKey("ssm.time_step_rank", GGUFValueType.UINT32),
+    "full_attention_interval": OptionalKey("full_attention_interval", GGUFValueType.UINT32),
+    "kda_head_dim": OptionalKey("kda.head_dim", GGUFValueType.UINT32),
+    "n_nextn": OptionalKey("nextn_predict_layers", GGUFValueType.UINT32),
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     "wkv_head_size": OptionalKey("wkv.head_size", GGUFValueType.UINT32),
@@ -743,6 +751,65 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         #
         # --- issue 25: linear attention (keep this group's entries below this line) ---
+        Family(
+            "qwen35", _BOTH, bl.qwen35,
+            requires=bl.DELTA_NET, permits=frozenset({"full_attention_interval", "n_nextn"}),
+            rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes), derived_keys=bl.qwen35_keys,
+            summary="Qwen3.5 (dense): gated delta-net layers with full attention every n-th "
+            "(sigmoid-gated q, per-head q/k norms, interleaved M-RoPE on part of each head), "
+            "post-attention norm feeding a SwiGLU FFN",
+        ),
+        Family(
+            "qwen35moe", _BOTH, bl.qwen35moe,
+            requires=bl.DELTA_NET | _MOE | {"n_ff_shexp"}, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes, b.experts),
+            derived_keys=bl.qwen35_keys,
+            summary="Qwen3.5-MoE (35B-A3B): Qwen3.5's hybrid layers, softmax top-k experts plus "
+            "a sigmoid-gated shared expert",
+        ),
+        Family(
+            "qwen3next", _BOTH, bl.qwen3next,
+            requires=bl.DELTA_NET | _MOE | {"n_ff_shexp"}, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.every_layer_quantizes, b.experts),
+            derived_keys=bl.delta_net_keys,
+            summary="Qwen3-Next (80B-A3B): gated delta-net layers (beta and alpha fused) with "
+            "gated full attention every n-th, neox rope, experts plus a gated shared expert",
+        ),
+        Family(
+            "minimax-01", _BOTH, bl.minimax_01,
+            requires=_MOE | {"full_attention_interval", "residual_scale"},
+            rules=(b.experts, _expert_width_is_n_ff, bl.every_layer_quantizes),
+            summary="MiniMax-Text-01: lightning (linear) attention layers with softmax attention "
+            "every n-th, residuals from the scaled pre-norm output, softmax top-k experts",
+        ),
+        Family(
+            "kimi-linear", _UNTIED, bl.kimi_linear,
+            requires=_MOE | {
+                "kda_head_dim", "linear_conv_kernel", "full_attention_interval", "kv_lora_rank",
+                "v_head_dim", "n_expert_shared", "expert_gating",
+            },
+            permits=frozenset({"n_dense_lead", "expert_weights_scale"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bl.every_layer_quantizes),
+            derived_keys=bl.kimi_linear_keys,
+            summary="Kimi-Linear (48B-A3B): Kimi Delta Attention layers with NoPE multi-head "
+            "latent attention every n-th, leading dense blocks, sigmoid experts with a selection "
+            "bias and shared experts",
+        ),
+        Family(
+            "bailingmoe3", _BOTH, bl.bailingmoe3,
+            requires=_MOE | {
+                "kda_head_dim", "linear_conv_kernel", "full_attention_interval", "kv_lora_rank",
+                "v_head_dim", "n_expert_shared", "expert_gating",
+            },
+            permits=frozenset(
+                {"q_lora_rank", "n_dense_lead", "expert_weights_scale", "expert_weights_norm"}
+            ),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bl.every_layer_quantizes),
+            derived_keys=bl.bailingmoe3_keys,
+            summary="Ling 2.5 (bailingmoe3): KDA layers with full-rank gates and MLA with a "
+            "per-head output gate every n-th, leading dense blocks, sigmoid experts with a "
+            "selection bias and shared experts",
+        ),
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
         Family(

@@ -23,6 +23,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Literal, get_args
 
+from skippy.models.blocks_linear import tiny_delta_net
 from skippy.models.families import OPTIONAL_KEYS, family, quantized_rows
 
 __all__ = [
@@ -87,7 +88,7 @@ _SsmArchitecture = Literal[
 ]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-_LinearAttentionArchitecture = Literal["llama"]
+_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear", "bailingmoe3"]
 #
 #: Issue 25, RWKV and short-convolution families.
 _RwkvConvArchitecture = Literal["lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe"]
@@ -138,7 +139,9 @@ SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 )
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "qwen35", "qwen35moe", "qwen3next", "minimax-01", "kimi-linear", "bailingmoe3",
+)
 #
 #: Issue 25, RWKV and short-convolution families.
 RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
@@ -286,6 +289,23 @@ class ModelSpec:
     layer_pattern: str = ""
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    # Gated delta-net layers (names of the Hugging Face configs of Qwen3-Next / Qwen3.5):
+    # linear_conv_kernel: the causal conv's width (``ssm.conv_kernel``); linear_key_head_dim:
+    # the key (and value) head width (``ssm.state_size``); linear_num_key_heads /
+    # linear_num_value_heads: ``ssm.group_count`` / ``ssm.time_step_rank`` (``ssm.inner_size``
+    # is derived); full_attention_interval: every n-th layer is full attention, the others
+    # delta-net.
+    linear_conv_kernel: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    full_attention_interval: int = 0
+    # kda_head_dim: Kimi Delta Attention's head width (``kda.head_dim``); its layers are the
+    # full_attention_interval pattern's recurrent ones (KV heads 0 per layer in the file).
+    kda_head_dim: int = 0
+    # n_nextn: multi-token-prediction (NextN) blocks after the n_layer trunk blocks
+    # (``nextn_predict_layers``; ``block_count`` then counts both).
+    n_nextn: int = 0
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     # wkv_head_size: RWKV head width (n_head * wkv_head_size == n_embd); time_mix_extra_dim,
@@ -660,6 +680,29 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     },
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    # Qwen3.5: delta-net layers with full attention every 3rd (see tiny_delta_net).
+    "qwen35": tiny_delta_net,
+    # Qwen3.5-MoE / Qwen3-Next: the same layers; 8 experts of which 2 are used, a gated shared
+    # expert as wide as n_embd.
+    "qwen35moe": lambda n: {**tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n},
+    "qwen3next": lambda n: {**tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n},
+    # MiniMax-Text-01: lightning attention with softmax attention every 3rd layer (R R A R, as
+    # above), half of each head rotated, experts as wide as n_ff, residual scale 2.
+    "minimax-01": lambda n: {
+        **_tiny_moe(n), "n_ff": n // 2, "n_ff_exp": n // 2, "rope_dim": n // 8,
+        "full_attention_interval": 3, "residual_scale": 2.0,
+    },
+    # Kimi-Linear: KDA (heads of 32) with MLA every 3rd layer (R R A R; MLA widths as the tiny
+    # deepseek2's, one latent KV head), a leading dense block, sigmoid experts plus a shared one.
+    "kimi-linear": lambda n: {
+        **_tiny_deepseek2(n), "q_lora_rank": 0, "expert_weights_norm": False,
+        "kda_head_dim": n // 2, "linear_conv_kernel": 4, "full_attention_interval": 3,
+    },
+    # Ling 2.5 (bailingmoe3): the same layer pattern, low-rank q as the tiny deepseek2's.
+    "bailingmoe3": lambda n: {
+        **_tiny_deepseek2(n), "kda_head_dim": n // 2, "linear_conv_kernel": 4,
+        "full_attention_interval": 3,
+    },
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     # LFM2: conv, conv, attention, conv, so the tests' cuts fall inside the run of conv layers
@@ -1022,6 +1065,47 @@ def nemotron_h_8b_8l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec
     )
 
 
+def qwen35moe_35b_a3b_8l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
+    """Qwen3.5-35B-A3B's block shape with 8 of its 40 layers (two of its ten groups of three
+    Gated DeltaNet layers and one gated-attention layer); issue 25's real hybrid shape.
+
+    Each block is Qwen3.5-35B-A3B's (n_embd 2048; delta-net with 16 key / 32 value heads of
+    128 and a 4-wide conv; attention with 16 query / 2 KV heads of 256, a quarter of each
+    rotated (M-RoPE sections 11/11/10), base 1e7; 256 experts of width 512, 8 used, plus a
+    gated shared expert of 512). The 248320-token vocab is replaced by the 32000-token SPM one
+    and the multi-token-prediction block is left out (llama.cpp does not load it), so the file
+    is about 7.3 GB in Q8_0, the experts 94% of it; it is written one tensor at a time (under
+    1 GB of memory).
+    """
+    return ModelSpec(
+        arch="qwen35moe",
+        n_layer=8,
+        n_embd=2048,
+        n_ff=512,
+        n_head=16,
+        n_head_kv=2,
+        head_dim=256,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=False,
+        context_length=262144,
+        rope_theta=10_000_000.0,
+        rms_eps=1e-6,
+        seed=seed,
+        name="skippy-qwen35moe-35b-a3b-8l-shape",
+        rope_dim=64,
+        n_expert=256,
+        n_expert_used=8,
+        n_ff_exp=512,
+        n_ff_shexp=512,
+        linear_conv_kernel=4,
+        linear_key_head_dim=128,
+        linear_num_key_heads=16,
+        linear_num_value_heads=32,
+        full_attention_interval=4,
+    )
+
+
 #: Named presets; each is a zero-argument factory.
 PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
@@ -1039,7 +1123,8 @@ PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "qwen3moe-30b-a3b-8e": qwen3moe_30b_a3b_8e,
     "gpt-oss-20b-4l": gpt_oss_20b_4l,
     "nemotron-h-8b-8l": nemotron_h_8b_8l,
-    **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in SSM_ARCHITECTURES},
+    **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in LATER_ARCHITECTURES},
+    "qwen35moe-35b-a3b-8l": qwen35moe_35b_a3b_8l,
 }
 
 

@@ -24,7 +24,7 @@
 #   embedding is N(0, 1/n_embd) (a tied head then gives logits of about unit spread), norm
 #   weights are uniform in [0.6, 1.4] (not 1.0, so a pre/post-norm mix-up changes the output),
 #   biases (q/k/v, attention output, experts, expert-selection) are N(0, 0.1^2), gpt-oss
-#   attention sinks N(0, 1). Routers are N(0, 1/n_embd) like any matrix, so router logits of
+#   attention sinks N(0, 1), recurrent decay rates (delta-net ssm_a) -U(0.05, 0.5). Routers are N(0, 1/n_embd) like any matrix, so router logits of
 #   unit-RMS hidden states have unit spread and top-k picks different experts per token.
 #   Stacked 3-D expert tensors are drawn as one (n_expert * rows, fan_in) matrix.
 # - Storage: 2-D matrices and 3-D experts in the spec's dtype (F16 by numpy cast, Q8_0 by
@@ -89,11 +89,11 @@ _CHUNK_VALUES: Final = 1 << 24
 
 _NORM_LOW: Final = 0.6
 _NORM_HIGH: Final = 1.4
-#: A of the state-space families is uniform in [-1.0, -0.1]: with dt = softplus(...) near 0.7
-#: the state keeps 50-93% per token, so it carries over many tokens (and across a split).
-_DECAY_LOW: Final = 0.1
-_DECAY_HIGH: Final = 1.0
 _BIAS_STD: Final = 0.1
+#: Recurrent decay rates (kind "decay": Mamba's A, delta-net's ssm_a) are -uniform(0.05, 0.5): a
+#: state that fades over a few tokens to a few dozen, so it carries the prompt across a split.
+_DECAY_LOW: Final = 0.05
+_DECAY_HIGH: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,13 +243,15 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_name(spec.name)
     writer.add_file_type(int(_FILE_TYPES[spec.dtype]))
     writer.add_quantization_version(GGML_QUANT_VERSION)
-    writer.add_block_count(spec.n_layer)
+    specific = family_keys(spec)
+    # A family key of the same name replaces a base one (per-layer head counts and widths, a block
+    # count with MTP blocks), or drops it when its value is None (a pure-SSM model has no
+    # attention keys).
+    replaced = {key.removeprefix(f"{spec.arch}.") for key, _, _ in specific}
+    if "block_count" not in replaced:
+        writer.add_block_count(spec.n_layer)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
-    specific = family_keys(spec)
-    # A family key of the same name replaces a base one (per-layer head counts and widths), or
-    # drops it when its value is None (a pure-SSM model has no attention keys).
-    replaced = {key.removeprefix(f"{spec.arch}.") for key, _, _ in specific}
     widths = family(spec.arch).head_widths
     key_length, value_length = widths(spec) if widths else (spec.key_length, spec.value_length)
     base: list[tuple[str, Callable[[], None]]] = [
