@@ -82,7 +82,7 @@ SPLIT += ()
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 SPLIT += (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).

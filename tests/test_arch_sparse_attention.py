@@ -24,7 +24,7 @@ from skippy.models.blocks_moe import GLM_5_2_CONTEXT, glm_dsa_indexer_is_full
 from skippy.runtime import ModelLoadError
 
 #: The sparse-attention families (the fast suite checks deepseek32's selection).
-SPARSE = ["deepseek32", "glm-dsa"]
+SPARSE = ["deepseek32", "glm-dsa", "dots3note"]
 
 
 @pytest.mark.parametrize(

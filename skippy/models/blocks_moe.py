@@ -25,6 +25,9 @@ __all__ = [
     "chunk_experts",
     "indexer",
     "deepseek32",
+    "dots3note",
+    "dots3note_is_swa",
+    "dots3note_keys",
     "dsa_indexer",
     "mla_attention",
     "bailingmoe",
@@ -253,3 +256,53 @@ def step35(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     if layer < spec.n_dense_lead:
         return attention + b.dense_ffn(spec, layer)
     return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="own")
+
+
+def dots3note_is_swa(layer: int) -> bool:
+    """dots3note's layout here: a full-attention (sparse, indexed) layer closing every group of
+    4, sliding-window layers before it (the file states both per layer, as arrays)."""
+    return layer % 4 != 3
+
+
+def dots3note_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    # The MLA widths of both layer kinds (the sliding-window ones have their own latent rank),
+    # the KV cache's per-kind key/value widths, and the per-layer pattern and indexer arrays.
+    swa = [dots3note_is_swa(layer) for layer in range(spec.n_layer)]
+    u32 = GGUFValueType.UINT32
+    return [
+        ("attention.key_length_mla", spec.n_embd_head, u32),
+        ("attention.key_length_mla_swa", spec.n_embd_head, u32),
+        ("attention.value_length_mla_swa", spec.v_head_dim, u32),
+        ("attention.key_length_swa", spec.kv_lora_rank_swa + spec.n_rot, u32),
+        ("attention.value_length_swa", spec.kv_lora_rank_swa, u32),
+        ("attention.sliding_window_pattern", [int(s) for s in swa], GGUFValueType.ARRAY),
+        ("attention.indexer.types", [int(not s) for s in swa], GGUFValueType.ARRAY),
+    ]
+
+
+def dots3note(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # dots3note: MLA on every layer (the sliding-window ones with a smaller latent), a norm on
+    # the shared rope key, a head-wise sigmoid output gate, the DSA lightning indexer on the
+    # full-attention layers; leading dense blocks, then sigmoid experts with a selection bias
+    # and shared experts.
+    swa = dots3note_is_swa(layer)
+    kv_rank = spec.kv_lora_rank_swa if swa else spec.kv_lora_rank
+    e, heads, nope = spec.n_embd, spec.n_head, spec.n_embd_head - spec.n_rot
+    out = [
+        b.norm(layer, "attn_norm", e),
+        b.norm(layer, "attn_q_a_norm", spec.q_lora_rank),
+        b.norm(layer, "attn_kv_a_norm", kv_rank),
+        b.norm(layer, "attn_k_norm", spec.n_rot),
+        b.matrix(layer, "attn_q_a", spec.q_lora_rank, e),
+        b.matrix(layer, "attn_q_b", heads * spec.n_embd_head, spec.q_lora_rank),
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
+        TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
+        TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+        b.matrix(layer, "attn_output", e, heads * spec.v_head_dim),
+        b.matrix(layer, "attn_gate", heads, e),
+    ]
+    if not swa:
+        out += dsa_indexer(spec, layer)
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")

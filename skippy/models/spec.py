@@ -95,7 +95,7 @@ _DenseArchitecture = Literal["llama"]
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal[
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note",
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -139,7 +139,7 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -217,6 +217,7 @@ class ModelSpec:
         indexer_n_head, indexer_head_size, indexer_top_k: the lightning indexer of DeepSeek
             sparse attention (query heads, the width of its heads, how many keys each query
             keeps).
+        kv_lora_rank_swa: the latent KV width of dots3note's sliding-window MLA layers.
     """
 
     arch: Architecture
@@ -278,6 +279,7 @@ class ModelSpec:
     indexer_n_head: int = 0
     indexer_head_size: int = 0
     indexer_top_k: int = 0
+    kv_lora_rank_swa: int = 0
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -621,6 +623,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # GLM-5's layout (every layer has its own indexer: a 2048-token training context); the
     # tests give GLM-5.2's shared-indexer layers a context of GLM_5_2_CONTEXT.
     "glm-dsa": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
+    # dots3note: layers 0-2 a window of 8 with a latent of 32, layer 3 sparse full attention.
+    "dots3note": lambda n: {
+        **_tiny_deepseek2(n), **_tiny_dsa(n), "kv_lora_rank_swa": n // 2,
+        "sliding_window": TINY_SLIDING_WINDOW, "rope_theta_swa": 10000.0,
+    },
     # Step 3.5: layer 0 full attention (and the dense block), layers 1-3 a window of 8.
     "step35": lambda n: {
         **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
