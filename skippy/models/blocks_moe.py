@@ -40,6 +40,8 @@ __all__ = [
     "grok",
     "grovemoe",
     "hy_v3",
+    "minimax_m3",
+    "msa_indexer",
     "step35",
     "step35_is_swa",
     "step35_keys",
@@ -306,3 +308,30 @@ def dots3note(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     if layer < spec.n_dense_lead:
         return out + b.dense_ffn(spec, layer)
     return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def msa_indexer(spec: "ModelSpec") -> str | None:
+    # MiniMax sparse attention scores blocks of positions with one indexer head per KV head,
+    # rotating its first rope_dim values.
+    if spec.indexer_n_head != spec.n_head_kv:
+        return f"{spec.arch} needs indexer_n_head == n_head_kv (one indexer head per KV head)"
+    if spec.n_rot > spec.indexer_head_size:
+        return f"{spec.arch} needs rope_dim <= indexer_head_size"
+    return None
+
+
+def minimax_m3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # MiniMax-M3: MiniMax-M2's attention (per-head q/k norms, partial rope); leading dense
+    # blocks, then sigmoid experts with a selection bias plus shared experts and the MSA indexer
+    # (its own q/k projections and norms) in every sparse block.
+    attention = b.attention(spec, layer, qk_norm="head")
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    width, heads = spec.indexer_head_size, spec.indexer_n_head
+    indexer = [
+        b.matrix(layer, "indexer.q_proj", heads * width, spec.n_embd),
+        b.matrix(layer, "indexer.k_proj", width, spec.n_embd),
+        b.norm(layer, "indexer.q_norm", width),
+        b.norm(layer, "indexer.k_norm", width),
+    ]
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="plain") + indexer

@@ -105,6 +105,8 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "indexer_head_size": OptionalKey("attention.indexer.key_length", GGUFValueType.UINT32),
     "indexer_top_k": OptionalKey("attention.indexer.top_k", GGUFValueType.UINT32),
     "kv_lora_rank_swa": OptionalKey("attention.kv_lora_rank_swa", GGUFValueType.UINT32),
+    "indexer_block_size": OptionalKey("attention.indexer.block_size", GGUFValueType.UINT32),
+    "indexer_local_blocks": OptionalKey("attention.indexer.local_blocks", GGUFValueType.UINT32),
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -741,6 +743,17 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="dots3note: MLA with a head-wise output gate on sliding-window layers (own "
             "latent rank) and on full-attention layers with DeepSeek sparse attention, leading "
             "dense blocks, sigmoid experts with a selection bias and shared experts",
+        ),
+        Family(
+            "minimax-m3", _UNTIED, bm.minimax_m3,
+            requires=_MOE | bm.DSA | {
+                "n_expert_shared", "expert_gating", "indexer_block_size", "indexer_local_blocks",
+            },
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.experts, b.dense_lead_below_n_layer, bm.msa_indexer),
+            summary="MiniMax-M3: MiniMax-M2's attention, leading dense blocks, sigmoid experts "
+            "with a selection bias and shared experts, MiniMax sparse attention (top-k blocks "
+            "of positions; with flash attention on and one sequence per cache stream)",
         ),
         Family(
             "step35", _UNTIED, bm.step35,

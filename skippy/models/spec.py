@@ -95,7 +95,7 @@ _DenseArchitecture = Literal["llama"]
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal[
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note", "minimax-m3",
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -139,7 +139,7 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note", "minimax-m3",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -218,6 +218,8 @@ class ModelSpec:
             sparse attention (query heads, the width of its heads, how many keys each query
             keeps).
         kv_lora_rank_swa: the latent KV width of dots3note's sliding-window MLA layers.
+        indexer_block_size, indexer_local_blocks: MiniMax sparse attention's blocks of positions
+            (its indexer_top_k counts blocks) and how many recent blocks it always keeps.
     """
 
     arch: Architecture
@@ -280,6 +282,8 @@ class ModelSpec:
     indexer_head_size: int = 0
     indexer_top_k: int = 0
     kv_lora_rank_swa: int = 0
+    indexer_block_size: int = 0
+    indexer_local_blocks: int = 0
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #
@@ -627,6 +631,14 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "dots3note": lambda n: {
         **_tiny_deepseek2(n), **_tiny_dsa(n), "kv_lora_rank_swa": n // 2,
         "sliding_window": TINY_SLIDING_WINDOW, "rope_theta_swa": 10000.0,
+    },
+    # MiniMax-M3: blocks of 4 positions, each query keeping its 2 best blocks (the latest one
+    # always among them), so over the 20-token prompt (5 blocks) later queries drop positions.
+    "minimax-m3": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "rope_dim": n // 4, "n_dense_lead": 1,
+        "n_expert_shared": 1, "expert_gating": 2, "expert_weights_norm": True,
+        "expert_weights_scale": 2.5, "indexer_n_head": 2, "indexer_head_size": n // 2,
+        "indexer_top_k": 2, "indexer_block_size": 4, "indexer_local_blocks": 1,
     },
     # Step 3.5: layer 0 full attention (and the dense block), layers 1-3 a window of 8.
     "step35": lambda n: {

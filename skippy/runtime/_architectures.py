@@ -56,6 +56,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'seed_oss',
     'grovemoe',
     'minimax-m2',
+    'minimax-m3',
     'mistral3',
     'step35',
 })
@@ -145,7 +146,6 @@ REFUSED: Final[dict[str, str]] = {
     'apertus': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'minimax-01': 'needs review: the graph uses n_layer outside the layer loop',
     'hrm_text': 'graph does not follow the standard layer loop (expected one `for (int il = 0; il < n_layer; ++il)`, found 0)',
-    'minimax-m3': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'cogvlm': 'graph does not follow the standard layer loop (no `il == n_layer - 1` (output-row selection) in the layer loop)',
     'rnd1': 'encoder or embedding model: no KV cache, no causal generation',
     'pangu-embedded': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
