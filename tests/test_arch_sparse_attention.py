@@ -54,7 +54,8 @@ def chain_of(arch: str, path: Path, splits: Split) -> InProcessChain:
 
 
 @pytest.mark.parametrize(
-    "arch", [pytest.param(a, marks=() if a == "deepseek32" else (pytest.mark.slow,)) for a in SPARSE]
+    "arch",
+    [pytest.param(a, marks=() if a == "deepseek32" else (pytest.mark.slow,)) for a in SPARSE],
 )
 def test_sparse_selection_is_in_effect(arch: str) -> None:
     spec = tiny(arch)  # type: ignore[arg-type]
@@ -81,11 +82,13 @@ def test_glm_5_2_cuts_before_full_indexer_layers_only() -> None:
     with InProcessChain(path, [(0, spec.n_layer)], threads=THREADS) as whole:
         expected, expected_tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
     # the shared layer changes the model: the GLM-5 layout (own indexer everywhere) differs
-    with InProcessChain(ensure_model(tiny("glm-dsa")), [(0, spec.n_layer)], threads=THREADS) as other:
+    glm_5 = ensure_model(tiny("glm-dsa"))
+    with InProcessChain(glm_5, [(0, spec.n_layer)], threads=THREADS) as other:
         own, _ = greedy_run(other, LONG_PROMPT, steps=0)
     assert max(float(np.abs(a - b).max()) for a, b in zip(own, expected)) > 1e-3
     for split in ([(0, 3), (3, 4)], [(0, 1), (1, 3), (3, 4)]):
-        with pytest.raises(ModelLoadError, match="starting at layer 3: it reuses the sparse-attention"):
+        reason = "starting at layer 3: it reuses the sparse-attention selection"
+        with pytest.raises(ModelLoadError, match=reason):
             InProcessChain(path, split, threads=THREADS)
     for split in ([(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]):
         with InProcessChain(path, split, threads=THREADS) as stages:
@@ -108,4 +111,4 @@ def test_msa_splits_are_bitwise_equal_with_flash_attention(dtype: str) -> None:
             logits, tokens = greedy_run(stages, LONG_PROMPT, steps=STEPS)
         assert tokens == expected_tokens
         for row, (got, want) in enumerate(zip(logits, expected)):
-            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+            assert np.array_equal(got, want), f"{split} row {row}: {np.abs(got - want).max()}"

@@ -709,8 +709,9 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         Family(
             "deepseek32", _BOTH, bm.deepseek32,
-            requires=_MOE | bm.DSA | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim",
-                                    "expert_gating"},
+            requires=_MOE | bm.DSA | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating",
+            },
             permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
             rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
             derived_keys=_deepseek2_keys,
