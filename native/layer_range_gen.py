@@ -89,7 +89,7 @@ SPLIT += (
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 SPLIT += (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note", "minimax-m3",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -100,6 +100,16 @@ SPLIT += ("gemma4",)
 
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
+#: Issue 26, MoE / sparse attention: MiniMax-M3 builds its sparse-attention (MSA) inputs before
+#: the layer loop for the layers past the leading dense ones; a stage holding dense layers only
+#: would leave them unallocated (and setting them fails), so it runs as MSA-less, which changes
+#: nothing for dense layers (they never read those inputs).
+ARCH_EDITS["minimax-m3"] = [(
+    "const bool msa_enabled = fa_on && streams_ok;",
+    "const bool msa_enabled = fa_on && streams_ok && il_end > (int) hparams.n_layer_dense_lead; "
+    "// skippy: a stage of dense layers only has no sparse one",
+    1,
+)]
 
 #: Generic edit: an input transform between the embedding and the layer loop (a position
 #: embedding added, an input norm, a scale) belongs to the first stage, whose input is the

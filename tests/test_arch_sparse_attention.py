@@ -5,7 +5,11 @@ the selection it reuses.
 unsplit. The controls here show that the tiny models do attend sparsely there: with the
 indexer's top-k (8) raised past the cache the logits of the rows that see no more than 8
 positions stay the same and later rows change, so the 20-token prompt makes the indexer drop
-positions. GLM-5.2's layout (glm-dsa with a 1M training context) has "shared" indexer layers
+positions (dots3note's one sparse layer included). MiniMax sparse attention (minimax-m3) runs
+only with flash attention and one sequence per cache stream (else llama.cpp falls back to dense
+attention, which is what the exactness suite's chains check); here its chains run that way, its
+top-2 blocks of 4 positions drop positions past the 8th, and its splits are bitwise equal to
+unsplit as well. GLM-5.2's layout (glm-dsa with a 1M training context) has "shared" indexer layers
 that attend to the previous full layer's selection: a range starting at one is refused by the
 loader with the reason, and cuts before full layers stay exact.
 """
@@ -13,22 +17,45 @@ loader with the reason, and cuts before full layers stay exact.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
 from chain_helpers import InProcessChain, greedy_run
 from test_arch_exactness import LONG_PROMPT, STEPS, THREADS
 
+from skippy.local import LocalChain, Split
 from skippy.models import ensure_model, tiny
 from skippy.models.blocks_moe import GLM_5_2_CONTEXT, glm_dsa_indexer_is_full
+from skippy.offload import OffloadSettings
 from skippy.runtime import ModelLoadError
 
 #: The sparse-attention families (the fast suite checks deepseek32's selection).
-SPARSE = ["deepseek32", "glm-dsa"]
+SPARSE = ["deepseek32", "glm-dsa", "dots3note", "minimax-m3"]
+#: Families whose sparse path needs flash attention and one sequence per stream.
+FLASH_ONLY = {"minimax-m3"}
+SPLITS = [[(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]
+
+
+class FlashChain(InProcessChain):
+    """A chain whose contexts run flash attention on the CPU with one sequence each."""
+
+    def __init__(self, path: Path, splits: Split) -> None:
+        LocalChain.__init__(
+            self, path, splits, n_ctx=512, max_sessions=1, n_batch=64, threads=THREADS,
+            offload=OffloadSettings(devices=("none",), flash_attn="on"),
+        )
+
+
+def chain_of(arch: str, path: Path, splits: Split) -> InProcessChain:
+    if arch in FLASH_ONLY:
+        return FlashChain(path, splits)
+    return InProcessChain(path, splits, threads=THREADS)
 
 
 @pytest.mark.parametrize(
-    "arch", [pytest.param(a, marks=() if a == "deepseek32" else (pytest.mark.slow,)) for a in SPARSE]
+    "arch",
+    [pytest.param(a, marks=() if a == "deepseek32" else (pytest.mark.slow,)) for a in SPARSE],
 )
 def test_sparse_selection_is_in_effect(arch: str) -> None:
     spec = tiny(arch)  # type: ignore[arg-type]
@@ -36,9 +63,9 @@ def test_sparse_selection_is_in_effect(arch: str) -> None:
     n = len(LONG_PROMPT)
     rows = {}
     for label, s in (("sparse", spec), ("dense", dense)):
-        with InProcessChain(ensure_model(s), [(0, s.n_layer)], threads=THREADS) as whole:
+        with chain_of(arch, ensure_model(s), [(0, s.n_layer)]) as whole:
             rows[label] = whole.decode(LONG_PROMPT, list(range(n)), [0] * n, [True] * n)
-    keep = spec.indexer_top_k
+    keep = spec.indexer_top_k * (spec.indexer_block_size or 1)  # MSA counts blocks
     assert keep < n
     for row in range(keep):
         np.testing.assert_allclose(rows["sparse"][row], rows["dense"][row], rtol=0, atol=1e-4)
@@ -55,11 +82,13 @@ def test_glm_5_2_cuts_before_full_indexer_layers_only() -> None:
     with InProcessChain(path, [(0, spec.n_layer)], threads=THREADS) as whole:
         expected, expected_tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
     # the shared layer changes the model: the GLM-5 layout (own indexer everywhere) differs
-    with InProcessChain(ensure_model(tiny("glm-dsa")), [(0, spec.n_layer)], threads=THREADS) as other:
+    glm_5 = ensure_model(tiny("glm-dsa"))
+    with InProcessChain(glm_5, [(0, spec.n_layer)], threads=THREADS) as other:
         own, _ = greedy_run(other, LONG_PROMPT, steps=0)
     assert max(float(np.abs(a - b).max()) for a, b in zip(own, expected)) > 1e-3
     for split in ([(0, 3), (3, 4)], [(0, 1), (1, 3), (3, 4)]):
-        with pytest.raises(ModelLoadError, match="starting at layer 3: it reuses the sparse-attention"):
+        reason = "starting at layer 3: it reuses the sparse-attention selection"
+        with pytest.raises(ModelLoadError, match=reason):
             InProcessChain(path, split, threads=THREADS)
     for split in ([(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]):
         with InProcessChain(path, split, threads=THREADS) as stages:
@@ -67,3 +96,19 @@ def test_glm_5_2_cuts_before_full_indexer_layers_only() -> None:
         assert tokens == expected_tokens
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}"
+
+
+@pytest.mark.parametrize("dtype", [pytest.param(d, marks=() if d == "F32" else (pytest.mark.slow,))
+                                   for d in ("F32", "F16", "Q8_0")])
+def test_msa_splits_are_bitwise_equal_with_flash_attention(dtype: str) -> None:
+    spec = tiny("minimax-m3", dtype=dtype)  # type: ignore[arg-type]
+    path = ensure_model(spec)
+    with FlashChain(path, [(0, spec.n_layer)]) as whole:
+        expected, expected_tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)
+    assert float(np.std(expected[-1])) > 0.02
+    for split in SPLITS:
+        with FlashChain(path, split) as stages:
+            logits, tokens = greedy_run(stages, LONG_PROMPT, steps=STEPS)
+        assert tokens == expected_tokens
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: {np.abs(got - want).max()}"

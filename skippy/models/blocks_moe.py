@@ -25,6 +25,9 @@ __all__ = [
     "chunk_experts",
     "indexer",
     "deepseek32",
+    "dots3note",
+    "dots3note_is_swa",
+    "dots3note_keys",
     "dsa_indexer",
     "mla_attention",
     "bailingmoe",
@@ -37,6 +40,8 @@ __all__ = [
     "grok",
     "grovemoe",
     "hy_v3",
+    "minimax_m3",
+    "msa_indexer",
     "step35",
     "step35_is_swa",
     "step35_keys",
@@ -253,3 +258,80 @@ def step35(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     if layer < spec.n_dense_lead:
         return attention + b.dense_ffn(spec, layer)
     return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="own")
+
+
+def dots3note_is_swa(layer: int) -> bool:
+    """dots3note's layout here: a full-attention (sparse, indexed) layer closing every group of
+    4, sliding-window layers before it (the file states both per layer, as arrays)."""
+    return layer % 4 != 3
+
+
+def dots3note_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    # The MLA widths of both layer kinds (the sliding-window ones have their own latent rank),
+    # the KV cache's per-kind key/value widths, and the per-layer pattern and indexer arrays.
+    swa = [dots3note_is_swa(layer) for layer in range(spec.n_layer)]
+    u32 = GGUFValueType.UINT32
+    return [
+        ("attention.key_length_mla", spec.n_embd_head, u32),
+        ("attention.key_length_mla_swa", spec.n_embd_head, u32),
+        ("attention.value_length_mla_swa", spec.v_head_dim, u32),
+        ("attention.key_length_swa", spec.kv_lora_rank_swa + spec.n_rot, u32),
+        ("attention.value_length_swa", spec.kv_lora_rank_swa, u32),
+        ("attention.sliding_window_pattern", [int(s) for s in swa], GGUFValueType.ARRAY),
+        ("attention.indexer.types", [int(not s) for s in swa], GGUFValueType.ARRAY),
+    ]
+
+
+def dots3note(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # dots3note: MLA on every layer (the sliding-window ones with a smaller latent), a norm on
+    # the shared rope key, a head-wise sigmoid output gate, the DSA lightning indexer on the
+    # full-attention layers; leading dense blocks, then sigmoid experts with a selection bias
+    # and shared experts.
+    swa = dots3note_is_swa(layer)
+    kv_rank = spec.kv_lora_rank_swa if swa else spec.kv_lora_rank
+    e, heads, nope = spec.n_embd, spec.n_head, spec.n_embd_head - spec.n_rot
+    out = [
+        b.norm(layer, "attn_norm", e),
+        b.norm(layer, "attn_q_a_norm", spec.q_lora_rank),
+        b.norm(layer, "attn_kv_a_norm", kv_rank),
+        b.norm(layer, "attn_k_norm", spec.n_rot),
+        b.matrix(layer, "attn_q_a", spec.q_lora_rank, e),
+        b.matrix(layer, "attn_q_b", heads * spec.n_embd_head, spec.q_lora_rank),
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
+        TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, nope), "matrix", True),
+        TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+        b.matrix(layer, "attn_output", e, heads * spec.v_head_dim),
+        b.matrix(layer, "attn_gate", heads, e),
+    ]
+    if not swa:
+        out += dsa_indexer(spec, layer)
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def msa_indexer(spec: "ModelSpec") -> str | None:
+    # MiniMax sparse attention scores blocks of positions with one indexer head per KV head,
+    # rotating its first rope_dim values.
+    if spec.indexer_n_head != spec.n_head_kv:
+        return f"{spec.arch} needs indexer_n_head == n_head_kv (one indexer head per KV head)"
+    if spec.n_rot > spec.indexer_head_size:
+        return f"{spec.arch} needs rope_dim <= indexer_head_size"
+    return None
+
+
+def minimax_m3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # MiniMax-M3: MiniMax-M2's attention (per-head q/k norms, partial rope); leading dense
+    # blocks, then sigmoid experts with a selection bias plus shared experts and the MSA indexer
+    # (its own q/k projections and norms) in every sparse block.
+    attention = b.attention(spec, layer, qk_norm="head")
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    width, heads = spec.indexer_head_size, spec.indexer_n_head
+    indexer = [
+        b.matrix(layer, "indexer.q_proj", heads * width, spec.n_embd),
+        b.matrix(layer, "indexer.k_proj", width, spec.n_embd),
+        b.norm(layer, "indexer.q_norm", width),
+        b.norm(layer, "indexer.k_norm", width),
+    ]
+    return attention + b.moe_ffn(spec, layer, selection_bias=True, shared="plain") + indexer

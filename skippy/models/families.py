@@ -134,6 +134,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "indexer_n_head": OptionalKey("attention.indexer.head_count", GGUFValueType.UINT32),
     "indexer_head_size": OptionalKey("attention.indexer.key_length", GGUFValueType.UINT32),
     "indexer_top_k": OptionalKey("attention.indexer.top_k", GGUFValueType.UINT32),
+    "kv_lora_rank_swa": OptionalKey("attention.kv_lora_rank_swa", GGUFValueType.UINT32),
+    "indexer_block_size": OptionalKey("attention.indexer.block_size", GGUFValueType.UINT32),
+    "indexer_local_blocks": OptionalKey("attention.indexer.local_blocks", GGUFValueType.UINT32),
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     "max_alibi_bias": OptionalKey("attention.max_alibi_bias", GGUFValueType.FLOAT32),
@@ -1061,8 +1064,9 @@ FAMILIES: Final[dict[str, Family]] = {
         ),
         Family(
             "deepseek32", _BOTH, bm.deepseek32,
-            requires=_MOE | bm.DSA | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim",
-                                    "expert_gating"},
+            requires=_MOE | bm.DSA | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating",
+            },
             permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
             rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
             derived_keys=_deepseek2_keys,
@@ -1082,6 +1086,30 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="GLM-5 / 5.1 / 5.2 (glm-dsa): MLA, sigmoid experts and DeepSeek sparse "
             "attention; GLM-5.2's layout (a training context of 1M) has shared-indexer layers "
             "reusing the previous full layer's selection",
+        ),
+        Family(
+            "dots3note", _BOTH, bm.dots3note,
+            requires=_MOE | bm.DSA | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating",
+                "n_dense_lead", "kv_lora_rank_swa", "sliding_window", "rope_theta_swa",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer),
+            derived_keys=bm.dots3note_keys,
+            summary="dots3note: MLA with a head-wise output gate on sliding-window layers (own "
+            "latent rank) and on full-attention layers with DeepSeek sparse attention, leading "
+            "dense blocks, sigmoid experts with a selection bias and shared experts",
+        ),
+        Family(
+            "minimax-m3", _UNTIED, bm.minimax_m3,
+            requires=_MOE | bm.DSA | {
+                "n_expert_shared", "expert_gating", "indexer_block_size", "indexer_local_blocks",
+            },
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.experts, b.dense_lead_below_n_layer, bm.msa_indexer),
+            summary="MiniMax-M3: MiniMax-M2's attention, leading dense blocks, sigmoid experts "
+            "with a selection bias and shared experts, MiniMax sparse attention (top-k blocks "
+            "of positions; with flash attention on and one sequence per cache stream)",
         ),
         Family(
             "step35", _UNTIED, bm.step35,

@@ -103,7 +103,7 @@ _DenseArchitecture = Literal[
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 _MoeArchitecture = Literal[
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note", "minimax-m3",
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -152,7 +152,7 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_DenseArchitectu
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "deepseek", "dbrx", "grok", "arctic", "cohere2moe", "exaone-moe", "bailingmoe", "grovemoe",
-    "hy_v3", "deepseek32", "glm-dsa", "step35",
+    "hy_v3", "deepseek32", "glm-dsa", "step35", "dots3note", "minimax-m3",
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
@@ -230,6 +230,9 @@ class ModelSpec:
         indexer_n_head, indexer_head_size, indexer_top_k: the lightning indexer of DeepSeek
             sparse attention (query heads, the width of its heads, how many keys each query
             keeps).
+        kv_lora_rank_swa: the latent KV width of dots3note's sliding-window MLA layers.
+        indexer_block_size, indexer_local_blocks: MiniMax sparse attention's blocks of positions
+            (its indexer_top_k counts blocks) and how many recent blocks it always keeps.
     """
 
     arch: Architecture
@@ -335,6 +338,9 @@ class ModelSpec:
     indexer_n_head: int = 0
     indexer_head_size: int = 0
     indexer_top_k: int = 0
+    kv_lora_rank_swa: int = 0
+    indexer_block_size: int = 0
+    indexer_local_blocks: int = 0
     #
     # --- issue 26: grown rules (keep this group's entries below this line) ---
     #: ALiBi's largest head slope exponent (MPT; BLOOM's loader fixes it at 8).
@@ -812,6 +818,19 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # GLM-5's layout (every layer has its own indexer: a 2048-token training context); the
     # tests give GLM-5.2's shared-indexer layers a context of GLM_5_2_CONTEXT.
     "glm-dsa": lambda n: {**_tiny_deepseek2(n), **_tiny_dsa(n)},
+    # dots3note: layers 0-2 a window of 8 with a latent of 32, layer 3 sparse full attention.
+    "dots3note": lambda n: {
+        **_tiny_deepseek2(n), **_tiny_dsa(n), "kv_lora_rank_swa": n // 2,
+        "sliding_window": TINY_SLIDING_WINDOW, "rope_theta_swa": 10000.0,
+    },
+    # MiniMax-M3: blocks of 4 positions, each query keeping its 2 best blocks (the latest one
+    # always among them), so over the 20-token prompt (5 blocks) later queries drop positions.
+    "minimax-m3": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "rope_dim": n // 4, "n_dense_lead": 1,
+        "n_expert_shared": 1, "expert_gating": 2, "expert_weights_norm": True,
+        "expert_weights_scale": 2.5, "indexer_n_head": 2, "indexer_head_size": n // 2,
+        "indexer_top_k": 2, "indexer_block_size": 4, "indexer_local_blocks": 1,
+    },
     # Step 3.5: layer 0 full attention (and the dense block), layers 1-3 a window of 8.
     "step35": lambda n: {
         **_tiny_moe(n), "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW,
