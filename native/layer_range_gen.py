@@ -80,7 +80,7 @@ SPLIT += ()
 SPLIT += (
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci", "laguna",
 )
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.

@@ -102,6 +102,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "layer_n_head": OptionalKey("attention.head_count", GGUFValueType.ARRAY),
     "layer_n_head_kv": OptionalKey("attention.head_count_kv", GGUFValueType.ARRAY),
     "layer_n_ff": OptionalKey("feed_forward_length", GGUFValueType.ARRAY),
+    "rope_dim_swa": OptionalKey("rope.dimension_count_swa", GGUFValueType.UINT32),
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -651,6 +652,19 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Llama-3_1-Nemotron-51B (deci): per-layer heads and MLP widths, with "
             "attention-free layers (no heads) and \"linear attention\" layers (no KV heads: "
             "attn_output only)",
+        ),
+        Family(
+            "laguna", _BOTH, dense.laguna,
+            requires=_MOE | {"n_dense_lead", "layer_n_head"},
+            permits=_SWA | _YARN | {
+                "rope_theta_swa", "rope_dim_swa", "n_ff_shexp", "expert_weights_scale",
+                "expert_weights_norm", "expert_gating",
+            },
+            rules=(b.experts, b.window, b.yarn, b.dense_lead_below_n_layer, dense.per_layer_shapes),
+            summary="Laguna XS.2: per-layer query heads, per-head softplus attention gate, "
+            "q/k norms, global layers with partial yarn rope and sliding-window ones with whole "
+            "plain rope, a leading dense block, sigmoid experts with a selection bias and a "
+            "shared expert",
         ),
         Family(
             "plm", _TIED, dense.plm,

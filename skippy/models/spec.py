@@ -93,7 +93,7 @@ _RwkvConvArchitecture = Literal["llama"]
 _DenseArchitecture = Literal[
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci", "laguna",
 ]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -267,6 +267,7 @@ class ModelSpec:
     layer_n_head: tuple[int, ...] = ()
     layer_n_head_kv: tuple[int, ...] = ()
     layer_n_ff: tuple[int, ...] = ()
+    rope_dim_swa: int = 0
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
@@ -599,6 +600,17 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "deci": lambda n: {
         "layer_n_head": (4, 0, 4, 4), "layer_n_head_kv": (2, 0, 0, 2),
         "layer_n_ff": (2 * n, n, 3 * n, 2 * n),
+    },
+    # Laguna XS.2's layout at width 64: global layers (0, 2) with 4 heads, yarn over half of
+    # each 32-wide head, sliding-window layers (1, 3) with 8 heads and plain rope over the whole
+    # head; block 0 dense, then 8 sigmoid experts (2 used) plus a shared one.
+    "laguna": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "rope_dim": n // 4, "rope_dim_swa": n // 2,
+        "layer_n_head": (4, 8, 4, 8), "n_ff_shexp": n, "n_dense_lead": 1, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta": 500000.0,
+        "rope_theta_swa": 10000.0, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+        "rope_orig_ctx": 16,
     },
     # PLM-1.8B's ratios at width 64: keys of 32 nope + 16 rope, values of 32, a latent of 32.
     "plm": lambda n: {
