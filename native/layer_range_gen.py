@@ -20,7 +20,8 @@ would make a split wrong (another use of ``n_layer``, the token embeddings, the 
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
 that a layer range cannot carry (recurrent state, cross-layer KV sharing, per-layer token
-embeddings, an encoder), are refused with that reason.
+embeddings, an encoder), are refused with that reason; so are the few the rules reach that cannot
+split for a reason of the model itself (``INHERENT``: e.g. a TTS backbone without an LM head).
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -91,6 +92,19 @@ SPLIT += ()
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ()
+
+#: Architectures whose graph the rules would transform but which cannot be split for a reason of
+#: the model itself, with that reason (refused at load time like the rest).
+INHERENT: dict[str, str] = {}
+#
+#: Issue 26, dense.
+INHERENT |= {
+    "pockettts": (
+        "not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused);"
+        " its final hidden states feed the audio flow network in the mmproj, which a stage chain"
+        " (ending in logits and sampled tokens) does not run"
+    ),
+}
 
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
@@ -347,9 +361,17 @@ def classify(src: Path, archs: list[Arch]) -> None:
                 arch.status = "splits"
                 arch.reason = "tested: bitwise-exact splits on synthetic models"
                 arch.new_text = {f"src/models/{main[0]}": new_text}
+            elif arch.name in INHERENT:
+                arch.reason = INHERENT[arch.name]
             else:
                 arch.reason = ("not validated: the layer-loop rules apply, but no synthetic writer and "
                                "exactness test cover it yet")
+    both = set(SPLIT) & set(INHERENT)
+    if both:
+        raise SystemExit(f"architectures both split and refused as inherent: {sorted(both)}")
+    stale = set(INHERENT) - {a.name for a in archs if a.reason == INHERENT.get(a.name)}
+    if stale:
+        raise SystemExit(f"INHERENT names architectures the rules do not reach: {sorted(stale)}")
     missing = set(SPLIT) - {a.name for a in archs if a.status == "splits"}
     if missing:
         detail = "; ".join(f"{a.name}: {a.reason}" for a in archs if a.name in missing)

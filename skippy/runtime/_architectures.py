@@ -164,5 +164,5 @@ REFUSED: Final[dict[str, str]] = {
     'talkie': 'needs review: the graph transforms the input before the layer loop (it would run on every stage)',
     'nanbeige': 'graph does not follow the standard layer loop (the layer loop does not end with `inpL = cur;`)',
     'qwen3tts': 'graph does not follow the standard layer loop (no single token-input graph)',
-    'pockettts': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
+    'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
