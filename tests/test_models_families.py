@@ -382,6 +382,9 @@ COMMON_KEYS = {
     "attention.head_count_kv", "attention.key_length_mla",
 }
 
+#: Keys every file has, which an optional per-layer field (OpenELM, DeciLM, Laguna) replaces.
+BASE_KEYS = {"attention.head_count", "attention.head_count_kv", "feed_forward_length"}
+
 #: Tensors stored F32 whatever the file's dtype: 1-D ones, biases and routers.
 def _always_f32(name: str, ne: tuple[int, ...]) -> bool:
     return len(ne) == 1 or name.endswith(".bias") or ".ffn_gate_inp" in name
@@ -443,8 +446,9 @@ def test_family_file_has_the_loaders_tensors_and_keys(config: tuple[str, str, bo
     for suffix, value in EXPECTED_KEYS[arch].items():
         got = fields.get(f"{arch}.{suffix}")
         assert got == (pytest.approx(value) if isinstance(value, float) else value), suffix
-    # No key of another family's optional fields sneaks in.
-    optional = {f"{arch}.{k.suffix}" for k in OPTIONAL_KEYS.values()}
+    # No key of another family's optional fields sneaks in (the per-layer head counts and widths
+    # replace keys every file has).
+    optional = {f"{arch}.{k.suffix}" for k in OPTIONAL_KEYS.values() if k.suffix not in BASE_KEYS}
     written = {k for k in fields if k in optional}
     assert written == {f"{arch}.{s}" for s in EXPECTED_KEYS[arch] if s not in COMMON_KEYS}
     actual = {name: (ne, kind) for name, (ne, kind, _) in parsed.tensors.items()}
