@@ -45,7 +45,8 @@ def test_the_issue_families_split() -> None:
 @pytest.mark.parametrize(
     ("arch", "reason"),
     [("gemma3n", "per-layer token embeddings"),
-     ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "cross-layer KV")],
+     ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "cross-layer KV"),
+     ("pockettts", "not a text-generation model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]

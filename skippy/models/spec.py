@@ -262,12 +262,14 @@ class ModelSpec:
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
-    max_alibi_bias: float = 0.0
-    rope_sections: tuple[int, ...] = ()
+    max_alibi_bias: float = 0.0  # ALiBi's largest head slope exponent (Jais)
+    rope_sections: tuple[int, ...] = ()  # M-RoPE / XD-RoPE: four sections of the rotated half-head
+    # per-layer query heads, KV heads and MLP widths (OpenELM, DeciLM, Laguna); layer 0's equal
+    # n_head, n_head_kv and n_ff, and each replaces the model-wide key in the file
     layer_n_head: tuple[int, ...] = ()
     layer_n_head_kv: tuple[int, ...] = ()
     layer_n_ff: tuple[int, ...] = ()
-    rope_dim_swa: int = 0
+    rope_dim_swa: int = 0  # rotary width of the sliding-window layers (Laguna); 0: rope_dim
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     #
