@@ -6,7 +6,10 @@
 # width), built from the shared pieces of `blocks.py` wherever the layout is one of theirs. The
 # few tensors no shared piece has (Falcon's second norm, chameleon's per-head q/k LayerNorms,
 # PLM's kv_b, spark2_5's per-head attention gate, plamo3's suffix-less post-norms) are declared
-# here directly. Which real checkpoints each block follows is said in its family's summary.
+# here directly, and so are the blocks whose shapes change per layer (OpenELM, DeciLM, Laguna:
+# `heads`). The module also holds these families' rules and computed keys (M-RoPE sections,
+# per-layer sliding-window arrays, Maple's SwiGLU clamp, Apertus's xIELU constants). Which real
+# checkpoints each block follows is said in its family's summary.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,9 +23,11 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
-    "low_rank_kv", "maincoder", "maple", "plm", "plm_head_widths", "mrope_sections", "paddleocr", "qwen2vl", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
-    "qwen", "refact", "deci", "heads", "laguna", "openelm", "per_layer_shapes", "spark2_5", "alternating_swa", "xielu", "xverse",
+    "alternating_swa", "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "deci",
+    "falcon", "heads", "hunyuan_vl", "jais", "laguna", "low_rank_kv", "maincoder", "maple",
+    "maple_keys", "mellum", "mrope_sections", "openelm", "orion", "paddleocr", "pangu_embedded",
+    "per_layer_shapes", "plamo", "plamo3", "plm", "plm_head_widths", "qwen", "qwen2vl", "refact",
+    "spark2_5", "xielu", "xverse"
 ]
 
 
@@ -293,7 +298,8 @@ def deci(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         out += [b.norm(layer, "attn_norm", e), b.matrix(layer, "attn_output", e, e)]
     elif h:
         out.append(b.norm(layer, "attn_norm", e))
-        out += [b.matrix(layer, name, w, e) for name, w in (("attn_q", h * d), ("attn_k", kv * d), ("attn_v", kv * d))]
+        for name, width in (("attn_q", h * d), ("attn_k", kv * d), ("attn_v", kv * d)):
+            out.append(b.matrix(layer, name, width, e))
         out.append(b.matrix(layer, "attn_output", e, h * d))
     if f:
         out += [

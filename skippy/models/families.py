@@ -690,7 +690,8 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "codeshell", _UNTIED, dense.codeshell,
             requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
-            summary="CodeShell-7B: LayerNorms with biases, fused q/k/v, biases everywhere, GELU MLP",
+            summary="CodeShell-7B: LayerNorms with biases, fused q/k/v, biases everywhere, GELU "
+            "MLP",
         ),
         Family(
             "plamo", _UNTIED, dense.plamo, rules=(b.coupled_heads,),

@@ -583,7 +583,9 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # ratio (the fourth section empty), HunyuanOCR's four equal XD-RoPE sections.
     "hunyuan_vl": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16,) * 4},
     "qwen2vl": lambda n: {"rope_sections": (n // 32, 3 * n // 64, 3 * n // 64, 0)},
-    "paddleocr": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16, 3 * n // 32, 3 * n // 32, 0)},
+    "paddleocr": lambda n: {
+        "head_dim": n // 2, "rope_sections": (n // 16, 3 * n // 32, 3 * n // 32, 0),
+    },
     "plamo3": lambda n: {
         "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
         "rope_theta_swa": 1000.0,
