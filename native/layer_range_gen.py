@@ -23,7 +23,9 @@ embeddings, the batch's token/embd pointers); each remaining use must be listed 
 that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
 or banked across layers, a value residual from the first layer, an encoder), are refused with that
 reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a feature: it belongs to its
-layer, and patch ``0005`` gives a range the state of its own layers.
+layer, and patch ``0005`` gives a range the state of its own layers.  So are the few the rules
+reach that cannot split for a reason of the model itself (``INHERENT``: e.g. a TTS backbone without
+an LM head).
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -83,7 +85,7 @@ SPLIT += ("lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe")
 SPLIT += (
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci", "laguna",
 )
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -97,6 +99,19 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
+
+#: Architectures whose graph the rules would transform but which cannot be split for a reason of
+#: the model itself, with that reason (refused at load time like the rest).
+INHERENT: dict[str, str] = {}
+#
+#: Issue 26, dense.
+INHERENT |= {
+    "pockettts": (
+        "not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused);"
+        " its final hidden states feed the audio flow network in the mmproj, which a stage chain"
+        " (ending in logits and sampled tokens) does not run"
+    ),
+}
 
 #: Extra literal edits per architecture name: (old, new, expected count).
 ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
@@ -664,9 +679,17 @@ def classify(src: Path, archs: list[Arch]) -> None:
                 arch.status = "splits"
                 arch.reason = "tested: bitwise-exact splits on synthetic models"
                 arch.new_text = {f"src/models/{main[0]}": new_text}
+            elif arch.name in INHERENT:
+                arch.reason = INHERENT[arch.name]
             else:
                 arch.reason = ("not validated: the layer-loop rules apply, but no synthetic writer and "
                                "exactness test cover it yet")
+    both = set(SPLIT) & set(INHERENT)
+    if both:
+        raise SystemExit(f"architectures both split and refused as inherent: {sorted(both)}")
+    stale = set(INHERENT) - {a.name for a in archs if a.reason == INHERENT.get(a.name)}
+    if stale:
+        raise SystemExit(f"INHERENT names architectures the rules do not reach: {sorted(stale)}")
     missing = set(SPLIT) - {a.name for a in archs if a.status == "splits"}
     if missing:
         detail = "; ".join(f"{a.name}: {a.reason}" for a in archs if a.name in missing)

@@ -46,7 +46,8 @@ def test_the_issue_families_split() -> None:
     ("arch", "reason"),
     [("gemma3n", "AltUp: layers hand on n_altup parallel"), ("deepseek4", "hyper-connections"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
-     ("eagle3", "draft head"), ("dflash", "draft head"), ("talkie", "input-embedding skip")],
+     ("eagle3", "draft head"), ("dflash", "draft head"), ("talkie", "input-embedding skip"),
+     ("pockettts", "not a text-generation model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]

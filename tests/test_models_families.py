@@ -382,6 +382,9 @@ COMMON_KEYS = {
     "attention.head_count_kv", "attention.key_length_mla",
 }
 
+#: Keys every file has, which an optional per-layer field (OpenELM, DeciLM, Laguna) replaces.
+BASE_KEYS = {"attention.head_count", "attention.head_count_kv", "feed_forward_length"}
+
 #: Tensors stored F32 whatever the file's dtype: 1-D ones, biases and routers.
 def _always_f32(name: str, ne: tuple[int, ...]) -> bool:
     return len(ne) == 1 or name.endswith(".bias") or ".ffn_gate_inp" in name
@@ -443,8 +446,9 @@ def test_family_file_has_the_loaders_tensors_and_keys(config: tuple[str, str, bo
     for suffix, value in EXPECTED_KEYS[arch].items():
         got = fields.get(f"{arch}.{suffix}")
         assert got == (pytest.approx(value) if isinstance(value, float) else value), suffix
-    # No key of another family's optional fields sneaks in.
-    optional = {f"{arch}.{k.suffix}" for k in OPTIONAL_KEYS.values()}
+    # No key of another family's optional fields sneaks in (the per-layer head counts and widths
+    # replace keys every file has).
+    optional = {f"{arch}.{k.suffix}" for k in OPTIONAL_KEYS.values() if k.suffix not in BASE_KEYS}
     written = {k for k in fields if k in optional}
     assert written == {f"{arch}.{s}" for s in EXPECTED_KEYS[arch] if s not in COMMON_KEYS}
     actual = {name: (ne, kind) for name, (ne, kind, _) in parsed.tensors.items()}
@@ -546,6 +550,22 @@ def test_lower_precision_experts_round_the_same_weights() -> None:
         ("minimax-m2", {"n_ff": 64}, "n_ff_exp == n_ff"),
         ("dots1", {"n_head_kv": 2}, "n_head_kv == n_head"),
         ("ernie4_5-moe", {"n_moe_layer_step": 2}, "n_moe_layer_step == 1"),
+        # issue 26, dense
+        ("qwen2vl", {"rope_sections": ()}, "needs rope_sections"),
+        ("qwen2vl", {"rope_sections": (2, 3, 3)}, "four non-negative ints"),
+        ("hunyuan_vl", {"rope_sections": (4, 4, 4, 5)}, "add up to rope_dim / 2"),
+        ("llama", {"rope_sections": (2, 2, 2, 2)}, "rope_sections does not apply to llama"),
+        ("jais", {"max_alibi_bias": 0.0}, "needs max_alibi_bias"),
+        ("openelm", {"layer_n_ff": (64, 128)}, "layer_n_ff must be 4"),
+        ("openelm", {"layer_n_head": (4, 4, 4, 8)}, "layer 0's per-layer values"),
+        ("openelm", {"layer_n_head_kv": (1, 3, 2, 2)}, "not a multiple of 3 KV heads"),
+        ("openelm", {"dtype": "Q8_0", "layer_n_ff": (64, 128, 144, 256)}, "Q8_0 rows"),
+        ("deci", {"layer_n_head": (4, 0, 4, 4), "layer_n_head_kv": (2, 1, 0, 2)}, "not a multiple"),
+        ("llama", {"layer_n_head": (4, 4, 4, 4)}, "layer_n_head does not apply to llama"),
+        ("plm", {"rope_dim": 0}, "0 < rope_dim < head_dim"),
+        ("plm", {"n_head_kv": 2}, "n_head_kv == n_head"),
+        ("qwen", {"n_head_kv": 2}, "n_head_kv == n_head"),
+        ("laguna", {"layer_n_head": ()}, "needs layer_n_head"),
     ],
 )
 def test_family_rules_refuse_what_the_loader_would(

@@ -6,7 +6,10 @@
 # width), built from the shared pieces of `blocks.py` wherever the layout is one of theirs. The
 # few tensors no shared piece has (Falcon's second norm, chameleon's per-head q/k LayerNorms,
 # PLM's kv_b, spark2_5's per-head attention gate, plamo3's suffix-less post-norms) are declared
-# here directly. Which real checkpoints each block follows is said in its family's summary.
+# here directly, and so are the blocks whose shapes change per layer (OpenELM, DeciLM, Laguna:
+# `heads`). The module also holds these families' rules and computed keys (M-RoPE sections,
+# per-layer sliding-window arrays, Maple's SwiGLU clamp, Apertus's xIELU constants). Which real
+# checkpoints each block follows is said in its family's summary.
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
@@ -20,9 +23,11 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "falcon", "hunyuan_vl", "jais",
-    "low_rank_kv", "maincoder", "maple", "plm", "plm_head_widths", "mrope_sections", "paddleocr", "qwen2vl", "maple_keys", "mellum", "orion", "pangu_embedded", "plamo", "plamo3",
-    "qwen", "refact", "deci", "heads", "openelm", "per_layer_shapes", "spark2_5", "alternating_swa", "xielu", "xverse",
+    "alternating_swa", "apertus", "baichuan", "chameleon", "chatglm", "codeshell", "deci",
+    "falcon", "heads", "hunyuan_vl", "jais", "laguna", "low_rank_kv", "maincoder", "maple",
+    "maple_keys", "mellum", "mrope_sections", "openelm", "orion", "paddleocr", "pangu_embedded",
+    "per_layer_shapes", "plamo", "plamo3", "plm", "plm_head_widths", "qwen", "qwen2vl", "refact",
+    "spark2_5", "xielu", "xverse"
 ]
 
 
@@ -293,7 +298,8 @@ def deci(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         out += [b.norm(layer, "attn_norm", e), b.matrix(layer, "attn_output", e, e)]
     elif h:
         out.append(b.norm(layer, "attn_norm", e))
-        out += [b.matrix(layer, name, w, e) for name, w in (("attn_q", h * d), ("attn_k", kv * d), ("attn_v", kv * d))]
+        for name, width in (("attn_q", h * d), ("attn_k", kv * d), ("attn_v", kv * d)):
+            out.append(b.matrix(layer, name, width, e))
         out.append(b.matrix(layer, "attn_output", e, h * d))
     if f:
         out += [
@@ -311,7 +317,7 @@ def per_layer_shapes(spec: "ModelSpec") -> str | None:
     fields = {"layer_n_head": spec.layer_n_head, "layer_n_head_kv": spec.layer_n_head_kv,
               "layer_n_ff": spec.layer_n_ff}
     for name, values in fields.items():
-        if len(values) != spec.n_layer or any(
+        if values and len(values) != spec.n_layer or any(
             isinstance(v, bool) or not isinstance(v, int) or v < 0 for v in values
         ):
             return f"{name} must be {spec.n_layer} non-negative ints, got {values!r}"
@@ -331,4 +337,31 @@ def per_layer_shapes(spec: "ModelSpec") -> str | None:
     return None
 
 
-_PER_LAYER_BLOCKS = {"openelm": openelm, "deci": deci}
+def laguna(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Laguna XS.2: per-layer query heads (sliding-window layers have more), per-head q/k
+    # RMSNorms, a per-head softplus gate on the attention output (attn_gate, one row per head);
+    # after the leading dense blocks, sigmoid-routed experts with a selection bias plus an
+    # always-on shared expert of its own width.
+    e, d = spec.n_embd, spec.n_embd_head
+    h, kv, f = heads(spec, layer)
+    out = [
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_q", h * d, e),
+        b.matrix(layer, "attn_k", kv * d, e),
+        b.matrix(layer, "attn_v", kv * d, e),
+        b.matrix(layer, "attn_output", e, h * d),
+        b.norm(layer, "attn_q_norm", d),
+        b.norm(layer, "attn_k_norm", d),
+        b.matrix(layer, "attn_gate", h, e),
+        b.norm(layer, "ffn_norm", e),
+    ]
+    if layer < spec.n_dense_lead:
+        return out + [
+            b.matrix(layer, "ffn_gate", f, e),
+            b.matrix(layer, "ffn_up", f, e),
+            b.matrix(layer, "ffn_down", e, f),
+        ]
+    return out + b.moe_ffn(spec, layer, pre_norm=False, selection_bias=True, shared="own")
+
+
+_PER_LAYER_BLOCKS = {"openelm": openelm, "deci": deci, "laguna": laguna}

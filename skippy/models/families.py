@@ -126,6 +126,7 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "layer_n_head": OptionalKey("attention.head_count", GGUFValueType.ARRAY),
     "layer_n_head_kv": OptionalKey("attention.head_count_kv", GGUFValueType.ARRAY),
     "layer_n_ff": OptionalKey("feed_forward_length", GGUFValueType.ARRAY),
+    "rope_dim_swa": OptionalKey("rope.dimension_count_swa", GGUFValueType.UINT32),
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     "expert_group_scale": OptionalKey("expert_group_scale", GGUFValueType.FLOAT32),
@@ -875,6 +876,19 @@ FAMILIES: Final[dict[str, Family]] = {
             "attn_output only)",
         ),
         Family(
+            "laguna", _BOTH, dense.laguna,
+            requires=_MOE | {"n_dense_lead", "layer_n_head"},
+            permits=_SWA | _YARN | {
+                "rope_theta_swa", "rope_dim_swa", "n_ff_shexp", "expert_weights_scale",
+                "expert_weights_norm", "expert_gating",
+            },
+            rules=(b.experts, b.window, b.yarn, b.dense_lead_below_n_layer, dense.per_layer_shapes),
+            summary="Laguna XS.2: per-layer query heads, per-head softplus attention gate, "
+            "q/k norms, global layers with partial yarn rope and sliding-window ones with whole "
+            "plain rope, a leading dense block, sigmoid experts with a selection bias and a "
+            "shared expert",
+        ),
+        Family(
             "plm", _TIED, dense.plm,
             requires=frozenset({"kv_lora_rank", "v_head_dim"}), rules=(b.mha, dense.low_rank_kv),
             head_widths=dense.plm_head_widths,
@@ -898,7 +912,8 @@ FAMILIES: Final[dict[str, Family]] = {
         Family(
             "codeshell", _UNTIED, dense.codeshell,
             requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
-            summary="CodeShell-7B: LayerNorms with biases, fused q/k/v, biases everywhere, GELU MLP",
+            summary="CodeShell-7B: LayerNorms with biases, fused q/k/v, biases everywhere, GELU "
+            "MLP",
         ),
         Family(
             "plamo", _UNTIED, dense.plamo, rules=(b.coupled_heads,),

@@ -97,7 +97,7 @@ _RwkvConvArchitecture = Literal["lfm2", "rwkv6", "rwkv6qwen2", "lfm2moe"]
 _DenseArchitecture = Literal[
     "baichuan", "xverse", "orion", "refact", "qwen", "codeshell", "plamo", "falcon", "maincoder",
     "pangu-embedded", "chatglm", "jais", "hunyuan_vl", "chameleon", "plamo3", "mellum", "apertus",
-    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci",
+    "spark2_5", "maple", "qwen2vl", "paddleocr", "plm", "openelm", "deci", "laguna",
 ]
 #
 #: Issue 26, MoE and sparse-attention families the layer-loop rules already covered.
@@ -325,11 +325,14 @@ class ModelSpec:
     recurrent_layers: tuple[int, ...] = ()
     #
     # --- issue 26: dense (keep this group's entries below this line) ---
-    max_alibi_bias: float = 0.0
-    rope_sections: tuple[int, ...] = ()
+    max_alibi_bias: float = 0.0  # ALiBi's largest head slope exponent (Jais)
+    rope_sections: tuple[int, ...] = ()  # M-RoPE / XD-RoPE: four sections of the rotated half-head
+    # per-layer query heads, KV heads and MLP widths (OpenELM, DeciLM, Laguna); layer 0's equal
+    # n_head, n_head_kv and n_ff, and each replaces the model-wide key in the file
     layer_n_head: tuple[int, ...] = ()
     layer_n_head_kv: tuple[int, ...] = ()
     layer_n_ff: tuple[int, ...] = ()
+    rope_dim_swa: int = 0  # rotary width of the sliding-window layers (Laguna); 0: rope_dim
     #
     # --- issue 26: MoE / sparse attention (keep this group's entries below this line) ---
     expert_group_scale: float = 0.0
@@ -748,7 +751,9 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # ratio (the fourth section empty), HunyuanOCR's four equal XD-RoPE sections.
     "hunyuan_vl": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16,) * 4},
     "qwen2vl": lambda n: {"rope_sections": (n // 32, 3 * n // 64, 3 * n // 64, 0)},
-    "paddleocr": lambda n: {"head_dim": n // 2, "rope_sections": (n // 16, 3 * n // 32, 3 * n // 32, 0)},
+    "paddleocr": lambda n: {
+        "head_dim": n // 2, "rope_sections": (n // 16, 3 * n // 32, 3 * n // 32, 0),
+    },
     "plamo3": lambda n: {
         "head_dim": n // 2, "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
         "rope_theta_swa": 1000.0,
@@ -767,6 +772,17 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "deci": lambda n: {
         "layer_n_head": (4, 0, 4, 4), "layer_n_head_kv": (2, 0, 0, 2),
         "layer_n_ff": (2 * n, n, 3 * n, 2 * n),
+    },
+    # Laguna XS.2's layout at width 64: global layers (0, 2) with 4 heads, yarn over half of
+    # each 32-wide head, sliding-window layers (1, 3) with 8 heads and plain rope over the whole
+    # head; block 0 dense, then 8 sigmoid experts (2 used) plus a shared one.
+    "laguna": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "rope_dim": n // 4, "rope_dim_swa": n // 2,
+        "layer_n_head": (4, 8, 4, 8), "n_ff_shexp": n, "n_dense_lead": 1, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta": 500000.0,
+        "rope_theta_swa": 10000.0, "rope_scaling": "yarn", "rope_scaling_factor": 4.0,
+        "rope_orig_ctx": 16,
     },
     # PLM-1.8B's ratios at width 64: keys of 32 nope + 16 rope, values of 32, a latent of 32.
     "plm": lambda n: {

@@ -83,6 +83,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'dots1',
     'dots3note',
     'arcee',
+    'laguna',
     'ernie4_5',
     'ernie4_5-moe',
     'hunyuan-moe',
@@ -144,7 +145,6 @@ REFUSED: Final[dict[str, str]] = {
     'granite_swa': 'needs review: the graph uses t_inp_embd outside the layer loop',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
     'afmoe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
-    'laguna': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'hunyuan-dense': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
@@ -164,5 +164,5 @@ REFUSED: Final[dict[str, str]] = {
     'talkie': 'input-embedding skip: the layers read the input embedding (kept as `embd_skip`), which a later stage does not have',
     'nanbeige': 'graph does not follow the standard layer loop (the layer loop does not end by assigning `inpL` on every path (nor carries `cur` from the input embedding))',
     'qwen3tts': 'graph does not follow the standard layer loop (no single token-input graph)',
-    'pockettts': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
+    'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
