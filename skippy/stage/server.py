@@ -79,6 +79,11 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         log.info("weights: %.0f MiB %s; %.0f MiB of this process on 2 MiB pages (SKIPPY_HUGE_PAGES=0: none)",
                  model.size_bytes / (1 << 20), "mapped from the file" if model.use_mmap else "read into memory",
                  huge_page_bytes() / (1 << 20))
+        if context.recurrent:
+            log.info("recurrent state: rollback by checkpoints (%d per session, one every %d decode steps and "
+                     "before every prefill chunk and verify window); decode relay off for this model: its loop "
+                     "does not log the rows a rollback decodes again",
+                     context.checkpoint_depth, context.checkpoint_interval)
     if model.is_last != (config.downstream is None):
         message = (
             f"layers {config.layers} of a {model.n_layer}-layer model "
