@@ -232,7 +232,13 @@ class PrefixStore:
         seq = self._free.pop()
         backend = self.backend
         backend.remove(seq)
-        backend.copy(session_seq, seq, 0, count)
+        try:
+            backend.copy(session_seq, seq, 0, count)
+        except Exception:  # e.g. a recurrent session that cannot go back to the page boundary
+            backend.remove(seq)
+            self._free.append(seq)
+            self._free.sort(reverse=True)
+            raise
         entry = CacheEntry(tree, count, seq)
         self._resident[id(entry)] = entry
         self._resident_tokens += count

@@ -701,6 +701,8 @@ class StageContext:
 
     # -- figures -----------------------------------------------------------------------------
     def kv_cells_used(self) -> int:
+        if self.recurrent:  # the recurrent half spans one cell per sequence: count positions held
+            return sum(self.length(seq) for seq in range(self.max_sessions))
         return int(lib.skippy_kv_cells_used(self._context_ptr(), 256))
 
     @property
