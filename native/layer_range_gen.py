@@ -71,7 +71,7 @@ SPLIT: tuple[str, ...] = (
 SPLIT += ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-SPLIT += ()
+SPLIT += ("qwen35", "qwen35moe", "qwen3next")
 #
 #: Issue 25, RWKV and short-convolution families.
 SPLIT += ()

@@ -39,8 +39,9 @@ __all__ = [
 #: embedding: token table; matrix: a projection (2-D, or 3-D stacked experts); norm: RMSNorm
 #: weight; bias: additive bias (any rank); router: expert-gating projection (kept F32, as
 #: llama.cpp's converter and quantizer keep ``ffn_gate_inp``); vector: a 1-D weight used as a
-#: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits.
-TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink"]
+#: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits;
+#: decay: a recurrent layer's negative per-head decay rate (delta-net's ``ssm_a`` = -exp(A_log)).
+TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink", "decay"]
 
 
 @final

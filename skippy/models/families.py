@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_linear as bl
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -91,6 +92,11 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     # --- issue 25: SSM (keep this group's entries below this line) ---
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    "linear_conv_kernel": OptionalKey("ssm.conv_kernel", GGUFValueType.UINT32),
+    "linear_key_head_dim": OptionalKey("ssm.state_size", GGUFValueType.UINT32),
+    "linear_num_key_heads": OptionalKey("ssm.group_count", GGUFValueType.UINT32),
+    "linear_num_value_heads": OptionalKey("ssm.time_step_rank", GGUFValueType.UINT32),
+    "full_attention_interval": OptionalKey("full_attention_interval", GGUFValueType.UINT32),
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
@@ -610,6 +616,30 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 25: SSM (keep this group's entries below this line) ---
         #
         # --- issue 25: linear attention (keep this group's entries below this line) ---
+        Family(
+            "qwen35", _BOTH, bl.qwen35,
+            requires=bl.DELTA_NET, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes), derived_keys=bl.qwen35_keys,
+            summary="Qwen3.5 (dense): gated delta-net layers with full attention every n-th "
+            "(sigmoid-gated q, per-head q/k norms, interleaved M-RoPE on part of each head), "
+            "post-attention norm feeding a SwiGLU FFN",
+        ),
+        Family(
+            "qwen35moe", _BOTH, bl.qwen35moe,
+            requires=bl.DELTA_NET | _MOE | {"n_ff_shexp"}, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes, b.experts),
+            derived_keys=bl.qwen35_keys,
+            summary="Qwen3.5-MoE (35B-A3B): Qwen3.5's hybrid layers, softmax top-k experts plus "
+            "a sigmoid-gated shared expert",
+        ),
+        Family(
+            "qwen3next", _BOTH, bl.qwen3next,
+            requires=bl.DELTA_NET | _MOE | {"n_ff_shexp"}, permits=frozenset({"full_attention_interval"}),
+            rules=(bl.delta_net, bl.every_layer_quantizes, b.experts),
+            derived_keys=bl.delta_net_keys,
+            summary="Qwen3-Next (80B-A3B): gated delta-net layers (beta and alpha fused) with "
+            "gated full attention every n-th, neox rope, experts plus a gated shared expert",
+        ),
         #
         # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
         #

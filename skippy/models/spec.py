@@ -23,6 +23,7 @@ import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Final, Literal, get_args
 
+from skippy.models.blocks_linear import tiny_delta_net
 from skippy.models.families import OPTIONAL_KEYS, family, quantized_rows
 
 __all__ = [
@@ -84,7 +85,7 @@ _AttentionArchitecture = Literal[
 _SsmArchitecture = Literal["llama"]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-_LinearAttentionArchitecture = Literal["llama"]
+_LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next"]
 #
 #: Issue 25, RWKV and short-convolution families.
 _RwkvConvArchitecture = Literal["llama"]
@@ -125,7 +126,7 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
-LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("qwen35", "qwen35moe", "qwen3next")
 #
 #: Issue 25, RWKV and short-convolution families.
 RWKV_CONV_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -254,6 +255,17 @@ class ModelSpec:
     # --- issue 25: SSM (keep this group's entries below this line) ---
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    # Gated delta-net layers (names of the Hugging Face configs of Qwen3-Next / Qwen3.5):
+    # linear_conv_kernel: the causal conv's width (``ssm.conv_kernel``); linear_key_head_dim:
+    # the key (and value) head width (``ssm.state_size``); linear_num_key_heads /
+    # linear_num_value_heads: ``ssm.group_count`` / ``ssm.time_step_rank`` (``ssm.inner_size``
+    # is derived); full_attention_interval: every n-th layer is full attention, the others
+    # delta-net.
+    linear_conv_kernel: int = 0
+    linear_key_head_dim: int = 0
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    full_attention_interval: int = 0
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #
@@ -551,6 +563,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # --- issue 25: SSM (keep this group's entries below this line) ---
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
+    # Qwen3.5: delta-net layers with full attention every 3rd (see tiny_delta_net).
+    "qwen35": tiny_delta_net,
+    # Qwen3.5-MoE / Qwen3-Next: the same layers; 8 experts of which 2 are used, a gated shared
+    # expert as wide as n_embd.
+    "qwen35moe": lambda n: {**tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n},
+    "qwen3next": lambda n: {**tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n},
     #
     # --- issue 25: RWKV / short conv (keep this group's entries below this line) ---
     #

@@ -23,7 +23,7 @@
 #   embedding is N(0, 1/n_embd) (a tied head then gives logits of about unit spread), norm
 #   weights are uniform in [0.6, 1.4] (not 1.0, so a pre/post-norm mix-up changes the output),
 #   biases (q/k/v, attention output, experts, expert-selection) are N(0, 0.1^2), gpt-oss
-#   attention sinks N(0, 1). Routers are N(0, 1/n_embd) like any matrix, so router logits of
+#   attention sinks N(0, 1), recurrent decay rates (delta-net ssm_a) -U(0.05, 0.5). Routers are N(0, 1/n_embd) like any matrix, so router logits of
 #   unit-RMS hidden states have unit spread and top-k picks different experts per token.
 #   Stacked 3-D expert tensors are drawn as one (n_expert * rows, fan_in) matrix.
 # - Storage: 2-D matrices and 3-D experts in the spec's dtype (F16 by numpy cast, Q8_0 by
@@ -89,6 +89,10 @@ _CHUNK_VALUES: Final = 1 << 24
 _NORM_LOW: Final = 0.6
 _NORM_HIGH: Final = 1.4
 _BIAS_STD: Final = 0.1
+#: Recurrent decay rates (kind "decay") are -uniform(0.05, 0.5): a state that fades over a few
+#: tokens to a few dozen, so the recurrent state carries the prompt across a split.
+_DECAY_LOW: Final = 0.05
+_DECAY_HIGH: Final = 0.5
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +287,8 @@ def _make_tensor(spec: ModelSpec, plan: TensorPlan) -> npt.NDArray[np.generic]:
         return rng.standard_normal(size=plan.shape, dtype=np.float32) * np.float32(_BIAS_STD)
     if plan.kind == "sink":
         return rng.standard_normal(size=plan.shape, dtype=np.float32)
+    if plan.kind == "decay":
+        return -rng.uniform(_DECAY_LOW, _DECAY_HIGH, size=plan.shape).astype(np.float32)
     if plan.kind == "vector":
         scale = np.float32(1.0 / np.sqrt(plan.shape[-1]))
         return rng.standard_normal(size=plan.shape, dtype=np.float32) * scale
