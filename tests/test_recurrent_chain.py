@@ -1,6 +1,6 @@
 """Every path that trims, on a hybrid chain (issue 25, deliver 2): stage servers in this trio run.
 
-The tiny hybrid unsplit and as 3 stages (cut inside a run of Mamba layers and between a Mamba
+The tiny hybrids (Qwen3.5- and Nemotron-H-shaped) unsplit and as 3 stages (cut inside a run of Mamba layers and between a Mamba
 and an attention layer), 1 thread:
 
 * greedy speculation gives the tokens of speculation off, with drafts accepted and rejected (the
@@ -30,6 +30,7 @@ from skippy.models import ensure_model, tiny
 from skippy.runtime import SamplingParams
 
 from stage_helpers import inprocess_chain, reference_greedy
+from test_recurrent_rollback import HYBRIDS
 
 SPLITS = {1: ["0:4"], 3: ["0:1", "1:3", "3:4"]}
 PROMPT = (1, 15043, 3186, 29892, 920, 526, 366, 2599, 3681, 338, 263, 1243, 310, 278, 7934, 29889, 450, 4996)
@@ -37,9 +38,9 @@ PAGE = 8
 CHUNK = 8
 
 
-@pytest.fixture(scope="module")
-def hybrid() -> Path:
-    return ensure_model(tiny("nemotron_h"))
+@pytest.fixture(scope="module", params=HYBRIDS)
+def hybrid(request: pytest.FixtureRequest) -> Path:
+    return ensure_model(tiny(request.param))
 
 
 @pytest.fixture(scope="module")
