@@ -68,7 +68,7 @@ SPLIT: tuple[str, ...] = (
 # Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
 #
 #: Issue 25, SSM state (Mamba layers; pure and hybrid): patch 0005 owns the state per range.
-SPLIT += ()
+SPLIT += ("nemotron_h",)
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 SPLIT += ("qwen35", "qwen35moe", "qwen3next")
@@ -115,6 +115,11 @@ REVIEWED: dict[str, dict[str, str]] = {
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    # Nemotron-H (and its MoE variant, which builds the same graph): n_layer indexes the input of
+    # the layer after the last (cparams.embeddings_layer_inp / res->t_layer_inp), which only the
+    # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
+    "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
 }
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
@@ -167,6 +172,11 @@ def read_archs(src: Path) -> list[Arch]:
         arch.cls = factory.get(arch.enum)
         if arch.cls:
             arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
+            owner = graph_alias(src, arch.cls)
+            if owner is not None:
+                # the graph it builds is another model class's: that class's files hold it
+                arch.files += [name for name, body in sources.items()
+                               if re.search(rf"\b{owner}::graph\b", body) and name not in arch.files]
     return archs
 
 
@@ -183,6 +193,18 @@ def base_class(src: Path, cls: str) -> str:
     header = (src / "src" / "models" / "models.h").read_text()
     m = re.search(rf"struct {cls}\s*:\s*public\s+(\w+)", header)
     return m.group(1) if m else ""
+
+
+def graph_alias(src: Path, cls: str) -> str | None:
+    """The model class whose graph ``cls`` builds when models.h declares it with
+    ``using graph = llama_model_Y::graph...;`` (mamba2 uses mamba's, nemotron_h_moe nemotron_h's)."""
+    header = (src / "src" / "models" / "models.h").read_text()
+    m = re.search(rf"struct {cls}\s*:[^{{]*\{{", header)
+    if m is None:
+        return None
+    body = header[m.end(): _match_brace(header, m.end() - 1)]
+    alias = re.search(r"\busing graph\s*=\s*(llama_model_\w+)::graph\b", body)
+    return alias.group(1) if alias else None
 
 
 # --- the transform ------------------------------------------------------------------------------
@@ -404,9 +426,15 @@ def render_patch(src: Path, archs: list[Arch]) -> str:
         "last layer, and a stage that is not the last returns its pre-norm hidden state after the\n"
         "loop.  src/llama-stage-archs.inc tells the loader which architectures accept a range.\n\n"
     ]
-    for arch in sorted((a for a in archs if a.status == "splits"), key=lambda a: list(a.new_text)[0]):
+    files: dict[str, str] = {}
+    for arch in archs:
         for path, new_text in arch.new_text.items():
-            parts.append(unified(path, (src / path).read_text(), new_text))
+            # an architecture that builds another's graph (mamba2, nemotron_h_moe) edits its file:
+            # one hunk per file, and the edits must agree
+            if files.setdefault(path, new_text) != new_text:
+                raise SystemExit(f"{arch.name}: its edits of {path} differ from another architecture's")
+    for path in sorted(files):
+        parts.append(unified(path, (src / path).read_text(), files[path]))
     parts.append(unified(INC_NAME, None, render_inc(archs)))
     return "".join(parts)
 

@@ -23,7 +23,7 @@ from skippy.runtime import SessionError, StageContext
 
 #: Hybrid families with writers: (recurrent + attention layers; the 3-stage split below cuts inside
 #: a run of recurrent layers and between a recurrent and an attention layer).
-HYBRIDS = ["qwen35"]
+HYBRIDS = ["qwen35", "nemotron_h"]
 SPLITS = {"unsplit": [(0, 4)], "3 stages": [(0, 1), (1, 3), (3, 4)]}
 PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 3681, 338, 263, 1243]
 AFTER = [3186, 29892, 920]  # decoded after the rollback point, one row at a time

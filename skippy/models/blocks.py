@@ -40,7 +40,8 @@ __all__ = [
 #: weight; bias: additive bias (any rank); router: expert-gating projection (kept F32, as
 #: llama.cpp's converter and quantizer keep ``ffn_gate_inp``); vector: a 1-D weight used as a
 #: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits;
-#: decay: a recurrent layer's negative per-head decay rate (delta-net's ``ssm_a`` = -exp(A_log)).
+#: decay: a recurrent layer's negative per-head decay rate, A = -exp(A_log) (delta-net's and
+#: Mamba-2's ``ssm_a``: negative, so the recurrent state decays).
 TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink", "decay"]
 
 

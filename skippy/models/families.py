@@ -33,6 +33,7 @@ from gguf import GGUFValueType
 
 from skippy.models import blocks as b
 from skippy.models import blocks_linear as bl
+from skippy.models import blocks_ssm as ssm
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -90,6 +91,11 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "n_moe_layer_step": OptionalKey("interleave_moe_layer_step", GGUFValueType.UINT32),
     "clamp_kqv": OptionalKey("attention.clamp_kqv", GGUFValueType.FLOAT32),
     # --- issue 25: SSM (keep this group's entries below this line) ---
+    "ssm_d_conv": OptionalKey("ssm.conv_kernel", GGUFValueType.UINT32),
+    "ssm_d_inner": OptionalKey("ssm.inner_size", GGUFValueType.UINT32),
+    "ssm_d_state": OptionalKey("ssm.state_size", GGUFValueType.UINT32),
+    "ssm_dt_rank": OptionalKey("ssm.time_step_rank", GGUFValueType.UINT32),
+    "ssm_n_group": OptionalKey("ssm.group_count", GGUFValueType.UINT32),
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     "linear_conv_kernel": OptionalKey("ssm.conv_kernel", GGUFValueType.UINT32),
@@ -110,7 +116,20 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     #
 }
 
-#: A key computed from the spec rather than copied from one field: (suffix, value, type).
+#: Optional spec fields that no single key holds: a family's `derived_keys` write what they
+#: mean (a hybrid's layer pattern becomes per-layer head_count_kv / feed_forward_length arrays).
+#: Like `OPTIONAL_KEYS`, a family must permit one before a spec of it may set it.
+DERIVED_FIELDS: Final[frozenset[str]] = frozenset(
+    {
+        # --- issue 25: SSM (keep this group's entries below this line) ---
+        "layer_pattern",
+        #
+    }
+)
+
+#: A key computed from the spec rather than copied from one field: (suffix, value, type). It
+#: replaces a base key of the same suffix (a per-layer array instead of the scalar); a value of
+#: None leaves that base key out (a pure-SSM model has no attention keys).
 DerivedKey = tuple[str, object, GGUFValueType]
 
 _MOE: Final = frozenset({"n_expert", "n_expert_used", "n_ff_exp"})
@@ -134,7 +153,8 @@ class Family:
         permits: optional spec fields that may be set (``requires`` is implied).
         rules: further shape checks.
         summary: which real checkpoints the description follows.
-        derived_keys: keys computed from several fields (deepseek2's MLA key width).
+        derived_keys: keys computed from several fields (deepseek2's MLA key width, a hybrid's
+            per-layer head counts), replacing or leaving out base keys (see `DerivedKey`).
         output_norm_bias: the final norm is a LayerNorm with a bias (starcoder2).
         output_norm: the final norm has a weight at all (OLMo 1's norms have none).
         output_bias: the head has a bias over the vocabulary (phi2).
@@ -166,7 +186,7 @@ class Family:
         for name in sorted(self.requires):
             if not _is_set(getattr(spec, name)):
                 errors.append(f"{self.arch} needs {name}")
-        for name in sorted(set(OPTIONAL_KEYS) - self.allowed):
+        for name in sorted((set(OPTIONAL_KEYS) | DERIVED_FIELDS) - self.allowed):
             if _is_set(getattr(spec, name)):
                 errors.append(f"{name} does not apply to {self.arch}")
         for rule in self.rules:
@@ -614,6 +634,14 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Nemotron: LayerNorms with biases, squared-ReLU MLP, partial rope",
         ),
         # --- issue 25: SSM (keep this group's entries below this line) ---
+        Family(
+            "nemotron_h", _BOTH, ssm.nemotron_h,
+            requires=ssm.MAMBA2 | {"layer_pattern", "ln_eps"},
+            rules=(ssm.mamba2_shape, ssm.pattern("M*-")),
+            derived_keys=ssm.nemotron_h_keys,
+            summary="Nemotron-H: Mamba-2 (M), attention without rope (*) and squared-ReLU MLP "
+            "(-) blocks after one RMSNorm each, as layer_pattern lays them out",
+        ),
         #
         # --- issue 25: linear attention (keep this group's entries below this line) ---
         Family(

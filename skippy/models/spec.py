@@ -82,7 +82,9 @@ _AttentionArchitecture = Literal[
 # Each group below is one body of work (issues 25 and 26); keep a group's names in its own block.
 #
 #: Issue 25, SSM state (Mamba layers; pure and hybrid).
-_SsmArchitecture = Literal["llama"]
+_SsmArchitecture = Literal[
+    "nemotron_h",
+]
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 _LinearAttentionArchitecture = Literal["qwen35", "qwen35moe", "qwen3next"]
@@ -123,7 +125,9 @@ EXTRA_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 )
 # Issues 25 and 26: one tuple per group, each in its own block.
 #: Issue 25, SSM state (Mamba layers; pure and hybrid).
-SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
+SSM_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "nemotron_h",
+)
 #
 #: Issue 25, linear attention (gated delta-net, KDA, lightning attention) and hybrids of it.
 LINEAR_ATTENTION_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("qwen35", "qwen35moe", "qwen3next")
@@ -253,6 +257,16 @@ class ModelSpec:
     n_moe_layer_step: int = 0
     clamp_kqv: float = 0.0
     # --- issue 25: SSM (keep this group's entries below this line) ---
+    # Mamba mixers: conv kernel width, inner width, state size per channel, dt rank (Mamba-2:
+    # the number of heads), groups of B/C (Mamba-2). layer_pattern lays out a hybrid, one
+    # character per layer: "M" Mamba, "*" attention, "-" dense MLP, "E" experts (see
+    # blocks_ssm.py); n_head / n_head_kv / n_ff describe its non-Mamba layers.
+    ssm_d_conv: int = 0
+    ssm_d_inner: int = 0
+    ssm_d_state: int = 0
+    ssm_dt_rank: int = 0
+    ssm_n_group: int = 0
+    layer_pattern: str = ""
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     # Gated delta-net layers (names of the Hugging Face configs of Qwen3-Next / Qwen3.5):
@@ -334,7 +348,8 @@ class ModelSpec:
                         f"Q8_0 rows must be a multiple of {Q8_0_BLOCK} values; {label} is {width}"
                     )
             block = family(self.arch).block
-            for layer in sorted({0, min(self.n_dense_lead, self.n_layer - 1)}):
+            # every layer: a hybrid's layers differ by kind, not only past the dense lead
+            for layer in range(self.n_layer):
                 for label, width in quantized_rows(block(self, layer)):
                     if width % Q8_0_BLOCK != 0:
                         raise ValueError(
@@ -498,6 +513,13 @@ def _tiny_moe(n_embd: int) -> dict[str, Any]:
     return {"n_expert": 8, "n_expert_used": 2, "n_ff_exp": n_embd // 2}
 
 
+def _tiny_mamba2(n_embd: int) -> dict[str, Any]:
+    return {
+        "ssm_d_conv": 4, "ssm_d_inner": 2 * n_embd, "ssm_d_state": 16, "ssm_dt_rank": 8,
+        "ssm_n_group": 2,
+    }
+
+
 _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "gemma2": lambda n: {
         "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2,
@@ -561,6 +583,10 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     },
     "nemotron": lambda n: {"ln_eps": 1e-5, "rope_dim": n // 8},
     # --- issue 25: SSM (keep this group's entries below this line) ---
+    # Hybrids lay out 4 layers so that the test splits cut inside a run of Mamba layers (1:),
+    # between a Mamba and an attention layer (2:) and after attention (3:). Mamba-2 mixers:
+    # d_inner 2 n_embd in 8 heads of 16, 2 groups, d_state 16, conv width 4.
+    "nemotron_h": lambda n: {**_tiny_mamba2(n), "layer_pattern": "MM*-", "ln_eps": 1e-5},
     #
     # --- issue 25: linear attention (keep this group's entries below this line) ---
     # Qwen3.5: delta-net layers with full attention every 3rd (see tiny_delta_net).

@@ -6,7 +6,8 @@
 # - Metadata: the hparam keys every llama.cpp loader reads (block count, context, widths, head
 #   counts, key/value length, rope dimension and base, RMS epsilon, vocab size), then the
 #   family's own keys (experts, sliding window, soft-capping, multipliers, ...: one key per set
-#   optional spec field, see `family_keys`), file type, and all `tokenizer.*` keys copied
+#   optional spec field, see `family_keys`; a family's derived key of a base key's name, such
+#   as a hybrid's per-layer head_count_kv array, replaces it, or drops it when None), file type, and all `tokenizer.*` keys copied
 #   verbatim from a vocab-only GGUF of the llama.cpp tree (see `vocab_files.py`). The spec
 #   itself is stored as JSON under `skippy.synthetic.spec`, which llama.cpp ignores and which
 #   lets a tool tell what a file is.
@@ -245,17 +246,26 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_block_count(spec.n_layer)
     writer.add_context_length(spec.context_length)
     writer.add_embedding_length(spec.n_embd)
-    writer.add_feed_forward_length(spec.n_ff)
-    writer.add_head_count(spec.n_head)
-    writer.add_head_count_kv(spec.n_head_kv)
-    writer.add_key_length(spec.key_length)
-    writer.add_value_length(spec.value_length)
-    writer.add_rope_dimension_count(spec.n_rot)
-    writer.add_rope_freq_base(spec.rope_theta)
+    extra = family_keys(spec)
+    # a family key of the same name replaces a base one (a per-layer array), or drops it (None)
+    replaced = {key for key, _, _ in extra}
+    base: list[tuple[str, Callable[[], None]]] = [
+        ("feed_forward_length", lambda: writer.add_feed_forward_length(spec.n_ff)),
+        ("attention.head_count", lambda: writer.add_head_count(spec.n_head)),
+        ("attention.head_count_kv", lambda: writer.add_head_count_kv(spec.n_head_kv)),
+        ("attention.key_length", lambda: writer.add_key_length(spec.key_length)),
+        ("attention.value_length", lambda: writer.add_value_length(spec.value_length)),
+        ("rope.dimension_count", lambda: writer.add_rope_dimension_count(spec.n_rot)),
+        ("rope.freq_base", lambda: writer.add_rope_freq_base(spec.rope_theta)),
+    ]
+    for suffix, add in base:
+        if f"{spec.arch}.{suffix}" not in replaced:
+            add()
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
-    for key, value, value_type in family_keys(spec):
-        writer.add_key_value(key, value, value_type)
+    for key, value, value_type in extra:
+        if value is not None:
+            writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
 
 
