@@ -611,6 +611,7 @@ class StageContext:
                 # the recurrent cell now ends at base.position - 1; this trims the attention KV
                 if not lib.llama_memory_seq_rm(self._memory_ptr(), seq, base.position, -1):
                     raise SessionError(f"cannot trim the attention KV of session {seq} to {base.position}")
+        restored = time.perf_counter_ns()
         del ring[index + 1:]
         base.chunks = []
         self._replaying = True
@@ -625,6 +626,7 @@ class StageContext:
         stats.rollbacks += 1
         stats.replayed_rows += length - base.position
         stats.rollback_ns += time.perf_counter_ns() - started
+        stats.restore_ns += restored - started
         return None
 
     def _replay(self, seq: int, chunk: Chunk) -> None:

@@ -93,5 +93,6 @@ class RollbackStats:
     checkpoint_ns: int = 0
     rollbacks: int = 0
     replayed_rows: int = 0
-    rollback_ns: int = 0
+    rollback_ns: int = 0  #: restore + replay
+    restore_ns: int = 0  #: the checkpoint's copy back and the attention KV's trim
     refused: int = 0
