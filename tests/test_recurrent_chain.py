@@ -113,7 +113,13 @@ async def test_a_decode_run_ended_early_leaves_every_stage_at_the_driver(hybrid:
             tokens.append((await client.start_run(1, tokens[-1], len(prompt), max_tokens=100)).predicted)
             for _ in range(5):
                 tokens.append((await client.next_run_token(1)).predicted)
-            await trio.sleep(0.05)  # the stages run ahead meanwhile
+            with trio.fail_after(10):  # the stages run ahead of the driver meanwhile: wait until each has
+                while True:
+                    for server in servers:
+                        await server.refresh_runtime_stats()
+                    if all(server.stats.kv_cells_used > len(prompt) + len(tokens) - 1 for server in servers):
+                        break
+                    await trio.sleep(0.01)
             position = await client.end_run(1)
             assert position == len(prompt) + len(tokens) - 1
             for server in servers:
@@ -121,7 +127,8 @@ async def test_a_decode_run_ended_early_leaves_every_stage_at_the_driver(hybrid:
                 assert server.stats.kv_cells_used == position
             assert positions_held(servers) == [position] * stages
             # the steps the stages ran past the driver were rolled back, not merely dropped
-            assert all(server.executor.context.rollback_stats.rollbacks == 1 for server in servers)
+            assert all(server.stats.recurrent_rollback["rollbacks"] == 1 for server in servers)
+            assert all(server.stats.recurrent_rollback["refused"] == 0 for server in servers)
             while len(tokens) < 12:
                 tokens.append((await client.decode(1, tokens[-1], len(prompt) + len(tokens) - 1)).predicted)
             tokens.append((await client.start_run(1, tokens[-1], len(prompt) + len(tokens) - 1,

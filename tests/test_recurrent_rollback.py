@@ -135,3 +135,22 @@ def test_a_rollback_past_the_oldest_checkpoint_is_refused_and_changes_nothing(hy
         context.remove(1)
         _, rolled = feed(stages, 0, n + 6, [[42]])
     assert np.array_equal(rolled[0], never_decoded(hybrid, "unsplit", [PROMPT, *([t] for t in range(5, 11)), [42]], 1)[0])
+
+
+def test_a_long_way_back_through_thinned_checkpoints(hybrid: Path) -> None:
+    """A decode run far ahead of its driver (60 one-row steps) goes back 55 positions exactly: the
+    older checkpoints are thinned, not dropped; with fewer rows allowed the oldest goes."""
+    n = len(PROMPT)
+    steps = [[5 + i] for i in range(60)]
+    with chain(hybrid, "unsplit") as stages:
+        context = stages.contexts[0]
+        feed(stages, 0, 0, [PROMPT, *steps])
+        assert len(context._rings[0]) == context.checkpoint_depth
+        context.trim(0, n + 5)
+        _, rolled = feed(stages, 0, n + 5, [[42]])
+        assert context.rollback_stats.replayed_rows == 5  # from the checkpoint before the first step: kept
+    assert np.array_equal(rolled[0], never_decoded(hybrid, "unsplit", [PROMPT, *steps[:5], [42]], 1)[0])
+    with chain(hybrid, "unsplit", checkpoint_rows=32) as stages:
+        feed(stages, 0, 0, [PROMPT, *steps])
+        with pytest.raises(SessionError, match="oldest checkpoint is at"):
+            stages.contexts[0].trim(0, n + 5)

@@ -40,6 +40,7 @@ from skippy.offload import Offload
 from skippy.runtime.rollback import (
     DEFAULT_DEPTH,
     DEFAULT_INTERVAL,
+    DEFAULT_ROWS,
     STATE_PARTIAL_ONLY,
     Checkpoint,
     Chunk,
@@ -110,8 +111,9 @@ class StageContext:
         threads: compute threads (default: all cores).
         offload: flash attention and KV cache types (:mod:`skippy.offload`; default: flash
             attention off, f16 caches).
-        checkpoint_depth / checkpoint_interval: recurrent and hybrid models only: checkpoints
-            kept per session, and one-row decodes between two (:mod:`skippy.runtime.rollback`).
+        checkpoint_depth / checkpoint_interval / checkpoint_rows: recurrent and hybrid models
+            only: checkpoints kept per session, one-row decodes between two, and most rows logged
+            since the oldest (:mod:`skippy.runtime.rollback`).
     """
 
     def __init__(
@@ -127,10 +129,11 @@ class StageContext:
         offload: Offload | None = None,
         checkpoint_depth: int = DEFAULT_DEPTH,
         checkpoint_interval: int = DEFAULT_INTERVAL,
+        checkpoint_rows: int = DEFAULT_ROWS,
     ) -> None:
-        if checkpoint_depth < 1 or checkpoint_interval < 1:
-            raise ContextError(f"checkpoint depth and interval must be >= 1 (got {checkpoint_depth}, "
-                               f"{checkpoint_interval})")
+        if checkpoint_depth < 1 or checkpoint_interval < 1 or checkpoint_rows < 1:
+            raise ContextError(f"checkpoint depth, interval and rows must be >= 1 (got {checkpoint_depth}, "
+                               f"{checkpoint_interval}, {checkpoint_rows})")
         if n_ctx <= 0 or n_batch <= 0 or not 1 <= max_sessions <= 256:
             raise ContextError(
                 f"invalid context sizes: n_ctx={n_ctx}, n_batch={n_batch}, max_sessions={max_sessions} (1..256)"
@@ -194,6 +197,7 @@ class StageContext:
         self.recurrent = bool(lib.llama_model_is_recurrent(model.pointer) or lib.llama_model_is_hybrid(model.pointer))
         self.checkpoint_depth = checkpoint_depth
         self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_rows = checkpoint_rows
         self.rollback_stats = RollbackStats()
         self._rings: dict[int, list[Checkpoint]] = {}
         self._replaying = False
@@ -524,9 +528,13 @@ class StageContext:
         started = time.perf_counter_ns()
         position = self.length(seq)
         ring = self._rings.setdefault(seq, [])
-        replace = bool(ring) and ring[-1].position == position and not ring[-1].chunks
-        # the buffer of the checkpoint this one replaces or pushes out is reused
-        reuse = ring[-1].state if replace else ring[0].state if len(ring) >= self.checkpoint_depth else None
+        victim: Checkpoint | None = None
+        if ring and ring[-1].position == position and not ring[-1].chunks:
+            victim = ring.pop()  # nothing was decoded since the last one
+        elif len(ring) >= self.checkpoint_depth:
+            victim = self._thin(ring)
+        # the buffer of the checkpoint this one replaces is reused
+        reuse = victim.state if victim is not None else None
         state: bytearray | None = None
         if position > 0:
             with self._lock:
@@ -539,15 +547,28 @@ class StageContext:
                 ring.clear()
                 raise StateMismatch(f"cannot checkpoint the recurrent state of session {seq} "
                                     f"({written} of {size} bytes)")
-        if replace:
-            ring[-1] = Checkpoint(position, state)  # nothing was decoded since the last one
-        else:
-            ring.append(Checkpoint(position, state))
-            del ring[:-self.checkpoint_depth]
+        ring.append(Checkpoint(position, state))
+        while len(ring) > 1 and sum(c.rows for c in ring) > self.checkpoint_rows:
+            del ring[0]  # the rows logged since the oldest checkpoint are bounded too
         stats = self.rollback_stats
         stats.checkpoints += 1
         stats.checkpoint_bytes = sum(c.nbytes for r in self._rings.values() for c in r)
         stats.checkpoint_ns += time.perf_counter_ns() - started
+
+    def _thin(self, ring: list[Checkpoint]) -> Checkpoint:
+        """Take one checkpoint out of a full ring (its rows join the one before it): the newest
+        ``depth // 2`` stay (the last verify windows), and of the older ones the one whose
+        neighbours are closest goes, so the older checkpoints thin out geometrically and a
+        session keeps reaching back to its oldest one; with nothing older, the oldest goes."""
+        keep = self.checkpoint_depth // 2
+        candidates = range(1, len(ring) - keep)
+        if not candidates:
+            return ring.pop(0)
+        index = min(candidates, key=lambda i: (ring[i + 1].position if i + 1 < len(ring) else ring[i].end)
+                    - ring[i - 1].position)
+        victim = ring.pop(index)
+        ring[index - 1].chunks.extend(victim.chunks)
+        return victim
 
     def _log_rows(self, rows: dict[int, npt.NDArray[np.intp]], positions: IntArray,
                   tokens: object, activations: FloatArray | None) -> None:

@@ -16,10 +16,14 @@ previous stage really sent for those positions.
 
 When: a checkpoint is taken before every decode that brings a session more than one row (a
 prefill chunk, a verify window) and before a one-row decode once ``interval`` rows were logged
-since the newest one (decode steps, decode runs); at most ``depth`` checkpoints are kept, so a
-session can always go back ``(depth - 1) * interval`` rows, and across the last ``depth - 1``
-windows.  Memory: ``depth`` copies of the session's recurrent state for this stage's layers plus
-the logged rows (``rows x n_embd x 4`` bytes on non-first stages).  A rollback past the oldest
+since the newest one (decode steps, decode runs).  At most ``depth`` checkpoints are kept: the
+newest ``depth // 2`` as they are (the verify windows in flight), the older ones thinned out
+geometrically (the one whose neighbours are closest is merged into the one before it), so a
+session reaches back to its oldest checkpoint whatever its length -- a decode run that got far
+ahead of its driver included -- at the price of decoding more rows again the further back it goes;
+the oldest is dropped once more than ``rows`` rows are logged after it.  Memory per session:
+``depth`` copies of its recurrent state for this stage's layers, and at most ``rows`` logged rows
+(4 bytes each on the first stage, ``n_embd x 4`` on the others).  A rollback past the oldest
 checkpoint is refused (``SessionError`` naming it), never approximated.
 """
 
@@ -37,6 +41,8 @@ STATE_PARTIAL_ONLY: Final = 1
 DEFAULT_DEPTH: Final = 6
 #: One-row decodes between two checkpoints.
 DEFAULT_INTERVAL: Final = 8
+#: Most rows logged since a session's oldest checkpoint.
+DEFAULT_ROWS: Final = 1024
 
 
 @dataclasses.dataclass(slots=True)
