@@ -25,6 +25,14 @@ the oldest is dropped once more than ``rows`` rows are logged after it.  Memory 
 ``depth`` copies of its recurrent state for this stage's layers, and at most ``rows`` logged rows
 (4 bytes each on the first stage, ``n_embd x 4`` on the others).  A rollback past the oldest
 checkpoint is refused (``SessionError`` naming it), never approximated.
+
+Why not llama.cpp's own ``n_rs_seq`` snapshots (the tree's MTP rollback): they exist for 11
+architectures only (not Mamba/Mamba-2, Jamba, Falcon-H1, Granite 4, Qwen3-Next, RWKV, ...), hold
+the states after the last ``n_rs_seq`` rows *of the last decode* only, single use (a decode run's
+overshoot, a stale pipelined window, a fork or a prefix cut at a page are out of their reach),
+and change how llama.cpp splits a batch into micro-batches.  Checkpoints here are a byte copy of
+the state (exact by construction), for every recurrent architecture, on every trimming path;
+what they cost is measured by ``bench/recurrent_checkpoint.py`` (bench/RESULTS-recurrent.md).
 """
 
 from __future__ import annotations
