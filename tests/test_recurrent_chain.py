@@ -172,5 +172,16 @@ async def test_a_prefix_cache_hit_equals_the_uncached_answer(hybrid: Path, gener
                                                                         prefix_cache=True), 2)
             plain = await generator.generate(client, GenerationRequest(follow_up, 8, speculation=False,
                                                                        prefix_cache=False), 3)
+            # a prompt sharing only the first page: a recurrent state cannot be cut at a page inside
+            # the entry, so this is a miss (the probe says so), with the uncached answer
+            other = (*first[:PAGE], 13, 450, 4996, 29889, 13)
+            shorter = await generator.generate(client, GenerationRequest(other, 8, speculation=False,
+                                                                         prefix_cache=True), 4)
+            other_plain = await generator.generate(client, GenerationRequest(other, 8, speculation=False,
+                                                                             prefix_cache=False), 5)
         assert cached.cached_tokens == 2 * PAGE
         assert plain.cached_tokens == 0 and cached.tokens == plain.tokens
+        assert shorter.cached_tokens == 0 and shorter.tokens == other_plain.tokens
+        for server in servers:
+            cache = server.executor.cache
+            assert cache.stats.errors == 0 and cache.holds == 0

@@ -34,7 +34,7 @@ from typing import Iterable, Protocol, final
 
 from skippy._radix_py import HashArray, TokenArray
 from skippy.cache.tree import CacheEntry, PrefixTree
-from skippy.runtime.errors import StateMismatch
+from skippy.runtime.errors import SessionError, StateMismatch
 
 
 class KvBackend(Protocol):
@@ -372,7 +372,11 @@ class PrefixStore:
             raise ValueError(f"cannot restore {count} tokens from a {entry.tokens}-token entry")
         backend.remove(session_seq)
         if entry.seq is not None:
-            backend.copy(entry.seq, session_seq, 0, count)
+            try:
+                backend.copy(entry.seq, session_seq, 0, count)
+            except SessionError:  # a recurrent entry serves its own length only: a miss
+                backend.remove(session_seq)
+                return False
             self.stats.resident_restores += 1
         else:
             blob = entry.blob
@@ -384,8 +388,9 @@ class PrefixStore:
                 return self._bad_spill(entry, session_seq)
             if positions < count:
                 return self._bad_spill(entry, session_seq)
-            if positions > count:
-                backend.remove(session_seq, count, -1)
+            if positions > count and not backend.remove(session_seq, count, -1):
+                backend.remove(session_seq)  # a recurrent state cannot be cut: a miss
+                return False
             self.stats.spill_restores += 1
         if backend.length(session_seq) != count:
             backend.remove(session_seq)
