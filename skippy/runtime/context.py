@@ -552,7 +552,7 @@ class StageContext:
             del ring[0]  # the rows logged since the oldest checkpoint are bounded too
         stats = self.rollback_stats
         stats.checkpoints += 1
-        stats.checkpoint_bytes = sum(c.nbytes for r in self._rings.values() for c in r)
+        stats.checkpoint_bytes = sum(len(c.state) for r in self._rings.values() for c in r if c.state is not None)
         stats.checkpoint_ns += time.perf_counter_ns() - started
 
     def _thin(self, ring: list[Checkpoint]) -> Checkpoint:

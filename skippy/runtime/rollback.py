@@ -84,7 +84,8 @@ class Checkpoint:
 
     @property
     def rows(self) -> int:
-        return sum(chunk.rows for chunk in self.chunks)
+        """Rows logged after it (its chunks are contiguous from ``position``)."""
+        return self.end - self.position
 
     @property
     def end(self) -> int:
@@ -103,7 +104,7 @@ class RollbackStats:
     """What checkpoints cost a context, summed over its sessions (for bench/ and the stats)."""
 
     checkpoints: int = 0
-    checkpoint_bytes: int = 0
+    checkpoint_bytes: int = 0  #: the checkpoints' states now held (logged rows apart)
     checkpoint_ns: int = 0
     rollbacks: int = 0
     replayed_rows: int = 0
