@@ -129,6 +129,8 @@ int32_t llama_model_n_head_kv(const struct llama_model * model);
 uint64_t llama_model_size(const struct llama_model * model);
 uint64_t llama_model_n_params(const struct llama_model * model);
 int32_t llama_model_desc(const struct llama_model * model, char * buf, size_t buf_size);
+bool llama_model_is_recurrent(const struct llama_model * model);
+bool llama_model_is_hybrid(const struct llama_model * model);
 int32_t llama_model_meta_val_str(const struct llama_model * model, const char * key, char * buf, size_t buf_size);
 const struct llama_vocab * llama_model_get_vocab(const struct llama_model * model);
 int32_t llama_vocab_n_tokens(const struct llama_vocab * vocab);
@@ -168,6 +170,10 @@ llama_pos llama_memory_seq_pos_max(llama_memory_t mem, llama_seq_id seq_id);
 size_t llama_state_seq_get_size(struct llama_context * ctx, llama_seq_id seq_id);
 size_t llama_state_seq_get_data(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id);
 size_t llama_state_seq_set_data(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id);
+/* flags: 1 = LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (a hybrid's recurrent state without its attention KV) */
+size_t llama_state_seq_get_size_ext(struct llama_context * ctx, llama_seq_id seq_id, uint32_t flags);
+size_t llama_state_seq_get_data_ext(struct llama_context * ctx, uint8_t * dst, size_t size, llama_seq_id seq_id, uint32_t flags);
+size_t llama_state_seq_set_data_ext(struct llama_context * ctx, const uint8_t * src, size_t size, llama_seq_id dest_seq_id, uint32_t flags);
 
 /* sampling */
 struct llama_sampler_chain_params llama_sampler_chain_default_params(void);

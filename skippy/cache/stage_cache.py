@@ -160,6 +160,13 @@ class StageCache:
         node = tree.match(array, hashes)
         if node.depth == 0:
             return 0, None
+        if getattr(self.store.backend, "recurrent", False):
+            # a recurrent state exists at its entry's own length only (it cannot be cut at an
+            # earlier page): the deepest entry on the path serves, exactly its length
+            for at in node.path():
+                if at.entry is not None:
+                    return at.depth * self.page_size, at.entry
+            return 0, None
         return node.depth * self.page_size, tree.best_entry(node)
 
     # -- the stage's calls -----------------------------------------------------------------------

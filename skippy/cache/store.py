@@ -34,7 +34,7 @@ from typing import Iterable, Protocol, final
 
 from skippy._radix_py import HashArray, TokenArray
 from skippy.cache.tree import CacheEntry, PrefixTree
-from skippy.runtime.errors import StateMismatch
+from skippy.runtime.errors import SessionError, StateMismatch
 
 
 class KvBackend(Protocol):
@@ -232,7 +232,13 @@ class PrefixStore:
         seq = self._free.pop()
         backend = self.backend
         backend.remove(seq)
-        backend.copy(session_seq, seq, 0, count)
+        try:
+            backend.copy(session_seq, seq, 0, count)
+        except Exception:  # e.g. a recurrent session that cannot go back to the page boundary
+            backend.remove(seq)
+            self._free.append(seq)
+            self._free.sort(reverse=True)
+            raise
         entry = CacheEntry(tree, count, seq)
         self._resident[id(entry)] = entry
         self._resident_tokens += count
@@ -366,7 +372,11 @@ class PrefixStore:
             raise ValueError(f"cannot restore {count} tokens from a {entry.tokens}-token entry")
         backend.remove(session_seq)
         if entry.seq is not None:
-            backend.copy(entry.seq, session_seq, 0, count)
+            try:
+                backend.copy(entry.seq, session_seq, 0, count)
+            except SessionError:  # a recurrent entry serves its own length only: a miss
+                backend.remove(session_seq)
+                return False
             self.stats.resident_restores += 1
         else:
             blob = entry.blob
@@ -378,8 +388,9 @@ class PrefixStore:
                 return self._bad_spill(entry, session_seq)
             if positions < count:
                 return self._bad_spill(entry, session_seq)
-            if positions > count:
-                backend.remove(session_seq, count, -1)
+            if positions > count and not backend.remove(session_seq, count, -1):
+                backend.remove(session_seq)  # a recurrent state cannot be cut: a miss
+                return False
             self.stats.spill_restores += 1
         if backend.length(session_seq) != count:
             backend.remove(session_seq)

@@ -40,8 +40,8 @@ __all__ = [
 #: weight; bias: additive bias (any rank); router: expert-gating projection (kept F32, as
 #: llama.cpp's converter and quantizer keep ``ffn_gate_inp``); vector: a 1-D weight used as a
 #: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits;
-#: decay: a recurrent layer's negative decay, A = -exp(A_log) (Mamba's per channel, delta-net's per
-#: head ``ssm_a``), so the recurrent state decays.
+#: decay: a recurrent layer's negative decay, A = -exp(A_log) (Mamba's per channel, delta-net's and
+#: Mamba-2's per head ``ssm_a``), so the recurrent state decays.
 TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink", "decay"]
 
 

@@ -8,7 +8,9 @@ of every row (valid until the next decode) and, on the final stage, :meth:`logit
 :meth:`sample` read the rows that were flagged as outputs.  Every KV operation is per sequence;
 mirroring them on every stage of a chain is the caller's job.  Saved sequence states carry a tag
 (model identity, layer range, shape) that is checked on restore, because llama.cpp itself only
-checks the layer *count*.
+checks the layer *count*.  A recurrent or hybrid model's sessions roll back through
+checkpoints of their recurrent state (:mod:`skippy.runtime.rollback`): ``trim``, ``remove`` of a
+tail and a partial ``copy`` restore one and decode the logged rows again.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import dataclasses
 import os
 import struct
 import threading
+import time
 from typing import TYPE_CHECKING, Sequence, final
 
 import numpy as np
@@ -34,6 +37,15 @@ from skippy.runtime.errors import (
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime.model import Model
 from skippy.offload import Offload
+from skippy.runtime.rollback import (
+    DEFAULT_DEPTH,
+    DEFAULT_INTERVAL,
+    DEFAULT_ROWS,
+    STATE_PARTIAL_ONLY,
+    Checkpoint,
+    Chunk,
+    RollbackStats,
+)
 from skippy.runtime.sampling import GrammarDeadEnd, Sampler
 
 if TYPE_CHECKING:
@@ -99,6 +111,9 @@ class StageContext:
         threads: compute threads (default: all cores).
         offload: flash attention and KV cache types (:mod:`skippy.offload`; default: flash
             attention off, f16 caches).
+        checkpoint_depth / checkpoint_interval / checkpoint_rows: recurrent and hybrid models
+            only: checkpoints kept per session, one-row decodes between two, and most rows logged
+            since the oldest (:mod:`skippy.runtime.rollback`).
     """
 
     def __init__(
@@ -112,7 +127,13 @@ class StageContext:
         threads: int | None = None,
         threads_batch: int | None = None,
         offload: Offload | None = None,
+        checkpoint_depth: int = DEFAULT_DEPTH,
+        checkpoint_interval: int = DEFAULT_INTERVAL,
+        checkpoint_rows: int = DEFAULT_ROWS,
     ) -> None:
+        if checkpoint_depth < 1 or checkpoint_interval < 1 or checkpoint_rows < 1:
+            raise ContextError(f"checkpoint depth, interval and rows must be >= 1 (got {checkpoint_depth}, "
+                               f"{checkpoint_interval}, {checkpoint_rows})")
         if n_ctx <= 0 or n_batch <= 0 or not 1 <= max_sessions <= 256:
             raise ContextError(
                 f"invalid context sizes: n_ctx={n_ctx}, n_batch={n_batch}, max_sessions={max_sessions} (1..256)"
@@ -172,6 +193,14 @@ class StageContext:
         self._last_output_rows: npt.NDArray[np.intp] = np.zeros(0, dtype=np.intp)
         self._last_output_set: frozenset[int] = frozenset()  # the same rows, for O(1) checks
         self._last_activation_rows = 0
+        #: A recurrent or hybrid model: sessions roll back through checkpoints, not seq_rm.
+        self.recurrent = bool(lib.llama_model_is_recurrent(model.pointer) or lib.llama_model_is_hybrid(model.pointer))
+        self.checkpoint_depth = checkpoint_depth
+        self.checkpoint_interval = checkpoint_interval
+        self.checkpoint_rows = checkpoint_rows
+        self.rollback_stats = RollbackStats()
+        self._rings: dict[int, list[Checkpoint]] = {}
+        self._replaying = False
 
     # -- sessions ----------------------------------------------------------------------------
     def open_session(self) -> int:
@@ -189,6 +218,7 @@ class StageContext:
             if seq not in self._open_sessions:
                 raise SessionError(f"session {seq} is not open")
             lib.llama_memory_seq_rm(self._memory_ptr(), seq, -1, -1)
+            self._rings.pop(seq, None)
             self._open_sessions.discard(seq)
             self._free_sessions.append(seq)
             self._free_sessions.sort(reverse=True)
@@ -291,6 +321,7 @@ class StageContext:
             if flags.shape != (n_rows,):
                 raise InvalidBatch(f"outputs must have one flag per row ({n_rows}), got {flags.shape}")
             out[:n_rows] = flags
+        recurrent_rows = self._before_recurrent_decode(seq, pos) if self.recurrent else None
         with self._lock:
             pointer = self._context_ptr()
             lib.skippy_batch_view(
@@ -310,12 +341,16 @@ class StageContext:
             else:
                 self._last_output_rows = np.flatnonzero(out[:n_rows])
                 self._last_output_set = frozenset(self._last_output_rows.tolist())
+        if recurrent_rows is not None:
+            self._log_rows(recurrent_rows, pos, tokens, activations)
 
     def row_batch(self, seq: int, sampler: Sampler | None = None) -> "RowBatch":
         """A one-row batch of session ``seq`` for the decode relay (:mod:`skippy.runtime.row_batch`;
         a final stage's picks with ``sampler``)."""
         from skippy.runtime.row_batch import RowBatch
 
+        if self.recurrent:
+            raise InvalidBatch("a recurrent model's rows are decoded through decode(), which logs them for rollback")
         return RowBatch(self, seq, sampler)
 
     def note_external_decode(self, rows: int) -> None:
@@ -417,24 +452,223 @@ class StageContext:
 
     # -- KV memory ---------------------------------------------------------------------------
     def remove(self, seq: int, start: int = -1, end: int = -1) -> bool:
-        """Remove positions ``[start, end)`` of a session (-1: open end); False if not possible."""
+        """Remove positions ``[start, end)`` of a session (-1: open end); False if not possible.
+
+        A recurrent model removes all of a session, or a tail (``end`` -1) by rolling back."""
+        if self.recurrent:
+            if start <= 0 and end < 0:
+                self._rings.pop(seq, None)
+            elif end < 0:
+                return self._roll_back(seq, start) is None
+            else:
+                return False  # a hole in a recurrent state cannot exist
         with self._lock:
             return bool(lib.llama_memory_seq_rm(self._memory_ptr(), seq, start, end))
 
     def trim(self, seq: int, length: int) -> None:
-        """Keep only positions ``[0, length)`` of a session (the rollback rule)."""
-        if not self.remove(seq, length, -1):
+        """Keep only positions ``[0, length)`` of a session (the rollback rule).
+
+        Raises:
+            SessionError: not possible (a recurrent session: ``length`` is before its oldest checkpoint).
+        """
+        if self.recurrent:
+            refusal = self._roll_back(seq, length)
+            if refusal is not None:
+                raise SessionError(f"cannot trim session {seq} to {length} positions: {refusal}")
+        elif not self.remove(seq, length, -1):
             raise SessionError(f"cannot trim session {seq} to {length} positions")
 
     def copy(self, source: int, destination: int, start: int = -1, end: int = -1) -> None:
-        """Share positions ``[start, end)`` of ``source`` with ``destination`` (no data copied)."""
+        """Share positions ``[start, end)`` of ``source`` with ``destination`` (no data copied).
+
+        A recurrent model copies a prefix ``[0, end)`` only: the whole session, then a rollback
+        of the copy (through the source's checkpoints, which the copy does not keep).
+
+        Raises:
+            SessionError: a recurrent prefix that cannot be made (``destination`` is left empty).
+        """
+        if not self.recurrent:
+            with self._lock:
+                lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, start, end)
+            return
+        if start > 0:
+            raise SessionError(f"a recurrent state has no copy from position {start}: copy a prefix")
+        self.remove(destination)
         with self._lock:
-            lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, start, end)
+            lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, -1, -1)
+        if 0 <= end < self.length(source):
+            # the copy borrows the source's checkpoints for its rollback and keeps none of them
+            self._rings[destination] = [dataclasses.replace(c, chunks=list(c.chunks))
+                                        for c in self._rings.get(source, [])]
+            refusal = self._roll_back(destination, end)
+            self._rings.pop(destination, None)
+            if refusal is not None:
+                self.remove(destination)
+                raise SessionError(f"cannot copy positions [0, {end}) of session {source}: {refusal}")
 
     def keep(self, seq: int) -> None:
         """Drop every sequence but ``seq``."""
         with self._lock:
             lib.llama_memory_seq_keep(self._memory_ptr(), seq)
+        for other in [s for s in self._rings if s != seq]:
+            del self._rings[other]
+
+    # -- recurrent rollback (skippy.runtime.rollback) ----------------------------------------
+    def _before_recurrent_decode(self, seqs: IntArray, positions: IntArray) -> dict[int, npt.NDArray[np.intp]]:
+        """Checkpoint the sessions of a batch that need one; returns each session's rows."""
+        if seqs.shape[0] == 1:
+            rows = {int(seqs[0]): _ROW_0}
+        else:
+            rows = {int(s): np.flatnonzero(seqs == s) for s in np.unique(seqs)}
+        if self._replaying:
+            return rows
+        for seq, indices in rows.items():
+            ring = self._rings.get(seq)
+            if ring and ring[-1].end != int(positions[indices[0]]):
+                ring.clear()  # rows this context did not log (cannot happen through decode): start over
+            if not ring or indices.shape[0] > 1 or ring[-1].rows >= self.checkpoint_interval:
+                self._checkpoint(seq)
+        return rows
+
+    def _checkpoint(self, seq: int) -> None:
+        started = time.perf_counter_ns()
+        position = self.length(seq)
+        ring = self._rings.setdefault(seq, [])
+        victim: Checkpoint | None = None
+        if ring and ring[-1].position == position and not ring[-1].chunks:
+            victim = ring.pop()  # nothing was decoded since the last one
+        elif len(ring) >= self.checkpoint_depth:
+            victim = self._thin(ring)
+        # the buffer of the checkpoint this one replaces is reused
+        reuse = victim.state if victim is not None else None
+        state: bytearray | None = None
+        if position > 0:
+            with self._lock:
+                pointer = self._context_ptr()
+                size = lib.llama_state_seq_get_size_ext(pointer, seq, STATE_PARTIAL_ONLY)
+                state = reuse if reuse is not None and len(reuse) == size else bytearray(size)
+                written = lib.llama_state_seq_get_data_ext(pointer, ffi.from_buffer(state), size, seq,
+                                                           STATE_PARTIAL_ONLY)
+            if written != size:
+                ring.clear()
+                raise StateMismatch(f"cannot checkpoint the recurrent state of session {seq} "
+                                    f"({written} of {size} bytes)")
+        ring.append(Checkpoint(position, state))
+        while len(ring) > 1 and sum(c.rows for c in ring) > self.checkpoint_rows:
+            del ring[0]  # the rows logged since the oldest checkpoint are bounded too
+        stats = self.rollback_stats
+        stats.checkpoints += 1
+        stats.checkpoint_bytes = sum(len(c.state) for r in self._rings.values() for c in r if c.state is not None)
+        stats.checkpoint_ns += time.perf_counter_ns() - started
+
+    def _thin(self, ring: list[Checkpoint]) -> Checkpoint:
+        """Take one checkpoint out of a full ring (its rows join the one before it): the newest
+        ``depth // 2`` stay (the last verify windows), and of the older ones the one whose
+        neighbours are closest goes, so the older checkpoints thin out geometrically and a
+        session keeps reaching back to its oldest one; with nothing older, the oldest goes."""
+        keep = self.checkpoint_depth // 2
+        candidates = range(1, len(ring) - keep)
+        if not candidates:
+            return ring.pop(0)
+        index = min(candidates, key=lambda i: (ring[i + 1].position if i + 1 < len(ring) else ring[i].end)
+                    - ring[i - 1].position)
+        victim = ring.pop(index)
+        ring[index - 1].chunks.extend(victim.chunks)
+        return victim
+
+    def _log_rows(self, rows: dict[int, npt.NDArray[np.intp]], positions: IntArray,
+                  tokens: object, activations: FloatArray | None) -> None:
+        tok = None if tokens is None else np.asarray(tokens, dtype=np.int32)
+        act = None if activations is None else np.asarray(activations, dtype=np.float32)
+        for seq, indices in rows.items():
+            ring = self._rings.get(seq)
+            if not ring:
+                continue
+            single = indices.shape[0] == 1
+            chunk = Chunk(
+                int(positions[indices[0]]),
+                None if tok is None else (tok[indices[0]:indices[0] + 1].copy() if single else tok[indices]),
+                None if act is None else (act[indices[0]:indices[0] + 1].copy() if single else act[indices]),
+            )
+            ring[-1].chunks.append(chunk)
+
+    def checkpoint_bytes(self, seq: int) -> int:
+        """Bytes the checkpoints of a session hold (states and logged rows; 0 when not recurrent)."""
+        return sum(c.nbytes for c in self._rings.get(seq, []))
+
+    def _roll_back(self, seq: int, length: int) -> str | None:
+        """Make a recurrent session hold ``[0, length)``; None when done, else why it cannot."""
+        held = self.length(seq)
+        if length >= held:
+            return None
+        if length <= 0:
+            self._rings.pop(seq, None)
+            with self._lock:
+                lib.llama_memory_seq_rm(self._memory_ptr(), seq, -1, -1)
+            return None
+        started = time.perf_counter_ns()
+        ring = self._rings.get(seq, [])
+        index = next((i for i in range(len(ring) - 1, -1, -1) if ring[i].position <= length), None)
+        replay: list[Chunk] = []
+        reached = -1
+        if index is not None:
+            reached = ring[index].position
+            for chunk in (c for later in ring[index:] for c in later.chunks):
+                if chunk.start >= length or chunk.start != reached:
+                    break
+                replay.append(chunk if chunk.start + chunk.rows <= length else chunk.head(length - chunk.start))
+                reached = min(length, chunk.start + chunk.rows)
+        if reached != length:
+            self.rollback_stats.refused += 1
+            oldest = f"its oldest checkpoint is at {ring[0].position}" if ring else "it has no checkpoint"
+            return (f"recurrent state cannot go back from {held} to {length} positions: {oldest} "
+                    f"(depth {self.checkpoint_depth}, interval {self.checkpoint_interval})")
+        assert index is not None
+        base = ring[index]
+        with self._lock:
+            pointer = self._context_ptr()
+            if base.state is None:
+                lib.llama_memory_seq_rm(self._memory_ptr(), seq, -1, -1)
+            else:
+                read = lib.llama_state_seq_set_data_ext(pointer, ffi.from_buffer(base.state), len(base.state), seq,
+                                                        STATE_PARTIAL_ONLY)
+                if read != len(base.state):
+                    raise StateMismatch(f"llama.cpp rejected the checkpoint of session {seq}: "
+                                        f"{_callbacks.take_recent_errors()}")
+                # the recurrent cell now ends at base.position - 1; this trims the attention KV
+                if not lib.llama_memory_seq_rm(self._memory_ptr(), seq, base.position, -1):
+                    raise SessionError(f"cannot trim the attention KV of session {seq} to {base.position}")
+        restored = time.perf_counter_ns()
+        del ring[index + 1:]
+        base.chunks = []
+        self._replaying = True
+        try:
+            for chunk in replay:
+                self._replay(seq, chunk)
+        finally:
+            self._replaying = False
+        if self.length(seq) != length:
+            raise SessionError(f"session {seq} holds {self.length(seq)} positions after a rollback to {length}")
+        stats = self.rollback_stats
+        stats.rollbacks += 1
+        stats.replayed_rows += length - base.position
+        stats.rollback_ns += time.perf_counter_ns() - started
+        stats.restore_ns += restored - started
+        return None
+
+    def _replay(self, seq: int, chunk: Chunk) -> None:
+        rows = chunk.rows
+        positions = np.arange(chunk.start, chunk.start + rows, dtype=np.int32)
+        seqs = np.full(rows, seq, dtype=np.int32)
+        for begin in range(0, rows, self.n_batch):
+            end = min(rows, begin + self.n_batch)
+            outputs = None if not self.model.is_last else np.zeros(end - begin, dtype=bool)
+            if outputs is not None:
+                outputs[-1] = True
+            self.decode(positions=positions[begin:end], seq_ids=seqs[begin:end],
+                        tokens=None if chunk.tokens is None else chunk.tokens[begin:end],
+                        activations=None if chunk.activations is None else chunk.activations[begin:end],
+                        outputs=outputs)
 
     def position_max(self, seq: int) -> int:
         """Largest position held for ``seq`` (-1 when empty)."""
@@ -485,6 +719,7 @@ class StageContext:
         if identity.rstrip(b"\0") != model.identity.encode()[:24]:
             raise StateMismatch(f"state was saved from another model file than {model.info.path.name}")
         payload = blob[_STATE_HEADER.size:]
+        self._rings.pop(seq, None)
         with self._lock:
             pointer = self._context_ptr()
             lib.llama_memory_seq_rm(self._memory_ptr(), seq, -1, -1)
@@ -495,6 +730,8 @@ class StageContext:
 
     # -- figures -----------------------------------------------------------------------------
     def kv_cells_used(self) -> int:
+        if self.recurrent:  # the recurrent half spans one cell per sequence: count positions held
+            return sum(self.length(seq) for seq in range(self.max_sessions))
         return int(lib.skippy_kv_cells_used(self._context_ptr(), 256))
 
     @property

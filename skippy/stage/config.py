@@ -92,6 +92,8 @@ class StageConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     mmap: bool = False
+    recurrent_checkpoints: int = 6
+    recurrent_checkpoint_interval: int = 8
 
     @property
     def offload(self) -> OffloadSettings:
@@ -141,6 +143,9 @@ class StageConfig:
             (self.ctx_size > 0, f"ctx_size must be > 0 (got {self.ctx_size})"),
             (1 <= self.max_sessions <= 256, f"max_sessions must be in 1..256 (got {self.max_sessions})"),
             (self.threads >= 0, f"threads must be >= 0 (got {self.threads})"),
+            (self.recurrent_checkpoints >= 1, f"recurrent_checkpoints must be >= 1 (got {self.recurrent_checkpoints})"),
+            (self.recurrent_checkpoint_interval >= 1,
+             f"recurrent_checkpoint_interval must be >= 1 (got {self.recurrent_checkpoint_interval})"),
             (self.batch_size > 0, f"batch_size must be > 0 (got {self.batch_size})"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1 (got {self.max_inflight})"),
             (self.reply_credit_limit is None or self.reply_credit_limit >= 0,
@@ -263,6 +268,11 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                       "compute ends; off: the trio side writes it (bench/RESULTS-stage.md has both figures)"),
     "inline_hand_offs": (_bool, "on: a lane task does an idle next task's step itself instead of waking it; "
                          "off: every message takes every hop (bench/RESULTS-stage.md has both figures)"),
+    "recurrent_checkpoints": (int, "recurrent and hybrid models: checkpoints of its recurrent state kept per session "
+                              "for rollbacks (a verify window's rejected drafts, a run's overshoot, forks); each "
+                              "holds the state of this stage's layers (skippy.runtime.rollback)"),
+    "recurrent_checkpoint_interval": (int, "recurrent and hybrid models: one-row decodes between two checkpoints "
+                                      "(every prefill chunk and verify window takes one)"),
     "decode_relay": (_bool, "on: a non-final stage relays a direct-return session's steady decode in a loop "
                      "outside Python (skippy._relay); off: every token takes the lane's path "
                      "(bench/RESULTS-stage.md has both figures)"),

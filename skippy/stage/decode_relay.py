@@ -102,6 +102,8 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
         return None
     if not executor.is_first and in_dtype not in _CARRIED_DTYPES:
         return None
+    if getattr(executor.context, "recurrent", False):
+        return None  # a recurrent stage logs every row for its rollbacks (the stage's log says so)
     row_batch = getattr(executor.context, "row_batch", None)
     seq = executor.session_seq(session_key)
     sampler = executor.relay_sampler(session_key) if final else None

@@ -356,6 +356,8 @@ class Executor:
                                    "kv_cells_used": int(self.context.kv_cells_used())}
         if self.cache is not None:
             figures["prefix_cache"] = {**dataclasses.asdict(self.cache.stats), "holds": self.cache.holds}
+        if getattr(self.context, "recurrent", False):  # skippy.runtime.rollback: what checkpoints cost
+            figures["recurrent_rollback"] = dataclasses.asdict(self.context.rollback_stats)  # type: ignore[attr-defined]
         return figures
 
     # -- prefix cache ------------------------------------------------------------------------

@@ -72,13 +72,20 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         model = Model(config.model, layers, progress=progress, offload=offload, use_mmap=config.mmap)
         try:
             context = StageContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
-                                   n_batch=config.batch_size, threads=config.threads or None, offload=offload)
+                                   n_batch=config.batch_size, threads=config.threads or None, offload=offload,
+                                   checkpoint_depth=config.recurrent_checkpoints,
+                                   checkpoint_interval=config.recurrent_checkpoint_interval)
         except Exception:  # free the weights before reporting a context failure
             model.close()
             raise
         log.info("weights: %.0f MiB %s; %.0f MiB of this process on 2 MiB pages (SKIPPY_HUGE_PAGES=0: none)",
                  model.size_bytes / (1 << 20), "mapped from the file" if model.use_mmap else "read into memory",
                  huge_page_bytes() / (1 << 20))
+        if context.recurrent:
+            log.info("recurrent state: rollback by checkpoints (%d per session, one every %d decode steps and "
+                     "before every prefill chunk and verify window); decode relay off for this model: its loop "
+                     "does not log the rows a rollback decodes again",
+                     context.checkpoint_depth, context.checkpoint_interval)
     if model.is_last != (config.downstream is None):
         message = (
             f"layers {config.layers} of a {model.n_layer}-layer model "
@@ -290,7 +297,7 @@ class StageServer:
         self._shutdown.set()
 
     async def refresh_runtime_stats(self) -> None:
-        """Read the runtime's figures (sessions, KV cells, prefix cache) into the statistics.
+        """Read the runtime's figures (sessions, KV cells, prefix cache, recurrent rollbacks) into the statistics.
 
         While a decode relay holds the runtime the figures are left as they are (one session
         grows by a cell per token): a read would queue behind the relay and end its run, and the
@@ -302,6 +309,7 @@ class StageServer:
         self.stats.sessions_in_use = snapshot["sessions_in_use"]
         self.stats.kv_cells_used = snapshot["kv_cells_used"]
         self.stats.prefix_cache = snapshot.get("prefix_cache", {})
+        self.stats.recurrent_rollback = snapshot.get("recurrent_rollback", {})
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until :meth:`shutdown`; reports the bound address to ``task_status``."""

@@ -102,6 +102,8 @@ class StageStats:
     kv_cells_used: int = 0
     #: The prefix cache's counters and gauges (``StageCache.stats``; empty when it is off).
     prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: A recurrent or hybrid model's rollbacks (``StageContext.rollback_stats``; empty otherwise).
+    recurrent_rollback: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Per-job runtime time, scheduler queue wait, and per-frame downstream wait (write to reply).
     compute_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
     queue_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
