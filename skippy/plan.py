@@ -228,6 +228,8 @@ class ModelShape:
 
         def number(key: str, default: int | None = None) -> int:
             value = meta.get(f"{arch}.{key}", default)
+            if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+                value = max(value)  # a per-layer array (hybrids, OpenELM): the widest layer
             if isinstance(value, bool) or not isinstance(value, int):
                 raise PlanError(f"{file} lacks {arch}.{key} (a vocab-only file?)")
             return value
