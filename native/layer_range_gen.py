@@ -84,7 +84,8 @@ SPLIT += ()
 SPLIT += ()
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-SPLIT += ("gpt2", "starcoder", "bloom", "mpt")
+SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
+          "hunyuan-dense", "mistral4")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ()

@@ -9,13 +9,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gguf import GGUFValueType
+
 from skippy.models import blocks as b
 from skippy.models.blocks import TensorDecl
 
 if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
-__all__ = ["gpt2", "input_layer_norm", "mpt", "position_embedding"]
+__all__ = [
+    "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "parallel_residual", "phimoe",
+    "position_embedding",
+]
 
 
 def position_embedding(spec: "ModelSpec") -> list[TensorDecl]:
@@ -42,3 +47,29 @@ def gpt2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
 def mpt(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     # MPT (no_bias): bias-free LayerNorms, fused q/k/v, GELU MLP.
     return b.attention(spec, layer, fused_qkv=True) + b.dense_ffn(spec, layer, gated=False)
+
+
+def jais2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Jais 2: LayerNorms with biases, separate q/k/v with biases, a gate-less MLP with biases.
+    return b.attention(spec, layer, norm_bias=True, qkv_bias=True, out_bias=True) + b.dense_ffn(
+        spec, layer, gated=False, biases=True
+    )
+
+
+def granitemoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Granite MoE: llama attention, softmax experts as wide as n_ff, the shared expert of
+    # Granite MoE-shared when n_ff_shexp is set.
+    return b.attention(spec, layer) + b.moe_ffn(spec, layer, shared="own", expert_width=spec.n_ff)
+
+
+def phimoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Phi-3.5-MoE: norms with biases, q/k/v and output biases, softmax experts of width n_ff.
+    out = b.attention(spec, layer, norm_bias=True, qkv_bias=True, out_bias=True)
+    out += [b.norm(layer, "ffn_norm", spec.n_embd), b.bias(layer, "ffn_norm", spec.n_embd)]
+    return out + b.moe_ffn(spec, layer, pre_norm=False, expert_width=spec.n_ff)
+
+
+def parallel_residual(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    """GPT-NeoX's ``use_parallel_residual`` (required by its loader): true, as in Pythia."""
+    del spec
+    return [("use_parallel_residual", True, GGUFValueType.BOOL)]

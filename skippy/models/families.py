@@ -650,6 +650,55 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="MPT-7B/30B: ALiBi, bias-free LayerNorms and projections, fused and clamped "
             "q/k/v, GELU MLP",
         ),
+        Family(
+            "gptneox", _UNTIED, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            derived_keys=br.parallel_residual,
+            summary="GPT-NeoX / Pythia: GPT-2's block layout with partial NeoX rope and "
+            "attention and MLP in parallel on the residual, untied",
+        ),
+        Family(
+            "jais2", _BOTH, br.jais2,
+            requires=frozenset({"ln_eps"}), output_norm_bias=True,
+            summary="Jais 2: LayerNorms with biases, q/k/v and output biases, a GELU MLP "
+            "without a gate",
+        ),
+        Family(
+            "granitemoe", _BOTH, br.granitemoe,
+            requires=frozenset({"n_expert", "n_expert_used", "logit_scale"}),
+            permits=frozenset({"embedding_scale", "residual_scale", "attention_scale", "n_ff_shexp"}),
+            rules=(b.experts,),
+            summary="Granite 3 MoE (and MoE-shared): granite's multipliers, softmax experts of "
+            "width n_ff, an optional shared expert",
+        ),
+        Family(
+            "minicpm", _BOTH, _llama,
+            permits=frozenset({"embedding_scale", "residual_scale", "logit_scale"}),
+            summary="MiniCPM (1/2): llama layout with embedding, residual and logit scales "
+            "(granite's graph)",
+        ),
+        Family(
+            "phimoe", _UNTIED, br.phimoe,
+            requires=frozenset({"n_expert", "n_expert_used"}), rules=(b.coupled_heads, b.experts),
+            output_norm_bias=True, output_bias=True,
+            summary="Phi-3.5-MoE: RMS norms with biases, q/k/v and output biases, softmax "
+            "experts of width n_ff, a head bias (phi3's graph)",
+        ),
+        Family(
+            "hunyuan-dense", _BOTH, _qwen3,
+            summary="Hunyuan dense (hunyuan-vl's graph): llama plus per-head q/k norms",
+        ),
+        Family(
+            "mistral4", _BOTH, _deepseek2,
+            requires=_MOE | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer),
+            derived_keys=_deepseek2_keys,
+            summary="Mistral 4: deepseek2's loader and graph (multi-head latent attention, "
+            "leading dense blocks, routed and shared experts) under its own name",
+        ),
         #
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
         #

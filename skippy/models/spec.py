@@ -96,7 +96,10 @@ _DenseArchitecture = Literal["llama"]
 _MoeArchitecture = Literal["llama"]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-_RuleArchitecture = Literal["gpt2", "starcoder", "bloom", "mpt"]
+_RuleArchitecture = Literal[
+    "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
+    "hunyuan-dense", "mistral4",
+]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 _PerLayerArchitecture = Literal["llama"]
@@ -137,7 +140,10 @@ DENSE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gpt2", "starcoder", "bloom", "mpt")
+RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
+    "hunyuan-dense", "mistral4",
+)
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
@@ -567,6 +573,18 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "starcoder": lambda n: {"ln_eps": 1e-5, "n_head_kv": 1},
     "bloom": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4},
     "mpt": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4, "max_alibi_bias": 8.0, "clamp_kqv": 1.5},
+    # Pythia rotates a quarter of each head (rotary_pct 0.25).
+    "gptneox": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4, "rope_dim": n // 16},
+    "jais2": lambda n: {"ln_eps": 1e-5},
+    "granitemoe": lambda n: {
+        "n_expert": 8, "n_expert_used": 2, "n_ff": n // 2, "n_ff_shexp": n,
+        "embedding_scale": 12.0, "residual_scale": 0.22, "attention_scale": 0.0078125,
+        "logit_scale": 8.0,
+    },
+    # MiniCPM's own defaults at 4 layers of 64: scale_emb 12, 1.4 / sqrt(4), 256 / 64.
+    "minicpm": lambda n: {"embedding_scale": 12.0, "residual_scale": 0.7, "logit_scale": 4.0},
+    "phimoe": lambda n: {"n_expert": 8, "n_expert_used": 2, "n_ff": n // 2},
+    "mistral4": lambda n: _tiny_deepseek2(n),
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #
