@@ -91,7 +91,12 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 SPLIT += ()
 
 #: Extra literal edits per architecture name: (old, new, expected count).
-ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
+ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # Qwen3-VL's head compares the embedding's rows with the head's (Qwen3-TTS pads a codec head);
+    # the last stage has no token embeddings, and its loader makes them n_vocab rows: the same.
+    "qwen3vl": [("int64_t n_vocab_in  = model.tok_embd->ne[1];",
+                 "int64_t n_vocab_in  = (int64_t) model.vocab.n_tokens(); // skippy: tok_embd's rows", 1)],
+}
 
 #: Generic edit: an input transform between the embedding and the layer loop (a position
 #: embedding added, an input norm, a scale) belongs to the first stage, whose input is the
@@ -113,6 +118,13 @@ LINT = {
 REVIEWED: dict[str, dict[str, str]] = {
     "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only"},
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "granite_swa": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "qwen3vl": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "qwen3vlmoe": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "minicpm3": {"n_layer": "the residual scale scale_depth / sqrt(n_layer) is the model's depth, on every stage"},
+    "smallthinker": {"n_layer": "n_no_rope_layer_step == n_layer (no NoPE layer) compares with the model's depth"},
+    "mimo2": {"n_layer": "the MTP extraction of the final layer input (embeddings_layer_inp[n_layer]) is read "
+                         "after the loop, on the last stage only"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
 }
@@ -173,6 +185,10 @@ def read_archs(src: Path) -> list[Arch]:
         if arch.cls:
             arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
             arch.graph_owner = graph_alias(src, arch.cls)
+            parent = base_class(src, arch.cls)
+            if not arch.files and parent not in ("", "llama_model_base"):
+                # a subclass that overrides nothing (qwen3tts): its loader and graph are the parent's
+                arch.graph_owner = parent
             if arch.graph_owner:
                 # the graph is the owner's: its constructor lives in the owner's file(s)
                 arch.files += [name for name, body in sources.items()
@@ -444,6 +460,16 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     loop_at = body.index(LOOP)
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
+    loop_uses = set(_IDENT.findall(_code(body[loop_open:loop_close])))
+    embd_end = body.index(";", body.index("build_inp_embd(model.tok_embd)")) + 1
+    for a, b in _statements(body[embd_end:loop_at]):
+        code = _code(body[embd_end + a:embd_end + b])
+        chosen = set(_ASSIGNED.findall(code)) - {"inpL"}
+        if "ubatch.token" in code and chosen & loop_uses:
+            raise InherentRefusal(
+                "the layers depend on the input modality: they pick their weights by whether the batch "
+                f"holds tokens (`{'`, `'.join(sorted(chosen & loop_uses))}` from ubatch.token), and every "
+                "later stage's input is hidden state")
     if not ends_assigning(body[loop_open + 1:loop_close], "inpL"):
         raise TransformError("the layer loop does not end by assigning `inpL` on every path")
     if "build_stage_boundary" in body:
@@ -474,6 +500,9 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         if found != count:
             raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
+    if LINT["tok_embd"].search(_code(new_body[new_body.index("build_stage_boundary"):])):
+        raise TransformError("the head reads model.tok_embd, which only the first stage loads (not "
+                             "duplicated as model.output)")
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
@@ -524,6 +553,16 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = "per-layer token embeddings: every layer needs the input tokens"
         elif "n_layer_kv_from_start" in joined or "ctx_other" in joined:
             arch.reason = "cross-layer KV sharing: later layers read the KV of earlier ones"
+        elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined):
+            arch.reason = ("layers reused in depth (looped or hierarchical stacks): the loader maps one "
+                           "block's weights to several layer slots where the file loops them, so a range of "
+                           "slots is not a range of distinct layers and needs weights outside it")
+        elif "build_hc_pre(" in joined:
+            arch.reason = ("hyper-connections: the residual stream is several n_embd-wide streams per token, "
+                           "wider than the n_embd hidden state a stage hands on")
+        elif "adapter_ids" in joined and "sub_tokens" in joined:
+            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter a router picks "
+                           "from the input tokens, which a later stage does not have")
         elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
                 texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
         )) and "template <bool embed>" in joined:

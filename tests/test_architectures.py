@@ -46,7 +46,9 @@ def test_the_issue_families_split() -> None:
     ("arch", "reason"),
     [("gemma3n", "per-layer token embeddings"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "cross-layer KV"),
-     ("talkie", "input-embedding skip")],
+     ("talkie", "input-embedding skip"), ("cogvlm", "input modality"), ("hrm_text", "layers reused in depth"),
+     ("nanbeige", "layers reused in depth"), ("hy_v4", "hyper-connections"),
+     ("graniteswitch", "adapter switching"), ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]
