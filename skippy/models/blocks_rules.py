@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "parallel_residual", "phimoe",
+    "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
     "position_embedding",
 ]
 
@@ -73,3 +73,13 @@ def parallel_residual(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueTyp
     """GPT-NeoX's ``use_parallel_residual`` (required by its loader): true, as in Pythia."""
     del spec
     return [("use_parallel_residual", True, GGUFValueType.BOOL)]
+
+
+def muse_glimmer(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Muse Glimmer: per-head q/k norms, post-norms, an attention-output gate read from the
+    # block's normed input (n_head * head_dim wide).
+    return (
+        b.attention(spec, layer, qk_norm="head", post_norm=True)
+        + [b.matrix(layer, "attn_gate", spec.n_q, spec.n_embd)]
+        + b.dense_ffn(spec, layer, post_norm=True)
+    )

@@ -274,6 +274,10 @@ def _deepseek2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
+def _qwen3moe_without_qk_norm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return b.attention(spec, layer) + b.moe_ffn(spec, layer)
+
+
 def _olmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return b.attention(spec, layer, qk_norm="full") + b.moe_ffn(spec, layer, expert_width=spec.n_ff)
 
@@ -698,6 +702,21 @@ FAMILIES: Final[dict[str, Family]] = {
             derived_keys=_deepseek2_keys,
             summary="Mistral 4: deepseek2's loader and graph (multi-head latent attention, "
             "leading dense blocks, routed and shared experts) under its own name",
+        ),
+        Family(
+            "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
+            requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
+            summary="SmallThinker: llama attention, routed experts (the router reads the block "
+            "input), no NoPE layers without a sliding window",
+        ),
+        Family(
+            "muse-glimmer", _UNTIED, br.muse_glimmer,
+            requires=frozenset({"sliding_window", "logit_scale"}),
+            permits=frozenset({"swa_pattern", "rope_theta_swa", "final_softcap"}),
+            rules=(b.window,),
+            summary="Muse Glimmer: an RMS norm on the embeddings, per-head q/k norms, a sigmoid "
+            "attention-output gate, post-norms, rope on sliding-window layers only (NoPE on "
+            "global ones), logit scale and soft-capping",
         ),
         #
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---

@@ -98,7 +98,7 @@ _MoeArchitecture = Literal["llama"]
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
 _RuleArchitecture = Literal[
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
-    "hunyuan-dense", "mistral4",
+    "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer",
 ]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -142,7 +142,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
-    "hunyuan-dense", "mistral4",
+    "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer",
 )
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -585,6 +585,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "minicpm": lambda n: {"embedding_scale": 12.0, "residual_scale": 0.7, "logit_scale": 4.0},
     "phimoe": lambda n: {"n_expert": 8, "n_expert_used": 2, "n_ff": n // 2},
     "mistral4": lambda n: _tiny_deepseek2(n),
+    "smallthinker": lambda n: {**_tiny_moe(n), "expert_gating": 1},
+    "muse-glimmer": lambda n: {
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta_swa": 10000.0,
+        "logit_scale": 0.5, "final_softcap": 30.0,
+    },
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     #
