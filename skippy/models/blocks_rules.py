@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
+    "deepseek2_ocr", "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
     "position_embedding",
 ]
 
@@ -83,3 +83,12 @@ def muse_glimmer(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         + [b.matrix(layer, "attn_gate", spec.n_q, spec.n_embd)]
         + b.dense_ffn(spec, layer, post_norm=True)
     )
+
+
+def deepseek2_ocr(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # DeepSeek-OCR's decoder: llama attention (no MLA), n_dense_lead dense blocks, then softmax
+    # experts with n_expert_shared shared experts as wide as an expert each.
+    attention = b.attention(spec, layer)
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, shared="plain")

@@ -704,6 +704,14 @@ FAMILIES: Final[dict[str, Family]] = {
             "leading dense blocks, routed and shared experts) under its own name",
         ),
         Family(
+            "deepseek2-ocr", _BOTH, br.deepseek2_ocr,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}),
+            rules=(b.coupled_heads, b.mha, b.experts, b.dense_lead_below_n_layer),
+            summary="DeepSeek-OCR's language model (deepseek2's graph without MLA): MHA with full "
+            "NeoX rope, leading dense blocks, softmax experts plus shared experts",
+        ),
+        Family(
             "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
             requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
             summary="SmallThinker: llama attention, routed experts (the router reads the block "
