@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "deepseek2_ocr", "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
+    "afmoe", "deepseek2_ocr", "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
     "position_embedding",
 ]
 
@@ -92,3 +92,15 @@ def deepseek2_ocr(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     if layer < spec.n_dense_lead:
         return attention + b.dense_ffn(spec, layer)
     return attention + b.moe_ffn(spec, layer, shared="plain")
+
+
+def afmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # AFM MoE: Muse Glimmer's gated attention with post-norms; the FFN (dense for the first
+    # n_dense_lead blocks, then sigmoid experts with a selection bias and shared experts) sits
+    # between ffn_norm and post_ffw_norm.
+    attention = b.attention(spec, layer, qk_norm="head", post_norm=True)
+    attention.append(b.matrix(layer, "attn_gate", spec.n_q, spec.n_embd))
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer, post_norm=True)
+    experts = b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+    return attention + experts + [b.norm(layer, "post_ffw_norm", spec.n_embd)]

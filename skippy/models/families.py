@@ -712,6 +712,18 @@ FAMILIES: Final[dict[str, Family]] = {
             "NeoX rope, leading dense blocks, softmax experts plus shared experts",
         ),
         Family(
+            "afmoe", _BOTH, br.afmoe,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating",
+                 "sliding_window", "swa_pattern", "rope_theta_swa"}
+            ),
+            rules=(b.experts, b.window, b.dense_lead_below_n_layer),
+            summary="AFM MoE (Trinity): a sqrt(n_embd) input scale, per-head q/k norms, a sigmoid "
+            "attention-output gate, post-norms, 3:1 sliding-window layers, leading dense blocks, "
+            "sigmoid experts with a selection bias and shared experts",
+        ),
+        Family(
             "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
             requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
             summary="SmallThinker: llama attention, routed experts (the router reads the block "

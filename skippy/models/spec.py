@@ -99,6 +99,7 @@ _MoeArchitecture = Literal["llama"]
 _RuleArchitecture = Literal[
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
+    "afmoe",
 ]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -143,6 +144,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
+    "afmoe",
 )
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -586,6 +588,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "phimoe": lambda n: {"n_expert": 8, "n_expert_used": 2, "n_ff": n // 2},
     "mistral4": lambda n: _tiny_deepseek2(n),
     "smallthinker": lambda n: {**_tiny_moe(n), "expert_gating": 1},
+    "afmoe": lambda n: {
+        **_tiny_moe(n), "n_dense_lead": 1, "n_expert_shared": 1, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta_swa": 10000.0,
+    },
     # DeepSeek-OCR's decoder: MHA, one leading dense block, 2 of 8 experts plus a shared one.
     "deepseek2-ocr": lambda n: {
         **_tiny_moe(n), "n_head_kv": 4, "n_dense_lead": 1, "n_expert_shared": 1,
