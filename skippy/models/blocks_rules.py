@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "afmoe", "deepseek2_ocr", "gpt2", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
+    "afmoe", "alternating_window_layers", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
     "position_embedding",
 ]
 
@@ -104,3 +104,14 @@ def afmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         return attention + b.dense_ffn(spec, layer, post_norm=True)
     experts = b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
     return attention + experts + [b.norm(layer, "post_ffw_norm", spec.n_embd)]
+
+
+def granite_swa(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Granite 4 (iSWA): llama attention with per-head sinks, a dense SwiGLU FFN.
+    return b.attention(spec, layer, sinks=True) + b.dense_ffn(spec, layer)
+
+
+def alternating_window_layers(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    """granite_swa's per-layer ``attention.sliding_window_pattern`` (an array its loader requires):
+    even layers sliding-window, odd ones global."""
+    return [("attention.sliding_window_pattern", [il % 2 == 0 for il in range(spec.n_layer)], GGUFValueType.ARRAY)]

@@ -724,6 +724,14 @@ FAMILIES: Final[dict[str, Family]] = {
             "sigmoid experts with a selection bias and shared experts",
         ),
         Family(
+            "granite_swa", _BOTH, br.granite_swa,
+            requires=frozenset({"sliding_window", "logit_scale"}),
+            permits=frozenset({"embedding_scale", "residual_scale", "attention_scale"}),
+            derived_keys=br.alternating_window_layers,
+            summary="Granite 4 (iSWA, dense): granite's multipliers, attention sinks, a per-layer "
+            "sliding-window pattern",
+        ),
+        Family(
             "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
             requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
             summary="SmallThinker: llama attention, routed experts (the router reads the block "
