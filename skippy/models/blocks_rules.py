@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "afmoe", "alternating_window_layers", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
+    "afmoe", "alternating_window_layers", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mimo2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
     "position_embedding",
 ]
 
@@ -115,3 +115,13 @@ def alternating_window_layers(spec: "ModelSpec") -> list[tuple[str, object, GGUF
     """granite_swa's per-layer ``attention.sliding_window_pattern`` (an array its loader requires):
     even layers sliding-window, odd ones global."""
     return [("attention.sliding_window_pattern", [il % 2 == 0 for il in range(spec.n_layer)], GGUFValueType.ARRAY)]
+
+
+def mimo2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # MiMo-V2-Flash: attention with sinks; n_dense_lead dense SwiGLU blocks (the loader has no
+    # key for it: the graph tells them by a missing router), then sigmoid experts with a
+    # selection bias.
+    attention = b.attention(spec, layer, sinks=True)
+    if layer < spec.n_dense_lead:
+        return attention + b.dense_ffn(spec, layer)
+    return attention + b.moe_ffn(spec, layer, selection_bias=True)

@@ -732,6 +732,14 @@ FAMILIES: Final[dict[str, Family]] = {
             "sliding-window pattern",
         ),
         Family(
+            "mimo2", _UNTIED, br.mimo2,
+            requires=_MOE | {"sliding_window"}, permits=frozenset({"n_dense_lead", "rope_theta_swa"}),
+            rules=(b.experts, b.dense_lead_below_n_layer),
+            derived_keys=br.alternating_window_layers,
+            summary="MiMo-V2-Flash (trunk, no MTP block): attention sinks, a per-layer "
+            "sliding-window pattern, a leading dense block, sigmoid experts with a selection bias",
+        ),
+        Family(
             "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
             requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
             summary="SmallThinker: llama attention, routed experts (the router reads the block "

@@ -99,7 +99,7 @@ _MoeArchitecture = Literal["llama"]
 _RuleArchitecture = Literal[
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
-    "afmoe", "granite_swa",
+    "afmoe", "granite_swa", "mimo2",
 ]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -144,7 +144,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
-    "afmoe", "granite_swa",
+    "afmoe", "granite_swa", "mimo2",
 )
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -588,6 +588,7 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "phimoe": lambda n: {"n_expert": 8, "n_expert_used": 2, "n_ff": n // 2},
     "mistral4": lambda n: _tiny_deepseek2(n),
     "smallthinker": lambda n: {**_tiny_moe(n), "expert_gating": 1},
+    "mimo2": lambda n: {**_tiny_moe(n), "n_dense_lead": 1, "sliding_window": TINY_SLIDING_WINDOW},
     "granite_swa": lambda n: {
         "sliding_window": TINY_SLIDING_WINDOW, "embedding_scale": 12.0, "residual_scale": 0.22,
         "attention_scale": 0.0078125, "logit_scale": 8.0,

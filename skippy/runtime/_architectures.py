@@ -61,6 +61,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'minimax-m2',
     'mistral3',
     'mistral4',
+    'mimo2',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
@@ -152,7 +153,6 @@ REFUSED: Final[dict[str, str]] = {
     'eagle3': 'cross-layer KV sharing: later layers read the KV of earlier ones',
     'dflash': 'cross-layer KV sharing: later layers read the KV of earlier ones',
     'paddleocr': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
-    'mimo2': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'step35': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'spark2_5': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
