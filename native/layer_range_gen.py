@@ -86,7 +86,8 @@ SPLIT += ()
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
 SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
           "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer",
-          "deepseek2-ocr", "afmoe", "granite_swa", "mimo2")
+          "deepseek2-ocr", "afmoe", "granite_swa", "mimo2",
+          "minicpm3")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ()

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "afmoe", "alternating_window_layers", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mimo2", "mpt", "muse_glimmer", "parallel_residual", "phimoe",
+    "afmoe", "alternating_window_layers", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mimo2", "minicpm3", "minicpm3_kv_rank", "mpt", "muse_glimmer", "parallel_residual", "partial_rope", "phimoe",
     "position_embedding",
 ]
 
@@ -125,3 +125,39 @@ def mimo2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     if layer < spec.n_dense_lead:
         return attention + b.dense_ffn(spec, layer)
     return attention + b.moe_ffn(spec, layer, selection_bias=True)
+
+
+def _minicpm3_kv_rank(spec: "ModelSpec") -> int:
+    # Kept out of ModelSpec.kv_lora_rank on purpose: that field means deepseek2's absorbed MLA,
+    # whose cache is the latent (key_length = kv_lora_rank + rope); MiniCPM3 decompresses kv_b and
+    # caches whole heads (key_length = value_length = head_dim).
+    return spec.n_embd // 2
+
+
+def minicpm3_kv_rank(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    """MiniCPM3's ``attention.kv_lora_rank`` (required by its loader): n_embd / 2."""
+    return [("attention.kv_lora_rank", _minicpm3_kv_rank(spec), GGUFValueType.UINT32)]
+
+
+def partial_rope(spec: "ModelSpec") -> str | None:
+    # MiniCPM3 splits each key into a rotated part (rope_dim) and an unrotated one.
+    if not 0 < spec.n_rot < spec.n_embd_head:
+        return f"{spec.arch} needs 0 < rope_dim < head_dim"
+    return None
+
+
+def minicpm3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # MiniCPM3: q = q_b(norm(q_a(x))); [kv latent; shared rope key] = kv_a_mqa(x), per-head
+    # [k_nope; v] = kv_b(norm(latent)); values as wide as keys (head_dim).
+    e, heads, head, q_rank, kv_rank = spec.n_embd, spec.n_head, spec.n_embd_head, spec.q_lora_rank, _minicpm3_kv_rank(spec)
+    nope = head - spec.n_rot
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.norm(layer, "attn_q_a_norm", q_rank),
+        b.norm(layer, "attn_kv_a_norm", kv_rank),
+        b.matrix(layer, "attn_q_a", q_rank, e),
+        b.matrix(layer, "attn_q_b", heads * head, q_rank),
+        b.matrix(layer, "attn_kv_a_mqa", kv_rank + spec.n_rot, e),
+        b.matrix(layer, "attn_kv_b", heads * (nope + head), kv_rank),
+        b.matrix(layer, "attn_output", e, heads * head),
+    ] + b.dense_ffn(spec, layer)

@@ -740,6 +740,13 @@ FAMILIES: Final[dict[str, Family]] = {
             "sliding-window pattern, a leading dense block, sigmoid experts with a selection bias",
         ),
         Family(
+            "minicpm3", _BOTH, br.minicpm3,
+            requires=frozenset({"q_lora_rank"}), rules=(b.mha, br.partial_rope),
+            derived_keys=br.minicpm3_kv_rank,
+            summary="MiniCPM3: low-rank q and kv projections (kv_b decompressed, plain KV cache), "
+            "an embedding scale of 12, residual scale 1.4 / sqrt(n_layer), head scale 256 / n_embd",
+        ),
+        Family(
             "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
             requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
             summary="SmallThinker: llama attention, routed experts (the router reads the block "

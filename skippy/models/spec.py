@@ -99,7 +99,7 @@ _MoeArchitecture = Literal["llama"]
 _RuleArchitecture = Literal[
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
-    "afmoe", "granite_swa", "mimo2",
+    "afmoe", "granite_swa", "mimo2", "minicpm3",
 ]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -144,7 +144,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
-    "afmoe", "granite_swa", "mimo2",
+    "afmoe", "granite_swa", "mimo2", "minicpm3",
 )
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -589,6 +589,8 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "mistral4": lambda n: _tiny_deepseek2(n),
     "smallthinker": lambda n: {**_tiny_moe(n), "expert_gating": 1},
     "mimo2": lambda n: {**_tiny_moe(n), "n_dense_lead": 1, "sliding_window": TINY_SLIDING_WINDOW},
+    # MiniCPM3-4B's ratios: q_lora 768 / kv_lora 256 of 2560, rope 32 of 96-wide keys.
+    "minicpm3": lambda n: {"n_head_kv": 4, "q_lora_rank": n // 2, "rope_dim": n // 8},
     "granite_swa": lambda n: {
         "sliding_window": TINY_SLIDING_WINDOW, "embedding_scale": 12.0, "residual_scale": 0.22,
         "attention_scale": 0.0078125, "logit_scale": 8.0,
