@@ -87,7 +87,7 @@ SPLIT += ()
 SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
           "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer",
           "deepseek2-ocr", "afmoe", "granite_swa", "mimo2",
-          "minicpm3")
+          "minicpm3", "bitnet")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ()
@@ -105,6 +105,18 @@ ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {
 #: embedding; a later stage's input is hidden state that already went through it (and the
 #: transform's own tensors, LLM_TENSOR_LAYER_INPUT, are loaded on the first stage only).
 STAGE_FIRST = "if (il_start == 0) { // skippy: the input transform runs on the first stage only"
+
+#: Generic edit: a head that multiplies by model.tok_embd (a tied head the loader never makes into
+#: model.output) reads model.output, which the loader then creates as the duplicated tied head
+#: (the same weights; TENSOR_DUPLICATED, as every other tied family's loader does), so the last
+#: stage has it.
+TIED_HEAD = ("build_lora_mm(model.tok_embd, cur)", "build_lora_mm(model.output, cur) /* skippy: tied head */")
+TIED_HEAD_LOAD = (
+    'output_norm = create_tensor(tn(LLM_TENSOR_OUTPUT_NORM, "weight"), {n_embd}, 0);\n',
+    'output_norm = create_tensor(tn(LLM_TENSOR_OUTPUT_NORM, "weight"), {n_embd}, 0);\n'
+    '    // skippy: the tied head as model.output, so that the last stage loads it\n'
+    '    output = create_tensor(tn(LLM_TENSOR_TOKEN_EMBD, "weight"), {n_embd, n_vocab}, TENSOR_DUPLICATED);\n',
+)
 
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
@@ -502,12 +514,21 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         if found != count:
             raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
-    if LINT["tok_embd"].search(_code(new_body[new_body.index("build_stage_boundary"):])):
+    head = new_body.index("build_stage_boundary")
+    if new_body.count(TIED_HEAD[0], head) == 1 and not re.search(r"\boutput\s*=\s*create_tensor", text):
+        # the tied head reads the token embeddings, which only the first stage loads: the last
+        # stage loads them as model.output (the loader's duplicated tied head) and the head reads that
+        new_body = new_body[:head] + new_body[head:].replace(TIED_HEAD[0], TIED_HEAD[1])
+        if text.count(TIED_HEAD_LOAD[0]) != 1:
+            raise TransformError("the head reads model.tok_embd and the loader's output norm is not created once")
+        text = text.replace(TIED_HEAD_LOAD[0], TIED_HEAD_LOAD[1])
+        start, end = main_graph_span(text)
+    if LINT["tok_embd"].search(_code(new_body[head:])):
         raise TransformError("the head reads model.tok_embd, which only the first stage loads (not "
                              "duplicated as model.output)")
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
-    scan = scan.replace("build_inp_embd(model.tok_embd)", "")
+    scan = _code(scan.replace("build_inp_embd(model.tok_embd)", ""))  # code only: comments may name anything
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")

@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "afmoe", "alternating_window_layers", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mimo2", "minicpm3", "minicpm3_kv_rank", "mpt", "muse_glimmer", "parallel_residual", "partial_rope", "phimoe",
+    "afmoe", "alternating_window_layers", "bitnet", "deepseek2_ocr", "gpt2", "granite_swa", "granitemoe", "input_layer_norm", "jais2", "mimo2", "minicpm3", "minicpm3_kv_rank", "mpt", "muse_glimmer", "parallel_residual", "partial_rope", "phimoe",
     "position_embedding",
 ]
 
@@ -161,3 +161,22 @@ def minicpm3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         b.matrix(layer, "attn_kv_b", heads * (nope + head), kv_rank),
         b.matrix(layer, "attn_output", e, heads * head),
     ] + b.dense_ffn(spec, layer)
+
+
+def bitnet(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # BitNet b1.58: llama's projections with an RMS sub-norm on the attention output (before
+    # attn_output) and on the gated FFN activation (before ffn_down, n_ff wide).
+    e = spec.n_embd
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.norm(layer, "attn_sub_norm", e),
+        b.matrix(layer, "attn_q", spec.n_q, e),
+        b.matrix(layer, "attn_k", spec.n_kv, e),
+        b.matrix(layer, "attn_v", spec.n_kv, e),
+        b.matrix(layer, "attn_output", e, spec.n_q),
+        b.norm(layer, "ffn_norm", e),
+        b.norm(layer, "ffn_sub_norm", spec.n_ff),
+        b.matrix(layer, "ffn_gate", spec.n_ff, e),
+        b.matrix(layer, "ffn_down", e, spec.n_ff),
+        b.matrix(layer, "ffn_up", spec.n_ff, e),
+    ]

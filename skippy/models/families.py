@@ -747,6 +747,11 @@ FAMILIES: Final[dict[str, Family]] = {
             "an embedding scale of 12, residual scale 1.4 / sqrt(n_layer), head scale 256 / n_embd",
         ),
         Family(
+            "bitnet", _TIED, br.bitnet, rules=(b.coupled_heads,),
+            summary="BitNet b1.58: llama layout plus sub-norms before attn_output and ffn_down, "
+            "the head tied to the token embeddings (weights here are plain, not ternary)",
+        ),
+        Family(
             "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
             requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
             summary="SmallThinker: llama attention, routed experts (the router reads the block "

@@ -99,7 +99,7 @@ _MoeArchitecture = Literal["llama"]
 _RuleArchitecture = Literal[
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
-    "afmoe", "granite_swa", "mimo2", "minicpm3",
+    "afmoe", "granite_swa", "mimo2", "minicpm3", "bitnet",
 ]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
@@ -144,7 +144,7 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ()
 RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
     "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
-    "afmoe", "granite_swa", "mimo2", "minicpm3",
+    "afmoe", "granite_swa", "mimo2", "minicpm3", "bitnet",
 )
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
