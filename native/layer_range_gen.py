@@ -10,18 +10,24 @@ remains per architecture is always the same three edits to its graph builder in
    ``il == il_end - 1``, and tests for the output ids where it did not (a stage that is not the
    last keeps every row and has none);
 3. right after the layer loop, a stage that is not the last publishes the pre-norm hidden state
-   (``inpL``, which every such loop ends by assigning) and stops building the graph.
+   (``inpL``, which every path through such a loop ends by assigning, however it is written: a
+   last assignment followed by ``cb`` calls, or an exhaustive if/else whose branches all assign)
+   and stops building the graph.
 
-Two generic edits follow: an input transform between the embedding and the layer loop (a
-position embedding added, an input norm, a scale) is guarded to run on the first stage only, and
-the glm4 families' refusal of embedding input (which every later stage receives) is limited to the
-first stage.  Every edit must match an exact number of times (``ARCH_EDITS`` holds reviewed
+The graph is the arch's own, or the one it reuses (``using graph = llama_model_X::graph``, or a
+subclass that overrides nothing), edited once for every architecture sharing it.  Generic edits
+follow: an input transform between the embedding and the layer loop (a position embedding added,
+an input norm, a scale) is guarded to run on the first stage only; the glm4 families' refusal of
+embedding input (which every later stage receives) is limited to the first stage; a head reading
+``model.tok_embd`` reads ``model.output``, loaded as the duplicated tied head.  Every edit must
+match an exact number of times (``ARCH_EDITS`` holds reviewed
 per-architecture ones), and after editing, the main graph body is linted for the constructs that
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
-that a layer range cannot carry (recurrent state, cross-layer KV sharing, per-layer token
-embeddings, an encoder), are refused with that reason.
+that a layer range cannot carry (cross-layer KV sharing, per-layer token embeddings, an encoder,
+an input embedding the layers read, layers reused in depth, a residual wider than n_embd, layers
+that depend on the token input or its modality), are refused with that reason.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
