@@ -380,15 +380,17 @@ def _top_level_brace(text: str, start: int) -> int:
     return -1
 
 
-def guard_input_transforms(body: str, loop_at: int) -> tuple[str, list[str]]:
+def guard_input_transforms(body: str, loop_at: int, reads_reviewed: bool = False) -> tuple[str, list[str]]:
     """Wrap the input transforms between the embedding and the layer loop in ``STAGE_FIRST``.
 
     A transform is a statement that assigns the embedding's variable; a statement right before
     one whose results only transforms read (a position embedding looked up) joins it, and so do
-    the calls observing a transform's result (``cb``, ``ggml_build_forward_expand``).  Each run of consecutive transforms becomes one
-    guarded block (nothing is reordered); a name declared in a run and read after it, or another
-    read of the embedding before the loop (which a later stage would see as hidden state), is
-    refused or reported.  Returns the new body and the lint findings.
+    the calls observing a transform's result (``cb``, ``ggml_build_forward_expand``).  Each run
+    of consecutive transforms becomes one guarded block (nothing is reordered).  A name declared
+    in a run and read after it is refused; another read of the embedding before the loop (which
+    a later stage would see as hidden state) is an inherent refusal when the layers read its
+    result, else a finding, unless ``reads_reviewed`` (REVIEWED's "input read": a graph reviewed
+    to give a later stage what it reads).  Returns the new body and the lint findings.
     """
     embd_at = body.index("build_inp_embd(model.tok_embd)")
     embd_end = body.index(";", embd_at) + 1
@@ -439,7 +441,7 @@ def guard_input_transforms(body: str, loop_at: int) -> tuple[str, list[str]]:
             runs.append([i])
     findings: list[str] = []
     for i in range(len(spans)):
-        if i not in guarded and not cbs[i] and var in uses[i]:
+        if i not in guarded and not cbs[i] and var in uses[i] and not reads_reviewed:
             if defs[i] & later_uses:
                 raise InherentRefusal(
                     "input-embedding skip: the layers read the input embedding (kept as "
@@ -514,7 +516,8 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     new_body = new_body.replace(f"if ({LAST_NEW}) {{", f"if ({LAST_NEW} && inp_out_ids) {{")
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
-    new_body, findings = guard_input_transforms(new_body, new_body.index(LOOP_NEW))
+    new_body, findings = guard_input_transforms(
+        new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}))
     for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
