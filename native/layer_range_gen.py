@@ -10,22 +10,28 @@ remains per architecture is always the same three edits to its graph builder in
    ``il == il_end - 1``, and tests for the output ids where it did not (a stage that is not the
    last keeps every row and has none);
 3. right after the layer loop, a stage that is not the last publishes the pre-norm hidden state
-   (``inpL``, which every such loop ends by assigning) and stops building the graph.
+   (``inpL``, which every path through such a loop ends by assigning, however it is written: a
+   last assignment followed by ``cb`` calls, or an exhaustive if/else whose branches all assign)
+   and stops building the graph.
 
-Two generic edits follow: an input transform between the embedding and the layer loop (a
-position embedding added, an input norm, a scale) is guarded to run on the first stage only, and
-the glm4 families' refusal of embedding input (which every later stage receives) is limited to the
-first stage.  Every edit must match an exact number of times (``ARCH_EDITS`` holds reviewed
+The graph is the arch's own, or the one it reuses (``using graph = llama_model_X::graph``, or a
+subclass that overrides nothing), edited once for every architecture sharing it.  Generic edits
+follow: an input transform between the embedding and the layer loop (a position embedding added,
+an input norm, a scale) is guarded to run on the first stage only; the glm4 families' refusal of
+embedding input (which every later stage receives) is limited to the first stage; a head reading
+``model.tok_embd`` reads ``model.output``, loaded as the duplicated tied head.  Every edit must
+match an exact number of times (``ARCH_EDITS`` holds reviewed
 per-architecture ones), and after editing, the main graph body is linted for the constructs that
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
 that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, a value residual from the first layer, an encoder), are refused with that
-reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a feature: it belongs to its
-layer, and patch ``0005`` gives a range the state of its own layers.  So are the few the rules
-reach that cannot split for a reason of the model itself (``INHERENT``: e.g. a TTS backbone without
-an LM head).
+or banked across layers, a value residual from the first layer, an input embedding the layers
+read, layers reused in depth, layers that depend on the token input or its modality, an encoder),
+are refused with that reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a
+feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
+So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
+e.g. a TTS backbone without an LM head).
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -95,7 +101,10 @@ SPLIT += (
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-SPLIT += ("gpt2", "starcoder", "bloom", "mpt")
+SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
+          "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer",
+          "deepseek2-ocr", "afmoe", "granite_swa", "mimo2",
+          "minicpm3", "bitnet")
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
@@ -114,7 +123,12 @@ INHERENT |= {
 }
 
 #: Extra literal edits per architecture name: (old, new, expected count).
-ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {}
+ARCH_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # Qwen3-VL's head compares the embedding's rows with the head's (Qwen3-TTS pads a codec head);
+    # the last stage has no token embeddings, and its loader makes them n_vocab rows: the same.
+    "qwen3vl": [("int64_t n_vocab_in  = model.tok_embd->ne[1];",
+                 "int64_t n_vocab_in  = (int64_t) model.vocab.n_tokens(); // skippy: tok_embd's rows", 1)],
+}
 #: Issue 26, MoE / sparse attention: MiniMax-M3 builds its sparse-attention (MSA) inputs before
 #: the layer loop for the layers past the leading dense ones; a stage holding dense layers only
 #: would leave them unallocated (and setting them fails), so it runs as MSA-less, which changes
@@ -153,6 +167,18 @@ FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
 }
 
 
+#: Generic edit: a head that multiplies by model.tok_embd (a tied head the loader never makes into
+#: model.output) reads model.output, which the loader then creates as the duplicated tied head
+#: (the same weights; TENSOR_DUPLICATED, as every other tied family's loader does), so the last
+#: stage has it.
+TIED_HEAD = ("build_lora_mm(model.tok_embd, cur)", "build_lora_mm(model.output, cur) /* skippy: tied head */")
+TIED_HEAD_LOAD = (
+    'output_norm = create_tensor(tn(LLM_TENSOR_OUTPUT_NORM, "weight"), {n_embd}, 0);\n',
+    'output_norm = create_tensor(tn(LLM_TENSOR_OUTPUT_NORM, "weight"), {n_embd}, 0);\n'
+    '    // skippy: the tied head as model.output, so that the last stage loads it\n'
+    '    output = create_tensor(tn(LLM_TENSOR_TOKEN_EMBD, "weight"), {n_embd, n_vocab}, TENSOR_DUPLICATED);\n',
+)
+
 #: Generic edit: a refusal of embedding input (multimodal guards) applies to the first stage only.
 EMBD_GUARD = ("if (ubatch.embd && ", "if (il_start == 0 && ubatch.embd && ")  # skippy: later stages take embd
 
@@ -182,6 +208,13 @@ LINT = {
 REVIEWED: dict[str, dict[str, str]] = {
     "gemma3": {"ubatch.token": "the sqrt(n_embd) scale is already applied to token input only"},
     "granite": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "granite_swa": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "qwen3vl": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "qwen3vlmoe": {"t_inp_embd": "deepstack (vision) injection; the loader refuses a range when deepstack layers exist"},
+    "minicpm3": {"n_layer": "the residual scale scale_depth / sqrt(n_layer) is the model's depth, on every stage"},
+    "smallthinker": {"n_layer": "n_no_rope_layer_step == n_layer (no NoPE layer) compares with the model's depth"},
+    "mimo2": {"n_layer": "the MTP extraction of the final layer input (embeddings_layer_inp[n_layer]) is read "
+                         "after the loop, on the last stage only"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
@@ -251,6 +284,10 @@ def read_archs(src: Path) -> list[Arch]:
         if arch.cls:
             arch.files = [name for name, body in sources.items() if re.search(rf"\b{arch.cls}::", body)]
             arch.graph_owner = graph_alias(src, arch.cls)
+            parent = base_class(src, arch.cls)
+            if not arch.files and parent not in ("", "llama_model_base"):
+                # a subclass that overrides nothing (qwen3tts): its loader and graph are the parent's
+                arch.graph_owner = parent
             if arch.graph_owner:
                 # the graph is the owner's: its constructor lives in the owner's file(s)
                 arch.files += [name for name, body in sources.items()
@@ -434,16 +471,20 @@ def _top_level_brace(text: str, start: int) -> int:
     return -1
 
 
-def guard_input_transforms(body: str, loop_at: int, readers: set[str] = set()) -> tuple[str, list[str]]:
+def guard_input_transforms(body: str, loop_at: int, reads_reviewed: bool = False,
+                           readers: frozenset[str] = frozenset()) -> tuple[str, list[str]]:
     """Wrap the input transforms between the embedding and the layer loop in ``STAGE_FIRST``.
 
     A transform is a statement that assigns the embedding's variable; a statement right before
     one whose results only transforms read (a position embedding looked up) joins it, and so do
-    the calls observing a transform's result (``cb``, ``ggml_build_forward_expand``).  Each run of consecutive transforms becomes one
-    guarded block (nothing is reordered); a name declared in a run and read after it, or another
-    read of the embedding before the loop (which a later stage would see as hidden state), is
-    refused or reported; ``readers`` names variables a reviewed edit lets read the embedding
-    (Gemma 4's per-layer projection).  Returns the new body and the lint findings.
+    the calls observing a transform's result (``cb``, ``ggml_build_forward_expand``).  Each run
+    of consecutive transforms becomes one guarded block (nothing is reordered).  A name declared
+    in a run and read after it is refused; another read of the embedding before the loop (which
+    a later stage would see as hidden state) is an inherent refusal when the layers read its
+    result, else a finding, unless ``reads_reviewed`` (REVIEWED's "input read": a graph reviewed
+    to give a later stage what it reads).  ``readers`` names variables a reviewed edit
+    lets read the embedding (Gemma 4's per-layer projection).  Returns the new body and the lint
+    findings.
     """
     embd_at = body.index("build_inp_embd(")
     embd_end = body.index(";", embd_at) + 1
@@ -496,7 +537,7 @@ def guard_input_transforms(body: str, loop_at: int, readers: set[str] = set()) -
             runs.append([i])
     findings: list[str] = []
     for i in range(len(spans)):
-        if i not in guarded and not cbs[i] and var in uses[i]:
+        if i not in guarded and not cbs[i] and var in uses[i] and not reads_reviewed:
             if defs[i] and defs[i] <= readers:
                 continue
             if defs[i] & later_uses:
@@ -539,6 +580,16 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     loop_at = body.index(LOOP)
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
+    loop_uses = set(_IDENT.findall(_code(body[loop_open:loop_close])))
+    embd_end = body.index(";", body.index("build_inp_embd(model.tok_embd)")) + 1
+    for a, b in _statements(body[embd_end:loop_at]):
+        code = _code(body[embd_end + a:embd_end + b])
+        chosen = set(_ASSIGNED.findall(code)) - {"inpL"}
+        if "ubatch.token" in code and chosen & loop_uses:
+            raise InherentRefusal(
+                "the layers depend on the input modality: they pick their weights by whether the batch "
+                f"holds tokens (`{'`, `'.join(sorted(chosen & loop_uses))}` from ubatch.token), and every "
+                "later stage's input is hidden state")
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
@@ -570,17 +621,31 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         new_body = new_body.replace(old, new)
     # the per-layer projection reads the embedding on the first stage only (PER_LAYER_EDITS)
     new_body, findings = guard_input_transforms(
-        new_body, new_body.index(LOOP_NEW), readers={"inp_per_layer"} if per_layer else set())
+        new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}),
+        readers=frozenset({"inp_per_layer"}) if per_layer else frozenset())
     for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
+    head = new_body.index("build_stage_boundary")
+    if new_body.count(TIED_HEAD[0], head) == 1 and not re.search(r"\boutput\s*=\s*create_tensor", text):
+        # the tied head reads the token embeddings, which only the first stage loads: the last
+        # stage loads them as model.output (the loader's duplicated tied head) and the head reads that
+        new_body = new_body[:head] + new_body[head:].replace(TIED_HEAD[0], TIED_HEAD[1])
+        if text.count(TIED_HEAD_LOAD[0]) != 1:
+            raise TransformError("the head reads model.tok_embd and the loader's output norm is not created once")
+        text = text.replace(TIED_HEAD_LOAD[0], TIED_HEAD_LOAD[1])
+        start, end = main_graph_span(text)
+    if LINT["tok_embd"].search(_code(new_body[head:])):
+        raise TransformError("the head reads model.tok_embd, which only the first stage loads (not "
+                             "duplicated as model.output)")
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
     for _, new, _ in PER_LAYER_EDITS if per_layer else []:
         scan = scan.replace(new, "")
+    scan = _code(scan)  # code only: comments may name anything
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")
@@ -644,6 +709,13 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif "altup_predict_coef" in joined:
             arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
                            "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
+        elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined):
+            arch.reason = ("layers reused in depth (looped or hierarchical stacks): the loader maps one "
+                           "block's weights to several layer slots where the file loops them, so a range of "
+                           "slots is not a range of distinct layers and needs weights outside it")
+        elif "adapter_ids" in joined and "sub_tokens" in joined:
+            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter a router picks "
+                           "from the input tokens, which a later stage does not have")
         elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
                 texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
         )) and "template <bool embed>" in joined:

@@ -47,7 +47,9 @@ def test_the_issue_families_split() -> None:
     [("gemma3n", "AltUp: layers hand on n_altup parallel"), ("deepseek4", "hyper-connections"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
      ("eagle3", "draft head"), ("dflash", "draft head"), ("talkie", "input-embedding skip"),
-     ("pockettts", "not a text-generation model")],
+     ("pockettts", "not a text-generation model"), ("cogvlm", "input modality"), ("hrm_text", "layers reused in depth"),
+     ("nanbeige", "layers reused in depth"), ("hy_v4", "hyper-connections"),
+     ("graniteswitch", "adapter switching"), ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]

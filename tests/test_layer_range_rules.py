@@ -111,3 +111,55 @@ def test_another_read_of_the_embedding_is_reported() -> None:
 )
 def test_a_layer_loop_must_end_assigning_the_hidden_state_on_every_path(block: str, ends: bool) -> None:
     assert gen.ends_assigning(block, "inpL") is ends
+
+
+LOADER = """void llama_model_x::load_arch_tensors(llama_model_loader &) {
+    tok_embd = create_tensor(tn(LLM_TENSOR_TOKEN_EMBD, "weight"), {n_embd, n_vocab}, 0);
+    output_norm = create_tensor(tn(LLM_TENSOR_OUTPUT_NORM, "weight"), {n_embd}, 0);
+%s}
+
+llama_model_x::graph::graph(const llama_model & model, const llm_graph_params & params) : llm_graph_context(params) {
+    ggml_tensor * cur;
+    ggml_tensor * inpL;
+    inpL = build_inp_embd(model.tok_embd);
+%s    ggml_tensor * inp_out_ids = build_inp_out_ids();
+    for (int il = 0; il < n_layer; ++il) {
+        cur = build_norm(inpL, model.layers[il].attn_norm, NULL, LLM_NORM_RMS, il);
+        if (il == n_layer - 1 && inp_out_ids) {
+            cur = ggml_get_rows(ctx0, cur, inp_out_ids);
+        }
+        inpL = cur;
+    }
+    cur = build_norm(inpL, model.output_norm, NULL, LLM_NORM_RMS, -1);
+    cur = build_lora_mm(model.tok_embd, cur);
+    res->t_logits = cur;
+}
+"""
+
+
+def model_file(loader_extra: str = "", prelude: str = "") -> str:
+    return LOADER % (loader_extra, prelude)
+
+
+def test_a_head_reading_the_token_embeddings_reads_the_duplicated_tied_head() -> None:
+    new, findings = gen.transform(gen.Arch(enum="LLM_ARCH_X", name="x"), model_file())
+    assert findings == []
+    assert new.count(gen.TIED_HEAD[1]) == 1 and gen.TIED_HEAD[0] not in new
+    assert new.count("TENSOR_DUPLICATED") == 1
+    # the head is read after the stage boundary: only the last stage reaches it
+    assert new.index("build_stage_boundary") < new.index(gen.TIED_HEAD[1])
+
+
+def test_a_head_reading_the_token_embeddings_beside_a_loaded_output_is_refused() -> None:
+    loads_output = '    output = create_tensor(tn(LLM_TENSOR_OUTPUT, "weight"), {n_embd, n_vocab}, 0);\n'
+    with pytest.raises(gen.TransformError, match="head reads model.tok_embd"):
+        gen.transform(gen.Arch(enum="LLM_ARCH_X", name="x"), model_file(loader_extra=loads_output))
+
+
+def test_layers_chosen_by_the_input_modality_are_an_inherent_refusal() -> None:
+    modality = "    bool is_text;\n    if (ubatch.token) {\n        is_text = true;\n    } else {\n        is_text = false;\n    }\n"
+    text = model_file(prelude=modality).replace(
+        "cur = build_norm(inpL, model.layers[il].attn_norm,", "cur = build_norm(is_text ? inpL : cur, model.layers[il].attn_norm,"
+    )
+    with pytest.raises(gen.InherentRefusal, match="input modality.*`is_text`"):
+        gen.transform(gen.Arch(enum="LLM_ARCH_X", name="x"), text)

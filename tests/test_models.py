@@ -302,7 +302,7 @@ def test_vocab_dir_env_takes_precedence(tmp_path: Path, monkeypatch: pytest.Monk
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        ({"arch": "gpt2"}, "arch"),
+        ({"arch": "gptj"}, "arch"),  # llama.cpp has no model class for it
         ({"n_head": 3}, "n_head_kv"),
         ({"arch": "qwen2", "head_dim": 32}, "qwen2 needs"),
         ({"dtype": "Q8_0", "n_embd": 48, "n_ff": 96}, "Q8_0"),

@@ -49,8 +49,8 @@ def test_unsupported_architecture_with_partial_range(tmp_path: Path) -> None:
     from pathlib import Path
 
     gguf = pytest.importorskip("gguf")
-    path = Path(tmp_path) / "gpt2.gguf"
-    writer = gguf.GGUFWriter(str(path), "gpt2")
+    path = Path(tmp_path) / "bert.gguf"
+    writer = gguf.GGUFWriter(str(path), "bert")
     writer.add_block_count(4)
     writer.add_embedding_length(64)
     writer.add_head_count(4)
@@ -59,7 +59,7 @@ def test_unsupported_architecture_with_partial_range(tmp_path: Path) -> None:
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
-    with pytest.raises(UnsupportedArchitecture, match="'gpt2' does not support a partial layer range"):
+    with pytest.raises(UnsupportedArchitecture, match="'bert' does not support a partial layer range"):
         Model(path, "1:3")
 
 

@@ -346,6 +346,10 @@ def _deepseek2(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
 
 
+def _qwen3moe_without_qk_norm(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    return b.attention(spec, layer) + b.moe_ffn(spec, layer)
+
+
 def _olmoe(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
     return b.attention(spec, layer, qk_norm="full") + b.moe_ffn(spec, layer, expert_width=spec.n_ff)
 
@@ -1167,6 +1171,118 @@ FAMILIES: Final[dict[str, Family]] = {
             rules=(b.coupled_heads,),
             summary="MPT-7B/30B: ALiBi, bias-free LayerNorms and projections, fused and clamped "
             "q/k/v, GELU MLP",
+        ),
+        Family(
+            "gptneox", _UNTIED, br.gpt2,
+            requires=frozenset({"ln_eps"}), rules=(b.coupled_heads,), output_norm_bias=True,
+            derived_keys=br.parallel_residual,
+            summary="GPT-NeoX / Pythia: GPT-2's block layout with partial NeoX rope and "
+            "attention and MLP in parallel on the residual, untied",
+        ),
+        Family(
+            "jais2", _BOTH, br.jais2,
+            requires=frozenset({"ln_eps"}), output_norm_bias=True,
+            summary="Jais 2: LayerNorms with biases, q/k/v and output biases, a GELU MLP "
+            "without a gate",
+        ),
+        Family(
+            "granitemoe", _BOTH, br.granitemoe,
+            requires=frozenset({"n_expert", "n_expert_used", "logit_scale"}),
+            permits=frozenset({"embedding_scale", "residual_scale", "attention_scale", "n_ff_shexp"}),
+            rules=(b.experts,),
+            summary="Granite 3 MoE (and MoE-shared): granite's multipliers, softmax experts of "
+            "width n_ff, an optional shared expert",
+        ),
+        Family(
+            "minicpm", _BOTH, _llama,
+            permits=frozenset({"embedding_scale", "residual_scale", "logit_scale"}),
+            summary="MiniCPM (1/2): llama layout with embedding, residual and logit scales "
+            "(granite's graph)",
+        ),
+        Family(
+            "phimoe", _UNTIED, br.phimoe,
+            requires=frozenset({"n_expert", "n_expert_used"}), rules=(b.coupled_heads, b.experts),
+            output_norm_bias=True, output_bias=True,
+            summary="Phi-3.5-MoE: RMS norms with biases, q/k/v and output biases, softmax "
+            "experts of width n_ff, a head bias (phi3's graph)",
+        ),
+        Family(
+            "hunyuan-dense", _BOTH, _qwen3,
+            summary="Hunyuan dense (hunyuan-vl's graph): llama plus per-head q/k norms",
+        ),
+        Family(
+            "mistral4", _BOTH, _deepseek2,
+            requires=_MOE | {"n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}
+            ),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer),
+            derived_keys=_deepseek2_keys,
+            summary="Mistral 4: deepseek2's loader and graph (multi-head latent attention, "
+            "leading dense blocks, routed and shared experts) under its own name",
+        ),
+        Family(
+            "deepseek2-ocr", _BOTH, br.deepseek2_ocr,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset({"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating"}),
+            rules=(b.coupled_heads, b.mha, b.experts, b.dense_lead_below_n_layer),
+            summary="DeepSeek-OCR's language model (deepseek2's graph without MLA): MHA with full "
+            "NeoX rope, leading dense blocks, softmax experts plus shared experts",
+        ),
+        Family(
+            "afmoe", _BOTH, br.afmoe,
+            requires=_MOE | {"n_expert_shared"},
+            permits=frozenset(
+                {"n_dense_lead", "expert_weights_scale", "expert_weights_norm", "expert_gating",
+                 "sliding_window", "swa_pattern", "rope_theta_swa"}
+            ),
+            rules=(b.experts, b.window, b.dense_lead_below_n_layer),
+            summary="AFM MoE (Trinity): a sqrt(n_embd) input scale, per-head q/k norms, a sigmoid "
+            "attention-output gate, post-norms, 3:1 sliding-window layers, leading dense blocks, "
+            "sigmoid experts with a selection bias and shared experts",
+        ),
+        Family(
+            "granite_swa", _BOTH, br.granite_swa,
+            requires=frozenset({"sliding_window", "logit_scale"}),
+            permits=frozenset({"embedding_scale", "residual_scale", "attention_scale"}),
+            derived_keys=br.alternating_window_layers,
+            summary="Granite 4 (iSWA, dense): granite's multipliers, attention sinks, a per-layer "
+            "sliding-window pattern",
+        ),
+        Family(
+            "mimo2", _UNTIED, br.mimo2,
+            requires=_MOE | {"sliding_window"}, permits=frozenset({"n_dense_lead", "rope_theta_swa"}),
+            rules=(b.experts, b.dense_lead_below_n_layer),
+            derived_keys=br.alternating_window_layers,
+            summary="MiMo-V2-Flash (trunk, no MTP block): attention sinks, a per-layer "
+            "sliding-window pattern, a leading dense block, sigmoid experts with a selection bias",
+        ),
+        Family(
+            "minicpm3", _BOTH, br.minicpm3,
+            requires=frozenset({"q_lora_rank"}), rules=(b.mha, br.partial_rope),
+            derived_keys=br.minicpm3_kv_rank,
+            summary="MiniCPM3: low-rank q and kv projections (kv_b decompressed, plain KV cache), "
+            "an embedding scale of 12, residual scale 1.4 / sqrt(n_layer), head scale 256 / n_embd",
+        ),
+        Family(
+            "bitnet", _TIED, br.bitnet, rules=(b.coupled_heads,),
+            summary="BitNet b1.58: llama layout plus sub-norms before attn_output and ffn_down, "
+            "the head tied to the token embeddings (weights here are plain, not ternary)",
+        ),
+        Family(
+            "smallthinker", _BOTH, _qwen3moe_without_qk_norm,
+            requires=_MOE, permits=frozenset({"expert_gating"}), rules=(b.experts,),
+            summary="SmallThinker: llama attention, routed experts (the router reads the block "
+            "input), no NoPE layers without a sliding window",
+        ),
+        Family(
+            "muse-glimmer", _UNTIED, br.muse_glimmer,
+            requires=frozenset({"sliding_window", "logit_scale"}),
+            permits=frozenset({"swa_pattern", "rope_theta_swa", "final_softcap"}),
+            rules=(b.window,),
+            summary="Muse Glimmer: an RMS norm on the embeddings, per-head q/k norms, a sigmoid "
+            "attention-output gate, post-norms, rope on sliding-window layers only (NoPE on "
+            "global ones), logit scale and soft-capping",
         ),
         #
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---

@@ -107,7 +107,11 @@ _MoeArchitecture = Literal[
 ]
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-_RuleArchitecture = Literal["gpt2", "starcoder", "bloom", "mpt"]
+_RuleArchitecture = Literal[
+    "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
+    "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
+    "afmoe", "granite_swa", "mimo2", "minicpm3", "bitnet",
+]
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 _PerLayerArchitecture = Literal["gemma4"]
@@ -156,7 +160,11 @@ MOE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 )
 #
 #: Issue 26, families the grown rules cover (input transforms, loops written differently).
-RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gpt2", "starcoder", "bloom", "mpt")
+RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
+    "gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe", "minicpm", "phimoe",
+    "hunyuan-dense", "mistral4", "smallthinker", "muse-glimmer", "deepseek2-ocr",
+    "afmoe", "granite_swa", "mimo2", "minicpm3", "bitnet",
+)
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
@@ -861,6 +869,40 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "starcoder": lambda n: {"ln_eps": 1e-5, "n_head_kv": 1},
     "bloom": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4},
     "mpt": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4, "max_alibi_bias": 8.0, "clamp_kqv": 1.5},
+    # Pythia rotates a quarter of each head (rotary_pct 0.25).
+    "gptneox": lambda n: {"ln_eps": 1e-5, "n_head_kv": 4, "rope_dim": n // 16},
+    "jais2": lambda n: {"ln_eps": 1e-5},
+    "granitemoe": lambda n: {
+        "n_expert": 8, "n_expert_used": 2, "n_ff": n // 2, "n_ff_shexp": n,
+        "embedding_scale": 12.0, "residual_scale": 0.22, "attention_scale": 0.0078125,
+        "logit_scale": 8.0,
+    },
+    # MiniCPM's own defaults at 4 layers of 64: scale_emb 12, 1.4 / sqrt(4), 256 / 64.
+    "minicpm": lambda n: {"embedding_scale": 12.0, "residual_scale": 0.7, "logit_scale": 4.0},
+    "phimoe": lambda n: {"n_expert": 8, "n_expert_used": 2, "n_ff": n // 2},
+    "mistral4": lambda n: _tiny_deepseek2(n),
+    "smallthinker": lambda n: {**_tiny_moe(n), "expert_gating": 1},
+    "mimo2": lambda n: {**_tiny_moe(n), "n_dense_lead": 1, "sliding_window": TINY_SLIDING_WINDOW},
+    # MiniCPM3-4B's ratios: q_lora 768 / kv_lora 256 of 2560, rope 32 of 96-wide keys.
+    "minicpm3": lambda n: {"n_head_kv": 4, "q_lora_rank": n // 2, "rope_dim": n // 8},
+    "granite_swa": lambda n: {
+        "sliding_window": TINY_SLIDING_WINDOW, "embedding_scale": 12.0, "residual_scale": 0.22,
+        "attention_scale": 0.0078125, "logit_scale": 8.0,
+    },
+    "afmoe": lambda n: {
+        **_tiny_moe(n), "n_dense_lead": 1, "n_expert_shared": 1, "expert_gating": 2,
+        "expert_weights_norm": True, "expert_weights_scale": 2.5,
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta_swa": 10000.0,
+    },
+    # DeepSeek-OCR's decoder: MHA, one leading dense block, 2 of 8 experts plus a shared one.
+    "deepseek2-ocr": lambda n: {
+        **_tiny_moe(n), "n_head_kv": 4, "n_dense_lead": 1, "n_expert_shared": 1,
+        "expert_weights_scale": 1.0,
+    },
+    "muse-glimmer": lambda n: {
+        "sliding_window": TINY_SLIDING_WINDOW, "swa_pattern": 2, "rope_theta_swa": 10000.0,
+        "logit_scale": 0.5, "final_softcap": 30.0,
+    },
     #
     # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
     # Gemma 4 E2B's layout at width 64: per-layer inputs of 32, global heads of 32 and local ones
