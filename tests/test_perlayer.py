@@ -159,22 +159,18 @@ def test_a_later_stage_needs_the_token_ids(monkeypatch: pytest.MonkeyPatch) -> N
         ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden, tokens=[1, 2])
 
 
-def test_every_stage_loads_the_per_layer_inputs() -> None:
-    """The per-layer tables and the token embeddings are on every stage (reported in its size)."""
+def test_every_stage_holds_the_token_embeddings_and_maps_the_per_layer_table() -> None:
+    """A later stage loads the token embeddings and the per-layer projection (counted in its
+    weights); the per-layer token table is mapped and read by rows on demand, not loaded whole."""
     path = ensure_model(tiny("gemma4"))
-    sizes = []
-    for layers in ("0:2", "2:4"):
-        with Model(path, layers) as model:
-            sizes.append(model.size_bytes)
-    with Model(path) as whole:
-        total = whole.size_bytes
     spec = tiny("gemma4")
     n_vocab = 32000
     token_embd = n_vocab * spec.n_embd * 4
-    per_layer = n_vocab * spec.n_embd_per_layer * spec.n_layer * 4 + spec.n_embd_per_layer * spec.n_layer * spec.n_embd * 4
-    # the second stage holds the embeddings, per-layer tables and head besides its layers
-    assert sizes[1] > token_embd + per_layer
-    assert sizes[0] + sizes[1] > total
+    table = n_vocab * spec.n_embd_per_layer * spec.n_layer * 4
+    projection = spec.n_embd_per_layer * spec.n_layer * spec.n_embd * 4
+    with Model(path, "2:3") as middle:
+        size = middle.size_bytes
+    assert token_embd + projection < size < token_embd + projection + table
 
 
 # --- through skippy up ------------------------------------------------------------------------
@@ -211,3 +207,22 @@ def test_gemma4_split_in_three_through_up_gives_the_unsplit_text(tmp_path: Path)
     whole = up_completion(tmp_path, path, "0:4")
     assert whole.strip()
     assert up_completion(tmp_path, path, "0:1,1:3,3:4") == whole
+
+
+def test_a_stage_refuses_a_message_without_token_ids() -> None:
+    """The stage executor refuses (InvalidMessage, naming why) a later-stage message whose frame
+    carried no token ids, before anything reaches the runtime; with them the row runs."""
+    from skippy.stage.errors import InvalidMessage
+    from skippy.stage.executor import Executor, WorkItem
+
+    path = ensure_model(tiny("gemma4"))
+    with Model(path, "2:4") as model, StageContext(model, n_ctx=64, max_sessions=1, n_batch=8, threads=1) as ctx:
+        executor = Executor(ctx)
+        assert executor.reads_tokens
+        hidden = np.full((1, model.n_embd), 0.5, dtype=np.float32)
+        item = WorkItem(session=7, positions=np.zeros(1, dtype=np.int32), activations=hidden)
+        with pytest.raises(InvalidMessage, match="read the token ids .* 1 rows came with 0 token ids"):
+            executor.run_item(item)
+        item.tokens = np.asarray([5], dtype=np.int32)
+        result = executor.run_item(item)
+        assert len(result.tokens) == 1
