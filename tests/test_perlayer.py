@@ -83,8 +83,11 @@ def test_snap_moves_each_cut_to_a_legal_one() -> None:
     assert snap_cuts(35, groups, [12, 23]) == [12, 13]
     assert snap_cuts(35, groups, [8, 17]) == [8, 13]
     assert snap_cuts(35, (), [12, 23]) == [12, 23]
-    with pytest.raises(ValueError, match="legal cuts"):
-        snap_cuts(35, groups, [9, 18, 26])
+    # 3 stages of the 6-layer model below: only cuts 1 and 2 are legal
+    assert snap_cuts(6, (KvGroup(2, 6, 4),), [2, 4]) == [1, 2]
+    assert snap_cuts(35, groups, [9, 18, 26]) == [9, 12, 13]
+    with pytest.raises(ValueError, match="4 stages need 3 legal cuts; the model allows only \\[1, 2\\]"):
+        snap_cuts(6, (KvGroup(2, 6, 4),), [2, 3, 5])
 
 
 # --- a Gemma 4 with KV sharing ----------------------------------------------------------------
@@ -226,3 +229,26 @@ def test_a_stage_refuses_a_message_without_token_ids() -> None:
         item.tokens = np.asarray([5], dtype=np.int32)
         result = executor.run_item(item)
         assert len(result.tokens) == 1
+
+
+def test_even_split_plan_and_up_keep_to_the_legal_cuts(tmp_path: Path) -> None:
+    """``--stages N`` (even_split), ``--layers`` (check_split) and ``skippy plan`` cut the KV-sharing
+    model only at layers 1 and 2."""
+    from skippy.local import check_split, even_split
+    from skippy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
+    from skippy.runtime import read_gguf_info
+
+    path = shared_model()
+    info = read_gguf_info(path)
+    assert info.kv_groups == (KvGroup(2, 6, 4),) and info.reads_tokens
+    assert even_split(6, 2, info.kv_groups) == [(0, 2), (2, 6)]
+    assert even_split(6, 3, info.kv_groups) == [(0, 1), (1, 2), (2, 6)]
+    assert even_split(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    with pytest.raises(ValueError, match="nearest legal cuts are 2"):
+        check_split([(0, 3), (3, 6)], 6, info.kv_groups)
+    shape = ModelShape.from_gguf(path)
+    hosts = [HostSpec(f"h{i}", memory=1 << 40) for i in range(3)]
+    plan = plan_chain(shape, hosts, PlanSettings(ctx_size=256, max_sessions=1))
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 1), (1, 2), (2, 6)]
+    with pytest.raises(PlanError, match="4 hosts need 3 cuts"):
+        plan_chain(shape, [*hosts, HostSpec("h3", memory=1 << 40)], PlanSettings(ctx_size=256, max_sessions=1))
