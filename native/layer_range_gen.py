@@ -116,6 +116,20 @@ PER_LAYER_EDITS: list[tuple[str, str, int]] = [
      "inp_per_layer = project_per_layer_inputs(il_start == 0 ? inpL : build_stage_tok_embd(model.tok_embd, sqrtf(n_embd)),"
      " inp_per_layer); // skippy: a later stage embeds the token ids itself",
      1),
+    ("gemma4_view_2d_slice(ctx0, inp_per_layer, il)", "gemma4_view_2d_slice(ctx0, inp_per_layer, il - il_start)", 1),
+]
+#: ... and in the graph's helpers after it: the per-layer inputs are built for the stage's layers only
+#: (build_stage_layer_slice, patch 0006: the stage's columns of the token table, rows of the projection).
+PER_LAYER_HELPER_EDITS: list[tuple[str, str, int]] = [
+    ("ggml_get_rows  (ctx0, model.per_layer_tok_embd, inp->tokens);",
+     "ggml_get_rows  (ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), inp->tokens);", 1),
+    ("ggml_view_1d(ctx0, model.per_layer_tok_embd, embd_size, 0);",
+     "ggml_view_1d(ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), "
+     "embd_size / n_layer * (il_end - il_start), 0); // skippy: the stage's layers", 1),
+    ("ggml_mul_mat   (ctx0, model.per_layer_model_proj, inp_batch);",
+     "ggml_mul_mat   (ctx0, build_stage_layer_slice(model.per_layer_model_proj, 1, n_embd_per_layer), inp_batch);", 1),
+    ("inp_per_layer, n_embd_per_layer, n_layer,", "inp_per_layer, n_embd_per_layer, il_end - il_start,", 2),
+    ("per_layer_proj, n_embd_per_layer, n_layer,", "per_layer_proj, n_embd_per_layer, il_end - il_start,", 1),
 ]
 
 #: Constructs in a main graph body that need a human look, with the ones reviewed per architecture.
@@ -294,6 +308,12 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
         if found != count:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
+    rest = text[end:]
+    for old, new, count in PER_LAYER_HELPER_EDITS if per_layer else []:
+        found = rest.count(old)
+        if found != count:
+            raise TransformError(f"per-layer token embeddings: helper edit {old!r}: expected {count} match(es), found {found}")
+        rest = rest.replace(old, new)
     for old, new, count in ARCH_EDITS.get(arch.name, []):
         found = new_body.count(old)
         if found != count:
@@ -316,7 +336,7 @@ def transform(arch: Arch, text: str) -> tuple[str, list[str]]:
             findings.append(f"uses {label} outside the layer loop")
     if guards and arch.name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(arch.name, {}):
         findings.append("guards on embedding input")
-    return text[:start] + new_body + text[end:], findings
+    return text[:start] + new_body + rest, findings
 
 
 # --- classification -----------------------------------------------------------------------------
@@ -494,6 +514,14 @@ def render_docs(archs: list[Arch]) -> str:
         "`native/patches/0002-layer-range-architectures.patch` and the exactness suite proves the split",
         "bitwise equal to the unsplit model on synthetic weights.  Every other architecture still runs",
         "unsplit (one stage holding all layers); asking for a partial range gets the reason below.",
+        "",
+        "Two constructs split under conditions.  Per-layer token embeddings (Gemma 4): every stage",
+        "receives the token ids beside the hidden state (the frame's token sideband) and computes the",
+        "per-layer inputs of its own layers; a later stage refuses a batch without them.  Layers that",
+        "reuse the KV cells of earlier ones (Gemma 4 with `shared_kv_layers`): a cut may not separate them",
+        "from the layers they read, so `--layers`, `skippy plan` and `skippy up --stages N` keep to the",
+        "legal cuts the file's hparams give (`skippy/runtime/cuts.py`), and a refused cut names the",
+        "nearest legal ones.",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",
