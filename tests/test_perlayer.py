@@ -252,3 +252,21 @@ def test_even_split_plan_and_up_keep_to_the_legal_cuts(tmp_path: Path) -> None:
     assert [(s.start, s.end) for s in plan.stages] == [(0, 1), (1, 2), (2, 6)]
     with pytest.raises(PlanError, match="4 hosts need 3 cuts"):
         plan_chain(shape, [*hosts, HostSpec("h3", memory=1 << 40)], PlanSettings(ctx_size=256, max_sessions=1))
+
+
+@pytest.mark.parametrize("dtype", ["F32", pytest.param("Q8_0", marks=pytest.mark.slow)])
+def test_gemma4_without_per_layer_embeddings_splits_exactly(dtype: str) -> None:
+    """The 31B layout (no per-layer token embeddings): an ordinary split, no token ids needed."""
+    from test_arch_exactness import SPLITS
+
+    spec = dataclasses.replace(tiny("gemma4", dtype=dtype), n_embd_per_layer=0)  # type: ignore[arg-type]
+    path = ensure_model(spec)
+    with Model(path, "2:4") as model:
+        assert not model.reads_tokens
+    expected, expected_tokens = run(path, [(0, 4)])
+    assert float(np.std(expected[-1])) > 0.02
+    for split in SPLITS:
+        logits, tokens = run(path, split)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"

@@ -44,10 +44,9 @@ def gemma4_block(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         b.norm(layer, "post_attention_norm", e),
         b.norm(layer, "layer_output_scale", 1),
         *b.dense_ffn(spec, layer, post_norm=True),
-        b.matrix(layer, "inp_gate", p, e),
-        b.matrix(layer, "proj", e, p),
-        b.norm(layer, "post_norm", e),
     ]
+    if p:  # per-layer token embeddings (E2B / E4B; the 31B has none)
+        out += [b.matrix(layer, "inp_gate", p, e), b.matrix(layer, "proj", e, p), b.norm(layer, "post_norm", e)]
     return out
 
 
@@ -55,16 +54,21 @@ def gemma4_inputs(spec: "ModelSpec", n_vocab: int) -> list[TensorDecl]:
     """The per-layer token table (n_vocab x n_layer slices), the projection of the token
     embeddings into the per-layer inputs and its norm, and the global layers' rope frequencies."""
     width = spec.n_embd_per_layer * spec.n_layer
+    rope = [TensorDecl("rope_freqs.weight", (spec.n_embd_head // 2,), "norm", False)]
+    if not width:
+        return rope
     return [
         TensorDecl("per_layer_token_embd.weight", (n_vocab, width), "matrix", True),
         TensorDecl("per_layer_model_proj.weight", (width, spec.n_embd), "matrix", True),
         TensorDecl("per_layer_proj_norm.weight", (spec.n_embd_per_layer,), "norm", False),
-        TensorDecl("rope_freqs.weight", (spec.n_embd_head // 2,), "norm", False),
+        *rope,
     ]
 
 
 def gemma4_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
-    return [
+    # the loader reads embedding_length_per_layer_input unconditionally: 0 when there are none
+    none = [] if spec.n_embd_per_layer else [("embedding_length_per_layer_input", 0, GGUFValueType.UINT32)]
+    return none + [
         ("attention.sliding_window_pattern", [gemma4_is_swa(spec, il) for il in range(spec.n_layer)],
          GGUFValueType.ARRAY),
         ("attention.value_length_swa", spec.head_dim_swa, GGUFValueType.UINT32),
