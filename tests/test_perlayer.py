@@ -270,3 +270,22 @@ def test_gemma4_without_per_layer_embeddings_splits_exactly(dtype: str) -> None:
         assert tokens == expected_tokens, split
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("dtype", ["F32", pytest.param("Q8_0", marks=pytest.mark.slow)])
+def test_gemma4_with_experts_splits_exactly(dtype: str) -> None:
+    """The 26B-A4B layout: 8 experts (2 per token) beside the dense MLP on every layer, its own
+    router norm and scale, with per-layer token embeddings (both distinctive paths at once)."""
+    from test_arch_exactness import SPLITS
+
+    spec = dataclasses.replace(tiny("gemma4", dtype=dtype), n_expert=8, n_expert_used=2, n_ff_exp=32)  # type: ignore[arg-type]
+    path = ensure_model(spec)
+    expected, expected_tokens = run(path, [(0, 4)])
+    assert float(np.std(expected[-1])) > 0.02
+    dense, _ = run(ensure_model(tiny("gemma4", dtype=dtype)), [(0, 4)])  # type: ignore[arg-type]
+    assert not np.array_equal(dense[-1], expected[-1])  # the experts are in the graph
+    for split in SPLITS:
+        logits, tokens = run(path, split)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"

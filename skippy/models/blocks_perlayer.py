@@ -1,6 +1,7 @@
 # Blocks of the families with per-layer token embeddings and cross-layer KV sharing (issue 26):
 # Gemma 4 (E2B / E4B layout: dense GeGLU, per-layer inputs, sliding-window and global layers of
-# different head widths, trailing layers that reuse the KV of earlier ones).
+# different head widths, trailing layers that reuse the KV of earlier ones; the 31B without
+# per-layer inputs; the 26B-A4B with experts beside the dense MLP).
 #
 # Strategy: as `blocks.py`, pieces returning one layer's tensors in file order, named and shaped
 # as llama.cpp's loader (src/models/gemma4.cpp) creates them; the model-wide per-layer tensors
@@ -45,6 +46,15 @@ def gemma4_block(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         b.norm(layer, "layer_output_scale", 1),
         *b.dense_ffn(spec, layer, post_norm=True),
     ]
+    if spec.n_expert:  # 26B-A4B: experts beside the dense MLP (its shared expert), own norms
+        out += [
+            TensorDecl(b.blk(layer, "ffn_gate_inp"), (spec.n_expert, e), "router", False),
+            TensorDecl(b.blk(layer, "ffn_gate_inp", "scale"), (e,), "norm", False),
+            b.norm(layer, "pre_ffw_norm_2", e),
+            b.norm(layer, "post_ffw_norm_1", e),
+            b.norm(layer, "post_ffw_norm_2", e),
+            *b.moe_ffn(spec, layer, pre_norm=False)[1:],  # the experts (the router is above)
+        ]
     if p:  # per-layer token embeddings (E2B / E4B; the 31B has none)
         out += [b.matrix(layer, "inp_gate", p, e), b.matrix(layer, "proj", e, p), b.norm(layer, "post_norm", e)]
     return out
