@@ -195,6 +195,20 @@ PER_LAYER_EDITS: list[tuple[str, str, int]] = [
      "inp_per_layer = project_per_layer_inputs(il_start == 0 ? inpL : build_stage_tok_embd(model.tok_embd, sqrtf(n_embd)),"
      " inp_per_layer); // skippy: a later stage embeds the token ids itself",
      1),
+    ("gemma4_view_2d_slice(ctx0, inp_per_layer, il)", "gemma4_view_2d_slice(ctx0, inp_per_layer, il - il_start)", 1),
+]
+#: ... and in the graph's helpers after it: the per-layer inputs are built for the stage's layers only
+#: (build_stage_layer_slice, patch 0006: the stage's columns of the token table, rows of the projection).
+PER_LAYER_HELPER_EDITS: list[tuple[str, str, int]] = [
+    ("ggml_get_rows  (ctx0, model.per_layer_tok_embd, inp->tokens);",
+     "ggml_get_rows  (ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), inp->tokens);", 1),
+    ("ggml_view_1d(ctx0, model.per_layer_tok_embd, embd_size, 0);",
+     "ggml_view_1d(ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), "
+     "embd_size / n_layer * (il_end - il_start), 0); // skippy: the stage's layers", 1),
+    ("ggml_mul_mat   (ctx0, model.per_layer_model_proj, inp_batch);",
+     "ggml_mul_mat   (ctx0, build_stage_layer_slice(model.per_layer_model_proj, 1, n_embd_per_layer), inp_batch);", 1),
+    ("inp_per_layer, n_embd_per_layer, n_layer,", "inp_per_layer, n_embd_per_layer, il_end - il_start,", 2),
+    ("per_layer_proj, n_embd_per_layer, n_layer,", "per_layer_proj, n_embd_per_layer, il_end - il_start,", 1),
 ]
 
 #: Constructs in a main graph body that need a human look, with the ones reviewed per architecture.
@@ -640,6 +654,12 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     if LINT["tok_embd"].search(_code(new_body[head:])):
         raise TransformError("the head reads model.tok_embd, which only the first stage loads (not "
                              "duplicated as model.output)")
+    rest = text[end:]  # the per-layer helpers live after the graph constructor
+    for old, new, count in PER_LAYER_HELPER_EDITS if per_layer else []:
+        found = rest.count(old)
+        if found != count:
+            raise TransformError(f"per-layer token embeddings: helper edit {old!r}: expected {count} match(es), found {found}")
+        rest = rest.replace(old, new)
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
@@ -651,7 +671,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             findings.append(f"uses {label} outside the layer loop")
     if guards and name not in {"glm4", "glm4moe"} and "ubatch.embd" not in REVIEWED.get(name, {}):
         findings.append("guards on embedding input")
-    head, tail = text[:start], text[end:]
+    head, tail = text[:start], rest
     for old, new, count in FILE_EDITS.get(arch.name, []):
         found = head.count(old) + tail.count(old)
         if found != count:
@@ -875,6 +895,14 @@ def render_docs(archs: list[Arch]) -> str:
         "`native/patches/0002-layer-range-architectures.patch` and the exactness suite proves the split",
         "bitwise equal to the unsplit model on synthetic weights.  Every other architecture still runs",
         "unsplit (one stage holding all layers); asking for a partial range gets the reason below.",
+        "",
+        "Two constructs split under conditions.  Per-layer token embeddings (Gemma 4): every stage",
+        "receives the token ids beside the hidden state (the frame's token sideband) and computes the",
+        "per-layer inputs of its own layers; a later stage refuses a batch without them.  Layers that",
+        "reuse the KV cells of earlier ones (Gemma 4 with `shared_kv_layers`): a cut may not separate them",
+        "from the layers they read, so `--layers`, `skippy plan` and `skippy up --stages N` keep to the",
+        "legal cuts the file's hparams give (`skippy/runtime/cuts.py`), and a refused cut names the",
+        "nearest legal ones.",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

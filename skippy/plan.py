@@ -77,6 +77,9 @@ _KV_PROJ = re.compile(r"^blk\.(\d+)\.attn_(k|v|qkv)\.weight$")
 CACHE_SLOTS: Final = 8
 _HEAD_TENSORS: Final = frozenset({"output.weight", "output.bias", "output_norm.weight", "output_norm.bias"})
 _EMBED_TENSORS: Final = frozenset({"token_embd.weight", "token_embd_norm.weight", "token_embd_norm.bias"})
+#: Gemma 4's per-layer token table: mapped and read by rows on demand (skippy.runtime.model), so
+#: only the rows of the tokens seen become resident; not counted in a stage's weights.
+_PER_LAYER_TABLE: Final = "per_layer_token_embd.weight"
 
 
 class PlanError(ValueError):
@@ -189,6 +192,8 @@ class ModelShape:
     kv_groups: tuple[KvGroup, ...] = ()
     #: Per-layer token embeddings: every stage holds the token embeddings (see stage_memory).
     reads_tokens: bool = False
+    #: Bytes every stage maps but reads only by rows (the per-layer token table).
+    mapped_bytes: int = 0
     #: KV bytes per cell of each layer where they differ by layer (a hybrid's attention layers
     #: only); empty: ``kv_bytes_per_cell_layer`` for every layer
     kv_layer_bytes: tuple[int, ...] = ()
@@ -240,7 +245,7 @@ class ModelShape:
         head_k = number("attention.key_length", n_embd // max(1, n_head))
         head_v = number("attention.value_length", n_embd // max(1, n_head))
         layer_bytes = [0] * n_layer
-        embed = head = other = 0
+        embed = head = other = mapped = 0
         n_vocab = 0
         names = set()
         recurrent: set[int] = set()
@@ -266,6 +271,8 @@ class ModelShape:
                     n_vocab = tensor.dims[1]
             elif tensor.name in _HEAD_TENSORS:
                 head += size
+            elif tensor.name == _PER_LAYER_TABLE:
+                mapped += size
             else:
                 other += size
         tied = "output.weight" not in names
@@ -294,6 +301,7 @@ class ModelShape:
             tied_head=tied, digest=header_digest(file, layout), kv_groups=groups,
             reads_tokens=isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0,
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
+            mapped_bytes=mapped,
         )
 
 

@@ -22,7 +22,9 @@ def main() -> None:
     else:
         import numpy as np
 
-        context.decode(activations=np.zeros((n, model.n_embd), np.float32), positions=list(range(n)), seq_ids=[0] * n)
+        tokens = list(range(1, n + 1)) if model.reads_tokens else None  # per-layer token embeddings
+        context.decode(activations=np.zeros((n, model.n_embd), np.float32), positions=list(range(n)), seq_ids=[0] * n,
+                       tokens=tokens)
     report = context.memory()
     print(json.dumps({
         "layers": layers,

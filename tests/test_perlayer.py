@@ -83,8 +83,11 @@ def test_snap_moves_each_cut_to_a_legal_one() -> None:
     assert snap_cuts(35, groups, [12, 23]) == [12, 13]
     assert snap_cuts(35, groups, [8, 17]) == [8, 13]
     assert snap_cuts(35, (), [12, 23]) == [12, 23]
-    with pytest.raises(ValueError, match="legal cuts"):
-        snap_cuts(35, groups, [9, 18, 26])
+    # 3 stages of the 6-layer model below: only cuts 1 and 2 are legal
+    assert snap_cuts(6, (KvGroup(2, 6, 4),), [2, 4]) == [1, 2]
+    assert snap_cuts(35, groups, [9, 18, 26]) == [9, 12, 13]
+    with pytest.raises(ValueError, match="4 stages need 3 legal cuts; the model allows only \\[1, 2\\]"):
+        snap_cuts(6, (KvGroup(2, 6, 4),), [2, 3, 5])
 
 
 # --- a Gemma 4 with KV sharing ----------------------------------------------------------------
@@ -159,22 +162,18 @@ def test_a_later_stage_needs_the_token_ids(monkeypatch: pytest.MonkeyPatch) -> N
         ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden, tokens=[1, 2])
 
 
-def test_every_stage_loads_the_per_layer_inputs() -> None:
-    """The per-layer tables and the token embeddings are on every stage (reported in its size)."""
+def test_every_stage_holds_the_token_embeddings_and_maps_the_per_layer_table() -> None:
+    """A later stage loads the token embeddings and the per-layer projection (counted in its
+    weights); the per-layer token table is mapped and read by rows on demand, not loaded whole."""
     path = ensure_model(tiny("gemma4"))
-    sizes = []
-    for layers in ("0:2", "2:4"):
-        with Model(path, layers) as model:
-            sizes.append(model.size_bytes)
-    with Model(path) as whole:
-        total = whole.size_bytes
     spec = tiny("gemma4")
     n_vocab = 32000
     token_embd = n_vocab * spec.n_embd * 4
-    per_layer = n_vocab * spec.n_embd_per_layer * spec.n_layer * 4 + spec.n_embd_per_layer * spec.n_layer * spec.n_embd * 4
-    # the second stage holds the embeddings, per-layer tables and head besides its layers
-    assert sizes[1] > token_embd + per_layer
-    assert sizes[0] + sizes[1] > total
+    table = n_vocab * spec.n_embd_per_layer * spec.n_layer * 4
+    projection = spec.n_embd_per_layer * spec.n_layer * spec.n_embd * 4
+    with Model(path, "2:3") as middle:
+        size = middle.size_bytes
+    assert token_embd + projection < size < token_embd + projection + table
 
 
 # --- through skippy up ------------------------------------------------------------------------
@@ -211,3 +210,82 @@ def test_gemma4_split_in_three_through_up_gives_the_unsplit_text(tmp_path: Path)
     whole = up_completion(tmp_path, path, "0:4")
     assert whole.strip()
     assert up_completion(tmp_path, path, "0:1,1:3,3:4") == whole
+
+
+def test_a_stage_refuses_a_message_without_token_ids() -> None:
+    """The stage executor refuses (InvalidMessage, naming why) a later-stage message whose frame
+    carried no token ids, before anything reaches the runtime; with them the row runs."""
+    from skippy.stage.errors import InvalidMessage
+    from skippy.stage.executor import Executor, WorkItem
+
+    path = ensure_model(tiny("gemma4"))
+    with Model(path, "2:4") as model, StageContext(model, n_ctx=64, max_sessions=1, n_batch=8, threads=1) as ctx:
+        executor = Executor(ctx)
+        assert executor.reads_tokens
+        hidden = np.full((1, model.n_embd), 0.5, dtype=np.float32)
+        item = WorkItem(session=7, positions=np.zeros(1, dtype=np.int32), activations=hidden)
+        with pytest.raises(InvalidMessage, match="read the token ids .* 1 rows came with 0 token ids"):
+            executor.run_item(item)
+        item.tokens = np.asarray([5], dtype=np.int32)
+        result = executor.run_item(item)
+        assert len(result.tokens) == 1
+
+
+def test_even_split_plan_and_up_keep_to_the_legal_cuts(tmp_path: Path) -> None:
+    """``--stages N`` (even_split), ``--layers`` (check_split) and ``skippy plan`` cut the KV-sharing
+    model only at layers 1 and 2."""
+    from skippy.local import check_split, even_split
+    from skippy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
+    from skippy.runtime import read_gguf_info
+
+    path = shared_model()
+    info = read_gguf_info(path)
+    assert info.kv_groups == (KvGroup(2, 6, 4),) and info.reads_tokens
+    assert even_split(6, 2, info.kv_groups) == [(0, 2), (2, 6)]
+    assert even_split(6, 3, info.kv_groups) == [(0, 1), (1, 2), (2, 6)]
+    assert even_split(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    with pytest.raises(ValueError, match="nearest legal cuts are 2"):
+        check_split([(0, 3), (3, 6)], 6, info.kv_groups)
+    shape = ModelShape.from_gguf(path)
+    hosts = [HostSpec(f"h{i}", memory=1 << 40) for i in range(3)]
+    plan = plan_chain(shape, hosts, PlanSettings(ctx_size=256, max_sessions=1))
+    assert [(s.start, s.end) for s in plan.stages] == [(0, 1), (1, 2), (2, 6)]
+    with pytest.raises(PlanError, match="4 hosts need 3 cuts"):
+        plan_chain(shape, [*hosts, HostSpec("h3", memory=1 << 40)], PlanSettings(ctx_size=256, max_sessions=1))
+
+
+@pytest.mark.parametrize("dtype", ["F32", pytest.param("Q8_0", marks=pytest.mark.slow)])
+def test_gemma4_without_per_layer_embeddings_splits_exactly(dtype: str) -> None:
+    """The 31B layout (no per-layer token embeddings): an ordinary split, no token ids needed."""
+    from test_arch_exactness import SPLITS
+
+    spec = dataclasses.replace(tiny("gemma4", dtype=dtype), n_embd_per_layer=0)  # type: ignore[arg-type]
+    path = ensure_model(spec)
+    with Model(path, "2:4") as model:
+        assert not model.reads_tokens
+    expected, expected_tokens = run(path, [(0, 4)])
+    assert float(np.std(expected[-1])) > 0.02
+    for split in SPLITS:
+        logits, tokens = run(path, split)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
+@pytest.mark.parametrize("dtype", ["F32", pytest.param("Q8_0", marks=pytest.mark.slow)])
+def test_gemma4_with_experts_splits_exactly(dtype: str) -> None:
+    """The 26B-A4B layout: 8 experts (2 per token) beside the dense MLP on every layer, its own
+    router norm and scale, with per-layer token embeddings (both distinctive paths at once)."""
+    from test_arch_exactness import SPLITS
+
+    spec = dataclasses.replace(tiny("gemma4", dtype=dtype), n_expert=8, n_expert_used=2, n_ff_exp=32)  # type: ignore[arg-type]
+    path = ensure_model(spec)
+    expected, expected_tokens = run(path, [(0, 4)])
+    assert float(np.std(expected[-1])) > 0.02
+    dense, _ = run(ensure_model(tiny("gemma4", dtype=dtype)), [(0, 4)])  # type: ignore[arg-type]
+    assert not np.array_equal(dense[-1], expected[-1])  # the experts are in the graph
+    for split in SPLITS:
+        logits, tokens = run(path, split)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"

@@ -20,6 +20,7 @@ enum ggml_log_level { GGML_LOG_LEVEL_NONE, GGML_LOG_LEVEL_DEBUG, GGML_LOG_LEVEL_
 typedef void (*ggml_log_callback)(enum ggml_log_level level, const char * text, void * user_data);
 
 enum llama_load_mode { LLAMA_LOAD_MODE_AUTO, LLAMA_LOAD_MODE_NONE, LLAMA_LOAD_MODE_MMAP, ... };
+enum llama_lazy_mode { LLAMA_LAZY_MODE_OFF, LLAMA_LAZY_MODE_AUTO, LLAMA_LAZY_MODE_ON, ... };
 enum llama_model_kv_override_type { LLAMA_KV_OVERRIDE_TYPE_INT, LLAMA_KV_OVERRIDE_TYPE_FLOAT,
                                     LLAMA_KV_OVERRIDE_TYPE_BOOL, LLAMA_KV_OVERRIDE_TYPE_STR, ... };
 enum llama_pooling_type { LLAMA_POOLING_TYPE_UNSPECIFIED, LLAMA_POOLING_TYPE_NONE, ... };
@@ -64,6 +65,7 @@ struct llama_model_params {
     const struct llama_model_kv_override * kv_overrides;
     bool vocab_only;
     bool check_tensors;
+    enum llama_lazy_mode lazy_mode;
     ...;
 };
 

@@ -1,6 +1,7 @@
 # Blocks of the families with per-layer token embeddings and cross-layer KV sharing (issue 26):
 # Gemma 4 (E2B / E4B layout: dense GeGLU, per-layer inputs, sliding-window and global layers of
-# different head widths, trailing layers that reuse the KV of earlier ones).
+# different head widths, trailing layers that reuse the KV of earlier ones; the 31B without
+# per-layer inputs; the 26B-A4B with experts beside the dense MLP).
 #
 # Strategy: as `blocks.py`, pieces returning one layer's tensors in file order, named and shaped
 # as llama.cpp's loader (src/models/gemma4.cpp) creates them; the model-wide per-layer tensors
@@ -44,10 +45,18 @@ def gemma4_block(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
         b.norm(layer, "post_attention_norm", e),
         b.norm(layer, "layer_output_scale", 1),
         *b.dense_ffn(spec, layer, post_norm=True),
-        b.matrix(layer, "inp_gate", p, e),
-        b.matrix(layer, "proj", e, p),
-        b.norm(layer, "post_norm", e),
     ]
+    if spec.n_expert:  # 26B-A4B: experts beside the dense MLP (its shared expert), own norms
+        out += [
+            TensorDecl(b.blk(layer, "ffn_gate_inp"), (spec.n_expert, e), "router", False),
+            TensorDecl(b.blk(layer, "ffn_gate_inp", "scale"), (e,), "norm", False),
+            b.norm(layer, "pre_ffw_norm_2", e),
+            b.norm(layer, "post_ffw_norm_1", e),
+            b.norm(layer, "post_ffw_norm_2", e),
+            *b.moe_ffn(spec, layer, pre_norm=False)[1:],  # the experts (the router is above)
+        ]
+    if p:  # per-layer token embeddings (E2B / E4B; the 31B has none)
+        out += [b.matrix(layer, "inp_gate", p, e), b.matrix(layer, "proj", e, p), b.norm(layer, "post_norm", e)]
     return out
 
 
@@ -55,16 +64,21 @@ def gemma4_inputs(spec: "ModelSpec", n_vocab: int) -> list[TensorDecl]:
     """The per-layer token table (n_vocab x n_layer slices), the projection of the token
     embeddings into the per-layer inputs and its norm, and the global layers' rope frequencies."""
     width = spec.n_embd_per_layer * spec.n_layer
+    rope = [TensorDecl("rope_freqs.weight", (spec.n_embd_head // 2,), "norm", False)]
+    if not width:
+        return rope
     return [
         TensorDecl("per_layer_token_embd.weight", (n_vocab, width), "matrix", True),
         TensorDecl("per_layer_model_proj.weight", (width, spec.n_embd), "matrix", True),
         TensorDecl("per_layer_proj_norm.weight", (spec.n_embd_per_layer,), "norm", False),
-        TensorDecl("rope_freqs.weight", (spec.n_embd_head // 2,), "norm", False),
+        *rope,
     ]
 
 
 def gemma4_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
-    return [
+    # the loader reads embedding_length_per_layer_input unconditionally: 0 when there are none
+    none = [] if spec.n_embd_per_layer else [("embedding_length_per_layer_input", 0, GGUFValueType.UINT32)]
+    return none + [
         ("attention.sliding_window_pattern", [gemma4_is_swa(spec, il) for il in range(spec.n_layer)],
          GGUFValueType.ARRAY),
         ("attention.value_length_swa", spec.head_dim_swa, GGUFValueType.UINT32),

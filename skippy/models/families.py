@@ -1288,9 +1288,9 @@ FAMILIES: Final[dict[str, Family]] = {
         # --- issue 26: per-layer embeddings / KV sharing (keep this group's entries below this line) ---
         Family(
             "gemma4", _BOTH, bp.gemma4_block,
-            requires=frozenset({"sliding_window", "n_embd_per_layer", "head_dim_swa"}),
-            permits=frozenset({"rope_theta_swa", "final_softcap", "n_kv_shared_layers"}),
-            rules=(bp.gemma4_shape,), derived_keys=bp.gemma4_keys, inputs=bp.gemma4_inputs,
+            requires=frozenset({"sliding_window", "head_dim_swa"}),
+            permits=_MOE | {"rope_theta_swa", "final_softcap", "n_kv_shared_layers", "n_embd_per_layer"},
+            rules=(bp.gemma4_shape, b.experts), derived_keys=bp.gemma4_keys, inputs=bp.gemma4_inputs,
             summary="Gemma 4 (E2B/E4B): per-layer token embeddings, sliding-window and global "
             "layers of different head widths, q/k norms and a weightless v norm, GeGLU, per-layer "
             "output scale, trailing layers that reuse the KV of earlier ones, final soft-capping",

@@ -99,12 +99,14 @@ def cut_refusal(n_layer: int, groups: Sequence[KvGroup], cut: int) -> str | None
 
 def snap_cuts(n_layer: int, groups: Sequence[KvGroup], cuts: Sequence[int]) -> list[int]:
     """Move each wanted cut to the nearest legal one (ties: the lower), keeping them increasing
-    and distinct; a split that cannot keep its stage count raises ValueError."""
+    and distinct and leaving enough legal cuts for the ones after it; a split with more cuts than
+    the model has legal ones raises ValueError."""
     legal = legal_cuts(n_layer, groups)
+    if len(cuts) > len(legal):
+        raise ValueError(f"{len(cuts) + 1} stages need {len(cuts)} legal cuts; the model allows only {legal}")
     out: list[int] = []
-    for cut in cuts:
-        options = [c for c in legal if not out or c > out[-1]]
-        if not options:
-            raise ValueError(f"{len(cuts) + 1} stages need {len(cuts)} legal cuts; the model allows only {legal}")
+    for index, cut in enumerate(cuts):
+        later = len(cuts) - 1 - index
+        options = [c for i, c in enumerate(legal) if (not out or c > out[-1]) and len(legal) - 1 - i >= later]
         out.append(min(options, key=lambda c: (abs(c - cut), c)))
     return out

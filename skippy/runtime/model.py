@@ -229,6 +229,11 @@ class Model:
                     chosen_devices[slot] = lib.ggml_backend_dev_get(index)
                 params.devices = chosen_devices
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
+        if self.info.reads_tokens:
+            # Per-layer token embeddings: every stage holds the per-layer token table (n_vocab rows
+            # of n_layer slices; Gemma 4 E2B's is most of its file).  Mapped and read on demand,
+            # only the rows of the tokens a stage has seen become resident, not the table.
+            params.lazy_mode = lib.LLAMA_LAZY_MODE_ON
         overrides = ffi.new("struct llama_model_kv_override[3]")
         for slot, (key, value) in enumerate((("stage.layer_start", layers.start), ("stage.layer_end", layers.end))):
             overrides[slot].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
