@@ -138,7 +138,7 @@ async def test_direct_return_on_and_off_give_the_same_replies(stages: int, short
         async with await StageClient.connect(servers[0].address) as client:
             plain = await _generate(client, 1, None)
             direct = await _generate(client, 2, final.address)
-            assert client.direct_session is None  # stop closed it
+            assert not client.direct_sessions  # stop closed it
             # prefill, decode and verify replies (tokens, window ids; stats carry timings)
             replies = {}
             for session, direct_on in ((3, False), (4, True)):
@@ -167,7 +167,7 @@ async def test_a_stage_that_is_not_final_refuses_the_open_and_the_session_stays_
         async with await StageClient.connect(servers[0].address) as client:
             await client.configure(1, prompt_token_count=len(PROMPT))
             assert not await client.open_direct_return(servers[0].address, 1)
-            assert client.direct_session is None
+            assert not client.direct_sessions
             result = await client.prefill(1, PROMPT, chunk_size=3)
             assert (await client.decode(1, result.token, len(PROMPT))).predicted >= 0
             await client.stop(1)
@@ -203,7 +203,7 @@ async def test_a_return_lane_that_sends_anything_is_refused_and_the_others_carry
             for session, lane in ((1, client), (2, other)):
                 await lane.configure(session, prompt_token_count=len(PROMPT))
                 assert await lane.open_direct_return(final.address, session)
-            bad = other._return
+            bad = other._returns.get(2)
             assert bad is not None
             if garbage == "message":
                 frame = codec.encode_message(message(K.DECODE_EMBD, direct=True, session_id=2), 0, 0)
@@ -212,9 +212,9 @@ async def test_a_return_lane_that_sends_anything_is_refused_and_the_others_carry
             await bad.stream.send_all(frame)  # type: ignore[arg-type]
             with trio.fail_after(2):
                 with pytest.raises(StageRemoteError) as raised:
-                    await other._receive_direct()
+                    await other._receive_direct(2)
             code = ErrorCode.MALFORMED_FRAME if garbage != "message" else ErrorCode.STATE_MISMATCH
-            assert raised.value.code is code and other.direct_session is None
+            assert raised.value.code is code and not other.direct_sessions
             # session 1 (its own return lane) and session 2 (now hop by hop) carry on
             result = await client.prefill(1, PROMPT, chunk_size=3)
             assert (await client.decode(1, result.token, len(PROMPT))).predicted >= 0
@@ -307,7 +307,7 @@ async def test_the_generator_returns_directly_with_the_hop_by_hop_results(stages
                     generator.direct_return = (lambda: servers[-1].address) if direct else None
                     results[direct] = [await generator.generate(client, request, 10 * index + direct)
                                        for index, request in enumerate(requests)]
-                assert client.direct_session is None  # each request's lane closed at its stop
+                assert not client.direct_sessions  # each request's lane closed at its stop
         for hop, direct in zip(results[False], results[True]):
             assert (direct.tokens, direct.text, direct.finish_reason) == (hop.tokens, hop.text, hop.finish_reason)
             assert direct.logprobs == hop.logprobs

@@ -612,7 +612,7 @@ class _Handlers:
         """Choices 1..n-1: each a session forked from the first choice's prompt KV on every stage
         (the prompt is prefilled once). Nothing is sent yet: a fork starts when it is run (see
         :func:`_run_order`), so one request holds at most two sessions of its lane at a time."""
-        stages = parent.timing.stage_count
+        stages = parent.timing.chain_stages
         return [_Choice(index, self.service.generator.start(lease.client, parsed.choice_request(index),
                                                             self.service.pool.new_session_id(),
                                                             fork=(parent.session_id, stages)), "", parsed)

@@ -27,7 +27,9 @@ verify windows) carry the flag and their replies are read from that return lane,
 reverse hop.  A final stage that refuses the open (or never answers it within the timeout: a v11
 peer) leaves the session hop by hop.  Waiting on the return lane, its loss fails the request at once
 (the chain's own Error frame, read from the first-stage lane within a second, names the stage when
-one came; else the final stage's address is named); ``stop`` closes it.
+one came; else the final stage's address is named); ``stop`` closes it.  Each session has its own
+return lane, so several sessions of the lane may return directly at once (a request's ``n``
+choices: the first choice's session stays open while its forks run, each on the same path).
 
 Decode runs (``docs/protocol.md`` §11): :meth:`StageClient.start_run` sends one DecodeEmbd flagged
 ``DECODE_RUN``; a first stage that runs it says so before its first reply and from then on feeds
@@ -200,8 +202,8 @@ class StageClient:
         self._timings: collections.deque[TimingsFrame] = collections.deque(maxlen=_TIMINGS_KEPT)
         self._io = SocketIO(stream, 1 << 16)
         self._closed = False
-        #: docs/protocol.md §8: the open return lane, if any (one session at a time).
-        self._return: _ReturnLane | None = None
+        #: docs/protocol.md §8: the open return lanes, by session id.
+        self._returns: dict[int, _ReturnLane] = {}
         #: The TLS context this lane was opened with (a return lane uses it too).
         self.tls: ssl.SSLContext | None = None
         #: docs/protocol.md §11: the decode run in progress on this lane (None: none).
@@ -267,9 +269,13 @@ class StageClient:
 
     # -- direct return -----------------------------------------------------------------------
     @property
-    def direct_session(self) -> int | None:
-        """The session whose predictions come over a return lane (None: all go hop by hop)."""
-        return None if self._return is None else self._return.session_id
+    def direct_sessions(self) -> frozenset[int]:
+        """The sessions whose predictions come over a return lane (empty: all go hop by hop)."""
+        return frozenset(self._returns)
+
+    def returns_directly(self, session_id: int) -> bool:
+        """Whether ``session_id``'s predictions come over a return lane."""
+        return session_id in self._returns
 
     async def open_direct_return(self, address: Address | str, session_id: int, *, request_id: int = 0,
                                  timeout: float = 2.0) -> bool:
@@ -283,7 +289,7 @@ class StageClient:
             StageLost: the final stage cannot be reached; StageRemoteError: it refused the open
             for another reason (an unknown session id).
         """
-        await self.close_direct_return()
+        await self.close_direct_return(session_id)
         target = Address.parse(address) if isinstance(address, str) else address
         try:
             opener = await StageClient.connect(target, connect_timeout=timeout, reply_timeout=timeout,
@@ -310,31 +316,33 @@ class StageClient:
         lane = _ReturnLane(opener.stream, target, session_id, request_id, self.extensions)
         lane.decoder = opener._decoder  # anything the final stage sent after the ACK is already in it
         lane.io = opener._io
-        self._return = lane
+        self._returns[session_id] = lane
         return True
 
-    async def close_direct_return(self) -> None:
-        """Close the return lane (if one is open); the session's replies go hop by hop again."""
-        lane, self._return = self._return, None
-        if lane is not None:
+    async def close_direct_return(self, session_id: int | None = None) -> None:
+        """Close the return lane of ``session_id`` (None: every one); its replies go hop by hop again."""
+        if session_id is None:
+            lanes, self._returns = list(self._returns.values()), {}
+        else:
+            lane = self._returns.pop(session_id, None)
+            lanes = [] if lane is None else [lane]
+        for lane in lanes:
             await trio.aclose_forcefully(lane.stream)
 
     def _direct(self, session_id: int) -> bool:
-        lane = self._return
-        return lane is not None and lane.session_id == session_id
+        return session_id in self._returns
 
-    async def _receive_direct(self) -> StageReply:
-        """The next reply on the return lane; its loss fails at once, naming the stage."""
-        lane = self._return
-        assert lane is not None
+    async def _receive_direct(self, session_id: int) -> StageReply:
+        """The next reply on the return lane of ``session_id``; its loss fails at once, naming the stage."""
+        lane = self._returns[session_id]
         try:
             return await self._receive_on(lane.decoder, lane.io, f"return lane to final stage {lane.address}")
         except StageLost as exc:
             if exc.frame is not None:  # the final stage said why
-                await self.close_direct_return()
+                await self.close_direct_return(session_id)
                 raise
             lost = exc
-        await self.close_direct_return()
+        await self.close_direct_return(session_id)
         # The return lane closed without a word: the chain's Error frame (a lost stage named by
         # its upstream) may be on its way on the first-stage lane.
         with trio.move_on_after(_LOSS_DIAGNOSIS_S):
@@ -505,11 +513,12 @@ class StageClient:
             acks.append(await self._expect(ReplyKind.ACK, MessageKind.PREFILL_EMBD))
             outstanding -= 1
         reply = await self._expect(ReplyKind.PREDICTED_TOKEN, MessageKind.PREFILL_FINAL_EMBD,
-                                   direct=self._direct(session_id))
+                                   direct=session_id if self._direct(session_id) else None)
         return PrefillResult(reply, tuple(acks))
 
-    async def _expect(self, kind: ReplyKind, sent: MessageKind, *, direct: bool = False) -> StageReply:
-        reply = await (self._receive_direct() if direct else self.receive())
+    async def _expect(self, kind: ReplyKind, sent: MessageKind, *, direct: int | None = None) -> StageReply:
+        """The next reply, of ``kind``: on the first-stage lane, or on session ``direct``'s return lane."""
+        reply = await (self.receive() if direct is None else self._receive_direct(direct))
         if reply.kind != kind:
             raise StageClientError(
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
@@ -617,7 +626,7 @@ class StageClient:
             MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
             session_id=session_id, tokens=np.array((token,), dtype=np.int32))
         await self.send_raw(codec.encode_message(message, WireDType.F32, 0))
-        reply = await (self._receive_direct() if direct else self.receive())
+        reply = await (self._receive_direct(session_id) if direct else self.receive())
         if reply.kind != ReplyKind.PREDICTED_TOKEN:
             raise StageClientError(
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to DecodeEmbd")
@@ -634,7 +643,7 @@ class StageClient:
         )
         if self._direct(session_id):
             await self.send(with_direct_return_flag(message))
-            reply = await self._expect(ReplyKind.PREDICTED_TOKENS, MessageKind.VERIFY_WINDOW, direct=True)
+            reply = await self._expect(ReplyKind.PREDICTED_TOKENS, MessageKind.VERIFY_WINDOW, direct=session_id)
         else:
             reply = await self.request(message, ReplyKind.PREDICTED_TOKENS)
         if reply.window_id != window_id:
@@ -658,7 +667,7 @@ class StageClient:
         """Stop: end the session on every stage; returns the ACK (sent after the chain's)."""
         reply = await self.request(StageMessage.stop(request_id=request_id, session_id=session_id), ReplyKind.ACK)
         if self._direct(session_id):
-            await self.close_direct_return()
+            await self.close_direct_return(session_id)
         return reply
 
     async def generate_greedy(self, session_id: int, prompt: Sequence[int], steps: int, *,

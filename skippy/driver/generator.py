@@ -151,6 +151,11 @@ class Timing:
     #: Replies that carried per-stage timings, and the most stages one of them covered.
     replies: int = 0
     stage_count: int = 0
+    #: The chain's stages as far as the replies show: the deepest stage index seen, plus one.  It
+    #: differs from :attr:`stage_count` under direct return (docs/protocol.md §8), where a
+    #: prediction's Timings frame holds the final stage's record only, but that record's index
+    #: still counts the chain.
+    chain_stages: int = 0
     compute_us: int = 0
     forward_write_us: int = 0
     downstream_wait_us: int = 0
@@ -163,6 +168,7 @@ class Timing:
             self.replies += 1
             self.stage_count = max(self.stage_count, len(frame.records))
             for record in frame.records:
+                self.chain_stages = max(self.chain_stages, record.stage_index + 1)
                 self.compute_us += record.compute_us
                 self.forward_write_us += record.forward_write_us
                 self.downstream_wait_us += record.downstream_wait_us
@@ -356,7 +362,8 @@ class Generation:
                                                    cache=self._generator.cache_request(request),
                                                    chunk_size=self._generator.prefill_chunk_size,
                                                    credit=self._generator.credit,
-                                                   extension=request.sampling_extension)
+                                                   extension=request.sampling_extension,
+                                                   direct_return=self._generator.direct_return_for(request))
             else:
                 cached = await prefix.prefill(client, self.session_id, request.prompt,
                                               sampling=sampling_config(request.sampling),
@@ -375,7 +382,7 @@ class Generation:
             self.timing.add_frames(client.take_timings())
             tokens: tuple[int, ...] = (int(reply.predicted),)
             if request.max_tokens > 1 and self._generator.speculates(request):
-                self._start_speculation(tokens[0], self.timing.stage_count)
+                self._start_speculation(tokens[0], self.timing.chain_stages)
         elif self._runner is not None:
             runner = self._runner
             try:
@@ -393,7 +400,7 @@ class Generation:
         else:
             if client.running:  # docs/protocol.md §11: the first stage feeds each token to the next step
                 reply = await client.next_run_token(self.session_id)
-            elif self._generator.decode_runs and client.extensions and client.direct_session != self.session_id:
+            elif self._generator.decode_runs and client.extensions and not client.returns_directly(self.session_id):
                 reply = await client.start_run(self.session_id, self.tokens[-1], self._position,
                                                max_tokens=request.max_tokens - len(self.tokens),
                                                stop_tokens=self._generator.tokenizer.end_of_generation_tokens(),

@@ -23,6 +23,9 @@ handled as a failed TryRestorePrefill: TrimSession(0), then a full prefill.
 A request's further choices (``n`` > 1) are forks: :func:`fork_prefill` configures each new session
 with ``{"skippy.fork": {"session": <first choice's>, "length": len(prompt) - 1}}`` so every stage
 copies that KV prefix (skippy/stage/prefix_control.py), and only the last prompt token is computed.
+A fork takes the same path as any session: it opens its own return lane when the request returns
+directly (its parent's stays open meanwhile), and a fork that not every stage made is undone by
+TrimSession(0) before the full prefill, as a partial restore is.
 
 A chain without the extension (or with the cache off) answers both messages as misses, so the
 cost of trying is one round trip, and the answer is never wrong: at worst the prompt is prefilled
@@ -199,17 +202,20 @@ def _check_confirmed(client: StageClient, extension: SamplingRequest | None) -> 
 async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[int], *, parent: int, stages: int,
                        sampling: SamplingConfig | None, cache: CacheRequest,
                        chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0,
-                       extension: SamplingRequest | None = None) -> CachedPrefill:
+                       extension: SamplingRequest | None = None, direct_return: Address | None = None) -> CachedPrefill:
     """Configure ``session_id`` as a fork of ``parent`` (which holds ``prompt``'s KV on every stage of
     the lane) and compute only the last prompt token, whose logits the fork cannot carry.
 
     The fork holds when the ACK says every one of the ``stages`` stages forked (``kv_lookup_hits``
     ``stages``, ``kv_imported_tokens`` ``stages * (len(prompt) - 1)``, no miss); otherwise the prompt
-    is prefilled in full from position 0 (the auto-align rule trims whatever a stage did copy).
-    ``cached_tokens`` of the result is the forked length.  ``extension`` as for :func:`prefill`.
+    is prefilled in full from position 0, after a TrimSession(0) when some stage did copy (a stage
+    refuses a chunk that would overwrite positions it holds).  ``cached_tokens`` of the result is
+    the forked length.  ``extension`` and ``direct_return`` as for :func:`prefill` (the return lane
+    is the fork's own).
 
     Raises:
         SamplingExtensionRefused: the chain did not confirm ``extension``.
+        StageLost: the final stage named by ``direct_return`` cannot be reached.
     """
     length = len(prompt) - 1
     text = (fork_metadata(cache, parent, length, extension) if length > 0
@@ -221,11 +227,16 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
     stats = ack.stats
     forked = length if (length > 0 and stages > 0 and stats.kv_lookup_hits == stages and not stats.kv_lookup_misses
                         and stats.kv_imported_tokens == stages * length) else 0
+    control = [ack]
+    if not forked and stats.kv_lookup_hits:  # some stage copied the prefix: nothing half-forked anywhere
+        control.append(await client.trim(session_id, 0, request_id=request_id))
+    if direct_return is not None:
+        await client.open_direct_return(direct_return, session_id, request_id=request_id)
     rest = len(prompt) - forked
     size = chunk_size(rest) if callable(chunk_size) else chunk_size
     result = await client.prefill(session_id, prompt[forked:], pos_start=forked, chunk_size=size,
                                   credit=credit, request_id=request_id)
-    return CachedPrefill(result, forked, (ack,), size)
+    return CachedPrefill(result, forked, tuple(control), size)
 
 
 async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,
