@@ -50,7 +50,8 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
         paths = [stage.stats_path for stage in stages]
         async with trio.open_nursery() as nursery:
             url = await nursery.start(functools.partial(serve_api, model, stages[0].address, port=0, n_ctx=1024,
-                                                        max_lanes=2, model_id=MODEL))
+                                                        max_lanes=2, model_id=MODEL,
+                                                        final_stage=stages[-1].address))  # direct return, the default
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 1234, "n": 4,
                     "prefix_cache": False}
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:

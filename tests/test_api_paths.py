@@ -2,7 +2,7 @@
 
 A path is how a request's messages and predictions travel: hop by hop with decode runs or one
 DecodeEmbd per token, or with direct return (the default on chains of two stages or more) with
-or without the stages' decode relay, on 2- and 3-stage chains.  A feature is what the request
+or without the stages' decode relay, on 2-, 3- and 4-stage chains.  A feature is what the request
 asks: ``n`` choices (forks of the first choice's session), completions' ``best_of``, seeded
 sampling, logprobs, a GBNF grammar, stop strings, streaming, speculation.  Each (path, feature)
 answer must equal the one-stage chain's for the same request (same chunking, f32 wire: bitwise
@@ -34,7 +34,7 @@ from stage_helpers import inprocess_chain
 
 MODEL = "tiny"
 PROMPT = "The quick brown fox jumps over the lazy dog, and then"
-SPLITS = {1: ["0:4"], 2: ["0:2", "2:4"], 3: ["0:1", "1:3", "3:4"]}
+SPLITS = {1: ["0:4"], 2: ["0:2", "2:4"], 3: ["0:1", "1:3", "3:4"], 4: ["0:1", "1:2", "2:3", "3:4"]}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -172,7 +172,7 @@ def check_choices(results: dict[str, Any]) -> None:
     assert results["seeded n=3"]["usage"]["completion_tokens"] == 3 * 12
 
 
-@pytest.mark.parametrize("stages", [2, pytest.param(3, marks=pytest.mark.slow)])
+@pytest.mark.parametrize("stages", [2, *(pytest.param(count, marks=pytest.mark.slow) for count in (3, 4))])
 @pytest.mark.parametrize("path", [PATHS[0], *(pytest.param(path, marks=pytest.mark.slow) for path in PATHS[1:])],
                          ids=str)
 async def test_every_feature_on_every_path_is_the_unsplit_answer(generator: Generator, tiny_llama: Path,

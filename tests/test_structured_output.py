@@ -119,6 +119,17 @@ def test_json_object_and_a_gbnf_grammar(client: Any, model_id: str) -> None:
         assert head in ("yes", "no") and digits.isdigit() and len(digits) <= 2, text
 
 
+def test_json_object_with_a_schema_follows_the_schema(client: Any, model_id: str) -> None:
+    """llama-server's ``{"type": "json_object", "schema": ...}``: the schema is honoured, not dropped."""
+    for seed in range(10):
+        response = client.chat.completions.create(
+            model=model_id, messages=MESSAGES, max_tokens=200, temperature=1.0, seed=seed,
+            response_format={"type": "json_object", "schema": SCHEMA})  # type: ignore[typeddict-unknown-key]
+        choice = response.choices[0]
+        assert choice.finish_reason == "stop", choice
+        jsonschema.validate(json.loads(choice.message.content), SCHEMA)
+
+
 def test_a_grammar_request_does_not_speculate(client: Any, model_id: str) -> None:
     response = client.chat.completions.create(
         model=model_id, messages=MESSAGES, max_tokens=96, temperature=0,
@@ -191,11 +202,13 @@ def test_logprobs_equal_the_unsplit_reference_over_32_positions(client: Any, mod
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"$ref": "https://example.com/s.json"}}}},
      "response_format.json_schema.schema"),
     ({"response_format": {"type": "yaml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_object", "schema": {"type": "nonsense"}}}, "response_format.schema"),
+    ({"response_format": {"type": "json_object", "shema": SCHEMA}}, "response_format.shema"),
     ({"grammar": "root ::= ("}, "grammar"),
     ({"grammar": 'start ::= "a"'}, "grammar"),
     ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-], ids=["invalid-schema", "remote-ref", "unknown-type", "grammar-syntax", "grammar-no-root", "top-logprobs-21",
+], ids=["invalid-schema", "remote-ref", "unknown-type", "object-invalid-schema", "object-unknown-key", "grammar-syntax", "grammar-no-root", "top-logprobs-21",
         "top-logprobs-alone"])
 def test_bad_input_is_a_400_naming_the_field_and_the_server_keeps_serving(client: Any, model_id: str,
                                                                           body: dict[str, Any], param: str) -> None:

@@ -31,6 +31,16 @@ def run(split):
         chain.decode(prompt, list(range(5)), [0] * 5, [True] * 5)
         return np.stack(chain.logits())
 assert np.array_equal(run([(0, 2), (2, 4)]), run([(0, 4)]))
+# JSON Schema response formats need no llama-cpp-python (skippy ships the converter)
+import importlib.util
+assert importlib.util.find_spec("llama_cpp") is None
+from skippy.api.structured import parse_constraints
+from skippy.runtime.tokenizer import Tokenizer
+schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
+with Tokenizer(path) as tokenizer:
+    for form in ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+                 {"type": "json_object", "schema": schema}):
+        assert "ok" in parse_constraints({"response_format": form}, True, tokenizer).grammar
 print("wheel smoke ok")
 """
 

@@ -8,12 +8,13 @@ checked here and refused with a 400 naming it; a grammar is also *parsed* here, 
 against the served model's vocabulary (the driver's vocab-only load), so a grammar that does
 not parse never reaches a stage.
 
-JSON Schema → GBNF is llama-cpp-python's converter (``llama_cpp.llama_grammar``, the Python port
-of llama.cpp's ``json_schema_to_grammar``); we write no converter of our own.  That file is pure
-Python and is loaded on its own (:func:`_llama_grammar`), so the server needs llama-cpp-python
-installed (the test extra has it) but never its native library; without it, JSON response formats
-are a 501 saying how to install it, and GBNF ``grammar`` still works.  The schema is
-first checked as a JSON Schema (``jsonschema``'s metaschema check).  What the converter covers,
+JSON Schema → GBNF is llama-cpp-python's converter (the Python port of llama.cpp's
+``json_schema_to_grammar``, the one llama-server uses), shipped verbatim in
+:mod:`skippy.api._json_schema_grammar` (its header says why and from which version); we write no
+converter of our own, and a plain install serves JSON formats without llama-cpp-python.  The
+schema is first checked as a JSON Schema (``jsonschema``'s metaschema check).  llama-server's
+``{"type": "json_object", "schema": ...}`` is served as a ``json_schema`` format is; any other key
+of ``response_format`` (or of its ``json_schema``) is a 400 naming it, never dropped.  What the converter covers,
 and so what is enforced, is listed in docs/structured-output.md: types, ``properties`` /
 ``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` / ``oneOf`` /
 ``allOf`` of objects, ``items`` / ``prefixItems`` / ``minItems`` / ``maxItems``,
@@ -29,12 +30,10 @@ the legacy completions ``logprobs`` object.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import importlib.util
 import json
-from pathlib import Path
 from typing import Any, Callable, Mapping, Sequence
 
+from skippy.api import _json_schema_grammar
 from skippy.api.errors import ApiError
 from skippy.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy.runtime.sampling import Sampler, SamplingParams
@@ -60,37 +59,6 @@ class Constraints:
     json: bool = False
 
 
-#: How to get the converter when llama-cpp-python is not installed (it is not a runtime dependency:
-#: the package builds llama.cpp on install unless told not to; skippy needs only this pure-Python file).
-_CONVERTER_HINT = ("JSON response formats use llama-cpp-python's JSON-schema converter; install it without its "
-                   "native build: CMAKE_ARGS='-DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF' pip install llama-cpp-python==0.3.36 "
-                   "(a GBNF 'grammar' works without it)")
-
-
-@functools.cache
-def _llama_grammar() -> Any:
-    """llama-cpp-python's ``llama_grammar`` module, loaded from its file on its own.
-
-    The module is pure Python (stdlib imports only); importing it through the ``llama_cpp``
-    package would load that package's native library, which the API server neither needs nor has.
-
-    Raises:
-        ApiError: 501 when llama-cpp-python is not installed.
-    """
-    spec = importlib.util.find_spec("llama_cpp")
-    locations = list(spec.submodule_search_locations or ()) if spec is not None else []
-    path = next((Path(place) / "llama_grammar.py" for place in locations
-                 if (Path(place) / "llama_grammar.py").is_file()), None)
-    if path is None:
-        raise ApiError(501, _CONVERTER_HINT, type="not_implemented", param="response_format",
-                       code="converter_unavailable")
-    loader = importlib.util.spec_from_file_location("skippy_llama_cpp_grammar", path)
-    assert loader is not None and loader.loader is not None
-    module = importlib.util.module_from_spec(loader)
-    loader.loader.exec_module(module)
-    return module
-
-
 #: The converter's string-character rule lets raw control characters into strings, which JSON
 #: forbids (llama.cpp's own converter has since excluded them), and any code point llama.cpp's
 #: UTF-8 decoder produces from byte tokens, surrogates and values past U+10FFFF included, which
@@ -101,13 +69,9 @@ _JSON_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\
 
 
 def grammar_converter() -> tuple[Any, Callable[[str], str]]:
-    """llama-cpp-python's ``llama_grammar`` module and the one correction its output needs (for other
-    builders of schema grammars: forced tool calls, skippy/api/tool_calls.py).
-
-    Raises:
-        ApiError: 501 when llama-cpp-python is not installed.
-    """
-    return _llama_grammar(), lambda text: text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
+    """The converter module (:mod:`skippy.api._json_schema_grammar`) and the one correction its output
+    needs (for other builders of schema grammars: forced tool calls, skippy/api/tool_calls.py)."""
+    return _json_schema_grammar, lambda text: text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
 
 
 def _schema_grammar(schema: Any, param: str) -> str:
@@ -122,11 +86,22 @@ def _schema_grammar(schema: Any, param: str) -> str:
     except jsonschema.exceptions.SchemaError as exc:
         raise bad(param, f"not a valid JSON Schema: {exc.message}") from exc
     try:
-        text: str = _llama_grammar().json_schema_to_gbnf(json.dumps(schema))
+        text: str = _json_schema_grammar.json_schema_to_gbnf(json.dumps(schema))
     except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError, RecursionError) as exc:
         # the converter's refusals (unsupported or unresolvable parts) come as these
         raise bad(param, f"the schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from exc
     return text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
+
+
+#: The keys each ``response_format`` type reads (OpenAI's, plus llama-server's ``json_object`` ``schema``).
+_FORMAT_KEYS = {"text": {"type"}, "json_object": {"type", "schema"}, "json_schema": {"type", "json_schema"}}
+
+
+def _only(value: Mapping[str, Any], where: str, keys: set[str]) -> None:
+    """A 400 naming the first key of ``value`` outside ``keys`` (a field is never dropped silently)."""
+    unknown = sorted(set(value) - keys)
+    if unknown:
+        raise bad(f"{where}.{unknown[0]}", f"not a field of this response format (it reads {', '.join(sorted(keys))})")
 
 
 def _response_format(body: Mapping[str, Any]) -> tuple[str | None, bool]:
@@ -136,14 +111,19 @@ def _response_format(body: Mapping[str, Any]) -> tuple[str | None, bool]:
     if not isinstance(value, dict) or not isinstance(value.get("type"), str):
         raise bad("response_format", "expected an object with a 'type'")
     kind = value["type"]
+    if kind in _FORMAT_KEYS:
+        _only(value, "response_format", _FORMAT_KEYS[kind])
     if kind == "text":
         return None, False
     if kind == "json_object":
-        return _llama_grammar().JSON_GBNF, True
+        if "schema" in value:  # llama-server's form: JSON that follows this schema
+            return _schema_grammar(value["schema"], "response_format.schema"), True
+        return _json_schema_grammar.JSON_GBNF, True
     if kind == "json_schema":
         spec = value.get("json_schema")
         if not isinstance(spec, dict):
             raise bad("response_format.json_schema", "expected an object with 'name' and 'schema'")
+        _only(spec, "response_format.json_schema", {"name", "schema", "strict", "description"})
         name = spec.get("name")
         if name is not None and not isinstance(name, str):
             raise bad("response_format.json_schema.name", "expected a string")
