@@ -58,6 +58,7 @@ from skippy.api.errors import (
     get_stop,
     internal_error,
     invalid,
+    is_anthropic_path,
     parse_json_object,
 )
 from skippy.api.fields import check_fields, unsupported
@@ -823,6 +824,7 @@ class _Handlers:
 
 
 _ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
+              "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
               "/tokenize": "tokenize", "/detokenize": "detokenize", "/health": "health", "/metrics": "metrics"}
 
 
@@ -836,29 +838,37 @@ def endpoint_label(path: str) -> str:
 
 def create_app(service: ChainService) -> Starlette:
     """The ASGI app serving ``service``."""
+    from skippy.api.messages import MessagesHandlers  # it builds on this module's handlers
+
     handlers = _Handlers(service)
+    messages = MessagesHandlers(handlers)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
-        service.metrics.request_done(endpoint_label(request.url.path), exc.status)
-        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+        path = request.url.path
+        # Anthropic answers every malformed request 400 (invalid_request_error); OpenAI's field checks are 422
+        status = 400 if exc.status == 422 and is_anthropic_path(path) else exc.status
+        service.metrics.request_done(endpoint_label(path), status)
+        return JSONResponse(exc.body_for(path), status_code=status, headers=exc.headers)
 
     async def unexpected(request: Request, exc: Exception) -> Response:
         log.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
         error = internal_error(exc)
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body_for(request.url.path), status_code=error.status)
 
     async def not_found(request: Request, exc: Exception) -> Response:
         status = getattr(exc, "status_code", 404)
         error = ApiError(status, f"{request.method} {request.url.path} is not served here",
                          code="not_found" if status == 404 else "method_not_allowed")
-        return JSONResponse(error.body(), status_code=status)
+        return JSONResponse(error.body_for(request.url.path), status_code=status)
 
     routes = [
         Route("/v1/models", handlers.models, methods=["GET"]),
         Route("/v1/models/{model:path}", handlers.model, methods=["GET"]),
         Route("/v1/completions", handlers.completions, methods=["POST"]),
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
+        Route("/v1/messages", messages.create, methods=["POST"]),
+        Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/tokenize", handlers.tokenize, methods=["POST"]),
         Route("/detokenize", handlers.detokenize, methods=["POST"]),
         Route("/health", handlers.health, methods=["GET"]),
@@ -876,6 +886,7 @@ def create_app(service: ChainService) -> Starlette:
                   Middleware(RequestGuard, max_body_bytes=service.max_body_bytes)]
     if service.cors_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),
-                                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"],
+                                        allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type", "x-api-key",
+                                                                       "anthropic-version", "anthropic-beta"],
                                         max_age=600))
     return Starlette(routes=routes, exception_handlers=handlers_map, middleware=middleware)

@@ -5,7 +5,8 @@ SHA-256 digest is the dictionary key, so a lookup costs the same whatever the pr
 shares with a real key, and the tenant's id is a short prefix of that digest (safe to log).
 :class:`AuthMiddleware` is a plain ASGI middleware (it never reads the body, so it adds nothing
 to streaming): with keys configured, every HTTP request but ``GET /health`` must carry
-``Authorization: Bearer <key>`` and is otherwise answered 401 with OpenAI's error body and a
+``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) and is otherwise answered
+401 with the API's error body (OpenAI's; Anthropic's on the Messages API) and a
 ``WWW-Authenticate: Bearer`` header; the authenticated :class:`Tenant` goes into
 ``scope["skippy.tenant"]``.  ``/health`` is served to anyone, as the anonymous tenant unless a
 valid key came with it (it then says less).  Without keys every caller is the one anonymous tenant.
@@ -25,6 +26,8 @@ import json
 import os
 from pathlib import Path
 from typing import Any, Awaitable, Callable, Iterable, Mapping, final
+
+from skippy.api.errors import error_shape
 
 #: The ASGI scope key holding the request's :class:`Tenant`.
 TENANT_SCOPE_KEY = "skippy.tenant"
@@ -131,15 +134,18 @@ class ApiKeys:
         return cls([value], salt=salt)
 
 
-def error_body(message: str, *, type: str = "invalid_request_error", code: str | None = None) -> bytes:
-    """OpenAI's error body as bytes (for middleware that answers without the app)."""
-    return json.dumps({"error": {"message": message, "type": type, "param": None, "code": code}}).encode()
+def error_body(message: str, *, type: str = "invalid_request_error", code: str | None = None, path: str = "",
+               status: int = 400) -> bytes:
+    """The error body as bytes (for middleware that answers without the app): OpenAI's, or
+    Anthropic's on the Messages API (``path``)."""
+    return json.dumps(error_shape(path, status, message, type, None, code)).encode()
 
 
 async def send_error(send: Send, status: int, message: str, *, code: str | None,
-                     type: str = "invalid_request_error", headers: Iterable[tuple[bytes, bytes]] = ()) -> None:
-    """Answer an HTTP request with OpenAI's error body (the request body is left unread)."""
-    body = error_body(message, type=type, code=code)
+                     type: str = "invalid_request_error", headers: Iterable[tuple[bytes, bytes]] = (),
+                     path: str = "") -> None:
+    """Answer an HTTP request with the error body of ``path``'s API (the request body is left unread)."""
+    body = error_body(message, type=type, code=code, path=path, status=status)
     await send({"type": "http.response.start", "status": status, "headers": [
         (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()), *headers]})
     await send({"type": "http.response.body", "body": body})
@@ -163,6 +169,9 @@ class AuthMiddleware:
             await self.app(scope, receive, send)
             return
         header = next((value for name, value in scope["headers"] if name == b"authorization"), None)
+        anthropic = next((value for name, value in scope["headers"] if name == b"x-api-key"), None)
+        if header is None and anthropic is not None:  # Anthropic's clients send the key this way
+            header = b"Bearer " + anthropic
         tenant: Tenant | None = None
         if header is None:
             message, code = ("You didn't provide an API key. You need to provide your API key in an Authorization "
@@ -182,7 +191,8 @@ class AuthMiddleware:
         if tenant is None:
             if self.on_refused is not None:
                 self.on_refused(scope["path"])
-            await send_error(send, 401, message, code=code, headers=[(b"www-authenticate", b"Bearer")])
+            await send_error(send, 401, message, code=code, headers=[(b"www-authenticate", b"Bearer")],
+                             path=scope["path"])
             return
         scope[TENANT_SCOPE_KEY] = tenant
         await self.app(scope, receive, send)

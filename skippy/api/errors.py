@@ -40,6 +40,33 @@ class ApiError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
+    def body_for(self, path: str) -> dict[str, Any]:
+        """The body in the shape of the API ``path`` belongs to (Anthropic's for the Messages API)."""
+        return error_shape(path, self.status, self.message, self.type, self.param, self.code)
+
+
+#: Paths whose errors take Anthropic's shape (the Messages API, skippy/api/messages.py).
+ANTHROPIC_PATHS = ("/v1/messages", "/messages")
+#: Anthropic's error type for an HTTP status (docs.anthropic.com, "Errors").
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 415: "invalid_request_error",
+                    422: "invalid_request_error", 429: "rate_limit_error", 501: "invalid_request_error",
+                    503: "overloaded_error", 529: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    """Whether ``path`` is served in Anthropic's shapes (errors included)."""
+    return any(path == prefix or path.startswith(prefix + "/") for prefix in ANTHROPIC_PATHS)
+
+
+def error_shape(path: str, status: int, message: str, type: str = "invalid_request_error",
+                param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    """An error body for ``path``: OpenAI's ``{"error": {...}}``, or on the Messages API Anthropic's
+    ``{"type": "error", "error": {"type", "message"}}`` (the field, when one is named, in the message)."""
+    if not is_anthropic_path(path):
+        return {"error": {"message": message, "type": type, "param": param, "code": code}}
+    return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+
 
 def internal_error(exc: BaseException) -> ApiError:
     """A 500 for an unexpected exception (a bug); the details go to the server log, not the client."""

@@ -45,11 +45,11 @@ class RequestGuard:
         self.app = app
         self.max_body_bytes = max_body_bytes
 
-    async def _too_large(self, send: Send, declared: int | None) -> None:
+    async def _too_large(self, send: Send, declared: int | None, path: str) -> None:
         size = f" ({declared} bytes)" if declared is not None else ""
         await send_error(send, 413, f"The request body{size} is larger than this server's limit of "
                                     f"{self.max_body_bytes} bytes.", code="request_too_large",
-                         headers=[(b"connection", b"close")])
+                         headers=[(b"connection", b"close")], path=path)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in _BODILESS:
@@ -60,7 +60,7 @@ class RequestGuard:
             shown = "none" if content_type is None else repr(content_type.decode("latin-1")[:100])
             await send_error(send, 415, f"Request bodies must be JSON with 'Content-Type: application/json' "
                                         f"(got {shown}).", code="unsupported_media_type",
-                             headers=[(b"connection", b"close")])
+                             headers=[(b"connection", b"close")], path=scope["path"])
             return
         length = _header(scope, b"content-length")
         if length is not None:
@@ -69,10 +69,11 @@ class RequestGuard:
             except ValueError:
                 declared = -1
             if declared < 0:
-                await send_error(send, 400, "Invalid Content-Length header.", code="invalid_request")
+                await send_error(send, 400, "Invalid Content-Length header.", code="invalid_request",
+                                 path=scope["path"])
                 return
             if declared > self.max_body_bytes:
-                await self._too_large(send, declared)
+                await self._too_large(send, declared, scope["path"])
                 return
             await self.app(scope, receive, send)  # the server enforces the declared length
             return
@@ -86,7 +87,7 @@ class RequestGuard:
             body: bytes = message.get("body", b"")
             size += len(body)
             if size > self.max_body_bytes:
-                await self._too_large(send, None)
+                await self._too_large(send, None, scope["path"])
                 return
             chunks.append(body)
             if not message.get("more_body", False):

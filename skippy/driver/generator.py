@@ -226,6 +226,8 @@ class Completion:
     cached_tokens: int = 0
     #: One entry per token of ``tokens`` when the request asked for logprobs (else None).
     logprobs: list[TokenLogprobs] | None = None
+    #: The stop string that ended the text (None: an end-of-generation token, max_tokens, or none).
+    stop_string: str | None = None
 
     @property
     def completion_tokens(self) -> int:
@@ -249,6 +251,8 @@ class _StopMatcher:
     def __init__(self, stops: Sequence[str]) -> None:
         self.stops = [stop for stop in stops if stop]
         self.pending = ""
+        #: The stop string found (the earliest in the text; None until one is).
+        self.matched: str | None = None
 
     def push(self, text: str) -> tuple[str, bool]:
         """Add text; return (text safe to emit, whether a stop string was found)."""
@@ -256,9 +260,11 @@ class _StopMatcher:
         if not self.stops:
             out, self.pending = self.pending, ""
             return out, False
-        found = [index for index in (self.pending.find(stop) for stop in self.stops) if index >= 0]
+        found = [(index, stop) for index, stop in ((self.pending.find(stop), stop) for stop in self.stops)
+                 if index >= 0]
         if found:
-            out = self.pending[:min(found)]
+            index, self.matched = min(found, key=lambda item: item[0])
+            out = self.pending[:index]
             self.pending = ""
             return out, True
         hold = 0
@@ -475,7 +481,7 @@ class Generation:
         await self._client.stop(self.session_id)
         usage = None if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
-                                 usage, self.cached_tokens, self.logprobs)
+                                 usage, self.cached_tokens, self.logprobs, self._stops.matched)
         return text
 
     async def run(self) -> Completion:
