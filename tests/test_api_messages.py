@@ -161,7 +161,8 @@ def test_content_blocks_tools_and_results_become_the_chat_body() -> None:
         {"role": "user", "content": "And tomorrow?"},
     ]
     assert chat["tools"] == [{"type": "function", "function": {
-        "name": "get_weather", "parameters": body["tools"][0]["input_schema"], "description": "Weather of a city"}}]
+        "name": "get_weather", "description": "Weather of a city", "parameters": body["tools"][0]["input_schema"]}}]
+    assert list(chat["tools"][0]["function"]) == ["name", "description", "parameters"]  # the rendered JSON's order
     assert (chat["tool_choice"], chat["parallel_tool_calls"]) == ("required", False)
     assert (chat["stop"], chat["user"], chat["max_tokens"]) == (["END"], "u-1", 20)
     named = to_chat_body({**body, "tool_choice": {"type": "tool", "name": "get_weather"}})
@@ -218,3 +219,80 @@ async def test_messages_errors_have_anthropic_shape_and_x_api_key_is_a_key(tiny_
     assert missing.status_code == 400 and "max_tokens" in missing.json()["error"]["message"]
     assert counted.status_code == 200 and counted.json()["input_tokens"] > 1
     assert openai_shape.status_code == 400 and openai_shape.json()["error"]["param"] == "bogus"
+
+
+QWEN25 = Path(__file__).resolve().parent.parent / "build" / "llama-src" / "models" / "templates" / \
+    "Qwen-Qwen2.5-7B-Instruct.jinja"
+WEATHER = {"name": "get_weather", "description": "The weather of a city", "input_schema": {
+    "type": "object", "properties": {"city": {"type": "string", "maxLength": 8}}, "required": ["city"],
+    "additionalProperties": False}}
+
+
+@pytest.mark.slow
+async def test_tools_a_forced_call_and_its_result_match_chat_completions() -> None:
+    """The demo model served with the published Qwen 2.5 template (it renders tools): a named
+    ``tool_choice`` forces a call through the schema's grammar; the ``tool_use`` block equals the
+    chat answer's tool call, streamed or not, and a ``tool_result`` turn renders the same prompt
+    as the chat body with a ``tool`` message (same ``input_tokens`` as ``prompt_tokens``)."""
+    if not QWEN25.is_file():
+        pytest.skip(f"{QWEN25} not built (llama.cpp source tree)")
+    from skippy.api.app import ChainService, create_app
+    from skippy.api.lanes import LanePool
+    from skippy.driver.generator import Generator
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import demo
+    from skippy.runtime.tokenizer import Tokenizer
+
+    model = ensure_model(demo())
+    generator = Generator(Tokenizer(model), chat_template=QWEN25.read_text(), n_ctx=1024, speculation=False)
+    ask = {"model": MODEL, "max_tokens": 60, "temperature": 1.0, "seed": 5,
+           "messages": [{"role": "user", "content": "Weather in Paris?"}]}
+    try:
+        async with inprocess_chain(["0:4", "4:8"], model=str(model), ctx_size=1024) as servers:
+            generator.direct_return = lambda: servers[-1].address
+            pool = LanePool(servers[0].address, max_lanes=1)
+            app = create_app(ChainService(generator, pool, MODEL))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://skippy",
+                                         timeout=60) as http:
+                message = await http.post("/v1/messages", json={
+                    **ask, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}})
+                streamed = await http.post("/v1/messages", json={
+                    **ask, "tools": [WEATHER], "tool_choice": {"type": "tool", "name": "get_weather"}, "stream": True})
+                chat = await http.post("/v1/chat/completions", json={
+                    **ask, "tools": [{"type": "function", "function": {
+                        "name": "get_weather", "description": WEATHER["description"],
+                        "parameters": WEATHER["input_schema"]}}],
+                    "tool_choice": {"type": "function", "function": {"name": "get_weather"}}})
+                assert message.status_code == 200, message.text
+                use = message.json()["content"][-1]
+                follow = [*ask["messages"], {"role": "assistant", "content": [use]}, {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": use["id"], "content": "sunny"}]}]
+                counted = await http.post("/v1/messages/count_tokens", json={
+                    "model": MODEL, "messages": follow, "tools": [WEATHER]})
+                answered = await http.post("/v1/messages", json={**ask, "messages": follow, "tools": [WEATHER]})
+                chat_follow = await http.post("/v1/chat/completions", json={
+                    **ask, "max_tokens": 8, "tools": [{"type": "function", "function": {
+                        "name": "get_weather", "description": WEATHER["description"],
+                        "parameters": WEATHER["input_schema"]}}],
+                    "messages": [*ask["messages"], {"role": "assistant", "content": None, "tool_calls": [{
+                        "id": use["id"], "type": "function", "function": {
+                            "name": "get_weather", "arguments": json.dumps(use["input"])}}]},
+                                 {"role": "tool", "tool_call_id": use["id"], "content": "sunny"}]})
+            await pool.aclose()
+    finally:
+        generator.direct_return = None
+        generator.close()
+    body = message.json()
+    assert body["stop_reason"] == "tool_use" and use["type"] == "tool_use" and use["name"] == "get_weather"
+    (call,) = chat.json()["choices"][0]["message"]["tool_calls"]
+    assert use["input"] == json.loads(call["function"]["arguments"]) and isinstance(use["input"]["city"], str)
+    events = [json.loads(line[6:]) for line in streamed.text.splitlines() if line.startswith("data: ")]
+    kinds = [event["type"] for event in events]
+    assert kinds[:2] == ["message_start", "ping"] and kinds[-2:] == ["message_delta", "message_stop"]
+    starts = [event["content_block"] for event in events if event["type"] == "content_block_start"]
+    assert starts[-1]["type"] == "tool_use" and starts[-1]["name"] == "get_weather"
+    partial = "".join(event["delta"]["partial_json"] for event in events
+                      if event["type"] == "content_block_delta" and event["delta"]["type"] == "input_json_delta")
+    assert json.loads(partial) == use["input"] and events[-2]["delta"]["stop_reason"] == "tool_use"
+    assert answered.status_code == 200, answered.text
+    assert counted.json()["input_tokens"] == chat_follow.json()["usage"]["prompt_tokens"]

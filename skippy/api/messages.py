@@ -166,10 +166,11 @@ def _tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
                                   "client tools (name, description, input_schema) are")
             _keys(tool, where, {"type", "name", "description", "input_schema", "cache_control", "strict",
                                 "eager_input_streaming"})
-            function = {"name": tool.get("name"), "parameters": tool.get("input_schema")}
-            for key in ("description", "strict"):
-                if key in tool:
-                    function[key] = tool[key]
+            # OpenAI's key order (the template renders the tools as JSON: the prompt is the chat one)
+            function = {"name": tool.get("name"), **({"description": tool["description"]} if "description" in tool
+                                                     else {}), "parameters": tool.get("input_schema")}
+            if "strict" in tool:
+                function["strict"] = tool["strict"]
             converted.append({"type": "function", "function": function})
         chat["tools"] = converted
     choice = body.get("tool_choice")
