@@ -825,6 +825,7 @@ class _Handlers:
 
 _ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
               "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
+              "/v1/responses": "responses", "/v1/responses/input_tokens": "responses_input_tokens",
               "/tokenize": "tokenize", "/detokenize": "detokenize", "/health": "health", "/metrics": "metrics"}
 
 
@@ -838,10 +839,12 @@ def endpoint_label(path: str) -> str:
 
 def create_app(service: ChainService) -> Starlette:
     """The ASGI app serving ``service``."""
-    from skippy.api.messages import MessagesHandlers  # it builds on this module's handlers
+    from skippy.api.messages import MessagesHandlers  # they build on this module's handlers
+    from skippy.api.responses import ResponsesHandlers
 
     handlers = _Handlers(service)
     messages = MessagesHandlers(handlers)
+    responses = ResponsesHandlers(handlers)
 
     async def api_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, ApiError)
@@ -869,6 +872,8 @@ def create_app(service: ChainService) -> Starlette:
         Route("/v1/chat/completions", handlers.chat_completions, methods=["POST"]),
         Route("/v1/messages", messages.create, methods=["POST"]),
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
+        Route("/v1/responses", responses.create, methods=["POST"]),
+        Route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"]),
         Route("/tokenize", handlers.tokenize, methods=["POST"]),
         Route("/detokenize", handlers.detokenize, methods=["POST"]),
         Route("/health", handlers.health, methods=["GET"]),

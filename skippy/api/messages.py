@@ -44,7 +44,7 @@ from skippy.api.fields import unsupported
 from skippy.driver.client import StageClientError
 from skippy.driver.generator import Generation
 
-__all__ = ["MessagesHandlers", "to_chat_body"]
+__all__ = ["MessagesHandlers", "read_body", "to_chat_body"]
 
 log = logging.getLogger("skippy.api")
 
@@ -315,6 +315,14 @@ class _Blocks:
         return [_event("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
 
 
+async def read_body(raw: Request) -> dict[str, Any]:
+    """The request's JSON object (a large one parsed in a worker thread, as chat's are)."""
+    data = await raw.body()
+    if len(data) <= INLINE_PARSE_BYTES:
+        return parse_json_object(data)
+    return await trio.to_thread.run_sync(lambda: parse_json_object(data))
+
+
 class MessagesHandlers:
     """The Messages routes, on the chat handlers' service (lanes, admission, metrics)."""
 
@@ -322,15 +330,9 @@ class MessagesHandlers:
         self.handlers = handlers
         self.service = handlers.service
 
-    async def _body(self, raw: Request) -> dict[str, Any]:
-        data = await raw.body()
-        if len(data) <= INLINE_PARSE_BYTES:
-            return parse_json_object(data)
-        return await trio.to_thread.run_sync(lambda: parse_json_object(data))
-
     async def count_tokens(self, raw: Request) -> Response:
         """``{"input_tokens": N}``: the prompt the same body would send (system, messages, tools)."""
-        body = await self._body(raw)
+        body = await read_body(raw)
         chat = to_chat_body(body, counting=True)
         model = chat.get("model")
         if model != self.service.model_id:
@@ -341,7 +343,7 @@ class MessagesHandlers:
         return JSONResponse({"input_tokens": len(tokens)})
 
     async def create(self, raw: Request) -> Response:
-        body = await self._body(raw)
+        body = await read_body(raw)
         chat = to_chat_body(body)
         service, handlers = self.service, self.handlers
         parsed = _parse(service, chat, True)
