@@ -33,7 +33,7 @@ DOCS = Path(__file__).resolve().parent.parent / "docs" / "api-fields.md"
 #: A value for each refused field that asks for what is not served.
 REFUSED_VALUES: dict[str, Any] = {
     "audio": {"voice": "alloy", "format": "wav"}, "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
-    "reasoning_effort": "high", "verbosity": "low", "web_search_options": {}, "moderation": {"model": "m"},
+    "verbosity": "low", "web_search_options": {}, "moderation": {"model": "m"},
     "store": True, "suffix": "tail", "modalities": ["text", "audio"], "best_of": 3,
 }
 #: Values for the no-op fields (each must be accepted).

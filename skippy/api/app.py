@@ -65,6 +65,8 @@ from skippy.api.fields import check_fields, unsupported
 from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
+from skippy.api.reasoning import OPEN as REASONING_OPEN
+from skippy.api.reasoning import ReasoningSplitter, template_variables, thinks
 from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints
 from skippy.api.tool_calls import (
     ToolCall,
@@ -122,6 +124,8 @@ class ChainService:
         self.admission = admission or Admission(pool)
         self.max_body_bytes = max_body_bytes
         self.cors_origins = cors_origins
+        #: ``auto``: a ``<think>`` template's reasoning goes to ``reasoning_content``; ``none``: inline.
+        self.reasoning_format = "auto"
         self.metrics = Metrics()
         self.metrics.queue_waiting.set_function(lambda: self.admission.waiting)
         self.created = int(time.time())
@@ -271,16 +275,23 @@ def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | No
 
 
 def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
-                   ) -> tuple[list[int], ToolPlan | None]:
+                   ) -> tuple[list[int], ToolPlan | None, bool | None]:
+    """The prompt's tokens, the request's tool plan, and where its answer's reasoning starts
+    (None: not split; True: the prompt opened ``<think>``; False: the answer may open it)."""
     generator = service.generator
     if chat:
         messages = _chat_messages(body)
         tools, plan = _tool_plan(service, body, messages)
+        variables = template_variables(body, generator.chat_template)
         try:
-            text = generator.apply_chat_template(template_messages(messages), tools=list(tools.tools) if plan else None)
+            text = generator.apply_chat_template(template_messages(messages), tools=list(tools.tools) if plan else None,
+                                                 **variables)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from exc
-        return generator.encode(text + (plan.prefix if plan else "")), plan
+        thinking = None
+        if service.reasoning_format == "auto" and thinks(generator.chat_template):
+            thinking = text.rstrip().endswith(REASONING_OPEN)
+        return generator.encode(text + (plan.prefix if plan else "")), plan, thinking
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -297,7 +308,7 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
         raise invalid("prompt", "expected a string, a list of one string, or a list of token ids")
     if not tokens:
         raise invalid("prompt", "the prompt is empty")
-    return tokens, None
+    return tokens, None, None
 
 
 def _prompt_text(service: ChainService, body: dict[str, Any], tokens: list[int]) -> str:
@@ -327,6 +338,8 @@ class Parsed:
     logprobs: LogprobsReport | None = None
     #: Choices generated: ``n``, or completions' ``best_of`` (the ``n`` best by mean token logprob are returned).
     generated: int = 1
+    #: Reasoning split off the answer (skippy/api/reasoning.py): None: not; True: the prompt opened it.
+    thinking: bool | None = None
 
     def choice_request(self, index: int) -> GenerationRequest:
         """The request of choice ``index`` (its own seed, so seeded choices differ and reproduce)."""
@@ -365,7 +378,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         raise invalid("stream_options", "expected an object")
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(body, service.generator.tokenizer.n_vocab)
-    tokens, plan = _prompt_tokens(service, body, chat)
+    tokens, plan, thinking = _prompt_tokens(service, body, chat)
     echo = "" if chat or not get_bool(body, "echo") else _prompt_text(service, body, tokens)
     if not chat and max_tokens is None:
         max_tokens = min(DEFAULT_COMPLETION_TOKENS, max(1, service.generator.n_ctx - len(tokens)))
@@ -399,7 +412,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         generated = best_of
         if request.logprobs is None:
             request = dataclasses.replace(request, logprobs=0)
-    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated)
+    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated, thinking)
 
 
 def _usage(generations: Sequence[Generation]) -> dict[str, Any]:
@@ -432,6 +445,9 @@ class _Choice:
         self.calls: list[ToolCall] = []
         self.parser = None if plan is None else ToolCallStream(plan.format, plan.prefix, parallel=plan.parallel)
         self.logprobs = None if parsed.logprobs is None else dataclasses.replace(parsed.logprobs)
+        self.reasoning = None if parsed.thinking is None else ReasoningSplitter(parsed.thinking)
+        #: The reasoning text of a whole (non-streamed) answer ('' when none).
+        self.reasoning_text = ""
 
     def _finish_reason(self) -> str:
         result = self.generation.result
@@ -444,7 +460,13 @@ class _Choice:
         if not chat:
             return {"index": self.index, "text": self.echo + text, "finish_reason": self._finish_reason(),
                     "logprobs": self._logprobs(fresh=False)}
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.push(text)
+            rest = self.reasoning.flush()
+            self.reasoning_text, text = reasoning + rest[0], text + rest[1]
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.reasoning_text:
+            message["reasoning_content"] = self.reasoning_text
         if self.parser is not None:
             content = self.parser.push(text)
             self.calls = self.parser.take_calls()
@@ -474,9 +496,20 @@ class _Choice:
 
     def piece(self, text: str, chat: bool) -> list[dict[str, Any]]:
         """The stream deltas for one piece of generated text."""
-        if not chat:
-            return [{"index": self.index, "text": text, "finish_reason": None,
-                     "logprobs": self._logprobs(fresh=True)}] if text else []
+        if chat and self.reasoning is not None:
+            reasoning, text = self.reasoning.push(text)
+            return self._reasoning_delta(reasoning) + self._content_deltas(text)
+        return self._content_deltas(text) if chat else self._text_deltas(text)
+
+    def _reasoning_delta(self, reasoning: str) -> list[dict[str, Any]]:
+        return [{"index": self.index, "delta": {"reasoning_content": reasoning}, "finish_reason": None}] \
+            if reasoning else []
+
+    def _text_deltas(self, text: str) -> list[dict[str, Any]]:
+        return [{"index": self.index, "text": text, "finish_reason": None,
+                 "logprobs": self._logprobs(fresh=True)}] if text else []
+
+    def _content_deltas(self, text: str) -> list[dict[str, Any]]:
         if self.parser is None:
             return [{"index": self.index, "delta": {"content": text}, "finish_reason": None,
                      "logprobs": self._logprobs(fresh=True)}] if text else []
@@ -498,7 +531,12 @@ class _Choice:
         if not chat:
             return [{"index": self.index, "text": "", "finish_reason": self._finish_reason(),
                      "logprobs": self._logprobs(fresh=True)}]
-        out = [] if self.parser is None else self._deltas(*self.parser.finish())
+        out: list[dict[str, Any]] = []
+        if self.reasoning is not None:
+            reasoning, text = self.reasoning.flush()
+            out += self._reasoning_delta(reasoning) + self._content_deltas(text)
+        if self.parser is not None:
+            out += self._deltas(*self.parser.finish())
         out.append({"index": self.index, "delta": {}, "finish_reason": self._finish_reason(),
                     "logprobs": self._logprobs(fresh=True)})
         return out

@@ -120,8 +120,10 @@ CHAT_FIELDS: Final[Mapping[str, Field]] = {
                        _unless_null("the deprecated functions field is not served; use tools")),
     "function_call": Field(Handling.REFUSED, "deprecated; use tool_choice",
                            _unless_null("the deprecated function_call field is not served; use tool_choice")),
-    "reasoning_effort": Field(Handling.REFUSED, "no reasoning-effort control",
-                              _unless_null("reasoning effort is not served (the model has no such control here)")),
+    "reasoning_effort": Field(Handling.SERVED, "passed to the chat template as reasoning_effort (a template "
+                              "that does not read it: 400)"),
+    "chat_template_kwargs": Field(Handling.SERVED, "llama.cpp extension: variables for the chat template (e.g. "
+                                  "enable_thinking); one the template does not read: 400"),
     "verbosity": Field(Handling.REFUSED, "no verbosity control",
                        _unless_null("verbosity is not served (it would change the answer)")),
     "web_search_options": Field(Handling.REFUSED, "no web search",

@@ -338,7 +338,7 @@ class MessagesHandlers:
         if model != self.service.model_id:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.service.model_id}'.",
                            param="model", code="model_not_found")
-        tokens, _ = _prompt_tokens(self.service, chat, True)
+        tokens, _, _ = _prompt_tokens(self.service, chat, True)
         self.service.metrics.request_done("count_tokens", 200)
         return JSONResponse({"input_tokens": len(tokens)})
 

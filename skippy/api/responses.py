@@ -363,7 +363,7 @@ class ResponsesHandlers:
         if chat.get("model", self.service.model_id) != self.service.model_id:
             raise ApiError(404, f"The model '{chat['model']}' does not exist; this server serves "
                            f"'{self.service.model_id}'.", param="model", code="model_not_found")
-        tokens, _ = _prompt_tokens(self.service, chat, True)
+        tokens, _, _ = _prompt_tokens(self.service, chat, True)
         self.service.metrics.request_done("responses_input_tokens", 200)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens)})
 

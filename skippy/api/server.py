@@ -22,6 +22,7 @@ from skippy.api.app import ChainService, create_app
 from skippy.api.auth import ApiKeys
 from skippy.api.guard import DEFAULT_MAX_BODY_BYTES
 from skippy.api.lanes import LanePool, StageInfo
+from skippy.api.reasoning import FORMATS as REASONING_FORMATS
 from skippy.driver.generator import Generator
 from skippy.stage.config import Address
 
@@ -80,6 +81,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
                     on_pool: Callable[[LanePool], None] | None = None, decode_runs: bool = True,
                     direct_return: str = "auto", final_stage: Address | None = None,
+                    reasoning_format: str = "auto",
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -101,11 +103,15 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
             (docs/protocol.md §11).
         direct_return: ``auto``, ``on`` or ``off``: see :func:`direct_return_source`.
         final_stage: the chain's final stage when ``stages`` is not given (direct return).
+        reasoning_format: ``auto``: a ``<think>`` template's reasoning is split into
+            ``reasoning_content``; ``none``: left inline (skippy.api.reasoning).
         task_status: receives the base URL once listening.
 
     Raises:
-        ValueError: direct return is on but no final stage is known.
+        ValueError: direct return is on but no final stage is known; an unknown reasoning format.
     """
+    if reasoning_format not in REASONING_FORMATS:
+        raise ValueError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)} (got {reasoning_format!r})")
     generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs)
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
     try:
@@ -118,6 +124,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
     service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys,
                            admission=Admission(pool, max_queue=max_queue, timeout=queue_timeout),
                            max_body_bytes=max_body_bytes, cors_origins=tuple(cors_origins))
+    service.reasoning_format = reasoning_format
     config = Config()
     config.bind = [f"[{host}]:{port}" if ":" in host else f"{host}:{port}"]
     config.accesslog = None

@@ -34,6 +34,10 @@ def add_api_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="allow browser calls from ORIGIN (repeatable; '*' for any); default: no CORS")
     generation = parser.add_argument_group("generation")
+    generation.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
+                            help="auto (default): a chat template that writes <think> reasoning gets it split off "
+                                 "the answer into message.reasoning_content (Anthropic thinking blocks, Responses "
+                                 "reasoning items); none: the reasoning stays inline in the content"),
     generation.add_argument("--decode-runs", choices=["on", "off"], default="on",
                             help="on (default): a request that does not speculate decodes as one run driven by the "
                                  "first stage (docs/protocol.md §11); off: one DecodeEmbd per token from the driver")
@@ -67,4 +71,5 @@ def api_settings(args: argparse.Namespace) -> dict[str, Any]:
         "cors_origins": tuple(getattr(args, "cors_origin", ()) or ()),
         "decode_runs": getattr(args, "decode_runs", "on") == "on",
         "direct_return": getattr(args, "direct_return", "auto"),
+        "reasoning_format": getattr(args, "reasoning_format", "auto"),
     }
