@@ -101,6 +101,15 @@ async def test_think_answers_are_split_streamed_or_not_and_inline_with_none(tiny
                     **ask, "chat_template_kwargs": {"open_think": True},
                     "grammar": 'root ::= [a-z]{3,12} "</think>" [a-z]{3,12}'})).json()
                 unread = await http.post("/v1/chat/completions", json={**ask, "chat_template_kwargs": {"nope": 1}})
+                # the same answer in the other two APIs: a thinking block, a reasoning item
+                other = {key: ask[key] for key in ("model", "messages", "max_tokens", "temperature", "seed", "grammar")}
+                claude = (await http.post("/v1/messages", json=other)).json()
+                claude_streamed = await http.post("/v1/messages", json={**other, "stream": True})
+                claude_off = (await http.post("/v1/messages", json={**other, "thinking": {"type": "disabled"}})).json()
+                responses = {"model": MODEL, "input": "Think first.", "max_output_tokens": 60, "temperature": 1.0,
+                             "seed": 11, "grammar": ask["grammar"]}
+                reasoned = await http.post("/v1/responses", json=responses)
+                reasoned_streamed = await http.post("/v1/responses", json={**responses, "stream": True})
                 service.reasoning_format = "none"
                 inline = (await http.post("/v1/chat/completions", json=ask)).json()
             await pool.aclose()
@@ -125,3 +134,19 @@ async def test_think_answers_are_split_streamed_or_not_and_inline_with_none(tiny
     assert re.fullmatch("[a-z]{3,12}", opened_message["reasoning_content"])
     assert re.fullmatch("[a-z]{3,12}", opened_message["content"])
     assert unread.status_code == 400 and unread.json()["error"]["param"] == "chat_template_kwargs.nope"
+    thought, said = message["reasoning_content"], message["content"]
+    assert claude["content"] == [{"type": "thinking", "thinking": thought, "signature": ""}, {"type": "text", "text": said}]
+    assert claude_off["usage"]["input_tokens"] == off["usage"]["prompt_tokens"]  # thinking disabled: enable_thinking
+    events = [json.loads(line[6:]) for line in claude_streamed.text.splitlines() if line.startswith("data: ")]
+    deltas = [event["delta"] for event in events if event["type"] == "content_block_delta"]
+    assert "".join(delta.get("thinking", "") for delta in deltas) == thought
+    assert "".join(delta.get("text", "") for delta in deltas) == said
+    starts = [event["content_block"]["type"] for event in events if event["type"] == "content_block_start"]
+    assert starts == ["thinking", "text"]
+    assert reasoned.status_code == 200, reasoned.text
+    output = reasoned.json()["output"]
+    assert [item["type"] for item in output] == ["reasoning", "message"]
+    assert output[0]["content"][0]["text"] == thought and output[1]["content"][0]["text"] == said
+    events = [json.loads(line[6:]) for line in reasoned_streamed.text.splitlines() if line.startswith("data: ")]
+    assert "".join(e["delta"] for e in events if e["type"] == "response.reasoning_text.delta") == thought
+    assert "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta") == said

@@ -16,8 +16,11 @@ prefix-cache hit, which is ``cache_read_input_tokens``).  Streamed, the events a
 ``input_json_delta``) / ``_stop``, ``message_delta`` with the stop reason and output tokens,
 ``message_stop``; a chain failure after the first event ends the stream with an ``error`` event.
 
-Anything else is refused with a 400 naming it, never dropped: an unknown field, image or
-document blocks, server tools, extended thinking (``thinking`` other than ``disabled``).
+Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`) comes back as a ``thinking`` block
+(streamed as ``thinking_delta``, with an empty signature); ``thinking`` sets the template's
+``enable_thinking`` switch when it has one, else only ``disabled`` is served.  Anything else is
+refused with a 400 naming it, never dropped: an unknown field, image or document blocks, server
+tools.  ``grammar`` (GBNF) is llama.cpp's extension, as in chat.
 ``cache_control`` marks are accepted and have no effect (the prefix cache is automatic), as are
 ``service_tier`` and ``metadata``'s key.  ``seed`` is a skippy extension (sampled answers
 reproduce).  Errors have Anthropic's shape (:func:`skippy.api.errors.error_shape`), and keys come
@@ -29,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import re
 import uuid
 from typing import Any, AsyncIterator, Mapping
 
@@ -54,7 +58,7 @@ log = logging.getLogger("skippy.api")
 _FIELDS: dict[str, str | None] = {
     "model": "model", "max_tokens": "max_tokens", "messages": None, "system": None, "stop_sequences": "stop",
     "stream": "stream", "temperature": "temperature", "top_p": "top_p", "top_k": "top_k", "metadata": None,
-    "tools": None, "tool_choice": None, "thinking": None, "service_tier": None, "seed": "seed",
+    "tools": None, "tool_choice": None, "thinking": None, "service_tier": None, "seed": "seed", "grammar": "grammar",
     "output_config": None, **dict.fromkeys(("cache_control", "speed", "inference_geo", "user_profile_id",
                                             "workspace_id")),
 }
@@ -192,8 +196,9 @@ def _tools(body: Mapping[str, Any], chat: dict[str, Any]) -> None:
         chat["parallel_tool_calls"] = not disable
 
 
-def to_chat_body(body: Mapping[str, Any], *, counting: bool = False) -> dict[str, Any]:
-    """The chat-completions body a Messages body means (see the module header).
+def to_chat_body(body: Mapping[str, Any], *, counting: bool = False, template: str = "") -> dict[str, Any]:
+    """The chat-completions body a Messages body means (see the module header); ``template``: the
+    chat template, whose ``enable_thinking`` variable ``thinking`` sets when it reads one.
 
     Raises:
         ApiError: 400 naming a field that is unknown or not served; 422 for a malformed one.
@@ -208,8 +213,15 @@ def to_chat_body(body: Mapping[str, Any], *, counting: bool = False) -> dict[str
     chat: dict[str, Any] = {_FIELDS[name] or name: value for name, value in body.items()
                             if _FIELDS.get(name) is not None}
     thinking = body.get("thinking")
-    if thinking is not None and (not isinstance(thinking, dict) or thinking.get("type") != "disabled"):
-        raise unsupported("thinking", "extended thinking is not served (only {'type': 'disabled'})")
+    if thinking is not None:
+        kind = thinking.get("type") if isinstance(thinking, dict) else None
+        if kind not in ("enabled", "disabled", "adaptive"):
+            raise invalid("thinking", "expected {'type': 'enabled' | 'disabled' | 'adaptive'}")
+        if re.search(r"\benable_thinking\b", template):  # a <think> template's switch (Qwen3's)
+            chat["chat_template_kwargs"] = {"enable_thinking": kind != "disabled"}
+        elif kind != "disabled":
+            raise unsupported("thinking", "the model's chat template has no thinking switch (only "
+                              "{'type': 'disabled'} is served)")
     tier = body.get("service_tier")
     if tier is not None and tier not in ("auto", "standard_only"):
         raise invalid("service_tier", "expected 'auto' or 'standard_only'")
@@ -280,14 +292,25 @@ class _Blocks:
 
     index: int = 0
     text_open: bool = False
+    thinking_open: bool = False
 
     def events(self, deltas: list[dict[str, Any]]) -> list[bytes]:
-        """Anthropic events for chat stream ``deltas`` (content text and tool calls)."""
+        """Anthropic events for chat stream ``deltas`` (reasoning, content text and tool calls)."""
         out: list[bytes] = []
         for delta in deltas:
             body = delta.get("delta", {})
+            thought = body.get("reasoning_content")
+            if thought:
+                if not self.thinking_open:
+                    out.append(_event("content_block_start", {
+                        "type": "content_block_start", "index": self.index,
+                        "content_block": {"type": "thinking", "thinking": "", "signature": ""}}))
+                    self.thinking_open = True
+                out.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
+                                                          "delta": {"type": "thinking_delta", "thinking": thought}}))
             text = body.get("content")
             if text:
+                out += self.close_thinking()
                 if not self.text_open:
                     out.append(_event("content_block_start", {"type": "content_block_start", "index": self.index,
                                                               "content_block": {"type": "text", "text": ""}}))
@@ -295,7 +318,7 @@ class _Blocks:
                 out.append(_event("content_block_delta", {"type": "content_block_delta", "index": self.index,
                                                           "delta": {"type": "text_delta", "text": text}}))
             for call in body.get("tool_calls") or ():
-                out += self.close()
+                out += self.close_thinking() + self.close()
                 function = call["function"]
                 out.append(_event("content_block_start", {
                     "type": "content_block_start", "index": self.index,
@@ -306,6 +329,15 @@ class _Blocks:
                 out.append(_event("content_block_stop", {"type": "content_block_stop", "index": self.index}))
                 self.index += 1
         return out
+
+    def close_thinking(self) -> list[bytes]:
+        if not self.thinking_open:
+            return []
+        self.thinking_open = False
+        self.index += 1
+        return [_event("content_block_delta", {"type": "content_block_delta", "index": self.index - 1,
+                                               "delta": {"type": "signature_delta", "signature": ""}}),
+                _event("content_block_stop", {"type": "content_block_stop", "index": self.index - 1})]
 
     def close(self) -> list[bytes]:
         if not self.text_open:
@@ -333,7 +365,7 @@ class MessagesHandlers:
     async def count_tokens(self, raw: Request) -> Response:
         """``{"input_tokens": N}``: the prompt the same body would send (system, messages, tools)."""
         body = await read_body(raw)
-        chat = to_chat_body(body, counting=True)
+        chat = to_chat_body(body, counting=True, template=self.service.generator.chat_template)
         model = chat.get("model")
         if model != self.service.model_id:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.service.model_id}'.",
@@ -344,7 +376,7 @@ class MessagesHandlers:
 
     async def create(self, raw: Request) -> Response:
         body = await read_body(raw)
-        chat = to_chat_body(body)
+        chat = to_chat_body(body, template=self.service.generator.chat_template)
         service, handlers = self.service, self.handlers
         parsed = _parse(service, chat, True)
         tenant = scope_tenant(raw.scope, service.keys)
@@ -372,6 +404,8 @@ class MessagesHandlers:
             await handlers.finish(lease, [generation])
         message = choice.whole(True)["message"]
         content: list[dict[str, Any]] = []
+        if choice.reasoning_text:  # a <think> template's reasoning (skippy/api/reasoning.py)
+            content.append({"type": "thinking", "thinking": choice.reasoning_text, "signature": ""})
         if message.get("content"):
             content.append({"type": "text", "text": message["content"]})
         calls = message.get("tool_calls") or []
@@ -415,7 +449,7 @@ class MessagesHandlers:
                 log.exception("stream %s failed", ident)
                 yield _event("error", internal_error(exc).body_for("/v1/messages"))
                 return
-            for event in blocks.events(choice.closing(True)) + blocks.close():
+            for event in blocks.events(choice.closing(True)) + blocks.close_thinking() + blocks.close():
                 yield event
             reason, sequence = _stop_reason(generation, bool(choice.calls), stops)
             yield _event("message_delta", {"type": "message_delta",

@@ -16,6 +16,10 @@ are the Responses ones (``response.created``, ``response.in_progress``, per item
 ``response.output_text.delta`` / ``.done``, ``response.function_call_arguments.delta`` / ``.done``,
 then ``response.completed`` or ``response.incomplete``), each with a ``sequence_number``.
 
+Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`) comes back as a ``reasoning`` item
+with a ``reasoning_text`` part before the message (streamed as ``response.reasoning_text.delta``);
+``reasoning.effort`` is the template's ``reasoning_effort`` variable.
+
 ``previous_response_id``: a response stored (``store`` is true by default) is kept in this
 server's memory, per tenant, for the last :data:`STORED_RESPONSES` responses; a later request
 naming it continues that conversation (its messages plus its output come first).  An id this
@@ -59,7 +63,7 @@ _FIELDS: dict[str, str | None] = {
     "parallel_tool_calls": "parallel_tool_calls", "text": None, "previous_response_id": None, "store": None,
     "metadata": None, "user": "user", "prompt_cache_key": "prompt_cache_key", "safety_identifier": None,
     "service_tier": None, "truncation": None, "include": None, "background": None, "stream_options": None,
-    "prompt_cache_retention": None, "reasoning": None, "seed": "seed", "top_k": "top_k",
+    "prompt_cache_retention": None, "reasoning": None, "seed": "seed", "top_k": "top_k", "grammar": "grammar",
 }
 _COUNT_FIELDS = frozenset({"model", "input", "instructions", "tools", "tool_choice", "parallel_tool_calls", "text",
                            "previous_response_id", "reasoning", "truncation"})
@@ -174,8 +178,16 @@ def to_chat_body(body: Mapping[str, Any], history: list[dict[str, Any]] | None =
         if body.get(name) is not None and body[name] not in neutral:
             raise unsupported(name, f"only {json.dumps(neutral[0])} is served")
     reasoning = body.get("reasoning")
-    if reasoning is not None and (not isinstance(reasoning, dict) or any(value is not None for value in reasoning.values())):
-        raise unsupported("reasoning", "reasoning settings are not served")
+    if reasoning is not None:
+        if not isinstance(reasoning, dict):
+            raise invalid("reasoning", "expected an object")
+        _keys(reasoning, "reasoning", {"effort", "summary", "generate_summary"})
+        for key in ("summary", "generate_summary"):
+            if reasoning.get(key) is not None:
+                raise unsupported(f"reasoning.{key}", "reasoning summaries are not served (the reasoning item "
+                                  "carries the reasoning text itself)")
+        if reasoning.get("effort") is not None:  # the chat template's variable (a template without it: 400)
+            chat["reasoning_effort"] = reasoning["effort"]
     text = body.get("text")
     if text is not None:
         if not isinstance(text, dict):
@@ -228,6 +240,9 @@ class _Shaper:
         self.message_id = f"msg_{uuid.uuid4().hex[:24]}"
         self.text: list[str] = []
         self.text_open = False
+        self.reasoning_id = f"rs_{uuid.uuid4().hex[:24]}"
+        self.reasoning: list[str] = []
+        self.reasoning_open = False
 
     def response(self, status: str, generation: Generation | None = None) -> dict[str, Any]:
         body = self.body
@@ -266,8 +281,18 @@ class _Shaper:
         out: list[bytes] = []
         for delta in deltas:
             body = delta.get("delta", {})
+            thought = body.get("reasoning_content")
+            if thought:
+                if not self.reasoning_open:
+                    self.reasoning_open = True
+                    out.append(self.event("response.output_item.added", output_index=len(self.items),
+                                          item={**self._reasoning_item(), "content": [], "status": "in_progress"}))
+                self.reasoning.append(thought)
+                out.append(self.event("response.reasoning_text.delta", item_id=self.reasoning_id,
+                                      output_index=len(self.items), content_index=0, delta=thought))
             text = body.get("content")
             if text:
+                out += self.close_reasoning()
                 if not self.text_open:
                     self.text_open = True
                     out.append(self.event("response.output_item.added", output_index=len(self.items),
@@ -279,7 +304,7 @@ class _Shaper:
                 out.append(self.event("response.output_text.delta", item_id=self.message_id,
                                       output_index=len(self.items), content_index=0, delta=text, logprobs=[]))
             for call in body.get("tool_calls") or ():
-                out += self.close_text()
+                out += self.close_reasoning() + self.close_text()
                 item = self.call_item(call)
                 index = len(self.items)
                 out.append(self.event("response.output_item.added", output_index=index,
@@ -291,6 +316,21 @@ class _Shaper:
                 self.items.append(item)
                 out.append(self.event("response.output_item.done", output_index=index, item=item))
         return out
+
+    def _reasoning_item(self) -> dict[str, Any]:
+        return {"type": "reasoning", "id": self.reasoning_id, "summary": [], "status": "completed",
+                "content": [{"type": "reasoning_text", "text": "".join(self.reasoning)}]}
+
+    def close_reasoning(self) -> list[bytes]:
+        if not self.reasoning_open:
+            return []
+        self.reasoning_open = False
+        index = len(self.items)
+        item = self._reasoning_item()
+        self.items.append(item)
+        return [self.event("response.reasoning_text.done", item_id=self.reasoning_id, output_index=index,
+                           content_index=0, text=item["content"][0]["text"]),
+                self.event("response.output_item.done", output_index=index, item=item)]
 
     def close_text(self) -> list[bytes]:
         if not self.text_open:
@@ -311,7 +351,10 @@ class _Shaper:
         return {"type": "function_call", "id": f"fc_{uuid.uuid4().hex[:24]}", "call_id": call["id"],
                 "name": call["function"]["name"], "arguments": call["function"]["arguments"], "status": "completed"}
 
-    def whole(self, message: Mapping[str, Any]) -> None:
+    def whole(self, message: Mapping[str, Any], reasoning: str = "") -> None:
+        if reasoning:  # a <think> template's reasoning (skippy/api/reasoning.py)
+            self.reasoning.append(reasoning)
+            self.items.append(self._reasoning_item())
         if message.get("content"):
             self.text.append(message["content"])
             self.items.append(self._message_item("completed"))
@@ -400,7 +443,7 @@ class ResponsesHandlers:
         finally:
             await handlers.finish(lease, [generation])
         message = choice.whole(True)["message"]
-        shaper.whole(message)
+        shaper.whole(message, choice.reasoning_text)
         if on_done is not None:
             on_done(message)
         service.metrics.request_done("responses", 200)
@@ -431,7 +474,7 @@ class ResponsesHandlers:
                 error = internal_error(exc)
                 yield shaper.event("error", code=error.code, message=error.message, param=None)
                 return
-            for event in shaper.deltas(choice.closing(True)) + shaper.close_text():
+            for event in shaper.deltas(choice.closing(True)) + shaper.close_reasoning() + shaper.close_text():
                 yield event
             calls = [item for item in shaper.items if item["type"] == "function_call"]
             if on_done is not None:
