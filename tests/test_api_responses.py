@@ -113,7 +113,7 @@ async def test_the_openai_client_gets_the_chat_completions_answers(tiny_llama: P
     assert answer.status == "completed" and isinstance(json.loads(answer.output_text)["ok"], bool)
     assert out["accumulated"].output_text == answer.output_text
     errors = out["errors"]
-    for label, param in (("previous", "previous_response_id"), ("reasoning", "reasoning"),
+    for label, param in (("previous", "previous_response_id"), ("reasoning", "reasoning.effort"),
                          ("web search", "tools[0].type"), ("background", "background")):
         status, body = errors[label]
         assert status == 400 and body["param"] == param, (label, body)

@@ -68,6 +68,18 @@ def error_shape(path: str, status: int, message: str, type: str = "invalid_reque
     return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
 
 
+def renamed(exc: ApiError, names: Mapping[str, str]) -> ApiError:
+    """``exc`` naming another API's field: a field ``names`` maps (or a part of it) under its new name,
+    in ``param`` and in the message (an API translated onto chat completions names its own fields)."""
+    param = exc.param
+    for old, new in names.items():
+        if param is not None and (param == old or param.startswith((old + ".", old + "["))):
+            shown = new + param[len(old):]
+            return ApiError(exc.status, exc.message.replace(f"'{param}'", f"'{shown}'"), type=exc.type, param=shown,
+                            code=exc.code, headers=exc.headers)
+    return exc
+
+
 def internal_error(exc: BaseException) -> ApiError:
     """A 500 for an unexpected exception (a bug); the details go to the server log, not the client."""
     return ApiError(500, f"The server had an error while processing your request ({type(exc).__name__}); "

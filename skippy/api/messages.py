@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 from skippy.api.app import INLINE_PARSE_BYTES, Parsed, _Choice, _Handlers, _LeasedStreamingResponse, _parse, \
     _prompt_tokens
 from skippy.api.auth import scope_tenant
-from skippy.api.errors import ApiError, internal_error, invalid, parse_json_object
+from skippy.api.errors import ApiError, internal_error, invalid, parse_json_object, renamed
 from skippy.api.fields import unsupported
 from skippy.driver.client import StageClientError
 from skippy.driver.generator import Generation
@@ -62,6 +62,8 @@ _FIELDS: dict[str, str | None] = {
     "output_config": None, **dict.fromkeys(("cache_control", "speed", "inference_geo", "user_profile_id",
                                             "workspace_id")),
 }
+#: Chat fields a refusal may name, and the Messages field each came from.
+_NAMES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking", "response_format": "output_config.format"}
 #: Accepted with no effect on the answer: prompt caching is automatic (``cache_control``), there is
 #: one speed, one place and one workspace.
 _NO_OPS = frozenset({"cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id", "service_tier"})
@@ -370,7 +372,10 @@ class MessagesHandlers:
         if model != self.service.model_id:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.service.model_id}'.",
                            param="model", code="model_not_found")
-        tokens, _, _ = _prompt_tokens(self.service, chat, True)
+        try:
+            tokens, _, _ = _prompt_tokens(self.service, chat, True)
+        except ApiError as exc:
+            raise renamed(exc, _NAMES) from exc
         self.service.metrics.request_done("count_tokens", 200)
         return JSONResponse({"input_tokens": len(tokens)})
 
@@ -378,7 +383,10 @@ class MessagesHandlers:
         body = await read_body(raw)
         chat = to_chat_body(body, template=self.service.generator.chat_template)
         service, handlers = self.service, self.handlers
-        parsed = _parse(service, chat, True)
+        try:
+            parsed = _parse(service, chat, True)
+        except ApiError as exc:
+            raise renamed(exc, _NAMES) from exc
         tenant = scope_tenant(raw.scope, service.keys)
         parsed = dataclasses.replace(parsed, request=dataclasses.replace(
             parsed.request, cache_namespace=tenant.cache_namespace(parsed.request.cache_namespace)))

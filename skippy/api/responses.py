@@ -43,7 +43,7 @@ from starlette.responses import JSONResponse, Response
 
 from skippy.api.app import _Choice, _Handlers, _LeasedStreamingResponse, _parse, _prompt_tokens
 from skippy.api.auth import scope_tenant
-from skippy.api.errors import ApiError, internal_error, invalid
+from skippy.api.errors import ApiError, internal_error, invalid, renamed
 from skippy.api.fields import unsupported
 from skippy.api.messages import _keys, read_body
 from skippy.driver.client import StageClientError
@@ -52,6 +52,10 @@ from skippy.driver.generator import Generation
 __all__ = ["ResponsesHandlers", "to_chat_body"]
 
 log = logging.getLogger("skippy.api")
+
+#: Chat fields a refusal may name, and the Responses field each came from.
+_NAMES = {"reasoning_effort": "reasoning.effort", "max_tokens": "max_output_tokens", "response_format": "text.format",
+          "messages": "input", "stop": "input"}
 
 #: Responses kept for ``previous_response_id`` (per server; the oldest go first).
 STORED_RESPONSES = 256
@@ -406,7 +410,10 @@ class ResponsesHandlers:
         if chat.get("model", self.service.model_id) != self.service.model_id:
             raise ApiError(404, f"The model '{chat['model']}' does not exist; this server serves "
                            f"'{self.service.model_id}'.", param="model", code="model_not_found")
-        tokens, _, _ = _prompt_tokens(self.service, chat, True)
+        try:
+            tokens, _, _ = _prompt_tokens(self.service, chat, True)
+        except ApiError as exc:
+            raise renamed(exc, _NAMES) from exc
         self.service.metrics.request_done("responses_input_tokens", 200)
         return JSONResponse({"object": "response.input_tokens", "input_tokens": len(tokens)})
 
@@ -415,7 +422,10 @@ class ResponsesHandlers:
         service, handlers = self.service, self.handlers
         tenant = scope_tenant(raw.scope, service.keys)
         chat = to_chat_body(body, self._history(body, tenant.id))
-        parsed = _parse(service, chat, True)
+        try:
+            parsed = _parse(service, chat, True)
+        except ApiError as exc:
+            raise renamed(exc, _NAMES) from exc
         parsed = dataclasses.replace(parsed, request=dataclasses.replace(
             parsed.request, cache_namespace=tenant.cache_namespace(parsed.request.cache_namespace)))
         store = body.get("store", True)
