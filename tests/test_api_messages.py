@@ -296,3 +296,33 @@ async def test_tools_a_forced_call_and_its_result_match_chat_completions() -> No
     assert json.loads(partial) == use["input"] and events[-2]["delta"]["stop_reason"] == "tool_use"
     assert answered.status_code == 200, answered.text
     assert counted.json()["input_tokens"] == chat_follow.json()["usage"]["prompt_tokens"]
+
+
+async def test_routes_without_v1_are_the_same_routes(tiny_llama: Path) -> None:
+    """Clients whose base_url lacks /v1 (llama-server serves both): the same handlers, the same errors."""
+    from skippy.api.app import ChainService, create_app, endpoint_label
+    from skippy.api.lanes import LanePool
+    from skippy.driver.generator import Generator
+    from skippy.stage.config import Address
+
+    generator = Generator.from_model(tiny_llama, n_ctx=512)
+    try:
+        app = create_app(ChainService(generator, LanePool(Address("127.0.0.1", 9), max_lanes=1, connect_timeout=0.5),
+                                      MODEL))
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://skippy") as http:
+            models = (await http.get("/models")).json()
+            model = await http.get(f"/models/{MODEL}")
+            counted = (await http.post("/messages/count_tokens", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})).json()
+            v1_counted = (await http.post("/v1/messages/count_tokens", json={
+                "model": MODEL, "messages": [{"role": "user", "content": "hi"}]})).json()
+            bad = await http.post("/chat/completions", json={"model": MODEL, "messages": [], "bogus": 1})
+            anthropic_bad = await http.post("/messages", json={"model": MODEL, "bogus": 1})
+            tokens = await http.post("/responses/input_tokens", json={"model": MODEL, "input": "hi"})
+    finally:
+        generator.close()
+    assert models["data"][0]["id"] == MODEL and model.status_code == 200
+    assert counted == v1_counted and tokens.json()["input_tokens"] > 0
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "bogus"
+    assert anthropic_bad.status_code == 400 and anthropic_bad.json()["type"] == "error"
+    assert endpoint_label("/chat/completions") == "chat_completions" and endpoint_label("/models/x") == "model"

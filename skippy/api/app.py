@@ -870,9 +870,9 @@ _ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/cha
 def endpoint_label(path: str) -> str:
     """The metrics label of a request path: one of the served endpoints, ``model``, or ``other``
     (never the path itself, which a client chooses: labels must stay a small fixed set)."""
-    if path.startswith("/v1/models/"):
+    if path.startswith(("/v1/models/", "/models/")):
         return "model"
-    return _ENDPOINTS.get(path, "other")
+    return _ENDPOINTS.get(path, _ENDPOINTS.get("/v1" + path, "other"))
 
 
 def create_app(service: ChainService) -> Starlette:
@@ -912,6 +912,11 @@ def create_app(service: ChainService) -> Starlette:
         Route("/v1/messages/count_tokens", messages.count_tokens, methods=["POST"]),
         Route("/v1/responses", responses.create, methods=["POST"]),
         Route("/v1/responses/input_tokens", responses.input_tokens, methods=["POST"]),
+    ]
+    # the same routes without /v1: clients whose base_url lacks it (llama-server serves both)
+    routes += [Route(route.path.removeprefix("/v1"), route.endpoint, methods=sorted(route.methods or ()))
+               for route in routes]
+    routes += [
         Route("/tokenize", handlers.tokenize, methods=["POST"]),
         Route("/detokenize", handlers.detokenize, methods=["POST"]),
         Route("/health", handlers.health, methods=["GET"]),
