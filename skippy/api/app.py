@@ -108,18 +108,22 @@ class ChainService:
         generator: tokenizer + chat template of the served model.
         pool: lanes to the chain's first stage.
         model_id: the name clients use in ``model``.
+        aliases: more names a request may use for the same model (``--alias``).
         keys: accepted API keys and the cache salt (default: no keys, one anonymous tenant).
         admission: the queue in front of ``pool`` (default: :class:`Admission` defaults).
         max_body_bytes: the request-body limit (413 above it).
         cors_origins: origins allowed to call from a browser (default none: no CORS headers).
     """
 
-    def __init__(self, generator: Generator, pool: LanePool, model_id: str, *, keys: ApiKeys | None = None,
+    def __init__(self, generator: Generator, pool: LanePool, model_id: str, *, aliases: tuple[str, ...] = (),
+                 keys: ApiKeys | None = None,
                  admission: Admission | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                  cors_origins: tuple[str, ...] = ()) -> None:
         self.generator = generator
         self.pool = pool
         self.model_id = model_id
+        #: Every name a request may give as ``model``: the id, then the aliases (``--alias``).
+        self.model_names = tuple(dict.fromkeys((model_id, *aliases)))
         self.keys = keys or ApiKeys()
         self.admission = admission or Admission(pool)
         self.max_body_bytes = max_body_bytes
@@ -355,7 +359,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     model = body.get("model")
     if not isinstance(model, str):
         raise invalid("model", "expected the model name (see GET /v1/models)")
-    if model != service.model_id:
+    if model not in service.model_names:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'.",
                        param="model", code="model_not_found")
     check_fields(body, chat)
@@ -777,12 +781,13 @@ class _Handlers:
     async def models(self, request: Request) -> Response:
         self.service.metrics.request_done("models", 200)
         return JSONResponse({"object": "list", "data": [
-            {"id": self.service.model_id, "object": "model", "created": self.service.created, "owned_by": "skippy"},
+            {"id": name, "object": "model", "created": self.service.created, "owned_by": "skippy"}
+            for name in self.service.model_names
         ]})
 
     async def model(self, request: Request) -> Response:
         name = request.path_params["model"]
-        if name != self.service.model_id:
+        if name not in self.service.model_names:
             raise ApiError(404, f"The model '{name}' does not exist.", param="model", code="model_not_found")
         return JSONResponse({"id": name, "object": "model", "created": self.service.created, "owned_by": "skippy"})
 

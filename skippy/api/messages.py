@@ -369,7 +369,7 @@ class MessagesHandlers:
         body = await read_body(raw)
         chat = to_chat_body(body, counting=True, template=self.service.generator.chat_template)
         model = chat.get("model")
-        if model != self.service.model_id:
+        if model not in self.service.model_names:
             raise ApiError(404, f"The model '{model}' does not exist; this server serves '{self.service.model_id}'.",
                            param="model", code="model_not_found")
         try:

@@ -407,7 +407,7 @@ class ResponsesHandlers:
         body = await read_body(raw)
         tenant = scope_tenant(raw.scope, self.service.keys).id
         chat = to_chat_body(body, self._history(body, tenant), counting=True)
-        if chat.get("model", self.service.model_id) != self.service.model_id:
+        if chat.get("model", self.service.model_id) not in self.service.model_names:
             raise ApiError(404, f"The model '{chat['model']}' does not exist; this server serves "
                            f"'{self.service.model_id}'.", param="model", code="model_not_found")
         try:

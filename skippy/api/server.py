@@ -81,7 +81,8 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
                     on_pool: Callable[[LanePool], None] | None = None, decode_runs: bool = True,
                     direct_return: str = "auto", final_stage: Address | None = None,
-                    reasoning_format: str = "auto",
+                    reasoning_format: str = "auto", chat_template: str | None = None,
+                    aliases: Sequence[str] = (),
                     task_status: trio.TaskStatus[str] = trio.TASK_STATUS_IGNORED) -> None:
     """Serve the OpenAI-compatible API for the chain at ``first_stage`` until cancelled.
 
@@ -103,6 +104,9 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
             (docs/protocol.md §11).
         direct_return: ``auto``, ``on`` or ``off``: see :func:`direct_return_source`.
         final_stage: the chain's final stage when ``stages`` is not given (direct return).
+        chat_template: a built-in template's name or a Jinja file to serve instead of the model's
+            (``Generator.from_model``).
+        aliases: more names clients may give as ``model`` (listed by ``/v1/models`` too).
         reasoning_format: ``auto``: a ``<think>`` template's reasoning is split into
             ``reasoning_content``; ``none``: left inline (skippy.api.reasoning).
         task_status: receives the base URL once listening.
@@ -112,7 +116,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
     """
     if reasoning_format not in REASONING_FORMATS:
         raise ValueError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)} (got {reasoning_format!r})")
-    generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs)
+    generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs, chat_template=chat_template)
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
     try:
         generator.direct_return = direct_return_source(direct_return, pool, final_stage)
@@ -121,7 +125,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         raise
     if on_pool is not None:
         on_pool(pool)
-    service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys,
+    service = ChainService(generator, pool, model_id or model_id_for(model), keys=keys, aliases=tuple(aliases),
                            admission=Admission(pool, max_queue=max_queue, timeout=queue_timeout),
                            max_body_bytes=max_body_bytes, cors_origins=tuple(cors_origins))
     service.reasoning_format = reasoning_format

@@ -34,6 +34,11 @@ def add_api_options(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
                        help="allow browser calls from ORIGIN (repeatable; '*' for any); default: no CORS")
     generation = parser.add_argument_group("generation")
+    generation.add_argument("--chat-template", metavar="NAME|FILE",
+                            help="serve this chat template instead of the model's own: a built-in one's name "
+                                 "(e.g. chatml, llama3, gemma; 'plain' for role: content lines) or a Jinja file")
+    generation.add_argument("--alias", action="append", default=[], metavar="NAME",
+                            help="another name clients may give as 'model' (repeatable; listed by /v1/models)")
     generation.add_argument("--reasoning-format", choices=["auto", "none"], default="auto",
                             help="auto (default): a chat template that writes <think> reasoning gets it split off "
                                  "the answer into message.reasoning_content (Anthropic thinking blocks, Responses "
@@ -72,4 +77,6 @@ def api_settings(args: argparse.Namespace) -> dict[str, Any]:
         "decode_runs": getattr(args, "decode_runs", "on") == "on",
         "direct_return": getattr(args, "direct_return", "auto"),
         "reasoning_format": getattr(args, "reasoning_format", "auto"),
+        "chat_template": getattr(args, "chat_template", None),
+        "aliases": tuple(getattr(args, "alias", ()) or ()),
     }

@@ -209,7 +209,8 @@ _ARCHITECTURES: Final[Mapping[str, str]] = {
     "gpt-oss": "gpt-oss",
 }
 
-Origin = Literal["file", "built-in", "fallback"]
+#: "given": a template file the operator named (``--chat-template FILE``).
+Origin = Literal["file", "built-in", "fallback", "given"]
 
 
 @final
@@ -231,6 +232,8 @@ class ChatTemplateChoice:
         """One log line, e.g. ``chat template: built-in gemma (file has none; ...)``."""
         if self.origin == "file":
             return "chat template: the file's own (tokenizer.chat_template)"
+        if self.origin == "given":
+            return f"chat template: {self.reason}"
         if self.origin == "built-in":
             return f"chat template: built-in {self.name} (file has none; {self.reason})"
         stops = ", ".join(repr(stop) for stop in self.stop)

@@ -596,20 +596,30 @@ class Generator:
 
         A file without ``tokenizer.chat_template`` gets a built-in one chosen for its family
         (:func:`skippy.driver.chat_templates.choose_chat_template`; ``chat_template`` names one to
-        use instead); the choice is logged.  ``n_ctx`` defaults to the smaller of the model's
+        use instead, or a Jinja file: an existing path, or one with ``/`` or a ``.jinja`` suffix);
+        the choice is logged.  ``n_ctx`` defaults to the smaller of the model's
         trained context and 4096 (the stage default).
 
         Raises:
-            ValueError: ``chat_template`` is not a built-in template's name.
+            ValueError: ``chat_template`` is neither a built-in template's name nor a readable file.
         """
         metadata, _ = read_header(Path(path))
         trained = next((int(v) for k, v in metadata.items() if k.endswith(".context_length")
                         and isinstance(v, int)), 4096)
         tokenizer = Tokenizer(path)
         try:
-            choice = choose_chat_template(metadata, tokenizer, chat_template)
+            given = None if chat_template is None else Path(chat_template)
+            if given is not None and (given.is_file() or "/" in str(chat_template)
+                                      or given.suffix in (".jinja", ".j2")):
+                try:
+                    source = given.read_text()
+                except (OSError, UnicodeDecodeError) as exc:
+                    raise ValueError(f"cannot read chat template file {given}: {exc}") from exc
+                choice = ChatTemplateChoice("given", source, "given", f"read from {given}")
+            else:
+                choice = choose_chat_template(metadata, tokenizer, chat_template)
         except ValueError:
-            tokenizer.close()  # a bad name: do not leak the vocabulary load
+            tokenizer.close()  # a bad name or file: do not leak the vocabulary load
             raise
         log.info("%s: %s", Path(path).name, choice.describe())
         return cls(tokenizer, chat_template=choice.source, n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size,
