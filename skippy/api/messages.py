@@ -40,9 +40,9 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from skippy.api.app import INLINE_PARSE_BYTES, Parsed, _Choice, _Handlers, _LeasedStreamingResponse, _parse, \
-    _prompt_tokens
+from skippy.api.app import INLINE_PARSE_BYTES, _Handlers, _LeasedStreamingResponse, _parse, _prompt_tokens
 from skippy.api.auth import scope_tenant
+from skippy.api.choices import Parsed, _Choice
 from skippy.api.errors import ApiError, internal_error, invalid, parse_json_object, renamed
 from skippy.api.fields import unsupported
 from skippy.driver.client import StageClientError

@@ -41,8 +41,9 @@ import trio
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
-from skippy.api.app import _Choice, _Handlers, _LeasedStreamingResponse, _parse, _prompt_tokens
+from skippy.api.app import _Handlers, _LeasedStreamingResponse, _parse, _prompt_tokens
 from skippy.api.auth import scope_tenant
+from skippy.api.choices import _Choice
 from skippy.api.errors import ApiError, internal_error, invalid, renamed
 from skippy.api.fields import unsupported
 from skippy.api.messages import _keys, read_body
