@@ -83,6 +83,15 @@ FEATURES: dict[str, tuple[str, dict[str, Any]]] = {
     "chat stream n=3": ("chat/completions", chat(**SEEDED, n=3, stream=True)),
     "completions stream n=2": ("completions", completion(temperature=0, n=2, stream=True)),
     "speculation": ("completions", completion(temperature=0, speculation=True)),
+    # llama-server's names for served fields
+    "llama fields": ("completions", {"model": MODEL, "prompt": PROMPT, "n_predict": 12, "cache_prompt": False,
+                                     "temperature": 0}),
+    "ignore_eos n=2": ("chat/completions", chat(**SEEDED, n=2, ignore_eos=True)),
+    "json_schema": ("chat/completions", chat(**SEEDED, max_tokens=30, json_schema={
+        "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]})),
+    "json_schema as response_format": ("chat/completions", chat(**SEEDED, max_tokens=30, response_format={
+        "type": "json_schema", "json_schema": {"name": "json_schema", "schema": {
+            "type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}}})),
 }
 
 #: Fields that differ between runs or chains by design (speculation counters depend on the stage count).
@@ -170,6 +179,9 @@ def check_choices(results: dict[str, Any]) -> None:
     assert len(set(seeded)) > 1, seeded
     assert [choice["index"] for choice in results["seeded n=3"]["choices"]] == [0, 1, 2]
     assert results["seeded n=3"]["usage"]["completion_tokens"] == 3 * 12
+    assert texts(results["llama fields"]) == texts(results["greedy n=1"])
+    assert results["ignore_eos n=2"]["usage"]["completion_tokens"] == 2 * 10
+    assert texts(results["json_schema"]) == texts(results["json_schema as response_format"])
 
 
 @pytest.mark.parametrize("stages", [2, *(pytest.param(count, marks=pytest.mark.slow) for count in (3, 4))])

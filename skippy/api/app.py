@@ -312,6 +312,35 @@ def _prompt_text(service: ChainService, body: dict[str, Any], tokens: list[int])
     return service.generator.tokenizer.decode(tokens)
 
 
+def _llama_fields(body: dict[str, Any], end_of_generation: frozenset[int]) -> dict[str, Any]:
+    """``body`` with llama-server's names for served fields turned into OpenAI's: ``n_predict``
+    (-1: no limit) as ``max_tokens``, ``cache_prompt`` as ``prefix_cache``, ``json_schema`` as a
+    ``json_schema`` response format, ``ignore_eos`` as a -100 logit bias on every end-of-generation
+    token.  The OpenAI field wins when both are given, except ``json_schema`` with a
+    ``response_format`` (ambiguous: a 400)."""
+    out = dict(body)
+    predict = get_int(out, "n_predict", minimum=-1)
+    if predict == 0:
+        raise invalid("n_predict", "expected -1 (no limit) or a positive count")
+    if predict is not None and predict > 0:
+        out.setdefault("max_tokens", predict)
+    if "cache_prompt" in out:
+        out.setdefault("prefix_cache", get_bool(out, "cache_prompt"))
+    schema = out.get("json_schema")
+    if schema is not None:
+        if out.get("response_format") is not None:
+            raise unsupported("json_schema", "give either json_schema or response_format, not both")
+        out["response_format"] = {"type": "json_schema", "json_schema": {"name": "json_schema", "schema": schema}}
+    if get_bool(out, "ignore_eos"):
+        bias = out.get("logit_bias")
+        if bias is not None and not isinstance(bias, dict):
+            raise invalid("logit_bias", "expected an object of token id -> bias")
+        out["logit_bias"] = {**{str(token): -100 for token in sorted(end_of_generation)}, **(bias or {})}
+    for name in ("n_predict", "cache_prompt", "json_schema", "ignore_eos"):
+        out.pop(name, None)
+    return out
+
+
 def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     """The request of a completions or chat completions body (fields: :mod:`skippy.api.fields`)."""
     model = body.get("model")
@@ -321,6 +350,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         raise ApiError(404, f"The model '{model}' does not exist; this server serves '{service.model_id}'.",
                        param="model", code="model_not_found")
     check_fields(body, chat)
+    body = _llama_fields(body, service.generator.tokenizer.end_of_generation_tokens())
     n = get_int(body, "n", minimum=1, maximum=MAX_CHOICES)
     if not chat:
         best_of = get_int(body, "best_of", minimum=1, maximum=MAX_CHOICES)

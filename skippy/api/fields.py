@@ -97,6 +97,12 @@ _COMMON: Final[dict[str, Field]] = {
     "response_format": Field(Handling.SERVED, "text, json_object, or json_schema (strict or not): the answer is "
                              "sampled under the schema's grammar (docs/structured-output.md)"),
     "grammar": Field(Handling.SERVED, "llama.cpp extension: GBNF grammar the answer follows"),
+    "n_predict": Field(Handling.SERVED, "llama.cpp extension: max_tokens (-1: no limit; max_tokens wins)"),
+    "cache_prompt": Field(Handling.SERVED, "llama.cpp extension: prefix_cache (false opts out; prefix_cache wins)"),
+    "json_schema": Field(Handling.SERVED, "llama.cpp extension: a JSON Schema the answer follows (as response_format "
+                         "json_schema; with response_format: 400)"),
+    "ignore_eos": Field(Handling.SERVED, "llama.cpp extension: true puts a -100 logit bias on every "
+                        "end-of-generation token (the answer runs to max_tokens or a stop string)"),
 }
 
 #: POST /v1/chat/completions (OpenAI's reference, and the fields the ``openai`` SDK sends).
