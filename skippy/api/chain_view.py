@@ -6,7 +6,8 @@ Strategy: nothing new is measured here; what the chain already reports is gather
   says it is up; its Identity frame (docs/protocol.md §9, asked once per address and forgotten when
   the stage goes down) names its model file, header digest and layer range; when its Prometheus
   endpoint is known (``skippy up`` starts stages with ``--metrics-listen``), one scrape gives its
-  resident memory, KV cells and sessions in use and its prefix-cache counters.  The whole chain's
+  resident memory, KV cells and sessions in use and its prefix-cache counters (shown only while the
+  stage answers on its serving port).  The whole chain's
   health is the pool's own check (a Stop through every stage, as ``/health`` does).  Every stage is
   asked at once, each within ``probe_timeout``, and the result is kept ``refresh_s`` so that any
   number of pages polling cost the chain one probe round per ``refresh_s``.
@@ -300,6 +301,8 @@ class ChainView:
                 if frame is not None:
                     entry["identity"] = _identity(frame)
                     entry["layers"] = entry["identity"]["layers"]
+        if entry["status"] == "down":  # a draining stage may still serve metrics: not drawn as working
+            return entry
         if figures and isinstance(figures[0], dict):
             entry["metrics"] = figures[0]
         elif figures:

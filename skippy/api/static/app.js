@@ -216,10 +216,13 @@ function stageCard(stage) {
 }
 
 // -- plots ---------------------------------------------------------------------------------------
-// A line over [[seconds ago, value], ...] on a 320x110 view box: x from -window to now.
+// A line (or dots) over [[seconds ago, value], ...], x from -window to now, drawn in the SVG's own
+// pixels (its view box follows its width, so the labels keep their size).
 function plot(target, points, windowS, options) {
   clear(target);
-  const left = 34, right = 314, top = 8, bottom = 92;
+  const width = Math.max(200, Math.round(target.clientWidth || 320)), height = 120;
+  target.setAttribute("viewBox", "0 0 " + width + " " + height);
+  const left = 34, right = width - 6, top = 8, bottom = height - 18;
   const max = Math.max(options.minimum, ...points.map((p) => p[1]));
   const x = (ago) => right - (right - left) * Math.min(ago, windowS) / windowS;
   const y = (value) => bottom - (bottom - top) * value / max;
