@@ -14,7 +14,7 @@ configured: the page asks for it on the first 401, keeps it for the browser tab
 (``sessionStorage``) and sends it as ``Authorization: Bearer``.  CORS, when configured, applies to
 ``/chain`` as to every API path.
 
-``GET /chain`` is one JSON snapshot, polled by the page every second: the model, the chain's
+``GET /chain`` is one JSON snapshot, polled by the page every 0.7 s: the model, the chain's
 health and each stage's state (:class:`skippy.api.chain_view.ChainView`), the API's own figures
 (requests in flight and waiting, lanes, speculation and prefix-cache totals, from its Prometheus
 registry) and the recent history (:class:`skippy.api.chain_view.History`).

@@ -1,11 +1,11 @@
-// skippy's page: the chain live (GET chain, every second), two plots, and a chat that streams
+// skippy's page: the chain live (GET chain, every POLL_MS), two plots, and a chat that streams
 // from POST v1/chat/completions.  Plain DOM, no library, no build step.  Everything the server
 // sends is put on the page as text nodes or SVG attributes, never parsed as markup.  With an API
 // key configured, GET chain answers 401 until the key is entered: nothing of the chain is drawn
 // before that, and the key lives in this tab's sessionStorage only.
 "use strict";
 
-const POLL_MS = 1000;
+const POLL_MS = 700;  // a stage that goes down is marked within about a second
 const KEY_STORAGE = "skippy-api-key";
 const SVG_NS = "http://www.w3.org/2000/svg";
 
