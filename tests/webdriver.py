@@ -57,7 +57,7 @@ class Browser:
             try:
                 self._call("GET", "/status")
                 break
-            except (OSError, WebDriverError):
+            except (OSError, WebDriverError):  # not listening yet
                 if time.monotonic() > deadline or self.driver.poll() is not None:
                     self.close()
                     raise RuntimeError(f"chromedriver did not start (log: {log})") from None
@@ -70,7 +70,7 @@ class Browser:
         try:
             answer = self._call("POST", "/session", {"capabilities": {"alwaysMatch": {
                 "browserName": "chrome", "goog:chromeOptions": options, "goog:loggingPrefs": {"browser": "ALL"}}}})
-        except BaseException:
+        except BaseException:  # no browser session: the driver must not outlive this constructor
             self.close()
             raise
         self.session = answer["sessionId"]

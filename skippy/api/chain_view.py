@@ -285,7 +285,7 @@ class ChainView:
             try:
                 client = await StageClient.connect(stage.address, connect_timeout=self.probe_timeout,
                                                    reply_timeout=self.probe_timeout, tls=self.pool.tls)
-            except StageLost as exc:
+            except StageLost as exc:  # no connection or no READY in time: that is what "down" means here
                 self._identities.pop(key, None)  # whatever answers there next may serve something else
                 entry["error"] = f"not answering on {key}: {exc.__cause__ or exc}"
             else:
