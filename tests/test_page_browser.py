@@ -12,6 +12,7 @@ where it can: ``apt-get install chromium chromium-driver``).
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
 from pathlib import Path
@@ -136,7 +137,7 @@ def test_with_a_key_nothing_of_the_chain_shows_until_it_is_entered(tiny_llama: P
         time.sleep(1.5)  # a poll or two later: still nothing
         text = browser.script("return document.body.textContent")
         ports = [stage.split(":")[-1] for stage in _stage_addresses(up)]
-        assert ports and not any(port in text for port in ports), text
+        assert ports and not any(re.search(rf"\b{port}\b", text) for port in ports), text
         assert "0:1" not in text and "llama" not in text and stage_states(browser) == []
         assert browser.script("return document.getElementById('dashboard').hidden") is True
         browser.screenshot(tmp_path / "1-locked.png")
@@ -160,6 +161,4 @@ def test_with_a_key_nothing_of_the_chain_shows_until_it_is_entered(tiny_llama: P
 
 
 def _stage_addresses(up: UpProcess) -> list[str]:
-    import re
-
     return re.findall(r"ready on (\S+:\d+)", up.stderr())
