@@ -15,7 +15,7 @@ REFERENCE := llama-cpp-python==0.3.36
 REFERENCE_CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
 REFERENCE_CACHE := $(VENV)/pip-cache-reference
 
-.PHONY: install reference build demo test test-fast bench bench-save bench-compare wheel wheel-cuda clean
+.PHONY: install reference build browser demo test test-fast bench bench-save bench-compare wheel wheel-cuda clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -50,10 +50,20 @@ TWIN_TESTS := tests/test_wire.py tests/test_wire_extensions.py tests/test_wire_h
 # SKIPPY_NO_EXTENSIONS=1, and every benchmark once with --benchmark-disable (so none rots; the
 # suites use their small models then).  Any non-zero pytest status fails, 5 (nothing collected)
 # included.
-test: install
+test: install browser
 	$(BIN)/python -m pytest
 	SKIPPY_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q $(TWIN_TESTS)
 	$(BIN)/python -m pytest -q bench --benchmark-disable
+
+# tests/test_page_browser.py drives Debian's Chromium headless through ChromeDriver.  As root with
+# apt-get (CI), the packages are installed when missing; otherwise, or when the install fails, the
+# test is skipped and says why.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then \
+		{ apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver \
+			>/dev/null; } || echo "could not install chromium and chromium-driver: the browser test will skip"; \
+	else echo "chromium or chromedriver missing (not root with apt-get): the browser test will skip"; fi
 
 # The fast suite (under 90 s on the 2-vCPU development host): no test marked slow.
 test-fast: install

@@ -5,11 +5,14 @@ child copies its stderr into a log file, keeps the last lines, turns the loading
 progress and catches ``ready on HOST:PORT``, which gives the bound address.  Stages start from
 the last one backwards, each only after the one downstream of it is READY (a stage dials its
 downstream when a lane opens, so the order is what makes the first lane work).  The API then runs
-in this process (:func:`skippy.api.server.serve_api`).
+in this process (:func:`skippy.api.server.serve_api`).  With ``metrics``, every stage also serves
+Prometheus metrics on a port of its own (``--metrics-listen HOST:0``; the log line that names it
+comes before READY), which the page at ``/`` reads.
 
 Ownership: everything runs in one nursery.  A watcher per child turns an unexpected exit into
-:class:`ChildFailed` (with the child's last log lines), which cancels the nursery; SIGINT and
-SIGTERM cancel it too.  On the way out, in a shielded scope, every child still running gets
+:class:`ChildFailed` (with the child's last log lines), which cancels the nursery (or, given
+``on_child_exit``, is handed to it and the rest keeps running: the API then reports the stage
+lost); SIGINT and SIGTERM cancel it too.  On the way out, in a shielded scope, every child still running gets
 SIGTERM, then SIGKILL after a grace period, and is reaped.  Children run in their own session (a
 terminal's Ctrl-C reaches only the launcher, which stops them in order).  No parent-death signal
 is used: Linux ties PR_SET_PDEATHSIG to the *thread* that forked, and trio spawns from worker
@@ -38,6 +41,7 @@ from skippy.stage.config import Address
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 _LOADING = re.compile(r"loading .* layers \S+:\s*(\d+)%")
+_METRICS = re.compile(r"metrics on http://(\S+)/metrics")
 
 #: progress(stage index, stage count, fraction of that stage loaded)
 Progress = Callable[[int, int, float], None]
@@ -57,6 +61,8 @@ class StageChild:
     log_path: Path
     process: trio.Process | None = None
     address: Address | None = None
+    #: Where it serves ``GET /metrics`` (started with ``--metrics-listen``), once logged.
+    metrics: Address | None = None
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=30))
 
@@ -66,7 +72,7 @@ class StageChild:
 
     def info(self) -> StageInfo:
         assert self.address is not None
-        return StageInfo(self.index, self.layers, self.address)
+        return StageInfo(self.index, self.layers, self.address, self.metrics)
 
     def failure(self, what: str) -> ChildFailed:
         lines = "".join(f"    {line}\n" for line in self.tail)
@@ -97,18 +103,24 @@ async def _read_log(child: StageChild, progress: Progress | None, count: int) ->
                 loading = _LOADING.search(line)
                 if loading and progress is not None:
                     progress(child.index, count, int(loading.group(1)) / 100)
+                metrics = _METRICS.search(line)
+                if metrics and child.metrics is None:
+                    child.metrics = Address.parse(metrics.group(1))
                 ready = _READY.search(line)
                 if ready and not child.ready.is_set():
                     child.address = Address(ready.group(1), int(ready.group(2)))
                     child.ready.set()
 
 
-async def _watch(child: StageChild, stopping: list[bool]) -> None:
+async def _watch(child: StageChild, stopping: list[bool], on_exit: Callable[[ChildFailed], None] | None) -> None:
     assert child.process is not None
     code = await child.process.wait()
     if not stopping[0]:
         await trio.sleep(0.1)  # let the log reader take the last lines
-        raise child.failure(f"exited with status {code}")
+        failure = child.failure(f"exited with status {code}")
+        if on_exit is None or not child.ready.is_set():  # one that never got ready fails the start
+            raise failure
+        on_exit(failure)
 
 
 async def _stop(children: Sequence[StageChild], grace: float) -> None:
@@ -131,12 +143,20 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
                     stage_options: Sequence[str] = (), log_dir: Path, progress: Progress | None = None,
                     per_stage_options: Callable[[int], Sequence[str]] | None = None,
                     announce: Callable[[StageChild], None] | None = None, ready_timeout: float = 300.0,
-                    grace: float = 5.0,
+                    grace: float = 5.0, metrics: bool = False,
+                    on_child_exit: Callable[[ChildFailed], None] | None = None,
                     task_status: trio.TaskStatus[list[StageChild]] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the stages of ``split`` until cancelled; reports the children once all are READY.
 
+    Args:
+        metrics: every stage serves Prometheus metrics on a free port of ``host``
+            (:attr:`StageChild.metrics`).
+        on_child_exit: called with the failure when a READY stage exits unexpectedly; the other
+            stages keep running (None: the failure is raised and stops them all).
+
     Raises:
-        ChildFailed: a stage exited, or did not get READY within ``ready_timeout``.
+        ChildFailed: a stage exited (without ``on_child_exit``), or did not get READY within
+            ``ready_timeout``.
     """
     log_dir.mkdir(parents=True, exist_ok=True)
     children = [StageChild(index, f"{a}:{b}", [], log_dir / f"stage-{index}-{a}-{b}.log")
@@ -149,7 +169,8 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
         async with trio.open_nursery() as nursery:
             downstream: Address | None = None
             for child in reversed(children):
-                options = [*stage_options, *(per_stage_options(child.index) if per_stage_options else ())]
+                options = [*stage_options, *(per_stage_options(child.index) if per_stage_options else ()),
+                           *(["--metrics-listen", f"{host}:0"] if metrics else [])]
                 child.command = stage_command(model, child.layers, downstream=downstream, host=host,
                                               options=options)
                 child.log_path.write_bytes(b"")
@@ -161,7 +182,7 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
                 except OSError as exc:
                     raise ChildFailed(f"cannot start {child.name}: {exc}") from exc
                 nursery.start_soon(_read_log, child, progress, len(children))
-                nursery.start_soon(_watch, child, stopping)
+                nursery.start_soon(_watch, child, stopping, on_child_exit)
                 with trio.move_on_after(ready_timeout) as waited:
                     await child.ready.wait()
                 if waited.cancelled_caught:

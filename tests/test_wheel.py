@@ -41,6 +41,9 @@ with Tokenizer(path) as tokenizer:
     for form in ({"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
                  {"type": "json_object", "schema": schema}):
         assert "ok" in parse_constraints({"response_format": form}, True, tokenizer).grammar
+import importlib.resources
+static = importlib.resources.files("skippy.api") / "static"  # the page at GET /
+assert all((static / name).is_file() for name in ("index.html", "app.js", "style.css", "favicon.svg"))
 print("wheel smoke ok")
 """
 
@@ -82,7 +85,7 @@ def test_sdist_carries_the_build_sources_and_no_build_output(tmp_path: Path) -> 
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     needed = {str(path.relative_to(ROOT)) for pattern in ("skippy/*.pyx", "skippy/*.pxd", "skippy/*.pxi",
                                                           "skippy/*.h", "native/*.py", "native/patches/*",
-                                                          "native/cdef/*")
+                                                          "native/cdef/*", "skippy/api/static/*")
               for path in ROOT.glob(pattern)}
     assert {"skippy/_wire.pyx", "native/build.py", "native/patches/0001-layer-range-execution.patch"} <= needed
     assert needed <= names, f"missing from the sdist: {sorted(needed - names)}"

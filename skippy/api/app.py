@@ -27,6 +27,8 @@ Lanes are taken through :mod:`skippy.api.admission` (a bounded queue, 429 when f
 exchange the chain refuses as overloaded is retried).  A stream whose client goes away is stopped
 between two tokens (each step with the chain is shielded from the cancellation), its session
 stopped on every stage and the lane kept (:meth:`Generation.abort`).
+``GET /`` serves a page showing the chain live, with a chat, and ``GET /chain`` its JSON
+(:mod:`skippy.api.page`); finished generations are kept a few minutes for it (``service.history``).
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from skippy.api.admission import Admission, is_overloaded
-from skippy.api.auth import ApiKeys, AuthMiddleware, is_authenticated, scope_tenant
+from skippy.api.auth import PUBLIC_PATHS, ApiKeys, AuthMiddleware, is_authenticated, scope_tenant
+from skippy.api.chain_view import History
 from skippy.api.errors import (
     ApiError,
     get_bool,
@@ -66,6 +69,7 @@ from skippy.api.fields import check_fields, unsupported
 from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
+from skippy.api.page import ASSET_PATHS, page_routes
 from skippy.api.reasoning import OPEN as REASONING_OPEN
 from skippy.api.reasoning import template_variables, thinks
 from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints
@@ -131,6 +135,8 @@ class ChainService:
         self.reasoning_format = "auto"
         self.metrics = Metrics()
         self.metrics.queue_waiting.set_function(lambda: self.admission.waiting)
+        #: Generations of the last minutes, for the page (:mod:`skippy.api.page`).
+        self.history = History()
         self.created = int(time.time())
         self._tool_support: tuple[bool, ToolFormat | None] | None = None
 
@@ -524,6 +530,7 @@ class _Handlers:
         for generation in generations:
             if generation.result is not None:
                 self.service.metrics.generation_done(generation.timing, generation.result.completion_tokens)
+                self.service.history.generation_done(generation.timing, generation.result.completion_tokens)
                 if generation.result.speculation is not None:
                     self.service.metrics.speculation_done(generation.result.speculation)
                 self.service.metrics.prefix_cache_done(generation.request, generation.result.cached_tokens)
@@ -707,7 +714,8 @@ class _Handlers:
 _ENDPOINTS = {"/v1/models": "models", "/v1/completions": "completions", "/v1/chat/completions": "chat_completions",
               "/v1/messages": "messages", "/v1/messages/count_tokens": "count_tokens",
               "/v1/responses": "responses", "/v1/responses/input_tokens": "responses_input_tokens",
-              "/tokenize": "tokenize", "/detokenize": "detokenize", "/health": "health", "/metrics": "metrics"}
+              "/tokenize": "tokenize", "/detokenize": "detokenize", "/health": "health", "/metrics": "metrics",
+              "/chain": "chain", **{path: "page" for path in ASSET_PATHS}}
 
 
 def endpoint_label(path: str) -> str:
@@ -764,6 +772,7 @@ def create_app(service: ChainService) -> Starlette:
         Route("/detokenize", handlers.detokenize, methods=["POST"]),
         Route("/health", handlers.health, methods=["GET"]),
         Route("/metrics", handlers.metrics, methods=["GET"]),
+        *page_routes(service),
     ]
     handlers_map: dict[Any, Callable[[Request, Exception], Awaitable[Response]]] = {
         ApiError: api_error, 404: not_found, 405: not_found, Exception: unexpected,
@@ -773,7 +782,8 @@ def create_app(service: ChainService) -> Starlette:
         service.metrics.request_done(endpoint_label(path), 401)
 
     # Outermost first: CORS answers preflights before keys are asked for; the guard runs after auth.
-    middleware = [Middleware(AuthMiddleware, keys=service.keys, on_refused=refused),
+    middleware = [Middleware(AuthMiddleware, keys=service.keys, public_paths=PUBLIC_PATHS | ASSET_PATHS,
+                             on_refused=refused),
                   Middleware(RequestGuard, max_body_bytes=service.max_body_bytes)]
     if service.cors_origins:
         middleware.insert(0, Middleware(CORSMiddleware, allow_origins=list(service.cors_origins),

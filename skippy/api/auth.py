@@ -8,8 +8,9 @@ to streaming): with keys configured, every HTTP request but ``GET /health`` must
 ``Authorization: Bearer <key>`` (or Anthropic's ``x-api-key: <key>``) and is otherwise answered
 401 with the API's error body (OpenAI's; Anthropic's on the Messages API) and a
 ``WWW-Authenticate: Bearer`` header; the authenticated :class:`Tenant` goes into
-``scope["skippy.tenant"]``.  ``/health`` is served to anyone, as the anonymous tenant unless a
-valid key came with it (it then says less).  Without keys every caller is the one anonymous tenant.
+``scope["skippy.tenant"]``.  ``/health`` (and any other path the app names public: the page's
+static files, :mod:`skippy.api.page`) is served to anyone, as the anonymous tenant unless a valid
+key came with it (``/health`` then says less).  Without keys every caller is the one anonymous tenant.
 
 Prefix-cache namespaces (:meth:`Tenant.cache_namespace`) are derived, never taken from the
 client: SHA-256 over the server's salt, the tenant id and the request's own ``prompt_cache_key``
@@ -32,7 +33,7 @@ from skippy.api.errors import error_shape
 #: The ASGI scope key holding the request's :class:`Tenant`.
 TENANT_SCOPE_KEY = "skippy.tenant"
 
-#: Paths served without a key (load balancers probe them).
+#: Paths served without a key (load balancers probe them); the app adds its page's files.
 PUBLIC_PATHS = frozenset({"/health"})
 
 #: Environment variables read when the flags are not given.
@@ -153,11 +154,14 @@ async def send_error(send: Send, status: int, message: str, *, code: str | None,
 
 @final
 class AuthMiddleware:
-    """Checks ``Authorization: Bearer`` against ``keys`` and stores the tenant in the scope."""
+    """Checks ``Authorization: Bearer`` against ``keys`` and stores the tenant in the scope;
+    ``public_paths`` are served without a key (as the anonymous tenant)."""
 
-    def __init__(self, app: ASGIApp, keys: ApiKeys, *, on_refused: Callable[[str], None] | None = None) -> None:
+    def __init__(self, app: ASGIApp, keys: ApiKeys, *, public_paths: frozenset[str] = PUBLIC_PATHS,
+                 on_refused: Callable[[str], None] | None = None) -> None:
         self.app = app
         self.keys = keys
+        self.public_paths = public_paths
         self.on_refused = on_refused
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -184,7 +188,7 @@ class AuthMiddleware:
             else:
                 tenant = self.keys.tenant(token)
                 message, code = ("Incorrect API key provided.", "invalid_api_key")
-        if tenant is None and scope["path"] in PUBLIC_PATHS:  # served, as nobody in particular
+        if tenant is None and scope["path"] in self.public_paths:  # served, as nobody in particular
             scope[TENANT_SCOPE_KEY] = self.keys.anonymous
             await self.app(scope, receive, send)
             return

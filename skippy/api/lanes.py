@@ -29,11 +29,13 @@ from skippy.stage.config import Address
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class StageInfo:
-    """One stage of the chain, for health reports."""
+    """One stage of the chain, for health reports and the page at ``/``."""
 
     index: int
     layers: str
     address: Address
+    #: Where the stage serves ``GET /metrics`` (``--metrics-listen``), when known.
+    metrics: Address | None = None
 
     def __str__(self) -> str:
         return f"stage {self.index} (layers {self.layers}) at {self.address}"

@@ -84,6 +84,7 @@ async def _main(args: argparse.Namespace) -> None:
                 max_lanes=args.max_lanes, task_status=task_status, stage_tls=stage_tls, final_stage=final,
                 **settings))
             print(f"skippy API for {args.model.name} on {url} (first stage {first}); Ctrl-C stops it", flush=True)
+            print(f"  page {url}/  (the chain live, a chat)", flush=True)
 
 
 async def _check_model(first: Any, model: Path, tls: Any = None) -> None:

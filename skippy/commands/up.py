@@ -1,9 +1,12 @@
 """``skippy up``: the whole chain on this machine (stages final-first, then the API) in one command.
 
 Strategy: :func:`skippy.launch.run_chain` starts and owns the stage processes; once every stage is
-READY the API starts in this process on the same trio run, then the URL and a ``curl`` line are
-printed.  SIGINT/SIGTERM cancel the run; a stage that exits cancels it too and its last log lines
-are shown; either way every child is stopped before the command returns.  With no ``--model`` the
+READY the API starts in this process on the same trio run, then the URL, a ``curl`` line and the
+page's URL (``GET /``: the chain live and a chat, :mod:`skippy.api.page`) are printed; every stage
+serves Prometheus metrics on a port of its own, which the page reads.  SIGINT/SIGTERM cancel the
+run; a stage that exits cancels it too and its last log lines are shown (with ``--keep-serving``
+the rest keeps running and the API and page report the stage lost; the command then ends with
+status 1 at Ctrl-C); either way every child is stopped before the command returns.  With no ``--model`` the
 real Gemma 3 270M is used when the ``skippy[real-model]`` extra is installed (assembled once into
 the model cache, :mod:`skippy.models.real`), else the generated demo model (random weights,
 written once into the model cache), with a one-line notice saying which.  Loading shows a progress bar on
@@ -100,6 +103,10 @@ def add_parser(subparsers: Any) -> None:
                              "with room and re-wired (needs skippy[ray]; skippy and the model on every node); with "
                              "--plan, each bundle gets the plan's memory, a GPU where the plan gives the stage GPU "
                              "memory, and the plan's Ray node (skippy plan --ray)")
+    parser.add_argument("--keep-serving", action="store_true",
+                        help="when a stage exits, keep the API and the other stages running (requests get 503 naming "
+                             "the lost stage, the page shows it down) until Ctrl-C, which then exits with status 1; "
+                             "default: stop everything")
     add_api_options(parser)
     parser.set_defaults(run=run)
 
@@ -218,6 +225,12 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         assert child.process is not None
         bar.line(f"{child.name} pid {child.process.pid} ready on {child.address}")
 
+    lost_stages: list[str] = []
+
+    def lost(exc: ChildFailed) -> None:  # --keep-serving: said now, and the exit status at the end
+        lost_stages.append(str(exc))
+        bar.line(f"error: {exc}\nthe API keeps serving without it (--keep-serving); Ctrl-C stops everything")
+
     print(f"model {model} ({info.architecture}, {info.n_layer} layers) as {len(split)} stages; "
           f"logs in {log_dir}", file=err, flush=True)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
@@ -232,7 +245,9 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 else:
                     children = await nursery.start(lambda task_status: run_chain(
                         model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
-                        announce=announce, per_stage_options=per_stage, task_status=task_status))
+                        announce=announce, per_stage_options=per_stage, metrics=True,
+                        on_child_exit=lost if getattr(args, "keep_serving", False) else None,
+                        task_status=task_status))
                     stages = [child.info() for child in children]
                 url = await nursery.start(lambda task_status: serve_api(
                     model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
@@ -245,6 +260,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 print(f"  curl {url}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
                       f"-d {shlex.quote(body)}",
                       flush=True)
+                print(f"  page {url}/  (the chain live, throughput and TTFT, a chat"
+                      f"{'; it asks for the API key' if auth else ''})", flush=True)
                 if on_ready is not None:
                     await on_ready(url)
                     nursery.cancel_scope.cancel()
@@ -253,6 +270,9 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     if failure:
         bar.line("error: " + "\nerror: ".join(failure))
         print("stopped every stage", file=err)
+        return 1
+    if lost_stages:  # --keep-serving: each was told when it exited
+        print(f"{len(lost_stages)} stage(s) had exited; stopped every stage", file=err, flush=True)
         return 1
     if got:
         print(f"got {signal.Signals(got[0]).name}; stopped every stage", file=err, flush=True)
@@ -289,7 +309,7 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
     placed: list[Any] = []
 
     def infos() -> list[StageInfo]:
-        return [StageInfo(s.index, s.layers, s.address) for s in placed]
+        return [StageInfo(s.index, s.layers, s.address, _metrics_address(s.metrics_url)) for s in placed]
 
     def announce(stage: Any) -> None:
         gpus = f", GPU {','.join(stage.gpu_ids)}" if stage.gpus else ""
@@ -323,6 +343,15 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
     await run_ray_chain(model, split, stage_options=options, address=None if address == "auto" else address,
                         certificates=certificates, memory_per_stage=memory, gpus_per_stage=gpus, nodes=nodes,
                         announce=announce, on_restart=restarted, task_status=Relay())
+
+
+def _metrics_address(url: str) -> Any:
+    """The address of a stage's ``http://HOST:PORT/metrics`` (None: no metrics)."""
+    from skippy.stage.config import Address
+
+    if not url:
+        return None
+    return Address.parse(url.removeprefix("http://").removesuffix("/metrics"))
 
 
 def _leaves(error: BaseException) -> list[BaseException]:

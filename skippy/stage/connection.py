@@ -904,6 +904,9 @@ class Connection:
             outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype)
             frame = codec.encode_message(outgoing, wire_dtype, width)
             forward.frame_bytes = len(frame)
+            # Set before the write: the socket send releases the GIL, and the downstream's reply can
+            # reach relay_replies before sent() below runs; its wait was then measured from 0.
+            forward.sent_us = now_us()
             return frame
 
         def sent(sent_us: int, write_us: int) -> None:  # runtime thread

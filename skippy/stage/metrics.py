@@ -11,7 +11,9 @@ with the compute jobs.  The HTTP side is a deliberately small trio server on the
 nursery (one request per connection, a request head of at most 8 KiB read within 5 s): it runs on
 the trio thread, so it reads the counters without locks, and a stage needs no web framework.
 
-Metric names start ``skippy_stage_``; every family carries the stage's ``layers`` label.
+Metric names start ``skippy_stage_``; every family carries the stage's ``layers`` label.  The
+standard ``process_*`` families (resident memory, CPU seconds, open files; Linux only) come from
+prometheus_client's own process collector, registered in the same private registry.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import logging
 from typing import TYPE_CHECKING, Iterator
 
 import trio
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import CollectorRegistry, ProcessCollector, generate_latest
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -140,9 +142,10 @@ class StageCollector(Collector):
 
 
 def metrics_registry(server: "StageServer") -> CollectorRegistry:
-    """A private registry holding only ``server``'s collector."""
+    """A private registry holding ``server``'s collector and this process's."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(StageCollector(server))
+    ProcessCollector(registry=registry)
     return registry
 
 
