@@ -17,8 +17,11 @@ pieces are :mod:`peer_compare`'s, which compares attention-only models the same 
   loopback, one ``DecodeEmbd`` per token (``peer_compare.stage_decode``); 2 stages cut at
   ``--layers // 2``.
 
-Medians over rounds of tokens/s, and the median of the per-round ratios to stock.  No timing is
-asserted anywhere; the figures go into bench/RESULTS-recurrent.md.
+Medians over rounds of tokens/s and of CPU time per token (this host is shared: CPU time is the
+steadier figure; peer_compare's accounting: llama-bench's process less a 1-token baseline run,
+the in-process thread, the client plus every stage process's threads), and the medians of the
+per-round ratios to stock.  No timing is asserted anywhere; the figures go into
+bench/RESULTS-recurrent.md.
 """
 
 from __future__ import annotations
@@ -57,38 +60,44 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--n-embd", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--no-stock", action="store_true",
+                        help="skippy's variants only (ratios to the in-process run), without llama-bench")
     args = parser.parse_args()
     spec = qwen35_shape(args.n_embd, args.layers)
     path = ensure_model(spec)
-    peer = build_peer()
     print(f"{path.name}: {path.stat().st_size / (1 << 20):.0f} MiB, {args.rounds} rounds of {args.steps} decodes, "
           f"1 thread", flush=True)
-    stock = BenchVariant(peer.llama_bench, path, ["-ngl", "0"], [])
-    stock.baseline()
+    stock = None
+    if not args.no_stock:
+        stock = BenchVariant(build_peer().llama_bench, path, ["-ngl", "0"], [])
+        stock.baseline()
     in_process = InProcess(path)
     cut = args.layers // 2
-    runs: dict[str, list[float]] = {"stock": [], "in-process": [], "skippy 1": [], "skippy 2": []}
     extra = ["--prefix-cache", "off", "--ctx-size", "1024"]
     with chain(str(path), [f"0:{args.layers}"], extra) as one, chain(str(path), [f"0:{cut}", f"{cut}:{args.layers}"],
                                                                      extra) as two:
         measures = {
-            "stock": lambda: stock.decode(args.steps)[0],
-            "in-process": lambda: in_process.decode(args.steps)[0],
-            "skippy 1": lambda: trio.run(stage_decode, one, args.steps)[0],
-            "skippy 2": lambda: trio.run(stage_decode, two, args.steps)[0],
+            **({"stock": lambda: stock.decode(args.steps)} if stock is not None else {}),
+            "in-process": lambda: in_process.decode(args.steps),
+            "skippy 1": lambda: trio.run(stage_decode, one, args.steps),
+            "skippy 2": lambda: trio.run(stage_decode, two, args.steps),
         }
         names = list(measures)
+        runs: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
         for round_index in range(args.rounds):
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             for name in order:
                 runs[name].append(measures[name]())
-            print(f"round {round_index + 1}: " + ", ".join(f"{name} {runs[name][-1]:.1f}" for name in names),
-                  flush=True)
+            print(f"round {round_index + 1}: " + ", ".join(
+                f"{name} {runs[name][-1][0]:.1f} t/s {runs[name][-1][1] * 1e3:.2f} ms CPU" for name in names), flush=True)
     in_process.close()
-    print(f"\n| variant | tokens/s (median) | vs stock (median of per-round ratios) |\n|---|---:|---:|")
+    reference = names[0]
+    print(f"\n| variant | tokens/s | vs {reference} | CPU ms/token | {reference} CPU / CPU |\n|---|---:|---:|---:|---:|")
     for name in names:
-        ratios = [value / base for value, base in zip(runs[name], runs["stock"])]
-        print(f"| {name} | {statistics.median(runs[name]):.1f} | {statistics.median(ratios):.1%} |")
+        rate = [value[0] / base[0] for value, base in zip(runs[name], runs[reference])]
+        cpu = [base[1] / value[1] for value, base in zip(runs[name], runs[reference])]
+        print(f"| {name} | {statistics.median(v[0] for v in runs[name]):.1f} | {statistics.median(rate):.1%} | "
+              f"{statistics.median(v[1] for v in runs[name]) * 1e3:.2f} | {statistics.median(cpu):.1%} |")
 
 
 if __name__ == "__main__":

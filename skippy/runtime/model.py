@@ -97,6 +97,13 @@ class GGUFInfo:
         return sum(self.state_layer_bytes[start:end])
 
 
+def _widest(value: object, default: int) -> int:
+    """A count, or the largest of a per-layer array of counts (as ``skippy plan`` reads them)."""
+    if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+        return max(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
+
+
 def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     """Read architecture, layer count, width and head tying from a GGUF file's metadata."""
     file = Path(path)
@@ -120,10 +127,8 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelLoadError(f"{file} lacks {arch}.block_count / {arch}.embedding_length (vocab-only file?)")
     names = set(tensor_names)
-    n_head = field(f"{arch}.attention.head_count")
-    n_head = n_head if isinstance(n_head, int) else 1
-    n_head_kv = field(f"{arch}.attention.head_count_kv")
-    n_head_kv = n_head_kv if isinstance(n_head_kv, int) else n_head
+    n_head = _widest(field(f"{arch}.attention.head_count"), 1)
+    n_head_kv = _widest(field(f"{arch}.attention.head_count_kv"), n_head)
     head_dim_k = field(f"{arch}.attention.key_length")
     head_dim_v = field(f"{arch}.attention.value_length")
     default_head_dim = n_embd // max(1, n_head)
