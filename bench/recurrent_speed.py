@@ -60,10 +60,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--n-embd", type=int, default=1024)
     parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--attention-only", action="store_true",
+                        help="the same widths as a llama (every layer attention): the baseline of the hybrid's figures")
     parser.add_argument("--no-stock", action="store_true",
                         help="skippy's variants only (ratios to the in-process run), without llama-bench")
     args = parser.parse_args()
     spec = qwen35_shape(args.n_embd, args.layers)
+    if args.attention_only:
+        spec = dataclasses.replace(tiny("llama", n_embd=args.n_embd, n_layer=args.layers), dtype="Q8_0",
+                                   n_head=spec.n_head, n_head_kv=2, n_ff=spec.n_ff)
     path = ensure_model(spec)
     print(f"{path.name}: {path.stat().st_size / (1 << 20):.0f} MiB, {args.rounds} rounds of {args.steps} decodes, "
           f"1 thread", flush=True)
