@@ -17,6 +17,7 @@ import gguf
 import numpy as np
 import pytest
 from chain_helpers import InProcessChain
+from stage_helpers import inprocess_chain
 
 from skippy.models import ensure_model, tiny
 from skippy.models.spec import LINEAR_ATTENTION_ARCHITECTURES, RWKV_CONV_ARCHITECTURES, SSM_ARCHITECTURES
@@ -117,7 +118,11 @@ def _saved_sizes(path: Path, splits: Sequence[tuple[int, int]]) -> list[list[int
     return sizes
 
 
-@pytest.mark.parametrize("arch", RECURRENT)
+#: One family per group in the fast suite (delta-net, Mamba-2 hybrid, RWKV, short convolution).
+FAST = ("qwen35", "nemotron_h", "rwkv6", "lfm2")
+
+
+@pytest.mark.parametrize("arch", [a if a in FAST else pytest.param(a, marks=pytest.mark.slow) for a in RECURRENT])
 def test_figures_are_what_llama_cpp_keeps(arch: str) -> None:
     """Per stage of a 3-stage split: the saved state grows by a cell's metadata plus the planned
     KV per token, and holds the planned recurrent state (plus a little framing)."""
@@ -148,3 +153,15 @@ def test_memory_report_counts_attention_kv_and_state_per_sequence() -> None:
         assert first.kv_capacity == 0 and first.state_per_sequence == info.state_bytes_per_sequence(0, 2) > 0
         assert first.state_capacity == 3 * first.state_per_sequence
         assert second.kv_capacity == chain.contexts[1].n_ctx * info.kv_bytes_per_cell(2, 4) > 0
+
+
+async def test_stage_statistics_report_kv_per_cell_and_state_per_sequence() -> None:
+    """The stage's statistics (its stats file) carry the same two figures for its own layers."""
+    path = ensure_model(tiny("qwen35"))
+    info = read_gguf_info(path)
+    async with inprocess_chain(["0:2", "2:4"], model=str(path), ctx_size=256, threads=1) as servers:
+        for server, (start, end) in zip(servers, ((0, 2), (2, 4))):
+            await server.refresh_runtime_stats()
+            assert server.stats.kv_bytes_per_cell == info.kv_bytes_per_cell(start, end)
+            assert server.stats.state_bytes_per_sequence == info.state_bytes_per_sequence(start, end)
+        assert servers[0].stats.kv_bytes_per_cell == 0 < servers[0].stats.state_bytes_per_sequence
