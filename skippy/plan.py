@@ -7,10 +7,11 @@ Strategy
   ``output_norm`` (or, with a tied head, a second copy of ``token_embd``) to the last stage; any
   other global tensor to every stage.  KV bytes per layer per cell are llama.cpp's f16 cache
   (``(n_embd_k_gqa + n_embd_v_gqa) * 2``; skippy runs with ``swa_full``, so every layer holds every
-  cell).  A model with Mamba layers (a ``blk.N.ssm_conv1d`` tensor) keeps, per such layer and per
-  sequence, llama.cpp's f32 recurrent state (``n_embd_r() + n_embd_s()``: the conv window
-  ``(d_conv - 1) * (d_inner + 2 * n_group * d_state)`` and the SSM state ``d_state * d_inner``),
-  and KV cells only in its layers with attention projections, of their own width.
+  cell).  A recurrent or hybrid model (:mod:`skippy.runtime.layer_kinds`, which the runtime's
+  figures use too) keeps, per recurrent layer and per sequence, llama.cpp's f32 recurrent state
+  (``n_embd_r() + n_embd_s()``: Mamba's conv window and SSM state, the delta-net's, LFM2's short
+  convolution, RWKV's token shifts and WKV state), and KV cells only in its attention layers, of
+  the width their K / V projections write.
 * **Memory of a stage** (:func:`stage_memory`): weights + KV (``ctx_size`` cells, shared by all
   sessions) + recurrent state (one slot per sequence id: the sessions and the prefix cache's
   slots) + llama.cpp's compute reserve + the stage process itself (interpreter, libraries and
@@ -53,6 +54,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
+from skippy.runtime.layer_kinds import layer_memory, recurrent_layers
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
@@ -71,8 +73,6 @@ VOCAB_BYTES_PER_TOKEN: Final = 240
 _F32: Final = 4
 _F16: Final = 2
 _BLOCK = re.compile(r"^blk\.(\d+)\.")
-_CONV = re.compile(r"^blk\.(\d+)\.ssm_conv1d\.weight$")
-_KV_PROJ = re.compile(r"^blk\.(\d+)\.attn_(k|v|qkv)\.weight$")
 #: StageConfig.cache_slots' default: the prefix cache's sequence ids beside the sessions'.
 CACHE_SLOTS: Final = 8
 _HEAD_TENSORS: Final = frozenset({"output.weight", "output.bias", "output_norm.weight", "output_norm.bias"})
@@ -197,7 +197,7 @@ class ModelShape:
     #: KV bytes per cell of each layer where they differ by layer (a hybrid's attention layers
     #: only); empty: ``kv_bytes_per_cell_layer`` for every layer
     kv_layer_bytes: tuple[int, ...] = ()
-    #: recurrent-state bytes per sequence of each layer (Mamba layers); empty: none
+    #: recurrent-state bytes per sequence of each layer (recurrent layers); empty: none
     state_layer_bytes: tuple[int, ...] = ()
 
     def kv_bytes_per_cell(self, start: int, end: int) -> int:
@@ -248,16 +248,8 @@ class ModelShape:
         embed = head = other = mapped = 0
         n_vocab = 0
         names = set()
-        recurrent: set[int] = set()
-        kv_width = [0] * n_layer  # K and V values per cell, from the projections' output widths
         for tensor in layout.tensors:
             names.add(tensor.name)
-            if (conv := _CONV.match(tensor.name)) and int(conv.group(1)) < n_layer:
-                recurrent.add(int(conv.group(1)))
-            if (proj := _KV_PROJ.match(tensor.name)) and int(proj.group(1)) < n_layer and len(tensor.dims) == 2:
-                # attn_qkv holds q too: n_head * head_k of its width
-                width = tensor.dims[1] - (n_head * head_k if proj.group(2) == "qkv" else 0)
-                kv_width[int(proj.group(1))] += width
             size = _tensor_bytes(tensor.dims, tensor.ggml_type)
             block = _BLOCK.match(tensor.name)
             if block:
@@ -285,19 +277,16 @@ class ModelShape:
         except ValueError as exc:
             raise PlanError(f"{file}: {exc}") from exc
         per_layer = meta.get(f"{arch}.embedding_length_per_layer_input")
+        kv_per_cell = n_head_kv * (head_k + head_v) * _F16
         kv_layers: tuple[int, ...] = ()
         state_layers: tuple[int, ...] = ()
-        if recurrent:  # llama.cpp's n_embd_r() + n_embd_s(), f32, for each Mamba layer
-            d_conv, d_inner = number("ssm.conv_kernel"), number("ssm.inner_size")
-            d_state, n_group = number("ssm.state_size"), number("ssm.group_count", 0)
-            state = ((d_conv - 1) * (d_inner + 2 * n_group * d_state) + d_state * d_inner) * _F32
-            state_layers = tuple(state if i in recurrent else 0 for i in range(n_layer))
-            kv_layers = tuple(width * _F16 for width in kv_width)
+        if recurrent_layers(arch, n_layer, meta):  # the runtime's own figures (GGUFInfo) come from here too
+            kv_layers, state_layers = layer_memory(arch, n_layer, meta, layout.tensors, kv_per_cell)
         return cls(
             path=file, architecture=arch, n_layer=n_layer, n_embd=n_embd,
             n_ff=n_ff if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 4 * n_embd,
             n_head=n_head, n_vocab=n_vocab, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
-            head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=n_head_kv * (head_k + head_v) * _F16,
+            head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=kv_per_cell,
             tied_head=tied, digest=header_digest(file, layout), kv_groups=groups,
             reads_tokens=isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0,
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,

@@ -75,6 +75,9 @@ class MemoryReport:
     kv_cells_used: int
     kv_bytes_used: int
     resident: int
+    #: recurrent state of one sequence id in the stage's layers, and of all ``max_sessions`` of them
+    state_per_sequence: int = 0
+    state_capacity: int = 0
 
 
 def resident_bytes() -> int:
@@ -736,7 +739,14 @@ class StageContext:
 
     @property
     def kv_bytes_per_cell(self) -> int:
-        return self.model.info.kv_bytes_per_cell(self.model.layers.n_layers)
+        layers = self.model.layers
+        return self.model.info.kv_bytes_per_cell(layers.start, layers.end)
+
+    @property
+    def state_bytes_per_sequence(self) -> int:
+        """Recurrent-state bytes one sequence id keeps in this stage's layers (0: none)."""
+        layers = self.model.layers
+        return self.model.info.state_bytes_per_sequence(layers.start, layers.end)
 
     def memory(self) -> MemoryReport:
         used = self.kv_cells_used()
@@ -746,6 +756,8 @@ class StageContext:
             kv_cells_used=used,
             kv_bytes_used=used * self.kv_bytes_per_cell,
             resident=resident_bytes(),
+            state_per_sequence=self.state_bytes_per_sequence,
+            state_capacity=self.state_bytes_per_sequence * self.max_sessions,
         )
 
     # -- lifetime ----------------------------------------------------------------------------

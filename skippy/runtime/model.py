@@ -29,10 +29,12 @@ from skippy.offload import Offload
 from skippy.runtime import _callbacks
 from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
 from skippy.runtime.cuts import KvGroup, cut_refusal, kv_groups
-from skippy.runtime.gguf_header import GGUFHeaderError, read_header
+from skippy.runtime.gguf_header import GGUFHeaderError, read_layout
+from skippy.runtime.layer_kinds import layer_memory, recurrent_tensor_refusal
 
 
 ProgressCallback = Callable[[float], object]
+_F16: Final = 2
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -81,9 +83,25 @@ class GGUFInfo:
     #: Per-layer token embeddings: every stage reads the token ids beside the hidden state.
     reads_tokens: bool = False
 
-    def kv_bytes_per_cell(self, n_layers: int, bytes_per_value: int = 2) -> int:
-        """KV bytes one cell (one token position) takes over ``n_layers`` layers (f16 cache)."""
-        return n_layers * self.n_head_kv * (self.head_dim_k + self.head_dim_v) * bytes_per_value
+    #: KV bytes per cell (f16) of each layer: a hybrid's attention layers only (skippy.runtime.layer_kinds)
+    kv_layer_bytes: tuple[int, ...] = ()
+    #: Recurrent-state bytes per sequence (f32) of each layer: a recurrent or hybrid model's
+    state_layer_bytes: tuple[int, ...] = ()
+
+    def kv_bytes_per_cell(self, start: int, end: int) -> int:
+        """KV bytes one cell (one token position) takes in layers ``start:end`` (f16 cache)."""
+        return sum(self.kv_layer_bytes[start:end])
+
+    def state_bytes_per_sequence(self, start: int, end: int) -> int:
+        """Recurrent-state bytes one sequence id holds in layers ``start:end`` (0: none)."""
+        return sum(self.state_layer_bytes[start:end])
+
+
+def _widest(value: object, default: int) -> int:
+    """A count, or the largest of a per-layer array of counts (as ``skippy plan`` reads them)."""
+    if isinstance(value, tuple) and value and all(isinstance(v, int) for v in value):
+        return max(value)
+    return value if isinstance(value, int) and not isinstance(value, bool) else default
 
 
 def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
@@ -92,9 +110,11 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     if not file.is_file():
         raise ModelLoadError(f"model file {str(file)!r} does not exist")
     try:
-        metadata, tensor_names = read_header(file)
+        layout = read_layout(file)
     except (GGUFHeaderError, OSError) as exc:
         raise ModelLoadError(f"{file} is not a readable GGUF file: {exc}") from exc
+    metadata = layout.metadata
+    tensor_names = [tensor.name for tensor in layout.tensors]
 
     def field(key: str) -> object:
         return metadata.get(key)
@@ -107,10 +127,8 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelLoadError(f"{file} lacks {arch}.block_count / {arch}.embedding_length (vocab-only file?)")
     names = set(tensor_names)
-    n_head = field(f"{arch}.attention.head_count")
-    n_head = n_head if isinstance(n_head, int) else 1
-    n_head_kv = field(f"{arch}.attention.head_count_kv")
-    n_head_kv = n_head_kv if isinstance(n_head_kv, int) else n_head
+    n_head = _widest(field(f"{arch}.attention.head_count"), 1)
+    n_head_kv = _widest(field(f"{arch}.attention.head_count_kv"), n_head)
     head_dim_k = field(f"{arch}.attention.key_length")
     head_dim_v = field(f"{arch}.attention.value_length")
     default_head_dim = n_embd // max(1, n_head)
@@ -119,6 +137,12 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     except ValueError as exc:
         raise ModelLoadError(f"{file}: {exc}") from exc
     per_layer = field(f"{arch}.embedding_length_per_layer_input")
+    if (refusal := recurrent_tensor_refusal(arch, n_layer, metadata, tensor_names)) is not None:
+        raise ModelLoadError(f"{file}: {refusal}")
+    head_k = head_dim_k if isinstance(head_dim_k, int) else default_head_dim
+    head_v = head_dim_v if isinstance(head_dim_v, int) else default_head_dim
+    kv_layers, state_layers = layer_memory(arch, n_layer, metadata, layout.tensors,
+                                           n_head_kv * (head_k + head_v) * _F16)
     return GGUFInfo(
         path=file,
         architecture=arch,
@@ -126,12 +150,14 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
         n_embd=n_embd,
         n_head=n_head,
         n_head_kv=n_head_kv,
-        head_dim_k=head_dim_k if isinstance(head_dim_k, int) else default_head_dim,
-        head_dim_v=head_dim_v if isinstance(head_dim_v, int) else default_head_dim,
+        head_dim_k=head_k,
+        head_dim_v=head_v,
         tied_head="output.weight" not in names,
         file_size=file.stat().st_size,
         kv_groups=groups,
         reads_tokens=isinstance(per_layer, int) and per_layer > 0,
+        kv_layer_bytes=kv_layers,
+        state_layer_bytes=state_layers,
     )
 
 

@@ -353,7 +353,9 @@ class Executor:
     def snapshot(self) -> dict[str, Any]:
         """Session, KV and prefix-cache figures for the stats file."""
         figures: dict[str, Any] = {"sessions_in_use": len(self._sessions),
-                                   "kv_cells_used": int(self.context.kv_cells_used())}
+                                   "kv_cells_used": int(self.context.kv_cells_used()),
+                                   "kv_bytes_per_cell": self.kv_bytes_per_cell,
+                                   "state_bytes_per_sequence": int(getattr(self.context, "state_bytes_per_sequence", 0))}
         if self.cache is not None:
             figures["prefix_cache"] = {**dataclasses.asdict(self.cache.stats), "holds": self.cache.holds}
         if getattr(self.context, "recurrent", False):  # skippy.runtime.rollback: what checkpoints cost

@@ -308,6 +308,8 @@ class StageServer:
         snapshot = await self.scheduler.call(self.executor.snapshot)
         self.stats.sessions_in_use = snapshot["sessions_in_use"]
         self.stats.kv_cells_used = snapshot["kv_cells_used"]
+        self.stats.kv_bytes_per_cell = snapshot.get("kv_bytes_per_cell", 0)
+        self.stats.state_bytes_per_sequence = snapshot.get("state_bytes_per_sequence", 0)
         self.stats.prefix_cache = snapshot.get("prefix_cache", {})
         self.stats.recurrent_rollback = snapshot.get("recurrent_rollback", {})
 

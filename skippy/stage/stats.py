@@ -100,6 +100,10 @@ class StageStats:
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0
+    #: The stage's memory per KV cell (its attention layers only) and per sequence id of
+    #: recurrent state (its recurrent layers; 0 for attention-only models), as the planner counts.
+    kv_bytes_per_cell: int = 0
+    state_bytes_per_sequence: int = 0
     #: The prefix cache's counters and gauges (``StageCache.stats``; empty when it is off).
     prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)
     #: A recurrent or hybrid model's rollbacks (``StageContext.rollback_stats``; empty otherwise).
