@@ -62,9 +62,7 @@ async def test_prefix_cache_hit_and_n_choices_on_a_hybrid_chain(arch: str, direc
                 cached = await complete(prompt=PROMPT + FOLLOW_UP)
                 uncached = await complete(prompt=PROMPT + FOLLOW_UP, prefix_cache=False)
                 singles = [await complete(prompt=PROMPT, prefix_cache=False) for _ in range(4)]
-                # issue 28: n > 1 with direct return on a >= 2-stage chain is refused today (any
-                # model); the forks are checked with direct return off until that lands
-                four = await complete(prompt=PROMPT, n=4, prefix_cache=False) if direct_return == "off" else None
+                four = await complete(prompt=PROMPT, n=4, prefix_cache=False)
             nursery.cancel_scope.cancel()
     assert recorded["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     assert cached["usage"]["prompt_tokens_details"]["cached_tokens"] > 0, cached["usage"]
@@ -72,8 +70,6 @@ async def test_prefix_cache_hit_and_n_choices_on_a_hybrid_chain(arch: str, direc
     assert cached["choices"][0]["text"] == uncached["choices"][0]["text"]
     assert cached["usage"]["completion_tokens"] == uncached["usage"]["completion_tokens"] > 0
     assert singles[0]["choices"][0]["text"] == recorded["choices"][0]["text"]
-    if four is None:
-        return
     texts = [choice["text"] for choice in four["choices"]]
     assert [choice["index"] for choice in four["choices"]] == [0, 1, 2, 3]
     assert texts == [single["choices"][0]["text"] for single in singles]
