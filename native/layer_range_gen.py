@@ -108,6 +108,10 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
+#
+#: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first:
+#: patch 0008 gives a later stage the text positions; Qwen3-TTS's talker samples codec tokens).
+SPLIT += ("qwen3vl", "qwen3vlmoe", "qwen3tts")
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).

@@ -205,6 +205,8 @@ class Family:
             learned position embedding or an input LayerNorm (GPT-2, BLOOM; loaded by the first
             stage only).
         output_norm_name: the final norm's tensor name (LFM2 stores it as ``token_embd_norm``).
+        output_rows: the head's rows where they are not the vocabulary's (Qwen3-TTS's codec head:
+            its logits are the last rows of the vocabulary, the rest padded with -inf); 0: n_vocab.
     """
 
     arch: str
@@ -222,6 +224,7 @@ class Family:
     output_bias: bool = False
     inputs: Callable[["ModelSpec", int], list[TensorDecl]] | None = None
     output_norm_name: str = "output_norm"
+    output_rows: int = 0
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -1294,6 +1297,26 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Gemma 4 (E2B/E4B): per-layer token embeddings, sliding-window and global "
             "layers of different head widths, q/k norms and a weightless v norm, GeGLU, per-layer "
             "output scale, trailing layers that reuse the KV of earlier ones, final soft-capping",
+        ),
+        #
+        # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+        Family(
+            "qwen3vl", _BOTH, _qwen3,
+            requires=frozenset({"rope_sections"}), rules=(dense.mrope_sections,),
+            summary="Qwen3-VL's text tower (text-only file, no deepstack layers): qwen3 layout with "
+            "interleaved M-RoPE sections",
+        ),
+        Family(
+            "qwen3vlmoe", _BOTH, _qwen3moe,
+            requires=_MOE | {"rope_sections"}, rules=(b.experts, dense.mrope_sections),
+            summary="Qwen3-VL-MoE's text tower (30B-A3B): qwen3moe layout with interleaved M-RoPE "
+            "sections",
+        ),
+        Family(
+            "qwen3tts", _UNTIED, _qwen3,
+            requires=frozenset({"rope_sections"}), rules=(dense.mrope_sections,), output_rows=3072,
+            summary="Qwen3-TTS's talker: Qwen3-VL's tower generating codec tokens through a "
+            "3072-row codec head (the last 3072 ids of the vocabulary)",
         ),
     )
 }

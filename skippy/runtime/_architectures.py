@@ -28,6 +28,8 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'qwen3',
     'qwen3moe',
     'qwen3next',
+    'qwen3vl',
+    'qwen3vlmoe',
     'qwen35',
     'qwen35moe',
     'phi2',
@@ -122,6 +124,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'maincoder',
     'kimi-linear',
     'mellum',
+    'qwen3tts',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
@@ -136,8 +139,6 @@ REFUSED: Final[dict[str, str]] = {
     'jina-bert-v2': 'encoder or embedding model: no KV cache, no causal generation',
     'jina-bert-v3': 'encoder or embedding model: no KV cache, no causal generation',
     'eurobert': 'encoder or embedding model: no KV cache, no causal generation',
-    'qwen3vl': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
-    'qwen3vlmoe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'qwen4exp': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'gemma3n': 'AltUp: layers hand on n_altup parallel predictions of the hidden state (n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'gemma4-assistant': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
@@ -163,6 +164,5 @@ REFUSED: Final[dict[str, str]] = {
     'glm5-next': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'talkie': 'input-embedding skip: the layers read the input embedding (kept as `embd_skip`), which a later stage does not have',
     'nanbeige': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
-    'qwen3tts': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
