@@ -51,6 +51,7 @@ from typing import Any, Final, Sequence, final
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
 
@@ -190,7 +191,8 @@ class ModelShape:
     digest: str
     #: Layers that must share one stage (skippy.runtime.cuts): a split cuts only between groups.
     kv_groups: tuple[KvGroup, ...] = ()
-    #: Per-layer token embeddings: every stage holds the token embeddings (see stage_memory).
+    #: Every stage holds the token embeddings (see stage_memory): per-layer token embeddings, or
+    #: layers that read the input embedding (patch 0010's STAGE_TOKEN_EMBEDDINGS).
     reads_tokens: bool = False
     #: Bytes every stage maps but reads only by rows (the per-layer token table).
     mapped_bytes: int = 0
@@ -299,7 +301,8 @@ class ModelShape:
             n_head=n_head, n_vocab=n_vocab, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
             head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=n_head_kv * (head_k + head_v) * _F16,
             tied_head=tied, digest=header_digest(file, layout), kv_groups=groups,
-            reads_tokens=isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0,
+            reads_tokens=(isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0)
+            or arch in STAGE_TOKEN_EMBEDDINGS,
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
             mapped_bytes=mapped,
         )

@@ -39,6 +39,7 @@ from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
 from skippy.models import blocks_linear as bl
+from skippy.models import blocks_tokens as bt
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -1317,6 +1318,16 @@ FAMILIES: Final[dict[str, Family]] = {
             requires=frozenset({"rope_sections"}), rules=(dense.mrope_sections,), output_rows=3072,
             summary="Qwen3-TTS's talker: Qwen3-VL's tower generating codec tokens through a "
             "3072-row codec head (the last 3072 ids of the vocabulary)",
+        ),
+        Family(
+            "talkie", _UNTIED, bt.talkie, requires=frozenset({"logit_scale"}), output_norm=False,
+            summary="Talkie-13B: weightless RMS norms, a per-head query gain after rope, every "
+            "layer adding the normalised input embedding times its own scale, a logit scale",
+        ),
+        Family(
+            "cogvlm", _BOTH, bt.cogvlm, rules=(bt.cogvlm_shape,),
+            summary="CogVLM's language model: llama layout with fused q/k/v and a vision expert's "
+            "attention and MLP weights beside the text ones (picked by the batch's modality)",
         ),
     )
 }

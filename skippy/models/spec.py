@@ -117,7 +117,7 @@ _RuleArchitecture = Literal[
 _PerLayerArchitecture = Literal["gemma4"]
 #
 #: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first).
-_TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts"]
+_TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cogvlm"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -934,6 +934,9 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         **_tiny_moe(n), "head_dim": n // 2, "rope_sections": (6 * n // 64, 5 * n // 64, 5 * n // 64, 0),
     },
     "qwen3tts": lambda n: {"head_dim": n // 2, "rope_sections": (6 * n // 64, 5 * n // 64, 5 * n // 64, 0)},
+    # Talkie's logit scale; CogVLM is MHA (its graph views q/k/v out of a 3 n_embd projection).
+    "talkie": lambda n: {"logit_scale": 2.0},
+    "cogvlm": lambda n: {"n_head_kv": 4},
 }
 
 

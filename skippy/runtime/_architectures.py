@@ -114,6 +114,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'minimax-01',
     'minimax-m2',
     'minimax-m3',
+    'cogvlm',
     'pangu-embedded',
     'mistral3',
     'mistral4',
@@ -123,8 +124,21 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'spark2_5',
     'maincoder',
     'kimi-linear',
+    'talkie',
     'mellum',
     'qwen3tts',
+})
+
+#: Split architectures whose later stages read the token ids beside the hidden state (patch 0010; Gemma 4's
+#: per-layer token embeddings are told by the file's hparams).
+STAGE_TOKEN_IDS: Final = frozenset({
+    'cogvlm',
+    'talkie',
+})
+
+#: ... of which those whose later stages also load the token embeddings and embed the ids.
+STAGE_TOKEN_EMBEDDINGS: Final = frozenset({
+    'talkie',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
@@ -155,14 +169,12 @@ REFUSED: Final[dict[str, str]] = {
     'llada': 'encoder or embedding model: no KV cache, no causal generation',
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
     'hrm_text': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
-    'cogvlm': "the layers depend on the input modality: they pick their weights by whether the batch holds tokens (`is_text` from ubatch.token), and every later stage's input is hidden state",
     'rnd1': 'encoder or embedding model: no KV cache, no causal generation',
     'eagle3': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'dflash': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
     'kimi-k3': 'cross-layer residual attention: layers mix the banked inputs of earlier blocks, which a later stage does not receive',
     'glm5-next': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
-    'talkie': 'input-embedding skip: the layers read the input embedding (kept as `embd_skip`), which a later stage does not have',
     'nanbeige': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
