@@ -116,6 +116,8 @@ SPLIT += ("qwen3vl", "qwen3vlmoe", "qwen3tts")
 #: ... and the layers that read the token ids (their modality: cogvlm) or the input embedding
 #: (talkie): every later stage receives the ids beside the hidden state (patch 0010).
 SPLIT += ("cogvlm", "talkie")
+#: ... and a looped model: its layer slots run the file's blocks num_loops times (patch 0011).
+SPLIT += ("nanbeige",)
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -263,6 +265,7 @@ REVIEWED: dict[str, dict[str, str]] = {
     # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
     "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
     "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "nanbeige": {"n_layer": "the block count where the file does not loop its blocks (n_layer_phys 0)"},
     "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
                               "model's depth (n_layer stays the whole model's on every stage)"},
 }
@@ -497,10 +500,13 @@ def ends_assigning(block: str, var: str) -> bool:
     blocks: list[tuple[int, int]] = []
     while (open_at := _top_level_brace(text, blocks[-1][1] + 1 if blocks else 0)) >= 0:
         blocks.append((open_at, _match_brace(text, open_at)))
-    # exhaustive: the last branch is a plain `else`
-    if len(blocks) < 2 or _code(text[blocks[-2][1] + 1:blocks[-1][0]]) != "else":
+    if not all(ends_assigning(text[a + 1:b], var) for a, b in blocks):
         return False
-    return all(ends_assigning(text[a + 1:b], var) for a, b in blocks)
+    # exhaustive (the last branch is a plain `else`), or else the statements before it end by
+    # assigning `var` (a conditional re-assignment after it: Nanbeige's norm between loops)
+    if len(blocks) >= 2 and _code(text[blocks[-2][1] + 1:blocks[-1][0]]) == "else":
+        return True
+    return ends_assigning(block[:spans[-1][0]], var)
 
 
 def _top_level_brace(text: str, start: int) -> int:
@@ -782,10 +788,14 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif "altup_predict_coef" in joined:
             arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
                            "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
-        elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined):
-            arch.reason = ("layers reused in depth (looped or hierarchical stacks): the loader maps one "
-                           "block's weights to several layer slots where the file loops them, so a range of "
-                           "slots is not a range of distinct layers and needs weights outside it")
+        elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
+            # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
+            # slots run (patch 0011); the graph is then a loop over slots like any other)
+            states = sorted(set(re.findall(r"\b(\w+) = build_stack\(", joined)))
+            arch.reason = ("layers reused in depth in a hierarchical recurrence: the graph runs stacks of "
+                           "shared blocks in cycles, not a loop over layers, and carries "
+                           + (f"{len(states)} states (`{'`, `'.join(states)}`)" if states else "several states")
+                           + " from stack to stack, wider than the n_embd-wide hidden state of a frame")
         elif "adapter_ids" in joined and "sub_tokens" in joined:
             arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter a router picks "
                            "from the input tokens, which a later stage does not have")

@@ -47,8 +47,8 @@ def test_the_issue_families_split() -> None:
     [("gemma3n", "AltUp: layers hand on n_altup parallel"), ("deepseek4", "hyper-connections"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
      ("eagle3", "draft head"), ("dflash", "draft head"),
-     ("pockettts", "not a text-generation model"), ("hrm_text", "layers reused in depth"),
-     ("nanbeige", "layers reused in depth"), ("hy_v4", "hyper-connections"),
+     ("pockettts", "not a text-generation model"), ("hrm_text", "hierarchical recurrence"),
+     ("hy_v4", "hyper-connections"),
      ("graniteswitch", "adapter switching"), ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:

@@ -102,7 +102,9 @@ def test_another_read_of_the_embedding_is_reported() -> None:
         ("inpL = ggml_add(ctx0, cur, ffn_inp);\n inpL = build_cvec(inpL, il);\n cb(inpL, \"l_out\", il);\n", True),
         ("if (par) {\n  inpL = a;\n} else {\n  cb(b, \"b\", il);\n  inpL = b;\n}\n", True),
         ("if (p) { inpL = a; } else if (q) { inpL = b; } else { inpL = c; }\n", True),
-        ("inpL = cur;\n if (loop_end) {\n  inpL = build_norm(inpL);\n}\n", False),  # no else
+        # a conditional re-assignment after an assignment (Nanbeige's norm between loops)
+        ("inpL = cur;\n if (loop_end) {\n  inpL = build_norm(inpL);\n}\n", True),
+        ("cur = x;\n if (loop_end) {\n  inpL = build_norm(cur);\n}\n", False),  # no else, no assignment before
         ("if (p) { inpL = a; } else if (q) { inpL = b; }\n", False),  # not exhaustive
         ("if (p) { inpL = a; } else { cur = b; }\n", False),
         ("inpL = cur;\n cur = ggml_scale(ctx0, cur, 2.0f);\n", False),

@@ -147,6 +147,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "n_embd_per_layer": OptionalKey("embedding_length_per_layer_input", GGUFValueType.UINT32),
     "n_kv_shared_layers": OptionalKey("attention.shared_kv_layers", GGUFValueType.UINT32),
     "head_dim_swa": OptionalKey("attention.key_length_swa", GGUFValueType.UINT32),
+    #
+    # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+    "num_loops": OptionalKey("num_loops", GGUFValueType.UINT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1328,6 +1331,11 @@ FAMILIES: Final[dict[str, Family]] = {
             "cogvlm", _BOTH, bt.cogvlm, rules=(bt.cogvlm_shape,),
             summary="CogVLM's language model: llama layout with fused q/k/v and a vision expert's "
             "attention and MLP weights beside the text ones (picked by the batch's modality)",
+        ),
+        Family(
+            "nanbeige", _BOTH, _llama, permits=frozenset({"num_loops"}),
+            summary="Nanbeige (looped): llama blocks run num_loops times, each run its own layer "
+            "slot and KV, the output norm between loops",
         ),
     )
 }

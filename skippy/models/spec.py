@@ -117,7 +117,7 @@ _RuleArchitecture = Literal[
 _PerLayerArchitecture = Literal["gemma4"]
 #
 #: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first).
-_TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cogvlm"]
+_TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cogvlm", "nanbeige"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -376,6 +376,9 @@ class ModelSpec:
     swa_period: int = 0
     #
     # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+    #: Nanbeige's loops: the n_layer blocks run num_loops times, one layer slot (and KV) per run,
+    #: so the model has n_layer * num_loops layers (``num_loops``).
+    num_loops: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -937,6 +940,9 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # Talkie's logit scale; CogVLM is MHA (its graph views q/k/v out of a 3 n_embd projection).
     "talkie": lambda n: {"logit_scale": 2.0},
     "cogvlm": lambda n: {"n_head_kv": 4},
+    # Nanbeige looped twice over 2 blocks: 4 layer slots, the output norm between the loops; every
+    # test split has a stage whose slots run a block that another stage runs too.
+    "nanbeige": lambda n: {"n_layer": 2, "num_loops": 2},
 }
 
 

@@ -126,6 +126,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'kimi-linear',
     'talkie',
     'mellum',
+    'nanbeige',
     'qwen3tts',
 })
 
@@ -168,13 +169,12 @@ REFUSED: Final[dict[str, str]] = {
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
     'llada': 'encoder or embedding model: no KV cache, no causal generation',
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
-    'hrm_text': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
+    'hrm_text': 'layers reused in depth in a hierarchical recurrence: the graph runs stacks of shared blocks in cycles, not a loop over layers, and carries 2 states (`zH`, `zL`) from stack to stack, wider than the n_embd-wide hidden state of a frame',
     'rnd1': 'encoder or embedding model: no KV cache, no causal generation',
     'eagle3': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'dflash': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
     'kimi-k3': 'cross-layer residual attention: layers mix the banked inputs of earlier blocks, which a later stage does not receive',
     'glm5-next': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
-    'nanbeige': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }

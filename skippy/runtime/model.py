@@ -109,6 +109,9 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     n_embd = field(f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelLoadError(f"{file} lacks {arch}.block_count / {arch}.embedding_length (vocab-only file?)")
+    loops = field(f"{arch}.num_loops")
+    if isinstance(loops, int) and not isinstance(loops, bool) and loops > 1:
+        n_layer *= loops  # a looped model (Nanbeige): one layer slot per run of a block
     names = set(tensor_names)
     n_head = field(f"{arch}.attention.head_count")
     n_head = n_head if isinstance(n_head, int) else 1
