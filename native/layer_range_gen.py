@@ -797,8 +797,11 @@ def classify(src: Path, archs: list[Arch]) -> None:
                            + (f"{len(states)} states (`{'`, `'.join(states)}`)" if states else "several states")
                            + " from stack to stack, wider than the n_embd-wide hidden state of a frame")
         elif "adapter_ids" in joined and "sub_tokens" in joined:
-            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter a router picks "
-                           "from the input tokens, which a later stage does not have")
+            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter that a router "
+                           "picks, an attention layer of its own past the last one (KV slot n_layer) over "
+                           "signals of the token ids, and the input embeds substituted ids; a later stage would "
+                           "run the router on KV cells of its own from the token ids (patch 0010 gives it the "
+                           "ids), which the rules do not build yet: not a limit of the model")
         elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
                 texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
         )) and "template <bool embed>" in joined:

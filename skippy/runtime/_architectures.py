@@ -163,7 +163,7 @@ REFUSED: Final[dict[str, str]] = {
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
     'rwkv7': "value residual: every layer mixes in the first layer's value projection (v_first), which only the first stage computes; a later stage would need it beside the hidden state (the protocol's RWKV7 v_first sideband, not served)",
     'arwkv7': "value residual: every layer mixes in the first layer's value projection (v_first), which only the first stage computes; a later stage would need it beside the hidden state (the protocol's RWKV7 v_first sideband, not served)",
-    'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter a router picks from the input tokens, which a later stage does not have',
+    'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter that a router picks, an attention layer of its own past the last one (KV slot n_layer) over signals of the token ids, and the input embeds substituted ids; a later stage would run the router on KV cells of its own from the token ids (patch 0010 gives it the ids), which the rules do not build yet: not a limit of the model',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
     'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
