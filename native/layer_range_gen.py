@@ -26,9 +26,10 @@ would make a split wrong (another use of ``n_layer``, the token embeddings, the 
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
 that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, a value residual from the first layer, an input embedding the layers
-read, layers reused in depth, layers that depend on the token input or its modality, an encoder),
-are refused with that reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a
+or banked across layers, a value residual from the first layer, layers reused in depth, per-token
+adapter switching, an encoder), are refused with that reason.  Layers that read the input
+embedding or pick their weights by the input modality split with the token ids on every stage
+(``TOKEN_IDS`` / ``TOKEN_EMBEDDINGS``, patch ``0010``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
 e.g. a TTS backbone without an LM head).
@@ -108,6 +109,15 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
+#
+#: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first:
+#: patch 0008 gives a later stage the text positions; Qwen3-TTS's talker samples codec tokens).
+SPLIT += ("qwen3vl", "qwen3vlmoe", "qwen3tts")
+#: ... and the layers that read the token ids (their modality: cogvlm) or the input embedding
+#: (talkie): every later stage receives the ids beside the hidden state (patch 0010).
+SPLIT += ("cogvlm", "talkie")
+#: ... and a looped model: its layer slots run the file's blocks num_loops times (patch 0011).
+SPLIT += ("nanbeige",)
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -211,6 +221,23 @@ PER_LAYER_HELPER_EDITS: list[tuple[str, str, int]] = [
     ("per_layer_proj, n_embd_per_layer, n_layer,", "per_layer_proj, n_embd_per_layer, il_end - il_start,", 1),
 ]
 
+#: What a stage past the first receives beside the hidden state (``Arch.token_input``; the loader
+#: reads it from ``llm_arch_stage_token_input`` in the generated table, patch 0010): the token ids
+#: (layers that pick their weights by the input modality: a text batch is text on every stage), or
+#: the ids and the token embeddings, which such a stage loads (layers that read the input embedding).
+TOKEN_IDS = 1
+TOKEN_EMBEDDINGS = 2
+
+#: Generic rule for layers that read the input embedding (an embedding skip: Talkie's `embd_skip`):
+#: every stage computes the input transforms before the loop from the token ids exactly as the
+#: first stage does (its own lookup of the token embeddings, scaled as build_inp_embd scales them),
+#: and a later stage's layers then start from the hidden state it received.
+SKIP_EMBD = re.compile(r"\b(\w+) = build_inp_embd\(model\.tok_embd\);")
+SKIP_EMBD_NEW = (r"\1 = il_start == 0 ? build_inp_embd(model.tok_embd) : build_stage_tok_embd(model.tok_embd, "
+                 r"hparams.f_embedding_scale != 0.0f ? hparams.f_embedding_scale : 1.0f); "
+                 r"// skippy: every stage embeds the token ids for the layers' input-embedding reads")
+SKIP_HIDDEN = "if (il_start > 0) {{ {var} = build_inp_embd(nullptr); }} // skippy: a later stage's layers start from the hidden state"
+
 #: Constructs in a main graph body that need a human look, with the ones reviewed per architecture.
 LINT = {
     "n_layer": re.compile(r"\bn_layer\b"),
@@ -238,6 +265,7 @@ REVIEWED: dict[str, dict[str, str]] = {
     # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
     "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
     "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "nanbeige": {"n_layer": "the block count where the file does not loop its blocks (n_layer_phys 0)"},
     "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
                               "model's depth (n_layer stays the whole model's on every stage)"},
 }
@@ -256,6 +284,7 @@ class Arch:
     files: list[str] = field(default_factory=list)
     graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
+    token_input: int = 0    # TOKEN_IDS / TOKEN_EMBEDDINGS: what a later stage reads beside the hidden state
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
 
@@ -266,6 +295,11 @@ class TransformError(Exception):
 
 class InherentRefusal(TransformError):
     """The graph is understood, and the model itself cannot split; the message is the reason."""
+
+
+class EmbeddingSkip(InherentRefusal):
+    """The layers read the input embedding: inherent unless every stage embeds the token ids
+    (``transform`` then applies the SKIP_EMBD rule)."""
 
 
 # --- reading the tree ---------------------------------------------------------------------------
@@ -466,10 +500,13 @@ def ends_assigning(block: str, var: str) -> bool:
     blocks: list[tuple[int, int]] = []
     while (open_at := _top_level_brace(text, blocks[-1][1] + 1 if blocks else 0)) >= 0:
         blocks.append((open_at, _match_brace(text, open_at)))
-    # exhaustive: the last branch is a plain `else`
-    if len(blocks) < 2 or _code(text[blocks[-2][1] + 1:blocks[-1][0]]) != "else":
+    if not all(ends_assigning(text[a + 1:b], var) for a, b in blocks):
         return False
-    return all(ends_assigning(text[a + 1:b], var) for a, b in blocks)
+    # exhaustive (the last branch is a plain `else`), or else the statements before it end by
+    # assigning `var` (a conditional re-assignment after it: Nanbeige's norm between loops)
+    if len(blocks) >= 2 and _code(text[blocks[-2][1] + 1:blocks[-1][0]]) == "else":
+        return True
+    return ends_assigning(block[:spans[-1][0]], var)
 
 
 def _top_level_brace(text: str, start: int) -> int:
@@ -555,7 +592,7 @@ def guard_input_transforms(body: str, loop_at: int, reads_reviewed: bool = False
             if defs[i] and defs[i] <= readers:
                 continue
             if defs[i] & later_uses:
-                raise InherentRefusal(
+                raise EmbeddingSkip(
                     "input-embedding skip: the layers read the input embedding (kept as "
                     f"`{'`, `'.join(sorted(defs[i] & later_uses))}`), which a later stage does not have")
             findings.append(f"reads the input embedding `{var}` before the layer loop (a later stage has hidden state there)")
@@ -596,18 +633,21 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     loop_close = _match_brace(body, loop_open)
     loop_uses = set(_IDENT.findall(_code(body[loop_open:loop_close])))
     embd_end = body.index(";", body.index("build_inp_embd(model.tok_embd)")) + 1
+    arch.token_input = 0
+    modality: list[str] = []  # statements choosing the layers' weights by the input modality
     for a, b in _statements(body[embd_end:loop_at]):
         code = _code(body[embd_end + a:embd_end + b])
         chosen = set(_ASSIGNED.findall(code)) - {"inpL"}
         if "ubatch.token" in code and chosen & loop_uses:
-            raise InherentRefusal(
-                "the layers depend on the input modality: they pick their weights by whether the batch "
-                f"holds tokens (`{'`, `'.join(sorted(chosen & loop_uses))}` from ubatch.token), and every "
-                "later stage's input is hidden state")
+            # the layers pick their weights by whether the batch holds tokens: every stage receives
+            # the token ids of a text batch (patch 0010), so a text batch is text on every stage
+            arch.token_input = TOKEN_IDS
+            modality.append(code)
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
-    if body.count(LAST) < 1:
+    if body.count(LAST) < 1 and "inp_out_ids" in body:
+        # a graph without output ids computes every row on every layer (CogVLM): nothing to select
         raise TransformError(f"no `{LAST}` (output-row selection) in the layer loop")
     if body.count(LAST, loop_open, loop_close) != body.count(LAST):
         raise TransformError(f"`{LAST}` outside the layer loop")
@@ -634,9 +674,23 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
     # the per-layer projection reads the embedding on the first stage only (PER_LAYER_EDITS)
-    new_body, findings = guard_input_transforms(
-        new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}),
-        readers=frozenset({"inp_per_layer"}) if per_layer else frozenset())
+    skip_edits: list[str] = []
+    try:
+        new_body, findings = guard_input_transforms(
+            new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}),
+            readers=frozenset({"inp_per_layer"}) if per_layer else frozenset())
+    except EmbeddingSkip:
+        if per_layer or len(SKIP_EMBD.findall(new_body)) != 1:
+            raise
+        # SKIP_EMBD: the transforms run on every stage, on the token embeddings it looks up itself
+        new_body = SKIP_EMBD.sub(SKIP_EMBD_NEW, new_body)
+        skip_edits = [SKIP_EMBD.sub(SKIP_EMBD_NEW, SKIP_EMBD.search(body).group(0)),
+                      SKIP_HIDDEN.format(var=carried)]
+        loop_at = new_body.index(LOOP_NEW)
+        indent_loop = re.search(r"([ \t]*)$", new_body[:loop_at]).group(1)
+        new_body = new_body[:loop_at] + skip_edits[1] + "\n\n" + indent_loop + new_body[loop_at:]
+        findings = []
+        arch.token_input = TOKEN_EMBEDDINGS
     for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
@@ -661,11 +715,16 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             raise TransformError(f"per-layer token embeddings: helper edit {old!r}: expected {count} match(es), found {found}")
         rest = rest.replace(old, new)
     # lint what is left in the graph body
-    scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
+    scan = new_body
+    for new in skip_edits:
+        scan = scan.replace(new, "")
+    scan = scan.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
     for _, new, _ in PER_LAYER_EDITS if per_layer else []:
         scan = scan.replace(new, "")
     scan = _code(scan)  # code only: comments may name anything
+    for code in modality:  # the modality rule's statements (a text batch is text on every stage)
+        scan = scan.replace(code, "")
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")
@@ -729,13 +788,20 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif "altup_predict_coef" in joined:
             arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
                            "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
-        elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined):
-            arch.reason = ("layers reused in depth (looped or hierarchical stacks): the loader maps one "
-                           "block's weights to several layer slots where the file loops them, so a range of "
-                           "slots is not a range of distinct layers and needs weights outside it")
+        elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
+            # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
+            # slots run (patch 0011); the graph is then a loop over slots like any other)
+            states = sorted(set(re.findall(r"\b(\w+) = build_stack\(", joined)))
+            arch.reason = ("layers reused in depth in a hierarchical recurrence: the graph runs stacks of "
+                           "shared blocks in cycles, not a loop over layers, and carries "
+                           + (f"{len(states)} states (`{'`, `'.join(states)}`)" if states else "several states")
+                           + " from stack to stack, wider than the n_embd-wide hidden state of a frame")
         elif "adapter_ids" in joined and "sub_tokens" in joined:
-            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter a router picks "
-                           "from the input tokens, which a later stage does not have")
+            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter that a router "
+                           "picks, an attention layer of its own past the last one (KV slot n_layer) over "
+                           "signals of the token ids, and the input embeds substituted ids; a later stage would "
+                           "run the router on KV cells of its own from the token ids (patch 0010 gives it the "
+                           "ids), which the rules do not build yet: not a limit of the model")
         elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
                 texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
         )) and "template <bool embed>" in joined:
@@ -814,6 +880,19 @@ def render_inc(archs: list[Arch]) -> str:
         "    }",
         "}",
         "",
+        "// skippy: what a stage past the first reads beside the hidden state (patch 0010): 1 the token",
+        "// ids, 2 the ids and the token embeddings; 0 nothing (per-layer token embeddings: hparams)",
+        "static int32_t llm_arch_stage_token_input(llm_arch arch) {",
+        "    switch (arch) {",
+    ]
+    for arch in archs:
+        if arch.status == "splits" and arch.token_input:
+            lines.append(f"        case {arch.enum}: return {arch.token_input};")
+    lines += [
+        "        default: return 0;",
+        "    }",
+        "}",
+        "",
     ]
     return "\n".join(lines)
 
@@ -868,6 +947,13 @@ def render_py(archs: list[Arch]) -> str:
     for arch in archs:
         if arch.status == "splits":
             lines.append(f"    {arch.name!r},")
+    lines += ["})", "", "#: Split architectures whose later stages read the token ids beside the hidden state "
+              "(patch 0010; Gemma 4's", "#: per-layer token embeddings are told by the file's hparams).",
+              "STAGE_TOKEN_IDS: Final = frozenset({"]
+    lines += [f"    {arch.name!r}," for arch in archs if arch.status == "splits" and arch.token_input]
+    lines += ["})", "", "#: ... of which those whose later stages also load the token embeddings and embed the ids.",
+              "STAGE_TOKEN_EMBEDDINGS: Final = frozenset({"]
+    lines += [f"    {arch.name!r}," for arch in archs if arch.status == "splits" and arch.token_input == TOKEN_EMBEDDINGS]
     lines += ["})", "", "#: Every other architecture llama.cpp knows, with the reason it is refused.",
               "REFUSED: Final[dict[str, str]] = {"]
     for arch in archs:
@@ -902,7 +988,10 @@ def render_docs(archs: list[Arch]) -> str:
         "reuse the KV cells of earlier ones (Gemma 4 with `shared_kv_layers`): a cut may not separate them",
         "from the layers they read, so `--layers`, `skippy plan` and `skippy up --stages N` keep to the",
         "legal cuts the file's hparams give (`skippy/runtime/cuts.py`), and a refused cut names the",
-        "nearest legal ones.",
+        "nearest legal ones.  Layers that read the token ids split the same way as per-layer token",
+        "embeddings (patch 0010): CogVLM's pick text or vision-expert weights by whether the batch holds",
+        "tokens, so every later stage receives the ids of a text batch; Talkie's add the normalised input",
+        "embedding, so every stage embeds the ids itself (loading the token embeddings).",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

@@ -52,6 +52,7 @@ from typing import Any, Final, Sequence, final
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
 from skippy.runtime.layer_kinds import layer_memory, recurrent_layers
@@ -190,7 +191,8 @@ class ModelShape:
     digest: str
     #: Layers that must share one stage (skippy.runtime.cuts): a split cuts only between groups.
     kv_groups: tuple[KvGroup, ...] = ()
-    #: Per-layer token embeddings: every stage holds the token embeddings (see stage_memory).
+    #: Every stage holds the token embeddings (see stage_memory): per-layer token embeddings, or
+    #: layers that read the input embedding (patch 0010's STAGE_TOKEN_EMBEDDINGS).
     reads_tokens: bool = False
     #: Bytes every stage maps but reads only by rows (the per-layer token table).
     mapped_bytes: int = 0
@@ -199,6 +201,15 @@ class ModelShape:
     kv_layer_bytes: tuple[int, ...] = ()
     #: recurrent-state bytes per sequence of each layer (recurrent layers); empty: none
     state_layer_bytes: tuple[int, ...] = ()
+    #: the file's block count where its layers loop over the blocks (layer il runs block
+    #: il % layer_period, Nanbeige's num_loops); 0: one block per layer
+    layer_period: int = 0
+
+    def layer_weight_bytes(self, start: int, end: int) -> int:
+        """Weight bytes of layers ``start:end``, each block once (looped layers share blocks)."""
+        if not self.layer_period:
+            return sum(self.layer_bytes[start:end])
+        return sum(self.layer_bytes[b] for b in {il % self.layer_period for il in range(start, end)})
 
     def kv_bytes_per_cell(self, start: int, end: int) -> int:
         """KV bytes per cell of layers ``start:end``."""
@@ -268,6 +279,13 @@ class ModelShape:
             else:
                 other += size
         tied = "output.weight" not in names
+        loops = meta.get(f"{arch}.num_loops")
+        period = 0
+        if isinstance(loops, int) and not isinstance(loops, bool) and loops > 1:
+            # a looped model (Nanbeige): layer slot il runs block il % the file's block count
+            period, n_layer = n_layer, n_layer * loops
+            layer_bytes = [layer_bytes[i % period] for i in range(n_layer)]
+            kv_width = [kv_width[i % period] for i in range(n_layer)]
         if tied:
             head += next((_tensor_bytes(t.dims, t.ggml_type) for t in layout.tensors
                           if t.name == "token_embd.weight"), 0)
@@ -288,9 +306,10 @@ class ModelShape:
             n_head=n_head, n_vocab=n_vocab, layer_bytes=tuple(layer_bytes), embed_bytes=embed,
             head_bytes=head, global_bytes=other, kv_bytes_per_cell_layer=kv_per_cell,
             tied_head=tied, digest=header_digest(file, layout), kv_groups=groups,
-            reads_tokens=isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0,
+            reads_tokens=(isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0)
+            or arch in STAGE_TOKEN_EMBEDDINGS,
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
-            mapped_bytes=mapped,
+            mapped_bytes=mapped, layer_period=period,
         )
 
 
@@ -342,7 +361,7 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
                  gpu: bool = False) -> StageMemory:
     """Expected memory of a stage running layers ``start:end`` (see the module notes)."""
     first, last = start == 0, end == shape.n_layer
-    weights = sum(shape.layer_bytes[start:end]) + shape.global_bytes
+    weights = shape.layer_weight_bytes(start, end) + shape.global_bytes
     # per-layer token embeddings: every stage embeds the token ids for its layers' inputs
     embeds = first or shape.reads_tokens
     weights += shape.embed_bytes if embeds else 0

@@ -123,7 +123,7 @@ def test_every_split_architecture_has_a_writer_and_exactness_cases() -> None:
 
 def assert_split_is_exact(arch: str, dtype: str, tied: bool, split: list[tuple[int, int]]) -> None:
     spec = spec_of(arch, dtype, tied)
-    assert spec.n_layer == N_LAYER
+    assert spec.n_layer * max(1, spec.num_loops) == N_LAYER  # nanbeige: layer slots over looped blocks
     if spec.sliding_window:
         assert len(LONG_PROMPT) > spec.sliding_window, "the prompt must cross the window"
     expected_logits, expected_tokens = unsplit(arch, dtype, tied)
@@ -137,6 +137,10 @@ def assert_split_is_exact(arch: str, dtype: str, tied: bool, split: list[tuple[i
     # command-r's 0.0625 multiplies them; chameleon masks its image tokens with -FLT_MAX, left
     # out of the spread).
     last = expected_logits[-1]
+    rows = family(arch).output_rows
+    if rows:  # Qwen3-TTS: the codec head's logits are the vocabulary's last rows, the rest -inf
+        assert (last[:-rows] == -np.inf).all()
+        last = last[-rows:]
     assert np.isfinite(last).all()
     assert float(np.std(last[last > np.finfo(np.float32).min])) > 0.02
 
@@ -165,7 +169,7 @@ def test_further_family_splits_exactly_or_is_refused(
 
 #: The families of issues 25 and 26 in the fast suite: one per group (the rest run in the full
 #: suite; the fast suite stays under 90 s).
-FAST_LATER: frozenset[str] = frozenset({"deepseek32", "gemma4", "gpt2", "lfm2", "nemotron_h", "plamo3", "qwen35"})
+FAST_LATER: frozenset[str] = frozenset({"deepseek32", "gemma4", "gpt2", "lfm2", "nemotron_h", "plamo3", "qwen35", "talkie"})
 
 
 def later_cases() -> list[object]:

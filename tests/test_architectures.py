@@ -18,7 +18,7 @@ import pytest
 from conftest import model_path
 from skippy.runtime import LayerRange, Model, ModelLoadError, UnsupportedArchitecture
 from skippy.runtime import model as model_module
-from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
+from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES, STAGE_TOKEN_EMBEDDINGS, STAGE_TOKEN_IDS
 
 ROOT = Path(__file__).resolve().parent.parent
 PRISTINE = ROOT / "build" / "llama-cpp-python-0.3.36" / "vendor" / "llama.cpp"
@@ -46,13 +46,20 @@ def test_the_issue_families_split() -> None:
     ("arch", "reason"),
     [("gemma3n", "AltUp: layers hand on n_altup parallel"), ("deepseek4", "hyper-connections"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
-     ("eagle3", "draft head"), ("dflash", "draft head"), ("talkie", "input-embedding skip"),
-     ("pockettts", "not a text-generation model"), ("cogvlm", "input modality"), ("hrm_text", "layers reused in depth"),
-     ("nanbeige", "layers reused in depth"), ("hy_v4", "hyper-connections"),
+     ("eagle3", "draft head"), ("dflash", "draft head"),
+     ("pockettts", "not a text-generation model"), ("hrm_text", "hierarchical recurrence"),
+     ("hy_v4", "hyper-connections"),
      ("graniteswitch", "adapter switching"), ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]
+
+
+def test_the_layers_reading_token_ids_split_with_the_ids_on_every_stage() -> None:
+    # CogVLM picks its weights by the batch's modality (the ids only), Talkie's layers read the
+    # input embedding (the ids, embedded on every stage); patch 0010 reads the same table
+    assert {"cogvlm", "talkie"} <= STAGE_TOKEN_IDS <= SPLIT_ARCHITECTURES
+    assert STAGE_TOKEN_EMBEDDINGS == STAGE_TOKEN_IDS & {"talkie"}
 
 
 def test_library_and_python_table_agree() -> None:

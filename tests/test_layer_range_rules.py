@@ -102,7 +102,9 @@ def test_another_read_of_the_embedding_is_reported() -> None:
         ("inpL = ggml_add(ctx0, cur, ffn_inp);\n inpL = build_cvec(inpL, il);\n cb(inpL, \"l_out\", il);\n", True),
         ("if (par) {\n  inpL = a;\n} else {\n  cb(b, \"b\", il);\n  inpL = b;\n}\n", True),
         ("if (p) { inpL = a; } else if (q) { inpL = b; } else { inpL = c; }\n", True),
-        ("inpL = cur;\n if (loop_end) {\n  inpL = build_norm(inpL);\n}\n", False),  # no else
+        # a conditional re-assignment after an assignment (Nanbeige's norm between loops)
+        ("inpL = cur;\n if (loop_end) {\n  inpL = build_norm(inpL);\n}\n", True),
+        ("cur = x;\n if (loop_end) {\n  inpL = build_norm(cur);\n}\n", False),  # no else, no assignment before
         ("if (p) { inpL = a; } else if (q) { inpL = b; }\n", False),  # not exhaustive
         ("if (p) { inpL = a; } else { cur = b; }\n", False),
         ("inpL = cur;\n cur = ggml_scale(ctx0, cur, 2.0f);\n", False),
@@ -156,10 +158,30 @@ def test_a_head_reading_the_token_embeddings_beside_a_loaded_output_is_refused()
         gen.transform(gen.Arch(enum="LLM_ARCH_X", name="x"), model_file(loader_extra=loads_output))
 
 
-def test_layers_chosen_by_the_input_modality_are_an_inherent_refusal() -> None:
+def test_layers_chosen_by_the_input_modality_read_the_token_ids_on_every_stage() -> None:
     modality = "    bool is_text;\n    if (ubatch.token) {\n        is_text = true;\n    } else {\n        is_text = false;\n    }\n"
     text = model_file(prelude=modality).replace(
         "cur = build_norm(inpL, model.layers[il].attn_norm,", "cur = build_norm(is_text ? inpL : cur, model.layers[il].attn_norm,"
     )
-    with pytest.raises(gen.InherentRefusal, match="input modality.*`is_text`"):
-        gen.transform(gen.Arch(enum="LLM_ARCH_X", name="x"), text)
+    arch = gen.Arch(enum="LLM_ARCH_X", name="x")
+    new, findings = gen.transform(arch, text)
+    # the modality test stays as it is: a later stage receives the ids of a text batch
+    assert findings == [] and arch.token_input == gen.TOKEN_IDS
+    assert new.count("if (ubatch.token) {") == 1 and gen.STAGE_FIRST not in new
+    # another read of ubatch.token is still a finding
+    _, findings = gen.transform(arch, text.replace("    ggml_tensor * inp_out_ids", "    bool other = ubatch.token != nullptr;\n    ggml_tensor * inp_out_ids"))
+    assert findings == ["uses ubatch.token outside the layer loop"]
+
+
+def test_layers_reading_the_input_embedding_embed_the_token_ids_on_every_stage() -> None:
+    skip = "    inpL = build_norm(inpL, nullptr, nullptr, LLM_NORM_RMS, -1);\n    ggml_tensor * embd_skip = inpL;\n"
+    text = model_file(prelude=skip).replace("        inpL = cur;\n", "        inpL = ggml_add(ctx0, cur, embd_skip);\n")
+    arch = gen.Arch(enum="LLM_ARCH_X", name="x")
+    new, findings = gen.transform(arch, text)
+    assert findings == [] and arch.token_input == gen.TOKEN_EMBEDDINGS
+    # the input norm is not guarded: every stage computes it on the token embeddings it looks up,
+    # and a later stage's layers then start from the hidden state it received
+    assert gen.STAGE_FIRST not in new
+    assert new.count("build_stage_tok_embd(model.tok_embd,") == 1
+    hidden = new.index(gen.SKIP_HIDDEN.format(var="inpL"))
+    assert new.index("ggml_tensor * embd_skip = inpL;") < hidden < new.index(gen.LOOP_NEW)

@@ -39,6 +39,7 @@ from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
 from skippy.models import blocks_linear as bl
+from skippy.models import blocks_tokens as bt
 from skippy.models.blocks import TensorDecl, TensorKind
 
 if TYPE_CHECKING:
@@ -146,6 +147,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "n_embd_per_layer": OptionalKey("embedding_length_per_layer_input", GGUFValueType.UINT32),
     "n_kv_shared_layers": OptionalKey("attention.shared_kv_layers", GGUFValueType.UINT32),
     "head_dim_swa": OptionalKey("attention.key_length_swa", GGUFValueType.UINT32),
+    #
+    # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+    "num_loops": OptionalKey("num_loops", GGUFValueType.UINT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -205,6 +209,8 @@ class Family:
             learned position embedding or an input LayerNorm (GPT-2, BLOOM; loaded by the first
             stage only).
         output_norm_name: the final norm's tensor name (LFM2 stores it as ``token_embd_norm``).
+        output_rows: the head's rows where they are not the vocabulary's (Qwen3-TTS's codec head:
+            its logits are the last rows of the vocabulary, the rest padded with -inf); 0: n_vocab.
     """
 
     arch: str
@@ -222,6 +228,7 @@ class Family:
     output_bias: bool = False
     inputs: Callable[["ModelSpec", int], list[TensorDecl]] | None = None
     output_norm_name: str = "output_norm"
+    output_rows: int = 0
 
     @property
     def allowed(self) -> frozenset[str]:
@@ -1294,6 +1301,41 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Gemma 4 (E2B/E4B): per-layer token embeddings, sliding-window and global "
             "layers of different head widths, q/k norms and a weightless v norm, GeGLU, per-layer "
             "output scale, trailing layers that reuse the KV of earlier ones, final soft-capping",
+        ),
+        #
+        # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+        Family(
+            "qwen3vl", _BOTH, _qwen3,
+            requires=frozenset({"rope_sections"}), rules=(dense.mrope_sections,),
+            summary="Qwen3-VL's text tower (text-only file, no deepstack layers): qwen3 layout with "
+            "interleaved M-RoPE sections",
+        ),
+        Family(
+            "qwen3vlmoe", _BOTH, _qwen3moe,
+            requires=_MOE | {"rope_sections"}, rules=(b.experts, dense.mrope_sections),
+            summary="Qwen3-VL-MoE's text tower (30B-A3B): qwen3moe layout with interleaved M-RoPE "
+            "sections",
+        ),
+        Family(
+            "qwen3tts", _UNTIED, _qwen3,
+            requires=frozenset({"rope_sections"}), rules=(dense.mrope_sections,), output_rows=3072,
+            summary="Qwen3-TTS's talker: Qwen3-VL's tower generating codec tokens through a "
+            "3072-row codec head (the last 3072 ids of the vocabulary)",
+        ),
+        Family(
+            "talkie", _UNTIED, bt.talkie, requires=frozenset({"logit_scale"}), output_norm=False,
+            summary="Talkie-13B: weightless RMS norms, a per-head query gain after rope, every "
+            "layer adding the normalised input embedding times its own scale, a logit scale",
+        ),
+        Family(
+            "cogvlm", _BOTH, bt.cogvlm, rules=(bt.cogvlm_shape,),
+            summary="CogVLM's language model: llama layout with fused q/k/v and a vision expert's "
+            "attention and MLP weights beside the text ones (picked by the batch's modality)",
+        ),
+        Family(
+            "nanbeige", _BOTH, _llama, permits=frozenset({"num_loops"}),
+            summary="Nanbeige (looped): llama blocks run num_loops times, each run its own layer "
+            "slot and KV, the output norm between loops",
         ),
     )
 }

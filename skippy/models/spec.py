@@ -116,9 +116,13 @@ _RuleArchitecture = Literal[
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 _PerLayerArchitecture = Literal["gemma4"]
 #
+#: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first).
+_TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cogvlm", "nanbeige"]
+#
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
     _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
+    _TokenArchitecture,
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -169,10 +173,14 @@ RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
 #
+#: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first).
+TOKEN_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_TokenArchitecture)
+#
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
     *DENSE_ARCHITECTURES, *MOE_ARCHITECTURES, *RULE_ARCHITECTURES, *PER_LAYER_ARCHITECTURES,
+    *TOKEN_ARCHITECTURES,
 )
 assert ARCHITECTURES == {
     "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
@@ -366,6 +374,11 @@ class ModelSpec:
     n_kv_shared_layers: int = 0
     head_dim_swa: int = 0
     swa_period: int = 0
+    #
+    # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+    #: Nanbeige's loops: the n_layer blocks run num_loops times, one layer slot (and KV) per run,
+    #: so the model has n_layer * num_loops layers (``num_loops``).
+    num_loops: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -914,6 +927,22 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2, "rope_theta_swa": 10000.0,
         "final_softcap": 30.0,
     },
+    #
+    # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
+    # Qwen3-VL's interleaved M-RoPE sections 24:20:20 of a 128-wide head, at a 32-wide one
+    # (6:5:5); no deepstack layers (a text-only file has none). Qwen3-TTS's talker is the same
+    # tower with a 3072-row codec head.
+    "qwen3vl": lambda n: {"head_dim": n // 2, "rope_sections": (6 * n // 64, 5 * n // 64, 5 * n // 64, 0)},
+    "qwen3vlmoe": lambda n: {
+        **_tiny_moe(n), "head_dim": n // 2, "rope_sections": (6 * n // 64, 5 * n // 64, 5 * n // 64, 0),
+    },
+    "qwen3tts": lambda n: {"head_dim": n // 2, "rope_sections": (6 * n // 64, 5 * n // 64, 5 * n // 64, 0)},
+    # Talkie's logit scale; CogVLM is MHA (its graph views q/k/v out of a 3 n_embd projection).
+    "talkie": lambda n: {"logit_scale": 2.0},
+    "cogvlm": lambda n: {"n_head_kv": 4},
+    # Nanbeige looped twice over 2 blocks: 4 layer slots, the output norm between the loops; every
+    # test split has a stage whose slots run a block that another stage runs too.
+    "nanbeige": lambda n: {"n_layer": 2, "num_loops": 2},
 }
 
 

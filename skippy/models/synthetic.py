@@ -174,7 +174,7 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
         plans.append(
             TensorPlan(
                 _tensor_name(MODEL_TENSOR.OUTPUT, "weight"),
-                (n_vocab, spec.n_embd),
+                (described.output_rows or n_vocab, spec.n_embd),
                 "matrix",
                 matrix_type,
             )

@@ -28,6 +28,8 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'qwen3',
     'qwen3moe',
     'qwen3next',
+    'qwen3vl',
+    'qwen3vlmoe',
     'qwen35',
     'qwen35moe',
     'phi2',
@@ -112,6 +114,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'minimax-01',
     'minimax-m2',
     'minimax-m3',
+    'cogvlm',
     'pangu-embedded',
     'mistral3',
     'mistral4',
@@ -121,7 +124,22 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'spark2_5',
     'maincoder',
     'kimi-linear',
+    'talkie',
     'mellum',
+    'nanbeige',
+    'qwen3tts',
+})
+
+#: Split architectures whose later stages read the token ids beside the hidden state (patch 0010; Gemma 4's
+#: per-layer token embeddings are told by the file's hparams).
+STAGE_TOKEN_IDS: Final = frozenset({
+    'cogvlm',
+    'talkie',
+})
+
+#: ... of which those whose later stages also load the token embeddings and embed the ids.
+STAGE_TOKEN_EMBEDDINGS: Final = frozenset({
+    'talkie',
 })
 
 #: Every other architecture llama.cpp knows, with the reason it is refused.
@@ -136,8 +154,6 @@ REFUSED: Final[dict[str, str]] = {
     'jina-bert-v2': 'encoder or embedding model: no KV cache, no causal generation',
     'jina-bert-v3': 'encoder or embedding model: no KV cache, no causal generation',
     'eurobert': 'encoder or embedding model: no KV cache, no causal generation',
-    'qwen3vl': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
-    'qwen3vlmoe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'qwen4exp': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'gemma3n': 'AltUp: layers hand on n_altup parallel predictions of the hidden state (n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'gemma4-assistant': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
@@ -147,22 +163,18 @@ REFUSED: Final[dict[str, str]] = {
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
     'rwkv7': "value residual: every layer mixes in the first layer's value projection (v_first), which only the first stage computes; a later stage would need it beside the hidden state (the protocol's RWKV7 v_first sideband, not served)",
     'arwkv7': "value residual: every layer mixes in the first layer's value projection (v_first), which only the first stage computes; a later stage would need it beside the hidden state (the protocol's RWKV7 v_first sideband, not served)",
-    'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter a router picks from the input tokens, which a later stage does not have',
+    'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter that a router picks, an attention layer of its own past the last one (KV slot n_layer) over signals of the token ids, and the input embeds substituted ids; a later stage would run the router on KV cells of its own from the token ids (patch 0010 gives it the ids), which the rules do not build yet: not a limit of the model',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
     'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
     'llada': 'encoder or embedding model: no KV cache, no causal generation',
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
-    'hrm_text': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
-    'cogvlm': "the layers depend on the input modality: they pick their weights by whether the batch holds tokens (`is_text` from ubatch.token), and every later stage's input is hidden state",
+    'hrm_text': 'layers reused in depth in a hierarchical recurrence: the graph runs stacks of shared blocks in cycles, not a loop over layers, and carries 2 states (`zH`, `zL`) from stack to stack, wider than the n_embd-wide hidden state of a frame',
     'rnd1': 'encoder or embedding model: no KV cache, no causal generation',
     'eagle3': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'dflash': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
     'kimi-k3': 'cross-layer residual attention: layers mix the banked inputs of earlier blocks, which a later stage does not receive',
     'glm5-next': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
-    'talkie': 'input-embedding skip: the layers read the input embedding (kept as `embd_skip`), which a later stage does not have',
-    'nanbeige': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
-    'qwen3tts': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }

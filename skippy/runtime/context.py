@@ -260,7 +260,7 @@ class StageContext:
             if tokens is None or activations is None:
                 raise InvalidBatch(
                     f"a stage starting at layer {model.layers.start} of {model.architecture} needs the token ids "
-                    "beside the activations (per-layer token embeddings: its layers read them)"
+                    "beside the activations (its layers read them)"
                 )
         elif (tokens is None) == (activations is None):
             raise InvalidBatch("give exactly one of tokens or activations")

@@ -27,7 +27,7 @@ from skippy.runtime.errors import (
 from skippy.runtime.ffi import ffi, lib
 from skippy.offload import Offload
 from skippy.runtime import _callbacks
-from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
+from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES, STAGE_TOKEN_EMBEDDINGS, STAGE_TOKEN_IDS
 from skippy.runtime.cuts import KvGroup, cut_refusal, kv_groups
 from skippy.runtime.gguf_header import GGUFHeaderError, read_layout
 from skippy.runtime.layer_kinds import layer_memory, recurrent_tensor_refusal
@@ -80,8 +80,11 @@ class GGUFInfo:
     file_size: int
     #: Layers that must share one stage (later layers read earlier layers' KV; skippy.runtime.cuts).
     kv_groups: tuple[KvGroup, ...] = ()
-    #: Per-layer token embeddings: every stage reads the token ids beside the hidden state.
+    #: Every stage reads the token ids beside the hidden state: per-layer token embeddings, or
+    #: layers that read the ids or the input embedding (patch 0010's architectures).
     reads_tokens: bool = False
+    #: ... and holds the token embeddings to embed them (per-layer inputs, an embedding skip).
+    embeds_tokens: bool = False
 
     #: KV bytes per cell (f16) of each layer: a hybrid's attention layers only (skippy.runtime.layer_kinds)
     kv_layer_bytes: tuple[int, ...] = ()
@@ -126,6 +129,9 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     n_embd = field(f"{arch}.embedding_length")
     if not isinstance(n_layer, int) or not isinstance(n_embd, int):
         raise ModelLoadError(f"{file} lacks {arch}.block_count / {arch}.embedding_length (vocab-only file?)")
+    loops = field(f"{arch}.num_loops")
+    if isinstance(loops, int) and not isinstance(loops, bool) and loops > 1:
+        n_layer *= loops  # a looped model (Nanbeige): one layer slot per run of a block
     names = set(tensor_names)
     n_head = _widest(field(f"{arch}.attention.head_count"), 1)
     n_head_kv = _widest(field(f"{arch}.attention.head_count_kv"), n_head)
@@ -155,7 +161,8 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
         tied_head="output.weight" not in names,
         file_size=file.stat().st_size,
         kv_groups=groups,
-        reads_tokens=isinstance(per_layer, int) and per_layer > 0,
+        reads_tokens=(isinstance(per_layer, int) and per_layer > 0) or arch in STAGE_TOKEN_IDS,
+        embeds_tokens=(isinstance(per_layer, int) and per_layer > 0) or arch in STAGE_TOKEN_EMBEDDINGS,
         kv_layer_bytes=kv_layers,
         state_layer_bytes=state_layers,
     )
@@ -255,10 +262,11 @@ class Model:
                     chosen_devices[slot] = lib.ggml_backend_dev_get(index)
                 params.devices = chosen_devices
         params.load_mode = lib.LLAMA_LOAD_MODE_MMAP if use_mmap else lib.LLAMA_LOAD_MODE_NONE
-        if self.info.reads_tokens:
+        if self.info.embeds_tokens:
             # Per-layer token embeddings: every stage holds the per-layer token table (n_vocab rows
-            # of n_layer slices; Gemma 4 E2B's is most of its file).  Mapped and read on demand,
-            # only the rows of the tokens a stage has seen become resident, not the table.
+            # of n_layer slices; Gemma 4 E2B's is most of its file), or at least the token
+            # embeddings.  Mapped and read on demand, only the rows of the tokens a stage has seen
+            # become resident, not the table.
             params.lazy_mode = lib.LLAMA_LAZY_MODE_ON
         overrides = ffi.new("struct llama_model_kv_override[3]")
         for slot, (key, value) in enumerate((("stage.layer_start", layers.start), ("stage.layer_end", layers.end))):
@@ -306,7 +314,8 @@ class Model:
 
     @property
     def reads_tokens(self) -> bool:
-        """Every stage reads the token ids (per-layer token embeddings), not the first only."""
+        """Every stage reads the token ids (per-layer token embeddings, layers that read the ids or
+        the input embedding), not the first only."""
         return self.info.reads_tokens
 
     @property
