@@ -26,12 +26,15 @@ would make a split wrong (another use of ``n_layer``, the token embeddings, the 
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
 that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, a value residual from the first layer, an input embedding the layers
-read, layers reused in depth, layers that depend on the token input or its modality, an encoder),
+or banked across layers, an input embedding the layers read, layers reused in depth, layers that
+depend on the token input or its modality, an encoder),
 are refused with that reason.  Recurrent state (conv / SSM / WKV / delta-net) is not such a
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
-e.g. a TTS backbone without an LM head).
+e.g. a TTS backbone without an LM head).  Nor is a value residual (RWKV-7's ``v_first``, the first
+layer's values every layer mixes in): the boundary is made wide (patch ``0010``), each row carrying
+the sideband after the hidden state, and ``src/llama-stage-archs.inc`` tells the loader how many
+n_embd-wide parts a row of such an architecture holds.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -108,6 +111,9 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 #
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
+#
+#: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
+SPLIT += ("rwkv7",)
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -242,6 +248,13 @@ REVIEWED: dict[str, dict[str, str]] = {
                               "model's depth (n_layer stays the whole model's on every stage)"},
 }
 
+#: Generic rule for a value residual (RWKV-7's v_first: every layer mixes in the first layer's
+#: value projection): the boundary is wide (patch 0010), each row carries v_first after the hidden
+#: state, and a stage past the first reads it from its input rows before the layer loop (the first
+#: stage's build_stage_sideband_in is nullptr: layer 0 sets it, as unsplit).
+VALUE_RESIDUAL = "ggml_tensor * v_first = nullptr;"
+VALUE_RESIDUAL_IN = "v_first = build_stage_sideband_in(1); // skippy: a later stage reads v_first beside the hidden state"
+
 LOOP = "for (int il = 0; il < n_layer; ++il)"
 LOOP_NEW = "for (int il = il_start; il < il_end; ++il)"
 LAST = "il == n_layer - 1"
@@ -256,6 +269,7 @@ class Arch:
     files: list[str] = field(default_factory=list)
     graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
+    stage_rows: int = 1     # n_embd-wide parts per row at a boundary (patch 0010; 1: the hidden state)
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
 
@@ -615,12 +629,20 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     if "model.output_norm" not in tail and "model.output" not in tail:
         raise TransformError("no output head after the layer loop")
     indent = re.search(r"\n([ \t]*)[^\n]*$", body[:loop_at]).group(1)
+    sideband = ""
+    arch.stage_rows = 1
+    if VALUE_RESIDUAL in body:
+        if body.count(VALUE_RESIDUAL) != 1 or len(re.findall(r"\bv_first\b", _code(body))) != 2:
+            raise TransformError("value residual: expected one `v_first` declared and passed to the time mix once")
+        sideband, arch.stage_rows = ", {v_first}", 2
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
-        f"{indent}if (build_stage_boundary({carried})) {{\n{indent}    return;\n{indent}}}"
+        f"{indent}if (build_stage_boundary({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
     )
+    sideband_in = f"{VALUE_RESIDUAL_IN}\n\n{indent}" if sideband else ""
     new_body = (
-        body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
+        body[:loop_at] + sideband_in + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary
+        + body[loop_close + 1:]
     )
     new_body = new_body.replace(LAST, LAST_NEW)
     # a row selection that does not test for the output ids (a stage that is not the last has none)
@@ -741,10 +763,6 @@ def classify(src: Path, archs: list[Arch]) -> None:
         )) and "template <bool embed>" in joined:
             arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
                            "a KV cache, no LM head), no causal generation")
-        elif re.search(r"\bv_first\b", joined):
-            arch.reason = ("value residual: every layer mixes in the first layer's value projection "
-                           "(v_first), which only the first stage computes; a later stage would need it "
-                           "beside the hidden state (the protocol's RWKV7 v_first sideband, not served)")
         elif "attn_res_block_size" in joined:
             arch.reason = ("cross-layer residual attention: layers mix the banked inputs of earlier blocks, "
                            "which a later stage does not receive")
@@ -814,6 +832,19 @@ def render_inc(archs: list[Arch]) -> str:
         "    }",
         "}",
         "",
+        "// skippy: n_embd-wide parts per row at a stage boundary (patch 0010): 1, the hidden state,",
+        "// or more where the architecture hands on a sideband beside it",
+        "static uint32_t llm_arch_stage_rows(llm_arch arch) {",
+        "    switch (arch) {",
+    ]
+    for arch in archs:
+        if arch.status == "splits" and arch.stage_rows > 1:
+            lines.append(f"        case {arch.enum}: return {arch.stage_rows};")
+    lines += [
+        "        default: return 1;",
+        "    }",
+        "}",
+        "",
     ]
     return "\n".join(lines)
 
@@ -873,6 +904,12 @@ def render_py(archs: list[Arch]) -> str:
     for arch in archs:
         if arch.status != "splits":
             lines.append(f"    {arch.name!r}: {arch.reason!r},")
+    lines += ["}", "", "#: Split architectures whose stage boundary rows hold more than the hidden state: the",
+              "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0010).",
+              "STAGE_ROWS: Final[dict[str, int]] = {"]
+    for arch in archs:
+        if arch.status == "splits" and arch.stage_rows > 1:
+            lines.append(f"    {arch.name!r}: {arch.stage_rows},")
     lines += ["}", ""]
     return "\n".join(lines)
 
@@ -903,6 +940,10 @@ def render_docs(archs: list[Arch]) -> str:
         "from the layers they read, so `--layers`, `skippy plan` and `skippy up --stages N` keep to the",
         "legal cuts the file's hparams give (`skippy/runtime/cuts.py`), and a refused cut names the",
         "nearest legal ones.",
+        "",
+        "A value residual (RWKV-7's `v_first`: every layer mixes in the first layer's values) crosses a",
+        "cut as a sideband: each activation row holds the hidden state and then `v_first` (patch 0010),",
+        "and the frame says so with the protocol's `RWKV7_V_FIRST_SIDEBAND` flag (twice the rows).",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

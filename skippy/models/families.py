@@ -38,6 +38,7 @@ from skippy.models import blocks_dense as dense
 from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
+from skippy.models import blocks_wide as wide
 from skippy.models import blocks_linear as bl
 from skippy.models.blocks import TensorDecl, TensorKind
 
@@ -146,6 +147,12 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "n_embd_per_layer": OptionalKey("embedding_length_per_layer_input", GGUFValueType.UINT32),
     "n_kv_shared_layers": OptionalKey("attention.shared_kv_layers", GGUFValueType.UINT32),
     "head_dim_swa": OptionalKey("attention.key_length_swa", GGUFValueType.UINT32),
+    #
+    # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+    "decay_lora_rank": OptionalKey("attention.decay_lora_rank", GGUFValueType.UINT32),
+    "iclr_lora_rank": OptionalKey("attention.iclr_lora_rank", GGUFValueType.UINT32),
+    "value_residual_mix_lora_rank": OptionalKey("attention.value_residual_mix_lora_rank", GGUFValueType.UINT32),
+    "gate_lora_rank": OptionalKey("attention.gate_lora_rank", GGUFValueType.UINT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1294,6 +1301,18 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Gemma 4 (E2B/E4B): per-layer token embeddings, sliding-window and global "
             "layers of different head widths, q/k norms and a weightless v norm, GeGLU, per-layer "
             "output scale, trailing layers that reuse the KV of earlier ones, final soft-capping",
+        ),
+        #
+        # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+        Family(
+            "rwkv7", _UNTIED, wide.rwkv7,
+            requires=frozenset({"wkv_head_size", "decay_lora_rank", "iclr_lora_rank",
+                                "value_residual_mix_lora_rank", "gate_lora_rank", "token_shift_count",
+                                "ln_eps"}),
+            rules=(rwkv.wkv_heads, wide.two_token_shifts, wide.wkv7_head_width), output_norm_bias=True, inputs=br.input_layer_norm,
+            summary="RWKV-7 (Goose): LayerNorm of the embeddings, WKV-7 time mixing with low-rank "
+            "decay, in-context learning rate and gate, every layer mixing in the first layer's "
+            "values (v_first), squared-ReLU channel mixing",
         ),
     )
 }

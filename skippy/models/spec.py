@@ -116,9 +116,13 @@ _RuleArchitecture = Literal[
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 _PerLayerArchitecture = Literal["gemma4"]
 #
+#: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
+_WideBoundaryArchitecture = Literal["rwkv7"]
+#
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
     _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
+    _WideBoundaryArchitecture,
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -169,10 +173,14 @@ RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
 #
+#: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
+WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7",)
+#
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
     *DENSE_ARCHITECTURES, *MOE_ARCHITECTURES, *RULE_ARCHITECTURES, *PER_LAYER_ARCHITECTURES,
+    *WIDE_BOUNDARY_ARCHITECTURES,
 )
 assert ARCHITECTURES == {
     "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
@@ -366,6 +374,14 @@ class ModelSpec:
     n_kv_shared_layers: int = 0
     head_dim_swa: int = 0
     swa_period: int = 0
+    #
+    # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+    #: RWKV-7's low-rank widths: the decay, the in-context learning rate (also layer 0's value
+    #: mix), the value-residual mix of the other layers and the output gate.
+    decay_lora_rank: int = 0
+    iclr_lora_rank: int = 0
+    value_residual_mix_lora_rank: int = 0
+    gate_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -913,6 +929,16 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "head_dim": n // 2, "head_dim_swa": n // 4, "n_embd_per_layer": n // 2,
         "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2, "rope_theta_swa": 10000.0,
         "final_softcap": 30.0,
+    },
+    #
+    # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+    # RWKV-7: one head of 64 (the real models' head width; ggml's CPU WKV-7 kernel reads whole
+    # 32- or 64-float blocks of a head), low-rank widths of a quarter / an eighth of n_embd (the
+    # value mix narrower than layer 0's iclr width, as in the real models).
+    "rwkv7": lambda n: {
+        "n_head": n // 64, "n_head_kv": n // 64, "wkv_head_size": 64, "decay_lora_rank": n // 4, "iclr_lora_rank": n // 4,
+        "value_residual_mix_lora_rank": n // 8, "gate_lora_rank": n // 2, "token_shift_count": 2,
+        "ln_eps": 1e-5,
     },
 }
 

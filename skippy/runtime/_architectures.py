@@ -81,6 +81,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'exaone-moe',
     'rwkv6',
     'rwkv6qwen2',
+    'rwkv7',
     'granite',
     'granitemoe',
     'granitehybrid',
@@ -145,8 +146,7 @@ REFUSED: Final[dict[str, str]] = {
     'deepseek4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     't5': 'encoder-decoder: the decoder attends to the encoder output',
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
-    'rwkv7': "value residual: every layer mixes in the first layer's value projection (v_first), which only the first stage computes; a later stage would need it beside the hidden state (the protocol's RWKV7 v_first sideband, not served)",
-    'arwkv7': "value residual: every layer mixes in the first layer's value projection (v_first), which only the first stage computes; a later stage would need it beside the hidden state (the protocol's RWKV7 v_first sideband, not served)",
+    'arwkv7': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter a router picks from the input tokens, which a later stage does not have',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
     'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
@@ -165,4 +165,10 @@ REFUSED: Final[dict[str, str]] = {
     'nanbeige': "layers reused in depth (looped or hierarchical stacks): the loader maps one block's weights to several layer slots where the file loops them, so a range of slots is not a range of distinct layers and needs weights outside it",
     'qwen3tts': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
+}
+
+#: Split architectures whose stage boundary rows hold more than the hidden state: the
+#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0010).
+STAGE_ROWS: Final[dict[str, int]] = {
+    'rwkv7': 2,
 }

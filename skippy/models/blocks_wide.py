@@ -1,0 +1,72 @@
+# Block descriptions of the families whose stage boundary is wide (issues 25/26, patch 0010): a
+# layer hands on more than the n_embd-wide hidden state, so a boundary row carries a sideband
+# beside it. RWKV-7 (Goose): every layer mixes in the first layer's value projection (v_first).
+#
+# Strategy: like `blocks_rwkv.py`, each function returns one block's tensors in file order, named
+# and shaped as llama.cpp's loader creates them (numpy order: the last axis is the input width).
+# The low-rank and per-channel tensors llama.cpp's quantizer keeps in F32 (time_mix_w0/w1/w2,
+# a0/a1/a2, v0/v1/v2, g1/g2, lerp_fused) are declared unquantized, so a Q8_0 file is what
+# `llama-quantize` would make.
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from skippy.models import blocks as b
+from skippy.models.blocks import TensorDecl
+
+if TYPE_CHECKING:
+    from skippy.models.spec import ModelSpec
+
+__all__ = ["rwkv7", "two_token_shifts", "wkv7_head_width"]
+
+
+def _f32(layer: int, name: str, *shape: int) -> TensorDecl:
+    return TensorDecl(b.blk(layer, name), tuple(shape), "matrix", False)
+
+
+def _vector(layer: int, name: str, *shape: int) -> TensorDecl:
+    """A per-channel parameter (lerp, decay, mix base) drawn like a norm weight: in [0.6, 1.4]."""
+    return TensorDecl(b.blk(layer, name), tuple(shape), "norm", False)
+
+
+def rwkv7(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # RWKV-7: LayerNorms with biases, WKV-7 time mixing (decay w, in-context learning rate a,
+    # value-residual mix v and output gate g as low-rank updates over six fused lerps; layer 0's
+    # value is v_first, which the others mix in), group norm on its output, then squared-ReLU
+    # channel mixing.
+    e, decay, iclr, gate = spec.n_embd, spec.decay_lora_rank, spec.iclr_lora_rank, spec.gate_lora_rank
+    value_mix = iclr if layer == 0 else spec.value_residual_mix_lora_rank
+    return [
+        b.norm(layer, "attn_norm", e), b.bias(layer, "attn_norm", e),
+        b.norm(layer, "attn_norm_2", e), b.bias(layer, "attn_norm_2", e),
+        _vector(layer, "time_mix_w0", e), _f32(layer, "time_mix_w1", decay, e), _f32(layer, "time_mix_w2", e, decay),
+        _vector(layer, "time_mix_a0", e), _f32(layer, "time_mix_a1", iclr, e), _f32(layer, "time_mix_a2", e, iclr),
+        _vector(layer, "time_mix_v0", e), _f32(layer, "time_mix_v1", value_mix, e),
+        _f32(layer, "time_mix_v2", e, value_mix),
+        _f32(layer, "time_mix_g1", gate, e), _f32(layer, "time_mix_g2", e, gate),
+        _vector(layer, "time_mix_lerp_fused", 6, 1, 1, e),
+        _vector(layer, "time_mix_k_k", e), _vector(layer, "time_mix_k_a", e), _vector(layer, "time_mix_r_k", e),
+        b.matrix(layer, "time_mix_key", e, e),
+        b.matrix(layer, "time_mix_value", e, e),
+        b.matrix(layer, "time_mix_receptance", e, e),
+        b.norm(layer, "time_mix_ln", e), b.bias(layer, "time_mix_ln", e),
+        b.matrix(layer, "time_mix_output", e, e),
+        _vector(layer, "channel_mix_lerp_k", 1, 1, e),
+        b.matrix(layer, "channel_mix_key", spec.n_ff, e),
+        b.matrix(layer, "channel_mix_value", e, spec.n_ff),
+    ]
+
+
+def two_token_shifts(spec: "ModelSpec") -> str | None:
+    # RWKV-7 keeps two shifted rows per layer (time and channel mixing; its graph asserts 2).
+    if spec.token_shift_count != 2:
+        return f"{spec.arch} needs token_shift_count == 2"
+    return None
+
+
+def wkv7_head_width(spec: "ModelSpec") -> str | None:
+    # ggml's CPU WKV-7 kernel walks a head in blocks of 32 (AVX2) or 64 (AVX-512) floats: a
+    # narrower head reads past its end (the real models' heads are 64 wide).
+    if spec.wkv_head_size % 64:
+        return f"{spec.arch} needs wkv_head_size a multiple of 64 (ggml's WKV-7 kernel), got {spec.wkv_head_size}"
+    return None
