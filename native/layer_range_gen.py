@@ -113,7 +113,7 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 SPLIT += ("gemma4",)
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
-SPLIT += ("rwkv7",)
+SPLIT += ("rwkv7", "arwkv7")
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).

@@ -74,7 +74,7 @@ def test_a_frame_whose_sideband_does_not_fit_the_stage_is_refused(flags: int, ro
 
 
 def test_only_a_protocol_flag_announces_a_wide_boundary() -> None:
-    assert sideband_flag("rwkv7", 2) == V_FIRST and sideband_flag("llama", 1) == 0
+    assert sideband_flag("rwkv7", 2) == sideband_flag("arwkv7", 2) == V_FIRST and sideband_flag("llama", 1) == 0
     with pytest.raises(ValueError, match="no state flag"):
         sideband_flag("llama", 2)
 

@@ -1,6 +1,7 @@
 # Block descriptions of the families whose stage boundary is wide (issues 25/26, patch 0010): a
 # layer hands on more than the n_embd-wide hidden state, so a boundary row carries a sideband
-# beside it. RWKV-7 (Goose): every layer mixes in the first layer's value projection (v_first).
+# beside it. RWKV-7 (Goose) and ARWKV-7 (RWKV-7 time mixing in Qwen2.5 blocks): every layer mixes
+# in the first layer's value projection (v_first).
 #
 # Strategy: like `blocks_rwkv.py`, each function returns one block's tensors in file order, named
 # and shaped as llama.cpp's loader creates them (numpy order: the last axis is the input width).
@@ -17,7 +18,7 @@ from skippy.models.blocks import TensorDecl
 if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
-__all__ = ["rwkv7", "two_token_shifts", "wkv7_head_width"]
+__all__ = ["arwkv7", "rwkv7", "two_token_shifts", "wkv7_head_width"]
 
 
 def _f32(layer: int, name: str, *shape: int) -> TensorDecl:
@@ -29,32 +30,48 @@ def _vector(layer: int, name: str, *shape: int) -> TensorDecl:
     return TensorDecl(b.blk(layer, name), tuple(shape), "norm", False)
 
 
-def rwkv7(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
-    # RWKV-7: LayerNorms with biases, WKV-7 time mixing (decay w, in-context learning rate a,
-    # value-residual mix v and output gate g as low-rank updates over six fused lerps; layer 0's
-    # value is v_first, which the others mix in), group norm on its output, then squared-ReLU
-    # channel mixing.
+def _time_mix_v7(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    """WKV-7 time mixing: decay w, in-context learning rate a, value-residual mix v and (where
+    gate_lora_rank is set) the output gate g as low-rank updates over five or six fused lerps
+    (layer 0's value is v_first, which the others mix in), r/k/v projections, group norm, output."""
     e, decay, iclr, gate = spec.n_embd, spec.decay_lora_rank, spec.iclr_lora_rank, spec.gate_lora_rank
     value_mix = iclr if layer == 0 else spec.value_residual_mix_lora_rank
-    return [
-        b.norm(layer, "attn_norm", e), b.bias(layer, "attn_norm", e),
-        b.norm(layer, "attn_norm_2", e), b.bias(layer, "attn_norm_2", e),
+    out = [
         _vector(layer, "time_mix_w0", e), _f32(layer, "time_mix_w1", decay, e), _f32(layer, "time_mix_w2", e, decay),
         _vector(layer, "time_mix_a0", e), _f32(layer, "time_mix_a1", iclr, e), _f32(layer, "time_mix_a2", e, iclr),
         _vector(layer, "time_mix_v0", e), _f32(layer, "time_mix_v1", value_mix, e),
         _f32(layer, "time_mix_v2", e, value_mix),
-        _f32(layer, "time_mix_g1", gate, e), _f32(layer, "time_mix_g2", e, gate),
-        _vector(layer, "time_mix_lerp_fused", 6, 1, 1, e),
+    ]
+    if gate:
+        out += [_f32(layer, "time_mix_g1", gate, e), _f32(layer, "time_mix_g2", e, gate)]
+    return out + [
+        _vector(layer, "time_mix_lerp_fused", 6 if gate else 5, 1, 1, e),
         _vector(layer, "time_mix_k_k", e), _vector(layer, "time_mix_k_a", e), _vector(layer, "time_mix_r_k", e),
         b.matrix(layer, "time_mix_key", e, e),
         b.matrix(layer, "time_mix_value", e, e),
         b.matrix(layer, "time_mix_receptance", e, e),
         b.norm(layer, "time_mix_ln", e), b.bias(layer, "time_mix_ln", e),
         b.matrix(layer, "time_mix_output", e, e),
+    ]
+
+
+def rwkv7(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # RWKV-7: LayerNorms with biases, gated WKV-7 time mixing, then squared-ReLU channel mixing.
+    e = spec.n_embd
+    return [
+        b.norm(layer, "attn_norm", e), b.bias(layer, "attn_norm", e),
+        b.norm(layer, "attn_norm_2", e), b.bias(layer, "attn_norm_2", e),
+        *_time_mix_v7(spec, layer),
         _vector(layer, "channel_mix_lerp_k", 1, 1, e),
         b.matrix(layer, "channel_mix_key", spec.n_ff, e),
         b.matrix(layer, "channel_mix_value", e, spec.n_ff),
     ]
+
+
+def arwkv7(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # ARWKV-7: RMSNorm, WKV-7 time mixing without the output gate (five lerps, as the distilled
+    # models ship), then Qwen2's SwiGLU.
+    return [b.norm(layer, "attn_norm", spec.n_embd), *_time_mix_v7(spec, layer), *b.dense_ffn(spec, layer)]
 
 
 def two_token_shifts(spec: "ModelSpec") -> str | None:

@@ -1314,6 +1314,15 @@ FAMILIES: Final[dict[str, Family]] = {
             "decay, in-context learning rate and gate, every layer mixing in the first layer's "
             "values (v_first), squared-ReLU channel mixing",
         ),
+        Family(
+            "arwkv7", _UNTIED, wide.arwkv7,
+            requires=frozenset({"wkv_head_size", "decay_lora_rank", "iclr_lora_rank",
+                                "value_residual_mix_lora_rank", "token_shift_count"}),
+            permits=frozenset({"gate_lora_rank"}),
+            rules=(rwkv.wkv_heads, _one_token_shift, wide.wkv7_head_width),
+            summary="ARWKV-7: Qwen2.5 blocks whose attention is RWKV-7 time mixing (RMSNorm, WKV-7 with "
+            "the first layer's values mixed into every layer, optional output gate), SwiGLU",
+        ),
     )
 }
 

@@ -117,7 +117,7 @@ _RuleArchitecture = Literal[
 _PerLayerArchitecture = Literal["gemma4"]
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
-_WideBoundaryArchitecture = Literal["rwkv7"]
+_WideBoundaryArchitecture = Literal["rwkv7", "arwkv7"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -174,7 +174,7 @@ RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
-WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7",)
+WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7")
 #
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
@@ -939,6 +939,11 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "n_head": n // 64, "n_head_kv": n // 64, "wkv_head_size": 64, "decay_lora_rank": n // 4, "iclr_lora_rank": n // 4,
         "value_residual_mix_lora_rank": n // 8, "gate_lora_rank": n // 2, "token_shift_count": 2,
         "ln_eps": 1e-5,
+    },
+    # ARWKV-7: the same time mixing without the gate, one token-shift row per layer.
+    "arwkv7": lambda n: {
+        "n_head": n // 64, "n_head_kv": n // 64, "wkv_head_size": 64, "decay_lora_rank": n // 4,
+        "iclr_lora_rank": n // 4, "value_residual_mix_lora_rank": n // 8, "token_shift_count": 1,
     },
 }
 

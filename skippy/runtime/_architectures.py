@@ -82,6 +82,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'rwkv6',
     'rwkv6qwen2',
     'rwkv7',
+    'arwkv7',
     'granite',
     'granitemoe',
     'granitehybrid',
@@ -146,7 +147,6 @@ REFUSED: Final[dict[str, str]] = {
     'deepseek4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
     't5': 'encoder-decoder: the decoder attends to the encoder output',
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
-    'arwkv7': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter a router picks from the input tokens, which a later stage does not have',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
     'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame',
@@ -171,4 +171,5 @@ REFUSED: Final[dict[str, str]] = {
 #: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0010).
 STAGE_ROWS: Final[dict[str, int]] = {
     'rwkv7': 2,
+    'arwkv7': 2,
 }

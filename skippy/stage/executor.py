@@ -161,7 +161,10 @@ ACTIVATION_LIMIT = 1e15
 
 #: The state flag (protocol.md §2.4) that announces an architecture's stage-boundary sideband
 #: (patch 0010), whose activation rows per token (§2.6) the stage's boundary rows must match.
-SIDEBAND_FLAGS: dict[str, StateFlag] = {"rwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND}
+SIDEBAND_FLAGS: dict[str, StateFlag] = {
+    "rwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND,
+    "arwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND,
+}
 
 
 def sideband_flag(architecture: str, rows: int) -> int:
