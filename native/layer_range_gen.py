@@ -747,10 +747,18 @@ def classify(src: Path, archs: list[Arch]) -> None:
                            "embeddings it reads, never as a model of its own")
         elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined):
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
-                           "(hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame")
+                           "(hc_mult x n_embd per token); a wide boundary (patch 0010) could carry them, but "
+                           "the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x "
+                           "v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a "
+                           "negotiated protocol extension, which is not defined")
         elif "altup_predict_coef" in joined:
             arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
-                           "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
+                           "(n_altup x n_embd per token: the protocol's GEMMA3N_ALTUP_SIDEBAND, 4x rows, and "
+                           "patch 0010's wide boundary could carry them), but the rules do not reach the rest "
+                           "of the graph: its per-layer token inputs are built by its own helpers (n_embd_altup "
+                           "wide, not Gemma 4's), the AltUp input projection (altup_proj) is a LAYER_OUTPUT "
+                           "tensor the loader gives the last stage, and its output rows are selected after "
+                           "the loop")
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined):
             arch.reason = ("layers reused in depth (looped or hierarchical stacks): the loader maps one "
                            "block's weights to several layer slots where the file loops them, so a range of "
@@ -764,8 +772,10 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
                            "a KV cache, no LM head), no causal generation")
         elif "attn_res_block_size" in joined:
-            arch.reason = ("cross-layer residual attention: layers mix the banked inputs of earlier blocks, "
-                           "which a later stage does not receive")
+            arch.reason = ("cross-layer residual attention: layers mix the banked inputs of every earlier "
+                           "block (one per attn_res_block_size layers), so a cut at layer L would have to hand "
+                           "on L / attn_res_block_size banked rows beside the hidden state: a width that grows "
+                           "with the cut's depth, which no stage protocol flag announces")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
