@@ -113,7 +113,7 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 SPLIT += ("gemma4",)
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
-SPLIT += ("rwkv7", "arwkv7")
+SPLIT += ("rwkv7", "arwkv7", "gemma3n")
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -160,6 +160,14 @@ LOADER_EITHER_NEW = r"GGML_ASSERT(!hparams.in_stage(i) || !(\1)); // skippy: oth
 #: Reviewed literal edits of a model file outside the graph constructor (a model's own graph
 #: inputs), per architecture: (old, new, expected count).
 FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # Gemma 3n's per-layer inputs are n_embd_altup wide: the hparam patch 0006 keys on (every stage
+    # loads the per-layer tensors and reads the token ids) says so
+    "gemma3n": [(
+        "    hparams.n_layer_kv_from_start = 20;\n",
+        "    hparams.n_layer_kv_from_start = 20;\n"
+        "    hparams.n_embd_per_layer      = hparams.n_embd_altup; // skippy: per-layer token inputs (0006)\n",
+        1,
+    )],
     # lightning-attention inputs are built on every stage but used only by lightning layers: a
     # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
     "minimax-01": [(
@@ -201,21 +209,33 @@ PER_LAYER_EDITS: list[tuple[str, str, int]] = [
      "inp_per_layer = project_per_layer_inputs(il_start == 0 ? inpL : build_stage_tok_embd(model.tok_embd, sqrtf(n_embd)),"
      " inp_per_layer); // skippy: a later stage embeds the token ids itself",
      1),
-    ("gemma4_view_2d_slice(ctx0, inp_per_layer, il)", "gemma4_view_2d_slice(ctx0, inp_per_layer, il - il_start)", 1),
+    ("{slice}(ctx0, inp_per_layer, il)", "{slice}(ctx0, inp_per_layer, il - il_start)", 1),
 ]
 #: ... and in the graph's helpers after it: the per-layer inputs are built for the stage's layers only
 #: (build_stage_layer_slice, patch 0006: the stage's columns of the token table, rows of the projection).
 PER_LAYER_HELPER_EDITS: list[tuple[str, str, int]] = [
     ("ggml_get_rows  (ctx0, model.per_layer_tok_embd, inp->tokens);",
-     "ggml_get_rows  (ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), inp->tokens);", 1),
+     "ggml_get_rows  (ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, {width}), inp->tokens);", 1),
     ("ggml_view_1d(ctx0, model.per_layer_tok_embd, embd_size, 0);",
-     "ggml_view_1d(ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), "
+     "ggml_view_1d(ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, {width}), "
      "embd_size / n_layer * (il_end - il_start), 0); // skippy: the stage's layers", 1),
     ("ggml_mul_mat   (ctx0, model.per_layer_model_proj, inp_batch);",
-     "ggml_mul_mat   (ctx0, build_stage_layer_slice(model.per_layer_model_proj, 1, n_embd_per_layer), inp_batch);", 1),
-    ("inp_per_layer, n_embd_per_layer, n_layer,", "inp_per_layer, n_embd_per_layer, il_end - il_start,", 2),
-    ("per_layer_proj, n_embd_per_layer, n_layer,", "per_layer_proj, n_embd_per_layer, il_end - il_start,", 1),
+     "ggml_mul_mat   (ctx0, build_stage_layer_slice(model.per_layer_model_proj, 1, {width}), inp_batch);", 1),
+    ("inp_per_layer, {width}, n_layer,", "inp_per_layer, {width}, il_end - il_start,", 2),
+    ("per_layer_proj, {width}, n_layer,", "per_layer_proj, {width}, il_end - il_start,", 1),
 ]
+#: The names the per-layer edits are written over: the graph's slice helper (gemma4_view_2d_slice,
+#: gemma3n_view_2d_slice) and its per-layer width (n_embd_per_layer; Gemma 3n: n_embd_altup).
+PER_LAYER_SLICE = re.compile(r"\b(\w+_view_2d_slice)\(ctx0, inp_per_layer, il\)")
+PER_LAYER_WIDTH = re.compile(r"ggml_reshape_3d\(ctx0, per_layer_proj, (\w+), n_layer,")
+
+#: Generic rule for parallel residual streams (Gemma 3n's AltUp: the layers carry inpL as
+#: [n_embd, n_tokens, n_altup]): the boundary is wide (patch 0010), each row carrying a token's
+#: streams side by side; a later stage rebuilds the streams from its input rows before the loop
+#: (the first stage builds them from the embedding, in its guarded input transforms).
+STREAMS = re.compile(r"\bn_altup\b")
+STREAMS_ROWS = 4  # llama.cpp's n_altup (src/llama-hparams.h), which the protocol's AltUp flag carries
+STREAMS_IN = "inpL = build_stage_streams_in(inpL); // skippy: a later stage takes the streams as its input rows"
 
 #: Constructs in a main graph body that need a human look, with the ones reviewed per architecture.
 LINT = {
@@ -237,6 +257,7 @@ REVIEWED: dict[str, dict[str, str]] = {
                          "after the loop, on the last stage only"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "gemma3n": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage"},
     "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
                "n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
     # Nemotron-H (and its MoE variant, which builds the same graph): n_layer indexes the input of
@@ -582,7 +603,8 @@ def guard_input_transforms(body: str, loop_at: int, reads_reviewed: bool = False
             if name and (name.group(1) in later_uses
                          or any(name.group(1) in uses[j] for j in range(len(spans)) if j not in inside)):
                 raise TransformError(f"`{name.group(1)}`, declared by an input transform, is read after it")
-        lead = re.match(r"\s*\n", region[spans[run[0]][0]:])  # blank lines stay outside the block
+        # blank lines (and the comment ending the statement before) stay outside the block
+        lead = re.match(r"[ \t]*(?://[^\n]*)?\s*\n", region[spans[run[0]][0]:])
         first = spans[run[0]][0] + (lead.end() if lead else 0)
         last = spans[run[-1]][1]
         indent = re.match(r"[ \t]*", region[first:]).group(0)
@@ -621,7 +643,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
-    if body.count(LAST) < 1:
+    if body.count(LAST) < 1 and "build_inp_out_ids()" not in body[loop_close:]:
         raise TransformError(f"no `{LAST}` (output-row selection) in the layer loop")
     if body.count(LAST, loop_open, loop_close) != body.count(LAST):
         raise TransformError(f"`{LAST}` outside the layer loop")
@@ -629,20 +651,22 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     if "model.output_norm" not in tail and "model.output" not in tail:
         raise TransformError("no output head after the layer loop")
     indent = re.search(r"\n([ \t]*)[^\n]*$", body[:loop_at]).group(1)
-    sideband = ""
+    sideband, publish, sideband_in = "", "build_stage_boundary", ""
     arch.stage_rows = 1
     if VALUE_RESIDUAL in body:
         if body.count(VALUE_RESIDUAL) != 1 or len(re.findall(r"\bv_first\b", _code(body))) != 2:
             raise TransformError("value residual: expected one `v_first` declared and passed to the time mix once")
-        sideband, arch.stage_rows = ", {v_first}", 2
+        sideband, sideband_in, arch.stage_rows = ", {v_first}", f"{VALUE_RESIDUAL_IN}\n\n{indent}", 2
+    elif STREAMS.search(_code(body)):
+        if carried != "inpL":
+            raise TransformError("parallel streams: the layers do not carry them in `inpL`")
+        publish, sideband_in, arch.stage_rows = "build_stage_boundary_streams", f"{STREAMS_IN}\n\n{indent}", STREAMS_ROWS
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
-        f"{indent}if (build_stage_boundary({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
+        f"{indent}if ({publish}({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
     )
-    sideband_in = f"{VALUE_RESIDUAL_IN}\n\n{indent}" if sideband else ""
     new_body = (
-        body[:loop_at] + sideband_in + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary
-        + body[loop_close + 1:]
+        body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
     )
     new_body = new_body.replace(LAST, LAST_NEW)
     # a row selection that does not test for the output ids (a stage that is not the last has none)
@@ -650,7 +674,15 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
     per_layer = "project_per_layer_inputs(" in new_body
-    for old, new, count in PER_LAYER_EDITS if per_layer else []:
+    slice_name = PER_LAYER_SLICE.search(new_body) if per_layer else None
+    width_name = PER_LAYER_WIDTH.search(text) if per_layer else None
+    if per_layer and (slice_name is None or width_name is None):
+        raise TransformError("per-layer token embeddings: no per-layer slice of `inp_per_layer` or projection width")
+    names = {"slice": slice_name.group(1), "width": width_name.group(1)} if slice_name and width_name else {}
+    per_layer_edits = [(old.format(**names), new.format(**names), n) for old, new, n in PER_LAYER_EDITS] if per_layer else []
+    per_layer_helper_edits = ([(old.format(**names), new.format(**names), n) for old, new, n in PER_LAYER_HELPER_EDITS]
+                              if per_layer else [])
+    for old, new, count in per_layer_edits:
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
@@ -659,6 +691,8 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     new_body, findings = guard_input_transforms(
         new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}),
         readers=frozenset({"inp_per_layer"}) if per_layer else frozenset())
+    if sideband_in:  # after the guarded input transforms: a later stage's own input
+        new_body = new_body.replace(LOOP_NEW, sideband_in + LOOP_NEW, 1)
     for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
@@ -677,7 +711,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         raise TransformError("the head reads model.tok_embd, which only the first stage loads (not "
                              "duplicated as model.output)")
     rest = text[end:]  # the per-layer helpers live after the graph constructor
-    for old, new, count in PER_LAYER_HELPER_EDITS if per_layer else []:
+    for old, new, count in per_layer_helper_edits:
         found = rest.count(old)
         if found != count:
             raise TransformError(f"per-layer token embeddings: helper edit {old!r}: expected {count} match(es), found {found}")
@@ -685,7 +719,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     # lint what is left in the graph body
     scan = new_body.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
-    for _, new, _ in PER_LAYER_EDITS if per_layer else []:
+    for _, new, _ in per_layer_edits:
         scan = scan.replace(new, "")
     scan = _code(scan)  # code only: comments may name anything
     for label, pattern in LINT.items():
@@ -751,14 +785,6 @@ def classify(src: Path, archs: list[Arch]) -> None:
                            "the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x "
                            "v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a "
                            "negotiated protocol extension, which is not defined")
-        elif "altup_predict_coef" in joined:
-            arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
-                           "(n_altup x n_embd per token: the protocol's GEMMA3N_ALTUP_SIDEBAND, 4x rows, and "
-                           "patch 0010's wide boundary could carry them), but the rules do not reach the rest "
-                           "of the graph: its per-layer token inputs are built by its own helpers (n_embd_altup "
-                           "wide, not Gemma 4's), the AltUp input projection (altup_proj) is a LAYER_OUTPUT "
-                           "tensor the loader gives the last stage, and its output rows are selected after "
-                           "the loop")
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined):
             arch.reason = ("layers reused in depth (looped or hierarchical stacks): the loader maps one "
                            "block's weights to several layer slots where the file loops them, so a range of "

@@ -1,9 +1,11 @@
-"""Wide stage boundaries (patch 0010): RWKV-7 hands on its first layer's values beside the hidden state.
+"""Wide stage boundaries (patch 0010): RWKV-7 hands on its first layer's values beside the hidden
+state, Gemma 3n its four AltUp streams.
 
 The unit tests pin the wire layout (protocol.md §2.6: the activation holds the hidden-state rows,
-then the v_first rows, flagged RWKV7_V_FIRST_SIDEBAND) against the runtime's wide rows and the
-refusals of frames whose flags or rows do not fit the stage.  The chain test runs real stage
-processes on the tiny RWKV-7 (three stages, f32 wire) and must give the unsplit model's tokens.
+then the v_first rows, flagged RWKV7_V_FIRST_SIDEBAND; or the four streams' rows in turn, flagged
+GEMMA3N_ALTUP_SIDEBAND) against the runtime's wide rows and the refusals of frames whose flags or
+rows do not fit the stage.  The chain tests run real stage processes on the tiny models (three
+stages, f32 wire) and must give the unsplit model's tokens.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ def test_a_frame_whose_sideband_does_not_fit_the_stage_is_refused(flags: int, ro
 
 def test_only_a_protocol_flag_announces_a_wide_boundary() -> None:
     assert sideband_flag("rwkv7", 2) == sideband_flag("arwkv7", 2) == V_FIRST and sideband_flag("llama", 1) == 0
+    assert sideband_flag("gemma3n", 4) == int(StateFlag.GEMMA3N_ALTUP_SIDEBAND)
     with pytest.raises(ValueError, match="no state flag"):
         sideband_flag("llama", 2)
 
@@ -91,10 +94,17 @@ def test_a_later_rwkv7_stage_takes_and_gives_rows_twice_as_wide() -> None:
                 context.decode(activations=np.zeros((1, 64), np.float32), positions=[0], seq_ids=[seq])
 
 
+def test_a_later_gemma3n_stage_takes_four_streams_and_the_token_ids() -> None:
+    path = ensure_model(tiny("gemma3n"))
+    with Model(path, "1:3") as middle:
+        assert (middle.input_rows, middle.output_rows) == (4, 4) and middle.reads_tokens
+
+
 @pytest.mark.slow
-async def test_rwkv7_stage_processes_match_the_unsplit_model(tmp_path: Path) -> None:
-    """The wire path: three stage processes (the v_first sideband crosses two boundaries, f32)."""
-    path = ensure_model(tiny("rwkv7"))
+@pytest.mark.parametrize("arch", ["rwkv7", "gemma3n"])
+async def test_stage_processes_match_the_unsplit_model(arch: str, tmp_path: Path) -> None:
+    """The wire path: three stage processes (the sideband crosses two boundaries, f32)."""
+    path = ensure_model(tiny(arch))  # type: ignore[arg-type]
     prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 13, 450, 4996, 17354]
     expected = reference_greedy(path, prompt, 12, chunk_size=5)
     flags = ["--batch-size", "64", "--ctx-size", "512", "--max-sessions", "4", "--threads", "1"]

@@ -12,13 +12,18 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from gguf import GGUFValueType
+
 from skippy.models import blocks as b
 from skippy.models.blocks import TensorDecl
 
 if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
-__all__ = ["arwkv7", "rwkv7", "two_token_shifts", "wkv7_head_width"]
+__all__ = [
+    "arwkv7", "gemma3n_block", "gemma3n_inputs", "gemma3n_keys", "gemma3n_shape", "rwkv7", "two_token_shifts",
+    "wkv7_head_width",
+]
 
 
 def _f32(layer: int, name: str, *shape: int) -> TensorDecl:
@@ -86,4 +91,69 @@ def wkv7_head_width(spec: "ModelSpec") -> str | None:
     # narrower head reads past its end (the real models' heads are 64 wide).
     if spec.wkv_head_size % 64:
         return f"{spec.arch} needs wkv_head_size a multiple of 64 (ggml's WKV-7 kernel), got {spec.wkv_head_size}"
+    return None
+
+
+# --- Gemma 3n ------------------------------------------------------------------------------
+# llama.cpp hard-codes Gemma 3n's AltUp and LAuReL shapes (src/llama-hparams.h): four AltUp
+# streams (the active one first), per-layer inputs 256 wide, LAuReL rank 64.
+GEMMA3N_ALTUP = 4
+GEMMA3N_LAUREL_RANK = 64
+GEMMA3N_PER_LAYER = 256
+
+
+def gemma3n_is_swa(spec: "ModelSpec", layer: int) -> bool:
+    """Layer ``layer`` is sliding-window (every ``swa_period``-th layer is global)."""
+    return (layer + 1) % spec.swa_period != 0
+
+
+def gemma3n_block(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    # Gemma 3n: AltUp prediction over the four streams, the active one through attention (q/k
+    # norms, a weightless v norm) and LAuReL, a GeGLU MLP (activation sparsity in the first 10
+    # layers), AltUp correction, then the per-layer input gated in.
+    e, p, n = spec.n_embd, spec.n_embd_per_layer, GEMMA3N_ALTUP
+    head = spec.n_embd_head
+    q, kv = spec.n_head * head, spec.n_head_kv * head
+    return [
+        b.norm(layer, "attn_norm", e),
+        b.matrix(layer, "attn_q", q, e), b.matrix(layer, "attn_k", kv, e), b.matrix(layer, "attn_v", kv, e),
+        b.matrix(layer, "attn_output", e, q),
+        b.norm(layer, "attn_q_norm", head), b.norm(layer, "attn_k_norm", head),
+        b.norm(layer, "post_attention_norm", e),
+        *b.dense_ffn(spec, layer, post_norm=True),
+        b.matrix(layer, "inp_gate", p, e), b.matrix(layer, "proj", e, p), b.norm(layer, "post_norm", e),
+        _f32(layer, "altup_correct_coef", n, n),
+        _vector(layer, "altup_correct_scale", e),
+        _f32(layer, "altup_predict_coef", n * n, n),
+        _f32(layer, "altup_router", n, e),
+        b.norm(layer, "altup_router_norm", e),
+        b.matrix(layer, "laurel_l", GEMMA3N_LAUREL_RANK, e),
+        b.matrix(layer, "laurel_r", e, GEMMA3N_LAUREL_RANK),
+        b.norm(layer, "laurel_post_norm", e),
+    ]
+
+
+def gemma3n_inputs(spec: "ModelSpec", n_vocab: int) -> list[TensorDecl]:
+    """AltUp's projections into and out of the extra streams, the per-layer token table, the
+    projection of the token embeddings into the per-layer inputs and its norm."""
+    e, width, extra = spec.n_embd, spec.n_embd_per_layer * spec.n_layer, GEMMA3N_ALTUP - 1
+    return [
+        TensorDecl("altup_proj.weight", (extra, e, e), "matrix", True),
+        TensorDecl("altup_unembd_proj.weight", (extra, e, e), "matrix", True),
+        TensorDecl("per_layer_token_embd.weight", (n_vocab, width), "matrix", True),
+        TensorDecl("per_layer_model_proj.weight", (width, e), "matrix", True),
+        TensorDecl("per_layer_proj_norm.weight", (spec.n_embd_per_layer,), "norm", False),
+    ]
+
+
+def gemma3n_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    return [("attention.sliding_window_pattern", [gemma3n_is_swa(spec, il) for il in range(spec.n_layer)],
+             GGUFValueType.ARRAY)]
+
+
+def gemma3n_shape(spec: "ModelSpec") -> str | None:
+    if spec.n_embd_per_layer != GEMMA3N_PER_LAYER:
+        return f"gemma3n's per-layer inputs are {GEMMA3N_PER_LAYER} wide (llama.cpp hard-codes it)"
+    if spec.swa_period < 2:
+        return "gemma3n needs swa_period >= 2 (its sliding-window pattern)"
     return None

@@ -1323,6 +1323,15 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="ARWKV-7: Qwen2.5 blocks whose attention is RWKV-7 time mixing (RMSNorm, WKV-7 with "
             "the first layer's values mixed into every layer, optional output gate), SwiGLU",
         ),
+        Family(
+            "gemma3n", _BOTH, wide.gemma3n_block,
+            requires=frozenset({"sliding_window", "n_embd_per_layer"}),
+            permits=frozenset({"rope_theta_swa", "final_softcap"}),
+            rules=(wide.gemma3n_shape,), derived_keys=wide.gemma3n_keys, inputs=wide.gemma3n_inputs,
+            summary="Gemma 3n (E2B/E4B): four AltUp streams (predict, run the active one, correct), "
+            "LAuReL, per-layer token embeddings, sliding-window and global layers, GeGLU with "
+            "activation sparsity, final soft-capping",
+        ),
     )
 }
 

@@ -117,7 +117,7 @@ _RuleArchitecture = Literal[
 _PerLayerArchitecture = Literal["gemma4"]
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
-_WideBoundaryArchitecture = Literal["rwkv7", "arwkv7"]
+_WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -174,7 +174,7 @@ RULE_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
 PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0010).
-WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7")
+WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7", "gemma3n")
 #
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
@@ -944,6 +944,12 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "arwkv7": lambda n: {
         "n_head": n // 64, "n_head_kv": n // 64, "wkv_head_size": 64, "decay_lora_rank": n // 4,
         "iclr_lora_rank": n // 4, "value_residual_mix_lora_rank": n // 8, "token_shift_count": 1,
+    },
+    # Gemma 3n (E2B layout at width 64): per-layer inputs of 256 (llama.cpp's fixed width), layers
+    # 1 and 3 global, the others sliding-window (window 8), final soft-capping.
+    "gemma3n": lambda n: {
+        "n_embd_per_layer": 256, "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2,
+        "rope_theta_swa": 10000.0, "final_softcap": 30.0,
     },
 }
 

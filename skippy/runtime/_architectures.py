@@ -44,6 +44,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'gemma',
     'gemma2',
     'gemma3',
+    'gemma3n',
     'gemma4',
     'starcoder2',
     'mamba',
@@ -141,7 +142,6 @@ REFUSED: Final[dict[str, str]] = {
     'qwen3vl': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'qwen3vlmoe': 'not validated: the layer-loop rules apply, but no synthetic writer and exactness test cover it yet',
     'qwen4exp': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0010) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
-    'gemma3n': "AltUp: layers hand on n_altup parallel predictions of the hidden state (n_altup x n_embd per token: the protocol's GEMMA3N_ALTUP_SIDEBAND, 4x rows, and patch 0010's wide boundary could carry them), but the rules do not reach the rest of the graph: its per-layer token inputs are built by its own helpers (n_embd_altup wide, not Gemma 4's), the AltUp input projection (altup_proj) is a LAYER_OUTPUT tensor the loader gives the last stage, and its output rows are selected after the loop",
     'gemma4-assistant': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'gemma-embedding': 'encoder or embedding model: no KV cache, no causal generation',
     'deepseek4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0010) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
@@ -170,6 +170,7 @@ REFUSED: Final[dict[str, str]] = {
 #: Split architectures whose stage boundary rows hold more than the hidden state: the
 #: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0010).
 STAGE_ROWS: Final[dict[str, int]] = {
+    'gemma3n': 4,
     'rwkv7': 2,
     'arwkv7': 2,
 }

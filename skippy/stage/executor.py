@@ -164,6 +164,7 @@ ACTIVATION_LIMIT = 1e15
 SIDEBAND_FLAGS: dict[str, StateFlag] = {
     "rwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND,
     "arwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND,
+    "gemma3n": StateFlag.GEMMA3N_ALTUP_SIDEBAND,
 }
 
 
