@@ -26,14 +26,14 @@ from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import timing_stats
 from skippy.stage.lane_protocol import Dispatch
 
-__all__ = ["final_prediction", "outgoing", "work_item"]
+__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "work_item"]
 
 _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
 #: One past the largest position an int32 holds.
 _POSITION_END = 1 << 31
 #: The state flags that size the activation (protocol.md §2.6).
-_SIDEBAND_BITS = int(StateFlag.RWKV7_V_FIRST_SIDEBAND | StateFlag.GEMMA3N_ALTUP_SIDEBAND
+SIDEBAND_BITS = int(StateFlag.RWKV7_V_FIRST_SIDEBAND | StateFlag.GEMMA3N_ALTUP_SIDEBAND
                      | StateFlag.INKLING_MTP_EMBD_SIDEBAND)
 
 
@@ -84,8 +84,8 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         raise InvalidMessage(f"{kind.reference_name} with source_stage_index {source}: not a stage index "
                              "(-1: from the driver)")
     wanted = 0 if is_first else sideband_flag
-    if message.state.flags & _SIDEBAND_BITS != wanted:  # the activation's rows would not be this stage's
-        got = message.state.flags & _SIDEBAND_BITS
+    if message.state.flags & SIDEBAND_BITS != wanted:  # the activation's rows would not be this stage's
+        got = message.state.flags & SIDEBAND_BITS
         raise InvalidMessage(
             f"{kind.reference_name} with activation sideband flags {got:#x} (Gemma3n / MTP / RWKV rows): "
             + (f"this stage's architecture carries the sideband {wanted:#x} beside the hidden state" if wanted
@@ -163,7 +163,7 @@ def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_d
     state = message.state
     flags = state.flags
     if sideband_flag:
-        flags = flags & ~_SIDEBAND_BITS | sideband_flag
+        flags = flags & ~SIDEBAND_BITS | sideband_flag
         activations = rows_to_wire(activations, activation_row_multiplier(sideband_flag))
     return StageMessage(
         kind=message.kind, pos_start=message.pos_start, token_count=message.token_count,
