@@ -32,8 +32,9 @@ are refused with that reason.  Recurrent state (conv / SSM / WKV / delta-net) is
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
 e.g. a TTS backbone without an LM head).  Nor is a value residual (RWKV-7's ``v_first``, the first
-layer's values every layer mixes in): the boundary is made wide (patch ``0010``), each row carrying
-the sideband after the hidden state, and ``src/llama-stage-archs.inc`` tells the loader how many
+layer's values every layer mixes in) or a fixed set of parallel residual streams (Gemma 3n's AltUp):
+the boundary is made wide (patch ``0010``), each row carrying the sideband after the hidden state (or
+a token's streams side by side), and ``src/llama-stage-archs.inc`` tells the loader how many
 n_embd-wide parts a row of such an architecture holds.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
@@ -980,6 +981,9 @@ def render_docs(archs: list[Arch]) -> str:
         "A value residual (RWKV-7's `v_first`: every layer mixes in the first layer's values) crosses a",
         "cut as a sideband: each activation row holds the hidden state and then `v_first` (patch 0010),",
         "and the frame says so with the protocol's `RWKV7_V_FIRST_SIDEBAND` flag (twice the rows).",
+        "Parallel residual streams (Gemma 3n's four AltUp streams) cross it the same way, flagged",
+        "`GEMMA3N_ALTUP_SIDEBAND` (four times the rows); Gemma 3n also reads the token ids on every stage",
+        "(per-layer token embeddings, as Gemma 4).",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",
