@@ -26,13 +26,19 @@ would make a split wrong (another use of ``n_layer``, the token embeddings, the 
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
 that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, a value residual from the first layer, layers reused in depth, per-token
-adapter switching, an encoder), are refused with that reason.  Layers that read the input
-embedding or pick their weights by the input modality split with the token ids on every stage
-(``TOKEN_IDS`` / ``TOKEN_EMBEDDINGS``, patch ``0010``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
+or banked across layers, layers reused in depth in a hierarchical recurrence, per-token adapter
+switching, an encoder), are refused with that reason.  Layers that read the input embedding or pick
+their weights by the input modality split with the token ids on every stage (``TOKEN_IDS`` /
+``TOKEN_EMBEDDINGS``, patch ``0010``); a value residual from the first layer (RWKV-7) or parallel
+streams (Gemma 3n's AltUp) cross a wide boundary announced by the protocol's sideband flags (patch
+``0012``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
-e.g. a TTS backbone without an LM head).
+e.g. a TTS backbone without an LM head).  Nor is a value residual (RWKV-7's ``v_first``, the first
+layer's values every layer mixes in) or a fixed set of parallel residual streams (Gemma 3n's AltUp):
+the boundary is made wide (patch ``0012``), each row carrying the sideband after the hidden state (or
+a token's streams side by side), and ``src/llama-stage-archs.inc`` tells the loader how many
+n_embd-wide parts a row of such an architecture holds.
 
 Only architectures in ``SPLIT`` (each covered by a synthetic writer and the exactness suite) get
 their hunks; the rest are refused at load time with the reason the classifier found.  The script
@@ -118,6 +124,9 @@ SPLIT += ("qwen3vl", "qwen3vlmoe", "qwen3tts")
 SPLIT += ("cogvlm", "talkie")
 #: ... and a looped model: its layer slots run the file's blocks num_loops times (patch 0011).
 SPLIT += ("nanbeige",)
+#
+#: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
+SPLIT += ("rwkv7", "arwkv7", "gemma3n")
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -164,6 +173,14 @@ LOADER_EITHER_NEW = r"GGML_ASSERT(!hparams.in_stage(i) || !(\1)); // skippy: oth
 #: Reviewed literal edits of a model file outside the graph constructor (a model's own graph
 #: inputs), per architecture: (old, new, expected count).
 FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
+    # Gemma 3n's per-layer inputs are n_embd_altup wide: the hparam patch 0006 keys on (every stage
+    # loads the per-layer tensors and reads the token ids) says so
+    "gemma3n": [(
+        "    hparams.n_layer_kv_from_start = 20;\n",
+        "    hparams.n_layer_kv_from_start = 20;\n"
+        "    hparams.n_embd_per_layer      = hparams.n_embd_altup; // skippy: per-layer token inputs (0006)\n",
+        1,
+    )],
     # lightning-attention inputs are built on every stage but used only by lightning layers: a
     # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
     "minimax-01": [(
@@ -205,21 +222,33 @@ PER_LAYER_EDITS: list[tuple[str, str, int]] = [
      "inp_per_layer = project_per_layer_inputs(il_start == 0 ? inpL : build_stage_tok_embd(model.tok_embd, sqrtf(n_embd)),"
      " inp_per_layer); // skippy: a later stage embeds the token ids itself",
      1),
-    ("gemma4_view_2d_slice(ctx0, inp_per_layer, il)", "gemma4_view_2d_slice(ctx0, inp_per_layer, il - il_start)", 1),
+    ("{slice}(ctx0, inp_per_layer, il)", "{slice}(ctx0, inp_per_layer, il - il_start)", 1),
 ]
 #: ... and in the graph's helpers after it: the per-layer inputs are built for the stage's layers only
 #: (build_stage_layer_slice, patch 0006: the stage's columns of the token table, rows of the projection).
 PER_LAYER_HELPER_EDITS: list[tuple[str, str, int]] = [
     ("ggml_get_rows  (ctx0, model.per_layer_tok_embd, inp->tokens);",
-     "ggml_get_rows  (ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), inp->tokens);", 1),
+     "ggml_get_rows  (ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, {width}), inp->tokens);", 1),
     ("ggml_view_1d(ctx0, model.per_layer_tok_embd, embd_size, 0);",
-     "ggml_view_1d(ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, n_embd_per_layer), "
+     "ggml_view_1d(ctx0, build_stage_layer_slice(model.per_layer_tok_embd, 0, {width}), "
      "embd_size / n_layer * (il_end - il_start), 0); // skippy: the stage's layers", 1),
     ("ggml_mul_mat   (ctx0, model.per_layer_model_proj, inp_batch);",
-     "ggml_mul_mat   (ctx0, build_stage_layer_slice(model.per_layer_model_proj, 1, n_embd_per_layer), inp_batch);", 1),
-    ("inp_per_layer, n_embd_per_layer, n_layer,", "inp_per_layer, n_embd_per_layer, il_end - il_start,", 2),
-    ("per_layer_proj, n_embd_per_layer, n_layer,", "per_layer_proj, n_embd_per_layer, il_end - il_start,", 1),
+     "ggml_mul_mat   (ctx0, build_stage_layer_slice(model.per_layer_model_proj, 1, {width}), inp_batch);", 1),
+    ("inp_per_layer, {width}, n_layer,", "inp_per_layer, {width}, il_end - il_start,", 2),
+    ("per_layer_proj, {width}, n_layer,", "per_layer_proj, {width}, il_end - il_start,", 1),
 ]
+#: The names the per-layer edits are written over: the graph's slice helper (gemma4_view_2d_slice,
+#: gemma3n_view_2d_slice) and its per-layer width (n_embd_per_layer; Gemma 3n: n_embd_altup).
+PER_LAYER_SLICE = re.compile(r"\b(\w+_view_2d_slice)\(ctx0, inp_per_layer, il\)")
+PER_LAYER_WIDTH = re.compile(r"ggml_reshape_3d\(ctx0, per_layer_proj, (\w+), n_layer,")
+
+#: Generic rule for parallel residual streams (Gemma 3n's AltUp: the layers carry inpL as
+#: [n_embd, n_tokens, n_altup]): the boundary is wide (patch 0012), each row carrying a token's
+#: streams side by side; a later stage rebuilds the streams from its input rows before the loop
+#: (the first stage builds them from the embedding, in its guarded input transforms).
+STREAMS = re.compile(r"\bn_altup\b")
+STREAMS_ROWS = 4  # llama.cpp's n_altup (src/llama-hparams.h), which the protocol's AltUp flag carries
+STREAMS_IN = "inpL = build_stage_streams_in(inpL); // skippy: a later stage takes the streams as its input rows"
 
 #: What a stage past the first receives beside the hidden state (``Arch.token_input``; the loader
 #: reads it from ``llm_arch_stage_token_input`` in the generated table, patch 0010): the token ids
@@ -258,6 +287,7 @@ REVIEWED: dict[str, dict[str, str]] = {
                          "after the loop, on the last stage only"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "gemma3n": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage"},
     "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
                "n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
     # Nemotron-H (and its MoE variant, which builds the same graph): n_layer indexes the input of
@@ -269,6 +299,13 @@ REVIEWED: dict[str, dict[str, str]] = {
     "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
                               "model's depth (n_layer stays the whole model's on every stage)"},
 }
+
+#: Generic rule for a value residual (RWKV-7's v_first: every layer mixes in the first layer's
+#: value projection): the boundary is wide (patch 0012), each row carries v_first after the hidden
+#: state, and a stage past the first reads it from its input rows before the layer loop (the first
+#: stage's build_stage_sideband_in is nullptr: layer 0 sets it, as unsplit).
+VALUE_RESIDUAL = "ggml_tensor * v_first = nullptr;"
+VALUE_RESIDUAL_IN = "v_first = build_stage_sideband_in(1); // skippy: a later stage reads v_first beside the hidden state"
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
 LOOP_NEW = "for (int il = il_start; il < il_end; ++il)"
@@ -285,6 +322,7 @@ class Arch:
     graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
     token_input: int = 0    # TOKEN_IDS / TOKEN_EMBEDDINGS: what a later stage reads beside the hidden state
+    stage_rows: int = 1     # n_embd-wide parts per row at a boundary (patch 0012; 1: the hidden state)
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
 
@@ -605,7 +643,8 @@ def guard_input_transforms(body: str, loop_at: int, reads_reviewed: bool = False
             if name and (name.group(1) in later_uses
                          or any(name.group(1) in uses[j] for j in range(len(spans)) if j not in inside)):
                 raise TransformError(f"`{name.group(1)}`, declared by an input transform, is read after it")
-        lead = re.match(r"\s*\n", region[spans[run[0]][0]:])  # blank lines stay outside the block
+        # blank lines (and the comment ending the statement before) stay outside the block
+        lead = re.match(r"[ \t]*(?://[^\n]*)?\s*\n", region[spans[run[0]][0]:])
         first = spans[run[0]][0] + (lead.end() if lead else 0)
         last = spans[run[-1]][1]
         indent = re.match(r"[ \t]*", region[first:]).group(0)
@@ -646,8 +685,9 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
-    if body.count(LAST) < 1 and "inp_out_ids" in body:
-        # a graph without output ids computes every row on every layer (CogVLM): nothing to select
+    if body.count(LAST) < 1 and "inp_out_ids" in body and "build_inp_out_ids()" not in body[loop_close:]:
+        # no selection in the loop: a graph without output ids computes every row on every layer
+        # (CogVLM), or one that picks the output rows after the loop (Gemma 3n)
         raise TransformError(f"no `{LAST}` (output-row selection) in the layer loop")
     if body.count(LAST, loop_open, loop_close) != body.count(LAST):
         raise TransformError(f"`{LAST}` outside the layer loop")
@@ -655,9 +695,19 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     if "model.output_norm" not in tail and "model.output" not in tail:
         raise TransformError("no output head after the layer loop")
     indent = re.search(r"\n([ \t]*)[^\n]*$", body[:loop_at]).group(1)
+    sideband, publish, sideband_in = "", "build_stage_boundary", ""
+    arch.stage_rows = 1
+    if VALUE_RESIDUAL in body:
+        if body.count(VALUE_RESIDUAL) != 1 or len(re.findall(r"\bv_first\b", _code(body))) != 2:
+            raise TransformError("value residual: expected one `v_first` declared and passed to the time mix once")
+        sideband, sideband_in, arch.stage_rows = ", {v_first}", f"{VALUE_RESIDUAL_IN}\n\n{indent}", 2
+    elif STREAMS.search(_code(body)):
+        if carried != "inpL":
+            raise TransformError("parallel streams: the layers do not carry them in `inpL`")
+        publish, sideband_in, arch.stage_rows = "build_stage_boundary_streams", f"{STREAMS_IN}\n\n{indent}", STREAMS_ROWS
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
-        f"{indent}if (build_stage_boundary({carried})) {{\n{indent}    return;\n{indent}}}"
+        f"{indent}if ({publish}({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
     )
     new_body = (
         body[:loop_at] + LOOP_NEW + body[loop_at + len(LOOP):loop_close + 1] + boundary + body[loop_close + 1:]
@@ -668,7 +718,15 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     guards = new_body.count(EMBD_GUARD[0])
     new_body = new_body.replace(EMBD_GUARD[0], EMBD_GUARD[1])
     per_layer = "project_per_layer_inputs(" in new_body
-    for old, new, count in PER_LAYER_EDITS if per_layer else []:
+    slice_name = PER_LAYER_SLICE.search(new_body) if per_layer else None
+    width_name = PER_LAYER_WIDTH.search(text) if per_layer else None
+    if per_layer and (slice_name is None or width_name is None):
+        raise TransformError("per-layer token embeddings: no per-layer slice of `inp_per_layer` or projection width")
+    names = {"slice": slice_name.group(1), "width": width_name.group(1)} if slice_name and width_name else {}
+    per_layer_edits = [(old.format(**names), new.format(**names), n) for old, new, n in PER_LAYER_EDITS] if per_layer else []
+    per_layer_helper_edits = ([(old.format(**names), new.format(**names), n) for old, new, n in PER_LAYER_HELPER_EDITS]
+                              if per_layer else [])
+    for old, new, count in per_layer_edits:
         found = new_body.count(old)
         if found != count:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
@@ -691,6 +749,8 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         new_body = new_body[:loop_at] + skip_edits[1] + "\n\n" + indent_loop + new_body[loop_at:]
         findings = []
         arch.token_input = TOKEN_EMBEDDINGS
+    if sideband_in:  # after the guarded input transforms: a later stage's own input
+        new_body = new_body.replace(LOOP_NEW, sideband_in + LOOP_NEW, 1)
     for old, new, count in ARCH_EDITS.get(name, []):
         found = new_body.count(old)
         if found != count:
@@ -709,7 +769,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         raise TransformError("the head reads model.tok_embd, which only the first stage loads (not "
                              "duplicated as model.output)")
     rest = text[end:]  # the per-layer helpers live after the graph constructor
-    for old, new, count in PER_LAYER_HELPER_EDITS if per_layer else []:
+    for old, new, count in per_layer_helper_edits:
         found = rest.count(old)
         if found != count:
             raise TransformError(f"per-layer token embeddings: helper edit {old!r}: expected {count} match(es), found {found}")
@@ -720,7 +780,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         scan = scan.replace(new, "")
     scan = scan.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
-    for _, new, _ in PER_LAYER_EDITS if per_layer else []:
+    for _, new, _ in per_layer_edits:
         scan = scan.replace(new, "")
     scan = _code(scan)  # code only: comments may name anything
     for code in modality:  # the modality rule's statements (a text batch is text on every stage)
@@ -784,10 +844,10 @@ def classify(src: Path, archs: list[Arch]) -> None:
                            "embeddings it reads, never as a model of its own")
         elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined):
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
-                           "(hc_mult x n_embd per token), wider than the n_embd-wide hidden state of a frame")
-        elif "altup_predict_coef" in joined:
-            arch.reason = ("AltUp: layers hand on n_altup parallel predictions of the hidden state "
-                           "(n_altup x n_embd per token), wider than the n_embd-wide hidden state of a frame")
+                           "(hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but "
+                           "the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x "
+                           "v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a "
+                           "negotiated protocol extension, which is not defined")
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
             # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
             # slots run (patch 0011); the graph is then a loop over slots like any other)
@@ -807,13 +867,11 @@ def classify(src: Path, archs: list[Arch]) -> None:
         )) and "template <bool embed>" in joined:
             arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
                            "a KV cache, no LM head), no causal generation")
-        elif re.search(r"\bv_first\b", joined):
-            arch.reason = ("value residual: every layer mixes in the first layer's value projection "
-                           "(v_first), which only the first stage computes; a later stage would need it "
-                           "beside the hidden state (the protocol's RWKV7 v_first sideband, not served)")
         elif "attn_res_block_size" in joined:
-            arch.reason = ("cross-layer residual attention: layers mix the banked inputs of earlier blocks, "
-                           "which a later stage does not receive")
+            arch.reason = ("cross-layer residual attention: layers mix the banked inputs of every earlier "
+                           "block (one per attn_res_block_size layers), so a cut at layer L would have to hand "
+                           "on L / attn_res_block_size banked rows beside the hidden state: a width that grows "
+                           "with the cut's depth, which no stage protocol flag announces")
         else:
             main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
             if len(main) != 1:
@@ -893,6 +951,19 @@ def render_inc(archs: list[Arch]) -> str:
         "    }",
         "}",
         "",
+        "// skippy: n_embd-wide parts per row at a stage boundary (patch 0012): 1, the hidden state,",
+        "// or more where the architecture hands on a sideband beside it",
+        "static uint32_t llm_arch_stage_rows(llm_arch arch) {",
+        "    switch (arch) {",
+    ]
+    for arch in archs:
+        if arch.status == "splits" and arch.stage_rows > 1:
+            lines.append(f"        case {arch.enum}: return {arch.stage_rows};")
+    lines += [
+        "        default: return 1;",
+        "    }",
+        "}",
+        "",
     ]
     return "\n".join(lines)
 
@@ -959,6 +1030,12 @@ def render_py(archs: list[Arch]) -> str:
     for arch in archs:
         if arch.status != "splits":
             lines.append(f"    {arch.name!r}: {arch.reason!r},")
+    lines += ["}", "", "#: Split architectures whose stage boundary rows hold more than the hidden state: the",
+              "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012).",
+              "STAGE_ROWS: Final[dict[str, int]] = {"]
+    for arch in archs:
+        if arch.status == "splits" and arch.stage_rows > 1:
+            lines.append(f"    {arch.name!r}: {arch.stage_rows},")
     lines += ["}", ""]
     return "\n".join(lines)
 
@@ -992,6 +1069,13 @@ def render_docs(archs: list[Arch]) -> str:
         "embeddings (patch 0010): CogVLM's pick text or vision-expert weights by whether the batch holds",
         "tokens, so every later stage receives the ids of a text batch; Talkie's add the normalised input",
         "embedding, so every stage embeds the ids itself (loading the token embeddings).",
+        "",
+        "A value residual (RWKV-7's `v_first`: every layer mixes in the first layer's values) crosses a",
+        "cut as a sideband: each activation row holds the hidden state and then `v_first` (patch 0012),",
+        "and the frame says so with the protocol's `RWKV7_V_FIRST_SIDEBAND` flag (twice the rows).",
+        "Parallel residual streams (Gemma 3n's four AltUp streams) cross it the same way, flagged",
+        "`GEMMA3N_ALTUP_SIDEBAND` (four times the rows); Gemma 3n also reads the token ids on every stage",
+        "(per-layer token embeddings, as Gemma 4).",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

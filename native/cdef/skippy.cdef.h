@@ -125,6 +125,8 @@ struct llama_model_params llama_model_default_params(void);
 struct llama_model * llama_model_load_from_file(const char * path_model, struct llama_model_params params);
 void llama_model_free(struct llama_model * model);
 int32_t llama_model_n_embd(const struct llama_model * model);
+int32_t llama_model_n_embd_inp(const struct llama_model * model);
+int32_t llama_model_n_embd_out(const struct llama_model * model);
 int32_t llama_model_n_layer(const struct llama_model * model);
 int32_t llama_model_n_head(const struct llama_model * model);
 int32_t llama_model_n_head_kv(const struct llama_model * model);

@@ -38,6 +38,7 @@ from skippy.models import blocks_dense as dense
 from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
+from skippy.models import blocks_wide as wide
 from skippy.models import blocks_linear as bl
 from skippy.models import blocks_tokens as bt
 from skippy.models.blocks import TensorDecl, TensorKind
@@ -150,6 +151,12 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     #
     # --- issue 26: token inputs / reused layers (keep this group's entries below this line) ---
     "num_loops": OptionalKey("num_loops", GGUFValueType.UINT32),
+    #
+    # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+    "decay_lora_rank": OptionalKey("attention.decay_lora_rank", GGUFValueType.UINT32),
+    "iclr_lora_rank": OptionalKey("attention.iclr_lora_rank", GGUFValueType.UINT32),
+    "value_residual_mix_lora_rank": OptionalKey("attention.value_residual_mix_lora_rank", GGUFValueType.UINT32),
+    "gate_lora_rank": OptionalKey("attention.gate_lora_rank", GGUFValueType.UINT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1336,6 +1343,36 @@ FAMILIES: Final[dict[str, Family]] = {
             "nanbeige", _BOTH, _llama, permits=frozenset({"num_loops"}),
             summary="Nanbeige (looped): llama blocks run num_loops times, each run its own layer "
             "slot and KV, the output norm between loops",
+        ),
+        #
+        # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+        Family(
+            "rwkv7", _UNTIED, wide.rwkv7,
+            requires=frozenset({"wkv_head_size", "decay_lora_rank", "iclr_lora_rank",
+                                "value_residual_mix_lora_rank", "gate_lora_rank", "token_shift_count",
+                                "ln_eps"}),
+            rules=(rwkv.wkv_heads, wide.two_token_shifts, wide.wkv7_head_width), output_norm_bias=True, inputs=br.input_layer_norm,
+            summary="RWKV-7 (Goose): LayerNorm of the embeddings, WKV-7 time mixing with low-rank "
+            "decay, in-context learning rate and gate, every layer mixing in the first layer's "
+            "values (v_first), squared-ReLU channel mixing",
+        ),
+        Family(
+            "arwkv7", _UNTIED, wide.arwkv7,
+            requires=frozenset({"wkv_head_size", "decay_lora_rank", "iclr_lora_rank",
+                                "value_residual_mix_lora_rank", "token_shift_count"}),
+            permits=frozenset({"gate_lora_rank"}),
+            rules=(rwkv.wkv_heads, _one_token_shift, wide.wkv7_head_width),
+            summary="ARWKV-7: Qwen2.5 blocks whose attention is RWKV-7 time mixing (RMSNorm, WKV-7 with "
+            "the first layer's values mixed into every layer, optional output gate), SwiGLU",
+        ),
+        Family(
+            "gemma3n", _BOTH, wide.gemma3n_block,
+            requires=frozenset({"sliding_window", "n_embd_per_layer"}),
+            permits=frozenset({"rope_theta_swa", "final_softcap"}),
+            rules=(wide.gemma3n_shape,), derived_keys=wide.gemma3n_keys, inputs=wide.gemma3n_inputs,
+            summary="Gemma 3n (E2B/E4B): four AltUp streams (predict, run the active one, correct), "
+            "LAuReL, per-layer token embeddings, sliding-window and global layers, GeGLU with "
+            "activation sparsity, final soft-capping",
         ),
     )
 }

@@ -119,10 +119,14 @@ _PerLayerArchitecture = Literal["gemma4"]
 #: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first).
 _TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cogvlm", "nanbeige"]
 #
+#: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
+_WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
+#
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
     _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
     _TokenArchitecture,
+    _WideBoundaryArchitecture,
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -176,11 +180,15 @@ PER_LAYER_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("gemma4",)
 #: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first).
 TOKEN_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_TokenArchitecture)
 #
+#: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
+WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7", "gemma3n")
+#
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
     *DENSE_ARCHITECTURES, *MOE_ARCHITECTURES, *RULE_ARCHITECTURES, *PER_LAYER_ARCHITECTURES,
     *TOKEN_ARCHITECTURES,
+    *WIDE_BOUNDARY_ARCHITECTURES,
 )
 assert ARCHITECTURES == {
     "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
@@ -379,6 +387,14 @@ class ModelSpec:
     #: Nanbeige's loops: the n_layer blocks run num_loops times, one layer slot (and KV) per run,
     #: so the model has n_layer * num_loops layers (``num_loops``).
     num_loops: int = 0
+    #
+    # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+    #: RWKV-7's low-rank widths: the decay, the in-context learning rate (also layer 0's value
+    #: mix), the value-residual mix of the other layers and the output gate.
+    decay_lora_rank: int = 0
+    iclr_lora_rank: int = 0
+    value_residual_mix_lora_rank: int = 0
+    gate_lora_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -943,6 +959,27 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     # Nanbeige looped twice over 2 blocks: 4 layer slots, the output norm between the loops; every
     # test split has a stage whose slots run a block that another stage runs too.
     "nanbeige": lambda n: {"n_layer": 2, "num_loops": 2},
+    #
+    # --- issues 25/26: wide stage boundaries (keep this group's entries below this line) ---
+    # RWKV-7: one head of 64 (the real models' head width; ggml's CPU WKV-7 kernel reads whole
+    # 32- or 64-float blocks of a head), low-rank widths of a quarter / an eighth of n_embd (the
+    # value mix narrower than layer 0's iclr width, as in the real models).
+    "rwkv7": lambda n: {
+        "n_head": n // 64, "n_head_kv": n // 64, "wkv_head_size": 64, "decay_lora_rank": n // 4, "iclr_lora_rank": n // 4,
+        "value_residual_mix_lora_rank": n // 8, "gate_lora_rank": n // 2, "token_shift_count": 2,
+        "ln_eps": 1e-5,
+    },
+    # ARWKV-7: the same time mixing without the gate, one token-shift row per layer.
+    "arwkv7": lambda n: {
+        "n_head": n // 64, "n_head_kv": n // 64, "wkv_head_size": 64, "decay_lora_rank": n // 4,
+        "iclr_lora_rank": n // 4, "value_residual_mix_lora_rank": n // 8, "token_shift_count": 1,
+    },
+    # Gemma 3n (E2B layout at width 64): per-layer inputs of 256 (llama.cpp's fixed width), layers
+    # 1 and 3 global, the others sliding-window (window 8), final soft-capping.
+    "gemma3n": lambda n: {
+        "n_embd_per_layer": 256, "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2,
+        "rope_theta_swa": 10000.0, "final_softcap": 30.0,
+    },
 }
 
 

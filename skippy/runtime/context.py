@@ -175,6 +175,10 @@ class StageContext:
         self.n_batch = int(lib.llama_n_batch(pointer))
         self.max_sessions = max_sessions
         self.n_embd = model.n_embd
+        #: Width of an activation row taken (other stages) and handed on (all but the last): the
+        #: hidden state, then any sideband the architecture carries beside it (patch 0012).
+        self.input_width = model.n_embd * model.input_rows
+        self.output_width = model.n_embd * model.output_rows
         # Reused batch arrays: numbers are copied in, activations are pointed at in place.
         self._tokens = np.zeros(self.n_batch, dtype=np.int32)
         self._positions = np.zeros(self.n_batch, dtype=np.int32)
@@ -247,7 +251,8 @@ class StageContext:
             seq_ids: session (sequence id) of each row.
             tokens: token ids (the first stage; and, beside the activations, every stage of a
                 model with per-layer token embeddings, whose layers read them).
-            activations: float32 ``rows x n_embd`` hidden states (other stages).
+            activations: float32 ``rows x input_width`` hidden states (other stages; where the
+                architecture hands on a sideband, each row is the hidden state and then it).
             outputs: rows whose logits are wanted (final stage; default: the last row of each
                 session in the batch).  Non-final stages always output every row.
 
@@ -298,9 +303,10 @@ class StageContext:
             token_ptr = self._cffi_views[0]
         if activations is not None:
             act = activations
-            if act.ndim != 2 or act.shape[1] != self.n_embd:
+            if act.ndim != 2 or act.shape[1] != self.input_width:
                 raise InvalidBatch(
-                    f"activations must be rows x {self.n_embd} (the model width); got shape {act.shape}"
+                    f"activations must be rows x {self.input_width} (the model width"
+                    f"{f' x {model.input_rows} parts' if model.input_rows > 1 else ''}); got shape {act.shape}"
                 )
             if act.shape[0] != n_rows:
                 raise InvalidBatch(f"{act.shape[0]} activation rows for {n_rows} positions")
@@ -365,7 +371,7 @@ class StageContext:
             self._last_output_set = _SET_0
 
     def activations(self) -> FloatArray:
-        """Hidden states of every row of the last decode (``rows x n_embd`` float32 view).
+        """Hidden states of every row of the last decode (``rows x output_width`` float32 view).
 
         The view aliases llama.cpp's output buffer: it is valid until the next decode.
         """
@@ -374,9 +380,9 @@ class StageContext:
         if self._last_rows == 0:
             raise InvalidBatch("no decoded batch to read activations from")
         pointer = lib.llama_get_embeddings(self._context_ptr())
-        count = self._last_rows * self.n_embd
+        count = self._last_rows * self.output_width
         view = np.frombuffer(ffi.buffer(pointer, count * 4), dtype=np.float32)
-        return view.reshape(self._last_rows, self.n_embd)
+        return view.reshape(self._last_rows, self.output_width)
 
     def logits(self, row: int) -> FloatArray:
         """Logits of batch row ``row`` of the last decode (a view valid until the next decode)."""

@@ -298,9 +298,18 @@ class Model:
             )
         self.n_layer: Final = lib.llama_model_n_layer(pointer)
         self.n_embd: Final = lib.llama_model_n_embd(pointer)
+        # n_embd-wide parts per activation row at this stage's boundaries: more than one where the
+        # architecture hands on a sideband beside the hidden state (patch 0012: RWKV-7's v_first)
+        self.input_rows: Final = 1 if self.is_first else self._boundary_rows(lib.llama_model_n_embd_inp(pointer))
+        self.output_rows: Final = 1 if self.is_last else self._boundary_rows(lib.llama_model_n_embd_out(pointer))
         self._vocab = lib.llama_model_get_vocab(pointer)
         self.n_vocab: Final = lib.llama_vocab_n_tokens(self._vocab)
         self.identity: Final = model_identity(self.info.path)
+
+    def _boundary_rows(self, width: int) -> int:
+        if width <= 0 or width % self.n_embd:
+            raise ModelLoadError(f"{self.info.path}: a stage boundary {width} wide is not whole rows of {self.n_embd}")
+        return width // self.n_embd
 
     # -- facts -------------------------------------------------------------------------------
     @property

@@ -793,7 +793,8 @@ class Connection:
         kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
         item = lane_messages.work_item(dispatch, key, is_first=self.scheduler.executor.is_first,
                                        width=self.settings.width, max_rows=self.settings.max_rows,
-                                       reads_tokens=self.scheduler.executor.reads_tokens)
+                                       reads_tokens=self.scheduler.executor.reads_tokens,
+                                       sideband_flag=self.scheduler.executor.sideband_flag)
         self._claim(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1
@@ -814,7 +815,8 @@ class Connection:
             self._note_recorded(result, message)
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
-            outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype)
+            outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
+                                              self.scheduler.executor.sideband_flag)
             await self._forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
                                         result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
             return
@@ -901,7 +903,8 @@ class Connection:
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
             forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
-            outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype)
+            outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
+                                              self.scheduler.executor.sideband_flag)
             frame = codec.encode_message(outgoing, wire_dtype, width)
             forward.frame_bytes = len(frame)
             # Set before the write: the socket send releases the GIL, and the downstream's reply can

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from skippy.protocol import SamplingConfig
+from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier
 from skippy.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
@@ -159,6 +159,29 @@ def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
 ACTIVATION_LIMIT = 1e15
 
 
+#: The state flag (protocol.md §2.4) that announces an architecture's stage-boundary sideband
+#: (patch 0012), whose activation rows per token (§2.6) the stage's boundary rows must match.
+SIDEBAND_FLAGS: dict[str, StateFlag] = {
+    "rwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND,
+    "arwkv7": StateFlag.RWKV7_V_FIRST_SIDEBAND,
+    "gemma3n": StateFlag.GEMMA3N_ALTUP_SIDEBAND,
+}
+
+
+def sideband_flag(architecture: str, rows: int) -> int:
+    """The state flag for a boundary of ``rows`` n_embd-wide parts per token (0 for 1 part).
+
+    Raises:
+        ValueError: the architecture's boundary is wide but no flag of the protocol carries it.
+    """
+    if rows == 1:
+        return 0
+    flag = SIDEBAND_FLAGS.get(architecture)
+    if flag is None or activation_row_multiplier(flag) != rows:
+        raise ValueError(f"{architecture}: a stage boundary of {rows} rows per token has no state flag")
+    return int(flag)
+
+
 def check_activation_values(activations: FloatArray) -> None:
     """Refuse activations with NaN, infinity or a magnitude above :data:`ACTIVATION_LIMIT`.
 
@@ -218,6 +241,13 @@ class Executor:
         #: Per-layer token embeddings: this stage reads the token ids beside the activations.
         self.reads_tokens: bool = bool(getattr(self.model, "reads_tokens", False)) and not self.is_first
         self.n_embd: int = int(context.n_embd)
+        #: n_embd-wide parts per activation row taken and handed on: more than one where the
+        #: architecture carries a sideband beside the hidden state (patch 0012: RWKV-7's v_first).
+        self.input_rows: int = int(getattr(self.model, "input_rows", 1))
+        self.output_rows: int = int(getattr(self.model, "output_rows", 1))
+        #: The state flag announcing that sideband on the wire (protocol.md §2.4; 0: none).
+        self.sideband_flag: int = sideband_flag(str(getattr(self.model, "architecture", "")),
+                                                max(self.input_rows, self.output_rows))
         self.n_batch: int = int(context.n_batch)
         self.n_vocab: int = int(getattr(self.model, "n_vocab", 1 << 31))
         #: KV bytes per cell (the recorded-bytes reply stat); 0 when the runtime does not say.
@@ -491,9 +521,10 @@ class Executor:
             low, high = (int(tokens[0]),) * 2 if item.rows == 1 else (int(tokens.min()), int(tokens.max()))
             if low < 0 or high >= self.n_vocab:
                 raise InvalidMessage(f"token ids must be in 0..{self.n_vocab - 1} (got {low}..{high})")
-        elif item.activations is None or item.activations.shape != (item.rows, self.n_embd):
+        elif item.activations is None or item.activations.shape != (item.rows, self.n_embd * self.input_rows):
             shape = None if item.activations is None else item.activations.shape
-            raise InvalidMessage(f"activation of shape {shape} does not match {item.rows} rows x width {self.n_embd}")
+            raise InvalidMessage(f"activation of shape {shape} does not match {item.rows} rows x width "
+                                 f"{self.n_embd * self.input_rows}")
         else:
             check_activation_values(item.activations)
             if self.reads_tokens and (item.tokens is None or item.tokens.shape != (item.rows,)):

@@ -16,23 +16,48 @@ import dataclasses
 import numpy as np
 import numpy.typing as npt
 
-from skippy.protocol import MessageKind, ReplyStats, StageMessage, StageReply, StateHeader, WireDType
+from skippy.protocol import (
+    MessageKind, ReplyStats, StageMessage, StageReply, StateFlag, StateHeader, WireDType,
+    activation_row_multiplier,
+)
 from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
 from skippy.stage.errors import InvalidMessage, StageError
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import timing_stats
 from skippy.stage.lane_protocol import Dispatch
 
-__all__ = ["final_prediction", "outgoing", "work_item"]
+__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "work_item"]
 
 _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
 #: One past the largest position an int32 holds.
 _POSITION_END = 1 << 31
+#: The state flags that size the activation (protocol.md §2.6).
+SIDEBAND_BITS = int(StateFlag.RWKV7_V_FIRST_SIDEBAND | StateFlag.GEMMA3N_ALTUP_SIDEBAND
+                     | StateFlag.INKLING_MTP_EMBD_SIDEBAND)
+
+
+def rows_from_wire(activation: npt.NDArray[np.float32], parts: int) -> npt.NDArray[np.float32]:
+    """A wide boundary's wire activation (each part's rows in turn: the hidden state, then the
+    sideband; protocol.md §2.6) as one row per token holding every part (what the runtime takes)."""
+    if parts == 1:
+        return activation
+    rows, width = activation.shape
+    return np.ascontiguousarray(activation.reshape(parts, rows // parts, width).transpose(1, 0, 2)).reshape(
+        rows // parts, parts * width)
+
+
+def rows_to_wire(activations: npt.NDArray[np.float32], parts: int) -> npt.NDArray[np.float32]:
+    """The inverse of :func:`rows_from_wire`: the runtime's wide rows as the wire's part-major rows."""
+    if parts == 1:
+        return activations
+    rows, wide = activations.shape
+    return np.ascontiguousarray(activations.reshape(rows, parts, wide // parts).transpose(1, 0, 2)).reshape(
+        parts * rows, wide // parts)
 
 
 def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_rows: int = 0,
-              reads_tokens: bool = False) -> WorkItem:
+              reads_tokens: bool = False, sideband_flag: int = 0) -> WorkItem:
     """The runtime's view of an executable message (session ``key``).
 
     Every count the peer sent is checked against the frame's own contents (the token ids on the
@@ -45,6 +70,9 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         max_rows: the most rows one message may carry on this stage (its KV cells; 0: no limit).
         reads_tokens: a later stage whose layers read the token ids too (per-layer token
             embeddings): the frame must carry them beside the activation.
+        sideband_flag: the state flag of the sideband the stage's architecture carries beside
+            the hidden state (a wide boundary, patch 0012; 0: none): a later stage's frame must
+            set exactly it, and its activation holds the rows it implies.
 
     Raises:
         InvalidMessage: no rows, more rows than the stage holds, no positions, a missing or
@@ -55,9 +83,14 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
     if not -1 <= source < _POSITION_END - 1:  # the forwarded frame carries source + 1, an int32 >= 0
         raise InvalidMessage(f"{kind.reference_name} with source_stage_index {source}: not a stage index "
                              "(-1: from the driver)")
-    if message.state.activation_row_multiplier != 1:  # its forwarded frame would need more rows than it has
-        raise InvalidMessage(f"{kind.reference_name} with activation sideband flags {message.state.flags:#x} "
-                             "(Gemma3n / MTP / RWKV rows): not served by this runtime")
+    wanted = 0 if is_first else sideband_flag
+    if message.state.flags & SIDEBAND_BITS != wanted:  # the activation's rows would not be this stage's
+        got = message.state.flags & SIDEBAND_BITS
+        raise InvalidMessage(
+            f"{kind.reference_name} with activation sideband flags {got:#x} (Gemma3n / MTP / RWKV rows): "
+            + (f"this stage's architecture carries the sideband {wanted:#x} beside the hidden state" if wanted
+               else "not served by this runtime"))
+    parts = activation_row_multiplier(wanted)
     count = message.token_count
     if count <= 0:
         raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
@@ -77,12 +110,14 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
                 f"{kind.reference_name} without an activation (source_stage_index "
                 f"{message.state.source_stage_index}) reached a stage that does not start at layer 0"
             )
-        if activations.shape != (count, width):
+        if activations.shape != (count * parts, width):
             raise InvalidMessage(
-                f"activation of shape {activations.shape} does not match token_count {count} x width {width}"
+                f"activation of shape {activations.shape} does not match token_count {count}"
+                f"{f' x {parts} parts' if parts > 1 else ''} x width {width}"
             )
         if activations.dtype is not _FLOAT32:
             activations = np.asarray(activations, dtype=np.float32)
+        activations = rows_from_wire(activations, parts)
         if reads_tokens and tokens.shape[0] != count:
             raise InvalidMessage(
                 f"{kind.reference_name} with {tokens.shape[0]} token ids for token_count {count} reached a stage "
@@ -121,14 +156,20 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
     )
 
 
-def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_dtype: WireDType) -> StageMessage:
-    """The message to forward: this stage's activation, the source index advanced, flagged (§2)."""
+def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_dtype: WireDType,
+             sideband_flag: int = 0) -> StageMessage:
+    """The message to forward: this stage's activation, the source index advanced, flagged (§2);
+    with ``sideband_flag`` (a wide boundary) the activation's wide rows go out part by part."""
     state = message.state
+    flags = state.flags
+    if sideband_flag:
+        flags = flags & ~SIDEBAND_BITS | sideband_flag
+        activations = rows_to_wire(activations, activation_row_multiplier(sideband_flag))
     return StageMessage(
         kind=message.kind, pos_start=message.pos_start, token_count=message.token_count,
         state=StateHeader(
             version=state.version, seq_id=state.seq_id, phase=state.phase,
-            flags=state.flags | SKIPPY_EXTENSIONS_FLAG, checkpoint_generation=state.checkpoint_generation,
+            flags=flags | SKIPPY_EXTENSIONS_FLAG, checkpoint_generation=state.checkpoint_generation,
             prompt_token_count=state.prompt_token_count, decode_step=state.decode_step,
             current_token=state.current_token, source_stage_index=state.source_stage_index + 1,
             reserved=int(wire_dtype)),

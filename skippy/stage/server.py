@@ -252,7 +252,7 @@ class StageServer:
         self.config = config
         self.executor = executor
         self.stats = StageStats()
-        self.limits = stage_limits(config, executor.n_embd)
+        self.limits = stage_limits(config, executor.n_embd * max(executor.input_rows, executor.output_rows))
         #: Mutual TLS on the listening and downstream links (None: plain TCP on both).
         self.tls = stage_tls(config)
         #: Connections refused at the TLS handshake.
