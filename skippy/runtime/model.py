@@ -143,7 +143,9 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
     except ValueError as exc:
         raise ModelLoadError(f"{file}: {exc}") from exc
     per_layer = field(f"{arch}.embedding_length_per_layer_input")
-    if (refusal := recurrent_tensor_refusal(arch, n_layer, metadata, tensor_names)) is not None:
+    nextn = field(f"{arch}.nextn_predict_layers")  # MTP blocks after the trunk: not recurrent
+    trunk = n_layer - (nextn if isinstance(nextn, int) and not isinstance(nextn, bool) else 0)
+    if (refusal := recurrent_tensor_refusal(arch, trunk, metadata, tensor_names)) is not None:
         raise ModelLoadError(f"{file}: {refusal}")
     head_k = head_dim_k if isinstance(head_dim_k, int) else default_head_dim
     head_v = head_dim_v if isinstance(head_dim_v, int) else default_head_dim
