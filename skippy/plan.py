@@ -285,7 +285,6 @@ class ModelShape:
             # a looped model (Nanbeige): layer slot il runs block il % the file's block count
             period, n_layer = n_layer, n_layer * loops
             layer_bytes = [layer_bytes[i % period] for i in range(n_layer)]
-            kv_width = [kv_width[i % period] for i in range(n_layer)]
         if tied:
             head += next((_tensor_bytes(t.dims, t.ggml_type) for t in layout.tensors
                           if t.name == "token_embd.weight"), 0)

@@ -2,9 +2,9 @@
 
 `test_arch_exactness.py` covers the three standard splits of each family. Here: a stage that
 holds only an attention layer of a hybrid (LFM2's layer 2: its recurrent-state input is built but
-unused, patch 0005), two sequences decoded side by side (each stage keeps one recurrent-state
-slot per sequence for its own layers), and the RWKV-7 families' refusal (their value residual
-crosses every layer).
+unused, patch 0005) and two sequences decoded side by side (each stage keeps one recurrent-state
+slot per sequence for its own layers).  RWKV-7's value residual crosses a wide boundary
+(tests/test_wide_boundary.py).
 """
 
 from __future__ import annotations
@@ -18,7 +18,6 @@ from test_arch_exactness import LONG_PROMPT, THREADS
 
 from skippy.models import ensure_model, tiny
 from skippy.models.spec import ModelSpec
-from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES
 
 #: Two prompts of different lengths (the second is the first 12 tokens of the first, shifted).
 PROMPTS = (LONG_PROMPT, [t + 7 for t in LONG_PROMPT[:12]])
@@ -66,9 +65,3 @@ def test_two_sequences_keep_their_own_state_in_every_stage(arch: str) -> None:
         assert np.array_equal(a, b), f"row {row}: max diff {np.abs(a - b).max()}"
     # the sequences differ, so a stage mixing their states up would show
     assert not np.array_equal(expected[len(PROMPTS[0]) - 1], expected[-1])
-
-
-@pytest.mark.parametrize("arch", ["rwkv7", "arwkv7"])
-def test_value_residual_families_are_refused(arch: str) -> None:
-    assert arch not in SPLIT_ARCHITECTURES
-    assert REFUSED[arch].startswith("value residual: ")
