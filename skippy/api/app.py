@@ -70,6 +70,7 @@ from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
 from skippy.api.page import ASSET_PATHS, page_routes
+from skippy.api import harmony
 from skippy.api.reasoning import OPEN as REASONING_OPEN
 from skippy.api.reasoning import template_variables, thinks
 from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints
@@ -145,7 +146,10 @@ class ChainService:
         if self._tool_support is None:
             generator = self.generator
             renders = renders_tools(lambda messages, tools: generator.apply_chat_template(messages, tools=tools))
-            self._tool_support = (renders, detect_format(generator.chat_template) if renders else None)
+            format = detect_format(generator.chat_template)
+            if format is None and harmony.is_harmony(generator.chat_template):
+                format = harmony.FORMAT  # gpt-oss: calls on the commentary channel (skippy/api/harmony.py)
+            self._tool_support = (renders, format if renders else None)
         return self._tool_support
 
 
@@ -272,7 +276,7 @@ def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | No
 
 
 def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
-                   ) -> tuple[list[int], ToolPlan | None, bool | None]:
+                   ) -> tuple[list[int], ToolPlan | None, bool | str | None]:
     """The prompt's tokens, the request's tool plan, and where its answer's reasoning starts
     (None: not split; True: the prompt opened ``<think>``; False: the answer may open it)."""
     generator = service.generator
@@ -285,8 +289,10 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
                                                  **variables)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from exc
-        thinking = None
-        if service.reasoning_format == "auto" and thinks(generator.chat_template):
+        thinking: bool | str | None = None
+        if harmony.is_harmony(generator.chat_template) and (service.reasoning_format == "auto" or plan is not None):
+            thinking = "harmony"  # channels split (skippy/api/harmony.py); calls need it whatever the format
+        elif service.reasoning_format == "auto" and thinks(generator.chat_template):
             thinking = text.rstrip().endswith(REASONING_OPEN)
         return generator.encode(text + (plan.prefix if plan else "")), plan, thinking
     prompt = body.get("prompt")
@@ -397,12 +403,18 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         if grammar is not None:
             raise unsupported("tool_choice", "a forced tool call cannot be combined with response_format or grammar")
         grammar = plan.grammar
+    split = thinking == "harmony"
+    special = plan.special if plan else frozenset()
+    if split:  # the channel markers are special tokens of gpt-oss's vocabulary: rendered for the parser
+        special |= marker_tokens(harmony.FORMAT, lambda text: service.generator.tokenizer.encode(
+            text, add_special=False, parse_special=True))
+        thinking = None
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None and (n or 1) == 1
                                 else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
                                 cache_namespace=cache_key,
-                                render_special=plan.special if plan else frozenset(),
+                                render_special=special,
                                 grammar=grammar, logprobs=constraints.logprobs)
     report = None if constraints.logprobs is None else LogprobsReport(service.generator.tokenizer, chat, len(echo))
     generated = n or 1
@@ -410,7 +422,8 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         generated = best_of
         if request.logprobs is None:
             request = dataclasses.replace(request, logprobs=0)
-    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated, thinking)
+    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated,
+                  thinking if isinstance(thinking, bool) or thinking is None else None, split)
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
