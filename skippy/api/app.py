@@ -70,10 +70,10 @@ from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
 from skippy.api.page import ASSET_PATHS, page_routes
-from skippy.api import harmony
+from skippy.api import generic_tools, harmony
 from skippy.api.reasoning import OPEN as REASONING_OPEN
 from skippy.api.reasoning import template_variables, thinks
-from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints
+from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints, schema_grammar
 from skippy.api.tool_calls import (
     ToolFormat,
     ToolsRequest,
@@ -227,8 +227,9 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[str, Any]]
-               ) -> tuple[ToolsRequest, ToolPlan | None]:
-    """The request's tools, checked against what the model's chat template can do."""
+               ) -> tuple[ToolsRequest, ToolPlan | None, bool]:
+    """The request's tools, checked against what the model's chat template can do, and whether
+    they take the generic format (a template that renders no tools: skippy/api/generic_tools.py)."""
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls", True)
@@ -238,15 +239,17 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
     history = next((index for index, message in enumerate(messages)
                     if message.get("tool_calls") or message["role"] == "tool"), None)
     if not request.active and history is None:
-        return request, None
+        return request, None, False
     renders, format = service.tool_support()
     template = service.generator.chat_template_choice.describe().removeprefix("chat template: ")
-    if not renders:
-        param = "tools" if request.active else f"messages[{history}]"
-        raise ApiError(400, f"The model's chat template ({template}) does not render tools, so tool calls and "
-                       "tool results cannot be served for this model.", param=param, code="tools_not_supported")
+    if not renders:  # llama-server's generic format: tools in the system prompt, the answer one JSON object
+        if not request.active:
+            return request, None, True
+        schema = generic_tools.generic_schema(tools, choice.name, choice.mode == "required", parallel)
+        return request, ToolPlan(generic_tools.FORMAT, "", parallel, frozenset(),
+                                 schema_grammar(schema, "tools")), True
     if not request.active:
-        return request, None
+        return request, None, False
     if format is None:
         raise ApiError(400, f"The model's chat template ({template}) renders tools, but the tool-call syntax it "
                        "writes is not one this server parses (hermes <tool_call>, Llama 3 JSON, Mistral "
@@ -257,7 +260,7 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
     generator = service.generator
     special = marker_tokens(format, lambda text: generator.tokenizer.encode(text, add_special=False,
                                                                             parse_special=True))
-    return request, ToolPlan(format, prefix, parallel, special, grammar)
+    return request, ToolPlan(format, prefix, parallel, special, grammar), False
 
 
 def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | None) -> tuple[str, str | None]:
@@ -282,10 +285,13 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
     generator = service.generator
     if chat:
         messages = _chat_messages(body)
-        tools, plan = _tool_plan(service, body, messages)
+        tools, plan, generic = _tool_plan(service, body, messages)
         variables = template_variables(body, generator.chat_template)
+        rendered = template_messages(messages)
+        if generic:
+            rendered = generic_tools.generic_messages(rendered, tools.tools if plan else (), tools.parallel)
         try:
-            text = generator.apply_chat_template(template_messages(messages), tools=list(tools.tools) if plan else None,
+            text = generator.apply_chat_template(rendered, tools=list(tools.tools) if plan and not generic else None,
                                                  **variables)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from exc
@@ -400,6 +406,10 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     constraints = parse_constraints(body, chat, service.generator.tokenizer)  # skippy/api/structured.py
     grammar = constraints.grammar
     if plan is not None and plan.grammar is not None:
+        if grammar is not None and plan.format is generic_tools.FORMAT:
+            raise unsupported("tools", "the generic tool-call format (the model's chat template renders no tools) "
+                              "answers under a grammar of its own: it cannot be combined with response_format "
+                              "or grammar")
         if grammar is not None:
             raise unsupported("tool_choice", "a forced tool call cannot be combined with response_format or grammar")
         grammar = plan.grammar
