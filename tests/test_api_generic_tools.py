@@ -25,7 +25,8 @@ from stage_helpers import inprocess_chain
 MODEL = "tiny"
 PARAMETERS = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 6}}, "required": ["city"],
               "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather", "parameters": PARAMETERS}},
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "The weather",
+                                           "parameters": PARAMETERS}},
          {"type": "function", "function": {"name": "get_time", "description": "The time",
                                            "parameters": {"type": "object", "properties": {}}}}]
 
@@ -57,7 +58,8 @@ def test_generic_schema_and_messages() -> None:
         {"role": "system", "content": "Be brief."}, {"role": "user", "content": "Weather?"},
         {"role": "assistant", "content": "", "tool_calls": [
             {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Bern"}}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "sunny"}, {"role": "tool", "tool_call_id": "c2", "content": "9"}],
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "c2", "content": "9"}],
         TOOLS, True)
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "user"]
     assert messages[0]["content"].startswith("Be brief.\n\nYou can call any of the following tools")
@@ -113,7 +115,8 @@ async def test_generic_tool_calls_on_a_chain(tiny_llama: Path) -> None:
                                "input_schema": t["function"]["parameters"]} for t in TOOLS]})).json()
                 responses = (await http.post("/v1/responses", json={
                     "model": MODEL, "input": user, "max_output_tokens": 120, "temperature": 1.0, "seed": 3,
-                    "tool_choice": "required", "parallel_tool_calls": False, "tools": [{"type": "function", **t["function"]} for t in TOOLS]})).json()
+                    "tool_choice": "required", "parallel_tool_calls": False,
+                    "tools": [{"type": "function", **t["function"]} for t in TOOLS]})).json()
             await pool.aclose()
     finally:
         generator.close()

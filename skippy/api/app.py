@@ -72,6 +72,7 @@ from skippy.api.metrics import Metrics
 from skippy.api.page import ASSET_PATHS, page_routes
 from skippy.api import generic_tools, harmony
 from skippy.api.reasoning import OPEN as REASONING_OPEN
+from skippy.api.samplers import apply_samplers
 from skippy.api.reasoning import template_variables, thinks
 from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints, schema_grammar
 from skippy.api.tool_calls import (
@@ -388,6 +389,8 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         raise invalid("stream_options", "expected an object")
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(body, service.generator.tokenizer.n_vocab)
+    if body.get("samplers") is not None:  # llama.cpp's sampler order (skippy/api/samplers.py)
+        sampling = apply_samplers(body["samplers"], sampling)
     tokens, plan, thinking = _prompt_tokens(service, body, chat)
     echo = "" if chat or not get_bool(body, "echo") else _prompt_text(service, body, tokens)
     if not chat and max_tokens is None:
