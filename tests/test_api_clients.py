@@ -38,7 +38,8 @@ def _text(content: Any) -> str:
     """LangChain message content as text (a string, or a list of blocks)."""
     if isinstance(content, str):
         return content
-    return "".join(block.get("text", "") for block in content if isinstance(block, dict) and block.get("type") == "text")
+    return "".join(block.get("text", "") for block in content
+                   if isinstance(block, dict) and block.get("type") == "text")
 
 
 def langchain_and_litellm(url: str) -> dict[str, Any]:

@@ -418,9 +418,12 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         grammar = plan.grammar
     split = thinking == "harmony"
     special = plan.special if plan else frozenset()
-    if split:  # the channel markers are special tokens of gpt-oss's vocabulary: rendered for the parser
+    if chat and harmony.is_harmony(service.generator.chat_template):
+        # the channel markers are special tokens of gpt-oss's vocabulary: rendered for the parser (or
+        # left inline with --reasoning-format none)
         special |= marker_tokens(harmony.FORMAT, lambda text: service.generator.tokenizer.encode(
             text, add_special=False, parse_special=True))
+    if split:
         thinking = None
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None and (n or 1) == 1
