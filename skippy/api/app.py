@@ -49,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from skippy.api import generic_tools, harmony
 from skippy.api.admission import Admission, is_overloaded
 from skippy.api.auth import PUBLIC_PATHS, ApiKeys, AuthMiddleware, is_authenticated, scope_tenant
 from skippy.api.chain_view import History
@@ -70,10 +71,9 @@ from skippy.api.guard import DEFAULT_MAX_BODY_BYTES, RequestGuard
 from skippy.api.lanes import LanePool, Lease
 from skippy.api.metrics import Metrics
 from skippy.api.page import ASSET_PATHS, page_routes
-from skippy.api import generic_tools, harmony
 from skippy.api.reasoning import OPEN as REASONING_OPEN
-from skippy.api.samplers import apply_samplers
 from skippy.api.reasoning import template_variables, thinks
+from skippy.api.samplers import apply_samplers
 from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints, schema_grammar
 from skippy.api.tool_calls import (
     ToolFormat,
@@ -282,7 +282,8 @@ def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | No
 def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
                    ) -> tuple[list[int], ToolPlan | None, bool | str | None]:
     """The prompt's tokens, the request's tool plan, and where its answer's reasoning starts
-    (None: not split; True: the prompt opened ``<think>``; False: the answer may open it)."""
+    (None: not split; True: the prompt opened ``<think>``; False: the answer may open it;
+    ``"harmony"``: a Harmony answer, its channels split by skippy/api/harmony.py)."""
     generator = service.generator
     if chat:
         messages = _chat_messages(body)
@@ -423,8 +424,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         # left inline with --reasoning-format none)
         special |= marker_tokens(harmony.FORMAT, lambda text: service.generator.tokenizer.encode(
             text, add_special=False, parse_special=True))
-    if split:
-        thinking = None
+    opened = None if isinstance(thinking, str) else thinking
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None and (n or 1) == 1
                                 else speculation,
@@ -438,8 +438,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         generated = best_of
         if request.logprobs is None:
             request = dataclasses.replace(request, logprobs=0)
-    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated,
-                  thinking if isinstance(thinking, bool) or thinking is None else None, split)
+    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated, opened, split)
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:
