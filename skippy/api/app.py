@@ -49,6 +49,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from skippy.api import generic_tools, harmony
 from skippy.api.admission import Admission, is_overloaded
 from skippy.api.auth import PUBLIC_PATHS, ApiKeys, AuthMiddleware, is_authenticated, scope_tenant
 from skippy.api.chain_view import History
@@ -72,7 +73,8 @@ from skippy.api.metrics import Metrics
 from skippy.api.page import ASSET_PATHS, page_routes
 from skippy.api.reasoning import OPEN as REASONING_OPEN
 from skippy.api.reasoning import template_variables, thinks
-from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints
+from skippy.api.samplers import apply_samplers
+from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints, schema_grammar
 from skippy.api.tool_calls import (
     ToolFormat,
     ToolsRequest,
@@ -145,7 +147,10 @@ class ChainService:
         if self._tool_support is None:
             generator = self.generator
             renders = renders_tools(lambda messages, tools: generator.apply_chat_template(messages, tools=tools))
-            self._tool_support = (renders, detect_format(generator.chat_template) if renders else None)
+            format = detect_format(generator.chat_template)
+            if format is None and harmony.is_harmony(generator.chat_template):
+                format = harmony.FORMAT  # gpt-oss: calls on the commentary channel (skippy/api/harmony.py)
+            self._tool_support = (renders, format if renders else None)
         return self._tool_support
 
 
@@ -223,8 +228,9 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
 
 
 def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[str, Any]]
-               ) -> tuple[ToolsRequest, ToolPlan | None]:
-    """The request's tools, checked against what the model's chat template can do."""
+               ) -> tuple[ToolsRequest, ToolPlan | None, bool]:
+    """The request's tools, checked against what the model's chat template can do, and whether
+    they take the generic format (a template that renders no tools: skippy/api/generic_tools.py)."""
     tools = parse_tools(body)
     choice = parse_tool_choice(body, tools)
     parallel = body.get("parallel_tool_calls", True)
@@ -234,15 +240,17 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
     history = next((index for index, message in enumerate(messages)
                     if message.get("tool_calls") or message["role"] == "tool"), None)
     if not request.active and history is None:
-        return request, None
+        return request, None, False
     renders, format = service.tool_support()
     template = service.generator.chat_template_choice.describe().removeprefix("chat template: ")
-    if not renders:
-        param = "tools" if request.active else f"messages[{history}]"
-        raise ApiError(400, f"The model's chat template ({template}) does not render tools, so tool calls and "
-                       "tool results cannot be served for this model.", param=param, code="tools_not_supported")
+    if not renders:  # llama-server's generic format: tools in the system prompt, the answer one JSON object
+        if not request.active:
+            return request, None, True
+        schema = generic_tools.generic_schema(tools, choice.name, choice.mode == "required", parallel)
+        return request, ToolPlan(generic_tools.FORMAT, "", parallel, frozenset(),
+                                 schema_grammar(schema, "tools")), True
     if not request.active:
-        return request, None
+        return request, None, False
     if format is None:
         raise ApiError(400, f"The model's chat template ({template}) renders tools, but the tool-call syntax it "
                        "writes is not one this server parses (hermes <tool_call>, Llama 3 JSON, Mistral "
@@ -253,7 +261,7 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
     generator = service.generator
     special = marker_tokens(format, lambda text: generator.tokenizer.encode(text, add_special=False,
                                                                             parse_special=True))
-    return request, ToolPlan(format, prefix, parallel, special, grammar)
+    return request, ToolPlan(format, prefix, parallel, special, grammar), False
 
 
 def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | None) -> tuple[str, str | None]:
@@ -272,21 +280,27 @@ def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | No
 
 
 def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
-                   ) -> tuple[list[int], ToolPlan | None, bool | None]:
+                   ) -> tuple[list[int], ToolPlan | None, bool | str | None]:
     """The prompt's tokens, the request's tool plan, and where its answer's reasoning starts
-    (None: not split; True: the prompt opened ``<think>``; False: the answer may open it)."""
+    (None: not split; True: the prompt opened ``<think>``; False: the answer may open it;
+    ``"harmony"``: a Harmony answer, its channels split by skippy/api/harmony.py)."""
     generator = service.generator
     if chat:
         messages = _chat_messages(body)
-        tools, plan = _tool_plan(service, body, messages)
+        tools, plan, generic = _tool_plan(service, body, messages)
         variables = template_variables(body, generator.chat_template)
+        rendered = template_messages(messages)
+        if generic:
+            rendered = generic_tools.generic_messages(rendered, tools.tools if plan else (), tools.parallel)
         try:
-            text = generator.apply_chat_template(template_messages(messages), tools=list(tools.tools) if plan else None,
+            text = generator.apply_chat_template(rendered, tools=list(tools.tools) if plan and not generic else None,
                                                  **variables)
         except ValueError as exc:
             raise invalid("messages", str(exc)) from exc
-        thinking = None
-        if service.reasoning_format == "auto" and thinks(generator.chat_template):
+        thinking: bool | str | None = None
+        if harmony.is_harmony(generator.chat_template) and (service.reasoning_format == "auto" or plan is not None):
+            thinking = "harmony"  # channels split (skippy/api/harmony.py); calls need it whatever the format
+        elif service.reasoning_format == "auto" and thinks(generator.chat_template):
             thinking = text.rstrip().endswith(REASONING_OPEN)
         return generator.encode(text + (plan.prefix if plan else "")), plan, thinking
     prompt = body.get("prompt")
@@ -376,6 +390,8 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         raise invalid("stream_options", "expected an object")
     include_usage = bool(options and options.get("include_usage"))
     sampling = _sampling(body, service.generator.tokenizer.n_vocab)
+    if body.get("samplers") is not None:  # llama.cpp's sampler order (skippy/api/samplers.py)
+        sampling = apply_samplers(body["samplers"], sampling)
     tokens, plan, thinking = _prompt_tokens(service, body, chat)
     echo = "" if chat or not get_bool(body, "echo") else _prompt_text(service, body, tokens)
     if not chat and max_tokens is None:
@@ -394,15 +410,27 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
     constraints = parse_constraints(body, chat, service.generator.tokenizer)  # skippy/api/structured.py
     grammar = constraints.grammar
     if plan is not None and plan.grammar is not None:
+        if grammar is not None and plan.format is generic_tools.FORMAT:
+            raise unsupported("tools", "the generic tool-call format (the model's chat template renders no tools) "
+                              "answers under a grammar of its own: it cannot be combined with response_format "
+                              "or grammar")
         if grammar is not None:
             raise unsupported("tool_choice", "a forced tool call cannot be combined with response_format or grammar")
         grammar = plan.grammar
+    split = thinking == "harmony"
+    special = plan.special if plan else frozenset()
+    if chat and harmony.is_harmony(service.generator.chat_template):
+        # the channel markers are special tokens of gpt-oss's vocabulary: rendered for the parser (or
+        # left inline with --reasoning-format none)
+        special |= marker_tokens(harmony.FORMAT, lambda text: service.generator.tokenizer.encode(
+            text, add_special=False, parse_special=True))
+    opened = None if isinstance(thinking, str) else thinking
     request = GenerationRequest(tuple(tokens), limit, sampling, stop,
                                 speculation=None if body.get("speculation") is None and (n or 1) == 1
                                 else speculation,
                                 prefix_cache=None if body.get("prefix_cache") is None else prefix_cache,
                                 cache_namespace=cache_key,
-                                render_special=plan.special if plan else frozenset(),
+                                render_special=special,
                                 grammar=grammar, logprobs=constraints.logprobs)
     report = None if constraints.logprobs is None else LogprobsReport(service.generator.tokenizer, chat, len(echo))
     generated = n or 1
@@ -410,7 +438,7 @@ def _parse(service: ChainService, body: dict[str, Any], chat: bool) -> Parsed:
         generated = best_of
         if request.logprobs is None:
             request = dataclasses.replace(request, logprobs=0)
-    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated, thinking)
+    return Parsed(request, stream, include_usage, echo, plan, n or 1, report, generated, opened, split)
 
 
 def _sse(data: dict[str, Any] | str) -> bytes:

@@ -4,7 +4,8 @@ calls, reasoning and logprobs, whole or as stream deltas.
 Strategy: :func:`skippy.api.app._parse` turns a body into a :class:`Parsed`; each choice of the
 answer is a :class:`_Choice` over its :class:`~skippy.driver.generator.Generation`, which shapes the
 generated text into OpenAI's message or stream deltas (tool calls parsed by
-:mod:`skippy.api.tool_calls`, ``<think>`` reasoning split by :mod:`skippy.api.reasoning`).  The
+:mod:`skippy.api.tool_calls`, ``<think>`` reasoning split by :mod:`skippy.api.reasoning`, a gpt-oss
+Harmony answer's channels by :mod:`skippy.api.harmony`).  The
 Messages and Responses APIs reshape these deltas into their own events.  Split out of
 ``skippy/api/app.py`` (module size).
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Sequence
 
+from skippy.api.harmony import HarmonyStream
 from skippy.api.reasoning import ReasoningSplitter
 from skippy.api.structured import LogprobsReport
 from skippy.api.tool_calls import ToolCall, ToolCallStream, ToolFormat
@@ -51,6 +53,8 @@ class Parsed:
     generated: int = 1
     #: Reasoning split off the answer (skippy/api/reasoning.py): None: not; True: the prompt opened it.
     thinking: bool | None = None
+    #: A Harmony (gpt-oss) answer: channels split into reasoning, content and calls (skippy/api/harmony.py).
+    harmony: bool = False
 
     def choice_request(self, index: int) -> GenerationRequest:
         """The request of choice ``index`` (its own seed, so seeded choices differ and reproduce)."""
@@ -95,6 +99,11 @@ class _Choice:
         self.reasoning = None if parsed.thinking is None else ReasoningSplitter(parsed.thinking)
         #: The reasoning text of a whole (non-streamed) answer ('' when none).
         self.reasoning_text = ""
+        self.harmony: HarmonyStream | None = None
+        if parsed.harmony:  # one parser for reasoning and calls
+            self.harmony = HarmonyStream("" if plan is None else plan.prefix,
+                                         parallel=True if plan is None else plan.parallel)
+            self.parser = self.reasoning = None
 
     def _finish_reason(self) -> str:
         result = self.generation.result
@@ -107,11 +116,19 @@ class _Choice:
         if not chat:
             return {"index": self.index, "text": self.echo + text, "finish_reason": self._finish_reason(),
                     "logprobs": self._logprobs(fresh=False)}
+        if self.harmony is not None:
+            reasoning, text, self.calls = self.harmony.push(text)
+            more = self.harmony.finish()
+            self.reasoning_text, text = reasoning + more[0], text + more[1]
+            self.calls += more[2]
         if self.reasoning is not None:
             reasoning, text = self.reasoning.push(text)
             rest = self.reasoning.flush()
             self.reasoning_text, text = reasoning + rest[0], text + rest[1]
         message: dict[str, Any] = {"role": "assistant", "content": text}
+        if self.harmony is not None and self.calls:
+            message["content"] = text if text.strip() else None
+            message["tool_calls"] = [call.as_dict() for call in self.calls]
         if self.reasoning_text:
             message["reasoning_content"] = self.reasoning_text
         if self.parser is not None:
@@ -143,6 +160,9 @@ class _Choice:
 
     def piece(self, text: str, chat: bool) -> list[dict[str, Any]]:
         """The stream deltas for one piece of generated text."""
+        if chat and self.harmony is not None:
+            reasoning, text, calls = self.harmony.push(text)
+            return self._reasoning_delta(reasoning) + self._deltas(text, calls)
         if chat and self.reasoning is not None:
             reasoning, text = self.reasoning.push(text)
             return self._reasoning_delta(reasoning) + self._content_deltas(text)
@@ -179,6 +199,9 @@ class _Choice:
             return [{"index": self.index, "text": "", "finish_reason": self._finish_reason(),
                      "logprobs": self._logprobs(fresh=True)}]
         out: list[dict[str, Any]] = []
+        if self.harmony is not None:
+            reasoning, text, calls = self.harmony.finish()
+            out += self._reasoning_delta(reasoning) + self._deltas(text, calls)
         if self.reasoning is not None:
             reasoning, text = self.reasoning.flush()
             out += self._reasoning_delta(reasoning) + self._content_deltas(text)

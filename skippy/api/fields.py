@@ -103,6 +103,9 @@ _COMMON: Final[dict[str, Field]] = {
                          "json_schema; with response_format: 400)"),
     "ignore_eos": Field(Handling.SERVED, "llama.cpp extension: true puts a -100 logit bias on every "
                         "end-of-generation token (the answer runs to max_tokens or a stop string)"),
+    "samplers": Field(Handling.SERVED, "llama.cpp extension: the sampler order, mapped onto skippy's chain "
+                      "(penalties, top_k, top_p, min_p, temperature; left-out samplers off; another order of "
+                      "the active ones: 400; skippy/api/samplers.py)"),
 }
 
 #: POST /v1/chat/completions (OpenAI's reference, and the fields the ``openai`` SDK sends).

@@ -16,7 +16,8 @@ prefix-cache hit, which is ``cache_read_input_tokens``).  Streamed, the events a
 ``input_json_delta``) / ``_stop``, ``message_delta`` with the stop reason and output tokens,
 ``message_stop``; a chain failure after the first event ends the stream with an ``error`` event.
 
-Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`) comes back as a ``thinking`` block
+Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`, or gpt-oss Harmony channels,
+:mod:`skippy.api.harmony`) comes back as a ``thinking`` block
 (streamed as ``thinking_delta``, with an empty signature); ``thinking`` sets the template's
 ``enable_thinking`` switch when it has one, else only ``disabled`` is served.  Anything else is
 refused with a 400 naming it, never dropped: an unknown field, image or document blocks, server

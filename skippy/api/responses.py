@@ -16,7 +16,8 @@ are the Responses ones (``response.created``, ``response.in_progress``, per item
 ``response.output_text.delta`` / ``.done``, ``response.function_call_arguments.delta`` / ``.done``,
 then ``response.completed`` or ``response.incomplete``), each with a ``sequence_number``.
 
-Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`) comes back as a ``reasoning`` item
+Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`, or gpt-oss Harmony channels,
+:mod:`skippy.api.harmony`) comes back as a ``reasoning`` item
 with a ``reasoning_text`` part before the message (streamed as ``response.reasoning_text.delta``);
 ``reasoning.effort`` is the template's ``reasoning_effort`` variable.
 

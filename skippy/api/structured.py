@@ -39,7 +39,7 @@ from skippy.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.tokenizer import Tokenizer
 
-__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "completion_logprobs", "parse_constraints"]
+__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "completion_logprobs", "parse_constraints", "schema_grammar"]
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -74,7 +74,8 @@ def grammar_converter() -> tuple[Any, Callable[[str], str]]:
     return _json_schema_grammar, lambda text: text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
 
 
-def _schema_grammar(schema: Any, param: str) -> str:
+def schema_grammar(schema: Any, param: str) -> str:
+    """GBNF for a JSON Schema (an invalid schema, or one the converter refuses, is a 400 naming ``param``)."""
     if not isinstance(schema, dict):
         raise bad(param, "expected a JSON Schema object")
     try:
@@ -117,7 +118,7 @@ def _response_format(body: Mapping[str, Any]) -> tuple[str | None, bool]:
         return None, False
     if kind == "json_object":
         if "schema" in value:  # llama-server's form: JSON that follows this schema
-            return _schema_grammar(value["schema"], "response_format.schema"), True
+            return schema_grammar(value["schema"], "response_format.schema"), True
         return _json_schema_grammar.JSON_GBNF, True
     if kind == "json_schema":
         spec = value.get("json_schema")
@@ -134,7 +135,7 @@ def _response_format(body: Mapping[str, Any]) -> tuple[str | None, bool]:
             raise bad("response_format.json_schema.schema", "missing: the JSON Schema the answer must follow")
         # strict or not, the answer is sampled under the schema's grammar: every answer that
         # completes (finish_reason "stop") follows it.
-        return _schema_grammar(spec["schema"], "response_format.json_schema.schema"), True
+        return schema_grammar(spec["schema"], "response_format.json_schema.schema"), True
     raise bad("response_format.type", f"expected 'text', 'json_object' or 'json_schema', got {json.dumps(kind)}")
 
 
