@@ -80,6 +80,7 @@ def _streamed_calls(text: str) -> list[dict[str, Any]]:
     return calls
 
 
+@pytest.mark.slow
 async def test_generic_tool_calls_on_a_chain(tiny_llama: Path) -> None:
     from skippy.api.app import ChainService, create_app
     from skippy.api.lanes import LanePool

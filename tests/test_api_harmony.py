@@ -105,6 +105,7 @@ def _events(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
+@pytest.mark.slow
 async def test_harmony_answers_are_separated_in_every_api_streamed_or_not() -> None:
     from skippy.api.app import ChainService, create_app
     from skippy.api.lanes import LanePool

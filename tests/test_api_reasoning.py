@@ -78,6 +78,7 @@ def test_template_variables_must_be_read_by_the_template() -> None:
     assert raised.value.param == "reasoning_effort" and raised.value.status == 400
 
 
+@pytest.mark.slow
 async def test_think_answers_are_split_streamed_or_not_and_inline_with_none(tiny_llama: Path) -> None:
     from skippy.api.app import ChainService, create_app
     from skippy.api.lanes import LanePool

@@ -69,7 +69,7 @@ def _without(name: str) -> Callable[[Tensors], Tensors]:
     return lambda tensors: [(n, t) for n, t in tensors if n != name]
 
 
-@pytest.mark.parametrize("arch", ["qwen35", "nemotron_h"])
+@pytest.mark.parametrize("arch", ["qwen35", pytest.param("nemotron_h", marks=pytest.mark.slow)])
 @pytest.mark.parametrize(
     ("edit", "message"),
     [
@@ -90,6 +90,7 @@ def test_recurrent_tensors_that_do_not_match_the_declared_layers_are_refused(
             Model(bad, layers)
 
 
+@pytest.mark.slow
 def test_an_unchanged_copy_loads(tmp_path: Path) -> None:
     """The copy itself is faithful: without an edit the file loads (so the refusals above are the edits')."""
     good = copy_gguf(ensure_model(tiny("qwen35")), tmp_path / "qwen35-copy.gguf", lambda tensors: tensors)
