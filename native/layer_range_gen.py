@@ -26,10 +26,11 @@ would make a split wrong (another use of ``n_layer``, the token embeddings, the 
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
 that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, layers reused in depth in a hierarchical recurrence, per-token adapter
-switching, an encoder), are refused with that reason.  Layers that read the input embedding or pick
-their weights by the input modality split with the token ids on every stage (``TOKEN_IDS`` /
-``TOKEN_EMBEDDINGS``, patch ``0010``); a value residual from the first layer (RWKV-7) or parallel
+or banked across layers, layers reused in depth in a hierarchical recurrence, an encoder), are
+refused with that reason.  Layers that read the input embedding or pick their weights by the input
+modality split with the token ids on every stage (``TOKEN_IDS`` / ``TOKEN_EMBEDDINGS``, patch
+``0010``), and so do layers that apply the adapter a router picks from the token ids (Granite
+Switch: every stage runs the router, ``ROUTER``, on KV cells of its own, patch ``0014``); a value residual from the first layer (RWKV-7) or parallel
 streams (Gemma 3n's AltUp) cross a wide boundary announced by the protocol's sideband flags (patch
 ``0012``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
@@ -116,6 +117,9 @@ SPLIT += ("gpt2", "starcoder", "bloom", "mpt", "gptneox", "jais2", "granitemoe",
 #: Issue 26, per-layer token embeddings and cross-layer KV sharing.
 SPLIT += ("gemma4",)
 #
+#: Issue 26, per-token adapter switching: every stage runs the adapter router from the token ids.
+SPLIT += ("graniteswitch",)
+#
 #: Issue 26, token inputs on every stage and layers reused in depth (M-RoPE text towers first:
 #: patch 0008 gives a later stage the text positions; Qwen3-TTS's talker samples codec tokens).
 SPLIT += ("qwen3vl", "qwen3vlmoe", "qwen3tts")
@@ -183,6 +187,15 @@ FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
     )],
     # lightning-attention inputs are built on every stage but used only by lightning layers: a
     # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
+    # Granite Switch embeds the adapter-substituted ids on the first stage only (EMBD_ROWS): a later
+    # stage's graph never reads that input, which is then left without a buffer
+    "graniteswitch": [(
+        "    ggml_backend_tensor_set(sub_tokens,  sub.data(),  0, n_tokens*ggml_element_size(sub_tokens));\n",
+        "    if (sub_tokens->buffer) { // skippy: a later stage does not embed (its input is the hidden state)\n"
+        "        ggml_backend_tensor_set(sub_tokens,  sub.data(),  0, n_tokens*ggml_element_size(sub_tokens));\n"
+        "    }\n",
+        1,
+    )],
     "minimax-01": [(
         "        // this operates on assumption that we have an equal ubatch split\n",
         "        // this operates on assumption that we have an equal ubatch split\n"
@@ -286,6 +299,8 @@ REVIEWED: dict[str, dict[str, str]] = {
     "mimo2": {"n_layer": "the MTP extraction of the final layer input (embeddings_layer_inp[n_layer]) is read "
                          "after the loop, on the last stage only"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "graniteswitch": {"ubatch.token": "the graph's assertion of token input: every stage receives the token ids "
+                                      "(its router reads them, ROUTER)"},
     "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "gemma3n": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage"},
     "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
@@ -306,6 +321,21 @@ REVIEWED: dict[str, dict[str, str]] = {
 #: stage's build_stage_sideband_in is nullptr: layer 0 sets it, as unsplit).
 VALUE_RESIDUAL = "ggml_tensor * v_first = nullptr;"
 VALUE_RESIDUAL_IN = "v_first = build_stage_sideband_in(1); // skippy: a later stage reads v_first beside the hidden state"
+
+#: The graph's input embedding: of the batch's tokens, or of ids the graph computes from them (Granite
+#: Switch embeds adapter-substituted ids, ``ggml_get_rows(ctx0, model.tok_embd, sub_tokens)``).
+INPUT_EMBD = re.compile(r"build_inp_embd\(model\.tok_embd\)|ggml_get_rows\(ctx0, model\.tok_embd, \w+\)")
+#: Generic rule for an input embedding of computed ids: the lookup is the first stage's, and a later
+#: stage takes the hidden state as its input (its input transforms are then guarded as any others).
+EMBD_ROWS = re.compile(r"= (ggml_get_rows\(ctx0, model\.tok_embd, \w+\));")
+EMBD_ROWS_NEW = r"= il_start == 0 ? \1 : build_inp_embd(nullptr); // skippy: a later stage takes the hidden state"
+
+#: Generic rule for a router layer (Granite Switch: an attention of its own at KV slot
+#: ``hparams.router_layer``, past the last layer, over signals its graph input computes from the
+#: token ids; its output picks each token's LoRA adapter on every layer): every stage runs the router
+#: itself from the token ids it receives (TOKEN_IDS, patch 0010), on KV cells of its own (patch 0014
+#: keeps the router layer's cells on every stage), exactly as the unsplit model runs it.
+ROUTER = "hparams.router_layer"
 
 LOOP = "for (int il = 0; il < n_layer; ++il)"
 LOOP_NEW = "for (int il = il_start; il < il_end; ++il)"
@@ -439,9 +469,10 @@ def _match_brace(text: str, open_at: int) -> int:
 
 def main_graph_span(text: str) -> tuple[int, int]:
     """The body of the graph constructor that builds the token-input graph."""
-    embd = text.find("build_inp_embd(model.tok_embd)")
-    if embd < 0:
+    found = INPUT_EMBD.search(text)
+    if found is None:
         raise TransformError("no build_inp_embd(model.tok_embd) (not a token-input decoder graph)")
+    embd = found.start()
     ctor = None
     for m in re.finditer(r"::graph(<\w+>)?::graph\([^)]*\)[^{]*\{", text):
         if m.start() < embd:
@@ -451,7 +482,7 @@ def main_graph_span(text: str) -> tuple[int, int]:
     end = _match_brace(text, ctor.end() - 1)
     if not ctor.end() < embd < end:
         raise TransformError("the input embedding is not built in a graph constructor")
-    if text.count("build_inp_embd(model.tok_embd)", ctor.end(), end) != 1:
+    if len(INPUT_EMBD.findall(text, ctor.end(), end)) != 1:
         raise TransformError("more than one input embedding in the graph")
     return ctor.end(), end
 
@@ -671,7 +702,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     loop_open = body.index("{", loop_at)
     loop_close = _match_brace(body, loop_open)
     loop_uses = set(_IDENT.findall(_code(body[loop_open:loop_close])))
-    embd_end = body.index(";", body.index("build_inp_embd(model.tok_embd)")) + 1
+    embd_end = body.index(";", INPUT_EMBD.search(body).start()) + 1
     arch.token_input = 0
     modality: list[str] = []  # statements choosing the layers' weights by the input modality
     for a, b in _statements(body[embd_end:loop_at]):
@@ -682,6 +713,8 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             # the token ids of a text batch (patch 0010), so a text batch is text on every stage
             arch.token_input = TOKEN_IDS
             modality.append(code)
+    if ROUTER in _code(body[:loop_at]):
+        arch.token_input = TOKEN_IDS  # the router reads the token ids on every stage
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
@@ -731,6 +764,13 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         if found != count:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
+    rows_edits: list[str] = []
+    if "build_inp_embd(model.tok_embd)" not in body:  # EMBD_ROWS: an embedding of computed ids
+        found = EMBD_ROWS.findall(new_body)
+        if len(found) != 1:
+            raise TransformError(f"input embedding of computed ids: expected one lookup, found {len(found)}")
+        rows_edits = [EMBD_ROWS.sub(EMBD_ROWS_NEW, EMBD_ROWS.search(new_body).group(0))]
+        new_body = EMBD_ROWS.sub(EMBD_ROWS_NEW, new_body)
     # the per-layer projection reads the embedding on the first stage only (PER_LAYER_EDITS)
     skip_edits: list[str] = []
     try:
@@ -776,7 +816,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         rest = rest.replace(old, new)
     # lint what is left in the graph body
     scan = new_body
-    for new in skip_edits:
+    for new in skip_edits + rows_edits:
         scan = scan.replace(new, "")
     scan = scan.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
@@ -856,12 +896,6 @@ def classify(src: Path, archs: list[Arch]) -> None:
                            "shared blocks in cycles, not a loop over layers, and carries "
                            + (f"{len(states)} states (`{'`, `'.join(states)}`)" if states else "several states")
                            + " from stack to stack, wider than the n_embd-wide hidden state of a frame")
-        elif "adapter_ids" in joined and "sub_tokens" in joined:
-            arch.reason = ("per-token adapter switching: every layer applies the LoRA adapter that a router "
-                           "picks, an attention layer of its own past the last one (KV slot n_layer) over "
-                           "signals of the token ids, and the input embeds substituted ids; a later stage would "
-                           "run the router on KV cells of its own from the token ids (patch 0010 gives it the "
-                           "ids), which the rules do not build yet: not a limit of the model")
         elif arch.graph_owner and re.search(r"\bgraph<true>", "".join(
                 texts[name] for name in arch.files if not re.search(rf"\b{arch.graph_owner}::graph", texts[name])
         )) and "template <bool embed>" in joined:
@@ -873,7 +907,7 @@ def classify(src: Path, archs: list[Arch]) -> None:
                            "on L / attn_res_block_size banked rows beside the hidden state: a width that grows "
                            "with the cut's depth, which no stage protocol flag announces")
         else:
-            main = [name for name, body in texts.items() if "build_inp_embd(model.tok_embd)" in body]
+            main = [name for name, body in texts.items() if INPUT_EMBD.search(body)]
             if len(main) != 1:
                 arch.reason = "graph does not follow the standard layer loop (no single token-input graph)"
                 continue
@@ -1068,7 +1102,10 @@ def render_docs(archs: list[Arch]) -> str:
         "nearest legal ones.  Layers that read the token ids split the same way as per-layer token",
         "embeddings (patch 0010): CogVLM's pick text or vision-expert weights by whether the batch holds",
         "tokens, so every later stage receives the ids of a text batch; Talkie's add the normalised input",
-        "embedding, so every stage embeds the ids itself (loading the token embeddings).",
+        "embedding, so every stage embeds the ids itself (loading the token embeddings).  Granite",
+        "Switch's layers apply the LoRA adapter a router picks from the token ids (an attention of its",
+        "own at KV slot n_layer): every stage runs the router from the ids it receives, on KV cells of",
+        "its own (patch 0014), and only the first embeds the adapter-substituted ids.",
         "",
         "A value residual (RWKV-7's `v_first`: every layer mixes in the first layer's values) crosses a",
         "cut as a sideband: each activation row holds the hidden state and then `v_first` (patch 0012),",

@@ -7,7 +7,7 @@ Strategy
   ``output_norm`` (or, with a tied head, a second copy of ``token_embd``) to the last stage; any
   other global tensor to every stage.  KV bytes per layer per cell are llama.cpp's f16 cache
   (``(n_embd_k_gqa + n_embd_v_gqa) * 2``; skippy runs with ``swa_full``, so every layer holds every
-  cell).  A recurrent or hybrid model (:mod:`skippy.runtime.layer_kinds`, which the runtime's
+  cell), plus a per-token adapter router's on every stage (Granite Switch).  A recurrent or hybrid model (:mod:`skippy.runtime.layer_kinds`, which the runtime's
   figures use too) keeps, per recurrent layer and per sequence, llama.cpp's f32 recurrent state
   (``n_embd_r() + n_embd_s()``: Mamba's conv window and SSM state, the delta-net's, LFM2's short
   convolution, RWKV's token shifts and WKV state), and KV cells only in its attention layers, of
@@ -55,7 +55,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
-from skippy.runtime.layer_kinds import layer_memory, recurrent_layers
+from skippy.runtime.layer_kinds import layer_memory, recurrent_layers, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
@@ -204,6 +204,8 @@ class ModelShape:
     #: the file's block count where its layers loop over the blocks (layer il runs block
     #: il % layer_period, Nanbeige's num_loops); 0: one block per layer
     layer_period: int = 0
+    #: KV bytes per cell every stage keeps beside its layers' (Granite Switch's router)
+    kv_stage_bytes: int = 0
 
     def layer_weight_bytes(self, start: int, end: int) -> int:
         """Weight bytes of layers ``start:end``, each block once (looped layers share blocks)."""
@@ -214,8 +216,8 @@ class ModelShape:
     def kv_bytes_per_cell(self, start: int, end: int) -> int:
         """KV bytes per cell of layers ``start:end``."""
         if self.kv_layer_bytes:
-            return sum(self.kv_layer_bytes[start:end])
-        return self.kv_bytes_per_cell_layer * (end - start)
+            return sum(self.kv_layer_bytes[start:end]) + self.kv_stage_bytes
+        return self.kv_bytes_per_cell_layer * (end - start) + self.kv_stage_bytes
 
     def state_bytes_per_sequence(self, start: int, end: int) -> int:
         """Recurrent-state bytes per sequence of layers ``start:end``."""
@@ -308,7 +310,7 @@ class ModelShape:
             reads_tokens=(isinstance(per_layer, int) and not isinstance(per_layer, bool) and per_layer > 0)
             or arch in STAGE_TOKEN_EMBEDDINGS,
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
-            mapped_bytes=mapped, layer_period=period,
+            mapped_bytes=mapped, layer_period=period, kv_stage_bytes=stage_kv_bytes(arch, meta),
         )
 
 

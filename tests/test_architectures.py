@@ -49,7 +49,7 @@ def test_the_issue_families_split() -> None:
      ("eagle3", "draft head"), ("dflash", "draft head"),
      ("pockettts", "not a text-generation model"), ("hrm_text", "hierarchical recurrence"),
      ("hy_v4", "hyper-connections"),
-     ("graniteswitch", "adapter switching"), ("llama-embed", "embedding model")],
+     ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
     assert reason in REFUSED[arch]
@@ -57,8 +57,9 @@ def test_refusal_reasons(arch: str, reason: str) -> None:
 
 def test_the_layers_reading_token_ids_split_with_the_ids_on_every_stage() -> None:
     # CogVLM picks its weights by the batch's modality (the ids only), Talkie's layers read the
-    # input embedding (the ids, embedded on every stage); patch 0010 reads the same table
-    assert {"cogvlm", "talkie"} <= STAGE_TOKEN_IDS <= SPLIT_ARCHITECTURES
+    # input embedding (the ids, embedded on every stage), Granite Switch's router reads the ids
+    # (every stage runs it); patch 0010 reads the same table
+    assert {"cogvlm", "talkie", "graniteswitch"} <= STAGE_TOKEN_IDS <= SPLIT_ARCHITECTURES
     assert STAGE_TOKEN_EMBEDDINGS == STAGE_TOKEN_IDS & {"talkie"}
 
 

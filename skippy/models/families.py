@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Final, final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_adapters as ba
 from skippy.models import blocks_perlayer as bp
 from skippy.models import blocks_moe as bm
 from skippy.models import blocks_dense as dense
@@ -157,6 +158,11 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "iclr_lora_rank": OptionalKey("attention.iclr_lora_rank", GGUFValueType.UINT32),
     "value_residual_mix_lora_rank": OptionalKey("attention.value_residual_mix_lora_rank", GGUFValueType.UINT32),
     "gate_lora_rank": OptionalKey("attention.gate_lora_rank", GGUFValueType.UINT32),
+    #
+    # --- issue 26: adapter switching (keep this group's entries below this line) ---
+    "adapter_count": OptionalKey("adapters.count", GGUFValueType.UINT32),
+    "adapter_lora_rank": OptionalKey("adapters.lora_rank", GGUFValueType.UINT32),
+    "adapter_router_gain": OptionalKey("adapters.router_gain", GGUFValueType.FLOAT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -171,6 +177,11 @@ DERIVED_FIELDS: Final[frozenset[str]] = frozenset(
         # ``recurrent_layers`` turns ``attention.head_count_kv`` into an array with 0 at those
         # layers (llama.cpp's mark of a recurrent layer in a hybrid model)
         "recurrent_layers",
+        #
+        # --- issue 26: adapter switching (keep this group's entries below this line) ---
+        # the adapter table: Granite Switch's token_ids_activate / token_ids_substitute arrays
+        "adapter_tokens",
+        "adapter_substitutes",
     }
 )
 
@@ -1373,6 +1384,19 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Gemma 3n (E2B/E4B): four AltUp streams (predict, run the active one, correct), "
             "LAuReL, per-layer token embeddings, sliding-window and global layers, GeGLU with "
             "activation sparsity, final soft-capping",
+        ),
+        #
+        # --- issue 26: adapter switching (keep this group's entries below this line) ---
+        Family(
+            "graniteswitch", _BOTH, ba.graniteswitch_block,
+            requires=frozenset({"logit_scale", "adapter_count", "adapter_lora_rank", "adapter_tokens",
+                                "adapter_substitutes"}),
+            permits=frozenset({"embedding_scale", "residual_scale", "attention_scale", "adapter_router_gain"}),
+            rules=(ba.graniteswitch_shape,), derived_keys=ba.graniteswitch_keys,
+            summary="Granite Switch: granite layers with a fused q/k/v projection and per-slot LoRA "
+            "deltas on every projection, the slot picked per token by a router (an attention of its "
+            "own over the token ids: the last adapter token in sight), adapter tokens embedded as "
+            "their substitutes",
         ),
     )
 }

@@ -122,11 +122,15 @@ _TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cog
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
 _WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 #
+#: Issue 26, per-token adapter switching (a router picks each token's LoRA adapter).
+_AdapterArchitecture = Literal["graniteswitch"]
+#
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
     _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
     _TokenArchitecture,
     _WideBoundaryArchitecture,
+    _AdapterArchitecture,
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -183,12 +187,16 @@ TOKEN_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_TokenArchitectu
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
 WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7", "gemma3n")
 #
+#: Issue 26, per-token adapter switching.
+ADAPTER_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_AdapterArchitecture)
+#
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
     *DENSE_ARCHITECTURES, *MOE_ARCHITECTURES, *RULE_ARCHITECTURES, *PER_LAYER_ARCHITECTURES,
     *TOKEN_ARCHITECTURES,
     *WIDE_BOUNDARY_ARCHITECTURES,
+    *ADAPTER_ARCHITECTURES,
 )
 assert ARCHITECTURES == {
     "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
@@ -395,6 +403,15 @@ class ModelSpec:
     iclr_lora_rank: int = 0
     value_residual_mix_lora_rank: int = 0
     gate_lora_rank: int = 0
+    #
+    # --- issue 26: adapter switching (keep this group's entries below this line) ---
+    #: Granite Switch: the LoRA adapters (each with slot 0, the base, stacked per projection), their
+    #: rank, the router's gain, the token that activates each adapter and the id it is embedded as.
+    adapter_count: int = 0
+    adapter_lora_rank: int = 0
+    adapter_router_gain: float = 0.0
+    adapter_tokens: tuple[int, ...] = ()
+    adapter_substitutes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -979,6 +996,16 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "gemma3n": lambda n: {
         "n_embd_per_layer": 256, "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2,
         "rope_theta_swa": 10000.0, "final_softcap": 30.0,
+    },
+    #
+    # --- issue 26: adapter switching (keep this group's entries below this line) ---
+    # Granite Switch: granite's multipliers, two adapters of rank 32 (Q8_0 rows) activated by
+    # tokens 3 and 14 of the tests' 20-token prompt (",", "a"), so the prompt's rows run the base
+    # slot, then adapter 1, then the router's answer with both adapter tokens in sight.
+    "graniteswitch": lambda n: {
+        "embedding_scale": 12.0, "residual_scale": 0.22, "attention_scale": 0.0078125, "logit_scale": 8.0,
+        "adapter_count": 2, "adapter_lora_rank": 32, "adapter_router_gain": 15.0,
+        "adapter_tokens": (29892, 263), "adapter_substitutes": (1919, 278),
     },
 }
 

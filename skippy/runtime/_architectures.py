@@ -89,6 +89,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'granite',
     'granitemoe',
     'granitehybrid',
+    'graniteswitch',
     'granite_swa',
     'chameleon',
     'plm',
@@ -136,6 +137,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
 #: Split architectures whose later stages read the token ids beside the hidden state (patch 0010; Gemma 4's
 #: per-layer token embeddings are told by the file's hparams).
 STAGE_TOKEN_IDS: Final = frozenset({
+    'graniteswitch',
     'cogvlm',
     'talkie',
 })
@@ -163,7 +165,6 @@ REFUSED: Final[dict[str, str]] = {
     'deepseek4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
     't5': 'encoder-decoder: the decoder attends to the encoder output',
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
-    'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter that a router picks, an attention layer of its own past the last one (KV slot n_layer) over signals of the token ids, and the input embeds substituted ids; a later stage would run the router on KV cells of its own from the token ids (patch 0010 gives it the ids), which the rules do not build yet: not a limit of the model',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
     'hy_v4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
     'dream': 'encoder or embedding model: no KV cache, no causal generation',

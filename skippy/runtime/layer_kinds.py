@@ -23,7 +23,7 @@ from collections.abc import Mapping, Sequence
 
 from skippy.runtime.gguf_header import TensorEntry
 
-__all__ = ["recurrent_layers", "recurrent_tensor_refusal", "state_values_per_layer", "layer_memory"]
+__all__ = ["recurrent_layers", "recurrent_tensor_refusal", "state_values_per_layer", "layer_memory", "stage_kv_bytes"]
 
 #: llm_arch_is_recurrent (src/llama-arch.cpp) and Falcon-H1 (every layer runs attention + SSM).
 _ALL_RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "falcon-h1"})
@@ -119,6 +119,18 @@ def state_values_per_layer(arch: str, metadata: Mapping[str, object]) -> int:
         head = key("attention.key_length", n_embd // max(1, n_head))
         return conv + head * head * n_head
     return conv + d_state * d_inner
+
+
+def stage_kv_bytes(arch: str, metadata: Mapping[str, object]) -> int:
+    """KV bytes per cell (f16) every stage keeps beside its layers' own: a per-token adapter router
+    (Granite Switch, a file with ``adapters.count``), one head of the model's head width at KV slot
+    n_layer, which every stage runs from the token ids (patch 0014); 0 for other models."""
+    if f"{arch}.adapters.count" not in metadata:
+        return 0
+    n_embd = _first(metadata, f"{arch}.embedding_length", 0)
+    head = n_embd // max(1, _first(metadata, f"{arch}.attention.head_count", 1))
+    return (_first(metadata, f"{arch}.attention.key_length", head)
+            + _first(metadata, f"{arch}.attention.value_length", head)) * _F16
 
 
 def layer_memory(arch: str, n_layer: int, metadata: Mapping[str, object],

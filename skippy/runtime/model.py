@@ -30,7 +30,7 @@ from skippy.runtime import _callbacks
 from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES, STAGE_TOKEN_EMBEDDINGS, STAGE_TOKEN_IDS
 from skippy.runtime.cuts import KvGroup, cut_refusal, kv_groups
 from skippy.runtime.gguf_header import GGUFHeaderError, read_layout
-from skippy.runtime.layer_kinds import layer_memory, recurrent_tensor_refusal
+from skippy.runtime.layer_kinds import layer_memory, recurrent_tensor_refusal, stage_kv_bytes
 
 
 ProgressCallback = Callable[[float], object]
@@ -90,10 +90,12 @@ class GGUFInfo:
     kv_layer_bytes: tuple[int, ...] = ()
     #: Recurrent-state bytes per sequence (f32) of each layer: a recurrent or hybrid model's
     state_layer_bytes: tuple[int, ...] = ()
+    #: KV bytes per cell every stage keeps beside its layers' (Granite Switch's router; layer_kinds)
+    kv_stage_bytes: int = 0
 
     def kv_bytes_per_cell(self, start: int, end: int) -> int:
         """KV bytes one cell (one token position) takes in layers ``start:end`` (f16 cache)."""
-        return sum(self.kv_layer_bytes[start:end])
+        return sum(self.kv_layer_bytes[start:end]) + self.kv_stage_bytes
 
     def state_bytes_per_sequence(self, start: int, end: int) -> int:
         """Recurrent-state bytes one sequence id holds in layers ``start:end`` (0: none)."""
@@ -167,6 +169,7 @@ def read_gguf_info(path: str | os.PathLike[str]) -> GGUFInfo:
         embeds_tokens=(isinstance(per_layer, int) and per_layer > 0) or arch in STAGE_TOKEN_EMBEDDINGS,
         kv_layer_bytes=kv_layers,
         state_layer_bytes=state_layers,
+        kv_stage_bytes=stage_kv_bytes(arch, metadata),
     )
 
 
