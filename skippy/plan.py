@@ -55,7 +55,7 @@ from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
-from skippy.runtime.layer_kinds import layer_memory, recurrent_layers, stage_kv_bytes
+from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
@@ -81,6 +81,11 @@ _EMBED_TENSORS: Final = frozenset({"token_embd.weight", "token_embd_norm.weight"
 #: Gemma 4's per-layer token table: mapped and read by rows on demand (skippy.runtime.model), so
 #: only the rows of the tokens seen become resident; not counted in a stage's weights.
 _PER_LAYER_TABLE: Final = "per_layer_token_embd.weight"
+#: Loaders that create the tied head (llama.cpp's duplicate of token_embd) before token_embd itself
+#: (src/models/gemma3n.cpp, gemma4.cpp): the loader shares a duplicate only with a tensor created
+#: before it, so a stage holding both (the last stage of a model with per-layer token embeddings,
+#: or a whole model) holds two copies.
+_HEAD_FIRST: Final = frozenset({"gemma3n", "gemma4"})
 
 
 class PlanError(ValueError):
@@ -297,10 +302,9 @@ class ModelShape:
             raise PlanError(f"{file}: {exc}") from exc
         per_layer = meta.get(f"{arch}.embedding_length_per_layer_input")
         kv_per_cell = n_head_kv * (head_k + head_v) * _F16
-        kv_layers: tuple[int, ...] = ()
-        state_layers: tuple[int, ...] = ()
-        if recurrent_layers(arch, n_layer, meta):  # the runtime's own figures (GGUFInfo) come from here too
-            kv_layers, state_layers = layer_memory(arch, n_layer, meta, layout.tensors, kv_per_cell)
+        # per layer (a hybrid's attention layers, Gemma 4's head widths): the runtime's own figures
+        # (GGUFInfo) come from here too
+        kv_layers, state_layers = layer_memory(arch, n_layer, meta, layout.tensors, kv_per_cell)
         return cls(
             path=file, architecture=arch, n_layer=n_layer, n_embd=n_embd,
             n_ff=n_ff if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 4 * n_embd,
@@ -366,8 +370,9 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     # per-layer token embeddings: every stage embeds the token ids for its layers' inputs
     embeds = first or shape.reads_tokens
     weights += shape.embed_bytes if embeds else 0
-    if last:  # a tied head reads token_embd, which a stage that embeds holds once
-        weights += shape.head_bytes - (shape.embed_bytes if embeds and shape.tied_head else 0)
+    if last:  # a tied head reads token_embd, which a stage that embeds holds once (but see _HEAD_FIRST)
+        shared = embeds and shape.tied_head and shape.architecture not in _HEAD_FIRST
+        weights += shape.head_bytes - (shape.embed_bytes if shared else 0)
     kv = settings.ctx_size * shape.kv_bytes_per_cell(start, end)
     state = sequence_ids(settings) * shape.state_bytes_per_sequence(start, end)
     ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch

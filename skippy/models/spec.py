@@ -1276,6 +1276,43 @@ def qwen35moe_35b_a3b_8l(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> Model
     )
 
 
+def gemma4_e2b(*, dtype: WeightDtype = "Q8_0", seed: int = 0) -> ModelSpec:
+    """Gemma 4 E2B's shape: 35 x 1536, 8 query heads and 1 KV head of 512 (global) / 256
+    (sliding-window, window 512, every 5th layer global), per-layer token embeddings of 256 per
+    layer, the last 20 layers reusing the KV of layers 13 (local) and 14 (global), tied head, final
+    soft-capping; issue 26's real Gemma 4 shape.
+
+    Two departures: every MLP is 6144 wide (E2B doubles it on its KV-sharing layers), and the
+    262144-token vocabulary is replaced by the 32000-token SPM one, so the token table and the
+    per-layer table (n_vocab x 35 x 256) are an eighth of the real ones; the file is about 1.7 GB
+    in Q8_0, its layers 1.4 GB of it.
+    """
+    return ModelSpec(
+        arch="gemma4",
+        n_layer=35,
+        n_embd=1536,
+        n_ff=6144,
+        n_head=8,
+        n_head_kv=1,
+        head_dim=512,
+        vocab="llama-spm",
+        dtype=dtype,
+        tied=True,
+        context_length=131072,
+        rope_theta=1_000_000.0,
+        rms_eps=1e-6,
+        seed=seed,
+        name="skippy-gemma4-e2b-shape",
+        sliding_window=512,
+        rope_theta_swa=10_000.0,
+        final_softcap=30.0,
+        n_embd_per_layer=256,
+        n_kv_shared_layers=20,
+        head_dim_swa=256,
+        swa_period=5,
+    )
+
+
 #: Named presets; each is a zero-argument factory.
 PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "tiny-llama": lambda: tiny("llama"),
@@ -1295,6 +1332,7 @@ PRESETS: Final[dict[str, Callable[[], ModelSpec]]] = {
     "nemotron-h-8b-8l": nemotron_h_8b_8l,
     **{f"tiny-{arch}": functools.partial(tiny, arch) for arch in LATER_ARCHITECTURES},
     "qwen35moe-35b-a3b-8l": qwen35moe_35b_a3b_8l,
+    "gemma4-e2b": gemma4_e2b,
 }
 
 

@@ -133,6 +133,33 @@ def stage_kv_bytes(arch: str, metadata: Mapping[str, object]) -> int:
             + _first(metadata, f"{arch}.attention.value_length", head)) * _F16
 
 
+def _attention_kv(arch: str, n_layer: int, metadata: Mapping[str, object], uniform: int) -> tuple[int, ...]:
+    """KV bytes per cell (f16) of each layer of an attention-only model: ``uniform`` in every layer,
+    except where the file gives sliding-window layers heads of their own width
+    (``attention.key_length_swa`` / ``value_length_swa`` beside the ``sliding_window_pattern``
+    array: Gemma 4, whose global heads are twice as wide).  There each layer's K is its own width,
+    its V row the widest layer's (llama.cpp pads a transposed V cache, which it keeps without flash
+    attention, skippy's CPU default), and the trailing ``attention.shared_kv_layers`` keep none (they
+    read earlier layers' KV: create_memory's reuse)."""
+    pattern = metadata.get(f"{arch}.attention.sliding_window_pattern")
+    swa_k = metadata.get(f"{arch}.attention.key_length_swa")
+    if not isinstance(pattern, tuple) or not isinstance(swa_k, int) or isinstance(swa_k, bool):
+        return (uniform,) * n_layer
+    n_embd = _first(metadata, f"{arch}.embedding_length", 0)
+    n_head = _first(metadata, f"{arch}.attention.head_count", 1)
+    head_k = _first(metadata, f"{arch}.attention.key_length", n_embd // max(1, n_head))
+    head_v = _first(metadata, f"{arch}.attention.value_length", head_k)
+    swa_v = _first(metadata, f"{arch}.attention.value_length_swa", swa_k)
+    kv_heads = _per_layer(metadata, f"{arch}.attention.head_count_kv", n_layer, n_head)
+    swa = [il < len(pattern) and bool(pattern[il]) for il in range(n_layer)]
+    v_row = max(kv_heads[il] * (swa_v if swa[il] else head_v) for il in range(n_layer))
+    kv_layers = n_layer - _first(metadata, f"{arch}.attention.shared_kv_layers", 0)
+    return tuple(
+        0 if il >= kv_layers else (kv_heads[il] * (swa_k if swa[il] else head_k) + v_row) * _F16
+        for il in range(n_layer)
+    )
+
+
 def layer_memory(arch: str, n_layer: int, metadata: Mapping[str, object],
                  tensors: Sequence[TensorEntry], uniform_kv_bytes: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(KV bytes per cell, recurrent-state bytes per sequence) of each layer.
@@ -144,7 +171,7 @@ def layer_memory(arch: str, n_layer: int, metadata: Mapping[str, object],
     """
     recurrent = recurrent_layers(arch, n_layer, metadata)
     if not recurrent:
-        return (uniform_kv_bytes,) * n_layer, (0,) * n_layer
+        return _attention_kv(arch, n_layer, metadata, uniform_kv_bytes), (0,) * n_layer
     n_head = _first(metadata, f"{arch}.attention.head_count", 1)
     n_embd = _first(metadata, f"{arch}.embedding_length", 0)
     head_k = _first(metadata, f"{arch}.attention.key_length", n_embd // max(1, n_head))
