@@ -10,6 +10,7 @@ token ids it runs the router on, in Python and in the patched library.
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -84,3 +85,15 @@ def test_the_spec_refuses_a_malformed_adapter_table() -> None:
         dataclasses.replace(spec, adapter_tokens=(29892,))
     with pytest.raises(ValueError, match="adapter tokens must differ"):
         dataclasses.replace(spec, adapter_tokens=(263, 263))
+
+
+@pytest.mark.slow
+def test_graniteswitch_split_in_three_through_up_gives_the_unsplit_text(tmp_path: Path) -> None:
+    """Three stage processes (frames carry the token ids the later stages run the router on) give
+    the unsplit greedy text through the API, prefill and decode."""
+    from test_perlayer import up_completion
+
+    path = ensure_model(tiny("graniteswitch"))
+    whole = up_completion(tmp_path, path, "0:4")
+    assert whole.strip()
+    assert up_completion(tmp_path, path, "0:1,1:3,3:4") == whole
