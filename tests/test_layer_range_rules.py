@@ -185,3 +185,31 @@ def test_layers_reading_the_input_embedding_embed_the_token_ids_on_every_stage()
     assert new.count("build_stage_tok_embd(model.tok_embd,") == 1
     hidden = new.index(gen.SKIP_HIDDEN.format(var="inpL"))
     assert new.index("ggml_tensor * embd_skip = inpL;") < hidden < new.index(gen.LOOP_NEW)
+
+
+def test_an_embedding_of_computed_ids_is_the_first_stages_and_a_router_reads_the_ids() -> None:
+    """Granite Switch's shape: the input embeds ids the graph computes (adapter substitutes), then
+    scales them; a router attention at hparams.router_layer picks the layers' adapters."""
+    embd = "    inpL = ggml_get_rows(ctx0, model.tok_embd, sub_tokens);\n"
+    prelude = ("    inpL = ggml_scale(ctx0, inpL, 12.0f);\n"
+               "    const int R = hparams.router_layer;\n"
+               "    ggml_tensor * ids = build_attn(inp_attn, nullptr, nullptr, nullptr, q, k, v, nullptr, nullptr, nullptr, 1.0f, R);\n")
+    text = model_file(prelude=prelude).replace("    inpL = build_inp_embd(model.tok_embd);\n", embd)
+    text = text.replace("cur = build_norm(inpL,", "cur = build_norm(ggml_add(ctx0, inpL, ids),")
+    arch = gen.Arch(enum="LLM_ARCH_X", name="x")
+    new, findings = gen.transform(arch, text)
+    assert findings == [] and arch.token_input == gen.TOKEN_IDS
+    lookup = "    inpL = il_start == 0 ? ggml_get_rows(ctx0, model.tok_embd, sub_tokens) : build_inp_embd(nullptr);"
+    assert new.count(lookup) == 1
+    # the scale is an input transform (first stage only); the router runs on every stage
+    guarded = new.index(gen.STAGE_FIRST)
+    assert guarded < new.index("ggml_scale") < new.index("hparams.router_layer")
+    assert new.count(gen.STAGE_FIRST) == 1 and "}\n    const int R" in new
+    # without the router, the ids are not needed past the first stage
+    arch = gen.Arch(enum="LLM_ARCH_X", name="x")
+    gen.transform(arch, text.replace("hparams.router_layer", "0"))
+    assert arch.token_input == 0
+    # two lookups of computed ids: refused
+    twice = text.replace(embd, embd + "    ggml_tensor * other = ggml_get_rows(ctx0, model.tok_embd, more_ids);\n")
+    with pytest.raises(gen.TransformError, match="more than one input embedding"):
+        gen.transform(gen.Arch(enum="LLM_ARCH_X", name="x"), twice)
