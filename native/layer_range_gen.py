@@ -30,9 +30,9 @@ or banked across layers, layers reused in depth in a hierarchical recurrence, an
 refused with that reason.  Layers that read the input embedding or pick their weights by the input
 modality split with the token ids on every stage (``TOKEN_IDS`` / ``TOKEN_EMBEDDINGS``, patch
 ``0010``), and so do layers that apply the adapter a router picks from the token ids (Granite
-Switch: every stage runs the router, ``ROUTER``, on KV cells of its own, patch ``0014``); a value residual from the first layer (RWKV-7) or parallel
-streams (Gemma 3n's AltUp) cross a wide boundary announced by the protocol's sideband flags (patch
-``0012``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
+Switch: every stage runs the router, ``ROUTER``, on KV cells of its own, patch ``0014``); a value
+residual from the first layer (RWKV-7) or parallel streams (Gemma 3n's AltUp) cross a wide boundary
+announced by the protocol's sideband flags (patch ``0012``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
 e.g. a TTS backbone without an LM head).  Nor is a value residual (RWKV-7's ``v_first``, the first
@@ -185,8 +185,6 @@ FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
         "    hparams.n_embd_per_layer      = hparams.n_embd_altup; // skippy: per-layer token inputs (0006)\n",
         1,
     )],
-    # lightning-attention inputs are built on every stage but used only by lightning layers: a
-    # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
     # Granite Switch embeds the adapter-substituted ids on the first stage only (EMBD_ROWS): a later
     # stage's graph never reads that input, which is then left without a buffer
     "graniteswitch": [(
@@ -196,6 +194,8 @@ FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
         "    }\n",
         1,
     )],
+    # lightning-attention inputs are built on every stage but used only by lightning layers: a
+    # stage holding none leaves them without a buffer (as a hybrid's inputs of a missing kind)
     "minimax-01": [(
         "        // this operates on assumption that we have an equal ubatch split\n",
         "        // this operates on assumption that we have an equal ubatch split\n"
@@ -299,9 +299,9 @@ REVIEWED: dict[str, dict[str, str]] = {
     "mimo2": {"n_layer": "the MTP extraction of the final layer input (embeddings_layer_inp[n_layer]) is read "
                          "after the loop, on the last stage only"},
     "glm4": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
+    "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "graniteswitch": {"ubatch.token": "the graph's assertion of token input: every stage receives the token ids "
                                       "(its router reads them, ROUTER)"},
-    "glm4moe": {"ubatch.embd": "the multimodal guard, limited to the first stage"},
     "gemma3n": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage"},
     "gemma4": {"ubatch.token": "the sqrt(n_embd) scale of token input, guarded to the first stage",
                "n_layer": "a comment on the per-layer inputs' shape (every stage computes all n_layer of them)"},
