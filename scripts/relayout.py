@@ -368,6 +368,8 @@ class Relayout:
             if "\0" in text:
                 continue
             new = rewrite_text(text)
+            if new != text and path.suffix == ".py":
+                new = sort_moved_imports(new)
             if new != text:
                 self.note(f"rewrite {rel}")
                 self.write(rel, new)
@@ -524,6 +526,40 @@ def rewrite_text(text: str) -> str:
                              text)
     text = _DOTTED_MODULES.sub(lambda m: MODULE_MAP[m[1]], text)
     return _PATHS.sub(lambda m: STEM_MAP[m[1]], text)
+
+
+#: Modules (and their packages) that the rewrite makes code import.
+_NEW_MODULES = frozenset(MODULE_MAP.values()) | frozenset(NAME_MAP.values()) \
+    | frozenset(m.rsplit(".", 1)[0] for m in MODULE_MAP.values())
+
+
+def sort_moved_imports(text: str) -> str:
+    """Sort by module each run of adjacent top-level ``from skippy... import`` statements that
+    imports from a new place (a rewritten import keeps its old place, which no longer sorts)."""
+    try:
+        tree = ast.parse(text)
+    except SyntaxError:
+        return text
+    lines = text.splitlines(keepends=True)
+    runs: list[list[ast.ImportFrom]] = []
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").startswith("skippy") \
+                and node.col_offset == 0:
+            if runs and runs[-1] and (runs[-1][-1].end_lineno or 0) + 1 == node.lineno:
+                runs[-1].append(node)
+            else:
+                runs.append([node])
+        else:
+            runs.append([])
+    for run in reversed(runs):
+        if len(run) < 2 or not any(node.module in _NEW_MODULES for node in run):
+            continue
+        start, end = run[0].lineno - 1, run[-1].end_lineno or run[-1].lineno
+        statements = ["".join(lines[n.lineno - 1:n.end_lineno]) for n in run]
+        ordered = [statement for _, statement in sorted(zip((n.module or "" for n in run), statements),
+                                                           key=lambda pair: pair[0])]
+        lines[start:end] = ordered
+    return "".join(lines)
 
 
 # -- AST helpers for the extractions -------------------------------------------------------------
