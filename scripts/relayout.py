@@ -100,6 +100,9 @@ class Extract:
     target: str  #: the new module
     names: tuple[str, ...]  #: top-level names to move (they keep their source order)
     doc: str  #: the new module's docstring (without quotes)
+    shared: tuple[str, ...] = ()  #: top-level names copied, not moved (a module's logger)
+    #: moved code may use names that stay: the target imports them from the source (else refused)
+    import_from_source: bool = False
 
 
 EXTRACTS: tuple[Extract, ...] = (
@@ -125,6 +128,18 @@ Strategy: one frozen value, written by the driver (:meth:`DecodeRunRequest.metad
 by the first stage from hostile metadata with every field checked
 (:meth:`DecodeRunRequest.from_metadata`).  It lives with the codec because both ends speak it; the
 run itself, on the first stage, is :mod:`skippy.stage.decode_run`.'''),
+    # the stage's half of model identities: skippy.identity is then shared code the driver and
+    # the API use without importing the stage (ModelMismatch is a StageError)
+    Extract("skippy/identity.py", "skippy/stage/identity_check.py",
+            ("ModelMismatch", "_describe_pair", "DownstreamIdentities"), '''\
+A stage's check of its downstream's model identity (``docs/protocol.md`` §9), and its refusal.
+
+Strategy: :class:`DownstreamIdentities` asks the downstream for its Identity frame each time a
+lane dials it (:func:`skippy.identity.query_identity`), remembers peers that gave none (a plain
+v11 peer costs the timeout once per address), and raises :class:`ModelMismatch` (a
+:class:`~skippy.stage.errors.StageError`, so the lane closes with an Error frame) when the two
+stages cannot form a chain.  What identifies a stage, and asking a peer: :mod:`skippy.identity`.''',
+            shared=("log",), import_from_source=True),
 )
 
 
@@ -133,7 +148,7 @@ class Fixup:
     path: str
     pattern: str  #: a regex (MULTILINE) of the text to change
     replacement: str
-    done: str  #: a regex that matches once the fixup is in (then nothing is done)
+    done: str  #: a regex that matches once the fixup is in ("": done when the pattern is gone)
     count: int = 1  #: how many matches the pattern must have (0: any number, at least one)
 
 
@@ -167,6 +182,15 @@ FIXUPS: tuple[Fixup, ...] = (
           "This module is the sans-IO part of the run (its request, which the driver writes too, is\n"
           ":class:`skippy.codec.decode_run.DecodeRunRequest`): the run's state",
           r"its request, which the driver writes too"),
+    # identity.py's header names the checker that moved to the stage
+    Fixup("skippy/identity.py", r"^\* \*\*Checking\*\* \(:class:`DownstreamIdentities`\)",
+          "* **Checking** (:class:`skippy.stage.identity_check.DownstreamIdentities`, the stage's half)",
+          r"^\* \*\*Checking\*\* \(:class:`skippy\.stage\.identity_check\.DownstreamIdentities`"),
+    Fixup("skippy/identity.py", r"^  :class:`ModelMismatch` naming both files",
+          "  :class:`~skippy.stage.identity_check.ModelMismatch` naming both files",
+          r"^  :class:`~skippy\.stage\.identity_check\.ModelMismatch` naming"),
+    # the stage imported identity lazily because identity imported the stage; it no longer does
+    Fixup("skippy/stage/server.py", r"  # see skippy\.identity: imports skippy\.stage$", "", "", count=0),
     # the README's layout
     Fixup("README.md", r"^skippy/        runtime/ \(cffi binding.*?\n(?=docs/)", """\
 skippy/        __main__.py (the skippy command), identity.py (a chain's model identity), reference.py
@@ -285,27 +309,36 @@ class Relayout:
         # line spans (0-based, end exclusive) of each moved definition, with decorators and the
         # comment lines right above it
         spans: dict[str, tuple[int, int]] = {}
-        for name in ex.names:
+        missing_shared = [name for name in ex.shared if name not in defined]
+        if missing_shared:
+            raise SystemExit(f"{ex.source} does not define {', '.join(missing_shared)} (shared)")
+        for name in ex.names + ex.shared:
             node = defined[name]
             start = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])]) - 1
             while start > 0 and lines[start - 1].lstrip().startswith("#"):
                 start -= 1
             spans[name] = (start, node.end_lineno or node.lineno)
-        moved_nodes = [defined[name] for name in ex.names]
+        moved_nodes = [defined[name] for name in ex.names + ex.shared]
         used = set().union(*(_names_used(node) for node in moved_nodes))
-        left_behind = {name for name in defined if name not in ex.names and not _is_import_name(tree, name)}
+        left_behind = {name for name in defined
+                       if name not in ex.names + ex.shared and not _is_import_name(tree, name)}
         needs = sorted((used & left_behind) - set(ex.names))
-        if needs:
+        if needs and not ex.import_from_source:
             raise SystemExit(f"{', '.join(ex.names)} in {ex.source} use {', '.join(needs)}, which stays: "
                              f"add it to the extraction or leave both")
         source_module, target_module = str(_dotted(ex.source)), str(_dotted(ex.target))
         # the target module
         imports = _imports_used_by(tree, lines, used)
+        if needs:
+            imports.append(("\n" if imports and imports[-1] != "\n" and not imports[-1].startswith("from skippy")
+                            else "")
+                           + _format_from("", source_module, [(n, None) for n in _import_order(needs)], "", False)
+                           + "\n")
         exported = _all_names(tree)
         public_all = [name for name in exported or () if name in ex.names]
         body: list[str] = []
         previous_end = None
-        for name in sorted(ex.names, key=lambda n: spans[n][0]):
+        for name in sorted(ex.names + ex.shared, key=lambda n: spans[n][0]):
             start, end = spans[name]
             chunk = "".join(lines[start:end]).rstrip("\n") + "\n"
             if previous_end is not None:
@@ -326,7 +359,7 @@ class Relayout:
         self.note(f"extract {', '.join(ex.names)}: {ex.source} -> {ex.target}")
         # the source module
         keep = [True] * len(lines)
-        for start, end in spans.values():
+        for start, end in (spans[name] for name in ex.names):
             for i in range(start, end):
                 keep[i] = False
         remaining = "".join(line for line, k in zip(lines, keep) if k)
@@ -351,7 +384,6 @@ class Relayout:
         self.write(ex.source, remaining)
         if not self.dry:
             self.git("add", ex.target)
-        del source_module
 
     # -- 3. rewrites ----------------------------------------------------------------------------
 
@@ -383,7 +415,8 @@ class Relayout:
                 self.warn(f"fixup skipped, {fix.path} does not exist")
                 continue
             text = path.read_text()
-            if re.search(fix.done, text, re.MULTILINE | re.DOTALL):
+            found = re.search(fix.done or fix.pattern, text, re.MULTILINE | re.DOTALL)
+            if (found is not None) if fix.done else (found is None):
                 continue
             new, count = re.subn(fix.pattern, fix.replacement, text, flags=re.MULTILINE | re.DOTALL)
             if count == 0 or (fix.count and count != fix.count):
@@ -687,11 +720,15 @@ def _add_import(text: str, module: str, names: list[str]) -> str:
     later = [node for node in skippy_imports if (node.module or "") > module]
     # before the first skippy import that sorts after it, else after the last skippy (or any) import
     insert_at = later[0].lineno - 1 if later else ((skippy_imports or imports)[-1].end_lineno or 0)
-    statement = _format_from("", module, [(n, None) for n in sorted(names, key=lambda n: (not n.isupper(), n))],
-                             "", False) + "\n"
+    statement = _format_from("", module, [(n, None) for n in _import_order(names)], "", False) + "\n"
     lines = text.splitlines(keepends=True)
     lines.insert(insert_at, statement)
     return "".join(lines)
+
+
+def _import_order(names: list[str]) -> list[str]:
+    """isort's order of imported names: constants, classes, then the rest."""
+    return sorted(names, key=lambda n: (not n.isupper(), not n[:1].isupper(), n))
 
 
 def _all_names(tree: ast.Module) -> list[str] | None:

@@ -4,9 +4,11 @@ Strategy: :data:`NEVERS` maps a checked source (a package: every ``.py`` module 
 module) to the module prefixes none of its modules may import.  Every import statement counts, at
 module level, inside functions and under ``TYPE_CHECKING`` alike (a never is about what the code
 depends on, not about when it loads); relative imports are resolved, and ``from skippy import
-stage`` names ``skippy.stage``.  Only direct imports are read: a module outside the checked
-source has its own row or none.  A source that does not exist fails, so when a package moves the
-row must follow it (edit the table: the checks are data).  Cython sources are not read.
+stage`` names ``skippy.stage``.  A *transitive* row also follows every skippy module the source
+reaches, with the packages whose ``__init__`` that runs (importing ``skippy.stage.errors`` runs
+``skippy/stage/__init__.py``), and names the chain that breaks it.  A source that does not exist
+fails, so when a package moves its row must follow it (edit the table: the checks are data).
+Cython sources are not read.
 """
 
 from __future__ import annotations
@@ -18,18 +20,19 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-#: (checked source, prefixes it never imports)
-NEVERS: tuple[tuple[str, tuple[str, ...]], ...] = (
-    # the driver and the API talk to stages over the wire; they share only the codec and the network layer
-    ("skippy.driver", ("skippy.stage",)),
-    ("skippy.api", ("skippy.stage",)),
-    # the lane's rules are sans-IO: no event loop, no sockets, no native runtime
-    ("skippy.stage.lane_protocol", ("trio", "socket", "skippy.net", "skippy.runtime")),
+#: (checked source, prefixes it never imports, transitively)
+NEVERS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
+    # the driver and the API talk to stages over the wire; they share the codec and the network layer
+    ("skippy.driver", ("skippy.stage",), True),
+    ("skippy.api", ("skippy.stage",), True),
+    # the lane's rules are sans-IO: no event loop, no sockets, no native runtime (direct imports:
+    # skippy/stage/__init__.py loads the server, so make it transitive where the rules live alone)
+    ("skippy.stage.lane_protocol", ("trio", "socket", "skippy.net", "skippy.runtime"), False),
     # the codec is sans-IO and below everything that uses it
     ("skippy.codec", ("trio", "socket", "ssl", "skippy.net", "skippy.runtime", "skippy.stage", "skippy.driver",
-                      "skippy.api", "skippy.deploy")),
+                      "skippy.api", "skippy.deploy"), True),
     # the network layer knows neither end's protocol
-    ("skippy.net", ("skippy.runtime", "skippy.stage", "skippy.driver", "skippy.api", "skippy.deploy")),
+    ("skippy.net", ("skippy.runtime", "skippy.stage", "skippy.driver", "skippy.api", "skippy.deploy"), True),
 )
 
 
@@ -67,18 +70,48 @@ def imported_modules(module: str, text: str, *, is_package: bool = False) -> set
     return names
 
 
-def violations(source: str, forbidden: tuple[str, ...], root: Path = ROOT) -> list[str]:
+def _module_file(name: str, root: Path) -> Path | None:
+    """The file of a skippy module or package (None: not one, e.g. a class imported from one)."""
+    path = root / Path(*name.split("."))
+    for candidate in (path / "__init__.py", path.with_suffix(".py")):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def violations(source: str, forbidden: tuple[str, ...], root: Path = ROOT, *, transitive: bool = False) -> list[str]:
+    def banned(name: str) -> bool:
+        return any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden)
+
     found = []
-    for module, file in modules(source, root):
+    #: module -> the module that first imported it (None: a module of the source)
+    reached: dict[str, str | None] = {module: None for module, _ in modules(source, root)}
+    queue = list(reached)
+    while queue:
+        module = queue.pop(0)
+        file = _module_file(module, root)
+        if file is None:
+            continue
         for name in sorted(imported_modules(module, file.read_text(), is_package=file.name == "__init__.py")):
-            if any(name == prefix or name.startswith(prefix + ".") for prefix in forbidden):
-                found.append(f"{file.relative_to(root)} imports {name}")
-    return found
+            if banned(name):
+                chain = [module]
+                while reached[chain[-1]] is not None:
+                    chain.append(reached[chain[-1]])  # type: ignore[arg-type]
+                found.append(" <- ".join([name, *chain]))
+            if not transitive or not name.startswith("skippy"):
+                continue
+            parts = name.split(".")
+            for depth in range(2, len(parts) + 1):  # the packages on the way run their __init__
+                prefix = ".".join(parts[:depth])
+                if prefix not in reached and _module_file(prefix, root) is not None:
+                    reached[prefix] = module
+                    queue.append(prefix)
+    return sorted(set(found))
 
 
-@pytest.mark.parametrize(("source", "forbidden"), NEVERS, ids=[source for source, _ in NEVERS])
-def test_never(source: str, forbidden: tuple[str, ...]) -> None:
-    assert violations(source, forbidden) == []
+@pytest.mark.parametrize(("source", "forbidden", "transitive"), NEVERS, ids=[row[0] for row in NEVERS])
+def test_never(source: str, forbidden: tuple[str, ...], transitive: bool) -> None:
+    assert violations(source, forbidden, transitive=transitive) == []
 
 
 def test_the_check_sees_every_form_of_import(tmp_path: Path) -> None:
@@ -96,11 +129,28 @@ def test_the_check_sees_every_form_of_import(tmp_path: Path) -> None:
         "    from skippy.stage import errors\n"
         "from skippy.staged import fine\n")
     assert violations("skippy.driver", ("skippy.stage",), tmp_path) == [
-        "skippy/driver/client.py imports skippy.stage",
-        "skippy/driver/client.py imports skippy.stage.errors",
-        "skippy/driver/client.py imports skippy.stage.server",
-        "skippy/driver/client.py imports skippy.stage.server.StageServer",
-        "skippy/driver/client.py imports skippy.stage.transport",
+        "skippy.stage <- skippy.driver.client",
+        "skippy.stage.errors <- skippy.driver.client",
+        "skippy.stage.server <- skippy.driver.client",
+        "skippy.stage.server.StageServer <- skippy.driver.client",
+        "skippy.stage.transport <- skippy.driver.client",
     ]
     with pytest.raises(FileNotFoundError, match="point its NEVERS row"):
         violations("skippy.lane", ("trio",), tmp_path)
+
+
+def test_a_transitive_row_follows_skippy_modules_and_their_packages(tmp_path: Path) -> None:
+    for name, text in {"skippy/__init__.py": "", "skippy/api/__init__.py": "",
+                       "skippy/api/app.py": "from skippy.shared.ids import check\n",
+                       "skippy/shared/__init__.py": "", "skippy/shared/ids.py": "import skippy.stage.errors\n",
+                       "skippy/stage/__init__.py": "from skippy.stage.server import serve\n",
+                       "skippy/stage/errors.py": "", "skippy/stage/server.py": "import trio\n"}.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    assert violations("skippy.api", ("skippy.stage",), tmp_path) == []
+    assert violations("skippy.api", ("skippy.stage", "trio"), tmp_path, transitive=True) == [
+        "skippy.stage.errors <- skippy.shared.ids <- skippy.api.app",
+        "skippy.stage.server <- skippy.stage <- skippy.shared.ids <- skippy.api.app",
+        "skippy.stage.server.serve <- skippy.stage <- skippy.shared.ids <- skippy.api.app",
+        "trio <- skippy.stage.server <- skippy.stage <- skippy.shared.ids <- skippy.api.app",
+    ]
