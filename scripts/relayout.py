@@ -423,7 +423,7 @@ class Relayout:
                 self.warn(f"fixup of {fix.path} matched {count} times (expected {fix.count or 'some'}): "
                           f"{fix.pattern[:70]!r}; edit it by hand or fix the table")
                 continue
-            self.note(f"fixup {fix.path}: {fix.replacement.splitlines()[0][:60]!r}")
+            self.note(f"fixup {fix.path}: {(fix.replacement.splitlines() or ['(a deletion)'])[0][:60]!r}")
             self.write(fix.path, new)
 
     # -- 5. stale build outputs -----------------------------------------------------------------
