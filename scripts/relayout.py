@@ -183,12 +183,16 @@ FIXUPS: tuple[Fixup, ...] = (
           ":class:`skippy.codec.decode_run.DecodeRunRequest`): the run's state",
           r"its request, which the driver writes too"),
     # identity.py's header names the checker that moved to the stage
-    Fixup("skippy/identity.py", r"^\* \*\*Checking\*\* \(:class:`DownstreamIdentities`\)",
-          "* **Checking** (:class:`skippy.stage.identity_check.DownstreamIdentities`, the stage's half)",
-          r"^\* \*\*Checking\*\* \(:class:`skippy\.stage\.identity_check\.DownstreamIdentities`"),
-    Fixup("skippy/identity.py", r"^  :class:`ModelMismatch` naming both files",
-          "  :class:`~skippy.stage.identity_check.ModelMismatch` naming both files",
-          r"^  :class:`~skippy\.stage\.identity_check\.ModelMismatch` naming"),
+    Fixup("skippy/identity.py", r"^\* \*\*Checking\*\* \(:class:`DownstreamIdentities`\): .*?"
+          r"\(:func:`check_first_stage`\)\.\n", """\
+* **Checking** (the stage's half, :mod:`skippy.stage.identity_check`): a stage checks its
+  downstream each time a lane dials it (a restarted downstream may serve another file),
+  remembering peers that gave no identity so a v11 peer costs the timeout once per address.  A
+  mismatch raises ``ModelMismatch`` naming both files and both ranges; the lane then closes with
+  an Error frame (``MODEL_MISMATCH`` to an upstream that flags bit 12, ``STATE_MISMATCH``
+  otherwise), so the refusal reaches the driver, which reports it with the text.  The driver
+  checks the first stage against its own model file (:func:`check_first_stage`).
+""", r"the stage's half, :mod:`skippy\.stage\.identity_check`"),
     # the stage imported identity lazily because identity imported the stage; it no longer does
     Fixup("skippy/stage/server.py", r"  # see skippy\.identity: imports skippy\.stage$", "", "", count=0),
     # the README's layout
@@ -491,7 +495,7 @@ def _format_from(indent: str, module: str, names: list[tuple[str, str | None]], 
     line = f"{indent}from {module} import {', '.join(items)}"
     if len(line + tail) <= 120 or len(items) == 1:
         return line + tail
-    out = [f"{indent}from {module} import ({tail.strip() and ' ' + tail.strip()}".rstrip()]
+    out = [f"{indent}from {module} import ({tail}"]
     current = indent + "    "
     for item in items:
         piece = item + ","
@@ -558,7 +562,21 @@ def rewrite_text(text: str) -> str:
     text = _DOTTED_NAMES.sub(lambda m: NAME_MAP[tuple(m[1].rsplit(".", 1))] + "." + m[1].rsplit(".", 1)[1],  # type: ignore[index]
                              text)
     text = _DOTTED_MODULES.sub(lambda m: MODULE_MAP[m[1]], text)
-    return _PATHS.sub(lambda m: STEM_MAP[m[1]], text)
+    text = _PATHS.sub(lambda m: STEM_MAP[m[1]], text)
+    return _LONG_IMPORT.sub(_wrap_long_import, text)
+
+
+_LONG_IMPORT = re.compile(r"^(?P<indent>[ \t]*)from[ \t]+(?P<module>skippy[\w.]*)[ \t]+import[ \t]+"
+                          r"(?P<names>[^(#\n\\]+?)(?P<comment>[ \t]+#[^\n]*)?$", re.MULTILINE)
+
+
+def _wrap_long_import(match: re.Match[str]) -> str:
+    """A one-line import of a new place that the longer module name pushed past 120 columns,
+    wrapped in parentheses."""
+    if len(match[0]) <= 120 or match["module"] not in _NEW_MODULES:
+        return match[0]
+    names, _ = _split_names(match["names"])
+    return _format_from(match["indent"], match["module"], names, (match["comment"] or "").strip(), True)
 
 
 #: Modules (and their packages) that the rewrite makes code import.
