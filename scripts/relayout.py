@@ -163,7 +163,7 @@ FIXUPS: tuple[Fixup, ...] = (
           "Path(__file__).resolve().parents[2])", r"Path\(__file__\)\.resolve\(\)\.parents\[2\]\)"),
     # build outputs of the Cython modules now sit in subpackages
     Fixup(".gitignore", r"^/skippy/\*\.html$", "/skippy/**/*.html", r"^/skippy/\*\*/\*\.html$"),
-    Fixup("Makefile", r"skippy/\*\.so skippy/_native_stamp\.py", "skippy/*.so skippy/*/*.so skippy/_native_stamp.py",
+    Fixup("Makefile", r"skippy/\*\.so skippy/_native_stamp\.py ", "skippy/*.so skippy/*/*.so skippy/_native_stamp.py \\\n\t\t",
           r"skippy/\*/\*\.so"),
     # the sdist test lists the Cython sources and headers wherever they are under skippy/
     Fixup("tests/test_wheel.py", r'"skippy/\*\.(pyx|pxd|pxi|h)"', r'"skippy/**/*.\1"', r'"skippy/\*\*/\*\.pyx"',
