@@ -195,6 +195,9 @@ FIXUPS: tuple[Fixup, ...] = (
 """, r"the stage's half, :mod:`skippy\.stage\.identity_check`"),
     # the stage imported identity lazily because identity imported the stage; it no longer does
     Fixup("skippy/stage/server.py", r"  # see skippy\.identity: imports skippy\.stage$", "", "", count=0),
+    # the stage package's header: its socket I/O moved to skippy.net
+    Fixup("skippy/stage/__init__.py", r"``transport`` \(frames over trio streams and\s+non-blocking socket I/O, ",
+          "``transport`` (frames over trio streams,\n", r"``transport`` \(frames over trio streams,\n"),
     # the README's layout
     Fixup("README.md", r"^skippy/        runtime/ \(cffi binding.*?\n(?=docs/)", """\
 skippy/        __main__.py (the skippy command), identity.py (a chain's model identity), reference.py
