@@ -103,6 +103,9 @@ class Extract:
     shared: tuple[str, ...] = ()  #: top-level names copied, not moved (a module's logger)
     #: moved code may use names that stay: the target imports them from the source (else refused)
     import_from_source: bool = False
+    #: other places the source may be by then (another branch moves it): the first that defines
+    #: the names is used
+    alternatives: tuple[str, ...] = ()
 
 
 EXTRACTS: tuple[Extract, ...] = (
@@ -127,7 +130,8 @@ A decode run's request (``docs/protocol.md`` §11): the chat metadata of a run's
 Strategy: one frozen value, written by the driver (:meth:`DecodeRunRequest.metadata`) and parsed
 by the first stage from hostile metadata with every field checked
 (:meth:`DecodeRunRequest.from_metadata`).  It lives with the codec because both ends speak it; the
-run itself, on the first stage, is :mod:`skippy.stage.decode_run`.'''),
+run itself, on the first stage, is :mod:`skippy.stage.decode_run`.''',
+            alternatives=("skippy/lane/decode_run.py",)),  # branch lane moves the run there
     # the stage's half of model identities: skippy.identity is then shared code the driver and
     # the API use without importing the stage (ModelMismatch is a StageError)
     Extract("skippy/identity.py", "skippy/stage/identity_check.py",
@@ -241,7 +245,8 @@ for _move in MOVES:
     STEM_MAP[str(Path(_move.old).with_suffix(""))] = str(Path(_move.new).with_suffix(""))
 #: (old module, name) -> new module, for the extracted names
 NAME_MAP: dict[tuple[str, str], str] = {
-    (str(_dotted(e.source)), name): str(_dotted(e.target)) for e in EXTRACTS for name in e.names
+    (str(_dotted(source)), name): str(_dotted(e.target))
+    for e in EXTRACTS for source in (e.source, *e.alternatives) for name in e.names
 }
 
 # ------------------------------------------------------------------------------------------------
@@ -295,18 +300,21 @@ class Relayout:
             self.extract(extract)
 
     def extract(self, ex: Extract) -> None:
-        source_path, target_path = self.root / ex.source, self.root / ex.target
-        if not source_path.exists():
-            self.warn(f"{ex.source} is gone: cannot extract {', '.join(ex.names)}")
-            return
-        text = source_path.read_text()
-        tree = ast.parse(text)
-        defined = _top_level_definitions(tree)
-        present = [name for name in ex.names if name in defined]
-        if not present:
+        target_path = self.root / ex.target
+        candidates = [path for path in (ex.source, *ex.alternatives) if (self.root / path).exists()]
+        for source in candidates:
+            text = (self.root / source).read_text()
+            tree = ast.parse(text)
+            defined = _top_level_definitions(tree)
+            present = [name for name in ex.names if name in defined]
+            if present:
+                break
+        else:
             if not target_path.exists():
-                self.warn(f"none of {', '.join(ex.names)} is in {ex.source}, and {ex.target} does not exist")
+                self.warn(f"none of {', '.join(ex.names)} is in {' or '.join((ex.source, *ex.alternatives))}, "
+                          f"and {ex.target} does not exist")
             return
+        ex = dataclasses.replace(ex, source=source)
         if target_path.exists():
             raise SystemExit(f"{ex.target} exists but {ex.source} still defines {', '.join(present)}")
         if len(present) != len(ex.names):
