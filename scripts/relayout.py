@@ -154,6 +154,7 @@ class Fixup:
     replacement: str
     done: str  #: a regex that matches once the fixup is in ("": done when the pattern is gone)
     count: int = 1  #: how many matches the pattern must have (0: any number, at least one)
+    optional: bool = False  #: a missing file is fine (another branch moves it)
 
 
 FIXUPS: tuple[Fixup, ...] = (
@@ -179,13 +180,14 @@ FIXUPS: tuple[Fixup, ...] = (
     Fixup("tests/test_lane_protocol.py",
           r'("decode_run\.py": \{[^}]*"skippy\.codec\.protocol_ext")\}',
           r'\1, "skippy.codec.decode_run"}', r'"decode_run\.py": \{[^}]*"skippy\.codec\.decode_run"'),
-    # stage/decode_run.py's header named the request as its own
-    Fixup("skippy/stage/decode_run.py",
-          r"This module is the sans-IO part: the run request \(:class:`DecodeRunRequest`, parsed from hostile\n"
-          r"metadata with every field checked\) and the run's state",
-          "This module is the sans-IO part of the run (its request, which the driver writes too, is\n"
-          ":class:`skippy.codec.decode_run.DecodeRunRequest`): the run's state",
-          r"its request, which the driver writes too"),
+    # the decode run's header named the request as its own (in the stage, or where branch lane puts it)
+    *(Fixup(path,
+            r"This module is the sans-IO part: the run request \(:class:`DecodeRunRequest`, parsed from hostile\n"
+            r"metadata with every field checked\) and the run's state",
+            "This module is the sans-IO part of the run (its request, which the driver writes too, is\n"
+            ":class:`skippy.codec.decode_run.DecodeRunRequest`): the run's state",
+            r"its request, which the driver writes too", optional=True)
+      for path in ("skippy/stage/decode_run.py", "skippy/lane/decode_run.py")),
     # identity.py's header names the checker that moved to the stage
     Fixup("skippy/identity.py", r"^\* \*\*Checking\*\* \(:class:`DownstreamIdentities`\): .*?"
           r"\(:func:`check_first_stage`\)\.\n", """\
@@ -427,7 +429,8 @@ class Relayout:
         for fix in FIXUPS:
             path = self.root / fix.path
             if not path.exists():
-                self.warn(f"fixup skipped, {fix.path} does not exist")
+                if not fix.optional:
+                    self.warn(f"fixup skipped, {fix.path} does not exist")
                 continue
             text = path.read_text()
             found = re.search(fix.done or fix.pattern, text, re.MULTILINE | re.DOTALL)
