@@ -11,7 +11,10 @@ back; a body addressed to ``functions.NAME`` is kept and becomes one tool call w
 closes (its JSON arguments; a body that is not a JSON object comes back as content, so no text is
 lost).  An answer that does not start with a Harmony header is content as written.  A forced call
 (``tool_choice`` required / named) writes the call's header into the prompt; the stream starts
-from that prefix, as :class:`~skippy.api.tool_calls.ToolCallStream` does.
+from that prefix, as :class:`~skippy.api.tool_calls.ToolCallStream` does; the rest of the call (the
+name, its header and the arguments under the tool's schema) is grammar-forced as in the other
+formats: a grammar's string literal matches a special token by its text, so ``<|constrain|>`` and
+``<|message|>`` are the vocabulary's own tokens when the model picks them.
 
 An earlier answer's reasoning sent back (``reasoning_content``; a Responses ``reasoning`` item, a
 Messages ``thinking`` block) is the template's ``thinking`` field, as llama.cpp's gpt-oss handler
@@ -191,4 +194,6 @@ def _parse(text: str) -> tuple[list[ToolCall], str] | None:
 #: writes the call's header into the prompt).
 FORMAT: Final = ToolFormat("harmony", (CHANNEL,), _parse, MARKERS,
                            force_any="<|channel|>commentary to=functions.",
-                           force_named="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>")
+                           force_named="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+                           grammar_opener="<|channel|>commentary to=functions.",
+                           grammar_call="{name} <|constrain|>json<|message|>{args}")
