@@ -7,15 +7,19 @@ message and drops an older turn's; gpt-oss renders it as the turn's analysis mes
 ``thinking``).  The three APIs give the same prompt for the same conversation, a conversation
 without the reasoning a different one (so the reasoning is what is rendered), and hostile forms
 (encrypted reasoning, reasoning on a user message, a redacted block) are refused naming the field.
+Then end to end (slow): the official openai (Responses and chat) and anthropic clients send a tiny
+gpt-oss's reasoning tool call back as they received it, and the next turn is served.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 from typing import Any, Iterator
 
 import pytest
+import trio
 
 from skippy.api.errors import ApiError
 
@@ -30,12 +34,16 @@ TOOLS = [{"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 
 
-def _template(name: str) -> str:
+def _template_file(name: str) -> Path:
     for tree in _TREES:
         path = tree / "models" / "templates" / name
         if path.is_file():
-            return path.read_text()
+            return path
     pytest.skip(f"the pinned llama.cpp tree (its models/templates/{name}) is not here")
+
+
+def _template(name: str) -> str:
+    return _template_file(name).read_text()
 
 
 @pytest.fixture(params=["Qwen-Qwen3-0.6B.jinja", "openai-gpt-oss-120b.jinja"])
@@ -148,3 +156,91 @@ def test_reasoning_in_the_wrong_place_or_unreadable_is_a_400_naming_it(service: 
         {"type": "redacted_thinking", "data": "opaque"}]}]}), "messages[1].content[0]", 400)
     refused(lambda: _messages(service, {"messages": [{"role": "user", "content": [
         {"type": "thinking", "thinking": "x", "signature": ""}]}]}), "messages[0].content[0]", 400)
+
+
+GPT_OSS = "tiny-gpt-oss"
+#: A gpt-oss answer that reasons, then calls get_weather (the markers as the vocabulary's special tokens).
+CALLED = ('<|channel|> "analysis" <|message|> [a-z]{3,12} <|end|> <|start|> "assistant to=functions.get_weather" '
+          '<|channel|> "commentary " <|constrain|> "json" <|message|> "{\\"city\\": \\"" [a-z]{3,8} "\\"}"')
+FINAL = '<|channel|> "final" <|message|> [a-z]{3,12}'
+
+
+def _sdks_send_the_reasoning_back(url: str) -> dict[str, Any]:
+    """The second turn of a tool call as each official SDK builds it: the first answer's output
+    items / content blocks / message passed back as they came."""
+    import openai
+
+    anthropic = pytest.importorskip("anthropic")
+    out: dict[str, Any] = {}
+    question = "Weather in Bern?"
+    tool = {"type": "function", **TOOLS[0]["function"]}
+    first_grammar = {"seed": 5, "grammar": f"root ::= {CALLED}"}
+    then = {"seed": 5, "grammar": f"root ::= {FINAL}"}
+    with openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        first = client.responses.create(model=GPT_OSS, input=question, tools=[tool], max_output_tokens=200,
+                                        extra_body=first_grammar)
+        call = first.output[-1]
+        result = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny"}
+        sent = [{"role": "user", "content": question}, *first.output, result]
+        out["responses_first"] = first
+        out["responses_second"] = client.responses.create(model=GPT_OSS, input=sent, tools=[tool],
+                                                          max_output_tokens=100, extra_body=then)
+        out["responses_counts"] = [client.responses.input_tokens.count(model=GPT_OSS, input=items, tools=[tool])
+                                   .input_tokens for items in (sent, [sent[0], call, result])]
+        chat_first = client.chat.completions.create(model=GPT_OSS, messages=[{"role": "user", "content": question}],
+                                                    tools=TOOLS, max_tokens=200, extra_body=first_grammar)
+        message = chat_first.choices[0].message
+        out["chat_reasoning"] = (message.model_extra or {}).get("reasoning_content")
+        out["chat_second"] = client.chat.completions.create(model=GPT_OSS, max_tokens=100, tools=TOOLS, extra_body=then,
+                                                            messages=[{"role": "user", "content": question},
+                                                                      message.model_dump(exclude_none=True),
+                                                                      {"role": "tool", "tool_call_id":
+                                                                       message.tool_calls[0].id, "content": "sunny"}])
+    claude_tool = {"name": "get_weather", "description": "The weather in a city",
+                   "input_schema": TOOLS[0]["function"]["parameters"]}
+    with anthropic.Anthropic(base_url=url, api_key="unused", max_retries=0, timeout=120) as claude:
+        first_claude = claude.messages.create(model=GPT_OSS, max_tokens=200, tools=[claude_tool],
+                                              messages=[{"role": "user", "content": question}], extra_body=first_grammar)
+        use = first_claude.content[-1]
+        turns = [{"role": "user", "content": question}, {"role": "assistant", "content": first_claude.content},
+                 {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "sunny"}]}]
+        out["claude_first"] = first_claude
+        out["claude_second"] = claude.messages.create(model=GPT_OSS, max_tokens=100, tools=[claude_tool], messages=turns,
+                                                      extra_body=then)
+        bare = [turns[0], {"role": "assistant", "content": [use]}, turns[2]]
+        out["claude_counts"] = [claude.messages.count_tokens(model=GPT_OSS, tools=[claude_tool], messages=messages)
+                                .input_tokens for messages in (turns, bare)]
+    return out
+
+
+@pytest.mark.slow
+async def test_the_official_sdks_send_a_gpt_oss_answer_s_reasoning_back() -> None:
+    """On a 2-stage chain of the tiny gpt-oss with gpt-oss's special tokens (the derived
+    ``harmony`` vocabulary) and its template: a reasoning tool call's next turn, as the openai
+    (Responses and chat) and anthropic clients send it back, is served, and its reasoning counts
+    in the prompt (the template renders a tool-call turn's analysis)."""
+    from conftest import model_path
+    from stage_helpers import inprocess_chain
+
+    from skippy.api.server import serve_api
+
+    template = str(_template_file("openai-gpt-oss-120b.jinja"))
+    path = model_path("gpt-oss", dtype="Q8_0", vocab="harmony")
+    async with inprocess_chain(["0:2", "2:4"], model=str(path), ctx_size=1024) as servers:
+        async with trio.open_nursery() as nursery:
+            url = await nursery.start(functools.partial(
+                serve_api, path, servers[0].address, port=0, n_ctx=1024, max_lanes=1, model_id=GPT_OSS,
+                final_stage=servers[-1].address, chat_template=template))
+            out = await trio.to_thread.run_sync(_sdks_send_the_reasoning_back, url)
+            nursery.cancel_scope.cancel()
+    first = out["responses_first"]
+    assert [item.type for item in first.output] == ["reasoning", "function_call"], first.output
+    assert [item.type for item in out["responses_second"].output] == ["message"]
+    with_reasoning, without = out["responses_counts"]
+    assert with_reasoning > without
+    assert out["chat_reasoning"] == first.output[0].content[0].text  # the same seed and grammar: the same answer
+    assert out["chat_second"].choices[0].message.content
+    assert [block.type for block in out["claude_first"].content] == ["thinking", "tool_use"]
+    assert [block.type for block in out["claude_second"].content] == ["text"]
+    with_thinking, bare = out["claude_counts"]
+    assert with_thinking == with_reasoning and bare == without  # one prompt, whichever API sent it
