@@ -84,6 +84,38 @@ def test_the_docs_list_every_field() -> None:
         assert f"`{name}`" in text, name
 
 
+def _section(text: str, title: str) -> str:
+    start = text.index(title)
+    end = text.find("\n## ", start + 1)
+    return text[start:] if end < 0 else text[start:end]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+def test_every_responses_and_messages_sdk_field_is_documented_and_served_or_refused(api: str) -> None:
+    """Each field of the official SDK's create() is in the API's docs table, and is either read
+    (served or a documented no-op) or a 400 naming it."""
+    from skippy.api.errors import ApiError
+
+    if api == "responses":
+        from openai.types.responses import response_create_params as params
+
+        from skippy.api.responses import _FIELDS, to_chat_body
+        names = set(typing.get_type_hints(params.ResponseCreateParamsBase)) | {"stream"}
+        section = _section(DOCS.read_text(), "## OpenAI Responses API")
+        body: dict[str, Any] = {"model": MODEL, "input": "hi"}
+    else:
+        anthropic_params = pytest.importorskip("anthropic.types.message_create_params")
+        from skippy.api.messages import _FIELDS, to_chat_body  # type: ignore[assignment]
+        names = set(typing.get_type_hints(anthropic_params.MessageCreateParamsBase)) | {"stream"}
+        section = _section(DOCS.read_text(), "## Anthropic Messages API")
+        body = {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": "hi"}]}
+    assert sorted(name for name in names if f"`{name}`" not in section and f"`{name}." not in section) == []
+    for name in sorted(names - set(_FIELDS)):
+        with pytest.raises(ApiError) as refused:
+            to_chat_body({**body, name: {"x": 1}})
+        assert (refused.value.status, refused.value.param) == (400, name), refused.value.message
+
+
 @pytest.mark.parametrize("chat_endpoint", [True, False], ids=["chat", "completions"])
 async def test_each_field_gets_its_documented_handling(http: httpx.AsyncClient, chat_endpoint: bool) -> None:
     table = CHAT_FIELDS if chat_endpoint else COMPLETION_FIELDS

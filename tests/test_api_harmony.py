@@ -5,6 +5,11 @@ The stream is checked on its own (any split of the text into pieces gives the sa
 a 2-stage chain of the tiny gpt-oss model served with the pinned llama.cpp tree's gpt-oss chat
 template, the answers forced by grammars (random weights write no channels): a reasoning answer and
 a tool call come back separated in all three APIs, and each streamed answer reassembles the whole one.
+It runs twice: with the markers spelled as text (the SPM vocabulary), and as gpt-oss's special tokens
+(the derived ``harmony`` vocabulary, the grammars naming the marker tokens).  Each run also forces a
+named call (the grammar writes the header and arguments under the tool's schema, equal in every
+API) and counts the next Responses turn with the reasoning sent back or kept by
+``previous_response_id`` (the same prompt, longer than without the reasoning).
 """
 
 from __future__ import annotations
@@ -105,23 +110,48 @@ def _events(text: str) -> list[dict[str, Any]]:
     return [json.loads(line[6:]) for line in text.splitlines() if line.startswith("data: {")]
 
 
+#: The same answers with the markers as the vocabulary's special tokens (grammar token references).
+SPECIAL_REASONED = ('<|channel|> "analysis" <|message|> [a-z]{3,12} <|end|> <|start|> "assistant" <|channel|> "final" '
+                    '<|message|> [a-z]{3,12}')
+SPECIAL_CALLED = ('<|channel|> "analysis" <|message|> [a-z]{3,12} <|end|> <|start|> "assistant to=functions.get_weather" '
+                  '<|channel|> "commentary " <|constrain|> "json" <|message|> "{\\"city\\": \\"" [a-z]{3,8} "\\"}"')
+
+
 @pytest.mark.slow
-async def test_harmony_answers_are_separated_in_every_api_streamed_or_not() -> None:
+@pytest.mark.parametrize("vocab", ["llama-spm", "harmony"], ids=["text-markers", "special-tokens"])
+async def test_harmony_answers_are_separated_in_every_api_streamed_or_not(vocab: str) -> None:
+    """``text-markers``: the tiny gpt-oss with the SPM vocabulary spells the markers as text;
+    ``special-tokens``: the derived ``harmony`` vocabulary (skippy/models/vocab_files.py) has them as
+    gpt-oss's special tokens, ``<|return|>`` / ``<|call|>`` end the generation and the grammars
+    pick the marker tokens themselves, so the markers reach the parser only because they are rendered."""
     from skippy.api.app import ChainService, create_app
     from skippy.api.lanes import LanePool
     from skippy.driver.generator import Generator
     from skippy.runtime.tokenizer import Tokenizer
 
     template = _template()
-    path = model_path("gpt-oss")
+    special = vocab == "harmony"
+    path = model_path("gpt-oss", dtype="Q8_0", vocab="harmony") if special else model_path("gpt-oss")
+    reasoned, called = (SPECIAL_REASONED, SPECIAL_CALLED) if special else (REASONED, CALLED)
     generator = Generator(Tokenizer(path), chat_template=template, n_ctx=1024, chunk_size=32)
+    markers = [generator.tokenizer.encode(m, add_special=False, parse_special=True) for m in ("<|channel|>", "<|end|>")]
+    assert all(len(ids) == 1 for ids in markers) == special, markers
+    if special:  # gpt-oss's ends: <|return|> and <|call|> end the generation, <|end|> (between messages) does not
+        ends = generator.tokenizer.end_of_generation_tokens()
+        assert {generator.tokenizer.encode(m, add_special=False, parse_special=True)[0]
+                for m in ("<|return|>", "<|call|>")} <= ends and markers[1][0] not in ends
     user = [{"role": "user", "content": "Weather in Bern?"}]
     ask = {"model": MODEL, "messages": user, "max_tokens": 200, "temperature": 1.0, "seed": 5,
-           "grammar": f"root ::= {REASONED}"}
-    tool_ask = {**ask, "tools": TOOLS, "grammar": f"root ::= {CALLED}"}
+           "grammar": f"root ::= {reasoned}"}
+    tool_ask = {**ask, "tools": TOOLS, "grammar": f"root ::= {called}"}
     claude_tools = [{"name": "get_weather", "description": "The weather in a city",
                      "input_schema": TOOLS[0]["function"]["parameters"]}]
     response_tools = [{"type": "function", **TOOLS[0]["function"]}]
+    # a bounded schema (random weights would write an endless string)
+    cities = {"type": "object", "properties": {"city": {"enum": ["Bern", "Zurich", "Geneva"]}}, "required": ["city"]}
+    forced_tools = [{"type": "function", "function": {**TOOLS[0]["function"], "parameters": cities}}]
+    forced = {"model": MODEL, "messages": user, "max_tokens": 200, "temperature": 1.0, "seed": 7, "tools": forced_tools,
+              "tool_choice": {"type": "function", "function": {"name": "get_weather"}}}
     results: dict[str, Any] = {}
     try:
         async with inprocess_chain(["0:2", "2:4"], model=str(path), ctx_size=1024) as servers:
@@ -144,6 +174,29 @@ async def test_harmony_answers_are_separated_in_every_api_streamed_or_not() -> N
                     results[name + "_responses"] = (await http.post("/v1/responses", json=responses)).json()
                     results[name + "_responses_stream"] = (await http.post("/v1/responses",
                                                                            json={**responses, "stream": True})).text
+                # the Responses turn after the call: its reasoning sent back (as the SDKs send the output
+                # items), or kept by previous_response_id, renders the same prompt
+                first = results["chat_tool_responses"]
+                result = {"type": "function_call_output", "call_id": first["output"][-1]["call_id"], "output": "sunny"}
+                count = {"model": MODEL, "tools": response_tools}
+                results["count_kept"] = (await http.post("/v1/responses/input_tokens", json={
+                    **count, "previous_response_id": first["id"], "input": [result]})).json()
+                results["count_sent"] = (await http.post("/v1/responses/input_tokens", json={
+                    **count, "input": [*user, *first["output"], result]})).json()
+                results["count_bare"] = (await http.post("/v1/responses/input_tokens", json={
+                    **count, "input": [*user, first["output"][-1], result]})).json()
+                # a forced call: the prompt ends in the call's opening, a grammar writes name, header and arguments
+                results["forced"] = (await http.post("/v1/chat/completions", json=forced)).json()
+                results["forced_stream"] = (await http.post("/v1/chat/completions",
+                                                            json={**forced, "stream": True})).text
+                results["forced_responses"] = (await http.post("/v1/responses", json={
+                    "model": MODEL, "input": user, "max_output_tokens": 200, "temperature": 1.0, "seed": 7,
+                    "tools": [{"type": "function", **forced_tools[0]["function"]}],
+                    "tool_choice": {"type": "function", "name": "get_weather"}})).json()
+                results["forced_claude"] = (await http.post("/v1/messages", json={
+                    "model": MODEL, "messages": user, "max_tokens": 200, "temperature": 1.0, "seed": 7,
+                    "tools": [{**claude_tools[0], "input_schema": cities}],
+                    "tool_choice": {"type": "tool", "name": "get_weather"}})).json()
                 service.reasoning_format = "none"
                 results["inline"] = (await http.post("/v1/chat/completions", json=ask)).json()
             await pool.aclose()
@@ -201,3 +254,22 @@ async def test_harmony_answers_are_separated_in_every_api_streamed_or_not() -> N
     completed = next(e for e in events if e["type"] == "response.completed")["response"]["output"]
     assert [item["type"] for item in completed] == ["reasoning", "function_call"]
     assert json.loads(completed[1]["arguments"]) == arguments
+
+    # the reasoning sent back renders (gpt-oss renders a tool-call turn's analysis), kept or sent alike
+    kept, sent, bare = (results[k]["input_tokens"] for k in ("count_kept", "count_sent", "count_bare"))
+    assert kept == sent > bare, (kept, sent, bare)
+
+    # the forced call: arguments under the tool's schema, the same in every API
+    choice = results["forced"]["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    [call] = choice["message"]["tool_calls"]
+    arguments = json.loads(call["function"]["arguments"])
+    assert call["function"]["name"] == "get_weather" and arguments["city"] in ("Bern", "Zurich", "Geneva"), call
+    _, _, streamed_calls = _chat_stream(results["forced_stream"])
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in streamed_calls] == \
+        [("get_weather", arguments)]
+    output = results["forced_responses"]["output"]
+    assert [(item["name"], json.loads(item["arguments"])) for item in output if item["type"] == "function_call"] == \
+        [("get_weather", arguments)]
+    assert [(block["name"], block["input"]) for block in results["forced_claude"]["content"]
+            if block["type"] == "tool_use"] == [("get_weather", arguments)]

@@ -142,13 +142,14 @@ def test_items_become_the_chat_body() -> None:
 
 
 @pytest.mark.parametrize(("change", "param"), [
-    ({"input": [{"type": "reasoning", "summary": []}]}, "input[0].type"),
+    ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "gAAAA"}]}, "input[0].encrypted_content"),
+    ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content[0]"),
     ({"truncation": "auto"}, "truncation"),
     ({"conversation": "conv_1"}, "conversation"),
     ({"text": {"verbosity": "low"}}, "text.verbosity"),
     ({"tool_choice": {"type": "file_search"}}, "tool_choice"),
-], ids=["reasoning-item", "image", "truncation", "conversation", "verbosity", "tool-choice"])
+], ids=["encrypted-reasoning", "computer-call", "image", "truncation", "conversation", "verbosity", "tool-choice"])
 def test_what_the_responses_api_does_not_serve_is_a_400_naming_it(change: dict[str, Any], param: str) -> None:
     with pytest.raises(ApiError) as raised:
         to_chat_body({"model": MODEL, "input": "hi", **change})

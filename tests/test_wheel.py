@@ -2,7 +2,9 @@
 
 Builds the wheel from this tree (reusing the native build directory), installs it with its
 dependencies into a new virtualenv, and runs a smoke script from outside the source tree: load a
-generated model split in two and compare its logits with the unsplit model's.  The sdist (what a
+generated model split in two and compare its logits with the unsplit model's, then serve it with
+``skippy up`` (2 stages) and check 100 seeded ``json_schema`` answers against their schema with
+``jsonschema`` (a runtime dependency), with no llama-cpp-python in the venv.  The sdist (what a
 CUDA host builds its wheel from) carries every source the build needs and no build output.
 """
 
@@ -44,6 +46,39 @@ with Tokenizer(path) as tokenizer:
 import importlib.resources
 static = importlib.resources.files("skippy.api") / "static"  # the page at GET /
 assert all((static / name).is_file() for name in ("index.html", "app.js", "style.css", "favicon.svg"))
+# json_schema answers validate against the schema: 100 seeded samples through `skippy up` (2 stages)
+import json, re, subprocess, urllib.request
+import jsonschema
+answer_schema = {"type": "object", "properties": {  # keywords the converter enforces (docs/structured-output.md)
+    "ok": {"type": "boolean"}, "n": {"type": "integer"}, "tag": {"enum": ["red", "green"]},
+    "name": {"type": "string", "maxLength": 8}, "list": {"type": "array", "items": {"type": "number"}, "maxItems": 3}},
+    "required": ["ok", "n", "name"], "additionalProperties": False}
+up = subprocess.Popen([sys.executable, "-m", "skippy", "up", "--model", str(path), "--stages", "2", "--port", "0",
+                       "--threads", "1", "--ctx-size", "512"], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+try:
+    url = None
+    for line in up.stdout:
+        found = re.search(r"skippy API(?: for \S+)? on (http://\S+)", line)
+        if found:
+            url = found.group(1)
+            break
+    assert url, "skippy up printed no URL"
+    samples = 0
+    for seed in range(0, 100, 5):
+        body = {"model": json.load(urllib.request.urlopen(url + "/v1/models"))["data"][0]["id"], "max_tokens": 96,
+                "messages": [{"role": "user", "content": "Give me a JSON answer."}], "temperature": 1.0,
+                "seed": seed, "n": 5, "response_format": {"type": "json_schema", "json_schema": {
+                    "name": "answer", "strict": True, "schema": answer_schema}}}
+        request = urllib.request.Request(url + "/v1/chat/completions", json.dumps(body).encode(),
+                                         {"Content-Type": "application/json"})
+        for choice in json.load(urllib.request.urlopen(request, timeout=600))["choices"]:
+            assert choice["finish_reason"] == "stop", choice
+            jsonschema.validate(json.loads(choice["message"]["content"]), answer_schema)
+            samples += 1
+    assert samples == 100, samples
+finally:
+    up.terminate()
+    up.wait(60)
 print("wheel smoke ok")
 """
 
@@ -71,6 +106,10 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path: Path) -> None:
                             text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
     assert "wheel smoke ok" in result.stdout
+    # the install has no llama-cpp-python: JSON formats above ran without it
+    missing = subprocess.run([str(python), "-c", "import llama_cpp"], cwd=tmp_path, env=clean_env,
+                             capture_output=True, text=True, timeout=120)
+    assert missing.returncode != 0 and "No module named 'llama_cpp'" in missing.stderr, missing.stderr
 
 
 @pytest.mark.slow

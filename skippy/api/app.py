@@ -174,7 +174,7 @@ def _sampling(body: dict[str, Any], n_vocab: int) -> SamplingParams:
 
 #: Keys a chat message may carry (others are a 400 naming them).
 _MESSAGE_KEYS = frozenset({"role", "content", "name", "tool_calls", "tool_call_id", "refusal", "audio",
-                           "function_call"})
+                           "function_call", "reasoning_content"})
 _ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -219,6 +219,11 @@ def _chat_messages(body: dict[str, Any]) -> list[dict[str, Any]]:
                 raise unsupported(f"messages[{index}].{key}", "not a chat message field this server reads")
             if key in ("audio", "function_call") and value is not None:
                 raise unsupported(f"messages[{index}].{key}", "not served (use content and tool_calls)")
+            if key == "reasoning_content" and value is not None:  # an earlier answer's reasoning, sent back
+                if role != "assistant":
+                    raise invalid(f"messages[{index}].{key}", "only an assistant message carries reasoning")
+                if not isinstance(value, str):
+                    raise invalid(f"messages[{index}].{key}", "expected a string")
         out = {key: value for key, value in message.items() if value is not None and key not in ("audio",
                                                                                                   "function_call")}
         out["role"] = "system" if role == "developer" else role
@@ -290,6 +295,8 @@ def _prompt_tokens(service: ChainService, body: dict[str, Any], chat: bool
         tools, plan, generic = _tool_plan(service, body, messages)
         variables = template_variables(body, generator.chat_template)
         rendered = template_messages(messages)
+        if harmony.is_harmony(generator.chat_template):  # gpt-oss reads an earlier turn's reasoning as 'thinking'
+            rendered = harmony.template_messages(rendered)
         if generic:
             rendered = generic_tools.generic_messages(rendered, tools.tools if plan else (), tools.parallel)
         try:

@@ -11,18 +11,26 @@ back; a body addressed to ``functions.NAME`` is kept and becomes one tool call w
 closes (its JSON arguments; a body that is not a JSON object comes back as content, so no text is
 lost).  An answer that does not start with a Harmony header is content as written.  A forced call
 (``tool_choice`` required / named) writes the call's header into the prompt; the stream starts
-from that prefix, as :class:`~skippy.api.tool_calls.ToolCallStream` does.
+from that prefix, as :class:`~skippy.api.tool_calls.ToolCallStream` does; the rest of the call (the
+name, its header and the arguments under the tool's schema) is grammar-forced as in the other
+formats: a grammar's string literal matches a special token by its text, so ``<|constrain|>`` and
+``<|message|>`` are the vocabulary's own tokens when the model picks them.
+
+An earlier answer's reasoning sent back (``reasoning_content``; a Responses ``reasoning`` item, a
+Messages ``thinking`` block) is the template's ``thinking`` field, as llama.cpp's gpt-oss handler
+passes it (:func:`template_messages`); the template renders it only for a tool-call turn after the
+last final answer and drops it elsewhere, gpt-oss's own rule.
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Final
+from typing import Any, Final, Mapping, Sequence
 
 from skippy.api.tool_calls import ToolCall, ToolFormat, _call_id
 
-__all__ = ["FORMAT", "HarmonyStream", "MARKERS", "is_harmony"]
+__all__ = ["FORMAT", "HarmonyStream", "MARKERS", "is_harmony", "template_messages"]
 
 START: Final = "<|start|>"
 CHANNEL: Final = "<|channel|>"
@@ -39,6 +47,24 @@ _RECIPIENT: Final = re.compile(r"\bto=([^\s<]+)")
 def is_harmony(template: str) -> bool:
     """Whether a chat template writes Harmony messages (gpt-oss)."""
     return CHANNEL in template and MESSAGE in template and START in template
+
+
+def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Messages for a Harmony template: an assistant's ``reasoning_content`` as its ``thinking``.
+
+    On a tool-call turn with reasoning the content is dropped, as llama.cpp does: the template
+    renders one analysis message there and refuses both.
+    """
+    out = []
+    for message in messages:
+        message = dict(message)
+        reasoning = message.pop("reasoning_content", None)
+        if isinstance(reasoning, str):
+            message["thinking"] = reasoning
+            if message.get("tool_calls"):
+                message.pop("content", None)
+        out.append(message)
+    return out
 
 
 def _partial(text: str) -> int:
@@ -168,4 +194,6 @@ def _parse(text: str) -> tuple[list[ToolCall], str] | None:
 #: writes the call's header into the prompt).
 FORMAT: Final = ToolFormat("harmony", (CHANNEL,), _parse, MARKERS,
                            force_any="<|channel|>commentary to=functions.",
-                           force_named="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>")
+                           force_named="<|channel|>commentary to=functions.{name} <|constrain|>json<|message|>",
+                           grammar_opener="<|channel|>commentary to=functions.",
+                           grammar_call="{name} <|constrain|>json<|message|>{args}")

@@ -19,7 +19,10 @@ prefix-cache hit, which is ``cache_read_input_tokens``).  Streamed, the events a
 Reasoning (a ``<think>`` template, :mod:`skippy.api.reasoning`, or gpt-oss Harmony channels,
 :mod:`skippy.api.harmony`) comes back as a ``thinking`` block
 (streamed as ``thinking_delta``, with an empty signature); ``thinking`` sets the template's
-``enable_thinking`` switch when it has one, else only ``disabled`` is served.  Anything else is
+``enable_thinking`` switch when it has one, else only ``disabled`` is served.  An assistant's
+``thinking`` block sent back is its ``reasoning_content`` (the template renders it where it reads
+an earlier turn's reasoning, and drops it elsewhere, as llama-server does; the signature is not
+checked: this server signs nothing).  Anything else is
 refused with a 400 naming it, never dropped: an unknown field, image or document blocks, server
 tools.  ``grammar`` (GBNF) is llama.cpp's extension, as in chat.
 ``cache_control`` marks are accepted and have no effect (the prefix cache is automatic), as are
@@ -73,7 +76,8 @@ _COUNT_FIELDS = frozenset({"model", "messages", "system", "tools", "tool_choice"
                            "output_format", "cache_control", "speed", "user_profile_id", "workspace_id"})
 _BLOCK_KEYS = {"text": {"type", "text", "cache_control", "citations"},
                "tool_use": {"type", "id", "name", "input", "cache_control"},
-               "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"}}
+               "tool_result": {"type", "tool_use_id", "content", "is_error", "cache_control"},
+               "thinking": {"type", "thinking", "signature", "cache_control"}}
 
 
 def _keys(value: Mapping[str, Any], where: str, allowed: set[str] | frozenset[str]) -> None:
@@ -121,13 +125,14 @@ def _message(index: int, message: Any) -> list[dict[str, Any]]:
     texts: list[str] = []
     calls: list[dict[str, Any]] = []
     results: list[dict[str, Any]] = []
+    thoughts: list[str] = []
     for number, block in enumerate(content):
         place = f"{where}.content[{number}]"
         kind = block.get("type") if isinstance(block, dict) else None
-        if kind not in _BLOCK_KEYS or (kind == "tool_use" and role != "assistant") or \
+        if kind not in _BLOCK_KEYS or (kind in ("tool_use", "thinking") and role != "assistant") or \
                 (kind == "tool_result" and role != "user"):
             raise unsupported(place, f"{kind!r} blocks are not served in {role} messages (text, an assistant's "
-                              "tool_use and a user's tool_result are)")
+                              "thinking and tool_use and a user's tool_result are)")
         assert isinstance(block, dict)
         _keys(block, place, _BLOCK_KEYS[kind])
         if kind == "text":
@@ -136,6 +141,10 @@ def _message(index: int, message: Any) -> list[dict[str, Any]]:
             if not isinstance(block.get("text"), str):
                 raise invalid(f"{place}.text", "expected a string")
             texts.append(block["text"])
+        elif kind == "thinking":  # an earlier answer's reasoning, sent back: the template's to render
+            if not isinstance(block.get("thinking"), str):
+                raise invalid(f"{place}.thinking", "expected a string")
+            thoughts.append(block["thinking"])
         elif kind == "tool_use":
             if not isinstance(block.get("id"), str) or not isinstance(block.get("name"), str):
                 raise invalid(place, "a tool_use block needs a string 'id' and 'name'")
@@ -153,8 +162,10 @@ def _message(index: int, message: Any) -> list[dict[str, Any]]:
     out = list(results)
     if calls:
         out.append({"role": "assistant", "content": "".join(texts) or None, "tool_calls": calls})
-    elif texts or not results:
+    elif texts or thoughts or not results:
         out.append({"role": role, "content": "".join(texts)})
+    if thoughts:
+        out[-1]["reasoning_content"] = "".join(thoughts)
     return out
 
 

@@ -5,7 +5,11 @@ into the chat-completions body it means and runs through the chat handler's pars
 admission, prefix cache and tenant, so both APIs answer alike.  ``instructions`` becomes the
 first system message; ``input`` (a string, or items) becomes messages: message items (``user``,
 ``system``, ``developer``, ``assistant``; ``input_text`` / ``output_text`` parts), ``function_call``
-items an assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages.  Function
+items an assistant's ``tool_calls``, ``function_call_output`` items ``tool`` messages, ``reasoning``
+items (an earlier answer's, sent back) that turn's ``reasoning_content``: llama-server's rule, the
+item joins the assistant turn it follows or opens the one its message / calls then join, and the
+template renders it where it reads an earlier turn's reasoning (Qwen3's ``reasoning_content``,
+gpt-oss's ``thinking`` on a tool-call turn) and drops it elsewhere.  Function
 tools (``{"type": "function", "name", "description", "parameters", "strict"}``) and
 ``tool_choice`` map onto chat's; ``text.format`` onto ``response_format``; ``max_output_tokens``
 onto ``max_tokens``.  The answer is shaped back as output items: one ``message`` with an
@@ -95,6 +99,37 @@ def _content(value: Any, where: str) -> str:
     return "".join(texts)
 
 
+def _reasoning(item: Mapping[str, Any], where: str) -> str:
+    """The text of a ``reasoning`` input item (an earlier answer's, sent back).
+
+    Its ``reasoning_text`` parts are the reasoning; ``summary`` parts are a summary of it, not
+    the reasoning itself, and are not rendered (this server writes none); encrypted reasoning
+    (another server's) cannot be read and is a 400.
+    """
+    _keys(item, where, {"type", "id", "summary", "content", "encrypted_content", "status"})
+    if item.get("encrypted_content") is not None:
+        raise unsupported(f"{where}.encrypted_content", "encrypted reasoning is not served (this server writes "
+                          "the reasoning as reasoning_text content)")
+    summary = item.get("summary", [])
+    if not isinstance(summary, list) or not all(
+            isinstance(part, dict) and part.get("type") == "summary_text" and isinstance(part.get("text"), str)
+            for part in summary):
+        raise invalid(f"{where}.summary", "expected a list of {'type': 'summary_text', 'text'} parts")
+    content = item.get("content") or []
+    if not isinstance(content, list):
+        raise invalid(f"{where}.content", "expected a list of reasoning_text parts")
+    texts = []
+    for index, part in enumerate(content):
+        place = f"{where}.content[{index}]"
+        if not isinstance(part, dict) or part.get("type") != "reasoning_text":
+            raise invalid(place, "expected a {'type': 'reasoning_text', 'text'} part")
+        _keys(part, place, {"type", "text"})
+        if not isinstance(part.get("text"), str):
+            raise invalid(f"{place}.text", "expected a string")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
 def _items(value: Any) -> list[dict[str, Any]]:
     """Chat messages for ``input``."""
     if isinstance(value, str):
@@ -112,7 +147,13 @@ def _items(value: Any) -> list[dict[str, Any]]:
             role = item.get("role")
             if role not in _ROLES:
                 raise invalid(f"{where}.role", f"expected one of {', '.join(_ROLES)}, got {json.dumps(role)}")
-            out.append({"role": _ROLES[role], "content": _content(item.get("content"), f"{where}.content")})
+            text = _content(item.get("content"), f"{where}.content")
+            last = out[-1] if out else None
+            if role == "assistant" and last is not None and last["role"] == "assistant" and \
+                    last["content"] is None and not last.get("tool_calls"):
+                last["content"] = text  # the answer after its reasoning item: one assistant turn
+            else:
+                out.append({"role": _ROLES[role], "content": text})
         elif kind == "function_call":
             _keys(item, where, {"type", "call_id", "name", "arguments", "id", "status"})
             if not all(isinstance(item.get(key), str) for key in ("call_id", "name", "arguments")):
@@ -131,9 +172,16 @@ def _items(value: Any) -> list[dict[str, Any]]:
                 raise invalid(f"{where}.call_id", "expected a string")
             out.append({"role": "tool", "tool_call_id": item["call_id"],
                         "content": _content(item.get("output"), f"{where}.output")})
+        elif kind == "reasoning":
+            reasoning = _reasoning(item, where)
+            last = out[-1] if out else None
+            if last is not None and last["role"] == "assistant" and "reasoning_content" not in last:
+                last["reasoning_content"] = reasoning  # llama-server's rule: the turn it follows
+            else:  # the usual order: the reasoning opens its turn, the message / calls join it
+                out.append({"role": "assistant", "content": None, "reasoning_content": reasoning})
         else:
-            raise unsupported(f"{where}.type", f"{kind!r} items are not served (message, function_call and "
-                              "function_call_output are)")
+            raise unsupported(f"{where}.type", f"{kind!r} items are not served (message, reasoning, function_call "
+                              "and function_call_output are)")
     return out
 
 
@@ -396,6 +444,8 @@ class ResponsesHandlers:
     def _store(self, ident: str, tenant: str, chat: Mapping[str, Any], instructed: bool,
                message: Mapping[str, Any]) -> None:
         answer = {"role": "assistant", "content": message.get("content")}
+        if message.get("reasoning_content"):
+            answer["reasoning_content"] = message["reasoning_content"]
         if message.get("tool_calls"):
             answer["tool_calls"] = message["tool_calls"]
         # a response's instructions are its own: a continuation gives its own (as OpenAI's does)
@@ -490,7 +540,8 @@ class ResponsesHandlers:
                 yield event
             calls = [item for item in shaper.items if item["type"] == "function_call"]
             if on_done is not None:
-                on_done({"content": "".join(shaper.text) or None, "tool_calls": [
+                on_done({"content": "".join(shaper.text) or None, "reasoning_content": "".join(shaper.reasoning),
+                         "tool_calls": [
                     {"id": item["call_id"], "type": "function", "function": {"name": item["name"],
                                                                              "arguments": item["arguments"]}}
                     for item in calls]})

@@ -254,7 +254,7 @@ class ToolFormat:
     closers: tuple[str, ...] = ()
     #: Grammar forcing (:func:`forcing_grammar`): the prompt ends in ``grammar_opener`` and the
     #: grammar writes, per allowed function, ``grammar_call`` split at ``{args}`` around the
-    #: arguments' JSON; "" when the format's call is not JSON text (Gemma) or needs special tokens.
+    #: arguments' JSON; "" when the format's call is not JSON text (Gemma).
     grammar_opener: str = ""
     grammar_call: str = ""
 

@@ -132,7 +132,9 @@ Architecture = Literal[
     _WideBoundaryArchitecture,
     _AdapterArchitecture,
 ]
-VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
+#: "harmony": llama-bpe's tokenizer with gpt-oss's Harmony special tokens in its reserved slots
+#: (skippy/models/vocab_files.py), for the gpt-oss chat format's special-token path.
+VocabName = Literal["llama-spm", "llama-bpe", "qwen2", "harmony"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
 
 ARCHITECTURES: Final = frozenset(get_args(Architecture))

@@ -8,7 +8,12 @@
 # values are carried as raw bytes so the copy is byte-exact even for tokens that are not valid
 # UTF-8 on their own. The key/value section is parsed here directly (see `_parse_kv` for why not
 # gguf's GGUFReader), and reads are memoised per (path, size, mtime) because the test suite
-# writes many models from the same three vocabularies.
+# writes many models from the same three vocabularies. One vocabulary is derived rather than read:
+# "harmony" is llama-bpe's with gpt-oss's Harmony special tokens (`<|start|>`, `<|channel|>`,
+# `<|message|>`, `<|end|>`, `<|return|>`, `<|call|>`, `<|constrain|>`) renamed into its reserved
+# control slots, `<|return|>` the end of sequence and no BOS added, as gpt-oss's o200k_harmony has
+# them; llama.cpp's loader then treats them as it treats gpt-oss's (`<|return|>` / `<|call|>` end
+# the generation, `<|end|>` does not). No gpt-oss vocab-only file ships with the llama.cpp tree.
 from __future__ import annotations
 
 import functools
@@ -109,6 +114,31 @@ def vocab_path(name: VocabName) -> Path:
     )
 
 
+#: The derived "harmony" vocabulary: llama-bpe's token id -> the Harmony token written there.
+HARMONY_TOKENS: Final[dict[int, bytes]] = {
+    128000: b"<|startoftext|>", 128001: b"<|endoftext|>", 128002: b"<|return|>", 128003: b"<|constrain|>",
+    128004: b"<|channel|>", 128005: b"<|start|>", 128006: b"<|end|>", 128007: b"<|message|>", 128008: b"<|call|>",
+    128009: b"<|reserved_200001|>",  # llama-bpe's <|eot_id|>: it would end the generation
+}
+_DERIVED: Final[dict[str, VocabName]] = {"harmony": "llama-bpe"}
+
+
+def _harmony(base: Tokenizer) -> Tokenizer:
+    fields: list[TokenizerField] = []
+    for field in base.fields:
+        if field.key == "tokenizer.ggml.tokens":
+            tokens = list(field.value)  # type: ignore[call-overload]
+            for index, text in HARMONY_TOKENS.items():
+                tokens[index] = text
+            field = TokenizerField(field.key, tokens, field.type, field.sub_type)
+        elif field.key == "tokenizer.ggml.eos_token_id":
+            field = TokenizerField(field.key, 128002, field.type, field.sub_type)
+        fields.append(field)
+    fields.append(TokenizerField("tokenizer.ggml.add_bos_token", False, GGUFValueType.BOOL, None))
+    digest = hashlib.sha256(f"harmony:{base.sha256}:{sorted(HARMONY_TOKENS.items())}".encode()).hexdigest()
+    return Tokenizer("harmony", base.path, digest, base.n_vocab, tuple(fields))
+
+
 def read_tokenizer(name: VocabName) -> Tokenizer:
     """Read every ``tokenizer.*`` key of a vocab-only GGUF.
 
@@ -122,6 +152,8 @@ def read_tokenizer(name: VocabName) -> Tokenizer:
         VocabNotFoundError: see `vocab_path`.
         ValueError: the file has no ``tokenizer.ggml.tokens`` array.
     """
+    if name in _DERIVED:
+        return _harmony(read_tokenizer(_DERIVED[name]))
     path = vocab_path(name)
     stat = path.stat()
     return _read_tokenizer_cached(name, str(path), stat.st_size, stat.st_mtime_ns)
