@@ -1,6 +1,6 @@
 """Resident memory of each stage of a real-width hybrid against ``skippy plan`` (issue 25, deliver 4).
 
-Run: ``PYTHONPATH=. .venv/bin/python bench/recurrent_memory.py [--experts 32] [--stages 3]``.
+Run: ``PYTHONPATH=. .venv/bin/python bench/recurrent_memory.py [--experts 32] [--layers 8] [--stages 3]``.
 
 Strategy: the ``qwen35moe-35b-a3b-8l`` preset (Qwen3.5-35B-A3B's block widths: delta-net layers
 with 16 key / 32 value heads of 128 and a 4-wide conv, gated attention every fourth layer, experts
@@ -10,7 +10,9 @@ not the widths or the state).  ``skippy plan`` splits it over ``--stages`` hosts
 each planned stage is started from the plan file as a stage process (``--threads 1``), one
 120-token request with 8 greedy decode steps is served through the chain, and each process's
 VmRSS is compared with the plan's ``resident`` figure (weights + KV of the attention layers +
-recurrent state of every sequence id + compute reserve + process overhead).
+recurrent state of every sequence id + compute reserve + process overhead).  ``--layers 4
+--experts 256`` keeps every width of the real model, the 256 experts included, with its first
+group of three delta-net layers and one attention layer (a 3.7 GB file).
 """
 
 from __future__ import annotations
@@ -39,8 +41,8 @@ def _rss(pid: int) -> int:
     raise RuntimeError(f"no VmRSS for {pid}")
 
 
-async def main(experts: int, n_stages: int) -> None:
-    path = ensure_model(preset("qwen35moe-35b-a3b-8l", n_expert=experts))
+async def main(experts: int, layers: int, n_stages: int) -> None:
+    path = ensure_model(preset("qwen35moe-35b-a3b-8l", n_expert=experts, n_layer=layers))
     shape = ModelShape.from_gguf(path)
     settings = PlanSettings(ctx_size=2048, max_sessions=2, batch_size=64, cache_spill_mib=64)
     total = stage_memory(shape, 0, shape.n_layer, settings).peak
@@ -86,6 +88,7 @@ async def main(experts: int, n_stages: int) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--experts", type=int, default=32)
+    parser.add_argument("--layers", type=int, default=8)
     parser.add_argument("--stages", type=int, default=3)
     args = parser.parse_args()
-    trio.run(main, args.experts, args.stages)
+    trio.run(main, args.experts, args.layers, args.stages)

@@ -10,7 +10,9 @@ once, in an order rotated by one per round, so this shared host's drifts hit the
 pieces are :mod:`peer_compare`'s, which compares attention-only models the same way):
 
 * **stock**: ``llama-bench -t 1 -fa 0 -ngl 0 -r 1 -p 0 -n STEPS`` of the unpatched pinned tree
-  (``bench/peer_build.py``), its own tokens/s sample;
+  (``bench/peer_build.py``), its own tokens/s sample; its CPU per token is that run's less a
+  1-token run's (load, warm-up) taken right before it in the same round (a baseline taken once,
+  on a cold page cache, made stock's figure about half of what it is);
 * **in-process**: skippy's runtime in this process (``Model`` + ``StageContext``, 1 thread, a
   greedy sample per token), unsplit;
 * **skippy 1 / skippy 2**: stage processes (``--threads 1 --prefix-cache off``) driven over
@@ -75,14 +77,20 @@ def main() -> None:
     stock = None
     if not args.no_stock:
         stock = BenchVariant(build_peer().llama_bench, path, ["-ngl", "0"], [])
-        stock.baseline()
+        stock.baseline()  # once untimed: the file into the page cache
+
+    def stock_decode() -> tuple[float, float]:
+        assert stock is not None
+        stock.baseline()  # its 1-token run right before, under the same load
+        return stock.decode(args.steps)
+
     in_process = InProcess(path)
     cut = args.layers // 2
     extra = ["--prefix-cache", "off", "--ctx-size", "1024"]
     with chain(str(path), [f"0:{args.layers}"], extra) as one, chain(str(path), [f"0:{cut}", f"{cut}:{args.layers}"],
                                                                      extra) as two:
         measures = {
-            **({"stock": lambda: stock.decode(args.steps)} if stock is not None else {}),
+            **({"stock": stock_decode} if stock is not None else {}),
             "in-process": lambda: in_process.decode(args.steps),
             "skippy 1": lambda: trio.run(stage_decode, one, args.steps),
             "skippy 2": lambda: trio.run(stage_decode, two, args.steps),

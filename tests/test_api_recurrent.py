@@ -6,9 +6,11 @@ recurrent and an attention layer ([0:1) [1:3) [3:4)), 1 thread.
   ``prompt_tokens_details.cached_tokens > 0`` (whole pages of the earlier prompt; a recurrent
   state is restored at the end of a recorded entry) and its text is the uncached answer's.
 * ``n = 4`` (greedy) equals four ``n = 1`` requests: the prompt is prefilled once and forked on
-  every stage (the parent rolled back one position, recurrent state included).  Checked with
-  direct return off: with it on, ``n > 1`` on a chain of 2 or more stages is refused for every
-  model today (issue 28), so that case checks the prefix cache and ``n = 1`` only.
+  every stage (the parent rolled back one position, recurrent state included), with direct
+  return off and on.
+
+Speculation on a looping continuation, seeded ``n = 4`` and decode runs ended early, over the
+same chain of stage processes, are in test_recurrent_processes.py.
 
 The driver-level twins of these checks are in test_recurrent_chain.py (in-process stage servers);
 here the requests go through the API's request handling, lanes and the stage processes' wire.

@@ -442,6 +442,49 @@ def test_real_shape_split_logits_are_bitwise_equal(
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        # Qwen3.5-35B-A3B's widths (delta-net 16 key / 32 value heads of 128, conv 4; attention 16 / 2
+        # heads of 256; experts of 512, 8 used, and a shared one) with its first 4 layers, 16 experts
+        # instead of 256 (the same widths at a tenth of the file: 3.7 GB with all 256)
+        ("qwen35moe-35b-a3b-8l", {"n_layer": 4, "n_expert": 16}),
+        # Qwen3-Next-80B-A3B's are the same but for its routing (10 of 512 experts used) and rope
+        ("qwen35moe-35b-a3b-8l", {"arch": "qwen3next", "name": "skippy-qwen3next-80b-a3b-4l-shape",
+                                  "n_layer": 4, "n_expert": 16, "n_expert_used": 10}),
+        # Nemotron-H-8B's widths (Mamba-2 of 128 heads of 64, 8 groups, state 128; attention 32 / 8
+        # heads of 128; squared-ReLU MLP of 21504): two Mamba layers, attention, MLP
+        ("nemotron-h-8b-8l", {"n_layer": 4, "layer_pattern": "MM*-"}),
+    ],
+    ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l"],
+)
+def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: dict[str, object]) -> None:
+    """Issue 25 at real widths: the splits cut inside a run of recurrent layers (at 1) and
+    between a recurrent and an attention layer (at 2 or 3); 48-token prefill, 8 greedy steps,
+    bitwise the unsplit logits."""
+    from skippy.models import preset
+
+    from skippy.plan import ModelShape
+
+    spec = dataclasses.replace(preset(name), **overrides)
+    path = ensure_model(spec)
+    shape = ModelShape.from_gguf(path)  # the planner's per-layer figures: state, KV
+    recurrent, attention = [b > 0 for b in shape.state_layer_bytes], [b > 0 for b in shape.kv_layer_bytes]
+    assert recurrent[:2] == [True, True]  # the cut at 1
+    assert any(recurrent[cut - 1] and attention[cut] for cut in (2, 3)), (recurrent, attention)
+    with chain(path, [(0, spec.n_layer)]) as whole:
+        expected, expected_tokens = greedy_run(whole, REAL_SHAPE_PROMPT, steps=8)
+    last = expected[-1]
+    assert np.isfinite(last).all() and float(np.std(last)) > 0.02
+    for split in ([(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]):
+        with chain(path, split) as stages:
+            logits, tokens = greedy_run(stages, REAL_SHAPE_PROMPT, steps=8)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
 @pytest.mark.parametrize("arch", fast_only(list(LINEAR_ATTENTION_ARCHITECTURES), {"qwen35"}))
 def test_hybrid_stage_of_one_layer_kind_is_bitwise_equal(arch: str) -> None:
     """Issue 25, linear attention: the tiny hybrids are R R A R (recurrent, attention), so in
