@@ -97,6 +97,7 @@ from skippy.protocol_ext import (
     is_identity_query,
     with_extensions_flag,
 )
+from skippy.lane.timings import DirectTimings
 from skippy.stage import extensions
 from skippy.stage import lane_messages, prefix_control
 from skippy.stage.decode_relay import RelayRun, relay_plan
@@ -236,6 +237,9 @@ class Connection:
         self._relay_frame: bytes | None = None
         self._relay_lane: ReturnLane | None = None
         self._relay_run: RelayRun | None = None
+        #: docs/protocol.md §8: the timings of each session's direct-return messages this stage
+        #: forwarded (answered nowhere), for the Timings frame of the session's Stop ACK.
+        self._direct_timings = DirectTimings()
 
     @property
     def inflight(self) -> int:
@@ -531,7 +535,11 @@ class Connection:
         self._relay_run = run
         try:
             if lane is None:
-                await run.run()
+                try:
+                    await run.run()
+                finally:
+                    self._direct_timings.add(self._session_key(dispatch.message), compute_us=run.compute_us,
+                                             write_us=run.write_us, messages=run.steps)
                 return
             async with lane.lock:  # the return lane's one writer until the run ends
                 lane.relay_abort = run.abort
@@ -927,6 +935,8 @@ class Connection:
         self.stats.forward_write_us += forward.write_us
         self.stats.write_throughs += 1
         if dispatch.direct:
+            self._direct_timings.add(key, compute_us=forward.compute_us, write_us=forward.write_us,
+                                     queue_us=forward.queue_us, batch_size=forward.batch_size)
             self._direct_done()
 
     async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
@@ -1037,6 +1047,8 @@ class Connection:
         item.write_us = now_us() - started
         self.stats.forward_write_us += item.write_us
         if item.direct:
+            self._direct_timings.add(item.session, compute_us=item.compute_us, write_us=item.write_us,
+                                     queue_us=item.queue_us, batch_size=item.batch_size)
             self._direct_done()
 
     # -- step 4: relay -----------------------------------------------------------------------
@@ -1094,7 +1106,14 @@ class Connection:
         if annotations and not self.extensions.enabled:
             annotations = ()  # a v11 upstream cannot have asked for them (docs/protocol.md §10)
         if not relay.prediction:
-            await self._reply(item.ticket, StageReply.ack(stats), None, annotations)
+            summary = None
+            if relay.release:  # §8: a Stop's ACK carries the session's direct-return totals
+                record = self._direct_timings.take(item.session, stage_index=self.identity.index,
+                                                   layer_start=self.identity.layer_start,
+                                                   layer_end=self.identity.layer_end)
+                if record is not None and self.extensions.enabled:
+                    summary = append_timing(timings, record)
+            await self._reply(item.ticket, StageReply.ack(stats), summary, annotations)
             return
         if RULES[item.ticket.kind].window:  # the reference's verify-window stats
             stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
