@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 from skippy.lane.timings import DirectTimings
 from skippy.protocol_ext import TimingRecord
@@ -26,8 +27,10 @@ def test_direct_timings_sum_per_session_and_are_taken_once() -> None:
 
 def test_the_lane_package_imports_nothing_heavy() -> None:
     """lane ↛ trio / net / runtime: the rules load in a fresh interpreter without them."""
-    code = ("import sys, json; import skippy.lane, skippy.lane.timings; "
-            "print(json.dumps(sorted(sys.modules)))")
+    package = Path(__file__).resolve().parent.parent / "skippy" / "lane"
+    names = sorted(f"skippy.lane.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__")
+    assert {"skippy.lane.protocol", "skippy.lane.messages", "skippy.lane.errors"} <= set(names)
+    code = f"import sys, json; import {', '.join(names)}; print(json.dumps(sorted(sys.modules)))"
     modules = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                                         text=True).stdout)
     heavy = [name for name in modules if name.split(".")[0] in ("trio", "socket", "ssl", "cffi", "_cffi_backend")

@@ -611,7 +611,7 @@ async def _run_script(write_through: bool, inline_hand_offs: bool) -> tuple[byte
 
 
 async def test_shortcuts_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None:
-    from skippy.stage.lane_protocol import RULES, Handling
+    from skippy.lane.protocol import RULES, Handling
 
     monkeypatch.undo()  # this test sets the switches itself, every combination
     # (a PredictionReturnOpen opens a lane of its own: tests/test_direct_return.py runs it)

@@ -79,7 +79,7 @@ from skippy.protocol_ext import (
     with_extensions_flag,
 )
 from skippy.stage.config import Address
-from skippy.stage.decode_run import DecodeRunRequest
+from skippy.lane.decode_run import DecodeRunRequest
 from skippy.stage.tls import handshake_as_client
 from skippy.stage.transport import SocketIO, set_no_delay
 

@@ -1,12 +1,12 @@
-"""One upstream connection (a lane): I/O only; the rules are :mod:`skippy.stage.lane_protocol`.
+"""One upstream connection (a lane): I/O only; the rules are :mod:`skippy.lane.protocol`.
 
 Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
 a :class:`Connection` owns the lane's streams and tasks and a
-:class:`~skippy.stage.lane_protocol.LaneProtocol`; it feeds the protocol every event and carries
+:class:`~skippy.lane.protocol.LaneProtocol`; it feeds the protocol every event and carries
 out the actions it returns.  Every message takes the same steps:
 
 1. **receive** (``receive_messages``): read and decode a frame, ``message_received`` → a
-   :class:`~skippy.stage.lane_protocol.Dispatch` (or a typed refusal, which closes the lane);
+   :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane);
    an early ACK is replied at once.  The dispatch is queued to the compute task.  Reading pauses
    while ``REPLY_QUEUE`` replies wait to be written (an upstream that does not read its replies).
 2. **handle** (``compute_messages`` → ``_handle``): the stage's own part, by the rule's handling
@@ -45,7 +45,7 @@ on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways an
 
 Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
 log line naming the reason (a bug, i.e. anything that is not a typed refusal of
-:mod:`skippy.stage.errors`, also with its traceback), sessions it opened are released,
+:mod:`skippy.lane.errors`, also with its traceback), sessions it opened are released,
 and its downstream lane is closed, which cascades the close down the chain.  The stage and its
 other lanes carry on.
 
@@ -99,15 +99,17 @@ from skippy.protocol_ext import (
 )
 from skippy.lane.timings import DirectTimings
 from skippy.stage import extensions
-from skippy.stage import lane_messages, prefix_control
+from skippy.lane import messages as lane_messages
+from skippy.stage import prefix_control
 from skippy.stage.decode_relay import RelayRun, relay_plan
-from skippy.stage.decode_run import DecodeRun, DecodeRunRequest
+from skippy.lane.decode_run import DecodeRun, DecodeRunRequest
 from skippy.stage.direct_return import ReturnHub, ReturnLane
-from skippy.stage.errors import DownstreamError, InvalidMessage, Overloaded, ReturnLaneLost, StageError, UnsupportedKind
+from skippy.lane.errors import DownstreamError, InvalidMessage, Overloaded, ReturnLaneLost, StageError, UnsupportedKind
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
-from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
-from skippy.stage.lane_protocol import (
+from skippy.lane.stats import merge_stats, timing_stats
+from skippy.stage.lane import LaneSettings, now_us, put, take
+from skippy.lane.protocol import (
     RULES,
     Answer,
     Dispatch,
@@ -226,7 +228,7 @@ class Connection:
         #: upstream flags bit 12 (so it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
         self._lane_used = False
         self._identity_aware = False
-        #: docs/protocol.md §11 (:mod:`skippy.stage.decode_run`): the decode runs this lane drives,
+        #: docs/protocol.md §11 (:mod:`skippy.lane.decode_run`): the decode runs this lane drives,
         #: by session id; the next steps they made, waiting for the compute task (which takes them
         #: before its channel); and the channel handle that wakes it for one.
         self._runs: dict[int, DecodeRun] = {}
@@ -551,7 +553,7 @@ class Connection:
             self._relay_run = None
             self.scheduler.release_hold()
 
-    # -- decode runs (docs/protocol.md §11, skippy.stage.decode_run) ---------------------------
+    # -- decode runs (docs/protocol.md §11, skippy.lane.decode_run) ---------------------------
     def _start_run(self, dispatch: Dispatch) -> Dispatch:
         """A DecodeEmbd flagged ``DECODE_RUN`` arrived: register its run; the dispatch of its first
         step (the message without the flag and its metadata) is handled as any decode.
@@ -802,7 +804,8 @@ class Connection:
         item = lane_messages.work_item(dispatch, key, is_first=self.scheduler.executor.is_first,
                                        width=self.settings.width, max_rows=self.settings.max_rows,
                                        reads_tokens=self.scheduler.executor.reads_tokens,
-                                       sideband_flag=self.scheduler.executor.sideband_flag)
+                                       sideband_flag=self.scheduler.executor.sideband_flag,
+                                       sampling=sampling_params)
         self._claim(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1

@@ -35,7 +35,7 @@ import trio
 
 from skippy.protocol import MessageKind, StageMessage, WireDType
 from skippy.protocol_ext import DIRECT_RETURN_FLAG
-from skippy.stage.errors import ReturnLaneLost
+from skippy.lane.errors import ReturnLaneLost
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.transport import codec, write_failed
 

@@ -12,7 +12,7 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
   (a stage forwards with ``source_stage_index`` + 1, and the driver sends -1). Until then the
   index is -1 ("unknown", which the frames allow). No setting is needed and none can disagree
   with the chain actually built.
-* Errors. Every refusal carries its own :class:`ErrorCode` (:mod:`skippy.stage.errors`; anything
+* Errors. Every refusal carries its own :class:`ErrorCode` (:mod:`skippy.lane.errors`; anything
   else is a bug: ``INTERNAL``, :func:`is_bug`); :func:`error_frame` builds the frame (origin =
   this stage, except ``DOWNSTREAM_LOST``, whose origin is the lost stage: index + 1 and the
   configured downstream address; a downstream Error frame is relayed unchanged).
@@ -39,7 +39,7 @@ from skippy.protocol_ext import (
     TimingRecord,
     TimingsFrame,
 )
-from skippy.stage.errors import DownstreamError, StageError, error_code
+from skippy.lane.errors import DownstreamError, StageError, error_code
 from skippy.stage.transport import codec
 
 __all__ = [

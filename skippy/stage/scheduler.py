@@ -48,7 +48,7 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import trio
 
-from skippy.stage.errors import ShuttingDown
+from skippy.lane.errors import ShuttingDown
 from skippy.stage.executor import Executor, WorkItem, WorkResult
 from skippy.stage.stats import StageStats
 from skippy.stage.worker import RuntimeThread

@@ -17,7 +17,7 @@ Safety rules, each kept by the connection that sets one up:
   backlog for the duration); upstream, when the lane protocol hands it the writer token for
   that reply (``LaneProtocol.claim_reply_write``: next in line, nobody writing), which every
   reply behind it waits for.
-* **Order.**  The downstream frame's :class:`~skippy.stage.lane_protocol.Forward` is in the
+* **Order.**  The downstream frame's :class:`~skippy.lane.protocol.Forward` is in the
   protocol's expected replies before the job is submitted, so its reply always finds it.
 * **No write after close.**  Every write-through of a lane writes under the lane's
   :class:`StreamGate`, and only while the gate is open.  The lane closes the gate before it
@@ -36,7 +36,7 @@ from typing import Callable
 
 import trio
 
-from skippy.stage.errors import StageError
+from skippy.lane.errors import StageError
 from skippy.stage.executor import WorkResult
 from skippy.stage.transport import SocketIO, send_frame, write_failed
 

@@ -62,8 +62,8 @@ from typing import Awaitable, Callable, Final, Mapping, NamedTuple, final
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import DIRECT_RETURN_FLAG, Annotation, ExtensionNegotiation, TimingsFrame
-from skippy.stage.decode_run import DecodeRun
-from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
+from skippy.lane.decode_run import DecodeRun
+from skippy.lane.errors import DownstreamLost, InvalidMessage, UnsupportedKind
 
 __all__ = [
     "RULES", "Answer", "Dispatch", "Expect", "Forward", "Handling", "KindRule", "LaneProtocol", "Outputs", "Relay",
@@ -138,7 +138,7 @@ class KindRule:
     #: over the session's return lane and no stage answers the message upstream.
     direct_return: bool = False
     #: docs/protocol.md §11: with the decode-run flag, the first stage drives the session's decode
-    #: loop itself (:mod:`skippy.stage.decode_run`).
+    #: loop itself (:mod:`skippy.lane.decode_run`).
     decode_run: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
