@@ -36,3 +36,181 @@ def test_the_lane_package_imports_nothing_heavy() -> None:
     heavy = [name for name in modules if name.split(".")[0] in ("trio", "socket", "ssl", "cffi", "_cffi_backend")
              or name.startswith(("skippy.stage", "skippy.runtime", "skippy.net", "skippy.driver", "skippy._llama"))]
     assert heavy == []
+
+
+# -- placement: who performs each step (every combination of the facts) -----------------------
+
+import itertools  # noqa: E402
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+from skippy.lane.errors import InvalidMessage, Overloaded  # noqa: E402
+from skippy.lane.protocol import RULES, Handling  # noqa: E402
+from skippy.lane.stage_lane import FACTS_READ, Facts, Performer, StageLane, Step, placement  # noqa: E402
+from skippy.protocol import MessageKind, StageMessage  # noqa: E402
+from skippy.protocol_ext import (  # noqa: E402
+    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, identity_query,
+)
+
+#: One rule per distinct (write_through_down, write_through_up): what placement reads of a rule.
+_RULES = [None, *{(rule.write_through_down, rule.write_through_up): rule for rule in RULES.values()
+                  if rule.handling is not Handling.REFUSE}.values()]
+
+
+def _every_facts(step: Step) -> list[Facts]:
+    """Every combination of the facts ``step`` reads (the rest at their defaults)."""
+    fields = FACTS_READ[step]
+    return [Facts(**dict(zip(fields, values))) for values in itertools.product((False, True), repeat=len(fields))]
+
+
+def test_placement_reads_only_the_facts_it_names() -> None:
+    """Flipping a fact a step does not read never changes who performs it (every step, rule and
+    combination of what it reads, each unread fact flipped alone and all of them at once)."""
+    for step in Step:
+        unread = [name for name in Facts._fields if name not in FACTS_READ[step]]
+        for rule in _RULES:
+            for facts in _every_facts(step):
+                who = placement(step, rule, facts)
+                flipped_all = facts._replace(**{name: not getattr(facts, name) for name in unread})
+                assert placement(step, rule, flipped_all) is who, (step, facts)
+                for name in unread:
+                    assert placement(step, rule, facts._replace(**{name: not getattr(facts, name)})) is who
+
+
+def test_placement_keeps_one_writer_per_stream_credits_and_plain_sockets() -> None:
+    """Every (step, rule, facts): the module header's invariants hold, and every performer a
+    step may have is reached by some facts."""
+    reached: dict[Step, set[Performer]] = {step: set() for step in Step}
+    for step in Step:
+        for rule in _RULES:
+            for facts in _every_facts(step):
+                who = placement(step, rule, facts)
+                reached[step].add(who)
+                if who is Performer.RECEIVING_TASK:  # inline: nothing queued, not early-ACKed
+                    assert facts.inline_hand_offs and facts.compute_idle and not facts.early_ack
+                if who in (Performer.HANDLING_TASK, Performer.RUNTIME_THREAD) and step is Step.WRITE_DOWN:
+                    assert facts.forward_idle and not facts.credited and not facts.wire_delay
+                if who is Performer.RUNTIME_THREAD:
+                    assert facts.write_through and facts.before_compute and rule is not None
+                    if step is Step.WRITE_DOWN:
+                        assert rule.write_through_down and facts.downstream_socket
+                    else:
+                        assert rule.write_through_up and facts.reply_next and facts.upstream_socket
+                        assert not facts.reply_delay and not facts.direct
+                if who is Performer.DATA_PLANE:
+                    assert facts.decode_relay and facts.template and facts.quiet
+                    assert facts.upstream_socket and facts.downstream_socket
+                    assert not facts.wire_delay and not facts.reply_delay
+                if facts.credited and step is Step.WRITE_DOWN:
+                    assert who is Performer.FORWARD_TASK
+    assert reached == {
+        Step.HANDLE: {Performer.RECEIVING_TASK, Performer.COMPUTE_TASK},
+        Step.WRITE_DOWN: {Performer.RUNTIME_THREAD, Performer.HANDLING_TASK, Performer.FORWARD_TASK},
+        Step.WRITE_UP: {Performer.RUNTIME_THREAD, Performer.HANDLING_TASK},
+        Step.CARRY_NEXT: {Performer.DATA_PLANE, Performer.NOBODY},
+    }
+
+
+def test_with_every_shortcut_off_each_step_takes_the_plain_performer() -> None:
+    plain = {Step.HANDLE: Performer.COMPUTE_TASK, Step.WRITE_DOWN: Performer.FORWARD_TASK,
+             Step.WRITE_UP: Performer.HANDLING_TASK, Step.CARRY_NEXT: Performer.NOBODY}
+    off = {"inline_hand_offs": False, "write_through": False, "decode_relay": False}
+    for step in Step:
+        for facts in _every_facts(step):
+            for rule in _RULES:
+                assert placement(step, rule, facts._replace(**off)) is plain[step]
+
+
+@pytest.mark.parametrize("kind", [MessageKind.DECODE_EMBD, MessageKind.VERIFY_WINDOW, MessageKind.PREFILL_EMBD,
+                                  MessageKind.STOP])
+def test_each_kind_is_written_by_the_runtime_thread_only_when_its_rule_says(kind: MessageKind) -> None:
+    rule = RULES[kind]
+    down = placement(Step.WRITE_DOWN, rule, Facts(before_compute=True, credited=rule.credit))
+    up = placement(Step.WRITE_UP, rule, Facts(before_compute=True, reply_next=True))
+    assert (down is Performer.RUNTIME_THREAD) == rule.write_through_down
+    assert (up is Performer.RUNTIME_THREAD) == rule.write_through_up
+    # once computed, only a task writes (and a busy forwarder keeps the order)
+    assert placement(Step.WRITE_DOWN, rule, Facts(credited=rule.credit)) is (
+        Performer.FORWARD_TASK if rule.credit else Performer.HANDLING_TASK)
+    assert placement(Step.WRITE_DOWN, rule, Facts(forward_idle=False)) is Performer.FORWARD_TASK
+
+
+# -- StageLane: the lane's own state (sans-IO) -------------------------------------------------
+
+def _message(kind: MessageKind, session: int = 1, *, flags: int = SKIPPY_EXTENSIONS_FLAG, metadata: str | None = None,
+             position: int = 4) -> StageMessage:
+    message = StageMessage.create(kind, pos_start=position, token_count=1, session_id=session,
+                                  tokens=np.asarray([7], dtype=np.int32), state_changes={"current_token": 7})
+    header = message.state
+    import dataclasses
+    message = dataclasses.replace(message, state=dataclasses.replace(header, flags=header.flags | flags),
+                                  chat_sampling_metadata=metadata)
+    return message
+
+
+def test_sessions_are_namespaced_by_lane_and_bounded_by_its_quota() -> None:
+    lane = StageLane(3, 1, session_quota=2, peer="u:1")
+    first, second = lane.key_of(1), lane.key_of(2)
+    assert first >> 64 == 3 and first & 0xFFFF == 1
+    lane.claim(first)
+    lane.claim(first)  # the same session again: no new claim
+    lane.claim(second)
+    with pytest.raises(Overloaded, match="already holds 2 sessions"):
+        lane.claim(lane.key_of(9))
+    assert lane.has_session(1) and not lane.has_session(9)
+
+
+def test_an_identity_query_is_answered_only_as_the_first_message() -> None:
+    lane = StageLane(1, 1)
+    assert lane.identity_query(identity_query()) and lane.identity_aware
+    lane = StageLane(1, 1)
+    assert not lane.identity_query(_message(MessageKind.DECODE_EMBD))
+    assert not lane.identity_query(identity_query())  # not the first: the rules refuse it later
+    plain = StageLane(1, 1)
+    assert not plain.identity_query(_message(MessageKind.DECODE_EMBD)) and not plain.identity_aware
+    assert not StageLane(1, 1).identity_query(_message(MessageKind.DECODE_EMBD, flags=MODEL_IDENTITY_FLAG))
+
+
+def test_a_decode_run_starts_steps_and_any_message_for_its_session_ends_it() -> None:
+    lane = StageLane(1, 1)
+    metadata = json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 3, "stop_tokens": [99]}})
+    flagged = _message(MessageKind.DECODE_EMBD, flags=SKIPPY_EXTENSIONS_FLAG | DECODE_RUN_FLAG, metadata=metadata)
+    dispatch, run = lane.received(flagged, run_flagged=True, is_first=True)
+    assert run is not None and lane.runs == {1: run} and not lane.quiet
+    assert not dispatch.message.state.flags & DECODE_RUN_FLAG and dispatch.message.chat_sampling_metadata is None
+    assert dispatch.ticket is not None and dispatch.ticket.run is run
+    first, step = lane.run_predicted(dispatch.ticket, 5, 0)
+    assert first and step is not None and step.message.pos_start == 5 and lane.compute_backlog == 1
+    assert lane.run_steps[0][0] is step
+    again, _ = lane.run_predicted(step.ticket, 6, 0)  # type: ignore[arg-type]
+    assert not again
+    lane.received(_message(MessageKind.STOP), run_flagged=False, is_first=True)
+    assert not lane.runs and run.cancelled
+
+
+@pytest.mark.parametrize("case, is_first, flags, kind, text", [
+    ("not first", False, SKIPPY_EXTENSIONS_FLAG, MessageKind.DECODE_EMBD, "only the chain's first stage"),
+    ("not negotiated", True, 0, MessageKind.DECODE_EMBD, "did not negotiate"),
+    ("another kind", True, SKIPPY_EXTENSIONS_FLAG, MessageKind.DECODE_READOUT, "starts with a DecodeEmbd only"),
+    ("bad section", True, SKIPPY_EXTENSIONS_FLAG, MessageKind.DECODE_EMBD, "refused"),
+])
+def test_a_decode_run_refusal_names_its_reason(case: str, is_first: bool, flags: int, kind: MessageKind,
+                                               text: str) -> None:
+    metadata = "{}" if case == "bad section" else json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 2}})
+    message = _message(kind, flags=flags | DECODE_RUN_FLAG, metadata=metadata)
+    with pytest.raises(InvalidMessage, match=text):
+        StageLane(1, 1).received(message, run_flagged=True, is_first=is_first)
+
+
+def test_the_lane_is_quiet_only_with_nothing_queued_in_flight_or_running() -> None:
+    lane = StageLane(1, 1)
+    assert lane.quiet
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD), run_flagged=False, is_first=True)
+    assert not lane.quiet and lane.reply_next(dispatch.ticket) and not lane.reply_next(None)
+    assert lane.claim_reply_write(dispatch.ticket)  # type: ignore[arg-type]
+    assert not lane.reply_next(dispatch.ticket)
+    lane.replies_written(1)
+    assert lane.quiet
+    lane.forward_backlog = 1
+    assert not lane.quiet
