@@ -8,7 +8,7 @@ count checked against the frame first); the stage's executor runs it and returns
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import numpy.typing as npt
@@ -41,11 +41,6 @@ class WorkItem:
     #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
     prefill: bool = False
     final_prefill: bool = False
-    #: Called with (result, queue_us) as soon as the result exists, where it was computed (the
-    #: runtime thread): the lane's write-through (:mod:`skippy.stage.write_through`).  It must
-    #: not raise.
-    emit: Callable[[WorkResult, int], None] | None = None
-
     @property
     def rows(self) -> int:
         return int(self.positions.shape[0])

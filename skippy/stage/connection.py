@@ -253,6 +253,7 @@ class Connection:
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
         """Serve the lane; never raises except Cancelled (failures are logged and counted)."""
+        self.scheduler.lanes.opened(self.id)
         self.stats.connections_open += 1
         self.stats.connections_total += 1
         self.stats.touch()
@@ -371,6 +372,7 @@ class Connection:
             if stream is not None:
                 with trio.move_on_after(1):
                     await trio.aclose_forcefully(stream)
+        self.scheduler.lanes.resting(self.id)
         self.stats.connections_open -= 1
         if self._return_lane is not None:
             self.stats.return_lanes_open -= 1
@@ -657,7 +659,8 @@ class Connection:
         self.returns.open(lane)
         self._return_lane = lane
         self.stats.return_lanes += 1
-        self.stats.return_lanes_open += 1  # not a lane that brings work (the scheduler's shortcuts)
+        self.stats.return_lanes_open += 1
+        self.scheduler.lanes.resting(self.id)  # not a lane that brings work (the scheduler's policy)
         return _OwnPart(forwarded=False)
 
     async def _stop(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
@@ -861,10 +864,10 @@ class Connection:
             forward.sent_us, forward.write_us = sent_us, write_us
 
         assert self._downstream_io is not None
-        through = item.emit = WriteThrough(self._gate, self._downstream_io, build, sent)
+        through = WriteThrough(self._gate, self._downstream_io, build, sent)
         self.lane.forward_backlog = 1  # this lane's downstream writer until the frame is out
         self.lane.frame_forwarding(forward)  # before the frame can leave: its reply must find it
-        await self.scheduler.execute(item)
+        await self.scheduler.execute(item, through)
         forward.write_us += await through.finish(self.downstream_name, downstream=True)
         self.lane.forward_backlog = 0
         if dispatch.direct and self.settings.decode_relay:  # shortcut 3 may carry the next ones
@@ -897,8 +900,8 @@ class Connection:
             return extensions.reply_bytes(ticket.reply, timings, ticket.annotations)
 
         run = ticket.run
-        through = self._upstream_through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
-        await self.scheduler.execute(item)
+        through = self._upstream_through = WriteThrough(self._gate, self._upstream_io, build)
+        await self.scheduler.execute(item, through)
         if run is not None and ticket.reply is not None:  # §11: the run's next step
             self._run_step(ticket, ticket.reply.predicted)
         self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
