@@ -75,9 +75,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import json
 import logging
-from typing import Awaitable, Callable
 
 import trio
 
@@ -85,30 +83,18 @@ from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageMes
 from skippy.protocol_ext import (
     DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
-    SAMPLING_EXTENSION_FLAG,
-    SAMPLING_METADATA_KEY,
     SKIPPY_EXTENSIONS_FLAG,
     Annotation,
     ErrorCode,
     ErrorFrame,
     SamplingAcceptedFrame,
-    SamplingRequest,
     ExtensionNegotiation,
     TimingsFrame,
     append_timing,
     with_extensions_flag,
 )
-from skippy.stage import extensions
 from skippy.lane import messages as lane_messages
-from skippy.stage import prefix_control
-from skippy.stage.decode_relay import RelayRun, relay_plan
-from skippy.stage.direct_return import ReturnHub, ReturnLane
-from skippy.lane.errors import DownstreamError, InvalidMessage, ReturnLaneLost, StageError, UnsupportedKind
-from skippy.stage.executor import WorkItem, WorkResult, sampling_params
-from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
-from skippy.lane.stats import merge_stats, timing_stats
-from skippy.stage.lane import LaneSettings, now_us, put, take
-from skippy.lane.stage_lane import Facts, Performer, StageLane, Step, placement
+from skippy.lane.errors import DownstreamError, ReturnLaneLost, StageError, UnsupportedKind
 from skippy.lane.protocol import (
     RULES,
     Answer,
@@ -121,6 +107,15 @@ from skippy.lane.protocol import (
     SendDownstream,
     Ticket,
 )
+from skippy.lane.stage_lane import Facts, Performer, StageLane, Step, placement
+from skippy.lane.stats import merge_stats, timing_stats
+from skippy.stage import control, extensions
+from skippy.stage.control import OWN_PARTS, OwnPart
+from skippy.stage.decode_relay import RelayRun, relay_plan
+from skippy.stage.direct_return import ReturnHub, ReturnLane
+from skippy.stage.executor import WorkItem, WorkResult, sampling_params
+from skippy.stage.lane import LaneSettings, now_us, put, take
+from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
 from skippy.stage.transport import (
@@ -146,20 +141,6 @@ _connection_ids = itertools.count(1)
 
 #: docs/protocol.md §11: the frame before a decode run's first reply (the first stage runs it).
 _RUN_ACCEPTED: tuple[Annotation, ...] = (SamplingAcceptedFrame(DECODE_RUN_FEATURE),)
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class _OwnPart:
-    """What a non-executable handling's own part leaves for the next step."""
-
-    stats: ReplyStats = EMPTY_REPLY_STATS  #: merged into this stage's reply, if it answers
-    result: WorkResult | None = None  #: a TryRestorePrefillDecode hit: the fused decode's result
-    forwarded: bool = True  #: False: nothing to forward (a prefix-control miss)
-    #: docs/protocol.md §10: frames written before this stage's own ACK (SamplingAccepted).
-    annotations: tuple[Annotation, ...] = ()
-
-
-_NOTHING_MORE = _OwnPart()
 
 
 class Connection:
@@ -190,6 +171,8 @@ class Connection:
         self.downstream: trio.abc.Stream | None = None
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
         self.identity = extensions.identity_for(scheduler.executor)
+        #: What the control kinds' own parts work on (:mod:`skippy.stage.control`).
+        self._stage = control.StageParts(scheduler, settings, stats, self.lane)
         self._upstream_io = SocketIO(upstream)
         self._downstream_io: SocketIO | None = None
         #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
@@ -611,10 +594,6 @@ class Connection:
     def _session_key(self, message: StageMessage) -> int:
         return self.lane.key_of(message.session_id)
 
-    def _key_of(self, session_id: int) -> int:
-        # Sessions are namespaced by connection: a lane's disconnect releases only its own.
-        return (self.id << 64) | (session_id or 0)
-
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
         key = self._session_key(dispatch.message)
@@ -623,7 +602,10 @@ class Connection:
             await self._execute(dispatch, key, received_us)
             return
         forward = Forward(dispatch.message, None, dispatch.ticket, key, received_us, 0.0)
-        own = await self._own_parts[handling](dispatch, key, forward)
+        if handling is Handling.RETURN_OPEN:
+            own = await self._return_open(dispatch)
+        else:
+            own = await OWN_PARTS[handling](self._stage, dispatch, key, forward, forwarding=self._forwards is not None)
         action = self.lane.computed(dispatch, has_downstream=self._forwards is not None,
                                         local_hit=own.result is not None, forwarded=own.forwarded)
         if type(action) is SendDownstream:
@@ -641,14 +623,7 @@ class Connection:
             else:  # the final stage's fused restore-decode: its prediction
                 await self._reply_prediction(dispatch, action, own.result, received_us, 0, stats)
 
-    @functools.cached_property
-    def _own_parts(self) -> dict[Handling, Callable[[Dispatch, int, Forward], Awaitable[_OwnPart]]]:
-        """The stage's own part of each non-executable handling (one method each)."""
-        return {Handling.STOP: self._stop, Handling.RETIRE: self._retire, Handling.TRIM: self._trim,
-                Handling.CONFIGURE: self._configure, Handling.PREFIX_CONTROL: self._prefix_control,
-                Handling.RETURN_OPEN: self._return_open}
-
-    async def _return_open(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+    async def _return_open(self, dispatch: Dispatch) -> OwnPart:
         """docs/protocol.md §8: this lane becomes the return lane of the session it names (the
         protocol checked that it is the lane's first message and flagged); ACKed, not forwarded."""
         message = dispatch.message
@@ -661,80 +636,7 @@ class Connection:
         self.stats.return_lanes += 1
         self.stats.return_lanes_open += 1
         self.scheduler.lanes.resting(self.id)  # not a lane that brings work (the scheduler's policy)
-        return _OwnPart(forwarded=False)
-
-    async def _stop(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        if self._forwards is None:  # the final stage releases now; others after the downstream ACK
-            await self._release(key)
-        return _NOTHING_MORE
-
-    async def _retire(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        message = dispatch.message
-        if message.pos_start < 0 or message.token_count < 0:
-            raise InvalidMessage(
-                f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
-        return _NOTHING_MORE  # no checkpoints to release on this runtime; forwarded, never answered
-
-    async def _trim(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        executor, length = self.scheduler.executor, dispatch.message.token_count
-        self.stats.trimmed_tokens += await self.scheduler.call(lambda: executor.trim(key, length))
-        return _NOTHING_MORE
-
-    async def _configure(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        executor, message = self.scheduler.executor, dispatch.message
-        params = sampling_params(message.sampling)
-        self.lane.claim(key)
-        await self.scheduler.call(lambda: executor.configure(key, params))
-        cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
-        if cache_settings is not None and executor.cache is not None:
-            await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
-        annotations: tuple[Annotation, ...] = ()
-        if self.settings.downstream is None:  # docs/protocol.md §10: the final stage's part
-            flagged = bool(message.state.flags & SAMPLING_EXTENSION_FLAG)
-            extension = _sampling_request(message.chat_sampling_metadata) if flagged else None
-            features = await self.scheduler.call(lambda: executor.configure_extension(key, extension))
-            if flagged:
-                annotations = extensions.sampling_accepted(features)
-        fork = prefix_control.fork_settings(message.chat_sampling_metadata)
-        if fork is None:
-            return _OwnPart(annotations=annotations) if annotations else _NOTHING_MORE
-        parent = self.lane.key_of(fork[0])
-        forked = await self.scheduler.call(lambda: executor.fork(parent, key, fork[1]))
-        own = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=forked) if forked else ReplyStats(kv_lookup_misses=1)
-        if forked:
-            self.stats.forked_sessions += 1
-            self.stats.forked_tokens += forked
-            self.stats.touch()
-
-        async def add_own(stats: ReplyStats) -> ReplyStats:
-            return stats.merge(own)
-
-        forward.on_reply = add_own
-        return _OwnPart(own, annotations=annotations)
-
-    async def _prefix_control(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        """docs/prefix-cache.md §6 (:mod:`skippy.stage.prefix_control`): a local miss is answered
-        here; a hit is forwarded with ``on_reply`` (a TryRestorePrefillDecode hit carries its result)."""
-        message = dispatch.message
-        self.lane.claim(key)
-        outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=self._forwards is not None,
-                                              wire_dtype=self.settings.wire_dtype)
-        self.stats.touch()
-        result = outcome.result
-        if result is not None:
-            self.stats.restore_decodes += 1
-            self._note_recorded(result, message)
-            forward.compute_us, forward.batch_size = result.compute_us, result.batch_size
-        if outcome.forward is not None:
-            forward.message, forward.on_reply = outcome.forward, outcome.on_reply
-        return _OwnPart(outcome.stats, result, forwarded=outcome.forward is not None)
-
-    async def _release(self, key: int) -> None:
-        self.lane.sessions.discard(key)
-        executor = self.scheduler.executor
-        if await self.scheduler.call(lambda: executor.release(key)):
-            self.stats.sessions_released += 1
-            self.stats.touch()
+        return OwnPart(forwarded=False)
 
     async def _execute(self, dispatch: Dispatch, key: int, received_us: int) -> None:
         kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
@@ -759,7 +661,7 @@ class Connection:
                 await self._forward_through(dispatch, item, key, received_us, action.expect)
                 return
             result, queue_us = await self.scheduler.execute(item)
-            self._note_recorded(result, message)
+            control.note_recorded(self._stage, result, message)
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
             outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
@@ -775,7 +677,7 @@ class Connection:
             await self._reply_through(dispatch, item, ticket)
             return
         result, queue_us = await self.scheduler.execute(item)
-        self._note_recorded(result, message)
+        control.note_recorded(self._stage, result, message)
         if type(action) is ReplyUpstream:
             if action.direct:
                 await self._reply_direct(dispatch, action, result, received_us, queue_us)
@@ -911,16 +813,6 @@ class Connection:
         self.stats.write_throughs += 1
         await self._write_due(self.lane.replies_written(1))
 
-    def _note_recorded(self, result: WorkResult, message: StageMessage) -> None:
-        if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream
-            executor = self.scheduler.executor
-            page_size = executor.cache.page_size if executor.cache else 1
-            index = min(max(0, message.state.source_stage_index + 1), 62)
-            self.lane.stash_stats(ReplyStats(
-                kv_recorded_pages=result.recorded_tokens // page_size,
-                kv_recorded_bytes=result.recorded_tokens * executor.kv_bytes_per_cell,
-                kv_record_stage_mask=1 << index))
-
     # -- step 3: forward ---------------------------------------------------------------------
     async def _forward(self, item: Forward) -> None:
         """Send ``item`` downstream: queued to the forwarder, or (shortcut) written here when the
@@ -1042,7 +934,7 @@ class Connection:
         if item.on_reply is not None:
             stats = await item.on_reply(stats)
         if relay.release:
-            await self._release(item.session)
+            await control.release(self._stage, item.session)
         if annotations and not self.extensions.enabled:
             annotations = ()  # a v11 upstream cannot have asked for them (docs/protocol.md §10)
         if not relay.prediction:
@@ -1069,20 +961,6 @@ class Connection:
         if item.ticket.run is not None:  # §11: the run's next step starts before this reply is out
             annotations += self._run_step(item.ticket, reply.predicted)
         await self._reply(item.ticket, reply, timings, annotations)
-
-
-def _sampling_request(metadata: str | None) -> SamplingRequest:
-    """docs/protocol.md §10: the sampling extension in a flagged ConfigureGeneration's metadata.
-
-    Raises:
-        InvalidMessage: no such section, or a malformed one (named).
-    """
-    try:
-        data = json.loads(metadata or "")
-        return SamplingRequest.from_section(data.get(SAMPLING_METADATA_KEY) if isinstance(data, dict) else None)
-    except ValueError as exc:  # JSON errors and the section's own checks: refuse the configure
-        raise InvalidMessage(f"ConfigureGeneration carries the sampling-extension flag but its "
-                             f"{SAMPLING_METADATA_KEY} metadata is refused: {exc}") from exc
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
