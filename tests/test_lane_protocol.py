@@ -288,7 +288,8 @@ def test_reply_kinds_compare_as_plain_ints_too() -> None:
 
 _SANS_IO_IMPORTS = {
     "protocol.py": {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
-                         "skippy.protocol_ext", "skippy.lane.errors", "skippy.lane.decode_run"},
+                    "skippy.protocol_ext", "skippy.lane.errors", "skippy.lane.decode_run", "skippy.lane.timings"},
+    "placement.py": {"__future__", "enum", "typing", "skippy.lane.protocol"},
     # docs/protocol.md §11: the decode run's rules, sans-IO like the protocol that holds them
     "decode_run.py": {"__future__", "dataclasses", "json", "typing", "numpy", "skippy.protocol",
                       "skippy.protocol_ext"},

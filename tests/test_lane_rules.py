@@ -40,14 +40,16 @@ def test_the_lane_package_imports_nothing_heavy() -> None:
 
 # -- placement: who performs each step (every combination of the facts) -----------------------
 
+import dataclasses  # noqa: E402
 import itertools  # noqa: E402
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from skippy.lane.errors import InvalidMessage, Overloaded  # noqa: E402
+from skippy.lane.errors import InvalidMessage, Overloaded, UnsupportedKind  # noqa: E402
 from skippy.lane.protocol import RULES, Handling  # noqa: E402
-from skippy.lane.stage_lane import FACTS_READ, Facts, Performer, StageLane, Step, placement  # noqa: E402
+from skippy.lane.placement import FACTS_READ, Facts, Performer, Step, placement  # noqa: E402
+from skippy.lane.protocol import StageLane  # noqa: E402
 from skippy.protocol import MessageKind, StageMessage  # noqa: E402
 from skippy.protocol_ext import (  # noqa: E402
     DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, identity_query,
@@ -143,7 +145,6 @@ def _message(kind: MessageKind, session: int = 1, *, flags: int = SKIPPY_EXTENSI
     message = StageMessage.create(kind, pos_start=position, token_count=1, session_id=session,
                                   tokens=np.asarray([7], dtype=np.int32), state_changes={"current_token": 7})
     header = message.state
-    import dataclasses
     message = dataclasses.replace(message, state=dataclasses.replace(header, flags=header.flags | flags),
                                   chat_sampling_metadata=metadata)
     return message
@@ -163,13 +164,17 @@ def test_sessions_are_namespaced_by_lane_and_bounded_by_its_quota() -> None:
 
 def test_an_identity_query_is_answered_only_as_the_first_message() -> None:
     lane = StageLane(1, 1)
-    assert lane.identity_query(identity_query()) and lane.identity_aware
+    assert lane.received(identity_query(), run_flagged=False, is_first=True) == (None, None)
+    assert lane.identity_aware and not lane.lane_used
     lane = StageLane(1, 1)
-    assert not lane.identity_query(_message(MessageKind.DECODE_EMBD))
-    assert not lane.identity_query(identity_query())  # not the first: the rules refuse it later
-    plain = StageLane(1, 1)
-    assert not plain.identity_query(_message(MessageKind.DECODE_EMBD)) and not plain.identity_aware
-    assert not StageLane(1, 1).identity_query(_message(MessageKind.DECODE_EMBD, flags=MODEL_IDENTITY_FLAG))
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD), run_flagged=False, is_first=True)
+    assert dispatch is not None and dispatch.key == lane.key_of(1) and not lane.identity_aware
+    with pytest.raises(UnsupportedKind):  # not the first message: the rules refuse it
+        lane.received(identity_query(), run_flagged=False, is_first=True)
+    aware = StageLane(1, 1)
+    dispatch, _ = aware.received(_message(MessageKind.DECODE_EMBD, flags=MODEL_IDENTITY_FLAG), run_flagged=False,
+                                 is_first=True)
+    assert dispatch is not None and aware.identity_aware  # it is sent MODEL_MISMATCH from now on
 
 
 def test_a_decode_run_starts_steps_and_any_message_for_its_session_ends_it() -> None:
@@ -177,7 +182,7 @@ def test_a_decode_run_starts_steps_and_any_message_for_its_session_ends_it() -> 
     metadata = json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 3, "stop_tokens": [99]}})
     flagged = _message(MessageKind.DECODE_EMBD, flags=SKIPPY_EXTENSIONS_FLAG | DECODE_RUN_FLAG, metadata=metadata)
     dispatch, run = lane.received(flagged, run_flagged=True, is_first=True)
-    assert run is not None and lane.runs == {1: run} and not lane.quiet
+    assert dispatch is not None and run is not None and lane.runs == {1: run} and not lane.quiet
     assert not dispatch.message.state.flags & DECODE_RUN_FLAG and dispatch.message.chat_sampling_metadata is None
     assert dispatch.ticket is not None and dispatch.ticket.run is run
     first, step = lane.run_predicted(dispatch.ticket, 5, 0)
@@ -207,6 +212,7 @@ def test_the_lane_is_quiet_only_with_nothing_queued_in_flight_or_running() -> No
     lane = StageLane(1, 1)
     assert lane.quiet
     dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD), run_flagged=False, is_first=True)
+    assert dispatch is not None
     assert not lane.quiet and lane.reply_next(dispatch.ticket) and not lane.reply_next(None)
     assert lane.claim_reply_write(dispatch.ticket)  # type: ignore[arg-type]
     assert not lane.reply_next(dispatch.ticket)

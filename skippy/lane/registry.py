@@ -18,23 +18,22 @@ __all__ = ["LaneRegistry"]
 class LaneRegistry:
     """Lane ids of the stage's working lanes."""
 
-    __slots__ = ("_working",)
+    __slots__ = ("_working", "working")
 
     def __init__(self) -> None:
         self._working: set[int] = set()
-
-    @property
-    def working(self) -> int:
-        """How many lanes may bring work now."""
-        return len(self._working)
+        #: How many lanes may bring work now (a plain attribute: read on every decode).
+        self.working = 0
 
     def opened(self, lane_id: int) -> None:
         """Lane ``lane_id`` serves messages (it may bring work)."""
         self._working.add(lane_id)
+        self.working = len(self._working)
 
     def resting(self, lane_id: int) -> None:
         """Lane ``lane_id`` closed, or became a return lane: it brings no work (idempotent)."""
         self._working.discard(lane_id)
+        self.working = len(self._working)
 
     def __contains__(self, lane_id: object) -> bool:
         return lane_id in self._working

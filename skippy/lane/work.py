@@ -41,14 +41,14 @@ class WorkItem:
     #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
     prefill: bool = False
     final_prefill: bool = False
-    @property
-    def rows(self) -> int:
-        return int(self.positions.shape[0])
+    #: Rows (one per position), and whether it is a single-row decode that may share a native
+    #: batch with other sessions' decodes: plain fields, set once (an item is never reshaped).
+    rows: int = dataclasses.field(init=False)
+    batchable: bool = dataclasses.field(init=False)
 
-    @property
-    def batchable(self) -> bool:
-        """A single-row decode: may share a native batch with other sessions' decodes."""
-        return self.rows == 1 and self.outputs is not Outputs.ALL
+    def __post_init__(self) -> None:
+        self.rows = rows = int(self.positions.shape[0])
+        self.batchable = rows == 1 and self.outputs is not Outputs.ALL
 
 
 @dataclasses.dataclass(slots=True)

@@ -2,7 +2,7 @@
 
 Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
 a :class:`Connection` owns the lane's streams and tasks and a
-:class:`~skippy.lane.stage_lane.StageLane` (all of the lane's state: the per-kind rules, tickets,
+:class:`~skippy.lane.protocol.StageLane` (all of the lane's state: the per-kind rules, tickets,
 credits, sessions, decode runs, backlogs, the relay's template); it feeds the lane every event
 and carries out the actions it returns.  Every message takes the same steps:
 
@@ -29,7 +29,7 @@ park only when the channel is full / empty (each checkpoint is a run-loop pass).
 Three shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
 on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes.
 A shortcut is a placement: who performs a step (the receiving task, the compute or forward task,
-the runtime thread, the data plane) is chosen by :func:`~skippy.lane.stage_lane.placement` alone,
+the runtime thread, the data plane) is chosen by :func:`~skippy.lane.placement.placement` alone,
 from the facts ``_facts`` gathers:
 
 * ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
@@ -79,7 +79,7 @@ import logging
 
 import trio
 
-from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageMessage, StageReply
+from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
 from skippy.protocol_ext import (
     DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
@@ -105,9 +105,10 @@ from skippy.lane.protocol import (
     Relay,
     ReplyUpstream,
     SendDownstream,
+    StageLane,
     Ticket,
 )
-from skippy.lane.stage_lane import Facts, Performer, StageLane, Step, placement
+from skippy.lane.placement import Facts, Performer, Step, placement
 from skippy.lane.stats import merge_stats, timing_stats
 from skippy.stage import control, extensions
 from skippy.stage.control import OWN_PARTS, OwnPart
@@ -165,7 +166,7 @@ class Connection:
         self.settings = settings
         self.scheduler = scheduler
         self.stats = stats
-        #: All of the lane's state and rules (sans-IO): :mod:`skippy.lane.stage_lane`.
+        #: All of the lane's state and rules (sans-IO): :mod:`skippy.lane`.
         self.lane = StageLane(self.id, settings.credit_limit, REPLY_QUEUE, session_quota=settings.session_quota,
                               peer=peer)
         self.downstream: trio.abc.Stream | None = None
@@ -175,6 +176,11 @@ class Connection:
         self._stage = control.StageParts(scheduler, settings, stats, self.lane)
         self._upstream_io = SocketIO(upstream)
         self._downstream_io: SocketIO | None = None
+        #: Facts of the lane's streams for placement(), fixed for its life: plain sockets (set
+        #: when each opens), a simulated wire downstream (benchmarks).
+        self._upstream_socket = self._upstream_io.is_socket
+        self._downstream_socket = False
+        self._wire_delay = settings.wire.active
         #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
         self._credit_returned: trio.Event | None = None
         #: Set (and dropped) when replies are written while the receiver is paused for them.
@@ -223,15 +229,15 @@ class Connection:
     def _facts(self, *, early_ack: bool = False, credited: bool = False, direct: bool = False,
                before_compute: bool = False, reply_next: bool = False, template: bool = False,
                downstream_socket: bool | None = None, quiet: bool = True) -> Facts:
-        """What :func:`~skippy.lane.stage_lane.placement` decides from, now (the message's part given)."""
-        settings, lane, downstream = self.settings, self.lane, self._downstream_io
+        """What :func:`~skippy.lane.placement.placement` decides from, now (the message's part given)."""
+        settings, lane = self.settings, self.lane
         if downstream_socket is None:
-            downstream_socket = downstream is not None and downstream.is_socket
+            downstream_socket = self._downstream_socket
         return Facts(settings.inline_hand_offs, settings.write_through, settings.decode_relay,
-                     self._upstream_io.is_socket, downstream_socket, settings.wire.active,
-                     settings.reply_delay_s > 0, settings.downstream is None or self._forwards is not None,
-                     lane.compute_backlog == 0, lane.forward_backlog == 0, quiet, early_ack, credited, direct,
-                     before_compute, reply_next, template)
+                     self._upstream_socket, downstream_socket, self._wire_delay, settings.reply_delay_s > 0,
+                     settings.downstream is None or self._forwards is not None, lane.compute_backlog == 0,
+                     lane.forward_backlog == 0, quiet, early_ack, credited, direct, before_compute, reply_next,
+                     template)
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -406,6 +412,7 @@ class Connection:
         self.downstream = await connect_stage(address, self.settings.connect_timeout,  # type: ignore[arg-type]
                                               tls=self.settings.downstream_tls)
         self._downstream_io = SocketIO(self.downstream)
+        self._downstream_socket = self._downstream_io.is_socket
         if self.settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet
             await self.settings.identities.verify(address)  # type: ignore[attr-defined]
         forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
@@ -442,11 +449,11 @@ class Connection:
             self._held += held
             if self.identity.index < 0:
                 self.identity.observe(message)
-            if protocol.identity_query(message):  # docs/protocol.md §9: answered, then the lane ends
-                await self._answer_identity()
-                return
             dispatch, run = protocol.received(message, run_flagged=bool(message.state.flags & DECODE_RUN_FLAG),
                                               is_first=self.scheduler.executor.is_first)
+            if dispatch is None:  # docs/protocol.md §9: an identity query, answered; the lane ends
+                await self._answer_identity()
+                return
             self.stats.messages += 1
             if run is not None:
                 self.stats.decode_runs += 1
@@ -485,7 +492,7 @@ class Connection:
             return
         assert frame is not None and downstream is not None
         executor = self.scheduler.executor
-        plan = relay_plan(dispatch.message, frame, executor=executor, session_key=self._session_key(dispatch.message),
+        plan = relay_plan(dispatch.message, frame, executor=executor, session_key=dispatch.key,
                           width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows)
         if plan is None:
             return
@@ -502,7 +509,7 @@ class Connection:
                 try:
                     await run.run()
                 finally:
-                    self.lane.direct_timings.add(self._session_key(dispatch.message), compute_us=run.compute_us,
+                    self.lane.direct_timings.add(dispatch.key, compute_us=run.compute_us,
                                              write_us=run.write_us, messages=run.steps)
                 return
             async with lane.lock:  # the return lane's one writer until the run ends
@@ -591,12 +598,9 @@ class Connection:
             if forwards is not None:
                 await forwards.aclose()
 
-    def _session_key(self, message: StageMessage) -> int:
-        return self.lane.key_of(message.session_id)
-
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
-        key = self._session_key(dispatch.message)
+        key = dispatch.key
         handling = dispatch.rule.handling
         if handling is Handling.EXECUTE:
             await self._execute(dispatch, key, received_us)

@@ -3,7 +3,7 @@ prefix control), and the session release they share with the lane's relay of a S
 
 Strategy: a lane (:mod:`skippy.stage.connection`) that received a non-executable message calls
 ``OWN_PARTS[rule.handling](stage, dispatch, key, forward)`` and then asks its
-:class:`~skippy.lane.stage_lane.StageLane` what comes next (``computed``).  These functions do
+:class:`~skippy.lane.protocol.StageLane` what comes next (``computed``).  These functions do
 the stage's side (the runtime calls through the scheduler, the session table, the statistics);
 they move no bytes.  :class:`StageParts` is what they work on: the stage's scheduler, settings
 and counters, and the calling lane's state.  A return lane's open (§8) is the connection's own:
@@ -17,8 +17,7 @@ import json
 from typing import Awaitable, Callable, Final
 
 from skippy.lane.errors import InvalidMessage
-from skippy.lane.protocol import Dispatch, Forward, Handling
-from skippy.lane.stage_lane import StageLane
+from skippy.lane.protocol import Dispatch, Forward, Handling, StageLane
 from skippy.lane.work import WorkResult
 from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage
 from skippy.protocol_ext import SAMPLING_EXTENSION_FLAG, SAMPLING_METADATA_KEY, Annotation, SamplingRequest

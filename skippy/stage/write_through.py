@@ -6,7 +6,7 @@ encode and write the frame.  On the 2-stage llama-16x1024 chain that hand-back t
 per stage per token (median, compute end to write), all of it on the chain's critical path: the
 next stage (or the driver) waits for those bytes, and the Python it runs is cold after the
 compute streamed the weights through the caches.  With write-through (a placement:
-:func:`skippy.lane.stage_lane.placement` chooses the runtime thread as the writer) the lane hands
+:func:`skippy.lane.placement.placement` chooses the runtime thread as the writer) the lane hands
 the scheduler a :class:`WriteThrough` beside the work item (``Scheduler.execute(item, then)``;
 the item itself stays plain data); the scheduler calls it on the runtime thread right after the
 item's result exists, and it builds the frame and writes it with one non-blocking write.  The lane's trio side then
