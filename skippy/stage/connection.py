@@ -698,12 +698,8 @@ class Connection:
         """The final stage's predicted reply (PredictedTokens for a verify window), with its
         Timings frame on a negotiated lane (docs/protocol.md §4: the producing stage starts it)."""
         assert dispatch.ticket is not None
-        timings = None
-        annotations: tuple[Annotation, ...] = ()
-        if self.extensions.enabled:
-            timings = TimingsFrame((extensions.own_record(
-                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-            annotations = extensions.logprobs_annotation(result.logprobs)
+        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
+                                                            negotiated=self.extensions.enabled)
         reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
                                                total_us=now_us() - received_us)
         if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
@@ -719,12 +715,7 @@ class Connection:
         if lane is None:
             raise ReturnLaneLost(f"{dispatch.kind.reference_name} of session {message.session_id} asks for direct "
                                  "return, but no return lane is open for it on this stage")
-        timings = None
-        annotations: tuple[Annotation, ...] = ()
-        if lane.extensions:
-            timings = TimingsFrame((extensions.own_record(
-                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-            annotations = extensions.logprobs_annotation(result.logprobs)
+        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us, negotiated=lane.extensions)
         reply = lane_messages.final_prediction(dispatch, result, self.lane.take_stats(), window=action.window,
                                                total_us=now_us() - received_us)
         await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
@@ -735,8 +726,7 @@ class Connection:
             self.lane.relay_lane = lane
             self.lane.relay_frame = extensions.reply_bytes(
                 StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS),
-                TimingsFrame((extensions.own_record(self.identity, batch_size=1, compute_us=0),))
-                if lane.extensions else None)
+                extensions.prediction_frames(self.identity, WorkResult(), 0, negotiated=lane.extensions)[0])
 
     def _direct_done(self) -> None:
         """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""
@@ -795,11 +785,10 @@ class Connection:
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
             if not result.tokens:
                 raise StageError(f"{kind.reference_name} produced no prediction")
-            timings = None
-            if extensions_on:  # docs/protocol.md §4: the producing stage starts the frame
-                timings = TimingsFrame((extensions.own_record(
-                    self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-                ticket.annotations = extensions.logprobs_annotation(result.logprobs)
+            timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
+                                                                negotiated=extensions_on)
+            if annotations:
+                ticket.annotations = annotations
             ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
             if run is not None and not run.announced:  # §11: the run's first reply says it runs
                 ticket.annotations += _RUN_ACCEPTED

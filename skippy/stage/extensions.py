@@ -123,6 +123,17 @@ def own_record(identity: StageIdentity, *, batch_size: int, compute_us: int, wri
     )
 
 
+def prediction_frames(identity: StageIdentity, result: Any, queue_us: int, *, negotiated: bool
+                      ) -> tuple[TimingsFrame | None, tuple[Annotation, ...]]:
+    """What precedes the final stage's prediction of ``result`` (a WorkResult) on a lane that
+    negotiated the extensions: its Timings frame (docs/protocol.md §4: the producing stage starts
+    it) and its Logprobs frame (§10, when the session asked); (None, ()) on a v11 lane."""
+    if not negotiated:
+        return None, ()
+    record = own_record(identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us)
+    return TimingsFrame((record,)), logprobs_annotation(result.logprobs)
+
+
 def reply_bytes(reply: StageReply, timings: TimingsFrame | None, annotations: tuple[Annotation, ...] = ()) -> bytes:
     """The bytes of one upstream reply: its annotations and Timings frame (when given), then the
     reply, for one write."""
