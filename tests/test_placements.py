@@ -203,7 +203,7 @@ _COMBINATIONS = [dict(zip(SWITCHES, values)) for values in itertools.product((Tr
 #: The default path (direct return, where the data plane runs) in the fast suite; the rest in the full one.
 @pytest.mark.parametrize("path", [pytest.param(path, marks=() if path == "direct" else pytest.mark.slow)
                                   for path in sorted(PATHS)])
-async def test_every_placement_sends_the_same_bytes_on_every_boundary(generator: Generator, tiny_llama: Path,
+async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_llama: Path,
                                                                       path: str, monkeypatch: pytest.MonkeyPatch) -> None:
     # The speculation controller sizes its windows from measured times: give it fixed ones, so
     # the driver sends the same windows whatever the placements (it measures them, not us).

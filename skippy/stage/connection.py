@@ -35,8 +35,8 @@ from the facts ``_facts`` gathers:
 * ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
   is not early-ACKed: receiving must run ahead of those) is handled on the receiving task, and
   a frame for an idle forwarder (no credit needed, no simulated wire) is written by the task that
-  produced it.  Only one task handles messages at a time (``_compute_backlog``) and a stream is
-  written by a shortcut only when nothing is queued for it (``_forward_backlog``), so order and
+  produced it.  Only one task handles messages at a time (``lane.compute_backlog``) and a stream is
+  written by a shortcut only when nothing is queued for it (``lane.forward_backlog``), so order and
   one writer per stream hold.
 * ``write_through`` (:mod:`skippy.stage.write_through`): a kind whose rule allows it, whose
   output has the stream to itself (an idle forwarder; on the final stage, the writer token for
