@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pytest
+
+from skippy.lane.errors import InvalidMessage, Overloaded, UnsupportedKind
+from skippy.lane.placement import FACTS_READ, Facts, Performer, Step, placement
+from skippy.lane.protocol import RULES, Handling, StageLane
 from skippy.lane.timings import DirectTimings
-from skippy.protocol_ext import TimingRecord
+from skippy.protocol import MessageKind, StageMessage
+from skippy.protocol_ext import (
+    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingRecord,
+    identity_query,
+)
 
 
 def test_direct_timings_sum_per_session_and_are_taken_once() -> None:
@@ -40,20 +52,6 @@ def test_the_lane_package_imports_nothing_heavy() -> None:
 
 # -- placement: who performs each step (every combination of the facts) -----------------------
 
-import dataclasses  # noqa: E402
-import itertools  # noqa: E402
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-
-from skippy.lane.errors import InvalidMessage, Overloaded, UnsupportedKind  # noqa: E402
-from skippy.lane.protocol import RULES, Handling  # noqa: E402
-from skippy.lane.placement import FACTS_READ, Facts, Performer, Step, placement  # noqa: E402
-from skippy.lane.protocol import StageLane  # noqa: E402
-from skippy.protocol import MessageKind, StageMessage  # noqa: E402
-from skippy.protocol_ext import (  # noqa: E402
-    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, identity_query,
-)
 
 #: One rule per distinct (write_through_down, write_through_up): what placement reads of a rule.
 _RULES = [None, *{(rule.write_through_down, rule.write_through_up): rule for rule in RULES.values()
