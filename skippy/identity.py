@@ -37,7 +37,7 @@ from skippy.protocol import END_OF_STREAM, NEED_DATA, WireDType, WireError, chec
 from skippy.protocol_ext import ErrorCode, IdentityFrame, identity_query
 from skippy.runtime.gguf_header import GGUFHeaderError, header_digest
 from skippy.stage.config import Address
-from skippy.stage.errors import StageError
+from skippy.lane.errors import StageError
 from skippy.stage.tls import handshake_as_client
 
 __all__ = ["DownstreamIdentities", "ModelMismatch", "check_first_stage", "file_identity", "query_identity"]

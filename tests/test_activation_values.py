@@ -25,7 +25,7 @@ import pytest
 from skippy.driver import StageClient
 from skippy.protocol import MessageKind
 from skippy.runtime import Model
-from skippy.stage.errors import InvalidMessage
+from skippy.lane.errors import InvalidMessage
 from skippy.stage.executor import ACTIVATION_LIMIT, check_activation_values
 
 from hostile_frames import dial, raw_frame, until_closed

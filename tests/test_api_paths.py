@@ -223,3 +223,44 @@ async def test_a_fork_takes_its_own_return_lane_and_a_fork_not_every_stage_made_
         assert all(server.stats.sessions_in_use == 0 for server in servers)
     assert undone.tokens == forked.tokens == rest.tokens == single.tokens
     assert (undone.cached_tokens, forked.cached_tokens) == (0, len(prompt) - 1)
+
+
+async def _timing(generator: Generator, tiny_llama: Path, stages: int, *, direct: bool, relay: bool
+                  ) -> dict[str, Any]:
+    """``usage.skippy_timing`` of one seeded completion on a chain of ``stages`` stages."""
+    async with inprocess_chain(SPLITS[stages], model=str(tiny_llama), ctx_size=512, decode_relay=relay) as servers:
+        generator.direct_return = (lambda: servers[-1].address) if direct else None
+        pool = LanePool(servers[0].address, max_lanes=1)
+        try:
+            app = create_app(ChainService(generator, pool, MODEL))
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://skippy") as http:
+                response = await http.post("/v1/completions", json=completion(**SEEDED))  # (greedy speculates)
+        finally:
+            await pool.aclose()
+            generator.direct_return = None
+        assert response.status_code == 200, response.text
+        if direct:
+            assert servers[-1].stats.direct_replies > 0
+            assert (servers[0].stats.decode_relay_steps > 0) == relay  # the relay's tokens are counted too
+        timing: dict[str, Any] = response.json()["usage"]["skippy_timing"]
+        return timing
+
+
+@pytest.mark.parametrize("stages, relay", [(2, True), (2, False), pytest.param(3, True, marks=pytest.mark.slow)])
+async def test_usage_lists_every_stage_with_direct_return(generator: Generator, tiny_llama: Path, stages: int,
+                                                          relay: bool) -> None:
+    """docs/protocol.md §8: with direct return no stage but the final one answers a prediction, so
+    the upstream stages' records come as their session totals with the Stop's ACK; the response
+    lists every stage's compute, wire and queue time, as hop by hop does."""
+    hop = await _timing(generator, tiny_llama, stages, direct=False, relay=relay)
+    direct = await _timing(generator, tiny_llama, stages, direct=True, relay=relay)
+    ranges = [{"stage": index, "layers": layers} for index, layers in enumerate(SPLITS[stages])]
+    for timing in (hop, direct):
+        assert timing["stage_count"] == stages, timing
+        assert [{"stage": s["stage"], "layers": s["layers"]} for s in timing["stages"]] == ranges
+        assert all(stage["compute_ms"] > 0 for stage in timing["stages"]), timing
+        # every boundary's write is counted on the stage above it
+        assert all(stage["forward_write_ms"] > 0 for stage in timing["stages"][:-1]), timing
+        assert set(timing["stages"][0]) >= {"queue_wait_ms", "downstream_wait_ms", "max_batch_size"}
+    # the upstream stages' compute covers the whole request (prefill included), as hop by hop
+    assert direct["stage_compute_ms"] > direct["stages"][-1]["compute_ms"]

@@ -26,7 +26,8 @@ from skippy import _relay_py
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, SamplingConfig, StageMessage, StageReply, StateHeader, WireDType
 from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingsFrame
 from skippy.runtime import GREEDY, Model, Sampler, SamplingParams, StageContext
-from skippy.stage import extensions, lane_messages
+from skippy.lane import messages as lane_messages
+from skippy.stage import extensions
 from skippy.stage.extensions import StageIdentity
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.scheduler import RECENT_WORK_S

@@ -28,7 +28,7 @@ from skippy.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
 )
-from skippy.stage.decode_run import MAX_RUN_STOP_TOKENS, MAX_RUN_TOKENS, DecodeRun, DecodeRunRequest
+from skippy.lane.decode_run import MAX_RUN_STOP_TOKENS, MAX_RUN_TOKENS, DecodeRun, DecodeRunRequest
 from skippy.stage.transport import codec
 
 sys.path.insert(0, str(Path(__file__).parent))

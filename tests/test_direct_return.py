@@ -20,8 +20,8 @@ from skippy.driver.client import StageRemoteError
 from skippy.protocol import MessageKind, StageMessage
 from skippy.protocol_ext import ErrorCode, with_direct_return_flag
 from skippy.stage.direct_return import ReturnHub, ReturnLane
-from skippy.stage.errors import InvalidMessage, UnsupportedKind
-from skippy.stage.lane_protocol import RULES, Answer, Handling, LaneProtocol, ReplyUpstream, SendDownstream
+from skippy.lane.errors import InvalidMessage, UnsupportedKind
+from skippy.lane.protocol import RULES, Answer, Handling, LaneProtocol, ReplyUpstream, SendDownstream
 from skippy.stage.transport import codec
 
 sys.path.insert(0, str(Path(__file__).parent))

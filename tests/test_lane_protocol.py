@@ -1,4 +1,4 @@
-"""The sans-IO lane protocol (:mod:`skippy.stage.lane_protocol`): every kind's rule and every error
+"""The sans-IO lane protocol (:mod:`skippy.lane.protocol`): every kind's rule and every error
 path, without a socket, a task or a clock."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pytest
 
 from skippy.protocol import MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
 from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorCode, TimingRecord, TimingsFrame
-from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
-from skippy.stage.lane_protocol import (
+from skippy.lane.errors import DownstreamLost, InvalidMessage, UnsupportedKind
+from skippy.lane.protocol import (
     RULES,
     Answer,
     Dispatch,
@@ -287,8 +287,9 @@ def test_reply_kinds_compare_as_plain_ints_too() -> None:
 
 
 _SANS_IO_IMPORTS = {
-    "lane_protocol.py": {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
-                         "skippy.protocol_ext", "skippy.stage.errors", "skippy.stage.decode_run"},
+    "protocol.py": {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
+                    "skippy.protocol_ext", "skippy.lane.errors", "skippy.lane.decode_run", "skippy.lane.timings"},
+    "placement.py": {"__future__", "enum", "typing", "skippy.lane.protocol"},
     # docs/protocol.md §11: the decode run's rules, sans-IO like the protocol that holds them
     "decode_run.py": {"__future__", "dataclasses", "json", "typing", "numpy", "skippy.protocol",
                       "skippy.protocol_ext"},
@@ -297,7 +298,7 @@ _SANS_IO_IMPORTS = {
 
 @pytest.mark.parametrize("module", sorted(_SANS_IO_IMPORTS))
 def test_the_protocol_modules_do_no_io(module: str) -> None:
-    source = Path(__file__).resolve().parent.parent / "skippy" / "stage" / module
+    source = Path(__file__).resolve().parent.parent / "skippy" / "lane" / module
     imported: set[str] = set()
     for node in ast.walk(ast.parse(source.read_text())):
         if isinstance(node, ast.Import):
@@ -308,7 +309,7 @@ def test_the_protocol_modules_do_no_io(module: str) -> None:
     assert imported <= allowed, imported - allowed
 
 
-# -- what a lane builds from a message (skippy.stage.lane_messages): pure, refusals typed ----------
+# -- what a lane builds from a message (skippy.lane.messages): pure, refusals typed ----------
 
 def _dispatch(kind: MessageKind, **changes: object) -> Dispatch:
     return LaneProtocol(1).message_received(StageMessage.create(kind, session_id=1, **changes))
@@ -328,7 +329,7 @@ def _dispatch(kind: MessageKind, **changes: object) -> Dispatch:
 )
 def test_a_message_the_stage_cannot_run_is_refused_before_it_runs(is_first: bool, changes: dict[str, object],
                                                                   reason: str) -> None:
-    from skippy.stage.lane_messages import work_item
+    from skippy.lane.messages import work_item
 
     with pytest.raises(InvalidMessage, match=reason) as raised:
         work_item(_dispatch(K.PREFILL_EMBD, **changes), 7, is_first=is_first, width=4)
@@ -336,7 +337,7 @@ def test_a_message_the_stage_cannot_run_is_refused_before_it_runs(is_first: bool
 
 
 def test_a_work_item_carries_what_the_rule_says() -> None:
-    from skippy.stage.lane_messages import work_item
+    from skippy.lane.messages import work_item
 
     decode = work_item(_dispatch(K.DECODE_EMBD, pos_start=5, token_count=1, state_changes={"current_token": 9}),
                        7, is_first=True, width=4)
@@ -352,7 +353,7 @@ def test_a_work_item_carries_what_the_rule_says() -> None:
 
 def test_the_forwarded_message_advances_the_source_and_is_flagged() -> None:
     from skippy.protocol import WireDType
-    from skippy.stage.lane_messages import outgoing
+    from skippy.lane.messages import outgoing
 
     original = StageMessage.create(K.DECODE_EMBD, pos_start=3, token_count=1, session_id=4, chat_sampling_metadata="x",
                                    state_changes={"source_stage_index": 0})
@@ -363,9 +364,9 @@ def test_the_forwarded_message_advances_the_source_and_is_flagged() -> None:
 
 
 def test_the_final_stage_prediction() -> None:
-    from skippy.stage.errors import StageError
+    from skippy.lane.errors import StageError
     from skippy.stage.executor import WorkResult
-    from skippy.stage.lane_messages import final_prediction
+    from skippy.lane.messages import final_prediction
 
     result = WorkResult(None, [5, 6, 7], 1, 40)
     window = final_prediction(_dispatch(K.VERIFY_WINDOW, state_changes={"seq_id": 42}), result, ReplyStats(),

@@ -215,7 +215,7 @@ def test_gemma4_split_in_three_through_up_gives_the_unsplit_text(tmp_path: Path)
 def test_a_stage_refuses_a_message_without_token_ids() -> None:
     """The stage executor refuses (InvalidMessage, naming why) a later-stage message whose frame
     carried no token ids, before anything reaches the runtime; with them the row runs."""
-    from skippy.stage.errors import InvalidMessage
+    from skippy.lane.errors import InvalidMessage
     from skippy.stage.executor import Executor, WorkItem
 
     path = ensure_model(tiny("gemma4"))

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import trio
 
+from skippy.lane.registry import LaneRegistry
 from skippy.runtime.null import NullContext, NullModel, NullSpec
 from skippy.stage.executor import Executor, WorkItem
 from skippy.stage.scheduler import Scheduler
@@ -32,10 +33,13 @@ class _BlockingNull(NullContext):
 
 def _scheduler(inline: bool, lanes: int, return_lanes: int = 0) -> tuple[Scheduler, _BlockingNull]:
     context = _BlockingNull(NullModel(NullSpec(n_embd=8, n_layer=2), "0:2"))
+    registry = LaneRegistry()
+    for lane in range(lanes):  # a return lane never registers: it brings no work
+        registry.opened(lane + 1)
     stats = StageStats()
-    stats.connections_open = lanes + return_lanes
-    stats.return_lanes_open = return_lanes
-    return Scheduler(Executor(context), stats, inline_decode=inline), context
+    stats.connections_open = lanes + return_lanes  # what the policy must not read
+    stats.return_lanes_open = 0
+    return Scheduler(Executor(context), stats, inline_decode=inline, lanes=registry), context
 
 
 def _decode(position: int) -> WorkItem:

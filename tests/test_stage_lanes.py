@@ -611,7 +611,9 @@ async def _run_script(write_through: bool, inline_hand_offs: bool) -> tuple[byte
 
 
 async def test_shortcuts_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None:
-    from skippy.stage.lane_protocol import RULES, Handling
+    # (every kind, null stages; tests/test_placements.py::test_shortcuts_change_no_byte_on_any_path
+    # runs every placement on the real runtime through the driver, decode relay included)
+    from skippy.lane.protocol import RULES, Handling
 
     monkeypatch.undo()  # this test sets the switches itself, every combination
     # (a PredictionReturnOpen opens a lane of its own: tests/test_direct_return.py runs it)

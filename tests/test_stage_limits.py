@@ -21,9 +21,9 @@ from hypothesis import strategies as st
 from skippy.driver import StageClient, StageLost, StageRemoteError
 from skippy.protocol import MessageKind, StageMessage, StateHeader
 from skippy.protocol_ext import ErrorCode
-from skippy.stage.errors import InvalidMessage
-from skippy.stage.lane_messages import work_item
-from skippy.stage.lane_protocol import RULES, Handling, LaneProtocol
+from skippy.lane.errors import InvalidMessage
+from skippy.lane.messages import work_item
+from skippy.lane.protocol import RULES, Handling, LaneProtocol
 
 from hostile_frames import dial, raw_frame, rss_bytes, until_closed
 from stage_helpers import StageProcess, inprocess_chain

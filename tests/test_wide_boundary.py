@@ -20,10 +20,10 @@ from skippy.models import ensure_model, tiny
 from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType
 from skippy.protocol_ext import ErrorCode
 from skippy.runtime import Model, StageContext
-from skippy.stage.errors import InvalidMessage
+from skippy.lane.errors import InvalidMessage
 from skippy.stage.executor import sideband_flag
-from skippy.stage.lane_messages import outgoing, rows_from_wire, rows_to_wire, work_item
-from skippy.stage.lane_protocol import LaneProtocol
+from skippy.lane.messages import outgoing, rows_from_wire, rows_to_wire, work_item
+from skippy.lane.protocol import LaneProtocol
 
 from stage_helpers import inprocess_chain, reference_greedy, stage_chain
 

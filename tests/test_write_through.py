@@ -9,7 +9,7 @@ from typing import AsyncIterator
 import pytest
 import trio
 
-from skippy.stage.errors import DownstreamLost, StageError
+from skippy.lane.errors import DownstreamLost, StageError
 from skippy.stage.executor import WorkResult
 from skippy.stage.transport import SocketIO
 from skippy.stage.write_through import StreamGate, WriteThrough

@@ -78,8 +78,9 @@ from skippy.protocol_ext import (
     with_direct_return_flag,
     with_extensions_flag,
 )
+from skippy.lane.decode_run import DecodeRunRequest
+from skippy.lane.driver import expected_replies
 from skippy.stage.config import Address
-from skippy.stage.decode_run import DecodeRunRequest
 from skippy.stage.tls import handshake_as_client
 from skippy.stage.transport import SocketIO, set_no_delay
 
@@ -438,12 +439,17 @@ class StageClient:
         return (f"lane to first stage {self.address} closed {when}: a stage of the chain failed or was lost "
                 "(the stage logs name it)")
 
-    async def request(self, message: StageMessage, expect: ReplyKind | tuple[ReplyKind, ...]) -> StageReply:
-        """Send ``message`` and return its reply, checking the reply kind (a message for the
-        session of a decode run ends the run: its remaining predictions are dropped first)."""
+    async def request(self, message: StageMessage, expect: ReplyKind | tuple[ReplyKind, ...] | None = None
+                      ) -> StageReply:
+        """Send ``message`` and return its reply, checking the reply kind (``expect``; None: the
+        kinds the stages' rules answer it with, :func:`skippy.lane.driver.expected_replies`).  A
+        message for the session of a decode run ends the run: its remaining predictions are
+        dropped first."""
+        kinds = expected_replies(message) if expect is None else expect if isinstance(expect, tuple) else (expect,)
+        if not kinds:
+            raise ValueError(f"{message.kind.reference_name} is never answered: send it, do not request it")
         await self.send(message)
         reply = await self.receive()
-        kinds = expect if isinstance(expect, tuple) else (expect,)
         run = self._run
         if run is not None and run.session_id == message.session_id:
             self._run = None
@@ -472,7 +478,7 @@ class StageClient:
             MessageKind.CONFIGURE_GENERATION, request_id=request_id, session_id=session_id,
             sampling=sampling, chat_sampling_metadata=metadata, state_changes=changes,
         )
-        return await self.request(message, ReplyKind.ACK)
+        return await self.request(message)
 
     async def prefill(self, session_id: int, tokens: Sequence[int], *, pos_start: int = 0,
                       chunk_size: int = 256, credit: int = 2, request_id: int = 0,
@@ -645,7 +651,7 @@ class StageClient:
             await self.send(with_direct_return_flag(message))
             reply = await self._expect(ReplyKind.PREDICTED_TOKENS, MessageKind.VERIFY_WINDOW, direct=session_id)
         else:
-            reply = await self.request(message, ReplyKind.PREDICTED_TOKENS)
+            reply = await self.request(message)
         if reply.window_id != window_id:
             raise StageClientError(f"verify window reply out of order: id {reply.window_id}, expected {window_id}")
         return reply
@@ -661,11 +667,11 @@ class StageClient:
         """TrimSession to ``length`` positions on every stage; returns the ACK."""
         message = StageMessage.create(MessageKind.TRIM_SESSION, token_count=length, request_id=request_id,
                                       session_id=session_id)
-        return await self.request(message, ReplyKind.ACK)
+        return await self.request(message)
 
     async def stop(self, session_id: int, *, request_id: int = 0) -> StageReply:
         """Stop: end the session on every stage; returns the ACK (sent after the chain's)."""
-        reply = await self.request(StageMessage.stop(request_id=request_id, session_id=session_id), ReplyKind.ACK)
+        reply = await self.request(StageMessage.stop(request_id=request_id, session_id=session_id))
         if self._direct(session_id):
             await self.close_direct_return(session_id)
         return reply

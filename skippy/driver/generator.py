@@ -162,11 +162,17 @@ class Timing:
     #: Totals per stage index (from the chain's Timings frames, docs/protocol.md §4).
     stages: dict[int, StageTiming] = dataclasses.field(default_factory=dict)
 
-    def add_frames(self, frames: Iterable[TimingsFrame]) -> None:
-        """Account the per-stage records of replies (``StageClient.take_timings()``)."""
+    def add_frames(self, frames: Iterable[TimingsFrame], *, totals: bool = False) -> None:
+        """Account the per-stage records of replies (``StageClient.take_timings()``).
+
+        ``totals``: the frames came with a Stop's ACK; under direct return (docs/protocol.md §8)
+        they hold the upstream stages' totals over the session's flagged messages, which no
+        reply carried.  They add to the stage sums but count no reply.
+        """
         for frame in frames:
-            self.replies += 1
-            self.stage_count = max(self.stage_count, len(frame.records))
+            if not totals:
+                self.replies += 1
+                self.stage_count = max(self.stage_count, len(frame.records))
             for record in frame.records:
                 self.chain_stages = max(self.chain_stages, record.stage_index + 1)
                 self.compute_us += record.compute_us
@@ -177,6 +183,8 @@ class Timing:
                     stage = self.stages[record.stage_index] = StageTiming(
                         record.stage_index, record.layer_start, record.layer_end)
                 stage.add(record)
+        if totals:
+            self.stage_count = max(self.stage_count, len(self.stages))
 
     def decode_tokens_per_second(self, completion_tokens: int) -> float:
         steps = completion_tokens - 1
@@ -479,6 +487,7 @@ class Generation:
                 text += self._stops.flush()
         self._text.append(text)
         await self._client.stop(self.session_id)
+        self.timing.add_frames(self._client.take_timings(), totals=True)  # §8: the upstream stages' totals
         usage = None if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
                                  usage, self.cached_tokens, self.logprobs, self._stops.matched)

@@ -10,7 +10,7 @@ non-blocking socket I/O, downstream dialing, wire conditions), ``stats``.
 """
 
 from skippy.stage.config import Address, StageConfig, parse_config
-from skippy.stage.errors import DownstreamLost, StageError
+from skippy.lane.errors import DownstreamLost, StageError
 from skippy.stage.server import StageServer, load_runtime, run_stage
 
 __all__ = ["Address", "DownstreamLost", "StageConfig", "StageError", "StageServer", "load_runtime",

@@ -1,12 +1,13 @@
-"""One upstream connection (a lane): I/O only; the rules are :mod:`skippy.stage.lane_protocol`.
+"""One upstream connection (a lane): I/O only; the lane's state and rules are :mod:`skippy.lane`.
 
 Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
 a :class:`Connection` owns the lane's streams and tasks and a
-:class:`~skippy.stage.lane_protocol.LaneProtocol`; it feeds the protocol every event and carries
-out the actions it returns.  Every message takes the same steps:
+:class:`~skippy.lane.protocol.StageLane` (all of the lane's state: the per-kind rules, tickets,
+credits, sessions, decode runs, backlogs, the relay's template); it feeds the lane every event
+and carries out the actions it returns.  Every message takes the same steps:
 
 1. **receive** (``receive_messages``): read and decode a frame, ``message_received`` → a
-   :class:`~skippy.stage.lane_protocol.Dispatch` (or a typed refusal, which closes the lane);
+   :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane);
    an early ACK is replied at once.  The dispatch is queued to the compute task.  Reading pauses
    while ``REPLY_QUEUE`` replies wait to be written (an upstream that does not read its replies).
 2. **handle** (``compute_messages`` → ``_handle``): the stage's own part, by the rule's handling
@@ -26,13 +27,16 @@ nothing left to answer.  Channel hand-offs use ``send_nowait`` / ``receive_nowai
 park only when the channel is full / empty (each checkpoint is a run-loop pass).
 
 Three shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
-on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes:
+on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes.
+A shortcut is a placement: who performs a step (the receiving task, the compute or forward task,
+the runtime thread, the data plane) is chosen by :func:`~skippy.lane.placement.placement` alone,
+from the facts ``_facts`` gathers:
 
 * ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
   is not early-ACKed: receiving must run ahead of those) is handled on the receiving task, and
   a frame for an idle forwarder (no credit needed, no simulated wire) is written by the task that
-  produced it.  Only one task handles messages at a time (``_compute_backlog``) and a stream is
-  written by a shortcut only when nothing is queued for it (``_forward_backlog``), so order and
+  produced it.  Only one task handles messages at a time (``lane.compute_backlog``) and a stream is
+  written by a shortcut only when nothing is queued for it (``lane.forward_backlog``), so order and
   one writer per stream hold.
 * ``write_through`` (:mod:`skippy.stage.write_through`): a kind whose rule allows it, whose
   output has the stream to itself (an idle forwarder; on the final stage, the writer token for
@@ -45,7 +49,7 @@ on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways an
 
 Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
 log line naming the reason (a bug, i.e. anything that is not a typed refusal of
-:mod:`skippy.stage.errors`, also with its traceback), sessions it opened are released,
+:mod:`skippy.lane.errors`, also with its traceback), sessions it opened are released,
 and its downstream lane is closed, which cascades the close down the chain.  The stage and its
 other lanes carry on.
 
@@ -68,57 +72,51 @@ it expecting nothing back, the final stage writes its prediction into the return
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import functools
 import itertools
-import json
 import logging
-from typing import Awaitable, Callable
 
 import trio
 
-from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageMessage, StageReply
+from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
 from skippy.protocol_ext import (
     DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
-    MODEL_IDENTITY_FLAG,
-    SAMPLING_EXTENSION_FLAG,
-    SAMPLING_METADATA_KEY,
     SKIPPY_EXTENSIONS_FLAG,
     Annotation,
     ErrorCode,
     ErrorFrame,
     SamplingAcceptedFrame,
-    SamplingRequest,
     ExtensionNegotiation,
     TimingsFrame,
     append_timing,
-    is_identity_query,
     with_extensions_flag,
 )
-from skippy.stage import extensions
-from skippy.stage import lane_messages, prefix_control
-from skippy.stage.decode_relay import RelayRun, relay_plan
-from skippy.stage.decode_run import DecodeRun, DecodeRunRequest
-from skippy.stage.direct_return import ReturnHub, ReturnLane
-from skippy.stage.errors import DownstreamError, InvalidMessage, Overloaded, ReturnLaneLost, StageError, UnsupportedKind
-from skippy.stage.executor import WorkItem, WorkResult, sampling_params
-from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
-from skippy.stage.lane import LaneSettings, merge_stats, now_us, put, take, timing_stats
-from skippy.stage.lane_protocol import (
+from skippy.lane import messages as lane_messages
+from skippy.lane.errors import DownstreamError, ReturnLaneLost, StageError, UnsupportedKind
+from skippy.lane.protocol import (
     RULES,
     Answer,
     Dispatch,
     Expect,
     Forward,
     Handling,
-    LaneProtocol,
     Relay,
     ReplyUpstream,
     SendDownstream,
+    StageLane,
     Ticket,
 )
+from skippy.lane.placement import Facts, Performer, Step, placement
+from skippy.lane.stats import merge_stats, timing_stats
+from skippy.stage import control, extensions
+from skippy.stage.control import OWN_PARTS, OwnPart
+from skippy.stage.decode_relay import RelayRun, relay_plan
+from skippy.stage.direct_return import ReturnHub, ReturnLane
+from skippy.stage.executor import WorkItem, WorkResult, sampling_params
+from skippy.stage.lane import LaneSettings, now_us, put, take
+from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
 from skippy.stage.transport import (
@@ -146,20 +144,6 @@ _connection_ids = itertools.count(1)
 _RUN_ACCEPTED: tuple[Annotation, ...] = (SamplingAcceptedFrame(DECODE_RUN_FEATURE),)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
-class _OwnPart:
-    """What a non-executable handling's own part leaves for the next step."""
-
-    stats: ReplyStats = EMPTY_REPLY_STATS  #: merged into this stage's reply, if it answers
-    result: WorkResult | None = None  #: a TryRestorePrefillDecode hit: the fused decode's result
-    forwarded: bool = True  #: False: nothing to forward (a prefix-control miss)
-    #: docs/protocol.md §10: frames written before this stage's own ACK (SamplingAccepted).
-    annotations: tuple[Annotation, ...] = ()
-
-
-_NOTHING_MORE = _OwnPart()
-
-
 class Connection:
     """Serves one upstream lane until it closes or fails.
 
@@ -182,18 +166,25 @@ class Connection:
         self.settings = settings
         self.scheduler = scheduler
         self.stats = stats
-        self.protocol = LaneProtocol(settings.credit_limit, REPLY_QUEUE)
-        self.sessions: set[int] = set()
+        #: All of the lane's state and rules (sans-IO): :mod:`skippy.lane`.
+        self.lane = StageLane(self.id, settings.credit_limit, REPLY_QUEUE, session_quota=settings.session_quota,
+                              peer=peer)
         self.downstream: trio.abc.Stream | None = None
         self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
         self.identity = extensions.identity_for(scheduler.executor)
+        #: What the control kinds' own parts work on (:mod:`skippy.stage.control`).
+        self._stage = control.StageParts(scheduler, settings, stats, self.lane)
         self._upstream_io = SocketIO(upstream)
         self._downstream_io: SocketIO | None = None
+        #: Facts of the lane's streams for placement(), fixed for its life: plain sockets (set
+        #: when each opens), a simulated wire downstream (benchmarks).
+        self._upstream_socket = self._upstream_io.is_socket
+        self._downstream_socket = False
+        self._wire_delay = settings.wire.active
         #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
         self._credit_returned: trio.Event | None = None
         #: Set (and dropped) when replies are written while the receiver is paused for them.
         self._replies_written: trio.Event | None = None
-        self._forwarding_done = False
         #: The relay's scope, and whether it is parked waiting with nothing expected.
         self._relay_scope = trio.CancelScope()
         self._relay_idle = False
@@ -203,10 +194,6 @@ class Connection:
         self._upstream_through: WriteThrough | None = None
         #: The downstream lane's channel to the forwarder (None until the first message opens it).
         self._forwards: trio.MemorySendChannel[Forward] | None = None
-        #: Messages handed to the compute task and not finished (0: it is idle, nothing queued).
-        self._compute_backlog = 0
-        #: Frames handed to the forwarder and not yet written (0: it is idle, nothing queued).
-        self._forward_backlog = 0
         #: What this lane's write-throughs write under (closed before the lane's streams are).
         self._gate = StreamGate()
         self.returns = returns
@@ -221,38 +208,41 @@ class Connection:
         self._aborted: StageError | None = None
         self._serve_scope: trio.CancelScope | None = None
         self._last_reply = trio.current_time()
-        #: docs/protocol.md §9: a message came (an identity query is only a lane's first), and the
-        #: upstream flags bit 12 (so it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
-        self._lane_used = False
-        self._identity_aware = False
-        #: docs/protocol.md §11 (:mod:`skippy.stage.decode_run`): the decode runs this lane drives,
-        #: by session id; the next steps they made, waiting for the compute task (which takes them
-        #: before its channel); and the channel handle that wakes it for one.
-        self._runs: dict[int, DecodeRun] = {}
-        self._run_steps: collections.deque[tuple[Dispatch, int, int]] = collections.deque()
+        #: docs/protocol.md §11: the channel handle that wakes the compute task for a run's step.
         self._wake_compute: trio.MemorySendChannel[tuple[Dispatch, int, int] | None] | None = None
-        #: Shortcut 3 (:mod:`skippy.stage.decode_relay`): the frame the last direct-return decode
-        #: was forwarded as (the relay's outgoing template), and the run reading the upstream now.
-        self._relay_frame: bytes | None = None
-        self._relay_lane: ReturnLane | None = None
+        #: The decode relay's run reading the upstream now (:mod:`skippy.stage.decode_relay`).
         self._relay_run: RelayRun | None = None
 
     @property
     def inflight(self) -> int:
         """Messages received whose reply has not been written yet (0: the lane is idle)."""
-        return self.protocol.inflight
+        return self.lane.inflight
 
     @property
     def extensions(self) -> ExtensionNegotiation:
-        return self.protocol.extensions
+        return self.lane.extensions
 
     def has_session(self, session_id: int) -> bool:
         """Whether ``session_id`` is open on this lane (the return hub's owner lookup)."""
-        return self._return_lane is None and ((self.id << 64) | session_id) in self.sessions
+        return self.lane.has_session(session_id)
+
+    def _facts(self, *, early_ack: bool = False, credited: bool = False, direct: bool = False,
+               before_compute: bool = False, reply_next: bool = False, template: bool = False,
+               downstream_socket: bool | None = None, quiet: bool = True) -> Facts:
+        """What :func:`~skippy.lane.placement.placement` decides from, now (the message's part given)."""
+        settings, lane = self.settings, self.lane
+        if downstream_socket is None:
+            downstream_socket = self._downstream_socket
+        return Facts(settings.inline_hand_offs, settings.write_through, settings.decode_relay,
+                     self._upstream_socket, downstream_socket, self._wire_delay, settings.reply_delay_s > 0,
+                     settings.downstream is None or self._forwards is not None, lane.compute_backlog == 0,
+                     lane.forward_backlog == 0, quiet, early_ack, credited, direct, before_compute, reply_next,
+                     template)
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
         """Serve the lane; never raises except Cancelled (failures are logged and counted)."""
+        self.scheduler.lanes.opened(self.id)
         self.stats.connections_open += 1
         self.stats.connections_total += 1
         self.stats.touch()
@@ -278,7 +268,7 @@ class Connection:
             cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
             error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
                                            address=self._own_address(), downstream_address=self.downstream_name)
-            if error.code is ErrorCode.MODEL_MISMATCH and not self._identity_aware:
+            if error.code is ErrorCode.MODEL_MISMATCH and not self.lane.identity_aware:
                 error = dataclasses.replace(error, code=ErrorCode.STATE_MISMATCH)  # §9: the v11-era code
             self.stats.errors_by_code[ErrorCode(error.code).name.lower()] += 1
         finally:
@@ -357,8 +347,8 @@ class Connection:
             reader = self._reader
             self.budget.release(self._held + (reader.take_reserved() if reader is not None else 0))
             self._held = 0
-        orphans = sorted(self.sessions)
-        self.sessions.clear()
+        orphans = sorted(self.lane.sessions)
+        self.lane.sessions.clear()
         for key in orphans:
             try:
                 released = await self.scheduler.call(functools.partial(self.scheduler.executor.release, key))
@@ -371,6 +361,7 @@ class Connection:
             if stream is not None:
                 with trio.move_on_after(1):
                     await trio.aclose_forcefully(stream)
+        self.scheduler.lanes.resting(self.id)
         self.stats.connections_open -= 1
         if self._return_lane is not None:
             self.stats.return_lanes_open -= 1
@@ -392,8 +383,8 @@ class Connection:
         if reader is None or self._return_lane is not None:  # a return lane only waits for writes into it
             return None
         decoder = reader.decoder
-        protocol = self.protocol
-        busy = protocol.inflight or protocol.expecting or self._compute_backlog
+        protocol = self.lane
+        busy = protocol.inflight or protocol.expecting or self.lane.compute_backlog
         idle = None if busy else max(reader.last_frame, self._last_reply)
         if self._relay_run is not None:  # the relay reads the upstream: its last frame counts
             idle = max(idle or 0.0, self._relay_run.idle_since())
@@ -406,16 +397,6 @@ class Connection:
         if self._aborted is None and self._serve_scope is not None:
             self._aborted = error
             self._serve_scope.cancel()
-
-    def _claim(self, key: int) -> None:
-        """Count session ``key`` as this lane's, refusing one beyond the lane's quota."""
-        sessions = self.sessions
-        if key not in sessions:
-            quota = self.settings.session_quota
-            if quota and len(sessions) >= quota:
-                raise Overloaded(f"lane from {self.peer} already holds {len(sessions)} sessions, its quota "
-                                 f"(--session-quota {quota}); session {key & ((1 << 64) - 1)} refused")
-            sessions.add(key)
 
     def _release_held(self, held: int) -> None:
         if held:
@@ -431,6 +412,7 @@ class Connection:
         self.downstream = await connect_stage(address, self.settings.connect_timeout,  # type: ignore[arg-type]
                                               tls=self.settings.downstream_tls)
         self._downstream_io = SocketIO(self.downstream)
+        self._downstream_socket = self._downstream_io.is_socket
         if self.settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet
             await self.settings.identities.verify(address)  # type: ignore[attr-defined]
         forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
@@ -444,22 +426,17 @@ class Connection:
         settings = self.settings
         reader = self._reader = MessageReader(self._upstream_io, self.peer, settings.width,
                                               max_frame_bytes=settings.max_frame_bytes or None, budget=self.budget)
-        inline = self.settings.inline_hand_offs
-        final = self.settings.downstream is None
         try:
             async with messages:
-                await self._receive_loop(reader, messages, inline, final)
+                await self._receive_loop(reader, messages)
         finally:
-            for run in self._runs.values():  # §11: a run ends with its upstream (no step starts after)
-                run.cancelled = True
-            self._runs.clear()
+            self.lane.end_runs()  # §11: a run ends with its upstream (no step starts after)
             if self._wake_compute is not None:  # §11: the decode runs' wake-ups end with the upstream
                 self._wake_compute.close()
 
     async def _receive_loop(self, reader: MessageReader,
-                            messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None],
-                            inline: bool, final: bool) -> None:
-        protocol = self.protocol
+                            messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None]) -> None:
+        protocol = self.lane
         while True:
             while protocol.receiving_paused:  # the backpressure of an upstream not reading replies
                 self._replies_written = trio.Event()
@@ -472,34 +449,28 @@ class Connection:
             self._held += held
             if self.identity.index < 0:
                 self.identity.observe(message)
-            if message.state.flags & MODEL_IDENTITY_FLAG:
-                self._identity_aware = True  # docs/protocol.md §9: it knows MODEL_MISMATCH
-                if is_identity_query(message) and not self._lane_used:
-                    await self._answer_identity()
-                    return
-            self._lane_used = True
-            dispatch = protocol.message_received(message)
+            dispatch, run = protocol.received(message, run_flagged=bool(message.state.flags & DECODE_RUN_FLAG),
+                                              is_first=self.scheduler.executor.is_first)
+            if dispatch is None:  # docs/protocol.md §9: an identity query, answered; the lane ends
+                await self._answer_identity()
+                return
             self.stats.messages += 1
-            if self._runs:  # §11: any message for a session ends its run (no further step starts)
-                run = self._runs.pop(message.session_id, None)
-                if run is not None:
-                    run.cancelled = True
-            if message.state.flags & DECODE_RUN_FLAG:
-                dispatch = self._start_run(dispatch)
+            if run is not None:
+                self.stats.decode_runs += 1
             if dispatch.early_ack:
                 assert dispatch.ticket is not None
                 self.stats.early_acks += 1
                 await self._reply(dispatch.ticket, StageReply.ack())
-            if (inline and self._compute_backlog == 0 and not dispatch.early_ack
-                    and (final or self._forwards is not None)):
+            facts = self._facts(early_ack=dispatch.early_ack)
+            if placement(Step.HANDLE, dispatch.rule, facts) is Performer.RECEIVING_TASK:
                 try:
                     await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
                 finally:
                     self._release_held(held)
-                if self._relay_frame is not None:  # shortcut 3: the next decodes may leave Python
+                if protocol.relay_frame is not None:  # shortcut 3: the next decodes may leave Python
                     await self._relay_decode(reader, dispatch)
             else:
-                self._compute_backlog += 1
+                self.lane.compute_backlog += 1
                 await put(messages, (dispatch, received_us, held))
 
     async def _relay_decode(self, reader: MessageReader, dispatch: Dispatch) -> None:
@@ -507,17 +478,21 @@ class Connection:
         forwarded by write-through (or, on the final stage, answered into its return lane);
         while this lane is the stage's only work, relay the ones that follow it outside Python.
         Whatever the relay does not carry is left in ``reader``."""
-        frame, self._relay_frame = self._relay_frame, None
-        lane, self._relay_lane = self._relay_lane, None
-        upstream, settings, protocol = self._upstream_io, self.settings, self.protocol
+        state = self.lane
+        frame, state.relay_frame = state.relay_frame, None
+        lane: ReturnLane | None
+        lane, state.relay_lane = state.relay_lane, None  # type: ignore[assignment]
+        upstream, settings = self._upstream_io, self.settings
         downstream = lane.io if lane is not None else self._downstream_io
-        if (frame is None or downstream is None or self._compute_backlog or self._forward_backlog or self._runs
-                or protocol.inflight or protocol.expecting or reader.decoder.buffered_bytes  # type: ignore[attr-defined]
-                or settings.wire.active or settings.reply_delay_s or not upstream.is_socket
-                or not downstream.is_socket or (lane is not None and (lane.closed or lane.lock.locked()))):
+        free = downstream is not None and downstream.is_socket and (
+            lane is None or not (lane.closed or lane.lock.locked()))
+        facts = self._facts(template=frame is not None, downstream_socket=free,
+                            quiet=state.quiet and not reader.decoder.buffered_bytes)  # type: ignore[attr-defined]
+        if placement(Step.CARRY_NEXT, None, facts) is not Performer.DATA_PLANE:
             return
+        assert frame is not None and downstream is not None
         executor = self.scheduler.executor
-        plan = relay_plan(dispatch.message, frame, executor=executor, session_key=self._session_key(dispatch.message),
+        plan = relay_plan(dispatch.message, frame, executor=executor, session_key=dispatch.key,
                           width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows)
         if plan is None:
             return
@@ -531,7 +506,11 @@ class Connection:
         self._relay_run = run
         try:
             if lane is None:
-                await run.run()
+                try:
+                    await run.run()
+                finally:
+                    self.lane.direct_timings.add(dispatch.key, compute_us=run.compute_us,
+                                             write_us=run.write_us, messages=run.steps)
                 return
             async with lane.lock:  # the return lane's one writer until the run ends
                 lane.relay_abort = run.abort
@@ -543,64 +522,21 @@ class Connection:
             self._relay_run = None
             self.scheduler.release_hold()
 
-    # -- decode runs (docs/protocol.md §11, skippy.stage.decode_run) ---------------------------
-    def _start_run(self, dispatch: Dispatch) -> Dispatch:
-        """A DecodeEmbd flagged ``DECODE_RUN`` arrived: register its run; the dispatch of its first
-        step (the message without the flag and its metadata) is handled as any decode.
-
-        Raises:
-            InvalidMessage: the flag on another kind, on a lane that did not negotiate the
-                extensions, with direct return, on a stage that is not first, or a bad run section.
-        """
-        message = dispatch.message
-        kind = dispatch.kind
-        where = f"{kind.reference_name} with the decode-run flag (docs/protocol.md §11)"
-        if not dispatch.rule.decode_run:
-            raise InvalidMessage(f"{where}: a decode run starts with a DecodeEmbd only")
-        if not self.extensions.enabled:
-            raise InvalidMessage(f"{where}: the lane did not negotiate skippy's extensions (state flag bit 10)")
-        if dispatch.direct:
-            raise InvalidMessage(f"{where}: a decode run cannot also ask for direct return")
-        if not self.scheduler.executor.is_first:
-            raise InvalidMessage(f"{where}: only the chain's first stage runs a decode loop")
-        try:
-            request = DecodeRunRequest.from_metadata(message.chat_sampling_metadata)
-        except ValueError as exc:
-            raise InvalidMessage(f"{where} refused: {exc}") from None
-        assert dispatch.ticket is not None
-        run = DecodeRun(message, request)
-        self._runs[message.session_id] = run
-        dispatch.ticket.run = run
-        self.stats.decode_runs += 1
-        return dispatch._replace(message=run.first_message(message))
-
+    # -- decode runs (docs/protocol.md §11, skippy.lane.decode_run) ---------------------------
     def _run_step(self, ticket: Ticket, token: int) -> tuple[Annotation, ...]:
-        """A decode run's step predicted ``token`` (its reply is about to be answered): start the
-        next step, unless the run is over; returns the frames its reply carries (the first reply
-        says the stage runs it)."""
-        run = ticket.run
-        assert run is not None
-        message = run.advance(token)
-        if message is None:
-            if self._runs.get(run.session_id) is run:
-                del self._runs[run.session_id]
-        else:
-            step = self.protocol.message_received(message)
-            assert step.ticket is not None
-            step.ticket.run = run
+        """A decode run's step predicted ``token`` (its reply is about to be answered): the lane
+        queues the next step, unless the run is over (the compute task is woken for it); returns
+        the frames its reply carries (the first reply says the stage runs it)."""
+        first, step = self.lane.run_predicted(ticket, token, now_us())
+        if step is not None:
             self.stats.decode_run_steps += 1
-            self._compute_backlog += 1
-            self._run_steps.append((step, now_us(), 0))
             wake = self._wake_compute
             if wake is not None:
                 try:
                     wake.send_nowait(None)
                 except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                     pass  # busy (it takes run_steps first when it comes back), or the lane is ending
-        if run.announced:
-            return ()
-        run.announced = True
-        return _RUN_ACCEPTED
+        return _RUN_ACCEPTED if first else ()
 
     # -- step 5: reply -----------------------------------------------------------------------
     async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None,
@@ -608,10 +544,10 @@ class Connection:
         """Answer ``ticket`` (``timings``: its Timings frame, ``annotations``: its §10 frames;
         negotiated lanes only), and write every reply that is now due if this task got the
         writer token."""
-        await self._write_due(self.protocol.reply_ready(ticket, reply, timings, annotations))
+        await self._write_due(self.lane.reply_ready(ticket, reply, timings, annotations))
 
     async def _write_due(self, due: list[Ticket]) -> None:
-        protocol = self.protocol
+        protocol = self.lane
         if due:
             self._last_reply = trio.current_time()
         while due:
@@ -634,7 +570,7 @@ class Connection:
     async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int] | None],
                                nursery: trio.Nursery) -> None:
         forwards: trio.MemorySendChannel[Forward] | None = None
-        run_steps = self._run_steps
+        run_steps = self.lane.run_steps
         try:
             async with messages:
                 while True:
@@ -657,28 +593,24 @@ class Connection:
                         await self._handle(dispatch, received_us)
                     finally:
                         self._release_held(held)
-                    self._compute_backlog -= 1
+                    self.lane.compute_backlog -= 1
         finally:
             if forwards is not None:
                 await forwards.aclose()
 
-    def _session_key(self, message: StageMessage) -> int:
-        return self._key_of(message.session_id)
-
-    def _key_of(self, session_id: int) -> int:
-        # Sessions are namespaced by connection: a lane's disconnect releases only its own.
-        return (self.id << 64) | (session_id or 0)
-
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
-        key = self._session_key(dispatch.message)
+        key = dispatch.key
         handling = dispatch.rule.handling
         if handling is Handling.EXECUTE:
             await self._execute(dispatch, key, received_us)
             return
         forward = Forward(dispatch.message, None, dispatch.ticket, key, received_us, 0.0)
-        own = await self._own_parts[handling](dispatch, key, forward)
-        action = self.protocol.computed(dispatch, has_downstream=self._forwards is not None,
+        if handling is Handling.RETURN_OPEN:
+            own = await self._return_open(dispatch)
+        else:
+            own = await OWN_PARTS[handling](self._stage, dispatch, key, forward, forwarding=self._forwards is not None)
+        action = self.lane.computed(dispatch, has_downstream=self._forwards is not None,
                                         local_hit=own.result is not None, forwarded=own.forwarded)
         if type(action) is SendDownstream:
             forward.expect = action.expect
@@ -686,7 +618,7 @@ class Connection:
             await self._forward(forward)
         elif type(action) is ReplyUpstream:
             assert dispatch.ticket is not None
-            stats = self.protocol.take_stats()
+            stats = self.lane.take_stats()
             if own.stats is not EMPTY_REPLY_STATS:
                 stats = stats.merge(own.stats)
             if action.answer is Answer.ACK or own.result is None:
@@ -695,14 +627,7 @@ class Connection:
             else:  # the final stage's fused restore-decode: its prediction
                 await self._reply_prediction(dispatch, action, own.result, received_us, 0, stats)
 
-    @functools.cached_property
-    def _own_parts(self) -> dict[Handling, Callable[[Dispatch, int, Forward], Awaitable[_OwnPart]]]:
-        """The stage's own part of each non-executable handling (one method each)."""
-        return {Handling.STOP: self._stop, Handling.RETIRE: self._retire, Handling.TRIM: self._trim,
-                Handling.CONFIGURE: self._configure, Handling.PREFIX_CONTROL: self._prefix_control,
-                Handling.RETURN_OPEN: self._return_open}
-
-    async def _return_open(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
+    async def _return_open(self, dispatch: Dispatch) -> OwnPart:
         """docs/protocol.md §8: this lane becomes the return lane of the session it names (the
         protocol checked that it is the lane's first message and flagged); ACKed, not forwarded."""
         message = dispatch.message
@@ -713,89 +638,18 @@ class Connection:
         self.returns.open(lane)
         self._return_lane = lane
         self.stats.return_lanes += 1
-        self.stats.return_lanes_open += 1  # not a lane that brings work (the scheduler's shortcuts)
-        return _OwnPart(forwarded=False)
-
-    async def _stop(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        if self._forwards is None:  # the final stage releases now; others after the downstream ACK
-            await self._release(key)
-        return _NOTHING_MORE
-
-    async def _retire(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        message = dispatch.message
-        if message.pos_start < 0 or message.token_count < 0:
-            raise InvalidMessage(
-                f"RetireVerifyWindow with negative position/count ({message.pos_start}, {message.token_count})")
-        return _NOTHING_MORE  # no checkpoints to release on this runtime; forwarded, never answered
-
-    async def _trim(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        executor, length = self.scheduler.executor, dispatch.message.token_count
-        self.stats.trimmed_tokens += await self.scheduler.call(lambda: executor.trim(key, length))
-        return _NOTHING_MORE
-
-    async def _configure(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        executor, message = self.scheduler.executor, dispatch.message
-        params = sampling_params(message.sampling)
-        self._claim(key)
-        await self.scheduler.call(lambda: executor.configure(key, params))
-        cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
-        if cache_settings is not None and executor.cache is not None:
-            await self.scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
-        annotations: tuple[Annotation, ...] = ()
-        if self.settings.downstream is None:  # docs/protocol.md §10: the final stage's part
-            flagged = bool(message.state.flags & SAMPLING_EXTENSION_FLAG)
-            extension = _sampling_request(message.chat_sampling_metadata) if flagged else None
-            features = await self.scheduler.call(lambda: executor.configure_extension(key, extension))
-            if flagged:
-                annotations = extensions.sampling_accepted(features)
-        fork = prefix_control.fork_settings(message.chat_sampling_metadata)
-        if fork is None:
-            return _OwnPart(annotations=annotations) if annotations else _NOTHING_MORE
-        parent = self._key_of(fork[0])
-        forked = await self.scheduler.call(lambda: executor.fork(parent, key, fork[1]))
-        own = ReplyStats(kv_lookup_hits=1, kv_imported_tokens=forked) if forked else ReplyStats(kv_lookup_misses=1)
-        if forked:
-            self.stats.forked_sessions += 1
-            self.stats.forked_tokens += forked
-            self.stats.touch()
-
-        async def add_own(stats: ReplyStats) -> ReplyStats:
-            return stats.merge(own)
-
-        forward.on_reply = add_own
-        return _OwnPart(own, annotations=annotations)
-
-    async def _prefix_control(self, dispatch: Dispatch, key: int, forward: Forward) -> _OwnPart:
-        """docs/prefix-cache.md §6 (:mod:`skippy.stage.prefix_control`): a local miss is answered
-        here; a hit is forwarded with ``on_reply`` (a TryRestorePrefillDecode hit carries its result)."""
-        message = dispatch.message
-        self._claim(key)
-        outcome = await prefix_control.handle(self.scheduler, message, key, has_downstream=self._forwards is not None,
-                                              wire_dtype=self.settings.wire_dtype)
-        self.stats.touch()
-        result = outcome.result
-        if result is not None:
-            self.stats.restore_decodes += 1
-            self._note_recorded(result, message)
-            forward.compute_us, forward.batch_size = result.compute_us, result.batch_size
-        if outcome.forward is not None:
-            forward.message, forward.on_reply = outcome.forward, outcome.on_reply
-        return _OwnPart(outcome.stats, result, forwarded=outcome.forward is not None)
-
-    async def _release(self, key: int) -> None:
-        self.sessions.discard(key)
-        executor = self.scheduler.executor
-        if await self.scheduler.call(lambda: executor.release(key)):
-            self.stats.sessions_released += 1
-            self.stats.touch()
+        self.stats.return_lanes_open += 1
+        self.scheduler.lanes.resting(self.id)  # not a lane that brings work (the scheduler's policy)
+        return OwnPart(forwarded=False)
 
     async def _execute(self, dispatch: Dispatch, key: int, received_us: int) -> None:
         kind, rule, message = dispatch.kind, dispatch.rule, dispatch.message
         item = lane_messages.work_item(dispatch, key, is_first=self.scheduler.executor.is_first,
                                        width=self.settings.width, max_rows=self.settings.max_rows,
                                        reads_tokens=self.scheduler.executor.reads_tokens,
-                                       sideband_flag=self.scheduler.executor.sideband_flag)
-        self._claim(key)
+                                       sideband_flag=self.scheduler.executor.sideband_flag,
+                                       sampling=sampling_params)
+        self.lane.claim(key)
         if kind.is_prefill:
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += message.token_count
@@ -804,15 +658,14 @@ class Connection:
         else:
             self.stats.decode_items += 1
         # An executable kind's next step does not depend on its result: known before it runs.
-        action = self.protocol.computed(dispatch, has_downstream=self._forwards is not None)
-        through = self.settings.write_through
+        action = self.lane.computed(dispatch, has_downstream=self._forwards is not None)
         if type(action) is SendDownstream:
-            if (through and rule.write_through_down and self._forward_backlog == 0 and not self.settings.wire.active
-                    and self._downstream_io is not None and self._downstream_io.is_socket):
+            facts = self._facts(before_compute=True, credited=action.expect is Expect.ABSORB_ACK)
+            if placement(Step.WRITE_DOWN, rule, facts) is Performer.RUNTIME_THREAD:
                 await self._forward_through(dispatch, item, key, received_us, action.expect)
                 return
             result, queue_us = await self.scheduler.execute(item)
-            self._note_recorded(result, message)
+            control.note_recorded(self._stage, result, message)
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
             outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
@@ -821,35 +674,32 @@ class Connection:
                                         result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
             return
         ticket = dispatch.ticket
-        if (type(action) is ReplyUpstream and through and rule.write_through_up and ticket is not None
-                and self._upstream_io.is_socket and not self.settings.reply_delay_s
-                and self.protocol.claim_reply_write(ticket)):
+        if (type(action) is ReplyUpstream and placement(Step.WRITE_UP, rule, self._facts(
+                before_compute=True, direct=dispatch.direct, reply_next=self.lane.reply_next(ticket)))
+                is Performer.RUNTIME_THREAD):
+            assert ticket is not None and self.lane.claim_reply_write(ticket)
             await self._reply_through(dispatch, item, ticket)
             return
         result, queue_us = await self.scheduler.execute(item)
-        self._note_recorded(result, message)
+        control.note_recorded(self._stage, result, message)
         if type(action) is ReplyUpstream:
             if action.direct:
                 await self._reply_direct(dispatch, action, result, received_us, queue_us)
                 return
             assert ticket is not None
             if action.answer is Answer.ACK:
-                await self._reply(ticket, StageReply.ack(self.protocol.take_stats()))
+                await self._reply(ticket, StageReply.ack(self.lane.take_stats()))
             else:
                 await self._reply_prediction(dispatch, action, result, received_us, queue_us,
-                                             self.protocol.take_stats())
+                                             self.lane.take_stats())
 
     async def _reply_prediction(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
                                 received_us: int, queue_us: int, stats: ReplyStats) -> None:
         """The final stage's predicted reply (PredictedTokens for a verify window), with its
         Timings frame on a negotiated lane (docs/protocol.md §4: the producing stage starts it)."""
         assert dispatch.ticket is not None
-        timings = None
-        annotations: tuple[Annotation, ...] = ()
-        if self.extensions.enabled:
-            timings = TimingsFrame((extensions.own_record(
-                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-            annotations = extensions.logprobs_annotation(result.logprobs)
+        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
+                                                            negotiated=self.extensions.enabled)
         reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
                                                total_us=now_us() - received_us)
         if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
@@ -865,28 +715,22 @@ class Connection:
         if lane is None:
             raise ReturnLaneLost(f"{dispatch.kind.reference_name} of session {message.session_id} asks for direct "
                                  "return, but no return lane is open for it on this stage")
-        timings = None
-        annotations: tuple[Annotation, ...] = ()
-        if lane.extensions:
-            timings = TimingsFrame((extensions.own_record(
-                self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-            annotations = extensions.logprobs_annotation(result.logprobs)
-        reply = lane_messages.final_prediction(dispatch, result, self.protocol.take_stats(), window=action.window,
+        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us, negotiated=lane.extensions)
+        reply = lane_messages.final_prediction(dispatch, result, self.lane.take_stats(), window=action.window,
                                                total_us=now_us() - received_us)
         await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
         self._direct_done()
         if self.settings.decode_relay and not annotations and dispatch.kind is MessageKind.DECODE_EMBD:
             # shortcut 3 may answer the next ones: their reply as the lane would write it
-            self._relay_lane = lane
-            self._relay_frame = extensions.reply_bytes(
+            self.lane.relay_lane = lane
+            self.lane.relay_frame = extensions.reply_bytes(
                 StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS),
-                TimingsFrame((extensions.own_record(self.identity, batch_size=1, compute_us=0),))
-                if lane.extensions else None)
+                extensions.prediction_frames(self.identity, WorkResult(), 0, negotiated=lane.extensions)[0])
 
     def _direct_done(self) -> None:
         """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""
-        self.protocol.direct_done()
+        self.lane.direct_done()
         if self._replies_written is not None:
             self._replies_written.set()
             self._replies_written = None
@@ -916,42 +760,43 @@ class Connection:
             forward.sent_us, forward.write_us = sent_us, write_us
 
         assert self._downstream_io is not None
-        through = item.emit = WriteThrough(self._gate, self._downstream_io, build, sent)
-        self._forward_backlog = 1  # this lane's downstream writer until the frame is out
-        self.protocol.frame_forwarding(forward)  # before the frame can leave: its reply must find it
-        await self.scheduler.execute(item)
+        through = WriteThrough(self._gate, self._downstream_io, build, sent)
+        self.lane.forward_backlog = 1  # this lane's downstream writer until the frame is out
+        self.lane.frame_forwarding(forward)  # before the frame can leave: its reply must find it
+        await self.scheduler.execute(item, through)
         forward.write_us += await through.finish(self.downstream_name, downstream=True)
-        self._forward_backlog = 0
+        self.lane.forward_backlog = 0
         if dispatch.direct and self.settings.decode_relay:  # shortcut 3 may carry the next ones
-            self._relay_frame = through.frame
+            self.lane.relay_frame = through.frame
         self.stats.forward_write_us += forward.write_us
         self.stats.write_throughs += 1
         if dispatch.direct:
+            self.lane.direct_timings.add(key, compute_us=forward.compute_us, write_us=forward.write_us,
+                                     queue_us=forward.queue_us, batch_size=forward.batch_size)
             self._direct_done()
 
     async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
         """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken
         upstream (the caller holds the writer token for ``ticket``)."""
-        stats = self.protocol.take_stats()
+        stats = self.lane.take_stats()
         extensions_on = self.extensions.enabled
         kind = dispatch.kind
 
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
             if not result.tokens:
                 raise StageError(f"{kind.reference_name} produced no prediction")
-            timings = None
-            if extensions_on:  # docs/protocol.md §4: the producing stage starts the frame
-                timings = TimingsFrame((extensions.own_record(
-                    self.identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us),))
-                ticket.annotations = extensions.logprobs_annotation(result.logprobs)
+            timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
+                                                                negotiated=extensions_on)
+            if annotations:
+                ticket.annotations = annotations
             ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
             if run is not None and not run.announced:  # §11: the run's first reply says it runs
                 ticket.annotations += _RUN_ACCEPTED
             return extensions.reply_bytes(ticket.reply, timings, ticket.annotations)
 
         run = ticket.run
-        through = self._upstream_through = item.emit = WriteThrough(self._gate, self._upstream_io, build)
-        await self.scheduler.execute(item)
+        through = self._upstream_through = WriteThrough(self._gate, self._upstream_io, build)
+        await self.scheduler.execute(item, through)
         if run is not None and ticket.reply is not None:  # §11: the run's next step
             self._run_step(ticket, ticket.reply.predicted)
         self._upstream_torn = True  # until the whole reply is out: a cancel may cut it
@@ -959,17 +804,7 @@ class Connection:
         self._upstream_torn = False
         self._upstream_through = None
         self.stats.write_throughs += 1
-        await self._write_due(self.protocol.replies_written(1))
-
-    def _note_recorded(self, result: WorkResult, message: StageMessage) -> None:
-        if result.recorded_tokens:  # the prefix cache recorded this prompt: say so upstream
-            executor = self.scheduler.executor
-            page_size = executor.cache.page_size if executor.cache else 1
-            index = min(max(0, message.state.source_stage_index + 1), 62)
-            self.protocol.stash_stats(ReplyStats(
-                kv_recorded_pages=result.recorded_tokens // page_size,
-                kv_recorded_bytes=result.recorded_tokens * executor.kv_bytes_per_cell,
-                kv_record_stage_mask=1 << index))
+        await self._write_due(self.lane.replies_written(1))
 
     # -- step 3: forward ---------------------------------------------------------------------
     async def _forward(self, item: Forward) -> None:
@@ -982,19 +817,19 @@ class Connection:
         """
         forwards = self._forwards
         assert forwards is not None
-        if (self._forward_backlog == 0 and item.expect is not Expect.ABSORB_ACK and self.settings.inline_hand_offs
-                and not self.settings.wire.active):
-            self._forward_backlog = 1
+        if placement(Step.WRITE_DOWN, None, self._facts(credited=item.expect is Expect.ABSORB_ACK)) \
+                is Performer.HANDLING_TASK:
+            self.lane.forward_backlog = 1
             try:
                 await self._write_forward(item)
             finally:
-                self._forward_backlog = 0
+                self.lane.forward_backlog = 0
             return
-        self._forward_backlog += 1
+        self.lane.forward_backlog += 1
         await put(forwards, item)
 
     async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
-        protocol = self.protocol
+        protocol = self.lane
         try:
             async with forwards:
                 while True:
@@ -1012,9 +847,9 @@ class Connection:
                             self.stats.max_pending_prefill_acks = protocol.credits_in_use
                             self.stats.touch()
                     await self._write_forward(item)
-                    self._forward_backlog -= 1
+                    self.lane.forward_backlog -= 1
         finally:
-            self._forwarding_done = True
+            self.lane.forwarding_done = True
             if not protocol.expecting and self._relay_idle:
                 self._relay_scope.cancel()  # the relay waits for a reply nobody will send
 
@@ -1027,7 +862,7 @@ class Connection:
             message = item.message = with_extensions_flag(message)
         frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
         item.frame_bytes = len(frame)
-        self.protocol.frame_forwarding(item)
+        self.lane.frame_forwarding(item)
         item.sent_us = started = now_us()
         wire = self.settings.wire
         if wire.active:
@@ -1037,6 +872,8 @@ class Connection:
         item.write_us = now_us() - started
         self.stats.forward_write_us += item.write_us
         if item.direct:
+            self.lane.direct_timings.add(item.session, compute_us=item.compute_us, write_us=item.write_us,
+                                     queue_us=item.queue_us, batch_size=item.batch_size)
             self._direct_done()
 
     # -- step 4: relay -----------------------------------------------------------------------
@@ -1047,12 +884,12 @@ class Connection:
             await self._relay(ReplyReader(io, self.downstream_name))
 
     async def _relay(self, reader: ReplyReader) -> None:
-        protocol = self.protocol
+        protocol = self.lane
         while True:
             if protocol.expecting:
                 reply, timings = await reader.next()
             else:
-                if self._forwarding_done:
+                if self.lane.forwarding_done:
                     return
                 self._relay_idle = True
                 try:
@@ -1072,7 +909,7 @@ class Connection:
     def _absorb(self, item: Forward, reply: StageReply, wait_us: int) -> None:
         """An early-ACKed chunk's downstream ACK: its stats (and this edge's transport) are kept
         for the next reply upstream; its credit is back (the protocol counted it)."""
-        protocol = self.protocol
+        protocol = self.lane
         protocol.pending_stats = protocol.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
             item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
         )
@@ -1086,15 +923,22 @@ class Connection:
         (``annotations``: the downstream's §10 frames, relayed unchanged to a negotiated upstream)."""
         item = relay.forward
         assert item.ticket is not None
-        stats = merge_stats(self.protocol.take_stats(), reply.stats)
+        stats = merge_stats(self.lane.take_stats(), reply.stats)
         if item.on_reply is not None:
             stats = await item.on_reply(stats)
         if relay.release:
-            await self._release(item.session)
+            await control.release(self._stage, item.session)
         if annotations and not self.extensions.enabled:
             annotations = ()  # a v11 upstream cannot have asked for them (docs/protocol.md §10)
         if not relay.prediction:
-            await self._reply(item.ticket, StageReply.ack(stats), None, annotations)
+            summary = None
+            if relay.release:  # §8: a Stop's ACK carries the session's direct-return totals
+                record = self.lane.direct_timings.take(item.session, stage_index=self.identity.index,
+                                                   layer_start=self.identity.layer_start,
+                                                   layer_end=self.identity.layer_end)
+                if record is not None and self.extensions.enabled:
+                    summary = append_timing(timings, record)
+            await self._reply(item.ticket, StageReply.ack(stats), summary, annotations)
             return
         if RULES[item.ticket.kind].window:  # the reference's verify-window stats
             stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
@@ -1110,20 +954,6 @@ class Connection:
         if item.ticket.run is not None:  # §11: the run's next step starts before this reply is out
             annotations += self._run_step(item.ticket, reply.predicted)
         await self._reply(item.ticket, reply, timings, annotations)
-
-
-def _sampling_request(metadata: str | None) -> SamplingRequest:
-    """docs/protocol.md §10: the sampling extension in a flagged ConfigureGeneration's metadata.
-
-    Raises:
-        InvalidMessage: no such section, or a malformed one (named).
-    """
-    try:
-        data = json.loads(metadata or "")
-        return SamplingRequest.from_section(data.get(SAMPLING_METADATA_KEY) if isinstance(data, dict) else None)
-    except ValueError as exc:  # JSON errors and the section's own checks: refuse the configure
-        raise InvalidMessage(f"ConfigureGeneration carries the sampling-extension flag but its "
-                             f"{SAMPLING_METADATA_KEY} metadata is refused: {exc}") from exc
 
 
 def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:

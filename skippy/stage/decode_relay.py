@@ -35,7 +35,7 @@ import trio
 
 from skippy.protocol import MessageKind, StageMessage, WireDType
 from skippy.protocol_ext import DIRECT_RETURN_FLAG
-from skippy.stage.errors import ReturnLaneLost
+from skippy.lane.errors import ReturnLaneLost
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.transport import codec, write_failed
 
@@ -154,7 +154,9 @@ class RelayRun:
         except BaseException:
             self.close()
             raise
-        self.steps = 0
+        #: Tokens relayed, and their compute and downstream-write time (microseconds): the lane
+        #: adds them to the session's direct-return timings (docs/protocol.md §8).
+        self.steps = self.compute_us = self.write_us = 0
         #: The outcome of a run whose wait was cancelled, to account before the lane closes.
         self._unaccounted: Any = None
 
@@ -244,6 +246,8 @@ class RelayRun:
         if not steps:
             return
         self._rows.finished(steps)
+        self.compute_us += outcome.compute_us
+        self.write_us += outcome.write_us
         stats.decode_relay_steps += steps
         stats.messages += steps
         stats.decode_items += steps

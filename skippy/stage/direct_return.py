@@ -1,7 +1,7 @@
 """Direct return on the final stage: the return lanes drivers open, and the writes into them.
 
 Strategy (``docs/protocol.md`` §8; the per-kind rules are rows of
-:data:`skippy.stage.lane_protocol.RULES`): a driver that wants its predictions straight from the
+:data:`skippy.lane.protocol.RULES`): a driver that wants its predictions straight from the
 final stage dials that stage and sends ``PredictionReturnOpen{request_id, session_id}`` with the
 direct-return flag as the lane's first message.  That lane's :class:`~skippy.stage.connection.Connection`
 registers a :class:`ReturnLane` here, keyed by the **chain lane that carries the session** (the
@@ -29,7 +29,7 @@ from typing import Callable
 
 import trio
 
-from skippy.stage.errors import InvalidMessage, ReturnLaneLost, StageError
+from skippy.lane.errors import InvalidMessage, ReturnLaneLost, StageError
 from skippy.stage.transport import SocketIO, send_frame
 
 __all__ = ["ReturnHub", "ReturnLane"]

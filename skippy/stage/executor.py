@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence
 
 import numpy as np
 import numpy.typing as npt
@@ -38,15 +38,12 @@ from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier
 from skippy.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
-from skippy.stage.errors import InvalidMessage, Overloaded, RuntimeFailure, StageError
-from skippy.stage.lane_protocol import Outputs
+from skippy.lane.errors import InvalidMessage, Overloaded, RuntimeFailure, StageError
+from skippy.lane.protocol import Outputs
+from skippy.lane.work import FloatArray, IntArray, WorkItem, WorkResult
 
 if TYPE_CHECKING:
     from skippy.cache import StageCache
-
-IntArray = npt.NDArray[np.int32]
-FloatArray = npt.NDArray[np.float32]
-
 
 class RuntimeContext(Protocol):
     """What the executor needs of ``StageContext`` (``NullContext`` provides the same)."""
@@ -65,52 +62,6 @@ class RuntimeContext(Protocol):
     def copy(self, source: int, destination: int, start: int = -1, end: int = -1) -> None: ...
     def length(self, seq: int) -> int: ...
     def kv_cells_used(self) -> int: ...
-
-
-@dataclasses.dataclass(slots=True)
-class WorkItem:
-    """One executable message, reduced to what the runtime needs."""
-
-    session: int
-    positions: IntArray
-    tokens: IntArray | None = None
-    activations: FloatArray | None = None
-    align_to: int | None = None
-    outputs: Outputs = Outputs.LAST
-    sampling: SamplingParams | None = None
-    #: The message's token sideband (every stage gets it; the cache records from it).
-    prompt_tokens: IntArray | None = None
-    #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
-    prefill: bool = False
-    final_prefill: bool = False
-    #: Called with (result, queue_us) as soon as the result exists, where it was computed (the
-    #: runtime thread): the lane's write-through (:mod:`skippy.stage.write_through`).  It must
-    #: not raise.
-    emit: Callable[[WorkResult, int], None] | None = None
-
-    @property
-    def rows(self) -> int:
-        return int(self.positions.shape[0])
-
-    @property
-    def batchable(self) -> bool:
-        """A single-row decode: may share a native batch with other sessions' decodes."""
-        return self.rows == 1 and self.outputs is not Outputs.ALL
-
-
-@dataclasses.dataclass(slots=True)
-class WorkResult:
-    """What one item produced."""
-
-    activations: FloatArray | None = None
-    tokens: list[int] = dataclasses.field(default_factory=list)
-    batch_size: int = 1
-    compute_us: int = 0
-    trimmed_tokens: int = 0
-    #: Tokens the prefix cache newly cached after this item (a final prefill chunk).
-    recorded_tokens: int = 0
-    #: One entry per predicted token, for a session that asked for logprobs (final stage).
-    logprobs: list[TokenLogprobs] | None = None
 
 
 @dataclasses.dataclass(slots=True)

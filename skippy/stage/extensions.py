@@ -12,7 +12,7 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
   (a stage forwards with ``source_stage_index`` + 1, and the driver sends -1). Until then the
   index is -1 ("unknown", which the frames allow). No setting is needed and none can disagree
   with the chain actually built.
-* Errors. Every refusal carries its own :class:`ErrorCode` (:mod:`skippy.stage.errors`; anything
+* Errors. Every refusal carries its own :class:`ErrorCode` (:mod:`skippy.lane.errors`; anything
   else is a bug: ``INTERNAL``, :func:`is_bug`); :func:`error_frame` builds the frame (origin =
   this stage, except ``DOWNSTREAM_LOST``, whose origin is the lost stage: index + 1 and the
   configured downstream address; a downstream Error frame is relayed unchanged).
@@ -39,7 +39,7 @@ from skippy.protocol_ext import (
     TimingRecord,
     TimingsFrame,
 )
-from skippy.stage.errors import DownstreamError, StageError, error_code
+from skippy.lane.errors import DownstreamError, StageError, error_code
 from skippy.stage.transport import codec
 
 __all__ = [
@@ -121,6 +121,17 @@ def own_record(identity: StageIdentity, *, batch_size: int, compute_us: int, wri
         max(identity.index, 0), identity.layer_start, identity.layer_end, max(batch_size, 0),
         max(compute_us, 0), max(write_us, 0), max(wait_us, 0), max(queue_us, 0),
     )
+
+
+def prediction_frames(identity: StageIdentity, result: Any, queue_us: int, *, negotiated: bool
+                      ) -> tuple[TimingsFrame | None, tuple[Annotation, ...]]:
+    """What precedes the final stage's prediction of ``result`` (a WorkResult) on a lane that
+    negotiated the extensions: its Timings frame (docs/protocol.md §4: the producing stage starts
+    it) and its Logprobs frame (§10, when the session asked); (None, ()) on a v11 lane."""
+    if not negotiated:
+        return None, ()
+    record = own_record(identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us)
+    return TimingsFrame((record,)), logprobs_annotation(result.logprobs)
 
 
 def reply_bytes(reply: StageReply, timings: TimingsFrame | None, annotations: tuple[Annotation, ...] = ()) -> bytes:

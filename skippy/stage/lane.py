@@ -1,10 +1,10 @@
-"""What a lane's tasks share: the stage's lane settings, reply-stats arithmetic, channel hand-offs.
+"""What a lane's tasks share: the stage's lane settings and channel hand-offs.
 
 Strategy: plain data and pure helpers, kept apart from :mod:`skippy.stage.connection` (the tasks
-themselves) and :mod:`skippy.stage.lane_protocol` (the rules).  :class:`LaneSettings` carries
-the three measured shortcuts' switches (``bench/RESULTS-stage.md``); :func:`merge_stats` /
-:func:`timing_stats` are the reply-stats arithmetic of a relayed reply; ``put`` / ``take`` are
-the channel hand-offs that park only when they must.
+themselves) and :mod:`skippy.lane` (the rules; its :mod:`skippy.lane.stats` holds the reply-stats
+arithmetic).  :class:`LaneSettings` carries the measured shortcuts' switches
+(``bench/RESULTS-stage.md``); ``put`` / ``take`` are the channel hand-offs that park only when
+they must.
 """
 
 from __future__ import annotations
@@ -16,12 +16,10 @@ from typing import TypeVar
 
 import trio
 
-from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, WireDType
+from skippy.protocol import WireDType
 from skippy.stage.transport import WireCondition
 
-__all__ = [
-    "LaneSettings", "merge_stats", "now_us", "put", "take", "timing_stats",
-]
+__all__ = ["LaneSettings", "now_us", "put", "take"]
 
 T = TypeVar("T")
 
@@ -85,34 +83,3 @@ class LaneSettings:
     downstream_tls: ssl.SSLContext | None = None
     #: A file naming the downstream, read at every dial (``--downstream-file``; None: none).
     downstream_file: object | None = None
-
-
-def timing_stats(base: ReplyStats, *, compute_us: int, write_us: int, wait_us: int, total_us: int,
-                 batch_size: int) -> ReplyStats:
-    """Add one stage's share to a VerifyWindow reply's ``verify_window_*`` stats (summed along the
-    chain, ``verify_window_stage_count`` += 1, the largest batch in ``verify_window_max_tokens``)."""
-    return dataclasses.replace(
-        base,
-        verify_window_compute_us=base.verify_window_compute_us + compute_us,
-        verify_window_forward_write_us=base.verify_window_forward_write_us + write_us,
-        verify_window_downstream_wait_us=base.verify_window_downstream_wait_us + wait_us,
-        verify_window_total_us=base.verify_window_total_us + total_us,
-        verify_window_stage_count=base.verify_window_stage_count + 1,
-        verify_window_max_tokens=max(base.verify_window_max_tokens, batch_size),
-    )
-
-
-def merge_stats(pending: ReplyStats, reply: ReplyStats) -> ReplyStats:
-    """``pending.merge(reply)``, without the copy when nothing is pending (the decode hot path).
-
-    Merging into empty stats gives back ``reply`` unchanged unless a max-merged field of it is
-    negative or its prefill-edge fields are set without a positive total: only then is the full
-    merge needed.
-    """
-    if pending is EMPTY_REPLY_STATS and reply.prefill_edge_total_us_max >= 0 and min(
-        reply.verify_window_max_tokens, reply.prefill_edge_write_us_max, reply.prefill_edge_wait_us_max
-    ) >= 0 and (reply.prefill_edge_total_us_max > 0 or not (
-        reply.prefill_edge_stage_index or reply.prefill_edge_activation_bytes_max
-    )):
-        return reply
-    return pending.merge(reply)

@@ -31,7 +31,7 @@ import math
 import trio
 
 from skippy.protocol import MAX_MESSAGE_FRAME_BYTES
-from skippy.stage.errors import MalformedFrame, Overloaded
+from skippy.lane.errors import MalformedFrame, Overloaded
 
 __all__ = [
     "SMALL_FRAME", "BufferBudget", "IdleLane", "SlowFrame", "StageLimits", "fair_share", "frame_limit",

@@ -13,8 +13,9 @@ default) and runs, in one trip to the worker thread:
 Native calls run on the stage's :class:`~skippy.stage.worker.RuntimeThread` (cffi releases the
 GIL; one dedicated thread is cheaper per call than ``trio.to_thread``); the null runtime, which
 never blocks, runs inline.  *Inline decode* (``inline_decode``, on by default): a lone decode row
-while the stage has exactly one lane open (return lanes, which only carry predictions written
-into them, not counted: ``StageStats.working_lanes``) runs on the trio thread itself.  Nothing else can need
+while the stage has exactly one working lane (its :class:`~skippy.lane.registry.LaneRegistry`:
+return lanes, which only carry predictions written into them, do not count) runs on the trio
+thread itself.  Nothing else can need
 that thread during the compute (the lane's next message waits on this row's reply, and there is
 no other lane), and the hand-off it saves is on every token's critical path: the queue put that
 wakes the runtime thread, the GIL passing back and forth, the completion's wake-up fd and run-loop
@@ -48,7 +49,8 @@ from typing import Any, Callable, Generic, Sequence, TypeVar
 
 import trio
 
-from skippy.stage.errors import ShuttingDown
+from skippy.lane.errors import ShuttingDown
+from skippy.lane.registry import LaneRegistry
 from skippy.stage.executor import Executor, WorkItem, WorkResult
 from skippy.stage.stats import StageStats
 from skippy.stage.worker import RuntimeThread
@@ -69,6 +71,9 @@ class _Job(Generic[T]):
     item: WorkItem | None
     call: Callable[[], T] | None
     submitted_ns: int
+    #: The write made where the result is computed (the runtime thread), with (result, queue_us):
+    #: a write-through placement (:mod:`skippy.stage.write_through`).  It must not raise.
+    then: Callable[[WorkResult, int], None] | None = None
     done: trio.Event | None = None  #: made when the job is queued (the fast path never waits)
     result: Any = None
     error: BaseException | None = None
@@ -82,12 +87,16 @@ class Scheduler:
         executor: the runtime and its session table.
         stats: counters to update.
         batch_window: seconds to wait for more decode rows once one is ready (0 = none).
+        lanes: the stage's working lanes (the lanes register themselves; None: a new registry).
     """
 
     def __init__(self, executor: Executor, stats: StageStats, *, batch_window: float = 0.0,
-                 inline_decode: bool = True, decode_batching: bool = True) -> None:
+                 inline_decode: bool = True, decode_batching: bool = True,
+                 lanes: LaneRegistry | None = None) -> None:
         self.executor = executor
         self.stats = stats
+        #: The lanes that may bring work (the placement policy's input; never the statistics).
+        self.lanes = lanes if lanes is not None else LaneRegistry()
         self.batch_window = batch_window
         #: False (``--decode-batching off``): every decode row runs as its own native batch.
         self.decode_batching = decode_batching
@@ -134,14 +143,18 @@ class Scheduler:
             self._released.set()
             self._released = None
 
-    async def execute(self, item: WorkItem) -> tuple[WorkResult, int]:
+    async def execute(self, item: WorkItem, then: Callable[[WorkResult, int], None] | None = None
+                      ) -> tuple[WorkResult, int]:
         """Run one executable item; returns its result and the microseconds it queued.
+
+        ``then`` is called with them where the result is computed (the runtime thread: a
+        write-through), before this returns; it must not raise.
 
         Raises:
             StageError: the item was refused or the runtime failed it (the subclass names why);
             any other exception is a bug, passed through with its traceback.
         """
-        job: _Job[WorkResult] = _Job(item, None, time.perf_counter_ns())
+        job: _Job[WorkResult] = _Job(item, None, time.perf_counter_ns(), then)
         result = await self._submit(job)
         return result, job.wait_us
 
@@ -177,7 +190,7 @@ class Scheduler:
         # With one lane open nobody else can bring a row this tick (a lane has at most one job
         # queued): skip the yield, a trip through trio's run loop per message.
         if (self.decode_batching and self.executor.blocking and job.item is not None and job.item.batchable
-                and self.stats.working_lanes != 1):
+                and self.lanes.working != 1):
             # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
             # runtime, and take them into this batch: the batching a scheduler pass used to give.
             self._busy = True
@@ -254,7 +267,7 @@ class Scheduler:
 
     def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
         """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
-        if not self.inline_decode or len(jobs) != 1 or self.stats.working_lanes != 1:
+        if not self.inline_decode or len(jobs) != 1 or self.lanes.working != 1:
             return False
         item = jobs[0].item
         return item is not None and item.batchable
@@ -308,9 +321,8 @@ class Scheduler:
                     job.error = outcome
                 else:
                     job.result = outcome
-                    emit = job.item.emit if job.item is not None else None
-                    if emit is not None:
-                        emit(outcome, job.wait_us)
+                    if job.then is not None:
+                        job.then(outcome, job.wait_us)
         for job in rest:
             native += self._run_one(job, decode_batches)
         return decode_batches, native
@@ -321,8 +333,8 @@ class Scheduler:
             item = job.item
             if item is not None:
                 job.result = self.executor.run_item(item)
-                if item.emit is not None:
-                    item.emit(job.result, job.wait_us)
+                if job.then is not None:
+                    job.then(job.result, job.wait_us)
                 if item.batchable:
                     decode_batches.append(1)
                 return 1

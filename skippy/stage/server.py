@@ -37,7 +37,7 @@ from skippy.runtime.null import NullContext, NullModel, is_null_spec
 from skippy.stage.config import Address, StageConfig
 from skippy.stage.connection import Connection, LaneSettings
 from skippy.stage.direct_return import ReturnHub
-from skippy.stage.errors import StageError, error_code
+from skippy.lane.errors import StageError, error_code
 from skippy.stage.executor import Executor
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits, fair_share, frame_limit, return_freed_memory

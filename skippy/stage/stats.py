@@ -87,7 +87,7 @@ class StageStats:
     return_lanes: int = 0
     direct_replies: int = 0
     #: Of ``connections_open``, the return lanes: they only carry predictions written into them,
-    #: so they never bring work to the runtime (``working_lanes``).
+    #: so they never bring work to the runtime (the scheduler's LaneRegistry leaves them out).
     return_lanes_open: int = 0
     #: docs/protocol.md §11: decode runs started on this (first) stage, and the steps it started
     #: itself (each run's flagged message not counted).
@@ -120,11 +120,6 @@ class StageStats:
     downstream_bytes_in: int = 0
     downstream_bytes_out: int = 0
     version: int = 0
-
-    @property
-    def working_lanes(self) -> int:
-        """Open lanes that may bring work to the runtime (return lanes never do)."""
-        return self.connections_open - self.return_lanes_open
 
     def touch(self) -> None:
         self.version += 1

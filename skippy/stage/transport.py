@@ -3,8 +3,8 @@
 Strategy: the codec is sans-IO (:mod:`skippy.wire`); this module is the only place that moves its
 bytes over sockets.  A reader owns one decoder and one stream and turns received chunks into whole
 frames (``None`` at a clean end of stream).  trio's stream errors are mapped here, at the
-transport boundary, to :class:`~skippy.stage.errors.MalformedFrame`, :class:`~skippy.stage.errors.UpstreamLost`
-and :class:`~skippy.stage.errors.DownstreamLost` with the peer's address in the message, so the
+transport boundary, to :class:`~skippy.lane.errors.MalformedFrame`, :class:`~skippy.lane.errors.UpstreamLost`
+and :class:`~skippy.lane.errors.DownstreamLost` with the peer's address in the message, so the
 connection logic above never sees ``BrokenResourceError`` and a log line always names the peer.
 
 :class:`SocketIO` is the decode hot path's way to the socket.  ``SocketStream.receive_some`` /
@@ -49,7 +49,7 @@ from skippy.protocol import (
 )
 from skippy.protocol_ext import Annotation, ErrorFrame, LogprobsFrame, SamplingAcceptedFrame, TimingsFrame
 from skippy.stage.config import Address
-from skippy.stage.errors import DownstreamError, DownstreamLost, MalformedFrame, StageError, UpstreamLost
+from skippy.lane.errors import DownstreamError, DownstreamLost, MalformedFrame, StageError, UpstreamLost
 from skippy.stage.limits import SMALL_FRAME, BufferBudget
 from skippy.stage.tls import handshake_as_client
 

@@ -5,9 +5,11 @@ a run-loop pass for the entry queue, one for the waiting task), and only then do
 encode and write the frame.  On the 2-stage llama-16x1024 chain that hand-back took 290-310 us
 per stage per token (median, compute end to write), all of it on the chain's critical path: the
 next stage (or the driver) waits for those bytes, and the Python it runs is cold after the
-compute streamed the weights through the caches.  With write-through the job carries an *emit*
-callable; the scheduler calls it on the runtime thread right after the item's result exists,
-and it builds the frame and writes it with one non-blocking write.  The lane's trio side then
+compute streamed the weights through the caches.  With write-through (a placement:
+:func:`skippy.lane.placement.placement` chooses the runtime thread as the writer) the lane hands
+the scheduler a :class:`WriteThrough` beside the work item (``Scheduler.execute(item, then)``;
+the item itself stays plain data); the scheduler calls it on the runtime thread right after the
+item's result exists, and it builds the frame and writes it with one non-blocking write.  The lane's trio side then
 finishes (the rest of a partial write, counters, the reply slot) off the critical path.
 
 Safety rules, each kept by the connection that sets one up:
@@ -17,8 +19,8 @@ Safety rules, each kept by the connection that sets one up:
   backlog for the duration); upstream, when the lane protocol hands it the writer token for
   that reply (``LaneProtocol.claim_reply_write``: next in line, nobody writing), which every
   reply behind it waits for.
-* **Order.**  The downstream frame's :class:`~skippy.stage.lane_protocol.Forward` is in the
-  protocol's expected replies before the job is submitted, so its reply always finds it.
+* **Order.**  The downstream frame's :class:`~skippy.lane.protocol.Forward` is in the
+  lane's expected replies before the job is submitted, so its reply always finds it.
 * **No write after close.**  Every write-through of a lane writes under the lane's
   :class:`StreamGate`, and only while the gate is open.  The lane closes the gate before it
   writes an Error frame or closes its streams, so a write-through whose requester was cancelled
@@ -36,7 +38,7 @@ from typing import Callable
 
 import trio
 
-from skippy.stage.errors import StageError
+from skippy.lane.errors import StageError
 from skippy.stage.executor import WorkResult
 from skippy.stage.transport import SocketIO, send_frame, write_failed
 

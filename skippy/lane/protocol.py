@@ -1,4 +1,9 @@
-"""The lane's rules, sans-IO: one table of per-kind rules, events in, actions out.
+"""The lane's rules and state, sans-IO: one table of per-kind rules, events in, actions out.
+
+:class:`StageLane` (at the end) is one lane as one machine: the rules' :class:`LaneProtocol`
+plus everything else a lane decides with (sessions and quota, decode runs, backlogs, the data
+plane's template, identity flags, direct-return timing totals); who performs each step is
+:mod:`skippy.lane.placement`'s.
 
 Strategy (h11's shape, for one upstream lane of a stage; no trio, no sockets, no runtime here):
 :mod:`skippy.stage.connection` reads frames, runs the scheduler and writes bytes; at every step
@@ -60,14 +65,17 @@ import dataclasses
 import enum
 from typing import Awaitable, Callable, Final, Mapping, NamedTuple, final
 
+from skippy.lane.decode_run import DecodeRun, DecodeRunRequest
+from skippy.lane.errors import DownstreamLost, InvalidMessage, Overloaded, UnsupportedKind
+from skippy.lane.timings import DirectTimings
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
-from skippy.protocol_ext import DIRECT_RETURN_FLAG, Annotation, ExtensionNegotiation, TimingsFrame
-from skippy.stage.decode_run import DecodeRun
-from skippy.stage.errors import DownstreamLost, InvalidMessage, UnsupportedKind
+from skippy.protocol_ext import (
+    DIRECT_RETURN_FLAG, MODEL_IDENTITY_FLAG, Annotation, ExtensionNegotiation, TimingsFrame, is_identity_query,
+)
 
 __all__ = [
     "RULES", "Answer", "Dispatch", "Expect", "Forward", "Handling", "KindRule", "LaneProtocol", "Outputs", "Relay",
-    "ReplyUpstream", "SendDownstream", "Ticket",
+    "ReplyUpstream", "SendDownstream", "StageLane", "Ticket",
 ]
 
 
@@ -138,7 +146,7 @@ class KindRule:
     #: over the session's return lane and no stage answers the message upstream.
     direct_return: bool = False
     #: docs/protocol.md §11: with the decode-run flag, the first stage drives the session's decode
-    #: loop itself (:mod:`skippy.stage.decode_run`).
+    #: loop itself (:mod:`skippy.lane.decode_run`).
     decode_run: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
@@ -210,6 +218,8 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
 _ACCEPTED_HEADERS: dict[tuple[int, int, int], tuple[MessageKind, KindRule, bool]] = {}
 #: Bound on that cache: a peer could vary the flag bits at will.
 _ACCEPTED_HEADERS_LIMIT: Final = 256
+#: Session keys: the lane's id above the session id's 64 bits.
+_KEY_BITS: Final = 64
 
 
 @dataclasses.dataclass(slots=True, eq=False)
@@ -265,6 +275,9 @@ class Dispatch(NamedTuple):
     align_to: int | None
     #: docs/protocol.md §8: the prediction goes over the session's return lane (no ticket).
     direct: bool = False
+    #: The session's stage-wide key: the lane's id above the session id's 64 bits (a lane's
+    #: close releases only its own sessions).
+    key: int = 0
 
 
 @final
@@ -344,9 +357,9 @@ class LaneProtocol:
     """
 
     __slots__ = ("credit_limit", "reply_limit", "credits_in_use", "extensions", "_expected", "_tickets", "_writing",
-                 "pending_stats", "inflight", "_chain_lane", "return_lane")
+                 "pending_stats", "inflight", "_chain_lane", "return_lane", "lane_id")
 
-    def __init__(self, credit_limit: int, reply_limit: int = 16) -> None:
+    def __init__(self, credit_limit: int, reply_limit: int = 16, *, lane_id: int = 0) -> None:
         if credit_limit < 1:
             raise ValueError(f"credit_limit must be >= 1 (got {credit_limit})")
         if reply_limit < 1:
@@ -370,6 +383,8 @@ class LaneProtocol:
         self._chain_lane = False
         #: docs/protocol.md §8: the lane opened as a return lane (nothing more may arrive on it).
         self.return_lane = False
+        #: The stage's number for the lane: the upper bits of its sessions' keys.
+        self.lane_id = lane_id
 
     # -- upstream: messages in ------------------------------------------------------------------
     @property
@@ -400,7 +415,8 @@ class LaneProtocol:
                 self._tickets.append(ticket)
         position = message.pos_start
         return Dispatch(message, kind, rule, ticket, rule.early_ack,
-                        position if rule.auto_align and position >= 0 else None, direct)
+                        position if rule.auto_align and position >= 0 else None, direct,
+                        (self.lane_id << _KEY_BITS) | (message.session_id or 0))
 
     def _lane_rule(self, message: StageMessage) -> tuple[MessageKind, KindRule, bool]:
         """``rule_for`` plus the lane's own rule (docs/protocol.md §8): a return lane is opened by
@@ -549,3 +565,164 @@ class LaneProtocol:
             self.credits_in_use -= 1
             return Relay(forward, absorb=True)
         return Relay(forward, release=expect is Expect.STOP_ACK, prediction=kind == ReplyKind.PREDICTED_TOKEN)
+
+
+class StageLane(LaneProtocol):
+    """All of one upstream lane's state: the rules above (tickets, credits, the writer token) plus
+    the sessions it holds and its quota, its decode runs (§11) and their pending steps, the
+    backlogs of its compute and forward tasks, the data plane's template, the identity flags of
+    §9 and the direct-return timing totals (§8).  Who performs each step is
+    :func:`skippy.lane.placement.placement`'s to say.
+
+    Args:
+        lane_id: the stage's number for the lane (session keys are namespaced by it).
+        credit_limit / reply_limit: as :class:`~skippy.lane.protocol.LaneProtocol`.
+        session_quota: sessions the lane may hold (0: no quota).
+        peer: the upstream's address, for refusals.
+    """
+
+    __slots__ = ("session_quota", "peer", "sessions", "compute_backlog", "forward_backlog", "runs",
+                 "run_steps", "relay_frame", "relay_lane", "lane_used", "identity_aware", "direct_timings",
+                 "forwarding_done")
+
+    def __init__(self, lane_id: int, credit_limit: int, reply_limit: int = 16, *, session_quota: int = 0,
+                 peer: str = "") -> None:
+        super().__init__(credit_limit, reply_limit, lane_id=lane_id)
+        self.session_quota = session_quota
+        self.peer = peer
+        #: Session keys this lane opened (released when it closes).
+        self.sessions: set[int] = set()
+        #: Messages handed to the compute task and not finished; frames handed to the forwarder
+        #: and not yet written (0: the task is idle, nothing queued).
+        self.compute_backlog = 0
+        self.forward_backlog = 0
+        #: §11: the decode runs this lane drives, by session id, and their next steps waiting
+        #: for the compute task (taken before its channel): (dispatch, received_us, held bytes).
+        self.runs: dict[int, DecodeRun] = {}
+        self.run_steps: collections.deque[tuple[Dispatch, int, int]] = collections.deque()
+        #: The data plane's template: the frame (or, on the final stage, the reply) the last
+        #: direct-return decode went out as, and the return lane it went into (final stage).
+        self.relay_frame: bytes | None = None
+        self.relay_lane: object | None = None
+        #: §9: a message came (an identity query is only a lane's first), and the upstream
+        #: flags bit 12 (it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
+        self.lane_used = False
+        self.identity_aware = False
+        #: §8: the direct-return messages' timing totals, per session (the Stop ACK's Timings).
+        self.direct_timings = DirectTimings()
+        #: The forwarder ended (no frame will be written downstream any more).
+        self.forwarding_done = False
+
+    # -- sessions -------------------------------------------------------------------------------
+    def key_of(self, session_id: int) -> int:
+        """The stage-wide key of this lane's ``session_id`` (a lane's close releases only its own)."""
+        return (self.lane_id << _KEY_BITS) | (session_id or 0)
+
+    def claim(self, key: int) -> None:
+        """Count session ``key`` as this lane's.
+
+        Raises:
+            Overloaded: a new session beyond the lane's quota.
+        """
+        sessions = self.sessions
+        if key not in sessions:
+            quota = self.session_quota
+            if quota and len(sessions) >= quota:
+                raise Overloaded(f"lane from {self.peer} already holds {len(sessions)} sessions, its quota "
+                                 f"(--session-quota {quota}); session {key & ((1 << _KEY_BITS) - 1)} refused")
+            sessions.add(key)
+
+    def has_session(self, session_id: int) -> bool:
+        """Whether ``session_id`` is open on this chain lane (a return lane holds none)."""
+        return not self.return_lane and self.key_of(session_id) in self.sessions
+
+    # -- upstream: messages in (the lane's events) ------------------------------------------------
+    def received(self, message: StageMessage, *, run_flagged: bool, is_first: bool
+                 ) -> tuple[Dispatch | None, DecodeRun | None]:
+        """A decoded message arrived: its dispatch, and the decode run it starts if it is a run's
+        flagged first step; (None, None) for an identity query arriving as the lane's first
+        message (§9: the lane answers the Identity frame and closes).  Any message for a session
+        ends that session's run.
+
+        Raises:
+            UnsupportedKind / InvalidMessage: the message is refused (the lane closes).
+        """
+        if message.state.flags & MODEL_IDENTITY_FLAG:
+            self.identity_aware = True  # §9: it understands MODEL_MISMATCH
+            if not self.lane_used and is_identity_query(message):
+                return None, None
+        self.lane_used = True
+        dispatch = self.message_received(message)
+        if self.runs:
+            run = self.runs.pop(message.session_id, None)
+            if run is not None:
+                run.cancelled = True
+        if not run_flagged:
+            return dispatch, None
+        return self._start_run(dispatch, is_first=is_first)
+
+    def _start_run(self, dispatch: Dispatch, *, is_first: bool) -> tuple[Dispatch, DecodeRun]:
+        """§11: register the run a flagged DecodeEmbd starts; its first step is the message
+        without the flag and its metadata.
+
+        Raises:
+            InvalidMessage: the flag on another kind, on a lane that did not negotiate the
+                extensions, with direct return, on a stage that is not first, or a bad run section.
+        """
+        message = dispatch.message
+        where = f"{dispatch.kind.reference_name} with the decode-run flag (docs/protocol.md §11)"
+        if not dispatch.rule.decode_run:
+            raise InvalidMessage(f"{where}: a decode run starts with a DecodeEmbd only")
+        if not self.extensions.enabled:
+            raise InvalidMessage(f"{where}: the lane did not negotiate skippy's extensions (state flag bit 10)")
+        if dispatch.direct:
+            raise InvalidMessage(f"{where}: a decode run cannot also ask for direct return")
+        if not is_first:
+            raise InvalidMessage(f"{where}: only the chain's first stage runs a decode loop")
+        try:
+            request = DecodeRunRequest.from_metadata(message.chat_sampling_metadata)
+        except ValueError as exc:
+            raise InvalidMessage(f"{where} refused: {exc}") from None
+        assert dispatch.ticket is not None
+        run = DecodeRun(message, request)
+        self.runs[message.session_id] = run
+        dispatch.ticket.run = run
+        return dispatch._replace(message=run.first_message(message)), run
+
+    def run_predicted(self, ticket: Ticket, token: int, received_us: int) -> tuple[bool, Dispatch | None]:
+        """§11: a run's step predicted ``token`` (its reply is about to be answered).  Returns
+        whether this is the run's first reply (it announces the run) and the next step's
+        dispatch, queued in :attr:`run_steps` for the compute task (None: the run is over)."""
+        run = ticket.run
+        assert run is not None
+        message = run.advance(token)
+        step = None
+        if message is None:
+            if self.runs.get(run.session_id) is run:
+                del self.runs[run.session_id]
+        else:
+            step = self.message_received(message)
+            assert step.ticket is not None
+            step.ticket.run = run
+            self.compute_backlog += 1
+            self.run_steps.append((step, received_us, 0))
+        first = not run.announced
+        run.announced = True
+        return first, step
+
+    def end_runs(self) -> None:
+        """The upstream ended: no run starts another step."""
+        for run in self.runs.values():
+            run.cancelled = True
+        self.runs.clear()
+
+    # -- placement ------------------------------------------------------------------------------
+    @property
+    def quiet(self) -> bool:
+        """Nothing queued, in flight, expected from downstream or running on the lane."""
+        return not (self.compute_backlog or self.forward_backlog or self.runs or self.inflight or self.expecting)
+
+    def reply_next(self, ticket: Ticket | None) -> bool:
+        """Whether ``ticket``'s reply is next in line with the writer token free (a write made
+        elsewhere may then claim it: :meth:`claim_reply_write`)."""
+        return ticket is not None and not self._writing and bool(self._tickets) and self._tickets[0] is ticket

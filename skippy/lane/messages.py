@@ -2,7 +2,7 @@
 
 Strategy: pure conversions (no I/O, no runtime calls), so :mod:`skippy.stage.connection` only
 moves bytes and runs tasks, and every refusal of a message's values is raised here as
-:class:`~skippy.stage.errors.InvalidMessage` (``STATE_MISMATCH`` on the wire) before anything
+:class:`~skippy.lane.errors.InvalidMessage` (``STATE_MISMATCH`` on the wire) before anything
 runs.  Decoded frames carry int32 / float32 arrays already, so the per-token path converts
 nothing (builtin dtypes are singletons: identity is the cheap test); the forwarded message is
 built field by field (two ``dataclasses.replace`` calls per message cost more: a fields() walk
@@ -12,19 +12,20 @@ each).
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import numpy as np
 import numpy.typing as npt
 
 from skippy.protocol import (
-    MessageKind, ReplyStats, StageMessage, StageReply, StateFlag, StateHeader, WireDType,
+    MessageKind, ReplyStats, SamplingConfig, StageMessage, StageReply, StateFlag, StateHeader, WireDType,
     activation_row_multiplier,
 )
 from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
-from skippy.stage.errors import InvalidMessage, StageError
-from skippy.stage.executor import WorkItem, WorkResult, sampling_params
-from skippy.stage.lane import timing_stats
-from skippy.stage.lane_protocol import Dispatch
+from skippy.lane.errors import InvalidMessage, StageError
+from skippy.lane.protocol import Dispatch
+from skippy.lane.stats import timing_stats
+from skippy.lane.work import WorkItem, WorkResult
 
 __all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "work_item"]
 
@@ -57,7 +58,8 @@ def rows_to_wire(activations: npt.NDArray[np.float32], parts: int) -> npt.NDArra
 
 
 def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_rows: int = 0,
-              reads_tokens: bool = False, sideband_flag: int = 0) -> WorkItem:
+              reads_tokens: bool = False, sideband_flag: int = 0,
+              sampling: Callable[[SamplingConfig], Any] | None = None) -> WorkItem:
     """The runtime's view of an executable message (session ``key``).
 
     Every count the peer sent is checked against the frame's own contents (the token ids on the
@@ -73,6 +75,9 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         sideband_flag: the state flag of the sideband the stage's architecture carries beside
             the hidden state (a wide boundary, patch 0012; 0: none): a later stage's frame must
             set exactly it, and its activation holds the rows it implies.
+        sampling: turns a message's sampling section into the runtime's settings (the stage's
+            ``executor.sampling_params``, raising InvalidMessage for values it cannot use); the
+            lane rules never load the runtime themselves.
 
     Raises:
         InvalidMessage: no rows, more rows than the stage holds, no positions, a missing or
@@ -150,10 +155,16 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
     prefill = kind.is_prefill
     return WorkItem(
         key, positions, tokens if is_first or reads_tokens else None, activations, dispatch.align_to, dispatch.rule.outputs,
-        None if message.sampling is None else sampling_params(message.sampling),
+        None if message.sampling is None else _sampling(sampling, message.sampling),
         tokens if prefill and tokens.shape[0] == count else None,
         prefill, kind is MessageKind.PREFILL_FINAL_EMBD,
     )
+
+
+def _sampling(convert: Callable[[SamplingConfig], Any] | None, config: SamplingConfig) -> Any:
+    if convert is None:
+        raise TypeError("work_item: a message with a sampling section needs the sampling converter")
+    return convert(config)
 
 
 def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_dtype: WireDType,

@@ -1,0 +1,220 @@
+"""The lane's sans-IO rules package (skippy.lane): its parts, without sockets, and its imports."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skippy.lane.errors import InvalidMessage, Overloaded, UnsupportedKind
+from skippy.lane.placement import FACTS_READ, Facts, Performer, Step, placement
+from skippy.lane.protocol import RULES, Handling, StageLane
+from skippy.lane.timings import DirectTimings
+from skippy.protocol import MessageKind, StageMessage
+from skippy.protocol_ext import (
+    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingRecord,
+    identity_query,
+)
+
+
+def test_direct_timings_sum_per_session_and_are_taken_once() -> None:
+    totals = DirectTimings()
+    totals.add(7, compute_us=10, write_us=2, queue_us=1, batch_size=1)
+    totals.add(7, compute_us=30, write_us=3, queue_us=-5, batch_size=4, messages=3)  # a relay run's 3
+    totals.add(8, compute_us=1, write_us=1)
+    assert totals.take(7, stage_index=1, layer_start=2, layer_end=4) == TimingRecord(1, 2, 4, 4, 40, 5, 0, 1)
+    assert totals.take(7, stage_index=1, layer_start=2, layer_end=4) is None  # taken: the next Stop has none
+    totals.add(9, compute_us=0, write_us=0, messages=0)  # a relay run that carried nothing
+    assert totals.take(9, stage_index=0, layer_start=0, layer_end=2) is None
+    totals.discard(8)
+    assert len(totals) == 0
+    assert totals.take(5, stage_index=-1, layer_start=0, layer_end=1) is None
+
+
+def test_the_lane_package_imports_nothing_heavy() -> None:
+    """lane ↛ trio / net / runtime: the rules load in a fresh interpreter without them."""
+    package = Path(__file__).resolve().parent.parent / "skippy" / "lane"
+    names = sorted(f"skippy.lane.{path.stem}" for path in package.glob("*.py") if path.stem != "__init__")
+    assert {"skippy.lane.protocol", "skippy.lane.messages", "skippy.lane.errors"} <= set(names)
+    code = f"import sys, json; import {', '.join(names)}; print(json.dumps(sorted(sys.modules)))"
+    modules = json.loads(subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                                        text=True).stdout)
+    heavy = [name for name in modules if name.split(".")[0] in ("trio", "socket", "ssl", "cffi", "_cffi_backend")
+             or name.startswith(("skippy.stage", "skippy.runtime", "skippy.net", "skippy.driver", "skippy._llama"))]
+    assert heavy == []
+
+
+# -- placement: who performs each step (every combination of the facts) -----------------------
+
+
+#: One rule per distinct (write_through_down, write_through_up): what placement reads of a rule.
+_RULES = [None, *{(rule.write_through_down, rule.write_through_up): rule for rule in RULES.values()
+                  if rule.handling is not Handling.REFUSE}.values()]
+
+
+def _every_facts(step: Step) -> list[Facts]:
+    """Every combination of the facts ``step`` reads (the rest at their defaults)."""
+    fields = FACTS_READ[step]
+    return [Facts(**dict(zip(fields, values))) for values in itertools.product((False, True), repeat=len(fields))]
+
+
+def test_placement_reads_only_the_facts_it_names() -> None:
+    """Flipping a fact a step does not read never changes who performs it (every step, rule and
+    combination of what it reads, each unread fact flipped alone and all of them at once)."""
+    for step in Step:
+        unread = [name for name in Facts._fields if name not in FACTS_READ[step]]
+        for rule in _RULES:
+            for facts in _every_facts(step):
+                who = placement(step, rule, facts)
+                flipped_all = facts._replace(**{name: not getattr(facts, name) for name in unread})
+                assert placement(step, rule, flipped_all) is who, (step, facts)
+                for name in unread:
+                    assert placement(step, rule, facts._replace(**{name: not getattr(facts, name)})) is who
+
+
+def test_placement_keeps_one_writer_per_stream_credits_and_plain_sockets() -> None:
+    """Every (step, rule, facts): the module header's invariants hold, and every performer a
+    step may have is reached by some facts."""
+    reached: dict[Step, set[Performer]] = {step: set() for step in Step}
+    for step in Step:
+        for rule in _RULES:
+            for facts in _every_facts(step):
+                who = placement(step, rule, facts)
+                reached[step].add(who)
+                if who is Performer.RECEIVING_TASK:  # inline: nothing queued, not early-ACKed
+                    assert facts.inline_hand_offs and facts.compute_idle and not facts.early_ack
+                if who in (Performer.HANDLING_TASK, Performer.RUNTIME_THREAD) and step is Step.WRITE_DOWN:
+                    assert facts.forward_idle and not facts.credited and not facts.wire_delay
+                if who is Performer.RUNTIME_THREAD:
+                    assert facts.write_through and facts.before_compute and rule is not None
+                    if step is Step.WRITE_DOWN:
+                        assert rule.write_through_down and facts.downstream_socket
+                    else:
+                        assert rule.write_through_up and facts.reply_next and facts.upstream_socket
+                        assert not facts.reply_delay and not facts.direct
+                if who is Performer.DATA_PLANE:
+                    assert facts.decode_relay and facts.template and facts.quiet
+                    assert facts.upstream_socket and facts.downstream_socket
+                    assert not facts.wire_delay and not facts.reply_delay
+                if facts.credited and step is Step.WRITE_DOWN:
+                    assert who is Performer.FORWARD_TASK
+    assert reached == {
+        Step.HANDLE: {Performer.RECEIVING_TASK, Performer.COMPUTE_TASK},
+        Step.WRITE_DOWN: {Performer.RUNTIME_THREAD, Performer.HANDLING_TASK, Performer.FORWARD_TASK},
+        Step.WRITE_UP: {Performer.RUNTIME_THREAD, Performer.HANDLING_TASK},
+        Step.CARRY_NEXT: {Performer.DATA_PLANE, Performer.NOBODY},
+    }
+
+
+def test_with_every_shortcut_off_each_step_takes_the_plain_performer() -> None:
+    plain = {Step.HANDLE: Performer.COMPUTE_TASK, Step.WRITE_DOWN: Performer.FORWARD_TASK,
+             Step.WRITE_UP: Performer.HANDLING_TASK, Step.CARRY_NEXT: Performer.NOBODY}
+    off = {"inline_hand_offs": False, "write_through": False, "decode_relay": False}
+    for step in Step:
+        for facts in _every_facts(step):
+            for rule in _RULES:
+                assert placement(step, rule, facts._replace(**off)) is plain[step]
+
+
+@pytest.mark.parametrize("kind", [MessageKind.DECODE_EMBD, MessageKind.VERIFY_WINDOW, MessageKind.PREFILL_EMBD,
+                                  MessageKind.STOP])
+def test_each_kind_is_written_by_the_runtime_thread_only_when_its_rule_says(kind: MessageKind) -> None:
+    rule = RULES[kind]
+    down = placement(Step.WRITE_DOWN, rule, Facts(before_compute=True, credited=rule.credit))
+    up = placement(Step.WRITE_UP, rule, Facts(before_compute=True, reply_next=True))
+    assert (down is Performer.RUNTIME_THREAD) == rule.write_through_down
+    assert (up is Performer.RUNTIME_THREAD) == rule.write_through_up
+    # once computed, only a task writes (and a busy forwarder keeps the order)
+    assert placement(Step.WRITE_DOWN, rule, Facts(credited=rule.credit)) is (
+        Performer.FORWARD_TASK if rule.credit else Performer.HANDLING_TASK)
+    assert placement(Step.WRITE_DOWN, rule, Facts(forward_idle=False)) is Performer.FORWARD_TASK
+
+
+# -- StageLane: the lane's own state (sans-IO) -------------------------------------------------
+
+def _message(kind: MessageKind, session: int = 1, *, flags: int = SKIPPY_EXTENSIONS_FLAG, metadata: str | None = None,
+             position: int = 4) -> StageMessage:
+    message = StageMessage.create(kind, pos_start=position, token_count=1, session_id=session,
+                                  tokens=np.asarray([7], dtype=np.int32), state_changes={"current_token": 7})
+    header = message.state
+    message = dataclasses.replace(message, state=dataclasses.replace(header, flags=header.flags | flags),
+                                  chat_sampling_metadata=metadata)
+    return message
+
+
+def test_sessions_are_namespaced_by_lane_and_bounded_by_its_quota() -> None:
+    lane = StageLane(3, 1, session_quota=2, peer="u:1")
+    first, second = lane.key_of(1), lane.key_of(2)
+    assert first >> 64 == 3 and first & 0xFFFF == 1
+    lane.claim(first)
+    lane.claim(first)  # the same session again: no new claim
+    lane.claim(second)
+    with pytest.raises(Overloaded, match="already holds 2 sessions"):
+        lane.claim(lane.key_of(9))
+    assert lane.has_session(1) and not lane.has_session(9)
+
+
+def test_an_identity_query_is_answered_only_as_the_first_message() -> None:
+    lane = StageLane(1, 1)
+    assert lane.received(identity_query(), run_flagged=False, is_first=True) == (None, None)
+    assert lane.identity_aware and not lane.lane_used
+    lane = StageLane(1, 1)
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD), run_flagged=False, is_first=True)
+    assert dispatch is not None and dispatch.key == lane.key_of(1) and not lane.identity_aware
+    with pytest.raises(UnsupportedKind):  # not the first message: the rules refuse it
+        lane.received(identity_query(), run_flagged=False, is_first=True)
+    aware = StageLane(1, 1)
+    dispatch, _ = aware.received(_message(MessageKind.DECODE_EMBD, flags=MODEL_IDENTITY_FLAG), run_flagged=False,
+                                 is_first=True)
+    assert dispatch is not None and aware.identity_aware  # it is sent MODEL_MISMATCH from now on
+
+
+def test_a_decode_run_starts_steps_and_any_message_for_its_session_ends_it() -> None:
+    lane = StageLane(1, 1)
+    metadata = json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 3, "stop_tokens": [99]}})
+    flagged = _message(MessageKind.DECODE_EMBD, flags=SKIPPY_EXTENSIONS_FLAG | DECODE_RUN_FLAG, metadata=metadata)
+    dispatch, run = lane.received(flagged, run_flagged=True, is_first=True)
+    assert dispatch is not None and run is not None and lane.runs == {1: run} and not lane.quiet
+    assert not dispatch.message.state.flags & DECODE_RUN_FLAG and dispatch.message.chat_sampling_metadata is None
+    assert dispatch.ticket is not None and dispatch.ticket.run is run
+    first, step = lane.run_predicted(dispatch.ticket, 5, 0)
+    assert first and step is not None and step.message.pos_start == 5 and lane.compute_backlog == 1
+    assert lane.run_steps[0][0] is step
+    again, _ = lane.run_predicted(step.ticket, 6, 0)  # type: ignore[arg-type]
+    assert not again
+    lane.received(_message(MessageKind.STOP), run_flagged=False, is_first=True)
+    assert not lane.runs and run.cancelled
+
+
+@pytest.mark.parametrize("case, is_first, flags, kind, text", [
+    ("not first", False, SKIPPY_EXTENSIONS_FLAG, MessageKind.DECODE_EMBD, "only the chain's first stage"),
+    ("not negotiated", True, 0, MessageKind.DECODE_EMBD, "did not negotiate"),
+    ("another kind", True, SKIPPY_EXTENSIONS_FLAG, MessageKind.DECODE_READOUT, "starts with a DecodeEmbd only"),
+    ("bad section", True, SKIPPY_EXTENSIONS_FLAG, MessageKind.DECODE_EMBD, "refused"),
+])
+def test_a_decode_run_refusal_names_its_reason(case: str, is_first: bool, flags: int, kind: MessageKind,
+                                               text: str) -> None:
+    metadata = "{}" if case == "bad section" else json.dumps({DECODE_RUN_METADATA_KEY: {"max_tokens": 2}})
+    message = _message(kind, flags=flags | DECODE_RUN_FLAG, metadata=metadata)
+    with pytest.raises(InvalidMessage, match=text):
+        StageLane(1, 1).received(message, run_flagged=True, is_first=is_first)
+
+
+def test_the_lane_is_quiet_only_with_nothing_queued_in_flight_or_running() -> None:
+    lane = StageLane(1, 1)
+    assert lane.quiet
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD), run_flagged=False, is_first=True)
+    assert dispatch is not None
+    assert not lane.quiet and lane.reply_next(dispatch.ticket) and not lane.reply_next(None)
+    assert lane.claim_reply_write(dispatch.ticket)  # type: ignore[arg-type]
+    assert not lane.reply_next(dispatch.ticket)
+    lane.replies_written(1)
+    assert lane.quiet
+    lane.forward_backlog = 1
+    assert not lane.quiet

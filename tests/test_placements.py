@@ -1,0 +1,238 @@
+"""A shortcut is a placement: every placement of every step gives the same bytes on every boundary.
+
+``tests/test_stage_lanes.py::test_shortcuts_change_no_byte`` runs every served kind through null
+stages under each combination of the lane's switches.  This module does the same on the real
+runtime (the tiny generated llama, f32 wire, one thread: bitwise logits) and through the driver,
+for each way a request travels: hop by hop one DecodeEmbd per token, a decode run (§11), direct
+return (§8, where the data plane carries the steady decodes), speculation (verify windows) and a
+grammar (the sampling extension, §10).  Each (switches, path) run records the bytes crossing
+every boundary (driver → stage 0 → stage 1 → stage 2, and the return lane) with a tap; messages
+must match byte for byte, replies after zeroing the measured durations (stats and Timings
+records).  The tokens must equal the one-stage chain's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from contextlib import asynccontextmanager
+import itertools
+from pathlib import Path
+from typing import Any, AsyncIterator, Iterator
+
+import pytest
+import trio
+
+from skippy.driver import StageClient
+from skippy.driver.generator import GenerationRequest, Generator
+from skippy.driver.speculation.controller import CostModel
+from skippy.protocol import END_OF_STREAM, NEED_DATA, StageReply
+from skippy.protocol_ext import TimingsFrame
+from skippy.runtime.sampling import SamplingParams
+from skippy.stage.config import Address, config_from_mapping
+from skippy.stage.server import StageServer, load_runtime
+from skippy.stage.transport import codec
+
+SPLITS = ["0:1", "1:3", "3:4"]
+PROMPT = "The quick brown fox jumps over the lazy dog, and then"
+SEEDED = SamplingParams(temperature=0.9, top_k=40, seed=1234)
+#: path -> (request fields, generator settings).
+PATHS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
+    "hop": ({"sampling": SEEDED, "speculation": False}, {"direct": False, "decode_runs": False}),
+    "run": ({"sampling": SEEDED, "speculation": False}, {"direct": False, "decode_runs": True}),
+    "direct": ({"sampling": SEEDED, "speculation": False}, {"direct": True, "decode_runs": True}),
+    # (a looping prompt: the n-gram proposer drafts from the repeats)
+    "speculation": ({"speculation": True, "prompt": " ".join([PROMPT] * 4), "max_tokens": 16},
+                    {"direct": False, "decode_runs": False}),
+    "grammar": ({"sampling": SEEDED, "speculation": False, "grammar": 'root ::= [a-z ]+ "."'},
+                {"direct": True, "decode_runs": True}),
+}
+SWITCHES = ("write_through", "inline_hand_offs", "decode_relay")
+#: Reply-stats fields that hold measured durations (or depend on which one was largest).
+_MEASURED = ("verify_window_compute_us", "verify_window_forward_write_us", "verify_window_downstream_wait_us",
+             "verify_window_total_us", "prefill_edge_write_us_max", "prefill_edge_wait_us_max",
+             "prefill_edge_total_us_max", "prefill_edge_stage_index", "prefill_edge_activation_bytes_max")
+
+
+class Tap:
+    """A TCP relay in front of a stage that records the bytes of each connection, both ways."""
+
+    def __init__(self, target: Address) -> None:
+        self.target = target
+        #: Per connection, in accept order: (bytes sent to the stage, bytes it answered).
+        self.connections: list[tuple[bytearray, bytearray]] = []
+
+    async def serve(self, stream: trio.SocketStream) -> None:
+        down, up = bytearray(), bytearray()
+        self.connections.append((down, up))
+        downstream = await trio.open_tcp_stream(self.target.host, self.target.port)
+
+        async def pump(source: trio.SocketStream, sink: trio.SocketStream, record: bytearray) -> None:
+            while data := await source.receive_some(1 << 16):
+                record += data
+                await sink.send_all(data)
+            await sink.send_eof()
+
+        async with downstream, trio.open_nursery() as nursery:
+            nursery.start_soon(pump, stream, downstream, down)
+            nursery.start_soon(pump, downstream, stream, up)
+
+    def record(self) -> list[tuple[bytes, list[object]]]:
+        """Each connection's message bytes and its answers, measured durations zeroed."""
+        return [(bytes(down), _replies(bytes(up[4:]))) for down, up in self.connections]  # (after READY)
+
+
+def _replies(data: bytes) -> list[object]:
+    decoder = codec.ReplyDecoder(extensions=True)
+    decoder.receive_data(data)
+    frames: list[object] = []
+    while (frame := decoder.next_reply()) is not NEED_DATA and frame is not END_OF_STREAM:
+        if isinstance(frame, StageReply):
+            frame = dataclasses.replace(frame, stats=dataclasses.replace(frame.stats, **dict.fromkeys(_MEASURED, 0)))
+        elif isinstance(frame, TimingsFrame):
+            frame = TimingsFrame(tuple(dataclasses.replace(record, compute_us=0, forward_write_us=0,
+                                                           downstream_wait_us=0, queue_wait_us=0)
+                                       for record in frame.records))
+        frames.append(frame)
+    return frames
+
+
+@dataclasses.dataclass
+class Chain:
+    servers: list[StageServer]
+    #: taps[i]: stage i's upstream boundary (taps[0]: the driver's lane to stage 0).
+    taps: list[Tap]
+    #: The tap in front of the final stage that return lanes go through, and the addresses to dial.
+    returns: Tap
+    entry: Address
+    return_address: Address
+
+
+@asynccontextmanager
+async def tapped_chain(model: Path, **switches: bool) -> AsyncIterator[Chain]:
+    """Stages ``SPLITS`` of ``model``, each behind a tap, and a tap for return lanes."""
+    async with trio.open_nursery() as nursery:
+
+        async def tap_in_front(address: Address) -> tuple[Tap, Address]:
+            tap = Tap(address)
+            listeners = await nursery.start(functools.partial(trio.serve_tcp, tap.serve, 0, host="127.0.0.1"))
+            return tap, Address("127.0.0.1", listeners[0].socket.getsockname()[1])
+
+        servers: list[StageServer] = []
+        taps: list[Tap] = []
+        downstream: Address | None = None
+        for layers in reversed(SPLITS):
+            config = config_from_mapping({"model": str(model), "layers": layers, "downstream": downstream,
+                                          "ctx_size": 512, "batch_size": 64, "connect_timeout": 2, **switches})
+            server = StageServer(config, load_runtime(config))
+            address = await nursery.start(server.serve)
+            tap, downstream = await tap_in_front(address)
+            servers.insert(0, server)
+            taps.insert(0, tap)
+        returns, return_address = await tap_in_front(servers[-1].address)  # type: ignore[arg-type]
+        assert downstream is not None
+        try:
+            yield Chain(servers, taps, returns, downstream, return_address)
+        finally:
+            for server in servers:
+                server.shutdown()
+            nursery.cancel_scope.cancel()
+
+
+@pytest.fixture(scope="module")
+def generator(tiny_llama: Path) -> Iterator[Generator]:
+    gen = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=5)  # a fixed chunking: bitwise comparable
+    gen.prefix_cache = False
+    yield gen
+    gen.close()
+
+
+async def run_path(generator: Generator, model: Path, path: str, **switches: bool
+                   ) -> tuple[list[int], list[list[tuple[bytes, list[object]]]], dict[str, int]]:
+    """One request on ``path`` through the tapped chain: its tokens, each boundary's (message
+    bytes, normalized replies), and the chain's shortcut counters."""
+    fields, settings = PATHS[path]
+    request = _request(generator, fields)
+    async with tapped_chain(model, **switches) as chain:
+        generator.direct_return = (lambda: chain.return_address) if settings["direct"] else None
+        generator.decode_runs = settings["decode_runs"]
+        try:
+            async with await StageClient.connect(chain.entry) as client:
+                completion = await generator.generate(client, request, 1)
+        finally:
+            generator.direct_return, generator.decode_runs = None, True
+        await trio.sleep(0.05)  # the taps pass on the last bytes
+        stats = [server.stats for server in chain.servers]
+        counters = {"write_throughs": sum(s.write_throughs for s in stats),
+                    "relay_steps": sum(s.decode_relay_steps for s in stats),
+                    "direct_replies": stats[-1].direct_replies, "decode_runs": stats[0].decode_runs,
+                    "verify_windows": stats[-1].verify_windows}
+        boundaries = [tap.record() for tap in (*chain.taps, chain.returns)]
+    return completion.tokens, boundaries, counters
+
+
+def _request(generator: Generator, fields: dict[str, Any]) -> GenerationRequest:
+    fields = dict(fields)
+    prompt = tuple(generator.encode(fields.pop("prompt", PROMPT)))
+    return GenerationRequest(prompt, fields.pop("max_tokens", 10), **fields)
+
+
+_UNSPLIT: dict[str, list[int]] = {}
+
+
+async def unsplit(generator: Generator, model: Path, path: str) -> list[int]:
+    """The one-stage chain's tokens for ``path``'s request."""
+    if path not in _UNSPLIT:
+        from stage_helpers import inprocess_chain
+
+        fields, _ = PATHS[path]
+        request = _request(generator, fields)
+        async with inprocess_chain(["0:4"], model=str(model), ctx_size=512) as servers:
+            async with await StageClient.connect(servers[0].address) as client:
+                _UNSPLIT[path] = (await generator.generate(client, request, 1)).tokens
+    return _UNSPLIT[path]
+
+
+def settings_direct(path: str) -> bool:
+    return bool(PATHS[path][1]["direct"])
+
+
+_COMBINATIONS = [dict(zip(SWITCHES, values)) for values in itertools.product((True, False), repeat=len(SWITCHES))]
+
+
+#: The default path (direct return, where the data plane runs) in the fast suite; the rest in the full one.
+@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path == "direct" else pytest.mark.slow)
+                                  for path in sorted(PATHS)])
+async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_llama: Path,
+                                                                      path: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The speculation controller sizes its windows from measured times: give it fixed ones, so
+    # the driver sends the same windows whatever the placements (it measures them, not us).
+    observe = CostModel.observe
+
+    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True) -> None:
+        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone)
+
+    monkeypatch.setattr(CostModel, "observe", steady)
+    reference = await unsplit(generator, tiny_llama, path)
+    tokens, boundaries, counters = await run_path(generator, tiny_llama, path, **_COMBINATIONS[0])
+    assert tokens == reference
+    assert all(any(down for down, _ in boundary) for boundary in boundaries[:-1])  # every boundary carried messages
+    assert bool(boundaries[-1]) == settings_direct(path)
+    settings = PATHS[path][1]
+    assert (counters["direct_replies"] > 0) == settings["direct"]
+    assert (counters["decode_runs"] > 0) == (settings["decode_runs"] and not settings["direct"])
+    assert (counters["verify_windows"] > 0) == (path == "speculation")
+    if path == "direct":
+        assert counters["relay_steps"] > 0  # the data plane carried the steady decodes
+    for switches in _COMBINATIONS[1:]:
+        other_tokens, other_boundaries, other_counters = await run_path(generator, tiny_llama, path, **switches)
+        assert other_tokens == reference, switches
+        assert len(other_boundaries) == len(boundaries)
+        for index, (mine, theirs) in enumerate(zip(boundaries, other_boundaries)):
+            assert len(theirs) == len(mine), (switches, f"connections across boundary {index}")
+            for (down, up), (other_down, other_up) in zip(mine, theirs):
+                assert other_down == down, (switches, f"messages across boundary {index}")
+                assert other_up == up, (switches, f"replies across boundary {index}")
+        assert (other_counters["write_throughs"] > 0) == switches["write_through"], switches
+        if not switches["decode_relay"]:
+            assert other_counters["relay_steps"] == 0
