@@ -25,9 +25,9 @@ NEVERS: tuple[tuple[str, tuple[str, ...], bool], ...] = (
     # the driver and the API talk to stages over the wire; they share the codec and the network layer
     ("skippy.driver", ("skippy.stage",), True),
     ("skippy.api", ("skippy.stage",), True),
-    # the lane's rules are sans-IO: no event loop, no sockets, no native runtime (direct imports:
-    # skippy/stage/__init__.py loads the server, so make it transitive where the rules live alone)
-    ("skippy.stage.lane_protocol", ("trio", "socket", "skippy.net", "skippy.runtime"), False),
+    # the lane's rules are sans-IO: no event loop, no sockets, no native runtime, no server
+    ("skippy.lane", ("trio", "socket", "ssl", "cffi", "skippy.net", "skippy.runtime", "skippy.stage",
+                     "skippy.driver", "skippy.api", "skippy.deploy"), True),
     # the codec is sans-IO and below everything that uses it
     ("skippy.codec", ("trio", "socket", "ssl", "skippy.net", "skippy.runtime", "skippy.stage", "skippy.driver",
                       "skippy.api", "skippy.deploy"), True),
