@@ -127,6 +127,9 @@ SPLIT += ("nanbeige",)
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
 SPLIT += ("rwkv7", "arwkv7", "gemma3n")
+#
+#: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
+SPLIT += ("deepseek4",)
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -250,6 +253,21 @@ STREAMS = re.compile(r"\bn_altup\b")
 STREAMS_ROWS = 4  # llama.cpp's n_altup (src/llama-hparams.h), which the protocol's AltUp flag carries
 STREAMS_IN = "inpL = build_stage_streams_in(inpL); // skippy: a later stage takes the streams as its input rows"
 
+#: Generic rule for hyper-connections (DeepSeek V4, GLM-5 Next, HY V4, Qwen4-exp): the layers carry
+#: hc_mult parallel residual streams as [n_embd, hc_mult, n_tokens] (a token's streams side by side,
+#: the layout of one wide row).  The boundary is wide (patch 0012) with ``hparams.dsv4_hc_mult``
+#: rows, which the protocol's boundary-rows extension announces (docs/protocol.md §12); a later
+#: stage takes its streams from its input rows before the loop (patch 0013).
+HYPER = re.compile(r"\bhparams\.dsv4_hc_mult\b")
+HYPER_ROWS = 0  # Arch.stage_rows: the model's hyper-connection count (hparams.dsv4_hc_mult)
+HYPER_IN = "{var} = build_stage_hc_in({var}); // skippy: a later stage takes the streams as its input rows"
+#: Layers that read the token ids themselves (DeepSeek V4's hash routing of the first
+#: hash_layer_count layers: experts by token id): every later stage receives them (patch 0010).
+TOKEN_READS = (("res->t_inp_tokens", "build_stage_inp_tokens()"),)
+#: A modality test by the batch's input embeddings (a media batch has embeddings, no token ids): a
+#: later stage's text batch holds both (the hidden state beside the ids), so the test reads the ids.
+MEDIA_TEST = ("ubatch.embd != nullptr", "ubatch.token == nullptr")
+
 #: What a stage past the first receives beside the hidden state (``Arch.token_input``; the loader
 #: reads it from ``llm_arch_stage_token_input`` in the generated table, patch 0010): the token ids
 #: (layers that pick their weights by the input modality: a text batch is text on every stage), or
@@ -295,6 +313,8 @@ REVIEWED: dict[str, dict[str, str]] = {
     # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
     "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
     "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "deepseek4": {"n_layer": "the final layer-input extraction (embeddings_layer_inp[n_layer]), reached on the "
+                             "last stage only"},
     "nanbeige": {"n_layer": "the block count where the file does not loop its blocks (n_layer_phys 0)"},
     "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
                               "model's depth (n_layer stays the whole model's on every stage)"},
@@ -322,7 +342,8 @@ class Arch:
     graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
     token_input: int = 0    # TOKEN_IDS / TOKEN_EMBEDDINGS: what a later stage reads beside the hidden state
-    stage_rows: int = 1     # n_embd-wide parts per row at a boundary (patch 0012; 1: the hidden state)
+    stage_rows: int = 1     # n_embd-wide parts per row at a boundary (patch 0012; 1: the hidden state;
+                            # HYPER_ROWS: the model's hyper-connection count)
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
 
@@ -682,12 +703,26 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             # the token ids of a text batch (patch 0010), so a text batch is text on every stage
             arch.token_input = TOKEN_IDS
             modality.append(code)
+    # layers that read the token ids (TOKEN_READS) or test the modality by the input embeddings
+    # (MEDIA_TEST): every later stage receives the ids (patch 0010), and the layers read them
+    loop_text = body[loop_open:loop_close]
+    for old, new in (*TOKEN_READS, MEDIA_TEST):
+        if old not in loop_text:
+            continue
+        if body.count(old) != loop_text.count(old):
+            raise TransformError(f"`{old}` outside the layer loop")
+        loop_text = loop_text.replace(old, new)
+        arch.token_input = arch.token_input or TOKEN_IDS
+    body = body[:loop_open] + loop_text + body[loop_close:]
+    loop_close = _match_brace(body, loop_open)
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
-    if body.count(LAST) < 1 and "inp_out_ids" in body and "build_inp_out_ids()" not in body[loop_close:]:
+    if (body.count(LAST) < 1 and "inp_out_ids" in body and "build_inp_out_ids()" not in body[loop_close:]
+            and "inp_out_ids" in _code(body[loop_open:loop_close])):
         # no selection in the loop: a graph without output ids computes every row on every layer
-        # (CogVLM), or one that picks the output rows after the loop (Gemma 3n)
+        # (CogVLM), or one that picks the output rows after the loop (Gemma 3n builds the ids
+        # there, DeepSeek V4 before the loop; a stage that is not the last has none, patch 0001)
         raise TransformError(f"no `{LAST}` (output-row selection) in the layer loop")
     if body.count(LAST, loop_open, loop_close) != body.count(LAST):
         raise TransformError(f"`{LAST}` outside the layer loop")
@@ -705,6 +740,9 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         if carried != "inpL":
             raise TransformError("parallel streams: the layers do not carry them in `inpL`")
         publish, sideband_in, arch.stage_rows = "build_stage_boundary_streams", f"{STREAMS_IN}\n\n{indent}", STREAMS_ROWS
+    elif HYPER.search(_code(body)):
+        publish, sideband_in, arch.stage_rows = (
+            "build_stage_boundary_hc", HYPER_IN.format(var=carried) + f"\n\n{indent}", HYPER_ROWS)
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
         f"{indent}if ({publish}({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
@@ -736,7 +774,10 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     try:
         new_body, findings = guard_input_transforms(
             new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}),
-            readers=frozenset({"inp_per_layer"}) if per_layer else frozenset())
+            # (hyper-connections: the streams built from the embedding are the first stage's; a
+            # later stage replaces them with its input rows, HYPER_IN)
+            readers=(frozenset({"inp_per_layer"}) if per_layer else frozenset())
+            | (frozenset({carried}) if arch.stage_rows == HYPER_ROWS else frozenset()))
     except EmbeddingSkip:
         if per_layer or len(SKIP_EMBD.findall(new_body)) != 1:
             raise
@@ -785,6 +826,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     scan = _code(scan)  # code only: comments may name anything
     for code in modality:  # the modality rule's statements (a text batch is text on every stage)
         scan = scan.replace(code, "")
+    scan = scan.replace(MEDIA_TEST[1], "")  # the modality test rewritten to read the token ids
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")
@@ -842,12 +884,12 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif DRAFT_HEAD.search(texts.get(f"{arch.name}.cpp", "")):
             arch.reason = ("draft head: it runs only beside its target model, whose hidden states or "
                            "embeddings it reads, never as a model of its own")
-        elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined):
+        elif arch.name not in SPLIT and ("LLM_KV_HYPER_CONNECTION_COUNT" in joined
+                                         or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined)):
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
-                           "(hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but "
-                           "the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x "
-                           "v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a "
-                           "negotiated protocol extension, which is not defined")
+                           "(hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md "
+                           "§12) and patch 0013 carry across a cut; this family has no synthetic writer and "
+                           "exactness cases yet")
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
             # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
             # slots run (patch 0011); the graph is then a loop over slots like any other)
@@ -953,12 +995,14 @@ def render_inc(archs: list[Arch]) -> str:
         "",
         "// skippy: n_embd-wide parts per row at a stage boundary (patch 0012): 1, the hidden state,",
         "// or more where the architecture hands on a sideband beside it",
-        "static uint32_t llm_arch_stage_rows(llm_arch arch) {",
+        "// (hyper-connections: the model's hc_mult parallel residual streams)",
+        "static uint32_t llm_arch_stage_rows(llm_arch arch, const llama_hparams & hparams) {",
         "    switch (arch) {",
     ]
     for arch in archs:
-        if arch.status == "splits" and arch.stage_rows > 1:
-            lines.append(f"        case {arch.enum}: return {arch.stage_rows};")
+        if arch.status == "splits" and arch.stage_rows != 1:
+            rows = "hparams.dsv4_hc_mult" if arch.stage_rows == HYPER_ROWS else arch.stage_rows
+            lines.append(f"        case {arch.enum}: return {rows};")
     lines += [
         "        default: return 1;",
         "    }",
@@ -1031,10 +1075,11 @@ def render_py(archs: list[Arch]) -> str:
         if arch.status != "splits":
             lines.append(f"    {arch.name!r}: {arch.reason!r},")
     lines += ["}", "", "#: Split architectures whose stage boundary rows hold more than the hidden state: the",
-              "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012).",
+              "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012); 0: the",
+              "#: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream).",
               "STAGE_ROWS: Final[dict[str, int]] = {"]
     for arch in archs:
-        if arch.status == "splits" and arch.stage_rows > 1:
+        if arch.status == "splits" and arch.stage_rows != 1:
             lines.append(f"    {arch.name!r}: {arch.stage_rows},")
     lines += ["}", ""]
     return "\n".join(lines)
@@ -1075,7 +1120,9 @@ def render_docs(archs: list[Arch]) -> str:
         "and the frame says so with the protocol's `RWKV7_V_FIRST_SIDEBAND` flag (twice the rows).",
         "Parallel residual streams (Gemma 3n's four AltUp streams) cross it the same way, flagged",
         "`GEMMA3N_ALTUP_SIDEBAND` (four times the rows); Gemma 3n also reads the token ids on every stage",
-        "(per-layer token embeddings, as Gemma 4).",
+        "(per-layer token embeddings, as Gemma 4).  Hyper-connections (DeepSeek V4's `hc_mult` residual",
+        "streams) cross it as `hc_mult` rows per token, a width v11 has no flag for: the frame announces",
+        "it with skippy's boundary-rows extension (`docs/protocol.md` §12, patch 0013).",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

@@ -39,6 +39,7 @@ from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
 from skippy.models import blocks_wide as wide
+from skippy.models import blocks_hc as hc
 from skippy.models import blocks_linear as bl
 from skippy.models import blocks_tokens as bt
 from skippy.models.blocks import TensorDecl, TensorKind
@@ -157,6 +158,14 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "iclr_lora_rank": OptionalKey("attention.iclr_lora_rank", GGUFValueType.UINT32),
     "value_residual_mix_lora_rank": OptionalKey("attention.value_residual_mix_lora_rank", GGUFValueType.UINT32),
     "gate_lora_rank": OptionalKey("attention.gate_lora_rank", GGUFValueType.UINT32),
+    #
+    # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+    "hc_mult": OptionalKey("hyper_connection.count", GGUFValueType.UINT32),
+    "hash_layer_count": OptionalKey("hash_layer_count", GGUFValueType.UINT32),
+    "compress_ratios": OptionalKey("attention.compress_ratios", GGUFValueType.ARRAY),
+    "o_group_count": OptionalKey("attention.output_group_count", GGUFValueType.UINT32),
+    "o_lora_rank": OptionalKey("attention.output_lora_rank", GGUFValueType.UINT32),
+    "indexer_types": OptionalKey("attention.indexer.types", GGUFValueType.ARRAY),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1373,6 +1382,32 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="Gemma 3n (E2B/E4B): four AltUp streams (predict, run the active one, correct), "
             "LAuReL, per-layer token embeddings, sliding-window and global layers, GeGLU with "
             "activation sparsity, final soft-capping",
+        ),
+        #
+        # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+        Family(
+            "deepseek4", _UNTIED, hc.deepseek4,
+            requires=_MOE | bm.DSA | hc.DEEPSEEK4 | {
+                "n_expert_shared", "q_lora_rank", "sliding_window", "expert_gating", "expert_weights_scale",
+                "expert_weights_norm",
+            },
+            rules=(bm.indexer, hc.deepseek4_shape), derived_keys=hc.deepseek4_keys,
+            inputs=hc.deepseek4_inputs,
+            summary="DeepSeek V4 (Flash): four hyper-connection streams mixed around every sub-block, "
+            "sliding-window attention with compressed KV (ratio 4 with a lightning indexer, 128), "
+            "grouped low-rank output, hash-routed experts in the first layers, sqrt-softplus routing",
+        ),
+        Family(
+            "hy_v4", _UNTIED, hc.hy_v4,
+            requires=_MOE | bm.DSA | hc.HY_V4 | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating", "n_dense_lead",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer, hc.hy_v4_shape),
+            derived_keys=hc.hy_v4_keys, inputs=hc.hy_v4_inputs,
+            summary="HY V4 (Hunyuan V4): independent hyper-connections (pre/post gates), MLA with an "
+            "output gate and sinks, the lightning indexer on full layers (shared layers reuse its top-k), "
+            "leading dense blocks, sigmoid experts with a shared one",
         ),
     )
 }

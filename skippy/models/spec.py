@@ -122,11 +122,15 @@ _TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cog
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
 _WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 #
+#: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
+_HyperArchitecture = Literal["deepseek4"]
+#
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
     _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
     _TokenArchitecture,
     _WideBoundaryArchitecture,
+    _HyperArchitecture,
 ]
 VocabName = Literal["llama-spm", "llama-bpe", "qwen2"]
 WeightDtype = Literal["F32", "F16", "Q8_0"]
@@ -183,12 +187,16 @@ TOKEN_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_TokenArchitectu
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
 WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7", "gemma3n")
 #
+#: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
+HYPER_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_HyperArchitecture)
+#
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
     *DENSE_ARCHITECTURES, *MOE_ARCHITECTURES, *RULE_ARCHITECTURES, *PER_LAYER_ARCHITECTURES,
     *TOKEN_ARCHITECTURES,
     *WIDE_BOUNDARY_ARCHITECTURES,
+    *HYPER_ARCHITECTURES,
 )
 assert ARCHITECTURES == {
     "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
@@ -395,6 +403,19 @@ class ModelSpec:
     iclr_lora_rank: int = 0
     value_residual_mix_lora_rank: int = 0
     gate_lora_rank: int = 0
+    #
+    # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+    #: DeepSeek V4: parallel residual streams, hash-routed first layers (experts by token id), the
+    #: per-layer KV compression ratio (0: sliding window only; 4: with the lightning indexer; 128)
+    #: and the grouped low-rank attention output.
+    hc_mult: int = 0
+    hash_layer_count: int = 0
+    compress_ratios: tuple[int, ...] = ()
+    o_group_count: int = 0
+    o_lora_rank: int = 0
+    #: HY V4: per layer, whether the lightning indexer is the layer's own (1) or the last full
+    #: layer's top-k is reused (0, "shared").
+    indexer_types: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -979,6 +1000,30 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "gemma3n": lambda n: {
         "n_embd_per_layer": 256, "sliding_window": TINY_SLIDING_WINDOW, "swa_period": 2,
         "rope_theta_swa": 10000.0, "final_softcap": 30.0,
+    },
+    #
+    # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+    # DeepSeek V4 (Flash's layout at width 64): four streams, one 64-wide KV head beside 4 query
+    # heads (rope over 16), a sliding window of 8; layers 0 and 1 hash-routed (a cut at 1 leaves
+    # one on the later stage), compression ratios 4 (with a 2-head indexer keeping its 2 best
+    # compressed blocks, so a 20-token prompt attends to a subset), 0, 128 and 4; sqrt-softplus
+    # routing over 8 experts (2 used) plus a shared one; the output grouped in 2 of rank 16.
+    "deepseek4": lambda n: {
+        **_tiny_moe(n), "n_head_kv": 1, "head_dim": 64, "rope_dim": 16, "q_lora_rank": n // 2,
+        "sliding_window": TINY_SLIDING_WINDOW, "n_expert_shared": 1, "expert_gating": 4,
+        "expert_weights_norm": True, "expert_weights_scale": 1.5,
+        "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 2,
+        "hc_mult": 4, "hash_layer_count": 2, "compress_ratios": (4, 0, 128, 4),
+        "o_group_count": 2, "o_lora_rank": n // 4,
+    },
+    # HY V4 (Hunyuan V4's layout at width 64): four independent streams, deepseek2's tiny MLA
+    # (q_lora 32, kv_lora 64, keys 32 + 16 rope, values 32) with its output gate and sinks, a
+    # 2-head indexer keeping 8 of the 20-token prompt's keys on every layer (the shared-indexer
+    # layout has its own test: a cut may not fall before a shared layer), one leading dense block,
+    # sigmoid experts with a shared one.
+    "hy_v4": lambda n: {
+        **_tiny_deepseek2(n), "hc_mult": 4, "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8,
+        "indexer_types": (1, 1, 1, 1),
     },
 }
 

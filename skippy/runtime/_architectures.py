@@ -69,6 +69,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'deepseek2',
     'deepseek2-ocr',
     'deepseek32',
+    'deepseek4',
     'chatglm',
     'glm4',
     'glm4moe',
@@ -136,6 +137,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
 #: Split architectures whose later stages read the token ids beside the hidden state (patch 0010; Gemma 4's
 #: per-layer token embeddings are told by the file's hparams).
 STAGE_TOKEN_IDS: Final = frozenset({
+    'deepseek4',
     'cogvlm',
     'talkie',
 })
@@ -157,15 +159,14 @@ REFUSED: Final[dict[str, str]] = {
     'jina-bert-v2': 'encoder or embedding model: no KV cache, no causal generation',
     'jina-bert-v3': 'encoder or embedding model: no KV cache, no causal generation',
     'eurobert': 'encoder or embedding model: no KV cache, no causal generation',
-    'qwen4exp': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
+    'qwen4exp': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; this family has no synthetic writer and exactness cases yet',
     'gemma4-assistant': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'gemma-embedding': 'encoder or embedding model: no KV cache, no causal generation',
-    'deepseek4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
     't5': 'encoder-decoder: the decoder attends to the encoder output',
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
     'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter that a router picks, an attention layer of its own past the last one (KV slot n_layer) over signals of the token ids, and the input embeds substituted ids; a later stage would run the router on KV cells of its own from the token ids (patch 0010 gives it the ids), which the rules do not build yet: not a limit of the model',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
-    'hy_v4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
+    'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; this family has no synthetic writer and exactness cases yet',
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
     'llada': 'encoder or embedding model: no KV cache, no causal generation',
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
@@ -175,14 +176,16 @@ REFUSED: Final[dict[str, str]] = {
     'dflash': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
     'kimi-k3': "cross-layer residual attention: layers mix the banked inputs of every earlier block (one per attn_res_block_size layers), so a cut at layer L would have to hand on L / attn_res_block_size banked rows beside the hidden state: a width that grows with the cut's depth, which no stage protocol flag announces",
-    'glm5-next': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
+    'glm5-next': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; this family has no synthetic writer and exactness cases yet',
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
 
 #: Split architectures whose stage boundary rows hold more than the hidden state: the
-#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012).
+#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012); 0: the
+#: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream).
 STAGE_ROWS: Final[dict[str, int]] = {
     'gemma3n': 4,
+    'deepseek4': 0,
     'rwkv7': 2,
     'arwkv7': 2,
 }

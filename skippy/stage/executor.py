@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable, Protocol, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier
+from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier, boundary_rows_flags
 from skippy.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
@@ -169,15 +169,20 @@ SIDEBAND_FLAGS: dict[str, StateFlag] = {
 
 
 def sideband_flag(architecture: str, rows: int) -> int:
-    """The state flag for a boundary of ``rows`` n_embd-wide parts per token (0 for 1 part).
+    """The state flags for a boundary of ``rows`` n_embd-wide parts per token (0 for 1 part): the
+    v11 flag of an architecture that has one, else the boundary-rows extension (protocol.md §12:
+    hyper-connection streams, ``hc_mult`` rows).
 
     Raises:
-        ValueError: the architecture's boundary is wide but no flag of the protocol carries it.
+        ValueError: the architecture's v11 flag implies other rows, or ``rows`` is beyond what
+            the extension announces.
     """
     if rows == 1:
         return 0
     flag = SIDEBAND_FLAGS.get(architecture)
-    if flag is None or activation_row_multiplier(flag) != rows:
+    if flag is None:
+        return boundary_rows_flags(rows)
+    if activation_row_multiplier(flag) != rows:
         raise ValueError(f"{architecture}: a stage boundary of {rows} rows per token has no state flag")
     return int(flag)
 

@@ -1,0 +1,106 @@
+"""Hyper-connection stage boundaries (patch 0013, protocol.md §12): DeepSeek V4 hands on its
+hc_mult residual streams, hc_mult x n_embd per token, announced by the boundary-rows extension.
+
+The unit tests pin the stage's check of the announced width (refused naming both widths), the
+loaded ranges' widths and the cut points of a DeepSeek-V4-shaped model; the chain test runs the
+three-stage split through real stage processes (two wide boundaries on the wire) against the
+unsplit model.  The bitwise per-split exactness is tests/test_arch_exactness.py's (deepseek4).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from skippy.driver import StageClient
+from skippy.models import ensure_model, tiny
+from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
+from skippy.protocol_ext import ErrorCode
+from skippy.runtime import LayerRangeError, Model
+from skippy.runtime.cuts import kv_groups, legal_cuts
+from skippy.stage.errors import InvalidMessage
+from skippy.stage.executor import sideband_flag
+from skippy.stage.lane_messages import outgoing, work_item
+from skippy.stage.lane_protocol import LaneProtocol
+
+from stage_helpers import reference_greedy, stage_chain
+
+HC = 4
+WIDE = boundary_rows_flags(HC)
+
+
+def _dispatch(kind: MessageKind, **changes: object):  # type: ignore[no-untyped-def]
+    return LaneProtocol(1).message_received(StageMessage.create(kind, session_id=1, **changes))
+
+
+def test_a_hyper_connection_stage_takes_and_forwards_k_rows_per_token() -> None:
+    streams = np.arange(2 * HC * 4, dtype=np.float32).reshape(2, HC * 4)  # the runtime: one row per token
+    wire = np.concatenate([streams[:, part * 4:(part + 1) * 4] for part in range(HC)])  # part by part
+    dispatch = _dispatch(MessageKind.PREFILL_EMBD, token_count=2, activation=wire, state_changes={"flags": WIDE})
+    item = work_item(dispatch, 7, is_first=False, width=4, sideband_flag=sideband_flag("deepseek4", HC))
+    assert item.activations is not None and np.array_equal(item.activations, streams)
+    forwarded = outgoing(dispatch.message, item.activations, WireDType.F32, WIDE)
+    assert forwarded.state.activation_row_multiplier == HC and np.array_equal(forwarded.activation, wire)
+
+
+@pytest.mark.parametrize(
+    ("flags", "rows", "reason"),
+    [
+        (0, 2, r"announces 1 row\(s\) of n_embd per token \(state flags 0x0\): this stage's first layer takes 4"),
+        (boundary_rows_flags(3), 6, r"announces 3 row\(s\) .* takes 4"),
+        (int(StateFlag.GEMMA3N_ALTUP_SIDEBAND), 8, r"announces 4 row\(s\) .*flags 0x80\).* takes 4"),
+        (boundary_rows_flags(5), 10, r"announces 5 row\(s\) .* takes 4"),
+    ],
+)
+def test_a_frame_whose_width_is_not_the_first_layers_is_refused_naming_both(flags: int, rows: int,
+                                                                            reason: str) -> None:
+    dispatch = _dispatch(MessageKind.PREFILL_EMBD, token_count=2, activation=np.zeros((rows, 4), np.float32),
+                         state_changes={"flags": flags})
+    with pytest.raises(InvalidMessage, match=reason) as raised:
+        work_item(dispatch, 7, is_first=False, width=4, sideband_flag=WIDE)
+    assert raised.value.code is ErrorCode.STATE_MISMATCH
+
+
+def test_a_wide_frame_at_a_plain_stage_is_refused() -> None:
+    dispatch = _dispatch(MessageKind.PREFILL_EMBD, token_count=1, activation=np.zeros((HC, 4), np.float32),
+                         state_changes={"flags": WIDE})
+    with pytest.raises(InvalidMessage, match=r"announces 4 row\(s\) .* takes 1"):
+        work_item(dispatch, 7, is_first=False, width=4, sideband_flag=0)
+
+
+def test_deepseek4_ranges_take_and_give_hc_mult_streams() -> None:
+    path = ensure_model(tiny("deepseek4"))
+    with Model(path, "0:1") as head, Model(path, "1:3") as middle, Model(path, "3:4") as tail:
+        assert (head.input_rows, head.output_rows) == (1, HC)
+        assert (middle.input_rows, middle.output_rows) == (HC, HC)
+        assert (tail.input_rows, tail.output_rows) == (HC, 1)
+        assert middle.reads_tokens and tail.reads_tokens  # the hash-routed layer 1 reads the token ids
+
+
+def test_deepseek4_cut_points() -> None:
+    """DeepSeek V4 as llama.cpp builds it reuses no layer's KV in another (create_memory wires no
+    reuse; every layer has its own raw, compressed and indexer cells), so every cut between layers
+    is legal: the legal ones are 1..n_layer-1, and a range past them is refused naming the model's."""
+    spec = tiny("deepseek4")
+    assert kv_groups("deepseek4", spec.n_layer, {}) == ()
+    assert legal_cuts(spec.n_layer, ()) == [1, 2, 3]
+    path = ensure_model(spec)
+    with pytest.raises(LayerRangeError, match="out of bounds: .* has 4 layers"):
+        Model(path, "2:5")
+    with pytest.raises(LayerRangeError, match="empty or negative"):
+        Model(path, "2:2")
+
+
+@pytest.mark.slow
+async def test_stage_processes_match_the_unsplit_model(tmp_path: Path) -> None:
+    """The wire path: three stage processes (the streams cross two boundaries, f32, §12's bits)."""
+    path = ensure_model(tiny("deepseek4"))
+    prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 13, 450, 4996, 17354]
+    expected = reference_greedy(path, prompt, 12, chunk_size=5)
+    flags = ["--batch-size", "64", "--ctx-size", "512", "--max-sessions", "4", "--threads", "1"]
+    async with stage_chain(str(path), ["0:1", "1:3", "3:4"], tmp_path, flags) as chain:
+        async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
+            tokens = await client.generate_greedy(1, prompt, 12, chunk_size=5)
+    assert tokens == expected
