@@ -129,7 +129,7 @@ SPLIT += ("nanbeige",)
 SPLIT += ("rwkv7", "arwkv7", "gemma3n")
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
-SPLIT += ("deepseek4",)
+SPLIT += ("deepseek4", "hy_v4")
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).

@@ -9,6 +9,7 @@ unsplit model.  The bitwise per-split exactness is tests/test_arch_exactness.py'
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import numpy as np
@@ -19,16 +20,20 @@ from skippy.models import ensure_model, tiny
 from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
 from skippy.protocol_ext import ErrorCode
 from skippy.runtime import LayerRangeError, Model
-from skippy.runtime.cuts import kv_groups, legal_cuts
+from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.stage.errors import InvalidMessage
 from skippy.stage.executor import sideband_flag
 from skippy.stage.lane_messages import outgoing, work_item
 from skippy.stage.lane_protocol import LaneProtocol
 
+from chain_helpers import InProcessChain, greedy_run
 from stage_helpers import reference_greedy, stage_chain
+from conftest import PROMPT
 
 HC = 4
 WIDE = boundary_rows_flags(HC)
+#: test_arch_exactness's prompt: 20 tokens, past the indexer's top-k of 8.
+LONG_PROMPT = [*PROMPT, 3681, 338, 263, 1243, 310, 278, 7934, 29889]
 
 
 def _dispatch(kind: MessageKind, **changes: object):  # type: ignore[no-untyped-def]
@@ -104,3 +109,38 @@ async def test_stage_processes_match_the_unsplit_model(tmp_path: Path) -> None:
         async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
             tokens = await client.generate_greedy(1, prompt, 12, chunk_size=5)
     assert tokens == expected
+
+
+# --- HY V4: shared indexer layers -----------------------------------------------------------
+
+
+def _shared_indexer_model() -> Path:
+    """HY V4 with the shared-indexer layout: layers 1 and 3 reuse the top-k of layers 0 and 2."""
+    return ensure_model(dataclasses.replace(tiny("hy_v4"), indexer_types=(1, 0, 1, 0)))
+
+
+def test_hy_v4_shared_indexer_layers_stay_with_their_full_layer() -> None:
+    meta = {"hy_v4.attention.indexer.top_k": 8, "hy_v4.attention.indexer.types": (1, 0, 1, 0)}
+    groups = kv_groups("hy_v4", 4, meta)
+    assert groups == (KvGroup(0, 2, 1, "the indexer top-k"), KvGroup(2, 4, 3, "the indexer top-k"))
+    assert legal_cuts(4, groups) == [2]
+    assert kv_groups("hy_v4", 4, {**meta, "hy_v4.attention.indexer.types": 1}) == ()
+    assert kv_groups("hy_v4", 4, {"hy_v4.attention.indexer.top_k": 0}) == ()  # no indexer
+    with pytest.raises(ValueError, match="layer 0 full"):
+        kv_groups("hy_v4", 4, {**meta, "hy_v4.attention.indexer.types": (0, 1, 1, 1)})
+
+
+@pytest.mark.parametrize("layers", ["0:1", "1:4", "0:3", "3:4"])
+def test_hy_v4_refuses_a_cut_before_a_shared_layer_naming_the_legal_one(layers: str) -> None:
+    with pytest.raises(LayerRangeError, match=r"share indexer top-k .*nearest legal cuts? (are|is) .*2"):
+        Model(_shared_indexer_model(), layers)
+
+
+def test_hy_v4_splits_exactly_at_its_legal_cut() -> None:
+    path = _shared_indexer_model()
+    with InProcessChain(path, [(0, 4)], threads=1) as whole:
+        expected = greedy_run(whole, LONG_PROMPT, steps=16)
+    with InProcessChain(path, [(0, 2), (2, 4)], threads=1) as split:
+        got = greedy_run(split, LONG_PROMPT, steps=16)
+    assert got[1] == expected[1]
+    assert all(np.array_equal(a, b) for a, b in zip(got[0], expected[0], strict=True))

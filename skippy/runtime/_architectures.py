@@ -107,6 +107,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'hunyuan-dense',
     'hunyuan_vl',
     'hy_v3',
+    'hy_v4',
     'smollm3',
     'gpt-oss',
     'lfm2',
@@ -166,7 +167,6 @@ REFUSED: Final[dict[str, str]] = {
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
     'graniteswitch': 'per-token adapter switching: every layer applies the LoRA adapter that a router picks, an attention layer of its own past the last one (KV slot n_layer) over signals of the token ids, and the input embeds substituted ids; a later stage would run the router on KV cells of its own from the token ids (patch 0010 gives it the ids), which the rules do not build yet: not a limit of the model',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
-    'hy_v4': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; this family has no synthetic writer and exactness cases yet',
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
     'llada': 'encoder or embedding model: no KV cache, no causal generation',
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
@@ -188,4 +188,5 @@ STAGE_ROWS: Final[dict[str, int]] = {
     'deepseek4': 0,
     'rwkv7': 2,
     'arwkv7': 2,
+    'hy_v4': 0,
 }
