@@ -129,7 +129,7 @@ SPLIT += ("nanbeige",)
 SPLIT += ("rwkv7", "arwkv7", "gemma3n")
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
-SPLIT += ("deepseek4", "hy_v4")
+SPLIT += ("deepseek4", "hy_v4", "glm5-next")
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -182,6 +182,18 @@ FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
         "    hparams.n_layer_kv_from_start = 20;\n",
         "    hparams.n_layer_kv_from_start = 20;\n"
         "    hparams.n_embd_per_layer      = hparams.n_embd_altup; // skippy: per-layer token inputs (0006)\n",
+        1,
+    )],
+    # GLM-5 Next's k-pooled indexer inputs are built on every stage but used only by its DSA
+    # layers: a stage holding none (KDA layers only) leaves them without a buffer
+    "glm5-next": [(
+        "    void set_input(const llama_ubatch * ubatch) override {\n"
+        "        mctx->get_idx()->set_input_k_idxs(k_idxs, ubatch);\n",
+        "    void set_input(const llama_ubatch * ubatch) override {\n"
+        "        if (k_idxs->buffer == nullptr) {\n"
+        "            return; // skippy: a stage without indexer layers\n"
+        "        }\n"
+        "        mctx->get_idx()->set_input_k_idxs(k_idxs, ubatch);\n",
         1,
     )],
     # lightning-attention inputs are built on every stage but used only by lightning layers: a

@@ -126,8 +126,20 @@ def test_hy_v4_shared_indexer_layers_stay_with_their_full_layer() -> None:
     assert legal_cuts(4, groups) == [2]
     assert kv_groups("hy_v4", 4, {**meta, "hy_v4.attention.indexer.types": 1}) == ()
     assert kv_groups("hy_v4", 4, {"hy_v4.attention.indexer.top_k": 0}) == ()  # no indexer
-    with pytest.raises(ValueError, match="layer 0 full"):
+    with pytest.raises(ValueError, match="first attention layer's indexer must be full"):
         kv_groups("hy_v4", 4, {**meta, "hy_v4.attention.indexer.types": (0, 1, 1, 1)})
+    with pytest.raises(ValueError, match="first attention layer's indexer must be full"):
+        kv_groups("hy_v4", 4, {"hy_v4.attention.indexer.top_k": 8})  # llama.cpp's default: shared
+
+
+def test_glm5_next_shared_indexer_groups_skip_its_kda_layers() -> None:
+    """GLM-5 Next's indexer lives on its attention layers only (KV heads 0: KDA); a shared one
+    reuses the top-k of the last full attention layer, KDA layers between them or not."""
+    meta = {"glm5-next.attention.indexer.top_k": 8, "glm5-next.attention.head_count_kv": (0, 1, 0, 1, 0, 1)}
+    assert kv_groups("glm5-next", 6, meta) == ()  # llama.cpp's default: every indexer full
+    groups = kv_groups("glm5-next", 6, {**meta, "glm5-next.attention.indexer.types": (1, 1, 0, 0, 1, 1)})
+    assert groups == (KvGroup(1, 4, 3, "the indexer top-k"),)
+    assert legal_cuts(6, groups) == [1, 4, 5]
 
 
 @pytest.mark.parametrize("layers", ["0:1", "1:4", "0:3", "3:4"])

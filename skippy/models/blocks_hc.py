@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Final
 from gguf import GGUFValueType
 
 from skippy.models import blocks as b
+from skippy.models import blocks_linear as bl
 from skippy.models import blocks_moe as bm
 from skippy.models.blocks import TensorDecl
 
@@ -25,7 +26,7 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "DEEPSEEK4", "HY_V4", "deepseek4", "deepseek4_inputs", "deepseek4_keys", "deepseek4_shape", "hy_v4",
+    "DEEPSEEK4", "GLM5_NEXT", "HY_V4", "KIMI_K3", "kimi_k3", "kimi_k3_inputs", "kimi_k3_keys", "kimi_k3_shape", "deepseek4", "glm5_next", "glm5_next_keys", "glm5_next_shape", "deepseek4_inputs", "deepseek4_keys", "deepseek4_shape", "hy_v4",
     "hy_v4_inputs", "hy_v4_keys", "hy_v4_shape",
 ]
 
@@ -209,4 +210,131 @@ def hy_v4_shape(spec: "ModelSpec") -> str | None:
         return "hy_v4 needs hc_mult >= 2 parallel streams"
     if spec.indexer_top_k and (len(spec.indexer_types) != spec.n_layer or not spec.indexer_types[0]):
         return "hy_v4 needs one indexer type per layer (1 full, 0 shared), layer 0 full"
+    return None
+
+
+# --- GLM-5 Next --------------------------------------------------------------------------------
+# GLM-5.3-Flash (glm5-next): DeepSeek V4's mHC streams (Sinkhorn combination) around KDA layers
+# (Kimi Delta Attention, recurrent) and MLA layers with DeepSeek sparse attention, whose lightning
+# indexer scores k-pooled keys (kpool keys gated into one); a "shared" indexer layer reuses the top-k
+# of the last full one (skippy/runtime/cuts.py); leading dense blocks, then sigmoid experts with a
+# shared one; the streams' mean before the output norm.
+
+#: The optional spec fields of GLM-5 Next's streams, KDA layers and k-pooled indexer.
+GLM5_NEXT: Final = frozenset({"hc_mult", "kda_head_dim", "linear_conv_kernel", "indexer_kpool"})
+
+
+def glm5_next(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    e = spec.n_embd
+    out = [b.norm(layer, "attn_norm", e), *_hc(spec, layer, "attn"), *_hc(spec, layer, "ffn")]
+    if bl.is_recurrent(spec, layer):  # Kimi-Linear's KDA, its per-head decay 1-D (not padded)
+        out += [TensorDecl(d.name, (spec.n_head,), d.kind, d.quantized) if d.name.endswith(".ssm_a") else d
+                for d in bl.kda(spec, layer)]
+    else:  # nope-only MLA (llama.cpp asserts no rope: rope.dimension_count 0, glm5_next_keys)
+        heads, kv_rank, q_rank, head = spec.n_head, spec.kv_lora_rank, spec.q_lora_rank, spec.n_embd_head
+        out += [
+            b.matrix(layer, "attn_q_a", q_rank, e),
+            b.norm(layer, "attn_q_a_norm", q_rank),
+            b.matrix(layer, "attn_q_b", heads * head, q_rank),
+            b.matrix(layer, "attn_kv_a_mqa", kv_rank, e),
+            b.norm(layer, "attn_kv_a_norm", kv_rank),
+            TensorDecl(b.blk(layer, "attn_k_b"), (heads, kv_rank, head), "matrix", True),
+            TensorDecl(b.blk(layer, "attn_v_b"), (heads, spec.v_head_dim, kv_rank), "matrix", True),
+            b.matrix(layer, "attn_output", e, heads * spec.v_head_dim),
+        ]
+        if not spec.indexer_types or spec.indexer_types[layer]:
+            idx = spec.indexer_head_size
+            out += [
+                *bm.dsa_indexer(spec, layer),
+                b.matrix(layer, "indexer_compressor_gate", idx, e),
+                _f32(b.blk(layer, "indexer_compressor_ape"), spec.indexer_kpool, idx, kind="bias"),
+            ]
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer)
+    return out + b.moe_ffn(spec, layer, selection_bias=True, shared="plain")
+
+
+def glm5_next_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    return bl.kimi_linear_keys(spec) + [
+        ("rope.dimension_count", 0, GGUFValueType.UINT32),
+        ("attention.key_length", spec.kv_lora_rank, GGUFValueType.UINT32),  # the cached latent, no rope key
+        ("hyper_connection.sinkhorn_iterations", HC_SINKHORN_ITERS, GGUFValueType.UINT32),
+        ("hyper_connection.epsilon", HC_EPS, GGUFValueType.FLOAT32),
+    ]
+
+
+def glm5_next_shape(spec: "ModelSpec") -> str | None:
+    if spec.hc_mult != HC_MULT:
+        return f"glm5-next needs hc_mult == {HC_MULT} (llama.cpp asserts it)"
+    if spec.indexer_kpool < 2 or spec.indexer_top_k % spec.indexer_kpool:
+        return "glm5-next needs indexer_kpool > 1 dividing indexer_top_k (llama.cpp asserts it)"
+    return None
+
+
+# --- Kimi K3 -----------------------------------------------------------------------------------
+# Kimi-K3: Kimi-Linear's KDA / MLA hybrid (a full-rank KDA output gate, 1-D decay; nope MLA with a
+# sigmoid output gate) plus cross-layer residual attention: every attn_res_block_size-th layer banks
+# its input, and every sub-block reads a softmax mix of the banked rows and the running residual
+# (scored against its own res_score vector); a cut at layer L hands on ceil(L / block) banked rows
+# beside the hidden state.  Latent MoE (routed experts at expert_latent_length, projected down and
+# up), situ activations, leading dense blocks, shared experts at full width.
+
+#: The optional spec fields of Kimi-K3's banked residual and latent experts.
+KIMI_K3: Final = frozenset({"kda_head_dim", "linear_conv_kernel", "attn_res_block_size", "n_expert_latent"})
+#: Kimi-K3's situ activation constants (config.json).
+SITU_BETA: Final = 4.0
+SITU_LINEAR_BETA: Final = 8.0
+
+
+def kimi_k3(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    e, heads, latent = spec.n_embd, spec.n_head, spec.n_expert_latent
+    out = [b.norm(layer, "attn_norm", e), b.norm(layer, "ffn_norm", e),
+           _f32(b.blk(layer, "attn_res_score"), e, kind="vector"), _f32(b.blk(layer, "ffn_res_score"), e, kind="vector")]
+    if bl.is_recurrent(spec, layer):  # KDA with one full-rank output gate and a 1-D decay
+        inner = spec.kda_head_dim * heads
+        for d in bl.kda(spec, layer):
+            if d.name.endswith(".ssm_a"):
+                out.append(TensorDecl(d.name, (heads,), d.kind, d.quantized))
+            elif d.name.endswith(".ssm_g_a.weight"):
+                out.append(b.matrix(layer, "ssm_g", inner, e))
+            elif not d.name.endswith(".ssm_g_b.weight"):
+                out.append(d)
+    else:  # nope MLA, its sigmoid gate before the output projection
+        *mla, output = bl.mla(spec, layer)
+        out += [*mla, b.matrix(layer, "attn_gate", heads * spec.v_head_dim, e), output]
+    if layer < spec.n_dense_lead:
+        return out + b.dense_ffn(spec, layer, pre_norm=False)
+    n_exp, width = spec.n_expert, spec.n_ff_exp
+    shared = width * spec.n_expert_shared
+    return out + [
+        TensorDecl(b.blk(layer, "ffn_gate_inp"), (n_exp, e), "router", False),
+        b.bias(layer, "exp_probs_b", n_exp),
+        TensorDecl(b.blk(layer, "ffn_gate_exps"), (n_exp, width, latent), "matrix", True),
+        TensorDecl(b.blk(layer, "ffn_down_exps"), (n_exp, latent, width), "matrix", True),
+        TensorDecl(b.blk(layer, "ffn_up_exps"), (n_exp, width, latent), "matrix", True),
+        b.matrix(layer, "ffn_routed_down", latent, e),
+        b.matrix(layer, "ffn_routed_up", e, latent),
+        b.norm(layer, "ffn_routed_norm", latent),
+        b.matrix(layer, "ffn_gate_shexp", shared, e),
+        b.matrix(layer, "ffn_down_shexp", e, shared),
+        b.matrix(layer, "ffn_up_shexp", shared, e),
+    ]
+
+
+def kimi_k3_inputs(spec: "ModelSpec", n_vocab: int) -> list[TensorDecl]:
+    """The final mix's score vector (the last stage loads it)."""
+    del n_vocab
+    return [_f32("output_res_score.weight", spec.n_embd, kind="vector")]
+
+
+def kimi_k3_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    return bl.kimi_linear_keys(spec) + [
+        ("activation.situ_beta", SITU_BETA, GGUFValueType.FLOAT32),
+        ("activation.situ_linear_beta", SITU_LINEAR_BETA, GGUFValueType.FLOAT32),
+    ]
+
+
+def kimi_k3_shape(spec: "ModelSpec") -> str | None:
+    if spec.attn_res_block_size < 1 or spec.n_expert_latent < 1:
+        return "kimi-k3 needs attn_res_block_size >= 1 and n_expert_latent >= 1"
     return None

@@ -166,6 +166,9 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "o_group_count": OptionalKey("attention.output_group_count", GGUFValueType.UINT32),
     "o_lora_rank": OptionalKey("attention.output_lora_rank", GGUFValueType.UINT32),
     "indexer_types": OptionalKey("attention.indexer.types", GGUFValueType.ARRAY),
+    "indexer_kpool": OptionalKey("attention.indexer.kpool", GGUFValueType.UINT32),
+    "attn_res_block_size": OptionalKey("attn_res.block_size", GGUFValueType.UINT32),
+    "n_expert_latent": OptionalKey("expert_latent_length", GGUFValueType.UINT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1408,6 +1411,30 @@ FAMILIES: Final[dict[str, Family]] = {
             summary="HY V4 (Hunyuan V4): independent hyper-connections (pre/post gates), MLA with an "
             "output gate and sinks, the lightning indexer on full layers (shared layers reuse its top-k), "
             "leading dense blocks, sigmoid experts with a shared one",
+        ),
+        Family(
+            "glm5-next", _UNTIED, hc.glm5_next,
+            requires=_MOE | bm.DSA | hc.GLM5_NEXT | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating", "n_dense_lead",
+                "full_attention_interval",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm", "indexer_types"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer, hc.glm5_next_shape),
+            derived_keys=hc.glm5_next_keys,
+            summary="GLM-5.3-Flash (glm5-next): mHC streams around KDA layers and MLA layers with DeepSeek "
+            "sparse attention (a k-pooled lightning indexer), leading dense blocks, sigmoid experts",
+        ),
+        Family(
+            "kimi-k3", _UNTIED, hc.kimi_k3,
+            requires=_MOE | hc.KIMI_K3 | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating", "n_dense_lead",
+                "full_attention_interval",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, hc.kimi_k3_shape),
+            derived_keys=hc.kimi_k3_keys, inputs=hc.kimi_k3_inputs,
+            summary="Kimi-K3: Kimi-Linear's KDA / MLA hybrid (full-rank KDA gate, gated nope MLA) with "
+            "cross-layer residual attention over banked layer inputs, latent experts, situ activations",
         ),
     )
 }

@@ -123,7 +123,7 @@ _TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cog
 _WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
-_HyperArchitecture = Literal["deepseek4", "hy_v4"]
+_HyperArchitecture = Literal["deepseek4", "hy_v4", "glm5-next"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -416,6 +416,12 @@ class ModelSpec:
     #: HY V4: per layer, whether the lightning indexer is the layer's own (1) or the last full
     #: layer's top-k is reused (0, "shared").
     indexer_types: tuple[int, ...] = ()
+    #: GLM-5 Next: the lightning indexer scores keys pooled kpool at a time.
+    indexer_kpool: int = 0
+    #: Kimi-K3: every attn_res_block_size-th layer banks its input for the cross-layer residual
+    #: attention; the routed experts run at n_expert_latent wide.
+    attn_res_block_size: int = 0
+    n_expert_latent: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -1024,6 +1030,22 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "hy_v4": lambda n: {
         **_tiny_deepseek2(n), "hc_mult": 4, "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8,
         "indexer_types": (1, 1, 1, 1),
+    },
+    # GLM-5 Next at width 64: Kimi-Linear's tiny layer pattern (KDA, KDA, MLA + DSA, KDA: a cut
+    # inside the KDA run, one on each side of the attention layer), deepseek2's tiny MLA with 64-wide
+    # nope keys (no rope: Q8_0 rows of 32), a 2-head
+    # indexer keeping 8 keys pooled 4 at a time, four mHC streams, one dense block, sigmoid experts.
+    "glm5-next": lambda n: {
+        **_tiny_deepseek2(n), "head_dim": n, "hc_mult": 4, "kda_head_dim": n // 2, "linear_conv_kernel": 4,
+        "full_attention_interval": 3, "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8,
+        "indexer_kpool": 4,
+    },
+    # Kimi-K3 at width 64: Kimi-Linear's tiny pattern (KDA, KDA, MLA, KDA), a bank every 2 layers (so
+    # the test cuts hand on 1, 1 and 2 banked rows: widths 2, 2 and 3 x n_embd, a middle stage taking
+    # 2 and giving 3), routed experts at 32 wide.
+    "kimi-k3": lambda n: {
+        **_tiny_deepseek2(n), "kda_head_dim": n // 2, "linear_conv_kernel": 4, "full_attention_interval": 3,
+        "attn_res_block_size": 2, "n_expert_latent": n // 2,
     },
 }
 

@@ -129,6 +129,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'spark2_5',
     'maincoder',
     'kimi-linear',
+    'glm5-next',
     'talkie',
     'mellum',
     'nanbeige',
@@ -176,7 +177,6 @@ REFUSED: Final[dict[str, str]] = {
     'dflash': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
     'kimi-k3': "cross-layer residual attention: layers mix the banked inputs of every earlier block (one per attn_res_block_size layers), so a cut at layer L would have to hand on L / attn_res_block_size banked rows beside the hidden state: a width that grows with the cut's depth, which no stage protocol flag announces",
-    'glm5-next': 'hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; this family has no synthetic writer and exactness cases yet',
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
 
@@ -189,4 +189,5 @@ STAGE_ROWS: Final[dict[str, int]] = {
     'rwkv7': 2,
     'arwkv7': 2,
     'hy_v4': 0,
+    'glm5-next': 0,
 }

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 __all__ = ["KvGroup", "kv_groups", "legal_cuts", "cut_refusal", "snap_cuts"]
 
@@ -57,26 +58,39 @@ def _swa_pattern(architecture: str, n_layer: int, metadata: Mapping[str, object]
     return None
 
 
+#: Models whose "shared" indexer layers reuse the last "full" layer's top-k, with what llama.cpp
+#: assumes of a layer when the file has no ``attention.indexer.types`` (HY V4: shared; GLM-5 Next:
+#: full).  Only attention layers have an indexer (GLM-5 Next's KDA layers, KV heads 0, do not).
+_SHARED_INDEXER_DEFAULT: Final = {"hy_v4": False, "glm5-next": True}
+
+
 def _shared_indexer_groups(architecture: str, n_layer: int, metadata: Mapping[str, object]) -> tuple[KvGroup, ...]:
-    """Each "full" indexer layer with the "shared" layers right after it, which reuse its top-k
-    (none without an indexer: ``attention.indexer.top_k`` 0 or absent)."""
+    """Each "full" indexer layer with the "shared" layers after it up to the next full one, which
+    reuse its top-k (none without an indexer: ``attention.indexer.top_k`` 0 or absent)."""
     top_k = metadata.get(f"{architecture}.attention.indexer.top_k", 0)
     if not top_k:
         return ()
-    types = metadata.get(f"{architecture}.attention.indexer.types")
-    if isinstance(types, int) and not isinstance(types, bool):
+    types = metadata.get(f"{architecture}.attention.indexer.types", _SHARED_INDEXER_DEFAULT[architecture])
+    if isinstance(types, (bool, int)):
         full = [bool(types)] * n_layer
     elif isinstance(types, tuple) and len(types) >= n_layer:
         full = [bool(v) for v in types[:n_layer]]
     else:
-        full = []
-    if not full or not full[0]:
-        raise ValueError(f"{architecture} with an indexer needs attention.indexer.types with layer 0 full")
+        raise ValueError(f"{architecture}.attention.indexer.types is not one value per layer: {types!r}")
+    kv_heads = metadata.get(f"{architecture}.attention.head_count_kv")
+    attention = [il for il in range(n_layer)
+                 if not (isinstance(kv_heads, tuple) and len(kv_heads) > il and kv_heads[il] == 0)]
+    if attention and not full[attention[0]]:
+        raise ValueError(f"{architecture}: the first attention layer's indexer must be full (nothing precedes it)")
     groups: list[KvGroup] = []
-    for il in range(n_layer):
-        if full[il] and il + 1 < n_layer and not full[il + 1]:
-            end = next((j for j in range(il + 1, n_layer) if full[j]), n_layer)
-            groups.append(KvGroup(il, end, il + 1, "the indexer top-k"))
+    for at, il in enumerate(attention):
+        if full[il] and at + 1 < len(attention) and not full[attention[at + 1]]:
+            last = attention[at + 1]
+            for j in attention[at + 1:]:
+                if full[j]:
+                    break
+                last = j
+            groups.append(KvGroup(il, last + 1, attention[at + 1], "the indexer top-k"))
     return tuple(groups)
 
 
@@ -87,7 +101,7 @@ def kv_groups(architecture: str, n_layer: int, metadata: Mapping[str, object]) -
         ValueError: the file declares KV sharing the hparams cannot describe (no sliding-window
             pattern, too few KV layers): llama.cpp would not load it either.
     """
-    if architecture == "hy_v4":
+    if architecture in _SHARED_INDEXER_DEFAULT:
         return _shared_indexer_groups(architecture, n_layer, metadata)
     if architecture == "gemma4":
         shared = metadata.get(f"{architecture}.attention.shared_kv_layers", 0)
