@@ -25,9 +25,10 @@ per-architecture ones), and after editing, the main graph body is linted for the
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
-that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, layers reused in depth in a hierarchical recurrence, per-token adapter
-switching, an encoder), are refused with that reason.  Layers that read the input embedding or pick
+that a layer range cannot carry (layers reused in depth in a hierarchical recurrence, per-token
+adapter switching, an encoder), are refused with that reason.  A residual stream wider than the
+hidden state (hyper-connections: ``HYPER``) or banked across layers (Kimi-K3: ``BANKED``) crosses a
+wide boundary whose width the protocol's boundary-rows extension announces (patch ``0013``).  Layers that read the input embedding or pick
 their weights by the input modality split with the token ids on every stage (``TOKEN_IDS`` /
 ``TOKEN_EMBEDDINGS``, patch ``0010``); a value residual from the first layer (RWKV-7) or parallel
 streams (Gemma 3n's AltUp) cross a wide boundary announced by the protocol's sideband flags (patch
@@ -130,6 +131,8 @@ SPLIT += ("rwkv7", "arwkv7", "gemma3n")
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
 SPLIT += ("deepseek4", "hy_v4", "glm5-next")
+#: ... and banked layer inputs, as many rows as the cut is deep (Kimi-K3, patch 0013).
+SPLIT += ("kimi-k3",)
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -273,6 +276,14 @@ STREAMS_IN = "inpL = build_stage_streams_in(inpL); // skippy: a later stage take
 HYPER = re.compile(r"\bhparams\.dsv4_hc_mult\b")
 HYPER_ROWS = 0  # Arch.stage_rows: the model's hyper-connection count (hparams.dsv4_hc_mult)
 HYPER_IN = "{var} = build_stage_hc_in({var}); // skippy: a later stage takes the streams as its input rows"
+#: Generic rule for banked layer inputs (Kimi-K3's cross-layer residual attention: every
+#: attn_res_block_size-th layer pushes its input onto the graph's `resi_stack`, which later layers
+#: mix in): a cut at layer L hands on the hidden state and the ceil(L / block) rows banked so far
+#: (patch 0013: the width depends on the cut), and a later stage takes both from its input rows.
+BANKED = re.compile(r"\bresi_stack\b")
+BANKED_ROWS = -1  # Arch.stage_rows: 1 + the rows banked before the boundary's layer
+BANKED_IN = ("build_stage_banked_in({var}, resi_stack); // skippy: a later stage takes the hidden state "
+             "and the banked rows from its input rows")
 #: Layers that read the token ids themselves (DeepSeek V4's hash routing of the first
 #: hash_layer_count layers: experts by token id): every later stage receives them (patch 0010).
 TOKEN_READS = (("res->t_inp_tokens", "build_stage_inp_tokens()"),)
@@ -755,6 +766,9 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     elif HYPER.search(_code(body)):
         publish, sideband_in, arch.stage_rows = (
             "build_stage_boundary_hc", HYPER_IN.format(var=carried) + f"\n\n{indent}", HYPER_ROWS)
+    elif BANKED.search(_code(text)):  # the graph's own helpers push onto and read the bank
+        publish, sideband, sideband_in, arch.stage_rows = (
+            "build_stage_boundary_banked", ", resi_stack", BANKED_IN.format(var=carried) + f"\n\n{indent}", BANKED_ROWS)
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
         f"{indent}if ({publish}({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
@@ -900,8 +914,15 @@ def classify(src: Path, archs: list[Arch]) -> None:
                                          or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined)):
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
                            "(hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md "
-                           "§12) and patch 0013 carry across a cut; this family has no synthetic writer and "
-                           "exactness cases yet")
+                           "§12) and patch 0013 carry across a cut")
+            if "build_inp_ple(" in joined:
+                arch.reason += ("; but its per-layer n-gram embeddings (PLE) are looked up by rows hashed from "
+                                "each token's predecessors, which an input of the first stage reads from the "
+                                "attention cells' token record: a later stage would need the token ids (patch "
+                                "0010 gives them) and that record in cells of its own, which the rules do not "
+                                "build yet: not a limit of the model")
+            else:
+                arch.reason += "; this family has no synthetic writer and exactness cases yet"
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
             # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
             # slots run (patch 0011); the graph is then a loop over slots like any other)
@@ -921,7 +942,7 @@ def classify(src: Path, archs: list[Arch]) -> None:
         )) and "template <bool embed>" in joined:
             arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
                            "a KV cache, no LM head), no causal generation")
-        elif "attn_res_block_size" in joined:
+        elif "attn_res_block_size" in joined and arch.name not in SPLIT:
             arch.reason = ("cross-layer residual attention: layers mix the banked inputs of every earlier "
                            "block (one per attn_res_block_size layers), so a cut at layer L would have to hand "
                            "on L / attn_res_block_size banked rows beside the hidden state: a width that grows "
@@ -1007,16 +1028,19 @@ def render_inc(archs: list[Arch]) -> str:
         "",
         "// skippy: n_embd-wide parts per row at a stage boundary (patch 0012): 1, the hidden state,",
         "// or more where the architecture hands on a sideband beside it",
-        "// (hyper-connections: the model's hc_mult parallel residual streams)",
-        "static uint32_t llm_arch_stage_rows(llm_arch arch, const llama_hparams & hparams) {",
+        "// (hyper-connections: the model's hc_mult parallel residual streams), at the boundary before",
+        "// layer il (banked layer inputs: the hidden state and the rows banked before il, patch 0013)",
+        "static uint32_t llm_arch_stage_rows(llm_arch arch, const llama_hparams & hparams, uint32_t il) {",
         "    switch (arch) {",
     ]
     for arch in archs:
         if arch.status == "splits" and arch.stage_rows != 1:
-            rows = "hparams.dsv4_hc_mult" if arch.stage_rows == HYPER_ROWS else arch.stage_rows
+            rows = {HYPER_ROWS: "hparams.dsv4_hc_mult",
+                    BANKED_ROWS: "hparams.attn_res_block_size > 0 ? 1 + (il + hparams.attn_res_block_size - 1) "
+                                 "/ hparams.attn_res_block_size : 1"}.get(arch.stage_rows, arch.stage_rows)
             lines.append(f"        case {arch.enum}: return {rows};")
     lines += [
-        "        default: return 1;",
+        "        default: GGML_UNUSED(il); return 1;",
         "    }",
         "}",
         "",
@@ -1088,7 +1112,8 @@ def render_py(archs: list[Arch]) -> str:
             lines.append(f"    {arch.name!r}: {arch.reason!r},")
     lines += ["}", "", "#: Split architectures whose stage boundary rows hold more than the hidden state: the",
               "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012); 0: the",
-              "#: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream).",
+              "#: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream);",
+              "#: -1: 1 + the layer inputs banked before the cut (``<arch>.attn_res.block_size``, patch 0013).",
               "STAGE_ROWS: Final[dict[str, int]] = {"]
     for arch in archs:
         if arch.status == "splits" and arch.stage_rows != 1:
@@ -1134,7 +1159,9 @@ def render_docs(archs: list[Arch]) -> str:
         "`GEMMA3N_ALTUP_SIDEBAND` (four times the rows); Gemma 3n also reads the token ids on every stage",
         "(per-layer token embeddings, as Gemma 4).  Hyper-connections (DeepSeek V4's `hc_mult` residual",
         "streams) cross it as `hc_mult` rows per token, a width v11 has no flag for: the frame announces",
-        "it with skippy's boundary-rows extension (`docs/protocol.md` §12, patch 0013).",
+        "it with skippy's boundary-rows extension (`docs/protocol.md` §12, patch 0013).  Kimi-K3's banked",
+        "layer inputs (cross-layer residual attention) make the width depend on the cut: a cut at layer",
+        "L hands on the hidden state and the ceil(L / attn_res_block_size) rows banked so far.",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

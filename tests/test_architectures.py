@@ -44,11 +44,10 @@ def test_the_issue_families_split() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "reason"),
-    [("kimi-k3", "cross-layer residual attention"), ("qwen4exp", "hyper-connections"),
+    [("qwen4exp", "hyper-connections"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
      ("eagle3", "draft head"), ("dflash", "draft head"),
      ("pockettts", "not a text-generation model"), ("hrm_text", "hierarchical recurrence"),
-     ("qwen4exp", "hyper-connections"),
      ("graniteswitch", "adapter switching"), ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:

@@ -156,3 +156,30 @@ def test_hy_v4_splits_exactly_at_its_legal_cut() -> None:
         got = greedy_run(split, LONG_PROMPT, steps=16)
     assert got[1] == expected[1]
     assert all(np.array_equal(a, b) for a, b in zip(got[0], expected[0], strict=True))
+
+
+# --- Kimi-K3: banked layer inputs, a width that grows with the cut ---------------------------
+
+
+def test_kimi_k3_boundaries_widen_with_the_cut() -> None:
+    """A bank every 2 layers: a cut at 1 or 2 hands on one banked row beside the hidden state, a
+    cut at 3 two, so the middle stage of [0:1)+[1:3)+[3:4) takes 2 rows per token and gives 3."""
+    path = ensure_model(tiny("kimi-k3"))
+    with Model(path, "0:1") as head, Model(path, "1:3") as middle, Model(path, "3:4") as tail:
+        assert (head.input_rows, head.output_rows) == (1, 2)
+        assert (middle.input_rows, middle.output_rows) == (2, 3)
+        assert (tail.input_rows, tail.output_rows) == (3, 1)
+    assert (sideband_flag("kimi-k3", 2), sideband_flag("kimi-k3", 3)) == (boundary_rows_flags(2), boundary_rows_flags(3))
+
+
+@pytest.mark.slow
+async def test_kimi_k3_stage_processes_match_the_unsplit_model(tmp_path: Path) -> None:
+    """The wire path with boundaries of 2 and 3 rows per token (§12's k differs per hop)."""
+    path = ensure_model(tiny("kimi-k3"))
+    prompt = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 13, 450, 4996, 17354]
+    expected = reference_greedy(path, prompt, 12, chunk_size=5)
+    flags = ["--batch-size", "64", "--ctx-size", "512", "--max-sessions", "4", "--threads", "1"]
+    async with stage_chain(str(path), ["0:1", "1:3", "3:4"], tmp_path, flags) as chain:
+        async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
+            tokens = await client.generate_greedy(1, prompt, 12, chunk_size=5)
+    assert tokens == expected

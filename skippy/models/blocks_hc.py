@@ -1,6 +1,7 @@
-# Block descriptions of the hyper-connection families (issues 25/26, patch 0013): the layers carry
-# hc_mult parallel residual streams instead of one hidden state, so a stage boundary row holds
-# hc_mult x n_embd values (the protocol's boundary-rows extension announces them).  DeepSeek V4
+# Block descriptions of the families whose residual stream is wider than the hidden state (issues
+# 25/26, patch 0013): hyper-connection families carry hc_mult parallel streams, so a stage boundary
+# row holds hc_mult x n_embd values; Kimi-K3 banks layer inputs, so it holds 1 + the rows banked
+# before the cut (the protocol's boundary-rows extension announces either).  DeepSeek V4
 # (deepseek4): mHC mixing around every attention and MoE sub-block, sliding-window attention
 # beside compressed KV (ratio 4 with a lightning indexer, ratio 128 without), grouped low-rank
 # output, hash-routed experts in the first layers (experts picked by token id), sqrt-softplus
@@ -26,8 +27,9 @@ if TYPE_CHECKING:
     from skippy.models.spec import ModelSpec
 
 __all__ = [
-    "DEEPSEEK4", "GLM5_NEXT", "HY_V4", "KIMI_K3", "kimi_k3", "kimi_k3_inputs", "kimi_k3_keys", "kimi_k3_shape", "deepseek4", "glm5_next", "glm5_next_keys", "glm5_next_shape", "deepseek4_inputs", "deepseek4_keys", "deepseek4_shape", "hy_v4",
-    "hy_v4_inputs", "hy_v4_keys", "hy_v4_shape",
+    "DEEPSEEK4", "GLM5_NEXT", "HY_V4", "KIMI_K3", "deepseek4", "deepseek4_inputs", "deepseek4_keys",
+    "deepseek4_shape", "glm5_next", "glm5_next_keys", "glm5_next_shape", "hy_v4", "hy_v4_inputs",
+    "hy_v4_keys", "hy_v4_shape", "kimi_k3", "kimi_k3_inputs", "kimi_k3_keys", "kimi_k3_shape",
 ]
 
 #: The optional spec fields of DeepSeek V4's attention and hyper-connections.

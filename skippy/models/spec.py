@@ -123,7 +123,7 @@ _TokenArchitecture = Literal["qwen3vl", "qwen3vlmoe", "qwen3tts", "talkie", "cog
 _WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
-_HyperArchitecture = Literal["deepseek4", "hy_v4", "glm5-next"]
+_HyperArchitecture = Literal["deepseek4", "hy_v4", "glm5-next", "kimi-k3"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,

@@ -250,9 +250,14 @@ class Executor:
         #: architecture carries a sideband beside the hidden state (patch 0012: RWKV-7's v_first).
         self.input_rows: int = int(getattr(self.model, "input_rows", 1))
         self.output_rows: int = int(getattr(self.model, "output_rows", 1))
-        #: The state flag announcing that sideband on the wire (protocol.md §2.4; 0: none).
-        self.sideband_flag: int = sideband_flag(str(getattr(self.model, "architecture", "")),
-                                                max(self.input_rows, self.output_rows))
+        #: The state flags announcing the rows this stage takes (protocol.md §2.4 / §12; 0: none)
+        #: and those it hands on: they differ where the boundary widens with depth (Kimi-K3's
+        #: banked layer inputs); a first / last stage's one boundary gives both.
+        architecture = str(getattr(self.model, "architecture", ""))
+        rows_in = self.output_rows if self.is_first else self.input_rows
+        rows_out = self.input_rows if self.is_last else self.output_rows
+        self.sideband_flag: int = sideband_flag(architecture, rows_in)
+        self.output_flag: int = sideband_flag(architecture, rows_out)
         self.n_batch: int = int(context.n_batch)
         self.n_vocab: int = int(getattr(self.model, "n_vocab", 1 << 31))
         #: KV bytes per cell (the recorded-bytes reply stat); 0 when the runtime does not say.

@@ -203,8 +203,8 @@ async def _restore_decode(scheduler: Scheduler, message: StageMessage, key: int,
     if result.activations is None:
         return Outcome(ERROR)  # unreachable: a stage with a downstream always produces activations
     forward = dataclasses.replace(outgoing(tokens), token_count=1, activation=result.activations)
-    if executor.sideband_flag:  # a wide boundary: the sideband rows go out flagged, part by part
-        state = dataclasses.replace(forward.state, flags=forward.state.flags & ~SIDEBAND_BITS | executor.sideband_flag)
+    if executor.output_flag:  # a wide boundary: the sideband rows go out flagged, part by part
+        state = dataclasses.replace(forward.state, flags=forward.state.flags & ~SIDEBAND_BITS | executor.output_flag)
         forward = dataclasses.replace(forward, state=state, activation=rows_to_wire(
-            result.activations, activation_row_multiplier(executor.sideband_flag)))
+            result.activations, activation_row_multiplier(executor.output_flag)))
     return Outcome(mine, forward, _chain_reply(scheduler, key, bit, mine), result)
