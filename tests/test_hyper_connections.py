@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy.driver import StageClient
+from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.models import ensure_model, tiny
 from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
 from skippy.protocol_ext import ErrorCode
@@ -27,7 +27,7 @@ from skippy.stage.lane_messages import outgoing, work_item
 from skippy.stage.lane_protocol import LaneProtocol
 
 from chain_helpers import InProcessChain, greedy_run
-from stage_helpers import reference_greedy, stage_chain
+from stage_helpers import inprocess_chain, reference_greedy, stage_chain
 from conftest import PROMPT
 
 HC = 4
@@ -183,3 +183,36 @@ async def test_kimi_k3_stage_processes_match_the_unsplit_model(tmp_path: Path) -
         async with await StageClient.connect(chain[0].address) as client:  # type: ignore[arg-type]
             tokens = await client.generate_greedy(1, prompt, 12, chunk_size=5)
     assert tokens == expected
+
+
+@pytest.mark.slow
+async def test_a_prefix_cache_hit_over_widening_boundaries_equals_the_uncached_answer() -> None:
+    """Kimi-K3 over three stages (tests/test_wide_boundary.py's case): a restoring stage's
+    TryRestorePrefillDecode activation goes out with the boundary-rows bits of its own output width
+    (2, then 3 rows per token).  (DeepSeek V4 is left out: its restored prefix differs from the
+    uncached answer unsplit too, a prefix-cache limit of its compressed-KV memory, not of a cut.)"""
+    path = ensure_model(tiny("kimi-k3"))
+    page = 8
+    first = (1, 15043, 3186, 29892, 920, 526, 366, 2599, 3681, 338, 263, 1243, 310, 278, 7934, 29889, 450)
+    generator = Generator.from_model(path, n_ctx=512, chunk_size=8, credit=2)
+    generator.cache_page_size = page
+    try:
+        async with inprocess_chain(["0:1", "1:3", "3:4"], model=str(path), ctx_size=512, cache_page_size=page,
+                                   threads=1) as servers:
+            async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
+                session = iter(range(1, 100))
+
+                async def run(prompt: tuple[int, ...], cache: bool) -> tuple[list[int], int]:
+                    request = GenerationRequest(prompt, 6, speculation=False, prefix_cache=cache)
+                    done = await generator.generate(client, request, next(session))
+                    return list(done.tokens), done.cached_tokens
+
+                await run(first, True)
+                for prompt in ((*first[:2 * page], 13, 450, 4996), first[:2 * page + 1]):
+                    cached, hit = await run(prompt, True)
+                    plain, _ = await run(prompt, False)
+                    assert hit == 2 * page and cached == plain
+            for server in servers:
+                assert server.executor.cache is not None and server.executor.cache.stats.errors == 0
+    finally:
+        generator.close()
