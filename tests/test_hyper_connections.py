@@ -289,3 +289,16 @@ def _rss(pid: int) -> int:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) * 1024
     raise AssertionError("no VmRSS")
+
+
+def test_bits_16_to_21_without_bit_15_size_nothing_at_a_stage() -> None:
+    """v11 carries unknown flag bits through (the golden frame with bit 20): without bit 15 they
+    are no boundary-rows field, so a plain stage still takes the frame, and a wide one refuses it
+    for the missing width, not for bit 20."""
+    flags = 1 << 20
+    dispatch = _dispatch(MessageKind.PREFILL_EMBD, token_count=1, activation=np.zeros((1, 4), np.float32),
+                         state_changes={"flags": flags})
+    item = work_item(dispatch, 7, is_first=False, width=4, sideband_flag=0)
+    assert item.activations is not None and item.activations.shape == (1, 4)
+    with pytest.raises(InvalidMessage, match=r"announces 1 row\(s\) .*flags 0x0\).* takes 4"):
+        work_item(dispatch, 7, is_first=False, width=4, sideband_flag=WIDE)

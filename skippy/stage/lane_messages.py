@@ -26,7 +26,8 @@ from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import timing_stats
 from skippy.stage.lane_protocol import Dispatch
 
-__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "work_item"]
+__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "sideband_bits",
+           "work_item"]
 
 _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
@@ -35,6 +36,13 @@ _POSITION_END = 1 << 31
 #: The state flags that size the activation (protocol.md §2.6, and §12's boundary rows).
 SIDEBAND_BITS = int(StateFlag.RWKV7_V_FIRST_SIDEBAND | StateFlag.GEMMA3N_ALTUP_SIDEBAND
                      | StateFlag.INKLING_MTP_EMBD_SIDEBAND) | BOUNDARY_ROWS_BITS
+_V11_SIDEBAND_BITS = SIDEBAND_BITS & ~BOUNDARY_ROWS_BITS
+
+
+def sideband_bits(flags: int) -> int:
+    """The bits of ``flags`` that size the activation: 6-8, and bit 15 with its field (§12: bits
+    16-21 mean nothing without bit 15; v11 carries such an unknown bit through)."""
+    return flags & (SIDEBAND_BITS if flags & BOUNDARY_ROWS_FLAG else _V11_SIDEBAND_BITS)
 
 
 def rows_from_wire(activation: npt.NDArray[np.float32], parts: int) -> npt.NDArray[np.float32]:
@@ -84,8 +92,8 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         raise InvalidMessage(f"{kind.reference_name} with source_stage_index {source}: not a stage index "
                              "(-1: from the driver)")
     wanted = 0 if is_first else sideband_flag
-    if message.state.flags & SIDEBAND_BITS != wanted:  # the activation's rows would not be this stage's
-        got = message.state.flags & SIDEBAND_BITS
+    got = sideband_bits(message.state.flags)
+    if got != wanted:  # the activation's rows would not be this stage's
         if (got | wanted) & BOUNDARY_ROWS_FLAG:  # §12: name both widths
             raise InvalidMessage(
                 f"{kind.reference_name} announces {activation_row_multiplier(got)} row(s) of n_embd per token "
