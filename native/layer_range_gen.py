@@ -25,14 +25,16 @@ per-architecture ones), and after editing, the main graph body is linted for the
 would make a split wrong (another use of ``n_layer``, the token embeddings, the raw input
 embeddings, the batch's token/embd pointers); each remaining use must be listed as reviewed in
 ``REVIEWED``.  Architectures whose graph the rules cannot transform, or whose model has a feature
-that a layer range cannot carry (a residual stream wider than the hidden state (hyper-connections)
-or banked across layers, layers reused in depth in a hierarchical recurrence, an encoder), are
-refused with that reason.  Layers that read the input embedding or pick their weights by the input
-modality split with the token ids on every stage (``TOKEN_IDS`` / ``TOKEN_EMBEDDINGS``, patch
-``0010``), and so do layers that apply the adapter a router picks from the token ids (Granite
-Switch: every stage runs the router, ``ROUTER``, on KV cells of its own, patch ``0014``); a value
-residual from the first layer (RWKV-7) or parallel streams (Gemma 3n's AltUp) cross a wide boundary
-announced by the protocol's sideband flags (patch ``0012``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
+that a layer range cannot carry (layers reused in depth in a hierarchical recurrence, an encoder),
+are refused with that reason.  A residual stream wider than the hidden state (hyper-connections:
+``HYPER``) or banked across layers (Kimi-K3: ``BANKED``) crosses a wide boundary whose width the
+protocol's boundary-rows extension announces (patch ``0013``).  Layers that read the input
+embedding or pick their weights by the input modality split with the token ids on every stage
+(``TOKEN_IDS`` / ``TOKEN_EMBEDDINGS``, patch ``0010``), and so do layers that apply the adapter a
+router picks from the token ids (Granite Switch: every stage runs the router, ``ROUTER``, on KV
+cells of its own, patch ``0014``); a value residual from the first layer (RWKV-7) or parallel
+streams (Gemma 3n's AltUp) cross a wide boundary announced by the protocol's sideband flags (patch
+``0012``).  Recurrent state (conv / SSM / WKV / delta-net) is not such a
 feature: it belongs to its layer, and patch ``0005`` gives a range the state of its own layers.
 So are the few the rules reach that cannot split for a reason of the model itself (``INHERENT``:
 e.g. a TTS backbone without an LM head).  Nor is a value residual (RWKV-7's ``v_first``, the first
@@ -131,6 +133,11 @@ SPLIT += ("nanbeige",)
 #
 #: Issues 25/26, wide stage boundaries: a sideband beside the hidden state (patch 0012).
 SPLIT += ("rwkv7", "arwkv7", "gemma3n")
+#
+#: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
+SPLIT += ("deepseek4", "hy_v4", "glm5-next")
+#: ... and banked layer inputs, as many rows as the cut is deep (Kimi-K3, patch 0013).
+SPLIT += ("kimi-k3",)
 
 #: Architectures whose graph the rules would transform but which cannot be split for a reason of
 #: the model itself, with that reason (refused at load time like the rest).
@@ -192,6 +199,18 @@ FILE_EDITS: dict[str, list[tuple[str, str, int]]] = {
         "    if (sub_tokens->buffer) { // skippy: a later stage does not embed (its input is the hidden state)\n"
         "        ggml_backend_tensor_set(sub_tokens,  sub.data(),  0, n_tokens*ggml_element_size(sub_tokens));\n"
         "    }\n",
+        1,
+    )],
+    # GLM-5 Next's k-pooled indexer inputs are built on every stage but used only by its DSA
+    # layers: a stage holding none (KDA layers only) leaves them without a buffer
+    "glm5-next": [(
+        "    void set_input(const llama_ubatch * ubatch) override {\n"
+        "        mctx->get_idx()->set_input_k_idxs(k_idxs, ubatch);\n",
+        "    void set_input(const llama_ubatch * ubatch) override {\n"
+        "        if (k_idxs->buffer == nullptr) {\n"
+        "            return; // skippy: a stage without indexer layers\n"
+        "        }\n"
+        "        mctx->get_idx()->set_input_k_idxs(k_idxs, ubatch);\n",
         1,
     )],
     # lightning-attention inputs are built on every stage but used only by lightning layers: a
@@ -263,6 +282,29 @@ STREAMS = re.compile(r"\bn_altup\b")
 STREAMS_ROWS = 4  # llama.cpp's n_altup (src/llama-hparams.h), which the protocol's AltUp flag carries
 STREAMS_IN = "inpL = build_stage_streams_in(inpL); // skippy: a later stage takes the streams as its input rows"
 
+#: Generic rule for hyper-connections (DeepSeek V4, GLM-5 Next, HY V4, Qwen4-exp): the layers carry
+#: hc_mult parallel residual streams as [n_embd, hc_mult, n_tokens] (a token's streams side by side,
+#: the layout of one wide row).  The boundary is wide (patch 0012) with ``hparams.dsv4_hc_mult``
+#: rows, which the protocol's boundary-rows extension announces (docs/protocol.md §12); a later
+#: stage takes its streams from its input rows before the loop (patch 0013).
+HYPER = re.compile(r"\bhparams\.dsv4_hc_mult\b")
+HYPER_ROWS = 0  # Arch.stage_rows: the model's hyper-connection count (hparams.dsv4_hc_mult)
+HYPER_IN = "{var} = build_stage_hc_in({var}); // skippy: a later stage takes the streams as its input rows"
+#: Generic rule for banked layer inputs (Kimi-K3's cross-layer residual attention: every
+#: attn_res_block_size-th layer pushes its input onto the graph's `resi_stack`, which later layers
+#: mix in): a cut at layer L hands on the hidden state and the ceil(L / block) rows banked so far
+#: (patch 0013: the width depends on the cut), and a later stage takes both from its input rows.
+BANKED = re.compile(r"\bresi_stack\b")
+BANKED_ROWS = -1  # Arch.stage_rows: 1 + the rows banked before the boundary's layer
+BANKED_IN = ("build_stage_banked_in({var}, resi_stack); // skippy: a later stage takes the hidden state "
+             "and the banked rows from its input rows")
+#: Layers that read the token ids themselves (DeepSeek V4's hash routing of the first
+#: hash_layer_count layers: experts by token id): every later stage receives them (patch 0010).
+TOKEN_READS = (("res->t_inp_tokens", "build_stage_inp_tokens()"),)
+#: A modality test by the batch's input embeddings (a media batch has embeddings, no token ids): a
+#: later stage's text batch holds both (the hidden state beside the ids), so the test reads the ids.
+MEDIA_TEST = ("ubatch.embd != nullptr", "ubatch.token == nullptr")
+
 #: What a stage past the first receives beside the hidden state (``Arch.token_input``; the loader
 #: reads it from ``llm_arch_stage_token_input`` in the generated table, patch 0010): the token ids
 #: (layers that pick their weights by the input modality: a text batch is text on every stage), or
@@ -310,6 +352,8 @@ REVIEWED: dict[str, dict[str, str]] = {
     # last stage reaches (an earlier one returns at the boundary), and il_end == n_layer there.
     "nemotron_h": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
     "nemotron_h_moe": {"n_layer": "the final layer-input extraction, reached on the last stage only"},
+    "deepseek4": {"n_layer": "the final layer-input extraction (embeddings_layer_inp[n_layer]), reached on the "
+                             "last stage only"},
     "nanbeige": {"n_layer": "the block count where the file does not loop its blocks (n_layer_phys 0)"},
     "minimax-01": {"n_layer": "the lightning-attention slope scale divides the global layer index by the "
                               "model's depth (n_layer stays the whole model's on every stage)"},
@@ -352,7 +396,8 @@ class Arch:
     graph_owner: str = ""   # the class whose graph this one reuses (`using graph = X::graph`)
     status: str = ""        # "splits" or "refused"
     token_input: int = 0    # TOKEN_IDS / TOKEN_EMBEDDINGS: what a later stage reads beside the hidden state
-    stage_rows: int = 1     # n_embd-wide parts per row at a boundary (patch 0012; 1: the hidden state)
+    stage_rows: int = 1     # n_embd-wide parts per row at a boundary (patch 0012; 1: the hidden state;
+                            # HYPER_ROWS: the model's hyper-connection count)
     reason: str = ""        # why refused (or how it splits)
     new_text: dict[str, str] = field(default_factory=dict)
 
@@ -715,12 +760,26 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             modality.append(code)
     if ROUTER in _code(body[:loop_at]):
         arch.token_input = TOKEN_IDS  # the router reads the token ids on every stage
+    # layers that read the token ids (TOKEN_READS) or test the modality by the input embeddings
+    # (MEDIA_TEST): every later stage receives the ids (patch 0010), and the layers read them
+    loop_text = body[loop_open:loop_close]
+    for old, new in (*TOKEN_READS, MEDIA_TEST):
+        if old not in loop_text:
+            continue
+        if body.count(old) != loop_text.count(old):
+            raise TransformError(f"`{old}` outside the layer loop")
+        loop_text = loop_text.replace(old, new)
+        arch.token_input = arch.token_input or TOKEN_IDS
+    body = body[:loop_open] + loop_text + body[loop_close:]
+    loop_close = _match_brace(body, loop_open)
     carried = carried_variable(body[:loop_at], body, body[loop_open + 1:loop_close])
     if "build_stage_boundary" in body:
         raise TransformError("already transformed")
-    if body.count(LAST) < 1 and "inp_out_ids" in body and "build_inp_out_ids()" not in body[loop_close:]:
+    if (body.count(LAST) < 1 and "inp_out_ids" in body and "build_inp_out_ids()" not in body[loop_close:]
+            and "inp_out_ids" in _code(body[loop_open:loop_close])):
         # no selection in the loop: a graph without output ids computes every row on every layer
-        # (CogVLM), or one that picks the output rows after the loop (Gemma 3n)
+        # (CogVLM), or one that picks the output rows after the loop (Gemma 3n builds the ids
+        # there, DeepSeek V4 before the loop; a stage that is not the last has none, patch 0001)
         raise TransformError(f"no `{LAST}` (output-row selection) in the layer loop")
     if body.count(LAST, loop_open, loop_close) != body.count(LAST):
         raise TransformError(f"`{LAST}` outside the layer loop")
@@ -738,6 +797,12 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         if carried != "inpL":
             raise TransformError("parallel streams: the layers do not carry them in `inpL`")
         publish, sideband_in, arch.stage_rows = "build_stage_boundary_streams", f"{STREAMS_IN}\n\n{indent}", STREAMS_ROWS
+    elif HYPER.search(_code(body)):
+        publish, sideband_in, arch.stage_rows = (
+            "build_stage_boundary_hc", HYPER_IN.format(var=carried) + f"\n\n{indent}", HYPER_ROWS)
+    elif BANKED.search(_code(text)):  # the graph's own helpers push onto and read the bank
+        publish, sideband, sideband_in, arch.stage_rows = (
+            "build_stage_boundary_banked", ", resi_stack", BANKED_IN.format(var=carried) + f"\n\n{indent}", BANKED_ROWS)
     boundary = (
         f"\n{indent}// skippy: a stage that is not the last hands on the pre-norm hidden state\n"
         f"{indent}if ({publish}({carried}{sideband})) {{\n{indent}    return;\n{indent}}}"
@@ -776,7 +841,10 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     try:
         new_body, findings = guard_input_transforms(
             new_body, new_body.index(LOOP_NEW), "input read" in REVIEWED.get(name, {}),
-            readers=frozenset({"inp_per_layer"}) if per_layer else frozenset())
+            # (hyper-connections: the streams built from the embedding are the first stage's; a
+            # later stage replaces them with its input rows, HYPER_IN)
+            readers=(frozenset({"inp_per_layer"}) if per_layer else frozenset())
+            | (frozenset({carried}) if arch.stage_rows == HYPER_ROWS else frozenset()))
     except EmbeddingSkip:
         if per_layer or len(SKIP_EMBD.findall(new_body)) != 1:
             raise
@@ -825,6 +893,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
     scan = _code(scan)  # code only: comments may name anything
     for code in modality:  # the modality rule's statements (a text batch is text on every stage)
         scan = scan.replace(code, "")
+    scan = scan.replace(MEDIA_TEST[1], "")  # the modality test rewritten to read the token ids
     for label, pattern in LINT.items():
         if pattern.search(scan) and label not in REVIEWED.get(name, {}):
             findings.append(f"uses {label} outside the layer loop")
@@ -882,12 +951,19 @@ def classify(src: Path, archs: list[Arch]) -> None:
         elif DRAFT_HEAD.search(texts.get(f"{arch.name}.cpp", "")):
             arch.reason = ("draft head: it runs only beside its target model, whose hidden states or "
                            "embeddings it reads, never as a model of its own")
-        elif "LLM_KV_HYPER_CONNECTION_COUNT" in joined or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined):
+        elif arch.name not in SPLIT and ("LLM_KV_HYPER_CONNECTION_COUNT" in joined
+                                         or re.search(r"\bbuild_hc_\w+\(|\bhc_mult\b", joined)):
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
-                           "(hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but "
-                           "the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x "
-                           "v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a "
-                           "negotiated protocol extension, which is not defined")
+                           "(hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md "
+                           "§12) and patch 0013 carry across a cut")
+            if "build_inp_ple(" in joined:
+                arch.reason += ("; but its per-layer n-gram embeddings (PLE) are looked up by rows hashed from "
+                                "each token's predecessors, which an input of the first stage reads from the "
+                                "attention cells' token record: a later stage would need the token ids (patch "
+                                "0010 gives them) and that record in cells of its own, which the rules do not "
+                                "build yet: not a limit of the model")
+            else:
+                arch.reason += "; this family has no synthetic writer and exactness cases yet"
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
             # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
             # slots run (patch 0011); the graph is then a loop over slots like any other)
@@ -901,7 +977,7 @@ def classify(src: Path, archs: list[Arch]) -> None:
         )) and "template <bool embed>" in joined:
             arch.reason = ("embedding model: it builds the shared graph's embedding variant (attention without "
                            "a KV cache, no LM head), no causal generation")
-        elif "attn_res_block_size" in joined:
+        elif "attn_res_block_size" in joined and arch.name not in SPLIT:
             arch.reason = ("cross-layer residual attention: layers mix the banked inputs of every earlier "
                            "block (one per attn_res_block_size layers), so a cut at layer L would have to hand "
                            "on L / attn_res_block_size banked rows beside the hidden state: a width that grows "
@@ -987,14 +1063,19 @@ def render_inc(archs: list[Arch]) -> str:
         "",
         "// skippy: n_embd-wide parts per row at a stage boundary (patch 0012): 1, the hidden state,",
         "// or more where the architecture hands on a sideband beside it",
-        "static uint32_t llm_arch_stage_rows(llm_arch arch) {",
+        "// (hyper-connections: the model's hc_mult parallel residual streams), at the boundary before",
+        "// layer il (banked layer inputs: the hidden state and the rows banked before il, patch 0013)",
+        "static uint32_t llm_arch_stage_rows(llm_arch arch, const llama_hparams & hparams, uint32_t il) {",
         "    switch (arch) {",
     ]
     for arch in archs:
-        if arch.status == "splits" and arch.stage_rows > 1:
-            lines.append(f"        case {arch.enum}: return {arch.stage_rows};")
+        if arch.status == "splits" and arch.stage_rows != 1:
+            rows = {HYPER_ROWS: "hparams.dsv4_hc_mult",
+                    BANKED_ROWS: "hparams.attn_res_block_size > 0 ? 1 + (il + hparams.attn_res_block_size - 1) "
+                                 "/ hparams.attn_res_block_size : 1"}.get(arch.stage_rows, arch.stage_rows)
+            lines.append(f"        case {arch.enum}: return {rows};")
     lines += [
-        "        default: return 1;",
+        "        default: GGML_UNUSED(il); return 1;",
         "    }",
         "}",
         "",
@@ -1065,10 +1146,12 @@ def render_py(archs: list[Arch]) -> str:
         if arch.status != "splits":
             lines.append(f"    {arch.name!r}: {arch.reason!r},")
     lines += ["}", "", "#: Split architectures whose stage boundary rows hold more than the hidden state: the",
-              "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012).",
+              "#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012); 0: the",
+              "#: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream);",
+              "#: -1: 1 + the layer inputs banked before the cut (``<arch>.attn_res.block_size``, patch 0013).",
               "STAGE_ROWS: Final[dict[str, int]] = {"]
     for arch in archs:
-        if arch.status == "splits" and arch.stage_rows > 1:
+        if arch.status == "splits" and arch.stage_rows != 1:
             lines.append(f"    {arch.name!r}: {arch.stage_rows},")
     lines += ["}", ""]
     return "\n".join(lines)
@@ -1112,7 +1195,11 @@ def render_docs(archs: list[Arch]) -> str:
         "and the frame says so with the protocol's `RWKV7_V_FIRST_SIDEBAND` flag (twice the rows).",
         "Parallel residual streams (Gemma 3n's four AltUp streams) cross it the same way, flagged",
         "`GEMMA3N_ALTUP_SIDEBAND` (four times the rows); Gemma 3n also reads the token ids on every stage",
-        "(per-layer token embeddings, as Gemma 4).",
+        "(per-layer token embeddings, as Gemma 4).  Hyper-connections (DeepSeek V4's `hc_mult` residual",
+        "streams) cross it as `hc_mult` rows per token, a width v11 has no flag for: the frame announces",
+        "it with skippy's boundary-rows extension (`docs/protocol.md` §12, patch 0013).  Kimi-K3's banked",
+        "layer inputs (cross-layer residual attention) make the width depend on the cut: a cut at layer",
+        "L hands on the hidden state and the ceil(L / attn_res_block_size) rows banked so far.",
         "",
         f"{len(archs)} architectures: {n_split} split; refused: "
         + ", ".join(f"{k.lower()} {v}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])) + ".",

@@ -21,7 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from skippy.protocol import StateFlag
+from skippy.protocol import BOUNDARY_ROWS_FLAG, StateFlag
 
 #: Which implementation this module is.
 IMPLEMENTATION = "python"
@@ -53,7 +53,7 @@ _REQUEST_ID, _SESSION_ID = 60, 68
 #: The state flags that add a section or rows the relay does not carry (sampling, chat metadata,
 #: the activation row multipliers).
 _UNCARRIED_FLAGS = int(StateFlag.SAMPLING | StateFlag.CHAT_SAMPLING_METADATA | StateFlag.RWKV7_V_FIRST_SIDEBAND
-                       | StateFlag.GEMMA3N_ALTUP_SIDEBAND | StateFlag.INKLING_MTP_EMBD_SIDEBAND)
+                       | StateFlag.GEMMA3N_ALTUP_SIDEBAND | StateFlag.INKLING_MTP_EMBD_SIDEBAND) | BOUNDARY_ROWS_FLAG
 _I32 = struct.Struct("<i")
 _DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
 

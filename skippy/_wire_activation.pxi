@@ -59,6 +59,8 @@ cdef int _activation_sizes(int dtype, int64_t token_count, int64_t width, int64_
                            int64_t *rows, int64_t *wire_bytes) except -1:
     """(rows, wire bytes) with the §2.6 checks; errors are built by the twin (same text)."""
     cdef int64_t multiplier = 4 if flags & 128 else (2 if flags & (256 | 64) else 1)
+    if flags & 32768:  # docs/protocol.md §12: boundary rows (the twin validates the field)
+        multiplier = _twin.boundary_rows(flags)
     cdef int64_t elements
     if token_count < 0 or width < 0 or (width > 0 and token_count * multiplier >
                                         (<int64_t>1 << 40) // width):

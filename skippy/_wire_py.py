@@ -32,6 +32,9 @@ import numpy as np
 from skippy import _wire_ext_py as _extension
 from skippy._activation_py import _f16_bits_to_f32, _f32_to_f16_bits, _f32_to_q8
 from skippy.protocol import (
+    BOUNDARY_ROWS_BITS,
+    BOUNDARY_ROWS_FLAG,
+    MAX_BOUNDARY_ROWS,
     MAX_MESSAGE_FRAME_BYTES,
     MAX_REPLY_FRAME_BYTES,
     MAX_STAGE_ACTIVATION_BYTES,
@@ -61,7 +64,7 @@ from skippy.protocol import (
     activation_row_multiplier,
     carries_activation,
 )
-from skippy.protocol_ext import ErrorFrame, TimingsFrame
+from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorFrame, TimingsFrame
 
 __all__ = [
     "IMPLEMENTATION",
@@ -74,6 +77,7 @@ __all__ = [
     "encode_reply",
     "encode_identity",
     "encode_timings",
+    "boundary_rows",
     "int32_sideband",
 ]
 
@@ -99,6 +103,9 @@ _U32_MAX: Final = (1 << 32) - 1
 _U64_MAX: Final = (1 << 64) - 1
 _I64_MIN, _I64_MAX = -(1 << 63), (1 << 63) - 1
 _SAMPLING_BIT: Final = int(StateFlag.SAMPLING)
+_EXTENSIONS_BIT: Final = SKIPPY_EXTENSIONS_FLAG
+_SIDEBAND_BITS: Final = int(StateFlag.RWKV7_V_FIRST_SIDEBAND | StateFlag.GEMMA3N_ALTUP_SIDEBAND
+                            | StateFlag.INKLING_MTP_EMBD_SIDEBAND)
 _CHAT_BIT: Final = int(StateFlag.CHAT_SAMPLING_METADATA)
 _STATE_FIELDS: Final = (
     "version", "seq_id", "phase", "flags", "checkpoint_generation", "prompt_token_count",
@@ -113,6 +120,26 @@ _EMPTY_I32.flags.writeable = False
 # --------------------------------------------------------------------------------------------
 
 
+def boundary_rows(flags: int) -> int:
+    """The rows per token a frame with the boundary-rows bit announces (docs/protocol.md §12).
+
+    Raises:
+        WireError: the field is outside 2..MAX_BOUNDARY_ROWS, the sender did not negotiate (no
+            SKIPPY_EXTENSIONS bit 10), or a v11 sideband bit (6-8) also sizes the activation.
+    """
+    rows = activation_row_multiplier(flags & BOUNDARY_ROWS_BITS)
+    if not 2 <= rows <= MAX_BOUNDARY_ROWS:
+        raise WireError("boundary rows per token out of range", field="state.flags", value=rows,
+                        limit=f"2..{MAX_BOUNDARY_ROWS} in bits 16..21 with bit 15")
+    if not flags & _EXTENSIONS_BIT:
+        raise WireError("boundary rows without the skippy extensions bit", field="state.flags",
+                        value=flags & 0xFFFFFFFF, limit="bit 15 only beside bit 10")
+    if flags & _SIDEBAND_BITS:
+        raise WireError("boundary rows beside a v11 sideband flag", field="state.flags",
+                        value=flags & 0xFFFFFFFF, limit="bit 15 without bits 6-8")
+    return rows
+
+
 def _activation_sizes(dtype: int, token_count: int, width: int, flags: int) -> tuple[int, int]:
     """(rows, wire bytes) of an activation, enforcing the §2.6 limits before any allocation."""
     if token_count < 0 or width < 0:
@@ -120,7 +147,7 @@ def _activation_sizes(dtype: int, token_count: int, width: int, flags: int) -> t
             "negative activation dimensions", field="token_count/width",
             value=(token_count, width),
         )
-    rows = token_count * activation_row_multiplier(flags)
+    rows = token_count * (boundary_rows(flags) if flags & BOUNDARY_ROWS_FLAG else activation_row_multiplier(flags))
     elements = rows * width
     if dtype == WireDType.F32:
         wire_bytes = elements * 4

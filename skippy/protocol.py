@@ -55,6 +55,11 @@ __all__ = [
     "WireDType",
     "WireError",
     "activation_row_multiplier",
+    "boundary_rows_flags",
+    "BOUNDARY_ROWS_BITS",
+    "BOUNDARY_ROWS_FLAG",
+    "BOUNDARY_ROWS_SHIFT",
+    "MAX_BOUNDARY_ROWS",
     "check_ready",
     "expected_phase",
 ]
@@ -376,8 +381,36 @@ def expected_phase(kind: MessageKind) -> Phase:
     return Phase.DECODE
 
 
+#: docs/protocol.md §12 (a skippy extension, defined here because it sizes the activation): state
+#: flag bit 15, "boundary rows".  With it, bits 16..21 hold the activation's rows per token ``k``
+#: (2..:data:`MAX_BOUNDARY_ROWS`): a wide stage boundary of ``k x n_embd`` per token, part-major
+#: on the wire as bits 6-8's rows are.  Legal only beside bit 10 (a negotiating sender) and
+#: without bits 6-8; without bit 15, bits 16..21 mean nothing (v11: unknown bits carry through).
+BOUNDARY_ROWS_FLAG: Final = 1 << 15
+#: §12: the shift of the rows-per-token field.
+BOUNDARY_ROWS_SHIFT: Final = 16
+#: §12: the most rows per token a frame may announce (the field's six bits).
+MAX_BOUNDARY_ROWS: Final = 63
+#: §12: every bit of the extension (the flag and its field).
+BOUNDARY_ROWS_BITS: Final = BOUNDARY_ROWS_FLAG | MAX_BOUNDARY_ROWS << BOUNDARY_ROWS_SHIFT
+
+
+def boundary_rows_flags(rows: int) -> int:
+    """The state flags announcing ``rows`` n_embd-wide parts per token (§12); 0 for one part.
+
+    Raises:
+        ValueError: ``rows`` outside 1..MAX_BOUNDARY_ROWS.
+    """
+    if not 1 <= rows <= MAX_BOUNDARY_ROWS:
+        raise ValueError(f"a stage boundary of {rows} rows per token: the protocol announces 1..{MAX_BOUNDARY_ROWS}")
+    return 0 if rows == 1 else BOUNDARY_ROWS_FLAG | rows << BOUNDARY_ROWS_SHIFT
+
+
 def activation_row_multiplier(flags: int) -> int:
-    """Rows per token implied by the sideband flags (protocol.md §2.6; Gemma wins)."""
+    """Rows per token implied by the sideband flags (protocol.md §2.6; Gemma wins), or by the
+    boundary-rows extension (§12: its field, unvalidated here; the codec refuses a bad one)."""
+    if flags & BOUNDARY_ROWS_FLAG:
+        return flags >> BOUNDARY_ROWS_SHIFT & MAX_BOUNDARY_ROWS
     if flags & StateFlag.GEMMA3N_ALTUP_SIDEBAND:
         return 4
     if flags & (StateFlag.INKLING_MTP_EMBD_SIDEBAND | StateFlag.RWKV7_V_FIRST_SIDEBAND):

@@ -44,7 +44,7 @@ def test_the_issue_families_split() -> None:
 
 @pytest.mark.parametrize(
     ("arch", "reason"),
-    [("kimi-k3", "cross-layer residual attention"), ("deepseek4", "hyper-connections"),
+    [("qwen4exp", "hyper-connections"),
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
      ("eagle3", "draft head"), ("dflash", "draft head"),
      ("pockettts", "not a text-generation model"), ("hrm_text", "hierarchical recurrence"),

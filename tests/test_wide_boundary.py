@@ -17,7 +17,7 @@ import pytest
 
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.models import ensure_model, tiny
-from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType
+from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
 from skippy.protocol_ext import ErrorCode
 from skippy.runtime import Model, StageContext
 from skippy.lane.errors import InvalidMessage
@@ -75,11 +75,12 @@ def test_a_frame_whose_sideband_does_not_fit_the_stage_is_refused(flags: int, ro
     assert raised.value.code is ErrorCode.STATE_MISMATCH
 
 
-def test_only_a_protocol_flag_announces_a_wide_boundary() -> None:
+def test_a_v11_flag_or_the_boundary_rows_extension_announces_a_wide_boundary() -> None:
     assert sideband_flag("rwkv7", 2) == sideband_flag("arwkv7", 2) == V_FIRST and sideband_flag("llama", 1) == 0
     assert sideband_flag("gemma3n", 4) == int(StateFlag.GEMMA3N_ALTUP_SIDEBAND)
+    assert sideband_flag("deepseek4", 4) == boundary_rows_flags(4)  # protocol.md §12
     with pytest.raises(ValueError, match="no state flag"):
-        sideband_flag("llama", 2)
+        sideband_flag("rwkv7", 3)
 
 
 def test_a_later_rwkv7_stage_takes_and_gives_rows_twice_as_wide() -> None:

@@ -18,8 +18,8 @@ import numpy as np
 import numpy.typing as npt
 
 from skippy.protocol import (
-    MessageKind, ReplyStats, SamplingConfig, StageMessage, StageReply, StateFlag, StateHeader, WireDType,
-    activation_row_multiplier,
+    BOUNDARY_ROWS_BITS, BOUNDARY_ROWS_FLAG, MessageKind, ReplyStats, SamplingConfig, StageMessage, StageReply,
+    StateFlag, StateHeader, WireDType, activation_row_multiplier,
 )
 from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
 from skippy.lane.errors import InvalidMessage, StageError
@@ -27,15 +27,23 @@ from skippy.lane.protocol import Dispatch
 from skippy.lane.stats import timing_stats
 from skippy.lane.work import WorkItem, WorkResult
 
-__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "work_item"]
+__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "sideband_bits",
+           "work_item"]
 
 _INT32 = np.dtype(np.int32)
 _FLOAT32 = np.dtype(np.float32)
 #: One past the largest position an int32 holds.
 _POSITION_END = 1 << 31
-#: The state flags that size the activation (protocol.md §2.6).
+#: The state flags that size the activation (protocol.md §2.6, and §12's boundary rows).
 SIDEBAND_BITS = int(StateFlag.RWKV7_V_FIRST_SIDEBAND | StateFlag.GEMMA3N_ALTUP_SIDEBAND
-                     | StateFlag.INKLING_MTP_EMBD_SIDEBAND)
+                     | StateFlag.INKLING_MTP_EMBD_SIDEBAND) | BOUNDARY_ROWS_BITS
+_V11_SIDEBAND_BITS = SIDEBAND_BITS & ~BOUNDARY_ROWS_BITS
+
+
+def sideband_bits(flags: int) -> int:
+    """The bits of ``flags`` that size the activation: 6-8, and bit 15 with its field (§12: bits
+    16-21 mean nothing without bit 15; v11 carries such an unknown bit through)."""
+    return flags & (SIDEBAND_BITS if flags & BOUNDARY_ROWS_FLAG else _V11_SIDEBAND_BITS)
 
 
 def rows_from_wire(activation: npt.NDArray[np.float32], parts: int) -> npt.NDArray[np.float32]:
@@ -89,8 +97,13 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         raise InvalidMessage(f"{kind.reference_name} with source_stage_index {source}: not a stage index "
                              "(-1: from the driver)")
     wanted = 0 if is_first else sideband_flag
-    if message.state.flags & SIDEBAND_BITS != wanted:  # the activation's rows would not be this stage's
-        got = message.state.flags & SIDEBAND_BITS
+    got = sideband_bits(message.state.flags)
+    if got != wanted:  # the activation's rows would not be this stage's
+        if (got | wanted) & BOUNDARY_ROWS_FLAG:  # §12: name both widths
+            raise InvalidMessage(
+                f"{kind.reference_name} announces {activation_row_multiplier(got)} row(s) of n_embd per token "
+                f"(state flags {got:#x}): this stage's first layer takes "
+                f"{activation_row_multiplier(wanted)} (its architecture's boundary width)")
         raise InvalidMessage(
             f"{kind.reference_name} with activation sideband flags {got:#x} (Gemma3n / MTP / RWKV rows): "
             + (f"this stage's architecture carries the sideband {wanted:#x} beside the hidden state" if wanted

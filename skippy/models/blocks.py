@@ -41,8 +41,9 @@ __all__ = [
 #: llama.cpp's converter and quantizer keep ``ffn_gate_inp``); vector: a 1-D weight used as a
 #: dot product (qwen2moe's shared-expert gate); sink: gpt-oss per-head attention sink logits;
 #: decay: a recurrent layer's negative decay, A = -exp(A_log) (Mamba's per channel, delta-net's and
-#: Mamba-2's per head ``ssm_a``), so the recurrent state decays.
-TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink", "decay"]
+#: Mamba-2's per head ``ssm_a``), so the recurrent state decays; expert_ids: an I32 table of expert
+#: ids per token (DeepSeek V4's hash routing: each row distinct experts of n_expert).
+TensorKind = Literal["embedding", "matrix", "norm", "bias", "router", "vector", "sink", "decay", "expert_ids"]
 
 
 @final

@@ -40,6 +40,7 @@ from skippy.models import blocks_rules as br
 from skippy.models import blocks_ssm as ssm
 from skippy.models import blocks_rwkv as rwkv
 from skippy.models import blocks_wide as wide
+from skippy.models import blocks_hc as hc
 from skippy.models import blocks_linear as bl
 from skippy.models import blocks_tokens as bt
 from skippy.models.blocks import TensorDecl, TensorKind
@@ -163,6 +164,17 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "adapter_count": OptionalKey("adapters.count", GGUFValueType.UINT32),
     "adapter_lora_rank": OptionalKey("adapters.lora_rank", GGUFValueType.UINT32),
     "adapter_router_gain": OptionalKey("adapters.router_gain", GGUFValueType.FLOAT32),
+    #
+    # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+    "hc_mult": OptionalKey("hyper_connection.count", GGUFValueType.UINT32),
+    "hash_layer_count": OptionalKey("hash_layer_count", GGUFValueType.UINT32),
+    "compress_ratios": OptionalKey("attention.compress_ratios", GGUFValueType.ARRAY),
+    "o_group_count": OptionalKey("attention.output_group_count", GGUFValueType.UINT32),
+    "o_lora_rank": OptionalKey("attention.output_lora_rank", GGUFValueType.UINT32),
+    "indexer_types": OptionalKey("attention.indexer.types", GGUFValueType.ARRAY),
+    "indexer_kpool": OptionalKey("attention.indexer.kpool", GGUFValueType.UINT32),
+    "attn_res_block_size": OptionalKey("attn_res.block_size", GGUFValueType.UINT32),
+    "n_expert_latent": OptionalKey("expert_latent_length", GGUFValueType.UINT32),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1397,6 +1409,56 @@ FAMILIES: Final[dict[str, Family]] = {
             "deltas on every projection, the slot picked per token by a router (an attention of its "
             "own over the token ids: the last adapter token in sight), adapter tokens embedded as "
             "their substitutes",
+        ),
+        #
+        # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+        Family(
+            "deepseek4", _UNTIED, hc.deepseek4,
+            requires=_MOE | bm.DSA | hc.DEEPSEEK4 | {
+                "n_expert_shared", "q_lora_rank", "sliding_window", "expert_gating", "expert_weights_scale",
+                "expert_weights_norm",
+            },
+            rules=(bm.indexer, hc.deepseek4_shape), derived_keys=hc.deepseek4_keys,
+            inputs=hc.deepseek4_inputs,
+            summary="DeepSeek V4 (Flash): four hyper-connection streams mixed around every sub-block, "
+            "sliding-window attention with compressed KV (ratio 4 with a lightning indexer, 128), "
+            "grouped low-rank output, hash-routed experts in the first layers, sqrt-softplus routing",
+        ),
+        Family(
+            "hy_v4", _UNTIED, hc.hy_v4,
+            requires=_MOE | bm.DSA | hc.HY_V4 | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating", "n_dense_lead",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer, hc.hy_v4_shape),
+            derived_keys=hc.hy_v4_keys, inputs=hc.hy_v4_inputs,
+            summary="HY V4 (Hunyuan V4): independent hyper-connections (pre/post gates), MLA with an "
+            "output gate and sinks, the lightning indexer on full layers (shared layers reuse its top-k), "
+            "leading dense blocks, sigmoid experts with a shared one",
+        ),
+        Family(
+            "glm5-next", _UNTIED, hc.glm5_next,
+            requires=_MOE | bm.DSA | hc.GLM5_NEXT | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating", "n_dense_lead",
+                "full_attention_interval",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm", "indexer_types"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, bm.indexer, hc.glm5_next_shape),
+            derived_keys=hc.glm5_next_keys,
+            summary="GLM-5.3-Flash (glm5-next): mHC streams around KDA layers and MLA layers with DeepSeek "
+            "sparse attention (a k-pooled lightning indexer), leading dense blocks, sigmoid experts",
+        ),
+        Family(
+            "kimi-k3", _UNTIED, hc.kimi_k3,
+            requires=_MOE | hc.KIMI_K3 | {
+                "n_expert_shared", "q_lora_rank", "kv_lora_rank", "v_head_dim", "expert_gating", "n_dense_lead",
+                "full_attention_interval",
+            },
+            permits=frozenset({"expert_weights_scale", "expert_weights_norm"}),
+            rules=(b.mla, b.experts, b.dense_lead_below_n_layer, hc.kimi_k3_shape),
+            derived_keys=hc.kimi_k3_keys, inputs=hc.kimi_k3_inputs,
+            summary="Kimi-K3: Kimi-Linear's KDA / MLA hybrid (full-rank KDA gate, gated nope MLA) with "
+            "cross-layer residual attention over banked layer inputs, latent experts, situ activations",
         ),
     )
 }

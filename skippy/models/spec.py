@@ -125,12 +125,16 @@ _WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 #: Issue 26, per-token adapter switching (a router picks each token's LoRA adapter).
 _AdapterArchitecture = Literal["graniteswitch"]
 #
+#: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
+_HyperArchitecture = Literal["deepseek4", "hy_v4", "glm5-next", "kimi-k3"]
+#
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
     _DenseArchitecture, _MoeArchitecture, _RuleArchitecture, _PerLayerArchitecture,
     _TokenArchitecture,
     _WideBoundaryArchitecture,
     _AdapterArchitecture,
+    _HyperArchitecture,
 ]
 #: "harmony": llama-bpe's tokenizer with gpt-oss's Harmony special tokens in its reserved slots
 #: (skippy/models/vocab_files.py), for the gpt-oss chat format's special-token path.
@@ -192,6 +196,9 @@ WIDE_BOUNDARY_ARCHITECTURES: Final[tuple[Architecture, ...]] = ("rwkv7", "arwkv7
 #: Issue 26, per-token adapter switching.
 ADAPTER_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_AdapterArchitecture)
 #
+#: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
+HYPER_ARCHITECTURES: Final[tuple[Architecture, ...]] = get_args(_HyperArchitecture)
+#
 #: Every family added by issues 25 and 26 (the exactness suite's later cases).
 LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *SSM_ARCHITECTURES, *LINEAR_ATTENTION_ARCHITECTURES, *RWKV_CONV_ARCHITECTURES,
@@ -199,6 +206,7 @@ LATER_ARCHITECTURES: Final[tuple[Architecture, ...]] = (
     *TOKEN_ARCHITECTURES,
     *WIDE_BOUNDARY_ARCHITECTURES,
     *ADAPTER_ARCHITECTURES,
+    *HYPER_ARCHITECTURES,
 )
 assert ARCHITECTURES == {
     "llama", "qwen2", "qwen3", *NEW_ARCHITECTURES, *EXTRA_ARCHITECTURES, *LATER_ARCHITECTURES,
@@ -414,6 +422,25 @@ class ModelSpec:
     adapter_router_gain: float = 0.0
     adapter_tokens: tuple[int, ...] = ()
     adapter_substitutes: tuple[int, ...] = ()
+    #
+    # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+    #: DeepSeek V4: parallel residual streams, hash-routed first layers (experts by token id), the
+    #: per-layer KV compression ratio (0: sliding window only; 4: with the lightning indexer; 128)
+    #: and the grouped low-rank attention output.
+    hc_mult: int = 0
+    hash_layer_count: int = 0
+    compress_ratios: tuple[int, ...] = ()
+    o_group_count: int = 0
+    o_lora_rank: int = 0
+    #: HY V4: per layer, whether the lightning indexer is the layer's own (1) or the last full
+    #: layer's top-k is reused (0, "shared").
+    indexer_types: tuple[int, ...] = ()
+    #: GLM-5 Next: the lightning indexer scores keys pooled kpool at a time.
+    indexer_kpool: int = 0
+    #: Kimi-K3: every attn_res_block_size-th layer banks its input for the cross-layer residual
+    #: attention; the routed experts run at n_expert_latent wide.
+    attn_res_block_size: int = 0
+    n_expert_latent: int = 0
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -1008,6 +1035,46 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
         "embedding_scale": 12.0, "residual_scale": 0.22, "attention_scale": 0.0078125, "logit_scale": 8.0,
         "adapter_count": 2, "adapter_lora_rank": 32, "adapter_router_gain": 15.0,
         "adapter_tokens": (29892, 263), "adapter_substitutes": (1919, 278),
+    },
+    #
+    # --- issues 25/26: hyper-connections (keep this group's entries below this line) ---
+    # DeepSeek V4 (Flash's layout at width 64): four streams, one 64-wide KV head beside 4 query
+    # heads (rope over 16), a sliding window of 8; layers 0 and 1 hash-routed (a cut at 1 leaves
+    # one on the later stage), compression ratios 4 (with a 2-head indexer keeping its 2 best
+    # compressed blocks, so a 20-token prompt attends to a subset), 0, 128 and 4; sqrt-softplus
+    # routing over 8 experts (2 used) plus a shared one; the output grouped in 2 of rank 16.
+    "deepseek4": lambda n: {
+        **_tiny_moe(n), "n_head_kv": 1, "head_dim": 64, "rope_dim": 16, "q_lora_rank": n // 2,
+        "sliding_window": TINY_SLIDING_WINDOW, "n_expert_shared": 1, "expert_gating": 4,
+        "expert_weights_norm": True, "expert_weights_scale": 1.5,
+        "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 2,
+        "hc_mult": 4, "hash_layer_count": 2, "compress_ratios": (4, 0, 128, 4),
+        "o_group_count": 2, "o_lora_rank": n // 4,
+    },
+    # HY V4 (Hunyuan V4's layout at width 64): four independent streams, deepseek2's tiny MLA
+    # (q_lora 32, kv_lora 64, keys 32 + 16 rope, values 32) with its output gate and sinks, a
+    # 2-head indexer keeping 8 of the 20-token prompt's keys on every layer (the shared-indexer
+    # layout has its own test: a cut may not fall before a shared layer), one leading dense block,
+    # sigmoid experts with a shared one.
+    "hy_v4": lambda n: {
+        **_tiny_deepseek2(n), "hc_mult": 4, "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8,
+        "indexer_types": (1, 1, 1, 1),
+    },
+    # GLM-5 Next at width 64: Kimi-Linear's tiny layer pattern (KDA, KDA, MLA + DSA, KDA: a cut
+    # inside the KDA run, one on each side of the attention layer), deepseek2's tiny MLA with 64-wide
+    # nope keys (no rope: Q8_0 rows of 32), a 2-head
+    # indexer keeping 8 keys pooled 4 at a time, four mHC streams, one dense block, sigmoid experts.
+    "glm5-next": lambda n: {
+        **_tiny_deepseek2(n), "head_dim": n, "hc_mult": 4, "kda_head_dim": n // 2, "linear_conv_kernel": 4,
+        "full_attention_interval": 3, "indexer_n_head": 2, "indexer_head_size": 64, "indexer_top_k": 8,
+        "indexer_kpool": 4,
+    },
+    # Kimi-K3 at width 64: Kimi-Linear's tiny pattern (KDA, KDA, MLA, KDA), a bank every 2 layers (so
+    # the test cuts hand on 1, 1 and 2 banked rows: widths 2, 2 and 3 x n_embd, a middle stage taking
+    # 2 and giving 3), routed experts at 32 wide.
+    "kimi-k3": lambda n: {
+        **_tiny_deepseek2(n), "kda_head_dim": n // 2, "linear_conv_kernel": 4, "full_attention_interval": 3,
+        "attn_res_block_size": 2, "n_expert_latent": n // 2,
     },
 }
 

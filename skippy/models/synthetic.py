@@ -158,7 +158,8 @@ def plan_tensors(spec: ModelSpec, n_vocab: int) -> list[TensorPlan]:
     ]
     inputs = family(spec.arch).inputs
     for decl in inputs(spec, n_vocab) if inputs is not None else []:
-        plans.append(TensorPlan(decl.name, decl.shape, decl.kind, matrix_type if decl.quantized else f32))
+        qtype = GGMLQuantizationType.I32 if decl.kind == "expert_ids" else matrix_type if decl.quantized else f32
+        plans.append(TensorPlan(decl.name, decl.shape, decl.kind, qtype))
     described = family(spec.arch)
     for layer in range(spec.n_layer):
         for decl in block(spec, layer):
@@ -310,6 +311,9 @@ def _make_tensor(spec: ModelSpec, plan: TensorPlan) -> npt.NDArray[np.generic]:
         return rng.standard_normal(size=plan.shape, dtype=np.float32)
     if plan.kind == "decay":
         return -rng.uniform(_DECAY_LOW, _DECAY_HIGH, size=plan.shape).astype(np.float32)
+    if plan.kind == "expert_ids":  # each row: distinct expert ids (the top-k a hash router picks)
+        keys = rng.random(size=(plan.n_values // plan.shape[-1], spec.n_expert))
+        return np.argsort(keys, axis=1)[:, :plan.shape[-1]].astype(np.int32)
     if plan.kind == "vector":
         scale = np.float32(1.0 / np.sqrt(plan.shape[-1]))
         return rng.standard_normal(size=plan.shape, dtype=np.float32) * scale

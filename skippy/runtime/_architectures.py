@@ -69,6 +69,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'deepseek2',
     'deepseek2-ocr',
     'deepseek32',
+    'deepseek4',
     'chatglm',
     'glm4',
     'glm4moe',
@@ -107,6 +108,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'hunyuan-dense',
     'hunyuan_vl',
     'hy_v3',
+    'hy_v4',
     'smollm3',
     'gpt-oss',
     'lfm2',
@@ -128,6 +130,8 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'spark2_5',
     'maincoder',
     'kimi-linear',
+    'kimi-k3',
+    'glm5-next',
     'talkie',
     'mellum',
     'nanbeige',
@@ -137,6 +141,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
 #: Split architectures whose later stages read the token ids beside the hidden state (patch 0010; Gemma 4's
 #: per-layer token embeddings are told by the file's hparams).
 STAGE_TOKEN_IDS: Final = frozenset({
+    'deepseek4',
     'graniteswitch',
     'cogvlm',
     'talkie',
@@ -159,14 +164,12 @@ REFUSED: Final[dict[str, str]] = {
     'jina-bert-v2': 'encoder or embedding model: no KV cache, no causal generation',
     'jina-bert-v3': 'encoder or embedding model: no KV cache, no causal generation',
     'eurobert': 'encoder or embedding model: no KV cache, no causal generation',
-    'qwen4exp': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
+    'qwen4exp': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; but its per-layer n-gram embeddings (PLE) are looked up by rows hashed from each token's predecessors, which an input of the first stage reads from the attention cells' token record: a later stage would need the token ids (patch 0010 gives them) and that record in cells of its own, which the rules do not build yet: not a limit of the model",
     'gemma4-assistant': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'gemma-embedding': 'encoder or embedding model: no KV cache, no causal generation',
-    'deepseek4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
     't5': 'encoder-decoder: the decoder attends to the encoder output',
     't5encoder': 'encoder-decoder: the decoder attends to the encoder output',
     'wavtokenizer-dec': 'encoder or embedding model: no KV cache, no causal generation',
-    'hy_v4': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
     'dream': 'encoder or embedding model: no KV cache, no causal generation',
     'llada': 'encoder or embedding model: no KV cache, no causal generation',
     'llada-moe': 'encoder or embedding model: no KV cache, no causal generation',
@@ -175,15 +178,19 @@ REFUSED: Final[dict[str, str]] = {
     'eagle3': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'dflash': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'llama-embed': "embedding model: it builds the shared graph's embedding variant (attention without a KV cache, no LM head), no causal generation",
-    'kimi-k3': "cross-layer residual attention: layers mix the banked inputs of every earlier block (one per attn_res_block_size layers), so a cut at layer L would have to hand on L / attn_res_block_size banked rows beside the hidden state: a width that grows with the cut's depth, which no stage protocol flag announces",
-    'glm5-next': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token); a wide boundary (patch 0012) could carry them, but the stage protocol has no sideband flag for hc_mult x rows (only RWKV-7's 2x v_first and Gemma 3n's 4x AltUp), so a frame cannot announce them without a negotiated protocol extension, which is not defined",
     'pockettts': 'not a text-generation model: the Pocket TTS backbone has no LM head (its logits are unused); its final hidden states feed the audio flow network in the mmproj, which a stage chain (ending in logits and sampled tokens) does not run',
 }
 
 #: Split architectures whose stage boundary rows hold more than the hidden state: the
-#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012).
+#: n_embd-wide parts per row (the hidden state first, then the sideband; patch 0012); 0: the
+#: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream);
+#: -1: 1 + the layer inputs banked before the cut (``<arch>.attn_res.block_size``, patch 0013).
 STAGE_ROWS: Final[dict[str, int]] = {
     'gemma3n': 4,
+    'deepseek4': 0,
     'rwkv7': 2,
     'arwkv7': 2,
+    'hy_v4': 0,
+    'kimi-k3': -1,
+    'glm5-next': 0,
 }

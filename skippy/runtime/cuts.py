@@ -7,7 +7,10 @@ hparams, exactly as llama.cpp's ``create_memory`` wires the reuse (and as native
 load-time check refuses a range that cuts a group): in Gemma 3n and Gemma 4 the layers from
 ``n_layer_kv_from_start`` on compute no K/V and read those of layer ``n_layer_kv_from_start - 2``
 (sliding-window layers) or ``- 1`` (global ones), so the group runs from the first layer read to
-the last layer.  Every place that checks or chooses a split asks this module: the layer range of
+the last layer.  HY V4's "shared" indexer layers reuse the top-k of the last "full" layer before
+them (``attention.indexer.types``), so each full layer and the shared ones after it form a group too
+(the same holds for what a cut must not separate, though it is not KV).  Every place that checks or
+chooses a split asks this module: the layer range of
 one stage (``validate_range``: ``--layers``), ``skippy plan`` and ``skippy up --stages N``.
 """
 
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping, Sequence
+from typing import Final
 
 __all__ = ["KvGroup", "kv_groups", "legal_cuts", "cut_refusal", "snap_cuts"]
 
@@ -32,12 +36,14 @@ class KvGroup:
     start: int
     end: int
     first_reader: int
+    #: What the readers reuse (the KV cells; HY V4's shared indexer layers: the top-k).
+    reused: str = "the KV"
 
     def cuts_inside(self, cut: int) -> bool:
         return self.start < cut < self.end
 
     def describe(self) -> str:
-        return (f"layers {self.first_reader}..{self.end - 1} reuse the KV of layers "
+        return (f"layers {self.first_reader}..{self.end - 1} reuse {self.reused} of layers "
                 f"{self.start}..{self.first_reader - 1}, so layers {self.start}..{self.end - 1} share one stage")
 
 
@@ -52,6 +58,42 @@ def _swa_pattern(architecture: str, n_layer: int, metadata: Mapping[str, object]
     return None
 
 
+#: Models whose "shared" indexer layers reuse the last "full" layer's top-k, with what llama.cpp
+#: assumes of a layer when the file has no ``attention.indexer.types`` (HY V4: shared; GLM-5 Next:
+#: full).  Only attention layers have an indexer (GLM-5 Next's KDA layers, KV heads 0, do not).
+_SHARED_INDEXER_DEFAULT: Final = {"hy_v4": False, "glm5-next": True}
+
+
+def _shared_indexer_groups(architecture: str, n_layer: int, metadata: Mapping[str, object]) -> tuple[KvGroup, ...]:
+    """Each "full" indexer layer with the "shared" layers after it up to the next full one, which
+    reuse its top-k (none without an indexer: ``attention.indexer.top_k`` 0 or absent)."""
+    top_k = metadata.get(f"{architecture}.attention.indexer.top_k", 0)
+    if not top_k:
+        return ()
+    types = metadata.get(f"{architecture}.attention.indexer.types", _SHARED_INDEXER_DEFAULT[architecture])
+    if isinstance(types, (bool, int)):
+        full = [bool(types)] * n_layer
+    elif isinstance(types, tuple) and len(types) >= n_layer:
+        full = [bool(v) for v in types[:n_layer]]
+    else:
+        raise ValueError(f"{architecture}.attention.indexer.types is not one value per layer: {types!r}")
+    kv_heads = metadata.get(f"{architecture}.attention.head_count_kv")
+    attention = [il for il in range(n_layer)
+                 if not (isinstance(kv_heads, tuple) and len(kv_heads) > il and kv_heads[il] == 0)]
+    if attention and not full[attention[0]]:
+        raise ValueError(f"{architecture}: the first attention layer's indexer must be full (nothing precedes it)")
+    groups: list[KvGroup] = []
+    for at, il in enumerate(attention):
+        if full[il] and at + 1 < len(attention) and not full[attention[at + 1]]:
+            last = attention[at + 1]
+            for j in attention[at + 1:]:
+                if full[j]:
+                    break
+                last = j
+            groups.append(KvGroup(il, last + 1, attention[at + 1], "the indexer top-k"))
+    return tuple(groups)
+
+
 def kv_groups(architecture: str, n_layer: int, metadata: Mapping[str, object]) -> tuple[KvGroup, ...]:
     """The KV-sharing groups of a model (empty when no layer reads another layer's KV).
 
@@ -59,6 +101,8 @@ def kv_groups(architecture: str, n_layer: int, metadata: Mapping[str, object]) -
         ValueError: the file declares KV sharing the hparams cannot describe (no sliding-window
             pattern, too few KV layers): llama.cpp would not load it either.
     """
+    if architecture in _SHARED_INDEXER_DEFAULT:
+        return _shared_indexer_groups(architecture, n_layer, metadata)
     if architecture == "gemma4":
         shared = metadata.get(f"{architecture}.attention.shared_kv_layers", 0)
         if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
@@ -94,7 +138,7 @@ def cut_refusal(n_layer: int, groups: Sequence[KvGroup], cut: int) -> str | None
     above = [c for c in legal if c > cut]
     nearest = [str(c) for c in (below[-1:] + above[:1])]
     offer = f"the nearest legal cuts are {' and '.join(nearest)}" if nearest else "no cut is legal: run it on one stage"
-    return f"a cut at layer {cut} separates layers that share KV ({group.describe()}); {offer}"
+    return f"a cut at layer {cut} separates layers that share {group.reused.removeprefix('the ')} ({group.describe()}); {offer}"
 
 
 def snap_cuts(n_layer: int, groups: Sequence[KvGroup], cuts: Sequence[int]) -> list[int]:

@@ -669,7 +669,7 @@ class Connection:
             if result.activations is None:
                 raise StageError("stage has a downstream but produced no activation")
             outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
-                                              self.scheduler.executor.sideband_flag)
+                                              self.scheduler.executor.output_flag)
             await self._forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
                                         result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
             return
@@ -748,7 +748,7 @@ class Connection:
                 raise StageError("stage has a downstream but produced no activation")
             forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
             outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
-                                              self.scheduler.executor.sideband_flag)
+                                              self.scheduler.executor.output_flag)
             frame = codec.encode_message(outgoing, wire_dtype, width)
             forward.frame_bytes = len(frame)
             # Set before the write: the socket send releases the GIL, and the downstream's reply can

@@ -95,7 +95,7 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
             or message.chat_sampling_metadata is not None or state.activation_row_multiplier != 1
             or message.positions.shape[0] != 0 or (not final and out_dtype not in _CARRIED_DTYPES)
             or (final and executor.is_first) or getattr(executor, "reads_tokens", False)
-            or getattr(executor, "sideband_flag", 0)):
+            or getattr(executor, "sideband_flag", 0) or getattr(executor, "output_flag", 0)):
         return None  # (a stage that reads the token ids or a sideband beside the activation: the lane path)
     try:
         in_dtype = WireDType(state.reserved)

@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence
 import numpy as np
 import numpy.typing as npt
 
-from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier
+from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier, boundary_rows_flags
 from skippy.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
@@ -120,15 +120,20 @@ SIDEBAND_FLAGS: dict[str, StateFlag] = {
 
 
 def sideband_flag(architecture: str, rows: int) -> int:
-    """The state flag for a boundary of ``rows`` n_embd-wide parts per token (0 for 1 part).
+    """The state flags for a boundary of ``rows`` n_embd-wide parts per token (0 for 1 part): the
+    v11 flag of an architecture that has one, else the boundary-rows extension (protocol.md §12:
+    hyper-connection streams, ``hc_mult`` rows).
 
     Raises:
-        ValueError: the architecture's boundary is wide but no flag of the protocol carries it.
+        ValueError: the architecture's v11 flag implies other rows, or ``rows`` is beyond what
+            the extension announces.
     """
     if rows == 1:
         return 0
     flag = SIDEBAND_FLAGS.get(architecture)
-    if flag is None or activation_row_multiplier(flag) != rows:
+    if flag is None:
+        return boundary_rows_flags(rows)
+    if activation_row_multiplier(flag) != rows:
         raise ValueError(f"{architecture}: a stage boundary of {rows} rows per token has no state flag")
     return int(flag)
 
@@ -196,9 +201,14 @@ class Executor:
         #: architecture carries a sideband beside the hidden state (patch 0012: RWKV-7's v_first).
         self.input_rows: int = int(getattr(self.model, "input_rows", 1))
         self.output_rows: int = int(getattr(self.model, "output_rows", 1))
-        #: The state flag announcing that sideband on the wire (protocol.md §2.4; 0: none).
-        self.sideband_flag: int = sideband_flag(str(getattr(self.model, "architecture", "")),
-                                                max(self.input_rows, self.output_rows))
+        #: The state flags announcing the rows this stage takes (protocol.md §2.4 / §12; 0: none)
+        #: and those it hands on: they differ where the boundary widens with depth (Kimi-K3's
+        #: banked layer inputs); a first / last stage's one boundary gives both.
+        architecture = str(getattr(self.model, "architecture", ""))
+        rows_in = self.output_rows if self.is_first else self.input_rows
+        rows_out = self.input_rows if self.is_last else self.output_rows
+        self.sideband_flag: int = sideband_flag(architecture, rows_in)
+        self.output_flag: int = sideband_flag(architecture, rows_out)
         self.n_batch: int = int(context.n_batch)
         self.n_vocab: int = int(getattr(self.model, "n_vocab", 1 << 31))
         #: KV bytes per cell (the recorded-bytes reply stat); 0 when the runtime does not say.

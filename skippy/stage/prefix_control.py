@@ -43,7 +43,7 @@ import numpy as np
 from skippy.protocol import MessageKind, ReplyStats, StageMessage, WireDType, activation_row_multiplier
 from skippy.protocol_ext import PREFIX_EXTENT_FLAG
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
-from skippy.lane.messages import SIDEBAND_BITS, rows_from_wire, rows_to_wire
+from skippy.lane.messages import SIDEBAND_BITS, rows_from_wire, rows_to_wire, sideband_bits
 from skippy.stage.scheduler import Scheduler
 
 #: The chat-metadata key that carries a request's cache settings.
@@ -185,7 +185,7 @@ async def _restore_decode(scheduler: Scheduler, message: StageMessage, key: int,
         activations = np.asarray(message.activation, dtype=np.float32)
         # a wide boundary (patch 0012): the frame's sideband flag and rows are the stage's own
         parts = activation_row_multiplier(executor.sideband_flag)
-        if message.state.flags & SIDEBAND_BITS != executor.sideband_flag or activations.shape != (parts, executor.n_embd):
+        if sideband_bits(message.state.flags) != executor.sideband_flag or activations.shape != (parts, executor.n_embd):
             return Outcome(ERROR)
         activations = rows_from_wire(activations, parts)
     item = WorkItem(session=key, positions=np.asarray([length], dtype=np.int32),
@@ -203,8 +203,8 @@ async def _restore_decode(scheduler: Scheduler, message: StageMessage, key: int,
     if result.activations is None:
         return Outcome(ERROR)  # unreachable: a stage with a downstream always produces activations
     forward = dataclasses.replace(outgoing(tokens), token_count=1, activation=result.activations)
-    if executor.sideband_flag:  # a wide boundary: the sideband rows go out flagged, part by part
-        state = dataclasses.replace(forward.state, flags=forward.state.flags & ~SIDEBAND_BITS | executor.sideband_flag)
+    if executor.output_flag:  # a wide boundary: the sideband rows go out flagged, part by part
+        state = dataclasses.replace(forward.state, flags=forward.state.flags & ~SIDEBAND_BITS | executor.output_flag)
         forward = dataclasses.replace(forward, state=state, activation=rows_to_wire(
-            result.activations, activation_row_multiplier(executor.sideband_flag)))
+            result.activations, activation_row_multiplier(executor.output_flag)))
     return Outcome(mine, forward, _chain_reply(scheduler, key, bit, mine), result)
