@@ -48,7 +48,6 @@ def test_the_issue_families_split() -> None:
      ("t5", "encoder-decoder"), ("bert", "encoder or embedding model"), ("gemma4-assistant", "draft head"),
      ("eagle3", "draft head"), ("dflash", "draft head"),
      ("pockettts", "not a text-generation model"), ("hrm_text", "hierarchical recurrence"),
-     ("hy_v4", "hyper-connections"),
      ("llama-embed", "embedding model")],
 )
 def test_refusal_reasons(arch: str, reason: str) -> None:
