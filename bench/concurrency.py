@@ -85,6 +85,20 @@ class Running:
     metrics: list[str] = dataclasses.field(default_factory=list)
 
 
+def stop(running: Running) -> None:
+    """Stop a variant's processes (SIGTERM, then SIGKILL after 20 s)."""
+    for process in running.processes:
+        process.terminate()
+    for process in running.processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
 def compute_seconds(running: Running) -> list[float]:
     """Each stage's ``skippy_stage_compute_seconds_sum`` (runtime time, all its jobs) now."""
     values = []
@@ -125,7 +139,8 @@ def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, 
     command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-np", str(slots), "-c", str(slots * SLOT_CTX), "--no-warmup"]
     command += ["-ngl", "99", "--rpc", ",".join(rpc), "-ts", tensor_split] if rpc else ["-ngl", "0"]
-    process = subprocess.Popen(command, stdout=log.open("wb"), stderr=subprocess.STDOUT)
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, process)
     return Running("", url, [process])
@@ -135,8 +150,9 @@ def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[sub
     processes, addresses = [], []
     for index in range(count):
         port = 20000 + (os.getpid() * 7 + index * 13) % 12000  # below the ephemeral range (peer_compare)
-        process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
-                                   stdout=(log_dir / f"rpc{index}.log").open("wb"), stderr=subprocess.STDOUT)
+        with (log_dir / f"rpc{index}.log").open("wb") as output:
+            process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                                       stdout=output, stderr=subprocess.STDOUT)
         processes.append(process)
         addresses.append(f"127.0.0.1:{port}")
     time.sleep(1.0)
@@ -148,8 +164,9 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
                *(["--layers", layers] if layers else ["--stages", str(stages)]),
                "--threads", str(threads), "--max-sessions", str(slots), "--ctx-size", str(slots * SLOT_CTX),
                "--port", "0", "--log-dir", str(log_dir)]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=(log_dir / "up.log").open("wb"),
-                               env={**os.environ, "PYTHONPATH": str(ROOT)})
+    with (log_dir / "up.log").open("wb") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert process.stdout is not None
     url = ""
     deadline = time.monotonic() + 300
@@ -248,13 +265,7 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
         yield started
     finally:
         for running in started.values():
-            for process in running.processes:
-                process.terminate()
-            for process in running.processes:
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+            stop(running)
 
 
 def model_path(name: str) -> tuple[Path, str]:
