@@ -23,10 +23,11 @@ stock one.
   also holds the head).
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
-  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before).  For these, each stage's share of the compute is printed from its own counter
-  (``skippy_stage_compute_seconds_sum`` on its metrics port, the runtime's time over all jobs),
-  and from the CPU time the stage processes used during the measurements (``/proc/PID/stat``
-  utime + stime; for RPC, the two servers').
+  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before).  For
+  these, each stage's ``skippy_stage_compute_seconds_sum`` (its metrics port: a job's time in the
+  runtime, so a batch shared by N sessions counts N times) and the CPU time the stage processes
+  used during the measurements (``/proc/PID/stat`` utime + stime; for RPC, the two servers') are
+  printed; the CPU time is the share to read.
 
 The models: ``gemma``, the real Gemma 3 270M (``skippy[real-model]``), and ``llama``, the
 generated ``llama-16x1024`` F16 (random weights, a 32000-token vocabulary).

@@ -716,8 +716,9 @@ def measure_layer_times(shape: ModelShape, *, rows: int = 4, steps: int = 6,
     layer_ms = [0.0] * n_layer
     head_ms = 0.0
     for start, end in zip(bounds, bounds[1:]):
+        cells = max(64, rows * 2 * (steps + 2))
         with Model(shape.path, LayerRange(start, end)) as model, StageContext(
-                model, n_ctx=max(64, rows * 2 * (steps + 2)), max_sessions=rows, n_batch=rows, threads=threads) as context:
+                model, n_ctx=cells, max_sessions=rows, n_batch=rows, threads=threads) as context:
             activations = (noise.standard_normal((rows, context.input_width)).astype(np.float32)
                            if not model.is_first else None)
             tokens = [1 + row for row in range(rows)] if model.is_first or model.reads_tokens else None
