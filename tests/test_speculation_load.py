@@ -61,8 +61,13 @@ def test_single_stream_speculates_and_concurrent_sessions_back_off() -> None:
     assert network.plan(8, 6, sessions=4).window > 0
 
 
+class Session:
+    """Something a SessionLoad can count (held weakly)."""
+
+
 def test_decoder_reads_the_load_at_each_epoch() -> None:
     load = SessionLoad()
+    sessions = [Session() for _ in range(16)]
 
     def decoder() -> SpeculativeDecoder:
         made = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), max_tokens=64, load=load)
@@ -70,16 +75,18 @@ def test_decoder_reads_the_load_at_each_epoch() -> None:
         feed(made.controller, 0.95, 30, seed=2)
         return made
 
-    load.enter(1)
+    load.enter(sessions[0])
     first = decoder().next_window()
     assert first is not None and not first.is_decode and len(first.tokens) > 1  # alone: drafts
-    for key in range(2, 17):
-        load.enter(key)
+    for session in sessions[1:]:
+        load.enter(session)
     assert load.sessions == 16
     crowded = decoder().next_window()
     assert crowded is not None and crowded.is_decode  # sixteen sessions: a plain step
-    for key in range(1, 17):
-        load.leave(key)
+    for session in sessions[:8]:
+        load.leave(session)
+    assert load.sessions == 8
+    del sessions[8:]  # dropped without leaving: no longer counted
     assert load.sessions == 0
 
 

@@ -331,14 +331,14 @@ class Generation:
         if self.result is not None:
             raise StopAsyncIteration
         self._exchanging = True  # stays set if the step fails or is cancelled: the lane is mid-exchange
-        self._generator.load.enter(id(self))
+        self._generator.load.enter(self)
         try:
             piece = await self._step()
         except BaseException:
-            self._generator.load.leave(id(self))
+            self._generator.load.leave(self)
             raise
         if self.result is not None:
-            self._generator.load.leave(id(self))
+            self._generator.load.leave(self)
         self._exchanging = False
         return piece
 
@@ -355,7 +355,7 @@ class Generation:
         Raises:
             StageClientError: the chain failed while draining or stopping.
         """
-        self._generator.load.leave(id(self))
+        self._generator.load.leave(self)
         if self.result is not None or not self._touched:
             return True
         if self._exchanging:

@@ -35,6 +35,7 @@
 # G <= 1 once the rows dominate the step (c_row S >= L_S), so enough sessions keep it off.
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Final, final
 
@@ -192,19 +193,19 @@ class CostModel:
         return self.row_cost_ratio * self.single_row if self.extra_row is None else self.extra_row
 
 
-@final
 class SessionLoad:
     """The sessions running on a chain now, counted by whoever starts them (the Generator): the
-    speculation controller weighs a window's cost to the others by it."""
+    speculation controller weighs a window's cost to the others by it.  Held weakly: a session
+    dropped without leaving stops counting once it is collected."""
 
     def __init__(self) -> None:
-        self._active: set[int] = set()
+        self._active: weakref.WeakSet[object] = weakref.WeakSet()
 
-    def enter(self, key: int) -> None:
-        self._active.add(key)
+    def enter(self, session: object) -> None:
+        self._active.add(session)
 
-    def leave(self, key: int) -> None:
-        self._active.discard(key)
+    def leave(self, session: object) -> None:
+        self._active.discard(session)
 
     @property
     def sessions(self) -> int:
