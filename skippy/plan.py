@@ -21,9 +21,12 @@ Strategy
   the logits rows (``n_ubatch x n_vocab`` f32).  It is allocated up front but becomes resident only
   as long prompts fill it, so it is the part of the figure a short test touches least.  The
   prefix cache's host spill tier (``cache_spill_mib``) is counted on top, as the stage's peak.
-* **Time of a stage**: per-token decode time of its layers.  Without ``--measure`` a decode is
-  taken to read each weight once at ``bandwidth_gbs`` (decode is memory bound); with it, a whole
-  model decode is timed and shared out by bytes (:func:`measure_layer_times`): on each Ray node
+* **Time of a stage**: per-token decode time of its layers, plus the output head on the last
+  stage.  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.cost`: the
+  longer of computing each part's multiply-adds at ``compute_gmacs`` and reading its weights at
+  ``bandwidth_gbs``; MoE layers count their routed experts, attention and recurrent layers their
+  own work); with it, each legal segment of layers is timed with the runtime on a short batch and
+  the head is timed apart (:func:`measure_layer_times`): on each Ray node
   for a cluster's hosts (:mod:`skippy.ray_plan`, one :class:`LayerTimes` per host), else on this
   machine, and a named host that could not be measured keeps this machine's figure, which the
   plan says on that stage's line and in its file (``decode_source``).  A host's ``speed`` divides
@@ -52,6 +55,7 @@ from typing import Any, Final, Sequence, final
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
+from skippy.cost import PartCosts, balanced_split, part_costs, shares, split_times
 from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
@@ -59,7 +63,7 @@ from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+    "balanced_stages", "estimated_times", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
 ]
 
 MIB: Final = 1 << 20
@@ -211,6 +215,8 @@ class ModelShape:
     layer_period: int = 0
     #: KV bytes per cell every stage keeps beside its layers' (Granite Switch's router)
     kv_stage_bytes: int = 0
+    #: per-token compute of each part (skippy.cost); None: charged by bytes alone
+    costs: PartCosts | None = None
 
     def layer_weight_bytes(self, start: int, end: int) -> int:
         """Weight bytes of layers ``start:end``, each block once (looped layers share blocks)."""
@@ -305,6 +311,8 @@ class ModelShape:
         # per layer (a hybrid's attention layers, Gemma 4's head widths): the runtime's own figures
         # (GGUFInfo) come from here too
         kv_layers, state_layers = layer_memory(arch, n_layer, meta, layout.tensors, kv_per_cell)
+        sizes = {t.name: _tensor_bytes(t.dims, t.ggml_type) for t in layout.tensors}
+        costs = part_costs(arch, n_layer, meta, layout.tensors, sizes, layer_period=period)
         return cls(
             path=file, architecture=arch, n_layer=n_layer, n_embd=n_embd,
             n_ff=n_ff if isinstance(n_ff, int) and not isinstance(n_ff, bool) else 4 * n_embd,
@@ -315,6 +323,7 @@ class ModelShape:
             or arch in STAGE_TOKEN_EMBEDDINGS,
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
             mapped_bytes=mapped, layer_period=period, kv_stage_bytes=stage_kv_bytes(arch, meta),
+            costs=costs,
         )
 
 
@@ -330,12 +339,16 @@ class PlanSettings:
     prefix_cache: bool = True
     wire_dtype: str = "f32"
     bandwidth_gbs: float = 20.0  #: assumed memory bandwidth for time estimates without --measure
+    #: assumed compute of a stage (billions of multiply-adds a second) for estimates without --measure
+    compute_gmacs: float = 8.0
 
     def __post_init__(self) -> None:
         if self.ctx_size <= 0 or not 1 <= self.max_sessions <= 256 or self.batch_size <= 0:
             raise PlanError("ctx_size and batch_size must be > 0 and max_sessions in 1..256")
-        if not (math.isfinite(self.bandwidth_gbs) and self.bandwidth_gbs > 0):
-            raise PlanError("bandwidth_gbs must be a positive number")
+        for name in ("bandwidth_gbs", "compute_gmacs"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise PlanError(f"{name} must be a positive number")
 
 
 @final
@@ -421,6 +434,8 @@ class StagePlan:
     #: where ``decode_ms`` comes from: "estimated", "measured on this machine", a Ray node, or
     #: "this machine's figure (HOST not measured)"
     decode_source: str = "estimated"
+    #: the stage's expected share of a token's time through the chain (0..1)
+    share: float = 1.0
 
     @property
     def layers(self) -> str:
@@ -442,8 +457,10 @@ class Plan:
         """The human-readable plan: one line per stage with its memory and time."""
         sources = {stage.decode_source for stage in self.stages}
         common = sources.pop() if len(sources) == 1 else ""
-        timing = ("decode times " + (f"estimated at {self.settings.bandwidth_gbs:g} GB/s" if common == "estimated"
-                                     else common) if common else "decode times per stage as noted")
+        estimate = (f"estimated from the shapes at {self.settings.compute_gmacs:g} GMAC/s, "
+                    f"{self.settings.bandwidth_gbs:g} GB/s")
+        timing = ("decode times " + (estimate if common == "estimated" else common) if common
+                  else "decode times per stage as noted")
         lines = [f"plan for {self.model.name} ({len(self.stages)} stages, ctx {self.settings.ctx_size}, "
                  f"{self.settings.max_sessions} sessions, batch {self.settings.batch_size}; {timing})"]
         for stage in self.stages:
@@ -460,7 +477,7 @@ class Plan:
                 + (f"state {memory.state / MIB:.0f} MiB, " if memory.state else "")
                 + f"compute {memory.compute / MIB:.0f} MiB, "
                 f"process {memory.overhead / MIB:.0f} MiB, spill {memory.spill / MIB:.0f} MiB){gpu}  "
-                f"decode {stage.decode_ms:.2f} ms/token{source}")
+                f"decode {stage.decode_ms:.2f} ms/token, {stage.share:.0%} of a token's time{source}")
         slowest = max(self.stages, key=lambda s: s.decode_ms)
         total = sum(s.decode_ms for s in self.stages)
         lines.append(f"  per token: {total:.2f} ms through the chain (slowest stage {slowest.index}: "
@@ -502,7 +519,8 @@ class Plan:
                     f"weights_bytes = {memory.weights}", f"kv_bytes = {memory.kv}", f"state_bytes = {memory.state}",
                     f"compute_bytes = {memory.compute}", f"gpu_bytes = {memory.gpu}",
                     f"host_memory_bytes = {stage.host.memory}", f"host_gpu_memory_bytes = {stage.host.gpu_memory}",
-                    f"decode_ms = {stage.decode_ms:.4f}", f"decode_source = {_quote(stage.decode_source)}"]
+                    f"decode_ms = {stage.decode_ms:.4f}", f"decode_share = {stage.share:.4f}",
+                    f"decode_source = {_quote(stage.decode_source)}"]
         return "\n".join(out) + "\n"
 
 
@@ -564,9 +582,7 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
         raise PlanError(f"{count} hosts but {shape.path.name} has only {n_layer} layers (one stage per host)")
     if host_times is None:
         if layer_ms is None:
-            per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)
-            common = LayerTimes(tuple(b * per_byte for b in shape.layer_bytes), shape.head_bytes * per_byte,
-                                "estimated")
+            common = estimated_times(shape, settings)
         else:
             common = LayerTimes(tuple(layer_ms), head_ms or 0.0, "measured on this machine")
         host_times = [common] * count
@@ -644,29 +660,98 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
         raise PlanError(f"{shape.path.name} does not fit on these {count} hosts at ctx {settings.ctx_size}, "
                         f"{settings.max_sessions} sessions; the closest split leaves " + "; ".join(short))
     stages = []
-    for s in range(count):
-        time_ms, _, memory = cost(s, bounds[s], bounds[s + 1])
-        stages.append(StagePlan(s, hosts[s], bounds[s], bounds[s + 1], memory, time_ms, host_times[s].source))
+    figures = [cost(s, bounds[s], bounds[s + 1]) for s in range(count)]
+    fractions = shares([time_ms for time_ms, _, _ in figures])
+    for s, (time_ms, _, memory) in enumerate(figures):
+        stages.append(StagePlan(s, hosts[s], bounds[s], bounds[s + 1], memory, time_ms, host_times[s].source,
+                                fractions[s]))
     return Plan(shape.path, shape.digest, settings, tuple(stages), measured)
 
 
-def measure_layer_times(shape: ModelShape, *, tokens: int = 16, threads: int = 0) -> tuple[list[float], float]:
-    """Per-layer and head decode time (ms) measured here: the whole model decodes ``tokens``
-    single-row steps, and the mean step is shared out by each part's bytes.
+def balanced_stages(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
+                    settings: PlanSettings | None = None) -> tuple[list[tuple[int, int]], list[float]]:
+    """``n_stages`` ranges of one machine's chain balanced by cost (:func:`skippy.cost.balanced_split`,
+    at the legal cuts), and each stage's expected share of a token's time.
+
+    Args:
+        times: measured figures (:func:`measure_layer_times`); None: estimated from the shapes.
+
+    Raises:
+        ValueError: more stages than layers or legal cuts.
+    """
+    times = times or estimated_times(shape, settings or PlanSettings())
+    split = balanced_split(times.layer_ms, times.head_ms, n_stages, shape.kv_groups)
+    bounds = [start for start, _ in split] + [shape.n_layer]
+    return split, shares(split_times(times.layer_ms, times.head_ms, bounds))
+
+
+def estimated_times(shape: ModelShape, settings: PlanSettings) -> LayerTimes:
+    """Per-layer and head decode time estimated from the shapes (:mod:`skippy.cost`; a shape
+    without costs: its weight bytes read at ``bandwidth_gbs``)."""
+    if shape.costs is None:
+        per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)
+        return LayerTimes(tuple(b * per_byte for b in shape.layer_bytes), shape.head_bytes * per_byte, "estimated")
+    rates = {"gmacs": settings.compute_gmacs, "bandwidth_gbs": settings.bandwidth_gbs}
+    return LayerTimes(shape.costs.layer_ms(**rates), shape.costs.head_ms(**rates), "estimated")
+
+
+def measure_layer_times(shape: ModelShape, *, rows: int = 4, steps: int = 6,
+                        threads: int = 0) -> tuple[list[float], float]:
+    """Per-layer and head decode time (ms per token row) measured here with the runtime.
+
+    Each segment between two legal cuts (one layer, or a KV-sharing group) is loaded as a stage of
+    its own and decodes ``steps`` batches of ``rows`` rows (one per session, activations of the
+    right width, tokens where the layers read them); the fastest batch (other load on the host
+    only adds time) over ``rows`` is the segment's time, shared among a group's layers by their
+    estimated cost.  The last segment alternates batches with every row's logits wanted and with
+    one row's: the difference of the two is the output head's time.
 
     Raises:
         skippy.runtime.NativeError: the model cannot be loaded here.
     """
     import os
 
-    from skippy.runtime import Model, StageContext
+    import numpy as np
 
-    with Model(shape.path) as model, StageContext(model, n_ctx=max(64, tokens + 8), max_sessions=1, n_batch=8,
-                                                  threads=threads or max(1, os.cpu_count() or 1)) as context:
-        context.decode(tokens=[1], positions=[0], seq_ids=[0])
-        started = time.perf_counter()
-        for position in range(1, tokens + 1):
-            context.decode(tokens=[1], positions=[position], seq_ids=[0])
-        step_ms = (time.perf_counter() - started) * 1e3 / tokens
-    total = sum(shape.layer_bytes) + shape.head_bytes
-    return [step_ms * b / total for b in shape.layer_bytes], step_ms * shape.head_bytes / total
+    from skippy.runtime import Model, StageContext
+    from skippy.runtime.model import LayerRange
+
+    rows = max(2, rows)
+    threads = threads or max(1, os.cpu_count() or 1)
+    n_layer = shape.n_layer
+    bounds = [0, *legal_cuts(n_layer, shape.kv_groups), n_layer]
+    noise = np.random.default_rng(0)
+    layer_ms = [0.0] * n_layer
+    head_ms = 0.0
+    for start, end in zip(bounds, bounds[1:]):
+        cells = max(64, rows * 2 * (steps + 2))
+        with Model(shape.path, LayerRange(start, end)) as model, StageContext(
+                model, n_ctx=cells, max_sessions=rows, n_batch=rows, threads=threads) as context:
+            activations = (noise.standard_normal((rows, context.input_width)).astype(np.float32)
+                           if not model.is_first else None)
+            tokens = [1 + row for row in range(rows)] if model.is_first or model.reads_tokens else None
+            position = 0
+            # the last segment alternates batches with every row's logits wanted and with one
+            # row's, so that the two see the same load
+            flags: list[list[bool] | None] = ([[True] * rows, [True] + [False] * (rows - 1)] if model.is_last
+                                              else [None])
+            times: list[list[float]] = [[] for _ in flags]
+            for step in range(steps + 1):
+                for which, outputs in enumerate(flags):
+                    started = time.perf_counter()
+                    context.decode(positions=[position] * rows, seq_ids=list(range(rows)), tokens=tokens,
+                                   activations=activations, outputs=outputs)
+                    if step:  # the first batch warms up
+                        times[which].append((time.perf_counter() - started) * 1e3)
+                    position += 1
+            fastest = [min(values) for values in times]  # other load on the host only adds time
+            segment = fastest[0]
+            if model.is_last:
+                head_ms = max(0.0, fastest[0] - fastest[1]) / (rows - 1)
+                segment -= head_ms * rows
+        weights = (shape.costs.layer_macs[start:end] if shape.costs is not None
+                   else shape.layer_bytes[start:end])
+        total = sum(weights) or 1
+        for il in range(start, end):
+            layer_ms[il] = max(0.0, segment) / rows * weights[il - start] / total
+    return layer_ms, head_ms

@@ -11,9 +11,10 @@ Strategy
   --num-gpus 1 --resources '{"gpu_memory": 25769803776}'``) or, without one, from ``nvidia-smi``
   run on the node (the smallest GPU's ``memory.total``); a GPU node where neither tells is refused
   with that advice rather than planned as if it had none.
-* **Measurement** (:func:`measure_on_nodes`): :func:`skippy.plan.measure_layer_times` runs as a
-  Ray task pinned to each node (``NodeAffinitySchedulingStrategy(soft=False)``, one CPU), all
-  nodes at once; each task reports the node it ran on, and the figure is that host's own
+* **Measurement** (:func:`measure_on_nodes`): :func:`skippy.plan.measure_layer_times` (each
+  segment of layers and the output head timed with the runtime on a short batch) runs as a Ray
+  task pinned to each node (``NodeAffinitySchedulingStrategy(soft=False)``, one CPU), all nodes at
+  once; each task reports the node it ran on, and the figure is that host's own
   (:class:`skippy.plan.LayerTimes`, ``measured on Ray node ...``).  The model must be at the same
   path on every node, as for ``skippy up --ray``.
 * **Named hosts with a cluster** (:func:`match_nodes`): with ``--hosts`` and ``--ray`` together, a
@@ -74,10 +75,10 @@ def _probe_gpu_memory() -> int:
 
 
 @ray.remote(num_cpus=1)
-def _measure(path: str, tokens: int) -> tuple[str, list[float], float]:
+def _measure(path: str, steps: int) -> tuple[str, list[float], float]:
     from skippy.plan import measure_layer_times
 
-    layer_ms, head_ms = measure_layer_times(ModelShape.from_gguf(Path(path)), tokens=tokens)
+    layer_ms, head_ms = measure_layer_times(ModelShape.from_gguf(Path(path)), steps=steps)
     return ray.get_runtime_context().get_node_id(), layer_ms, head_ms
 
 
@@ -136,7 +137,7 @@ def match_nodes(hosts: Sequence[HostSpec]) -> list[str]:
     return matched
 
 
-def measure_on_nodes(shape: ModelShape, node_ids: Sequence[str], *, tokens: int = 16,
+def measure_on_nodes(shape: ModelShape, node_ids: Sequence[str], *, steps: int = 6,
                      timeout: float = 600.0) -> dict[str, LayerTimes]:
     """Each node's own per-layer decode time (a pinned Ray task per node, all at once).
 
@@ -145,7 +146,7 @@ def measure_on_nodes(shape: ModelShape, node_ids: Sequence[str], *, tokens: int 
             naming it; or a task ran on another node than the one it was pinned to.
     """
     unique = list(dict.fromkeys(node_ids))
-    refs: dict[str, Any] = {node: _measure.options(scheduling_strategy=_pinned(node)).remote(str(shape.path), tokens)
+    refs: dict[str, Any] = {node: _measure.options(scheduling_strategy=_pinned(node)).remote(str(shape.path), steps)
                             for node in unique}
     times = {}
     for node, ref in refs.items():

@@ -78,7 +78,9 @@ def test_plan_fits_every_host_and_balances() -> None:
         assert stage.end > stage.start
     # a host four times as fast takes more layers than a slow one (head made negligible: tiny
     # models are mostly vocabulary)
-    fast = plan_chain(dataclasses.replace(shape, head_bytes=1), [HostSpec.parse("slow=1GiB"), HostSpec.parse("fast=1GiB,speed=4")], settings)
+    assert shape.costs is not None
+    no_head = dataclasses.replace(shape, costs=dataclasses.replace(shape.costs, head_macs=0, head_read_bytes=0))
+    fast = plan_chain(no_head, [HostSpec.parse("slow=1GiB"), HostSpec.parse("fast=1GiB,speed=4")], settings)
     assert fast.stages[1].end - fast.stages[1].start > fast.stages[0].end - fast.stages[0].start
 
 
@@ -224,12 +226,12 @@ def test_up_runs_a_plan(tmp_path: Path) -> None:
 
 
 def test_measured_layer_times_drive_the_plan() -> None:
-    """``--measure``: a whole-model decode timed here and shared out by bytes; the plan says so."""
+    """``--measure``: each layer and the head timed here with the runtime; the plan says so."""
     from skippy.plan import measure_layer_times
 
     path = model_path("llama")
     shape = ModelShape.from_gguf(path)
-    layer_ms, head_ms = measure_layer_times(shape, tokens=4, threads=1)
+    layer_ms, head_ms = measure_layer_times(shape, threads=1)
     assert len(layer_ms) == shape.n_layer and all(t > 0 for t in layer_ms) and head_ms > 0
     plan = plan_chain(shape, [HostSpec("a", GIB), HostSpec("b", GIB)], PlanSettings(ctx_size=256),
                       layer_ms=layer_ms, head_ms=head_ms)

@@ -1,8 +1,9 @@
-"""``skippy plan``: split a model over hosts by memory (and speed), print it, write a plan file.
+"""``skippy plan``: split a model over hosts by memory and compute cost, print it, write a plan file.
 
 Strategy: the work is :mod:`skippy.plan` (header-only shape, memory model, split search); this
 module parses the command line, takes the hosts from ``--hosts`` or from a Ray cluster's alive
-nodes (``--ray [ADDRESS]``, :mod:`skippy.ray_plan`), optionally measures decode time
+nodes (``--ray [ADDRESS]``, :mod:`skippy.ray_plan`), estimates each layer's and the output head's
+decode time from the model's shapes (:mod:`skippy.cost`) or measures it
 (``--measure``: on each Ray node a host is, else on this machine, and a host that is neither
 keeps this machine's figure, said on its line), prints the plan and writes its TOML file.  An
 impossible plan exits with status 1 and the planner's message
@@ -43,10 +44,13 @@ def add_parser(subparsers: Any) -> None:
                         help="host memory each stage may spill cached prefixes to (default 256)")
     parser.add_argument("--bandwidth-gbs", type=float, default=20.0,
                         help="memory bandwidth assumed for decode-time estimates without --measure (default 20)")
+    parser.add_argument("--compute-gmacs", type=float, default=8.0,
+                        help="compute assumed per stage for decode-time estimates without --measure, in billions "
+                             "of multiply-adds a second (default 8: one core of a recent x86 on quantized weights)")
     parser.add_argument("--measure", action="store_true",
-                        help="time a whole-model decode (loads the model) and share it out by layer bytes, instead "
-                             "of estimating from bandwidth: on each Ray node with --ray, else on this machine; a "
-                             "host that is neither is given this machine's figure and the plan says so")
+                        help="time each layer and the output head with the runtime on a short batch (loads each "
+                             "layer once) instead of estimating from the shapes: on each Ray node with --ray, else on "
+                             "this machine; a host that is neither is given this machine's figure and the plan says so")
     parser.add_argument("--output", "-o", type=Path, help="write the TOML plan here (default: print it)")
     parser.set_defaults(run=run)
 
@@ -63,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         settings = PlanSettings(ctx_size=args.ctx_size, max_sessions=args.max_sessions,
                                 batch_size=args.batch_size, cache_spill_mib=args.cache_spill_mib,
                                 prefix_cache=args.prefix_cache == "on", wire_dtype=args.wire_dtype,
-                                bandwidth_gbs=args.bandwidth_gbs)
+                                bandwidth_gbs=args.bandwidth_gbs, compute_gmacs=args.compute_gmacs)
         shape = ModelShape.from_gguf(args.model.resolve())
         host_times = None
         if args.ray:

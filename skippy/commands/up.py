@@ -50,10 +50,14 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
                         help="without --model: use the generated demo model (random weights) even when the real "
                              "one is installed")
     group = parser.add_mutually_exclusive_group()
-    group.add_argument("--stages", type=int, help="number of even stages (default 2)")
+    group.add_argument("--stages", type=int, help="number of stages, cut by compute cost: each layer's, the input "
+                       "embedding's and the output head's, from the model's shapes (default 2)")
     group.add_argument("--layers", help="contiguous layer ranges, e.g. 0:8,8:16,16:24")
     group.add_argument("--plan", type=Path, help="a plan file of skippy plan: its model, layer ranges and chain "
                        "settings, every stage on this machine (its hosts are for per-host starts)")
+    parser.add_argument("--measure", action="store_true",
+                        help="with --stages: cut by timings of each layer and the output head on this machine "
+                             "(loads each layer once, seconds) instead of the estimate from the shapes")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
@@ -141,16 +145,31 @@ class ProgressBar:
         self.drawn = False
 
 
-def _split(args: argparse.Namespace, n_layer: int, groups: Sequence[KvGroup] = ()) -> list[tuple[int, int]]:
-    from skippy.local import check_split, even_split, parse_split
+def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence[KvGroup] = (), *,
+           threads: int = 0) -> tuple[list[tuple[int, int]], str]:
+    """The layer ranges (``--layers`` as given, else ``--stages`` balanced by cost) and a line on
+    how they were chosen, with each stage's expected share of a token's time."""
+    from skippy.local import check_split, parse_split
 
     if args.layers:
         split = parse_split(args.layers)
         if split[-1][1] != n_layer:
             raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {n_layer} layers")
         check_split(split, n_layer, groups)
-        return split
-    return even_split(n_layer, args.stages or 2, groups)
+        return split, "layers as given"
+    from skippy.plan import LayerTimes, ModelShape, balanced_stages, measure_layer_times
+
+    shape = ModelShape.from_gguf(model)
+    times = None
+    stages = args.stages or 2
+    if getattr(args, "measure", False) and stages > 1:
+        layer_ms, head_ms = measure_layer_times(
+            shape, threads=threads or max(1, (os.cpu_count() or 1) // stages))
+        times = LayerTimes(tuple(layer_ms), head_ms, "measured on this machine")
+    split, fractions = balanced_stages(shape, stages, times)
+    how = "measured here" if times is not None else "estimated from the shapes"
+    return split, (f"cut by compute cost ({how}): " + ", ".join(
+        f"{start}:{end} {share:.0%}" for (start, end), share in zip(split, fractions)) + " of a token's time")
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -198,7 +217,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         else:
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
-        split = _split(args, info.n_layer, info.kv_groups)
+        split, how = _split(args, model, info.n_layer, info.kv_groups, threads=args.threads)
         settings = api_settings(args)
         gpu = gpu_options(args)
         config_from_mapping({"model": str(model), "layers": "0:1",  # the GPU values, checked before any stage starts
@@ -231,7 +250,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         lost_stages.append(str(exc))
         bar.line(f"error: {exc}\nthe API keeps serving without it (--keep-serving); Ctrl-C stops everything")
 
-    print(f"model {model} ({info.architecture}, {info.n_layer} layers) as {len(split)} stages; "
+    print(f"model {model} ({info.architecture}, {info.n_layer} layers) as {len(split)} stages ({how}); "
           f"logs in {log_dir}", file=err, flush=True)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         try:

@@ -21,7 +21,10 @@ Speculative decoding (opt in/out per request, ``GenerationRequest.speculation``;
 keeps verify windows in flight on the lane; one exchange may then commit several tokens, which go
 through the same EOG / stop-string / ``max_tokens`` checks one by one.  At the end the runner
 trims every stage to the KV length the plain loop would leave.  Requests with repetition /
-frequency / presence penalties never speculate (the stage's sampler history is not rolled back).  Timings come from the clock here (TTFT, inter-token gaps) and from the reply stats the
+frequency / presence penalties never speculate (the stage's sampler history is not rolled back).
+The Generator counts the requests running (:class:`SessionLoad`); a window's controller weighs
+what its drafts cost the others in the stages' batches, so under load speculation stays off
+(docs/throughput.md).  Timings come from the clock here (TTFT, inter-token gaps) and from the reply stats the
 stages fill in on the way back (compute / forward-write / downstream-wait microseconds summed over
 the stages, with the stage count).
 """
@@ -41,7 +44,7 @@ from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT
 from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoice, choose_chat_template
 from skippy.driver.client import StageClient, StageClientError
 from skippy.driver.prefill_chunking import PrefillChunker, observation_from
-from skippy.driver.speculation.controller import ControllerConfig
+from skippy.driver.speculation.controller import ControllerConfig, SessionLoad
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
@@ -336,7 +339,14 @@ class Generation:
         if self.result is not None:
             raise StopAsyncIteration
         self._exchanging = True  # stays set if the step fails or is cancelled: the lane is mid-exchange
-        piece = await self._step()
+        self._generator.load.enter(self)
+        try:
+            piece = await self._step()
+        except BaseException:
+            self._generator.load.leave(self)
+            raise
+        if self.result is not None:
+            self._generator.load.leave(self)
         self._exchanging = False
         return piece
 
@@ -353,6 +363,7 @@ class Generation:
         Raises:
             StageClientError: the chain failed while draining or stopping.
         """
+        self._generator.load.leave(self)
         if self.result is not None or not self._touched:
             return True
         if self._exchanging:
@@ -465,7 +476,8 @@ class Generation:
     def _start_speculation(self, first_token: int, stages: int) -> None:
         generator, request = self._generator, self.request
         config = SpeculationConfig(controller=dataclasses.replace(generator.controller, stages=max(1, stages)))
-        decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens)
+        decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens,
+                                     load=generator.load)
         self._runner = SpeculativeRunner(self._client, self.session_id, decoder)
 
     async def _finish(self, reason: str, text: str, *, flushed: bool = False, eog: bool = False) -> str:
@@ -538,6 +550,9 @@ class Generator:
         #: The final stage's address for direct return, read per request (None: hop by hop).
         self.direct_return: Callable[[], Address | None] | None = None
         self.controller = controller
+        #: The requests running now (from their first step to their end): speculation weighs a
+        #: window's cost to the others by it (docs/throughput.md).
+        self.load = SessionLoad()
         self.chat_template = chat_template or FALLBACK_CHAT_TEMPLATE
         self.chat_template_choice = chat_template_choice or (
             ChatTemplateChoice("given", chat_template, "file") if chat_template

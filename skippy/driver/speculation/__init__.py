@@ -21,10 +21,12 @@ from skippy.driver.speculation.controller import (
     ControllerConfig,
     CostModel,
     Plan,
+    SessionLoad,
     SpeculationController,
     expected_tokens,
     pipelined_rate,
     serial_rate,
+    shared_gain,
 )
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder, WindowRequest
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
@@ -42,9 +44,10 @@ from skippy.driver.speculation.window import (
 
 __all__ = [
     "NO_DRAFT", "ControllerConfig", "CostModel", "Draft", "NgramProposer", "Plan", "SamplingSettings",
-    "SpeculationConfig", "SpeculationController", "SpeculationUsage", "SpeculativeDecoder",
+    "SessionLoad", "SpeculationConfig", "SpeculationController", "SpeculationUsage", "SpeculativeDecoder",
     "UnknownWindowError", "Verdict", "Window", "WindowError", "WindowId", "WindowOrderError",
     "WindowOutcome", "WindowRequest", "WindowShapeError", "WindowTracker", "accept_greedy",
     "accept_point_mass", "accept_point_mass_batch", "accept_speculative", "accept_tokens",
-    "expected_tokens", "pipelined_rate", "residual_distribution", "serial_rate", "target_probabilities",
+    "expected_tokens", "pipelined_rate", "residual_distribution", "serial_rate", "shared_gain",
+    "target_probabilities",
 ]

@@ -23,8 +23,19 @@
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
 # loss is bounded by c_row * K, which the model weighs against R + c_1.
+#
+# Load (docs/throughput.md): the plan is per session, but the rows of a window share the stages'
+# batches with the other sessions' rows.  With S sessions decoding on the chain (`SessionLoad`,
+# counted by the Generator), a step of all of them is L_S = L(1) + c_row (S - 1); K drafts make it
+# L_S + c_row K for every session, and commit E(K) tokens here against 1 for each other session.
+# The aggregate gain is G(K) = (S - 1 + E(K)) / S * L_S / (L_S + c_row K) (`shared_gain`; S = 1 is
+# the serial speedup above).  With S >= 2 only serial windows are weighed (a pipelined window
+# takes the bottleneck stage from the others too), a window is sent only when G >= min_gain, and
+# no probe windows are sent (shadow scoring still tracks acceptance).  Even perfect drafts give
+# G <= 1 once the rows dominate the step (c_row S >= L_S), so enough sessions keep it off.
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Final, final
 
@@ -33,10 +44,12 @@ __all__ = [
     "ControllerConfig",
     "CostModel",
     "Plan",
+    "SessionLoad",
     "SpeculationController",
     "expected_tokens",
     "pipelined_rate",
     "serial_rate",
+    "shared_gain",
 ]
 
 #: Acceptance is clamped below this so the pipelined formula stays finite.
@@ -174,6 +187,39 @@ class CostModel:
     def latency(self, rows: int) -> float:
         return self.round_trip + self.compute(rows)
 
+    @property
+    def row(self) -> float:
+        """The marginal compute of one more row in a traversal (c_row)."""
+        return self.row_cost_ratio * self.single_row if self.extra_row is None else self.extra_row
+
+
+class SessionLoad:
+    """The sessions running on a chain now, counted by whoever starts them (the Generator): the
+    speculation controller weighs a window's cost to the others by it.  Held weakly: a session
+    dropped without leaving stops counting once it is collected."""
+
+    def __init__(self) -> None:
+        self._active: weakref.WeakSet[object] = weakref.WeakSet()
+
+    def enter(self, session: object) -> None:
+        self._active.add(session)
+
+    def leave(self, session: object) -> None:
+        self._active.discard(session)
+
+    @property
+    def sessions(self) -> int:
+        return len(self._active)
+
+
+def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel) -> float:
+    """Aggregate throughput gain of one serial window of ``window`` drafts for one of ``sessions``
+    sessions sharing every batch (see the module header; 1 session: the serial speedup)."""
+    sessions = max(1, sessions)
+    step = cost.latency(1) + cost.row * (sessions - 1)
+    committed = sessions - 1 + expected_tokens(acceptance, window)
+    return committed / sessions * step / max(step + cost.row * window, 1e-12)
+
 
 def serial_rate(acceptance: float, window: int, cost: CostModel) -> float:
     """Expected committed tokens per second with one window of ``window`` drafts at a time."""
@@ -274,8 +320,21 @@ class SpeculationController:
                     best, best_rate = Plan(window, depth, rate / base), rate
         return best
 
-    def plan(self, draft_length: int, match_length: int) -> Plan:
-        """The plan for an epoch whose proposer offers ``draft_length`` drafts.
+    def best_shared(self, acceptance: float, max_window: int, sessions: int) -> Plan:
+        """The best serial window for one of ``sessions`` >= 2 sessions (``speedup``: the
+        aggregate gain, :func:`shared_gain`)."""
+        if max_window < 1 or not self.cost.ready:
+            return _PLAIN
+        best = _PLAIN
+        for window in range(1, min(max_window, self.config.max_window) + 1):
+            gain = shared_gain(acceptance, window, sessions, self.cost)
+            if gain > best.speedup * (1.0 + 1e-9):
+                best = Plan(window, 1, gain)
+        return best
+
+    def plan(self, draft_length: int, match_length: int, sessions: int = 1) -> Plan:
+        """The plan for an epoch whose proposer offers ``draft_length`` drafts, with ``sessions``
+        sessions (this one included) running on the chain.
 
         Returns:
             ``window == 0`` for a plain decode step.
@@ -283,6 +342,14 @@ class SpeculationController:
         if not self.cost.ready:
             return _PLAIN  # the first plain steps measure R and c_1
         if draft_length <= 0:
+            return _PLAIN
+        if sessions >= 2:  # the others pay for this session's drafts: weigh the aggregate
+            choice = self.best_shared(self.acceptance(match_length), draft_length, sessions)
+            self.enabled = (self.best_shared(self.pooled.rate, self.config.max_window, sessions).speedup
+                            >= self.config.min_gain)
+            if choice.window and choice.speedup >= self.config.min_gain:
+                self.plain_steps_since_window = 0
+                return choice
             return _PLAIN
         choice = self.best(self.acceptance(match_length), draft_length)
         self.enabled = self.best(self.pooled.rate, self.config.max_window).speedup >= self.config.min_gain

@@ -7,9 +7,9 @@
 # decoder never blocks, reads clocks or touches sockets; timings come in with the replies.
 #
 # * Epoch start (no live window): propose up to K drafts from the committed history; the
-#   controller picks (K, D) or a plain step.  A plain step with a draft available is scored in
-#   shadow (its first draft against the token the chain returns), so acceptance keeps being
-#   measured while speculation is off.
+#   controller picks (K, D) or a plain step, weighing the other sessions on the chain (`load`).
+#   A plain step with a draft available is scored in shadow (its first draft against the token
+#   the chain returns), so acceptance keeps being measured while speculation is off.
 # * Pipelining: while fewer than D live windows are in flight, propose K + 1 more drafts from the
 #   optimistic tail (drafts in flight, never indexed) and send them as a continuation window.
 # * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Sequence, final
 
 from skippy.driver.speculation.acceptance import Verdict, accept_tokens
-from skippy.driver.speculation.controller import ControllerConfig, Plan, SpeculationController
+from skippy.driver.speculation.controller import ControllerConfig, Plan, SessionLoad, SpeculationController
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
 from skippy.driver.speculation.window import (
     MAX_WINDOWS_IN_FLIGHT,
@@ -71,14 +71,17 @@ class SpeculativeDecoder:
     """Drafts, windows and acceptance for one request, after its prefill."""
 
     def __init__(self, prompt: Sequence[int], first_token: int, *, config: SpeculationConfig = SpeculationConfig(),
-                 max_tokens: int | None = None) -> None:
+                 max_tokens: int | None = None, load: SessionLoad | None = None) -> None:
         """Args:
             prompt: the prompt tokens (already prefilled on every stage).
             first_token: the token the prefill reply predicted (committed, position len(prompt)).
             config: speculation settings.
             max_tokens: generated tokens wanted in total (first_token included); None: unbounded.
+            load: the sessions running on the chain (None: this one alone); the controller
+                weighs what a window costs the others by it.
         """
         self.config = config
+        self.load = load
         self.max_tokens = max_tokens
         self.proposer = NgramProposer(prompt, n_min=config.n_min, n_max=config.n_max)
         self.proposer.append(first_token)
@@ -119,7 +122,9 @@ class SpeculativeDecoder:
             draft = NO_DRAFT
             if self.config.enabled and budget > 0:
                 draft = self.proposer.propose(min(budget, self.controller.config.max_window))
-            self._plan = self.controller.plan(len(draft), draft.match_length) if draft.tokens else Plan(0, 1, 1.0)
+            sessions = 1 if self.load is None else max(1, self.load.sessions)
+            self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
+                          else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
             self._shadow = draft if not drafts else NO_DRAFT
             window = tracker.open_epoch(drafts, match_length=draft.match_length)

@@ -1,0 +1,388 @@
+"""Many users: aggregate tokens/s of N concurrent greedy completions, skippy against stock llama.cpp.
+
+Run: ``.venv/bin/python bench/concurrency.py [--models gemma,llama] [--concurrency 1,4,8,16]
+[--seconds 20] [--rounds 3] [--max-tokens 64] [--variants ...]`` (the full sweep of issue 31;
+``--quick`` is a smoke: N = 1, 4, 4 s each, one round).
+
+Strategy: every variant of a model is started once and stays up for all its rounds (its startup
+is not timed); the rounds are interleaved: each round runs every (N, variant) once, the variants in
+an order rotated by one each round, so this shared host's load drifts hit them alike.  A
+measurement is N client threads, each sending ``/v1/completions`` requests back to back (greedy,
+``max_tokens`` new tokens, ``ignore_eos`` so every request makes all of them unless
+``--no-ignore-eos``; client i has a
+prompt of its own, the same in every variant) for ``--seconds``; the figure is the completion
+tokens of the requests that finished, over the time from the start to the last one's end.  The
+median over rounds is printed per variant and N, and the ratios of each skippy variant to each
+stock one.
+
+* **stock-2t / stock-1t**: ``llama-server -t T -tb T -np P -c P*CTX -ngl 0`` (P = the largest N:
+  one slot per client, continuous batching) of the unpatched pinned tree (``bench/peer_build.py
+  --server``; ``GGML_NATIVE=OFF`` like skippy's libraries).
+* **rpc-2x1t**: two ``ggml-rpc-server -t 1`` and ``llama-server -t 1 --rpc A,B -ngl 99 -ts ...``,
+  the layers split as skippy's 2-stage chain (``peer_compare.tensor_split``: the last server
+  also holds the head).
+* **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
+  balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
+  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before).  For
+  these, each stage's ``skippy_stage_compute_seconds_sum`` (its metrics port: a job's time in the
+  runtime, so a batch shared by N sessions counts N times) and the CPU time the stage processes
+  used during the measurements (``/proc/PID/stat`` utime + stime; for RPC, the two servers') are
+  printed; the CPU time is the share to read.
+
+The models: ``gemma``, the real Gemma 3 270M (``skippy[real-model]``), and ``llama``, the
+generated ``llama-16x1024`` F16 (random weights, a 32000-token vocabulary).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import dataclasses
+import json
+import os
+import re
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any, Iterator, Sequence
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "bench"))
+
+PROMPTS = [
+    "The history of the printing press", "Write a short story about a lighthouse keeper",
+    "Explain how a bicycle stays upright", "List the planets of the solar system and",
+    "A recipe for bread needs", "The best way to learn a language is", "Once upon a time in a small village",
+    "The causes of the first world war were", "In computer science, a hash table", "Dear diary, today I",
+    "The rules of chess say that", "Photosynthesis is the process by which", "My favourite season is autumn because",
+    "The stock market fell sharply when", "To build a wooden table you need", "The ocean covers most of the Earth and",
+]
+VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
+#: Context cells per slot / session (prompt + max_tokens fit with room).
+SLOT_CTX = 256
+#: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
+IGNORE_EOS = True
+
+
+@dataclasses.dataclass
+class Running:
+    """A started variant: its base URL, processes, and the stage processes to read CPU time of."""
+
+    name: str
+    url: str
+    processes: list[subprocess.Popen[bytes]]
+    stage_pids: list[int] = dataclasses.field(default_factory=list)
+    request_extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    split: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    #: each stage's Prometheus endpoint (skippy), in stage order
+    metrics: list[str] = dataclasses.field(default_factory=list)
+
+
+def stop(running: Running) -> None:
+    """Stop a variant's processes (SIGTERM, then SIGKILL after 20 s)."""
+    for process in running.processes:
+        process.terminate()
+    for process in running.processes:
+        try:
+            process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def compute_seconds(running: Running) -> list[float]:
+    """Each stage's ``skippy_stage_compute_seconds_sum`` (runtime time, all its jobs) now."""
+    values = []
+    for url in running.metrics:
+        text = httpx.get(url, timeout=10).text
+        match = re.search(r"^skippy_stage_compute_seconds_sum\{[^}]*\} (\S+)$", text, re.MULTILINE)
+        values.append(float(match.group(1)) if match else 0.0)
+    return values
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def wait_ready(url: str, process: subprocess.Popen[bytes], timeout: float = 300.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"{process.args} exited with {process.returncode}")
+        with contextlib.suppress(httpx.HTTPError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise RuntimeError(f"{url} not ready after {timeout:.0f} s")
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process (all its threads), in seconds."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, *,
+                rpc: Sequence[str] = (), tensor_split: str = "") -> Running:
+    port = free_port()
+    command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
+               "-tb", str(threads), "-np", str(slots), "-c", str(slots * SLOT_CTX), "--no-warmup"]
+    command += ["-ngl", "99", "--rpc", ",".join(rpc), "-ts", tensor_split] if rpc else ["-ngl", "0"]
+    with log.open("wb") as output:
+        process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    wait_ready(url, process)
+    return Running("", url, [process])
+
+
+def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
+    processes, addresses = [], []
+    for index in range(count):
+        port = 20000 + (os.getpid() * 7 + index * 13) % 12000  # below the ephemeral range (peer_compare)
+        with (log_dir / f"rpc{index}.log").open("wb") as output:
+            process = subprocess.Popen([str(binary), "-H", "127.0.0.1", "-p", str(port), "-t", "1"],
+                                       stdout=output, stderr=subprocess.STDOUT)
+        processes.append(process)
+        addresses.append(f"127.0.0.1:{port}")
+    time.sleep(1.0)
+    return processes, addresses
+
+
+def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Path, *, layers: str = "") -> Running:
+    command = [sys.executable, "-m", "skippy", "up", "--model", str(model),
+               *(["--layers", layers] if layers else ["--stages", str(stages)]),
+               "--threads", str(threads), "--max-sessions", str(slots), "--ctx-size", str(slots * SLOT_CTX),
+               "--port", "0", "--log-dir", str(log_dir)]
+    with (log_dir / "up.log").open("wb") as errors:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
+                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert process.stdout is not None
+    url = ""
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and not url:
+        line = process.stdout.readline().decode()
+        if not line and process.poll() is not None:
+            raise RuntimeError(f"skippy up exited: {(log_dir / 'up.log').read_text()[-2000:]}")
+        if match := re.search(r"skippy API on (\S+)", line):
+            url = match.group(1)
+    threading.Thread(target=process.stdout.read, daemon=True).start()  # keep draining
+    text = (log_dir / "up.log").read_text()
+    stages = sorted((int(index), int(a), int(b), int(pid)) for index, a, b, pid
+                    in re.findall(r"stage (\d+) \(layers (\d+):(\d+)\) pid (\d+)", text))
+    metrics = []
+    for index, start, end, _ in stages:
+        log = (log_dir / f"stage-{index}-{start}-{end}.log").read_text()
+        found = re.search(r"metrics on (http://\S+/metrics)", log)
+        metrics.append(found.group(1) if found else "")
+    return Running("", url, [process], stage_pids=[pid for *_, pid in stages],
+                   split=[(start, end) for _, start, end, _ in stages], metrics=[m for m in metrics if m])
+
+
+def measure(running: Running, model_id: str, clients: int, seconds: float, max_tokens: int,
+            stage_compute: dict[int, float]) -> float:
+    """Aggregate completion tokens/s of ``clients`` threads for ``seconds`` (see the module notes)."""
+    started = time.perf_counter()
+    deadline = started + seconds
+    tokens = [0] * clients
+    ends = [started] * clients
+
+    def client(index: int) -> None:
+        with httpx.Client(timeout=300) as http:
+            while time.perf_counter() < deadline:
+                body = {"model": model_id, "prompt": PROMPTS[index % len(PROMPTS)], "max_tokens": max_tokens,
+                        "temperature": 0, **running.request_extra}
+                if IGNORE_EOS:
+                    body["ignore_eos"] = True
+                reply = http.post(f"{running.url}/v1/completions", json=body)
+                reply.raise_for_status()
+                usage = reply.json()["usage"]
+                tokens[index] += int(usage["completion_tokens"])
+                ends[index] = time.perf_counter()
+                for stage in usage.get("skippy_timing", {}).get("stages", []):
+                    stage_compute[stage["stage"]] = stage_compute.get(stage["stage"], 0.0) + stage["compute_ms"]
+
+    with concurrent.futures.ThreadPoolExecutor(clients) as pool:
+        for future in [pool.submit(client, index) for index in range(clients)]:
+            future.result()
+    return sum(tokens) / max(max(ends) - started, 1e-9)
+
+
+@contextlib.contextmanager
+def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> Iterator[dict[str, Running]]:
+    from peer_compare import tensor_split
+
+    from skippy.plan import ModelShape, balanced_stages
+
+    shape = ModelShape.from_gguf(model)
+    started: dict[str, Running] = {}
+    try:
+        peer = None
+        if any(not name.startswith("skippy") for name in names):
+            from peer_build import build_peer
+
+            peer = build_peer(server=True)
+        for name in names:
+            directory = log_dir / name
+            directory.mkdir(parents=True, exist_ok=True)
+            print(f"starting {name} ...", file=sys.stderr, flush=True)
+            if name in ("stock-2t", "stock-1t"):
+                assert peer is not None and peer.llama_server is not None
+                running = start_stock(peer.llama_server, model, 2 if name == "stock-2t" else 1, slots,
+                                      directory / "server.log")
+            elif name == "rpc-2x1t":
+                assert peer is not None and peer.llama_server is not None
+                servers, addresses = start_rpc_servers(peer.rpc_server, 2, directory)
+                split = balanced_stages(shape, 2)[0]
+                try:
+                    running = start_stock(peer.llama_server, model, 1, slots, directory / "server.log", rpc=addresses,
+                                          tensor_split=tensor_split([f"{a}:{b}" for a, b in split], shape.n_layer))
+                except BaseException:
+                    for server in servers:
+                        server.kill()
+                    raise
+                running.processes += servers
+                running.stage_pids = [server.pid for server in servers]
+            else:
+                stages, threads = (1, 2) if name.startswith("skippy-1x2t") else (2, 1)
+                half = shape.n_layer // 2  # -even: the cut before issue 31 (half the layers each)
+                running = start_skippy(model, stages, threads, slots, directory,
+                                       layers=f"0:{half},{half}:{shape.n_layer}" if name.endswith("-even") else "")
+                if name.endswith("-nospec"):
+                    running.request_extra = {"speculation": False}
+            running.name = name
+            started[name] = running
+        yield started
+    finally:
+        for running in started.values():
+            stop(running)
+
+
+def model_path(name: str) -> tuple[Path, str]:
+    if name == "gemma":
+        from skippy.models.real import ensure_real_model
+
+        path = ensure_real_model()
+    elif name == "llama":
+        from skippy.models.cache import ensure_model
+        from skippy.models.spec import preset
+
+        path = ensure_model(preset("llama-16x1024"))
+    else:
+        path = Path(name)
+    return path, path.name.removesuffix(".gguf")
+
+
+def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, Any]:
+    path, model_id = model_path(name)
+    slots = max(args.concurrency)
+    results: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.concurrency} for v in args.variants}
+    compute: dict[str, dict[int, float]] = {v: {} for v in args.variants}
+    cpu: dict[str, list[float]] = {}
+    busy: dict[str, list[float]] = {}
+    with variants(args.variants, path, slots, log_dir / name) as running:
+        for variant in running.values():  # one warm-up request each (loads pages, fills caches)
+            measure(variant, model_id, 1, 0.01, 4, {})
+        before = {v: [cpu_seconds(pid) for pid in r.stage_pids] for v, r in running.items()}
+        busy_before = {v: compute_seconds(r) for v, r in running.items()}
+        order = list(args.variants)
+        for round_index in range(args.rounds):
+            for clients in args.concurrency:
+                for variant in order:
+                    rate = measure(running[variant], model_id, clients, args.seconds, args.max_tokens,
+                                   compute[variant])
+                    results[variant][clients].append(rate)
+                    print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
+                          file=sys.stderr, flush=True)
+            order = order[1:] + order[:1]
+        for variant, r in running.items():
+            cpu[variant] = [cpu_seconds(pid) - was for pid, was in zip(r.stage_pids, before[variant])]
+            busy[variant] = [now - was for now, was in zip(compute_seconds(r), busy_before[variant])]
+        splits = {v: r.split for v, r in running.items()}
+    return {"model": str(path), "results": results, "compute_ms": compute, "cpu_s": cpu, "busy_s": busy,
+            "splits": splits}
+
+
+def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
+    results = data["results"]
+    lines = [f"## {name} ({Path(data['model']).name}), {args.max_tokens} new tokens, {args.seconds:g} s x "
+             f"{args.rounds} round(s) per point; aggregate tokens/s, median over rounds", "",
+             "| variant | " + " | ".join(f"N={n}" for n in args.concurrency) + " |",
+             "|---|" + "---|" * len(args.concurrency)]
+    medians = {v: {n: statistics.median(r[n]) for n in args.concurrency} for v, r in results.items()}
+    for variant in args.variants:
+        lines.append(f"| {variant} | " + " | ".join(f"{medians[variant][n]:.1f}" for n in args.concurrency) + " |")
+    stock = [v for v in args.variants if not v.startswith("skippy")]
+    for variant in [v for v in args.variants if v.startswith("skippy")]:
+        for base in stock:
+            ratios = " ".join(f"N={n}: {medians[variant][n] / medians[base][n]:.2f}x" for n in args.concurrency
+                              if medians[base][n] > 0)
+            lines.append(f"- {variant} / {base}: {ratios}")
+    for variant in args.variants:
+        split = data["splits"].get(variant)
+        compute = data["compute_ms"][variant]
+        cpu = data["cpu_s"].get(variant, [])
+        busy = data["busy_s"].get(variant, [])
+        if len(busy) > 1 and sum(busy) > 0:
+            lines.append(f"- {variant} split {split}: stage compute (skippy_stage_compute_seconds) "
+                         + ", ".join(f"stage {i}: {b:.1f} s ({b / sum(busy):.0%})" for i, b in enumerate(busy)))
+        if len(compute) > 1:
+            total = sum(compute.values())
+            shares = ", ".join(f"stage {s}: {compute[s] / total:.0%}" for s in sorted(compute))
+            lines.append(f"- {variant}: compute in usage.skippy_timing (speculative windows and hop-by-hop steps "
+                         f"only; decode runs report the last stage alone) {shares}")
+        if len(cpu) > 1 and sum(cpu) > 0:
+            lines.append(f"- {variant}: CPU of the stage / RPC server processes, in chain order "
+                         f"{', '.join(f'{c:.1f} s' for c in cpu)} "
+                         f"({', '.join(f'{c / sum(cpu):.0%}' for c in cpu)})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", default="gemma,llama")
+    parser.add_argument("--concurrency", default="1,4,8,16")
+    parser.add_argument("--seconds", type=float, default=20.0)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--variants", default=",".join(VARIANTS))
+    parser.add_argument("--quick", action="store_true", help="smoke: N = 1, 4, 4 s, one round")
+    parser.add_argument("--no-ignore-eos", action="store_true",
+                        help="let requests end at an end-of-generation token (ignore_eos is a logit bias, which "
+                             "costs a final stage's sampler a pass over the vocabulary per row)")
+    parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    args = parser.parse_args()
+    global IGNORE_EOS
+    IGNORE_EOS = not args.no_ignore_eos
+    args.concurrency = [int(n) for n in args.concurrency.split(",")]
+    args.variants = [v for v in args.variants.split(",") if v]
+    unknown = set(args.variants) - set(VARIANTS)
+    if unknown:
+        parser.error(f"unknown variants {sorted(unknown)} (known: {', '.join(VARIANTS)})")
+    if args.quick:
+        args.concurrency, args.seconds, args.rounds = [1, 4], 4.0, 1
+    log_dir = Path(tempfile.mkdtemp(prefix="skippy-concurrency-"))
+    print(f"logs in {log_dir}", file=sys.stderr)
+    out: dict[str, Any] = {}
+    for name in args.models.split(","):
+        out[name] = run_model(name, args, log_dir)
+        print(report(name, out[name], args), flush=True)
+        print(flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,134 @@
+"""Speculation that knows the load: a window's drafts are weighed against what they cost the other
+sessions in the stages' batches (``shared_gain``); a single stream keeps today's plans, enough
+concurrent sessions keep speculation off, and greedy outputs stay exact under concurrency."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import trio
+
+from skippy.driver import GenerationRequest, Generator, StageClient
+from skippy.driver.speculation import (
+    CostModel,
+    SessionLoad,
+    SpeculationConfig,
+    SpeculativeDecoder,
+    expected_tokens,
+    serial_rate,
+    shared_gain,
+)
+
+from stage_helpers import stage_chain
+from test_speculation_chain import LOOP
+from test_speculation_controller import controller, cost, feed
+
+
+def test_one_session_gain_is_the_serial_speedup() -> None:
+    model = cost(0.020, 0.010, 0.001)
+    for acceptance, window in ((0.8, 4), (0.3, 2), (0.95, 8)):
+        assert shared_gain(acceptance, window, 1, model) == pytest.approx(
+            serial_rate(acceptance, window, model) / serial_rate(0.0, 0, model))
+
+
+def test_gain_falls_with_sessions_and_never_pays_when_rows_dominate() -> None:
+    model = cost(0.020, 0.010, 0.002)
+    gains = [shared_gain(0.8, 4, sessions, model) for sessions in (1, 2, 4, 8, 16)]
+    assert gains == sorted(gains, reverse=True) and gains[0] > 1.5 and gains[-1] < 1.03  # under min_gain
+    # compute bound (no round trip, every row a full step): perfect drafts gain nothing with others
+    bound = cost(0.0, 0.010, 0.010)
+    assert shared_gain(1.0, 8, 2, bound) == pytest.approx(1.0)
+    assert shared_gain(0.99, 8, 4, bound) < 1.0
+    assert expected_tokens(1.0, 8) == 9.0
+
+
+def test_single_stream_speculates_and_concurrent_sessions_back_off() -> None:
+    """A CPU chain on loopback (2 ms round trip, 5 ms a step, 2.5 ms a further row)."""
+    control = controller(0.002, 0.005, 0.0025, max_depth=4, stages=2, probe_interval=4)
+    feed(control, 0.9, 30, seed=1)
+    alone = control.plan(8, 6)
+    assert alone.window >= 1 and alone.speedup > 1.3  # today's plan, unchanged (pipelined windows)
+    two = control.plan(8, 6, sessions=2)
+    assert two.window >= 1 and two.depth == 1 and 1.03 <= two.speedup < alone.speedup
+    crowded = [control.plan(8, 6, sessions=16) for _ in range(10)]
+    assert all(plan.window == 0 and not plan.probe for plan in crowded)  # off, and no probe windows either
+    assert not control.enabled
+    assert control.plan(8, 6) == alone and control.enabled  # alone again: back on
+    # a chain whose round trip dwarfs its compute still gains from drafts with a few others
+    network = controller(0.020, 0.005, 0.0005)
+    feed(network, 0.9, 30, seed=1)
+    assert network.plan(8, 6, sessions=4).window > 0
+
+
+class Session:
+    """Something a SessionLoad can count (held weakly)."""
+
+
+def test_decoder_reads_the_load_at_each_epoch() -> None:
+    load = SessionLoad()
+    sessions = [Session() for _ in range(16)]
+
+    def decoder() -> SpeculativeDecoder:
+        made = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), max_tokens=64, load=load)
+        made.controller.cost = controller(0.002, 0.005, 0.0025).cost
+        feed(made.controller, 0.95, 30, seed=2)
+        return made
+
+    load.enter(sessions[0])
+    first = decoder().next_window()
+    assert first is not None and not first.is_decode and len(first.tokens) > 1  # alone: drafts
+    for session in sessions[1:]:
+        load.enter(session)
+    assert load.sessions == 16
+    crowded = decoder().next_window()
+    assert crowded is not None and crowded.is_decode  # sixteen sessions: a plain step
+    for session in sessions[:8]:
+        load.leave(session)
+    assert load.sessions == 8
+    del sessions[8:]  # dropped without leaving: no longer counted
+    assert load.sessions == 0
+
+
+async def test_concurrent_greedy_sessions_stay_exact_and_are_counted(tiny_llama: Path, tmp_path: Path) -> None:
+    """Four sessions at once on a 2-stage chain: each gets the tokens it gets alone without
+    speculation, the controllers saw the others, and the count returns to zero."""
+    generator = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=16, credit=2)
+    seen: list[int] = []
+    original = SessionLoad.sessions.fget  # type: ignore[attr-defined]
+
+    class Watched(SessionLoad):
+        @property
+        def sessions(self) -> int:
+            count = original(self)
+            seen.append(count)
+            return count
+
+    generator.load = Watched()
+    prompts = [tuple(LOOP), tuple(LOOP[:-3]), tuple(LOOP[:-6]), tuple(LOOP[:-9])]
+    try:
+        async with stage_chain(str(tiny_llama), ["0:2", "2:4"], tmp_path) as stages:
+            assert stages[0].address is not None
+            address = stages[0].address
+            plain: list[list[int]] = []
+            for index, prompt in enumerate(prompts):
+                async with await StageClient.connect(address) as client:
+                    done = await generator.generate(client, GenerationRequest(prompt, 32, speculation=False),
+                                                    200 + index)
+                plain.append(done.tokens)
+            results: dict[int, list[int]] = {}
+
+            async def one(index: int) -> None:
+                async with await StageClient.connect(address) as client:
+                    done = await generator.generate(client, GenerationRequest(prompts[index], 32, speculation=True),
+                                                    300 + index)
+                results[index] = done.tokens
+
+            async with trio.open_nursery() as nursery:
+                for index in range(len(prompts)):
+                    nursery.start_soon(one, index)
+            assert [results[i] for i in range(len(prompts))] == plain
+            assert max(seen) >= 2  # the controllers were told about the other sessions
+            assert generator.load.sessions == 0
+    finally:
+        generator.close()
