@@ -116,7 +116,7 @@ def test_the_cuda_wheels_cover_data_centre_and_consumer_gpus() -> None:
 
 
 OLD_INSTALL = re.compile(r"""pip install\b[^\n`]*?(?<![\w./-])['"]?skippy(?:\[[\w,-]+\])?['"]?(?=[\s`)"']|$)""")
-OLD_FILE = re.compile(r"\bskippy-\d+\.\d+\.\d+[-+]|dist/skippy-")
+OLD_FILE = re.compile(r"\bskippy-\d+\.\d+\.\d+[-+]|dist/skippy-|\bskippy-\*[^/\s]*\.(?:whl|tar\.gz)")
 
 
 def test_the_distribution_name_is_ours_everywhere() -> None:
@@ -136,6 +136,7 @@ def test_the_distribution_name_is_ours_everywhere() -> None:
     assert offending == [], "\n".join(offending)
     assert OLD_INSTALL.search("pip install 'skippy[ray]'") and OLD_INSTALL.search("pip install --find-links dist skippy")
     assert OLD_INSTALL.search("""needs cryptography: pip install 'skippy[tls]'")""")
+    assert OLD_FILE.search('dist.glob("skippy-*.whl")') and not OLD_FILE.search('glob("skippy_llm-*.whl")')
     assert not OLD_INSTALL.search("pip install 'skippy-llm[ray]'") and not OLD_FILE.search("dist/skippy_llm-0.1.0-cp311")
 
 
