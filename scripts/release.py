@@ -25,6 +25,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 import tomllib
 from pathlib import Path
 
@@ -52,7 +53,11 @@ def _log(message: str) -> None:
 
 def _run(command: list[str], env: dict[str, str] | None = None, cwd: Path | None = None) -> None:
     _log(" ".join(str(c) for c in command))
+    start, before = time.monotonic(), os.times()
     subprocess.run([str(c) for c in command], check=True, env=env, cwd=cwd)
+    after = os.times()
+    cpu = after.children_user + after.children_system - before.children_user - before.children_system
+    _log(f"  done in {time.monotonic() - start:.0f} s wall, {cpu:.0f} s CPU: {Path(str(command[1])).name}")
 
 
 def lib_dir(flavour: str) -> Path:
