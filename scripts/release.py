@@ -97,11 +97,15 @@ def native(flavour: str, cpu_variants: str = "all", cuda_home: Path = Path("/usr
     return dest
 
 
+def _auditwheel() -> list[str]:
+    auditwheel = shutil.which("auditwheel", path=_tool_env()["PATH"])
+    return [auditwheel] if auditwheel else [sys.executable, "-m", "auditwheel"]
+
+
 def repair(flavour: str, wheel: Path, dest: Path) -> Path:
     """auditwheel repair to the host's manylinux tag; a CUDA wheel keeps NVIDIA's libraries external
     and gets its local version and requirements (scripts/wheel_flavour.py)."""
-    auditwheel = shutil.which("auditwheel", path=_tool_env()["PATH"])
-    command = [auditwheel] if auditwheel else [sys.executable, "-m", "auditwheel"]
+    command = _auditwheel()
     dest.mkdir(parents=True, exist_ok=True)
     if flavour == "cpu":
         prefix = "-".join(wheel.name.split("-")[:4])  # name-version-python-abi
@@ -207,6 +211,9 @@ def local(args: argparse.Namespace) -> int:
             wheel = build_wheel(flavour, python, dist)
             built.setdefault(flavour, []).append((python, wheel))
             _log(f"built {wheel.name}")
+            # the CUDA wheels keep NVIDIA's libraries external, which `show` reports as linux_x86_64
+            if flavour == "cpu":
+                _run([*_auditwheel(), "show", wheel], env=_tool_env())
     if args.sdist:
         _run([sys.executable, "-m", "build", "--sdist", "--outdir", dist, ROOT], env=_tool_env())
     if CUDA_LOCAL in built:
