@@ -23,6 +23,9 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py native/build.py native/build_ffi.py $(wildcard native/patches/*.patch native/cdef/*)
 	$(MAKE) --no-print-directory reference
+	@# the distribution was called skippy before issue 32 (skippy-llm now): a venv made then holds an
+	@# editable `skippy` whose finder would shadow this tree
+	$(BIN)/pip uninstall --quiet --yes skippy 2>/dev/null || true
 	$(BIN)/pip install --quiet $(PIP_OPTIONS) -e '.[test,real-model]'
 	touch $(STAMP)
 
