@@ -127,6 +127,9 @@ def _ship_libraries(command: build_ext, lib_dir: Path, target: Path) -> None:
         if stale.name not in built:
             stale.unlink()
     for name in sorted(built) + (["SOURCE"] if (lib_dir / "SOURCE").exists() else []):
+        # copy_file skips a target newer than its source: a library of another flavour copied
+        # there earlier (a prebuilt set is often older than the last build) would stay
+        (target / name).unlink(missing_ok=True)
         command.copy_file(str(lib_dir / name), str(target / name))
 
 
