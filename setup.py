@@ -1,7 +1,8 @@
 """Build script: Cython extensions, the cffi binding to llama.cpp, and the native build step.
 
 Strategy: ``build_ext`` first builds the patched llama.cpp (``native/build.py``) into ``skippy/lib``
-unless ``SKIPPY_LLAMA_LIB_DIR`` names a prebuilt one, then compiles the Cython modules and the cffi
+unless ``SKIPPY_LLAMA_LIB_DIR`` names a prebuilt one (the release builds one per flavour for every
+Python: scripts/release.py), then compiles the Cython modules and the cffi
 API-mode module ``skippy._llama``, which links ``libllama`` with an ``$ORIGIN/lib`` rpath.
 ``SKIPPY_DEBUG=1`` builds the Cython modules with line tracing; ``--cython-always`` and
 ``--annotate`` are passed through to ``cythonize``.
@@ -87,11 +88,12 @@ class SkippyBuildExt(build_ext):
         lib_dir = self._native_lib_dir()
         for ext in self.extensions:
             if ext.name == "skippy._llama":
-                from build import patched_source
+                from build import install_vocab, patched_source
                 from build_ffi import emit_source
 
                 emit_source()
                 source = patched_source()
+                install_vocab(source)  # a prebuilt SKIPPY_LLAMA_LIB_DIR skipped the native build that copies them
                 ext.include_dirs = [str(source / "include"), str(source / "ggml" / "include")]
                 ext.library_dirs = [str(lib_dir)]
         super().run()
@@ -100,8 +102,7 @@ class SkippyBuildExt(build_ext):
             package = Path(self.build_lib) / "skippy"
             (package / "lib").mkdir(parents=True, exist_ok=True)
             (package / "models" / "vocab").mkdir(parents=True, exist_ok=True)
-            for lib in lib_dir.glob("lib*"):
-                self.copy_file(str(lib), str(package / "lib" / lib.name))
+            _ship_libraries(self, lib_dir, package / "lib")
             for vocab in (ROOT / "skippy" / "models" / "vocab").glob("*.gguf"):
                 self.copy_file(str(vocab), str(package / "models" / "vocab" / vocab.name))
             self.copy_file(str(ROOT / "skippy" / "_native_stamp.py"), str(package / "_native_stamp.py"))
@@ -113,6 +114,23 @@ class SkippyBuildExt(build_ext):
         from build import build_native  # native/build.py
 
         return build_native(ROOT / "skippy" / "lib")
+
+
+def _ship_libraries(command: build_ext, lib_dir: Path, target: Path) -> None:
+    """Make ``target`` (the package's lib/ in the build tree) hold exactly the native build's
+    libraries: build_py copied whatever the source tree's skippy/lib held (the developer's
+    linked-in build), and a build tree reused across Pythons and flavours keeps older copies.
+    A prebuilt SKIPPY_LLAMA_LIB_DIR (scripts/release.py: one native build for every Python)
+    also brings its SOURCE line."""
+    built = {lib.name for lib in lib_dir.glob("lib*")}
+    for stale in target.glob("lib*"):
+        if stale.name not in built:
+            stale.unlink()
+    for name in sorted(built) + (["SOURCE"] if (lib_dir / "SOURCE").exists() else []):
+        # copy_file skips a target newer than its source: a library of another flavour copied
+        # there earlier (a prebuilt set is often older than the last build) would stay
+        (target / name).unlink(missing_ok=True)
+        command.copy_file(str(lib_dir / name), str(target / name))
 
 
 def _ffi_extension() -> Extension:

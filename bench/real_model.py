@@ -468,7 +468,7 @@ def _summary(name: str, samples: list[Sample], reference: list[Sample] | None, t
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", help="GGUF file (default: the real Gemma 3 270M from skippy[real-model])")
+    parser.add_argument("--model", help="GGUF file (default: the real Gemma 3 270M from skippy-llm[real-model])")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--steps", type=int, default=64, help="decode tokens per measurement")
     parser.add_argument("--reps", type=int, default=1, help="llama-bench repetitions per round")

@@ -1,6 +1,6 @@
 """Lossy activation wires on real weights: token agreement and logit error of f16 / q8 against f32.
 
-Strategy: the real Gemma 3 270M (``skippy[real-model]``), split in this process into stages
+Strategy: the real Gemma 3 270M (``skippy-llm[real-model]``), split in this process into stages
 (default ``0:9,9:18``) whose boundary activations go through the wire codec exactly as a stage
 process sends them (``skippy.wire.encode_activation`` then ``decode_activation``: f32 is the
 identity, f16 rounds ties away from zero, q8 is per-row int8 with an f32 scale).  The unsplit

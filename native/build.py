@@ -235,6 +235,13 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
     _log(f"building target llama with {jobs} jobs")
     _run([cmake, "--build", str(out), "--target", "llama", "-j", str(jobs)], "cmake build")
     install_libraries(out / "bin", dest)
+    install_vocab(source)
+    (dest / "SOURCE").write_text(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} vendored llama.cpp + patches {patch_digest()}\n")
+    return dest
+
+
+def install_vocab(source: Path) -> Path:
+    """Copy the vocab-only GGUFs from a llama.cpp tree into skippy/models/vocab (once); returns it."""
     vocab_dest = ROOT / "skippy" / "models" / "vocab"
     vocab_dest.mkdir(parents=True, exist_ok=True)
     for name in VOCAB_FILES:
@@ -242,8 +249,7 @@ def build_native(dest: Path = PACKAGE_LIB, jobs: int | None = None) -> Path:
         target_vocab = vocab_dest / name
         if source_vocab.exists() and not target_vocab.exists():
             shutil.copyfile(source_vocab, target_vocab)
-    (dest / "SOURCE").write_text(f"llama-cpp-python {LLAMA_CPP_PYTHON_VERSION} vendored llama.cpp + patches {patch_digest()}\n")
-    return dest
+    return vocab_dest
 
 
 def install_libraries(libdir: Path, dest: Path) -> list[str]:

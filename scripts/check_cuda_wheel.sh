@@ -7,7 +7,7 @@
 #   - with a GPU: run `pytest -m gpu` (tests/test_gpu.py: split = unsplit on the GPU, a two-stage
 #     chain, memory per stage, the decode benchmark) from this source tree against the installed
 #     wheel, and write the benchmark figures to $OUT/gpu-report.json (OUT defaults to ./gpu-check).
-# usage: scripts/check_cuda_wheel.sh dist/skippy-*+cu130-*.whl
+# usage: scripts/check_cuda_wheel.sh dist/skippy_llm-*+cu130-*.whl
 set -euo pipefail
 wheel=$(readlink -f "$1")
 src=$(cd "$(dirname "$0")/.." && pwd)
@@ -19,7 +19,7 @@ python=${PYTHON:-python3}
 "$python" -m venv "$work/venv"
 py="$work/venv/bin/python"
 start=$(date +%s)
-CC=false CXX=false "$py" -m pip install --quiet "$wheel"
+CC=false CXX=false "$py" -m pip install --quiet --no-cache-dir "$wheel"
 echo "installed $(basename "$wheel") in $(( $(date +%s) - start )) s (no compiler allowed)"
 cd "$work"   # never import the source tree
 "$py" - <<'EOF'

@@ -8,7 +8,7 @@ again with every file's sha256 and size (files only, as the wheel spec asks: aud
 RECORD row as a file, and a directory row made ``auditwheel show`` fail with IsADirectoryError).
 Everything else is copied byte for byte.
 
-    python scripts/wheel_flavour.py dist/raw/skippy-0.1.0-...whl --local cu130 \
+    python scripts/wheel_flavour.py dist/raw/skippy_llm-0.1.0-...whl --local cu130 \
         --requires 'nvidia-cuda-runtime==13.0.*' --requires 'nvidia-cublas==13.*' --outdir dist
 """
 

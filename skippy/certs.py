@@ -5,7 +5,7 @@ stage and per driver signed by it (``NAME.pem`` / ``NAME.key``), each usable for
 link (server and client authentication: a stage listens and dials).  Keys are ECDSA P-256; key
 files are written with mode 0600.  An existing CA in the directory is reused, so more members can
 be added later; an existing member's files are replaced.  Made with the ``cryptography`` library
-(the ``skippy[tls]`` extra), imported only here.
+(the ``skippy-llm[tls]`` extra), imported only here.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ def _crypto() -> Any:
         from cryptography.hazmat.primitives.asymmetric import ec
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
     except ImportError as exc:  # pragma: no cover - depends on the install
-        raise RuntimeError("making certificates needs the cryptography library: pip install 'skippy[tls]'") from exc
+        raise RuntimeError("making certificates needs the cryptography library: pip install 'skippy-llm[tls]'") from exc
     return x509, hashes, serialization, ec, ExtendedKeyUsageOID, NameOID
 
 

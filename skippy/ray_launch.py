@@ -34,7 +34,7 @@ Strategy
 * **Shutdown** stops every stage process, kills the actors and removes the placement group, so
   nothing is left on the cluster.
 
-Ray is an optional extra (``pip install 'skippy[ray]'``); this module imports it at import time
+Ray is an optional extra (``pip install 'skippy-llm[ray]'``); this module imports it at import time
 and is imported only by ``skippy up --ray``.  Every node needs skippy and the model file at the
 same path.
 """

@@ -21,7 +21,7 @@ Strategy
   host whose NAME is a node id, or the IP of exactly one node, is measured on that node; the
   others keep this machine's figure and the plan says so on their line.
 
-Ray is the optional extra ``skippy[ray]``: this module imports it at import time and is imported
+Ray is the optional extra ``skippy-llm[ray]``: this module imports it at import time and is imported
 only by ``skippy plan --ray``.
 """
 

@@ -27,7 +27,7 @@ def model_path(arch: str = "llama", dtype: str = "F32", tied: bool = False, **kw
 def real_model() -> Path:
     """The real Gemma 3 270M GGUF (assembled into the model cache once, sha256-verified).
 
-    Skips only when the ``skippy[real-model]`` package is not installed; a damaged package
+    Skips only when the ``skippy-llm[real-model]`` package is not installed; a damaged package
     (wrong hash) fails the test instead.
     """
     try:

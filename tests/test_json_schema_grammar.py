@@ -1,6 +1,6 @@
 """JSON response formats without llama-cpp-python: skippy's own copy of the converter.
 
-A plain install (``pip install skippy``, no test extra) has no ``llama_cpp``; a subprocess that
+A plain install (``pip install skippy-llm``, no test extra) has no ``llama_cpp``; a subprocess that
 cannot import it must still turn ``json_schema`` and llama-server's ``json_object`` + ``schema``
 into grammars llama.cpp parses against the served vocabulary, and never import ``llama_cpp``.
 The vendored text must equal the pinned llama-cpp-python's file (when that is installed), and

@@ -20,7 +20,7 @@ import httpx
 import pytest
 import trio
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy-llm[ray]')")
 
 from skippy.certs import make_chain_certificates  # noqa: E402
 from skippy.driver.client import StageClient, StageLost  # noqa: E402

@@ -36,7 +36,7 @@ from typing import Any
 import httpx
 import pytest
 
-ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy[ray]')")
+ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy-llm[ray]')")
 
 from skippy.plan import GIB, load_plan  # noqa: E402
 

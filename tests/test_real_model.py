@@ -1,4 +1,4 @@
-"""The real trained model (Gemma 3 270M Q4_K_M from the ``skippy[real-model]`` extra).
+"""The real trained model (Gemma 3 270M Q4_K_M from the ``skippy-llm[real-model]`` extra).
 
 Assembly (skippy/models/real.py): streamed into the cache under a temporary name, sha256-checked,
 renamed, stamped; a second call is a stat; a wrong hash or a missing package is a clear error and

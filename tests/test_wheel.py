@@ -90,7 +90,7 @@ def test_wheel_installs_and_runs_outside_the_tree(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "SKIPPY_VOCAB_DIR")}
     subprocess.run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "-w", str(dist), str(ROOT)],
                    check=True, env=env, timeout=1800)
-    (wheel,) = dist.glob("skippy-*.whl")
+    (wheel,) = dist.glob("skippy_llm-*.whl")
     # auditwheel finds a manylinux tag for it (make wheel repairs to it; README: Wheels)
     shown = subprocess.run([sys.executable, "-m", "auditwheel", "show", str(wheel)], capture_output=True, text=True,
                            check=True, timeout=600).stdout
@@ -119,7 +119,7 @@ def test_sdist_carries_the_build_sources_and_no_build_output(tmp_path: Path) -> 
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), str(ROOT)],
                    check=True, env=env, timeout=1800, capture_output=True)
-    (sdist,) = tmp_path.glob("skippy-*.tar.gz")
+    (sdist,) = tmp_path.glob("skippy_llm-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
     needed = {str(path.relative_to(ROOT)) for pattern in ("skippy/*.pyx", "skippy/*.pxd", "skippy/*.pxi",

@@ -3,7 +3,7 @@
 # Why: ``response_format`` ``json_schema`` / ``json_object`` need a JSON Schema -> GBNF converter.
 # This file's ``SchemaConverter`` is the Python port of llama.cpp's own ``json_schema_to_grammar``
 # (the converter llama-server uses), pure Python with standard-library imports only; skippy used
-# it from an installed llama-cpp-python, which a plain ``pip install skippy`` does not have (that
+# it from an installed llama-cpp-python, which a plain ``pip install skippy-llm`` does not have (that
 # package builds llama.cpp when installed).  Shipping the file keeps the grammars byte for byte
 # what they were, with no dependency.  skippy.api.structured applies its one correction (JSON
 # string characters) to the output.  Fetching remote ``$ref`` stays off (``allow_fetch=False``).

@@ -1,7 +1,7 @@
 """``skippy demo``: the local pipeline end to end in one command.
 
 Strategy: run ``skippy up`` (2 stages of the default model unless told otherwise: the real
-Gemma 3 270M when the ``skippy[real-model]`` extra is installed, else the generated demo model) in
+Gemma 3 270M when the ``skippy-llm[real-model]`` extra is installed, else the generated demo model) in
 this process; once the API answers, send one streaming greedy chat completion over plain HTTP
 (urllib in a worker thread, so the demo needs nothing beyond the standard library), print the
 answer as it streams and the timings from ``usage``, then stop everything.

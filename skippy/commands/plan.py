@@ -31,7 +31,7 @@ def add_parser(subparsers: Any) -> None:
                         help="a Ray cluster (ADDRESS, default: RAY_ADDRESS or a local one): without --hosts, one "
                              "stage per alive node with a CPU (memory from its Ray memory resource, GPU memory from "
                              "its gpu_memory resource or nvidia-smi), written as ray_node for skippy up --ray --plan; "
-                             "with --measure, every host that is a node is measured on it (needs skippy[ray])")
+                             "with --measure, every host that is a node is measured on it (needs skippy-llm[ray])")
     parser.add_argument("--ctx-size", type=int, default=4096, help="KV cells per stage, shared by its sessions "
                         "(default 4096)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
@@ -81,7 +81,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: cannot measure {shape.path.name} here: {exc}", file=sys.stderr)
         return 2
     except ImportError as exc:  # --ray without the optional extra
-        print(f"error: --ray needs Ray: pip install 'skippy[ray]' ({exc})", file=sys.stderr)
+        print(f"error: --ray needs Ray: pip install 'skippy-llm[ray]' ({exc})", file=sys.stderr)
         return 2
     try:
         plan = plan_chain(shape, hosts, settings, host_times=host_times)

