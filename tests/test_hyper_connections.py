@@ -193,8 +193,8 @@ async def test_kimi_k3_stage_processes_match_the_unsplit_model(tmp_path: Path) -
 async def test_a_prefix_cache_hit_over_widening_boundaries_equals_the_uncached_answer() -> None:
     """Kimi-K3 over three stages (tests/test_wide_boundary.py's case): a restoring stage's
     TryRestorePrefillDecode activation goes out with the boundary-rows bits of its own output width
-    (2, then 3 rows per token).  (DeepSeek V4 is left out: its restored prefix differs from the
-    uncached answer unsplit too, a prefix-cache limit of its compressed-KV memory, not of a cut.)"""
+    (2, then 3 rows per token).  (DeepSeek V4 stages run without the prefix cache:
+    tests/test_prefix_cache_exact.py.)"""
     path = ensure_model(tiny("kimi-k3"))
     page = 8
     first = (1, 15043, 3186, 29892, 920, 526, 366, 2599, 3681, 338, 263, 1243, 310, 278, 7934, 29889, 450)
