@@ -431,8 +431,8 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
         weights += shape.head_bytes - (shape.embed_bytes if shared else 0)
     kv = settings.ctx_size * shape.kv_bytes_per_cell(start, end)
     # a model whose stages run without the prefix cache has no cache slots and no spill tier
-    prefix_cache = settings.prefix_cache and prefix_cache_refusal(shape.architecture) is None
-    sequences = settings.max_sessions + (CACHE_SLOTS if prefix_cache else 0)
+    prefix_cache = stage_prefix_cache(settings, shape.architecture)
+    sequences = sequence_ids(settings, shape.architecture)
     state = sequences * shape.state_bytes_per_sequence(start, end)
     ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch
     attention = ubatch * settings.ctx_size * shape.n_head * _F32
@@ -452,10 +452,15 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     return StageMemory(weights, kv, compute, overhead, spill, on_gpu, state)
 
 
-def sequence_ids(settings: PlanSettings) -> int:
+def stage_prefix_cache(settings: PlanSettings, architecture: str = "") -> bool:
+    """Whether the stages keep a prefix cache: asked for, and the model's stages run one."""
+    return settings.prefix_cache and prefix_cache_refusal(architecture) is None
+
+
+def sequence_ids(settings: PlanSettings, architecture: str = "") -> int:
     """llama.cpp sequences of a stage context: the sessions, plus the prefix cache's slots (a
     recurrent memory holds one state slot per sequence)."""
-    return settings.max_sessions + (CACHE_SLOTS if settings.prefix_cache else 0)
+    return settings.max_sessions + (CACHE_SLOTS if stage_prefix_cache(settings, architecture) else 0)
 
 
 @final
