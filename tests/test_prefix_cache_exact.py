@@ -29,11 +29,15 @@ OFF = ["deepseek32", "glm-dsa", "dots3note", "hy_v4", "deepseek4"]
 ON = ["kimi-k3", "glm5-next"]
 
 
-async def _cached_and_plain(arch: str, caplog: pytest.LogCaptureFixture) -> tuple[list[tuple[list[int], int, list[int]]], bool]:
+#: per follow-up prompt: the tokens with the cache asked for, the cached length, the tokens without
+Runs = list[tuple[list[int], int, list[int]]]
+
+
+async def _cached_and_plain(arch: str, caplog: pytest.LogCaptureFixture) -> tuple[Runs, bool]:
     path = ensure_model(tiny(arch))  # type: ignore[arg-type]
     generator = Generator.from_model(path, n_ctx=512, chunk_size=8, credit=2)
     generator.cache_page_size = PAGE
-    runs: list[tuple[list[int], int, list[int]]] = []
+    runs: Runs = []
     try:
         with caplog.at_level(logging.WARNING, logger="skippy.stage"):
             async with inprocess_chain(["0:4"], model=str(path), ctx_size=512, cache_page_size=PAGE,
