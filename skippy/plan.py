@@ -20,7 +20,10 @@ Strategy
   scores (``n_ubatch x ctx x n_head`` f32, plus the FFN and residual rows) and, on the last stage,
   the logits rows (``n_ubatch x n_vocab`` f32).  It is allocated up front but becomes resident only
   as long prompts fill it, so it is the part of the figure a short test touches least.  The
-  prefix cache's host spill tier (``cache_spill_mib``) is counted on top, as the stage's peak.
+  prefix cache's host spill tier (``cache_spill_mib``) is counted on top, as the stage's peak
+  (none, and no cache slots, for a model whose stages run without the cache:
+  ``skippy.cache.prefix_cache_refusal``).  DeepSeek V4 has terms of its own (``_dsv4_memory``:
+  its per-sequence compressed caches, and a reserve fitted to its wide query heads).
 * **Time of a stage**: per-token decode time of its layers, plus the output head on the last
   stage.  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.cost`: the
   longer of computing each part's multiply-adds at ``compute_gmacs`` and reading its weights at
@@ -56,6 +59,7 @@ from typing import Any, Final, Sequence, final
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from skippy.cost import PartCosts, balanced_split, part_costs, shares, split_times
+from skippy.cache.stage_cache import prefix_cache_refusal
 from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
@@ -217,6 +221,11 @@ class ModelShape:
     kv_stage_bytes: int = 0
     #: per-token compute of each part (skippy.cost); None: charged by bytes alone
     costs: PartCosts | None = None
+    #: DeepSeek V4: each layer's KV compression ratio (0: raw window only; 4 with the lightning
+    #: indexer; 128), the key width and the indexer's key width (see _dsv4_memory)
+    compress_ratios: tuple[int, ...] = ()
+    head_dim: int = 0
+    indexer_head_size: int = 0
 
     def layer_weight_bytes(self, start: int, end: int) -> int:
         """Weight bytes of layers ``start:end``, each block once (looped layers share blocks)."""
@@ -324,7 +333,54 @@ class ModelShape:
             kv_layer_bytes=kv_layers, state_layer_bytes=state_layers,
             mapped_bytes=mapped, layer_period=period, kv_stage_bytes=stage_kv_bytes(arch, meta),
             costs=costs,
+            **_dsv4_shape(arch, n_layer, meta, head_k),
         )
+
+
+def _dsv4_shape(arch: str, n_layer: int, meta: dict[str, Any], head_k: int) -> dict[str, Any]:
+    """The fields of a DeepSeek V4 file that _dsv4_memory reads (none for other models)."""
+    ratios = meta.get(f"{arch}.attention.compress_ratios")
+    if arch != "deepseek4" or not isinstance(ratios, tuple) or len(ratios) < n_layer:
+        return {}
+    indexer = meta.get(f"{arch}.attention.indexer.key_length", 0)
+    return {"compress_ratios": tuple(int(r) for r in ratios[:n_layer]), "head_dim": head_k,
+            "indexer_head_size": indexer if isinstance(indexer, int) else 0}
+
+
+def _pad256(cells: int) -> int:
+    return (cells + 255) // 256 * 256
+
+
+def _dsv4_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings, sequences: int) -> tuple[int, int]:
+    """DeepSeek V4's compressed KV and compute reserve of layers ``start:end`` (bytes).
+
+    KV: beside the raw window cells (the generic term), every layer of ratio r keeps, per
+    sequence (one stream each), ctx/r compressed keys (f16, padded to 256 cells), a ratio-4 layer
+    also the indexer's keys, and a compressor state of f32 kv and score rows (2r rows of twice the
+    width with the overlap of ratio 4, r rows otherwise; llama-kv-cache-dsv4.cpp).  Compute:
+    llama.cpp's reserve is ``n_ubatch x 4 x`` (``ctx x n_head`` scores plus four rows of
+    ``n_head x head_dim``: the 64 query heads of 512) for raw-only layers, and with compressed
+    layers the scores over the compressed cells and indexer too, whose streams grow with the
+    sequences: ``ctx x n_head x (11/8 + 3/16 x sequences)`` plus two such rows.  The factors are
+    fitted to the Flash shape's reserve (n_ubatch 32..128, ctx 1024..4096, 2..8 sequences: within
+    5% above n_ubatch 32)."""
+    ratios = shape.compress_ratios[start:end]
+    ctx, width = settings.ctx_size, shape.head_dim
+    kv = 0
+    for ratio in (r for r in ratios if r):
+        overlap = 2 if ratio == 4 else 1
+        kv += _pad256(ctx // ratio) * width * _F16
+        kv += ratio * overlap * overlap * width * 2 * _F32
+        if ratio == 4:
+            kv += _pad256(ctx // 4) * shape.indexer_head_size * _F16
+            kv += 2 * ratio * 2 * shape.indexer_head_size * 2 * _F32
+    q_rows = shape.n_head * width
+    scores = ctx * shape.n_head
+    if any(ratios):
+        compute = settings.batch_size * _F32 * (scores * (22 + 3 * sequences) // 16 + 2 * q_rows)
+    else:
+        compute = settings.batch_size * _F32 * (scores + 4 * q_rows)
+    return kv * sequences, compute
 
 
 @final
@@ -387,15 +443,21 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
         shared = embeds and shape.tied_head and shape.architecture not in _HEAD_FIRST
         weights += shape.head_bytes - (shape.embed_bytes if shared else 0)
     kv = settings.ctx_size * shape.kv_bytes_per_cell(start, end)
-    state = sequence_ids(settings) * shape.state_bytes_per_sequence(start, end)
+    # a model whose stages run without the prefix cache has no cache slots and no spill tier
+    prefix_cache = stage_prefix_cache(settings, shape.architecture)
+    sequences = sequence_ids(settings, shape.architecture)
+    state = sequences * shape.state_bytes_per_sequence(start, end)
     ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch
     attention = ubatch * settings.ctx_size * shape.n_head * _F32
     rows = ubatch * (3 * shape.n_ff + 6 * shape.n_embd) * _F32
     compute = attention + rows
+    if shape.compress_ratios:
+        compressed, compute = _dsv4_memory(shape, start, end, settings, sequences)
+        kv += compressed
     if last:
         logits = ubatch * (shape.n_vocab + shape.n_embd) * _F32
         compute = max(compute, logits) + settings.max_sessions * shape.n_vocab * _F32
-    spill = int(settings.cache_spill_mib * MIB) if settings.prefix_cache else 0
+    spill = int(settings.cache_spill_mib * MIB) if prefix_cache else 0
     on_gpu = 0
     if gpu:  # llama.cpp keeps the input embedding on the host; everything else of the range moves
         on_gpu = weights - (shape.embed_bytes if embeds else 0) + kv + state + compute
@@ -403,10 +465,15 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     return StageMemory(weights, kv, compute, overhead, spill, on_gpu, state)
 
 
-def sequence_ids(settings: PlanSettings) -> int:
+def stage_prefix_cache(settings: PlanSettings, architecture: str = "") -> bool:
+    """Whether the stages keep a prefix cache: asked for, and the model's stages run one."""
+    return settings.prefix_cache and prefix_cache_refusal(architecture) is None
+
+
+def sequence_ids(settings: PlanSettings, architecture: str = "") -> int:
     """llama.cpp sequences of a stage context: the sessions, plus the prefix cache's slots (a
     recurrent memory holds one state slot per sequence)."""
-    return settings.max_sessions + (CACHE_SLOTS if settings.prefix_cache else 0)
+    return settings.max_sessions + (CACHE_SLOTS if stage_prefix_cache(settings, architecture) else 0)
 
 
 @final

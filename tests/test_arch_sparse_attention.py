@@ -10,8 +10,8 @@ only with flash attention and one sequence per cache stream (else llama.cpp fall
 attention, which is what the exactness suite's chains check); here its chains run that way, its
 top-2 blocks of 4 positions drop positions past the 8th, and its splits are bitwise equal to
 unsplit as well. GLM-5.2's layout (glm-dsa with a 1M training context) has "shared" indexer layers
-that attend to the previous full layer's selection: a range starting at one is refused by the
-loader with the reason, and cuts before full layers stay exact.
+that attend to the previous full layer's selection: a range starting at one is refused naming the
+legal cuts (skippy.runtime.cuts groups them), and cuts before full layers stay exact.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from skippy.local import LocalChain, Split
 from skippy.models import ensure_model, tiny
 from skippy.models.blocks_moe import GLM_5_2_CONTEXT, glm_dsa_indexer_is_full
 from skippy.offload import OffloadSettings
-from skippy.runtime import ModelLoadError
+from skippy.runtime import LayerRangeError, Model
+from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 
 #: The sparse-attention families (the fast suite checks deepseek32's selection).
 SPARSE = ["deepseek32", "glm-dsa", "dots3note", "minimax-m3"]
@@ -87,8 +88,8 @@ def test_glm_5_2_cuts_before_full_indexer_layers_only() -> None:
         own, _ = greedy_run(other, LONG_PROMPT, steps=0)
     assert max(float(np.abs(a - b).max()) for a, b in zip(own, expected)) > 1e-3
     for split in ([(0, 3), (3, 4)], [(0, 1), (1, 3), (3, 4)]):
-        reason = "starting at layer 3: it reuses the sparse-attention selection"
-        with pytest.raises(ModelLoadError, match=reason):
+        reason = r"a cut at layer 3 separates layers that share indexer top-k .* the nearest legal cuts? (are|is) 2"
+        with pytest.raises(LayerRangeError, match=reason):
             InProcessChain(path, split, threads=THREADS)
     for split in ([(0, 1), (1, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 2), (2, 4)]):
         with InProcessChain(path, split, threads=THREADS) as stages:
@@ -96,6 +97,29 @@ def test_glm_5_2_cuts_before_full_indexer_layers_only() -> None:
         assert tokens == expected_tokens
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}"
+
+
+def test_glm_5_2_shared_indexer_layers_group_with_their_full_layer() -> None:
+    """glm-dsa without ``attention.indexer.types``: llama.cpp takes GLM-5.2's types (layers 0, 1
+    full, then one in 4) at a training context of 1M or more, else every indexer full; the file's
+    own types win either way."""
+    meta: dict[str, object] = {"glm-dsa.attention.indexer.top_k": 8, "glm-dsa.context_length": GLM_5_2_CONTEXT}
+    assert kv_groups("glm-dsa", 4, meta) == (KvGroup(2, 4, 3, "the indexer top-k"),)
+    assert kv_groups("glm-dsa", 10, meta) == (KvGroup(2, 6, 3, "the indexer top-k"),
+                                              KvGroup(6, 10, 7, "the indexer top-k"))
+    assert legal_cuts(10, kv_groups("glm-dsa", 10, meta)) == [1, 2, 6]
+    assert kv_groups("glm-dsa", 4, {**meta, "glm-dsa.context_length": GLM_5_2_CONTEXT - 1}) == ()
+    assert kv_groups("glm-dsa", 4, {**meta, "glm-dsa.attention.indexer.types": (1, 1, 1, 1)}) == ()
+    assert kv_groups("glm-dsa", 4, {**meta, "glm-dsa.attention.indexer.top_k": 0}) == ()
+
+
+@pytest.mark.parametrize("layers", ["3:4", "0:3", "1:3"])
+def test_glm_5_2_refuses_a_cut_before_a_shared_layer_naming_the_legal_ones(layers: str) -> None:
+    path = ensure_model(dataclasses.replace(tiny("glm-dsa"), context_length=GLM_5_2_CONTEXT))
+    with pytest.raises(LayerRangeError, match=r"cut at layer 3 .*share indexer top-k .*nearest legal cuts? (are|is) 2"):
+        Model(path, layers)
+    with Model(path, "2:4") as tail:  # the legal cut loads
+        assert tail.layers.start == 2
 
 
 @pytest.mark.parametrize("dtype", [pytest.param(d, marks=() if d == "F32" else (pytest.mark.slow,))

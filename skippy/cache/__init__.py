@@ -5,12 +5,14 @@ what the KV depends on; ``CacheBudget`` sets the tiers' limits. See ``docs/prefi
 """
 
 from skippy.cache.identity import TOKENS_INPUT, CacheIdentity
-from skippy.cache.stage_cache import MAX_SEQUENCE_IDS, StageCache, claim_cache_ids, context_sessions
+from skippy.cache.stage_cache import (
+    MAX_SEQUENCE_IDS, StageCache, claim_cache_ids, context_sessions, prefix_cache_refusal,
+)
 from skippy.cache.store import CacheBudget, CacheStats, KvBackend, PrefixStore
 from skippy.cache.tree import CacheEntry, PageNode, PrefixTree
 
 __all__ = [
     "CacheBudget", "CacheEntry", "CacheIdentity", "CacheStats", "KvBackend", "MAX_SEQUENCE_IDS",
     "PageNode", "PrefixStore", "PrefixTree", "StageCache", "TOKENS_INPUT", "claim_cache_ids",
-    "context_sessions",
+    "context_sessions", "prefix_cache_refusal",
 ]

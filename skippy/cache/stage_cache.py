@@ -49,6 +49,28 @@ MAX_SEQUENCE_IDS: Final = 256
 _TREE_PRUNE_THRESHOLD: Final = 64
 
 
+#: Why a model's prefix cache is off: a hit would not give the uncached run's tokens.  The
+#: lightning indexer (deepseek32's, shared by GLM-5, dots3note, HY V4 and DeepSeek V4) sums ReLU
+#: scores, so keys often tie at 0, and llama.cpp's top-k (an unstable partial sort over the KV
+#: cells) keeps tied keys by where their cells lie; a restored prefix keeps the cached entry's
+#: cells, an uncached run gets fresh ones, and the two select other positions (one stage too:
+#: tests/test_prefix_cache_exact.py).
+_SPARSE_SELECTION: Final = ("its lightning indexer's top-k keeps keys tied at score 0 by their KV cell "
+                            "order, which differs between a restored prefix and an uncached run")
+PREFIX_CACHE_REFUSALS: Final = {
+    "deepseek32": _SPARSE_SELECTION, "glm-dsa": _SPARSE_SELECTION, "dots3note": _SPARSE_SELECTION,
+    "hy_v4": _SPARSE_SELECTION,
+    "deepseek4": _SPARSE_SELECTION + "; and a session copied (seq_cp) then rolled back to a checkpoint "
+                 "with no rows to decode again does not yet match a fresh run (one loaded from a saved state does)",
+}
+
+
+def prefix_cache_refusal(architecture: str) -> str | None:
+    """Why a stage of ``architecture`` runs without its prefix cache (None: it may have one)."""
+    reason = PREFIX_CACHE_REFUSALS.get(architecture)
+    return None if reason is None else f"{architecture}: {reason}, so a hit could give other tokens"
+
+
 def context_sessions(sessions: int, cache_slots: int) -> int:
     """``max_sessions`` to give a StageContext that serves ``sessions`` and caches ``cache_slots``.
 

@@ -8,8 +8,9 @@ load-time check refuses a range that cuts a group): in Gemma 3n and Gemma 4 the 
 ``n_layer_kv_from_start`` on compute no K/V and read those of layer ``n_layer_kv_from_start - 2``
 (sliding-window layers) or ``- 1`` (global ones), so the group runs from the first layer read to
 the last layer.  HY V4's "shared" indexer layers reuse the top-k of the last "full" layer before
-them (``attention.indexer.types``), so each full layer and the shared ones after it form a group too
-(the same holds for what a cut must not separate, though it is not KV).  Every place that checks or
+them (``attention.indexer.types``; GLM-5.2, glm-dsa at a 1M context, the same by default), so each
+full layer and the shared ones after it form a group too (the same holds for what a cut must not
+separate, though it is not KV).  Every place that checks or
 chooses a split asks this module: the layer range of
 one stage (``validate_range``: ``--layers``), ``skippy plan`` and ``skippy up --stages N``.
 """
@@ -17,7 +18,7 @@ one stage (``validate_range``: ``--layers``), ``skippy plan`` and ``skippy up --
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Final
 
 __all__ = ["KvGroup", "kv_groups", "legal_cuts", "cut_refusal", "snap_cuts"]
@@ -58,10 +59,28 @@ def _swa_pattern(architecture: str, n_layer: int, metadata: Mapping[str, object]
     return None
 
 
+#: GLM-5.2's indexer types (src/models/glm-dsa.cpp's GLM_5_2_DEFAULT_INDEXER_TYPES): layers 0 and
+#: 1 full, then one full layer in every 4.  llama.cpp takes them for a glm-dsa file without
+#: ``attention.indexer.types`` whose training context is 1M or more (GLM-5 and 5.1: all full).
+_GLM_5_2_CONTEXT: Final = 1048576
+
+
+def _glm_dsa_default(n_layer: int, metadata: Mapping[str, object]) -> tuple[bool, ...]:
+    context = metadata.get("glm-dsa.context_length", 0)
+    if not isinstance(context, int) or isinstance(context, bool) or context < _GLM_5_2_CONTEXT:
+        return (True,) * n_layer
+    return tuple(il < 2 or (il - 2) % 4 == 0 for il in range(n_layer))
+
+
 #: Models whose "shared" indexer layers reuse the last "full" layer's top-k, with what llama.cpp
 #: assumes of a layer when the file has no ``attention.indexer.types`` (HY V4: shared; GLM-5 Next:
-#: full).  Only attention layers have an indexer (GLM-5 Next's KDA layers, KV heads 0, do not).
-_SHARED_INDEXER_DEFAULT: Final = {"hy_v4": False, "glm5-next": True}
+#: full; glm-dsa: by its training context).  Only attention layers have an indexer (GLM-5 Next's
+#: KDA layers, KV heads 0, do not).
+_SHARED_INDEXER_DEFAULT: Final[dict[str, Callable[[int, Mapping[str, object]], tuple[bool, ...]]]] = {
+    "hy_v4": lambda n_layer, _: (False,) * n_layer,
+    "glm5-next": lambda n_layer, _: (True,) * n_layer,
+    "glm-dsa": _glm_dsa_default,
+}
 
 
 def _shared_indexer_groups(architecture: str, n_layer: int, metadata: Mapping[str, object]) -> tuple[KvGroup, ...]:
@@ -70,7 +89,8 @@ def _shared_indexer_groups(architecture: str, n_layer: int, metadata: Mapping[st
     top_k = metadata.get(f"{architecture}.attention.indexer.top_k", 0)
     if not top_k:
         return ()
-    types = metadata.get(f"{architecture}.attention.indexer.types", _SHARED_INDEXER_DEFAULT[architecture])
+    types = metadata.get(f"{architecture}.attention.indexer.types",
+                         _SHARED_INDEXER_DEFAULT[architecture](n_layer, metadata))
     if isinstance(types, (bool, int)):
         full = [bool(types)] * n_layer
     elif isinstance(types, tuple) and len(types) >= n_layer:

@@ -31,7 +31,7 @@ from typing import Any, Callable
 
 import trio
 
-from skippy.cache import CacheBudget, StageCache, context_sessions
+from skippy.cache import CacheBudget, StageCache, context_sessions, prefix_cache_refusal
 from skippy.runtime.model import LayerRange
 from skippy.runtime.null import NullContext, NullModel, is_null_spec
 from skippy.stage.config import Address, StageConfig
@@ -55,7 +55,14 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         skippy.runtime.NativeError / ValueError: the model or range cannot be loaded.
     """
     context: Any
-    sequence_ids = (context_sessions(config.max_sessions, config.cache_slots) if config.prefix_cache
+    prefix_cache = config.prefix_cache
+    if prefix_cache and not is_null_spec(config.model):
+        from skippy.runtime import read_gguf_info
+
+        if (refusal := prefix_cache_refusal(read_gguf_info(config.model).architecture)) is not None:
+            log.warning("prefix cache off: %s", refusal)
+            prefix_cache = False
+    sequence_ids = (context_sessions(config.max_sessions, config.cache_slots) if prefix_cache
                     else config.max_sessions)
     if is_null_spec(config.model):
         model: Any = NullModel(config.model, LayerRange.parse(config.layers))
@@ -95,7 +102,7 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context.close()
         model.close()
         raise ValueError(message)
-    return Executor(context, build_cache(config, context) if config.prefix_cache else None)
+    return Executor(context, build_cache(config, context) if prefix_cache else None)
 
 
 def build_cache(config: StageConfig, context: Any) -> StageCache:
