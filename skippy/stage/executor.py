@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Protocol, Sequence
+from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -526,7 +526,7 @@ class Executor:
         self._check_input(item)
         session = self._session(item.session)
         if item.sampling is not None and item.sampling != session.params:
-            self._set_params(session, item.sampling)
+            self._set_params(session, cast(SamplingParams, item.sampling))
         trimmed = self._align(session, item)
         if item.prefill and self.cache is not None:
             self._track_prompt(session, item)
@@ -586,7 +586,7 @@ class Executor:
                 self._check_input(item)
                 session = self._session(item.session)
                 if item.sampling is not None and item.sampling != session.params:
-                    self._set_params(session, item.sampling)
+                    self._set_params(session, cast(SamplingParams, item.sampling))
                 trimmed = self._align(session, item)
             except StageError as exc:
                 results.append(exc)
