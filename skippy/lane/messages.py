@@ -27,7 +27,7 @@ from skippy.lane.protocol import Dispatch
 from skippy.lane.stats import timing_stats
 from skippy.lane.work import WorkItem, WorkResult
 
-__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "sideband_bits",
+__all__ = ["SIDEBAND_BITS", "final_prediction", "forwarded", "outgoing", "rows_from_wire", "rows_to_wire", "sideband_bits",
            "work_item"]
 
 _INT32 = np.dtype(np.int32)
@@ -201,6 +201,18 @@ def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_d
         chat_sampling_metadata=None, tokens=message.tokens, positions=message.positions,
         activation=activations, raw_bytes=message.raw_bytes,
     )
+
+
+def forwarded(message: StageMessage, result: WorkResult, wire_dtype: WireDType, sideband_flag: int = 0
+              ) -> StageMessage:
+    """The message a stage with a downstream forwards for ``result`` (:func:`outgoing`).
+
+    Raises:
+        StageError: the runtime produced no activation (a broken invariant: INTERNAL).
+    """
+    if result.activations is None:
+        raise StageError("stage has a downstream but produced no activation")
+    return outgoing(message, result.activations, wire_dtype, sideband_flag)
 
 
 def final_prediction(dispatch: Dispatch, result: WorkResult, stats: ReplyStats, *, window: bool,

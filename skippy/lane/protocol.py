@@ -517,6 +517,13 @@ class LaneProtocol:
         stats, self.pending_stats = self.pending_stats, EMPTY_REPLY_STATS
         return stats
 
+    def absorbed(self, forward: Forward, reply: StageReply, wait_us: int) -> None:
+        """An early-ACKed chunk's downstream ACK (``Relay.absorb``): its stats, and this edge's
+        transport (the frame's write, ``wait_us`` for the ACK, its size), are kept for the next
+        reply upstream; its credit is back already (:meth:`downstream_replied` counted it)."""
+        self.pending_stats = self.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
+            forward.message.state.source_stage_index, forward.write_us, wait_us, forward.frame_bytes)
+
     # -- downstream -----------------------------------------------------------------------------
     @property
     def expecting(self) -> bool:

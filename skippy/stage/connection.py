@@ -72,7 +72,6 @@ it expecting nothing back, the final stage writes its prediction into the return
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
@@ -81,36 +80,18 @@ import trio
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
 from skippy.protocol_ext import (
-    DECODE_RUN_FEATURE,
-    DECODE_RUN_FLAG,
-    SKIPPY_EXTENSIONS_FLAG,
-    Annotation,
-    ErrorCode,
-    ErrorFrame,
-    SamplingAcceptedFrame,
-    ExtensionNegotiation,
-    TimingsFrame,
-    append_timing,
+    DECODE_RUN_FLAG, SKIPPY_EXTENSIONS_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame,
     with_extensions_flag,
 )
 from skippy.lane import messages as lane_messages
-from skippy.lane.errors import DownstreamError, ReturnLaneLost, StageError, UnsupportedKind
+from skippy.lane import replies
+from skippy.lane.errors import ReturnLaneLost, StageError, UnsupportedKind
 from skippy.lane.protocol import (
-    RULES,
-    Answer,
-    Dispatch,
-    Expect,
-    Forward,
-    Handling,
-    Relay,
-    ReplyUpstream,
-    SendDownstream,
-    StageLane,
-    Ticket,
+    Answer, Dispatch, Expect, Forward, Handling, Relay, ReplyUpstream, SendDownstream, StageLane, Ticket,
 )
 from skippy.lane.placement import Facts, Performer, Step, placement
-from skippy.lane.stats import merge_stats, timing_stats
-from skippy.stage import control, extensions
+from skippy.lane.stats import merge_stats
+from skippy.stage import control, direct_return, extensions
 from skippy.stage.control import OWN_PARTS, OwnPart
 from skippy.stage.decode_relay import RelayRun, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
@@ -139,10 +120,6 @@ MESSAGE_QUEUE = 2
 REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
-
-#: docs/protocol.md §11: the frame before a decode run's first reply (the first stage runs it).
-_RUN_ACCEPTED: tuple[Annotation, ...] = (SamplingAcceptedFrame(DECODE_RUN_FEATURE),)
-
 
 class Connection:
     """Serves one upstream lane until it closes or fails.
@@ -255,32 +232,26 @@ class Connection:
             error = extensions.shutting_down_frame(self.identity.index, self._own_address())
             raise
         except* Exception as group:  # any failure closes this lane only; it is logged and reported
-            # a lane the watchdog aborted fails wherever its tasks were (a hand-off to a task that
-            # already ended, say): the limit it passed is the reason
-            leaves = [self._aborted] if self._aborted is not None else _leaves(group)
-            reason = "; ".join(_describe(exc) for exc in leaves)
+            # a lane the watchdog aborted fails wherever its tasks were: the limit it passed is the reason
+            leaves = [self._aborted] if self._aborted is not None else extensions.leaves(group)
             self.stats.connection_errors += 1
             idle = all(isinstance(exc, IdleLane) for exc in leaves)
-            log.log(logging.INFO if idle else logging.ERROR, "closing lane %d from %s: %s", self.id, self.peer, reason)
-            for exc in leaves:
-                if extensions.is_bug(exc):
-                    log.error("lane %d: internal error", self.id, exc_info=exc)
-            cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
-            error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
-                                           address=self._own_address(), downstream_address=self.downstream_name)
-            if error.code is ErrorCode.MODEL_MISMATCH and not self.lane.identity_aware:
-                error = dataclasses.replace(error, code=ErrorCode.STATE_MISMATCH)  # §9: the v11-era code
+            error = extensions.closing_error(leaves, log, self.id, self.peer, idle=idle,
+                                             identity_aware=self.lane.identity_aware, index=self.identity.index,
+                                             address=self._own_address(), downstream_address=self.downstream_name)
             self.stats.errors_by_code[ErrorCode(error.code).name.lower()] += 1
         finally:
             self._gate.close()  # a write-through still queued must not write from here on
             # A write-through that started may have written part of its reply (its emit runs
             # only once the compute is done: a refusal before that has written nothing).
             with trio.CancelScope(shield=True):
-                await self._close_return_lanes(error)
+                if self.returns is not None and await direct_return.close_lanes(self.returns, self._return_lane,
+                                                                                self.id, error):
+                    self._upstream_torn = True
                 through = self._upstream_through
                 torn = self._upstream_torn or (through is not None and through.ran)
                 if error is not None and self.extensions.enabled and not torn:
-                    await self._send_error(error)
+                    await extensions.send_error(self._upstream_io, error, self.id)
                 await self._cleanup()
 
     async def _answer_identity(self) -> None:
@@ -307,40 +278,6 @@ class Connection:
         except (OSError, AttributeError):  # closed, or not a socket stream
             return ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-    async def _send_error(self, error: ErrorFrame, io: SocketIO | None = None) -> None:
-        """docs/protocol.md §3: the Error frame, last thing on the lane (best effort, bounded)."""
-        try:
-            frame = codec.encode_error(error)
-            with trio.move_on_after(0.5):
-                await (io or self._upstream_io).send_all(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ValueError) as exc:
-            log.debug("lane %d: could not send the Error frame: %s", self.id, exc)
-
-    async def _close_return_lanes(self, error: ErrorFrame | None) -> None:
-        """docs/protocol.md §8: a closing return lane unregisters (its own Error frame then waits
-        for a prediction write in progress); a closing chain lane closes its sessions' return
-        lanes, each with this lane's Error frame, so their drivers learn at once."""
-        returns = self.returns
-        if returns is None:
-            return
-        own = self._return_lane
-        if own is not None:
-            returns.remove(own)
-            if own.relay_abort is not None:  # a decode relay writes into it: end that first
-                own.relay_abort()
-            with trio.move_on_after(0.5):  # a write into it that does not finish: no Error frame
-                await own.lock.acquire()  # never released: nothing may write on it after the Error frame
-                return
-            self._upstream_torn = True
-            return
-        for lane in returns.detach(self.id):
-            async with lane.lock:
-                lane.closed = True
-                if error is not None and lane.extensions:
-                    await self._send_error(error, lane.io)
-            with trio.move_on_after(1):
-                await trio.aclose_forcefully(lane.stream)
 
     async def _cleanup(self) -> None:
         if self.budget is not None:
@@ -536,7 +473,7 @@ class Connection:
                     wake.send_nowait(None)
                 except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                     pass  # busy (it takes run_steps first when it comes back), or the lane is ending
-        return _RUN_ACCEPTED if first else ()
+        return replies.RUN_ACCEPTED if first else ()
 
     # -- step 5: reply -----------------------------------------------------------------------
     async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None,
@@ -666,10 +603,8 @@ class Connection:
                 return
             result, queue_us = await self.scheduler.execute(item)
             control.note_recorded(self._stage, result, message)
-            if result.activations is None:
-                raise StageError("stage has a downstream but produced no activation")
-            outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
-                                              self.scheduler.executor.output_flag)
+            outgoing = lane_messages.forwarded(message, result, self.settings.wire_dtype,
+                                               self.scheduler.executor.output_flag)
             await self._forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
                                         result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
             return
@@ -698,10 +633,9 @@ class Connection:
         """The final stage's predicted reply (PredictedTokens for a verify window), with its
         Timings frame on a negotiated lane (docs/protocol.md §4: the producing stage starts it)."""
         assert dispatch.ticket is not None
-        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
-                                                            negotiated=self.extensions.enabled)
-        reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
-                                               total_us=now_us() - received_us)
+        reply, timings, annotations = replies.prediction(
+            dispatch, result, stats, identity=self.identity, queue_us=queue_us, negotiated=self.extensions.enabled,
+            window=action.window, total_us=now_us() - received_us)
         if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
             annotations += self._run_step(dispatch.ticket, reply.predicted)
         await self._reply(dispatch.ticket, reply, timings, annotations)
@@ -715,9 +649,9 @@ class Connection:
         if lane is None:
             raise ReturnLaneLost(f"{dispatch.kind.reference_name} of session {message.session_id} asks for direct "
                                  "return, but no return lane is open for it on this stage")
-        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us, negotiated=lane.extensions)
-        reply = lane_messages.final_prediction(dispatch, result, self.lane.take_stats(), window=action.window,
-                                               total_us=now_us() - received_us)
+        reply, timings, annotations = replies.prediction(
+            dispatch, result, self.lane.take_stats(), identity=self.identity, queue_us=queue_us,
+            negotiated=lane.extensions, window=action.window, total_us=now_us() - received_us)
         await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
         self._direct_done()
@@ -725,8 +659,7 @@ class Connection:
             # shortcut 3 may answer the next ones: their reply as the lane would write it
             self.lane.relay_lane = lane
             self.lane.relay_frame = extensions.reply_bytes(
-                StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS),
-                extensions.prediction_frames(self.identity, WorkResult(), 0, negotiated=lane.extensions)[0])
+                *replies.prediction_template(self.identity, negotiated=lane.extensions))
 
     def _direct_done(self) -> None:
         """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""
@@ -744,11 +677,9 @@ class Connection:
         width, wire_dtype = self.settings.width, self.settings.wire_dtype
 
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
-            if result.activations is None:
-                raise StageError("stage has a downstream but produced no activation")
+            outgoing = forward.message = lane_messages.forwarded(message, result, wire_dtype,
+                                                                 self.scheduler.executor.output_flag)
             forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
-            outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
-                                              self.scheduler.executor.output_flag)
             frame = codec.encode_message(outgoing, wire_dtype, width)
             forward.frame_bytes = len(frame)
             # Set before the write: the socket send releases the GIL, and the downstream's reply can
@@ -780,19 +711,15 @@ class Connection:
         upstream (the caller holds the writer token for ``ticket``)."""
         stats = self.lane.take_stats()
         extensions_on = self.extensions.enabled
-        kind = dispatch.kind
 
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
-            if not result.tokens:
-                raise StageError(f"{kind.reference_name} produced no prediction")
-            timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
-                                                                negotiated=extensions_on)
+            ticket.reply, ticket.timings, annotations = replies.prediction(
+                dispatch, result, stats, identity=self.identity, queue_us=queue_us, negotiated=extensions_on)
             if annotations:
                 ticket.annotations = annotations
-            ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
             if run is not None and not run.announced:  # §11: the run's first reply says it runs
-                ticket.annotations += _RUN_ACCEPTED
-            return extensions.reply_bytes(ticket.reply, timings, ticket.annotations)
+                ticket.annotations += replies.RUN_ACCEPTED
+            return extensions.reply_bytes(ticket.reply, ticket.timings, ticket.annotations)
 
         run = ticket.run
         through = self._upstream_through = WriteThrough(self._gate, self._upstream_io, build)
@@ -901,26 +828,18 @@ class Connection:
             wait_us = max(0, now_us() - item.sent_us - item.write_us)
             self.stats.downstream_wait_us += wait_us
             self.stats.downstream_wait_histogram.observe(wait_us)
-            if relay.absorb:
-                self._absorb(item, reply, wait_us)
+            if relay.absorb:  # an early-ACKed chunk's ACK: its stats kept, its credit back
+                protocol.absorbed(item, reply, wait_us)
+                if self._credit_returned is not None:
+                    self._credit_returned.set()
+                    self._credit_returned = None
             else:
                 await self._relay_reply(relay, reply, timings, wait_us, reader.annotations)
-
-    def _absorb(self, item: Forward, reply: StageReply, wait_us: int) -> None:
-        """An early-ACKed chunk's downstream ACK: its stats (and this edge's transport) are kept
-        for the next reply upstream; its credit is back (the protocol counted it)."""
-        protocol = self.lane
-        protocol.pending_stats = protocol.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
-            item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
-        )
-        if self._credit_returned is not None:
-            self._credit_returned.set()
-            self._credit_returned = None
 
     async def _relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int,
                            annotations: tuple[Annotation, ...] = ()) -> None:
         """Answer the forwarded message's ticket with the downstream's reply, this stage's share added
-        (``annotations``: the downstream's §10 frames, relayed unchanged to a negotiated upstream)."""
+        (:func:`skippy.lane.replies.relayed`; a stopped session released first)."""
         item = relay.forward
         assert item.ticket is not None
         stats = merge_stats(self.lane.take_stats(), reply.stats)
@@ -928,48 +847,11 @@ class Connection:
             stats = await item.on_reply(stats)
         if relay.release:
             await control.release(self._stage, item.session)
-        if annotations and not self.extensions.enabled:
-            annotations = ()  # a v11 upstream cannot have asked for them (docs/protocol.md §10)
-        if not relay.prediction:
-            summary = None
-            if relay.release:  # §8: a Stop's ACK carries the session's direct-return totals
-                record = self.lane.direct_timings.take(item.session, stage_index=self.identity.index,
-                                                   layer_start=self.identity.layer_start,
-                                                   layer_end=self.identity.layer_end)
-                if record is not None and self.extensions.enabled:
-                    summary = append_timing(timings, record)
-            await self._reply(item.ticket, StageReply.ack(stats), summary, annotations)
-            return
-        if RULES[item.ticket.kind].window:  # the reference's verify-window stats
-            stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
-                                 total_us=now_us() - item.received_us, batch_size=item.batch_size)
-        if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
-            timings = append_timing(timings, extensions.own_record(
-                self.identity, batch_size=item.batch_size, compute_us=item.compute_us,
-                write_us=item.write_us, wait_us=wait_us, queue_us=item.queue_us))
-        else:
-            timings = None
-        if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
-            reply = dataclasses.replace(reply, stats=stats)
-        if item.ticket.run is not None:  # §11: the run's next step starts before this reply is out
+        reply, timings, annotations = replies.relayed(self.lane, relay, reply, stats, timings, annotations,
+                                                      identity=self.identity, wait_us=wait_us, now_us=now_us())
+        if relay.prediction and item.ticket.run is not None:  # §11: the run's next step starts before the reply
             annotations += self._run_step(item.ticket, reply.predicted)
         await self._reply(item.ticket, reply, timings, annotations)
-
-
-def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
-    result: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            result += _leaves(exc)
-        else:
-            result.append(exc)
-    return result
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, StageError) and not extensions.is_bug(exc):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
 
 
 def _read_downstream_file(path: object) -> object | None:
