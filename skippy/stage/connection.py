@@ -1,73 +1,36 @@
 """One upstream connection (a lane): I/O only; the lane's state and rules are :mod:`skippy.lane`.
 
-Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
-a :class:`Connection` owns the lane's streams and tasks and a
-:class:`~skippy.lane.protocol.StageLane` (all of the lane's state: the per-kind rules, tickets,
-credits, sessions, decode runs, backlogs, the relay's template); it feeds the lane every event
+Strategy (the reference's ``handle_binary_connection``, restructured for trio): a
+:class:`Connection` owns the lane's upstream stream, its tasks and a
+:class:`~skippy.lane.protocol.StageLane` (all of the lane's state); it feeds the lane every event
 and carries out the actions it returns.  Every message takes the same steps:
 
-1. **receive** (``receive_messages``): read and decode a frame, ``message_received`` → a
-   :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane);
-   an early ACK is replied at once.  The dispatch is queued to the compute task.  Reading pauses
-   while ``REPLY_QUEUE`` replies wait to be written (an upstream that does not read its replies).
-2. **handle** (``compute_messages`` → ``_handle``): the stage's own part, by the rule's handling
-   (the scheduler executes, trims, configures, releases; :mod:`skippy.stage.prefix_control`
-   serves prefix control), then ``computed`` → forward downstream, reply upstream, or nothing.
-3. **forward** (``forward_activations``): encode in the wire dtype, take a reply credit for a
-   credited frame, ``frame_forwarding``, write (through the optional simulated wire).
-4. **relay** (``relay_replies``): read a downstream reply, ``downstream_replied`` → absorb it
-   (credit back) or relay it with this stage's timings merged (a Stop's session released first).
-5. **reply**: ``reply_ready`` hands back the replies now due, in message order; the task that
-   got them writes them and reports ``replies_written`` (the protocol's writer token: one
-   writer on the upstream stream at a time, whatever task finished first).
+1. **receive** (``receive_messages``): read and decode a frame, ``received`` → a
+   :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane); an early
+   ACK is replied at once.  Reading pauses while ``REPLY_QUEUE`` replies wait to be written.
+2. **handle** (``_handle``): the stage's own part by the rule's handling (the scheduler executes;
+   control kinds are plain functions of :mod:`skippy.stage.control`), then ``computed`` →
+   forward downstream, reply upstream, or nothing.
+3. **forward** and 4. **relay**: the downstream half (:mod:`skippy.stage.downstream`) writes
+   frames in order with their reply credits and reads the downstream's replies; a reply is
+   answered upstream with this stage's share (:func:`skippy.lane.replies.relayed`).
+5. **reply**: ``reply_ready`` hands back the replies now due, in message order; the task that got
+   them writes them and reports ``replies_written`` (one writer on the upstream stream at a time).
 
-The relay parks on the downstream socket, not on a channel (its work arrives as bytes; an idle
-lane notices a lost downstream at once); the forwarder cancels that wait when it finishes with
-nothing left to answer.  Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and
-park only when the channel is full / empty (each checkpoint is a run-loop pass).
+Who performs a step (the receiving task, the compute or forward task, the runtime thread through
+:mod:`skippy.stage.write_through`, the data plane of :mod:`skippy.stage.decode_relay`) is
+:func:`skippy.lane.placement.placement`'s choice alone, from the facts ``_facts`` gathers; every
+reply's bytes come from :mod:`skippy.lane.replies`, whoever writes them.
 
-Three shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
-on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes.
-A shortcut is a placement: who performs a step (the receiving task, the compute or forward task,
-the runtime thread, the data plane) is chosen by :func:`~skippy.lane.placement.placement` alone,
-from the facts ``_facts`` gathers:
-
-* ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
-  is not early-ACKed: receiving must run ahead of those) is handled on the receiving task, and
-  a frame for an idle forwarder (no credit needed, no simulated wire) is written by the task that
-  produced it.  Only one task handles messages at a time (``lane.compute_backlog``) and a stream is
-  written by a shortcut only when nothing is queued for it (``lane.forward_backlog``), so order and
-  one writer per stream hold.
-* ``write_through`` (:mod:`skippy.stage.write_through`): a kind whose rule allows it, whose
-  output has the stream to itself (an idle forwarder; on the final stage, the writer token for
-  its reply) is written by the runtime thread the moment its compute ends.
-* ``decode_relay`` (:mod:`skippy.stage.decode_relay`): after a direct-return DecodeEmbd went
-  through all of the above on a stage with a downstream, and the lane is the stage's only work,
-  the receiving task hands the upstream socket to a ``nogil`` loop that relays the session's
-  next decodes (read, compute, write) and hands back, unread, the first frame it would not
-  carry exactly as these steps do; the receiving task then reads on from there.
-
-Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
-log line naming the reason (a bug, i.e. anything that is not a typed refusal of
-:mod:`skippy.lane.errors`, also with its traceback), sessions it opened are released,
-and its downstream lane is closed, which cascades the close down the chain.  The stage and its
-other lanes carry on.
-
-Negotiated extensions (``docs/protocol.md`` §2-§4, helpers in :mod:`skippy.stage.extensions`):
-every message sent downstream carries the extension flag and the downstream lane decodes Error
-and Timings frames.  When this lane's upstream flagged its messages, a predicted reply is
-preceded by a Timings frame (this stage's record appended to the downstream's, in the same
-write), and a lane closed for a reason ends with an Error frame carrying the error's own code: a
-downstream Error relayed unchanged, a lost downstream as ``DOWNSTREAM_LOST`` naming it.  An
-upstream that never flagged sees plain v11 only.  The v11 ``verify_window_*`` stats keep their
-reference meaning and are filled for VerifyWindow replies only (``timing_stats``).
-
-Direct return (``docs/protocol.md`` §8, :mod:`skippy.stage.direct_return`): a lane whose first
-message is a flagged PredictionReturnOpen becomes a session's return lane (``_return_open``: it
-registers in the stage's :class:`~skippy.stage.direct_return.ReturnHub`, is ACKed, and then only
-reads).  A flagged predicted kind takes the rule's direct path: a stage with a downstream forwards
-it expecting nothing back, the final stage writes its prediction into the return lane
-(``_reply_direct``).  A closing lane closes its sessions' return lanes with its Error frame.
+Any failure cancels the lane's other tasks; the lane is closed with one log line naming the
+reason (``extensions.closing_error``), its sessions are released, its return lanes closed, and
+its downstream lane closed, which cascades the close down the chain; the stage carries on.  A
+lane whose upstream negotiated the extensions (``docs/protocol.md`` §2-§4) ends with an Error
+frame; its predicted replies carry Timings frames.  Direct return (§8,
+:mod:`skippy.stage.direct_return`): a lane opened by a flagged PredictionReturnOpen becomes a
+session's return lane; a flagged predicted kind is forwarded expecting nothing back, and the final
+stage writes its prediction into the return lane (``_reply_direct``).  Decode runs (§11): the
+first stage drives the loop; each predicted step queues the next (``_run_step``).
 """
 
 from __future__ import annotations
@@ -79,10 +42,7 @@ import logging
 import trio
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
-from skippy.protocol_ext import (
-    DECODE_RUN_FLAG, SKIPPY_EXTENSIONS_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame,
-    with_extensions_flag,
-)
+from skippy.protocol_ext import DECODE_RUN_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame
 from skippy.lane import messages as lane_messages
 from skippy.lane import replies
 from skippy.lane.errors import ReturnLaneLost, StageError, UnsupportedKind
@@ -93,21 +53,15 @@ from skippy.lane.placement import Facts, Performer, Step, placement
 from skippy.lane.stats import merge_stats
 from skippy.stage import control, direct_return, extensions
 from skippy.stage.control import OWN_PARTS, OwnPart
-from skippy.stage.decode_relay import RelayRun, relay_plan
+from skippy.stage.decode_relay import RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
+from skippy.stage.downstream import DownstreamLink
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import LaneSettings, now_us, put, take
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
-from skippy.stage.transport import (
-    MessageReader,
-    ReplyReader,
-    SocketIO,
-    codec,
-    connect_stage,
-    send_frame,
-)
+from skippy.stage.transport import MessageReader, SocketIO, codec, send_frame
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 log = logging.getLogger("skippy.stage")
@@ -146,31 +100,22 @@ class Connection:
         #: All of the lane's state and rules (sans-IO): :mod:`skippy.lane`.
         self.lane = StageLane(self.id, settings.credit_limit, REPLY_QUEUE, session_quota=settings.session_quota,
                               peer=peer)
-        self.downstream: trio.abc.Stream | None = None
-        self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
+        #: The downstream half: its stream and its forward and relay tasks (:mod:`skippy.stage.downstream`).
+        self.link = DownstreamLink(self.lane, settings, stats, self._relay_reply, self._direct_done)
         self.identity = extensions.identity_for(scheduler.executor)
         #: What the control kinds' own parts work on (:mod:`skippy.stage.control`).
         self._stage = control.StageParts(scheduler, settings, stats, self.lane)
         self._upstream_io = SocketIO(upstream)
-        self._downstream_io: SocketIO | None = None
-        #: Facts of the lane's streams for placement(), fixed for its life: plain sockets (set
-        #: when each opens), a simulated wire downstream (benchmarks).
+        #: Facts of the lane's streams for placement(), fixed for its life: a plain socket
+        #: upstream, a simulated wire downstream (benchmarks).
         self._upstream_socket = self._upstream_io.is_socket
-        self._downstream_socket = False
         self._wire_delay = settings.wire.active
-        #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
-        self._credit_returned: trio.Event | None = None
         #: Set (and dropped) when replies are written while the receiver is paused for them.
         self._replies_written: trio.Event | None = None
-        #: The relay's scope, and whether it is parked waiting with nothing expected.
-        self._relay_scope = trio.CancelScope()
-        self._relay_idle = False
         #: An upstream write was interrupted mid-frame: no Error frame may follow it.
         self._upstream_torn = False
         #: The write-through answering upstream, from its submission until its reply is out.
         self._upstream_through: WriteThrough | None = None
-        #: The downstream lane's channel to the forwarder (None until the first message opens it).
-        self._forwards: trio.MemorySendChannel[Forward] | None = None
         #: What this lane's write-throughs write under (closed before the lane's streams are).
         self._gate = StreamGate()
         self.returns = returns
@@ -209,10 +154,10 @@ class Connection:
         """What :func:`~skippy.lane.placement.placement` decides from, now (the message's part given)."""
         settings, lane = self.settings, self.lane
         if downstream_socket is None:
-            downstream_socket = self._downstream_socket
+            downstream_socket = self.link.socket
         return Facts(settings.inline_hand_offs, settings.write_through, settings.decode_relay,
                      self._upstream_socket, downstream_socket, self._wire_delay, settings.reply_delay_s > 0,
-                     settings.downstream is None or self._forwards is not None, lane.compute_backlog == 0,
+                     settings.downstream is None or self.link.channel is not None, lane.compute_backlog == 0,
                      lane.forward_backlog == 0, quiet, early_ack, credited, direct, before_compute, reply_next,
                      template)
 
@@ -238,7 +183,7 @@ class Connection:
             idle = all(isinstance(exc, IdleLane) for exc in leaves)
             error = extensions.closing_error(leaves, log, self.id, self.peer, idle=idle,
                                              identity_aware=self.lane.identity_aware, index=self.identity.index,
-                                             address=self._own_address(), downstream_address=self.downstream_name)
+                                             address=self._own_address(), downstream_address=self.link.name)
             self.stats.errors_by_code[ErrorCode(error.code).name.lower()] += 1
         finally:
             self._gate.close()  # a write-through still queued must not write from here on
@@ -270,7 +215,7 @@ class Connection:
     @property
     def downstream_io(self) -> SocketIO | None:
         """The downstream lane's socket I/O, once connected."""
-        return self._downstream_io
+        return self.link.io
 
     def _own_address(self) -> str:
         try:
@@ -294,7 +239,7 @@ class Connection:
                 continue
             if released:
                 self.stats.orphan_sessions_released += 1
-        for stream in (self.downstream, self.upstream):
+        for stream in (self.link.stream, self.upstream):
             if stream is not None:
                 with trio.move_on_after(1):
                     await trio.aclose_forcefully(stream)
@@ -339,24 +284,6 @@ class Connection:
         if held:
             self._held -= held
             self.budget.release(held)  # type: ignore[union-attr]
-
-    async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
-        address = self.settings.downstream
-        if self.settings.downstream_file is not None:  # re-wired by a launcher (--downstream-file)
-            address = _read_downstream_file(self.settings.downstream_file) or address
-            self.downstream_name = str(address)
-        assert address is not None
-        self.downstream = await connect_stage(address, self.settings.connect_timeout,  # type: ignore[arg-type]
-                                              tls=self.settings.downstream_tls)
-        self._downstream_io = SocketIO(self.downstream)
-        self._downstream_socket = self._downstream_io.is_socket
-        if self.settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet
-            await self.settings.identities.verify(address)  # type: ignore[attr-defined]
-        forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
-        nursery.start_soon(self.forward_activations, forwards_receive)
-        nursery.start_soon(self.relay_replies)
-        self._forwards = forwards_send
-        return forwards_send
 
     # -- step 1: receive ---------------------------------------------------------------------
     async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None]) -> None:
@@ -420,7 +347,7 @@ class Connection:
         lane: ReturnLane | None
         lane, state.relay_lane = state.relay_lane, None  # type: ignore[assignment]
         upstream, settings = self._upstream_io, self.settings
-        downstream = lane.io if lane is not None else self._downstream_io
+        downstream = lane.io if lane is not None else self.link.io
         free = downstream is not None and downstream.is_socket and (
             lane is None or not (lane.closed or lane.lock.locked()))
         facts = self._facts(template=frame is not None, downstream_socket=free,
@@ -435,29 +362,10 @@ class Connection:
             return
         run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,
                        downstream=downstream, reader=reader,
-                       downstream_name=self.downstream_name if lane is None else lane.peer,
+                       downstream_name=self.link.name if lane is None else lane.peer,
                        width=settings.width, position_end=settings.max_rows)
-        if not self.scheduler.hold(run.stop, self.id):
-            run.close()
-            return
-        self._relay_run = run
-        try:
-            if lane is None:
-                try:
-                    await run.run()
-                finally:
-                    self.lane.direct_timings.add(dispatch.key, compute_us=run.compute_us,
-                                             write_us=run.write_us, messages=run.steps)
-                return
-            async with lane.lock:  # the return lane's one writer until the run ends
-                lane.relay_abort = run.abort
-                try:
-                    await run.run()
-                finally:
-                    lane.relay_abort = None
-        finally:
-            self._relay_run = None
-            self.scheduler.release_hold()
+        await carry(run, scheduler=self.scheduler, lane_id=self.id, session_key=dispatch.key, return_lane=lane,
+                    timings=self.lane.direct_timings, running=functools.partial(setattr, self, "_relay_run"))
 
     # -- decode runs (docs/protocol.md §11, skippy.lane.decode_run) ---------------------------
     def _run_step(self, ticket: Ticket, token: int) -> tuple[Annotation, ...]:
@@ -506,7 +414,6 @@ class Connection:
     # -- step 2: handle ----------------------------------------------------------------------
     async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int] | None],
                                nursery: trio.Nursery) -> None:
-        forwards: trio.MemorySendChannel[Forward] | None = None
         run_steps = self.lane.run_steps
         try:
             async with messages:
@@ -525,15 +432,14 @@ class Connection:
                             continue
                         dispatch, received_us, held = entry
                     try:
-                        if forwards is None and self.settings.downstream is not None:
-                            forwards = await self._open_downstream(nursery)
+                        if self.link.channel is None and self.settings.downstream is not None:
+                            await self.link.connect(nursery)
                         await self._handle(dispatch, received_us)
                     finally:
                         self._release_held(held)
                     self.lane.compute_backlog -= 1
         finally:
-            if forwards is not None:
-                await forwards.aclose()
+            await self.link.close()
 
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
@@ -546,8 +452,8 @@ class Connection:
         if handling is Handling.RETURN_OPEN:
             own = await self._return_open(dispatch)
         else:
-            own = await OWN_PARTS[handling](self._stage, dispatch, key, forward, forwarding=self._forwards is not None)
-        action = self.lane.computed(dispatch, has_downstream=self._forwards is not None,
+            own = await OWN_PARTS[handling](self._stage, dispatch, key, forward, forwarding=self.link.channel is not None)
+        action = self.lane.computed(dispatch, has_downstream=self.link.channel is not None,
                                         local_hit=own.result is not None, forwarded=own.forwarded)
         if type(action) is SendDownstream:
             forward.expect = action.expect
@@ -595,7 +501,7 @@ class Connection:
         else:
             self.stats.decode_items += 1
         # An executable kind's next step does not depend on its result: known before it runs.
-        action = self.lane.computed(dispatch, has_downstream=self._forwards is not None)
+        action = self.lane.computed(dispatch, has_downstream=self.link.channel is not None)
         if type(action) is SendDownstream:
             facts = self._facts(before_compute=True, credited=action.expect is Expect.ABSORB_ACK)
             if placement(Step.WRITE_DOWN, rule, facts) is Performer.RUNTIME_THREAD:
@@ -690,12 +596,12 @@ class Connection:
         def sent(sent_us: int, write_us: int) -> None:  # runtime thread
             forward.sent_us, forward.write_us = sent_us, write_us
 
-        assert self._downstream_io is not None
-        through = WriteThrough(self._gate, self._downstream_io, build, sent)
+        assert self.link.io is not None
+        through = WriteThrough(self._gate, self.link.io, build, sent)
         self.lane.forward_backlog = 1  # this lane's downstream writer until the frame is out
         self.lane.frame_forwarding(forward)  # before the frame can leave: its reply must find it
         await self.scheduler.execute(item, through)
-        forward.write_us += await through.finish(self.downstream_name, downstream=True)
+        forward.write_us += await through.finish(self.link.name, downstream=True)
         self.lane.forward_backlog = 0
         if dispatch.direct and self.settings.decode_relay:  # shortcut 3 may carry the next ones
             self.lane.relay_frame = through.frame
@@ -742,99 +648,15 @@ class Connection:
         calls this, so with nothing queued to the forwarder no other write can start before this
         one ends.
         """
-        forwards = self._forwards
-        assert forwards is not None
         if placement(Step.WRITE_DOWN, None, self._facts(credited=item.expect is Expect.ABSORB_ACK)) \
                 is Performer.HANDLING_TASK:
             self.lane.forward_backlog = 1
             try:
-                await self._write_forward(item)
+                await self.link.write(item)
             finally:
                 self.lane.forward_backlog = 0
             return
-        self.lane.forward_backlog += 1
-        await put(forwards, item)
-
-    async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
-        protocol = self.lane
-        try:
-            async with forwards:
-                while True:
-                    try:
-                        item = await take(forwards)
-                    except trio.EndOfChannel:  # compute finished
-                        return
-                    if item.expect is Expect.ABSORB_ACK:
-                        if not protocol.take_credit():
-                            self.stats.credit_waits += 1
-                            while not protocol.take_credit():
-                                self._credit_returned = trio.Event()
-                                await self._credit_returned.wait()
-                        if protocol.credits_in_use > self.stats.max_pending_prefill_acks:
-                            self.stats.max_pending_prefill_acks = protocol.credits_in_use
-                            self.stats.touch()
-                    await self._write_forward(item)
-                    self.lane.forward_backlog -= 1
-        finally:
-            self.lane.forwarding_done = True
-            if not protocol.expecting and self._relay_idle:
-                self._relay_scope.cancel()  # the relay waits for a reply nobody will send
-
-    async def _write_forward(self, item: Forward) -> None:
-        """Encode ``item``'s frame in the wire dtype, note its expected reply, write it downstream."""
-        io = self._downstream_io
-        assert io is not None
-        message = item.message
-        if not message.state.flags & SKIPPY_EXTENSIONS_FLAG:  # §2: always flag downstream
-            message = item.message = with_extensions_flag(message)
-        frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
-        item.frame_bytes = len(frame)
-        self.lane.frame_forwarding(item)
-        item.sent_us = started = now_us()
-        wire = self.settings.wire
-        if wire.active:
-            await wire.write(io, frame, self.downstream_name, item.enqueued_at)
-        else:
-            await send_frame(io, frame, self.downstream_name, downstream=True)
-        item.write_us = now_us() - started
-        self.stats.forward_write_us += item.write_us
-        if item.direct:
-            self.lane.direct_timings.add(item.session, compute_us=item.compute_us, write_us=item.write_us,
-                                     queue_us=item.queue_us, batch_size=item.batch_size)
-            self._direct_done()
-
-    # -- step 4: relay -----------------------------------------------------------------------
-    async def relay_replies(self) -> None:
-        io = self._downstream_io
-        assert io is not None
-        with self._relay_scope:  # cancelled only while parked with nothing expected: then it ends
-            await self._relay(ReplyReader(io, self.downstream_name))
-
-    async def _relay(self, reader: ReplyReader) -> None:
-        protocol = self.lane
-        while True:
-            if protocol.expecting:
-                reply, timings = await reader.next()
-            else:
-                if self.lane.forwarding_done:
-                    return
-                self._relay_idle = True
-                try:
-                    reply, timings = await reader.next()
-                finally:
-                    self._relay_idle = False
-            relay = protocol.downstream_replied(reply, self.downstream_name)
-            item = relay.forward
-            wait_us = max(0, now_us() - item.sent_us - item.write_us)
-            self.stats.downstream_wait_us += wait_us
-            self.stats.downstream_wait_histogram.observe(wait_us)
-            if relay.absorb:  # an early-ACKed chunk's ACK: its stats kept, its credit back
-                protocol.absorbed(item, reply, wait_us)
-                if self._credit_returned is not None:
-                    self._credit_returned.set()
-                    self._credit_returned = None
-            else:
-                await self._relay_reply(relay, reply, timings, wait_us, reader.annotations)
+        await self.link.queue(item)
 
     async def _relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int,
                            annotations: tuple[Annotation, ...] = ()) -> None:
@@ -852,17 +674,3 @@ class Connection:
         if relay.prediction and item.ticket.run is not None:  # §11: the run's next step starts before the reply
             annotations += self._run_step(item.ticket, reply.predicted)
         await self._reply(item.ticket, reply, timings, annotations)
-
-
-def _read_downstream_file(path: object) -> object | None:
-    """The address in a ``--downstream-file`` (None while it is missing, empty or unreadable)."""
-    from pathlib import Path
-
-    from skippy.stage.config import Address
-
-    try:
-        text = Path(str(path)).read_text().strip()
-        return Address.parse(text) if text else None
-    except (OSError, ValueError) as exc:  # not written yet / half written: keep the configured one
-        log.warning("downstream file %s unreadable (%s); using --downstream", path, exc)
-        return None
