@@ -315,3 +315,8 @@ def test_an_absorbed_ack_keeps_its_stats_and_the_edge_transport_for_the_next_rep
     stats = lane.take_stats()
     assert stats.prefill_edge_observation_count == 1 and stats.prefill_edge_activation_bytes_max == 64
     assert stats.prefill_edge_write_us_max == 5 and stats.prefill_edge_wait_us_max == 9
+
+
+@pytest.mark.parametrize("kind", list(MessageKind))
+def test_a_rule_is_a_prefill_exactly_for_the_prefill_kinds(kind: MessageKind) -> None:
+    assert RULES[kind].prefill == kind.is_prefill

@@ -108,7 +108,7 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
             f"{kind.reference_name} with activation sideband flags {got:#x} (Gemma3n / MTP / RWKV rows): "
             + (f"this stage's architecture carries the sideband {wanted:#x} beside the hidden state" if wanted
                else "not served by this runtime"))
-    parts = activation_row_multiplier(wanted)
+    parts = activation_row_multiplier(wanted) if wanted else 1
     count = message.token_count
     if count <= 0:
         raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
@@ -165,7 +165,7 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         if low < 0 or high >= end:
             raise InvalidMessage(f"{kind.reference_name}: positions {low}..{high} outside this stage's "
                                  f"0..{end - 1} (--ctx-size)")
-    prefill = kind.is_prefill
+    prefill = dispatch.rule.prefill
     return WorkItem(
         key, positions, tokens if is_first or reads_tokens else None, activations, dispatch.align_to, dispatch.rule.outputs,
         None if message.sampling is None else _sampling(sampling, message.sampling),

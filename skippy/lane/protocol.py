@@ -148,6 +148,8 @@ class KindRule:
     #: docs/protocol.md §11: with the decode-run flag, the first stage drives the session's decode
     #: loop itself (:mod:`skippy.lane.decode_run`).
     decode_run: bool = False
+    #: A prefill chunk (``MessageKind.is_prefill``: its tokens extend the session's prompt).
+    prefill: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
 
@@ -182,8 +184,8 @@ _PREFIX: Final = KindRule(Handling.PREFIX_CONTROL, Answer.ACK, checks_header=Fal
 #: The per-kind rules, one row per kind (see the module header; protocol.md §3 for the kinds).
 RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
-                                       outputs=Outputs.NONE),
-    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True),
+                                       outputs=Outputs.NONE, prefill=True),
+    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True, prefill=True),
     MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True),
     MessageKind.DECODE_READOUT: _DECODE,
     MessageKind.DECODE_LIGHT_CTX: _DECODE,

@@ -38,6 +38,7 @@ from __future__ import annotations
 import functools
 import itertools
 import logging
+from time import perf_counter_ns
 
 import trio
 
@@ -308,7 +309,7 @@ class Connection:
             message = await reader.next()
             if message is None:
                 return
-            received_us = now_us()
+            received_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
             held = reader.take_reserved() if reader.reserved else 0
             self._held += held
             if self.identity.index < 0:
@@ -492,8 +493,9 @@ class Connection:
                                        reads_tokens=self.scheduler.executor.reads_tokens,
                                        sideband_flag=self.scheduler.executor.sideband_flag,
                                        sampling=sampling_params)
-        self.lane.claim(key)
-        if kind.is_prefill:
+        if key not in self.lane.sessions:  # a new session (the lane's quota)
+            self.lane.claim(key)
+        if rule.prefill:
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += message.token_count
         elif rule.window:
@@ -590,7 +592,7 @@ class Connection:
             forward.frame_bytes = len(frame)
             # Set before the write: the socket send releases the GIL, and the downstream's reply can
             # reach relay_replies before sent() below runs; its wait was then measured from 0.
-            forward.sent_us = now_us()
+            forward.sent_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
             return frame
 
         def sent(sent_us: int, write_us: int) -> None:  # runtime thread
