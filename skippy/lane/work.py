@@ -2,22 +2,19 @@
 
 A :class:`WorkItem` is built from a message by :func:`skippy.lane.messages.work_item` (every
 count checked against the frame first); the stage's executor runs it and returns a
-:class:`WorkResult`.  Nothing here imports the runtime: the sampling settings are only typed.
+:class:`WorkResult`.  Nothing here imports the runtime: the sampling settings are opaque.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
 
 from skippy.lane.protocol import Outputs
 from skippy.protocol_ext import TokenLogprobs
-
-if TYPE_CHECKING:
-    from skippy.runtime.sampling import SamplingParams
 
 __all__ = ["FloatArray", "IntArray", "WorkItem", "WorkResult"]
 
@@ -35,7 +32,8 @@ class WorkItem:
     activations: FloatArray | None = None
     align_to: int | None = None
     outputs: Outputs = Outputs.LAST
-    sampling: SamplingParams | None = None
+    #: The runtime's ``SamplingParams`` (opaque here: the lane never names the runtime).
+    sampling: Any = None
     #: The message's token sideband (every stage gets it; the cache records from it).
     prompt_tokens: IntArray | None = None
     #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
