@@ -230,16 +230,7 @@ class Connection:
             reader = self._reader
             self.budget.release(self._held + (reader.take_reserved() if reader is not None else 0))
             self._held = 0
-        orphans = sorted(self.lane.sessions)
-        self.lane.sessions.clear()
-        for key in orphans:
-            try:
-                released = await self.scheduler.call(functools.partial(self.scheduler.executor.release, key))
-            except StageError as exc:  # a release that fails must not stop the others
-                log.warning("lane %d: releasing session %d failed: %s", self.id, key & ((1 << 64) - 1), exc)
-                continue
-            if released:
-                self.stats.orphan_sessions_released += 1
+        orphans = await control.release_orphans(self._stage, self.id)
         for stream in (self.link.stream, self.upstream):
             if stream is not None:
                 with trio.move_on_after(1):
@@ -249,7 +240,7 @@ class Connection:
         if self._return_lane is not None:
             self.stats.return_lanes_open -= 1
         self.stats.touch()
-        log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
+        log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, orphans)
 
     async def _serve(self) -> None:
         messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int, int] | None](MESSAGE_QUEUE)
