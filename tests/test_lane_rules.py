@@ -20,8 +20,8 @@ from skippy.lane.timings import DirectTimings
 from skippy.lane.work import WorkResult
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, StageMessage, StageReply
 from skippy.protocol_ext import (
-    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, LogprobsFrame,
-    TimingRecord, TimingsFrame, TokenLogprobs, identity_query,
+    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, DIRECT_RETURN_FLAG, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG,
+    LogprobsFrame, TimingRecord, TimingsFrame, TokenLogprobs, identity_query,
 )
 
 
@@ -320,3 +320,17 @@ def test_an_absorbed_ack_keeps_its_stats_and_the_edge_transport_for_the_next_rep
 @pytest.mark.parametrize("kind", list(MessageKind))
 def test_a_rule_is_a_prefill_exactly_for_the_prefill_kinds(kind: MessageKind) -> None:
     assert RULES[kind].prefill == kind.is_prefill
+
+
+def test_a_written_direct_frame_leaves_the_stage_counts_for_the_stop_and_may_be_the_template() -> None:
+    lane = StageLane(1, 1)
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD, flags=SKIPPY_EXTENSIONS_FLAG | DIRECT_RETURN_FLAG),
+                                run_flagged=False, is_first=False)
+    assert dispatch is not None and dispatch.direct and lane.inflight == 1
+    forward = Forward(dispatch.message, None, None, dispatch.key, 0, 0.0, compute_us=9, write_us=2, batch_size=1,
+                      direct=True)
+    lane.direct_written(forward, b"frame")
+    assert lane.inflight == 0 and len(lane.direct_timings) == 1
+    assert lane.take_template() == (b"frame", None) and lane.take_template() == (None, None)  # taken once
+    assert lane.direct_timings.take(dispatch.key, stage_index=1, layer_start=0, layer_end=2) == TimingRecord(
+        1, 0, 2, 1, 9, 2, 0, 0)

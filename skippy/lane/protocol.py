@@ -725,6 +725,24 @@ class StageLane(LaneProtocol):
             run.cancelled = True
         self.runs.clear()
 
+    # -- direct return (§8) -------------------------------------------------------------------------
+    def direct_written(self, forward: Forward, template: bytes | None = None) -> None:
+        """A direct-return frame is written downstream: it is out of this stage (no longer in
+        flight), its timings count toward the session's Stop ACK, and ``template`` (the frame as
+        written, when the data plane may carry the session's next decodes) is the relay's."""
+        self.direct_timings.add(forward.session, compute_us=forward.compute_us, write_us=forward.write_us,
+                                queue_us=forward.queue_us, batch_size=forward.batch_size)
+        if template is not None:
+            self.relay_frame = template
+        self.direct_done()
+
+    def take_template(self) -> tuple[bytes | None, object | None]:
+        """The data plane's template and its return lane (final stage), taken (set again by the
+        next direct-return decode the lane handles itself)."""
+        frame, lane = self.relay_frame, self.relay_lane
+        self.relay_frame = self.relay_lane = None
+        return frame, lane
+
     # -- placement ------------------------------------------------------------------------------
     @property
     def quiet(self) -> bool:

@@ -102,7 +102,7 @@ class Connection:
         self.lane = StageLane(self.id, settings.credit_limit, REPLY_QUEUE, session_quota=settings.session_quota,
                               peer=peer)
         #: The downstream half: its stream and its forward and relay tasks (:mod:`skippy.stage.downstream`).
-        self.link = DownstreamLink(self.lane, settings, stats, self._relay_reply, self._direct_done)
+        self.link = DownstreamLink(self.lane, settings, stats, self._relay_reply, self._direct_left)
         self.identity = extensions.identity_for(scheduler.executor)
         #: What the control kinds' own parts work on (:mod:`skippy.stage.control`).
         self._stage = control.StageParts(scheduler, settings, stats, self.lane)
@@ -335,9 +335,8 @@ class Connection:
         while this lane is the stage's only work, relay the ones that follow it outside Python.
         Whatever the relay does not carry is left in ``reader``."""
         state = self.lane
-        frame, state.relay_frame = state.relay_frame, None
-        lane: ReturnLane | None
-        lane, state.relay_lane = state.relay_lane, None  # type: ignore[assignment]
+        frame, lane = state.take_template()
+        assert lane is None or isinstance(lane, ReturnLane)
         upstream, settings = self._upstream_io, self.settings
         downstream = lane.io if lane is not None else self.link.io
         free = downstream is not None and downstream.is_socket and (
@@ -553,16 +552,16 @@ class Connection:
             negotiated=lane.extensions, window=action.window, total_us=now_us() - received_us)
         await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
-        self._direct_done()
+        self.lane.direct_done()
+        self._direct_left()
         if self.settings.decode_relay and not annotations and dispatch.kind is MessageKind.DECODE_EMBD:
             # shortcut 3 may answer the next ones: their reply as the lane would write it
             self.lane.relay_lane = lane
             self.lane.relay_frame = extensions.reply_bytes(
                 *replies.prediction_template(self.identity, negotiated=lane.extensions))
 
-    def _direct_done(self) -> None:
-        """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""
-        self.lane.direct_done()
+    def _direct_left(self) -> None:
+        """A direct-return message left this stage (the lane counted it): receiving may go on."""
         if self._replies_written is not None:
             self._replies_written.set()
             self._replies_written = None
@@ -596,14 +595,11 @@ class Connection:
         await self.scheduler.execute(item, through)
         forward.write_us += await through.finish(self.link.name, downstream=True)
         self.lane.forward_backlog = 0
-        if dispatch.direct and self.settings.decode_relay:  # shortcut 3 may carry the next ones
-            self.lane.relay_frame = through.frame
         self.stats.forward_write_us += forward.write_us
         self.stats.write_throughs += 1
-        if dispatch.direct:
-            self.lane.direct_timings.add(key, compute_us=forward.compute_us, write_us=forward.write_us,
-                                     queue_us=forward.queue_us, batch_size=forward.batch_size)
-            self._direct_done()
+        if dispatch.direct:  # shortcut 3 may carry the next ones from its frame
+            self.lane.direct_written(forward, through.frame if self.settings.decode_relay else None)
+            self._direct_left()
 
     async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
         """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken

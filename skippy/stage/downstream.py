@@ -43,16 +43,16 @@ class DownstreamLink:
         lane: the lane's state and rules.
         settings / stats: the stage's lane settings and counters.
         answer: answers a relayed reply upstream (the connection's).
-        direct_done: a direct-return frame is written (it is out of this stage).
+        direct_left: a direct-return frame is written (the lane counted it; receiving may go on).
     """
 
     def __init__(self, lane: StageLane, settings: LaneSettings, stats: StageStats, answer: Answer,
-                 direct_done: Callable[[], None]) -> None:
+                 direct_left: Callable[[], None]) -> None:
         self.lane = lane
         self.settings = settings
         self.stats = stats
         self._answer = answer
-        self._direct_done = direct_done
+        self._direct_left = direct_left
         self.stream: trio.abc.Stream | None = None
         self.io: SocketIO | None = None
         self.name = str(settings.downstream) if settings.downstream is not None else ""
@@ -141,9 +141,8 @@ class DownstreamLink:
         item.write_us = now_us() - started
         self.stats.forward_write_us += item.write_us
         if item.direct:
-            self.lane.direct_timings.add(item.session, compute_us=item.compute_us, write_us=item.write_us,
-                                         queue_us=item.queue_us, batch_size=item.batch_size)
-            self._direct_done()
+            self.lane.direct_written(item)
+            self._direct_left()
 
     # -- step 4: relay -----------------------------------------------------------------------
     async def relay_replies(self) -> None:
