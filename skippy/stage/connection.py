@@ -497,7 +497,9 @@ class Connection:
         if type(action) is SendDownstream:
             facts = self._facts(before_compute=True, credited=action.expect is Expect.ABSORB_ACK)
             if placement(Step.WRITE_DOWN, rule, facts) is Performer.RUNTIME_THREAD:
-                await self._forward_through(dispatch, item, key, received_us, action.expect)
+                forward = Forward(message, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
+                                  direct=dispatch.direct)
+                await self.link.write_through(self._gate, self.scheduler, forward, item)
                 return
             result, queue_us = await self.scheduler.execute(item)
             control.note_recorded(self._stage, result, message)
@@ -565,41 +567,6 @@ class Connection:
         if self._replies_written is not None:
             self._replies_written.set()
             self._replies_written = None
-
-    async def _forward_through(self, dispatch: Dispatch, item: WorkItem, key: int, received_us: int,
-                               expect: Expect | None) -> None:
-        """Execute ``item`` and have the runtime thread write its frame downstream
-        (:mod:`skippy.stage.write_through`; the caller checked that nothing else is queued)."""
-        message = dispatch.message
-        forward = Forward(message, expect, dispatch.ticket, key, received_us, trio.current_time())
-        width, wire_dtype = self.settings.width, self.settings.wire_dtype
-
-        def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
-            outgoing = forward.message = lane_messages.forwarded(message, result, wire_dtype,
-                                                                 self.scheduler.executor.output_flag)
-            forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
-            frame = codec.encode_message(outgoing, wire_dtype, width)
-            forward.frame_bytes = len(frame)
-            # Set before the write: the socket send releases the GIL, and the downstream's reply can
-            # reach relay_replies before sent() below runs; its wait was then measured from 0.
-            forward.sent_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
-            return frame
-
-        def sent(sent_us: int, write_us: int) -> None:  # runtime thread
-            forward.sent_us, forward.write_us = sent_us, write_us
-
-        assert self.link.io is not None
-        through = WriteThrough(self._gate, self.link.io, build, sent)
-        self.lane.forward_backlog = 1  # this lane's downstream writer until the frame is out
-        self.lane.frame_forwarding(forward)  # before the frame can leave: its reply must find it
-        await self.scheduler.execute(item, through)
-        forward.write_us += await through.finish(self.link.name, downstream=True)
-        self.lane.forward_backlog = 0
-        self.stats.forward_write_us += forward.write_us
-        self.stats.write_throughs += 1
-        if dispatch.direct:  # shortcut 3 may carry the next ones from its frame
-            self.lane.direct_written(forward, through.frame if self.settings.decode_relay else None)
-            self._direct_left()
 
     async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
         """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken

@@ -5,7 +5,8 @@ Strategy (steps 3 and 4 of :mod:`skippy.stage.connection`; the state and rules a
 (the launcher's ``--downstream-file`` first), checks its identity (docs/protocol.md §9) and starts
 two tasks.  The **forward task** takes frames queued by :meth:`DownstreamLink.queue` in order,
 waits for a reply credit for a credited frame, and writes each (:meth:`DownstreamLink.write`,
-also called by the handling task for an idle forwarder, the inline shortcut).  The **relay
+also called by the handling task for an idle forwarder, the inline shortcut), or the runtime
+thread writes a frame the moment its compute ends (:meth:`DownstreamLink.write_through`).  The **relay
 task** reads the downstream's replies and reports each to the lane (``downstream_replied``): an
 absorbed ACK's credit wakes the forward task, anything else is answered upstream by the
 connection's ``answer``.  The relay parks on the socket, not on a channel (an idle lane notices a
@@ -17,16 +18,21 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from time import perf_counter_ns
 from typing import Awaitable, Callable
 
 import trio
 
+from skippy.lane import messages as lane_messages
 from skippy.lane.protocol import Expect, Forward, Relay, StageLane
+from skippy.lane.work import WorkItem, WorkResult
 from skippy.protocol import StageReply
 from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, Annotation, TimingsFrame, with_extensions_flag
 from skippy.stage.lane import LaneSettings, now_us, put, take
 from skippy.stage.stats import StageStats
+from skippy.stage.scheduler import Scheduler
 from skippy.stage.transport import ReplyReader, SocketIO, codec, connect_stage, send_frame
+from skippy.stage.write_through import StreamGate, WriteThrough
 
 __all__ = ["DownstreamLink"]
 
@@ -142,6 +148,39 @@ class DownstreamLink:
         self.stats.forward_write_us += item.write_us
         if item.direct:
             self.lane.direct_written(item)
+            self._direct_left()
+
+    async def write_through(self, gate: StreamGate, scheduler: Scheduler, forward: Forward, item: WorkItem) -> None:
+        """Execute ``item`` and have the runtime thread write ``forward``'s frame the moment its
+        compute ends (:mod:`skippy.stage.write_through`; placement chose it: nothing is queued to
+        the forward task, which stays idle until the frame is out)."""
+        message, lane, settings = forward.message, self.lane, self.settings
+        wire_dtype, width, output_flag = settings.wire_dtype, settings.width, scheduler.executor.output_flag
+
+        def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
+            outgoing = forward.message = lane_messages.forwarded(message, result, wire_dtype, output_flag)
+            forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
+            frame = codec.encode_message(outgoing, wire_dtype, width)
+            forward.frame_bytes = len(frame)
+            # Set before the write: the socket send releases the GIL, and the downstream's reply can
+            # reach the relay task before sent() below runs; its wait was then measured from 0.
+            forward.sent_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
+            return frame
+
+        def sent(sent_us: int, write_us: int) -> None:  # runtime thread
+            forward.sent_us, forward.write_us = sent_us, write_us
+
+        assert self.io is not None
+        through = WriteThrough(gate, self.io, build, sent)
+        lane.forward_backlog = 1  # this lane's downstream writer until the frame is out
+        lane.frame_forwarding(forward)  # before the frame can leave: its reply must find it
+        await scheduler.execute(item, through)
+        forward.write_us += await through.finish(self.name, downstream=True)
+        lane.forward_backlog = 0
+        self.stats.forward_write_us += forward.write_us
+        self.stats.write_throughs += 1
+        if forward.direct:  # shortcut 3 may carry the next ones from its frame
+            lane.direct_written(forward, through.frame if settings.decode_relay else None)
             self._direct_left()
 
     # -- step 4: relay -----------------------------------------------------------------------
