@@ -59,6 +59,8 @@ _MOVE_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
         "skippy/_wire.pyx", "skippy/_wire.pxd", "skippy/_wire_activation.pxi", "skippy/_wire_ext.pxi",
         "skippy/_wire_py.py", "skippy/_wire_ext_py.py", "skippy/_activation_py.py",
         "skippy/_activation.h", "skippy/_activation_x86.h", "skippy/_byteorder.h",
+        # the frame offsets of the codec and the decode relay (its include found through include_dirs)
+        "skippy/_frame_layout.py", "skippy/_frame_layout.pxi",
     )),
     # the network layer shared by the stage, the driver and the API (Address, SocketIO: EXTRACTS)
     ("skippy/net", ("skippy/stage/tls.py",)),

@@ -113,15 +113,9 @@ TIMINGS_BYTES = _twin.TIMINGS_BYTES
 template_layout = _twin.template_layout
 reply_layout = _twin.reply_layout
 
+include "_frame_layout.pxi"
+
 cdef enum:
-    _HEADER = 76
-    _OFF_POS_START = 4
-    _OFF_TOKEN_N = 12
-    _OFF_POSITION_N = 16
-    _OFF_DECODE_STEP = 44
-    _OFF_CURRENT_TOKEN = 48
-    _OFF_REQUEST_ID = 60
-    _OFF_SESSION_ID = 68
     _DTYPE_F32 = 0
     _DTYPE_F16 = 1
 
@@ -211,7 +205,7 @@ cdef class DecodeRelay:
         self._sampler = <void *><uintptr_t>addresses.get("sampler", 0)
         if final and self._logits == NULL:
             raise ValueError("a final stage's relay needs the runtime's logits")
-        self._capacity = max(self._in_length, _HEADER) * 2 + (1 << 16)
+        self._capacity = max(self._in_length, FRAME_FIXED_HEADER) * 2 + (1 << 16)
         self._buffer = <unsigned char *>malloc(self._capacity)
         self._out = <unsigned char *>malloc(self._out_length)
         if self._buffer == NULL or self._out == NULL:
@@ -274,7 +268,7 @@ cdef class DecodeRelay:
         cdef pollfd fds[3]
         cdef ssize_t got
         while True:
-            if self._filled >= _HEADER and not self._header_matches():
+            if self._filled >= FRAME_FIXED_HEADER and not self._header_matches():
                 return -1  # _carries() hands it back
             if self._filled >= wanted:
                 return -1
@@ -302,16 +296,18 @@ cdef class DecodeRelay:
         """Everything but the per-token fields equals the template."""
         cdef const unsigned char *frame = self._buffer
         cdef const unsigned char *template = self._in_header
-        return (memcmp(frame, template, _OFF_POS_START) == 0
-                and memcmp(frame + 8, template + 8, _OFF_DECODE_STEP - 8) == 0
-                and memcmp(frame + 52, template + 52, _OFF_REQUEST_ID - 52) == 0
-                and memcmp(frame + _OFF_SESSION_ID, template + _OFF_SESSION_ID, 8) == 0)
+        return (memcmp(frame, template, FRAME_POS_START) == 0
+                and memcmp(frame + FRAME_TOKEN_COUNT, template + FRAME_TOKEN_COUNT,
+                           FRAME_DECODE_STEP - FRAME_TOKEN_COUNT) == 0
+                and memcmp(frame + FRAME_SOURCE_STAGE, template + FRAME_SOURCE_STAGE,
+                           FRAME_REQUEST_ID - FRAME_SOURCE_STAGE) == 0
+                and memcmp(frame + FRAME_SESSION_ID, template + FRAME_SESSION_ID, 8) == 0)
 
     cdef bint _carries(self) noexcept nogil:
         """The buffered frame is a template frame the Python lane would run without a word."""
         cdef const unsigned char *frame = self._buffer
-        cdef int32_t position = skippy_load_i32(frame + _OFF_POS_START)
-        cdef int32_t token_n = skippy_load_i32(frame + _OFF_TOKEN_N)
+        cdef int32_t position = skippy_load_i32(frame + FRAME_POS_START)
+        cdef int32_t token_n = skippy_load_i32(frame + FRAME_TOKEN_N)
         cdef int32_t token
         cdef Py_ssize_t index
         cdef float value
@@ -320,8 +316,8 @@ cdef class DecodeRelay:
         if position != self.next_position or (self._position_end > 0 and position >= self._position_end):
             return False  # a rollback, a gap or the end of the cells: the lane decides
         if self._first:
-            token = (skippy_load_i32(frame + _HEADER) if token_n == 1
-                     else skippy_load_i32(frame + _OFF_CURRENT_TOKEN))
+            token = (skippy_load_i32(frame + FRAME_FIXED_HEADER) if token_n == 1
+                     else skippy_load_i32(frame + FRAME_CURRENT_TOKEN))
             if token < 0 or token >= self._n_vocab:
                 return False
             self._token_slot[0] = token
@@ -354,15 +350,15 @@ cdef class DecodeRelay:
             if token < 0:
                 return 1
             skippy_store_i32(out + self._token_offset, token)
-            skippy_store_i32(out + self._token_offset + 8, token)  # the token vector's one entry
+            skippy_store_i32(out + self._token_offset + (FRAME_REPLY_VECTOR_ENTRY - FRAME_REPLY_TOKEN), token)  # the token vector's one entry
             return 0
         hidden = self._embeddings(self._context)
         if hidden == NULL:
             return 1
-        memcpy(out + _OFF_POS_START, frame + _OFF_POS_START, 4)
-        memcpy(out + _OFF_DECODE_STEP, frame + _OFF_DECODE_STEP, 8)
-        memcpy(out + _OFF_REQUEST_ID, frame + _OFF_REQUEST_ID, 8)
-        memcpy(out + _HEADER, frame + _HEADER, self._out_activation - _HEADER)  # the sidebands
+        memcpy(out + FRAME_POS_START, frame + FRAME_POS_START, 4)
+        memcpy(out + FRAME_DECODE_STEP, frame + FRAME_DECODE_STEP, 8)
+        memcpy(out + FRAME_REQUEST_ID, frame + FRAME_REQUEST_ID, 8)
+        memcpy(out + FRAME_FIXED_HEADER, frame + FRAME_FIXED_HEADER, self._out_activation - FRAME_FIXED_HEADER)  # the sidebands
         if self._out_dtype == _DTYPE_F32:
             memcpy(out + self._out_activation, hidden, 4 * self._width)
         else:

@@ -21,6 +21,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from skippy import _frame_layout as layout
 from skippy.protocol import BOUNDARY_ROWS_FLAG, StateFlag
 
 #: Which implementation this module is.
@@ -42,14 +43,14 @@ ABORTED = 4
 #: A final stage's reply: PredictedToken (kind, token, a token vector of that one token, window
 #: id, no draft, 23 i64 stats); with a Timings frame of one record in front (head, 4 i32, 4 i64)
 #: when the return lane negotiated the extensions (docs/protocol.md §4).
-REPLY_BYTES = 12 + 4 + 4 + 4 + 23 * 8
-TIMINGS_BYTES = 8 + 16 + 32
+REPLY_BYTES = layout.REPLY_BYTES
+TIMINGS_BYTES = layout.TIMINGS_BYTES
 
 #: The fixed part of a message frame (docs/protocol.md §2.2).
-FIXED_HEADER = 76
-_POS_START, _TOKEN_N, _POSITION_N = 4, 12, 16
-_DECODE_STEP, _CURRENT_TOKEN, _FLAGS, _SOURCE, _DTYPE = 44, 48, 32, 52, 56
-_REQUEST_ID, _SESSION_ID = 60, 68
+FIXED_HEADER = layout.FIXED_HEADER
+_POS_START, _TOKEN_N, _POSITION_N = layout.POS_START, layout.TOKEN_N, layout.POSITION_N
+_DECODE_STEP, _CURRENT_TOKEN, _FLAGS, _DTYPE = layout.DECODE_STEP, layout.CURRENT_TOKEN, layout.FLAGS, layout.WIRE_DTYPE
+_REQUEST_ID, _SESSION_ID = layout.REQUEST_ID, layout.SESSION_ID
 #: The state flags that add a section or rows the relay does not carry (sampling, chat metadata,
 #: the activation row multipliers).
 _UNCARRIED_FLAGS = int(StateFlag.SAMPLING | StateFlag.CHAT_SAMPLING_METADATA | StateFlag.RWKV7_V_FIRST_SIDEBAND
@@ -82,12 +83,12 @@ def reply_layout(reply: bytes) -> tuple[int, int]:
     if len(reply) != REPLY_BYTES and not timings:
         raise ValueError("the reply template is not one PredictedToken (with one Timings record)")
     start = TIMINGS_BYTES if timings else 0
-    if timings and reply[:8] != struct.pack("<ii", 0x5E01, 1):
+    if timings and reply[:layout.TIMINGS_HEAD] != struct.pack("<ii", layout.TIMINGS_MAGIC, 1):
         raise ValueError("the reply template's first frame is not a Timings frame of one record")
     kind, _, count = struct.unpack_from("<iii", reply, start)
-    if kind != 2 or count != 1 or reply[start + 20:start + 24] != bytes(4):
+    if kind != 2 or count != 1 or reply[start + layout.REPLY_DRAFT:start + layout.REPLY_DRAFT + 4] != bytes(4):
         raise ValueError("the reply template is not a plain PredictedToken")
-    return start + 4, (24 if timings else -1)
+    return start + layout.REPLY_TOKEN, (layout.TIMINGS_COMPUTE if timings else -1)
 
 
 def template_layout(in_template: bytes, out_template: bytes, *, width: int,
@@ -112,7 +113,7 @@ def template_layout(in_template: bytes, out_template: bytes, *, width: int,
     for name, frame in (("incoming", in_template), ("outgoing", out_template)):
         if _I32.unpack_from(frame, _FLAGS)[0] & _UNCARRIED_FLAGS:
             raise ValueError(f"the {name} template carries a section or rows the relay does not carry")
-        if _I32.unpack_from(frame, 8)[0] != 1:
+        if _I32.unpack_from(frame, layout.TOKEN_COUNT)[0] != 1:
             raise ValueError(f"the {name} template is not one row")
     sidebands = 4 * (_I32.unpack_from(in_template, _TOKEN_N)[0] + _I32.unpack_from(in_template, _POSITION_N)[0])
     if out_template[_TOKEN_N:_POSITION_N + 4] != in_template[_TOKEN_N:_POSITION_N + 4] or sidebands < 0:
@@ -237,8 +238,9 @@ class DecodeRelay:
 
     def _header_matches(self) -> bool:
         frame, template = self._buffer, self._in_template
-        return (frame[:_POS_START] == template[:_POS_START] and frame[8:_DECODE_STEP] == template[8:_DECODE_STEP]
-                and frame[52:_REQUEST_ID] == template[52:_REQUEST_ID]
+        count, source = layout.TOKEN_COUNT, layout.SOURCE_STAGE
+        return (frame[:_POS_START] == template[:_POS_START] and frame[count:_DECODE_STEP] == template[count:_DECODE_STEP]
+                and frame[source:_REQUEST_ID] == template[source:_REQUEST_ID]
                 and frame[_SESSION_ID:FIXED_HEADER] == template[_SESSION_ID:FIXED_HEADER])
 
     def _carries(self) -> bool:
@@ -276,7 +278,8 @@ class DecodeRelay:
             if token < 0:
                 return False
             struct.pack_into("<i", self._out, self._token_offset, token)
-            struct.pack_into("<i", self._out, self._token_offset + 8, token)  # the token vector's entry
+            struct.pack_into("<i", self._out, self._token_offset + layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN,
+                             token)  # the token vector's entry
             return True
         hidden = runtime.hidden()
         frame, out = self._buffer, self._out

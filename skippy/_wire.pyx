@@ -200,6 +200,7 @@ cdef object _state_header(const unsigned char *data):
     return instance
 
 
+include "_frame_layout.pxi"
 include "_wire_activation.pxi"
 
 
@@ -321,19 +322,19 @@ def encode_message(message, wire_dtype, width=None):
             _twin._validate_special_payload(kind, token_count, tokens, positions, activation,
                                             raw, False)
     cdef Py_ssize_t sampling_n = len(sampling), metadata_n = len(metadata)
-    cdef Py_ssize_t total = 76 + sampling_n + metadata_n + payload
+    cdef Py_ssize_t total = FRAME_FIXED_HEADER + sampling_n + metadata_n + payload
     out = PyBytes_FromStringAndSize(NULL, total)
     cdef unsigned char *cursor = <unsigned char *>PyBytes_AS_STRING(out)
-    skippy_store_i32(cursor, <int32_t>kind)
-    skippy_store_i32(cursor + 4, <int32_t>pos_start)
-    skippy_store_i32(cursor + 8, <int32_t>token_count)
-    skippy_store_i32(cursor + 12, <int32_t>token_n)
-    skippy_store_i32(cursor + 16, <int32_t>position_n)
-    for index in range(10):
-        skippy_store_i32(cursor + 20 + 4 * index, <int32_t>header[index])
-    skippy_store_u64(cursor + 60, request_id)
-    skippy_store_u64(cursor + 68, session_id)
-    cursor += 76
+    skippy_store_i32(cursor + FRAME_KIND, <int32_t>kind)
+    skippy_store_i32(cursor + FRAME_POS_START, <int32_t>pos_start)
+    skippy_store_i32(cursor + FRAME_TOKEN_COUNT, <int32_t>token_count)
+    skippy_store_i32(cursor + FRAME_TOKEN_N, <int32_t>token_n)
+    skippy_store_i32(cursor + FRAME_POSITION_N, <int32_t>position_n)
+    for index in range(FRAME_STATE_FIELDS):
+        skippy_store_i32(cursor + FRAME_STATE + 4 * index, <int32_t>header[index])
+    skippy_store_u64(cursor + FRAME_REQUEST_ID, request_id)
+    skippy_store_u64(cursor + FRAME_SESSION_ID, session_id)
+    cursor += FRAME_FIXED_HEADER
     if sampling_n:
         memcpy(cursor, PyBytes_AS_STRING(sampling), sampling_n)
         cursor += sampling_n
@@ -540,29 +541,29 @@ cdef class MessageDecoder(_FrameDecoder):
         cdef int32_t kind = skippy_load_i32(data)
         if kind < 0 or kind > 22 or _KINDS[kind] is None:
             _twin._check_kind(kind)
-        if available < 76:
-            return 76
-        cdef int32_t token_count = skippy_load_i32(data + 8)
-        cdef int32_t token_n = skippy_load_i32(data + 12)
-        cdef int32_t position_n = skippy_load_i32(data + 16)
-        cdef int32_t version = skippy_load_i32(data + 20)
-        cdef int32_t flags = skippy_load_i32(data + 32)
-        cdef int32_t source = skippy_load_i32(data + 52)
-        cdef int32_t dtype = skippy_load_i32(data + 56)
+        if available < FRAME_FIXED_HEADER:
+            return FRAME_FIXED_HEADER
+        cdef int32_t token_count = skippy_load_i32(data + FRAME_TOKEN_COUNT)
+        cdef int32_t token_n = skippy_load_i32(data + FRAME_TOKEN_N)
+        cdef int32_t position_n = skippy_load_i32(data + FRAME_POSITION_N)
+        cdef int32_t version = skippy_load_i32(data + FRAME_VERSION)
+        cdef int32_t flags = skippy_load_i32(data + FRAME_FLAGS)
+        cdef int32_t source = skippy_load_i32(data + FRAME_SOURCE_STAGE)
+        cdef int32_t dtype = skippy_load_i32(data + FRAME_WIRE_DTYPE)
         if version != VERSION:
             _twin._check_version(version)
-        cdef int64_t offset = 76
+        cdef int64_t offset = FRAME_FIXED_HEADER
         cdef uint32_t count
         layout.sampling_offset = -1
         if flags & SAMPLING_BIT:
-            if available < offset + 44:
-                return offset + 44
-            count = skippy_load_u32(data + offset + 40)
+            if available < offset + FRAME_SAMPLING_HEAD:
+                return offset + FRAME_SAMPLING_HEAD
+            count = skippy_load_u32(data + offset + FRAME_SAMPLING_FIXED)
             if count > MAX_LOGIT_BIAS:
                 raise WireError("logit bias count exceeds maximum", field="logit_bias_count",
                                 value=count, limit=MAX_LOGIT_BIAS)
             layout.sampling_offset = offset
-            offset += 44 + 8 * <int64_t>count
+            offset += FRAME_SAMPLING_HEAD + FRAME_SAMPLING_BIAS * <int64_t>count
             if available < offset:
                 return offset
         self._metadata = None
@@ -633,7 +634,7 @@ cdef class MessageDecoder(_FrameDecoder):
     cdef object _build(self, bytes frame, MessageLayout *layout):
         cdef const unsigned char *data = <const unsigned char *>PyBytes_AS_STRING(frame)
         cdef int32_t kind = skippy_load_i32(data)
-        state = _state_header(data + 20)
+        state = _state_header(data + FRAME_STATE)
         sampling = None
         if layout.sampling_offset >= 0:
             sampling = _sampling(data + layout.sampling_offset)
@@ -654,23 +655,23 @@ cdef class MessageDecoder(_FrameDecoder):
                 positions = _view(frame, data + offset, 1, dims, cnp.NPY_INT32)
                 offset += 4 * layout.position_sideband_count
             if layout.activation_rows >= 0:
-                activation = _decode_activation(frame, data + offset, skippy_load_i32(data + 56),
+                activation = _decode_activation(frame, data + offset, skippy_load_i32(data + FRAME_WIRE_DTYPE),
                                                 layout.activation_rows, self.width)
         return _new_object(&_MESSAGE_LAYOUT, (
-            _KINDS[kind], skippy_load_i32(data + 4), skippy_load_i32(data + 8), state,
-            skippy_load_u64(data + 60), skippy_load_u64(data + 68), sampling, self._metadata,
+            _KINDS[kind], skippy_load_i32(data + FRAME_POS_START), skippy_load_i32(data + FRAME_TOKEN_COUNT), state,
+            skippy_load_u64(data + FRAME_REQUEST_ID), skippy_load_u64(data + FRAME_SESSION_ID), sampling, self._metadata,
             tokens, positions, activation, raw,
         ))
 
 
 cdef object _sampling(const unsigned char *data):
-    cdef uint32_t count = skippy_load_u32(data + 40)
+    cdef uint32_t count = skippy_load_u32(data + FRAME_SAMPLING_FIXED)
     cdef tuple biases = PyTuple_New(count)
     cdef uint32_t index
     cdef object bias
     for index in range(count):
-        bias = _new_object(&_BIAS_LAYOUT, (skippy_load_i32(data + 44 + 8 * index),
-                                           skippy_load_f32(data + 48 + 8 * index)))
+        bias = _new_object(&_BIAS_LAYOUT, (skippy_load_i32(data + FRAME_SAMPLING_HEAD + FRAME_SAMPLING_BIAS * index),
+                                           skippy_load_f32(data + FRAME_SAMPLING_HEAD + 4 + FRAME_SAMPLING_BIAS * index)))
         Py_INCREF(bias)
         PyTuple_SET_ITEM(biases, index, bias)
     return _new_object(&_SAMPLING_LAYOUT, (

@@ -29,6 +29,7 @@ from typing import Final, NamedTuple, NoReturn, cast
 
 import numpy as np
 
+from skippy import _frame_layout as layout
 from skippy import _wire_ext_py as _extension
 from skippy._activation_py import _f16_bits_to_f32, _f32_to_f16_bits, _f32_to_q8
 from skippy.protocol import (
@@ -90,8 +91,10 @@ encode_logprobs = _extension.encode_logprobs
 #: Which implementation this module is (``wire.IMPLEMENTATION`` reports the one in use).
 IMPLEMENTATION: Final = "python"
 
-_FIXED: Final = struct.Struct("<5i10i2Q")  # §2.2: 76 bytes
-_SAMPLING: Final = struct.Struct("<IIffiffffiI")  # §2.5: 40 bytes + u32 bias count
+_FIXED: Final = struct.Struct("<5i10i2Q")  # §2.2: layout.FIXED_HEADER bytes
+_SAMPLING: Final = struct.Struct("<IIffiffffiI")  # §2.5: layout.SAMPLING_FIXED bytes + u32 bias count
+if _FIXED.size != layout.FIXED_HEADER or _SAMPLING.size != layout.SAMPLING_HEAD:
+    raise ImportError("skippy._wire_py disagrees with skippy._frame_layout")
 _I32: Final = struct.Struct("<i")
 _U32: Final = struct.Struct("<I")
 _REPLY_HEAD: Final = struct.Struct("<iii")
@@ -513,23 +516,23 @@ def _message_layout(buffer: bytes | bytearray, start: int, end: int,
     kind = _I32.unpack_from(buffer, start)[0]
     if kind not in _KIND_CODES:
         raise WireError("unknown stage message kind", field="kind", value=kind)
-    if available < 76:
-        return 76
+    if available < layout.FIXED_HEADER:
+        return layout.FIXED_HEADER
     fields = _FIXED.unpack_from(buffer, start)
     token_count, token_sideband_count, position_sideband_count = fields[2:5]
     version, flags, source_stage_index, dtype = fields[5], fields[8], fields[13], fields[14]
     _check_version(version)
-    offset = 76
+    offset = layout.FIXED_HEADER
     sampling_offset = -1
     if flags & _SAMPLING_BIT:
-        if available < offset + 44:
-            return offset + 44
-        bias_count = _U32.unpack_from(buffer, start + offset + 40)[0]
+        if available < offset + layout.SAMPLING_HEAD:
+            return offset + layout.SAMPLING_HEAD
+        bias_count = _U32.unpack_from(buffer, start + offset + layout.SAMPLING_FIXED)[0]
         if bias_count > MAX_STAGE_LOGIT_BIAS:
             raise WireError("logit bias count exceeds maximum", field="logit_bias_count",
                             value=bias_count, limit=MAX_STAGE_LOGIT_BIAS)
         sampling_offset = offset
-        offset += 44 + 8 * bias_count
+        offset += layout.SAMPLING_HEAD + layout.SAMPLING_BIAS * bias_count
         if available < offset:
             return offset
     metadata = None

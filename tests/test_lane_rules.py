@@ -12,14 +12,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy.lane.errors import InvalidMessage, Overloaded, UnsupportedKind
+from skippy.lane import replies
+from skippy.lane.errors import InvalidMessage, Overloaded, StageError, UnsupportedKind
 from skippy.lane.placement import FACTS_READ, Facts, Performer, Step, placement
-from skippy.lane.protocol import RULES, Handling, StageLane
+from skippy.lane.protocol import RULES, Forward, Handling, Relay, SendDownstream, StageLane
 from skippy.lane.timings import DirectTimings
-from skippy.protocol import MessageKind, StageMessage
+from skippy.lane.work import WorkResult
+from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, StageMessage, StageReply
 from skippy.protocol_ext import (
-    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingRecord,
-    identity_query,
+    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, DIRECT_RETURN_FLAG, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG,
+    LogprobsFrame, TimingRecord, TimingsFrame, TokenLogprobs, identity_query,
 )
 
 
@@ -218,3 +220,117 @@ def test_the_lane_is_quiet_only_with_nothing_queued_in_flight_or_running() -> No
     assert lane.quiet
     lane.forward_backlog = 1
     assert not lane.quiet
+
+
+# -- replies: every reply a stage builds (skippy.lane.replies) ----------------------------------
+
+
+@dataclasses.dataclass
+class _Identity:
+    index: int = 1
+    layer_start: int = 2
+    layer_end: int = 4
+
+
+def test_the_final_prediction_carries_its_record_and_logprobs_on_a_negotiated_lane_only() -> None:
+    lane = StageLane(1, 1)
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD), run_flagged=False, is_first=True)
+    assert dispatch is not None
+    rows = [TokenLogprobs(9, -0.5, ((9, -0.5), (3, -1.0)))]
+    result = WorkResult(tokens=[4, 9], batch_size=2, compute_us=30, logprobs=rows)  # type: ignore[arg-type]
+    reply, timings, annotations = replies.prediction(dispatch, result, EMPTY_REPLY_STATS, identity=_Identity(),
+                                                     queue_us=-3, negotiated=True)
+    assert reply == StageReply.predicted_token(9, stats=EMPTY_REPLY_STATS)
+    assert timings == TimingsFrame((TimingRecord(1, 2, 4, 2, 30, 0, 0, 0),))  # queue clamped to 0
+    assert annotations == (LogprobsFrame(2, tuple(rows)),)
+    assert replies.prediction(dispatch, result, EMPTY_REPLY_STATS, identity=_Identity(), queue_us=0,
+                              negotiated=False)[1:] == (None, ())
+    with pytest.raises(StageError, match="DecodeEmbd produced no prediction"):
+        replies.prediction(dispatch, WorkResult(), EMPTY_REPLY_STATS, identity=_Identity(), queue_us=0,
+                           negotiated=True)
+    window, _, _ = replies.prediction(dispatch, result, EMPTY_REPLY_STATS, identity=_Identity(), queue_us=0,
+                                      negotiated=False, window=True, total_us=50)
+    assert window.predicted_tokens == (4, 9) and window.stats.verify_window_total_us == 50
+    assert window.stats.verify_window_token_count == 2 and window.stats.verify_window_stage_count == 1
+    template, record = replies.prediction_template(_Identity(), negotiated=True)
+    assert template.predicted == 0 and record == TimingsFrame((TimingRecord(1, 2, 4, 1, 0, 0, 0, 0),))
+
+
+def _relay(kind: MessageKind, reply: StageReply, *, flags: int = SKIPPY_EXTENSIONS_FLAG) -> tuple[StageLane, Relay]:
+    """A lane with a downstream that forwarded one ``kind`` message and read ``reply`` for it."""
+    lane = StageLane(1, 1)
+    dispatch, _ = lane.received(_message(kind, flags=flags), run_flagged=False, is_first=False)
+    assert dispatch is not None
+    action = lane.computed(dispatch, has_downstream=True)
+    assert type(action) is SendDownstream
+    forward = Forward(dispatch.message, action.expect, dispatch.ticket, dispatch.key, 100, 0.0, compute_us=20,
+                      queue_us=2, batch_size=1, write_us=5, frame_bytes=64)
+    lane.frame_forwarding(forward)
+    return lane, lane.downstream_replied(reply, "d:1")
+
+
+def test_a_relayed_prediction_appends_this_stages_record_and_drops_annotations_for_v11() -> None:
+    downstream = TimingsFrame((TimingRecord(2, 4, 6, 1, 40, 0, 0, 0),))
+    accepted = replies.RUN_ACCEPTED
+    lane, relay = _relay(MessageKind.DECODE_EMBD, StageReply.predicted_token(8))
+    assert relay.prediction and not relay.absorb
+    reply, timings, annotations = replies.relayed(lane, relay, relay_reply := StageReply.predicted_token(8),
+                                                  relay_reply.stats, downstream, accepted, identity=_Identity(),
+                                                  wait_us=7, now_us=200)
+    assert reply is relay_reply and annotations == accepted  # nothing merged: the decoded reply as it came
+    assert timings == TimingsFrame((*downstream.records, TimingRecord(1, 2, 4, 1, 20, 5, 7, 2)))
+    v11, plain = _relay(MessageKind.DECODE_EMBD, StageReply.predicted_token(8), flags=0)
+    assert replies.relayed(v11, plain, StageReply.predicted_token(8), EMPTY_REPLY_STATS, downstream, accepted,
+                           identity=_Identity(), wait_us=7, now_us=200)[1:] == (None, ())
+    lane, relay = _relay(MessageKind.VERIFY_WINDOW, StageReply.predicted_token_vector((1, 2), window_id=0))
+    reply, _, _ = replies.relayed(lane, relay, StageReply.predicted_token_vector((1, 2), window_id=0),
+                                  EMPTY_REPLY_STATS, None, (), identity=_Identity(), wait_us=7, now_us=200)
+    assert reply.stats.verify_window_total_us == 100 and reply.stats.verify_window_downstream_wait_us == 7
+
+
+def test_a_stop_ack_carries_the_sessions_direct_return_totals_once() -> None:
+    lane, relay = _relay(MessageKind.STOP, StageReply.ack())
+    assert relay.release and not relay.prediction
+    lane.direct_timings.add(relay.forward.session, compute_us=10, write_us=1, queue_us=1)
+    reply, timings, _ = replies.relayed(lane, relay, StageReply.ack(), EMPTY_REPLY_STATS, None, (),
+                                        identity=_Identity(), wait_us=0, now_us=0)
+    assert reply == StageReply.ack() and timings == TimingsFrame((TimingRecord(1, 2, 4, 1, 10, 1, 0, 1),))
+    assert replies.relayed(lane, relay, StageReply.ack(), EMPTY_REPLY_STATS, None, (), identity=_Identity(),
+                           wait_us=0, now_us=0)[1] is None  # taken: a second Stop has none
+
+
+def test_an_absorbed_ack_keeps_its_stats_and_the_edge_transport_for_the_next_reply() -> None:
+    lane = StageLane(1, 1)
+    dispatch, _ = lane.received(_message(MessageKind.PREFILL_EMBD), run_flagged=False, is_first=False)
+    assert dispatch is not None and dispatch.early_ack
+    action = lane.computed(dispatch, has_downstream=True)
+    assert type(action) is SendDownstream
+    forward = Forward(dispatch.message, action.expect, dispatch.ticket, dispatch.key, 0, 0.0, write_us=5,
+                      frame_bytes=64)
+    assert lane.take_credit()
+    lane.frame_forwarding(forward)
+    relay = lane.downstream_replied(StageReply.ack(), "d:1")
+    assert relay.absorb and lane.credits_in_use == 0
+    lane.absorbed(relay.forward, StageReply.ack(), wait_us=9)
+    stats = lane.take_stats()
+    assert stats.prefill_edge_observation_count == 1 and stats.prefill_edge_activation_bytes_max == 64
+    assert stats.prefill_edge_write_us_max == 5 and stats.prefill_edge_wait_us_max == 9
+
+
+@pytest.mark.parametrize("kind", list(MessageKind))
+def test_a_rule_is_a_prefill_exactly_for_the_prefill_kinds(kind: MessageKind) -> None:
+    assert RULES[kind].prefill == kind.is_prefill
+
+
+def test_a_written_direct_frame_leaves_the_stage_counts_for_the_stop_and_may_be_the_template() -> None:
+    lane = StageLane(1, 1)
+    dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD, flags=SKIPPY_EXTENSIONS_FLAG | DIRECT_RETURN_FLAG),
+                                run_flagged=False, is_first=False)
+    assert dispatch is not None and dispatch.direct and lane.inflight == 1
+    forward = Forward(dispatch.message, None, None, dispatch.key, 0, 0.0, compute_us=9, write_us=2, batch_size=1,
+                      direct=True)
+    lane.direct_written(forward, b"frame")
+    assert lane.inflight == 0 and len(lane.direct_timings) == 1
+    assert lane.take_template() == (b"frame", None) and lane.take_template() == (None, None)  # taken once
+    assert lane.direct_timings.take(dispatch.key, stage_index=1, layer_start=0, layer_end=2) == TimingRecord(
+        1, 0, 2, 1, 9, 2, 0, 0)

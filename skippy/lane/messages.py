@@ -27,7 +27,7 @@ from skippy.lane.protocol import Dispatch
 from skippy.lane.stats import timing_stats
 from skippy.lane.work import WorkItem, WorkResult
 
-__all__ = ["SIDEBAND_BITS", "final_prediction", "outgoing", "rows_from_wire", "rows_to_wire", "sideband_bits",
+__all__ = ["SIDEBAND_BITS", "final_prediction", "forwarded", "outgoing", "rows_from_wire", "rows_to_wire", "sideband_bits",
            "work_item"]
 
 _INT32 = np.dtype(np.int32)
@@ -108,7 +108,7 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
             f"{kind.reference_name} with activation sideband flags {got:#x} (Gemma3n / MTP / RWKV rows): "
             + (f"this stage's architecture carries the sideband {wanted:#x} beside the hidden state" if wanted
                else "not served by this runtime"))
-    parts = activation_row_multiplier(wanted)
+    parts = activation_row_multiplier(wanted) if wanted else 1
     count = message.token_count
     if count <= 0:
         raise InvalidMessage(f"{kind.reference_name} with token_count {count}: nothing to execute")
@@ -165,7 +165,7 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
         if low < 0 or high >= end:
             raise InvalidMessage(f"{kind.reference_name}: positions {low}..{high} outside this stage's "
                                  f"0..{end - 1} (--ctx-size)")
-    prefill = kind.is_prefill
+    prefill = dispatch.rule.prefill
     return WorkItem(
         key, positions, tokens if is_first or reads_tokens else None, activations, dispatch.align_to, dispatch.rule.outputs,
         None if message.sampling is None else _sampling(sampling, message.sampling),
@@ -201,6 +201,18 @@ def outgoing(message: StageMessage, activations: npt.NDArray[np.float32], wire_d
         chat_sampling_metadata=None, tokens=message.tokens, positions=message.positions,
         activation=activations, raw_bytes=message.raw_bytes,
     )
+
+
+def forwarded(message: StageMessage, result: WorkResult, wire_dtype: WireDType, sideband_flag: int = 0
+              ) -> StageMessage:
+    """The message a stage with a downstream forwards for ``result`` (:func:`outgoing`).
+
+    Raises:
+        StageError: the runtime produced no activation (a broken invariant: INTERNAL).
+    """
+    if result.activations is None:
+        raise StageError("stage has a downstream but produced no activation")
+    return outgoing(message, result.activations, wire_dtype, sideband_flag)
 
 
 def final_prediction(dispatch: Dispatch, result: WorkResult, stats: ReplyStats, *, window: bool,

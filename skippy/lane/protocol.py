@@ -148,6 +148,8 @@ class KindRule:
     #: docs/protocol.md §11: with the decode-run flag, the first stage drives the session's decode
     #: loop itself (:mod:`skippy.lane.decode_run`).
     decode_run: bool = False
+    #: A prefill chunk (``MessageKind.is_prefill``: its tokens extend the session's prompt).
+    prefill: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
 
@@ -182,8 +184,8 @@ _PREFIX: Final = KindRule(Handling.PREFIX_CONTROL, Answer.ACK, checks_header=Fal
 #: The per-kind rules, one row per kind (see the module header; protocol.md §3 for the kinds).
 RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
-                                       outputs=Outputs.NONE),
-    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True),
+                                       outputs=Outputs.NONE, prefill=True),
+    MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True, prefill=True),
     MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True),
     MessageKind.DECODE_READOUT: _DECODE,
     MessageKind.DECODE_LIGHT_CTX: _DECODE,
@@ -517,6 +519,13 @@ class LaneProtocol:
         stats, self.pending_stats = self.pending_stats, EMPTY_REPLY_STATS
         return stats
 
+    def absorbed(self, forward: Forward, reply: StageReply, wait_us: int) -> None:
+        """An early-ACKed chunk's downstream ACK (``Relay.absorb``): its stats, and this edge's
+        transport (the frame's write, ``wait_us`` for the ACK, its size), are kept for the next
+        reply upstream; its credit is back already (:meth:`downstream_replied` counted it)."""
+        self.pending_stats = self.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
+            forward.message.state.source_stage_index, forward.write_us, wait_us, forward.frame_bytes)
+
     # -- downstream -----------------------------------------------------------------------------
     @property
     def expecting(self) -> bool:
@@ -715,6 +724,24 @@ class StageLane(LaneProtocol):
         for run in self.runs.values():
             run.cancelled = True
         self.runs.clear()
+
+    # -- direct return (§8) -------------------------------------------------------------------------
+    def direct_written(self, forward: Forward, template: bytes | None = None) -> None:
+        """A direct-return frame is written downstream: it is out of this stage (no longer in
+        flight), its timings count toward the session's Stop ACK, and ``template`` (the frame as
+        written, when the data plane may carry the session's next decodes) is the relay's."""
+        self.direct_timings.add(forward.session, compute_us=forward.compute_us, write_us=forward.write_us,
+                                queue_us=forward.queue_us, batch_size=forward.batch_size)
+        if template is not None:
+            self.relay_frame = template
+        self.direct_done()
+
+    def take_template(self) -> tuple[bytes | None, object | None]:
+        """The data plane's template and its return lane (final stage), taken (set again by the
+        next direct-return decode the lane handles itself)."""
+        frame, lane = self.relay_frame, self.relay_lane
+        self.relay_frame = self.relay_lane = None
+        return frame, lane
 
     # -- placement ------------------------------------------------------------------------------
     @property

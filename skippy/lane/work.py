@@ -8,6 +8,7 @@ count checked against the frame first); the stage's executor runs it and returns
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import numpy as np
 import numpy.typing as npt
@@ -31,9 +32,8 @@ class WorkItem:
     activations: FloatArray | None = None
     align_to: int | None = None
     outputs: Outputs = Outputs.LAST
-    #: The runtime's sampling settings, converted by the stage (``work_item(sampling=...)``):
-    #: opaque here, so that the lane never names the runtime (a layout never, even for typing).
-    sampling: object | None = None
+    #: The runtime's ``SamplingParams`` (opaque here: the lane never names the runtime).
+    sampling: Any = None
     #: The message's token sideband (every stage gets it; the cache records from it).
     prompt_tokens: IntArray | None = None
     #: A prefill chunk (its tokens extend the session's prompt); the final one records it.

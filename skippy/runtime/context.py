@@ -142,6 +142,9 @@ class StageContext:
                 f"invalid context sizes: n_ctx={n_ctx}, n_batch={n_batch}, max_sessions={max_sessions} (1..256)"
             )
         self.model = model
+        #: The stage's ends and whether its layers read the token ids (fixed with its layers),
+        #: kept here: every decode reads them.
+        self._first, self._last, self._reads_tokens = model.is_first, model.is_last, model.reads_tokens
         self._lock = threading.Lock()
         #: Candidate array of the checked (grammar) sampling path, allocated at its first use.
         self._candidates: object = None
@@ -261,7 +264,7 @@ class StageContext:
             KvSlotUnavailable, DecodeAborted, NativeFatalError: llama_decode failed.
         """
         model = self.model
-        if model.reads_tokens and not model.is_first:
+        if self._reads_tokens and not self._first:
             if tokens is None or activations is None:
                 raise InvalidBatch(
                     f"a stage starting at layer {model.layers.start} of {model.architecture} needs the token ids "
@@ -269,11 +272,11 @@ class StageContext:
                 )
         elif (tokens is None) == (activations is None):
             raise InvalidBatch("give exactly one of tokens or activations")
-        elif tokens is not None and not model.is_first:
+        elif tokens is not None and not self._first:
             raise InvalidBatch(
                 f"tokens given to a stage starting at layer {model.layers.start}; it takes activations"
             )
-        if activations is not None and model.is_first:
+        if activations is not None and self._first:
             raise InvalidBatch("activations given to the first stage (layer 0); it takes tokens")
         pos = np.asarray(positions, dtype=np.int32)
         seq = np.asarray(seq_ids, dtype=np.int32)
@@ -317,7 +320,7 @@ class StageContext:
         self._positions[:n_rows] = pos
         self._seq_ids[:n_rows] = seq
         out = self._outputs
-        if not model.is_last:
+        if not self._last:
             out[:n_rows] = 1
         elif outputs is None:
             out[:n_rows] = 0
@@ -375,7 +378,7 @@ class StageContext:
 
         The view aliases llama.cpp's output buffer: it is valid until the next decode.
         """
-        if self.model.is_last:
+        if self._last:
             raise InvalidBatch("the final stage produces logits, not activations")
         if self._last_rows == 0:
             raise InvalidBatch("no decoded batch to read activations from")

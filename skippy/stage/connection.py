@@ -1,132 +1,68 @@
 """One upstream connection (a lane): I/O only; the lane's state and rules are :mod:`skippy.lane`.
 
-Strategy (the behaviour of the reference's ``handle_binary_connection``, restructured for trio):
-a :class:`Connection` owns the lane's streams and tasks and a
-:class:`~skippy.lane.protocol.StageLane` (all of the lane's state: the per-kind rules, tickets,
-credits, sessions, decode runs, backlogs, the relay's template); it feeds the lane every event
+Strategy (the reference's ``handle_binary_connection``, restructured for trio): a
+:class:`Connection` owns the lane's upstream stream, its tasks and a
+:class:`~skippy.lane.protocol.StageLane` (all of the lane's state); it feeds the lane every event
 and carries out the actions it returns.  Every message takes the same steps:
 
-1. **receive** (``receive_messages``): read and decode a frame, ``message_received`` → a
-   :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane);
-   an early ACK is replied at once.  The dispatch is queued to the compute task.  Reading pauses
-   while ``REPLY_QUEUE`` replies wait to be written (an upstream that does not read its replies).
-2. **handle** (``compute_messages`` → ``_handle``): the stage's own part, by the rule's handling
-   (the scheduler executes, trims, configures, releases; :mod:`skippy.stage.prefix_control`
-   serves prefix control), then ``computed`` → forward downstream, reply upstream, or nothing.
-3. **forward** (``forward_activations``): encode in the wire dtype, take a reply credit for a
-   credited frame, ``frame_forwarding``, write (through the optional simulated wire).
-4. **relay** (``relay_replies``): read a downstream reply, ``downstream_replied`` → absorb it
-   (credit back) or relay it with this stage's timings merged (a Stop's session released first).
-5. **reply**: ``reply_ready`` hands back the replies now due, in message order; the task that
-   got them writes them and reports ``replies_written`` (the protocol's writer token: one
-   writer on the upstream stream at a time, whatever task finished first).
+1. **receive** (``receive_messages``): read and decode a frame, ``received`` → a
+   :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane); an early
+   ACK is replied at once.  Reading pauses while ``REPLY_QUEUE`` replies wait to be written.
+2. **handle** (``_handle``): the stage's own part by the rule's handling (the scheduler executes;
+   control kinds are plain functions of :mod:`skippy.stage.control`), then ``computed`` →
+   forward downstream, reply upstream, or nothing.
+3. **forward** and 4. **relay**: the downstream half (:mod:`skippy.stage.downstream`) writes
+   frames in order with their reply credits and reads the downstream's replies; a reply is
+   answered upstream with this stage's share (:func:`skippy.lane.replies.relayed`).
+5. **reply**: ``reply_ready`` hands back the replies now due, in message order; the task that got
+   them writes them and reports ``replies_written`` (one writer on the upstream stream at a time).
 
-The relay parks on the downstream socket, not on a channel (its work arrives as bytes; an idle
-lane notices a lost downstream at once); the forwarder cancels that wait when it finishes with
-nothing left to answer.  Channel hand-offs use ``send_nowait`` / ``receive_nowait`` first and
-park only when the channel is full / empty (each checkpoint is a run-loop pass).
+Who performs a step (the receiving task, the compute or forward task, the runtime thread through
+:mod:`skippy.stage.write_through`, the data plane of :mod:`skippy.stage.decode_relay`) is
+:func:`skippy.lane.placement.placement`'s choice alone, from the facts ``_facts`` gathers; every
+reply's bytes come from :mod:`skippy.lane.replies`, whoever writes them.
 
-Three shortcuts skip hops; each has a switch in :class:`~skippy.stage.lane.LaneSettings` and its
-on/off figure in ``bench/RESULTS-stage.md``, and the lane tests run both ways and compare bytes.
-A shortcut is a placement: who performs a step (the receiving task, the compute or forward task,
-the runtime thread, the data plane) is chosen by :func:`~skippy.lane.placement.placement` alone,
-from the facts ``_facts`` gathers:
-
-* ``inline_hand_offs``: a message arriving while the compute task has nothing queued (and that
-  is not early-ACKed: receiving must run ahead of those) is handled on the receiving task, and
-  a frame for an idle forwarder (no credit needed, no simulated wire) is written by the task that
-  produced it.  Only one task handles messages at a time (``lane.compute_backlog``) and a stream is
-  written by a shortcut only when nothing is queued for it (``lane.forward_backlog``), so order and
-  one writer per stream hold.
-* ``write_through`` (:mod:`skippy.stage.write_through`): a kind whose rule allows it, whose
-  output has the stream to itself (an idle forwarder; on the final stage, the writer token for
-  its reply) is written by the runtime thread the moment its compute ends.
-* ``decode_relay`` (:mod:`skippy.stage.decode_relay`): after a direct-return DecodeEmbd went
-  through all of the above on a stage with a downstream, and the lane is the stage's only work,
-  the receiving task hands the upstream socket to a ``nogil`` loop that relays the session's
-  next decodes (read, compute, write) and hands back, unread, the first frame it would not
-  carry exactly as these steps do; the receiving task then reads on from there.
-
-Any failure raises out of the nursery, which cancels the other tasks; the lane is closed with one
-log line naming the reason (a bug, i.e. anything that is not a typed refusal of
-:mod:`skippy.lane.errors`, also with its traceback), sessions it opened are released,
-and its downstream lane is closed, which cascades the close down the chain.  The stage and its
-other lanes carry on.
-
-Negotiated extensions (``docs/protocol.md`` §2-§4, helpers in :mod:`skippy.stage.extensions`):
-every message sent downstream carries the extension flag and the downstream lane decodes Error
-and Timings frames.  When this lane's upstream flagged its messages, a predicted reply is
-preceded by a Timings frame (this stage's record appended to the downstream's, in the same
-write), and a lane closed for a reason ends with an Error frame carrying the error's own code: a
-downstream Error relayed unchanged, a lost downstream as ``DOWNSTREAM_LOST`` naming it.  An
-upstream that never flagged sees plain v11 only.  The v11 ``verify_window_*`` stats keep their
-reference meaning and are filled for VerifyWindow replies only (``timing_stats``).
-
-Direct return (``docs/protocol.md`` §8, :mod:`skippy.stage.direct_return`): a lane whose first
-message is a flagged PredictionReturnOpen becomes a session's return lane (``_return_open``: it
-registers in the stage's :class:`~skippy.stage.direct_return.ReturnHub`, is ACKed, and then only
-reads).  A flagged predicted kind takes the rule's direct path: a stage with a downstream forwards
-it expecting nothing back, the final stage writes its prediction into the return lane
-(``_reply_direct``).  A closing lane closes its sessions' return lanes with its Error frame.
+Any failure cancels the lane's other tasks; the lane is closed with one log line naming the
+reason (``extensions.closing_error``), its sessions are released, its return lanes closed, and
+its downstream lane closed, which cascades the close down the chain; the stage carries on.  A
+lane whose upstream negotiated the extensions (``docs/protocol.md`` §2-§4) ends with an Error
+frame; its predicted replies carry Timings frames.  Direct return (§8,
+:mod:`skippy.stage.direct_return`): a lane opened by a flagged PredictionReturnOpen becomes a
+session's return lane; a flagged predicted kind is forwarded expecting nothing back, and the final
+stage writes its prediction into the return lane (``_reply_direct``).  Decode runs (§11): the
+first stage drives the loop; each predicted step queues the next (``_run_step``).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import itertools
 import logging
+from time import perf_counter_ns
 
 import trio
 
 from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
-from skippy.protocol_ext import (
-    DECODE_RUN_FEATURE,
-    DECODE_RUN_FLAG,
-    SKIPPY_EXTENSIONS_FLAG,
-    Annotation,
-    ErrorCode,
-    ErrorFrame,
-    SamplingAcceptedFrame,
-    ExtensionNegotiation,
-    TimingsFrame,
-    append_timing,
-    with_extensions_flag,
-)
+from skippy.protocol_ext import DECODE_RUN_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame
 from skippy.lane import messages as lane_messages
-from skippy.lane.errors import DownstreamError, ReturnLaneLost, StageError, UnsupportedKind
+from skippy.lane import replies
+from skippy.lane.errors import ReturnLaneLost, StageError, UnsupportedKind
 from skippy.lane.protocol import (
-    RULES,
-    Answer,
-    Dispatch,
-    Expect,
-    Forward,
-    Handling,
-    Relay,
-    ReplyUpstream,
-    SendDownstream,
-    StageLane,
-    Ticket,
+    Answer, Dispatch, Expect, Forward, Handling, Relay, ReplyUpstream, SendDownstream, StageLane, Ticket,
 )
 from skippy.lane.placement import Facts, Performer, Step, placement
-from skippy.lane.stats import merge_stats, timing_stats
-from skippy.stage import control, extensions
+from skippy.lane.stats import merge_stats
+from skippy.stage import control, direct_return, extensions
 from skippy.stage.control import OWN_PARTS, OwnPart
-from skippy.stage.decode_relay import RelayRun, relay_plan
+from skippy.stage.decode_relay import RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
+from skippy.stage.downstream import DownstreamLink
 from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.lane import LaneSettings, now_us, put, take
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
-from skippy.stage.transport import (
-    MessageReader,
-    ReplyReader,
-    SocketIO,
-    codec,
-    connect_stage,
-    send_frame,
-)
+from skippy.stage.transport import MessageReader, SocketIO, codec, send_frame
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 log = logging.getLogger("skippy.stage")
@@ -139,10 +75,6 @@ MESSAGE_QUEUE = 2
 REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
-
-#: docs/protocol.md §11: the frame before a decode run's first reply (the first stage runs it).
-_RUN_ACCEPTED: tuple[Annotation, ...] = (SamplingAcceptedFrame(DECODE_RUN_FEATURE),)
-
 
 class Connection:
     """Serves one upstream lane until it closes or fails.
@@ -169,31 +101,22 @@ class Connection:
         #: All of the lane's state and rules (sans-IO): :mod:`skippy.lane`.
         self.lane = StageLane(self.id, settings.credit_limit, REPLY_QUEUE, session_quota=settings.session_quota,
                               peer=peer)
-        self.downstream: trio.abc.Stream | None = None
-        self.downstream_name = str(settings.downstream) if settings.downstream is not None else ""
+        #: The downstream half: its stream and its forward and relay tasks (:mod:`skippy.stage.downstream`).
+        self.link = DownstreamLink(self.lane, settings, stats, self._relay_reply, self._direct_left)
         self.identity = extensions.identity_for(scheduler.executor)
         #: What the control kinds' own parts work on (:mod:`skippy.stage.control`).
         self._stage = control.StageParts(scheduler, settings, stats, self.lane)
         self._upstream_io = SocketIO(upstream)
-        self._downstream_io: SocketIO | None = None
-        #: Facts of the lane's streams for placement(), fixed for its life: plain sockets (set
-        #: when each opens), a simulated wire downstream (benchmarks).
+        #: Facts of the lane's streams for placement(), fixed for its life: a plain socket
+        #: upstream, a simulated wire downstream (benchmarks).
         self._upstream_socket = self._upstream_io.is_socket
-        self._downstream_socket = False
         self._wire_delay = settings.wire.active
-        #: Set (and dropped) when an absorbed ACK returns a credit the forwarder waits for.
-        self._credit_returned: trio.Event | None = None
         #: Set (and dropped) when replies are written while the receiver is paused for them.
         self._replies_written: trio.Event | None = None
-        #: The relay's scope, and whether it is parked waiting with nothing expected.
-        self._relay_scope = trio.CancelScope()
-        self._relay_idle = False
         #: An upstream write was interrupted mid-frame: no Error frame may follow it.
         self._upstream_torn = False
         #: The write-through answering upstream, from its submission until its reply is out.
         self._upstream_through: WriteThrough | None = None
-        #: The downstream lane's channel to the forwarder (None until the first message opens it).
-        self._forwards: trio.MemorySendChannel[Forward] | None = None
         #: What this lane's write-throughs write under (closed before the lane's streams are).
         self._gate = StreamGate()
         self.returns = returns
@@ -232,10 +155,10 @@ class Connection:
         """What :func:`~skippy.lane.placement.placement` decides from, now (the message's part given)."""
         settings, lane = self.settings, self.lane
         if downstream_socket is None:
-            downstream_socket = self._downstream_socket
+            downstream_socket = self.link.socket
         return Facts(settings.inline_hand_offs, settings.write_through, settings.decode_relay,
                      self._upstream_socket, downstream_socket, self._wire_delay, settings.reply_delay_s > 0,
-                     settings.downstream is None or self._forwards is not None, lane.compute_backlog == 0,
+                     settings.downstream is None or self.link.channel is not None, lane.compute_backlog == 0,
                      lane.forward_backlog == 0, quiet, early_ack, credited, direct, before_compute, reply_next,
                      template)
 
@@ -255,32 +178,26 @@ class Connection:
             error = extensions.shutting_down_frame(self.identity.index, self._own_address())
             raise
         except* Exception as group:  # any failure closes this lane only; it is logged and reported
-            # a lane the watchdog aborted fails wherever its tasks were (a hand-off to a task that
-            # already ended, say): the limit it passed is the reason
-            leaves = [self._aborted] if self._aborted is not None else _leaves(group)
-            reason = "; ".join(_describe(exc) for exc in leaves)
+            # a lane the watchdog aborted fails wherever its tasks were: the limit it passed is the reason
+            leaves = [self._aborted] if self._aborted is not None else extensions.leaves(group)
             self.stats.connection_errors += 1
             idle = all(isinstance(exc, IdleLane) for exc in leaves)
-            log.log(logging.INFO if idle else logging.ERROR, "closing lane %d from %s: %s", self.id, self.peer, reason)
-            for exc in leaves:
-                if extensions.is_bug(exc):
-                    log.error("lane %d: internal error", self.id, exc_info=exc)
-            cause = next((exc for exc in leaves if isinstance(exc, DownstreamError)), leaves[0])
-            error = extensions.error_frame(cause, _describe(cause), index=self.identity.index,
-                                           address=self._own_address(), downstream_address=self.downstream_name)
-            if error.code is ErrorCode.MODEL_MISMATCH and not self.lane.identity_aware:
-                error = dataclasses.replace(error, code=ErrorCode.STATE_MISMATCH)  # §9: the v11-era code
+            error = extensions.closing_error(leaves, log, self.id, self.peer, idle=idle,
+                                             identity_aware=self.lane.identity_aware, index=self.identity.index,
+                                             address=self._own_address(), downstream_address=self.link.name)
             self.stats.errors_by_code[ErrorCode(error.code).name.lower()] += 1
         finally:
             self._gate.close()  # a write-through still queued must not write from here on
             # A write-through that started may have written part of its reply (its emit runs
             # only once the compute is done: a refusal before that has written nothing).
             with trio.CancelScope(shield=True):
-                await self._close_return_lanes(error)
+                if self.returns is not None and await direct_return.close_lanes(self.returns, self._return_lane,
+                                                                                self.id, error):
+                    self._upstream_torn = True
                 through = self._upstream_through
                 torn = self._upstream_torn or (through is not None and through.ran)
                 if error is not None and self.extensions.enabled and not torn:
-                    await self._send_error(error)
+                    await extensions.send_error(self._upstream_io, error, self.id)
                 await self._cleanup()
 
     async def _answer_identity(self) -> None:
@@ -299,7 +216,7 @@ class Connection:
     @property
     def downstream_io(self) -> SocketIO | None:
         """The downstream lane's socket I/O, once connected."""
-        return self._downstream_io
+        return self.link.io
 
     def _own_address(self) -> str:
         try:
@@ -308,56 +225,13 @@ class Connection:
             return ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _send_error(self, error: ErrorFrame, io: SocketIO | None = None) -> None:
-        """docs/protocol.md §3: the Error frame, last thing on the lane (best effort, bounded)."""
-        try:
-            frame = codec.encode_error(error)
-            with trio.move_on_after(0.5):
-                await (io or self._upstream_io).send_all(frame)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ValueError) as exc:
-            log.debug("lane %d: could not send the Error frame: %s", self.id, exc)
-
-    async def _close_return_lanes(self, error: ErrorFrame | None) -> None:
-        """docs/protocol.md §8: a closing return lane unregisters (its own Error frame then waits
-        for a prediction write in progress); a closing chain lane closes its sessions' return
-        lanes, each with this lane's Error frame, so their drivers learn at once."""
-        returns = self.returns
-        if returns is None:
-            return
-        own = self._return_lane
-        if own is not None:
-            returns.remove(own)
-            if own.relay_abort is not None:  # a decode relay writes into it: end that first
-                own.relay_abort()
-            with trio.move_on_after(0.5):  # a write into it that does not finish: no Error frame
-                await own.lock.acquire()  # never released: nothing may write on it after the Error frame
-                return
-            self._upstream_torn = True
-            return
-        for lane in returns.detach(self.id):
-            async with lane.lock:
-                lane.closed = True
-                if error is not None and lane.extensions:
-                    await self._send_error(error, lane.io)
-            with trio.move_on_after(1):
-                await trio.aclose_forcefully(lane.stream)
-
     async def _cleanup(self) -> None:
         if self.budget is not None:
             reader = self._reader
             self.budget.release(self._held + (reader.take_reserved() if reader is not None else 0))
             self._held = 0
-        orphans = sorted(self.lane.sessions)
-        self.lane.sessions.clear()
-        for key in orphans:
-            try:
-                released = await self.scheduler.call(functools.partial(self.scheduler.executor.release, key))
-            except StageError as exc:  # a release that fails must not stop the others
-                log.warning("lane %d: releasing session %d failed: %s", self.id, key & ((1 << 64) - 1), exc)
-                continue
-            if released:
-                self.stats.orphan_sessions_released += 1
-        for stream in (self.downstream, self.upstream):
+        orphans = await control.release_orphans(self._stage, self.id)
+        for stream in (self.link.stream, self.upstream):
             if stream is not None:
                 with trio.move_on_after(1):
                     await trio.aclose_forcefully(stream)
@@ -366,7 +240,7 @@ class Connection:
         if self._return_lane is not None:
             self.stats.return_lanes_open -= 1
         self.stats.touch()
-        log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, len(orphans))
+        log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, orphans)
 
     async def _serve(self) -> None:
         messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int, int] | None](MESSAGE_QUEUE)
@@ -403,24 +277,6 @@ class Connection:
             self._held -= held
             self.budget.release(held)  # type: ignore[union-attr]
 
-    async def _open_downstream(self, nursery: trio.Nursery) -> trio.MemorySendChannel[Forward]:
-        address = self.settings.downstream
-        if self.settings.downstream_file is not None:  # re-wired by a launcher (--downstream-file)
-            address = _read_downstream_file(self.settings.downstream_file) or address
-            self.downstream_name = str(address)
-        assert address is not None
-        self.downstream = await connect_stage(address, self.settings.connect_timeout,  # type: ignore[arg-type]
-                                              tls=self.settings.downstream_tls)
-        self._downstream_io = SocketIO(self.downstream)
-        self._downstream_socket = self._downstream_io.is_socket
-        if self.settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet
-            await self.settings.identities.verify(address)  # type: ignore[attr-defined]
-        forwards_send, forwards_receive = trio.open_memory_channel[Forward](max(1, self.settings.max_inflight))
-        nursery.start_soon(self.forward_activations, forwards_receive)
-        nursery.start_soon(self.relay_replies)
-        self._forwards = forwards_send
-        return forwards_send
-
     # -- step 1: receive ---------------------------------------------------------------------
     async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None]) -> None:
         settings = self.settings
@@ -444,7 +300,7 @@ class Connection:
             message = await reader.next()
             if message is None:
                 return
-            received_us = now_us()
+            received_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
             held = reader.take_reserved() if reader.reserved else 0
             self._held += held
             if self.identity.index < 0:
@@ -479,11 +335,10 @@ class Connection:
         while this lane is the stage's only work, relay the ones that follow it outside Python.
         Whatever the relay does not carry is left in ``reader``."""
         state = self.lane
-        frame, state.relay_frame = state.relay_frame, None
-        lane: ReturnLane | None
-        lane, state.relay_lane = state.relay_lane, None  # type: ignore[assignment]
+        frame, lane = state.take_template()
+        assert lane is None or isinstance(lane, ReturnLane)
         upstream, settings = self._upstream_io, self.settings
-        downstream = lane.io if lane is not None else self._downstream_io
+        downstream = lane.io if lane is not None else self.link.io
         free = downstream is not None and downstream.is_socket and (
             lane is None or not (lane.closed or lane.lock.locked()))
         facts = self._facts(template=frame is not None, downstream_socket=free,
@@ -498,29 +353,10 @@ class Connection:
             return
         run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,
                        downstream=downstream, reader=reader,
-                       downstream_name=self.downstream_name if lane is None else lane.peer,
+                       downstream_name=self.link.name if lane is None else lane.peer,
                        width=settings.width, position_end=settings.max_rows)
-        if not self.scheduler.hold(run.stop, self.id):
-            run.close()
-            return
-        self._relay_run = run
-        try:
-            if lane is None:
-                try:
-                    await run.run()
-                finally:
-                    self.lane.direct_timings.add(dispatch.key, compute_us=run.compute_us,
-                                             write_us=run.write_us, messages=run.steps)
-                return
-            async with lane.lock:  # the return lane's one writer until the run ends
-                lane.relay_abort = run.abort
-                try:
-                    await run.run()
-                finally:
-                    lane.relay_abort = None
-        finally:
-            self._relay_run = None
-            self.scheduler.release_hold()
+        await carry(run, scheduler=self.scheduler, lane_id=self.id, session_key=dispatch.key, return_lane=lane,
+                    timings=self.lane.direct_timings, running=functools.partial(setattr, self, "_relay_run"))
 
     # -- decode runs (docs/protocol.md §11, skippy.lane.decode_run) ---------------------------
     def _run_step(self, ticket: Ticket, token: int) -> tuple[Annotation, ...]:
@@ -536,7 +372,7 @@ class Connection:
                     wake.send_nowait(None)
                 except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
                     pass  # busy (it takes run_steps first when it comes back), or the lane is ending
-        return _RUN_ACCEPTED if first else ()
+        return replies.RUN_ACCEPTED if first else ()
 
     # -- step 5: reply -----------------------------------------------------------------------
     async def _reply(self, ticket: Ticket, reply: StageReply, timings: TimingsFrame | None = None,
@@ -569,7 +405,6 @@ class Connection:
     # -- step 2: handle ----------------------------------------------------------------------
     async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int] | None],
                                nursery: trio.Nursery) -> None:
-        forwards: trio.MemorySendChannel[Forward] | None = None
         run_steps = self.lane.run_steps
         try:
             async with messages:
@@ -588,15 +423,14 @@ class Connection:
                             continue
                         dispatch, received_us, held = entry
                     try:
-                        if forwards is None and self.settings.downstream is not None:
-                            forwards = await self._open_downstream(nursery)
+                        if self.link.channel is None and self.settings.downstream is not None:
+                            await self.link.connect(nursery)
                         await self._handle(dispatch, received_us)
                     finally:
                         self._release_held(held)
                     self.lane.compute_backlog -= 1
         finally:
-            if forwards is not None:
-                await forwards.aclose()
+            await self.link.close()
 
     async def _handle(self, dispatch: Dispatch, received_us: int) -> None:
         """The stage's own part of a message (by its rule's handling), then what ``computed`` says."""
@@ -609,8 +443,8 @@ class Connection:
         if handling is Handling.RETURN_OPEN:
             own = await self._return_open(dispatch)
         else:
-            own = await OWN_PARTS[handling](self._stage, dispatch, key, forward, forwarding=self._forwards is not None)
-        action = self.lane.computed(dispatch, has_downstream=self._forwards is not None,
+            own = await OWN_PARTS[handling](self._stage, dispatch, key, forward, forwarding=self.link.channel is not None)
+        action = self.lane.computed(dispatch, has_downstream=self.link.channel is not None,
                                         local_hit=own.result is not None, forwarded=own.forwarded)
         if type(action) is SendDownstream:
             forward.expect = action.expect
@@ -649,8 +483,9 @@ class Connection:
                                        reads_tokens=self.scheduler.executor.reads_tokens,
                                        sideband_flag=self.scheduler.executor.sideband_flag,
                                        sampling=sampling_params)
-        self.lane.claim(key)
-        if kind.is_prefill:
+        if key not in self.lane.sessions:  # a new session (the lane's quota)
+            self.lane.claim(key)
+        if rule.prefill:
             self.stats.prefill_chunks += 1
             self.stats.prefill_tokens += message.token_count
         elif rule.window:
@@ -658,18 +493,18 @@ class Connection:
         else:
             self.stats.decode_items += 1
         # An executable kind's next step does not depend on its result: known before it runs.
-        action = self.lane.computed(dispatch, has_downstream=self._forwards is not None)
+        action = self.lane.computed(dispatch, has_downstream=self.link.channel is not None)
         if type(action) is SendDownstream:
             facts = self._facts(before_compute=True, credited=action.expect is Expect.ABSORB_ACK)
             if placement(Step.WRITE_DOWN, rule, facts) is Performer.RUNTIME_THREAD:
-                await self._forward_through(dispatch, item, key, received_us, action.expect)
+                forward = Forward(message, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
+                                  direct=dispatch.direct)
+                await self.link.write_through(self._gate, self.scheduler, forward, item)
                 return
             result, queue_us = await self.scheduler.execute(item)
             control.note_recorded(self._stage, result, message)
-            if result.activations is None:
-                raise StageError("stage has a downstream but produced no activation")
-            outgoing = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
-                                              self.scheduler.executor.output_flag)
+            outgoing = lane_messages.forwarded(message, result, self.settings.wire_dtype,
+                                               self.scheduler.executor.output_flag)
             await self._forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
                                         result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
             return
@@ -698,10 +533,9 @@ class Connection:
         """The final stage's predicted reply (PredictedTokens for a verify window), with its
         Timings frame on a negotiated lane (docs/protocol.md §4: the producing stage starts it)."""
         assert dispatch.ticket is not None
-        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
-                                                            negotiated=self.extensions.enabled)
-        reply = lane_messages.final_prediction(dispatch, result, stats, window=action.window,
-                                               total_us=now_us() - received_us)
+        reply, timings, annotations = replies.prediction(
+            dispatch, result, stats, identity=self.identity, queue_us=queue_us, negotiated=self.extensions.enabled,
+            window=action.window, total_us=now_us() - received_us)
         if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
             annotations += self._run_step(dispatch.ticket, reply.predicted)
         await self._reply(dispatch.ticket, reply, timings, annotations)
@@ -715,84 +549,39 @@ class Connection:
         if lane is None:
             raise ReturnLaneLost(f"{dispatch.kind.reference_name} of session {message.session_id} asks for direct "
                                  "return, but no return lane is open for it on this stage")
-        timings, annotations = extensions.prediction_frames(self.identity, result, queue_us, negotiated=lane.extensions)
-        reply = lane_messages.final_prediction(dispatch, result, self.lane.take_stats(), window=action.window,
-                                               total_us=now_us() - received_us)
+        reply, timings, annotations = replies.prediction(
+            dispatch, result, self.lane.take_stats(), identity=self.identity, queue_us=queue_us,
+            negotiated=lane.extensions, window=action.window, total_us=now_us() - received_us)
         await lane.send(extensions.reply_bytes(reply, timings, annotations), self.settings.reply_delay_s)
         self.stats.direct_replies += 1
-        self._direct_done()
+        self.lane.direct_done()
+        self._direct_left()
         if self.settings.decode_relay and not annotations and dispatch.kind is MessageKind.DECODE_EMBD:
             # shortcut 3 may answer the next ones: their reply as the lane would write it
             self.lane.relay_lane = lane
             self.lane.relay_frame = extensions.reply_bytes(
-                StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS),
-                extensions.prediction_frames(self.identity, WorkResult(), 0, negotiated=lane.extensions)[0])
+                *replies.prediction_template(self.identity, negotiated=lane.extensions))
 
-    def _direct_done(self) -> None:
-        """A direct-return message is out of this stage: no longer in flight (it may unpause receiving)."""
-        self.lane.direct_done()
+    def _direct_left(self) -> None:
+        """A direct-return message left this stage (the lane counted it): receiving may go on."""
         if self._replies_written is not None:
             self._replies_written.set()
             self._replies_written = None
-
-    async def _forward_through(self, dispatch: Dispatch, item: WorkItem, key: int, received_us: int,
-                               expect: Expect | None) -> None:
-        """Execute ``item`` and have the runtime thread write its frame downstream
-        (:mod:`skippy.stage.write_through`; the caller checked that nothing else is queued)."""
-        message = dispatch.message
-        forward = Forward(message, expect, dispatch.ticket, key, received_us, trio.current_time())
-        width, wire_dtype = self.settings.width, self.settings.wire_dtype
-
-        def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
-            if result.activations is None:
-                raise StageError("stage has a downstream but produced no activation")
-            forward.compute_us, forward.queue_us, forward.batch_size = result.compute_us, queue_us, result.batch_size
-            outgoing = forward.message = lane_messages.outgoing(message, result.activations, self.settings.wire_dtype,
-                                              self.scheduler.executor.output_flag)
-            frame = codec.encode_message(outgoing, wire_dtype, width)
-            forward.frame_bytes = len(frame)
-            # Set before the write: the socket send releases the GIL, and the downstream's reply can
-            # reach relay_replies before sent() below runs; its wait was then measured from 0.
-            forward.sent_us = now_us()
-            return frame
-
-        def sent(sent_us: int, write_us: int) -> None:  # runtime thread
-            forward.sent_us, forward.write_us = sent_us, write_us
-
-        assert self._downstream_io is not None
-        through = WriteThrough(self._gate, self._downstream_io, build, sent)
-        self.lane.forward_backlog = 1  # this lane's downstream writer until the frame is out
-        self.lane.frame_forwarding(forward)  # before the frame can leave: its reply must find it
-        await self.scheduler.execute(item, through)
-        forward.write_us += await through.finish(self.downstream_name, downstream=True)
-        self.lane.forward_backlog = 0
-        if dispatch.direct and self.settings.decode_relay:  # shortcut 3 may carry the next ones
-            self.lane.relay_frame = through.frame
-        self.stats.forward_write_us += forward.write_us
-        self.stats.write_throughs += 1
-        if dispatch.direct:
-            self.lane.direct_timings.add(key, compute_us=forward.compute_us, write_us=forward.write_us,
-                                     queue_us=forward.queue_us, batch_size=forward.batch_size)
-            self._direct_done()
 
     async def _reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
         """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken
         upstream (the caller holds the writer token for ``ticket``)."""
         stats = self.lane.take_stats()
         extensions_on = self.extensions.enabled
-        kind = dispatch.kind
 
         def build(result: WorkResult, queue_us: int) -> bytes:  # runtime thread
-            if not result.tokens:
-                raise StageError(f"{kind.reference_name} produced no prediction")
-            timings, annotations = extensions.prediction_frames(self.identity, result, queue_us,
-                                                                negotiated=extensions_on)
+            ticket.reply, ticket.timings, annotations = replies.prediction(
+                dispatch, result, stats, identity=self.identity, queue_us=queue_us, negotiated=extensions_on)
             if annotations:
                 ticket.annotations = annotations
-            ticket.reply, ticket.timings = StageReply.predicted_token(result.tokens[-1], stats=stats), timings
             if run is not None and not run.announced:  # §11: the run's first reply says it runs
-                ticket.annotations += _RUN_ACCEPTED
-            return extensions.reply_bytes(ticket.reply, timings, ticket.annotations)
+                ticket.annotations += replies.RUN_ACCEPTED
+            return extensions.reply_bytes(ticket.reply, ticket.timings, ticket.annotations)
 
         run = ticket.run
         through = self._upstream_through = WriteThrough(self._gate, self._upstream_io, build)
@@ -815,112 +604,20 @@ class Connection:
         calls this, so with nothing queued to the forwarder no other write can start before this
         one ends.
         """
-        forwards = self._forwards
-        assert forwards is not None
         if placement(Step.WRITE_DOWN, None, self._facts(credited=item.expect is Expect.ABSORB_ACK)) \
                 is Performer.HANDLING_TASK:
             self.lane.forward_backlog = 1
             try:
-                await self._write_forward(item)
+                await self.link.write(item)
             finally:
                 self.lane.forward_backlog = 0
             return
-        self.lane.forward_backlog += 1
-        await put(forwards, item)
-
-    async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
-        protocol = self.lane
-        try:
-            async with forwards:
-                while True:
-                    try:
-                        item = await take(forwards)
-                    except trio.EndOfChannel:  # compute finished
-                        return
-                    if item.expect is Expect.ABSORB_ACK:
-                        if not protocol.take_credit():
-                            self.stats.credit_waits += 1
-                            while not protocol.take_credit():
-                                self._credit_returned = trio.Event()
-                                await self._credit_returned.wait()
-                        if protocol.credits_in_use > self.stats.max_pending_prefill_acks:
-                            self.stats.max_pending_prefill_acks = protocol.credits_in_use
-                            self.stats.touch()
-                    await self._write_forward(item)
-                    self.lane.forward_backlog -= 1
-        finally:
-            self.lane.forwarding_done = True
-            if not protocol.expecting and self._relay_idle:
-                self._relay_scope.cancel()  # the relay waits for a reply nobody will send
-
-    async def _write_forward(self, item: Forward) -> None:
-        """Encode ``item``'s frame in the wire dtype, note its expected reply, write it downstream."""
-        io = self._downstream_io
-        assert io is not None
-        message = item.message
-        if not message.state.flags & SKIPPY_EXTENSIONS_FLAG:  # §2: always flag downstream
-            message = item.message = with_extensions_flag(message)
-        frame = codec.encode_message(message, self.settings.wire_dtype, self.settings.width)
-        item.frame_bytes = len(frame)
-        self.lane.frame_forwarding(item)
-        item.sent_us = started = now_us()
-        wire = self.settings.wire
-        if wire.active:
-            await wire.write(io, frame, self.downstream_name, item.enqueued_at)
-        else:
-            await send_frame(io, frame, self.downstream_name, downstream=True)
-        item.write_us = now_us() - started
-        self.stats.forward_write_us += item.write_us
-        if item.direct:
-            self.lane.direct_timings.add(item.session, compute_us=item.compute_us, write_us=item.write_us,
-                                     queue_us=item.queue_us, batch_size=item.batch_size)
-            self._direct_done()
-
-    # -- step 4: relay -----------------------------------------------------------------------
-    async def relay_replies(self) -> None:
-        io = self._downstream_io
-        assert io is not None
-        with self._relay_scope:  # cancelled only while parked with nothing expected: then it ends
-            await self._relay(ReplyReader(io, self.downstream_name))
-
-    async def _relay(self, reader: ReplyReader) -> None:
-        protocol = self.lane
-        while True:
-            if protocol.expecting:
-                reply, timings = await reader.next()
-            else:
-                if self.lane.forwarding_done:
-                    return
-                self._relay_idle = True
-                try:
-                    reply, timings = await reader.next()
-                finally:
-                    self._relay_idle = False
-            relay = protocol.downstream_replied(reply, self.downstream_name)
-            item = relay.forward
-            wait_us = max(0, now_us() - item.sent_us - item.write_us)
-            self.stats.downstream_wait_us += wait_us
-            self.stats.downstream_wait_histogram.observe(wait_us)
-            if relay.absorb:
-                self._absorb(item, reply, wait_us)
-            else:
-                await self._relay_reply(relay, reply, timings, wait_us, reader.annotations)
-
-    def _absorb(self, item: Forward, reply: StageReply, wait_us: int) -> None:
-        """An early-ACKed chunk's downstream ACK: its stats (and this edge's transport) are kept
-        for the next reply upstream; its credit is back (the protocol counted it)."""
-        protocol = self.lane
-        protocol.pending_stats = protocol.pending_stats.merge(reply.stats).observe_prefill_edge_transport(
-            item.message.state.source_stage_index, item.write_us, wait_us, item.frame_bytes
-        )
-        if self._credit_returned is not None:
-            self._credit_returned.set()
-            self._credit_returned = None
+        await self.link.queue(item)
 
     async def _relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int,
                            annotations: tuple[Annotation, ...] = ()) -> None:
         """Answer the forwarded message's ticket with the downstream's reply, this stage's share added
-        (``annotations``: the downstream's §10 frames, relayed unchanged to a negotiated upstream)."""
+        (:func:`skippy.lane.replies.relayed`; a stopped session released first)."""
         item = relay.forward
         assert item.ticket is not None
         stats = merge_stats(self.lane.take_stats(), reply.stats)
@@ -928,59 +625,8 @@ class Connection:
             stats = await item.on_reply(stats)
         if relay.release:
             await control.release(self._stage, item.session)
-        if annotations and not self.extensions.enabled:
-            annotations = ()  # a v11 upstream cannot have asked for them (docs/protocol.md §10)
-        if not relay.prediction:
-            summary = None
-            if relay.release:  # §8: a Stop's ACK carries the session's direct-return totals
-                record = self.lane.direct_timings.take(item.session, stage_index=self.identity.index,
-                                                   layer_start=self.identity.layer_start,
-                                                   layer_end=self.identity.layer_end)
-                if record is not None and self.extensions.enabled:
-                    summary = append_timing(timings, record)
-            await self._reply(item.ticket, StageReply.ack(stats), summary, annotations)
-            return
-        if RULES[item.ticket.kind].window:  # the reference's verify-window stats
-            stats = timing_stats(stats, compute_us=item.compute_us, write_us=item.write_us, wait_us=wait_us,
-                                 total_us=now_us() - item.received_us, batch_size=item.batch_size)
-        if self.extensions.enabled:  # docs/protocol.md §4: append this stage's record
-            timings = append_timing(timings, extensions.own_record(
-                self.identity, batch_size=item.batch_size, compute_us=item.compute_us,
-                write_us=item.write_us, wait_us=wait_us, queue_us=item.queue_us))
-        else:
-            timings = None
-        if stats is not reply.stats:  # the hot path merges nothing: keep the decoded reply
-            reply = dataclasses.replace(reply, stats=stats)
-        if item.ticket.run is not None:  # §11: the run's next step starts before this reply is out
+        reply, timings, annotations = replies.relayed(self.lane, relay, reply, stats, timings, annotations,
+                                                      identity=self.identity, wait_us=wait_us, now_us=now_us())
+        if relay.prediction and item.ticket.run is not None:  # §11: the run's next step starts before the reply
             annotations += self._run_step(item.ticket, reply.predicted)
         await self._reply(item.ticket, reply, timings, annotations)
-
-
-def _leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
-    result: list[BaseException] = []
-    for exc in group.exceptions:
-        if isinstance(exc, BaseExceptionGroup):
-            result += _leaves(exc)
-        else:
-            result.append(exc)
-    return result
-
-
-def _describe(exc: BaseException) -> str:
-    if isinstance(exc, StageError) and not extensions.is_bug(exc):
-        return str(exc)
-    return f"{type(exc).__name__}: {exc}"
-
-
-def _read_downstream_file(path: object) -> object | None:
-    """The address in a ``--downstream-file`` (None while it is missing, empty or unreadable)."""
-    from pathlib import Path
-
-    from skippy.stage.config import Address
-
-    try:
-        text = Path(str(path)).read_text().strip()
-        return Address.parse(text) if text else None
-    except (OSError, ValueError) as exc:  # not written yet / half written: keep the configured one
-        log.warning("downstream file %s unreadable (%s); using --downstream", path, exc)
-        return None

@@ -13,10 +13,12 @@ it changes what the lane's streams are.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
+import logging
 from typing import Awaitable, Callable, Final
 
-from skippy.lane.errors import InvalidMessage
+from skippy.lane.errors import InvalidMessage, StageError
 from skippy.lane.protocol import Dispatch, Forward, Handling, StageLane
 from skippy.lane.work import WorkResult
 from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage
@@ -27,7 +29,9 @@ from skippy.stage.lane import LaneSettings
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
 
-__all__ = ["OWN_PARTS", "OwnPart", "StageParts", "note_recorded", "release"]
+log = logging.getLogger("skippy.stage")
+
+__all__ = ["OWN_PARTS", "OwnPart", "StageParts", "note_recorded", "release", "release_orphans"]
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -62,6 +66,23 @@ async def release(stage: StageParts, key: int) -> None:
     if await stage.scheduler.call(lambda: executor.release(key)):
         stage.stats.sessions_released += 1
         stage.stats.touch()
+
+
+async def release_orphans(stage: StageParts, lane_id: int) -> int:
+    """The lane closes: release every session it still holds (one failing does not stop the
+    others); returns how many it held."""
+    orphans = sorted(stage.lane.sessions)
+    stage.lane.sessions.clear()
+    executor = stage.scheduler.executor
+    for key in orphans:
+        try:
+            released = await stage.scheduler.call(functools.partial(executor.release, key))
+        except StageError as exc:
+            log.warning("lane %d: releasing session %d failed: %s", lane_id, key & ((1 << 64) - 1), exc)
+            continue
+        if released:
+            stage.stats.orphan_sessions_released += 1
+    return len(orphans)
 
 
 def note_recorded(stage: StageParts, result: WorkResult, message: StageMessage) -> None:

@@ -29,7 +29,7 @@ import dataclasses
 import logging
 import os
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
@@ -40,6 +40,8 @@ from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.transport import codec, write_failed
 
 if TYPE_CHECKING:
+    from skippy.lane.timings import DirectTimings
+    from skippy.stage.direct_return import ReturnLane
     from skippy.runtime.sampling import Sampler
     from skippy.stage.executor import Executor
     from skippy.stage.scheduler import Scheduler
@@ -57,7 +59,7 @@ else:
 #: Which implementation carries the relay: "cython" or "python".
 IMPLEMENTATION: str = _implementation.IMPLEMENTATION
 
-__all__ = ["IMPLEMENTATION", "RelayPlan", "RelayRun", "relay_plan"]
+__all__ = ["IMPLEMENTATION", "RelayPlan", "RelayRun", "carry", "relay_plan"]
 
 log = logging.getLogger("skippy.stage")
 
@@ -265,3 +267,32 @@ class RelayRun:
             stats.queue_histogram.observe(0)
         self._reader.last_frame = trio.current_time()
         stats.touch()
+
+
+async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_key: int,
+                return_lane: "ReturnLane | None", timings: "DirectTimings",
+                running: Callable[[RelayRun | None], None]) -> None:
+    """Run ``run`` while this lane is the stage's only work (``Scheduler.hold``; else it is
+    closed unrun): on the final stage as the return lane's one writer (its close aborts the
+    run), elsewhere adding what it carried to the session's direct-return ``timings``.
+    ``running`` is told the run reading the upstream (the watchdog's idle clock), then None."""
+    if not scheduler.hold(run.stop, lane_id):
+        run.close()
+        return
+    running(run)
+    try:
+        if return_lane is None:
+            try:
+                await run.run()
+            finally:
+                timings.add(session_key, compute_us=run.compute_us, write_us=run.write_us, messages=run.steps)
+            return
+        async with return_lane.lock:  # the return lane's one writer until the run ends
+            return_lane.relay_abort = run.abort
+            try:
+                await run.run()
+            finally:
+                return_lane.relay_abort = None
+    finally:
+        running(None)
+        scheduler.release_hold()

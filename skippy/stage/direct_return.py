@@ -30,9 +30,11 @@ from typing import Callable
 import trio
 
 from skippy.lane.errors import InvalidMessage, ReturnLaneLost, StageError
+from skippy.protocol_ext import ErrorFrame
+from skippy.stage.extensions import send_error
 from skippy.stage.transport import SocketIO, send_frame
 
-__all__ = ["ReturnHub", "ReturnLane"]
+__all__ = ["ReturnHub", "ReturnLane", "close_lanes"]
 
 
 class ReturnLane:
@@ -128,3 +130,27 @@ class ReturnHub:
         for lane in lanes:
             del self._lanes[lane.owner, lane.session_id]
         return lanes
+
+
+async def close_lanes(returns: ReturnHub, own: ReturnLane | None, lane_id: int, error: ErrorFrame | None) -> bool:
+    """docs/protocol.md §8: a closing lane's return lanes.  A return lane (``own``) unregisters
+    (a decode relay writing into it ends first) and waits for a prediction write in progress, so
+    its own Error frame follows a whole reply; a chain lane (``lane_id``) closes its sessions'
+    return lanes, each with its Error frame (when they negotiated it), so their drivers learn at
+    once.  Returns True when ``own``'s write did not finish: no Error frame may follow it."""
+    if own is not None:
+        returns.remove(own)
+        if own.relay_abort is not None:  # a decode relay writes into it: end that first
+            own.relay_abort()
+        with trio.move_on_after(0.5):  # a write into it that does not finish: no Error frame
+            await own.lock.acquire()  # never released: nothing may write on it after the Error frame
+            return False
+        return True
+    for lane in returns.detach(lane_id):
+        async with lane.lock:
+            lane.closed = True
+            if error is not None and lane.extensions:
+                await send_error(lane.io, error, lane_id)
+        with trio.move_on_after(1):
+            await trio.aclose_forcefully(lane.stream)
+    return False

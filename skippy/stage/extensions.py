@@ -16,7 +16,7 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
   else is a bug: ``INTERNAL``, :func:`is_bug`); :func:`error_frame` builds the frame (origin =
   this stage, except ``DOWNSTREAM_LOST``, whose origin is the lost stage: index + 1 and the
   configured downstream address; a downstream Error frame is relayed unchanged).
-* Timings. :func:`own_record` is this stage's record for one reply, every value clamped >= 0.
+* Timings. :func:`own_record` (:mod:`skippy.lane.replies`) is this stage's record for one reply.
 * Annotations (docs/protocol.md §10: SamplingAccepted, Logprobs). The final stage writes them
   before the reply they belong to; every other stage relays them unchanged, and only to an
   upstream that negotiated the extensions (a v11 upstream cannot have asked for them).
@@ -24,8 +24,12 @@ Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.p
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 import weakref
 from typing import Any
+
+import trio
 
 from skippy.protocol import StageMessage, StageReply
 from skippy.protocol_ext import (
@@ -36,15 +40,17 @@ from skippy.protocol_ext import (
     ErrorFrame,
     LogprobsFrame,
     SamplingAcceptedFrame,
-    TimingRecord,
     TimingsFrame,
 )
 from skippy.lane.errors import DownstreamError, StageError, error_code
-from skippy.stage.transport import codec
+from skippy.lane.replies import logprobs_annotation, own_record, prediction_frames
+from skippy.stage.transport import SocketIO, codec
+
+log = logging.getLogger("skippy.stage")
 
 __all__ = [
-    "StageIdentity", "error_frame", "identity_for", "is_bug", "own_record", "reply_bytes",
-    "shutting_down_frame",
+    "StageIdentity", "closing_error", "describe", "error_frame", "identity_for", "is_bug", "leaves",
+    "logprobs_annotation", "own_record", "prediction_frames", "reply_bytes", "send_error", "shutting_down_frame",
 ]
 
 class StageIdentity:
@@ -108,30 +114,46 @@ def error_frame(exc: BaseException, reason: str, *, index: int, address: str,
                       _cut(reason, MAX_ERROR_MESSAGE_BYTES))
 
 
+def leaves(group: BaseExceptionGroup[Exception]) -> list[BaseException]:
+    """The exceptions of ``group`` and of its nested groups, flattened."""
+    result: list[BaseException] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            result += leaves(exc)
+        else:
+            result.append(exc)
+    return result
+
+
+def describe(exc: BaseException) -> str:
+    """A failure for the log and the Error frame: a refusal's own text, a bug's type too."""
+    if isinstance(exc, StageError) and not is_bug(exc):
+        return str(exc)
+    return f"{type(exc).__name__}: {exc}"
+
+
+def closing_error(failures: list[BaseException], log: logging.Logger, lane_id: int, peer: str, *, idle: bool,
+                  identity_aware: bool, index: int, address: str, downstream_address: str) -> ErrorFrame:
+    """A lane closes for ``failures``: log one line naming the reason (INFO when it only sat idle
+    too long; a bug also with its traceback) and return the Error frame it ends with (a
+    downstream's Error relayed unchanged; §9: MODEL_MISMATCH is STATE_MISMATCH to an upstream
+    that does not flag bit 12)."""
+    reason = "; ".join(map(describe, failures))
+    log.log(logging.INFO if idle else logging.ERROR, "closing lane %d from %s: %s", lane_id, peer, reason)
+    for exc in failures:
+        if is_bug(exc):
+            log.error("lane %d: internal error", lane_id, exc_info=exc)
+    cause = next((exc for exc in failures if isinstance(exc, DownstreamError)), failures[0])
+    error = error_frame(cause, describe(cause), index=index, address=address, downstream_address=downstream_address)
+    if error.code is ErrorCode.MODEL_MISMATCH and not identity_aware:
+        error = dataclasses.replace(error, code=ErrorCode.STATE_MISMATCH)  # §9: the v11-era code
+    return error
+
+
 def shutting_down_frame(index: int, address: str) -> ErrorFrame:
     """The Error frame of a lane closed because the stage is draining (SIGTERM)."""
     return ErrorFrame(ErrorCode.SHUTTING_DOWN, index, index, _cut(address, MAX_ERROR_ADDRESS_BYTES),
                       "the stage is shutting down")
-
-
-def own_record(identity: StageIdentity, *, batch_size: int, compute_us: int, write_us: int = 0,
-               wait_us: int = 0, queue_us: int = 0) -> TimingRecord:
-    """This stage's timing record for one reply (ext §4), every value clamped to >= 0."""
-    return TimingRecord(
-        max(identity.index, 0), identity.layer_start, identity.layer_end, max(batch_size, 0),
-        max(compute_us, 0), max(write_us, 0), max(wait_us, 0), max(queue_us, 0),
-    )
-
-
-def prediction_frames(identity: StageIdentity, result: Any, queue_us: int, *, negotiated: bool
-                      ) -> tuple[TimingsFrame | None, tuple[Annotation, ...]]:
-    """What precedes the final stage's prediction of ``result`` (a WorkResult) on a lane that
-    negotiated the extensions: its Timings frame (docs/protocol.md §4: the producing stage starts
-    it) and its Logprobs frame (§10, when the session asked); (None, ()) on a v11 lane."""
-    if not negotiated:
-        return None, ()
-    record = own_record(identity, batch_size=result.batch_size, compute_us=result.compute_us, queue_us=queue_us)
-    return TimingsFrame((record,)), logprobs_annotation(result.logprobs)
 
 
 def reply_bytes(reply: StageReply, timings: TimingsFrame | None, annotations: tuple[Annotation, ...] = ()) -> bytes:
@@ -149,14 +171,16 @@ def reply_bytes(reply: StageReply, timings: TimingsFrame | None, annotations: tu
     return b"".join(parts)
 
 
-def logprobs_annotation(result_logprobs: object, top: int | None = None) -> tuple[Annotation, ...]:
-    """The Logprobs annotation of a final-stage result (``WorkResult.logprobs``; () when none)."""
-    if not result_logprobs:
-        return ()
-    rows = tuple(result_logprobs)  # type: ignore[call-overload]
-    return (LogprobsFrame(len(rows[0].top) if top is None else top, rows),)
-
-
 def sampling_accepted(features: int) -> tuple[Annotation, ...]:
     """The SamplingAccepted annotation of a configure ACK."""
     return (SamplingAcceptedFrame(features),)
+
+
+async def send_error(io: SocketIO, error: ErrorFrame, lane_id: int) -> None:
+    """docs/protocol.md §3: the Error frame, last thing on a lane (best effort, bounded)."""
+    try:
+        frame = codec.encode_error(error)
+        with trio.move_on_after(0.5):
+            await io.send_all(frame)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError, ValueError) as exc:
+        log.debug("lane %d: could not send the Error frame: %s", lane_id, exc)
