@@ -409,7 +409,10 @@ class Executor:
         self.context.trim(session.seq, 0)
         try:
             self.context.copy(source.seq, session.seq, 0, length)
-        except NativeError:
+        except NativeError:  # SessionError included: a copy the KV layout cannot make
+            self.context.trim(session.seq, 0)
+            return 0
+        if self.context.length(session.seq) != length:  # e.g. a sliding window the parent moved past
             self.context.trim(session.seq, 0)
             return 0
         session.prompt = None if source.prompt is None or len(source.prompt) < length else source.prompt[:length]
