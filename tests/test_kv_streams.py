@@ -78,6 +78,8 @@ def test_a_fork_that_recomputes_the_last_chunk_is_the_session_alone(no_window: P
         assert all(np.array_equal(a, b) for a, b in zip(alone, forked))
         with pytest.raises(SessionError, match="prefix"):
             ctx.copy(parent, fork, 2, 8)
+        ctx.keep(fork)  # every other stream emptied
+        assert ctx.length(parent) == 0 and ctx.length(fork) == len(PROMPT) + STEPS
 
 
 def test_separate_streams_batch_sessions_together(no_window: Path) -> None:

@@ -554,7 +554,12 @@ class StageContext:
     def keep(self, seq: int) -> None:
         """Drop every sequence but ``seq``."""
         with self._lock:
-            lib.llama_memory_seq_keep(self._memory_ptr(), seq)
+            if self.kv_streams:  # llama.cpp's seq_keep clears the sequence's own stream only
+                for other in range(self.max_sessions):
+                    if other != seq:
+                        lib.llama_memory_seq_rm(self._memory_ptr(), other, -1, -1)
+            else:
+                lib.llama_memory_seq_keep(self._memory_ptr(), seq)
         for other in [s for s in self._rings if s != seq]:
             del self._rings[other]
 
