@@ -502,7 +502,9 @@ class Executor:
             try:
                 self._decode_once(positions, seqs, item_tokens, item_activations, outputs)
             except KvSlotUnavailable:
-                if self.cache is None or not self.cache.reclaim(int(positions.shape[0])):
+                # a session's own KV stream (kv_streams) gains nothing from the cache's streams
+                if (self.cache is None or getattr(self.context, "kv_streams", False)
+                        or not self.cache.reclaim(int(positions.shape[0]))):
                     raise
                 first: dict[int, int] = {}
                 for seq, position in zip(seqs.tolist(), positions.tolist()):
