@@ -248,8 +248,8 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
         await client.open_direct_return(direct_return, session_id, request_id=request_id)
     rest = len(prompt) - forked
     size = chunk_size(rest) if callable(chunk_size) else chunk_size
-    if at is not None and forked == at[0]:
-        size = at[1]  # the parent's last chunk, as the parent computed it
+    if at is not None and (forked == at[0] or at[0] % at[1] == 0):
+        size = at[1]  # the parent's last chunk, or (no fork) the prompt in the parent's chunks
     result = await client.prefill(session_id, prompt[forked:], pos_start=forked, chunk_size=size,
                                   credit=credit, request_id=request_id)
     return CachedPrefill(result, forked, tuple(control), size)

@@ -548,6 +548,13 @@ class StageContext:
                 lib.llama_memory_seq_rm(self._memory_ptr(), destination, -1, -1)
                 raise SessionError(f"cannot copy session {source} into session {destination}: "
                                    f"{_callbacks.take_recent_errors() or 'no room in its stream'}")
+            # a state leaves out the cells a sliding window has moved past, which a shorter prefix
+            # would attend to: then there is no copy (a fork or a cached prefix is computed again)
+            memory = self._memory_ptr()
+            if lib.llama_memory_seq_pos_min(memory, destination) > lib.llama_memory_seq_pos_min(memory, source):
+                lib.llama_memory_seq_rm(memory, destination, -1, -1)
+                raise SessionError(f"session {source} no longer holds every cell of its prefix in its "
+                                   "sliding-window layers: it cannot be copied into another KV stream")
             if end >= 0:
                 lib.llama_memory_seq_rm(self._memory_ptr(), destination, end, -1)
 
