@@ -122,7 +122,8 @@ class StageContext:
             all.  A session's cells then always start at cell 0 whatever the other sessions hold:
             llama.cpp's attention kernels round differently for a sequence whose cells are offset
             (quantized weights), so only then is a session's answer independent of the sessions
-            before it.  A copy between sessions is a full copy of the source's state, trimmed.
+            before it.  A copy between sessions is a full copy of the source's state, trimmed
+            (refused where a sliding window has dropped cells the prefix attends to).
     """
 
     def __init__(
