@@ -394,6 +394,7 @@ class PlanSettings:
     cache_spill_mib: float = 256.0
     prefix_cache: bool = True
     wire_dtype: str = "f32"
+    kv_streams: bool = False  #: each sequence id its own ctx_size cells (the stage's --kv-streams)
     bandwidth_gbs: float = 20.0  #: assumed memory bandwidth for time estimates without --measure
     #: assumed compute of a stage (billions of multiply-adds a second) for estimates without --measure
     compute_gmacs: float = 8.0
@@ -442,10 +443,12 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     if last:  # a tied head reads token_embd, which a stage that embeds holds once (but see _HEAD_FIRST)
         shared = embeds and shape.tied_head and shape.architecture not in _HEAD_FIRST
         weights += shape.head_bytes - (shape.embed_bytes if shared else 0)
-    kv = settings.ctx_size * shape.kv_bytes_per_cell(start, end)
     # a model whose stages run without the prefix cache has no cache slots and no spill tier
     prefix_cache = stage_prefix_cache(settings, shape.architecture)
     sequences = sequence_ids(settings, shape.architecture)
+    # --kv-streams: ctx_size cells per sequence id, llama.cpp pads each stream to 256 cells
+    cells = -(-settings.ctx_size // 256) * 256 * sequences if settings.kv_streams else settings.ctx_size
+    kv = cells * shape.kv_bytes_per_cell(start, end)
     state = sequences * shape.state_bytes_per_sequence(start, end)
     ubatch = settings.batch_size  # skippy's StageContext runs n_ubatch = n_batch
     attention = ubatch * settings.ctx_size * shape.n_head * _F32
@@ -565,6 +568,7 @@ class Plan:
             f"batch_size = {settings.batch_size}",
             f"wire_dtype = {_quote(settings.wire_dtype)}",
             f"prefix_cache = {'true' if settings.prefix_cache else 'false'}",
+            *(["kv_streams = true"] if settings.kv_streams else []),
             f"cache_spill_mib = {settings.cache_spill_mib!r}",
         ]
         for stage in self.stages:

@@ -1,14 +1,12 @@
 """``n`` > 1 on a real 2-stage chain: the prompt is prefilled once and forked per choice.  (The same
 chain also serves completions' ``best_of`` and shows that the documented no-op fields of skippy/api/fields.py leave an answer unchanged.)
 
-The stages' stats files show it: for ``n=4`` each stage computes the prompt once plus one position
-per further choice (its last prompt token, whose logits a KV copy cannot carry) and forks three
+The stages' stats files show it: for ``n=4`` each stage computes the prompt once plus, per further
+choice, the first choice's last prefill chunk (a fork copies the KV before it and computes that
+chunk as the first choice did, so its first token is made the same way), and forks three
 sessions.  Greedy forked choices equal the plain ``n=1`` answer (a wrong KV copy would diverge at
-once); sampled choices differ from one another and a seeded request reproduces them.  (A sampled
-fork is not bitwise the ``n=1`` request with that seed: the fork computes its last prompt token
-as a 1-row batch, the plain prefill inside the prompt's batch, and at temperature 1.0 on random
-weights the last bits of those logits can tip a later sample.  The prefix cache's restore has the
-same property; requests here opt out of it so repeats are computed the same way.)
+once); sampled choices differ from one another and a seeded request reproduces them.  (Requests
+here opt out of the prefix cache so repeats are computed the same way.)
 """
 
 from __future__ import annotations
@@ -33,6 +31,8 @@ pytestmark = pytest.mark.slow
 
 MODEL = "skippy-demo"
 PROMPT = "Once upon a time, in a small village by the sea, there lived"
+#: Longer than the driver's short-prompt limit (128 tokens), so its prefill takes several chunks.
+LONG = " ".join(["Once upon a time, in a small village by the sea, there lived a fisherman."] * 30)
 
 
 async def stats(paths: list[Path]) -> list[dict[str, Any]]:
@@ -44,6 +44,7 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
     model = ensure_model(demo())
     generator = Generator.from_model(model)
     prompt_tokens = len(generator.encode(PROMPT))
+    long_tokens = len(generator.encode(LONG))
     generator.close()
     async with stage_chain(str(model), ["0:4", "4:8"], tmp_path, ["--ctx-size", "1024"]) as stages:
         assert stages[0].address is not None
@@ -55,8 +56,10 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
             body = {"model": MODEL, "prompt": PROMPT, "max_tokens": 8, "temperature": 1.0, "seed": 1234, "n": 4,
                     "prefix_cache": False}
             async with httpx.AsyncClient(base_url=url, timeout=60) as http:
-                before = await stats(paths)
                 response = await http.post("/v1/completions", json=body)
+                before = await stats(paths)
+                long = (await http.post("/v1/completions", json={**body, "prompt": LONG, "temperature": 0,
+                                                                   "n": 4})).json()
                 after = await stats(paths)
                 assert response.status_code == 200, response.text
                 first = response.json()
@@ -105,10 +108,15 @@ async def test_n_choices_prefill_the_prompt_once_and_reproduce(tmp_path: Path) -
             for choice in json.loads(line[6:])["choices"]:
                 streamed_texts[choice["index"]] = streamed_texts.get(choice["index"], "") + choice["text"]
     assert streamed_texts == {index: single["choices"][0]["text"] for index in range(8)}
-    for old, new in zip(before, after):  # every stage: the prompt once, plus the last token of 3 forks
-        assert new["prefill_tokens"] - old["prefill_tokens"] == prompt_tokens + 3, (old, new)
-        assert new["forked_sessions"] - old["forked_sessions"] == 3
-        assert new["forked_tokens"] - old["forked_tokens"] == 3 * (prompt_tokens - 1)
+    # every stage: the prompt once, and each of the 3 forks copies the prompt up to the first
+    # choice's last prefill chunk and computes that chunk again
+    assert len({choice["text"] for choice in long["choices"]}) == 1, long  # greedy: four times the same
+    forked = (after[0]["forked_tokens"] - before[0]["forked_tokens"]) // 3
+    assert 0 < forked < long_tokens
+    for old, new in zip(before, after):
+        assert new["prefill_tokens"] - old["prefill_tokens"] == long_tokens + 3 * (long_tokens - forked), (old, new)
+        assert new["forked_sessions"] - old["forked_sessions"] == (3 if forked else 0)
+        assert new["forked_tokens"] - old["forked_tokens"] == 3 * forked
     events = [json.loads(line[6:]) for line in streamed.text.splitlines()
               if line.startswith("data: ") and line != "data: [DONE]"]
     pieces: dict[int, str] = {}

@@ -69,6 +69,22 @@ async def test_with_batching_off_each_session_gets_its_solo_tokens(tiny_llama: P
         assert tokens == reference_greedy(tiny_llama, prompt, STEPS, chunk_size=4)
 
 
+async def test_separate_kv_streams_keep_both(tiny_llama: Path) -> None:
+    """``kv_streams`` on (each session its own KV stream): decodes of several sessions still share
+    a native batch (llama.cpp splits it per stream), and with batching off every lane still gets
+    its solo tokens."""
+    async with inprocess_chain(["0:4"], model=str(tiny_llama), kv_streams=True, ctx_size=256) as (stage,):
+        assert stage.address is not None
+        await _decode_all(stage.address)
+        assert stage.stats.max_decode_batch > 1
+    async with inprocess_chain(["0:4"], model=str(tiny_llama), kv_streams=True, ctx_size=256,
+                               decode_batching=False) as (stage,):
+        assert stage.address is not None
+        results = await _decode_all(stage.address)
+    for prompt, tokens in zip(PROMPTS, results):
+        assert tokens == reference_greedy(tiny_llama, prompt, STEPS, chunk_size=4)
+
+
 def test_a_batched_row_is_not_bitwise_the_row_alone(tiny_llama: Path) -> None:
     with Model(tiny_llama) as model, StageContext(model, n_ctx=256, max_sessions=8, n_batch=64, threads=1) as ctx:
         own, other = ctx.open_session(), ctx.open_session()

@@ -41,3 +41,31 @@ def test_executor_fork_copies_the_prefix_and_refuses_what_it_cannot() -> None:
     assert executor.fork(9, 3, 2) == 0  # no such parent on this lane
     assert executor.fork(1, 1, 2) == 0  # not onto itself
     assert context.length(executor._sessions[1].seq) == 6  # the parent is untouched
+
+
+def test_a_fork_of_a_moved_sliding_window_in_streams_is_refused() -> None:
+    """Separate KV streams copy a session through its state, which leaves out the cells a
+    sliding-window layer has moved past (the tiny gemma3's window is 8): a fork would lack cells its
+    prefix attends to, so the executor forks nothing (the driver prefills the choice in full).  In
+    the shared pool the copy shares the cells and the fork holds."""
+    from skippy.runtime import Model, StageContext
+
+    from conftest import model_path
+
+    with Model(model_path("gemma3")) as model:
+        for streams in (False, True):
+            with StageContext(model, n_ctx=128, max_sessions=4, n_batch=64, threads=1, kv_streams=streams) as ctx:
+                executor = Executor(ctx)
+                executor.configure(1, None)
+                prompt = np.arange(10, 18, dtype=np.int32)
+                executor.run_item(WorkItem(1, np.arange(8, dtype=np.int32), tokens=prompt, prompt_tokens=prompt,
+                                           prefill=True, final_prefill=True))
+                parent = executor._sessions[1].seq
+                assert executor.fork(1, 2, 4) == 4  # within the window: every cell is in the state
+                for step in range(4):  # one-row decodes: the window moves past position 3
+                    ctx.decode(tokens=[7], positions=[8 + step], seq_ids=[parent])
+                # positions 4 and 5 are still in the state, 0..3 (which position 6 attends to) are not
+                expected = 0 if streams else 6
+                assert executor.fork(1, 3, 6) == expected, streams
+                assert ctx.length(executor._sessions[3].seq) == expected
+                assert ctx.length(parent) == 12

@@ -279,3 +279,26 @@ def test_measure_names_hosts_it_could_not_reach(tmp_path: Path) -> None:
     assert stage1.endswith("(this machine's figure: far-away-host was not measured)"), stage1
     _, stages = load_plan(out)
     assert stages[1]["expected"]["decode_source"] == "this machine's figure: far-away-host was not measured"
+
+
+def test_kv_streams_plan_ctx_size_cells_per_sequence_id(tmp_path: Path) -> None:
+    """``--kv-streams``: every sequence id (sessions and cache slots) holds ctx_size cells, padded to
+    256 as llama.cpp pads each stream; the plan counts what the context allocates and its file
+    turns the stages' flag on."""
+    from skippy.plan import sequence_ids
+    from skippy.runtime import StageContext
+
+    path = model_path("llama")
+    shape = ModelShape.from_gguf(path)
+    shared = PlanSettings(ctx_size=300, max_sessions=3, batch_size=64)
+    streams = dataclasses.replace(shared, kv_streams=True)
+    ids = sequence_ids(streams)
+    assert stage_memory(shape, 0, 4, streams).kv == 512 * ids * stage_memory(shape, 0, 4, shared).kv // 300
+    with Model(path) as model, StageContext(model, n_ctx=300, max_sessions=ids, n_batch=64, threads=1,
+                                            kv_streams=True) as ctx:
+        assert ctx.n_ctx * ctx.kv_bytes_per_cell == stage_memory(shape, 0, 4, streams).kv
+    file = tmp_path / "plan.toml"
+    file.write_text(plan_chain(shape, [HostSpec.parse("10.1.0.1=4GiB")], streams).to_toml())
+    assert parse_config(["--config", str(file), "--plan-stage", "0"]).kv_streams
+    file.write_text(plan_chain(shape, [HostSpec.parse("10.1.0.1=4GiB")], shared).to_toml())
+    assert not parse_config(["--config", str(file), "--plan-stage", "0"]).kv_streams

@@ -537,7 +537,8 @@ class _Handlers:
         stages = parent.timing.chain_stages
         return [_Choice(index, self.service.generator.start(lease.client, parsed.choice_request(index),
                                                             self.service.pool.new_session_id(),
-                                                            fork=(parent.session_id, stages)), "", parsed)
+                                                            fork=(parent.session_id, stages),
+                                                            fork_at=parent.fork_point), "", parsed)
                 for index in range(1, max(parsed.n, parsed.generated))]
 
     async def finish(self, lease: Lease, generations: list[Generation]) -> None:

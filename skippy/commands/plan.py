@@ -35,6 +35,9 @@ def add_parser(subparsers: Any) -> None:
     parser.add_argument("--ctx-size", type=int, default=4096, help="KV cells per stage, shared by its sessions "
                         "(default 4096)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
+    parser.add_argument("--kv-streams", action="store_true",
+                        help="plan for stages run with --kv-streams on: ctx-size KV cells per session and cache "
+                             "slot instead of shared")
     parser.add_argument("--batch-size", type=int, default=512, help="rows per llama.cpp batch (default 512)")
     parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],
                         help="activation dtype between stages (default f32)")
@@ -67,7 +70,8 @@ def run(args: argparse.Namespace) -> int:
         settings = PlanSettings(ctx_size=args.ctx_size, max_sessions=args.max_sessions,
                                 batch_size=args.batch_size, cache_spill_mib=args.cache_spill_mib,
                                 prefix_cache=args.prefix_cache == "on", wire_dtype=args.wire_dtype,
-                                bandwidth_gbs=args.bandwidth_gbs, compute_gmacs=args.compute_gmacs)
+                                bandwidth_gbs=args.bandwidth_gbs, compute_gmacs=args.compute_gmacs,
+                                kv_streams=args.kv_streams)
         shape = ModelShape.from_gguf(args.model.resolve())
         host_times = None
         if args.ray:

@@ -61,6 +61,10 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
+    parser.add_argument("--kv-streams", action="store_true",
+                        help="each session its own KV cells on every stage (--ctx-size cells each, so KV memory "
+                             "times the sessions and cache slots): an answer then never depends on earlier "
+                             "requests, and n > 1 choices equal n = 1 answers on quantized models too")
     parser.add_argument("--threads", type=int, default=0,
                         help="compute threads per stage (default: cores / stages, at least 1)")
     parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],
@@ -227,7 +231,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
-               "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu]
+               "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu,
+               *(["--kv-streams", "on"] if args.kv_streams else [])]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
     stage_tls, per_stage = None, None
     if getattr(args, "tls", False) or getattr(args, "ray", None):  # Ray links leave the host: always TLS

@@ -303,7 +303,8 @@ class Generation:
     """
 
     def __init__(self, generator: "Generator", client: StageClient, request: GenerationRequest,
-                 session_id: int, fork: tuple[int, int] | None = None) -> None:
+                 session_id: int, fork: tuple[int, int] | None = None,
+                 fork_at: tuple[int, int] | None = None) -> None:
         self._generator = generator
         self._client = client
         self.request = request
@@ -323,6 +324,10 @@ class Generation:
         self._touched = False  # a message was sent for the session
         #: (parent session id, stage count): the prompt's KV is forked from a session of this lane.
         self._fork = fork
+        self._fork_at = fork_at
+        #: (start, size) of this run's last prefill chunk once its first token is in: where its
+        #: forks copy up to and what they compute (:meth:`Generator.start`'s ``fork_at``).
+        self.fork_point: tuple[int, int] | None = None
         #: One entry per token of :attr:`tokens` (a request that asked for logprobs).
         self.logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
 
@@ -383,7 +388,8 @@ class Generation:
             self._started = time.perf_counter()
             if self._fork is not None:
                 cached = await prefix.fork_prefill(client, self.session_id, request.prompt, parent=self._fork[0],
-                                                   stages=self._fork[1], sampling=sampling_config(request.sampling),
+                                                   stages=self._fork[1], at=self._fork_at,
+                                                   sampling=sampling_config(request.sampling),
                                                    cache=self._generator.cache_request(request),
                                                    chunk_size=self._generator.prefill_chunk_size,
                                                    credit=self._generator.credit,
@@ -398,6 +404,7 @@ class Generation:
                                               extension=request.sampling_extension,
                                               direct_return=self._generator.direct_return_for(request))
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
+            self.fork_point = cached.last_chunk(len(request.prompt))
             reply = prefill.reply
             self._last = time.perf_counter()
             self.timing.time_to_first_token = self._last - self._started
@@ -697,14 +704,18 @@ class Generator:
         return room if max_tokens is None else max_tokens
 
     def start(self, client: StageClient, request: GenerationRequest, session_id: int,
-              fork: tuple[int, int] | None = None) -> Generation:
+              fork: tuple[int, int] | None = None, fork_at: tuple[int, int] | None = None) -> Generation:
         """A run of ``request`` as session ``session_id`` on ``client`` (nothing is sent yet).
 
         ``fork`` (parent session id, stage count): another choice of the same prompt; the parent
         session, on the same lane, must hold the prompt's KV (its first exchange done, not stopped).
-        The fork's KV prefix is copied on every stage and only the last prompt token is computed.
+        The fork's KV prefix is copied on every stage and the rest of the prompt computed:
+        ``fork_at`` (the parent's :attr:`Generation.fork_point`: its last prefill chunk's start and
+        size) makes that rest the parent's last chunk, computed as the parent computed it, so the
+        fork's first token is the one an ``n = 1`` run makes; without it only the last prompt token
+        is computed (alone, which rounds differently on quantized models).
         """
-        return Generation(self, client, request, session_id, fork)
+        return Generation(self, client, request, session_id, fork, fork_at)
 
     async def generate(self, client: StageClient, request: GenerationRequest, session_id: int) -> Completion:
         """Run ``request`` to the end."""

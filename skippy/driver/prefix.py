@@ -89,6 +89,13 @@ class CachedPrefill:
     def replies(self) -> tuple[StageReply, ...]:
         return self.control + self.result.acks
 
+    def last_chunk(self, prompt_length: int) -> tuple[int, int]:
+        """(start, size) of the last chunk this prefill computed (a fused restore: the last token)."""
+        if self.chunk_size <= 0:
+            return self.cached_tokens, 1
+        rest = prompt_length - self.cached_tokens
+        return self.cached_tokens + (rest - 1) // self.chunk_size * self.chunk_size, self.chunk_size
+
 
 def metadata(cache: CacheRequest) -> str:
     """The ConfigureGeneration / control chat metadata for ``cache``."""
@@ -200,11 +207,16 @@ def _check_confirmed(client: StageClient, extension: SamplingRequest | None) -> 
 
 
 async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[int], *, parent: int, stages: int,
-                       sampling: SamplingConfig | None, cache: CacheRequest,
+                       at: tuple[int, int] | None = None, sampling: SamplingConfig | None, cache: CacheRequest,
                        chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0,
                        extension: SamplingRequest | None = None, direct_return: Address | None = None) -> CachedPrefill:
     """Configure ``session_id`` as a fork of ``parent`` (which holds ``prompt``'s KV on every stage of
-    the lane) and compute only the last prompt token, whose logits the fork cannot carry.
+    the lane) and compute the rest of the prompt, whose logits the fork cannot carry.
+
+    ``at`` (start, size): the parent's last prefill chunk (:meth:`CachedPrefill.last_chunk`); the
+    fork copies ``prompt[:start]`` and computes that chunk again with the same size, so its first
+    token is made exactly as the parent's was (a token computed alone rounds differently from the
+    same token inside its chunk on quantized models).  None: copy all but the last prompt token.
 
     The fork holds when the ACK says every one of the ``stages`` stages forked (``kv_lookup_hits``
     ``stages``, ``kv_imported_tokens`` ``stages * (len(prompt) - 1)``, no miss); otherwise the prompt
@@ -217,7 +229,9 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
         SamplingExtensionRefused: the chain did not confirm ``extension``.
         StageLost: the final stage named by ``direct_return`` cannot be reached.
     """
-    length = len(prompt) - 1
+    length = len(prompt) - 1 if at is None else at[0]
+    if not 0 <= length < len(prompt):
+        raise ValueError(f"a fork of a {len(prompt)}-token prompt cannot copy {length} positions")
     text = (fork_metadata(cache, parent, length, extension) if length > 0
             else configure_metadata(dataclasses.replace(cache, enabled=False), extension))
     ack = await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
@@ -234,6 +248,8 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
         await client.open_direct_return(direct_return, session_id, request_id=request_id)
     rest = len(prompt) - forked
     size = chunk_size(rest) if callable(chunk_size) else chunk_size
+    if at is not None and (forked == at[0] or at[0] % at[1] == 0):
+        size = at[1]  # the parent's last chunk, or (no fork) the prompt in the parent's chunks
     result = await client.prefill(session_id, prompt[forked:], pos_start=forked, chunk_size=size,
                                   credit=credit, request_id=request_id)
     return CachedPrefill(result, forked, tuple(control), size)

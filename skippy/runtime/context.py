@@ -107,7 +107,7 @@ class StageContext:
 
     Args:
         model: the loaded stage.
-        n_ctx: KV cells shared by all sessions.
+        n_ctx: KV cells shared by all sessions; with ``kv_streams``, the cells of each session.
         max_sessions: sequence ids available to sessions (``0 .. max_sessions-1``).
         n_batch: most rows one ``decode`` may carry; also the micro-batch size (``n_ubatch``)
             unless given, so a prefill chunk is computed in one pass (same partition on every stage).
@@ -117,6 +117,13 @@ class StageContext:
         checkpoint_depth / checkpoint_interval / checkpoint_rows: recurrent and hybrid models
             only: checkpoints kept per session, one-row decodes between two, and most rows logged
             since the oldest (:mod:`skippy.runtime.rollback`).
+        kv_streams: give each session its own KV stream of ``n_ctx`` cells (llama.cpp's
+            non-unified KV; ``n_ctx x max_sessions`` cells in all) instead of one pool shared by
+            all.  A session's cells then always start at cell 0 whatever the other sessions hold:
+            llama.cpp's attention kernels round differently for a sequence whose cells are offset
+            (quantized weights), so only then is a session's answer independent of the sessions
+            before it.  A copy between sessions is a full copy of the source's state, trimmed
+            (refused where a sliding window has dropped cells the prefix attends to).
     """
 
     def __init__(
@@ -133,6 +140,7 @@ class StageContext:
         checkpoint_depth: int = DEFAULT_DEPTH,
         checkpoint_interval: int = DEFAULT_INTERVAL,
         checkpoint_rows: int = DEFAULT_ROWS,
+        kv_streams: bool = False,
     ) -> None:
         if checkpoint_depth < 1 or checkpoint_interval < 1 or checkpoint_rows < 1:
             raise ContextError(f"checkpoint depth, interval and rows must be >= 1 (got {checkpoint_depth}, "
@@ -150,13 +158,13 @@ class StageContext:
         self._candidates: object = None
         threads = threads or os.cpu_count() or 1
         params = lib.llama_context_default_params()
-        params.n_ctx = n_ctx
+        params.n_ctx = n_ctx * max_sessions if kv_streams else n_ctx
         params.n_batch = n_batch
         params.n_ubatch = n_ubatch or n_batch
         params.n_seq_max = max_sessions
         params.n_threads = threads
         params.n_threads_batch = threads_batch or threads
-        params.kv_unified = True
+        params.kv_unified = not kv_streams
         params.embeddings = not model.is_last
         params.no_perf = True
         params.flash_attn_type = lib.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -174,7 +182,9 @@ class StageContext:
             raise ContextError(f"cannot create a context (n_ctx={n_ctx}, n_batch={n_batch}): {detail}")
         self._ptr = pointer
         self._memory = lib.llama_get_memory(pointer)
+        #: Cells in all (every stream together, with ``kv_streams``).
         self.n_ctx = int(lib.llama_n_ctx(pointer))
+        self.kv_streams = kv_streams
         self.n_batch = int(lib.llama_n_batch(pointer))
         self.max_sessions = max_sessions
         self.n_embd = model.n_embd
@@ -491,7 +501,8 @@ class StageContext:
             raise SessionError(f"cannot trim session {seq} to {length} positions")
 
     def copy(self, source: int, destination: int, start: int = -1, end: int = -1) -> None:
-        """Share positions ``[start, end)`` of ``source`` with ``destination`` (no data copied).
+        """Share positions ``[start, end)`` of ``source`` with ``destination`` (no data copied; with
+        ``kv_streams`` a prefix ``[0, end)`` only, copied into the destination's stream).
 
         A recurrent model copies a prefix ``[0, end)`` only: the whole session, then a rollback
         of the copy (through the source's checkpoints, which the copy does not keep).
@@ -499,6 +510,9 @@ class StageContext:
         Raises:
             SessionError: a recurrent prefix that cannot be made (``destination`` is left empty).
         """
+        if not self.recurrent and self.kv_streams:
+            self._copy_across_streams(source, destination, start, end)
+            return
         if not self.recurrent:
             with self._lock:
                 lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, start, end)
@@ -518,10 +532,45 @@ class StageContext:
                 self.remove(destination)
                 raise SessionError(f"cannot copy positions [0, {end}) of session {source}: {refusal}")
 
+    def _copy_across_streams(self, source: int, destination: int, start: int, end: int) -> None:
+        """A prefix copy between two streams: the source's state written into the destination,
+        then trimmed to ``end``.  llama.cpp's own cross-stream ``seq_cp`` copies whole streams only,
+        and only at the next decode (a state saved before it would read the old cells)."""
+        if start > 0:
+            raise SessionError(f"sessions in separate KV streams copy a prefix, not positions from {start}")
+        if source == destination:
+            return
+        with self._lock:
+            pointer = self._context_ptr()
+            lib.llama_memory_seq_rm(self._memory_ptr(), destination, -1, -1)
+            if self.position_max(source) < 0:
+                return
+            size = lib.llama_state_seq_get_size(pointer, source)
+            buffer = ffi.new("uint8_t[]", size)
+            written = lib.llama_state_seq_get_data(pointer, buffer, size, source)
+            if written == 0 or lib.llama_state_seq_set_data(pointer, buffer, written, destination) == 0:
+                lib.llama_memory_seq_rm(self._memory_ptr(), destination, -1, -1)
+                raise SessionError(f"cannot copy session {source} into session {destination}: "
+                                   f"{_callbacks.take_recent_errors() or 'no room in its stream'}")
+            # a state leaves out the cells a sliding window has moved past, which a shorter prefix
+            # would attend to: then there is no copy (a fork or a cached prefix is computed again)
+            memory = self._memory_ptr()
+            if lib.llama_memory_seq_pos_min(memory, destination) > lib.llama_memory_seq_pos_min(memory, source):
+                lib.llama_memory_seq_rm(memory, destination, -1, -1)
+                raise SessionError(f"session {source} no longer holds every cell of its prefix in its "
+                                   "sliding-window layers: it cannot be copied into another KV stream")
+            if end >= 0:
+                lib.llama_memory_seq_rm(self._memory_ptr(), destination, end, -1)
+
     def keep(self, seq: int) -> None:
         """Drop every sequence but ``seq``."""
         with self._lock:
-            lib.llama_memory_seq_keep(self._memory_ptr(), seq)
+            if self.kv_streams:  # llama.cpp's seq_keep clears the sequence's own stream only
+                for other in range(self.max_sessions):
+                    if other != seq:
+                        lib.llama_memory_seq_rm(self._memory_ptr(), other, -1, -1)
+            else:
+                lib.llama_memory_seq_keep(self._memory_ptr(), seq)
         for other in [s for s in self._rings if s != seq]:
             del self._rings[other]
 
@@ -744,7 +793,7 @@ class StageContext:
     def kv_cells_used(self) -> int:
         if self.recurrent:  # the recurrent half spans one cell per sequence: count positions held
             return sum(self.length(seq) for seq in range(self.max_sessions))
-        return int(lib.skippy_kv_cells_used(self._context_ptr(), 256))
+        return int(lib.skippy_kv_cells_used(self._context_ptr(), self.max_sessions))
 
     @property
     def kv_bytes_per_cell(self) -> int:

@@ -92,6 +92,7 @@ class StageConfig:
     cache_type_k: str = "f16"
     cache_type_v: str = "f16"
     mmap: bool = False
+    kv_streams: bool = False
     recurrent_checkpoints: int = 6
     recurrent_checkpoint_interval: int = 8
 
@@ -251,7 +252,7 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "layers": (str, "layer range START:END this stage runs (half-open)"),
     "listen": (Address.parse, "HOST:PORT to listen on for upstream lanes (default 127.0.0.1:0, port 0 = any)"),
     "downstream": (_optional_address, "HOST:PORT of the next stage; absent on the final stage"),
-    "ctx_size": (int, "KV cells shared by all sessions of this stage"),
+    "ctx_size": (int, "KV cells shared by all sessions of this stage (--kv-streams on: the cells of each)"),
     "max_sessions": (int, "concurrent sessions (lanes, llama sequence ids)"),
     "threads": (int, "compute threads (0 = all cores)"),
     "batch_size": (int, "rows per llama.cpp batch; use the same value on every stage for exactness"),
@@ -314,6 +315,10 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                      "K cache type: f32, f16, q8_0 or q4_0 (quantized: less memory, not bitwise equal to f16)"),
     "cache_type_v": (_choice("cache_type_v", *CACHE_TYPES),
                      "V cache type: f32, f16, q8_0 or q4_0 (quantized needs flash_attn on or auto)"),
+    "kv_streams": (_bool, "off (default): one KV pool shared by the sessions; on: each session (and cache slot) its "
+                   "own KV stream of ctx_size cells, ctx_size x (max_sessions + cache_slots) cells in all, so "
+                   "a session's cells start at cell 0 whatever the others hold and its answer (quantized "
+                   "weights) does not depend on earlier requests (docs/api-fields.md, n)"),
     "mmap": (_bool, "off (default): read this stage's tensors into memory, on 2 MiB pages where the kernel grants "
              "them (decodes faster: bench/RESULTS-real-model.md); on: map the GGUF file (page cache, 4 KiB "
              "pages, shared by the host's processes of that file; the kernel may drop and re-read weight "

@@ -409,7 +409,10 @@ class Executor:
         self.context.trim(session.seq, 0)
         try:
             self.context.copy(source.seq, session.seq, 0, length)
-        except NativeError:
+        except NativeError:  # SessionError included: a copy the KV layout cannot make
+            self.context.trim(session.seq, 0)
+            return 0
+        if self.context.length(session.seq) != length:  # e.g. a sliding window the parent moved past
             self.context.trim(session.seq, 0)
             return 0
         session.prompt = None if source.prompt is None or len(source.prompt) < length else source.prompt[:length]
@@ -499,7 +502,9 @@ class Executor:
             try:
                 self._decode_once(positions, seqs, item_tokens, item_activations, outputs)
             except KvSlotUnavailable:
-                if self.cache is None or not self.cache.reclaim(int(positions.shape[0])):
+                # a session's own KV stream (kv_streams) gains nothing from the cache's streams
+                if (self.cache is None or getattr(self.context, "kv_streams", False)
+                        or not self.cache.reclaim(int(positions.shape[0]))):
                     raise
                 first: dict[int, int] = {}
                 for seq, position in zip(seqs.tolist(), positions.tolist()):

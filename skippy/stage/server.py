@@ -81,7 +81,8 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
             context = StageContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                                    n_batch=config.batch_size, threads=config.threads or None, offload=offload,
                                    checkpoint_depth=config.recurrent_checkpoints,
-                                   checkpoint_interval=config.recurrent_checkpoint_interval)
+                                   checkpoint_interval=config.recurrent_checkpoint_interval,
+                                   kv_streams=config.kv_streams)
         except Exception:  # free the weights before reporting a context failure
             model.close()
             raise
