@@ -134,4 +134,5 @@ release-local: $(BIN)/python
 		--cuda-home $(CUDA_HOME)) --cpu-variants '$(CPU_VARIANTS)'
 
 clean:
-	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/_native_stamp.py skippy/_wire.c skippy/_radix.c skippy/_relay.c
+	rm -rf build dist $(VENV) skippy/lib skippy/*.so skippy/*/*.so skippy/_native_stamp.py \
+		skippy/codec/_wire.c skippy/cache/_radix.c skippy/stage/_relay.c

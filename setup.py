@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parent
 sys.path.insert(0, str(ROOT / "native"))
 
 CYTHON_VERSION = "3.2.4"
-CYTHON_MODULES = ["skippy._wire", "skippy._radix", "skippy._relay"]
+CYTHON_MODULES = ["skippy.codec._wire", "skippy.cache._radix", "skippy.stage._relay"]
 
 
 def _cython_extensions(debug: bool) -> list[Extension]:
@@ -39,7 +39,7 @@ def _cython_extensions(debug: bool) -> list[Extension]:
             Extension(
                 module,
                 [str(source.relative_to(ROOT))],
-                include_dirs=[numpy.get_include(), "skippy"],
+                include_dirs=[numpy.get_include(), "skippy/codec"],
                 define_macros=macros,
                 extra_compile_args=["-O3"] if not debug else ["-O0", "-g"],
             )
@@ -76,6 +76,7 @@ class SkippyBuildExt(build_ext):
             cython_exts = cythonize(
                 _cython_extensions(debug),
                 compiler_directives=directives,
+                include_path=["skippy/codec"],  # the frame layout's .pxi, which the relay includes too
                 force=bool(self.cython_always),
                 annotate=bool(self.annotate),
                 quiet=True,

@@ -43,8 +43,8 @@ from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E40
 from skippy.driver.generator import Completion  # noqa: E402
 from skippy.models.cache import ensure_model  # noqa: E402
 from skippy.models.spec import demo, tiny  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
 from skippy.runtime import SamplingParams  # noqa: E402
-from skippy.stage.config import Address  # noqa: E402
 from stage_chain import chain  # noqa: E402
 
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"

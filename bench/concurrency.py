@@ -223,7 +223,7 @@ def measure(running: Running, model_id: str, clients: int, seconds: float, max_t
 def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> Iterator[dict[str, Running]]:
     from peer_compare import tensor_split
 
-    from skippy.plan import ModelShape, balanced_stages
+    from skippy.deploy.plan import ModelShape, balanced_stages
 
     shape = ModelShape.from_gguf(model)
     started: dict[str, Running] = {}

@@ -24,7 +24,7 @@ CHILD = r"""
 import json, sys, time
 import numpy as np
 from skippy.runtime import ffi as binding, read_gguf_info
-from skippy.local import LocalChain
+from skippy.runtime.local import LocalChain
 try:
     from skippy.models.real import ensure_real_model
     path = ensure_real_model()

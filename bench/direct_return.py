@@ -33,7 +33,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from skippy.driver import StageClient  # noqa: E402
-from skippy.stage.config import Address  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599]

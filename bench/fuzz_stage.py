@@ -36,10 +36,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from hostile_frames import EXTREMES, dial, fd_count, mutate, raw_frame, rss_bytes, seed_frames  # noqa: E402
 from skippy.api.admission import is_overloaded  # noqa: E402
+from skippy.codec.protocol import MessageKind  # noqa: E402
+from skippy.codec.protocol_ext import SAMPLING_EXTENSION_FLAG, SamplingRequest, TokenLogprobs  # noqa: E402
 from skippy.driver import StageClient, StageClientError  # noqa: E402
 from skippy.driver.prefix import configure_metadata  # noqa: E402
-from skippy.protocol import MessageKind  # noqa: E402
-from skippy.protocol_ext import SAMPLING_EXTENSION_FLAG, SamplingRequest, TokenLogprobs  # noqa: E402
 from stage_helpers import StageProcess  # noqa: E402
 
 PROMPT = [1, 5, 9, 13, 17, 21, 25, 29]

@@ -35,13 +35,14 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path and not any(Path(entry, "skippy").is_dir() for entry in sys.path if entry):
     sys.path.insert(0, str(ROOT))
 
-from skippy.models.cache import ensure_model  # noqa: E402
-from skippy.models.spec import tiny  # noqa: E402
-from skippy.protocol import (  # noqa: E402
+from skippy.codec.protocol import (  # noqa: E402
     END_OF_STREAM, NEED_DATA, READY_BYTES, MessageKind, StageMessage, StageReply, WireDType,
 )
-from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG  # noqa: E402
-from skippy.stage.config import Address, config_from_mapping  # noqa: E402
+from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG  # noqa: E402
+from skippy.models.cache import ensure_model  # noqa: E402
+from skippy.models.spec import tiny  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
+from skippy.stage.config import config_from_mapping  # noqa: E402
 from skippy.stage.server import StageServer, load_runtime  # noqa: E402
 from skippy.stage.transport import codec  # noqa: E402
 

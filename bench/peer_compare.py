@@ -83,7 +83,7 @@ from peer_build import Peer, build_peer, peer_build_dir  # noqa: E402
 from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
-from skippy.stage.config import Address  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
 
 MODEL_PRESET = "llama-16x1024"
 STAGE_COUNTS = (1, 2, 4)

@@ -69,7 +69,7 @@ from peer_build import build_peer  # noqa: E402
 from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
-from skippy.stage.config import Address  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
 
 #: The stage server's defaults (skippy/stage/config.py), so "in-process" is the same context.
 CTX_SIZE = 4096

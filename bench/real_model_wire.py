@@ -2,7 +2,7 @@
 
 Strategy: the real Gemma 3 270M (``skippy-llm[real-model]``), split in this process into stages
 (default ``0:9,9:18``) whose boundary activations go through the wire codec exactly as a stage
-process sends them (``skippy.wire.encode_activation`` then ``decode_activation``: f32 is the
+process sends them (``skippy.codec.wire.encode_activation`` then ``decode_activation``: f32 is the
 identity, f16 rounds ties away from zero, q8 is per-row int8 with an f32 scale).  The unsplit
 model's greedy run of a chat prompt is the reference.  For each wire two figures are measured:
 
@@ -37,9 +37,9 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from skippy.local import LocalChain, parse_split  # noqa: E402
-from skippy.protocol import WireDType  # noqa: E402
-from skippy.wire import decode_activation, encode_activation  # noqa: E402
+from skippy.codec.protocol import WireDType  # noqa: E402
+from skippy.codec.wire import decode_activation, encode_activation  # noqa: E402
+from skippy.runtime.local import LocalChain, parse_split  # noqa: E402
 
 #: The chat question every real-model figure uses.
 QUESTION = "What is the capital of France?"

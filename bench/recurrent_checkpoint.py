@@ -24,9 +24,9 @@ import time
 
 import numpy as np
 
-from skippy.local import even_split
 from skippy.models import ensure_model, tiny
 from skippy.runtime import LayerRange, Model, StageContext
+from skippy.runtime.local import even_split
 
 
 def main() -> None:

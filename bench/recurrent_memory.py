@@ -29,9 +29,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from stage_helpers import StageProcess  # noqa: E402
 
+from skippy.deploy.plan import MIB, HostSpec, ModelShape, PlanSettings, plan_chain, stage_memory  # noqa: E402
 from skippy.driver.client import StageClient  # noqa: E402
 from skippy.models import ensure_model, preset  # noqa: E402
-from skippy.plan import MIB, HostSpec, ModelShape, PlanSettings, plan_chain, stage_memory  # noqa: E402
 
 
 def _rss(pid: int) -> int:

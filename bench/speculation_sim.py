@@ -109,7 +109,7 @@ def measure_stage_costs(path: Path, split: list[tuple[int, int]], max_rows: int,
 
     A first sweep warms llama.cpp up (the first batches of a new shape are much slower).
     """
-    from skippy.local import LocalChain
+    from skippy.runtime.local import LocalChain
 
     with LocalChain(path, split, n_ctx=512) as chain:
         chain.prefill(list(range(100, 132)))
@@ -159,7 +159,7 @@ def main() -> None:
     parser.add_argument("--row-ms", type=float, default=None, help="fixed extra compute per row, summed")
     args = parser.parse_args()
 
-    from skippy.local import LocalChain, even_split
+    from skippy.runtime.local import LocalChain, even_split
     from skippy.models.cache import ensure_model
     from skippy.models.spec import demo, tiny
     from skippy.runtime import SamplingParams
@@ -169,7 +169,7 @@ def main() -> None:
     path = ensure_model(spec)
     split = even_split(spec.n_layer, args.stages)
     tokenizer = Tokenizer(path)
-    code = Path(__file__).resolve().parents[1].joinpath("skippy", "local.py").read_text()[:2400]
+    code = Path(__file__).resolve().parents[1].joinpath("skippy", "runtime", "local.py").read_text()[:2400]
     prompts = {
         "repetitive (code, greedy)": "def add(a, b):\n    return a + b\n\ndef add(a, b):\n    return a + b\n" * 3,
         "non-repetitive prompt (greedy)": "The quick brown fox jumps over the lazy dog while seven zebras quietly vanish.",

@@ -14,10 +14,10 @@ import argparse
 import statistics
 import time
 
-from skippy.local import LocalChain, even_split
 from skippy.models.cache import ensure_model
 from skippy.models.spec import preset
 from skippy.runtime import read_gguf_info
+from skippy.runtime.local import LocalChain, even_split
 
 
 def decode_rate(chain: LocalChain, prompt: list[int], steps: int) -> float:

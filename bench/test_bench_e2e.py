@@ -51,7 +51,7 @@ from skippy.driver import StageClient  # noqa: E402
 from skippy.driver.generator import Generator, GenerationRequest  # noqa: E402
 from skippy.models.cache import ensure_model  # noqa: E402
 from skippy.models.spec import ModelSpec, preset, tiny  # noqa: E402
-from skippy.stage.config import Address  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
 
 DECODE_STEPS = 32
 DECODE_PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599]

@@ -11,10 +11,10 @@ from typing import Iterator
 
 import pytest
 
-from skippy.local import LocalChain, even_split
 from skippy.models.cache import ensure_model
 from skippy.models.spec import preset, tiny
 from skippy.runtime import read_gguf_info
+from skippy.runtime.local import LocalChain, even_split
 
 PROMPT = list(range(100, 164))
 

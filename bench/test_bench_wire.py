@@ -19,9 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 
-from skippy.protocol import MessageKind, StageMessage, WireDType
+from skippy.codec.protocol import MessageKind, StageMessage, WireDType
 
-IMPLEMENTATIONS = {"cython": "skippy._wire", "python": "skippy._wire_py"}
+IMPLEMENTATIONS = {"cython": "skippy.codec._wire", "python": "skippy.codec._wire_py"}
 RNG = np.random.default_rng(7)
 HEADER = struct.Struct("<5i10i2Q")
 

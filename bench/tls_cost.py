@@ -5,7 +5,7 @@ Run: ``PYTHONPATH=. .venv/bin/python bench/tls_cost.py [--width 2048] [--stages 
 
 Two chains of stage processes (one compute thread each, the null runtime by default so the figures
 are the links' cost, not compute) are started side by side: one plain, one with ``--tls on`` on
-every stage and a TLS driver lane, certificates from :func:`skippy.certs.make_chain_certificates`.
+every stage and a TLS driver lane, certificates from :func:`skippy.deploy.certs.make_chain_certificates`.
 Rounds alternate the two chains; each round reports the median wall time of one decode step (S
 boundaries plus the driver's hop) and of a ``--prefill``-token prompt sent as one chunk (its
 ``prefill`` x ``width`` f32 activation crosses each boundary).  The printed difference per boundary
@@ -29,10 +29,10 @@ import trio
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from skippy.certs import make_chain_certificates  # noqa: E402
+from skippy.deploy.certs import make_chain_certificates  # noqa: E402
 from skippy.driver import StageClient  # noqa: E402
-from skippy.stage.config import Address  # noqa: E402
-from skippy.stage.tls import TlsFiles, client_context  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
+from skippy.net.tls import TlsFiles, client_context  # noqa: E402
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 

@@ -25,7 +25,7 @@ cd "$work"   # never import the source tree
 "$py" - <<'EOF'
 import pathlib, skippy
 from skippy.runtime import ffi
-from skippy.offload import devices
+from skippy.runtime.offload import devices
 lib = pathlib.Path(skippy.__file__).parent / "lib"
 built = sorted(p.name for p in lib.glob("libggml-*.so"))
 print("package:", skippy.__file__)
@@ -36,7 +36,7 @@ for device in devices():
     print(f"device {device.name}: {device.description} ({device.kind}, {device.memory_total >> 20} MiB)")
 print("backend: cuda" if any(d.is_gpu for d in devices()) else "backend: cpu (no GPU visible: CUDA built, falling back)")
 EOF
-if "$py" -c "import sys; from skippy.offload import devices; sys.exit(0 if any(d.is_gpu for d in devices()) else 1)"; then
+if "$py" -c "import sys; from skippy.runtime.offload import devices; sys.exit(0 if any(d.is_gpu for d in devices()) else 1)"; then
     "$py" -m pip install --quiet "pytest>=8" "pytest-trio>=0.8" "pytest-timeout>=2.3" hypothesis
     SKIPPY_GPU_REPORT="$out/gpu-report.json" "$py" -m pytest -c "$src/pyproject.toml" --rootdir "$src" \
         -m gpu -p no:cacheprovider -s -q "$src/tests/test_gpu.py" 2>&1 | tee "$out/pytest-gpu.log"
@@ -47,7 +47,7 @@ import subprocess, sys
 import numpy as np
 from skippy.models.cache import ensure_model
 from skippy.models.spec import tiny
-from skippy.local import LocalChain
+from skippy.runtime.local import LocalChain
 path = ensure_model(tiny("llama", n_embd=128))
 refused = subprocess.run([sys.executable, "-m", "skippy.stage", "--model", str(path), "--layers", "0:2",
                           "--downstream", "127.0.0.1:1", "--n-gpu-layers", "2"], capture_output=True, text=True)

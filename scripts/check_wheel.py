@@ -33,7 +33,7 @@ def main() -> int:
     subprocess.run([command, "--help"], check=True, capture_output=True, timeout=120)
     print("skippy --help: ok")
 
-    from skippy.local import LocalChain
+    from skippy.runtime.local import LocalChain
     from skippy.models.cache import ensure_model
     from skippy.models.spec import tiny
     from skippy.runtime import ffi

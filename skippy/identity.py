@@ -1,7 +1,7 @@
 """One model everywhere: a stage's identity, asking a peer for it, and checking a chain's links.
 
 Strategy (the wire side is ``docs/protocol.md`` §9; the frame is
-:class:`skippy.protocol_ext.IdentityFrame`):
+:class:`skippy.codec.protocol_ext.IdentityFrame`):
 
 * **What identifies a stage**: the sha256 of its GGUF file's header (metadata and tensor index:
   shapes, types, tokenizer, layout; no weights are read, so hashing a 100 GB file takes
@@ -14,13 +14,13 @@ Strategy (the wire side is ``docs/protocol.md`` §9; the frame is
   an open as a return lane and never answers, and an older skippy stage refuses it with an Error
   frame: both read as "no identity" (None) after at most ``timeout`` seconds, so a v11 peer never
   sees the extension on a lane it serves and is only reported as unverified.
-* **Checking** (:class:`DownstreamIdentities`): a stage checks its downstream each time a lane
-  dials it (a restarted downstream may serve another file), remembering peers that gave no
-  identity so a v11 peer costs the timeout once per address.  A mismatch raises
-  :class:`ModelMismatch` naming both files and both ranges; the lane then closes with an Error
-  frame (``MODEL_MISMATCH`` to an upstream that flags bit 12, ``STATE_MISMATCH`` otherwise), so
-  the refusal reaches the driver, which reports it with the text.  The driver checks the first
-  stage against its own model file (:func:`check_first_stage`).
+* **Checking** (the stage's half, :mod:`skippy.stage.identity_check`): a stage checks its
+  downstream each time a lane dials it (a restarted downstream may serve another file),
+  remembering peers that gave no identity so a v11 peer costs the timeout once per address.  A
+  mismatch raises ``ModelMismatch`` naming both files and both ranges; the lane then closes with
+  an Error frame (``MODEL_MISMATCH`` to an upstream that flags bit 12, ``STATE_MISMATCH``
+  otherwise), so the refusal reaches the driver, which reports it with the text.  The driver
+  checks the first stage against its own model file (:func:`check_first_stage`).
 """
 
 from __future__ import annotations
@@ -32,27 +32,19 @@ from pathlib import Path
 
 import trio
 
-from skippy import wire as codec
-from skippy.protocol import END_OF_STREAM, NEED_DATA, WireDType, WireError, check_ready
-from skippy.protocol_ext import ErrorCode, IdentityFrame, identity_query
+from skippy.codec import wire as codec
+from skippy.codec.protocol import END_OF_STREAM, NEED_DATA, WireDType, WireError, check_ready
+from skippy.codec.protocol_ext import IdentityFrame, identity_query
+from skippy.net.address import Address
+from skippy.net.tls import handshake_as_client
 from skippy.runtime.gguf_header import GGUFHeaderError, header_digest
-from skippy.stage.config import Address
-from skippy.lane.errors import StageError
-from skippy.stage.tls import handshake_as_client
 
-__all__ = ["DownstreamIdentities", "ModelMismatch", "check_first_stage", "file_identity", "query_identity"]
+__all__ = ["check_first_stage", "file_identity", "query_identity"]
 
 log = logging.getLogger("skippy.identity")
 
 #: Seconds a probe waits for the Identity frame (a plain v11 stage never answers).
 QUERY_TIMEOUT = 2.0
-
-
-class ModelMismatch(StageError):
-    """Two stages of a chain (or the driver and the first stage) serve different models, ranges
-    that do not meet, or different context settings; the text names both sides."""
-
-    code = ErrorCode.MODEL_MISMATCH
 
 
 def file_digest(model: str) -> bytes:
@@ -81,7 +73,7 @@ def file_identity(model: str, layer_start: int, layer_end: int, layer_count: int
 async def query_identity(address: Address, *, timeout: float = QUERY_TIMEOUT,
                          tls: ssl.SSLContext | None = None) -> IdentityFrame | None:
     """Ask the stage at ``address`` for its Identity frame (module notes; ``tls``: the asker's
-    mutual-TLS context when the link uses TLS, :mod:`skippy.stage.tls`).
+    mutual-TLS context when the link uses TLS, :mod:`skippy.net.tls`).
 
     Returns:
         The frame, or None when the peer answers none (a plain v11 or an older skippy stage).
@@ -123,46 +115,6 @@ async def query_identity(address: Address, *, timeout: float = QUERY_TIMEOUT,
                     return None  # refused (an older skippy) or closed: no identity to compare
                 return frame
     return None  # no answer within the timeout: a plain v11 stage parks the query
-
-
-def _describe_pair(own_label: str, own: IdentityFrame, other_label: str, other: IdentityFrame) -> str:
-    return f"{own_label} serves {own.describe()}; {other_label} serves {other.describe()}"
-
-
-class DownstreamIdentities:
-    """A stage's checks of its downstream (module notes); one per stage, shared by its lanes."""
-
-    def __init__(self, own: IdentityFrame, *, timeout: float = QUERY_TIMEOUT,
-                 tls: ssl.SSLContext | None = None) -> None:
-        self.own = own
-        self.timeout = timeout
-        self.tls = tls
-        self._plain: set[str] = set()
-
-    async def verify(self, address: Address) -> IdentityFrame | None:
-        """Check the stage at ``address`` can follow this one; its frame (None: unverified).
-
-        Raises:
-            ModelMismatch: it cannot, naming both files and ranges.
-        """
-        key = str(address)
-        if key in self._plain:
-            return None
-        try:
-            frame = await query_identity(address, timeout=self.timeout, tls=self.tls)
-        except OSError as exc:  # the lane's own connect just worked: report, do not fail on it
-            log.warning("could not ask downstream stage %s for its model identity: %s", address, exc)
-            return None
-        if frame is None:
-            self._plain.add(key)
-            log.warning("downstream stage %s does not report its model identity (a plain v11 stage?); "
-                        "the chain's model files are not checked", address)
-            return None
-        why = self.own.mismatch(frame)
-        if why is not None:
-            raise ModelMismatch(f"model mismatch with downstream stage {address}: {why}: "
-                                + _describe_pair("this stage", self.own, "the downstream", frame))
-        return frame
 
 
 async def check_first_stage(address: Address, model: str | Path, *, timeout: float = QUERY_TIMEOUT,

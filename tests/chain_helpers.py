@@ -1,4 +1,4 @@
-"""Test helpers over :class:`skippy.local.LocalChain`: collect the logits of greedy runs."""
+"""Test helpers over :class:`skippy.runtime.local.LocalChain`: collect the logits of greedy runs."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from typing import Sequence
 
 import numpy as np
 
-from skippy.local import LocalChain, Split
+from skippy.runtime.local import LocalChain, Split
 
 
 class InProcessChain(LocalChain):

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import trio
 
-from skippy.protocol import MessageKind, StateHeader
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+from skippy.codec.protocol import MessageKind, StateHeader
+from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG
 
 FIXED = struct.Struct("<5i10i2Q")
 

@@ -20,8 +20,9 @@ from typing import AsyncIterator, Sequence
 import numpy as np
 import trio
 
+from skippy.net.address import Address
 from skippy.runtime import Model, StageContext
-from skippy.stage.config import Address, config_from_mapping
+from skippy.stage.config import config_from_mapping
 from skippy.stage.server import StageServer, load_runtime
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,10 +22,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skippy.codec.protocol import MessageKind
 from skippy.driver import StageClient
-from skippy.protocol import MessageKind
-from skippy.runtime import Model
 from skippy.lane.errors import InvalidMessage
+from skippy.runtime import Model
 from skippy.stage.executor import ACTIVATION_LIMIT, check_activation_values
 
 from hostile_frames import dial, raw_frame, until_closed

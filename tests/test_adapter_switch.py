@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 from chain_helpers import InProcessChain, greedy_run
+from skippy.deploy.plan import ModelShape
 from skippy.models import ensure_model, tiny
-from skippy.plan import ModelShape
 from skippy.runtime import InvalidBatch, LayerRange, Model, StageContext, read_gguf_info
 from test_arch_exactness import LONG_PROMPT
 
@@ -72,7 +72,7 @@ def test_a_later_stage_needs_the_token_ids(monkeypatch: pytest.MonkeyPatch) -> N
         hidden = np.zeros((2, model.n_embd), dtype=np.float32)
         with pytest.raises(InvalidBatch, match="needs the token ids beside the activations"):
             ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden)
-        monkeypatch.setattr(Model, "reads_tokens", property(lambda self: False))
+        monkeypatch.setattr(ctx, "_reads_tokens", False)  # the context reads it once, at creation
         with pytest.raises(InvalidBatch, match="of this architecture needs the token ids"):
             ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden)
         monkeypatch.undo()

@@ -23,7 +23,7 @@ from skippy.api.lanes import LanePool
 from skippy.driver.generator import Generator
 from skippy.models.cache import ensure_model
 from skippy.models.spec import demo
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 openai = pytest.importorskip("openai")
 

@@ -195,7 +195,7 @@ async def test_messages_errors_have_anthropic_shape_and_x_api_key_is_a_key(tiny_
     from skippy.api.app import ChainService, create_app
     from skippy.api.lanes import LanePool
     from skippy.driver.generator import Generator
-    from skippy.stage.config import Address
+    from skippy.net.address import Address
 
     generator = Generator.from_model(tiny_llama, n_ctx=512)
     try:
@@ -303,7 +303,7 @@ async def test_routes_without_v1_are_the_same_routes(tiny_llama: Path) -> None:
     from skippy.api.app import ChainService, create_app, endpoint_label
     from skippy.api.lanes import LanePool
     from skippy.driver.generator import Generator
-    from skippy.stage.config import Address
+    from skippy.net.address import Address
 
     generator = Generator.from_model(tiny_llama, n_ctx=512)
     try:

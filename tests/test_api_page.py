@@ -23,7 +23,7 @@ from skippy.driver.generator import StageTiming, Timing
 from skippy.driver.generator import Generator
 from skippy.models.cache import ensure_model
 from skippy.models.spec import demo
-from skippy.stage.config import Address
+from skippy.net.address import Address
 from skippy.stage.server import StageServer
 
 from stage_helpers import inprocess_chain

@@ -25,7 +25,7 @@ from skippy.api.lanes import LanePool, Lease
 from skippy.driver.generator import Generator
 from skippy.models.cache import ensure_model
 from skippy.models.spec import demo
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 MODEL_ID = "skippy-demo"
 KEY_A, KEY_B = "sk-test-tenant-a-0123456789", "sk-test-tenant-b-9876543210"
@@ -332,7 +332,7 @@ async def test_admission_queues_then_refuses_with_retry_after(autojump_clock: An
 
 async def test_an_overloaded_chain_is_retried_until_the_deadline(autojump_clock: Any) -> None:
     from skippy.driver.client import StageLost, StageRemoteError
-    from skippy.protocol_ext import ErrorCode, ErrorFrame
+    from skippy.codec.protocol_ext import ErrorCode, ErrorFrame
 
     admission = Admission(FakePool(1), timeout=1.0)  # type: ignore[arg-type]
     overloaded = StageRemoteError("all sessions are in use", ErrorFrame(ErrorCode.OVERLOADED, 0, 0))

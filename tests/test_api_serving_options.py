@@ -12,7 +12,7 @@ from skippy.api.app import ChainService, create_app
 from skippy.api.lanes import LanePool
 from skippy.commands.api_options import add_api_options, api_settings
 from skippy.driver.generator import Generator
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 TEMPLATE = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}[assistant] "
 

@@ -465,7 +465,7 @@ def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: 
     bitwise the unsplit logits."""
     from skippy.models import preset
 
-    from skippy.plan import ModelShape
+    from skippy.deploy.plan import ModelShape
 
     spec = dataclasses.replace(preset(name), **overrides)
     path = ensure_model(spec)

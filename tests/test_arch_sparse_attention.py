@@ -24,12 +24,12 @@ import pytest
 from chain_helpers import InProcessChain, greedy_run
 from test_arch_exactness import LONG_PROMPT, STEPS, THREADS
 
-from skippy.local import LocalChain, Split
 from skippy.models import ensure_model, tiny
 from skippy.models.blocks_moe import GLM_5_2_CONTEXT, glm_dsa_indexer_is_full
-from skippy.offload import OffloadSettings
 from skippy.runtime import LayerRangeError, Model
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
+from skippy.runtime.local import LocalChain, Split
+from skippy.runtime.offload import OffloadSettings
 
 #: The sparse-attention families (the fast suite checks deepseek32's selection).
 SPARSE = ["deepseek32", "glm-dsa", "dots3note", "minimax-m3"]

@@ -1,4 +1,4 @@
-"""The compute-cost model (skippy/cost.py) and the splits chosen from it: ``skippy up --stages N``,
+"""The compute-cost model (skippy/deploy/cost.py) and the splits chosen from it: ``skippy up --stages N``,
 ``skippy plan`` and the Ray launcher cut where the slowest stage is fastest, the output head and
 routed experts counted, the legal cuts kept."""
 
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from skippy.cost import ATTENDED_TOKENS, LAYER_FIXED_MACS, balanced_split, shares, split_times
-from skippy.plan import GIB, HostSpec, LayerTimes, ModelShape, PlanSettings, balanced_stages, plan_chain
+from skippy.deploy.cost import ATTENDED_TOKENS, LAYER_FIXED_MACS, balanced_split, shares, split_times
+from skippy.deploy.plan import GIB, HostSpec, LayerTimes, ModelShape, PlanSettings, balanced_stages, plan_chain
 from skippy.runtime.cuts import KvGroup
 from skippy.runtime.gguf_header import read_layout
 
@@ -137,7 +137,7 @@ def test_measured_times_isolate_the_head() -> None:
     """``--measure``: each layer timed as a stage of its own, the head by the difference between
     batches with every row's logits and one row's; the tiny model's 32000-row head costs more
     than one of its 64-wide layers."""
-    from skippy.plan import measure_layer_times
+    from skippy.deploy.plan import measure_layer_times
 
     shape = ModelShape.from_gguf(model_path("llama"))
     layer_ms, head_ms = measure_layer_times(shape, rows=4, steps=6, threads=1)

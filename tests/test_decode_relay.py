@@ -1,4 +1,4 @@
-"""The decode relay (skippy/_relay.pyx, its twin skippy/_relay_py.py, skippy/stage/decode_relay.py).
+"""The decode relay (skippy/stage/_relay.pyx, its twin skippy/stage/_relay_py.py, skippy/stage/decode_relay.py).
 
 The loop's tests run both implementations on real contexts of the tiny llama over socket pairs:
 every frame it forwards equals, byte for byte, the frame the lane's own path builds for the same
@@ -22,27 +22,29 @@ import numpy as np
 import pytest
 import trio
 
-from skippy import _relay_py
-from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, SamplingConfig, StageMessage, StageReply, StateHeader, WireDType
-from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingsFrame
-from skippy.runtime import GREEDY, Model, Sampler, SamplingParams, StageContext
+from skippy.codec.protocol import (
+    EMPTY_REPLY_STATS, MessageKind, SamplingConfig, StageMessage, StageReply, StateHeader, WireDType,
+)
+from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingsFrame
 from skippy.lane import messages as lane_messages
+from skippy.runtime import GREEDY, Model, Sampler, SamplingParams, StageContext
+from skippy.stage import _relay_py
 from skippy.stage import extensions
-from skippy.stage.extensions import StageIdentity
 from skippy.stage.executor import ACTIVATION_LIMIT
+from skippy.stage.extensions import StageIdentity
 from skippy.stage.scheduler import RECENT_WORK_S
 from skippy.stage.transport import codec
 
 sys.path.insert(0, str(Path(__file__).parent))
 
 try:
-    from skippy import _relay as _relay_cython
+    from skippy.stage import _relay as _relay_cython
 except ImportError:  # pragma: no cover - the extension is built by `make install`
     _relay_cython = None
 
 IMPLEMENTATIONS = [pytest.param(_relay_py, id="python"),
                    pytest.param(_relay_cython, id="cython",
-                                marks=pytest.mark.skipif(_relay_cython is None, reason="skippy._relay not built"))]
+                                marks=pytest.mark.skipif(_relay_cython is None, reason="skippy.stage._relay not built"))]
 PROMPT = [1, 15043, 3186, 29892, 920, 526, 366]
 SESSION = 7
 
@@ -267,10 +269,10 @@ def test_a_final_stage_answers_exactly_the_lanes_replies(implementation: Any, ma
 
 
 def test_the_greedy_pick_is_numpys_argmax() -> None:
-    """The Cython loop's vectorised pick (skippy/_relay_pick.h) against numpy's argmax, which the
+    """The Cython loop's vectorised pick (skippy/stage/_relay_pick.h) against numpy's argmax, which the
     lane's greedy path uses: first maximum, first NaN, signed zeros, infinities, odd lengths."""
     if _relay_cython is None:
-        pytest.skip("skippy._relay not built")
+        pytest.skip("skippy.stage._relay not built")
     rng = np.random.default_rng(9)
     cases = [np.array(values, dtype=np.float32) for values in (
         [1.0, 3.0, 3.0, 2.0], [np.nan, 1.0], [1.0, np.nan, 5.0, np.nan], [-np.inf, -np.inf], [-0.0, 0.0, -1.0],
@@ -413,7 +415,8 @@ def test_templates_the_relay_cannot_carry_are_refused(implementation: Any, make_
 from stage_helpers import reference_greedy  # noqa: E402
 
 from skippy.driver import StageClient  # noqa: E402
-from skippy.stage.config import Address, config_from_mapping  # noqa: E402
+from skippy.net.address import Address  # noqa: E402
+from skippy.stage.config import config_from_mapping  # noqa: E402
 from skippy.stage.server import StageServer, load_runtime  # noqa: E402
 
 SPLITS = ["0:1", "1:2", "2:4"]

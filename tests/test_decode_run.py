@@ -18,17 +18,18 @@ import numpy as np
 import pytest
 import trio
 
-from skippy.driver import StageClient
-from skippy.driver.client import StageRemoteError
-from skippy.protocol import MessageKind, StageMessage, StateHeader, WireDType
-from skippy.protocol_ext import (
+from skippy.codec.decode_run import MAX_RUN_STOP_TOKENS, MAX_RUN_TOKENS, DecodeRunRequest
+from skippy.codec.protocol import MessageKind, StageMessage, StateHeader, WireDType
+from skippy.codec.protocol_ext import (
     DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
     DECODE_RUN_METADATA_KEY,
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
 )
-from skippy.lane.decode_run import MAX_RUN_STOP_TOKENS, MAX_RUN_TOKENS, DecodeRun, DecodeRunRequest
+from skippy.driver import StageClient
+from skippy.driver.client import StageRemoteError
+from skippy.lane.decode_run import DecodeRun
 from skippy.stage.transport import codec
 
 sys.path.insert(0, str(Path(__file__).parent))

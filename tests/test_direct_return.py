@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from skippy.codec.protocol import MessageKind, StageMessage
+from skippy.codec.protocol_ext import ErrorCode, with_direct_return_flag
 from skippy.driver import StageClient, StageLost
 from skippy.driver.client import StageRemoteError
-from skippy.protocol import MessageKind, StageMessage
-from skippy.protocol_ext import ErrorCode, with_direct_return_flag
-from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.lane.errors import InvalidMessage, UnsupportedKind
 from skippy.lane.protocol import RULES, Answer, Handling, LaneProtocol, ReplyUpstream, SendDownstream
+from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.stage.transport import codec
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -324,7 +324,7 @@ async def test_the_generator_returns_directly_with_the_hop_by_hop_results(stages
 def test_the_api_uses_direct_return_on_chains_of_two_or_more_known_stages() -> None:
     from skippy.api.lanes import LanePool, StageInfo
     from skippy.api.server import direct_return_source
-    from skippy.stage.config import Address
+    from skippy.net.address import Address
 
     def pool(count: int) -> LanePool:
         stages = [StageInfo(index, f"{index}:{index + 1}", Address("127.0.0.1", 7000 + index)) for index in range(count)]

@@ -1,4 +1,4 @@
-"""The frame offsets' one module (skippy._frame_layout): current in the Cython include, and true of
+"""The frame offsets' one module (skippy.codec._frame_layout): current in the Cython include, and true of
 what both codecs write."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from skippy import _frame_layout as layout
-from skippy.protocol import MessageKind, StageMessage, StageReply, WireDType
-from skippy.protocol_ext import TimingRecord, TimingsFrame
+from skippy.codec import _frame_layout as layout
+from skippy.codec.protocol import MessageKind, StageMessage, StageReply, WireDType
+from skippy.codec.protocol_ext import TimingRecord, TimingsFrame
 
-IMPLEMENTATIONS = {"py": "skippy._wire_py", "c": "skippy._wire"}
+IMPLEMENTATIONS = {"py": "skippy.codec._wire_py", "c": "skippy.codec._wire"}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -25,7 +25,7 @@ def wire(request: pytest.FixtureRequest) -> ModuleType:
 
 
 def test_the_cython_include_is_generated_from_the_layout() -> None:
-    assert layout.PXI.read_text() == layout.pxi_text(), "run `python -m skippy._frame_layout`"
+    assert layout.PXI.read_text() == layout.pxi_text(), "run `python -m skippy.codec._frame_layout`"
 
 
 def test_every_message_offset_reads_back_the_field_the_codec_wrote(wire: ModuleType) -> None:

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import trio
+from skippy.deploy.plan import MIB, HostSpec, ModelShape, PlanSettings, plan_chain, stage_memory
 from skippy.driver.client import StageClient
 from skippy.models import ensure_model, preset, tiny
-from skippy.plan import MIB, HostSpec, ModelShape, PlanSettings, plan_chain, stage_memory
 from skippy.runtime import LayerRange, Model, StageContext, read_gguf_info
 from stage_helpers import StageProcess
 

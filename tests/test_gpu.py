@@ -28,7 +28,7 @@ from typing import Sequence
 import numpy as np
 import pytest
 
-from skippy.offload import Device, OffloadSettings, devices
+from skippy.runtime.offload import Device, OffloadSettings, devices
 
 pytestmark = pytest.mark.gpu
 
@@ -79,7 +79,7 @@ def _largest() -> Path:
 
 
 def _run(path: Path, split: Sequence[tuple[int, int]], steps: int = 8) -> tuple[np.ndarray, list[int]]:
-    from skippy.local import LocalChain
+    from skippy.runtime.local import LocalChain
 
     with LocalChain(path, split, n_ctx=256, max_sessions=1, n_batch=32, offload=ON_GPU) as chain:
         chain.decode(PROMPT, list(range(len(PROMPT))), [0] * len(PROMPT), [True] * len(PROMPT))
@@ -139,7 +139,7 @@ def test_a_stage_holds_its_layers_on_the_device(gpu: Device) -> None:
 
 
 def test_decode_benchmark() -> None:
-    from skippy.local import LocalChain
+    from skippy.runtime.local import LocalChain
     from skippy.runtime import read_gguf_info
 
     path = _largest()

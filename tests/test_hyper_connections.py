@@ -16,18 +16,18 @@ import numpy as np
 import pytest
 import trio
 
+from skippy.codec.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
+from skippy.codec.protocol_ext import ErrorCode
+from skippy.deploy.plan import HostSpec, ModelShape, PlanSettings, plan_chain, stage_memory
 from skippy.driver import GenerationRequest, Generator, StageClient
-from skippy.models import ensure_model, tiny
-from skippy.models.spec import ModelSpec
-from skippy.plan import HostSpec, ModelShape, PlanSettings, plan_chain, stage_memory
-from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
-from skippy.protocol_ext import ErrorCode
-from skippy.runtime import LayerRangeError, Model
-from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.lane.errors import InvalidMessage
-from skippy.stage.executor import sideband_flag
 from skippy.lane.messages import outgoing, work_item
 from skippy.lane.protocol import LaneProtocol
+from skippy.models import ensure_model, tiny
+from skippy.models.spec import ModelSpec
+from skippy.runtime import LayerRangeError, Model
+from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
+from skippy.stage.executor import sideband_flag
 
 from chain_helpers import InProcessChain, greedy_run
 from stage_helpers import StageProcess, inprocess_chain, reference_greedy, stage_chain
@@ -259,7 +259,7 @@ async def test_deepseek4_stages_resident_near_the_plan(tmp_path: Path) -> None:
     is resident near the plan's figure (tests/test_plan.py's check, at DeepSeek V4's shape).
 
     The plan counts DeepSeek V4's compute reserve (its 64 query heads of 512, the scores over the
-    compressed cells, which grow with the sequences) and compressed caches (``skippy.plan``'s
+    compressed cells, which grow with the sequences) and compressed caches (``skippy.deploy.plan``'s
     _dsv4_memory), and no prefix-cache slots: its stages run without the cache."""
     path = ensure_model(deepseek4_flash_shape())
     shape = ModelShape.from_gguf(path)

@@ -14,11 +14,11 @@ import dataclasses
 import numpy as np
 import pytest
 
-from skippy import wire as codec
+from skippy.codec import wire as codec
+from skippy.codec.protocol import END_OF_STREAM, NEED_DATA, MessageKind, ReplyKind, StageMessage, StageReply, WireDType
+from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG
 from skippy.lane.driver import DriverLane, LaneMismatch, expected_replies
 from skippy.lane.protocol import RULES, Answer, Handling, ReplyUpstream, StageLane
-from skippy.protocol import END_OF_STREAM, NEED_DATA, MessageKind, ReplyKind, StageMessage, StageReply, WireDType
-from skippy.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG
 
 WIDTH = 4
 

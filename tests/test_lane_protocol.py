@@ -10,8 +10,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy.protocol import MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorCode, TimingRecord, TimingsFrame
+from skippy.codec.protocol import MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
+from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorCode, TimingRecord, TimingsFrame
 from skippy.lane.errors import DownstreamLost, InvalidMessage, UnsupportedKind
 from skippy.lane.protocol import (
     RULES,
@@ -287,12 +287,13 @@ def test_reply_kinds_compare_as_plain_ints_too() -> None:
 
 
 _SANS_IO_IMPORTS = {
-    "protocol.py": {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.protocol",
-                    "skippy.protocol_ext", "skippy.lane.errors", "skippy.lane.decode_run", "skippy.lane.timings"},
+    "protocol.py": {"__future__", "collections", "dataclasses", "enum", "typing", "skippy.codec.protocol",
+                    "skippy.codec.protocol_ext", "skippy.lane.errors", "skippy.lane.decode_run", "skippy.lane.timings",
+                    "skippy.codec.decode_run"},
     "placement.py": {"__future__", "enum", "typing", "skippy.lane.protocol"},
     # docs/protocol.md §11: the decode run's rules, sans-IO like the protocol that holds them
-    "decode_run.py": {"__future__", "dataclasses", "json", "typing", "numpy", "skippy.protocol",
-                      "skippy.protocol_ext"},
+    "decode_run.py": {"__future__", "dataclasses", "json", "typing", "numpy", "skippy.codec.protocol",
+                      "skippy.codec.protocol_ext", "skippy.codec.decode_run"},
 }
 
 
@@ -352,7 +353,7 @@ def test_a_work_item_carries_what_the_rule_says() -> None:
 
 
 def test_the_forwarded_message_advances_the_source_and_is_flagged() -> None:
-    from skippy.protocol import WireDType
+    from skippy.codec.protocol import WireDType
     from skippy.lane.messages import outgoing
 
     original = StageMessage.create(K.DECODE_EMBD, pos_start=3, token_count=1, session_id=4, chat_sampling_metadata="x",

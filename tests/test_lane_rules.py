@@ -12,17 +12,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, StageMessage, StageReply
+from skippy.codec.protocol_ext import (
+    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, DIRECT_RETURN_FLAG, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG,
+    LogprobsFrame, TimingRecord, TimingsFrame, TokenLogprobs, identity_query,
+)
 from skippy.lane import replies
 from skippy.lane.errors import InvalidMessage, Overloaded, StageError, UnsupportedKind
 from skippy.lane.placement import FACTS_READ, Facts, Performer, Step, placement
 from skippy.lane.protocol import RULES, Forward, Handling, Relay, SendDownstream, StageLane
 from skippy.lane.timings import DirectTimings
 from skippy.lane.work import WorkResult
-from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, StageMessage, StageReply
-from skippy.protocol_ext import (
-    DECODE_RUN_FLAG, DECODE_RUN_METADATA_KEY, DIRECT_RETURN_FLAG, MODEL_IDENTITY_FLAG, SKIPPY_EXTENSIONS_FLAG,
-    LogprobsFrame, TimingRecord, TimingsFrame, TokenLogprobs, identity_query,
-)
 
 
 def test_direct_timings_sum_per_session_and_are_taken_once() -> None:

@@ -18,8 +18,8 @@ import httpx
 import pytest
 
 from skippy.commands.up import ProgressBar
-from skippy.launch import stage_command
-from skippy.stage.config import Address
+from skippy.deploy.launch import stage_command
+from skippy.net.address import Address
 
 from api_helpers import UpProcess, pid_alive
 

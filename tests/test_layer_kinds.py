@@ -19,9 +19,9 @@ import pytest
 from chain_helpers import InProcessChain
 from stage_helpers import inprocess_chain
 
+from skippy.deploy.plan import ModelShape
 from skippy.models import ensure_model, tiny
 from skippy.models.spec import LINEAR_ATTENTION_ARCHITECTURES, RWKV_CONV_ARCHITECTURES, SSM_ARCHITECTURES
-from skippy.plan import ModelShape
 from skippy.runtime import Model
 from skippy.runtime.errors import ModelLoadError
 from skippy.runtime.gguf_header import read_layout

@@ -6,8 +6,8 @@ times, one layer slot (and KV) per run. A range counts slots, a stage loads the 
 from __future__ import annotations
 
 import pytest
+from skippy.deploy.plan import ModelShape
 from skippy.models import ensure_model, tiny
-from skippy.plan import ModelShape
 from skippy.runtime import LayerRange, Model
 from skippy.runtime.errors import LayerRangeError, ModelLoadError
 

@@ -9,12 +9,13 @@ from pathlib import Path
 import pytest
 import trio
 
+from skippy.codec.protocol import READY_BYTES
+from skippy.codec.protocol_ext import ErrorCode
 from skippy.driver.client import StageClient, StageRemoteError
-from skippy.identity import DownstreamIdentities, check_first_stage, file_identity, query_identity
-from skippy.protocol import READY_BYTES
-from skippy.protocol_ext import ErrorCode
+from skippy.identity import check_first_stage, file_identity, query_identity
+from skippy.net.address import Address
 from skippy.runtime.gguf_header import header_digest
-from skippy.stage.config import Address
+from skippy.stage.identity_check import DownstreamIdentities
 
 from conftest import PROMPT, model_path
 from stage_helpers import StageProcess, inprocess_chain, stage_chain

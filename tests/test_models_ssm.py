@@ -13,10 +13,10 @@ import dataclasses
 import pytest
 from chain_helpers import InProcessChain
 from gguf_helpers import parse_gguf
+from skippy.deploy.plan import CACHE_SLOTS, ModelShape, PlanSettings, sequence_ids, stage_memory
 from skippy.models import ensure_model, preset, tiny
 from skippy.models.spec import SSM_ARCHITECTURES
 from skippy.models.synthetic import family_keys
-from skippy.plan import CACHE_SLOTS, ModelShape, PlanSettings, sequence_ids, stage_memory
 from skippy.stage.config import StageConfig
 
 HYBRIDS = [a for a in SSM_ARCHITECTURES if tiny(a).layer_pattern]  # type: ignore[arg-type]

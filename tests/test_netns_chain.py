@@ -24,11 +24,11 @@ from typing import Iterator
 import pytest
 import trio
 
-from skippy.certs import make_chain_certificates
+from skippy.codec.protocol_ext import ErrorCode
+from skippy.deploy.certs import make_chain_certificates
 from skippy.driver.client import StageClient, StageRemoteError
-from skippy.protocol_ext import ErrorCode
-from skippy.stage.config import Address
-from skippy.stage.tls import TlsFiles, client_context
+from skippy.net.address import Address
+from skippy.net.tls import TlsFiles, client_context
 
 from conftest import PROMPT, model_path
 from stage_helpers import StageProcess, reference_greedy

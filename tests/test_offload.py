@@ -1,4 +1,4 @@
-"""Stage GPU settings (skippy/offload.py): checks, resolution against a host's devices, the stage
+"""Stage GPU settings (skippy/runtime/offload.py): checks, resolution against a host's devices, the stage
 command line, and what each setting does to exactness on the CPU.
 
 Resolution is tested against device lists (a CPU-only host as this one is, and one with two GPUs);
@@ -16,7 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from skippy.offload import CPU_ONLY, Device, OffloadSettings, devices
+from skippy.runtime.offload import CPU_ONLY, Device, OffloadSettings, devices
 from skippy.stage.config import parse_config
 
 CPU = Device(0, "CPU", "AMD EPYC", "cpu", 0, 0)
@@ -131,7 +131,7 @@ PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 29973, 306, 626]
 
 
 def _logits(path: Path, split: list[tuple[int, int]], settings: OffloadSettings | None) -> np.ndarray:
-    from skippy.local import LocalChain
+    from skippy.runtime.local import LocalChain
 
     with LocalChain(path, split, n_ctx=64, max_sessions=1, n_batch=16, threads=2, offload=settings) as chain:
         chain.decode(PROMPT[:8], list(range(8)), [0] * 8, [True] * 8)  # a multi-row batch,

@@ -155,7 +155,7 @@ def test_a_later_stage_needs_the_token_ids(monkeypatch: pytest.MonkeyPatch) -> N
         with pytest.raises(InvalidBatch, match="needs the token ids beside the activations"):
             ctx.decode(positions=[0, 1], seq_ids=[0, 0], tokens=[1, 2])
         # the patched library refuses it as well
-        monkeypatch.setattr(Model, "reads_tokens", property(lambda self: False))
+        monkeypatch.setattr(ctx, "_reads_tokens", False)  # the context reads it once, at creation
         with pytest.raises(InvalidBatch, match="per-layer token embeddings needs the token ids"):
             ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden)
         monkeypatch.undo()
@@ -234,8 +234,8 @@ def test_a_stage_refuses_a_message_without_token_ids() -> None:
 def test_even_split_plan_and_up_keep_to_the_legal_cuts(tmp_path: Path) -> None:
     """``--stages N`` (even_split), ``--layers`` (check_split) and ``skippy plan`` cut the KV-sharing
     model only at layers 1 and 2."""
-    from skippy.local import check_split, even_split
-    from skippy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
+    from skippy.runtime.local import check_split, even_split
+    from skippy.deploy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
     from skippy.runtime import read_gguf_info
 
     path = shared_model()

@@ -23,13 +23,14 @@ from typing import Any, AsyncIterator, Iterator
 import pytest
 import trio
 
+from skippy.codec.protocol import END_OF_STREAM, NEED_DATA, StageReply
+from skippy.codec.protocol_ext import TimingsFrame
 from skippy.driver import StageClient
 from skippy.driver.generator import GenerationRequest, Generator
 from skippy.driver.speculation.controller import CostModel
-from skippy.protocol import END_OF_STREAM, NEED_DATA, StageReply
-from skippy.protocol_ext import TimingsFrame
+from skippy.net.address import Address
 from skippy.runtime.sampling import SamplingParams
-from skippy.stage.config import Address, config_from_mapping
+from skippy.stage.config import config_from_mapping
 from skippy.stage.server import StageServer, load_runtime
 from skippy.stage.transport import codec
 

@@ -1,4 +1,4 @@
-"""The planner (skippy/plan.py, ``skippy plan``): shapes from the header, splits that fit, refusals
+"""The planner (skippy/deploy/plan.py, ``skippy plan``): shapes from the header, splits that fit, refusals
 that name the host and the shortfall, and plan files the stage and ``skippy up`` accept.
 
 The slow test runs each planned stage as a real stage process from the plan file and checks its
@@ -15,10 +15,7 @@ from pathlib import Path
 import pytest
 import trio
 
-from skippy.driver.client import StageClient
-from skippy.models.cache import ensure_model
-from skippy.models.spec import preset
-from skippy.plan import (
+from skippy.deploy.plan import (
     GIB,
     MIB,
     HostSpec,
@@ -29,6 +26,9 @@ from skippy.plan import (
     plan_chain,
     stage_memory,
 )
+from skippy.driver.client import StageClient
+from skippy.models.cache import ensure_model
+from skippy.models.spec import preset
 from skippy.runtime import Model
 from skippy.stage.config import parse_config
 
@@ -227,7 +227,7 @@ def test_up_runs_a_plan(tmp_path: Path) -> None:
 
 def test_measured_layer_times_drive_the_plan() -> None:
     """``--measure``: each layer and the head timed here with the runtime; the plan says so."""
-    from skippy.plan import measure_layer_times
+    from skippy.deploy.plan import measure_layer_times
 
     path = model_path("llama")
     shape = ModelShape.from_gguf(path)
@@ -242,7 +242,7 @@ def test_measured_layer_times_drive_the_plan() -> None:
 def test_each_hosts_own_layer_times_share_the_layers() -> None:
     """Per-host figures (``--measure`` on each Ray node): a host measured twice as slow gets fewer
     layers than with one shared figure, and each stage's time is its own host's."""
-    from skippy.plan import LayerTimes
+    from skippy.deploy.plan import LayerTimes
 
     path = model_path("llama")
     shape = ModelShape.from_gguf(path)
@@ -285,7 +285,7 @@ def test_kv_streams_plan_ctx_size_cells_per_sequence_id(tmp_path: Path) -> None:
     """``--kv-streams``: every sequence id (sessions and cache slots) holds ctx_size cells, padded to
     256 as llama.cpp pads each stream; the plan counts what the context allocates and its file
     turns the stages' flag on."""
-    from skippy.plan import sequence_ids
+    from skippy.deploy.plan import sequence_ids
     from skippy.runtime import StageContext
 
     path = model_path("llama")

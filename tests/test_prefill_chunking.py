@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from skippy.codec.protocol import ReplyStats
+from skippy.codec.protocol_ext import TimingRecord, TimingsFrame
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver.prefill_chunking import ChunkingConfig, PrefillChunker, PrefillObservation, observation_from
-from skippy.protocol import ReplyStats
-from skippy.protocol_ext import TimingRecord, TimingsFrame
 
 from stage_helpers import inprocess_chain, reference_greedy
 

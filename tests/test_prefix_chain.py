@@ -19,9 +19,9 @@ import pytest
 import trio
 from contextlib import asynccontextmanager
 
+from skippy.codec.protocol import MessageKind, ReplyKind, StageMessage
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver import prefix
-from skippy.protocol import MessageKind, ReplyKind, StageMessage
 
 from stage_helpers import StageProcess, inprocess_chain, stage_chain
 

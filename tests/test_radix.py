@@ -10,9 +10,9 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from skippy import radix
+from skippy.cache import radix
 
-IMPLEMENTATIONS = {"py": "skippy._radix_py", "c": "skippy._radix"}
+IMPLEMENTATIONS = {"py": "skippy.cache._radix_py", "c": "skippy.cache._radix"}
 M64 = (1 << 64) - 1
 
 

@@ -9,10 +9,10 @@ hypothesis = pytest.importorskip("hypothesis")
 from hypothesis import given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 
-from skippy import _radix_py  # noqa: E402
+from skippy.cache import _radix_py  # noqa: E402
 from skippy.cache.identity import CacheIdentity  # noqa: E402
 
-_radix = pytest.importorskip("skippy._radix", reason="Cython extension not built")
+_radix = pytest.importorskip("skippy.cache._radix", reason="Cython extension not built")
 
 tokens_st = st.lists(st.integers(-(1 << 31), (1 << 31) - 1), max_size=300)
 page_st = st.integers(1, 40)

@@ -22,11 +22,11 @@ import trio
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy-llm[ray]')")
 
-from skippy.certs import make_chain_certificates  # noqa: E402
+from skippy.deploy.certs import make_chain_certificates  # noqa: E402
+from skippy.deploy.plan import GIB, HostSpec, ModelShape, PlanSettings, plan_chain  # noqa: E402
+from skippy.deploy.ray_launch import RayChain  # noqa: E402
 from skippy.driver.client import StageClient, StageLost  # noqa: E402
-from skippy.stage.tls import TlsFiles, client_context  # noqa: E402
-from skippy.plan import GIB, HostSpec, ModelShape, PlanSettings, plan_chain  # noqa: E402
-from skippy.ray_launch import RayChain  # noqa: E402
+from skippy.net.tls import TlsFiles, client_context  # noqa: E402
 
 from conftest import PROMPT  # noqa: E402
 from api_helpers import UpProcess  # noqa: E402

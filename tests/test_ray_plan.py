@@ -38,7 +38,7 @@ import pytest
 
 ray = pytest.importorskip("ray", reason="Ray is not installed (pip install 'skippy-llm[ray]')")
 
-from skippy.plan import GIB, load_plan  # noqa: E402
+from skippy.deploy.plan import GIB, load_plan  # noqa: E402
 
 from api_helpers import ROOT, UpProcess, pid_alive  # noqa: E402
 from conftest import PROMPT  # noqa: E402

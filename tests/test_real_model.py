@@ -159,7 +159,7 @@ def test_real_split_logits_are_bitwise_equal(real_model: Path, split: list[tuple
 @pytest.mark.real_model
 @pytest.mark.slow
 def test_lossy_wires_stay_close(real_model: Path) -> None:
-    from skippy.protocol import WireDType
+    from skippy.codec.protocol import WireDType
 
     # Teacher-forced over 16 steps (128 free-running steps: bench/real_model_wire.py, ~15 min here).
     # Measured over 128 tokens: f16 99.2% / max error 14.7, q8 98.4% / 12.2 (Gemma 3's BOS row

@@ -24,12 +24,8 @@ import numpy as np
 import pytest
 import trio
 
-from skippy.driver import StageClient
-from skippy.driver.client import StageRemoteError
-from skippy.driver.generator import GenerationRequest, Generator
-from skippy.driver.prefix import SamplingExtensionRefused
-from skippy.protocol import WireError
-from skippy.protocol_ext import (
+from skippy.codec.protocol import WireError
+from skippy.codec.protocol_ext import (
     GRAMMAR_FEATURE,
     LOGPROBS_FEATURE,
     MAX_TOP_LOGPROBS,
@@ -40,6 +36,10 @@ from skippy.protocol_ext import (
     SamplingRequest,
     TokenLogprobs,
 )
+from skippy.driver import StageClient
+from skippy.driver.client import StageRemoteError
+from skippy.driver.generator import GenerationRequest, Generator
+from skippy.driver.prefix import SamplingExtensionRefused
 from skippy.runtime import Model, StageContext
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime.sampling import (
@@ -54,7 +54,7 @@ from skippy.stage.executor import logprobs_of_row
 sys.path.insert(0, str(Path(__file__).parent))
 from stage_helpers import inprocess_chain  # noqa: E402
 
-IMPLEMENTATIONS = {"py": "skippy._wire_py", "c": "skippy._wire"}
+IMPLEMENTATIONS = {"py": "skippy.codec._wire_py", "c": "skippy.codec._wire"}
 #: A grammar with a finite language: the answer is one of four short sentences.
 WORD_GRAMMAR = 'root ::= ("yes" | "no") " " ("red" | "blue") "."'
 WORDS = {f"{a} {b}." for a in ("yes", "no") for b in ("red", "blue")}
@@ -77,7 +77,7 @@ LOGPROBS_HEX = ("045e0000" "02000000" "01000000"
 
 
 def _frames(impl: ModuleType, data: bytes, *, bytewise: bool = False) -> list[object]:
-    from skippy.protocol import NEED_DATA
+    from skippy.codec.protocol import NEED_DATA
 
     decoder = impl.ReplyDecoder(extensions=True)
     out: list[object] = []
@@ -94,7 +94,7 @@ def test_the_new_frames_encode_and_decode_byte_for_byte(wire_impl: ModuleType, f
     encode = wire_impl.encode_sampling_accepted if isinstance(frame, SamplingAcceptedFrame) else wire_impl.encode_logprobs
     data = encode(frame)
     assert data.hex() == hex_bytes
-    from skippy.protocol import StageReply
+    from skippy.codec.protocol import StageReply
 
     stream = data + wire_impl.encode_reply(StageReply.predicted_token(5))
     for bytewise in (False, True):
@@ -329,7 +329,7 @@ async def test_a_grammar_the_final_stage_cannot_install_closes_the_lane_naming_w
 
 async def _v11_final_stage(task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED) -> None:
     """A stage that answers like a plain v11 one: READY, then an ACK per message (no extension frame)."""
-    from skippy.protocol import READY_BYTES, NEED_DATA, StageReply
+    from skippy.codec.protocol import READY_BYTES, NEED_DATA, StageReply
     from skippy.stage.transport import codec
 
     listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")

@@ -25,15 +25,16 @@ import numpy as np
 import pytest
 import trio
 
+from skippy.codec.protocol import READY_BYTES, MessageKind, StageMessage, StageReply
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver.client import StageClientError, StageLost
 from skippy.driver.speculation import ControllerConfig
-from skippy.protocol import READY_BYTES, MessageKind, StageMessage, StageReply
+from skippy.net.address import Address
+from skippy.net.socket_io import SocketIO
 from skippy.runtime import Model, SamplingParams, StageContext
-from skippy.stage.config import Address
-from skippy.stage.transport import MessageReader, SocketIO
+from skippy.stage.transport import MessageReader
 
-from skippy import wire as codec
+from skippy.codec import wire as codec
 
 from conftest import PROMPT
 from stage_helpers import StageProcess, stage_chain

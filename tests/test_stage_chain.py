@@ -14,12 +14,12 @@ import numpy as np
 import pytest
 import trio
 
+from skippy.codec.protocol import WireDType
+from skippy.codec.protocol_ext import ErrorCode
 from skippy.driver import StageClient, StageLost
-from skippy.protocol_ext import ErrorCode
 from skippy.runtime import Model, StageContext
 from skippy.stage.executor import Executor, WorkItem
 from skippy.stage.transport import codec
-from skippy.protocol import WireDType
 
 from stage_helpers import StageProcess, reference_greedy, stage_chain, wait_for_stats
 

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import pytest
 
-from skippy.protocol import WireDType
+from skippy.codec.protocol import WireDType
+from skippy.net.address import Address
 from skippy.runtime.null import NullSpec
-from skippy.stage.config import Address, StageConfig, build_parser, parse_config
+from skippy.stage.config import StageConfig, build_parser, parse_config
 
 ROOT = Path(__file__).resolve().parent.parent
 

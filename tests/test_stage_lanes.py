@@ -22,8 +22,8 @@ import numpy as np
 import pytest
 import trio
 
+from skippy.codec.protocol import MessageKind, ReplyKind, StageMessage, StageReply, WireDType
 from skippy.driver import StageClient, StageClientError, StageLost
-from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply, WireDType
 from skippy.stage.server import StageServer
 from skippy.stage.transport import codec, send_ready
 
@@ -405,7 +405,7 @@ async def test_negotiated_client_gets_one_timing_record_per_stage() -> None:
 
 
 async def _read_plain(stream: trio.SocketStream, decoder: object) -> object:
-    from skippy.protocol import END_OF_STREAM, NEED_DATA
+    from skippy.codec.protocol import END_OF_STREAM, NEED_DATA
 
     while True:
         result = decoder.next_reply()  # type: ignore[attr-defined]
@@ -418,7 +418,7 @@ async def _read_plain(stream: trio.SocketStream, decoder: object) -> object:
 
 
 async def test_plain_v11_client_gets_plain_replies_and_no_error_frame() -> None:
-    from skippy.protocol import END_OF_STREAM, check_ready
+    from skippy.codec.protocol import END_OF_STREAM, check_ready
 
     async with inprocess_chain(["0:2", "2:4"]) as servers:
         address = servers[0].address
@@ -448,7 +448,7 @@ _NEGOTIATED_BAD_FRAMES = [
 @pytest.mark.parametrize("case, frame, code", _NEGOTIATED_BAD_FRAMES)
 async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(case: str, frame: object, code: str) -> None:
     from skippy.driver import StageRemoteError
-    from skippy.protocol_ext import ErrorCode
+    from skippy.codec.protocol_ext import ErrorCode
 
     async with inprocess_chain(["0:2", "2:4"]) as servers:
         client = await StageClient.connect(servers[0].address)  # type: ignore[arg-type]
@@ -472,7 +472,7 @@ async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(case: st
 
 
 async def test_lost_downstream_is_named_and_a_drain_says_shutting_down() -> None:
-    from skippy.protocol_ext import ErrorCode
+    from skippy.codec.protocol_ext import ErrorCode
 
     async with trio.open_nursery() as outer:
         async with inprocess_chain(["0:1", "1:2", "2:4"]) as servers:
@@ -569,7 +569,7 @@ async def _run_script(write_through: bool, inline_hand_offs: bool) -> tuple[byte
     """Run :func:`_script` against null stages 0:1 -> tap -> 1:3 -> 3:4 with a plain v11 client;
     returns the client's replies (measured durations zeroed), the bytes stage 0 sent down and the
     chain's write-through count."""
-    from skippy.protocol import check_ready
+    from skippy.codec.protocol import check_ready
 
     from stage_helpers import StageServer as Server, config_from_mapping, load_runtime
 
@@ -651,7 +651,7 @@ async def _refusal(servers: list[StageServer], action: object) -> object:
     ],
 )
 async def test_each_refusal_carries_its_own_code(case: str, code: str, text: str) -> None:
-    from skippy.protocol_ext import ErrorCode
+    from skippy.codec.protocol_ext import ErrorCode
 
     async def act(client: StageClient) -> None:
         if case == "position gap":
@@ -675,7 +675,7 @@ async def test_each_refusal_carries_its_own_code(case: str, code: str, text: str
 
 async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
-    from skippy.protocol_ext import ErrorCode
+    from skippy.codec.protocol_ext import ErrorCode
 
     caplog.set_level(logging.ERROR, logger="skippy.stage")
     async with inprocess_chain(["0:2", "2:4"]) as servers:
@@ -706,7 +706,7 @@ async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(
 async def test_a_final_stage_lane_over_memory_streams() -> None:
     import trio.testing
 
-    from skippy.protocol_ext import ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
+    from skippy.codec.protocol_ext import ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
     from skippy.stage.connection import Connection
     from stage_helpers import config_from_mapping, load_runtime
 
@@ -764,7 +764,7 @@ async def test_a_final_stage_lane_over_memory_streams() -> None:
 async def test_a_refused_decode_on_a_lone_final_stage_still_says_why() -> None:
     # the final stage's decode is answered by write-through: a refusal before its compute has
     # written nothing, so the Error frame still follows
-    from skippy.protocol_ext import ErrorCode
+    from skippy.codec.protocol_ext import ErrorCode
 
     async def act(client: StageClient) -> None:
         await client.prefill(1, [1, 2, 3])

@@ -18,9 +18,9 @@ import trio
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from skippy.codec.protocol import MessageKind, StageMessage, StateHeader
+from skippy.codec.protocol_ext import ErrorCode
 from skippy.driver import StageClient, StageLost, StageRemoteError
-from skippy.protocol import MessageKind, StageMessage, StateHeader
-from skippy.protocol_ext import ErrorCode
 from skippy.lane.errors import InvalidMessage
 from skippy.lane.messages import work_item
 from skippy.lane.protocol import RULES, Handling, LaneProtocol
@@ -415,8 +415,8 @@ async def test_positions_beyond_the_kv_cells_are_refused_and_do_not_leak_into_a_
 async def test_activation_sideband_flags_are_refused_on_a_first_stage() -> None:
     """Found by the fuzz campaign: a first stage executed a frame flagged for extra activation rows
     per token (Gemma3n / MTP / RWKV sidebands) and then could not encode the frame it forwards."""
-    from skippy.protocol import StateFlag
-    from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+    from skippy.codec.protocol import StateFlag
+    from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG
 
     async with inprocess_chain(["0:2", "2:4"]) as servers:
         address = servers[0].address

@@ -13,7 +13,7 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from skippy.driver import GenerationRequest, Generator, StageClient
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 from stage_helpers import stage_chain
 

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import trio
 
-from skippy.certs import make_chain_certificates
+from skippy.codec.protocol import MessageKind
+from skippy.deploy.certs import make_chain_certificates
 from skippy.driver import StageClient, StageLost
-from skippy.protocol import MessageKind
-from skippy.stage.config import Address, config_from_mapping
-from skippy.stage.tls import TlsFiles, client_context, is_loopback, link_uses_tls
+from skippy.net.address import Address
+from skippy.net.tls import TlsFiles, client_context, is_loopback, link_uses_tls
+from skippy.stage.config import config_from_mapping
 
 from hostile_frames import raw_frame
 from stage_helpers import StageProcess, stage_chain

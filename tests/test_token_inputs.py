@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from skippy.deploy.plan import ModelShape
 from skippy.models import ensure_model, tiny
-from skippy.plan import ModelShape
 from skippy.runtime import InvalidBatch, LayerRange, Model, StageContext
 
 
@@ -24,7 +24,7 @@ def test_a_later_stage_needs_the_token_ids(arch: str, monkeypatch: pytest.Monkey
         hidden = np.zeros((2, model.n_embd), dtype=np.float32)
         with pytest.raises(InvalidBatch, match="needs the token ids beside the activations"):
             ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden)
-        monkeypatch.setattr(Model, "reads_tokens", property(lambda self: False))
+        monkeypatch.setattr(ctx, "_reads_tokens", False)  # the context reads it once, at creation
         with pytest.raises(InvalidBatch, match="this architecture needs the token ids"):
             ctx.decode(positions=[0, 1], seq_ids=[0, 0], activations=hidden)
         monkeypatch.undo()

@@ -25,7 +25,7 @@ import numpy as np, skippy, sys
 assert "site-packages" in skippy.__file__, skippy.__file__
 from skippy.models.spec import tiny
 from skippy.models.cache import ensure_model
-from skippy.local import LocalChain
+from skippy.runtime.local import LocalChain
 path = ensure_model(tiny("qwen3"))
 prompt = [1, 15043, 3186, 29892, 920]
 def run(split):
@@ -122,12 +122,12 @@ def test_sdist_carries_the_build_sources_and_no_build_output(tmp_path: Path) -> 
     (sdist,) = tmp_path.glob("skippy_llm-*.tar.gz")
     with tarfile.open(sdist) as archive:
         names = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
-    needed = {str(path.relative_to(ROOT)) for pattern in ("skippy/*.pyx", "skippy/*.pxd", "skippy/*.pxi",
-                                                          "skippy/*.h", "native/*.py", "native/patches/*",
+    needed = {str(path.relative_to(ROOT)) for pattern in ("skippy/**/*.pyx", "skippy/**/*.pxd", "skippy/**/*.pxi",
+                                                          "skippy/**/*.h", "native/*.py", "native/patches/*",
                                                           "native/cdef/*", "skippy/api/static/*")
               for path in ROOT.glob(pattern)}
-    assert {"skippy/_wire.pyx", "native/build.py", "native/patches/0001-layer-range-execution.patch"} <= needed
+    assert {"skippy/codec/_wire.pyx", "native/build.py", "native/patches/0001-layer-range-execution.patch"} <= needed
     assert needed <= names, f"missing from the sdist: {sorted(needed - names)}"
     outputs = [name for name in names if name.endswith(".so") or name.endswith(".gguf")
-               or name in ("skippy/_native_stamp.py", "skippy/_wire.c", "skippy/_radix.c")]
+               or name in ("skippy/_native_stamp.py", "skippy/codec/_wire.c", "skippy/cache/_radix.c")]
     assert outputs == [], f"build outputs in the sdist: {outputs}"

@@ -15,15 +15,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from skippy.codec.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
+from skippy.codec.protocol_ext import ErrorCode
 from skippy.driver import GenerationRequest, Generator, StageClient
-from skippy.models import ensure_model, tiny
-from skippy.protocol import MessageKind, StageMessage, StateFlag, WireDType, boundary_rows_flags
-from skippy.protocol_ext import ErrorCode
-from skippy.runtime import Model, StageContext
 from skippy.lane.errors import InvalidMessage
-from skippy.stage.executor import sideband_flag
 from skippy.lane.messages import outgoing, rows_from_wire, rows_to_wire, work_item
 from skippy.lane.protocol import LaneProtocol
+from skippy.models import ensure_model, tiny
+from skippy.runtime import Model, StageContext
+from skippy.stage.executor import sideband_flag
 
 from stage_helpers import inprocess_chain, reference_greedy, stage_chain
 

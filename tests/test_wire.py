@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 import wire_vectors as vectors
-from skippy import protocol
-from skippy.protocol import (
+from skippy.codec import protocol
+from skippy.codec.protocol import (
     END_OF_STREAM,
     NEED_DATA,
     MessageKind,
@@ -34,14 +34,14 @@ from skippy.protocol import (
     WireDType,
     WireError,
 )
-from skippy.wire_cli import (
+from skippy.codec.wire_cli import (
     message_from_fields,
     message_to_fields,
     reply_from_fields,
     reply_to_fields,
 )
 
-IMPLEMENTATIONS = {"py": "skippy._wire_py", "c": "skippy._wire"}
+IMPLEMENTATIONS = {"py": "skippy.codec._wire_py", "c": "skippy.codec._wire"}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))
@@ -53,14 +53,14 @@ def wire_impl(request: pytest.FixtureRequest) -> ModuleType:
 
 
 def test_default_implementation_is_cython() -> None:
-    from skippy import wire
+    from skippy.codec import wire
 
     if os.environ.get("SKIPPY_NO_EXTENSIONS") == "1":
         assert wire.IMPLEMENTATION == "python"
     else:
         assert wire.EXTENSION_IMPORT_ERROR is None
         assert wire.IMPLEMENTATION == "cython"
-        assert wire.MessageDecoder.__module__ == "skippy._wire"
+        assert wire.MessageDecoder.__module__ == "skippy.codec._wire"
 
 
 def test_vector_copies_match_shared() -> None:
@@ -522,7 +522,7 @@ def test_decoded_f32_activation_is_a_view(wire_impl: ModuleType) -> None:
 
 def test_decoded_objects_are_ordinary_dataclasses(wire_impl: ModuleType) -> None:
     """The Cython decoder fills slots without __init__; the objects must not tell."""
-    from skippy.protocol import LogitBias, NativeMtpDraft, SamplingConfig
+    from skippy.codec.protocol import LogitBias, NativeMtpDraft, SamplingConfig
 
     sampling = SamplingConfig(1, 7, 0.5, 0.875, 40, 0.0625, 0.0, 0.0, 1.125, 64,  # f32-exact
                               (LogitBias(3, -1.5), LogitBias(9, 2.0)))

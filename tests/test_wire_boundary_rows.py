@@ -15,7 +15,7 @@ from types import ModuleType
 import numpy as np
 import pytest
 
-from skippy.protocol import (
+from skippy.codec.protocol import (
     BOUNDARY_ROWS_FLAG,
     MAX_BOUNDARY_ROWS,
     NEED_DATA,
@@ -28,9 +28,9 @@ from skippy.protocol import (
     activation_row_multiplier,
     boundary_rows_flags,
 )
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG
 
-IMPLEMENTATIONS = {"py": "skippy._wire_py", "c": "skippy._wire"}
+IMPLEMENTATIONS = {"py": "skippy.codec._wire_py", "c": "skippy.codec._wire"}
 WIDTH = 8
 
 
@@ -74,7 +74,7 @@ def test_wide_frames_encode_and_decode(wire_impl: ModuleType, k: int, dtype: Wir
     flags = boundary_rows_flags(k) | SKIPPY_EXTENSIONS_FLAG
     message = _message(flags, 2, 2 * k)
     frame = wire_impl.encode_message(message, dtype)
-    twin = importlib.import_module("skippy._wire_py").encode_message(message, dtype)
+    twin = importlib.import_module("skippy.codec._wire_py").encode_message(message, dtype)
     assert frame == twin
     for chunk in (len(frame), 1, 7):
         (decoded,) = _decode_all(wire_impl, frame + b"\x99" * 3, chunk)  # garbage: an incomplete next frame

@@ -1,4 +1,4 @@
-"""``python -m skippy.wire`` reproduces every shared vector, both directions, via subprocess."""
+"""``python -m skippy.codec.wire`` reproduces every shared vector, both directions, via subprocess."""
 
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ def run_cli(*args: str, stdin: bytes, pure: bool = False) -> subprocess.Complete
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     if pure:
         env["SKIPPY_NO_EXTENSIONS"] = "1"
-    return subprocess.run([sys.executable, "-m", "skippy.wire", *args], input=stdin,
+    return subprocess.run([sys.executable, "-m", "skippy.codec.wire", *args], input=stdin,
                           capture_output=True, env=env, cwd=ROOT, timeout=120, check=False)
 
 
@@ -133,4 +133,4 @@ def test_malformed_input_exits_2(args: list[str], stdin: bytes) -> None:
     result = run_cli(*args, stdin=stdin)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr.decode()
-    assert result.stderr.decode().startswith("skippy.wire:")
+    assert result.stderr.decode().startswith("skippy.codec.wire:")

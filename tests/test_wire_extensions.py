@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import wire_vectors as vectors
-from skippy.protocol import (
+from skippy.codec.protocol import (
     END_OF_STREAM,
     NEED_DATA,
     MessageKind,
@@ -28,7 +28,7 @@ from skippy.protocol import (
     WireDType,
     WireError,
 )
-from skippy.protocol_ext import (
+from skippy.codec.protocol_ext import (
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_TIMING_RECORDS,
@@ -48,7 +48,7 @@ from skippy.protocol_ext import (
     requests_extensions,
     with_extensions_flag,
 )
-from skippy.wire_cli import (
+from skippy.codec.wire_cli import (
     decode_frames,
     encode_frames,
     extension_from_fields,
@@ -56,7 +56,7 @@ from skippy.wire_cli import (
     reply_to_fields,
 )
 
-IMPLEMENTATIONS = {"py": "skippy._wire_py", "c": "skippy._wire"}
+IMPLEMENTATIONS = {"py": "skippy.codec._wire_py", "c": "skippy.codec._wire"}
 
 
 @pytest.fixture(params=sorted(IMPLEMENTATIONS))

@@ -20,8 +20,8 @@ from hypothesis import HealthCheck, given, settings  # noqa: E402
 from hypothesis import strategies as st  # noqa: E402
 from hypothesis.extra import numpy as hnp  # noqa: E402
 
-from skippy import _wire_py  # noqa: E402
-from skippy.protocol import (  # noqa: E402
+from skippy.codec import _wire_py  # noqa: E402
+from skippy.codec.protocol import (  # noqa: E402
     END_OF_STREAM,
     MAX_MESSAGE_FRAME_BYTES,
     MAX_REPLY_FRAME_BYTES,
@@ -43,7 +43,7 @@ from skippy.protocol import (  # noqa: E402
     carries_activation,
 )
 
-_wire_c = pytest.importorskip("skippy._wire", reason="Cython extension not built")
+_wire_c = pytest.importorskip("skippy.codec._wire", reason="Cython extension not built")
 IMPLEMENTATIONS = (_wire_py, _wire_c)
 PROPERTY_SETTINGS = settings(max_examples=150, deadline=None,
                              suppress_health_check=[HealthCheck.too_slow])
@@ -265,7 +265,7 @@ def test_q8_implementations_agree(values: np.ndarray) -> None:
 # Extension frames (docs/protocol.md "Extensions")
 # --------------------------------------------------------------------------------------------
 
-from skippy.protocol_ext import (  # noqa: E402
+from skippy.codec.protocol_ext import (  # noqa: E402
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
     MAX_TIMING_RECORDS,
@@ -375,7 +375,7 @@ def test_random_extension_bodies_give_frames_or_wire_errors(head: bytes, body: b
 
 def _generic_merge(left: ReplyStats, right: ReplyStats) -> ReplyStats:
     """The §5.3 merge rules written generically over the field names (the old definition)."""
-    from skippy import protocol
+    from skippy.codec import protocol
 
     changes: dict[str, int] = {
         name: protocol._saturating(getattr(left, name) + getattr(right, name)) for name in protocol._SUM_FIELDS

@@ -10,8 +10,8 @@ import pytest
 import trio
 
 from skippy.lane.errors import DownstreamLost, StageError
+from skippy.net.socket_io import SocketIO
 from skippy.stage.executor import WorkResult
-from skippy.stage.transport import SocketIO
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 

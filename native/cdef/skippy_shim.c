@@ -29,7 +29,7 @@ void skippy_batch_view(struct llama_batch * batch, int32_t n_tokens, llama_token
     batch->logits   = outputs;
 }
 
-/* llama_decode of the batch `batch` points to: the decode relay (skippy/_relay.pyx) calls it
+/* llama_decode of the batch `batch` points to: the decode relay (skippy/stage/_relay.pyx) calls it
  * through a plain function pointer, which cannot pass a struct by value. */
 int32_t skippy_decode_view(struct llama_context * ctx, const struct llama_batch * batch) {
     return llama_decode(ctx, *batch);

@@ -23,8 +23,8 @@ import trio
 
 from skippy.api.errors import ApiError
 from skippy.api.lanes import LanePool, Lease
+from skippy.codec.protocol_ext import ErrorCode
 from skippy.driver.client import StageClientError, StageRemoteError
-from skippy.protocol_ext import ErrorCode
 
 #: Default seconds a request may wait for a lane.
 DEFAULT_QUEUE_TIMEOUT = 60.0

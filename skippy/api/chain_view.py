@@ -35,11 +35,11 @@ import trio
 from prometheus_client.parser import text_string_to_metric_families
 
 from skippy.api.lanes import LanePool, StageInfo
+from skippy.codec.protocol_ext import IdentityFrame
 from skippy.driver.client import StageClient, StageLost
 from skippy.driver.generator import Timing
 from skippy.identity import query_identity
-from skippy.protocol_ext import IdentityFrame
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 __all__ = ["ChainView", "History", "fetch_stage_metrics", "stage_figures"]
 

@@ -24,7 +24,7 @@ from typing import Sequence, final
 import trio
 
 from skippy.driver.client import StageClient, StageClientError, StageLost
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ class LanePool:
     def __init__(self, address: Address, *, max_lanes: int = 8, stages: Sequence[StageInfo] = (),
                  connect_timeout: float = 5.0, reply_timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> None:
         self.address = address
-        #: The driver's mutual-TLS context for the stage links (skippy.stage.tls; None: plain TCP).
+        #: The driver's mutual-TLS context for the stage links (skippy.net.tls; None: plain TCP).
         self.tls = tls
         self.max_lanes = max_lanes
         self.stages = tuple(stages)

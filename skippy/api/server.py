@@ -24,7 +24,7 @@ from skippy.api.guard import DEFAULT_MAX_BODY_BYTES
 from skippy.api.lanes import LanePool, StageInfo
 from skippy.api.reasoning import FORMATS as REASONING_FORMATS
 from skippy.driver.generator import Generator
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 log = logging.getLogger("skippy.api")
 

@@ -35,7 +35,7 @@ from typing import Any, Callable, Mapping, Sequence
 
 from skippy.api import _json_schema_grammar
 from skippy.api.errors import ApiError
-from skippy.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
+from skippy.codec.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.tokenizer import Tokenizer
 

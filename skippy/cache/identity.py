@@ -25,8 +25,8 @@ import hashlib
 import struct
 from typing import TYPE_CHECKING, Final, final
 
-from skippy import radix
-from skippy._radix_py import check_page_size
+from skippy.cache import radix
+from skippy.cache._radix_py import check_page_size
 
 if TYPE_CHECKING:
     from skippy.runtime import StageContext

@@ -32,7 +32,7 @@ import hashlib
 from collections import OrderedDict
 from typing import Iterable, Protocol, final
 
-from skippy._radix_py import HashArray, TokenArray
+from skippy.cache._radix_py import HashArray, TokenArray
 from skippy.cache.tree import CacheEntry, PrefixTree
 from skippy.runtime.errors import SessionError, StateMismatch
 

@@ -4,7 +4,7 @@ Strategy
 --------
 One :class:`PrefixTree` per :class:`~skippy.cache.identity.CacheIdentity` (so tenants and stage
 configurations never share a node). A node is one page of ``page_size`` tokens; its key in the
-parent is the page's *chained* hash (:mod:`skippy.radix`), and it also keeps the page's tokens,
+parent is the page's *chained* hash (:mod:`skippy.cache.radix`), and it also keeps the page's tokens,
 which a lookup compares, so a 64-bit collision can never hand out another prompt's KV.
 
 A cached prefix (:class:`CacheEntry`) of ``k`` pages hangs on the node at depth ``k``; at most one
@@ -28,8 +28,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Iterator, final
 
-from skippy import radix
-from skippy._radix_py import HashArray, TokenArray
+from skippy.cache import radix
+from skippy.cache._radix_py import HashArray, TokenArray
 
 if TYPE_CHECKING:
     from skippy.cache.identity import CacheIdentity
@@ -235,7 +235,7 @@ class PrefixTree:
 
 
 def as_tokens(tokens: object) -> TokenArray:
-    """int32 tokens from any accepted input (see :func:`skippy.radix.as_tokens`)."""
+    """int32 tokens from any accepted input (see :func:`skippy.cache.radix.as_tokens`)."""
     array: TokenArray = radix.as_tokens(tokens)  # type: ignore[arg-type]
     return array
 

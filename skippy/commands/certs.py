@@ -28,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skippy.certs import make_chain_certificates
+    from skippy.deploy.certs import make_chain_certificates
 
     names = [f"stage-{i}" for i in range(max(0, args.stages))] + [f"driver-{i}" for i in range(max(0, args.drivers))]
     names += args.name

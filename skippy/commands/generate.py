@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from skippy.local import LocalChain, check_split, even_split, parse_split
+from skippy.runtime.local import LocalChain, check_split, even_split, parse_split
 
 
 def add_parser(subparsers: Any) -> None:

@@ -1,9 +1,9 @@
 """``skippy plan``: split a model over hosts by memory and compute cost, print it, write a plan file.
 
-Strategy: the work is :mod:`skippy.plan` (header-only shape, memory model, split search); this
+Strategy: the work is :mod:`skippy.deploy.plan` (header-only shape, memory model, split search); this
 module parses the command line, takes the hosts from ``--hosts`` or from a Ray cluster's alive
-nodes (``--ray [ADDRESS]``, :mod:`skippy.ray_plan`), estimates each layer's and the output head's
-decode time from the model's shapes (:mod:`skippy.cost`) or measures it
+nodes (``--ray [ADDRESS]``, :mod:`skippy.deploy.ray_plan`), estimates each layer's and the output head's
+decode time from the model's shapes (:mod:`skippy.deploy.cost`) or measures it
 (``--measure``: on each Ray node a host is, else on this machine, and a host that is neither
 keeps this machine's figure, said on its line), prints the plan and writes its TOML file.  An
 impossible plan exits with status 1 and the planner's message
@@ -59,7 +59,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from skippy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
+    from skippy.deploy.plan import HostSpec, ModelShape, PlanError, PlanSettings, plan_chain
     from skippy.runtime.errors import NativeError
 
     if not args.hosts and not args.ray:
@@ -108,7 +108,7 @@ def run(args: argparse.Namespace) -> int:
 def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any]) -> tuple[list[Any], list[Any] | None]:
     """The hosts (named, else the cluster's nodes) and, with ``--measure``, each host's times:
     measured on its node where it is one, else :func:`_measured_here`'s."""
-    from skippy import ray_plan
+    from skippy.deploy import ray_plan
 
     with ray_plan.connect(None if args.ray == "auto" else args.ray):
         hosts = named or ray_plan.cluster_hosts()
@@ -126,7 +126,7 @@ def _measured_here(shape: Any, hosts: list[Any], known: dict[int, Any]) -> list[
     Raises:
         skippy.runtime.NativeError: the model cannot be loaded here.
     """
-    from skippy.plan import LayerTimes, measure_layer_times
+    from skippy.deploy.plan import LayerTimes, measure_layer_times
 
     if len(known) == len(hosts):
         return [known[index] for index in range(len(hosts))]

@@ -52,7 +52,7 @@ def driver_tls(args: argparse.Namespace, first: Any) -> Any:
     """
     import ssl
 
-    from skippy.stage.tls import TlsFiles, client_context, link_uses_tls
+    from skippy.net.tls import TlsFiles, client_context, link_uses_tls
 
     if not link_uses_tls(args.tls, first.host):
         return None
@@ -67,8 +67,8 @@ def driver_tls(args: argparse.Namespace, first: Any) -> Any:
 
 async def _main(args: argparse.Namespace) -> None:
     from skippy.api.server import serve_api
-    from skippy.launch import cancel_on_signal
-    from skippy.stage.config import Address
+    from skippy.deploy.launch import cancel_on_signal
+    from skippy.net.address import Address
 
     first = Address.parse(args.first_stage)
     final = Address.parse(args.final_stage) if args.final_stage else None

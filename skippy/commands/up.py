@@ -1,6 +1,6 @@
 """``skippy up``: the whole chain on this machine (stages final-first, then the API) in one command.
 
-Strategy: :func:`skippy.launch.run_chain` starts and owns the stage processes; once every stage is
+Strategy: :func:`skippy.deploy.launch.run_chain` starts and owns the stage processes; once every stage is
 READY the API starts in this process on the same trio run, then the URL, a ``curl`` line and the
 page's URL (``GET /``: the chain live and a chat, :mod:`skippy.api.page`) are printed; every stage
 serves Prometheus metrics on a port of its own, which the page reads.  SIGINT/SIGTERM cancel the
@@ -153,7 +153,7 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
            threads: int = 0) -> tuple[list[tuple[int, int]], str]:
     """The layer ranges (``--layers`` as given, else ``--stages`` balanced by cost) and a line on
     how they were chosen, with each stage's expected share of a token's time."""
-    from skippy.local import check_split, parse_split
+    from skippy.runtime.local import check_split, parse_split
 
     if args.layers:
         split = parse_split(args.layers)
@@ -161,7 +161,7 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
             raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {n_layer} layers")
         check_split(split, n_layer, groups)
         return split, "layers as given"
-    from skippy.plan import LayerTimes, ModelShape, balanced_stages, measure_layer_times
+    from skippy.deploy.plan import LayerTimes, ModelShape, balanced_stages, measure_layer_times
 
     shape = ModelShape.from_gguf(model)
     times = None
@@ -182,7 +182,7 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     Raises:
         ValueError: not a readable plan (PlanError).
     """
-    from skippy.plan import PLAN_ONLY_CHAIN_KEYS, load_plan
+    from skippy.deploy.plan import PLAN_ONLY_CHAIN_KEYS, load_plan
 
     chain, stages = load_plan(args.plan)
     if args.model is None:
@@ -207,7 +207,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         0 after a clean stop, 1 when a stage failed, 2 for bad settings.
     """
     from skippy.api.server import serve_api
-    from skippy.launch import ChildFailed, StageChild, cancel_on_signal, run_chain
+    from skippy.deploy.launch import ChildFailed, StageChild, cancel_on_signal, run_chain
     from skippy.runtime import NativeError, read_gguf_info
     from skippy.stage.config import config_from_mapping
 
@@ -306,8 +306,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
 def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callable[[int], list[str]]]:
     """Certificates for a local chain (a CA, ``stage-I``, ``driver-0``): the API's client context and
     each stage's TLS flags."""
-    from skippy.certs import make_chain_certificates
-    from skippy.stage.tls import TlsFiles, client_context
+    from skippy.deploy.certs import make_chain_certificates
+    from skippy.net.tls import TlsFiles, client_context
 
     make_chain_certificates(directory, [*(f"stage-{i}" for i in range(count)), "driver-0"])
 
@@ -321,13 +321,13 @@ def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callabl
 async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], options: list[str], certificates: Path,
                       plan: Path | None, bar: ProgressBar, pools: list[Any],
                       task_status: trio.TaskStatus[list[Any]]) -> None:
-    """The chain on Ray (:mod:`skippy.ray_launch`), reported as the API's StageInfo list; a
+    """The chain on Ray (:mod:`skippy.deploy.ray_launch`), reported as the API's StageInfo list; a
     restarted stage re-points the API's lanes (and its health report) at its new address."""
     from skippy.api.lanes import StageInfo
-    from skippy.launch import ChildFailed
+    from skippy.deploy.launch import ChildFailed
 
     try:
-        from skippy.ray_launch import run_ray_chain
+        from skippy.deploy.ray_launch import run_ray_chain
     except ImportError as exc:  # the optional extra is missing: say how to get it
         raise ChildFailed(f"--ray needs Ray: pip install 'skippy-llm[ray]' ({exc})") from exc
     placed: list[Any] = []
@@ -357,7 +357,7 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
 
     memory = gpus = nodes = None
     if plan is not None:  # from skippy plan: each bundle's memory (expected peak), GPU and pinned node
-        from skippy.plan import load_plan
+        from skippy.deploy.plan import load_plan
 
         planned = load_plan(plan)[1]
         peaks = [int(stage.get("expected", {}).get("peak_bytes", 0)) for stage in planned]
@@ -371,7 +371,7 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
 
 def _metrics_address(url: str) -> Any:
     """The address of a stage's ``http://HOST:PORT/metrics`` (None: no metrics)."""
-    from skippy.stage.config import Address
+    from skippy.net.address import Address
 
     if not url:
         return None

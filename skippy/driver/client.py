@@ -7,7 +7,7 @@ non-final chunk is ACKed early by the first stage, so up to ``credit`` chunks ar
 their ACKs, then the final chunk's PredictedToken ends the prompt.  Every reply wait is bounded
 (``reply_timeout``); a closed or reset lane raises :class:`StageLost` naming the first stage,
 never a trio exception.  Not safe for concurrent use by several tasks: one lane, one caller.
-Frames go through :class:`skippy.stage.transport.SocketIO` (a non-blocking read or write first,
+Frames go through :class:`skippy.net.socket_io.SocketIO` (a non-blocking read or write first,
 into one reusable buffer; trio only when the socket would block), as on the stages' hot path.
 
 Negotiated extensions (``docs/protocol.md`` §2-§4; ``extensions=False`` speaks plain v11): every
@@ -53,7 +53,8 @@ from typing import Sequence
 import numpy as np
 import trio
 
-from skippy.protocol import (
+from skippy.codec.decode_run import DecodeRunRequest
+from skippy.codec.protocol import (
     MessageKind,
     ReplyKind,
     SamplingConfig,
@@ -64,7 +65,7 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
-from skippy.protocol_ext import (
+from skippy.codec.protocol_ext import (
     DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
     DIRECT_RETURN_FLAG,
@@ -78,15 +79,14 @@ from skippy.protocol_ext import (
     with_direct_return_flag,
     with_extensions_flag,
 )
-from skippy.lane.decode_run import DecodeRunRequest
 from skippy.lane.driver import expected_replies
-from skippy.stage.config import Address
-from skippy.stage.tls import handshake_as_client
-from skippy.stage.transport import SocketIO, set_no_delay
+from skippy.net.address import Address
+from skippy.net.socket_io import SocketIO, set_no_delay
+from skippy.net.tls import handshake_as_client
 
-from skippy import wire as codec
+from skippy.codec import wire as codec
 
-from skippy.protocol import END_OF_STREAM, NEED_DATA
+from skippy.codec.protocol import END_OF_STREAM, NEED_DATA
 
 
 class StageClientError(Exception):
@@ -219,7 +219,7 @@ class StageClient:
         """Dial a first stage and read its READY.
 
         Args:
-            tls: the driver's mutual-TLS context (``skippy.stage.tls.client_context``); READY
+            tls: the driver's mutual-TLS context (``skippy.net.tls.client_context``); READY
                 then comes after the handshake.  None: plain TCP.
 
         Raises:

@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any, Callable, Iterable, Mapping, Sequence, final
 
+from skippy.codec.protocol import LogitBias, SamplingConfig, StageReply
+from skippy.codec.protocol_ext import SamplingRequest, TimingRecord, TimingsFrame, TokenLogprobs
 from skippy.driver import prefix
 from skippy.driver.chat_render import ChatRenderer, ChatTemplateError
 from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT_TEMPLATE  # re-exported
@@ -48,12 +50,10 @@ from skippy.driver.speculation.controller import ControllerConfig, SessionLoad
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
-from skippy.protocol import LogitBias, SamplingConfig, StageReply
-from skippy.protocol_ext import SamplingRequest, TimingRecord, TimingsFrame, TokenLogprobs
+from skippy.net.address import Address
 from skippy.runtime.gguf_header import read_header
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
-from skippy.stage.config import Address
 
 log = logging.getLogger(__name__)
 

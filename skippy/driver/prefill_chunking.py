@@ -42,8 +42,8 @@ import dataclasses
 import math
 from typing import final
 
-from skippy.protocol import ReplyStats
-from skippy.protocol_ext import TimingsFrame
+from skippy.codec.protocol import ReplyStats
+from skippy.codec.protocol_ext import TimingsFrame
 
 __all__ = ["ChunkingConfig", "PrefillChunker", "PrefillObservation", "observation_from"]
 

@@ -41,15 +41,15 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from skippy.driver.client import PrefillResult, StageClient, StageClientError
-from skippy.protocol import MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply
-from skippy.protocol_ext import (
+from skippy.codec.protocol import MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply
+from skippy.codec.protocol_ext import (
     PREFIX_EXTENT_FLAG,
     SAMPLING_EXTENSION_FLAG,
     SAMPLING_METADATA_KEY,
     SamplingRequest,
 )
-from skippy.stage.config import Address
+from skippy.driver.client import PrefillResult, StageClient, StageClientError
+from skippy.net.address import Address
 
 
 class SamplingExtensionRefused(StageClientError):

@@ -16,9 +16,9 @@ from __future__ import annotations
 import collections
 from typing import Final, NamedTuple, final
 
+from skippy.codec.protocol import MessageKind, ReplyKind, StageMessage, StageReply
+from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG
 from skippy.lane.protocol import RULES, Answer, Handling
-from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply
-from skippy.protocol_ext import DIRECT_RETURN_FLAG
 
 __all__ = ["DriverLane", "LaneMismatch", "Owed", "expected_replies"]
 

@@ -1,7 +1,7 @@
 """Why a stage closes a lane: one exception type per refusal, each carrying its wire error code.
 
 Strategy: blame is assigned once, where the refusal is found.  Every class below is a
-:class:`StageError` whose ``code`` is the extension :class:`~skippy.protocol_ext.ErrorCode` the
+:class:`StageError` whose ``code`` is the extension :class:`~skippy.codec.protocol_ext.ErrorCode` the
 lane's Error frame carries (``docs/protocol.md`` §3), so nothing downstream of the raise ever
 inspects a message text to classify it.  A ``StageError`` ends the one lane it happens on (and
 that lane's downstream lane); the stage and its other lanes carry on.
@@ -27,7 +27,7 @@ state blob that does not fit the model.  A message that does not fit its kind is
 
 from __future__ import annotations
 
-from skippy.protocol_ext import ErrorCode, ErrorFrame
+from skippy.codec.protocol_ext import ErrorCode, ErrorFrame
 
 __all__ = [
     "DownstreamError", "DownstreamLost", "InvalidMessage", "MalformedFrame", "Overloaded", "RuntimeFailure",
@@ -46,7 +46,7 @@ class StageError(Exception):
 
 
 class MalformedFrame(StageError):
-    """A frame from upstream raised :class:`~skippy.protocol.WireError` (the reason is kept)."""
+    """A frame from upstream raised :class:`~skippy.codec.protocol.WireError` (the reason is kept)."""
 
     code = ErrorCode.MALFORMED_FRAME
 

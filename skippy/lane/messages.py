@@ -17,11 +17,11 @@ from typing import Any, Callable
 import numpy as np
 import numpy.typing as npt
 
-from skippy.protocol import (
+from skippy.codec.protocol import (
     BOUNDARY_ROWS_BITS, BOUNDARY_ROWS_FLAG, MessageKind, ReplyStats, SamplingConfig, StageMessage, StageReply,
     StateFlag, StateHeader, WireDType, activation_row_multiplier,
 )
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG
 from skippy.lane.errors import InvalidMessage, StageError
 from skippy.lane.protocol import Dispatch
 from skippy.lane.stats import timing_stats

@@ -59,7 +59,7 @@ class Performer(enum.Enum):
     HANDLING_TASK = "handling task"  #: the task handling the message (receiving or compute)
     FORWARD_TASK = "forward task"  #: the lane's forwarder (queued to it)
     RUNTIME_THREAD = "runtime thread"  #: write-through: written where it was computed
-    DATA_PLANE = "data plane"  #: the ``nogil`` decode relay (skippy._relay)
+    DATA_PLANE = "data plane"  #: the ``nogil`` decode relay (skippy.stage._relay)
     NOBODY = "nobody"  #: the step does not happen (CARRY_NEXT: the lane reads on)
 
 

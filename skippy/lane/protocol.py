@@ -30,7 +30,7 @@ kind goes through the same steps:
    whatever finishes first.  ``claim_reply_write(ticket)`` hands the token to a write made
    elsewhere (the runtime thread's write-through) when that ticket is next in line.
 
-The rules (:data:`RULES`, one row per :class:`~skippy.protocol.MessageKind`; reference behaviour
+The rules (:data:`RULES`, one row per :class:`~skippy.codec.protocol.MessageKind`; reference behaviour
 ``../shared/reference/stage-server.md`` §2.1-§2.2):
 
 * **early ACK**: a non-final prefill chunk is ACKed on receipt, before compute, and its forwarded
@@ -65,13 +65,14 @@ import dataclasses
 import enum
 from typing import Awaitable, Callable, Final, Mapping, NamedTuple, final
 
-from skippy.lane.decode_run import DecodeRun, DecodeRunRequest
-from skippy.lane.errors import DownstreamLost, InvalidMessage, Overloaded, UnsupportedKind
-from skippy.lane.timings import DirectTimings
-from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
-from skippy.protocol_ext import (
+from skippy.codec.decode_run import DecodeRunRequest
+from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyKind, ReplyStats, StageMessage, StageReply
+from skippy.codec.protocol_ext import (
     DIRECT_RETURN_FLAG, MODEL_IDENTITY_FLAG, Annotation, ExtensionNegotiation, TimingsFrame, is_identity_query,
 )
+from skippy.lane.decode_run import DecodeRun
+from skippy.lane.errors import DownstreamLost, InvalidMessage, Overloaded, UnsupportedKind
+from skippy.lane.timings import DirectTimings
 
 __all__ = [
     "RULES", "Answer", "Dispatch", "Expect", "Forward", "Handling", "KindRule", "LaneProtocol", "Outputs", "Relay",

@@ -19,14 +19,14 @@ from __future__ import annotations
 import dataclasses
 from typing import Protocol
 
+from skippy.codec.protocol import EMPTY_REPLY_STATS, ReplyStats, StageReply
+from skippy.codec.protocol_ext import (
+    DECODE_RUN_FEATURE, Annotation, LogprobsFrame, SamplingAcceptedFrame, TimingRecord, TimingsFrame, append_timing,
+)
 from skippy.lane.messages import final_prediction
 from skippy.lane.protocol import RULES, Dispatch, Relay, StageLane
 from skippy.lane.stats import timing_stats
 from skippy.lane.work import WorkResult
-from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageReply
-from skippy.protocol_ext import (
-    DECODE_RUN_FEATURE, Annotation, LogprobsFrame, SamplingAcceptedFrame, TimingRecord, TimingsFrame, append_timing,
-)
 
 __all__ = ["RUN_ACCEPTED", "Identity", "Reply", "logprobs_annotation", "own_record", "prediction",
            "prediction_frames", "prediction_template", "relayed"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats
+from skippy.codec.protocol import EMPTY_REPLY_STATS, ReplyStats
 
 __all__ = ["merge_stats", "timing_stats"]
 

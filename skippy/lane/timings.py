@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import final
 
-from skippy.protocol_ext import TimingRecord
+from skippy.codec.protocol_ext import TimingRecord
 
 __all__ = ["DirectTimings"]
 

@@ -13,8 +13,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from skippy.codec.protocol_ext import TokenLogprobs
 from skippy.lane.protocol import Outputs
-from skippy.protocol_ext import TokenLogprobs
 
 __all__ = ["FloatArray", "IntArray", "WorkItem", "WorkResult"]
 

@@ -156,7 +156,7 @@ def load_backends(lib: Any, ffi: Any, lib_dir: Path) -> BackendChoice | None:
 def main() -> int:
     """``python -m skippy.runtime.backends``: the variants, their scores here, and the choice."""
     from skippy.runtime import ffi as binding
-    from skippy.offload import devices
+    from skippy.runtime.offload import devices
 
     lib_dir = Path(binding.__file__).resolve().parent.parent / "lib"
     for variant in cpu_variants(lib_dir):

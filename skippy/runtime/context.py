@@ -36,7 +36,7 @@ from skippy.runtime.errors import (
 )
 from skippy.runtime.ffi import ffi, lib
 from skippy.runtime.model import Model
-from skippy.offload import Offload
+from skippy.runtime.offload import Offload
 from skippy.runtime.rollback import (
     DEFAULT_DEPTH,
     DEFAULT_INTERVAL,
@@ -112,7 +112,7 @@ class StageContext:
         n_batch: most rows one ``decode`` may carry; also the micro-batch size (``n_ubatch``)
             unless given, so a prefill chunk is computed in one pass (same partition on every stage).
         threads: compute threads (default: all cores).
-        offload: flash attention and KV cache types (:mod:`skippy.offload`; default: flash
+        offload: flash attention and KV cache types (:mod:`skippy.runtime.offload`; default: flash
             attention off, f16 caches).
         checkpoint_depth / checkpoint_interval / checkpoint_rows: recurrent and hybrid models
             only: checkpoints kept per session, one-row decodes between two, and most rows logged

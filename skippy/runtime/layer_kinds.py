@@ -9,7 +9,7 @@ layer with neither KV heads nor an FFN; the other hybrids a layer with 0 KV head
 layer keeps, per sequence, llama.cpp's f32 ``n_embd_r() + n_embd_s()`` (src/llama-hparams.cpp:
 RWKV's token shifts and WKV state, LFM2's short-convolution window, the KDA and linear-attention
 heads, else Mamba's conv window and SSM state); an attention layer keeps KV cells.  The planner
-(:mod:`skippy.plan`) and the runtime's figures (:class:`skippy.runtime.model.GGUFInfo`) both ask
+(:mod:`skippy.deploy.plan`) and the runtime's figures (:class:`skippy.runtime.model.GGUFInfo`) both ask
 :func:`layer_memory`, so the two agree by construction.  :func:`recurrent_tensor_refusal` names
 the first tensor of a recurrent kind (``ssm_*``, ``shortconv.*``, ``time_mix_*``) on a layer the
 metadata declares attention, or the conv tensor a declared recurrent layer lacks: a stage holding

@@ -18,6 +18,9 @@ import threading
 from pathlib import Path
 from typing import Callable, Final, final
 
+from skippy.runtime import _callbacks
+from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES, STAGE_TOKEN_EMBEDDINGS, STAGE_TOKEN_IDS
+from skippy.runtime.cuts import KvGroup, cut_refusal, kv_groups
 from skippy.runtime.errors import (
     ClosedError,
     LayerRangeError,
@@ -25,12 +28,9 @@ from skippy.runtime.errors import (
     UnsupportedArchitecture,
 )
 from skippy.runtime.ffi import ffi, lib
-from skippy.offload import Offload
-from skippy.runtime import _callbacks
-from skippy.runtime._architectures import REFUSED, SPLIT_ARCHITECTURES, STAGE_TOKEN_EMBEDDINGS, STAGE_TOKEN_IDS
-from skippy.runtime.cuts import KvGroup, cut_refusal, kv_groups
 from skippy.runtime.gguf_header import GGUFHeaderError, read_layout
 from skippy.runtime.layer_kinds import layer_memory, recurrent_tensor_refusal, stage_kv_bytes
+from skippy.runtime.offload import Offload
 
 
 ProgressCallback = Callable[[float], object]
@@ -238,7 +238,7 @@ class Model:
                 Gemma 3 270M in-process, bench/RESULTS-real-model.md, "Weights read, not mapped");
                 a mapped file shares its page cache between processes of one host.
             n_gpu_layers: layers to offload when built with a GPU backend (-1: all).
-            offload: resolved GPU settings (:mod:`skippy.offload`); they replace ``n_gpu_layers``.
+            offload: resolved GPU settings (:mod:`skippy.runtime.offload`); they replace ``n_gpu_layers``.
 
         Raises:
             ModelLoadError, LayerRangeError, UnsupportedArchitecture.

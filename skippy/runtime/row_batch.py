@@ -1,6 +1,6 @@
 """A one-row batch whose inputs live in fixed arrays: the decode relay's view of a context.
 
-Strategy: the decode relay (:mod:`skippy._relay`) runs one session's rows without Python, so it
+Strategy: the decode relay (:mod:`skippy.stage._relay`) runs one session's rows without Python, so it
 needs what ``StageContext.decode`` builds per call, built once: a ``llama_batch`` pointed at
 arrays of one token, one position, one sequence id and one ``n_embd`` row of activations, with
 the row flagged as an output.  The relay writes the token (first stage) or the activation and

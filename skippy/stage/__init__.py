@@ -5,12 +5,13 @@ Modules by job: ``config`` (settings), ``server`` (load, listen, shutdown), ``la
 I/O: its nursery of receive / compute / forward / relay tasks), ``errors`` (the typed refusals and
 their wire codes), ``scheduler`` (the runtime's single
 owner, cross-session decode batching), ``worker`` (the one thread native calls run on),
-``executor`` (runtime calls and the session table), ``transport`` (frames over trio streams and
-non-blocking socket I/O, downstream dialing, wire conditions), ``stats``.
+``executor`` (runtime calls and the session table), ``transport`` (frames over trio streams,
+downstream dialing, wire conditions), ``stats``.
 """
 
-from skippy.stage.config import Address, StageConfig, parse_config
 from skippy.lane.errors import DownstreamLost, StageError
+from skippy.net.address import Address
+from skippy.stage.config import StageConfig, parse_config
 from skippy.stage.server import StageServer, load_runtime, run_stage
 
 __all__ = ["Address", "DownstreamLost", "StageConfig", "StageError", "StageServer", "load_runtime",

@@ -16,33 +16,9 @@ import tomllib
 from pathlib import Path
 from typing import Any, Final, Sequence
 
-from skippy.protocol import WireDType
-from skippy.offload import CACHE_TYPES, FLASH_ATTN_MODES, SPLIT_MODES, OffloadSettings
-
-
-@dataclasses.dataclass(frozen=True, slots=True)
-class Address:
-    """A ``HOST:PORT`` pair."""
-
-    host: str
-    port: int
-
-    @classmethod
-    def parse(cls, text: str) -> "Address":
-        """Parse ``HOST:PORT`` (``tcp://`` prefix allowed, IPv6 as ``[::1]:PORT``).
-
-        Raises:
-            ValueError: missing or invalid port.
-        """
-        body = text.removeprefix("tcp://")
-        host, sep, port = body.rpartition(":")
-        if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
-            raise ValueError(f"address {text!r} is not HOST:PORT")
-        host = host.strip("[]") or "127.0.0.1"
-        return cls(host, int(port))
-
-    def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+from skippy.codec.protocol import WireDType
+from skippy.net.address import Address
+from skippy.runtime.offload import CACHE_TYPES, FLASH_ATTN_MODES, SPLIT_MODES, OffloadSettings
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -110,7 +86,7 @@ class StageConfig:
     frame_timeout: float = 60.0
     max_frame_mib: float | None = None
     max_buffered_mib: float = 256.0
-    # -- mutual TLS on stage links (skippy.stage.tls) --
+    # -- mutual TLS on stage links (skippy.net.tls) --
     tls: str = "auto"
     tls_cert: Path | None = None
     tls_key: Path | None = None
@@ -126,7 +102,7 @@ class StageConfig:
     @property
     def tls_files_needed(self) -> str:
         """Why this stage needs TLS files ("" when none of its links uses TLS)."""
-        from skippy.stage.tls import link_uses_tls
+        from skippy.net.tls import link_uses_tls
 
         if link_uses_tls(self.tls, self.listen.host):
             return f"the stage listens on {self.listen}" + ("" if self.tls == "on" else ", not a loopback address")
@@ -275,7 +251,7 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "recurrent_checkpoint_interval": (int, "recurrent and hybrid models: one-row decodes between two checkpoints "
                                       "(every prefill chunk and verify window takes one)"),
     "decode_relay": (_bool, "on: a non-final stage relays a direct-return session's steady decode in a loop "
-                     "outside Python (skippy._relay); off: every token takes the lane's path "
+                     "outside Python (skippy.stage._relay); off: every token takes the lane's path "
                      "(bench/RESULTS-stage.md has both figures)"),
     "inline_decode": (_bool, "on: a lone decode row on a stage with one lane open is computed on the trio thread, "
                       "without the runtime thread's hand-off; off: always on the runtime thread "
@@ -372,7 +348,7 @@ def load_config_file(path: Path, plan_stage: int | None = None) -> dict[str, Any
 
 
 def _plan_stage_settings(path: Path, data: dict[str, Any], plan_stage: int | None) -> dict[str, Any]:
-    from skippy.plan import PLAN_ONLY_CHAIN_KEYS, PLAN_ONLY_STAGE_KEYS
+    from skippy.deploy.plan import PLAN_ONLY_CHAIN_KEYS, PLAN_ONLY_STAGE_KEYS
 
     stages = data["stage"]
     if plan_stage is None or not 0 <= plan_stage < len(stages):

@@ -42,16 +42,19 @@ from time import perf_counter_ns
 
 import trio
 
-from skippy.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
-from skippy.protocol_ext import DECODE_RUN_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame
+from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
+from skippy.codec.protocol_ext import (
+    DECODE_RUN_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame,
+)
 from skippy.lane import messages as lane_messages
 from skippy.lane import replies
 from skippy.lane.errors import ReturnLaneLost, StageError, UnsupportedKind
+from skippy.lane.placement import Facts, Performer, Step, placement
 from skippy.lane.protocol import (
     Answer, Dispatch, Expect, Forward, Handling, Relay, ReplyUpstream, SendDownstream, StageLane, Ticket,
 )
-from skippy.lane.placement import Facts, Performer, Step, placement
 from skippy.lane.stats import merge_stats
+from skippy.net.socket_io import SocketIO
 from skippy.stage import control, direct_return, extensions
 from skippy.stage.control import OWN_PARTS, OwnPart
 from skippy.stage.decode_relay import RelayRun, carry, relay_plan
@@ -62,7 +65,7 @@ from skippy.stage.lane import LaneSettings, now_us, put, take
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
-from skippy.stage.transport import MessageReader, SocketIO, codec, send_frame
+from skippy.stage.transport import MessageReader, codec, send_frame
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 log = logging.getLogger("skippy.stage")

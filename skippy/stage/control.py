@@ -18,11 +18,11 @@ import json
 import logging
 from typing import Awaitable, Callable, Final
 
+from skippy.codec.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage
+from skippy.codec.protocol_ext import SAMPLING_EXTENSION_FLAG, SAMPLING_METADATA_KEY, Annotation, SamplingRequest
 from skippy.lane.errors import InvalidMessage, StageError
 from skippy.lane.protocol import Dispatch, Forward, Handling, StageLane
 from skippy.lane.work import WorkResult
-from skippy.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage
-from skippy.protocol_ext import SAMPLING_EXTENSION_FLAG, SAMPLING_METADATA_KEY, Annotation, SamplingRequest
 from skippy.stage import extensions, prefix_control
 from skippy.stage.executor import sampling_params
 from skippy.stage.lane import LaneSettings

@@ -5,7 +5,7 @@ upstream, so once a session decodes steadily every token is the same three steps
 stage: read, compute, write (downstream; on the final stage, the prediction into the session's
 return lane).  After the lane has handled such a message in full (its one path: the protocol,
 the executor, the write-through or the direct reply), :func:`relay_plan` decides whether the
-next ones may go through :mod:`skippy._relay` (its ``nogil`` loop; the twin ``skippy._relay_py``
+next ones may go through :mod:`skippy.stage._relay` (its ``nogil`` loop; the twin ``skippy.stage._relay_py``
 with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered, no
 other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
 streams must be plain sockets with no simulated wire, the message one row of f32/f16 with no
@@ -14,7 +14,7 @@ session's sampler one the loop can run as the executor would (no grammar, no log
 :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
 lock), runs the loop on a worker thread and waits.
 
-Whatever the loop does not carry comes back unread (:mod:`skippy._relay`'s header): the lane
+Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
 rollback and error keeps its one path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
@@ -33,8 +33,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
-from skippy.protocol import MessageKind, StageMessage, WireDType
-from skippy.protocol_ext import DIRECT_RETURN_FLAG
+from skippy.codec.protocol import MessageKind, StageMessage, WireDType
+from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG
 from skippy.lane.errors import ReturnLaneLost
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.transport import codec, write_failed
@@ -46,15 +46,16 @@ if TYPE_CHECKING:
     from skippy.stage.executor import Executor
     from skippy.stage.scheduler import Scheduler
     from skippy.stage.stats import StageStats
-    from skippy.stage.transport import MessageReader, SocketIO
+    from skippy.stage.transport import MessageReader
+    from skippy.net.socket_io import SocketIO
 
 if os.environ.get("SKIPPY_NO_EXTENSIONS") == "1":
-    from skippy import _relay_py as _implementation
+    from skippy.stage import _relay_py as _implementation
 else:
     try:
-        from skippy import _relay as _implementation  # type: ignore[no-redef]
+        from skippy.stage import _relay as _implementation  # type: ignore[no-redef]
     except ImportError:  # not built: the twin carries the same bytes
-        from skippy import _relay_py as _implementation  # type: ignore[no-redef]
+        from skippy.stage import _relay_py as _implementation  # type: ignore[no-redef]
 
 #: Which implementation carries the relay: "cython" or "python".
 IMPLEMENTATION: str = _implementation.IMPLEMENTATION

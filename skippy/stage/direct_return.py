@@ -29,10 +29,11 @@ from typing import Callable
 
 import trio
 
+from skippy.codec.protocol_ext import ErrorFrame
 from skippy.lane.errors import InvalidMessage, ReturnLaneLost, StageError
-from skippy.protocol_ext import ErrorFrame
+from skippy.net.socket_io import SocketIO
 from skippy.stage.extensions import send_error
-from skippy.stage.transport import SocketIO, send_frame
+from skippy.stage.transport import send_frame
 
 __all__ = ["ReturnHub", "ReturnLane", "close_lanes"]
 

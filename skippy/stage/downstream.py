@@ -23,15 +23,16 @@ from typing import Awaitable, Callable
 
 import trio
 
+from skippy.codec.protocol import StageReply
+from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG, Annotation, TimingsFrame, with_extensions_flag
 from skippy.lane import messages as lane_messages
 from skippy.lane.protocol import Expect, Forward, Relay, StageLane
 from skippy.lane.work import WorkItem, WorkResult
-from skippy.protocol import StageReply
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, Annotation, TimingsFrame, with_extensions_flag
+from skippy.net.socket_io import SocketIO
 from skippy.stage.lane import LaneSettings, now_us, put, take
-from skippy.stage.stats import StageStats
 from skippy.stage.scheduler import Scheduler
-from skippy.stage.transport import ReplyReader, SocketIO, codec, connect_stage, send_frame
+from skippy.stage.stats import StageStats
+from skippy.stage.transport import ReplyReader, codec, connect_stage, send_frame
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 __all__ = ["DownstreamLink"]
@@ -219,7 +220,7 @@ class DownstreamLink:
 
 def _read_downstream_file(path: object) -> object | None:
     """The address in a ``--downstream-file`` (None while it is missing, empty or unreadable)."""
-    from skippy.stage.config import Address
+    from skippy.net.address import Address
 
     try:
         text = Path(str(path)).read_text().strip()

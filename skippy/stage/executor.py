@@ -34,13 +34,13 @@ from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 import numpy as np
 import numpy.typing as npt
 
-from skippy.protocol import SamplingConfig, StateFlag, activation_row_multiplier, boundary_rows_flags
-from skippy.protocol_ext import SamplingRequest, TokenLogprobs
-from skippy.runtime.errors import KvSlotUnavailable, NativeError
-from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
+from skippy.codec.protocol import SamplingConfig, StateFlag, activation_row_multiplier, boundary_rows_flags
+from skippy.codec.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.lane.errors import InvalidMessage, Overloaded, RuntimeFailure, StageError
 from skippy.lane.protocol import Outputs
 from skippy.lane.work import FloatArray, IntArray, WorkItem, WorkResult
+from skippy.runtime.errors import KvSlotUnavailable, NativeError
+from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
 
 if TYPE_CHECKING:
     from skippy.cache import StageCache

@@ -1,8 +1,8 @@
 """A stage's side of skippy's negotiated protocol extensions: Error and Timings frames.
 
-Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.protocol_ext``):
+Strategy (the rules are ``docs/protocol.md`` §2-§4; the frame types ``skippy.codec.protocol_ext``):
 
-* Negotiation is per upstream connection (:class:`~skippy.protocol_ext.ExtensionNegotiation`,
+* Negotiation is per upstream connection (:class:`~skippy.codec.protocol_ext.ExtensionNegotiation`,
   fed every decoded message by the connection). Nothing here is sent on a lane that did not
   negotiate: :func:`reply_bytes` then gives the plain v11 reply and the connection sends no
   Error frame, so a plain v11 client sees v11 only.
@@ -31,8 +31,8 @@ from typing import Any
 
 import trio
 
-from skippy.protocol import StageMessage, StageReply
-from skippy.protocol_ext import (
+from skippy.codec.protocol import StageMessage, StageReply
+from skippy.codec.protocol_ext import (
     MAX_ERROR_ADDRESS_BYTES,
     MAX_ERROR_MESSAGE_BYTES,
     Annotation,
@@ -44,7 +44,8 @@ from skippy.protocol_ext import (
 )
 from skippy.lane.errors import DownstreamError, StageError, error_code
 from skippy.lane.replies import logprobs_annotation, own_record, prediction_frames
-from skippy.stage.transport import SocketIO, codec
+from skippy.net.socket_io import SocketIO
+from skippy.stage.transport import codec
 
 log = logging.getLogger("skippy.stage")
 

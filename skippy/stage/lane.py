@@ -16,7 +16,7 @@ from typing import TypeVar
 
 import trio
 
-from skippy.protocol import WireDType
+from skippy.codec.protocol import WireDType
 from skippy.stage.transport import WireCondition
 
 __all__ = ["LaneSettings", "now_us", "put", "take"]
@@ -76,10 +76,10 @@ class LaneSettings:
     session_quota: int = 0
     max_frame_bytes: int = 0
     #: docs/protocol.md §9: this stage's Identity frame (answers identity queries; None: none) and
-    #: its checker of the downstream (``skippy.identity.DownstreamIdentities``; None: no check).
+    #: its checker of the downstream (``skippy.stage.identity_check.DownstreamIdentities``; None: no check).
     identity: object | None = None
     identities: object | None = None
-    #: TLS context of the downstream link (:mod:`skippy.stage.tls`; None: plain TCP).
+    #: TLS context of the downstream link (:mod:`skippy.net.tls`; None: plain TCP).
     downstream_tls: ssl.SSLContext | None = None
     #: A file naming the downstream, read at every dial (``--downstream-file``; None: none).
     downstream_file: object | None = None

@@ -30,7 +30,7 @@ import math
 
 import trio
 
-from skippy.protocol import MAX_MESSAGE_FRAME_BYTES
+from skippy.codec.protocol import MAX_MESSAGE_FRAME_BYTES
 from skippy.lane.errors import MalformedFrame, Overloaded
 
 __all__ = [

@@ -3,7 +3,7 @@
 Strategy: nothing on the serving path knows about Prometheus.  The lanes and the scheduler keep
 plain counters and fixed-bucket latency histograms in :class:`~skippy.stage.stats.StageStats`
 (an integer add or a ``bisect`` per event, on the trio thread), and each lane's
-:class:`~skippy.stage.transport.SocketIO` counts its bytes.  At scrape time a
+:class:`~skippy.net.socket_io.SocketIO` counts its bytes.  At scrape time a
 :class:`StageCollector` (registered in a private ``CollectorRegistry``, so nothing global is
 touched) turns those into metric families; the gauges that live in the runtime (sessions and KV
 cells in use, the prefix cache's counters) are refreshed first through the scheduler, in order
@@ -31,7 +31,7 @@ from prometheus_client.core import (
 )
 from prometheus_client.registry import Collector
 
-from skippy.stage.config import Address
+from skippy.net.address import Address
 from skippy.stage.stats import LATENCY_BOUNDS_US, LatencyHistogram
 
 if TYPE_CHECKING:

@@ -40,10 +40,10 @@ from typing import Awaitable, Callable
 
 import numpy as np
 
-from skippy.protocol import MessageKind, ReplyStats, StageMessage, WireDType, activation_row_multiplier
-from skippy.protocol_ext import PREFIX_EXTENT_FLAG
-from skippy.stage.executor import WorkItem, WorkResult, sampling_params
+from skippy.codec.protocol import MessageKind, ReplyStats, StageMessage, WireDType, activation_row_multiplier
+from skippy.codec.protocol_ext import PREFIX_EXTENT_FLAG
 from skippy.lane.messages import SIDEBAND_BITS, rows_from_wire, rows_to_wire, sideband_bits
+from skippy.stage.executor import WorkItem, WorkResult, sampling_params
 from skippy.stage.scheduler import Scheduler
 
 #: The chat-metadata key that carries a request's cache settings.

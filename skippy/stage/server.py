@@ -32,18 +32,20 @@ from typing import Any, Callable
 import trio
 
 from skippy.cache import CacheBudget, StageCache, context_sessions, prefix_cache_refusal
+from skippy.lane.errors import StageError, error_code
+from skippy.net.address import Address
+from skippy.net.socket_io import set_no_delay
+from skippy.net.tls import TlsFiles, client_context, handshake_as_server, link_uses_tls, server_context
 from skippy.runtime.model import LayerRange
 from skippy.runtime.null import NullContext, NullModel, is_null_spec
-from skippy.stage.config import Address, StageConfig
+from skippy.stage.config import StageConfig
 from skippy.stage.connection import Connection, LaneSettings
 from skippy.stage.direct_return import ReturnHub
-from skippy.lane.errors import StageError, error_code
 from skippy.stage.executor import Executor
-from skippy.stage.scheduler import Scheduler
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits, fair_share, frame_limit, return_freed_memory
-from skippy.stage.tls import TlsFiles, client_context, handshake_as_server, link_uses_tls, server_context
+from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
-from skippy.stage.transport import WireCondition, send_ready, set_no_delay
+from skippy.stage.transport import WireCondition, send_ready
 
 log = logging.getLogger("skippy.stage")
 
@@ -69,7 +71,7 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context = NullContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                               n_batch=config.batch_size)
     else:
-        from skippy.offload import devices
+        from skippy.runtime.offload import devices
         # the native library loads only here
         from skippy.runtime import Model, StageContext, huge_page_bytes, read_gguf_info
 
@@ -136,7 +138,8 @@ def stage_limits(config: StageConfig, width: int) -> StageLimits:
 
 def _identity_settings(config: StageConfig, executor: Executor, tls: ssl.SSLContext | None) -> dict[str, Any]:
     """docs/protocol.md §9: this stage's Identity frame and its downstream checker."""
-    from skippy.identity import DownstreamIdentities, file_identity  # see skippy.identity: imports skippy.stage
+    from skippy.identity import file_identity
+    from skippy.stage.identity_check import DownstreamIdentities
 
     layers = LayerRange.parse(config.layers)
     count = int(getattr(executor.model, "n_layer", layers.end))
@@ -158,7 +161,7 @@ class StageTls:
 
 
 def stage_tls(config: StageConfig) -> StageTls | None:
-    """The contexts of the links that use TLS (:mod:`skippy.stage.tls`), None when none does.
+    """The contexts of the links that use TLS (:mod:`skippy.net.tls`), None when none does.
 
     Raises:
         ValueError: a certificate, key or CA file that cannot be loaded (named).

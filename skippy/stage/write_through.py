@@ -39,8 +39,9 @@ from typing import Callable
 import trio
 
 from skippy.lane.errors import StageError
+from skippy.net.socket_io import SocketIO
 from skippy.stage.executor import WorkResult
-from skippy.stage.transport import SocketIO, send_frame, write_failed
+from skippy.stage.transport import send_frame, write_failed
 
 __all__ = ["StreamGate", "WriteThrough"]
 

@@ -20,11 +20,11 @@ from typing import Final, final
 
 import numpy as np
 
+from skippy.codec.protocol import MessageKind, ReplyKind, StageMessage, StageReply
+from skippy.codec.protocol_ext import TimingsFrame
 from skippy.driver.client import StageClient, StageClientError
 from skippy.driver.speculation.decoder import SpeculativeDecoder, WindowRequest
 from skippy.driver.speculation.window import WindowError
-from skippy.protocol import MessageKind, ReplyKind, StageMessage, StageReply
-from skippy.protocol_ext import TimingsFrame
 
 __all__ = ["SpeculationProtocolError", "SpeculativeRunner"]
 

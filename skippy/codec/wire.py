@@ -2,8 +2,8 @@
 
 Strategy
 --------
-The codec exists twice with one API: ``skippy._wire`` (Cython, the default) and
-``skippy._wire_py`` (the typed pure-Python twin). This module picks one at import time; set
+The codec exists twice with one API: ``skippy.codec._wire`` (Cython, the default) and
+``skippy.codec._wire_py`` (the typed pure-Python twin). This module picks one at import time; set
 ``SKIPPY_NO_EXTENSIONS=1`` to force the twin. Type checkers always see the twin, so mypy checks
 the code that defines the behaviour. If the extension is not built the twin is used and
 :data:`EXTENSION_IMPORT_ERROR` says why; :data:`IMPLEMENTATION` names the one in use.
@@ -17,12 +17,12 @@ Usage::
 
 Skippy's negotiated extension frames (Error, Timings; ``docs/protocol.md`` "Extensions") are
 encoded with ``encode_error`` / ``encode_timings`` and decoded by ``ReplyDecoder(extensions=True)``;
-their types live in :mod:`skippy.protocol_ext`.
+their types live in :mod:`skippy.codec.protocol_ext`.
 
-Every malformed input raises :class:`~skippy.protocol.WireError`; after one on the receive path
+Every malformed input raises :class:`~skippy.codec.protocol.WireError`; after one on the receive path
 the stream is desynchronised and the connection must be closed. Nothing here does I/O.
 
-``python -m skippy.wire decode|encode`` is the debugging CLI (:mod:`skippy.wire_cli`).
+``python -m skippy.codec.wire decode|encode`` is the debugging CLI (:mod:`skippy.codec.wire_cli`).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from skippy.protocol import (
+from skippy.codec.protocol import (
     END_OF_STREAM,
     NEED_DATA,
     READY_BYTES,
@@ -42,7 +42,7 @@ from skippy.protocol import (
     WireError,
     check_ready,
 )
-from skippy.protocol_ext import (
+from skippy.codec.protocol_ext import (
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
     ErrorFrame,
@@ -56,13 +56,13 @@ from skippy.protocol_ext import (
 EXTENSION_IMPORT_ERROR: ImportError | None = None
 
 if TYPE_CHECKING or os.environ.get("SKIPPY_NO_EXTENSIONS") == "1":
-    from skippy import _wire_py as _implementation
+    from skippy.codec import _wire_py as _implementation
 else:
     try:
-        from skippy import _wire as _implementation  # type: ignore[no-redef]
+        from skippy.codec import _wire as _implementation  # type: ignore[no-redef]
     except ImportError as error:  # extension not built in this checkout: the twin still works
         EXTENSION_IMPORT_ERROR = error
-        from skippy import _wire_py as _implementation  # type: ignore[no-redef]
+        from skippy.codec import _wire_py as _implementation  # type: ignore[no-redef]
 
 #: ``"cython"`` or ``"python"``: which implementation this process uses.
 IMPLEMENTATION: str = _implementation.IMPLEMENTATION
@@ -117,6 +117,6 @@ __all__ = [
 if __name__ == "__main__":
     import sys
 
-    from skippy.wire_cli import main
+    from skippy.codec.wire_cli import main
 
     sys.exit(main())

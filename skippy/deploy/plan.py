@@ -25,12 +25,12 @@ Strategy
   ``skippy.cache.prefix_cache_refusal``).  DeepSeek V4 has terms of its own (``_dsv4_memory``:
   its per-sequence compressed caches, and a reserve fitted to its wide query heads).
 * **Time of a stage**: per-token decode time of its layers, plus the output head on the last
-  stage.  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.cost`: the
+  stage.  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.deploy.cost`: the
   longer of computing each part's multiply-adds at ``compute_gmacs`` and reading its weights at
   ``bandwidth_gbs``; MoE layers count their routed experts, attention and recurrent layers their
   own work); with it, each legal segment of layers is timed with the runtime on a short batch and
   the head is timed apart (:func:`measure_layer_times`): on each Ray node
-  for a cluster's hosts (:mod:`skippy.ray_plan`, one :class:`LayerTimes` per host), else on this
+  for a cluster's hosts (:mod:`skippy.deploy.ray_plan`, one :class:`LayerTimes` per host), else on this
   machine, and a named host that could not be measured keeps this machine's figure, which the
   plan says on that stage's line and in its file (``decode_source``).  A host's ``speed`` divides
   its time.
@@ -58,8 +58,8 @@ from typing import Any, Final, Sequence, final
 
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from skippy.cost import PartCosts, balanced_split, part_costs, shares, split_times
 from skippy.cache.stage_cache import prefix_cache_refusal
+from skippy.deploy.cost import PartCosts, balanced_split, part_costs, shares, split_times
 from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
@@ -219,7 +219,7 @@ class ModelShape:
     layer_period: int = 0
     #: KV bytes per cell every stage keeps beside its layers' (Granite Switch's router)
     kv_stage_bytes: int = 0
-    #: per-token compute of each part (skippy.cost); None: charged by bytes alone
+    #: per-token compute of each part (skippy.deploy.cost); None: charged by bytes alone
     costs: PartCosts | None = None
     #: DeepSeek V4: each layer's KV compression ratio (0: raw window only; 4 with the lightning
     #: indexer; 128), the key width and the indexer's key width (see _dsv4_memory)
@@ -741,7 +741,7 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
 
 def balanced_stages(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
                     settings: PlanSettings | None = None) -> tuple[list[tuple[int, int]], list[float]]:
-    """``n_stages`` ranges of one machine's chain balanced by cost (:func:`skippy.cost.balanced_split`,
+    """``n_stages`` ranges of one machine's chain balanced by cost (:func:`skippy.deploy.cost.balanced_split`,
     at the legal cuts), and each stage's expected share of a token's time.
 
     Args:
@@ -757,7 +757,7 @@ def balanced_stages(shape: ModelShape, n_stages: int, times: LayerTimes | None =
 
 
 def estimated_times(shape: ModelShape, settings: PlanSettings) -> LayerTimes:
-    """Per-layer and head decode time estimated from the shapes (:mod:`skippy.cost`; a shape
+    """Per-layer and head decode time estimated from the shapes (:mod:`skippy.deploy.cost`; a shape
     without costs: its weight bytes read at ``bandwidth_gbs``)."""
     if shape.costs is None:
         per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)

@@ -37,7 +37,7 @@ from typing import AsyncIterator, Callable, Sequence
 import trio
 
 from skippy.api.lanes import StageInfo
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 _LOADING = re.compile(r"loading .* layers \S+:\s*(\d+)%")
@@ -163,7 +163,7 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
                 for index, (a, b) in enumerate(split)]
     stopping = [False]
     env = dict(os.environ)
-    package_root = str(Path(__file__).resolve().parent.parent)
+    package_root = str(Path(__file__).resolve().parents[2])
     env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
     try:
         async with trio.open_nursery() as nursery:

@@ -3,7 +3,7 @@
 Strategy
 --------
 This module is the vocabulary of the binary data plane and nothing else: it never reads or writes
-bytes (that is :mod:`skippy.wire`) and it never imports trio or socket (convention 1). Everything
+bytes (that is :mod:`skippy.codec.wire`) and it never imports trio or socket (convention 1). Everything
 here mirrors ``../shared/reference/protocol.md``; each wire value carries a ``#:`` comment citing
 the section it comes from.
 

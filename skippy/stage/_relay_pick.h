@@ -1,4 +1,4 @@
-/* The decode relay's greedy pick (skippy/_relay.pyx): numpy's argmax of one row of logits.
+/* The decode relay's greedy pick (skippy/stage/_relay.pyx): numpy's argmax of one row of logits.
  *
  * numpy's argmax returns the first maximum, or the first NaN when there is one.  The relay
  * needs exactly that pick (it must answer what StageContext.sample answers) and needs it fast:

@@ -24,8 +24,8 @@ import math
 import struct
 from typing import Final
 
-from skippy.protocol import WireError
-from skippy.protocol_ext import (
+from skippy.codec.protocol import WireError
+from skippy.codec.protocol_ext import (
     ERROR_FRAME_BASE_BYTES,
     IDENTITY_FRAME_BASE_BYTES,
     MAX_IDENTITY_NAME_BYTES,

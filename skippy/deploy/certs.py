@@ -1,4 +1,4 @@
-"""A chain's certificate authority and its members' certificates (for :mod:`skippy.stage.tls`).
+"""A chain's certificate authority and its members' certificates (for :mod:`skippy.net.tls`).
 
 Strategy: one self-signed CA per chain (``ca.pem``, its key ``ca.key``), and one certificate per
 stage and per driver signed by it (``NAME.pem`` / ``NAME.key``), each usable for both ends of a

@@ -1,4 +1,4 @@
-"""The steady-state decode relay of a stage, in pure Python (twin of ``skippy._relay``).
+"""The steady-state decode relay of a stage, in pure Python (twin of ``skippy.stage._relay``).
 
 Strategy: the same loop as the Cython module (read its header for what the relay carries and
 what it hands back), step for step and byte for byte: ``select.poll`` and ``os.read`` /
@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from skippy import _frame_layout as layout
-from skippy.protocol import BOUNDARY_ROWS_FLAG, StateFlag
+from skippy.codec import _frame_layout as layout
+from skippy.codec.protocol import BOUNDARY_ROWS_FLAG, StateFlag
 
 #: Which implementation this module is.
 IMPLEMENTATION = "python"
@@ -290,7 +290,7 @@ class DecodeRelay:
         if self._out_dtype == 0:
             encoded = hidden.astype("<f4").tobytes()
         else:
-            from skippy import _wire_py  # the codec's own f16 rounding (ties away from zero)
+            from skippy.codec import _wire_py  # the codec's own f16 rounding (ties away from zero)
 
             encoded = _wire_py.encode_activation(hidden.reshape(1, -1), 1)  # type: ignore[arg-type]
         out[self._out_activation:] = encoded

@@ -11,11 +11,11 @@ Strategy
   --num-gpus 1 --resources '{"gpu_memory": 25769803776}'``) or, without one, from ``nvidia-smi``
   run on the node (the smallest GPU's ``memory.total``); a GPU node where neither tells is refused
   with that advice rather than planned as if it had none.
-* **Measurement** (:func:`measure_on_nodes`): :func:`skippy.plan.measure_layer_times` (each
+* **Measurement** (:func:`measure_on_nodes`): :func:`skippy.deploy.plan.measure_layer_times` (each
   segment of layers and the output head timed with the runtime on a short batch) runs as a Ray
   task pinned to each node (``NodeAffinitySchedulingStrategy(soft=False)``, one CPU), all nodes at
   once; each task reports the node it ran on, and the figure is that host's own
-  (:class:`skippy.plan.LayerTimes`, ``measured on Ray node ...``).  The model must be at the same
+  (:class:`skippy.deploy.plan.LayerTimes`, ``measured on Ray node ...``).  The model must be at the same
   path on every node, as for ``skippy up --ray``.
 * **Named hosts with a cluster** (:func:`match_nodes`): with ``--hosts`` and ``--ray`` together, a
   host whose NAME is a node id, or the IP of exactly one node, is measured on that node; the
@@ -36,7 +36,7 @@ from typing import Any, Iterator, Mapping, Sequence
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from skippy.plan import HostSpec, LayerTimes, ModelShape, PlanError
+from skippy.deploy.plan import HostSpec, LayerTimes, ModelShape, PlanError
 
 __all__ = ["cluster_hosts", "connect", "match_nodes", "measure_on_nodes"]
 
@@ -76,7 +76,7 @@ def _probe_gpu_memory() -> int:
 
 @ray.remote(num_cpus=1)
 def _measure(path: str, steps: int) -> tuple[str, list[float], float]:
-    from skippy.plan import measure_layer_times
+    from skippy.deploy.plan import measure_layer_times
 
     layer_ms, head_ms = measure_layer_times(ModelShape.from_gguf(Path(path)), steps=steps)
     return ray.get_runtime_context().get_node_id(), layer_ms, head_ms

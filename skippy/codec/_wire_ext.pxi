@@ -1,5 +1,5 @@
 # Extension reply frames (Error 0x5E00, Timings 0x5E01, Identity 0x5E02, SamplingAccepted 0x5E03,
-# Logprobs 0x5E04): the Cython section matching skippy/_wire_ext_py.py, included by _wire.pyx (one
+# Logprobs 0x5E04): the Cython section matching skippy/codec/_wire_ext_py.py, included by _wire.pyx (one
 # module, one build command).  Identity, SamplingAccepted and Logprobs (docs/protocol.md §9, §10)
 # are cold frames (one per identity query, one per configure, one per predicted reply of a logprobs
 # request): they are decoded and encoded by the twin's own functions, called from here, so one
@@ -15,8 +15,8 @@
 # per probe connection (docs/protocol.md §9), so its layout, build and encode are the twin's own
 # functions called from here: one implementation of a cold path, identical by construction.
 
-from skippy import _wire_ext_py as _ext_twin
-from skippy.protocol_ext import ErrorCode, ErrorFrame, ExtensionReplyKind, TimingRecord, TimingsFrame
+from skippy.codec import _wire_ext_py as _ext_twin
+from skippy.codec.protocol_ext import ErrorCode, ErrorFrame, ExtensionReplyKind, TimingRecord, TimingsFrame
 
 cdef enum:
     ERROR_KIND = 0x5E00

@@ -59,7 +59,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from skippy.stage.config import Address
+from skippy.net.address import Address
 
 __all__ = ["RayChain", "RayStage", "StageActor"]
 

@@ -1,6 +1,6 @@
 # cython: language_level=3, embedsignature=True, cdivision=True, initializedcheck=False
 # distutils: language = c
-"""Cython hot paths of the stage frame codec; the API and semantics of ``skippy._wire_py``.
+"""Cython hot paths of the stage frame codec; the API and semantics of ``skippy.codec._wire_py``.
 
 Strategy
 --------
@@ -40,8 +40,8 @@ from types import MemberDescriptorType
 
 import numpy as np
 
-from skippy import _wire_py as _twin
-from skippy.protocol import (
+from skippy.codec import _wire_py as _twin
+from skippy.codec.protocol import (
     END_OF_STREAM,
     MAX_MESSAGE_FRAME_BYTES,
     MAX_REPLY_FRAME_BYTES,
@@ -62,7 +62,7 @@ from skippy.protocol import (
 cnp.import_array()
 
 if not SKIPPY_HOST_LITTLE_ENDIAN:
-    raise ImportError("skippy._wire supports little-endian hosts only; the pure twin is used")
+    raise ImportError("skippy.codec._wire supports little-endian hosts only; the pure twin is used")
 
 #: Which implementation this module is.
 IMPLEMENTATION = "cython"
@@ -121,7 +121,7 @@ cdef enum:
     MAX_SLOTS = 24
 
 cdef struct SlotLayout:
-    PyTypeObject *cls        # borrowed: the classes live as long as skippy.protocol
+    PyTypeObject *cls        # borrowed: the classes live as long as skippy.codec.protocol
     Py_ssize_t count         # 0: build by calling the class
     Py_ssize_t offsets[MAX_SLOTS]
 

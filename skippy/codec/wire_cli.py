@@ -1,4 +1,4 @@
-"""``python -m skippy.wire``: decode and encode stage frames when debugging a chain.
+"""``python -m skippy.codec.wire``: decode and encode stage frames when debugging a chain.
 
 Strategy
 --------
@@ -32,8 +32,8 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from skippy import wire
-from skippy.protocol import (
+from skippy.codec import wire
+from skippy.codec.protocol import (
     REPLY_STATS_FIELDS,
     END_OF_STREAM,
     NEED_DATA,
@@ -52,7 +52,7 @@ from skippy.protocol import (
     WireError,
     activation_row_multiplier,
 )
-from skippy.protocol_ext import (
+from skippy.codec.protocol_ext import (
     ErrorCode,
     ErrorFrame,
     IdentityFrame,
@@ -492,8 +492,8 @@ def encode_frames(text: str, dtype_name: str | None, width: int | None,
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m skippy.wire``; returns the exit status."""
-    parser = argparse.ArgumentParser(prog="python -m skippy.wire", description=__doc__.split(
+    """Entry point of ``python -m skippy.codec.wire``; returns the exit status."""
+    parser = argparse.ArgumentParser(prog="python -m skippy.codec.wire", description=__doc__.split(
         "\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     decode = commands.add_parser("decode", help="frames in, one JSON object per frame out")
@@ -526,6 +526,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                     sys.stdout.buffer.flush()
     except (WireError, UnicodeDecodeError, TypeError, ValueError) as error:
         # Malformed input of any kind is reported, never a traceback: status 2.
-        print(f"skippy.wire: {type(error).__name__}: {error}", file=sys.stderr)
+        print(f"skippy.codec.wire: {type(error).__name__}: {error}", file=sys.stderr)
         return 2
     return 0

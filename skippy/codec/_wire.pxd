@@ -1,4 +1,4 @@
-# Declarations shared by skippy/_wire.pyx: the byte-order header and the decoder types.
+# Declarations shared by skippy/codec/_wire.pyx: the byte-order header and the decoder types.
 #
 # Call order for a decoder (both kinds):
 #   receive_data(chunk)*  ->  next_message() / next_reply() until NEED_DATA  ->  ...

@@ -1,4 +1,4 @@
-/* Activation kernels of skippy/_wire.pyx, in C so that the compiler sees plain branch-free
+/* Activation kernels of skippy/codec/_wire.pyx, in C so that the compiler sees plain branch-free
  * loops it can vectorise (Cython lowers conditional expressions to if/else blocks).
  *
  * Portable build flags mean SSE2 on x86-64: no F16C, no per-lane variable shifts, no unsigned or

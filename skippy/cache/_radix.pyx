@@ -1,6 +1,6 @@
 # cython: language_level=3, embedsignature=True, cdivision=True, initializedcheck=False
 # distutils: language = c
-"""Cython hot path of the chained page hash; the API and semantics of ``skippy._radix_py``.
+"""Cython hot path of the chained page hash; the API and semantics of ``skippy.cache._radix_py``.
 
 Strategy
 --------
@@ -17,7 +17,7 @@ from libc.stdint cimport int32_t, uint32_t, uint64_t
 
 import numpy as np
 
-from skippy import _radix_py as _twin
+from skippy.cache import _radix_py as _twin
 
 IMPLEMENTATION = "cython"
 DEFAULT_PAGE_SIZE = _twin.DEFAULT_PAGE_SIZE
@@ -55,7 +55,7 @@ cdef void _chain(const int32_t[::1] tokens, Py_ssize_t n_pages, Py_ssize_t page_
 
 
 def page_hashes(tokens, seed=0, page_size=DEFAULT_PAGE_SIZE):
-    """Chained hashes of the full pages of ``tokens`` (see ``skippy._radix_py.page_hashes``)."""
+    """Chained hashes of the full pages of ``tokens`` (see ``skippy.cache._radix_py.page_hashes``)."""
     cdef Py_ssize_t size = _twin.check_page_size(page_size)
     cdef uint64_t state = _twin.initial_state(_twin.check_seed(seed), size)
     array = _twin.as_tokens(tokens)

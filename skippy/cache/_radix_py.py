@@ -1,4 +1,4 @@
-"""Chained page hashes of a token sequence: the typed pure-Python twin of ``skippy._radix``.
+"""Chained page hashes of a token sequence: the typed pure-Python twin of ``skippy.cache._radix``.
 
 Strategy
 --------

@@ -2,7 +2,7 @@
 
 Strategy
 --------
-Two implementations with one API: ``skippy._radix`` (Cython, the default) and ``skippy._radix_py``
+Two implementations with one API: ``skippy.cache._radix`` (Cython, the default) and ``skippy.cache._radix_py``
 (the typed pure-Python twin, which also documents the hash). This module picks one at import
 time; ``SKIPPY_NO_EXTENSIONS=1`` forces the twin, and so does a missing extension, in which case
 :data:`EXTENSION_IMPORT_ERROR` says why. :data:`IMPLEMENTATION` names the one in use. Type
@@ -22,13 +22,13 @@ from typing import TYPE_CHECKING
 EXTENSION_IMPORT_ERROR: ImportError | None = None
 
 if TYPE_CHECKING or os.environ.get("SKIPPY_NO_EXTENSIONS") == "1":
-    from skippy import _radix_py as _implementation
+    from skippy.cache import _radix_py as _implementation
 else:
     try:
-        from skippy import _radix as _implementation  # type: ignore[no-redef]
+        from skippy.cache import _radix as _implementation  # type: ignore[no-redef]
     except ImportError as error:  # extension not built in this checkout: the twin still works
         EXTENSION_IMPORT_ERROR = error
-        from skippy import _radix_py as _implementation  # type: ignore[no-redef]
+        from skippy.cache import _radix_py as _implementation  # type: ignore[no-redef]
 
 #: ``"cython"`` or ``"python"``: which implementation this process uses.
 IMPLEMENTATION: str = _implementation.IMPLEMENTATION

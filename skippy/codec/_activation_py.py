@@ -13,7 +13,7 @@ from typing import cast
 
 import numpy as np
 
-from skippy.protocol import Float32Array
+from skippy.codec.protocol import Float32Array
 
 __all__ = ["_f16_bits_to_f32", "_f32_to_f16_bits", "_f32_to_q8"]
 

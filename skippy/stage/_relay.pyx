@@ -1,6 +1,6 @@
 # cython: language_level=3, embedsignature=True, cdivision=True, boundscheck=False, wraparound=False
 # distutils: language = c
-"""The steady-state decode relay of a stage, as a ``nogil`` loop (twin: ``skippy._relay_py``).
+"""The steady-state decode relay of a stage, as a ``nogil`` loop (twin: ``skippy.stage._relay_py``).
 
 Strategy
 --------
@@ -88,7 +88,7 @@ cdef extern from "<time.h>" nogil:
 
 import os as _os
 
-from skippy import _relay_py as _twin
+from skippy.stage import _relay_py as _twin
 
 #: Which implementation this module is.
 IMPLEMENTATION = "cython"
@@ -105,7 +105,7 @@ HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED = (
     _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED)
 if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED) != (
         _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED):
-    raise ImportError("skippy._relay and its twin disagree on the outcome codes")
+    raise ImportError("skippy.stage._relay and its twin disagree on the outcome codes")
 RelayOutcome = _twin.RelayOutcome
 FIXED_HEADER = _twin.FIXED_HEADER
 REPLY_BYTES = _twin.REPLY_BYTES

@@ -15,9 +15,9 @@ from typing import Sequence
 
 import numpy as np
 
-from skippy.offload import OffloadSettings, devices
 from skippy.runtime import LayerRange, Model, Sampler, SamplingParams, StageContext, read_gguf_info
 from skippy.runtime.cuts import KvGroup, cut_refusal, snap_cuts
+from skippy.runtime.offload import OffloadSettings, devices
 
 Split = Sequence[tuple[int, int]]
 

@@ -18,7 +18,7 @@ Strategy
   assumed bandwidth and computing its MACs at the assumed rate (a roofline): decode on a CPU is
   compute bound for the quantized matrices of small models (the head of Gemma 3 270M: about
   8 GMAC/s on one core of the development host whether a batch has 1 row or 8) and memory bound
-  for large F16 ones.  ``--measure`` replaces the estimate by timings (:func:`skippy.plan.measure_layer_times`).
+  for large F16 ones.  ``--measure`` replaces the estimate by timings (:func:`skippy.deploy.plan.measure_layer_times`).
 * **Split** (:func:`balanced_split`): the contiguous ranges, cut only where
   :func:`skippy.runtime.cuts.legal_cuts` allows, that minimise the slowest stage's time (the
   output head charged to the last stage, the embedding to the first), by a dynamic programme over

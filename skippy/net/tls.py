@@ -1,7 +1,7 @@
 """Mutually authenticated TLS 1.3 on stage links: contexts, and the handshake on both ends.
 
 Strategy: a chain is one trust domain, its certificate authority (``skippy certs`` makes it, see
-:mod:`skippy.certs`).  Every stage and every driver holds a certificate signed by that CA; both
+:mod:`skippy.deploy.certs`).  Every stage and every driver holds a certificate signed by that CA; both
 ends of every link present theirs and require the other's (``CERT_REQUIRED`` on the listening side
 too), TLS 1.3 only, through the standard :mod:`ssl` module under :class:`trio.SSLStream`.  Peers are
 authenticated by the chain CA, not by host name (a chain's addresses are whatever its hosts have):

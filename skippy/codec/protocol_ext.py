@@ -5,8 +5,8 @@ Strategy
 v11 (``../shared/reference/protocol.md``) has no error frame and no per-stage timings. This module
 is the vocabulary of the two extension reply frames skippy adds, and of the state-flag bit that
 negotiates them; the layouts, limits and relay rules are in ``docs/protocol.md`` ("Extensions"),
-which every ``#:`` comment below cites as ``ext §N``. Like :mod:`skippy.protocol` it never reads or
-writes bytes (the codec in :mod:`skippy.wire` does) and never does I/O.
+which every ``#:`` comment below cites as ``ext §N``. Like :mod:`skippy.codec.protocol` it never reads or
+writes bytes (the codec in :mod:`skippy.codec.wire` does) and never does I/O.
 
 Negotiation is one-sided and per connection. A sender that understands the extensions sets
 :data:`SKIPPY_EXTENSIONS_FLAG` in ``state.flags`` of every message it sends; a plain v11 peer
@@ -23,7 +23,7 @@ from dataclasses import dataclass, replace
 from enum import IntEnum
 from typing import Final, final
 
-from skippy.protocol import MessageKind, StageMessage, StateHeader
+from skippy.codec.protocol import MessageKind, StageMessage, StateHeader
 
 __all__ = [
     "DECODE_RUN_FEATURE",

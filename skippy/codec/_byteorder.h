@@ -1,4 +1,4 @@
-/* Little-endian loads and stores for the stage wire codec (skippy/_wire.pyx).
+/* Little-endian loads and stores for the stage wire codec (skippy/codec/_wire.pyx).
  *
  * The wire is little-endian with no alignment anywhere (protocol.md §2.1), so every access goes
  * through memcpy, which compilers turn into a single (unaligned) move, plus a byte swap on

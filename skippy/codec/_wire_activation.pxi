@@ -1,4 +1,4 @@
-# Activation kernels, sizes and arrays of skippy._wire (textually included by _wire.pyx, where
+# Activation kernels, sizes and arrays of skippy.codec._wire (textually included by _wire.pyx, where
 # the module docstring describes the codec; the pure-Python twin is _activation_py.py and the
 # array half of _wire_py.py).  Kept apart so each source file stays one job.
 

@@ -1,4 +1,4 @@
-"""Pure-Python twin of :mod:`skippy._wire`: the stage frame codec, sans-IO.
+"""Pure-Python twin of :mod:`skippy.codec._wire`: the stage frame codec, sans-IO.
 
 Strategy
 --------
@@ -29,10 +29,10 @@ from typing import Final, NamedTuple, NoReturn, cast
 
 import numpy as np
 
-from skippy import _frame_layout as layout
-from skippy import _wire_ext_py as _extension
-from skippy._activation_py import _f16_bits_to_f32, _f32_to_f16_bits, _f32_to_q8
-from skippy.protocol import (
+from skippy.codec import _frame_layout as layout
+from skippy.codec import _wire_ext_py as _extension
+from skippy.codec._activation_py import _f16_bits_to_f32, _f32_to_f16_bits, _f32_to_q8
+from skippy.codec.protocol import (
     BOUNDARY_ROWS_BITS,
     BOUNDARY_ROWS_FLAG,
     MAX_BOUNDARY_ROWS,
@@ -65,7 +65,7 @@ from skippy.protocol import (
     activation_row_multiplier,
     carries_activation,
 )
-from skippy.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorFrame, TimingsFrame
+from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG, ErrorFrame, TimingsFrame
 
 __all__ = [
     "IMPLEMENTATION",
@@ -94,7 +94,7 @@ IMPLEMENTATION: Final = "python"
 _FIXED: Final = struct.Struct("<5i10i2Q")  # §2.2: layout.FIXED_HEADER bytes
 _SAMPLING: Final = struct.Struct("<IIffiffffiI")  # §2.5: layout.SAMPLING_FIXED bytes + u32 bias count
 if _FIXED.size != layout.FIXED_HEADER or _SAMPLING.size != layout.SAMPLING_HEAD:
-    raise ImportError("skippy._wire_py disagrees with skippy._frame_layout")
+    raise ImportError("skippy.codec._wire_py disagrees with skippy.codec._frame_layout")
 _I32: Final = struct.Struct("<i")
 _U32: Final = struct.Struct("<I")
 _REPLY_HEAD: Final = struct.Struct("<iii")
