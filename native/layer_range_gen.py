@@ -136,6 +136,8 @@ SPLIT += ("rwkv7", "arwkv7", "gemma3n")
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
 SPLIT += ("deepseek4", "hy_v4", "glm5-next")
+#: ... and n-gram input embeddings hashed from the cells' token record (issue 26: qwen4exp).
+SPLIT += ("qwen4exp",)
 #: ... and banked layer inputs, as many rows as the cut is deep (Kimi-K3, patch 0013).
 SPLIT += ("kimi-k3",)
 
@@ -290,6 +292,16 @@ STREAMS_IN = "inpL = build_stage_streams_in(inpL); // skippy: a later stage take
 HYPER = re.compile(r"\bhparams\.dsv4_hc_mult\b")
 HYPER_ROWS = 0  # Arch.stage_rows: the model's hyper-connection count (hparams.dsv4_hc_mult)
 HYPER_IN = "{var} = build_stage_hc_in({var}); // skippy: a later stage takes the streams as its input rows"
+#: ... the streams' variable: ``inpL``, or the one the graph names "hc_init" before the loop (Qwen4-exp's
+#: ``res_hc``) when the loop ends by assigning it.
+HYPER_INIT = re.compile(r'\bcb\((\w+), "hc_init", -1\);')
+#: Generic rule for n-gram input embeddings (Qwen4-exp's PLE: rows hashed from each token and its
+#: predecessors, an input built before the loop): the input reads the batch's token ids and the
+#: predecessors the attention cells recorded (llama_kv_cache::apply_ubatch keeps each cell's token
+#: whenever the batch has ids).  Every stage builds it (its layers' PLE modules read it): a later
+#: stage receives the token ids (TOKEN_IDS, patch 0010), so its own cells record them as the first
+#: stage's do, and its hashes are the first stage's.
+NGRAM_INPUT = "build_inp_ple("
 #: Generic rule for banked layer inputs (Kimi-K3's cross-layer residual attention: every
 #: attn_res_block_size-th layer pushes its input onto the graph's `resi_stack`, which later layers
 #: mix in): a cut at layer L hands on the hidden state and the ceil(L / block) rows banked so far
@@ -590,8 +602,11 @@ def carried_variable(prelude: str, body: str, loop_body: str) -> str:
         return "inpL"
     if re.search(r"\bcur = build_inp_embd\(model\.tok_embd\);", prelude) and not re.search(r"\binpL\b", body):
         return "cur"
+    streams = HYPER_INIT.findall(re.sub(r"//[^\n]*", " ", prelude))
+    if len(streams) == 1 and HYPER.search(_code(body)) and ends_assigning(loop_body, streams[0]):
+        return streams[0]
     raise TransformError("the layer loop does not end by assigning `inpL` on every path (nor carries `cur` "
-                         "from the input embedding)")
+                         "from the input embedding, nor the hyper-connection streams named hc_init)")
 
 
 def ends_assigning(block: str, var: str) -> bool:
@@ -760,6 +775,8 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
             modality.append(code)
     if ROUTER in _code(body[:loop_at]):
         arch.token_input = TOKEN_IDS  # the router reads the token ids on every stage
+    if NGRAM_INPUT in _code(body[:loop_at]):
+        arch.token_input = TOKEN_IDS  # the n-gram input hashes the token ids on every stage
     # layers that read the token ids (TOKEN_READS) or test the modality by the input embeddings
     # (MEDIA_TEST): every later stage receives the ids (patch 0010), and the layers read them
     loop_text = body[loop_open:loop_close]
@@ -829,6 +846,16 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         if found != count:
             raise TransformError(f"per-layer token embeddings: edit {old!r}: expected {count} match(es), found {found}")
         new_body = new_body.replace(old, new)
+    ngram_edits: list[str] = []
+    if NGRAM_INPUT in _code(new_body):
+        # the n-gram table is a per-layer token embedding: the loader keeps it and the token
+        # embeddings on every stage (patch 0006), so a later stage passes none to the input
+        # embedding and takes its hidden state (the first of PER_LAYER_EDITS)
+        old, new, count = PER_LAYER_EDITS[0]
+        if new_body.count(old) != count:
+            raise TransformError(f"n-gram input: edit {old!r}: expected {count} match(es), found {new_body.count(old)}")
+        new_body = new_body.replace(old, new)
+        ngram_edits.append(new)
     rows_edits: list[str] = []
     if "build_inp_embd(model.tok_embd)" not in body:  # EMBD_ROWS: an embedding of computed ids
         found = EMBD_ROWS.findall(new_body)
@@ -884,7 +911,7 @@ def transform(arch: Arch, text: str, owner: str = "") -> tuple[str, list[str]]:
         rest = rest.replace(old, new)
     # lint what is left in the graph body
     scan = new_body
-    for new in skip_edits + rows_edits:
+    for new in skip_edits + rows_edits + ngram_edits:
         scan = scan.replace(new, "")
     scan = scan.replace(LOOP_NEW, "").replace(LAST_NEW, "").replace(EMBD_GUARD[1], "")
     scan = scan.replace("build_inp_embd(model.tok_embd)", "")
@@ -956,14 +983,7 @@ def classify(src: Path, archs: list[Arch]) -> None:
             arch.reason = ("hyper-connections: layers hand on hc_mult parallel residual streams "
                            "(hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md "
                            "§12) and patch 0013 carry across a cut")
-            if "build_inp_ple(" in joined:
-                arch.reason += ("; but its per-layer n-gram embeddings (PLE) are looked up by rows hashed from "
-                                "each token's predecessors, which an input of the first stage reads from the "
-                                "attention cells' token record: a later stage would need the token ids (patch "
-                                "0010 gives them) and that record in cells of its own, which the rules do not "
-                                "build yet: not a limit of the model")
-            else:
-                arch.reason += "; this family has no synthetic writer and exactness cases yet"
+            arch.reason += "; this family has no synthetic writer and exactness cases yet"
         elif re.search(r"\blayers\[[^\]]+\]\s*=\s*layers\[", joined) and "LLM_KV_NUM_LOOPS" not in joined:
             # (num_loops: slot il runs block il % the file's blocks, and a stage loads the blocks its
             # slots run (patch 0011); the graph is then a loop over slots like any other)

@@ -4,13 +4,14 @@ The sparse-attention families whose lightning indexer sums ReLU scores (deepseek
 families built on its indexer) keep keys tied at score 0 by their KV cell order (llama.cpp's
 top-k is an unstable partial sort over the cells), so the same prompt at other cells selects
 other positions: a restored prefix keeps the cached entry's cells and an uncached run gets fresh
-ones.  Their stages therefore run without the prefix cache (``skippy.cache.prefix_cache_refusal``,
+ones (Qwen4-exp's block-pooled indexer sums ReLU scores too).  Their stages therefore run without the prefix cache (``skippy.cache.prefix_cache_refusal``,
 logged); the families with other selections (Kimi-K3, GLM-5 Next) keep it, and a hit there equals
 the uncached answer.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import numpy as np
@@ -25,7 +26,7 @@ from stage_helpers import inprocess_chain
 PAGE = 8
 FIRST = (1, 15043, 3186, 29892, 920, 526, 366, 2599, 3681, 338, 263, 1243, 310, 278, 7934, 29889, 450)
 #: the families whose cache is off, and the ones that keep it
-OFF = ["deepseek32", "glm-dsa", "dots3note", "hy_v4", "deepseek4"]
+OFF = ["deepseek32", "glm-dsa", "dots3note", "hy_v4", "deepseek4", "qwen4exp"]
 ON = ["kimi-k3", "glm5-next"]
 
 
@@ -120,4 +121,32 @@ def test_deepseek4_copy_rolled_back_through_a_checkpoint_equals_a_fresh_run() ->
         context.remove(1)
         prefill(chain, 2, 12)
         fresh = chain.decode(tokens[12:15], [12, 13, 14], [2] * 3, [True] * 3)
+    assert all(np.array_equal(a, b) for a, b in zip(copied, fresh, strict=True))
+
+
+def test_qwen4exp_copied_prefix_hashes_its_ngrams_as_a_fresh_run() -> None:
+    """Qwen4-exp's n-gram embeddings (PLE) hash each token with the predecessors its KV cells
+    recorded: a session copied from a longer one's prefix (what a prefix-cache hit restores: the
+    copied cells, the recurrent state rolled back through a checkpoint) gives a fresh run's logits
+    bitwise.  The model has delta-net layers only (full attention every 5th of 4 layers): the
+    indexer of its attention layers, whose selection depends on the cells' order (why the cache
+    is off for the family), plays no part, and the cells are the PLE input's alone."""
+    path = ensure_model(dataclasses.replace(tiny("qwen4exp"), full_attention_interval=5))
+    tokens = [*FIRST, 13, 450, 4996]
+
+    def prefill(chain: InProcessChain, seq: int, end: int) -> None:
+        for begin in range(0, end, 8):
+            stop = min(end, begin + 8)
+            chain.decode(tokens[begin:stop], list(range(begin, stop)), [seq] * (stop - begin), [True] * (stop - begin))
+
+    with InProcessChain(path, [(0, 4)], threads=1) as chain:
+        context = chain.contexts[0]
+        prefill(chain, 0, 20)
+        context.copy(0, 1, 0, 12)
+        assert context.length(1) == 12 and context.rollback_stats.replayed_rows > 0
+        copied = chain.decode(tokens[12:16], [12, 13, 14, 15], [1] * 4, [True] * 4)
+        context.remove(0)
+        context.remove(1)
+        prefill(chain, 2, 12)
+        fresh = chain.decode(tokens[12:16], [12, 13, 14, 15], [2] * 4, [True] * 4)
     assert all(np.array_equal(a, b) for a, b in zip(copied, fresh, strict=True))

@@ -59,7 +59,7 @@ _SPARSE_SELECTION: Final = ("its lightning indexer's top-k keeps keys tied at sc
                             "order, which differs between a restored prefix and an uncached run")
 PREFIX_CACHE_REFUSALS: Final = {
     "deepseek32": _SPARSE_SELECTION, "glm-dsa": _SPARSE_SELECTION, "dots3note": _SPARSE_SELECTION,
-    "hy_v4": _SPARSE_SELECTION,
+    "hy_v4": _SPARSE_SELECTION, "qwen4exp": _SPARSE_SELECTION,
     "deepseek4": _SPARSE_SELECTION + "; and a session copied (seq_cp) then rolled back to a checkpoint "
                  "with no rows to decode again does not yet match a fresh run (one loaded from a saved state does)",
 }

@@ -30,6 +30,7 @@ __all__ = [
     "DEEPSEEK4", "GLM5_NEXT", "HY_V4", "KIMI_K3", "deepseek4", "deepseek4_inputs", "deepseek4_keys",
     "deepseek4_shape", "glm5_next", "glm5_next_keys", "glm5_next_shape", "hy_v4", "hy_v4_inputs",
     "hy_v4_keys", "hy_v4_shape", "kimi_k3", "kimi_k3_inputs", "kimi_k3_keys", "kimi_k3_shape",
+    "QWEN4EXP", "QWEN4EXP_PLE", "qwen4exp", "qwen4exp_inputs", "qwen4exp_keys", "qwen4exp_shape",
 ]
 
 #: The optional spec fields of DeepSeek V4's attention and hyper-connections.
@@ -339,4 +340,118 @@ def kimi_k3_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
 def kimi_k3_shape(spec: "ModelSpec") -> str | None:
     if spec.attn_res_block_size < 1 or spec.n_expert_latent < 1:
         return "kimi-k3 needs attn_res_block_size >= 1 and n_expert_latent >= 1"
+    return None
+
+
+# --- Qwen4-exp ---------------------------------------------------------------------------------
+# Qwen4-exp (qwen4exp): low-rank hyper-connections (a grouped-norm mix down to hc_low_rank and up,
+# sigmoid-gated, averaged over the streams; an inject projection scatters the block output back),
+# Qwen3-Next's gated delta-net layers with gated full attention every n-th, whose keys a
+# block-pooled indexer (QSA) narrows to the top-k cells; softmax experts plus a sigmoid-gated shared
+# expert; per-layer n-gram embeddings (PLE) on one delta-net layer: rows of a shared table hashed
+# from each token and its predecessors (the attention cells' token record), gated into the streams
+# beside a depthwise causal conv whose history is a recurrent row; the final mix is the output norm.
+
+#: The optional spec fields of Qwen4-exp's streams and PLE layer.
+QWEN4EXP: Final = frozenset({"hc_mult", "hc_low_rank"})
+#: ... and the optional PLE layer (a file without the ple.* keys has none).
+QWEN4EXP_PLE: Final = frozenset({"ple_layers", "n_embd_per_layer"})
+#: The tiny PLE hash: 3-grams (each token and its 2 predecessors), one head per n-gram order (the
+#: bigram and the trigram), a causal conv of 3 taps dilated by the n-gram size (a history of 6
+#: tokens), odd 64-bit multipliers, prime head vocabularies laid out back to back in the table.
+PLE_NGRAM: Final = 3
+PLE_HEADS_PER_NGRAM: Final = 1
+PLE_CONV_KERNEL: Final = 3
+PLE_MULTIPLIERS: Final = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0x165667B19E3779F9)
+PLE_HEAD_VOCABS: Final = (61, 67)
+#: The llama-spm vocabulary's </s>: an EOS in a token's window resets the hash.
+PLE_EOS: Final = 2
+
+
+def _ple_heads() -> int:
+    return (PLE_NGRAM - 1) * PLE_HEADS_PER_NGRAM
+
+
+def _hc_low_rank(spec: "ModelSpec", layer: int, part: str) -> list[TensorDecl]:
+    hc, e = spec.hc_mult, spec.n_embd
+    return [
+        _f32(b.blk(layer, f"hc_{part}_norm"), hc, e, kind="norm"),
+        b.matrix(layer, f"hc_{part}_down", spec.hc_low_rank, hc * e),
+        b.matrix(layer, f"hc_{part}_up", hc * e, spec.hc_low_rank),
+        b.matrix(layer, f"hc_{part}_inject", hc, hc * e),
+    ]
+
+
+def qwen4exp(spec: "ModelSpec", layer: int) -> list[TensorDecl]:
+    e, hc = spec.n_embd, spec.hc_mult
+    out = [*_hc_low_rank(spec, layer, "attn"), *_hc_low_rank(spec, layer, "ffn")]
+    if bl.is_recurrent(spec, layer):
+        out += bl.gated_delta_net(spec, layer)
+    else:
+        idx = spec.indexer_head_size
+        out += bl.gated_attention(spec, layer) + [
+            b.matrix(layer, "indexer.q_proj", spec.indexer_n_head * idx, e),
+            b.matrix(layer, "indexer.k_proj", idx, e),
+            b.norm(layer, "indexer.q_norm", idx),
+            b.norm(layer, "indexer.k_norm", idx),
+        ]
+    if layer in spec.ple_layers:
+        out += [
+            b.matrix(layer, "ple_key", hc * e, e),
+            b.matrix(layer, "ple_value", e, e),
+            _f32(b.blk(layer, "ple_norm_key"), hc, e, kind="norm"),
+            _f32(b.blk(layer, "ple_norm_query"), hc, e, kind="norm"),
+            _f32(b.blk(layer, "ple_norm_conv"), hc, e, kind="norm"),
+            _f32(b.blk(layer, "ple_conv1d"), hc * e, PLE_CONV_KERNEL),
+        ]
+    return out + b.moe_ffn(spec, layer, pre_norm=False, shared="gated")
+
+
+def qwen4exp_inputs(spec: "ModelSpec", n_vocab: int) -> list[TensorDecl]:
+    """The final stream mix (the output norm; the last stage loads it) and the PLE table (every
+    stage loads it: patch 0006 keeps the per-layer token embeddings of such a model)."""
+    del n_vocab
+    hc, e = spec.hc_mult, spec.n_embd
+    out = [
+        _f32("output_hc_norm.weight", hc, e, kind="norm"),
+        TensorDecl("output_hc_down.weight", (spec.hc_low_rank, hc * e), "matrix", True),
+        TensorDecl("output_hc_up.weight", (hc * e, spec.hc_low_rank), "matrix", True),
+    ]
+    if spec.ple_layers:
+        out.append(TensorDecl("per_layer_token_embd.weight", (sum(PLE_HEAD_VOCABS), spec.n_embd_per_layer),
+                              "embedding", True))
+    return out
+
+
+def qwen4exp_keys(spec: "ModelSpec") -> list[tuple[str, object, GGUFValueType]]:
+    keys = bl.qwen35_keys(spec)
+    if spec.ple_layers:
+        offsets = [sum(PLE_HEAD_VOCABS[:h]) for h in range(len(PLE_HEAD_VOCABS))]
+        keys += [
+            ("ple.ngram_size", PLE_NGRAM, GGUFValueType.UINT32),
+            ("ple.heads_per_ngram", PLE_HEADS_PER_NGRAM, GGUFValueType.UINT32),
+            ("ple.conv_kernel", PLE_CONV_KERNEL, GGUFValueType.UINT32),
+            ("ple.eos_token_id", PLE_EOS, GGUFValueType.UINT32),
+            # arrays of uint64 (the loader reads the hash constants as 64-bit)
+            ("ple.layer_multipliers", list(PLE_MULTIPLIERS), GGUFValueType.UINT64),
+            ("ple.head_offsets", offsets, GGUFValueType.UINT64),
+            ("ple.head_vocab_sizes", list(PLE_HEAD_VOCABS), GGUFValueType.UINT64),
+        ]
+    return keys
+
+
+def qwen4exp_shape(spec: "ModelSpec") -> str | None:
+    if spec.hc_mult < 2 or spec.hc_low_rank < 1:
+        return "qwen4exp needs hc_mult >= 2 streams and hc_low_rank >= 1"
+    if len(spec.ple_layers) > 1 or not all(bl.is_recurrent(spec, il) for il in spec.ple_layers):
+        return "qwen4exp has at most one PLE layer, a delta-net one (llama.cpp's loader requires it)"
+    if any(not 0 <= il < spec.n_layer for il in spec.ple_layers):
+        return "qwen4exp's PLE layer must be one of its layers"
+    if bool(spec.ple_layers) != bool(spec.n_embd_per_layer):
+        return "qwen4exp sets ple_layers and n_embd_per_layer together (the PLE layer and its head width)"
+    if spec.ple_layers and spec.n_embd_per_layer * _ple_heads() != spec.n_embd:
+        return f"qwen4exp's PLE heads ({_ple_heads()}) times n_embd_per_layer must be n_embd"
+    if len(spec.compress_ratios) != spec.n_layer or any(
+            r < 1 for il, r in enumerate(spec.compress_ratios) if not bl.is_recurrent(spec, il)):
+        return "qwen4exp needs one compress ratio per layer, >= 1 on the full-attention layers"
     return None

@@ -175,6 +175,8 @@ OPTIONAL_KEYS: Final[dict[str, OptionalKey]] = {
     "indexer_kpool": OptionalKey("attention.indexer.kpool", GGUFValueType.UINT32),
     "attn_res_block_size": OptionalKey("attn_res.block_size", GGUFValueType.UINT32),
     "n_expert_latent": OptionalKey("expert_latent_length", GGUFValueType.UINT32),
+    "hc_low_rank": OptionalKey("hyper_connection.low_rank", GGUFValueType.UINT32),
+    "ple_layers": OptionalKey("ple.layers", GGUFValueType.ARRAY),
 }
 
 #: Optional spec fields that no single key holds: a family's `derived_keys` write what they
@@ -1459,6 +1461,16 @@ FAMILIES: Final[dict[str, Family]] = {
             derived_keys=hc.kimi_k3_keys, inputs=hc.kimi_k3_inputs,
             summary="Kimi-K3: Kimi-Linear's KDA / MLA hybrid (full-rank KDA gate, gated nope MLA) with "
             "cross-layer residual attention over banked layer inputs, latent experts, situ activations",
+        ),
+        Family(
+            "qwen4exp", _UNTIED, hc.qwen4exp,
+            requires=bl.DELTA_NET | _MOE | bm.DSA | hc.QWEN4EXP | {"n_ff_shexp", "compress_ratios"},
+            permits=frozenset({"full_attention_interval"}) | hc.QWEN4EXP_PLE,
+            rules=(bl.delta_net, bl.mrope_sections, bl.every_layer_quantizes, b.experts, hc.qwen4exp_shape),
+            derived_keys=hc.qwen4exp_keys, inputs=hc.qwen4exp_inputs, output_norm=False,
+            summary="Qwen4-exp: low-rank hyper-connection streams around Qwen3-Next's gated delta-net "
+            "layers and gated attention narrowed by a block-pooled indexer, softmax experts with a gated "
+            "shared one, n-gram embeddings (PLE) hashed from each token's predecessors on one layer",
         ),
     )
 }

@@ -126,7 +126,7 @@ _WideBoundaryArchitecture = Literal["rwkv7", "arwkv7", "gemma3n"]
 _AdapterArchitecture = Literal["graniteswitch"]
 #
 #: Issues 25/26, hyper-connections: hc_mult residual streams across the boundary (patch 0013).
-_HyperArchitecture = Literal["deepseek4", "hy_v4", "glm5-next", "kimi-k3"]
+_HyperArchitecture = Literal["deepseek4", "hy_v4", "glm5-next", "kimi-k3", "qwen4exp"]
 #
 Architecture = Literal[
     _AttentionArchitecture, _SsmArchitecture, _LinearAttentionArchitecture, _RwkvConvArchitecture,
@@ -441,6 +441,10 @@ class ModelSpec:
     #: attention; the routed experts run at n_expert_latent wide.
     attn_res_block_size: int = 0
     n_expert_latent: int = 0
+    #: Qwen4-exp: the rank of the low-rank stream mixing, and the layers with per-layer n-gram
+    #: embeddings (PLE; llama.cpp supports one, a delta-net layer).
+    hc_low_rank: int = 0
+    ple_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHITECTURES:
@@ -1075,6 +1079,16 @@ _TINY_EXTRAS: Final[dict[str, Callable[[int], dict[str, Any]]]] = {
     "kimi-k3": lambda n: {
         **_tiny_deepseek2(n), "kda_head_dim": n // 2, "linear_conv_kernel": 4, "full_attention_interval": 3,
         "attn_res_block_size": 2, "n_expert_latent": n // 2,
+    },
+    # Qwen4-exp at width 64: the delta-net pattern R R A R (a cut inside the delta-net run, one on
+    # each side of the attention layer, and a last stage [3, 4) without attention layers), four
+    # streams mixed at rank 32, the attention's indexer keeping 8 cells (blocks of 4) of the
+    # 20-token prompt, PLE on layer 3 (on a later stage in every test split: it hashes the token
+    # ids it receives with the predecessors its own cells recorded), softmax experts plus a shared one.
+    "qwen4exp": lambda n: {
+        **tiny_delta_net(n), **_tiny_moe(n), "n_ff_shexp": n, "hc_mult": 4, "hc_low_rank": 32,
+        "indexer_n_head": 2, "indexer_head_size": n // 2, "indexer_top_k": 8, "compress_ratios": (4, 4, 4, 4),
+        "ple_layers": (3,), "n_embd_per_layer": n // 2,
     },
 }
 

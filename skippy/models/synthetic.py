@@ -273,7 +273,10 @@ def _add_metadata(writer: GGUFWriter, spec: ModelSpec, n_vocab: int) -> None:
     writer.add_layer_norm_rms_eps(spec.rms_eps)
     writer.add_vocab_size(n_vocab)
     for key, value, value_type in specific:
-        if value is not None:
+        if value is not None and value_type is GGUFValueType.UINT64 and isinstance(value, list):
+            # a list typed UINT64: an array of uint64 (gguf-py would infer int32 items)
+            writer.add_key_value(key, value, GGUFValueType.ARRAY, GGUFValueType.UINT64)
+        elif value is not None:
             writer.add_key_value(key, value, value_type)
     writer.add_string(SPEC_KEY, spec_json(spec))
 

@@ -32,6 +32,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
     'qwen3vlmoe',
     'qwen35',
     'qwen35moe',
+    'qwen4exp',
     'phi2',
     'phi3',
     'phimoe',
@@ -141,6 +142,7 @@ SPLIT_ARCHITECTURES: Final = frozenset({
 #: Split architectures whose later stages read the token ids beside the hidden state (patch 0010; Gemma 4's
 #: per-layer token embeddings are told by the file's hparams).
 STAGE_TOKEN_IDS: Final = frozenset({
+    'qwen4exp',
     'deepseek4',
     'graniteswitch',
     'cogvlm',
@@ -164,7 +166,6 @@ REFUSED: Final[dict[str, str]] = {
     'jina-bert-v2': 'encoder or embedding model: no KV cache, no causal generation',
     'jina-bert-v3': 'encoder or embedding model: no KV cache, no causal generation',
     'eurobert': 'encoder or embedding model: no KV cache, no causal generation',
-    'qwen4exp': "hyper-connections: layers hand on hc_mult parallel residual streams (hc_mult x n_embd per token), which the boundary-rows extension (docs/protocol.md §12) and patch 0013 carry across a cut; but its per-layer n-gram embeddings (PLE) are looked up by rows hashed from each token's predecessors, which an input of the first stage reads from the attention cells' token record: a later stage would need the token ids (patch 0010 gives them) and that record in cells of its own, which the rules do not build yet: not a limit of the model",
     'gemma4-assistant': 'draft head: it runs only beside its target model, whose hidden states or embeddings it reads, never as a model of its own',
     'gemma-embedding': 'encoder or embedding model: no KV cache, no causal generation',
     't5': 'encoder-decoder: the decoder attends to the encoder output',
@@ -186,6 +187,7 @@ REFUSED: Final[dict[str, str]] = {
 #: model's hyper-connection count (``<arch>.hyper_connection.count``, one row per stream);
 #: -1: 1 + the layer inputs banked before the cut (``<arch>.attn_res.block_size``, patch 0013).
 STAGE_ROWS: Final[dict[str, int]] = {
+    'qwen4exp': 0,
     'gemma3n': 4,
     'deepseek4': 0,
     'rwkv7': 2,
