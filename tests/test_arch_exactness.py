@@ -261,6 +261,20 @@ def test_prefill_in_micro_batches_across_the_window_is_bitwise_equal(arch: str) 
         assert np.array_equal(a, b), f"row {row}: max diff {np.abs(a - b).max()}"
 
 
+@pytest.mark.parametrize("split", SPLITS, ids=split_id)
+def test_ngram_inputs_in_micro_batches_are_bitwise_equal(split: list[tuple[int, int]]) -> None:
+    """Qwen4-exp's n-gram embeddings (PLE, on layer 3: a later stage in every split) hash each
+    token with its 2 predecessors, which the first tokens of a micro-batch of 3 rows read from the
+    cells the stage's earlier batches recorded (its own KV cells, filled from the token ids it
+    receives), and its conv history spans 6 tokens, two batches back."""
+    path = ensure_model(tiny("qwen4exp"))
+    expected = _chunked_run(path, [(0, N_LAYER)], 3)
+    got = _chunked_run(path, split, 3)
+    assert len(got) == len(expected) == len(LONG_PROMPT) + 8
+    for row, (a, b) in enumerate(zip(got, expected)):
+        assert np.array_equal(a, b), f"row {row}: max diff {np.abs(a - b).max()}"
+
+
 def _rms_norm(x: np.ndarray, weight: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * weight
 
