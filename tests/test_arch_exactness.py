@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from pathlib import Path
+from typing import Final
 
 import numpy as np
 import pytest
@@ -456,6 +457,10 @@ def test_real_shape_split_logits_are_bitwise_equal(
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
 
 
+#: A tiny preset's overrides towards a real shape: Q8_0 (the 32000-token SPM vocab and 4 layers stay).
+_REAL_Q8: Final[dict[str, object]] = {"dtype": "Q8_0"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("name", "overrides"),
@@ -470,8 +475,11 @@ def test_real_shape_split_logits_are_bitwise_equal(
         # Nemotron-H-8B's widths (Mamba-2 of 128 heads of 64, 8 groups, state 128; attention 32 / 8
         # heads of 128; squared-ReLU MLP of 21504): two Mamba layers, attention, MLP
         ("nemotron-h-8b-8l", {"n_layer": 4, "layer_pattern": "MM*-"}),
+        # Mamba-2 2.7B's widths (2560; 80 heads of 64 over d_inner 5120, one group, state 128, conv 4)
+        ("tiny-mamba2", {"n_embd": 2560, "ssm_d_inner": 5120, "ssm_d_state": 128, "ssm_dt_rank": 80,
+                         "ssm_n_group": 1, "rms_eps": 1e-5, "name": "skippy-mamba2-2.7b-4l-shape", **_REAL_Q8}),
     ],
-    ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l"],
+    ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l", "mamba2-2.7b-4l"],
 )
 def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: dict[str, object]) -> None:
     """Issue 25 at real widths: the splits cut inside a run of recurrent layers (at 1) and
@@ -486,7 +494,10 @@ def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: 
     shape = ModelShape.from_gguf(path)  # the planner's per-layer figures: state, KV
     recurrent, attention = [b > 0 for b in shape.state_layer_bytes], [b > 0 for b in shape.kv_layer_bytes]
     assert recurrent[:2] == [True, True]  # the cut at 1
-    assert any(recurrent[cut - 1] and attention[cut] for cut in (2, 3)), (recurrent, attention)
+    if any(attention):  # a hybrid: a cut between a recurrent and an attention layer
+        assert any(recurrent[cut - 1] and attention[cut] for cut in (2, 3)), (recurrent, attention)
+    else:  # a pure recurrent model: every cut falls inside the run
+        assert all(recurrent), recurrent
     with chain(path, [(0, spec.n_layer)]) as whole:
         expected, expected_tokens = greedy_run(whole, REAL_SHAPE_PROMPT, steps=8)
     last = expected[-1]
