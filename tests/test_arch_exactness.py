@@ -478,8 +478,26 @@ _REAL_Q8: Final[dict[str, object]] = {"dtype": "Q8_0"}
         # Mamba-2 2.7B's widths (2560; 80 heads of 64 over d_inner 5120, one group, state 128, conv 4)
         ("tiny-mamba2", {"n_embd": 2560, "ssm_d_inner": 5120, "ssm_d_state": 128, "ssm_dt_rank": 80,
                          "ssm_n_group": 1, "rms_eps": 1e-5, "name": "skippy-mamba2-2.7b-4l-shape", **_REAL_Q8}),
+        # Mamba 1.4B's (2048; d_inner 4096, state 16, dt rank 128, conv 4)
+        ("tiny-mamba", {"n_embd": 2048, "ssm_d_inner": 4096, "ssm_dt_rank": 128, "rms_eps": 1e-5,
+                        "name": "skippy-mamba-1.4b-4l-shape", **_REAL_Q8}),
+        # RWKV-6 World 1.6B's (2048 in 32 heads of 64, channel mix 7168, low-rank 32 / 64); the
+        # state still halves every 2nd layer (the real one: every 6th) so a stage starts after one
+        ("tiny-rwkv6", {"n_embd": 2048, "n_ff": 7168, "n_head": 32, "n_head_kv": 32, "wkv_head_size": 64,
+                        "time_mix_extra_dim": 32, "time_decay_extra_dim": 64,
+                        "name": "skippy-rwkv6-1.6b-4l-shape", **_REAL_Q8}),
+        # RWKV-7 World 1.5B's (2048 in 32 heads of 64, channel mix 8192, decay / iclr / value /
+        # gate low-rank 96 / 96 / 64 / 256)
+        ("tiny-rwkv7", {"n_embd": 2048, "n_ff": 8192, "n_head": 32, "n_head_kv": 32, "decay_lora_rank": 96,
+                        "iclr_lora_rank": 96, "value_residual_mix_lora_rank": 64, "gate_lora_rank": 256,
+                        "name": "skippy-rwkv7-1.5b-4l-shape", **_REAL_Q8}),
+        # LFM2-1.2B's (2048; conv cache 3; attention 32 / 8 heads of 64, rope 1e6; FFN 8192):
+        # conv, conv, attention, conv
+        ("tiny-lfm2", {"n_embd": 2048, "n_ff": 8192, "n_head": 32, "n_head_kv": 8, "rope_theta": 1e6,
+                       "rms_eps": 1e-5, "name": "skippy-lfm2-1.2b-4l-shape", **_REAL_Q8}),
     ],
-    ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l", "mamba2-2.7b-4l"],
+    ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l", "mamba2-2.7b-4l",
+         "mamba-1.4b-4l", "rwkv6-1.6b-4l", "rwkv7-1.5b-4l", "lfm2-1.2b-4l"],
 )
 def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: dict[str, object]) -> None:
     """Issue 25 at real widths: the splits cut inside a run of recurrent layers (at 1) and
