@@ -495,9 +495,30 @@ _REAL_Q8: Final[dict[str, object]] = {"dtype": "Q8_0"}
         # conv, conv, attention, conv
         ("tiny-lfm2", {"n_embd": 2048, "n_ff": 8192, "n_head": 32, "n_head_kv": 8, "rope_theta": 1e6,
                        "rms_eps": 1e-5, "name": "skippy-lfm2-1.2b-4l-shape", **_REAL_Q8}),
+        # Granite 4.0-H-Tiny's (1536; Mamba-2 of 48 heads of 64, one group, state 128; attention
+        # 12 / 4 heads of 128; experts of 512, 6 used, a shared one of 1024; logit scale 6):
+        # Mamba, Mamba, attention, Mamba; 16 experts instead of 64
+        ("tiny-granitehybrid", {"n_embd": 1536, "n_ff": 512, "n_head": 12, "n_head_kv": 4,
+                                "ssm_d_inner": 3072, "ssm_d_state": 128, "ssm_dt_rank": 48, "ssm_n_group": 1,
+                                "n_expert": 16, "n_expert_used": 6, "n_ff_shexp": 1024, "logit_scale": 6.0,
+                                "rms_eps": 1e-5, "name": "skippy-granite-4.0-h-tiny-4l-shape", **_REAL_Q8}),
+        # Falcon-H1-0.5B's (1024; attention 8 / 2 heads of 64, rope 1e11, beside Mamba-2 of 24 heads
+        # of 64 (d_ssm 1536), one group, state 128; FFN 2048): both kinds in every layer
+        ("tiny-falcon-h1", {"n_embd": 1024, "n_ff": 2048, "n_head": 8, "n_head_kv": 2, "head_dim": 64,
+                            "rope_theta": 1e11, "ssm_d_inner": 1536, "ssm_d_state": 128, "ssm_dt_rank": 24,
+                            "ssm_n_group": 1, "rms_eps": 1e-5, "name": "skippy-falcon-h1-0.5b-4l-shape",
+                            **_REAL_Q8}),
+        # Kimi-Linear-48B-A3B's (2304; KDA of 32 heads of 128, conv 4; NoPE MLA of 32 heads, keys
+        # 128 + 64, values 128, KV latent 512; a dense lead of 9216, then experts of 1024, 8 used,
+        # scale 2.446, one shared): KDA, KDA, MLA, KDA; 16 experts instead of 256
+        ("tiny-kimi-linear", {"n_embd": 2304, "n_ff": 9216, "n_head": 32, "head_dim": 192, "rope_dim": 64,
+                              "kv_lora_rank": 512, "v_head_dim": 128, "kda_head_dim": 128, "n_expert": 16,
+                              "n_expert_used": 8, "n_ff_exp": 1024, "expert_weights_scale": 2.446,
+                              "rms_eps": 1e-5, "name": "skippy-kimi-linear-48b-a3b-4l-shape", **_REAL_Q8}),
     ],
     ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l", "mamba2-2.7b-4l",
-         "mamba-1.4b-4l", "rwkv6-1.6b-4l", "rwkv7-1.5b-4l", "lfm2-1.2b-4l"],
+         "mamba-1.4b-4l", "rwkv6-1.6b-4l", "rwkv7-1.5b-4l", "lfm2-1.2b-4l", "granite-4.0-h-tiny-4l",
+         "falcon-h1-0.5b-4l", "kimi-linear-48b-a3b-4l"],
 )
 def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: dict[str, object]) -> None:
     """Issue 25 at real widths: the splits cut inside a run of recurrent layers (at 1) and
