@@ -515,10 +515,15 @@ _REAL_Q8: Final[dict[str, object]] = {"dtype": "Q8_0"}
                               "kv_lora_rank": 512, "v_head_dim": 128, "kda_head_dim": 128, "n_expert": 16,
                               "n_expert_used": 8, "n_ff_exp": 1024, "expert_weights_scale": 2.446,
                               "rms_eps": 1e-5, "name": "skippy-kimi-linear-48b-a3b-4l-shape", **_REAL_Q8}),
+        # Jamba-v0.1's (4096; Mamba of d_inner 8192, state 16, dt rank 256, conv 4; attention 32 / 8
+        # heads of 128; FFN 14336, experts as wide on every other layer, 2 used): Mamba, Mamba,
+        # attention, Mamba; 4 experts instead of 16 (each is 190 MB in Q8_0)
+        ("tiny-jamba", {"n_embd": 4096, "n_ff": 14336, "n_head": 32, "n_head_kv": 8, "ssm_d_inner": 8192,
+                        "ssm_dt_rank": 256, "n_expert": 4, "name": "skippy-jamba-v0.1-4l-shape", **_REAL_Q8}),
     ],
     ids=["qwen35moe-35b-a3b-4l", "qwen3next-80b-a3b-4l", "nemotron-h-8b-4l", "mamba2-2.7b-4l",
          "mamba-1.4b-4l", "rwkv6-1.6b-4l", "rwkv7-1.5b-4l", "lfm2-1.2b-4l", "granite-4.0-h-tiny-4l",
-         "falcon-h1-0.5b-4l", "kimi-linear-48b-a3b-4l"],
+         "falcon-h1-0.5b-4l", "kimi-linear-48b-a3b-4l", "jamba-v0.1-4l"],
 )
 def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: dict[str, object]) -> None:
     """Issue 25 at real widths: the splits cut inside a run of recurrent layers (at 1) and
