@@ -527,8 +527,8 @@ _REAL_Q8: Final[dict[str, object]] = {"dtype": "Q8_0"}
 )
 def test_real_shape_hybrid_split_logits_are_bitwise_equal(name: str, overrides: dict[str, object]) -> None:
     """Issue 25 at real widths: the splits cut inside a run of recurrent layers (at 1) and
-    between a recurrent and an attention layer (at 2 or 3); 48-token prefill, 8 greedy steps,
-    bitwise the unsplit logits."""
+    between a recurrent and an attention layer (at 2 or 3; a pure recurrent model's cuts all fall
+    inside its run); 48-token prefill, 8 greedy steps, bitwise the unsplit logits."""
     from skippy.models import preset
 
     from skippy.deploy.plan import ModelShape
