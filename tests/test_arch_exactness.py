@@ -497,10 +497,10 @@ _REAL_Q8: Final[dict[str, object]] = {"dtype": "Q8_0"}
                        "rms_eps": 1e-5, "name": "skippy-lfm2-1.2b-4l-shape", **_REAL_Q8}),
         # Granite 4.0-H-Tiny's (1536; Mamba-2 of 48 heads of 64, one group, state 128; attention
         # 12 / 4 heads of 128; experts of 512, 6 used, a shared one of 1024; logit scale 6):
-        # Mamba, Mamba, attention, Mamba; 16 experts instead of 64
+        # Mamba, Mamba, attention, Mamba; all 64 experts
         ("tiny-granitehybrid", {"n_embd": 1536, "n_ff": 512, "n_head": 12, "n_head_kv": 4,
                                 "ssm_d_inner": 3072, "ssm_d_state": 128, "ssm_dt_rank": 48, "ssm_n_group": 1,
-                                "n_expert": 16, "n_expert_used": 6, "n_ff_shexp": 1024, "logit_scale": 6.0,
+                                "n_expert": 64, "n_expert_used": 6, "n_ff_shexp": 1024, "logit_scale": 6.0,
                                 "rms_eps": 1e-5, "name": "skippy-granite-4.0-h-tiny-4l-shape", **_REAL_Q8}),
         # Falcon-H1-0.5B's (1024; attention 8 / 2 heads of 64, rope 1e11, beside Mamba-2 of 24 heads
         # of 64 (d_ssm 1536), one group, state 128; FFN 2048): both kinds in every layer
