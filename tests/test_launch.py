@@ -7,6 +7,7 @@ one is used) and reads the stage pids it announces.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -127,7 +128,9 @@ def test_a_stage_that_cannot_start_is_reported(tiny_llama: Path, tmp_path: Path)
     with pytest.raises(RuntimeError, match="exited with 1"):
         process.start()
     err = process.stderr()
-    assert "error: stage 1 (layers 2:4) exited with status 2" in err and "ctx_size must be > 0" in err
+    # both stages refuse the setting: whichever exits first is the one reported
+    assert re.search(r"error: stage \d \(layers \d+:\d+\) exited with status 2", err), err
+    assert "ctx_size must be > 0" in err
 
 
 def test_stage_command_and_progress_bar(tmp_path: Path) -> None:
