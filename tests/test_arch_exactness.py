@@ -580,3 +580,39 @@ def test_qwen35_trunk_with_a_nextn_block_splits_exactly() -> None:
         assert tokens == expected_tokens, split
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
+def _deepseek4_flash_4l() -> ModelSpec:
+    """DeepSeek-V4-Flash's widths (tests/test_hyper_connections.py's shape) with its first 4 of 43
+    layers (hash-routed 3, compressed 0, 0, 4, 128) and 8 of its 256 experts (2 used)."""
+    from test_hyper_connections import deepseek4_flash_shape
+
+    return dataclasses.replace(deepseek4_flash_shape(), n_layer=4, compress_ratios=(0, 0, 4, 128),
+                               name="skippy-deepseek4-flash-4l-8e-shape")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("make", "splits"),
+    [
+        (_deepseek4_flash_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+    ],
+    ids=["deepseek4-flash-4l-8e"],
+)
+def test_real_shape_issue26_split_logits_are_bitwise_equal(
+    make: object, splits: list[list[tuple[int, int]]]
+) -> None:
+    """Issue 26 at real widths (fewer layers and experts, never narrower): 48-token prefill, 8
+    greedy steps, each split (one of them 3-stage, all at legal cuts) bitwise the unsplit logits."""
+    spec = make()  # type: ignore[operator]
+    path = ensure_model(spec)
+    with chain(path, [(0, spec.n_layer)]) as whole:
+        expected, expected_tokens = greedy_run(whole, REAL_SHAPE_PROMPT, steps=8)
+    last = expected[-1]
+    assert np.isfinite(last).all() and float(np.std(last)) > 0.02
+    for split in splits:
+        with chain(path, split) as stages:
+            logits, tokens = greedy_run(stages, REAL_SHAPE_PROMPT, steps=8)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
