@@ -591,13 +591,43 @@ def _deepseek4_flash_4l() -> ModelSpec:
                                name="skippy-deepseek4-flash-4l-8e-shape")
 
 
+def _deepseek_v3_4l(arch: str = "deepseek2", **changes: object) -> ModelSpec:
+    """DeepSeek-V3's widths (7168; MLA of 128 heads, q_lora 1536, kv_lora 512, keys 128 + 64,
+    values 128; a dense lead of 18432, then sigmoid experts of 2048 with one shared) with 4 of its
+    61 layers (1 dense lead instead of 3) and 8 of its 256 experts (2 used instead of 8)."""
+    return dataclasses.replace(
+        tiny(arch, dtype="Q8_0"), n_layer=4, n_embd=7168, n_ff=18432, n_head=128, head_dim=192, rope_dim=64,
+        q_lora_rank=1536, kv_lora_rank=512, v_head_dim=128, n_ff_exp=2048, n_expert=8, n_expert_used=2,
+        name=f"skippy-{arch}-v3-4l-8e-shape", **changes)
+
+
+def _deepseek_v32_4l() -> ModelSpec:
+    """DeepSeek-V3.2's: V3's widths and its lightning indexer (64 heads of 128); each query keeps
+    32 keys instead of 2048, so the 48-token prompt's later queries attend to a subset."""
+    return _deepseek_v3_4l("deepseek32", indexer_n_head=64, indexer_head_size=128, indexer_top_k=32)
+
+
+def _glm5_4l() -> ModelSpec:
+    """GLM-5's widths (6144; MLA of 64 heads, q_lora 2048, kv_lora 512, keys 192 + 64, values
+    256; a dense lead of 12288, then experts of 2048 with one shared; an indexer of 32 heads of
+    128) with 4 of its 78 layers (1 dense lead instead of 3), 8 of its 256 experts (2 used instead
+    of 8), each query keeping 32 keys instead of 2048."""
+    return dataclasses.replace(
+        tiny("glm-dsa", dtype="Q8_0"), n_layer=4, n_embd=6144, n_ff=12288, n_head=64, head_dim=256, rope_dim=64,
+        q_lora_rank=2048, kv_lora_rank=512, v_head_dim=256, n_ff_exp=2048, n_expert=8, n_expert_used=2,
+        indexer_n_head=32, indexer_head_size=128, indexer_top_k=32, name="skippy-glm5-4l-8e-shape")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "splits"),
     [
         (_deepseek4_flash_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_deepseek_v3_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_deepseek_v32_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_glm5_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
     ],
-    ids=["deepseek4-flash-4l-8e"],
+    ids=["deepseek4-flash-4l-8e", "deepseek2-v3-4l-8e", "deepseek32-v3.2-4l-8e", "glm-dsa-glm5-4l-8e"],
 )
 def test_real_shape_issue26_split_logits_are_bitwise_equal(
     make: object, splits: list[list[tuple[int, int]]]
