@@ -45,6 +45,7 @@ from skippy.models.blocks_linear import is_recurrent
 from skippy.models.spec import EXTRA_ARCHITECTURES, LATER_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
 from skippy.models.spec import LINEAR_ATTENTION_ARCHITECTURES
 from skippy.runtime import UnsupportedArchitecture
+from skippy.runtime.cuts import legal_cuts
 from skippy.runtime.model import SPLIT_ARCHITECTURES
 
 #: 20 tokens of the llama-spm vocabulary: longer than the tiny sliding window (8).
@@ -618,6 +619,16 @@ def _glm5_4l() -> ModelSpec:
         indexer_n_head=32, indexer_head_size=128, indexer_top_k=32, name="skippy-glm5-4l-8e-shape")
 
 
+def _gemma4_e2b_10l() -> ModelSpec:
+    """Gemma 4 E2B's preset with 10 of its 35 layers: layers 0-4 (4 global) keep their KV and
+    5-9 reuse that of layers 3 (local) and 4 (global), as its last 20 do, so the legal cuts are
+    1, 2 and 3; the window cut from 512 to 32 so the 48-token prompt crosses it."""
+    from skippy.models import preset
+
+    return dataclasses.replace(preset("gemma4-e2b"), n_layer=10, n_kv_shared_layers=5, sliding_window=32,
+                               name="skippy-gemma4-e2b-10l-shape")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "splits"),
@@ -626,8 +637,10 @@ def _glm5_4l() -> ModelSpec:
         (_deepseek_v3_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
         (_deepseek_v32_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
         (_glm5_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_gemma4_e2b_10l, [[(0, 3), (3, 10)], [(0, 1), (1, 3), (3, 10)]]),
     ],
-    ids=["deepseek4-flash-4l-8e", "deepseek2-v3-4l-8e", "deepseek32-v3.2-4l-8e", "glm-dsa-glm5-4l-8e"],
+    ids=["deepseek4-flash-4l-8e", "deepseek2-v3-4l-8e", "deepseek32-v3.2-4l-8e", "glm-dsa-glm5-4l-8e",
+         "gemma4-e2b-10l"],
 )
 def test_real_shape_issue26_split_logits_are_bitwise_equal(
     make: object, splits: list[list[tuple[int, int]]]
@@ -636,6 +649,10 @@ def test_real_shape_issue26_split_logits_are_bitwise_equal(
     greedy steps, each split (one of them 3-stage, all at legal cuts) bitwise the unsplit logits."""
     spec = make()  # type: ignore[operator]
     path = ensure_model(spec)
+    from skippy.deploy.plan import ModelShape
+
+    legal = legal_cuts(spec.n_layer, ModelShape.from_gguf(path).kv_groups)  # as `skippy plan` sees the file
+    assert all(cut in legal for split in splits for _, cut in split[:-1]), legal
     with chain(path, [(0, spec.n_layer)]) as whole:
         expected, expected_tokens = greedy_run(whole, REAL_SHAPE_PROMPT, steps=8)
     last = expected[-1]
