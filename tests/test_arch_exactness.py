@@ -629,6 +629,23 @@ def _gemma4_e2b_10l() -> ModelSpec:
                                name="skippy-gemma4-e2b-10l-shape")
 
 
+def _qwen3vl_8b_4l() -> ModelSpec:
+    """Qwen3-VL-8B's text tower on text input (4096; 32 / 8 heads of 128, interleaved M-RoPE
+    sections 24:20:20, rope 5e6; FFN 12288) with 4 of its 36 layers."""
+    return dataclasses.replace(
+        tiny("qwen3vl", dtype="Q8_0"), n_layer=4, n_embd=4096, n_ff=12288, n_head=32, n_head_kv=8, head_dim=128,
+        rope_sections=(24, 20, 20, 0), rope_theta=5e6, name="skippy-qwen3vl-8b-4l-shape")
+
+
+def _qwen3vlmoe_30b_a3b_4l() -> ModelSpec:
+    """Qwen3-VL-30B-A3B's text tower on text input (2048; 32 / 4 heads of 128, M-RoPE 24:20:20,
+    rope 5e6; experts of 768, 8 used) with 4 of its 48 layers and 32 of its 128 experts."""
+    return dataclasses.replace(
+        tiny("qwen3vlmoe", dtype="Q8_0"), n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+        rope_sections=(24, 20, 20, 0), rope_theta=5e6, n_ff_exp=768, n_expert=32, n_expert_used=8,
+        name="skippy-qwen3vlmoe-30b-a3b-4l-32e-shape")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("make", "splits"),
@@ -638,9 +655,11 @@ def _gemma4_e2b_10l() -> ModelSpec:
         (_deepseek_v32_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
         (_glm5_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
         (_gemma4_e2b_10l, [[(0, 3), (3, 10)], [(0, 1), (1, 3), (3, 10)]]),
+        (_qwen3vl_8b_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_qwen3vlmoe_30b_a3b_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
     ],
     ids=["deepseek4-flash-4l-8e", "deepseek2-v3-4l-8e", "deepseek32-v3.2-4l-8e", "glm-dsa-glm5-4l-8e",
-         "gemma4-e2b-10l"],
+         "gemma4-e2b-10l", "qwen3vl-8b-4l", "qwen3vlmoe-30b-a3b-4l-32e"],
 )
 def test_real_shape_issue26_split_logits_are_bitwise_equal(
     make: object, splits: list[list[tuple[int, int]]]
