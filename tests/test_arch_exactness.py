@@ -26,12 +26,15 @@ cases, which check the runtime's refusal while it does not split them. The state
 of issue 25 (mamba, mamba2, jamba, falcon-h1, granitehybrid, nemotron_h, nemotron_h_moe, plamo2)
 keep per-layer recurrent state; their tiny hybrids start "MM*", so the splits cut inside a run of
 Mamba layers and between a Mamba and an attention layer (tests/test_models_ssm.py checks it).
+Issue 26's families also run at published widths (fewer layers and experts, never narrower) in
+the slow `test_real_shape_issue26_split_logits_are_bitwise_equal`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Callable
 from pathlib import Path
 from typing import Final
 
@@ -45,6 +48,7 @@ from skippy.models.blocks_linear import is_recurrent
 from skippy.models.spec import EXTRA_ARCHITECTURES, LATER_ARCHITECTURES, NEW_ARCHITECTURES, ModelSpec
 from skippy.models.spec import LINEAR_ATTENTION_ARCHITECTURES
 from skippy.runtime import UnsupportedArchitecture
+from skippy.runtime.cuts import legal_cuts
 from skippy.runtime.model import SPLIT_ARCHITECTURES
 
 #: 20 tokens of the llama-spm vocabulary: longer than the tiny sliding window (8).
@@ -577,6 +581,107 @@ def test_qwen35_trunk_with_a_nextn_block_splits_exactly() -> None:
     for split in SPLITS:
         with chain(path, split) as stages:
             logits, tokens = greedy_run(stages, LONG_PROMPT, steps=STEPS)
+        assert tokens == expected_tokens, split
+        for row, (got, want) in enumerate(zip(logits, expected)):
+            assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
+
+
+def _deepseek4_flash_4l() -> ModelSpec:
+    """DeepSeek-V4-Flash's widths (tests/test_hyper_connections.py's shape) with its first 4 of 43
+    layers (hash-routed 3, compressed 0, 0, 4, 128) and 8 of its 256 experts (2 used)."""
+    from test_hyper_connections import deepseek4_flash_shape
+
+    return dataclasses.replace(deepseek4_flash_shape(), n_layer=4, compress_ratios=(0, 0, 4, 128),
+                               name="skippy-deepseek4-flash-4l-8e-shape")
+
+
+def _deepseek_v3_4l(arch: str = "deepseek2", **changes: object) -> ModelSpec:
+    """DeepSeek-V3's widths (7168; MLA of 128 heads, q_lora 1536, kv_lora 512, keys 128 + 64,
+    values 128; a dense lead of 18432, then sigmoid experts of 2048 with one shared) with 4 of its
+    61 layers (1 dense lead instead of 3) and 8 of its 256 experts (2 used instead of 8)."""
+    return dataclasses.replace(
+        tiny(arch, dtype="Q8_0"), n_layer=4, n_embd=7168, n_ff=18432, n_head=128, head_dim=192, rope_dim=64,
+        q_lora_rank=1536, kv_lora_rank=512, v_head_dim=128, n_ff_exp=2048, n_expert=8, n_expert_used=2,
+        name=f"skippy-{arch}-v3-4l-8e-shape", **changes)
+
+
+def _deepseek_v32_4l() -> ModelSpec:
+    """DeepSeek-V3.2's: V3's widths and its lightning indexer (64 heads of 128); each query keeps
+    32 keys instead of 2048, so the 48-token prompt's later queries attend to a subset."""
+    return _deepseek_v3_4l("deepseek32", indexer_n_head=64, indexer_head_size=128, indexer_top_k=32)
+
+
+def _glm5_4l() -> ModelSpec:
+    """GLM-5's widths (6144; MLA of 64 heads, q_lora 2048, kv_lora 512, keys 192 + 64, values
+    256; a dense lead of 12288, then experts of 2048 with one shared; an indexer of 32 heads of
+    128) with 4 of its 78 layers (1 dense lead instead of 3), 8 of its 256 experts (2 used instead
+    of 8), each query keeping 32 keys instead of 2048."""
+    return dataclasses.replace(
+        tiny("glm-dsa", dtype="Q8_0"), n_layer=4, n_embd=6144, n_ff=12288, n_head=64, head_dim=256, rope_dim=64,
+        q_lora_rank=2048, kv_lora_rank=512, v_head_dim=256, n_ff_exp=2048, n_expert=8, n_expert_used=2,
+        indexer_n_head=32, indexer_head_size=128, indexer_top_k=32, name="skippy-glm5-4l-8e-shape")
+
+
+def _gemma4_e2b_10l() -> ModelSpec:
+    """Gemma 4 E2B's preset with 10 of its 35 layers: layers 0-4 (4 global) keep their KV and
+    5-9 reuse that of layers 3 (local) and 4 (global), as its last 20 do, so the legal cuts are
+    1, 2 and 3; the window cut from 512 to 32 so the 48-token prompt crosses it."""
+    from skippy.models import preset
+
+    return dataclasses.replace(preset("gemma4-e2b"), n_layer=10, n_kv_shared_layers=5, sliding_window=32,
+                               name="skippy-gemma4-e2b-10l-shape")
+
+
+def _qwen3vl_8b_4l() -> ModelSpec:
+    """Qwen3-VL-8B's text tower on text input (4096; 32 / 8 heads of 128, interleaved M-RoPE
+    sections 24:20:20, rope 5e6; FFN 12288) with 4 of its 36 layers."""
+    return dataclasses.replace(
+        tiny("qwen3vl", dtype="Q8_0"), n_layer=4, n_embd=4096, n_ff=12288, n_head=32, n_head_kv=8, head_dim=128,
+        rope_sections=(24, 20, 20, 0), rope_theta=5e6, name="skippy-qwen3vl-8b-4l-shape")
+
+
+def _qwen3vlmoe_30b_a3b_4l() -> ModelSpec:
+    """Qwen3-VL-30B-A3B's text tower on text input (2048; 32 / 4 heads of 128, M-RoPE 24:20:20,
+    rope 5e6; experts of 768, 8 used) with 4 of its 48 layers and 32 of its 128 experts."""
+    return dataclasses.replace(
+        tiny("qwen3vlmoe", dtype="Q8_0"), n_layer=4, n_embd=2048, n_head=32, n_head_kv=4, head_dim=128,
+        rope_sections=(24, 20, 20, 0), rope_theta=5e6, n_ff_exp=768, n_expert=32, n_expert_used=8,
+        name="skippy-qwen3vlmoe-30b-a3b-4l-32e-shape")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("make", "splits"),
+    [
+        (_deepseek4_flash_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_deepseek_v3_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_deepseek_v32_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_glm5_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_gemma4_e2b_10l, [[(0, 3), (3, 10)], [(0, 1), (1, 3), (3, 10)]]),
+        (_qwen3vl_8b_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+        (_qwen3vlmoe_30b_a3b_4l, [[(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]]),
+    ],
+    ids=["deepseek4-flash-4l-8e", "deepseek2-v3-4l-8e", "deepseek32-v3.2-4l-8e", "glm-dsa-glm5-4l-8e",
+         "gemma4-e2b-10l", "qwen3vl-8b-4l", "qwen3vlmoe-30b-a3b-4l-32e"],
+)
+def test_real_shape_issue26_split_logits_are_bitwise_equal(
+    make: Callable[[], ModelSpec], splits: list[list[tuple[int, int]]]
+) -> None:
+    """Issue 26 at real widths (fewer layers and experts, never narrower): 48-token prefill, 8
+    greedy steps, each split (one of them 3-stage, all at legal cuts) bitwise the unsplit logits."""
+    spec = make()
+    path = ensure_model(spec)
+    from skippy.deploy.plan import ModelShape
+
+    legal = legal_cuts(spec.n_layer, ModelShape.from_gguf(path).kv_groups)  # as `skippy plan` sees the file
+    assert all(cut in legal for split in splits for _, cut in split[:-1]), legal
+    with chain(path, [(0, spec.n_layer)]) as whole:
+        expected, expected_tokens = greedy_run(whole, REAL_SHAPE_PROMPT, steps=8)
+    last = expected[-1]
+    assert np.isfinite(last).all() and float(np.std(last)) > 0.02
+    for split in splits:
+        with chain(path, split) as stages:
+            logits, tokens = greedy_run(stages, REAL_SHAPE_PROMPT, steps=8)
         assert tokens == expected_tokens, split
         for row, (got, want) in enumerate(zip(logits, expected)):
             assert np.array_equal(got, want), f"{split} row {row}: max diff {np.abs(got - want).max()}"
