@@ -68,6 +68,9 @@ MESSAGE_QUEUE = 2
 REPLY_QUEUE = 16
 
 _connection_ids = itertools.count(1)
+#: What the receiving task hands the compute task: (dispatch, received_us, held bytes), or None
+#: (a decode run's wake-up: its step waits in ``lane.run_steps``).
+_Entry = tuple[Dispatch, int, int] | None
 
 
 class Connection:
@@ -186,13 +189,11 @@ class Connection:
                     await trio.aclose_forcefully(stream)
         self.scheduler.lanes.resting(self.id)
         self.stats.connections_open -= 1
-        if self.up.return_lane is not None:
-            self.stats.return_lanes_open -= 1
         self.stats.touch()
         log.debug("lane %d from %s closed (%d orphan sessions released)", self.id, self.peer, orphans)
 
     async def _serve(self) -> None:
-        messages_send, messages_receive = trio.open_memory_channel[tuple[Dispatch, int, int] | None](MESSAGE_QUEUE)
+        messages_send, messages_receive = trio.open_memory_channel[_Entry](MESSAGE_QUEUE)
         self.up.wake_compute = messages_send.clone()  # closed with the receiving side (receive_messages)
         async with trio.open_nursery() as nursery:
             self._serve_scope = nursery.cancel_scope
@@ -212,7 +213,7 @@ class Connection:
             self._serve_scope.cancel()
 
     # -- step 1: receive ---------------------------------------------------------------------
-    async def receive_messages(self, messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None]) -> None:
+    async def receive_messages(self, messages: trio.MemorySendChannel[_Entry]) -> None:
         reader = self.up.open_reader()
         try:
             async with messages:
@@ -222,8 +223,7 @@ class Connection:
             if self.up.wake_compute is not None:  # §11: the decode runs' wake-ups end with the upstream
                 self.up.wake_compute.close()
 
-    async def _receive_loop(self, reader: MessageReader,
-                            messages: trio.MemorySendChannel[tuple[Dispatch, int, int] | None]) -> None:
+    async def _receive_loop(self, reader: MessageReader, messages: trio.MemorySendChannel[_Entry]) -> None:
         protocol, up = self.lane, self.up
         while True:
             if protocol.receiving_paused:  # the backpressure of an upstream not reading replies
@@ -290,8 +290,7 @@ class Connection:
                     timings=self.lane.direct_timings, running=functools.partial(setattr, self, "_relay_run"))
 
     # -- step 2: handle ----------------------------------------------------------------------
-    async def compute_messages(self, messages: trio.MemoryReceiveChannel[tuple[Dispatch, int, int] | None],
-                               nursery: trio.Nursery) -> None:
+    async def compute_messages(self, messages: trio.MemoryReceiveChannel[_Entry], nursery: trio.Nursery) -> None:
         lane = self.lane
         try:
             async with messages:

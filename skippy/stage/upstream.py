@@ -332,3 +332,5 @@ class UpstreamLink:
             torn = self.torn or (through is not None and through.ran)
             if error is not None and self.lane.extensions.enabled and not torn:
                 await extensions.send_error(self.io, error, lane_id)
+        if self.return_lane is not None:
+            self.stats.return_lanes_open -= 1
