@@ -21,8 +21,6 @@ never after a reply cut mid-frame (``torn``).
 
 from __future__ import annotations
 
-import logging
-
 import trio
 
 from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
@@ -43,8 +41,6 @@ from skippy.stage.transport import MessageReader, codec, send_frame
 from skippy.stage.write_through import StreamGate, WriteThrough
 
 __all__ = ["UpstreamLink"]
-
-log = logging.getLogger("skippy.stage")
 
 #: The compute task's wake-up channel: a queued message, or None (a decode run's step is queued).
 Wake = trio.MemorySendChannel[tuple[Dispatch, int, int] | None]
@@ -119,7 +115,8 @@ class UpstreamLink:
             await self._replies_written.wait()
 
     def direct_left(self) -> None:
-        """A direct-return message left this stage (the lane counted it): receiving may go on."""
+        """A direct-return message left this stage (the lane counted it), or replies were written:
+        a receiver paused for them may go on."""
         if self._replies_written is not None:
             self._replies_written.set()
             self._replies_written = None
