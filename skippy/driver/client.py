@@ -9,6 +9,12 @@ their ACKs, then the final chunk's PredictedToken ends the prompt.  Every reply 
 never a trio exception.  Not safe for concurrent use by several tasks: one lane, one caller.
 Frames go through :class:`skippy.net.socket_io.SocketIO` (a non-blocking read or write first,
 into one reusable buffer; trio only when the socket would block), as on the stages' hot path.
+Every operation (``request``, ``prefill``, ``decode``, ``verify``, runs, return lanes) goes through
+the lane's rules, :class:`skippy.lane.driver.DriverLane` (the stages' table, read from the driver's
+end): it says on which lane each reply comes and matches every reply to the message it answers;
+this class only moves the bytes.  :meth:`StageClient.send` / :meth:`StageClient.receive` move one
+frame unchecked (a caller keeping its own order, such as the speculation runner, or a test's
+hostile frame): nothing else may be owed a reply meanwhile.
 
 Negotiated extensions (``docs/protocol.md`` §2-§4; ``extensions=False`` speaks plain v11): every
 message carries the extension flag and replies are decoded with ``extensions=True``.  A Timings
@@ -66,7 +72,6 @@ from skippy.codec.protocol import (
     check_ready,
 )
 from skippy.codec.protocol_ext import (
-    DECODE_RUN_FEATURE,
     DECODE_RUN_FLAG,
     DIRECT_RETURN_FLAG,
     MODEL_IDENTITY_FLAG,
@@ -79,7 +84,7 @@ from skippy.codec.protocol_ext import (
     with_direct_return_flag,
     with_extensions_flag,
 )
-from skippy.lane.driver import expected_replies
+from skippy.lane.driver import DriverLane, LaneMismatch, Owed, expected_replies
 from skippy.net.address import Address
 from skippy.net.socket_io import SocketIO, set_no_delay
 from skippy.net.tls import handshake_as_client
@@ -123,24 +128,6 @@ _DECODE_HEADER = StateHeader.for_kind(MessageKind.DECODE_EMBD)
 #: Flags an extension-aware driver sets on every message: extension frames (§2) and model identity (§9).
 _AWARE_FLAGS = SKIPPY_EXTENSIONS_FLAG | MODEL_IDENTITY_FLAG
 
-
-
-
-@dataclasses.dataclass(slots=True)
-class _Run:
-    """The client's view of a decode run (docs/protocol.md §11): predictions still to come."""
-
-    session_id: int
-    left: int
-    stop_tokens: frozenset[int]
-    #: The position the next prediction would be fed at (the KV length the per-token loop leaves).
-    position: int = 0
-
-    def advance(self, token: int) -> bool:
-        """One prediction arrived; whether the run goes on."""
-        self.left -= 1
-        self.position += 1
-        return self.left > 0 and token not in self.stop_tokens
 
 
 #: Seconds to wait, after a return lane closed, for the first-stage lane's Error frame naming why.
@@ -207,10 +194,9 @@ class StageClient:
         self._returns: dict[int, _ReturnLane] = {}
         #: The TLS context this lane was opened with (a return lane uses it too).
         self.tls: ssl.SSLContext | None = None
-        #: docs/protocol.md §11: the decode run in progress on this lane (None: none).
-        self._run: _Run | None = None
-        #: Predictions of a run read and dropped because a message ended it early.
-        self.run_overshoot = 0
+        #: The lane's rules from the driver's end: what each message is owed, on which lane,
+        #: the decode run in progress (§11) and the sessions that return directly (§8).
+        self._lane = DriverLane()
 
     @classmethod
     async def connect(cls, address: Address | str, *, connect_timeout: float = 10.0,
@@ -276,7 +262,7 @@ class StageClient:
 
     def returns_directly(self, session_id: int) -> bool:
         """Whether ``session_id``'s predictions come over a return lane."""
-        return session_id in self._returns
+        return session_id in self._lane.direct_sessions
 
     async def open_direct_return(self, address: Address | str, session_id: int, *, request_id: int = 0,
                                  timeout: float = 2.0) -> bool:
@@ -297,28 +283,34 @@ class StageClient:
                                                extensions=self.extensions, tls=self.tls)
         except StageLost as exc:  # connect names a "first stage": this one is the final stage
             raise StageLost(f"cannot open a return lane to final stage {target}: {exc.__cause__ or exc}") from exc
-        message = StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN, request_id=request_id,
-                                      session_id=session_id)
+        message = with_direct_return_flag(StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN,
+                                                              request_id=request_id, session_id=session_id))
+        self._lane.return_lane_opening(message)
         try:
-            await opener.send(with_direct_return_flag(message))
+            await opener.send(message)
             reply = await opener.receive()
+            self._lane.replied(reply, session_id)  # its ACK: the session's flagged messages go there
         except StageRemoteError as exc:
-            await opener.aclose()
+            await self._refused(opener, session_id)
             if exc.code is ErrorCode.UNSUPPORTED_KIND:
                 return False
             raise
         except StageClientError:  # no answer (a v11 stage parks the stream) or a close: not served
-            await opener.aclose()
+            await self._refused(opener, session_id)
             return False
-        if reply.kind != ReplyKind.ACK:
-            await opener.aclose()
+        except LaneMismatch:
+            await self._refused(opener, session_id)
             raise StageClientError(f"final stage {target} answered {ReplyKind(reply.kind).reference_name} "
-                                   "to PredictionReturnOpen")
+                                   "to PredictionReturnOpen") from None
         lane = _ReturnLane(opener.stream, target, session_id, request_id, self.extensions)
         lane.decoder = opener._decoder  # anything the final stage sent after the ACK is already in it
         lane.io = opener._io
         self._returns[session_id] = lane
         return True
+
+    async def _refused(self, opener: "StageClient", session_id: int) -> None:
+        self._lane.return_lane_closed(session_id)
+        await opener.aclose()
 
     async def close_direct_return(self, session_id: int | None = None) -> None:
         """Close the return lane of ``session_id`` (None: every one); its replies go hop by hop again."""
@@ -328,10 +320,8 @@ class StageClient:
             lane = self._returns.pop(session_id, None)
             lanes = [] if lane is None else [lane]
         for lane in lanes:
+            self._lane.return_lane_closed(lane.session_id)
             await trio.aclose_forcefully(lane.stream)
-
-    def _direct(self, session_id: int) -> bool:
-        return session_id in self._returns
 
     async def _receive_direct(self, session_id: int) -> StageReply:
         """The next reply on the return lane of ``session_id``; its loss fails at once, naming the stage."""
@@ -448,20 +438,44 @@ class StageClient:
         kinds = expected_replies(message) if expect is None else expect if isinstance(expect, tuple) else (expect,)
         if not kinds:
             raise ValueError(f"{message.kind.reference_name} is never answered: send it, do not request it")
+        owed = self._owe(message)
         await self.send(message)
-        reply = await self.receive()
-        run = self._run
-        if run is not None and run.session_id == message.session_id:
-            self._run = None
-            while reply.kind == ReplyKind.PREDICTED_TOKEN and ReplyKind.PREDICTED_TOKEN not in kinds:
-                self.run_overshoot += 1  # a step the stage started before this message arrived
-                reply = await self.receive()
+        reply = await self._answer(owed)
         if reply.kind not in kinds:
             raise StageClientError(
                 f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
                 f"{message.kind.reference_name}"
             )
         return reply
+
+    # -- the lane's rules (skippy.lane.driver) -------------------------------------------------
+    def _owe(self, message: StageMessage) -> Owed | None:
+        """Record ``message`` as sent (before its bytes go): what it is owed, and on which lane.
+
+        Raises:
+            StageClientError: the rules do not let it be sent now (a decode run in the way, a
+                direct-return flag without a return lane).
+        """
+        try:
+            return self._lane.sent(message)
+        except LaneMismatch as exc:
+            raise StageClientError(f"lane to first stage {self.address}: {exc}") from None
+
+    async def _answer(self, owed: Owed | None) -> StageReply:
+        """The next reply on ``owed``'s lane (the chain lane or its session's return lane), matched
+        to the message it answers by the rules; a decode run's overshoot is dropped first."""
+        lane = None if owed is None else owed.lane
+        while True:
+            reply = await (self.receive() if lane is None else self._receive_direct(lane))
+            accepted = self.last_accepted
+            try:
+                matched = self._lane.replied(reply, lane, features=0 if accepted is None else accepted.features)
+            except LaneMismatch as exc:
+                where = (f"first stage {self.address}" if lane is None
+                         else f"final stage {self._returns[lane].address}" if lane in self._returns else "final stage")
+                raise StageClientError(f"{where}: {exc}") from None
+            if not matched.overshoot:
+                return reply
 
     # -- operations --------------------------------------------------------------------------
     async def configure(self, session_id: int, *, sampling: SamplingConfig | None = None,
@@ -506,37 +520,31 @@ class StageClient:
                 state_changes={"seq_id": begin // chunk_size, "prompt_token_count": pos_start + total,
                                "current_token": int(values[end - 1])},
             )
-            if final and self._direct(session_id):
+            if final and self._lane.direct(kind, session_id):
                 message = with_direct_return_flag(message)
+            owed = self._owe(message)
             await self.send(message)
             if final:
                 break
             outstanding += 1
-            while outstanding > credit:
-                acks.append(await self._expect(ReplyKind.ACK, kind))
+            while outstanding > credit:  # (the rules check each is an ACK)
+                acks.append(await self._answer(None))
                 outstanding -= 1
         while outstanding:
-            acks.append(await self._expect(ReplyKind.ACK, MessageKind.PREFILL_EMBD))
+            acks.append(await self._answer(None))
             outstanding -= 1
-        reply = await self._expect(ReplyKind.PREDICTED_TOKEN, MessageKind.PREFILL_FINAL_EMBD,
-                                   direct=session_id if self._direct(session_id) else None)
-        return PrefillResult(reply, tuple(acks))
-
-    async def _expect(self, kind: ReplyKind, sent: MessageKind, *, direct: int | None = None) -> StageReply:
-        """The next reply, of ``kind``: on the first-stage lane, or on session ``direct``'s return lane."""
-        reply = await (self.receive() if direct is None else self._receive_direct(direct))
-        if reply.kind != kind:
-            raise StageClientError(
-                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to "
-                f"{sent.reference_name}; expected {kind.reference_name}"
-            )
-        return reply
+        return PrefillResult(await self._answer(owed), tuple(acks))
 
     # -- decode runs (docs/protocol.md §11) ---------------------------------------------------
     @property
     def running(self) -> bool:
         """Whether a decode run is in progress (:meth:`next_run_token` reads its next prediction)."""
-        return self._run is not None
+        return self._lane.run is not None
+
+    @property
+    def run_overshoot(self) -> int:
+        """Predictions of a run read and dropped because a message ended it early."""
+        return self._lane.run_overshoot
 
     async def start_run(self, session_id: int, token: int, position: int, *, max_tokens: int,
                         stop_tokens: frozenset[int] = frozenset(), decode_step: int = -1,
@@ -554,9 +562,9 @@ class StageClient:
         """
         if not self.extensions:
             raise ValueError("a decode run needs skippy's extensions (StageClient(extensions=True))")
-        if self._run is not None:
-            raise ValueError(f"a decode run of session {self._run.session_id} is in progress on this lane")
-        if self._direct(session_id):
+        if self._lane.run is not None:
+            raise ValueError(f"a decode run of session {self._lane.run.session_id} is in progress on this lane")
+        if self.returns_directly(session_id):
             raise ValueError(f"session {session_id} returns over a direct-return lane; a decode run cannot")
         request = DecodeRunRequest(max_tokens, frozenset(stop_tokens))
         template = _DECODE_HEADER
@@ -567,17 +575,9 @@ class StageClient:
             MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
             session_id=session_id, chat_sampling_metadata=request.metadata(),
             tokens=np.array((token,), dtype=np.int32))
+        owed = self._owe(message)
         await self.send_raw(codec.encode_message(message, WireDType.F32, 0))
-        reply = await self.receive()
-        if reply.kind != ReplyKind.PREDICTED_TOKEN:
-            raise StageClientError(
-                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to a decode run's DecodeEmbd")
-        accepted = self.last_accepted
-        if accepted is not None and accepted.features & DECODE_RUN_FEATURE:
-            run = _Run(session_id, max_tokens, request.stop_tokens, position)
-            if run.advance(reply.predicted):
-                self._run = run
-        return reply
+        return await self._answer(owed)  # (the lane holds the run when the stage said it runs it)
 
     async def end_run(self, session_id: int, *, request_id: int = 0) -> int:
         """End the decode run of ``session_id`` early and leave every stage's KV as the per-token
@@ -588,11 +588,12 @@ class StageClient:
         Raises:
             StageClientError: no run of that session is in progress.
         """
-        run = self._run
+        run = self._lane.run
         if run is None or run.session_id != session_id:
             raise StageClientError(f"no decode run of session {session_id} is in progress on this lane")
-        await self.trim(session_id, run.position, request_id=request_id)
-        return run.position
+        position = run.position
+        await self.trim(session_id, position, request_id=request_id)
+        return position
 
     async def next_run_token(self, session_id: int) -> StageReply:
         """The next prediction of the decode run of ``session_id``.
@@ -600,30 +601,20 @@ class StageClient:
         Raises:
             StageClientError: no run of that session is in progress, or a reply out of protocol.
         """
-        run = self._run
+        run = self._lane.run
         if run is None or run.session_id != session_id:
             raise StageClientError(f"no decode run of session {session_id} is in progress on this lane")
-        reply = await self.receive()
-        if reply.kind != ReplyKind.PREDICTED_TOKEN:
-            self._run = None
-            raise StageClientError(
-                f"first stage {self.address} sent {ReplyKind(reply.kind).reference_name} inside a decode run")
-        if not run.advance(reply.predicted):
-            self._run = None
-        return reply
+        return await self._answer(None)
 
     async def decode(self, session_id: int, token: int, position: int, *, decode_step: int = -1,
                      request_id: int = 0) -> StageReply:
         """DecodeEmbd of ``token`` at the authoritative ``position``; returns PredictedToken."""
-        if self._run is not None:
-            raise StageClientError(f"a decode run of session {self._run.session_id} is in progress on this lane")
         # The per-token path: the header built directly with the extension flag already set
         # (what ``StageMessage.create`` and ``send``'s ``with_extensions_flag`` give, without
         # the copies), encoded and sent without ``send``'s checks.
         template = _DECODE_HEADER
         flags = template.flags | _AWARE_FLAGS if self.extensions else template.flags
-        direct = self._direct(session_id)
-        if direct:
+        if self._lane.direct(MessageKind.DECODE_EMBD, session_id):
             flags |= DIRECT_RETURN_FLAG
         state = StateHeader(
             version=template.version, phase=template.phase, flags=flags,
@@ -631,12 +622,9 @@ class StageClient:
         message = StageMessage(
             MessageKind.DECODE_EMBD, pos_start=position, token_count=1, state=state, request_id=request_id,
             session_id=session_id, tokens=np.array((token,), dtype=np.int32))
+        owed = self._owe(message)  # (a run in progress refuses it)
         await self.send_raw(codec.encode_message(message, WireDType.F32, 0))
-        reply = await (self._receive_direct(session_id) if direct else self.receive())
-        if reply.kind != ReplyKind.PREDICTED_TOKEN:
-            raise StageClientError(
-                f"first stage {self.address} answered {ReplyKind(reply.kind).reference_name} to DecodeEmbd")
-        return reply
+        return await self._answer(owed)
 
     async def verify(self, session_id: int, tokens: Sequence[int], position: int, *, window_id: int,
                      request_id: int = 0) -> StageReply:
@@ -647,11 +635,9 @@ class StageClient:
             session_id=session_id, tokens=values,
             state_changes={"seq_id": window_id, "current_token": int(values[0]) if len(values) else -1},
         )
-        if self._direct(session_id):
-            await self.send(with_direct_return_flag(message))
-            reply = await self._expect(ReplyKind.PREDICTED_TOKENS, MessageKind.VERIFY_WINDOW, direct=session_id)
-        else:
-            reply = await self.request(message)
+        if self._lane.direct(MessageKind.VERIFY_WINDOW, session_id):
+            message = with_direct_return_flag(message)
+        reply = await self.request(message)  # (on the return lane when flagged)
         if reply.window_id != window_id:
             raise StageClientError(f"verify window reply out of order: id {reply.window_id}, expected {window_id}")
         return reply
@@ -672,7 +658,7 @@ class StageClient:
     async def stop(self, session_id: int, *, request_id: int = 0) -> StageReply:
         """Stop: end the session on every stage; returns the ACK (sent after the chain's)."""
         reply = await self.request(StageMessage.stop(request_id=request_id, session_id=session_id))
-        if self._direct(session_id):
+        if self.returns_directly(session_id):
             await self.close_direct_return(session_id)
         return reply
 
