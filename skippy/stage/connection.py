@@ -44,7 +44,8 @@ import trio
 
 from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
 from skippy.codec.protocol_ext import (
-    DECODE_RUN_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame,
+    DECODE_RUN_FLAG, LIVENESS_FLAG, Annotation, ErrorCode, ErrorFrame, ExtensionNegotiation, TimingsFrame,
+    is_liveness_query,
 )
 from skippy.lane import messages as lane_messages
 from skippy.lane import replies
@@ -55,7 +56,7 @@ from skippy.lane.protocol import (
 )
 from skippy.lane.stats import merge_stats
 from skippy.net.socket_io import SocketIO
-from skippy.stage import control, direct_return, extensions
+from skippy.stage import control, direct_return, extensions, liveness
 from skippy.stage.control import OWN_PARTS, OwnPart
 from skippy.stage.decode_relay import RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
@@ -306,6 +307,11 @@ class Connection:
             received_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
             held = reader.take_reserved() if reader.reserved else 0
             self._held += held
+            if not protocol.lane_used and message.state.flags & LIVENESS_FLAG and is_liveness_query(message):
+                self._release_held(held)  # docs/protocol.md §13: a heartbeat lane, answered from here on
+                self.scheduler.lanes.resting(self.id)
+                await liveness.answer_heartbeats(reader, self._upstream_io, self.peer, self._release_held)
+                return
             if self.identity.index < 0:
                 self.identity.observe(message)
             dispatch, run = protocol.received(message, run_flagged=bool(message.state.flags & DECODE_RUN_FLAG),
