@@ -51,7 +51,15 @@ LossReason = Literal["closed", "silent"]
 
 
 class HeartbeatRefused(Exception):
-    """The peer does not answer heartbeats (a plain v11 or an older skippy stage): not a loss."""
+    """The peer does not answer heartbeats (a plain v11 or an older skippy stage): not a loss.
+
+    ``silent``: it said nothing at all (a v11 stage parks the heartbeat; a stage stopped right
+    after READY looks the same), rather than refusing or closing.
+    """
+
+    def __init__(self, text: str, *, silent: bool = False) -> None:
+        super().__init__(text)
+        self.silent = silent
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -107,64 +115,71 @@ async def heartbeat(address: Address, *, period: float = PERIOD, silence: float 
         raise OSError(f"stage {address} gave no READY within {connect_timeout:g} s")
     ping = codec.encode_message(liveness_query(), WireDType.F32, 0)
     decoder = codec.ReplyDecoder(extensions=True)
+    async with stream:
+        async with trio.open_nursery() as nursery:  # raises nothing of its own: the outcome is returned below
+            nursery.start_soon(_send_beats, stream, ping, period)
+            try:
+                outcome = await _read_acks(stream, decoder, address, silence, task_status)
+            finally:
+                nursery.cancel_scope.cancel()
+    if isinstance(outcome, HeartbeatRefused):
+        raise outcome
+    return outcome
+
+
+async def _send_beats(stream: trio.abc.Stream, ping: bytes, period: float) -> None:
+    """A heartbeat every ``period`` seconds until the stream breaks (the reader then sees why)."""
+    try:
+        while True:
+            await stream.send_all(ping)
+            await trio.sleep(period)
+    except (trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+        pass
+
+
+async def _read_acks(stream: trio.abc.Stream, decoder: codec.ReplyDecoder, address: Address, silence: float,
+                     task_status: trio.TaskStatus[None]) -> Loss | HeartbeatRefused:
+    """Read Acks until the stage is lost (the Loss) or turns out not to answer heartbeats."""
     last_seen = time.monotonic()
     answered = 0
 
     def lost(reason: LossReason, detail: str) -> Loss:
         return Loss(address, reason, detail, last_seen, time.monotonic())
 
-    async def send_beats() -> None:
-        while True:
-            await stream.send_all(ping)
-            await trio.sleep(period)
-
-    async with stream:
-        async with trio.open_nursery() as nursery:
-            sender_failed: list[BaseException] = []
-
-            async def sender() -> None:
-                try:
-                    await send_beats()
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    sender_failed.append(exc)
-
-            nursery.start_soon(sender)
+    while True:
+        data = None
+        with trio.move_on_after(max(0.0, last_seen + silence - time.monotonic())):
             try:
-                while True:
-                    deadline = trio.current_time() + max(0.0, last_seen + silence - time.monotonic())
-                    data = None
-                    with trio.move_on_at(deadline):
-                        try:
-                            data = await stream.receive_some(4096)
-                        except (trio.BrokenResourceError, OSError) as exc:
-                            return lost("closed", f"reset: {exc}")
-                    if data is None:
-                        if not answered:
-                            raise HeartbeatRefused(f"{address} answered no heartbeat within {silence:g} s")
-                        return lost("silent", f"last Ack {time.monotonic() - last_seen:.2f} s ago")
-                    if not data:
-                        if not answered:
-                            raise HeartbeatRefused(f"{address} closed the heartbeat lane unanswered")
-                        return lost("closed", "end of stream")
-                    decoder.receive_data(data)
-                    while True:
-                        try:
-                            frame = decoder.next_reply()
-                        except WireError as exc:
-                            raise HeartbeatRefused(f"{address} answered a heartbeat with an invalid frame: {exc}")
-                        if frame is NEED_DATA or frame is END_OF_STREAM:
-                            break
-                        if type(frame) is StageReply:
-                            last_seen = time.monotonic()
-                            answered += 1
-                            if answered == 1:
-                                task_status.started()
-                        elif isinstance(frame, ErrorFrame):
-                            if not answered:
-                                raise HeartbeatRefused(f"{address} refused heartbeats: {frame.describe()}")
-                            return lost("closed", frame.describe())
-            finally:
-                nursery.cancel_scope.cancel()
+                data = await stream.receive_some(4096)
+            except (trio.BrokenResourceError, OSError) as exc:
+                if not answered:
+                    return HeartbeatRefused(f"{address} reset the heartbeat lane unanswered: {exc}")
+                return lost("closed", f"reset: {exc}")
+        if data is None:
+            if not answered:
+                return HeartbeatRefused(f"{address} answered no heartbeat within {silence:g} s", silent=True)
+            return lost("silent", f"last Ack {time.monotonic() - last_seen:.2f} s ago")
+        if not data:
+            if not answered:
+                return HeartbeatRefused(f"{address} closed the heartbeat lane unanswered")
+            return lost("closed", "end of stream")
+        decoder.receive_data(data)
+        while True:
+            try:
+                frame = decoder.next_reply()
+            except WireError as exc:
+                return HeartbeatRefused(f"{address} answered a heartbeat with an invalid frame: {exc}")
+            if frame is NEED_DATA or frame is END_OF_STREAM:
+                break
+            if type(frame) is StageReply:
+                last_seen = time.monotonic()
+                answered += 1
+                if answered == 1:
+                    task_status.started()
+            elif isinstance(frame, ErrorFrame):
+                if not answered:
+                    return HeartbeatRefused(f"{address} refused heartbeats: {frame.describe()}")
+                return lost("closed", frame.describe())
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

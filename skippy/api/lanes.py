@@ -140,11 +140,30 @@ class LanePool:
 
     async def check(self, timeout: float = 2.0) -> str | None:
         """None when the whole chain answers; otherwise what is wrong, naming the stage if known."""
-        lost = self.events.lost() if self.events is not None else {}
-        if lost:  # the launcher knows (docs/replacement.md): no need to dial a stage being replaced
-            self.suspect = True
-            await self.discard_idle()
-            return "; ".join(str(event) for _, event in sorted(lost.items()))
+        events = self.events
+        if events is None:
+            return await self._check(timeout)
+        found: list[str | None] = []
+        if not events.lost():  # the launcher knows of no loss: dial, unless it learns of one meanwhile
+            async with trio.open_nursery() as nursery:
+                async def dial() -> None:
+                    found.append(await self._check(timeout))
+                    nursery.cancel_scope.cancel()
+
+                async def told() -> None:
+                    await events.wait_lost()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(dial)
+                nursery.start_soon(told)
+        if found:
+            return found[0]
+        # docs/replacement.md: the launcher says which stage is lost (no need to dial one being replaced)
+        self.suspect = True
+        await self.discard_idle()
+        return "; ".join(str(event) for _, event in sorted(events.lost().items()))
+
+    async def _check(self, timeout: float) -> str | None:
         problem: str | None = None
         try:
             client = await StageClient.connect(self.address, connect_timeout=timeout, reply_timeout=timeout,

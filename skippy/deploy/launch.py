@@ -240,16 +240,28 @@ class _Chain:
             async def silent() -> None:
                 if silence <= 0:
                     return
+                failing_since: float | None = None
                 while True:
                     try:
                         loss = await heartbeat(address, silence=silence, period=min(PERIOD, silence / 4),
-                                               tls=self.replacement.tls)
-                    except HeartbeatRefused as exc:  # cannot be a skippy stage of this tree: watch the exit only
-                        log.warning("%s does not answer heartbeats (%s)", child.name, exc)
+                                               connect_timeout=silence, tls=self.replacement.tls)
+                    except HeartbeatRefused as exc:
+                        if exc.silent:  # a stage of this tree answers: one that says nothing is hung
+                            why.append(f"stopped answering: {exc}")
+                            race.cancel_scope.cancel()
+                            return
+                        log.warning("%s does not answer heartbeats (%s)", child.name, exc)  # not of this tree
                         return
-                    except OSError:
+                    except OSError as exc:  # its process runs (exited() would say), yet it cannot be dialled
+                        now = time.monotonic()
+                        failing_since = now if failing_since is None else failing_since
+                        if now - failing_since >= silence:
+                            why.append(f"stopped answering: cannot be dialled for {now - failing_since:.2f} s ({exc})")
+                            race.cancel_scope.cancel()
+                            return
                         await trio.sleep(0.1)
                         continue
+                    failing_since = None
                     if loss.reason == "silent":
                         why.append(f"stopped answering: {loss.describe()}")
                         race.cancel_scope.cancel()
