@@ -41,7 +41,7 @@ from skippy.net.tls import handshake_as_client
 log = logging.getLogger("skippy.liveness")
 
 #: Seconds between heartbeats.
-PERIOD: Final = 0.2
+PERIOD: Final = 0.3
 #: Seconds without an Ack after which a stage is lost (detection of a hang within PERIOD more).
 SILENCE: Final = 1.2
 #: Seconds to dial a stage and read its READY.
