@@ -156,6 +156,32 @@ def test_a_stopped_stage_is_seen_within_two_seconds_and_replaced(up: UpProcess, 
           f"replacement ready in {replaced.group(4)} s")
 
 
+@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_in_flight_request_ends_at_once_naming_the_lost_stage(up: UpProcess, number: int) -> None:
+    """The driver's lane gets the chain's DOWNSTREAM_LOST Error frame naming stage 1 (issue 29's
+    resume builds on this; here the stream just ends with the error)."""
+    model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+    pid, address = stages(up)[1]
+    body = {"model": model, "prompt": "x", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": True}
+    sent, error, took = 0, "", 0.0
+    try:
+        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    sent += 1
+                    if sent == 20:
+                        os.kill(pid, number)
+                        lost = time.monotonic()
+                    if '"error"' in line:
+                        error, took = line, time.monotonic() - lost
+    finally:
+        if number == signal.SIGSTOP and pid_alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert f"downstream_lost at stage 1 ({address}), reported by stage 0" in error, error
+    assert took < (0.2 if number == signal.SIGKILL else 2.0), took
+    print(f"{signal.Signals(number).name}: the stream ended {took * 1000:.0f} ms after with {error[:120]}")
+
+
 def test_a_warm_standby_takes_over(tiny_llama: Path, tmp_path: Path) -> None:
     up = start(tiny_llama, tmp_path, "--restarts", "1", "--standby")
     try:
