@@ -15,6 +15,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import time
 from pathlib import Path
 from typing import Iterator
@@ -23,11 +25,13 @@ import httpx
 import pytest
 import trio
 
-from skippy.codec.protocol import READY_BYTES
+from skippy.codec import wire as codec
+from skippy.codec.protocol import NEED_DATA, READY_BYTES, MessageKind, ReplyKind, StageMessage, StageReply, WireDType
+from skippy.codec.protocol_ext import ErrorFrame, liveness_query, with_extensions_flag
 from skippy.liveness import ChainEvents, HeartbeatRefused, StageEvent, heartbeat
 from skippy.net.address import Address
 
-from api_helpers import UpProcess, pid_alive
+from api_helpers import ROOT, UpProcess, pid_alive
 
 pytestmark = pytest.mark.slow
 
@@ -269,3 +273,96 @@ def test_chain_events_wait_for_a_replacement() -> None:
         assert "ready again after 0.50 s" in str(got[0])
 
     trio.run(main)
+
+
+# -- a stage's half (null stages: no model) ------------------------------------------------------
+
+NULL_MODEL = "null:n_embd=8,n_layer=2"
+
+
+def null_stage(tmp_path: Path, layers: str, *extra: str) -> tuple["subprocess.Popen[bytes]", Path]:
+    log = tmp_path / f"stage-{layers.replace(':', '-')}.log"
+    with log.open("wb") as stream:
+        process = subprocess.Popen([sys.executable, "-m", "skippy.stage", "--model", NULL_MODEL, "--layers", layers,
+                                    "--exit-on-stdin-eof", "on", *extra], stdin=subprocess.PIPE, stderr=stream,
+                                   stdout=stream, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return process, log
+
+
+def logged_address(process: "subprocess.Popen[bytes]", log: Path, timeout: float = 30.0) -> Address:
+    wait_for(lambda: "ready on" in log.read_text() or process.poll() is not None, timeout, log.read_text())
+    found = re.search(r"ready on (\S+)", log.read_text())
+    assert found, log.read_text()
+    return Address.parse(found.group(1))
+
+
+def test_a_heartbeat_lane_carries_heartbeats_only_and_a_stopped_downstream_is_lost(tmp_path: Path) -> None:
+    final, final_log = null_stage(tmp_path, "1:2", "--listen", "127.0.0.1:0")
+    first = None
+    try:
+        final_address = logged_address(final, final_log)
+        first, first_log = null_stage(tmp_path, "0:1", "--listen", "127.0.0.1:0", "--downstream", str(final_address),
+                                      "--heartbeat-timeout", "1.0")
+        logged_address(first, first_log)
+
+        async def lane() -> None:
+            stream = await trio.open_tcp_stream(final_address.host, final_address.port)
+            async with stream:
+                assert await stream.receive_some(4) == READY_BYTES
+                await stream.send_all(codec.encode_message(liveness_query(), WireDType.F32, 0))
+                await stream.send_all(codec.encode_message(liveness_query(), WireDType.F32, 0))
+                decoder = codec.ReplyDecoder(extensions=True)
+                frames: list[object] = []
+                with trio.fail_after(5):
+                    while len(frames) < 2:
+                        decoder.receive_data(await stream.receive_some(4096))
+                        while (frame := decoder.next_reply()) is not NEED_DATA:
+                            frames.append(frame)
+                assert all(type(frame) is StageReply and frame.kind == ReplyKind.ACK for frame in frames)
+                stop = StageMessage.create(MessageKind.STOP, request_id=1, session_id=1)
+                await stream.send_all(codec.encode_message(with_extensions_flag(stop), WireDType.F32, 0))
+                with trio.fail_after(5):
+                    while (frame := decoder.next_reply()) is NEED_DATA:
+                        decoder.receive_data(await stream.receive_some(4096))
+                assert isinstance(frame, ErrorFrame) and "heartbeats only" in frame.message, frame
+
+        trio.run(lane)
+        time.sleep(1.0)  # stage 0's watcher has had its first Ack (a stage silent from its first contact on is not watched)
+        stopped = time.time()
+        os.kill(final.pid, signal.SIGSTOP)
+        wait_for(lambda: "lost" in first_log.read_text(), 10, first_log.read_text())
+        seen = logged_at(first_log, r"downstream stage .* lost") - stopped
+        assert seen < 1.0 + 0.25 + 0.2, seen  # the timeout, one period (timeout / 4), log stamp slack
+        assert "answered no heartbeat" in first_log.read_text()
+    finally:
+        for process in (first, final):
+            if process is not None:
+                if process.poll() is None:
+                    os.kill(process.pid, signal.SIGCONT)
+                    process.kill()
+                    process.wait()
+                assert process.stdin is not None
+                process.stdin.close()
+
+
+def test_a_standby_listens_only_once_activated(tmp_path: Path) -> None:
+    standby, log = null_stage(tmp_path, "0:2", "--standby", "on")
+    try:
+        wait_for(lambda: "waiting for activation" in log.read_text(), 30, log.read_text())
+        time.sleep(0.2)
+        assert "ready on" not in log.read_text() and standby.poll() is None
+        with socket.socket() as probe:  # a free port for it
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        assert standby.stdin is not None
+        standby.stdin.write(f"activate 127.0.0.1:{port}\n".encode())
+        standby.stdin.flush()
+        assert logged_address(standby, log) == Address("127.0.0.1", port)
+        standby.stdin.close()  # the launcher's pipe closes: it drains and exits
+        assert standby.wait(10) == 0
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+            standby.wait()
+        assert standby.stdin is not None
+        standby.stdin.close()

@@ -4,7 +4,10 @@ Strategy: :func:`skippy.deploy.launch.run_chain` starts and owns the stage proce
 READY the API starts in this process on the same trio run, then the URL, a ``curl`` line and the
 page's URL (``GET /``: the chain live and a chat, :mod:`skippy.api.page`) are printed; every stage
 serves Prometheus metrics on a port of its own, which the page reads.  SIGINT/SIGTERM cancel the
-run; a stage that exits cancels it too and its last log lines are shown (with ``--keep-serving``
+run.  A stage that exits or stops answering heartbeats is replaced on its own address, up to
+``--restarts`` times (``--standby``: by a warm standby; docs/replacement.md), while ``/health``
+names it lost; the launcher's :class:`~skippy.liveness.ChainEvents` reach the API's lane pool.  A
+stage lost for good cancels the run and its last log lines are shown (with ``--keep-serving``
 the rest keeps running and the API and page report the stage lost; the command then ends with
 status 1 at Ctrl-C); either way every child is stopped before the command returns.  With no ``--model`` the
 real Gemma 3 270M is used when the ``skippy-llm[real-model]`` extra is installed (assembled once into

@@ -9,11 +9,20 @@ in this process (:func:`skippy.api.server.serve_api`).  With ``metrics``, every 
 Prometheus metrics on a port of its own (``--metrics-listen HOST:0``; the log line that names it
 comes before READY), which the page at ``/`` reads.
 
-Ownership: everything runs in one nursery.  A watcher per child turns an unexpected exit into
+Replacement (docs/replacement.md): once all are READY, a supervisor per stage waits for its loss:
+the process exits, or it leaves the launcher's heartbeats (:func:`skippy.liveness.heartbeat`)
+unanswered for ``Replacement.heartbeat_timeout`` seconds (then it is killed).  It publishes
+"lost", then, up to ``Replacement.restarts`` times per stage, replaces it on the same address: a
+warm standby (``--standby on``: loaded, activated by a line ``activate HOST:PORT`` on its stdin)
+when one is loaded, else a fresh process with ``--listen`` set to that address; then "ready"
+(:class:`skippy.liveness.ChainEvents`).
+
+Ownership: everything runs in one nursery.  A stage lost with no replacement left is a
 :class:`ChildFailed` (with the child's last log lines), which cancels the nursery (or, given
 ``on_child_exit``, is handed to it and the rest keeps running: the API then reports the stage
-lost); SIGINT and SIGTERM cancel it too.  On the way out, in a shielded scope, every child still running gets
-SIGTERM, then SIGKILL after a grace period, and is reaped.  Children run in their own session (a
+lost); SIGINT and SIGTERM cancel it too.  On the way out, in a shielded scope, every process still running
+(standbys and replacements included) gets SIGTERM (and SIGCONT, should it be stopped), then SIGKILL
+after a grace period, and is reaped.  Children run in their own session (a
 terminal's Ctrl-C reaches only the launcher, which stops them in order).  No parent-death signal
 is used: Linux ties PR_SET_PDEATHSIG to the *thread* that forked, and trio spawns from worker
 threads that exit when idle, which would SIGTERM healthy stages about ten seconds after start.

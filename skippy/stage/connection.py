@@ -309,6 +309,7 @@ class Connection:
             self._held += held
             if not protocol.lane_used and message.state.flags & LIVENESS_FLAG and is_liveness_query(message):
                 self._release_held(held)  # docs/protocol.md §13: a heartbeat lane, answered from here on
+                protocol.extensions.observe(message)  # flagged: a refusal is an Error frame
                 self.scheduler.lanes.resting(self.id)
                 await liveness.answer_heartbeats(reader, self._upstream_io, self.peer, self._release_held)
                 return

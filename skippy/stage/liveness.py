@@ -14,12 +14,14 @@ Strategy:
   Error frame (``DOWNSTREAM_LOST``, origin = the lost stage's index and address) reaches the driver
   at once rather than when a reply would time out.  The watch then dials the same address again
   (the launcher's replacement listens there, or the ``--downstream-file`` names a new one).  A
-  downstream that does not answer heartbeats (an older or plain v11 stage) is not watched.
+  downstream that does not answer heartbeats (an older or plain v11 stage) is not watched (asked
+  again every 10 s); one that answered before and now says nothing from its READY on is hung.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Callable
 
 import trio
@@ -27,7 +29,7 @@ import trio
 from skippy.codec.protocol import StageReply
 from skippy.codec.protocol_ext import is_liveness_query
 from skippy.lane.errors import DownstreamLost, InvalidMessage
-from skippy.liveness import PERIOD, HeartbeatRefused, heartbeat
+from skippy.liveness import PERIOD, HeartbeatRefused, Loss, heartbeat
 from skippy.net.address import Address
 from skippy.net.socket_io import SocketIO
 from skippy.stage.extensions import identity_for
@@ -77,6 +79,7 @@ def _downstream(server: StageServer) -> Address | None:
 async def watch_downstream(server: StageServer, silence: float) -> None:
     """Heartbeat the downstream while the stage serves; close the lanes using it when it is lost."""
     refused: dict[str, float] = {}
+    answered: set[str] = set()  # addresses that answered heartbeats before: silence there is a hang
     while True:
         address = _downstream(server)
         if address is None:
@@ -89,12 +92,15 @@ async def watch_downstream(server: StageServer, silence: float) -> None:
             loss = await heartbeat(address, silence=silence, period=min(PERIOD, silence / 4),
                                    tls=server.settings.downstream_tls)
         except HeartbeatRefused as exc:
-            log.info("downstream stage %s does not answer heartbeats (%s): not watched", address, exc)
-            refused[key] = trio.current_time() + REFUSED_RECHECK
-            continue
+            if not (exc.silent and key in answered):
+                log.info("downstream stage %s does not answer heartbeats (%s): not watched", address, exc)
+                refused[key] = trio.current_time() + REFUSED_RECHECK
+                continue
+            loss = Loss(address, "silent", str(exc), time.monotonic(), time.monotonic())
         except OSError:  # not up: lanes that dial it fail on their own; a replacement will be
             await trio.sleep(REDIAL)
             continue
+        answered.add(key)
         index = identity_for(server.executor).index
         name = f"stage {index + 1} ({address})" if index >= 0 else f"stage {address}"
         log.warning("downstream %s lost: %s; closing the lanes that use it", name, loss.describe())
