@@ -51,7 +51,7 @@ class StageConfig:
     downstream_file: Path | None = None
     drain_timeout: float = 2.0
     exit_on_stdin_eof: bool = False
-    heartbeat_timeout: float = 1.2
+    heartbeat_timeout: float = 0.0
     standby: bool = False
     log_level: str = "INFO"
     prefix_cache: bool = True
@@ -273,7 +273,7 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                           "it dies (with stdin at /dev/null the stage stops at once)"),
     "heartbeat_timeout": (float, "seconds the downstream may leave heartbeats unanswered before the lanes using it "
                           "close as DOWNSTREAM_LOST naming it (docs/protocol.md §13; a killed one is seen at once); "
-                          "0 = no heartbeats"),
+                          "0 = no heartbeats (the default; skippy up passes 1.2)"),
     "standby": (_bool, "on: load the model, log 'standby ... waiting', then wait for a line 'activate HOST:PORT' on "
                 "standard input and only then listen there (a launcher's warm standby, docs/replacement.md); "
                 "implies --exit-on-stdin-eof"),

@@ -311,7 +311,12 @@ class Connection:
                 self._release_held(held)  # docs/protocol.md §13: a heartbeat lane, answered from here on
                 protocol.extensions.observe(message)  # flagged: a refusal is an Error frame
                 self.scheduler.lanes.resting(self.id)
-                await liveness.answer_heartbeats(reader, self._upstream_io, self.peer, self._release_held)
+                self.stats.connections_open -= 1  # not a lane of the chain: not counted as one
+                self.stats.connections_total -= 1
+                try:
+                    await liveness.answer_heartbeats(reader, self._upstream_io, self.peer, self._release_held)
+                finally:
+                    self.stats.connections_open += 1  # _cleanup takes it off again
                 return
             if self.identity.index < 0:
                 self.identity.observe(message)
