@@ -88,7 +88,8 @@ async def heartbeat(address: Address, *, period: float = PERIOD, silence: float 
         The loss (``closed`` or ``silent``).
 
     Raises:
-        OSError: the stage cannot be dialled, or sent no READY, within ``connect_timeout``.
+        OSError: the stage cannot be dialled, or closed before READY; TimeoutError (an OSError):
+            the dial or READY took longer than ``connect_timeout`` (what a stopped process does).
         HeartbeatRefused: it answered the first heartbeat with something else than an Ack, or
             not within ``silence`` (module notes: an older peer).
     """
@@ -112,7 +113,7 @@ async def heartbeat(address: Address, *, period: float = PERIOD, silence: float 
             await trio.aclose_forcefully(stream)
             raise
     if dialled.cancelled_caught:
-        raise OSError(f"stage {address} gave no READY within {connect_timeout:g} s")
+        raise TimeoutError(f"stage {address} gave no READY within {connect_timeout:g} s")
     ping = codec.encode_message(liveness_query(), WireDType.F32, 0)
     decoder = codec.ReplyDecoder(extensions=True)
     async with stream:

@@ -249,7 +249,6 @@ class _Chain:
             async def silent() -> None:
                 if silence <= 0:
                     return
-                failing_since: float | None = None
                 while True:
                     try:
                         loss = await heartbeat(address, silence=silence, period=min(PERIOD, silence / 4),
@@ -261,16 +260,14 @@ class _Chain:
                             return
                         log.warning("%s does not answer heartbeats (%s)", child.name, exc)  # not of this tree
                         return
-                    except OSError as exc:  # its process runs (exited() would say), yet it cannot be dialled
-                        now = time.monotonic()
-                        failing_since = now if failing_since is None else failing_since
-                        if now - failing_since >= silence:
-                            why.append(f"stopped answering: cannot be dialled for {now - failing_since:.2f} s ({exc})")
-                            race.cancel_scope.cancel()
-                            return
+                    except TimeoutError as exc:  # its process runs (exited() would say), yet READY never came
+                        why.append(f"stopped answering: {exc}")
+                        race.cancel_scope.cancel()
+                        return
+                    except OSError as exc:  # refused or closed at once (e.g. --max-connections): alive, retry
+                        log.debug("heartbeat to %s: %s", child.name, exc)
                         await trio.sleep(0.1)
                         continue
-                    failing_since = None
                     if loss.reason == "silent":
                         why.append(f"stopped answering: {loss.describe()}")
                         race.cancel_scope.cancel()
