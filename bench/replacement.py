@@ -4,10 +4,10 @@
 model, one with heartbeats off (``--heartbeat-timeout 0``) and one with them on (the default), and
 times streamed greedy decodes on each in interleaved rounds (per-token time = the gap between the
 first and the last streamed token over the tokens in between), then reads each stage's CPU time
-over ``--idle`` seconds with no request (what the heartbeats cost, undrowned by the decode noise).  ``python bench/replacement.py
-replace --model M`` starts one chain with ``--restarts``, SIGKILLs stage 1 and times, from the kill,
-the launcher's "ready again" and ``/health`` answering 200 again; then the same with
-``--standby`` once the standby has loaded.  Results: ``bench/RESULTS-replacement.md``.
+over ``--idle`` seconds with no request (what the heartbeats cost, undrowned by the decode noise).
+``python bench/replacement.py replace --model M`` starts one chain with ``--restarts``, SIGKILLs
+stage 1 and times, from the kill, the launcher's "ready again" and ``/health`` answering 200
+again; then the same with ``--standby`` once the standby has loaded.  Results: ``bench/RESULTS-replacement.md``.
 """
 
 from __future__ import annotations
@@ -107,7 +107,8 @@ def cost(args: argparse.Namespace) -> None:
             for name, chain in order:
                 results[name].append(chain.decode_ms(args.tokens))
         median = {name: statistics.median(values) for name, values in results.items()}
-        print(f"model {args.model.name}, layers {args.layers}, {args.rounds} interleaved rounds of {args.tokens} tokens")
+        print(f"model {args.model.name}, layers {args.layers}, "
+              f"{args.rounds} interleaved rounds of {args.tokens} tokens")
         for name, values in results.items():
             print(f"heartbeats {name:3}: median {median[name]:.3f} ms/token  "
                   f"(min {min(values):.3f}, max {max(values):.3f})")

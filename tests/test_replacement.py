@@ -35,7 +35,8 @@ from api_helpers import ROOT, UpProcess, pid_alive
 
 pytestmark = pytest.mark.slow
 
-_READY_AGAIN = re.compile(r"stage (\d) \(layers \S+\) pid (\d+) (restarted|standby) in ([\d.]+) s, ready again on (\S+)")
+_READY_AGAIN = re.compile(
+    r"stage (\d) \(layers \S+\) pid (\d+) (restarted|standby) in ([\d.]+) s, ready again on (\S+)")
 _STAGE = re.compile(r"stage (\d) \(layers \S+\) pid (\d+) ready on (\S+)")
 
 
@@ -327,7 +328,7 @@ def test_a_heartbeat_lane_carries_heartbeats_only_and_a_stopped_downstream_is_lo
                 assert isinstance(frame, ErrorFrame) and "heartbeats only" in frame.message, frame
 
         trio.run(lane)
-        time.sleep(1.0)  # stage 0's watcher has had its first Ack (a stage silent from its first contact on is not watched)
+        time.sleep(1.0)  # stage 0's watcher has had its first Ack (one silent from first contact on is not watched)
         stopped = time.time()
         os.kill(final.pid, signal.SIGSTOP)
         wait_for(lambda: "lost" in first_log.read_text(), 10, first_log.read_text())
