@@ -102,15 +102,20 @@ def test_a_stage_exits_cleanly_when_its_stdin_closes(tmp_path: Path) -> None:
             process.wait()
 
 
-def test_a_crashing_stage_stops_the_rest_with_its_error(up: UpProcess) -> None:
-    victim = up.stage_pids[1]  # announced final-first: this is stage 1 (layers 1:3)
-    os.kill(victim, signal.SIGKILL)
-    assert up.process is not None
-    assert up.process.wait(30) == 1
-    assert wait_gone(up.stage_pids) == []
-    err = up.stderr()
-    assert "error: stage 1 (layers 1:3) exited with status -9" in err
-    assert "its last log lines" in err
+def test_a_crashing_stage_stops_the_rest_with_its_error(tiny_llama: Path, tmp_path: Path) -> None:
+    up = UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:1,1:3,3:4", "--port", "0", "--ctx-size", "256",
+                    "--threads", "1", "--restarts", "0", "--log-dir", str(tmp_path / "logs")], tmp_path).start()
+    try:  # --restarts 0: a lost stage is not replaced (tests/test_replacement.py: it is by default)
+        victim = up.stage_pids[1]  # announced final-first: this is stage 1 (layers 1:3)
+        os.kill(victim, signal.SIGKILL)
+        assert up.process is not None
+        assert up.process.wait(30) == 1
+        assert wait_gone(up.stage_pids) == []
+        err = up.stderr()
+        assert "error: stage 1 (layers 1:3) exited with status -9" in err
+        assert "its last log lines" in err
+    finally:
+        up.stop()
 
 
 def test_a_model_that_is_not_gguf_is_reported(tmp_path: Path) -> None:

@@ -48,7 +48,7 @@ def browser(tmp_path: Path) -> Iterator[Browser]:
 
 def start_up(tiny_llama: Path, tmp_path: Path, *extra: str) -> UpProcess:
     process = UpProcess(["up", "--model", str(tiny_llama), "--layers", ",".join(LAYERS), "--port", "0",
-                         "--ctx-size", "256", "--threads", "1", "--keep-serving", "--log-dir", str(tmp_path / "logs"),
+                         "--ctx-size", "256", "--threads", "1", "--keep-serving", "--restarts", "0", "--log-dir", str(tmp_path / "logs"),
                          *extra], tmp_path)
     return process.start()
 

@@ -728,7 +728,8 @@ class _Handlers:
         configured) only the status is told, not the model, the stage addresses or the error."""
         pool = self.service.pool
         now = trio.current_time()
-        if not pool.suspect and now - self._health_ok_at < HEALTH_REUSE_S:
+        lost = pool.events is not None and bool(pool.events.lost())  # docs/replacement.md: said at once
+        if not pool.suspect and not lost and now - self._health_ok_at < HEALTH_REUSE_S:
             problem = None  # a healthy answer a moment ago: a flood of probes does not dial the chain
         else:
             problem = await pool.check()

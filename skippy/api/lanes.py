@@ -10,7 +10,9 @@ servers can share a chain.
 
 Health: a chain is healthy when a Stop for an unused session travels to the final stage and its
 ACK comes back.  When it does not and the stage addresses are known (``skippy up`` passes them),
-each stage is dialled to name the one that is not answering.
+each stage is dialled to name the one that is not answering.  Under ``skippy up`` the launcher's
+events (:class:`skippy.net.liveness.ChainEvents`) say which stage is lost and being replaced: that is
+reported as is, without dialling, until the replacement is ready.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Sequence, final
 import trio
 
 from skippy.driver.client import StageClient, StageClientError, StageLost
+from skippy.net.liveness import ChainEvents
 from skippy.net.address import Address
 
 
@@ -80,6 +83,9 @@ class LanePool:
         self.open_lanes = 0
         #: Set after a chain failure: requests check the chain (briefly) before taking a lane.
         self.suspect = False
+        #: The launcher's loss and recovery events (``skippy up``; None: not known): a stage lost
+        #: there is reported without dialling, and a request waits for nothing on it.
+        self.events: ChainEvents | None = None
 
     @property
     def free_lanes(self) -> int:
@@ -134,6 +140,30 @@ class LanePool:
 
     async def check(self, timeout: float = 2.0) -> str | None:
         """None when the whole chain answers; otherwise what is wrong, naming the stage if known."""
+        events = self.events
+        if events is None:
+            return await self._check(timeout)
+        found: list[str | None] = []
+        if not events.lost():  # the launcher knows of no loss: dial, unless it learns of one meanwhile
+            async with trio.open_nursery() as nursery:
+                async def dial() -> None:
+                    found.append(await self._check(timeout))
+                    nursery.cancel_scope.cancel()
+
+                async def told() -> None:
+                    await events.wait_lost()
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(dial)
+                nursery.start_soon(told)
+        if found:
+            return found[0]
+        # docs/replacement.md: the launcher says which stage is lost (no need to dial one being replaced)
+        self.suspect = True
+        await self.discard_idle()
+        return "; ".join(str(event) for _, event in sorted(events.lost().items()))
+
+    async def _check(self, timeout: float) -> str | None:
         problem: str | None = None
         try:
             client = await StageClient.connect(self.address, connect_timeout=timeout, reply_timeout=timeout,

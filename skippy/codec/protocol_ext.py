@@ -44,6 +44,7 @@ __all__ = [
     "ErrorFrame",
     "IDENTITY_FRAME_BASE_BYTES",
     "IdentityFrame",
+    "LIVENESS_FLAG",
     "MAX_IDENTITY_NAME_BYTES",
     "MODEL_IDENTITY_FLAG",
     "TimingsFrame",
@@ -62,6 +63,8 @@ __all__ = [
     "append_timing",
     "identity_query",
     "is_identity_query",
+    "is_liveness_query",
+    "liveness_query",
     "requests_direct_return",
     "requests_extensions",
     "with_direct_return_flag",
@@ -88,6 +91,10 @@ SAMPLING_EXTENSION_FLAG: Final = 1 << 13
 #: step, for at most the run's ``max_tokens`` predictions or until a stop token; its chat metadata
 #: carries the run under :data:`DECODE_RUN_METADATA_KEY`.
 DECODE_RUN_FLAG: Final = 1 << 14
+#: docs/protocol.md §13: state flag bit 24, "liveness".  On a PredictionReturnOpen without bits 11
+#: and 12 as a lane's first message: the lane is a heartbeat lane; the stage answers that message
+#: and each later one like it with a v11 Ack, from its event loop, and the lane carries nothing else.
+LIVENESS_FLAG: Final = 1 << 24
 #: docs/protocol.md §11: the chat-metadata key of a decode run.
 DECODE_RUN_METADATA_KEY: Final = "skippy.decode_run"
 #: docs/protocol.md §10: the chat-metadata key of the sampling extension.
@@ -247,6 +254,20 @@ def is_identity_query(message: StageMessage) -> bool:
     flags = message.state.flags
     return (message.kind is MessageKind.PREDICTION_RETURN_OPEN and bool(flags & MODEL_IDENTITY_FLAG)
             and not flags & DIRECT_RETURN_FLAG)
+
+
+def liveness_query(request_id: int = 0) -> StageMessage:
+    """A heartbeat (§13): a PredictionReturnOpen flagged ``SKIPPY_EXTENSIONS | LIVENESS``."""
+    message = StageMessage.create(MessageKind.PREDICTION_RETURN_OPEN, request_id=request_id, session_id=0)
+    return replace(message, state=replace(message.state, flags=message.state.flags | SKIPPY_EXTENSIONS_FLAG
+                                          | LIVENESS_FLAG))
+
+
+def is_liveness_query(message: StageMessage) -> bool:
+    """Whether ``message`` is a heartbeat (§13): kind 20 with bit 24, without bits 11 and 12."""
+    flags = message.state.flags
+    return (message.kind is MessageKind.PREDICTION_RETURN_OPEN and bool(flags & LIVENESS_FLAG)
+            and not flags & (DIRECT_RETURN_FLAG | MODEL_IDENTITY_FLAG))
 
 
 @final

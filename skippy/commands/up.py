@@ -4,7 +4,10 @@ Strategy: :func:`skippy.deploy.launch.run_chain` starts and owns the stage proce
 READY the API starts in this process on the same trio run, then the URL, a ``curl`` line and the
 page's URL (``GET /``: the chain live and a chat, :mod:`skippy.api.page`) are printed; every stage
 serves Prometheus metrics on a port of its own, which the page reads.  SIGINT/SIGTERM cancel the
-run; a stage that exits cancels it too and its last log lines are shown (with ``--keep-serving``
+run.  A stage that exits or stops answering heartbeats is replaced on its own address, up to
+``--restarts`` times (``--standby``: by a warm standby; docs/replacement.md), while ``/health``
+names it lost; the launcher's :class:`~skippy.net.liveness.ChainEvents` reach the API's lane pool.  A
+stage lost for good cancels the run and its last log lines are shown (with ``--keep-serving``
 the rest keeps running and the API and page report the stage lost; the command then ends with
 status 1 at Ctrl-C); either way every child is stopped before the command returns.  With no ``--model`` the
 real Gemma 3 270M is used when the ``skippy-llm[real-model]`` extra is installed (assembled once into
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Awaitable, Callable, Final, Sequence, Tex
 import trio
 
 from skippy.commands.api_options import add_api_options, api_settings
+from skippy.net.liveness import SILENCE
 
 if TYPE_CHECKING:
     from skippy.runtime.cuts import KvGroup
@@ -115,6 +119,20 @@ def add_parser(subparsers: Any) -> None:
                         help="when a stage exits, keep the API and the other stages running (requests get 503 naming "
                              "the lost stage, the page shows it down) until Ctrl-C, which then exits with status 1; "
                              "default: stop everything")
+    replace = parser.add_argument_group("replacing a lost stage (docs/replacement.md)")
+    replace.add_argument("--restarts", type=int, default=3, metavar="N",
+                         help="replacements per stage over the chain's life: a stage that exits or stops answering "
+                              "heartbeats is killed and started again on the same address (same range and settings), "
+                              "so its neighbours and the API re-dial it; after N the chain stops (or, with "
+                              "--keep-serving, the stage stays lost); 0 = never replace (default 3)")
+    replace.add_argument("--standby", action="store_true",
+                         help="keep a warm standby process per stage (its range loaded, not listening) that takes "
+                              "over a lost stage's address without a model load; another is loaded behind it "
+                              "(twice the stages' memory)")
+    replace.add_argument("--heartbeat-timeout", type=float, default=SILENCE, metavar="SECONDS",
+                         help=f"a stage that answers no heartbeat for this long (a stopped process, a hung host) "
+                              f"is lost: its upstream closes the lanes through it, the launcher replaces it; a "
+                              f"killed stage is seen at once (default {SILENCE:g}; 0 = heartbeats off)")
     add_api_options(parser)
     parser.set_defaults(run=run)
 
@@ -207,7 +225,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         0 after a clean stop, 1 when a stage failed, 2 for bad settings.
     """
     from skippy.api.server import serve_api
-    from skippy.deploy.launch import ChildFailed, StageChild, cancel_on_signal, run_chain
+    from skippy.deploy.launch import ChildFailed, Replacement, StageChild, cancel_on_signal, run_chain
+    from skippy.net.liveness import ChainEvents, StageEvent
     from skippy.runtime import NativeError, read_gguf_info
     from skippy.stage.config import config_from_mapping
 
@@ -233,6 +252,11 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
                "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu,
                *(["--kv-streams", "on"] if args.kv_streams else [])]
+    heartbeat_timeout = float(getattr(args, "heartbeat_timeout", SILENCE))
+    if heartbeat_timeout < 0 or getattr(args, "restarts", 0) < 0:
+        print("error: --restarts and --heartbeat-timeout must be >= 0", file=err)
+        return 2
+    options += ["--heartbeat-timeout", f"{heartbeat_timeout:g}"]
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="skippy-up-"))
     stage_tls, per_stage = None, None
     if getattr(args, "tls", False) or getattr(args, "ray", None):  # Ray links leave the host: always TLS
@@ -255,28 +279,47 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         lost_stages.append(str(exc))
         bar.line(f"error: {exc}\nthe API keeps serving without it (--keep-serving); Ctrl-C stops everything")
 
+    events = ChainEvents()
+    pools: list[Any] = []
+
+    def replaced(child: StageChild, event: StageEvent) -> None:
+        assert child.process is not None
+        bar.line(f"{child.name} pid {child.process.pid} {event.detail}, ready again on {child.address} "
+                 f"({event.outage_s:.2f} s after the loss)")
+        for pool in pools:  # its metrics port is new
+            pool.stages = tuple(c.info() if c.index == child.index else s for c, s in zip(children, pool.stages))
+
+    def pool_made(pool: Any) -> None:
+        pool.events = events
+        pools.append(pool)
+
+    children: list[StageChild] = []
     print(f"model {model} ({info.architecture}, {info.n_layer} layers) as {len(split)} stages ({how}); "
           f"logs in {log_dir}", file=err, flush=True)
     with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as received:
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(cancel_on_signal, received, nursery.cancel_scope, got)
-                pools: list[Any] = []
                 if getattr(args, "ray", None):
                     stages = await nursery.start(lambda task_status: _run_on_ray(
                         args.ray, model, split, options, log_dir / "certs", getattr(args, "plan", None), bar, pools,
                         task_status))
                 else:
-                    children = await nursery.start(lambda task_status: run_chain(
+                    replacement = Replacement(restarts=getattr(args, "restarts", 0),
+                                              standby=getattr(args, "standby", False),
+                                              heartbeat_timeout=heartbeat_timeout, tls=stage_tls)
+                    children[:] = await nursery.start(lambda task_status: run_chain(
                         model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
                         announce=announce, per_stage_options=per_stage, metrics=True,
                         on_child_exit=lost if getattr(args, "keep_serving", False) else None,
+                        replacement=replacement, events=events, on_replaced=replaced,
                         task_status=task_status))
                     stages = [child.info() for child in children]
+                    nursery.start_soon(_report_losses, events, bar, replacement.restarts > 0)
                 url = await nursery.start(lambda task_status: serve_api(
                     model, stages[0].address, host=args.host, port=args.port, model_id=model_id,
                     n_ctx=args.ctx_size, max_lanes=args.max_sessions, stages=stages, task_status=task_status,
-                    stage_tls=stage_tls, on_pool=pools.append, **settings))
+                    stage_tls=stage_tls, on_pool=pool_made, **settings))
                 body = ('{"model": "%s", "messages": [{"role": "user", "content": "Hello"}], "max_tokens": 16}'
                         % model_id)
                 print(f"skippy API on {url}  (model {model_id}; Ctrl-C stops everything)", flush=True)
@@ -301,6 +344,14 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
     if got:
         print(f"got {signal.Signals(got[0]).name}; stopped every stage", file=err, flush=True)
     return 0
+
+
+async def _report_losses(events: Any, bar: ProgressBar, replacing: bool) -> None:
+    """Say each loss as it is detected (a replacement is said by run_chain's callback)."""
+    async with events.subscribe() as received:
+        async for event in received:
+            if event.kind == "lost" and replacing:
+                bar.line(f"warning: {event}; replacing it")
 
 
 def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callable[[int], list[str]]]:

@@ -51,6 +51,8 @@ class StageConfig:
     downstream_file: Path | None = None
     drain_timeout: float = 2.0
     exit_on_stdin_eof: bool = False
+    heartbeat_timeout: float = 0.0
+    standby: bool = False
     log_level: str = "INFO"
     prefix_cache: bool = True
     cache_slots: int = 8
@@ -153,6 +155,7 @@ class StageConfig:
             *((math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0, 0 = none (got {value})")
               for name, value in (("idle_timeout", self.idle_timeout), ("header_timeout", self.header_timeout),
                                   ("frame_timeout", self.frame_timeout),
+                                  ("heartbeat_timeout", self.heartbeat_timeout),
                                   ("max_buffered_mib", self.max_buffered_mib))),
             (self.max_frame_mib is None or (math.isfinite(self.max_frame_mib) and self.max_frame_mib > 0),
              f"max_frame_mib must be > 0 (got {self.max_frame_mib})"),
@@ -268,6 +271,12 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "exit_on_stdin_eof": (_bool, "on: drain and exit (as on SIGTERM) when standard input reaches end of file; "
                           "a launcher holds a pipe on it, so the stage goes when the launcher does, however "
                           "it dies (with stdin at /dev/null the stage stops at once)"),
+    "heartbeat_timeout": (float, "seconds the downstream may leave heartbeats unanswered before the lanes using it "
+                          "close as DOWNSTREAM_LOST naming it (docs/protocol.md §13; a killed one is seen at once); "
+                          "0 = no heartbeats (the default; skippy up passes 1.2)"),
+    "standby": (_bool, "on: load the model, log 'standby ... waiting', then wait for a line 'activate HOST:PORT' on "
+                "standard input and only then listen there (a launcher's warm standby, docs/replacement.md); "
+                "implies --exit-on-stdin-eof"),
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR"),
     "prefix_cache": (_bool, "keep the KV of recent prompt prefixes (docs/prefix-cache.md): on or off"),
     "cache_slots": (int, "sequence ids reserved for resident cached prefixes (max_sessions + slots <= 256)"),

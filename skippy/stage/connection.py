@@ -39,13 +39,15 @@ from time import perf_counter_ns
 import trio
 
 from skippy.codec.protocol import StageReply
-from skippy.codec.protocol_ext import DECODE_RUN_FLAG, ErrorCode, ErrorFrame, ExtensionNegotiation
+from skippy.codec.protocol_ext import (
+    DECODE_RUN_FLAG, LIVENESS_FLAG, ErrorCode, ErrorFrame, ExtensionNegotiation, is_liveness_query,
+)
 from skippy.lane import messages as lane_messages
 from skippy.lane.errors import StageError
 from skippy.lane.placement import Facts, Performer, Step, placement
 from skippy.lane.protocol import Dispatch, Expect, Forward, Handling, ReplyUpstream, SendDownstream, StageLane
 from skippy.net.socket_io import SocketIO
-from skippy.stage import control, extensions
+from skippy.stage import control, extensions, liveness
 from skippy.stage.control import OWN_PARTS
 from skippy.stage.decode_relay import RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
@@ -234,6 +236,17 @@ class Connection:
             received_us = perf_counter_ns() // 1000  # now_us(), inline on the decode walk
             held = reader.take_reserved() if reader.reserved else 0
             up.held += held
+            if not protocol.lane_used and message.state.flags & LIVENESS_FLAG and is_liveness_query(message):
+                up.release_held(held)  # docs/protocol.md §13: a heartbeat lane, answered from here on
+                protocol.extensions.observe(message)  # flagged: a refusal is an Error frame
+                self.scheduler.lanes.resting(self.id)
+                self.stats.connections_open -= 1  # not a lane of the chain: not counted as one
+                self.stats.connections_total -= 1
+                try:
+                    await liveness.answer_heartbeats(reader, self._upstream_io, self.peer, up.release_held)
+                finally:
+                    self.stats.connections_open += 1  # _cleanup takes it off again
+                return
             if self.identity.index < 0:
                 self.identity.observe(message)
             dispatch, run = protocol.received(message, run_flagged=bool(message.state.flags & DECODE_RUN_FLAG),

@@ -43,7 +43,9 @@ from skippy.stage.connection import Connection, LaneSettings
 from skippy.stage.direct_return import ReturnHub
 from skippy.stage.executor import Executor
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits, fair_share, frame_limit, return_freed_memory
+from skippy.stage.liveness import watch_downstream
 from skippy.stage.scheduler import Scheduler
+from skippy.stage.standby import wait_for_activation
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
 from skippy.stage.transport import WireCondition, send_ready
 
@@ -340,6 +342,8 @@ class StageServer:
 
                 self.metrics_address = await system.start(serve_metrics, self, config.metrics_listen)
             system.start_soon(self._watch_limits)
+            if config.downstream is not None and config.heartbeat_timeout > 0:  # docs/protocol.md §13
+                system.start_soon(watch_downstream, self, config.heartbeat_timeout)
             async with trio.open_nursery() as lanes:
                 accept_scope = trio.CancelScope()
                 self.waiting = WaitingLanes.create()  # closed by _accept, whichever way it ends
@@ -509,9 +513,17 @@ class StageServer:
 
 async def run_stage(config: StageConfig, executor: Executor, *,
                     task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
-    """Serve until SIGTERM or SIGINT, then drain and return."""
-    server = StageServer(config, executor)
+    """Serve until SIGTERM or SIGINT, then drain and return (``--standby``: listen only once activated)."""
+    stdin = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno())) if config.exit_on_stdin_eof or config.standby else None
     with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+        if config.standby:
+            assert stdin is not None
+            listen = await wait_for_activation(stdin, config, signals)
+            if listen is None:
+                await stdin.aclose()
+                return
+            config = dataclasses.replace(config, listen=listen, standby=False)
+        server = StageServer(config, executor)
         async with trio.open_nursery() as nursery:
             async def watch_signals() -> None:
                 async for signum in signals:
@@ -519,16 +531,15 @@ async def run_stage(config: StageConfig, executor: Executor, *,
                     server.shutdown()
 
             nursery.start_soon(watch_signals)
-            if config.exit_on_stdin_eof:
-                nursery.start_soon(_drain_on_stdin_eof, server)
+            if stdin is not None:
+                nursery.start_soon(_drain_on_stdin_eof, server, stdin)
             await server.serve(task_status=task_status)
             nursery.cancel_scope.cancel()
 
 
-async def _drain_on_stdin_eof(server: StageServer) -> None:
+async def _drain_on_stdin_eof(server: StageServer, stream: trio.lowlevel.FdStream) -> None:
     """Drain the stage when standard input ends: the launcher's pipe closed, so the launcher is
     gone (a SIGKILL included, which no signal handler of its can turn into a clean stop)."""
-    stream = trio.lowlevel.FdStream(os.dup(sys.stdin.fileno()))
     async with stream:
         while await stream.receive_some(4096):  # whatever is written is ignored
             pass

@@ -1,0 +1,369 @@
+"""A lost stage of ``skippy up`` is seen fast and replaced on its address (issue 29 items 1-2).
+
+Real processes on the tiny 4-layer llama, three stages.  A stage killed with SIGKILL is seen by
+its upstream neighbour (its log) and by the API (``/health``) within 200 ms; one stopped with
+SIGSTOP within 2 s (heartbeats, docs/protocol.md §13).  The launcher replaces it on the same
+address (a fresh start, or the warm standby with ``--standby``), after which a request answers
+as before the loss; after ``--restarts`` replacements the next loss stops the chain.  Nothing is
+left running afterwards, the replaced processes included.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+import trio
+
+from skippy.codec import wire as codec
+from skippy.codec.protocol import NEED_DATA, READY_BYTES, MessageKind, ReplyKind, StageMessage, StageReply, WireDType
+from skippy.codec.protocol_ext import ErrorFrame, liveness_query, with_extensions_flag
+from skippy.net.liveness import ChainEvents, HeartbeatRefused, StageEvent, heartbeat
+from skippy.net.address import Address
+
+from api_helpers import ROOT, UpProcess, pid_alive
+
+pytestmark = pytest.mark.slow
+
+_READY_AGAIN = re.compile(
+    r"stage (\d) \(layers \S+\) pid (\d+) (restarted|standby) in ([\d.]+) s, ready again on (\S+)")
+_STAGE = re.compile(r"stage (\d) \(layers \S+\) pid (\d+) ready on (\S+)")
+
+
+def start(tiny_llama: Path, tmp_path: Path, *extra: str) -> UpProcess:
+    return UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:1,1:3,3:4", "--port", "0",
+                      "--ctx-size", "256", "--threads", "1", "--log-dir", str(tmp_path / "logs"), *extra],
+                     tmp_path).start()
+
+
+@pytest.fixture()
+def up(tiny_llama: Path, tmp_path: Path) -> Iterator[UpProcess]:
+    process = start(tiny_llama, tmp_path, "--restarts", "2")
+    try:
+        yield process
+    finally:
+        process.stop()
+        stop_all(process)
+
+
+def stop_all(up: UpProcess) -> None:
+    """Kill whatever the launcher started and announced (replacements included)."""
+    for pid in every_pid(up):
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def every_pid(up: UpProcess) -> list[int]:
+    err = up.stderr()
+    return [int(m.group(2)) for m in _STAGE.finditer(err)] + [int(m.group(2)) for m in _READY_AGAIN.finditer(err)]
+
+
+def stages(up: UpProcess) -> dict[int, tuple[int, str]]:
+    """index -> (pid, address) as first announced."""
+    return {int(m.group(1)): (int(m.group(2)), m.group(3)) for m in _STAGE.finditer(up.stderr())}
+
+
+def answer(up: UpProcess) -> str:
+    model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+    response = httpx.post(up.url + "/v1/chat/completions", timeout=30, json={
+        "model": model, "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 8,
+        "temperature": 0, "ignore_eos": True})
+    assert response.status_code == 200, response.text
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.01)
+
+
+def health_down_after(up: UpProcess, since: float, timeout: float = 5.0) -> float:
+    """Seconds from ``since`` (time.monotonic()) until ``/health`` says 503."""
+    with httpx.Client(timeout=5) as client:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if client.get(up.url + "/health").status_code == 503:
+                return time.monotonic() - since
+            time.sleep(0.005)
+    raise AssertionError("/health never reported the loss")
+
+
+def logged_at(log: Path, pattern: str) -> float:
+    """The wall time (time.time()) of the first log line matching ``pattern``."""
+    for line in log.read_text(errors="replace").splitlines():
+        if re.search(pattern, line):
+            stamp = datetime.datetime.strptime(line[:23], "%Y-%m-%d %H:%M:%S,%f")
+            return stamp.timestamp()
+    raise AssertionError(f"no line matching {pattern!r} in {log}:\n{log.read_text()[-2000:]}")
+
+
+def ready_again(up: UpProcess, count: int = 1, timeout: float = 60.0) -> list[re.Match[str]]:
+    wait_for(lambda: len(_READY_AGAIN.findall(up.stderr())) >= count, timeout, f"no replacement: {up.stderr()}")
+    return list(_READY_AGAIN.finditer(up.stderr()))
+
+
+def stage_log(tmp_path: Path, index: int) -> Path:
+    return next((tmp_path / "logs").glob(f"stage-{index}-*[0-9].log"))
+
+
+def test_a_killed_stage_is_seen_at_once_and_replaced_on_its_address(up: UpProcess, tmp_path: Path) -> None:
+    before = answer(up)
+    pid, address = stages(up)[1]
+    killed_wall, killed = time.time(), time.monotonic()
+    os.kill(pid, signal.SIGKILL)
+    api_seen = health_down_after(up, killed)
+    assert api_seen < 0.2, f"/health reported the loss after {api_seen:.3f} s"
+    replaced = ready_again(up)[0]
+    # the upstream neighbour (stage 0) saw its downstream go (log stamps are to the millisecond)
+    neighbour_seen = logged_at(stage_log(tmp_path, 0), r"downstream stage 1 \(.*\) lost") - killed_wall
+    assert neighbour_seen < 0.2, f"stage 0 saw the loss after {neighbour_seen:.3f} s"
+    assert replaced.group(1) == "1" and replaced.group(3) == "restarted"
+    assert replaced.group(5) == address  # the same address: neighbours and the API re-dial it
+    assert int(replaced.group(2)) != pid and pid_alive(int(replaced.group(2))) and not pid_alive(pid)
+    assert answer(up) == before
+    assert httpx.get(up.url + "/health").status_code == 200
+    print(f"SIGKILL: /health {api_seen * 1000:.0f} ms, stage 0 {neighbour_seen * 1000:.0f} ms, "
+          f"replacement ready in {replaced.group(4)} s")
+    pids = every_pid(up)
+    assert up.signal(signal.SIGTERM) == 0
+    wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "a stage outlived the launcher")
+
+
+def test_a_stopped_stage_is_seen_within_two_seconds_and_replaced(up: UpProcess, tmp_path: Path) -> None:
+    before = answer(up)
+    pid, address = stages(up)[1]
+    stopped_wall, stopped = time.time(), time.monotonic()
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        api_seen = health_down_after(up, stopped)
+        replaced = ready_again(up)[0]
+    finally:
+        if pid_alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    neighbour_seen = logged_at(stage_log(tmp_path, 0), r"downstream stage 1 \(.*\) lost") - stopped_wall
+    assert neighbour_seen < 2.0 and api_seen < 2.0, (neighbour_seen, api_seen)
+    assert "stopped answering" in up.stderr()
+    assert replaced.group(5) == address and not pid_alive(pid)  # the hung process was killed
+    assert answer(up) == before
+    print(f"SIGSTOP: /health {api_seen * 1000:.0f} ms, stage 0 {neighbour_seen * 1000:.0f} ms, "
+          f"replacement ready in {replaced.group(4)} s")
+
+
+@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_in_flight_request_ends_at_once_naming_the_lost_stage(up: UpProcess, number: int) -> None:
+    """The driver's lane gets the chain's DOWNSTREAM_LOST Error frame naming stage 1 (issue 29's
+    resume builds on this; here the stream just ends with the error)."""
+    model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+    pid, address = stages(up)[1]
+    body = {"model": model, "prompt": "x", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": True}
+    sent, error, took = 0, "", 0.0
+    try:
+        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: "):
+                    sent += 1
+                    if sent == 20:
+                        os.kill(pid, number)
+                        lost = time.monotonic()
+                    if '"error"' in line:
+                        error, took = line, time.monotonic() - lost
+    finally:
+        if number == signal.SIGSTOP and pid_alive(pid):
+            os.kill(pid, signal.SIGCONT)
+    assert f"downstream_lost at stage 1 ({address}), reported by stage 0" in error, error
+    assert took < (0.2 if number == signal.SIGKILL else 2.0), took
+    print(f"{signal.Signals(number).name}: the stream ended {took * 1000:.0f} ms after with {error[:120]}")
+
+
+def test_a_warm_standby_takes_over(tiny_llama: Path, tmp_path: Path) -> None:
+    up = start(tiny_llama, tmp_path, "--restarts", "1", "--standby")
+    try:
+        before = answer(up)
+        pid, address = stages(up)[2]
+        wait_for(lambda: any("waiting for activation" in p.read_text()
+                             for p in (tmp_path / "logs").glob("stage-2-*standby*.log")), 60, "no standby")
+        os.kill(pid, signal.SIGKILL)
+        replaced = ready_again(up)[0]
+        assert replaced.group(1) == "2" and replaced.group(3) == "standby" and replaced.group(5) == address
+        assert answer(up) == before
+        print(f"standby takeover ready in {replaced.group(4)} s")
+        pids = every_pid(up)
+        assert up.signal(signal.SIGTERM) == 0
+        # the standby loaded behind the one that took over goes too
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "a stage outlived the launcher")
+        assert "got SIGTERM; stopped every stage" in up.stderr()
+    finally:
+        up.stop()
+        stop_all(up)
+
+
+def test_repeated_losses_stop_the_chain_after_the_restarts(tiny_llama: Path, tmp_path: Path) -> None:
+    up = start(tiny_llama, tmp_path, "--restarts", "1")
+    try:
+        os.kill(stages(up)[1][0], signal.SIGKILL)
+        replacement = int(ready_again(up)[0].group(2))
+        pids = every_pid(up)
+        os.kill(replacement, signal.SIGKILL)
+        assert up.process is not None and up.process.wait(30) == 1
+        err = up.stderr()
+        assert "error: stage 1 (layers 1:3) exited with status -9 after 1 replacement(s) (--restarts 1)" in err
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "a stage outlived the launcher")
+    finally:
+        up.stop()
+        stop_all(up)
+
+
+# -- the heartbeat itself ------------------------------------------------------------------------
+
+def test_a_peer_that_answers_no_heartbeat_is_refused_not_lost() -> None:
+    """An older or plain v11 stage (READY, then silence or a close) is not reported lost."""
+
+    async def main() -> None:
+        for behaviour in ("silent", "close"):
+            listener = socket.socket()
+            listener.bind(("127.0.0.1", 0))
+            listener.listen()
+            address = Address("127.0.0.1", listener.getsockname()[1])
+
+            async def peer() -> None:
+                connection, _ = await trio.to_thread.run_sync(listener.accept)
+                connection.sendall(READY_BYTES)
+                await trio.sleep(0.5 if behaviour == "silent" else 0.0)
+                connection.close()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(peer)
+                with pytest.raises(HeartbeatRefused):
+                    await heartbeat(address, silence=0.3)
+            listener.close()
+
+    trio.run(main)
+
+
+def test_chain_events_wait_for_a_replacement() -> None:
+    async def main() -> None:
+        events = ChainEvents()
+        address = Address("127.0.0.1", 9)
+        assert await events.wait_ready(1) is None  # not lost: no wait
+        lost = StageEvent("lost", 1, address, time.monotonic(), time.time(), "exited with status -9")
+        events.publish(lost)
+        assert events.lost() == {1: lost} and await events.wait_lost() is lost
+        got: list[StageEvent | None] = []
+
+        async def waiter() -> None:
+            got.append(await events.wait_ready(1))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(waiter)
+            await trio.sleep(0.01)
+            assert not got
+            events.publish(StageEvent("ready", 1, address, time.monotonic(), time.time(), "restarted", 0.5))
+        assert got and got[0] is not None and got[0].kind == "ready" and events.lost() == {}
+        assert "ready again after 0.50 s" in str(got[0])
+
+    trio.run(main)
+
+
+# -- a stage's half (null stages: no model) ------------------------------------------------------
+
+NULL_MODEL = "null:n_embd=8,n_layer=2"
+
+
+def null_stage(tmp_path: Path, layers: str, *extra: str) -> tuple["subprocess.Popen[bytes]", Path]:
+    log = tmp_path / f"stage-{layers.replace(':', '-')}.log"
+    with log.open("wb") as stream:
+        process = subprocess.Popen([sys.executable, "-m", "skippy.stage", "--model", NULL_MODEL, "--layers", layers,
+                                    "--exit-on-stdin-eof", "on", *extra], stdin=subprocess.PIPE, stderr=stream,
+                                   stdout=stream, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+    return process, log
+
+
+def logged_address(process: "subprocess.Popen[bytes]", log: Path, timeout: float = 30.0) -> Address:
+    wait_for(lambda: "ready on" in log.read_text() or process.poll() is not None, timeout, log.read_text())
+    found = re.search(r"ready on (\S+)", log.read_text())
+    assert found, log.read_text()
+    return Address.parse(found.group(1))
+
+
+def test_a_heartbeat_lane_carries_heartbeats_only_and_a_stopped_downstream_is_lost(tmp_path: Path) -> None:
+    final, final_log = null_stage(tmp_path, "1:2", "--listen", "127.0.0.1:0")
+    first = None
+    try:
+        final_address = logged_address(final, final_log)
+        first, first_log = null_stage(tmp_path, "0:1", "--listen", "127.0.0.1:0", "--downstream", str(final_address),
+                                      "--heartbeat-timeout", "1.0")
+        logged_address(first, first_log)
+
+        async def lane() -> None:
+            stream = await trio.open_tcp_stream(final_address.host, final_address.port)
+            async with stream:
+                assert await stream.receive_some(4) == READY_BYTES
+                await stream.send_all(codec.encode_message(liveness_query(), WireDType.F32, 0))
+                await stream.send_all(codec.encode_message(liveness_query(), WireDType.F32, 0))
+                decoder = codec.ReplyDecoder(extensions=True)
+                frames: list[object] = []
+                with trio.fail_after(5):
+                    while len(frames) < 2:
+                        decoder.receive_data(await stream.receive_some(4096))
+                        while (frame := decoder.next_reply()) is not NEED_DATA:
+                            frames.append(frame)
+                assert all(type(frame) is StageReply and frame.kind == ReplyKind.ACK for frame in frames)
+                stop = StageMessage.create(MessageKind.STOP, request_id=1, session_id=1)
+                await stream.send_all(codec.encode_message(with_extensions_flag(stop), WireDType.F32, 0))
+                with trio.fail_after(5):
+                    while (frame := decoder.next_reply()) is NEED_DATA:
+                        decoder.receive_data(await stream.receive_some(4096))
+                assert isinstance(frame, ErrorFrame) and "heartbeats only" in frame.message, frame
+
+        trio.run(lane)
+        time.sleep(1.0)  # stage 0's watcher has had its first Ack (one silent from first contact on is not watched)
+        stopped = time.time()
+        os.kill(final.pid, signal.SIGSTOP)
+        wait_for(lambda: "lost" in first_log.read_text(), 10, first_log.read_text())
+        seen = logged_at(first_log, r"downstream stage .* lost") - stopped
+        assert seen < 1.0 + 0.25 + 0.2, seen  # the timeout, one period (timeout / 4), log stamp slack
+        assert "answered no heartbeat" in first_log.read_text()
+    finally:
+        for process in (first, final):
+            if process is not None:
+                if process.poll() is None:
+                    os.kill(process.pid, signal.SIGCONT)
+                    process.kill()
+                    process.wait()
+                assert process.stdin is not None
+                process.stdin.close()
+
+
+def test_a_standby_listens_only_once_activated(tmp_path: Path) -> None:
+    standby, log = null_stage(tmp_path, "0:2", "--standby", "on")
+    try:
+        wait_for(lambda: "waiting for activation" in log.read_text(), 30, log.read_text())
+        time.sleep(0.2)
+        assert "ready on" not in log.read_text() and standby.poll() is None
+        with socket.socket() as probe:  # a free port for it
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        assert standby.stdin is not None
+        standby.stdin.write(f"activate 127.0.0.1:{port}\n".encode())
+        standby.stdin.flush()
+        assert logged_address(standby, log) == Address("127.0.0.1", port)
+        standby.stdin.close()  # the launcher's pipe closes: it drains and exits
+        assert standby.wait(10) == 0
+    finally:
+        if standby.poll() is None:
+            standby.kill()
+            standby.wait()
+        assert standby.stdin is not None
+        standby.stdin.close()
