@@ -36,6 +36,8 @@ __all__ = [
     "MAX_ERROR_FRAME_BYTES",
     "MAX_TIMING_RECORDS",
     "PREFIX_EXTENT_FLAG",
+    "REPLAY_FLAG",
+    "RESUME_METADATA_KEY",
     "SKIPPY_EXTENSIONS_FLAG",
     "TIMING_RECORD_BYTES",
     "ErrorCode",
@@ -88,6 +90,12 @@ SAMPLING_EXTENSION_FLAG: Final = 1 << 13
 #: step, for at most the run's ``max_tokens`` predictions or until a stop token; its chat metadata
 #: carries the run under :data:`DECODE_RUN_METADATA_KEY`.
 DECODE_RUN_FLAG: Final = 1 << 14
+#: docs/protocol.md §13: state flag bit 16, "replay".  On a non-final PrefillEmbd of a resumed session:
+#: a stage that still holds the frame's positions (its KV) answers it from its activation log (or,
+#: without one, recomputes them) instead of extending the session; a fresh stage computes it.
+REPLAY_FLAG: Final = 1 << 16
+#: docs/protocol.md §13: the chat-metadata key of a resume (a ConfigureGeneration after a lost stage).
+RESUME_METADATA_KEY: Final = "skippy.resume"
 #: docs/protocol.md §11: the chat-metadata key of a decode run.
 DECODE_RUN_METADATA_KEY: Final = "skippy.decode_run"
 #: docs/protocol.md §10: the chat-metadata key of the sampling extension.

@@ -201,7 +201,11 @@ class Connection:
                 torn = self._upstream_torn or (through is not None and through.ran)
                 if error is not None and self.extensions.enabled and not torn:
                     await extensions.send_error(self._upstream_io, error, self.id)
-                await self._cleanup()
+                # docs/protocol.md §13: a lane lost with the chain (its downstream, or, behind the
+                # first stage, its upstream stage) parks the sessions their driver resumes
+                lost = not self.scheduler.executor.is_first or (
+                    error is not None and error.code == ErrorCode.DOWNSTREAM_LOST)
+                await self._cleanup(lost=lost)
 
     async def _answer_identity(self) -> None:
         """docs/protocol.md §9: the lane's first message was an identity query: answer the
@@ -228,12 +232,12 @@ class Connection:
             return ""
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
-    async def _cleanup(self) -> None:
+    async def _cleanup(self, *, lost: bool = False) -> None:
         if self.budget is not None:
             reader = self._reader
             self.budget.release(self._held + (reader.take_reserved() if reader is not None else 0))
             self._held = 0
-        orphans = await control.release_orphans(self._stage, self.id)
+        orphans = await control.release_orphans(self._stage, self.id, lost=lost)
         for stream in (self.link.stream, self.upstream):
             if stream is not None:
                 with trio.move_on_after(1):
