@@ -1,0 +1,161 @@
+"""A request survives a lost stage (docs/protocol.md §13): real stage processes on the tiny llama.
+
+A 3-stage chain (layers 0:1 | 1:3 | 3:4); during decode one stage is killed with SIGKILL and a
+replacement started with the same command line on the same port.  The run must give the text of
+the uninterrupted run (greedy and seeded sampling), the surviving stages must compute nothing
+again (their activation logs answer the replay), and the evicted-log fallback (recompute on the
+stage whose log is gone) must complete equal too.  Unit tests cover the log and the parked table.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import pytest
+import trio
+
+from skippy.driver import GenerationRequest, Generator, StageClient
+from skippy.runtime import SamplingParams
+from skippy.stage.activation_log import ActivationLog, ParkedSessions, resume_request
+
+sys.path.insert(0, str(Path(__file__).parent))
+from stage_helpers import StageProcess, stage_chain, wait_for_stats  # noqa: E402
+
+SPLITS = ("0:1", "1:3", "3:4")
+PROMPT = (1, 15, 27, 300, 41, 59, 26, 53, 58, 97, 93, 23, 84, 62, 64, 33, 83, 27, 95)
+STEPS = 24
+KILL_AT = 8
+SEEDED = SamplingParams(temperature=0.9, top_k=40, top_p=0.95, seed=1234)
+
+
+# -- units ---------------------------------------------------------------------------------------
+def test_the_log_keeps_frames_answers_ranges_and_trims() -> None:
+    log = ActivationLog(1 << 20)
+    rows = np.arange(5 * 4, dtype=np.float32).reshape(5, 4)
+    log.record(1, 0, 3, rows[:3])
+    log.record(1, 3, 1, rows[3:4])
+    log.record(1, 4, 1, rows[4:5])
+    assert log.length(1) == 5
+    np.testing.assert_array_equal(log.rows(1, 0, 5), rows)
+    np.testing.assert_array_equal(log.rows(1, 2, 2), rows[2:4])
+    assert log.rows(1, 3, 3) is None  # past the end
+    log.trim(1, 2)
+    assert log.length(1) == 2 and log.stats.log_bytes == rows[:2].nbytes
+    log.record(1, 5, 1, rows[:1])  # a gap: what the log did not see
+    assert log.rows(1, 0, 1) is None and log.length(1) == 6
+    log.drop(1)
+    assert log.stats.log_bytes == 0 and log.stats.log_sessions == 0
+
+
+def test_the_log_evicts_whole_sessions_past_its_budget() -> None:
+    log = ActivationLog(3 * 16)
+    log.record(1, 0, 2, np.zeros((2, 4), dtype=np.float32))
+    log.record(2, 0, 2, np.zeros((2, 4), dtype=np.float32))
+    assert log.evicted(1) and not log.evicted(2) and log.stats.log_bytes == 32
+    log.record(1, 2, 1, np.zeros((1, 4), dtype=np.float32))  # an evicted session stays evicted
+    assert log.rows(1, 2, 1) is None and log.stats.evicted_sessions == 1
+
+
+def test_parked_sessions_expire_and_are_taken_once() -> None:
+    parked = ParkedSessions(hold_s=10.0)
+    parked.park(7, 100)
+    assert parked.expired(now=0.0) == []
+    assert parked.take(7) == 100 and parked.take(7) is None
+    parked.park(8, 200)
+    assert parked.expired(now=1e12) == [200] and len(parked) == 0
+
+
+@pytest.mark.parametrize("text, error", [
+    ('{"skippy.resume": {"length": -1}}', "length"),
+    ('{"skippy.resume": {"length": 3, "tokens": [1, "x"]}}', "tokens"),
+    ('{"skippy.resume": []}', "object"),
+])
+def test_a_malformed_resume_section_is_refused(text: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        resume_request(text)
+
+
+def test_the_hold_section_is_not_a_resume() -> None:
+    assert resume_request('{"skippy.resume": {"hold": true}}') is None
+    assert resume_request('{"skippy.resume": {"length": 4, "tokens": [5]}}').tokens == (5,)  # type: ignore[union-attr]
+
+
+# -- real processes ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def generator(tiny_llama: Path) -> Iterator[Generator]:
+    gen = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=False)
+    gen.prefix_cache = False
+    gen.resume_attempts, gen.resume_wait_s = 3, 60.0
+    yield gen
+    gen.close()
+
+
+async def _run(generator: Generator, address: Any, request: GenerationRequest, session_id: int,
+               kill: tuple[StageProcess, trio.Nursery] | None = None) -> tuple[str, list[int], list[dict[str, Any]]]:
+    client = await StageClient.connect(address)
+    try:
+        generation = generator.start(client, request, session_id)
+        pieces: list[str] = []
+        async for piece in generation:
+            pieces.append(piece)
+            if kill is not None and len(generation.tokens) == KILL_AT:
+                stage, nursery = kill
+                stage.kill()
+                nursery.start_soon(stage.start)  # the same command line, on the same port
+                kill = None
+        assert generation.result is not None
+        assert "".join(pieces) == generation.result.text
+        return generation.result.text, generation.result.tokens, generation.result.resumes
+    finally:
+        await client.aclose()
+
+
+def _pin_ports(stages: list[StageProcess]) -> None:
+    """Restarts listen on the port the stage got first (its upstream dials that address)."""
+    for stage in stages:
+        assert stage.address is not None
+        stage.listen = f"127.0.0.1:{stage.address.port}"
+
+
+@pytest.mark.parametrize("lost", [1, 0, 2], ids=["middle", "first", "final"])
+@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path, generator: Generator,
+                                                                tmp_path: Path, lost: int, sampling: str) -> None:
+    params = SamplingParams() if sampling == "greedy" else SEEDED
+    request = GenerationRequest(PROMPT, STEPS, params)
+
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path, extra=("--resume-hold-s", "30")) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            expected = await _run(generator, stages[0].address, request, 11)
+            assert expected[2] == [] and len(expected[1]) == STEPS
+            moment = time.time()
+            before = [(await wait_for_stats(stage, lambda s: s.get("refreshed_at", 0) > moment))["resume"]
+                      for stage in stages]
+            async with trio.open_nursery() as nursery:
+                text, tokens, resumes = await _run(generator, stages[0].address, request, 12,
+                                                   (stages[lost], nursery))
+            assert (text, tokens) == expected[:2]
+            assert len(resumes) == 1 and resumes[0]["lost_stage"] == lost and resumes[0]["mode"] == "replay"
+            # the survivors computed nothing again: the replay came from their logs / KV
+            length = len(PROMPT) + resumes[0]["tokens"] - 1
+            for index, stage in enumerate(stages):
+                if index == lost:
+                    continue
+                moment = time.time()
+                after = await wait_for_stats(
+                    stage, lambda s: s.get("refreshed_at", 0) > moment and s.get("sessions_in_use") == 0
+                    and s.get("resume", {}).get("parked_now") == 0)
+                figures, old = after["resume"], before[index]
+                assert figures["replayed_tokens"] - old["replayed_tokens"] == length, (index, figures)
+                assert figures["replay_recomputed_tokens"] == 0, (index, figures)
+                assert figures["adopted"] - old["adopted"] == 1, (index, figures)
+                computed = figures["computed_positions"] - old["computed_positions"]
+                assert computed <= len(PROMPT) + STEPS + 3, (index, figures)
+
+    trio.run(main)
