@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 import trio
 
-from skippy.driver import GenerationRequest, Generator, StageClient
+from skippy.driver import GenerationRequest, Generator, StageClient, StageLost
 from skippy.runtime import SamplingParams
 from skippy.stage.activation_log import ActivationLog, ParkedSessions, resume_request
 
@@ -121,6 +121,14 @@ def _pin_ports(stages: list[StageProcess]) -> None:
         stage.listen = f"127.0.0.1:{stage.address.port}"
 
 
+async def _settled(stage: StageProcess, timeout: float = 10.0) -> dict[str, Any]:
+    """The stage's stats once it holds no session, parked session or KV cell (no leak)."""
+    moment = time.time()
+    return await wait_for_stats(
+        stage, lambda s: s.get("refreshed_at", 0) > moment and s.get("sessions_in_use") == 0
+        and s.get("kv_cells_used") == 0 and s.get("resume", {}).get("parked_now") == 0, timeout)
+
+
 @pytest.mark.parametrize("lost", [1, 0, 2], ids=["middle", "first", "final"])
 @pytest.mark.parametrize("sampling", ["greedy", "seeded"])
 def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path, generator: Generator,
@@ -141,16 +149,14 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
                 text, tokens, resumes = await _run(generator, stages[0].address, request, 12,
                                                    (stages[lost], nursery))
             assert (text, tokens) == expected[:2]
+            await _settled(stages[lost])  # the replacement holds nothing either
             assert len(resumes) == 1 and resumes[0]["lost_stage"] == lost and resumes[0]["mode"] == "replay"
             # the survivors computed nothing again: the replay came from their logs / KV
             length = len(PROMPT) + resumes[0]["tokens"] - 1
             for index, stage in enumerate(stages):
                 if index == lost:
                     continue
-                moment = time.time()
-                after = await wait_for_stats(
-                    stage, lambda s: s.get("refreshed_at", 0) > moment and s.get("sessions_in_use") == 0
-                    and s.get("resume", {}).get("parked_now") == 0)
+                after = await _settled(stage)
                 figures, old = after["resume"], before[index]
                 assert figures["replayed_tokens"] - old["replayed_tokens"] == length, (index, figures)
                 assert figures["replay_recomputed_tokens"] == 0, (index, figures)
@@ -159,3 +165,50 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
                 assert computed <= len(PROMPT) + STEPS + 3, (index, figures)
 
     trio.run(main)
+
+
+@pytest.mark.parametrize("budget", ["0", "0.00002"], ids=["log-off", "log-evicted"])
+def test_without_the_log_the_survivors_recompute_and_the_run_completes_equal(
+        tiny_llama: Path, generator: Generator, tmp_path: Path, budget: str) -> None:
+    request = GenerationRequest(PROMPT, STEPS, SEEDED)
+
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path, extra=("--resume-log-mib", budget)) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            expected = await _run(generator, stages[0].address, request, 21)
+            async with trio.open_nursery() as nursery:
+                text, tokens, resumes = await _run(generator, stages[0].address, request, 22, (stages[2], nursery))
+            assert (text, tokens) == expected[:2] and len(resumes) == 1
+            length = len(PROMPT) + resumes[0]["tokens"] - 1
+            for stage in stages[:2]:
+                figures = (await _settled(stage))["resume"]
+                assert figures["replay_recomputed_tokens"] == length, figures
+                assert (figures["evicted_sessions"] > 0) == (budget != "0"), figures
+            assert "recomputing them on this stage" in stages[0].log()
+
+    trio.run(main)
+
+
+def test_a_stage_that_never_comes_back_fails_the_request_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    generator = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=False)
+    generator.resume_attempts, generator.resume_wait_s = 2, 0.5
+
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path) as stages:
+            assert stages[0].address is not None and stages[1].address is not None
+            client = await StageClient.connect(stages[0].address)
+            generation = generator.start(client, GenerationRequest(PROMPT, STEPS), 31)
+            await generation.__anext__()
+            stages[1].kill()
+            with pytest.raises(StageLost, match=f"{stages[1].address}.*resume failed 2 times"):
+                async for _ in generation:
+                    pass
+            await client.aclose()
+            for stage in (stages[0], stages[2]):  # nothing parked stays past the hold
+                await _settled(stage, timeout=40.0)
+
+    try:
+        trio.run(main)
+    finally:
+        generator.close()

@@ -83,6 +83,8 @@ class _Session:
     #: docs/protocol.md §13: the driver resumes this session after a lost stage (it is parked,
     #: not released, when its lane closes on a loss).
     resumable: bool = False
+    #: Adopted by a resume: a replay frame it cannot answer from the log is a recompute.
+    resumed: bool = False
 
 
 def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
@@ -418,6 +420,7 @@ class Executor:
             self._sessions[key] = self._sessions.pop(old)
             self.activation_log.rekey(old, key)
         self.resume_stats.adopted += 1
+        self._sessions[key].resumed = True
         self.trim(key, length)
         return min(length, self.context.length(self._sessions[key].seq))
 
@@ -438,7 +441,11 @@ class Executor:
         compute it (a fresh session, or the log does not cover it: those positions are trimmed
         and computed again, logged)."""
         start, count = int(item.positions[0]), item.rows
-        if session is None or self.context.length(session.seq) < start + count:
+        if session is None:
+            return None
+        if self.context.length(session.seq) < start + count:
+            if session.resumed:  # the positions this stage held were trimmed for an earlier frame
+                self.resume_stats.replay_recomputed_tokens += count
             return None
         if self.is_last:  # the final stage hands nothing on: its KV is all it needs
             self.resume_stats.replayed_tokens += count
