@@ -212,3 +212,26 @@ def test_a_stage_that_never_comes_back_fails_the_request_naming_it(tiny_llama: P
         trio.run(main)
     finally:
         generator.close()
+
+
+def test_a_speculative_greedy_run_resumes_token_by_token(tiny_llama: Path, tmp_path: Path) -> None:
+    generator = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=True)
+    generator.prefix_cache = False
+    generator.resume_attempts, generator.resume_wait_s = 3, 60.0
+    request = GenerationRequest(PROMPT, STEPS)
+
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            expected = await _run(generator, stages[0].address, request, 41)
+            async with trio.open_nursery() as nursery:
+                text, tokens, resumes = await _run(generator, stages[0].address, request, 42, (stages[1], nursery))
+            assert (text, tokens) == expected[:2] and [r["lost_stage"] for r in resumes] == [1]
+            for stage in stages:
+                await _settled(stage)
+
+    try:
+        trio.run(main)
+    finally:
+        generator.close()

@@ -344,6 +344,8 @@ class Generation:
         self.resumes: list[dict[str, Any]] = []
         self._failed_resumes = 0
         self._own_lanes: list[StageClient] = []
+        #: A speculative run's counters once a resume ended its speculation.
+        self._spec_usage: SpeculationUsage | None = None
 
     def __aiter__(self) -> "Generation":
         return self
@@ -532,7 +534,7 @@ class Generation:
         self._text.append(text)
         await self._client.stop(self.session_id)
         self.timing.add_frames(self._client.take_timings(), totals=True)  # §8: the upstream stages' totals
-        usage = None if self._runner is None else self._runner.decoder.usage
+        usage = self._spec_usage if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
                                  usage, self.cached_tokens, self.logprobs, self._stops.matched, self.resumes)
         await self._close_own_lanes()
@@ -544,7 +546,7 @@ class Generation:
         refusal), and the run is a plain (not speculative, not forked) one."""
         if self._generator.resume_attempts <= 0 or isinstance(exc, StageRemoteError):
             return False
-        if self._runner is not None or self._fork is not None:
+        if self._fork is not None:
             return False
         if self._failed_resumes >= self._generator.resume_attempts:
             return False
@@ -590,6 +592,8 @@ class Generation:
             except StageLost as failure:
                 self._failed_resumes += 1
                 last = failure
+                if failure.frame is not None and failure.frame.origin_address:  # the chain names the lost stage
+                    lost_index, lost_address = failure.frame.origin_stage_index, failure.frame.origin_address
                 await client.aclose()
                 await trio.sleep(0.1)
                 continue
@@ -613,10 +617,17 @@ class Generation:
         flags = SAMPLING_EXTENSION_FLAG if request.sampling_extension is not None else 0
         await client.configure(self.session_id, sampling=sampling_config(request.sampling),
                                prompt_token_count=len(request.prompt), metadata=text, flags=flags)
-        frames = [f for f in self._frames if f[0] < length]
-        if not frames or sum(count for _, count in frames) != length:
-            frames = _prefill_frames(length, 0, 256)
+        if self._runner is not None:  # windows in flight are gone with the lane: go on token by token
+            self._spec_usage, self._runner = self._runner.decoder.usage, None
+        frames = [f for f in self._frames if f[0] + f[1] <= length]
+        covered = frames[-1][0] + frames[-1][1] if frames else 0
+        if sum(count for _, count in frames) != covered:
+            frames, covered = [], 0
+        # positions a speculative run committed in verify windows: one frame each (their windows'
+        # partition is not kept, so the replacement's rows may round differently there)
+        frames += [(position, 1) for position in range(covered, length)]
         await client.replay(self.session_id, positions, frames, credit=self._generator.credit)
+        self._frames = frames
         self._position = length
         return "replay"
 
