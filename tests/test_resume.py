@@ -167,6 +167,39 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
     trio.run(main)
 
 
+@pytest.mark.parametrize("request_", [
+    GenerationRequest(PROMPT, STEPS, SamplingParams(temperature=0.8, seed=5, repeat_penalty=1.3, penalty_last_n=16,
+                                                    presence_penalty=0.4)),
+    GenerationRequest(PROMPT, STEPS, grammar='root ::= "x" [a-z ]+'),
+], ids=["penalties-seeded", "grammar-greedy"])
+def test_a_replaced_final_stage_restores_penalties_and_grammar(tiny_llama: Path, generator: Generator,
+                                                               tmp_path: Path, request_: GenerationRequest) -> None:
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            expected = await _run(generator, stages[0].address, request_, 51)
+            async with trio.open_nursery() as nursery:
+                text, tokens, resumes = await _run(generator, stages[0].address, request_, 52, (stages[2], nursery))
+            assert (text, tokens) == expected[:2] and [r["lost_stage"] for r in resumes] == [2]
+            assert (await _settled(stages[2]))["resume"]["sampler_restores"] == 1
+
+    trio.run(main)
+
+
+def test_a_restore_refuses_a_token_the_grammar_forbids(tiny_llama: Path) -> None:
+    from skippy.runtime import Model
+    from skippy.runtime.sampling import Sampler
+
+    with Model(tiny_llama) as model:
+        params = SamplingParams(grammar='root ::= "a"+')
+        with Sampler(params, int(model.n_vocab), model.vocab_pointer) as sampler:
+            with pytest.raises(ValueError, match="outside the vocabulary"):
+                sampler.restore([int(model.n_vocab)])
+            with pytest.raises(ValueError, match="not allowed by the grammar"):
+                sampler.restore([model.n_vocab - 1])
+
+
 @pytest.mark.parametrize("budget", ["0", "0.00002"], ids=["log-off", "log-evicted"])
 def test_without_the_log_the_survivors_recompute_and_the_run_completes_equal(
         tiny_llama: Path, generator: Generator, tmp_path: Path, budget: str) -> None:

@@ -122,6 +122,15 @@ void skippy_sampler_draw(struct llama_sampler * smpl, int32_t n) {
     }
 }
 
+/* Whether `grammar` allows `token` next (a one-candidate apply; accepting a forbidden token would
+   throw through the C API). */
+int32_t skippy_grammar_allows(struct llama_sampler * grammar, llama_token token) {
+    llama_token_data one = { token, 0.0f, 0.0f };
+    llama_token_data_array single = { &one, 1, -1, false };
+    llama_sampler_apply(grammar, &single);
+    return one.logit > -INFINITY ? 1 : 0;
+}
+
 /* Cells in use: the sum over sequences [0, n_seq) of their position span (pos_max - pos_min + 1). */
 size_t skippy_kv_cells_used(struct llama_context * ctx, int32_t n_seq) {
     llama_memory_t mem = llama_get_memory(ctx);

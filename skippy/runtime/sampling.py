@@ -143,6 +143,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int, vocab: object = None) -> None:
         self.params = params
+        self._n_vocab = n_vocab
         #: Greedy with nothing before it in the chain: the sample is the logits' first maximum
         #: (what the greedy sampler picks), which the context takes without building the
         #: n_vocab-entry candidate array.  Accepting tokens changes nothing in such a chain.
@@ -161,6 +162,8 @@ class Sampler:
             if grammar == ffi.NULL:
                 reason = _callbacks.take_recent_errors().strip() or "llama.cpp refused it"
                 raise ValueError(f"the grammar does not parse: {reason}")
+        #: The grammar sampler, beside or in the chain (NULL: none): :meth:`restore` checks tokens with it.
+        self._grammar_check = grammar
         #: The grammar kept beside the chain (see the module header), or NULL.
         self._grammar = ffi.NULL
         beside = params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
@@ -241,10 +244,15 @@ class Sampler:
         the token list cannot tell.
 
         Raises:
-            ValueError: the sampler already sampled (restore only a fresh one).
+            ValueError: a token outside the vocabulary, or one the grammar does not allow there
+                (accepting it would end the process); the tokens before it were accepted.
         """
         chain = self.pointer
-        for token in tokens:
+        for index, token in enumerate(tokens):
+            if not 0 <= token < self._n_vocab:
+                raise ValueError(f"restored token {index} ({token}) is outside the vocabulary")
+            if self._grammar_check != ffi.NULL and not lib.skippy_grammar_allows(self._grammar_check, int(token)):
+                raise ValueError(f"restored token {index} ({token}) is not allowed by the grammar there")
             if self._grammar != ffi.NULL:
                 lib.llama_sampler_accept(self._grammar, int(token))
             lib.llama_sampler_accept(chain, int(token))

@@ -433,7 +433,12 @@ class Executor:
         if session.sampler is not None:
             session.sampler.close()
             session.sampler = None
-        self._sampler(session).restore(tokens)
+        try:
+            self._sampler(session).restore(tokens)
+        except ValueError as exc:  # a token outside the vocabulary or the grammar: refuse the resume
+            session.sampler.close()  # type: ignore[union-attr]
+            session.sampler = None
+            raise InvalidMessage(f"resume refused: {exc}") from exc
         self.resume_stats.sampler_restores += 1
 
     def _replayed(self, session: _Session | None, item: WorkItem) -> WorkResult | None:
