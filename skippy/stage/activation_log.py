@@ -107,9 +107,11 @@ class ActivationLog:
         elif start > end:  # a gap: frames this log did not see (the decode relay carried them)
             self.drop(key)
             entries = self._sessions[key] = []
-        # a copy the runtime never writes again (a decode batch's rows are views of one array)
-        kept = np.ascontiguousarray(rows, dtype=np.float32)
-        if kept.base is not None:
+        # the executor's arrays are its own copies, never written again: kept as they are, but a
+        # row of a larger batch array is copied (a view would keep the whole batch alive)
+        kept = rows if rows.dtype == np.float32 else rows.astype(np.float32)
+        base = kept.base
+        if base is not None and getattr(base, "nbytes", 0) > kept.nbytes:
             kept = kept.copy()
         entries.append(_Entry(start, count, kept))
         self.stats.log_bytes += kept.nbytes
