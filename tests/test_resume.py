@@ -9,6 +9,7 @@ stage whose log is gone) must complete equal too.  Unit tests cover the log and 
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -268,3 +269,62 @@ def test_a_speculative_greedy_run_resumes_token_by_token(tiny_llama: Path, tmp_p
         trio.run(main)
     finally:
         generator.close()
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_an_api_request_that_loses_a_stage_completes_with_200_and_says_so(tiny_llama: Path, generator: Generator,
+                                                                          tmp_path: Path, stream: bool) -> None:
+    import httpx
+
+    from skippy.api.app import ChainService, create_app
+    from skippy.api.lanes import LanePool
+
+    body: dict[str, Any] = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0.8,
+                            "seed": 77, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
+
+    async def post(http: httpx.AsyncClient, kill: StageProcess | None, nursery: trio.Nursery | None
+                   ) -> tuple[str, dict[str, Any]]:
+        if kill is not None and nursery is not None:  # (httpx's ASGI transport hands the body over whole)
+            async def later() -> None:
+                await trio.sleep(0.15)
+                kill.kill()
+                nursery.start_soon(kill.start)
+            nursery.start_soon(later)
+        response = await http.post("/v1/completions", json=body)
+        assert response.status_code == 200, response.text
+        if not stream:
+            data = response.json()
+            return data["choices"][0]["text"], data["usage"]
+        text, usage = "", {}
+        for line in response.text.splitlines():
+            if line.startswith("data: {"):
+                event = json.loads(line[6:])
+                text += "".join(choice.get("text", "") for choice in event.get("choices", []))
+                usage = event.get("usage") or usage
+        return text, usage
+
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            pool = LanePool(stages[0].address, max_lanes=1)
+            try:
+                app = create_app(ChainService(generator, pool, "tiny"))
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://skippy",
+                                             timeout=120) as http:
+                    expected, _ = await post(http, None, None)
+                    async with trio.open_nursery() as nursery:
+                        text, usage = await post(http, stages[1], nursery)
+                    assert text == expected
+                    assert [entry["lost_stage"] for entry in usage["skippy_resume"]] == [1], usage
+                    assert usage["skippy_resume"][0]["resume_ms"] > 0
+                    again, _ = await post(http, None, None)  # the pool's lane was replaced: the next one works
+                    assert again == expected
+            finally:
+                await pool.aclose()
+            for stage in stages:
+                await _settled(stage)
+
+    trio.run(main)
