@@ -4,7 +4,11 @@ A 3-stage chain (layers 0:1 | 1:3 | 3:4); during decode one stage is killed with
 replacement started with the same command line on the same port.  The run must give the text of
 the uninterrupted run (greedy and seeded sampling), the surviving stages must compute nothing
 again (their activation logs answer the replay), and the evicted-log fallback (recompute on the
-stage whose log is gone) must complete equal too.  Unit tests cover the log and the parked table.
+stage whose log is gone) must complete equal too; so must a replaced final stage's penalties
+and grammar, a speculative run, a loss before the first token (the request restarts), a hybrid
+model (its recurrent survivors recompute), and an API request (200, ``usage.skippy_resume``).
+A stage that never comes back fails the request naming it.  Only the greedy middle-stage case
+and the unit tests (the log, the parked table, the resume section) run outside ``-m slow``.
 """
 
 from __future__ import annotations
@@ -130,8 +134,12 @@ async def _settled(stage: StageProcess, timeout: float = 10.0) -> dict[str, Any]
         and s.get("kv_cells_used") == 0 and s.get("resume", {}).get("parked_now") == 0, timeout)
 
 
-@pytest.mark.parametrize("lost", [1, 0, 2], ids=["middle", "first", "final"])
-@pytest.mark.parametrize("sampling", ["greedy", "seeded"])
+SLOW = pytest.mark.slow
+
+
+@pytest.mark.parametrize("lost", [pytest.param(1, id="middle"), pytest.param(0, id="first", marks=SLOW),
+                                  pytest.param(2, id="final", marks=SLOW)])
+@pytest.mark.parametrize("sampling", ["greedy", pytest.param("seeded", marks=SLOW)])
 def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path, generator: Generator,
                                                                 tmp_path: Path, lost: int, sampling: str) -> None:
     params = SamplingParams() if sampling == "greedy" else SEEDED
@@ -168,6 +176,7 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
     trio.run(main)
 
 
+@SLOW
 @pytest.mark.parametrize("request_", [
     GenerationRequest(PROMPT, STEPS, SamplingParams(temperature=0.8, seed=5, repeat_penalty=1.3, penalty_last_n=16,
                                                     presence_penalty=0.4)),
@@ -201,6 +210,7 @@ def test_a_restore_refuses_a_token_the_grammar_forbids(tiny_llama: Path) -> None
                 sampler.restore([model.n_vocab - 1])
 
 
+@SLOW
 @pytest.mark.parametrize("budget", ["0", "0.00002"], ids=["log-off", "log-evicted"])
 def test_without_the_log_the_survivors_recompute_and_the_run_completes_equal(
         tiny_llama: Path, generator: Generator, tmp_path: Path, budget: str) -> None:
@@ -224,6 +234,7 @@ def test_without_the_log_the_survivors_recompute_and_the_run_completes_equal(
     trio.run(main)
 
 
+@SLOW
 def test_a_stage_that_never_comes_back_fails_the_request_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
     generator = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=False)
     generator.resume_attempts, generator.resume_wait_s = 2, 0.5
@@ -248,6 +259,7 @@ def test_a_stage_that_never_comes_back_fails_the_request_naming_it(tiny_llama: P
         generator.close()
 
 
+@SLOW
 def test_a_speculative_greedy_run_resumes_token_by_token(tiny_llama: Path, tmp_path: Path) -> None:
     generator = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=True)
     generator.prefix_cache = False
@@ -271,6 +283,7 @@ def test_a_speculative_greedy_run_resumes_token_by_token(tiny_llama: Path, tmp_p
         generator.close()
 
 
+@SLOW
 @pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
 def test_an_api_request_that_loses_a_stage_completes_with_200_and_says_so(tiny_llama: Path, generator: Generator,
                                                                           tmp_path: Path, stream: bool) -> None:
@@ -328,3 +341,59 @@ def test_an_api_request_that_loses_a_stage_completes_with_200_and_says_so(tiny_l
                 await _settled(stage)
 
     trio.run(main)
+
+
+@SLOW
+def test_a_stage_lost_before_the_first_token_restarts_the_request(tiny_llama: Path, generator: Generator,
+                                                                  tmp_path: Path) -> None:
+    request = GenerationRequest(PROMPT, 8, SEEDED)
+
+    async def main() -> None:
+        # the first stage gives up dialing its downstream after 0.5 s: the replacement comes later
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path, extra=("--connect-timeout", "0.5")) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            expected = await _run(generator, stages[0].address, request, 61)
+            stages[1].kill()
+
+            async def later() -> None:
+                await trio.sleep(1.5)
+                await stages[1].start()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(later)
+                text, tokens, resumes = await _run(generator, stages[0].address, request, 62)
+            assert (text, tokens) == expected[:2]
+            assert [(r["lost_stage"], r["mode"]) for r in resumes] == [(1, "restart")]
+            for stage in stages:
+                await _settled(stage)
+
+    trio.run(main)
+
+
+@SLOW
+@pytest.mark.parametrize("lost", [1, 2], ids=["middle", "final"])
+def test_a_hybrid_model_resumes_with_its_recurrent_survivors_recomputing(tmp_path: Path, lost: int) -> None:
+    from conftest import model_path
+
+    path = model_path("granitehybrid")
+    hybrid = Generator.from_model(path, n_ctx=256, chunk_size=5, credit=2, speculation=False)
+    hybrid.prefix_cache = False
+    hybrid.resume_attempts, hybrid.resume_wait_s = 3, 60.0
+    request = GenerationRequest(PROMPT, STEPS, SEEDED)
+
+    async def main() -> None:
+        async with stage_chain(str(path), SPLITS, tmp_path) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            expected = await _run(hybrid, stages[0].address, request, 71)
+            async with trio.open_nursery() as nursery:
+                text, tokens, resumes = await _run(hybrid, stages[0].address, request, 72, (stages[lost], nursery))
+            assert (text, tokens) == expected[:2] and [r["lost_stage"] for r in resumes] == [lost]
+            for stage in stages:
+                await _settled(stage)
+
+    try:
+        trio.run(main)
+    finally:
+        hybrid.close()

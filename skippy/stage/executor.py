@@ -409,6 +409,13 @@ class Executor:
         ``length`` positions; returns the positions it holds (0: not parked here, a fresh
         session the replay fills)."""
         old = self.parked.take(session_id)
+        if old is not None and old in self._sessions and getattr(self.context, "recurrent", False):
+            # a recurrent state cannot be cut back to ``length`` exactly in general: this stage
+            # computes the replay as a replacement would, from its upstream's logged rows
+            log.info("resume: session %d holds recurrent state here: recomputed from the replay",
+                     session_id & 0xFFFFFFFFFFFFFFFF)
+            self.release(old)
+            old = None
         if old is None or old not in self._sessions:
             if key in self._sessions:  # the resuming lane configured it before: start again
                 self.release(key)
