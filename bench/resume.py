@@ -34,7 +34,7 @@ from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E40
 from skippy.models.cache import ensure_model  # noqa: E402
 from skippy.models.spec import tiny  # noqa: E402
 
-SPLITS = ("0:1", "1:3", "3:4")
+SPLITS: list[str] = ["0:1", "1:3", "3:4"]
 
 
 def _generator(model: Path, n_ctx: int) -> Generator:
@@ -123,7 +123,9 @@ async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
                     await generation.abort()
                 print(f"log {'on ' if budget != '0' else 'off'}: context {context} + {kill_at} tokens; kill to next "
                       f"token {next_token * 1e3:.0f} ms; replacement start to READY {(ready - killed) * 1e3:.0f} ms; "
-                      f"resume (wait + configure + replay) {resumes[0]['resume_ms']:.0f} ms; median token gap "
+                      f"lane re-opened and replay sent {resumes[0]['reopened_ms']:.0f} ms; next token "
+                      f"{(last - ready) * 1e3:.0f} ms after READY; TTFT of the request "
+                      f"{generation.timing.time_to_first_token * 1e3:.0f} ms; median token gap "
                       f"before {statistics.median(gaps[1:kill_at]) * 1e3:.1f} ms")
     generator.close()
 
@@ -137,7 +139,13 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--kill-at", type=int, default=8)
     parser.add_argument("--ctx-size", type=int, default=2048)
+    parser.add_argument("--splits", default=",".join(SPLITS), help="the chain's layer ranges (3 stages)")
+    parser.add_argument("--real", action="store_true", help="the real Gemma 3 270M (skippy[real-model])")
     args = parser.parse_args()
+    SPLITS[:] = args.splits.split(",")
+    if args.real:
+        from skippy.models.real import ensure_real_model
+        args.model = ensure_real_model()
     model = args.model or ensure_model(tiny("llama"))
     if args.what == "cost":
         trio.run(cost, model, args.rounds, args.tokens, args.ctx_size)

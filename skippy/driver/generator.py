@@ -346,6 +346,8 @@ class Generation:
         self._own_lanes: list[StageClient] = []
         #: A speculative run's counters once a resume ended its speculation.
         self._spec_usage: SpeculationUsage | None = None
+        #: When the loss being resumed was noticed (0: none in progress).
+        self._resume_started = 0.0
 
     def __aiter__(self) -> "Generation":
         return self
@@ -370,6 +372,9 @@ class Generation:
                     if not self._resumable(exc):
                         raise
                     await self._resume(exc)
+            if self._resume_started:  # the first token after a resume: the resume is over
+                self.resumes[-1]["resume_ms"] = round((time.perf_counter() - self._resume_started) * 1e3, 3)
+                self._resume_started = 0.0
         except BaseException:
             self._generator.load.leave(self)
             await self._close_own_lanes()
@@ -598,8 +603,11 @@ class Generation:
                 await trio.sleep(0.1)
                 continue
             seconds = time.perf_counter() - started
+            # resume_ms (loss noticed to the next token) is set once that token is in
             self.resumes.append({"lost_stage": lost_index, "address": lost_address, "mode": mode,
-                                 "tokens": len(self.tokens), "resume_ms": round(seconds * 1e3, 3)})
+                                 "tokens": len(self.tokens), "reopened_ms": round(seconds * 1e3, 3),
+                                 "resume_ms": None})
+            self._resume_started = started
             log.warning("session %d resumed after losing stage %d (%s) in %.1f ms (%s)", self.session_id,
                         lost_index, lost_address, seconds * 1e3, mode)
             return
