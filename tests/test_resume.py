@@ -154,6 +154,7 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
             moment = time.time()
             before = [(await wait_for_stats(stage, lambda s: s.get("refreshed_at", 0) > moment))["resume"]
                       for stage in stages]
+            sockets = [stage.socket_count() for stage in stages]
             async with trio.open_nursery() as nursery:
                 text, tokens, resumes = await _run(generator, stages[0].address, request, 12,
                                                    (stages[lost], nursery))
@@ -172,6 +173,9 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
                 assert figures["adopted"] - old["adopted"] == 1, (index, figures)
                 computed = figures["computed_positions"] - old["computed_positions"]
                 assert computed <= len(PROMPT) + STEPS + 3, (index, figures)
+                with trio.fail_after(10):  # no socket left open: the lost lanes and the new ones closed
+                    while stage.socket_count() > sockets[index]:
+                        await trio.sleep(0.05)
 
     trio.run(main)
 

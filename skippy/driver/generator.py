@@ -348,6 +348,7 @@ class Generation:
         self._spec_usage: SpeculationUsage | None = None
         #: When the loss being resumed was noticed (0: none in progress).
         self._resume_started = 0.0
+        self._finishing = False
 
     def __aiter__(self) -> "Generation":
         return self
@@ -537,7 +538,15 @@ class Generation:
             else:
                 text += self._stops.flush()
         self._text.append(text)
-        await self._client.stop(self.session_id)
+        self._finishing = True  # every token is in: a loss from here on is not resumed
+        try:
+            await self._client.stop(self.session_id)
+        except StageLost as exc:
+            if self._generator.resume_attempts <= 0:
+                raise
+            # the text is complete: the stages release the session (or their parked copy at its deadline)
+            log.warning("session %d: the chain was lost while stopping (%s); the completion stands",
+                        self.session_id, exc)
         self.timing.add_frames(self._client.take_timings(), totals=True)  # §8: the upstream stages' totals
         usage = self._spec_usage if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
@@ -548,10 +557,10 @@ class Generation:
     # -- resume after a lost stage (docs/protocol.md §13) ---------------------------------------
     def _resumable(self, exc: StageLost) -> bool:
         """Whether a lost lane is resumed: the generator resumes, the loss is a loss (not a
-        refusal), and the run is a plain (not speculative, not forked) one."""
+        refusal), tries are left, and the run is not a fork nor finishing."""
         if self._generator.resume_attempts <= 0 or isinstance(exc, StageRemoteError):
             return False
-        if self._fork is not None:
+        if self._fork is not None or self._finishing:
             return False
         if self._failed_resumes >= self._generator.resume_attempts:
             return False
