@@ -244,7 +244,8 @@ def test_a_stage_that_never_comes_back_fails_the_request_naming_it(tiny_llama: P
     generator.resume_attempts, generator.resume_wait_s = 2, 0.5
 
     async def main() -> None:
-        async with stage_chain(str(tiny_llama), SPLITS, tmp_path) as stages:
+        # parked sessions wait 2 s for a resume that never comes, then are released
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path, extra=("--resume-hold-s", "2")) as stages:
             assert stages[0].address is not None and stages[1].address is not None
             client = await StageClient.connect(stages[0].address)
             generation = generator.start(client, GenerationRequest(PROMPT, STEPS), 31)
@@ -255,7 +256,7 @@ def test_a_stage_that_never_comes_back_fails_the_request_naming_it(tiny_llama: P
                     pass
             await client.aclose()
             for stage in (stages[0], stages[2]):  # nothing parked stays past the hold
-                await _settled(stage, timeout=40.0)
+                assert (await _settled(stage))["resume"]["park_expired"] >= 1
 
     try:
         trio.run(main)
@@ -401,3 +402,42 @@ def test_a_hybrid_model_resumes_with_its_recurrent_survivors_recomputing(tmp_pat
         trio.run(main)
     finally:
         hybrid.close()
+
+
+@SLOW
+def test_an_api_request_whose_stage_never_comes_back_gets_503_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    import httpx
+
+    from skippy.api.app import ChainService, create_app
+    from skippy.api.lanes import LanePool
+
+    generator = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=False)
+    generator.resume_attempts, generator.resume_wait_s = 2, 0.3
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 200, "temperature": 0}
+
+    async def main() -> None:
+        # parked sessions wait 2 s for a resume that never comes, then are released
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path, extra=("--resume-hold-s", "2")) as stages:
+            assert stages[0].address is not None and stages[1].address is not None
+            pool = LanePool(stages[0].address, max_lanes=1)
+            try:
+                app = create_app(ChainService(generator, pool, "tiny"))
+                async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://skippy",
+                                             timeout=60) as http:
+                    async with trio.open_nursery() as nursery:
+                        async def later() -> None:
+                            await trio.sleep(0.15)
+                            stages[1].kill()
+                        nursery.start_soon(later)
+                        response = await http.post("/v1/completions", json=body)
+                    assert response.status_code == 503, response.text
+                    assert str(stages[1].address.port) in response.text, response.text
+            finally:
+                await pool.aclose()
+            for stage in (stages[0], stages[2]):
+                await _settled(stage)
+
+    try:
+        trio.run(main)
+    finally:
+        generator.close()
