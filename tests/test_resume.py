@@ -441,3 +441,29 @@ def test_an_api_request_whose_stage_never_comes_back_gets_503_naming_it(tiny_lla
         trio.run(main)
     finally:
         generator.close()
+
+
+@SLOW
+@pytest.mark.parametrize("lost", [1, 2], ids=["middle", "final"])
+def test_a_run_with_direct_return_resumes_hop_by_hop(tiny_llama: Path, tmp_path: Path, lost: int) -> None:
+    generator = Generator.from_model(tiny_llama, n_ctx=256, chunk_size=5, credit=2, speculation=False)
+    generator.prefix_cache = False
+    generator.resume_attempts, generator.resume_wait_s = 3, 60.0
+    request = GenerationRequest(PROMPT, STEPS, SEEDED)
+
+    async def main() -> None:
+        async with stage_chain(str(tiny_llama), SPLITS, tmp_path) as stages:
+            _pin_ports(stages)
+            assert stages[0].address is not None
+            generator.direct_return = lambda: stages[-1].address
+            expected = await _run(generator, stages[0].address, request, 81)
+            async with trio.open_nursery() as nursery:
+                text, tokens, resumes = await _run(generator, stages[0].address, request, 82, (stages[lost], nursery))
+            assert (text, tokens) == expected[:2] and [r["lost_stage"] for r in resumes] == [lost]
+            for stage in stages:
+                await _settled(stage)
+
+    try:
+        trio.run(main)
+    finally:
+        generator.close()
