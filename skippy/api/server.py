@@ -122,6 +122,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         raise ValueError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)} (got {reasoning_format!r})")
     generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs, chat_template=chat_template)
     generator.resume_attempts, generator.resume_wait_s = resume_attempts, resume_wait_s
+    generator.first_stage = lambda: pool.address  # a launcher that moves the first stage re-points the pool
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
     try:
         generator.direct_return = direct_return_source(direct_return, pool, final_stage)

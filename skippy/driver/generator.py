@@ -585,42 +585,67 @@ class Generation:
         frame = exc.frame
         lost_index = frame.origin_stage_index if frame is not None else 0
         lost_address = frame.origin_address if frame is not None and frame.origin_address else str(old.address)
-        started = time.perf_counter()
+        # a loss before the first token after a resume is the same loss going on
+        started = self._resume_started or time.perf_counter()
         log.warning("session %d lost stage %d (%s) after %d tokens: resuming (try %d of %d)", self.session_id,
                     lost_index, lost_address, len(self.tokens), self._failed_resumes + 1, generator.resume_attempts)
         await old.aclose()
         last: StageLost = exc
         while self._failed_resumes < generator.resume_attempts:
-            try:
-                await _wait_accepting(lost_address, generator.resume_wait_s)
-                client = await StageClient.connect(old.address, reply_timeout=old.reply_timeout,
-                                                   extensions=old.extensions, tls=old.tls)
-            except StageLost as failure:
-                self._failed_resumes += 1
-                last = failure
-                continue
-            self._own_lanes.append(client)
-            self._client = client
-            try:
-                mode = await self._resume_on(client)
-            except StageLost as failure:
-                self._failed_resumes += 1
-                last = failure
-                if failure.frame is not None and failure.frame.origin_address:  # the chain names the lost stage
-                    lost_index, lost_address = failure.frame.origin_stage_index, failure.frame.origin_address
-                await client.aclose()
-                await trio.sleep(0.1)
-                continue
-            seconds = time.perf_counter() - started
-            # resume_ms (loss noticed to the next token) is set once that token is in
-            self.resumes.append({"lost_stage": lost_index, "address": lost_address, "mode": mode,
-                                 "tokens": len(self.tokens), "reopened_ms": round(seconds * 1e3, 3),
-                                 "resume_ms": None})
-            self._resume_started = started
-            log.warning("session %d resumed after losing stage %d (%s) in %.1f ms (%s)", self.session_id,
-                        lost_index, lost_address, seconds * 1e3, mode)
-            return
+            # one try: up to resume_wait_s for a replacement, at its old address (probed) or
+            # elsewhere (a launcher that re-wires the chain: the resume is tried every second)
+            deadline = trio.current_time() + generator.resume_wait_s
+            while True:
+                remaining = deadline - trio.current_time()
+                try:
+                    await _wait_accepting(lost_address, max(0.05, min(1.0, remaining)))
+                except StageLost:
+                    pass  # not back there (yet): try anyway, the stage may have moved
+                try:
+                    mode = await self._reopen(old)
+                except StageLost as failure:
+                    last = failure
+                    if failure.frame is not None and failure.frame.origin_address:  # the chain names the lost stage
+                        lost_index, lost_address = failure.frame.origin_stage_index, failure.frame.origin_address
+                    if trio.current_time() >= deadline:
+                        break
+                    await trio.sleep(0.1)
+                    continue
+                seconds = time.perf_counter() - started
+                # resume_ms (loss noticed to the next token) is set once that token is in
+                entry = {"lost_stage": lost_index, "address": lost_address, "mode": mode,
+                         "tokens": len(self.tokens), "reopened_ms": round(seconds * 1e3, 3), "resume_ms": None}
+                if self._resume_started:
+                    self.resumes[-1] = entry
+                else:
+                    self.resumes.append(entry)
+                self._resume_started = started
+                log.warning("session %d: lane re-opened after losing stage %d (%s) in %.1f ms (%s)",
+                            self.session_id, lost_index, lost_address, seconds * 1e3, mode)
+                return
+            self._failed_resumes += 1
+            log.warning("session %d: resume try %d of %d failed: %s", self.session_id, self._failed_resumes,
+                        generator.resume_attempts, last)
         raise StageLost(f"{last} (resume failed {self._failed_resumes} times)", last.frame) from last
+
+    async def _reopen(self, old: StageClient) -> str:
+        """A new lane to the first stage (where the generator says it is now), the session
+        resumed on it (:meth:`_resume_on`); the lane is this run's from then on.
+
+        Raises:
+            StageLost: no lane, or the chain failed again (the lane is closed).
+        """
+        first = self._generator.first_stage() if self._generator.first_stage is not None else None
+        client = await StageClient.connect(first or old.address, reply_timeout=old.reply_timeout,
+                                           extensions=old.extensions, tls=old.tls)
+        try:
+            mode = await self._resume_on(client)
+        except BaseException:
+            await client.aclose()
+            raise
+        self._own_lanes.append(client)
+        self._client = client
+        return mode
 
     async def _resume_on(self, client: StageClient) -> str:
         """Resume the session on the new lane ``client``; "replay" or "restart" (before the first token)."""
@@ -726,6 +751,9 @@ class Generator:
         self.decode_runs = decode_runs
         #: The final stage's address for direct return, read per request (None: hop by hop).
         self.direct_return: Callable[[], Address | None] | None = None
+        #: docs/protocol.md §13: where the first stage is now, read when a resume re-opens a lane
+        #: (None: where the lost lane went; a launcher that moves stages points it at its pool).
+        self.first_stage: Callable[[], Address | None] | None = None
         self.controller = controller
         #: The requests running now (from their first step to their end): speculation weighs a
         #: window's cost to the others by it (docs/throughput.md).
