@@ -7,12 +7,15 @@ per token is smallest):
 * ``cost``: decode tokens/s with the log on (``--resume-log-mib 64``) and off (``0``), two
   chains up at once, rounds interleaved (on, off, on, off, ...); the ratio of the medians.
   Also the log's bytes per position per stage (from the stats file).
+* ``step``: the first stage's executor alone (no processes, no sockets), one decode step at a
+  time with the log on and off, rounds interleaved: the log's cost where it is paid.
 * ``kill``: a request with a ``--context``-token prompt; after ``--kill-at`` tokens the middle
   stage is SIGKILLed and restarted on its port.  Reports kill-to-next-token, the replacement's
   start-up (process to READY), and the resume itself (``usage.skippy_resume``'s ``resume_ms``:
   wait + configure + replay), with the log on, and with it off (the survivors recompute).
 
     PYTHONPATH=. python bench/resume.py cost --rounds 6 --tokens 64
+    PYTHONPATH=. python bench/resume.py step --real --splits 0:6,6:12,12:18 --tokens 150
     PYTHONPATH=. python bench/resume.py kill --context 1000
 """
 
@@ -130,9 +133,43 @@ async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
     generator.close()
 
 
+def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
+    import numpy as np
+
+    from skippy.lane.protocol import Outputs
+    from skippy.lane.work import WorkItem
+    from skippy.stage.config import config_from_mapping
+    from skippy.stage.server import load_runtime
+
+    config = config_from_mapping({"model": str(model), "layers": SPLITS[0], "downstream": "127.0.0.1:1",
+                                  "threads": 1, "ctx_size": ctx, "prefix_cache": False})
+    executor = load_runtime(config)
+    budgets, rates = {"on": 64 << 20, "off": 0}, {"on": [], "off": []}  # type: ignore[var-annotated]
+    key = 1
+    for index in range(rounds):
+        for name in (("on", "off") if index % 2 else ("off", "on")):  # alternate which goes first
+            executor.configure_resume(budgets[name], 30.0)
+            key += 1
+            executor.configure(key, None)
+            executor.run_item(WorkItem(key, np.arange(16, dtype=np.int32), np.arange(1, 17, dtype=np.int32), None,
+                                       None, Outputs.NONE, prefill=True))
+            started = time.perf_counter_ns()
+            for position in range(16, 16 + steps):
+                executor.run_decode_batch([WorkItem(key, np.array([position], dtype=np.int32),
+                                                    np.array([5], dtype=np.int32), None, position, Outputs.LAST)])
+            rates[name].append((time.perf_counter_ns() - started) / steps / 1000)
+            executor.release(key)
+    executor.close()
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    print(f"{model.name} layers {SPLITS[0]}: us per decode step, median of {rounds} interleaved rounds of {steps}: "
+          f"log on {on:.1f}, off {off:.1f}; on/off {on / off:.4f}")
+    print("  rounds on :", " ".join(f"{r:.1f}" for r in rates["on"]))
+    print("  rounds off:", " ".join(f"{r:.1f}" for r in rates["off"]))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["cost", "kill"])
+    parser.add_argument("what", choices=["cost", "step", "kill"])
     parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny generated llama)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
@@ -149,6 +186,8 @@ def main() -> None:
     model = args.model or ensure_model(tiny("llama"))
     if args.what == "cost":
         trio.run(cost, model, args.rounds, args.tokens, args.ctx_size)
+    elif args.what == "step":
+        step(model, args.rounds, args.tokens, args.ctx_size)
     else:
         trio.run(kill, model, args.context, args.kill_at, args.ctx_size)
 
