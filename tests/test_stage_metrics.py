@@ -96,6 +96,10 @@ async def test_metrics_move_as_the_chain_serves(tiny_llama: Path, tmp_path: Path
         assert value(after[0], "skippy_stage_decode_relay_runs_total") >= 1
         assert value(after[1], "skippy_stage_decode_relay_tokens_total") >= 5  # greedy: the final stage's too
         assert value(during[0], "skippy_stage_sessions_in_use") >= 0
+        # docs/protocol.md §14: the activation log's budget (none on the final stage), empty once sessions end
+        assert value(after[0], "skippy_stage_resume_log_budget_bytes") == 64 << 20
+        assert value(after[1], "skippy_stage_resume_log_budget_bytes") == 0
+        assert value(after[0], "skippy_stage_resume_log_bytes") == 0
         assert _http_get(addresses[0], "/other")[0] == 404
 
 

@@ -219,6 +219,8 @@ int32_t skippy_sample_rows(struct llama_sampler ** samplers, struct llama_contex
                            int32_t n_rows, llama_token * out);
 int32_t skippy_sample_row_checked(struct llama_sampler * chain, struct llama_sampler * grammar, const float * logits,
                                   int32_t n_vocab, llama_token_data * scratch, llama_token * out);
+void skippy_sampler_draw(struct llama_sampler * smpl, int32_t n);
+int32_t skippy_grammar_allows(struct llama_sampler * grammar, llama_token token);
 size_t skippy_kv_cells_used(struct llama_context * ctx, int32_t n_seq);
 
 /* callbacks into Python (skippy/runtime/_callbacks.py) */

@@ -111,6 +111,26 @@ int32_t skippy_sample_row_checked(struct llama_sampler * chain, struct llama_sam
     return 0;
 }
 
+/* Apply `smpl` `n` times to a one-candidate array: a seeded dist sampler draws once per apply
+   (llama_sampler_dist_apply's size-1 path), so this moves its RNG to where n samples left it
+   (docs/protocol.md §14: a replaced final stage restores a session's sampler). */
+void skippy_sampler_draw(struct llama_sampler * smpl, int32_t n) {
+    for (int32_t i = 0; i < n; ++i) {
+        llama_token_data one = { 0, 0.0f, 0.0f };
+        llama_token_data_array single = { &one, 1, -1, false };
+        llama_sampler_apply(smpl, &single);
+    }
+}
+
+/* Whether `grammar` allows `token` next (a one-candidate apply; accepting a forbidden token would
+   throw through the C API). */
+int32_t skippy_grammar_allows(struct llama_sampler * grammar, llama_token token) {
+    llama_token_data one = { token, 0.0f, 0.0f };
+    llama_token_data_array single = { &one, 1, -1, false };
+    llama_sampler_apply(grammar, &single);
+    return one.logit > -INFINITY ? 1 : 0;
+}
+
 /* Cells in use: the sum over sequences [0, n_seq) of their position span (pos_max - pos_min + 1). */
 size_t skippy_kv_cells_used(struct llama_context * ctx, int32_t n_seq) {
     llama_memory_t mem = llama_get_memory(ctx);

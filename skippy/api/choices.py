@@ -78,6 +78,7 @@ def _usage(generations: Sequence[Generation]) -> dict[str, Any]:
         "total_tokens": completion.prompt_tokens + generated,
         "prompt_tokens_details": {"cached_tokens": completion.cached_tokens},
         "skippy_timing": completion.timing.as_dict(completion.completion_tokens),
+        **({"skippy_resume": completion.resumes} if completion.resumes else {}),
         **({} if completion.speculation is None else {"skippy_speculation": {
             **completion.speculation.as_dict(),
             "acceptance_rate": round(completion.speculation.acceptance_rate, 4)}}),

@@ -80,6 +80,7 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
                     max_queue: int = DEFAULT_MAX_QUEUE, queue_timeout: float = DEFAULT_QUEUE_TIMEOUT,
                     cors_origins: Sequence[str] = (), stage_tls: ssl.SSLContext | None = None,
                     on_pool: Callable[[LanePool], None] | None = None, decode_runs: bool = True,
+                    resume_attempts: int = 0, resume_wait_s: float = 30.0,
                     direct_return: str = "auto", final_stage: Address | None = None,
                     reasoning_format: str = "auto", chat_template: str | None = None,
                     aliases: Sequence[str] = (),
@@ -102,6 +103,9 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
         on_pool: called with the lane pool once made (a launcher that moves stages re-points it).
         decode_runs: requests that do not speculate decode as runs driven by the first stage
             (docs/protocol.md §11).
+        resume_attempts, resume_wait_s: a request that loses a stage resumes on its replacement
+            (docs/protocol.md §14) after waiting up to ``resume_wait_s`` for its address, at most
+            ``resume_attempts`` failed tries (0: it fails at once).
         direct_return: ``auto``, ``on`` or ``off``: see :func:`direct_return_source`.
         final_stage: the chain's final stage when ``stages`` is not given (direct return).
         chat_template: a built-in template's name or a Jinja file to serve instead of the model's
@@ -117,6 +121,8 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
     if reasoning_format not in REASONING_FORMATS:
         raise ValueError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)} (got {reasoning_format!r})")
     generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs, chat_template=chat_template)
+    generator.resume_attempts, generator.resume_wait_s = resume_attempts, resume_wait_s
+    generator.first_stage = lambda: pool.address  # a launcher that moves the first stage re-points the pool
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
     try:
         generator.direct_return = direct_return_source(direct_return, pool, final_stage)

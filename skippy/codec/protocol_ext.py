@@ -36,6 +36,8 @@ __all__ = [
     "MAX_ERROR_FRAME_BYTES",
     "MAX_TIMING_RECORDS",
     "PREFIX_EXTENT_FLAG",
+    "REPLAY_FLAG",
+    "RESUME_METADATA_KEY",
     "SKIPPY_EXTENSIONS_FLAG",
     "TIMING_RECORD_BYTES",
     "ErrorCode",
@@ -95,6 +97,13 @@ DECODE_RUN_FLAG: Final = 1 << 14
 #: and 12 as a lane's first message: the lane is a heartbeat lane; the stage answers that message
 #: and each later one like it with a v11 Ack, from its event loop, and the lane carries nothing else.
 LIVENESS_FLAG: Final = 1 << 24
+#: docs/protocol.md §14: state flag bit 22, "replay".  On a non-final PrefillEmbd of a resumed session:
+#: a stage that still holds the frame's positions (its KV) answers it from its activation log (or,
+#: without one, recomputes them) instead of extending the session; a fresh stage computes it.
+#: (Not bit 16: bits 16..21 are the boundary rows' count when bit 15 is set.)
+REPLAY_FLAG: Final = 1 << 22
+#: docs/protocol.md §14: the chat-metadata key of a resume (a ConfigureGeneration after a lost stage).
+RESUME_METADATA_KEY: Final = "skippy.resume"
 #: docs/protocol.md §11: the chat-metadata key of a decode run.
 DECODE_RUN_METADATA_KEY: Final = "skippy.decode_run"
 #: docs/protocol.md §10: the chat-metadata key of the sampling extension.

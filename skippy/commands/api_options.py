@@ -46,6 +46,12 @@ def add_api_options(parser: argparse.ArgumentParser) -> None:
     generation.add_argument("--decode-runs", choices=["on", "off"], default="on",
                             help="on (default): a request that does not speculate decodes as one run driven by the "
                                  "first stage (docs/protocol.md §11); off: one DecodeEmbd per token from the driver")
+    generation.add_argument("--resume-attempts", type=int, default=3, metavar="N",
+                            help="a request that loses a stage waits for its replacement (same address) and "
+                                 "resumes where it was (docs/protocol.md §14); after N failed tries it fails with "
+                                 "503 naming the stage (0: no resume, fail at once)")
+    generation.add_argument("--resume-wait", type=float, default=30.0, metavar="SECONDS",
+                            help="how long each resume try waits for the lost stage's address to accept again")
     generation.add_argument("--direct-return", choices=["auto", "on", "off"], default="auto",
                             help="a request that does not speculate gets its predictions straight from the final "
                                  "stage over a return lane instead of back through every stage (docs/protocol.md "
@@ -75,6 +81,8 @@ def api_settings(args: argparse.Namespace) -> dict[str, Any]:
         "max_body_bytes": max_body, "max_queue": max_queue, "queue_timeout": timeout,
         "cors_origins": tuple(getattr(args, "cors_origin", ()) or ()),
         "decode_runs": getattr(args, "decode_runs", "on") == "on",
+        "resume_attempts": max(0, getattr(args, "resume_attempts", 3)),
+        "resume_wait_s": getattr(args, "resume_wait", 30.0),
         "direct_return": getattr(args, "direct_return", "auto"),
         "reasoning_format": getattr(args, "reasoning_format", "auto"),
         "chat_template": getattr(args, "chat_template", None),

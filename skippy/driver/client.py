@@ -75,6 +75,7 @@ from skippy.codec.protocol_ext import (
     DECODE_RUN_FLAG,
     DIRECT_RETURN_FLAG,
     MODEL_IDENTITY_FLAG,
+    REPLAY_FLAG,
     SKIPPY_EXTENSIONS_FLAG,
     ErrorCode,
     ErrorFrame,
@@ -533,7 +534,36 @@ class StageClient:
         while outstanding:
             acks.append(await self._answer(None))
             outstanding -= 1
-        return PrefillResult(await self._answer(owed), tuple(acks))
+
+    async def replay(self, session_id: int, tokens: Sequence[int], frames: Sequence[tuple[int, int]], *,
+                     credit: int = 2, request_id: int = 0) -> int:
+        """docs/protocol.md §14: after a resume, send positions ``[0, len(tokens))`` of a session
+        again as PrefillEmbd frames flagged ``REPLAY`` with the partition they were first
+        computed in (``frames``: (start, count), contiguous from 0): a stage that holds them
+        answers from its activation log, a replacement computes them.  Returns the frames sent.
+        """
+        values = np.asarray(tokens, dtype=np.int32)
+        outstanding = sent = 0
+        for start, count in frames:
+            if count <= 0 or start + count > len(values):
+                raise ValueError(f"replay frame ({start}, {count}) outside the {len(values)} positions")
+            message = StageMessage.create(
+                MessageKind.PREFILL_EMBD, pos_start=start, token_count=count, request_id=request_id,
+                session_id=session_id, tokens=values[start:start + count],
+                state_changes={"prompt_token_count": len(values), "current_token": int(values[start + count - 1])})
+            message = dataclasses.replace(message, state=dataclasses.replace(
+                message.state, flags=message.state.flags | REPLAY_FLAG))
+            self._owe(message)
+            await self.send(message)
+            sent += 1
+            outstanding += 1
+            while outstanding > credit:  # (the rules check each is an ACK)
+                await self._answer(None)
+                outstanding -= 1
+        while outstanding:
+            await self._answer(None)
+            outstanding -= 1
+        return sent
 
     # -- decode runs (docs/protocol.md §11) ---------------------------------------------------
     @property

@@ -36,15 +36,19 @@ import math
 import logging
 import time
 from pathlib import Path
+
+import trio
 from typing import Any, Callable, Iterable, Mapping, Sequence, final
 
 from skippy.codec.protocol import LogitBias, SamplingConfig, StageReply
-from skippy.codec.protocol_ext import SamplingRequest, TimingRecord, TimingsFrame, TokenLogprobs
+from skippy.codec.protocol_ext import (
+    SAMPLING_EXTENSION_FLAG, SamplingRequest, TimingRecord, TimingsFrame, TokenLogprobs,
+)
 from skippy.driver import prefix
 from skippy.driver.chat_render import ChatRenderer, ChatTemplateError
 from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT_TEMPLATE  # re-exported
 from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoice, choose_chat_template
-from skippy.driver.client import StageClient, StageClientError
+from skippy.driver.client import StageClient, StageClientError, StageLost, StageRemoteError
 from skippy.driver.prefill_chunking import PrefillChunker, observation_from
 from skippy.driver.speculation.controller import ControllerConfig, SessionLoad
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
@@ -239,6 +243,9 @@ class Completion:
     logprobs: list[TokenLogprobs] | None = None
     #: The stop string that ended the text (None: an end-of-generation token, max_tokens, or none).
     stop_string: str | None = None
+    #: docs/protocol.md §14: one entry per stage lost and resumed during the run
+    #: (``usage.skippy_resume``): the stage, how the chain resumed, and how long it took.
+    resumes: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def completion_tokens(self) -> int:
@@ -330,6 +337,18 @@ class Generation:
         self.fork_point: tuple[int, int] | None = None
         #: One entry per token of :attr:`tokens` (a request that asked for logprobs).
         self.logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
+        #: docs/protocol.md §14: the partition the session's positions were first computed in
+        #: ((start, count) frames: the prefill chunks, then one per decoded token), the resumes
+        #: so far, failed resume tries, and the lanes this run opened itself (closed at its end).
+        self._frames: list[tuple[int, int]] = []
+        self.resumes: list[dict[str, Any]] = []
+        self._failed_resumes = 0
+        self._own_lanes: list[StageClient] = []
+        #: A speculative run's counters once a resume ended its speculation.
+        self._spec_usage: SpeculationUsage | None = None
+        #: When the loss being resumed was noticed (0: none in progress).
+        self._resume_started = 0.0
+        self._finishing = False
 
     def __aiter__(self) -> "Generation":
         return self
@@ -346,9 +365,20 @@ class Generation:
         self._exchanging = True  # stays set if the step fails or is cancelled: the lane is mid-exchange
         self._generator.load.enter(self)
         try:
-            piece = await self._step()
+            while True:
+                try:
+                    piece = await self._step()
+                    break
+                except StageLost as exc:
+                    if not self._resumable(exc):
+                        raise
+                    await self._resume(exc)
+            if self._resume_started:  # the first token after a resume: the resume is over
+                self.resumes[-1]["resume_ms"] = round((time.perf_counter() - self._resume_started) * 1e3, 3)
+                self._resume_started = 0.0
         except BaseException:
             self._generator.load.leave(self)
+            await self._close_own_lanes()
             raise
         if self.result is not None:
             self._generator.load.leave(self)
@@ -402,7 +432,9 @@ class Generation:
                                               chunk_size=self._generator.prefill_chunk_size,
                                               credit=self._generator.credit,
                                               extension=request.sampling_extension,
-                                              direct_return=self._generator.direct_return_for(request))
+                                              direct_return=self._generator.direct_return_for(request),
+                                              resumable=self._generator.resume_attempts > 0)
+            self._frames = _prefill_frames(len(request.prompt), cached.cached_tokens, cached.chunk_size)
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
             self.fork_point = cached.last_chunk(len(request.prompt))
             reply = prefill.reply
@@ -440,6 +472,7 @@ class Generation:
             else:
                 reply = await client.decode(self.session_id, self.tokens[-1], self._position,
                                             decode_step=len(self.tokens) - 1)
+            self._frames.append((self._position, 1))
             self._position += 1
             now = time.perf_counter()
             self.timing.inter_token.append(now - self._last)
@@ -505,12 +538,140 @@ class Generation:
             else:
                 text += self._stops.flush()
         self._text.append(text)
-        await self._client.stop(self.session_id)
+        self._finishing = True  # every token is in: a loss from here on is not resumed
+        try:
+            await self._client.stop(self.session_id)
+        except StageLost as exc:
+            if self._generator.resume_attempts <= 0:
+                raise
+            # the text is complete: the stages release the session (or their parked copy at its deadline)
+            log.warning("session %d: the chain was lost while stopping (%s); the completion stands",
+                        self.session_id, exc)
         self.timing.add_frames(self._client.take_timings(), totals=True)  # §8: the upstream stages' totals
-        usage = None if self._runner is None else self._runner.decoder.usage
+        usage = self._spec_usage if self._runner is None else self._runner.decoder.usage
         self.result = Completion("".join(self._text), self.tokens, reason, len(self.request.prompt), self.timing,
-                                 usage, self.cached_tokens, self.logprobs, self._stops.matched)
+                                 usage, self.cached_tokens, self.logprobs, self._stops.matched, self.resumes)
+        await self._close_own_lanes()
         return text
+
+    # -- resume after a lost stage (docs/protocol.md §14) ---------------------------------------
+    def _resumable(self, exc: StageLost) -> bool:
+        """Whether a lost lane is resumed: the generator resumes, the loss is a loss (not a
+        refusal), tries are left, and the run is not a fork nor finishing."""
+        if self._generator.resume_attempts <= 0 or isinstance(exc, StageRemoteError):
+            return False
+        if self._fork is not None or self._finishing:
+            return False
+        if self._failed_resumes >= self._generator.resume_attempts:
+            return False
+        return True
+
+    async def _close_own_lanes(self) -> None:
+        lanes, self._own_lanes = self._own_lanes, []
+        for lane in lanes:
+            await lane.aclose()
+
+    async def _resume(self, exc: StageLost) -> None:
+        """Re-open the lane once the lost stage's address accepts again, then resume the session:
+        a ConfigureGeneration with the resume section (every stage keeps what it holds up to the
+        committed length; the final stage restores its sampler), and a replay of the committed
+        positions in their original frames (docs/protocol.md §14).  Before the first token the
+        request simply starts again (a full prefill).
+
+        Raises:
+            StageLost: the resume failed ``resume_attempts`` times (the last loss, naming the stage).
+        """
+        generator, old = self._generator, self._client
+        frame = exc.frame
+        lost_index = frame.origin_stage_index if frame is not None else 0
+        lost_address = frame.origin_address if frame is not None and frame.origin_address else str(old.address)
+        # a loss before the first token after a resume is the same loss going on
+        started = self._resume_started or time.perf_counter()
+        log.warning("session %d lost stage %d (%s) after %d tokens: resuming (try %d of %d)", self.session_id,
+                    lost_index, lost_address, len(self.tokens), self._failed_resumes + 1, generator.resume_attempts)
+        await old.aclose()
+        last: StageLost = exc
+        while self._failed_resumes < generator.resume_attempts:
+            # one try: up to resume_wait_s for a replacement, at its old address (probed) or
+            # elsewhere (a launcher that re-wires the chain: the resume is tried every second)
+            deadline = trio.current_time() + generator.resume_wait_s
+            while True:
+                remaining = deadline - trio.current_time()
+                try:
+                    await _wait_accepting(lost_address, max(0.05, min(1.0, remaining)))
+                except StageLost:
+                    pass  # not back there (yet): try anyway, the stage may have moved
+                try:
+                    mode = await self._reopen(old)
+                except StageLost as failure:
+                    last = failure
+                    if failure.frame is not None and failure.frame.origin_address:  # the chain names the lost stage
+                        lost_index, lost_address = failure.frame.origin_stage_index, failure.frame.origin_address
+                    if trio.current_time() >= deadline:
+                        break
+                    await trio.sleep(0.1)
+                    continue
+                seconds = time.perf_counter() - started
+                # resume_ms (loss noticed to the next token) is set once that token is in
+                entry = {"lost_stage": lost_index, "address": lost_address, "mode": mode,
+                         "tokens": len(self.tokens), "reopened_ms": round(seconds * 1e3, 3), "resume_ms": None}
+                if self._resume_started:
+                    self.resumes[-1] = entry
+                else:
+                    self.resumes.append(entry)
+                self._resume_started = started
+                log.warning("session %d: lane re-opened after losing stage %d (%s) in %.1f ms (%s)",
+                            self.session_id, lost_index, lost_address, seconds * 1e3, mode)
+                return
+            self._failed_resumes += 1
+            log.warning("session %d: resume try %d of %d failed: %s", self.session_id, self._failed_resumes,
+                        generator.resume_attempts, last)
+        raise StageLost(f"{last} (resume failed {self._failed_resumes} times)", last.frame) from last
+
+    async def _reopen(self, old: StageClient) -> str:
+        """A new lane to the first stage (where the generator says it is now), the session
+        resumed on it (:meth:`_resume_on`); the lane is this run's from then on.
+
+        Raises:
+            StageLost: no lane, or the chain failed again (the lane is closed).
+        """
+        first = self._generator.first_stage() if self._generator.first_stage is not None else None
+        client = await StageClient.connect(first or old.address, reply_timeout=old.reply_timeout,
+                                           extensions=old.extensions, tls=old.tls)
+        try:
+            mode = await self._resume_on(client)
+        except BaseException:
+            await client.aclose()
+            raise
+        self._own_lanes.append(client)
+        self._client = client
+        return mode
+
+    async def _resume_on(self, client: StageClient) -> str:
+        """Resume the session on the new lane ``client``; "replay" or "restart" (before the first token)."""
+        request = self.request
+        if not self.tokens:
+            return "restart"  # the next step configures and prefills again (stages release what they parked)
+        length = len(request.prompt) + len(self.tokens) - 1
+        positions = [*request.prompt, *self.tokens[:-1]]
+        section = {"length": length, "tokens": list(self.tokens)}
+        text = prefix.configure_metadata(None, request.sampling_extension, section)
+        flags = SAMPLING_EXTENSION_FLAG if request.sampling_extension is not None else 0
+        await client.configure(self.session_id, sampling=sampling_config(request.sampling),
+                               prompt_token_count=len(request.prompt), metadata=text, flags=flags)
+        if self._runner is not None:  # windows in flight are gone with the lane: go on token by token
+            self._spec_usage, self._runner = self._runner.decoder.usage, None
+        frames = [f for f in self._frames if f[0] + f[1] <= length]
+        covered = frames[-1][0] + frames[-1][1] if frames else 0
+        if sum(count for _, count in frames) != covered:
+            frames, covered = [], 0
+        # positions a speculative run committed in verify windows: one frame each (their windows'
+        # partition is not kept, so the replacement's rows may round differently there)
+        frames += [(position, 1) for position in range(covered, length)]
+        await client.replay(self.session_id, positions, frames, credit=self._generator.credit)
+        self._frames = frames
+        self._position = length
+        return "replay"
 
     async def run(self) -> Completion:
         """Run to the end; the completion."""
@@ -518,6 +679,39 @@ class Generation:
             pass
         assert self.result is not None
         return self.result
+
+
+def _prefill_frames(total: int, cached: int, chunk_size: int | None) -> list[tuple[int, int]]:
+    """The (start, count) frames a prefill of ``total`` positions was computed in: the restored
+    prefix (its partition unknown here: chunks of ``chunk_size``), then the chunks from ``cached``."""
+    size = chunk_size if chunk_size and chunk_size > 0 else max(1, total)
+    frames = [(start, min(size, cached - start)) for start in range(0, cached, size)]
+    frames += [(start, min(size, total - start)) for start in range(cached, total, size)]
+    return frames
+
+
+async def _wait_accepting(address: str, timeout: float) -> None:
+    """Wait until ``address`` accepts a TCP connection (a replacement stage listens there), at
+    most ``timeout`` seconds.
+
+    Raises:
+        StageLost: it did not within ``timeout``.
+    """
+    try:
+        target = Address.parse(address)
+    except ValueError as exc:
+        raise StageLost(f"cannot wait for lost stage at {address!r}: {exc}") from exc
+    deadline = trio.current_time() + timeout
+    while True:
+        try:
+            with trio.fail_after(max(0.05, deadline - trio.current_time())):
+                stream = await trio.open_tcp_stream(target.host, target.port)
+            await trio.aclose_forcefully(stream)
+            return
+        except (OSError, trio.TooSlowError) as exc:
+            if trio.current_time() >= deadline:
+                raise StageLost(f"lost stage {address} did not accept connections within {timeout:g} s") from exc
+            await trio.sleep(0.05)
 
 
 @final
@@ -548,7 +742,8 @@ class Generator:
     def __init__(self, tokenizer: Tokenizer, *, chat_template: str | None = None, n_ctx: int = 4096,
                  chunk_size: int | None = None, credit: int = 2, speculation: bool = DEFAULT_SPECULATION,
                  controller: ControllerConfig = ControllerConfig(),
-                 chat_template_choice: ChatTemplateChoice | None = None, decode_runs: bool = True) -> None:
+                 chat_template_choice: ChatTemplateChoice | None = None, decode_runs: bool = True,
+                 resume_attempts: int = 0, resume_wait_s: float = 30.0) -> None:
         self.tokenizer = tokenizer
         self.speculation = speculation
         #: docs/protocol.md §11: requests that do not speculate decode as one run driven by the
@@ -556,6 +751,9 @@ class Generator:
         self.decode_runs = decode_runs
         #: The final stage's address for direct return, read per request (None: hop by hop).
         self.direct_return: Callable[[], Address | None] | None = None
+        #: docs/protocol.md §14: where the first stage is now, read when a resume re-opens a lane
+        #: (None: where the lost lane went; a launcher that moves stages points it at its pool).
+        self.first_stage: Callable[[], Address | None] | None = None
         self.controller = controller
         #: The requests running now (from their first step to their end): speculation weighs a
         #: window's cost to the others by it (docs/throughput.md).
@@ -570,6 +768,11 @@ class Generator:
         self.chunking: PrefillChunker | None = PrefillChunker() if chunk_size is None else None
         self.credit = credit
         self._formatter: ChatRenderer | None = None
+        #: docs/protocol.md §14: failed resume tries a request may make after losing a stage
+        #: (0: a lost stage fails the request, and the stages park nothing for it), and how long
+        #: each waits for the lost stage's address to accept again.
+        self.resume_attempts = resume_attempts
+        self.resume_wait_s = resume_wait_s
         #: Prefix KV cache default for requests that do not say, and the stages' page size.
         self.prefix_cache = True
         self.cache_page_size = prefix.DEFAULT_PAGE_SIZE

@@ -44,6 +44,7 @@ import numpy as np
 from skippy.codec.protocol import MessageKind, ReplyKind, SamplingConfig, StageMessage, StageReply
 from skippy.codec.protocol_ext import (
     PREFIX_EXTENT_FLAG,
+    RESUME_METADATA_KEY,
     SAMPLING_EXTENSION_FLAG,
     SAMPLING_METADATA_KEY,
     SamplingRequest,
@@ -103,9 +104,13 @@ def metadata(cache: CacheRequest) -> str:
                       separators=(",", ":"))
 
 
-def configure_metadata(cache: CacheRequest | None, extension: SamplingRequest | None) -> str | None:
-    """ConfigureGeneration's chat metadata: the cache settings and the sampling extension (§10)."""
+def configure_metadata(cache: CacheRequest | None, extension: SamplingRequest | None,
+                       resume: dict[str, object] | None = None) -> str | None:
+    """ConfigureGeneration's chat metadata: the cache settings, the sampling extension (§10) and
+    the resume section (§14: ``{"hold": true}`` on a resumable request's first configure)."""
     sections: dict[str, object] = {}
+    if resume is not None:
+        sections[RESUME_METADATA_KEY] = resume
     if cache is not None:
         sections["skippy.prefix_cache"] = {"namespace": cache.namespace, "record": cache.enabled}
     if extension is not None:
@@ -258,7 +263,8 @@ async def fork_prefill(client: StageClient, session_id: int, prompt: Sequence[in
 async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *,
                   sampling: SamplingConfig | None, cache: CacheRequest | None,
                   chunk_size: int | Callable[[int], int], credit: int, request_id: int = 0,
-                  extension: SamplingRequest | None = None, direct_return: Address | None = None) -> CachedPrefill:
+                  extension: SamplingRequest | None = None, direct_return: Address | None = None,
+                  resumable: bool = False) -> CachedPrefill:
     """Configure the session and prefill ``prompt``, restoring what the chain has cached.
 
     ``chunk_size`` is a size, or a function of the token count left to prefill after the restore
@@ -274,7 +280,7 @@ async def prefill(client: StageClient, session_id: int, prompt: Sequence[int], *
         SamplingExtensionRefused: the chain did not confirm ``extension``.
         StageLost: the final stage named by ``direct_return`` cannot be reached.
     """
-    text = configure_metadata(cache, extension)
+    text = configure_metadata(cache, extension, {"hold": True} if resumable else None)
     flags = SAMPLING_EXTENSION_FLAG if extension is not None else 0
     control = [await client.configure(session_id, sampling=sampling, prompt_token_count=len(prompt),
                                       request_id=request_id, metadata=text, flags=flags)]

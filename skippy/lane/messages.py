@@ -21,7 +21,7 @@ from skippy.codec.protocol import (
     BOUNDARY_ROWS_BITS, BOUNDARY_ROWS_FLAG, MessageKind, ReplyStats, SamplingConfig, StageMessage, StageReply,
     StateFlag, StateHeader, WireDType, activation_row_multiplier,
 )
-from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG
+from skippy.codec.protocol_ext import REPLAY_FLAG, SKIPPY_EXTENSIONS_FLAG
 from skippy.lane.errors import InvalidMessage, StageError
 from skippy.lane.protocol import Dispatch
 from skippy.lane.stats import timing_stats
@@ -166,12 +166,15 @@ def work_item(dispatch: Dispatch, key: int, *, is_first: bool, width: int, max_r
             raise InvalidMessage(f"{kind.reference_name}: positions {low}..{high} outside this stage's "
                                  f"0..{end - 1} (--ctx-size)")
     prefill = dispatch.rule.prefill
-    return WorkItem(
+    item = WorkItem(
         key, positions, tokens if is_first or reads_tokens else None, activations, dispatch.align_to, dispatch.rule.outputs,
         None if message.sampling is None else _sampling(sampling, message.sampling),
         tokens if prefill and tokens.shape[0] == count else None,
         prefill, kind is MessageKind.PREFILL_FINAL_EMBD,
     )
+    if message.state.flags & REPLAY_FLAG and kind is MessageKind.PREFILL_EMBD:  # docs/protocol.md §14
+        item.replay = True
+    return item
 
 
 def _sampling(convert: Callable[[SamplingConfig], Any] | None, config: SamplingConfig) -> Any:

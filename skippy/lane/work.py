@@ -39,6 +39,9 @@ class WorkItem:
     #: A prefill chunk (its tokens extend the session's prompt); the final one records it.
     prefill: bool = False
     final_prefill: bool = False
+    #: docs/protocol.md §14: a replay frame of a resumed session (a stage holding its positions
+    #: answers it from its activation log).
+    replay: bool = False
     #: Rows (one per position), and whether it is a single-row decode that may share a native
     #: batch with other sessions' decodes: plain fields, set once (an item is never reshaped).
     rows: int = dataclasses.field(init=False)

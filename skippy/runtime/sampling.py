@@ -26,7 +26,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from typing import final
+from typing import Sequence, final
 
 from skippy.runtime import _callbacks
 from skippy.runtime.errors import ClosedError, NativeError
@@ -143,6 +143,7 @@ class Sampler:
 
     def __init__(self, params: SamplingParams, n_vocab: int, vocab: object = None) -> None:
         self.params = params
+        self._n_vocab = n_vocab
         #: Greedy with nothing before it in the chain: the sample is the logits' first maximum
         #: (what the greedy sampler picks), which the context takes without building the
         #: n_vocab-entry candidate array.  Accepting tokens changes nothing in such a chain.
@@ -161,11 +162,15 @@ class Sampler:
             if grammar == ffi.NULL:
                 reason = _callbacks.take_recent_errors().strip() or "llama.cpp refused it"
                 raise ValueError(f"the grammar does not parse: {reason}")
+        #: The grammar sampler, beside or in the chain (NULL: none): :meth:`restore` checks tokens with it.
+        self._grammar_check = grammar
         #: The grammar kept beside the chain (see the module header), or NULL.
         self._grammar = ffi.NULL
         beside = params.greedy or (params.top_k == 0 and params.top_p >= 1.0 and params.min_p <= 0.0)
         if grammar != ffi.NULL and beside:
             self._grammar, grammar = grammar, ffi.NULL
+        #: The chain's seeded draw (NULL: greedy), which :meth:`restore` advances.
+        self._dist = ffi.NULL
         chain_params = lib.llama_sampler_chain_default_params()
         chain_params.no_perf = True
         chain = lib.llama_sampler_chain_init(chain_params)
@@ -204,7 +209,8 @@ class Sampler:
             if params.min_p > 0.0:
                 lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_min_p(params.min_p, 1))
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
-            lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(params.seed))
+            self._dist = lib.llama_sampler_init_dist(params.seed)
+            lib.llama_sampler_chain_add(chain, self._dist)  # the chain owns it; kept for restore()
         self._ptr = chain
 
     @property
@@ -228,6 +234,30 @@ class Sampler:
         if self.checked:
             raise ValueError("a grammar sampler accepts only the tokens it sampled")
         lib.llama_sampler_accept(self.pointer, token)
+
+    def restore(self, tokens: Sequence[int]) -> None:
+        """Bring a fresh sampler to where sampling ``tokens`` (in order) left the original
+        (docs/protocol.md §14, a replaced final stage): the penalties' history and the grammar
+        accept them, and the seeded draw advances once per token (llama.cpp's dist sampler draws
+        exactly once per sample).  Exact but for one case: a grammar kept beside the chain whose
+        check refused a pick drew twice for that token (``skippy_sample_row_checked``), which
+        the token list cannot tell.
+
+        Raises:
+            ValueError: a token outside the vocabulary, or one the grammar does not allow there
+                (accepting it would end the process); the tokens before it were accepted.
+        """
+        chain = self.pointer
+        for index, token in enumerate(tokens):
+            if not 0 <= token < self._n_vocab:
+                raise ValueError(f"restored token {index} ({token}) is outside the vocabulary")
+            if self._grammar_check != ffi.NULL and not lib.skippy_grammar_allows(self._grammar_check, int(token)):
+                raise ValueError(f"restored token {index} ({token}) is not allowed by the grammar there")
+            if self._grammar != ffi.NULL:
+                lib.llama_sampler_accept(self._grammar, int(token))
+            lib.llama_sampler_accept(chain, int(token))
+        if self._dist != ffi.NULL and tokens:
+            lib.skippy_sampler_draw(self._dist, len(tokens))
 
     def reset(self) -> None:
         """Forget the history (penalties) and restart the grammar from its root rule."""

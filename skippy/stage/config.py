@@ -56,6 +56,8 @@ class StageConfig:
     log_level: str = "INFO"
     prefix_cache: bool = True
     cache_slots: int = 8
+    resume_log_mib: float = 64.0
+    resume_hold_s: float = 30.0
     cache_page_size: int = 64
     cache_resident_tokens: int | None = None
     cache_spill_entries: int = 64
@@ -143,6 +145,8 @@ class StageConfig:
             (not self.prefix_cache or (1 <= self.cache_slots and self.max_sessions + self.cache_slots <= 256),
              f"cache_slots must be >= 1 and max_sessions + cache_slots <= 256 (got {self.cache_slots})"),
             (self.cache_page_size >= 1, f"cache_page_size must be >= 1 (got {self.cache_page_size})"),
+            (0 <= self.resume_log_mib < 1 << 30, f"resume_log_mib must be >= 0 (got {self.resume_log_mib})"),
+            (0 <= self.resume_hold_s <= 86400, f"resume_hold_s must be in [0, 86400] (got {self.resume_hold_s})"),
             (self.cache_resident_tokens is None or self.cache_resident_tokens >= 0,
              f"cache_resident_tokens must be >= 0 (got {self.cache_resident_tokens})"),
             (self.cache_spill_entries >= 0, f"cache_spill_entries must be >= 0 (got {self.cache_spill_entries})"),
@@ -280,6 +284,11 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "log_level": (str, "DEBUG, INFO, WARNING or ERROR"),
     "prefix_cache": (_bool, "keep the KV of recent prompt prefixes (docs/prefix-cache.md): on or off"),
     "cache_slots": (int, "sequence ids reserved for resident cached prefixes (max_sessions + slots <= 256)"),
+    "resume_log_mib": (float, "memory for the activations this stage sent downstream, per session, so a request "
+                       "survives a lost stage behind it without recomputing here (docs/protocol.md §14; 0 = off: "
+                       "such a resume recomputes the session's positions on this stage)"),
+    "resume_hold_s": (float, "seconds a session whose lane was lost with a stage waits for its driver's resume "
+                      "before it is released (docs/protocol.md §14)"),
     "cache_page_size": (int, "tokens per cache page; use the same value on every stage"),
     "cache_resident_tokens": (_optional_int, "KV cells resident cached prefixes may hold (none = unlimited)"),
     "cache_spill_entries": (int, "cached prefixes kept in host memory after eviction (0 = no spill tier)"),

@@ -180,11 +180,15 @@ class Connection:
         finally:
             await self.up.close(error)
             with trio.CancelScope(shield=True):
-                await self._cleanup()
+                # docs/protocol.md §14: a lane lost with the chain (its downstream, or, behind the
+                # first stage, its upstream stage) parks the sessions their driver resumes
+                lost = not self.scheduler.executor.is_first or (
+                    error is not None and error.code == ErrorCode.DOWNSTREAM_LOST)
+                await self._cleanup(lost=lost)
 
-    async def _cleanup(self) -> None:
+    async def _cleanup(self, *, lost: bool = False) -> None:
         self.up.release_all()
-        orphans = await control.release_orphans(self._stage, self.id)
+        orphans = await control.release_orphans(self._stage, self.id, lost=lost)
         for stream in (self.link.stream, self.upstream):
             if stream is not None:
                 with trio.move_on_after(1):

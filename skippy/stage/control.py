@@ -23,7 +23,7 @@ from skippy.codec.protocol_ext import SAMPLING_EXTENSION_FLAG, SAMPLING_METADATA
 from skippy.lane.errors import InvalidMessage, StageError
 from skippy.lane.protocol import Dispatch, Forward, Handling, StageLane
 from skippy.lane.work import WorkResult
-from skippy.stage import extensions, prefix_control
+from skippy.stage import activation_log, extensions, prefix_control
 from skippy.stage.executor import sampling_params
 from skippy.stage.lane import LaneSettings
 from skippy.stage.scheduler import Scheduler
@@ -68,15 +68,23 @@ async def release(stage: StageParts, key: int) -> None:
         stage.stats.touch()
 
 
-async def release_orphans(stage: StageParts, lane_id: int) -> int:
+async def release_orphans(stage: StageParts, lane_id: int, *, lost: bool = False) -> int:
     """The lane closes: release every session it still holds (one failing does not stop the
-    others); returns how many it held."""
+    others); returns how many it held.  ``lost``: the chain lost a stage, so a session whose
+    driver resumes (docs/protocol.md §14) is parked for its resume instead."""
     orphans = sorted(stage.lane.sessions)
     stage.lane.sessions.clear()
     executor = stage.scheduler.executor
     for key in orphans:
         try:
-            released = await stage.scheduler.call(functools.partial(executor.release, key))
+            if lost:
+                outcome = await stage.scheduler.call(functools.partial(executor.park_or_release, key))
+                released = outcome == "released"
+                if outcome == "parked":
+                    log.info("lane %d: session %d parked for its resume (%g s)", lane_id, key & ((1 << 64) - 1),
+                             executor.parked.hold_s)
+            else:
+                released = await stage.scheduler.call(functools.partial(executor.release, key))
         except StageError as exc:
             log.warning("lane %d: releasing session %d failed: %s", lane_id, key & ((1 << 64) - 1), exc)
             continue
@@ -122,7 +130,19 @@ async def configure(stage: StageParts, dispatch: Dispatch, key: int, forward: Fo
     scheduler, executor, message = stage.scheduler, stage.scheduler.executor, dispatch.message
     params = sampling_params(message.sampling)
     stage.lane.claim(key)
+    try:
+        resume = activation_log.resume_request(message.chat_sampling_metadata)
+    except ValueError as exc:
+        raise InvalidMessage(f"ConfigureGeneration's resume section is refused: {exc}") from exc
+    if resume is not None:  # docs/protocol.md §14: adopt the parked session, or start it fresh
+        held = await scheduler.call(lambda: executor.adopt(message.session_id, key, resume.length))
+        log.info("resume: session %d %s", message.session_id,
+                 f"adopted, holding {held} positions" if held else "not held here: the replay fills it")
+    elif executor.parked and message.session_id:  # a new request with a parked session's id
+        await scheduler.call(lambda: executor.release_parked(message.session_id))
     await scheduler.call(lambda: executor.configure(key, params))
+    if activation_log.holds_for_resume(message.chat_sampling_metadata):
+        await scheduler.call(lambda: executor.hold_for_resume(key))
     cache_settings = prefix_control.prefix_settings(message.chat_sampling_metadata)
     if cache_settings is not None and executor.cache is not None:
         await scheduler.call(lambda: executor.configure_prefix(key, *cache_settings))
@@ -133,6 +153,8 @@ async def configure(stage: StageParts, dispatch: Dispatch, key: int, forward: Fo
         features = await scheduler.call(lambda: executor.configure_extension(key, extension))
         if flagged:
             annotations = extensions.sampling_accepted(features)
+        if resume is not None:
+            await scheduler.call(lambda: executor.restore_sampler(key, resume.tokens))
     fork = prefix_control.fork_settings(message.chat_sampling_metadata)
     if fork is None:
         return OwnPart(annotations=annotations) if annotations else NOTHING_MORE

@@ -28,6 +28,7 @@ no KV slot asks the cache to give back resident cells and retries once.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from typing import TYPE_CHECKING, Any, Protocol, Sequence, cast
 
@@ -41,9 +42,12 @@ from skippy.lane.protocol import Outputs
 from skippy.lane.work import FloatArray, IntArray, WorkItem, WorkResult
 from skippy.runtime.errors import KvSlotUnavailable, NativeError
 from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
+from skippy.stage.activation_log import DEFAULT_LOG_BYTES, ActivationLog, LogStats, ParkedSessions
 
 if TYPE_CHECKING:
     from skippy.cache import StageCache
+
+log = logging.getLogger("skippy.stage")
 
 class RuntimeContext(Protocol):
     """What the executor needs of ``StageContext`` (``NullContext`` provides the same)."""
@@ -76,6 +80,11 @@ class _Session:
     namespace: str | None = None
     record: bool = True
     prompt: list[int] | None = dataclasses.field(default_factory=list)
+    #: docs/protocol.md §14: the driver resumes this session after a lost stage (it is parked,
+    #: not released, when its lane closes on a loss).
+    resumable: bool = False
+    #: Adopted by a resume: a replay frame it cannot answer from the log is a recompute.
+    resumed: bool = False
 
 
 def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
@@ -216,6 +225,11 @@ class Executor:
         #: The null runtime never blocks; the scheduler runs it inline.
         self.blocking: bool = bool(getattr(context, "blocking", True))
         self._sessions: dict[int, _Session] = {}
+        #: docs/protocol.md §14: what this stage sent downstream per session, the sessions parked
+        #: after a lost stage, and their counters (:mod:`skippy.stage.activation_log`).
+        self.resume_stats = LogStats()
+        self.activation_log = ActivationLog(0 if self.is_last else DEFAULT_LOG_BYTES, self.resume_stats)
+        self.parked = ParkedSessions(stats=self.resume_stats)
 
     # -- sessions ----------------------------------------------------------------------------
     @property
@@ -324,6 +338,7 @@ class Executor:
         if session is None:
             return 0
         held = self.context.length(session.seq)
+        self.activation_log.trim(key, length)
         if held > length:
             self.context.trim(session.seq, length)
             return held - length
@@ -338,8 +353,125 @@ class Executor:
             self.cache.release(session.seq)
         if session.sampler is not None:
             session.sampler.close()
+        self.activation_log.drop(key)
         self.context.close_session(session.seq)
         return True
+
+    # -- resume after a lost stage (docs/protocol.md §14) ----------------------------------------
+    def configure_resume(self, log_bytes: int, hold_s: float) -> None:
+        """The activation log's budget (bytes; the final stage keeps none) and the parking time."""
+        self.activation_log.budget_bytes = 0 if self.is_last else max(0, log_bytes)
+        self.resume_stats.log_budget_bytes = self.activation_log.budget_bytes
+        self.parked.hold_s = hold_s
+
+    def hold_for_resume(self, key: int) -> None:
+        """Session ``key``'s driver resumes it after a lost stage (its configure said so)."""
+        self._session(key).resumable = True
+
+    def park_or_release(self, key: int) -> str:
+        """A lane closed on a lost stage holding session ``key``: park it when resumable, else
+        release it; "parked", "released" or "" (not open)."""
+        session = self._sessions.get(key)
+        session_id = key & 0xFFFFFFFFFFFFFFFF
+        if session is None:
+            return ""
+        if not session.resumable or not session_id:
+            self.release(key)
+            return "released"
+        stale = self.parked.take(session_id)  # an older park of the same id goes now
+        if stale is not None and stale != key:
+            self.release(stale)
+        self.parked.park(session_id, key)
+        return "parked"
+
+    def release_parked(self, session_id: int) -> bool:
+        """Release the parked session ``session_id`` (a new request reuses the id)."""
+        key = self.parked.take(session_id)
+        return key is not None and self.release(key)
+
+    def expire_parked(self) -> int:
+        """Release the parked sessions whose resume did not come in time; how many."""
+        keys = self.parked.expired()
+        for key in keys:
+            log.info("resume: session %d was not resumed within %g s: released",
+                     key & 0xFFFFFFFFFFFFFFFF, self.parked.hold_s)
+            self.release(key)
+        return len(keys)
+
+    def release_all_parked(self) -> int:
+        keys = self.parked.all()
+        for key in keys:
+            self.release(key)
+        return len(keys)
+
+    def adopt(self, session_id: int, key: int, length: int) -> int:
+        """Adopt parked session ``session_id`` as ``key`` (the resuming lane's), trimmed to
+        ``length`` positions; returns the positions it holds (0: not parked here, a fresh
+        session the replay fills)."""
+        old = self.parked.take(session_id)
+        if old is not None and old in self._sessions and getattr(self.context, "recurrent", False):
+            # a recurrent state cannot be cut back to ``length`` exactly in general: this stage
+            # computes the replay as a replacement would, from its upstream's logged rows
+            log.info("resume: session %d holds recurrent state here: recomputed from the replay",
+                     session_id & 0xFFFFFFFFFFFFFFFF)
+            self.release(old)
+            old = None
+        if old is None or old not in self._sessions:
+            if key in self._sessions:  # the resuming lane configured it before: start again
+                self.release(key)
+            self._session(key).resumable = True
+            return 0
+        if old != key:
+            if key in self._sessions:
+                self.release(key)
+            self._sessions[key] = self._sessions.pop(old)
+            self.activation_log.rekey(old, key)
+        self.resume_stats.adopted += 1
+        self._sessions[key].resumed = True
+        self.trim(key, length)
+        return min(length, self.context.length(self._sessions[key].seq))
+
+    def restore_sampler(self, key: int, tokens: Sequence[int]) -> None:
+        """The final stage: rebuild session ``key``'s sampler where sampling ``tokens`` left it
+        (:meth:`skippy.runtime.sampling.Sampler.restore`)."""
+        if not self.is_last:
+            return
+        session = self._session(key)
+        if session.sampler is not None:
+            session.sampler.close()
+            session.sampler = None
+        try:
+            self._sampler(session).restore(tokens)
+        except ValueError as exc:  # a token outside the vocabulary or the grammar: refuse the resume
+            session.sampler.close()  # type: ignore[union-attr]
+            session.sampler = None
+            raise InvalidMessage(f"resume refused: {exc}") from exc
+        self.resume_stats.sampler_restores += 1
+
+    def _replayed(self, session: _Session | None, item: WorkItem) -> WorkResult | None:
+        """A replay frame this stage already holds: its logged rows (nothing computed); None:
+        compute it (a fresh session, or the log does not cover it: those positions are trimmed
+        and computed again, logged)."""
+        start, count = int(item.positions[0]), item.rows
+        if session is None:
+            return None
+        if self.context.length(session.seq) < start + count:
+            if session.resumed:  # the positions this stage held were trimmed for an earlier frame
+                self.resume_stats.replay_recomputed_tokens += count
+            return None
+        if self.is_last:  # the final stage hands nothing on: its KV is all it needs
+            self.resume_stats.replayed_tokens += count
+            return WorkResult()
+        rows = self.activation_log.rows(item.session, start, count)
+        if rows is not None:
+            self.resume_stats.replayed_tokens += count
+            return WorkResult(rows)
+        log.info("resume: session %d's activation log does not cover positions %d..%d%s: recomputing them "
+                 "on this stage", item.session & 0xFFFFFFFF, start, start + count - 1,
+                 " (evicted)" if self.activation_log.evicted(item.session) else "")
+        self.resume_stats.replay_recomputed_tokens += count
+        self.trim(item.session, start)
+        return None
 
     def snapshot(self) -> dict[str, Any]:
         """Session, KV and prefix-cache figures for the stats file."""
@@ -349,6 +481,7 @@ class Executor:
                                    "state_bytes_per_sequence": int(getattr(self.context, "state_bytes_per_sequence", 0))}
         if self.cache is not None:
             figures["prefix_cache"] = {**dataclasses.asdict(self.cache.stats), "holds": self.cache.holds}
+        figures["resume"] = {**dataclasses.asdict(self.resume_stats), "parked_now": len(self.parked)}
         if getattr(self.context, "recurrent", False):  # skippy.runtime.rollback: what checkpoints cost
             figures["recurrent_rollback"] = dataclasses.asdict(self.context.rollback_stats)  # type: ignore[attr-defined]
         return figures
@@ -529,6 +662,10 @@ class Executor:
     def run_item(self, item: WorkItem) -> WorkResult:
         """Run one prefill chunk, verify window or decode on its own."""
         self._check_input(item)
+        if item.replay:
+            replayed = self._replayed(self._sessions.get(item.session), item)
+            if replayed is not None:
+                return replayed
         session = self._session(item.session)
         if item.sampling is not None and item.sampling != session.params:
             self._set_params(session, cast(SamplingParams, item.sampling))
@@ -574,6 +711,8 @@ class Executor:
         activations = None
         if pieces:
             activations = pieces[0] if len(pieces) == 1 else np.concatenate(pieces)
+            self.activation_log.record(item.session, int(item.positions[0]), rows, activations)
+        self.resume_stats.computed_positions += rows
         compute_us = (time.perf_counter_ns() - started) // 1000
         recorded = self._record(session) if item.final_prefill and self.cache is not None else 0
         return WorkResult(activations, tokens, 1, compute_us, trimmed, recorded, logprobs)
@@ -635,7 +774,9 @@ class Executor:
                 results[index] = WorkResult(None, [sampled[row]], count, compute_us, trimmed,
                                             logprobs=None if entry is None else [entry])
             else:
+                self.activation_log.record(ready[row][1].session, int(positions[row]), 1, hidden[row:row + 1])
                 results[index] = WorkResult(hidden[row:row + 1], [], count, compute_us, trimmed)
+        self.resume_stats.computed_positions += count
         return results
 
     def close(self) -> None:

@@ -123,6 +123,18 @@ class StageCollector(Collector):
             yield counter(f"prefix_cache_{suffix}", f"prefix cache {field.replace('_', ' ')}", cache.get(field, 0))
         for field in _CACHE_GAUGES:
             yield gauge(f"prefix_cache_{field}", f"prefix cache {field.replace('_', ' ')} now", cache.get(field, 0))
+        resume = stats.resume  # docs/protocol.md §14
+        yield gauge("resume_log_bytes", "activation log memory now (rows sent downstream, kept for a resume)",
+                    resume.get("log_bytes", 0))
+        yield gauge("resume_log_budget_bytes", "activation log budget (--resume-log-mib)", resume.get("log_budget_bytes", 0))
+        yield gauge("resume_parked_sessions", "sessions parked for a resume after a lost stage", resume.get("parked_now", 0))
+        yield counter("resume_log_evicted_sessions", "sessions evicted from the activation log",
+                      resume.get("evicted_sessions", 0))
+        yield counter("resume_replayed_tokens", "replayed positions answered from the log or KV (nothing computed)",
+                      resume.get("replayed_tokens", 0))
+        yield counter("resume_recomputed_tokens", "replayed positions computed again (the log did not cover them)",
+                      resume.get("replay_recomputed_tokens", 0))
+        yield counter("resume_adopted_sessions", "parked sessions a resume adopted", resume.get("adopted", 0))
         yield from self._bytes(names, values)
 
     def _bytes(self, names: list[str], values: list[str]) -> Iterator[Metric]:

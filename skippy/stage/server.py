@@ -107,7 +107,9 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context.close()
         model.close()
         raise ValueError(message)
-    return Executor(context, build_cache(config, context) if prefix_cache else None)
+    executor = Executor(context, build_cache(config, context) if prefix_cache else None)
+    executor.configure_resume(int(config.resume_log_mib * (1 << 20)), config.resume_hold_s)
+    return executor
 
 
 def build_cache(config: StageConfig, context: Any) -> StageCache:
@@ -325,6 +327,7 @@ class StageServer:
         self.stats.state_bytes_per_sequence = snapshot.get("state_bytes_per_sequence", 0)
         self.stats.prefix_cache = snapshot.get("prefix_cache", {})
         self.stats.recurrent_rollback = snapshot.get("recurrent_rollback", {})
+        self.stats.resume = snapshot.get("resume", {})
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until :meth:`shutdown`; reports the bound address to ``task_status``."""
@@ -436,6 +439,8 @@ class StageServer:
                 error = connection.overdue(now, limits)
                 if error is not None:
                     connection.abort(error)  # type: ignore[arg-type]
+            if self.executor.parked:  # docs/protocol.md §14: parked sessions past their resume deadline
+                await self.scheduler.call(self.executor.expire_parked)
             if self.waiting and limits.idle_timeout > 0:
                 for stream, peer in self.waiting.take_overdue(now, limits.idle_timeout):
                     self._close_waiting(stream, peer, IdleLane(f"lane idle for {limits.idle_timeout:g} s "

@@ -108,6 +108,8 @@ class StageStats:
     prefix_cache: dict[str, int] = dataclasses.field(default_factory=dict)
     #: A recurrent or hybrid model's rollbacks (``StageContext.rollback_stats``; empty otherwise).
     recurrent_rollback: dict[str, int] = dataclasses.field(default_factory=dict)
+    #: docs/protocol.md §14: the activation log and resumes (``Executor.resume_stats``).
+    resume: dict[str, int] = dataclasses.field(default_factory=dict)
     #: Per-job runtime time, scheduler queue wait, and per-frame downstream wait (write to reply).
     compute_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)
     queue_histogram: LatencyHistogram = dataclasses.field(default_factory=LatencyHistogram)

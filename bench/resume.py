@@ -1,0 +1,196 @@
+"""Resume after a lost stage (docs/protocol.md §14): what the activation log costs, and kill to next token.
+
+Two measurements on a 3-stage chain of real ``python -m skippy.stage`` processes (any GGUF;
+default: the tiny generated llama, the worst case for the log's relative cost since its compute
+per token is smallest):
+
+* ``cost``: decode tokens/s with the log on (``--resume-log-mib 64``) and off (``0``), two
+  chains up at once, rounds interleaved (on, off, on, off, ...); the ratio of the medians.
+  Also the log's bytes per position per stage (from the stats file).
+* ``step``: the first stage's executor alone (no processes, no sockets), one decode step at a
+  time with the log on and off, rounds interleaved: the log's cost where it is paid.
+* ``kill``: a request with a ``--context``-token prompt; after ``--kill-at`` tokens the middle
+  stage is SIGKILLed and restarted on its port.  Reports kill-to-next-token, the replacement's
+  start-up (process to READY), and the resume itself (``usage.skippy_resume``'s ``resume_ms``:
+  wait + configure + replay), with the log on, and with it off (the survivors recompute).
+
+    PYTHONPATH=. python bench/resume.py cost --rounds 6 --tokens 64
+    PYTHONPATH=. python bench/resume.py step --real --splits 0:6,6:12,12:18 --tokens 150
+    PYTHONPATH=. python bench/resume.py kill --context 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import trio
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+from stage_helpers import StageProcess, stage_chain, wait_for_stats  # noqa: E402
+
+from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E402
+from skippy.models.cache import ensure_model  # noqa: E402
+from skippy.models.spec import tiny  # noqa: E402
+
+SPLITS: list[str] = ["0:1", "1:3", "3:4"]
+
+
+def _generator(model: Path, n_ctx: int) -> Generator:
+    generator = Generator.from_model(model, n_ctx=n_ctx, chunk_size=256, credit=2, speculation=False)
+    generator.prefix_cache = False
+    generator.resume_attempts, generator.resume_wait_s = 3, 60.0
+    return generator
+
+
+async def _decode_rate(generator: Generator, stage: StageProcess, tokens: int, session: int) -> float:
+    assert stage.address is not None
+    async with await StageClient.connect(stage.address) as client:
+        request = GenerationRequest(tuple(range(1, 17)), tokens)
+        result = await generator.start(client, request, session).run()
+    return result.timing.decode_tokens_per_second(result.completion_tokens)
+
+
+async def cost(model: Path, rounds: int, tokens: int, ctx: int) -> None:
+    generator = _generator(model, ctx)
+    with tempfile.TemporaryDirectory() as on_dir, tempfile.TemporaryDirectory() as off_dir:
+        async with stage_chain(str(model), SPLITS, Path(on_dir), extra=("--resume-log-mib", "64")) as on, \
+                stage_chain(str(model), SPLITS, Path(off_dir), extra=("--resume-log-mib", "0")) as off:
+            rates: dict[str, list[float]] = {"on": [], "off": []}
+            session = 100
+            await _decode_rate(generator, on[0], 8, session)  # warm both
+            await _decode_rate(generator, off[0], 8, session + 1)
+            for _ in range(rounds):
+                for name, chain in (("on", on), ("off", off)):
+                    session += 2
+                    rates[name].append(await _decode_rate(generator, chain[0], tokens, session))
+            on_rate, off_rate = statistics.median(rates["on"]), statistics.median(rates["off"])
+            print(f"decode tok/s, median of {rounds} interleaved rounds of {tokens} tokens: "
+                  f"log on {on_rate:.1f}, log off {off_rate:.1f}; on/off = {on_rate / off_rate:.4f}")
+            print("  rounds on :", " ".join(f"{r:.1f}" for r in rates["on"]))
+            print("  rounds off:", " ".join(f"{r:.1f}" for r in rates["off"]))
+            # log memory: one session held open mid-decode
+            assert on[0].address is not None
+            async with await StageClient.connect(on[0].address) as client:
+                generation = generator.start(client, GenerationRequest(tuple(range(1, 101)), 50), 999)
+                for _ in range(20):
+                    await generation.__anext__()
+                moment = time.time()
+                stats = await wait_for_stats(on[0], lambda s: s.get("refreshed_at", 0) > moment)
+                positions = 100 + 19
+                print(f"log memory, stage 0, one session of {positions} positions: {stats['resume']['log_bytes']} "
+                      f"bytes = {stats['resume']['log_bytes'] / positions:.0f} bytes per position")
+                await generation.abort()
+    generator.close()
+
+
+async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
+    generator = _generator(model, ctx)
+    prompt = tuple(1 + (i * 7919) % 30000 for i in range(context))
+    for budget in ("64", "0"):
+        with tempfile.TemporaryDirectory() as directory:
+            extra = ("--resume-log-mib", budget, "--ctx-size", str(ctx))
+            async with stage_chain(str(model), SPLITS, Path(directory), extra=extra) as stages:
+                for stage in stages:
+                    assert stage.address is not None
+                    stage.listen = f"127.0.0.1:{stage.address.port}"
+                assert stages[0].address is not None
+                async with await StageClient.connect(stages[0].address) as client:
+                    generation = generator.start(client, GenerationRequest(prompt, kill_at + 8), 7)
+                    gaps: list[float] = []
+                    last = time.perf_counter()
+                    killed = ready = 0.0
+                    async with trio.open_nursery() as nursery:
+                        async for _ in generation:
+                            now = time.perf_counter()
+                            gaps.append(now - last)
+                            last = now
+                            if len(generation.tokens) == kill_at:
+                                stages[1].kill()
+                                killed = time.perf_counter()
+
+                                async def restart() -> None:
+                                    nonlocal ready
+                                    await stages[1].start()
+                                    ready = time.perf_counter()
+                                nursery.start_soon(restart)
+                            elif killed and len(gaps) == kill_at + 1:
+                                break
+                    next_token = last - killed
+                    assert generation.result is None or generation.result.resumes
+                    resumes = generation.resumes
+                    await generation.abort()
+                print(f"log {'on ' if budget != '0' else 'off'}: context {context} + {kill_at} tokens; kill to next "
+                      f"token {next_token * 1e3:.0f} ms; replacement start to READY {(ready - killed) * 1e3:.0f} ms; "
+                      f"lane re-opened and replay sent {resumes[0]['reopened_ms']:.0f} ms; next token "
+                      f"{(last - ready) * 1e3:.0f} ms after READY; TTFT of the request "
+                      f"{generation.timing.time_to_first_token * 1e3:.0f} ms; median token gap "
+                      f"before {statistics.median(gaps[1:kill_at]) * 1e3:.1f} ms")
+    generator.close()
+
+
+def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
+    import numpy as np
+
+    from skippy.lane.protocol import Outputs
+    from skippy.lane.work import WorkItem
+    from skippy.stage.config import config_from_mapping
+    from skippy.stage.server import load_runtime
+
+    config = config_from_mapping({"model": str(model), "layers": SPLITS[0], "downstream": "127.0.0.1:1",
+                                  "threads": 1, "ctx_size": ctx, "prefix_cache": False})
+    executor = load_runtime(config)
+    budgets, rates = {"on": 64 << 20, "off": 0}, {"on": [], "off": []}  # type: ignore[var-annotated]
+    key = 1
+    for index in range(rounds):
+        for name in (("on", "off") if index % 2 else ("off", "on")):  # alternate which goes first
+            executor.configure_resume(budgets[name], 30.0)
+            key += 1
+            executor.configure(key, None)
+            executor.run_item(WorkItem(key, np.arange(16, dtype=np.int32), np.arange(1, 17, dtype=np.int32), None,
+                                       None, Outputs.NONE, prefill=True))
+            started = time.perf_counter_ns()
+            for position in range(16, 16 + steps):
+                executor.run_decode_batch([WorkItem(key, np.array([position], dtype=np.int32),
+                                                    np.array([5], dtype=np.int32), None, position, Outputs.LAST)])
+            rates[name].append((time.perf_counter_ns() - started) / steps / 1000)
+            executor.release(key)
+    executor.close()
+    on, off = statistics.median(rates["on"]), statistics.median(rates["off"])
+    print(f"{model.name} layers {SPLITS[0]}: us per decode step, median of {rounds} interleaved rounds of {steps}: "
+          f"log on {on:.1f}, off {off:.1f}; on/off {on / off:.4f}")
+    print("  rounds on :", " ".join(f"{r:.1f}" for r in rates["on"]))
+    print("  rounds off:", " ".join(f"{r:.1f}" for r in rates["off"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=["cost", "step", "kill"])
+    parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny generated llama)")
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--context", type=int, default=1000)
+    parser.add_argument("--kill-at", type=int, default=8)
+    parser.add_argument("--ctx-size", type=int, default=2048)
+    parser.add_argument("--splits", default=",".join(SPLITS), help="the chain's layer ranges (3 stages)")
+    parser.add_argument("--real", action="store_true", help="the real Gemma 3 270M (skippy[real-model])")
+    args = parser.parse_args()
+    SPLITS[:] = args.splits.split(",")
+    if args.real:
+        from skippy.models.real import ensure_real_model
+        args.model = ensure_real_model()
+    model = args.model or ensure_model(tiny("llama"))
+    if args.what == "cost":
+        trio.run(cost, model, args.rounds, args.tokens, args.ctx_size)
+    elif args.what == "step":
+        step(model, args.rounds, args.tokens, args.ctx_size)
+    else:
+        trio.run(kill, model, args.context, args.kill_at, args.ctx_size)
+
+
+if __name__ == "__main__":
+    main()
