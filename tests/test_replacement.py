@@ -11,6 +11,7 @@ left running afterwards, the replaced processes included.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import re
 import signal
@@ -161,30 +162,72 @@ def test_a_stopped_stage_is_seen_within_two_seconds_and_replaced(up: UpProcess, 
           f"replacement ready in {replaced.group(4)} s")
 
 
-@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
-def test_an_in_flight_request_ends_at_once_naming_the_lost_stage(up: UpProcess, number: int) -> None:
-    """The driver's lane gets the chain's DOWNSTREAM_LOST Error frame naming stage 1 (issue 29's
-    resume builds on this; here the stream just ends with the error)."""
+def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None) -> tuple[str, str, float, dict]:
+    """Stream a long greedy completion; with ``kill`` = (pid, signal), send it after the 20th
+    chunk.  Returns the text, the error line (or ""), the seconds from the signal to the error
+    (or to the next chunk) and the usage chunk's usage."""
     model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
-    pid, address = stages(up)[1]
-    body = {"model": model, "prompt": "x", "max_tokens": 220, "temperature": 0, "ignore_eos": True, "stream": True}
-    sent, error, took = 0, "", 0.0
+    body = {"model": model, "prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    sent, text, error, took, usage, lost = 0, [], "", 0.0, {}, 0.0
+    pid, number = kill if kill is not None else (0, 0)
     try:
-        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=60) as response:
+        with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=90) as response:
             for line in response.iter_lines():
-                if line.startswith("data: "):
-                    sent += 1
-                    if sent == 20:
-                        os.kill(pid, number)
-                        lost = time.monotonic()
-                    if '"error"' in line:
-                        error, took = line, time.monotonic() - lost
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                if '"error"' in line:
+                    error, took = line, time.monotonic() - lost
+                    continue
+                chunk = json.loads(line[6:])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices", ()):
+                    text.append(choice.get("text") or "")
+                sent += 1
+                if kill is not None and sent == 20:
+                    os.kill(pid, number)
+                    lost = time.monotonic()
+                elif kill is not None and sent == 21:
+                    took = time.monotonic() - lost
     finally:
         if number == signal.SIGSTOP and pid_alive(pid):
             os.kill(pid, signal.SIGCONT)
-    assert f"downstream_lost at stage 1 ({address}), reported by stage 0" in error, error
-    assert took < (0.2 if number == signal.SIGKILL else 2.0), took
-    print(f"{signal.Signals(number).name}: the stream ended {took * 1000:.0f} ms after with {error[:120]}")
+    return "".join(text), error, took, usage
+
+
+@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_in_flight_request_ends_at_once_naming_the_lost_stage(tiny_llama: Path, tmp_path: Path,
+                                                                 number: int) -> None:
+    """Without resume (``--resume-attempts 0``) the driver's lane gets the chain's DOWNSTREAM_LOST
+    Error frame naming stage 1, and the stream ends with it at once."""
+    up = start(tiny_llama, tmp_path, "--restarts", "2", "--resume-attempts", "0")
+    try:
+        pid, address = stages(up)[1]
+        _, error, took, _ = stream_completion(up, (pid, number))
+        assert f"downstream_lost at stage 1 ({address}), reported by stage 0" in error, error
+        assert took < (0.2 if number == signal.SIGKILL else 2.0), took
+        print(f"{signal.Signals(number).name}: the stream ended {took * 1000:.0f} ms after with {error[:120]}")
+    finally:
+        up.stop()
+        stop_all(up)
+
+
+@pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])
+def test_an_in_flight_request_survives_a_lost_stage_through_up(up: UpProcess, number: int) -> None:
+    """Issue 29 end to end: ``skippy up`` replaces the lost middle stage on its address and the
+    driver resumes the request on it; the stream completes with the uninterrupted text and its
+    usage names the lost stage."""
+    whole, error, _, _ = stream_completion(up)
+    assert not error and whole, error
+    pid, address = stages(up)[1]
+    text, error, took, usage = stream_completion(up, (pid, number))
+    assert not error, error
+    assert text == whole
+    resumes = usage.get("skippy_resume") or []
+    assert [entry["lost_stage"] for entry in resumes] == [1], usage
+    assert resumes[0]["address"] == address, resumes
+    print(f"{signal.Signals(number).name}: next token {took * 1000:.0f} ms after the signal; {resumes}")
 
 
 def test_a_warm_standby_takes_over(tiny_llama: Path, tmp_path: Path) -> None:

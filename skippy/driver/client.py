@@ -534,6 +534,7 @@ class StageClient:
         while outstanding:
             acks.append(await self._answer(None))
             outstanding -= 1
+        return PrefillResult(await self._answer(owed), tuple(acks))
 
     async def replay(self, session_id: int, tokens: Sequence[int], frames: Sequence[tuple[int, int]], *,
                      credit: int = 2, request_id: int = 0) -> int:
