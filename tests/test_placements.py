@@ -166,6 +166,7 @@ async def run_path(generator: Generator, model: Path, path: str, **switches: boo
         stats = [server.stats for server in chain.servers]
         counters = {"write_throughs": sum(s.write_throughs for s in stats),
                     "relay_steps": sum(s.decode_relay_steps for s in stats),
+                    "relay_stages": sum(s.decode_relay_steps > 0 for s in stats),
                     "direct_replies": stats[-1].direct_replies, "decode_runs": stats[0].decode_runs,
                     "verify_windows": stats[-1].verify_windows}
         boundaries = [tap.record() for tap in (*chain.taps, chain.returns)]
@@ -201,8 +202,9 @@ def settings_direct(path: str) -> bool:
 _COMBINATIONS = [dict(zip(SWITCHES, values)) for values in itertools.product((True, False), repeat=len(SWITCHES))]
 
 
-#: The default path (direct return, where the data plane runs) in the fast suite; the rest in the full one.
-@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path == "direct" else pytest.mark.slow)
+#: The default paths (direct return and hop by hop, where the data plane runs) in the fast suite; the
+#: rest in the full one.
+@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path in ("direct", "hop") else pytest.mark.slow)
                                   for path in sorted(PATHS)])
 async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_llama: Path,
                                                                       path: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,8 +225,8 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
     assert (counters["direct_replies"] > 0) == settings["direct"]
     assert (counters["decode_runs"] > 0) == (settings["decode_runs"] and not settings["direct"])
     assert (counters["verify_windows"] > 0) == (path == "speculation")
-    if path == "direct":
-        assert counters["relay_steps"] > 0  # the data plane carried the steady decodes
+    if path in ("direct", "hop"):  # the data plane carried the steady decodes, on every stage
+        assert counters["relay_stages"] == len(SPLITS), counters
     for switches in _COMBINATIONS[1:]:
         other_tokens, other_boundaries, other_counters = await run_path(generator, tiny_llama, path, **switches)
         assert other_tokens == reference, switches

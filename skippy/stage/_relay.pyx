@@ -37,7 +37,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memcpy, memmove
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 cdef extern from "_byteorder.h":
     int32_t skippy_load_i32(const unsigned char *p) noexcept nogil
@@ -100,13 +100,17 @@ cdef enum:
     _STEP_LIMIT = 2
     _DOWNSTREAM_FAILED = 3
     _ABORTED = 4
+    _REPLY_PENDING = 5
+    _UPSTREAM_FAILED = 6
 
-HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED = (
-    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED)
-if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED) != (
-        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED):
+HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED = (
+    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED, _REPLY_PENDING, _UPSTREAM_FAILED)
+if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED) != (
+        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED,
+        _twin.REPLY_PENDING, _twin.UPSTREAM_FAILED):
     raise ImportError("skippy.stage._relay and its twin disagree on the outcome codes")
 RelayOutcome = _twin.RelayOutcome
+hop_layout = _twin.hop_layout
 FIXED_HEADER = _twin.FIXED_HEADER
 REPLY_BYTES = _twin.REPLY_BYTES
 TIMINGS_BYTES = _twin.TIMINGS_BYTES
@@ -118,6 +122,10 @@ include "_frame_layout.pxi"
 cdef enum:
     _DTYPE_F32 = 0
     _DTYPE_F16 = 1
+    # a Timings record's size, and where its four i64 durations start in it
+    _RECORD_BYTES = FRAME_TIMINGS_BYTES - FRAME_TIMINGS_HEAD
+    _RECORD_DURATIONS = FRAME_TIMINGS_COMPUTE - FRAME_TIMINGS_HEAD
+    _MAX_FIXED = 64
 
 ctypedef int32_t (*decode_fn)(void *context, void *batch) noexcept nogil
 ctypedef float *(*embeddings_fn)(void *context) noexcept nogil
@@ -171,15 +179,49 @@ cdef class DecodeRelay:
     cdef readonly int64_t next_position
     cdef readonly int64_t last_frame_ns
     cdef int _max_steps
+    # hop by hop (a non-final stage): the downstream's reply template and this stage's answer
+    cdef bint _hop
+    cdef bytes _reply_in
+    cdef Py_ssize_t _reply_length, _reply_filled, _answer_length
+    cdef Py_ssize_t _records, _records_in, _records_out, _own_record, _prediction_in, _prediction_out
+    cdef Py_ssize_t _fixed[_MAX_FIXED][2]
+    cdef int _fixed_count
+    cdef unsigned char *_reply
+    cdef unsigned char *_answer
+    cdef const unsigned char *_reply_template  # the downstream's reply template (kept alive above)
+    cdef int64_t _pending_compute_us, _pending_write_us, _pending_sent_us
 
     def __cinit__(self):
         self._buffer = NULL
         self._out = NULL
+        self._reply = NULL
+        self._answer = NULL
 
     def __init__(self, *, int upstream_fd, int downstream_fd, int stop_fd, int abort_fd, bytes in_template,
                  bytes out_template, Py_ssize_t width, bint first, int n_vocab, int64_t next_position,
                  int64_t position_end, double activation_limit, object runtime, bint final=False,
-                 int max_steps=1024):
+                 int max_steps=1024, bytes reply_in=b"", bytes reply_out=b""):
+        if reply_in and final:
+            raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        self._hop = len(reply_in) > 0
+        self._reply_in = reply_in
+        self._reply_template = <const unsigned char *>PyBytes_AS_STRING(reply_in)
+        self._reply_length, self._answer_length = len(reply_in), len(reply_out)
+        self._reply_filled = 0
+        if self._hop:
+            hop = _twin.hop_layout(reply_in, reply_out)
+            if len(hop.fixed) > _MAX_FIXED:
+                raise ValueError("the downstream's reply holds too many Timings records for the relay")
+            (self._records, self._records_in, self._records_out, self._own_record, self._prediction_in,
+             self._prediction_out) = hop[:6]
+            self._fixed_count = len(hop.fixed)
+            for index, (start, end) in enumerate(hop.fixed):
+                self._fixed[index][0], self._fixed[index][1] = start, end
+            self._reply = <unsigned char *>malloc(self._reply_length)
+            self._answer = <unsigned char *>malloc(self._answer_length)
+            if self._reply == NULL or self._answer == NULL:
+                raise MemoryError()
+            memcpy(self._answer, PyBytes_AS_STRING(reply_out), self._answer_length)
         layout = _twin.template_layout(in_template, out_template, width=width, first=first, final=final)
         self._in_length, self._out_length, self._in_activation, self._out_activation = layout[:4]
         self._in_dtype, self._out_dtype = layout[4:]
@@ -217,6 +259,8 @@ cdef class DecodeRelay:
     def __dealloc__(self):
         free(self._buffer)
         free(self._out)
+        free(self._reply)
+        free(self._answer)
 
     def run(self, bytes pending=b""):
         """Relay until a frame it does not carry, a stop, or ``max_steps``; see the twin's ``run``."""
@@ -226,18 +270,29 @@ cdef class DecodeRelay:
         memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
         self._filled = count
         cdef int status
-        cdef int64_t steps = 0, compute_ns = 0, write_ns = 0, bytes_in = 0, bytes_out = 0
+        cdef int64_t counters[8]  # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out
+        memset(counters, 0, sizeof(counters))
         with nogil:
-            status = self._loop(&steps, &compute_ns, &write_ns, &bytes_in, &bytes_out)
+            status = self._loop(counters)
         leftover = PyBytes_FromStringAndSize(<char *>self._buffer, self._filled)
         self._filled = 0
-        return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in,
-                            bytes_out)
+        reply = b""
+        in_flight = (0, 0, 0)
+        if status == _REPLY_PENDING:
+            reply = PyBytes_FromStringAndSize(<char *>self._reply, self._reply_filled)
+            in_flight = (self._pending_compute_us, self._pending_write_us, self._pending_sent_us)
+        self._reply_filled = 0
+        return RelayOutcome(status, leftover, counters[0], counters[1] // 1000, counters[2] // 1000, counters[3],
+                            counters[4], counters[5] // 1000, counters[6], counters[7], reply, *in_flight)
 
-    cdef int _loop(self, int64_t *steps, int64_t *compute_ns, int64_t *write_ns, int64_t *bytes_in,
-                   int64_t *bytes_out) noexcept nogil:
+    cdef int _loop(self, int64_t *counters) noexcept nogil:
         cdef int status
-        cdef int64_t started, elapsed
+        cdef int64_t started, elapsed, sent
+        cdef int64_t *steps = counters
+        cdef int64_t *compute_ns = counters + 1
+        cdef int64_t *write_ns = counters + 2
+        cdef int64_t *bytes_in = counters + 3
+        cdef int64_t *bytes_out = counters + 4
         while steps[0] < self._max_steps:
             status = self._fill(self._in_length, bytes_in)
             if status >= 0:
@@ -252,11 +307,24 @@ cdef class DecodeRelay:
             if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
                 skippy_store_i64(self._out + self._compute_offset, elapsed // 1000)
             started = _now_ns()
-            status = self._write(self._out_length)
+            status = self._write(self._downstream, self._out, self._out_length, _DOWNSTREAM_FAILED)
             if status >= 0:
                 return status
-            write_ns[0] += _now_ns() - started
+            sent = _now_ns()
+            write_ns[0] += sent - started
             bytes_out[0] += self._out_length
+            if self._hop:  # hop by hop: the downstream's reply, this stage's share added, upstream
+                self._pending_compute_us = elapsed // 1000
+                self._pending_write_us = (sent - started) // 1000
+                self._pending_sent_us = started // 1000
+                status = self._respond(counters, sent)
+                if status == _REPLY_PENDING:
+                    return status
+                if status >= 0:  # the reply's write failed: the message is done here
+                    self._consume(self._in_length)
+                    self.next_position += 1
+                    steps[0] += 1
+                    return status
             self._consume(self._in_length)
             self.next_position += 1
             steps[0] += 1
@@ -375,27 +443,95 @@ cdef class DecodeRelay:
             return -1
         return _first_maximum(logits, self._n_vocab)
 
-    cdef int _write(self, Py_ssize_t length) noexcept nogil:
-        """Write the outgoing frame, waiting while the socket is full; -1 when it is out, else the
-        outcome that ends the run."""
+    cdef int _write(self, int fd, const unsigned char *frame, Py_ssize_t length, int failed) noexcept nogil:
+        """Write ``frame`` to ``fd``, waiting while the socket is full; -1 when it is out, else the
+        outcome that ends the run (``failed`` for a failed write; upstream, an abort too)."""
         cdef Py_ssize_t sent = 0
         cdef ssize_t wrote
         cdef pollfd fds[2]
         while sent < length:
-            wrote = send(self._downstream, self._out + sent, length - sent, MSG_NOSIGNAL)
+            wrote = send(fd, frame + sent, length - sent, MSG_NOSIGNAL)
             if wrote > 0:
                 sent += wrote
                 continue
             if wrote < 0 and (errno == EAGAIN or errno == EINTR):
-                fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLOUT, 0
+                fds[0].fd, fds[0].events, fds[0].revents = fd, POLLOUT, 0
                 fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
                 if poll(fds, 2, -1) < 0 and errno != EINTR:
-                    return _DOWNSTREAM_FAILED
+                    return failed
                 if fds[1].revents:
-                    return _ABORTED
+                    return _ABORTED if failed == _DOWNSTREAM_FAILED else failed
                 continue
-            return _DOWNSTREAM_FAILED
+            return failed
         return -1
+
+    cdef int _respond(self, int64_t *counters, int64_t sent) noexcept nogil:
+        """Hop by hop: read the downstream's reply, add this stage's share as the lane does
+        (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
+        cdef pollfd fds[3]
+        cdef ssize_t got
+        cdef int64_t wait_ns
+        cdef Py_ssize_t index, field, offset
+        cdef int status
+        self._reply_filled = 0
+        while self._reply_filled < self._reply_length:
+            fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
+            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
+            if poll(fds, 3, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return _REPLY_PENDING
+            if fds[1].revents or fds[2].revents:
+                return _REPLY_PENDING  # the lane reads the reply
+            got = recv(self._downstream, self._reply + self._reply_filled,
+                       self._reply_length - self._reply_filled, 0)  # never past this reply
+            if got > 0:
+                self._reply_filled += got
+                counters[6] += got
+                if not self._reply_matches():
+                    return _REPLY_PENDING
+            elif got == 0:
+                return _REPLY_PENDING
+            elif errno != EAGAIN and errno != EINTR:
+                return _REPLY_PENDING
+        wait_ns = _now_ns() - sent
+        if wait_ns < 0:
+            wait_ns = 0
+        counters[5] += wait_ns
+        for index in range(self._records):  # the lane refuses a negative timing value
+            for field in range(4):
+                offset = self._records_in + _RECORD_BYTES * index + _RECORD_DURATIONS + 8 * field
+                if self._reply[offset + 7] & 0x80:
+                    return _REPLY_PENDING
+        if self._records_out >= 0:
+            memcpy(self._answer + self._records_out, self._reply + self._records_in, _RECORD_BYTES * self._records)
+            offset = self._own_record + _RECORD_DURATIONS
+            skippy_store_i64(self._answer + offset, self._pending_compute_us)
+            skippy_store_i64(self._answer + offset + 8, self._pending_write_us)
+            skippy_store_i64(self._answer + offset + 16, wait_ns // 1000)
+            skippy_store_i64(self._answer + offset + 24, 0)
+        memcpy(self._answer + self._prediction_out, self._reply + self._prediction_in,
+               self._reply_length - self._prediction_in)
+        status = self._write(self._upstream, self._answer, self._answer_length, _UPSTREAM_FAILED)
+        if status >= 0:
+            return status
+        counters[7] += self._answer_length
+        return -1
+
+    cdef bint _reply_matches(self) noexcept nogil:
+        """What was read of the reply equals the template outside the per-token fields."""
+        cdef const unsigned char *template = self._reply_template
+        cdef Py_ssize_t index, start, end
+        for index in range(self._fixed_count):
+            start, end = self._fixed[index][0], self._fixed[index][1]
+            if start >= self._reply_filled:
+                break
+            if end > self._reply_filled:
+                end = self._reply_filled
+            if memcmp(self._reply + start, template + start, end - start) != 0:
+                return False
+        return True
 
     cdef void _consume(self, Py_ssize_t length) noexcept nogil:
         self._filled -= length
