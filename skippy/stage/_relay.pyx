@@ -4,21 +4,29 @@
 
 Strategy
 --------
-A non-final stage decoding one session with direct return (docs/protocol.md §8) does the same
-thing for every token: read a DecodeEmbd frame from upstream, run one row through its layers,
-write the same message downstream with its own activation.  No reply goes upstream, so nothing
-in the lane protocol changes from one token to the next.  :class:`DecodeRelay` does exactly that
-loop without the GIL: ``poll`` / ``recv`` on the upstream socket, the header checked against the
-session's *template* (the first message of the run, handled in full by the Python lane), the
-activation checked (finite, within the limit) and dequantized, ``llama_decode`` through the
-function pointers the glue passes in, the output patched into the outgoing template and written
-with ``send``.  Only the fields that change per token are taken from the frame: ``pos_start``,
-``decode_step``, ``current_token``, ``request_id``, the token sideband and the activation;
-everything else must equal the template byte for byte.  On the final stage the outgoing
-template is the session's PredictedToken reply (with its Timings frame when the return lane
-negotiated one): the loop samples the row (the greedy pick of the lane's path, the first
-maximum, or the session's llama.cpp sampler chain) and patches the token and the compute time
-into it before writing it into the return lane.
+A stage decoding one session steadily does the same thing for every token.  With direct return
+(docs/protocol.md §8) a non-final stage reads a DecodeEmbd frame from upstream, runs one row
+through its layers and writes the same message downstream with its own activation; no reply
+goes upstream.  Hop by hop it then also reads the downstream's reply (a PredictedToken, with
+the Timings records of the stages after it) and answers upstream exactly as the lane's
+``skippy.lane.replies.relayed`` does: the same records and prediction (the stats merged into
+nothing pending are the downstream's), with this stage's own record after them when the
+upstream negotiated the extensions.  Nothing in the lane protocol changes from one token to the
+next, so :class:`DecodeRelay` does the whole loop without the GIL: ``poll`` / ``recv`` on the
+upstream socket, the header checked against the session's *template* (the first message of the
+run, handled in full by the Python lane), the activation checked (finite, within the limit) and
+dequantized, ``llama_decode`` through the function pointers the glue passes in, the output
+patched into the outgoing template and written with ``send``.  Only the fields that change per
+token are taken from the frame: ``pos_start``, ``decode_step``, ``current_token``,
+``request_id``, the token sideband and the activation; everything else must equal the template
+byte for byte.  The downstream's reply must equal its template (the reply the lane relayed for
+the template message) outside the token, its vector entry and the records' durations, which
+must be >= 0 as the lane's decoder requires; the answer is the lane's answer template with
+those and this stage's durations patched in.  On the final stage the outgoing template is the
+session's PredictedToken reply (with its Timings frame when the lane or return lane negotiated
+one): the loop samples the row (the greedy pick of the lane's path, the first maximum, or the
+session's llama.cpp sampler chain) and patches the token and the compute time into it before
+writing it into the return lane, or hop by hop upstream.
 
 The loop never refuses anything: the first frame it would not carry exactly as the Python lane
 does (another kind, another session, a position that is not the session's next one, a
@@ -26,8 +34,12 @@ non-finite activation, a failed decode) ends the run with that frame and everyth
 *handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
 same happens on end of stream or a reset upstream (the lane's reader then sees it), when the
 glue writes the stop descriptor (another job wants the runtime, the lane is closing), and
-after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  A write waits
-for a full socket until the abort descriptor says the lane is closing.
+after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  Hop by hop, a
+downstream reply it would not carry (another shape, an annotation or Error frame, end of
+stream) or a stop while it waits ends the run with ``REPLY_PENDING``: the message in flight
+heads the leftover, what was read of its reply comes back too, and the lane takes the message
+over from its forward (skippy.stage.decode_relay).  A write waits for a full socket until the
+abort descriptor says the lane is closing.
 
 Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
 the scheduler holds the runtime for it, and the lane closes neither socket before it returns.
