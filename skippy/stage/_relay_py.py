@@ -5,7 +5,8 @@ what it hands back), step for step and byte for byte: ``select.poll`` and ``os.r
 ``os.write`` on the two sockets, the header compared with the template outside the per-token
 fields, the activation checked and dequantized with numpy, the row decoded through the
 runtime's one-row batch, the outgoing template patched (a final stage's: the sampled token and
-the Timings record's compute time in its reply).  It holds the GIL throughout, so it
+the Timings record's compute time in its reply), and hop by hop the downstream's reply read,
+checked against its template and answered upstream with this stage's record.  It holds the GIL throughout, so it
 saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it
 and the relay tests run against both.
 """
