@@ -348,7 +348,8 @@ class Connection:
         final = hop and executor.is_last
         downstream = lane.io if lane is not None else upstream if final else self.link.io
         replies = None
-        if hop and not final and frame is not None and upstream.is_socket:  # once its reply is written
+        if (hop and not final and frame is not None and upstream.is_socket
+                and not reader.decoder.buffered_bytes):  # type: ignore[attr-defined]  # once its reply is written
             replies = await self._hop_replies.wait(dispatch.ticket, upstream.fileno())
             frame = frame if replies is not None else None
         free = downstream is not None and downstream.is_socket and (
