@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -421,14 +422,19 @@ MIDDLE = StageIdentity(False, 1, 2)
 MIDDLE.index = 1
 
 
-def downstream_reply(token: int, records: int, *, compute_us: int = 5) -> bytes:
-    """A reply as the stages after the middle one send it: ``records`` Timings records (none: a
-    plain v11 reply) and a PredictedToken."""
+def downstream_reply(token: int, records: int, *, compute_us: int = 5, top: int | None = None) -> bytes:
+    """A reply as the stages after the middle one send it: a Logprobs frame of ``top``
+    alternatives (None: none), ``records`` Timings records (none: a plain v11 reply) and a
+    PredictedToken."""
+    from skippy.codec.protocol_ext import LogprobsFrame, TokenLogprobs
+
     timings = TimingsFrame(tuple(extensions.own_record(StageIdentity(False, 2 + index, 3 + index), batch_size=1,
                                                        compute_us=compute_us + index, write_us=index, wait_us=7,
                                                        queue_us=3) for index in range(records)))
+    logprobs = () if top is None else (LogprobsFrame(top, (TokenLogprobs(
+        token, -0.125 * (token % 7), tuple((token + slot, -0.5 * slot - 0.01 * token) for slot in range(top))),)),)
     return extensions.reply_bytes(StageReply.predicted_token(token, stats=EMPTY_REPLY_STATS),
-                                  timings if records else None)
+                                  timings if records else None, logprobs)
 
 
 def lane_answer(reply: bytes, negotiated: bool) -> bytes:
@@ -439,29 +445,37 @@ def lane_answer(reply: bytes, negotiated: bool) -> bytes:
 
     decoder = codec.ReplyDecoder(extensions=True)
     decoder.receive_data(reply)
-    first = decoder.next_reply()
-    timings, decoded = (first, decoder.next_reply()) if isinstance(first, TimingsFrame) else (None, first)
+    frames = []
+    while not isinstance(frame := decoder.next_reply(), StageReply):
+        frames.append(frame)
+    decoded = frame
+    timings = next((frame for frame in frames if isinstance(frame, TimingsFrame)), None)
+    annotations = tuple(frame for frame in frames if not isinstance(frame, TimingsFrame))
     lane = StageLane(0, 1)
     if negotiated:
         lane.extensions.observe(decode_message(0, flags=SKIPPY_EXTENSIONS_FLAG))
     forward = Forward(decode_message(0), Expect.RELAY_PREDICTION, Ticket(MessageKind.DECODE_EMBD), SESSION, 0, 0.0,
                       batch_size=1)
     answer, timings, annotations = replies.relayed(lane, Relay(forward, prediction=True), decoded, decoded.stats,
-                                                   timings, (), identity=MIDDLE, wait_us=0, now_us=0)
+                                                   timings, annotations, identity=MIDDLE, wait_us=0, now_us=0)
     return extensions.reply_bytes(answer, timings, annotations)
 
 
 def without_own_durations(answer: bytes) -> bytes:
     """A middle stage's answer with its own record's durations zeroed (the last record's)."""
-    if int.from_bytes(answer[:4], "little") != 0x5E01:
+    head = 0
+    if int.from_bytes(answer[:4], "little") == 0x5E04:  # a Logprobs frame first
+        head = 12 + 8 * (1 + int.from_bytes(answer[8:12], "little"))
+    if int.from_bytes(answer[head:head + 4], "little") != 0x5E01:
         return answer
-    count = int.from_bytes(answer[4:8], "little")
-    start = 8 + 48 * (count - 1) + 16
+    count = int.from_bytes(answer[head + 4:head + 8], "little")
+    start = head + 8 + 48 * (count - 1) + 16
     return answer[:start] + bytes(32) + answer[start + 32:]
 
 
-def make_hop_bench(make_bench: Any, implementation: Any, records: int, negotiated: bool, **options: Any) -> Any:
-    template = downstream_reply(11, records)
+def make_hop_bench(make_bench: Any, implementation: Any, records: int, negotiated: bool, top: int | None = None,
+                   **options: Any) -> Any:
+    template = downstream_reply(11, records, top=top)
     return make_bench(implementation, "1:2", hop=(template, lane_answer(template, negotiated)), **options)
 
 
@@ -482,11 +496,12 @@ def read_answers(bench: Bench, count: int) -> list[bytes]:
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("records", [0, 1, 3], ids=["v11-downstream", "one-record", "three-records"])
 @pytest.mark.parametrize("negotiated", [True, False], ids=["negotiated", "v11-upstream"])
+@pytest.mark.parametrize("top", [None, 0, 3], ids=["plain", "logprobs", "top-logprobs"])
 def test_a_middle_stage_answers_hop_by_hop_exactly_as_the_lane(implementation: Any, make_bench: Any, records: int,
-                                                                negotiated: bool) -> None:
-    bench = make_hop_bench(make_bench, implementation, records, negotiated)
+                                                                negotiated: bool, top: int | None) -> None:
+    bench = make_hop_bench(make_bench, implementation, records, negotiated, top)
     messages = [bench.message(bench.position + index) for index in range(5)]
-    downstream = [downstream_reply(100 + index, records, compute_us=40 + index) for index in range(5)]
+    downstream = [downstream_reply(100 + index, records, compute_us=40 + index, top=top) for index in range(5)]
     bench.downstream.sendall(b"".join(downstream))  # each is read after its frame is written
     outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
     assert outcome.status == implementation.HANDED_BACK and outcome.steps == 5 and outcome.leftover == b""
@@ -501,6 +516,11 @@ def _replies_not_carried() -> dict[str, bytes]:
 
     negative = bytearray(downstream_reply(12, 1))
     negative[8 + 16 + 7] = 0x80  # the record's compute_us < 0: the lane's decoder refuses it
+    logprobs = downstream_reply(12, 1, top=1)  # (the template's shape: make_hop_bench's top=1)
+    nan, positive, token = bytearray(logprobs), bytearray(logprobs), bytearray(logprobs)
+    nan[12 + 8 + 4:12 + 8 + 8] = struct.pack("<f", float("nan"))  # the alternative's log-probability
+    positive[12 + 4:12 + 8] = struct.pack("<f", 0.5)
+    token[12 + 8:12 + 12] = struct.pack("<i", -3)
     return {
         "error": codec.encode_error(ErrorFrame(ErrorCode.INTERNAL, 2, 2, "", "boom")),
         "logprobs": codec.encode_logprobs(LogprobsFrame(0, (TokenLogprobs(12, -0.5),))) + downstream_reply(12, 1),
@@ -508,6 +528,9 @@ def _replies_not_carried() -> dict[str, bytes]:
         "no-records": downstream_reply(12, 0),
         "negative-duration": bytes(negative),
         "ack": codec.encode_reply(StageReply.ack()),
+        "nan-logprob": bytes(nan),
+        "positive-logprob": bytes(positive),
+        "negative-logprob-token": bytes(token),
     }
 
 
@@ -515,11 +538,12 @@ def _replies_not_carried() -> dict[str, bytes]:
 @pytest.mark.parametrize("name", [*_replies_not_carried(), "end-of-stream", "stop"])
 def test_a_reply_it_does_not_carry_comes_back_with_the_message_in_flight(implementation: Any, make_bench: Any,
                                                                          name: str) -> None:
-    bench = make_hop_bench(make_bench, implementation, 1, True)
+    top = 1 if "logprob" in name else None
+    bench = make_hop_bench(make_bench, implementation, 1, True, top)
     messages = [bench.message(bench.position + index) for index in range(3)]
     frames = [bench.frame(message) for message in messages]
     reply = _replies_not_carried().get(name, b"")
-    bench.downstream.sendall(downstream_reply(100, 1) + reply)
+    bench.downstream.sendall(downstream_reply(100, 1, top=top) + reply)
     if name == "end-of-stream":
         bench.downstream.shutdown(socket.SHUT_WR)
     if name == "stop":
@@ -530,7 +554,7 @@ def test_a_reply_it_does_not_carry_comes_back_with_the_message_in_flight(impleme
     assert reply.startswith(outcome.reply_leftover) and (outcome.reply_leftover or not reply)
     assert outcome.pending_compute_us > 0 and outcome.pending_sent_us > 0
     assert bench.forwarded(2) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages[:2]]
-    assert read_answers(bench, 1) == [lane_answer(downstream_reply(100, 1), True)]
+    assert read_answers(bench, 1) == [lane_answer(downstream_reply(100, 1, top=top), True)]
     assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 2  # the one in flight ran
 
 

@@ -47,7 +47,13 @@ PATHS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                     {"direct": False, "decode_runs": False}),
     "grammar": ({"sampling": SEEDED, "speculation": False, "grammar": 'root ::= [a-z ]+ "."'},
                 {"direct": True, "decode_runs": True}),
+    # (hop by hop, every reply with its Logprobs frame)
+    "logprobs": ({"sampling": SEEDED, "speculation": False, "logprobs": 2}, {"direct": False, "decode_runs": False}),
 }
+#: The stages whose data plane carries a path's steady decodes (the final stage samples a
+#: grammar or logprobs session in Python; a decode run's first stage drives it in Python; verify
+#: windows take the lane's path, the plain decodes between them the data plane).
+RELAYED_STAGES = {"hop": 3, "direct": 3, "grammar": 2, "logprobs": 2, "run": 2, "speculation": 3}
 SWITCHES = ("write_through", "inline_hand_offs", "decode_relay")
 #: Reply-stats fields that hold measured durations (or depend on which one was largest).
 _MEASURED = ("verify_window_compute_us", "verify_window_forward_write_us", "verify_window_downstream_wait_us",
@@ -225,8 +231,7 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
     assert (counters["direct_replies"] > 0) == settings["direct"]
     assert (counters["decode_runs"] > 0) == (settings["decode_runs"] and not settings["direct"])
     assert (counters["verify_windows"] > 0) == (path == "speculation")
-    if path in ("direct", "hop"):  # the data plane carried the steady decodes, on every stage
-        assert counters["relay_stages"] == len(SPLITS), counters
+    assert counters["relay_stages"] == RELAYED_STAGES[path], counters  # the data plane carried the steady decodes
     for switches in _COMBINATIONS[1:]:
         other_tokens, other_boundaries, other_counters = await run_path(generator, tiny_llama, path, **switches)
         assert other_tokens == reference, switches

@@ -155,6 +155,12 @@ def first_maximum(values):
     return _first_maximum(&view[0], <int32_t>view.shape[0])
 
 
+cdef inline bint _nonpositive_finite(const unsigned char *p) noexcept nogil:
+    """The little-endian f32 at ``p`` is finite and <= 0 (+0.0, or negative and not -inf)."""
+    cdef uint32_t bits = (<uint32_t>p[0]) | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+    return bits == 0 or ((bits >> 31) != 0 and ((bits >> 23) & 0xFF) != 0xFF)
+
+
 cdef inline int64_t _now_ns() noexcept nogil:
     cdef timespec now
     clock_gettime(CLOCK_MONOTONIC, &now)
@@ -196,6 +202,8 @@ cdef class DecodeRelay:
     cdef bytes _reply_in
     cdef Py_ssize_t _reply_length, _reply_filled, _answer_length
     cdef Py_ssize_t _records, _records_in, _records_out, _own_record, _prediction_in, _prediction_out
+    cdef Py_ssize_t _logprobs  # the one-row Logprobs frame heading the downstream's reply (0: none)
+    cdef bint _logprobs_out  # the answer starts with it too
     cdef Py_ssize_t _fixed[_MAX_FIXED][2]
     cdef int _fixed_count
     cdef unsigned char *_reply
@@ -226,6 +234,7 @@ cdef class DecodeRelay:
                 raise ValueError("the downstream's reply holds too many Timings records for the relay")
             (self._records, self._records_in, self._records_out, self._own_record, self._prediction_in,
              self._prediction_out) = hop[:6]
+            self._logprobs, self._logprobs_out = hop.logprobs, hop.logprobs_out
             self._fixed_count = len(hop.fixed)
             for index, (start, end) in enumerate(hop.fixed):
                 self._fixed[index][0], self._fixed[index][1] = start, end
@@ -516,6 +525,13 @@ cdef class DecodeRelay:
                 offset = self._records_in + _RECORD_BYTES * index + _RECORD_DURATIONS + 8 * field
                 if self._reply[offset + 7] & 0x80:
                     return _REPLY_PENDING
+        offset = FRAME_LOGPROBS_HEAD
+        while offset < self._logprobs:  # the lane's decoder takes a token >= 0, a log-probability finite, <= 0
+            if self._reply[offset + 3] & 0x80 or not _nonpositive_finite(self._reply + offset + 4):
+                return _REPLY_PENDING
+            offset += FRAME_LOGPROBS_PAIR
+        if self._logprobs_out:
+            memcpy(self._answer, self._reply, self._logprobs)
         if self._records_out >= 0:
             memcpy(self._answer + self._records_out, self._reply + self._records_in, _RECORD_BYTES * self._records)
             offset = self._own_record + _RECORD_DURATIONS

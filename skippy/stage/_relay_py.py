@@ -14,6 +14,7 @@ and the relay tests run against both.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import select
 import struct
@@ -24,6 +25,7 @@ import numpy as np
 
 from skippy.codec import _frame_layout as layout
 from skippy.codec.protocol import BOUNDARY_ROWS_FLAG, StateFlag
+from skippy.codec.protocol_ext import MAX_TOP_LOGPROBS
 
 #: Which implementation this module is.
 IMPLEMENTATION = "python"
@@ -101,11 +103,12 @@ def _timings_count(frame: bytes) -> int:
 
 
 class HopLayout(NamedTuple):
-    """Where a hop-by-hop reply's parts lie: the downstream's reply (``reply_in``: its Timings
-    records, if any, then a plain PredictedToken) and this stage's (``reply_out``: the same
-    records and this stage's own after them, when the upstream negotiated them, then the same
-    PredictedToken); ``fixed``: the byte ranges of ``reply_in`` that must equal the template's
-    (everything but the token, its vector entry and the records' durations)."""
+    """Where a hop-by-hop reply's parts lie: the downstream's reply (``reply_in``: a Logprobs frame
+    of one row, if the session asked, its Timings records, if any, then a plain PredictedToken)
+    and this stage's (``reply_out``: the same Logprobs frame when the upstream negotiated the
+    extensions, the same records and this stage's own after them, then the same PredictedToken);
+    ``fixed``: the byte ranges of ``reply_in`` that must equal the template's (everything but the
+    token, its vector entry, the records' durations and the log-probability pairs)."""
 
     records: int
     records_in: int
@@ -114,6 +117,20 @@ class HopLayout(NamedTuple):
     prediction_in: int
     prediction_out: int
     fixed: tuple[tuple[int, int], ...]
+    #: The Logprobs frame's length at the start of ``reply_in`` (0: none), and whether
+    #: ``reply_out`` starts with it too.
+    logprobs: int = 0
+    logprobs_out: bool = False
+
+
+def _logprobs_length(frame: bytes) -> int:
+    """The length of the one-row Logprobs frame ``frame`` starts with (0: it starts with none)."""
+    if len(frame) < layout.LOGPROBS_HEAD or _I32.unpack_from(frame, 0)[0] != layout.LOGPROBS_MAGIC:
+        return 0
+    _, rows, top = struct.unpack_from("<iii", frame, 0)
+    if rows != 1 or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError("the reply's Logprobs frame is not one row of a carried size")
+    return layout.LOGPROBS_HEAD + layout.LOGPROBS_PAIR * (1 + top)
 
 
 def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
@@ -125,30 +142,35 @@ def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
     Raises:
         ValueError: replies the relay cannot carry.
     """
-    count = _timings_count(reply_in)
-    records_in = layout.TIMINGS_HEAD if count >= 0 else -1
-    prediction_in = layout.TIMINGS_HEAD + RECORD_BYTES * count if count >= 0 else 0
+    logprobs = _logprobs_length(reply_in)
+    logprobs_out = _logprobs_length(reply_out)
+    if logprobs_out and (not logprobs or reply_out[:logprobs] != reply_in[:logprobs]):
+        raise ValueError("the upstream reply's Logprobs frame is not the downstream's")
+    count = _timings_count(reply_in[logprobs:])
+    records_in = logprobs + layout.TIMINGS_HEAD if count >= 0 else -1
+    prediction_in = logprobs + (layout.TIMINGS_HEAD + RECORD_BYTES * count if count >= 0 else 0)
     count = max(count, 0)
-    own_count = _timings_count(reply_out)
+    own_count = _timings_count(reply_out[logprobs_out:])
     if own_count >= 0:
         if own_count != count + 1:
             raise ValueError("the upstream reply's Timings frame is not the downstream's plus one record")
-        records_out = layout.TIMINGS_HEAD
-        own_record = layout.TIMINGS_HEAD + RECORD_BYTES * count
+        records_out = logprobs_out + layout.TIMINGS_HEAD
+        own_record = records_out + RECORD_BYTES * count
         prediction_out = own_record + RECORD_BYTES
     else:
         records_out = own_record = -1
-        prediction_out = 0
+        prediction_out = logprobs_out
     if len(reply_in) != prediction_in + REPLY_BYTES or len(reply_out) != prediction_out + REPLY_BYTES:
-        raise ValueError("a hop-by-hop reply template is not (Timings and) one plain PredictedToken")
+        raise ValueError("a hop-by-hop reply template is not (Logprobs, Timings and) one plain PredictedToken")
     reply_layout(reply_in[prediction_in:])
     if reply_in[prediction_in:] != reply_out[prediction_out:]:
         raise ValueError("the upstream reply's prediction is not the downstream's")
     if records_out >= 0 and count and (reply_in[records_in:prediction_in]
                                         != reply_out[records_out:records_out + RECORD_BYTES * count]):
         raise ValueError("the upstream reply's records are not the downstream's")
-    varying = [(records_in + RECORD_BYTES * index + RECORD_DURATIONS, RECORD_BYTES - RECORD_DURATIONS)
-               for index in range(count)]
+    varying = [(layout.LOGPROBS_HEAD, logprobs - layout.LOGPROBS_HEAD)] if logprobs else []
+    varying += [(records_in + RECORD_BYTES * index + RECORD_DURATIONS, RECORD_BYTES - RECORD_DURATIONS)
+                for index in range(count)]
     varying += [(prediction_in + layout.REPLY_TOKEN, 4), (prediction_in + layout.REPLY_VECTOR_ENTRY, 4)]
     fixed, start = [], 0
     for offset, length in varying:
@@ -156,7 +178,17 @@ def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
             fixed.append((start, offset))
         start = offset + length
     fixed.append((start, len(reply_in)))
-    return HopLayout(count, records_in, records_out, own_record, prediction_in, prediction_out, tuple(fixed))
+    return HopLayout(count, records_in, records_out, own_record, prediction_in, prediction_out, tuple(fixed),
+                     logprobs, logprobs_out > 0)
+
+
+def logprob_pairs_valid(pairs: bytes) -> bool:
+    """Every (i32 token, f32 log-probability) pair is one the lane's decoder takes: a token >= 0,
+    a log-probability finite and <= 0."""
+    for token, logprob in struct.iter_unpack("<if", pairs):
+        if token < 0 or not -math.inf < logprob <= 0.0:
+            return False
+    return True
 
 
 def reply_layout(reply: bytes) -> tuple[int, int]:
@@ -460,7 +492,11 @@ class DecodeRelay:
         for index in range(hop.records):
             if min(durations.unpack_from(reply, hop.records_in + RECORD_BYTES * index + RECORD_DURATIONS)) < 0:
                 return REPLY_PENDING  # the lane refuses it (a timing value out of range)
+        if hop.logprobs and not logprob_pairs_valid(bytes(reply[layout.LOGPROBS_HEAD:hop.logprobs])):
+            return REPLY_PENDING  # (likewise)
         out = self._reply_out
+        if hop.logprobs_out:
+            out[:hop.logprobs] = reply[:hop.logprobs]
         if hop.records_out >= 0:
             out[hop.records_out:hop.own_record] = reply[hop.records_in:hop.prediction_in]
             compute_us, write_us, _ = self._pending

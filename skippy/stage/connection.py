@@ -643,14 +643,14 @@ class Connection:
             stats = await item.on_reply(stats)
         if relay.release:
             await control.release(self._stage, item.session)
-        received, received_timings = reply, timings
+        received = reply, timings, annotations
         reply, timings, annotations = replies.relayed(self.lane, relay, reply, stats, timings, annotations,
                                                       identity=self.identity, wait_us=wait_us, now_us=now_us())
         if relay.prediction and item.ticket.run is not None:  # §11: the run's next step starts before the reply
             annotations += self._run_step(item.ticket, reply.predicted)
-        hop = self.settings.decode_relay and not annotations and item.ticket.kind is MessageKind.DECODE_EMBD
+        hop = self.settings.decode_relay and item.ticket.run is None and item.ticket.kind is MessageKind.DECODE_EMBD
         if hop:  # shortcut 3 may answer the next ones: their replies as the lane writes them
-            self._hop_replies.relayed(item.ticket, received, received_timings, reply, timings)
+            self._hop_replies.relayed(item.ticket, received, (reply, timings, annotations))
         await self._reply(item.ticket, reply, timings, annotations)
         if hop:
             self._hop_replies.written()

@@ -40,8 +40,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import trio
 
 from skippy.codec import _frame_layout as layout
-from skippy.codec.protocol import MessageKind, StageMessage, StageReply, WireDType
-from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG, TimingsFrame
+from skippy.codec.protocol import MessageKind, StageMessage, WireDType
+from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG
 from skippy.lane.errors import ReturnLaneLost
 from skippy.lane.protocol import Forward, SendDownstream
 from skippy.stage import extensions
@@ -50,6 +50,7 @@ from skippy.stage.transport import codec, write_failed
 
 if TYPE_CHECKING:
     from skippy.lane.protocol import StageLane, Ticket
+    from skippy.lane.replies import Reply
     from skippy.lane.timings import DirectTimings
     from skippy.stage.downstream import DownstreamLink
     from skippy.stage.direct_return import ReturnLane
@@ -160,14 +161,13 @@ class HopReplies:
     (:meth:`relayed`), the receiving task waits for its message's (:meth:`wait`)."""
 
     def __init__(self) -> None:
-        self._last: "tuple[Ticket, StageReply, TimingsFrame | None, StageReply, TimingsFrame | None] | None" = None
+        self._last: "tuple[Ticket, Reply, Reply] | None" = None
         self._waiter: trio.CancelScope | None = None
 
-    def relayed(self, ticket: "Ticket", reply_in: StageReply, timings_in: "TimingsFrame | None",
-                reply_out: StageReply, timings_out: "TimingsFrame | None") -> None:
-        """``ticket``'s reply: the downstream's (``reply_in`` after ``timings_in``) answered upstream
-        as ``reply_out`` after ``timings_out`` (call before writing it)."""
-        self._last = (ticket, reply_in, timings_in, reply_out, timings_out)
+    def relayed(self, ticket: "Ticket", reply_in: "Reply", reply_out: "Reply") -> None:
+        """``ticket``'s reply: the downstream's ``reply_in`` answered upstream as ``reply_out``
+        (each a reply, its Timings frame and its §10 frames; call before writing it)."""
+        self._last = (ticket, reply_in, reply_out)
 
     def written(self) -> None:
         """The reply reported last is written: a waiting :meth:`wait` returns."""
@@ -190,8 +190,8 @@ class HopReplies:
             if last is None or last[0] is not ticket:
                 return None
         self._last = None
-        _, reply_in, timings_in, reply_out, timings_out = last
-        return extensions.reply_bytes(reply_in, timings_in), extensions.reply_bytes(reply_out, timings_out)
+        _, reply_in, reply_out = last
+        return extensions.reply_bytes(*reply_in), extensions.reply_bytes(*reply_out)
 
 
 class RelayRun:
