@@ -354,21 +354,17 @@ cdef class DecodeRelay:
     cdef int _fill(self, Py_ssize_t wanted, int64_t *bytes_in) noexcept nogil:
         """Read until ``wanted`` bytes (a template frame) or a whole header that is not one;
         -1 when they are there, else the outcome that ends the run."""
-        cdef pollfd fds[3]
+        cdef int ready
         cdef ssize_t got
         while True:
             if self._filled >= FRAME_FIXED_HEADER and not self._header_matches():
                 return -1  # _carries() hands it back
             if self._filled >= wanted:
                 return -1
-            fds[0].fd, fds[0].events, fds[0].revents = self._upstream, POLLIN, 0
-            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
-            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
-            if poll(fds, 3, -1) < 0:
-                if errno == EINTR:
-                    continue
+            ready = self._wait_readable(self._upstream)
+            if ready < 0:
                 return _HANDED_BACK
-            if fds[1].revents or fds[2].revents:
+            if ready > 0:
                 return _STOPPED
             got = recv(self._upstream, self._buffer + self._filled, self._capacity - self._filled, 0)
             if got > 0:
@@ -380,6 +376,19 @@ cdef class DecodeRelay:
                 return _HANDED_BACK  # end of stream: the lane's reader sees it
             elif errno != EAGAIN and errno != EINTR:  # EWOULDBLOCK is EAGAIN on Linux
                 return _HANDED_BACK  # a reset reads as end of stream there too
+
+    cdef int _wait_readable(self, int fd) noexcept nogil:
+        """Wait until ``fd`` is readable (0), the stop or abort descriptor is (1), or poll fails (-1)."""
+        cdef pollfd fds[3]
+        while True:
+            fds[0].fd, fds[0].events, fds[0].revents = fd, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
+            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
+            if poll(fds, 3, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return -1
+            return 1 if fds[1].revents or fds[2].revents else 0
 
     cdef bint _header_matches(self) noexcept nogil:
         """Everything but the per-token fields equals the template."""
@@ -489,22 +498,14 @@ cdef class DecodeRelay:
     cdef int _respond(self, int64_t *counters, int64_t sent) noexcept nogil:
         """Hop by hop: read the downstream's reply, add this stage's share as the lane does
         (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
-        cdef pollfd fds[3]
         cdef ssize_t got
         cdef int64_t wait_ns
         cdef Py_ssize_t index, field, offset
         cdef int status
         self._reply_filled = 0
         while self._reply_filled < self._reply_length:
-            fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLIN, 0
-            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
-            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
-            if poll(fds, 3, -1) < 0:
-                if errno == EINTR:
-                    continue
-                return _REPLY_PENDING
-            if fds[1].revents or fds[2].revents:
-                return _REPLY_PENDING  # the lane reads the reply
+            if self._wait_readable(self._downstream) != 0:
+                return _REPLY_PENDING  # stopped, or poll failed: the lane reads the reply
             got = recv(self._downstream, self._reply + self._reply_filled,
                        self._reply_length - self._reply_filled, 0)  # never past this reply
             if got > 0:
