@@ -15,7 +15,7 @@ upstream negotiated the extensions.  Nothing in the lane protocol changes from o
 next, so :class:`DecodeRelay` does the whole loop without the GIL: ``poll`` / ``recv`` on the
 upstream socket, the header checked against the session's *template* (the first message of the
 run, handled in full by the Python lane), the activation checked (finite, within the limit) and
-dequantized, ``llama_decode`` through the function pointers the glue passes in, the output
+dequantized, ``llama_decode`` through the typed table of llama.cpp calls skippy._llama fills, the output
 patched into the outgoing template and written with ``send``.  Only the fields that change per
 token are taken from the frame: ``pos_start``, ``decode_step``, ``current_token``,
 ``request_id``, the token sideband and the activation; everything else must equal the template
@@ -139,10 +139,17 @@ cdef enum:
     _RECORD_DURATIONS = FRAME_TIMINGS_COMPUTE - FRAME_TIMINGS_HEAD
     _MAX_FIXED = 64
 
-ctypedef int32_t (*decode_fn)(void *context, void *batch) noexcept nogil
-ctypedef float *(*embeddings_fn)(void *context) noexcept nogil
-ctypedef float *(*logits_fn)(void *context, int32_t row) noexcept nogil
-ctypedef int32_t (*sample_fn)(void *sampler, void *context, int32_t row) noexcept nogil
+# The llama.cpp calls, typed by the table skippy._llama fills with the functions themselves (the C
+# compiler checks each entry against llama.h there; native/cdef/skippy_relay_calls.h).
+cdef extern from "skippy_relay_calls.h" nogil:
+    struct llama_context
+    struct llama_batch
+    struct llama_sampler
+    struct skippy_relay_calls:
+        int32_t (*decode)(llama_context *ctx, const llama_batch *batch) noexcept nogil
+        float *(*embeddings)(llama_context *ctx) noexcept nogil
+        float *(*logits)(llama_context *ctx, int32_t i) noexcept nogil
+        int32_t (*sample)(llama_sampler *smpl, llama_context *ctx, int32_t idx) noexcept nogil
 
 _select_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
 
@@ -174,9 +181,8 @@ cdef class DecodeRelay:
     cdef int _upstream, _downstream, _stop, _abort
     cdef bint _final
     cdef Py_ssize_t _token_offset, _compute_offset
-    cdef logits_fn _logits
-    cdef sample_fn _sample
-    cdef void *_sampler  # NULL: the greedy pick
+    cdef const skippy_relay_calls *_calls
+    cdef llama_sampler *_sampler  # NULL: the greedy pick
     cdef bytes _in_template, _out_template
     cdef const unsigned char *_in_header  # the incoming template's bytes (kept alive above)
     cdef Py_ssize_t _in_length, _out_length, _width, _in_activation, _out_activation
@@ -184,10 +190,8 @@ cdef class DecodeRelay:
     cdef int32_t _n_vocab
     cdef int64_t _position_end
     cdef float _limit
-    cdef void *_context
-    cdef void *_batch
-    cdef decode_fn _decode
-    cdef embeddings_fn _embeddings
+    cdef llama_context *_context
+    cdef const llama_batch *_batch
     cdef int32_t *_token_slot
     cdef int32_t *_position_slot
     cdef float *_embd_slot
@@ -256,18 +260,15 @@ cdef class DecodeRelay:
         self._limit = <float>activation_limit
         self._max_steps = max_steps
         addresses = runtime.addresses()
-        self._context = <void *><uintptr_t>addresses["context"]
-        self._batch = <void *><uintptr_t>addresses["batch"]
-        self._decode = <decode_fn><uintptr_t>addresses["decode"]
-        self._embeddings = <embeddings_fn><uintptr_t>addresses["embeddings"]
+        self._calls = <const skippy_relay_calls *><uintptr_t>addresses["calls"]
+        self._context = <llama_context *><uintptr_t>addresses["context"]
+        self._batch = <const llama_batch *><uintptr_t>addresses["batch"]
         self._token_slot = <int32_t *><uintptr_t>addresses["token"]
         self._position_slot = <int32_t *><uintptr_t>addresses["position"]
         self._embd_slot = <float *><uintptr_t>addresses["embd"]
-        self._logits = <logits_fn><uintptr_t>addresses.get("logits", 0)
-        self._sample = <sample_fn><uintptr_t>addresses.get("sample", 0)
-        self._sampler = <void *><uintptr_t>addresses.get("sampler", 0)
-        if final and self._logits == NULL:
-            raise ValueError("a final stage's relay needs the runtime's logits")
+        self._sampler = <llama_sampler *><uintptr_t>addresses.get("sampler", 0)
+        if final and "sampler" not in addresses:
+            raise ValueError("a final stage's relay needs the runtime's sampler")
         self._capacity = max(self._in_length, FRAME_FIXED_HEADER) * 2 + (1 << 16)
         self._buffer = <unsigned char *>malloc(self._capacity)
         self._out = <unsigned char *>malloc(self._out_length)
@@ -441,7 +442,7 @@ cdef class DecodeRelay:
         cdef float *hidden
         cdef Py_ssize_t index
         cdef int32_t token
-        if self._decode(self._context, self._batch) != 0:
+        if self._calls.decode(self._context, self._batch) != 0:
             return 1
         if self._final:
             token = self._pick()
@@ -450,7 +451,7 @@ cdef class DecodeRelay:
             skippy_store_i32(out + self._token_offset, token)
             skippy_store_i32(out + self._token_offset + (FRAME_REPLY_VECTOR_ENTRY - FRAME_REPLY_TOKEN), token)  # the token vector's one entry
             return 0
-        hidden = self._embeddings(self._context)
+        hidden = self._calls.embeddings(self._context)
         if hidden == NULL:
             return 1
         memcpy(out + FRAME_POS_START, frame + FRAME_POS_START, 4)
@@ -467,8 +468,8 @@ cdef class DecodeRelay:
         """The final stage's token for the decoded row (-1: no logits)."""
         cdef float *logits
         if self._sampler != NULL:
-            return self._sample(self._sampler, self._context, 0)
-        logits = self._logits(self._context, 0)
+            return self._calls.sample(self._sampler, self._context, 0)
+        logits = self._calls.logits(self._context, 0)
         if logits == NULL:
             return -1
         return _first_maximum(logits, self._n_vocab)
