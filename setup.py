@@ -39,7 +39,7 @@ def _cython_extensions(debug: bool) -> list[Extension]:
             Extension(
                 module,
                 [str(source.relative_to(ROOT))],
-                include_dirs=[numpy.get_include(), "skippy/codec"],
+                include_dirs=[numpy.get_include(), "skippy/codec", "native/cdef"],
                 define_macros=macros,
                 extra_compile_args=["-O3"] if not debug else ["-O0", "-g"],
             )
@@ -95,7 +95,7 @@ class SkippyBuildExt(build_ext):
                 emit_source()
                 source = patched_source()
                 install_vocab(source)  # a prebuilt SKIPPY_LLAMA_LIB_DIR skipped the native build that copies them
-                ext.include_dirs = [str(source / "include"), str(source / "ggml" / "include")]
+                ext.include_dirs = [str(source / "include"), str(source / "ggml" / "include"), str(ROOT / "native" / "cdef")]
                 ext.library_dirs = [str(lib_dir)]
         super().run()
         if not self.inplace:

@@ -1,6 +1,6 @@
 """One decode's walk through a middle stage: how many times it changes room (socket in -> frame out).
 
-Run: ``PYTHONPATH=. .venv/bin/python bench/lane_rooms.py [--decodes 6] [--show]``.
+Run: ``PYTHONPATH=. .venv/bin/python bench/lane_rooms.py [--decodes 6] [--show] [--no-relay]``.
 
 A *room* is one of skippy's source files; the walk is the sequence of skippy files whose Python
 code runs, on any thread, between the moment a DecodeEmbd is written to the middle stage's
@@ -12,10 +12,12 @@ codec or the decode relay's loop runs no Python and is not seen).
 The stage under test is layers 1:3 of the generated tiny llama (the model the tests use, made on
 first use), one thread, in this process; its upstream and downstream peers are plain blocking
 sockets on threads of their own, which are not traced.  Two paths: hop by hop (the decode expects a
-PredictedToken back, which the fake downstream sends) and direct return (flagged: nothing comes
-back; after the first flagged decode the data plane, the ``nogil`` relay, carries the next ones).
-Each decode after the first is walked; the shortest walk is reported (a longer one picked up
-other work in its window), ``--show`` prints it.
+PredictedToken back, which the fake downstream sends; its *reply leg*, from the downstream's
+reply written to this stage's answer read upstream, is walked too) and direct return (flagged:
+nothing comes back).  After the first decode of either path the data plane, the ``nogil`` relay,
+carries the next ones; ``--no-relay`` turns it off (the lane's Python path, as before it carried
+hop-by-hop decodes).  Each decode after the first is walked; the shortest walk is reported (a
+longer one picked up other work in its window), ``--show`` prints it.
 """
 
 from __future__ import annotations
@@ -99,6 +101,7 @@ class FakeDownstream(threading.Thread):
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = Address("127.0.0.1", self.listener.getsockname()[1])
         self.decode_arrivals: list[int] = []
+        self.replies_sent: list[int] = []  #: when each decode's reply was written
         self.width = 0  #: the activation width (set once the stage is loaded)
 
     def run(self) -> None:
@@ -121,14 +124,19 @@ class FakeDownstream(threading.Thread):
                     if message.state.flags & DIRECT_RETURN_FLAG:
                         continue
                     if message.kind in (MessageKind.DECODE_EMBD, MessageKind.PREFILL_FINAL_EMBD):
+                        if message.kind is MessageKind.DECODE_EMBD:
+                            self.replies_sent.append(time.perf_counter_ns())
                         connection.sendall(codec.encode_reply(StageReply.predicted_token(7)))
                     else:
                         connection.sendall(codec.encode_reply(StageReply.ack()))
 
 
-def drive(address: Address, width: int, decodes: int, flags: int, downstream: FakeDownstream) -> list[int]:
-    """The upstream stage: configure, prefill, then ``decodes`` decodes; the send instants."""
+def drive(address: Address, width: int, decodes: int, flags: int, downstream: FakeDownstream
+          ) -> tuple[list[int], list[int]]:
+    """The upstream stage: configure, prefill, then ``decodes`` decodes; the send instants, and
+    (hop by hop) when each answer was read."""
     sent: list[int] = []
+    answered: list[int] = []
     with socket.create_connection((address.host, address.port), timeout=10) as stream:
         assert stream.recv(4) == READY_BYTES
         decoder = codec.ReplyDecoder(extensions=True)
@@ -157,18 +165,25 @@ def drive(address: Address, width: int, decodes: int, flags: int, downstream: Fa
                         raise TimeoutError("the decode never reached the downstream")
             else:
                 answer()
+                answered.append(time.perf_counter_ns())
             time.sleep(0.02)  # the stage settles between decodes (the walk ends at the next send)
         stop = StageMessage.stop(session_id=1)
         stream.sendall(codec.encode_message(stop, WireDType.F32, width))
         answer()
-    return sent
+    return sent, answered
 
 
-async def walk_of(model: Path, decodes: int, flags: int) -> list[list[tuple[str, str, bool]]]:
+Rooms = list[tuple[str, str, bool]]
+
+
+async def walk_of(model: Path, decodes: int, flags: int, relay: bool) -> tuple[list[Rooms], list[Rooms]]:
+    """The walks of each decode after the first: socket in -> frame out, and (hop by hop) the
+    reply leg, downstream's reply written -> answer read upstream."""
     downstream = FakeDownstream()
     downstream.start()
     config = config_from_mapping({"model": str(model), "layers": "1:3", "downstream": downstream.address,
-                                  "ctx_size": 256, "batch_size": 64, "connect_timeout": 2, "threads": 1})
+                                  "ctx_size": 256, "batch_size": 64, "connect_timeout": 2, "threads": 1,
+                                  "decode_relay": relay})
     server = StageServer(config, load_runtime(config))
     downstream.width = server.settings.width
     walk = Walk()
@@ -177,34 +192,44 @@ async def walk_of(model: Path, decodes: int, flags: int) -> list[list[tuple[str,
         await server.scheduler.call(lambda: sys.setprofile(walk))  # the runtime thread
         sys.setprofile(walk)  # the trio thread
         try:
-            sent = await trio.to_thread.run_sync(drive, address, server.settings.width, decodes, flags, downstream)
+            sent, answered = await trio.to_thread.run_sync(drive, address, server.settings.width, decodes, flags,
+                                                           downstream)
         finally:
             sys.setprofile(None)
             await server.scheduler.call(lambda: sys.setprofile(None))
         server.shutdown()
     downstream.listener.close()
     arrivals = downstream.decode_arrivals[-len(sent):]
-    return [walk.rooms(start, end) for start, end in zip(sent[1:], arrivals[1:])]  # (the first: a new path)
+    replied = downstream.replies_sent[-len(answered):] if answered else []
+    return ([walk.rooms(start, end) for start, end in zip(sent[1:], arrivals[1:])],  # (the first: a new path)
+            [walk.rooms(start, end) for start, end in zip(replied[1:], answered[1:])])
+
+
+def report(name: str, walks: list[Rooms], show: bool) -> None:
+    rooms = min(walks, key=len)  # the steady walk (a longer one picked up other work: a tick, a timer)
+    print(f"{name}: room changes per decode {sorted(max(0, len(walk) - 1) for walk in walks)}; the shortest:")
+    files = sorted({path for path, _, _ in rooms})
+    calls = sum(call for _, _, call in rooms[1:])
+    lane = sum(path == "stage/connection.py" for path, _, _ in rooms)
+    print(f"{name}: {max(0, len(rooms) - 1)} room changes ({calls} of them calls into another file, "
+          f"stage/connection.py entered {lane} times) over {len(files)} files: {', '.join(files)}")
+    if show:
+        for path, function, call in rooms:
+            print(f"    {'->' if call else '<-'} {path}:{function}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--decodes", type=int, default=6)
     parser.add_argument("--show", action="store_true", help="print each walk")
+    parser.add_argument("--no-relay", action="store_true", help="the lane's Python path (no data plane)")
     args = parser.parse_args()
     model = ensure_model(tiny("llama"))
     for name, flags in (("hop by hop", 0), ("direct return", DIRECT_RETURN_FLAG)):
-        walks = trio.run(walk_of, model, args.decodes, flags)
-        rooms = min(walks, key=len)  # the steady walk (a longer one picked up other work: a tick, a timer)
-        print(f"{name}: room changes per decode {sorted(max(0, len(walk) - 1) for walk in walks)}; the shortest:")
-        files = sorted({path for path, _, _ in rooms})
-        calls = sum(call for _, _, call in rooms[1:])
-        lane = sum(path == "stage/connection.py" for path, _, _ in rooms)
-        print(f"{name}: {max(0, len(rooms) - 1)} room changes ({calls} of them calls into another file, "
-              f"stage/connection.py entered {lane} times) over {len(files)} files: {', '.join(files)}")
-        if args.show:
-            for path, function, call in rooms:
-                print(f"    {'->' if call else '<-'} {path}:{function}")
+        walks, reply_walks = trio.run(walk_of, model, args.decodes, flags, not args.no_relay)
+        report(name, walks, args.show)
+        if reply_walks:
+            report(f"{name}, reply leg", reply_walks, args.show)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,8 @@ NATIVE = Path(__file__).resolve().parent
 ROOT = NATIVE.parent
 CDEF = NATIVE / "cdef" / "skippy.cdef.h"
 SHIM = NATIVE / "cdef" / "skippy_shim.c"
+#: The decode relay's table of llama.cpp calls: included by the shim and by skippy/stage/_relay.pyx.
+RELAY_CALLS = NATIVE / "cdef" / "skippy_relay_calls.h"
 GENERATED = ROOT / "build" / "ffi" / "skippy_llama.c"
 MODULE = "skippy._llama"
 #: libllama, and ggml's registry/device API (libggml, libggml-base) that the binding calls directly.
@@ -28,7 +30,7 @@ LIBRARIES = ["llama", "ggml", "ggml-base"]
 
 def binding_stamp() -> str:
     digest = hashlib.sha256()
-    for path in [CDEF, SHIM, *sorted((NATIVE / "patches").glob("*.patch"))]:
+    for path in [CDEF, SHIM, RELAY_CALLS, *sorted((NATIVE / "patches").glob("*.patch"))]:
         digest.update(path.name.encode())
         digest.update(path.read_bytes())
     return digest.hexdigest()[:16]

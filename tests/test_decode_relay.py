@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import socket
+import struct
 import sys
 import threading
 import time
@@ -138,7 +139,10 @@ class Bench:
 
     def __init__(self, implementation: Any, path: Path, layers: str, prompt_hidden: np.ndarray,
                  in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
-                 max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True) -> None:
+                 max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True,
+                 hop: tuple[bytes, bytes] | None = None) -> None:
+        #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
+        self.hop = hop
         self.relay_side, self.lane_side = Side(path, layers, params, timings), Side(path, layers, params, timings)
         self.first, self.final = self.relay_side.first, self.relay_side.final
         rows = np.array(PROMPT, dtype=np.int32) if self.first else prompt_hidden
@@ -148,7 +152,7 @@ class Bench:
         self.position = len(PROMPT)
         self.rng = np.random.default_rng(5)
         # the run's first message: the lane handles it (here: both contexts), its frame is the template
-        primer = self.message(self.position)
+        primer = self.message(self.position, **({"flags": SKIPPY_EXTENSIONS_FLAG} if hop else {}))
         self.in_template = codec.encode_message(primer, in_dtype, self.relay_side.width)
         self.out_template = self.lane_side.lane_frame(primer, out_dtype)
         self.relay_side.lane_frame(primer, out_dtype)
@@ -168,9 +172,11 @@ class Bench:
             abort_fd=self.abort_fd, in_template=self.in_template, out_template=self.out_template,
             width=self.relay_side.width, first=self.first, n_vocab=self.relay_side.model.n_vocab,
             next_position=self.position, position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.rows,
-            final=self.final, max_steps=max_steps)
+            final=self.final, max_steps=max_steps, **({"reply_in": hop[0], "reply_out": hop[1]} if hop else {}))
 
     def message(self, position: int, **changes: Any) -> StageMessage:
+        if self.hop is not None:
+            changes.setdefault("flags", SKIPPY_EXTENSIONS_FLAG)
         if self.first:
             return decode_message(position, token=int(self.rng.integers(3, 30000)), step=position, **changes)
         activation = self.rng.standard_normal((1, self.relay_side.width)).astype(np.float32)
@@ -411,6 +417,170 @@ def test_templates_the_relay_cannot_carry_are_refused(implementation: Any, make_
                                        first=False)
 
 
+# -- hop by hop: the downstream's replies answered upstream ------------------------------------------
+MIDDLE = StageIdentity(False, 1, 2)
+MIDDLE.index = 1
+
+
+def downstream_reply(token: int, records: int, *, compute_us: int = 5, top: int | None = None) -> bytes:
+    """A reply as the stages after the middle one send it: a Logprobs frame of ``top``
+    alternatives (None: none), ``records`` Timings records (none: a plain v11 reply) and a
+    PredictedToken."""
+    from skippy.codec.protocol_ext import LogprobsFrame, TokenLogprobs
+
+    timings = TimingsFrame(tuple(extensions.own_record(StageIdentity(False, 2 + index, 3 + index), batch_size=1,
+                                                       compute_us=compute_us + index, write_us=index, wait_us=7,
+                                                       queue_us=3) for index in range(records)))
+    logprobs = () if top is None else (LogprobsFrame(top, (TokenLogprobs(
+        token, -0.125 * (token % 7), tuple((token + slot, -0.5 * slot - 0.01 * token) for slot in range(top))),)),)
+    return extensions.reply_bytes(StageReply.predicted_token(token, stats=EMPTY_REPLY_STATS),
+                                  timings if records else None, logprobs)
+
+
+def lane_answer(reply: bytes, negotiated: bool) -> bytes:
+    """What the lane answers upstream for the downstream's ``reply`` (skippy.lane.replies.relayed),
+    this stage's durations zeroed."""
+    from skippy.lane import replies
+    from skippy.lane.protocol import Expect, Forward, Relay, StageLane, Ticket
+
+    decoder = codec.ReplyDecoder(extensions=True)
+    decoder.receive_data(reply)
+    frames = []
+    while not isinstance(frame := decoder.next_reply(), StageReply):
+        frames.append(frame)
+    decoded = frame
+    timings = next((frame for frame in frames if isinstance(frame, TimingsFrame)), None)
+    annotations = tuple(frame for frame in frames if not isinstance(frame, TimingsFrame))
+    lane = StageLane(0, 1)
+    if negotiated:
+        lane.extensions.observe(decode_message(0, flags=SKIPPY_EXTENSIONS_FLAG))
+    forward = Forward(decode_message(0), Expect.RELAY_PREDICTION, Ticket(MessageKind.DECODE_EMBD), SESSION, 0, 0.0,
+                      batch_size=1)
+    answer, timings, annotations = replies.relayed(lane, Relay(forward, prediction=True), decoded, decoded.stats,
+                                                   timings, annotations, identity=MIDDLE, wait_us=0, now_us=0)
+    return extensions.reply_bytes(answer, timings, annotations)
+
+
+def without_own_durations(answer: bytes) -> bytes:
+    """A middle stage's answer with its own record's durations zeroed (the last record's)."""
+    head = 0
+    if int.from_bytes(answer[:4], "little") == 0x5E04:  # a Logprobs frame first
+        head = 12 + 8 * (1 + int.from_bytes(answer[8:12], "little"))
+    if int.from_bytes(answer[head:head + 4], "little") != 0x5E01:
+        return answer
+    count = int.from_bytes(answer[head + 4:head + 8], "little")
+    start = head + 8 + 48 * (count - 1) + 16
+    return answer[:start] + bytes(32) + answer[start + 32:]
+
+
+def make_hop_bench(make_bench: Any, implementation: Any, records: int, negotiated: bool, top: int | None = None,
+                   **options: Any) -> Any:
+    template = downstream_reply(11, records, top=top)
+    return make_bench(implementation, "1:2", hop=(template, lane_answer(template, negotiated)), **options)
+
+
+def read_answers(bench: Bench, count: int) -> list[bytes]:
+    """``count`` answers the relay wrote upstream (this stage's durations zeroed)."""
+    assert bench.hop is not None
+    length = len(bench.hop[1])
+    bench.upstream.settimeout(5)
+    answers = []
+    for _ in range(count):
+        data = b""
+        while len(data) < length:
+            data += bench.upstream.recv(length - len(data))
+        answers.append(without_own_durations(data))
+    return answers
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("records", [0, 1, 3], ids=["v11-downstream", "one-record", "three-records"])
+@pytest.mark.parametrize("negotiated", [True, False], ids=["negotiated", "v11-upstream"])
+@pytest.mark.parametrize("top", [None, 0, 3], ids=["plain", "logprobs", "top-logprobs"])
+def test_a_middle_stage_answers_hop_by_hop_exactly_as_the_lane(implementation: Any, make_bench: Any, records: int,
+                                                                negotiated: bool, top: int | None) -> None:
+    bench = make_hop_bench(make_bench, implementation, records, negotiated, top)
+    messages = [bench.message(bench.position + index) for index in range(5)]
+    downstream = [downstream_reply(100 + index, records, compute_us=40 + index, top=top) for index in range(5)]
+    bench.downstream.sendall(b"".join(downstream))  # each is read after its frame is written
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == 5 and outcome.leftover == b""
+    assert bench.forwarded(5) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    assert read_answers(bench, 5) == [lane_answer(reply, negotiated) for reply in downstream]
+    assert outcome.replies_in == sum(map(len, downstream)) and outcome.replies_out == 5 * len(bench.hop[1])
+    assert outcome.reply_leftover == b""
+
+
+def _replies_not_carried() -> dict[str, bytes]:
+    from skippy.codec.protocol_ext import ErrorCode, ErrorFrame, LogprobsFrame, TokenLogprobs
+
+    negative = bytearray(downstream_reply(12, 1))
+    negative[8 + 16 + 7] = 0x80  # the record's compute_us < 0: the lane's decoder refuses it
+    logprobs = downstream_reply(12, 1, top=1)  # (the template's shape: make_hop_bench's top=1)
+    nan, positive, token = bytearray(logprobs), bytearray(logprobs), bytearray(logprobs)
+    nan[12 + 8 + 4:12 + 8 + 8] = struct.pack("<f", float("nan"))  # the alternative's log-probability
+    positive[12 + 4:12 + 8] = struct.pack("<f", 0.5)
+    token[12 + 8:12 + 12] = struct.pack("<i", -3)
+    return {
+        "error": codec.encode_error(ErrorFrame(ErrorCode.INTERNAL, 2, 2, "", "boom")),
+        "logprobs": codec.encode_logprobs(LogprobsFrame(0, (TokenLogprobs(12, -0.5),))) + downstream_reply(12, 1),
+        "two-records": downstream_reply(12, 2),
+        "no-records": downstream_reply(12, 0),
+        "negative-duration": bytes(negative),
+        "ack": codec.encode_reply(StageReply.ack()),
+        "nan-logprob": bytes(nan),
+        "positive-logprob": bytes(positive),
+        "negative-logprob-token": bytes(token),
+    }
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("name", [*_replies_not_carried(), "end-of-stream", "stop"])
+def test_a_reply_it_does_not_carry_comes_back_with_the_message_in_flight(implementation: Any, make_bench: Any,
+                                                                         name: str) -> None:
+    top = 1 if "logprob" in name else None
+    bench = make_hop_bench(make_bench, implementation, 1, True, top)
+    messages = [bench.message(bench.position + index) for index in range(3)]
+    frames = [bench.frame(message) for message in messages]
+    reply = _replies_not_carried().get(name, b"")
+    bench.downstream.sendall(downstream_reply(100, 1, top=top) + reply)
+    if name == "end-of-stream":
+        bench.downstream.shutdown(socket.SHUT_WR)
+    if name == "stop":
+        threading.Timer(0.05, os.eventfd_write, (bench.stop_fd, 1)).start()
+    outcome = bench.run(b"".join(frames))
+    assert outcome.status == implementation.REPLY_PENDING and outcome.steps == 1
+    assert outcome.leftover == frames[1] + frames[2]  # the message in flight first, then the unread one
+    assert reply.startswith(outcome.reply_leftover) and (outcome.reply_leftover or not reply)
+    assert outcome.pending_compute_us > 0 and outcome.pending_sent_us > 0
+    assert bench.forwarded(2) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages[:2]]
+    assert read_answers(bench, 1) == [lane_answer(downstream_reply(100, 1, top=top), True)]
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 2  # the one in flight ran
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_a_lost_upstream_fails_the_answer(implementation: Any, make_bench: Any) -> None:
+    bench = make_hop_bench(make_bench, implementation, 1, True)
+    bench.downstream.sendall(downstream_reply(100, 1))
+    bench.upstream.sendall(bench.frame(bench.message(bench.position)))
+    bench.upstream.close()  # the answer's write fails (the upstream reset)
+    outcome = bench.relay.run(b"")
+    assert outcome.status == implementation.UPSTREAM_FAILED and outcome.steps == 1
+
+
+def test_hop_templates_the_relay_cannot_carry_are_refused() -> None:
+    template = downstream_reply(11, 1)
+    answer = lane_answer(template, True)
+    with pytest.raises(ValueError, match="plus one record"):
+        _relay_py.hop_layout(template, lane_answer(downstream_reply(11, 2), True))
+    with pytest.raises(ValueError, match="prediction"):
+        _relay_py.hop_layout(template, answer[:-8] + (1).to_bytes(8, "little"))  # stats merged into some
+    with pytest.raises(ValueError, match="records"):
+        _relay_py.hop_layout(template, answer[:8] + bytes([1]) + answer[9:])
+    with pytest.raises(ValueError, match="PredictedToken"):
+        _relay_py.hop_layout(template + b"\0", answer)
+
+
 # -- lanes: in-process chains with the relay on and off ----------------------------------------------
 from stage_helpers import reference_greedy  # noqa: E402
 
@@ -428,6 +598,11 @@ class Tap:
     def __init__(self, target: Address) -> None:
         self.target = target
         self.sent = bytearray()
+        #: The first connection's replies: bytes the stage answered, and (while set) an event
+        #: they wait for before passing on.
+        self.answered = 0
+        self.hold: trio.Event | None = None
+        self._connections = 0
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
@@ -437,12 +612,18 @@ class Tap:
 
     async def _handle(self, client: trio.SocketStream) -> None:
         server = await trio.open_tcp_stream(self.target.host, self.target.port)
+        first = self._connections == 0
+        self._connections += 1
 
         async def pump(source: trio.SocketStream, sink: trio.SocketStream, keep: bytearray | None) -> None:
             try:
                 async for chunk in source:
                     if keep is not None:
                         keep += chunk
+                    elif first:
+                        self.answered += len(chunk)
+                        while self.hold is not None:
+                            await self.hold.wait()
                     await sink.send_all(chunk)
             except (trio.BrokenResourceError, trio.ClosedResourceError):
                 pass
@@ -602,10 +783,13 @@ async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: 
     assert results[True][0] == reference and results[True][2] == reference[:11]  # the rollback re-ran two
 
 
+@pytest.mark.parametrize("direct", [True, False], ids=["direct", "hop-by-hop"])
 async def test_a_killed_final_stage_fails_a_relayed_request_within_2_s_naming_it(tiny_llama: Path,
-                                                                                 tmp_path: Path) -> None:
+                                                                                 tmp_path: Path, direct: bool) -> None:
     """Stage processes relaying a session's decode (every stage): the final one is killed while
-    the others wait in their loops for the next frame; the request fails within 2 s, naming it."""
+    the others wait in their loops for the next frame; the request fails within 2 s, naming it
+    (hop by hop: the middle stage's loop meets the loss writing the frame or waiting for its
+    reply, and hands the message in flight back to its lane, which reports it upstream)."""
     from stage_helpers import stage_chain, wait_for_stats
 
     from skippy.driver import StageLost
@@ -615,7 +799,7 @@ async def test_a_killed_final_stage_fails_a_relayed_request_within_2_s_naming_it
         assert chain[0].address is not None and final.address is not None
         async with await StageClient.connect(chain[0].address) as client:
             await client.configure(1, prompt_token_count=len(PROMPT))
-            assert await client.open_direct_return(final.address, 1)
+            assert not direct or await client.open_direct_return(final.address, 1)
             token = (await client.prefill(1, PROMPT, chunk_size=3)).token
             for step in range(6):
                 token = (await client.decode(1, token, len(PROMPT) + step, decode_step=step)).predicted
@@ -626,9 +810,102 @@ async def test_a_killed_final_stage_fails_a_relayed_request_within_2_s_naming_it
             elapsed = time.monotonic() - started
         assert elapsed < 2, elapsed
         assert str(final.address.port) in str(raised.value), raised.value
+        if not direct:
+            return
         # the first stage's run ended with its lane (its relay counters reached the stats file)
         # the first stage's run ended with its lane, and was accounted: 5 tokens relayed, and the
         # one sent after the kill too when it reached the first stage before the loss did
         await wait_for_stats(chain[0], lambda stats: stats["decode_relay_steps"] in (5, 6)
                              and stats["decode_items"] == stats["decode_relay_steps"] + 1
                              and stats["connections_open"] == 0)
+
+
+async def _hop_session(client: StageClient, session: int, prompt: list[int], steps: int) -> list[int]:
+    """A hop-by-hop session: prefill, ``steps`` decodes (each answered back through every stage), stop."""
+    await client.configure(session, prompt_token_count=len(prompt))
+    tokens = [(await client.prefill(session, prompt, chunk_size=3)).token]
+    for step in range(steps):
+        tokens.append((await client.decode(session, tokens[-1], len(prompt) + step, decode_step=step)).predicted)
+    await client.stop(session)
+    return tokens
+
+
+async def test_hop_by_hop_the_relay_sends_the_lanes_bytes_while_other_lanes_interrupt_it(tiny_llama: Path) -> None:
+    """Two lanes decode hop by hop at once (each stage's loop is stopped by the other lane's work,
+    often while it waits for a downstream reply: the lane then takes the message in flight over);
+    then one alone (relayed on every stage).  The tokens are the unsplit ones, the frames each
+    stage forwards the same with the relay on and off."""
+    prompts = [PROMPT, [1, 13, 4013, 338, 263, 1243]]
+    reference = [reference_greedy(tiny_llama, prompt, 21, chunk_size=3) for prompt in prompts]
+    sent: dict[bool, list[bytes]] = {}
+    for relay in (True, False):
+        async with trio.open_nursery() as nursery:
+            chain = await _tapped_chain(nursery, tiny_llama, relay)
+            tokens: dict[int, list[int]] = {}
+
+            async def lane(index: int) -> None:
+                async with await StageClient.connect(chain.first) as client:
+                    tokens[index] = await _hop_session(client, index + 1, prompts[index], 20)
+
+            async with trio.open_nursery() as lanes:
+                for index in range(2):
+                    lanes.start_soon(lane, index)
+            assert [tokens[0], tokens[1]] == reference
+            steps = [server.stats.decode_relay_steps for server in chain.servers]
+            before = [len(tap.sent) for tap in chain.taps]
+            await trio.sleep(RECENT_WORK_S + 0.1)  # until then the other lane's rows would batch
+            async with await StageClient.connect(chain.first) as client:
+                assert await _hop_session(client, 3, PROMPT, 20) == reference[0]
+            stats = [server.stats for server in chain.servers]
+            if relay:  # alone, every decode but the first is carried by every stage's loop
+                assert [s.decode_relay_steps - before for s, before in zip(stats, steps)] == [19] * 3
+            else:
+                assert [s.decode_relay_steps for s in stats] == [0, 0, 0]
+            assert all(s.decode_items == 3 * 20 and s.connection_errors == 0 for s in stats)
+            sent[relay] = [bytes(tap.sent[start:]) for tap, start in zip(chain.taps, before)]  # the lone lane's
+            nursery.cancel_scope.cancel()
+    assert sent[True] == sent[False] and all(sent[True])
+
+
+async def test_a_reply_held_downstream_while_other_work_comes_is_taken_over_by_the_lane(tiny_llama: Path) -> None:
+    """The final stage's reply to a relayed hop-by-hop decode is held (by the tap in front of it)
+    while the middle and first stages' loops wait for it; another lane's request then needs their
+    runtime: each loop hands the message in flight back to its lane (nothing else could run the
+    other request), and when the reply is let through the lanes relay it: the same tokens."""
+    other_prompt = [1, 13, 4013, 338, 263, 1243]
+    async with trio.open_nursery() as nursery:
+        chain = await _tapped_chain(nursery, tiny_llama, True)
+        tap = chain.taps[-1]  # in front of the final stage
+        async with await StageClient.connect(chain.first) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            tokens = [(await client.prefill(1, PROMPT, chunk_size=3)).token]
+            position = len(PROMPT)
+
+            async def decode() -> None:
+                nonlocal position
+                tokens.append((await client.decode(1, tokens[-1], position, decode_step=position)).predicted)
+                position += 1
+
+            for _ in range(4):  # relayed from the second on
+                await decode()
+            tap.hold = trio.Event()
+            answered = tap.answered
+            async with trio.open_nursery() as held:
+                held.start_soon(decode)
+                with trio.fail_after(5):
+                    while tap.answered == answered:  # the final stage answered; the others wait for it
+                        await trio.sleep(0.005)
+                    async with await StageClient.connect(chain.first) as other:
+                        other_tokens = await _hop_session(other, 2, other_prompt, 6)
+                hold, tap.hold = tap.hold, None
+                hold.set()
+            await trio.sleep(RECENT_WORK_S + 0.1)
+            for _ in range(4):
+                await decode()
+            await client.stop(1)
+        assert tokens == reference_greedy(tiny_llama, PROMPT, 10, chunk_size=3)
+        assert other_tokens == reference_greedy(tiny_llama, other_prompt, 7, chunk_size=3)
+        stats = [server.stats for server in chain.servers]
+        assert all(s.connection_errors == 0 and s.decode_items == 9 + 6 for s in stats)
+        assert [s.decode_relay_steps > 3 for s in stats] == [True] * 3
+        nursery.cancel_scope.cancel()

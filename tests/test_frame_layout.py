@@ -59,3 +59,12 @@ def test_the_reply_offsets_read_back_a_predicted_token_after_its_timings(wire: M
     assert struct.unpack_from("<i", reply, layout.REPLY_TOKEN)[0] == 99
     assert struct.unpack_from("<i", reply, layout.REPLY_VECTOR_ENTRY)[0] == 99
     assert struct.unpack_from("<i", reply, layout.REPLY_DRAFT)[0] == 0
+
+
+def test_the_logprobs_offsets_read_back_a_logprobs_frame(wire: ModuleType) -> None:
+    from skippy.codec.protocol_ext import LogprobsFrame, TokenLogprobs
+
+    frame = wire.encode_logprobs(LogprobsFrame(2, (TokenLogprobs(5, -0.25, ((5, -0.25), (9, -1.5))),)))
+    assert len(frame) == layout.LOGPROBS_HEAD + 3 * layout.LOGPROBS_PAIR
+    assert struct.unpack_from("<iii", frame, 0) == (layout.LOGPROBS_MAGIC, 1, 2)
+    assert struct.unpack_from("<if", frame, layout.LOGPROBS_HEAD + 2 * layout.LOGPROBS_PAIR) == (9, -1.5)

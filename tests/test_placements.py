@@ -47,7 +47,13 @@ PATHS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
                     {"direct": False, "decode_runs": False}),
     "grammar": ({"sampling": SEEDED, "speculation": False, "grammar": 'root ::= [a-z ]+ "."'},
                 {"direct": True, "decode_runs": True}),
+    # (hop by hop, every reply with its Logprobs frame)
+    "logprobs": ({"sampling": SEEDED, "speculation": False, "logprobs": 2}, {"direct": False, "decode_runs": False}),
 }
+#: The stages whose data plane carries a path's steady decodes (the final stage samples a
+#: grammar or logprobs session in Python; a decode run's first stage drives it in Python; verify
+#: windows take the lane's path, the plain decodes between them the data plane).
+RELAYED_STAGES = {"hop": 3, "direct": 3, "grammar": 2, "logprobs": 2, "run": 2, "speculation": 3}
 SWITCHES = ("write_through", "inline_hand_offs", "decode_relay")
 #: Reply-stats fields that hold measured durations (or depend on which one was largest).
 _MEASURED = ("verify_window_compute_us", "verify_window_forward_write_us", "verify_window_downstream_wait_us",
@@ -166,6 +172,7 @@ async def run_path(generator: Generator, model: Path, path: str, **switches: boo
         stats = [server.stats for server in chain.servers]
         counters = {"write_throughs": sum(s.write_throughs for s in stats),
                     "relay_steps": sum(s.decode_relay_steps for s in stats),
+                    "relay_stages": sum(s.decode_relay_steps > 0 for s in stats),
                     "direct_replies": stats[-1].direct_replies, "decode_runs": stats[0].decode_runs,
                     "verify_windows": stats[-1].verify_windows}
         boundaries = [tap.record() for tap in (*chain.taps, chain.returns)]
@@ -201,8 +208,9 @@ def settings_direct(path: str) -> bool:
 _COMBINATIONS = [dict(zip(SWITCHES, values)) for values in itertools.product((True, False), repeat=len(SWITCHES))]
 
 
-#: The default path (direct return, where the data plane runs) in the fast suite; the rest in the full one.
-@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path == "direct" else pytest.mark.slow)
+#: The default paths (direct return and hop by hop, where the data plane runs) in the fast suite; the
+#: rest in the full one.
+@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path in ("direct", "hop") else pytest.mark.slow)
                                   for path in sorted(PATHS)])
 async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_llama: Path,
                                                                       path: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,8 +231,7 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
     assert (counters["direct_replies"] > 0) == settings["direct"]
     assert (counters["decode_runs"] > 0) == (settings["decode_runs"] and not settings["direct"])
     assert (counters["verify_windows"] > 0) == (path == "speculation")
-    if path == "direct":
-        assert counters["relay_steps"] > 0  # the data plane carried the steady decodes
+    assert counters["relay_stages"] == RELAYED_STAGES[path], counters  # the data plane carried the steady decodes
     for switches in _COMBINATIONS[1:]:
         other_tokens, other_boundaries, other_counters = await run_path(generator, tiny_llama, path, **switches)
         assert other_tokens == reference, switches

@@ -8,6 +8,7 @@
 #include <stddef.h>
 #include <math.h>
 #include "llama.h"
+#include "skippy_relay_calls.h"
 
 const char * const skippy_binding_stamp = SKIPPY_BINDING_STAMP;
 
@@ -33,6 +34,23 @@ void skippy_batch_view(struct llama_batch * batch, int32_t n_tokens, llama_token
  * through a plain function pointer, which cannot pass a struct by value. */
 int32_t skippy_decode_view(struct llama_context * ctx, const struct llama_batch * batch) {
     return llama_decode(ctx, *batch);
+}
+
+/* The relay's calls (skippy_relay_calls.h): the compiler checks each entry against its declaration
+ * (a mismatch is an error, not a warning). */
+#if defined(__GNUC__)
+#pragma GCC diagnostic push
+#pragma GCC diagnostic error "-Wincompatible-pointer-types"
+#endif
+static const struct skippy_relay_calls relay_calls = {
+    skippy_decode_view, llama_get_embeddings, llama_get_logits_ith, llama_sampler_sample,
+};
+#if defined(__GNUC__)
+#pragma GCC diagnostic pop
+#endif
+
+const void * skippy_relay_calls(void) {
+    return &relay_calls;
 }
 
 /* Sample output row rows[i] of the last decode with samplers[i]; returns the number sampled. */

@@ -62,13 +62,18 @@ TIMINGS_HEAD: Final = 8
 TIMINGS_BYTES: Final = TIMINGS_HEAD + 16 + 32
 #: The record's compute_us (the first i64, after index, layer range and batch size).
 TIMINGS_COMPUTE: Final = TIMINGS_HEAD + 16
+#: A Logprobs frame (§10): magic, row count and top count (i32 each), then for each row 1 + top
+#: pairs of (i32 token, f32 log-probability).
+LOGPROBS_MAGIC: Final = 0x5E04
+LOGPROBS_HEAD: Final = 12
+LOGPROBS_PAIR: Final = 8
 
 #: The names the Cython modules get as C constants (``FRAME_`` + name).
 _EXPORTED = ("KIND", "POS_START", "TOKEN_COUNT", "TOKEN_N", "POSITION_N", "STATE", "STATE_FIELDS", "VERSION",
              "FLAGS", "DECODE_STEP", "CURRENT_TOKEN", "SOURCE_STAGE", "WIRE_DTYPE", "REQUEST_ID", "SESSION_ID",
              "FIXED_HEADER", "SAMPLING_FIXED", "SAMPLING_HEAD", "SAMPLING_BIAS", "REPLY_HEAD", "REPLY_STATS",
              "REPLY_BYTES", "REPLY_TOKEN", "REPLY_VECTOR_ENTRY", "REPLY_DRAFT", "TIMINGS_MAGIC", "TIMINGS_HEAD", "TIMINGS_BYTES",
-             "TIMINGS_COMPUTE")
+             "TIMINGS_COMPUTE", "LOGPROBS_MAGIC", "LOGPROBS_HEAD", "LOGPROBS_PAIR")
 
 PXI: Final = Path(__file__).with_name("_frame_layout.pxi")
 

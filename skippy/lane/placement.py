@@ -13,8 +13,9 @@ WRITE_DOWN      RUNTIME_THREAD (write-through, chosen before compute), HANDLING_
                 (inline: the forwarder is idle), FORWARD_TASK
 WRITE_UP        RUNTIME_THREAD (write-through of a lone PredictedToken), HANDLING_TASK
                 (whichever task holds the writer token; a direct reply: into the return lane)
-CARRY_NEXT      DATA_PLANE (the ``nogil`` decode relay carries the session's next decodes),
-                NOBODY (the lane reads on)
+CARRY_NEXT      DATA_PLANE (the ``nogil`` decode relay carries the session's next decodes:
+                hop by hop with their replies, or with direct return), NOBODY (the lane
+                reads on)
 ==============  ==========================================================================
 
 Each placement produces the same bytes on every boundary as the plain one (all switches off:
@@ -29,7 +30,9 @@ Invariants :func:`placement` keeps (one writer per stream, frame order, credits)
 * a credited frame (an early-ACKed prefill chunk) is always written by the forwarder, which
   waits for its credit;
 * an early-ACKed message is never handled on the receiving task (receiving must run ahead);
-* the runtime thread and the data plane write only plain sockets with no simulated delay.
+* the runtime thread and the data plane write only plain sockets with no simulated delay;
+* the data plane starts only on a quiet lane (hop by hop: once the template's reply is written
+  upstream), so it is the one reader and writer of both streams while it runs.
 """
 
 from __future__ import annotations
@@ -74,7 +77,8 @@ class Facts(NamedTuple):
     #: The streams: plain sockets (not TLS or memory streams), and simulated delays (benchmarks).
     upstream_socket: bool = True
     #: The stream the step writes downstream (on the final stage, for CARRY_NEXT: the session's
-    #: return lane) is a plain socket, open and free (no other writer holds it).
+    #: return lane, or hop by hop the upstream) is a plain socket, open and free (no other
+    #: writer holds it).
     downstream_socket: bool = True
     wire_delay: bool = False
     reply_delay: bool = False
@@ -88,7 +92,8 @@ class Facts(NamedTuple):
     #: The message: ACKed on receipt; its frame holds a reply credit; its prediction goes over
     #: a return lane (§8); asked before its work runs (its output may still be written where
     #: it is computed); its reply is next in line with the writer token free; the message just
-    #: handled left a template the data plane can carry the next ones from.
+    #: handled left a template the data plane can carry the next ones from (hop by hop: with
+    #: its reply as relayed upstream).
     early_ack: bool = False
     credited: bool = False
     direct: bool = False

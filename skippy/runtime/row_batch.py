@@ -6,7 +6,9 @@ arrays of one token, one position, one sequence id and one ``n_embd`` row of act
 the row flagged as an output.  The relay writes the token (first stage) or the activation and
 the position into those arrays, then calls ``skippy_decode_view`` and ``llama_get_embeddings``
 (a final stage: ``llama_get_logits_ith`` and, for a sampler chain, ``llama_sampler_sample``)
-through the raw addresses :meth:`RowBatch.addresses` gives; the pure-Python twin calls
+through the typed table ``skippy_relay_calls()`` returns (native/cdef/skippy_relay_calls.h: the
+C compiler checks its entries against llama.h) at the raw addresses :meth:`RowBatch.addresses`
+gives; the pure-Python twin calls
 :meth:`RowBatch.decode`, :meth:`RowBatch.hidden` and :meth:`RowBatch.sample`, the same functions
 through cffi.  A final stage's pick is the context's own: the first maximum of the row for a
 plain greedy sampler (``StageContext.sample``'s shortcut), else the session's sampler chain.
@@ -72,24 +74,21 @@ class RowBatch:
         )
 
     def addresses(self) -> dict[str, int]:
-        """Raw addresses for the Cython relay: the context, the batch, the two native functions
-        and the three input slots."""
+        """Raw addresses for the Cython relay: the context, the batch, the table of llama.cpp calls
+        and the three input slots (a final stage: its sampler chain, 0 for the greedy pick)."""
         def address(pointer: object) -> int:
             return int(ffi.cast("uintptr_t", pointer))
 
         addresses = {
             "context": address(self._context._context_ptr()),
             "batch": address(self._batch),
-            "decode": address(ffi.addressof(lib, "skippy_decode_view")),
-            "embeddings": address(ffi.addressof(lib, "llama_get_embeddings")),
+            "calls": address(lib.skippy_relay_calls()),
             "token": address(ffi.from_buffer(self.token)),
             "position": address(ffi.from_buffer(self.position)),
             "embd": address(ffi.from_buffer(self.embd)),
         }
         if self.final:
             assert self._sampler is not None
-            addresses["logits"] = address(ffi.addressof(lib, "llama_get_logits_ith"))
-            addresses["sample"] = address(ffi.addressof(lib, "llama_sampler_sample"))
             addresses["sampler"] = 0 if self._greedy else address(self._sampler.pointer)
         return addresses
 

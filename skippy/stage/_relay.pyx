@@ -4,21 +4,29 @@
 
 Strategy
 --------
-A non-final stage decoding one session with direct return (docs/protocol.md §8) does the same
-thing for every token: read a DecodeEmbd frame from upstream, run one row through its layers,
-write the same message downstream with its own activation.  No reply goes upstream, so nothing
-in the lane protocol changes from one token to the next.  :class:`DecodeRelay` does exactly that
-loop without the GIL: ``poll`` / ``recv`` on the upstream socket, the header checked against the
-session's *template* (the first message of the run, handled in full by the Python lane), the
-activation checked (finite, within the limit) and dequantized, ``llama_decode`` through the
-function pointers the glue passes in, the output patched into the outgoing template and written
-with ``send``.  Only the fields that change per token are taken from the frame: ``pos_start``,
-``decode_step``, ``current_token``, ``request_id``, the token sideband and the activation;
-everything else must equal the template byte for byte.  On the final stage the outgoing
-template is the session's PredictedToken reply (with its Timings frame when the return lane
-negotiated one): the loop samples the row (the greedy pick of the lane's path, the first
-maximum, or the session's llama.cpp sampler chain) and patches the token and the compute time
-into it before writing it into the return lane.
+A stage decoding one session steadily does the same thing for every token.  With direct return
+(docs/protocol.md §8) a non-final stage reads a DecodeEmbd frame from upstream, runs one row
+through its layers and writes the same message downstream with its own activation; no reply
+goes upstream.  Hop by hop it then also reads the downstream's reply (a PredictedToken, with
+the Timings records of the stages after it) and answers upstream exactly as the lane's
+``skippy.lane.replies.relayed`` does: the same records and prediction (the stats merged into
+nothing pending are the downstream's), with this stage's own record after them when the
+upstream negotiated the extensions.  Nothing in the lane protocol changes from one token to the
+next, so :class:`DecodeRelay` does the whole loop without the GIL: ``poll`` / ``recv`` on the
+upstream socket, the header checked against the session's *template* (the first message of the
+run, handled in full by the Python lane), the activation checked (finite, within the limit) and
+dequantized, ``llama_decode`` through the typed table of llama.cpp calls skippy._llama fills, the output
+patched into the outgoing template and written with ``send``.  Only the fields that change per
+token are taken from the frame: ``pos_start``, ``decode_step``, ``current_token``,
+``request_id``, the token sideband and the activation; everything else must equal the template
+byte for byte.  The downstream's reply must equal its template (the reply the lane relayed for
+the template message) outside the token, its vector entry and the records' durations, which
+must be >= 0 as the lane's decoder requires; the answer is the lane's answer template with
+those and this stage's durations patched in.  On the final stage the outgoing template is the
+session's PredictedToken reply (with its Timings frame when the lane or return lane negotiated
+one): the loop samples the row (the greedy pick of the lane's path, the first maximum, or the
+session's llama.cpp sampler chain) and patches the token and the compute time into it before
+writing it into the return lane, or hop by hop upstream.
 
 The loop never refuses anything: the first frame it would not carry exactly as the Python lane
 does (another kind, another session, a position that is not the session's next one, a
@@ -26,8 +34,12 @@ non-finite activation, a failed decode) ends the run with that frame and everyth
 *handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
 same happens on end of stream or a reset upstream (the lane's reader then sees it), when the
 glue writes the stop descriptor (another job wants the runtime, the lane is closing), and
-after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  A write waits
-for a full socket until the abort descriptor says the lane is closing.
+after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  Hop by hop, a
+downstream reply it would not carry (another shape, an annotation or Error frame, end of
+stream) or a stop while it waits ends the run with ``REPLY_PENDING``: the message in flight
+heads the leftover, what was read of its reply comes back too, and the lane takes the message
+over from its forward (skippy.stage.decode_relay).  A write waits for a full socket until the
+abort descriptor says the lane is closing.
 
 Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
 the scheduler holds the runtime for it, and the lane closes neither socket before it returns.
@@ -37,7 +49,7 @@ from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes
 from libc.errno cimport EAGAIN, EINTR, errno
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t, uintptr_t
 from libc.stdlib cimport free, malloc
-from libc.string cimport memcmp, memcpy, memmove
+from libc.string cimport memcmp, memcpy, memmove, memset
 
 cdef extern from "_byteorder.h":
     int32_t skippy_load_i32(const unsigned char *p) noexcept nogil
@@ -100,13 +112,17 @@ cdef enum:
     _STEP_LIMIT = 2
     _DOWNSTREAM_FAILED = 3
     _ABORTED = 4
+    _REPLY_PENDING = 5
+    _UPSTREAM_FAILED = 6
 
-HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED = (
-    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED)
-if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED) != (
-        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED):
+HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED = (
+    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED, _REPLY_PENDING, _UPSTREAM_FAILED)
+if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED) != (
+        _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED,
+        _twin.REPLY_PENDING, _twin.UPSTREAM_FAILED):
     raise ImportError("skippy.stage._relay and its twin disagree on the outcome codes")
 RelayOutcome = _twin.RelayOutcome
+hop_layout = _twin.hop_layout
 FIXED_HEADER = _twin.FIXED_HEADER
 REPLY_BYTES = _twin.REPLY_BYTES
 TIMINGS_BYTES = _twin.TIMINGS_BYTES
@@ -118,11 +134,22 @@ include "_frame_layout.pxi"
 cdef enum:
     _DTYPE_F32 = 0
     _DTYPE_F16 = 1
+    # a Timings record's size, and where its four i64 durations start in it
+    _RECORD_BYTES = FRAME_TIMINGS_BYTES - FRAME_TIMINGS_HEAD
+    _RECORD_DURATIONS = FRAME_TIMINGS_COMPUTE - FRAME_TIMINGS_HEAD
+    _MAX_FIXED = 64
 
-ctypedef int32_t (*decode_fn)(void *context, void *batch) noexcept nogil
-ctypedef float *(*embeddings_fn)(void *context) noexcept nogil
-ctypedef float *(*logits_fn)(void *context, int32_t row) noexcept nogil
-ctypedef int32_t (*sample_fn)(void *sampler, void *context, int32_t row) noexcept nogil
+# The llama.cpp calls, typed by the table skippy._llama fills with the functions themselves (the C
+# compiler checks each entry against llama.h there; native/cdef/skippy_relay_calls.h).
+cdef extern from "skippy_relay_calls.h" nogil:
+    struct llama_context
+    struct llama_batch
+    struct llama_sampler
+    struct skippy_relay_calls:
+        int32_t (*decode)(llama_context *ctx, const llama_batch *batch) noexcept nogil
+        float *(*embeddings)(llama_context *ctx) noexcept nogil
+        float *(*logits)(llama_context *ctx, int32_t i) noexcept nogil
+        int32_t (*sample)(llama_sampler *smpl, llama_context *ctx, int32_t idx) noexcept nogil
 
 _select_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
 
@@ -133,6 +160,12 @@ def first_maximum(values):
     if view.shape[0] == 0 or view.shape[0] > 0x7FFFFFFF:
         raise ValueError("first_maximum takes 1 to 2^31-1 values")
     return _first_maximum(&view[0], <int32_t>view.shape[0])
+
+
+cdef inline bint _nonpositive_finite(const unsigned char *p) noexcept nogil:
+    """The little-endian f32 at ``p`` is finite and <= 0 (+0.0, or negative and not -inf)."""
+    cdef uint32_t bits = (<uint32_t>p[0]) | (<uint32_t>p[1] << 8) | (<uint32_t>p[2] << 16) | (<uint32_t>p[3] << 24)
+    return bits == 0 or ((bits >> 31) != 0 and ((bits >> 23) & 0xFF) != 0xFF)
 
 
 cdef inline int64_t _now_ns() noexcept nogil:
@@ -148,9 +181,8 @@ cdef class DecodeRelay:
     cdef int _upstream, _downstream, _stop, _abort
     cdef bint _final
     cdef Py_ssize_t _token_offset, _compute_offset
-    cdef logits_fn _logits
-    cdef sample_fn _sample
-    cdef void *_sampler  # NULL: the greedy pick
+    cdef const skippy_relay_calls *_calls
+    cdef llama_sampler *_sampler  # NULL: the greedy pick
     cdef bytes _in_template, _out_template
     cdef const unsigned char *_in_header  # the incoming template's bytes (kept alive above)
     cdef Py_ssize_t _in_length, _out_length, _width, _in_activation, _out_activation
@@ -158,10 +190,8 @@ cdef class DecodeRelay:
     cdef int32_t _n_vocab
     cdef int64_t _position_end
     cdef float _limit
-    cdef void *_context
-    cdef void *_batch
-    cdef decode_fn _decode
-    cdef embeddings_fn _embeddings
+    cdef llama_context *_context
+    cdef const llama_batch *_batch
     cdef int32_t *_token_slot
     cdef int32_t *_position_slot
     cdef float *_embd_slot
@@ -171,15 +201,52 @@ cdef class DecodeRelay:
     cdef readonly int64_t next_position
     cdef readonly int64_t last_frame_ns
     cdef int _max_steps
+    # hop by hop (a non-final stage): the downstream's reply template and this stage's answer
+    cdef bint _hop
+    cdef bytes _reply_in
+    cdef Py_ssize_t _reply_length, _reply_filled, _answer_length
+    cdef Py_ssize_t _records, _records_in, _records_out, _own_record, _prediction_in, _prediction_out
+    cdef Py_ssize_t _logprobs  # the one-row Logprobs frame heading the downstream's reply (0: none)
+    cdef bint _logprobs_out  # the answer starts with it too
+    cdef Py_ssize_t _fixed[_MAX_FIXED][2]
+    cdef int _fixed_count
+    cdef unsigned char *_reply
+    cdef unsigned char *_answer
+    cdef const unsigned char *_reply_template  # the downstream's reply template (kept alive above)
+    cdef int64_t _pending_compute_us, _pending_write_us, _pending_sent_us
 
     def __cinit__(self):
         self._buffer = NULL
         self._out = NULL
+        self._reply = NULL
+        self._answer = NULL
 
     def __init__(self, *, int upstream_fd, int downstream_fd, int stop_fd, int abort_fd, bytes in_template,
                  bytes out_template, Py_ssize_t width, bint first, int n_vocab, int64_t next_position,
                  int64_t position_end, double activation_limit, object runtime, bint final=False,
-                 int max_steps=1024):
+                 int max_steps=1024, bytes reply_in=b"", bytes reply_out=b""):
+        if reply_in and final:
+            raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        self._hop = len(reply_in) > 0
+        self._reply_in = reply_in
+        self._reply_template = <const unsigned char *>PyBytes_AS_STRING(reply_in)
+        self._reply_length, self._answer_length = len(reply_in), len(reply_out)
+        self._reply_filled = 0
+        if self._hop:
+            hop = _twin.hop_layout(reply_in, reply_out)
+            if len(hop.fixed) > _MAX_FIXED:
+                raise ValueError("the downstream's reply holds too many Timings records for the relay")
+            (self._records, self._records_in, self._records_out, self._own_record, self._prediction_in,
+             self._prediction_out) = hop[:6]
+            self._logprobs, self._logprobs_out = hop.logprobs, hop.logprobs_out
+            self._fixed_count = len(hop.fixed)
+            for index, (start, end) in enumerate(hop.fixed):
+                self._fixed[index][0], self._fixed[index][1] = start, end
+            self._reply = <unsigned char *>malloc(self._reply_length)
+            self._answer = <unsigned char *>malloc(self._answer_length)
+            if self._reply == NULL or self._answer == NULL:
+                raise MemoryError()
+            memcpy(self._answer, PyBytes_AS_STRING(reply_out), self._answer_length)
         layout = _twin.template_layout(in_template, out_template, width=width, first=first, final=final)
         self._in_length, self._out_length, self._in_activation, self._out_activation = layout[:4]
         self._in_dtype, self._out_dtype = layout[4:]
@@ -193,18 +260,15 @@ cdef class DecodeRelay:
         self._limit = <float>activation_limit
         self._max_steps = max_steps
         addresses = runtime.addresses()
-        self._context = <void *><uintptr_t>addresses["context"]
-        self._batch = <void *><uintptr_t>addresses["batch"]
-        self._decode = <decode_fn><uintptr_t>addresses["decode"]
-        self._embeddings = <embeddings_fn><uintptr_t>addresses["embeddings"]
+        self._calls = <const skippy_relay_calls *><uintptr_t>addresses["calls"]
+        self._context = <llama_context *><uintptr_t>addresses["context"]
+        self._batch = <const llama_batch *><uintptr_t>addresses["batch"]
         self._token_slot = <int32_t *><uintptr_t>addresses["token"]
         self._position_slot = <int32_t *><uintptr_t>addresses["position"]
         self._embd_slot = <float *><uintptr_t>addresses["embd"]
-        self._logits = <logits_fn><uintptr_t>addresses.get("logits", 0)
-        self._sample = <sample_fn><uintptr_t>addresses.get("sample", 0)
-        self._sampler = <void *><uintptr_t>addresses.get("sampler", 0)
-        if final and self._logits == NULL:
-            raise ValueError("a final stage's relay needs the runtime's logits")
+        self._sampler = <llama_sampler *><uintptr_t>addresses.get("sampler", 0)
+        if final and "sampler" not in addresses:
+            raise ValueError("a final stage's relay needs the runtime's sampler")
         self._capacity = max(self._in_length, FRAME_FIXED_HEADER) * 2 + (1 << 16)
         self._buffer = <unsigned char *>malloc(self._capacity)
         self._out = <unsigned char *>malloc(self._out_length)
@@ -217,6 +281,8 @@ cdef class DecodeRelay:
     def __dealloc__(self):
         free(self._buffer)
         free(self._out)
+        free(self._reply)
+        free(self._answer)
 
     def run(self, bytes pending=b""):
         """Relay until a frame it does not carry, a stop, or ``max_steps``; see the twin's ``run``."""
@@ -226,18 +292,29 @@ cdef class DecodeRelay:
         memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
         self._filled = count
         cdef int status
-        cdef int64_t steps = 0, compute_ns = 0, write_ns = 0, bytes_in = 0, bytes_out = 0
+        cdef int64_t counters[8]  # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out
+        memset(counters, 0, sizeof(counters))
         with nogil:
-            status = self._loop(&steps, &compute_ns, &write_ns, &bytes_in, &bytes_out)
+            status = self._loop(counters)
         leftover = PyBytes_FromStringAndSize(<char *>self._buffer, self._filled)
         self._filled = 0
-        return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in,
-                            bytes_out)
+        reply = b""
+        in_flight = (0, 0, 0)
+        if status == _REPLY_PENDING:
+            reply = PyBytes_FromStringAndSize(<char *>self._reply, self._reply_filled)
+            in_flight = (self._pending_compute_us, self._pending_write_us, self._pending_sent_us)
+        self._reply_filled = 0
+        return RelayOutcome(status, leftover, counters[0], counters[1] // 1000, counters[2] // 1000, counters[3],
+                            counters[4], counters[5] // 1000, counters[6], counters[7], reply, *in_flight)
 
-    cdef int _loop(self, int64_t *steps, int64_t *compute_ns, int64_t *write_ns, int64_t *bytes_in,
-                   int64_t *bytes_out) noexcept nogil:
+    cdef int _loop(self, int64_t *counters) noexcept nogil:
         cdef int status
-        cdef int64_t started, elapsed
+        cdef int64_t started, elapsed, sent
+        cdef int64_t *steps = counters
+        cdef int64_t *compute_ns = counters + 1
+        cdef int64_t *write_ns = counters + 2
+        cdef int64_t *bytes_in = counters + 3
+        cdef int64_t *bytes_out = counters + 4
         while steps[0] < self._max_steps:
             status = self._fill(self._in_length, bytes_in)
             if status >= 0:
@@ -252,11 +329,24 @@ cdef class DecodeRelay:
             if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
                 skippy_store_i64(self._out + self._compute_offset, elapsed // 1000)
             started = _now_ns()
-            status = self._write(self._out_length)
+            status = self._write(self._downstream, self._out, self._out_length, _DOWNSTREAM_FAILED)
             if status >= 0:
                 return status
-            write_ns[0] += _now_ns() - started
+            sent = _now_ns()
+            write_ns[0] += sent - started
             bytes_out[0] += self._out_length
+            if self._hop:  # hop by hop: the downstream's reply, this stage's share added, upstream
+                self._pending_compute_us = elapsed // 1000
+                self._pending_write_us = (sent - started) // 1000
+                self._pending_sent_us = started // 1000
+                status = self._respond(counters, sent)
+                if status == _REPLY_PENDING:
+                    return status
+                if status >= 0:  # the reply's write failed: the message is done here
+                    self._consume(self._in_length)
+                    self.next_position += 1
+                    steps[0] += 1
+                    return status
             self._consume(self._in_length)
             self.next_position += 1
             steps[0] += 1
@@ -265,21 +355,17 @@ cdef class DecodeRelay:
     cdef int _fill(self, Py_ssize_t wanted, int64_t *bytes_in) noexcept nogil:
         """Read until ``wanted`` bytes (a template frame) or a whole header that is not one;
         -1 when they are there, else the outcome that ends the run."""
-        cdef pollfd fds[3]
+        cdef int ready
         cdef ssize_t got
         while True:
             if self._filled >= FRAME_FIXED_HEADER and not self._header_matches():
                 return -1  # _carries() hands it back
             if self._filled >= wanted:
                 return -1
-            fds[0].fd, fds[0].events, fds[0].revents = self._upstream, POLLIN, 0
-            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
-            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
-            if poll(fds, 3, -1) < 0:
-                if errno == EINTR:
-                    continue
+            ready = self._wait_readable(self._upstream)
+            if ready < 0:
                 return _HANDED_BACK
-            if fds[1].revents or fds[2].revents:
+            if ready > 0:
                 return _STOPPED
             got = recv(self._upstream, self._buffer + self._filled, self._capacity - self._filled, 0)
             if got > 0:
@@ -291,6 +377,19 @@ cdef class DecodeRelay:
                 return _HANDED_BACK  # end of stream: the lane's reader sees it
             elif errno != EAGAIN and errno != EINTR:  # EWOULDBLOCK is EAGAIN on Linux
                 return _HANDED_BACK  # a reset reads as end of stream there too
+
+    cdef int _wait_readable(self, int fd) noexcept nogil:
+        """Wait until ``fd`` is readable (0), the stop or abort descriptor is (1), or poll fails (-1)."""
+        cdef pollfd fds[3]
+        while True:
+            fds[0].fd, fds[0].events, fds[0].revents = fd, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
+            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
+            if poll(fds, 3, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return -1
+            return 1 if fds[1].revents or fds[2].revents else 0
 
     cdef bint _header_matches(self) noexcept nogil:
         """Everything but the per-token fields equals the template."""
@@ -343,7 +442,7 @@ cdef class DecodeRelay:
         cdef float *hidden
         cdef Py_ssize_t index
         cdef int32_t token
-        if self._decode(self._context, self._batch) != 0:
+        if self._calls.decode(self._context, self._batch) != 0:
             return 1
         if self._final:
             token = self._pick()
@@ -352,7 +451,7 @@ cdef class DecodeRelay:
             skippy_store_i32(out + self._token_offset, token)
             skippy_store_i32(out + self._token_offset + (FRAME_REPLY_VECTOR_ENTRY - FRAME_REPLY_TOKEN), token)  # the token vector's one entry
             return 0
-        hidden = self._embeddings(self._context)
+        hidden = self._calls.embeddings(self._context)
         if hidden == NULL:
             return 1
         memcpy(out + FRAME_POS_START, frame + FRAME_POS_START, 4)
@@ -369,33 +468,100 @@ cdef class DecodeRelay:
         """The final stage's token for the decoded row (-1: no logits)."""
         cdef float *logits
         if self._sampler != NULL:
-            return self._sample(self._sampler, self._context, 0)
-        logits = self._logits(self._context, 0)
+            return self._calls.sample(self._sampler, self._context, 0)
+        logits = self._calls.logits(self._context, 0)
         if logits == NULL:
             return -1
         return _first_maximum(logits, self._n_vocab)
 
-    cdef int _write(self, Py_ssize_t length) noexcept nogil:
-        """Write the outgoing frame, waiting while the socket is full; -1 when it is out, else the
-        outcome that ends the run."""
+    cdef int _write(self, int fd, const unsigned char *frame, Py_ssize_t length, int failed) noexcept nogil:
+        """Write ``frame`` to ``fd``, waiting while the socket is full; -1 when it is out, else the
+        outcome that ends the run (``failed`` for a failed write; upstream, an abort too)."""
         cdef Py_ssize_t sent = 0
         cdef ssize_t wrote
         cdef pollfd fds[2]
         while sent < length:
-            wrote = send(self._downstream, self._out + sent, length - sent, MSG_NOSIGNAL)
+            wrote = send(fd, frame + sent, length - sent, MSG_NOSIGNAL)
             if wrote > 0:
                 sent += wrote
                 continue
             if wrote < 0 and (errno == EAGAIN or errno == EINTR):
-                fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLOUT, 0
+                fds[0].fd, fds[0].events, fds[0].revents = fd, POLLOUT, 0
                 fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
                 if poll(fds, 2, -1) < 0 and errno != EINTR:
-                    return _DOWNSTREAM_FAILED
+                    return failed
                 if fds[1].revents:
-                    return _ABORTED
+                    return _ABORTED if failed == _DOWNSTREAM_FAILED else failed
                 continue
-            return _DOWNSTREAM_FAILED
+            return failed
         return -1
+
+    cdef int _respond(self, int64_t *counters, int64_t sent) noexcept nogil:
+        """Hop by hop: read the downstream's reply, add this stage's share as the lane does
+        (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
+        cdef ssize_t got
+        cdef int64_t wait_ns
+        cdef Py_ssize_t index, field, offset
+        cdef int status
+        self._reply_filled = 0
+        while self._reply_filled < self._reply_length:
+            if self._wait_readable(self._downstream) != 0:
+                return _REPLY_PENDING  # stopped, or poll failed: the lane reads the reply
+            got = recv(self._downstream, self._reply + self._reply_filled,
+                       self._reply_length - self._reply_filled, 0)  # never past this reply
+            if got > 0:
+                self._reply_filled += got
+                counters[6] += got
+                if not self._reply_matches():
+                    return _REPLY_PENDING
+            elif got == 0:
+                return _REPLY_PENDING
+            elif errno != EAGAIN and errno != EINTR:
+                return _REPLY_PENDING
+        wait_ns = _now_ns() - sent
+        if wait_ns < 0:
+            wait_ns = 0
+        counters[5] += wait_ns
+        for index in range(self._records):  # the lane refuses a negative timing value
+            for field in range(4):
+                offset = self._records_in + _RECORD_BYTES * index + _RECORD_DURATIONS + 8 * field
+                if self._reply[offset + 7] & 0x80:
+                    return _REPLY_PENDING
+        offset = FRAME_LOGPROBS_HEAD
+        while offset < self._logprobs:  # the lane's decoder takes a token >= 0, a log-probability finite, <= 0
+            if self._reply[offset + 3] & 0x80 or not _nonpositive_finite(self._reply + offset + 4):
+                return _REPLY_PENDING
+            offset += FRAME_LOGPROBS_PAIR
+        if self._logprobs_out:
+            memcpy(self._answer, self._reply, self._logprobs)
+        if self._records_out >= 0:
+            memcpy(self._answer + self._records_out, self._reply + self._records_in, _RECORD_BYTES * self._records)
+            offset = self._own_record + _RECORD_DURATIONS
+            skippy_store_i64(self._answer + offset, self._pending_compute_us)
+            skippy_store_i64(self._answer + offset + 8, self._pending_write_us)
+            skippy_store_i64(self._answer + offset + 16, wait_ns // 1000)
+            skippy_store_i64(self._answer + offset + 24, 0)
+        memcpy(self._answer + self._prediction_out, self._reply + self._prediction_in,
+               self._reply_length - self._prediction_in)
+        status = self._write(self._upstream, self._answer, self._answer_length, _UPSTREAM_FAILED)
+        if status >= 0:
+            return status
+        counters[7] += self._answer_length
+        return -1
+
+    cdef bint _reply_matches(self) noexcept nogil:
+        """What was read of the reply equals the template outside the per-token fields."""
+        cdef const unsigned char *template = self._reply_template
+        cdef Py_ssize_t index, start, end
+        for index in range(self._fixed_count):
+            start, end = self._fixed[index][0], self._fixed[index][1]
+            if start >= self._reply_filled:
+                break
+            if end > self._reply_filled:
+                end = self._reply_filled
+            if memcmp(self._reply + start, template + start, end - start) != 0:
+                return False
+        return True
 
     cdef void _consume(self, Py_ssize_t length) noexcept nogil:
         self._filled -= length

@@ -5,7 +5,8 @@ what it hands back), step for step and byte for byte: ``select.poll`` and ``os.r
 ``os.write`` on the two sockets, the header compared with the template outside the per-token
 fields, the activation checked and dequantized with numpy, the row decoded through the
 runtime's one-row batch, the outgoing template patched (a final stage's: the sampled token and
-the Timings record's compute time in its reply).  It holds the GIL throughout, so it
+the Timings record's compute time in its reply), and hop by hop the downstream's reply read,
+checked against its template and answered upstream with this stage's record.  It holds the GIL throughout, so it
 saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it
 and the relay tests run against both.
 """
@@ -13,6 +14,7 @@ and the relay tests run against both.
 from __future__ import annotations
 
 import errno
+import math
 import os
 import select
 import struct
@@ -23,6 +25,7 @@ import numpy as np
 
 from skippy.codec import _frame_layout as layout
 from skippy.codec.protocol import BOUNDARY_ROWS_FLAG, StateFlag
+from skippy.codec.protocol_ext import MAX_TOP_LOGPROBS
 
 #: Which implementation this module is.
 IMPLEMENTATION = "python"
@@ -39,6 +42,12 @@ DOWNSTREAM_FAILED = 3
 #: The abort descriptor was written while a frame was being written (the lane is closing): the
 #: stream may hold part of a frame.
 ABORTED = 4
+#: Hop by hop: the frame at the head of ``leftover`` was computed and forwarded, but its reply
+#: was not carried (not the template's shape, end of stream, a stop or an abort while waiting):
+#: ``reply_leftover`` holds what was read of it; the lane takes the message over from there.
+REPLY_PENDING = 5
+#: Hop by hop: writing the reply upstream failed or was cut off by the abort descriptor.
+UPSTREAM_FAILED = 6
 
 #: A final stage's reply: PredictedToken (kind, token, a token vector of that one token, window
 #: id, no draft, 23 i64 stats); with a Timings frame of one record in front (head, 4 i32, 4 i64)
@@ -60,7 +69,10 @@ _DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
 
 
 class RelayOutcome(NamedTuple):
-    """How a run ended and what it did (microseconds, bytes)."""
+    """How a run ended and what it did (microseconds, bytes; hop by hop also the downstream's
+    replies: their wait and bytes, the bytes written upstream, and with REPLY_PENDING the
+    message in flight: its compute and write times and when its write began, on
+    ``time.perf_counter_ns``'s clock in microseconds)."""
 
     status: int
     leftover: bytes
@@ -69,6 +81,114 @@ class RelayOutcome(NamedTuple):
     write_us: int
     bytes_in: int
     bytes_out: int
+    wait_us: int = 0
+    replies_in: int = 0
+    replies_out: int = 0
+    reply_leftover: bytes = b""
+    pending_compute_us: int = 0
+    pending_write_us: int = 0
+    pending_sent_us: int = 0
+
+
+#: A Timings record's size, and where its four i64 durations start in it (compute_us first).
+RECORD_BYTES = layout.TIMINGS_BYTES - layout.TIMINGS_HEAD
+RECORD_DURATIONS = layout.TIMINGS_COMPUTE - layout.TIMINGS_HEAD
+
+
+def _timings_count(frame: bytes) -> int:
+    """The records of the Timings frame ``frame`` starts with (-1: it starts with none)."""
+    if len(frame) >= layout.TIMINGS_HEAD and _I32.unpack_from(frame, 0)[0] == layout.TIMINGS_MAGIC:
+        return _I32.unpack_from(frame, 4)[0]
+    return -1
+
+
+class HopLayout(NamedTuple):
+    """Where a hop-by-hop reply's parts lie: the downstream's reply (``reply_in``: a Logprobs frame
+    of one row, if the session asked, its Timings records, if any, then a plain PredictedToken)
+    and this stage's (``reply_out``: the same Logprobs frame when the upstream negotiated the
+    extensions, the same records and this stage's own after them, then the same PredictedToken);
+    ``fixed``: the byte ranges of ``reply_in`` that must equal the template's (everything but the
+    token, its vector entry, the records' durations and the log-probability pairs)."""
+
+    records: int
+    records_in: int
+    records_out: int
+    own_record: int
+    prediction_in: int
+    prediction_out: int
+    fixed: tuple[tuple[int, int], ...]
+    #: The Logprobs frame's length at the start of ``reply_in`` (0: none), and whether
+    #: ``reply_out`` starts with it too.
+    logprobs: int = 0
+    logprobs_out: bool = False
+
+
+def _logprobs_length(frame: bytes) -> int:
+    """The length of the one-row Logprobs frame ``frame`` starts with (0: it starts with none)."""
+    if len(frame) < layout.LOGPROBS_HEAD or _I32.unpack_from(frame, 0)[0] != layout.LOGPROBS_MAGIC:
+        return 0
+    _, rows, top = struct.unpack_from("<iii", frame, 0)
+    if rows != 1 or not 0 <= top <= MAX_TOP_LOGPROBS:
+        raise ValueError("the reply's Logprobs frame is not one row of a carried size")
+    return layout.LOGPROBS_HEAD + layout.LOGPROBS_PAIR * (1 + top)
+
+
+def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
+    """The layout of a non-final stage's hop-by-hop replies (offsets -1: absent).
+
+    ``reply_out`` must be what the lane answered for ``reply_in`` (``skippy.lane.replies.relayed``):
+    its prediction identical (stats merged into nothing pending), its records the downstream's.
+
+    Raises:
+        ValueError: replies the relay cannot carry.
+    """
+    logprobs = _logprobs_length(reply_in)
+    logprobs_out = _logprobs_length(reply_out)
+    if logprobs_out and (not logprobs or reply_out[:logprobs] != reply_in[:logprobs]):
+        raise ValueError("the upstream reply's Logprobs frame is not the downstream's")
+    count = _timings_count(reply_in[logprobs:])
+    records_in = logprobs + layout.TIMINGS_HEAD if count >= 0 else -1
+    prediction_in = logprobs + (layout.TIMINGS_HEAD + RECORD_BYTES * count if count >= 0 else 0)
+    count = max(count, 0)
+    own_count = _timings_count(reply_out[logprobs_out:])
+    if own_count >= 0:
+        if own_count != count + 1:
+            raise ValueError("the upstream reply's Timings frame is not the downstream's plus one record")
+        records_out = logprobs_out + layout.TIMINGS_HEAD
+        own_record = records_out + RECORD_BYTES * count
+        prediction_out = own_record + RECORD_BYTES
+    else:
+        records_out = own_record = -1
+        prediction_out = logprobs_out
+    if len(reply_in) != prediction_in + REPLY_BYTES or len(reply_out) != prediction_out + REPLY_BYTES:
+        raise ValueError("a hop-by-hop reply template is not (Logprobs, Timings and) one plain PredictedToken")
+    reply_layout(reply_in[prediction_in:])
+    if reply_in[prediction_in:] != reply_out[prediction_out:]:
+        raise ValueError("the upstream reply's prediction is not the downstream's")
+    if records_out >= 0 and count and (reply_in[records_in:prediction_in]
+                                        != reply_out[records_out:records_out + RECORD_BYTES * count]):
+        raise ValueError("the upstream reply's records are not the downstream's")
+    varying = [(layout.LOGPROBS_HEAD, logprobs - layout.LOGPROBS_HEAD)] if logprobs else []
+    varying += [(records_in + RECORD_BYTES * index + RECORD_DURATIONS, RECORD_BYTES - RECORD_DURATIONS)
+                for index in range(count)]
+    varying += [(prediction_in + layout.REPLY_TOKEN, 4), (prediction_in + layout.REPLY_VECTOR_ENTRY, 4)]
+    fixed, start = [], 0
+    for offset, length in varying:
+        if offset > start:
+            fixed.append((start, offset))
+        start = offset + length
+    fixed.append((start, len(reply_in)))
+    return HopLayout(count, records_in, records_out, own_record, prediction_in, prediction_out, tuple(fixed),
+                     logprobs, logprobs_out > 0)
+
+
+def logprob_pairs_valid(pairs: bytes) -> bool:
+    """Every (i32 token, f32 log-probability) pair is one the lane's decoder takes: a token >= 0,
+    a log-probability finite and <= 0."""
+    for token, logprob in struct.iter_unpack("<if", pairs):
+        if token < 0 or not -math.inf < logprob <= 0.0:
+            return False
+    return True
 
 
 def reply_layout(reply: bytes) -> tuple[int, int]:
@@ -153,7 +273,14 @@ class DecodeRelay:
     def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
                  out_template: bytes, width: int, first: bool, n_vocab: int, next_position: int,
                  position_end: int, activation_limit: float, runtime: Any, final: bool = False,
-                 max_steps: int = 1024) -> None:
+                 max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"") -> None:
+        if reply_in and final:
+            raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
+        self._hop = hop_layout(reply_in, reply_out) if reply_in else None
+        self._reply_in, self._reply_out = reply_in, bytearray(reply_out)
+        self._reply = bytearray()
+        self._pending = (0, 0, 0)
         (self._in_length, self._out_length, self._in_activation, self._out_activation,
          self._in_dtype, self._out_dtype) = template_layout(in_template, out_template, width=width, first=first,
                                                             final=final)
@@ -173,6 +300,10 @@ class DecodeRelay:
         self._poll.register(upstream_fd, select.POLLIN)
         self._poll.register(stop_fd, select.POLLIN)
         self._poll.register(abort_fd, select.POLLIN)
+        self._reply_poll = select.poll()
+        self._reply_poll.register(downstream_fd, select.POLLIN)
+        self._reply_poll.register(stop_fd, select.POLLIN)
+        self._reply_poll.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
 
     def run(self, pending: bytes = b"") -> RelayOutcome:
@@ -181,11 +312,15 @@ class DecodeRelay:
         if len(pending) > self._capacity:
             return RelayOutcome(HANDED_BACK, pending, 0, 0, 0, 0, 0)
         self._buffer = bytearray(pending)
-        counters = [0, 0, 0, 0, 0]  # steps, compute ns, write ns, bytes in, bytes out
+        # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out
+        counters = [0, 0, 0, 0, 0, 0, 0, 0]
         status = self._loop(counters)
         leftover, self._buffer = bytes(self._buffer), bytearray()
-        steps, compute_ns, write_ns, bytes_in, bytes_out = counters
-        return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out)
+        reply, self._reply = (bytes(self._reply) if status == REPLY_PENDING else b""), bytearray()
+        steps, compute_ns, write_ns, bytes_in, bytes_out, wait_ns, replies_in, replies_out = counters
+        pending = self._pending if status == REPLY_PENDING else (0, 0, 0)
+        return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out,
+                            wait_ns // 1000, replies_in, replies_out, reply, *pending)
 
     def _loop(self, counters: list[int]) -> int:
         while counters[0] < self._max_steps:
@@ -202,11 +337,22 @@ class DecodeRelay:
             if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
                 struct.pack_into("<q", self._out, self._compute_offset, elapsed // 1000)
             started = time.perf_counter_ns()
-            written = self._write()
+            written = self._write(self._downstream, self._out, DOWNSTREAM_FAILED)
             if written is not None:
                 return written
-            counters[2] += time.perf_counter_ns() - started
+            sent = time.perf_counter_ns()
+            counters[2] += sent - started
             counters[4] += self._out_length
+            if self._hop is not None:  # hop by hop: the downstream's reply, this stage's share added, upstream
+                self._pending = (elapsed // 1000, (sent - started) // 1000, started // 1000)
+                status = self._answer(counters, sent)
+                if status == REPLY_PENDING:
+                    return status
+                if status >= 0:  # the reply's write failed: the message is done here
+                    del self._buffer[:self._in_length]
+                    self.next_position += 1
+                    counters[0] += 1
+                    return status
             del self._buffer[:self._in_length]
             self.next_position += 1
             counters[0] += 1
@@ -296,21 +442,81 @@ class DecodeRelay:
         out[self._out_activation:] = encoded
         return True
 
-    def _write(self) -> int | None:
-        """Write the outgoing frame, waiting while the socket is full; None when it is out, else
-        the outcome that ends the run."""
-        view = memoryview(self._out)
+    def _write(self, fd: int, frame: bytearray, failed: int) -> int | None:
+        """Write ``frame`` to ``fd``, waiting while the socket is full; None when it is out, else
+        the outcome that ends the run (``failed`` for a failed write; upstream, an abort too)."""
+        view = memoryview(frame)
         while view:
             try:
-                view = view[os.write(self._downstream, view):]
+                view = view[os.write(fd, view):]
             except (BlockingIOError, InterruptedError):
                 waiter = select.poll()
-                waiter.register(self._downstream, select.POLLOUT)
+                waiter.register(fd, select.POLLOUT)
                 waiter.register(self._abort, select.POLLIN)
                 if dict(waiter.poll()).get(self._abort):
-                    return ABORTED
+                    return ABORTED if failed == DOWNSTREAM_FAILED else failed
             except OSError as exc:
                 if exc.errno in (errno.EAGAIN, errno.EINTR):
                     continue
-                return DOWNSTREAM_FAILED
+                return failed
         return None
+
+    def _answer(self, counters: list[int], sent: int) -> int:
+        """Hop by hop: read the downstream's reply, add this stage's share as the lane does
+        (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
+        hop = self._hop
+        assert hop is not None
+        reply, wanted = self._reply, len(self._reply_in)
+        del reply[:]
+        while len(reply) < wanted:
+            ready = dict(self._reply_poll.poll())
+            if ready.get(self._stop) or ready.get(self._abort):
+                return REPLY_PENDING  # the lane reads the reply
+            if not ready.get(self._downstream):
+                continue
+            try:
+                data = os.read(self._downstream, wanted - len(reply))  # never past this reply
+            except (BlockingIOError, InterruptedError):
+                continue
+            except OSError:
+                return REPLY_PENDING
+            if not data:
+                return REPLY_PENDING
+            reply += data
+            counters[6] += len(data)
+            if not self._reply_matches():
+                return REPLY_PENDING
+        wait_ns = max(0, time.perf_counter_ns() - sent)
+        counters[5] += wait_ns
+        durations = struct.Struct(f"<{(RECORD_BYTES - RECORD_DURATIONS) // 8}q")
+        for index in range(hop.records):
+            if min(durations.unpack_from(reply, hop.records_in + RECORD_BYTES * index + RECORD_DURATIONS)) < 0:
+                return REPLY_PENDING  # the lane refuses it (a timing value out of range)
+        if hop.logprobs and not logprob_pairs_valid(bytes(reply[layout.LOGPROBS_HEAD:hop.logprobs])):
+            return REPLY_PENDING  # (likewise)
+        out = self._reply_out
+        if hop.logprobs_out:
+            out[:hop.logprobs] = reply[:hop.logprobs]
+        if hop.records_out >= 0:
+            out[hop.records_out:hop.own_record] = reply[hop.records_in:hop.prediction_in]
+            compute_us, write_us, _ = self._pending
+            durations.pack_into(out, hop.own_record + RECORD_DURATIONS, compute_us, write_us, wait_ns // 1000, 0)
+        out[hop.prediction_out:] = reply[hop.prediction_in:]
+        written = self._write(self._upstream, out, UPSTREAM_FAILED)
+        if written is not None:
+            return written
+        counters[7] += len(out)
+        return -1
+
+    def _reply_matches(self) -> bool:
+        """What was read of the reply equals the template outside the per-token fields."""
+        hop, reply, template = self._hop, self._reply, self._reply_in
+        assert hop is not None
+        filled = len(reply)
+        for start, end in hop.fixed:
+            if start >= filled:
+                break
+            end = min(end, filled)
+            if reply[start:end] != template[start:end]:
+                return False
+        return True

@@ -257,7 +257,7 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                               "holds the state of this stage's layers (skippy.runtime.rollback)"),
     "recurrent_checkpoint_interval": (int, "recurrent and hybrid models: one-row decodes between two checkpoints "
                                       "(every prefill chunk and verify window takes one)"),
-    "decode_relay": (_bool, "on: a non-final stage relays a direct-return session's steady decode in a loop "
+    "decode_relay": (_bool, "on: a stage relays a session's steady decode (hop by hop or direct return) in a loop "
                      "outside Python (skippy.stage._relay); off: every token takes the lane's path "
                      "(bench/RESULTS-stage.md has both figures)"),
     "inline_decode": (_bool, "on: a lone decode row on a stage with one lane open is computed on the trio thread, "

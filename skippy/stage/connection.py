@@ -49,7 +49,7 @@ from skippy.lane.protocol import Dispatch, Expect, Forward, Handling, ReplyUpstr
 from skippy.net.socket_io import SocketIO
 from skippy.stage import control, extensions, liveness
 from skippy.stage.control import OWN_PARTS
-from skippy.stage.decode_relay import RelayRun, carry, relay_plan
+from skippy.stage.decode_relay import HopReplies, RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.stage.downstream import DownstreamLink
 from skippy.stage.executor import sampling_params
@@ -116,6 +116,8 @@ class Connection:
         self._serve_scope: trio.CancelScope | None = None
         #: The decode relay's run reading the upstream now (:mod:`skippy.stage.decode_relay`).
         self._relay_run: RelayRun | None = None
+        #: Hop by hop: the last plain decode's reply as relayed upstream (the relay's templates).
+        self._hop_replies = self.up.hop_replies = HopReplies()
 
     @property
     def inflight(self) -> int:
@@ -278,15 +280,23 @@ class Connection:
                 await put(messages, (dispatch, received_us, held))
 
     async def _relay_decode(self, reader: MessageReader, dispatch: Dispatch) -> None:
-        """Shortcut 3 (:mod:`skippy.stage.decode_relay`): ``dispatch`` was a direct-return decode,
-        forwarded by write-through (or, on the final stage, answered into its return lane);
-        while this lane is the stage's only work, relay the ones that follow it outside Python.
-        Whatever the relay does not carry is left in ``reader``."""
+        """Shortcut 3 (:mod:`skippy.stage.decode_relay`): ``dispatch`` was a decode, forwarded by
+        write-through (or, on the final stage, answered upstream or into its return lane); once
+        answered (hop by hop), while this lane is the stage's only work, relay the ones that
+        follow it outside Python.  Whatever the relay does not carry is left in ``reader``."""
         state = self.lane
         frame, lane = state.take_template()
         assert lane is None or isinstance(lane, ReturnLane)
         upstream, settings = self._upstream_io, self.settings
-        downstream = lane.io if lane is not None else self.link.io
+        executor = self.scheduler.executor
+        hop = not dispatch.direct
+        final = hop and executor.is_last
+        downstream = lane.io if lane is not None else upstream if final else self.link.io
+        replies = None
+        if (hop and not final and frame is not None and upstream.is_socket
+                and not reader.decoder.buffered_bytes):  # type: ignore[attr-defined]  # once its reply is written
+            replies = await self._hop_replies.wait(dispatch.ticket, upstream.fileno())
+            frame = frame if replies is not None else None
         free = downstream is not None and downstream.is_socket and (
             lane is None or not (lane.closed or lane.lock.locked()))
         facts = self._facts(template=frame is not None, downstream_socket=free,
@@ -294,15 +304,16 @@ class Connection:
         if placement(Step.CARRY_NEXT, None, facts) is not Performer.DATA_PLANE:
             return
         assert frame is not None and downstream is not None
-        executor = self.scheduler.executor
         plan = relay_plan(dispatch.message, frame, executor=executor, session_key=dispatch.key,
-                          width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows)
+                          width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows,
+                          replies=replies)
         if plan is None:
             return
         run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,
                        downstream=downstream, reader=reader,
-                       downstream_name=self.link.name if lane is None else lane.peer,
-                       width=settings.width, position_end=settings.max_rows)
+                       downstream_name=self.peer if final else self.link.name if lane is None else lane.peer,
+                       width=settings.width, position_end=settings.max_rows, lane=state, link=self.link,
+                       upstream_name=self.peer)
         await carry(run, scheduler=self.scheduler, lane_id=self.id, session_key=dispatch.key, return_lane=lane,
                     timings=self.lane.direct_timings, running=functools.partial(setattr, self, "_relay_run"))
 

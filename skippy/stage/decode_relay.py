@@ -1,10 +1,12 @@
 """The lane's side of the decode relay: when a session's decode may leave Python, and how it comes back.
 
-Strategy: with direct return (docs/protocol.md §8) no stage answers a flagged DecodeEmbd
-upstream, so once a session decodes steadily every token is the same three steps on every
-stage: read, compute, write (downstream; on the final stage, the prediction into the session's
-return lane).  After the lane has handled such a message in full (its one path: the protocol,
-the executor, the write-through or the direct reply), :func:`relay_plan` decides whether the
+Strategy: once a session decodes steadily, every token is the same steps on a stage: with
+direct return (docs/protocol.md §8) read, compute, write (downstream; on the final stage, the
+prediction into the session's return lane); hop by hop read, compute, write downstream, read
+the downstream's reply, add this stage's share (its Timings record) and write it upstream (the
+final stage: read, compute, sample, write its reply upstream).  After the lane has handled such a
+message in full (its one path: the protocol, the executor, the write-through, the reply relayed
+upstream or the direct reply), :func:`relay_plan` decides whether the
 next ones may go through :mod:`skippy.stage._relay` (its ``nogil`` loop; the twin ``skippy.stage._relay_py``
 with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered, no
 other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
@@ -16,7 +18,11 @@ lock), runs the loop on a worker thread and waits.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
-rollback and error keeps its one path.  The run ends early when anything else needs the
+rollback and error keeps its one path.  Hop by hop, a downstream reply the loop does not carry
+(another shape, an Error frame, a lost downstream, or a stop while it waits) comes back the same
+way: :meth:`RelayRun.run` tells the lane the message in flight was received, computed and
+forwarded (the events it would have had), feeds what was read of the reply to the downstream
+link's reader and gives it the socket back, and the reply takes the lane's path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
 for the thread is never abandoned, so no socket is closed under it), and every ``max_steps``
@@ -33,14 +39,20 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import trio
 
+from skippy.codec import _frame_layout as layout
 from skippy.codec.protocol import MessageKind, StageMessage, WireDType
 from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG
 from skippy.lane.errors import ReturnLaneLost
+from skippy.lane.protocol import Forward, SendDownstream
+from skippy.stage import extensions
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.transport import codec, write_failed
 
 if TYPE_CHECKING:
+    from skippy.lane.protocol import StageLane, Ticket
+    from skippy.lane.replies import Reply
     from skippy.lane.timings import DirectTimings
+    from skippy.stage.downstream import DownstreamLink
     from skippy.stage.direct_return import ReturnLane
     from skippy.runtime.sampling import Sampler
     from skippy.stage.executor import Executor
@@ -60,16 +72,19 @@ else:
 #: Which implementation carries the relay: "cython" or "python".
 IMPLEMENTATION: str = _implementation.IMPLEMENTATION
 
-__all__ = ["IMPLEMENTATION", "RelayPlan", "RelayRun", "carry", "relay_plan"]
+__all__ = ["IMPLEMENTATION", "HopReplies", "RelayPlan", "RelayRun", "carry", "relay_plan"]
 
 log = logging.getLogger("skippy.stage")
 
 _OUTCOMES = {_implementation.HANDED_BACK: "handed back", _implementation.STOPPED: "stopped",
              _implementation.STEP_LIMIT: "step limit", _implementation.DOWNSTREAM_FAILED: "downstream write failed",
-             _implementation.ABORTED: "aborted"}
+             _implementation.ABORTED: "aborted", _implementation.REPLY_PENDING: "reply handed back",
+             _implementation.UPSTREAM_FAILED: "upstream write failed"}
 
 #: Tokens one run relays before handing its counts to the stage's statistics.
 MAX_STEPS = 1024
+#: The fields a forwarded frame keeps from the message it forwards: (offset, size).
+_SAME = ((layout.POS_START, 4), (layout.DECODE_STEP, 8), (layout.REQUEST_ID, 16))
 #: The activation encodings the loop carries (q8 frames take the lane's path).
 _CARRIED_DTYPES = frozenset((WireDType.F32, WireDType.F16))
 
@@ -84,16 +99,25 @@ class RelayPlan:
     next_position: int
     #: A final stage's: the session's sampler (the loop picks its tokens); None elsewhere.
     sampler: "Sampler | None" = None
+    #: Hop by hop on a non-final stage: the downstream's reply to ``message`` and this stage's
+    #: answer upstream, as the lane wrote it (b"": direct return, or the final stage).
+    reply_in: bytes = b""
+    reply_out: bytes = b""
+    #: docs/protocol.md §8 (else hop by hop: every token is answered upstream).
+    direct: bool = True
 
 
 def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor", session_key: int,
-               width: int, out_dtype: WireDType, position_end: int) -> RelayPlan | None:
+               width: int, out_dtype: WireDType, position_end: int,
+               replies: tuple[bytes, bytes] | None = None) -> RelayPlan | None:
     """The plan for relaying the decode that follows ``message`` (just executed and forwarded as
-    ``forwarded``; on the final stage, answered with the reply ``forwarded`` is the template of),
+    ``forwarded``; on the final stage, answered with the reply ``forwarded`` is the template of;
+    hop by hop on a non-final stage, ``replies``: the downstream's reply and this stage's answer),
     or None when the loop would not carry it exactly as the lane did."""
     state = message.state
     final = executor.is_last
-    if (message.kind is not MessageKind.DECODE_EMBD or not state.flags & DIRECT_RETURN_FLAG
+    direct = bool(state.flags & DIRECT_RETURN_FLAG)
+    if (message.kind is not MessageKind.DECODE_EMBD or (not direct and not final and replies is None)
             or message.token_count != 1 or message.sampling is not None
             or message.chat_sampling_metadata is not None or state.activation_row_multiplier != 1
             or message.positions.shape[0] != 0 or (not final and out_dtype not in _CARRIED_DTYPES)
@@ -117,13 +141,57 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
     if next_position != message.pos_start + 1:
         return None
     in_template = codec.encode_message(message, in_dtype, width)
+    if not final and any(forwarded[start:start + size] != in_template[start:start + size] for start, size in _SAME):
+        return None  # not this message's frame (a template left by another)
+    reply_in, reply_out = replies if replies is not None and not direct and not final else (b"", b"")
     try:
         _implementation.template_layout(in_template, forwarded, width=width, first=executor.is_first, final=final)
+        if reply_in:
+            _implementation.hop_layout(reply_in, reply_out)
     except ValueError:
         return None
     if 0 < position_end <= next_position:
         return None
-    return RelayPlan(in_template, forwarded, seq, next_position, sampler)
+    return RelayPlan(in_template, forwarded, seq, next_position, sampler, reply_in, reply_out, direct)
+
+
+class HopReplies:
+    """Hop by hop on a non-final stage, the last plain decode's reply as the lane relayed it
+    upstream, for :func:`relay_plan`'s templates: the relay task reports each
+    (:meth:`relayed`), the receiving task waits for its message's (:meth:`wait`)."""
+
+    def __init__(self) -> None:
+        self._last: "tuple[Ticket, Reply, Reply] | None" = None
+        self._waiter: trio.CancelScope | None = None
+
+    def relayed(self, ticket: "Ticket", reply_in: "Reply", reply_out: "Reply") -> None:
+        """``ticket``'s reply: the downstream's ``reply_in`` answered upstream as ``reply_out``
+        (each a reply, its Timings frame and its §10 frames; call before writing it)."""
+        self._last = (ticket, reply_in, reply_out)
+
+    def written(self) -> None:
+        """The reply reported last is written: a waiting :meth:`wait` returns."""
+        if self._waiter is not None:
+            self._waiter.cancel()
+
+    async def wait(self, ticket: "Ticket | None", upstream_fd: int) -> tuple[bytes, bytes] | None:
+        """The bytes of ``ticket``'s replies (the downstream's, this stage's) once it is written
+        upstream, or None when the upstream sends more first (its next message takes the lane's
+        path: the loop starts only on a quiet lane) or the reply is not a plain decode's."""
+        last = self._last
+        if last is None or last[0] is not ticket:
+            with trio.CancelScope() as scope:
+                self._waiter = scope
+                try:
+                    await trio.lowlevel.wait_readable(upstream_fd)
+                finally:
+                    self._waiter = None
+            last = self._last
+            if last is None or last[0] is not ticket:
+                return None
+        self._last = None
+        _, reply_in, reply_out = last
+        return extensions.reply_bytes(*reply_in), extensions.reply_bytes(*reply_out)
 
 
 class RelayRun:
@@ -139,11 +207,18 @@ class RelayRun:
 
     def __init__(self, plan: RelayPlan, *, executor: "Executor", scheduler: "Scheduler", stats: "StageStats",
                  upstream: "SocketIO", downstream: "SocketIO", reader: "MessageReader", downstream_name: str,
-                 width: int, position_end: int) -> None:
+                 width: int, position_end: int, lane: "StageLane | None" = None,
+                 link: "DownstreamLink | None" = None, upstream_name: str = "") -> None:
         self._executor, self._scheduler, self._stats = executor, scheduler, stats
         self._upstream, self._downstream, self._reader = upstream, downstream, reader
-        self._downstream_name = downstream_name
+        self._downstream_name, self._upstream_name = downstream_name, upstream_name
+        self._lane, self._width, self._in_length = lane, width, len(plan.in_template)
+        #: Hop by hop on a non-final stage: the downstream link whose replies the loop reads.
+        self.link = link if plan.reply_in else None
         self.final = plan.sampler is not None
+        self.direct = plan.direct
+        if not plan.direct and not self.final and (lane is None or link is None):
+            raise ValueError("a hop-by-hop relay on a non-final stage needs its lane and downstream link")
         self._stop = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._abort = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
@@ -153,7 +228,7 @@ class RelayRun:
                 abort_fd=self._abort, in_template=plan.in_template, out_template=plan.out_template, width=width,
                 first=executor.is_first, n_vocab=executor.n_vocab, next_position=plan.next_position,
                 position_end=position_end, activation_limit=ACTIVATION_LIMIT, runtime=self._rows, final=self.final,
-                max_steps=MAX_STEPS)
+                max_steps=MAX_STEPS, reply_in=plan.reply_in, reply_out=plan.reply_out)
         except BaseException:
             self.close()
             raise
@@ -210,15 +285,52 @@ class RelayRun:
                 self._account(self._unaccounted)
                 self._unaccounted = None
             self.close()
+        if outcome.status == _implementation.REPLY_PENDING:
+            pending = self._take_over(outcome)
         if pending:  # (an empty chunk would tell the decoder the stream ended)
             self._reader.decoder.receive_data(pending)  # type: ignore[attr-defined]
         self._upstream.mark_drained()
+        if outcome.status == _implementation.UPSTREAM_FAILED:
+            raise write_failed(self._upstream_name, downstream=False) from trio.BrokenResourceError(
+                "the decode relay's reply write failed or was cut off")
         if outcome.status in (_implementation.DOWNSTREAM_FAILED, _implementation.ABORTED):
             cause = trio.BrokenResourceError("the decode relay's write failed or was cut off")
-            if self.final:
+            if self.final and self.direct:
                 raise ReturnLaneLost(f"the return lane to {self._downstream_name} failed a write or closed "
                                      "during one") from cause
-            raise write_failed(self._downstream_name, downstream=True) from cause
+            raise write_failed(self._downstream_name, downstream=not self.final) from cause  # (hop by hop: upstream)
+
+    def _take_over(self, outcome: Any) -> bytes:
+        """Hop by hop: the message at the head of ``outcome.leftover`` was computed and forwarded,
+        its reply not carried: tell the lane so (the events its own path has) and hand the reply's
+        bytes to the downstream link's reader; returns the upstream bytes after that message."""
+        lane, link = self._lane, self.link
+        assert lane is not None and link is not None
+        length = self._in_length
+        frame, rest = outcome.leftover[:length], outcome.leftover[length:]
+        decoder = codec.MessageDecoder(self._width)
+        decoder.receive_data(frame)
+        message = decoder.next_message()
+        assert isinstance(message, StageMessage)  # the loop matched it against the template
+        dispatch, _ = lane.received(message, run_flagged=False, is_first=self._executor.is_first)
+        assert dispatch is not None
+        action = lane.computed(dispatch, has_downstream=True)
+        assert type(action) is SendDownstream
+        sent_us = outcome.pending_sent_us
+        forward = Forward(message, action.expect, dispatch.ticket, dispatch.key, sent_us, trio.current_time(),
+                          outcome.pending_compute_us, 0, 1, sent_us, outcome.pending_write_us)
+        lane.frame_forwarding(forward)
+        self._rows.finished(1)
+        stats = self._stats
+        stats.messages += 1
+        stats.decode_items += 1
+        stats.native_batches += 1
+        stats.compute_us += outcome.pending_compute_us
+        stats.write_throughs += 1
+        stats.forward_write_us += outcome.pending_write_us
+        if outcome.reply_leftover:
+            link.reader.decoder.receive_data(outcome.reply_leftover)  # type: ignore[union-attr]
+        return rest
 
     async def _run_once(self, pending: bytes) -> Any:
         def relay() -> Any:  # the worker thread: the outcome is kept even if the wait is cancelled
@@ -246,6 +358,9 @@ class RelayRun:
         stats.decode_relay_runs += 1
         self._upstream.bytes_in += outcome.bytes_in
         self._downstream.bytes_out += outcome.bytes_out
+        if self.link is not None:  # hop by hop: the replies read and answered
+            self._downstream.bytes_in += outcome.replies_in
+            self._upstream.bytes_out += outcome.replies_out
         if not steps:
             return
         self._rows.finished(steps)
@@ -256,11 +371,16 @@ class RelayRun:
         stats.decode_items += steps
         stats.native_batches += steps
         stats.compute_us += outcome.compute_us
-        if self.final:
+        if self.final and self.direct:
             stats.direct_replies += steps
         else:
             stats.write_throughs += steps
-            stats.forward_write_us += outcome.write_us
+            if not self.final:
+                stats.forward_write_us += outcome.write_us
+        if self.link is not None:
+            stats.downstream_wait_us += outcome.wait_us
+            for _ in range(steps):
+                stats.downstream_wait_histogram.observe(outcome.wait_us // steps)
         per_step = outcome.compute_us // steps
         for _ in range(steps):
             stats.observe_decode_batch(1)
@@ -274,10 +394,18 @@ async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_
                 return_lane: "ReturnLane | None", timings: "DirectTimings",
                 running: Callable[[RelayRun | None], None]) -> None:
     """Run ``run`` while this lane is the stage's only work (``Scheduler.hold``; else it is
-    closed unrun): on the final stage as the return lane's one writer (its close aborts the
-    run), elsewhere adding what it carried to the session's direct-return ``timings``.
-    ``running`` is told the run reading the upstream (the watchdog's idle clock), then None."""
+    closed unrun): on the final stage with direct return as the return lane's one writer (its
+    close aborts the run); hop by hop on a non-final stage as the downstream's one reader (the
+    link's relay task parks off the socket until the run ends; if it cannot, the run is closed
+    unrun); with direct return elsewhere adding what it carried to the session's direct-return
+    ``timings``.  ``running`` is told the run reading the upstream (the watchdog's idle clock),
+    then None."""
     if not scheduler.hold(run.stop, lane_id):
+        run.close()
+        return
+    link = run.link
+    if link is not None and not await link.pause_relay():
+        scheduler.release_hold()
         run.close()
         return
     running(run)
@@ -286,7 +414,10 @@ async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_
             try:
                 await run.run()
             finally:
-                timings.add(session_key, compute_us=run.compute_us, write_us=run.write_us, messages=run.steps)
+                if run.direct:
+                    timings.add(session_key, compute_us=run.compute_us, write_us=run.write_us, messages=run.steps)
+                if link is not None:  # after the run handed back a reply in flight: the relay task reads it
+                    link.resume_relay()
             return
         async with return_lane.lock:  # the return lane's one writer until the run ends
             return_lane.relay_abort = run.abort

@@ -11,7 +11,8 @@ task** reads the downstream's replies and reports each to the lane (``downstream
 absorbed ACK's credit wakes the forward task, anything else is answered upstream by the
 connection's ``answer``.  The relay parks on the socket, not on a channel (an idle lane notices a
 lost downstream at once); the forward task cancels that wait when it ends with nothing left to
-answer.
+answer, and the decode relay hop by hop (:mod:`skippy.stage.decode_relay`) moves it off the socket
+while its loop reads the replies (:meth:`DownstreamLink.pause_relay`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Awaitable, Callable
 
 import trio
 
-from skippy.codec.protocol import StageReply
+from skippy.codec.protocol import MessageKind, StageReply
 from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG, Annotation, TimingsFrame, with_extensions_flag
 from skippy.lane import messages as lane_messages
 from skippy.lane.protocol import Expect, Forward, Relay, StageLane
@@ -72,6 +73,13 @@ class DownstreamLink:
         #: The relay task's scope, and whether it is parked waiting with nothing expected.
         self._relay_scope = trio.CancelScope()
         self._relay_idle = False
+        #: The relay task's reader (its decoder takes back a reply the decode relay did not carry).
+        self.reader: ReplyReader | None = None
+        #: While the decode relay reads the replies: the relay task's parked wait (cancelled to
+        #: move it off the socket), set when it is off, set to give the socket back.
+        self._parked: trio.CancelScope | None = None
+        self._off: trio.Event | None = None
+        self._resume: trio.Event | None = None
 
     async def connect(self, nursery: trio.Nursery) -> None:
         """Dial the downstream, check it (§9), and start the forward and relay tasks in ``nursery``."""
@@ -183,13 +191,37 @@ class DownstreamLink:
         if forward.direct:  # shortcut 3 may carry the next ones from its frame
             lane.direct_written(forward, through.frame if settings.decode_relay else None)
             self._direct_left()
+        elif (settings.decode_relay and forward.ticket is not None and forward.ticket.kind is MessageKind.DECODE_EMBD
+              and forward.ticket.run is None):  # hop by hop: once its reply is relayed (the connection's)
+            lane.relay_frame = through.frame
 
     # -- step 4: relay -----------------------------------------------------------------------
     async def relay_replies(self) -> None:
         io = self.io
         assert io is not None
         with self._relay_scope:  # cancelled only while parked with nothing expected: then it ends
-            await self._relay(ReplyReader(io, self.name))
+            self.reader = ReplyReader(io, self.name)
+            await self._relay(self.reader)
+
+    async def pause_relay(self) -> bool:
+        """Move the relay task off the socket (parked with nothing expected, nothing buffered) until
+        :meth:`resume_relay`: the decode relay reads the replies meanwhile.  False: it is not
+        parked so (nothing is paused)."""
+        parked, reader = self._parked, self.reader
+        if parked is None or reader is None or reader.decoder.buffered_bytes:  # type: ignore[attr-defined]
+            return False
+        self._off, self._resume = trio.Event(), trio.Event()
+        parked.cancel()
+        await self._off.wait()
+        if self._parked is None and self._resume is not None:
+            return True
+        return False
+
+    def resume_relay(self) -> None:
+        """Give the socket back to the relay task (after :meth:`pause_relay` returned True)."""
+        resume, self._resume = self._resume, None
+        if resume is not None:
+            resume.set()
 
     async def _relay(self, reader: ReplyReader) -> None:
         lane, stats = self.lane, self.stats
@@ -200,10 +232,23 @@ class DownstreamLink:
                 if lane.forwarding_done:
                     return
                 self._relay_idle = True
+                parked = self._parked = trio.CancelScope()
                 try:
-                    reply, timings = await reader.next()
+                    with parked:
+                        reply, timings = await reader.next()
                 finally:
                     self._relay_idle = False
+                    self._parked = None
+                    off, self._off = self._off, None
+                    if off is not None:
+                        if not parked.cancelled_caught:
+                            self._resume = None  # (pause_relay sees it did not pause)
+                        off.set()
+                if parked.cancelled_caught:  # the decode relay reads the replies: wait for the socket
+                    resume = self._resume
+                    if resume is not None:
+                        await resume.wait()
+                    continue
             relay = lane.downstream_replied(reply, self.name)
             item = relay.forward
             wait_us = max(0, now_us() - item.sent_us - item.write_us)

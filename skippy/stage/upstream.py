@@ -33,6 +33,7 @@ from skippy.lane.work import WorkItem, WorkResult
 from skippy.net.socket_io import SocketIO
 from skippy.stage import control, direct_return, extensions
 from skippy.stage.control import OwnPart, StageParts
+from skippy.stage.decode_relay import HopReplies
 from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.stage.extensions import StageIdentity
 from skippy.stage.lane import now_us
@@ -87,6 +88,9 @@ class UpstreamLink:
         self.return_lane: ReturnLane | None = None
         #: docs/protocol.md §11: wakes the compute task for a run's step.
         self.wake_compute: Wake | None = None
+        #: Hop by hop: the last plain decode's reply as relayed upstream, for the decode relay's
+        #: templates (:class:`skippy.stage.decode_relay.HopReplies`, set by the connection).
+        self.hop_replies: HopReplies | None = None
 
     # -- step 1: the reader and its budget ---------------------------------------------------
     def open_reader(self) -> MessageReader:
@@ -264,6 +268,10 @@ class UpstreamLink:
         self.through = None
         self.stats.write_throughs += 1
         await self.write_due(self.lane.replies_written(1))
+        if (self.settings.decode_relay and run is None and not ticket.annotations
+                and dispatch.kind is MessageKind.DECODE_EMBD):  # shortcut 3 may answer the next ones
+            self.lane.relay_frame = extensions.reply_bytes(
+                *replies.prediction_template(self.identity, negotiated=extensions_on))
 
     async def relay_reply(self, relay: Relay, reply: StageReply, timings: TimingsFrame | None, wait_us: int,
                           annotations: tuple[Annotation, ...] = ()) -> None:
@@ -276,11 +284,19 @@ class UpstreamLink:
             stats = await item.on_reply(stats)
         if relay.release:
             await control.release(self.parts, item.session)
+        received = reply, timings, annotations
         reply, timings, annotations = replies.relayed(lane, relay, reply, stats, timings, annotations,
                                                       identity=self.identity, wait_us=wait_us, now_us=now_us())
         if relay.prediction and item.ticket.run is not None:  # §11: the run's next step starts before the reply
             annotations += self.run_step(item.ticket, reply.predicted)
+        hops = self.hop_replies
+        hop = (hops is not None and self.settings.decode_relay and item.ticket.run is None
+               and item.ticket.kind is MessageKind.DECODE_EMBD)
+        if hop:  # shortcut 3 may answer the next ones: their replies as the lane writes them
+            hops.relayed(item.ticket, received, (reply, timings, annotations))  # type: ignore[union-attr]
         await self.reply(item.ticket, reply, timings, annotations)
+        if hop:
+            hops.written()  # type: ignore[union-attr]
 
     def run_step(self, ticket: Ticket, token: int) -> tuple[Annotation, ...]:
         """A decode run's step predicted ``token`` (its reply is about to be answered): the lane
