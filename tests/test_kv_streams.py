@@ -91,19 +91,20 @@ def test_a_real_gemma_answer_does_not_depend_on_the_cells_before_it(real_model: 
         _cells_before(ctx, real_model)
 
 
-LONG = (PROMPT * 4)[:44]  # 44 tokens: chunks [0, 32) and [32, 44) of n_batch 32
+LONG = (PROMPT * 4)[:44]  # 44 tokens: chunks [0, 32) and [32, 44), or [0, 18), [18, 36) and [36, 44)
 
 
-def _side_by_side(model: Model, fork: bool) -> None:
+def _side_by_side(model: Model, fork: bool, chunk: int = 32) -> None:
     """Three sessions decoded step by step in turn (llama.cpp would interleave their cells) in the
     shared pool, each given its own steps, answer as each alone; with ``fork`` the second and third
-    are forks of the first (its prefix [0, 32) shared, its last chunk recomputed, as ``n`` > 1 does).
+    are forks of the first (its prefix up to its last chunk shared, that chunk recomputed, as ``n``
+    > 1 does; chunks of 18: the prefix [0, 36) ends inside a block of 32 cells and a group of 8).
     One row a call: several rows in one batch take other kernel paths (decode batching,
     skippy/stage/scheduler.py), which is not what this tests."""
     with StageContext(model, n_ctx=512, max_sessions=4, n_batch=32, threads=1) as ctx:
         def prefill(seq: int, start: int = 0) -> np.ndarray:
-            for begin in range(start, len(LONG), 32):
-                end = min(len(LONG), begin + 32)
+            for begin in range(start, len(LONG), chunk):
+                end = min(len(LONG), begin + chunk)
                 ctx.decode(tokens=LONG[begin:end], positions=list(range(begin, end)), seq_ids=[seq] * (end - begin))
             return np.array(ctx.logits(end - begin - 1), copy=True)
 
@@ -123,8 +124,9 @@ def _side_by_side(model: Model, fork: bool) -> None:
         together = [[prefill(seqs[0])]]
         for seq in seqs[1:]:
             if fork:
-                ctx.copy(seqs[0], seq, 0, 32)
-                together.append([prefill(seq, start=32)])
+                last = (len(LONG) - 1) // chunk * chunk
+                ctx.copy(seqs[0], seq, 0, last)
+                together.append([prefill(seq, start=last)])
             else:
                 together.append([prefill(seq)])
         for index in range(STEPS):  # one row a call: a batch of rows rounds otherwise (scheduler.py)
@@ -136,16 +138,18 @@ def _side_by_side(model: Model, fork: bool) -> None:
     assert not np.array_equal(alone[1][-1], alone[2][-1])  # three different answers
 
 
-@pytest.mark.parametrize("fork", [False, True], ids=["sessions", "forks"])
-def test_sessions_decoded_side_by_side_answer_as_alone(quantized_full: Path, fork: bool) -> None:
+@pytest.mark.parametrize(("fork", "chunk"), [(False, 32), (True, 32), (True, 18)],
+                         ids=["sessions", "forks", "forks-mid-block"])
+def test_sessions_decoded_side_by_side_answer_as_alone(quantized_full: Path, fork: bool, chunk: int) -> None:
     with Model(quantized_full) as model:
-        _side_by_side(model, fork)
+        _side_by_side(model, fork, chunk)
 
 
 @pytest.mark.real_model
-def test_real_gemma_forks_decoded_side_by_side_answer_as_alone(real_model: Path) -> None:
+@pytest.mark.parametrize("chunk", [32, 18])
+def test_real_gemma_forks_decoded_side_by_side_answer_as_alone(real_model: Path, chunk: int) -> None:
     with Model(real_model) as model:
-        _side_by_side(model, fork=True)
+        _side_by_side(model, fork=True, chunk=chunk)
 
 
 def test_a_fork_that_recomputes_the_last_chunk_is_the_session_alone(no_window: Path) -> None:
