@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 from skippy.runtime import Model, StageContext
-from skippy.runtime.errors import SessionError
+from skippy.runtime.errors import KvSlotUnavailable, SessionError
 
 from conftest import model_path
 
@@ -201,3 +201,21 @@ def test_llama_cpp_placement_makes_the_answers_differ(quantized_full: Path) -> N
     result = subprocess.run([sys.executable, "-c", code, str(Path(__file__).parent), str(quantized_full)],
                             env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 3, result.stderr[-2000:]
+
+
+def test_the_shared_pool_still_takes_every_cell(quantized_full: Path) -> None:
+    """The placement costs no cells: five sessions of 51 tokens fill 255 of 256 cells although
+    blocks of 32 would need 320 (the fifth goes where llama.cpp's own search finds room)."""
+    with Model(quantized_full) as model, StageContext(model, n_ctx=256, max_sessions=8, n_batch=64,
+                                                      threads=1) as ctx:
+        assert ctx.n_ctx == 256
+        for _ in range(5):
+            seq = ctx.open_session()
+            tokens = (PROMPT * 5)[:51]
+            ctx.decode(tokens=tokens, positions=list(range(51)), seq_ids=[seq] * 51)
+        assert ctx.kv_cells_used() == 255
+        extra = ctx.open_session()
+        with pytest.raises(KvSlotUnavailable):  # one cell left
+            ctx.decode(tokens=PROMPT[:2], positions=[0, 1], seq_ids=[extra] * 2)
+        ctx.decode(tokens=PROMPT[:1], positions=[0], seq_ids=[extra])  # the 256th
+        assert ctx.kv_cells_used() == 256
