@@ -62,7 +62,7 @@ def no_window() -> Path:  # a fork from an earlier chunk needs cells a sliding w
     return model_path("llama", dtype="F16", n_embd=256)
 
 
-def _cells_before(ctx: StageContext, quantized: Path) -> None:
+def _cells_before(ctx: StageContext) -> None:
     first = ctx.open_session()
     alone, steps = _run(ctx, first, chunk=len(PROMPT))
     ctx.close_session(first)
@@ -80,7 +80,7 @@ def _cells_before(ctx: StageContext, quantized: Path) -> None:
 def test_an_answer_does_not_depend_on_the_cells_before_it(quantized: Path, streams: bool) -> None:
     with Model(quantized) as model, StageContext(model, n_ctx=256, max_sessions=4, n_batch=64, threads=1,
                                                  kv_streams=streams) as ctx:
-        _cells_before(ctx, quantized)
+        _cells_before(ctx)
 
 
 @pytest.mark.real_model
@@ -88,7 +88,7 @@ def test_a_real_gemma_answer_does_not_depend_on_the_cells_before_it(real_model: 
     """The shared pool (the default) on the real Gemma 3 270M Q4_K_M."""
     with Model(real_model) as model, StageContext(model, n_ctx=1024, max_sessions=4, n_batch=64,
                                                   threads=1) as ctx:
-        _cells_before(ctx, real_model)
+        _cells_before(ctx)
 
 
 LONG = (PROMPT * 4)[:44]  # 44 tokens: chunks [0, 32) and [32, 44), or [0, 18), [18, 36) and [36, 44)
