@@ -66,9 +66,9 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
     parser.add_argument("--kv-streams", action="store_true",
-                        help="each session its own KV cells on every stage (--ctx-size cells each, so KV memory "
-                             "times the sessions and cache slots): an answer then never depends on earlier "
-                             "requests, and n > 1 choices equal n = 1 answers on quantized models too")
+                        help="each session its own KV stream on every stage (--ctx-size cells each, so KV memory "
+                             "times the sessions and cache slots); not needed for exact answers: the default shared "
+                             "pool places each session's cells as it would hold them alone (docs/kv-placement.md)")
     parser.add_argument("--threads", type=int, default=0,
                         help="compute threads per stage (default: cores / stages, at least 1)")
     parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],

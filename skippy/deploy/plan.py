@@ -446,7 +446,8 @@ def stage_memory(shape: ModelShape, start: int, end: int, settings: PlanSettings
     # a model whose stages run without the prefix cache has no cache slots and no spill tier
     prefix_cache = stage_prefix_cache(settings, shape.architecture)
     sequences = sequence_ids(settings, shape.architecture)
-    # --kv-streams: ctx_size cells per sequence id, llama.cpp pads each stream to 256 cells
+    # shared pool: ctx_size cells in all (patch 0016's placement adds none); --kv-streams: ctx_size
+    # cells per sequence id, llama.cpp pads each stream to 256 cells
     cells = -(-settings.ctx_size // 256) * 256 * sequences if settings.kv_streams else settings.ctx_size
     kv = cells * shape.kv_bytes_per_cell(start, end)
     state = sequences * shape.state_bytes_per_sequence(start, end)

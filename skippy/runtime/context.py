@@ -107,7 +107,9 @@ class StageContext:
 
     Args:
         model: the loaded stage.
-        n_ctx: KV cells shared by all sessions; with ``kv_streams``, the cells of each session.
+        n_ctx: KV cells shared by all sessions (native patch 0016 places each session's cells as it
+            would hold them alone, so its answer does not depend on the others: docs/kv-placement.md);
+            with ``kv_streams``, the cells of each session.
         max_sessions: sequence ids available to sessions (``0 .. max_sessions-1``).
         n_batch: most rows one ``decode`` may carry; also the micro-batch size (``n_ubatch``)
             unless given, so a prefill chunk is computed in one pass (same partition on every stage).
@@ -119,11 +121,10 @@ class StageContext:
             since the oldest (:mod:`skippy.runtime.rollback`).
         kv_streams: give each session its own KV stream of ``n_ctx`` cells (llama.cpp's
             non-unified KV; ``n_ctx x max_sessions`` cells in all) instead of one pool shared by
-            all.  A session's cells then always start at cell 0 whatever the other sessions hold:
-            llama.cpp's attention kernels round differently for a sequence whose cells are offset
-            (quantized weights), so only then is a session's answer independent of the sessions
-            before it.  A copy between sessions is a full copy of the source's state, trimmed
-            (refused where a sliding window has dropped cells the prefix attends to).
+            all.  A session's cells then always start at cell 0 whatever the other sessions hold
+            (as exact as the shared pool's placement, at ``max_sessions`` times the memory).  A
+            copy between sessions is a full copy of the source's state, trimmed (refused where a
+            sliding window has dropped cells the prefix attends to).
     """
 
     def __init__(

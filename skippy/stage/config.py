@@ -310,9 +310,8 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "cache_type_v": (_choice("cache_type_v", *CACHE_TYPES),
                      "V cache type: f32, f16, q8_0 or q4_0 (quantized needs flash_attn on or auto)"),
     "kv_streams": (_bool, "off (default): one KV pool shared by the sessions; on: each session (and cache slot) its "
-                   "own KV stream of ctx_size cells, ctx_size x (max_sessions + cache_slots) cells in all, so "
-                   "a session's cells start at cell 0 whatever the others hold and its answer (quantized "
-                   "weights) does not depend on earlier requests (docs/api-fields.md, n)"),
+                   "own KV stream of ctx_size cells, ctx_size x (max_sessions + cache_slots) cells in all; an "
+                   "answer does not depend on the other sessions either way (docs/kv-placement.md)"),
     "mmap": (_bool, "off (default): read this stage's tensors into memory, on 2 MiB pages where the kernel grants "
              "them (decodes faster: bench/RESULTS-real-model.md); on: map the GGUF file (page cache, 4 KiB "
              "pages, shared by the host's processes of that file; the kernel may drop and re-read weight "
