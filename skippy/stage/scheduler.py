@@ -200,13 +200,14 @@ def _ready_sessions(jobs: Sequence[_Job[Any]]) -> list[int]:
     return list(sessions)
 
 
-def select_turn(pending: Sequence[_Job[Any]], cap: int | None) -> tuple[list[_Job[Any]], list[_Job[Any]]]:
+def select_turn(pending: Sequence[_Job[Any]], cap: int | None, *, decoding: bool = False
+                ) -> tuple[list[_Job[Any]], list[_Job[Any]]]:
     """The jobs of one turn and those left for a later one, each in arrival order.
 
     ``cap`` None (the greedy policy, or batching off): every job.  Else at most ``cap`` decode
     rows of distinct sessions (the oldest), every control call, and prefill / verify jobs up to
-    :data:`PREFILL_ROWS_PER_TURN` rows (at least one) while decode rows are left over; the first
-    job is always in the turn.
+    :data:`PREFILL_ROWS_PER_TURN` rows (at least one) while decode rows are left over or
+    ``decoding`` (sessions decode, so their rows are due); the first job is always in the turn.
     """
     if cap is None:
         return list(pending), []
@@ -220,7 +221,7 @@ def select_turn(pending: Sequence[_Job[Any]], cap: int | None) -> tuple[list[_Jo
             rows.append(job)
         else:
             others.append(job)
-    decode_left = any(job.item is not None and job.item.batchable for job in others)
+    decode_left = decoding or any(job.item is not None and job.item.batchable for job in others)
     taken: list[_Job[Any]] = []
     left: list[_Job[Any]] = []
     budget = 0
@@ -374,10 +375,11 @@ class Scheduler:
             item = job.item
             # With one lane open nobody else can bring a row this tick (a lane has at most one job
             # queued): skip the yield, a trip through trio's run loop per message.
-            if (self.decode_batching and self.executor.blocking and item is not None and item.batchable
-                    and self.lanes.working != 1):
+            if (self.decode_batching and self.executor.blocking and item is not None
+                    and (item.batchable or self.groups is not None) and self.lanes.working != 1):
                 # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
-                # runtime, and take them into this turn: the batching a scheduler pass used to give.
+                # runtime, and take them into this turn: the batching a scheduler pass used to give
+                # (a chunk's turn, with decode groups, runs them before it).
                 for _ in range(_GATHER_TICKS):
                     before = len(self._pending)
                     await trio.lowlevel.cancel_shielded_checkpoint()
@@ -398,6 +400,7 @@ class Scheduler:
         """With the runtime claimed: wait for the group's late rows (the groups policy), then take
         this turn's jobs, ``lead`` (jobs not queued) first, out of the queue."""
         cap: int | None = None
+        decoding = False
         groups = self.groups
         if groups is not None:
             cap = groups.cap(time.monotonic())
@@ -412,8 +415,10 @@ class Scheduler:
                     # shielded (a few ms at most): a fast-path job, once started, runs (module header)
                     with trio.CancelScope(deadline=deadline, shield=True):
                         await self._arrival.wait()
-                cap = groups.cap(time.monotonic())
-        jobs, left = select_turn([*lead, *self._pending], cap)
+            now = time.monotonic()
+            cap = groups.cap(now)
+            decoding = groups.active(now) > 0
+        jobs, left = select_turn([*lead, *self._pending], cap, decoding=decoding)
         assert all(job in jobs for job in lead)  # the first job always runs
         self._pending = left
         return jobs
@@ -443,7 +448,13 @@ class Scheduler:
             while self._busy:  # a caller's fast-path turn or a relay holds the runtime
                 self._released = trio.Event()
                 await self._released.wait()
-            if not self._pending:  # a fast-path turn took them
+            if self.groups is not None:
+                # the lanes the last turn answered queue their next rows now (a first stage's
+                # decode runs, at once): let them, so they join this turn rather than the next
+                # (two passes: trio runs the tasks woken together in either order)
+                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.checkpoint()
+            if not self._pending or self._busy:  # a fast-path turn took them, or holds the runtime
                 continue
             self._busy = True
             try:
