@@ -23,8 +23,8 @@ stock one.
   also holds the head).
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
-  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before).  Any
-  skippy variant with ``-greedy`` appended runs its stages with ``decode_policy = "greedy"`` (every
+  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
+  ``skippy-SxTt[-nospec][-even][-greedy]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
   For these, from each stage's metrics port, over the measurements: the runtime's busy time
   (``skippy_stage_runtime_busy_seconds_total``: wall time in batches, each batch once; and its
@@ -70,6 +70,8 @@ PROMPTS = [
     "The stock market fell sharply when", "To build a wooden table you need", "The ocean covers most of the Earth and",
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
+#: Any skippy variant: stages x threads, then the modifiers in this order.
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -279,7 +281,9 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 running.processes += servers
                 running.stage_pids = [server.pid for server in servers]
             else:
-                stages, threads = (1, 2) if name.startswith("skippy-1x2t") else (2, 1)
+                shape_match = SKIPPY_VARIANT.fullmatch(name)
+                assert shape_match is not None
+                stages, threads = int(shape_match.group(1)), int(shape_match.group(2))
                 half = shape.n_layer // 2  # -even: the cut before issue 31 (half the layers each)
                 layers = f"0:{half},{half}:{shape.n_layer}" if "-even" in name else ""
                 chain = None
@@ -404,7 +408,7 @@ def main() -> int:
     IGNORE_EOS = not args.no_ignore_eos
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = {v.removesuffix("-greedy") if v.startswith("skippy") else v for v in args.variants} - set(VARIANTS)
+    unknown = {v for v in args.variants if v not in VARIANTS and not SKIPPY_VARIANT.fullmatch(v)}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     if args.quick:
