@@ -74,6 +74,8 @@ def test_missing_counts_the_late_active_rows_of_the_oldest_rows_group() -> None:
     assert groups.missing([2, 1, 4], 0.01) == 1
     assert groups.missing([4, 5], 0.01) == 0
     assert groups.missing([], 0.01) == 0
+    groups.forget(3)  # released (a Stop): not waited for, not active
+    assert groups.missing([1], 0.01) == 1 and groups.active(0.01) == 4
     # a member gone quiet is not waited for
     assert groups.missing([1], 0.01 + scheduler_module.ACTIVE_MIN_S + 0.02) == 0
     # the wait: half a recent batch, at most GATHER_MAX_S

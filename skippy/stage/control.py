@@ -62,6 +62,7 @@ class StageParts:
 async def release(stage: StageParts, key: int) -> None:
     """Release session ``key`` (the lane no longer holds it)."""
     stage.lane.sessions.discard(key)
+    stage.scheduler.forget(key)
     executor = stage.scheduler.executor
     if await stage.scheduler.call(lambda: executor.release(key)):
         stage.stats.sessions_released += 1
@@ -75,6 +76,7 @@ async def release_orphans(stage: StageParts, lane_id: int) -> int:
     stage.lane.sessions.clear()
     executor = stage.scheduler.executor
     for key in orphans:
+        stage.scheduler.forget(key)
         try:
             released = await stage.scheduler.call(functools.partial(executor.release, key))
         except StageError as exc:

@@ -135,6 +135,10 @@ class DecodeGroups:
         else:
             member.interval, member.seen = now - member.seen, now
 
+    def forget(self, session: int) -> None:
+        """``session`` ended: no turn waits for it, and it no longer counts as active."""
+        self._members.pop(session, None)
+
     @staticmethod
     def _active(member: _Member, now: float) -> bool:
         return now - member.seen <= max(ACTIVE_MIN_S, ACTIVE_INTERVALS * member.interval)
@@ -306,6 +310,11 @@ class Scheduler:
         self._busy = True
         self._holder_stop = stop
         return True
+
+    def forget(self, session: int) -> None:
+        """Session ``session`` was released: the decode groups stop expecting its rows."""
+        if self.groups is not None:
+            self.groups.forget(session)
 
     @property
     def held(self) -> bool:
