@@ -106,9 +106,11 @@ def test_prefill_runs_between_decode_batches_within_its_budget() -> None:
     assert turn == [big, *rows[:2]] and left == [*rows[2:], *chunks]
     turn, left = select_turn([*rows, *chunks], 2)
     assert turn == [*rows[:2], *chunks[:2]] and left == [*rows[2:], *chunks[2:]]
-    # no decode row waits: every chunk runs
+    # no decode row waits: every chunk runs, unless sessions decode (their rows are due)
     turn, left = select_turn([*rows[:2], *chunks], 2)
     assert turn == [*rows[:2], *chunks] and left == []
+    turn, left = select_turn(chunks, 2, decoding=True)
+    assert turn == chunks[:2] and left == chunks[2:]
     # a stream of decode rows never keeps a chunk out of the turn
     turn, left = select_turn([*rows, chunks[0]], 1)
     assert chunks[0] in turn
