@@ -310,6 +310,8 @@ async def test_concurrent_sessions_on_two_stages(tiny_llama: Path, batching: boo
         assert stages[0].address is not None
         results = await _decode_all(stages[0].address)
         sizes = [stage.stats.max_decode_batch for stage in stages]
+        for stage in stages:  # the busy time, each batch once, and its thread's CPU in it
+            assert stage.stats.runtime_cpu_us > 0 and stage.stats.runtime_busy_us > 0
     if batching:
         assert all(size <= 2 for size in sizes), sizes
         assert all(len(tokens) == STEPS for tokens in results)
