@@ -23,11 +23,15 @@ stock one.
   also holds the head).
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
-  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before).  For
-  these, each stage's ``skippy_stage_compute_seconds_sum`` (its metrics port: a job's time in the
-  runtime, so a batch shared by N sessions counts N times) and the CPU time the stage processes
-  used during the measurements (``/proc/PID/stat`` utime + stime; for RPC, the two servers') are
-  printed; the CPU time is the share to read.
+  false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
+  ``skippy-SxTt[-nospec][-even][-greedy]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
+  ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
+  For these, from each stage's metrics port, over the measurements: the runtime's busy time
+  (``skippy_stage_runtime_busy_seconds_total``: wall time in batches, each batch once; and its
+  thread's CPU time in them), rows per decode batch, ``skippy_stage_compute_seconds_sum`` (a job's
+  time in the runtime, so a batch shared by N sessions counts N times); and the CPU time the stage
+  processes used (``/proc/PID/stat`` utime + stime; for RPC, the two servers').  On a shared host
+  the busy wall time includes time the thread waited for a CPU: read the CPU figures beside it.
 
 The models: ``gemma``, the real Gemma 3 270M (``skippy[real-model]``), and ``llama``, the
 generated ``llama-16x1024`` F16 (random weights, a 32000-token vocabulary).
@@ -66,6 +70,8 @@ PROMPTS = [
     "The stock market fell sharply when", "To build a wooden table you need", "The ocean covers most of the Earth and",
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
+#: Any skippy variant: stages x threads, then the modifiers in this order.
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -100,13 +106,24 @@ def stop(running: Running) -> None:
             process.stdout.close()
 
 
-def compute_seconds(running: Running) -> list[float]:
-    """Each stage's ``skippy_stage_compute_seconds_sum`` (runtime time, all its jobs) now."""
+#: The stage metrics read before and after the measurements (name in the report: Prometheus sample).
+STAGE_METRICS = {"compute": "skippy_stage_compute_seconds_sum", "busy": "skippy_stage_runtime_busy_seconds_total",
+                 "cpu": "skippy_stage_runtime_cpu_seconds_total",
+                 "rows": "skippy_stage_decode_batch_size_sum", "batches": "skippy_stage_decode_batch_size_count"}
+
+
+def stage_metrics(running: Running) -> list[dict[str, float]]:
+    """Each stage's :data:`STAGE_METRICS` now: ``compute`` (runtime time of all its jobs, a batch
+    counted once per session in it), ``busy`` (the runtime's wall time in batches, each once),
+    ``rows`` / ``batches`` (decode rows and native decode batches)."""
     values = []
     for url in running.metrics:
         text = httpx.get(url, timeout=10).text
-        match = re.search(r"^skippy_stage_compute_seconds_sum\{[^}]*\} (\S+)$", text, re.MULTILINE)
-        values.append(float(match.group(1)) if match else 0.0)
+        found = {}
+        for key, name in STAGE_METRICS.items():
+            match = re.search(rf"^{name}(?:\{{[^}}]*\}})? (\S+)$", text, re.MULTILINE)
+            found[key] = float(match.group(1)) if match else 0.0
+        values.append(found)
     return values
 
 
@@ -160,9 +177,18 @@ def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[sub
     return processes, addresses
 
 
-def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Path, *, layers: str = "") -> Running:
-    command = [sys.executable, "-m", "skippy", "up", "--model", str(model),
-               *(["--layers", layers] if layers else ["--stages", str(stages)]),
+def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Path, *, layers: str = "",
+                 chain: dict[str, str] | None = None) -> Running:
+    """``skippy up``; ``chain``: stage settings for every stage (through a plan file; ``layers``
+    must then be given)."""
+    where = ["--layers", layers] if layers else ["--stages", str(stages)]
+    if chain:
+        plan = log_dir / "plan.toml"
+        plan.write_text("[chain]\n" + f"model = {json.dumps(str(model))}\n"
+                        + "".join(f"{key} = {json.dumps(value)}\n" for key, value in chain.items())
+                        + "".join(f'[[stage]]\nlayers = "{r}"\n' for r in layers.split(",")))
+        where = ["--plan", str(plan)]
+    command = [sys.executable, "-m", "skippy", "up", "--model", str(model), *where,
                "--threads", str(threads), "--max-sessions", str(slots), "--ctx-size", str(slots * SLOT_CTX),
                "--port", "0", "--log-dir", str(log_dir)]
     with (log_dir / "up.log").open("wb") as errors:
@@ -255,11 +281,17 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 running.processes += servers
                 running.stage_pids = [server.pid for server in servers]
             else:
-                stages, threads = (1, 2) if name.startswith("skippy-1x2t") else (2, 1)
+                shape_match = SKIPPY_VARIANT.fullmatch(name)
+                assert shape_match is not None
+                stages, threads = int(shape_match.group(1)), int(shape_match.group(2))
                 half = shape.n_layer // 2  # -even: the cut before issue 31 (half the layers each)
-                running = start_skippy(model, stages, threads, slots, directory,
-                                       layers=f"0:{half},{half}:{shape.n_layer}" if name.endswith("-even") else "")
-                if name.endswith("-nospec"):
+                layers = f"0:{half},{half}:{shape.n_layer}" if "-even" in name else ""
+                chain = None
+                if name.endswith("-greedy"):  # the stages' decode policy before issue 31
+                    chain = {"decode_policy": "greedy"}
+                    layers = layers or ",".join(f"{a}:{b}" for a, b in balanced_stages(shape, stages)[0])
+                running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain)
+                if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name
             started[name] = running
@@ -290,28 +322,32 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
     results: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.concurrency} for v in args.variants}
     compute: dict[str, dict[int, float]] = {v: {} for v in args.variants}
     cpu: dict[str, list[float]] = {}
-    busy: dict[str, list[float]] = {}
+    busy: dict[str, list[dict[str, float]]] = {}
+    wall: dict[str, float] = {v: 0.0 for v in args.variants}
     with variants(args.variants, path, slots, log_dir / name) as running:
         for variant in running.values():  # one warm-up request each (loads pages, fills caches)
             measure(variant, model_id, 1, 0.01, 4, {})
         before = {v: [cpu_seconds(pid) for pid in r.stage_pids] for v, r in running.items()}
-        busy_before = {v: compute_seconds(r) for v, r in running.items()}
+        busy_before = {v: stage_metrics(r) for v, r in running.items()}
         order = list(args.variants)
         for round_index in range(args.rounds):
             for clients in args.concurrency:
                 for variant in order:
+                    began = time.perf_counter()
                     rate = measure(running[variant], model_id, clients, args.seconds, args.max_tokens,
                                    compute[variant])
+                    wall[variant] += time.perf_counter() - began
                     results[variant][clients].append(rate)
                     print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
             order = order[1:] + order[:1]
         for variant, r in running.items():
             cpu[variant] = [cpu_seconds(pid) - was for pid, was in zip(r.stage_pids, before[variant])]
-            busy[variant] = [now - was for now, was in zip(compute_seconds(r), busy_before[variant])]
+            busy[variant] = [{key: now[key] - was[key] for key in now}
+                             for now, was in zip(stage_metrics(r), busy_before[variant])]
         splits = {v: r.split for v, r in running.items()}
-    return {"model": str(path), "results": results, "compute_ms": compute, "cpu_s": cpu, "busy_s": busy,
-            "splits": splits}
+    return {"model": str(path), "results": results, "compute_ms": compute, "cpu_s": cpu, "stage_metrics": busy,
+            "wall_s": wall, "splits": splits}
 
 
 def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
@@ -333,10 +369,15 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
         split = data["splits"].get(variant)
         compute = data["compute_ms"][variant]
         cpu = data["cpu_s"].get(variant, [])
-        busy = data["busy_s"].get(variant, [])
-        if len(busy) > 1 and sum(busy) > 0:
-            lines.append(f"- {variant} split {split}: stage compute (skippy_stage_compute_seconds) "
-                         + ", ".join(f"stage {i}: {b:.1f} s ({b / sum(busy):.0%})" for i, b in enumerate(busy)))
+        stages = data["stage_metrics"].get(variant, [])
+        wall = data["wall_s"].get(variant, 0.0)
+        if stages and wall > 0:
+            lines.append(f"- {variant} split {split}, over {wall:.0f} s of measurements: "
+                         + "; ".join(f"stage {i} runtime busy {m['busy']:.1f} s ({m['busy'] / wall:.0%}; its thread's CPU "
+                                     f"{m['cpu']:.1f} s), "
+                                     f"{m['rows'] / max(m['batches'], 1):.2f} rows per decode batch "
+                                     f"({m['batches']:.0f} batches), job compute {m['compute']:.1f} s"
+                                     for i, m in enumerate(stages)))
         if len(compute) > 1:
             total = sum(compute.values())
             shares = ", ".join(f"stage {s}: {compute[s] / total:.0%}" for s in sorted(compute))
@@ -367,7 +408,7 @@ def main() -> int:
     IGNORE_EOS = not args.no_ignore_eos
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = set(args.variants) - set(VARIANTS)
+    unknown = {v for v in args.variants if v not in VARIANTS and not SKIPPY_VARIANT.fullmatch(v)}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     if args.quick:

@@ -250,7 +250,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
-               "--threads", str(threads), "--wire-dtype", args.wire_dtype, *plan_options, *gpu,
+               "--threads", str(threads), "--wire-dtype", args.wire_dtype, "--chain-stages", str(len(split)),
+               *plan_options, *gpu,
                *(["--kv-streams", "on"] if args.kv_streams else [])]
     heartbeat_timeout = float(getattr(args, "heartbeat_timeout", SILENCE))
     if heartbeat_timeout < 0 or getattr(args, "restarts", 0) < 0:

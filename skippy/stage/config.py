@@ -46,6 +46,8 @@ class StageConfig:
     decode_relay: bool = True
     inline_decode: bool = True
     decode_batching: bool = True
+    decode_policy: str = "groups"
+    chain_stages: int = 0
     stats_file: Path | None = None
     metrics_listen: Address | None = None
     downstream_file: Path | None = None
@@ -128,6 +130,7 @@ class StageConfig:
             (self.recurrent_checkpoint_interval >= 1,
              f"recurrent_checkpoint_interval must be >= 1 (got {self.recurrent_checkpoint_interval})"),
             (self.batch_size > 0, f"batch_size must be > 0 (got {self.batch_size})"),
+            (0 <= self.chain_stages <= 256, f"chain_stages must be in 0..256 (got {self.chain_stages})"),
             (self.max_inflight >= 1, f"max_inflight must be >= 1 (got {self.max_inflight})"),
             (self.reply_credit_limit is None or self.reply_credit_limit >= 0,
              f"reply_credit_limit must be >= 0 (got {self.reply_credit_limit})"),
@@ -266,6 +269,12 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "decode_batching": (_bool, "on: single-row decodes of different sessions that are ready together run as one "
                         "llama.cpp batch (throughput); off: each runs alone, so a session's logits never "
                         "depend on other sessions' traffic (bitwise reproducible under load)"),
+    "decode_policy": (_choice("decode_policy", "groups", "greedy"),
+                      "with decode batching: groups (default): the decode sessions are batched in groups that "
+                      "rotate through the chain, one group per stage at a time, every ready row of a group in one "
+                      "batch (docs/throughput.md); greedy: every ready row at once, as it comes (before issue 31)"),
+    "chain_stages": (int, "stages in the chain (the launchers set it): the decode groups of --decode-policy groups; "
+                     "0: 1 on a stage holding the whole model, else 2"),
     "stats_file": (_optional_path, "write the stage's counters as JSON to this file while serving"),
     "downstream_file": (_optional_path, "a file holding HOST:PORT of the next stage, read at every downstream dial "
                         "(overrides --downstream while it exists): a launcher re-wires a running stage by rewriting it"),

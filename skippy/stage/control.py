@@ -62,6 +62,7 @@ class StageParts:
 async def release(stage: StageParts, key: int) -> None:
     """Release session ``key`` (the lane no longer holds it)."""
     stage.lane.sessions.discard(key)
+    stage.scheduler.forget(key)
     executor = stage.scheduler.executor
     if await stage.scheduler.call(lambda: executor.release(key)):
         stage.stats.sessions_released += 1
@@ -76,6 +77,7 @@ async def release_orphans(stage: StageParts, lane_id: int, *, lost: bool = False
     stage.lane.sessions.clear()
     executor = stage.scheduler.executor
     for key in orphans:
+        stage.scheduler.forget(key)
         try:
             if lost:
                 outcome = await stage.scheduler.call(functools.partial(executor.park_or_release, key))

@@ -38,12 +38,27 @@ first; for a native decode row the task then yields once, so rows other lanes su
 trio tick join its batch (what one scheduler pass gave), and rows submitted while it runs queue
 and are batched by the scheduler as soon as it is released: batching across sessions is kept.  A requester cancelled during
 its own run still lets the job finish (the runtime thread's calls are never abandoned).
+
+*Decode groups* (``decode_policy`` "groups", the default; issue 31, ``docs/throughput.md``): on
+a chain of P stages, sessions that move in lockstep leave every stage idle while the others
+compute.  So each *turn* (one trip to the runtime) runs at most ``ceil(active / G)`` decode rows
+(G = ``chain_stages``, the groups; *active*: the sessions that sent a decode row lately, see
+:class:`DecodeGroups`), oldest first: the sessions split into G groups that take turns on every
+stage, each stage computing one group while its neighbours compute the others.  A group is the
+sessions that ran in one batch; when one of its rows arrives at an idle stage, the turn waits
+(briefly: half a recent batch's time, at most :data:`GATHER_MAX_S`) for the group's other active
+sessions, so a group stays one native batch rather than fragments.  After its decode batch a
+turn runs prefill chunks, verify windows and control calls: all of them when no decode row
+waits, else control calls and prefill / verify jobs up to :data:`PREFILL_ROWS_PER_TURN` rows
+(at least one job), so a long prompt neither stalls the decodes nor is starved by them.
+"greedy" (before issue 31): every ready job in one turn.  Either way a batch holds only rows
+that are ready; what differs is which rows share a batch, which batching already may change
+(above); with ``decode_batching`` off every job runs alone, in arrival order, as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
@@ -65,6 +80,105 @@ RECENT_WORK_S = 0.5
 #: first tick that brings none, so a lone session pays one yield).
 _GATHER_TICKS = 3
 
+#: The longest a turn waits for the late rows of its group (module header), and the fraction of
+#: a recent decode batch's time it waits at most.
+GATHER_MAX_S = 0.004
+GATHER_FRACTION = 0.5
+#: Rows of prefill chunks and verify windows a turn runs after its decode batch while decode rows
+#: wait (a turn runs at least one such job).
+PREFILL_ROWS_PER_TURN = 64
+#: A session is active (expected back) until this many of its own intervals between decode rows
+#: have passed since its last one (at least :data:`ACTIVE_MIN_S`); forgotten after ``FORGET_S``.
+ACTIVE_INTERVALS = 3.0
+ACTIVE_MIN_S = 0.05
+FORGET_S = 10.0
+
+
+def decode_groups(policy: str, chain_stages: int, executor: Executor) -> int:
+    """The scheduler's ``decode_groups`` for a stage's settings: 0 for the greedy policy, else the
+    chain's stages (when not given: 1 for a stage that holds the whole model, else 2)."""
+    if policy == "greedy":
+        return 0
+    if chain_stages > 0:
+        return chain_stages
+    return 1 if executor.is_first and executor.is_last else 2
+
+
+@dataclasses.dataclass(slots=True)
+class _Member:
+    group: int  #: the serial of the last decode batch the session ran in (-1: none yet)
+    seen: float  #: when its last decode row arrived
+    interval: float = 0.0  #: between its last two rows (0: one so far)
+
+
+class DecodeGroups:
+    """Which decode rows share a turn (sans-IO: the caller passes the time; module header).
+
+    Args:
+        groups: G, the groups the active sessions split into (the chain's stages).
+    """
+
+    def __init__(self, groups: int) -> None:
+        if groups < 1:
+            raise ValueError(f"decode groups must be >= 1 (got {groups})")
+        self.groups = groups
+        self._members: dict[int, _Member] = {}
+        self._serial = 0
+        #: A recent decode batch's wall time (an exponential average), seconds; 0: none yet.
+        self.batch_s = 0.0
+
+    def arrived(self, session: int, now: float) -> None:
+        """A decode row of ``session`` was submitted."""
+        member = self._members.get(session)
+        if member is None:
+            self._members[session] = _Member(-1, now)
+        else:
+            member.interval, member.seen = now - member.seen, now
+
+    def forget(self, session: int) -> None:
+        """``session`` ended: no turn waits for it, and it no longer counts as active."""
+        self._members.pop(session, None)
+
+    @staticmethod
+    def _active(member: _Member, now: float) -> bool:
+        return now - member.seen <= max(ACTIVE_MIN_S, ACTIVE_INTERVALS * member.interval)
+
+    def active(self, now: float) -> int:
+        """Sessions that sent a decode row lately (expected back)."""
+        return sum(1 for member in self._members.values() if self._active(member, now))
+
+    def cap(self, now: float) -> int:
+        """The most decode rows one turn runs: ``ceil(active / G)``."""
+        return max(1, -(-self.active(now) // self.groups))
+
+    def missing(self, ready: Sequence[int], now: float) -> int:
+        """Active sessions of the group of ``ready[0]`` (the oldest ready row) whose rows are not
+        in ``ready``: the rows a turn may wait for."""
+        if not ready:
+            return 0
+        first = self._members.get(ready[0])
+        if first is None or first.group < 0:
+            return 0
+        here = set(ready)
+        return sum(1 for session, member in self._members.items()
+                   if member.group == first.group and session not in here and self._active(member, now))
+
+    def gather_s(self) -> float:
+        """How long a turn waits, at most, for its group's late rows."""
+        return min(GATHER_MAX_S, GATHER_FRACTION * self.batch_s) if self.batch_s > 0 else GATHER_MAX_S / 4
+
+    def ran(self, sessions: Sequence[int], seconds: float, now: float) -> None:
+        """``sessions`` ran as one decode batch of ``seconds``: they are a group now."""
+        self._serial += 1
+        for session in sessions:
+            member = self._members.get(session)
+            if member is not None:
+                member.group = self._serial
+        self.batch_s = seconds if self.batch_s <= 0 else 0.8 * self.batch_s + 0.2 * seconds
+        if self._serial % 256 == 0:
+            for session in [s for s, m in self._members.items() if now - m.seen > FORGET_S]:
+                del self._members[session]
+
 
 @dataclasses.dataclass(slots=True, eq=False)
 class _Job(Generic[T]):
@@ -80,6 +194,66 @@ class _Job(Generic[T]):
     wait_us: int = 0
 
 
+def _ready_sessions(jobs: Sequence[_Job[Any]]) -> list[int]:
+    """The sessions of the decode rows among ``jobs``, each once, in order."""
+    sessions: dict[int, None] = {}
+    for job in jobs:
+        item = job.item
+        if item is not None and item.batchable:
+            sessions.setdefault(item.session)
+    return list(sessions)
+
+
+def select_turn(pending: Sequence[_Job[Any]], cap: int | None, *, decoding: bool = False
+                ) -> tuple[list[_Job[Any]], list[_Job[Any]]]:
+    """The jobs of one turn and those left for a later one, each in arrival order.
+
+    ``cap`` None (the greedy policy, or batching off): every job.  Else at most ``cap`` decode
+    rows of distinct sessions (the oldest), every control call, and prefill / verify jobs up to
+    :data:`PREFILL_ROWS_PER_TURN` rows (at least one) while decode rows are left over or
+    ``decoding`` (sessions decode, so their rows are due); the first job is always in the turn.
+    """
+    if cap is None:
+        return list(pending), []
+    rows: list[_Job[Any]] = []
+    sessions: set[int] = set()
+    others: list[_Job[Any]] = []
+    for job in pending:
+        item = job.item
+        if item is not None and item.batchable and item.session not in sessions and len(rows) < cap:
+            sessions.add(item.session)
+            rows.append(job)
+        else:
+            others.append(job)
+    decode_left = decoding or any(job.item is not None and job.item.batchable for job in others)
+    taken: list[_Job[Any]] = []
+    left: list[_Job[Any]] = []
+    budget = 0
+    for job in others:
+        item = job.item
+        if item is None:  # a control call: cheap, and its lane waits on it
+            taken.append(job)
+        elif item.batchable or (decode_left and budget >= PREFILL_ROWS_PER_TURN):
+            left.append(job)  # a decode row of a later turn, or a chunk past this turn's budget
+        else:
+            taken.append(job)
+            budget += item.rows
+    order = {id(job): index for index, job in enumerate(pending)}
+    return sorted(rows + taken, key=lambda job: order[id(job)]), left
+
+
+@dataclasses.dataclass(slots=True)
+class _Trip:
+    """What one trip to the runtime ran (the stats are updated on the trio thread)."""
+
+    decode_batches: list[int] = dataclasses.field(default_factory=list)
+    native: int = 0
+    #: The sessions of the trip's decode batch (a lone row included), and its seconds.
+    batch_sessions: list[int] = dataclasses.field(default_factory=list)
+    batch_s: float = 0.0
+    cpu_ns: int = 0
+
+
 class Scheduler:
     """Serialises and batches runtime work for all connections of a stage.
 
@@ -87,11 +261,13 @@ class Scheduler:
         executor: the runtime and its session table.
         stats: counters to update.
         batch_window: seconds to wait for more decode rows once one is ready (0 = none).
+        decode_groups: the decode groups (module header; :func:`decode_groups`); 0: the greedy
+            policy, every ready row at once.
         lanes: the stage's working lanes (the lanes register themselves; None: a new registry).
     """
 
     def __init__(self, executor: Executor, stats: StageStats, *, batch_window: float = 0.0,
-                 inline_decode: bool = True, decode_batching: bool = True,
+                 inline_decode: bool = True, decode_batching: bool = True, decode_groups: int = 0,
                  lanes: LaneRegistry | None = None) -> None:
         self.executor = executor
         self.stats = stats
@@ -101,11 +277,16 @@ class Scheduler:
         #: False (``--decode-batching off``): every decode row runs as its own native batch.
         self.decode_batching = decode_batching
         self.inline_decode = inline_decode
-        self._send, self._receive = trio.open_memory_channel[_Job[Any]](math.inf)
-        #: The runtime is running a batch (the scheduler's or a caller's fast-path job).
+        #: The decode-group policy (None: greedy, or batching off).
+        self.groups = DecodeGroups(decode_groups) if decode_groups > 0 and decode_batching else None
+        #: Jobs submitted and not yet started, in arrival order.
+        self._pending: list[_Job[Any]] = []
+        #: Set when a job is queued: the scheduler loop's and a gathering turn's wake-ups.
+        self._wake = trio.Event()
+        self._arrival = trio.Event()
+        self._closed = False
+        #: The runtime is claimed: a turn gathers or runs (the scheduler's or a caller's fast path).
         self._busy = False
-        #: Jobs submitted to the queue and not yet started.
-        self._queued = 0
         self._released: trio.Event | None = None
         #: The decode relay holding the runtime: called when a job is queued behind it.
         self._holder_stop: Callable[[], None] | None = None
@@ -118,7 +299,7 @@ class Scheduler:
         ``lane``; ``stop`` is called (on the trio thread) when a job is queued behind it.  False
         when the runtime is busy, jobs wait, or another lane brought work in the last
         :data:`RECENT_WORK_S` (idle lanes, such as an API pool keeps open, do not count)."""
-        if self._busy or self._queued:
+        if self._busy or self._pending:
             return False
         now = time.monotonic()
         for other, when in list(self._last_work.items()):
@@ -130,6 +311,11 @@ class Scheduler:
         self._holder_stop = stop
         return True
 
+    def forget(self, session: int) -> None:
+        """Session ``session`` was released: the decode groups stop expecting its rows."""
+        if self.groups is not None:
+            self.groups.forget(session)
+
     @property
     def held(self) -> bool:
         """A decode relay holds the runtime now."""
@@ -138,6 +324,9 @@ class Scheduler:
     def release_hold(self) -> None:
         """The relay gave the runtime back: queued jobs run."""
         self._holder_stop = None
+        self._release()
+
+    def _release(self) -> None:
         self._busy = False
         if self._released is not None:
             self._released.set()
@@ -165,19 +354,23 @@ class Scheduler:
         return result
 
     async def _submit(self, job: _Job[T]) -> T:
-        if job.item is not None:
-            self._last_work[job.item.session >> 64] = time.monotonic()
-        if not self._busy and not self._queued and (self.batch_window <= 0 or job.item is None):
+        item = job.item
+        if item is not None:
+            now = time.monotonic()
+            self._last_work[item.session >> 64] = now
+            if self.groups is not None and item.batchable:
+                self.groups.arrived(item.session, now)
+        if not self._busy and not self._pending and (self.batch_window <= 0 or item is None):
             await self._run_here(job)
         else:
-            try:
-                self._send.send_nowait(job)
-            except (trio.BrokenResourceError, trio.ClosedResourceError) as exc:  # the stage is shutting down
-                raise ShuttingDown("the stage's scheduler has stopped") from exc
-            self._queued += 1
+            if self._closed:
+                raise ShuttingDown("the stage's scheduler has stopped")
+            job.done = trio.Event()
+            self._pending.append(job)
+            self._wake.set()
+            self._arrival.set()
             if self._holder_stop is not None:  # a decode relay holds the runtime: end its run
                 self._holder_stop()
-            job.done = trio.Event()
             await job.done.wait()
         if job.error is not None:
             raise job.error
@@ -185,35 +378,59 @@ class Scheduler:
         return result
 
     async def _run_here(self, job: _Job[Any]) -> None:
-        """The idle fast path: run ``job`` on this task (with any decode rows of the same tick)."""
-        jobs = [job]
-        # With one lane open nobody else can bring a row this tick (a lane has at most one job
-        # queued): skip the yield, a trip through trio's run loop per message.
-        if (self.decode_batching and self.executor.blocking and job.item is not None and job.item.batchable
-                and self.lanes.working != 1):
-            # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
-            # runtime, and take them into this batch: the batching a scheduler pass used to give.
-            self._busy = True
-            try:
+        """The idle fast path: run a turn led by ``job`` on this task."""
+        self._busy = True
+        try:
+            item = job.item
+            # With one lane open nobody else can bring a row this tick (a lane has at most one job
+            # queued): skip the yield, a trip through trio's run loop per message.
+            if (self.decode_batching and self.executor.blocking and item is not None
+                    and (item.batchable or self.groups is not None) and self.lanes.working != 1):
+                # Let the other lanes' tasks of this trio tick queue their rows behind the claimed
+                # runtime, and take them into this turn: the batching a scheduler pass used to give
+                # (a chunk's turn, with decode groups, runs them before it).
                 for _ in range(_GATHER_TICKS):
+                    before = len(self._pending)
                     await trio.lowlevel.cancel_shielded_checkpoint()
-                    before = len(jobs)
-                    while True:
-                        try:
-                            jobs.append(self._receive.receive_nowait())
-                        except trio.WouldBlock:  # nothing more is ready
-                            break
-                    if len(jobs) == before:  # a quiet tick: the rows of this moment are in
+                    if len(self._pending) == before:  # a quiet tick: the rows of this moment are in
                         break
-            finally:
-                self._busy = False
-            self._queued -= len(jobs) - 1
+            jobs = await self._turn([job])
+        except BaseException:
+            self._release()
+            raise
         try:
             await self._run_batch(jobs)
         finally:
-            for other in jobs[1:]:
-                assert other.done is not None
-                other.done.set()
+            for other in jobs:
+                if other.done is not None:
+                    other.done.set()
+
+    async def _turn(self, lead: list[_Job[Any]]) -> list[_Job[Any]]:
+        """With the runtime claimed: wait for the group's late rows (the groups policy), then take
+        this turn's jobs, ``lead`` (jobs not queued) first, out of the queue."""
+        cap: int | None = None
+        decoding = False
+        groups = self.groups
+        if groups is not None:
+            cap = groups.cap(time.monotonic())
+            if self.executor.blocking:
+                deadline = trio.current_time() + groups.gather_s()
+                while True:
+                    ready = _ready_sessions([*lead, *self._pending])
+                    if (len(ready) >= cap or not groups.missing(ready, time.monotonic())
+                            or trio.current_time() >= deadline):
+                        break
+                    self._arrival = trio.Event()
+                    # shielded (a few ms at most): a fast-path job, once started, runs (module header)
+                    with trio.CancelScope(deadline=deadline, shield=True):
+                        await self._arrival.wait()
+            now = time.monotonic()
+            cap = groups.cap(now)
+            decoding = groups.active(now) > 0
+        jobs, left = select_turn([*lead, *self._pending], cap, decoding=decoding)
+        assert all(job in jobs for job in lead)  # the first job always runs
+        self._pending = left
+        return jobs
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
         """The scheduler loop; runs until cancelled."""
@@ -221,47 +438,68 @@ class Scheduler:
         try:
             await self._serve()
         finally:
+            self._closed = True
+            pending, self._pending = self._pending, []
+            for job in pending:  # never started: their requesters learn why
+                job.error = ShuttingDown("the stage's scheduler has stopped")
+                assert job.done is not None
+                job.done.set()
             self._thread.close()
 
     async def _serve(self) -> None:
-        async with self._receive:
-            async for first in self._receive:
-                if self.batch_window > 0 and first.item is not None and first.item.batchable:
-                    await trio.sleep(self.batch_window)
-                while self._busy:  # a caller's fast-path job holds the runtime
-                    self._released = trio.Event()
-                    await self._released.wait()
-                jobs = [first]
-                while True:
-                    try:
-                        jobs.append(self._receive.receive_nowait())
-                    except trio.WouldBlock:
-                        break
-                self._queued -= len(jobs)
+        while True:
+            while not self._pending:
+                self._wake = trio.Event()
+                await self._wake.wait()
+            first = self._pending[0]
+            if self.batch_window > 0 and first.item is not None and first.item.batchable:
+                await trio.sleep(self.batch_window)
+            while self._busy:  # a caller's fast-path turn or a relay holds the runtime
+                self._released = trio.Event()
+                await self._released.wait()
+            if self.groups is not None:
+                # the lanes the last turn answered queue their next rows now (a first stage's
+                # decode runs, at once): let them, so they join this turn rather than the next
+                # (two passes: trio runs the tasks woken together in either order)
+                await trio.lowlevel.checkpoint()
+                await trio.lowlevel.checkpoint()
+            if not self._pending or self._busy:  # a fast-path turn took them, or holds the runtime
+                continue
+            self._busy = True
+            try:
+                jobs = await self._turn([])
+            except BaseException:
+                self._release()
+                raise
+            try:
                 await self._run_batch(jobs)
+            finally:
                 for job in jobs:
                     assert job.done is not None
                     job.done.set()
 
     async def _run_batch(self, jobs: list[_Job[Any]]) -> None:
-        """Claim the runtime, run ``jobs`` (on the worker thread unless it never blocks), account."""
+        """Run ``jobs`` with the runtime claimed (on the worker thread unless it never blocks),
+        release it, account."""
         self._busy = True
+        trip = _Trip()
         try:
             started = time.perf_counter_ns()
             for job in jobs:
                 job.wait_us = (started - job.submitted_ns) // 1000
             if self.executor.blocking and not self._runs_inline(jobs):
-                decode_batches, native = await self._thread.run_sync(lambda: self._run_jobs(jobs))
+                await self._thread.run_sync(lambda: self._run_jobs(jobs, trip))
             else:
-                decode_batches, native = self._run_jobs(jobs)
+                self._run_jobs(jobs, trip)
         finally:
-            self._busy = False
-            if self._released is not None:
-                self._released.set()
-                self._released = None
-        self.stats.native_batches += native
-        for size in decode_batches:
+            self._release()
+        self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
+        self.stats.runtime_cpu_us += trip.cpu_ns // 1000
+        self.stats.native_batches += trip.native
+        for size in trip.decode_batches:
             self.stats.observe_decode_batch(size)
+        if self.groups is not None and trip.batch_sessions:
+            self.groups.ran(trip.batch_sessions, trip.batch_s, time.monotonic())
         for job in jobs:
             self._account(job)
 
@@ -283,18 +521,19 @@ class Scheduler:
                 self.stats.trimmed_tokens += result.trimmed_tokens
         self.stats.touch()
 
-    def _run_jobs(self, jobs: list[_Job[Any]]) -> tuple[list[int], int]:
-        """Worker-thread side: one decode batch, then the rest in order.
+    def _run_jobs(self, jobs: list[_Job[Any]], trip: _Trip) -> None:
+        """Worker-thread side: one decode batch, then the rest in order (into ``trip``)."""
+        cpu = time.thread_time_ns()
+        try:
+            self._run_trip(jobs, trip)
+        finally:
+            trip.cpu_ns = time.thread_time_ns() - cpu
 
-        Returns the sizes of the decode batches run and the number of native batches (the
-        stats are updated by the caller, on the trio thread).
-        """
-        decode_batches: list[int] = []
-        if len(jobs) == 1:  # the common case: no batch to form
-            return decode_batches, self._run_one(jobs[0], decode_batches)
-        if not self.decode_batching:  # every row alone, in arrival order
-            return decode_batches, sum(self._run_one(job, decode_batches) for job in jobs)
-        native = 0
+    def _run_trip(self, jobs: list[_Job[Any]], trip: _Trip) -> None:
+        if len(jobs) == 1 or not self.decode_batching:  # no batch to form / every row alone, in order
+            for job in jobs:
+                self._run_one(job, trip)
+            return
         batch: list[_Job[Any]] = []
         rest: list[_Job[Any]] = []
         sessions: set[int] = set()
@@ -310,12 +549,15 @@ class Scheduler:
         if batch:
             items = [job.item for job in batch if job.item is not None]
             outcomes: Sequence[WorkResult | Exception]
+            started = time.perf_counter()
             try:
                 outcomes = self.executor.run_decode_batch(items)
             except Exception as exc:  # a bug fails these jobs (their lanes log it), not the stage
                 outcomes = [exc] * len(items)
-            native += 1
-            decode_batches.append(len(items))
+            trip.batch_s = time.perf_counter() - started
+            trip.batch_sessions = [item.session for item in items]
+            trip.native += 1
+            trip.decode_batches.append(len(items))
             for job, outcome in zip(batch, outcomes):
                 if isinstance(outcome, Exception):
                     job.error = outcome
@@ -324,22 +566,25 @@ class Scheduler:
                     if job.then is not None:
                         job.then(outcome, job.wait_us)
         for job in rest:
-            native += self._run_one(job, decode_batches)
-        return decode_batches, native
+            self._run_one(job, trip)
 
-    def _run_one(self, job: _Job[Any], decode_batches: list[int]) -> int:
-        """Run one job alone (its error kept on it); returns the native batches it ran."""
+    def _run_one(self, job: _Job[Any], trip: _Trip) -> None:
+        """Run one job alone (its error kept on it); a lone decode row is the trip's batch."""
         try:
             item = job.item
             if item is not None:
+                started = time.perf_counter()
                 job.result = self.executor.run_item(item)
                 if job.then is not None:
                     job.then(job.result, job.wait_us)
+                trip.native += 1
                 if item.batchable:
-                    decode_batches.append(1)
-                return 1
+                    trip.decode_batches.append(1)
+                    if not trip.batch_sessions:
+                        trip.batch_sessions = [item.session]
+                        trip.batch_s = time.perf_counter() - started
+                return
             if job.call is not None:
                 job.result = job.call()
         except Exception as exc:  # a refusal or a bug fails this one job (its lane reports it), not the stage
             job.error = exc
-        return 0

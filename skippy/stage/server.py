@@ -44,7 +44,7 @@ from skippy.stage.direct_return import ReturnHub
 from skippy.stage.executor import Executor
 from skippy.stage.limits import BufferBudget, IdleLane, StageLimits, fair_share, frame_limit, return_freed_memory
 from skippy.stage.liveness import watch_downstream
-from skippy.stage.scheduler import Scheduler
+from skippy.stage.scheduler import Scheduler, decode_groups
 from skippy.stage.standby import wait_for_activation
 from skippy.stage.stats import StageStats, write_stats_file, write_stats_periodically
 from skippy.stage.transport import WireCondition, send_ready
@@ -273,7 +273,8 @@ class StageServer:
         #: Connections refused at the TLS handshake.
         self.tls_refused = 0
         self.scheduler = Scheduler(executor, self.stats, batch_window=config.batch_window_ms / 1000.0,
-                                   inline_decode=config.inline_decode, decode_batching=config.decode_batching)
+                                   inline_decode=config.inline_decode, decode_batching=config.decode_batching,
+                                   decode_groups=decode_groups(config.decode_policy, config.chain_stages, executor))
         self.settings = LaneSettings(
             width=executor.n_embd, is_last=executor.is_last, downstream=config.downstream,
             wire_dtype=config.wire_dtype, credit_limit=config.credit_limit,
