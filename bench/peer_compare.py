@@ -40,7 +40,8 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   speculation (n-gram drafts, verify windows) on a looping continuation: a code prompt whose greedy
   continuation by the generated weights repeats, ``--steps`` tokens, its decode rate as the
   generator measures it (first token to last); the tokens of the 1, 2 and 4-stage chains are
-  compared each round.  Its CPU is not measured (nan).
+  compared each round.  Its CPU per token: the client's and the chain's over the request, less a
+  1-token request's (the prompt's prefill and first token), over the tokens after the first.
 * Peers: without ``--no-build`` the stock binaries are built (``bench/peer_build.py``); when the
   build fails, or with ``--no-build`` one is missing, the stock and RPC variants are skipped with
   a message saying so and skippy 1 stage is the reference of the ratios.
@@ -93,6 +94,7 @@ from peer_build import Peer, PeerBuildError, build_peer, peer_build_dir  # noqa:
 from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
 
 from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E402
+from skippy.driver.generator import Completion  # noqa: E402
 from skippy.net.address import Address  # noqa: E402
 
 MODEL_PRESET = "llama-16x1024"
@@ -327,14 +329,24 @@ class Speculation:
         self.tokens: list[int] = []
         self.acceptance = 0.0
 
-    async def decode(self, address: Address) -> Sample:
+    async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
+        pids = [process.pid for process in PROCESSES.get(address, [])]
         self.session += 1
-        request = GenerationRequest(self.prompt, self.steps, speculation=True)
+        request = GenerationRequest(self.prompt, tokens, speculation=True)
         async with await StageClient.connect(address) as client:
+            cpu_started = cpu_seconds(pids)
             done = await self.generator.generate(client, request, self.session)
+            return done, cpu_seconds(pids) - cpu_started
+
+    async def decode(self, address: Address) -> Sample:
+        """(decode tokens/s, CPU s/token): the CPU of a 1-token request (the prompt's prefill and
+        first token) is taken off and the rest spread over the tokens after the first."""
+        _, baseline = await self._generate(address, 1)
+        done, cpu = await self._generate(address, self.steps)
         self.tokens = done.tokens
         self.acceptance = done.speculation.acceptance_rate if done.speculation else 0.0
-        return done.timing.decode_tokens_per_second(done.completion_tokens), float("nan")
+        return (done.timing.decode_tokens_per_second(done.completion_tokens),
+                (cpu - baseline) / max(1, done.completion_tokens - 1))
 
     def close(self) -> None:
         self.generator.close()
