@@ -1,6 +1,8 @@
 """skippy 1/2/4 stages against stock llama.cpp unsplit and its RPC backend (2/4 servers), one run.
 
-Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]``.
+Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]``;
+issue 27's peer benchmark (decode only: hop by hop, direct return and greedy speculation at 1, 2
+and 4 stages against stock and RPC 2 / 4, one interleaved run): ``... --issue27 [--rounds 5]``.
 
 Strategy: every variant stays up for the whole run (three skippy chains of stage processes, six
 ``ggml-rpc-server`` processes) and the rounds are interleaved: each round measures every variant
@@ -34,6 +36,15 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   greedy ``sample`` the final stage does; prefill one 512-row batch.  It splits the 1-stage gap
   into the runtime's share (in-process vs stock) and the stage process + client's (skippy 1 vs
   in-process; both printed as "boundary" rows with one boundary).
+* ``--speculation``: **skippy k spec**, the driver's :class:`~skippy.driver.Generator` with greedy
+  speculation (n-gram drafts, verify windows) on a looping continuation: a code prompt whose greedy
+  continuation by the generated weights repeats, ``--steps`` tokens, its decode rate as the
+  generator measures it (first token to last); the tokens of the 1, 2 and 4-stage chains are
+  compared each round.  Its CPU per token: the client's and the chain's over the request, less a
+  1-token request's (the prompt's prefill and first token), over the tokens after the first.
+* Peers: without ``--no-build`` the stock binaries are built (``bench/peer_build.py``); when the
+  build fails, or with ``--no-build`` one is missing, the stock and RPC variants are skipped with
+  a message saying so and skippy 1 stage is the reference of the ratios.
 * ``--pipelined`` adds the micro-batched prefills: RPC with ``-ub 128`` (llama.cpp pipelines
   micro-batches across servers) and skippy 2/4 stages with 128-token chunks (credit 2).
 
@@ -79,10 +90,11 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
-from peer_build import Peer, build_peer, peer_build_dir  # noqa: E402
+from peer_build import Peer, PeerBuildError, build_peer, peer_build_dir  # noqa: E402
 from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
 
-from skippy.driver import StageClient  # noqa: E402
+from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E402
+from skippy.driver.generator import Completion  # noqa: E402
 from skippy.net.address import Address  # noqa: E402
 
 MODEL_PRESET = "llama-16x1024"
@@ -91,6 +103,10 @@ STAGE_FLAGS = ["--ctx-size", "1024", "--batch-size", "512", "--prefix-cache", "o
 BOS = 1  # the generated llama's SPM vocabulary
 
 Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
+#: The speculation workload's prompt (bench/bench_speculation.py's: the generated weights' greedy
+#: continuation of it loops, so n-gram drafts are accepted).
+CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
+        "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -301,6 +317,41 @@ async def stage_prefill(address: Address, prompt: Sequence[int], chunk: int) -> 
         await client.aclose()
 
 
+class Speculation:
+    """Greedy speculation through a chain by the driver's generator (a fresh session each time)."""
+
+    def __init__(self, model: Path, steps: int) -> None:
+        self.generator = Generator.from_model(model, n_ctx=1024, chunk_size=128)
+        self.prompt = tuple(self.generator.encode(CODE))
+        self.steps = steps
+        self.session = 100
+        #: The last run's tokens and acceptance rate (compared across chains by the caller).
+        self.tokens: list[int] = []
+        self.acceptance = 0.0
+
+    async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
+        pids = [process.pid for process in PROCESSES.get(address, [])]
+        self.session += 1
+        request = GenerationRequest(self.prompt, tokens, speculation=True)
+        async with await StageClient.connect(address) as client:
+            cpu_started = cpu_seconds(pids)
+            done = await self.generator.generate(client, request, self.session)
+            return done, cpu_seconds(pids) - cpu_started
+
+    async def decode(self, address: Address) -> Sample:
+        """(decode tokens/s, CPU s/token): the CPU of a 1-token request (the prompt's prefill and
+        first token) is taken off and the rest spread over the tokens after the first."""
+        _, baseline = await self._generate(address, 1)
+        done, cpu = await self._generate(address, self.steps)
+        self.tokens = done.tokens
+        self.acceptance = done.speculation.acceptance_rate if done.speculation else 0.0
+        return (done.timing.decode_tokens_per_second(done.completion_tokens),
+                (cpu - baseline) / max(1, done.completion_tokens - 1))
+
+    def close(self) -> None:
+        self.generator.close()
+
+
 class InProcess:
     """skippy's runtime called directly: the stages' context settings, 1 thread, greedy sample per token.
 
@@ -363,9 +414,9 @@ def summary(title: str, runs: dict[str, list[Sample]], reference: str) -> list[s
         rate, cpu = _median([r for r, _ in samples]), _median([c for _, c in samples])
         per_round = [100 * r / s for (r, _), (s, _) in zip(samples, ref)]
         lines.append(
-            f"  {name:<22} {rate:7.2f} tok/s {100 * rate / ref_rate:6.1f}% of stock "
+            f"  {name:<22} {rate:7.2f} tok/s {100 * rate / ref_rate:6.1f}% of {reference} "
             f"(rounds {', '.join(f'{x:.0f}' for x in per_round)}); {1e3 / rate:7.3f} ms/token, "
-            f"CPU {cpu * 1e3:7.3f} ms/token = stock's speed at {100 * ref_cpu / cpu:5.1f}%")
+            f"CPU {cpu * 1e3:7.3f} ms/token = {reference}'s speed at {100 * ref_cpu / cpu:5.1f}%")
     return lines
 
 
@@ -389,17 +440,29 @@ BOUNDARY_PAIRS = [
     ("skippy 2 direct", "skippy 1", 1), ("skippy 4 direct", "skippy 1", 3),
     ("skippy 2 direct relay-off", "skippy 1", 1), ("skippy 4 direct relay-off", "skippy 1", 3),
     ("skippy 1 run", "in-process", 1), ("skippy 2 run", "skippy 1 run", 1), ("skippy 4 run", "skippy 1 run", 3),
+    ("skippy 2 spec", "skippy 1 spec", 1), ("skippy 4 spec", "skippy 1 spec", 3),
 ]
 
 
-def existing_peer() -> Peer:
-    """The already-built stock binaries (``--no-build``); raises if either is missing."""
+def existing_peer() -> Peer | None:
+    """The already-built stock binaries (``--no-build``); None (said why) if either is missing."""
     out = peer_build_dir()
     peer = Peer(out / "bin" / "llama-bench", out / "bin" / "ggml-rpc-server", out)
     for binary in (peer.llama_bench, peer.rpc_server):
         if not binary.exists():
-            raise SystemExit(f"{binary} is missing: run .venv/bin/python bench/peer_build.py")
+            print(f"SKIPPING stock and RPC: {binary} is missing (build it with "
+                  f".venv/bin/python bench/peer_build.py)", flush=True)
+            return None
     return peer
+
+
+def built_peer() -> Peer | None:
+    """The stock binaries, built now when needed; None (said why) when the build fails."""
+    try:
+        return build_peer()
+    except PeerBuildError as exc:
+        print(f"SKIPPING stock and RPC: the peer build failed: {exc}", flush=True)
+        return None
 
 
 # -- the run --------------------------------------------------------------------------------------
@@ -416,6 +479,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--relay-off", action="store_true",
                         help="with --direct-return: also 2- and 4-stage chains started with --decode-relay off "
                              "(the decode relay's A/B in the same run)")
+    parser.add_argument("--speculation", action="store_true",
+                        help="also 1, 2 and 4 stages with greedy speculation on a looping continuation")
+    parser.add_argument("--issue27", action="store_true",
+                        help="issue 27's peer run: --direct-return --speculation --no-prefill")
     parser.add_argument("--decode-runs", action="store_true",
                         help="also decode each skippy chain as one decode run (docs/protocol.md §11)")
     parser.add_argument("--preset", default=MODEL_PRESET,
@@ -426,27 +493,31 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.prompt = 1, 8, 64
+    if args.issue27:
+        args.direct_return = args.speculation = args.no_prefill = True
     if args.steps < 2:
         parser.error("--steps must be >= 2")
 
     from skippy.models.cache import ensure_model
     from skippy.models.spec import preset
 
-    peer = existing_peer() if args.no_build else build_peer()
+    peer = existing_peer() if args.no_build else built_peer()
     spec = preset(args.preset)
     model = ensure_model(spec)
     n_layer = spec.n_layer
     layouts = {count: even_layout(n_layer, count) for count in STAGE_COUNTS}
     started = time.monotonic()
     load = os.getloadavg()
-    print(f"peer {peer.build_dir} ({peer_build_dir().name}); model {model.name}; 1 compute thread per process; "
+    print(f"peer {peer.build_dir if peer else 'none (skipped)'} ({peer_build_dir().name}); model {model.name}; 1 compute thread per process; "
           f"{args.steps} decode tokens, {args.prompt}-token prefill; {args.rounds} interleaved rounds; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     rng = np.random.default_rng(1234)
     micro = min(128, max(1, args.prompt // 4))
     with tempfile.TemporaryDirectory(prefix="skippy-peer-") as tmp, contextlib.ExitStack() as stack:
-        benches: dict[str, BenchVariant] = {"stock": BenchVariant(peer.llama_bench, model, ["-ngl", "0"], [])}
-        for count in (2, 4):
+        benches: dict[str, BenchVariant] = {}
+        if peer is not None:
+            benches["stock"] = BenchVariant(peer.llama_bench, model, ["-ngl", "0"], [])
+        for count in (2, 4) if peer is not None else ():
             endpoints, pids = stack.enter_context(rpc_servers(peer, count, Path(tmp)))
             split = tensor_split(layouts[count], n_layer)
             variant = BenchVariant(peer.llama_bench, model, ["-ngl", "99", "--rpc", endpoints, "-ts", split], pids)
@@ -464,8 +535,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         inproc = InProcess(model)
         stack.callback(inproc.close)
         measured = [name for name in chains if not name.endswith("relay-off")]  # hop by hop, and prefill
-        decode_runs: dict[str, list[Sample]] = {name: [] for name in ("stock", "RPC 2", "RPC 4", "in-process",
-                                                                      *measured)}
+        decode_runs: dict[str, list[Sample]] = {name: [] for name in (*benches, "in-process", *measured)}
         prefill_runs: dict[str, list[Sample]] = {name: [] for name in decode_runs}
         if args.decode_runs:  # the same chains decoding as one decode run (decode only)
             for name in measured:
@@ -477,8 +547,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in chains:
                 if name.endswith("relay-off"):
                     decode_runs[f"{name[:-len(' relay-off')]} direct relay-off"] = []
+        if args.speculation:  # the same chains, greedy speculation by the generator (decode only)
+            speculation = Speculation(model, args.steps)
+            stack.callback(speculation.close)
+            for name in measured:
+                trio.run(speculation.decode, chains[name])  # its first request
+                decode_runs[f"{name} spec"] = []
+        spec_tokens: dict[str, list[int]] = {}
         if args.pipelined:
-            for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4"):
+            for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4") if peer is not None else ("skippy 2", "skippy 4"):
                 prefill_runs[f"{name} /{micro}"] = []
         names = list(decode_runs)
         for round_index in range(args.rounds):
@@ -497,6 +574,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                     decode_runs[name].append(inproc.decode(args.steps))
                     if not args.no_prefill:
                         prefill_runs[name].append(inproc.prefill(prompt))
+                elif name.endswith(" spec"):
+                    decode_runs[name].append(trio.run(speculation.decode, chains[name[:-5]]))
+                    spec_tokens[name] = speculation.tokens
+                    print(f"  {name}: acceptance {speculation.acceptance:.2f}", flush=True)
                 elif name.endswith(" run"):
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
                 elif name.endswith(" direct"):
@@ -511,16 +592,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                         prefill_runs[name].append(trio.run(stage_prefill, address, prompt, args.prompt))
                         if f"{name} /{micro}" in prefill_runs:
                             prefill_runs[f"{name} /{micro}"].append(trio.run(stage_prefill, address, prompt, micro))
+            if len({tuple(tokens) for tokens in spec_tokens.values()}) > 1:
+                print("  MISMATCH: the speculating chains' greedy tokens differ", flush=True)
             print(f"round {round_index + 1}: " + "; ".join(
                 f"{name} {runs[-1][0]:.1f} tok/s {runs[-1][1] * 1e3:.2f} ms CPU"
                 for name, runs in decode_runs.items()) + " | prefill " + "; ".join(
                 f"{name} {runs[-1][0]:.1f}" for name, runs in prefill_runs.items() if runs), flush=True)
 
-    lines = summary(f"decode (tg{args.steps}), medians of {args.rounds} rounds:", decode_runs, "stock")
+    reference = "stock" if peer is not None else "skippy 1"
+    lines = summary(f"decode (tg{args.steps}), medians of {args.rounds} rounds:", decode_runs, reference)
     lines += boundary_lines(decode_runs, BOUNDARY_PAIRS)
     if not args.no_prefill:
         lines += summary(f"prefill (pp{args.prompt}, one {args.prompt}-token batch/chunk unless /N), medians:",
-                         prefill_runs, "stock")
+                         prefill_runs, reference)
         lines += boundary_lines(prefill_runs, BOUNDARY_PAIRS)
     load = os.getloadavg()
     lines.append(f"took {time.monotonic() - started:.0f} s; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")

@@ -1,31 +1,33 @@
-"""One upstream connection (a lane): I/O only; the lane's state and rules are :mod:`skippy.lane`.
+"""One upstream connection (a lane): its lifetime, receive loop and dispatch; the lane's state and
+rules are :mod:`skippy.lane`, its bytes move in its two halves.
 
 Strategy (the reference's ``handle_binary_connection``, restructured for trio): a
 :class:`Connection` owns the lane's tasks and a :class:`~skippy.lane.protocol.StageLane` (all of
-the lane's state); it feeds the lane every event and carries out the actions it returns.  Its
-two halves move the bytes: :mod:`skippy.stage.upstream` (the reader, the reply writer, return
-lanes) and :mod:`skippy.stage.downstream` (the forward and relay tasks).  Every message takes the
-same steps:
+the lane's state); it feeds the lane every event and hands the actions it returns to the half
+that carries them out: :mod:`skippy.stage.upstream` (the reader, heartbeats, the reply writer,
+return lanes) or :mod:`skippy.stage.downstream` (the forward step, the forward and relay tasks).
+Every message takes the same steps:
 
 1. **receive** (``receive_messages``): read and decode a frame, ``received`` → a
    :class:`~skippy.lane.protocol.Dispatch` (or a typed refusal, which closes the lane); an early
    ACK is replied at once.  Reading pauses while ``REPLY_QUEUE`` replies wait to be written.
 2. **handle** (``_handle``): the stage's own part by the rule's handling (the scheduler executes;
-   control kinds are plain functions of :mod:`skippy.stage.control`), then ``computed`` →
-   forward downstream, reply upstream, or nothing.
+   control kinds are plain functions of :mod:`skippy.stage.control`), then ``computed`` → forward
+   downstream (``DownstreamLink.compute_and_forward`` / ``forward``), reply upstream
+   (``UpstreamLink.compute_and_answer`` / ``answer_own``), or nothing.
 3. **forward** and 4. **relay**: the downstream half writes frames in order with their reply
    credits and reads the downstream's replies, answered upstream with this stage's share.
 5. **reply**: the upstream half writes the replies now due, in message order (one writer).
 
 Who performs a step (the receiving task, the compute or forward task, the runtime thread through
 :mod:`skippy.stage.write_through`, the data plane of :mod:`skippy.stage.decode_relay`) is
-:func:`skippy.lane.placement.placement`'s choice alone, from the facts ``_facts`` gathers.
+:func:`skippy.lane.placement.placement`'s choice alone, from the facts ``_facts`` gathers (both
+halves ask it).
 
 Any failure cancels the lane's other tasks; the lane is closed with one log line naming the
 reason (``extensions.closing_error``), its sessions are released, its return lanes closed (with
 the Error frame on a negotiated lane), and its downstream lane closed, which cascades the close
-down the chain; the stage carries on.  Direct return (§8) and decode runs (§11, the first stage
-drives the loop: a predicted step queues the next one in ``lane.run_steps``) are the upstream
+down the chain; the stage carries on.  Direct return (§8) and decode runs (§11) are the upstream
 half's and the lane's.
 """
 
@@ -45,9 +47,9 @@ from skippy.codec.protocol_ext import (
 from skippy.lane import messages as lane_messages
 from skippy.lane.errors import StageError
 from skippy.lane.placement import Facts, Performer, Step, placement
-from skippy.lane.protocol import Dispatch, Expect, Forward, Handling, ReplyUpstream, SendDownstream, StageLane
+from skippy.lane.protocol import Dispatch, Forward, Handling, ReplyUpstream, SendDownstream, StageLane
 from skippy.net.socket_io import SocketIO
-from skippy.stage import control, extensions, liveness
+from skippy.stage import control, extensions
 from skippy.stage.control import OWN_PARTS
 from skippy.stage.decode_relay import HopReplies, RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
@@ -105,8 +107,8 @@ class Connection:
         self._stage = control.StageParts(scheduler, settings, stats, self.lane)
         #: The two halves: the upstream stream, its reader and replies; the downstream stream
         #: and its forward and relay tasks.
-        self.up = UpstreamLink(upstream, peer, self._stage, self.identity, returns, budget)
-        self.link = DownstreamLink(self.lane, settings, stats, self.up.relay_reply, self.up.direct_left)
+        self.up = UpstreamLink(upstream, peer, self._stage, self.identity, returns, budget, self._facts)
+        self.link = DownstreamLink(self.lane, settings, stats, self.up.relay_reply, self.up.direct_left, self._facts)
         self._upstream_io = self.up.io
         #: Facts of the lane's streams for placement(), fixed for its life: a plain socket
         #: upstream, a simulated wire downstream (benchmarks).
@@ -243,15 +245,7 @@ class Connection:
             held = reader.take_reserved() if reader.reserved else 0
             up.held += held
             if not protocol.lane_used and message.state.flags & LIVENESS_FLAG and is_liveness_query(message):
-                up.release_held(held)  # docs/protocol.md §13: a heartbeat lane, answered from here on
-                protocol.extensions.observe(message)  # flagged: a refusal is an Error frame
-                self.scheduler.lanes.resting(self.id)
-                self.stats.connections_open -= 1  # not a lane of the chain: not counted as one
-                self.stats.connections_total -= 1
-                try:
-                    await liveness.answer_heartbeats(reader, self._upstream_io, self.peer, up.release_held)
-                finally:
-                    self.stats.connections_open += 1  # _cleanup takes it off again
+                await up.answer_heartbeats(reader, message, held)  # docs/protocol.md §13: a heartbeat lane
                 return
             if self.identity.index < 0:
                 self.identity.observe(message)
@@ -364,7 +358,7 @@ class Connection:
         if type(action) is SendDownstream:
             forward.expect = action.expect
             forward.enqueued_at = trio.current_time()
-            await self._forward(forward)
+            await self.link.forward(forward)
         elif type(action) is ReplyUpstream:
             await self.up.answer_own(dispatch, action, own, received_us)
 
@@ -385,46 +379,8 @@ class Connection:
             self.stats.decode_items += 1
         # An executable kind's next step does not depend on its result: known before it runs.
         action = self.lane.computed(dispatch, has_downstream=self.link.channel is not None)
-        if type(action) is SendDownstream:
-            facts = self._facts(before_compute=True, credited=action.expect is Expect.ABSORB_ACK)
-            if placement(Step.WRITE_DOWN, rule, facts) is Performer.RUNTIME_THREAD:
-                forward = Forward(message, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
-                                  direct=dispatch.direct)
-                await self.link.write_through(self.up.gate, self.scheduler, forward, item)
-                return
-            result, queue_us = await self.scheduler.execute(item)
-            control.note_recorded(self._stage, result, message)
-            outgoing = lane_messages.forwarded(message, result, self.settings.wire_dtype, executor.output_flag)
-            await self._forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
-                                        result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
-            return
-        ticket = dispatch.ticket
-        if (type(action) is ReplyUpstream and placement(Step.WRITE_UP, rule, self._facts(
-                before_compute=True, direct=dispatch.direct, reply_next=self.lane.reply_next(ticket)))
-                is Performer.RUNTIME_THREAD):
-            assert ticket is not None and self.lane.claim_reply_write(ticket)
-            await self.up.reply_through(dispatch, item, ticket)
-            return
-        result, queue_us = await self.scheduler.execute(item)
-        control.note_recorded(self._stage, result, message)
-        if type(action) is ReplyUpstream:
-            await self.up.answer(dispatch, action, result, received_us, queue_us)
-
-    # -- step 3: forward ---------------------------------------------------------------------
-    async def _forward(self, item: Forward) -> None:
-        """Send ``item`` downstream: queued to the forwarder, or (shortcut) written here when the
-        forwarder is idle, the frame needs no credit and no simulated wire delays it.
-
-        Writing here keeps frame order and a single writer: only the one task handling messages
-        calls this, so with nothing queued to the forwarder no other write can start before this
-        one ends.
-        """
-        if placement(Step.WRITE_DOWN, None, self._facts(credited=item.expect is Expect.ABSORB_ACK)) \
-                is Performer.HANDLING_TASK:
-            self.lane.forward_backlog = 1
-            try:
-                await self.link.write(item)
-            finally:
-                self.lane.forward_backlog = 0
-            return
-        await self.link.queue(item)
+        if type(action) is SendDownstream:  # step 3 (the downstream half)
+            await self.link.compute_and_forward(self._stage, self.up.gate, dispatch, action, item, received_us)
+        else:  # step 5 (the upstream half), or no reply due
+            await self.up.compute_and_answer(dispatch, action if type(action) is ReplyUpstream else None, item,
+                                             received_us)

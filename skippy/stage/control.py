@@ -6,8 +6,9 @@ Strategy: a lane (:mod:`skippy.stage.connection`) that received a non-executable
 :class:`~skippy.lane.protocol.StageLane` what comes next (``computed``).  These functions do
 the stage's side (the runtime calls through the scheduler, the session table, the statistics);
 they move no bytes.  :class:`StageParts` is what they work on: the stage's scheduler, settings
-and counters, and the calling lane's state.  A return lane's open (§8) is the connection's own:
-it changes what the lane's streams are.
+and counters, and the calling lane's state.  A return lane's open (§8) is the lane's upstream
+half's own (:meth:`~skippy.stage.upstream.UpstreamLink.return_open`): it changes what the lane's
+streams are.
 """
 
 from __future__ import annotations
@@ -194,7 +195,7 @@ async def prefix(stage: StageParts, dispatch: Dispatch, key: int, forward: Forwa
 
 
 OwnPartFunction = Callable[..., Awaitable[OwnPart]]
-#: The stage's own part of each control handling (RETURN_OPEN is the connection's: see the header).
+#: The stage's own part of each control handling (RETURN_OPEN is the upstream half's: see the header).
 OWN_PARTS: Final[dict[Handling, OwnPartFunction]] = {
     Handling.STOP: stop, Handling.RETIRE: retire, Handling.TRIM: trim, Handling.CONFIGURE: configure,
     Handling.PREFIX_CONTROL: prefix,

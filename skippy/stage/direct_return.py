@@ -3,11 +3,11 @@
 Strategy (``docs/protocol.md`` §8; the per-kind rules are rows of
 :data:`skippy.lane.protocol.RULES`): a driver that wants its predictions straight from the
 final stage dials that stage and sends ``PredictionReturnOpen{request_id, session_id}`` with the
-direct-return flag as the lane's first message.  That lane's :class:`~skippy.stage.connection.Connection`
-registers a :class:`ReturnLane` here, keyed by the **chain lane that carries the session** (the
-stage's one lane on which that session id is open: the driver configured it first) and the
-session id, ACKs the open, and from then on only reads (anything arriving is a refusal that closes
-the return lane alone).  A flagged message of a direct-return kind on that chain lane is answered
+direct-return flag as the lane's first message.  That lane's upstream half
+(:meth:`~skippy.stage.upstream.UpstreamLink.return_open`) registers a :class:`ReturnLane` here,
+keyed by the **chain lane that carries the session** (the stage's one lane on which that session
+id is open: the driver configured it first) and the session id, ACKs the open, and from then on
+only reads (anything arriving is a refusal that closes the return lane alone).  A flagged message of a direct-return kind on that chain lane is answered
 by writing the prediction (with the Timings frame, when the return lane negotiated the
 extensions) into the return lane; no stage answers it up the chain.
 

@@ -3,16 +3,19 @@
 Strategy (steps 3 and 4 of :mod:`skippy.stage.connection`; the state and rules are the lane's,
 :class:`~skippy.lane.protocol.StageLane`): :meth:`DownstreamLink.connect` dials the downstream
 (the launcher's ``--downstream-file`` first), checks its identity (docs/protocol.md §9) and starts
-two tasks.  The **forward task** takes frames queued by :meth:`DownstreamLink.queue` in order,
-waits for a reply credit for a credited frame, and writes each (:meth:`DownstreamLink.write`,
-also called by the handling task for an idle forwarder, the inline shortcut), or the runtime
-thread writes a frame the moment its compute ends (:meth:`DownstreamLink.write_through`).  The **relay
-task** reads the downstream's replies and reports each to the lane (``downstream_replied``): an
-absorbed ACK's credit wakes the forward task, anything else is answered upstream by the
-connection's ``answer``.  The relay parks on the socket, not on a channel (an idle lane notices a
-lost downstream at once); the forward task cancels that wait when it ends with nothing left to
-answer, and the decode relay hop by hop (:mod:`skippy.stage.decode_relay`) moves it off the socket
-while its loop reads the replies (:meth:`DownstreamLink.pause_relay`).
+two tasks.  The **forward step** (:meth:`DownstreamLink.compute_and_forward` for an executed
+message, :meth:`DownstreamLink.forward` for any frame) goes where placement() puts it: the
+runtime thread writes a frame the moment its compute ends (:meth:`DownstreamLink.write_through`),
+the handling task writes it itself while the forward task is idle and no credit or simulated
+wire delays it (:meth:`DownstreamLink.write`), or it is queued (:meth:`DownstreamLink.queue`) to
+the **forward task**, which takes frames in order, waits for a reply credit for a credited frame
+and writes each.  The **relay task** reads the downstream's replies and reports each to the
+lane (``downstream_replied``): an absorbed ACK's credit wakes the forward task, anything else is
+answered upstream by the upstream half (``relay_reply``).  The relay parks on the socket, not on
+a channel (an idle lane notices a lost downstream at once); the forward task cancels that wait
+when it ends with nothing left to answer, and the decode relay hop by hop
+(:mod:`skippy.stage.decode_relay`) moves it off the socket while its loop reads the replies
+(:meth:`DownstreamLink.pause_relay`).
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ import trio
 from skippy.codec.protocol import MessageKind, StageReply
 from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG, Annotation, TimingsFrame, with_extensions_flag
 from skippy.lane import messages as lane_messages
-from skippy.lane.protocol import Expect, Forward, Relay, StageLane
+from skippy.lane.placement import Facts, Performer, Step, placement
+from skippy.lane.protocol import Dispatch, Expect, Forward, Relay, SendDownstream, StageLane
 from skippy.lane.work import WorkItem, WorkResult
 from skippy.net.socket_io import SocketIO
+from skippy.stage import control
 from skippy.stage.lane import LaneSettings, now_us, put, take
 from skippy.stage.scheduler import Scheduler
 from skippy.stage.stats import StageStats
@@ -42,6 +47,8 @@ log = logging.getLogger("skippy.stage")
 
 #: Answers a relayed reply upstream: (relay, reply, its Timings frame, wait_us, its §10 frames).
 Answer = Callable[[Relay, StageReply, "TimingsFrame | None", int, tuple[Annotation, ...]], Awaitable[None]]
+#: The facts placement() decides from, now (the connection's ``_facts``; keywords: the message's part).
+FactsNow = Callable[..., Facts]
 
 
 class DownstreamLink:
@@ -50,17 +57,19 @@ class DownstreamLink:
     Args:
         lane: the lane's state and rules.
         settings / stats: the stage's lane settings and counters.
-        answer: answers a relayed reply upstream (the connection's).
+        answer: answers a relayed reply upstream (the upstream half's).
         direct_left: a direct-return frame is written (the lane counted it; receiving may go on).
+        facts: the facts placement() decides from, now (the connection's).
     """
 
     def __init__(self, lane: StageLane, settings: LaneSettings, stats: StageStats, answer: Answer,
-                 direct_left: Callable[[], None]) -> None:
+                 direct_left: Callable[[], None], facts: FactsNow) -> None:
         self.lane = lane
         self.settings = settings
         self.stats = stats
         self._answer = answer
         self._direct_left = direct_left
+        self._facts = facts
         self.stream: trio.abc.Stream | None = None
         self.io: SocketIO | None = None
         self.name = str(settings.downstream) if settings.downstream is not None else ""
@@ -112,6 +121,42 @@ class DownstreamLink:
             await self.channel.aclose()
 
     # -- step 3: forward ---------------------------------------------------------------------
+    async def compute_and_forward(self, parts: control.StageParts, gate: StreamGate, dispatch: Dispatch,
+                                  action: SendDownstream, item: WorkItem, received_us: int) -> None:
+        """Execute ``item`` (``dispatch``'s work) and forward its activations as ``action`` says: the
+        runtime thread writes the frame the moment its compute ends (:meth:`write_through`), or the
+        result is forwarded from here (:meth:`forward`), as placement() chooses."""
+        message, key, scheduler = dispatch.message, dispatch.key, parts.scheduler
+        facts = self._facts(before_compute=True, credited=action.expect is Expect.ABSORB_ACK)
+        if placement(Step.WRITE_DOWN, dispatch.rule, facts) is Performer.RUNTIME_THREAD:
+            forward = Forward(message, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
+                              direct=dispatch.direct)
+            await self.write_through(gate, scheduler, forward, item)
+            return
+        result, queue_us = await scheduler.execute(item)
+        control.note_recorded(parts, result, message)
+        outgoing = lane_messages.forwarded(message, result, self.settings.wire_dtype, scheduler.executor.output_flag)
+        await self.forward(Forward(outgoing, action.expect, dispatch.ticket, key, received_us, trio.current_time(),
+                                   result.compute_us, queue_us, result.batch_size, direct=dispatch.direct))
+
+    async def forward(self, item: Forward) -> None:
+        """Send ``item`` downstream: queued to the forward task, or (shortcut) written here when the
+        forward task is idle, the frame needs no credit and no simulated wire delays it.
+
+        Writing here keeps frame order and a single writer: only the one task handling messages
+        calls this, so with nothing queued to the forward task no other write can start before
+        this one ends.
+        """
+        if placement(Step.WRITE_DOWN, None, self._facts(credited=item.expect is Expect.ABSORB_ACK)) \
+                is Performer.HANDLING_TASK:
+            self.lane.forward_backlog = 1
+            try:
+                await self.write(item)
+            finally:
+                self.lane.forward_backlog = 0
+            return
+        await self.queue(item)
+
     async def forward_activations(self, forwards: trio.MemoryReceiveChannel[Forward]) -> None:
         lane, stats = self.lane, self.stats
         try:

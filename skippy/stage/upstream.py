@@ -2,13 +2,15 @@
 reader, and every write on it -- the reply writer, direct replies into return lanes, the close.
 
 Strategy (steps 1 and 5 of :mod:`skippy.stage.connection`; the state and rules are the lane's,
-:class:`~skippy.lane.protocol.StageLane`, every reply's bytes :mod:`skippy.lane.replies`'):
+:class:`~skippy.lane.protocol.StageLane`, every reply's bytes :mod:`skippy.lane.replies`'; a
+heartbeat lane, §13, is answered by :meth:`UpstreamLink.answer_heartbeats`):
+:meth:`UpstreamLink.compute_and_answer` executes a message due a reply here and answers it,
 :meth:`UpstreamLink.reply` gives the lane a ticket's reply; ``reply_ready`` hands back the
 replies now due, in message order, and the task that got them (the **writer token**) writes them
 as one frame and reports ``replies_written`` until none is due: one writer on the upstream
 stream at a time, whichever task finished first.  The runtime thread may write a final stage's
-lone PredictedToken itself (:meth:`UpstreamLink.reply_through`, when placement chose it and the
-ticket is next in line: it holds the token).  A predicted reply carries its Timings frame on a
+lone PredictedToken itself (:meth:`UpstreamLink.reply_through`, when placement() chose it and
+the ticket is next in line: it holds the token).  A predicted reply carries its Timings frame on a
 negotiated lane.  Direct return (``docs/protocol.md`` §8, :mod:`skippy.stage.direct_return`):
 this lane may become a session's return lane (:meth:`UpstreamLink.return_open`), and a final
 stage writes a flagged message's prediction into its session's return lane
@@ -21,17 +23,20 @@ never after a reply cut mid-frame (``torn``).
 
 from __future__ import annotations
 
+from typing import Callable
+
 import trio
 
-from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageReply
+from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageMessage, StageReply
 from skippy.codec.protocol_ext import Annotation, ErrorFrame, TimingsFrame
 from skippy.lane import replies
 from skippy.lane.errors import ReturnLaneLost, UnsupportedKind
+from skippy.lane.placement import Facts, Performer, Step, placement
 from skippy.lane.protocol import Answer, Dispatch, Relay, ReplyUpstream, Ticket
 from skippy.lane.stats import merge_stats
 from skippy.lane.work import WorkItem, WorkResult
 from skippy.net.socket_io import SocketIO
-from skippy.stage import control, direct_return, extensions
+from skippy.stage import control, direct_return, extensions, liveness
 from skippy.stage.control import OwnPart, StageParts
 from skippy.stage.decode_relay import HopReplies
 from skippy.stage.direct_return import ReturnHub, ReturnLane
@@ -57,11 +62,13 @@ class UpstreamLink:
         identity: the stage's identity (Timings records, Error frames).
         returns: the stage's return lanes (None: direct return is refused).
         budget: the stage's buffer budget (None: unlimited).
+        facts: the facts placement() decides from, now (the connection's ``_facts``).
     """
 
     def __init__(self, stream: trio.abc.Stream, peer: str, parts: StageParts, identity: StageIdentity,
-                 returns: ReturnHub | None, budget: BufferBudget | None) -> None:
+                 returns: ReturnHub | None, budget: BufferBudget | None, facts: Callable[..., Facts]) -> None:
         self.stream = stream
+        self._facts = facts
         self.peer = peer
         self.parts = parts
         self.lane = parts.lane
@@ -140,6 +147,19 @@ class UpstreamLink:
                               buffered=decoder.buffered_bytes,  # type: ignore[attr-defined]
                               needed=decoder.bytes_needed, idle_since=idle)  # type: ignore[attr-defined]
 
+    async def answer_heartbeats(self, reader: MessageReader, message: StageMessage, held: int) -> None:
+        """docs/protocol.md §13: ``message`` opened a heartbeat lane; answer it and those that follow
+        (until the upstream closes).  Not a lane of the chain: it is not counted as one."""
+        self.release_held(held)
+        self.lane.extensions.observe(message)  # flagged: a refusal is an Error frame
+        self.parts.scheduler.lanes.resting(self.lane.lane_id)
+        self.stats.connections_open -= 1
+        self.stats.connections_total -= 1
+        try:
+            await liveness.answer_heartbeats(reader, self.io, self.peer, self.release_held)
+        finally:
+            self.stats.connections_open += 1  # the connection's cleanup takes it off again
+
     async def answer_identity(self) -> None:
         """docs/protocol.md §9: the lane's first message was an identity query: answer the
         Identity frame (when this stage has one); the lane then closes."""
@@ -157,6 +177,23 @@ class UpstreamLink:
         return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
     # -- step 5: reply -----------------------------------------------------------------------
+    async def compute_and_answer(self, dispatch: Dispatch, action: ReplyUpstream | None, item: WorkItem,
+                                 received_us: int) -> None:
+        """Execute ``item`` (``dispatch``'s work) and answer it as ``action`` says (None: no reply is
+        due): the runtime thread writes the reply the moment its compute ends (:meth:`reply_through`),
+        or it is answered from here (:meth:`answer`), as placement() chooses."""
+        ticket = dispatch.ticket
+        if (action is not None and placement(Step.WRITE_UP, dispatch.rule, self._facts(
+                before_compute=True, direct=dispatch.direct, reply_next=self.lane.reply_next(ticket)))
+                is Performer.RUNTIME_THREAD):
+            assert ticket is not None and self.lane.claim_reply_write(ticket)
+            await self.reply_through(dispatch, item, ticket)
+            return
+        result, queue_us = await self.parts.scheduler.execute(item)
+        control.note_recorded(self.parts, result, dispatch.message)
+        if action is not None:
+            await self.answer(dispatch, action, result, received_us, queue_us)
+
     async def answer(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult, received_us: int,
                      queue_us: int) -> None:
         """The final stage answers an executed message: into its return lane (direct), an ACK, or
