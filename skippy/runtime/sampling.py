@@ -28,6 +28,9 @@ import math
 import threading
 from typing import final
 
+import numpy as np
+import numpy.typing as npt
+
 from skippy.runtime import _callbacks
 from skippy.runtime.errors import ClosedError, NativeError
 from skippy.runtime.ffi import ffi, lib
@@ -127,6 +130,23 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def _merged_bias(logit_bias: tuple[tuple[int, float], ...]) -> tuple[
+        npt.NDArray[np.intp] | None, list[npt.NDArray[np.float32]], frozenset[int]]:
+    """A logit bias as :meth:`Sampler.pick_greedy` applies it: the distinct tokens in ascending
+    order, then the biases as float32 steps (step k holds each token's k-th bias in the order given,
+    0 where it has fewer: adding +0 changes no comparison), and the tokens as a set."""
+    if not logit_bias:
+        return None, [], frozenset()
+    per_token: dict[int, list[float]] = {}
+    for token, bias in logit_bias:
+        per_token.setdefault(int(token), []).append(bias)
+    tokens = sorted(per_token)
+    depth = max(len(biases) for biases in per_token.values())
+    steps = [np.array([per_token[t][k] if k < len(per_token[t]) else 0.0 for t in tokens], dtype=np.float32)
+             for k in range(depth)]
+    return np.array(tokens, dtype=np.intp), steps, frozenset(tokens)
+
+
 @final
 class Sampler:
     """A llama.cpp sampler chain for one session.  Close it (or use ``with``) when done.
@@ -148,6 +168,11 @@ class Sampler:
         #: n_vocab-entry candidate array.  Accepting tokens changes nothing in such a chain.
         self.plain_greedy = (params.greedy and not params.uses_penalties and not params.logit_bias
                              and params.grammar is None)
+        #: Greedy with at most a logit bias before it (``ignore_eos``, ``logit_bias``): the context
+        #: picks from the row itself with :meth:`pick_greedy` (the same token as the chain, without
+        #: its n_vocab-entry candidate array); such a chain keeps no state either.
+        self.fast_greedy = params.greedy and not params.uses_penalties and params.grammar is None
+        self._bias_tokens, self._bias_steps, self._bias_set = _merged_bias(params.logit_bias)
         #: Sampled with a check that the pick is allowed (see the module header).
         self.checked = params.grammar is not None
         self._lock = threading.Lock()
@@ -206,6 +231,38 @@ class Sampler:
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_temp(params.temperature))
             lib.llama_sampler_chain_add(chain, lib.llama_sampler_init_dist(params.seed))
         self._ptr = chain
+
+    def pick_greedy(self, row: npt.NDArray[np.float32]) -> int:
+        """The token the greedy chain (logit bias, then greedy) picks from ``row``, the logits of one
+        row read in place; -1 when the row holds a NaN (the chain must then pick it).
+
+        The chain adds each bias to its candidate in float32, in the order given, and takes the
+        first candidate whose logit is greater than every one before it: without NaN, the lowest
+        index holding the maximum.  Here the first maximum of the unbiased entries (numpy's argmax:
+        the first maximum, or the first NaN) is compared with the biased entries, computed apart.
+        """
+        index = int(row.argmax())
+        if self._bias_tokens is None:
+            return index
+        if index in self._bias_set:  # a biased entry is the row's maximum: the others' maximum
+            rest = row.copy()
+            rest[self._bias_tokens] = -np.inf
+            index = int(rest.argmax())
+            top = rest[index]
+        else:
+            top = row[index]
+        biased = row[self._bias_tokens]
+        with np.errstate(invalid="ignore"):  # inf - inf is NaN, handled below
+            for step in self._bias_steps:
+                biased += step
+        if top != top or np.isnan(biased).any():
+            return -1
+        best = biased.max()
+        if best > top:
+            return int(self._bias_tokens[int(biased.argmax())])
+        if best == top:  # a tie: the lower index (the biased tokens are in ascending order)
+            return min(index, int(self._bias_tokens[int(biased.argmax())]))
+        return index
 
     @property
     def pointer(self) -> object:
