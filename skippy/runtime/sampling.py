@@ -6,6 +6,14 @@ temperature and a seeded draw.  ``llama_sampler_sample`` samples from a row of t
 and records the token in the chain's history (for penalties).  Greedy is an exact argmax, so a
 split chain and the unsplit reference pick identical tokens from identical logits.
 
+Fast path: greedy with at most a logit bias before it (``ignore_eos``, ``logit_bias``; no
+penalties, no grammar) keeps no state, so the context takes its pick from the logits row in place
+(:meth:`Sampler.pick_greedy`: the biased entries computed apart, in float32 as llama.cpp adds
+them, then the first maximum), the same token as the chain without filling its n_vocab-entry
+candidate array (0.05 ms against 0.5 ms a row on Gemma 3's 262,144 tokens).  A row with a NaN
+still takes the chain.  A seeded draw keeps the chain: its softmax (``expf``, a double sum) and
+its ``mt19937`` draw would have to be reproduced bit for bit.
+
 Structured output: a GBNF ``grammar`` adds llama.cpp's grammar sampler, so the token picked is
 one the grammar allows next, and the grammar accepts it (which advances its state).  With top-k,
 top-p or min-p the grammar sits in the chain right after the penalties (every later step sees only
@@ -142,8 +150,9 @@ def _merged_bias(logit_bias: tuple[tuple[int, float], ...]) -> tuple[
         per_token.setdefault(int(token), []).append(bias)
     tokens = sorted(per_token)
     depth = max(len(biases) for biases in per_token.values())
-    steps = [np.array([per_token[t][k] if k < len(per_token[t]) else 0.0 for t in tokens], dtype=np.float32)
-             for k in range(depth)]
+    with np.errstate(over="ignore"):  # a bias beyond float32 is infinite, as in llama.cpp's float
+        steps = [np.array([per_token[t][k] if k < len(per_token[t]) else 0.0 for t in tokens], dtype=np.float32)
+                 for k in range(depth)]
     return np.array(tokens, dtype=np.intp), steps, frozenset(tokens)
 
 
@@ -173,6 +182,7 @@ class Sampler:
         #: its n_vocab-entry candidate array); such a chain keeps no state either.
         self.fast_greedy = params.greedy and not params.uses_penalties and params.grammar is None
         self._bias_tokens, self._bias_steps, self._bias_set = _merged_bias(params.logit_bias)
+        self._bias_small = all(bool((np.abs(step) <= 1e30).all()) for step in self._bias_steps)
         #: Sampled with a check that the pick is allowed (see the module header).
         self.checked = params.grammar is not None
         self._lock = threading.Lock()
@@ -252,9 +262,13 @@ class Sampler:
         else:
             top = row[index]
         biased = row[self._bias_tokens]
-        with np.errstate(invalid="ignore"):  # inf - inf is NaN, handled below
+        if self._bias_small:  # no bias makes a NaN or an overflow: no warning to silence
             for step in self._bias_steps:
                 biased += step
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, handled below
+                for step in self._bias_steps:
+                    biased += step
         if top != top or np.isnan(biased).any():
             return -1
         best = biased.max()
