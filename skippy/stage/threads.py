@@ -7,7 +7,7 @@ that spins while the thread it waits for is descheduled, or while the stage's ow
 batch, the wire, the sampling) needs the core, costs whole time slices: on the 2-core
 development host, shared with other work, one Gemma 3 270M row took 460-700 ms with two spinning
 threads against 33-60 ms with ``OMP_WAIT_POLICY=PASSIVE`` (the helpers sleep at once), and a
-stage's tokens/s at one stream doubled (docs/throughput.md, "A stage uses its cores").
+stage's tokens/s at one stream rose 1.6-2.4x (docs/throughput.md, "A stage uses its cores").
 
 So a stage process (``python -m skippy.stage``: what ``skippy up`` and the Ray launcher start)
 sets ``OMP_WAIT_POLICY=PASSIVE`` unless its environment already says how to wait
