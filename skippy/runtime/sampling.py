@@ -244,7 +244,8 @@ class Sampler:
 
     def pick_greedy(self, row: npt.NDArray[np.float32]) -> int:
         """The token the greedy chain (logit bias, then greedy) picks from ``row``, the logits of one
-        row read in place; -1 when the row holds a NaN (the chain must then pick it).
+        row read in place; with a bias, -1 when a NaN is among the values compared (the chain must
+        then pick); without one, numpy's argmax as the plain greedy shortcut always took.
 
         The chain adds each bias to its candidate in float32, in the order given, and takes the
         first candidate whose logit is greater than every one before it: without NaN, the lowest
