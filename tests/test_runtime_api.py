@@ -61,7 +61,7 @@ def test_plain_greedy_takes_the_greedy_samplers_pick() -> None:
     with Model(model_path()) as model, StageContext(model, n_ctx=64, n_batch=16, threads=1) as context:
         context.decode(tokens=PROMPT[:6], positions=range(6), seq_ids=[0] * 6, outputs=[True] * 6)
         fast, chain = Sampler(SamplingParams(), model.n_vocab), Sampler(SamplingParams(), model.n_vocab)
-        chain.plain_greedy = False  # force the llama.cpp sampler chain
+        chain.plain_greedy = chain.fast_greedy = False  # force the llama.cpp sampler chain
         assert fast.plain_greedy
         rows = list(range(6))
         expected = context.sample([chain] * 6, rows)

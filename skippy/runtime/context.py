@@ -418,30 +418,38 @@ class StageContext:
         for row in rows:
             self._check_output_row(row)
         count = len(rows)
-        if all(sampler.plain_greedy and sampler.pointer is not None for sampler in samplers):  # closed: raises
-            # The greedy sampler's pick, without its candidate array (see Sampler.plain_greedy):
-            # the first maximum of the row, read in place (no copy of the n_vocab floats).
-            result = np.empty(count, dtype=np.int32)
-            size = self.model.n_vocab * 4
-            with self._lock:
-                pointer = self._context_ptr()
-                for slot, row in enumerate(rows):
-                    logits = lib.llama_get_logits_ith(pointer, row)
-                    if logits == ffi.NULL:
-                        raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
-                    result[slot] = np.frombuffer(ffi.buffer(logits, size), dtype=np.float32).argmax()
-            return result
         result = np.zeros(count, dtype=np.int32)
         if any(sampler.checked for sampler in samplers):
             self._sample_checked(samplers, rows, result)
             return result
-        pointers = ffi.new("struct llama_sampler *[]", [s.pointer for s in samplers])
-        row_array = np.asarray(rows, dtype=np.int32)
+        # Greedy with at most a logit bias (Sampler.fast_greedy): the chain's pick taken from the
+        # row in place, without its candidate array; the rest (and a row with a NaN) take the chain.
+        chained: list[int] = []
+        size = self.model.n_vocab * 4
         with self._lock:
+            pointer = self._context_ptr()
+            for slot, (sampler, row) in enumerate(zip(samplers, rows)):
+                if not sampler.fast_greedy or sampler.pointer is None:  # closed: raises
+                    chained.append(slot)
+                    continue
+                logits = lib.llama_get_logits_ith(pointer, row)
+                if logits == ffi.NULL:
+                    raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
+                token = sampler.pick_greedy(np.frombuffer(ffi.buffer(logits, size), dtype=np.float32))
+                if token < 0:
+                    chained.append(slot)
+                else:
+                    result[slot] = token
+            if not chained:
+                return result
+            chain_rows = np.array([rows[slot] for slot in chained], dtype=np.int32)
+            picked = np.zeros(len(chained), dtype=np.int32)
+            pointers = ffi.new("struct llama_sampler *[]", [samplers[slot].pointer for slot in chained])
             lib.skippy_sample_rows(
-                pointers, self._context_ptr(), ffi.cast("int32_t *", ffi.from_buffer(row_array)), count,
-                ffi.cast("llama_token *", ffi.from_buffer(result)),
+                pointers, pointer, ffi.cast("int32_t *", ffi.from_buffer(chain_rows)), len(chained),
+                ffi.cast("llama_token *", ffi.from_buffer(picked)),
             )
+        result[chained] = picked
         return result
 
     def _sample_checked(self, samplers: Sequence[Sampler], rows: Sequence[int], result: IntArray) -> None:

@@ -6,6 +6,14 @@ temperature and a seeded draw.  ``llama_sampler_sample`` samples from a row of t
 and records the token in the chain's history (for penalties).  Greedy is an exact argmax, so a
 split chain and the unsplit reference pick identical tokens from identical logits.
 
+Fast path: greedy with at most a logit bias before it (``ignore_eos``, ``logit_bias``; no
+penalties, no grammar) keeps no state, so the context takes its pick from the logits row in place
+(:meth:`Sampler.pick_greedy`: the biased entries computed apart, in float32 as llama.cpp adds
+them, then the first maximum), the same token as the chain without filling its n_vocab-entry
+candidate array (0.05 ms against 0.5 ms a row on Gemma 3's 262,144 tokens).  A row with a NaN
+still takes the chain.  A seeded draw keeps the chain: its softmax (``expf``, a double sum) and
+its ``mt19937`` draw would have to be reproduced bit for bit.
+
 Structured output: a GBNF ``grammar`` adds llama.cpp's grammar sampler, so the token picked is
 one the grammar allows next, and the grammar accepts it (which advances its state).  With top-k,
 top-p or min-p the grammar sits in the chain right after the penalties (every later step sees only
@@ -27,6 +35,9 @@ import dataclasses
 import math
 import threading
 from typing import Sequence, final
+
+import numpy as np
+import numpy.typing as npt
 
 from skippy.runtime import _callbacks
 from skippy.runtime.errors import ClosedError, NativeError
@@ -127,6 +138,24 @@ class SamplingParams:
 GREEDY = SamplingParams()
 
 
+def _merged_bias(logit_bias: tuple[tuple[int, float], ...]) -> tuple[
+        npt.NDArray[np.intp] | None, list[npt.NDArray[np.float32]], frozenset[int]]:
+    """A logit bias as :meth:`Sampler.pick_greedy` applies it: the distinct tokens in ascending
+    order, then the biases as float32 steps (step k holds each token's k-th bias in the order given,
+    0 where it has fewer: adding +0 changes no comparison), and the tokens as a set."""
+    if not logit_bias:
+        return None, [], frozenset()
+    per_token: dict[int, list[float]] = {}
+    for token, bias in logit_bias:
+        per_token.setdefault(int(token), []).append(bias)
+    tokens = sorted(per_token)
+    depth = max(len(biases) for biases in per_token.values())
+    with np.errstate(over="ignore"):  # a bias beyond float32 is infinite, as in llama.cpp's float
+        steps = [np.array([per_token[t][k] if k < len(per_token[t]) else 0.0 for t in tokens], dtype=np.float32)
+                 for k in range(depth)]
+    return np.array(tokens, dtype=np.intp), steps, frozenset(tokens)
+
+
 @final
 class Sampler:
     """A llama.cpp sampler chain for one session.  Close it (or use ``with``) when done.
@@ -149,6 +178,12 @@ class Sampler:
         #: n_vocab-entry candidate array.  Accepting tokens changes nothing in such a chain.
         self.plain_greedy = (params.greedy and not params.uses_penalties and not params.logit_bias
                              and params.grammar is None)
+        #: Greedy with at most a logit bias before it (``ignore_eos``, ``logit_bias``): the context
+        #: picks from the row itself with :meth:`pick_greedy` (the same token as the chain, without
+        #: its n_vocab-entry candidate array); such a chain keeps no state either.
+        self.fast_greedy = params.greedy and not params.uses_penalties and params.grammar is None
+        self._bias_tokens, self._bias_steps, self._bias_set = _merged_bias(params.logit_bias)
+        self._bias_small = all(bool((np.abs(step) <= 1e30).all()) for step in self._bias_steps)
         #: Sampled with a check that the pick is allowed (see the module header).
         self.checked = params.grammar is not None
         self._lock = threading.Lock()
@@ -212,6 +247,43 @@ class Sampler:
             self._dist = lib.llama_sampler_init_dist(params.seed)
             lib.llama_sampler_chain_add(chain, self._dist)  # the chain owns it; kept for restore()
         self._ptr = chain
+
+    def pick_greedy(self, row: npt.NDArray[np.float32]) -> int:
+        """The token the greedy chain (logit bias, then greedy) picks from ``row``, the logits of one
+        row read in place; with a bias, -1 when a NaN is among the values compared (the chain must
+        then pick); without one, numpy's argmax as the plain greedy shortcut always took.
+
+        The chain adds each bias to its candidate in float32, in the order given, and takes the
+        first candidate whose logit is greater than every one before it: without NaN, the lowest
+        index holding the maximum.  Here the first maximum of the unbiased entries (numpy's argmax:
+        the first maximum, or the first NaN) is compared with the biased entries, computed apart.
+        """
+        index = int(row.argmax())
+        if self._bias_tokens is None:
+            return index
+        if index in self._bias_set:  # a biased entry is the row's maximum: the others' maximum
+            rest = row.copy()
+            rest[self._bias_tokens] = -np.inf
+            index = int(rest.argmax())
+            top = rest[index]
+        else:
+            top = row[index]
+        biased = row[self._bias_tokens]
+        if self._bias_small:  # no bias makes a NaN or an overflow: no warning to silence
+            for step in self._bias_steps:
+                biased += step
+        else:
+            with np.errstate(invalid="ignore", over="ignore"):  # inf - inf is NaN, handled below
+                for step in self._bias_steps:
+                    biased += step
+        if top != top or np.isnan(biased).any():
+            return -1
+        best = biased.max()
+        if best > top:
+            return int(self._bias_tokens[int(biased.argmax())])
+        if best == top:  # a tie: the lower index (the biased tokens are in ascending order)
+            return min(index, int(self._bias_tokens[int(biased.argmax())]))
+        return index
 
     @property
     def pointer(self) -> object:

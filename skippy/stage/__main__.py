@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import sys
 import time
 from typing import Sequence
@@ -19,6 +20,7 @@ import trio
 from skippy.runtime.errors import NativeError
 from skippy.stage.config import parse_config
 from skippy.stage.server import load_runtime, run_stage, stage_tls
+from skippy.stage.threads import WAIT_SETTINGS
 
 log = logging.getLogger("skippy.stage")
 
@@ -56,6 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log.info("loaded %s layers %s in %.2f s (width %d)", config.model, config.layers,
              time.monotonic() - started, executor.n_embd)
+    if config.threads != 1:  # skippy.stage.threads: how the OpenMP helpers wait between graphs
+        log.info("compute threads wait with %s", ", ".join(
+            f"{name}={os.environ[name]}" for name in WAIT_SETTINGS if name in os.environ) or "libgomp's defaults")
     # Everything loaded so far lives until exit: keep the collector from rescanning it.  The
     # serving loop allocates short-lived objects only, so full collections would only cost.
     # Young collections are made rarer too: per-message objects die by reference count, so each
