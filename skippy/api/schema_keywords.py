@@ -292,7 +292,7 @@ def check_keywords(schema: Any, path: str = "") -> None:
         if not isinstance(node, dict):
             return  # boolean schemas and malformed parts: the metaschema check and converter judge them
         honoured = _honoured(node, resolve, where)
-        for key in node:
+        for key in sorted(node, key=lambda key: key == "minimum" and node[key] == 0):  # name what spoils 'minimum': 0
             if key in ANNOTATIONS or key in _DEFINITIONS or key in honoured or _no_op(key, node[key]):
                 continue
             reason = "the JSON Schema keyword is not enforced by the grammar (served keywords: docs/structured-output.md)"
