@@ -74,7 +74,8 @@ from skippy.api.page import ASSET_PATHS, page_routes
 from skippy.api.reasoning import OPEN as REASONING_OPEN
 from skippy.api.reasoning import template_variables, thinks
 from skippy.api.samplers import apply_samplers
-from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints, schema_grammar
+from skippy.api.structured import (LogprobsReport, check_schema_keywords, grammar_converter, parse_constraints,
+                                    schema_grammar)
 from skippy.api.tool_calls import (
     ToolFormat,
     ToolsRequest,
@@ -272,6 +273,11 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
 def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | None) -> tuple[str, str | None]:
     """(prompt suffix, grammar) forcing a call: a grammar from the tools' schemas where the format
     allows one and the converter is installed, else the format's call opening alone (docs/tools.md)."""
+    if format.grammar_call:  # a keyword of the parameters the grammar would not enforce: a 400 naming it
+        for index, tool in enumerate(tools):
+            if name is None or tool["function"]["name"] == name:
+                check_schema_keywords(tool["function"].get("parameters") or {"type": "object"},
+                                      f"tools[{index}].function.parameters")
     try:
         converter, fix = grammar_converter()
         forced = forcing_grammar(format, tools, name, converter)
