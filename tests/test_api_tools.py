@@ -246,7 +246,8 @@ CITIES = ["Paris", "Rome", "Oslo"]
 FORCED_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string", "enum": CITIES}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                          "city": {"type": "string", "enum": CITIES},
+                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                                           "required": ["city", "days"]}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}},

@@ -255,6 +255,9 @@ P = "response_format.json_schema.schema"
     ({"type": "object", "properties": {"a": {}}, "required": ["b"]}, "required"),
     ({"enum": [1, 5], "minimum": 3}, "minimum"),
     ({"type": "array", "prefixItems": [{"type": "integer"}], "items": {"type": "string"}}, "prefixItems"),
+    ({"type": "object", "properties": {"a": True}}, "properties.a"),
+    ({"type": "integer", "maximum": 10 ** 41}, "maximum"),
+    ({"type": "string", "minimum": 3}, "minimum"),
     ({"type": "object", "properties": {"n": {"type": "array", "items": {"anyOf": [
         {"type": "object", "properties": {"k": {"type": "integer", "minimum": 0}}, "unevaluatedProperties": False}]}}}},
      "properties.n.items.anyOf[0].unevaluatedProperties"),

@@ -29,6 +29,8 @@ ANNOTATIONS = frozenset({"title", "description", "examples", "default", "$commen
 _DEFINITIONS = ("$defs", "definitions")
 #: Integers are at most this many digits where a side is unbounded (the converter's own limit).
 INTEGER_DIGITS = 16
+#: The longest integer bound served (its digit-range rule nests about one group per digit).
+MAX_BOUND_DIGITS = 40
 _BOUNDS = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
 _FORMATS = {"date", "time", "date-time", "uuid", "uuid1", "uuid2", "uuid3", "uuid4", "uuid5"}
 
@@ -205,7 +207,8 @@ def _honoured(schema: dict[str, Any], resolve: Callable[[str], Any], path: str) 
             extra = sorted(set(target) - ANNOTATIONS - {"type", "properties", "required", "additionalProperties"}
                            - set(_DEFINITIONS))
             if extra:
-                raise SchemaRefusal(_join(where, extra[0]), "inside 'allOf' only type, properties, required and additionalProperties are served")
+                raise SchemaRefusal(_join(where, extra[0]), "inside 'allOf' only type, properties, required "
+                                    "and additionalProperties are served")
         return {"type", "allOf"}
     if kind in (None, "array") and ("items" in schema or "prefixItems" in schema):
         if not schema.get("items") and "prefixItems" not in schema:
@@ -232,6 +235,11 @@ def _honoured(schema: dict[str, Any], resolve: Callable[[str], Any], path: str) 
     if kind == "string":
         return {"type", "minLength", "maxLength"}
     if kind == "integer":
+        for key in _BOUNDS:
+            bound = schema.get(key)
+            if isinstance(bound, (int, float)) and not isinstance(bound, bool) and not (
+                    math.isfinite(bound) and abs(bound) < 10 ** MAX_BOUND_DIGITS):
+                raise SchemaRefusal(_join(path, key), f"integer bounds are served up to {MAX_BOUND_DIGITS} digits")
         return {"type", *_BOUNDS}
     if kind == "number":
         return {"type", *_BOUNDS} if _number_lower_bound_is_zero(schema) else {"type"}
@@ -289,14 +297,16 @@ def check_keywords(schema: Any, path: str = "") -> None:
         return target
 
     def walk(node: Any, where: str) -> None:
+        if isinstance(node, bool):
+            raise SchemaRefusal(where, "a boolean schema is not served here (write {} or a schema)")
         if not isinstance(node, dict):
-            return  # boolean schemas and malformed parts: the metaschema check and converter judge them
+            return  # malformed parts: the metaschema check has refused them
         honoured = _honoured(node, resolve, where)
         for key in sorted(node, key=lambda key: key == "minimum" and node[key] == 0):  # name what spoils 'minimum': 0
             if key in ANNOTATIONS or key in _DEFINITIONS or key in honoured or _no_op(key, node[key]):
                 continue
-            reason = "the JSON Schema keyword is not enforced by the grammar (served keywords: docs/structured-output.md)"
-            if key in _BOUNDS:
+            reason = "the grammar would not enforce this JSON Schema keyword (docs/structured-output.md)"
+            if key in _BOUNDS and node.get("type") == "number":
                 reason = "on a number only 'minimum': 0 alone is served (integers take any bounds)"
             raise SchemaRefusal(_join(where, key), reason)
         for container in _DEFINITIONS:
@@ -311,11 +321,13 @@ def check_keywords(schema: Any, path: str = "") -> None:
         if "properties" in honoured:
             for name, sub in (node.get("properties") or {}).items():
                 walk(sub, _join(_join(where, "properties"), name))
-        if "additionalProperties" in honoured:
-            walk(node.get("additionalProperties"), _join(where, "additionalProperties"))
-        if "items" in honoured:
-            items = node.get("items")
-            if isinstance(items, list):
+        if "additionalProperties" in honoured and isinstance(node.get("additionalProperties"), dict):
+            walk(node["additionalProperties"], _join(where, "additionalProperties"))
+        if "items" in honoured and "items" in node:
+            items = node["items"]
+            if items is False and "prefixItems" in node:
+                pass  # no items past the tuple: what the grammar writes
+            elif isinstance(items, list):
                 for index, sub in enumerate(items):
                     walk(sub, _join(_join(where, "items"), index))
             else:

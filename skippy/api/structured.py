@@ -10,17 +10,13 @@ not parse never reaches a stage.
 
 JSON Schema → GBNF is llama-cpp-python's converter (the Python port of llama.cpp's
 ``json_schema_to_grammar``, the one llama-server uses), shipped verbatim in
-:mod:`skippy.api._json_schema_grammar` (its header says why and from which version); we write no
-converter of our own, and a plain install serves JSON formats without llama-cpp-python.  The
-schema is first checked as a JSON Schema (``jsonschema``'s metaschema check).  llama-server's
-``{"type": "json_object", "schema": ...}`` is served as a ``json_schema`` format is; any other key
-of ``response_format`` (or of its ``json_schema``) is a 400 naming it, never dropped.  What the converter covers,
-and so what is enforced, is listed in docs/structured-output.md: types, ``properties`` /
-``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` / ``oneOf`` /
-``allOf`` of objects, ``items`` / ``prefixItems`` / ``minItems`` / ``maxItems``,
-``minLength`` / ``maxLength``, ``pattern`` (a regex subset), string ``format`` date / time /
-date-time / uuid, local ``$ref`` / ``$defs`` (fetching remote ones is off: a 400).  A schema
-keyword it does not know (numeric bounds among them) is not enforced, which the docs say.
+:mod:`skippy.api._json_schema_grammar` (its header says why and from which version), so a plain
+install serves JSON formats without llama-cpp-python; :mod:`skippy.api.schema_keywords` adds the
+integer bounds it lacks and refuses, with a 400 naming the keyword's JSON path, every keyword it
+would not enforce (docs/structured-output.md lists both).  The schema is first checked as a JSON
+Schema (``jsonschema``'s metaschema check).  llama-server's ``{"type": "json_object", "schema":
+...}`` is served as a ``json_schema`` format is; any other key of ``response_format`` (or of its
+``json_schema``) is a 400 naming it, never dropped.
 
 The response side shapes the final stage's log-probabilities (log-softmax of the model's logits,
 before temperature, penalties or the grammar) as OpenAI's chat ``logprobs.content`` entries or
@@ -41,7 +37,8 @@ from skippy.codec.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.tokenizer import Tokenizer
 
-__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "completion_logprobs", "parse_constraints", "schema_grammar"]
+__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "check_schema_keywords", "completion_logprobs",
+           "parse_constraints", "schema_grammar"]
 
 
 def bad(param: str, message: str) -> ApiError:
