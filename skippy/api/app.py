@@ -252,6 +252,9 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
     if not renders:  # llama-server's generic format: tools in the system prompt, the answer one JSON object
         if not request.active:
             return request, None, True
+        for index, tool in enumerate(tools):  # named at their own path, not the generic schema's
+            check_schema_keywords(tool["function"].get("parameters") or {"type": "object"},
+                                  f"tools[{index}].function.parameters")
         schema = generic_tools.generic_schema(tools, choice.name, choice.mode == "required", parallel)
         return request, ToolPlan(generic_tools.FORMAT, "", parallel, frozenset(),
                                  schema_grammar(schema, "tools")), True
