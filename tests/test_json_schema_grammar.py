@@ -233,6 +233,7 @@ P = "response_format.json_schema.schema"
     ({"type": "number", "maximum": 1}, "maximum"),
     ({"type": "number", "minimum": 0, "maximum": 1}, "maximum"),
     ({"type": "number", "exclusiveMinimum": 0}, "exclusiveMinimum"),
+    ({"type": "number", "minimum": 0, "exclusiveMinimum": 0}, "exclusiveMinimum"),
     ({"type": "integer", "multipleOf": 2}, "multipleOf"),
     ({"type": "array", "items": {"type": "integer"}, "contains": {"const": 1}}, "contains"),
     ({"type": "object", "properties": {"a": {"type": "string"}}, "minProperties": 1}, "minProperties"),

@@ -140,7 +140,7 @@ def _integer_bounds(schema: dict[str, Any]) -> tuple[int | None, int | None]:
 def _number_lower_bound_is_zero(schema: dict[str, Any]) -> bool:
     """``schema`` (a number) asks for ``x >= 0`` and nothing else of its value."""
     return (schema.get("minimum") == 0 and not isinstance(schema.get("minimum"), bool)
-            and schema.get("exclusiveMinimum") in (None, False) and "maximum" not in schema
+            and schema.get("exclusiveMinimum", False) is False and "maximum" not in schema
             and "exclusiveMaximum" not in schema)
 
 
