@@ -105,6 +105,10 @@ async def test_generic_tool_calls_on_a_chain(tiny_llama: Path) -> None:
                 streamed = (await http.post("/v1/chat/completions", json={
                     **ask, "tool_choice": "required", "stream": True})).text
                 auto = (await http.post("/v1/chat/completions", json=ask)).json()
+                unique = {"type": "function", "function": {"name": "tag", "parameters": {
+                    "type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                              "uniqueItems": True}}}}}
+                refused = await http.post("/v1/chat/completions", json={**ask, "tools": [*TOOLS, unique]})
                 call = required["choices"][0]["message"]["tool_calls"][0]
                 history = (await http.post("/v1/chat/completions", json={**ask, "max_tokens": 4, "messages": [
                     *user, {"role": "assistant", "content": None, "tool_calls": [call]},
@@ -121,6 +125,8 @@ async def test_generic_tool_calls_on_a_chain(tiny_llama: Path) -> None:
             await pool.aclose()
     finally:
         generator.close()
+    assert refused.status_code == 400  # the generic answer's grammar would not enforce it
+    assert refused.json()["error"]["param"] == f"tools[{len(TOOLS)}].function.parameters.properties.tags.uniqueItems"
     # the tools are described in the prompt
     assert required["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"] + 50
     for answer in named:

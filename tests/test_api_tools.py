@@ -246,7 +246,8 @@ CITIES = ["Paris", "Rome", "Oslo"]
 FORCED_TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "Current weather in a city",
                                       "parameters": {"type": "object", "properties": {
-                                          "city": {"type": "string", "enum": CITIES}, "days": {"type": "integer"}},
+                                          "city": {"type": "string", "enum": CITIES},
+                                          "days": {"type": "integer", "minimum": 1, "maximum": 7}},
                                           "required": ["city", "days"]}}},
     {"type": "function", "function": {"name": "get_time", "parameters": {
         "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}},
@@ -277,6 +278,11 @@ async def grammar_forced_calls(url: str) -> None:
                 jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), schemas[name])
         clash = await http.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object"}})
         assert clash.status_code == 400 and clash.json()["error"]["param"] == "tool_choice"
+        unique = {"type": "function", "function": {"name": "tag", "parameters": {"type": "object", "properties": {
+            "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}}}
+        refused = await http.post("/v1/chat/completions", json={**body, "tools": [unique], "tool_choice": "required"})
+        assert refused.status_code == 400, refused.text  # a forced call's grammar would not enforce it
+        assert refused.json()["error"]["param"] == "tools[0].function.parameters.properties.tags.uniqueItems"
 
 
 def langchain_forced_round_trip(url: str) -> dict[str, Any]:

@@ -228,3 +228,61 @@ def test_completions_logprobs_are_the_legacy_shape(client: Any, model_id: str) -
     assert logprobs.text_offset[0] == 0 and all(-math.inf < lp <= 0 for lp in logprobs.token_logprobs)
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model=model_id, prompt="Hello", max_tokens=2, logprobs=21)
+
+
+BOUNDED = {
+    "type": "object",
+    "properties": {
+        "n": {"type": "integer", "minimum": -12, "maximum": 37},
+        "m": {"type": "integer", "exclusiveMinimum": 1000, "exclusiveMaximum": 1010},
+        "w": {"type": "number", "minimum": 0},
+    },
+    "required": ["n", "m", "w"],
+    "additionalProperties": False,
+}
+
+
+def test_integer_bounds_hold_in_50_seeded_answers(client: Any, model_id: str) -> None:
+    def sample(seed: int) -> tuple[str, str]:
+        response = client.chat.completions.create(
+            model=model_id, messages=MESSAGES, max_tokens=64, temperature=1.0, seed=seed,
+            response_format={"type": "json_schema", "json_schema": {"name": "bounded", "schema": BOUNDED}})
+        return response.choices[0].message.content, response.choices[0].finish_reason
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(sample, range(50)))
+    values = set()
+    for text, finish in answers:
+        assert finish == "stop", text
+        answer = json.loads(text)
+        jsonschema.validate(answer, BOUNDED)  # the bounds included
+        values.add(answer["n"])
+    assert len(values) > 5  # drawn across the range, not one value repeated
+
+
+UNSUPPORTED = {"type": "object", "properties": {"tags": {"type": "array", "items": {"type": "string"},
+                                                         "uniqueItems": True}}}
+
+
+def test_an_unsupported_keyword_is_a_400_naming_it_in_each_api(client: Any, model_id: str,
+                                                              server: UpProcess) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4, response_format={
+            "type": "json_schema", "json_schema": {"name": "x", "schema": UNSUPPORTED}})
+    param = "response_format.json_schema.schema.properties.tags.uniqueItems"
+    assert raised.value.body["param"] == param and f"'{param}' is not supported" in raised.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.responses.create(model=model_id, input="Describe a thing.", max_output_tokens=16, text={
+            "format": {"type": "json_schema", "name": "x", "schema": UNSUPPORTED}})
+    param = "text.format.schema.properties.tags.uniqueItems"
+    assert raised.value.body["param"] == param and f"'{param}' is not supported" in raised.value.body["message"]
+    import httpx
+
+    reply = httpx.post(server.url + "/v1/messages", timeout=60, headers={"x-api-key": "unused"}, json={
+        "model": model_id, "max_tokens": 16, "messages": MESSAGES,
+        "output_config": {"format": {"type": "json_schema", "schema": UNSUPPORTED}}})
+    body = reply.json()
+    assert reply.status_code == 400 and body["type"] == "error", body
+    assert "'output_config.format.schema.properties.tags.uniqueItems' is not supported" in body["error"]["message"]
+    response = client.chat.completions.create(model=model_id, messages=MESSAGES, max_tokens=4, temperature=0)
+    assert response.choices[0].finish_reason in ("stop", "length")

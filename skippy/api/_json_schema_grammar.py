@@ -6,7 +6,8 @@
 # it from an installed llama-cpp-python, which a plain ``pip install skippy-llm`` does not have (that
 # package builds llama.cpp when installed).  Shipping the file keeps the grammars byte for byte
 # what they were, with no dependency.  skippy.api.structured applies its one correction (JSON
-# string characters) to the output.  Fetching remote ``$ref`` stays off (``allow_fetch=False``).
+# string characters) to the output; skippy.api.schema_keywords subclasses SchemaConverter for
+# integer bounds and refuses the keywords it would not enforce.  Fetching remote ``$ref`` stays off (``allow_fetch=False``).
 #
 # Licence (MIT): Copyright (c) 2023 Andrei Betlen (llama-cpp-python); the converter follows
 # llama.cpp's, Copyright (c) 2023-2026 The ggml authors.  Permission is hereby granted, free of
@@ -22,7 +23,7 @@
 # ACTION OF CONTRACT, TORT OR OTHERWISE, ARISING FROM, OUT OF OR IN CONNECTION WITH THE SOFTWARE OR
 # THE USE OR OTHER DEALINGS IN THE SOFTWARE.
 #
-# Do not edit below the marker: tests/test_structured_output.py checks the text against an
+# Do not edit below the marker: tests/test_json_schema_grammar.py checks the text against an
 # installed llama-cpp-python of the pinned version.
 # mypy: ignore-errors
 # ---- vendored text below; do not edit ----

@@ -74,7 +74,8 @@ from skippy.api.page import ASSET_PATHS, page_routes
 from skippy.api.reasoning import OPEN as REASONING_OPEN
 from skippy.api.reasoning import template_variables, thinks
 from skippy.api.samplers import apply_samplers
-from skippy.api.structured import LogprobsReport, grammar_converter, parse_constraints, schema_grammar
+from skippy.api.structured import (LogprobsReport, check_schema_keywords, grammar_converter, parse_constraints,
+                                    schema_grammar)
 from skippy.api.tool_calls import (
     ToolFormat,
     ToolsRequest,
@@ -251,6 +252,9 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
     if not renders:  # llama-server's generic format: tools in the system prompt, the answer one JSON object
         if not request.active:
             return request, None, True
+        for index, tool in enumerate(tools):  # named at their own path, not the generic schema's
+            check_schema_keywords(tool["function"].get("parameters") or {"type": "object"},
+                                  f"tools[{index}].function.parameters")
         schema = generic_tools.generic_schema(tools, choice.name, choice.mode == "required", parallel)
         return request, ToolPlan(generic_tools.FORMAT, "", parallel, frozenset(),
                                  schema_grammar(schema, "tools")), True
@@ -272,6 +276,11 @@ def _tool_plan(service: ChainService, body: dict[str, Any], messages: list[dict[
 def _forcing(format: ToolFormat, tools: Sequence[dict[str, Any]], name: str | None) -> tuple[str, str | None]:
     """(prompt suffix, grammar) forcing a call: a grammar from the tools' schemas where the format
     allows one and the converter is installed, else the format's call opening alone (docs/tools.md)."""
+    if format.grammar_call:  # a keyword of the parameters the grammar would not enforce: a 400 naming it
+        for index, tool in enumerate(tools):
+            if name is None or tool["function"]["name"] == name:
+                check_schema_keywords(tool["function"].get("parameters") or {"type": "object"},
+                                      f"tools[{index}].function.parameters")
     try:
         converter, fix = grammar_converter()
         forced = forcing_grammar(format, tools, name, converter)

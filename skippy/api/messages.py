@@ -67,7 +67,8 @@ _FIELDS: dict[str, str | None] = {
                                             "workspace_id")),
 }
 #: Chat fields a refusal may name, and the Messages field each came from.
-_NAMES = {"stop": "stop_sequences", "chat_template_kwargs": "thinking", "response_format": "output_config.format"}
+_NAMES = {"response_format.json_schema.schema": "output_config.format.schema",  # before its parent
+          "stop": "stop_sequences", "chat_template_kwargs": "thinking", "response_format": "output_config.format"}
 #: Accepted with no effect on the answer: prompt caching is automatic (``cache_control``), there is
 #: one speed, one place and one workspace.
 _NO_OPS = frozenset({"cache_control", "speed", "inference_geo", "user_profile_id", "workspace_id", "service_tier"})

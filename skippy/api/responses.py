@@ -60,7 +60,8 @@ __all__ = ["ResponsesHandlers", "to_chat_body"]
 log = logging.getLogger("skippy.api")
 
 #: Chat fields a refusal may name, and the Responses field each came from.
-_NAMES = {"reasoning_effort": "reasoning.effort", "max_tokens": "max_output_tokens", "response_format": "text.format",
+_NAMES = {"response_format.json_schema.schema": "text.format.schema",  # before its parent
+          "reasoning_effort": "reasoning.effort", "max_tokens": "max_output_tokens", "response_format": "text.format",
           "messages": "input", "stop": "input"}
 
 #: Responses kept for ``previous_response_id`` (per server; the oldest go first).

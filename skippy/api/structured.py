@@ -10,17 +10,13 @@ not parse never reaches a stage.
 
 JSON Schema → GBNF is llama-cpp-python's converter (the Python port of llama.cpp's
 ``json_schema_to_grammar``, the one llama-server uses), shipped verbatim in
-:mod:`skippy.api._json_schema_grammar` (its header says why and from which version); we write no
-converter of our own, and a plain install serves JSON formats without llama-cpp-python.  The
-schema is first checked as a JSON Schema (``jsonschema``'s metaschema check).  llama-server's
-``{"type": "json_object", "schema": ...}`` is served as a ``json_schema`` format is; any other key
-of ``response_format`` (or of its ``json_schema``) is a 400 naming it, never dropped.  What the converter covers,
-and so what is enforced, is listed in docs/structured-output.md: types, ``properties`` /
-``required`` / ``additionalProperties``, ``enum`` / ``const``, ``anyOf`` / ``oneOf`` /
-``allOf`` of objects, ``items`` / ``prefixItems`` / ``minItems`` / ``maxItems``,
-``minLength`` / ``maxLength``, ``pattern`` (a regex subset), string ``format`` date / time /
-date-time / uuid, local ``$ref`` / ``$defs`` (fetching remote ones is off: a 400).  A schema
-keyword it does not know (numeric bounds among them) is not enforced, which the docs say.
+:mod:`skippy.api._json_schema_grammar` (its header says why and from which version), so a plain
+install serves JSON formats without llama-cpp-python; :mod:`skippy.api.schema_keywords` adds the
+integer bounds it lacks and refuses, with a 400 naming the keyword's JSON path, every keyword it
+would not enforce (docs/structured-output.md lists both).  The schema is first checked as a JSON
+Schema (``jsonschema``'s metaschema check).  llama-server's ``{"type": "json_object", "schema":
+...}`` is served as a ``json_schema`` format is; any other key of ``response_format`` (or of its
+``json_schema``) is a 400 naming it, never dropped.
 
 The response side shapes the final stage's log-probabilities (log-softmax of the model's logits,
 before temperature, penalties or the grammar) as OpenAI's chat ``logprobs.content`` entries or
@@ -31,15 +27,18 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import types
 from typing import Any, Callable, Mapping, Sequence
 
-from skippy.api import _json_schema_grammar
+from skippy.api import _json_schema_grammar, schema_keywords
 from skippy.api.errors import ApiError
+from skippy.api.fields import unsupported
 from skippy.codec.protocol_ext import MAX_TOP_LOGPROBS, TokenLogprobs
 from skippy.runtime.sampling import Sampler, SamplingParams
 from skippy.runtime.tokenizer import Tokenizer
 
-__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "completion_logprobs", "parse_constraints", "schema_grammar"]
+__all__ = ["Constraints", "LogprobsReport", "chat_logprobs", "check_schema_keywords", "completion_logprobs",
+           "parse_constraints", "schema_grammar"]
 
 
 def bad(param: str, message: str) -> ApiError:
@@ -69,9 +68,21 @@ _JSON_CHAR_RULE = 'char ::= [^"\\\\\\x7F\\x00-\\x1F\\uD800-\\uDFFF\\U00110000-\\
 
 
 def grammar_converter() -> tuple[Any, Callable[[str], str]]:
-    """The converter module (:mod:`skippy.api._json_schema_grammar`) and the one correction its output
-    needs (for other builders of schema grammars: forced tool calls, skippy/api/tool_calls.py)."""
-    return _json_schema_grammar, lambda text: text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
+    """The converter (a namespace whose ``SchemaConverter`` is :class:`schema_keywords.BoundedConverter`)
+    and the one correction its output needs (for other builders of schema grammars: forced tool
+    calls, skippy/api/tool_calls.py; check their schemas first with :func:`check_schema_keywords`)."""
+    converter = types.SimpleNamespace(SchemaConverter=schema_keywords.BoundedConverter)
+    return converter, lambda text: text.replace(_CONVERTER_CHAR_RULE, _JSON_CHAR_RULE)
+
+
+def check_schema_keywords(schema: Any, param: str) -> None:
+    """A 400 naming ``param`` + the JSON path of the first keyword of ``schema`` the grammar would
+    not enforce (docs/structured-output.md lists what is served)."""
+    try:
+        schema_keywords.check_keywords(schema)
+    except schema_keywords.SchemaRefusal as exc:
+        where = f"{param}.{exc.path}" if exc.path else param
+        raise unsupported(where, exc.reason) from exc
 
 
 def schema_grammar(schema: Any, param: str) -> str:
@@ -86,8 +97,9 @@ def schema_grammar(schema: Any, param: str) -> str:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.exceptions.SchemaError as exc:
         raise bad(param, f"not a valid JSON Schema: {exc.message}") from exc
+    check_schema_keywords(schema, param)
     try:
-        text: str = _json_schema_grammar.json_schema_to_gbnf(json.dumps(schema))
+        text = schema_keywords.schema_to_gbnf(json.loads(json.dumps(schema)))
     except (ValueError, KeyError, TypeError, AssertionError, NotImplementedError, RecursionError) as exc:
         # the converter's refusals (unsupported or unresolvable parts) come as these
         raise bad(param, f"the schema cannot be turned into a grammar: {type(exc).__name__}: {exc}") from exc
