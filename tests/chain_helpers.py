@@ -11,10 +11,13 @@ from skippy.runtime.local import LocalChain, Split
 
 
 class InProcessChain(LocalChain):
-    """A LocalChain with test-sized defaults whose ``decode`` returns the output rows' logits."""
+    """A LocalChain with test-sized defaults whose ``decode`` returns the output rows' logits.
+
+    One compute thread by default: ggml's worker threads spin-wait for each other, and on a busy
+    2-core host a 2-thread run of a tiny model costs many times the CPU of a 1-thread one."""
 
     def __init__(self, path: Path, splits: Split, *, n_ctx: int = 512, max_sessions: int = 4,
-                 n_batch: int = 64, threads: int = 2) -> None:
+                 n_batch: int = 64, threads: int = 1) -> None:
         super().__init__(path, splits, n_ctx=n_ctx, max_sessions=max_sessions, n_batch=n_batch, threads=threads)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int], seq_ids: Sequence[int],  # type: ignore[override]

@@ -138,13 +138,15 @@ async def stage_chain(model: str, splits: Sequence[str], directory: Path,
 @asynccontextmanager
 async def inprocess_chain(splits: Sequence[str], *, model: str = "null:n_embd=8,n_layer=4,n_vocab=1000",
                           **settings: object) -> AsyncIterator[list[StageServer]]:
-    """Stage servers in this trio run (null runtime by default); yields them in chain order."""
+    """Stage servers in this trio run (null runtime by default); yields them in chain order.
+
+    One compute thread unless ``threads`` is given (as the stage processes of `StageProcess`)."""
     servers: list[StageServer] = []
     async with trio.open_nursery() as nursery:
         downstream: Address | None = None
         for layers in reversed(splits):
             config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
-                                          "batch_size": 64, "connect_timeout": 2, **settings})
+                                          "batch_size": 64, "connect_timeout": 2, "threads": 1, **settings})
             server = StageServer(config, load_runtime(config))
             downstream = await nursery.start(server.serve)
             servers.insert(0, server)

@@ -662,7 +662,7 @@ async def _tapped_chain(nursery: trio.Nursery, model: Path, relay: bool) -> Tapp
     for index, layers in reversed(list(enumerate(SPLITS))):
         config = config_from_mapping({"model": str(model), "layers": layers, "downstream": downstream,
                                       "batch_size": 64, "ctx_size": 512, "connect_timeout": 2,
-                                      "decode_relay": relay})
+                                      "decode_relay": relay, "threads": 1})
         server = StageServer(config, load_runtime(config))
         address = await nursery.start(server.serve)
         servers.insert(0, server)

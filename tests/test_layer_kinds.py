@@ -10,6 +10,7 @@
 # context's MemoryReport) report the same ones.
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -36,9 +37,15 @@ PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
 Tensors = list[tuple[str, gguf.ReaderTensor]]
 
 
+@functools.cache
+def _reader(source: Path) -> gguf.GGUFReader:
+    """One parse per source file (gguf-py's parse of a 32000-token vocabulary takes about a second)."""
+    return gguf.GGUFReader(str(source))
+
+
 def copy_gguf(source: Path, destination: Path, edit: Callable[[Tensors], Tensors]) -> Path:
     """``source`` with every key and the tensors ``edit`` returns (raw bytes and types kept)."""
-    reader = gguf.GGUFReader(str(source))
+    reader = _reader(source)
     writer = gguf.GGUFWriter(str(destination), str(reader.fields["general.architecture"].contents()))
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":

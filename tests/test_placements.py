@@ -130,7 +130,8 @@ async def tapped_chain(model: Path, **switches: bool) -> AsyncIterator[Chain]:
         downstream: Address | None = None
         for layers in reversed(SPLITS):
             config = config_from_mapping({"model": str(model), "layers": layers, "downstream": downstream,
-                                          "ctx_size": 512, "batch_size": 64, "connect_timeout": 2, **switches})
+                                          "ctx_size": 512, "batch_size": 64, "connect_timeout": 2, "threads": 1,
+                                          **switches})
             server = StageServer(config, load_runtime(config))
             address = await nursery.start(server.serve)
             tap, downstream = await tap_in_front(address)
