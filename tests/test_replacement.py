@@ -162,13 +162,15 @@ def test_a_stopped_stage_is_seen_within_two_seconds_and_replaced(up: UpProcess, 
           f"replacement ready in {replaced.group(4)} s")
 
 
-def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None) -> tuple[str, str, float, dict]:
-    """Stream a long greedy completion; with ``kill`` = (pid, signal), send it after the 20th
-    chunk.  Returns the text, the error line (or ""), the seconds from the signal to the error
-    (or to the next chunk) and the usage chunk's usage."""
+def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None, at: int = 20,
+                      **extra: object) -> tuple[str, str, float, dict]:
+    """Stream a long greedy completion (``extra``: more of the body); with ``kill`` = (pid,
+    signal), send it after the ``at``-th chunk (0: once the request is sent, during its prefill).
+    Returns the text, the error line (or ""), the seconds from the signal to the error (or to
+    the next chunk) and the usage chunk's usage."""
     model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     sent, text, error, took, usage, lost = 0, [], "", 0.0, {}, 0.0
     pid, number = kill if kill is not None else (0, 0)
     try:
@@ -185,10 +187,10 @@ def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None) -> tup
                 for choice in chunk.get("choices", ()):
                     text.append(choice.get("text") or "")
                 sent += 1
-                if kill is not None and sent == 20:
+                if kill is not None and sent == at:
                     os.kill(pid, number)
                     lost = time.monotonic()
-                elif kill is not None and sent == 21:
+                elif kill is not None and sent == at + 1:
                     took = time.monotonic() - lost
     finally:
         if number == signal.SIGSTOP and pid_alive(pid):
@@ -410,3 +412,73 @@ def test_a_standby_listens_only_once_activated(tmp_path: Path) -> None:
             standby.wait()
         assert standby.stdin is not None
         standby.stdin.close()
+
+
+# -- the issue's matrix through skippy up (issue 29 "Checked by") --------------------------------
+
+#: The request bodies of the matrix: greedy with speculation (the API's default for greedy
+#: requests), greedy without (decoded token by token: direct return where it is on, the decode
+#: relay on the stages), and seeded sampling (never speculates).
+MODES: dict[str, dict[str, object]] = {
+    "greedy-speculative": {},
+    "greedy": {"speculation": False},
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
+}
+
+
+def current(up: UpProcess) -> dict[int, tuple[int, str]]:
+    """index -> (pid, address) of the process serving each stage now (the last announced)."""
+    now = stages(up)
+    for match in _READY_AGAIN.finditer(up.stderr()):
+        now[int(match.group(1))] = (int(match.group(2)), match.group(5))
+    return now
+
+
+def settled(up: UpProcess, timeout: float = 15.0) -> list[dict]:
+    """The chain's stage metrics once every stage holds no session and no KV cell (no leak)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = [stage["metrics"] for stage in httpx.get(up.url + "/chain", timeout=10).json()["stages"]]
+        if all(m and m.get("sessions_in_use") == 0 and m.get("kv_cells_used") == 0 for m in metrics):
+            return metrics
+        assert time.monotonic() < deadline, f"a stage kept a session or KV cells: {metrics}"
+        time.sleep(0.1)
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"], ids=["direct-return", "hop-by-hop"])
+def test_each_stage_killed_during_decode_is_replaced_and_the_stream_completes_equal(
+        tiny_llama: Path, tmp_path: Path, direct: str) -> None:
+    """First, middle and final stage in turn, SIGKILL at the 20th chunk, greedy with and without
+    speculation and seeded sampling: each stream completes, equal to the uninterrupted one, its
+    usage naming the lost stage; afterwards no stage holds a session or KV cell and every
+    replaced process is gone."""
+    up = start(tiny_llama, tmp_path, "--restarts", "9", "--direct-return", direct)
+    try:
+        expected = {mode: stream_completion(up, **body) for mode, body in MODES.items()}
+        for mode, (text, error, _, usage) in expected.items():
+            assert text and not error, (mode, error)
+        assert (expected["greedy-speculative"][3].get("skippy_speculation") or {}).get("windows", 1) > 0
+        assert expected["greedy"][0] == expected["greedy-speculative"][0]
+        killed: list[int] = []
+        replaced = 0
+        for lost in (0, 1, 2):
+            for mode, body in MODES.items():
+                pid, address = current(up)[lost]
+                text, error, took, usage = stream_completion(up, (pid, signal.SIGKILL), **body)
+                assert not error, (lost, mode, error)
+                assert text == expected[mode][0], (lost, mode)
+                resumes = usage.get("skippy_resume") or []
+                assert [entry["lost_stage"] for entry in resumes] == [lost], (lost, mode, usage)
+                assert resumes[0]["address"] == address, resumes
+                replaced += 1
+                ready_again(up, replaced)
+                killed.append(pid)
+                print(f"{direct} stage {lost} {mode}: next token {took * 1000:.0f} ms after SIGKILL; {resumes[0]}")
+        settled(up)
+        assert not any(pid_alive(pid) for pid in killed)
+        pids = every_pid(up)
+        assert up.signal(signal.SIGTERM) == 0
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "a stage outlived the launcher")
+    finally:
+        up.stop()
+        stop_all(up)
