@@ -445,13 +445,26 @@ def settled(up: UpProcess, timeout: float = 15.0) -> list[dict]:
         time.sleep(0.1)
 
 
+_METRICS_AT = re.compile(r"metrics on (http://\S+/metrics)")
+
+
+def resume_counters(tmp_path: Path, index: int) -> tuple[float, float]:
+    """(replayed, recomputed) positions of stage ``index``'s current process (its metrics)."""
+    url = _METRICS_AT.findall(stage_log(tmp_path, index).read_text(errors="replace"))[-1]
+    text = httpx.get(url, timeout=10).text
+    figures = [float(re.search(rf"^skippy_stage_resume_{name}_tokens_total\S* (\S+)$", text, re.M).group(1))
+               for name in ("replayed", "recomputed")]
+    return figures[0], figures[1]
+
+
 @pytest.mark.parametrize("direct", ["auto", "off"], ids=["direct-return", "hop-by-hop"])
 def test_each_stage_killed_during_decode_is_replaced_and_the_stream_completes_equal(
         tiny_llama: Path, tmp_path: Path, direct: str) -> None:
     """First, middle and final stage in turn, SIGKILL at the 20th chunk, greedy with and without
     speculation and seeded sampling: each stream completes, equal to the uninterrupted one, its
-    usage naming the lost stage; afterwards no stage holds a session or KV cell and every
-    replaced process is gone."""
+    usage naming the lost stage, and the surviving stages replay from their logs (or KV) without
+    recomputing a position; afterwards no stage holds a session or KV cell and every replaced
+    process is gone."""
     up = start(tiny_llama, tmp_path, "--restarts", "9", "--direct-return", direct)
     try:
         expected = {mode: stream_completion(up, **body) for mode, body in MODES.items()}
@@ -464,6 +477,7 @@ def test_each_stage_killed_during_decode_is_replaced_and_the_stream_completes_eq
         for lost in (0, 1, 2):
             for mode, body in MODES.items():
                 pid, address = current(up)[lost]
+                survivors = {index: resume_counters(tmp_path, index) for index in range(3) if index != lost}
                 text, error, took, usage = stream_completion(up, (pid, signal.SIGKILL), **body)
                 assert not error, (lost, mode, error)
                 assert text == expected[mode][0], (lost, mode)
@@ -473,6 +487,9 @@ def test_each_stage_killed_during_decode_is_replaced_and_the_stream_completes_eq
                 replaced += 1
                 ready_again(up, replaced)
                 killed.append(pid)
+                for index, (replayed, recomputed) in survivors.items():  # the survivors computed nothing again
+                    wait_for(lambda: resume_counters(tmp_path, index)[0] > replayed, 10, f"stage {index} replayed nothing")
+                    assert resume_counters(tmp_path, index)[1] == recomputed, (lost, mode, index)
                 print(f"{direct} stage {lost} {mode}: next token {took * 1000:.0f} ms after SIGKILL; {resumes[0]}")
         settled(up)
         assert not any(pid_alive(pid) for pid in killed)
