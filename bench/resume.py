@@ -9,6 +9,10 @@ per token is smallest):
   Also the log's bytes per position per stage (from the stats file).
 * ``step``: the first stage's executor alone (no processes, no sockets), one decode step at a
   time with the log on and off, rounds interleaved: the log's cost where it is paid.
+* ``relay``: the decode relay's per-token time on the non-final stages (its compute, which
+  includes keeping the row for the log, and its downstream write: the stats' ``compute_us`` and
+  ``forward_write_us`` over ``decode_relay_steps``) with the log on and off, two chains with
+  direct return up at once, rounds interleaved (which goes first alternating).
 * ``kill``: a request with a ``--context``-token prompt; after ``--kill-at`` tokens the middle
   stage is SIGKILLed and restarted on its port.  Reports kill-to-next-token, the replacement's
   start-up (process to READY), and the resume itself (``usage.skippy_resume``'s ``resume_ms``:
@@ -16,6 +20,7 @@ per token is smallest):
 
     PYTHONPATH=. python bench/resume.py cost --rounds 6 --tokens 64
     PYTHONPATH=. python bench/resume.py step --real --splits 0:6,6:12,12:18 --tokens 150
+    PYTHONPATH=. python bench/resume.py relay --rounds 10 --tokens 200
     PYTHONPATH=. python bench/resume.py kill --context 1000
 """
 
@@ -86,6 +91,44 @@ async def cost(model: Path, rounds: int, tokens: int, ctx: int) -> None:
                       f"bytes = {stats['resume']['log_bytes'] / positions:.0f} bytes per position")
                 await generation.abort()
     generator.close()
+
+
+async def relay(model: Path, rounds: int, tokens: int, ctx: int) -> None:
+    with tempfile.TemporaryDirectory() as on_dir, tempfile.TemporaryDirectory() as off_dir:
+        async with stage_chain(str(model), SPLITS, Path(on_dir), extra=("--resume-log-mib", "64")) as on, \
+                stage_chain(str(model), SPLITS, Path(off_dir), extra=("--resume-log-mib", "0")) as off:
+            chains = {"on": on, "off": off}
+            generators = {name: _generator(model, ctx) for name in chains}
+            for name, chain in chains.items():
+                generators[name].direct_return = lambda chain=chain: chain[-1].address  # type: ignore[misc]
+            per_token: dict[str, list[list[float]]] = {"on": [], "off": []}
+            session = 200
+            for index in range(rounds + 1):  # the first round warms both
+                for name in (("on", "off") if index % 2 else ("off", "on")):
+                    chain, session = chains[name], session + 1
+                    moment = time.time()
+                    before = [await wait_for_stats(s, lambda d: d.get("refreshed_at", 0) > moment) for s in chain[:2]]
+                    await trio.sleep(0.6)  # a lane that brought work lately keeps the relay from starting
+                    await _decode_rate(generators[name], chain[0], tokens, session)
+                    moment = time.time()
+                    after = [await wait_for_stats(s, lambda d: d.get("refreshed_at", 0) > moment) for s in chain[:2]]
+                    figures = []
+                    for old, new in zip(before, after):
+                        steps = new["decode_relay_steps"] - old["decode_relay_steps"]
+                        spent = (new["compute_us"] - old["compute_us"]) + (new["forward_write_us"] - old["forward_write_us"])
+                        figures.append(spent / steps if steps else float("nan"))
+                    if index:
+                        per_token[name].append(figures)
+            for stage in range(2):
+                on_us = statistics.median(r[stage] for r in per_token["on"])
+                off_us = statistics.median(r[stage] for r in per_token["off"])
+                print(f"stage {stage} ({SPLITS[stage]}): relay us per token (compute + downstream write), median of "
+                      f"{rounds} interleaved rounds of {tokens} tokens: log on {on_us:.1f}, off {off_us:.1f}; "
+                      f"on/off {on_us / off_us:.4f}")
+                print("  rounds on :", " ".join(f"{r[stage]:.1f}" for r in per_token["on"]))
+                print("  rounds off:", " ".join(f"{r[stage]:.1f}" for r in per_token["off"]))
+            for generator in generators.values():
+                generator.close()
 
 
 async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
@@ -169,7 +212,7 @@ def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["cost", "step", "kill"])
+    parser.add_argument("what", choices=["cost", "step", "relay", "kill"])
     parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny generated llama)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
@@ -186,6 +229,8 @@ def main() -> None:
     model = args.model or ensure_model(tiny("llama"))
     if args.what == "cost":
         trio.run(cost, model, args.rounds, args.tokens, args.ctx_size)
+    elif args.what == "relay":
+        trio.run(relay, model, args.rounds, args.tokens, args.ctx_size)
     elif args.what == "step":
         step(model, args.rounds, args.tokens, args.ctx_size)
     else:
