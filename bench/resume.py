@@ -17,11 +17,15 @@ per token is smallest):
   stage is SIGKILLed and restarted on its port.  Reports kill-to-next-token, the replacement's
   start-up (process to READY), and the resume itself (``usage.skippy_resume``'s ``resume_ms``:
   wait + configure + replay), with the log on, and with it off (the survivors recompute).
+* ``up-kill``: the same through ``skippy up`` and its API (streamed completion, prefix cache and
+  speculation off), the lost stage replaced by the launcher: a fresh start (``--restarts``) and
+  the warm standby (``--standby``), one after the other.
 
     PYTHONPATH=. python bench/resume.py cost --rounds 6 --tokens 64
     PYTHONPATH=. python bench/resume.py step --real --splits 0:6,6:12,12:18 --tokens 150
     PYTHONPATH=. python bench/resume.py relay --rounds 10 --tokens 200
     PYTHONPATH=. python bench/resume.py kill --context 1000
+    PYTHONPATH=. python bench/resume.py up-kill --real --splits 0:6,6:12,12:18 --context 1000
 """
 
 from __future__ import annotations
@@ -176,6 +180,63 @@ async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
     generator.close()
 
 
+def up_kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
+    import json
+    import os
+    import re
+    import signal
+
+    import httpx
+    from api_helpers import UpProcess  # noqa: E402  (tests/, on sys.path above)
+
+    stage = re.compile(r"stage 1 \(layers \S+\) pid (\d+) ready on")
+    prompt = "The quick brown fox jumps over the lazy dog. " * max(1, context // 10)
+    for how in ("--restarts", "--standby"):
+        with tempfile.TemporaryDirectory() as directory:
+            extra = ["--restarts", "1"] + (["--standby"] if how == "--standby" else [])
+            up = UpProcess(["up", "--model", str(model), "--layers", ",".join(SPLITS), "--port", "0", "--ctx-size",
+                            str(ctx), "--threads", "1", "--log-dir", f"{directory}/logs", *extra], Path(directory)).start()
+            try:
+                if how == "--standby":
+                    deadline = time.monotonic() + 120
+                    while not any("waiting for activation" in p.read_text(errors="replace")
+                                  for p in Path(directory, "logs").glob("stage-1-*standby*.log")):
+                        assert time.monotonic() < deadline, "no standby"
+                        time.sleep(0.2)
+                match = stage.search(up.stderr())
+                assert match is not None
+                pid = int(match.group(1))
+                name = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+                body = {"model": name, "prompt": prompt, "max_tokens": kill_at + 8, "temperature": 0,
+                        "ignore_eos": True, "prefix_cache": False, "speculation": False, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                chunks, gaps, killed, next_token, usage, last = 0, [], 0.0, 0.0, {}, time.perf_counter()
+                with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=300) as response:
+                    for line in response.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or usage
+                        if not chunk.get("choices"):
+                            continue
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last, chunks = now, chunks + 1
+                        if chunks == kill_at:
+                            os.kill(pid, signal.SIGKILL)
+                            killed = time.perf_counter()
+                        elif chunks == kill_at + 1:
+                            next_token = now - killed
+                resume = (usage.get("skippy_resume") or [{}])[0]
+                again = re.search(r"stage 1 \(layers \S+\) pid \d+ (restarted|standby) in ([\d.]+) s", up.stderr())
+                print(f"{how[2:]}: prompt {usage.get('prompt_tokens')} tokens + {kill_at}; kill to next token "
+                      f"{next_token * 1e3:.0f} ms (replacement ready in {again.group(2) if again else '?'} s; "
+                      f"lane re-opened {resume.get('reopened_ms', 0):.0f} ms, resume {resume.get('resume_ms', 0):.0f} ms, "
+                      f"mode {resume.get('mode')}); median token gap before {statistics.median(gaps[1:kill_at]) * 1e3:.1f} ms")
+            finally:
+                up.stop()
+
+
 def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
     import numpy as np
 
@@ -212,7 +273,7 @@ def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["cost", "step", "relay", "kill"])
+    parser.add_argument("what", choices=["cost", "step", "relay", "kill", "up-kill"])
     parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny generated llama)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
@@ -231,6 +292,8 @@ def main() -> None:
         trio.run(cost, model, args.rounds, args.tokens, args.ctx_size)
     elif args.what == "relay":
         trio.run(relay, model, args.rounds, args.tokens, args.ctx_size)
+    elif args.what == "up-kill":
+        up_kill(model, args.context, args.kill_at, args.ctx_size)
     elif args.what == "step":
         step(model, args.rounds, args.tokens, args.ctx_size)
     else:
