@@ -223,6 +223,8 @@ def up_kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
                         gaps.append(now - last)
                         last, chunks = now, chunks + 1
                         if chunks == kill_at:
+                            lost = re.findall(r"warning: stage \d \(\S+\) lost: [^\n]*", up.stderr())
+                            assert not lost, f"a stage was lost before the kill: {lost}"
                             os.kill(pid, signal.SIGKILL)
                             killed = time.perf_counter()
                         elif chunks == kill_at + 1:
