@@ -119,7 +119,7 @@ async def relay(model: Path, rounds: int, tokens: int, ctx: int) -> None:
                     figures = []
                     for old, new in zip(before, after):
                         steps = new["decode_relay_steps"] - old["decode_relay_steps"]
-                        spent = (new["compute_us"] - old["compute_us"]) + (new["forward_write_us"] - old["forward_write_us"])
+                        spent = sum(new[field] - old[field] for field in ("compute_us", "forward_write_us"))
                         figures.append(spent / steps if steps else float("nan"))
                     if index:
                         per_token[name].append(figures)
@@ -195,7 +195,8 @@ def up_kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
         with tempfile.TemporaryDirectory() as directory:
             extra = ["--restarts", "1"] + (["--standby"] if how == "--standby" else [])
             up = UpProcess(["up", "--model", str(model), "--layers", ",".join(SPLITS), "--port", "0", "--ctx-size",
-                            str(ctx), "--threads", "1", "--log-dir", f"{directory}/logs", *extra], Path(directory)).start()
+                            str(ctx), "--threads", "1", "--log-dir", f"{directory}/logs", *extra],
+                           Path(directory)).start()
             try:
                 if how == "--standby":
                     deadline = time.monotonic() + 120
@@ -233,8 +234,9 @@ def up_kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
                 again = re.search(r"stage 1 \(layers \S+\) pid \d+ (restarted|standby) in ([\d.]+) s", up.stderr())
                 print(f"{how[2:]}: prompt {usage.get('prompt_tokens')} tokens + {kill_at}; kill to next token "
                       f"{next_token * 1e3:.0f} ms (replacement ready in {again.group(2) if again else '?'} s; "
-                      f"lane re-opened {resume.get('reopened_ms', 0):.0f} ms, resume {resume.get('resume_ms', 0):.0f} ms, "
-                      f"mode {resume.get('mode')}); median token gap before {statistics.median(gaps[1:kill_at]) * 1e3:.1f} ms")
+                      f"lane re-opened {resume.get('reopened_ms', 0):.0f} ms, resume {resume.get('resume_ms', 0):.0f} "
+                      f"ms, mode {resume.get('mode')}); median token gap before "
+                      f"{statistics.median(gaps[1:kill_at]) * 1e3:.1f} ms")
             finally:
                 up.stop()
 

@@ -6,6 +6,12 @@ SIGSTOP within 2 s (heartbeats, docs/protocol.md §13).  The launcher replaces i
 address (a fresh start, or the warm standby with ``--standby``), after which a request answers
 as before the loss; after ``--restarts`` replacements the next loss stops the chain.  Nothing is
 left running afterwards, the replaced processes included.
+
+An in-flight request survives (issue 29's matrix, docs/protocol.md §14): the first, middle and
+final stage SIGKILLed during decode, greedy with and without speculation and seeded, direct
+return on and off (the real Gemma too, without speculation), and during a long prefill (the
+request restarts): each stream equals the uninterrupted one and the survivors recompute nothing;
+a stage lost again and again fails the request with 503 naming it after ``--resume-attempts``.
 """
 
 from __future__ import annotations
@@ -514,7 +520,8 @@ def kill_each_stage(up: UpProcess, tmp_path: Path, label: str, modes: dict[str, 
                 ready_again(up, replaced)
                 killed.append(pid)
                 for index, (replayed, recomputed) in survivors.items():  # the survivors computed nothing again
-                    wait_for(lambda: resume_counters(tmp_path, index)[0] > replayed, 10, f"stage {index} replayed nothing")
+                    wait_for(lambda: resume_counters(tmp_path, index)[0] > replayed, 10,
+                             f"stage {index} replayed nothing")
                     assert resume_counters(tmp_path, index)[1] == recomputed, (lost, mode, index)
                 print(f"{label} stage {lost} {mode}: next token {took * 1000:.0f} ms after SIGKILL; {resumes[0]}")
         settled(up)
@@ -535,7 +542,8 @@ def test_a_stage_killed_during_a_long_prefill_restarts_the_request_and_completes
     ``mode`` "restart"), and the stream equals the uninterrupted one."""
     up = start(real_model, tmp_path, "--restarts", "2", "--layers", REAL_LAYERS, "--ctx-size", "1536")
     try:
-        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 100, "max_tokens": 16, "prefix_cache": False}
+        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 100, "max_tokens": 16,
+                "prefix_cache": False}
         whole, error, _, usage = stream_completion(up, **body)
         assert whole and not error, error
         prompt_tokens = usage["prompt_tokens"]

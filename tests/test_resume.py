@@ -3,12 +3,13 @@
 A 3-stage chain (layers 0:1 | 1:3 | 3:4); during decode one stage is killed with SIGKILL and a
 replacement started with the same command line on the same port.  The run must give the text of
 the uninterrupted run (greedy and seeded sampling), the surviving stages must compute nothing
-again (their activation logs answer the replay, the decode relay's steps included), and the evicted-log fallback (recompute on the
-stage whose log is gone) must complete equal too; so must a replaced final stage's penalties
-and grammar, a speculative run, a loss before the first token (the request restarts), a hybrid
-model (its recurrent survivors recompute), and an API request (200, ``usage.skippy_resume``).
-A stage that never comes back fails the request naming it.  Only the greedy middle- and
-final-stage cases and the unit tests (the log, the parked table, the resume section) run outside ``-m slow``.
+again (their activation logs answer the replay, the decode relay's steps included), and the
+evicted-log fallback (recompute on the stage whose log is gone) must complete equal too; so
+must a replaced final stage's penalties and grammar, a speculative run, a loss before the first
+token (the request restarts), a hybrid model (its recurrent survivors recompute), and an API
+request (200, ``usage.skippy_resume``).  A stage that never comes back fails the request naming
+it.  Only the greedy middle- and final-stage cases and the unit tests (the log, the parked
+table, the resume section) run outside ``-m slow``.
 """
 
 from __future__ import annotations
