@@ -9,14 +9,23 @@ per token is smallest):
   Also the log's bytes per position per stage (from the stats file).
 * ``step``: the first stage's executor alone (no processes, no sockets), one decode step at a
   time with the log on and off, rounds interleaved: the log's cost where it is paid.
+* ``relay``: the decode relay's per-token time on the non-final stages (its compute, which
+  includes keeping the row for the log, and its downstream write: the stats' ``compute_us`` and
+  ``forward_write_us`` over ``decode_relay_steps``) with the log on and off, two chains with
+  direct return up at once, rounds interleaved (which goes first alternating).
 * ``kill``: a request with a ``--context``-token prompt; after ``--kill-at`` tokens the middle
   stage is SIGKILLed and restarted on its port.  Reports kill-to-next-token, the replacement's
   start-up (process to READY), and the resume itself (``usage.skippy_resume``'s ``resume_ms``:
   wait + configure + replay), with the log on, and with it off (the survivors recompute).
+* ``up-kill``: the same through ``skippy up`` and its API (streamed completion, prefix cache and
+  speculation off), the lost stage replaced by the launcher: a fresh start (``--restarts``) and
+  the warm standby (``--standby``), one after the other.
 
     PYTHONPATH=. python bench/resume.py cost --rounds 6 --tokens 64
     PYTHONPATH=. python bench/resume.py step --real --splits 0:6,6:12,12:18 --tokens 150
+    PYTHONPATH=. python bench/resume.py relay --rounds 10 --tokens 200
     PYTHONPATH=. python bench/resume.py kill --context 1000
+    PYTHONPATH=. python bench/resume.py up-kill --real --splits 0:6,6:12,12:18 --context 1000
 """
 
 from __future__ import annotations
@@ -88,6 +97,44 @@ async def cost(model: Path, rounds: int, tokens: int, ctx: int) -> None:
     generator.close()
 
 
+async def relay(model: Path, rounds: int, tokens: int, ctx: int) -> None:
+    with tempfile.TemporaryDirectory() as on_dir, tempfile.TemporaryDirectory() as off_dir:
+        async with stage_chain(str(model), SPLITS, Path(on_dir), extra=("--resume-log-mib", "64")) as on, \
+                stage_chain(str(model), SPLITS, Path(off_dir), extra=("--resume-log-mib", "0")) as off:
+            chains = {"on": on, "off": off}
+            generators = {name: _generator(model, ctx) for name in chains}
+            for name, chain in chains.items():
+                generators[name].direct_return = lambda chain=chain: chain[-1].address  # type: ignore[misc]
+            per_token: dict[str, list[list[float]]] = {"on": [], "off": []}
+            session = 200
+            for index in range(rounds + 1):  # the first round warms both
+                for name in (("on", "off") if index % 2 else ("off", "on")):
+                    chain, session = chains[name], session + 1
+                    moment = time.time()
+                    before = [await wait_for_stats(s, lambda d: d.get("refreshed_at", 0) > moment) for s in chain[:2]]
+                    await trio.sleep(0.6)  # a lane that brought work lately keeps the relay from starting
+                    await _decode_rate(generators[name], chain[0], tokens, session)
+                    moment = time.time()
+                    after = [await wait_for_stats(s, lambda d: d.get("refreshed_at", 0) > moment) for s in chain[:2]]
+                    figures = []
+                    for old, new in zip(before, after):
+                        steps = new["decode_relay_steps"] - old["decode_relay_steps"]
+                        spent = sum(new[field] - old[field] for field in ("compute_us", "forward_write_us"))
+                        figures.append(spent / steps if steps else float("nan"))
+                    if index:
+                        per_token[name].append(figures)
+            for stage in range(2):
+                on_us = statistics.median(r[stage] for r in per_token["on"])
+                off_us = statistics.median(r[stage] for r in per_token["off"])
+                print(f"stage {stage} ({SPLITS[stage]}): relay us per token (compute + downstream write), median of "
+                      f"{rounds} interleaved rounds of {tokens} tokens: log on {on_us:.1f}, off {off_us:.1f}; "
+                      f"on/off {on_us / off_us:.4f}")
+                print("  rounds on :", " ".join(f"{r[stage]:.1f}" for r in per_token["on"]))
+                print("  rounds off:", " ".join(f"{r[stage]:.1f}" for r in per_token["off"]))
+            for generator in generators.values():
+                generator.close()
+
+
 async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
     generator = _generator(model, ctx)
     prompt = tuple(1 + (i * 7919) % 30000 for i in range(context))
@@ -133,6 +180,67 @@ async def kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
     generator.close()
 
 
+def up_kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
+    import json
+    import os
+    import re
+    import signal
+
+    import httpx
+    from api_helpers import UpProcess  # noqa: E402  (tests/, on sys.path above)
+
+    stage = re.compile(r"stage 1 \(layers \S+\) pid (\d+) ready on")
+    prompt = "The quick brown fox jumps over the lazy dog. " * max(1, context // 10)
+    for how in ("--restarts", "--standby"):
+        with tempfile.TemporaryDirectory() as directory:
+            extra = ["--restarts", "1"] + (["--standby"] if how == "--standby" else [])
+            up = UpProcess(["up", "--model", str(model), "--layers", ",".join(SPLITS), "--port", "0", "--ctx-size",
+                            str(ctx), "--threads", "1", "--log-dir", f"{directory}/logs", *extra],
+                           Path(directory)).start()
+            try:
+                if how == "--standby":
+                    deadline = time.monotonic() + 120
+                    while not any("waiting for activation" in p.read_text(errors="replace")
+                                  for p in Path(directory, "logs").glob("stage-1-*standby*.log")):
+                        assert time.monotonic() < deadline, "no standby"
+                        time.sleep(0.2)
+                match = stage.search(up.stderr())
+                assert match is not None
+                pid = int(match.group(1))
+                name = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+                body = {"model": name, "prompt": prompt, "max_tokens": kill_at + 8, "temperature": 0,
+                        "ignore_eos": True, "prefix_cache": False, "speculation": False, "stream": True,
+                        "stream_options": {"include_usage": True}}
+                chunks, gaps, killed, next_token, usage, last = 0, [], 0.0, 0.0, {}, time.perf_counter()
+                with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=300) as response:
+                    for line in response.iter_lines():
+                        if not line.startswith("data: {"):
+                            continue
+                        chunk = json.loads(line[6:])
+                        usage = chunk.get("usage") or usage
+                        if not chunk.get("choices"):
+                            continue
+                        now = time.perf_counter()
+                        gaps.append(now - last)
+                        last, chunks = now, chunks + 1
+                        if chunks == kill_at:
+                            lost = re.findall(r"warning: stage \d \(\S+\) lost: [^\n]*", up.stderr())
+                            assert not lost, f"a stage was lost before the kill: {lost}"
+                            os.kill(pid, signal.SIGKILL)
+                            killed = time.perf_counter()
+                        elif chunks == kill_at + 1:
+                            next_token = now - killed
+                resume = (usage.get("skippy_resume") or [{}])[0]
+                again = re.search(r"stage 1 \(layers \S+\) pid \d+ (restarted|standby) in ([\d.]+) s", up.stderr())
+                print(f"{how[2:]}: prompt {usage.get('prompt_tokens')} tokens + {kill_at}; kill to next token "
+                      f"{next_token * 1e3:.0f} ms (replacement ready in {again.group(2) if again else '?'} s; "
+                      f"lane re-opened {resume.get('reopened_ms', 0):.0f} ms, resume {resume.get('resume_ms', 0):.0f} "
+                      f"ms, mode {resume.get('mode')}); median token gap before "
+                      f"{statistics.median(gaps[1:kill_at]) * 1e3:.1f} ms")
+            finally:
+                up.stop()
+
+
 def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
     import numpy as np
 
@@ -169,7 +277,7 @@ def step(model: Path, rounds: int, steps: int, ctx: int) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("what", choices=["cost", "step", "kill"])
+    parser.add_argument("what", choices=["cost", "step", "relay", "kill", "up-kill"])
     parser.add_argument("--model", type=Path, default=None, help="a GGUF (default: the tiny generated llama)")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--tokens", type=int, default=64)
@@ -186,6 +294,10 @@ def main() -> None:
     model = args.model or ensure_model(tiny("llama"))
     if args.what == "cost":
         trio.run(cost, model, args.rounds, args.tokens, args.ctx_size)
+    elif args.what == "relay":
+        trio.run(relay, model, args.rounds, args.tokens, args.ctx_size)
+    elif args.what == "up-kill":
+        up_kill(model, args.context, args.kill_at, args.ctx_size)
     elif args.what == "step":
         step(model, args.rounds, args.tokens, args.ctx_size)
     else:

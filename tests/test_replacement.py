@@ -6,6 +6,12 @@ SIGSTOP within 2 s (heartbeats, docs/protocol.md §13).  The launcher replaces i
 address (a fresh start, or the warm standby with ``--standby``), after which a request answers
 as before the loss; after ``--restarts`` replacements the next loss stops the chain.  Nothing is
 left running afterwards, the replaced processes included.
+
+An in-flight request survives (issue 29's matrix, docs/protocol.md §14): the first, middle and
+final stage SIGKILLed during decode, greedy with and without speculation and seeded, direct
+return on and off (the real Gemma too, without speculation), and during a long prefill (the
+request restarts): each stream equals the uninterrupted one and the survivors recompute nothing;
+a stage lost again and again fails the request with 503 naming it after ``--resume-attempts``.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -162,15 +169,25 @@ def test_a_stopped_stage_is_seen_within_two_seconds_and_replaced(up: UpProcess, 
           f"replacement ready in {replaced.group(4)} s")
 
 
-def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None) -> tuple[str, str, float, dict]:
-    """Stream a long greedy completion; with ``kill`` = (pid, signal), send it after the 20th
-    chunk.  Returns the text, the error line (or ""), the seconds from the signal to the error
-    (or to the next chunk) and the usage chunk's usage."""
+def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None, at: int = 20, after_s: float = 0.0,
+                      **extra: object) -> tuple[str, str, float, dict]:
+    """Stream a long greedy completion (``extra``: more of the body); with ``kill`` = (pid,
+    signal), send it after the ``at``-th chunk (0: ``after_s`` seconds after the request, in its prefill).
+    Returns the text, the error line (or ""), the seconds from the signal to the error (or to
+    the next chunk) and the usage chunk's usage."""
     model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
+            "stream": True, "stream_options": {"include_usage": True}, **extra}
     sent, text, error, took, usage, lost = 0, [], "", 0.0, {}, 0.0
     pid, number = kill if kill is not None else (0, 0)
+    timer = None
+    if kill is not None and at == 0:
+        def prefill_kill() -> None:
+            nonlocal lost
+            os.kill(pid, number)
+            lost = time.monotonic()
+        timer = threading.Timer(after_s, prefill_kill)
+        timer.start()
     try:
         with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=90) as response:
             for line in response.iter_lines():
@@ -185,12 +202,14 @@ def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None) -> tup
                 for choice in chunk.get("choices", ()):
                     text.append(choice.get("text") or "")
                 sent += 1
-                if kill is not None and sent == 20:
+                if kill is not None and sent == at:
                     os.kill(pid, number)
                     lost = time.monotonic()
-                elif kill is not None and sent == 21:
+                elif kill is not None and sent == at + 1 and lost:
                     took = time.monotonic() - lost
     finally:
+        if timer is not None:
+            timer.join()
         if number == signal.SIGSTOP and pid_alive(pid):
             os.kill(pid, signal.SIGCONT)
     return "".join(text), error, took, usage
@@ -410,3 +429,179 @@ def test_a_standby_listens_only_once_activated(tmp_path: Path) -> None:
             standby.wait()
         assert standby.stdin is not None
         standby.stdin.close()
+
+
+# -- the issue's matrix through skippy up (issue 29 "Checked by") --------------------------------
+
+#: The request bodies of the matrix: greedy with speculation (the API's default for greedy
+#: requests), greedy without (decoded token by token: direct return where it is on, the decode
+#: relay on the stages), and seeded sampling (never speculates).
+MODES: dict[str, dict[str, object]] = {
+    "greedy-speculative": {},
+    "greedy": {"speculation": False},
+    "seeded": {"temperature": 0.9, "top_p": 0.95, "seed": 1234},
+}
+
+
+def current(up: UpProcess) -> dict[int, tuple[int, str]]:
+    """index -> (pid, address) of the process serving each stage now (the last announced)."""
+    now = stages(up)
+    for match in _READY_AGAIN.finditer(up.stderr()):
+        now[int(match.group(1))] = (int(match.group(2)), match.group(5))
+    return now
+
+
+def settled(up: UpProcess, timeout: float = 15.0) -> list[dict]:
+    """The chain's stage metrics once every stage holds no session and no KV cell (no leak)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        metrics = [stage["metrics"] for stage in httpx.get(up.url + "/chain", timeout=10).json()["stages"]]
+        if all(m and m.get("sessions_in_use") == 0 and m.get("kv_cells_used") == 0 for m in metrics):
+            return metrics
+        assert time.monotonic() < deadline, f"a stage kept a session or KV cells: {metrics}"
+        time.sleep(0.1)
+
+
+_METRICS_AT = re.compile(r"metrics on (http://\S+/metrics)")
+
+
+def resume_counters(tmp_path: Path, index: int) -> tuple[float, float]:
+    """(replayed, recomputed) positions of stage ``index``'s current process (its metrics)."""
+    url = _METRICS_AT.findall(stage_log(tmp_path, index).read_text(errors="replace"))[-1]
+    text = httpx.get(url, timeout=10).text
+    figures = [float(re.search(rf"^skippy_stage_resume_{name}_tokens_total\S* (\S+)$", text, re.M).group(1))
+               for name in ("replayed", "recomputed")]
+    return figures[0], figures[1]
+
+
+REAL_LAYERS = "0:6,6:12,12:18"  # Gemma 3 270M's 18 layers in 3 stages
+
+
+@pytest.mark.parametrize("direct", ["auto", "off"], ids=["direct-return", "hop-by-hop"])
+def test_each_stage_killed_during_decode_is_replaced_and_the_stream_completes_equal(
+        tiny_llama: Path, tmp_path: Path, direct: str) -> None:
+    kill_each_stage(start(tiny_llama, tmp_path, "--restarts", "9", "--direct-return", direct), tmp_path, direct)
+
+
+@pytest.mark.real_model
+def test_each_stage_of_the_real_gemma_killed_during_decode_completes_equal(real_model: Path, tmp_path: Path) -> None:
+    """Greedy and seeded, not speculative: on the real Gemma (Q4_K_M) a verify window's rows round
+    differently from one-row steps (an uninterrupted speculative run's text already differs from
+    the plain greedy one), and a speculative run resumes token by token (docs/protocol.md §14),
+    so only the tiny F32 model checks a speculative resume for equality."""
+    modes = {mode: body for mode, body in MODES.items() if mode != "greedy-speculative"}
+    kill_each_stage(start(real_model, tmp_path, "--restarts", "9", "--layers", REAL_LAYERS, "--ctx-size", "512"),
+                    tmp_path, "gemma", modes)
+
+
+def kill_each_stage(up: UpProcess, tmp_path: Path, label: str, modes: dict[str, dict[str, object]] = MODES) -> None:
+    """First, middle and final stage in turn, SIGKILL at the 20th chunk, greedy with and without
+    speculation and seeded sampling: each stream completes, equal to the uninterrupted one, its
+    usage naming the lost stage, and the surviving stages replay from their logs (or KV) without
+    recomputing a position; afterwards no stage holds a session or KV cell and every replaced
+    process is gone."""
+    try:
+        expected = {mode: stream_completion(up, **body) for mode, body in modes.items()}
+        for mode, (text, error, _, usage) in expected.items():
+            assert text and not error, (mode, error, usage)
+        killed: list[int] = []
+        replaced = 0
+        for lost in (0, 1, 2):
+            for mode, body in modes.items():
+                pid, address = current(up)[lost]
+                survivors = {index: resume_counters(tmp_path, index) for index in range(3) if index != lost}
+                text, error, took, usage = stream_completion(up, (pid, signal.SIGKILL), **body)
+                assert not error, (lost, mode, error)
+                assert text == expected[mode][0], (lost, mode)
+                resumes = usage.get("skippy_resume") or []
+                assert [entry["lost_stage"] for entry in resumes] == [lost], (lost, mode, usage)
+                assert resumes[0]["address"] == address, resumes
+                replaced += 1
+                ready_again(up, replaced)
+                killed.append(pid)
+                for index, (replayed, recomputed) in survivors.items():  # the survivors computed nothing again
+                    wait_for(lambda: resume_counters(tmp_path, index)[0] > replayed, 10,
+                             f"stage {index} replayed nothing")
+                    assert resume_counters(tmp_path, index)[1] == recomputed, (lost, mode, index)
+                print(f"{label} stage {lost} {mode}: next token {took * 1000:.0f} ms after SIGKILL; {resumes[0]}")
+        settled(up)
+        assert not any(pid_alive(pid) for pid in killed)
+        pids = every_pid(up)
+        assert up.signal(signal.SIGTERM) == 0
+        wait_for(lambda: not any(pid_alive(p) for p in pids), 15, "a stage outlived the launcher")
+    finally:
+        up.stop()
+        stop_all(up)
+
+
+@pytest.mark.real_model
+def test_a_stage_killed_during_a_long_prefill_restarts_the_request_and_completes_equal(
+        real_model: Path, tmp_path: Path) -> None:
+    """The middle stage SIGKILLed during the prefill of a ~1,000-token prompt: no token was
+    committed, so the request starts again on the replacement (a full prefill on every stage,
+    ``mode`` "restart"), and the stream equals the uninterrupted one."""
+    up = start(real_model, tmp_path, "--restarts", "2", "--layers", REAL_LAYERS, "--ctx-size", "1536")
+    try:
+        body = {"prompt": "The quick brown fox jumps over the lazy dog. " * 100, "max_tokens": 16,
+                "prefix_cache": False}
+        whole, error, _, usage = stream_completion(up, **body)
+        assert whole and not error, error
+        prompt_tokens = usage["prompt_tokens"]
+        assert prompt_tokens >= 900, usage
+        pid, address = stages(up)[1]
+        started = time.monotonic()
+        text, error, took, usage = stream_completion(up, (pid, signal.SIGKILL), at=0, after_s=0.5, **body)
+        assert not error, error
+        assert text == whole
+        resumes = usage.get("skippy_resume") or []
+        assert [(entry["lost_stage"], entry["tokens"]) for entry in resumes] == [(1, 0)], usage
+        ready_again(up)
+        settled(up)
+        print(f"prefill of {prompt_tokens} tokens, SIGKILL 0.5 s in: {resumes[0]}; the stream ended "
+              f"{time.monotonic() - started:.1f} s after the request")
+    finally:
+        up.stop()
+        stop_all(up)
+
+
+def test_a_stage_lost_again_and_again_fails_the_request_with_503_naming_it(tiny_llama: Path, tmp_path: Path) -> None:
+    """Every process serving stage 1 is SIGKILLed as soon as it runs (``--restarts 30``), so each
+    resume try fails; after ``--resume-attempts 2`` failed tries the request fails with 503 naming
+    the stage.  Once the kills stop, the last replacement serves the next request as before, and
+    nothing is left behind (the survivors' parked sessions are released at their deadline, 30 s)."""
+    up = start(tiny_llama, tmp_path, "--restarts", "30", "--resume-attempts", "2", "--resume-wait", "1")
+    try:
+        before = answer(up)
+        pid, address = stages(up)[1]
+        model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+        done, killed = threading.Event(), set()
+
+        def kill_stage_1() -> None:
+            done.wait(0.15)  # into the decode
+            while not done.is_set():
+                serving = current(up)[1][0]
+                if serving not in killed and pid_alive(serving):
+                    os.kill(serving, signal.SIGKILL)
+                    killed.add(serving)
+                time.sleep(0.005)
+
+        killer = threading.Thread(target=kill_stage_1)
+        killer.start()
+        try:
+            response = httpx.post(up.url + "/v1/completions", timeout=90, json={
+                "model": model, "prompt": "x", "max_tokens": 220, "temperature": 0, "ignore_eos": True,
+                "speculation": False})
+        finally:
+            done.set()
+            killer.join()
+        assert response.status_code == 503, response.text[:300]
+        assert "stage 1" in response.text and address in response.text, response.text
+        assert "resume failed 2 times" in response.text, response.text
+        wait_for(lambda: current(up)[1][0] not in killed and pid_alive(current(up)[1][0]), 30, "no last replacement")
+        assert answer(up) == before
+        settled(up, timeout=45.0)
+        assert not any(pid_alive(p) for p in killed)
+        print(f"{len(killed)} processes of stage 1 killed; {response.status_code}: {response.text[:200]}")
+    finally:
+        up.stop()
+        stop_all(up)

@@ -602,7 +602,14 @@ class Generation:
                 except StageLost:
                     pass  # not back there (yet): try anyway, the stage may have moved
                 try:
-                    mode = await self._reopen(old)
+                    # bounded: a first stage still dialing a replacement that never listens
+                    # (killed again) would otherwise hold the lane for the whole reply timeout
+                    with trio.fail_after(generator.resume_wait_s):
+                        mode = await self._reopen(old)
+                except trio.TooSlowError:
+                    if trio.current_time() >= deadline:
+                        break
+                    continue
                 except StageLost as failure:
                     last = failure
                     if failure.frame is not None and failure.frame.origin_address:  # the chain names the lost stage

@@ -214,9 +214,14 @@ cdef class DecodeRelay:
     cdef unsigned char *_answer
     cdef const unsigned char *_reply_template  # the downstream's reply template (kept alive above)
     cdef int64_t _pending_compute_us, _pending_write_us, _pending_sent_us
+    # the activation log's rows (a non-final stage's f32 output per computed step; NULL: off)
+    cdef float *_log
+    cdef Py_ssize_t _logged
+    cdef int64_t _log_start
 
     def __cinit__(self):
         self._buffer = NULL
+        self._log = NULL
         self._out = NULL
         self._reply = NULL
         self._answer = NULL
@@ -224,7 +229,7 @@ cdef class DecodeRelay:
     def __init__(self, *, int upstream_fd, int downstream_fd, int stop_fd, int abort_fd, bytes in_template,
                  bytes out_template, Py_ssize_t width, bint first, int n_vocab, int64_t next_position,
                  int64_t position_end, double activation_limit, object runtime, bint final=False,
-                 int max_steps=1024, bytes reply_in=b"", bytes reply_out=b""):
+                 int max_steps=1024, bytes reply_in=b"", bytes reply_out=b"", bint log_rows=False):
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
         self._hop = len(reply_in) > 0
@@ -276,6 +281,11 @@ cdef class DecodeRelay:
             raise MemoryError()
         memcpy(self._out, PyBytes_AS_STRING(out_template), self._out_length)
         self._filled = 0
+        self._logged, self._log_start = 0, next_position
+        if log_rows and not final and max_steps > 0:
+            self._log = <float *>malloc(<size_t>max_steps * <size_t>width * sizeof(float))
+            if self._log == NULL:
+                raise MemoryError()
         self.last_frame_ns = _now_ns()
 
     def __dealloc__(self):
@@ -283,6 +293,7 @@ cdef class DecodeRelay:
         free(self._out)
         free(self._reply)
         free(self._answer)
+        free(self._log)
 
     def run(self, bytes pending=b""):
         """Relay until a frame it does not carry, a stop, or ``max_steps``; see the twin's ``run``."""
@@ -291,6 +302,7 @@ cdef class DecodeRelay:
             return RelayOutcome(_HANDED_BACK, pending, 0, 0, 0, 0, 0)
         memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
         self._filled = count
+        self._logged, self._log_start = 0, self.next_position  # rows not taken after the last run are dropped
         cdef int status
         cdef int64_t counters[8]  # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out
         memset(counters, 0, sizeof(counters))
@@ -306,6 +318,14 @@ cdef class DecodeRelay:
         self._reply_filled = 0
         return RelayOutcome(status, leftover, counters[0], counters[1] // 1000, counters[2] // 1000, counters[3],
                             counters[4], counters[5] // 1000, counters[6], counters[7], reply, *in_flight)
+
+    def take_log(self):
+        """The rows computed since the last call; see the twin's ``take_log``."""
+        cdef Py_ssize_t count = self._logged
+        rows = PyBytes_FromStringAndSize(<char *>self._log, count * self._width * 4) if count else b""
+        start = self._log_start
+        self._logged, self._log_start = 0, self.next_position
+        return start, count, rows
 
     cdef int _loop(self, int64_t *counters) noexcept nogil:
         cdef int status
@@ -454,6 +474,9 @@ cdef class DecodeRelay:
         hidden = self._calls.embeddings(self._context)
         if hidden == NULL:
             return 1
+        if self._log != NULL:  # contiguous positions from _log_start: one row per computed step
+            memcpy(self._log + self._logged * self._width, hidden, 4 * self._width)
+            self._logged += 1
         memcpy(out + FRAME_POS_START, frame + FRAME_POS_START, 4)
         memcpy(out + FRAME_DECODE_STEP, frame + FRAME_DECODE_STEP, 8)
         memcpy(out + FRAME_REQUEST_ID, frame + FRAME_REQUEST_ID, 8)

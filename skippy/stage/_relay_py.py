@@ -268,12 +268,14 @@ class DecodeRelay:
         activation_limit: the largest magnitude an activation value may have.
         runtime: the one-row batch (``skippy.runtime.RowBatch``).
         max_steps: the most tokens one :meth:`run` relays.
+        log_rows: a non-final stage keeps the f32 output row of every step it computes, for the
+            stage's activation log (:meth:`take_log`, after each run).
     """
 
     def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
                  out_template: bytes, width: int, first: bool, n_vocab: int, next_position: int,
                  position_end: int, activation_limit: float, runtime: Any, final: bool = False,
-                 max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"") -> None:
+                 max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"", log_rows: bool = False) -> None:
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
         #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
@@ -305,6 +307,20 @@ class DecodeRelay:
         self._reply_poll.register(stop_fd, select.POLLIN)
         self._reply_poll.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
+        #: The rows of the steps computed this run (None: not logging), from ``_log_start``.
+        self._log: list[bytes] | None = [] if log_rows and not final else None
+        self._log_start = next_position
+
+    def take_log(self) -> tuple[int, int, bytes]:
+        """``(start, count, rows)``: the f32 output rows of the positions ``[start, start + count)``
+        computed by the last :meth:`run` (the one in flight when it ended ``REPLY_PENDING``
+        included), ``count * width`` little-endian floats; then forgets them."""
+        rows = self._log or []
+        start, count, data = self._log_start, len(rows), b"".join(rows)
+        if self._log is not None:
+            self._log = []
+        self._log_start = self.next_position
+        return start, count, data
 
     def run(self, pending: bytes = b"") -> RelayOutcome:
         """Relay frames (``pending`` first: bytes the lane had read) until one it does not carry,
@@ -312,6 +328,9 @@ class DecodeRelay:
         if len(pending) > self._capacity:
             return RelayOutcome(HANDED_BACK, pending, 0, 0, 0, 0, 0)
         self._buffer = bytearray(pending)
+        if self._log is not None:  # rows not taken after the last run are dropped
+            self._log = []
+        self._log_start = self.next_position
         # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out
         counters = [0, 0, 0, 0, 0, 0, 0, 0]
         status = self._loop(counters)
@@ -428,6 +447,8 @@ class DecodeRelay:
                              token)  # the token vector's entry
             return True
         hidden = runtime.hidden()
+        if self._log is not None:  # contiguous positions from _log_start: one row per computed step
+            self._log.append(np.asarray(hidden, dtype="<f4").tobytes())
         frame, out = self._buffer, self._out
         out[_POS_START:_POS_START + 4] = frame[_POS_START:_POS_START + 4]
         out[_DECODE_STEP:_DECODE_STEP + 8] = frame[_DECODE_STEP:_DECODE_STEP + 8]

@@ -9,8 +9,10 @@ Strategy: two stage-wide tables, used only on the runtime's thread (the executor
   partition) is answered from the log instead of the runtime: this stage's KV is kept, nothing is
   computed, and the replacement receives bit-identical inputs in the same micro-batches.  Memory
   is bounded by ``budget_bytes``; past it the least recently written sessions are evicted whole
-  (their replay falls back to recomputing on this stage, logged).  A gap (frames carried outside
-  the executor, e.g. the decode relay) or a frame overwriting logged positions cuts the log back.
+  (their replay falls back to recomputing on this stage, logged).  The decode relay's steps reach
+  it too (the loop keeps each computed row; :class:`~skippy.stage.decode_relay.RelayRun` records
+  them after every run).  A gap (frames this log did not see) or a frame overwriting logged
+  positions cuts the log back.
 * :class:`ParkedSessions`: a session whose lane closed because the chain lost a stage is not
   released but parked for ``hold_s`` seconds under its wire session id; a resume (a
   ConfigureGeneration carrying :data:`~skippy.codec.protocol_ext.RESUME_METADATA_KEY`) on a new

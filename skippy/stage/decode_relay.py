@@ -26,7 +26,9 @@ link's reader and gives it the socket back, and the reply takes the lane's path.
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
 for the thread is never abandoned, so no socket is closed under it), and every ``max_steps``
-tokens so the stage's statistics stay current.
+tokens so the stage's statistics stay current.  On a non-final stage the loop also keeps the
+output row of each step it computes; after every run they go into the stage's activation log
+(skippy.stage.activation_log), as the executor's rows do.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import os
 import time
 from typing import TYPE_CHECKING, Any, Callable
 
+import numpy as np
 import trio
 
 from skippy.codec import _frame_layout as layout
@@ -105,6 +108,8 @@ class RelayPlan:
     reply_out: bytes = b""
     #: docs/protocol.md §8 (else hop by hop: every token is answered upstream).
     direct: bool = True
+    #: The executor's key of the session (its activation log's too).
+    session_key: int = 0
 
 
 def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor", session_key: int,
@@ -152,7 +157,7 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
         return None
     if 0 < position_end <= next_position:
         return None
-    return RelayPlan(in_template, forwarded, seq, next_position, sampler, reply_in, reply_out, direct)
+    return RelayPlan(in_template, forwarded, seq, next_position, sampler, reply_in, reply_out, direct, session_key)
 
 
 class HopReplies:
@@ -219,6 +224,9 @@ class RelayRun:
         self.direct = plan.direct
         if not plan.direct and not self.final and (lane is None or link is None):
             raise ValueError("a hop-by-hop relay on a non-final stage needs its lane and downstream link")
+        #: A non-final stage's activation log gets the rows the loop computed (after each run).
+        self._log = executor.activation_log if not self.final and executor.activation_log.enabled else None
+        self._session_key = plan.session_key
         self._stop = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._abort = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
@@ -228,7 +236,7 @@ class RelayRun:
                 abort_fd=self._abort, in_template=plan.in_template, out_template=plan.out_template, width=width,
                 first=executor.is_first, n_vocab=executor.n_vocab, next_position=plan.next_position,
                 position_end=position_end, activation_limit=ACTIVATION_LIMIT, runtime=self._rows, final=self.final,
-                max_steps=MAX_STEPS, reply_in=plan.reply_in, reply_out=plan.reply_out)
+                max_steps=MAX_STEPS, reply_in=plan.reply_in, reply_out=plan.reply_out, log_rows=self._log is not None)
         except BaseException:
             self.close()
             raise
@@ -328,6 +336,7 @@ class RelayRun:
         stats.compute_us += outcome.pending_compute_us
         stats.write_throughs += 1
         stats.forward_write_us += outcome.pending_write_us
+        self._executor.resume_stats.computed_positions += 1
         if outcome.reply_leftover:
             link.reader.decoder.receive_data(outcome.reply_leftover)  # type: ignore[union-attr]
         return rest
@@ -352,6 +361,11 @@ class RelayRun:
             self.abort()
 
     def _account(self, outcome: Any) -> None:
+        if self._log is not None:  # the rows this run computed, into the log as the executor's are
+            start, count, rows = self._relay.take_log()
+            if count:
+                self._log.record(self._session_key, start, count,
+                                 np.frombuffer(rows, dtype="<f4").reshape(count, self._width))
         steps = outcome.steps
         self.steps += steps
         stats = self._stats
@@ -371,6 +385,7 @@ class RelayRun:
         stats.decode_items += steps
         stats.native_batches += steps
         stats.compute_us += outcome.compute_us
+        self._executor.resume_stats.computed_positions += steps
         if self.final and self.direct:
             stats.direct_replies += steps
         else:
