@@ -1,12 +1,15 @@
 """The stage server: ``python -m skippy.stage --model M --layers A:B --listen H:P [--downstream H:P]``.
 
-Modules by job: ``config`` (settings), ``server`` (load, listen, shutdown), ``lane_protocol``
-(a lane's rules, sans-IO: the per-kind table, events in, actions out), ``connection`` (one lane's
-I/O: its nursery of receive / compute / forward / relay tasks), ``errors`` (the typed refusals and
-their wire codes), ``scheduler`` (the runtime's single
-owner, cross-session decode batching), ``worker`` (the one thread native calls run on),
-``executor`` (runtime calls and the session table), ``transport`` (frames over trio streams,
-downstream dialing, wire conditions), ``stats``, ``threads`` (how the compute threads wait: set
+Modules by job (the lane's rules, sans-IO, are :mod:`skippy.lane`): ``config`` (settings),
+``server`` (load, listen, shutdown, the watchdog), ``connection`` (one lane: its lifetime, receive
+loop and dispatch), ``upstream`` / ``downstream`` (the lane's two halves: replies and return lanes;
+forwarding and the downstream's replies), ``control`` (the stage's own part of control kinds),
+``scheduler`` (the runtime's single owner: decode groups, cross-session batching), ``worker`` (the
+one thread native calls run on), ``executor`` (runtime calls and the session table),
+``decode_relay`` with ``_relay`` (the data plane), ``write_through``, ``direct_return``,
+``activation_log`` (what a stage handed downstream, for a resume), ``liveness`` / ``standby``
+(heartbeats, a warm standby), ``transport`` (frames over trio streams, downstream dialing, wire
+conditions), ``limits``, ``stats`` / ``metrics``, ``threads`` (how the compute threads wait: set
 here, before the imports below load the native runtime).
 """
 
