@@ -7,7 +7,10 @@ stage's process (middle, first, final) after the 20th chunk: the Ray launcher re
 bundle (a new port: stages listen on port 0), re-wires its upstream (or re-points the API's
 lanes at a new first stage), and the driver resumes the session there (docs/protocol.md §14).
 The stream completes with 200 and the uninterrupted text, and ``usage.skippy_resume`` names the
-lost stage.  The cases share the cluster and the chain (each start costs most of a minute).
+lost stage, within a few seconds: a dial of a moved downstream follows the launcher's re-wiring
+(before, a lane opened while the stage was being restarted kept retrying the lost address and
+the survivors' parked session expired: a full re-prefill after 30 s).  The cases share the
+cluster and the chain (each start costs most of a minute).
 """
 
 from __future__ import annotations
@@ -76,7 +79,8 @@ def ray_up(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
     finally:
         pids = chain.every_pid()
         try:
-            assert up.signal(signal.SIGTERM, timeout=60) == 0 if up.process else True, up.stderr()
+            if up.process is not None and up.process.poll() is None:
+                assert up.signal(signal.SIGTERM, timeout=60) == 0, up.stderr()
         finally:
             up.stop()
             cluster.shutdown()
