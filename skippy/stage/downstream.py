@@ -94,12 +94,20 @@ class DownstreamLink:
         """Dial the downstream, check it (§9), and start the forward and relay tasks in ``nursery``."""
         settings = self.settings
         address = settings.downstream
+        dialled: list[object] = [address]
+        resolve = None
         if settings.downstream_file is not None:  # re-wired by a launcher (--downstream-file)
-            address = _read_downstream_file(settings.downstream_file) or address
-            self.name = str(address)
+            def resolve() -> object:  # read at every attempt: the launcher may move it while this dials
+                dialled[0] = _read_downstream_file(settings.downstream_file) or settings.downstream
+                return dialled[0]
+
+            address = resolve()
         assert address is not None
         self.stream = await connect_stage(address, settings.connect_timeout,  # type: ignore[arg-type]
-                                          tls=settings.downstream_tls)
+                                          tls=settings.downstream_tls, resolve=resolve)  # type: ignore[arg-type]
+        address = dialled[0]
+        if settings.downstream_file is not None:
+            self.name = str(address)
         self.io = SocketIO(self.stream)
         self.socket = self.io.is_socket
         if settings.identities is not None:  # docs/protocol.md §9: same model, ranges that meet

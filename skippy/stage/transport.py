@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import ssl
+from typing import Callable
 
 import trio
 
@@ -221,9 +222,12 @@ async def send_frame(io: SocketIO, frame: bytes | memoryview, peer: str, *, down
 
 
 async def connect_stage(address: Address, timeout: float, *, attempt_timeout: float = 2.0,
-                        ready_timeout: float = 10.0, tls: ssl.SSLContext | None = None) -> trio.abc.Stream:
+                        ready_timeout: float = 10.0, tls: ssl.SSLContext | None = None,
+                        resolve: Callable[[], Address] | None = None) -> trio.abc.Stream:
     """Dial a stage and complete READY, retrying until ``timeout`` seconds have passed (with
     ``tls``, READY comes after a mutually authenticated TLS handshake: :mod:`skippy.net.tls`).
+    ``resolve``: where to dial, asked again before every attempt (a launcher that re-wires the
+    chain moves the address meanwhile); ``address`` is then only its first answer.
 
     Raises:
         DownstreamLost: the deadline passed; the message names the address and the last error.
@@ -232,6 +236,8 @@ async def connect_stage(address: Address, timeout: float, *, attempt_timeout: fl
     delay = 0.1
     last_error = "no attempt made"
     while True:
+        if resolve is not None:
+            address = resolve()
         remaining = deadline - trio.current_time()
         if remaining <= 0:
             raise DownstreamLost(
