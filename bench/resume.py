@@ -213,10 +213,14 @@ def up_kill(model: Path, context: int, kill_at: int, ctx: int) -> None:
                         "stream_options": {"include_usage": True}}
                 chunks, gaps, killed, next_token, usage, last = 0, [], 0.0, 0.0, {}, time.perf_counter()
                 with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=300) as response:
+                    if response.status_code != 200:  # a refusal: a JSON body, no data: line
+                        raise RuntimeError(f"HTTP {response.status_code}: {response.read().decode(errors='replace')}")
                     for line in response.iter_lines():
                         if not line.startswith("data: {"):
                             continue
                         chunk = json.loads(line[6:])
+                        if "error" in chunk:
+                            raise RuntimeError(f"the stream failed: {chunk['error']}")
                         usage = chunk.get("usage") or usage
                         if not chunk.get("choices"):
                             continue

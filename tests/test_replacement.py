@@ -174,7 +174,9 @@ def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None, at: in
     """Stream a long greedy completion (``extra``: more of the body); with ``kill`` = (pid,
     signal), send it after the ``at``-th chunk (0: ``after_s`` seconds after the request, in its prefill).
     Returns the text, the error line (or ""), the seconds from the signal to the error (or to
-    the next chunk) and the usage chunk's usage."""
+    the next chunk) and the usage chunk's usage.  A refusal before the stream (a JSON error body
+    with a status other than 200, no ``data:`` line) is the error "HTTP <status>: <body>", never
+    an empty text without one."""
     model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
     body = {"model": model, "prompt": "x", "max_tokens": 120, "temperature": 0, "ignore_eos": True,
             "stream": True, "stream_options": {"include_usage": True}, **extra}
@@ -190,6 +192,11 @@ def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None, at: in
         timer.start()
     try:
         with httpx.stream("POST", up.url + "/v1/completions", json=body, timeout=90) as response:
+            if response.status_code != 200:
+                error, took = f"HTTP {response.status_code}: {response.read().decode(errors='replace')}", 0.0
+                if lost:
+                    took = time.monotonic() - lost
+                return "", error, took, usage
             for line in response.iter_lines():
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
@@ -213,6 +220,15 @@ def stream_completion(up: UpProcess, kill: tuple[int, int] | None = None, at: in
         if number == signal.SIGSTOP and pid_alive(pid):
             os.kill(pid, signal.SIGCONT)
     return "".join(text), error, took, usage
+
+
+def test_a_stream_refused_before_it_starts_is_an_error_not_an_empty_text(up: UpProcess) -> None:
+    """A request the API refuses before streaming (here a 400: max_tokens beyond the context; a
+    503 or 429 the same) has a JSON body and no ``data:`` line: the helper reports it as an error,
+    so a check of ``text and not error`` cannot read it as "200 with an empty text"."""
+    text, error, _, usage = stream_completion(up, max_tokens=100_000)
+    assert text == "" and usage == {}
+    assert error.startswith("HTTP 400: ") and "context_length_exceeded" in error, error
 
 
 @pytest.mark.parametrize("number", [signal.SIGKILL, signal.SIGSTOP], ids=["killed", "stopped"])

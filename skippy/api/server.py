@@ -8,6 +8,7 @@ task.  Cancelling the task stops the server; the lanes are closed on the way out
 
 from __future__ import annotations
 
+import functools
 import logging
 import ssl
 from pathlib import Path
@@ -120,7 +121,10 @@ async def serve_api(model: Path, first_stage: Address, *, host: str = "127.0.0.1
     """
     if reasoning_format not in REASONING_FORMATS:
         raise ValueError(f"reasoning format must be one of {', '.join(REASONING_FORMATS)} (got {reasoning_format!r})")
-    generator = Generator.from_model(model, n_ctx=n_ctx, decode_runs=decode_runs, chat_template=chat_template)
+    # off the loop: it may be shared with heartbeats due within ~1 s (``skippy up``), and a big
+    # vocabulary on a busy host loads for longer (every stage then looked lost at once)
+    generator = await trio.to_thread.run_sync(functools.partial(
+        Generator.from_model, model, n_ctx=n_ctx, decode_runs=decode_runs, chat_template=chat_template))
     generator.resume_attempts, generator.resume_wait_s = resume_attempts, resume_wait_s
     generator.first_stage = lambda: pool.address  # a launcher that moves the first stage re-points the pool
     pool = LanePool(first_stage, max_lanes=max_lanes, stages=stages, reply_timeout=reply_timeout, tls=stage_tls)
