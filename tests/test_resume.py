@@ -5,8 +5,8 @@ replacement started with the same command line on the same port.  The run must g
 the uninterrupted run (greedy and seeded sampling), the surviving stages must compute nothing
 again (their activation logs answer the replay, the decode relay's steps included), and the
 evicted-log fallback (recompute on the stage whose log is gone) must complete equal too; so
-must a replaced final stage's penalties and grammar, a speculative run, a loss before the first
-token (the request restarts), a hybrid model (its recurrent survivors recompute), and an API
+must a replaced final stage's penalties and grammar, a speculative run (on the real Gemma too,
+its windows replayed as computed), a loss before the first token (the request restarts), a hybrid model (its recurrent survivors recompute), and an API
 request (200, ``usage.skippy_resume``).  A stage that never comes back fails the request naming
 it.  Only the greedy middle- and final-stage cases and the unit tests (the log, the parked
 table, the resume section) run outside ``-m slow``.
@@ -311,7 +311,7 @@ def test_a_speculative_run_on_the_real_gemma_resumes_with_its_windows(real_model
     generator = Generator.from_model(real_model, n_ctx=512, chunk_size=16, credit=2, speculation=True)
     generator.prefix_cache = False
     generator.resume_attempts, generator.resume_wait_s = 3, 60.0
-    request = GenerationRequest(PROMPT * 3, 64)
+    request = GenerationRequest(generator.encode("x"), 120)
 
     async def main() -> None:
         async with stage_chain(str(real_model), ("0:6", "6:12", "12:18"), tmp_path) as stages:
@@ -320,7 +320,7 @@ def test_a_speculative_run_on_the_real_gemma_resumes_with_its_windows(real_model
             expected = await _run(generator, stages[0].address, request, 41)
             async with trio.open_nursery() as nursery:
                 text, tokens, resumes = await _run(generator, stages[0].address, request, 42,
-                                                   (stages[lost], nursery), at=40)
+                                                   (stages[lost], nursery), at=12)
             assert (text, tokens) == expected[:2] and [r["lost_stage"] for r in resumes] == [lost]
             for index, stage in enumerate(stages):
                 stats = await _settled(stage)
