@@ -6,9 +6,9 @@ the uninterrupted run (greedy and seeded sampling), the surviving stages must co
 again (their activation logs answer the replay, the decode relay's steps included), and the
 evicted-log fallback (recompute on the stage whose log is gone) must complete equal too; so
 must a replaced final stage's penalties and grammar, a speculative run (on the real Gemma too,
-its windows replayed as computed), a loss before the first token (the request restarts), a hybrid model (its recurrent survivors recompute), and an API
-request (200, ``usage.skippy_resume``).  A stage that never comes back fails the request naming
-it.  Only the greedy middle- and final-stage cases and the unit tests (the log, the parked
+its windows replayed as computed), a loss before the first token (the request restarts), a
+hybrid model (its recurrent survivors recompute), and an API request (200,
+``usage.skippy_resume``).  A stage that never comes back fails the request naming it.  Only the greedy middle- and final-stage cases and the unit tests (the log, the parked
 table, the resume section) run outside ``-m slow``.
 """
 
