@@ -512,3 +512,52 @@ def test_a_run_with_direct_return_resumes_hop_by_hop(tiny_llama: Path, tmp_path:
         trio.run(main)
     finally:
         generator.close()
+
+
+class _HeldContext:
+    """The runtime context's KV length per sequence (what ``Executor._replayed`` reads)."""
+
+    def __init__(self, held: int) -> None:
+        self.held = held
+
+    def length(self, seq: int) -> int:
+        return self.held
+
+    def trim(self, seq: int, length: int) -> None:
+        self.held = min(self.held, length)
+
+
+def test_a_survivor_answers_a_window_past_the_resume_length_and_not_past_a_recompute() -> None:
+    """A replayed verify window whose rejected rows reach past the resume length is answered from
+    the log (rows up to the length, then copies of the last one); once a frame was recomputed,
+    nothing the stage held past its start answers a later frame."""
+    from skippy.lane.work import WorkItem  # noqa: PLC0415
+    from skippy.stage.executor import Executor, _Session  # noqa: PLC0415
+    from skippy.stage.activation_log import LogStats  # noqa: PLC0415
+
+    executor = object.__new__(Executor)
+    executor.context = _HeldContext(10)  # type: ignore[assignment]
+    executor.is_last = False
+    executor.resume_stats = LogStats()
+    executor.activation_log = ActivationLog(1 << 20, executor.resume_stats)
+    executor._sessions = {}
+    rows = np.arange(10 * 2, dtype=np.float32).reshape(10, 2)
+    executor.activation_log.record(7, 0, 6, rows[:6])
+    executor.activation_log.record(7, 6, 4, rows[6:])
+    session = executor._sessions[7] = _Session(seq=0, resumed=True, resume_length=10, replay_valid=10)
+
+    def frame(start: int, count: int) -> WorkItem:
+        return WorkItem(session=7, positions=np.arange(start, start + count, dtype=np.int32), replay=True)
+
+    result = executor._replayed(session, frame(8, 4))  # rows 8, 9 held; 10, 11 rejected drafts
+    assert result is not None and result.activations is not None
+    assert np.array_equal(result.activations, np.concatenate([rows[8:10], rows[9:10], rows[9:10]]))
+    assert executor.resume_stats.replayed_tokens == 2
+    executor.context.held = 10
+    session.replay_valid = 10
+    assert executor._replayed(session, frame(4, 8)) is not None  # the same past the length from 4
+    executor.activation_log.drop(7)  # the log gone: recompute from 4, nothing held past it answers
+    assert executor._replayed(session, frame(4, 3)) is None
+    assert session.replay_valid == 4 and executor.resume_stats.replay_recomputed_tokens == 3
+    executor.context.held = 12  # (the recomputed window left rows past its kept part)
+    assert executor._replayed(session, frame(6, 2)) is None
