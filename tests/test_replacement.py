@@ -9,8 +9,8 @@ left running afterwards, the replaced processes included.
 
 An in-flight request survives (issue 29's matrix, docs/protocol.md §14): the first, middle and
 final stage SIGKILLed during decode, greedy with and without speculation and seeded, direct
-return on and off (the real Gemma too, without speculation), and during a long prefill (the
-request restarts): each stream equals the uninterrupted one and the survivors recompute nothing;
+return on and off (the real Gemma too, without speculation: see its test), and during a long
+prefill (the request restarts): each stream equals the uninterrupted one and the survivors recompute nothing;
 a stage lost again and again fails the request with 503 naming it after ``--resume-attempts``.
 """
 
@@ -501,10 +501,11 @@ def test_each_stage_killed_during_decode_is_replaced_and_the_stream_completes_eq
 
 @pytest.mark.real_model
 def test_each_stage_of_the_real_gemma_killed_during_decode_completes_equal(real_model: Path, tmp_path: Path) -> None:
-    """Greedy and seeded, not speculative: on the real Gemma (Q4_K_M) a verify window's rows round
-    differently from one-row steps (an uninterrupted speculative run's text already differs from
-    the plain greedy one), and a speculative run resumes token by token (docs/protocol.md §14),
-    so only the tiny F32 model checks a speculative resume for equality."""
+    """Greedy and seeded, not speculative: on the real Gemma (Q4_K_M) a row rounds with the batch
+    it is computed in and the speculation controller sizes windows from measured timings, so two
+    uninterrupted speculative runs through ``skippy up`` already differ in text.  A speculative
+    resume replays its windows as computed and speculates on (docs/protocol.md §14); with the
+    plan fixed, tests/test_resume.py checks it equal on this model."""
     modes = {mode: body for mode, body in MODES.items() if mode != "greedy-speculative"}
     kill_each_stage(start(real_model, tmp_path, "--restarts", "9", "--layers", REAL_LAYERS, "--ctx-size", "512"),
                     tmp_path, "gemma", modes)

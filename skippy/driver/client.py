@@ -536,22 +536,33 @@ class StageClient:
             outstanding -= 1
         return PrefillResult(await self._answer(owed), tuple(acks))
 
-    async def replay(self, session_id: int, tokens: Sequence[int], frames: Sequence[tuple[int, int]], *,
+    async def replay(self, session_id: int, tokens: Sequence[int],
+                     frames: Sequence[tuple[int, int] | tuple[int, int, Sequence[int]]], *,
                      credit: int = 2, request_id: int = 0) -> int:
         """docs/protocol.md §14: after a resume, send positions ``[0, len(tokens))`` of a session
         again as PrefillEmbd frames flagged ``REPLAY`` with the partition they were first
-        computed in (``frames``: (start, count), contiguous from 0): a stage that holds them
-        answers from its activation log, a replacement computes them.  Returns the frames sent.
+        computed in (``frames``: (start, count), each starting where the previous one's count
+        ends, from 0): a stage that holds them answers from its activation log, a replacement
+        computes them.  A frame ``(start, kept, rows)`` is a verify window as it was computed:
+        ``rows`` (the pending token and its drafts, rejected ones included) at ``start``, of which
+        ``kept`` positions stayed; the next frame, at ``start + kept``, trims the rest, as it did
+        then.  Returns the frames sent.
         """
         values = np.asarray(tokens, dtype=np.int32)
         outstanding = sent = 0
-        for start, count in frames:
+        for frame in frames:
+            start, count = frame[0], frame[1]
             if count <= 0 or start + count > len(values):
                 raise ValueError(f"replay frame ({start}, {count}) outside the {len(values)} positions")
+            rows = values[start:start + count]
+            if len(frame) == 3:
+                rows = np.asarray(frame[2], dtype=np.int32)  # type: ignore[misc]
+                if rows.shape[0] < count or not np.array_equal(rows[:count], values[start:start + count]):
+                    raise ValueError(f"replay window at {start}: its first {count} rows are not the session's")
             message = StageMessage.create(
-                MessageKind.PREFILL_EMBD, pos_start=start, token_count=count, request_id=request_id,
-                session_id=session_id, tokens=values[start:start + count],
-                state_changes={"prompt_token_count": len(values), "current_token": int(values[start + count - 1])})
+                MessageKind.PREFILL_EMBD, pos_start=start, token_count=len(rows), request_id=request_id,
+                session_id=session_id, tokens=rows,
+                state_changes={"prompt_token_count": len(values), "current_token": int(rows[-1])})
             message = dataclasses.replace(message, state=dataclasses.replace(
                 message.state, flags=message.state.flags | REPLAY_FLAG))
             self._owe(message)

@@ -338,9 +338,10 @@ class Generation:
         #: One entry per token of :attr:`tokens` (a request that asked for logprobs).
         self.logprobs: list[TokenLogprobs] | None = None if request.logprobs is None else []
         #: docs/protocol.md §14: the partition the session's positions were first computed in
-        #: ((start, count) frames: the prefill chunks, then one per decoded token), the resumes
-        #: so far, failed resume tries, and the lanes this run opened itself (closed at its end).
-        self._frames: list[tuple[int, int]] = []
+        #: ((start, count) frames: the prefill chunks, then one per decoded token; a verify
+        #: window as (start, positions kept, the rows it sent)), the resumes so far, failed
+        #: resume tries, and the lanes this run opened itself (closed at its end).
+        self._frames: list[tuple[int, int] | tuple[int, int, tuple[int, ...]]] = []
         self.resumes: list[dict[str, Any]] = []
         self._failed_resumes = 0
         self._own_lanes: list[StageClient] = []
@@ -461,6 +462,9 @@ class Generation:
             self._last = now
             self.timing.add_frames(client.take_timings())
             runner.replies.clear()
+            for start, kept, rows in runner.committed:
+                self._frames.append((start, kept) if kept == len(rows) else (start, kept, rows))
+            runner.committed.clear()
         else:
             if client.running:  # docs/protocol.md §11: the first stage feeds each token to the next step
                 reply = await client.next_run_token(self.session_id)
@@ -666,18 +670,26 @@ class Generation:
         flags = SAMPLING_EXTENSION_FLAG if request.sampling_extension is not None else 0
         await client.configure(self.session_id, sampling=sampling_config(request.sampling),
                                prompt_token_count=len(request.prompt), metadata=text, flags=flags)
-        if self._runner is not None:  # windows in flight are gone with the lane: go on token by token
-            self._spec_usage, self._runner = self._runner.decoder.usage, None
         frames = [f for f in self._frames if f[0] + f[1] <= length]
         covered = frames[-1][0] + frames[-1][1] if frames else 0
-        if sum(count for _, count in frames) != covered:
+        if sum(f[1] for f in frames) != covered:
             frames, covered = [], 0
-        # positions a speculative run committed in verify windows: one frame each (their windows'
-        # partition is not kept, so the replacement's rows may round differently there)
-        frames += [(position, 1) for position in range(covered, length)]
+        frames += [(position, 1) for position in range(covered, length)]  # (none when the record is whole)
         await client.replay(self.session_id, positions, frames, credit=self._generator.credit)
         self._frames = frames
         self._position = length
+        if self._runner is not None and self._runner.decoder.generated != self.tokens:
+            self._spec_usage, self._runner = self._runner.decoder.usage, None  # (not expected) token by token
+        if self._runner is not None:
+            # the windows in flight are gone with the lane; the run speculates on from the
+            # committed tokens with the same decoder (its drafts come from them, its controller
+            # keeps what it learned); the replayed windows' rejected rows past ``length`` are
+            # trimmed by the next window, or by finish()
+            decoder = self._runner.decoder
+            decoder.restart(length)
+            runner = SpeculativeRunner(client, self.session_id, decoder)
+            runner.kv_high_water = max([length, *(f[0] + len(f[2]) for f in frames if len(f) == 3)])
+            self._runner = runner
         return "replay"
 
     async def run(self) -> Completion:

@@ -85,6 +85,10 @@ class _Session:
     resumable: bool = False
     #: Adopted by a resume: a replay frame it cannot answer from the log is a recompute.
     resumed: bool = False
+    #: Adopted by a resume: the length it resumed at, and the end of the positions it still
+    #: holds as first computed (a recomputed replay frame cuts it back to the frame's start).
+    resume_length: int = 0
+    replay_valid: int = 0
 
 
 def sampling_params(config: SamplingConfig | None) -> SamplingParams | None:
@@ -427,9 +431,12 @@ class Executor:
             self._sessions[key] = self._sessions.pop(old)
             self.activation_log.rekey(old, key)
         self.resume_stats.adopted += 1
-        self._sessions[key].resumed = True
+        session = self._sessions[key]
+        session.resumed = True
         self.trim(key, length)
-        return min(length, self.context.length(self._sessions[key].seq))
+        held = min(length, self.context.length(session.seq))
+        session.resume_length, session.replay_valid = length, held
+        return held
 
     def restore_sampler(self, key: int, tokens: Sequence[int]) -> None:
         """The final stage: rebuild session ``key``'s sampler where sampling ``tokens`` left it
@@ -455,17 +462,29 @@ class Executor:
         start, count = int(item.positions[0]), item.rows
         if session is None:
             return None
-        if self.context.length(session.seq) < start + count:
+        end = start + count
+        valid = min(session.replay_valid, self.context.length(session.seq)) if session.resumed else 0
+        # a verify window replayed as computed (docs/protocol.md §14) may reach past the resume
+        # length with its rejected drafts: a stage holding every position up to that length hands
+        # on its rows for them and, for the rejected rows, copies of the last one (a row never
+        # changes the rows before it; the next frame trims them on the stage that computes them)
+        held = end if end <= valid else (session.resume_length if start < session.resume_length <= valid else 0)
+        if held == 0:
             if session.resumed:  # the positions this stage held were trimmed for an earlier frame
                 self.resume_stats.replay_recomputed_tokens += count
+                session.replay_valid = min(session.replay_valid, start)
             return None
         if self.is_last:  # the final stage hands nothing on: its KV is all it needs
-            self.resume_stats.replayed_tokens += count
+            self.resume_stats.replayed_tokens += held - start
             return WorkResult()
-        rows = self.activation_log.rows(item.session, start, count)
+        rows = self.activation_log.rows(item.session, start, held - start)
         if rows is not None:
-            self.resume_stats.replayed_tokens += count
+            self.resume_stats.replayed_tokens += held - start
+            if held < end:
+                per = rows.shape[0] // (held - start)
+                rows = np.concatenate([rows, np.tile(rows[-per:], (end - held, 1))])
             return WorkResult(rows)
+        session.replay_valid = min(session.replay_valid, start)
         log.info("resume: session %d's activation log does not cover positions %d..%d%s: recomputing them "
                  "on this stage", item.session & 0xFFFFFFFF, start, start + count - 1,
                  " (evicted)" if self.activation_log.evicted(item.session) else "")

@@ -92,6 +92,16 @@ class SpeculativeDecoder:
         self._shadow: Draft = NO_DRAFT
         self._alone: dict[int, bool] = {}
 
+    def restart(self, pending_position: int) -> None:
+        """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
+        window starts at ``pending_position`` with the last committed token; the drafts, the
+        controller's estimates and the counters go on."""
+        old = self.tracker
+        self.tracker = WindowTracker(self.generated[-1], pending_position, old.usage)
+        self.tracker._next_id = old._next_id  # ids stay unique over the request
+        self._alone.clear()
+        self._shadow = NO_DRAFT
+
     @property
     def usage(self) -> SpeculationUsage:
         return self.tracker.usage

@@ -58,6 +58,9 @@ class SpeculativeRunner:
         self.kv_high_water = decoder.kv_length
         #: Replies read (for timing), most recent last; the caller may clear it.
         self.replies: list[StageReply] = []
+        #: docs/protocol.md §14: every window that committed something, as computed: (start,
+        #: positions kept, the rows sent), in order; the caller takes them (a resume replays them).
+        self.committed: list[tuple[int, int, tuple[int, ...]]] = []
 
     @property
     def in_flight(self) -> int:
@@ -124,6 +127,10 @@ class SpeculativeRunner:
             except WindowError as exc:
                 raise SpeculationProtocolError(f"first stage {self.client.address}: {exc}") from exc
             del self._sent[window_id]
+            if not outcome.stale:
+                window = outcome.window
+                self.committed.append((window.base_position, outcome.next_position - window.base_position,
+                                       window.inputs))
             if outcome.tokens:
                 return outcome.tokens
 
