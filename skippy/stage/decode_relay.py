@@ -415,7 +415,7 @@ async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_
     unrun); with direct return elsewhere adding what it carried to the session's direct-return
     ``timings``.  ``running`` is told the run reading the upstream (the watchdog's idle clock),
     then None."""
-    if not scheduler.hold(run.stop, lane_id):
+    if not scheduler.hold(run.stop, lane_id, run.idle_since):
         run.close()
         return
     link = run.link

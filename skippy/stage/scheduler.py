@@ -290,13 +290,15 @@ class Scheduler:
         self._released: trio.Event | None = None
         #: The decode relay holding the runtime: called when a job is queued behind it.
         self._holder_stop: Callable[[], None] | None = None
+        self._holder_idle: Callable[[], float] | None = None
         #: When each lane (a session key's upper bits) last submitted a work item.
         self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
 
-    def hold(self, stop: Callable[[], None], lane: int) -> bool:
+    def hold(self, stop: Callable[[], None], lane: int, idle_since: Callable[[], float] | None = None) -> bool:
         """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) of lane
-        ``lane``; ``stop`` is called (on the trio thread) when a job is queued behind it.  False
+        ``lane``; ``stop`` is called (on the trio thread) when a job is queued behind it;
+        ``idle_since`` says when (trio's clock) it last began reading a frame.  False
         when the runtime is busy, jobs wait, or another lane brought work in the last
         :data:`RECENT_WORK_S` (idle lanes, such as an API pool keeps open, do not count)."""
         if self._busy or self._pending:
@@ -309,6 +311,7 @@ class Scheduler:
                 return False
         self._busy = True
         self._holder_stop = stop
+        self._holder_idle = idle_since
         return True
 
     def forget(self, session: int) -> None:
@@ -321,9 +324,16 @@ class Scheduler:
         """A decode relay holds the runtime now."""
         return self._holder_stop is not None
 
+    def holder_idle_s(self) -> float:
+        """How long the relay holding the runtime has waited for its next frame (0: none holds
+        it, or it cannot say)."""
+        idle = self._holder_idle
+        return 0.0 if self._holder_stop is None or idle is None else max(0.0, trio.current_time() - idle())
+
     def release_hold(self) -> None:
         """The relay gave the runtime back: queued jobs run."""
         self._holder_stop = None
+        self._holder_idle = None
         self._release()
 
     def _release(self) -> None:

@@ -51,6 +51,10 @@ from skippy.stage.transport import WireCondition, send_ready
 
 log = logging.getLogger("skippy.stage")
 
+#: A decode relay idle this long (waiting for its next frame) is ended by the stats file's read
+#: of the runtime's figures (:meth:`StageServer.refresh_runtime_stats`).
+RELAY_IDLE_READ_S = 0.1
+
 
 def load_runtime(config: StageConfig, progress: Callable[[float], object] | None = None) -> Executor:
     """Load the model range and create its context (the null runtime for ``null:`` specs).
@@ -312,15 +316,18 @@ class StageServer:
         """Ask :meth:`serve` to drain and return."""
         self._shutdown.set()
 
-    async def refresh_runtime_stats(self) -> None:
-        """Read the runtime's figures (sessions, KV cells, prefix cache, recurrent rollbacks) into the statistics.
+    async def refresh_runtime_stats(self) -> bool:
+        """Read the runtime's figures (sessions, KV cells, prefix cache, recurrent rollbacks) into
+        the statistics; False when they were left as they are.
 
-        While a decode relay holds the runtime the figures are left as they are (one session
-        grows by a cell per token): a read would queue behind the relay and end its run, and the
-        stats file refreshes ten times a second.
+        While a decode relay carries tokens the figures are left as they are (one session grows
+        by a cell per token): a read would queue behind the relay and end its run, and the
+        stats file refreshes ten times a second.  A relay that has waited :data:`RELAY_IDLE_READ_S`
+        for its next frame is ended by the read (the session paused or finished: the run's end
+        costs nothing then), so the figures never stay stale for long.
         """
-        if self.scheduler.held:
-            return
+        if self.scheduler.held and self.scheduler.holder_idle_s() < RELAY_IDLE_READ_S:
+            return False
         snapshot = await self.scheduler.call(self.executor.snapshot)
         self.stats.sessions_in_use = snapshot["sessions_in_use"]
         self.stats.kv_cells_used = snapshot["kv_cells_used"]
@@ -329,6 +336,7 @@ class StageServer:
         self.stats.prefix_cache = snapshot.get("prefix_cache", {})
         self.stats.recurrent_rollback = snapshot.get("recurrent_rollback", {})
         self.stats.resume = snapshot.get("resume", {})
+        return True
 
     async def serve(self, *, task_status: trio.TaskStatus[Address] = trio.TASK_STATUS_IGNORED) -> None:
         """Listen and serve until :meth:`shutdown`; reports the bound address to ``task_status``."""

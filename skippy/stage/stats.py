@@ -156,20 +156,24 @@ def write_stats_file(path: Path, data: dict[str, Any]) -> None:
 
 
 async def write_stats_periodically(path: Path, stats: StageStats,
-                                   refresh: Callable[[], Awaitable[None]], *, interval: float = 0.1,
+                                   refresh: Callable[[], Awaitable[bool | None]], *, interval: float = 0.1,
                                    task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
     """Keep ``path`` current: refresh the runtime figures and rewrite it every ``interval``.
 
     The runtime figures are refreshed even when no counter moved: work queued before the last
     counter change (a KV trim after a rejected draft, say) lands in the runtime afterwards.  Each
-    write carries ``refreshed_at`` (``time.time()`` taken before the refresh), so a reader that
-    needs figures no older than some moment waits for a file refreshed after it.
+    write carries ``refreshed_at`` (``time.time()`` taken before the last refresh that read the
+    runtime: ``refresh`` returns False when it left the figures as they were, e.g. while a decode
+    relay carries tokens), so a reader that needs figures no older than some moment waits for a
+    file refreshed after it.
     """
+    refreshed = time.time()
     await refresh()
-    write_stats_file(path, {**stats.as_dict(), "refreshed_at": time.time()})
+    write_stats_file(path, {**stats.as_dict(), "refreshed_at": refreshed})
     task_status.started()
     while True:
         await trio.sleep(interval)
         moment = time.time()
-        await refresh()
-        await trio.to_thread.run_sync(write_stats_file, path, {**stats.as_dict(), "refreshed_at": moment})
+        if await refresh() is not False:  # the runtime's figures were read: they are as of ``moment``
+            refreshed = moment
+        await trio.to_thread.run_sync(write_stats_file, path, {**stats.as_dict(), "refreshed_at": refreshed})
