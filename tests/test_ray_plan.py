@@ -118,8 +118,9 @@ def test_ray_plan_gpu_bundles_and_a_restarted_first_stage(tiny_llama: Path, tmp_
         gpu_stages = {index for index, stage in enumerate(stages) if stage.get("gpus")}
 
         # -- skippy up --ray --plan: pinned bundles, GPU: 1 where planned --------------------------
-        up = UpProcess(["up", "--plan", str(plan_file), "--ray", cluster.address, "--port", "0", "--threads", "1"],
-                       tmp_path)
+        # no resume here (tests/test_ray_resume.py): a stream whose first stage is killed ends with the error
+        up = UpProcess(["up", "--plan", str(plan_file), "--ray", cluster.address, "--port", "0", "--threads", "1",
+                        "--resume-attempts", "0"], tmp_path)
         up.start(timeout=240)
         started = _started_pids(up.stderr())
         assert sorted(started) == [0, 1, 2], up.stderr()
