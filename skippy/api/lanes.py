@@ -161,7 +161,9 @@ class LanePool:
         # docs/replacement.md: the launcher says which stage is lost (no need to dial one being replaced)
         self.suspect = True
         await self.discard_idle()
-        return "; ".join(str(event) for _, event in sorted(events.lost().items()))
+        named = {stage.index: str(stage) for stage in self.stages}  # "stage 1 (layers 1:3) at HOST:PORT"
+        return "; ".join(f"{named[index]} lost: {event.detail}" if index in named else str(event)
+                         for index, event in sorted(events.lost().items()))
 
     async def _check(self, timeout: float) -> str | None:
         problem: str | None = None
