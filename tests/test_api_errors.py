@@ -106,8 +106,9 @@ def test_health_and_metrics(server: UpProcess, client: Any) -> None:
 async def test_killing_a_stage_ends_the_stream_and_health_turns_503(tmp_path: Path) -> None:
     model = str(ensure_model(demo()))
     async with stage_chain(model, ["0:4", "4:8"], tmp_path, ["--ctx-size", "1024"]) as stages:
+        # without resume (tests/test_resume.py): nothing restarts these stages, the stream ends at once
         serve = UpProcess(["serve", "--model", model, "--first-stage", str(stages[0].address), "--port", "0",
-                           "--ctx-size", "1024", "--model-id", MODEL_ID], tmp_path)
+                           "--ctx-size", "1024", "--model-id", MODEL_ID, "--resume-attempts", "0"], tmp_path)
         await trio.to_thread.run_sync(serve.start)
         try:
             outcome = await trio.to_thread.run_sync(_stream_then_kill, serve.url, stages[1])
