@@ -180,7 +180,7 @@ def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path
                 computed = figures["computed_positions"] - old["computed_positions"]
                 assert computed <= len(PROMPT) + STEPS + 3, (index, figures)
                 if 0 < index < len(stages) - 1:  # the relay carried steps before the kill too: they were logged
-                    assert after["decode_relay_steps"] - before[index]["decode_relay_steps"] > STEPS - KILL_AT, after
+                    assert after["decode_relay_steps"] - before[index]["decode_relay_steps"] >= KILL_AT // 2, after
                 with trio.fail_after(10):  # no socket left open: the lost lanes and the new ones closed
                     while stage.socket_count() > sockets[index]:
                         await trio.sleep(0.05)

@@ -291,6 +291,7 @@ class Scheduler:
         #: The decode relay holding the runtime: called when a job is queued behind it.
         self._holder_stop: Callable[[], None] | None = None
         self._holder_idle: Callable[[], float] | None = None
+        self._held_at = 0.0
         #: When each lane (a session key's upper bits) last submitted a work item.
         self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
@@ -312,6 +313,7 @@ class Scheduler:
         self._busy = True
         self._holder_stop = stop
         self._holder_idle = idle_since
+        self._held_at = trio.current_time()
         return True
 
     def forget(self, session: int) -> None:
@@ -328,7 +330,10 @@ class Scheduler:
         """How long the relay holding the runtime has waited for its next frame (0: none holds
         it, or it cannot say)."""
         idle = self._holder_idle
-        return 0.0 if self._holder_stop is None or idle is None else max(0.0, trio.current_time() - idle())
+        if self._holder_stop is None or idle is None:
+            return 0.0
+        # a run that has read no frame yet says nothing useful (its clock starts at 0): count from the hold
+        return max(0.0, trio.current_time() - max(idle(), self._held_at))
 
     def release_hold(self) -> None:
         """The relay gave the runtime back: queued jobs run."""

@@ -53,7 +53,7 @@ log = logging.getLogger("skippy.stage")
 
 #: A decode relay idle this long (waiting for its next frame) is ended by the stats file's read
 #: of the runtime's figures (:meth:`StageServer.refresh_runtime_stats`).
-RELAY_IDLE_READ_S = 0.1
+RELAY_IDLE_READ_S = 0.5
 
 
 def load_runtime(config: StageConfig, progress: Callable[[float], object] | None = None) -> Executor:
