@@ -11,7 +11,8 @@ used) and read every event to ``[DONE]``.  A fraction ``--abandon`` of the reque
 by the client after its first content chunk (the connection closes mid-stream), which is how a
 lane ends uncleanly.  Every outcome is counted: completed streams, refusals by HTTP status and
 error code, error events inside a stream, transport failures.  Latency is measured at the client
-(time to the first content chunk, and to ``[DONE]``); RSS of the API process and of every stage
+(time to the first content chunk, and to ``[DONE]``), and the completed streams' completion
+tokens (their usage chunk) give the aggregate tokens/s; RSS of the API process and of every stage
 is sampled every ``--sample-s`` seconds from ``/proc``.  RSS is reported at the end of the first
 tenth of the run (after warm-up), at the end and at its peak; "drift" is end / warm - 1.
 
@@ -58,6 +59,8 @@ class Tally:
 
     completed: int = 0
     abandoned: int = 0
+    #: Completion tokens of the completed streams (their final usage chunk).
+    tokens: int = 0
     refused: Counter[str] = dataclasses.field(default_factory=Counter)
     stream_errors: Counter[str] = dataclasses.field(default_factory=Counter)
     transport: Counter[str] = dataclasses.field(default_factory=Counter)
@@ -100,7 +103,8 @@ async def client_loop(index: int, url: str, model: str, args: argparse.Namespace
             round_ += 1
             messages = PROMPTS[(index + round_) % len(PROMPTS)]
             body: dict[str, Any] = {"model": model, "messages": messages, "max_tokens": args.max_tokens,
-                                    "stream": True, "temperature": 0 if round_ % 2 else 0.8, "seed": index}
+                                    "stream": True, "stream_options": {"include_usage": True},
+                                    "temperature": 0 if round_ % 2 else 0.8, "seed": index}
             abandon = rng.random() < args.abandon
             started = time.perf_counter()
             first = 0.0
@@ -116,6 +120,7 @@ async def client_loop(index: int, url: str, model: str, args: argparse.Namespace
                         tally.examples.setdefault(f"{response.status_code} {code}", message)
                         continue
                     failed = False
+                    tokens = 0
                     async for line in response.aiter_lines():
                         if not line.startswith("data: ") or line == "data: [DONE]":
                             continue
@@ -125,6 +130,8 @@ async def client_loop(index: int, url: str, model: str, args: argparse.Namespace
                             tally.examples.setdefault(str(event["error"].get("code")), str(event["error"]))
                             failed = True
                             break
+                        if event.get("usage"):
+                            tokens = int(event["usage"]["completion_tokens"])
                         choices = event.get("choices") or [{}]
                         if not first and choices[0].get("delta", {}).get("content"):
                             first = time.perf_counter()
@@ -136,6 +143,7 @@ async def client_loop(index: int, url: str, model: str, args: argparse.Namespace
                         continue
                     if not failed:
                         tally.completed += 1
+                        tally.tokens += tokens
                         tally.total.append(time.perf_counter() - started)
             except httpx.HTTPError as exc:
                 tally.transport[type(exc).__name__] += 1
@@ -175,6 +183,7 @@ async def soak(url: str, model: str, pids: dict[str, int], args: argparse.Namesp
     return {
         "clients": args.clients, "lanes": args.lanes, "seconds": round(elapsed, 1), "requests": attempted,
         "completed": tally.completed, "abandoned": tally.abandoned, "failed": tally.failed,
+        "completion_tokens": tally.tokens, "tokens_per_s": round(tally.tokens / elapsed, 1),
         "refused": dict(tally.refused), "stream_errors": dict(tally.stream_errors),
         "transport_errors": dict(tally.transport), "examples": tally.examples,
         "ttft_ms": {"p50": percentile(tally.ttft, 0.5) * 1000, "p99": percentile(tally.ttft, 0.99) * 1000},
@@ -188,6 +197,8 @@ def report(result: dict[str, Any]) -> None:
     print(f"{result['clients']} streaming clients, {result['lanes']} lanes, {result['seconds']:.0f} s: "
           f"{result['requests']} requests, {result['completed']} completed, {result['abandoned']} abandoned "
           f"by the client, {result['failed']} failed")
+    print(f"aggregate: {result['completion_tokens']} completion tokens of the completed streams, "
+          f"{result['tokens_per_s']:.1f} tokens/s")
     for label in ("refused", "stream_errors", "transport_errors"):
         if result[label]:
             print(f"  {label}: {result[label]}")
