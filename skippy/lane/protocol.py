@@ -151,6 +151,11 @@ class KindRule:
     decode_run: bool = False
     #: A prefill chunk (``MessageKind.is_prefill``: its tokens extend the session's prompt).
     prefill: bool = False
+    #: The data plane may carry the steady state of the kind (:mod:`skippy.stage.decode_relay`,
+    #: when ``placement()`` puts CARRY_NEXT there): the session's next messages of the same
+    #: shape, hop by hop with their replies or with direct return (a decode; a verify window,
+    #: its rollbacks trimmed as auto-align trims them).
+    relay: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
 
@@ -187,7 +192,7 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
                                        outputs=Outputs.NONE, prefill=True),
     MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True, prefill=True),
-    MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True),
+    MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True, relay=True),
     MessageKind.DECODE_READOUT: _DECODE,
     MessageKind.DECODE_LIGHT_CTX: _DECODE,
     MessageKind.DECODE_REPLAY_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, outputs=Outputs.NONE,
@@ -195,7 +200,7 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.DECODE_REPLAY_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, write_through_down=True,
                                                    direct_return=True),
     MessageKind.VERIFY_WINDOW: KindRule(Handling.EXECUTE, Answer.PREDICTION, auto_align=True, outputs=Outputs.ALL,
-                                        window=True, write_through_down=True, direct_return=True),
+                                        window=True, write_through_down=True, direct_return=True, relay=True),
     MessageKind.STOP: KindRule(Handling.STOP, Answer.ACK, checks_header=False),
     MessageKind.TRIM_SESSION: KindRule(Handling.TRIM, Answer.ACK, checks_header=False),
     MessageKind.CONFIGURE_GENERATION: KindRule(Handling.CONFIGURE, Answer.ACK, checks_header=False),
