@@ -1081,7 +1081,7 @@ async def test_a_hostile_window_during_relayed_windows_is_refused_by_the_lane(ti
                 await client.receive()
         stats = [server.stats for server in chain.servers]
         with trio.fail_after(5):  # each stage's run is accounted when it ends (the lanes close behind the error)
-            while min(s.decode_relay_windows for s in stats) < 3:
+            while min(s.decode_relay_windows for s in stats) < 2:  # (the second window repeats the first's shape)
                 await trio.sleep(0.01)
         assert stats[0].connection_errors == 1 and stats[0].verify_windows >= 4
         nursery.cancel_scope.cancel()

@@ -597,8 +597,8 @@ class StageLane(LaneProtocol):
     """
 
     __slots__ = ("session_quota", "peer", "sessions", "compute_backlog", "forward_backlog", "runs",
-                 "run_steps", "relay_frame", "relay_lane", "lane_used", "identity_aware", "direct_timings",
-                 "forwarding_done")
+                 "run_steps", "relay_frame", "relay_lane", "relay_shape", "lane_used", "identity_aware",
+                 "direct_timings", "forwarding_done")
 
     def __init__(self, lane_id: int, credit_limit: int, reply_limit: int = 16, *, session_quota: int = 0,
                  peer: str = "") -> None:
@@ -619,6 +619,8 @@ class StageLane(LaneProtocol):
         #: direct-return decode went out as, and the return lane it went into (final stage).
         self.relay_frame: bytes | None = None
         self.relay_lane: object | None = None
+        #: The kind and rows of the last message :meth:`take_template` was asked after.
+        self.relay_shape: tuple[int, int] | None = None
         #: §9: a message came (an identity query is only a lane's first), and the upstream
         #: flags bit 12 (it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
         self.lane_used = False
@@ -742,11 +744,16 @@ class StageLane(LaneProtocol):
             self.relay_frame = template
         self.direct_done()
 
-    def take_template(self) -> tuple[bytes | None, object | None]:
+    def take_template(self, message: StageMessage) -> tuple[bytes | None, object | None]:
         """The data plane's template and its return lane (final stage), taken (set again by the
-        next direct-return decode the lane handles itself)."""
+        next message the lane handles itself), after ``message``: None for a verify window that
+        does not repeat the kind and rows of the message before it (the driver's windows change
+        size and alternate with decodes: a run would carry nothing but cost its start)."""
         frame, lane = self.relay_frame, self.relay_lane
         self.relay_frame = self.relay_lane = None
+        shape, self.relay_shape = self.relay_shape, (int(message.kind), message.token_count)
+        if RULES[message.kind].window and shape != self.relay_shape:
+            return None, None
         return frame, lane
 
     # -- placement ------------------------------------------------------------------------------
