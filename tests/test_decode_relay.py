@@ -10,6 +10,7 @@ tokens, and what happens when other work, a rollback or a shutdown interrupts a 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import struct
@@ -24,7 +25,7 @@ import pytest
 import trio
 
 from skippy.codec.protocol import (
-    EMPTY_REPLY_STATS, MessageKind, SamplingConfig, StageMessage, StageReply, StateHeader, WireDType,
+    EMPTY_REPLY_STATS, MessageKind, SamplingConfig, StageMessage, StageReply, StateHeader, WireDType, expected_phase,
 )
 from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG, SKIPPY_EXTENSIONS_FLAG, TimingsFrame
 from skippy.lane import messages as lane_messages
@@ -62,6 +63,18 @@ def decode_message(position: int, *, token: int = 0, activation: np.ndarray | No
                         np.zeros(0, dtype=np.int32), activation=activation)
 
 
+def window_message(position: int, tokens: np.ndarray, *, window_id: int, activation: np.ndarray | None = None,
+                   source: int = -1, dtype: WireDType = WireDType.F32, session: int = SESSION,
+                   flags: int = DIRECT_RETURN_FLAG | SKIPPY_EXTENSIONS_FLAG) -> StageMessage:
+    """A VerifyWindow of ``len(tokens)`` rows as the driver (source -1) or a stage sends it (the
+    token sideband travels along the chain)."""
+    state = StateHeader(seq_id=window_id, phase=int(expected_phase(MessageKind.VERIFY_WINDOW)), flags=flags,
+                        current_token=int(tokens[0]), source_stage_index=source, reserved=int(dtype))
+    return StageMessage(MessageKind.VERIFY_WINDOW, pos_start=position, token_count=len(tokens), state=state,
+                        request_id=3, session_id=session, tokens=np.asarray(tokens, dtype=np.int32),
+                        activation=activation)
+
+
 class Side:
     """One stage range of the tiny llama with a session that holds the prompt's prefill (a final
     stage's session samples with ``params``; ``timings``: its replies carry a Timings frame)."""
@@ -84,16 +97,25 @@ class Side:
             self.context.decode(activations=rows, positions=list(range(count)), seq_ids=[self.seq] * count)
 
     def lane_frame(self, message: StageMessage, out_dtype: WireDType) -> bytes:
-        """What the lane's own path forwards for ``message`` (and decodes it on this context)."""
-        position = message.pos_start
+        """What the lane's own path forwards for ``message`` (and decodes it on this context: a
+        rollback trimmed first, as the executor's auto-align does; a window's every row)."""
+        position, rows = message.pos_start, message.token_count
+        if self.context.length(self.seq) > position:
+            self.context.trim(self.seq, position)
+        positions, seqs = list(range(position, position + rows)), [self.seq] * rows
+        outputs = [True] * rows if self.final else None
         if self.first:
-            self.context.decode(tokens=[int(message.tokens[0])], positions=[position], seq_ids=[self.seq])
+            self.context.decode(tokens=message.tokens[:rows] if rows > 1 else [int(message.tokens[0])],
+                                positions=positions, seq_ids=seqs)
         else:
             self.context.decode(activations=np.ascontiguousarray(message.activation, dtype=np.float32),
-                                positions=[position], seq_ids=[self.seq])
+                                positions=positions, seq_ids=seqs, outputs=outputs)
         if self.final:
             assert self.sampler is not None
-            return reply_frame(int(self.context.sample([self.sampler], [0])[0]), self.timings)
+            tokens = [int(token) for token in self.context.sample([self.sampler] * rows, list(range(rows)))]
+            if message.kind is MessageKind.VERIFY_WINDOW:
+                return window_reply_frame(tokens, message.state.seq_id, self.timings)
+            return reply_frame(tokens[0], self.timings)
         hidden = np.array(self.context.activations(), dtype=np.float32, copy=True)
         return codec.encode_message(lane_messages.outgoing(message, hidden, out_dtype), out_dtype, self.width)
 
@@ -115,10 +137,30 @@ def reply_frame(token: int, timings: bool) -> bytes:
         TimingsFrame((extensions.own_record(IDENTITY, batch_size=1, compute_us=0),)) if timings else None)
 
 
+def window_reply_frame(tokens: list[int], window_id: int, timings: bool) -> bytes:
+    """A final stage's reply to a verify window, as the lane writes it (durations 0)."""
+    from skippy.lane.messages import window_prediction
+    from skippy.lane.work import WorkResult
+
+    return extensions.reply_bytes(
+        window_prediction(WorkResult(tokens=list(tokens), compute_us=0), EMPTY_REPLY_STATS, window_id=window_id,
+                          total_us=0),
+        TimingsFrame((extensions.own_record(IDENTITY, batch_size=1, compute_us=0),)) if timings else None)
+
+
 def without_compute_time(frame: bytes) -> bytes:
-    """A reply with its Timings record's compute_us zeroed (it is measured, so it differs)."""
+    """A reply with its Timings record's compute_us zeroed (it is measured, so it differs), and a
+    window's verify-window compute and total times."""
     if len(frame) == _relay_py.TIMINGS_BYTES + _relay_py.REPLY_BYTES:
         return frame[:24] + bytes(8) + frame[32:]
+    head = _relay_py.TIMINGS_BYTES if int.from_bytes(frame[:4], "little") == 0x5E01 else 0
+    if int.from_bytes(frame[head:head + 4], "little") == 3:  # PredictedTokens
+        frame = bytearray(frame[:24] + bytes(8) + frame[32:] if head else frame)
+        rows = int.from_bytes(frame[head + 8:head + 12], "little")
+        sums = head + 12 + 4 * rows + 8 + 72
+        frame[sums:sums + 8] = bytes(8)
+        frame[sums + 24:sums + 32] = bytes(8)
+        return bytes(frame)
     return frame
 
 
@@ -140,14 +182,17 @@ class Bench:
     def __init__(self, implementation: Any, path: Path, layers: str, prompt_hidden: np.ndarray,
                  in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
                  max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True,
-                 hop: tuple[bytes, bytes] | None = None) -> None:
+                 hop: tuple[bytes, bytes] | None = None, rows: int = 1) -> None:
         #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
         self.hop = hop
+        #: Verify windows of ``rows`` rows (1: decodes).
+        self.rows = rows
+        self.window_id = 100
         self.relay_side, self.lane_side = Side(path, layers, params, timings), Side(path, layers, params, timings)
         self.first, self.final = self.relay_side.first, self.relay_side.final
-        rows = np.array(PROMPT, dtype=np.int32) if self.first else prompt_hidden
+        prompt = np.array(PROMPT, dtype=np.int32) if self.first else prompt_hidden
         for side in (self.relay_side, self.lane_side):
-            side.prefill(rows)
+            side.prefill(prompt)
         self.in_dtype, self.out_dtype = in_dtype, out_dtype
         self.position = len(PROMPT)
         self.rng = np.random.default_rng(5)
@@ -157,8 +202,8 @@ class Bench:
         self.out_template = self.lane_side.lane_frame(primer, out_dtype)
         self.relay_side.lane_frame(primer, out_dtype)
         if self.final:  # the lane's template: its reply with the token and compute time to patch
-            self.out_template = reply_frame(0, timings)
-        self.position += 1
+            self.out_template = reply_frame(0, timings) if rows == 1 else window_reply_frame([0] * rows, 0, timings)
+        self.position += rows
         self.upstream, upstream_end = socket.socketpair()
         downstream_end, self.downstream = socket.socketpair()
         for sock in (upstream_end, downstream_end):
@@ -166,17 +211,19 @@ class Bench:
         self._ends = (upstream_end, downstream_end)
         self.stop_fd = os.eventfd(0, os.EFD_NONBLOCK)
         self.abort_fd = os.eventfd(0, os.EFD_NONBLOCK)
-        self.rows = self.relay_side.context.row_batch(self.relay_side.seq, self.relay_side.sampler)
+        self.batch = self.relay_side.context.row_batch(self.relay_side.seq, self.relay_side.sampler, rows)
         self.relay = implementation.DecodeRelay(
             upstream_fd=upstream_end.fileno(), downstream_fd=downstream_end.fileno(), stop_fd=self.stop_fd,
             abort_fd=self.abort_fd, in_template=self.in_template, out_template=self.out_template,
             width=self.relay_side.width, first=self.first, n_vocab=self.relay_side.model.n_vocab,
-            next_position=self.position, position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.rows,
+            next_position=self.position, position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.batch,
             final=self.final, max_steps=max_steps, **({"reply_in": hop[0], "reply_out": hop[1]} if hop else {}))
 
     def message(self, position: int, **changes: Any) -> StageMessage:
         if self.hop is not None:
             changes.setdefault("flags", SKIPPY_EXTENSIONS_FLAG)
+        if self.rows > 1:
+            return self.window(position, **changes)
         if self.first:
             return decode_message(position, token=int(self.rng.integers(3, 30000)), step=position, **changes)
         activation = self.rng.standard_normal((1, self.relay_side.width)).astype(np.float32)
@@ -184,6 +231,19 @@ class Bench:
             activation = activation.astype(np.float16).astype(np.float32)
         return decode_message(position, activation=activation, step=position, source=0, dtype=self.in_dtype,
                               **changes)
+
+    def window(self, position: int, rows: int | None = None, **changes: Any) -> StageMessage:
+        """A verify window of ``rows`` (the bench's) rows at ``position``, with the next window id."""
+        rows = self.rows if rows is None else rows
+        self.window_id += 1
+        tokens = self.rng.integers(3, 30000, rows).astype(np.int32)
+        if self.first:
+            return window_message(position, tokens, window_id=self.window_id, **changes)
+        activation = self.rng.standard_normal((rows, self.relay_side.width)).astype(np.float32)
+        if self.in_dtype is WireDType.F16:
+            activation = activation.astype(np.float16).astype(np.float32)
+        return window_message(position, tokens, window_id=self.window_id, activation=activation, source=0,
+                              dtype=self.in_dtype, **changes)
 
     def frame(self, message: StageMessage) -> bytes:
         return codec.encode_message(message, self.in_dtype, self.relay_side.width)
@@ -319,7 +379,7 @@ def _variants(bench: Bench) -> dict[str, bytes]:
         assert huge.activation is not None
         huge.activation[0, 0] = 2 * ACTIVATION_LIMIT
     variants = {
-        "rollback": bench.frame(bench.message(position - 2)),
+        "position-before-zero": bench.frame(bench.message(-1)),
         "gap": bench.frame(bench.message(position + 1)),
         "other-session": bench.frame(bench.message(position, session=SESSION + 1)),
         "not-direct": bench.frame(bench.message(position, flags=SKIPPY_EXTENSIONS_FLAG)),
@@ -335,23 +395,72 @@ def _variants(bench: Bench) -> dict[str, bytes]:
     return variants
 
 
-_COMMON = ["rollback", "gap", "other-session", "not-direct", "other-kind", "sampling"]
+def _window_variants(bench: Bench) -> dict[str, bytes]:
+    """Windows (and a decode) the loop must hand back after a window of the template's shape."""
+    position = bench.position + 4
+    variants = {
+        "gap": bench.frame(bench.window(position + 1)),
+        "position-before-zero": bench.frame(bench.window(-1)),
+        "other-row-count": bench.frame(bench.window(position, rows=3)),
+        "a-decode": bench.frame(decode_message(position, token=5) if bench.first else decode_message(
+            position, activation=np.zeros((1, bench.relay_side.width), dtype=np.float32), source=0)),
+        "other-session": bench.frame(bench.window(position, session=SESSION + 1)),
+    }
+    short = bench.window(position)  # a window of 4 rows with 3 tokens in its sideband
+    variants["short-token-sideband"] = bench.frame(dataclasses.replace(short, tokens=short.tokens[:3]))
+    if bench.first:
+        bad = bench.window(position)
+        bad.tokens[2] = bench.relay_side.model.n_vocab
+        variants["token-out-of-vocabulary"] = bench.frame(bad)
+    else:
+        bad = bench.window(position)
+        assert bad.activation is not None
+        bad.activation[3, 1] = np.nan
+        variants["nan-in-the-last-row"] = bench.frame(bad)
+    return variants
+
+
+_COMMON = ["position-before-zero", "gap", "other-session", "not-direct", "other-kind", "sampling"]
 REFUSED = ([("0:1", name) for name in [*_COMMON, "token-out-of-vocabulary"]]
            + [("1:2", name) for name in [*_COMMON, "nan", "beyond-the-limit"]])
 
 
+#: Verify windows (of 4 rows) the loop must not carry after one it carries (_window_variants).
+WINDOW_REFUSED = ([("0:1", name) for name in ["gap", "position-before-zero", "other-row-count", "a-decode",
+                                              "other-session", "short-token-sideband", "token-out-of-vocabulary"]]
+                  + [("1:2", name) for name in ["gap", "other-row-count", "a-decode", "nan-in-the-last-row"]])
+HANDED_BACK_CASES = [(1, *case) for case in REFUSED] + [(4, *case) for case in WINDOW_REFUSED]
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize(("layers", "name"), REFUSED, ids=[f"{'first' if layers == '0:1' else 'middle'}-{name}"
-                                                           for layers, name in REFUSED])
-def test_what_the_relay_does_not_carry_is_handed_back_unread(implementation: Any, make_bench: Any, layers: str,
-                                                             name: str) -> None:
-    bench = make_bench(implementation, layers)
+@pytest.mark.parametrize(("rows", "layers", "name"), HANDED_BACK_CASES, ids=[
+    f"{'window-' if rows > 1 else ''}{'first' if layers == '0:1' else 'middle'}-{name}"
+    for rows, layers, name in HANDED_BACK_CASES])
+def test_what_the_relay_does_not_carry_is_handed_back_unread(implementation: Any, make_bench: Any, rows: int,
+                                                             layers: str, name: str) -> None:
+    bench = make_bench(implementation, layers, rows=rows)
     carried = bench.message(bench.position)
-    refused = _variants(bench)[name]
+    refused = (_variants if rows == 1 else _window_variants)(bench)[name]
     outcome = bench.run(bench.frame(carried) + refused)
     assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, refused)
     assert bench.forwarded(1) == [bench.lane_side.lane_frame(carried, WireDType.F32)]
-    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 1  # nothing else ran
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + rows  # nothing else ran
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layers", ["0:1", "1:2", "1:4"], ids=["first", "middle", "final"])
+def test_a_rollback_is_trimmed_as_the_lanes_auto_align_trims_it(implementation: Any, make_bench: Any,
+                                                               layers: str) -> None:
+    bench = make_bench(implementation, layers)
+    base = bench.position
+    messages = [bench.message(base + start) for start in (0, 1, 2, 0, 1, 1)]  # rolled back 3, then 1
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == 6 and outcome.leftover == b""
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    assert bench.forwarded(6) == ([without_compute_time(frame) for frame in expected] if bench.final else expected)
+    assert (outcome.trims, outcome.trimmed) == (2, 3 + 1)
+    assert bench.relay_side.context.length(bench.relay_side.seq) == base + 2 == bench.relay.next_position
+    assert bench.relay_side.context.kv_cells_used() == bench.lane_side.context.kv_cells_used()
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -415,6 +524,58 @@ def test_templates_the_relay_cannot_carry_are_refused(implementation: Any, make_
     with pytest.raises(ValueError, match="length"):
         implementation.template_layout(bench.in_template + b"\0", bench.out_template, width=bench.relay_side.width,
                                        first=False)
+
+
+# -- verify windows: the window-sized template, rollbacks trimmed --------------------------------------
+#: Window positions after the template's (relative): each window has 4 rows; a window starting
+#: before the last one ended follows a rejection (2, then 3 drafts rejected): the loop trims.
+WINDOW_STARTS = [0, 4, 6, 10, 11, 15]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("layers", "in_dtype", "params"), [
+    ("0:1", WireDType.F32, GREEDY), ("1:2", WireDType.F32, GREEDY), ("1:2", WireDType.F16, GREEDY),
+    ("1:4", WireDType.F32, GREEDY), ("1:4", WireDType.F32, SamplingParams(temperature=0.9, top_k=40, seed=11)),
+], ids=["first", "middle", "middle-f16", "final-greedy", "final-sampled"])
+def test_windows_are_relayed_exactly_as_the_lane_with_rollbacks_trimmed(implementation: Any, make_bench: Any,
+                                                                        layers: str, in_dtype: WireDType,
+                                                                        params: SamplingParams) -> None:
+    bench = make_bench(implementation, layers, rows=4, in_dtype=in_dtype, out_dtype=in_dtype, params=params)
+    base = bench.position
+    messages = [bench.message(base + start) for start in WINDOW_STARTS]
+    stop = codec.encode_message(StageMessage.create(MessageKind.STOP, session_id=SESSION), WireDType.F32, 0)
+    cells = bench.relay_side.context.kv_cells_used()
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages) + stop)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == len(messages)
+    assert outcome.leftover == stop
+    expected = [bench.lane_side.lane_frame(message, in_dtype) for message in messages]
+    if bench.final:
+        expected = [without_compute_time(frame) for frame in expected]
+    assert bench.forwarded(len(messages)) == expected  # the same rows, ids, tokens: byte for byte
+    assert (outcome.trims, outcome.trimmed) == (2, 2 + 3)
+    end = base + WINDOW_STARTS[-1] + 4
+    assert bench.relay.next_position == end == bench.relay_side.context.length(bench.relay_side.seq)
+    # the rejected rows' cells are gone: no cell leaked, the same count as the lane's context
+    assert bench.relay_side.context.kv_cells_used() == cells + end - base == bench.lane_side.context.kv_cells_used()
+
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_window_templates_the_relay_cannot_carry_are_refused(implementation: Any, make_bench: Any) -> None:
+    bench = make_bench(implementation, "1:2", rows=4)
+    width = bench.relay_side.width
+    with pytest.raises(ValueError, match="rows"):  # the forwarded frame of another window size
+        implementation.template_layout(bench.in_template, bench.frame(bench.window(bench.position, rows=3)),
+                                       width=width, first=False)
+    with pytest.raises(ValueError, match="PredictedTokens of 4"):  # a decode's reply to a window
+        implementation.template_layout(bench.in_template, reply_frame(0, True), width=width, first=False, final=True)
+    other = bench.relay_side.context.row_batch(bench.relay_side.seq, None, 3)
+    with pytest.raises(ValueError, match="rows"):  # a batch of another size
+        implementation.DecodeRelay(
+            upstream_fd=bench.stop_fd, downstream_fd=bench.stop_fd, stop_fd=bench.stop_fd, abort_fd=bench.abort_fd,
+            in_template=bench.in_template, out_template=bench.out_template, width=width, first=False,
+            n_vocab=bench.relay_side.model.n_vocab, next_position=bench.position, position_end=256,
+            activation_limit=ACTIVATION_LIMIT, runtime=other)
 
 
 # -- hop by hop: the downstream's replies answered upstream ------------------------------------------
@@ -566,6 +727,113 @@ def test_a_lost_upstream_fails_the_answer(implementation: Any, make_bench: Any) 
     bench.upstream.close()  # the answer's write fails (the upstream reset)
     outcome = bench.relay.run(b"")
     assert outcome.status == implementation.UPSTREAM_FAILED and outcome.steps == 1
+
+
+def window_downstream_reply(tokens: list[int], window_id: int, records: int, *, compute_us: int = 5) -> bytes:
+    """A verify window's reply as the stages after the middle one send it (their verify-window
+    sums and ``records`` Timings records)."""
+    from skippy.lane.messages import window_prediction
+    from skippy.lane.stats import timing_stats
+    from skippy.lane.work import WorkResult
+
+    reply = window_prediction(WorkResult(tokens=tokens, compute_us=compute_us), EMPTY_REPLY_STATS,
+                              window_id=window_id, total_us=3 * compute_us)
+    for index in range(1, records):  # the stages between: their shares summed in
+        reply = dataclasses.replace(reply, stats=timing_stats(reply.stats, compute_us=compute_us + index, write_us=2,
+                                                              wait_us=9, total_us=40, batch_size=1))
+    timings = TimingsFrame(tuple(extensions.own_record(StageIdentity(False, 2 + index, 3 + index), batch_size=1,
+                                                       compute_us=compute_us + index, write_us=index, wait_us=7,
+                                                       queue_us=3) for index in range(records)))
+    return extensions.reply_bytes(reply, timings if records else None)
+
+
+def window_lane_answer(reply: bytes, negotiated: bool) -> bytes:
+    """What the lane answers upstream for a window's ``reply`` (relayed, this stage's durations 0)."""
+    from skippy.lane import replies
+    from skippy.lane.protocol import Expect, Forward, Relay, StageLane, Ticket
+
+    decoder = codec.ReplyDecoder(extensions=True)
+    decoder.receive_data(reply)
+    timings = None
+    while not isinstance(frame := decoder.next_reply(), StageReply):
+        timings = frame
+    lane = StageLane(0, 1)
+    if negotiated:
+        lane.extensions.observe(decode_message(0, flags=SKIPPY_EXTENSIONS_FLAG))
+    forward = Forward(window_message(0, np.zeros(4, dtype=np.int32), window_id=1), Expect.RELAY_PREDICTION,
+                      Ticket(MessageKind.VERIFY_WINDOW), SESSION, 0, 0.0, batch_size=1)
+    answer, timings, _ = replies.relayed(lane, Relay(forward, prediction=True), frame, frame.stats, timings, (),
+                                         identity=MIDDLE, wait_us=0, now_us=0)
+    return extensions.reply_bytes(answer, timings)
+
+
+def window_sums(answer: bytes, records: int) -> tuple[bytes, tuple[int, ...]]:
+    """An answer with its verify-window sums zeroed (and its own record's durations), and the sums."""
+    head = 8 + 48 * records if records else 0
+    start = head + 12 + 4 * 4 + 8 + 72
+    sums = struct.unpack_from("<4q", answer, start)
+    return without_own_durations(answer[:start] + bytes(32) + answer[start + 32:]), sums
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("records", [0, 1, 2], ids=["v11-downstream", "one-record", "two-records"])
+@pytest.mark.parametrize("negotiated", [True, False], ids=["negotiated", "v11-upstream"])
+def test_a_middle_stage_answers_windows_hop_by_hop_exactly_as_the_lane(implementation: Any, make_bench: Any,
+                                                                       records: int, negotiated: bool) -> None:
+    template = window_downstream_reply([11, 12, 13, 14], 100, records)
+    bench = make_bench(implementation, "1:2", rows=4, hop=(template, window_lane_answer(template, negotiated)))
+    starts = [0, 4, 5, 9]  # the third window follows a rejection of three drafts: trimmed
+    messages = [bench.message(bench.position + start) for start in starts]
+    downstream = [window_downstream_reply([200 + index + row for row in range(4)], message.state.seq_id, records,
+                                          compute_us=40 + index) for index, message in enumerate(messages)]
+    bench.downstream.sendall(b"".join(downstream))
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
+    assert outcome.status == implementation.HANDED_BACK and outcome.steps == 4 and outcome.leftover == b""
+    assert (outcome.trims, outcome.trimmed) == (1, 3)
+    assert bench.forwarded(4) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    assert bench.hop is not None
+    length = len(bench.hop[1])
+    bench.upstream.settimeout(5)
+    for reply in downstream:
+        data = b""
+        while len(data) < length:
+            data += bench.upstream.recv(length - len(data))
+        count = records + 1 if negotiated else 0  # (a v11 upstream gets no Timings frame)
+        expected, lane_sums = window_sums(window_lane_answer(reply, negotiated), count)
+        answer, sums = window_sums(data, count)
+        assert answer == expected  # tokens, window id, counts, records: the lane's
+        assert all(mine >= theirs for mine, theirs in zip(sums, lane_sums))  # this stage's share added
+        assert sums[0] > lane_sums[0]  # (its compute, at least a microsecond)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("rows", [1, 4], ids=["decodes", "windows"])
+def test_an_upstream_that_pipelines_ends_a_hop_by_hop_run_after_the_reply_in_flight(implementation: Any,
+                                                                                 make_bench: Any, rows: int) -> None:
+    """The loop answers one message at a time: the upstream's next message arriving while a reply
+    is outstanding (a speculating driver's pipelined windows) ends the run once that reply is
+    answered, the next message unread (the lane's path pipelines)."""
+    if rows == 1:
+        template = downstream_reply(11, 1)
+        answer = lane_answer(template, True)
+        replies = [downstream_reply(100, 1)]
+    else:
+        template = window_downstream_reply([11, 12, 13, 14], 100, 1)
+        answer = window_lane_answer(template, True)
+        replies = [window_downstream_reply([20, 21, 22, 23], 0, 1)]
+    bench = make_bench(implementation, "1:2", rows=rows, hop=(template, answer))
+    first, second = bench.message(bench.position), bench.message(bench.position + rows)
+    if rows > 1:  # (the reply's window id is the message's)
+        replies = [window_downstream_reply([20, 21, 22, 23], first.state.seq_id, 1)]
+    threading.Timer(0.1, bench.upstream.sendall, (bench.frame(second),)).start()
+    threading.Timer(0.3, bench.downstream.sendall, (replies[0],)).start()
+    outcome = bench.run(bench.frame(first))
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, b"")
+    assert len(read_answers(bench, 1)) == 1
+    relay_end = bench._ends[0]
+    relay_end.setblocking(True)
+    relay_end.settimeout(5)
+    assert relay_end.recv(1 << 16) == bench.frame(second)  # unread: the lane's reader gets it
 
 
 def test_hop_templates_the_relay_cannot_carry_are_refused() -> None:
@@ -781,6 +1049,42 @@ async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: 
     assert results[True] == results[False]
     reference = reference_greedy(tiny_llama, PROMPT, 13, chunk_size=3)
     assert results[True][0] == reference and results[True][2] == reference[:11]  # the rollback re-ran two
+
+
+@pytest.mark.parametrize("hostile", ["gap", "short-token-sideband"])
+async def test_a_hostile_window_during_relayed_windows_is_refused_by_the_lane(tiny_llama: Path, hostile: str) -> None:
+    """Windows relayed hop by hop on every stage (a rejection trimmed), then a window the loop
+    does not carry: handed back unread, the lane refuses it with its own error (the lane closes)."""
+    from skippy.driver.client import StageClientError
+
+    async with trio.open_nursery() as nursery:
+        chain = await _tapped_chain(nursery, tiny_llama, True)
+        async with await StageClient.connect(chain.first) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            token = (await client.prefill(1, PROMPT, chunk_size=3)).token
+            position = len(PROMPT)
+            for index, start in enumerate([0, 4, 6, 10]):  # the third follows a rejection of two drafts
+                reply = await client.verify(1, [token, 5 + index, 6 + index, 7 + index], position + start,
+                                            window_id=index + 1)
+                assert len(reply.predicted_tokens) == 4
+            tokens = np.array([token, 8, 9, 10], dtype=np.int32)
+            if hostile == "gap":  # past the session's KV: the lane refuses a gap
+                message = StageMessage.create(MessageKind.VERIFY_WINDOW, pos_start=position + 30, token_count=4,
+                                              session_id=1, tokens=tokens, state_changes={"seq_id": 20})
+                match = "authoritative position"
+            else:  # 4 rows, 3 token ids
+                message = StageMessage.create(MessageKind.VERIFY_WINDOW, pos_start=position + 18, token_count=4,
+                                              session_id=1, tokens=tokens[:3], state_changes={"seq_id": 20})
+                match = "token ids"
+            await client.send(message)
+            with pytest.raises(StageClientError, match=match):
+                await client.receive()
+        stats = [server.stats for server in chain.servers]
+        with trio.fail_after(5):  # each stage's run is accounted when it ends (the lanes close behind the error)
+            while min(s.decode_relay_windows for s in stats) < 2:  # (the second window repeats the first's shape)
+                await trio.sleep(0.01)
+        assert stats[0].connection_errors == 1 and stats[0].verify_windows >= 4
+        nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["direct", "hop-by-hop"])

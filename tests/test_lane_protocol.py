@@ -83,6 +83,8 @@ def test_one_rule_per_kind_and_it_agrees_with_the_protocol_predicates() -> None:
         # decode's reply on the final stage
         assert rule.write_through_down == (rule.handling is Handling.EXECUTE and not kind.is_prefill), kind
         assert rule.write_through_up == (kind in {K.DECODE_EMBD, K.DECODE_READOUT, K.DECODE_LIGHT_CTX}), kind
+        # the data plane carries a session's steady decodes and verify windows (skippy.stage.decode_relay)
+        assert rule.relay == (kind in {K.DECODE_EMBD, K.VERIFY_WINDOW}), kind
 
 
 @pytest.mark.parametrize("kind", SERVED, ids=lambda kind: kind.reference_name)

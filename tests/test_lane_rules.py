@@ -331,6 +331,21 @@ def test_a_written_direct_frame_leaves_the_stage_counts_for_the_stop_and_may_be_
                       direct=True)
     lane.direct_written(forward, b"frame")
     assert lane.inflight == 0 and len(lane.direct_timings) == 1
-    assert lane.take_template() == (b"frame", None) and lane.take_template() == (None, None)  # taken once
+    message = dispatch.message
+    assert lane.take_template(message) == (b"frame", None) and lane.take_template(message) == (None, None)  # taken once
     assert lane.direct_timings.take(dispatch.key, stage_index=1, layer_start=0, layer_end=2) == TimingRecord(
         1, 0, 2, 1, 9, 2, 0, 0)
+
+
+def test_a_windows_template_is_offered_when_the_window_repeats_the_last_ones_shape() -> None:
+    """The driver's verify windows change size and alternate with decodes: a run of the data plane
+    starts after a window only when it repeats the kind and rows of the lane's last one."""
+    lane = StageLane(1, 1)
+    windows = [StageMessage.create(MessageKind.VERIFY_WINDOW, pos_start=0, token_count=rows, session_id=1,
+                                   tokens=np.zeros(rows, dtype=np.int32)) for rows in (3, 3, 5, 3, 3)]
+    decode = _message(MessageKind.DECODE_EMBD)
+    offered = []
+    for message in [windows[0], windows[1], decode, windows[2], windows[3], windows[4], decode]:
+        lane.relay_frame = b"frame"
+        offered.append(lane.take_template(message)[0] is not None)
+    assert offered == [False, True, True, False, False, True, True]  # (a decode: always)

@@ -45,15 +45,18 @@ PATHS: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
     # (a looping prompt: the n-gram proposer drafts from the repeats)
     "speculation": ({"speculation": True, "prompt": " ".join([PROMPT] * 4), "max_tokens": 16},
                     {"direct": False, "decode_runs": False}),
+    # (longer: windows of several sizes, plain decodes between them, rejected drafts)
+    "speculation-long": ({"speculation": True, "prompt": " ".join([PROMPT] * 4), "max_tokens": 48},
+                         {"direct": False, "decode_runs": False}),
     "grammar": ({"sampling": SEEDED, "speculation": False, "grammar": 'root ::= [a-z ]+ "."'},
                 {"direct": True, "decode_runs": True}),
     # (hop by hop, every reply with its Logprobs frame)
     "logprobs": ({"sampling": SEEDED, "speculation": False, "logprobs": 2}, {"direct": False, "decode_runs": False}),
 }
-#: The stages whose data plane carries a path's steady decodes (the final stage samples a
-#: grammar or logprobs session in Python; a decode run's first stage drives it in Python; verify
-#: windows take the lane's path, the plain decodes between them the data plane).
-RELAYED_STAGES = {"hop": 3, "direct": 3, "grammar": 2, "logprobs": 2, "run": 2, "speculation": 3}
+#: The stages whose data plane carries a path's steady decodes or verify windows (the final stage
+#: samples a grammar or logprobs session in Python; a decode run's first stage drives it in Python).
+RELAYED_STAGES = {"hop": 3, "direct": 3, "grammar": 2, "logprobs": 2, "run": 2, "speculation": 3,
+                  "speculation-long": 3}
 SWITCHES = ("write_through", "inline_hand_offs", "decode_relay")
 #: Reply-stats fields that hold measured durations (or depend on which one was largest).
 _MEASURED = ("verify_window_compute_us", "verify_window_forward_write_us", "verify_window_downstream_wait_us",
@@ -116,8 +119,8 @@ class Chain:
 
 
 @asynccontextmanager
-async def tapped_chain(model: Path, **switches: bool) -> AsyncIterator[Chain]:
-    """Stages ``SPLITS`` of ``model``, each behind a tap, and a tap for return lanes."""
+async def tapped_chain(model: Path, splits: list[str] = SPLITS, **switches: bool) -> AsyncIterator[Chain]:
+    """Stages ``splits`` of ``model``, each behind a tap, and a tap for return lanes."""
     async with trio.open_nursery() as nursery:
 
         async def tap_in_front(address: Address) -> tuple[Tap, Address]:
@@ -128,7 +131,7 @@ async def tapped_chain(model: Path, **switches: bool) -> AsyncIterator[Chain]:
         servers: list[StageServer] = []
         taps: list[Tap] = []
         downstream: Address | None = None
-        for layers in reversed(SPLITS):
+        for layers in reversed(splits):
             config = config_from_mapping({"model": str(model), "layers": layers, "downstream": downstream,
                                           "ctx_size": 512, "batch_size": 64, "connect_timeout": 2, "threads": 1,
                                           **switches})
@@ -155,13 +158,13 @@ def generator(tiny_llama: Path) -> Iterator[Generator]:
     gen.close()
 
 
-async def run_path(generator: Generator, model: Path, path: str, **switches: bool
-                   ) -> tuple[list[int], list[list[tuple[bytes, list[object]]]], dict[str, int]]:
-    """One request on ``path`` through the tapped chain: its tokens, each boundary's (message
-    bytes, normalized replies), and the chain's shortcut counters."""
+async def run_path(generator: Generator, model: Path, path: str, splits: list[str] = SPLITS, **switches: bool
+                   ) -> tuple[list[int], list[list[tuple[bytes, list[object]]]], dict[str, Any]]:
+    """One request on ``path`` through the tapped chain of ``splits``: its tokens, each boundary's
+    (message bytes, normalized replies), and the chain's shortcut counters."""
     fields, settings = PATHS[path]
     request = _request(generator, fields)
-    async with tapped_chain(model, **switches) as chain:
+    async with tapped_chain(model, splits, **switches) as chain:
         generator.direct_return = (lambda: chain.return_address) if settings["direct"] else None
         generator.decode_runs = settings["decode_runs"]
         try:
@@ -172,10 +175,14 @@ async def run_path(generator: Generator, model: Path, path: str, **switches: boo
         await trio.sleep(0.05)  # the taps pass on the last bytes
         stats = [server.stats for server in chain.servers]
         counters = {"write_throughs": sum(s.write_throughs for s in stats),
-                    "relay_steps": sum(s.decode_relay_steps for s in stats),
-                    "relay_stages": sum(s.decode_relay_steps > 0 for s in stats),
+                    "relay_steps": sum(s.decode_relay_steps + s.decode_relay_windows for s in stats),
+                    "relay_stages": sum(s.decode_relay_steps + s.decode_relay_windows > 0 for s in stats),
                     "direct_replies": stats[-1].direct_replies, "decode_runs": stats[0].decode_runs,
-                    "verify_windows": stats[-1].verify_windows}
+                    "verify_windows": stats[-1].verify_windows,
+                    # per stage: the windows computed, those the data plane carried, the rollbacks trimmed
+                    "windows": [s.verify_windows for s in stats],
+                    "relay_windows": [s.decode_relay_windows for s in stats],
+                    "trims": [s.trimmed_tokens for s in stats]}
         boundaries = [tap.record() for tap in (*chain.taps, chain.returns)]
     return completion.tokens, boundaries, counters
 
@@ -231,7 +238,7 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
     settings = PATHS[path][1]
     assert (counters["direct_replies"] > 0) == settings["direct"]
     assert (counters["decode_runs"] > 0) == (settings["decode_runs"] and not settings["direct"])
-    assert (counters["verify_windows"] > 0) == (path == "speculation")
+    assert (counters["verify_windows"] > 0) == path.startswith("speculation")
     assert counters["relay_stages"] == RELAYED_STAGES[path], counters  # the data plane carried the steady decodes
     for switches in _COMBINATIONS[1:]:
         other_tokens, other_boundaries, other_counters = await run_path(generator, tiny_llama, path, **switches)
@@ -245,3 +252,110 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
         assert (other_counters["write_throughs"] > 0) == switches["write_through"], switches
         if not switches["decode_relay"]:
             assert other_counters["relay_steps"] == 0
+
+
+#: Speculation at 2 and 3 stages (the tiny llama's 4 layers).
+SPECULATION_SPLITS = {2: ["0:2", "2:4"], 3: SPLITS}
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane_on(
+        generator: Generator, tiny_llama: Path, stages: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The driver's speculation (hop by hop: it never asks for direct return when it speculates)
+    with the data plane on (``--decode-relay on``) and off: the same bytes on every boundary and
+    the unsplit tokens, at 2 and 3 stages, with drafts rejected on the way (rollbacks trimmed).
+    The data plane carries the session's decodes and those windows that repeat the last one's
+    shape (a run holds one template: the controller's windows change size from one to the next
+    and alternate with plain decodes, so few do; ``test_client_driven_windows_...`` drives
+    windows of one size and counts them carried on every stage)."""
+    observe = CostModel.observe
+
+    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True) -> None:
+        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone)
+
+    monkeypatch.setattr(CostModel, "observe", steady)
+    reference = await unsplit(generator, tiny_llama, "speculation-long")
+    runs = {relay: await run_path(generator, tiny_llama, "speculation-long", SPECULATION_SPLITS[stages],
+                                  write_through=True, inline_hand_offs=True, decode_relay=relay)
+            for relay in (True, False)}
+    (tokens, boundaries, on), (other_tokens, other_boundaries, off) = runs[True], runs[False]
+    assert tokens == other_tokens == reference
+    _same_boundaries(boundaries, other_boundaries, stages)
+    assert on["windows"] == off["windows"] and min(on["windows"]) > 0
+    assert on["trims"] == off["trims"] and min(on["trims"]) > 0  # drafts were rejected: rollbacks trimmed
+    assert off["relay_steps"] == 0 and on["relay_stages"] == stages, on  # the data plane ran on every stage
+
+
+def _same_boundaries(mine: list[list[tuple[bytes, list[object]]]], theirs: list[list[tuple[bytes, list[object]]]],
+                     stages: int) -> None:
+    assert len(mine) == len(theirs) == stages + 1
+    for index, (ours, others) in enumerate(zip(mine, theirs)):
+        assert len(ours) == len(others), f"connections across boundary {index}"
+        for (down, up), (other_down, other_up) in zip(ours, others):
+            assert down == other_down, f"messages across boundary {index}"
+            assert up == other_up, f"replies across boundary {index}"
+
+
+#: The prompt of the client-driven windows (token ids of the tiny llama's vocabulary).
+WINDOW_PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
+
+
+async def _speculate(client: StageClient, reference: list[int], return_address: Address | None,
+                     windows: int) -> tuple[list[int], int]:
+    """A greedy speculating session driven window by window, as the driver's runner does: 3
+    drafts per window, taken from ``reference`` (the unsplit greedy tokens) but every other
+    window with its second draft wrong (rejected: the next window's position trims every stage
+    back); returns the committed tokens and the drafts rejected."""
+    session = 1
+    await client.configure(session, prompt_token_count=len(WINDOW_PROMPT))
+    if return_address is not None:
+        assert await client.open_direct_return(return_address, session)
+    committed = [(await client.prefill(session, WINDOW_PROMPT, chunk_size=5)).token]
+    position, rejected = len(WINDOW_PROMPT), 0
+    for index in range(windows):
+        done = len(committed)
+        drafts = list(reference[done:done + 3])
+        if index % 2:
+            drafts[1] += 1  # a wrong draft
+        reply = await client.verify(session, [committed[-1], *drafts], position, window_id=index + 1)
+        predicted = list(reply.predicted_tokens)
+        accepted = 0
+        while accepted < len(drafts) and predicted[accepted] == drafts[accepted]:
+            accepted += 1
+        committed += drafts[:accepted] + [predicted[accepted]]
+        rejected += len(drafts) - accepted
+        position += accepted + 1
+    await client.trim(session, position)
+    await client.stop(session)
+    return committed, rejected
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("direct", [False, True], ids=["hop", "direct"])
+async def test_client_driven_windows_ride_the_data_plane_hop_by_hop_and_with_direct_return(
+        tiny_llama: Path, stages: int, direct: bool) -> None:
+    """Verify windows sent one at a time by a client (as a serial speculating driver sends them),
+    hop by hop and with direct return (the final stage answers into the return lane): relay on and
+    off give the same bytes on every boundary (the return lane's too), the committed tokens are the
+    unsplit greedy tokens (drafts rejected on the way), and the data plane carried windows on
+    every stage (``tests/test_decode_relay.py`` counts the KV cells a rejection leaves)."""
+    from stage_helpers import reference_greedy
+
+    reference = reference_greedy(tiny_llama, WINDOW_PROMPT, 40, chunk_size=5)
+    runs = {}
+    for relay in (True, False):
+        async with tapped_chain(tiny_llama, SPECULATION_SPLITS[stages], write_through=True, inline_hand_offs=True,
+                                decode_relay=relay) as chain:
+            async with await StageClient.connect(chain.entry) as client:
+                committed, rejected = await _speculate(client, reference, chain.return_address if direct else None, 8)
+            await trio.sleep(0.05)  # the taps pass on the last bytes
+            stats = [server.stats for server in chain.servers]
+            runs[relay] = (committed, rejected, [tap.record() for tap in (*chain.taps, chain.returns)],
+                           [s.decode_relay_windows for s in stats], [s.verify_windows for s in stats])
+    committed, rejected, boundaries, relayed, windows = runs[True]
+    assert committed == reference[:len(committed)] and rejected > 0
+    assert runs[False][0] == committed and runs[False][4] == windows == [8] * stages
+    assert bool(boundaries[-1]) == direct  # the return lane carried the predictions
+    _same_boundaries(boundaries[:-1], runs[False][2][:-1], stages - 1)
+    assert boundaries[-1] == runs[False][2][-1]
+    assert runs[False][3] == [0] * stages and min(relayed) > 0, relayed  # the data plane carried windows

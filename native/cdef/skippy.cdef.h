@@ -216,6 +216,7 @@ void skippy_batch_view(struct llama_batch * batch, int32_t n_tokens, llama_token
                        int8_t * outputs);
 int32_t skippy_decode_view(struct llama_context * ctx, const struct llama_batch * batch);
 const void * skippy_relay_calls(void);
+int32_t skippy_trim_view(struct llama_context * ctx, int32_t seq, int32_t length);
 int32_t skippy_sample_rows(struct llama_sampler ** samplers, struct llama_context * ctx, const int32_t * rows,
                            int32_t n_rows, llama_token * out);
 int32_t skippy_sample_row_checked(struct llama_sampler * chain, struct llama_sampler * grammar, const float * logits,

@@ -21,6 +21,8 @@ struct skippy_relay_calls {
     float * (*logits)(struct llama_context * ctx, int32_t i);
     /* llama_sampler_sample: a sampler chain's token for one output row */
     int32_t (*sample)(struct llama_sampler * smpl, struct llama_context * ctx, int32_t idx);
+    /* skippy_trim_view: keep positions [0, length) of sequence seq (the auto-align of a rollback; 0: trimmed) */
+    int32_t (*trim)(struct llama_context * ctx, int32_t seq, int32_t length);
 };
 
 #endif

@@ -36,6 +36,11 @@ int32_t skippy_decode_view(struct llama_context * ctx, const struct llama_batch 
     return llama_decode(ctx, *batch);
 }
 
+/* Keep positions [0, length) of sequence `seq` (StageContext.trim of a non-recurrent context); 0: trimmed. */
+int32_t skippy_trim_view(struct llama_context * ctx, int32_t seq, int32_t length) {
+    return llama_memory_seq_rm(llama_get_memory(ctx), seq, length, -1) ? 0 : 1;
+}
+
 /* The relay's calls (skippy_relay_calls.h): the compiler checks each entry against its declaration
  * (a mismatch is an error, not a warning). */
 #if defined(__GNUC__)
@@ -43,7 +48,7 @@ int32_t skippy_decode_view(struct llama_context * ctx, const struct llama_batch 
 #pragma GCC diagnostic error "-Wincompatible-pointer-types"
 #endif
 static const struct skippy_relay_calls relay_calls = {
-    skippy_decode_view, llama_get_embeddings, llama_get_logits_ith, llama_sampler_sample,
+    skippy_decode_view, llama_get_embeddings, llama_get_logits_ith, llama_sampler_sample, skippy_trim_view,
 };
 #if defined(__GNUC__)
 #pragma GCC diagnostic pop

@@ -56,6 +56,12 @@ REPLY_TOKEN: Final = 4
 REPLY_VECTOR_ENTRY: Final = REPLY_HEAD
 #: After a one-entry vector: the window id (i32), then the draft's presence (i32, 0: none).
 REPLY_DRAFT: Final = REPLY_VECTOR_ENTRY + 8
+#: A reply's stats (after the draft's presence): the verify-window fields (protocol.md §5.3), as
+#: offsets into the 23 i64: the four summed durations (compute, forward write, downstream wait,
+#: total), then the four counts (stage, request, token, max tokens).
+STATS_VERIFY_SUMS: Final = 8 * 9
+STATS_VERIFY_COUNTS: Final = 8 * 13
+STATS_VERIFY_END: Final = 8 * 17
 #: A Timings frame of one record: magic and count (i32 each), the record's 4 i32 and 4 i64.
 TIMINGS_MAGIC: Final = 0x5E01
 TIMINGS_HEAD: Final = 8
@@ -72,7 +78,8 @@ LOGPROBS_PAIR: Final = 8
 _EXPORTED = ("KIND", "POS_START", "TOKEN_COUNT", "TOKEN_N", "POSITION_N", "STATE", "STATE_FIELDS", "VERSION",
              "FLAGS", "DECODE_STEP", "CURRENT_TOKEN", "SOURCE_STAGE", "WIRE_DTYPE", "REQUEST_ID", "SESSION_ID",
              "FIXED_HEADER", "SAMPLING_FIXED", "SAMPLING_HEAD", "SAMPLING_BIAS", "REPLY_HEAD", "REPLY_STATS",
-             "REPLY_BYTES", "REPLY_TOKEN", "REPLY_VECTOR_ENTRY", "REPLY_DRAFT", "TIMINGS_MAGIC", "TIMINGS_HEAD", "TIMINGS_BYTES",
+             "REPLY_BYTES", "REPLY_TOKEN", "REPLY_VECTOR_ENTRY", "REPLY_DRAFT", "STATS_VERIFY_SUMS", "STATS_VERIFY_COUNTS",
+             "STATS_VERIFY_END", "TIMINGS_MAGIC", "TIMINGS_HEAD", "TIMINGS_BYTES",
              "TIMINGS_COMPUTE", "LOGPROBS_MAGIC", "LOGPROBS_HEAD", "LOGPROBS_PAIR")
 
 PXI: Final = Path(__file__).with_name("_frame_layout.pxi")

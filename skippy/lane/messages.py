@@ -227,15 +227,21 @@ def final_prediction(dispatch: Dispatch, result: WorkResult, stats: ReplyStats, 
         StageError: the runtime produced no prediction (a broken invariant: INTERNAL).
     """
     if window:
-        stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0, total_us=total_us,
-                             batch_size=result.batch_size)
-        stats = dataclasses.replace(
-            stats, verify_window_request_count=stats.verify_window_request_count + 1,
-            verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
-            verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
-        )
-        return StageReply.predicted_token_vector(tuple(result.tokens), window_id=dispatch.message.state.seq_id,
-                                                 stats=stats)
+        return window_prediction(result, stats, window_id=dispatch.message.state.seq_id, total_us=total_us)
     if not result.tokens:
         raise StageError(f"{dispatch.kind.reference_name} produced no prediction")
     return StageReply.predicted_token(result.tokens[-1], stats=stats)
+
+
+def window_prediction(result: WorkResult, stats: ReplyStats, *, window_id: int, total_us: int) -> StageReply:
+    """The final stage's PredictedTokens for a verify window (one token per row) with the
+    reference's verify-window stats: this stage's share of ``result`` and ``total_us``
+    (receipt to now), one request, its tokens."""
+    stats = timing_stats(stats, compute_us=result.compute_us, write_us=0, wait_us=0, total_us=total_us,
+                         batch_size=result.batch_size)
+    stats = dataclasses.replace(
+        stats, verify_window_request_count=stats.verify_window_request_count + 1,
+        verify_window_token_count=stats.verify_window_token_count + len(result.tokens),
+        verify_window_max_tokens=max(stats.verify_window_max_tokens, len(result.tokens)),
+    )
+    return StageReply.predicted_token_vector(tuple(result.tokens), window_id=window_id, stats=stats)

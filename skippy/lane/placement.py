@@ -13,9 +13,10 @@ WRITE_DOWN      RUNTIME_THREAD (write-through, chosen before compute), HANDLING_
                 (inline: the forwarder is idle), FORWARD_TASK
 WRITE_UP        RUNTIME_THREAD (write-through of a lone PredictedToken), HANDLING_TASK
                 (whichever task holds the writer token; a direct reply: into the return lane)
-CARRY_NEXT      DATA_PLANE (the ``nogil`` decode relay carries the session's next decodes:
-                hop by hop with their replies, or with direct return), NOBODY (the lane
-                reads on)
+CARRY_NEXT      DATA_PLANE (the ``nogil`` decode relay carries the session's next messages
+                of a kind whose rule has ``relay``, decodes or verify windows of the same
+                rows, rollbacks trimmed: hop by hop with their replies, or with direct
+                return), NOBODY (the lane reads on)
 ==============  ==========================================================================
 
 Each placement produces the same bytes on every boundary as the plain one (all switches off:
@@ -51,7 +52,7 @@ class Step(enum.Enum):
     HANDLE = "handle a received message"
     WRITE_DOWN = "write a forwarded frame downstream"
     WRITE_UP = "write the final stage's reply"
-    CARRY_NEXT = "carry the session's next decodes"
+    CARRY_NEXT = "carry the session's next decodes or verify windows"
 
 
 class Performer(enum.Enum):
@@ -93,7 +94,8 @@ class Facts(NamedTuple):
     #: a return lane (§8); asked before its work runs (its output may still be written where
     #: it is computed); its reply is next in line with the writer token free; the message just
     #: handled left a template the data plane can carry the next ones from (hop by hop: with
-    #: its reply as relayed upstream).
+    #: its reply as relayed upstream; a verify window's, when it repeats the shape of the
+    #: message before it: ``StageLane.take_template``).
     early_ack: bool = False
     credited: bool = False
     direct: bool = False

@@ -151,6 +151,11 @@ class KindRule:
     decode_run: bool = False
     #: A prefill chunk (``MessageKind.is_prefill``: its tokens extend the session's prompt).
     prefill: bool = False
+    #: The data plane may carry the steady state of the kind (:mod:`skippy.stage.decode_relay`,
+    #: when ``placement()`` puts CARRY_NEXT there): the session's next messages of the same
+    #: shape, hop by hop with their replies or with direct return (a decode; a verify window,
+    #: its rollbacks trimmed as auto-align trims them).
+    relay: bool = False
     #: Why the kind is refused (``Handling.REFUSE``; for RETURN_OPEN: when not a return lane's open).
     refusal: str = ""
 
@@ -187,7 +192,7 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.PREFILL_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, early_ack=True, credit=True,
                                        outputs=Outputs.NONE, prefill=True),
     MessageKind.PREFILL_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, direct_return=True, prefill=True),
-    MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True),
+    MessageKind.DECODE_EMBD: dataclasses.replace(_DECODE, decode_run=True, relay=True),
     MessageKind.DECODE_READOUT: _DECODE,
     MessageKind.DECODE_LIGHT_CTX: _DECODE,
     MessageKind.DECODE_REPLAY_EMBD: KindRule(Handling.EXECUTE, Answer.ACK, outputs=Outputs.NONE,
@@ -195,7 +200,7 @@ RULES: Final[Mapping[MessageKind, KindRule]] = {
     MessageKind.DECODE_REPLAY_FINAL_EMBD: KindRule(Handling.EXECUTE, Answer.PREDICTION, write_through_down=True,
                                                    direct_return=True),
     MessageKind.VERIFY_WINDOW: KindRule(Handling.EXECUTE, Answer.PREDICTION, auto_align=True, outputs=Outputs.ALL,
-                                        window=True, write_through_down=True, direct_return=True),
+                                        window=True, write_through_down=True, direct_return=True, relay=True),
     MessageKind.STOP: KindRule(Handling.STOP, Answer.ACK, checks_header=False),
     MessageKind.TRIM_SESSION: KindRule(Handling.TRIM, Answer.ACK, checks_header=False),
     MessageKind.CONFIGURE_GENERATION: KindRule(Handling.CONFIGURE, Answer.ACK, checks_header=False),
@@ -592,8 +597,8 @@ class StageLane(LaneProtocol):
     """
 
     __slots__ = ("session_quota", "peer", "sessions", "compute_backlog", "forward_backlog", "runs",
-                 "run_steps", "relay_frame", "relay_lane", "lane_used", "identity_aware", "direct_timings",
-                 "forwarding_done")
+                 "run_steps", "relay_frame", "relay_lane", "relay_shape", "lane_used", "identity_aware",
+                 "direct_timings", "forwarding_done")
 
     def __init__(self, lane_id: int, credit_limit: int, reply_limit: int = 16, *, session_quota: int = 0,
                  peer: str = "") -> None:
@@ -614,6 +619,8 @@ class StageLane(LaneProtocol):
         #: direct-return decode went out as, and the return lane it went into (final stage).
         self.relay_frame: bytes | None = None
         self.relay_lane: object | None = None
+        #: The kind and rows of the last message :meth:`take_template` was asked after.
+        self.relay_shape: tuple[int, int] | None = None
         #: §9: a message came (an identity query is only a lane's first), and the upstream
         #: flags bit 12 (it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
         self.lane_used = False
@@ -737,11 +744,16 @@ class StageLane(LaneProtocol):
             self.relay_frame = template
         self.direct_done()
 
-    def take_template(self) -> tuple[bytes | None, object | None]:
+    def take_template(self, message: StageMessage) -> tuple[bytes | None, object | None]:
         """The data plane's template and its return lane (final stage), taken (set again by the
-        next direct-return decode the lane handles itself)."""
+        next message the lane handles itself), after ``message``: None for a verify window that
+        does not repeat the kind and rows of the message before it (the driver's windows change
+        size and alternate with decodes: a run would carry nothing but cost its start)."""
         frame, lane = self.relay_frame, self.relay_lane
         self.relay_frame = self.relay_lane = None
+        shape, self.relay_shape = self.relay_shape, (int(message.kind), message.token_count)
+        if RULES[message.kind].window and shape != self.relay_shape:
+            return None, None
         return frame, lane
 
     # -- placement ------------------------------------------------------------------------------

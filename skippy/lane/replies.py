@@ -23,7 +23,7 @@ from skippy.codec.protocol import EMPTY_REPLY_STATS, ReplyStats, StageReply
 from skippy.codec.protocol_ext import (
     DECODE_RUN_FEATURE, Annotation, LogprobsFrame, SamplingAcceptedFrame, TimingRecord, TimingsFrame, append_timing,
 )
-from skippy.lane.messages import final_prediction
+from skippy.lane.messages import final_prediction, window_prediction
 from skippy.lane.protocol import RULES, Dispatch, Relay, StageLane
 from skippy.lane.stats import timing_stats
 from skippy.lane.work import WorkResult
@@ -85,10 +85,14 @@ def prediction(dispatch: Dispatch, result: WorkResult, stats: ReplyStats, *, ide
     return reply, timings, annotations
 
 
-def prediction_template(identity: Identity, *, negotiated: bool) -> tuple[StageReply, TimingsFrame | None]:
-    """A plain decode's prediction as the data plane patches it (token 0, zero timings)."""
-    return (StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS),
-            prediction_frames(identity, WorkResult(), 0, negotiated=negotiated)[0])
+def prediction_template(identity: Identity, *, negotiated: bool, rows: int = 1,
+                        window: bool = False) -> tuple[StageReply, TimingsFrame | None]:
+    """A plain decode's prediction (``window``: a verify window's of ``rows`` rows, nothing
+    pending) as the data plane patches it (tokens 0, window id 0, zero timings)."""
+    result = WorkResult(tokens=[0] * rows)
+    reply = (window_prediction(result, EMPTY_REPLY_STATS, window_id=0, total_us=0) if window
+             else StageReply.predicted_token(0, stats=EMPTY_REPLY_STATS))
+    return reply, prediction_frames(identity, result, 0, negotiated=negotiated)[0]
 
 
 def relayed(lane: StageLane, relay: Relay, reply: StageReply, stats: ReplyStats, timings: TimingsFrame | None,

@@ -367,22 +367,26 @@ class StageContext:
         if recurrent_rows is not None:
             self._log_rows(recurrent_rows, pos, tokens, activations)
 
-    def row_batch(self, seq: int, sampler: Sampler | None = None) -> "RowBatch":
-        """A one-row batch of session ``seq`` for the decode relay (:mod:`skippy.runtime.row_batch`;
-        a final stage's picks with ``sampler``)."""
+    def row_batch(self, seq: int, sampler: Sampler | None = None, rows: int = 1) -> "RowBatch":
+        """A batch of ``rows`` rows of session ``seq`` for the decode relay
+        (:mod:`skippy.runtime.row_batch`; a final stage's picks with ``sampler``)."""
         from skippy.runtime.row_batch import RowBatch
 
         if self.recurrent:
             raise InvalidBatch("a recurrent model's rows are decoded through decode(), which logs them for rollback")
-        return RowBatch(self, seq, sampler)
+        return RowBatch(self, seq, sampler, rows)
 
     def note_external_decode(self, rows: int) -> None:
-        """A :class:`~skippy.runtime.row_batch.RowBatch` decoded one row at a time: the last
-        batch was one row with an output, as after :meth:`decode` of one row."""
-        if rows > 0:
+        """A :class:`~skippy.runtime.row_batch.RowBatch` decoded: the last batch was ``rows`` rows,
+        each with an output, as after :meth:`decode` of them."""
+        if rows == 1:
             self._last_rows = 1
             self._last_output_rows = _ROW_0
             self._last_output_set = _SET_0
+        elif rows > 1:
+            self._last_rows = rows
+            self._last_output_rows = np.arange(rows)
+            self._last_output_set = frozenset(range(rows))
 
     def activations(self) -> FloatArray:
         """Hidden states of every row of the last decode (``rows x output_width`` float32 view).

@@ -1,16 +1,17 @@
-"""A one-row batch whose inputs live in fixed arrays: the decode relay's view of a context.
+"""A batch of fixed rows whose inputs live in fixed arrays: the decode relay's view of a context.
 
 Strategy: the decode relay (:mod:`skippy.stage._relay`) runs one session's rows without Python, so it
 needs what ``StageContext.decode`` builds per call, built once: a ``llama_batch`` pointed at
-arrays of one token, one position, one sequence id and one ``n_embd`` row of activations, with
-the row flagged as an output.  The relay writes the token (first stage) or the activation and
-the position into those arrays, then calls ``skippy_decode_view`` and ``llama_get_embeddings``
-(a final stage: ``llama_get_logits_ith`` and, for a sampler chain, ``llama_sampler_sample``)
-through the typed table ``skippy_relay_calls()`` returns (native/cdef/skippy_relay_calls.h: the
+arrays of ``rows`` tokens, positions and sequence ids and ``rows`` ``n_embd`` rows of
+activations (one row for a decode, a verify window's rows for a window), every row flagged as an
+output.  The relay writes the tokens (first stage) or the activations and the positions into
+those arrays, then calls ``skippy_decode_view`` and ``llama_get_embeddings``
+(a final stage: ``llama_get_logits_ith`` and, for a sampler chain, ``llama_sampler_sample``, row
+by row; ``skippy_trim_view`` first for a rollback, as the executor's auto-align trims) through
+the typed table ``skippy_relay_calls()`` returns (native/cdef/skippy_relay_calls.h: the
 C compiler checks its entries against llama.h) at the raw addresses :meth:`RowBatch.addresses`
-gives; the pure-Python twin calls
-:meth:`RowBatch.decode`, :meth:`RowBatch.hidden` and :meth:`RowBatch.sample`, the same functions
-through cffi.  A final stage's pick is the context's own: the first maximum of the row for a
+gives; the pure-Python twin calls :meth:`RowBatch.trim`, :meth:`RowBatch.decode`,
+:meth:`RowBatch.hidden` and :meth:`RowBatch.sample`, the same functions through cffi.  A final stage's pick is the context's own: the first maximum of the row for a
 plain greedy sampler (``StageContext.sample``'s shortcut), else the session's sampler chain.
 
 The batch is only valid while its context is open and nothing else decodes on it: the caller
@@ -36,14 +37,15 @@ __all__ = ["RowBatch"]
 
 @final
 class RowBatch:
-    """One row of session ``seq`` on ``context``; on a final stage ``sampler`` picks its token.
+    """``rows`` rows of session ``seq`` on ``context``; on a final stage ``sampler`` picks their tokens.
 
     Raises:
         InvalidBatch: ``seq`` out of range, a final stage without a sampler or with one the
-            relay cannot run (a grammar's checked sampler), or a stage that is first and final.
+            relay cannot run (a grammar's checked sampler), a stage that is first and final, or
+            ``rows`` outside 1..``n_batch`` (the executor splits a larger item into micro-batches).
     """
 
-    def __init__(self, context: "StageContext", seq: int, sampler: "Sampler | None" = None) -> None:
+    def __init__(self, context: "StageContext", seq: int, sampler: "Sampler | None" = None, rows: int = 1) -> None:
         self.final = bool(context.model.is_last)
         if self.final and (sampler is None or sampler.checked or sampler.pointer is None
                            or context.model.is_first):
@@ -52,19 +54,23 @@ class RowBatch:
         self._greedy = sampler is not None and sampler.plain_greedy
         if not 0 <= seq < context.max_sessions:
             raise InvalidBatch(f"sequence id {seq} outside 0..{context.max_sessions - 1}")
+        if not 1 <= rows <= context.n_batch:
+            raise InvalidBatch(f"a relay batch of {rows} rows (1..{context.n_batch})")
         self._context = context
         self.width = context.n_embd
-        self.token: npt.NDArray[np.int32] = np.zeros(1, dtype=np.int32)
-        self.position: npt.NDArray[np.int32] = np.zeros(1, dtype=np.int32)
-        self.embd: npt.NDArray[np.float32] = np.zeros(self.width, dtype=np.float32)
-        self._seq = np.full(1, seq, dtype=np.int32)
-        self._n_seq = np.ones(1, dtype=np.int32)
-        self._outputs = np.ones(1, dtype=np.int8)
-        self._seq_ptrs = ffi.new("llama_seq_id *[]", 1)
+        #: The rows of every decode, and the sequence id they go to.
+        self.rows, self.seq = rows, seq
+        self.token: npt.NDArray[np.int32] = np.zeros(rows, dtype=np.int32)
+        self.position: npt.NDArray[np.int32] = np.zeros(rows, dtype=np.int32)
+        self.embd: npt.NDArray[np.float32] = np.zeros(rows * self.width, dtype=np.float32)
+        self._seq = np.full(rows, seq, dtype=np.int32)
+        self._n_seq = np.ones(rows, dtype=np.int32)
+        self._outputs = np.ones(rows, dtype=np.int8)
+        self._seq_ptrs = ffi.new("llama_seq_id *[]", rows)
         self._batch = ffi.new("struct llama_batch *")
         first = context.model.is_first
         lib.skippy_batch_view(
-            self._batch, 1,
+            self._batch, rows,
             ffi.cast("llama_token *", ffi.from_buffer(self.token)) if first else ffi.NULL,
             ffi.NULL if first else ffi.cast("float *", ffi.from_buffer(self.embd)),
             ffi.cast("llama_pos *", ffi.from_buffer(self.position)),
@@ -97,21 +103,25 @@ class RowBatch:
         return int(lib.skippy_decode_view(self._context._context_ptr(), self._batch))
 
     def hidden(self) -> npt.NDArray[np.float32]:
-        """The row's output activation (a view valid until the next decode)."""
+        """The rows' output activations, ``rows * width`` floats (a view valid until the next decode)."""
         pointer = lib.llama_get_embeddings(self._context._context_ptr())
-        return np.frombuffer(ffi.buffer(pointer, self.width * 4), dtype=np.float32)
+        return np.frombuffer(ffi.buffer(pointer, self.rows * self.width * 4), dtype=np.float32)
 
-    def sample(self) -> int:
-        """The final stage's token for the decoded row (the twin's call; -1: no logits)."""
+    def trim(self, length: int) -> bool:
+        """Keep positions ``[0, length)`` of the sequence (the twin's call); False: not trimmed."""
+        return int(lib.skippy_trim_view(self._context._context_ptr(), self.seq, length)) == 0
+
+    def sample(self, row: int = 0) -> int:
+        """The final stage's token for decoded row ``row`` (the twin's call; -1: no logits)."""
         pointer = self._context._context_ptr()
         if not self._greedy:
             assert self._sampler is not None
-            return int(lib.llama_sampler_sample(self._sampler.pointer, pointer, 0))
-        logits = lib.llama_get_logits_ith(pointer, 0)
+            return int(lib.llama_sampler_sample(self._sampler.pointer, pointer, row))
+        logits = lib.llama_get_logits_ith(pointer, row)
         if logits == ffi.NULL:
             return -1
         return int(np.frombuffer(ffi.buffer(logits, self._context.model.n_vocab * 4), dtype=np.float32).argmax())
 
-    def finished(self, rows: int) -> None:
-        """Tell the context a relay decoded on it (its last batch was one of ours, ``rows`` > 0)."""
-        self._context.note_external_decode(rows)
+    def finished(self, steps: int) -> None:
+        """Tell the context a relay decoded on it (its last batch was one of ours, ``steps`` > 0)."""
+        self._context.note_external_decode(self.rows if steps > 0 else 0)

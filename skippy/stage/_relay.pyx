@@ -4,7 +4,8 @@
 
 Strategy
 --------
-A stage decoding one session steadily does the same thing for every token.  With direct return
+A stage decoding one session steadily does the same thing for every token (or every verify
+window of speculative decoding: the same steps on the window's rows).  With direct return
 (docs/protocol.md §8) a non-final stage reads a DecodeEmbd frame from upstream, runs one row
 through its layers and writes the same message downstream with its own activation; no reply
 goes upstream.  Hop by hop it then also reads the downstream's reply (a PredictedToken, with
@@ -17,29 +18,37 @@ upstream socket, the header checked against the session's *template* (the first 
 run, handled in full by the Python lane), the activation checked (finite, within the limit) and
 dequantized, ``llama_decode`` through the typed table of llama.cpp calls skippy._llama fills, the output
 patched into the outgoing template and written with ``send``.  Only the fields that change per
-token are taken from the frame: ``pos_start``, ``decode_step``, ``current_token``,
-``request_id``, the token sideband and the activation; everything else must equal the template
-byte for byte.  The downstream's reply must equal its template (the reply the lane relayed for
-the template message) outside the token, its vector entry and the records' durations, which
-must be >= 0 as the lane's decoder requires; the answer is the lane's answer template with
-those and this stage's durations patched in.  On the final stage the outgoing template is the
-session's PredictedToken reply (with its Timings frame when the lane or return lane negotiated
-one): the loop samples the row (the greedy pick of the lane's path, the first maximum, or the
-session's llama.cpp sampler chain) and patches the token and the compute time into it before
-writing it into the return lane, or hop by hop upstream.
+message are taken from the frame: ``pos_start``, ``decode_step``, ``current_token``,
+``request_id``, a window's id (``seq_id``), the token sideband and the activation; everything
+else must equal the template byte for byte (a window of another size is another template).  A
+message whose rows start before the session's next position (a rollback after rejected drafts)
+trims the session's KV back to them first, as the executor's auto-align does.  The downstream's
+reply must equal its template (the reply the lane relayed for the template message) outside the
+token(s), their vector entries, a window's id and summed verify-window durations and the
+records' durations, which must be >= 0 as the lane's decoder requires; the answer is the lane's
+answer template with those and this stage's durations patched in.  On the final stage the outgoing template is the
+session's PredictedToken reply, or a window's PredictedTokens (with its Timings frame when the
+lane or return lane negotiated one): the loop samples each row in order (the greedy pick of the
+lane's path, the first maximum, or the session's llama.cpp sampler chain) and patches the tokens,
+a window's id and verify-window compute and total times, and the compute time into it before
+writing it into the return lane, or hop by hop upstream.  Hop by hop, a window's reply gets this
+stage's verify-window share added as ``skippy.lane.stats.timing_stats`` adds it.
 
 The loop never refuses anything: the first frame it would not carry exactly as the Python lane
-does (another kind, another session, a position that is not the session's next one, a
-non-finite activation, a failed decode) ends the run with that frame and everything after it
-*handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
+does (another kind or row count, another session, a position past the session's next one or
+before 0, a non-finite activation, a token outside the vocabulary, a failed trim or decode) ends
+the run with that frame and everything after it *handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
 same happens on end of stream or a reset upstream (the lane's reader then sees it), when the
 glue writes the stop descriptor (another job wants the runtime, the lane is closing), and
 after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  Hop by hop, a
 downstream reply it would not carry (another shape, an annotation or Error frame, end of
 stream) or a stop while it waits ends the run with ``REPLY_PENDING``: the message in flight
 heads the leftover, what was read of its reply comes back too, and the lane takes the message
-over from its forward (skippy.stage.decode_relay).  A write waits for a full socket until the
-abort descriptor says the lane is closing.
+over from its forward (skippy.stage.decode_relay).  Hop by hop the loop answers one message at a
+time, so an upstream that pipelines (its next message arrives while a reply is outstanding, as a
+speculating driver's windows do) takes the lane's path, which pipelines: the run ends once that
+reply is answered, the next message handed back unread.  A write waits for a full socket until
+the abort descriptor says the lane is closing.
 
 Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
 the scheduler holds the runtime for it, and the lane closes neither socket before it returns.
@@ -56,6 +65,7 @@ cdef extern from "_byteorder.h":
     float skippy_load_f32(const unsigned char *p) noexcept nogil
     void skippy_store_i32(unsigned char *p, int32_t v) noexcept nogil
     void skippy_store_i64(unsigned char *p, int64_t v) noexcept nogil
+    int64_t skippy_load_i64(const unsigned char *p) noexcept nogil
 
 cdef extern from "_activation.h":
     void _encode_f16 "skippy_encode_f16" (const uint32_t *source, unsigned char *target,
@@ -82,6 +92,11 @@ cdef extern from "<poll.h>" nogil:
 
 cdef extern from "<sys/types.h>":
     ctypedef long ssize_t
+
+cdef extern from "<sys/ioctl.h>" nogil:
+    int ioctl(int fd, unsigned long request, ...)
+    enum:
+        FIONREAD
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void *buffer, size_t length, int flags)
@@ -138,6 +153,11 @@ cdef enum:
     _RECORD_BYTES = FRAME_TIMINGS_BYTES - FRAME_TIMINGS_HEAD
     _RECORD_DURATIONS = FRAME_TIMINGS_COMPUTE - FRAME_TIMINGS_HEAD
     _MAX_FIXED = 64
+    # the state header's seq_id: a verify window's id
+    _SEQ_ID = FRAME_STATE + 4
+
+# a summed verify-window duration the relay adds to stays below this (the twin's SUM_LIMIT)
+cdef int64_t _SUM_LIMIT = <int64_t>1 << 62
 
 # The llama.cpp calls, typed by the table skippy._llama fills with the functions themselves (the C
 # compiler checks each entry against llama.h there; native/cdef/skippy_relay_calls.h).
@@ -150,6 +170,7 @@ cdef extern from "skippy_relay_calls.h" nogil:
         float *(*embeddings)(llama_context *ctx) noexcept nogil
         float *(*logits)(llama_context *ctx, int32_t i) noexcept nogil
         int32_t (*sample)(llama_sampler *smpl, llama_context *ctx, int32_t idx) noexcept nogil
+        int32_t (*trim)(llama_context *ctx, int32_t seq, int32_t length) noexcept nogil
 
 _select_kernels(_os.environ.get("SKIPPY_PORTABLE_KERNELS") != "1")
 
@@ -179,8 +200,11 @@ cdef class DecodeRelay:
     arguments, which both implementations take alike)."""
 
     cdef int _upstream, _downstream, _stop, _abort
-    cdef bint _final
-    cdef Py_ssize_t _token_offset, _compute_offset
+    cdef bint _final, _window
+    cdef int32_t _rows, _seq, _position
+    cdef int64_t _received_ns
+    # a final stage's reply: where its token, Timings compute, window id and stats are (-1: none)
+    cdef Py_ssize_t _token_offset, _compute_offset, _window_offset, _stats_offset
     cdef const skippy_relay_calls *_calls
     cdef llama_sampler *_sampler  # NULL: the greedy pick
     cdef bytes _in_template, _out_template
@@ -202,11 +226,15 @@ cdef class DecodeRelay:
     cdef readonly int64_t last_frame_ns
     cdef int _max_steps
     # hop by hop (a non-final stage): the downstream's reply template and this stage's answer
-    cdef bint _hop
+    cdef bint _hop, _pipelined  # (the upstream sent more while a reply was outstanding)
+    cdef bint _watch  # the upstream is polled while a reply is outstanding
     cdef bytes _reply_in
     cdef Py_ssize_t _reply_length, _reply_filled, _answer_length
     cdef Py_ssize_t _records, _records_in, _records_out, _own_record, _prediction_in, _prediction_out
     cdef Py_ssize_t _logprobs  # the one-row Logprobs frame heading the downstream's reply (0: none)
+    cdef Py_ssize_t _sums_in, _sums_out  # a window's verify-window sums in the reply and the answer (-1: none)
+    cdef const unsigned char *_answer_template  # this stage's answer template (kept alive as _reply_out)
+    cdef bytes _reply_out
     cdef bint _logprobs_out  # the answer starts with it too
     cdef Py_ssize_t _fixed[_MAX_FIXED][2]
     cdef int _fixed_count
@@ -214,14 +242,18 @@ cdef class DecodeRelay:
     cdef unsigned char *_answer
     cdef const unsigned char *_reply_template  # the downstream's reply template (kept alive above)
     cdef int64_t _pending_compute_us, _pending_write_us, _pending_sent_us
-    # the activation log's rows (a non-final stage's f32 output per computed step; NULL: off)
+    # the activation log's rows (a non-final stage's f32 output rows per computed message; NULL:
+    # off), as entries of contiguous positions (_entry_start[i], _entry_count[i])
     cdef float *_log
-    cdef Py_ssize_t _logged
-    cdef int64_t _log_start
+    cdef Py_ssize_t _logged, _log_capacity, _entries
+    cdef int64_t *_entry_start
+    cdef int64_t *_entry_count
 
     def __cinit__(self):
         self._buffer = NULL
         self._log = NULL
+        self._entry_start = NULL
+        self._entry_count = NULL
         self._out = NULL
         self._reply = NULL
         self._answer = NULL
@@ -232,13 +264,20 @@ cdef class DecodeRelay:
                  int max_steps=1024, bytes reply_in=b"", bytes reply_out=b"", bint log_rows=False):
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        layout = _twin.template_layout(in_template, out_template, width=width, first=first, final=final)
+        self._rows, self._window = layout.rows, layout.window
+        if getattr(runtime, "rows", 1) != self._rows:
+            raise ValueError(f"the runtime's batch holds {getattr(runtime, 'rows', 1)} rows, the template {self._rows}")
         self._hop = len(reply_in) > 0
-        self._reply_in = reply_in
+        self._reply_in, self._reply_out = reply_in, reply_out
         self._reply_template = <const unsigned char *>PyBytes_AS_STRING(reply_in)
+        self._answer_template = <const unsigned char *>PyBytes_AS_STRING(reply_out)
         self._reply_length, self._answer_length = len(reply_in), len(reply_out)
         self._reply_filled = 0
+        self._sums_in = self._sums_out = -1
         if self._hop:
-            hop = _twin.hop_layout(reply_in, reply_out)
+            hop = _twin.hop_layout(reply_in, reply_out, rows=self._rows, window=self._window)
+            self._sums_in, self._sums_out = hop.sums_in, hop.sums_out
             if len(hop.fixed) > _MAX_FIXED:
                 raise ValueError("the downstream's reply holds too many Timings records for the relay")
             (self._records, self._records_in, self._records_out, self._own_record, self._prediction_in,
@@ -252,11 +291,13 @@ cdef class DecodeRelay:
             if self._reply == NULL or self._answer == NULL:
                 raise MemoryError()
             memcpy(self._answer, PyBytes_AS_STRING(reply_out), self._answer_length)
-        layout = _twin.template_layout(in_template, out_template, width=width, first=first, final=final)
         self._in_length, self._out_length, self._in_activation, self._out_activation = layout[:4]
-        self._in_dtype, self._out_dtype = layout[4:]
+        self._in_dtype, self._out_dtype = layout[4:6]
         self._final = final
-        self._token_offset, self._compute_offset = _twin.reply_layout(out_template) if final else (-1, -1)
+        self._token_offset = self._compute_offset = self._window_offset = self._stats_offset = -1
+        if final:
+            (self._token_offset, self._compute_offset, self._window_offset,
+             self._stats_offset) = _twin.reply_layout(out_template, rows=self._rows, window=self._window)
         self._upstream, self._downstream, self._stop, self._abort = upstream_fd, downstream_fd, stop_fd, abort_fd
         self._in_template, self._out_template = in_template, out_template
         self._in_header = <const unsigned char *>PyBytes_AS_STRING(in_template)
@@ -272,6 +313,7 @@ cdef class DecodeRelay:
         self._position_slot = <int32_t *><uintptr_t>addresses["position"]
         self._embd_slot = <float *><uintptr_t>addresses["embd"]
         self._sampler = <llama_sampler *><uintptr_t>addresses.get("sampler", 0)
+        self._seq = getattr(runtime, "seq", 0)
         if final and "sampler" not in addresses:
             raise ValueError("a final stage's relay needs the runtime's sampler")
         self._capacity = max(self._in_length, FRAME_FIXED_HEADER) * 2 + (1 << 16)
@@ -281,10 +323,13 @@ cdef class DecodeRelay:
             raise MemoryError()
         memcpy(self._out, PyBytes_AS_STRING(out_template), self._out_length)
         self._filled = 0
-        self._logged, self._log_start = 0, next_position
+        self._logged = self._entries = 0
+        self._log_capacity = max_steps * self._rows
         if log_rows and not final and max_steps > 0:
-            self._log = <float *>malloc(<size_t>max_steps * <size_t>width * sizeof(float))
-            if self._log == NULL:
+            self._log = <float *>malloc(<size_t>self._log_capacity * <size_t>width * sizeof(float))
+            self._entry_start = <int64_t *>malloc(<size_t>max_steps * sizeof(int64_t))
+            self._entry_count = <int64_t *>malloc(<size_t>max_steps * sizeof(int64_t))
+            if self._log == NULL or self._entry_start == NULL or self._entry_count == NULL:
                 raise MemoryError()
         self.last_frame_ns = _now_ns()
 
@@ -294,6 +339,8 @@ cdef class DecodeRelay:
         free(self._reply)
         free(self._answer)
         free(self._log)
+        free(self._entry_start)
+        free(self._entry_count)
 
     def run(self, bytes pending=b""):
         """Relay until a frame it does not carry, a stop, or ``max_steps``; see the twin's ``run``."""
@@ -302,9 +349,10 @@ cdef class DecodeRelay:
             return RelayOutcome(_HANDED_BACK, pending, 0, 0, 0, 0, 0)
         memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
         self._filled = count
-        self._logged, self._log_start = 0, self.next_position  # rows not taken after the last run are dropped
+        self._logged = self._entries = 0  # rows not taken after the last run are dropped
         cdef int status
-        cdef int64_t counters[8]  # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out
+        # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out, trims, positions trimmed
+        cdef int64_t counters[10]
         memset(counters, 0, sizeof(counters))
         with nogil:
             status = self._loop(counters)
@@ -317,15 +365,20 @@ cdef class DecodeRelay:
             in_flight = (self._pending_compute_us, self._pending_write_us, self._pending_sent_us)
         self._reply_filled = 0
         return RelayOutcome(status, leftover, counters[0], counters[1] // 1000, counters[2] // 1000, counters[3],
-                            counters[4], counters[5] // 1000, counters[6], counters[7], reply, *in_flight)
+                            counters[4], counters[5] // 1000, counters[6], counters[7], reply, *in_flight,
+                            counters[8], counters[9])
 
     def take_log(self):
         """The rows computed since the last call; see the twin's ``take_log``."""
-        cdef Py_ssize_t count = self._logged
-        rows = PyBytes_FromStringAndSize(<char *>self._log, count * self._width * 4) if count else b""
-        start = self._log_start
-        self._logged, self._log_start = 0, self.next_position
-        return start, count, rows
+        cdef Py_ssize_t index, offset = 0, count
+        entries = []
+        for index in range(self._entries):
+            count = self._entry_count[index]
+            entries.append((self._entry_start[index], count, PyBytes_FromStringAndSize(
+                <char *>(self._log + offset * self._width), count * self._width * 4)))
+            offset += count
+        self._logged = self._entries = 0
+        return entries
 
     cdef int _loop(self, int64_t *counters) noexcept nogil:
         cdef int status
@@ -342,12 +395,17 @@ cdef class DecodeRelay:
             if not self._carries():
                 return _HANDED_BACK
             started = _now_ns()
-            if self._step() != 0:
+            self._received_ns = started
+            if self._step(counters) != 0:
                 return _HANDED_BACK  # the lane runs it again and reports what failed
             elapsed = _now_ns() - started
             compute_ns[0] += elapsed
             if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
                 skippy_store_i64(self._out + self._compute_offset, elapsed // 1000)
+            if self._window_offset >= 0:  # a window's verify-window compute and total times (final_prediction)
+                skippy_store_i64(self._out + self._stats_offset + FRAME_STATS_VERIFY_SUMS, elapsed // 1000)
+                skippy_store_i64(self._out + self._stats_offset + FRAME_STATS_VERIFY_SUMS + 24,
+                                 (_now_ns() - self._received_ns) // 1000)
             started = _now_ns()
             status = self._write(self._downstream, self._out, self._out_length, _DOWNSTREAM_FAILED)
             if status >= 0:
@@ -359,16 +417,16 @@ cdef class DecodeRelay:
                 self._pending_compute_us = elapsed // 1000
                 self._pending_write_us = (sent - started) // 1000
                 self._pending_sent_us = started // 1000
+                self._pipelined = False
+                self._watch = True
                 status = self._respond(counters, sent)
                 if status == _REPLY_PENDING:
                     return status
-                if status >= 0:  # the reply's write failed: the message is done here
-                    self._consume(self._in_length)
-                    self.next_position += 1
+                if status >= 0 or self._pipelined:  # the reply's write failed, or the upstream pipelines:
+                    self._consume(self._in_length)  # the message is done here
                     steps[0] += 1
-                    return status
+                    return status if status >= 0 else _HANDED_BACK
             self._consume(self._in_length)
-            self.next_position += 1
             steps[0] += 1
         return _STEP_LIMIT
 
@@ -411,88 +469,142 @@ cdef class DecodeRelay:
                 return -1
             return 1 if fds[1].revents or fds[2].revents else 0
 
+    cdef int _wait_reply(self) noexcept nogil:
+        """Wait until the downstream is readable (0), the stop or abort descriptor is (1), or poll
+        fails (-1); notes an upstream that becomes readable meanwhile (it pipelines)."""
+        cdef pollfd fds[4]
+        cdef unsigned long count
+        cdef int available = 0
+        while True:
+            fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
+            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
+            fds[3].fd, fds[3].events, fds[3].revents = self._upstream, POLLIN, 0
+            count = 4 if self._watch else 3
+            if poll(fds, count, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return -1
+            if fds[1].revents or fds[2].revents:
+                return 1
+            if count == 4 and fds[3].revents:  # bytes (it pipelines), or its end (the next read sees it)
+                self._watch = False
+                self._pipelined = ioctl(self._upstream, FIONREAD, &available) == 0 and available > 0
+            if fds[0].revents:
+                return 0
+
     cdef bint _header_matches(self) noexcept nogil:
-        """Everything but the per-token fields equals the template."""
+        """Everything but the per-message fields equals the template (a window's id is one)."""
         cdef const unsigned char *frame = self._buffer
         cdef const unsigned char *template = self._in_header
         return (memcmp(frame, template, FRAME_POS_START) == 0
-                and memcmp(frame + FRAME_TOKEN_COUNT, template + FRAME_TOKEN_COUNT,
-                           FRAME_DECODE_STEP - FRAME_TOKEN_COUNT) == 0
+                and memcmp(frame + FRAME_TOKEN_COUNT, template + FRAME_TOKEN_COUNT, _SEQ_ID - FRAME_TOKEN_COUNT) == 0
+                and (self._window or memcmp(frame + _SEQ_ID, template + _SEQ_ID, 4) == 0)
+                and memcmp(frame + _SEQ_ID + 4, template + _SEQ_ID + 4, FRAME_DECODE_STEP - _SEQ_ID - 4) == 0
                 and memcmp(frame + FRAME_SOURCE_STAGE, template + FRAME_SOURCE_STAGE,
                            FRAME_REQUEST_ID - FRAME_SOURCE_STAGE) == 0
                 and memcmp(frame + FRAME_SESSION_ID, template + FRAME_SESSION_ID, 8) == 0)
 
     cdef bint _carries(self) noexcept nogil:
-        """The buffered frame is a template frame the Python lane would run without a word."""
+        """The buffered message is a template message the Python lane would run without a word:
+        its rows start at the session's next position or before it (a rollback, which the
+        executor's auto-align trims), inside the cells, with valid tokens or activations."""
         cdef const unsigned char *frame = self._buffer
         cdef int32_t position = skippy_load_i32(frame + FRAME_POS_START)
         cdef int32_t token_n = skippy_load_i32(frame + FRAME_TOKEN_N)
-        cdef int32_t token
-        cdef Py_ssize_t index
+        cdef int32_t token, row, rows = self._rows
+        cdef Py_ssize_t index, count = <Py_ssize_t>rows * self._width
         cdef float value
         if self._filled < self._in_length or not self._header_matches():
             return False
-        if position != self.next_position or (self._position_end > 0 and position >= self._position_end):
-            return False  # a rollback, a gap or the end of the cells: the lane decides
+        if position < 0 or position > self.next_position or (
+                self._position_end > 0 and <int64_t>position + rows > self._position_end):
+            return False  # a gap, a position before 0 or the end of the cells: the lane decides
         if self._first:
-            token = (skippy_load_i32(frame + FRAME_FIXED_HEADER) if token_n == 1
-                     else skippy_load_i32(frame + FRAME_CURRENT_TOKEN))
-            if token < 0 or token >= self._n_vocab:
-                return False
-            self._token_slot[0] = token
+            for row in range(rows):
+                token = (skippy_load_i32(frame + FRAME_FIXED_HEADER + 4 * row) if token_n == rows
+                         else skippy_load_i32(frame + FRAME_CURRENT_TOKEN))
+                if token < 0 or token >= self._n_vocab:
+                    return False
+                self._token_slot[row] = token
         elif self._in_dtype == _DTYPE_F32:
-            for index in range(self._width):
+            for index in range(count):
                 value = skippy_load_f32(frame + self._in_activation + 4 * index)
                 if not (-self._limit <= value <= self._limit):  # NaN fails both
                     return False
                 self._embd_slot[index] = value
         else:
-            _decode_f16(frame + self._in_activation, <uint32_t *>self._embd_slot, self._width)
-            for index in range(self._width):
+            _decode_f16(frame + self._in_activation, <uint32_t *>self._embd_slot, count)
+            for index in range(count):
                 value = self._embd_slot[index]
                 if not (-self._limit <= value <= self._limit):
                     return False
-        self._position_slot[0] = position
+        for row in range(rows):
+            self._position_slot[row] = position + row
+        self._position = position
         return True
 
-    cdef int _step(self) noexcept nogil:
-        """Decode the row and patch the outgoing frame; nonzero when the decode failed."""
+    cdef int _step(self, int64_t *counters) noexcept nogil:
+        """Trim a rollback, decode the rows and patch the outgoing frame; nonzero when the trim or
+        the decode failed (the lane runs the message again and reports it)."""
         cdef const unsigned char *frame = self._buffer
         cdef unsigned char *out = self._out
         cdef float *hidden
-        cdef Py_ssize_t index
-        cdef int32_t token
+        cdef Py_ssize_t last
+        cdef int32_t token, row, rows = self._rows, position = self._position
+        if position < self.next_position:  # the executor's auto-align
+            if self._calls.trim(self._context, self._seq, position) != 0:
+                return 1
+            counters[8] += 1
+            counters[9] += self.next_position - position
+            self.next_position = position
         if self._calls.decode(self._context, self._batch) != 0:
             return 1
         if self._final:
-            token = self._pick()
-            if token < 0:
-                return 1
-            skippy_store_i32(out + self._token_offset, token)
-            skippy_store_i32(out + self._token_offset + (FRAME_REPLY_VECTOR_ENTRY - FRAME_REPLY_TOKEN), token)  # the token vector's one entry
+            for row in range(rows):  # in row order, as the lane samples them
+                token = self._pick(row)
+                if token < 0:
+                    return 1
+                if row == 0:  # the prediction: the first row's
+                    skippy_store_i32(out + self._token_offset, token)
+                skippy_store_i32(out + self._token_offset + (FRAME_REPLY_VECTOR_ENTRY - FRAME_REPLY_TOKEN) + 4 * row,
+                                 token)  # the token vector's entry
+            if self._window_offset >= 0:
+                memcpy(out + self._window_offset, frame + _SEQ_ID, 4)
+            self.next_position = position + rows
             return 0
+        self.next_position = position + rows
         hidden = self._calls.embeddings(self._context)
         if hidden == NULL:
             return 1
-        if self._log != NULL:  # contiguous positions from _log_start: one row per computed step
-            memcpy(self._log + self._logged * self._width, hidden, 4 * self._width)
-            self._logged += 1
+        if self._log != NULL and self._logged + rows <= self._log_capacity:  # one entry per contiguous stretch
+            memcpy(self._log + self._logged * self._width, hidden, 4 * <Py_ssize_t>rows * self._width)
+            self._logged += rows
+            last = self._entries - 1
+            if last >= 0 and self._entry_start[last] + self._entry_count[last] == position:
+                self._entry_count[last] += rows
+            else:
+                self._entry_start[self._entries] = position
+                self._entry_count[self._entries] = rows
+                self._entries += 1
         memcpy(out + FRAME_POS_START, frame + FRAME_POS_START, 4)
+        if self._window:
+            memcpy(out + _SEQ_ID, frame + _SEQ_ID, 4)
         memcpy(out + FRAME_DECODE_STEP, frame + FRAME_DECODE_STEP, 8)
         memcpy(out + FRAME_REQUEST_ID, frame + FRAME_REQUEST_ID, 8)
         memcpy(out + FRAME_FIXED_HEADER, frame + FRAME_FIXED_HEADER, self._out_activation - FRAME_FIXED_HEADER)  # the sidebands
         if self._out_dtype == _DTYPE_F32:
-            memcpy(out + self._out_activation, hidden, 4 * self._width)
+            memcpy(out + self._out_activation, hidden, 4 * <Py_ssize_t>rows * self._width)
         else:
-            _encode_f16(<const uint32_t *>hidden, out + self._out_activation, self._width)
+            _encode_f16(<const uint32_t *>hidden, out + self._out_activation, <Py_ssize_t>rows * self._width)
         return 0
 
-    cdef int32_t _pick(self) noexcept nogil:
-        """The final stage's token for the decoded row (-1: no logits)."""
+    cdef int32_t _pick(self, int32_t row) noexcept nogil:
+        """The final stage's token for decoded row ``row`` (-1: no logits)."""
         cdef float *logits
         if self._sampler != NULL:
-            return self._calls.sample(self._sampler, self._context, 0)
-        logits = self._calls.logits(self._context, 0)
+            return self._calls.sample(self._sampler, self._context, row)
+        logits = self._calls.logits(self._context, row)
         if logits == NULL:
             return -1
         return _first_maximum(logits, self._n_vocab)
@@ -523,12 +635,13 @@ cdef class DecodeRelay:
         """Hop by hop: read the downstream's reply, add this stage's share as the lane does
         (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
         cdef ssize_t got
-        cdef int64_t wait_ns
+        cdef int64_t wait_ns, value
+        cdef int64_t sums[4]
         cdef Py_ssize_t index, field, offset
         cdef int status
         self._reply_filled = 0
         while self._reply_filled < self._reply_length:
-            if self._wait_readable(self._downstream) != 0:
+            if self._wait_reply() != 0:
                 return _REPLY_PENDING  # stopped, or poll failed: the lane reads the reply
             got = recv(self._downstream, self._reply + self._reply_filled,
                        self._reply_length - self._reply_filled, 0)  # never past this reply
@@ -555,6 +668,12 @@ cdef class DecodeRelay:
             if self._reply[offset + 3] & 0x80 or not _nonpositive_finite(self._reply + offset + 4):
                 return _REPLY_PENDING
             offset += FRAME_LOGPROBS_PAIR
+        if self._sums_in >= 0:  # a summed duration the relay does not add to: the lane's
+            for field in range(4):
+                value = skippy_load_i64(self._reply + self._sums_in + 8 * field)
+                if value < 0 or value >= _SUM_LIMIT:
+                    return _REPLY_PENDING
+                sums[field] = value
         if self._logprobs_out:
             memcpy(self._answer, self._reply, self._logprobs)
         if self._records_out >= 0:
@@ -566,6 +685,14 @@ cdef class DecodeRelay:
             skippy_store_i64(self._answer + offset + 24, 0)
         memcpy(self._answer + self._prediction_out, self._reply + self._prediction_in,
                self._reply_length - self._prediction_in)
+        if self._sums_out >= 0:  # a window: this stage's share (timing_stats), its counts the template's
+            offset = self._sums_out + (FRAME_STATS_VERIFY_COUNTS - FRAME_STATS_VERIFY_SUMS)
+            memcpy(self._answer + offset, self._answer_template + offset,
+                   FRAME_STATS_VERIFY_END - FRAME_STATS_VERIFY_COUNTS)
+            skippy_store_i64(self._answer + self._sums_out, sums[0] + self._pending_compute_us)
+            skippy_store_i64(self._answer + self._sums_out + 8, sums[1] + self._pending_write_us)
+            skippy_store_i64(self._answer + self._sums_out + 16, sums[2] + wait_ns // 1000)
+            skippy_store_i64(self._answer + self._sums_out + 24, sums[3] + (_now_ns() - self._received_ns) // 1000)
         status = self._write(self._upstream, self._answer, self._answer_length, _UPSTREAM_FAILED)
         if status >= 0:
             return status

@@ -2,29 +2,34 @@
 
 Strategy: the same loop as the Cython module (read its header for what the relay carries and
 what it hands back), step for step and byte for byte: ``select.poll`` and ``os.read`` /
-``os.write`` on the two sockets, the header compared with the template outside the per-token
-fields, the activation checked and dequantized with numpy, the row decoded through the
-runtime's one-row batch, the outgoing template patched (a final stage's: the sampled token and
-the Timings record's compute time in its reply), and hop by hop the downstream's reply read,
-checked against its template and answered upstream with this stage's record.  It holds the GIL throughout, so it
+``os.write`` on the two sockets, the header compared with the template outside the per-message
+fields, the activation checked and dequantized with numpy, a rollback trimmed, the rows decoded
+through the runtime's batch of the template's rows (one for a decode, a verify window's rows),
+the outgoing template patched (a final stage's: the sampled tokens, a window's id and
+verify-window durations, and the Timings record's compute time in its reply), and hop by hop
+the downstream's reply read, checked against its template and answered upstream with this
+stage's share.  It holds the GIL throughout, so it
 saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it
 and the relay tests run against both.
 """
 
 from __future__ import annotations
 
+import array
 import errno
+import fcntl
 import math
 import os
 import select
 import struct
+import termios
 import time
 from typing import Any, NamedTuple
 
 import numpy as np
 
 from skippy.codec import _frame_layout as layout
-from skippy.codec.protocol import BOUNDARY_ROWS_FLAG, StateFlag
+from skippy.codec.protocol import BOUNDARY_ROWS_FLAG, MessageKind, ReplyKind, StateFlag
 from skippy.codec.protocol_ext import MAX_TOP_LOGPROBS
 
 #: Which implementation this module is.
@@ -49,9 +54,10 @@ REPLY_PENDING = 5
 #: Hop by hop: writing the reply upstream failed or was cut off by the abort descriptor.
 UPSTREAM_FAILED = 6
 
-#: A final stage's reply: PredictedToken (kind, token, a token vector of that one token, window
-#: id, no draft, 23 i64 stats); with a Timings frame of one record in front (head, 4 i32, 4 i64)
-#: when the return lane negotiated the extensions (docs/protocol.md §4).
+#: A final stage's reply to a decode: PredictedToken (kind, token, a token vector of that one
+#: token, window id, no draft, 23 i64 stats); with a Timings frame of one record in front (head,
+#: 4 i32, 4 i64) when the return lane negotiated the extensions (docs/protocol.md §4).  A verify
+#: window's: PredictedTokens, one vector entry per row (:func:`reply_bytes`).
 REPLY_BYTES = layout.REPLY_BYTES
 TIMINGS_BYTES = layout.TIMINGS_BYTES
 
@@ -60,11 +66,16 @@ FIXED_HEADER = layout.FIXED_HEADER
 _POS_START, _TOKEN_N, _POSITION_N = layout.POS_START, layout.TOKEN_N, layout.POSITION_N
 _DECODE_STEP, _CURRENT_TOKEN, _FLAGS, _DTYPE = layout.DECODE_STEP, layout.CURRENT_TOKEN, layout.FLAGS, layout.WIRE_DTYPE
 _REQUEST_ID, _SESSION_ID = layout.REQUEST_ID, layout.SESSION_ID
+#: The state header's seq_id: a verify window's id (it changes from one window to the next).
+_SEQ_ID = layout.STATE + 4
 #: The state flags that add a section or rows the relay does not carry (sampling, chat metadata,
 #: the activation row multipliers).
 _UNCARRIED_FLAGS = int(StateFlag.SAMPLING | StateFlag.CHAT_SAMPLING_METADATA | StateFlag.RWKV7_V_FIRST_SIDEBAND
                        | StateFlag.GEMMA3N_ALTUP_SIDEBAND | StateFlag.INKLING_MTP_EMBD_SIDEBAND) | BOUNDARY_ROWS_FLAG
 _I32 = struct.Struct("<i")
+_I64 = struct.Struct("<q")
+#: A summed verify-window duration the relay adds to must stay below this (else the lane decides).
+SUM_LIMIT = 1 << 62
 _DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
 
 
@@ -88,6 +99,10 @@ class RelayOutcome(NamedTuple):
     pending_compute_us: int = 0
     pending_write_us: int = 0
     pending_sent_us: int = 0
+    #: Rollbacks the run trimmed (the executor's auto-aligns) and the positions they removed
+    #: (the message in flight's included).
+    trims: int = 0
+    trimmed: int = 0
 
 
 #: A Timings record's size, and where its four i64 durations start in it (compute_us first).
@@ -102,13 +117,20 @@ def _timings_count(frame: bytes) -> int:
     return -1
 
 
+def reply_bytes(rows: int) -> int:
+    """The length of a PredictedToken(s) reply with ``rows`` vector entries and no draft."""
+    return layout.REPLY_BYTES + 4 * (rows - 1)
+
+
 class HopLayout(NamedTuple):
     """Where a hop-by-hop reply's parts lie: the downstream's reply (``reply_in``: a Logprobs frame
-    of one row, if the session asked, its Timings records, if any, then a plain PredictedToken)
-    and this stage's (``reply_out``: the same Logprobs frame when the upstream negotiated the
-    extensions, the same records and this stage's own after them, then the same PredictedToken);
+    of one row, if the session asked, its Timings records, if any, then a plain PredictedToken,
+    or a verify window's PredictedTokens) and this stage's (``reply_out``: the same Logprobs frame
+    when the upstream negotiated the extensions, the same records and this stage's own after
+    them, then the same prediction; a window's with this stage's verify-window share added);
     ``fixed``: the byte ranges of ``reply_in`` that must equal the template's (everything but the
-    token, its vector entry, the records' durations and the log-probability pairs)."""
+    tokens, a window's id and summed verify-window durations, the records' durations and the
+    log-probability pairs)."""
 
     records: int
     records_in: int
@@ -121,6 +143,11 @@ class HopLayout(NamedTuple):
     #: ``reply_out`` starts with it too.
     logprobs: int = 0
     logprobs_out: bool = False
+    #: A verify window's reply: its rows, and where its verify-window sums start in ``reply_in``
+    #: and ``reply_out`` (-1: a decode's reply).
+    rows: int = 1
+    sums_in: int = -1
+    sums_out: int = -1
 
 
 def _logprobs_length(frame: bytes) -> int:
@@ -133,16 +160,21 @@ def _logprobs_length(frame: bytes) -> int:
     return layout.LOGPROBS_HEAD + layout.LOGPROBS_PAIR * (1 + top)
 
 
-def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
-    """The layout of a non-final stage's hop-by-hop replies (offsets -1: absent).
+def hop_layout(reply_in: bytes, reply_out: bytes, *, rows: int = 1, window: bool = False) -> HopLayout:
+    """The layout of a non-final stage's hop-by-hop replies (offsets -1: absent) to a decode, or
+    to a verify window of ``rows`` rows.
 
     ``reply_out`` must be what the lane answered for ``reply_in`` (``skippy.lane.replies.relayed``):
-    its prediction identical (stats merged into nothing pending), its records the downstream's.
+    its prediction identical (stats merged into nothing pending; a window's with this stage's
+    verify-window share: its durations added, one more stage, at least one token), its records
+    the downstream's.
 
     Raises:
         ValueError: replies the relay cannot carry.
     """
     logprobs = _logprobs_length(reply_in)
+    if window and logprobs:
+        raise ValueError("a verify window's reply carries no Logprobs frame the relay carries")
     logprobs_out = _logprobs_length(reply_out)
     if logprobs_out and (not logprobs or reply_out[:logprobs] != reply_in[:logprobs]):
         raise ValueError("the upstream reply's Logprobs frame is not the downstream's")
@@ -160,10 +192,22 @@ def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
     else:
         records_out = own_record = -1
         prediction_out = logprobs_out
-    if len(reply_in) != prediction_in + REPLY_BYTES or len(reply_out) != prediction_out + REPLY_BYTES:
-        raise ValueError("a hop-by-hop reply template is not (Logprobs, Timings and) one plain PredictedToken")
-    reply_layout(reply_in[prediction_in:])
-    if reply_in[prediction_in:] != reply_out[prediction_out:]:
+    size = reply_bytes(rows)
+    if len(reply_in) != prediction_in + size or len(reply_out) != prediction_out + size:
+        raise ValueError("a hop-by-hop reply template is not (Logprobs, Timings and) one plain PredictedToken"
+                         + (f"s of {rows} tokens" if window else ""))
+    shape = reply_layout(reply_in[prediction_in:], rows=rows, window=window)
+    sums_in = sums_out = -1
+    mine, theirs = reply_in[prediction_in:], reply_out[prediction_out:]
+    if window:  # skippy.lane.stats.timing_stats: this stage's durations added, one more stage
+        sums = shape.stats + layout.STATS_VERIFY_SUMS
+        counts, end = shape.stats + layout.STATS_VERIFY_COUNTS, shape.stats + layout.STATS_VERIFY_END
+        stage, request, tokens, largest = struct.unpack_from("<4q", mine, counts)
+        if struct.unpack_from("<4q", theirs, counts) != (stage + 1, request, tokens, max(largest, 1)):
+            raise ValueError("the upstream reply's verify-window counts are not the downstream's plus this stage")
+        mine, theirs = mine[:sums] + mine[end:], theirs[:sums] + theirs[end:]
+        sums_in, sums_out = prediction_in + sums, prediction_out + sums
+    if mine != theirs:
         raise ValueError("the upstream reply's prediction is not the downstream's")
     if records_out >= 0 and count and (reply_in[records_in:prediction_in]
                                         != reply_out[records_out:records_out + RECORD_BYTES * count]):
@@ -171,7 +215,9 @@ def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
     varying = [(layout.LOGPROBS_HEAD, logprobs - layout.LOGPROBS_HEAD)] if logprobs else []
     varying += [(records_in + RECORD_BYTES * index + RECORD_DURATIONS, RECORD_BYTES - RECORD_DURATIONS)
                 for index in range(count)]
-    varying += [(prediction_in + layout.REPLY_TOKEN, 4), (prediction_in + layout.REPLY_VECTOR_ENTRY, 4)]
+    varying += [(prediction_in + layout.REPLY_TOKEN, 4), (prediction_in + layout.REPLY_VECTOR_ENTRY, 4 * rows)]
+    if window:  # its id (after the vector), and the summed durations
+        varying += [(prediction_in + shape.window, 4), (sums_in, layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS)]
     fixed, start = [], 0
     for offset, length in varying:
         if offset > start:
@@ -179,7 +225,7 @@ def hop_layout(reply_in: bytes, reply_out: bytes) -> HopLayout:
         start = offset + length
     fixed.append((start, len(reply_in)))
     return HopLayout(count, records_in, records_out, own_record, prediction_in, prediction_out, tuple(fixed),
-                     logprobs, logprobs_out > 0)
+                     logprobs, logprobs_out > 0, rows, sums_in, sums_out)
 
 
 def logprob_pairs_valid(pairs: bytes) -> bool:
@@ -191,63 +237,104 @@ def logprob_pairs_valid(pairs: bytes) -> bool:
     return True
 
 
-def reply_layout(reply: bytes) -> tuple[int, int]:
-    """``(token_offset, compute_offset)`` of a final stage's reply template: the token goes at
-    ``token_offset`` and again 8 bytes on (the token vector's one entry); compute: -1 without a
-    Timings frame.
+class ReplyLayout(NamedTuple):
+    """Where a final stage's reply template is patched (offsets into it; -1: absent)."""
+
+    #: The predicted token (the first row's); the vector's entries start 8 bytes on.
+    token: int
+    #: The Timings record's compute_us (-1: no Timings frame).
+    compute: int
+    #: A verify window's id (-1: a decode's PredictedToken).
+    window: int
+    #: The 23 stats.
+    stats: int
+
+
+def reply_layout(reply: bytes, *, rows: int = 1, window: bool = False) -> ReplyLayout:
+    """Where a final stage's reply template to a decode (a PredictedToken) or a verify window of
+    ``rows`` rows (PredictedTokens) is patched.
 
     Raises:
-        ValueError: not a PredictedToken reply (with one Timings record in front, or none).
+        ValueError: not such a reply (with one Timings record in front, or none).
     """
-    timings = len(reply) == TIMINGS_BYTES + REPLY_BYTES
-    if len(reply) != REPLY_BYTES and not timings:
-        raise ValueError("the reply template is not one PredictedToken (with one Timings record)")
+    size = reply_bytes(rows)
+    timings = len(reply) == TIMINGS_BYTES + size
+    name = f"PredictedTokens of {rows} tokens" if window else "PredictedToken"
+    if len(reply) != size and not timings:
+        raise ValueError(f"the reply template is not one {name} (with one Timings record)")
     start = TIMINGS_BYTES if timings else 0
     if timings and reply[:layout.TIMINGS_HEAD] != struct.pack("<ii", layout.TIMINGS_MAGIC, 1):
         raise ValueError("the reply template's first frame is not a Timings frame of one record")
     kind, _, count = struct.unpack_from("<iii", reply, start)
-    if kind != 2 or count != 1 or reply[start + layout.REPLY_DRAFT:start + layout.REPLY_DRAFT + 4] != bytes(4):
-        raise ValueError("the reply template is not a plain PredictedToken")
-    return start + layout.REPLY_TOKEN, (layout.TIMINGS_COMPUTE if timings else -1)
+    vector_end = start + layout.REPLY_VECTOR_ENTRY + 4 * rows
+    wanted = ReplyKind.PREDICTED_TOKENS if window else ReplyKind.PREDICTED_TOKEN
+    if kind != wanted or count != rows or reply[vector_end + 4:vector_end + 8] != bytes(4):
+        raise ValueError(f"the reply template is not a plain {name}")
+    return ReplyLayout(start + layout.REPLY_TOKEN, layout.TIMINGS_COMPUTE if timings else -1,
+                       vector_end if window else -1, vector_end + 8)
+
+
+class TemplateLayout(NamedTuple):
+    """A session's template frames: their lengths, where their activations start, their wire
+    dtypes (a final stage's out fields are 0), the rows of each message and whether it is a
+    verify window."""
+
+    in_length: int
+    out_length: int
+    in_activation: int
+    out_activation: int
+    in_dtype: int
+    out_dtype: int
+    rows: int = 1
+    window: bool = False
 
 
 def template_layout(in_template: bytes, out_template: bytes, *, width: int,
-                    first: bool, final: bool = False) -> tuple[int, int, int, int, int, int]:
-    """``(in_length, out_length, in_activation, out_activation, in_dtype, out_dtype)`` of a
-    session's template frames (offsets of the activation sections; a final stage's outgoing
-    template is its reply, :func:`reply_layout`, and its out fields are 0).
+                    first: bool, final: bool = False) -> TemplateLayout:
+    """The layout of a session's template frames (a decode's, or a verify window's of any rows;
+    a final stage's outgoing template is its reply, :func:`reply_layout`, and its out fields
+    are 0).
 
     Raises:
         ValueError: a pair of frames the relay cannot carry (the glue checks first; this keeps
             either implementation from running on one).
     """
+    if len(in_template) < FIXED_HEADER or len(out_template) < (0 if final else FIXED_HEADER):
+        raise ValueError("a template is shorter than the fixed header")
+    kind, _, rows = struct.unpack_from("<iii", in_template, 0)
+    window = kind == MessageKind.VERIFY_WINDOW
     if final:
         if first:
             raise ValueError("a final stage that is also the first takes its decodes hop by hop")
-        reply_layout(out_template)
-        in_length, _, in_activation, _, in_dtype, _ = template_layout(
-            in_template, in_template, width=width, first=False)
-        return in_length, len(out_template), in_activation, 0, in_dtype, 0
-    if len(in_template) < FIXED_HEADER or len(out_template) < FIXED_HEADER:
-        raise ValueError("a template is shorter than the fixed header")
+        inner = template_layout(in_template, in_template, width=width, first=False)
+        reply_layout(out_template, rows=inner.rows, window=window)
+        return TemplateLayout(inner.in_length, len(out_template), inner.in_activation, 0, inner.in_dtype, 0,
+                              inner.rows, window)
+    if not window and rows != 1:
+        raise ValueError("the incoming template is not one row")
+    if rows < 1:
+        raise ValueError("a template of no rows")
+    token_n, position_n = struct.unpack_from("<ii", in_template, _TOKEN_N)
+    if position_n != 0 or (window and token_n != rows) or token_n not in (0, rows):
+        raise ValueError("the incoming template's sidebands are not its rows' tokens")
     for name, frame in (("incoming", in_template), ("outgoing", out_template)):
         if _I32.unpack_from(frame, _FLAGS)[0] & _UNCARRIED_FLAGS:
             raise ValueError(f"the {name} template carries a section or rows the relay does not carry")
-        if _I32.unpack_from(frame, layout.TOKEN_COUNT)[0] != 1:
-            raise ValueError(f"the {name} template is not one row")
-    sidebands = 4 * (_I32.unpack_from(in_template, _TOKEN_N)[0] + _I32.unpack_from(in_template, _POSITION_N)[0])
-    if out_template[_TOKEN_N:_POSITION_N + 4] != in_template[_TOKEN_N:_POSITION_N + 4] or sidebands < 0:
+        if _I32.unpack_from(frame, layout.TOKEN_COUNT)[0] != rows or _I32.unpack_from(frame, layout.KIND)[0] != kind:
+            raise ValueError(f"the {name} template is not the message's {rows} rows")
+    sidebands = 4 * (token_n + position_n)
+    if out_template[_TOKEN_N:_POSITION_N + 4] != in_template[_TOKEN_N:_POSITION_N + 4]:
         raise ValueError("the templates' sidebands differ")
     in_dtype = _I32.unpack_from(in_template, _DTYPE)[0]
     out_dtype = _I32.unpack_from(out_template, _DTYPE)[0]
     if out_dtype not in _DTYPE_BYTES or (not first and in_dtype not in _DTYPE_BYTES):
         raise ValueError("the relay carries f32 and f16 activations only")
     activation = FIXED_HEADER + sidebands
-    in_length = activation + (0 if first else width * _DTYPE_BYTES[in_dtype])
-    out_length = activation + width * _DTYPE_BYTES[out_dtype]
+    in_length = activation + (0 if first else rows * width * _DTYPE_BYTES[in_dtype])
+    out_length = activation + rows * width * _DTYPE_BYTES[out_dtype]
     if len(in_template) != in_length or len(out_template) != out_length:
         raise ValueError("a template's length does not match its layout")
-    return in_length, out_length, activation, activation, in_dtype, out_dtype
+    return TemplateLayout(in_length, out_length, activation, activation, in_dtype, out_dtype, rows, window)
 
 
 class DecodeRelay:
@@ -258,18 +345,19 @@ class DecodeRelay:
             them); a final stage's downstream is the session's return lane.
         stop_fd: readable when the run must end between frames (an eventfd the glue writes).
         abort_fd: readable when it must end at once, even in the middle of writing a frame.
-        in_template / out_template: the run's first frame as received, and the frame the lane
-            forwarded for it (a final stage: the reply it wrote, :func:`reply_layout`).
-        final: the stage samples; the runtime's ``sample`` picks the token.
+        in_template / out_template: the run's first message as received (a decode, or a verify
+            window: every message of the run has its rows), and the frame the lane forwarded
+            for it (a final stage: the reply it wrote, :func:`reply_layout`).
+        final: the stage samples; the runtime's ``sample`` picks each row's token.
         width: the activation width; first: the stage takes token ids (layer 0).
         n_vocab: token ids must be below it (first stage).
         next_position: the session's next position (its KV length); position_end: the cells
             the stage holds (0: no limit).
         activation_limit: the largest magnitude an activation value may have.
-        runtime: the one-row batch (``skippy.runtime.RowBatch``).
-        max_steps: the most tokens one :meth:`run` relays.
-        log_rows: a non-final stage keeps the f32 output row of every step it computes, for the
-            stage's activation log (:meth:`take_log`, after each run).
+        runtime: the batch of the template's rows (``skippy.runtime.RowBatch``).
+        max_steps: the most messages one :meth:`run` relays.
+        log_rows: a non-final stage keeps the f32 output rows of every message it computes, for
+            the stage's activation log (:meth:`take_log`, after each run).
     """
 
     def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
@@ -278,16 +366,21 @@ class DecodeRelay:
                  max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"", log_rows: bool = False) -> None:
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        shape = template_layout(in_template, out_template, width=width, first=first, final=final)
+        (self._in_length, self._out_length, self._in_activation, self._out_activation,
+         self._in_dtype, self._out_dtype, self._rows, self._window) = shape
+        if getattr(runtime, "rows", 1) != self._rows:
+            raise ValueError(f"the runtime's batch holds {getattr(runtime, 'rows', 1)} rows, the template {self._rows}")
         #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
-        self._hop = hop_layout(reply_in, reply_out) if reply_in else None
-        self._reply_in, self._reply_out = reply_in, bytearray(reply_out)
+        self._hop = hop_layout(reply_in, reply_out, rows=self._rows, window=self._window) if reply_in else None
+        self._reply_in, self._reply_out, self._answer_template = reply_in, bytearray(reply_out), reply_out
         self._reply = bytearray()
         self._pending = (0, 0, 0)
-        (self._in_length, self._out_length, self._in_activation, self._out_activation,
-         self._in_dtype, self._out_dtype) = template_layout(in_template, out_template, width=width, first=first,
-                                                            final=final)
+        #: Hop by hop: the upstream sent more while a reply was outstanding (it pipelines: the
+        #: run ends once that reply is answered, and the lane's path pipelines).
+        self._pipelined = False
         self._final = final
-        self._token_offset, self._compute_offset = reply_layout(out_template) if final else (-1, -1)
+        self._reply_shape = reply_layout(out_template, rows=self._rows, window=self._window) if final else None
         self._upstream, self._downstream, self._stop, self._abort = upstream_fd, downstream_fd, stop_fd, abort_fd
         self._in_template = in_template
         self._out = bytearray(out_template)
@@ -307,39 +400,43 @@ class DecodeRelay:
         self._reply_poll.register(stop_fd, select.POLLIN)
         self._reply_poll.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
-        #: The rows of the steps computed this run (None: not logging), from ``_log_start``.
-        self._log: list[bytes] | None = [] if log_rows and not final else None
+        #: The rows of the messages computed this run (None: not logging), as (start, count,
+        #: rows) entries: a message that starts where the last one ended extends it.
+        self._log: list[list[Any]] | None = [] if log_rows and not final else None
         self._log_start = next_position
+        #: This message: where its rows start (a rollback trims the KV back to it first), when
+        #: it was read whole (``perf_counter_ns``: a window's total time counts from there).
+        self._position = 0
+        self._received_ns = 0
 
-    def take_log(self) -> tuple[int, int, bytes]:
-        """``(start, count, rows)``: the f32 output rows of the positions ``[start, start + count)``
-        computed by the last :meth:`run` (the one in flight when it ended ``REPLY_PENDING``
-        included), ``count * width`` little-endian floats; then forgets them."""
-        rows = self._log or []
-        start, count, data = self._log_start, len(rows), b"".join(rows)
+    def take_log(self) -> list[tuple[int, int, bytes]]:
+        """The f32 output rows the last :meth:`run` computed (the message in flight when it ended
+        ``REPLY_PENDING`` included), as ``(start, count, rows)`` entries in the order computed:
+        ``count * width`` little-endian floats for the positions ``[start, start + count)`` (an
+        entry starting before the last one ended follows a rollback); then forgets them."""
+        entries = [(start, count, b"".join(rows)) for start, count, rows in self._log or []]
         if self._log is not None:
             self._log = []
-        self._log_start = self.next_position
-        return start, count, data
+        return entries
 
     def run(self, pending: bytes = b"") -> RelayOutcome:
-        """Relay frames (``pending`` first: bytes the lane had read) until one it does not carry,
+        """Relay messages (``pending`` first: bytes the lane had read) until one it does not carry,
         a stop, or ``max_steps``; blocking, on a worker thread."""
         if len(pending) > self._capacity:
             return RelayOutcome(HANDED_BACK, pending, 0, 0, 0, 0, 0)
         self._buffer = bytearray(pending)
         if self._log is not None:  # rows not taken after the last run are dropped
             self._log = []
-        self._log_start = self.next_position
-        # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out
-        counters = [0, 0, 0, 0, 0, 0, 0, 0]
+        # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out,
+        # trims, positions trimmed
+        counters = [0] * 10
         status = self._loop(counters)
         leftover, self._buffer = bytes(self._buffer), bytearray()
         reply, self._reply = (bytes(self._reply) if status == REPLY_PENDING else b""), bytearray()
-        steps, compute_ns, write_ns, bytes_in, bytes_out, wait_ns, replies_in, replies_out = counters
+        steps, compute_ns, write_ns, bytes_in, bytes_out, wait_ns, replies_in, replies_out, trims, trimmed = counters
         pending = self._pending if status == REPLY_PENDING else (0, 0, 0)
         return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out,
-                            wait_ns // 1000, replies_in, replies_out, reply, *pending)
+                            wait_ns // 1000, replies_in, replies_out, reply, *pending, trims, trimmed)
 
     def _loop(self, counters: list[int]) -> int:
         while counters[0] < self._max_steps:
@@ -348,13 +445,12 @@ class DecodeRelay:
                 return status
             if not self._carries():
                 return HANDED_BACK
-            started = time.perf_counter_ns()
-            if not self._step():
+            self._received_ns = started = time.perf_counter_ns()
+            if not self._step(counters):
                 return HANDED_BACK
             elapsed = time.perf_counter_ns() - started
             counters[1] += elapsed
-            if self._compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
-                struct.pack_into("<q", self._out, self._compute_offset, elapsed // 1000)
+            self._patch_reply(elapsed)
             started = time.perf_counter_ns()
             written = self._write(self._downstream, self._out, DOWNSTREAM_FAILED)
             if written is not None:
@@ -364,18 +460,30 @@ class DecodeRelay:
             counters[4] += self._out_length
             if self._hop is not None:  # hop by hop: the downstream's reply, this stage's share added, upstream
                 self._pending = (elapsed // 1000, (sent - started) // 1000, started // 1000)
+                self._pipelined = False
                 status = self._answer(counters, sent)
                 if status == REPLY_PENDING:
                     return status
-                if status >= 0:  # the reply's write failed: the message is done here
-                    del self._buffer[:self._in_length]
-                    self.next_position += 1
+                if status >= 0 or self._pipelined:  # the reply's write failed, or the upstream pipelines:
+                    del self._buffer[:self._in_length]  # the message is done here
                     counters[0] += 1
-                    return status
+                    return status if status >= 0 else HANDED_BACK
             del self._buffer[:self._in_length]
-            self.next_position += 1
             counters[0] += 1
         return STEP_LIMIT
+
+    def _patch_reply(self, elapsed: int) -> None:
+        """A final stage's reply: the Timings record's compute_us, and a window's verify-window
+        compute and total times (skippy.lane.messages.final_prediction), as the lane measures them."""
+        shape = self._reply_shape
+        if shape is None:
+            return
+        if shape.compute >= 0:
+            _I64.pack_into(self._out, shape.compute, elapsed // 1000)
+        if shape.window >= 0:
+            sums = shape.stats + layout.STATS_VERIFY_SUMS
+            _I64.pack_into(self._out, sums, elapsed // 1000)
+            _I64.pack_into(self._out, sums + 24, (time.perf_counter_ns() - self._received_ns) // 1000)
 
     def _fill(self, wanted: int, counters: list[int]) -> int:
         while True:
@@ -402,64 +510,100 @@ class DecodeRelay:
             counters[3] += len(data)
 
     def _header_matches(self) -> bool:
+        """Everything but the per-message fields equals the template (a window's id is one)."""
         frame, template = self._buffer, self._in_template
         count, source = layout.TOKEN_COUNT, layout.SOURCE_STAGE
-        return (frame[:_POS_START] == template[:_POS_START] and frame[count:_DECODE_STEP] == template[count:_DECODE_STEP]
+        return (frame[:_POS_START] == template[:_POS_START] and frame[count:_SEQ_ID] == template[count:_SEQ_ID]
+                and (self._window or frame[_SEQ_ID:_SEQ_ID + 4] == template[_SEQ_ID:_SEQ_ID + 4])
+                and frame[_SEQ_ID + 4:_DECODE_STEP] == template[_SEQ_ID + 4:_DECODE_STEP]
                 and frame[source:_REQUEST_ID] == template[source:_REQUEST_ID]
                 and frame[_SESSION_ID:FIXED_HEADER] == template[_SESSION_ID:FIXED_HEADER])
 
     def _carries(self) -> bool:
+        """The buffered message is a template message the lane would run without a word: its
+        rows start at the session's next position or before it (a rollback, which the
+        executor's auto-align trims), inside the cells, with valid tokens or activations."""
         frame = self._buffer
         if len(frame) < self._in_length or not self._header_matches():
             return False
-        position = _I32.unpack_from(frame, _POS_START)[0]
-        if position != self.next_position or (self._position_end > 0 and position >= self._position_end):
-            return False
+        position, rows = _I32.unpack_from(frame, _POS_START)[0], self._rows
+        if not 0 <= position <= self.next_position or (self._position_end > 0
+                                                        and position + rows > self._position_end):
+            return False  # a gap, a position before 0 or the end of the cells: the lane decides
         runtime = self._runtime
         if self._first:
             token_n = _I32.unpack_from(frame, _TOKEN_N)[0]
-            token = _I32.unpack_from(frame, FIXED_HEADER if token_n == 1 else _CURRENT_TOKEN)[0]
-            if not 0 <= token < self._n_vocab:
+            if token_n == rows:
+                tokens = np.frombuffer(bytes(frame[FIXED_HEADER:FIXED_HEADER + 4 * rows]), dtype="<i4")
+            else:
+                tokens = np.array([_I32.unpack_from(frame, _CURRENT_TOKEN)[0]], dtype=np.int32)
+            if not (0 <= int(tokens.min()) and int(tokens.max()) < self._n_vocab):
                 return False
-            runtime.token[0] = token
+            runtime.token[:] = tokens
         else:
-            start, width = self._in_activation, self._width
+            start, count = self._in_activation, rows * self._width
             dtype = np.float32 if self._in_dtype == 0 else np.float16
-            values = np.frombuffer(bytes(frame[start:start + width * np.dtype(dtype).itemsize]),
+            values = np.frombuffer(bytes(frame[start:start + count * np.dtype(dtype).itemsize]),
                                    dtype=np.dtype(dtype).newbyteorder("<")).astype(np.float32)
             low, high = float(values.min()), float(values.max())
             if not (-self._limit <= low and high <= self._limit):
                 return False
             runtime.embd[:] = values
-        runtime.position[0] = position
+        runtime.position[:] = np.arange(position, position + rows, dtype=np.int32)
+        self._position = position
         return True
 
-    def _step(self) -> bool:
-        runtime = self._runtime
+    def _step(self, counters: list[int]) -> bool:
+        """Trim a rollback, decode the rows and patch the outgoing frame; False when the trim or
+        the decode failed (the lane runs the message again and reports it)."""
+        runtime, position, rows = self._runtime, self._position, self._rows
+        if position < self.next_position:  # the executor's auto-align
+            if not runtime.trim(position):
+                return False
+            counters[8] += 1
+            counters[9] += self.next_position - position
+            self.next_position = position
         if runtime.decode() != 0:
             return False
         if self._final:
-            token = runtime.sample()
-            if token < 0:
-                return False
-            struct.pack_into("<i", self._out, self._token_offset, token)
-            struct.pack_into("<i", self._out, self._token_offset + layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN,
-                             token)  # the token vector's entry
+            shape = self._reply_shape
+            assert shape is not None
+            tokens = []
+            for row in range(rows):
+                token = runtime.sample(row)
+                if token < 0:
+                    return False
+                tokens.append(token)
+            self.next_position = position + rows
+            out = self._out
+            _I32.pack_into(out, shape.token, tokens[0])  # the prediction: the first row's
+            struct.pack_into(f"<{rows}i", out, shape.token + layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN, *tokens)
+            if shape.window >= 0:
+                out[shape.window:shape.window + 4] = self._buffer[_SEQ_ID:_SEQ_ID + 4]
             return True
+        self.next_position = position + rows
         hidden = runtime.hidden()
-        if self._log is not None:  # contiguous positions from _log_start: one row per computed step
-            self._log.append(np.asarray(hidden, dtype="<f4").tobytes())
+        if self._log is not None:  # one entry per message, extended by the next contiguous one
+            row_bytes = np.asarray(hidden, dtype="<f4").tobytes()
+            last = self._log[-1] if self._log else None
+            if last is not None and last[0] + last[1] == position:
+                last[1] += rows
+                last[2].append(row_bytes)
+            else:
+                self._log.append([position, rows, [row_bytes]])
         frame, out = self._buffer, self._out
         out[_POS_START:_POS_START + 4] = frame[_POS_START:_POS_START + 4]
+        if self._window:
+            out[_SEQ_ID:_SEQ_ID + 4] = frame[_SEQ_ID:_SEQ_ID + 4]
         out[_DECODE_STEP:_DECODE_STEP + 8] = frame[_DECODE_STEP:_DECODE_STEP + 8]
         out[_REQUEST_ID:_REQUEST_ID + 8] = frame[_REQUEST_ID:_REQUEST_ID + 8]
         out[FIXED_HEADER:self._out_activation] = frame[FIXED_HEADER:self._out_activation]
         if self._out_dtype == 0:
-            encoded = hidden.astype("<f4").tobytes()
+            encoded = np.asarray(hidden).astype("<f4").tobytes()
         else:
             from skippy.codec import _wire_py  # the codec's own f16 rounding (ties away from zero)
 
-            encoded = _wire_py.encode_activation(hidden.reshape(1, -1), 1)  # type: ignore[arg-type]
+            encoded = _wire_py.encode_activation(np.asarray(hidden).reshape(rows, -1), 1)  # type: ignore[arg-type]
         out[self._out_activation:] = encoded
         return True
 
@@ -489,10 +633,23 @@ class DecodeRelay:
         assert hop is not None
         reply, wanted = self._reply, len(self._reply_in)
         del reply[:]
+        watch = True  # an upstream that sends more while a reply is outstanding pipelines
         while len(reply) < wanted:
+            if watch:
+                self._reply_poll.register(self._upstream, select.POLLIN)
             ready = dict(self._reply_poll.poll())
+            if watch:
+                self._reply_poll.unregister(self._upstream)
             if ready.get(self._stop) or ready.get(self._abort):
                 return REPLY_PENDING  # the lane reads the reply
+            if watch and ready.get(self._upstream):  # bytes (it pipelines), or its end (the next read sees it)
+                watch = False
+                available = array.array("i", [0])
+                try:
+                    fcntl.ioctl(self._upstream, termios.FIONREAD, available)
+                except OSError:
+                    available[0] = 0
+                self._pipelined = available[0] > 0
             if not ready.get(self._downstream):
                 continue
             try:
@@ -515,14 +672,24 @@ class DecodeRelay:
                 return REPLY_PENDING  # the lane refuses it (a timing value out of range)
         if hop.logprobs and not logprob_pairs_valid(bytes(reply[layout.LOGPROBS_HEAD:hop.logprobs])):
             return REPLY_PENDING  # (likewise)
+        sums = struct.unpack_from("<4q", reply, hop.sums_in) if hop.sums_in >= 0 else ()
+        if not all(0 <= value < SUM_LIMIT for value in sums):
+            return REPLY_PENDING  # a summed duration the relay does not add to: the lane's
         out = self._reply_out
+        compute_us, write_us, _ = self._pending
         if hop.logprobs_out:
             out[:hop.logprobs] = reply[:hop.logprobs]
         if hop.records_out >= 0:
             out[hop.records_out:hop.own_record] = reply[hop.records_in:hop.prediction_in]
-            compute_us, write_us, _ = self._pending
             durations.pack_into(out, hop.own_record + RECORD_DURATIONS, compute_us, write_us, wait_ns // 1000, 0)
         out[hop.prediction_out:] = reply[hop.prediction_in:]
+        if sums:  # a window: this stage's share (skippy.lane.stats.timing_stats), its counts the template's
+            counts = hop.sums_out + layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS
+            end = hop.sums_out + layout.STATS_VERIFY_END - layout.STATS_VERIFY_SUMS
+            out[counts:end] = self._answer_template[counts:end]
+            total_us = (time.perf_counter_ns() - self._received_ns) // 1000
+            struct.pack_into("<4q", out, hop.sums_out, sums[0] + compute_us, sums[1] + write_us,
+                             sums[2] + wait_ns // 1000, sums[3] + total_us)
         written = self._write(self._upstream, out, UPSTREAM_FAILED)
         if written is not None:
             return written

@@ -279,7 +279,7 @@ class Connection:
         answered (hop by hop), while this lane is the stage's only work, relay the ones that
         follow it outside Python.  Whatever the relay does not carry is left in ``reader``."""
         state = self.lane
-        frame, lane = state.take_template()
+        frame, lane = state.take_template(dispatch.message)
         assert lane is None or isinstance(lane, ReturnLane)
         upstream, settings = self._upstream_io, self.settings
         executor = self.scheduler.executor

@@ -1,6 +1,7 @@
 """The lane's side of the decode relay: when a session's decode may leave Python, and how it comes back.
 
-Strategy: once a session decodes steadily, every token is the same steps on a stage: with
+Strategy: once a session decodes steadily (or verifies speculative windows steadily: the same
+steps on a window's rows), every token is the same steps on a stage: with
 direct return (docs/protocol.md §8) read, compute, write (downstream; on the final stage, the
 prediction into the session's return lane); hop by hop read, compute, write downstream, read
 the downstream's reply, add this stage's share (its Timings record) and write it upstream (the
@@ -10,10 +11,14 @@ upstream or the direct reply), :func:`relay_plan` decides whether the
 next ones may go through :mod:`skippy.stage._relay` (its ``nogil`` loop; the twin ``skippy.stage._relay_py``
 with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered, no
 other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
-streams must be plain sockets with no simulated wire, the message one row of f32/f16 with no
-sampling or metadata section, the runtime a native context, and on the final stage the
-session's sampler one the loop can run as the executor would (no grammar, no logprobs).  Then
-:meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
+streams must be plain sockets with no simulated wire, the message of a kind whose rule has
+``relay`` (a DecodeEmbd's one row, or a VerifyWindow of at most ``n_batch`` rows, which the
+executor runs as one batch) in f32/f16 with no sampling or metadata section, the runtime a
+native context, and on the final stage the session's sampler one the loop can run as the
+executor would (no grammar, no logprobs).  The run's messages have the template's kind and
+rows (a window of another size is handed back: the lane handles it and the next run takes its
+shape); a rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims
+it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
 lock), runs the loop on a worker thread and waits.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
@@ -46,7 +51,7 @@ from skippy.codec import _frame_layout as layout
 from skippy.codec.protocol import MessageKind, StageMessage, WireDType
 from skippy.codec.protocol_ext import DIRECT_RETURN_FLAG
 from skippy.lane.errors import ReturnLaneLost
-from skippy.lane.protocol import Forward, SendDownstream
+from skippy.lane.protocol import RULES, Forward, SendDownstream
 from skippy.stage import extensions
 from skippy.stage.executor import ACTIVATION_LIMIT
 from skippy.stage.transport import codec, write_failed
@@ -84,7 +89,8 @@ _OUTCOMES = {_implementation.HANDED_BACK: "handed back", _implementation.STOPPED
              _implementation.ABORTED: "aborted", _implementation.REPLY_PENDING: "reply handed back",
              _implementation.UPSTREAM_FAILED: "upstream write failed"}
 
-#: Tokens one run relays before handing its counts to the stage's statistics.
+#: Rows one run relays before handing its counts to the stage's statistics (a window's run:
+#: ``MAX_STEPS // rows`` messages).
 MAX_STEPS = 1024
 #: The fields a forwarded frame keeps from the message it forwards: (offset, size).
 _SAME = ((layout.POS_START, 4), (layout.DECODE_STEP, 8), (layout.REQUEST_ID, 16))
@@ -110,6 +116,9 @@ class RelayPlan:
     direct: bool = True
     #: The executor's key of the session (its activation log's too).
     session_key: int = 0
+    #: The rows of each message, and whether they are verify windows.
+    rows: int = 1
+    window: bool = False
 
 
 def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor", session_key: int,
@@ -122,8 +131,11 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
     state = message.state
     final = executor.is_last
     direct = bool(state.flags & DIRECT_RETURN_FLAG)
-    if (message.kind is not MessageKind.DECODE_EMBD or (not direct and not final and replies is None)
-            or message.token_count != 1 or message.sampling is not None
+    rule = RULES.get(MessageKind(message.kind))
+    rows = message.token_count
+    if (rule is None or not rule.relay or (not direct and not final and replies is None)
+            or not 1 <= rows <= (getattr(executor.context, "n_batch", 1) if rule.window else 1)
+            or message.sampling is not None
             or message.chat_sampling_metadata is not None or state.activation_row_multiplier != 1
             or message.positions.shape[0] != 0 or (not final and out_dtype not in _CARRIED_DTYPES)
             or (final and executor.is_first) or getattr(executor, "reads_tokens", False)
@@ -143,26 +155,28 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
     if row_batch is None or seq is None or (final and sampler is None):
         return None  # the null runtime, a session already released, or tokens the loop cannot pick
     next_position = executor.context.length(seq)
-    if next_position != message.pos_start + 1:
+    if next_position != message.pos_start + rows:
         return None
     in_template = codec.encode_message(message, in_dtype, width)
     if not final and any(forwarded[start:start + size] != in_template[start:start + size] for start, size in _SAME):
         return None  # not this message's frame (a template left by another)
     reply_in, reply_out = replies if replies is not None and not direct and not final else (b"", b"")
     try:
-        _implementation.template_layout(in_template, forwarded, width=width, first=executor.is_first, final=final)
+        shape = _implementation.template_layout(in_template, forwarded, width=width, first=executor.is_first,
+                                                final=final)
         if reply_in:
-            _implementation.hop_layout(reply_in, reply_out)
+            _implementation.hop_layout(reply_in, reply_out, rows=shape.rows, window=shape.window)
     except ValueError:
         return None
     if 0 < position_end <= next_position:
         return None
-    return RelayPlan(in_template, forwarded, seq, next_position, sampler, reply_in, reply_out, direct, session_key)
+    return RelayPlan(in_template, forwarded, seq, next_position, sampler, reply_in, reply_out, direct, session_key,
+                     rows, rule.window)
 
 
 class HopReplies:
-    """Hop by hop on a non-final stage, the last plain decode's reply as the lane relayed it
-    upstream, for :func:`relay_plan`'s templates: the relay task reports each
+    """Hop by hop on a non-final stage, the last plain decode's (or verify window's) reply as the
+    lane relayed it upstream, for :func:`relay_plan`'s templates: the relay task reports each
     (:meth:`relayed`), the receiving task waits for its message's (:meth:`wait`)."""
 
     def __init__(self) -> None:
@@ -218,6 +232,7 @@ class RelayRun:
         self._upstream, self._downstream, self._reader = upstream, downstream, reader
         self._downstream_name, self._upstream_name = downstream_name, upstream_name
         self._lane, self._width, self._in_length = lane, width, len(plan.in_template)
+        self.rows, self.window = plan.rows, plan.window
         #: Hop by hop on a non-final stage: the downstream link whose replies the loop reads.
         self.link = link if plan.reply_in else None
         self.final = plan.sampler is not None
@@ -230,17 +245,18 @@ class RelayRun:
         self._stop = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._abort = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         try:
-            self._rows = executor.context.row_batch(plan.seq, plan.sampler)  # type: ignore[attr-defined]
+            self._rows = executor.context.row_batch(plan.seq, plan.sampler, plan.rows)  # type: ignore[attr-defined]
             self._relay: Any = _implementation.DecodeRelay(
                 upstream_fd=upstream.fileno(), downstream_fd=downstream.fileno(), stop_fd=self._stop,
                 abort_fd=self._abort, in_template=plan.in_template, out_template=plan.out_template, width=width,
                 first=executor.is_first, n_vocab=executor.n_vocab, next_position=plan.next_position,
                 position_end=position_end, activation_limit=ACTIVATION_LIMIT, runtime=self._rows, final=self.final,
-                max_steps=MAX_STEPS, reply_in=plan.reply_in, reply_out=plan.reply_out, log_rows=self._log is not None)
+                max_steps=max(1, MAX_STEPS // plan.rows), reply_in=plan.reply_in, reply_out=plan.reply_out,
+                log_rows=self._log is not None)
         except BaseException:
             self.close()
             raise
-        #: Tokens relayed, and their compute and downstream-write time (microseconds): the lane
+        #: Messages relayed, and their compute and downstream-write time (microseconds): the lane
         #: adds them to the session's direct-return timings (docs/protocol.md §8).
         self.steps = self.compute_us = self.write_us = 0
         #: The outcome of a run whose wait was cancelled, to account before the lane closes.
@@ -331,12 +347,15 @@ class RelayRun:
         self._rows.finished(1)
         stats = self._stats
         stats.messages += 1
-        stats.decode_items += 1
+        if self.window:
+            stats.verify_windows += 1
+        else:
+            stats.decode_items += 1
         stats.native_batches += 1
         stats.compute_us += outcome.pending_compute_us
         stats.write_throughs += 1
         stats.forward_write_us += outcome.pending_write_us
-        self._executor.resume_stats.computed_positions += 1
+        self._executor.resume_stats.computed_positions += self.rows
         if outcome.reply_leftover:
             link.reader.decoder.receive_data(outcome.reply_leftover)  # type: ignore[union-attr]
         return rest
@@ -362,14 +381,16 @@ class RelayRun:
 
     def _account(self, outcome: Any) -> None:
         if self._log is not None:  # the rows this run computed, into the log as the executor's are
-            start, count, rows = self._relay.take_log()
-            if count:
+            for start, count, rows in self._relay.take_log():
                 self._log.record(self._session_key, start, count,
                                  np.frombuffer(rows, dtype="<f4").reshape(count, self._width))
         steps = outcome.steps
         self.steps += steps
         stats = self._stats
         stats.decode_relay_runs += 1
+        if outcome.trims:  # rollbacks trimmed in the loop, as the scheduler counts the executor's
+            stats.auto_aligns += outcome.trims
+            stats.trimmed_tokens += outcome.trimmed
         self._upstream.bytes_in += outcome.bytes_in
         self._downstream.bytes_out += outcome.bytes_out
         if self.link is not None:  # hop by hop: the replies read and answered
@@ -380,15 +401,19 @@ class RelayRun:
         self._rows.finished(steps)
         self.compute_us += outcome.compute_us
         self.write_us += outcome.write_us
-        stats.decode_relay_steps += steps
+        if self.window:
+            stats.decode_relay_windows += steps
+            stats.verify_windows += steps
+        else:
+            stats.decode_relay_steps += steps
+            stats.decode_items += steps
         stats.messages += steps
-        stats.decode_items += steps
         stats.native_batches += steps
         stats.compute_us += outcome.compute_us
-        self._executor.resume_stats.computed_positions += steps
+        self._executor.resume_stats.computed_positions += steps * self.rows
         if self.final and self.direct:
             stats.direct_replies += steps
-        else:
+        elif not (self.final and self.window):  # (the lane writes a window's reply from its handling task)
             stats.write_throughs += steps
             if not self.final:
                 stats.forward_write_us += outcome.write_us
@@ -398,7 +423,8 @@ class RelayRun:
                 stats.downstream_wait_histogram.observe(outcome.wait_us // steps)
         per_step = outcome.compute_us // steps
         for _ in range(steps):
-            stats.observe_decode_batch(1)
+            if not self.window:  # (a window runs alone, not in a decode batch)
+                stats.observe_decode_batch(1)
             stats.compute_histogram.observe(per_step)
             stats.queue_histogram.observe(0)
         self._reader.last_frame = trio.current_time()

@@ -27,11 +27,11 @@ from typing import Awaitable, Callable
 
 import trio
 
-from skippy.codec.protocol import MessageKind, StageReply
+from skippy.codec.protocol import StageReply
 from skippy.codec.protocol_ext import SKIPPY_EXTENSIONS_FLAG, Annotation, TimingsFrame, with_extensions_flag
 from skippy.lane import messages as lane_messages
 from skippy.lane.placement import Facts, Performer, Step, placement
-from skippy.lane.protocol import Dispatch, Expect, Forward, Relay, SendDownstream, StageLane
+from skippy.lane.protocol import RULES, Dispatch, Expect, Forward, Relay, SendDownstream, StageLane
 from skippy.lane.work import WorkItem, WorkResult
 from skippy.net.socket_io import SocketIO
 from skippy.stage import control
@@ -244,7 +244,7 @@ class DownstreamLink:
         if forward.direct:  # shortcut 3 may carry the next ones from its frame
             lane.direct_written(forward, through.frame if settings.decode_relay else None)
             self._direct_left()
-        elif (settings.decode_relay and forward.ticket is not None and forward.ticket.kind is MessageKind.DECODE_EMBD
+        elif (settings.decode_relay and forward.ticket is not None and RULES[forward.ticket.kind].relay
               and forward.ticket.run is None):  # hop by hop: once its reply is relayed (the connection's)
             lane.relay_frame = through.frame
 

@@ -110,6 +110,8 @@ class StageCollector(Collector):
                       stats.runtime_cpu_us / 1e6)
         yield counter("decode_relay_tokens", "decode rows the decode relay carried outside Python (also in "
                       "decode_tokens)", stats.decode_relay_steps)
+        yield counter("decode_relay_windows", "verify windows the decode relay carried outside Python (also in "
+                      "verify_windows)", stats.decode_relay_windows)
         yield counter("decode_relay_runs", "runs of the decode relay (each ends at a frame it hands back)",
                       stats.decode_relay_runs)
         yield counter("connections", "upstream lanes accepted", stats.connections_total)

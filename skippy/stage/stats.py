@@ -101,9 +101,11 @@ class StageStats:
     decode_runs: int = 0
     decode_run_steps: int = 0
     #: The decode relay (:mod:`skippy.stage.decode_relay`): its runs, and the tokens it carried
-    #: outside the lane's Python path (also counted as messages and decode items).
+    #: outside the lane's Python path (also counted as messages and decode items), and the
+    #: verify windows (also counted as messages and verify windows).
     decode_relay_runs: int = 0
     decode_relay_steps: int = 0
+    decode_relay_windows: int = 0
     downstream_wait_us: int = 0
     sessions_in_use: int = 0
     kv_cells_used: int = 0

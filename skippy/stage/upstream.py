@@ -27,12 +27,12 @@ from typing import Callable
 
 import trio
 
-from skippy.codec.protocol import EMPTY_REPLY_STATS, MessageKind, ReplyStats, StageMessage, StageReply
+from skippy.codec.protocol import EMPTY_REPLY_STATS, ReplyStats, StageMessage, StageReply
 from skippy.codec.protocol_ext import Annotation, ErrorFrame, TimingsFrame
 from skippy.lane import replies
 from skippy.lane.errors import ReturnLaneLost, UnsupportedKind
 from skippy.lane.placement import Facts, Performer, Step, placement
-from skippy.lane.protocol import Answer, Dispatch, Relay, ReplyUpstream, Ticket
+from skippy.lane.protocol import RULES, Answer, Dispatch, Relay, ReplyUpstream, Ticket
 from skippy.lane.stats import merge_stats
 from skippy.lane.work import WorkItem, WorkResult
 from skippy.net.socket_io import SocketIO
@@ -256,6 +256,11 @@ class UpstreamLink:
         if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
             annotations += self.run_step(dispatch.ticket, reply.predicted)
         await self.reply(dispatch.ticket, reply, timings, annotations)
+        if self.settings.decode_relay and action.window and dispatch.rule.relay and not annotations:
+            # shortcut 3 may answer the next windows (a window's reply is never written through)
+            self.lane.relay_frame = extensions.reply_bytes(*replies.prediction_template(
+                self.identity, negotiated=self.lane.extensions.enabled, rows=dispatch.message.token_count,
+                window=True))
 
     async def reply_direct(self, dispatch: Dispatch, action: ReplyUpstream, result: WorkResult,
                            received_us: int, queue_us: int) -> None:
@@ -273,11 +278,11 @@ class UpstreamLink:
         self.stats.direct_replies += 1
         lane_state.direct_done()
         self.direct_left()
-        if self.settings.decode_relay and not annotations and dispatch.kind is MessageKind.DECODE_EMBD:
+        if self.settings.decode_relay and not annotations and dispatch.rule.relay:
             # shortcut 3 may answer the next ones: their reply as the lane would write it
             lane_state.relay_lane = lane
-            lane_state.relay_frame = extensions.reply_bytes(
-                *replies.prediction_template(self.identity, negotiated=lane.extensions))
+            lane_state.relay_frame = extensions.reply_bytes(*replies.prediction_template(
+                self.identity, negotiated=lane.extensions, rows=dispatch.message.token_count, window=action.window))
 
     async def reply_through(self, dispatch: Dispatch, item: WorkItem, ticket: Ticket) -> None:
         """Execute ``item`` on the final stage and have the runtime thread write its PredictedToken
@@ -306,7 +311,7 @@ class UpstreamLink:
         self.stats.write_throughs += 1
         await self.write_due(self.lane.replies_written(1))
         if (self.settings.decode_relay and run is None and not ticket.annotations
-                and dispatch.kind is MessageKind.DECODE_EMBD):  # shortcut 3 may answer the next ones
+                and dispatch.rule.relay):  # shortcut 3 may answer the next ones
             self.lane.relay_frame = extensions.reply_bytes(
                 *replies.prediction_template(self.identity, negotiated=extensions_on))
 
@@ -328,7 +333,7 @@ class UpstreamLink:
             annotations += self.run_step(item.ticket, reply.predicted)
         hops = self.hop_replies
         hop = (hops is not None and self.settings.decode_relay and item.ticket.run is None
-               and item.ticket.kind is MessageKind.DECODE_EMBD)
+               and RULES[item.ticket.kind].relay)
         if hop:  # shortcut 3 may answer the next ones: their replies as the lane writes them
             hops.relayed(item.ticket, received, (reply, timings, annotations))  # type: ignore[union-attr]
         await self.reply(item.ticket, reply, timings, annotations)
