@@ -59,6 +59,7 @@ that are ready; what differs is which rows share a batch, which batching already
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Any, Callable, Generic, Sequence, TypeVar
 
@@ -92,6 +93,55 @@ PREFILL_ROWS_PER_TURN = 64
 ACTIVE_INTERVALS = 3.0
 ACTIVE_MIN_S = 0.05
 FORGET_S = 10.0
+
+#: ``SKIPPY_SCHED_TRACE=PREFIX``: each scheduler writes one line per turn to ``PREFIX.<pid>.<n>``
+#: (:class:`TurnTrace`; a debugging aid, off by default).
+TRACE_ENV = "SKIPPY_SCHED_TRACE"
+
+
+class TurnTrace:
+    """A per-turn trace of the scheduler (``SKIPPY_SCHED_TRACE``): one line per turn, written when
+    its batch has run::
+
+        t=<ms> via=<fast|serve> idle=<ms> wait=<ms> active=<n> cap=<n> rows=<s>@<ms>,... left=<n> jobs=<n> batch=<ms>
+
+    ``t``: the turn's start (claiming the runtime), ms since the trace began; ``idle``: since the
+    previous turn's runtime work ended; ``wait``: how long the turn gathered; ``rows``: the decode
+    rows it ran, each a small session number and when it was submitted, ms after the previous
+    turn's end (negative: it queued during that turn); ``left``: decode rows left queued;
+    ``jobs``: the turn's other jobs; ``batch``: the runtime's wall time for the turn.
+    """
+
+    _count = 0
+
+    def __init__(self, prefix: str) -> None:
+        TurnTrace._count += 1
+        self.file = open(f"{prefix}.{os.getpid()}.{TurnTrace._count}", "w", buffering=1)  # noqa: SIM115
+        self.origin = time.perf_counter_ns()
+        self.ended = self.origin  #: when the previous turn's runtime work ended
+        self.names: dict[int, int] = {}
+        self.line = ""
+
+    def _name(self, session: int) -> int:
+        return self.names.setdefault(session, len(self.names))
+
+    def turn(self, via: str, started_ns: int, jobs: Sequence["_Job[Any]"], left: Sequence["_Job[Any]"],
+             active: int, cap: int | None) -> None:
+        """A turn's jobs were chosen (``started_ns``: when it claimed the runtime)."""
+        now = time.perf_counter_ns()
+        rows = ",".join(f"{self._name(job.item.session)}@{(job.submitted_ns - self.ended) / 1e6:.1f}"
+                        for job in jobs if job.item is not None and job.item.batchable)
+        others = sum(1 for job in jobs if job.item is None or not job.item.batchable)
+        waiting = sum(1 for job in left if job.item is not None and job.item.batchable)
+        self.line = (f"t={(started_ns - self.origin) / 1e6:.1f} via={via} idle={(started_ns - self.ended) / 1e6:.1f} "
+                     f"wait={(now - started_ns) / 1e6:.1f} active={active} cap={cap} rows={rows} left={waiting} "
+                     f"jobs={others}")
+
+    def ran(self, started_ns: int) -> None:
+        """The turn's runtime work ended."""
+        self.ended = time.perf_counter_ns()
+        self.file.write(f"{self.line} batch={(self.ended - started_ns) / 1e6:.1f}\n")
+        self.line = ""
 
 
 def decode_groups(policy: str, chain_stages: int, executor: Executor) -> int:
@@ -295,6 +345,9 @@ class Scheduler:
         #: When each lane (a session key's upper bits) last submitted a work item.
         self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
+        trace = os.environ.get(TRACE_ENV)
+        #: The per-turn trace (:class:`TurnTrace`; None: off).
+        self._trace = TurnTrace(trace) if trace else None
 
     def hold(self, stop: Callable[[], None], lane: int, idle_since: Callable[[], float] | None = None) -> bool:
         """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) of lane
@@ -409,7 +462,7 @@ class Scheduler:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     if len(self._pending) == before:  # a quiet tick: the rows of this moment are in
                         break
-            jobs = await self._turn([job])
+            jobs = await self._turn([job], "fast")
         except BaseException:
             self._release()
             raise
@@ -420,9 +473,11 @@ class Scheduler:
                 if other.done is not None:
                     other.done.set()
 
-    async def _turn(self, lead: list[_Job[Any]]) -> list[_Job[Any]]:
+    async def _turn(self, lead: list[_Job[Any]], via: str) -> list[_Job[Any]]:
         """With the runtime claimed: wait for the group's late rows (the groups policy), then take
-        this turn's jobs, ``lead`` (jobs not queued) first, out of the queue."""
+        this turn's jobs, ``lead`` (jobs not queued) first, out of the queue (``via``: who runs
+        the turn, for the trace)."""
+        started_ns = time.perf_counter_ns() if self._trace is not None else 0
         cap: int | None = None
         decoding = False
         groups = self.groups
@@ -445,6 +500,9 @@ class Scheduler:
         jobs, left = select_turn([*lead, *self._pending], cap, decoding=decoding)
         assert all(job in jobs for job in lead)  # the first job always runs
         self._pending = left
+        if self._trace is not None:
+            self._trace.turn(via, started_ns, jobs, left, groups.active(time.monotonic()) if groups is not None else 0,
+                             cap)
         return jobs
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -482,7 +540,7 @@ class Scheduler:
                 continue
             self._busy = True
             try:
-                jobs = await self._turn([])
+                jobs = await self._turn([], "serve")
             except BaseException:
                 self._release()
                 raise
@@ -508,6 +566,8 @@ class Scheduler:
                 self._run_jobs(jobs, trip)
         finally:
             self._release()
+        if self._trace is not None:
+            self._trace.ran(started)
         self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
         self.stats.runtime_cpu_us += trip.cpu_ns // 1000
         self.stats.native_batches += trip.native
