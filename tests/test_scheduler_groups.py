@@ -117,7 +117,7 @@ def test_groups_stay_apart_and_a_complete_group_goes_first() -> None:
     assert groups.group_of(1) == groups.group_of(4) != groups.group_of(5) == groups.group_of(8)
     _back(groups, 0.035, {1: 0.012, 2: 0.013, 3: 0.014})
     now = 0.049
-    # 1, 2, 3 wait for 4 (due by its turnaround and slack), not for B's rows (on their way too)
+    # 1, 2, 3 lack one row: they wait for the soonest (4, by its turnaround; then its slack)
     rows, until = groups.plan([1, 2, 3], now)
     assert rows == [1, 2, 3] and until == pytest.approx(0.035 + 0.015 + 0.5 * 0.015)
     # B complete while A waits: B runs, alone
@@ -302,17 +302,16 @@ async def test_one_stage_runs_every_session_in_one_batch_though_they_come_back_s
             for key in range(1, 9):
                 clients.start_soon(session, key)
         nursery.cancel_scope.cancel()
-    assert _rows_per_batch(runtime.batches) >= 7, runtime.batches
+    assert _rows_per_batch(runtime.batches) >= 6, runtime.batches  # fragments that never merge: 4
 
 
 async def test_two_stages_fill_with_two_groups_though_rows_come_back_spread() -> None:
     """Two stages (a batch: 10 ms and 1 ms a row each), 8 sessions; after stage 1's reply, session
-    i's next row reaches stage 0 i ms later (the driver turning them around one by one).  Two
-    groups of 4 alternate on both stages, both busy most of the time."""
+    i's next row reaches stage 0 i ms later (the driver turning them around one by one).  Once the
+    groups have formed, two groups of 4 alternate on both stages, both busy most of the time."""
     runtimes = [_Runtime(0.001, fixed=0.01), _Runtime(0.001, fixed=0.01)]
     stages = [_scheduler(runtime, 2) for runtime in runtimes]
-    steps = 16
-    began = time.monotonic()
+    steps = 30
     async with trio.open_nursery() as nursery:
         for stage in stages:
             await nursery.start(stage.run)
@@ -322,19 +321,22 @@ async def test_two_stages_fill_with_two_groups_though_rows_come_back_spread() ->
                 await stages[0].execute(_row(key))
                 await stages[1].execute(_row(key))
                 await trio.sleep(0.001 * key)
+            for stage in stages:  # its Stop
+                stage.forget(key)
 
         async with trio.open_nursery() as clients:
             for key in range(1, 9):
                 clients.start_soon(session, key)
         nursery.cancel_scope.cancel()
+    # the middle third of the run: the groups have formed, and no session has finished yet
+    began = min(runtime.ends[0] for runtime in runtimes)
+    ended = max(runtime.ends[-1] for runtime in runtimes)
+    start, stop = began + (ended - began) / 3, began + 2 * (ended - began) / 3
     for runtime in runtimes:
-        assert _rows_per_batch(runtime.batches) >= 3.5, runtime.batches
-    # in the second half, each stage computed most of the time (the pipeline is full)
-    half = began + (time.monotonic() - began) / 2
-    last = max(runtime.ends[-1] for runtime in runtimes)
-    for runtime in runtimes:
-        busy = sum(0.01 + 0.001 * len(batch) for batch, end in zip(runtime.batches, runtime.ends) if end > half)
-        assert busy / (last - half) > 0.6, (busy, last - half)
+        middle = [batch for batch, end in zip(runtime.batches, runtime.ends) if start < end <= stop]
+        assert sum(map(len, middle)) / len(middle) >= 3.3, runtime.batches  # fragments: 2.6-2.7
+        busy = sum(0.01 + 0.001 * len(batch) for batch in middle)
+        assert busy / (stop - start) > 0.55, (busy, stop - start)  # lockstep: 18 ms of every 44
 
 
 async def test_a_groups_late_rows_are_gathered_into_one_batch() -> None:

@@ -233,45 +233,45 @@ class DecodeGroups:
         member = self._members.get(session)
         return -1 if member is None else member.group
 
-    def plan(self, ready: Sequence[int], now: float) -> tuple[list[int], float]:
+    def plan(self, ready: Sequence[int], now: float, limit: float | None = None) -> tuple[list[int], float]:
         """The sessions whose rows a turn runs, of those with a row ready (``ready``, oldest
         first), and until when the turn waits for more rows first (<= ``now``: it runs now).
 
-        At most :meth:`cap` rows: a group whose members are all here (or not expected: they have
-        not come by their turnaround and its slack) first, else the group of the oldest row, then
-        the rows of sessions that have not run yet, then (when the turn is full anyway, or after
-        its wait) the other groups' rows, oldest first.  While it holds fewer rows than the cap
-        and its group's rows are expected, the turn waits for them, until the time by which the
-        rows it still needs are expected (each session's own turnaround; the caller bounds the
-        wait with :meth:`gather_s`).  With only new sessions' rows, it waits for the first row of
-        a group that is expected.
+        At most :meth:`cap` rows.  A full turn runs at once: a group whose members are all here
+        first (else the group of the oldest row), then the rows of sessions that have not run
+        yet, then the other groups' rows, oldest first.  A turn with fewer rows waits for the rows
+        that are *soon*: of active sessions on their way whose usual turnaround brings them by
+        ``limit`` (the latest the turn may start: default :meth:`gather_s` from now), each at most
+        until that turnaround and its slack have passed (a session that has not come by then, as
+        it finished, prefills or sent a verify window, is given up); it waits for as many as it
+        lacks, its own group's first, then the soonest.  Rows further away (on a chain, the other groups on their way
+        through the other stages) form a later turn's batch.
         """
         if not ready:  # a chunk or a control call leads: it never waits for rows
             return [], now
+        if limit is None:
+            limit = now + self.gather_s()
         cap = self.cap(now)
         here = set(ready)
-        expected: dict[int, list[float]] = {}  # group -> when its members that are out are due
+        soon: dict[int, list[float]] = {}  # group -> when its rows on their way by ``limit`` are given up
         for session, member in self._members.items():
-            if member.group >= 0 and session not in here:
+            if session not in here:
                 until = member.due()
-                if until > now and self._active(member, now):
-                    expected.setdefault(member.group, []).append(until)
+                if until > now and member.ran_at + member.turn <= limit and self._active(member, now):
+                    soon.setdefault(member.group, []).append(until)
         labels = [self.group_of(session) for session in ready]
         order = list(dict.fromkeys(label for label in labels if label >= 0))  # groups by their oldest row
-        complete = [label for label in order if label not in expected]
+        complete = [label for label in order if label not in soon]
         chosen = complete[0] if complete else order[0] if order else -1
         own = [s for s, label in zip(ready, labels) if label == chosen or label < 0]
         rest = [s for s, label in zip(ready, labels) if label != chosen and label >= 0]
         full = (own + rest)[:cap]
-        if len(ready) >= cap or not expected:
+        if len(ready) >= cap or not soon:
             return full, now
-        if complete:  # its members are all here: it runs without the other groups' rows
-            return own[:cap], now
-        if chosen < 0:  # only new sessions: wait for the first member of a group to come
-            return full, min(min(times) for times in expected.values())
-        times = sorted(expected.get(chosen, ()))
-        need = cap - len(ready)
-        return full, times[min(need, len(times)) - 1]
+        # the rows it lacks: its own group's first (they ran together), then the soonest others
+        mine = sorted(soon.get(chosen, ()))
+        others = sorted(until for group, times in soon.items() if group != chosen for until in times)
+        return full, max((mine + others)[:cap - len(ready)])
 
     def ran(self, sessions: Sequence[int], seconds: float, now: float) -> None:
         """``sessions`` ran as one decode batch of ``seconds``, ending ``now``: they are one group
@@ -564,7 +564,8 @@ class Scheduler:
             limit = trio.current_time() + groups.gather_s()
             while True:
                 now = time.monotonic()
-                chosen, until = groups.plan(_ready_sessions([*lead, *self._pending]), now)
+                chosen, until = groups.plan(_ready_sessions([*lead, *self._pending]), now,
+                                            now + (limit - trio.current_time()))
                 if not self.executor.blocking:  # the null runtime: nothing to wait for
                     break
                 deadline = min(limit, trio.current_time() + (until - now))
