@@ -47,11 +47,11 @@ compute.  So each *turn* (one trip to the runtime) runs at most ``ceil(active / 
 stage, each stage computing one group while its neighbours compute the others.  A session keeps
 its group (0..G-1: the one its last batch ran as; a batch is one group, the one most of its rows
 were in unless that would exceed the cap).  A turn waits, while it holds fewer rows than the
-cap, for the rows of its group that are *due*: each session's usual turnaround (from its batch's
-end to its next row) plus slack says when; a session that has not come by then (it finished,
-prefills, sent a verify window) is given up, and the wait is bounded by a recent batch's time
-(:data:`GATHER_MAX_S` at most).  A group whose rows are all in goes first (the stage idles only
-when no group is ready); the other groups' rows fill a turn that is full anyway or has waited.
+cap, for the rows that come *soon*, its own group's first: each session's usual turnaround (from
+its batch's end to its next row) says when, within the turn's bound (a recent batch's time,
+:data:`GATHER_MAX_S` at most); a session that has not come by its turnaround and slack (it
+finished, prefills, sent a verify window) is given up.  A full turn takes a group whose rows are
+all in first; the other groups' rows fill a turn that is full anyway or has waited.
 So a group stays one native batch, fragments merge again, and on one stage (G = 1) every active
 session's row shares one batch.  After its decode batch a
 turn runs prefill chunks, verify windows and control calls: all of them when no decode row
@@ -244,8 +244,8 @@ class DecodeGroups:
         ``limit`` (the latest the turn may start: default :meth:`gather_s` from now), each at most
         until that turnaround and its slack have passed (a session that has not come by then, as
         it finished, prefills or sent a verify window, is given up); it waits for as many as it
-        lacks, its own group's first, then the soonest.  Rows further away (on a chain, the other groups on their way
-        through the other stages) form a later turn's batch.
+        lacks, its own group's first, then the soonest.  Rows further away (on a chain, the other
+        groups on their way through the other stages) form a later turn's batch.
         """
         if not ready:  # a chunk or a control call leads: it never waits for rows
             return [], now
