@@ -61,27 +61,97 @@ def test_the_cap_splits_the_active_sessions_into_the_groups() -> None:
         DecodeGroups(0)
 
 
-def test_missing_counts_the_late_active_rows_of_the_oldest_rows_group() -> None:
-    groups = DecodeGroups(2)
-    for session in (1, 2, 3, 4, 5):
-        groups.arrived(session, 0.0)
-    assert groups.missing([1], 0.0) == 0  # no batch ran yet: no group to wait for
-    groups.ran([1, 2, 3], 0.004, 0.001)
-    groups.ran([4, 5], 0.004, 0.002)
-    for session in (1, 2, 3, 4, 5):
-        groups.arrived(session, 0.01)
-    assert groups.missing([1], 0.01) == 2  # 2 and 3 ran with 1
-    assert groups.missing([2, 1, 4], 0.01) == 1
-    assert groups.missing([4, 5], 0.01) == 0
-    assert groups.missing([], 0.01) == 0
-    groups.forget(3)  # released (a Stop): not waited for, not active
-    assert groups.missing([1], 0.01) == 1 and groups.active(0.01) == 4
-    # a member gone quiet is not waited for
-    assert groups.missing([1], 0.01 + scheduler_module.ACTIVE_MIN_S + 0.02) == 0
-    # the wait: half a recent batch, at most GATHER_MAX_S
-    assert groups.gather_s() == pytest.approx(0.002)
-    groups.ran([1], 1.0, 0.02)
+def _back(groups: DecodeGroups, ran_at: float, turns: dict[int, float]) -> None:
+    """Each session of ``turns`` sends its next row ``turns[session]`` after ``ran_at``."""
+    for session, turn in sorted(turns.items(), key=lambda item: item[1]):
+        groups.arrived(session, ran_at + turn)
+
+
+def _round(groups: DecodeGroups, batch: Sequence[int], turns: dict[int, float], start: float,
+           batch_s: float) -> float:
+    """The sessions of ``batch`` come back ``turns[session]`` after ``start`` (their last batch's
+    end) and run as one batch of ``batch_s`` when the last is in; returns when it ended."""
+    _back(groups, start, {session: turns[session] for session in batch})
+    end = start + max(turns[session] for session in batch) + batch_s
+    groups.ran(batch, batch_s, end)
+    return end
+
+
+def test_a_turn_waits_for_its_groups_rows_that_are_due_and_no_longer() -> None:
+    slack = scheduler_module.TURN_SLACK_S
+    groups = DecodeGroups(1)
+    turns = {1: 0.001, 2: 0.002, 3: 0.003, 4: 0.004}  # each session's turnaround
+    end = _round(groups, [1, 2, 3, 4], turns, 0.0, 0.02)
+    end = _round(groups, [1, 2, 3, 4], turns, end, 0.02)
+    assert groups.plan([], end) == ([], end)  # a chunk or a control call never waits
+    # 1 is back: the turn waits for 2, 3 and 4, until the last is due (its turnaround and slack)
+    rows, until = groups.plan([1], end + 0.001)
+    assert rows == [1] and until == pytest.approx(end + 0.004 + max(slack, 0.002))
+    assert groups.plan([1, 2, 3], end + 0.003)[1] == pytest.approx(until)
+    assert groups.plan([2, 1, 3, 4], end + 0.004) == ([2, 1, 3, 4], end + 0.004)  # all here: it runs
+    # a session that does not come (it finished, prefills, sent a verify window) is given up once due
+    late = until + 0.0001
+    assert groups.plan([1, 2, 3], late) == ([1, 2, 3], late)
+    groups.forget(4)  # released: not waited for, not active
+    assert groups.plan([1, 2, 3], end + 0.003) == ([1, 2, 3], end + 0.003) and groups.cap(end + 0.003) == 3
+    # the wait: a recent batch's time, at most GATHER_MAX_S
+    assert groups.gather_s() == pytest.approx(0.02)
+    groups.ran([1], 1.0, end + 0.01)
     assert groups.gather_s() == scheduler_module.GATHER_MAX_S
+
+
+def test_groups_stay_apart_and_a_complete_group_goes_first() -> None:
+    """Stage 0 of two: group A ran, then group B; A's rows come back through stage 1 and the
+    driver (12-15 ms after A's batch), then B's."""
+    groups = DecodeGroups(2)
+    a, b = [1, 2, 3, 4], [5, 6, 7, 8]
+    for session in a + b:
+        groups.arrived(session, 0.0)
+    groups.ran(a, 0.01, 0.01)
+    groups.ran(b, 0.01, 0.02)
+    turns = {s: 0.012 + 0.001 * ((s - 1) % 4) for s in a + b}
+    _back(groups, 0.01, {s: turns[s] for s in a})
+    _back(groups, 0.02, {s: turns[s] for s in b})
+    groups.ran(a, 0.01, 0.035)
+    groups.ran(b, 0.01, 0.045)
+    assert groups.group_of(1) == groups.group_of(4) != groups.group_of(5) == groups.group_of(8)
+    _back(groups, 0.035, {1: 0.012, 2: 0.013, 3: 0.014})
+    now = 0.049
+    # 1, 2, 3 lack one row: they wait for the soonest (4, by its turnaround; then its slack)
+    rows, until = groups.plan([1, 2, 3], now)
+    assert rows == [1, 2, 3] and until == pytest.approx(0.035 + 0.015 + 0.5 * 0.015)
+    # B complete while A waits: B runs, alone
+    assert groups.plan([1, 2, 5, 6, 7, 8], now) == ([5, 6, 7, 8], now)
+    # a full turn runs at once: the oldest row's group first, then the oldest others
+    assert groups.plan([1, 5, 2, 6, 3], now) == ([1, 2, 3, 5], now)
+
+
+def test_a_batch_is_one_group_and_groups_stay_within_the_cap() -> None:
+    groups = DecodeGroups(2)
+    for session in range(1, 9):
+        groups.arrived(session, 0.0)
+    groups.ran([1, 2, 3, 4], 0.01, 0.01)  # new sessions: the smallest group
+    groups.ran([5, 6, 7, 8], 0.01, 0.02)
+    first, second = groups.group_of(1), groups.group_of(5)
+    assert first != second and first >= 0 and second >= 0
+    groups.forget(5)
+    groups.forget(6)  # 6 sessions now: the cap is 3
+    for session in (1, 2, 3, 4, 7, 8):
+        groups.arrived(session, 0.03)
+    groups.ran([1, 2, 3], 0.01, 0.04)
+    groups.ran([4, 7, 8], 0.01, 0.05)  # most were in the second group, which has room for 4
+    assert [groups.group_of(s) for s in (1, 2, 3, 4, 7, 8)] == [first] * 3 + [second] * 3
+    groups.forget(7)
+    for session in (9, 10):
+        groups.arrived(session, 0.06)
+    groups.ran([9, 10], 0.01, 0.07)  # new sessions join the smallest group
+    assert groups.group_of(9) == groups.group_of(10) == second
+    # a batch that would make its group larger than the cap takes the smallest group
+    groups.ran([1, 2, 3, 9], 0.01, 0.08)  # cap 4: first would hold 1, 2, 3, 9 (fits)
+    assert groups.group_of(9) == first
+    groups.ran([10, 4, 8], 0.01, 0.09)
+    groups.ran([8, 1], 0.01, 0.1)  # second would hold 4, 10, 8, 1 (fits); first 2, 3, 9 + 8, 1: no
+    assert groups.group_of(1) == second
 
 
 def test_a_turn_takes_the_oldest_rows_up_to_the_cap_and_leaves_the_rest_in_order() -> None:
@@ -119,23 +189,28 @@ def test_prefill_runs_between_decode_batches_within_its_budget() -> None:
 # -- the scheduler ---------------------------------------------------------------------------------
 
 class _Runtime:
-    """An executor stand-in: a native batch sleeps ``seconds`` per row and is recorded (a prefill
-    chunk's session negated)."""
+    """An executor stand-in: a native batch sleeps ``fixed`` plus ``seconds`` per row and is
+    recorded (a prefill chunk's session negated)."""
 
     blocking = True
 
-    def __init__(self, seconds: float = 0.002) -> None:
+    def __init__(self, seconds: float = 0.002, fixed: float = 0.0) -> None:
         self.seconds = seconds
+        self.fixed = fixed
         self.batches: list[list[int]] = []
+        self.ends: list[float] = []  #: when each decode batch ended (time.monotonic)
 
     def run_decode_batch(self, items: Sequence[WorkItem]) -> list[WorkResult]:
         self.batches.append([item.session for item in items])
-        time.sleep(self.seconds * len(items))
+        time.sleep(self.fixed + self.seconds * len(items))
+        self.ends.append(time.monotonic())
         return [WorkResult(None, [1], len(items)) for _ in items]
 
     def run_item(self, item: WorkItem) -> WorkResult:
         self.batches.append([item.session] if item.batchable else [-item.session])
-        time.sleep(self.seconds * min(item.rows, 4))
+        time.sleep((self.fixed if item.batchable else 0.0) + self.seconds * min(item.rows, 4))
+        if item.batchable:
+            self.ends.append(time.monotonic())
         return WorkResult(None, [1])
 
 
@@ -200,6 +275,68 @@ async def test_groups_rotate_through_a_two_stage_pipeline() -> None:
         assert len(whole) >= 0.75 * len(later), later
         pairs = [(later[i], later[i + 1]) for i in whole if i + 1 in whole]
         assert pairs and all(not set(a) & set(b) for a, b in pairs), later
+
+
+def _rows_per_batch(batches: Sequence[Sequence[int]]) -> float:
+    later = [batch for batch in batches[len(batches) // 2:] if batch[0] > 0]  # the groups have formed
+    return sum(map(len, later)) / len(later)
+
+
+async def test_one_stage_runs_every_session_in_one_batch_though_they_come_back_spread() -> None:
+    """One stage, 8 sessions, a batch costs 20 ms and 1 ms a row; after its reply, session i sends
+    its next row i ms later (a driver or a lane turning 8 sessions around one after another).
+    The stage waits for them (their turnaround is well within a batch's time): 8 rows a batch,
+    where a short gather split them into fragments that never merged again."""
+    runtime = _Runtime(0.001, fixed=0.02)
+    scheduler = _scheduler(runtime, 1)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+
+        async def session(key: int) -> None:
+            await trio.sleep(0.0005 * key)  # staggered starts
+            for _ in range(14):
+                await scheduler.execute(_row(key))
+                await trio.sleep(0.001 * key)
+
+        async with trio.open_nursery() as clients:
+            for key in range(1, 9):
+                clients.start_soon(session, key)
+        nursery.cancel_scope.cancel()
+    assert _rows_per_batch(runtime.batches) >= 6, runtime.batches  # fragments that never merge: 4
+
+
+async def test_two_stages_fill_with_two_groups_though_rows_come_back_spread() -> None:
+    """Two stages (a batch: 10 ms and 1 ms a row each), 8 sessions; after stage 1's reply, session
+    i's next row reaches stage 0 i ms later (the driver turning them around one by one).  Once the
+    groups have formed, two groups of 4 alternate on both stages, both busy most of the time."""
+    runtimes = [_Runtime(0.001, fixed=0.01), _Runtime(0.001, fixed=0.01)]
+    stages = [_scheduler(runtime, 2) for runtime in runtimes]
+    steps = 30
+    async with trio.open_nursery() as nursery:
+        for stage in stages:
+            await nursery.start(stage.run)
+
+        async def session(key: int) -> None:
+            for _ in range(steps):
+                await stages[0].execute(_row(key))
+                await stages[1].execute(_row(key))
+                await trio.sleep(0.001 * key)
+            for stage in stages:  # its Stop
+                stage.forget(key)
+
+        async with trio.open_nursery() as clients:
+            for key in range(1, 9):
+                clients.start_soon(session, key)
+        nursery.cancel_scope.cancel()
+    # the middle third of the run: the groups have formed, and no session has finished yet
+    began = min(runtime.ends[0] for runtime in runtimes)
+    ended = max(runtime.ends[-1] for runtime in runtimes)
+    start, stop = began + (ended - began) / 3, began + 2 * (ended - began) / 3
+    for runtime in runtimes:
+        middle = [batch for batch, end in zip(runtime.batches, runtime.ends) if start < end <= stop]
+        assert sum(map(len, middle)) / len(middle) >= 3.3, runtime.batches  # fragments: 2.6-2.7
+        busy = sum(0.01 + 0.001 * len(batch) for batch in middle)
+        assert busy / (stop - start) > 0.55, (busy, stop - start)  # lockstep: 18 ms of every 44
 
 
 async def test_a_groups_late_rows_are_gathered_into_one_batch() -> None:

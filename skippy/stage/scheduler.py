@@ -44,10 +44,16 @@ a chain of P stages, sessions that move in lockstep leave every stage idle while
 compute.  So each *turn* (one trip to the runtime) runs at most ``ceil(active / G)`` decode rows
 (G = ``chain_stages``, the groups; *active*: the sessions that sent a decode row lately, see
 :class:`DecodeGroups`), oldest first: the sessions split into G groups that take turns on every
-stage, each stage computing one group while its neighbours compute the others.  A group is the
-sessions that ran in one batch; when one of its rows arrives at an idle stage, the turn waits
-(briefly: half a recent batch's time, at most :data:`GATHER_MAX_S`) for the group's other active
-sessions, so a group stays one native batch rather than fragments.  After its decode batch a
+stage, each stage computing one group while its neighbours compute the others.  A session keeps
+its group (0..G-1: the one its last batch ran as; a batch is one group, the one most of its rows
+were in unless that would exceed the cap).  A turn waits, while it holds fewer rows than the
+cap, for the rows that come *soon*, its own group's first: each session's usual turnaround (from
+its batch's end to its next row) says when, within the turn's bound (a recent batch's time,
+:data:`GATHER_MAX_S` at most); a session that has not come by its turnaround and slack (it
+finished, prefills, sent a verify window) is given up.  A full turn takes a group whose rows are
+all in first; the other groups' rows fill a turn that is full anyway or has waited.
+So a group stays one native batch, fragments merge again, and on one stage (G = 1) every active
+session's row shares one batch.  After its decode batch a
 turn runs prefill chunks, verify windows and control calls: all of them when no decode row
 waits, else control calls and prefill / verify jobs up to :data:`PREFILL_ROWS_PER_TURN` rows
 (at least one job), so a long prompt neither stalls the decodes nor is starved by them.
@@ -59,8 +65,9 @@ that are ready; what differs is which rows share a batch, which batching already
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
-from typing import Any, Callable, Generic, Sequence, TypeVar
+from typing import Any, Callable, Collection, Generic, Sequence, TypeVar
 
 import trio
 
@@ -80,10 +87,15 @@ RECENT_WORK_S = 0.5
 #: first tick that brings none, so a lone session pays one yield).
 _GATHER_TICKS = 3
 
-#: The longest a turn waits for the late rows of its group (module header), and the fraction of
-#: a recent decode batch's time it waits at most.
-GATHER_MAX_S = 0.004
-GATHER_FRACTION = 0.5
+#: How long a turn gathers, at most: this fraction of a recent decode batch's wall time, and never
+#: more than ``GATHER_MAX_S``.  An extra batch costs about a batch's fixed part, and realigning a
+#: group whose members drifted a batch apart takes a batch's wait once.
+GATHER_FRACTION = 1.0
+GATHER_MAX_S = 0.1
+#: A session's row is expected by its usual turnaround (from the end of the batch it ran in to its
+#: next row) plus this fraction of it, and at least ``TURN_SLACK_S`` more.
+TURN_SLACK = 0.5
+TURN_SLACK_S = 0.005
 #: Rows of prefill chunks and verify windows a turn runs after its decode batch while decode rows
 #: wait (a turn runs at least one such job).
 PREFILL_ROWS_PER_TURN = 64
@@ -92,6 +104,55 @@ PREFILL_ROWS_PER_TURN = 64
 ACTIVE_INTERVALS = 3.0
 ACTIVE_MIN_S = 0.05
 FORGET_S = 10.0
+
+#: ``SKIPPY_SCHED_TRACE=PREFIX``: each scheduler writes one line per turn to ``PREFIX.<pid>.<n>``
+#: (:class:`TurnTrace`; a debugging aid, off by default).
+TRACE_ENV = "SKIPPY_SCHED_TRACE"
+
+
+class TurnTrace:
+    """A per-turn trace of the scheduler (``SKIPPY_SCHED_TRACE``): one line per turn, written when
+    its batch has run::
+
+        t=<ms> via=<fast|serve> idle=<ms> wait=<ms> active=<n> cap=<n> rows=<s>@<ms>,... left=<n> jobs=<n> batch=<ms>
+
+    ``t``: the turn's start (claiming the runtime), ms since the trace began; ``idle``: since the
+    previous turn's runtime work ended; ``wait``: how long the turn gathered; ``rows``: the decode
+    rows it ran, each a small session number and when it was submitted, ms after the previous
+    turn's end (negative: it queued during that turn); ``left``: decode rows left queued;
+    ``jobs``: the turn's other jobs; ``batch``: the runtime's wall time for the turn.
+    """
+
+    _count = 0
+
+    def __init__(self, prefix: str) -> None:
+        TurnTrace._count += 1
+        self.file = open(f"{prefix}.{os.getpid()}.{TurnTrace._count}", "w", buffering=1)  # noqa: SIM115
+        self.origin = time.perf_counter_ns()
+        self.ended = self.origin  #: when the previous turn's runtime work ended
+        self.names: dict[int, int] = {}
+        self.line = ""
+
+    def _name(self, session: int) -> int:
+        return self.names.setdefault(session, len(self.names))
+
+    def turn(self, via: str, started_ns: int, jobs: Sequence["_Job[Any]"], left: Sequence["_Job[Any]"],
+             active: int, cap: int | None) -> None:
+        """A turn's jobs were chosen (``started_ns``: when it claimed the runtime)."""
+        now = time.perf_counter_ns()
+        rows = ",".join(f"{self._name(job.item.session)}@{(job.submitted_ns - self.ended) / 1e6:.1f}"
+                        for job in jobs if job.item is not None and job.item.batchable)
+        others = sum(1 for job in jobs if job.item is None or not job.item.batchable)
+        waiting = sum(1 for job in left if job.item is not None and job.item.batchable)
+        self.line = (f"t={(started_ns - self.origin) / 1e6:.1f} via={via} idle={(started_ns - self.ended) / 1e6:.1f} "
+                     f"wait={(now - started_ns) / 1e6:.1f} active={active} cap={cap} rows={rows} left={waiting} "
+                     f"jobs={others}")
+
+    def ran(self, started_ns: int) -> None:
+        """The turn's runtime work ended."""
+        self.ended = time.perf_counter_ns()
+        self.file.write(f"{self.line} batch={(self.ended - started_ns) / 1e6:.1f}\n")
+        self.line = ""
 
 
 def decode_groups(policy: str, chain_stages: int, executor: Executor) -> int:
@@ -106,13 +167,23 @@ def decode_groups(policy: str, chain_stages: int, executor: Executor) -> int:
 
 @dataclasses.dataclass(slots=True)
 class _Member:
-    group: int  #: the serial of the last decode batch the session ran in (-1: none yet)
     seen: float  #: when its last decode row arrived
     interval: float = 0.0  #: between its last two rows (0: one so far)
+    ran_at: float = 0.0  #: when the last decode batch it ran in ended (0: none yet)
+    turn: float = 0.0  #: its usual time from there to its next row (an exponential average; 0: unknown)
+    group: int = -1  #: its group, 0..G-1 (-1: it has not run yet)
+
+    def due(self) -> float:
+        """Until when its next row is expected, once its last one ran (0: not expected: it has not
+        run, its row is here, or its turnaround is unknown)."""
+        if self.ran_at <= self.seen or self.turn <= 0:
+            return 0.0
+        return self.ran_at + self.turn + max(TURN_SLACK_S, TURN_SLACK * self.turn)
 
 
 class DecodeGroups:
-    """Which decode rows share a turn (sans-IO: the caller passes the time; module header).
+    """Which decode rows share a turn, and how long a turn waits for more (sans-IO: the caller
+    passes the time; module header).
 
     Args:
         groups: G, the groups the active sessions split into (the chain's stages).
@@ -123,7 +194,7 @@ class DecodeGroups:
             raise ValueError(f"decode groups must be >= 1 (got {groups})")
         self.groups = groups
         self._members: dict[int, _Member] = {}
-        self._serial = 0
+        self._batches = 0
         #: A recent decode batch's wall time (an exponential average), seconds; 0: none yet.
         self.batch_s = 0.0
 
@@ -131,9 +202,12 @@ class DecodeGroups:
         """A decode row of ``session`` was submitted."""
         member = self._members.get(session)
         if member is None:
-            self._members[session] = _Member(-1, now)
-        else:
-            member.interval, member.seen = now - member.seen, now
+            self._members[session] = _Member(now)
+            return
+        if member.ran_at > member.seen:  # back from the batch it ran in: its turnaround
+            turn = now - member.ran_at
+            member.turn = turn if member.turn <= 0 else 0.7 * member.turn + 0.3 * turn
+        member.interval, member.seen = now - member.seen, now
 
     def forget(self, session: int) -> None:
         """``session`` ended: no turn waits for it, and it no longer counts as active."""
@@ -151,31 +225,79 @@ class DecodeGroups:
         """The most decode rows one turn runs: ``ceil(active / G)``."""
         return max(1, -(-self.active(now) // self.groups))
 
-    def missing(self, ready: Sequence[int], now: float) -> int:
-        """Active sessions of the group of ``ready[0]`` (the oldest ready row) whose rows are not
-        in ``ready``: the rows a turn may wait for."""
-        if not ready:
-            return 0
-        first = self._members.get(ready[0])
-        if first is None or first.group < 0:
-            return 0
-        here = set(ready)
-        return sum(1 for session, member in self._members.items()
-                   if member.group == first.group and session not in here and self._active(member, now))
-
     def gather_s(self) -> float:
-        """How long a turn waits, at most, for its group's late rows."""
-        return min(GATHER_MAX_S, GATHER_FRACTION * self.batch_s) if self.batch_s > 0 else GATHER_MAX_S / 4
+        """How long a turn waits for more rows, at most."""
+        return min(GATHER_MAX_S, GATHER_FRACTION * self.batch_s) if self.batch_s > 0 else GATHER_MAX_S / 20
+
+    def group_of(self, session: int) -> int:
+        member = self._members.get(session)
+        return -1 if member is None else member.group
+
+    def plan(self, ready: Sequence[int], now: float, limit: float | None = None) -> tuple[list[int], float]:
+        """The sessions whose rows a turn runs, of those with a row ready (``ready``, oldest
+        first), and until when the turn waits for more rows first (<= ``now``: it runs now).
+
+        At most :meth:`cap` rows.  A full turn runs at once: a group whose members are all here
+        first (else the group of the oldest row), then the rows of sessions that have not run
+        yet, then the other groups' rows, oldest first.  A turn with fewer rows waits for the rows
+        that are *soon*: of active sessions on their way whose usual turnaround brings them by
+        ``limit`` (the latest the turn may start: default :meth:`gather_s` from now), each at most
+        until that turnaround and its slack have passed (a session that has not come by then, as
+        it finished, prefills or sent a verify window, is given up); it waits for as many as it
+        lacks, its own group's first, then the soonest.  Rows further away (on a chain, the other
+        groups on their way through the other stages) form a later turn's batch.
+        """
+        if not ready:  # a chunk or a control call leads: it never waits for rows
+            return [], now
+        if limit is None:
+            limit = now + self.gather_s()
+        cap = self.cap(now)
+        here = set(ready)
+        soon: dict[int, list[float]] = {}  # group -> when its rows on their way by ``limit`` are given up
+        for session, member in self._members.items():
+            if session not in here:
+                until = member.due()
+                if until > now and member.ran_at + member.turn <= limit and self._active(member, now):
+                    soon.setdefault(member.group, []).append(until)
+        labels = [self.group_of(session) for session in ready]
+        order = list(dict.fromkeys(label for label in labels if label >= 0))  # groups by their oldest row
+        complete = [label for label in order if label not in soon]
+        chosen = complete[0] if complete else order[0] if order else -1
+        own = [s for s, label in zip(ready, labels) if label == chosen or label < 0]
+        rest = [s for s, label in zip(ready, labels) if label != chosen and label >= 0]
+        full = (own + rest)[:cap]
+        if len(ready) >= cap or not soon:
+            return full, now
+        # the rows it lacks: its own group's first (they ran together), then the soonest others
+        mine = sorted(soon.get(chosen, ()))
+        others = sorted(until for group, times in soon.items() if group != chosen for until in times)
+        return full, max((mine + others)[:cap - len(ready)])
 
     def ran(self, sessions: Sequence[int], seconds: float, now: float) -> None:
-        """``sessions`` ran as one decode batch of ``seconds``: they are a group now."""
-        self._serial += 1
-        for session in sessions:
-            member = self._members.get(session)
-            if member is not None:
-                member.group = self._serial
+        """``sessions`` ran as one decode batch of ``seconds``, ending ``now``: they are one group
+        (the one most of them were in, unless that would make it larger than the cap: then the
+        smallest one)."""
+        self._batches += 1
+        members = [m for m in (self._members.get(session) for session in sessions) if m is not None]
+        if members:
+            cap = self.cap(now)
+            size = [0] * self.groups
+            inside = set(map(id, members))
+            for member in self._members.values():
+                if member.group >= 0 and id(member) not in inside and self._active(member, now):
+                    size[member.group] += 1
+            votes = [0] * self.groups
+            for member in members:
+                if member.group >= 0:
+                    votes[member.group] += 1
+            group = max(range(self.groups), key=lambda g: (votes[g], -g))
+            if votes[group] == 0 or size[group] + len(members) > cap:
+                group = min(range(self.groups), key=lambda g: (size[g], -votes[g], g))
+            for member in members:
+                member.ran_at = now
+                member.group = group
         self.batch_s = seconds if self.batch_s <= 0 else 0.8 * self.batch_s + 0.2 * seconds
-        if self._serial % 256 == 0:
+        if self._batches % 256 == 0:
             for session in [s for s, m in self._members.items() if now - m.seen > FORGET_S]:
                 del self._members[session]
 
@@ -204,14 +326,15 @@ def _ready_sessions(jobs: Sequence[_Job[Any]]) -> list[int]:
     return list(sessions)
 
 
-def select_turn(pending: Sequence[_Job[Any]], cap: int | None, *, decoding: bool = False
-                ) -> tuple[list[_Job[Any]], list[_Job[Any]]]:
+def select_turn(pending: Sequence[_Job[Any]], cap: int | None, *, decoding: bool = False,
+                chosen: Collection[int] | None = None) -> tuple[list[_Job[Any]], list[_Job[Any]]]:
     """The jobs of one turn and those left for a later one, each in arrival order.
 
     ``cap`` None (the greedy policy, or batching off): every job.  Else at most ``cap`` decode
-    rows of distinct sessions (the oldest), every control call, and prefill / verify jobs up to
-    :data:`PREFILL_ROWS_PER_TURN` rows (at least one) while decode rows are left over or
-    ``decoding`` (sessions decode, so their rows are due); the first job is always in the turn.
+    rows of distinct sessions (the oldest; only of the ``chosen`` sessions when given), every
+    control call, and prefill / verify jobs up to :data:`PREFILL_ROWS_PER_TURN` rows (at least
+    one) while decode rows are left over or ``decoding`` (sessions decode, so their rows are
+    due).  Without ``chosen`` the first job is always in the turn.
     """
     if cap is None:
         return list(pending), []
@@ -220,7 +343,8 @@ def select_turn(pending: Sequence[_Job[Any]], cap: int | None, *, decoding: bool
     others: list[_Job[Any]] = []
     for job in pending:
         item = job.item
-        if item is not None and item.batchable and item.session not in sessions and len(rows) < cap:
+        if (item is not None and item.batchable and item.session not in sessions and len(rows) < cap
+                and (chosen is None or item.session in chosen)):
             sessions.add(item.session)
             rows.append(job)
         else:
@@ -295,6 +419,9 @@ class Scheduler:
         #: When each lane (a session key's upper bits) last submitted a work item.
         self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
+        trace = os.environ.get(TRACE_ENV)
+        #: The per-turn trace (:class:`TurnTrace`; None: off).
+        self._trace = TurnTrace(trace) if trace else None
 
     def hold(self, stop: Callable[[], None], lane: int, idle_since: Callable[[], float] | None = None) -> bool:
         """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) of lane
@@ -320,6 +447,7 @@ class Scheduler:
         """Session ``session`` was released: the decode groups stop expecting its rows."""
         if self.groups is not None:
             self.groups.forget(session)
+            self._arrival.set()  # a turn gathering may have waited for it
 
     @property
     def held(self) -> bool:
@@ -409,7 +537,7 @@ class Scheduler:
                     await trio.lowlevel.cancel_shielded_checkpoint()
                     if len(self._pending) == before:  # a quiet tick: the rows of this moment are in
                         break
-            jobs = await self._turn([job])
+            jobs = await self._turn([job], "fast")
         except BaseException:
             self._release()
             raise
@@ -419,32 +547,46 @@ class Scheduler:
             for other in jobs:
                 if other.done is not None:
                     other.done.set()
+        if job not in jobs:  # queued for a later turn (the groups policy)
+            assert job.done is not None
+            await job.done.wait()
 
-    async def _turn(self, lead: list[_Job[Any]]) -> list[_Job[Any]]:
+    async def _turn(self, lead: list[_Job[Any]], via: str) -> list[_Job[Any]]:
         """With the runtime claimed: wait for the group's late rows (the groups policy), then take
-        this turn's jobs, ``lead`` (jobs not queued) first, out of the queue."""
+        this turn's jobs, ``lead`` (jobs not queued) first, out of the queue (``via``: who runs
+        the turn, for the trace)."""
+        started_ns = time.perf_counter_ns() if self._trace is not None else 0
         cap: int | None = None
         decoding = False
+        chosen: list[int] | None = None
         groups = self.groups
         if groups is not None:
-            cap = groups.cap(time.monotonic())
-            if self.executor.blocking:
-                deadline = trio.current_time() + groups.gather_s()
-                while True:
-                    ready = _ready_sessions([*lead, *self._pending])
-                    if (len(ready) >= cap or not groups.missing(ready, time.monotonic())
-                            or trio.current_time() >= deadline):
-                        break
-                    self._arrival = trio.Event()
-                    # shielded (a few ms at most): a fast-path job, once started, runs (module header)
-                    with trio.CancelScope(deadline=deadline, shield=True):
-                        await self._arrival.wait()
+            limit = trio.current_time() + groups.gather_s()
+            while True:
+                now = time.monotonic()
+                chosen, until = groups.plan(_ready_sessions([*lead, *self._pending]), now,
+                                            now + (limit - trio.current_time()))
+                if not self.executor.blocking:  # the null runtime: nothing to wait for
+                    break
+                deadline = min(limit, trio.current_time() + (until - now))
+                if deadline <= trio.current_time():
+                    break
+                self._arrival = trio.Event()
+                # shielded (GATHER_MAX_S at most): a fast-path job, once started, runs (module header)
+                with trio.CancelScope(deadline=deadline, shield=True):
+                    await self._arrival.wait()
             now = time.monotonic()
             cap = groups.cap(now)
             decoding = groups.active(now) > 0
-        jobs, left = select_turn([*lead, *self._pending], cap, decoding=decoding)
-        assert all(job in jobs for job in lead)  # the first job always runs
+        jobs, left = select_turn([*lead, *self._pending], cap, decoding=decoding, chosen=chosen)
+        for job in lead:
+            if job not in jobs:  # its group's turn is a later one: it queues as any job
+                job.done = trio.Event()
+                self._wake.set()
         self._pending = left
+        if self._trace is not None:
+            self._trace.turn(via, started_ns, jobs, left, groups.active(time.monotonic()) if groups is not None else 0,
+                             cap)
         return jobs
 
     async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
@@ -482,7 +624,7 @@ class Scheduler:
                 continue
             self._busy = True
             try:
-                jobs = await self._turn([])
+                jobs = await self._turn([], "serve")
             except BaseException:
                 self._release()
                 raise
@@ -508,6 +650,8 @@ class Scheduler:
                 self._run_jobs(jobs, trip)
         finally:
             self._release()
+        if self._trace is not None:
+            self._trace.ran(started)
         self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
         self.stats.runtime_cpu_us += trip.cpu_ns // 1000
         self.stats.native_batches += trip.native
