@@ -205,3 +205,18 @@ def test_skippy_up_passes_the_hosts_threads_to_its_stages(tiny_llama: Path, tmp_
             assert "the runtime loaded with" not in text  # the parsed settings agree with the scan
     finally:
         up.stop()
+
+
+def test_a_stage_warns_when_its_settings_would_choose_otherwise(tmp_path: Path) -> None:
+    # argparse takes the abbreviation --thread-w; the scan before the runtime loads does not
+    environ = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+    result = subprocess.run(
+        [sys.executable, "-m", "skippy.stage", "--model", "null:n_embd=8,n_layer=2", "--layers", "0:2",
+         "--threads", "1", "--thread-w", "passive", "--exit-on-stdin-eof", "on"],
+        stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        env=dict(environ, PYTHONPATH=str(ROOT)))
+    assert result.returncode == 0, result.stderr
+    assert f"compute threads wait with GOMP_SPINCOUNT={SPIN_COUNT} (spin: 1 compute thread of this stage" \
+        in result.stderr, result.stderr
+    assert ("the settings choose passive (--thread-wait passive), but the runtime loaded with spin: give "
+            "--threads, --thread-wait and --host-threads unabbreviated") in result.stderr, result.stderr

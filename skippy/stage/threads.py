@@ -87,7 +87,8 @@ def choose_wait(mode: str, threads: int, host_threads: int, cores: int,
     own = threads if threads > 0 else os.cpu_count() or 1
     total = max(host_threads, own)
     policy = "passive" if total > cores else "spin"
-    reason = (f"{total} compute threads of {'the stages on this host' if host_threads > 0 else 'this stage'} "
+    reason = (f"{total} compute thread{'s' if total > 1 else ''} of "
+              f"{'the stages on this host' if host_threads > 0 else 'this stage'} "
               f"on {cores} cores: " + ("more threads than cores" if total > cores else "each has a core"))
     if own == 1:
         reason += "; one compute thread never enters OpenMP"
