@@ -24,8 +24,10 @@ stock one.
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
   false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
-  ``skippy-SxTt[-nospec][-even][-greedy]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
+  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
+  ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
+  its environment (how the compute threads wait, over ``--thread-wait auto``: skippy.stage.threads).
   For these, from each stage's metrics port, over the measurements: the runtime's busy time
   (``skippy_stage_runtime_busy_seconds_total``: wall time in batches, each batch once; and its
   thread's CPU time in them), rows per decode batch, ``skippy_stage_compute_seconds_sum`` (a job's
@@ -71,7 +73,7 @@ PROMPTS = [
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
 #: Any skippy variant: stages x threads, then the modifiers in this order.
-SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?")
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -178,7 +180,7 @@ def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[sub
 
 
 def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Path, *, layers: str = "",
-                 chain: dict[str, str] | None = None) -> Running:
+                 chain: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> Running:
     """``skippy up``; ``chain``: stage settings for every stage (through a plan file; ``layers``
     must then be given)."""
     where = ["--layers", layers] if layers else ["--stages", str(stages)]
@@ -193,7 +195,7 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
                "--port", "0", "--log-dir", str(log_dir)]
     with (log_dir / "up.log").open("wb") as errors:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
-                                   env={**os.environ, "PYTHONPATH": str(ROOT)})
+                                   env={**os.environ, **(environment or {}), "PYTHONPATH": str(ROOT)})
     assert process.stdout is not None
     url = ""
     deadline = time.monotonic() + 300
@@ -287,10 +289,14 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 half = shape.n_layer // 2  # -even: the cut before issue 31 (half the layers each)
                 layers = f"0:{half},{half}:{shape.n_layer}" if "-even" in name else ""
                 chain = None
-                if name.endswith("-greedy"):  # the stages' decode policy before issue 31
+                if "-greedy" in name:  # the stages' decode policy before issue 31
                     chain = {"decode_policy": "greedy"}
                     layers = layers or ",".join(f"{a}:{b}" for a, b in balanced_stages(shape, stages)[0])
-                running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain)
+                wait = shape_match.group(6) or ""
+                environment = ({"OMP_WAIT_POLICY": "PASSIVE"} if wait == "-passive"
+                               else {"GOMP_SPINCOUNT": wait.removeprefix("-spin")} if wait else {})
+                running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain,
+                                       environment=environment)
                 if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name

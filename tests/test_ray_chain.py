@@ -70,6 +70,8 @@ def test_ray_places_restarts_and_releases(tiny_llama: Path, tmp_path: Path) -> N
         chain.start(timeout=240)
         nodes = {stage.node_id for stage in chain.stages}
         assert len(nodes) == 3, "three stages on three nodes"
+        for stage in chain.stages:  # one stage of 1 thread on each node (skippy.stage.threads)
+            assert stage.command[stage.command.index("--host-threads") + 1] == "1", stage.command
         assert chain.bundle_nodes() == [stage.node_id for stage in chain.stages]  # Ray's placement table
         named = {entry["name"] for entry in ray.util.list_named_actors(all_namespaces=True)}
         assert sum(name.startswith(f"skippy-{chain.chain_id}-") for name in named) == 3

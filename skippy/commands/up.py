@@ -71,6 +71,11 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
                              "pool places each session's cells as it would hold them alone (docs/kv-placement.md)")
     parser.add_argument("--threads", type=int, default=0,
                         help="compute threads per stage (default: cores / stages, at least 1)")
+    parser.add_argument("--thread-wait", default="auto", choices=["auto", "spin", "passive"],
+                        help="how the stages' compute threads wait between graphs: auto (default): spin when the "
+                             "stages' threads on a host fit its cores, else sleep at once (passive); spin or passive "
+                             "always (passive on a host shared with other work); OMP_WAIT_POLICY or GOMP_SPINCOUNT "
+                             "in the environment overrides it (docs/throughput.md)")
     parser.add_argument("--wire-dtype", default="f32", choices=["f32", "f16", "q8"],
                         help="activation dtype between stages (default f32: exact)")
     parser.add_argument("--log-dir", type=Path, help="where stage logs go (default: a new temporary directory)")
@@ -209,9 +214,10 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     args.ctx_size = int(chain.get("ctx_size", args.ctx_size))
     args.max_sessions = int(chain.get("max_sessions", args.max_sessions))
     args.wire_dtype = str(chain.get("wire_dtype", args.wire_dtype))
+    args.threads = int(chain.get("threads", args.threads))  # every stage's, counted into --host-threads
     extra: list[str] = []
     for key, value in chain.items():
-        if key in PLAN_ONLY_CHAIN_KEYS or key in ("model", "ctx_size", "max_sessions", "wire_dtype"):
+        if key in PLAN_ONLY_CHAIN_KEYS or key in ("model", "ctx_size", "max_sessions", "wire_dtype", "threads"):
             continue
         text = ("on" if value else "off") if isinstance(value, bool) else str(value)
         extra += [f"--{key.replace('_', '-')}", text]
@@ -249,8 +255,11 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         print(f"error: {exc}", file=err)
         return 2
     threads = args.threads or max(1, (os.cpu_count() or 1) // len(split))
+    # every stage runs on this host (with --ray, the launcher counts the stages each node holds)
+    on_host = [] if getattr(args, "ray", None) else ["--host-threads", str(threads * len(split))]
     options = ["--ctx-size", str(args.ctx_size), "--max-sessions", str(args.max_sessions),
-               "--threads", str(threads), "--wire-dtype", args.wire_dtype, "--chain-stages", str(len(split)),
+               "--threads", str(threads), "--thread-wait", getattr(args, "thread_wait", "auto"), *on_host,
+               "--wire-dtype", args.wire_dtype, "--chain-stages", str(len(split)),
                *plan_options, *gpu,
                *(["--kv-streams", "on"] if args.kv_streams else [])]
     heartbeat_timeout = float(getattr(args, "heartbeat_timeout", SILENCE))

@@ -20,6 +20,11 @@ Strategy
   ``--exit-on-stdin-eof on`` on a pipe the actor holds, so it goes when its actor (or node) does.
   Stages start final first, each READY before the next, and each gets ``--downstream`` from the
   address the next one reported, plus a ``--downstream-file`` the actor can rewrite.
+* **Threads.** Each stage gets ``--host-threads``: its ``--threads`` times the stages whose
+  bundles are on its node (``bundle_nodes``), so ``--thread-wait auto`` spins only where they fit
+  the node's cores (:mod:`skippy.stage.threads`).  A stage restarted onto another node counts the
+  stages there; the ones already running keep the wait they loaded with.  Without ``--threads``
+  in the options (all cores), each stage decides alone.
 * **Links.** With a certificate directory (``skippy certs``), each actor writes its stage's
   certificate, key and the chain CA on its node and starts the stage with ``--tls on``: every link
   between nodes is mutual TLS, and the launcher's driver uses the ``driver-0`` certificate.
@@ -288,7 +293,7 @@ class RayChain:
         stage.actor = StageActor.options(  # type: ignore[attr-defined]
             scheduling_strategy=strategy, max_restarts=0, num_cpus=0, num_gpus=stage.gpus,
             name=f"skippy-{self.chain_id}-stage{stage.index}-{next(self._attempts)}", namespace="skippy").remote()
-        arguments = ["--model", str(self.model), "--layers", stage.layers, *self.options]
+        arguments = ["--model", str(self.model), "--layers", stage.layers, *self.options, *self._host_threads(stage)]
         tls = None
         if self.certificates is not None:
             name = f"stage-{stage.index}"
@@ -309,6 +314,19 @@ class RayChain:
         stage.node_id, stage.pid = started["node"], started["pid"]
         stage.metrics_url, stage.command = started["metrics"], started["command"]
         stage.environment, stage.gpu_ids = started["environment"], started["gpu_ids"]
+
+    def _host_threads(self, stage: RayStage) -> list[str]:
+        """``--host-threads``: the compute threads of the chain's stages on ``stage``'s node."""
+        given = [value for flag, value in zip(self.options, self.options[1:]) if flag == "--threads"]
+        threads = int(given[-1]) if given and given[-1].isdigit() else 0
+        if threads <= 0:  # all of a node's cores: the stage decides alone
+            return []
+        try:
+            nodes = self.bundle_nodes()
+        except (KeyError, IndexError, ray.exceptions.RayError) as exc:  # no placement table: decide alone
+            log.warning("%s: no node of its bundle (%s); it chooses its thread wait alone", stage.name, exc)
+            return []
+        return ["--host-threads", str(threads * nodes.count(nodes[stage.index]))]
 
     # -- a lost stage ------------------------------------------------------------------------
     def bundle_nodes(self) -> list[str]:

@@ -15,7 +15,7 @@ here, before the imports below load the native runtime).
 
 from skippy.stage.threads import apply_wait_default
 
-apply_wait_default()  # only in ``python -m skippy.stage``; libgomp reads it when the runtime loads
+apply_wait_default()  # only in ``python -m skippy.stage`` (--thread-wait); libgomp reads it as the runtime loads
 
 from skippy.lane.errors import DownstreamLost, StageError  # noqa: E402
 from skippy.net.address import Address  # noqa: E402

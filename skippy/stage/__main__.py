@@ -18,9 +18,9 @@ from typing import Sequence
 import trio
 
 from skippy.runtime.errors import NativeError
+from skippy.stage import threads
 from skippy.stage.config import parse_config
 from skippy.stage.server import load_runtime, run_stage, stage_tls
-from skippy.stage.threads import WAIT_SETTINGS
 
 log = logging.getLogger("skippy.stage")
 
@@ -58,9 +58,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     log.info("loaded %s layers %s in %.2f s (width %d)", config.model, config.layers,
              time.monotonic() - started, executor.n_embd)
-    if config.threads != 1:  # skippy.stage.threads: how the OpenMP helpers wait between graphs
-        log.info("compute threads wait with %s", ", ".join(
-            f"{name}={os.environ[name]}" for name in WAIT_SETTINGS if name in os.environ) or "libgomp's defaults")
+    _log_wait(config.thread_wait, config.threads, config.host_threads)
     # Everything loaded so far lives until exit: keep the collector from rescanning it.  The
     # serving loop allocates short-lived objects only, so full collections would only cost.
     # Young collections are made rarer too: per-message objects die by reference count, so each
@@ -71,6 +69,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     trio.run(run_stage, config, executor)
     log.info("stage layers %s stopped", config.layers)
     return 0
+
+
+def _log_wait(mode: str, count: int, host_threads: int) -> None:
+    """Say how the compute threads wait and why (chosen as the package loaded: skippy.stage.threads),
+    and warn when the parsed settings would choose otherwise (e.g. abbreviated flags)."""
+    applied = threads.applied
+    if applied is None:  # main() called in a process that is not ``-m skippy.stage``
+        log.info("compute threads wait with %s (as this process's environment says)", ", ".join(
+            f"{name}={os.environ[name]}" for name in threads.WAIT_SETTINGS if name in os.environ) or "libgomp defaults")
+        return
+    log.info("compute threads wait with %s", applied.describe(os.environ))
+    if applied.policy != "environment":
+        wanted = threads.choose_wait(mode, count, host_threads, threads.host_cores(), {})
+        if wanted.policy != applied.policy:
+            log.warning("the settings choose %s (%s), but the runtime loaded with %s: give --threads, "
+                        "--thread-wait and --host-threads unabbreviated", wanted.policy, wanted.reason, applied.policy)
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ from typing import Any, Final, Sequence
 from skippy.codec.protocol import WireDType
 from skippy.net.address import Address
 from skippy.runtime.offload import CACHE_TYPES, FLASH_ATTN_MODES, SPLIT_MODES, OffloadSettings
+from skippy.stage.threads import THREAD_WAITS, host_cores, plan_host_threads
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -32,6 +33,8 @@ class StageConfig:
     ctx_size: int = 4096
     max_sessions: int = 8
     threads: int = 0
+    thread_wait: str = "auto"
+    host_threads: int = 0
     batch_size: int = 512
     wire_dtype: WireDType = WireDType.F32
     max_inflight: int = 4
@@ -126,6 +129,7 @@ class StageConfig:
             (self.ctx_size > 0, f"ctx_size must be > 0 (got {self.ctx_size})"),
             (1 <= self.max_sessions <= 256, f"max_sessions must be in 1..256 (got {self.max_sessions})"),
             (self.threads >= 0, f"threads must be >= 0 (got {self.threads})"),
+            (self.host_threads >= 0, f"host_threads must be >= 0 (got {self.host_threads})"),
             (self.recurrent_checkpoints >= 1, f"recurrent_checkpoints must be >= 1 (got {self.recurrent_checkpoints})"),
             (self.recurrent_checkpoint_interval >= 1,
              f"recurrent_checkpoint_interval must be >= 1 (got {self.recurrent_checkpoint_interval})"),
@@ -241,6 +245,14 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "ctx_size": (int, "KV cells shared by all sessions of this stage (--kv-streams on: the cells of each)"),
     "max_sessions": (int, "concurrent sessions (lanes, llama sequence ids)"),
     "threads": (int, "compute threads (0 = all cores)"),
+    "thread_wait": (_choice("thread_wait", *THREAD_WAITS),
+                    "how the compute threads wait between graphs (skippy.stage.threads): spin (libgomp's spin, "
+                    "then sleep), passive (sleep at once), or auto: spin when the compute threads of the stages "
+                    "on this host (--host-threads, else --threads) fit its cores, else passive; OMP_WAIT_POLICY "
+                    "or GOMP_SPINCOUNT in the environment overrides it"),
+    "host_threads": (int, "compute threads of all the skippy stages on this host, this one's included, for "
+                     "--thread-wait auto (the launchers set it; 0 = this stage's --threads; a plan file counts "
+                     "its stages on this stage's host)"),
     "batch_size": (int, "rows per llama.cpp batch; use the same value on every stage for exactness"),
     "wire_dtype": (_dtype, "activation dtype sent downstream: f32 (exact), f16 or q8"),
     "max_inflight": (int, "frames in flight per lane; the default credit limit is max_inflight - 1"),
@@ -385,6 +397,11 @@ def _plan_stage_settings(path: Path, data: dict[str, Any], plan_stage: int | Non
         raise ValueError(f"{path}: [chain] and each [[stage]] must be tables")
     merged = {k: v for k, v in chain.items() if k not in PLAN_ONLY_CHAIN_KEYS}
     merged.update({k: v for k, v in entry.items() if k not in PLAN_ONLY_STAGE_KEYS})
+    if "host_threads" not in merged and "host-threads" not in merged:  # the plan's stages on this host
+        try:
+            merged["host_threads"] = plan_host_threads(chain, stages, plan_stage, host_cores())
+        except (TypeError, ValueError):  # a bad threads value: reported as that setting
+            pass
     return merged
 
 
