@@ -90,6 +90,44 @@ def test_decoder_reads_the_load_at_each_epoch() -> None:
     assert load.sessions == 0
 
 
+def drive(decoder: SpeculativeDecoder, steps: int, queueing: float) -> None:
+    """Answer ``steps`` messages as a CPU chain would: 90 ms of compute for a step plus 15 ms a
+    further row, the wall time ``queueing`` more (the round trip, or waiting behind others)."""
+    for _ in range(steps):
+        request = decoder.next_window()
+        assert request is not None
+        rows = len(request.tokens)
+        compute = 0.090 + 0.015 * (rows - 1)
+        decoder.on_reply(request.window_id, (29871,) * rows, wall_seconds=compute + queueing,
+                         compute_seconds=compute)
+
+
+def test_waiting_behind_other_sessions_is_not_a_round_trip() -> None:
+    """The cause of issue 31's loss at N = 8 (a controller traced in bench/concurrency.py, Gemma
+    3 270M, 2 stages): a step's wall time under load is mostly waiting behind the other sessions'
+    rows (R came out 20-220 ms on loopback), which made L_S look long and every draft look cheap
+    (G ~ (S - 1 + E) / S), so windows went out at S = 8.  Traversals shared with other sessions
+    now teach neither R nor c_row; eight sessions stay plain, a single stream still speculates."""
+    load = SessionLoad()
+    others = [Session() for _ in range(8)]
+    for session in others:
+        load.enter(session)
+    crowded = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=load)
+    drive(crowded, 40, queueing=0.300)
+    assert crowded.controller.cost.round_trip == 0.0  # the queueing taught no round trip
+    feed(crowded.controller, 0.8, 60, seed=3)
+    assert [crowded.controller.plan(8, 6, sessions=8).window for _ in range(5)] == [0] * 5
+    alone = SessionLoad()
+    one = Session()
+    alone.enter(one)
+    single = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=alone)
+    drive(single, 40, queueing=0.002)
+    assert single.controller.cost.round_trip == pytest.approx(0.002)
+    feed(single.controller, 0.8, 60, seed=3)
+    plan = single.controller.plan(8, 6, sessions=1)
+    assert plan.window > 0 and plan.speedup > 1.2
+
+
 async def test_concurrent_greedy_sessions_stay_exact_and_are_counted(tiny_llama: Path, tmp_path: Path) -> None:
     """Four sessions at once on a 2-stage chain: each gets the tokens it gets alone without
     speculation, the controllers saw the others, and the count returns to zero."""
