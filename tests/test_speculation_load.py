@@ -128,6 +128,39 @@ def test_waiting_behind_other_sessions_is_not_a_round_trip() -> None:
     assert plan.window > 0 and plan.speedup > 1.2
 
 
+def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
+    """A session that starts under load never measures c_row; the prior (0.25 of a step) is far
+    under a CPU chain's (traced: a further row of Gemma 3 270M, its 262k-row head included, cost
+    about what a one-row step did), so near-certain drafts looked worth it at S = 8.  The ratio a
+    session measured alone on the chain is shared through the SessionLoad."""
+    load = SessionLoad()
+    first = Session()
+    load.enter(first)
+    single = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=load)
+    drive(single, 60, queueing=0.002)  # alone: plain steps then windows, c_row measured
+    assert single.controller.cost.extra_row == pytest.approx(0.015)
+    assert load.row_cost_ratio == pytest.approx(0.015 / 0.090)
+    load.row_cost_ratio = 1.2  # what the Gemma chain measured alone
+    others = [Session() for _ in range(7)]
+    for session in others:
+        load.enter(session)
+
+    def plain_under_load(shared: SessionLoad) -> bool:
+        crowded = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=shared)
+        drive(crowded, 10, queueing=0.300)
+        feed(crowded.controller, 0.99, 60, seed=4)
+        request = crowded.next_window()
+        assert request is not None
+        return request.is_decode
+
+    assert plain_under_load(load)  # the measured ratio: a plain step
+    prior = SessionLoad()
+    for session in [first, *others]:
+        prior.enter(session)
+    assert not plain_under_load(prior)  # the prior alone would send a window
+    assert single.controller.cost.row_cost_ratio == 0.25  # the lone session kept its own
+
+
 async def test_concurrent_greedy_sessions_stay_exact_and_are_counted(tiny_llama: Path, tmp_path: Path) -> None:
     """Four sessions at once on a 2-stage chain: each gets the tokens it gets alone without
     speculation, the controllers saw the others, and the count returns to zero."""

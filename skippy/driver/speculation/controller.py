@@ -33,6 +33,10 @@
 # takes the bottleneck stage from the others too), a window is sent only when G >= min_gain, and
 # no probe windows are sent (shadow scoring still tracks acceptance).  Even perfect drafts give
 # G <= 1 once the rows dominate the step (c_row S >= L_S), so enough sessions keep it off.
+# Timing under load: a traversal that shared the chain with other sessions (S >= 2 when sent or
+# answered) waited behind their rows and was batched with them, so it teaches neither R nor c_row
+# (only a first c_1); the shared rule takes R = 0 until a traversal alone on the chain shows it,
+# and c_row / c_1 from the last session that measured it alone (`SessionLoad.row_cost_ratio`).
 from __future__ import annotations
 
 import weakref
@@ -217,6 +221,9 @@ class SessionLoad:
 
     def __init__(self) -> None:
         self._active: weakref.WeakSet[object] = weakref.WeakSet()
+        #: c_row / c_1 last measured by a session alone on the chain (None: not yet): a session
+        #: that starts under load measures neither, and takes this over its prior.
+        self.row_cost_ratio: float | None = None
 
     def enter(self, session: object) -> None:
         self._active.add(session)

@@ -138,6 +138,10 @@ class SpeculativeDecoder:
             if self.config.enabled and budget > 0:
                 draft = self.proposer.propose(min(budget, self.controller.config.max_window))
             sessions = self._sessions()
+            cost = self.controller.cost
+            if sessions >= 2 and cost.extra_row is None and self.load is not None \
+                    and self.load.row_cost_ratio is not None:
+                cost.row_cost_ratio = self.load.row_cost_ratio  # measured alone by another session
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
@@ -183,6 +187,9 @@ class SpeculativeDecoder:
         if wall_seconds is not None and compute_seconds is not None:
             self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
                                               shared=shared)
+            cost = self.controller.cost
+            if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
+                self.load.row_cost_ratio = cost.extra_row / cost.single_row
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
         following = tracker.live
