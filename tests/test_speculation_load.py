@@ -90,6 +90,77 @@ def test_decoder_reads_the_load_at_each_epoch() -> None:
     assert load.sessions == 0
 
 
+def drive(decoder: SpeculativeDecoder, steps: int, queueing: float) -> None:
+    """Answer ``steps`` messages as a CPU chain would: 90 ms of compute for a step plus 15 ms a
+    further row, the wall time ``queueing`` more (the round trip, or waiting behind others)."""
+    for _ in range(steps):
+        request = decoder.next_window()
+        assert request is not None
+        rows = len(request.tokens)
+        compute = 0.090 + 0.015 * (rows - 1)
+        decoder.on_reply(request.window_id, (29871,) * rows, wall_seconds=compute + queueing,
+                         compute_seconds=compute)
+
+
+def test_waiting_behind_other_sessions_is_not_a_round_trip() -> None:
+    """The cause of issue 31's loss at N = 8 (a controller traced in bench/concurrency.py, Gemma
+    3 270M, 2 stages): a step's wall time under load is mostly waiting behind the other sessions'
+    rows (R came out 20-220 ms on loopback), which made L_S look long and every draft look cheap
+    (G ~ (S - 1 + E) / S), so windows went out at S = 8.  Traversals shared with other sessions
+    now teach neither R nor c_row; eight sessions stay plain, a single stream still speculates."""
+    load = SessionLoad()
+    others = [Session() for _ in range(8)]
+    for session in others:
+        load.enter(session)
+    crowded = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=load)
+    drive(crowded, 40, queueing=0.300)
+    assert crowded.controller.cost.round_trip == 0.0  # the queueing taught no round trip
+    feed(crowded.controller, 0.8, 60, seed=3)
+    assert [crowded.controller.plan(8, 6, sessions=8).window for _ in range(5)] == [0] * 5
+    alone = SessionLoad()
+    one = Session()
+    alone.enter(one)
+    single = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=alone)
+    drive(single, 40, queueing=0.002)
+    assert single.controller.cost.round_trip == pytest.approx(0.002)
+    feed(single.controller, 0.8, 60, seed=3)
+    plan = single.controller.plan(8, 6, sessions=1)
+    assert plan.window > 0 and plan.speedup > 1.2
+
+
+def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
+    """A session that starts under load never measures c_row; the prior (0.25 of a step) is far
+    under a CPU chain's (traced: a further row of Gemma 3 270M, its 262k-row head included, cost
+    about what a one-row step did), so near-certain drafts looked worth it at S = 8.  The ratio a
+    session measured alone on the chain is shared through the SessionLoad."""
+    load = SessionLoad()
+    first = Session()
+    load.enter(first)
+    single = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=load)
+    drive(single, 60, queueing=0.002)  # alone: plain steps then windows, c_row measured
+    assert single.controller.cost.extra_row == pytest.approx(0.015)
+    assert load.row_cost_ratio == pytest.approx(0.015 / 0.090)
+    load.row_cost_ratio = 1.2  # what the Gemma chain measured alone
+    others = [Session() for _ in range(7)]
+    for session in others:
+        load.enter(session)
+
+    def plain_under_load(shared: SessionLoad) -> bool:
+        crowded = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=shared)
+        drive(crowded, 10, queueing=0.300)
+        feed(crowded.controller, 0.99, 60, seed=4)
+        request = crowded.next_window()
+        assert request is not None
+        return request.is_decode
+
+    assert plain_under_load(load)  # the measured ratio: a plain step
+    prior = SessionLoad()
+    for session in [first, *others]:
+        prior.enter(session)
+    assert not plain_under_load(prior)  # the prior alone would send a window
+    assert single.controller.cost.row_cost_ratio == 0.25  # the lone session kept its own
+
+
 async def test_concurrent_greedy_sessions_stay_exact_and_are_counted(tiny_llama: Path, tmp_path: Path) -> None:
     """Four sessions at once on a 2-stage chain: each gets the tokens it gets alone without
     speculation, the controllers saw the others, and the count returns to zero."""

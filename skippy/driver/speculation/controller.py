@@ -33,6 +33,10 @@
 # takes the bottleneck stage from the others too), a window is sent only when G >= min_gain, and
 # no probe windows are sent (shadow scoring still tracks acceptance).  Even perfect drafts give
 # G <= 1 once the rows dominate the step (c_row S >= L_S), so enough sessions keep it off.
+# Timing under load: a traversal that shared the chain with other sessions (S >= 2 when sent or
+# answered) waited behind their rows and was batched with them, so it teaches neither R nor c_row
+# (only a first c_1); the shared rule takes R = 0 until a traversal alone on the chain shows it,
+# and c_row / c_1 from the last session that measured it alone (`SessionLoad.row_cost_ratio`).
 from __future__ import annotations
 
 import weakref
@@ -161,9 +165,21 @@ class CostModel:
         weight = 1.0 - 0.5 ** (1.0 / self.halflife)
         return old + weight * (new - old)
 
-    def observe(self, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True) -> None:
-        """Record a traversal of ``rows`` rows (compute summed over stages)."""
+    def observe(self, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
+                shared: bool = False) -> None:
+        """Record a traversal of ``rows`` rows (compute summed over stages).
+
+        ``alone``: nothing else of this session was in flight.  ``shared``: other sessions ran on
+        the chain meanwhile: its wall time includes waiting behind their rows (their compute, no
+        free latency) and its compute the rows of theirs it was batched with, so it teaches
+        neither R nor c_row; only a first c_1, so that the shared rule can decide at all.
+        """
         if rows < 1 or wall_seconds < 0 or compute_seconds < 0:
+            return
+        if shared:
+            if rows == 1 and not self._seen_single:
+                self.single_row = compute_seconds
+                self._seen_single = True
             return
         if alone:
             self.round_trip = self._blend(self.round_trip, max(wall_seconds - compute_seconds, 0.0),
@@ -179,6 +195,11 @@ class CostModel:
     @property
     def ready(self) -> bool:
         return self._seen_round_trip and self._seen_single
+
+    @property
+    def ready_shared(self) -> bool:
+        """Enough for the shared rule: c_1 (R is 0 until a traversal alone on the chain shows it)."""
+        return self._seen_single
 
     def compute(self, rows: int) -> float:
         extra = self.row_cost_ratio * self.single_row if self.extra_row is None else self.extra_row
@@ -200,6 +221,9 @@ class SessionLoad:
 
     def __init__(self) -> None:
         self._active: weakref.WeakSet[object] = weakref.WeakSet()
+        #: c_row / c_1 last measured by a session alone on the chain (None: not yet): a session
+        #: that starts under load measures neither, and takes this over its prior.
+        self.row_cost_ratio: float | None = None
 
     def enter(self, session: object) -> None:
         self._active.add(session)
@@ -302,9 +326,10 @@ class SpeculationController:
         self.pooled.observe(accepted, judged)
 
     def observe_traversal(self, rows: int, wall_seconds: float, compute_seconds: float, *,
-                          alone: bool = True) -> None:
-        """Record timing of one reply (``alone``: nothing else was in flight)."""
-        self.cost.observe(rows, wall_seconds, compute_seconds, alone=alone)
+                          alone: bool = True, shared: bool = False) -> None:
+        """Record timing of one reply (``alone``: nothing else of this session was in flight;
+        ``shared``: other sessions ran on the chain meanwhile, :meth:`CostModel.observe`)."""
+        self.cost.observe(rows, wall_seconds, compute_seconds, alone=alone, shared=shared)
 
     def best(self, acceptance: float, max_window: int) -> Plan:
         """The best (K, D) for an acceptance, with K <= ``max_window``."""
@@ -323,7 +348,7 @@ class SpeculationController:
     def best_shared(self, acceptance: float, max_window: int, sessions: int) -> Plan:
         """The best serial window for one of ``sessions`` >= 2 sessions (``speedup``: the
         aggregate gain, :func:`shared_gain`)."""
-        if max_window < 1 or not self.cost.ready:
+        if max_window < 1 or not self.cost.ready_shared:
             return _PLAIN
         best = _PLAIN
         for window in range(1, min(max_window, self.config.max_window) + 1):
@@ -339,8 +364,6 @@ class SpeculationController:
         Returns:
             ``window == 0`` for a plain decode step.
         """
-        if not self.cost.ready:
-            return _PLAIN  # the first plain steps measure R and c_1
         if draft_length <= 0:
             return _PLAIN
         if sessions >= 2:  # the others pay for this session's drafts: weigh the aggregate
@@ -351,6 +374,8 @@ class SpeculationController:
                 self.plain_steps_since_window = 0
                 return choice
             return _PLAIN
+        if not self.cost.ready:
+            return _PLAIN  # the first plain steps measure R and c_1
         choice = self.best(self.acceptance(match_length), draft_length)
         self.enabled = self.best(self.pooled.rate, self.config.max_window).speedup >= self.config.min_gain
         if choice.window and choice.speedup >= self.config.min_gain:

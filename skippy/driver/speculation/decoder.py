@@ -91,6 +91,7 @@ class SpeculativeDecoder:
         self._plan = Plan(0, 1, 1.0)
         self._shadow: Draft = NO_DRAFT
         self._alone: dict[int, bool] = {}
+        self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -100,7 +101,11 @@ class SpeculativeDecoder:
         self.tracker = WindowTracker(self.generated[-1], pending_position, old.usage)
         self.tracker._next_id = old._next_id  # ids stay unique over the request
         self._alone.clear()
+        self._shared.clear()
         self._shadow = NO_DRAFT
+
+    def _sessions(self) -> int:
+        return 1 if self.load is None else max(1, self.load.sessions)
 
     @property
     def usage(self) -> SpeculationUsage:
@@ -132,13 +137,18 @@ class SpeculativeDecoder:
             draft = NO_DRAFT
             if self.config.enabled and budget > 0:
                 draft = self.proposer.propose(min(budget, self.controller.config.max_window))
-            sessions = 1 if self.load is None else max(1, self.load.sessions)
+            sessions = self._sessions()
+            cost = self.controller.cost
+            if sessions >= 2 and cost.extra_row is None and self.load is not None \
+                    and self.load.row_cost_ratio is not None:
+                cost.row_cost_ratio = self.load.row_cost_ratio  # measured alone by another session
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
             self._shadow = draft if not drafts else NO_DRAFT
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             self._alone[window.id] = tracker.in_flight == 1
+            self._shared[window.id] = sessions >= 2
             return WindowRequest(window.id, window.base_position, window.inputs, not drafts)
         if self._plan.window == 0 or len(live) >= self._plan.depth:
             return None
@@ -150,6 +160,7 @@ class SpeculativeDecoder:
             return None
         window = tracker.open_continuation(draft.tokens, match_length=draft.match_length)
         self._alone[window.id] = False
+        self._shared[window.id] = self._sessions() >= 2
         return WindowRequest(window.id, window.base_position, window.inputs, False)
 
     def on_reply(self, window_id: int, predicted: Sequence[int], *, wall_seconds: float | None = None,
@@ -172,8 +183,13 @@ class SpeculativeDecoder:
         tracker = self.tracker
         window = tracker.take_reply(window_id, len(predicted))
         alone = self._alone.pop(window.id, False)
+        shared = self._shared.pop(window.id, False) or self._sessions() >= 2  # others at send or now
         if wall_seconds is not None and compute_seconds is not None:
-            self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone)
+            self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
+                                              shared=shared)
+            cost = self.controller.cost
+            if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
+                self.load.row_cost_ratio = cost.extra_row / cost.single_row
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
         following = tracker.live
