@@ -133,7 +133,9 @@ PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 29973, 306, 626]
 def _logits(path: Path, split: list[tuple[int, int]], settings: OffloadSettings | None) -> np.ndarray:
     from skippy.runtime.local import LocalChain
 
-    with LocalChain(path, split, n_ctx=64, max_sessions=1, n_batch=16, threads=2, offload=settings) as chain:
+    # one thread: ggml's workers spin-wait for each other, and on a busy 2-core host a 2-thread run of
+    # this tiny model (flash attention most) costs many times the CPU (every run here has the same count)
+    with LocalChain(path, split, n_ctx=64, max_sessions=1, n_batch=16, threads=1, offload=settings) as chain:
         chain.decode(PROMPT[:8], list(range(8)), [0] * 8, [True] * 8)  # a multi-row batch,
         chain.decode(PROMPT[8:], list(range(8, len(PROMPT))), [0] * 3, [True] * 3)  # then more on the cache
         return np.stack(chain.logits())
