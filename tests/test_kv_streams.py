@@ -145,6 +145,8 @@ def test_sessions_decoded_side_by_side_answer_as_alone(quantized_full: Path, for
         _side_by_side(model, fork, chunk)
 
 
+@pytest.mark.slow  # the fast suite: the same forks on the tiny qwen2 (above; the last test shows that
+# check fails without the placement) and the real Gemma's placement in the test of the cells before it
 @pytest.mark.real_model
 @pytest.mark.parametrize("chunk", [32, 18])
 def test_real_gemma_forks_decoded_side_by_side_answer_as_alone(real_model: Path, chunk: int) -> None:
