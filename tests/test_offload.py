@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from skippy.runtime.offload import CPU_ONLY, Device, OffloadSettings, devices
+from skippy.stage.__main__ import main as stage_main
 from skippy.stage.config import parse_config
 
 CPU = Device(0, "CPU", "AMD EPYC", "cpu", 0, 0)
@@ -105,15 +106,20 @@ def test_stage_flags() -> None:
     (["--cache-type-v", "q8_0"], "cache_type_v q8_0 needs flash attention"),
     (["--n-gpu-layers", "-1"], "n_gpu_layers must be >= 0"),
 ])
-def test_bad_stage_flags_are_clear_errors(argv: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "skippy.stage", "--model", "m.gguf", "--layers", "0:4", *argv],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_bad_stage_flags_are_clear_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m skippy.stage``'s main in this process (the flags end it before anything loads;
+    test_a_stage_on_this_host_refuses_a_device_it_lacks runs the process)."""
+    with pytest.raises(SystemExit) as ended:
+        stage_main(["--model", "m.gguf", "--layers", "0:4", *argv])
+    stderr = capsys.readouterr().err
+    assert ended.value.code == 2 and message in stderr, stderr
 
 
-def test_help_lists_the_gpu_settings() -> None:
-    text = subprocess.run([sys.executable, "-m", "skippy.stage", "--help"], capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+def test_help_lists_the_gpu_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        stage_main(["--help"])
+    assert ended.value.code == 0
+    text = capsys.readouterr().out
     for flag in ("--n-gpu-layers", "--device", "--main-gpu", "--split-mode", "--flash-attn", "--cache-type-k",
                  "--cache-type-v"):
         assert flag in text
