@@ -136,17 +136,20 @@ def test_plan_file_feeds_the_stage_config(tmp_path: Path) -> None:
         parse_config(["--config", str(file), "--plan-stage", "2"])
 
 
-def test_plan_command(tmp_path: Path) -> None:
+def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``skippy plan``'s main in this process (test_measure_names_hosts_it_could_not_reach runs the process)."""
+    from skippy.__main__ import main
+
     path = model_path("llama")
     out = tmp_path / "p.toml"
-    env_cmd = [sys.executable, "-m", "skippy", "plan", "--model", str(path), "--ctx-size", "512"]
-    ok = subprocess.run([*env_cmd, "--hosts", "a=1GiB", "b=1GiB", "-o", str(out)], capture_output=True,
-                        text=True, timeout=60, cwd=ROOT)
-    assert ok.returncode == 0, ok.stderr
-    assert "stage 1 on b" in ok.stdout and out.exists()
-    short = subprocess.run([*env_cmd, "--hosts", "a=1GiB", "b=1MiB"], capture_output=True, text=True,
-                           timeout=60, cwd=ROOT)
-    assert short.returncode == 1 and "host b" in short.stderr and "short" in short.stderr
+    command = ["plan", "--model", str(path), "--ctx-size", "512"]
+    status = main([*command, "--hosts", "a=1GiB", "b=1GiB", "-o", str(out)])
+    ok = capsys.readouterr()
+    assert status == 0, ok.err
+    assert "stage 1 on b" in ok.out and out.exists()
+    status = main([*command, "--hosts", "a=1GiB", "b=1MiB"])
+    short = capsys.readouterr()
+    assert status == 1 and "host b" in short.err and "short" in short.err
 
 
 def _rss(pid: int) -> int:
