@@ -161,4 +161,5 @@ def test_the_old_recipe_is_caught(shared_deps: Path, tmp_path: Path) -> None:
     assert _cached_reference_wheels(home), "pip did not cache the library-less wheel (the scenario changed?)"
     other = _other_project_installs(home, shared_deps, tmp_path)
     assert other.cached and not other.built and other.installed, other
-    assert other.import_error is not None and "Shared library with base name 'llama' not found" in other.import_error, other
+    assert other.import_error is not None, other
+    assert "Shared library with base name 'llama' not found" in other.import_error, other
