@@ -1,8 +1,8 @@
 """``python -m skippy.codec.wire`` reproduces every shared vector, both directions, via subprocess.
 
-The invalid frames (one process each would be most of the module's cost) go through the command's
-``main`` in this process, with its standard streams replaced; one of them, and every other check,
-runs the real process.
+The options, malformed input and invalid frames (one process each would be most of the module's
+cost) go through the command's ``main`` in this process, with its standard streams replaced; every
+message vector's encoding and one invalid frame run the real process (status 2, no traceback).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def test_encode_every_message_vector(pure: bool) -> None:
 def test_encode_fields_with_options_binary_output(case: dict[str, Any]) -> None:
     """Bare ``fields`` objects with --dtype/--width, binary frames on stdout."""
     stdin = json.dumps(case["fields"]).encode()
-    result = run_cli("encode", "--dtype", case["wire_dtype"], "--width",
+    result = run_main("encode", "--dtype", case["wire_dtype"], "--width",
                      str(case["activation_width"]), stdin=stdin)
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout == bytes.fromhex(case["hex"])
@@ -167,7 +167,7 @@ def test_the_process_decoding_an_invalid_frame_exits_2() -> None:
     ],
 )
 def test_malformed_input_exits_2(args: list[str], stdin: bytes) -> None:
-    result = run_cli(*args, stdin=stdin)
+    result = run_main(*args, stdin=stdin)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr.decode()
     assert result.stderr.decode().startswith("skippy.codec.wire:")
