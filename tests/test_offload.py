@@ -9,6 +9,7 @@ settings on every stage.  GPU runs are in tests/test_gpu.py (``pytest -m gpu``).
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -147,6 +148,12 @@ def _logits(path: Path, split: list[tuple[int, int]], settings: OffloadSettings 
         return np.stack(chain.logits())
 
 
+@functools.cache
+def _default_logits(path: Path) -> np.ndarray:
+    """The unsplit logits with the default settings (every setting below is compared with them)."""
+    return _logits(path, [(0, 4)], None)
+
+
 @pytest.mark.parametrize("settings", [
     OffloadSettings(cache_type_k="q8_0"),
     OffloadSettings(cache_type_k="q4_0"),
@@ -158,7 +165,7 @@ def test_split_equals_unsplit_with_the_same_settings(settings: OffloadSettings) 
     from skippy.models.spec import tiny
 
     path = ensure_model(tiny("llama", n_embd=128))  # head size 32: quantized caches need a multiple of 32
-    default = _logits(path, [(0, 4)], None)
+    default = _default_logits(path)
     unsplit = _logits(path, [(0, 4)], settings)
     split = _logits(path, [(0, 2), (2, 4)], settings)
     assert np.array_equal(split, unsplit)
