@@ -7,7 +7,8 @@ from typing import Sequence
 
 import numpy as np
 
-from skippy.runtime.local import LocalChain, Split
+from skippy.runtime import LayerRange, Model, StageContext
+from skippy.runtime.local import LocalChain, Split, StageTimes
 
 
 class InProcessChain(LocalChain):
@@ -24,6 +25,58 @@ class InProcessChain(LocalChain):
                outputs: Sequence[bool] | None = None) -> list[np.ndarray]:
         super().decode(tokens, positions, seq_ids, outputs)
         return self.logits()
+
+
+class ChainModels:
+    """Stage ranges of model files loaded once (for a module-scoped fixture) and chains of fresh
+    contexts over them: a load is most of a tiny chain's cost, and the weights are read-only.
+
+    ``chain(path, splits)`` is an :class:`InProcessChain` whose ``close`` (and ``with`` exit)
+    closes its contexts only; :meth:`close` frees the models."""
+
+    def __init__(self) -> None:
+        self._models: dict[tuple[Path, int, int], Model] = {}
+
+    def model(self, path: Path, start: int, end: int) -> Model:
+        key = (Path(path), start, end)
+        if key not in self._models:
+            self._models[key] = Model(path, LayerRange(start, end))
+        return self._models[key]
+
+    def chain(self, path: Path, splits: Split, *, n_ctx: int = 512, max_sessions: int = 4, n_batch: int = 64,
+              threads: int = 1, **settings: object) -> InProcessChain:
+        """A chain of fresh contexts (``settings``: further StageContext arguments) on the shared models."""
+        return _SharedModelChain([self.model(path, start, end) for start, end in splits], n_ctx=n_ctx,
+                                 max_sessions=max_sessions, n_batch=n_batch, threads=threads, **settings)
+
+    def close(self) -> None:
+        for model in self._models.values():
+            model.close()
+        self._models.clear()
+
+
+class _SharedModelChain(InProcessChain):
+    """An InProcessChain over given models (LocalChain's loading skipped): closing it closes its
+    contexts and leaves the models loaded."""
+
+    def __init__(self, models: list[Model], *, n_ctx: int, max_sessions: int, n_batch: int, threads: int,
+                 **settings: object) -> None:
+        self.models = models
+        self.contexts = []
+        try:
+            for model in models:
+                self.contexts.append(StageContext(model, n_ctx=n_ctx, max_sessions=max_sessions, n_batch=n_batch,
+                                                  threads=threads, **settings))  # type: ignore[arg-type]
+        except BaseException:
+            self.close()
+            raise
+        self.times = StageTimes([0.0] * len(self.contexts))
+        self.n_batch = n_batch
+        self.prefill_seconds = 0.0
+
+    def close(self) -> None:
+        for context in self.contexts:
+            context.close()
 
 
 def greedy_run(chain: InProcessChain, prompt: Sequence[int], steps: int, seq: int = 0,

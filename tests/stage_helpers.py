@@ -7,6 +7,7 @@ terminated (then killed) when the context exits, whatever happened in the test.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -159,7 +160,20 @@ async def inprocess_chain(splits: Sequence[str], *, model: str = "null:n_embd=8,
 
 def reference_greedy(path: Path, prompt: Sequence[int], steps: int, *, chunk_size: int,
                      n_batch: int = 64) -> list[int]:
-    """The unsplit model in this process, same chunking: prefill then greedy decode."""
+    """The unsplit model in this process, same chunking: prefill then greedy decode (computed once per
+    file, prompt and settings in a test session: many tests compare chains against the same run)."""
+    stat = Path(path).stat()
+    return list(_reference_greedy(str(path), stat.st_size, stat.st_mtime_ns, tuple(prompt), steps, chunk_size,
+                                  n_batch))
+
+
+@functools.lru_cache(maxsize=None)
+def _reference_greedy(path: str, _size: int, _mtime_ns: int, prompt: tuple[int, ...], steps: int, chunk_size: int,
+                      n_batch: int) -> tuple[int, ...]:
+    return tuple(_greedy(Path(path), list(prompt), steps, chunk_size=chunk_size, n_batch=n_batch))
+
+
+def _greedy(path: Path, prompt: Sequence[int], steps: int, *, chunk_size: int, n_batch: int) -> list[int]:
     with Model(path) as model, StageContext(model, n_ctx=512, max_sessions=8, n_batch=n_batch, threads=1) as ctx:
         seq = ctx.open_session()
         for begin in range(0, len(prompt), chunk_size):

@@ -10,11 +10,12 @@ token ids it runs the router on, in Python and in the patched library.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
-from chain_helpers import InProcessChain, greedy_run
+from chain_helpers import ChainModels, InProcessChain, greedy_run
 from skippy.deploy.plan import ModelShape
 from skippy.models import ensure_model, tiny
 from skippy.runtime import InvalidBatch, LayerRange, Model, StageContext, read_gguf_info
@@ -43,8 +44,16 @@ def test_the_router_switches_adapters_at_the_prompts_adapter_token() -> None:
         assert not np.array_equal(rows["switched"][row], rows["base"][row]), row
 
 
+@pytest.fixture(scope="module")
+def models() -> Iterator[ChainModels]:
+    """The 3-stage split's ranges, loaded once: each chain below gets fresh contexts on them."""
+    shared = ChainModels()
+    yield shared
+    shared.close()
+
+
 @pytest.mark.parametrize("layers", [(0, 1), (1, 3), (3, 4)])
-def test_every_stage_keeps_the_routers_kv_cells(layers: tuple[int, int]) -> None:
+def test_every_stage_keeps_the_routers_kv_cells(models: ChainModels, layers: tuple[int, int]) -> None:
     """A session's saved state on each stage of the 3-stage split grows per token by the KV of the
     stage's layers plus the router's (one head of the head width, K and V, f16), which the runtime
     and the planner count."""
@@ -57,7 +66,7 @@ def test_every_stage_keeps_the_routers_kv_cells(layers: tuple[int, int]) -> None
     assert info.kv_bytes_per_cell(start, end) == (end - start) * info.kv_layer_bytes[0] + router
     sizes = []
     for n in (4, len(LONG_PROMPT)):
-        with InProcessChain(path, [(0, 1), (1, 3), (3, 4)], threads=1) as chain:
+        with models.chain(path, [(0, 1), (1, 3), (3, 4)], threads=1) as chain:
             chain.decode(LONG_PROMPT[:n], list(range(n)), [0] * n)
             stage = next(c for c in chain.contexts if (c.model.layers.start, c.model.layers.end) == layers)
             sizes.append(len(stage.save_state(0)))

@@ -18,7 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 import pytest
@@ -76,11 +76,12 @@ def window_message(position: int, tokens: np.ndarray, *, window_id: int, activat
 
 
 class Side:
-    """One stage range of the tiny llama with a session that holds the prompt's prefill (a final
-    stage's session samples with ``params``; ``timings``: its replies carry a Timings frame)."""
+    """A context on one stage range of the tiny llama (``model``, shared: only the context is the
+    side's own) with a session that holds the prompt's prefill (a final stage's session samples with
+    ``params``; ``timings``: its replies carry a Timings frame)."""
 
-    def __init__(self, path: Path, layers: str, params: SamplingParams = GREEDY, timings: bool = True) -> None:
-        self.model = Model(path, layers)
+    def __init__(self, model: Model, params: SamplingParams = GREEDY, timings: bool = True) -> None:
+        self.model = model
         self.context = StageContext(self.model, n_ctx=256, max_sessions=2, n_batch=64, threads=1)
         self.seq = self.context.open_session()
         self.first = self.model.is_first
@@ -123,7 +124,6 @@ class Side:
         if self.sampler is not None:
             self.sampler.close()
         self.context.close()
-        self.model.close()
 
 
 IDENTITY = StageIdentity(False, 1, 4)
@@ -165,9 +165,25 @@ def without_compute_time(frame: bytes) -> bytes:
 
 
 @pytest.fixture(scope="module")
-def prompt_hidden(tiny_llama: Path) -> np.ndarray:
+def models(tiny_llama: Path) -> Iterator[Callable[[str], Model]]:
+    """The tiny llama's stage ranges, each loaded once for the module (a load is most of a bench's
+    cost; the weights are read-only, every bench gets contexts of its own)."""
+    loaded: dict[str, Model] = {}
+
+    def load(layers: str) -> Model:
+        if layers not in loaded:
+            loaded[layers] = Model(tiny_llama, layers)
+        return loaded[layers]
+
+    yield load
+    for model in loaded.values():
+        model.close()
+
+
+@pytest.fixture(scope="module")
+def prompt_hidden(models: Callable[[str], Model]) -> np.ndarray:
     """The prompt's activations after layer 0 (what the middle stage 1:2 is prefilled with)."""
-    side = Side(tiny_llama, "0:1")
+    side = Side(models("0:1"))
     try:
         side.prefill(np.array(PROMPT, dtype=np.int32))
         return np.array(side.context.activations(), dtype=np.float32, copy=True)
@@ -179,7 +195,7 @@ class Bench:
     """A relay under test (``relay_side``) and a twin context (``lane_side``) fed the same rows,
     wired to socket pairs: ``upstream`` writes into the relay, ``downstream`` reads from it."""
 
-    def __init__(self, implementation: Any, path: Path, layers: str, prompt_hidden: np.ndarray,
+    def __init__(self, implementation: Any, model: Model, prompt_hidden: np.ndarray,
                  in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
                  max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True,
                  hop: tuple[bytes, bytes] | None = None, rows: int = 1) -> None:
@@ -188,7 +204,7 @@ class Bench:
         #: Verify windows of ``rows`` rows (1: decodes).
         self.rows = rows
         self.window_id = 100
-        self.relay_side, self.lane_side = Side(path, layers, params, timings), Side(path, layers, params, timings)
+        self.relay_side, self.lane_side = Side(model, params, timings), Side(model, params, timings)
         self.first, self.final = self.relay_side.first, self.relay_side.final
         prompt = np.array(PROMPT, dtype=np.int32) if self.first else prompt_hidden
         for side in (self.relay_side, self.lane_side):
@@ -282,11 +298,11 @@ class Bench:
 
 
 @pytest.fixture
-def make_bench(tiny_llama: Path, prompt_hidden: np.ndarray) -> Iterator[Any]:
+def make_bench(models: Callable[[str], Model], prompt_hidden: np.ndarray) -> Iterator[Any]:
     benches: list[Bench] = []
 
     def make(implementation: Any, layers: str, **options: Any) -> Bench:
-        bench = Bench(implementation, tiny_llama, layers, prompt_hidden, **options)
+        bench = Bench(implementation, models(layers), prompt_hidden, **options)
         benches.append(bench)
         return bench
 

@@ -8,8 +8,10 @@ offset that is not a multiple of 8, or interleave with another's, rounds differe
 the real Gemma 3 270M Q4_K_M: another session's 1 to 33 cells first, logits 0.35 to 1.4 apart).
 Native patch 0016 places each sequence's cells as it would hold them alone (cell = position mod
 32, ascending); ``SKIPPY_KV_PLACEMENT=llama`` turns that off, and the last test shows the difference
-then comes back.  In separate streams every session starts at cell 0.  A copy between streams
-(forks of ``n`` > 1, the prefix cache) goes through the source's state, trimmed to the prefix.
+then comes back (so do the other shared-pool checks on the tiny models; the real Gemma's, in the
+slow suite, are the same checks).  In separate streams every session starts at cell 0.  A copy
+between streams (forks of ``n`` > 1, the prefix cache) goes through the source's state, trimmed to
+the prefix.
 """
 
 from __future__ import annotations
@@ -83,6 +85,7 @@ def test_an_answer_does_not_depend_on_the_cells_before_it(quantized: Path, strea
         _cells_before(ctx)
 
 
+@pytest.mark.slow  # the fast suite: the same check on the tiny gemma3 (above), which fails without the placement
 @pytest.mark.real_model
 def test_a_real_gemma_answer_does_not_depend_on_the_cells_before_it(real_model: Path) -> None:
     """The shared pool (the default) on the real Gemma 3 270M Q4_K_M."""
@@ -145,6 +148,7 @@ def test_sessions_decoded_side_by_side_answer_as_alone(quantized_full: Path, for
         _side_by_side(model, fork, chunk)
 
 
+@pytest.mark.slow  # the fast suite: the same forks on the tiny qwen2 (above), which fail without the placement
 @pytest.mark.real_model
 @pytest.mark.parametrize("chunk", [32, 18])
 def test_real_gemma_forks_decoded_side_by_side_answer_as_alone(real_model: Path, chunk: int) -> None:

@@ -17,7 +17,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-from chain_helpers import InProcessChain
+from chain_helpers import ChainModels, InProcessChain
 from stage_helpers import inprocess_chain
 
 from skippy.deploy.plan import ModelShape
@@ -118,11 +118,16 @@ def test_every_tiny_recurrent_model_passes_the_check_and_plan_agrees(arch: str) 
 
 
 def _saved_sizes(path: Path, splits: Sequence[tuple[int, int]]) -> list[list[int]]:
+    """Each stage's saved state after 4 and after all of PROMPT, each in fresh contexts (on one load)."""
     sizes = []
-    for n in (4, len(PROMPT)):
-        with InProcessChain(path, list(splits), threads=1) as chain:
-            chain.decode(PROMPT[:n], list(range(n)), [0] * n)
-            sizes.append([len(context.save_state(0)) for context in chain.contexts])
+    models = ChainModels()
+    try:
+        for n in (4, len(PROMPT)):
+            with models.chain(path, list(splits), threads=1) as chain:
+                chain.decode(PROMPT[:n], list(range(n)), [0] * n)
+                sizes.append([len(context.save_state(0)) for context in chain.contexts])
+    finally:
+        models.close()
     return sizes
 
 

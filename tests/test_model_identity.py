@@ -15,10 +15,12 @@ from skippy.driver.client import StageClient, StageRemoteError
 from skippy.identity import check_first_stage, file_identity, query_identity
 from skippy.net.address import Address
 from skippy.runtime.gguf_header import header_digest
+from skippy.stage.config import config_from_mapping
 from skippy.stage.identity_check import DownstreamIdentities
+from skippy.stage.server import StageServer, load_runtime
 
 from conftest import PROMPT, model_path
-from stage_helpers import StageProcess, inprocess_chain, stage_chain
+from stage_helpers import inprocess_chain, stage_chain
 
 
 async def test_stage_answers_its_identity(tiny_llama: Path, tmp_path: Path) -> None:
@@ -38,37 +40,41 @@ async def test_stage_answers_its_identity(tiny_llama: Path, tmp_path: Path) -> N
 
 
 @pytest.mark.parametrize("case", ["other_file", "gap", "ctx"])
-async def test_mismatched_downstream_refused_at_connect(case: str, tiny_llama: Path, tmp_path: Path) -> None:
+async def test_mismatched_downstream_refused_at_connect(case: str, tiny_llama: Path) -> None:
+    """Stage servers in this process (the stage processes' server; the first test runs processes)."""
     other = model_path("llama", tied=True)  # same shapes, another file
-    final_model, final_layers, final_extra = str(tiny_llama), "2:4", ["--ctx-size", "256"]
+    final_model, final_layers, final_ctx = str(tiny_llama), "2:4", 256
     if case == "other_file":
         final_model = str(other)
     elif case == "gap":
         final_layers = "3:4"
     else:
-        final_extra = ["--ctx-size", "512"]
-    final = StageProcess(final_model, final_layers, tmp_path / "final.log", extra=final_extra)
-    first = StageProcess(str(tiny_llama), "0:2" if case != "gap" else "0:2", tmp_path / "first.log",
-                         extra=["--ctx-size", "256"])
-    try:
-        first.downstream = await final.start()
-        await first.start()
-        with trio.fail_after(20):
-            async with await StageClient.connect(first.address) as client:  # type: ignore[arg-type]
-                with pytest.raises(StageRemoteError) as caught:
-                    await client.generate_greedy(1, PROMPT, 4)
-        text = str(caught.value)
-        assert caught.value.frame is not None and caught.value.frame.code is ErrorCode.MODEL_MISMATCH
-        assert "model mismatch with downstream stage" in text
-        if case == "other_file":
-            assert tiny_llama.name in text and other.name in text and "model files differ" in text
-        elif case == "gap":
-            assert "start at 3, not at 2" in text
-        else:
-            assert "context settings" in text
-    finally:
-        first.kill()
-        final.kill()
+        final_ctx = 512
+    async with trio.open_nursery() as nursery:
+        servers: list[StageServer] = []
+        downstream: Address | None = None
+        for model, layers, ctx in ((final_model, final_layers, final_ctx), (str(tiny_llama), "0:2", 256)):
+            config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
+                                          "ctx_size": ctx, "connect_timeout": 5, "threads": 1})
+            servers.append(StageServer(config, load_runtime(config)))
+            downstream = await nursery.start(servers[-1].serve)
+        try:
+            with trio.fail_after(20):
+                async with await StageClient.connect(downstream) as client:  # type: ignore[arg-type]
+                    with pytest.raises(StageRemoteError) as caught:
+                        await client.generate_greedy(1, PROMPT, 4)
+        finally:
+            for server in servers:
+                server.shutdown()
+    text = str(caught.value)
+    assert caught.value.frame is not None and caught.value.frame.code is ErrorCode.MODEL_MISMATCH
+    assert "model mismatch with downstream stage" in text
+    if case == "other_file":
+        assert tiny_llama.name in text and other.name in text and "model files differ" in text
+    elif case == "gap":
+        assert "start at 3, not at 2" in text
+    else:
+        assert "context settings" in text
 
 
 async def test_driver_refuses_a_first_stage_of_another_file(tiny_llama: Path, tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ settings on every stage.  GPU runs are in tests/test_gpu.py (``pytest -m gpu``).
 
 from __future__ import annotations
 
+import functools
 import subprocess
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ import numpy as np
 import pytest
 
 from skippy.runtime.offload import CPU_ONLY, Device, OffloadSettings, devices
+from skippy.stage.__main__ import main as stage_main
 from skippy.stage.config import parse_config
 
 CPU = Device(0, "CPU", "AMD EPYC", "cpu", 0, 0)
@@ -105,15 +107,20 @@ def test_stage_flags() -> None:
     (["--cache-type-v", "q8_0"], "cache_type_v q8_0 needs flash attention"),
     (["--n-gpu-layers", "-1"], "n_gpu_layers must be >= 0"),
 ])
-def test_bad_stage_flags_are_clear_errors(argv: list[str], message: str) -> None:
-    result = subprocess.run([sys.executable, "-m", "skippy.stage", "--model", "m.gguf", "--layers", "0:4", *argv],
-                            capture_output=True, text=True, timeout=60)
-    assert result.returncode == 2 and message in result.stderr, result.stderr
+def test_bad_stage_flags_are_clear_errors(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m skippy.stage``'s main in this process (the flags end it before anything loads;
+    test_a_stage_on_this_host_refuses_a_device_it_lacks runs the process)."""
+    with pytest.raises(SystemExit) as ended:
+        stage_main(["--model", "m.gguf", "--layers", "0:4", *argv])
+    stderr = capsys.readouterr().err
+    assert ended.value.code == 2 and message in stderr, stderr
 
 
-def test_help_lists_the_gpu_settings() -> None:
-    text = subprocess.run([sys.executable, "-m", "skippy.stage", "--help"], capture_output=True, text=True,
-                          check=True, timeout=60).stdout
+def test_help_lists_the_gpu_settings(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as ended:
+        stage_main(["--help"])
+    assert ended.value.code == 0
+    text = capsys.readouterr().out
     for flag in ("--n-gpu-layers", "--device", "--main-gpu", "--split-mode", "--flash-attn", "--cache-type-k",
                  "--cache-type-v"):
         assert flag in text
@@ -133,10 +140,18 @@ PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 29973, 306, 626]
 def _logits(path: Path, split: list[tuple[int, int]], settings: OffloadSettings | None) -> np.ndarray:
     from skippy.runtime.local import LocalChain
 
-    with LocalChain(path, split, n_ctx=64, max_sessions=1, n_batch=16, threads=2, offload=settings) as chain:
+    # one thread: ggml's workers spin-wait for each other, and on a busy 2-core host a 2-thread run of
+    # this tiny model (flash attention most) costs many times the CPU (every run here has the same count)
+    with LocalChain(path, split, n_ctx=64, max_sessions=1, n_batch=16, threads=1, offload=settings) as chain:
         chain.decode(PROMPT[:8], list(range(8)), [0] * 8, [True] * 8)  # a multi-row batch,
         chain.decode(PROMPT[8:], list(range(8, len(PROMPT))), [0] * 3, [True] * 3)  # then more on the cache
         return np.stack(chain.logits())
+
+
+@functools.cache
+def _default_logits(path: Path) -> np.ndarray:
+    """The unsplit logits with the default settings (every setting below is compared with them)."""
+    return _logits(path, [(0, 4)], None)
 
 
 @pytest.mark.parametrize("settings", [
@@ -150,7 +165,7 @@ def test_split_equals_unsplit_with_the_same_settings(settings: OffloadSettings) 
     from skippy.models.spec import tiny
 
     path = ensure_model(tiny("llama", n_embd=128))  # head size 32: quantized caches need a multiple of 32
-    default = _logits(path, [(0, 4)], None)
+    default = _default_logits(path)
     unsplit = _logits(path, [(0, 4)], settings)
     split = _logits(path, [(0, 2), (2, 4)], settings)
     assert np.array_equal(split, unsplit)

@@ -216,9 +216,12 @@ def settings_direct(path: str) -> bool:
 _COMBINATIONS = [dict(zip(SWITCHES, values)) for values in itertools.product((True, False), repeat=len(SWITCHES))]
 
 
-#: The default paths (direct return and hop by hop, where the data plane runs) in the fast suite; the
-#: rest in the full one.
-@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path in ("direct", "hop") else pytest.mark.slow)
+#: The default path (direct return, where the data plane carries the steady decodes) in the fast suite;
+#: the rest in the full one.  Hop by hop stays covered there by
+#: test_decode_relay.py::test_hop_by_hop_the_relay_sends_the_lanes_bytes_while_other_lanes_interrupt_it
+#: (the relay on and off: the same frames on every boundary, the unsplit tokens) and by
+#: test_stage_lanes.py::test_shortcuts_change_no_byte (every switch combination on null stages).
+@pytest.mark.parametrize("path", [pytest.param(path, marks=() if path == "direct" else pytest.mark.slow)
                                   for path in sorted(PATHS)])
 async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_llama: Path,
                                                                       path: str, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -226,8 +229,9 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
     # the driver sends the same windows whatever the placements (it measures them, not us).
     observe = CostModel.observe
 
-    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True) -> None:
-        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone)
+    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
+               shared: bool = False) -> None:
+        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone, shared=shared)
 
     monkeypatch.setattr(CostModel, "observe", steady)
     reference = await unsplit(generator, tiny_llama, path)
@@ -270,8 +274,9 @@ async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane
     windows of one size and counts them carried on every stage)."""
     observe = CostModel.observe
 
-    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True) -> None:
-        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone)
+    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
+               shared: bool = False) -> None:
+        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone, shared=shared)
 
     monkeypatch.setattr(CostModel, "observe", steady)
     reference = await unsplit(generator, tiny_llama, "speculation-long")

@@ -8,8 +8,7 @@ resident memory against the plan's figure (within 10%) on real model shapes.
 from __future__ import annotations
 
 import dataclasses
-import subprocess
-import sys
+import os
 from pathlib import Path
 
 import pytest
@@ -34,8 +33,6 @@ from skippy.stage.config import parse_config
 
 from conftest import model_path
 from stage_helpers import StageProcess
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 @pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
@@ -136,17 +133,20 @@ def test_plan_file_feeds_the_stage_config(tmp_path: Path) -> None:
         parse_config(["--config", str(file), "--plan-stage", "2"])
 
 
-def test_plan_command(tmp_path: Path) -> None:
+def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``skippy plan``'s main in this process (``python -m skippy`` runs as a process in test_offload.py)."""
+    from skippy.__main__ import main
+
     path = model_path("llama")
     out = tmp_path / "p.toml"
-    env_cmd = [sys.executable, "-m", "skippy", "plan", "--model", str(path), "--ctx-size", "512"]
-    ok = subprocess.run([*env_cmd, "--hosts", "a=1GiB", "b=1GiB", "-o", str(out)], capture_output=True,
-                        text=True, timeout=60, cwd=ROOT)
-    assert ok.returncode == 0, ok.stderr
-    assert "stage 1 on b" in ok.stdout and out.exists()
-    short = subprocess.run([*env_cmd, "--hosts", "a=1GiB", "b=1MiB"], capture_output=True, text=True,
-                           timeout=60, cwd=ROOT)
-    assert short.returncode == 1 and "host b" in short.stderr and "short" in short.stderr
+    command = ["plan", "--model", str(path), "--ctx-size", "512"]
+    status = main([*command, "--hosts", "a=1GiB", "b=1GiB", "-o", str(out)])
+    ok = capsys.readouterr()
+    assert status == 0, ok.err
+    assert "stage 1 on b" in ok.out and out.exists()
+    status = main([*command, "--hosts", "a=1GiB", "b=1MiB"])
+    short = capsys.readouterr()
+    assert status == 1 and "host b" in short.err and "short" in short.err
 
 
 def _rss(pid: int) -> int:
@@ -262,17 +262,23 @@ def test_each_hosts_own_layer_times_share_the_layers() -> None:
         plan_chain(shape, hosts, PlanSettings(ctx_size=256), host_times=[even])
 
 
-def test_measure_names_hosts_it_could_not_reach(tmp_path: Path) -> None:
+def test_measure_names_hosts_it_could_not_reach(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """``skippy plan --measure`` with named hosts and no Ray cluster: this machine is measured, and
-    a host that is not this machine keeps this machine's figure, which the plan says for it."""
+    a host that is not this machine keeps this machine's figure, which the plan says for it.  The
+    command's main in this process, measuring with one compute thread as the rest of the suite (it
+    takes the machine's CPU count, and on a busy 2-core host two spin-waiting workers cost several
+    times the CPU); ``python -m skippy`` runs as a process in test_offload.py."""
+    from skippy.__main__ import main
+
+    monkeypatch.setattr(os, "cpu_count", lambda: 1)
     path = model_path("llama")
     out = tmp_path / "plan.toml"
-    result = subprocess.run(
-        [sys.executable, "-m", "skippy", "plan", "--model", str(path), "--hosts", "127.0.0.1=1GiB",
-         "far-away-host=1GiB", "--ctx-size", "256", "--measure", "-o", str(out)],
-        capture_output=True, text=True, timeout=120, cwd=Path(__file__).resolve().parent.parent)
-    assert result.returncode == 0, result.stderr
-    lines = result.stdout.splitlines()
+    status = main(["plan", "--model", str(path), "--hosts", "127.0.0.1=1GiB", "far-away-host=1GiB", "--ctx-size",
+                   "256", "--measure", "-o", str(out)])
+    result = capsys.readouterr()
+    assert status == 0, result.err
+    lines = result.out.splitlines()
     stage0 = next(line for line in lines if line.startswith("  stage 0 on 127.0.0.1"))
     stage1 = next(line for line in lines if line.startswith("  stage 1 on far-away-host"))
     assert stage0.endswith("(measured on this machine)"), stage0

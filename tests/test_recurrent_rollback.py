@@ -12,14 +12,14 @@ past the oldest checkpoint is refused naming it and leaves the session as it was
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import numpy as np
 import pytest
-from chain_helpers import InProcessChain
+from chain_helpers import ChainModels, InProcessChain
 
 from skippy.models import ensure_model, tiny
-from skippy.runtime import SessionError, StageContext
+from skippy.runtime import SessionError
 
 #: Hybrid families with writers: (recurrent + attention layers; the 3-stage split below cuts inside
 #: a run of recurrent layers and between a recurrent and an attention layer).
@@ -30,19 +30,22 @@ AFTER = [3186, 29892, 920]  # decoded after the rollback point, one row at a tim
 THREADS = 1
 
 
+@pytest.fixture(scope="module")
+def models() -> Iterator[ChainModels]:
+    """The hybrids' stage ranges, loaded once: every chain below gets fresh contexts on them."""
+    shared = ChainModels()
+    yield shared
+    shared.close()
+
+
 @pytest.fixture(scope="module", params=HYBRIDS)
 def hybrid(request: pytest.FixtureRequest) -> Path:
     return ensure_model(tiny(request.param))
 
 
-def chain(path: Path, split: str, **settings: int) -> InProcessChain:
-    stages = InProcessChain(path, SPLITS[split], n_ctx=256, max_sessions=4, n_batch=64, threads=THREADS)
-    if settings:  # rebuild the contexts with other checkpoint settings
-        for index, context in enumerate(stages.contexts):
-            context.close()
-            stages.contexts[index] = StageContext(stages.models[index], n_ctx=256, max_sessions=4, n_batch=64,
-                                                  threads=THREADS, **settings)
-    return stages
+def chain(models: ChainModels, path: Path, split: str, **settings: int) -> InProcessChain:
+    """Fresh contexts (``settings``: other checkpoint settings) on the shared models of ``split``."""
+    return models.chain(path, SPLITS[split], n_ctx=256, max_sessions=4, n_batch=64, threads=THREADS, **settings)
 
 
 def feed(stages: InProcessChain, seq: int, start: int, batches: Sequence[Sequence[int]]) -> tuple[int, list[np.ndarray]]:
@@ -55,10 +58,11 @@ def feed(stages: InProcessChain, seq: int, start: int, batches: Sequence[Sequenc
     return start, logits
 
 
-def never_decoded(path: Path, split: str, batches: Sequence[Sequence[int]], tail: int) -> list[np.ndarray]:
+def never_decoded(models: ChainModels, path: Path, split: str, batches: Sequence[Sequence[int]],
+                  tail: int) -> list[np.ndarray]:
     """The reference: a fresh chain (the same KV cell layout: a unified cache's attention sums
     depend on the cells in use) decodes ``batches``; the last ``tail`` logits."""
-    with chain(path, split) as stages:
+    with chain(models, path, split) as stages:
         return feed(stages, 0, 0, batches)[1][-tail:]
 
 
@@ -69,7 +73,8 @@ def assert_same_to_rounding(a: np.ndarray, b: np.ndarray) -> None:
 
 @pytest.mark.parametrize("split", list(SPLITS))
 @pytest.mark.parametrize("case", ["into one-row decodes", "into a window"])
-def test_a_rollback_gives_the_logits_of_never_having_decoded_the_rows(hybrid: Path, split: str, case: str) -> None:
+def test_a_rollback_gives_the_logits_of_never_having_decoded_the_rows(models: ChainModels, hybrid: Path, split: str,
+                                                                       case: str) -> None:
     n = len(PROMPT)
     singles = [[5], [6], [7]]
     window = [8, 9, 10, 11, 12]
@@ -78,7 +83,7 @@ def test_a_rollback_gives_the_logits_of_never_having_decoded_the_rows(hybrid: Pa
         decoded, kept = [PROMPT, *singles, window], [PROMPT, *singles[:2]]
     else:  # a verify window's rejected drafts: the accepted head is decoded again as one chunk
         decoded, kept = [PROMPT, window], [PROMPT, window[:2]]
-    with chain(hybrid, split) as stages:
+    with chain(models, hybrid, split) as stages:
         assert all(context.recurrent for context in stages.contexts)
         feed(stages, 0, 0, decoded)
         assert all(bytes_ > 0 for bytes_ in stages.each("checkpoint_bytes", 0))
@@ -89,15 +94,15 @@ def test_a_rollback_gives_the_logits_of_never_having_decoded_the_rows(hybrid: Pa
             stats = context.rollback_stats
             assert (stats.rollbacks, stats.refused) == (1, 0)
             assert stats.replayed_rows == 2  # from the checkpoint before [5] / before the window
-    never = never_decoded(hybrid, split, [*kept, *after], len(after))
+    never = never_decoded(models, hybrid, split, [*kept, *after], len(after))
     assert all(np.array_equal(a, b) for a, b in zip(rolled, never))
 
 
 @pytest.mark.parametrize("split", list(SPLITS))
-def test_a_prefix_copy_is_the_prefix_and_keeps_no_checkpoint(hybrid: Path, split: str) -> None:
+def test_a_prefix_copy_is_the_prefix_and_keeps_no_checkpoint(models: ChainModels, hybrid: Path, split: str) -> None:
     """A fork (``n`` > 1: the prompt but its last token) and a prefix-cache record copy a prefix."""
     n = len(PROMPT)
-    with chain(hybrid, split) as stages:
+    with chain(models, hybrid, split) as stages:
         feed(stages, 0, 0, [PROMPT, [5]])
         stages.each("copy", 0, 1, 0, n - 1)
         assert stages.each("length", 1) == [n - 1] * len(stages.contexts)
@@ -105,10 +110,10 @@ def test_a_prefix_copy_is_the_prefix_and_keeps_no_checkpoint(hybrid: Path, split
         _, forked = feed(stages, 1, n - 1, [PROMPT[-1:], [5], [6]])
     # the fork's attention shares the parent's cells, so its sums run over another cell layout than
     # a fresh session's: equal to float rounding, the same greedy tokens
-    never = never_decoded(hybrid, split, [PROMPT[:-1], PROMPT[-1:], [5], [6]], 3)
+    never = never_decoded(models, hybrid, split, [PROMPT[:-1], PROMPT[-1:], [5], [6]], 3)
     for a, b in zip(forked, never):
         assert_same_to_rounding(a, b)
-    with chain(hybrid, split) as stages:
+    with chain(models, hybrid, split) as stages:
         feed(stages, 0, 0, [PROMPT, [5]])
         stages.each("copy", 0, 3, 0, n + 1)  # the whole session: nothing to roll back
         _, whole = feed(stages, 3, n + 1, [[6]])
@@ -117,9 +122,10 @@ def test_a_prefix_copy_is_the_prefix_and_keeps_no_checkpoint(hybrid: Path, split
         assert not np.array_equal(parent[0], forked[-1])  # another prefix: other logits
 
 
-def test_a_rollback_past_the_oldest_checkpoint_is_refused_and_changes_nothing(hybrid: Path) -> None:
+def test_a_rollback_past_the_oldest_checkpoint_is_refused_and_changes_nothing(models: ChainModels,
+                                                                               hybrid: Path) -> None:
     n = len(PROMPT)
-    with chain(hybrid, "unsplit", checkpoint_depth=2, checkpoint_interval=2) as stages:
+    with chain(models, hybrid, "unsplit", checkpoint_depth=2, checkpoint_interval=2) as stages:
         context = stages.contexts[0]
         end, _ = feed(stages, 0, 0, [PROMPT, *([t] for t in range(5, 13))])
         assert end == n + 8
@@ -134,23 +140,24 @@ def test_a_rollback_past_the_oldest_checkpoint_is_refused_and_changes_nothing(hy
         context.trim(0, n + 6)  # within reach: the session goes on
         context.remove(1)
         _, rolled = feed(stages, 0, n + 6, [[42]])
-    assert np.array_equal(rolled[0], never_decoded(hybrid, "unsplit", [PROMPT, *([t] for t in range(5, 11)), [42]], 1)[0])
+    never = never_decoded(models, hybrid, "unsplit", [PROMPT, *([t] for t in range(5, 11)), [42]], 1)
+    assert np.array_equal(rolled[0], never[0])
 
 
-def test_a_long_way_back_through_thinned_checkpoints(hybrid: Path) -> None:
+def test_a_long_way_back_through_thinned_checkpoints(models: ChainModels, hybrid: Path) -> None:
     """A decode run far ahead of its driver (60 one-row steps) goes back 55 positions exactly: the
     older checkpoints are thinned, not dropped; with fewer rows allowed the oldest goes."""
     n = len(PROMPT)
     steps = [[5 + i] for i in range(60)]
-    with chain(hybrid, "unsplit") as stages:
+    with chain(models, hybrid, "unsplit") as stages:
         context = stages.contexts[0]
         feed(stages, 0, 0, [PROMPT, *steps])
         assert len(context._rings[0]) == context.checkpoint_depth
         context.trim(0, n + 5)
         _, rolled = feed(stages, 0, n + 5, [[42]])
         assert context.rollback_stats.replayed_rows == 5  # from the checkpoint before the first step: kept
-    assert np.array_equal(rolled[0], never_decoded(hybrid, "unsplit", [PROMPT, *steps[:5], [42]], 1)[0])
-    with chain(hybrid, "unsplit", checkpoint_rows=32) as stages:
+    assert np.array_equal(rolled[0], never_decoded(models, hybrid, "unsplit", [PROMPT, *steps[:5], [42]], 1)[0])
+    with chain(models, hybrid, "unsplit", checkpoint_rows=32) as stages:
         feed(stages, 0, 0, [PROMPT, *steps])
         with pytest.raises(SessionError, match="oldest checkpoint is at"):
             stages.contexts[0].trim(0, n + 5)

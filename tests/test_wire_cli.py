@@ -1,7 +1,13 @@
-"""``python -m skippy.codec.wire`` reproduces every shared vector, both directions, via subprocess."""
+"""``python -m skippy.codec.wire`` reproduces every shared vector, both directions, via subprocess.
+
+The options, malformed input and invalid frames (one process each would be most of the module's
+cost) go through the command's ``main`` in this process, with its standard streams replaced; every
+message vector's encoding and one invalid frame run the real process (status 2, no traceback).
+"""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
@@ -12,6 +18,7 @@ from typing import Any
 import pytest
 
 import wire_vectors as vectors
+from skippy.codec.wire_cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -22,6 +29,23 @@ def run_cli(*args: str, stdin: bytes, pure: bool = False) -> subprocess.Complete
         env["SKIPPY_NO_EXTENSIONS"] = "1"
     return subprocess.run([sys.executable, "-m", "skippy.codec.wire", *args], input=stdin,
                           capture_output=True, env=env, cwd=ROOT, timeout=120, check=False)
+
+
+def run_main(*args: str, stdin: bytes) -> subprocess.CompletedProcess[bytes]:
+    """What ``run_cli`` returns, from ``main`` in this process (an exception it lets out fails the test;
+    it closes the input, as it does stdin)."""
+    streams = {name: io.TextIOWrapper(io.BytesIO(stdin if name == "stdin" else b""), encoding="utf-8")
+               for name in ("stdin", "stdout", "stderr")}
+    with pytest.MonkeyPatch.context() as patch:
+        for name, stream in streams.items():
+            patch.setattr(sys, name, stream)
+        status = main(list(args))
+    outputs = []
+    for name in ("stdout", "stderr"):
+        streams[name].flush()
+        outputs.append(streams[name].buffer.getvalue())  # type: ignore[attr-defined]
+    out, err = outputs
+    return subprocess.CompletedProcess(["main", *args], status, out, err)
 
 
 def json_lines(output: bytes) -> list[dict[str, Any]]:
@@ -40,7 +64,7 @@ def test_encode_every_message_vector(pure: bool) -> None:
 def test_encode_fields_with_options_binary_output(case: dict[str, Any]) -> None:
     """Bare ``fields`` objects with --dtype/--width, binary frames on stdout."""
     stdin = json.dumps(case["fields"]).encode()
-    result = run_cli("encode", "--dtype", case["wire_dtype"], "--width",
+    result = run_main("encode", "--dtype", case["wire_dtype"], "--width",
                      str(case["activation_width"]), stdin=stdin)
     assert result.returncode == 0, result.stderr.decode()
     assert result.stdout == bytes.fromhex(case["hex"])
@@ -98,14 +122,16 @@ INVALID_FRAMES = [case for case in vectors.INVALID_CASES
                   if case["target"] != "ready" and case["hex"]]
 
 
-@pytest.mark.parametrize("case", INVALID_FRAMES, ids=vectors.ids(INVALID_FRAMES))
-def test_decode_invalid_frame_exits_2(case: dict[str, Any]) -> None:
+def _invalid_frame_args(case: dict[str, Any]) -> list[str]:
     args = ["decode", "--hex"]
     if case["target"] == "reply":
         args.append("--replies")
     else:
         args += ["--width", str(case["activation_width"])]
-    result = run_cli(*args, stdin=case["hex"].encode())
+    return args
+
+
+def _check_invalid_frame_refused(result: subprocess.CompletedProcess[bytes], case: dict[str, Any]) -> None:
     assert result.returncode == 2
     assert result.stdout == b""
     stderr = result.stderr.decode()
@@ -115,6 +141,17 @@ def test_decode_invalid_frame_exits_2(case: dict[str, Any]) -> None:
                                                    *case.get("equivalent_errors", [])})
     else:
         assert "failed to fill whole buffer" in stderr
+
+
+@pytest.mark.parametrize("case", INVALID_FRAMES, ids=vectors.ids(INVALID_FRAMES))
+def test_decode_invalid_frame_exits_2(case: dict[str, Any]) -> None:
+    result = run_main(*_invalid_frame_args(case), stdin=case["hex"].encode())
+    _check_invalid_frame_refused(result, case)
+
+
+def test_the_process_decoding_an_invalid_frame_exits_2() -> None:
+    case = INVALID_FRAMES[0]
+    _check_invalid_frame_refused(run_cli(*_invalid_frame_args(case), stdin=case["hex"].encode()), case)
 
 
 @pytest.mark.parametrize(
@@ -130,7 +167,7 @@ def test_decode_invalid_frame_exits_2(case: dict[str, Any]) -> None:
     ],
 )
 def test_malformed_input_exits_2(args: list[str], stdin: bytes) -> None:
-    result = run_cli(*args, stdin=stdin)
+    result = run_main(*args, stdin=stdin)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr.decode()
     assert result.stderr.decode().startswith("skippy.codec.wire:")
