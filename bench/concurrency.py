@@ -92,6 +92,8 @@ class Running:
     split: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     #: each stage's Prometheus endpoint (skippy), in stage order
     metrics: list[str] = dataclasses.field(default_factory=list)
+    #: the process that serves the API (skippy: the driver too; stock: llama-server), for its CPU time
+    api_pid: int = 0
 
 
 def stop(running: Running) -> None:
@@ -163,7 +165,7 @@ def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, 
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, process)
-    return Running("", url, [process])
+    return Running("", url, [process], api_pid=process.pid)
 
 
 def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
@@ -214,13 +216,14 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
         log = (log_dir / f"stage-{index}-{start}-{end}.log").read_text()
         found = re.search(r"metrics on (http://\S+/metrics)", log)
         metrics.append(found.group(1) if found else "")
-    return Running("", url, [process], stage_pids=[pid for *_, pid in stages],
+    return Running("", url, [process], stage_pids=[pid for *_, pid in stages], api_pid=process.pid,
                    split=[(start, end) for _, start, end, _ in stages], metrics=[m for m in metrics if m])
 
 
 def measure(running: Running, model_id: str, clients: int, seconds: float, max_tokens: int,
-            stage_compute: dict[int, float]) -> float:
-    """Aggregate completion tokens/s of ``clients`` threads for ``seconds`` (see the module notes)."""
+            stage_compute: dict[int, float], counted: list[int] | None = None) -> float:
+    """Aggregate completion tokens/s of ``clients`` threads for ``seconds`` (see the module notes);
+    ``counted[0]`` gains the completion tokens made."""
     started = time.perf_counter()
     deadline = started + seconds
     tokens = [0] * clients
@@ -244,6 +247,8 @@ def measure(running: Running, model_id: str, clients: int, seconds: float, max_t
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         for future in [pool.submit(client, index) for index in range(clients)]:
             future.result()
+    if counted is not None:
+        counted[0] += sum(tokens)
     return sum(tokens) / max(max(ends) - started, 1e-9)
 
 
@@ -327,33 +332,44 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
     slots = max(args.concurrency)
     results: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.concurrency} for v in args.variants}
     compute: dict[str, dict[int, float]] = {v: {} for v in args.variants}
-    cpu: dict[str, list[float]] = {}
     busy: dict[str, list[dict[str, float]]] = {}
     wall: dict[str, float] = {v: 0.0 for v in args.variants}
+    made: dict[str, list[int]] = {v: [0] for v in args.variants}
+    #: CPU seconds of the API process and of this process (the clients) during each variant's measurements
+    api_cpu: dict[str, float] = {v: 0.0 for v in args.variants}
+    client_cpu: dict[str, float] = {v: 0.0 for v in args.variants}
     with variants(args.variants, path, slots, log_dir / name) as running:
         for variant in running.values():  # one warm-up request each (loads pages, fills caches)
             measure(variant, model_id, 1, 0.01, 4, {})
-        before = {v: [cpu_seconds(pid) for pid in r.stage_pids] for v, r in running.items()}
+        cpu = {v: [0.0] * len(r.stage_pids) for v, r in running.items()}
         busy_before = {v: stage_metrics(r) for v, r in running.items()}
         order = list(args.variants)
         for round_index in range(args.rounds):
             for clients in args.concurrency:
                 for variant in order:
                     began = time.perf_counter()
+                    api_was = cpu_seconds(running[variant].api_pid) if running[variant].api_pid else 0.0
+                    client_was = cpu_seconds(os.getpid())
+                    stages_were = [cpu_seconds(pid) for pid in running[variant].stage_pids]
                     rate = measure(running[variant], model_id, clients, args.seconds, args.max_tokens,
-                                   compute[variant])
+                                   compute[variant], made[variant])
                     wall[variant] += time.perf_counter() - began
+                    client_cpu[variant] += cpu_seconds(os.getpid()) - client_was
+                    for index, (pid, was) in enumerate(zip(running[variant].stage_pids, stages_were)):
+                        cpu[variant][index] += cpu_seconds(pid) - was
+                    if running[variant].api_pid:
+                        api_cpu[variant] += cpu_seconds(running[variant].api_pid) - api_was
                     results[variant][clients].append(rate)
                     print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
             order = order[1:] + order[:1]
         for variant, r in running.items():
-            cpu[variant] = [cpu_seconds(pid) - was for pid, was in zip(r.stage_pids, before[variant])]
             busy[variant] = [{key: now[key] - was[key] for key in now}
                              for now, was in zip(stage_metrics(r), busy_before[variant])]
         splits = {v: r.split for v, r in running.items()}
     return {"model": str(path), "results": results, "compute_ms": compute, "cpu_s": cpu, "stage_metrics": busy,
-            "wall_s": wall, "splits": splits}
+            "wall_s": wall, "splits": splits, "tokens": {v: m[0] for v, m in made.items()}, "api_cpu_s": api_cpu,
+            "client_cpu_s": client_cpu}
 
 
 def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
@@ -393,6 +409,14 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
             lines.append(f"- {variant}: CPU of the stage / RPC server processes, in chain order "
                          f"{', '.join(f'{c:.1f} s' for c in cpu)} "
                          f"({', '.join(f'{c / sum(cpu):.0%}' for c in cpu)})")
+        made = data.get("tokens", {}).get(variant, 0)
+        if made:  # CPU per generated token: meaningful on a shared host, where tokens/s are not
+            per = [f"stage {i} {1000 * c / made:.2f}" for i, c in enumerate(cpu)]
+            per.append(f"api {1000 * data['api_cpu_s'][variant] / made:.2f}")
+            per.append(f"clients {1000 * data['client_cpu_s'][variant] / made:.2f}")
+            per += [f"stage {i} runtime thread {1000 * m['cpu'] / made:.2f}" for i, m in enumerate(stages)]
+            lines.append(f"- {variant}: CPU ms per generated token over all its measurements ({made} tokens): "
+                         + ", ".join(per))
     return "\n".join(lines)
 
 
