@@ -28,12 +28,16 @@ stock one.
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
   ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
   its environment (how the compute threads wait, over ``--thread-wait auto``: skippy.stage.threads).
-  For these, from each stage's metrics port, over the measurements: the runtime's busy time
-  (``skippy_stage_runtime_busy_seconds_total``: wall time in batches, each batch once; and its
-  thread's CPU time in them), rows per decode batch, ``skippy_stage_compute_seconds_sum`` (a job's
-  time in the runtime, so a batch shared by N sessions counts N times); and the CPU time the stage
-  processes used (``/proc/PID/stat`` utime + stime; for RPC, the two servers').  On a shared host
-  the busy wall time includes time the thread waited for a CPU: read the CPU figures beside it.
+  For these, from each stage's metrics port, per N (each point's rounds added up, never N's
+  mixed: at N = 1 a chain's decode relay carries the rows outside the runtime thread, so one
+  figure over N = 1 and 8 reads as fewer rows per batch, less busy and more CPU outside the
+  runtime than either): the runtime's busy time (``skippy_stage_runtime_busy_seconds_total``:
+  wall time in batches, each batch once; and its thread's CPU time in them), rows per decode
+  batch.  Per N for every variant: the CPU time per generated token of each process
+  (``/proc/PID/stat`` utime + stime): the stages (for RPC, the two servers), the API process
+  (skippy's driver too; stock: llama-server) and this process (the client threads).  On a shared
+  host the busy wall time includes time the thread waited for a CPU, and tokens/s move with the
+  other load: the CPU per token is the figure to compare there.
 
 The models: ``gemma``, the real Gemma 3 270M (``skippy[real-model]``), and ``llama``, the
 generated ``llama-16x1024`` F16 (random weights, a 32000-token vocabulary).
@@ -332,44 +336,59 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
     slots = max(args.concurrency)
     results: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.concurrency} for v in args.variants}
     compute: dict[str, dict[int, float]] = {v: {} for v in args.variants}
-    busy: dict[str, list[dict[str, float]]] = {}
-    wall: dict[str, float] = {v: 0.0 for v in args.variants}
-    made: dict[str, list[int]] = {v: [0] for v in args.variants}
-    #: CPU seconds of the API process and of this process (the clients) during each variant's measurements
-    api_cpu: dict[str, float] = {v: 0.0 for v in args.variants}
-    client_cpu: dict[str, float] = {v: 0.0 for v in args.variants}
+    #: per variant and N, over that point's rounds: wall s, tokens made, CPU s of each stage process,
+    #: of the API process and of this process (the clients), and each stage's metrics' growth
+    tally: dict[str, dict[int, Tally]] = {v: {n: Tally() for n in args.concurrency} for v in args.variants}
     with variants(args.variants, path, slots, log_dir / name) as running:
         for variant in running.values():  # one warm-up request each (loads pages, fills caches)
             measure(variant, model_id, 1, 0.01, 4, {})
-        cpu = {v: [0.0] * len(r.stage_pids) for v, r in running.items()}
-        busy_before = {v: stage_metrics(r) for v, r in running.items()}
         order = list(args.variants)
         for round_index in range(args.rounds):
             for clients in args.concurrency:
                 for variant in order:
+                    point, run = tally[variant][clients], running[variant]
                     began = time.perf_counter()
-                    api_was = cpu_seconds(running[variant].api_pid) if running[variant].api_pid else 0.0
-                    client_was = cpu_seconds(os.getpid())
-                    stages_were = [cpu_seconds(pid) for pid in running[variant].stage_pids]
-                    rate = measure(running[variant], model_id, clients, args.seconds, args.max_tokens,
-                                   compute[variant], made[variant])
-                    wall[variant] += time.perf_counter() - began
-                    client_cpu[variant] += cpu_seconds(os.getpid()) - client_was
-                    for index, (pid, was) in enumerate(zip(running[variant].stage_pids, stages_were)):
-                        cpu[variant][index] += cpu_seconds(pid) - was
-                    if running[variant].api_pid:
-                        api_cpu[variant] += cpu_seconds(running[variant].api_pid) - api_was
+                    cpu_was = [cpu_seconds(pid) for pid in (os.getpid(), run.api_pid, *run.stage_pids) if pid]
+                    metrics_were = stage_metrics(run)
+                    counted = [0]
+                    rate = measure(run, model_id, clients, args.seconds, args.max_tokens, compute[variant], counted)
+                    point.add(time.perf_counter() - began, counted[0],
+                              [cpu_seconds(pid) - was for pid, was
+                               in zip([p for p in (os.getpid(), run.api_pid, *run.stage_pids) if p], cpu_was)],
+                              bool(run.api_pid),
+                              [{key: now[key] - was[key] for key in now}
+                               for now, was in zip(stage_metrics(run), metrics_were)])
                     results[variant][clients].append(rate)
                     print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
             order = order[1:] + order[:1]
-        for variant, r in running.items():
-            busy[variant] = [{key: now[key] - was[key] for key in now}
-                             for now, was in zip(stage_metrics(r), busy_before[variant])]
         splits = {v: r.split for v, r in running.items()}
-    return {"model": str(path), "results": results, "compute_ms": compute, "cpu_s": cpu, "stage_metrics": busy,
-            "wall_s": wall, "splits": splits, "tokens": {v: m[0] for v, m in made.items()}, "api_cpu_s": api_cpu,
-            "client_cpu_s": client_cpu}
+    return {"model": str(path), "results": results, "compute_ms": compute, "splits": splits,
+            "points": {v: {n: dataclasses.asdict(t) for n, t in by_n.items()} for v, by_n in tally.items()}}
+
+
+@dataclasses.dataclass
+class Tally:
+    """One (variant, N) point's measurements added up over the rounds."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    client_cpu_s: float = 0.0
+    api_cpu_s: float = 0.0
+    #: the stage processes' (RPC servers') CPU s, in chain order
+    stage_cpu_s: list[float] = dataclasses.field(default_factory=list)
+    #: each stage's :data:`STAGE_METRICS` growth
+    stage_metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+    def add(self, wall: float, tokens: int, cpu: list[float], api: bool, metrics: list[dict[str, float]]) -> None:
+        self.wall_s += wall
+        self.tokens += tokens
+        self.client_cpu_s += cpu[0]
+        self.api_cpu_s += cpu[1] if api else 0.0
+        stages = cpu[2:] if api else cpu[1:]
+        self.stage_cpu_s = [a + b for a, b in zip(self.stage_cpu_s, stages)] if self.stage_cpu_s else stages
+        self.stage_metrics = ([{k: a[k] + b[k] for k in a} for a, b in zip(self.stage_metrics, metrics)]
+                              if self.stage_metrics else metrics)
 
 
 def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
@@ -390,33 +409,30 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
     for variant in args.variants:
         split = data["splits"].get(variant)
         compute = data["compute_ms"][variant]
-        cpu = data["cpu_s"].get(variant, [])
-        stages = data["stage_metrics"].get(variant, [])
-        wall = data["wall_s"].get(variant, 0.0)
-        if stages and wall > 0:
-            lines.append(f"- {variant} split {split}, over {wall:.0f} s of measurements: "
-                         + "; ".join(f"stage {i} runtime busy {m['busy']:.1f} s ({m['busy'] / wall:.0%}; its thread's CPU "
-                                     f"{m['cpu']:.1f} s), "
-                                     f"{m['rows'] / max(m['batches'], 1):.2f} rows per decode batch "
-                                     f"({m['batches']:.0f} batches), job compute {m['compute']:.1f} s"
-                                     for i, m in enumerate(stages)))
+        if split:
+            lines.append(f"- {variant} split {split}")
         if len(compute) > 1:
             total = sum(compute.values())
             shares = ", ".join(f"stage {s}: {compute[s] / total:.0%}" for s in sorted(compute))
             lines.append(f"- {variant}: compute in usage.skippy_timing (speculative windows and hop-by-hop steps "
                          f"only; decode runs report the last stage alone) {shares}")
-        if len(cpu) > 1 and sum(cpu) > 0:
-            lines.append(f"- {variant}: CPU of the stage / RPC server processes, in chain order "
-                         f"{', '.join(f'{c:.1f} s' for c in cpu)} "
-                         f"({', '.join(f'{c / sum(cpu):.0%}' for c in cpu)})")
-        made = data.get("tokens", {}).get(variant, 0)
-        if made:  # CPU per generated token: meaningful on a shared host, where tokens/s are not
+        for clients, point in data["points"][variant].items():
+            made, wall = point["tokens"], point["wall_s"]
+            if not made or wall <= 0:
+                continue
+            # CPU per generated token: meaningful on a shared host, where tokens/s are not
+            cpu = point["stage_cpu_s"]
             per = [f"stage {i} {1000 * c / made:.2f}" for i, c in enumerate(cpu)]
-            per.append(f"api {1000 * data['api_cpu_s'][variant] / made:.2f}")
-            per.append(f"clients {1000 * data['client_cpu_s'][variant] / made:.2f}")
-            per += [f"stage {i} runtime thread {1000 * m['cpu'] / made:.2f}" for i, m in enumerate(stages)]
-            lines.append(f"- {variant}: CPU ms per generated token over all its measurements ({made} tokens): "
-                         + ", ".join(per))
+            per += [f"api {1000 * point['api_cpu_s'] / made:.2f}", f"clients {1000 * point['client_cpu_s'] / made:.2f}"]
+            text = (f"- {variant} N={clients}, {made} tokens over {wall:.0f} s: CPU ms per token "
+                    + ", ".join(per))
+            stages = point["stage_metrics"]
+            if stages:
+                text += "; " + "; ".join(
+                    f"stage {i} runtime busy {m['busy'] / wall:.0%} (its thread's CPU {1000 * m['cpu'] / made:.2f} ms "
+                    f"per token), {m['rows'] / max(m['batches'], 1):.2f} rows per decode batch ({m['batches']:.0f})"
+                    for i, m in enumerate(stages))
+            lines.append(text)
     return "\n".join(lines)
 
 
