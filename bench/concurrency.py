@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python bench/concurrency.py [--models gemma,llama] [--concurrency 1,4,8,16]
 [--seconds 20] [--rounds 3] [--max-tokens 64] [--variants ...]`` (the full sweep of issue 31;
-``--quick`` is a smoke: N = 1, 4, 4 s each, one round).
+``--quick`` is a smoke: N = 1, 4, 4 s each, one round; ``--row-costs 8`` times the runtime's
+decode batches of 1..8 rows per stage range instead).
 
 Strategy: every variant of a model is started once and stays up for all its rounds (its startup
 is not timed); the rounds are interleaved: each round runs every (N, variant) once, the variants in
@@ -436,6 +437,48 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def row_costs(name: str, most: int, threads: int = 1) -> str:
+    """``--row-costs``: the CPU time of one native decode batch of 1..``most`` rows (one per
+    session) of each range of skippy's 2-stage cut and of the whole model, ``threads`` threads, in
+    this process (the runtime alone: no wire, no Python around it).  What a decode group's size
+    costs: a chain's stages run groups of ceil(N / stages) rows where the unsplit model runs N."""
+    import numpy as np
+
+    from skippy.deploy.plan import ModelShape, balanced_stages
+    from skippy.runtime import Model, StageContext
+    from skippy.runtime.model import LayerRange
+
+    path, _ = model_path(name)
+    shape = ModelShape.from_gguf(path)
+    ranges = [*balanced_stages(shape, 2)[0], (0, shape.n_layer)]
+    counts = list(range(1, most + 1))
+    lines = [f"## {name}: CPU ms of one decode batch of n rows ({threads} thread(s), median of 3 x 5 batches; "
+             "ms per row in brackets)", "", "| layers | " + " | ".join(f"n={n}" for n in counts) + " |",
+             "|---|" + "---|" * len(counts)]
+    noise = np.random.default_rng(0)
+    for start, end in ranges:
+        with Model(path, LayerRange(start, end)) as model, StageContext(
+                model, n_ctx=most * 256, max_sessions=most, n_batch=most, threads=threads) as context:
+            positions = [0] * most
+            times: dict[int, list[float]] = {n: [] for n in counts}
+            for _ in range(3):
+                for n in counts:
+                    activations = (noise.standard_normal((n, context.input_width)).astype(np.float32)
+                                   if not model.is_first else None)
+                    tokens = [1 + row for row in range(n)] if model.is_first or model.reads_tokens else None
+                    for step in range(6):
+                        began = time.thread_time()
+                        context.decode(positions=positions[:n], seq_ids=list(range(n)), tokens=tokens,
+                                       activations=activations, outputs=[True] * n if model.is_last else None)
+                        if step:  # the first warms up
+                            times[n].append((time.thread_time() - began) * 1e3)
+                        for row in range(n):
+                            positions[row] += 1
+        cells = [f"{statistics.median(times[n]):.1f} ({statistics.median(times[n]) / n:.2f})" for n in counts]
+        lines.append(f"| {start}:{end} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", default="gemma,llama")
@@ -449,7 +492,13 @@ def main() -> int:
                         help="let requests end at an end-of-generation token (ignore_eos is a logit bias, which "
                              "costs a final stage's sampler a pass over the vocabulary per row)")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument("--row-costs", type=int, metavar="ROWS",
+                        help="only time native decode batches of 1..ROWS rows of each stage range (1 thread) and exit")
     args = parser.parse_args()
+    if args.row_costs:
+        for name in args.models.split(","):
+            print(row_costs(name, args.row_costs), flush=True)
+        return 0
     global IGNORE_EOS
     IGNORE_EOS = not args.no_ignore_eos
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
