@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python bench/concurrency.py [--models gemma,llama] [--concurrency 1,4,8,16]
 [--seconds 20] [--rounds 3] [--max-tokens 64] [--variants ...]`` (the full sweep of issue 31;
-``--quick`` is a smoke: N = 1, 4, 4 s each, one round).
+``--quick`` is a smoke: N = 1, 4, 4 s each, one round; ``--row-costs 8`` times the runtime's
+decode batches of 1..8 rows per stage range instead).
 
 Strategy: every variant of a model is started once and stays up for all its rounds (its startup
 is not timed); the rounds are interleaved: each round runs every (N, variant) once, the variants in
@@ -24,16 +25,22 @@ stock one.
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
   false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
-  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
+  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
-  ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
+  ``-hop`` passes ``--direct-return off`` (predictions back through
+  every stage; a request that does not speculate then decodes as a run the first stage drives,
+  docs/protocol.md §11).  ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
   its environment (how the compute threads wait, over ``--thread-wait auto``: skippy.stage.threads).
-  For these, from each stage's metrics port, over the measurements: the runtime's busy time
-  (``skippy_stage_runtime_busy_seconds_total``: wall time in batches, each batch once; and its
-  thread's CPU time in them), rows per decode batch, ``skippy_stage_compute_seconds_sum`` (a job's
-  time in the runtime, so a batch shared by N sessions counts N times); and the CPU time the stage
-  processes used (``/proc/PID/stat`` utime + stime; for RPC, the two servers').  On a shared host
-  the busy wall time includes time the thread waited for a CPU: read the CPU figures beside it.
+  For these, from each stage's metrics port, per N (each point's rounds added up, never N's
+  mixed: at N = 1 a chain's decode relay carries the rows outside the runtime thread, so one
+  figure over N = 1 and 8 reads as fewer rows per batch, less busy and more CPU outside the
+  runtime than either): the runtime's busy time (``skippy_stage_runtime_busy_seconds_total``:
+  wall time in batches, each batch once; and its thread's CPU time in them), rows per decode
+  batch.  Per N for every variant: the CPU time per generated token of each process
+  (``/proc/PID/stat`` utime + stime): the stages (for RPC, the two servers), the API process
+  (skippy's driver too; stock: llama-server) and this process (the client threads).  On a shared
+  host the busy wall time includes time the thread waited for a CPU, and tokens/s move with the
+  other load: the CPU per token is the figure to compare there.
 
 The models: ``gemma``, the real Gemma 3 270M (``skippy[real-model]``), and ``llama``, the
 generated ``llama-16x1024`` F16 (random weights, a 32000-token vocabulary).
@@ -73,7 +80,7 @@ PROMPTS = [
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
 #: Any skippy variant: stages x threads, then the modifiers in this order.
-SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?")
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -92,6 +99,8 @@ class Running:
     split: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     #: each stage's Prometheus endpoint (skippy), in stage order
     metrics: list[str] = dataclasses.field(default_factory=list)
+    #: the process that serves the API (skippy: the driver too; stock: llama-server), for its CPU time
+    api_pid: int = 0
 
 
 def stop(running: Running) -> None:
@@ -163,7 +172,7 @@ def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, 
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     wait_ready(url, process)
-    return Running("", url, [process])
+    return Running("", url, [process], api_pid=process.pid)
 
 
 def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[subprocess.Popen[bytes]], list[str]]:
@@ -180,7 +189,8 @@ def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[sub
 
 
 def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Path, *, layers: str = "",
-                 chain: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> Running:
+                 chain: dict[str, str] | None = None, environment: dict[str, str] | None = None,
+                 extra: Sequence[str] = ()) -> Running:
     """``skippy up``; ``chain``: stage settings for every stage (through a plan file; ``layers``
     must then be given)."""
     where = ["--layers", layers] if layers else ["--stages", str(stages)]
@@ -192,7 +202,7 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
         where = ["--plan", str(plan)]
     command = [sys.executable, "-m", "skippy", "up", "--model", str(model), *where,
                "--threads", str(threads), "--max-sessions", str(slots), "--ctx-size", str(slots * SLOT_CTX),
-               "--port", "0", "--log-dir", str(log_dir)]
+               "--port", "0", "--log-dir", str(log_dir), *extra]
     with (log_dir / "up.log").open("wb") as errors:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
                                    env={**os.environ, **(environment or {}), "PYTHONPATH": str(ROOT)})
@@ -214,13 +224,14 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
         log = (log_dir / f"stage-{index}-{start}-{end}.log").read_text()
         found = re.search(r"metrics on (http://\S+/metrics)", log)
         metrics.append(found.group(1) if found else "")
-    return Running("", url, [process], stage_pids=[pid for *_, pid in stages],
+    return Running("", url, [process], stage_pids=[pid for *_, pid in stages], api_pid=process.pid,
                    split=[(start, end) for _, start, end, _ in stages], metrics=[m for m in metrics if m])
 
 
 def measure(running: Running, model_id: str, clients: int, seconds: float, max_tokens: int,
-            stage_compute: dict[int, float]) -> float:
-    """Aggregate completion tokens/s of ``clients`` threads for ``seconds`` (see the module notes)."""
+            stage_compute: dict[int, float], counted: list[int] | None = None) -> float:
+    """Aggregate completion tokens/s of ``clients`` threads for ``seconds`` (see the module notes);
+    ``counted[0]`` gains the completion tokens made."""
     started = time.perf_counter()
     deadline = started + seconds
     tokens = [0] * clients
@@ -244,6 +255,8 @@ def measure(running: Running, model_id: str, clients: int, seconds: float, max_t
     with concurrent.futures.ThreadPoolExecutor(clients) as pool:
         for future in [pool.submit(client, index) for index in range(clients)]:
             future.result()
+    if counted is not None:
+        counted[0] += sum(tokens)
     return sum(tokens) / max(max(ends) - started, 1e-9)
 
 
@@ -296,7 +309,8 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 environment = ({"OMP_WAIT_POLICY": "PASSIVE"} if wait == "-passive"
                                else {"GOMP_SPINCOUNT": wait.removeprefix("-spin")} if wait else {})
                 running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain,
-                                       environment=environment)
+                                       environment=environment,
+                                       extra=["--direct-return", "off"] if shape_match.group(7) else [])
                 if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name
@@ -327,33 +341,59 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
     slots = max(args.concurrency)
     results: dict[str, dict[int, list[float]]] = {v: {n: [] for n in args.concurrency} for v in args.variants}
     compute: dict[str, dict[int, float]] = {v: {} for v in args.variants}
-    cpu: dict[str, list[float]] = {}
-    busy: dict[str, list[dict[str, float]]] = {}
-    wall: dict[str, float] = {v: 0.0 for v in args.variants}
+    #: per variant and N, over that point's rounds: wall s, tokens made, CPU s of each stage process,
+    #: of the API process and of this process (the clients), and each stage's metrics' growth
+    tally: dict[str, dict[int, Tally]] = {v: {n: Tally() for n in args.concurrency} for v in args.variants}
     with variants(args.variants, path, slots, log_dir / name) as running:
         for variant in running.values():  # one warm-up request each (loads pages, fills caches)
             measure(variant, model_id, 1, 0.01, 4, {})
-        before = {v: [cpu_seconds(pid) for pid in r.stage_pids] for v, r in running.items()}
-        busy_before = {v: stage_metrics(r) for v, r in running.items()}
         order = list(args.variants)
         for round_index in range(args.rounds):
             for clients in args.concurrency:
                 for variant in order:
+                    point, run = tally[variant][clients], running[variant]
                     began = time.perf_counter()
-                    rate = measure(running[variant], model_id, clients, args.seconds, args.max_tokens,
-                                   compute[variant])
-                    wall[variant] += time.perf_counter() - began
+                    cpu_was = [cpu_seconds(pid) for pid in (os.getpid(), run.api_pid, *run.stage_pids) if pid]
+                    metrics_were = stage_metrics(run)
+                    counted = [0]
+                    rate = measure(run, model_id, clients, args.seconds, args.max_tokens, compute[variant], counted)
+                    point.add(time.perf_counter() - began, counted[0],
+                              [cpu_seconds(pid) - was for pid, was
+                               in zip([p for p in (os.getpid(), run.api_pid, *run.stage_pids) if p], cpu_was)],
+                              bool(run.api_pid),
+                              [{key: now[key] - was[key] for key in now}
+                               for now, was in zip(stage_metrics(run), metrics_were)])
                     results[variant][clients].append(rate)
                     print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
             order = order[1:] + order[:1]
-        for variant, r in running.items():
-            cpu[variant] = [cpu_seconds(pid) - was for pid, was in zip(r.stage_pids, before[variant])]
-            busy[variant] = [{key: now[key] - was[key] for key in now}
-                             for now, was in zip(stage_metrics(r), busy_before[variant])]
         splits = {v: r.split for v, r in running.items()}
-    return {"model": str(path), "results": results, "compute_ms": compute, "cpu_s": cpu, "stage_metrics": busy,
-            "wall_s": wall, "splits": splits}
+    return {"model": str(path), "results": results, "compute_ms": compute, "splits": splits,
+            "points": {v: {n: dataclasses.asdict(t) for n, t in by_n.items()} for v, by_n in tally.items()}}
+
+
+@dataclasses.dataclass
+class Tally:
+    """One (variant, N) point's measurements added up over the rounds."""
+
+    wall_s: float = 0.0
+    tokens: int = 0
+    client_cpu_s: float = 0.0
+    api_cpu_s: float = 0.0
+    #: the stage processes' (RPC servers') CPU s, in chain order
+    stage_cpu_s: list[float] = dataclasses.field(default_factory=list)
+    #: each stage's :data:`STAGE_METRICS` growth
+    stage_metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+
+    def add(self, wall: float, tokens: int, cpu: list[float], api: bool, metrics: list[dict[str, float]]) -> None:
+        self.wall_s += wall
+        self.tokens += tokens
+        self.client_cpu_s += cpu[0]
+        self.api_cpu_s += cpu[1] if api else 0.0
+        stages = cpu[2:] if api else cpu[1:]
+        self.stage_cpu_s = [a + b for a, b in zip(self.stage_cpu_s, stages)] if self.stage_cpu_s else stages
+        self.stage_metrics = ([{k: a[k] + b[k] for k in a} for a, b in zip(self.stage_metrics, metrics)]
+                              if self.stage_metrics else metrics)
 
 
 def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
@@ -374,25 +414,72 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
     for variant in args.variants:
         split = data["splits"].get(variant)
         compute = data["compute_ms"][variant]
-        cpu = data["cpu_s"].get(variant, [])
-        stages = data["stage_metrics"].get(variant, [])
-        wall = data["wall_s"].get(variant, 0.0)
-        if stages and wall > 0:
-            lines.append(f"- {variant} split {split}, over {wall:.0f} s of measurements: "
-                         + "; ".join(f"stage {i} runtime busy {m['busy']:.1f} s ({m['busy'] / wall:.0%}; its thread's CPU "
-                                     f"{m['cpu']:.1f} s), "
-                                     f"{m['rows'] / max(m['batches'], 1):.2f} rows per decode batch "
-                                     f"({m['batches']:.0f} batches), job compute {m['compute']:.1f} s"
-                                     for i, m in enumerate(stages)))
+        if split:
+            lines.append(f"- {variant} split {split}")
         if len(compute) > 1:
             total = sum(compute.values())
             shares = ", ".join(f"stage {s}: {compute[s] / total:.0%}" for s in sorted(compute))
             lines.append(f"- {variant}: compute in usage.skippy_timing (speculative windows and hop-by-hop steps "
                          f"only; decode runs report the last stage alone) {shares}")
-        if len(cpu) > 1 and sum(cpu) > 0:
-            lines.append(f"- {variant}: CPU of the stage / RPC server processes, in chain order "
-                         f"{', '.join(f'{c:.1f} s' for c in cpu)} "
-                         f"({', '.join(f'{c / sum(cpu):.0%}' for c in cpu)})")
+        for clients, point in data["points"][variant].items():
+            made, wall = point["tokens"], point["wall_s"]
+            if not made or wall <= 0:
+                continue
+            # CPU per generated token: meaningful on a shared host, where tokens/s are not
+            cpu = point["stage_cpu_s"]
+            per = [f"stage {i} {1000 * c / made:.2f}" for i, c in enumerate(cpu)]
+            per += [f"api {1000 * point['api_cpu_s'] / made:.2f}", f"clients {1000 * point['client_cpu_s'] / made:.2f}"]
+            text = (f"- {variant} N={clients}, {made} tokens over {wall:.0f} s: CPU ms per token "
+                    + ", ".join(per))
+            stages = point["stage_metrics"]
+            if stages:
+                text += "; " + "; ".join(
+                    f"stage {i} runtime busy {m['busy'] / wall:.0%} (its thread's CPU {1000 * m['cpu'] / made:.2f} ms "
+                    f"per token), {m['rows'] / max(m['batches'], 1):.2f} rows per decode batch ({m['batches']:.0f})"
+                    for i, m in enumerate(stages))
+            lines.append(text)
+    return "\n".join(lines)
+
+
+def row_costs(name: str, most: int, threads: int = 1) -> str:
+    """``--row-costs``: the CPU time of one native decode batch of 1..``most`` rows (one per
+    session) of each range of skippy's 2-stage cut and of the whole model, ``threads`` threads, in
+    this process (the runtime alone: no wire, no Python around it).  What a decode group's size
+    costs: a chain's stages run groups of ceil(N / stages) rows where the unsplit model runs N."""
+    import numpy as np
+
+    from skippy.deploy.plan import ModelShape, balanced_stages
+    from skippy.runtime import Model, StageContext
+    from skippy.runtime.model import LayerRange
+
+    path, _ = model_path(name)
+    shape = ModelShape.from_gguf(path)
+    ranges = [*balanced_stages(shape, 2)[0], (0, shape.n_layer)]
+    counts = list(range(1, most + 1))
+    lines = [f"## {name}: CPU ms of one decode batch of n rows ({threads} thread(s), median of 3 x 5 batches; "
+             "ms per row in brackets)", "", "| layers | " + " | ".join(f"n={n}" for n in counts) + " |",
+             "|---|" + "---|" * len(counts)]
+    noise = np.random.default_rng(0)
+    for start, end in ranges:
+        with Model(path, LayerRange(start, end)) as model, StageContext(
+                model, n_ctx=most * 256, max_sessions=most, n_batch=most, threads=threads) as context:
+            positions = [0] * most
+            times: dict[int, list[float]] = {n: [] for n in counts}
+            for _ in range(3):
+                for n in counts:
+                    activations = (noise.standard_normal((n, context.input_width)).astype(np.float32)
+                                   if not model.is_first else None)
+                    tokens = [1 + row for row in range(n)] if model.is_first or model.reads_tokens else None
+                    for step in range(6):
+                        began = time.thread_time()
+                        context.decode(positions=positions[:n], seq_ids=list(range(n)), tokens=tokens,
+                                       activations=activations, outputs=[True] * n if model.is_last else None)
+                        if step:  # the first warms up
+                            times[n].append((time.thread_time() - began) * 1e3)
+                        for row in range(n):
+                            positions[row] += 1
+        cells = [f"{statistics.median(times[n]):.1f} ({statistics.median(times[n]) / n:.2f})" for n in counts]
+        lines.append(f"| {start}:{end} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -409,7 +496,13 @@ def main() -> int:
                         help="let requests end at an end-of-generation token (ignore_eos is a logit bias, which "
                              "costs a final stage's sampler a pass over the vocabulary per row)")
     parser.add_argument("--json", type=Path, help="also write the raw figures here")
+    parser.add_argument("--row-costs", type=int, metavar="ROWS",
+                        help="only time native decode batches of 1..ROWS rows of each stage range (1 thread) and exit")
     args = parser.parse_args()
+    if args.row_costs:
+        for name in args.models.split(","):
+            print(row_costs(name, args.row_costs), flush=True)
+        return 0
     global IGNORE_EOS
     IGNORE_EOS = not args.no_ignore_eos
     args.concurrency = [int(n) for n in args.concurrency.split(",")]

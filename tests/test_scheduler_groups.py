@@ -456,3 +456,45 @@ async def test_concurrent_sessions_on_two_stages(tiny_llama: Path, batching: boo
         assert sizes == [1, 1]
         for prompt, tokens in zip(PROMPTS, results):
             assert tokens == reference_greedy(tiny_llama, prompt, STEPS, chunk_size=4)
+
+
+async def test_many_lanes_plan_no_decode_relay(tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With other lanes working, ``Scheduler.hold`` refuses a decode relay, so a lane among many
+    does not plan one per message (the relay's plan and run built only to be refused: about 2% of
+    a stage's CPU at N = 8 before); a lane alone still relays."""
+    from skippy.stage import connection as connection_module
+
+    planned: list[int] = []
+    plan = connection_module.relay_plan
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        planned.append(1)
+        return plan(*args, **kwargs)
+
+    monkeypatch.setattr(connection_module, "relay_plan", counting)
+    async with inprocess_chain(["0:2", "2:4"], model=str(tiny_llama), chain_stages=2) as stages:
+        assert stages[0].address is not None
+        results = await _decode_all(stages[0].address)
+        assert all(len(tokens) == STEPS for tokens in results)
+        together = len(planned)
+        assert scheduler_module.RECENT_WORK_S < 1.0
+        await trio.sleep(scheduler_module.RECENT_WORK_S + 0.1)  # the other lanes' work is old now
+        alone = await _decode_all_one(stages[0].address)
+        assert len(alone) == STEPS
+    # 4 sessions x 15 decodes on 2 stages went past the relay: at most a lane's first or last
+    # message, when the others had not yet brought work or had stopped, may plan one
+    assert together <= 8, together
+    assert len(planned) > together  # one lane alone: its decodes may leave Python
+
+
+async def _decode_all_one(address: object) -> list[int]:
+    async with await StageClient.connect(address) as client:  # type: ignore[arg-type]
+        await client.configure(99)
+        token = (await client.prefill(99, PROMPTS[0], chunk_size=4)).token
+        tokens, position = [token], len(PROMPTS[0])
+        while len(tokens) < STEPS:
+            token = (await client.decode(99, token, position)).predicted
+            tokens.append(token)
+            position += 1
+        await client.stop(99)
+    return tokens

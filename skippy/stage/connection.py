@@ -281,6 +281,8 @@ class Connection:
         state = self.lane
         frame, lane = state.take_template(dispatch.message)
         assert lane is None or isinstance(lane, ReturnLane)
+        if self.scheduler.others_working(self.id):  # many sessions: their rows batch, a relay would be refused
+            return
         upstream, settings = self._upstream_io, self.settings
         executor = self.scheduler.executor
         hop = not dispatch.direct

@@ -443,6 +443,13 @@ class Scheduler:
         self._held_at = trio.current_time()
         return True
 
+    def others_working(self, lane: int) -> bool:
+        """Another lane brought work in the last :data:`RECENT_WORK_S`, so :meth:`hold` refuses
+        lane ``lane``: a cheap test (nothing changes), so that each of many sessions' lanes does
+        not plan a decode relay per message only to have it refused."""
+        now = time.monotonic()
+        return any(other != lane and now - when <= RECENT_WORK_S for other, when in self._last_work.items())
+
     def forget(self, session: int) -> None:
         """Session ``session`` was released: the decode groups stop expecting its rows."""
         if self.groups is not None:
