@@ -8,7 +8,10 @@ The head can be split by vocabulary rows (issue 31): ``head=False`` loads a rang
 layer without the head (it hands on its hidden state, ``stage.no_head``), and the empty range
 ``[n_layer, n_layer)`` is the head alone, optionally only its rows ``head_rows=(r0, r1)``
 (``stage.head_row_start`` / ``stage.head_row_end``: only those rows of the weight are read; its
-logits rows stay n_vocab wide with only the columns ``[r0, r1)`` written).
+logits rows stay n_vocab wide with only the columns ``[r0, r1)`` written).  ``split_head=(r0, r1)`` on
+a range ending at the last layer loads both: the layers without the head and, beside them, the head
+alone for its rows ``[r0, r1)`` (``head_model``); the model is still the last stage, the other rows
+come from a head shard (:mod:`skippy.runtime.head_shard`) through its context.
 Weights are memory-mapped, except on a partial last stage whose head is tied to the token
 embeddings: that stage needs the file's first tensor and its last layers, and the loader can only
 trim the two ends of a mapping, so it would stay resident at full-file size; it is read instead.
@@ -238,6 +241,7 @@ class Model:
         offload: Offload | None = None,
         head: bool = True,
         head_rows: tuple[int, int] | None = None,
+        split_head: tuple[int, int] | None = None,
     ) -> None:
         """Load ``path`` for ``layers`` (default: all).
 
@@ -255,6 +259,8 @@ class Model:
                 its hidden state like a stage before the last).
             head_rows: the head's vocabulary rows ``(r0, r1)`` to compute; only for the head-only
                 range ``[n_layer, n_layer)``.
+            split_head: on a range ending at the last layer: load it without the head and the
+                head's rows ``(r0, r1)`` beside it as ``head_model`` (issue 31's head split).
 
         Raises:
             ModelLoadError, LayerRangeError, UnsupportedArchitecture.
@@ -265,6 +271,13 @@ class Model:
         elif isinstance(layers, str):
             layers = LayerRange.parse(layers)
         validate_range(self.info, layers)
+        #: The head's rows this final stage computes beside its layers (split_head), or None.
+        self.head_model: Model | None = None
+        if split_head is not None:
+            if layers.start == layers.end or layers.end != self.info.n_layer or not head or head_rows is not None:
+                raise LayerRangeError(f"a split head needs a non-empty range ending at the last layer "
+                                      f"{self.info.n_layer} with the head (got {layers})")
+            head = False
         head_only = layers.start == layers.end
         if not head and (head_only or layers.end != self.info.n_layer):
             raise LayerRangeError(f"head=False needs a non-empty range ending at the last layer {self.info.n_layer}, "
@@ -341,6 +354,14 @@ class Model:
             raise ModelLoadError(f"libllama loaded head {self.has_head} rows {self.head_rows} instead of {head} "
                                  f"{head_rows}: not the patched library")
         self.n_layer: Final = lib.llama_model_n_layer(pointer)
+        if split_head is not None:
+            try:
+                self.head_model = Model(path, LayerRange(self.info.n_layer, self.info.n_layer), use_mmap=use_mmap,
+                                        n_gpu_layers=n_gpu_layers, offload=offload, head_rows=split_head)
+            except BaseException:
+                lib.llama_model_free(pointer)
+                self._ptr = ffi.NULL
+                raise
         self.n_embd: Final = lib.llama_model_n_embd(pointer)
         # n_embd-wide parts per activation row at this stage's boundaries: more than one where the
         # architecture hands on a sideband beside the hidden state (patch 0012: RWKV-7's v_first)
@@ -374,7 +395,7 @@ class Model:
     @property
     def is_last(self) -> bool:
         """This stage produces logits (last layer, with the head)."""
-        return self.layers.end == self.n_layer and self.has_head
+        return self.layers.end == self.n_layer and (self.has_head or self.head_model is not None)
 
     @property
     def head_only(self) -> bool:
@@ -383,8 +404,9 @@ class Model:
 
     @property
     def size_bytes(self) -> int:
-        """Bytes of weights this stage loaded (not the file size)."""
-        return int(lib.llama_model_size(self.pointer))
+        """Bytes of weights this stage loaded (not the file size; a split head's rows included)."""
+        head = 0 if self.head_model is None else self.head_model.size_bytes
+        return int(lib.llama_model_size(self.pointer)) + head
 
     @property
     def n_params(self) -> int:
@@ -412,6 +434,8 @@ class Model:
             if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
                 lib.llama_model_free(self._ptr)
                 self._ptr = ffi.NULL
+            if getattr(self, "head_model", None) is not None:
+                self.head_model.close()
 
     def __enter__(self) -> "Model":
         return self
