@@ -1,8 +1,8 @@
 """The output head split by vocabulary rows (issue 31): bitwise the unsplit logits and tokens.
 
-A final stage ``[k, n)`` with ``split_head=(r0, V)`` runs its layers without the head, its head
+A final stage ``[k, n)`` with ``split_head=r0`` runs its layers without the head, its head
 rows in a head-only context and the rows ``[0, r0)`` in a head shard (in process, and over TCP
-as another stage's process would serve them); with f32 activations every output row's logits,
+as another stage's process would serve them: dialled by the final stage, or dialling it); with f32 activations every output row's logits,
 greedy tokens, a seeded sampling chain's tokens, a grammar's tokens and the log-probabilities are
 bitwise those of the unsplit model.  Hostile shard replies and a shard that dies are refused.
 """
@@ -25,6 +25,7 @@ from skippy.runtime.head_shard import (
     MAGIC,
     HeadCompute,
     HeadShardError,
+    HeadShardPort,
     HeadShardServer,
     LocalHeadShard,
     RemoteHeadShard,
@@ -48,12 +49,13 @@ class Chain:
         n = info_model.info.n_layer
         self.server: HeadShardServer | None = None
         self.remote: RemoteHeadShard | None = None
+        self.port: HeadShardPort | None = None
         self.compute: HeadCompute | None = None
         if shard is None:
             self.last = Model(path, LayerRange(cut, n))
         else:
             r0 = _split_rows(info_model.n_vocab)
-            self.last = Model(path, LayerRange(cut, n), split_head=(r0, info_model.n_vocab))
+            self.last = Model(path, LayerRange(cut, n), split_head=r0)
             self.head = Model(path, LayerRange(n, n), head_rows=(0, r0))
             self.compute = HeadCompute(self.head, n_batch=64, threads=1)
         self.c0 = StageContext(self.first, **KW)  # type: ignore[arg-type]
@@ -65,8 +67,16 @@ class Chain:
             assert self.compute is not None
             self.server = HeadShardServer(self.compute)
             host, port = self.server.address
-            self.remote = RemoteHeadShard(host, port, rows=self.compute.rows, identity=self.head.identity,
-                                          n_embd=self.head.n_embd)
+            self.remote = RemoteHeadShard.dial(host, port, rows=self.compute.rows, identity=self.head.identity,
+                                               n_embd=self.head.n_embd)
+            self.c1.attach_shard(self.remote)
+        elif shard == "dial":  # the shard's host dials the final stage (a chain's start order)
+            assert self.compute is not None
+            self.port = HeadShardPort()
+            self.server = HeadShardServer(self.compute, host=None)
+            self.server.dial(*self.port.address)
+            self.remote = RemoteHeadShard.through(self.port, rows=self.compute.rows, identity=self.head.identity,
+                                                  n_embd=self.head.n_embd, timeout=10.0)
             self.c1.attach_shard(self.remote)
 
     def decode(self, tokens: list[int], pos: int, outputs: np.ndarray | None = None) -> None:
@@ -80,6 +90,8 @@ class Chain:
             self.remote.close()
         if self.server is not None:
             self.server.close()
+        if self.port is not None:
+            self.port.close()
         self.c0.close()
         self.c1.close()
         if self.compute is not None:
@@ -117,7 +129,7 @@ def llama_path() -> Path:
     return ensure_model(tiny("llama", dtype="F32"))
 
 
-@pytest.mark.parametrize("shard", ["local", "tcp"])
+@pytest.mark.parametrize("shard", ["local", "tcp", "dial"])
 @pytest.mark.parametrize("params", [None, SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7),
                                     SamplingParams(grammar='root ::= [a-z ]+')], ids=["greedy", "seeded", "grammar"])
 def test_split_head_is_bitwise_unsplit(llama_path: Path, shard: str, params: SamplingParams | None) -> None:
@@ -154,7 +166,7 @@ def test_split_head_other_families(arch: str, dtype: str) -> None:
 
 
 def test_split_head_needs_its_shard(llama_path: Path) -> None:
-    model = Model(llama_path, LayerRange(2, 4), split_head=(_split_rows(32000), 32000))
+    model = Model(llama_path, LayerRange(2, 4), split_head=_split_rows(32000))
     try:
         assert model.is_last and not model.has_head and model.head_model is not None
         with StageContext(model, **KW) as context:  # type: ignore[arg-type]
@@ -165,7 +177,7 @@ def test_split_head_needs_its_shard(llama_path: Path) -> None:
     finally:
         model.close()
     with pytest.raises(LayerRangeError):
-        Model(llama_path, LayerRange(0, 2), split_head=(10, 20))
+        Model(llama_path, LayerRange(0, 2), split_head=10)
     with pytest.raises(LayerRangeError):
         Model(llama_path, LayerRange(4, 4), head_rows=(20, 10))
 
@@ -212,7 +224,7 @@ def test_hostile_shard_replies_are_refused(case: str) -> None:
         "dies": lambda n, w: None,
     }
     peer = _FakeShard(rows, replies[case])
-    client = RemoteHeadShard(*peer.address, rows=rows, n_embd=8)
+    client = RemoteHeadShard.dial(*peer.address, rows=rows, n_embd=8)
     try:
         client.start(np.ones((2, 8), np.float32))
         with pytest.raises(HeadShardError, match={"count": "answered 3 rows", "rows": "head rows 0:32",
@@ -238,9 +250,32 @@ def test_server_refuses_a_wrong_width(llama_path: Path) -> None:
             conn.sendall(HEADER.pack(MAGIC, 9, head.n_embd, 0, 0))  # more rows than its batch
             assert HEADER.unpack(conn.recv(HEADER.size, socket.MSG_WAITALL))[1] == 1
         with pytest.raises(HeadShardError, match="another model"):
-            RemoteHeadShard(*server.address, rows=(0, 64), identity="not-this-one", n_embd=head.n_embd)
+            RemoteHeadShard.dial(*server.address, rows=(0, 64), identity="not-this-one", n_embd=head.n_embd)
     finally:
         server.close()
         compute.close()
         head.close()
     assert struct.calcsize("<4sIIII") == HEADER.size
+
+
+def test_a_shard_that_dies_is_a_clear_error_and_a_new_one_is_taken(llama_path: Path) -> None:
+    chain = Chain(llama_path, 2, "dial")
+    whole = Chain(llama_path, 2, None)
+    try:
+        chain.decode(LONG_PROMPT[:4], 0)
+        assert chain.server is not None
+        chain.server.close()  # the shard's host is gone
+        with pytest.raises(HeadShardError, match="is gone"):
+            chain.decode([5], 4)
+        assert chain.compute is not None and chain.port is not None
+        chain.server = HeadShardServer(chain.compute, host=None)  # its replacement dials again
+        chain.server.dial(*chain.port.address)
+        chain.c0.remove(0, 4)
+        chain.c1.remove(0, 4)
+        chain.decode([5], 4)
+        whole.decode(LONG_PROMPT[:4], 0)
+        whole.decode([5], 4)
+        assert np.array_equal(chain.c1.logits(0), whole.c1.logits(0))
+    finally:
+        chain.close()
+        whole.close()

@@ -10,7 +10,9 @@ everything that reads the final stage's logits sees full rows.
 
 :class:`HeadCompute` is a head-only model's context; :class:`LocalHeadShard` runs one in process
 (tests, one host); :class:`HeadShardServer` serves one over TCP (beside another stage's layers)
-and :class:`RemoteHeadShard` is its client.  The wire (docs/protocol.md, "Head shard"): every
+and :class:`RemoteHeadShard` is its client.  Either end may dial: a chain starts its final stage
+first, so there the final stage listens (:class:`HeadShardPort`) and the shard's host dials it
+(:meth:`HeadShardServer.dial`, again after a loss); the messages are the same either way.  The wire (docs/protocol.md, "Head shard"): every
 message is a 20-byte header ``<4sIIII`` (magic ``SKH1``, then four counts) and a body.
 A request is ``SKH1, rows, n_embd, 0, 0`` and ``rows x n_embd`` float32 (little-endian); rows 0 is
 the handshake.  A reply is ``SKH1, status, rows, r0, r1``: status 0 with ``rows x (r1 - r0)``
@@ -25,7 +27,7 @@ import logging
 import socket
 import struct
 import threading
-from typing import Final, Protocol, final
+from typing import Callable, Final, Protocol, final
 
 import numpy as np
 import numpy.typing as npt
@@ -120,26 +122,53 @@ class HeadShardServer:
     """Serves a head-only model's rows over TCP; one thread per connection, the computations one
     at a time under ``lock`` (give the stage's runtime lock to share its compute thread)."""
 
-    def __init__(self, compute: HeadCompute, host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, compute: HeadCompute, host: str | None = "127.0.0.1", port: int = 0, *,
                  lock: threading.Lock | None = None) -> None:
+        """Serve ``compute``; listen on ``host:port`` (None: only :meth:`dial`)."""
         self._compute = compute
         self._lock = lock or threading.Lock()
-        self._listener = socket.create_server((host, port))
-        self.address: tuple[str, int] = self._listener.getsockname()[:2]
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
-        self._thread = threading.Thread(target=self._accept, name="head-shard-accept", daemon=True)
-        self._thread.start()
+        self._listener: socket.socket | None = None
+        self.address: tuple[str, int] = ("", 0)
+        self._thread: threading.Thread | None = None
+        if host is not None:
+            self._listener = socket.create_server((host, port))
+            self.address = self._listener.getsockname()[:2]
+            self._thread = threading.Thread(target=self._accept, name="head-shard-accept", daemon=True)
+            self._thread.start()
 
     def _accept(self) -> None:
+        assert self._listener is not None
         while not self._closed.is_set():
             try:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._connections.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="head-shard", daemon=True).start()
+            self._start(conn)
+
+    def _start(self, conn: socket.socket) -> threading.Thread:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._connections.add(conn)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="head-shard", daemon=True)
+        thread.start()
+        return thread
+
+    def dial(self, host: str, port: int, *, retry_s: float = 0.2) -> None:
+        """Serve the final stage listening on ``host:port`` (:class:`HeadShardPort`) from a thread
+        of its own: dialled until it answers, and again whenever the connection is lost."""
+        def run() -> None:
+            while not self._closed.is_set():
+                try:
+                    conn = socket.create_connection((host, port), timeout=5.0)
+                except OSError:
+                    self._closed.wait(retry_s)
+                    continue
+                conn.settimeout(None)
+                log.info("head shard: serving head rows %d:%d to %s:%d", *self._compute.rows, host, port)
+                self._start(conn).join()
+                self._closed.wait(retry_s)
+        threading.Thread(target=run, name="head-shard-dial", daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
         compute = self._compute
@@ -183,55 +212,133 @@ class HeadShardServer:
 
     def close(self) -> None:
         self._closed.set()
-        self._listener.close()
+        if self._listener is not None:
+            self._listener.close()
         for conn in list(self._connections):
             try:
                 conn.shutdown(socket.SHUT_RDWR)
             except OSError:
                 pass
-        self._thread.join(timeout=2)
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+
+@final
+class HeadShardPort:
+    """The final stage's end when the shard's host dials: listens, keeps the newest connection."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._listener = socket.create_server((host, port))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._ready = threading.Condition()
+        self._newest: socket.socket | None = None
+        threading.Thread(target=self._accept, name="head-shard-port", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._ready:
+                if self._newest is not None:
+                    self._newest.close()
+                self._newest = conn
+                self._ready.notify_all()
+
+    def take(self, timeout: float) -> socket.socket:
+        """The newest connection from the shard's host, waiting up to ``timeout`` seconds for one."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._newest is not None, timeout):
+                raise HeadShardError(f"no head shard has connected to {self.address[0]}:{self.address[1]} "
+                                     f"in {timeout:.0f} s (the stage serving the other head rows)")
+            conn, self._newest = self._newest, None
+            assert conn is not None
+            return conn
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._ready:
+            if self._newest is not None:
+                self._newest.close()
+                self._newest = None
 
 
 @final
 class RemoteHeadShard:
     """The client of a :class:`HeadShardServer`: checks the shard's rows and model on connect."""
 
-    def __init__(self, host: str, port: int, *, rows: tuple[int, int], identity: str | None = None,
-                 n_embd: int, timeout: float = 30.0) -> None:
+    def __init__(self, connect: Callable[[], socket.socket], *, address: str, rows: tuple[int, int],
+                 identity: str | None = None, n_embd: int) -> None:
+        """A client that gets its connection from ``connect`` when it needs one (first use, after a loss)."""
         self.rows = rows
         self._n_embd = n_embd
-        self._address = f"{host}:{port}"
+        self._identity = identity
+        self._address = address
+        self._connect = connect
         self._pending = 0
-        try:
-            self._sock = socket.create_connection((host, port), timeout=timeout)
-        except OSError as exc:
-            raise HeadShardError(f"cannot reach the head shard at {self._address}: {exc}") from exc
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._send(HEADER.pack(MAGIC, 0, n_embd, 0, 0))
-        body = self._reply(0, IDENTITY_BYTES)
-        if identity is not None and body.decode(errors="replace").strip() != identity[:IDENTITY_BYTES]:
-            self.close()
-            raise HeadShardError(f"the head shard at {self._address} serves another model file")
+        self._sock: socket.socket | None = None
+
+    @classmethod
+    def dial(cls, host: str, port: int, *, rows: tuple[int, int], identity: str | None = None, n_embd: int,
+             timeout: float = 30.0) -> "RemoteHeadShard":
+        """A client dialling the shard at ``host:port`` (connected and checked now)."""
+        def connect() -> socket.socket:
+            try:
+                return socket.create_connection((host, port), timeout=timeout)
+            except OSError as exc:
+                raise HeadShardError(f"cannot reach the head shard at {host}:{port}: {exc}") from exc
+        shard = cls(connect, address=f"{host}:{port}", rows=rows, identity=identity, n_embd=n_embd)
+        shard.connection()
+        return shard
+
+    @classmethod
+    def through(cls, port: HeadShardPort, *, rows: tuple[int, int], identity: str | None = None, n_embd: int,
+                timeout: float = 60.0) -> "RemoteHeadShard":
+        """A client over the connections the shard's host makes to ``port``."""
+        return cls(lambda: port.take(timeout), address=f"{port.address[0]}:{port.address[1]}", rows=rows,
+                   identity=identity, n_embd=n_embd)
+
+    def connection(self) -> socket.socket:
+        """The connection, made and checked (handshake: the shard's rows and model) if there is none."""
+        if self._sock is None:
+            sock = self._connect()
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
+            body = self._reply(0, IDENTITY_BYTES)
+            if self._identity is not None and body.decode(errors="replace").strip() != self._identity[:IDENTITY_BYTES]:
+                self.close()
+                raise HeadShardError(f"the head shard at {self._address} serves another model file")
+        return self._sock
 
     def _send(self, data: bytes) -> None:
+        assert self._sock is not None
         try:
             self._sock.sendall(data)
         except OSError as exc:
+            self.close()
             raise HeadShardError(f"the head shard at {self._address} is gone: {exc}") from exc
 
     def _reply(self, rows: int, body_bytes: int) -> bytes:
+        sock = self._sock
+        if sock is None:
+            raise HeadShardError(f"the head shard at {self._address} is gone")
         try:
-            magic, status, count, r0, r1 = HEADER.unpack(_read_exact(self._sock, HEADER.size))
+            magic, status, count, r0, r1 = HEADER.unpack(_read_exact(sock, HEADER.size))
             if magic != MAGIC:
                 raise HeadShardError(f"the head shard at {self._address} answered something else")
             if status == 1:
-                message = _read_exact(self._sock, min(count, MAX_MESSAGE)).decode(errors="replace")
+                message = _read_exact(sock, min(count, MAX_MESSAGE)).decode(errors="replace")
                 raise HeadShardError(f"the head shard at {self._address} refused: {message}")
             if status != 0 or count != rows or (r0, r1) != self.rows:
                 raise HeadShardError(f"the head shard at {self._address} answered {count} rows of head rows "
                                      f"{r0}:{r1} (status {status}); wanted {rows} of {self.rows[0]}:{self.rows[1]}")
-            return _read_exact(self._sock, body_bytes)
+            return _read_exact(sock, body_bytes)
         except (ConnectionError, OSError) as exc:
+            self.close()
             raise HeadShardError(f"the head shard at {self._address} is gone: {exc}") from exc
         except HeadShardError:
             self.close()
@@ -241,6 +348,7 @@ class RemoteHeadShard:
         rows, width = hidden.shape
         if width != self._n_embd or rows == 0:
             raise InvalidBatch(f"{rows} hidden rows x {width} for a head shard of rows of {self._n_embd}")
+        self.connection()
         self._send(HEADER.pack(MAGIC, rows, width, 0, 0) + np.ascontiguousarray(hidden, dtype="<f4").tobytes())
         self._pending = rows
 
@@ -256,7 +364,10 @@ class RemoteHeadShard:
         out[...] = values
 
     def close(self) -> None:
-        try:
-            self._sock.close()
-        except OSError:
-            pass
+        """Drop the connection (the next use makes a new one)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -8,9 +8,9 @@ The head can be split by vocabulary rows (issue 31): ``head=False`` loads a rang
 layer without the head (it hands on its hidden state, ``stage.no_head``), and the empty range
 ``[n_layer, n_layer)`` is the head alone, optionally only its rows ``head_rows=(r0, r1)``
 (``stage.head_row_start`` / ``stage.head_row_end``: only those rows of the weight are read; its
-logits rows stay n_vocab wide with only the columns ``[r0, r1)`` written).  ``split_head=(r0, r1)`` on
-a range ending at the last layer loads both: the layers without the head and, beside them, the head
-alone for its rows ``[r0, r1)`` (``head_model``); the model is still the last stage, the other rows
+logits rows stay n_vocab wide with only the columns ``[r0, r1)`` written).  ``split_head=r0`` on a
+range ending at the last layer loads both: the layers without the head and, beside them, the head
+alone for its rows ``[r0, n_vocab)`` (``head_model``); the model is still the last stage, the other rows
 come from a head shard (:mod:`skippy.runtime.head_shard`) through its context.
 Weights are memory-mapped, except on a partial last stage whose head is tied to the token
 embeddings: that stage needs the file's first tensor and its last layers, and the loader can only
@@ -241,7 +241,7 @@ class Model:
         offload: Offload | None = None,
         head: bool = True,
         head_rows: tuple[int, int] | None = None,
-        split_head: tuple[int, int] | None = None,
+        split_head: int | None = None,
     ) -> None:
         """Load ``path`` for ``layers`` (default: all).
 
@@ -260,7 +260,8 @@ class Model:
             head_rows: the head's vocabulary rows ``(r0, r1)`` to compute; only for the head-only
                 range ``[n_layer, n_layer)``.
             split_head: on a range ending at the last layer: load it without the head and the
-                head's rows ``(r0, r1)`` beside it as ``head_model`` (issue 31's head split).
+                head's rows ``r0:n_vocab`` beside it as ``head_model`` (issue 31's head split;
+                the rows ``0:r0`` come from a head shard attached to its context).
 
         Raises:
             ModelLoadError, LayerRangeError, UnsupportedArchitecture.
@@ -354,14 +355,6 @@ class Model:
             raise ModelLoadError(f"libllama loaded head {self.has_head} rows {self.head_rows} instead of {head} "
                                  f"{head_rows}: not the patched library")
         self.n_layer: Final = lib.llama_model_n_layer(pointer)
-        if split_head is not None:
-            try:
-                self.head_model = Model(path, LayerRange(self.info.n_layer, self.info.n_layer), use_mmap=use_mmap,
-                                        n_gpu_layers=n_gpu_layers, offload=offload, head_rows=split_head)
-            except BaseException:
-                lib.llama_model_free(pointer)
-                self._ptr = ffi.NULL
-                raise
         self.n_embd: Final = lib.llama_model_n_embd(pointer)
         # n_embd-wide parts per activation row at this stage's boundaries: more than one where the
         # architecture hands on a sideband beside the hidden state (patch 0012: RWKV-7's v_first)
@@ -369,6 +362,18 @@ class Model:
         self.output_rows: Final = 1 if self.is_last else self._boundary_rows(lib.llama_model_n_embd_out(pointer))
         self._vocab = lib.llama_model_get_vocab(pointer)
         self.n_vocab: Final = lib.llama_vocab_n_tokens(self._vocab)
+        if split_head is not None:
+            try:
+                if not 0 < split_head < self.n_vocab:
+                    raise LayerRangeError(f"a split head's first local row must be in 1..{self.n_vocab - 1} "
+                                          f"(got {split_head})")
+                self.head_model = Model(path, LayerRange(self.info.n_layer, self.info.n_layer), use_mmap=use_mmap,
+                                        n_gpu_layers=n_gpu_layers, offload=offload,
+                                        head_rows=(split_head, self.n_vocab))
+            except BaseException:
+                lib.llama_model_free(pointer)
+                self._ptr = ffi.NULL
+                raise
         self.identity: Final = model_identity(self.info.path)
 
     def _boundary_rows(self, width: int) -> int:
