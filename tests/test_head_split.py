@@ -102,15 +102,17 @@ class Chain:
 
 
 def _run(chain: Chain, params: SamplingParams | None) -> tuple[list[np.ndarray], list[int], list[float]]:
-    """The prompt's logits (every row, then only the last rows of two sessions' worth), then
+    """The prompt's logits (every row of a first part, then only the last row of the rest), then
     ``STEPS`` sampled steps: the logits of each, the tokens and each pick's log-probability."""
     rows: list[np.ndarray] = []
-    chain.decode(LONG_PROMPT, 0, outputs=np.ones(len(LONG_PROMPT), dtype=bool))
-    rows += [chain.c1.logits(i).copy() for i in range(len(LONG_PROMPT))]
+    chain.decode(LONG_PROMPT[:12], 0, outputs=np.ones(12, dtype=bool))
+    rows += [chain.c1.logits(i).copy() for i in range(12)]
+    chain.decode(LONG_PROMPT[12:], 12)  # only the last row an output: selected at the last layer
+    rows.append(chain.c1.logits(len(LONG_PROMPT) - 13).copy())
     sampler = Sampler(params or SamplingParams(), chain.last.n_vocab, chain.last.vocab_pointer)
     tokens: list[int] = []
     logprobs: list[float] = []
-    row = len(LONG_PROMPT) - 1
+    row = len(LONG_PROMPT) - 13
     pos = len(LONG_PROMPT)
     for _ in range(STEPS):
         token = int(chain.c1.sample([sampler], [row])[0])

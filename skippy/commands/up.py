@@ -62,6 +62,11 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true",
                         help="with --stages: cut by timings of each layer and the output head on this machine "
                              "(loads each layer once, seconds) instead of the estimate from the shapes")
+    parser.add_argument("--head-split", default=None, metavar="off|auto|ROWS",
+                        help="split the output head by vocabulary rows (issue 31): the head's rows 0:ROWS run on the "
+                             "least loaded other stage, beside its layers, at the same time as the final stage's "
+                             "rest; auto (the default with --stages): when the final stage is above its fair share, "
+                             "as many rows as make the two equal; off with --layers unless ROWS is given")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
@@ -224,6 +229,22 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     return extra
 
 
+def _head(args: argparse.Namespace, model: Path, split: Sequence[tuple[int, int]]) -> tuple[Any, str]:
+    """The head split (``--head-split``; :func:`skippy.deploy.plan.choose_head_split`) and a note on it."""
+    from skippy.deploy.plan import ModelShape, choose_head_split, parse_head_split
+
+    text = getattr(args, "head_split", None) or ("off" if args.layers or len(split) < 2 else "auto")
+    mode = parse_head_split(text)
+    if mode == "off" or len(split) < 2:
+        return None, ""
+    shape = ModelShape.from_gguf(model)
+    head, fractions = choose_head_split(shape, split, mode)
+    if head is None:
+        return None, "; head not split (the final stage is within its share)"
+    return head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on the "
+                  f"final stage, then " + ", ".join(f"{share:.0%}" for share in fractions))
+
+
 async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> int:
     """Run the chain and API until a signal, a failing stage, or ``on_ready`` returning.
 
@@ -247,6 +268,10 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
         split, how = _split(args, model, info.n_layer, info.kv_groups, threads=args.threads)
+        head, head_how = _head(args, model, split)
+        if head is not None and getattr(args, "ray", None):
+            head, head_how = None, "; head not split (not on Ray yet)"
+        how += head_how
         settings = api_settings(args)
         gpu = gpu_options(args)
         config_from_mapping({"model": str(model), "layers": "0:1",  # the GPU values, checked before any stage starts
@@ -322,7 +347,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                         model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
                         announce=announce, per_stage_options=per_stage, metrics=True,
                         on_child_exit=lost if getattr(args, "keep_serving", False) else None,
-                        replacement=replacement, events=events, on_replaced=replaced,
+                        replacement=replacement, events=events, on_replaced=replaced, head=head,
                         task_status=task_status))
                     stages = [child.info() for child in children]
                     nursery.start_soon(_report_losses, events, bar, replacement.restarts > 0)

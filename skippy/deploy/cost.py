@@ -25,6 +25,9 @@ Strategy
   (stage, end layer); among the splits as fast as that, the one with the least sum of squared stage
   times (stages closest to equal).  :func:`shares` gives
   each stage's expected share of a token's time, which ``skippy up`` and ``skippy plan`` print.
+* **Head split** (:func:`head_split`, issue 31): when the final stage is still above its fair share
+  (the head alone can be more than half a token, as Gemma 3 270M's is), the head's first
+  vocabulary rows move to the least loaded other stage, as many as make the two equal.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from skippy.runtime.cuts import KvGroup, legal_cuts
 from skippy.runtime.gguf_header import TensorEntry
 from skippy.runtime.layer_kinds import recurrent_layers, state_values_per_layer
 
-__all__ = ["ATTENDED_TOKENS", "LAYER_FIXED_MACS", "PartCosts", "balanced_split", "part_costs", "shares",
-           "split_times"]
+__all__ = ["ATTENDED_TOKENS", "HEAD_ROW_ALIGN", "LAYER_FIXED_MACS", "HeadSplit", "PartCosts", "balanced_split",
+           "head_split", "part_costs", "shares", "split_head_times", "split_times"]
 
 #: Context a decode row is assumed to attend to (tokens) when estimating attention's cost.
 ATTENDED_TOKENS: Final = 512
@@ -200,3 +203,46 @@ def balanced_split(layer_ms: Sequence[float], head_ms: float, n_stages: int,
         bounds.append(end)
     bounds.reverse()
     return list(zip(bounds, bounds[1:]))
+
+
+#: A head split moves whole blocks of this many vocabulary rows (a repacked weight's row groups
+#: stay whole on both sides: patch 0017's rows are bitwise those of the whole head).
+HEAD_ROW_ALIGN: Final = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """The output head's vocabulary rows ``0:rows`` computed on stage ``host`` (beside its layers),
+    the rest on the final stage (issue 31)."""
+
+    host: int
+    rows: int
+
+
+def head_split(times: Sequence[float], head_ms: float, n_vocab: int, *,
+               rows: int | None = None) -> HeadSplit | None:
+    """Where the head's rows go when the final stage of ``times`` (each stage's time, the whole
+    head on the last) is above its fair share: the rows that make it and the least loaded other
+    stage equal go to that stage (``rows``: that many, chosen by hand).  None: no split (one
+    stage, a final stage at or under its share, or fewer rows than one block to move)."""
+    count = len(times)
+    if count < 2 or head_ms <= 0 or n_vocab <= HEAD_ROW_ALIGN:
+        return None
+    host = min(range(count - 1), key=lambda s: times[s])
+    if rows is None:
+        if times[-1] <= sum(times) / count:
+            return None
+        moved_ms = min(head_ms, (times[-1] - times[host]) / 2)
+        rows = int(round(moved_ms / head_ms * n_vocab / HEAD_ROW_ALIGN)) * HEAD_ROW_ALIGN
+    rows = min(rows, n_vocab - HEAD_ROW_ALIGN)
+    return HeadSplit(host, rows) if rows > 0 else None
+
+
+def split_head_times(times: Sequence[float], head_ms: float, n_vocab: int, split: HeadSplit | None) -> list[float]:
+    """Each stage's time with the head's rows ``0:split.rows`` moved to ``split.host``."""
+    result = list(times)
+    if split is not None:
+        moved = head_ms * split.rows / n_vocab
+        result[split.host] += moved
+        result[-1] -= moved
+    return result

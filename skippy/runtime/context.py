@@ -386,20 +386,23 @@ class StageContext:
                 self._last_output_rows = np.flatnonzero(out[:n_rows])
                 self._last_output_set = frozenset(self._last_output_rows.tolist())
             if self._head is not None:
-                self._run_head(n_rows)
+                self._run_head()
         if recurrent_rows is not None:
             self._log_rows(recurrent_rows, pos, tokens, activations)
 
-    def _run_head(self, n_rows: int) -> None:
+    def _run_head(self) -> None:
         """The split head's logits of the last decode's output rows: the shard's rows begun first,
         the local ones computed meanwhile, the shard's columns then written into the same rows."""
         assert self._head is not None
         rows = self._last_output_rows
         if len(rows) == 0:
             return
+        # the layers (no head) output the hidden state of the output rows only, in order, selected
+        # at the last layer as the unsplit final stage selects them (patch 0017)
         pointer = lib.llama_get_embeddings(self._ptr)
-        hidden_all = np.frombuffer(ffi.buffer(pointer, n_rows * self.output_width * 4), dtype=np.float32)
-        hidden = hidden_all.reshape(n_rows, self.output_width)[rows]  # a copy: the shard may send it on
+        count = len(rows)
+        hidden = np.frombuffer(ffi.buffer(pointer, count * self.output_width * 4),
+                               dtype=np.float32).reshape(count, self.output_width).copy()
         shard = self._shard
         if shard is not None:
             shard.start(hidden)
