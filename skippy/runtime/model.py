@@ -348,7 +348,7 @@ class Model:
         #: The head's vocabulary rows this model computes (all of them unless ``head_rows``).
         self.head_rows: Final = (int(lib.llama_model_stage_head_row_start(pointer)),
                                  int(lib.llama_model_stage_head_row_end(pointer)))
-        if self.has_head != (head and layers.end == self.info.n_layer) or (
+        if self.has_head != (head and layers.end == lib.llama_model_n_layer(pointer)) or (
                 head_rows is not None and self.head_rows != head_rows):
             lib.llama_model_free(pointer)
             self._ptr = ffi.NULL
