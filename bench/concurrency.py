@@ -24,7 +24,8 @@ stock one.
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
   false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
-  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
+  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-nohead]`` is understood; ``-nohead``:
+  ``--head-split off``, the whole output head on the final stage as before the head split).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
   ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
   its environment (how the compute threads wait, over ``--thread-wait auto``: skippy.stage.threads).
@@ -73,7 +74,7 @@ PROMPTS = [
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
 #: Any skippy variant: stages x threads, then the modifiers in this order.
-SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?")
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-nohead)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -180,7 +181,8 @@ def start_rpc_servers(binary: Path, count: int, log_dir: Path) -> tuple[list[sub
 
 
 def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Path, *, layers: str = "",
-                 chain: dict[str, str] | None = None, environment: dict[str, str] | None = None) -> Running:
+                 chain: dict[str, str] | None = None, environment: dict[str, str] | None = None,
+                 head_split: str | None = None) -> Running:
     """``skippy up``; ``chain``: stage settings for every stage (through a plan file; ``layers``
     must then be given)."""
     where = ["--layers", layers] if layers else ["--stages", str(stages)]
@@ -192,7 +194,7 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
         where = ["--plan", str(plan)]
     command = [sys.executable, "-m", "skippy", "up", "--model", str(model), *where,
                "--threads", str(threads), "--max-sessions", str(slots), "--ctx-size", str(slots * SLOT_CTX),
-               "--port", "0", "--log-dir", str(log_dir)]
+               "--port", "0", "--log-dir", str(log_dir), *(["--head-split", head_split] if head_split else [])]
     with (log_dir / "up.log").open("wb") as errors:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors,
                                    env={**os.environ, **(environment or {}), "PYTHONPATH": str(ROOT)})
@@ -296,7 +298,8 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 environment = ({"OMP_WAIT_POLICY": "PASSIVE"} if wait == "-passive"
                                else {"GOMP_SPINCOUNT": wait.removeprefix("-spin")} if wait else {})
                 running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain,
-                                       environment=environment)
+                                       environment=environment,
+                                       head_split="off" if shape_match.group(7) else None)  # -nohead: issue 31
                 if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name
