@@ -1,0 +1,99 @@
+"""Choosing and wiring the head split (issue 31): the rows moved, the shares, ``skippy up``'s
+choice and the launcher's flags; and, slow, a whole ``skippy up`` chain with the head split
+answering exactly what it answers without it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_helpers import UpProcess
+from skippy.deploy.cost import HEAD_ROW_ALIGN, HeadSplit, head_split, split_head_times
+from skippy.deploy.launch import StageChild, _head_options
+from skippy.deploy.plan import ModelShape, balanced_stages, choose_head_split, parse_head_split
+from skippy.net.address import Address
+
+
+def test_the_rows_moved_make_the_final_stage_and_the_least_loaded_equal() -> None:
+    times = [4.0, 2.0, 10.0]  # head 8 of the final stage's 10
+    chosen = head_split(times, 8.0, 32768)
+    assert chosen is not None and chosen.host == 1 and chosen.rows % HEAD_ROW_ALIGN == 0
+    after = split_head_times(times, 8.0, 32768, chosen)
+    assert after[1] == pytest.approx(after[2], rel=0.01) and sum(after) == pytest.approx(sum(times))
+    assert head_split([6.0, 4.0], 3.0, 32768) is None  # within its fair share: no split
+    assert head_split([1.0, 10.0], 9.0, 32768, rows=1000) == HeadSplit(0, 1000)
+    assert head_split([1.0, 10.0], 9.0, 32768, rows=40000) == HeadSplit(0, 32768 - HEAD_ROW_ALIGN)
+    assert head_split([10.0], 9.0, 32768) is None
+
+
+def test_parse_head_split() -> None:
+    assert parse_head_split("off") == "off" and parse_head_split("auto") == "auto" and parse_head_split("64") == 64
+    for bad in ("0", "-5", "some"):
+        with pytest.raises(ValueError, match="head-split"):
+            parse_head_split(bad)
+
+
+def test_real_gemma_head_split_brings_both_stages_under_60_percent(real_model: Path) -> None:
+    """Gemma 3 270M: no cut of the layers gets the final stage under 60% of a token's estimated
+    time by much (the head alone is more than half); with the head split both stages are near 50%."""
+    shape = ModelShape.from_gguf(real_model)
+    split, fractions = balanced_stages(shape, 2)
+    head, shares = choose_head_split(shape, split, "auto")
+    assert head is not None and head.host == 0 and 0 < head.rows < shape.n_vocab
+    assert max(shares) < 0.52 < max(fractions)
+    assert choose_head_split(shape, split, "off") == (None, pytest.approx(fractions))
+
+
+def test_up_chooses_the_head_split(tiny_llama: Path) -> None:
+    from skippy.commands.up import _head
+
+    split = [(0, 2), (2, 4)]
+    args = argparse.Namespace(layers=None, head_split=None)
+    head, how = _head(args, tiny_llama, split)  # the tiny model's 32000-row head outweighs its layers
+    assert head is not None and head.host == 0 and f"rows 0:{head.rows} on stage 0" in how
+    args = argparse.Namespace(layers="0:2,2:4", head_split=None)
+    assert _head(args, tiny_llama, split) == (None, "")  # --layers: manual
+    args = argparse.Namespace(layers="0:2,2:4", head_split="4096")
+    assert _head(args, tiny_llama, split)[0] == HeadSplit(0, 4096)
+    args = argparse.Namespace(layers=None, head_split="off")
+    assert _head(args, tiny_llama, split) == (None, "")
+
+
+def test_the_launcher_wires_the_shard_port() -> None:
+    children = [StageChild(index, f"{index}:{index + 1}", [], Path(f"/tmp/{index}")) for index in range(3)]
+    head = HeadSplit(1, 512)
+    assert _head_options(None, children[2], children) == []
+    assert _head_options(head, children[2], children) == ["--head-split", "512"]
+    assert _head_options(head, children[0], children) == []
+    children[2].head_shard = Address("127.0.0.1", 4567)
+    assert _head_options(head, children[1], children) == ["--serve-head-rows", "512", "--head-shard-dial",
+                                                          "127.0.0.1:4567"]
+
+
+@pytest.mark.slow
+def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: Path) -> None:
+    """Greedy, seeded sampling and log-probabilities through ``skippy up`` with the head's rows
+    0:9600 on stage 0: the same as the whole head on the final stage (f32 wire)."""
+    answers = {}
+    for mode in ("off", "9600"):
+        directory = tmp_path / mode
+        directory.mkdir()
+        up = UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:2,2:4", "--head-split", mode, "--port", "0",
+                        "--ctx-size", "256", "--threads", "1", "--log-dir", str(directory / "logs")], directory)
+        up.start()
+        try:
+            model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+            answers[mode] = [httpx.post(up.url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": "The quick brown fox", "max_tokens": 12, "logprobs": 2, **extra,
+            }).json()["choices"][0] for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 5},
+                                                  {"temperature": 0, "speculation": False})]
+            logs = "".join(path.read_text() for path in (directory / "logs").glob("stage-*.log"))
+        finally:
+            up.stop()
+        if mode != "off":
+            assert "serving head rows 0:9600" in logs and "head shard port on" in logs
+    assert json.dumps(answers["off"]) == json.dumps(answers["9600"])
