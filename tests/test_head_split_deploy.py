@@ -75,15 +75,17 @@ def test_the_launcher_wires_the_shard_port() -> None:
 
 
 @pytest.mark.slow
-def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: Path) -> None:
-    """Greedy, seeded sampling and log-probabilities through ``skippy up`` with the head's rows
-    0:9600 on stage 0: the same as the whole head on the final stage (f32 wire)."""
+@pytest.mark.parametrize("direct", ["on", "off"], ids=["direct-return", "hop-by-hop"])
+def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: Path, direct: str) -> None:
+    """Greedy (speculation on and off), seeded sampling and log-probabilities through ``skippy up``
+    with the head's rows 0:9600 on stage 0: the same as the whole head on the final stage (f32 wire)."""
     answers = {}
     for mode in ("off", "9600"):
         directory = tmp_path / mode
         directory.mkdir()
         up = UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:2,2:4", "--head-split", mode, "--port", "0",
-                        "--ctx-size", "256", "--threads", "1", "--log-dir", str(directory / "logs")], directory)
+                        "--ctx-size", "256", "--threads", "1", "--direct-return", direct,
+                        "--log-dir", str(directory / "logs")], directory)
         up.start()
         try:
             model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
