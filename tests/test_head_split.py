@@ -131,9 +131,19 @@ def llama_path() -> Path:
     return ensure_model(tiny("llama", dtype="F32"))
 
 
-@pytest.mark.parametrize("shard", ["local", "tcp", "dial"])
-@pytest.mark.parametrize("params", [None, SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7),
-                                    SamplingParams(grammar='root ::= [a-z ]+')], ids=["greedy", "seeded", "grammar"])
+_SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7)
+_GRAMMAR = SamplingParams(grammar='root ::= [a-z ]+')
+_SLOW = pytest.mark.slow  # the fast suite: every sampling kind in process, greedy over each transport
+
+
+@pytest.mark.parametrize("shard,params", [
+    pytest.param("local", None, id="local-greedy"), pytest.param("local", _SEEDED, id="local-seeded"),
+    pytest.param("local", _GRAMMAR, id="local-grammar"), pytest.param("tcp", None, id="tcp-greedy"),
+    pytest.param("dial", None, id="dial-greedy"),
+    pytest.param("tcp", _SEEDED, id="tcp-seeded", marks=_SLOW), pytest.param("tcp", _GRAMMAR, id="tcp-grammar", marks=_SLOW),
+    pytest.param("dial", _SEEDED, id="dial-seeded", marks=_SLOW),
+    pytest.param("dial", _GRAMMAR, id="dial-grammar", marks=_SLOW),
+])
 def test_split_head_is_bitwise_unsplit(llama_path: Path, shard: str, params: SamplingParams | None) -> None:
     whole = Chain(llama_path, 2, None)
     split = Chain(llama_path, 2, shard)

@@ -270,6 +270,8 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         split, how = _split(args, model, info.n_layer, info.kv_groups, threads=args.threads)
         head, head_how = _head(args, model, split)
         if head is not None and getattr(args, "ray", None):
+            if getattr(args, "head_split", None) not in (None, "auto"):
+                raise ValueError("--head-split ROWS: the Ray launcher does not split the head yet (--head-split off)")
             head, head_how = None, "; head not split (not on Ray yet)"
         how += head_how
         settings = api_settings(args)
