@@ -76,7 +76,7 @@ from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "balanced_stages", "choose_head_split", "estimated_times", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+    "balanced_stages", "choose_head_split", "estimated_times", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
 ]
 
 MIB: Final = 1 << 20
@@ -801,6 +801,14 @@ def choose_head_split(shape: ModelShape, split: Sequence[tuple[int, int]], mode:
             raise ValueError(f"--head-split {mode}: the head has {shape.n_vocab} rows")
         chosen = head_split(stage_ms, times.head_ms, shape.n_vocab, rows=mode if isinstance(mode, int) else None)
     return chosen, shares(split_head_times(stage_ms, times.head_ms, shape.n_vocab, chosen))
+
+
+def plan_head_split(plan: "Plan", shape: ModelShape, head_ms: float) -> tuple[HeadSplit | None, list[float]]:
+    """The head split a plan's chain would take (:func:`skippy.deploy.cost.head_split` over its
+    stages' decode times, the final stage's head taking ``head_ms``) and the shares with it."""
+    times = [stage.decode_ms for stage in plan.stages]
+    chosen = head_split(times, head_ms, shape.n_vocab)
+    return chosen, shares(split_head_times(times, head_ms, shape.n_vocab, chosen))
 
 
 def estimated_times(shape: ModelShape, settings: PlanSettings) -> LayerTimes:
