@@ -105,15 +105,19 @@ class LocalHeadShard:
         out[...] = self._compute.compute(hidden)
 
 
-def _read_exact(sock: socket.socket, size: int) -> bytes:
-    view = bytearray(size)
-    memory = memoryview(view)
+def _read_into(sock: socket.socket, memory: memoryview) -> None:
+    size = len(memory)
     got = 0
     while got < size:
         count = sock.recv_into(memory[got:], size - got)
         if count == 0:
             raise ConnectionError(f"connection closed after {got} of {size} bytes")
         got += count
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    view = bytearray(size)
+    _read_into(sock, memoryview(view))
     return bytes(view)
 
 
@@ -322,7 +326,8 @@ class RemoteHeadShard:
             self.close()
             raise HeadShardError(f"the head shard at {self._address} is gone: {exc}") from exc
 
-    def _reply(self, rows: int, body_bytes: int) -> bytes:
+    def _reply(self, rows: int, body_bytes: int, into: FloatArray | None = None) -> bytes:
+        """Read a reply's header (checked) and its body (into ``into`` when given: then b"")."""
         sock = self._sock
         if sock is None:
             raise HeadShardError(f"the head shard at {self._address} is gone")
@@ -336,6 +341,9 @@ class RemoteHeadShard:
             if status != 0 or count != rows or (r0, r1) != self.rows:
                 raise HeadShardError(f"the head shard at {self._address} answered {count} rows of head rows "
                                      f"{r0}:{r1} (status {status}); wanted {rows} of {self.rows[0]}:{self.rows[1]}")
+            if into is not None:
+                _read_into(sock, memoryview(into).cast("B"))
+                return b""
             return _read_exact(sock, body_bytes)
         except (ConnectionError, OSError) as exc:
             self.close()
@@ -357,7 +365,8 @@ class RemoteHeadShard:
         cols = self.rows[1] - self.rows[0]
         if rows == 0 or out.shape != (rows, cols):
             raise InvalidBatch(f"a head shard's columns for {rows} rows into {out.shape}")
-        values = np.frombuffer(self._reply(rows, rows * cols * 4), dtype="<f4").reshape(rows, cols)
+        values = np.empty((rows, cols), dtype="<f4")
+        self._reply(rows, rows * cols * 4, into=values)
         if not np.isfinite(values).all():
             self.close()
             raise HeadShardError(f"the head shard at {self._address} answered a non-finite logit")
