@@ -99,3 +99,19 @@ def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: P
         if mode != "off":
             assert "serving head rows 0:9600" in logs and "head shard port on" in logs
     assert json.dumps(answers["off"]) == json.dumps(answers["9600"])
+
+
+def test_a_head_shard_link_off_loopback_needs_tls_off() -> None:
+    """The head shard protocol has no TLS yet: a link leaving loopback is refused under the TLS rule."""
+    from skippy.stage.config import StageConfig
+
+    StageConfig(model="m", layers="1:2", head_split=5).validated()
+    with pytest.raises(ValueError, match="head shard link to 10.0.0.1:0 would leave loopback"):
+        StageConfig(model="m", layers="1:2", head_split=5, listen=Address("10.0.0.1", 0)).validated()
+    with pytest.raises(ValueError, match="head shard link to 10.0.0.2:7"):
+        StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7)).validated()
+    StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7), tls="off").validated()
+    with pytest.raises(ValueError, match="needs --head-shard-dial"):
+        StageConfig(model="m", layers="0:1", serve_head_rows=5).validated()
+    with pytest.raises(ValueError, match="head_split is for the final stage"):
+        StageConfig(model="m", layers="0:1", head_split=5, downstream=Address("127.0.0.1", 9)).validated()

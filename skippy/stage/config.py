@@ -114,6 +114,19 @@ class StageConfig:
         return max(1, self.max_inflight - 1)
 
     @property
+    def head_shard_link_needs_tls(self) -> str:
+        """The head shard link's address when the TLS rule wants TLS on it ("" otherwise): the
+        head shard protocol (docs/protocol.md §15) has none yet."""
+        from skippy.net.tls import link_uses_tls
+
+        ends = []
+        if self.head_split:
+            ends.append(self.head_shard_listen or Address(self.listen.host, 0))
+        if self.serve_head_rows and self.head_shard_dial is not None:
+            ends.append(self.head_shard_dial)
+        return next((str(end) for end in ends if link_uses_tls(self.tls, end.host)), "")
+
+    @property
     def tls_files_needed(self) -> str:
         """Why this stage needs TLS files ("" when none of its links uses TLS)."""
         from skippy.net.tls import link_uses_tls
@@ -171,6 +184,9 @@ class StageConfig:
              "head_split is for the final stage (no --downstream); another stage serves the rows with serve_head_rows"),
             (not self.serve_head_rows or self.head_shard_dial is not None,
              "serve_head_rows needs --head-shard-dial (the final stage's head shard port)"),
+            (not self.head_shard_link_needs_tls,
+             f"the head shard link to {self.head_shard_link_needs_tls} would leave loopback, and it does not use TLS "
+             "yet: keep the head split on one host, or pass --tls off on a trusted network"),
             (self.session_quota is None or self.session_quota >= 0,
              f"session_quota must be >= 0, 0 = no quota (got {self.session_quota})"),
             (self.max_connections >= 0, f"max_connections must be >= 0, 0 = no limit (got {self.max_connections})"),
