@@ -198,6 +198,7 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
         layer_ms, head_ms = measure_layer_times(
             shape, threads=threads or max(1, (os.cpu_count() or 1) // stages))
         times = LayerTimes(tuple(layer_ms), head_ms, "measured on this machine")
+        args.layer_times = times  # the head split takes them too (_head)
     split, fractions = balanced_stages(shape, stages, times)
     how = "measured here" if times is not None else "estimated from the shapes"
     return split, (f"cut by compute cost ({how}): " + ", ".join(
@@ -238,7 +239,7 @@ def _head(args: argparse.Namespace, model: Path, split: Sequence[tuple[int, int]
     if mode == "off" or len(split) < 2:
         return None, ""
     shape = ModelShape.from_gguf(model)
-    head, fractions = choose_head_split(shape, split, mode)
+    head, fractions = choose_head_split(shape, split, mode, getattr(args, "layer_times", None))
     if head is None:
         return None, "; head not split (the final stage is within its share)"
     return head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on the "
