@@ -12,7 +12,7 @@ import httpx
 import pytest
 
 from api_helpers import UpProcess
-from skippy.deploy.cost import HEAD_ROW_ALIGN, HeadSplit, head_split, split_head_times
+from skippy.deploy.cost import HEAD_ROW_ALIGN, HeadSplit, head_split, split_head_times, split_times
 from skippy.deploy.launch import StageChild, _head_options
 from skippy.deploy.plan import ModelShape, balanced_stages, choose_head_split, parse_head_split
 from skippy.net.address import Address
@@ -28,6 +28,25 @@ def test_the_rows_moved_make_the_final_stage_and_the_least_loaded_equal() -> Non
     assert head_split([1.0, 10.0], 9.0, 32768, rows=1000) == HeadSplit(0, 1000)
     assert head_split([1.0, 10.0], 9.0, 32768, rows=40000) == HeadSplit(0, 32768 - HEAD_ROW_ALIGN)
     assert head_split([10.0], 9.0, 32768) is None
+
+
+def test_layers_and_head_cut_together() -> None:
+    """Three stages, a head of 9 of the 18 units: the layers are cut again around the rows moved
+    to stage 0, so no stage keeps much more than a third; the simple move of the rows is kept
+    where it is as fast and moves fewer rows."""
+    from skippy.deploy.cost import balanced_split_head
+
+    layer_ms = [1.0] * 18
+    split, chosen = balanced_split_head(layer_ms, 18.0, 3, 65536)
+    assert chosen is not None and chosen.host == 0
+    bounds = [start for start, _ in split] + [18]
+    times = split_head_times(split_times(layer_ms, 18.0, bounds), 18.0, 65536, chosen)
+    assert max(times) < 1.05 * sum(times) / 3
+    assert balanced_split_head([1.0] * 4, 0.01, 2, 65536)[1] is None  # moving rows gains under 1%
+    split, chosen = balanced_split_head([1.0] * 18, 5.0, 2, 65536)  # 23 units: 11.5 each at best
+    assert chosen is not None and chosen.rows <= 8192  # half a unit of the head, not half the head
+    bounds = [start for start, _ in split] + [18]
+    assert max(split_head_times(split_times([1.0] * 18, 5.0, bounds), 5.0, 65536, chosen)) <= 11.5 * 1.01
 
 
 def test_parse_head_split() -> None:
@@ -46,6 +65,11 @@ def test_real_gemma_head_split_brings_both_stages_under_60_percent(real_model: P
     assert head is not None and head.host == 0 and 0 < head.rows < shape.n_vocab
     assert max(shares) < 0.52 < max(fractions)
     assert choose_head_split(shape, split, "off") == (None, pytest.approx(fractions))
+    from skippy.deploy.plan import balanced_stages_head
+
+    assert balanced_stages_head(shape, 2)[:2] == (split, head)  # the fewest rows for the same balance
+    three, three_head, three_shares = balanced_stages_head(shape, 3)
+    assert three_head is not None and max(three_shares) < 0.35 < max(balanced_stages(shape, 3)[1])
 
 
 def test_up_chooses_the_head_split(tiny_llama: Path) -> None:
@@ -53,14 +77,15 @@ def test_up_chooses_the_head_split(tiny_llama: Path) -> None:
 
     split = [(0, 2), (2, 4)]
     args = argparse.Namespace(layers=None, head_split=None)
-    head, how = _head(args, tiny_llama, split)  # the tiny model's 32000-row head outweighs its layers
+    cut, head, how = _head(args, tiny_llama, split)  # the tiny model's 32000-row head outweighs its layers
     assert head is not None and head.host == 0 and f"rows 0:{head.rows} on stage 0" in how
+    assert cut[0][0] == 0 and cut[-1][1] == 4 and len(cut) == 2
     args = argparse.Namespace(layers="0:2,2:4", head_split=None)
-    assert _head(args, tiny_llama, split) == (None, "")  # --layers: manual
+    assert _head(args, tiny_llama, split) == (split, None, "")  # --layers: manual
     args = argparse.Namespace(layers="0:2,2:4", head_split="4096")
-    assert _head(args, tiny_llama, split)[0] == HeadSplit(0, 4096)
+    assert _head(args, tiny_llama, split)[:2] == (split, HeadSplit(0, 4096))
     args = argparse.Namespace(layers=None, head_split="off")
-    assert _head(args, tiny_llama, split) == (None, "")
+    assert _head(args, tiny_llama, split) == (split, None, "")
 
 
 def test_the_launcher_wires_the_shard_port() -> None:

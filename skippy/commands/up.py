@@ -230,20 +230,27 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     return extra
 
 
-def _head(args: argparse.Namespace, model: Path, split: Sequence[tuple[int, int]]) -> tuple[Any, str]:
-    """The head split (``--head-split``; :func:`skippy.deploy.plan.choose_head_split`) and a note on it."""
-    from skippy.deploy.plan import ModelShape, choose_head_split, parse_head_split
+def _head(args: argparse.Namespace, model: Path,
+          split: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], Any, str]:
+    """The layer ranges and head split (``--head-split``; with ``--stages`` and ``auto`` the layers
+    are cut again with it: :func:`skippy.deploy.plan.balanced_stages_head`) and a note on them."""
+    from skippy.deploy.plan import ModelShape, balanced_stages_head, choose_head_split, parse_head_split
 
     text = getattr(args, "head_split", None) or ("off" if args.layers or len(split) < 2 else "auto")
     mode = parse_head_split(text)
     if mode == "off" or len(split) < 2:
-        return None, ""
+        return split, None, ""
     shape = ModelShape.from_gguf(model)
-    head, fractions = choose_head_split(shape, split, mode, getattr(args, "layer_times", None))
+    times = getattr(args, "layer_times", None)
+    if mode == "auto" and not args.layers:
+        split, head, fractions = balanced_stages_head(shape, len(split), times)
+    else:
+        head, fractions = choose_head_split(shape, split, mode, times)
     if head is None:
-        return None, "; head not split (the final stage is within its share)"
-    return head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on the "
-                  f"final stage, then " + ", ".join(f"{share:.0%}" for share in fractions))
+        return split, None, "; head not split (the final stage is within its share)"
+    return split, head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on "
+                         "the final stage; with it " + ", ".join(
+                             f"{a}:{b} {share:.0%}" for (a, b), share in zip(split, fractions)))
 
 
 async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> int:
@@ -269,7 +276,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
         split, how = _split(args, model, info.n_layer, info.kv_groups, threads=args.threads)
-        head, head_how = _head(args, model, split)
+        split, head, head_how = _head(args, model, split)
         if head is not None and getattr(args, "ray", None):
             if getattr(args, "head_split", None) not in (None, "auto"):
                 raise ValueError("--head-split ROWS: the Ray launcher does not split the head yet (--head-split off)")

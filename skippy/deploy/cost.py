@@ -43,7 +43,7 @@ from skippy.runtime.gguf_header import TensorEntry
 from skippy.runtime.layer_kinds import recurrent_layers, state_values_per_layer
 
 __all__ = ["ATTENDED_TOKENS", "HEAD_ROW_ALIGN", "LAYER_FIXED_MACS", "HeadSplit", "PartCosts", "balanced_split",
-           "head_split", "part_costs", "shares", "split_head_times", "split_times"]
+           "balanced_split_head", "head_split", "part_costs", "shares", "split_head_times", "split_times"]
 
 #: Context a decode row is assumed to attend to (tokens) when estimating attention's cost.
 ATTENDED_TOKENS: Final = 512
@@ -151,8 +151,10 @@ def shares(times: Sequence[float]) -> list[float]:
 
 
 def balanced_split(layer_ms: Sequence[float], head_ms: float, n_stages: int,
-                   groups: Sequence[KvGroup] = (), *, embed_ms: float = 0.0) -> list[tuple[int, int]]:
-    """The ``n_stages`` contiguous ranges that minimise the slowest stage (see the module notes).
+                   groups: Sequence[KvGroup] = (), *, embed_ms: float = 0.0,
+                   stage_extra_ms: Sequence[float] = ()) -> list[tuple[int, int]]:
+    """The ``n_stages`` contiguous ranges that minimise the slowest stage (see the module notes;
+    ``stage_extra_ms``: time each stage index spends beyond its layers, e.g. a head shard's rows).
 
     Raises:
         ValueError: more stages than layers, or than the legal cuts allow.
@@ -183,7 +185,7 @@ def balanced_split(layer_ms: Sequence[float], head_ms: float, n_stages: int,
                 for start in [0] if s == 0 else cuts[1:]:
                     if start >= end or (s > 0 and best[s - 1][start] == math.inf):
                         continue
-                    t = stage_time(start, end)
+                    t = stage_time(start, end) + (stage_extra_ms[s] if s < len(stage_extra_ms) else 0.0)
                     if t > limit:
                         continue
                     before = 0.0 if s == 0 else best[s - 1][start]
@@ -246,3 +248,50 @@ def split_head_times(times: Sequence[float], head_ms: float, n_vocab: int, split
         result[split.host] += moved
         result[-1] -= moved
     return result
+
+
+def balanced_split_head(layer_ms: Sequence[float], head_ms: float, n_stages: int, n_vocab: int,
+                        groups: Sequence[KvGroup] = (), *,
+                        embed_ms: float = 0.0) -> tuple[list[tuple[int, int]], HeadSplit | None]:
+    """The layers and the head's rows cut together.  Candidates: the balanced cut with the rows
+    :func:`head_split` moves, and the rows ``0:R`` on stage 0 with the layers cut again for each
+    ``R`` tried (the head in 16ths, then 128ths around the best); among those within 1% of the
+    fastest, the one moving the fewest rows (each row's logits cross the network every token).  No
+    split when none beats the whole head on the last stage by more than that.
+
+    Raises:
+        ValueError: as :func:`balanced_split`.
+    """
+    n_layer = len(layer_ms)
+
+    def times_of(split: Sequence[tuple[int, int]], chosen: HeadSplit | None) -> list[float]:
+        bounds = [start for start, _ in split] + [n_layer]
+        return split_head_times(split_times(layer_ms, head_ms, bounds, embed_ms=embed_ms), head_ms, n_vocab, chosen)
+
+    def recut(rows: int) -> tuple[list[tuple[int, int]], HeadSplit]:
+        moved = head_ms * rows / n_vocab
+        split = balanced_split(layer_ms, head_ms - moved, n_stages, groups, embed_ms=embed_ms,
+                               stage_extra_ms=[moved])
+        return split, HeadSplit(0, rows)
+
+    def aligned(fraction: float) -> int:
+        return min(n_vocab - HEAD_ROW_ALIGN, int(round(fraction * n_vocab / HEAD_ROW_ALIGN)) * HEAD_ROW_ALIGN)
+
+    base = balanced_split(layer_ms, head_ms, n_stages, groups, embed_ms=embed_ms)
+    whole = max(times_of(base, None))
+    if n_stages < 2 or head_ms <= 0 or n_vocab <= 2 * HEAD_ROW_ALIGN:
+        return base, None
+    candidates: list[tuple[list[tuple[int, int]], HeadSplit]] = []
+    simple = head_split(times_of(base, None), head_ms, n_vocab)
+    if simple is not None:
+        candidates.append((base, simple))
+    grid = [recut(rows) for rows in sorted({aligned(step / 16) for step in range(1, 16)})]
+    best = min(grid, key=lambda c: max(times_of(*c)))[1].rows / n_vocab
+    grid += [recut(rows) for rows in sorted({aligned(best + step / 128) for step in range(-8, 9)}) if rows > 0]
+    candidates += grid
+    fastest = min(max(times_of(*c)) for c in candidates)
+    if fastest >= whole / 1.01:
+        return base, None
+    split, chosen = min((c for c in candidates if max(times_of(*c)) <= fastest * 1.01),
+                        key=lambda c: (c[1].rows, sum(t * t for t in times_of(*c))))
+    return list(split), chosen

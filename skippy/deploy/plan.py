@@ -63,6 +63,7 @@ from skippy.deploy.cost import (
     HeadSplit,
     PartCosts,
     balanced_split,
+    balanced_split_head,
     head_split,
     part_costs,
     shares,
@@ -76,7 +77,7 @@ from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "balanced_stages", "choose_head_split", "estimated_times", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+    "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
 ]
 
 MIB: Final = 1 << 20
@@ -801,6 +802,22 @@ def choose_head_split(shape: ModelShape, split: Sequence[tuple[int, int]], mode:
             raise ValueError(f"--head-split {mode}: the head has {shape.n_vocab} rows")
         chosen = head_split(stage_ms, times.head_ms, shape.n_vocab, rows=mode if isinstance(mode, int) else None)
     return chosen, shares(split_head_times(stage_ms, times.head_ms, shape.n_vocab, chosen))
+
+
+def balanced_stages_head(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
+                         settings: PlanSettings | None = None
+                         ) -> tuple[list[tuple[int, int]], HeadSplit | None, list[float]]:
+    """``n_stages`` ranges and the head split cut together (:func:`skippy.deploy.cost.balanced_split_head`)
+    and each stage's expected share of a token's time with them.
+
+    Raises:
+        ValueError: more stages than layers or legal cuts.
+    """
+    times = times or estimated_times(shape, settings or PlanSettings())
+    split, chosen = balanced_split_head(times.layer_ms, times.head_ms, n_stages, shape.n_vocab, shape.kv_groups)
+    bounds = [start for start, _ in split] + [shape.n_layer]
+    stage_ms = split_times(times.layer_ms, times.head_ms, bounds)
+    return split, chosen, shares(split_head_times(stage_ms, times.head_ms, shape.n_vocab, chosen))
 
 
 def plan_head_split(plan: "Plan", shape: ModelShape, head_ms: float) -> tuple[HeadSplit | None, list[float]]:
