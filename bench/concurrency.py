@@ -25,7 +25,8 @@ stock one.
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
   false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
-  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop]`` is understood).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
+  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop][-nohead]`` is understood; ``-nohead``:
+  ``--head-split off``, the whole output head on the final stage as before the head split).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
   ``-hop`` passes ``--direct-return off`` (predictions back through
   every stage; a request that does not speculate then decodes as a run the first stage drives,
@@ -80,7 +81,7 @@ PROMPTS = [
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
 #: Any skippy variant: stages x threads, then the modifiers in this order.
-SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?")
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?(-nohead)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -310,7 +311,8 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                                else {"GOMP_SPINCOUNT": wait.removeprefix("-spin")} if wait else {})
                 running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain,
                                        environment=environment,
-                                       extra=["--direct-return", "off"] if shape_match.group(7) else [])
+                                       extra=[*(["--direct-return", "off"] if shape_match.group(7) else []),
+                                              *(["--head-split", "off"] if shape_match.group(8) else [])])
                 if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name

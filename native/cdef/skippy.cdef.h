@@ -145,6 +145,9 @@ int32_t llama_stage_abi_version(void);
 const char * llama_stage_arch_refusal(const char * arch_name);
 int32_t llama_model_stage_layer_start(const struct llama_model * model);
 int32_t llama_model_stage_layer_end(const struct llama_model * model);
+bool llama_model_stage_has_head(const struct llama_model * model);
+int32_t llama_model_stage_head_row_start(const struct llama_model * model);
+int32_t llama_model_stage_head_row_end(const struct llama_model * model);
 
 /* context */
 struct llama_context_params llama_context_default_params(void);

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     print(plan.describe())
+    _say_head_split(plan, shape, settings, host_times)
     text = plan.to_toml()
     if args.output is None:
         print()
@@ -103,6 +104,21 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.output}; on each host: python -m skippy.stage --config {args.output} --plan-stage N "
               f"(N = 0..{len(plan.stages) - 1}); on one machine: skippy up --plan {args.output}{ray_hint}")
     return 0
+
+
+def _say_head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | None) -> None:
+    """Say the head split (issue 31) that would bring the final stage to the others' time: not in
+    the plan file yet, so its flags are given by hand (docs/throughput.md, "The head split")."""
+    from skippy.deploy.plan import estimated_times, plan_head_split
+
+    head_ms = (host_times[-1] if host_times else estimated_times(shape, settings)).head_ms
+    head, fractions = plan_head_split(plan, shape, head_ms)
+    if head is None:
+        return
+    print(f"  head split: the final stage is above its share; with the head's rows 0:{head.rows} on stage "
+          f"{head.host} the shares would be " + ", ".join(f"{share:.0%}" for share in fractions)
+          + f" (by hand: the final stage --head-split {head.rows} --head-shard-listen HOST:PORT, stage {head.host} "
+          f"--serve-head-rows {head.rows} --head-shard-dial HOST:PORT; on one machine skippy up --stages does it)")
 
 
 def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any]) -> tuple[list[Any], list[Any] | None]:

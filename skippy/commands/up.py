@@ -62,6 +62,11 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--measure", action="store_true",
                         help="with --stages: cut by timings of each layer and the output head on this machine "
                              "(loads each layer once, seconds) instead of the estimate from the shapes")
+    parser.add_argument("--head-split", default=None, metavar="off|auto|ROWS",
+                        help="split the output head by vocabulary rows (issue 31): the head's rows 0:ROWS run on the "
+                             "least loaded other stage, beside its layers, at the same time as the final stage's "
+                             "rest; auto (the default with --stages): when the final stage is above its fair share, "
+                             "as many rows as make the two equal; off with --layers unless ROWS is given")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
@@ -193,6 +198,7 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
         layer_ms, head_ms = measure_layer_times(
             shape, threads=threads or max(1, (os.cpu_count() or 1) // stages))
         times = LayerTimes(tuple(layer_ms), head_ms, "measured on this machine")
+        args.layer_times = times  # the head split takes them too (_head)
     split, fractions = balanced_stages(shape, stages, times)
     how = "measured here" if times is not None else "estimated from the shapes"
     return split, (f"cut by compute cost ({how}): " + ", ".join(
@@ -224,6 +230,29 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     return extra
 
 
+def _head(args: argparse.Namespace, model: Path,
+          split: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], Any, str]:
+    """The layer ranges and head split (``--head-split``; with ``--stages`` and ``auto`` the layers
+    are cut again with it: :func:`skippy.deploy.plan.balanced_stages_head`) and a note on them."""
+    from skippy.deploy.plan import ModelShape, balanced_stages_head, choose_head_split, parse_head_split
+
+    text = getattr(args, "head_split", None) or ("off" if args.layers or len(split) < 2 else "auto")
+    mode = parse_head_split(text)
+    if mode == "off" or len(split) < 2:
+        return split, None, ""
+    shape = ModelShape.from_gguf(model)
+    times = getattr(args, "layer_times", None)
+    if mode == "auto" and not args.layers:
+        split, head, fractions = balanced_stages_head(shape, len(split), times)
+    else:
+        head, fractions = choose_head_split(shape, split, mode, times)
+    if head is None:
+        return split, None, "; head not split (the final stage is within its share)"
+    return split, head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on "
+                         "the final stage; with it " + ", ".join(
+                             f"{a}:{b} {share:.0%}" for (a, b), share in zip(split, fractions)))
+
+
 async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> int:
     """Run the chain and API until a signal, a failing stage, or ``on_ready`` returning.
 
@@ -247,6 +276,12 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
             model, model_id = _default_model(err, generated=args.generated_model)
         info = read_gguf_info(model)
         split, how = _split(args, model, info.n_layer, info.kv_groups, threads=args.threads)
+        split, head, head_how = _head(args, model, split)
+        if head is not None and getattr(args, "ray", None):
+            if getattr(args, "head_split", None) not in (None, "auto"):
+                raise ValueError("--head-split ROWS: the Ray launcher does not split the head yet (--head-split off)")
+            head, head_how = None, "; head not split (not on Ray yet)"
+        how += head_how
         settings = api_settings(args)
         gpu = gpu_options(args)
         config_from_mapping({"model": str(model), "layers": "0:1",  # the GPU values, checked before any stage starts
@@ -322,7 +357,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                         model, split, stage_options=options, log_dir=log_dir, progress=bar.update,
                         announce=announce, per_stage_options=per_stage, metrics=True,
                         on_child_exit=lost if getattr(args, "keep_serving", False) else None,
-                        replacement=replacement, events=events, on_replaced=replaced,
+                        replacement=replacement, events=events, on_replaced=replaced, head=head,
                         task_status=task_status))
                     stages = [child.info() for child in children]
                     nursery.start_soon(_report_losses, events, bar, replacement.restarts > 0)

@@ -25,6 +25,9 @@ Strategy
   (stage, end layer); among the splits as fast as that, the one with the least sum of squared stage
   times (stages closest to equal).  :func:`shares` gives
   each stage's expected share of a token's time, which ``skippy up`` and ``skippy plan`` print.
+* **Head split** (:func:`head_split`, issue 31): when the final stage is still above its fair share
+  (the head alone can be more than half a token, as Gemma 3 270M's is), the head's first
+  vocabulary rows move to the least loaded other stage, as many as make the two equal.
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from skippy.runtime.cuts import KvGroup, legal_cuts
 from skippy.runtime.gguf_header import TensorEntry
 from skippy.runtime.layer_kinds import recurrent_layers, state_values_per_layer
 
-__all__ = ["ATTENDED_TOKENS", "LAYER_FIXED_MACS", "PartCosts", "balanced_split", "part_costs", "shares",
-           "split_times"]
+__all__ = ["ATTENDED_TOKENS", "HEAD_ROW_ALIGN", "LAYER_FIXED_MACS", "HeadSplit", "PartCosts", "balanced_split",
+           "balanced_split_head", "head_split", "part_costs", "shares", "split_head_times", "split_times"]
 
 #: Context a decode row is assumed to attend to (tokens) when estimating attention's cost.
 ATTENDED_TOKENS: Final = 512
@@ -148,8 +151,10 @@ def shares(times: Sequence[float]) -> list[float]:
 
 
 def balanced_split(layer_ms: Sequence[float], head_ms: float, n_stages: int,
-                   groups: Sequence[KvGroup] = (), *, embed_ms: float = 0.0) -> list[tuple[int, int]]:
-    """The ``n_stages`` contiguous ranges that minimise the slowest stage (see the module notes).
+                   groups: Sequence[KvGroup] = (), *, embed_ms: float = 0.0,
+                   stage_extra_ms: Sequence[float] = ()) -> list[tuple[int, int]]:
+    """The ``n_stages`` contiguous ranges that minimise the slowest stage (see the module notes;
+    ``stage_extra_ms``: time each stage index spends beyond its layers, e.g. a head shard's rows).
 
     Raises:
         ValueError: more stages than layers, or than the legal cuts allow.
@@ -180,7 +185,7 @@ def balanced_split(layer_ms: Sequence[float], head_ms: float, n_stages: int,
                 for start in [0] if s == 0 else cuts[1:]:
                     if start >= end or (s > 0 and best[s - 1][start] == math.inf):
                         continue
-                    t = stage_time(start, end)
+                    t = stage_time(start, end) + (stage_extra_ms[s] if s < len(stage_extra_ms) else 0.0)
                     if t > limit:
                         continue
                     before = 0.0 if s == 0 else best[s - 1][start]
@@ -200,3 +205,93 @@ def balanced_split(layer_ms: Sequence[float], head_ms: float, n_stages: int,
         bounds.append(end)
     bounds.reverse()
     return list(zip(bounds, bounds[1:]))
+
+
+#: A head split moves whole blocks of this many vocabulary rows (a repacked weight's row groups
+#: stay whole on both sides: patch 0017's rows are bitwise those of the whole head).
+HEAD_ROW_ALIGN: Final = 256
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeadSplit:
+    """The output head's vocabulary rows ``0:rows`` computed on stage ``host`` (beside its layers),
+    the rest on the final stage (issue 31)."""
+
+    host: int
+    rows: int
+
+
+def head_split(times: Sequence[float], head_ms: float, n_vocab: int, *,
+               rows: int | None = None) -> HeadSplit | None:
+    """Where the head's rows go when the final stage of ``times`` (each stage's time, the whole
+    head on the last) is above its fair share: the rows that make it and the least loaded other
+    stage equal go to that stage (``rows``: that many, chosen by hand).  None: no split (one
+    stage, a final stage at or under its share, or fewer rows than one block to move)."""
+    count = len(times)
+    if count < 2 or head_ms <= 0 or n_vocab <= HEAD_ROW_ALIGN:
+        return None
+    host = min(range(count - 1), key=lambda s: times[s])
+    if rows is None:
+        if times[-1] <= sum(times) / count:
+            return None
+        moved_ms = min(head_ms, (times[-1] - times[host]) / 2)
+        rows = int(round(moved_ms / head_ms * n_vocab / HEAD_ROW_ALIGN)) * HEAD_ROW_ALIGN
+    rows = min(rows, n_vocab - HEAD_ROW_ALIGN)
+    return HeadSplit(host, rows) if rows > 0 else None
+
+
+def split_head_times(times: Sequence[float], head_ms: float, n_vocab: int, split: HeadSplit | None) -> list[float]:
+    """Each stage's time with the head's rows ``0:split.rows`` moved to ``split.host``."""
+    result = list(times)
+    if split is not None:
+        moved = head_ms * split.rows / n_vocab
+        result[split.host] += moved
+        result[-1] -= moved
+    return result
+
+
+def balanced_split_head(layer_ms: Sequence[float], head_ms: float, n_stages: int, n_vocab: int,
+                        groups: Sequence[KvGroup] = (), *,
+                        embed_ms: float = 0.0) -> tuple[list[tuple[int, int]], HeadSplit | None]:
+    """The layers and the head's rows cut together.  Candidates: the balanced cut with the rows
+    :func:`head_split` moves, and the rows ``0:R`` on stage 0 with the layers cut again for each
+    ``R`` tried (the head in 16ths, then 128ths around the best); among those within 1% of the
+    fastest, the one moving the fewest rows (each row's logits cross the network every token).  No
+    split when none beats the whole head on the last stage by more than that.
+
+    Raises:
+        ValueError: as :func:`balanced_split`.
+    """
+    n_layer = len(layer_ms)
+
+    def times_of(split: Sequence[tuple[int, int]], chosen: HeadSplit | None) -> list[float]:
+        bounds = [start for start, _ in split] + [n_layer]
+        return split_head_times(split_times(layer_ms, head_ms, bounds, embed_ms=embed_ms), head_ms, n_vocab, chosen)
+
+    def recut(rows: int) -> tuple[list[tuple[int, int]], HeadSplit]:
+        moved = head_ms * rows / n_vocab
+        split = balanced_split(layer_ms, head_ms - moved, n_stages, groups, embed_ms=embed_ms,
+                               stage_extra_ms=[moved])
+        return split, HeadSplit(0, rows)
+
+    def aligned(fraction: float) -> int:
+        return min(n_vocab - HEAD_ROW_ALIGN, int(round(fraction * n_vocab / HEAD_ROW_ALIGN)) * HEAD_ROW_ALIGN)
+
+    base = balanced_split(layer_ms, head_ms, n_stages, groups, embed_ms=embed_ms)
+    whole = max(times_of(base, None))
+    if n_stages < 2 or head_ms <= 0 or n_vocab <= 2 * HEAD_ROW_ALIGN:
+        return base, None
+    candidates: list[tuple[list[tuple[int, int]], HeadSplit]] = []
+    simple = head_split(times_of(base, None), head_ms, n_vocab)
+    if simple is not None:
+        candidates.append((base, simple))
+    grid = [recut(rows) for rows in sorted({aligned(step / 16) for step in range(1, 16)})]
+    best = min(grid, key=lambda c: max(times_of(*c)))[1].rows / n_vocab
+    grid += [recut(rows) for rows in sorted({aligned(best + step / 128) for step in range(-8, 9)}) if rows > 0]
+    candidates += grid
+    fastest = min(max(times_of(*c)) for c in candidates)
+    if fastest >= whole / 1.01:
+        return base, None
+    split, chosen = min((c for c in candidates if max(times_of(*c)) <= fastest * 1.01),
+                        key=lambda c: (c[1].rows, sum(t * t for t in times_of(*c))))
+    return list(split), chosen

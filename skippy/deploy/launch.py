@@ -51,12 +51,14 @@ from typing import AsyncIterator, Callable, Sequence
 import trio
 
 from skippy.api.lanes import StageInfo
+from skippy.deploy.cost import HeadSplit
 from skippy.net.liveness import PERIOD, SILENCE, ChainEvents, HeartbeatRefused, StageEvent, heartbeat
 from skippy.net.address import Address
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 _LOADING = re.compile(r"loading .* layers \S+:\s*(\d+)%")
 _METRICS = re.compile(r"metrics on http://(\S+)/metrics")
+_HEAD_PORT = re.compile(r"head shard port on (\S+):(\d+)")
 _STANDBY = re.compile(r"standby layers \S+ loaded, waiting for activation")
 
 #: progress(stage index, stage count, fraction of that stage loaded)
@@ -79,6 +81,8 @@ class StageChild:
     address: Address | None = None
     #: Where it serves ``GET /metrics`` (started with ``--metrics-listen``), once logged.
     metrics: Address | None = None
+    #: The final stage of a split head: the port the stage serving its other rows dials.
+    head_shard: Address | None = None
     ready: trio.Event = dataclasses.field(default_factory=trio.Event)
     tail: collections.deque[str] = dataclasses.field(default_factory=lambda: collections.deque(maxlen=30))
     #: Replacements started so far (restarts and standby takeovers).
@@ -153,6 +157,9 @@ async def _read_log(child: StageChild, process: trio.Process, progress: Progress
                 metrics = _METRICS.search(line)
                 if metrics:
                     child.metrics = Address.parse(metrics.group(1))
+                head_port = _HEAD_PORT.search(line)
+                if head_port:
+                    child.head_shard = Address(head_port.group(1), int(head_port.group(2)))
                 if _STANDBY.search(line):
                     child.loaded.set()
                 ready = _READY.search(line)
@@ -388,6 +395,7 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
                     replacement: Replacement = Replacement(heartbeat_timeout=0.0),
                     events: ChainEvents | None = None,
                     on_replaced: Callable[[StageChild, StageEvent], None] | None = None,
+                    head: HeadSplit | None = None,
                     task_status: trio.TaskStatus[list[StageChild]] = trio.TASK_STATUS_IGNORED) -> None:
     """Run the stages of ``split`` until cancelled; reports the children once all are READY.
 
@@ -399,6 +407,9 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
         replacement: how a lost stage is detected and replaced (default: an exit only, never replaced).
         events: where "stage lost" / "stage ready again" are published.
         on_replaced: called once a replacement of a stage is ready, with its "ready" event.
+        head: the output head split by vocabulary rows (issue 31): the final stage computes the rows
+            ``head.rows:``, stage ``head.host`` the rows ``0:head.rows``, dialling the final stage's
+            head shard port (which its log names before READY).
 
     Raises:
         ChildFailed: a stage was lost for good (without ``on_child_exit``), or did not get READY
@@ -417,7 +428,8 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
             downstream: Address | None = None
             for child in reversed(children):
                 options = [*stage_options, *(per_stage_options(child.index) if per_stage_options else ()),
-                           *(["--metrics-listen", f"{host}:0"] if metrics else [])]
+                           *(["--metrics-listen", f"{host}:0"] if metrics else []),
+                           *_head_options(head, child, children)]
                 child.log_path.write_bytes(b"")
                 await chain.spawn(child, stage_command(model, child.layers, downstream=downstream, host=host,
                                                        options=options))
@@ -434,6 +446,20 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
     finally:
         with trio.CancelScope(shield=True):
             await _stop(chain.spawned if chain is not None else children, grace)
+
+
+def _head_options(head: HeadSplit | None, child: StageChild, children: Sequence[StageChild]) -> list[str]:
+    """A split head's flags for ``child``: the final stage's rows, the host's rows and the port to dial."""
+    if head is None:
+        return []
+    if child.index == len(children) - 1:
+        return ["--head-split", str(head.rows)]
+    if child.index == head.host:
+        port = children[-1].head_shard
+        if port is None:
+            raise ChildFailed(f"{children[-1].name} did not name its head shard port")
+        return ["--serve-head-rows", str(head.rows), "--head-shard-dial", str(port)]
+    return []
 
 
 async def cancel_on_signal(received: AsyncIterator[int], scope: trio.CancelScope, got: list[int]) -> None:

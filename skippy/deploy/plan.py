@@ -59,7 +59,17 @@ from typing import Any, Final, Sequence, final
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from skippy.cache.stage_cache import prefix_cache_refusal
-from skippy.deploy.cost import PartCosts, balanced_split, part_costs, shares, split_times
+from skippy.deploy.cost import (
+    HeadSplit,
+    PartCosts,
+    balanced_split,
+    balanced_split_head,
+    head_split,
+    part_costs,
+    shares,
+    split_head_times,
+    split_times,
+)
 from skippy.runtime._architectures import STAGE_TOKEN_EMBEDDINGS
 from skippy.runtime.cuts import KvGroup, kv_groups, legal_cuts
 from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_digest, read_layout
@@ -67,7 +77,7 @@ from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "balanced_stages", "estimated_times", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+    "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
 ]
 
 MIB: Final = 1 << 20
@@ -755,6 +765,67 @@ def balanced_stages(shape: ModelShape, n_stages: int, times: LayerTimes | None =
     split = balanced_split(times.layer_ms, times.head_ms, n_stages, shape.kv_groups)
     bounds = [start for start, _ in split] + [shape.n_layer]
     return split, shares(split_times(times.layer_ms, times.head_ms, bounds))
+
+
+def parse_head_split(text: str) -> str | int:
+    """``--head-split``: ``off``, ``auto`` or a row count (the head's rows ``0:ROWS`` moved).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if text in ("off", "auto"):
+        return text
+    try:
+        rows = int(text)
+    except ValueError:
+        raise ValueError(f"--head-split must be off, auto or a row count (got {text!r})") from None
+    if rows <= 0:
+        raise ValueError(f"--head-split rows must be > 0 (got {rows})")
+    return rows
+
+
+def choose_head_split(shape: ModelShape, split: Sequence[tuple[int, int]], mode: str | int,
+                      times: LayerTimes | None = None,
+                      settings: PlanSettings | None = None) -> tuple[HeadSplit | None, list[float]]:
+    """The head split of a one-machine chain ``split`` (``mode``: off, auto or a row count;
+    :func:`skippy.deploy.cost.head_split`) and each stage's expected share of a token's time with it.
+
+    Raises:
+        ValueError: a row count not below the vocabulary.
+    """
+    times = times or estimated_times(shape, settings or PlanSettings())
+    bounds = [start for start, _ in split] + [shape.n_layer]
+    stage_ms = split_times(times.layer_ms, times.head_ms, bounds)
+    chosen: HeadSplit | None = None
+    if mode != "off":
+        if isinstance(mode, int) and mode >= shape.n_vocab:
+            raise ValueError(f"--head-split {mode}: the head has {shape.n_vocab} rows")
+        chosen = head_split(stage_ms, times.head_ms, shape.n_vocab, rows=mode if isinstance(mode, int) else None)
+    return chosen, shares(split_head_times(stage_ms, times.head_ms, shape.n_vocab, chosen))
+
+
+def balanced_stages_head(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
+                         settings: PlanSettings | None = None
+                         ) -> tuple[list[tuple[int, int]], HeadSplit | None, list[float]]:
+    """``n_stages`` ranges and the head split cut together (:func:`skippy.deploy.cost.balanced_split_head`)
+    and each stage's expected share of a token's time with them.
+
+    Raises:
+        ValueError: more stages than layers or legal cuts.
+    """
+    times = times or estimated_times(shape, settings or PlanSettings())
+    split, chosen = balanced_split_head(times.layer_ms, times.head_ms, n_stages, shape.n_vocab, shape.kv_groups)
+    bounds = [start for start, _ in split] + [shape.n_layer]
+    stage_ms = split_times(times.layer_ms, times.head_ms, bounds)
+    return split, chosen, shares(split_head_times(stage_ms, times.head_ms, shape.n_vocab, chosen))
+
+
+def plan_head_split(plan: "Plan", shape: ModelShape, head_ms: float) -> tuple[HeadSplit | None, list[float]]:
+    """The head split a plan's chain would take (:func:`skippy.deploy.cost.head_split` over its
+    stages' decode times, the final stage's head taking ``head_ms``) and the shares with it."""
+    times = [stage.decode_ms for stage in plan.stages]
+    chosen = head_split(times, head_ms, shape.n_vocab)
+    return chosen, shares(split_head_times(times, head_ms, shape.n_vocab, chosen))
 
 
 def estimated_times(shape: ModelShape, settings: PlanSettings) -> LayerTimes:

@@ -10,7 +10,10 @@ mirroring them on every stage of a chain is the caller's job.  Saved sequence st
 (model identity, layer range, shape) that is checked on restore, because llama.cpp itself only
 checks the layer *count*.  A recurrent or hybrid model's sessions roll back through
 checkpoints of their recurrent state (:mod:`skippy.runtime.rollback`): ``trim``, ``remove`` of a
-tail and a partial ``copy`` restore one and decode the logged rows again.
+tail and a partial ``copy`` restore one and decode the logged rows again.  A final stage whose
+model splits the head (``Model(split_head=...)``, issue 31) runs its layers here, its head rows in
+a head-only context beside them and the other rows in an attached head shard
+(:mod:`skippy.runtime.head_shard`): its logits rows are full, everything above reads them as before.
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ from skippy.runtime.rollback import (
 from skippy.runtime.sampling import GrammarDeadEnd, Sampler
 
 if TYPE_CHECKING:
+    from skippy.runtime.head_shard import HeadShard
     from skippy.runtime.row_batch import RowBatch
 
 #: Tag in front of every saved sequence state.
@@ -222,6 +226,19 @@ class StageContext:
         self.rollback_stats = RollbackStats()
         self._rings: dict[int, list[Checkpoint]] = {}
         self._replaying = False
+        #: A split head (issue 31): the head's local rows in a head-only context, the others from
+        #: an attached shard; the head row of each output row of the last decode.
+        self._head: StageContext | None = None
+        self._shard: HeadShard | None = None
+        self._head_index = np.full(self.n_batch, -1, dtype=np.intp)
+        if model.head_model is not None:
+            try:
+                self._head = StageContext(model.head_model, n_ctx=self.n_batch, max_sessions=1, n_batch=self.n_batch,
+                                          threads=threads, threads_batch=threads_batch, offload=offload)
+            except BaseException:
+                lib.llama_free(pointer)
+                self._ptr = ffi.NULL
+                raise
 
     # -- sessions ----------------------------------------------------------------------------
     def open_session(self) -> int:
@@ -344,6 +361,10 @@ class StageContext:
             if flags.shape != (n_rows,):
                 raise InvalidBatch(f"outputs must have one flag per row ({n_rows}), got {flags.shape}")
             out[:n_rows] = flags
+        if self._head is not None and self._shard is None and self._head.model.head_rows[0] > 0:
+            raise ContextError("this final stage computes only the head rows "
+                               f"{self._head.model.head_rows[0]}:{self._head.model.head_rows[1]}: attach a head shard "
+                               "for the others before decoding")
         recurrent_rows = self._before_recurrent_decode(seq, pos) if self.recurrent else None
         with self._lock:
             pointer = self._context_ptr()
@@ -364,8 +385,70 @@ class StageContext:
             else:
                 self._last_output_rows = np.flatnonzero(out[:n_rows])
                 self._last_output_set = frozenset(self._last_output_rows.tolist())
+            if self._head is not None:
+                self._run_head()
         if recurrent_rows is not None:
             self._log_rows(recurrent_rows, pos, tokens, activations)
+
+    def _run_head(self) -> None:
+        """The split head's logits of the last decode's output rows: the shard's rows begun first,
+        the local ones computed meanwhile, the shard's columns then written into the same rows."""
+        assert self._head is not None
+        rows = self._last_output_rows
+        if len(rows) == 0:
+            return
+        # the layers (no head) output the hidden state of the output rows only, in order, selected
+        # at the last layer as the unsplit final stage selects them (patch 0017)
+        pointer = lib.llama_get_embeddings(self._ptr)
+        count = len(rows)
+        hidden = np.frombuffer(ffi.buffer(pointer, count * self.output_width * 4),
+                               dtype=np.float32).reshape(count, self.output_width).copy()
+        shard = self._shard
+        if shard is not None:
+            shard.start(hidden)
+        try:
+            logits = self._head.decode_head(hidden)
+        except BaseException:
+            if shard is not None:  # take the shard's answer: the next one must be the next request's
+                shard.finish(np.empty((len(rows), shard.rows[1] - shard.rows[0]), dtype=np.float32))
+            raise
+        if shard is not None:
+            shard.finish(logits[:, shard.rows[0]:shard.rows[1]])
+        self._head_index[rows] = np.arange(len(rows))
+
+    def decode_head(self, hidden: FloatArray) -> FloatArray:
+        """A head-only context: the logits of every row of ``hidden`` (``n x n_vocab``, a view valid
+        until the next decode; only the model's head rows written)."""
+        if not self.model.head_only:
+            raise InvalidBatch(f"stage {self.model.layers} is not the head alone")
+        count = hidden.shape[0]
+        lib.llama_memory_clear(self._memory, False)  # no layers: its cells hold nothing
+        self.decode(positions=np.arange(count, dtype=np.int32), seq_ids=np.zeros(count, dtype=np.int32),
+                    activations=hidden, outputs=np.ones(count, dtype=bool))
+        pointer = lib.llama_get_logits_ith(self._context_ptr(), 0)  # every row an output: rows in order
+        n_vocab = self.model.n_vocab
+        return np.frombuffer(ffi.buffer(pointer, count * n_vocab * 4), dtype=np.float32).reshape(count, n_vocab)
+
+    def attach_shard(self, shard: "HeadShard | None") -> None:
+        """Give a split-head final stage the shard computing the head rows it does not (None: detach)."""
+        if self._head is None:
+            raise ContextError("this stage does not split the head")
+        local = self._head.model.head_rows
+        if shard is not None and shard.rows != (0, local[0]):
+            raise ContextError(f"a head shard of rows {shard.rows[0]}:{shard.rows[1]} does not complete the local "
+                               f"rows {local[0]}:{local[1]} (it needs 0:{local[0]})")
+        self._shard = shard
+
+    @property
+    def split_head(self) -> bool:
+        """The final stage's head is split (its logits come from a head context and a shard)."""
+        return self._head is not None
+
+    def _logits_at(self, row: int) -> object:
+        """``llama_get_logits_ith`` of batch row ``row`` (of the head context on a split head)."""
+        if self._head is None:
+            return lib.llama_get_logits_ith(self._context_ptr(), row)
+        return lib.llama_get_logits_ith(self._head._context_ptr(), int(self._head_index[row]))
 
     def row_batch(self, seq: int, sampler: Sampler | None = None, rows: int = 1) -> "RowBatch":
         """A batch of ``rows`` rows of session ``seq`` for the decode relay
@@ -374,6 +457,8 @@ class StageContext:
 
         if self.recurrent:
             raise InvalidBatch("a recurrent model's rows are decoded through decode(), which logs them for rollback")
+        if self._head is not None:
+            raise InvalidBatch("a split head's rows are decoded through decode(), which runs the head beside the layers")
         return RowBatch(self, seq, sampler, rows)
 
     def note_external_decode(self, rows: int) -> None:
@@ -405,7 +490,7 @@ class StageContext:
     def logits(self, row: int) -> FloatArray:
         """Logits of batch row ``row`` of the last decode (a view valid until the next decode)."""
         self._check_output_row(row)
-        pointer = lib.llama_get_logits_ith(self._context_ptr(), row)
+        pointer = self._logits_at(row)
         if pointer == ffi.NULL:
             raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
         return np.frombuffer(ffi.buffer(pointer, self.model.n_vocab * 4), dtype=np.float32)
@@ -436,7 +521,7 @@ class StageContext:
                 if not sampler.fast_greedy or sampler.pointer is None:  # closed: raises
                     chained.append(slot)
                     continue
-                logits = lib.llama_get_logits_ith(pointer, row)
+                logits = self._logits_at(row)
                 if logits == ffi.NULL:
                     raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
                 token = sampler.pick_greedy(np.frombuffer(ffi.buffer(logits, size), dtype=np.float32))
@@ -447,6 +532,9 @@ class StageContext:
             if not chained:
                 return result
             chain_rows = np.array([rows[slot] for slot in chained], dtype=np.int32)
+            if self._head is not None:  # the head context's rows
+                pointer = self._head._context_ptr()
+                chain_rows = self._head_index[chain_rows].astype(np.int32)
             picked = np.zeros(len(chained), dtype=np.int32)
             pointers = ffi.new("struct llama_sampler *[]", [samplers[slot].pointer for slot in chained])
             lib.skippy_sample_rows(
@@ -470,7 +558,7 @@ class StageContext:
             pointer = self._context_ptr()
             picked = ffi.new("llama_token *")
             for slot, (sampler, row) in enumerate(zip(samplers, rows)):
-                logits = lib.llama_get_logits_ith(pointer, row)
+                logits = self._logits_at(row)
                 if logits == ffi.NULL:
                     raise InvalidBatch(f"no logits for row {row}: {_callbacks.take_recent_errors()}")
                 if lib.skippy_sample_row_checked(sampler.pointer, sampler.grammar_pointer, logits, n_vocab,
@@ -843,6 +931,8 @@ class StageContext:
 
     def close(self) -> None:
         """Free the context and its KV cache; idempotent."""
+        if getattr(self, "_head", None) is not None:
+            self._head.close()
         with self._lock:
             if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
                 lib.llama_free(self._ptr)

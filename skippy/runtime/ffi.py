@@ -20,7 +20,7 @@ _LIB_DIR = Path(__file__).resolve().parent.parent / "lib"
 _backends.preload(_LIB_DIR)  # a CUDA build's runtime libraries, from NVIDIA's wheels
 
 #: Revision of the layer-range C API this Python code is written against.
-STAGE_ABI_VERSION = 2
+STAGE_ABI_VERSION = 3
 
 try:
     from skippy._llama import ffi, lib  # type: ignore[import-not-found]  # cffi-compiled, no stub

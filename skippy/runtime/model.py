@@ -4,6 +4,14 @@ Strategy: the range is validated in Python first from the GGUF metadata (so the 
 clear error naming the range, the layer count or the architecture), then passed to the patched
 llama.cpp as the kv overrides ``stage.layer_start`` / ``stage.layer_end``; the library reports
 back the range it loaded, which proves it is the patched build (a stock library ignores the keys).
+The head can be split by vocabulary rows (issue 31): ``head=False`` loads a range ending at the last
+layer without the head (it hands on its hidden state, ``stage.no_head``), and the empty range
+``[n_layer, n_layer)`` is the head alone, optionally only its rows ``head_rows=(r0, r1)``
+(``stage.head_row_start`` / ``stage.head_row_end``: only those rows of the weight are read; its
+logits rows stay n_vocab wide with only the columns ``[r0, r1)`` written).  ``split_head=r0`` on a
+range ending at the last layer loads both: the layers without the head and, beside them, the head
+alone for its rows ``[r0, n_vocab)`` (``head_model``); the model is still the last stage, the other rows
+come from a head shard (:mod:`skippy.runtime.head_shard`) through its context.
 Weights are memory-mapped, except on a partial last stage whose head is tied to the token
 embeddings: that stage needs the file's first tensor and its last layers, and the loader can only
 trim the two ends of a mapping, so it would stay resident at full-file size; it is read instead.
@@ -185,6 +193,11 @@ def model_identity(path: Path) -> str:
 
 
 def validate_range(info: GGUFInfo, layers: LayerRange) -> None:
+    if layers.start == layers.end == info.n_layer:
+        if info.architecture not in SPLIT_ARCHITECTURES:
+            raise UnsupportedArchitecture(f"architecture {info.architecture!r} does not split: its head cannot "
+                                          "run alone")
+        return  # the head alone (issue 31's head split)
     if layers.start < 0 or layers.end <= layers.start:
         raise LayerRangeError(f"layer range {layers} is empty or negative (need 0 <= START < END)")
     if layers.end > info.n_layer:
@@ -226,6 +239,9 @@ class Model:
         use_mmap: bool | None = None,
         n_gpu_layers: int = -1,
         offload: Offload | None = None,
+        head: bool = True,
+        head_rows: tuple[int, int] | None = None,
+        split_head: int | None = None,
     ) -> None:
         """Load ``path`` for ``layers`` (default: all).
 
@@ -239,6 +255,13 @@ class Model:
                 a mapped file shares its page cache between processes of one host.
             n_gpu_layers: layers to offload when built with a GPU backend (-1: all).
             offload: resolved GPU settings (:mod:`skippy.runtime.offload`); they replace ``n_gpu_layers``.
+            head: False: a range ending at the last layer without the output head (it hands on
+                its hidden state like a stage before the last).
+            head_rows: the head's vocabulary rows ``(r0, r1)`` to compute; only for the head-only
+                range ``[n_layer, n_layer)``.
+            split_head: on a range ending at the last layer: load it without the head and the
+                head's rows ``r0:n_vocab`` beside it as ``head_model`` (issue 31's head split;
+                the rows ``0:r0`` come from a head shard attached to its context).
 
         Raises:
             ModelLoadError, LayerRangeError, UnsupportedArchitecture.
@@ -249,6 +272,20 @@ class Model:
         elif isinstance(layers, str):
             layers = LayerRange.parse(layers)
         validate_range(self.info, layers)
+        #: The head's rows this final stage computes beside its layers (split_head), or None.
+        self.head_model: Model | None = None
+        if split_head is not None:
+            if layers.start == layers.end or layers.end != self.info.n_layer or not head or head_rows is not None:
+                raise LayerRangeError(f"a split head needs a non-empty range ending at the last layer "
+                                      f"{self.info.n_layer} with the head (got {layers})")
+            head = False
+        head_only = layers.start == layers.end
+        if not head and (head_only or layers.end != self.info.n_layer):
+            raise LayerRangeError(f"head=False needs a non-empty range ending at the last layer {self.info.n_layer}, "
+                                  f"not {layers}")
+        if head_rows is not None and (not head_only or not 0 <= head_rows[0] < head_rows[1]):
+            raise LayerRangeError(f"head rows {head_rows[0]}:{head_rows[1]} need 0 <= START < END and the head-only "
+                                  f"range {self.info.n_layer}:{self.info.n_layer} (got {layers})")
         self.layers = layers
         self._lock = threading.Lock()
         self.use_mmap = bool(use_mmap)
@@ -273,11 +310,17 @@ class Model:
             # embeddings.  Mapped and read on demand, only the rows of the tokens a stage has seen
             # become resident, not the table.
             params.lazy_mode = lib.LLAMA_LAZY_MODE_ON
-        overrides = ffi.new("struct llama_model_kv_override[3]")
-        for slot, (key, value) in enumerate((("stage.layer_start", layers.start), ("stage.layer_end", layers.end))):
+        keys: list[tuple[str, int]] = [("stage.layer_start", layers.start), ("stage.layer_end", layers.end)]
+        if head_rows is not None:
+            keys += [("stage.head_row_start", head_rows[0]), ("stage.head_row_end", head_rows[1])]
+        if not head:
+            keys.append(("stage.no_head", 1))
+        overrides = ffi.new("struct llama_model_kv_override[]", len(keys) + 1)  # the last: the end mark
+        for slot, (key, value) in enumerate(keys):
             overrides[slot].tag = lib.LLAMA_KV_OVERRIDE_TYPE_INT
             overrides[slot].key = key.encode()
             overrides[slot].val_i64 = value
+
         params.kv_overrides = overrides
         payload = None
         handle = None
@@ -301,6 +344,16 @@ class Model:
             raise ModelLoadError(
                 f"libllama loaded layers {loaded[0]}:{loaded[1]} instead of {layers}: not the patched library"
             )
+        self.has_head: Final = bool(lib.llama_model_stage_has_head(pointer))
+        #: The head's vocabulary rows this model computes (all of them unless ``head_rows``).
+        self.head_rows: Final = (int(lib.llama_model_stage_head_row_start(pointer)),
+                                 int(lib.llama_model_stage_head_row_end(pointer)))
+        if self.has_head != (head and layers.end == lib.llama_model_n_layer(pointer)) or (
+                head_rows is not None and self.head_rows != head_rows):
+            lib.llama_model_free(pointer)
+            self._ptr = ffi.NULL
+            raise ModelLoadError(f"libllama loaded head {self.has_head} rows {self.head_rows} instead of {head} "
+                                 f"{head_rows}: not the patched library")
         self.n_layer: Final = lib.llama_model_n_layer(pointer)
         self.n_embd: Final = lib.llama_model_n_embd(pointer)
         # n_embd-wide parts per activation row at this stage's boundaries: more than one where the
@@ -309,6 +362,18 @@ class Model:
         self.output_rows: Final = 1 if self.is_last else self._boundary_rows(lib.llama_model_n_embd_out(pointer))
         self._vocab = lib.llama_model_get_vocab(pointer)
         self.n_vocab: Final = lib.llama_vocab_n_tokens(self._vocab)
+        if split_head is not None:
+            try:
+                if not 0 < split_head < self.n_vocab:
+                    raise LayerRangeError(f"a split head's first local row must be in 1..{self.n_vocab - 1} "
+                                          f"(got {split_head})")
+                self.head_model = Model(path, LayerRange(self.info.n_layer, self.info.n_layer), use_mmap=use_mmap,
+                                        n_gpu_layers=n_gpu_layers, offload=offload,
+                                        head_rows=(split_head, self.n_vocab))
+            except BaseException:
+                lib.llama_model_free(pointer)
+                self._ptr = ffi.NULL
+                raise
         self.identity: Final = model_identity(self.info.path)
 
     def _boundary_rows(self, width: int) -> int:
@@ -334,13 +399,19 @@ class Model:
 
     @property
     def is_last(self) -> bool:
-        """This stage produces logits (last layer)."""
-        return self.layers.end == self.n_layer
+        """This stage produces logits (last layer, with the head)."""
+        return self.layers.end == self.n_layer and (self.has_head or self.head_model is not None)
+
+    @property
+    def head_only(self) -> bool:
+        """The empty range ``[n_layer, n_layer)``: the output head alone (hidden states in, logits out)."""
+        return self.layers.start == self.layers.end
 
     @property
     def size_bytes(self) -> int:
-        """Bytes of weights this stage loaded (not the file size)."""
-        return int(lib.llama_model_size(self.pointer))
+        """Bytes of weights this stage loaded (not the file size; a split head's rows included)."""
+        head = 0 if self.head_model is None else self.head_model.size_bytes
+        return int(lib.llama_model_size(self.pointer)) + head
 
     @property
     def n_params(self) -> int:
@@ -368,6 +439,8 @@ class Model:
             if getattr(self, "_ptr", ffi.NULL) != ffi.NULL:
                 lib.llama_model_free(self._ptr)
                 self._ptr = ffi.NULL
+            if getattr(self, "head_model", None) is not None:
+                self.head_model.close()
 
     def __enter__(self) -> "Model":
         return self

@@ -80,6 +80,11 @@ class StageConfig:
     kv_streams: bool = False
     recurrent_checkpoints: int = 6
     recurrent_checkpoint_interval: int = 8
+    # -- the output head split by vocabulary rows (issue 31; skippy.runtime.head_shard) --
+    head_split: int = 0
+    head_shard_listen: Address | None = None
+    serve_head_rows: int = 0
+    head_shard_dial: Address | None = None
 
     @property
     def offload(self) -> OffloadSettings:
@@ -107,6 +112,19 @@ class StageConfig:
         if self.reply_credit_limit is not None:
             return max(1, self.reply_credit_limit)
         return max(1, self.max_inflight - 1)
+
+    @property
+    def head_shard_link_needs_tls(self) -> str:
+        """The head shard link's address when the TLS rule wants TLS on it ("" otherwise): the
+        head shard protocol (docs/protocol.md §15) has none yet."""
+        from skippy.net.tls import link_uses_tls
+
+        ends = []
+        if self.head_split:
+            ends.append(self.head_shard_listen or Address(self.listen.host, 0))
+        if self.serve_head_rows and self.head_shard_dial is not None:
+            ends.append(self.head_shard_dial)
+        return next((str(end) for end in ends if link_uses_tls(self.tls, end.host)), "")
 
     @property
     def tls_files_needed(self) -> str:
@@ -160,6 +178,15 @@ class StageConfig:
             (math.isfinite(self.cache_spill_mib) and self.cache_spill_mib >= 0,
              f"cache_spill_mib must be finite and >= 0 (got {self.cache_spill_mib})"),
             (self.cache_min_tokens >= 0, f"cache_min_tokens must be >= 0 (got {self.cache_min_tokens})"),
+            (self.head_split >= 0 and self.serve_head_rows >= 0,
+             f"head_split and serve_head_rows must be >= 0 (got {self.head_split}, {self.serve_head_rows})"),
+            (self.downstream is None or not self.head_split,
+             "head_split is for the final stage (no --downstream); another stage serves the rows with serve_head_rows"),
+            (not self.serve_head_rows or self.head_shard_dial is not None,
+             "serve_head_rows needs --head-shard-dial (the final stage's head shard port)"),
+            (not self.head_shard_link_needs_tls,
+             f"the head shard link to {self.head_shard_link_needs_tls} would leave loopback, and it does not use TLS "
+             "yet: keep the head split on one host, or pass --tls off on a trusted network"),
             (self.session_quota is None or self.session_quota >= 0,
              f"session_quota must be >= 0, 0 = no quota (got {self.session_quota})"),
             (self.max_connections >= 0, f"max_connections must be >= 0, 0 = no limit (got {self.max_connections})"),
@@ -317,6 +344,15 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
     "cache_min_tokens": (int, "shortest prefix worth caching"),
     "cache_input_dtype": (_optional_str, "input wire dtype named in the cache identity (default: tokens on "
                           "the first stage, else this stage's wire_dtype)"),
+    "head_split": (int, "final stage: compute only the head's vocabulary rows N: here; rows 0:N come from the stage "
+                   "that serves them (--serve-head-rows N), which dials --head-shard-listen (0 = the whole head here; "
+                   "docs/throughput.md, 'The head split')"),
+    "head_shard_listen": (_optional_address, "HOST:PORT the final stage of a split head listens on for the stage "
+                          "serving its other head rows (port 0 = any, logged as 'head shard port on HOST:PORT'); "
+                          "default: the --listen host, any port"),
+    "serve_head_rows": (int, "serve the head's vocabulary rows 0:N of this model file to the final stage of a split "
+                        "head (beside this stage's layers, on a thread of its own), dialling --head-shard-dial"),
+    "head_shard_dial": (_optional_address, "HOST:PORT of the final stage's head shard port (with serve_head_rows)"),
     "n_gpu_layers": (_gpu_layers, "how many of the stage's layers run on the GPU (its last ones); default: all "
                      "of them when the build has a GPU backend and the host a GPU, else 0 (docs/gpu.md)"),
     "device": (_optional_str, "GPU device(s) the stage uses, comma-separated (CUDA0,CUDA1); none = CPU only; "

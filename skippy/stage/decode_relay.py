@@ -149,6 +149,8 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
         return None
     if getattr(executor.context, "recurrent", False):
         return None  # a recurrent stage logs every row for its rollbacks (the stage's log says so)
+    if getattr(executor.context, "split_head", False):
+        return None  # a split head runs its head beside the layers in decode() (issue 31)
     row_batch = getattr(executor.context, "row_batch", None)
     seq = executor.session_seq(session_key)
     sampler = executor.relay_sampler(session_key) if final else None

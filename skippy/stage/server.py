@@ -72,6 +72,8 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
             prefix_cache = False
     sequence_ids = (context_sessions(config.max_sessions, config.cache_slots) if prefix_cache
                     else config.max_sessions)
+    if is_null_spec(config.model) and (config.head_split or config.serve_head_rows):
+        raise ValueError("the null runtime has no head to split (head_split / serve_head_rows)")
     if is_null_spec(config.model):
         model: Any = NullModel(config.model, LayerRange.parse(config.layers))
         context = NullContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
@@ -84,7 +86,8 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         layers = LayerRange.parse(config.layers)
         offload = config.offload.resolve(devices(), layers.start, layers.end, read_gguf_info(config.model).n_layer)
         log.info("compute: %s", offload.describe())
-        model = Model(config.model, layers, progress=progress, offload=offload, use_mmap=config.mmap)
+        model = Model(config.model, layers, progress=progress, offload=offload, use_mmap=config.mmap,
+                      split_head=config.head_split or None)
         try:
             context = StageContext(model, n_ctx=config.ctx_size, max_sessions=sequence_ids,
                                    n_batch=config.batch_size, threads=config.threads or None, offload=offload,
@@ -111,6 +114,13 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context.close()
         model.close()
         raise ValueError(message)
+    if config.head_split or config.serve_head_rows:  # issue 31: the head split by vocabulary rows
+        from skippy.stage.head_split import attach_head_port, serve_head_rows
+
+        if config.head_split:
+            attach_head_port(config, context)
+        if config.serve_head_rows:
+            serve_head_rows(config)
     executor = Executor(context, build_cache(config, context) if prefix_cache else None)
     executor.configure_resume(int(config.resume_log_mib * (1 << 20)), config.resume_hold_s)
     return executor

@@ -1,0 +1,382 @@
+"""Head shards: the output head's vocabulary rows computed away from the final stage (issue 31).
+
+Strategy: the final stage of a split head runs its layers without the head, its own rows
+``[r0, V)`` of the head in a head-only context and asks a shard for the rows ``[0, r0)`` of the
+same hidden rows (after the output norm, the head and the architecture's steps after it, all in
+the shard's head-only model: patch 0017).  The stage hands the shard the hidden rows first
+(:meth:`HeadShard.start`), computes its own rows, then takes the shard's columns
+(:meth:`HeadShard.finish`) straight into its logits buffer, so the two halves run at once and
+everything that reads the final stage's logits sees full rows.
+
+:class:`HeadCompute` is a head-only model's context; :class:`LocalHeadShard` runs one in process
+(tests, one host); :class:`HeadShardServer` serves one over TCP (beside another stage's layers)
+and :class:`RemoteHeadShard` is its client.  Either end may dial: a chain starts its final stage
+first, so there the final stage listens (:class:`HeadShardPort`) and the shard's host dials it
+(:meth:`HeadShardServer.dial`, again after a loss); the messages are the same either way.  The wire (docs/protocol.md, "Head shard"): every
+message is a 20-byte header ``<4sIIII`` (magic ``SKH1``, then four counts) and a body.
+A request is ``SKH1, rows, n_embd, 0, 0`` and ``rows x n_embd`` float32 (little-endian); rows 0 is
+the handshake.  A reply is ``SKH1, status, rows, r0, r1``: status 0 with ``rows x (r1 - r0)``
+float32 (the handshake: the model identity, 24 bytes), status 1 with a UTF-8 message of ``rows``
+bytes.  Both ends check every count against what they sent or serve and refuse the rest; the
+client refuses a reply with a non-finite logit.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import struct
+import threading
+from typing import Callable, Final, Protocol, final
+
+import numpy as np
+import numpy.typing as npt
+
+from skippy.runtime.errors import InvalidBatch, NativeError
+
+log = logging.getLogger("skippy.head_shard")
+
+FloatArray = npt.NDArray[np.float32]
+
+MAGIC: Final = b"SKH1"
+HEADER: Final = struct.Struct("<4sIIII")
+IDENTITY_BYTES: Final = 24
+#: Longest error message a reply may carry.
+MAX_MESSAGE: Final = 4096
+
+
+class HeadShardError(NativeError):
+    """A head shard failed, died or answered something it should not have."""
+
+
+class HeadShard(Protocol):
+    """The head's rows ``rows`` computed elsewhere from the final stage's hidden rows."""
+
+    rows: tuple[int, int]
+
+    def start(self, hidden: FloatArray) -> None:
+        """Begin computing the shard's rows of the head for ``hidden`` (``n x n_embd`` float32)."""
+
+    def finish(self, out: FloatArray) -> None:
+        """Write the shard's columns of the last :meth:`start` into ``out`` (``n x (r1 - r0)``)."""
+
+
+@final
+class HeadCompute:
+    """A head-only model's context: hidden rows in, the model's head rows out (``n x (r1 - r0)``)."""
+
+    def __init__(self, model: object, *, n_batch: int = 512, threads: int | None = None) -> None:
+        from skippy.runtime.context import StageContext
+        from skippy.runtime.model import Model
+
+        if not isinstance(model, Model) or not model.head_only:
+            raise InvalidBatch("a head shard needs a head-only model (layers n_layer:n_layer)")
+        self.model = model
+        self.rows: tuple[int, int] = model.head_rows
+        self.n_embd = model.n_embd
+        self.context = StageContext(model, n_ctx=n_batch, max_sessions=1, n_batch=n_batch, threads=threads)
+        self.n_batch = self.context.n_batch
+
+    def compute(self, hidden: FloatArray) -> FloatArray:
+        """The head rows' logits of ``hidden`` (a view into the context's logits, valid until the next call)."""
+        logits = self.context.decode_head(hidden)
+        return logits[:, self.rows[0]:self.rows[1]]
+
+    def close(self) -> None:
+        self.context.close()
+
+
+@final
+class LocalHeadShard:
+    """A shard computed in this process when its columns are asked for (tests, one host)."""
+
+    def __init__(self, compute: HeadCompute) -> None:
+        self._compute = compute
+        self.rows = compute.rows
+        self._hidden: FloatArray | None = None
+
+    def start(self, hidden: FloatArray) -> None:
+        self._hidden = hidden
+
+    def finish(self, out: FloatArray) -> None:
+        if self._hidden is None:
+            raise HeadShardError("finish() without start()")
+        hidden, self._hidden = self._hidden, None
+        out[...] = self._compute.compute(hidden)
+
+
+def _read_into(sock: socket.socket, memory: memoryview) -> None:
+    size = len(memory)
+    got = 0
+    while got < size:
+        count = sock.recv_into(memory[got:], size - got)
+        if count == 0:
+            raise ConnectionError(f"connection closed after {got} of {size} bytes")
+        got += count
+
+
+def _read_exact(sock: socket.socket, size: int) -> bytes:
+    view = bytearray(size)
+    _read_into(sock, memoryview(view))
+    return bytes(view)
+
+
+@final
+class HeadShardServer:
+    """Serves a head-only model's rows over TCP; one thread per connection, the computations one
+    at a time under ``lock`` (give the stage's runtime lock to share its compute thread)."""
+
+    def __init__(self, compute: HeadCompute, host: str | None = "127.0.0.1", port: int = 0, *,
+                 lock: threading.Lock | None = None) -> None:
+        """Serve ``compute``; listen on ``host:port`` (None: only :meth:`dial`)."""
+        self._compute = compute
+        self._lock = lock or threading.Lock()
+        self._closed = threading.Event()
+        self._connections: set[socket.socket] = set()
+        self._listener: socket.socket | None = None
+        self.address: tuple[str, int] = ("", 0)
+        self._thread: threading.Thread | None = None
+        if host is not None:
+            self._listener = socket.create_server((host, port))
+            self.address = self._listener.getsockname()[:2]
+            self._thread = threading.Thread(target=self._accept, name="head-shard-accept", daemon=True)
+            self._thread.start()
+
+    def _accept(self) -> None:
+        assert self._listener is not None
+        while not self._closed.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            self._start(conn)
+
+    def _start(self, conn: socket.socket) -> threading.Thread:
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._connections.add(conn)
+        thread = threading.Thread(target=self._serve, args=(conn,), name="head-shard", daemon=True)
+        thread.start()
+        return thread
+
+    def dial(self, host: str, port: int, *, retry_s: float = 0.2) -> None:
+        """Serve the final stage listening on ``host:port`` (:class:`HeadShardPort`) from a thread
+        of its own: dialled until it answers, and again whenever the connection is lost."""
+        def run() -> None:
+            while not self._closed.is_set():
+                try:
+                    conn = socket.create_connection((host, port), timeout=5.0)
+                except OSError:
+                    self._closed.wait(retry_s)
+                    continue
+                conn.settimeout(None)
+                log.info("head shard: serving head rows %d:%d to %s:%d", *self._compute.rows, host, port)
+                self._start(conn).join()
+                self._closed.wait(retry_s)
+        threading.Thread(target=run, name="head-shard-dial", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        compute = self._compute
+        r0, r1 = compute.rows
+        try:
+            while True:
+                magic, rows, width, zero_a, zero_b = HEADER.unpack(_read_exact(conn, HEADER.size))
+                if magic != MAGIC or zero_a or zero_b:
+                    self._refuse(conn, "not a head shard request")
+                    return
+                if width != compute.n_embd or rows > compute.n_batch:
+                    self._refuse(conn, f"a request of {rows} rows x {width} (this shard: rows of {compute.n_embd}, "
+                                       f"at most {compute.n_batch})")
+                    return
+                if rows == 0:
+                    identity = compute.model.identity.encode()[:IDENTITY_BYTES].ljust(IDENTITY_BYTES, b" ")
+                    conn.sendall(HEADER.pack(MAGIC, 0, 0, r0, r1) + identity)
+                    continue
+                hidden = np.frombuffer(_read_exact(conn, rows * width * 4), dtype="<f4").reshape(rows, width)
+                try:
+                    with self._lock:
+                        logits = np.ascontiguousarray(compute.compute(hidden))
+                except (NativeError, InvalidBatch) as exc:
+                    self._refuse(conn, f"the head shard failed: {exc}")
+                    return
+                conn.sendall(HEADER.pack(MAGIC, 0, rows, r0, r1) + logits.astype("<f4", copy=False).tobytes())
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._connections.discard(conn)
+            conn.close()
+
+    @staticmethod
+    def _refuse(conn: socket.socket, message: str) -> None:
+        data = message.encode()[:MAX_MESSAGE]
+        log.warning("head shard: %s", message)
+        try:
+            conn.sendall(HEADER.pack(MAGIC, 1, len(data), 0, 0) + data)
+        except OSError:
+            pass
+
+    def close(self) -> None:
+        self._closed.set()
+        if self._listener is not None:
+            self._listener.close()
+        for conn in list(self._connections):
+            try:
+                conn.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        if self._thread is not None:
+            self._thread.join(timeout=2)
+
+
+@final
+class HeadShardPort:
+    """The final stage's end when the shard's host dials: listens, keeps the newest connection."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+        self._listener = socket.create_server((host, port))
+        self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._ready = threading.Condition()
+        self._newest: socket.socket | None = None
+        threading.Thread(target=self._accept, name="head-shard-port", daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            with self._ready:
+                if self._newest is not None:
+                    self._newest.close()
+                self._newest = conn
+                self._ready.notify_all()
+
+    def take(self, timeout: float) -> socket.socket:
+        """The newest connection from the shard's host, waiting up to ``timeout`` seconds for one."""
+        with self._ready:
+            if not self._ready.wait_for(lambda: self._newest is not None, timeout):
+                raise HeadShardError(f"no head shard has connected to {self.address[0]}:{self.address[1]} "
+                                     f"in {timeout:.0f} s (the stage serving the other head rows)")
+            conn, self._newest = self._newest, None
+            assert conn is not None
+            return conn
+
+    def close(self) -> None:
+        self._listener.close()
+        with self._ready:
+            if self._newest is not None:
+                self._newest.close()
+                self._newest = None
+
+
+@final
+class RemoteHeadShard:
+    """The client of a :class:`HeadShardServer`: checks the shard's rows and model on connect."""
+
+    def __init__(self, connect: Callable[[], socket.socket], *, address: str, rows: tuple[int, int],
+                 identity: str | None = None, n_embd: int) -> None:
+        """A client that gets its connection from ``connect`` when it needs one (first use, after a loss)."""
+        self.rows = rows
+        self._n_embd = n_embd
+        self._identity = identity
+        self._address = address
+        self._connect = connect
+        self._pending = 0
+        self._sock: socket.socket | None = None
+
+    @classmethod
+    def dial(cls, host: str, port: int, *, rows: tuple[int, int], identity: str | None = None, n_embd: int,
+             timeout: float = 30.0) -> "RemoteHeadShard":
+        """A client dialling the shard at ``host:port`` (connected and checked now)."""
+        def connect() -> socket.socket:
+            try:
+                return socket.create_connection((host, port), timeout=timeout)
+            except OSError as exc:
+                raise HeadShardError(f"cannot reach the head shard at {host}:{port}: {exc}") from exc
+        shard = cls(connect, address=f"{host}:{port}", rows=rows, identity=identity, n_embd=n_embd)
+        shard.connection()
+        return shard
+
+    @classmethod
+    def through(cls, port: HeadShardPort, *, rows: tuple[int, int], identity: str | None = None, n_embd: int,
+                timeout: float = 60.0) -> "RemoteHeadShard":
+        """A client over the connections the shard's host makes to ``port``."""
+        return cls(lambda: port.take(timeout), address=f"{port.address[0]}:{port.address[1]}", rows=rows,
+                   identity=identity, n_embd=n_embd)
+
+    def connection(self) -> socket.socket:
+        """The connection, made and checked (handshake: the shard's rows and model) if there is none."""
+        if self._sock is None:
+            sock = self._connect()
+            sock.settimeout(None)
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock = sock
+            self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
+            body = self._reply(0, IDENTITY_BYTES)
+            if self._identity is not None and body.decode(errors="replace").strip() != self._identity[:IDENTITY_BYTES]:
+                self.close()
+                raise HeadShardError(f"the head shard at {self._address} serves another model file")
+        return self._sock
+
+    def _send(self, data: bytes) -> None:
+        assert self._sock is not None
+        try:
+            self._sock.sendall(data)
+        except OSError as exc:
+            self.close()
+            raise HeadShardError(f"the head shard at {self._address} is gone: {exc}") from exc
+
+    def _reply(self, rows: int, body_bytes: int, into: FloatArray | None = None) -> bytes:
+        """Read a reply's header (checked) and its body (into ``into`` when given: then b"")."""
+        sock = self._sock
+        if sock is None:
+            raise HeadShardError(f"the head shard at {self._address} is gone")
+        try:
+            magic, status, count, r0, r1 = HEADER.unpack(_read_exact(sock, HEADER.size))
+            if magic != MAGIC:
+                raise HeadShardError(f"the head shard at {self._address} answered something else")
+            if status == 1:
+                message = _read_exact(sock, min(count, MAX_MESSAGE)).decode(errors="replace")
+                raise HeadShardError(f"the head shard at {self._address} refused: {message}")
+            if status != 0 or count != rows or (r0, r1) != self.rows:
+                raise HeadShardError(f"the head shard at {self._address} answered {count} rows of head rows "
+                                     f"{r0}:{r1} (status {status}); wanted {rows} of {self.rows[0]}:{self.rows[1]}")
+            if into is not None:
+                _read_into(sock, memoryview(into).cast("B"))
+                return b""
+            return _read_exact(sock, body_bytes)
+        except (ConnectionError, OSError) as exc:
+            self.close()
+            raise HeadShardError(f"the head shard at {self._address} is gone: {exc}") from exc
+        except HeadShardError:
+            self.close()
+            raise
+
+    def start(self, hidden: FloatArray) -> None:
+        rows, width = hidden.shape
+        if width != self._n_embd or rows == 0:
+            raise InvalidBatch(f"{rows} hidden rows x {width} for a head shard of rows of {self._n_embd}")
+        self.connection()
+        self._send(HEADER.pack(MAGIC, rows, width, 0, 0) + np.ascontiguousarray(hidden, dtype="<f4").tobytes())
+        self._pending = rows
+
+    def finish(self, out: FloatArray) -> None:
+        rows, self._pending = self._pending, 0
+        cols = self.rows[1] - self.rows[0]
+        if rows == 0 or out.shape != (rows, cols):
+            raise InvalidBatch(f"a head shard's columns for {rows} rows into {out.shape}")
+        values = np.empty((rows, cols), dtype="<f4")
+        self._reply(rows, rows * cols * 4, into=values)
+        if not np.isfinite(values).all():
+            self.close()
+            raise HeadShardError(f"the head shard at {self._address} answered a non-finite logit")
+        out[...] = values
+
+    def close(self) -> None:
+        """Drop the connection (the next use makes a new one)."""
+        sock, self._sock = self._sock, None
+        if sock is not None:
+            try:
+                sock.close()
+            except OSError:
+                pass

@@ -1,0 +1,293 @@
+"""The output head split by vocabulary rows (issue 31): bitwise the unsplit logits and tokens.
+
+A final stage ``[k, n)`` with ``split_head=r0`` runs its layers without the head, its head
+rows in a head-only context and the rows ``[0, r0)`` in a head shard (in process, and over TCP
+as another stage's process would serve them: dialled by the final stage, or dialling it); with f32 activations every output row's logits,
+greedy tokens, a seeded sampling chain's tokens, a grammar's tokens and the log-probabilities are
+bitwise those of the unsplit model.  Hostile shard replies and a shard that dies are refused.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import PROMPT
+from skippy.models import ensure_model, tiny
+from skippy.runtime import LayerRange, Model, Sampler, SamplingParams, StageContext
+from skippy.runtime.errors import ContextError, LayerRangeError
+from skippy.runtime.head_shard import (
+    HEADER,
+    MAGIC,
+    HeadCompute,
+    HeadShardError,
+    HeadShardPort,
+    HeadShardServer,
+    LocalHeadShard,
+    RemoteHeadShard,
+)
+
+LONG_PROMPT = [*PROMPT, 3681, 338, 263, 1243, 310, 278, 7934, 29889]
+KW = dict(n_ctx=256, max_sessions=2, n_batch=64, threads=1)
+STEPS = 12
+
+
+def _split_rows(n_vocab: int) -> int:
+    return (n_vocab // 3) // 32 * 32 + 32  # not a power of two: whole Q8_0 blocks only
+
+
+class Chain:
+    """Stage 0 ``[0, k)`` and a final stage ``[k, n)``, the head whole or split (``shard``: "local" / "tcp")."""
+
+    def __init__(self, path: Path, cut: int, shard: str | None) -> None:
+        info_model = Model(path, LayerRange(0, cut))
+        self.first = info_model
+        n = info_model.info.n_layer
+        self.server: HeadShardServer | None = None
+        self.remote: RemoteHeadShard | None = None
+        self.port: HeadShardPort | None = None
+        self.compute: HeadCompute | None = None
+        if shard is None:
+            self.last = Model(path, LayerRange(cut, n))
+        else:
+            r0 = _split_rows(info_model.n_vocab)
+            self.last = Model(path, LayerRange(cut, n), split_head=r0)
+            self.head = Model(path, LayerRange(n, n), head_rows=(0, r0))
+            self.compute = HeadCompute(self.head, n_batch=64, threads=1)
+        self.c0 = StageContext(self.first, **KW)  # type: ignore[arg-type]
+        self.c1 = StageContext(self.last, **KW)  # type: ignore[arg-type]
+        if shard == "local":
+            assert self.compute is not None
+            self.c1.attach_shard(LocalHeadShard(self.compute))
+        elif shard == "tcp":
+            assert self.compute is not None
+            self.server = HeadShardServer(self.compute)
+            host, port = self.server.address
+            self.remote = RemoteHeadShard.dial(host, port, rows=self.compute.rows, identity=self.head.identity,
+                                               n_embd=self.head.n_embd)
+            self.c1.attach_shard(self.remote)
+        elif shard == "dial":  # the shard's host dials the final stage (a chain's start order)
+            assert self.compute is not None
+            self.port = HeadShardPort()
+            self.server = HeadShardServer(self.compute, host=None)
+            self.server.dial(*self.port.address)
+            self.remote = RemoteHeadShard.through(self.port, rows=self.compute.rows, identity=self.head.identity,
+                                                  n_embd=self.head.n_embd, timeout=10.0)
+            self.c1.attach_shard(self.remote)
+
+    def decode(self, tokens: list[int], pos: int, outputs: np.ndarray | None = None) -> None:
+        positions = np.arange(pos, pos + len(tokens), dtype=np.int32)
+        seqs = np.zeros(len(tokens), dtype=np.int32)
+        self.c0.decode(positions=positions, seq_ids=seqs, tokens=tokens)
+        self.c1.decode(positions=positions, seq_ids=seqs, activations=self.c0.activations(), outputs=outputs)
+
+    def close(self) -> None:
+        if self.remote is not None:
+            self.remote.close()
+        if self.server is not None:
+            self.server.close()
+        if self.port is not None:
+            self.port.close()
+        self.c0.close()
+        self.c1.close()
+        if self.compute is not None:
+            self.compute.close()
+            self.head.close()
+        self.first.close()
+        self.last.close()
+
+
+def _run(chain: Chain, params: SamplingParams | None) -> tuple[list[np.ndarray], list[int], list[float]]:
+    """The prompt's logits (every row of a first part, then only the last row of the rest), then
+    ``STEPS`` sampled steps: the logits of each, the tokens and each pick's log-probability."""
+    rows: list[np.ndarray] = []
+    chain.decode(LONG_PROMPT[:12], 0, outputs=np.ones(12, dtype=bool))
+    rows += [chain.c1.logits(i).copy() for i in range(12)]
+    chain.decode(LONG_PROMPT[12:], 12)  # only the last row an output: selected at the last layer
+    rows.append(chain.c1.logits(len(LONG_PROMPT) - 13).copy())
+    sampler = Sampler(params or SamplingParams(), chain.last.n_vocab, chain.last.vocab_pointer)
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    row = len(LONG_PROMPT) - 13
+    pos = len(LONG_PROMPT)
+    for _ in range(STEPS):
+        token = int(chain.c1.sample([sampler], [row])[0])
+        logits = chain.c1.logits(row).astype(np.float64)
+        logprobs.append(float(logits[token] - np.log(np.exp(logits - logits.max()).sum()) - logits.max()))
+        tokens.append(token)
+        chain.decode([token], pos)
+        rows.append(chain.c1.logits(0).copy())
+        row, pos = 0, pos + 1
+    sampler.close()
+    return rows, tokens, logprobs
+
+
+@pytest.fixture(scope="module")
+def llama_path() -> Path:
+    return ensure_model(tiny("llama", dtype="F32"))
+
+
+_SEEDED = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=7)
+_GRAMMAR = SamplingParams(grammar='root ::= [a-z ]+')
+_SLOW = pytest.mark.slow  # the fast suite: every sampling kind in process, greedy over each transport
+
+
+@pytest.mark.parametrize("shard,params", [
+    pytest.param("local", None, id="local-greedy"), pytest.param("local", _SEEDED, id="local-seeded"),
+    pytest.param("local", _GRAMMAR, id="local-grammar"), pytest.param("tcp", None, id="tcp-greedy"),
+    pytest.param("dial", None, id="dial-greedy"),
+    pytest.param("tcp", _SEEDED, id="tcp-seeded", marks=_SLOW), pytest.param("tcp", _GRAMMAR, id="tcp-grammar", marks=_SLOW),
+    pytest.param("dial", _SEEDED, id="dial-seeded", marks=_SLOW),
+    pytest.param("dial", _GRAMMAR, id="dial-grammar", marks=_SLOW),
+])
+def test_split_head_is_bitwise_unsplit(llama_path: Path, shard: str, params: SamplingParams | None) -> None:
+    whole = Chain(llama_path, 2, None)
+    split = Chain(llama_path, 2, shard)
+    try:
+        ref_rows, ref_tokens, ref_logprobs = _run(whole, params)
+        rows, tokens, logprobs = _run(split, params)
+    finally:
+        whole.close()
+        split.close()
+    assert tokens == ref_tokens
+    assert logprobs == ref_logprobs
+    assert len(rows) == len(ref_rows)
+    for got, want in zip(rows, ref_rows):
+        assert np.array_equal(got, want)
+    assert np.std(ref_rows[-1]) > 0.02
+
+
+@pytest.mark.parametrize("arch,dtype", [("gemma3", "Q8_0"), ("llama", "F16")])
+def test_split_head_other_families(arch: str, dtype: str) -> None:
+    """gemma3's final logit softcap runs on both halves; quantized rows are whole blocks."""
+    path = ensure_model(tiny(arch, dtype=dtype))  # type: ignore[arg-type]
+    whole = Chain(path, 3, None)
+    split = Chain(path, 3, "local")
+    try:
+        ref_rows, ref_tokens, _ = _run(whole, None)
+        rows, tokens, _ = _run(split, None)
+    finally:
+        whole.close()
+        split.close()
+    assert tokens == ref_tokens
+    assert all(np.array_equal(a, b) for a, b in zip(rows, ref_rows))
+
+
+def test_split_head_needs_its_shard(llama_path: Path) -> None:
+    model = Model(llama_path, LayerRange(2, 4), split_head=_split_rows(32000))
+    try:
+        assert model.is_last and not model.has_head and model.head_model is not None
+        with StageContext(model, **KW) as context:  # type: ignore[arg-type]
+            with pytest.raises(ContextError, match="attach a head shard"):
+                context.decode(positions=[0], seq_ids=[0], activations=np.zeros((1, model.n_embd), np.float32))
+            with pytest.raises(ContextError, match="does not complete"):
+                context.attach_shard(type("S", (), {"rows": (0, 5)})())  # type: ignore[arg-type]
+    finally:
+        model.close()
+    with pytest.raises(LayerRangeError):
+        Model(llama_path, LayerRange(0, 2), split_head=10)
+    with pytest.raises(LayerRangeError):
+        Model(llama_path, LayerRange(4, 4), head_rows=(20, 10))
+
+
+class _FakeShard:
+    """A TCP peer that answers the handshake as a shard of ``rows`` and then ``reply(rows, width)``."""
+
+    def __init__(self, rows: tuple[int, int], reply) -> None:  # type: ignore[no-untyped-def]
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.address = self.listener.getsockname()[:2]
+        self.rows = rows
+        self.reply = reply
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        conn, _ = self.listener.accept()
+        with conn:
+            conn.recv(HEADER.size)
+            conn.sendall(HEADER.pack(MAGIC, 0, 0, *self.rows) + b"x" * 24)
+            header = conn.recv(HEADER.size, socket.MSG_WAITALL)
+            _, n, width, _, _ = HEADER.unpack(header)
+            conn.recv(n * width * 4, socket.MSG_WAITALL)
+            data = self.reply(n, width)
+            if data is not None:
+                conn.sendall(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def _cols(rows: tuple[int, int]) -> int:
+    return rows[1] - rows[0]
+
+
+@pytest.mark.parametrize("case", ["count", "rows", "nan", "status", "dies"])
+def test_hostile_shard_replies_are_refused(case: str) -> None:
+    rows = (0, 64)
+    replies = {
+        "count": lambda n, w: HEADER.pack(MAGIC, 0, n + 1, *rows) + b"\0" * ((n + 1) * 64 * 4),
+        "rows": lambda n, w: HEADER.pack(MAGIC, 0, n, 0, 32) + b"\0" * (n * 32 * 4),
+        "nan": lambda n, w: HEADER.pack(MAGIC, 0, n, *rows) + np.full(n * 64, np.nan, "<f4").tobytes(),
+        "status": lambda n, w: HEADER.pack(MAGIC, 1, 4, 0, 0) + b"oops",
+        "dies": lambda n, w: None,
+    }
+    peer = _FakeShard(rows, replies[case])
+    client = RemoteHeadShard.dial(*peer.address, rows=rows, n_embd=8)
+    try:
+        client.start(np.ones((2, 8), np.float32))
+        with pytest.raises(HeadShardError, match={"count": "answered 3 rows", "rows": "head rows 0:32",
+                                                   "nan": "non-finite", "status": "refused: oops",
+                                                   "dies": "is gone"}[case]):
+            client.finish(np.zeros((2, 64), np.float32))
+    finally:
+        client.close()
+        peer.close()
+
+
+def test_server_refuses_a_wrong_width(llama_path: Path) -> None:
+    head = Model(llama_path, LayerRange(4, 4), head_rows=(0, 64))
+    compute = HeadCompute(head, n_batch=8, threads=1)
+    server = HeadShardServer(compute)
+    try:
+        with socket.create_connection(server.address) as conn:
+            conn.sendall(HEADER.pack(MAGIC, 2, head.n_embd + 1, 0, 0))
+            magic, status, length, _, _ = HEADER.unpack(conn.recv(HEADER.size, socket.MSG_WAITALL))
+            assert (magic, status) == (MAGIC, 1)
+            assert b"rows of 64" in conn.recv(length, socket.MSG_WAITALL)
+        with socket.create_connection(server.address) as conn:
+            conn.sendall(HEADER.pack(MAGIC, 9, head.n_embd, 0, 0))  # more rows than its batch
+            assert HEADER.unpack(conn.recv(HEADER.size, socket.MSG_WAITALL))[1] == 1
+        with pytest.raises(HeadShardError, match="another model"):
+            RemoteHeadShard.dial(*server.address, rows=(0, 64), identity="not-this-one", n_embd=head.n_embd)
+    finally:
+        server.close()
+        compute.close()
+        head.close()
+    assert struct.calcsize("<4sIIII") == HEADER.size
+
+
+def test_a_shard_that_dies_is_a_clear_error_and_a_new_one_is_taken(llama_path: Path) -> None:
+    chain = Chain(llama_path, 2, "dial")
+    whole = Chain(llama_path, 2, None)
+    try:
+        chain.decode(LONG_PROMPT[:4], 0)
+        assert chain.server is not None
+        chain.server.close()  # the shard's host is gone
+        with pytest.raises(HeadShardError, match="is gone"):
+            chain.decode([5], 4)
+        assert chain.compute is not None and chain.port is not None
+        chain.server = HeadShardServer(chain.compute, host=None)  # its replacement dials again
+        chain.server.dial(*chain.port.address)
+        chain.c0.remove(0, 4)
+        chain.c1.remove(0, 4)
+        chain.decode([5], 4)
+        whole.decode(LONG_PROMPT[:4], 0)
+        whole.decode([5], 4)
+        assert np.array_equal(chain.c1.logits(0), whole.c1.logits(0))
+    finally:
+        chain.close()
+        whole.close()

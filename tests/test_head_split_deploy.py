@@ -1,0 +1,142 @@
+"""Choosing and wiring the head split (issue 31): the rows moved, the shares, ``skippy up``'s
+choice and the launcher's flags; and, slow, a whole ``skippy up`` chain with the head split
+answering exactly what it answers without it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+
+from api_helpers import UpProcess
+from skippy.deploy.cost import HEAD_ROW_ALIGN, HeadSplit, head_split, split_head_times, split_times
+from skippy.deploy.launch import StageChild, _head_options
+from skippy.deploy.plan import ModelShape, balanced_stages, choose_head_split, parse_head_split
+from skippy.net.address import Address
+
+
+def test_the_rows_moved_make_the_final_stage_and_the_least_loaded_equal() -> None:
+    times = [4.0, 2.0, 10.0]  # head 8 of the final stage's 10
+    chosen = head_split(times, 8.0, 32768)
+    assert chosen is not None and chosen.host == 1 and chosen.rows % HEAD_ROW_ALIGN == 0
+    after = split_head_times(times, 8.0, 32768, chosen)
+    assert after[1] == pytest.approx(after[2], rel=0.01) and sum(after) == pytest.approx(sum(times))
+    assert head_split([6.0, 4.0], 3.0, 32768) is None  # within its fair share: no split
+    assert head_split([1.0, 10.0], 9.0, 32768, rows=1000) == HeadSplit(0, 1000)
+    assert head_split([1.0, 10.0], 9.0, 32768, rows=40000) == HeadSplit(0, 32768 - HEAD_ROW_ALIGN)
+    assert head_split([10.0], 9.0, 32768) is None
+
+
+def test_layers_and_head_cut_together() -> None:
+    """Three stages, a head of 9 of the 18 units: the layers are cut again around the rows moved
+    to stage 0, so no stage keeps much more than a third; the simple move of the rows is kept
+    where it is as fast and moves fewer rows."""
+    from skippy.deploy.cost import balanced_split_head
+
+    layer_ms = [1.0] * 18
+    split, chosen = balanced_split_head(layer_ms, 18.0, 3, 65536)
+    assert chosen is not None and chosen.host == 0
+    bounds = [start for start, _ in split] + [18]
+    times = split_head_times(split_times(layer_ms, 18.0, bounds), 18.0, 65536, chosen)
+    assert max(times) < 1.05 * sum(times) / 3
+    assert balanced_split_head([1.0] * 4, 0.01, 2, 65536)[1] is None  # moving rows gains under 1%
+    split, chosen = balanced_split_head([1.0] * 18, 5.0, 2, 65536)  # 23 units: 11.5 each at best
+    assert chosen is not None and chosen.rows <= 8192  # half a unit of the head, not half the head
+    bounds = [start for start, _ in split] + [18]
+    assert max(split_head_times(split_times([1.0] * 18, 5.0, bounds), 5.0, 65536, chosen)) <= 11.5 * 1.01
+
+
+def test_parse_head_split() -> None:
+    assert parse_head_split("off") == "off" and parse_head_split("auto") == "auto" and parse_head_split("64") == 64
+    for bad in ("0", "-5", "some"):
+        with pytest.raises(ValueError, match="head-split"):
+            parse_head_split(bad)
+
+
+def test_real_gemma_head_split_brings_both_stages_under_60_percent(real_model: Path) -> None:
+    """Gemma 3 270M: no cut of the layers gets the final stage under 60% of a token's estimated
+    time by much (the head alone is more than half); with the head split both stages are near 50%."""
+    shape = ModelShape.from_gguf(real_model)
+    split, fractions = balanced_stages(shape, 2)
+    head, shares = choose_head_split(shape, split, "auto")
+    assert head is not None and head.host == 0 and 0 < head.rows < shape.n_vocab
+    assert max(shares) < 0.52 < max(fractions)
+    assert choose_head_split(shape, split, "off") == (None, pytest.approx(fractions))
+    from skippy.deploy.plan import balanced_stages_head
+
+    assert balanced_stages_head(shape, 2)[:2] == (split, head)  # the fewest rows for the same balance
+    three, three_head, three_shares = balanced_stages_head(shape, 3)
+    assert three_head is not None and max(three_shares) < 0.35 < max(balanced_stages(shape, 3)[1])
+
+
+def test_up_chooses_the_head_split(tiny_llama: Path) -> None:
+    from skippy.commands.up import _head
+
+    split = [(0, 2), (2, 4)]
+    args = argparse.Namespace(layers=None, head_split=None)
+    cut, head, how = _head(args, tiny_llama, split)  # the tiny model's 32000-row head outweighs its layers
+    assert head is not None and head.host == 0 and f"rows 0:{head.rows} on stage 0" in how
+    assert cut[0][0] == 0 and cut[-1][1] == 4 and len(cut) == 2
+    args = argparse.Namespace(layers="0:2,2:4", head_split=None)
+    assert _head(args, tiny_llama, split) == (split, None, "")  # --layers: manual
+    args = argparse.Namespace(layers="0:2,2:4", head_split="4096")
+    assert _head(args, tiny_llama, split)[:2] == (split, HeadSplit(0, 4096))
+    args = argparse.Namespace(layers=None, head_split="off")
+    assert _head(args, tiny_llama, split) == (split, None, "")
+
+
+def test_the_launcher_wires_the_shard_port() -> None:
+    children = [StageChild(index, f"{index}:{index + 1}", [], Path(f"/tmp/{index}")) for index in range(3)]
+    head = HeadSplit(1, 512)
+    assert _head_options(None, children[2], children) == []
+    assert _head_options(head, children[2], children) == ["--head-split", "512"]
+    assert _head_options(head, children[0], children) == []
+    children[2].head_shard = Address("127.0.0.1", 4567)
+    assert _head_options(head, children[1], children) == ["--serve-head-rows", "512", "--head-shard-dial",
+                                                          "127.0.0.1:4567"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("direct", ["on", "off"], ids=["direct-return", "hop-by-hop"])
+def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: Path, direct: str) -> None:
+    """Greedy (speculation on and off), seeded sampling and log-probabilities through ``skippy up``
+    with the head's rows 0:9600 on stage 0: the same as the whole head on the final stage (f32 wire)."""
+    answers = {}
+    for mode in ("off", "9600"):
+        directory = tmp_path / mode
+        directory.mkdir()
+        up = UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:2,2:4", "--head-split", mode, "--port", "0",
+                        "--ctx-size", "256", "--threads", "1", "--direct-return", direct,
+                        "--log-dir", str(directory / "logs")], directory)
+        up.start()
+        try:
+            model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+            answers[mode] = [httpx.post(up.url + "/v1/completions", timeout=60, json={
+                "model": model, "prompt": "The quick brown fox", "max_tokens": 12, "logprobs": 2, **extra,
+            }).json()["choices"][0] for extra in ({"temperature": 0}, {"temperature": 0.9, "seed": 5},
+                                                  {"temperature": 0, "speculation": False})]
+            logs = "".join(path.read_text() for path in (directory / "logs").glob("stage-*.log"))
+        finally:
+            up.stop()
+        if mode != "off":
+            assert "serving head rows 0:9600" in logs and "head shard port on" in logs
+    assert json.dumps(answers["off"]) == json.dumps(answers["9600"])
+
+
+def test_a_head_shard_link_off_loopback_needs_tls_off() -> None:
+    """The head shard protocol has no TLS yet: a link leaving loopback is refused under the TLS rule."""
+    from skippy.stage.config import StageConfig
+
+    StageConfig(model="m", layers="1:2", head_split=5).validated()
+    with pytest.raises(ValueError, match="head shard link to 10.0.0.1:0 would leave loopback"):
+        StageConfig(model="m", layers="1:2", head_split=5, listen=Address("10.0.0.1", 0)).validated()
+    with pytest.raises(ValueError, match="head shard link to 10.0.0.2:7"):
+        StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7)).validated()
+    StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7), tls="off").validated()
+    with pytest.raises(ValueError, match="needs --head-shard-dial"):
+        StageConfig(model="m", layers="0:1", serve_head_rows=5).validated()
+    with pytest.raises(ValueError, match="head_split is for the final stage"):
+        StageConfig(model="m", layers="0:1", head_split=5, downstream=Address("127.0.0.1", 9)).validated()
