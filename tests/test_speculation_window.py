@@ -6,6 +6,7 @@ import pytest
 
 from skippy.driver.speculation import (
     ControllerConfig,
+    CostModel,
     SpeculationConfig,
     SpeculativeDecoder,
     UnknownWindowError,
@@ -49,6 +50,35 @@ def test_pipelined_windows_continue_on_matching_boundary() -> None:
     assert outcome.tokens == (4, 5, 6) and outcome.accepted == 3 and outcome.proposed == 3
     assert tracker.pending_position == 16
     assert tracker.usage.accepted == 5 and tracker.usage.proposed == 5
+
+
+def test_the_tail_drops_a_committed_boundary() -> None:
+    """Once the window before a continuation is committed, the continuation's boundary guess is the
+    pending token (history): the tail that drafts the next window must not repeat it (it did, so
+    every third pipelined window of a loop drafted one token twice and was rejected)."""
+    tracker = WindowTracker(pending_token=50, pending_position=10)
+    first = tracker.open_epoch([1, 2])
+    tracker.open_continuation([3, 4, 5])
+    assert tracker.optimistic_tail == (1, 2, 3, 4, 5)
+    assert tracker.on_reply(first.id, [1, 2, 3]).tokens == (1, 2, 3)
+    assert tracker.pending_token == 3 and tracker.optimistic_tail == (4, 5)
+
+
+@pytest.mark.parametrize(("window", "depth"), [(2, 3), (3, 4), (4, 2), (5, 4)])
+def test_pipelined_loop_never_rolls_back(window: int, depth: int) -> None:
+    """A period-7 loop drafted several windows deep: every draft is right."""
+    loop = [101, 102, 103, 104, 105, 106, 107] * 20
+    prompt, stream = loop[:40], loop[40:120]
+    decoder = SpeculativeDecoder(prompt, stream[0], max_tokens=len(stream), config=SpeculationConfig(
+        controller=ControllerConfig(max_depth=depth, max_window=window)))
+    decoder.controller.cost = CostModel(0.25, 8.0)
+    decoder.controller.observe_traversal(1, 0.030, 0.010)  # a long round trip: pipelining pays
+    for _ in range(20):
+        decoder.controller.observe_outcome(40, 3, 3)
+    run(decoder, loop)
+    assert decoder.generated == stream
+    assert decoder.usage.rollbacks == 0 and decoder.usage.stale_windows == 0
+    assert decoder.usage.accepted == decoder.usage.proposed > len(stream) / 2
 
 
 def test_boundary_miss_makes_later_windows_stale() -> None:

@@ -92,6 +92,7 @@ class SpeculativeDecoder:
         self._shadow: Draft = NO_DRAFT
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
+        self._adopted = False  # the first epoch looked at the chain's shared cost model
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -142,6 +143,10 @@ class SpeculativeDecoder:
             if sessions >= 2 and cost.extra_row is None and self.load is not None \
                     and self.load.row_cost_ratio is not None:
                 cost.row_cost_ratio = self.load.row_cost_ratio  # measured alone by another session
+            elif sessions == 1 and not self._adopted and self.load is not None and self.load.costs is not None \
+                    and self.load.costs is not cost and not cost.windows_measured:
+                cost.adopt(self.load.costs)  # what a window costs on this chain, measured alone before
+            self._adopted = True
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
@@ -190,6 +195,7 @@ class SpeculativeDecoder:
             cost = self.controller.cost
             if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
                 self.load.row_cost_ratio = cost.extra_row / cost.single_row
+                self.load.costs = cost
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
         following = tracker.live
@@ -197,9 +203,12 @@ class SpeculativeDecoder:
             verdict = accept_tokens(window.inputs[1:], predicted)
         outcome = tracker.commit(window, verdict)
         if window.drafts:
-            self.controller.observe_outcome(window.match_length, outcome.accepted, outcome.proposed)
+            if window.continuation:  # every draft followed a kept one
+                self.controller.observe_later(window.match_length, outcome.accepted, outcome.proposed)
+            else:
+                self.controller.observe_outcome(window.match_length, outcome.accepted, outcome.proposed)
             if outcome.diverged and following and outcome.accepted == outcome.proposed:
-                self.controller.observe_outcome(following[0].match_length, 0, 1)  # boundary guess missed
+                self.controller.observe_later(following[0].match_length, 0, 1)  # its boundary guess missed
         elif self._shadow.tokens:
             hit = int(self._shadow.tokens[0] == outcome.tokens[0])
             self.controller.observe_outcome(self._shadow.match_length, hit, 1)
