@@ -239,3 +239,26 @@ def test_simulated_cpu_chain_with_a_window_step(stages: int) -> None:
         speedups[name] = spec.tokens_per_second / plain.tokens_per_second
     assert speedups["irregular"] >= 0.97, speedups
     assert speedups["loop"] >= 1.5, speedups
+
+
+def test_realized_speedup_corrects_the_model() -> None:
+    """Pipelined windows that the model prices at 2x but that realize less than plain decode
+    (stages sharing two cores do not overlap; stale windows' compute delays the next epoch) are
+    no longer chosen; serial windows keep their own record."""
+    control = controller(0.020, 0.005, 0.0005, max_depth=4, stages=2)
+    feed(control, 0.9, 30, seed=1)
+    plan = control.plan(8, 6)
+    assert plan.depth >= 2 and plan.speedup > 2.0
+    for _ in range(3):  # too little evidence yet: the model stands
+        control.cost.observe_realized(0, 1, 0.025)
+    control.cost.observe_realized(2, 1, 0.05, plan.speedup)
+    assert control.cost.correction(2) == 1.0 and control.plan(8, 6).depth >= 2
+    for _ in range(20):
+        control.cost.observe_realized(0, 1, 0.025)
+        control.cost.observe_realized(2, 2, 0.08, plan.speedup)  # 25 tok/s against plain's 40
+    assert control.cost.correction(2) < 0.5 and control.cost.correction(1) == 1.0
+    after = control.plan(8, 6)
+    assert after.depth == 1 and after.window >= 1  # serial windows, priced by the model alone
+    adopted = CostModel(0.25, 8.0)
+    adopted.adopt(control.cost)
+    assert adopted.correction(2) == control.cost.correction(2)

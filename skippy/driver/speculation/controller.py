@@ -63,6 +63,10 @@ _BUCKETS: Final = (2, 3, 5, 8, 16, 10**9)
 #: Weight of the prior slope c_row in the windows' line fit, in units of (rows - 1)^2: windows of
 #: 2 and 3 rows (spread 0.25 per window) need ~16 windows to outweigh it, of 2 and 9 rows ~1.
 _SLOPE_PRIOR: Final = 4.0
+#: Replies after which a realized rate's weight halves, and the plain steps' worth of time a plan
+#: kind's replies must have taken before its realized speedup corrects the model's.
+_REALIZED_HALFLIFE: Final = 48.0
+_REALIZED_EVIDENCE: Final = 4.0
 
 
 def _clamp(acceptance: float) -> float:
@@ -175,7 +179,8 @@ class CostModel:
     c_row come from a discounted least-squares line through the windows' extra compute over
     c_1 (x = n - 1 rows), its slope shrunk towards the prior ``row_cost_ratio * c_1`` (weight
     ``_SLOPE_PRIOR`` in x^2 units) so that windows of one or two nearby sizes (rows are costed in
-    pairs) cannot extrapolate a slope of 0 to large windows; c_w, c_row >= 0.
+    pairs) cannot extrapolate a slope of 0 to large windows; c_w >= 0, and c_row at least half
+    the prior unless the windows' own mean says less.
     """
 
     row_cost_ratio: float
@@ -190,6 +195,10 @@ class CostModel:
     _seen_single: bool = False
     #: Discounted sums over the windows' (x = rows - 1, y = compute - c_1): weight, x, y, xx, xy.
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    #: Realized rates, discounted: plain steps' (tokens, seconds waited for their replies), and
+    #: by plan kind (1: serial windows, 2: pipelined) (tokens, seconds, expected speedup x seconds).
+    _plain: tuple[float, float] = (0.0, 0.0)
+    _realized: dict[int, tuple[float, float, float]] = field(default_factory=dict)
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
         if not seen:
@@ -238,9 +247,39 @@ class CostModel:
         covariance = sxy - w * mean_x * mean_y
         prior = self.row_cost_ratio * self.single_row
         slope = (covariance + _SLOPE_PRIOR * prior) / (max(spread, 0.0) + _SLOPE_PRIOR)
-        slope = min(max(slope, 0.0), mean_y / mean_x)  # c_w >= 0 at the windows' mean size
+        # c_w >= 0 at the windows' mean size; a slope under half the prior is taken for noise
+        # (windows measured at different loads), never extrapolated to free rows.
+        slope = min(max(slope, 0.5 * prior), mean_y / mean_x)
         self.extra_row = slope
         self.window_step = max(mean_y - slope * mean_x, 0.0)
+
+    def observe_realized(self, kind: int, tokens: int, seconds: float, expected: float = 1.0) -> None:
+        """Record what a reply committed and how long the session waited for it (since the reply
+        before it, or its send when later): ``kind`` 0 for a plain step, 1 for a serial window,
+        2 for a pipelined one (stale ones too: their wait is part of what pipelining costs),
+        ``expected`` the speedup its plan was chosen at."""
+        if seconds <= 0:
+            return
+        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)
+        if kind == 0:
+            plain_tokens, plain_seconds = self._plain
+            self._plain = (plain_tokens * decay + tokens, plain_seconds * decay + seconds)
+            return
+        old = self._realized.get(kind, (0.0, 0.0, 0.0))
+        self._realized[kind] = (old[0] * decay + tokens, old[1] * decay + seconds,
+                                old[2] * decay + expected * seconds)
+
+    def correction(self, kind: int) -> float:
+        """Realized over expected speedup of a plan kind (1 serial, 2 pipelined), in [0.25, 1]:
+        1 until its replies took as long as ``_REALIZED_EVIDENCE`` plain steps.  What the model
+        does not see (stages sharing cores, so that a pipeline does not overlap; a stale window's
+        compute delaying the next epoch) shows here."""
+        tokens, seconds, expected = self._realized.get(kind, (0.0, 0.0, 0.0))
+        plain_tokens, plain_seconds = self._plain
+        if plain_tokens <= 0 or plain_seconds <= 0 or seconds < _REALIZED_EVIDENCE * plain_seconds / plain_tokens:
+            return 1.0
+        realized = (tokens / seconds) / (plain_tokens / plain_seconds)
+        return min(1.0, max(0.25, realized / max(expected / seconds, 1e-9)))
 
     def adopt(self, other: CostModel) -> None:
         """Start from what another session measured on the same chain alone (R, c_1, the
@@ -248,6 +287,7 @@ class CostModel:
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
+        self._plain, self._realized = other._plain, dict(other._realized)
 
     @property
     def ready(self) -> bool:
@@ -287,10 +327,11 @@ class SessionLoad:
         #: c_row / c_1 last measured by a session alone on the chain (None: not yet): a session
         #: that starts under load measures neither, and takes this over its prior.
         self.row_cost_ratio: float | None = None
-        #: The cost model of the last session that measured a window alone on the chain (None:
-        #: none yet): a session that starts alone adopts it (R, c_1 and the windows' line), so
-        #: that each request does not pay again for the windows that teach what a window costs.
-        self.costs: CostModel | None = None
+        #: The cost model of the last session that measured a window alone on the chain, by the
+        #: chain's stage count (a Generator drives one chain; the count keeps a benchmark's
+        #: chains apart): a session that starts alone adopts it (R, c_1 and the windows' line),
+        #: so that each request does not pay again for the windows that teach what one costs.
+        self.costs: dict[int, CostModel] = {}
 
     def enter(self, session: object) -> None:
         self._active.add(session)
@@ -442,9 +483,11 @@ class SpeculationController:
         base = 1.0 / max(self.cost.latency(1), 1e-12)
         best = _PLAIN
         best_rate = base
+        corrections = (self.cost.correction(1), self.cost.correction(2))
         for window in range(1, min(max_window, self.config.max_window) + 1):
             for depth in range(1, self.config.max_depth + 1):
                 rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.bottleneck, later)
+                rate *= corrections[0 if depth == 1 else 1]
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = Plan(window, depth, rate / base), rate
         return best

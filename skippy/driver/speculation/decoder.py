@@ -93,6 +93,7 @@ class SpeculativeDecoder:
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
         self._adopted = False  # the first epoch looked at the chain's shared cost model
+        self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), speedup
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -103,6 +104,7 @@ class SpeculativeDecoder:
         self.tracker._next_id = old._next_id  # ids stay unique over the request
         self._alone.clear()
         self._shared.clear()
+        self._kind.clear()
         self._shadow = NO_DRAFT
 
     def _sessions(self) -> int:
@@ -143,9 +145,10 @@ class SpeculativeDecoder:
             if sessions >= 2 and cost.extra_row is None and self.load is not None \
                     and self.load.row_cost_ratio is not None:
                 cost.row_cost_ratio = self.load.row_cost_ratio  # measured alone by another session
-            elif sessions == 1 and not self._adopted and self.load is not None and self.load.costs is not None \
-                    and self.load.costs is not cost and not cost.windows_measured:
-                cost.adopt(self.load.costs)  # what a window costs on this chain, measured alone before
+            elif sessions == 1 and not self._adopted and self.load is not None and not cost.windows_measured:
+                measured = self.load.costs.get(self.controller.config.stages)
+                if measured is not None and measured is not cost:
+                    cost.adopt(measured)  # what a window costs on this chain, measured alone before
             self._adopted = True
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
@@ -154,6 +157,7 @@ class SpeculativeDecoder:
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             self._alone[window.id] = tracker.in_flight == 1
             self._shared[window.id] = sessions >= 2
+            self._kind[window.id] = (0 if not drafts else 1 if self._plan.depth == 1 else 2, self._plan.speedup)
             return WindowRequest(window.id, window.base_position, window.inputs, not drafts)
         if self._plan.window == 0 or len(live) >= self._plan.depth:
             return None
@@ -166,10 +170,12 @@ class SpeculativeDecoder:
         window = tracker.open_continuation(draft.tokens, match_length=draft.match_length)
         self._alone[window.id] = False
         self._shared[window.id] = self._sessions() >= 2
+        self._kind[window.id] = (2, self._plan.speedup)
         return WindowRequest(window.id, window.base_position, window.inputs, False)
 
     def on_reply(self, window_id: int, predicted: Sequence[int], *, wall_seconds: float | None = None,
-                 compute_seconds: float | None = None, verdict: Verdict | None = None) -> WindowOutcome:
+                 compute_seconds: float | None = None, verdict: Verdict | None = None,
+                 interval_seconds: float | None = None) -> WindowOutcome:
         """Process one reply (PredictedTokens, or PredictedToken for a plain step).
 
         Args:
@@ -178,6 +184,8 @@ class SpeculativeDecoder:
             wall_seconds: send-to-reply time, for the cost model.
             compute_seconds: compute summed over stages (reply stats), for the cost model.
             verdict: a verdict computed elsewhere (e.g. from logits); default exact match.
+            interval_seconds: how long the session waited for this reply (since the reply before
+                it, or its send when later), for the realized speedup of each plan kind.
 
         Returns:
             The outcome: ``tokens`` are newly committed, in order.
@@ -189,19 +197,24 @@ class SpeculativeDecoder:
         window = tracker.take_reply(window_id, len(predicted))
         alone = self._alone.pop(window.id, False)
         shared = self._shared.pop(window.id, False) or self._sessions() >= 2  # others at send or now
+        kind, expected = self._kind.pop(window.id, (0, 1.0))
         if wall_seconds is not None and compute_seconds is not None:
             self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
                                               shared=shared)
             cost = self.controller.cost
             if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
                 self.load.row_cost_ratio = cost.extra_row / cost.single_row
-                self.load.costs = cost
+                self.load.costs[self.controller.config.stages] = cost
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
+            if interval_seconds is not None and not shared:
+                self.controller.cost.observe_realized(kind, 0, interval_seconds, expected)
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
         following = tracker.live
         if verdict is None:
             verdict = accept_tokens(window.inputs[1:], predicted)
         outcome = tracker.commit(window, verdict)
+        if interval_seconds is not None and not shared:
+            self.controller.cost.observe_realized(kind, len(outcome.tokens), interval_seconds, expected)
         if window.drafts:
             if window.continuation:  # every draft followed a kept one
                 self.controller.observe_later(window.match_length, outcome.accepted, outcome.proposed)
