@@ -328,6 +328,7 @@ class Speculation:
         #: The last run's tokens and acceptance rate (compared across chains by the caller).
         self.tokens: list[int] = []
         self.acceptance = 0.0
+        self.usage: dict[str, int] = {}
 
     async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
         pids = [process.pid for process in PROCESSES.get(address, [])]
@@ -345,6 +346,7 @@ class Speculation:
         done, cpu = await self._generate(address, self.steps)
         self.tokens = done.tokens
         self.acceptance = done.speculation.acceptance_rate if done.speculation else 0.0
+        self.usage = done.speculation.as_dict() if done.speculation else {}
         return (done.timing.decode_tokens_per_second(done.completion_tokens),
                 (cpu - baseline) / max(1, done.completion_tokens - 1))
 
@@ -577,7 +579,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 elif name.endswith(" spec"):
                     decode_runs[name].append(trio.run(speculation.decode, chains[name[:-5]]))
                     spec_tokens[name] = speculation.tokens
-                    print(f"  {name}: acceptance {speculation.acceptance:.2f}", flush=True)
+                    print(f"  {name}: acceptance {speculation.acceptance:.2f}, "
+                          + ", ".join(f"{key} {value}" for key, value in speculation.usage.items()), flush=True)
                 elif name.endswith(" run"):
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
                 elif name.endswith(" direct"):
