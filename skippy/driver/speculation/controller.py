@@ -2,27 +2,41 @@
 #
 # Strategy: a cost model picks the plan with the highest expected committed tokens per second.
 #
-# * Acceptance a is the per-draft-token conditional acceptance (P(d_i kept | d_1..d_{i-1} kept)),
-#   estimated with exponentially discounted counts per confidence bucket (the proposer's match
-#   length) plus a pooled estimate; a rejection censors the drafts after it, so only the judged
-#   prefix counts.  Steps that do not speculate still score the proposer for free ("shadow"
-#   outcomes: the first drafted token against the token the chain actually produced), so the
-#   estimate recovers without paying for windows.
-# * Time: a traversal of n rows costs L(n) = R + C(n) with C(n) = c_1 + c_row (n - 1) summed over
-#   stages.  R (network + protocol) is the discounted mean of wall - compute over traversals sent
-#   alone; c_1 from single-row steps, c_row from windows (prior: `row_cost_ratio` * c_1).
-# * Serial plan (D = 1): E(K) = (1 - a^(K+1)) / (1 - a) tokens per L(K + 1).
+# * Acceptance, two rates: a_1, that a window's first draft is kept, and a, that a further draft
+#   is kept given the one before it was (a continuation window's drafts, its boundary guess
+#   first, are all "further").  Both are exponentially discounted counts per confidence bucket
+#   (the proposer's match length); a_1 is shrunk to its pooled rate, a to the lower of a_1 and
+#   the pooled a.  A rejection censors the drafts after it.  Steps that do not speculate still
+#   score the proposer's first draft for free ("shadow" outcomes), which teaches a_1 only: on a
+#   stream that loops for a few tokens at a time the first draft is often right and the fifth
+#   rarely, and one rate for both sent long windows that lost (bench/RESULTS-stage.md).
+# * Time: a traversal of n rows costs L(n) = R + C(n), C summed over stages: C(1) = c_1 and
+#   C(n) = c_1 + c_w + c_row (n - 1) for n >= 2 (`CostModel`: on a CPU two rows can cost 2.6
+#   one-row steps, the matmuls leaving their one-row kernel, and each further row ~0.3).  R (network
+#   + protocol) is the discounted mean of wall - compute over traversals sent alone; c_1 from
+#   single-row steps; c_w and c_row a line through the windows (slope prior `row_cost_ratio` c_1).
+# * Serial plan (D = 1): E(K) = 1 + a_1 (1 - a^K) / (1 - a) tokens per L(K + 1).
 # * Pipelined plan (D >= 2): an epoch streams windows of n = K + 1 rows (the first carries the
 #   committed token and K drafts, the rest K + 1 drafts) until the first rejection; it commits
-#   1 / (1 - a) tokens on average over E[W] = 1 + a^K / (1 - a^(K+1)) windows, the first after L(n)
-#   (or D * C_b(n) once the slowest stage, C_b, saturates) and the next every max(L(n) / D, C_b(n)).
+#   1 + a_1 / (1 - a) tokens on average over E[W] = 1 + a_1 a^(K-1) / (1 - a^(K+1)) windows, the
+#   first after L(n) (or D * C_b(n) once the slowest stage, C_b, saturates: the new epoch queues
+#   behind the stale windows) and the next every max(L(n) / D, C_b(n)).
+# * Realized speedup: each reply's wait (since the reply before it, or its send) and the tokens
+#   it committed are summed per plan kind (plain, serial, pipelined; stale windows commit none);
+#   once a kind's replies took 4 plain steps' time, its rate is scaled by realized / expected
+#   speedup (<= 1).  That catches what the model does not see: stages sharing a host's cores
+#   (a pipeline that does not overlap), a stale window's compute delaying the next epoch.
 # * Baseline: 1 token per L(1).  A plan is used only when its expected speedup >= `min_gain`;
-#   otherwise the step is a plain decode ("off").  While off, every `probe_interval` plain steps
-#   with a draft available one small real window (K <= 2) is allowed, refreshing the row cost and
-#   the acceptance with real replies; so a wrong prior can neither lock speculation on nor off.
+#   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
+#   with a draft available one small real window (K <= 2) is allowed while no window's cost was
+#   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
+#   so a wrong prior can neither lock speculation on nor off.
+# * Each request has its own controller; a request that starts alone on the chain adopts the cost
+#   model (R, c_1, the windows' line, the realized rates) of the last one that measured a window
+#   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
-# loss is bounded by c_row * K, which the model weighs against R + c_1.
+# loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1.
 #
 # Load (docs/throughput.md): the plan is per session, but the rows of a window share the stages'
 # batches with the other sessions' rows.  With S sessions decoding on the chain (`SessionLoad`,
