@@ -50,7 +50,7 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
 
 CPU per token (the host is shared; CPU time is the steadier figure): in-process: the calling
 thread (llama.cpp computes on it with one thread); skippy: this client process
-plus every thread of the chain's stage processes (``/proc/<pid>/task/*/schedstat``).  llama-bench:
+plus the chain's stage processes (``/proc/<pid>/stat``: exited threads included).  llama-bench:
 its process's CPU (``RUSAGE_CHILDREN``) plus the RPC servers' schedstat delta, minus that of a
 baseline run per variant and round (``-p 0 -n 1``: load, warm-up, one token), so loading (for RPC:
 shipping the weights to the servers) cancels; the decode figure is ``(run - baseline) / (n - 1)``
@@ -91,7 +91,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from peer_build import Peer, PeerBuildError, build_peer, peer_build_dir  # noqa: E402
-from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
+from stage_chain import FINALS, PROCESSES, chain  # noqa: E402
 
 from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E402
 from skippy.driver.generator import Completion  # noqa: E402
@@ -201,6 +201,22 @@ def rpc_servers(peer: Peer, count: int, directory: Path) -> Iterator[tuple[str, 
         for process in processes:
             process.kill()
             process.wait()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Sequence[int] = ()) -> float:
+    """CPU time of this process plus the stage processes ``pids``, whole processes: utime + stime
+    of ``/proc/<pid>/stat``, which keeps the time of threads that have exited (summing the live
+    threads' schedstat, as ``stage_chain.cpu_seconds`` does, loses a thread that exits during a
+    measurement, e.g. trio's idle worker threads after 10 s: the speculation rows came out at -46
+    and +96 ms a token).  Clock-tick resolution (10 ms) is ~1% of a 64-token run's CPU."""
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+    return total
 
 
 def _pids_cpu(pids: Sequence[int]) -> float:
