@@ -259,6 +259,6 @@ def test_realized_speedup_corrects_the_model() -> None:
     assert control.cost.correction(2) < 0.5 and control.cost.correction(1) == 1.0
     after = control.plan(8, 6)
     assert after.depth == 1 and after.window >= 1  # serial windows, priced by the model alone
-    adopted = CostModel(0.25, 8.0)
-    adopted.adopt(control.cost)
-    assert adopted.correction(2) == control.cost.correction(2)
+    for _ in range(120):  # plain steps only: the poor record ages out and pipelining is tried again
+        control.cost.observe_realized(0, 1, 0.025)
+    assert control.cost.correction(2) == 1.0 and control.plan(8, 6).depth >= 2

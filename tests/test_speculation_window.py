@@ -188,3 +188,18 @@ def test_decoder_opt_out_sends_plain_steps() -> None:
         decoder.on_reply(request.window_id, [(prompt + stream)[request.base_position + 1]])
     assert decoder.generated == stream and seen == [6, 7, 8, 9, 10]
     assert decoder.usage.windows == 0 and decoder.next_window() is None
+
+
+def test_plain_steps_score_a_whole_shadow_draft() -> None:
+    """While off, the plain steps' tokens judge a draft token by token: a loop that breaks after
+    two tokens teaches a high first-draft rate and a low later one (first drafts alone taught
+    one rate for both, and long windows went out and lost)."""
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9]
+    stream = [5, 6, 40, 41, 42, 5, 6, 43, 44, 45, 5, 6, 46, 47, 48, 5, 6, 49, 50, 51] * 2
+    off = ControllerConfig(min_gain=50.0, probe_interval=10**6)
+    decoder = SpeculativeDecoder(prompt, stream[0], max_tokens=len(stream), config=SpeculationConfig(controller=off))
+    run(decoder, prompt + stream)
+    assert decoder.generated == stream and decoder.usage.windows == 0
+    control = decoder.controller
+    assert control.later_pooled.trials >= 4  # drafts after the first were judged without a window
+    assert control.acceptance(8) > 0.5 > control.later_acceptance(8)

@@ -7,9 +7,10 @@
 #   first, are all "further").  Both are exponentially discounted counts per confidence bucket
 #   (the proposer's match length); a_1 is shrunk to its pooled rate, a to the lower of a_1 and
 #   the pooled a.  A rejection censors the drafts after it.  Steps that do not speculate still
-#   score the proposer's first draft for free ("shadow" outcomes), which teaches a_1 only: on a
-#   stream that loops for a few tokens at a time the first draft is often right and the fifth
-#   rarely, and one rate for both sent long windows that lost (bench/RESULTS-stage.md).
+#   score a draft for free ("shadow" outcomes): the plain steps' tokens judge its drafts one by
+#   one until one misses, so both rates keep being measured while off.  On a stream that loops
+#   for a few tokens at a time the first draft is often right and the fifth rarely; one rate for
+#   both (and shadow scores of first drafts only) sent long windows that lost.
 # * Time: a traversal of n rows costs L(n) = R + C(n), C summed over stages: C(1) = c_1 and
 #   C(n) = c_1 + c_w + c_row (n - 1) for n >= 2 (`CostModel`: on a CPU two rows can cost 2.6
 #   one-row steps, the matmuls leaving their one-row kernel, and each further row ~0.3).  R (network
@@ -24,15 +25,17 @@
 # * Realized speedup: each reply's wait (since the reply before it, or its send) and the tokens
 #   it committed are summed per plan kind (plain, serial, pipelined; stale windows commit none);
 #   once a kind's replies took 4 plain steps' time, its rate is scaled by realized / expected
-#   speedup (<= 1).  That catches what the model does not see: stages sharing a host's cores
-#   (a pipeline that does not overlap), a stale window's compute delaying the next epoch.
+#   speedup (<= 1); every reply ages every kind's record, so a kind not chosen any more is tried
+#   again within ~100 replies.  That catches what the model does not see: stages sharing a
+#   host's cores (a pipeline that does not overlap), a stale window's compute delaying the next
+#   epoch.  Per request (it also carries the request's acceptance errors, which are content).
 # * Baseline: 1 token per L(1).  A plan is used only when its expected speedup >= `min_gain`;
 #   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
 #   with a draft available one small real window (K <= 2) is allowed while no window's cost was
 #   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
 #   so a wrong prior can neither lock speculation on nor off.
 # * Each request has its own controller; a request that starts alone on the chain adopts the cost
-#   model (R, c_1, the windows' line, the realized rates) of the last one that measured a window
+#   model (R, c_1, the windows' line) of the last one that measured a window
 #   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
@@ -77,9 +80,9 @@ _BUCKETS: Final = (2, 3, 5, 8, 16, 10**9)
 #: Weight of the prior slope c_row in the windows' line fit, in units of (rows - 1)^2: windows of
 #: 2 and 3 rows (spread 0.25 per window) need ~16 windows to outweigh it, of 2 and 9 rows ~1.
 _SLOPE_PRIOR: Final = 4.0
-#: Replies after which a realized rate's weight halves, and the plain steps' worth of time a plan
-#: kind's replies must have taken before its realized speedup corrects the model's.
-_REALIZED_HALFLIFE: Final = 48.0
+#: Replies (of any kind) after which a realized rate's weight halves, and the plain steps' worth
+#: of time a plan kind's replies must have taken before its realized speedup corrects the model's.
+_REALIZED_HALFLIFE: Final = 32.0
 _REALIZED_EVIDENCE: Final = 4.0
 
 
@@ -274,14 +277,16 @@ class CostModel:
         ``expected`` the speedup its plan was chosen at."""
         if seconds <= 0:
             return
-        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)
-        if kind == 0:
-            plain_tokens, plain_seconds = self._plain
-            self._plain = (plain_tokens * decay + tokens, plain_seconds * decay + seconds)
-            return
-        old = self._realized.get(kind, (0.0, 0.0, 0.0))
-        self._realized[kind] = (old[0] * decay + tokens, old[1] * decay + seconds,
-                                old[2] * decay + expected * seconds)
+        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)  # every reply ages every kind: a kind not
+        # chosen any more (its record too poor) is forgotten, and tried again, within ~100 replies
+        plain_tokens, plain_seconds = self._plain
+        self._plain = (plain_tokens * decay + (tokens if kind == 0 else 0),
+                       plain_seconds * decay + (seconds if kind == 0 else 0.0))
+        for other, (t, sec, exp) in self._realized.items():
+            self._realized[other] = (t * decay, sec * decay, exp * decay)
+        if kind != 0:
+            t, sec, exp = self._realized.get(kind, (0.0, 0.0, 0.0))
+            self._realized[kind] = (t + tokens, sec + seconds, exp + expected * seconds)
 
     def correction(self, kind: int) -> float:
         """Realized over expected speedup of a plan kind (1 serial, 2 pipelined), in [0.25, 1]:
@@ -297,11 +302,11 @@ class CostModel:
 
     def adopt(self, other: CostModel) -> None:
         """Start from what another session measured on the same chain alone (R, c_1, the
-        windows' line); this model's own traversals then take over at its half-life."""
+        windows' line); this model's own traversals then take over at its half-life.  Not the
+        realized speedups: they also carry that request's acceptance errors (content, not chain)."""
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
-        self._plain, self._realized = other._plain, dict(other._realized)
 
     @property
     def ready(self) -> bool:

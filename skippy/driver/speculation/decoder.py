@@ -89,7 +89,8 @@ class SpeculativeDecoder:
         self.tracker = WindowTracker(int(first_token), len(prompt))
         self.generated: list[int] = [int(first_token)]
         self._plan = Plan(0, 1, 1.0)
-        self._shadow: Draft = NO_DRAFT
+        self._shadow: Draft = NO_DRAFT  # the draft plain steps are scoring, token by token
+        self._shadow_kept = 0  # its drafts the plain steps confirmed so far
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
         self._adopted = False  # the first epoch looked at the chain's shared cost model
@@ -106,6 +107,7 @@ class SpeculativeDecoder:
         self._shared.clear()
         self._kind.clear()
         self._shadow = NO_DRAFT
+        self._shadow_kept = 0
 
     def _sessions(self) -> int:
         return 1 if self.load is None else max(1, self.load.sessions)
@@ -153,7 +155,8 @@ class SpeculativeDecoder:
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
-            self._shadow = draft if not drafts else NO_DRAFT
+            if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
+                self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             self._alone[window.id] = tracker.in_flight == 1
             self._shared[window.id] = sessions >= 2
@@ -222,10 +225,13 @@ class SpeculativeDecoder:
                 self.controller.observe_outcome(window.match_length, outcome.accepted, outcome.proposed)
             if outcome.diverged and following and outcome.accepted == outcome.proposed:
                 self.controller.observe_later(following[0].match_length, 0, 1)  # its boundary guess missed
-        elif self._shadow.tokens:
-            hit = int(self._shadow.tokens[0] == outcome.tokens[0])
-            self.controller.observe_outcome(self._shadow.match_length, hit, 1)
-            self._shadow = NO_DRAFT
+        elif self._shadow.tokens:  # a plain step: its token judges the shadow draft's next one
+            shadow = self._shadow
+            hit = shadow.tokens[self._shadow_kept] == outcome.tokens[0]
+            self._shadow_kept += int(hit)
+            if not hit or self._shadow_kept == len(shadow.tokens):
+                self.controller.observe_outcome(shadow.match_length, self._shadow_kept, len(shadow.tokens))
+                self._shadow, self._shadow_kept = NO_DRAFT, 0
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
         self.proposer.extend(outcome.tokens)
