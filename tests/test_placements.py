@@ -262,7 +262,7 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
 def _no_wall_clock_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     """Nor may the realized speedups (wall-clock waits) or a cost model adopted from the previous
     request change the windows from one run to the next."""
-    monkeypatch.setattr(CostModel, "observe_realized", lambda *args, **kwargs: None)
+    monkeypatch.setattr(CostModel, "observe_wait", lambda *args, **kwargs: None)
     monkeypatch.setattr(CostModel, "adopt", lambda self, other: None)
 
 

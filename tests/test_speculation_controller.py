@@ -17,6 +17,7 @@ from skippy.driver.speculation import (
     SpeculationController,
     expected_tokens,
     pipelined_rate,
+    pipelined_waits,
     serial_rate,
 )
 
@@ -241,24 +242,58 @@ def test_simulated_cpu_chain_with_a_window_step(stages: int) -> None:
     assert speedups["loop"] >= 1.5, speedups
 
 
-def test_realized_speedup_corrects_the_model() -> None:
-    """Pipelined windows that the model prices at 2x but that realize less than plain decode
-    (stages sharing two cores do not overlap; stale windows' compute delays the next epoch) are
-    no longer chosen; serial windows keep their own record."""
+def test_realized_waits_correct_the_model() -> None:
+    """Pipelined windows that the model prices at 2x but whose replies take twice the waits it
+    priced (stages sharing two cores do not overlap; stale windows' compute delays the next
+    epoch) are no longer chosen; serial windows keep their own record; a record ages out."""
     control = controller(0.020, 0.005, 0.0005, max_depth=4, stages=2)
     feed(control, 0.9, 30, seed=1)
     plan = control.plan(8, 6)
     assert plan.depth >= 2 and plan.speedup > 2.0
-    for _ in range(3):  # too little evidence yet: the model stands
-        control.cost.observe_realized(0, 1, 0.025)
-    control.cost.observe_realized(2, 1, 0.05, plan.speedup)
+    arrival, interval = pipelined_waits(plan.window, plan.depth, control.cost, control.config.bottleneck)
+    control.cost.observe_wait(2, arrival, 2 * arrival)  # too little evidence yet: the model stands
     assert control.cost.correction(2) == 1.0 and control.plan(8, 6).depth >= 2
     for _ in range(20):
-        control.cost.observe_realized(0, 1, 0.025)
-        control.cost.observe_realized(2, 2, 0.08, plan.speedup)  # 25 tok/s against plain's 40
-    assert control.cost.correction(2) < 0.5 and control.cost.correction(1) == 1.0
+        control.cost.observe_wait(2, interval, 4 * interval)
+        control.cost.observe_wait(2, 0.0, interval)  # a stale window: priced free
+    assert control.cost.correction(2) < 0.3
     after = control.plan(8, 6)
-    assert after.depth == 1 and after.window >= 1  # serial windows, priced by the model alone
-    for _ in range(120):  # plain steps only: the poor record ages out and pipelining is tried again
-        control.cost.observe_realized(0, 1, 0.025)
+    assert after.depth == 1 and after.window >= 1  # serial windows, priced by their measured cost
+    adopted = CostModel(0.25, 8.0)
+    adopted.adopt(control.cost)  # a time ratio (no acceptance in it): the chain's, adopted
+    assert adopted.correction(2) == control.cost.correction(2)
+    for _ in range(150):  # plain steps only: the poor record ages out and pipelining is tried again
+        control.cost.age()
     assert control.cost.correction(2) == 1.0 and control.plan(8, 6).depth >= 2
+
+
+def test_two_lucky_drafts_send_no_window() -> None:
+    """Traced on the peer benchmark (2 stages, acceptance ~0.5): a bucket with 2 hits of 2 read
+    0.77 and sent 5-row pipelined windows that lost; a plan is now chosen on the acceptance less
+    one standard error."""
+    control = SpeculationController(ControllerConfig(stages=2))
+    for _ in range(4):
+        control.observe_traversal(1, cpu_f16(1) + 0.001, cpu_f16(1))
+    control.observe_traversal(5, cpu_f16(5) + 0.001, cpu_f16(5))
+    feed(control, 0.5, 20, seed=8, match_length=6)
+    for _ in range(2):
+        control.observe_outcome(20, 1, 1)
+    assert control.plan(8, 20).window == 0
+    for _ in range(60):  # many hits: sure enough
+        control.observe_outcome(20, 8, 8)
+    assert control.plan(8, 20).window >= 6
+
+
+def test_a_pipelined_epoch_replans_its_continuations() -> None:
+    """An epoch of a loop never ends: its continuation windows are re-planned on the later-draft
+    rate (grown as it is measured), and pipelining stops when it no longer pays."""
+    control = controller(0.020, 0.005, 0.0005, max_depth=4, stages=2)
+    feed(control, 0.6, 30, seed=9)
+    start = control.plan(8, 6)
+    for _ in range(60):
+        control.observe_later(6, 8, 8)
+    grown = control.continuation_plan(6, start)
+    assert grown.depth >= 2 and grown.window > start.window
+    for _ in range(200):
+        control.observe_later(6, 0, 1)
+    assert control.continuation_plan(6, grown).depth == 1

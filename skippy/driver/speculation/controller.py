@@ -22,20 +22,21 @@
 #   1 + a_1 / (1 - a) tokens on average over E[W] = 1 + a_1 a^(K-1) / (1 - a^(K+1)) windows, the
 #   first after L(n) (or D * C_b(n) once the slowest stage, C_b, saturates: the new epoch queues
 #   behind the stale windows) and the next every max(L(n) / D, C_b(n)).
-# * Realized speedup: each reply's wait (since the reply before it, or its send) and the tokens
-#   it committed are summed per plan kind (plain, serial, pipelined; stale windows commit none);
-#   once a kind's replies took 4 plain steps' time, its rate is scaled by realized / expected
-#   speedup (<= 1); every reply ages every kind's record, so a kind not chosen any more is tried
-#   again within ~100 replies.  That catches what the model does not see: stages sharing a
-#   host's cores (a pipeline that does not overlap), a stale window's compute delaying the next
-#   epoch.  Per request (it also carries the request's acceptance errors, which are content).
+# * Realized waits (pipelining only: a serial window's R + C(n) is measured directly): each
+#   pipelined reply's wait (since the reply before it, or its send) against the wait the model
+#   priced it at (an epoch's first: its arrival; a continuation: the interval; a stale window: 0,
+#   free while the bottleneck has room); once they took 4 plain steps' time, the pipelined rates
+#   are scaled by priced / realized (<= 1).  That catches what the model does not see: stages
+#   sharing a host's cores (a pipeline that does not overlap), stale windows' compute delaying
+#   the next epoch.  Every plain step ages the record, so pipelining is tried again within ~100.
+# * Each continuation window re-plans (K, D) on the later rate: an epoch of a loop never ends.
 # * Baseline: 1 token per L(1).  A plan is used only when its expected speedup >= `min_gain`;
 #   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
 #   with a draft available one small real window (K <= 2) is allowed while no window's cost was
 #   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
 #   so a wrong prior can neither lock speculation on nor off.
 # * Each request has its own controller; a request that starts alone on the chain adopts the cost
-#   model (R, c_1, the windows' line) of the last one that measured a window
+#   model (R, c_1, the windows' line, the realized waits) of the last one that measured a window
 #   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
@@ -69,6 +70,7 @@ __all__ = [
     "SpeculationController",
     "expected_tokens",
     "pipelined_rate",
+    "pipelined_waits",
     "serial_rate",
     "shared_gain",
 ]
@@ -80,8 +82,8 @@ _BUCKETS: Final = (2, 3, 5, 8, 16, 10**9)
 #: Weight of the prior slope c_row in the windows' line fit, in units of (rows - 1)^2: windows of
 #: 2 and 3 rows (spread 0.25 per window) need ~16 windows to outweigh it, of 2 and 9 rows ~1.
 _SLOPE_PRIOR: Final = 4.0
-#: Replies (of any kind) after which a realized rate's weight halves, and the plain steps' worth
-#: of time a plan kind's replies must have taken before its realized speedup corrects the model's.
+#: Replies after which a realized wait record's weight halves, and the plain steps' worth
+#: of time pipelined replies must have waited before the record corrects the model's rates.
 _REALIZED_HALFLIFE: Final = 32.0
 _REALIZED_EVIDENCE: Final = 4.0
 
@@ -212,10 +214,8 @@ class CostModel:
     _seen_single: bool = False
     #: Discounted sums over the windows' (x = rows - 1, y = compute - c_1): weight, x, y, xx, xy.
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
-    #: Realized rates, discounted: plain steps' (tokens, seconds waited for their replies), and
-    #: by plan kind (1: serial windows, 2: pipelined) (tokens, seconds, expected speedup x seconds).
-    _plain: tuple[float, float] = (0.0, 0.0)
-    _realized: dict[int, tuple[float, float, float]] = field(default_factory=dict)
+    #: By plan kind (1: serial windows, 2: pipelined), discounted: (priced wait, realized wait).
+    _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
         if not seen:
@@ -270,43 +270,44 @@ class CostModel:
         self.extra_row = slope
         self.window_step = max(mean_y - slope * mean_x, 0.0)
 
-    def observe_realized(self, kind: int, tokens: int, seconds: float, expected: float = 1.0) -> None:
-        """Record what a reply committed and how long the session waited for it (since the reply
-        before it, or its send when later): ``kind`` 0 for a plain step, 1 for a serial window,
-        2 for a pipelined one (stale ones too: their wait is part of what pipelining costs),
-        ``expected`` the speedup its plan was chosen at."""
-        if seconds <= 0:
+    def observe_wait(self, kind: int, expected: float, seconds: float) -> None:
+        """Record how long the session waited for a window's reply (since the reply before it, or
+        its send when later) against the wait the model priced it at: ``kind`` 1 for a serial
+        window (L(n)), 2 for a pipelined one (an epoch's first: its arrival; a continuation: the
+        interval; a stale one: 0, the model's price of a stale window when the bottleneck has
+        room).  A time ratio, so the request's acceptance does not enter it."""
+        if seconds < 0 or expected < 0:
             return
-        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)  # every reply ages every kind: a kind not
-        # chosen any more (its record too poor) is forgotten, and tried again, within ~100 replies
-        plain_tokens, plain_seconds = self._plain
-        self._plain = (plain_tokens * decay + (tokens if kind == 0 else 0),
-                       plain_seconds * decay + (seconds if kind == 0 else 0.0))
-        for other, (t, sec, exp) in self._realized.items():
-            self._realized[other] = (t * decay, sec * decay, exp * decay)
-        if kind != 0:
-            t, sec, exp = self._realized.get(kind, (0.0, 0.0, 0.0))
-            self._realized[kind] = (t + tokens, sec + seconds, exp + expected * seconds)
+        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)
+        for other, (priced, waited) in self._waits.items():
+            self._waits[other] = (priced * decay, waited * decay)
+        priced, waited = self._waits.get(kind, (0.0, 0.0))
+        self._waits[kind] = (priced + expected, waited + seconds)
+
+    def age(self) -> None:
+        """A plain step went by: every kind's record ages, so a kind not chosen any more (its
+        record too poor) is forgotten, and tried again, within ~100 steps."""
+        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)
+        for kind, (priced, waited) in self._waits.items():
+            self._waits[kind] = (priced * decay, waited * decay)
 
     def correction(self, kind: int) -> float:
-        """Realized over expected speedup of a plan kind (1 serial, 2 pipelined), in [0.25, 1]:
-        1 until its replies took as long as ``_REALIZED_EVIDENCE`` plain steps.  What the model
-        does not see (stages sharing cores, so that a pipeline does not overlap; a stale window's
-        compute delaying the next epoch) shows here."""
-        tokens, seconds, expected = self._realized.get(kind, (0.0, 0.0, 0.0))
-        plain_tokens, plain_seconds = self._plain
-        if plain_tokens <= 0 or plain_seconds <= 0 or seconds < _REALIZED_EVIDENCE * plain_seconds / plain_tokens:
+        """Priced over realized waits of a plan kind (1 serial, 2 pipelined), in [0.25, 1]: 1
+        until its replies took as long as ``_REALIZED_EVIDENCE`` plain steps.  What the model
+        does not see shows here: stages sharing a host's cores (a pipeline that does not
+        overlap), a stale window's compute delaying the next epoch, load."""
+        priced, waited = self._waits.get(kind, (0.0, 0.0))
+        if waited <= 0 or waited < _REALIZED_EVIDENCE * self.latency(1):
             return 1.0
-        realized = (tokens / seconds) / (plain_tokens / plain_seconds)
-        return min(1.0, max(0.25, realized / max(expected / seconds, 1e-9)))
+        return min(1.0, max(0.25, priced / waited))
 
     def adopt(self, other: CostModel) -> None:
         """Start from what another session measured on the same chain alone (R, c_1, the
-        windows' line); this model's own traversals then take over at its half-life.  Not the
-        realized speedups: they also carry that request's acceptance errors (content, not chain)."""
+        windows' line, the realized waits); this model's own traversals then take over."""
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
+        self._waits = dict(other._waits)
 
     @property
     def ready(self) -> bool:
@@ -389,17 +390,31 @@ def pipelined_rate(acceptance: float, window: int, depth: int, cost: CostModel, 
     first = min(_clamp(acceptance), _MAX_ACCEPTANCE)
     a = first if later is None else min(_clamp(later), _MAX_ACCEPTANCE)
     rows = window + 1
-    latency = cost.latency(rows)
-    bottleneck = cost.compute(rows) * bottleneck_share
-    interval = max(latency / depth, bottleneck)
-    # Little's law: with `depth` windows queued at a saturated bottleneck, an epoch's first window
-    # waits behind the previous epoch's stale windows, so it takes depth * bottleneck, not latency.
-    arrival = max(latency, depth * bottleneck)
+    arrival, interval = pipelined_waits(window, depth, cost, bottleneck_share)
     # Drafts kept: P(>= j) = a_1 a^(j-1); the epoch's j-th window is used when the first
     # K + (j - 2)(K + 1) drafts were all kept.
     windows = 1.0 + first * a ** (window - 1) / (1.0 - a ** rows)
     tokens = 1.0 + first / (1.0 - a)
     return tokens / max(arrival + (windows - 1.0) * interval, 1e-12)
+
+
+def _cautious(rate: float, trials: float) -> float:
+    """A rate estimated from ``trials`` less one standard error, sqrt(m (1 - m) / trials): a plan
+    is chosen on what the drafts surely do, not on two lucky ones (traced on the peer benchmark:
+    a bucket with 2 hits of 2 read 0.77 and sent 5-row pipelined windows at acceptance 0.5)."""
+    return max(0.0, rate - (rate * (1.0 - rate) / trials) ** 0.5)
+
+
+def pipelined_waits(window: int, depth: int, cost: CostModel, bottleneck_share: float) -> tuple[float, float]:
+    """(an epoch's first reply, each further one) in seconds, streaming windows of ``window + 1``
+    rows ``depth`` deep (depth 1: both L(n))."""
+    latency = cost.latency(window + 1)
+    if depth <= 1:
+        return latency, latency
+    bottleneck = cost.compute(window + 1) * bottleneck_share
+    # Little's law: with `depth` windows queued at a saturated bottleneck, an epoch's first window
+    # waits behind the previous epoch's stale windows, so it takes depth * bottleneck, not latency.
+    return max(latency, depth * bottleneck), max(latency / depth, bottleneck)
 
 
 @dataclass(frozen=True, slots=True)
@@ -454,10 +469,13 @@ class SpeculationController:
         return len(_BUCKETS) - 1
 
     def acceptance(self, match_length: int) -> float:
-        """Estimated acceptance of a first draft with this confidence hint (bucket shrunk to pooled)."""
+        """Estimated acceptance of a first draft with this confidence hint (bucket shrunk to
+        pooled), less one standard error (:func:`_cautious`)."""
         bucket = self.buckets[self.bucket_of(match_length)]
         weight = self.config.prior_weight
-        return (bucket.successes + self.pooled.rate * weight) / (bucket.trials + weight)
+        rate = (bucket.successes + self.pooled.rate * weight) / (bucket.trials + weight)
+        # As sure as the bucket's own trials and, through the shrink, the pooled ones'.
+        return _cautious(rate, bucket.trials + weight + self.pooled.trials * weight / (bucket.trials + weight))
 
     def later_acceptance(self, match_length: int) -> float:
         """Estimated acceptance of a further draft given the one before was kept: the bucket's,
@@ -469,7 +487,7 @@ class SpeculationController:
         anchor = min((pooled.successes + self.pooled.rate * weight) / (pooled.trials + weight),
                      self.acceptance(match_length))
         later = self.later[self.bucket_of(match_length)]
-        return (later.successes + anchor * weight) / (later.trials + weight)
+        return (later.successes + anchor * weight) / (later.trials + weight)  # (anchor: cautious)
 
     def observe_outcome(self, match_length: int, accepted: int, judged: int) -> None:
         """Record an epoch-start window's drafts (or a shadow score: ``judged`` = 1): its first
@@ -502,7 +520,7 @@ class SpeculationController:
         base = 1.0 / max(self.cost.latency(1), 1e-12)
         best = _PLAIN
         best_rate = base
-        corrections = (self.cost.correction(1), self.cost.correction(2))
+        corrections = (1.0, self.cost.correction(2))  # a serial window's cost is measured directly
         for window in range(1, min(max_window, self.config.max_window) + 1):
             for depth in range(1, self.config.max_depth + 1):
                 rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.bottleneck, later)
@@ -510,6 +528,16 @@ class SpeculationController:
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = Plan(window, depth, rate / base), rate
         return best
+
+    def continuation_plan(self, match_length: int, current: Plan) -> Plan:
+        """(K, D) for the next continuation window of a pipelined epoch: its drafts all follow
+        kept ones, so both rates are the later one.  A plan of depth 1 (or none) ends the
+        epoch's pipelining; otherwise the best pipelined plan (``current`` if none pays)."""
+        later = self.later_acceptance(match_length)
+        fresh = self.best(later, self.config.max_window, later)
+        if fresh.window and fresh.speedup >= self.config.min_gain:
+            return fresh if fresh.depth >= 2 else Plan(current.window, 1, fresh.speedup)
+        return Plan(current.window, 1, fresh.speedup)
 
     def best_shared(self, acceptance: float, max_window: int, sessions: int, later: float | None = None) -> Plan:
         """The best serial window for one of ``sessions`` >= 2 sessions (``speedup``: the

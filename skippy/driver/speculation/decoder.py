@@ -11,7 +11,9 @@
 #   A plain step with a draft available is scored in shadow (its first draft against the token
 #   the chain returns), so acceptance keeps being measured while speculation is off.
 # * Pipelining: while fewer than D live windows are in flight, propose K + 1 more drafts from the
-#   optimistic tail (drafts in flight, never indexed) and send them as a continuation window.
+#   optimistic tail (drafts in flight, never indexed) and send them as a continuation window; (K, D)
+#   are re-planned for each on the later-draft acceptance (an epoch of a loop never ends, so a
+#   plan fixed at its start would keep its first, least informed, window size for good).
 # * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
 from __future__ import annotations
 
@@ -19,7 +21,13 @@ from dataclasses import dataclass
 from typing import Sequence, final
 
 from skippy.driver.speculation.acceptance import Verdict, accept_tokens
-from skippy.driver.speculation.controller import ControllerConfig, Plan, SessionLoad, SpeculationController
+from skippy.driver.speculation.controller import (
+    ControllerConfig,
+    Plan,
+    SessionLoad,
+    SpeculationController,
+    pipelined_waits,
+)
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
 from skippy.driver.speculation.window import (
     MAX_WINDOWS_IN_FLIGHT,
@@ -94,7 +102,7 @@ class SpeculativeDecoder:
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
         self._adopted = False  # the first epoch looked at the chain's shared cost model
-        self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), speedup
+        self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -160,10 +168,18 @@ class SpeculativeDecoder:
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             self._alone[window.id] = tracker.in_flight == 1
             self._shared[window.id] = sessions >= 2
-            self._kind[window.id] = (0 if not drafts else 1 if self._plan.depth == 1 else 2, self._plan.speedup)
+            if drafts:
+                arrival, _ = pipelined_waits(len(drafts), self._plan.depth, cost, self.controller.config.bottleneck)
+                self._kind[window.id] = (1 if self._plan.depth == 1 else 2, arrival)
+            else:
+                self._kind[window.id] = (0, 0.0)
             return WindowRequest(window.id, window.base_position, window.inputs, not drafts)
         if self._plan.window == 0 or len(live) >= self._plan.depth:
             return None
+        if self._plan.depth >= 2:  # every draft of a continuation follows kept ones: re-plan on that
+            self._plan = self.controller.continuation_plan(live[-1].match_length, self._plan)
+            if len(live) >= self._plan.depth:
+                return None  # pipelining no longer pays: the epoch ends with the windows in flight
         budget = min(self._budget(), self._plan.window + 1)
         if budget <= 0:
             return None
@@ -173,7 +189,9 @@ class SpeculativeDecoder:
         window = tracker.open_continuation(draft.tokens, match_length=draft.match_length)
         self._alone[window.id] = False
         self._shared[window.id] = self._sessions() >= 2
-        self._kind[window.id] = (2, self._plan.speedup)
+        _, interval = pipelined_waits(len(window.inputs) - 1, max(2, self._plan.depth), self.controller.cost,
+                                      self.controller.config.bottleneck)
+        self._kind[window.id] = (2, interval)
         return WindowRequest(window.id, window.base_position, window.inputs, False)
 
     def on_reply(self, window_id: int, predicted: Sequence[int], *, wall_seconds: float | None = None,
@@ -188,7 +206,8 @@ class SpeculativeDecoder:
             compute_seconds: compute summed over stages (reply stats), for the cost model.
             verdict: a verdict computed elsewhere (e.g. from logits); default exact match.
             interval_seconds: how long the session waited for this reply (since the reply before
-                it, or its send when later), for the realized speedup of each plan kind.
+                it, or its send when later), against the wait the model priced it at
+                (:meth:`CostModel.observe_wait`).
 
         Returns:
             The outcome: ``tokens`` are newly committed, in order.
@@ -200,7 +219,13 @@ class SpeculativeDecoder:
         window = tracker.take_reply(window_id, len(predicted))
         alone = self._alone.pop(window.id, False)
         shared = self._shared.pop(window.id, False) or self._sessions() >= 2  # others at send or now
-        kind, expected = self._kind.pop(window.id, (0, 1.0))
+        kind, priced = self._kind.pop(window.id, (0, 0.0))
+        if interval_seconds is not None and not shared:
+            if kind == 0:
+                self.controller.cost.age()
+            elif kind == 2:  # a stale window is priced at 0: the model counts it free while the bottleneck has room
+                self.controller.cost.observe_wait(kind, 0.0 if window.epoch != tracker.epoch else priced,
+                                                  interval_seconds)
         if wall_seconds is not None and compute_seconds is not None:
             self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
                                               shared=shared)
@@ -209,15 +234,11 @@ class SpeculativeDecoder:
                 self.load.row_cost_ratio = cost.extra_row / cost.single_row
                 self.load.costs[self.controller.config.stages] = cost
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
-            if interval_seconds is not None and not shared:
-                self.controller.cost.observe_realized(kind, 0, interval_seconds, expected)
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
         following = tracker.live
         if verdict is None:
             verdict = accept_tokens(window.inputs[1:], predicted)
         outcome = tracker.commit(window, verdict)
-        if interval_seconds is not None and not shared:
-            self.controller.cost.observe_realized(kind, len(outcome.tokens), interval_seconds, expected)
         if window.drafts:
             if window.continuation:  # every draft followed a kept one
                 self.controller.observe_later(window.match_length, outcome.accepted, outcome.proposed)
@@ -227,10 +248,13 @@ class SpeculativeDecoder:
                 self.controller.observe_later(following[0].match_length, 0, 1)  # its boundary guess missed
         elif self._shadow.tokens:  # a plain step: its token judges the shadow draft's next one
             shadow = self._shadow
-            hit = shadow.tokens[self._shadow_kept] == outcome.tokens[0]
-            self._shadow_kept += int(hit)
+            hit = int(shadow.tokens[self._shadow_kept] == outcome.tokens[0])
+            if self._shadow_kept == 0:
+                self.controller.observe_outcome(shadow.match_length, hit, 1)
+            else:  # the drafts before it were kept
+                self.controller.observe_later(shadow.match_length, hit, 1)
+            self._shadow_kept += hit
             if not hit or self._shadow_kept == len(shadow.tokens):
-                self.controller.observe_outcome(shadow.match_length, self._shadow_kept, len(shadow.tokens))
                 self._shadow, self._shadow_kept = NO_DRAFT, 0
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
