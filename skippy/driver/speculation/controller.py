@@ -451,7 +451,8 @@ class SpeculationController:
     later: list[AcceptanceEstimator] = field(init=False)
     later_pooled: AcceptanceEstimator = field(init=False)
     plain_steps_since_window: int = 0
-    enabled: bool = True
+    #: The sessions the last plan was made for (what :attr:`enabled` weighs).
+    _sessions: int = 1
 
     def __post_init__(self) -> None:
         c = self.config
@@ -563,8 +564,7 @@ class SpeculationController:
         if sessions >= 2:  # the others pay for this session's drafts: weigh the aggregate
             choice = self.best_shared(self.acceptance(match_length), draft_length, sessions,
                                       self.later_acceptance(match_length))
-            self.enabled = (self.best_shared(self.pooled.rate, self.config.max_window, sessions).speedup
-                            >= self.config.min_gain)
+            self._sessions = sessions
             if choice.window and choice.speedup >= self.config.min_gain:
                 self.plain_steps_since_window = 0
                 return choice
@@ -572,7 +572,7 @@ class SpeculationController:
         if not self.cost.ready:
             return _PLAIN  # the first plain steps measure R and c_1
         choice = self.best(self.acceptance(match_length), draft_length, self.later_acceptance(match_length))
-        self.enabled = self.best(self.pooled.rate, self.config.max_window).speedup >= self.config.min_gain
+        self._sessions = 1
         if choice.window and choice.speedup >= self.config.min_gain:
             self.plain_steps_since_window = 0
             return choice
@@ -582,6 +582,15 @@ class SpeculationController:
             self.plain_steps_since_window = 0
             return Plan(min(2, draft_length), 1, choice.speedup, probe=True)
         return _PLAIN
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the pooled estimate would speculate now (for the sessions of the last plan;
+        computed when asked: a plan per step does not pay for it)."""
+        if self._sessions >= 2:
+            return (self.best_shared(self.pooled.rate, self.config.max_window, self._sessions).speedup
+                    >= self.config.min_gain)
+        return self.cost.ready and self.expected_speedup() >= self.config.min_gain
 
     def expected_speedup(self) -> float:
         """The pooled estimate's best expected speedup (1.0 when off or not yet measured)."""
