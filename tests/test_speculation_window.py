@@ -205,3 +205,33 @@ def test_plain_steps_score_a_whole_shadow_draft() -> None:
     assert later.trials >= 4  # drafts after the first were judged without a window
     first = control.pooled
     assert first.trials >= 4 and 0.0 < later.successes < later.trials  # hits and misses of both
+
+
+def test_a_rejected_window_caps_the_next_one() -> None:
+    """Slow start: after a window kept 1 draft of 6, the next carries at most 3 (on a CPU chain
+    whose windows cost more than a plain step: the peer benchmark sent a 9-row window right after
+    a 7-row one had failed); windows that cost less than a plain step are never capped."""
+    loop = [101, 102, 103, 104, 105, 106, 107] * 20
+    decoder = SpeculativeDecoder(loop[:40], loop[40], max_tokens=60)
+    control = decoder.controller
+    control.observe_traversal(1, 0.0205, 0.0194)  # llama-16x1024 F16 on one CPU thread
+    control.observe_traversal(7, 0.0810, 0.0800)
+    for _ in range(60):
+        control.observe_outcome(40, 8, 8)
+    first = decoder.next_window()
+    assert first is not None and len(first.tokens) == 9
+    wrong = list(loop[41:50])
+    wrong[2] = 999  # the target keeps one draft, then disagrees
+    decoder.on_reply(first.window_id, wrong)
+    second = decoder.next_window()
+    assert second is not None and len(second.tokens) - 1 <= 3
+    cheap = SpeculativeDecoder(loop[:40], loop[40], max_tokens=60)
+    cheap.controller.cost = controller_cost = CostModel(0.25, 8.0)
+    controller_cost.observe(1, 0.022, 0.002)  # a 20 ms round trip, 2 ms a step, rows ~free
+    controller_cost.observe(9, 0.0236, 0.0036)
+    for _ in range(60):
+        cheap.controller.observe_outcome(40, 8, 8)
+    first = cheap.next_window()
+    assert first is not None
+    cheap.on_reply(first.window_id, [999] * len(first.tokens))  # nothing kept
+    assert cheap._cap == 1 and cheap._window_cap() == 8  # a window costs less than a plain step

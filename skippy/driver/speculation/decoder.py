@@ -14,6 +14,8 @@
 #   optimistic tail (drafts in flight, never indexed) and send them as a continuation window; (K, D)
 #   are re-planned for each on the later-draft acceptance (an epoch of a loop never ends, so a
 #   plan fixed at its start would keep its first, least informed, window size for good).
+# * Slow start: after a rejection past a kept drafts the next window carries at most 2a + 1
+#   (a run kept whole doubles the cap), unless its extra compute is at most a plain step's.
 # * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
 from __future__ import annotations
 
@@ -102,6 +104,11 @@ class SpeculativeDecoder:
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
         self._adopted = False  # the first epoch looked at the chain's shared cost model
+        #: Most drafts the next window may carry ("slow start"): 2 a + 1 after a rejection past a
+        #: kept drafts, twice a run that was kept whole; so a loop that breaks costs one long
+        #: window, not one per epoch until the estimates catch up (the peer benchmark's stream).
+        #: Windows whose extra compute is at most a plain step's latency are never capped.
+        self._cap = config.controller.max_window
         self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
 
     def restart(self, pending_position: int) -> None:
@@ -116,6 +123,22 @@ class SpeculativeDecoder:
         self._kind.clear()
         self._shadow = NO_DRAFT
         self._shadow_kept = 0
+
+    def _grow(self, kept: int, judged: int) -> None:
+        """Move the window cap on drafts judged (a window's, or a shadow draft's by plain steps)."""
+        if kept < judged:
+            self._cap = 2 * kept + 1
+        else:
+            self._cap = min(self.controller.config.max_window, max(self._cap, 2 * kept))
+
+    def _window_cap(self) -> int:
+        cost = self.controller.cost
+        cap = self._cap
+        if cost.ready:
+            limit = cost.latency(1) + cost.compute(1)
+            while cap < self.controller.config.max_window and cost.compute(cap + 2) <= limit:
+                cap += 1
+        return cap
 
     def _sessions(self) -> int:
         return 1 if self.load is None else max(1, self.load.sessions)
@@ -149,7 +172,7 @@ class SpeculativeDecoder:
             budget = self._budget()
             draft = NO_DRAFT
             if self.config.enabled and budget > 0:
-                draft = self.proposer.propose(min(budget, self.controller.config.max_window))
+                draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
             sessions = self._sessions()
             cost = self.controller.cost
             if sessions >= 2 and cost.extra_row is None and self.load is not None \
@@ -180,7 +203,7 @@ class SpeculativeDecoder:
             self._plan = self.controller.continuation_plan(live[-1].match_length, self._plan)
             if len(live) >= self._plan.depth:
                 return None  # pipelining no longer pays: the epoch ends with the windows in flight
-        budget = min(self._budget(), self._plan.window + 1)
+        budget = min(self._budget(), self._plan.window + 1, self._window_cap() + 1)
         if budget <= 0:
             return None
         draft = self.proposer.propose(budget, tail=tracker.optimistic_tail)
@@ -240,6 +263,7 @@ class SpeculativeDecoder:
             verdict = accept_tokens(window.inputs[1:], predicted)
         outcome = tracker.commit(window, verdict)
         if window.drafts:
+            self._grow(outcome.accepted, outcome.proposed)
             if window.continuation:  # every draft followed a kept one
                 self.controller.observe_later(window.match_length, outcome.accepted, outcome.proposed)
             else:
@@ -255,6 +279,7 @@ class SpeculativeDecoder:
                 self.controller.observe_later(shadow.match_length, hit, 1)
             self._shadow_kept += hit
             if not hit or self._shadow_kept == len(shadow.tokens):
+                self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
                 self._shadow, self._shadow_kept = NO_DRAFT, 0
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
