@@ -50,7 +50,7 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
 
 CPU per token (the host is shared; CPU time is the steadier figure): in-process: the calling
 thread (llama.cpp computes on it with one thread); skippy: this client process
-plus every thread of the chain's stage processes (``/proc/<pid>/task/*/schedstat``).  llama-bench:
+plus the chain's stage processes (``/proc/<pid>/stat``: exited threads included).  llama-bench:
 its process's CPU (``RUSAGE_CHILDREN``) plus the RPC servers' schedstat delta, minus that of a
 baseline run per variant and round (``-p 0 -n 1``: load, warm-up, one token), so loading (for RPC:
 shipping the weights to the servers) cancels; the decode figure is ``(run - baseline) / (n - 1)``
@@ -91,7 +91,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from peer_build import Peer, PeerBuildError, build_peer, peer_build_dir  # noqa: E402
-from stage_chain import FINALS, PROCESSES, chain, cpu_seconds  # noqa: E402
+from stage_chain import FINALS, PROCESSES, chain  # noqa: E402
 
 from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E402
 from skippy.driver.generator import Completion  # noqa: E402
@@ -201,6 +201,22 @@ def rpc_servers(peer: Peer, count: int, directory: Path) -> Iterator[tuple[str, 
         for process in processes:
             process.kill()
             process.wait()
+
+
+_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+
+
+def cpu_seconds(pids: Sequence[int] = ()) -> float:
+    """CPU time of this process plus the stage processes ``pids``, whole processes: utime + stime
+    of ``/proc/<pid>/stat``, which keeps the time of threads that have exited (summing the live
+    threads' schedstat, as ``stage_chain.cpu_seconds`` does, loses a thread that exits during a
+    measurement, e.g. trio's idle worker threads after 10 s: the speculation rows came out at -46
+    and +96 ms a token).  Clock-tick resolution (10 ms) is ~1% of a 64-token run's CPU."""
+    total = time.process_time()
+    for pid in pids:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS  # utime, stime
+    return total
 
 
 def _pids_cpu(pids: Sequence[int]) -> float:
@@ -328,6 +344,7 @@ class Speculation:
         #: The last run's tokens and acceptance rate (compared across chains by the caller).
         self.tokens: list[int] = []
         self.acceptance = 0.0
+        self.usage: dict[str, int] = {}
 
     async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
         pids = [process.pid for process in PROCESSES.get(address, [])]
@@ -345,6 +362,7 @@ class Speculation:
         done, cpu = await self._generate(address, self.steps)
         self.tokens = done.tokens
         self.acceptance = done.speculation.acceptance_rate if done.speculation else 0.0
+        self.usage = done.speculation.as_dict() if done.speculation else {}
         return (done.timing.decode_tokens_per_second(done.completion_tokens),
                 (cpu - baseline) / max(1, done.completion_tokens - 1))
 
@@ -577,7 +595,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 elif name.endswith(" spec"):
                     decode_runs[name].append(trio.run(speculation.decode, chains[name[:-5]]))
                     spec_tokens[name] = speculation.tokens
-                    print(f"  {name}: acceptance {speculation.acceptance:.2f}", flush=True)
+                    print(f"  {name}: acceptance {speculation.acceptance:.2f}, "
+                          + ", ".join(f"{key} {value}" for key, value in speculation.usage.items()), flush=True)
                 elif name.endswith(" run"):
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
                 elif name.endswith(" direct"):

@@ -71,6 +71,7 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
     free = [0.0] * stages
     in_flight: deque[tuple[float, int, float, float, tuple[int, ...], int]] = deque()
     now = 0.0
+    last_reply = 0.0
     sizes: list[int] = []
 
     def send(base: int, tokens: tuple[int, ...], window_id: int, sent_at: float) -> None:
@@ -97,7 +98,9 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         now = max(now, arrival)
         predicted = [full[base + i + 1] if base + i + 1 < len(full) else 0 for i in range(len(tokens))]
         started = time.perf_counter()
-        decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute)
+        decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute,
+                         interval_seconds=now - max(sent_at, last_reply))
+        last_reply = now
         now += time.perf_counter() - started
     if decoder.generated != list(stream):
         raise AssertionError("speculative decoding changed the greedy output")

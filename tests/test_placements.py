@@ -234,6 +234,7 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
         observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone, shared=shared)
 
     monkeypatch.setattr(CostModel, "observe", steady)
+    _no_wall_clock_decisions(monkeypatch)
     reference = await unsplit(generator, tiny_llama, path)
     tokens, boundaries, counters = await run_path(generator, tiny_llama, path, **_COMBINATIONS[0])
     assert tokens == reference
@@ -258,6 +259,13 @@ async def test_shortcuts_change_no_byte_on_any_path(generator: Generator, tiny_l
             assert other_counters["relay_steps"] == 0
 
 
+def _no_wall_clock_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Nor may the realized speedups (wall-clock waits) or a cost model adopted from the previous
+    request change the windows from one run to the next."""
+    monkeypatch.setattr(CostModel, "observe_wait", lambda *args, **kwargs: None)
+    monkeypatch.setattr(CostModel, "adopt", lambda self, other: None)
+
+
 #: Speculation at 2 and 3 stages (the tiny llama's 4 layers).
 SPECULATION_SPLITS = {2: ["0:2", "2:4"], 3: SPLITS}
 
@@ -279,6 +287,7 @@ async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane
         observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone, shared=shared)
 
     monkeypatch.setattr(CostModel, "observe", steady)
+    _no_wall_clock_decisions(monkeypatch)
     reference = await unsplit(generator, tiny_llama, "speculation-long")
     runs = {relay: await run_path(generator, tiny_llama, "speculation-long", SPECULATION_SPLITS[stages],
                                   write_through=True, inline_hand_offs=True, decode_relay=relay)

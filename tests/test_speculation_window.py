@@ -6,6 +6,7 @@ import pytest
 
 from skippy.driver.speculation import (
     ControllerConfig,
+    CostModel,
     SpeculationConfig,
     SpeculativeDecoder,
     UnknownWindowError,
@@ -49,6 +50,35 @@ def test_pipelined_windows_continue_on_matching_boundary() -> None:
     assert outcome.tokens == (4, 5, 6) and outcome.accepted == 3 and outcome.proposed == 3
     assert tracker.pending_position == 16
     assert tracker.usage.accepted == 5 and tracker.usage.proposed == 5
+
+
+def test_the_tail_drops_a_committed_boundary() -> None:
+    """Once the window before a continuation is committed, the continuation's boundary guess is the
+    pending token (history): the tail that drafts the next window must not repeat it (it did, so
+    every third pipelined window of a loop drafted one token twice and was rejected)."""
+    tracker = WindowTracker(pending_token=50, pending_position=10)
+    first = tracker.open_epoch([1, 2])
+    tracker.open_continuation([3, 4, 5])
+    assert tracker.optimistic_tail == (1, 2, 3, 4, 5)
+    assert tracker.on_reply(first.id, [1, 2, 3]).tokens == (1, 2, 3)
+    assert tracker.pending_token == 3 and tracker.optimistic_tail == (4, 5)
+
+
+@pytest.mark.parametrize(("window", "depth"), [(2, 3), (3, 4), (4, 2), (5, 4)])
+def test_pipelined_loop_never_rolls_back(window: int, depth: int) -> None:
+    """A period-7 loop drafted several windows deep: every draft is right."""
+    loop = [101, 102, 103, 104, 105, 106, 107] * 20
+    prompt, stream = loop[:40], loop[40:120]
+    decoder = SpeculativeDecoder(prompt, stream[0], max_tokens=len(stream), config=SpeculationConfig(
+        controller=ControllerConfig(max_depth=depth, max_window=window)))
+    decoder.controller.cost = CostModel(0.25, 8.0)
+    decoder.controller.observe_traversal(1, 0.030, 0.010)  # a long round trip: pipelining pays
+    for _ in range(20):
+        decoder.controller.observe_outcome(40, 3, 3)
+    run(decoder, loop)
+    assert decoder.generated == stream
+    assert decoder.usage.rollbacks == 0 and decoder.usage.stale_windows == 0
+    assert decoder.usage.accepted == decoder.usage.proposed > len(stream) / 2
 
 
 def test_boundary_miss_makes_later_windows_stale() -> None:
@@ -158,3 +188,50 @@ def test_decoder_opt_out_sends_plain_steps() -> None:
         decoder.on_reply(request.window_id, [(prompt + stream)[request.base_position + 1]])
     assert decoder.generated == stream and seen == [6, 7, 8, 9, 10]
     assert decoder.usage.windows == 0 and decoder.next_window() is None
+
+
+def test_plain_steps_score_a_whole_shadow_draft() -> None:
+    """While off, the plain steps' tokens judge a draft token by token, so the rate of drafts
+    after the first is measured too (first drafts alone taught one rate for both, and long
+    windows went out and lost)."""
+    prompt = [5, 6, 7, 8, 9, 5, 6, 7, 8, 9]
+    stream = [5, 6, 40, 41, 42, 5, 6, 43, 44, 45, 5, 6, 46, 47, 48, 5, 6, 49, 50, 51] * 2
+    off = ControllerConfig(min_gain=50.0, probe_interval=10**6)
+    decoder = SpeculativeDecoder(prompt, stream[0], max_tokens=len(stream), config=SpeculationConfig(controller=off))
+    run(decoder, prompt + stream)
+    assert decoder.generated == stream and decoder.usage.windows == 0
+    control = decoder.controller
+    later = control.later_pooled
+    assert later.trials >= 4  # drafts after the first were judged without a window
+    first = control.pooled
+    assert first.trials >= 4 and 0.0 < later.successes < later.trials  # hits and misses of both
+
+
+def test_a_rejected_window_caps_the_next_one() -> None:
+    """Slow start: after a window kept 1 draft of 6, the next carries at most 3 (on a CPU chain
+    whose windows cost more than a plain step: the peer benchmark sent a 9-row window right after
+    a 7-row one had failed); windows that cost less than a plain step are never capped."""
+    loop = [101, 102, 103, 104, 105, 106, 107] * 20
+    decoder = SpeculativeDecoder(loop[:40], loop[40], max_tokens=60)
+    control = decoder.controller
+    control.observe_traversal(1, 0.0205, 0.0194)  # llama-16x1024 F16 on one CPU thread
+    control.observe_traversal(7, 0.0810, 0.0800)
+    for _ in range(60):
+        control.observe_outcome(40, 8, 8)
+    first = decoder.next_window()
+    assert first is not None and len(first.tokens) == 9
+    wrong = list(loop[41:50])
+    wrong[2] = 999  # the target keeps one draft, then disagrees
+    decoder.on_reply(first.window_id, wrong)
+    second = decoder.next_window()
+    assert second is not None and len(second.tokens) - 1 <= 3
+    cheap = SpeculativeDecoder(loop[:40], loop[40], max_tokens=60)
+    cheap.controller.cost = controller_cost = CostModel(0.25, 8.0)
+    controller_cost.observe(1, 0.022, 0.002)  # a 20 ms round trip, 2 ms a step, rows ~free
+    controller_cost.observe(9, 0.0236, 0.0036)
+    for _ in range(60):
+        cheap.controller.observe_outcome(40, 8, 8)
+    first = cheap.next_window()
+    assert first is not None
+    cheap.on_reply(first.window_id, [999] * len(first.tokens))  # nothing kept
+    assert cheap._cap == 1 and cheap._window_cap() == 8  # a window costs less than a plain step

@@ -25,6 +25,7 @@ from skippy.driver.speculation.controller import (
     SpeculationController,
     expected_tokens,
     pipelined_rate,
+    pipelined_waits,
     serial_rate,
     shared_gain,
 )
@@ -48,6 +49,6 @@ __all__ = [
     "UnknownWindowError", "Verdict", "Window", "WindowError", "WindowId", "WindowOrderError",
     "WindowOutcome", "WindowRequest", "WindowShapeError", "WindowTracker", "accept_greedy",
     "accept_point_mass", "accept_point_mass_batch", "accept_speculative", "accept_tokens",
-    "expected_tokens", "pipelined_rate", "residual_distribution", "serial_rate", "shared_gain",
+    "expected_tokens", "pipelined_rate", "pipelined_waits", "residual_distribution", "serial_rate", "shared_gain",
     "target_probabilities",
 ]

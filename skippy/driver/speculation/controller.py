@@ -2,27 +2,45 @@
 #
 # Strategy: a cost model picks the plan with the highest expected committed tokens per second.
 #
-# * Acceptance a is the per-draft-token conditional acceptance (P(d_i kept | d_1..d_{i-1} kept)),
-#   estimated with exponentially discounted counts per confidence bucket (the proposer's match
-#   length) plus a pooled estimate; a rejection censors the drafts after it, so only the judged
-#   prefix counts.  Steps that do not speculate still score the proposer for free ("shadow"
-#   outcomes: the first drafted token against the token the chain actually produced), so the
-#   estimate recovers without paying for windows.
-# * Time: a traversal of n rows costs L(n) = R + C(n) with C(n) = c_1 + c_row (n - 1) summed over
-#   stages.  R (network + protocol) is the discounted mean of wall - compute over traversals sent
-#   alone; c_1 from single-row steps, c_row from windows (prior: `row_cost_ratio` * c_1).
-# * Serial plan (D = 1): E(K) = (1 - a^(K+1)) / (1 - a) tokens per L(K + 1).
+# * Acceptance, two rates: a_1, that a window's first draft is kept, and a, that a further draft
+#   is kept given the one before it was (a continuation window's drafts, its boundary guess
+#   first, are all "further").  Both are exponentially discounted counts per confidence bucket
+#   (the proposer's match length); a_1 is shrunk to its pooled rate, a to the lower of a_1 and
+#   the pooled a.  A rejection censors the drafts after it.  Steps that do not speculate still
+#   score a draft for free ("shadow" outcomes): the plain steps' tokens judge its drafts one by
+#   one until one misses, so both rates keep being measured while off.  On a stream that loops
+#   for a few tokens at a time the first draft is often right and the fifth rarely; one rate for
+#   both (and shadow scores of first drafts only) sent long windows that lost.
+# * Time: a traversal of n rows costs L(n) = R + C(n), C summed over stages: C(1) = c_1 and
+#   C(n) = c_1 + c_w + c_row (n - 1) for n >= 2 (`CostModel`: on a CPU two rows can cost 2.6
+#   one-row steps, the matmuls leaving their one-row kernel, and each further row ~0.3).  R (network
+#   + protocol) is the discounted mean of wall - compute over traversals sent alone; c_1 from
+#   single-row steps; c_w and c_row a line through the windows (slope prior `row_cost_ratio` c_1).
+# * Serial plan (D = 1): E(K) = 1 + a_1 (1 - a^K) / (1 - a) tokens per L(K + 1).
 # * Pipelined plan (D >= 2): an epoch streams windows of n = K + 1 rows (the first carries the
 #   committed token and K drafts, the rest K + 1 drafts) until the first rejection; it commits
-#   1 / (1 - a) tokens on average over E[W] = 1 + a^K / (1 - a^(K+1)) windows, the first after L(n)
-#   (or D * C_b(n) once the slowest stage, C_b, saturates) and the next every max(L(n) / D, C_b(n)).
+#   1 + a_1 / (1 - a) tokens on average over E[W] = 1 + a_1 a^(K-1) / (1 - a^(K+1)) windows, the
+#   first after L(n) (or D * C_b(n) once the slowest stage, C_b, saturates: the new epoch queues
+#   behind the stale windows) and the next every max(L(n) / D, C_b(n)).
+# * Realized waits (pipelining only: a serial window's R + C(n) is measured directly): each
+#   pipelined reply's wait (since the reply before it, or its send) against the wait the model
+#   priced it at (an epoch's first: its arrival; a continuation: the interval; a stale window: 0,
+#   free while the bottleneck has room); once they took 4 plain steps' time, the pipelined rates
+#   are scaled by priced / realized (<= 1).  That catches what the model does not see: stages
+#   sharing a host's cores (a pipeline that does not overlap), stale windows' compute delaying
+#   the next epoch.  Every plain step ages the record, so pipelining is tried again within ~100.
+# * Each continuation window re-plans (K, D) on the later rate: an epoch of a loop never ends.
 # * Baseline: 1 token per L(1).  A plan is used only when its expected speedup >= `min_gain`;
-#   otherwise the step is a plain decode ("off").  While off, every `probe_interval` plain steps
-#   with a draft available one small real window (K <= 2) is allowed, refreshing the row cost and
-#   the acceptance with real replies; so a wrong prior can neither lock speculation on nor off.
+#   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
+#   with a draft available one small real window (K <= 2) is allowed while no window's cost was
+#   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
+#   so a wrong prior can neither lock speculation on nor off.
+# * Each request has its own controller; a request that starts alone on the chain adopts the cost
+#   model (R, c_1, the windows' line, the realized waits) of the last one that measured a window
+#   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
-# loss is bounded by c_row * K, which the model weighs against R + c_1.
+# loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1.
 #
 # Load (docs/throughput.md): the plan is per session, but the rows of a window share the stages'
 # batches with the other sessions' rows.  With S sessions decoding on the chain (`SessionLoad`,
@@ -52,6 +70,7 @@ __all__ = [
     "SpeculationController",
     "expected_tokens",
     "pipelined_rate",
+    "pipelined_waits",
     "serial_rate",
     "shared_gain",
 ]
@@ -60,14 +79,28 @@ __all__ = [
 _MAX_ACCEPTANCE: Final = 0.995
 #: Match-length bucket bounds (upper, inclusive) for per-bucket acceptance.
 _BUCKETS: Final = (2, 3, 5, 8, 16, 10**9)
+#: Weight of the prior slope c_row in the windows' line fit, in units of (rows - 1)^2: windows of
+#: 2 and 3 rows (spread 0.25 per window) need ~16 windows to outweigh it, of 2 and 9 rows ~1.
+_SLOPE_PRIOR: Final = 4.0
+#: Replies after which a realized wait record's weight halves, and the plain steps' worth
+#: of time pipelined replies must have waited before the record corrects the model's rates.
+_REALIZED_HALFLIFE: Final = 32.0
+_REALIZED_EVIDENCE: Final = 4.0
 
 
-def expected_tokens(acceptance: float, window: int) -> float:
-    """E = (1 - a^(K+1)) / (1 - a): committed tokens per serial window of K drafts."""
-    a = min(max(acceptance, 0.0), 1.0)
+def _clamp(acceptance: float) -> float:
+    return min(max(acceptance, 0.0), 1.0)
+
+
+def expected_tokens(acceptance: float, window: int, later: float | None = None) -> float:
+    """E = 1 + a_1 (1 - a^K) / (1 - a): committed tokens per serial window of K drafts, the first
+    kept with probability a_1 (``acceptance``), each further one, given the one before it was
+    kept, with a (``later``; None: a_1, which gives (1 - a^(K+1)) / (1 - a))."""
+    first = _clamp(acceptance)
+    a = first if later is None else _clamp(later)
     if a >= 1.0:
-        return float(window + 1)
-    return (1.0 - a ** (window + 1)) / (1.0 - a)
+        return 1.0 + first * window
+    return 1.0 + first * (1.0 - a ** window) / (1.0 - a)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +118,10 @@ class ControllerConfig:
         prior_weight: pseudo-observations behind the prior.
         halflife: draft outcomes after which an observation's weight halves.
         row_cost_ratio: prior marginal cost of one more row, as a fraction of a one-row step.
-        probe_interval: plain steps with a draft between real probe windows while off.
+        probe_interval: plain steps with a draft between real probe windows while off and no
+            window's cost was measured yet.
+        refresh_interval: the same once a window's cost was measured (shadow scores keep the
+            acceptance current meanwhile; a probe only refreshes the window cost).
         timing_halflife: traversals after which a timing observation's weight halves.
     """
 
@@ -99,6 +135,7 @@ class ControllerConfig:
     halflife: float = 24.0
     row_cost_ratio: float = 0.25
     probe_interval: int = 32
+    refresh_interval: int = 256
     timing_halflife: float = 16.0
 
     def __post_init__(self) -> None:
@@ -106,6 +143,8 @@ class ControllerConfig:
             raise ValueError(f"max_window must be in 1..63 (got {self.max_window})")
         if not 1 <= self.max_depth <= 64:
             raise ValueError(f"max_depth must be in 1..64 (got {self.max_depth})")
+        if self.probe_interval < 1 or self.refresh_interval < 1:
+            raise ValueError("probe_interval and refresh_interval must be >= 1")
         if self.stages < 1 or self.min_gain < 1.0 or self.halflife <= 0 or self.timing_halflife <= 0:
             raise ValueError("stages >= 1, min_gain >= 1 and positive half-lives are required")
         if self.bottleneck_share is not None and not 0.0 < self.bottleneck_share <= 1.0:
@@ -149,15 +188,34 @@ class AcceptanceEstimator:
 @final
 @dataclass(slots=True)
 class CostModel:
-    """Discounted estimates of round-trip overhead and per-row compute (seconds)."""
+    """Discounted estimates of round-trip overhead and per-row compute (seconds).
+
+    A traversal of n rows computes C(1) = c_1, and C(n) = c_1 + c_w + c_row (n - 1) for n >= 2:
+    on a CPU a batch of two rows can cost far more than one (llama.cpp's F16 matmuls leave the
+    one-row vector kernel: 19.4 ms for one row of llama-16x1024, 50.3 ms for 2 and 3, 65 for 4
+    and 5, 88 for 9, 140 for 17 rows; bench/RESULTS-stage.md), so a line through c_1 either
+    underprices a 2-row window threefold or overprices a 9-row one.  c_w (the window step) and
+    c_row come from a discounted least-squares line through the windows' extra compute over
+    c_1 (x = n - 1 rows), its slope shrunk towards the prior ``row_cost_ratio * c_1`` (weight
+    ``_SLOPE_PRIOR`` in x^2 units) so that windows of one or two nearby sizes (rows are costed in
+    pairs) cannot extrapolate a slope of 0 to large windows; c_w >= 0, and c_row at least half
+    the prior unless the windows' own mean says less.
+    """
 
     row_cost_ratio: float
     halflife: float
     round_trip: float = 0.0
     single_row: float = 0.0
+    #: c_row once a window was measured (None: the prior ``row_cost_ratio * c_1``).
     extra_row: float | None = None
+    #: c_w, the step from a one-row traversal to any window (0 until a window is measured).
+    window_step: float = 0.0
     _seen_round_trip: bool = False
     _seen_single: bool = False
+    #: Discounted sums over the windows' (x = rows - 1, y = compute - c_1): weight, x, y, xx, xy.
+    _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    #: By plan kind (1: serial windows, 2: pipelined), discounted: (priced wait, realized wait).
+    _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
         if not seen:
@@ -189,8 +247,67 @@ class CostModel:
             self.single_row = self._blend(self.single_row, compute_seconds, self._seen_single)
             self._seen_single = True
         elif self._seen_single:
-            per_row = max(compute_seconds - self.single_row, 0.0) / (rows - 1)
-            self.extra_row = per_row if self.extra_row is None else self._blend(self.extra_row, per_row, True)
+            self._observe_window(rows - 1, max(compute_seconds - self.single_row, 0.0))
+
+    def _observe_window(self, x: float, y: float) -> None:
+        decay = 0.5 ** (1.0 / self.halflife)
+        w, sx, sy, sxx, sxy = (value * decay for value in self._sums)
+        self._sums = (w + 1.0, sx + x, sy + y, sxx + x * x, sxy + x * y)
+        self._fit()
+
+    def _fit(self) -> None:
+        w, sx, sy, sxx, sxy = self._sums
+        if w <= 0:
+            return
+        mean_x, mean_y = sx / w, sy / w
+        spread = sxx - w * mean_x * mean_x  # sum of w (x - mean_x)^2
+        covariance = sxy - w * mean_x * mean_y
+        prior = self.row_cost_ratio * self.single_row
+        slope = (covariance + _SLOPE_PRIOR * prior) / (max(spread, 0.0) + _SLOPE_PRIOR)
+        # c_w >= 0 at the windows' mean size; a slope under half the prior is taken for noise
+        # (windows measured at different loads), never extrapolated to free rows.
+        slope = min(max(slope, 0.5 * prior), mean_y / mean_x)
+        self.extra_row = slope
+        self.window_step = max(mean_y - slope * mean_x, 0.0)
+
+    def observe_wait(self, kind: int, expected: float, seconds: float) -> None:
+        """Record how long the session waited for a window's reply (since the reply before it, or
+        its send when later) against the wait the model priced it at: ``kind`` 1 for a serial
+        window (L(n)), 2 for a pipelined one (an epoch's first: its arrival; a continuation: the
+        interval; a stale one: 0, the model's price of a stale window when the bottleneck has
+        room).  A time ratio, so the request's acceptance does not enter it."""
+        if seconds < 0 or expected < 0:
+            return
+        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)
+        for other, (priced, waited) in self._waits.items():
+            self._waits[other] = (priced * decay, waited * decay)
+        priced, waited = self._waits.get(kind, (0.0, 0.0))
+        self._waits[kind] = (priced + expected, waited + seconds)
+
+    def age(self) -> None:
+        """A plain step went by: every kind's record ages, so a kind not chosen any more (its
+        record too poor) is forgotten, and tried again, within ~100 steps."""
+        decay = 0.5 ** (1.0 / _REALIZED_HALFLIFE)
+        for kind, (priced, waited) in self._waits.items():
+            self._waits[kind] = (priced * decay, waited * decay)
+
+    def correction(self, kind: int) -> float:
+        """Priced over realized waits of a plan kind (1 serial, 2 pipelined), in [0.25, 1]: 1
+        until its replies took as long as ``_REALIZED_EVIDENCE`` plain steps.  What the model
+        does not see shows here: stages sharing a host's cores (a pipeline that does not
+        overlap), a stale window's compute delaying the next epoch, load."""
+        priced, waited = self._waits.get(kind, (0.0, 0.0))
+        if waited <= 0 or waited < _REALIZED_EVIDENCE * self.latency(1):
+            return 1.0
+        return min(1.0, max(0.25, priced / waited))
+
+    def adopt(self, other: CostModel) -> None:
+        """Start from what another session measured on the same chain alone (R, c_1, the
+        windows' line, the realized waits); this model's own traversals then take over."""
+        self.round_trip, self.single_row = other.round_trip, other.single_row
+        self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
+        self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
+        self._waits = dict(other._waits)
 
     @property
     def ready(self) -> bool:
@@ -201,16 +318,22 @@ class CostModel:
         """Enough for the shared rule: c_1 (R is 0 until a traversal alone on the chain shows it)."""
         return self._seen_single
 
+    @property
+    def windows_measured(self) -> bool:
+        """A window's compute has been seen (the window cost is measured, not the prior)."""
+        return self.extra_row is not None
+
     def compute(self, rows: int) -> float:
-        extra = self.row_cost_ratio * self.single_row if self.extra_row is None else self.extra_row
-        return self.single_row + extra * (rows - 1)
+        if rows <= 1:
+            return self.single_row
+        return self.single_row + self.window_step + self.row * (rows - 1)
 
     def latency(self, rows: int) -> float:
         return self.round_trip + self.compute(rows)
 
     @property
     def row(self) -> float:
-        """The marginal compute of one more row in a traversal (c_row)."""
+        """The marginal compute of one more row in a window (c_row)."""
         return self.row_cost_ratio * self.single_row if self.extra_row is None else self.extra_row
 
 
@@ -224,6 +347,11 @@ class SessionLoad:
         #: c_row / c_1 last measured by a session alone on the chain (None: not yet): a session
         #: that starts under load measures neither, and takes this over its prior.
         self.row_cost_ratio: float | None = None
+        #: The cost model of the last session that measured a window alone on the chain, by the
+        #: chain's stage count (a Generator drives one chain; the count keeps a benchmark's
+        #: chains apart): a session that starts alone adopts it (R, c_1 and the windows' line),
+        #: so that each request does not pay again for the windows that teach what one costs.
+        self.costs: dict[int, CostModel] = {}
 
     def enter(self, session: object) -> None:
         self._active.add(session)
@@ -236,37 +364,57 @@ class SessionLoad:
         return len(self._active)
 
 
-def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel) -> float:
+def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel, later: float | None = None) -> float:
     """Aggregate throughput gain of one serial window of ``window`` drafts for one of ``sessions``
     sessions sharing every batch (see the module header; 1 session: the serial speedup)."""
     sessions = max(1, sessions)
     step = cost.latency(1) + cost.row * (sessions - 1)
-    committed = sessions - 1 + expected_tokens(acceptance, window)
+    committed = sessions - 1 + expected_tokens(acceptance, window, later)
     return committed / sessions * step / max(step + cost.row * window, 1e-12)
 
 
-def serial_rate(acceptance: float, window: int, cost: CostModel) -> float:
+def serial_rate(acceptance: float, window: int, cost: CostModel, later: float | None = None) -> float:
     """Expected committed tokens per second with one window of ``window`` drafts at a time."""
-    return expected_tokens(acceptance, window) / max(cost.latency(window + 1), 1e-12)
+    return expected_tokens(acceptance, window, later) / max(cost.latency(window + 1), 1e-12)
 
 
-def pipelined_rate(acceptance: float, window: int, depth: int, cost: CostModel, bottleneck_share: float) -> float:
+def pipelined_rate(acceptance: float, window: int, depth: int, cost: CostModel, bottleneck_share: float,
+                   later: float | None = None) -> float:
     """Expected tokens per second streaming windows of ``window + 1`` rows, ``depth`` in flight.
 
-    ``bottleneck_share`` is the slowest stage's fraction of the compute summed over stages.
+    ``bottleneck_share`` is the slowest stage's fraction of the compute summed over stages;
+    ``acceptance`` / ``later``: as in :func:`expected_tokens`.
     """
     if depth <= 1:
-        return serial_rate(acceptance, window, cost)
-    a = min(max(acceptance, 0.0), _MAX_ACCEPTANCE)
+        return serial_rate(acceptance, window, cost, later)
+    first = min(_clamp(acceptance), _MAX_ACCEPTANCE)
+    a = first if later is None else min(_clamp(later), _MAX_ACCEPTANCE)
     rows = window + 1
-    latency = cost.latency(rows)
-    bottleneck = cost.compute(rows) * bottleneck_share
-    interval = max(latency / depth, bottleneck)
+    arrival, interval = pipelined_waits(window, depth, cost, bottleneck_share)
+    # Drafts kept: P(>= j) = a_1 a^(j-1); the epoch's j-th window is used when the first
+    # K + (j - 2)(K + 1) drafts were all kept.
+    windows = 1.0 + first * a ** (window - 1) / (1.0 - a ** rows)
+    tokens = 1.0 + first / (1.0 - a)
+    return tokens / max(arrival + (windows - 1.0) * interval, 1e-12)
+
+
+def _cautious(rate: float, trials: float) -> float:
+    """A rate estimated from ``trials`` less one standard error, sqrt(m (1 - m) / trials): a plan
+    is chosen on what the drafts surely do, not on two lucky ones (traced on the peer benchmark:
+    a bucket with 2 hits of 2 read 0.77 and sent 5-row pipelined windows at acceptance 0.5)."""
+    return max(0.0, rate - (rate * (1.0 - rate) / trials) ** 0.5)
+
+
+def pipelined_waits(window: int, depth: int, cost: CostModel, bottleneck_share: float) -> tuple[float, float]:
+    """(an epoch's first reply, each further one) in seconds, streaming windows of ``window + 1``
+    rows ``depth`` deep (depth 1: both L(n))."""
+    latency = cost.latency(window + 1)
+    if depth <= 1:
+        return latency, latency
+    bottleneck = cost.compute(window + 1) * bottleneck_share
     # Little's law: with `depth` windows queued at a saturated bottleneck, an epoch's first window
     # waits behind the previous epoch's stale windows, so it takes depth * bottleneck, not latency.
-    first = max(latency, depth * bottleneck)
-    windows = 1.0 + a ** window / (1.0 - a ** rows)
-    return (1.0 / (1.0 - a)) / max(first + (windows - 1.0) * interval, 1e-12)
+    return max(latency, depth * bottleneck), max(latency / depth, bottleneck)
 
 
 @dataclass(frozen=True, slots=True)
@@ -298,14 +446,21 @@ class SpeculationController:
     cost: CostModel = field(init=False)
     pooled: AcceptanceEstimator = field(init=False)
     buckets: list[AcceptanceEstimator] = field(init=False)
+    #: Per bucket: drafts after a window's first, given the one before was kept (continuations'
+    #: drafts too).
+    later: list[AcceptanceEstimator] = field(init=False)
+    later_pooled: AcceptanceEstimator = field(init=False)
     plain_steps_since_window: int = 0
-    enabled: bool = True
+    #: The sessions the last plan was made for (what :attr:`enabled` weighs).
+    _sessions: int = 1
 
     def __post_init__(self) -> None:
         c = self.config
         self.cost = CostModel(c.row_cost_ratio, c.timing_halflife)
         self.pooled = AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife)
         self.buckets = [AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife) for _ in _BUCKETS]
+        self.later = [AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife) for _ in _BUCKETS]
+        self.later_pooled = AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife)
 
     @staticmethod
     def bucket_of(match_length: int) -> int:
@@ -315,15 +470,42 @@ class SpeculationController:
         return len(_BUCKETS) - 1
 
     def acceptance(self, match_length: int) -> float:
-        """Estimated acceptance for drafts with this confidence hint (bucket shrunk to pooled)."""
+        """Estimated acceptance of a first draft with this confidence hint (bucket shrunk to
+        pooled), less one standard error (:func:`_cautious`)."""
         bucket = self.buckets[self.bucket_of(match_length)]
         weight = self.config.prior_weight
-        return (bucket.successes + self.pooled.rate * weight) / (bucket.trials + weight)
+        rate = (bucket.successes + self.pooled.rate * weight) / (bucket.trials + weight)
+        # As sure as the bucket's own trials and, through the shrink, the pooled ones'.
+        return _cautious(rate, bucket.trials + weight + self.pooled.trials * weight / (bucket.trials + weight))
+
+    def later_acceptance(self, match_length: int) -> float:
+        """Estimated acceptance of a further draft given the one before was kept: the bucket's,
+        shrunk to the lower of its first-draft rate and the pooled later rate (itself shrunk to
+        the pooled first-draft rate): until windows show otherwise one rate for every draft, and
+        windows failing past their first draft in any bucket make long windows suspect in all."""
+        weight = self.config.prior_weight
+        pooled = self.later_pooled
+        anchor = min((pooled.successes + self.pooled.rate * weight) / (pooled.trials + weight),
+                     self.acceptance(match_length))
+        later = self.later[self.bucket_of(match_length)]
+        return (later.successes + anchor * weight) / (later.trials + weight)  # (anchor: cautious)
 
     def observe_outcome(self, match_length: int, accepted: int, judged: int) -> None:
-        """Record a window's drafts (or a shadow score: ``judged`` = 1)."""
-        self.buckets[self.bucket_of(match_length)].observe(accepted, judged)
-        self.pooled.observe(accepted, judged)
+        """Record an epoch-start window's drafts (or a shadow score: ``judged`` = 1): its first
+        draft teaches the first-draft rates, the rest (once the first was kept) the later rate."""
+        if judged <= 0:
+            return
+        first = min(accepted, 1)
+        self.buckets[self.bucket_of(match_length)].observe(first, 1)
+        self.pooled.observe(first, 1)
+        if accepted >= 1 and judged >= 2:
+            self.observe_later(match_length, accepted - 1, judged - 1)
+
+    def observe_later(self, match_length: int, accepted: int, judged: int) -> None:
+        """Record drafts that each followed a kept one (a continuation window's, its boundary
+        guess first)."""
+        self.later[self.bucket_of(match_length)].observe(accepted, judged)
+        self.later_pooled.observe(accepted, judged)
 
     def observe_traversal(self, rows: int, wall_seconds: float, compute_seconds: float, *,
                           alone: bool = True, shared: bool = False) -> None:
@@ -331,28 +513,41 @@ class SpeculationController:
         ``shared``: other sessions ran on the chain meanwhile, :meth:`CostModel.observe`)."""
         self.cost.observe(rows, wall_seconds, compute_seconds, alone=alone, shared=shared)
 
-    def best(self, acceptance: float, max_window: int) -> Plan:
-        """The best (K, D) for an acceptance, with K <= ``max_window``."""
+    def best(self, acceptance: float, max_window: int, later: float | None = None) -> Plan:
+        """The best (K, D) for a first-draft acceptance and a later one (None: the same), with
+        K <= ``max_window``."""
         if max_window < 1 or not self.cost.ready:
             return _PLAIN
         base = 1.0 / max(self.cost.latency(1), 1e-12)
         best = _PLAIN
         best_rate = base
+        corrections = (1.0, self.cost.correction(2))  # a serial window's cost is measured directly
         for window in range(1, min(max_window, self.config.max_window) + 1):
             for depth in range(1, self.config.max_depth + 1):
-                rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.bottleneck)
+                rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.bottleneck, later)
+                rate *= corrections[0 if depth == 1 else 1]
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = Plan(window, depth, rate / base), rate
         return best
 
-    def best_shared(self, acceptance: float, max_window: int, sessions: int) -> Plan:
+    def continuation_plan(self, match_length: int, current: Plan) -> Plan:
+        """(K, D) for the next continuation window of a pipelined epoch: its drafts all follow
+        kept ones, so both rates are the later one.  A plan of depth 1 (or none) ends the
+        epoch's pipelining; otherwise the best pipelined plan (``current`` if none pays)."""
+        later = self.later_acceptance(match_length)
+        fresh = self.best(later, self.config.max_window, later)
+        if fresh.window and fresh.speedup >= self.config.min_gain:
+            return fresh if fresh.depth >= 2 else Plan(current.window, 1, fresh.speedup)
+        return Plan(current.window, 1, fresh.speedup)
+
+    def best_shared(self, acceptance: float, max_window: int, sessions: int, later: float | None = None) -> Plan:
         """The best serial window for one of ``sessions`` >= 2 sessions (``speedup``: the
         aggregate gain, :func:`shared_gain`)."""
         if max_window < 1 or not self.cost.ready_shared:
             return _PLAIN
         best = _PLAIN
         for window in range(1, min(max_window, self.config.max_window) + 1):
-            gain = shared_gain(acceptance, window, sessions, self.cost)
+            gain = shared_gain(acceptance, window, sessions, self.cost, later)
             if gain > best.speedup * (1.0 + 1e-9):
                 best = Plan(window, 1, gain)
         return best
@@ -367,25 +562,35 @@ class SpeculationController:
         if draft_length <= 0:
             return _PLAIN
         if sessions >= 2:  # the others pay for this session's drafts: weigh the aggregate
-            choice = self.best_shared(self.acceptance(match_length), draft_length, sessions)
-            self.enabled = (self.best_shared(self.pooled.rate, self.config.max_window, sessions).speedup
-                            >= self.config.min_gain)
+            choice = self.best_shared(self.acceptance(match_length), draft_length, sessions,
+                                      self.later_acceptance(match_length))
+            self._sessions = sessions
             if choice.window and choice.speedup >= self.config.min_gain:
                 self.plain_steps_since_window = 0
                 return choice
             return _PLAIN
         if not self.cost.ready:
             return _PLAIN  # the first plain steps measure R and c_1
-        choice = self.best(self.acceptance(match_length), draft_length)
-        self.enabled = self.best(self.pooled.rate, self.config.max_window).speedup >= self.config.min_gain
+        choice = self.best(self.acceptance(match_length), draft_length, self.later_acceptance(match_length))
+        self._sessions = 1
         if choice.window and choice.speedup >= self.config.min_gain:
             self.plain_steps_since_window = 0
             return choice
         self.plain_steps_since_window += 1
-        if self.plain_steps_since_window >= self.config.probe_interval:
+        interval = self.config.refresh_interval if self.cost.windows_measured else self.config.probe_interval
+        if self.plain_steps_since_window >= interval:
             self.plain_steps_since_window = 0
             return Plan(min(2, draft_length), 1, choice.speedup, probe=True)
         return _PLAIN
+
+    @property
+    def enabled(self) -> bool:
+        """Whether the pooled estimate would speculate now (for the sessions of the last plan;
+        computed when asked: a plan per step does not pay for it)."""
+        if self._sessions >= 2:
+            return (self.best_shared(self.pooled.rate, self.config.max_window, self._sessions).speedup
+                    >= self.config.min_gain)
+        return self.cost.ready and self.expected_speedup() >= self.config.min_gain
 
     def expected_speedup(self) -> float:
         """The pooled estimate's best expected speedup (1.0 when off or not yet measured)."""

@@ -11,7 +11,11 @@
 #   A plain step with a draft available is scored in shadow (its first draft against the token
 #   the chain returns), so acceptance keeps being measured while speculation is off.
 # * Pipelining: while fewer than D live windows are in flight, propose K + 1 more drafts from the
-#   optimistic tail (drafts in flight, never indexed) and send them as a continuation window.
+#   optimistic tail (drafts in flight, never indexed) and send them as a continuation window; (K, D)
+#   are re-planned for each on the later-draft acceptance (an epoch of a loop never ends, so a
+#   plan fixed at its start would keep its first, least informed, window size for good).
+# * Slow start: after a rejection past a kept drafts the next window carries at most 2a + 1
+#   (a run kept whole doubles the cap), unless its extra compute is at most a plain step's.
 # * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
 from __future__ import annotations
 
@@ -19,7 +23,13 @@ from dataclasses import dataclass
 from typing import Sequence, final
 
 from skippy.driver.speculation.acceptance import Verdict, accept_tokens
-from skippy.driver.speculation.controller import ControllerConfig, Plan, SessionLoad, SpeculationController
+from skippy.driver.speculation.controller import (
+    ControllerConfig,
+    Plan,
+    SessionLoad,
+    SpeculationController,
+    pipelined_waits,
+)
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
 from skippy.driver.speculation.window import (
     MAX_WINDOWS_IN_FLIGHT,
@@ -89,9 +99,17 @@ class SpeculativeDecoder:
         self.tracker = WindowTracker(int(first_token), len(prompt))
         self.generated: list[int] = [int(first_token)]
         self._plan = Plan(0, 1, 1.0)
-        self._shadow: Draft = NO_DRAFT
+        self._shadow: Draft = NO_DRAFT  # the draft plain steps are scoring, token by token
+        self._shadow_kept = 0  # its drafts the plain steps confirmed so far
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
+        self._adopted = False  # the first epoch looked at the chain's shared cost model
+        #: Most drafts the next window may carry ("slow start"): 2 a + 1 after a rejection past a
+        #: kept drafts, twice a run that was kept whole; so a loop that breaks costs one long
+        #: window, not one per epoch until the estimates catch up (the peer benchmark's stream).
+        #: Windows whose extra compute is at most a plain step's latency are never capped.
+        self._cap = config.controller.max_window
+        self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -102,7 +120,25 @@ class SpeculativeDecoder:
         self.tracker._next_id = old._next_id  # ids stay unique over the request
         self._alone.clear()
         self._shared.clear()
+        self._kind.clear()
         self._shadow = NO_DRAFT
+        self._shadow_kept = 0
+
+    def _grow(self, kept: int, judged: int) -> None:
+        """Move the window cap on drafts judged (a window's, or a shadow draft's by plain steps)."""
+        if kept < judged:
+            self._cap = 2 * kept + 1
+        else:
+            self._cap = min(self.controller.config.max_window, max(self._cap, 2 * kept))
+
+    def _window_cap(self) -> int:
+        cost = self.controller.cost
+        cap = self._cap
+        if cost.ready:
+            limit = cost.latency(1) + cost.compute(1)
+            while cap < self.controller.config.max_window and cost.compute(cap + 2) <= limit:
+                cap += 1
+        return cap
 
     def _sessions(self) -> int:
         return 1 if self.load is None else max(1, self.load.sessions)
@@ -136,23 +172,38 @@ class SpeculativeDecoder:
             budget = self._budget()
             draft = NO_DRAFT
             if self.config.enabled and budget > 0:
-                draft = self.proposer.propose(min(budget, self.controller.config.max_window))
+                draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
             sessions = self._sessions()
             cost = self.controller.cost
             if sessions >= 2 and cost.extra_row is None and self.load is not None \
                     and self.load.row_cost_ratio is not None:
                 cost.row_cost_ratio = self.load.row_cost_ratio  # measured alone by another session
+            elif sessions == 1 and not self._adopted and self.load is not None and not cost.windows_measured:
+                measured = self.load.costs.get(self.controller.config.stages)
+                if measured is not None and measured is not cost:
+                    cost.adopt(measured)  # what a window costs on this chain, measured alone before
+            self._adopted = True
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
-            self._shadow = draft if not drafts else NO_DRAFT
+            if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
+                self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             self._alone[window.id] = tracker.in_flight == 1
             self._shared[window.id] = sessions >= 2
+            if drafts:
+                arrival, _ = pipelined_waits(len(drafts), self._plan.depth, cost, self.controller.config.bottleneck)
+                self._kind[window.id] = (1 if self._plan.depth == 1 else 2, arrival)
+            else:
+                self._kind[window.id] = (0, 0.0)
             return WindowRequest(window.id, window.base_position, window.inputs, not drafts)
         if self._plan.window == 0 or len(live) >= self._plan.depth:
             return None
-        budget = min(self._budget(), self._plan.window + 1)
+        if self._plan.depth >= 2:  # every draft of a continuation follows kept ones: re-plan on that
+            self._plan = self.controller.continuation_plan(live[-1].match_length, self._plan)
+            if len(live) >= self._plan.depth:
+                return None  # pipelining no longer pays: the epoch ends with the windows in flight
+        budget = min(self._budget(), self._plan.window + 1, self._window_cap() + 1)
         if budget <= 0:
             return None
         draft = self.proposer.propose(budget, tail=tracker.optimistic_tail)
@@ -161,10 +212,14 @@ class SpeculativeDecoder:
         window = tracker.open_continuation(draft.tokens, match_length=draft.match_length)
         self._alone[window.id] = False
         self._shared[window.id] = self._sessions() >= 2
+        _, interval = pipelined_waits(len(window.inputs) - 1, max(2, self._plan.depth), self.controller.cost,
+                                      self.controller.config.bottleneck)
+        self._kind[window.id] = (2, interval)
         return WindowRequest(window.id, window.base_position, window.inputs, False)
 
     def on_reply(self, window_id: int, predicted: Sequence[int], *, wall_seconds: float | None = None,
-                 compute_seconds: float | None = None, verdict: Verdict | None = None) -> WindowOutcome:
+                 compute_seconds: float | None = None, verdict: Verdict | None = None,
+                 interval_seconds: float | None = None) -> WindowOutcome:
         """Process one reply (PredictedTokens, or PredictedToken for a plain step).
 
         Args:
@@ -173,6 +228,9 @@ class SpeculativeDecoder:
             wall_seconds: send-to-reply time, for the cost model.
             compute_seconds: compute summed over stages (reply stats), for the cost model.
             verdict: a verdict computed elsewhere (e.g. from logits); default exact match.
+            interval_seconds: how long the session waited for this reply (since the reply before
+                it, or its send when later), against the wait the model priced it at
+                (:meth:`CostModel.observe_wait`).
 
         Returns:
             The outcome: ``tokens`` are newly committed, in order.
@@ -184,12 +242,20 @@ class SpeculativeDecoder:
         window = tracker.take_reply(window_id, len(predicted))
         alone = self._alone.pop(window.id, False)
         shared = self._shared.pop(window.id, False) or self._sessions() >= 2  # others at send or now
+        kind, priced = self._kind.pop(window.id, (0, 0.0))
+        if interval_seconds is not None and not shared:
+            if kind == 0:
+                self.controller.cost.age()
+            elif kind == 2:  # a stale window is priced at 0: the model counts it free while the bottleneck has room
+                self.controller.cost.observe_wait(kind, 0.0 if window.epoch != tracker.epoch else priced,
+                                                  interval_seconds)
         if wall_seconds is not None and compute_seconds is not None:
             self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
                                               shared=shared)
             cost = self.controller.cost
             if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
                 self.load.row_cost_ratio = cost.extra_row / cost.single_row
+                self.load.costs[self.controller.config.stages] = cost
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
         following = tracker.live
@@ -197,13 +263,24 @@ class SpeculativeDecoder:
             verdict = accept_tokens(window.inputs[1:], predicted)
         outcome = tracker.commit(window, verdict)
         if window.drafts:
-            self.controller.observe_outcome(window.match_length, outcome.accepted, outcome.proposed)
+            self._grow(outcome.accepted, outcome.proposed)
+            if window.continuation:  # every draft followed a kept one
+                self.controller.observe_later(window.match_length, outcome.accepted, outcome.proposed)
+            else:
+                self.controller.observe_outcome(window.match_length, outcome.accepted, outcome.proposed)
             if outcome.diverged and following and outcome.accepted == outcome.proposed:
-                self.controller.observe_outcome(following[0].match_length, 0, 1)  # boundary guess missed
-        elif self._shadow.tokens:
-            hit = int(self._shadow.tokens[0] == outcome.tokens[0])
-            self.controller.observe_outcome(self._shadow.match_length, hit, 1)
-            self._shadow = NO_DRAFT
+                self.controller.observe_later(following[0].match_length, 0, 1)  # its boundary guess missed
+        elif self._shadow.tokens:  # a plain step: its token judges the shadow draft's next one
+            shadow = self._shadow
+            hit = int(shadow.tokens[self._shadow_kept] == outcome.tokens[0])
+            if self._shadow_kept == 0:
+                self.controller.observe_outcome(shadow.match_length, hit, 1)
+            else:  # the drafts before it were kept
+                self.controller.observe_later(shadow.match_length, hit, 1)
+            self._shadow_kept += hit
+            if not hit or self._shadow_kept == len(shadow.tokens):
+                self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
+                self._shadow, self._shadow_kept = NO_DRAFT, 0
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
         self.proposer.extend(outcome.tokens)

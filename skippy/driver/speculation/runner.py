@@ -54,6 +54,8 @@ class SpeculativeRunner:
         self.request_id = request_id
         #: Send time of every message in flight, by window id (FIFO order).
         self._sent: dict[int, float] = {}
+        #: When the last reply was read (the wait for the next one starts there or at its send).
+        self._last_reply: float | None = None
         #: The furthest position any message sent so far wrote KV to (exclusive).
         self.kv_high_water = decoder.kv_length
         #: Replies read (for timing), most recent last; the caller may clear it.
@@ -117,12 +119,16 @@ class SpeculativeRunner:
             window_id, reply = await self._receive()
             self.replies.append(reply)
             sent = self._sent.get(window_id)
+            now = time.perf_counter()
+            waited = None if sent is None else now - max(sent, self._last_reply or sent)
+            self._last_reply = now
             predicted = reply.predicted_tokens if reply.kind == ReplyKind.PREDICTED_TOKENS else (reply.predicted,)
             try:
                 outcome = self.decoder.on_reply(
                     window_id, predicted,
-                    wall_seconds=None if sent is None else time.perf_counter() - sent,
+                    wall_seconds=None if sent is None else now - sent,
                     compute_seconds=_compute_seconds(self.client.last_timings),
+                    interval_seconds=waited,
                 )
             except WindowError as exc:
                 raise SpeculationProtocolError(f"first stage {self.client.address}: {exc}") from exc

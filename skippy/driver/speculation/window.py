@@ -173,10 +173,14 @@ class WindowTracker:
 
     @property
     def optimistic_tail(self) -> tuple[int, ...]:
-        """The drafts in flight in the current epoch, in order: the optimistic continuation."""
+        """The drafts in flight in the current epoch, in order: the optimistic continuation.
+
+        When the oldest live window is a continuation, the window before it was committed and its
+        boundary guess (``inputs[0]``) with it: that token is the pending one, already history.
+        """
         tail: list[int] = []
-        for window in self.live:
-            tail.extend(window.drafts)
+        for index, window in enumerate(self.live):
+            tail.extend(window.drafts[1:] if index == 0 and window.continuation else window.drafts)
         return tuple(tail)
 
     def _allocate_id(self) -> WindowId:
