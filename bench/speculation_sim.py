@@ -59,8 +59,11 @@ def linear_cost(single_row: float, extra_row: float) -> StageCost:
 
 
 def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
-             config: SpeculationConfig) -> SimResult:
+             config: SpeculationConfig, *, driver_time: bool = True) -> SimResult:
     """Decode ``stream`` (the target's tokens after ``prompt``) through the modelled chain.
+
+    ``driver_time``: the decoder's own Python time (measured) advances the simulated clock; off, the
+    run is deterministic (the tests' setting: a loaded host must not change a decision).
 
     Returns:
         Tokens, simulated seconds from the first decode step, and the usage counters.
@@ -91,7 +94,7 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         while (request := decoder.next_window()) is not None:
             sizes.append(len(request.tokens))
             send(request.base_position, request.tokens, request.window_id, now)
-        now += time.perf_counter() - started
+        now += time.perf_counter() - started if driver_time else 0.0
         if not in_flight:
             raise RuntimeError("the decoder sent nothing while not done")
         arrival, window_id, sent_at, compute, tokens, base = in_flight.popleft()
@@ -101,7 +104,7 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute,
                          interval_seconds=now - max(sent_at, last_reply))
         last_reply = now
-        now += time.perf_counter() - started
+        now += time.perf_counter() - started if driver_time else 0.0
     if decoder.generated != list(stream):
         raise AssertionError("speculative decoding changed the greedy output")
     return SimResult(len(stream), now, decoder.usage, sizes)
