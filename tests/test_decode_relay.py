@@ -417,7 +417,7 @@ def _window_variants(bench: Bench) -> dict[str, bytes]:
     variants = {
         "gap": bench.frame(bench.window(position + 1)),
         "position-before-zero": bench.frame(bench.window(-1)),
-        "other-row-count": bench.frame(bench.window(position, rows=3)),
+        "more-rows-than-the-batch": bench.frame(bench.window(position, rows=5)),
         "a-decode": bench.frame(decode_message(position, token=5) if bench.first else decode_message(
             position, activation=np.zeros((1, bench.relay_side.width), dtype=np.float32), source=0)),
         "other-session": bench.frame(bench.window(position, session=SESSION + 1)),
@@ -442,9 +442,9 @@ REFUSED = ([("0:1", name) for name in [*_COMMON, "token-out-of-vocabulary"]]
 
 
 #: Verify windows (of 4 rows) the loop must not carry after one it carries (_window_variants).
-WINDOW_REFUSED = ([("0:1", name) for name in ["gap", "position-before-zero", "other-row-count", "a-decode",
+WINDOW_REFUSED = ([("0:1", name) for name in ["gap", "position-before-zero", "more-rows-than-the-batch", "a-decode",
                                               "other-session", "short-token-sideband", "token-out-of-vocabulary"]]
-                  + [("1:2", name) for name in ["gap", "other-row-count", "a-decode", "nan-in-the-last-row"]])
+                  + [("1:2", name) for name in ["gap", "more-rows-than-the-batch", "a-decode", "nan-in-the-last-row"]])
 HANDED_BACK_CASES = [(1, *case) for case in REFUSED] + [(4, *case) for case in WINDOW_REFUSED]
 
 
