@@ -14,33 +14,39 @@ the Timings records of the stages after it) and answers upstream exactly as the 
 nothing pending are the downstream's), with this stage's own record after them when the
 upstream negotiated the extensions.  Nothing in the lane protocol changes from one token to the
 next, so :class:`DecodeRelay` does the whole loop without the GIL: ``poll`` / ``recv`` on the
-upstream socket, the header checked against the session's *template* (the first message of the
-run, handled in full by the Python lane), the activation checked (finite, within the limit) and
-dequantized, ``llama_decode`` through the typed table of llama.cpp calls skippy._llama fills, the output
-patched into the outgoing template and written with ``send``.  Only the fields that change per
-message are taken from the frame: ``pos_start``, ``decode_step``, ``current_token``,
-``request_id``, a window's id (``seq_id``), the token sideband and the activation; everything
-else must equal the template byte for byte (a window of another size is another template).  A
-message whose rows start before the session's next position (a rollback after rejected drafts)
-trims the session's KV back to them first, as the executor's auto-align does.  The downstream's
-reply must equal its template (the reply the lane relayed for the template message) outside the
-token(s), their vector entries, a window's id and summed verify-window durations and the
-records' durations, which must be >= 0 as the lane's decoder requires; the answer is the lane's
-answer template with those and this stage's durations patched in.  On the final stage the outgoing template is the
-session's PredictedToken reply, or a window's PredictedTokens (with its Timings frame when the
-lane or return lane negotiated one): the loop samples each row in order (the greedy pick of the
-lane's path, the first maximum, or the session's llama.cpp sampler chain) and patches the tokens,
-a window's id and verify-window compute and total times, and the compute time into it before
-writing it into the return lane, or hop by hop upstream.  Hop by hop, a window's reply gets this
-stage's verify-window share added as ``skippy.lane.stats.timing_stats`` adds it.
+upstream socket, the header checked against its kind's *template* (a decode's and a verify
+window's: messages of the session the Python lane handled in full; a run carries both kinds
+interleaved, a window of any rows up to the runtime's batch), the activation checked (finite,
+within the limit) and dequantized, ``llama_decode`` of the message's rows through the typed table
+of llama.cpp calls skippy._llama fills, the output written into the outgoing frame (its kind's
+template header) and sent.  Only the fields that change per message are taken from the frame:
+``pos_start``, the row count and the token sideband's count (a window's rows, checked against the
+batch before anything is computed from them), ``decode_step``, ``current_token``, ``request_id``,
+a window's id (``seq_id``), the token sideband and the activation; everything else must equal its
+kind's template byte for byte.  A message whose rows start before the session's next position (a
+rollback after rejected drafts) trims the session's KV back to them first, as the executor's
+auto-align does.  A window's replies are kept as a one-row window's (the twin's ``one_row``) and
+spread to each window's rows: the token vector, and after it everything shifted by 4 bytes a row
+with the token count and largest window set to the rows.  The downstream's reply must equal its
+template (the reply the lane relayed for the template message) outside the token(s), their vector
+entries, a window's id, token counts and summed verify-window durations and the records'
+durations, which must be >= 0 as the lane's decoder requires (a window's count of tokens its
+rows); the answer is the lane's answer template with those and this stage's durations patched
+in.  On the final stage the outgoing template is the session's PredictedToken reply, or a
+window's PredictedTokens (with its Timings frame when the lane or return lane negotiated one):
+the loop samples each row in order (the greedy pick of the lane's path, the first maximum, or the
+session's llama.cpp sampler chain) and patches the tokens, a window's id, rows and verify-window
+compute and total times, and the compute time into it before writing it into the return lane,
+or hop by hop upstream.  Hop by hop, a window's reply gets this stage's verify-window share added
+as ``skippy.lane.stats.timing_stats`` adds it.
 
 The loop never refuses anything: the first frame it would not carry exactly as the Python lane
-does (another kind or row count, another session, a position past the session's next one or
-before 0, a non-finite activation, a token outside the vocabulary, a failed trim or decode) ends
+does (a kind with no template, rows past the batch, another session, a position past the
+session's next one or before 0, a non-finite activation, a token outside the vocabulary, a failed trim or decode) ends
 the run with that frame and everything after it *handed back* unread, so the lane decodes it and gives it its one path, errors included.  The
 same happens on end of stream or a reset upstream (the lane's reader then sees it), when the
 glue writes the stop descriptor (another job wants the runtime, the lane is closing), and
-after ``max_steps`` tokens (so per-token figures reach the stage's statistics).  Hop by hop, a
+after ``max_steps`` rows (so per-token figures reach the stage's statistics).  Hop by hop, a
 downstream reply it would not carry (another shape, an annotation or Error frame, end of
 stream) or a stop while it waits ends the run with ``REPLY_PENDING``: the message in flight
 heads the leftover, what was read of its reply comes back too, and the lane takes the message

@@ -3,10 +3,11 @@
 Strategy: the same loop as the Cython module (read its header for what the relay carries and
 what it hands back), step for step and byte for byte: ``select.poll`` and ``os.read`` /
 ``os.write`` on the two sockets, the header compared with the template outside the per-message
-fields, the activation checked and dequantized with numpy, a rollback trimmed, the rows decoded
-through the runtime's batch of the template's rows (one for a decode, a verify window's rows),
-the outgoing template patched (a final stage's: the sampled tokens, a window's id and
-verify-window durations, and the Timings record's compute time in its reply), and hop by hop
+fields, the activation checked and dequantized with numpy, a rollback trimmed, the message's rows
+decoded through the runtime's batch (one for a decode, a verify window's rows, any up to the
+batch; each kind's templates a :class:`Family`, a window's replies kept as one row's), the
+outgoing frame built from its kind's template (a final stage's: the sampled tokens, a window's
+id, rows and verify-window durations, and the Timings record's compute time in its reply), and hop by hop
 the downstream's reply read, checked against its template and answered upstream with this
 stage's share.  It holds the GIL throughout, so it
 saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it

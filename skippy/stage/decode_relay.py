@@ -15,10 +15,12 @@ streams must be plain sockets with no simulated wire, the message of a kind whos
 ``relay`` (a DecodeEmbd's one row, or a VerifyWindow of at most ``n_batch`` rows, which the
 executor runs as one batch) in f32/f16 with no sampling or metadata section, the runtime a
 native context, and on the final stage the session's sampler one the loop can run as the
-executor would (no grammar, no logprobs).  The run's messages have the template's kind and
-rows (a window of another size is handed back: the lane handles it and the next run takes its
-shape); a rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims
-it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
+executor would (no grammar, no logprobs).  The run carries messages of the template's kind
+and of the other kind whose plan the lane kept from the last message of it it handled for the
+session (``StageLane.relay_kinds``: a decode's and a window's, so the driver's speculation, whose
+windows change size and alternate with decodes, rides one run), a window's of any rows up to
+the batch (the runtime's :class:`~skippy.runtime.row_batch.RowBatch` holds ``n_batch`` rows); a
+rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
 lock), runs the loop on a worker thread and waits.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
