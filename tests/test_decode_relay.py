@@ -848,12 +848,16 @@ def test_a_reply_it_does_not_carry_comes_back_with_the_message_in_flight(impleme
         threading.Timer(0.05, os.eventfd_write, (bench.stop_fd, 1)).start()
     outcome = bench.run(b"".join(frames))
     assert outcome.status == implementation.REPLY_PENDING and outcome.steps == 1
-    assert outcome.leftover == frames[1] + frames[2]  # the message in flight first, then the unread one
+    # the loop pipelines: both messages after the first were forwarded while its reply was awaited,
+    # and come back in flight, the oldest (whose reply was not carried) first
+    assert outcome.leftover == frames[1] + frames[2]
+    assert [entry[0] for entry in outcome.in_flight] == [len(frames[1]), len(frames[2])]
+    assert all(compute > 0 and sent > 0 for _, compute, _, sent in outcome.in_flight)
     assert reply.startswith(outcome.reply_leftover) and (outcome.reply_leftover or not reply)
     assert outcome.pending_compute_us > 0 and outcome.pending_sent_us > 0
-    assert bench.forwarded(2) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages[:2]]
+    assert bench.forwarded(3) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
     assert read_answers(bench, 1) == [lane_answer(downstream_reply(100, 1, top=top), True)]
-    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 2  # the one in flight ran
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 3  # the ones in flight ran
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -981,32 +985,42 @@ def test_a_middle_stage_answers_windows_and_decodes_interleaved_hop_by_hop(imple
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("rows", [1, 4], ids=["decodes", "windows"])
-def test_an_upstream_that_pipelines_ends_a_hop_by_hop_run_after_the_reply_in_flight(implementation: Any,
-                                                                                 make_bench: Any, rows: int) -> None:
-    """The loop answers one message at a time: the upstream's next message arriving while a reply
-    is outstanding (a speculating driver's pipelined windows) ends the run once that reply is
-    answered, the next message unread (the lane's path pipelines)."""
+def test_an_upstream_that_pipelines_has_every_message_carried_and_answered_in_order(implementation: Any,
+                                                                                   make_bench: Any, rows: int) -> None:
+    """The loop pipelines as the lane's path does: the upstream's next message arriving while a
+    reply is outstanding (a speculating driver's pipelined windows) is computed and forwarded at
+    once, and the replies are answered in order as they come."""
     if rows == 1:
         template = downstream_reply(11, 1)
         answer = lane_answer(template, True)
-        replies = [downstream_reply(100, 1)]
     else:
         template = window_downstream_reply([11, 12, 13, 14], 100, 1)
         answer = window_lane_answer(template, True)
-        replies = [window_downstream_reply([20, 21, 22, 23], 0, 1)]
     bench = make_bench(implementation, "1:2", rows=rows, hop=(template, answer))
     first, second = bench.message(bench.position), bench.message(bench.position + rows)
-    if rows > 1:  # (the reply's window id is the message's)
-        replies = [window_downstream_reply([20, 21, 22, 23], first.state.seq_id, 1)]
-    threading.Timer(0.1, bench.upstream.sendall, (bench.frame(second),)).start()
-    threading.Timer(0.3, bench.downstream.sendall, (replies[0],)).start()
+    if rows == 1:
+        replies = [downstream_reply(100, 1), downstream_reply(101, 1)]
+    else:  # (a reply's window id is its message's)
+        replies = [window_downstream_reply([20 + index, 21, 22, 23], message.state.seq_id, 1)
+                   for index, message in enumerate((first, second))]
+
+    def pipelined() -> None:  # the second message while the first's reply is outstanding, then the end
+        bench.upstream.sendall(bench.frame(second))
+        bench.upstream.shutdown(socket.SHUT_WR)
+
+    threading.Timer(0.1, pipelined).start()
+    threading.Timer(0.3, bench.downstream.sendall, (b"".join(replies),)).start()
     outcome = bench.run(bench.frame(first))
-    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, b"")
-    assert len(read_answers(bench, 1)) == 1
-    relay_end = bench._ends[0]
-    relay_end.setblocking(True)
-    relay_end.settimeout(5)
-    assert relay_end.recv(1 << 16) == bench.frame(second)  # unread: the lane's reader gets it
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 2, b"")
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in (first, second)]
+    assert bench.read_exactly(bench.downstream, [len(frame) for frame in expected]) == expected
+    lanes = [lane_answer(reply, True) if rows == 1 else window_lane_answer(reply, True) for reply in replies]
+    answers = bench.read_exactly(bench.upstream, [len(lane) for lane in lanes])
+    if rows == 1:
+        assert [without_own_durations(frame) for frame in answers] == [without_own_durations(lane) for lane in lanes]
+    else:
+        assert [window_sums(frame, 2)[0] for frame in answers] == [window_sums(lane, 2)[0] for lane in lanes]
+    assert outcome.wait_us > 0
 
 
 def test_hop_templates_the_relay_cannot_carry_are_refused() -> None:

@@ -50,10 +50,12 @@ after ``max_steps`` rows (so per-token figures reach the stage's statistics).  H
 downstream reply it would not carry (another shape, an annotation or Error frame, end of
 stream) or a stop while it waits ends the run with ``REPLY_PENDING``: the message in flight
 heads the leftover, what was read of its reply comes back too, and the lane takes the message
-over from its forward (skippy.stage.decode_relay).  Hop by hop the loop answers one message at a
-time, so an upstream that pipelines (its next message arrives while a reply is outstanding, as a
-speculating driver's windows do) takes the lane's path, which pipelines: the run ends once that
-reply is answered, the next message handed back unread.  A write waits for a full socket until
+over from its forward (skippy.stage.decode_relay).  Hop by hop the loop pipelines as the lane's
+path does: a message arriving while replies are outstanding (a speculating driver's windows) is
+computed and forwarded at once, up to ``MAX_IN_FLIGHT`` in flight, their frames kept at the head of
+the buffer until their replies, read in order, are answered; a message it does not carry (or the
+rows' limit) stops the reading and the run ends once the ones in flight are answered, and a reply
+it does not carry hands every message in flight back (``in_flight``, oldest first).  A write waits for a full socket until
 the abort descriptor says the lane is closing.
 
 Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
@@ -98,11 +100,6 @@ cdef extern from "<poll.h>" nogil:
 
 cdef extern from "<sys/types.h>":
     ctypedef long ssize_t
-
-cdef extern from "<sys/ioctl.h>" nogil:
-    int ioctl(int fd, unsigned long request, ...)
-    enum:
-        FIONREAD
 
 cdef extern from "<sys/socket.h>" nogil:
     ssize_t recv(int fd, void *buffer, size_t length, int flags)
@@ -152,6 +149,9 @@ reply_layout = _twin.reply_layout
 family_layout = _twin.family_layout
 frame_length = _twin.frame_length
 one_row = _twin.one_row
+MAX_IN_FLIGHT = _twin.MAX_IN_FLIGHT
+if MAX_IN_FLIGHT != _MAX_IN_FLIGHT:
+    raise ImportError("skippy.stage._relay and its twin disagree on the messages in flight")
 
 include "_frame_layout.pxi"
 
@@ -168,6 +168,8 @@ cdef enum:
     _TOKEN_COUNTS = FRAME_STATS_VERIFY_COUNTS - FRAME_STATS_VERIFY_SUMS + 16
     # a reply's token count, from its prediction
     _REPLY_COUNT = FRAME_REPLY_VECTOR_ENTRY - 4
+    # hop by hop, the most messages in flight (the twin's MAX_IN_FLIGHT)
+    _MAX_IN_FLIGHT = 8
 
 # a summed verify-window duration the relay adds to stays below this (the twin's SUM_LIMIT)
 cdef int64_t _SUM_LIMIT = <int64_t>1 << 62
@@ -225,6 +227,14 @@ cdef struct _Family:
     int fixed_count
 
 
+cdef struct _InFlight:
+    # Hop by hop, a message computed and forwarded whose reply is not answered yet (the twin's _InFlight).
+    _Family *family
+    int32_t rows
+    Py_ssize_t shift, length
+    int64_t compute_us, write_us, sent_us, sent_ns, received_ns
+
+
 cdef inline int64_t _now_ns() noexcept nogil:
     cdef timespec now
     clock_gettime(CLOCK_MONOTONIC, &now)
@@ -267,12 +277,14 @@ cdef class DecodeRelay:
     cdef readonly int64_t last_frame_ns
     cdef int64_t _max_steps
     # hop by hop (a non-final stage): replies are read and answered
-    cdef bint _hop, _pipelined  # (the upstream sent more while a reply was outstanding)
-    cdef bint _watch  # the upstream is polled while a reply is outstanding
+    cdef bint _hop
+    # hop by hop: the messages in flight (oldest first), their frames the buffer's first _base bytes
+    cdef _InFlight _flight[_MAX_IN_FLIGHT]
+    cdef int _flying
+    cdef Py_ssize_t _base
     cdef Py_ssize_t _reply_length, _reply_filled, _answer_length
     cdef unsigned char *_reply
     cdef unsigned char *_answer
-    cdef int64_t _pending_compute_us, _pending_write_us, _pending_sent_us
     # the activation log's rows (a non-final stage's f32 output rows per computed message; NULL:
     # off), as entries of contiguous positions (_entry_start[i], _entry_count[i])
     cdef float *_log
@@ -370,7 +382,9 @@ cdef class DecodeRelay:
         if final and "sampler" not in addresses:
             raise ValueError("a final stage's relay needs the runtime's sampler")
         largest_out = FRAME_FIXED_HEADER + 4 * <Py_ssize_t>self._capacity_rows  # (the token sideband)
-        self._capacity = (largest_out + (0 if first else <Py_ssize_t>self._capacity_rows * width * 4)) * 2 + (1 << 16)
+        # (hop by hop the frames in flight stay at the buffer's head)
+        self._capacity = ((largest_out + (0 if first else <Py_ssize_t>self._capacity_rows * width * 4))
+                          * (_MAX_IN_FLIGHT + 2 if self._hop else 2) + (1 << 16))
         largest_out += <Py_ssize_t>self._capacity_rows * width * 4
         if final:  # the largest reply: one row's and the rest of the batch's tokens
             largest_out = max([len(shape.reply) for shape in shapes]) + 4 * (self._capacity_rows - 1)
@@ -405,6 +419,7 @@ cdef class DecodeRelay:
             return RelayOutcome(_HANDED_BACK, pending, 0, 0, 0, 0, 0)
         memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
         self._filled = count
+        self._base = self._flying = self._reply_filled = 0
         self._logged = self._entries = 0  # rows not taken after the last run are dropped
         cdef int status
         # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out, trims, positions
@@ -416,15 +431,17 @@ cdef class DecodeRelay:
         leftover = PyBytes_FromStringAndSize(<char *>self._buffer, self._filled)
         self._filled = 0
         reply = b""
-        in_flight = (0, 0, 0)
+        in_flight = ()
         if status == _REPLY_PENDING:
             reply = PyBytes_FromStringAndSize(<char *>self._reply, self._reply_filled)
-            in_flight = (self._pending_compute_us, self._pending_write_us, self._pending_sent_us)
-        self._reply_filled = 0
+            in_flight = tuple((self._flight[index].length, self._flight[index].compute_us,
+                               self._flight[index].write_us, self._flight[index].sent_us)
+                              for index in range(self._flying))
+        head = in_flight[0] if in_flight else (0, 0, 0, 0)
+        self._reply_filled = self._base = self._flying = 0
         return RelayOutcome(status, leftover, counters[0], counters[1] // 1000, counters[2] // 1000, counters[3],
-                            counters[4], counters[5] // 1000, counters[6], counters[7], reply, *in_flight,
-                            counters[8], counters[9], counters[10], counters[11], counters[12],
-                            self._length if status == _REPLY_PENDING else 0)
+                            counters[4], counters[5] // 1000, counters[6], counters[7], reply, *head[1:],
+                            counters[8], counters[9], counters[10], counters[11], counters[12], head[0], in_flight)
 
     def take_log(self):
         """The rows computed since the last call; see the twin's ``take_log``."""
@@ -447,6 +464,8 @@ cdef class DecodeRelay:
         cdef int64_t *bytes_in = counters + 3
         cdef int64_t *bytes_out = counters + 4
         cdef Py_ssize_t sums
+        if self._hop:
+            return self._loop_hop(counters)
         while counters[10] < self._max_steps:
             status = self._fill(bytes_in)
             if status >= 0:
@@ -474,28 +493,106 @@ cdef class DecodeRelay:
             sent = _now_ns()
             write_ns[0] += sent - started
             bytes_out[0] += self._out_length
-            if self._hop:  # hop by hop: the downstream's reply, this stage's share added, upstream
-                self._pending_compute_us = elapsed // 1000
-                self._pending_write_us = (sent - started) // 1000
-                self._pending_sent_us = started // 1000
-                self._pipelined = False
-                self._watch = True
-                status = self._respond(counters, sent)
-                if status == _REPLY_PENDING:
-                    return status
-                if status >= 0 or self._pipelined:  # the reply's write failed, or the upstream pipelines:
-                    self._done(counters)  # the message is done here
-                    return status if status >= 0 else _HANDED_BACK
-            self._done(counters)
+            self._consume(self._length)
+            counters[0] += 1
+            counters[10] += self._rows
+            if self._f.window:
+                counters[11] += 1
         return _STEP_LIMIT
 
-    cdef void _done(self, int64_t *counters) noexcept nogil:
-        """This message leaves the buffer and counts (once it is answered)."""
-        self._consume(self._length)
-        counters[0] += 1
-        counters[10] += self._rows
-        if self._f.window:
-            counters[11] += 1
+    cdef int _loop_hop(self, int64_t *counters) noexcept nogil:
+        """Hop by hop on a non-final stage, pipelined as the lane's path is (the twin's _loop_hop):
+        every whole message buffered is computed and forwarded (up to _MAX_IN_FLIGHT in flight)
+        while the downstream's replies are read and answered upstream in order; a message the loop
+        does not carry (or the rows' limit) stops the reading, and the run ends once the messages
+        in flight are answered."""
+        cdef int ending = -1, status, index
+        cdef int64_t flying_rows
+        cdef Py_ssize_t buffered
+        cdef ssize_t got
+        cdef pollfd fds[4]
+        cdef unsigned long count
+        cdef bint reading
+        cdef _InFlight *head
+        while True:
+            while ending < 0 and self._flying < _MAX_IN_FLIGHT:
+                buffered = self._filled - self._base
+                if buffered < FRAME_FIXED_HEADER or (self._header_matches() and buffered < self._length):
+                    break  # (more bytes to read)
+                flying_rows = 0
+                for index in range(self._flying):
+                    flying_rows += self._flight[index].rows
+                if not self._carries():
+                    ending = _HANDED_BACK
+                elif (counters[0] > 0 or self._flying > 0) and counters[10] + flying_rows + self._rows > self._max_steps:
+                    ending = _STEP_LIMIT  # (the next run starts with it)
+                else:
+                    status = self._forward(counters)
+                    if status >= 0:
+                        return status
+            if self._flying == 0 and (ending >= 0 or counters[10] >= self._max_steps):
+                return ending if ending >= 0 else _STEP_LIMIT
+            reading = ending < 0 and self._flying < _MAX_IN_FLIGHT
+            fds[0].fd, fds[0].events, fds[0].revents = self._stop, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
+            fds[2].fd, fds[2].events, fds[2].revents = self._downstream if self._flying > 0 else -1, POLLIN, 0
+            fds[3].fd, fds[3].events, fds[3].revents = self._upstream if reading else -1, POLLIN, 0
+            if poll(fds, 4, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return _REPLY_PENDING if self._flying > 0 else _HANDED_BACK
+            if fds[0].revents or fds[1].revents:
+                return _REPLY_PENDING if self._flying > 0 else _STOPPED  # (the lane reads the replies)
+            if fds[2].revents:
+                status = self._read_reply(counters)
+                if status == _HANDED_BACK or status == _UPSTREAM_FAILED:  # answered (or its write failed): done
+                    head = &self._flight[0]
+                    counters[0] += 1
+                    counters[10] += head.rows
+                    if head.family.window:
+                        counters[11] += 1
+                    self._consume(head.length)
+                    self._base -= head.length
+                    self._flying -= 1
+                    memmove(&self._flight[0], &self._flight[1], self._flying * sizeof(_InFlight))
+                if status != -1 and status != _HANDED_BACK:
+                    return status
+            if fds[3].revents:
+                got = recv(self._upstream, self._buffer + self._filled, self._capacity - self._filled, 0)
+                if got > 0:
+                    if self._filled == self._base:
+                        self.last_frame_ns = _now_ns()
+                    self._filled += got
+                    counters[3] += got
+                elif got == 0 or (errno != EAGAIN and errno != EINTR):
+                    ending = _HANDED_BACK  # end of stream (or a reset): the lane's reader sees it
+
+    cdef int _forward(self, int64_t *counters) noexcept nogil:
+        """Hop by hop: compute the buffered message and forward it (it joins the messages in
+        flight); -1 when it is out, else the outcome that ends the run."""
+        cdef int64_t started, elapsed, sent
+        cdef int status
+        cdef _InFlight *entry
+        started = _now_ns()
+        self._received_ns = started
+        if self._step(counters) != 0:
+            return _HANDED_BACK  # the lane runs it again and reports what failed
+        elapsed = _now_ns() - started
+        counters[1] += elapsed
+        started = _now_ns()
+        status = self._write(self._downstream, self._out, self._out_length, _DOWNSTREAM_FAILED)
+        if status >= 0:
+            return status
+        sent = _now_ns()
+        counters[2] += sent - started
+        counters[4] += self._out_length
+        entry = &self._flight[self._flying]
+        entry.family, entry.rows, entry.shift, entry.length = self._f, self._rows, self._shift, self._length
+        entry.compute_us, entry.write_us, entry.sent_us = elapsed // 1000, (sent - started) // 1000, started // 1000
+        entry.sent_ns, entry.received_ns = sent, self._received_ns
+        self._flying += 1
+        self._base += self._length
+        return -1
 
     cdef int _fill(self, int64_t *bytes_in) noexcept nogil:
         """Read until the buffer holds a whole message of a carried shape, or a fixed part that is
@@ -534,36 +631,12 @@ cdef class DecodeRelay:
                 return -1
             return 1 if fds[1].revents or fds[2].revents else 0
 
-    cdef int _wait_reply(self) noexcept nogil:
-        """Wait until the downstream is readable (0), the stop or abort descriptor is (1), or poll
-        fails (-1); notes an upstream that becomes readable meanwhile (it pipelines)."""
-        cdef pollfd fds[4]
-        cdef unsigned long count
-        cdef int available = 0
-        while True:
-            fds[0].fd, fds[0].events, fds[0].revents = self._downstream, POLLIN, 0
-            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
-            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
-            fds[3].fd, fds[3].events, fds[3].revents = self._upstream, POLLIN, 0
-            count = 4 if self._watch else 3
-            if poll(fds, count, -1) < 0:
-                if errno == EINTR:
-                    continue
-                return -1
-            if fds[1].revents or fds[2].revents:
-                return 1
-            if count == 4 and fds[3].revents:  # bytes (it pipelines), or its end (the next read sees it)
-                self._watch = False
-                self._pipelined = ioctl(self._upstream, FIONREAD, &available) == 0 and available > 0
-            if fds[0].revents:
-                return 0
-
     cdef bint _header_matches(self) noexcept nogil:
         """The fixed part is one of a carried kind: equal to its template outside the per-message
         fields, its rows (checked before anything is computed from them: every peer number is
         hostile) one decode's or a window's within the batch, its sidebands its rows' tokens;
         notes the message's family, rows and length."""
-        cdef const unsigned char *frame = self._buffer
+        cdef const unsigned char *frame = self._buffer + self._base
         cdef const unsigned char *template
         cdef _Family *family = NULL
         cdef int32_t kind = skippy_load_i32(frame + FRAME_KIND)
@@ -602,11 +675,12 @@ cdef class DecodeRelay:
         rows starting at the session's next position or before it (a rollback, which the
         executor's auto-align trims), inside the cells, with valid tokens or activations (the
         runtime's batch holds them then)."""
-        cdef const unsigned char *frame = self._buffer
+        cdef const unsigned char *frame = self._buffer + self._base
         cdef int32_t position, token, row, rows
         cdef Py_ssize_t index, count, activation
         cdef float value
-        if self._filled < FRAME_FIXED_HEADER or not self._header_matches() or self._filled < self._length:
+        if (self._filled - self._base < FRAME_FIXED_HEADER or not self._header_matches()
+                or self._filled - self._base < self._length):
             return False
         position, rows = skippy_load_i32(frame + FRAME_POS_START), self._rows
         count = <Py_ssize_t>rows * self._width
@@ -643,7 +717,7 @@ cdef class DecodeRelay:
     cdef int _step(self, int64_t *counters) noexcept nogil:
         """Trim a rollback, decode the rows and build the outgoing frame; nonzero when the trim or
         the decode failed (the lane runs the message again and reports it)."""
-        cdef const unsigned char *frame = self._buffer
+        cdef const unsigned char *frame = self._buffer + self._base
         cdef unsigned char *out = self._out
         cdef _Family *family = self._f
         cdef float *hidden
@@ -740,33 +814,32 @@ cdef class DecodeRelay:
             return failed
         return -1
 
-    cdef int _respond(self, int64_t *counters, int64_t sent) noexcept nogil:
-        """Hop by hop: read the downstream's reply, add this stage's share as the lane does
-        (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
-        cdef _Family *family = self._f
+    cdef int _read_reply(self, int64_t *counters) noexcept nogil:
+        """Hop by hop: read what the downstream has of the oldest message in flight's reply (never
+        past it); once it is whole, add this stage's share as the lane does
+        (``skippy.lane.replies.relayed``) and write it upstream.  Returns -1 while it is not whole,
+        _HANDED_BACK once it is answered, else the outcome (_REPLY_PENDING: not carried)."""
+        cdef _InFlight *entry = &self._flight[0]
+        cdef _Family *family = entry.family
         cdef ssize_t got
         cdef int64_t wait_ns, value
         cdef int64_t sums[4]
-        cdef Py_ssize_t index, field, offset, sums_in, sums_out, shift = self._shift
+        cdef Py_ssize_t index, field, offset, sums_in, sums_out, shift = entry.shift
         cdef int status
         self._reply_length = family.reply_in_length + shift
         self._answer_length = family.reply_out_length + shift
-        self._reply_filled = 0
-        while self._reply_filled < self._reply_length:
-            if self._wait_reply() != 0:
-                return _REPLY_PENDING  # stopped, or poll failed: the lane reads the reply
-            got = recv(self._downstream, self._reply + self._reply_filled,
-                       self._reply_length - self._reply_filled, 0)  # never past this reply
-            if got > 0:
-                self._reply_filled += got
-                counters[6] += got
-                if not self._reply_matches():
-                    return _REPLY_PENDING
-            elif got == 0:
+        got = recv(self._downstream, self._reply + self._reply_filled,
+                   self._reply_length - self._reply_filled, 0)  # never past this reply
+        if got > 0:
+            self._reply_filled += got
+            counters[6] += got
+            if not self._reply_matches():
                 return _REPLY_PENDING
-            elif errno != EAGAIN and errno != EINTR:
-                return _REPLY_PENDING
-        wait_ns = _now_ns() - sent
+        elif got == 0 or (errno != EAGAIN and errno != EINTR):
+            return _REPLY_PENDING
+        if self._reply_filled < self._reply_length:
+            return -1
+        wait_ns = _now_ns() - entry.sent_ns
         if wait_ns < 0:
             wait_ns = 0
         counters[5] += wait_ns
@@ -787,9 +860,9 @@ cdef class DecodeRelay:
                 if value < 0 or value >= _SUM_LIMIT:
                     return _REPLY_PENDING
                 sums[field] = value
-            if (skippy_load_i32(self._reply + family.prediction_in + _REPLY_COUNT) != self._rows
-                    or skippy_load_i64(self._reply + sums_in + _TOKEN_COUNTS) != self._rows
-                    or skippy_load_i64(self._reply + sums_in + _TOKEN_COUNTS + 8) != self._rows):
+            if (skippy_load_i32(self._reply + family.prediction_in + _REPLY_COUNT) != entry.rows
+                    or skippy_load_i64(self._reply + sums_in + _TOKEN_COUNTS) != entry.rows
+                    or skippy_load_i64(self._reply + sums_in + _TOKEN_COUNTS + 8) != entry.rows):
                 return _REPLY_PENDING  # not this window's count of tokens: the lane's
         memcpy(self._answer, family.reply_out, family.prediction_out)
         if family.logprobs_out:
@@ -797,8 +870,8 @@ cdef class DecodeRelay:
         if family.records_out >= 0:
             memcpy(self._answer + family.records_out, self._reply + family.records_in, _RECORD_BYTES * family.records)
             offset = family.own_record + _RECORD_DURATIONS
-            skippy_store_i64(self._answer + offset, self._pending_compute_us)
-            skippy_store_i64(self._answer + offset + 8, self._pending_write_us)
+            skippy_store_i64(self._answer + offset, entry.compute_us)
+            skippy_store_i64(self._answer + offset + 8, entry.write_us)
             skippy_store_i64(self._answer + offset + 16, wait_ns // 1000)
             skippy_store_i64(self._answer + offset + 24, 0)
         memcpy(self._answer + family.prediction_out, self._reply + family.prediction_in,
@@ -808,26 +881,27 @@ cdef class DecodeRelay:
             offset = family.sums_out + (FRAME_STATS_VERIFY_COUNTS - FRAME_STATS_VERIFY_SUMS)
             memcpy(self._answer + offset + shift, family.reply_out + offset, 16)
             sums_out = family.sums_out + shift
-            skippy_store_i64(self._answer + sums_out, sums[0] + self._pending_compute_us)
-            skippy_store_i64(self._answer + sums_out + 8, sums[1] + self._pending_write_us)
+            skippy_store_i64(self._answer + sums_out, sums[0] + entry.compute_us)
+            skippy_store_i64(self._answer + sums_out + 8, sums[1] + entry.write_us)
             skippy_store_i64(self._answer + sums_out + 16, sums[2] + wait_ns // 1000)
-            skippy_store_i64(self._answer + sums_out + 24, sums[3] + (_now_ns() - self._received_ns) // 1000)
+            skippy_store_i64(self._answer + sums_out + 24, sums[3] + (_now_ns() - entry.received_ns) // 1000)
         status = self._write(self._upstream, self._answer, self._answer_length, _UPSTREAM_FAILED)
         if status >= 0:
             return status
         counters[7] += self._answer_length
-        return -1
+        self._reply_filled = 0
+        return _HANDED_BACK
 
     cdef bint _reply_matches(self) noexcept nogil:
         """What was read of the reply equals the template outside the per-message fields (a
         window's after its token vector where its rows put them)."""
-        cdef _Family *family = self._f
+        cdef _Family *family = self._flight[0].family
         cdef const unsigned char *template = family.reply_in
         cdef Py_ssize_t index, start, at, length
         cdef Py_ssize_t vector_end = family.prediction_in + FRAME_REPLY_VECTOR_ENTRY + 4
         for index in range(family.fixed_count):
             start = family.fixed[index][0]
-            at = start + self._shift if start >= vector_end else start
+            at = start + self._flight[0].shift if start >= vector_end else start
             if at >= self._reply_filled:
                 break
             length = family.fixed[index][1] - start

@@ -16,14 +16,12 @@ and the relay tests run against both.
 
 from __future__ import annotations
 
-import array
+import collections
 import errno
-import fcntl
 import math
 import os
 import select
 import struct
-import termios
 import time
 from typing import Any, NamedTuple
 
@@ -48,9 +46,10 @@ DOWNSTREAM_FAILED = 3
 #: The abort descriptor was written while a frame was being written (the lane is closing): the
 #: stream may hold part of a frame.
 ABORTED = 4
-#: Hop by hop: the frame at the head of ``leftover`` was computed and forwarded, but its reply
-#: was not carried (not the template's shape, end of stream, a stop or an abort while waiting):
-#: ``reply_leftover`` holds what was read of it; the lane takes the message over from there.
+#: Hop by hop: the frames at the head of ``leftover`` (``in_flight``) were computed and forwarded,
+#: but the oldest one's reply was not carried (not the template's shape, end of stream, a stop
+#: or an abort while waiting): ``reply_leftover`` holds what was read of it; the lane takes the
+#: messages over from there.
 REPLY_PENDING = 5
 #: Hop by hop: writing the reply upstream failed or was cut off by the abort descriptor.
 UPSTREAM_FAILED = 6
@@ -77,6 +76,9 @@ _I32 = struct.Struct("<i")
 _I64 = struct.Struct("<q")
 #: A summed verify-window duration the relay adds to must stay below this (else the lane decides).
 SUM_LIMIT = 1 << 62
+#: Hop by hop, the most messages a run keeps in flight (computed and forwarded, their replies
+#: not yet answered): a pipelining upstream's (a speculating driver keeps up to 4 windows in flight).
+MAX_IN_FLIGHT = 8
 #: Where a reply's verify-window token count and largest window (i64 each) are, from its sums.
 _TOKEN_COUNTS = layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS + 16
 _DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
@@ -113,6 +115,9 @@ class RelayOutcome(NamedTuple):
     windows: int = 0
     last_rows: int = 0
     pending_length: int = 0
+    #: Hop by hop with REPLY_PENDING: every message in flight, oldest first (the head of
+    #: ``leftover``, in order): its length, compute and write times and when its write began.
+    in_flight: tuple[tuple[int, int, int, int], ...] = ()
 
 
 #: A Timings record's size, and where its four i64 durations start in it (compute_us first).
@@ -428,6 +433,22 @@ def frame_length(header: bytes, *, width: int, first: bool) -> int:
     return FIXED_HEADER + 4 * (token_n + position_n) + (0 if first else rows * width * _DTYPE_BYTES[dtype])
 
 
+class _InFlight(NamedTuple):
+    """Hop by hop, a message computed and forwarded whose reply is not answered yet: its kind's
+    templates, rows, shift and length, its compute and write times and when its write began
+    (microseconds), when the write ended and when it was read whole (``perf_counter_ns``)."""
+
+    family: Family
+    rows: int
+    shift: int
+    length: int
+    compute_us: int
+    write_us: int
+    sent_us: int
+    sent_ns: int
+    received_ns: int
+
+
 class DecodeRelay:
     """One session's steady-state decode relay.
 
@@ -479,11 +500,11 @@ class DecodeRelay:
         self._families = {family.kind: family for family in families}
         #: Hop by hop (a non-final stage): replies are read and answered.
         self._hop = families[0].hop is not None
+        #: Hop by hop: what was read of the oldest message in flight's reply, the messages in
+        #: flight (oldest first) and their frames.
         self._reply = bytearray()
-        self._pending = (0, 0, 0)
-        #: Hop by hop: the upstream sent more while a reply was outstanding (it pipelines: the
-        #: run ends once that reply is answered, and the lane's path pipelines).
-        self._pipelined = False
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._held: collections.deque[bytes] = collections.deque()
         self._final = final
         self._upstream, self._downstream, self._stop, self._abort = upstream_fd, downstream_fd, stop_fd, abort_fd
         self._out = bytearray()
@@ -493,16 +514,12 @@ class DecodeRelay:
         self._runtime = runtime
         self._max_steps = max_steps
         largest = FIXED_HEADER + 4 * self._capacity_rows + (0 if first else self._capacity_rows * width * 4)
-        self._capacity = largest * 2 + (1 << 16)
+        self._capacity = largest * 2 + (1 << 16)  # (hop by hop the frames in flight are held apart)
         self._buffer = bytearray()
         self._poll = select.poll()
         self._poll.register(upstream_fd, select.POLLIN)
         self._poll.register(stop_fd, select.POLLIN)
         self._poll.register(abort_fd, select.POLLIN)
-        self._reply_poll = select.poll()
-        self._reply_poll.register(downstream_fd, select.POLLIN)
-        self._reply_poll.register(stop_fd, select.POLLIN)
-        self._reply_poll.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
         #: The rows of the messages computed this run (None: not logging), as (start, count,
         #: rows) entries: a message that starts where the last one ended extends it.
@@ -536,16 +553,25 @@ class DecodeRelay:
         # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out,
         # trims, positions trimmed, rows, windows, the last message's rows
         counters = [0] * 13
+        self._in_flight.clear()
+        self._held.clear()
         status = self._loop(counters)
-        leftover, self._buffer = bytes(self._buffer), bytearray()
+        leftover = b"".join(self._held) + bytes(self._buffer)
+        self._buffer = bytearray()
         reply, self._reply = (bytes(self._reply) if status == REPLY_PENDING else b""), bytearray()
         steps, compute_ns, write_ns, bytes_in, bytes_out, wait_ns, replies_in, replies_out = counters[:8]
-        pending_state = self._pending if status == REPLY_PENDING else (0, 0, 0)
+        in_flight = tuple((entry.length, entry.compute_us, entry.write_us, entry.sent_us)
+                          for entry in self._in_flight) if status == REPLY_PENDING else ()
+        self._in_flight.clear()
+        self._held.clear()
+        head = in_flight[0] if in_flight else (0, 0, 0, 0)
         return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out,
-                            wait_ns // 1000, replies_in, replies_out, reply, *pending_state, *counters[8:],
-                            self._length if status == REPLY_PENDING else 0)
+                            wait_ns // 1000, replies_in, replies_out, reply, *head[1:], *counters[8:], head[0],
+                            in_flight)
 
     def _loop(self, counters: list[int]) -> int:
+        if self._hop:
+            return self._loop_hop(counters)
         while counters[10] < self._max_steps:
             status = self._fill(counters)
             if status >= 0:
@@ -567,29 +593,91 @@ class DecodeRelay:
             sent = time.perf_counter_ns()
             counters[2] += sent - started
             counters[4] += len(self._out)
-            done = self._done(counters)
-            if self._hop:  # hop by hop: the downstream's reply, this stage's share added, upstream
-                self._pending = (elapsed // 1000, (sent - started) // 1000, started // 1000)
-                self._pipelined = False
-                status = self._answer(counters, sent)
-                if status == REPLY_PENDING:
-                    return status
-                if status >= 0 or self._pipelined:  # the reply's write failed, or the upstream pipelines:
-                    done()  # the message is done here
-                    return status if status >= 0 else HANDED_BACK
-            done()
+            del self._buffer[:self._length]
+            counters[0] += 1
+            counters[10] += self._rows
+            counters[11] += self._family.window
         return STEP_LIMIT
 
-    def _done(self, counters: list[int]) -> Any:
-        """What ends this message: it leaves the buffer and counts (call once it is answered)."""
-        length, rows, window = self._length, self._rows, self._family.window
+    def _loop_hop(self, counters: list[int]) -> int:
+        """Hop by hop on a non-final stage, pipelined as the lane's path is: every whole message
+        buffered is computed and forwarded (up to :data:`MAX_IN_FLIGHT` in flight) while the
+        downstream's replies are read and answered upstream in order; a message the loop does
+        not carry (or the rows' limit) stops the reading, and the run ends once the messages in
+        flight are answered."""
+        held, in_flight = self._held, self._in_flight
+        ending = -1  # the outcome once the messages in flight are answered (nothing more is read)
+        while True:
+            while ending < 0 and len(in_flight) < MAX_IN_FLIGHT:
+                buffered = len(self._buffer)
+                if buffered < FIXED_HEADER or (self._header_matches() and buffered < self._length):
+                    break  # (more bytes to read)
+                flying = sum(entry.rows for entry in in_flight)
+                if not self._carries():
+                    ending = HANDED_BACK
+                elif (counters[0] or in_flight) and counters[10] + flying + self._rows > self._max_steps:
+                    ending = STEP_LIMIT  # (the next run starts with it)
+                else:
+                    status = self._forward(counters)
+                    if status >= 0:
+                        return status
+            if not in_flight and (ending >= 0 or counters[10] >= self._max_steps):
+                return ending if ending >= 0 else STEP_LIMIT
+            poller = select.poll()
+            for fd in (self._stop, self._abort):
+                poller.register(fd, select.POLLIN)
+            if in_flight:
+                poller.register(self._downstream, select.POLLIN)
+            if ending < 0 and len(in_flight) < MAX_IN_FLIGHT:
+                poller.register(self._upstream, select.POLLIN)
+            ready = dict(poller.poll())
+            if ready.get(self._stop) or ready.get(self._abort):
+                return REPLY_PENDING if in_flight else STOPPED  # (the lane reads the replies)
+            if ready.get(self._downstream):
+                status = self._read_reply(counters)
+                if status in (HANDED_BACK, UPSTREAM_FAILED):  # answered (or its write failed): it is done
+                    entry = in_flight.popleft()
+                    held.popleft()
+                    counters[0] += 1
+                    counters[10] += entry.rows
+                    counters[11] += entry.family.window
+                if status not in (-1, HANDED_BACK):
+                    return status
+            if ready.get(self._upstream):
+                try:
+                    data = os.read(self._upstream, self._capacity - len(self._buffer))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    ending = HANDED_BACK  # end of stream (or a reset): the lane's reader sees it
+                    continue
+                if not self._buffer:
+                    self.last_frame_ns = time.monotonic_ns()
+                self._buffer += data
+                counters[3] += len(data)
 
-        def done() -> None:
-            del self._buffer[:length]
-            counters[0] += 1
-            counters[10] += rows
-            counters[11] += window
-        return done
+    def _forward(self, counters: list[int]) -> int:
+        """Hop by hop: compute the buffered message and forward it (it joins the messages in
+        flight); -1 when it is out, else the outcome that ends the run."""
+        self._received_ns = started = time.perf_counter_ns()
+        if not self._step(counters):
+            return HANDED_BACK
+        elapsed = time.perf_counter_ns() - started
+        counters[1] += elapsed
+        started = time.perf_counter_ns()
+        written = self._write(self._downstream, self._out, DOWNSTREAM_FAILED)
+        if written is not None:
+            return written
+        sent = time.perf_counter_ns()
+        counters[2] += sent - started
+        counters[4] += len(self._out)
+        self._in_flight.append(_InFlight(self._family, self._rows, self._shift, self._length, elapsed // 1000,
+                                         (sent - started) // 1000, started // 1000, sent, self._received_ns))
+        self._held.append(bytes(self._buffer[:self._length]))
+        del self._buffer[:self._length]
+        return -1
 
     def _patch_reply(self, elapsed: int) -> None:
         """A final stage's reply: the Timings record's compute_us, and a window's verify-window
@@ -770,46 +858,31 @@ class DecodeRelay:
                 return failed
         return None
 
-    def _answer(self, counters: list[int], sent: int) -> int:
-        """Hop by hop: read the downstream's reply, add this stage's share as the lane does
-        (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
-        family, rows, shift = self._family, self._rows, self._shift
+    def _read_reply(self, counters: list[int]) -> int:
+        """Hop by hop: read what the downstream has of the oldest message in flight's reply (never
+        past it); once it is whole, add this stage's share as the lane does
+        (``skippy.lane.replies.relayed``) and write it upstream.  Returns -1 while it is not
+        whole, HANDED_BACK once it is answered, else the outcome (REPLY_PENDING: not carried)."""
+        entry = self._in_flight[0]
+        family, rows, shift = entry.family, entry.rows, entry.shift
         hop = family.hop
         assert hop is not None
         reply, wanted = self._reply, len(family.reply_in) + shift
-        del reply[:]
-        watch = True  # an upstream that sends more while a reply is outstanding pipelines
-        while len(reply) < wanted:
-            if watch:
-                self._reply_poll.register(self._upstream, select.POLLIN)
-            ready = dict(self._reply_poll.poll())
-            if watch:
-                self._reply_poll.unregister(self._upstream)
-            if ready.get(self._stop) or ready.get(self._abort):
-                return REPLY_PENDING  # the lane reads the reply
-            if watch and ready.get(self._upstream):  # bytes (it pipelines), or its end (the next read sees it)
-                watch = False
-                available = array.array("i", [0])
-                try:
-                    fcntl.ioctl(self._upstream, termios.FIONREAD, available)
-                except OSError:
-                    available[0] = 0
-                self._pipelined = available[0] > 0
-            if not ready.get(self._downstream):
-                continue
-            try:
-                data = os.read(self._downstream, wanted - len(reply))  # never past this reply
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                return REPLY_PENDING
-            if not data:
-                return REPLY_PENDING
-            reply += data
-            counters[6] += len(data)
-            if not self._reply_matches():
-                return REPLY_PENDING
-        wait_ns = max(0, time.perf_counter_ns() - sent)
+        try:
+            data = os.read(self._downstream, wanted - len(reply))  # never past this reply
+        except (BlockingIOError, InterruptedError):
+            return -1
+        except OSError:
+            return REPLY_PENDING
+        if not data:
+            return REPLY_PENDING
+        reply += data
+        counters[6] += len(data)
+        if not self._reply_matches(entry):
+            return REPLY_PENDING
+        if len(reply) < wanted:
+            return -1
+        wait_ns = max(0, time.perf_counter_ns() - entry.sent_ns)
         counters[5] += wait_ns
         durations = struct.Struct(f"<{(RECORD_BYTES - RECORD_DURATIONS) // 8}q")
         for index in range(hop.records):
@@ -825,30 +898,31 @@ class DecodeRelay:
                      or struct.unpack_from("<2q", reply, sums_in + _TOKEN_COUNTS) != (rows, rows)):
             return REPLY_PENDING  # not this window's count of tokens: the lane's
         out = bytearray(family.reply_out[:hop.prediction_out])
-        compute_us, write_us, _ = self._pending
         if hop.logprobs_out:
             out[:hop.logprobs] = reply[:hop.logprobs]
         if hop.records_out >= 0:
             out[hop.records_out:hop.own_record] = reply[hop.records_in:hop.prediction_in]
-            durations.pack_into(out, hop.own_record + RECORD_DURATIONS, compute_us, write_us, wait_ns // 1000, 0)
+            durations.pack_into(out, hop.own_record + RECORD_DURATIONS, entry.compute_us, entry.write_us,
+                                wait_ns // 1000, 0)
         out += reply[hop.prediction_in:]
         if sums:  # a window: this stage's share (skippy.lane.stats.timing_stats): one more stage, the
             # request count the template's, the tokens and the largest window (its rows) the reply's
             counts = hop.sums_out + layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS
             out[counts + shift:counts + shift + 16] = family.reply_out[counts:counts + 16]
-            total_us = (time.perf_counter_ns() - self._received_ns) // 1000
-            struct.pack_into("<4q", out, hop.sums_out + shift, sums[0] + compute_us, sums[1] + write_us,
+            total_us = (time.perf_counter_ns() - entry.received_ns) // 1000
+            struct.pack_into("<4q", out, hop.sums_out + shift, sums[0] + entry.compute_us, sums[1] + entry.write_us,
                              sums[2] + wait_ns // 1000, sums[3] + total_us)
         written = self._write(self._upstream, out, UPSTREAM_FAILED)
         if written is not None:
             return written
         counters[7] += len(out)
-        return -1
+        del reply[:]
+        return HANDED_BACK
 
-    def _reply_matches(self) -> bool:
-        """What was read of the reply equals the template outside the per-message fields (a
-        window's after its token vector where its rows put them)."""
-        family, reply, shift = self._family, self._reply, self._shift
+    def _reply_matches(self, entry: "_InFlight") -> bool:
+        """What was read of ``entry``'s reply equals the template outside the per-message fields
+        (a window's after its token vector where its rows put them)."""
+        family, reply, shift = entry.family, self._reply, entry.shift
         hop, template = family.hop, family.reply_in
         assert hop is not None
         vector_end = hop.prediction_in + layout.REPLY_VECTOR_ENTRY + 4

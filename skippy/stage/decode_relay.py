@@ -27,8 +27,9 @@ Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
 rollback and error keeps its one path.  Hop by hop, a downstream reply the loop does not carry
 (another shape, an Error frame, a lost downstream, or a stop while it waits) comes back the same
-way: :meth:`RelayRun.run` tells the lane the message in flight was received, computed and
-forwarded (the events it would have had), feeds what was read of the reply to the downstream
+way: :meth:`RelayRun.run` tells the lane the messages in flight (the loop pipelines: a message
+arriving while replies are outstanding is forwarded at once) were received, computed and
+forwarded (the events they would have had), feeds what was read of the reply to the downstream
 link's reader and gives it the socket back, and the reply takes the lane's path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
@@ -345,37 +346,38 @@ class RelayRun:
             raise write_failed(self._downstream_name, downstream=not self.final) from cause  # (hop by hop: upstream)
 
     def _take_over(self, outcome: Any) -> bytes:
-        """Hop by hop: the message at the head of ``outcome.leftover`` was computed and forwarded,
-        its reply not carried: tell the lane so (the events its own path has) and hand the reply's
-        bytes to the downstream link's reader; returns the upstream bytes after that message."""
+        """Hop by hop: the messages at the head of ``outcome.leftover`` (``outcome.in_flight``)
+        were computed and forwarded, the oldest one's reply not carried: tell the lane so (the
+        events its own path has, message by message) and hand what was read of that reply to the
+        downstream link's reader; returns the upstream bytes after them."""
         lane, link = self._lane, self.link
         assert lane is not None and link is not None
-        length = outcome.pending_length
-        frame, rest = outcome.leftover[:length], outcome.leftover[length:]
-        decoder = codec.MessageDecoder(self._width)
-        decoder.receive_data(frame)
-        message = decoder.next_message()
-        assert isinstance(message, StageMessage)  # the loop matched it against the template
-        dispatch, _ = lane.received(message, run_flagged=False, is_first=self._executor.is_first)
-        assert dispatch is not None
-        action = lane.computed(dispatch, has_downstream=True)
-        assert type(action) is SendDownstream
-        sent_us = outcome.pending_sent_us
-        forward = Forward(message, action.expect, dispatch.ticket, dispatch.key, sent_us, trio.current_time(),
-                          outcome.pending_compute_us, 0, 1, sent_us, outcome.pending_write_us)
-        lane.frame_forwarding(forward)
-        self._rows.finished(1, message.token_count)
+        rest = outcome.leftover
         stats = self._stats
-        stats.messages += 1
-        if dispatch.rule.window:
-            stats.verify_windows += 1
-        else:
-            stats.decode_items += 1
-        stats.native_batches += 1
-        stats.compute_us += outcome.pending_compute_us
-        stats.write_throughs += 1
-        stats.forward_write_us += outcome.pending_write_us
-        self._executor.resume_stats.computed_positions += message.token_count
+        for length, compute_us, write_us, sent_us in outcome.in_flight:
+            frame, rest = rest[:length], rest[length:]
+            decoder = codec.MessageDecoder(self._width)
+            decoder.receive_data(frame)
+            message = decoder.next_message()
+            assert isinstance(message, StageMessage)  # the loop matched it against its template
+            dispatch, _ = lane.received(message, run_flagged=False, is_first=self._executor.is_first)
+            assert dispatch is not None
+            action = lane.computed(dispatch, has_downstream=True)
+            assert type(action) is SendDownstream
+            forward = Forward(message, action.expect, dispatch.ticket, dispatch.key, sent_us, trio.current_time(),
+                              compute_us, 0, 1, sent_us, write_us)
+            lane.frame_forwarding(forward)
+            stats.messages += 1
+            if dispatch.rule.window:
+                stats.verify_windows += 1
+            else:
+                stats.decode_items += 1
+            stats.native_batches += 1
+            stats.compute_us += compute_us
+            stats.write_throughs += 1
+            stats.forward_write_us += write_us
+            self._executor.resume_stats.computed_positions += message.token_count
+        self._rows.finished(1, outcome.last_rows)
         if outcome.reply_leftover:
             link.reader.decoder.receive_data(outcome.reply_leftover)  # type: ignore[union-attr]
         return rest
