@@ -8,10 +8,10 @@ llama preset; the driver's :class:`~skippy.driver.Generator` speculates greedily
 verify windows, partly rejected) on ``bench/peer_compare.py``'s looping code prompt
 (``peer_compare.Speculation``: a fresh session per request, the CPU of a 1-token request taken
 off; hop by hop: the driver never asks for direct return when it speculates).  Each chain of 2
-and 4 stages runs with ``--decode-relay on`` (the data plane carries the windows, their
-rollbacks trimmed in its loop, while the driver sends them one at a time: with ``--max-depth 1``;
-a driver pipelining windows ends a hop-by-hop run at its next window and the lane's path takes
-them) and ``off`` (the lane's Python path), in interleaved rounds; the figures are medians over rounds of wall and
+and 4 stages runs with ``--decode-relay on`` (the data plane carries the windows of every size
+and the decodes between them, their rollbacks trimmed in its loop, pipelined as the driver sends
+them; a run starts only on a quiet lane, so a stage that always has a window in flight, the
+first of a long chain, carries few) and ``off`` (the lane's Python path), in interleaved rounds; the figures are medians over rounds of wall and
 CPU (this client and every stage process) per token, and the extra cost of one boundary,
 ``(t_n - t_1) / (n - 1)``.  The chains' tokens are compared every round.
 

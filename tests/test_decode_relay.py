@@ -985,11 +985,15 @@ def test_a_middle_stage_answers_windows_and_decodes_interleaved_hop_by_hop(imple
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("rows", [1, 4], ids=["decodes", "windows"])
+@pytest.mark.parametrize("end", ["end-of-stream", "refused"])
 def test_an_upstream_that_pipelines_has_every_message_carried_and_answered_in_order(implementation: Any,
-                                                                                   make_bench: Any, rows: int) -> None:
+                                                                                   make_bench: Any, rows: int,
+                                                                                   end: str) -> None:
     """The loop pipelines as the lane's path does: the upstream's next message arriving while a
     reply is outstanding (a speculating driver's pipelined windows) is computed and forwarded at
-    once, and the replies are answered in order as they come."""
+    once, and the replies are answered in order as they come; a message it does not carry arriving
+    meanwhile (another session's) stops the reading, and the run hands it back unread once the
+    messages in flight are answered."""
     if rows == 1:
         template = downstream_reply(11, 1)
         answer = lane_answer(template, True)
@@ -1004,14 +1008,17 @@ def test_an_upstream_that_pipelines_has_every_message_carried_and_answered_in_or
         replies = [window_downstream_reply([20 + index, 21, 22, 23], message.state.seq_id, 1)
                    for index, message in enumerate((first, second))]
 
+    refused = bench.frame(bench.message(bench.position + 2 * rows, session=SESSION + 1)) if end == "refused" else b""
+
     def pipelined() -> None:  # the second message while the first's reply is outstanding, then the end
-        bench.upstream.sendall(bench.frame(second))
-        bench.upstream.shutdown(socket.SHUT_WR)
+        bench.upstream.sendall(bench.frame(second) + refused)
+        if not refused:
+            bench.upstream.shutdown(socket.SHUT_WR)
 
     threading.Timer(0.1, pipelined).start()
     threading.Timer(0.3, bench.downstream.sendall, (b"".join(replies),)).start()
     outcome = bench.run(bench.frame(first))
-    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 2, b"")
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 2, refused)
     expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in (first, second)]
     assert bench.read_exactly(bench.downstream, [len(frame) for frame in expected]) == expected
     lanes = [lane_answer(reply, True) if rows == 1 else window_lane_answer(reply, True) for reply in replies]
