@@ -8,12 +8,16 @@ llama preset; the driver's :class:`~skippy.driver.Generator` speculates greedily
 verify windows, partly rejected) on ``bench/peer_compare.py``'s looping code prompt
 (``peer_compare.Speculation``: a fresh session per request, the CPU of a 1-token request taken
 off; hop by hop: the driver never asks for direct return when it speculates).  Each chain of 2
-and 4 stages runs with ``--decode-relay on`` (the data plane carries the windows, their
-rollbacks trimmed in its loop, while the driver sends them one at a time: with ``--max-depth 1``;
-a driver pipelining windows ends a hop-by-hop run at its next window and the lane's path takes
-them) and ``off`` (the lane's Python path), in interleaved rounds; the figures are medians over rounds of wall and
+and 4 stages runs with ``--decode-relay on`` (the data plane carries the windows of every size
+and the decodes between them, their rollbacks trimmed in its loop, pipelined as the driver sends
+them; a run starts only on a quiet lane, so a stage that always has a window in flight, the
+first of a long chain, carries few) and ``off`` (the lane's Python path), in interleaved rounds; the figures are medians over rounds of wall and
 CPU (this client and every stage process) per token, and the extra cost of one boundary,
 ``(t_n - t_1) / (n - 1)``.  The chains' tokens are compared every round.
+
+``--counts`` has every stage write its counters (``--stats-file``, every 0.1 s: a little CPU, so
+the CPU figures are best taken without it) and prints, per chain, each stage's decodes and
+windows and how many of them the data plane carried.
 
 ``--window K`` drives the windows itself instead (a plain :class:`~skippy.driver.StageClient`, one
 window in flight): every window is the last committed token and K drafts from the driver's n-gram
@@ -26,9 +30,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from contextlib import ExitStack
 from pathlib import Path
@@ -98,6 +104,7 @@ def main() -> None:
                         help="windows the driver keeps in flight at most (0: the controller's default)")
     parser.add_argument("--window", type=int, default=0, help="drive windows of K drafts with a plain client")
     parser.add_argument("--direct", action="store_true", help="with --window: direct return")
+    parser.add_argument("--counts", action="store_true", help="count the messages each stage's data plane carried")
     args = parser.parse_args()
     spec = preset(args.preset)
     model = ensure_model(spec)
@@ -114,9 +121,15 @@ def main() -> None:
     started = time.monotonic()
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
     with ExitStack() as stack:
-        addresses = {name: stack.enter_context(chain(str(model), even_layout(spec.n_layer, count),
-                                                     [*STAGE_FLAGS, "--decode-relay", relay]))
-                     for name, (count, relay) in cases.items()}
+        files = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+
+        def stats_files(name: str, count: int) -> list[Path]:
+            return [files / f"{name.replace(' ', '-').replace(',', '')}-{index}.json" for index in range(count)]
+
+        addresses = {name: stack.enter_context(chain(
+            str(model), even_layout(spec.n_layer, count), [*STAGE_FLAGS, "--decode-relay", relay],
+            [["--stats-file", str(path)] for path in stats_files(name, count)] if args.counts else ()))
+            for name, (count, relay) in cases.items()}
         speculation = Speculation(model, args.steps)
         stack.callback(speculation.close)
         if args.max_depth:
@@ -141,6 +154,16 @@ def main() -> None:
                       f"acceptance {speculation.acceptance:.2f}", flush=True)
             if len(tokens) > 1:
                 print("  MISMATCH: the chains' greedy tokens differ", flush=True)
+        if args.counts:  # (the files are rewritten every 0.1 s)
+            time.sleep(0.3)
+            print("messages each stage computed (decodes + windows) and those the data plane carried, "
+                  "every request included:")
+            for name, (count, _) in cases.items():
+                figures = [json.loads(path.read_text()) for path in stats_files(name, count)]
+                print(f"  {name:20s} " + "; ".join(
+                    f"stage {index}: {stats['decode_relay_steps'] + stats['decode_relay_windows']} of "
+                    f"{stats['decode_items'] + stats['verify_windows']} ({stats['decode_relay_windows']} of "
+                    f"{stats['verify_windows']} windows)" for index, stats in enumerate(figures)))
     medians = {name: (statistics.median(w for w, _ in runs), statistics.median(c for _, c in runs))
                for name, runs in results.items()}
     one_wall, one_cpu = medians["1 stage"]

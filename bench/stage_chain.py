@@ -72,8 +72,10 @@ def cpu_seconds(pids: Sequence[int] = ()) -> float:
 
 
 @contextmanager
-def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Iterator[Address]:
-    """Start stage processes final-first; yield the first stage's address; kill them after."""
+def chain(model: str, splits: Sequence[str], extra: Sequence[str] = (),
+          per_stage: Sequence[Sequence[str]] = ()) -> Iterator[Address]:
+    """Start stage processes final-first (each with ``extra``, and stage i with ``per_stage[i]``);
+    yield the first stage's address; kill them after."""
     processes: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as directory:
         try:
@@ -82,7 +84,7 @@ def chain(model: str, splits: Sequence[str], extra: Sequence[str] = ()) -> Itera
             for index in reversed(range(len(splits))):
                 log = Path(directory) / f"stage{index}.log"
                 command = [sys.executable, "-m", "skippy.stage", "--model", model, "--layers", splits[index],
-                           "--threads", "1", *extra]
+                           "--threads", "1", *extra, *(per_stage[index] if per_stage else ())]
                 if downstream is not None:
                     command += ["--downstream", str(downstream)]
                 with log.open("wb") as handle:

@@ -151,17 +151,15 @@ def window_reply_frame(tokens: list[int], window_id: int, timings: bool) -> byte
 def without_compute_time(frame: bytes) -> bytes:
     """A reply with its Timings record's compute_us zeroed (it is measured, so it differs), and a
     window's verify-window compute and total times."""
-    if len(frame) == _relay_py.TIMINGS_BYTES + _relay_py.REPLY_BYTES:
-        return frame[:24] + bytes(8) + frame[32:]
     head = _relay_py.TIMINGS_BYTES if int.from_bytes(frame[:4], "little") == 0x5E01 else 0
-    if int.from_bytes(frame[head:head + 4], "little") == 3:  # PredictedTokens
-        frame = bytearray(frame[:24] + bytes(8) + frame[32:] if head else frame)
-        rows = int.from_bytes(frame[head + 8:head + 12], "little")
-        sums = head + 12 + 4 * rows + 8 + 72
-        frame[sums:sums + 8] = bytes(8)
-        frame[sums + 24:sums + 32] = bytes(8)
-        return bytes(frame)
-    return frame
+    if int.from_bytes(frame[head:head + 4], "little") != 3:  # a PredictedToken
+        return frame[:24] + bytes(8) + frame[32:] if head else frame
+    window = bytearray(frame[:24] + bytes(8) + frame[32:] if head else frame)  # PredictedTokens
+    rows = int.from_bytes(window[head + 8:head + 12], "little")
+    sums = head + 12 + 4 * rows + 8 + 72
+    window[sums:sums + 8] = bytes(8)
+    window[sums + 24:sums + 32] = bytes(8)
+    return bytes(window)
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +196,8 @@ class Bench:
     def __init__(self, implementation: Any, model: Model, prompt_hidden: np.ndarray,
                  in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
                  max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True,
-                 hop: tuple[bytes, bytes] | None = None, rows: int = 1) -> None:
+                 hop: tuple[bytes, bytes] | None = None, rows: int = 1, window_primer: int = 0,
+                 window_hop: tuple[bytes, bytes] | None = None, capacity: int | None = None) -> None:
         #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
         self.hop = hop
         #: Verify windows of ``rows`` rows (1: decodes).
@@ -220,6 +219,15 @@ class Bench:
         if self.final:  # the lane's template: its reply with the token and compute time to patch
             self.out_template = reply_frame(0, timings) if rows == 1 else window_reply_frame([0] * rows, 0, timings)
         self.position += rows
+        other = None
+        if window_primer:  # a window after the decode: the run carries both kinds (its templates too)
+            window = self.window(self.position, rows=window_primer)
+            other_out = self.lane_side.lane_frame(window, out_dtype)
+            self.relay_side.lane_frame(window, out_dtype)
+            if self.final:
+                other_out = window_reply_frame([0] * window_primer, 0, timings)
+            other = (self.frame(window), other_out, *(window_hop or (b"", b"")))
+            self.position += window_primer
         self.upstream, upstream_end = socket.socketpair()
         downstream_end, self.downstream = socket.socketpair()
         for sock in (upstream_end, downstream_end):
@@ -227,13 +235,14 @@ class Bench:
         self._ends = (upstream_end, downstream_end)
         self.stop_fd = os.eventfd(0, os.EFD_NONBLOCK)
         self.abort_fd = os.eventfd(0, os.EFD_NONBLOCK)
-        self.batch = self.relay_side.context.row_batch(self.relay_side.seq, self.relay_side.sampler, rows)
+        self.batch = self.relay_side.context.row_batch(self.relay_side.seq, self.relay_side.sampler, capacity or rows)
         self.relay = implementation.DecodeRelay(
             upstream_fd=upstream_end.fileno(), downstream_fd=downstream_end.fileno(), stop_fd=self.stop_fd,
             abort_fd=self.abort_fd, in_template=self.in_template, out_template=self.out_template,
             width=self.relay_side.width, first=self.first, n_vocab=self.relay_side.model.n_vocab,
             next_position=self.position, position_end=256, activation_limit=ACTIVATION_LIMIT, runtime=self.batch,
-            final=self.final, max_steps=max_steps, **({"reply_in": hop[0], "reply_out": hop[1]} if hop else {}))
+            final=self.final, max_steps=max_steps, other=other,
+            **({"reply_in": hop[0], "reply_out": hop[1]} if hop else {}))
 
     def message(self, position: int, **changes: Any) -> StageMessage:
         if self.hop is not None:
@@ -251,6 +260,8 @@ class Bench:
     def window(self, position: int, rows: int | None = None, **changes: Any) -> StageMessage:
         """A verify window of ``rows`` (the bench's) rows at ``position``, with the next window id."""
         rows = self.rows if rows is None else rows
+        if self.hop is not None:
+            changes.setdefault("flags", SKIPPY_EXTENSIONS_FLAG)
         self.window_id += 1
         tokens = self.rng.integers(3, 30000, rows).astype(np.int32)
         if self.first:
@@ -283,6 +294,23 @@ class Bench:
         self.downstream.setblocking(False)
         try:
             extra = self.downstream.recv(1 << 16)
+        except BlockingIOError:
+            extra = b""
+        assert extra == b"", "the relay wrote more than the frames expected"
+        return frames
+
+    def read_exactly(self, sock: socket.socket, lengths: list[int]) -> list[bytes]:
+        """Frames of ``lengths`` from ``sock`` (the relay's downstream or upstream end), then none."""
+        sock.settimeout(5)
+        frames = []
+        for length in lengths:
+            data = b""
+            while len(data) < length:
+                data += sock.recv(length - len(data))
+            frames.append(data)
+        sock.setblocking(False)
+        try:
+            extra = sock.recv(1 << 16)
         except BlockingIOError:
             extra = b""
         assert extra == b"", "the relay wrote more than the frames expected"
@@ -417,7 +445,7 @@ def _window_variants(bench: Bench) -> dict[str, bytes]:
     variants = {
         "gap": bench.frame(bench.window(position + 1)),
         "position-before-zero": bench.frame(bench.window(-1)),
-        "other-row-count": bench.frame(bench.window(position, rows=3)),
+        "more-rows-than-the-batch": bench.frame(bench.window(position, rows=5)),
         "a-decode": bench.frame(decode_message(position, token=5) if bench.first else decode_message(
             position, activation=np.zeros((1, bench.relay_side.width), dtype=np.float32), source=0)),
         "other-session": bench.frame(bench.window(position, session=SESSION + 1)),
@@ -442,9 +470,9 @@ REFUSED = ([("0:1", name) for name in [*_COMMON, "token-out-of-vocabulary"]]
 
 
 #: Verify windows (of 4 rows) the loop must not carry after one it carries (_window_variants).
-WINDOW_REFUSED = ([("0:1", name) for name in ["gap", "position-before-zero", "other-row-count", "a-decode",
+WINDOW_REFUSED = ([("0:1", name) for name in ["gap", "position-before-zero", "more-rows-than-the-batch", "a-decode",
                                               "other-session", "short-token-sideband", "token-out-of-vocabulary"]]
-                  + [("1:2", name) for name in ["gap", "other-row-count", "a-decode", "nan-in-the-last-row"]])
+                  + [("1:2", name) for name in ["gap", "more-rows-than-the-batch", "a-decode", "nan-in-the-last-row"]])
 HANDED_BACK_CASES = [(1, *case) for case in REFUSED] + [(4, *case) for case in WINDOW_REFUSED]
 
 
@@ -594,6 +622,99 @@ def test_window_templates_the_relay_cannot_carry_are_refused(implementation: Any
             activation_limit=ACTIVATION_LIMIT, runtime=other)
 
 
+#: The driver's speculation in little: (rows, accepted drafts) per message, a decode as (1, None):
+#: windows of every size up to the batch's and decodes interleaved, rejections mid-window (the
+#: next message starts before the last one ended: its rows are trimmed first).
+SPECULATION = [(2, 0), (1, None), (4, 2), (6, 5), (1, None), (1, None), (3, 0), (1, 0), (8, 3), (1, None), (5, 1)]
+
+
+def speculation(bench: Bench) -> tuple[list[StageMessage], int, int]:
+    """:data:`SPECULATION`'s messages from the bench's next position, and the rollbacks (count,
+    positions) they cause."""
+    messages, position, end, trims, trimmed = [], bench.position, bench.position, 0, 0
+    for rows, accepted in SPECULATION:
+        if position < end:
+            trims, trimmed = trims + 1, trimmed + end - position
+        message = bench.message(position) if accepted is None else bench.window(position, rows=rows)
+        messages.append(message)
+        end = position + rows
+        position += 1 if accepted is None else accepted + 1
+    return messages, trims, trimmed
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize(("layers", "params"), [
+    ("0:1", GREEDY), ("1:2", GREEDY), ("1:4", GREEDY), ("1:4", SamplingParams(temperature=0.9, top_k=40, seed=11)),
+], ids=["first", "middle", "final-greedy", "final-sampled"])
+def test_one_run_carries_windows_of_every_size_and_decodes_interleaved(implementation: Any, make_bench: Any,
+                                                                       layers: str, params: SamplingParams) -> None:
+    """A run from a decode's and a window's templates carries the driver's speculation: windows of
+    1 to 8 rows (the batch) and decodes in any order, each frame (a final stage's reply) the
+    lane's byte for byte, every rejected row's KV cells trimmed as the lane's auto-align trims them."""
+    bench = make_bench(implementation, layers, window_primer=3, capacity=8, params=params)
+    messages, trims, trimmed = speculation(bench)
+    stop = codec.encode_message(StageMessage.create(MessageKind.STOP, session_id=SESSION), WireDType.F32, 0)
+    cells = bench.relay_side.context.kv_cells_used()
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages) + stop)
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, len(messages), stop)
+    windows = [message for message in messages if message.kind is MessageKind.VERIFY_WINDOW]
+    assert (outcome.windows, outcome.rows) == (len(windows), sum(message.token_count for message in messages))
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    forwarded = bench.read_exactly(bench.downstream, [len(frame) for frame in expected])
+    if bench.final:
+        expected, forwarded = ([without_compute_time(frame) for frame in frames] for frames in (expected, forwarded))
+    assert forwarded == expected
+    assert (outcome.trims, outcome.trimmed) == (trims, trimmed) and trims >= 4
+    end = messages[-1].pos_start + messages[-1].token_count
+    assert bench.relay.next_position == end == bench.relay_side.context.length(bench.relay_side.seq)
+    assert bench.relay_side.context.kv_cells_used() == cells + end - bench.position
+    assert bench.relay_side.context.kv_cells_used() == bench.lane_side.context.kv_cells_used()
+
+
+def _hostile(bench: Bench) -> dict[str, bytes]:
+    """Windows and decodes whose rows, sidebands or positions no run may take (every peer number
+    is hostile: checked before anything is computed from them)."""
+    position = bench.position
+    window = bench.frame(bench.window(position, rows=2))
+
+    def patched(frame: bytes, offset: int, value: int) -> bytes:
+        return frame[:offset] + struct.pack("<i", value) + frame[offset + 4:]
+
+    decode = bench.frame(bench.message(position))
+    return {
+        "no-rows": patched(window, 8, 0),
+        "negative-rows": patched(window, 8, -3),
+        "rows-past-the-batch": bench.frame(bench.window(position, rows=9)),
+        "rows-at-the-i32-limit": patched(window, 8, 0x7FFFFFFF),
+        "a-decode-of-two-rows": patched(decode, 8, 2),
+        "token-sideband-not-the-rows": patched(window, 12, 1),
+        "a-position-sideband": patched(window, 16, 2),
+        "position-past-the-cells": bench.frame(bench.window(250, rows=8)),
+        "position-at-the-i32-limit": patched(window, 4, 0x7FFFFFFF),
+        "position-before-zero": patched(window, 4, -1),
+    }
+
+
+HOSTILE = ["no-rows", "negative-rows", "rows-past-the-batch", "rows-at-the-i32-limit", "a-decode-of-two-rows",
+           "token-sideband-not-the-rows", "a-position-sideband", "position-past-the-cells",
+           "position-at-the-i32-limit", "position-before-zero"]
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layers", ["0:1", "1:2"], ids=["first", "middle"])
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_row_counts_and_positions_are_handed_back_unread(implementation: Any, make_bench: Any, layers: str,
+                                                                 name: str) -> None:
+    bench = make_bench(implementation, layers, window_primer=3, capacity=8, max_steps=64)
+    carried = bench.window(bench.position, rows=2)
+    hostile = _hostile(bench)[name]
+    cells = bench.relay_side.context.kv_cells_used()
+    outcome = bench.run(bench.frame(carried) + hostile)
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, hostile)
+    assert bench.read_exactly(bench.downstream, [len(bench.lane_side.lane_frame(carried, WireDType.F32))])
+    assert bench.relay_side.context.kv_cells_used() == cells + 2  # nothing else ran
+
+
 # -- hop by hop: the downstream's replies answered upstream ------------------------------------------
 MIDDLE = StageIdentity(False, 1, 2)
 MIDDLE.index = 1
@@ -727,12 +848,16 @@ def test_a_reply_it_does_not_carry_comes_back_with_the_message_in_flight(impleme
         threading.Timer(0.05, os.eventfd_write, (bench.stop_fd, 1)).start()
     outcome = bench.run(b"".join(frames))
     assert outcome.status == implementation.REPLY_PENDING and outcome.steps == 1
-    assert outcome.leftover == frames[1] + frames[2]  # the message in flight first, then the unread one
+    # the loop pipelines: both messages after the first were forwarded while its reply was awaited,
+    # and come back in flight, the oldest (whose reply was not carried) first
+    assert outcome.leftover == frames[1] + frames[2]
+    assert [entry[0] for entry in outcome.in_flight] == [len(frames[1]), len(frames[2])]
+    assert all(compute > 0 and sent > 0 for _, compute, _, sent in outcome.in_flight)
     assert reply.startswith(outcome.reply_leftover) and (outcome.reply_leftover or not reply)
     assert outcome.pending_compute_us > 0 and outcome.pending_sent_us > 0
-    assert bench.forwarded(2) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages[:2]]
+    assert bench.forwarded(3) == [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
     assert read_answers(bench, 1) == [lane_answer(downstream_reply(100, 1, top=top), True)]
-    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 2  # the one in flight ran
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 3  # the ones in flight ran
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -783,10 +908,10 @@ def window_lane_answer(reply: bytes, negotiated: bool) -> bytes:
     return extensions.reply_bytes(answer, timings)
 
 
-def window_sums(answer: bytes, records: int) -> tuple[bytes, tuple[int, ...]]:
+def window_sums(answer: bytes, records: int, rows: int = 4) -> tuple[bytes, tuple[int, ...]]:
     """An answer with its verify-window sums zeroed (and its own record's durations), and the sums."""
     head = 8 + 48 * records if records else 0
-    start = head + 12 + 4 * 4 + 8 + 72
+    start = head + 12 + 4 * rows + 8 + 72
     sums = struct.unpack_from("<4q", answer, start)
     return without_own_durations(answer[:start] + bytes(32) + answer[start + 32:]), sums
 
@@ -823,33 +948,86 @@ def test_a_middle_stage_answers_windows_hop_by_hop_exactly_as_the_lane(implement
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("records", [0, 2], ids=["v11-downstream", "two-records"])
+def test_a_middle_stage_answers_windows_and_decodes_interleaved_hop_by_hop(implementation: Any, make_bench: Any,
+                                                                           records: int) -> None:
+    """Hop by hop, one run carries :data:`SPECULATION` (windows of every size, decodes, rollbacks)
+    and answers each reply upstream as the lane does: a decode's PredictedToken, a window's
+    PredictedTokens of its rows with this stage's verify-window share added."""
+    decode_template = downstream_reply(11, records)
+    window_template = window_downstream_reply([11, 12, 13], 100, records)
+    bench = make_bench(implementation, "1:2", hop=(decode_template, lane_answer(decode_template, True)),
+                       window_primer=3, window_hop=(window_template, window_lane_answer(window_template, True)),
+                       capacity=8)
+    messages, trims, _ = speculation(bench)
+    downstream = [window_downstream_reply([200 + index + row for row in range(message.token_count)],
+                                          message.state.seq_id, records, compute_us=40 + index)
+                  if message.kind is MessageKind.VERIFY_WINDOW else downstream_reply(300 + index, records)
+                  for index, message in enumerate(messages)]
+    bench.downstream.sendall(b"".join(downstream))
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, len(messages), b"")
+    assert outcome.trims == trims >= 4
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    assert bench.read_exactly(bench.downstream, [len(frame) for frame in expected]) == expected
+    lanes = [window_lane_answer(reply, True) if message.kind is MessageKind.VERIFY_WINDOW else lane_answer(reply, True)
+             for message, reply in zip(messages, downstream)]
+    answers = bench.read_exactly(bench.upstream, [len(answer) for answer in lanes])
+    for message, answer, lane in zip(messages, answers, lanes):
+        if message.kind is MessageKind.VERIFY_WINDOW:
+            (mine, sums), (theirs, lane_sums) = (window_sums(frame, records + 1, message.token_count)
+                                                 for frame in (answer, lane))
+            assert mine == theirs  # tokens, window id, counts, records: the lane's
+            assert all(a >= b for a, b in zip(sums, lane_sums)) and sums[0] > lane_sums[0]  # this stage's share
+        else:
+            assert without_own_durations(answer) == without_own_durations(lane)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("rows", [1, 4], ids=["decodes", "windows"])
-def test_an_upstream_that_pipelines_ends_a_hop_by_hop_run_after_the_reply_in_flight(implementation: Any,
-                                                                                 make_bench: Any, rows: int) -> None:
-    """The loop answers one message at a time: the upstream's next message arriving while a reply
-    is outstanding (a speculating driver's pipelined windows) ends the run once that reply is
-    answered, the next message unread (the lane's path pipelines)."""
+@pytest.mark.parametrize("end", ["end-of-stream", "refused"])
+def test_an_upstream_that_pipelines_has_every_message_carried_and_answered_in_order(implementation: Any,
+                                                                                   make_bench: Any, rows: int,
+                                                                                   end: str) -> None:
+    """The loop pipelines as the lane's path does: the upstream's next message arriving while a
+    reply is outstanding (a speculating driver's pipelined windows) is computed and forwarded at
+    once, and the replies are answered in order as they come; a message it does not carry arriving
+    meanwhile (another session's) stops the reading, and the run hands it back unread once the
+    messages in flight are answered."""
     if rows == 1:
         template = downstream_reply(11, 1)
         answer = lane_answer(template, True)
-        replies = [downstream_reply(100, 1)]
     else:
         template = window_downstream_reply([11, 12, 13, 14], 100, 1)
         answer = window_lane_answer(template, True)
-        replies = [window_downstream_reply([20, 21, 22, 23], 0, 1)]
     bench = make_bench(implementation, "1:2", rows=rows, hop=(template, answer))
     first, second = bench.message(bench.position), bench.message(bench.position + rows)
-    if rows > 1:  # (the reply's window id is the message's)
-        replies = [window_downstream_reply([20, 21, 22, 23], first.state.seq_id, 1)]
-    threading.Timer(0.1, bench.upstream.sendall, (bench.frame(second),)).start()
-    threading.Timer(0.3, bench.downstream.sendall, (replies[0],)).start()
+    if rows == 1:
+        replies = [downstream_reply(100, 1), downstream_reply(101, 1)]
+    else:  # (a reply's window id is its message's)
+        replies = [window_downstream_reply([20 + index, 21, 22, 23], message.state.seq_id, 1)
+                   for index, message in enumerate((first, second))]
+
+    refused = bench.frame(bench.message(bench.position + 2 * rows, session=SESSION + 1)) if end == "refused" else b""
+
+    def pipelined() -> None:  # the second message while the first's reply is outstanding, then the end
+        bench.upstream.sendall(bench.frame(second) + refused)
+        if not refused:
+            bench.upstream.shutdown(socket.SHUT_WR)
+
+    threading.Timer(0.1, pipelined).start()
+    threading.Timer(0.3, bench.downstream.sendall, (b"".join(replies),)).start()
     outcome = bench.run(bench.frame(first))
-    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, b"")
-    assert len(read_answers(bench, 1)) == 1
-    relay_end = bench._ends[0]
-    relay_end.setblocking(True)
-    relay_end.settimeout(5)
-    assert relay_end.recv(1 << 16) == bench.frame(second)  # unread: the lane's reader gets it
+    assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 2, refused)
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in (first, second)]
+    assert bench.read_exactly(bench.downstream, [len(frame) for frame in expected]) == expected
+    lanes = [lane_answer(reply, True) if rows == 1 else window_lane_answer(reply, True) for reply in replies]
+    answers = bench.read_exactly(bench.upstream, [len(lane) for lane in lanes])
+    if rows == 1:
+        assert [without_own_durations(frame) for frame in answers] == [without_own_durations(lane) for lane in lanes]
+    else:
+        assert [window_sums(frame, 2)[0] for frame in answers] == [window_sums(lane, 2)[0] for lane in lanes]
+    assert outcome.wait_us > 0
 
 
 def test_hop_templates_the_relay_cannot_carry_are_refused() -> None:

@@ -182,7 +182,10 @@ async def run_path(generator: Generator, model: Path, path: str, splits: list[st
                     # per stage: the windows computed, those the data plane carried, the rollbacks trimmed
                     "windows": [s.verify_windows for s in stats],
                     "relay_windows": [s.decode_relay_windows for s in stats],
-                    "trims": [s.trimmed_tokens for s in stats]}
+                    "trims": [s.trimmed_tokens for s in stats],
+                    # per stage: the decodes and windows computed, those the data plane carried
+                    "messages": [s.decode_items + s.verify_windows for s in stats],
+                    "carried": [s.decode_relay_steps + s.decode_relay_windows for s in stats]}
         boundaries = [tap.record() for tap in (*chain.taps, chain.returns)]
     return completion.tokens, boundaries, counters
 
@@ -270,16 +273,19 @@ def _no_wall_clock_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
 SPECULATION_SPLITS = {2: ["0:2", "2:4"], 3: SPLITS}
 
 
+@pytest.mark.parametrize("depth", [1, 0], ids=["serial", "pipelined"])
 @pytest.mark.parametrize("stages", [2, 3])
 async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane_on(
-        generator: Generator, tiny_llama: Path, stages: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        generator: Generator, tiny_llama: Path, stages: int, depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver's speculation (hop by hop: it never asks for direct return when it speculates)
     with the data plane on (``--decode-relay on``) and off: the same bytes on every boundary and
     the unsplit tokens, at 2 and 3 stages, with drafts rejected on the way (rollbacks trimmed).
-    The data plane carries the session's decodes and those windows that repeat the last one's
-    shape (a run holds one template: the controller's windows change size from one to the next
-    and alternate with plain decodes, so few do; ``test_client_driven_windows_...`` drives
-    windows of one size and counts them carried on every stage)."""
+    A run carries windows of every size and decodes interleaved, and pipelines hop by hop: after
+    the first message of each kind (the lane's, which leaves the templates), at least 80% of the
+    messages on every stage, whether the driver sends one window at a time (``serial``: max depth
+    1) or keeps several in flight (its default)."""
+    if depth:
+        monkeypatch.setattr(generator, "controller", dataclasses.replace(generator.controller, max_depth=depth))
     observe = CostModel.observe
 
     def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
@@ -298,6 +304,9 @@ async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane
     assert on["windows"] == off["windows"] and min(on["windows"]) > 0
     assert on["trims"] == off["trims"] and min(on["trims"]) > 0  # drafts were rejected: rollbacks trimmed
     assert off["relay_steps"] == 0 and on["relay_stages"] == stages, on  # the data plane ran on every stage
+    assert on["messages"] == off["messages"]
+    shares = [carried / (messages - 2) for carried, messages in zip(on["carried"], on["messages"])]
+    assert min(shares) >= 0.8, (shares, on)
 
 
 def _same_boundaries(mine: list[list[tuple[bytes, list[object]]]], theirs: list[list[tuple[bytes, list[object]]]],

@@ -94,8 +94,7 @@ class Facts(NamedTuple):
     #: a return lane (§8); asked before its work runs (its output may still be written where
     #: it is computed); its reply is next in line with the writer token free; the message just
     #: handled left a template the data plane can carry the next ones from (hop by hop: with
-    #: its reply as relayed upstream; a verify window's, when it repeats the shape of the
-    #: message before it: ``StageLane.take_template``).
+    #: its reply as relayed upstream; a decode's or a verify window's: ``StageLane.take_template``).
     early_ack: bool = False
     credited: bool = False
     direct: bool = False

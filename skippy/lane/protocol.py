@@ -597,7 +597,7 @@ class StageLane(LaneProtocol):
     """
 
     __slots__ = ("session_quota", "peer", "sessions", "compute_backlog", "forward_backlog", "runs",
-                 "run_steps", "relay_frame", "relay_lane", "relay_shape", "lane_used", "identity_aware",
+                 "run_steps", "relay_frame", "relay_lane", "relay_kinds", "lane_used", "identity_aware",
                  "direct_timings", "forwarding_done")
 
     def __init__(self, lane_id: int, credit_limit: int, reply_limit: int = 16, *, session_quota: int = 0,
@@ -619,8 +619,9 @@ class StageLane(LaneProtocol):
         #: direct-return decode went out as, and the return lane it went into (final stage).
         self.relay_frame: bytes | None = None
         self.relay_lane: object | None = None
-        #: The kind and rows of the last message :meth:`take_template` was asked after.
-        self.relay_shape: tuple[int, int] | None = None
+        #: The data plane's last plan of each kind (a decode's, a verify window's: False / True),
+        #: for one session: a run carries both kinds interleaved (skippy.stage.decode_relay).
+        self.relay_kinds: dict[bool, object] = {}
         #: §9: a message came (an identity query is only a lane's first), and the upstream
         #: flags bit 12 (it is sent MODEL_MISMATCH rather than STATE_MISMATCH).
         self.lane_used = False
@@ -746,14 +747,11 @@ class StageLane(LaneProtocol):
 
     def take_template(self, message: StageMessage) -> tuple[bytes | None, object | None]:
         """The data plane's template and its return lane (final stage), taken (set again by the
-        next message the lane handles itself), after ``message``: None for a verify window that
-        does not repeat the kind and rows of the message before it (the driver's windows change
-        size and alternate with decodes: a run would carry nothing but cost its start)."""
+        next message the lane handles itself), after ``message`` (a run then carries messages of
+        its kind, a verify window's of any rows, and of the kind of :attr:`relay_kinds`' other
+        plan: the driver's windows change size and alternate with decodes)."""
         frame, lane = self.relay_frame, self.relay_lane
         self.relay_frame = self.relay_lane = None
-        shape, self.relay_shape = self.relay_shape, (int(message.kind), message.token_count)
-        if RULES[message.kind].window and shape != self.relay_shape:
-            return None, None
         return frame, lane
 
     # -- placement ------------------------------------------------------------------------------

@@ -3,9 +3,10 @@
 Strategy: the decode relay (:mod:`skippy.stage._relay`) runs one session's rows without Python, so it
 needs what ``StageContext.decode`` builds per call, built once: a ``llama_batch`` pointed at
 arrays of ``rows`` tokens, positions and sequence ids and ``rows`` ``n_embd`` rows of
-activations (one row for a decode, a verify window's rows for a window), every row flagged as an
-output.  The relay writes the tokens (first stage) or the activations and the positions into
-those arrays, then calls ``skippy_decode_view`` and ``llama_get_embeddings``
+activations (the most rows one message may have: a decode's one, a verify window's up to the
+batch), every row flagged as an output.  The relay writes the tokens (first stage) or the
+activations and the positions of a message's rows into those arrays and its row count into the
+batch's ``n_tokens`` (:meth:`RowBatch.set_rows`; the Cython loop through its address), then calls ``skippy_decode_view`` and ``llama_get_embeddings``
 (a final stage: ``llama_get_logits_ith`` and, for a sampler chain, ``llama_sampler_sample``, row
 by row; ``skippy_trim_view`` first for a rollback, as the executor's auto-align trims) through
 the typed table ``skippy_relay_calls()`` returns (native/cdef/skippy_relay_calls.h: the
@@ -58,8 +59,10 @@ class RowBatch:
             raise InvalidBatch(f"a relay batch of {rows} rows (1..{context.n_batch})")
         self._context = context
         self.width = context.n_embd
-        #: The rows of every decode, and the sequence id they go to.
+        #: The most rows one decode may have, and the sequence id they go to.
         self.rows, self.seq = rows, seq
+        #: The rows of the next (or last) decode.
+        self.active = rows
         self.token: npt.NDArray[np.int32] = np.zeros(rows, dtype=np.int32)
         self.position: npt.NDArray[np.int32] = np.zeros(rows, dtype=np.int32)
         self.embd: npt.NDArray[np.float32] = np.zeros(rows * self.width, dtype=np.float32)
@@ -92,20 +95,27 @@ class RowBatch:
             "token": address(ffi.from_buffer(self.token)),
             "position": address(ffi.from_buffer(self.position)),
             "embd": address(ffi.from_buffer(self.embd)),
+            "n_tokens": address(ffi.addressof(self._batch[0], "n_tokens")),
         }
         if self.final:
             assert self._sampler is not None
             addresses["sampler"] = 0 if self._greedy else address(self._sampler.pointer)
         return addresses
 
+    def set_rows(self, rows: int) -> None:
+        """Decode the first ``rows`` rows (1..``rows`` of the batch) next (the twin's call)."""
+        if not 1 <= rows <= self.rows:
+            raise InvalidBatch(f"{rows} rows in a relay batch of {self.rows}")
+        self._batch.n_tokens = self.active = rows
+
     def decode(self) -> int:
         """Run the row (the twin's call); llama_decode's return code."""
         return int(lib.skippy_decode_view(self._context._context_ptr(), self._batch))
 
     def hidden(self) -> npt.NDArray[np.float32]:
-        """The rows' output activations, ``rows * width`` floats (a view valid until the next decode)."""
+        """The last decode's output activations, ``active * width`` floats (a view valid until the next decode)."""
         pointer = lib.llama_get_embeddings(self._context._context_ptr())
-        return np.frombuffer(ffi.buffer(pointer, self.rows * self.width * 4), dtype=np.float32)
+        return np.frombuffer(ffi.buffer(pointer, self.active * self.width * 4), dtype=np.float32)
 
     def trim(self, length: int) -> bool:
         """Keep positions ``[0, length)`` of the sequence (the twin's call); False: not trimmed."""
@@ -122,6 +132,7 @@ class RowBatch:
             return -1
         return int(np.frombuffer(ffi.buffer(logits, self._context.model.n_vocab * 4), dtype=np.float32).argmax())
 
-    def finished(self, steps: int) -> None:
-        """Tell the context a relay decoded on it (its last batch was one of ours, ``steps`` > 0)."""
-        self._context.note_external_decode(self.rows if steps > 0 else 0)
+    def finished(self, steps: int, rows: int | None = None) -> None:
+        """Tell the context a relay decoded on it (its last batch was one of ours of ``rows`` rows,
+        the batch's by default, ``steps`` > 0)."""
+        self._context.note_external_decode((self.rows if rows is None else rows) if steps > 0 else 0)

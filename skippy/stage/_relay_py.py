@@ -3,10 +3,11 @@
 Strategy: the same loop as the Cython module (read its header for what the relay carries and
 what it hands back), step for step and byte for byte: ``select.poll`` and ``os.read`` /
 ``os.write`` on the two sockets, the header compared with the template outside the per-message
-fields, the activation checked and dequantized with numpy, a rollback trimmed, the rows decoded
-through the runtime's batch of the template's rows (one for a decode, a verify window's rows),
-the outgoing template patched (a final stage's: the sampled tokens, a window's id and
-verify-window durations, and the Timings record's compute time in its reply), and hop by hop
+fields, the activation checked and dequantized with numpy, a rollback trimmed, the message's rows
+decoded through the runtime's batch (one for a decode, a verify window's rows, any up to the
+batch; each kind's templates a :class:`Family`, a window's replies kept as one row's), the
+outgoing frame built from its kind's template (a final stage's: the sampled tokens, a window's
+id, rows and verify-window durations, and the Timings record's compute time in its reply), and hop by hop
 the downstream's reply read, checked against its template and answered upstream with this
 stage's share.  It holds the GIL throughout, so it
 saves the lane's trio hand-offs but not the interpreter; ``SKIPPY_NO_EXTENSIONS=1`` selects it
@@ -15,14 +16,12 @@ and the relay tests run against both.
 
 from __future__ import annotations
 
-import array
+import collections
 import errno
-import fcntl
 import math
 import os
 import select
 import struct
-import termios
 import time
 from typing import Any, NamedTuple
 
@@ -47,9 +46,10 @@ DOWNSTREAM_FAILED = 3
 #: The abort descriptor was written while a frame was being written (the lane is closing): the
 #: stream may hold part of a frame.
 ABORTED = 4
-#: Hop by hop: the frame at the head of ``leftover`` was computed and forwarded, but its reply
-#: was not carried (not the template's shape, end of stream, a stop or an abort while waiting):
-#: ``reply_leftover`` holds what was read of it; the lane takes the message over from there.
+#: Hop by hop: the frames at the head of ``leftover`` (``in_flight``) were computed and forwarded,
+#: but the oldest one's reply was not carried (not the template's shape, end of stream, a stop
+#: or an abort while waiting): ``reply_leftover`` holds what was read of it; the lane takes the
+#: messages over from there.
 REPLY_PENDING = 5
 #: Hop by hop: writing the reply upstream failed or was cut off by the abort descriptor.
 UPSTREAM_FAILED = 6
@@ -76,6 +76,11 @@ _I32 = struct.Struct("<i")
 _I64 = struct.Struct("<q")
 #: A summed verify-window duration the relay adds to must stay below this (else the lane decides).
 SUM_LIMIT = 1 << 62
+#: Hop by hop, the most messages a run keeps in flight (computed and forwarded, their replies
+#: not yet answered): a pipelining upstream's (a speculating driver keeps up to 4 windows in flight).
+MAX_IN_FLIGHT = 8
+#: Where a reply's verify-window token count and largest window (i64 each) are, from its sums.
+_TOKEN_COUNTS = layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS + 16
 _DTYPE_BYTES = {0: 4, 1: 2}  # f32, f16 (q8 frames are not relayed)
 
 
@@ -103,6 +108,16 @@ class RelayOutcome(NamedTuple):
     #: (the message in flight's included).
     trims: int = 0
     trimmed: int = 0
+    #: The rows of the messages relayed, how many of them were verify windows, the rows of the
+    #: last one decoded (the message in flight's included), and with REPLY_PENDING the length of
+    #: the message in flight (the head of ``leftover``).
+    rows: int = 0
+    windows: int = 0
+    last_rows: int = 0
+    pending_length: int = 0
+    #: Hop by hop with REPLY_PENDING: every message in flight, oldest first (the head of
+    #: ``leftover``, in order): its length, compute and write times and when its write began.
+    in_flight: tuple[tuple[int, int, int, int], ...] = ()
 
 
 #: A Timings record's size, and where its four i64 durations start in it (compute_us first).
@@ -215,9 +230,13 @@ def hop_layout(reply_in: bytes, reply_out: bytes, *, rows: int = 1, window: bool
     varying = [(layout.LOGPROBS_HEAD, logprobs - layout.LOGPROBS_HEAD)] if logprobs else []
     varying += [(records_in + RECORD_BYTES * index + RECORD_DURATIONS, RECORD_BYTES - RECORD_DURATIONS)
                 for index in range(count)]
-    varying += [(prediction_in + layout.REPLY_TOKEN, 4), (prediction_in + layout.REPLY_VECTOR_ENTRY, 4 * rows)]
-    if window:  # its id (after the vector), and the summed durations
-        varying += [(prediction_in + shape.window, 4), (sums_in, layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS)]
+    if window:  # the token, the count and the vector (a window's rows vary), its id, the summed
+        # durations and the token counts (of its rows: checked per message)
+        varying += [(prediction_in + layout.REPLY_TOKEN, layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN + 4 * rows),
+                    (prediction_in + shape.window, 4), (sums_in, layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS),
+                    (sums_in + _TOKEN_COUNTS, 16)]
+    else:
+        varying += [(prediction_in + layout.REPLY_TOKEN, 4), (prediction_in + layout.REPLY_VECTOR_ENTRY, 4 * rows)]
     fixed, start = [], 0
     for offset, length in varying:
         if offset > start:
@@ -337,6 +356,99 @@ def template_layout(in_template: bytes, out_template: bytes, *, width: int,
     return TemplateLayout(in_length, out_length, activation, activation, in_dtype, out_dtype, rows, window)
 
 
+def one_row(reply: bytes, prediction: int, rows: int) -> bytes:
+    """A verify window's reply (its PredictedTokens of ``rows`` rows at ``prediction``, whose token
+    count and largest window are ``rows``, as every stage writes them) as the same reply to a
+    window of one row: the shape a run keeps, spread again to each window's rows.
+
+    Raises:
+        ValueError: not such a reply.
+    """
+    vector = prediction + layout.REPLY_VECTOR_ENTRY
+    counts = vector + 4 * rows + 8 + layout.STATS_VERIFY_COUNTS
+    if (len(reply) < counts + 32 or _I32.unpack_from(reply, prediction + 8)[0] != rows
+            or struct.unpack_from("<2q", reply, counts + 16) != (rows, rows)):
+        raise ValueError(f"the reply is not a verify window's of {rows} rows")
+    single = bytearray(reply[:vector + 4] + reply[vector + 4 * rows:])
+    _I32.pack_into(single, prediction + 8, 1)
+    struct.pack_into("<2q", single, counts + 16 - 4 * (rows - 1), 1, 1)
+    return bytes(single)
+
+
+class Family(NamedTuple):
+    """The templates of one kind a run carries (a decode, or a verify window of any rows: its
+    replies kept as a window of one row's, :func:`one_row`), from one message the lane handled
+    and what it wrote for it."""
+
+    kind: int
+    window: bool
+    #: The fixed part of the incoming and (a non-final stage) the outgoing frame.
+    in_header: bytes
+    out_header: bytes
+    #: The token sideband holds the rows' tokens (else it is empty: a decode's token is its
+    #: ``current_token``).
+    sideband: bool
+    in_dtype: int
+    out_dtype: int
+    #: A final stage's reply (one row's) and where it is patched.
+    reply: bytes
+    reply_shape: ReplyLayout | None
+    #: Hop by hop on a non-final stage: the downstream's reply and this stage's answer (one
+    #: row's), and their layout (None: no replies).
+    reply_in: bytes
+    reply_out: bytes
+    hop: HopLayout | None
+
+
+def family_layout(in_template: bytes, out_template: bytes, *, width: int, first: bool, final: bool = False,
+                  reply_in: bytes = b"", reply_out: bytes = b"") -> Family:
+    """One kind's templates (:func:`template_layout`'s frames, :func:`hop_layout`'s replies).
+
+    Raises:
+        ValueError: templates the relay cannot carry.
+    """
+    shape = template_layout(in_template, out_template, width=width, first=first, final=final)
+    rows, window = shape.rows, shape.window
+    kind, token_n = _I32.unpack_from(in_template, layout.KIND)[0], _I32.unpack_from(in_template, _TOKEN_N)[0]
+    reply, reply_shape = b"", None
+    if final:
+        reply_shape = reply_layout(out_template, rows=rows, window=window)
+        reply = one_row(out_template, reply_shape.token - layout.REPLY_TOKEN, rows) if window else out_template
+        reply_shape = reply_layout(reply, rows=1, window=window)
+    hop = None
+    if reply_in:
+        hop = hop_layout(reply_in, reply_out, rows=rows, window=window)
+        if window:
+            reply_in, reply_out = (one_row(reply_in, hop.prediction_in, rows),
+                                   one_row(reply_out, hop.prediction_out, rows))
+            hop = hop_layout(reply_in, reply_out, rows=1, window=True)
+    return Family(kind, window, in_template[:FIXED_HEADER], b"" if final else out_template[:FIXED_HEADER],
+                  token_n != 0, shape.in_dtype, shape.out_dtype, reply, reply_shape, reply_in, reply_out, hop)
+
+
+def frame_length(header: bytes, *, width: int, first: bool) -> int:
+    """The length of the message frame whose (carried) fixed part is ``header``."""
+    _, _, rows, token_n, position_n = struct.unpack_from("<5i", header, 0)
+    dtype = _I32.unpack_from(header, _DTYPE)[0]
+    return FIXED_HEADER + 4 * (token_n + position_n) + (0 if first else rows * width * _DTYPE_BYTES[dtype])
+
+
+class _InFlight(NamedTuple):
+    """Hop by hop, a message computed and forwarded whose reply is not answered yet: its kind's
+    templates, rows, shift and length, its compute and write times and when its write began
+    (microseconds), when the write ended and when it was read whole (``perf_counter_ns``)."""
+
+    family: Family
+    rows: int
+    shift: int
+    length: int
+    compute_us: int
+    write_us: int
+    sent_us: int
+    sent_ns: int
+    received_ns: int
+
+
 class DecodeRelay:
     """One session's steady-state decode relay.
 
@@ -345,17 +457,24 @@ class DecodeRelay:
             them); a final stage's downstream is the session's return lane.
         stop_fd: readable when the run must end between frames (an eventfd the glue writes).
         abort_fd: readable when it must end at once, even in the middle of writing a frame.
-        in_template / out_template: the run's first message as received (a decode, or a verify
-            window: every message of the run has its rows), and the frame the lane forwarded
-            for it (a final stage: the reply it wrote, :func:`reply_layout`).
+        in_template / out_template: a message the lane handled (a decode, or a verify window)
+            as received, and the frame the lane forwarded for it (a final stage: the reply it
+            wrote, :func:`reply_layout`): the run carries messages of its kind (a window's of any
+            rows up to the runtime's batch).
+        reply_in / reply_out: hop by hop on a non-final stage, the downstream's reply to it and
+            this stage's answer (:func:`hop_layout`).
+        other: the same four templates of the other kind (a decode's when the first are a
+            window's, or the reverse), so a run carries both interleaved; None: one kind.
         final: the stage samples; the runtime's ``sample`` picks each row's token.
         width: the activation width; first: the stage takes token ids (layer 0).
         n_vocab: token ids must be below it (first stage).
         next_position: the session's next position (its KV length); position_end: the cells
             the stage holds (0: no limit).
         activation_limit: the largest magnitude an activation value may have.
-        runtime: the batch of the template's rows (``skippy.runtime.RowBatch``).
-        max_steps: the most messages one :meth:`run` relays.
+        runtime: the batch (``skippy.runtime.RowBatch``) whose ``rows`` are the most one message
+            may have; each message decodes ``set_rows(rows)`` of them.
+        max_steps: the most rows one :meth:`run` relays (a message that would pass it ends the
+            run, unless it is the run's first).
         log_rows: a non-final stage keeps the f32 output rows of every message it computes, for
             the stage's activation log (:meth:`take_log`, after each run).
     """
@@ -363,50 +482,54 @@ class DecodeRelay:
     def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
                  out_template: bytes, width: int, first: bool, n_vocab: int, next_position: int,
                  position_end: int, activation_limit: float, runtime: Any, final: bool = False,
-                 max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"", log_rows: bool = False) -> None:
+                 max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"",
+                 other: tuple[bytes, bytes, bytes, bytes] | None = None, log_rows: bool = False) -> None:
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
-        shape = template_layout(in_template, out_template, width=width, first=first, final=final)
-        (self._in_length, self._out_length, self._in_activation, self._out_activation,
-         self._in_dtype, self._out_dtype, self._rows, self._window) = shape
-        if getattr(runtime, "rows", 1) != self._rows:
-            raise ValueError(f"the runtime's batch holds {getattr(runtime, 'rows', 1)} rows, the template {self._rows}")
-        #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
-        self._hop = hop_layout(reply_in, reply_out, rows=self._rows, window=self._window) if reply_in else None
-        self._reply_in, self._reply_out, self._answer_template = reply_in, bytearray(reply_out), reply_out
+        self._capacity_rows = int(getattr(runtime, "rows", 1))
+        families = [family_layout(in_template, out_template, width=width, first=first, final=final,
+                                  reply_in=reply_in, reply_out=reply_out)]
+        if other is not None:
+            families.append(family_layout(other[0], other[1], width=width, first=first, final=final,
+                                          reply_in=other[2], reply_out=other[3]))
+            if families[0].kind == families[1].kind or (families[0].hop is None) != (families[1].hop is None):
+                raise ValueError("the other templates are not the other kind's, alike hop by hop")
+        rows = _I32.unpack_from(in_template, layout.TOKEN_COUNT)[0]
+        if rows > self._capacity_rows:
+            raise ValueError(f"the runtime's batch holds {self._capacity_rows} rows, the template {rows}")
+        self._families = {family.kind: family for family in families}
+        #: Hop by hop (a non-final stage): replies are read and answered.
+        self._hop = families[0].hop is not None
+        #: Hop by hop: what was read of the oldest message in flight's reply, the messages in
+        #: flight (oldest first) and their frames.
         self._reply = bytearray()
-        self._pending = (0, 0, 0)
-        #: Hop by hop: the upstream sent more while a reply was outstanding (it pipelines: the
-        #: run ends once that reply is answered, and the lane's path pipelines).
-        self._pipelined = False
+        self._in_flight: collections.deque[_InFlight] = collections.deque()
+        self._held: collections.deque[bytes] = collections.deque()
         self._final = final
-        self._reply_shape = reply_layout(out_template, rows=self._rows, window=self._window) if final else None
         self._upstream, self._downstream, self._stop, self._abort = upstream_fd, downstream_fd, stop_fd, abort_fd
-        self._in_template = in_template
-        self._out = bytearray(out_template)
+        self._out = bytearray()
         self._width, self._first, self._n_vocab = width, first, n_vocab
         self.next_position, self._position_end = next_position, position_end
         self._limit = float(np.float32(activation_limit))
         self._runtime = runtime
         self._max_steps = max_steps
-        self._capacity = max(self._in_length, FIXED_HEADER) * 2 + (1 << 16)
+        largest = FIXED_HEADER + 4 * self._capacity_rows + (0 if first else self._capacity_rows * width * 4)
+        self._capacity = largest * 2 + (1 << 16)  # (hop by hop the frames in flight are held apart)
         self._buffer = bytearray()
         self._poll = select.poll()
         self._poll.register(upstream_fd, select.POLLIN)
         self._poll.register(stop_fd, select.POLLIN)
         self._poll.register(abort_fd, select.POLLIN)
-        self._reply_poll = select.poll()
-        self._reply_poll.register(downstream_fd, select.POLLIN)
-        self._reply_poll.register(stop_fd, select.POLLIN)
-        self._reply_poll.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
         #: The rows of the messages computed this run (None: not logging), as (start, count,
         #: rows) entries: a message that starts where the last one ended extends it.
         self._log: list[list[Any]] | None = [] if log_rows and not final else None
-        self._log_start = next_position
-        #: This message: where its rows start (a rollback trims the KV back to it first), when
-        #: it was read whole (``perf_counter_ns``: a window's total time counts from there).
-        self._position = 0
+        #: This message: its kind's templates, its rows, its length, how far a window's replies
+        #: after the token vector lie from the one-row templates', where its rows start (a
+        #: rollback trims the KV back to it first), when it was read whole (``perf_counter_ns``:
+        #: a window's total time counts from there).
+        self._family = families[0]
+        self._rows = self._length = self._shift = self._position = 0
         self._received_ns = 0
 
     def take_log(self) -> list[tuple[int, int, bytes]]:
@@ -421,30 +544,42 @@ class DecodeRelay:
 
     def run(self, pending: bytes = b"") -> RelayOutcome:
         """Relay messages (``pending`` first: bytes the lane had read) until one it does not carry,
-        a stop, or ``max_steps``; blocking, on a worker thread."""
+        a stop, or ``max_steps`` rows; blocking, on a worker thread."""
         if len(pending) > self._capacity:
             return RelayOutcome(HANDED_BACK, pending, 0, 0, 0, 0, 0)
         self._buffer = bytearray(pending)
         if self._log is not None:  # rows not taken after the last run are dropped
             self._log = []
         # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out,
-        # trims, positions trimmed
-        counters = [0] * 10
+        # trims, positions trimmed, rows, windows, the last message's rows
+        counters = [0] * 13
+        self._in_flight.clear()
+        self._held.clear()
         status = self._loop(counters)
-        leftover, self._buffer = bytes(self._buffer), bytearray()
+        leftover = b"".join(self._held) + bytes(self._buffer)
+        self._buffer = bytearray()
         reply, self._reply = (bytes(self._reply) if status == REPLY_PENDING else b""), bytearray()
-        steps, compute_ns, write_ns, bytes_in, bytes_out, wait_ns, replies_in, replies_out, trims, trimmed = counters
-        pending = self._pending if status == REPLY_PENDING else (0, 0, 0)
+        steps, compute_ns, write_ns, bytes_in, bytes_out, wait_ns, replies_in, replies_out = counters[:8]
+        in_flight = tuple((entry.length, entry.compute_us, entry.write_us, entry.sent_us)
+                          for entry in self._in_flight) if status == REPLY_PENDING else ()
+        self._in_flight.clear()
+        self._held.clear()
+        head = in_flight[0] if in_flight else (0, 0, 0, 0)
         return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out,
-                            wait_ns // 1000, replies_in, replies_out, reply, *pending, trims, trimmed)
+                            wait_ns // 1000, replies_in, replies_out, reply, *head[1:], *counters[8:], head[0],
+                            in_flight)
 
     def _loop(self, counters: list[int]) -> int:
-        while counters[0] < self._max_steps:
-            status = self._fill(self._in_length, counters)
+        if self._hop:
+            return self._loop_hop(counters)
+        while counters[10] < self._max_steps:
+            status = self._fill(counters)
             if status >= 0:
                 return status
             if not self._carries():
                 return HANDED_BACK
+            if counters[0] and counters[10] + self._rows > self._max_steps:
+                return STEP_LIMIT  # (the next run starts with it)
             self._received_ns = started = time.perf_counter_ns()
             if not self._step(counters):
                 return HANDED_BACK
@@ -457,39 +592,112 @@ class DecodeRelay:
                 return written
             sent = time.perf_counter_ns()
             counters[2] += sent - started
-            counters[4] += self._out_length
-            if self._hop is not None:  # hop by hop: the downstream's reply, this stage's share added, upstream
-                self._pending = (elapsed // 1000, (sent - started) // 1000, started // 1000)
-                self._pipelined = False
-                status = self._answer(counters, sent)
-                if status == REPLY_PENDING:
-                    return status
-                if status >= 0 or self._pipelined:  # the reply's write failed, or the upstream pipelines:
-                    del self._buffer[:self._in_length]  # the message is done here
-                    counters[0] += 1
-                    return status if status >= 0 else HANDED_BACK
-            del self._buffer[:self._in_length]
+            counters[4] += len(self._out)
+            del self._buffer[:self._length]
             counters[0] += 1
+            counters[10] += self._rows
+            counters[11] += self._family.window
         return STEP_LIMIT
+
+    def _loop_hop(self, counters: list[int]) -> int:
+        """Hop by hop on a non-final stage, pipelined as the lane's path is: every whole message
+        buffered is computed and forwarded (up to :data:`MAX_IN_FLIGHT` in flight) while the
+        downstream's replies are read and answered upstream in order; a message the loop does
+        not carry (or the rows' limit) stops the reading, and the run ends once the messages in
+        flight are answered."""
+        held, in_flight = self._held, self._in_flight
+        ending = -1  # the outcome once the messages in flight are answered (nothing more is read)
+        while True:
+            while ending < 0 and len(in_flight) < MAX_IN_FLIGHT:
+                buffered = len(self._buffer)
+                if buffered < FIXED_HEADER or (self._header_matches() and buffered < self._length):
+                    break  # (more bytes to read)
+                flying = sum(entry.rows for entry in in_flight)
+                if not self._carries():
+                    ending = HANDED_BACK
+                elif (counters[0] or in_flight) and counters[10] + flying + self._rows > self._max_steps:
+                    ending = STEP_LIMIT  # (the next run starts with it)
+                else:
+                    status = self._forward(counters)
+                    if status >= 0:
+                        return status
+            if not in_flight and (ending >= 0 or counters[10] >= self._max_steps):
+                return ending if ending >= 0 else STEP_LIMIT
+            poller = select.poll()
+            for fd in (self._stop, self._abort):
+                poller.register(fd, select.POLLIN)
+            if in_flight:
+                poller.register(self._downstream, select.POLLIN)
+            if ending < 0 and len(in_flight) < MAX_IN_FLIGHT:
+                poller.register(self._upstream, select.POLLIN)
+            ready = dict(poller.poll())
+            if ready.get(self._stop) or ready.get(self._abort):
+                return REPLY_PENDING if in_flight else STOPPED  # (the lane reads the replies)
+            if ready.get(self._downstream):
+                status = self._read_reply(counters)
+                if status in (HANDED_BACK, UPSTREAM_FAILED):  # answered (or its write failed): it is done
+                    entry = in_flight.popleft()
+                    held.popleft()
+                    counters[0] += 1
+                    counters[10] += entry.rows
+                    counters[11] += entry.family.window
+                if status not in (-1, HANDED_BACK):
+                    return status
+            if ready.get(self._upstream):
+                try:
+                    data = os.read(self._upstream, self._capacity - len(self._buffer))
+                except (BlockingIOError, InterruptedError):
+                    continue
+                except OSError:
+                    data = b""
+                if not data:
+                    ending = HANDED_BACK  # end of stream (or a reset): the lane's reader sees it
+                    continue
+                if not self._buffer:
+                    self.last_frame_ns = time.monotonic_ns()
+                self._buffer += data
+                counters[3] += len(data)
+
+    def _forward(self, counters: list[int]) -> int:
+        """Hop by hop: compute the buffered message and forward it (it joins the messages in
+        flight); -1 when it is out, else the outcome that ends the run."""
+        self._received_ns = started = time.perf_counter_ns()
+        if not self._step(counters):
+            return HANDED_BACK
+        elapsed = time.perf_counter_ns() - started
+        counters[1] += elapsed
+        started = time.perf_counter_ns()
+        written = self._write(self._downstream, self._out, DOWNSTREAM_FAILED)
+        if written is not None:
+            return written
+        sent = time.perf_counter_ns()
+        counters[2] += sent - started
+        counters[4] += len(self._out)
+        self._in_flight.append(_InFlight(self._family, self._rows, self._shift, self._length, elapsed // 1000,
+                                         (sent - started) // 1000, started // 1000, sent, self._received_ns))
+        self._held.append(bytes(self._buffer[:self._length]))
+        del self._buffer[:self._length]
+        return -1
 
     def _patch_reply(self, elapsed: int) -> None:
         """A final stage's reply: the Timings record's compute_us, and a window's verify-window
         compute and total times (skippy.lane.messages.final_prediction), as the lane measures them."""
-        shape = self._reply_shape
+        shape = self._family.reply_shape
         if shape is None:
             return
         if shape.compute >= 0:
             _I64.pack_into(self._out, shape.compute, elapsed // 1000)
         if shape.window >= 0:
-            sums = shape.stats + layout.STATS_VERIFY_SUMS
+            sums = shape.stats + self._shift + layout.STATS_VERIFY_SUMS
             _I64.pack_into(self._out, sums, elapsed // 1000)
             _I64.pack_into(self._out, sums + 24, (time.perf_counter_ns() - self._received_ns) // 1000)
 
-    def _fill(self, wanted: int, counters: list[int]) -> int:
+    def _fill(self, counters: list[int]) -> int:
+        """Read until the buffer holds a whole message of a carried shape, or a fixed part that is
+        not one; -1 when it is there, else the outcome that ends the run."""
         while True:
-            if len(self._buffer) >= FIXED_HEADER and not self._header_matches():
-                return -1
-            if len(self._buffer) >= wanted:
+            if len(self._buffer) >= FIXED_HEADER and (not self._header_matches()
+                                                     or len(self._buffer) >= self._length):
                 return -1
             ready = dict(self._poll.poll())
             if ready.get(self._stop) or ready.get(self._abort):
@@ -510,63 +718,84 @@ class DecodeRelay:
             counters[3] += len(data)
 
     def _header_matches(self) -> bool:
-        """Everything but the per-message fields equals the template (a window's id is one)."""
-        frame, template = self._buffer, self._in_template
-        count, source = layout.TOKEN_COUNT, layout.SOURCE_STAGE
-        return (frame[:_POS_START] == template[:_POS_START] and frame[count:_SEQ_ID] == template[count:_SEQ_ID]
-                and (self._window or frame[_SEQ_ID:_SEQ_ID + 4] == template[_SEQ_ID:_SEQ_ID + 4])
+        """The fixed part is one of a carried kind: equal to its template outside the per-message
+        fields, its rows (checked before anything is computed from them: every peer number is
+        hostile) one decode's, or a window's within the batch, its sidebands its rows' tokens;
+        notes the message's family, rows and length."""
+        frame = self._buffer
+        family = self._families.get(_I32.unpack_from(frame, layout.KIND)[0])
+        if family is None:
+            return False
+        template = family.in_header
+        rows, token_n, position_n = struct.unpack_from("<3i", frame, layout.TOKEN_COUNT)
+        if not (1 <= rows <= self._capacity_rows if family.window else rows == 1):
+            return False
+        if token_n != (rows if family.sideband else 0) or position_n != 0:
+            return False
+        source = layout.SOURCE_STAGE
+        if not (frame[layout.VERSION:_SEQ_ID] == template[layout.VERSION:_SEQ_ID]
+                and (family.window or frame[_SEQ_ID:_SEQ_ID + 4] == template[_SEQ_ID:_SEQ_ID + 4])
                 and frame[_SEQ_ID + 4:_DECODE_STEP] == template[_SEQ_ID + 4:_DECODE_STEP]
                 and frame[source:_REQUEST_ID] == template[source:_REQUEST_ID]
-                and frame[_SESSION_ID:FIXED_HEADER] == template[_SESSION_ID:FIXED_HEADER])
+                and frame[_SESSION_ID:FIXED_HEADER] == template[_SESSION_ID:FIXED_HEADER]):
+            return False
+        self._family, self._rows = family, rows
+        self._shift = 4 * (rows - 1)
+        self._length = (FIXED_HEADER + 4 * token_n
+                        + (0 if self._first else rows * self._width * _DTYPE_BYTES[family.in_dtype]))
+        return True
 
     def _carries(self) -> bool:
-        """The buffered message is a template message the lane would run without a word: its
-        rows start at the session's next position or before it (a rollback, which the
-        executor's auto-align trims), inside the cells, with valid tokens or activations."""
+        """The buffered message is one the lane would run without a word: of a carried shape,
+        its rows starting at the session's next position or before it (a rollback, which the
+        executor's auto-align trims), inside the cells, with valid tokens or activations (the
+        runtime's batch holds them then)."""
         frame = self._buffer
-        if len(frame) < self._in_length or not self._header_matches():
+        if len(frame) < FIXED_HEADER or not self._header_matches() or len(frame) < self._length:
             return False
-        position, rows = _I32.unpack_from(frame, _POS_START)[0], self._rows
+        position, rows, family = _I32.unpack_from(frame, _POS_START)[0], self._rows, self._family
         if not 0 <= position <= self.next_position or (self._position_end > 0
                                                         and position + rows > self._position_end):
             return False  # a gap, a position before 0 or the end of the cells: the lane decides
         runtime = self._runtime
         if self._first:
-            token_n = _I32.unpack_from(frame, _TOKEN_N)[0]
-            if token_n == rows:
+            if family.sideband:
                 tokens = np.frombuffer(bytes(frame[FIXED_HEADER:FIXED_HEADER + 4 * rows]), dtype="<i4")
             else:
                 tokens = np.array([_I32.unpack_from(frame, _CURRENT_TOKEN)[0]], dtype=np.int32)
             if not (0 <= int(tokens.min()) and int(tokens.max()) < self._n_vocab):
                 return False
-            runtime.token[:] = tokens
+            runtime.token[:rows] = tokens
         else:
-            start, count = self._in_activation, rows * self._width
-            dtype = np.float32 if self._in_dtype == 0 else np.float16
+            start, count = FIXED_HEADER + (4 * rows if family.sideband else 0), rows * self._width
+            dtype = np.float32 if family.in_dtype == 0 else np.float16
             values = np.frombuffer(bytes(frame[start:start + count * np.dtype(dtype).itemsize]),
                                    dtype=np.dtype(dtype).newbyteorder("<")).astype(np.float32)
             low, high = float(values.min()), float(values.max())
             if not (-self._limit <= low and high <= self._limit):
                 return False
-            runtime.embd[:] = values
-        runtime.position[:] = np.arange(position, position + rows, dtype=np.int32)
+            runtime.embd[:count] = values
+        runtime.position[:rows] = np.arange(position, position + rows, dtype=np.int32)
+        runtime.set_rows(rows)
         self._position = position
         return True
 
     def _step(self, counters: list[int]) -> bool:
-        """Trim a rollback, decode the rows and patch the outgoing frame; False when the trim or
+        """Trim a rollback, decode the rows and build the outgoing frame; False when the trim or
         the decode failed (the lane runs the message again and reports it)."""
-        runtime, position, rows = self._runtime, self._position, self._rows
+        runtime, position, rows, family = self._runtime, self._position, self._rows, self._family
         if position < self.next_position:  # the executor's auto-align
             if not runtime.trim(position):
                 return False
             counters[8] += 1
             counters[9] += self.next_position - position
             self.next_position = position
+        counters[12] = rows
         if runtime.decode() != 0:
             return False
+        frame = self._buffer
         if self._final:
-            shape = self._reply_shape
+            shape = family.reply_shape
             assert shape is not None
             tokens = []
             for row in range(rows):
@@ -575,11 +804,14 @@ class DecodeRelay:
                     return False
                 tokens.append(token)
             self.next_position = position + rows
-            out = self._out
+            vector = shape.token + layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN
+            reply = family.reply  # one row's, spread to this message's rows
+            out = self._out = bytearray(reply[:vector]) + struct.pack(f"<{rows}i", *tokens) + reply[vector + 4:]
             _I32.pack_into(out, shape.token, tokens[0])  # the prediction: the first row's
-            struct.pack_into(f"<{rows}i", out, shape.token + layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN, *tokens)
             if shape.window >= 0:
-                out[shape.window:shape.window + 4] = self._buffer[_SEQ_ID:_SEQ_ID + 4]
+                _I32.pack_into(out, shape.token + 4, rows)
+                out[shape.window + self._shift:shape.window + self._shift + 4] = frame[_SEQ_ID:_SEQ_ID + 4]
+                struct.pack_into("<2q", out, shape.stats + self._shift + layout.STATS_VERIFY_COUNTS + 16, rows, rows)
             return True
         self.next_position = position + rows
         hidden = runtime.hidden()
@@ -591,20 +823,20 @@ class DecodeRelay:
                 last[2].append(row_bytes)
             else:
                 self._log.append([position, rows, [row_bytes]])
-        frame, out = self._buffer, self._out
-        out[_POS_START:_POS_START + 4] = frame[_POS_START:_POS_START + 4]
-        if self._window:
+        sidebands = FIXED_HEADER + (4 * rows if family.sideband else 0)
+        out = self._out = bytearray(family.out_header)  # the per-message fields from the message:
+        out[_POS_START:layout.VERSION] = frame[_POS_START:layout.VERSION]  # position, rows, sidebands
+        if family.window:
             out[_SEQ_ID:_SEQ_ID + 4] = frame[_SEQ_ID:_SEQ_ID + 4]
         out[_DECODE_STEP:_DECODE_STEP + 8] = frame[_DECODE_STEP:_DECODE_STEP + 8]
         out[_REQUEST_ID:_REQUEST_ID + 8] = frame[_REQUEST_ID:_REQUEST_ID + 8]
-        out[FIXED_HEADER:self._out_activation] = frame[FIXED_HEADER:self._out_activation]
-        if self._out_dtype == 0:
-            encoded = np.asarray(hidden).astype("<f4").tobytes()
+        out += frame[FIXED_HEADER:sidebands]
+        if family.out_dtype == 0:
+            out += np.asarray(hidden).astype("<f4").tobytes()
         else:
             from skippy.codec import _wire_py  # the codec's own f16 rounding (ties away from zero)
 
-            encoded = _wire_py.encode_activation(np.asarray(hidden).reshape(rows, -1), 1)  # type: ignore[arg-type]
-        out[self._out_activation:] = encoded
+            out += _wire_py.encode_activation(np.asarray(hidden).reshape(rows, -1), 1)  # type: ignore[arg-type]
         return True
 
     def _write(self, fd: int, frame: bytearray, failed: int) -> int | None:
@@ -626,45 +858,31 @@ class DecodeRelay:
                 return failed
         return None
 
-    def _answer(self, counters: list[int], sent: int) -> int:
-        """Hop by hop: read the downstream's reply, add this stage's share as the lane does
-        (``skippy.lane.replies.relayed``), write it upstream; -1 when it is out, else the outcome."""
-        hop = self._hop
+    def _read_reply(self, counters: list[int]) -> int:
+        """Hop by hop: read what the downstream has of the oldest message in flight's reply (never
+        past it); once it is whole, add this stage's share as the lane does
+        (``skippy.lane.replies.relayed``) and write it upstream.  Returns -1 while it is not
+        whole, HANDED_BACK once it is answered, else the outcome (REPLY_PENDING: not carried)."""
+        entry = self._in_flight[0]
+        family, rows, shift = entry.family, entry.rows, entry.shift
+        hop = family.hop
         assert hop is not None
-        reply, wanted = self._reply, len(self._reply_in)
-        del reply[:]
-        watch = True  # an upstream that sends more while a reply is outstanding pipelines
-        while len(reply) < wanted:
-            if watch:
-                self._reply_poll.register(self._upstream, select.POLLIN)
-            ready = dict(self._reply_poll.poll())
-            if watch:
-                self._reply_poll.unregister(self._upstream)
-            if ready.get(self._stop) or ready.get(self._abort):
-                return REPLY_PENDING  # the lane reads the reply
-            if watch and ready.get(self._upstream):  # bytes (it pipelines), or its end (the next read sees it)
-                watch = False
-                available = array.array("i", [0])
-                try:
-                    fcntl.ioctl(self._upstream, termios.FIONREAD, available)
-                except OSError:
-                    available[0] = 0
-                self._pipelined = available[0] > 0
-            if not ready.get(self._downstream):
-                continue
-            try:
-                data = os.read(self._downstream, wanted - len(reply))  # never past this reply
-            except (BlockingIOError, InterruptedError):
-                continue
-            except OSError:
-                return REPLY_PENDING
-            if not data:
-                return REPLY_PENDING
-            reply += data
-            counters[6] += len(data)
-            if not self._reply_matches():
-                return REPLY_PENDING
-        wait_ns = max(0, time.perf_counter_ns() - sent)
+        reply, wanted = self._reply, len(family.reply_in) + shift
+        try:
+            data = os.read(self._downstream, wanted - len(reply))  # never past this reply
+        except (BlockingIOError, InterruptedError):
+            return -1
+        except OSError:
+            return REPLY_PENDING
+        if not data:
+            return REPLY_PENDING
+        reply += data
+        counters[6] += len(data)
+        if not self._reply_matches(entry):
+            return REPLY_PENDING
+        if len(reply) < wanted:
+            return -1
+        wait_ns = max(0, time.perf_counter_ns() - entry.sent_ns)
         counters[5] += wait_ns
         durations = struct.Struct(f"<{(RECORD_BYTES - RECORD_DURATIONS) // 8}q")
         for index in range(hop.records):
@@ -672,39 +890,48 @@ class DecodeRelay:
                 return REPLY_PENDING  # the lane refuses it (a timing value out of range)
         if hop.logprobs and not logprob_pairs_valid(bytes(reply[layout.LOGPROBS_HEAD:hop.logprobs])):
             return REPLY_PENDING  # (likewise)
-        sums = struct.unpack_from("<4q", reply, hop.sums_in) if hop.sums_in >= 0 else ()
+        sums_in = hop.sums_in + shift
+        sums = struct.unpack_from("<4q", reply, sums_in) if hop.sums_in >= 0 else ()
         if not all(0 <= value < SUM_LIMIT for value in sums):
             return REPLY_PENDING  # a summed duration the relay does not add to: the lane's
-        out = self._reply_out
-        compute_us, write_us, _ = self._pending
+        if sums and (_I32.unpack_from(reply, hop.prediction_in + 8)[0] != rows
+                     or struct.unpack_from("<2q", reply, sums_in + _TOKEN_COUNTS) != (rows, rows)):
+            return REPLY_PENDING  # not this window's count of tokens: the lane's
+        out = bytearray(family.reply_out[:hop.prediction_out])
         if hop.logprobs_out:
             out[:hop.logprobs] = reply[:hop.logprobs]
         if hop.records_out >= 0:
             out[hop.records_out:hop.own_record] = reply[hop.records_in:hop.prediction_in]
-            durations.pack_into(out, hop.own_record + RECORD_DURATIONS, compute_us, write_us, wait_ns // 1000, 0)
-        out[hop.prediction_out:] = reply[hop.prediction_in:]
-        if sums:  # a window: this stage's share (skippy.lane.stats.timing_stats), its counts the template's
+            durations.pack_into(out, hop.own_record + RECORD_DURATIONS, entry.compute_us, entry.write_us,
+                                wait_ns // 1000, 0)
+        out += reply[hop.prediction_in:]
+        if sums:  # a window: this stage's share (skippy.lane.stats.timing_stats): one more stage, the
+            # request count the template's, the tokens and the largest window (its rows) the reply's
             counts = hop.sums_out + layout.STATS_VERIFY_COUNTS - layout.STATS_VERIFY_SUMS
-            end = hop.sums_out + layout.STATS_VERIFY_END - layout.STATS_VERIFY_SUMS
-            out[counts:end] = self._answer_template[counts:end]
-            total_us = (time.perf_counter_ns() - self._received_ns) // 1000
-            struct.pack_into("<4q", out, hop.sums_out, sums[0] + compute_us, sums[1] + write_us,
+            out[counts + shift:counts + shift + 16] = family.reply_out[counts:counts + 16]
+            total_us = (time.perf_counter_ns() - entry.received_ns) // 1000
+            struct.pack_into("<4q", out, hop.sums_out + shift, sums[0] + entry.compute_us, sums[1] + entry.write_us,
                              sums[2] + wait_ns // 1000, sums[3] + total_us)
         written = self._write(self._upstream, out, UPSTREAM_FAILED)
         if written is not None:
             return written
         counters[7] += len(out)
-        return -1
+        del reply[:]
+        return HANDED_BACK
 
-    def _reply_matches(self) -> bool:
-        """What was read of the reply equals the template outside the per-token fields."""
-        hop, reply, template = self._hop, self._reply, self._reply_in
+    def _reply_matches(self, entry: "_InFlight") -> bool:
+        """What was read of ``entry``'s reply equals the template outside the per-message fields
+        (a window's after its token vector where its rows put them)."""
+        family, reply, shift = entry.family, self._reply, entry.shift
+        hop, template = family.hop, family.reply_in
         assert hop is not None
+        vector_end = hop.prediction_in + layout.REPLY_VECTOR_ENTRY + 4
         filled = len(reply)
         for start, end in hop.fixed:
-            if start >= filled:
+            at = start + shift if start >= vector_end else start
+            if at >= filled:
                 break
-            end = min(end, filled)
-            if reply[start:end] != template[start:end]:
+            length = min(end - start, filled - at)
+            if reply[at:at + length] != template[start:start + length]:
                 return False
         return True

@@ -15,18 +15,21 @@ streams must be plain sockets with no simulated wire, the message of a kind whos
 ``relay`` (a DecodeEmbd's one row, or a VerifyWindow of at most ``n_batch`` rows, which the
 executor runs as one batch) in f32/f16 with no sampling or metadata section, the runtime a
 native context, and on the final stage the session's sampler one the loop can run as the
-executor would (no grammar, no logprobs).  The run's messages have the template's kind and
-rows (a window of another size is handed back: the lane handles it and the next run takes its
-shape); a rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims
-it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
+executor would (no grammar, no logprobs).  The run carries messages of the template's kind
+and of the other kind whose plan the lane kept from the last message of it it handled for the
+session (``StageLane.relay_kinds``: a decode's and a window's, so the driver's speculation, whose
+windows change size and alternate with decodes, rides one run), a window's of any rows up to
+the batch (the runtime's :class:`~skippy.runtime.row_batch.RowBatch` holds ``n_batch`` rows); a
+rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
 lock), runs the loop on a worker thread and waits.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
 rollback and error keeps its one path.  Hop by hop, a downstream reply the loop does not carry
 (another shape, an Error frame, a lost downstream, or a stop while it waits) comes back the same
-way: :meth:`RelayRun.run` tells the lane the message in flight was received, computed and
-forwarded (the events it would have had), feeds what was read of the reply to the downstream
+way: :meth:`RelayRun.run` tells the lane the messages in flight (the loop pipelines: a message
+arriving while replies are outstanding is forwarded at once) were received, computed and
+forwarded (the events they would have had), feeds what was read of the reply to the downstream
 link's reader and gives it the socket back, and the reply takes the lane's path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
@@ -89,8 +92,7 @@ _OUTCOMES = {_implementation.HANDED_BACK: "handed back", _implementation.STOPPED
              _implementation.ABORTED: "aborted", _implementation.REPLY_PENDING: "reply handed back",
              _implementation.UPSTREAM_FAILED: "upstream write failed"}
 
-#: Rows one run relays before handing its counts to the stage's statistics (a window's run:
-#: ``MAX_STEPS // rows`` messages).
+#: Rows one run relays before handing its counts to the stage's statistics.
 MAX_STEPS = 1024
 #: The fields a forwarded frame keeps from the message it forwards: (offset, size).
 _SAME = ((layout.POS_START, 4), (layout.DECODE_STEP, 8), (layout.REQUEST_ID, 16))
@@ -176,6 +178,22 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
                      rows, rule.window)
 
 
+def _other_kind(plan: RelayPlan, lane: "StageLane | None") -> RelayPlan | None:
+    """The lane's last plan of the other kind (a decode's for a window's, or the reverse) for the
+    same session and path, so the run carries both; ``plan`` becomes the lane's of its kind."""
+    if lane is None:
+        return None
+    kinds: dict[bool, Any] = lane.relay_kinds  # type: ignore[assignment]
+    other = kinds.get(not plan.window)
+    if other is not None and (other.session_key != plan.session_key or other.seq != plan.seq
+                              or other.direct != plan.direct or other.sampler is not plan.sampler
+                              or bool(other.reply_in) != bool(plan.reply_in)):
+        kinds.clear()  # another session's (or path's): the run carries one kind until it comes again
+        other = None
+    kinds[plan.window] = plan
+    return other
+
+
 class HopReplies:
     """Hop by hop on a non-final stage, the last plain decode's (or verify window's) reply as the
     lane relayed it upstream, for :func:`relay_plan`'s templates: the relay task reports each
@@ -233,8 +251,7 @@ class RelayRun:
         self._executor, self._scheduler, self._stats = executor, scheduler, stats
         self._upstream, self._downstream, self._reader = upstream, downstream, reader
         self._downstream_name, self._upstream_name = downstream_name, upstream_name
-        self._lane, self._width, self._in_length = lane, width, len(plan.in_template)
-        self.rows, self.window = plan.rows, plan.window
+        self._lane, self._width = lane, width
         #: Hop by hop on a non-final stage: the downstream link whose replies the loop reads.
         self.link = link if plan.reply_in else None
         self.final = plan.sampler is not None
@@ -246,14 +263,18 @@ class RelayRun:
         self._session_key = plan.session_key
         self._stop = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._abort = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        try:
-            self._rows = executor.context.row_batch(plan.seq, plan.sampler, plan.rows)  # type: ignore[attr-defined]
+        other = _other_kind(plan, lane)
+        try:  # a batch of the most rows a message may have (a window's up to n_batch)
+            self._rows = executor.context.row_batch(  # type: ignore[attr-defined]
+                plan.seq, plan.sampler, max(plan.rows, int(getattr(executor.context, "n_batch", 1))))
             self._relay: Any = _implementation.DecodeRelay(
                 upstream_fd=upstream.fileno(), downstream_fd=downstream.fileno(), stop_fd=self._stop,
                 abort_fd=self._abort, in_template=plan.in_template, out_template=plan.out_template, width=width,
                 first=executor.is_first, n_vocab=executor.n_vocab, next_position=plan.next_position,
                 position_end=position_end, activation_limit=ACTIVATION_LIMIT, runtime=self._rows, final=self.final,
-                max_steps=max(1, MAX_STEPS // plan.rows), reply_in=plan.reply_in, reply_out=plan.reply_out,
+                max_steps=MAX_STEPS, reply_in=plan.reply_in, reply_out=plan.reply_out,
+                other=None if other is None else (other.in_template, other.out_template, other.reply_in,
+                                                  other.reply_out),
                 log_rows=self._log is not None)
         except BaseException:
             self.close()
@@ -327,37 +348,38 @@ class RelayRun:
             raise write_failed(self._downstream_name, downstream=not self.final) from cause  # (hop by hop: upstream)
 
     def _take_over(self, outcome: Any) -> bytes:
-        """Hop by hop: the message at the head of ``outcome.leftover`` was computed and forwarded,
-        its reply not carried: tell the lane so (the events its own path has) and hand the reply's
-        bytes to the downstream link's reader; returns the upstream bytes after that message."""
+        """Hop by hop: the messages at the head of ``outcome.leftover`` (``outcome.in_flight``)
+        were computed and forwarded, the oldest one's reply not carried: tell the lane so (the
+        events its own path has, message by message) and hand what was read of that reply to the
+        downstream link's reader; returns the upstream bytes after them."""
         lane, link = self._lane, self.link
         assert lane is not None and link is not None
-        length = self._in_length
-        frame, rest = outcome.leftover[:length], outcome.leftover[length:]
-        decoder = codec.MessageDecoder(self._width)
-        decoder.receive_data(frame)
-        message = decoder.next_message()
-        assert isinstance(message, StageMessage)  # the loop matched it against the template
-        dispatch, _ = lane.received(message, run_flagged=False, is_first=self._executor.is_first)
-        assert dispatch is not None
-        action = lane.computed(dispatch, has_downstream=True)
-        assert type(action) is SendDownstream
-        sent_us = outcome.pending_sent_us
-        forward = Forward(message, action.expect, dispatch.ticket, dispatch.key, sent_us, trio.current_time(),
-                          outcome.pending_compute_us, 0, 1, sent_us, outcome.pending_write_us)
-        lane.frame_forwarding(forward)
-        self._rows.finished(1)
+        rest = outcome.leftover
         stats = self._stats
-        stats.messages += 1
-        if self.window:
-            stats.verify_windows += 1
-        else:
-            stats.decode_items += 1
-        stats.native_batches += 1
-        stats.compute_us += outcome.pending_compute_us
-        stats.write_throughs += 1
-        stats.forward_write_us += outcome.pending_write_us
-        self._executor.resume_stats.computed_positions += self.rows
+        for length, compute_us, write_us, sent_us in outcome.in_flight:
+            frame, rest = rest[:length], rest[length:]
+            decoder = codec.MessageDecoder(self._width)
+            decoder.receive_data(frame)
+            message = decoder.next_message()
+            assert isinstance(message, StageMessage)  # the loop matched it against its template
+            dispatch, _ = lane.received(message, run_flagged=False, is_first=self._executor.is_first)
+            assert dispatch is not None
+            action = lane.computed(dispatch, has_downstream=True)
+            assert type(action) is SendDownstream
+            forward = Forward(message, action.expect, dispatch.ticket, dispatch.key, sent_us, trio.current_time(),
+                              compute_us, 0, 1, sent_us, write_us)
+            lane.frame_forwarding(forward)
+            stats.messages += 1
+            if dispatch.rule.window:
+                stats.verify_windows += 1
+            else:
+                stats.decode_items += 1
+            stats.native_batches += 1
+            stats.compute_us += compute_us
+            stats.write_throughs += 1
+            stats.forward_write_us += write_us
+            self._executor.resume_stats.computed_positions += message.token_count
+        self._rows.finished(1, outcome.last_rows)
         if outcome.reply_leftover:
             link.reader.decoder.receive_data(outcome.reply_leftover)  # type: ignore[union-attr]
         return rest
@@ -400,23 +422,23 @@ class RelayRun:
             self._upstream.bytes_out += outcome.replies_out
         if not steps:
             return
-        self._rows.finished(steps)
+        self._rows.finished(steps, outcome.last_rows)
         self.compute_us += outcome.compute_us
         self.write_us += outcome.write_us
-        if self.window:
-            stats.decode_relay_windows += steps
-            stats.verify_windows += steps
-        else:
-            stats.decode_relay_steps += steps
-            stats.decode_items += steps
+        windows = outcome.windows
+        decodes = steps - windows
+        stats.decode_relay_windows += windows
+        stats.verify_windows += windows
+        stats.decode_relay_steps += decodes
+        stats.decode_items += decodes
         stats.messages += steps
         stats.native_batches += steps
         stats.compute_us += outcome.compute_us
-        self._executor.resume_stats.computed_positions += steps * self.rows
+        self._executor.resume_stats.computed_positions += outcome.rows
         if self.final and self.direct:
             stats.direct_replies += steps
-        elif not (self.final and self.window):  # (the lane writes a window's reply from its handling task)
-            stats.write_throughs += steps
+        else:  # (the lane writes a window's reply from its handling task)
+            stats.write_throughs += decodes if self.final else steps
             if not self.final:
                 stats.forward_write_us += outcome.write_us
         if self.link is not None:
@@ -424,9 +446,9 @@ class RelayRun:
             for _ in range(steps):
                 stats.downstream_wait_histogram.observe(outcome.wait_us // steps)
         per_step = outcome.compute_us // steps
+        for _ in range(decodes):  # (a window runs alone, not in a decode batch)
+            stats.observe_decode_batch(1)
         for _ in range(steps):
-            if not self.window:  # (a window runs alone, not in a decode batch)
-                stats.observe_decode_batch(1)
             stats.compute_histogram.observe(per_step)
             stats.queue_histogram.observe(0)
         self._reader.last_frame = trio.current_time()

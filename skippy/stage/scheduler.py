@@ -427,15 +427,16 @@ class Scheduler:
         """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) of lane
         ``lane``; ``stop`` is called (on the trio thread) when a job is queued behind it;
         ``idle_since`` says when (trio's clock) it last began reading a frame.  False
-        when the runtime is busy, jobs wait, or another lane brought work in the last
-        :data:`RECENT_WORK_S` (idle lanes, such as an API pool keeps open, do not count)."""
+        when the runtime is busy, jobs wait, or another working lane brought work in the last
+        :data:`RECENT_WORK_S` (idle lanes, such as an API pool keeps open, do not count, nor
+        lanes closed since: a driver's next request on a new connection)."""
         if self._busy or self._pending:
             return False
         now = time.monotonic()
         for other, when in list(self._last_work.items()):
             if now - when > RECENT_WORK_S:
                 del self._last_work[other]
-            elif other != lane:
+            elif other != lane and other in self.lanes:
                 return False
         self._busy = True
         self._holder_stop = stop
