@@ -120,3 +120,23 @@ def test_a_row_of_a_large_batch_is_the_row_alone_up_to_summation_order(tiny_llam
     assert not all(np.array_equal(a, b) for a, b in zip(alone, batched))
     for a, b in zip(alone, batched):
         assert np.allclose(a, b, atol=2e-3)  # the same row, up to summation order
+
+
+@pytest.mark.parametrize(("dtype", "rows"), [("F32", 3), ("F16", 4)])
+def test_a_small_verify_window_is_bitwise_its_rows_decoded_one_by_one(dtype: str, rows: int) -> None:
+    """Rows of one session at consecutive positions (a speculation verify window) in one batch."""
+    prompt, window = PROMPTS[0], [7, 11, 13, 17][:rows]
+    with Model(model_path("llama", dtype=dtype)) as model, StageContext(model, n_ctx=256, max_sessions=1, n_batch=64,
+                                                                        threads=1) as ctx:
+        seq = ctx.open_session()
+        ctx.decode(tokens=prompt, positions=list(range(len(prompt))), seq_ids=[seq] * len(prompt))
+        single = []
+        for offset, token in enumerate(window):
+            ctx.decode(tokens=[token], positions=[len(prompt) + offset], seq_ids=[seq])
+            single.append(np.array(ctx.logits(0), copy=True))
+        ctx.trim(seq, len(prompt))
+        ctx.decode(tokens=window, positions=[len(prompt) + i for i in range(rows)], seq_ids=[seq] * rows,
+                   outputs=[True] * rows)
+        batched = [np.array(ctx.logits(row), copy=True) for row in range(rows)]
+    for row in range(rows):
+        assert np.array_equal(single[row], batched[row]), (row, float(np.abs(single[row] - batched[row]).max()))
