@@ -3,12 +3,12 @@
 Compiles ``bench/small_batch_mul_mat.c`` once and runs it against each library folder in turn
 (``LD_LIBRARY_PATH``), ``--rounds`` times alternating, then prints per type, shape and n the median
 CPU ms per batch of each build and their ratio.  Typical use: ``--libs build/mm-on/bin,build/mm-off/bin``
-(a pristine ggml built with ``-DGGML_LLAMAFILE=ON`` / ``OFF``) to see tinyBLAS against the vec_dot
-path, or ``--libs OLD,skippy/lib`` for before / after patch 0018.  CPU time (the process's) is what
+(the pristine tree configured with native/build.py's ``BASE_CMAKE_ARGS`` plus ``-DGGML_LLAMAFILE=ON``
+/ ``OFF``, target ``ggml-cpu``) to see tinyBLAS against the vec_dot path, or ``--libs OLD,skippy/lib`` for before / after patch 0018.  CPU time (the process's) is what
 it reports: on a shared host the wall time is noise.
 
-    PYTHONPATH=. python bench/small_batch.py --libs build/mm-on/bin,build/mm-off/bin \\
-        --shapes f16:1024:32768,q8_0:640:65536 --counts 1,2,3,4,8 --threads 1
+    SKIPPY_LLAMA_SRC=... python bench/small_batch.py --libs build/mm-on/bin,build/mm-off/bin \\
+        --shapes f16:1024:32768,q8_0:1024:65536 --counts 1,2,3,4,8 --threads 1
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def main() -> int:
     parser.add_argument("--min-ms", type=float, default=15.0, help="time each of 7 repetitions at least this long")
     args = parser.parse_args()
     libs = [Path(p).resolve() for p in args.libs.split(",")]
-    times: dict[tuple[str, str, str, int], list[float]] = defaultdict(list)
+    times: dict[tuple[str, str, str, int], list[tuple[str, float]]] = defaultdict(list)
     with tempfile.TemporaryDirectory() as tmp:
         exe = compile_bench(libs[0], Path(tmp))
         for _ in range(args.rounds):
@@ -64,7 +64,7 @@ def main() -> int:
                                      env=env, check=True, capture_output=True, text=True)
                 for line in run.stdout.splitlines():
                     name, k, m, n, _, cpu, _wall = line.split()
-                    times[(name, k, m, int(n))].append((str(lib), float(cpu)))  # type: ignore[arg-type]
+                    times[(name, k, m, int(n))].append((str(lib), float(cpu)))
     names = [lib.name if lib.name != "bin" else lib.parent.name for lib in libs]
     print(f"CPU ms per mul_mat batch, {args.threads} thread(s), median of {args.rounds} interleaved rounds "
           f"(each the median of 7 repetitions)\n")
