@@ -18,6 +18,7 @@ import numpy as np
 
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGML_TYPES = {0: "F32", 1: "F16", 8: "Q8_0"}
+_U64 = struct.Struct("<Q").unpack_from
 
 
 @dataclasses.dataclass
@@ -46,15 +47,17 @@ def parse_gguf(path: Path) -> ParsedGGUF:
         return data[pos - length : pos].decode("utf-8", "replace")
 
     def value(kind: int) -> object:
+        nonlocal pos
         if kind == 8:
             return string()
         if kind == 9:
             sub, count = int(take("I")), int(take("Q"))  # type: ignore[call-overload]
-            if sub == 8:
+            if sub == 8:  # skip the strings by their lengths (a vocabulary: tens of thousands)
+                skip = pos
                 for _ in range(count):
-                    string()
+                    skip += 8 + _U64(data, skip)[0]
+                pos = skip
             else:
-                nonlocal pos
                 pos += struct.calcsize("<" + _GGUF_SCALARS[sub]) * count
             return count
         return take(_GGUF_SCALARS[kind])
