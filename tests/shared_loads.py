@@ -9,9 +9,8 @@ load with the arguments of an earlier one (the same file, unchanged on disk; for
 range, weight mode and offload settings) hands out what is already loaded, and ``close`` gives it
 back instead of freeing it.  Weights and vocabularies are read-only, and each object is still its
 own (a closed one raises as before).  The least recently used idle loads beyond ``limit`` are
-freed.  Not shared: a load with a progress callback (the callback must run), and models with
-per-layer token embeddings (mapped lazily, rows loaded on demand).  A test marked ``own_loads``
-(one that checks loading itself: leaks, file descriptors) loads afresh.
+freed.  Not shared: a load with a progress callback (the callback must run).  A test marked
+``own_loads`` (one that checks loading itself: leaks, file descriptors) loads afresh.
 """
 
 from __future__ import annotations
@@ -54,15 +53,14 @@ class SharedLoads:
                 return
             shared._share(model, key, lambda owner: model_init(owner, path, layers, use_mmap=use_mmap,
                                                                n_gpu_layers=n_gpu_layers, offload=offload),
-                          model_close, lambda owner: bool(owner.info.embeds_tokens))
+                          model_close)
 
         def init_tokenizer(tokenizer: Tokenizer, path: Any) -> None:
             key = shared._key(path, "vocabulary")
             if key is None:
                 tokenizer_init(tokenizer, path)
                 return
-            shared._share(tokenizer, key, lambda owner: tokenizer_init(owner, path), tokenizer_close,
-                          lambda owner: False)
+            shared._share(tokenizer, key, lambda owner: tokenizer_init(owner, path), tokenizer_close)
 
         def close_model(model: Model) -> None:
             shared._give_back(model, "_ptr", model_close)
@@ -91,8 +89,7 @@ class SharedLoads:
             return None  # the real load reports it
         return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, *arguments)
 
-    def _share(self, obj: Any, key: _Key, load: Callable[[Any], None], free: Callable[[Any], None],
-               own: Callable[[Any], bool]) -> None:
+    def _share(self, obj: Any, key: _Key, load: Callable[[Any], None], free: Callable[[Any], None]) -> None:
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None:
@@ -103,9 +100,6 @@ class SharedLoads:
         owner = type(obj).__new__(type(obj))
         load(owner)  # raises as a fresh load does
         self.loads += 1
-        if own(owner):
-            obj.__dict__.update(owner.__dict__)  # this object owns it: close frees it
-            return
         with self._lock:
             entry = self._entries.setdefault(key, [owner, 0, free])
             if entry[0] is not owner:  # another thread loaded the same meanwhile
