@@ -29,7 +29,7 @@ _Key = tuple[object, ...]
 
 
 class SharedLoads:
-    def __init__(self, limit: int = 16) -> None:
+    def __init__(self, limit: int = 48) -> None:
         self.limit = limit
         self.enabled = True
         self.loads = self.reuses = 0
