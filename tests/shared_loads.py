@@ -6,7 +6,7 @@ about 100 ms, and the fast suite loaded the same few ranges of the tiny llama so
 (in-process stages, chains and references).  :class:`SharedLoads` patches
 :class:`skippy.runtime.Model` and :class:`skippy.runtime.tokenizer.Tokenizer` for the session: a
 load with the arguments of an earlier one (the same file, unchanged on disk; for a model the same
-range, weight mode and offload settings) hands out what is already loaded, and ``close`` gives it
+range, weight mode and placement on devices) hands out what is already loaded, and ``close`` gives it
 back instead of freeing it.  Weights and vocabularies are read-only, and each object is still its
 own (a closed one raises as before).  The least recently used idle loads beyond ``limit`` are
 freed.  Not shared: a load with a progress callback (the callback must run).  A test marked
@@ -45,8 +45,11 @@ class SharedLoads:
 
         def init_model(model: Model, path: Any, layers: Any = None, *, progress: Any = None,
                        use_mmap: bool | None = None, n_gpu_layers: int = -1, offload: Any = None) -> None:
+            # (of the offload settings the load reads the placement only; attention and KV types are the context's)
+            placement = None if offload is None else (offload.n_gpu_layers, offload.device_indices, offload.main_gpu,
+                                                      offload.split_mode)
             key = None if progress is not None else shared._key(path, str(layers), bool(use_mmap), n_gpu_layers,
-                                                                repr(offload))
+                                                                placement)
             if key is None:
                 model_init(model, path, layers, progress=progress, use_mmap=use_mmap, n_gpu_layers=n_gpu_layers,
                            offload=offload)
