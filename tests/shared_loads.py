@@ -9,7 +9,9 @@ load with the arguments of an earlier one (the same file, unchanged on disk; for
 range, weight mode and placement on devices) hands out what is already loaded, and ``close`` gives it
 back instead of freeing it.  Weights and vocabularies are read-only, and each object is still its
 own (a closed one raises as before).  The least recently used idle loads beyond ``limit`` are
-freed.  Not shared: a load with a progress callback (the callback must run).  A test marked
+freed.  The header facts a load reads first (``read_gguf_info``, ``model_identity``: pure functions
+of the file) are read once per file as it is on disk.  Not shared: a load with a progress callback
+(the callback must run).  A test marked
 ``own_loads`` (one that checks loading itself: leaks, file descriptors) loads afresh.
 """
 
@@ -21,6 +23,9 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
+import skippy.runtime
+import skippy.runtime.local
+import skippy.runtime.model
 from skippy.runtime.ffi import ffi
 from skippy.runtime.model import Model
 from skippy.runtime.tokenizer import Tokenizer
@@ -37,6 +42,10 @@ class SharedLoads:
         self._entries: OrderedDict[_Key, list[Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._originals = {cls: (cls.__init__, cls.close) for cls in (Model, Tokenizer)}
+        #: the header facts every load reads first, wherever a module holds them
+        self._facts = [(module, name) for module in (skippy.runtime, skippy.runtime.model, skippy.runtime.local)
+                       for name in ("read_gguf_info", "model_identity") if hasattr(module, name)]
+        self._original_facts = [getattr(module, name) for module, name in self._facts]
 
     def install(self) -> None:
         shared = self
@@ -73,10 +82,29 @@ class SharedLoads:
 
         Model.__init__, Model.close = init_model, close_model  # type: ignore[method-assign]
         Tokenizer.__init__, Tokenizer.close = init_tokenizer, close_tokenizer  # type: ignore[method-assign]
+        for module, name in self._facts:
+            setattr(module, name, self._remembered(getattr(module, name)))
+
+    def _remembered(self, read: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        """``read`` (a pure function of the file) once per file as it is on disk, for each spelling of its path."""
+        answers: dict[_Key, Any] = {}
+
+        def remembered(path: Any) -> Any:
+            key = self._key(path)
+            if key is None:
+                return read(path)
+            key = (os.fspath(path), *key)
+            if key not in answers:
+                answers[key] = read(path)  # (raises as before: nothing kept)
+            return answers[key]
+
+        return remembered
 
     def uninstall(self) -> None:
         for cls, (init, close) in self._originals.items():
             cls.__init__, cls.close = init, close  # type: ignore[method-assign]
+        for (module, name), original in zip(self._facts, self._original_facts):
+            setattr(module, name, original)
         with self._lock:
             for key, (owner, users, free) in list(self._entries.items()):
                 if users == 0:  # (one still open belongs to a test that never closed it)
@@ -90,7 +118,7 @@ class SharedLoads:
             stat = os.stat(path)
         except (OSError, TypeError, ValueError):
             return None  # the real load reports it
-        return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, *arguments)
+        return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, *arguments)
 
     def _share(self, obj: Any, key: _Key, load: Callable[[Any], None], free: Callable[[Any], None]) -> None:
         with self._lock:
