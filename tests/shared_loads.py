@@ -11,8 +11,8 @@ back instead of freeing it.  Weights and vocabularies are read-only, and each ob
 own (a closed one raises as before).  The least recently used idle loads beyond ``limit`` are
 freed.  The header facts a load reads first (``read_gguf_info``, ``model_identity``: pure functions
 of the file) are read once per file as it is on disk.  Not shared: a load with a progress callback
-(the callback must run).  A test marked
-``own_loads`` (one that checks loading itself: leaks, file descriptors) loads afresh.
+(the callback must run).  A test marked ``own_loads`` (one that checks loading itself: leaks, file
+descriptors) loads afresh.
 """
 
 from __future__ import annotations
@@ -86,14 +86,13 @@ class SharedLoads:
             setattr(module, name, self._remembered(getattr(module, name)))
 
     def _remembered(self, read: Callable[[Any], Any]) -> Callable[[Any], Any]:
-        """``read`` (a pure function of the file) once per file as it is on disk, for each spelling of its path."""
+        """``read`` (a pure function of the file) once per file as it is on disk and spelling of its path."""
         answers: dict[_Key, Any] = {}
 
         def remembered(path: Any) -> Any:
             key = self._key(path)
             if key is None:
                 return read(path)
-            key = (os.fspath(path), *key)
             if key not in answers:
                 answers[key] = read(path)  # (raises as before: nothing kept)
             return answers[key]
@@ -118,7 +117,9 @@ class SharedLoads:
             stat = os.stat(path)
         except (OSError, TypeError, ValueError):
             return None  # the real load reports it
-        return (os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns, *arguments)
+        # (the path as given: a loaded object reports it, in its info and messages)
+        return (os.fspath(path), os.path.realpath(path), stat.st_ino, stat.st_size, stat.st_mtime_ns, stat.st_ctime_ns,
+                *arguments)
 
     def _share(self, obj: Any, key: _Key, load: Callable[[Any], None], free: Callable[[Any], None]) -> None:
         with self._lock:
