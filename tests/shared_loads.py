@@ -6,12 +6,13 @@ about 100 ms, and the fast suite loaded the same few ranges of the tiny llama so
 (in-process stages, chains and references).  :class:`SharedLoads` patches
 :class:`skippy.runtime.Model` and :class:`skippy.runtime.tokenizer.Tokenizer` for the session: a
 load with the arguments of an earlier one (the same file, unchanged on disk; for a model the same
-range, weight mode and placement on devices) hands out what is already loaded, and ``close`` gives it
-back instead of freeing it.  Weights and vocabularies are read-only, and each object is still its
-own (a closed one raises as before).  The least recently used idle loads beyond ``limit`` are
-freed.  The header facts a load reads first (``read_gguf_info``, ``model_identity``: pure functions
-of the file) are read once per file as it is on disk.  Not shared: a load with a progress callback
-(the callback must run).  A test marked ``own_loads`` (one that checks loading itself: leaks, file
+range, weight mode and placement on devices) hands out what is already loaded, and ``close`` gives
+it back instead of freeing it.  Weights and vocabularies are read-only, and each object is still
+its own (a closed one raises as before).  The least recently used idle loads beyond ``limit``
+loads or ``budget`` bytes of weights (the real model's ranges are hundreds of MiB) are freed.  The
+header facts a load reads first (``read_gguf_info``, ``model_identity``: pure functions of the
+file) are read once per file as it is on disk.  Not shared: a load with a progress callback (the
+callback must run).  A test marked ``own_loads`` (one that checks loading itself: leaks, file
 descriptors) loads afresh.
 """
 
@@ -34,11 +35,12 @@ _Key = tuple[object, ...]
 
 
 class SharedLoads:
-    def __init__(self, limit: int = 48) -> None:
+    def __init__(self, limit: int = 48, budget: int = 512 << 20) -> None:
         self.limit = limit
+        self.budget = budget
         self.enabled = True
         self.loads = self.reuses = 0
-        #: key -> [the owning object, shared objects open, how to free the owner]
+        #: key -> [the owning object, shared objects open, how to free the owner, its weights' bytes]
         self._entries: OrderedDict[_Key, list[Any]] = OrderedDict()
         self._lock = threading.Lock()
         self._originals = {cls: (cls.__init__, cls.close) for cls in (Model, Tokenizer)}
@@ -105,7 +107,7 @@ class SharedLoads:
         for (module, name), original in zip(self._facts, self._original_facts):
             setattr(module, name, original)
         with self._lock:
-            for key, (owner, users, free) in list(self._entries.items()):
+            for key, (owner, users, free, _) in list(self._entries.items()):
                 if users == 0:  # (one still open belongs to a test that never closed it)
                     free(owner)
                     del self._entries[key]
@@ -133,7 +135,7 @@ class SharedLoads:
         load(owner)  # raises as a fresh load does
         self.loads += 1
         with self._lock:
-            entry = self._entries.setdefault(key, [owner, 0, free])
+            entry = self._entries.setdefault(key, [owner, 0, free, int(getattr(owner, "size_bytes", 0))])
             if entry[0] is not owner:  # another thread loaded the same meanwhile
                 free(owner)
             self._adopt(obj, key, entry)
@@ -160,7 +162,12 @@ class SharedLoads:
             self._evict()
 
     def _evict(self) -> None:
-        idle = [key for key, (_, users, _) in self._entries.items() if users == 0]
-        for key in idle[: max(0, len(self._entries) - self.limit)]:
-            owner, _, free = self._entries.pop(key)
+        """Free the least recently used idle loads beyond ``limit`` loads or ``budget`` bytes of idle weights."""
+        idle = [key for key, (_, users, _, _) in self._entries.items() if users == 0]
+        idle_bytes = sum(self._entries[key][3] for key in idle)
+        for key in idle:
+            if len(self._entries) <= self.limit and idle_bytes <= self.budget:
+                break
+            owner, _, free, size = self._entries.pop(key)
+            idle_bytes -= size
             free(owner)
