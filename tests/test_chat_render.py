@@ -172,8 +172,8 @@ def test_collected_templates(path: Path, conversation: str) -> None:
     assert_same(path.read_text(), "<s>", "</s>", CONVERSATIONS[conversation])
 
 
-@pytest.mark.parametrize(("fast", "tools", "refusals"), [(True, 12, 4), pytest.param(False, 20, 3, marks=pytest.mark.slow)],
-                         ids=["fast-templates", "all"])
+@pytest.mark.parametrize(("fast", "tools", "refusals"),
+                         [(True, 12, 4), pytest.param(False, 20, 3, marks=pytest.mark.slow)], ids=["fast-templates", "all"])
 def test_the_collected_templates_use_tools_and_refuse(fast: bool, tools: int, refusals: int) -> None:
     """The collection really exercises tools and refusals (not every template erroring the same way)."""
     tool_aware = refusing = 0
