@@ -1,10 +1,13 @@
-"""Shared fixtures: generated models (cached by spec), the real model, and the prompt used across tests."""
+"""Shared fixtures: generated models (cached by spec) and their loads (shared by the session), the real model,
+and the prompt used across tests."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from shared_loads import SharedLoads
 
 from skippy.models.cache import ensure_model
 from skippy.models.real import RealModelUnavailable, ensure_real_model
@@ -12,6 +15,30 @@ from skippy.models.spec import tiny
 
 #: Token ids of a short English prompt in the llama-spm vocabulary ("Hello world, how are you doing").
 PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599, 13, 450, 4996, 17354]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _shared_loads() -> Iterator[SharedLoads]:
+    """Weights loaded once per session (tests/shared_loads.py)."""
+    shared = SharedLoads()
+    shared.install()
+    try:
+        yield shared
+    finally:
+        shared.uninstall()
+
+
+@pytest.fixture(autouse=True)
+def _own_loads(request: pytest.FixtureRequest, _shared_loads: SharedLoads) -> Iterator[None]:
+    """A test marked ``own_loads`` loads its models afresh."""
+    if request.node.get_closest_marker("own_loads") is None:
+        yield
+        return
+    _shared_loads.enabled = False
+    try:
+        yield
+    finally:
+        _shared_loads.enabled = True
 
 
 @pytest.fixture(scope="session")

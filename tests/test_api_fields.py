@@ -90,7 +90,8 @@ def _section(text: str, title: str) -> str:
     return text[start:] if end < 0 else text[start:end]
 
 
-@pytest.mark.parametrize("api", ["responses", "messages"])
+# (messages in the full suite: importing the Anthropic SDK's types takes a second and more)
+@pytest.mark.parametrize("api", ["responses", pytest.param("messages", marks=pytest.mark.slow)])
 def test_every_responses_and_messages_sdk_field_is_documented_and_served_or_refused(api: str) -> None:
     """Each field of the official SDK's create() is in the API's docs table, and is either read
     (served or a documented no-op) or a 400 naming it."""

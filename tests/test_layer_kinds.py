@@ -1,7 +1,7 @@
 # Issue 25's bad-input and memory checks of recurrent and hybrid models (skippy.runtime.layer_kinds).
 #
-# Strategy: a tiny hybrid is copied with one tensor added or removed (gguf's reader and writer,
-# every key and the other tensors unchanged), so its recurrent tensors no longer match the layer
+# Strategy: a tiny hybrid is copied with one tensor added or removed (gguf_helpers.copy_gguf: the
+# key/value section byte for byte, the other tensors unchanged), so its recurrent tensors no longer match the layer
 # kinds its metadata declares; every stage of it, whichever layers it holds, is refused before
 # llama.cpp sees it, naming the tensor.  The memory figures are checked against what llama.cpp
 # itself keeps: a session's saved state on a stage is its recurrent state per sequence plus, per
@@ -10,14 +10,13 @@
 # context's MemoryReport) report the same ones.
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import gguf
 import numpy as np
 import pytest
 from chain_helpers import ChainModels, InProcessChain
+from gguf_helpers import RawTensor, copy_gguf
 from stage_helpers import inprocess_chain
 
 from skippy.deploy.plan import ModelShape
@@ -34,31 +33,7 @@ CELL_METADATA = 12
 #: ... and, with M-RoPE, a llama_kv_cell_ext (x, y, token).
 CELL_EXT = 12
 PROMPT = [1, 450, 4996, 17354, 1701, 432, 17204, 975, 278, 17366, 11203, 29889]
-Tensors = list[tuple[str, gguf.ReaderTensor]]
-
-
-@functools.cache
-def _reader(source: Path) -> gguf.GGUFReader:
-    """One parse per source file (gguf-py's parse of a 32000-token vocabulary takes about a second)."""
-    return gguf.GGUFReader(str(source))
-
-
-def copy_gguf(source: Path, destination: Path, edit: Callable[[Tensors], Tensors]) -> Path:
-    """``source`` with every key and the tensors ``edit`` returns (raw bytes and types kept)."""
-    reader = _reader(source)
-    writer = gguf.GGUFWriter(str(destination), str(reader.fields["general.architecture"].contents()))
-    for name, field in reader.fields.items():
-        if name.startswith("GGUF.") or name == "general.architecture":
-            continue
-        kind = field.types[0]
-        writer.add_key_value(name, field.contents(), kind, field.types[1] if kind == gguf.GGUFValueType.ARRAY else None)
-    for name, tensor in edit([(t.name, t) for t in reader.tensors]):
-        writer.add_tensor(name, np.array(tensor.data), raw_dtype=tensor.tensor_type)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return destination
+Tensors = list[tuple[str, RawTensor]]
 
 
 def _conv_on_attention_layer(tensors: Tensors) -> Tensors:
@@ -97,10 +72,12 @@ def test_recurrent_tensors_that_do_not_match_the_declared_layers_are_refused(
             Model(bad, layers)
 
 
-@pytest.mark.slow
 def test_an_unchanged_copy_loads(tmp_path: Path) -> None:
-    """The copy itself is faithful: without an edit the file loads (so the refusals above are the edits')."""
-    good = copy_gguf(ensure_model(tiny("qwen35")), tmp_path / "qwen35-copy.gguf", lambda tensors: tensors)
+    """The copy itself is faithful: without an edit it is the source byte for byte, and the file
+    loads (so the refusals above are the edits')."""
+    source = ensure_model(tiny("qwen35"))
+    good = copy_gguf(source, tmp_path / "qwen35-copy.gguf", lambda tensors: tensors)
+    assert good.read_bytes() == source.read_bytes()
     with Model(good, "0:2") as model:
         assert model.layers.n_layers == 2
 

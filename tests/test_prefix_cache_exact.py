@@ -73,7 +73,14 @@ async def test_a_hit_equals_the_uncached_answer(arch: str, caplog: pytest.LogCap
         assert hit == 2 * PAGE and cached == plain
 
 
-@pytest.mark.parametrize("arch", OFF)
+def test_every_family_at_risk_is_refused_the_cache() -> None:
+    """The refusal table (the runs below check its effect end to end, one family in the fast suite)."""
+    assert [arch for arch in OFF if prefix_cache_refusal(arch) is None] == []
+    assert [arch for arch in ON if prefix_cache_refusal(arch) is not None] == []
+
+
+@pytest.mark.parametrize("arch", [pytest.param(arch, marks=() if arch == OFF[0] else (pytest.mark.slow,))
+                                  for arch in OFF])
 async def test_a_sparse_selection_stage_runs_without_the_cache(arch: str, caplog: pytest.LogCaptureFixture) -> None:
     runs, has_cache = await _cached_and_plain(arch, caplog)
     assert not has_cache

@@ -108,6 +108,7 @@ def test_activations_view_is_rows_by_width_without_copy() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.own_loads
 def test_open_close_does_not_leak() -> None:
     def cycle() -> None:
         with Model(model_path(), "1:3") as model, StageContext(model, n_ctx=128, n_batch=16, threads=1) as ctx:

@@ -49,14 +49,22 @@ def test_the_stage_process_chooses_before_libgomp_loads() -> None:
     stage = ["-m", "skippy.stage", "--help"]
     assert _libgomp_spincount([*stage, "--threads", str(cores)]) == str(SPIN_COUNT)  # fits: spin
     assert _libgomp_spincount([*stage, f"--threads={cores + 1}"]) == "0"  # more threads than cores: PASSIVE
+    # any other process importing the package (a test, a launcher) keeps libgomp's default
+    assert _libgomp_spincount(["-c", "import skippy.stage"]) == "300000"
+
+
+@pytest.mark.slow
+def test_every_setting_reaches_libgomp_in_the_stage_process() -> None:
+    """The other flags and the environment, each in a stage process (choose_wait's own tests
+    cover the same decisions in this process; each process costs a third of a second)."""
+    cores = host_cores()
+    stage = ["-m", "skippy.stage", "--help"]
     assert _libgomp_spincount([*stage, "--threads", "1", "--host-threads", str(cores + 1)]) == "0"
     assert _libgomp_spincount([*stage, "--threads", "1", "--thread-wait", "passive"]) == "0"
     assert _libgomp_spincount([*stage, "--threads", str(cores + 1), "--thread-wait", "spin"]) == str(SPIN_COUNT)
     # the environment overrides every flag
     assert _libgomp_spincount([*stage, "--thread-wait", "passive"], OMP_WAIT_POLICY="ACTIVE") == "30000000000"
     assert _libgomp_spincount([*stage, "--threads", str(cores + 1)], GOMP_SPINCOUNT="1000") == "1000"
-    # any other process importing the package (a test, a launcher) keeps libgomp's default
-    assert _libgomp_spincount(["-c", "import skippy.stage"]) == "300000"
 
 
 def test_only_the_stage_entry_point_is_recognised() -> None:
