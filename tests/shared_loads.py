@@ -55,15 +55,17 @@ class SharedLoads:
         tokenizer_init, tokenizer_close = self._originals[Tokenizer]
 
         def init_model(model: Model, path: Any, layers: Any = None, *, progress: Any = None,
-                       use_mmap: bool | None = None, n_gpu_layers: int = -1, offload: Any = None) -> None:
+                       use_mmap: bool | None = None, n_gpu_layers: int = -1, offload: Any = None,
+                       **head: Any) -> None:
             # (of the offload settings the load reads the placement only; attention and KV types are the context's)
             placement = None if offload is None else (offload.n_gpu_layers, offload.device_indices, offload.main_gpu,
                                                       offload.split_mode)
-            key = None if progress is not None else shared._key(path, str(layers), bool(use_mmap), n_gpu_layers,
-                                                                placement)
+            # (a head split, a head alone or no head: a load of its own, never shared)
+            key = None if progress is not None or head else shared._key(path, str(layers), bool(use_mmap),
+                                                                        n_gpu_layers, placement)
             if key is None:
                 model_init(model, path, layers, progress=progress, use_mmap=use_mmap, n_gpu_layers=n_gpu_layers,
-                           offload=offload)
+                           offload=offload, **head)
                 return
             shared._share(model, key, lambda owner: model_init(owner, path, layers, use_mmap=use_mmap,
                                                                n_gpu_layers=n_gpu_layers, offload=offload),
