@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from skippy.driver.speculation import SpeculationConfig, SpeculationUsage, SpeculativeDecoder
-from skippy.driver.speculation.controller import ControllerConfig
+from skippy.driver.speculation.controller import ControllerConfig, SessionLoad
 
 StageCost = Callable[[int], float]
 
@@ -47,6 +47,8 @@ class SimResult:
     seconds: float
     usage: SpeculationUsage
     window_sizes: list[int] = field(default_factory=list)
+    #: Per reply of a window with drafts: (rows, continuation, drafts kept, drafts judged, stale).
+    windows: list[tuple[int, bool, int, int, bool]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,23 +61,26 @@ def linear_cost(single_row: float, extra_row: float) -> StageCost:
 
 
 def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
-             config: SpeculationConfig, *, driver_time: bool = True) -> SimResult:
+             config: SpeculationConfig, *, driver_time: bool = True, load: SessionLoad | None = None) -> SimResult:
     """Decode ``stream`` (the target's tokens after ``prompt``) through the modelled chain.
 
     ``driver_time``: the decoder's own Python time (measured) advances the simulated clock; off, the
     run is deterministic (the tests' setting: a loaded host must not change a decision).
+    ``load``: the chain's :class:`SessionLoad`, shared by consecutive requests as the Generator's
+    is (what one request measured, the next adopts).
 
     Returns:
         Tokens, simulated seconds from the first decode step, and the usage counters.
     """
     full = list(prompt) + list(stream)
     stages = len(chain.stage_costs)
-    decoder = SpeculativeDecoder(prompt, stream[0], config=config, max_tokens=len(stream))
+    decoder = SpeculativeDecoder(prompt, stream[0], config=config, max_tokens=len(stream), load=load)
     free = [0.0] * stages
     in_flight: deque[tuple[float, int, float, float, tuple[int, ...], int]] = deque()
     now = 0.0
     last_reply = 0.0
     sizes: list[int] = []
+    windows: list[tuple[int, bool, int, int, bool]] = []
 
     def send(base: int, tokens: tuple[int, ...], window_id: int, sent_at: float) -> None:
         rows = len(tokens)
@@ -101,13 +106,16 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         now = max(now, arrival)
         predicted = [full[base + i + 1] if base + i + 1 < len(full) else 0 for i in range(len(tokens))]
         started = time.perf_counter()
-        decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute,
-                         interval_seconds=now - max(sent_at, last_reply))
+        outcome = decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute,
+                                   interval_seconds=now - max(sent_at, last_reply))
+        if outcome.window.drafts:
+            windows.append((len(tokens), outcome.window.continuation, outcome.accepted, outcome.proposed,
+                            outcome.stale))
         last_reply = now
         now += time.perf_counter() - started if driver_time else 0.0
     if decoder.generated != list(stream):
         raise AssertionError("speculative decoding changed the greedy output")
-    return SimResult(len(stream), now, decoder.usage, sizes)
+    return SimResult(len(stream), now, decoder.usage, sizes, windows)
 
 
 def measure_stage_costs(path: Path, split: list[tuple[int, int]], max_rows: int, reps: int = 5) -> list[StageCost]:
