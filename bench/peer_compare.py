@@ -50,8 +50,12 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   with the controller's bets not calibrating it (``ControllerConfig(calibrate=False)``, the
   controller before it; **... raw**), on the same chains, interleaved.  ``--spec-trace`` prints
   each speculating request's windows (e/c: epoch start / continuation, rows, drafts kept /
-  judged, s: stale, @ the position in the continuation).  Each variant has its own generator, so
-  its requests share their chain's costs and bets as a server's requests do.
+  judged, s: stale, @ the position in the continuation) and the controller's state at its end.
+  ``--spec-plain`` adds **skippy k nospec**: the same generator's requests without speculation
+  (a plain request: decode runs), and **skippy k spec off**: speculating requests whose controller
+  never sends a window (the speculating path's plain steps: what it costs apart from the
+  controller's decisions).  Each variant has its
+  own generator, so its requests share their chain's costs and bets as a server's requests do.
 * Peers: without ``--no-build`` the stock binaries are built (``bench/peer_build.py``); when the
   build fails, or with ``--no-build`` one is missing, the stock and RPC variants are skipped with
   a message saying so and skippy 1 stage is the reference of the ratios.
@@ -370,20 +374,33 @@ class _TracedDecoder(SpeculativeDecoder):
         return outcome
 
 
+def _controller_state(decoder: SpeculativeDecoder) -> str:
+    """The controller's view at a request's end: R, c_1, C(2), C(9) and the pipelined correction
+    (ms), the bets' q by band (a1 0.5 / 0.6 / 0.8 / 0.9) and the chain's plain steps since a window."""
+    control = decoder.controller
+    cost = control.cost
+    bands = "/".join(f"{control.calibration(rate):.2f}" for rate in (0.5, 0.6, 0.8, 0.9))
+    return (f"[R {cost.round_trip * 1e3:.1f} c1 {cost.single_row * 1e3:.1f} C2 {cost.compute(2) * 1e3:.1f} "
+            f"C9 {cost.compute(9) * 1e3:.1f} corr {cost.correction(2):.2f} q {bands} "
+            f"plain {control.plain_steps_since_window}]")
+
+
 class Speculation:
     """Greedy speculation through a chain by the driver's generator (a fresh session each time).
 
     ``prompt``: the token prompt (default: :data:`CODE`'s); ``controller``: the generator's
     speculation settings (``stages`` is filled in per chain); ``trace``: keep each request's windows
-    (:attr:`windows`)."""
+    (:attr:`windows`); ``speculate``: False decodes the same requests without speculation."""
 
     def __init__(self, model: Path, steps: int, *, prompt: Sequence[int] | None = None,
-                 controller: ControllerConfig = ControllerConfig(), trace: bool = False) -> None:
+                 controller: ControllerConfig = ControllerConfig(), trace: bool = False,
+                 speculate: bool = True) -> None:
         self.generator = Generator.from_model(model, n_ctx=1024, chunk_size=128, controller=controller)
         self.prompt = tuple(self.generator.encode(CODE)) if prompt is None else tuple(prompt)
         self.steps = steps
         self.session = 100
         self.trace = trace
+        self.speculate = speculate
         #: The last run's tokens and acceptance rate (compared across chains by the caller).
         self.tokens: list[int] = []
         self.acceptance = 0.0
@@ -394,7 +411,7 @@ class Speculation:
     async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
         pids = [process.pid for process in PROCESSES.get(address, [])]
         self.session += 1
-        request = GenerationRequest(self.prompt, tokens, speculation=True)
+        request = GenerationRequest(self.prompt, tokens, speculation=self.speculate)
         async with await StageClient.connect(address) as client:
             cpu_started = cpu_seconds(pids)
             if self.trace:
@@ -403,7 +420,8 @@ class Speculation:
                 done = await self.generator.generate(client, request, self.session)
             finally:
                 generator_module.SpeculativeDecoder = SpeculativeDecoder  # type: ignore[misc]
-            self.windows = _TracedDecoder.last.trace if self.trace and _TracedDecoder.last else []
+            traced = _TracedDecoder.last
+            self.windows = [*traced.trace, _controller_state(traced)] if self.trace and traced else []
             _TracedDecoder.last = None
             return done, cpu_seconds(pids) - cpu_started
 
@@ -516,6 +534,11 @@ BOUNDARY_PAIRS = [
     ("skippy 1 spec", "skippy 1", 1), ("skippy 2 spec", "skippy 2", 1), ("skippy 4 spec", "skippy 4", 1),
     ("skippy 1 spec raw", "skippy 1", 1), ("skippy 2 spec raw", "skippy 2", 1), ("skippy 4 spec raw", "skippy 4", 1),
     ("skippy 4 loop", "skippy 4", 1), ("skippy 4 loop raw", "skippy 4", 1),
+    ("skippy 2 nospec", "skippy 1 nospec", 1), ("skippy 4 nospec", "skippy 1 nospec", 3),
+    ("skippy 2 spec off", "skippy 1 spec off", 1), ("skippy 4 spec off", "skippy 1 spec off", 3),
+    ("skippy 1 spec off", "skippy 1", 1), ("skippy 2 spec off", "skippy 2", 1), ("skippy 4 spec off", "skippy 4", 1),
+    ("skippy 1 spec", "skippy 1 nospec", 1), ("skippy 2 spec", "skippy 2 nospec", 1),
+    ("skippy 4 spec", "skippy 4 nospec", 1),
 ]
 
 
@@ -561,6 +584,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spec-ab", action="store_true",
                         help="with --speculation: also each with the bets not calibrating the controller (raw)")
     parser.add_argument("--spec-trace", action="store_true", help="print each speculating request's windows")
+    parser.add_argument("--spec-plain", action="store_true",
+                        help="with --speculation: also the generator's requests without speculation (nospec)")
     parser.add_argument("--issue27", action="store_true",
                         help="issue 27's peer run: --direct-return --speculation --spec-loop --no-prefill")
     parser.add_argument("--decode-runs", action="store_true",
@@ -629,16 +654,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                     decode_runs[f"{name[:-len(' relay-off')]} direct relay-off"] = []
         speculations: dict[str, tuple[Speculation, str]] = {}  # variant -> (its generator, its chain)
         if args.speculation:  # the same chains, greedy speculation by the generator (decode only)
-            for suffix, prompt in (("spec", None), *((("loop", LOOP),) if args.spec_loop else ())):
-                for raw in (False, True) if args.spec_ab else (False,):
-                    speculation = Speculation(model, args.steps, prompt=prompt, trace=args.spec_trace,
-                                              controller=ControllerConfig(calibrate=not raw))
-                    stack.callback(speculation.close)
-                    for name in measured:
-                        trio.run(speculation.decode, chains[name])  # its first request
-                        variant = f"{name} {suffix}{' raw' if raw else ''}"
-                        speculations[variant] = (speculation, name)
-                        decode_runs[variant] = []
+            kinds = [("spec", None, ""), *([("spec", None, " raw")] if args.spec_ab else []),
+                     *([("nospec", None, ""), ("spec", None, " off")] if args.spec_plain else []),
+                     *([("loop", LOOP, "")] if args.spec_loop else []),
+                     *([("loop", LOOP, " raw")] if args.spec_loop and args.spec_ab else [])]
+            for suffix, prompt, raw in kinds:
+                controller = ControllerConfig(calibrate=raw != " raw")
+                if raw == " off":  # the speculating path's plain steps only: no window, no probe
+                    controller = dataclasses.replace(controller, min_gain=1e9, probe_interval=1 << 30,
+                                                     refresh_interval=1 << 30)
+                speculation = Speculation(model, args.steps, prompt=prompt, trace=args.spec_trace,
+                                          controller=controller, speculate=suffix != "nospec")
+                stack.callback(speculation.close)
+                for name in measured:
+                    trio.run(speculation.decode, chains[name])  # its first request
+                    variant = f"{name} {suffix}{raw}"
+                    speculations[variant] = (speculation, name)
+                    decode_runs[variant] = []
         spec_tokens: dict[str, dict[str, list[int]]] = {}  # by prompt
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4") if peer is not None else ("skippy 2", "skippy 4"):

@@ -34,7 +34,8 @@
 #   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
 #   with a draft available one small real window (K <= 2) is allowed while no window's cost was
 #   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
-#   so a wrong prior can neither lock speculation on nor off.
+#   so a wrong prior can neither lock speculation on nor off.  The steps are counted per chain
+#   (`BetRecord.plain_steps`): requests shorter than the interval still probe.
 # * Each request has its own controller; a request that starts alone on the chain adopts the cost
 #   model (R, c_1, the windows' line, the realized waits) of the last one that measured a window
 #   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
@@ -221,6 +222,10 @@ class BetRecord:
     #: Per band: (expected, kept), discounted.
     bands: list[tuple[float, float]] = field(default_factory=lambda: [(0.0, 0.0)] * (len(_BET_BANDS) + 1))
     bets: int = 0
+    #: Plain steps with a draft since the chain's last window (the probes' clock: per chain, so
+    #: that short requests still probe every ``refresh_interval`` steps; per request they never did
+    #: and a window cost measured under load, adopted by every request, kept windows off for good).
+    plain_steps: int = 0
 
     @staticmethod
     def band(rate: float) -> int:
@@ -511,7 +516,6 @@ class SpeculationController:
     #: drafts too).
     later: list[AcceptanceEstimator] = field(init=False)
     later_pooled: AcceptanceEstimator = field(init=False)
-    plain_steps_since_window: int = 0
     #: The chain's bets (a :class:`SessionLoad`'s, shared, when the decoder has one).
     bets: BetRecord = field(init=False)
     #: The last :meth:`plan`'s bet: (drafts, expected kept, raw first-draft rate) of the window the
@@ -539,6 +543,15 @@ class SpeculationController:
         later = self.later_acceptance(match_length)
         first = later if continuation else self.acceptance(match_length)
         return expected_tokens(first, drafts, later) - 1.0, first
+
+    @property
+    def plain_steps_since_window(self) -> int:
+        """Plain steps with a draft since the chain's last window (:attr:`BetRecord.plain_steps`)."""
+        return self.bets.plain_steps
+
+    @plain_steps_since_window.setter
+    def plain_steps_since_window(self, steps: int) -> None:
+        self.bets.plain_steps = steps
 
     @staticmethod
     def bucket_of(match_length: int) -> int:
