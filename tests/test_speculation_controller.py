@@ -315,13 +315,16 @@ def benchmark_like(seed: int = 5) -> tuple[list[int], list[int]]:
 
 
 def requests_on_a_chain(stages: int, streams: list[tuple[list[int], list[int]]], calibrate: bool = True,
-                        ) -> list[tuple[float, int]]:
+                        costs: CostModel | None = None) -> list[tuple[float, int]]:
     """(speedup over plain decode, windows sent) of each request, in order, through one simulated
-    CPU chain whose requests share a SessionLoad, as the Generator's do."""
+    CPU chain whose requests share a SessionLoad, as the Generator's do (``costs``: the chain's
+    cost model before the first)."""
     sim = load_sim()
     chain = sim.ChainModel([lambda rows: cpu_f16(rows) / stages] * stages, 0.0002, 0.0005)
     config = SpeculationConfig(controller=ControllerConfig(stages=stages, calibrate=calibrate))
     load = SessionLoad()
+    if costs is not None:
+        load.costs[stages] = costs
     out = []
     for prompt, stream in streams:
         plain = sim.simulate(prompt, stream, chain, SpeculationConfig(enabled=False), driver_time=False)
@@ -371,3 +374,18 @@ def test_bets_are_kept_by_band() -> None:
     assert record.factor(0.65) == 1.0
     with pytest.raises(ValueError):
         ControllerConfig(bet_weight=0.0)
+
+
+def test_short_requests_still_probe() -> None:
+    """Windows measured while the host was loaded (5x their cost) are adopted by every request;
+    probes come every refresh_interval plain steps, which a 64-token request never reached: the
+    chain's plain steps are counted across its requests now, so a loop is probed again."""
+    loaded = CostModel(0.25, 16.0)
+    for _ in range(3):
+        loaded.observe(1, cpu_f16(1) + 0.001, cpu_f16(1))
+    for rows in (2, 5, 9) * 4:
+        loaded.observe(rows, 5 * cpu_f16(rows), 5 * cpu_f16(rows))
+    loop = ([101, 102] * 20, [103] * 64)
+    runs = requests_on_a_chain(2, [loop] * 10, costs=loaded)
+    probes = [windows for _, windows in runs if windows]
+    assert 1 <= len(probes) <= 3 and max(probes) == 1, runs
