@@ -6,6 +6,7 @@
 #
 # * stage i runs messages FIFO; a message of n rows occupies it for overhead + c_i(n), where
 #   c_i(n) is measured on the real stage split (`LocalChain`, per-stage decode times) or given;
+#   with `cores` the stages share that many cores (a message's traversal is placed when sent);
 # * each stage boundary adds a one-way delay (default 5 ms); the driver sits next to stage 0 and
 #   the final stage returns predictions straight to the driver across one boundary, so a 2-stage
 #   chain has a 10 ms network round trip;
@@ -39,6 +40,9 @@ class ChainModel:
     stage_costs: Sequence[StageCost]
     one_way_delay: float = 0.005
     stage_overhead: float = 0.0003
+    #: Cores the stages share (None: one each): a stage computes only on a free core, so a
+    #: pipeline of more stages than cores does not overlap fully (this host: 2 cores).
+    cores: int | None = None
 
 
 @dataclass
@@ -76,6 +80,7 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
     stages = len(chain.stage_costs)
     decoder = SpeculativeDecoder(prompt, stream[0], config=config, max_tokens=len(stream), load=load)
     free = [0.0] * stages
+    cores = [0.0] * (chain.cores or stages)  # when each core is next free
     in_flight: deque[tuple[float, int, float, float, tuple[int, ...], int]] = deque()
     now = 0.0
     last_reply = 0.0
@@ -89,8 +94,9 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         for index, cost in enumerate(chain.stage_costs):
             busy = cost(rows)
             compute += busy
-            start = max(arrival, free[index])
-            free[index] = start + chain.stage_overhead + busy
+            core = min(range(len(cores)), key=cores.__getitem__)
+            start = max(arrival, free[index], cores[core])
+            free[index] = cores[core] = start + chain.stage_overhead + busy
             arrival = free[index] + (chain.one_way_delay if stages > 1 else 0.0)
         in_flight.append((arrival, window_id, sent_at, compute, tokens, base))
 
