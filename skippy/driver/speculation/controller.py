@@ -39,7 +39,7 @@
 # * Each request has its own controller; a request that starts alone on the chain adopts the cost
 #   model (R, c_1, the windows' line, the realized waits) of the last one that measured a window
 #   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
-# * Bets (`BetRecord`, one per chain in `SessionLoad.bets`, shared by its requests): the model
+# * Bets (`BetRecord`, carried with the cost model from request to request): the model
 #   sends a window when its estimates are highest, and on a stream of short loops that is where a
 #   loop ends (the peer benchmark: after 14 kept shadow drafts a1 read 0.63 and every 64-token
 #   request sent one pipelined pair that lost; per request, since acceptance is per request).  So
@@ -69,6 +69,7 @@
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Final, final
@@ -217,8 +218,8 @@ class BetRecord:
     first-draft rate (``_BET_BANDS``): marginal bets (a1 ~0.6, where a loop tends to end) and sure
     ones (a1 > 0.85, a loop under way) keep separate records."""
 
-    weight: float
-    halflife: float
+    weight: float = 2.0
+    halflife: float = 16.0
     #: Per band: (expected, kept), discounted.
     bands: list[tuple[float, float]] = field(default_factory=lambda: [(0.0, 0.0)] * (len(_BET_BANDS) + 1))
     bets: int = 0
@@ -279,6 +280,8 @@ class CostModel:
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     #: By plan kind (1: serial windows, 2: pipelined), discounted: (priced wait, realized wait).
     _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: The bets and the probes' clock, carried with the costs (:meth:`adopt`).
+    bets: BetRecord = field(default_factory=BetRecord)
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
         if not seen:
@@ -366,11 +369,13 @@ class CostModel:
 
     def adopt(self, other: CostModel) -> None:
         """Start from what another session measured on the same chain alone (R, c_1, the
-        windows' line, the realized waits); this model's own traversals then take over."""
+        windows' line, the realized waits, the bets and the probes' clock); this model's own
+        traversals then take over."""
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
         self._waits = dict(other._waits)
+        self.bets = dataclasses.replace(other.bets, bands=list(other.bets.bands))
 
     @property
     def ready(self) -> bool:
@@ -415,9 +420,6 @@ class SessionLoad:
         #: chains apart): a session that starts alone adopts it (R, c_1 and the windows' line),
         #: so that each request does not pay again for the windows that teach what one costs.
         self.costs: dict[int, CostModel] = {}
-        #: The chain's bets by stage count (:class:`BetRecord`), one record its sessions share: what
-        #: the windows the estimates chose kept, so that a chain where they lose stops sending them.
-        self.bets: dict[int, BetRecord] = {}
 
     def enter(self, session: object) -> None:
         self._active.add(session)
@@ -516,8 +518,6 @@ class SpeculationController:
     #: drafts too).
     later: list[AcceptanceEstimator] = field(init=False)
     later_pooled: AcceptanceEstimator = field(init=False)
-    #: The chain's bets (a :class:`SessionLoad`'s, shared, when the decoder has one).
-    bets: BetRecord = field(init=False)
     #: The last :meth:`plan`'s bet: (drafts, expected kept, raw first-draft rate) of the window the
     #: raw estimates chose (None: they chose a plain step); the decoder scores it, sent or in shadow.
     bet: tuple[int, float, float] | None = None
@@ -531,7 +531,12 @@ class SpeculationController:
         self.buckets = [AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife) for _ in _BUCKETS]
         self.later = [AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife) for _ in _BUCKETS]
         self.later_pooled = AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife)
-        self.bets = BetRecord(c.bet_weight, c.bet_halflife)
+        self.cost.bets = BetRecord(c.bet_weight, c.bet_halflife)
+
+    @property
+    def bets(self) -> BetRecord:
+        """The windows the raw estimates chose, and what they kept (carried with the costs)."""
+        return self.cost.bets
 
     def calibration(self, rate: float) -> float:
         """q at raw first-draft rate ``rate``, the factor on it (1 when ``calibrate`` is off)."""

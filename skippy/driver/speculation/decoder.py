@@ -17,10 +17,11 @@
 # * Slow start: after a rejection past a kept drafts the next window carries at most 2a + 1
 #   (a run kept whole doubles the cap), unless its extra compute is at most a plain step's.
 # * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
-# * Bets (`BetRecord`, the chain's, shared through `load`): every window sent is scored, its
-#   expected kept drafts at the raw rates against those kept (a stale window, or a continuation
-#   whose boundary guess missed: 0, its compute spent for nothing); a plain step the raw estimates would have made a window
-#   scores that window in shadow, its first K shadow drafts against the plain steps' tokens.
+# * Bets (`BetRecord`, carried from request to request with the cost model): every window sent
+#   is scored, its expected kept drafts at the raw rates against those kept (a stale window, or a
+#   continuation whose boundary guess missed: 0, its compute spent for nothing); a plain step the
+#   raw estimates would have made a window scores that window in shadow, its first K shadow drafts
+#   against the plain steps' tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -100,8 +101,6 @@ class SpeculativeDecoder:
         self.proposer = NgramProposer(prompt, n_min=config.n_min, n_max=config.n_max)
         self.proposer.append(first_token)
         self.controller = SpeculationController(config.controller)
-        if load is not None:  # one record of bets per chain, shared by its sessions
-            self.controller.bets = load.bets.setdefault(config.controller.stages, self.controller.bets)
         self.tracker = WindowTracker(int(first_token), len(prompt))
         self.generated: list[int] = [int(first_token)]
         self._plan = Plan(0, 1, 1.0)
