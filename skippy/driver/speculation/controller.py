@@ -45,9 +45,11 @@
 #   request sent one pipelined pair that lost; per request, since acceptance is per request).  So
 #   every window the estimates alone would send is a bet: its expected kept drafts (E(K) - 1 at the
 #   raw rates) against those kept, whether it was sent or, declined, scored in shadow by the plain
-#   steps after it.  The first-draft rate is planned at a1 q, q = min(1, kept / expected) with a
-#   prior of as expected (`bet_weight` drafts): a chain where such bets lose stops sending them
-#   after one or two (not once per request), and declined bets that would have won bring q back.
+#   steps after it (a stale window: 0).  The first-draft rate is planned at a1 q, q = min(1,
+#   kept / expected) of the bet's band of raw a1 (< 0.55, < 0.7, < 0.85, above: a loop's sure
+#   bets apart from marginal ones) with a prior of as expected (`bet_weight` drafts): a chain where
+#   such bets lose stops sending them after one or two (not once per request), and declined bets
+#   that would have won bring q back.
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
 # loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1; a chain's bets that

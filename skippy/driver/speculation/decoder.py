@@ -116,7 +116,7 @@ class SpeculativeDecoder:
         self._cap = config.controller.max_window
         self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
         self._bets: dict[int, tuple[float, float]] = {}  # by window id: expected kept drafts, raw first rate
-        self._shadow_bet: tuple[int, float, float] | None = None  # the shadow draft's bet (`Controller.bet`)
+        self._shadow_bet: tuple[int, float, float] | None = None  # the shadow draft's bet (`SpeculationController.bet`)
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -197,7 +197,7 @@ class SpeculativeDecoder:
             drafts = draft.tokens[:self._plan.window]
             if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
                 self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
-                self._shadow_bet = None if drafts else self.controller.bet
+                self._shadow_bet = self.controller.bet if draft.tokens and not drafts else None
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             if drafts:
                 self._bets[window.id] = self.controller.expected_kept(draft.match_length, len(drafts))
