@@ -16,11 +16,13 @@
 # rejected draft get the stream's token too: they are discarded by the acceptance rule anyway.
 #
 # Usage: PYTHONPATH=. python bench/speculation_sim.py [--tokens 160] [--delay-ms 5] [--stages 2]
+#        PYTHONPATH=. python bench/speculation_sim.py --peer-requests 8   (consecutive requests)
 from __future__ import annotations
 
 import argparse
 import re
 import statistics
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -166,6 +168,60 @@ def edit_stream(text: str) -> str:
     return "".join(lines[:middle] + ["    # edited: renamed self to this\n"] + lines[middle:])
 
 
+#: Compute of one traversal of llama-16x1024 F16 on one CPU thread, by rows (thread time;
+#: bench/RESULTS-stage.md): two rows cost 2.6 one-row steps, further rows ~0.3 each.
+CPU_F16 = {1: 0.0194, 2: 0.0503, 3: 0.0504, 4: 0.0647, 5: 0.0653, 9: 0.0882, 17: 0.1398}
+
+
+def cpu_f16(rows: int) -> float:
+    """CPU_F16 interpolated (pairs of rows cost alike)."""
+    if rows in CPU_F16:
+        return CPU_F16[rows]
+    below = max(n for n in CPU_F16 if n < rows)
+    above = min((n for n in CPU_F16 if n > rows), default=17)
+    if above == below:
+        return CPU_F16[17] + (rows - 17) * (CPU_F16[17] - CPU_F16[9]) / 8
+    return CPU_F16[below] + (CPU_F16[above] - CPU_F16[below]) * (rows - below) / (above - below)
+
+
+def peer_requests(requests: int, steps: int) -> None:
+    """bench/peer_compare.py's speculation as consecutive requests on one chain (their
+    SessionLoad shared, as the Generator's): the llama-16x1024 greedy streams of its code prompt
+    and of its LOOP, through chains of 1, 2 and 4 stages on 2 shared cores (CPU_F16 split evenly,
+    0.2 ms each way, 0.5 ms a message); each request's extra ms per token over plain decode."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer_compare import CODE, LOOP, MODEL_PRESET
+
+    from skippy.driver import Generator
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import preset
+    from skippy.runtime import SamplingParams
+    from skippy.runtime.local import LocalChain
+
+    path = ensure_model(preset(MODEL_PRESET))
+    generator = Generator.from_model(path, n_ctx=1024)
+    try:
+        code = generator.encode(CODE)
+    finally:
+        generator.close()
+    workloads: dict[str, tuple[list[int], list[int]]] = {}
+    with LocalChain(path, [(0, preset(MODEL_PRESET).n_layer)], n_ctx=1024, threads=1) as chain:
+        for name, prompt in (("code", code), ("loop", list(LOOP))):
+            workloads[name] = (prompt, chain.generate(prompt, steps, SamplingParams(), stop_at_eog=False))
+            chain.each("remove", 0)
+    for name, (prompt, stream) in workloads.items():
+        for stages in (1, 2, 4):
+            model = ChainModel([lambda rows, s=stages: cpu_f16(rows) / s] * stages, 0.0002, 0.0005, cores=2)
+            config = SpeculationConfig(controller=ControllerConfig(stages=stages))
+            plain = simulate(prompt, stream, model, SpeculationConfig(enabled=False), driver_time=False)
+            load = SessionLoad()
+            runs = [simulate(prompt, stream, model, config, driver_time=False, load=load) for _ in range(requests)]
+            extra = [(run.seconds - plain.seconds) / len(stream) * 1e3 for run in runs]
+            print(f"{name} {stages} stage(s): plain {1e3 * plain.seconds / len(stream):.2f} ms/token; speculation's "
+                  f"extra ms/token by request {' '.join(f'{x:+.2f}' for x in extra)}; requests 2..: mean "
+                  f"{statistics.mean(extra[1:] or extra):+.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=160, help="tokens generated per workload")
@@ -177,7 +233,12 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=None,
                         help="fixed one-row compute summed over stages (skips measuring; split evenly)")
     parser.add_argument("--row-ms", type=float, default=None, help="fixed extra compute per row, summed")
+    parser.add_argument("--peer-requests", type=int, default=0,
+                        help="only peer_compare's speculation, N consecutive requests per chain (peer_requests)")
     args = parser.parse_args()
+    if args.peer_requests:
+        peer_requests(args.peer_requests, 64)
+        return
 
     from skippy.runtime.local import LocalChain, even_split
     from skippy.models.cache import ensure_model
