@@ -389,3 +389,16 @@ def test_short_requests_still_probe() -> None:
     runs = requests_on_a_chain(2, [loop] * 10, costs=loaded)
     probes = [windows for _, windows in runs if windows]
     assert 1 <= len(probes) <= 3 and max(probes) == 1, runs
+
+
+def test_a_stalled_window_does_not_price_windows_out() -> None:
+    """Seen on the loaded host: one 2-row window took 11.4 s (c_1 64 ms) and priced windows out of
+    a loop for the rest of the run; a window's compute counts at most 4x its rows' steps."""
+    cost = CostModel(0.25, 16.0)
+    for _ in range(3):
+        cost.observe(1, cpu_f16(1) + 0.001, cpu_f16(1))
+    cost.observe(2, 11.4, 11.4)
+    assert cost.compute(2) <= 4 * 3 * cpu_f16(1) + 1e-9
+    for rows in (2, 5, 9) * 10:
+        cost.observe(rows, cpu_f16(rows) + 0.001, cpu_f16(rows))
+    assert cost.compute(2) == pytest.approx(cpu_f16(2), rel=0.25)

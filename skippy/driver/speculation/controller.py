@@ -102,6 +102,8 @@ _SLOPE_PRIOR: Final = 4.0
 #: of time pipelined replies must have waited before the record corrects the model's rates.
 _REALIZED_HALFLIFE: Final = 32.0
 _REALIZED_EVIDENCE: Final = 4.0
+#: A window's compute is taken as at most this many times its rows' one-row steps (spikes).
+_WINDOW_SPIKE: Final = 4.0
 #: Bounds of the raw first-draft rate's bands in which bets are recorded apart (`BetRecord`).
 _BET_BANDS: Final = (0.55, 0.7, 0.85)
 
@@ -315,7 +317,11 @@ class CostModel:
             self.single_row = self._blend(self.single_row, compute_seconds, self._seen_single)
             self._seen_single = True
         elif self._seen_single:
-            self._observe_window(rows - 1, max(compute_seconds - self.single_row, 0.0))
+            # A spike (a host stall: 11.4 s for a 2-row window on a loaded host, once) would price
+            # windows out for hundreds of steps; no window costs more than _WINDOW_SPIKE times its
+            # rows' sequential steps.
+            compute = min(compute_seconds, _WINDOW_SPIKE * max(rows, 3) * self.single_row)
+            self._observe_window(rows - 1, max(compute - self.single_row, 0.0))
 
     def _observe_window(self, x: float, y: float) -> None:
         decay = 0.5 ** (1.0 / self.halflife)
