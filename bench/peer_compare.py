@@ -47,15 +47,15 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   the time.  ``--spec-loop`` adds **skippy k loop**: the same on :data:`LOOP`, a prompt whose
   greedy continuation by the generated llama-16x1024 is one token repeated (every draft after the
   first few kept): speculation's gain where drafts are accepted.  ``--spec-ab`` adds each of them
-  with the controller's bets not calibrating it (``ControllerConfig(calibrate=False)``, the
-  controller before it; **... raw**), on the same chains, interleaved.  ``--spec-trace`` prints
+  with the controller's bets not calibrating it (``ControllerConfig(calibrate=False)``; **...
+  raw**), on the same chains, interleaved.  ``--spec-trace`` prints
   each speculating request's windows (e/c: epoch start / continuation, rows, drafts kept /
   judged, s: stale, @ the position in the continuation) and the controller's state at its end.
   ``--spec-plain`` adds **skippy k nospec**: the same generator's requests without speculation
   (a plain request: decode runs), and **skippy k spec off**: speculating requests whose controller
   never sends a window (the speculating path's plain steps: what it costs apart from the
-  controller's decisions).  Each variant has its
-  own generator, so its requests share their chain's costs and bets as a server's requests do.
+  controller's decisions).  Each variant has its own generator, so its requests share their
+  chain's costs and bets as a server's requests do.
 * Peers: without ``--no-build`` the stock binaries are built (``bench/peer_build.py``); when the
   build fails, or with ``--no-build`` one is missing, the stock and RPC variants are skipped with
   a message saying so and skippy 1 stage is the reference of the ratios.
