@@ -2,7 +2,8 @@
 
 Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]``;
 issue 27's peer benchmark (decode only: hop by hop, direct return and greedy speculation at 1, 2
-and 4 stages against stock and RPC 2 / 4, one interleaved run): ``... --issue27 [--rounds 5]``.
+and 4 stages against stock and RPC 2 / 4, one interleaved run): ``... --issue27 [--rounds 5]``;
+speculation alone: ``... --speculation --no-prefill [--spec-loop] [--spec-ab] [--spec-trace]``.
 
 Strategy: every variant stays up for the whole run (three skippy chains of stage processes, six
 ``ggml-rpc-server`` processes) and the rounds are interleaved: each round measures every variant
@@ -42,6 +43,19 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   generator measures it (first token to last); the tokens of the 1, 2 and 4-stage chains are
   compared each round.  Its CPU per token: the client's and the chain's over the request, less a
   1-token request's (the prompt's prefill and first token), over the tokens after the first.
+  This stream loops for its first ~25 tokens only (then runs of 2-8): drafts are kept about half
+  the time.  ``--spec-loop`` adds **skippy k loop**: the same on :data:`LOOP`, a prompt whose
+  greedy continuation by the generated llama-16x1024 is one token repeated (every draft after the
+  first few kept): speculation's gain where drafts are accepted.  ``--spec-ab`` adds each of them
+  with the controller's bets not calibrating it (``ControllerConfig(calibrate=False)``; **...
+  raw**), on the same chains, interleaved.  ``--spec-trace`` prints
+  each speculating request's windows (e/c: epoch start / continuation, rows, drafts kept /
+  judged, s: stale, @ the position in the continuation) and the controller's state at its end.
+  ``--spec-plain`` adds **skippy k nospec**: the same generator's requests without speculation
+  (a plain request: decode runs), and **skippy k spec off**: speculating requests whose controller
+  never sends a window (the speculating path's plain steps: what it costs apart from the
+  controller's decisions).  Each variant has its own generator, so its requests share their
+  chain's costs and bets as a server's requests do.
 * Peers: without ``--no-build`` the stock binaries are built (``bench/peer_build.py``); when the
   build fails, or with ``--no-build`` one is missing, the stock and RPC variants are skipped with
   a message saying so and skippy 1 stage is the reference of the ratios.
@@ -94,7 +108,9 @@ from peer_build import Peer, PeerBuildError, build_peer, peer_build_dir  # noqa:
 from stage_chain import FINALS, PROCESSES, chain  # noqa: E402
 
 from skippy.driver import GenerationRequest, Generator, StageClient  # noqa: E402
+from skippy.driver import generator as generator_module  # noqa: E402
 from skippy.driver.generator import Completion  # noqa: E402
+from skippy.driver.speculation import ControllerConfig, SpeculativeDecoder, WindowOutcome  # noqa: E402
 from skippy.net.address import Address  # noqa: E402
 
 MODEL_PRESET = "llama-16x1024"
@@ -107,6 +123,9 @@ Sample = tuple[float, float]  # (tokens/s, CPU seconds per token)
 #: continuation of it loops, so n-gram drafts are accepted).
 CODE = ("def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"
         "def mul(a, b):\n    return a * b\n\n\ndef div(a, b):\n")
+#: ``--spec-loop``'s token prompt: its greedy continuation by the generated llama-16x1024 (F16) is
+#: token 24576 repeated (96 tokens checked), found by trying prompts of repeated tokens.
+LOOP = (BOS, *(1977, 7582) * 32)
 
 
 # -- layout ---------------------------------------------------------------------------------------
@@ -333,26 +352,77 @@ async def stage_prefill(address: Address, prompt: Sequence[int], chunk: int) -> 
         await client.aclose()
 
 
-class Speculation:
-    """Greedy speculation through a chain by the driver's generator (a fresh session each time)."""
+class _TracedDecoder(SpeculativeDecoder):
+    """A decoder that keeps its windows' outcomes (``--spec-trace``): e (epoch start) or c
+    (continuation), rows, drafts kept / judged, s when stale."""
 
-    def __init__(self, model: Path, steps: int) -> None:
-        self.generator = Generator.from_model(model, n_ctx=1024, chunk_size=128)
-        self.prompt = tuple(self.generator.encode(CODE))
+    last: "_TracedDecoder | None" = None
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+        self.trace: list[str] = []
+        self._prompt_length = len(self.proposer) - 1  # the prompt, then the first token
+        _TracedDecoder.last = self
+
+    def on_reply(self, window_id: int, predicted: Sequence[int], **kwargs: object) -> WindowOutcome:
+        outcome = super().on_reply(window_id, predicted, **kwargs)  # type: ignore[arg-type]
+        window = outcome.window
+        if window.drafts:
+            self.trace.append(f"{'c' if window.continuation else 'e'}{len(window.inputs)}:"
+                              f"{outcome.accepted}/{outcome.proposed}{'s' if outcome.stale else ''}"
+                              f"@{window.base_position - self._prompt_length}")
+        return outcome
+
+
+def _controller_state(decoder: SpeculativeDecoder) -> str:
+    """The controller's view at a request's end: R, c_1, C(2), C(9) and the pipelined correction
+    (ms), the bets' q by band (a1 0.5 / 0.6 / 0.8 / 0.9) and the chain's plain steps since a window."""
+    control = decoder.controller
+    cost = control.cost
+    bands = "/".join(f"{control.calibration(rate):.2f}" for rate in (0.5, 0.6, 0.8, 0.9))
+    return (f"[R {cost.round_trip * 1e3:.1f} c1 {cost.single_row * 1e3:.1f} C2 {cost.compute(2) * 1e3:.1f} "
+            f"C9 {cost.compute(9) * 1e3:.1f} corr {cost.correction(2):.2f} q {bands} "
+            f"plain {control.plain_steps_since_window}]")
+
+
+class Speculation:
+    """Greedy speculation through a chain by the driver's generator (a fresh session each time).
+
+    ``prompt``: the token prompt (default: :data:`CODE`'s); ``controller``: the generator's
+    speculation settings (``stages`` is filled in per chain); ``trace``: keep each request's windows
+    (:attr:`windows`); ``speculate``: False decodes the same requests without speculation."""
+
+    def __init__(self, model: Path, steps: int, *, prompt: Sequence[int] | None = None,
+                 controller: ControllerConfig = ControllerConfig(), trace: bool = False,
+                 speculate: bool = True) -> None:
+        self.generator = Generator.from_model(model, n_ctx=1024, chunk_size=128, controller=controller)
+        self.prompt = tuple(self.generator.encode(CODE)) if prompt is None else tuple(prompt)
         self.steps = steps
         self.session = 100
+        self.trace = trace
+        self.speculate = speculate
         #: The last run's tokens and acceptance rate (compared across chains by the caller).
         self.tokens: list[int] = []
         self.acceptance = 0.0
         self.usage: dict[str, int] = {}
+        #: The last run's windows (``trace``): see :class:`_TracedDecoder`.
+        self.windows: list[str] = []
 
     async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
         pids = [process.pid for process in PROCESSES.get(address, [])]
         self.session += 1
-        request = GenerationRequest(self.prompt, tokens, speculation=True)
+        request = GenerationRequest(self.prompt, tokens, speculation=self.speculate)
         async with await StageClient.connect(address) as client:
             cpu_started = cpu_seconds(pids)
-            done = await self.generator.generate(client, request, self.session)
+            if self.trace:
+                generator_module.SpeculativeDecoder = _TracedDecoder  # type: ignore[misc]
+            try:
+                done = await self.generator.generate(client, request, self.session)
+            finally:
+                generator_module.SpeculativeDecoder = SpeculativeDecoder  # type: ignore[misc]
+            traced = _TracedDecoder.last
+            self.windows = [*traced.trace, _controller_state(traced)] if self.trace and traced else []
+            _TracedDecoder.last = None
             return done, cpu_seconds(pids) - cpu_started
 
     async def decode(self, address: Address) -> Sample:
@@ -459,6 +529,16 @@ BOUNDARY_PAIRS = [
     ("skippy 2 direct relay-off", "skippy 1", 1), ("skippy 4 direct relay-off", "skippy 1", 3),
     ("skippy 1 run", "in-process", 1), ("skippy 2 run", "skippy 1 run", 1), ("skippy 4 run", "skippy 1 run", 3),
     ("skippy 2 spec", "skippy 1 spec", 1), ("skippy 4 spec", "skippy 1 spec", 3),
+    ("skippy 2 spec raw", "skippy 1 spec raw", 1), ("skippy 4 spec raw", "skippy 1 spec raw", 3),
+    # speculation against plain decode on the same chain (one "boundary": the difference per token)
+    ("skippy 1 spec", "skippy 1", 1), ("skippy 2 spec", "skippy 2", 1), ("skippy 4 spec", "skippy 4", 1),
+    ("skippy 1 spec raw", "skippy 1", 1), ("skippy 2 spec raw", "skippy 2", 1), ("skippy 4 spec raw", "skippy 4", 1),
+    ("skippy 4 loop", "skippy 4", 1), ("skippy 4 loop raw", "skippy 4", 1),
+    ("skippy 2 nospec", "skippy 1 nospec", 1), ("skippy 4 nospec", "skippy 1 nospec", 3),
+    ("skippy 2 spec off", "skippy 1 spec off", 1), ("skippy 4 spec off", "skippy 1 spec off", 3),
+    ("skippy 1 spec off", "skippy 1", 1), ("skippy 2 spec off", "skippy 2", 1), ("skippy 4 spec off", "skippy 4", 1),
+    ("skippy 1 spec", "skippy 1 nospec", 1), ("skippy 2 spec", "skippy 2 nospec", 1),
+    ("skippy 4 spec", "skippy 4 nospec", 1),
 ]
 
 
@@ -499,8 +579,15 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "(the decode relay's A/B in the same run)")
     parser.add_argument("--speculation", action="store_true",
                         help="also 1, 2 and 4 stages with greedy speculation on a looping continuation")
+    parser.add_argument("--spec-loop", action="store_true",
+                        help="with --speculation: also on a continuation that is one token repeated (LOOP)")
+    parser.add_argument("--spec-ab", action="store_true",
+                        help="with --speculation: also each with the bets not calibrating the controller (raw)")
+    parser.add_argument("--spec-trace", action="store_true", help="print each speculating request's windows")
+    parser.add_argument("--spec-plain", action="store_true",
+                        help="with --speculation: also the generator's requests without speculation (nospec)")
     parser.add_argument("--issue27", action="store_true",
-                        help="issue 27's peer run: --direct-return --speculation --no-prefill")
+                        help="issue 27's peer run: --direct-return --speculation --spec-loop --no-prefill")
     parser.add_argument("--decode-runs", action="store_true",
                         help="also decode each skippy chain as one decode run (docs/protocol.md §11)")
     parser.add_argument("--preset", default=MODEL_PRESET,
@@ -512,7 +599,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.quick:
         args.rounds, args.steps, args.prompt = 1, 8, 64
     if args.issue27:
-        args.direct_return = args.speculation = args.no_prefill = True
+        args.direct_return = args.speculation = args.spec_loop = args.no_prefill = True
     if args.steps < 2:
         parser.error("--steps must be >= 2")
 
@@ -565,13 +652,26 @@ def main(argv: Sequence[str] | None = None) -> int:
             for name in chains:
                 if name.endswith("relay-off"):
                     decode_runs[f"{name[:-len(' relay-off')]} direct relay-off"] = []
+        speculations: dict[str, tuple[Speculation, str]] = {}  # variant -> (its generator, its chain)
         if args.speculation:  # the same chains, greedy speculation by the generator (decode only)
-            speculation = Speculation(model, args.steps)
-            stack.callback(speculation.close)
-            for name in measured:
-                trio.run(speculation.decode, chains[name])  # its first request
-                decode_runs[f"{name} spec"] = []
-        spec_tokens: dict[str, list[int]] = {}
+            kinds = [("spec", None, ""), *([("spec", None, " raw")] if args.spec_ab else []),
+                     *([("nospec", None, ""), ("spec", None, " off")] if args.spec_plain else []),
+                     *([("loop", LOOP, "")] if args.spec_loop else []),
+                     *([("loop", LOOP, " raw")] if args.spec_loop and args.spec_ab else [])]
+            for suffix, prompt, raw in kinds:
+                controller = ControllerConfig(calibrate=raw != " raw")
+                if raw == " off":  # the speculating path's plain steps only: no window, no probe
+                    controller = dataclasses.replace(controller, min_gain=1e9, probe_interval=1 << 30,
+                                                     refresh_interval=1 << 30)
+                speculation = Speculation(model, args.steps, prompt=prompt, trace=args.spec_trace,
+                                          controller=controller, speculate=suffix != "nospec")
+                stack.callback(speculation.close)
+                for name in measured:
+                    trio.run(speculation.decode, chains[name])  # its first request
+                    variant = f"{name} {suffix}{raw}"
+                    speculations[variant] = (speculation, name)
+                    decode_runs[variant] = []
+        spec_tokens: dict[str, dict[str, list[int]]] = {}  # by prompt
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4") if peer is not None else ("skippy 2", "skippy 4"):
                 prefill_runs[f"{name} /{micro}"] = []
@@ -592,11 +692,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                     decode_runs[name].append(inproc.decode(args.steps))
                     if not args.no_prefill:
                         prefill_runs[name].append(inproc.prefill(prompt))
-                elif name.endswith(" spec"):
-                    decode_runs[name].append(trio.run(speculation.decode, chains[name[:-5]]))
-                    spec_tokens[name] = speculation.tokens
+                elif name in speculations:
+                    speculation, chain_name = speculations[name]
+                    decode_runs[name].append(trio.run(speculation.decode, chains[chain_name]))
+                    spec_tokens.setdefault(str(speculation.prompt[:4]), {})[name] = speculation.tokens
                     print(f"  {name}: acceptance {speculation.acceptance:.2f}, "
-                          + ", ".join(f"{key} {value}" for key, value in speculation.usage.items()), flush=True)
+                          + ", ".join(f"{key} {value}" for key, value in speculation.usage.items())
+                          + (f"; windows {' '.join(speculation.windows) or '-'}" if args.spec_trace else ""),
+                          flush=True)
                 elif name.endswith(" run"):
                     decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
                 elif name.endswith(" direct"):
@@ -611,7 +714,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         prefill_runs[name].append(trio.run(stage_prefill, address, prompt, args.prompt))
                         if f"{name} /{micro}" in prefill_runs:
                             prefill_runs[f"{name} /{micro}"].append(trio.run(stage_prefill, address, prompt, micro))
-            if len({tuple(tokens) for tokens in spec_tokens.values()}) > 1:
+            if any(len({tuple(tokens) for tokens in runs.values()}) > 1 for runs in spec_tokens.values()):
                 print("  MISMATCH: the speculating chains' greedy tokens differ", flush=True)
             print(f"round {round_index + 1}: " + "; ".join(
                 f"{name} {runs[-1][0]:.1f} tok/s {runs[-1][1] * 1e3:.2f} ms CPU"

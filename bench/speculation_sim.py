@@ -6,6 +6,7 @@
 #
 # * stage i runs messages FIFO; a message of n rows occupies it for overhead + c_i(n), where
 #   c_i(n) is measured on the real stage split (`LocalChain`, per-stage decode times) or given;
+#   with `cores` the stages share that many cores (a message's traversal is placed when sent);
 # * each stage boundary adds a one-way delay (default 5 ms); the driver sits next to stage 0 and
 #   the final stage returns predictions straight to the driver across one boundary, so a 2-stage
 #   chain has a 10 ms network round trip;
@@ -15,11 +16,13 @@
 # rejected draft get the stream's token too: they are discarded by the acceptance rule anyway.
 #
 # Usage: PYTHONPATH=. python bench/speculation_sim.py [--tokens 160] [--delay-ms 5] [--stages 2]
+#        PYTHONPATH=. python bench/speculation_sim.py --peer-requests 8   (consecutive requests)
 from __future__ import annotations
 
 import argparse
 import re
 import statistics
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -27,7 +30,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 from skippy.driver.speculation import SpeculationConfig, SpeculationUsage, SpeculativeDecoder
-from skippy.driver.speculation.controller import ControllerConfig
+from skippy.driver.speculation.controller import ControllerConfig, SessionLoad
 
 StageCost = Callable[[int], float]
 
@@ -39,6 +42,9 @@ class ChainModel:
     stage_costs: Sequence[StageCost]
     one_way_delay: float = 0.005
     stage_overhead: float = 0.0003
+    #: Cores the stages share (None: one each): a stage computes only on a free core, so a
+    #: pipeline of more stages than cores does not overlap fully (this host: 2 cores).
+    cores: int | None = None
 
 
 @dataclass
@@ -47,6 +53,8 @@ class SimResult:
     seconds: float
     usage: SpeculationUsage
     window_sizes: list[int] = field(default_factory=list)
+    #: Per reply of a window with drafts: (rows, continuation, drafts kept, drafts judged, stale).
+    windows: list[tuple[int, bool, int, int, bool]] = field(default_factory=list)
 
     @property
     def tokens_per_second(self) -> float:
@@ -59,23 +67,27 @@ def linear_cost(single_row: float, extra_row: float) -> StageCost:
 
 
 def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
-             config: SpeculationConfig, *, driver_time: bool = True) -> SimResult:
+             config: SpeculationConfig, *, driver_time: bool = True, load: SessionLoad | None = None) -> SimResult:
     """Decode ``stream`` (the target's tokens after ``prompt``) through the modelled chain.
 
     ``driver_time``: the decoder's own Python time (measured) advances the simulated clock; off, the
     run is deterministic (the tests' setting: a loaded host must not change a decision).
+    ``load``: the chain's :class:`SessionLoad`, shared by consecutive requests as the Generator's
+    is (what one request measured, the next adopts).
 
     Returns:
         Tokens, simulated seconds from the first decode step, and the usage counters.
     """
     full = list(prompt) + list(stream)
     stages = len(chain.stage_costs)
-    decoder = SpeculativeDecoder(prompt, stream[0], config=config, max_tokens=len(stream))
+    decoder = SpeculativeDecoder(prompt, stream[0], config=config, max_tokens=len(stream), load=load)
     free = [0.0] * stages
+    cores = [0.0] * (chain.cores or stages)  # when each core is next free
     in_flight: deque[tuple[float, int, float, float, tuple[int, ...], int]] = deque()
     now = 0.0
     last_reply = 0.0
     sizes: list[int] = []
+    windows: list[tuple[int, bool, int, int, bool]] = []
 
     def send(base: int, tokens: tuple[int, ...], window_id: int, sent_at: float) -> None:
         rows = len(tokens)
@@ -84,8 +96,9 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         for index, cost in enumerate(chain.stage_costs):
             busy = cost(rows)
             compute += busy
-            start = max(arrival, free[index])
-            free[index] = start + chain.stage_overhead + busy
+            core = min(range(len(cores)), key=cores.__getitem__)
+            start = max(arrival, free[index], cores[core])
+            free[index] = cores[core] = start + chain.stage_overhead + busy
             arrival = free[index] + (chain.one_way_delay if stages > 1 else 0.0)
         in_flight.append((arrival, window_id, sent_at, compute, tokens, base))
 
@@ -101,13 +114,16 @@ def simulate(prompt: Sequence[int], stream: Sequence[int], chain: ChainModel,
         now = max(now, arrival)
         predicted = [full[base + i + 1] if base + i + 1 < len(full) else 0 for i in range(len(tokens))]
         started = time.perf_counter()
-        decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute,
-                         interval_seconds=now - max(sent_at, last_reply))
+        outcome = decoder.on_reply(window_id, predicted, wall_seconds=now - sent_at, compute_seconds=compute,
+                                   interval_seconds=now - max(sent_at, last_reply))
+        if outcome.window.drafts:
+            windows.append((len(tokens), outcome.window.continuation, outcome.accepted, outcome.proposed,
+                            outcome.stale))
         last_reply = now
         now += time.perf_counter() - started if driver_time else 0.0
     if decoder.generated != list(stream):
         raise AssertionError("speculative decoding changed the greedy output")
-    return SimResult(len(stream), now, decoder.usage, sizes)
+    return SimResult(len(stream), now, decoder.usage, sizes, windows)
 
 
 def measure_stage_costs(path: Path, split: list[tuple[int, int]], max_rows: int, reps: int = 5) -> list[StageCost]:
@@ -152,6 +168,60 @@ def edit_stream(text: str) -> str:
     return "".join(lines[:middle] + ["    # edited: renamed self to this\n"] + lines[middle:])
 
 
+#: Compute of one traversal of llama-16x1024 F16 on one CPU thread, by rows (thread time;
+#: bench/RESULTS-stage.md): two rows cost 2.6 one-row steps, further rows ~0.3 each.
+CPU_F16 = {1: 0.0194, 2: 0.0503, 3: 0.0504, 4: 0.0647, 5: 0.0653, 9: 0.0882, 17: 0.1398}
+
+
+def cpu_f16(rows: int) -> float:
+    """CPU_F16 interpolated (pairs of rows cost alike)."""
+    if rows in CPU_F16:
+        return CPU_F16[rows]
+    below = max(n for n in CPU_F16 if n < rows)
+    above = min((n for n in CPU_F16 if n > rows), default=17)
+    if above == below:
+        return CPU_F16[17] + (rows - 17) * (CPU_F16[17] - CPU_F16[9]) / 8
+    return CPU_F16[below] + (CPU_F16[above] - CPU_F16[below]) * (rows - below) / (above - below)
+
+
+def peer_requests(requests: int, steps: int) -> None:
+    """bench/peer_compare.py's speculation as consecutive requests on one chain (their
+    SessionLoad shared, as the Generator's): the llama-16x1024 greedy streams of its code prompt
+    and of its LOOP, through chains of 1, 2 and 4 stages on 2 shared cores (CPU_F16 split evenly,
+    0.2 ms each way, 0.5 ms a message); each request's extra ms per token over plain decode."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from peer_compare import CODE, LOOP, MODEL_PRESET
+
+    from skippy.driver import Generator
+    from skippy.models.cache import ensure_model
+    from skippy.models.spec import preset
+    from skippy.runtime import SamplingParams
+    from skippy.runtime.local import LocalChain
+
+    path = ensure_model(preset(MODEL_PRESET))
+    generator = Generator.from_model(path, n_ctx=1024)
+    try:
+        code = generator.encode(CODE)
+    finally:
+        generator.close()
+    workloads: dict[str, tuple[list[int], list[int]]] = {}
+    with LocalChain(path, [(0, preset(MODEL_PRESET).n_layer)], n_ctx=1024, threads=1) as chain:
+        for name, prompt in (("code", code), ("loop", list(LOOP))):
+            workloads[name] = (prompt, chain.generate(prompt, steps, SamplingParams(), stop_at_eog=False))
+            chain.each("remove", 0)
+    for name, (prompt, stream) in workloads.items():
+        for stages in (1, 2, 4):
+            model = ChainModel([lambda rows, s=stages: cpu_f16(rows) / s] * stages, 0.0002, 0.0005, cores=2)
+            config = SpeculationConfig(controller=ControllerConfig(stages=stages))
+            plain = simulate(prompt, stream, model, SpeculationConfig(enabled=False), driver_time=False)
+            load = SessionLoad()
+            runs = [simulate(prompt, stream, model, config, driver_time=False, load=load) for _ in range(requests)]
+            extra = [(run.seconds - plain.seconds) / len(stream) * 1e3 for run in runs]
+            print(f"{name} {stages} stage(s): plain {1e3 * plain.seconds / len(stream):.2f} ms/token; speculation's "
+                  f"extra ms/token by request {' '.join(f'{x:+.2f}' for x in extra)}; requests 2..: mean "
+                  f"{statistics.mean(extra[1:] or extra):+.2f}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--tokens", type=int, default=160, help="tokens generated per workload")
@@ -163,7 +233,12 @@ def main() -> None:
     parser.add_argument("--compute-ms", type=float, default=None,
                         help="fixed one-row compute summed over stages (skips measuring; split evenly)")
     parser.add_argument("--row-ms", type=float, default=None, help="fixed extra compute per row, summed")
+    parser.add_argument("--peer-requests", type=int, default=0,
+                        help="only peer_compare's speculation, N consecutive requests per chain (peer_requests)")
     args = parser.parse_args()
+    if args.peer_requests:
+        peer_requests(args.peer_requests, 64)
+        return
 
     from skippy.runtime.local import LocalChain, even_split
     from skippy.models.cache import ensure_model

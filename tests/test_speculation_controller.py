@@ -11,9 +11,11 @@ import numpy as np
 import pytest
 
 from skippy.driver.speculation import (
+    BetRecord,
     ControllerConfig,
     CostModel,
     SpeculationConfig,
+    SessionLoad,
     SpeculationController,
     expected_tokens,
     pipelined_rate,
@@ -297,3 +299,106 @@ def test_a_pipelined_epoch_replans_its_continuations() -> None:
     for _ in range(200):
         control.observe_later(6, 0, 1)
     assert control.continuation_plan(6, grown).depth == 1
+
+
+# --------------------------------------------------------------------------- bets across requests
+
+
+def benchmark_like(seed: int = 5) -> tuple[list[int], list[int]]:
+    """A 64-token request like peer_compare's (random-weight llama-16x1024 on its code prompt): one
+    token 7 times, two alternating 14 times (the shadow drafts grow sure), then the loop breaks into
+    runs of 2-8 tokens."""
+    rng = np.random.default_rng(seed)
+    prompt = [int(t) for t in rng.integers(1000, 30000, size=50)]
+    a, b, c = 7582, 1977, 28513
+    return prompt, ([a] * 7 + [b, a] * 7 + [c, a, c, a, a] + irregular_loop(40, 3))[:64]
+
+
+def requests_on_a_chain(stages: int, streams: list[tuple[list[int], list[int]]], calibrate: bool = True,
+                        costs: CostModel | None = None) -> list[tuple[float, int]]:
+    """(speedup over plain decode, windows sent) of each request, in order, through one simulated
+    CPU chain whose requests share a SessionLoad, as the Generator's do (``costs``: the chain's
+    cost model before the first)."""
+    sim = load_sim()
+    chain = sim.ChainModel([lambda rows: cpu_f16(rows) / stages] * stages, 0.0002, 0.0005)
+    config = SpeculationConfig(controller=ControllerConfig(stages=stages, calibrate=calibrate))
+    load = SessionLoad()
+    if costs is not None:
+        load.costs[stages] = costs
+    out = []
+    for prompt, stream in streams:
+        plain = sim.simulate(prompt, stream, chain, SpeculationConfig(enabled=False), driver_time=False)
+        spec = sim.simulate(prompt, stream, chain, config, driver_time=False, load=load)
+        out.append((plain.seconds / spec.seconds, len(spec.windows)))
+    return out
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_a_chain_whose_bets_lose_stops_betting_across_requests(stages: int) -> None:
+    """Acceptance is per request: on peer_compare's stream every 64-token request grew sure of a
+    loop just before it broke and sent a window (at 2 and 4 stages a pipelined pair) that lost.
+    The chain's bets (kept over expected drafts, shared by its requests) stop that after one or
+    two requests, not once per request; with calibrate off (the controller before) every request
+    still loses."""
+    streams = [benchmark_like()] * 6
+    before = requests_on_a_chain(stages, streams, calibrate=False)
+    assert all(windows for _, windows in before[1:]) and max(speedup for speedup, _ in before[1:]) < 0.99, before
+    after = requests_on_a_chain(stages, streams)
+    assert sum(1 for _, windows in after if windows) <= 2, after
+    assert all(windows == 0 and speedup == pytest.approx(1.0) for speedup, windows in after[2:]), after
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_lost_bets_keep_a_loops_gain(stages: int) -> None:
+    """Bets are kept by band of the first-draft rate: marginal bets that lost do not stop a loop's
+    sure ones, and declined bets scored in shadow bring a band back; a run of loops alone is as
+    before."""
+    loop = ([101, 102] * 20, [103] * 64)
+    mixed = requests_on_a_chain(stages, [benchmark_like()] * 4 + [loop] + [benchmark_like()] * 2 + [loop])
+    assert mixed[4][0] >= 1.25 and mixed[7][0] >= 1.35, mixed
+    assert all(speedup == pytest.approx(1.0) for speedup, _ in mixed[5:7]), mixed
+    loops = requests_on_a_chain(stages, [loop] * 3)
+    assert loops == requests_on_a_chain(stages, [loop] * 3, calibrate=False)
+    assert min(speedup for speedup, _ in loops) >= 1.35, loops
+
+
+def test_bets_are_kept_by_band() -> None:
+    record = BetRecord(2.0, 16.0)
+    assert record.factor(0.6) == record.factor(0.95) == 1.0
+    for _ in range(3):
+        record.observe(0.65, 2.0, 0)
+    assert record.factor(0.65) < 0.4 and record.factor(0.6) == record.factor(0.65)
+    assert record.factor(0.95) == 1.0 and record.factor(0.5) == 1.0
+    for _ in range(20):
+        record.observe(0.65, 1.0, 3)  # bets that keep more than expected bring the band back
+    assert record.factor(0.65) == 1.0
+    with pytest.raises(ValueError):
+        ControllerConfig(bet_weight=0.0)
+
+
+def test_short_requests_still_probe() -> None:
+    """Windows measured while the host was loaded (5x their cost) are adopted by every request;
+    probes come every refresh_interval plain steps, which a 64-token request never reached: the
+    chain's plain steps are counted across its requests now, so a loop is probed again."""
+    loaded = CostModel(0.25, 16.0)
+    for _ in range(3):
+        loaded.observe(1, cpu_f16(1) + 0.001, cpu_f16(1))
+    for rows in (2, 5, 9) * 4:
+        loaded.observe(rows, 5 * cpu_f16(rows), 5 * cpu_f16(rows))
+    loop = ([101, 102] * 20, [103] * 64)
+    runs = requests_on_a_chain(2, [loop] * 10, costs=loaded)
+    probes = [windows for _, windows in runs if windows]
+    assert 1 <= len(probes) <= 3 and max(probes) == 1, runs
+
+
+def test_a_stalled_window_does_not_price_windows_out() -> None:
+    """Seen on the loaded host: one 2-row window took 11.4 s (c_1 64 ms) and priced windows out of
+    a loop for the rest of the run; a window's compute counts at most 4x its rows' steps."""
+    cost = CostModel(0.25, 16.0)
+    for _ in range(3):
+        cost.observe(1, cpu_f16(1) + 0.001, cpu_f16(1))
+    cost.observe(2, 11.4, 11.4)
+    assert cost.compute(2) <= 4 * 3 * cpu_f16(1) + 1e-9
+    for rows in (2, 5, 9) * 10:
+        cost.observe(rows, cpu_f16(rows) + 0.001, cpu_f16(rows))
+    assert cost.compute(2) == pytest.approx(cpu_f16(2), rel=0.25)

@@ -225,3 +225,6 @@ def test_a_lone_session_adopts_the_window_cost_measured_before() -> None:
     assert cost.ready and cost.windows_measured and cost is not first.controller.cost
     assert cost.compute(9) == pytest.approx(first.controller.cost.compute(9))
     assert cost.round_trip == pytest.approx(0.002)
+    # the bets (and the probes' clock) come with the costs, as a copy
+    assert cost.bets.bets == first.controller.bets.bets > 0 and cost.bets.bands == first.controller.bets.bands
+    assert cost.bets is not first.controller.bets and cost.bets.bands is not first.controller.bets.bands

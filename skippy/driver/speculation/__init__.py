@@ -18,6 +18,7 @@ from skippy.driver.speculation.acceptance import (
     target_probabilities,
 )
 from skippy.driver.speculation.controller import (
+    BetRecord,
     ControllerConfig,
     CostModel,
     Plan,
@@ -44,7 +45,7 @@ from skippy.driver.speculation.window import (
 )
 
 __all__ = [
-    "NO_DRAFT", "ControllerConfig", "CostModel", "Draft", "NgramProposer", "Plan", "SamplingSettings",
+    "NO_DRAFT", "BetRecord", "ControllerConfig", "CostModel", "Draft", "NgramProposer", "Plan", "SamplingSettings",
     "SessionLoad", "SpeculationConfig", "SpeculationController", "SpeculationUsage", "SpeculativeDecoder",
     "UnknownWindowError", "Verdict", "Window", "WindowError", "WindowId", "WindowOrderError",
     "WindowOutcome", "WindowRequest", "WindowShapeError", "WindowTracker", "accept_greedy",

@@ -34,13 +34,26 @@
 #   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
 #   with a draft available one small real window (K <= 2) is allowed while no window's cost was
 #   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
-#   so a wrong prior can neither lock speculation on nor off.
+#   so a wrong prior can neither lock speculation on nor off.  The steps are counted per chain
+#   (`BetRecord.plain_steps`): requests shorter than the interval still probe.
 # * Each request has its own controller; a request that starts alone on the chain adopts the cost
 #   model (R, c_1, the windows' line, the realized waits) of the last one that measured a window
 #   alone (`SessionLoad.costs`), so a short request does not pay again to learn what windows cost.
+# * Bets (`BetRecord`, carried with the cost model from request to request): the model
+#   sends a window when its estimates are highest, and on a stream of short loops that is where a
+#   loop ends (the peer benchmark: after 14 kept shadow drafts a1 read 0.63 and every 64-token
+#   request sent one pipelined pair that lost; per request, since acceptance is per request).  So
+#   every window the estimates alone would send is a bet: its expected kept drafts (E(K) - 1 at the
+#   raw rates) against those kept, whether it was sent or, declined, scored in shadow by the plain
+#   steps after it (a stale window: 0).  The first-draft rate is planned at a1 q, q = min(1,
+#   kept / expected) of the bet's band of raw a1 (< 0.55, < 0.7, < 0.85, above: a loop's sure
+#   bets apart from marginal ones) with a prior of as expected (`bet_weight` drafts): a chain where
+#   such bets lose stops sending them after one or two (not once per request), and declined bets
+#   that would have won bring q back.
 #
 # The worst case per step is one rejected window chosen at an estimated gain >= min_gain; the
-# loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1.
+# loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1; a chain's bets that
+# keep losing send no more windows (q), so the loss is paid about once per chain.
 #
 # Load (docs/throughput.md): the plan is per session, but the rows of a window share the stages'
 # batches with the other sessions' rows.  With S sessions decoding on the chain (`SessionLoad`,
@@ -57,12 +70,15 @@
 # and c_row / c_1 from the last session that measured it alone (`SessionLoad.row_cost_ratio`).
 from __future__ import annotations
 
+import bisect
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 from typing import Final, final
 
 __all__ = [
     "AcceptanceEstimator",
+    "BetRecord",
     "ControllerConfig",
     "CostModel",
     "Plan",
@@ -86,6 +102,10 @@ _SLOPE_PRIOR: Final = 4.0
 #: of time pipelined replies must have waited before the record corrects the model's rates.
 _REALIZED_HALFLIFE: Final = 32.0
 _REALIZED_EVIDENCE: Final = 4.0
+#: A window's compute is taken as at most this many times its rows' one-row steps (spikes).
+_WINDOW_SPIKE: Final = 4.0
+#: Bounds of the raw first-draft rate's bands in which bets are recorded apart (`BetRecord`).
+_BET_BANDS: Final = (0.55, 0.7, 0.85)
 
 
 def _clamp(acceptance: float) -> float:
@@ -123,6 +143,10 @@ class ControllerConfig:
         refresh_interval: the same once a window's cost was measured (shadow scores keep the
             acceptance current meanwhile; a probe only refreshes the window cost).
         timing_halflife: traversals after which a timing observation's weight halves.
+        bet_weight: the bets' prior, in expected kept drafts (realized as expected).
+        bet_halflife: bets after which one's weight halves.
+        calibrate: plan the first-draft rate at a1 q (the bets' realized over expected kept
+            drafts, :class:`BetRecord`); False plans at a1 (the bets are still recorded).
     """
 
     max_window: int = 8
@@ -137,6 +161,9 @@ class ControllerConfig:
     probe_interval: int = 32
     refresh_interval: int = 256
     timing_halflife: float = 16.0
+    bet_weight: float = 2.0
+    bet_halflife: float = 16.0
+    calibrate: bool = True
 
     def __post_init__(self) -> None:
         if not 1 <= self.max_window <= 63:
@@ -151,6 +178,8 @@ class ControllerConfig:
             raise ValueError(f"bottleneck_share must be in (0, 1] (got {self.bottleneck_share})")
         if not 0.0 <= self.prior_acceptance < 1.0 or self.prior_weight <= 0 or self.row_cost_ratio < 0:
             raise ValueError("invalid acceptance prior or row cost ratio")
+        if self.bet_weight <= 0 or self.bet_halflife <= 0:
+            raise ValueError("bet_weight and bet_halflife must be positive")
 
 
     @property
@@ -187,6 +216,45 @@ class AcceptanceEstimator:
 
 @final
 @dataclass(slots=True)
+class BetRecord:
+    """The windows the raw estimates bet on, sent or scored in shadow: discounted expected kept
+    drafts (E(K) - 1 at the rates that chose them) against the drafts kept, by band of the raw
+    first-draft rate (``_BET_BANDS``): marginal bets (a1 ~0.6, where a loop tends to end) and sure
+    ones (a1 > 0.85, a loop under way) keep separate records."""
+
+    weight: float = 2.0
+    halflife: float = 16.0
+    #: Per band: (expected, kept), discounted.
+    bands: list[tuple[float, float]] = field(default_factory=lambda: [(0.0, 0.0)] * (len(_BET_BANDS) + 1))
+    bets: int = 0
+    #: Plain steps with a draft since the chain's last window (the probes' clock: per chain, so
+    #: that short requests still probe every ``refresh_interval`` steps; per request they never did
+    #: and a window cost measured under load, adopted by every request, kept windows off for good).
+    plain_steps: int = 0
+
+    @staticmethod
+    def band(rate: float) -> int:
+        return bisect.bisect_right(_BET_BANDS, rate)
+
+    def observe(self, rate: float, expected: float, kept: int) -> None:
+        """A bet chosen at first-draft rate ``rate``: ``expected`` kept drafts, ``kept`` kept."""
+        if expected <= 0:
+            return
+        band = self.band(rate)
+        decay = 0.5 ** (1.0 / self.halflife)
+        old_expected, old_kept = self.bands[band]
+        self.bands[band] = (old_expected * decay + expected, old_kept * decay + kept)
+        self.bets += 1
+
+    def factor(self, rate: float) -> float:
+        """q = min(1, kept / expected) of ``rate``'s band, the prior (``weight`` drafts kept as
+        expected) included."""
+        expected, kept = self.bands[self.band(rate)]
+        return min(1.0, (kept + self.weight) / (expected + self.weight))
+
+
+@final
+@dataclass(slots=True)
 class CostModel:
     """Discounted estimates of round-trip overhead and per-row compute (seconds).
 
@@ -216,6 +284,8 @@ class CostModel:
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     #: By plan kind (1: serial windows, 2: pipelined), discounted: (priced wait, realized wait).
     _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
+    #: The bets and the probes' clock, carried with the costs (:meth:`adopt`).
+    bets: BetRecord = field(default_factory=BetRecord)
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
         if not seen:
@@ -247,7 +317,11 @@ class CostModel:
             self.single_row = self._blend(self.single_row, compute_seconds, self._seen_single)
             self._seen_single = True
         elif self._seen_single:
-            self._observe_window(rows - 1, max(compute_seconds - self.single_row, 0.0))
+            # A spike (a host stall: 11.4 s for a 2-row window on a loaded host, once) would price
+            # windows out for hundreds of steps; no window costs more than _WINDOW_SPIKE times its
+            # rows' sequential steps.
+            compute = min(compute_seconds, _WINDOW_SPIKE * max(rows, 3) * self.single_row)
+            self._observe_window(rows - 1, max(compute - self.single_row, 0.0))
 
     def _observe_window(self, x: float, y: float) -> None:
         decay = 0.5 ** (1.0 / self.halflife)
@@ -303,11 +377,13 @@ class CostModel:
 
     def adopt(self, other: CostModel) -> None:
         """Start from what another session measured on the same chain alone (R, c_1, the
-        windows' line, the realized waits); this model's own traversals then take over."""
+        windows' line, the realized waits, the bets and the probes' clock); this model's own
+        traversals then take over."""
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
         self._waits = dict(other._waits)
+        self.bets = dataclasses.replace(other.bets, bands=list(other.bets.bands))
 
     @property
     def ready(self) -> bool:
@@ -450,7 +526,9 @@ class SpeculationController:
     #: drafts too).
     later: list[AcceptanceEstimator] = field(init=False)
     later_pooled: AcceptanceEstimator = field(init=False)
-    plain_steps_since_window: int = 0
+    #: The last :meth:`plan`'s bet: (drafts, expected kept, raw first-draft rate) of the window the
+    #: raw estimates chose (None: they chose a plain step); the decoder scores it, sent or in shadow.
+    bet: tuple[int, float, float] | None = None
     #: The sessions the last plan was made for (what :attr:`enabled` weighs).
     _sessions: int = 1
 
@@ -461,6 +539,32 @@ class SpeculationController:
         self.buckets = [AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife) for _ in _BUCKETS]
         self.later = [AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife) for _ in _BUCKETS]
         self.later_pooled = AcceptanceEstimator(c.prior_acceptance, c.prior_weight, c.halflife)
+        self.cost.bets = BetRecord(c.bet_weight, c.bet_halflife)
+
+    @property
+    def bets(self) -> BetRecord:
+        """The windows the raw estimates chose, and what they kept (carried with the costs)."""
+        return self.cost.bets
+
+    def calibration(self, rate: float) -> float:
+        """q at raw first-draft rate ``rate``, the factor on it (1 when ``calibrate`` is off)."""
+        return self.bets.factor(rate) if self.config.calibrate else 1.0
+
+    def expected_kept(self, match_length: int, drafts: int, continuation: bool = False) -> tuple[float, float]:
+        """A window's expected kept drafts at the raw rates, E(K) - 1, and its raw first-draft rate
+        (a continuation's drafts all follow kept ones: the later rate for its first too)."""
+        later = self.later_acceptance(match_length)
+        first = later if continuation else self.acceptance(match_length)
+        return expected_tokens(first, drafts, later) - 1.0, first
+
+    @property
+    def plain_steps_since_window(self) -> int:
+        """Plain steps with a draft since the chain's last window (:attr:`BetRecord.plain_steps`)."""
+        return self.bets.plain_steps
+
+    @plain_steps_since_window.setter
+    def plain_steps_since_window(self, steps: int) -> None:
+        self.bets.plain_steps = steps
 
     @staticmethod
     def bucket_of(match_length: int) -> int:
@@ -518,14 +622,28 @@ class SpeculationController:
         K <= ``max_window``."""
         if max_window < 1 or not self.cost.ready:
             return _PLAIN
-        base = 1.0 / max(self.cost.latency(1), 1e-12)
+        cost = self.cost
+        base = 1.0 / max(cost.latency(1), 1e-12)
         best = _PLAIN
         best_rate = base
-        corrections = (1.0, self.cost.correction(2))  # a serial window's cost is measured directly
+        correction = cost.correction(2)  # pipelined only: a serial window's cost is measured directly
+        share = self.config.bottleneck
+        # pipelined_rate for every (K, D), its per-K terms hoisted (a plan per plain step with a
+        # draft: the nested calls cost ~0.4 ms of the driver's CPU per token).
+        first = min(_clamp(acceptance), _MAX_ACCEPTANCE)
+        a = first if later is None else min(_clamp(later), _MAX_ACCEPTANCE)
+        tokens = 1.0 + first / (1.0 - a)
         for window in range(1, min(max_window, self.config.max_window) + 1):
+            rows = window + 1
+            latency = cost.latency(rows)
+            bottleneck = cost.compute(rows) * share
+            windows = 1.0 + first * a ** (window - 1) / (1.0 - a ** rows)
             for depth in range(1, self.config.max_depth + 1):
-                rate = pipelined_rate(acceptance, window, depth, self.cost, self.config.bottleneck, later)
-                rate *= corrections[0 if depth == 1 else 1]
+                if depth == 1:
+                    rate = expected_tokens(acceptance, window, later) / max(latency, 1e-12)
+                else:
+                    arrival, interval = max(latency, depth * bottleneck), max(latency / depth, bottleneck)
+                    rate = tokens / max(arrival + (windows - 1.0) * interval, 1e-12) * correction
                 if rate > best_rate * (1.0 + 1e-9):
                     best, best_rate = Plan(window, depth, rate / base), rate
         return best
@@ -535,7 +653,7 @@ class SpeculationController:
         kept ones, so both rates are the later one.  A plan of depth 1 (or none) ends the
         epoch's pipelining; otherwise the best pipelined plan (``current`` if none pays)."""
         later = self.later_acceptance(match_length)
-        fresh = self.best(later, self.config.max_window, later)
+        fresh = self.best(later * self.calibration(later), self.config.max_window, later)
         if fresh.window and fresh.speedup >= self.config.min_gain:
             return fresh if fresh.depth >= 2 else Plan(current.window, 1, fresh.speedup)
         return Plan(current.window, 1, fresh.speedup)
@@ -559,20 +677,28 @@ class SpeculationController:
         Returns:
             ``window == 0`` for a plain decode step.
         """
+        self.bet = None
         if draft_length <= 0:
             return _PLAIN
+        first, later = self.acceptance(match_length), self.later_acceptance(match_length)
+        q = self.calibration(first)
         if sessions >= 2:  # the others pay for this session's drafts: weigh the aggregate
-            choice = self.best_shared(self.acceptance(match_length), draft_length, sessions,
-                                      self.later_acceptance(match_length))
+            raw = self.best_shared(first, draft_length, sessions, later)
+            choice = raw if q >= 1.0 or not raw.window else self.best_shared(first * q, draft_length, sessions, later)
             self._sessions = sessions
+            if raw.window and raw.speedup >= self.config.min_gain:
+                self.bet = (raw.window, expected_tokens(first, raw.window, later) - 1.0, first)
             if choice.window and choice.speedup >= self.config.min_gain:
                 self.plain_steps_since_window = 0
                 return choice
             return _PLAIN
         if not self.cost.ready:
             return _PLAIN  # the first plain steps measure R and c_1
-        choice = self.best(self.acceptance(match_length), draft_length, self.later_acceptance(match_length))
+        raw = self.best(first, draft_length, later)
+        choice = raw if q >= 1.0 or not raw.window else self.best(first * q, draft_length, later)
         self._sessions = 1
+        if raw.window and raw.speedup >= self.config.min_gain:
+            self.bet = (raw.window, expected_tokens(first, raw.window, later) - 1.0, first)
         if choice.window and choice.speedup >= self.config.min_gain:
             self.plain_steps_since_window = 0
             return choice
@@ -588,10 +714,11 @@ class SpeculationController:
         """Whether the pooled estimate would speculate now (for the sessions of the last plan;
         computed when asked: a plan per step does not pay for it)."""
         if self._sessions >= 2:
-            return (self.best_shared(self.pooled.rate, self.config.max_window, self._sessions).speedup
-                    >= self.config.min_gain)
+            return (self.best_shared(self.pooled.rate * self.calibration(self.pooled.rate), self.config.max_window,
+                                     self._sessions).speedup >= self.config.min_gain)
         return self.cost.ready and self.expected_speedup() >= self.config.min_gain
 
     def expected_speedup(self) -> float:
-        """The pooled estimate's best expected speedup (1.0 when off or not yet measured)."""
-        return self.best(self.pooled.rate, self.config.max_window).speedup
+        """The pooled estimate's best expected speedup, bets' calibration included (1.0 when off
+        or not yet measured)."""
+        return self.best(self.pooled.rate * self.calibration(self.pooled.rate), self.config.max_window).speedup

@@ -17,6 +17,11 @@
 # * Slow start: after a rejection past a kept drafts the next window carries at most 2a + 1
 #   (a run kept whole doubles the cap), unless its extra compute is at most a plain step's.
 # * Each window's drafts are bounded so the committed count cannot pass `max_tokens`.
+# * Bets (`BetRecord`, carried from request to request with the cost model): every window sent
+#   is scored, its expected kept drafts at the raw rates against those kept (a stale window, or a
+#   continuation whose boundary guess missed: 0, its compute spent for nothing); a plain step the
+#   raw estimates would have made a window scores that window in shadow, its first K shadow drafts
+#   against the plain steps' tokens.
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -110,6 +115,8 @@ class SpeculativeDecoder:
         #: Windows whose extra compute is at most a plain step's latency are never capped.
         self._cap = config.controller.max_window
         self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
+        self._bets: dict[int, tuple[float, float]] = {}  # by window id: expected kept drafts, raw first rate
+        self._shadow_bet: tuple[int, float, float] | None = None  # the shadow draft's bet (`SpeculationController.bet`)
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -121,8 +128,10 @@ class SpeculativeDecoder:
         self._alone.clear()
         self._shared.clear()
         self._kind.clear()
+        self._bets.clear()
         self._shadow = NO_DRAFT
         self._shadow_kept = 0
+        self._shadow_bet = None
 
     def _grow(self, kept: int, judged: int) -> None:
         """Move the window cap on drafts judged (a window's, or a shadow draft's by plain steps)."""
@@ -188,7 +197,10 @@ class SpeculativeDecoder:
             drafts = draft.tokens[:self._plan.window]
             if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
                 self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
+                self._shadow_bet = self.controller.bet if draft.tokens and not drafts else None
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
+            if drafts:
+                self._bets[window.id] = self.controller.expected_kept(draft.match_length, len(drafts))
             self._alone[window.id] = tracker.in_flight == 1
             self._shared[window.id] = sessions >= 2
             if drafts:
@@ -210,6 +222,7 @@ class SpeculativeDecoder:
         if not draft.tokens:
             return None
         window = tracker.open_continuation(draft.tokens, match_length=draft.match_length)
+        self._bets[window.id] = self.controller.expected_kept(draft.match_length, len(draft.tokens), True)
         self._alone[window.id] = False
         self._shared[window.id] = self._sessions() >= 2
         _, interval = pipelined_waits(len(window.inputs) - 1, max(2, self._plan.depth), self.controller.cost,
@@ -243,6 +256,9 @@ class SpeculativeDecoder:
         alone = self._alone.pop(window.id, False)
         shared = self._shared.pop(window.id, False) or self._sessions() >= 2  # others at send or now
         kind, priced = self._kind.pop(window.id, (0, 0.0))
+        bet = self._bets.pop(window.id, None)
+        if window.epoch != tracker.epoch and bet is not None:
+            self.controller.bets.observe(bet[1], bet[0], 0)  # a stale window's compute was spent for nothing
         if interval_seconds is not None and not shared:
             if kind == 0:
                 self.controller.cost.age()
@@ -262,6 +278,13 @@ class SpeculativeDecoder:
         if verdict is None:
             verdict = accept_tokens(window.inputs[1:], predicted)
         outcome = tracker.commit(window, verdict)
+        bets = self.controller.bets
+        if bet is not None:
+            bets.observe(bet[1], bet[0], outcome.accepted)
+        if outcome.diverged and following and outcome.accepted == outcome.proposed:
+            missed = self._bets.pop(following[0].id, None)  # its boundary guess missed: nothing kept
+            if missed is not None:
+                bets.observe(missed[1], missed[0], 0)
         if window.drafts:
             self._grow(outcome.accepted, outcome.proposed)
             if window.continuation:  # every draft followed a kept one
@@ -278,9 +301,14 @@ class SpeculativeDecoder:
             else:  # the drafts before it were kept
                 self.controller.observe_later(shadow.match_length, hit, 1)
             self._shadow_kept += hit
+            if self._shadow_bet is not None and (not hit or self._shadow_kept >= self._shadow_bet[0]):
+                drafts, expected, rate = self._shadow_bet
+                bets.observe(rate, expected, min(self._shadow_kept, drafts))
+                self._shadow_bet = None  # the declined window is judged
             if not hit or self._shadow_kept == len(shadow.tokens):
                 self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
                 self._shadow, self._shadow_kept = NO_DRAFT, 0
+                self._shadow_bet = None
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
         self.proposer.extend(outcome.tokens)
