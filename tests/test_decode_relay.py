@@ -1534,3 +1534,80 @@ async def test_a_reply_held_downstream_while_other_work_comes_is_taken_over_by_t
         assert all(s.connection_errors == 0 and s.decode_items == 9 + 6 for s in stats)
         assert [s.decode_relay_steps > 3 for s in stats] == [True] * 3
         nursery.cancel_scope.cancel()
+
+
+async def test_a_pipelining_upstream_is_carried_and_an_interruption_hands_the_lanes_messages_back_in_order(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream that keeps decodes in flight (sent ahead of their replies, as a pipelining
+    driver sends its windows) never lets a lane go quiet: each stage's run starts with the lane's
+    messages in flight and answers them first.  With the final stage's replies held, another
+    lane's request stops the loops (each hands its messages in flight back); one more decode then
+    starts runs that take those over, and a second request stops them while the replies are
+    still held: the messages taken over go back to the lanes, oldest first.  Once the replies pass,
+    every reply comes in order, the unsplit tokens."""
+    from skippy.lane.protocol import StageLane
+
+    taken_back: list[int] = []
+    take_back = StageLane.take_back
+
+    def counted(self: StageLane, forwards: tuple[Any, ...]) -> None:
+        taken_back.append(len(forwards))
+        take_back(self, forwards)
+
+    monkeypatch.setattr(StageLane, "take_back", counted)
+    reference = reference_greedy(tiny_llama, PROMPT, 44, chunk_size=3)
+    other_prompt = [1, 13, 4013, 338, 263, 1243]
+    async with trio.open_nursery() as nursery:
+        chain = await _tapped_chain(nursery, tiny_llama, True)
+        tap = chain.taps[-1]  # in front of the final stage
+        async with await StageClient.connect(chain.first) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            assert (await client.prefill(1, PROMPT, chunk_size=3)).token == reference[0]
+            predicted: list[int] = []
+            sent = 0
+
+            async def send() -> None:
+                nonlocal sent
+                token = reference[sent]
+                await client.send(StageMessage.create(
+                    MessageKind.DECODE_EMBD, pos_start=len(PROMPT) + sent, token_count=1, session_id=1,
+                    tokens=np.asarray([token], dtype=np.int32),
+                    state_changes={"decode_step": sent, "current_token": token}))
+                sent += 1
+
+            async def pipelined(count: int, depth: int = 3) -> None:
+                target = sent + count
+                while len(predicted) < target:
+                    while sent < target and sent - len(predicted) < depth:
+                        await send()
+                    predicted.append((await client.receive()).predicted)
+
+            async def other_request(session: int) -> None:
+                async with await StageClient.connect(chain.first) as other:
+                    assert await _hop_session(other, session, other_prompt, 3) == reference_greedy(
+                        tiny_llama, other_prompt, 4, chunk_size=3)
+
+            with trio.fail_after(20):
+                await pipelined(16)
+                tap.hold = trio.Event()
+                for _ in range(3):
+                    await send()
+                await trio.sleep(0.1)  # (the final stage answered them; the others wait for the replies)
+                await other_request(2)  # the loops hand their messages in flight back
+                await trio.sleep(0.1)  # (its lanes close: the stages' only work is this lane's again)
+                await send()  # the lanes handle it; runs start that take the three over
+                await trio.sleep(0.2)
+                await other_request(3)  # ...and hand them back while their replies are still held
+                hold, tap.hold = tap.hold, None
+                hold.set()
+                while len(predicted) < sent:
+                    predicted.append((await client.receive()).predicted)
+                await pipelined(16)
+            await client.stop(1)
+        assert predicted == reference[1:sent + 1]
+        stats = [server.stats for server in chain.servers]
+        assert all(s.connection_errors == 0 and s.decode_items == sent + 3 + 3 for s in stats)
+        carried = [s.decode_relay_steps for s in stats]
+        assert min(carried) >= 20, carried  # the first stage's too: its lane is never quiet
+        assert len([count for count in taken_back if count]) >= 2, taken_back  # (the first and middle stages)
+        nursery.cancel_scope.cancel()

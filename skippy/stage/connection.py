@@ -294,11 +294,13 @@ class Connection:
         template = dispatch.message
         buffered = bool(reader.decoder.buffered_bytes)  # type: ignore[attr-defined]
         if hop and not final and frame is not None:
-            if upstream.is_socket and not buffered:  # once its reply is written, or more comes
+            if upstream.is_socket and not buffered:
                 hops = self._hop_replies
                 hops.handled(dispatch.ticket, dispatch.key, dispatch.message, frame)
-                await hops.wait(dispatch.ticket, upstream.fileno())
                 kept = hops.template(dispatch.key, dispatch.rule.window)
+                if kept is None:  # the kind's first: once its reply is written, or more comes
+                    await hops.wait(dispatch.ticket, upstream.fileno())
+                    kept = hops.template(dispatch.key, dispatch.rule.window)
                 template, frame, replies = kept if kept is not None else (template, None, None)
             else:
                 frame = None
