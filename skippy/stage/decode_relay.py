@@ -9,8 +9,10 @@ final stage: read, compute, sample, write its reply upstream).  After the lane h
 message in full (its one path: the protocol, the executor, the write-through, the reply relayed
 upstream or the direct reply), :func:`relay_plan` decides whether the
 next ones may go through :mod:`skippy.stage._relay` (its ``nogil`` loop; the twin ``skippy.stage._relay_py``
-with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered, no
-other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
+with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered (hop
+by hop on a non-final stage, messages in flight are allowed when the run may take them over,
+``StageLane.adoptable``: a pipelining upstream, such as the driver's speculation, never lets the
+lane go quiet), no other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
 streams must be plain sockets with no simulated wire, the message of a kind whose rule has
 ``relay`` (a DecodeEmbd's one row, or a VerifyWindow of at most ``n_batch`` rows, which the
 executor runs as one batch) in f32/f16 with no sampling or metadata section, the runtime a
@@ -20,16 +22,22 @@ and of the other kind whose plan the lane kept from the last message of it it ha
 session (``StageLane.relay_kinds``: a decode's and a window's, so the driver's speculation, whose
 windows change size and alternate with decodes, rides one run), a window's of any rows up to
 the batch (the runtime's :class:`~skippy.runtime.row_batch.RowBatch` holds ``n_batch`` rows); a
-rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
-lock), runs the loop on a worker thread and waits.
+rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Hop by
+hop the templates are the last message of the kind whose reply came back (:class:`HopReplies`;
+until the kind's first reply, the lane waits for it unless the upstream sends more).  Then
+:func:`carry` holds the scheduler's runtime (and, on the final stage, the return lane's lock; hop
+by hop it moves the downstream link's relay task off the socket at a reply's boundary and takes
+the lane's messages in flight over, :meth:`RelayRun.adopt`), runs the loop on a worker thread and
+waits; the loop answers the replies of the messages it took over first, in order.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
 rollback and error keeps its one path.  Hop by hop, a downstream reply the loop does not carry
 (another shape, an Error frame, a lost downstream, or a stop while it waits) comes back the same
-way: :meth:`RelayRun.run` tells the lane the messages in flight (the loop pipelines: a message
-arriving while replies are outstanding is forwarded at once) were received, computed and
-forwarded (the events they would have had), feeds what was read of the reply to the downstream
+way: :meth:`RelayRun.run` gives the lane back the messages it took over and not answered (the
+oldest in flight, ``StageLane.take_back``), tells it the loop's own messages in flight (the loop
+pipelines: a message arriving while replies are outstanding is forwarded at once) were received,
+computed and forwarded (the events they would have had), feeds what was read of the reply to the downstream
 link's reader and gives it the socket back, and the reply takes the lane's path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
