@@ -294,9 +294,9 @@ class Connection:
         template = dispatch.message
         buffered = bool(reader.decoder.buffered_bytes)  # type: ignore[attr-defined]
         if hop and not final and frame is not None:
+            hops = self._hop_replies
+            hops.handled(dispatch.ticket, dispatch.key, dispatch.message, frame)  # (a template once answered)
             if upstream.is_socket and not buffered:
-                hops = self._hop_replies
-                hops.handled(dispatch.ticket, dispatch.key, dispatch.message, frame)
                 kept = hops.template(dispatch.key, dispatch.rule.window)
                 if kept is None:  # the kind's first: once its reply is written, or more comes
                     await hops.wait(dispatch.ticket, upstream.fileno())
