@@ -1,7 +1,7 @@
 """Speculation through the data plane: greedy verify windows at 1, 2 and 4 stages, relay on and off.
 
 Run: ``PYTHONPATH=. .venv/bin/python bench/spec_relay.py [--preset tiny-llama] [--rounds 3] [--steps 32]
-[--max-depth 1 | --window K [--direct]]``.
+[--max-depth 1 | --eager | --window K [--direct]] [--counts]``.
 
 Stage processes (``bench/stage_chain.py``'s ``chain``, one compute thread each) of a generated
 llama preset; the driver's :class:`~skippy.driver.Generator` speculates greedily (n-gram drafts,
@@ -10,14 +10,19 @@ verify windows, partly rejected) on ``bench/peer_compare.py``'s looping code pro
 off; hop by hop: the driver never asks for direct return when it speculates).  Each chain of 2
 and 4 stages runs with ``--decode-relay on`` (the data plane carries the windows of every size
 and the decodes between them, their rollbacks trimmed in its loop, pipelined as the driver sends
-them; a run starts only on a quiet lane, so a stage that always has a window in flight, the
-first of a long chain, carries few) and ``off`` (the lane's Python path), in interleaved rounds; the figures are medians over rounds of wall and
+them; a run starts on a quiet lane, or with the lane's messages in flight, which it answers
+first: a stage that always has a window in flight, the first of a long chain, carries them too)
+and ``off`` (the lane's Python path), in interleaved rounds; the figures are medians over rounds of wall and
 CPU (this client and every stage process) per token, and the extra cost of one boundary,
 ``(t_n - t_1) / (n - 1)``.  The chains' tokens are compared every round.
 
 ``--counts`` has every stage write its counters (``--stats-file``, every 0.1 s: a little CPU, so
 the CPU figures are best taken without it) and prints, per chain, each stage's decodes and
 windows and how many of them the data plane carried.
+
+``--eager`` has the driver pipeline from its first window (a prior acceptance of 0.9 worth 50
+drafts: each request's first epoch sends all its windows before the first reply, so no stage is
+quiet when the first window's template comes back).
 
 ``--window K`` drives the windows itself instead (a plain :class:`~skippy.driver.StageClient`, one
 window in flight): every window is the last committed token and K drafts from the driver's n-gram
@@ -102,6 +107,7 @@ def main() -> None:
     parser.add_argument("--stages", default="2,4", help="the chains besides 1 stage")
     parser.add_argument("--max-depth", type=int, default=0,
                         help="windows the driver keeps in flight at most (0: the controller's default)")
+    parser.add_argument("--eager", action="store_true", help="the driver pipelines from its first window")
     parser.add_argument("--window", type=int, default=0, help="drive windows of K drafts with a plain client")
     parser.add_argument("--direct", action="store_true", help="with --window: direct return")
     parser.add_argument("--counts", action="store_true", help="count the messages each stage's data plane carried")
@@ -116,7 +122,7 @@ def main() -> None:
     load = os.getloadavg()
     print(f"model {model.name}; {args.steps} tokens; {args.rounds} interleaved rounds; "
           f"{f'client windows of {args.window} drafts' if args.window else 'the driver'}"
-          f"{', direct return' if args.direct else ''}; max depth {args.max_depth or 'default'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
+          f"{', direct return' if args.direct else ''}{', eager' if args.eager else ''}; max depth {args.max_depth or 'default'}; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}",
           flush=True)
     started = time.monotonic()
     results: dict[str, list[tuple[float, float]]] = {name: [] for name in cases}
@@ -132,9 +138,11 @@ def main() -> None:
             for name, (count, relay) in cases.items()}
         speculation = Speculation(model, args.steps)
         stack.callback(speculation.close)
+        generator = speculation.generator
         if args.max_depth:
-            generator = speculation.generator
             generator.controller = dataclasses.replace(generator.controller, max_depth=args.max_depth)
+        if args.eager:
+            generator.controller = dataclasses.replace(generator.controller, prior_acceptance=0.9, prior_weight=50.0)
 
         def decode(name: str) -> tuple[float, float]:
             if args.window:

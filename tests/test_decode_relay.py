@@ -197,7 +197,8 @@ class Bench:
                  in_dtype: WireDType = WireDType.F32, out_dtype: WireDType = WireDType.F32,
                  max_steps: int = 1024, params: SamplingParams = GREEDY, timings: bool = True,
                  hop: tuple[bytes, bytes] | None = None, rows: int = 1, window_primer: int = 0,
-                 window_hop: tuple[bytes, bytes] | None = None, capacity: int | None = None) -> None:
+                 window_hop: tuple[bytes, bytes] | None = None, capacity: int | None = None,
+                 in_flight: tuple[int, ...] = ()) -> None:
         #: Hop by hop (a non-final stage): the downstream's reply template and this stage's.
         self.hop = hop
         #: Verify windows of ``rows`` rows (1: decodes).
@@ -228,6 +229,15 @@ class Bench:
                 other_out = window_reply_frame([0] * window_primer, 0, timings)
             other = (self.frame(window), other_out, *(window_hop or (b"", b"")))
             self.position += window_primer
+        #: The lane's messages in flight when the run starts (a decode's rows 1, else a window's;
+        #: computed on both sides, forwarded by the lane): a run takes them over (:meth:`adopted`).
+        self.in_flight: list[StageMessage] = []
+        for count in in_flight:
+            message = self.message(self.position) if count == 1 else self.window(self.position, rows=count)
+            self.lane_side.lane_frame(message, out_dtype)
+            self.relay_side.lane_frame(message, out_dtype)
+            self.in_flight.append(message)
+            self.position += count
         self.upstream, upstream_end = socket.socketpair()
         downstream_end, self.downstream = socket.socketpair()
         for sock in (upstream_end, downstream_end):
@@ -275,12 +285,19 @@ class Bench:
     def frame(self, message: StageMessage) -> bytes:
         return codec.encode_message(message, self.in_dtype, self.relay_side.width)
 
-    def run(self, data: bytes, *, pending: bytes = b"", close: bool = False) -> Any:
+    def run(self, data: bytes, *, pending: bytes = b"", close: bool = False, adopted: tuple[Any, ...] = ()) -> Any:
         """Write ``data`` upstream (then close it if asked), run the relay until it returns."""
         self.upstream.sendall(data)
         if close:
             self.upstream.shutdown(socket.SHUT_WR)
-        return self.relay.run(pending)
+        return self.relay.run(pending, adopted) if adopted else self.relay.run(pending)
+
+    def adopted(self) -> tuple[tuple[int, ...], ...]:
+        """:attr:`in_flight` as a run takes them over (kind, rows, compute and write times, when the
+        write began, ended, and the message was received)."""
+        now = time.perf_counter_ns()
+        return tuple((int(message.kind), message.token_count, 30 + index, 2, now // 1000 - 5, now - 3000,
+                      now - 9000) for index, message in enumerate(self.in_flight))
 
     def forwarded(self, count: int) -> list[bytes]:
         length = len(self.out_template)
@@ -1030,6 +1047,116 @@ def test_an_upstream_that_pipelines_has_every_message_carried_and_answered_in_or
     assert outcome.wait_us > 0
 
 
+def _interleaved_bench(make_bench: Any, implementation: Any, records: int, in_flight: tuple[int, ...]) -> Bench:
+    """A middle stage's bench whose run carries decodes and windows (up to 8 rows), hop by hop."""
+    decode_template = downstream_reply(11, records)
+    window_template = window_downstream_reply([11, 12, 13], 100, records)
+    return make_bench(implementation, "1:2", hop=(decode_template, lane_answer(decode_template, True)),
+                      window_primer=3, window_hop=(window_template, window_lane_answer(window_template, True)),
+                      capacity=8, in_flight=in_flight)
+
+
+def _downstream_replies(messages: list[StageMessage], records: int) -> list[bytes]:
+    return [window_downstream_reply([200 + index + row for row in range(message.token_count)], message.state.seq_id,
+                                    records, compute_us=40 + index)
+            if message.kind is MessageKind.VERIFY_WINDOW else downstream_reply(300 + index, records)
+            for index, message in enumerate(messages)]
+
+
+def _check_answers(bench: Bench, messages: list[StageMessage], downstream: list[bytes], records: int) -> None:
+    """The relay's answers upstream to ``downstream`` are the lane's (this stage's durations aside)."""
+    lanes = [window_lane_answer(reply, True) if message.kind is MessageKind.VERIFY_WINDOW else lane_answer(reply, True)
+             for message, reply in zip(messages, downstream)]
+    answers = bench.read_exactly(bench.upstream, [len(answer) for answer in lanes])
+    for message, answer, lane in zip(messages, answers, lanes):
+        if message.kind is MessageKind.VERIFY_WINDOW:
+            (mine, sums), (theirs, lane_sums) = (window_sums(frame, records + 1, message.token_count)
+                                                 for frame in (answer, lane))
+            assert mine == theirs  # tokens, window id, counts, records: the lane's
+            assert all(a >= b for a, b in zip(sums, lane_sums)) and sums[0] > lane_sums[0]  # this stage's share
+        else:
+            assert without_own_durations(answer) == without_own_durations(lane)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("records", [0, 2], ids=["v11-downstream", "two-records"])
+def test_a_run_answers_the_lanes_messages_in_flight_first_then_its_own(implementation: Any, make_bench: Any,
+                                                                        records: int) -> None:
+    """A pipelining upstream never lets the lane go quiet: a run starts with the lane's messages in
+    flight (forwarded by the lane, their replies unread: ``adopted``), answers their replies
+    first, in order and as the lane would, then its own; it forwards only its own, and its first
+    (a window after a rejection) trims the rows the lane computed: no KV cell leaked."""
+    bench = _interleaved_bench(make_bench, implementation, records, (4, 1, 2))
+    taken = bench.adopted()
+    base = bench.position
+    cells = bench.relay_side.context.kv_cells_used()
+    # the last window in flight kept 1 of its 2 rows: the run's first message rolls its second back
+    messages = [bench.window(base - 1, rows=3), bench.message(base + 2), bench.window(base + 3, rows=8)]
+    every = [*bench.in_flight, *messages]
+    downstream = _downstream_replies(every, records)
+    bench.downstream.sendall(b"".join(downstream))
+    outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True, adopted=taken)
+    assert (outcome.status, outcome.steps, outcome.adopted, outcome.leftover) == (implementation.HANDED_BACK, 3, 3, b"")
+    assert (outcome.trims, outcome.trimmed, outcome.windows, outcome.rows) == (1, 1, 2, 12)
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    assert bench.read_exactly(bench.downstream, [len(frame) for frame in expected]) == expected
+    _check_answers(bench, every, downstream, records)
+    assert bench.relay_side.context.kv_cells_used() == cells - 1 + 3 + 1 + 8 == bench.lane_side.context.kv_cells_used()
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("at", [0, 1, 2, 3], ids=["first-taken-over", "second-taken-over", "the-runs-first",
+                                                  "the-runs-second"])
+@pytest.mark.parametrize("reply", ["error", "ack", "end-of-stream", "stop"])
+def test_a_reply_it_does_not_carry_hands_back_the_lanes_messages_and_its_own_in_order(
+        implementation: Any, make_bench: Any, at: int, reply: str) -> None:
+    """With the lane's messages in flight, a reply the loop does not carry (an Error frame, an
+    ACK, end of stream, or a stop while it waits) at any point hands every message still in
+    flight back, oldest first: the lane's (length 0: their frames are the lane's) before the
+    run's own (at the head of the leftover), and what was read of the reply."""
+    from skippy.codec.protocol_ext import ErrorCode, ErrorFrame
+
+    bench = _interleaved_bench(make_bench, implementation, 1, (1, 4))
+    taken = bench.adopted()
+    messages = [bench.message(bench.position), bench.window(bench.position + 1, rows=2)]
+    frames = [bench.frame(message) for message in messages]
+    every = [*bench.in_flight, *messages]
+    good = _downstream_replies(every, 1)[:at]
+    bad = {"error": codec.encode_error(ErrorFrame(ErrorCode.INTERNAL, 2, 2, "", "boom")),
+           "ack": codec.encode_reply(StageReply.ack())}.get(reply, b"")
+    bench.downstream.sendall(b"".join(good) + bad)
+    if reply == "end-of-stream":
+        bench.downstream.shutdown(socket.SHUT_WR)
+    if reply == "stop":
+        threading.Timer(0.1, os.eventfd_write, (bench.stop_fd, 1)).start()
+    # (the lane had read the run's messages: both are forwarded before any reply is awaited)
+    outcome = bench.relay.run(b"".join(frames), taken)
+    assert outcome.status == implementation.REPLY_PENDING
+    assert (outcome.adopted, outcome.steps) == (min(at, 2), max(0, at - 2))
+    left = [0] * (2 - min(at, 2)) + [len(frame) for frame in frames[max(0, at - 2):]]
+    assert [entry[0] for entry in outcome.in_flight] == left
+    assert outcome.leftover == b"".join(frames[max(0, at - 2):])
+    assert bad.startswith(outcome.reply_leftover) and (outcome.reply_leftover or not bad)
+    expected = [bench.lane_side.lane_frame(message, WireDType.F32) for message in messages]
+    assert bench.read_exactly(bench.downstream, [len(frame) for frame in expected]) == expected
+    _check_answers(bench, every[:at], good, 1)
+    assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + 3  # the run's own ran
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_messages_in_flight_a_run_may_not_take_over_are_refused(implementation: Any, make_bench: Any) -> None:
+    bench = _interleaved_bench(make_bench, implementation, 1, ())
+    now = time.perf_counter_ns()
+    assert bench.relay.adopts(int(MessageKind.DECODE_EMBD), 1) and bench.relay.adopts(int(MessageKind.VERIFY_WINDOW), 8)
+    for kind, rows, count in [(MessageKind.DECODE_EMBD, 2, 1), (MessageKind.VERIFY_WINDOW, 9, 1),
+                              (MessageKind.VERIFY_WINDOW, 0, 1), (MessageKind.PREFILL_EMBD, 1, 1),
+                              (MessageKind.DECODE_EMBD, 1, implementation.MAX_IN_FLIGHT + 1)]:
+        with pytest.raises(ValueError, match="may not take over"):
+            bench.relay.run(b"", ((int(kind), rows, 1, 1, now // 1000, now, now),) * count)
+    final = make_bench(implementation, "1:4")  # (no replies: nothing in flight to take over)
+    assert not final.relay.adopts(int(MessageKind.DECODE_EMBD), 1)
+
+
 def test_hop_templates_the_relay_cannot_carry_are_refused() -> None:
     template = downstream_reply(11, 1)
     answer = lane_answer(template, True)
@@ -1406,4 +1533,81 @@ async def test_a_reply_held_downstream_while_other_work_comes_is_taken_over_by_t
         stats = [server.stats for server in chain.servers]
         assert all(s.connection_errors == 0 and s.decode_items == 9 + 6 for s in stats)
         assert [s.decode_relay_steps > 3 for s in stats] == [True] * 3
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_pipelining_upstream_is_carried_and_an_interruption_hands_the_lanes_messages_back_in_order(
+        tiny_llama: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An upstream that keeps decodes in flight (sent ahead of their replies, as a pipelining
+    driver sends its windows) never lets a lane go quiet: each stage's run starts with the lane's
+    messages in flight and answers them first.  With the final stage's replies held, another
+    lane's request stops the loops (each hands its messages in flight back); one more decode then
+    starts runs that take those over, and a second request stops them while the replies are
+    still held: the messages taken over go back to the lanes, oldest first.  Once the replies pass,
+    every reply comes in order, the unsplit tokens."""
+    from skippy.lane.protocol import StageLane
+
+    taken_back: list[int] = []
+    take_back = StageLane.take_back
+
+    def counted(self: StageLane, forwards: tuple[Any, ...]) -> None:
+        taken_back.append(len(forwards))
+        take_back(self, forwards)
+
+    monkeypatch.setattr(StageLane, "take_back", counted)
+    reference = reference_greedy(tiny_llama, PROMPT, 44, chunk_size=3)
+    other_prompt = [1, 13, 4013, 338, 263, 1243]
+    async with trio.open_nursery() as nursery:
+        chain = await _tapped_chain(nursery, tiny_llama, True)
+        tap = chain.taps[-1]  # in front of the final stage
+        async with await StageClient.connect(chain.first) as client:
+            await client.configure(1, prompt_token_count=len(PROMPT))
+            assert (await client.prefill(1, PROMPT, chunk_size=3)).token == reference[0]
+            predicted: list[int] = []
+            sent = 0
+
+            async def send() -> None:
+                nonlocal sent
+                token = reference[sent]
+                await client.send(StageMessage.create(
+                    MessageKind.DECODE_EMBD, pos_start=len(PROMPT) + sent, token_count=1, session_id=1,
+                    tokens=np.asarray([token], dtype=np.int32),
+                    state_changes={"decode_step": sent, "current_token": token}))
+                sent += 1
+
+            async def pipelined(count: int, depth: int = 3) -> None:
+                target = sent + count
+                while len(predicted) < target:
+                    while sent < target and sent - len(predicted) < depth:
+                        await send()
+                    predicted.append((await client.receive()).predicted)
+
+            async def other_request(session: int) -> None:
+                async with await StageClient.connect(chain.first) as other:
+                    assert await _hop_session(other, session, other_prompt, 3) == reference_greedy(
+                        tiny_llama, other_prompt, 4, chunk_size=3)
+
+            with trio.fail_after(20):
+                await pipelined(16)
+                tap.hold = trio.Event()
+                for _ in range(3):
+                    await send()
+                await trio.sleep(0.1)  # (the final stage answered them; the others wait for the replies)
+                await other_request(2)  # the loops hand their messages in flight back
+                await trio.sleep(0.1)  # (its lanes close: the stages' only work is this lane's again)
+                await send()  # the lanes handle it; runs start that take the three over
+                await trio.sleep(0.2)
+                await other_request(3)  # ...and hand them back while their replies are still held
+                hold, tap.hold = tap.hold, None
+                hold.set()
+                while len(predicted) < sent:
+                    predicted.append((await client.receive()).predicted)
+                await pipelined(16)
+            await client.stop(1)
+        assert predicted == reference[1:sent + 1]
+        stats = [server.stats for server in chain.servers]
+        assert all(s.connection_errors == 0 and s.decode_items == sent + 3 + 3 for s in stats)
+        carried = [s.decode_relay_steps for s in stats]
+        assert min(carried) >= 20, carried  # the first stage's too: its lane is never quiet
+        assert len([count for count in taken_back if count]) >= 2, taken_back  # (the first and middle stages)
         nursery.cancel_scope.cancel()

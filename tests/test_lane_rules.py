@@ -101,7 +101,7 @@ def test_placement_keeps_one_writer_per_stream_credits_and_plain_sockets() -> No
                         assert rule.write_through_up and facts.reply_next and facts.upstream_socket
                         assert not facts.reply_delay and not facts.direct
                 if who is Performer.DATA_PLANE:
-                    assert facts.decode_relay and facts.template and facts.quiet
+                    assert facts.decode_relay and facts.template and (facts.quiet or facts.adoptable)
                     assert facts.upstream_socket and facts.downstream_socket
                     assert not facts.wire_delay and not facts.reply_delay
                 if facts.credited and step is Step.WRITE_DOWN:
@@ -220,6 +220,71 @@ def test_the_lane_is_quiet_only_with_nothing_queued_in_flight_or_running() -> No
     assert lane.quiet
     lane.forward_backlog = 1
     assert not lane.quiet
+
+
+def _forwarded(lane: StageLane, kind: MessageKind, session: int = 1) -> Forward:
+    """A message received, computed and forwarded hop by hop (its prediction expected back)."""
+    dispatch, _ = lane.received(_message(kind, session), run_flagged=False, is_first=False)
+    assert dispatch is not None
+    action = lane.computed(dispatch, has_downstream=True)
+    assert isinstance(action, SendDownstream)
+    forward = Forward(dispatch.message, action.expect, dispatch.ticket, dispatch.key, 0, 0.0)
+    lane.frame_forwarding(forward)
+    return forward
+
+
+def test_a_run_takes_over_only_a_sessions_forwarded_predictions_in_order() -> None:
+    """A pipelining upstream never lets a lane go quiet: a data-plane run may start anyway when
+    everything in flight is the session's decodes and windows forwarded, their predictions
+    expected in order, nothing else queued, nobody writing, no stats pending (``adoptable``);
+    the run takes them over, says how many it answered and gives the rest back in order."""
+    lane = StageLane(1, 1)
+    key = lane.key_of(1)
+    assert lane.hand_over(key) == ()  # a quiet lane: nothing to take over
+    forwards = [_forwarded(lane, MessageKind.DECODE_EMBD), _forwarded(lane, MessageKind.VERIFY_WINDOW),
+                _forwarded(lane, MessageKind.DECODE_EMBD)]
+    assert not lane.quiet and lane.adoptable(key) and not lane.adoptable(lane.key_of(2))
+    assert lane.hand_over(key) == tuple(forwards) and lane.inflight == 3 and not lane.expecting
+    lane.adopted_answered(1)
+    lane.take_back(tuple(forwards[1:]))
+    assert lane.inflight == 2 and lane.adoptable(key)
+    relay = lane.downstream_replied(StageReply.predicted_token(5), "d")  # the oldest taken back first
+    assert relay.forward is forwards[1] and relay.prediction
+    with pytest.raises(RuntimeError, match="out of order"):
+        lane.take_back((forwards[0],))
+
+
+@pytest.mark.parametrize("case", ["compute queued", "forward queued", "writing", "stats pending", "credit",
+                                  "another session", "a stop", "an early-ACKed chunk", "answered", "direct"])
+def test_a_run_takes_over_nothing_else(case: str) -> None:
+    lane = StageLane(1, 2)
+    key = lane.key_of(1)
+    forward = _forwarded(lane, MessageKind.VERIFY_WINDOW)
+    assert lane.adoptable(key)
+    if case == "compute queued":
+        lane.compute_backlog = 1
+    elif case == "forward queued":
+        lane.forward_backlog = 1
+    elif case == "writing":
+        lane.reply_ready(forward.ticket, StageReply.predicted_token(1))  # type: ignore[arg-type]
+    elif case == "stats pending":
+        lane.stash_stats(dataclasses.replace(EMPTY_REPLY_STATS, prefill_edge_write_us_max=3))
+    elif case == "credit":
+        assert lane.take_credit()
+    elif case == "another session":
+        _forwarded(lane, MessageKind.DECODE_EMBD, session=2)
+    elif case == "a stop":
+        _forwarded(lane, MessageKind.STOP)
+    elif case == "an early-ACKed chunk":
+        _forwarded(lane, MessageKind.PREFILL_EMBD)
+    elif case == "answered":
+        lane.claim_reply_write(forward.ticket)  # type: ignore[arg-type]
+    else:
+        dispatch, _ = lane.received(_message(MessageKind.DECODE_EMBD, flags=SKIPPY_EXTENSIONS_FLAG | DIRECT_RETURN_FLAG),
+                                    run_flagged=False, is_first=False)
+        assert dispatch is not None and dispatch.direct
+    assert not lane.adoptable(key) and lane.hand_over(key) is None
+    assert lane.expecting  # nothing was taken
 
 
 # -- replies: every reply a stage builds (skippy.lane.replies) ----------------------------------

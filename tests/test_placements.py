@@ -185,7 +185,9 @@ async def run_path(generator: Generator, model: Path, path: str, splits: list[st
                     "trims": [s.trimmed_tokens for s in stats],
                     # per stage: the decodes and windows computed, those the data plane carried
                     "messages": [s.decode_items + s.verify_windows for s in stats],
-                    "carried": [s.decode_relay_steps + s.decode_relay_windows for s in stats]}
+                    "carried": [s.decode_relay_steps + s.decode_relay_windows for s in stats],
+                    # per stage: the KV cells its sessions hold (the finished request's: nothing)
+                    "cells": [server.scheduler.executor.context.kv_cells_used() for server in chain.servers]}
         boundaries = [tap.record() for tap in (*chain.taps, chain.returns)]
     return completion.tokens, boundaries, counters
 
@@ -269,23 +271,36 @@ def _no_wall_clock_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CostModel, "adopt", lambda self, other: None)
 
 
-#: Speculation at 2 and 3 stages (the tiny llama's 4 layers).
-SPECULATION_SPLITS = {2: ["0:2", "2:4"], 3: SPLITS}
+#: Speculation at 2, 3 and 4 stages (the tiny llama's 4 layers).
+SPECULATION_SPLITS = {2: ["0:2", "2:4"], 3: SPLITS, 4: ["0:1", "1:2", "2:3", "3:4"]}
+#: How the driver speculates: one window at a time (max depth 1), its default (pipelined once its
+#: estimates say so), or pipelined from its first window (a high prior acceptance: the first
+#: epoch's windows are all in flight before the first reply, and the lane never goes quiet).
+DRIVERS = {"serial": {"max_depth": 1}, "pipelined": {}, "eager": {"prior_acceptance": 0.9, "prior_weight": 50.0}}
 
 
-@pytest.mark.parametrize("depth", [1, 0], ids=["serial", "pipelined"])
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("implementation", ["cython", "python"])
+@pytest.mark.parametrize("driver", list(DRIVERS))
+@pytest.mark.parametrize("stages", [2, 3, 4])
 async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane_on(
-        generator: Generator, tiny_llama: Path, stages: int, depth: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        generator: Generator, tiny_llama: Path, stages: int, driver: str, implementation: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """The driver's speculation (hop by hop: it never asks for direct return when it speculates)
-    with the data plane on (``--decode-relay on``) and off: the same bytes on every boundary and
-    the unsplit tokens, at 2 and 3 stages, with drafts rejected on the way (rollbacks trimmed).
-    A run carries windows of every size and decodes interleaved, and pipelines hop by hop: after
-    the first message of each kind (the lane's, which leaves the templates), at least 80% of the
-    messages on every stage, whether the driver sends one window at a time (``serial``: max depth
-    1) or keeps several in flight (its default)."""
-    if depth:
-        monkeypatch.setattr(generator, "controller", dataclasses.replace(generator.controller, max_depth=depth))
+    with the data plane on (``--decode-relay on``, either implementation) and off: the same bytes
+    on every boundary and the unsplit tokens, at 2, 3 and 4 stages, with drafts rejected on the
+    way (rollbacks trimmed).  A run carries windows of every size and decodes interleaved, and
+    pipelines hop by hop: after the first message of each kind (the lane's, which leaves the
+    templates), at least 80% of the messages on every stage, whether the driver sends one window
+    at a time, keeps several in flight once it pays, or from its first window on (``eager``: no
+    stage is ever quiet then, the first least of all; a run starts with the lane's messages in
+    flight and answers them first).  Every stage ends with the KV cells of the relay-off run."""
+    from skippy.stage import _relay_py, decode_relay
+
+    if implementation == "python":
+        monkeypatch.setattr(decode_relay, "_implementation", _relay_py)
+    elif decode_relay.IMPLEMENTATION != "cython":
+        pytest.skip("skippy.stage._relay not built")
+    monkeypatch.setattr(generator, "controller", dataclasses.replace(generator.controller, **DRIVERS[driver]))
     observe = CostModel.observe
 
     def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
@@ -304,7 +319,7 @@ async def test_the_drivers_speculation_gives_the_lanes_bytes_with_the_data_plane
     assert on["windows"] == off["windows"] and min(on["windows"]) > 0
     assert on["trims"] == off["trims"] and min(on["trims"]) > 0  # drafts were rejected: rollbacks trimmed
     assert off["relay_steps"] == 0 and on["relay_stages"] == stages, on  # the data plane ran on every stage
-    assert on["messages"] == off["messages"]
+    assert on["messages"] == off["messages"] and on["cells"] == off["cells"]  # (no KV cell leaked)
     shares = [carried / (messages - 2) for carried, messages in zip(on["carried"], on["messages"])]
     assert min(shares) >= 0.8, (shares, on)
 

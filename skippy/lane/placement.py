@@ -32,8 +32,10 @@ Invariants :func:`placement` keeps (one writer per stream, frame order, credits)
   waits for its credit;
 * an early-ACKed message is never handled on the receiving task (receiving must run ahead);
 * the runtime thread and the data plane write only plain sockets with no simulated delay;
-* the data plane starts only on a quiet lane (hop by hop: once the template's reply is written
-  upstream), so it is the one reader and writer of both streams while it runs.
+* the data plane starts only on a quiet lane, or hop by hop on one whose messages in flight it
+  takes over (``adoptable``: forwarded, their predictions expected in order, nothing else queued,
+  nobody writing replies; a pipelining upstream always has one in flight), so it is the one
+  reader and writer of both streams while it runs and answers every reply in message order.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class Facts(NamedTuple):
     forward_idle: bool = True
     #: Nothing queued, in flight, expected from downstream, buffered or running on the lane.
     quiet: bool = True
+    #: Not quiet, but only for messages the data plane may take over (hop by hop: forwarded,
+    #: their predictions expected in order, nothing else queued: ``StageLane.adoptable``).
+    adoptable: bool = False
     #: The message: ACKed on receipt; its frame holds a reply credit; its prediction goes over
     #: a return lane (§8); asked before its work runs (its output may still be written where
     #: it is computed); its reply is next in line with the writer token free; the message just
@@ -109,7 +114,7 @@ FACTS_READ: Final[dict[Step, tuple[str, ...]]] = {
     Step.WRITE_DOWN: ("inline_hand_offs", "write_through", "before_compute", "forward_idle", "credited", "wire_delay",
                       "downstream_socket"),
     Step.WRITE_UP: ("write_through", "before_compute", "direct", "reply_next", "upstream_socket", "reply_delay"),
-    Step.CARRY_NEXT: ("decode_relay", "template", "quiet", "wire_delay", "reply_delay", "upstream_socket",
+    Step.CARRY_NEXT: ("decode_relay", "template", "quiet", "adoptable", "wire_delay", "reply_delay", "upstream_socket",
                       "downstream_socket"),
 }
 
@@ -138,7 +143,8 @@ def placement(step: Step, rule: KindRule | None, facts: Facts) -> Performer:
                 and not facts.direct and facts.reply_next and facts.upstream_socket and not facts.reply_delay):
             return Performer.RUNTIME_THREAD
         return Performer.HANDLING_TASK
-    if (facts.decode_relay and facts.template and facts.quiet and not facts.wire_delay and not facts.reply_delay
+    if (facts.decode_relay and facts.template and (facts.quiet or facts.adoptable) and not facts.wire_delay
+            and not facts.reply_delay
             and facts.upstream_socket and facts.downstream_socket):
         return Performer.DATA_PLANE
     return Performer.NOBODY

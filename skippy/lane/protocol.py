@@ -760,6 +760,52 @@ class StageLane(LaneProtocol):
         """Nothing queued, in flight, expected from downstream or running on the lane."""
         return not (self.compute_backlog or self.forward_backlog or self.runs or self.inflight or self.expecting)
 
+    def adoptable(self, key: int) -> bool:
+        """Whether a data-plane run of session ``key`` may take over what is in flight on the lane
+        (hop by hop, a pipelining upstream always has something in flight): nothing queued to
+        compute or forward, no decode run, nobody writing replies, no credit taken, no stats
+        pending for the next reply, and every message in flight one of ``key``'s forwarded
+        downstream, of a kind whose rule has ``relay``, its prediction expected back in order on
+        its ticket, which is next in line (so the run answers them first, in order)."""
+        expected, tickets = self._expected, self._tickets
+        if (self.compute_backlog or self.forward_backlog or self.runs or self._writing or self.credits_in_use
+                or not expected or len(expected) != len(tickets) or self.inflight != len(tickets)
+                or self.pending_stats != EMPTY_REPLY_STATS):
+            return False
+        for forward, ticket in zip(expected, tickets):
+            if (forward.ticket is not ticket or forward.expect is not Expect.RELAY_PREDICTION or forward.direct
+                    or forward.session != key or forward.on_reply is not None or ticket.reply is not None
+                    or ticket.run is not None or not RULES[ticket.kind].relay):
+                return False
+        return True
+
+    def hand_over(self, key: int) -> tuple[Forward, ...] | None:
+        """A data-plane run of session ``key`` starts: the messages in flight it takes over (oldest
+        first; () on a quiet lane), which leave the lane's reply order until :meth:`adopted_answered`
+        and :meth:`take_back` say what became of them; None when it may take nothing over (the run
+        does not start)."""
+        if self.quiet:
+            return ()
+        if not self.adoptable(key):
+            return None
+        forwards = tuple(self._expected)
+        self._expected.clear()
+        self._tickets.clear()
+        return forwards
+
+    def adopted_answered(self, count: int) -> None:
+        """The run answered the oldest ``count`` messages it took over (their replies are written)."""
+        self.inflight -= count
+
+    def take_back(self, forwards: tuple[Forward, ...]) -> None:
+        """The run ended with ``forwards`` (taken over, not answered: the oldest in flight) still
+        in flight: their replies come back to the lane, in order, before anything else."""
+        if self._expected or self._tickets:
+            raise RuntimeError("messages taken back behind others: the run's hand-back is out of order")
+        for forward in forwards:
+            self._expected.append(forward)
+            self._tickets.append(forward.ticket)  # type: ignore[arg-type]
+
     def reply_next(self, ticket: Ticket | None) -> bool:
         """Whether ``ticket``'s reply is next in line with the writer token free (a write made
         elsewhere may then claim it: :meth:`claim_reply_write`)."""

@@ -55,8 +55,11 @@ path does: a message arriving while replies are outstanding (a speculating drive
 computed and forwarded at once, up to ``MAX_IN_FLIGHT`` in flight, their frames kept at the head of
 the buffer until their replies, read in order, are answered; a message it does not carry (or the
 rows' limit) stops the reading and the run ends once the ones in flight are answered, and a reply
-it does not carry hands every message in flight back (``in_flight``, oldest first).  A write waits for a full socket until
-the abort descriptor says the lane is closing.
+it does not carry hands every message in flight back (``in_flight``, oldest first).  A run may
+also start with messages the lane forwarded in flight (``run``'s ``adopted``: a pipelining
+upstream never lets the lane go quiet): they head the messages in flight with no frame in the
+buffer, their replies are answered first, in order, and a reply not carried hands them back too.
+A write waits for a full socket until the abort descriptor says the lane is closing.
 
 Thread safety: ``run`` is called on one worker thread while the lane's trio task waits for it;
 the scheduler holds the runtime for it, and the lane closes neither socket before it returns.
@@ -412,19 +415,42 @@ cdef class DecodeRelay:
         free(self._entry_start)
         free(self._entry_count)
 
-    def run(self, bytes pending=b""):
+    def adopts(self, int kind, int rows):
+        """Whether ``run`` may take over a message of ``kind`` and ``rows``; see the twin's ``adopts``."""
+        cdef int index
+        if not self._hop:
+            return False
+        for index in range(self._family_count):
+            if self._families[index].kind == kind:
+                return (1 <= rows <= self._capacity_rows) if self._families[index].window else rows == 1
+        return False
+
+    def run(self, bytes pending=b"", tuple adopted=()):
         """Relay until a frame it does not carry, a stop, or ``max_steps`` rows; see the twin's ``run``."""
         cdef Py_ssize_t count = PyBytes_GET_SIZE(pending)
+        cdef int index
+        cdef _InFlight *entry
+        if len(adopted) > _MAX_IN_FLIGHT or any(not self.adopts(message[0], message[1]) for message in adopted):
+            raise ValueError("a message in flight the run may not take over")
         if count > self._capacity:
             return RelayOutcome(_HANDED_BACK, pending, 0, 0, 0, 0, 0)
         memcpy(self._buffer, PyBytes_AS_STRING(pending), count)
         self._filled = count
         self._base = self._flying = self._reply_filled = 0
         self._logged = self._entries = 0  # rows not taken after the last run are dropped
+        for message in adopted:  # (the lane's: no frame in the buffer)
+            entry = &self._flight[self._flying]
+            for index in range(self._family_count):
+                if self._families[index].kind == message[0]:
+                    entry.family = &self._families[index]
+            entry.rows, entry.length = message[1], 0
+            entry.shift = 4 * (entry.rows - 1)
+            entry.compute_us, entry.write_us, entry.sent_us, entry.sent_ns, entry.received_ns = message[2:7]
+            self._flying += 1
         cdef int status
         # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in / out, trims, positions
-        # trimmed, rows, windows, the last message's rows
-        cdef int64_t counters[13]
+        # trimmed, rows, windows, the last message's rows, adopted messages answered
+        cdef int64_t counters[14]
         memset(counters, 0, sizeof(counters))
         with nogil:
             status = self._loop(counters)
@@ -441,7 +467,8 @@ cdef class DecodeRelay:
         self._reply_filled = self._base = self._flying = 0
         return RelayOutcome(status, leftover, counters[0], counters[1] // 1000, counters[2] // 1000, counters[3],
                             counters[4], counters[5] // 1000, counters[6], counters[7], reply, *head[1:],
-                            counters[8], counters[9], counters[10], counters[11], counters[12], head[0], in_flight)
+                            counters[8], counters[9], counters[10], counters[11], counters[12], head[0], in_flight,
+                            counters[13])
 
     def take_log(self):
         """The rows computed since the last call; see the twin's ``take_log``."""
@@ -547,10 +574,13 @@ cdef class DecodeRelay:
                 status = self._read_reply(counters)
                 if status == _HANDED_BACK or status == _UPSTREAM_FAILED:  # answered (or its write failed): done
                     head = &self._flight[0]
-                    counters[0] += 1
-                    counters[10] += head.rows
-                    if head.family.window:
-                        counters[11] += 1
+                    if head.length > 0:
+                        counters[0] += 1
+                        counters[10] += head.rows
+                        if head.family.window:
+                            counters[11] += 1
+                    else:  # (the lane's: taken over)
+                        counters[13] += 1
                     self._consume(head.length)
                     self._base -= head.length
                     self._flying -= 1

@@ -116,8 +116,13 @@ class RelayOutcome(NamedTuple):
     last_rows: int = 0
     pending_length: int = 0
     #: Hop by hop with REPLY_PENDING: every message in flight, oldest first (the head of
-    #: ``leftover``, in order): its length, compute and write times and when its write began.
+    #: ``leftover``, in order): its length, compute and write times and when its write began (a
+    #: message the run took over from the lane, :meth:`DecodeRelay.run`'s ``adopted``: length 0,
+    #: its frame is not in ``leftover``).
     in_flight: tuple[tuple[int, int, int, int], ...] = ()
+    #: Hop by hop: the messages taken over from the lane whose replies the run answered (the
+    #: oldest ``adopted``; not counted in ``steps``).
+    adopted: int = 0
 
 
 #: A Timings record's size, and where its four i64 durations start in it (compute_us first).
@@ -435,8 +440,9 @@ def frame_length(header: bytes, *, width: int, first: bool) -> int:
 
 class _InFlight(NamedTuple):
     """Hop by hop, a message computed and forwarded whose reply is not answered yet: its kind's
-    templates, rows, shift and length, its compute and write times and when its write began
-    (microseconds), when the write ended and when it was read whole (``perf_counter_ns``)."""
+    templates, rows, shift and length (0: one the lane forwarded and the run took over), its
+    compute and write times and when its write began (microseconds), when the write ended and
+    when it was read whole (``perf_counter_ns``)."""
 
     family: Family
     rows: int
@@ -542,19 +548,43 @@ class DecodeRelay:
             self._log = []
         return entries
 
-    def run(self, pending: bytes = b"") -> RelayOutcome:
+    def adopts(self, kind: int, rows: int) -> bool:
+        """Whether :meth:`run` may take over a message of ``kind`` and ``rows`` the lane forwarded
+        (hop by hop, a kind the run carries, rows it would carry)."""
+        family = self._families.get(kind)
+        return (self._hop and family is not None
+                and (1 <= rows <= self._capacity_rows if family.window else rows == 1))
+
+    def run(self, pending: bytes = b"", adopted: tuple[tuple[int, int, int, int, int, int, int], ...] = ()
+            ) -> RelayOutcome:
         """Relay messages (``pending`` first: bytes the lane had read) until one it does not carry,
-        a stop, or ``max_steps`` rows; blocking, on a worker thread."""
+        a stop, or ``max_steps`` rows; blocking, on a worker thread.
+
+        ``adopted``: hop by hop, the messages the lane forwarded whose replies it has not read
+        (oldest first, at most :data:`MAX_IN_FLIGHT`, each one :meth:`adopts`), as (kind, rows,
+        compute_us, write_us, when its write began in microseconds, when it ended and when the
+        message was received, ``perf_counter_ns``): the run answers their replies first, in
+        order, as the lane would (a pipelining upstream never lets the lane go quiet).
+
+        Raises:
+            ValueError: an ``adopted`` message the run may not take over.
+        """
+        if len(adopted) > MAX_IN_FLIGHT or any(not self.adopts(kind, rows) for kind, rows, *_ in adopted):
+            raise ValueError("a message in flight the run may not take over")
         if len(pending) > self._capacity:
             return RelayOutcome(HANDED_BACK, pending, 0, 0, 0, 0, 0)
         self._buffer = bytearray(pending)
         if self._log is not None:  # rows not taken after the last run are dropped
             self._log = []
         # steps, compute ns, write ns, bytes in, bytes out, wait ns, reply bytes in, reply bytes out,
-        # trims, positions trimmed, rows, windows, the last message's rows
-        counters = [0] * 13
+        # trims, positions trimmed, rows, windows, the last message's rows, adopted messages answered
+        counters = [0] * 14
         self._in_flight.clear()
         self._held.clear()
+        for kind, rows, compute_us, write_us, sent_us, sent_ns, received_ns in adopted:
+            self._in_flight.append(_InFlight(self._families[kind], rows, 4 * (rows - 1), 0, compute_us, write_us,
+                                             sent_us, sent_ns, received_ns))
+            self._held.append(b"")
         status = self._loop(counters)
         leftover = b"".join(self._held) + bytes(self._buffer)
         self._buffer = bytearray()
@@ -566,8 +596,8 @@ class DecodeRelay:
         self._held.clear()
         head = in_flight[0] if in_flight else (0, 0, 0, 0)
         return RelayOutcome(status, leftover, steps, compute_ns // 1000, write_ns // 1000, bytes_in, bytes_out,
-                            wait_ns // 1000, replies_in, replies_out, reply, *head[1:], *counters[8:], head[0],
-                            in_flight)
+                            wait_ns // 1000, replies_in, replies_out, reply, *head[1:], *counters[8:13], head[0],
+                            in_flight, counters[13])
 
     def _loop(self, counters: list[int]) -> int:
         if self._hop:
@@ -638,9 +668,12 @@ class DecodeRelay:
                 if status in (HANDED_BACK, UPSTREAM_FAILED):  # answered (or its write failed): it is done
                     entry = in_flight.popleft()
                     held.popleft()
-                    counters[0] += 1
-                    counters[10] += entry.rows
-                    counters[11] += entry.family.window
+                    if entry.length:
+                        counters[0] += 1
+                        counters[10] += entry.rows
+                        counters[11] += entry.family.window
+                    else:  # (the lane's: taken over)
+                        counters[13] += 1
                 if status not in (-1, HANDED_BACK):
                     return status
             if ready.get(self._upstream):

@@ -146,7 +146,7 @@ class Connection:
 
     def _facts(self, *, early_ack: bool = False, credited: bool = False, direct: bool = False,
                before_compute: bool = False, reply_next: bool = False, template: bool = False,
-               downstream_socket: bool | None = None, quiet: bool = True) -> Facts:
+               downstream_socket: bool | None = None, quiet: bool = True, adoptable: bool = False) -> Facts:
         """What :func:`~skippy.lane.placement.placement` decides from, now (the message's part given)."""
         settings, lane = self.settings, self.lane
         if downstream_socket is None:
@@ -154,8 +154,8 @@ class Connection:
         return Facts(settings.inline_hand_offs, settings.write_through, settings.decode_relay,
                      self._upstream_socket, downstream_socket, self._wire_delay, settings.reply_delay_s > 0,
                      settings.downstream is None or self.link.channel is not None, lane.compute_backlog == 0,
-                     lane.forward_backlog == 0, quiet, early_ack, credited, direct, before_compute, reply_next,
-                     template)
+                     lane.forward_backlog == 0, quiet, adoptable, early_ack, credited, direct, before_compute,
+                     reply_next, template)
 
     # -- lifetime ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -277,7 +277,9 @@ class Connection:
         """Shortcut 3 (:mod:`skippy.stage.decode_relay`): ``dispatch`` was a decode, forwarded by
         write-through (or, on the final stage, answered upstream or into its return lane); once
         answered (hop by hop), while this lane is the stage's only work, relay the ones that
-        follow it outside Python.  Whatever the relay does not carry is left in ``reader``."""
+        follow it outside Python (hop by hop from the last of its kind whose reply came back; the
+        messages still in flight, a pipelining upstream's, are the run's to answer first).
+        Whatever the relay does not carry is left in ``reader``."""
         state = self.lane
         frame, lane = state.take_template(dispatch.message)
         assert lane is None or isinstance(lane, ReturnLane)
@@ -289,20 +291,31 @@ class Connection:
         final = hop and executor.is_last
         downstream = lane.io if lane is not None else upstream if final else self.link.io
         replies = None
-        if (hop and not final and frame is not None and upstream.is_socket
-                and not reader.decoder.buffered_bytes):  # type: ignore[attr-defined]  # once its reply is written
-            replies = await self._hop_replies.wait(dispatch.ticket, upstream.fileno())
-            frame = frame if replies is not None else None
+        template = dispatch.message
+        buffered = bool(reader.decoder.buffered_bytes)  # type: ignore[attr-defined]
+        if hop and not final and frame is not None:
+            hops = self._hop_replies
+            hops.handled(dispatch.ticket, dispatch.key, dispatch.message, frame)  # (a template once answered)
+            if upstream.is_socket and not buffered:
+                kept = hops.template(dispatch.key, dispatch.rule.window)
+                if kept is None:  # the kind's first: once its reply is written, or more comes
+                    await hops.wait(dispatch.ticket, upstream.fileno())
+                    kept = hops.template(dispatch.key, dispatch.rule.window)
+                template, frame, replies = kept if kept is not None else (template, None, None)
+            else:
+                frame = None
         free = downstream is not None and downstream.is_socket and (
             lane is None or not (lane.closed or lane.lock.locked()))
-        facts = self._facts(template=frame is not None, downstream_socket=free,
-                            quiet=state.quiet and not reader.decoder.buffered_bytes)  # type: ignore[attr-defined]
+        quiet = state.quiet and not buffered
+        facts = self._facts(template=frame is not None, downstream_socket=free, quiet=quiet,
+                            adoptable=not quiet and not buffered and replies is not None
+                            and state.adoptable(dispatch.key))
         if placement(Step.CARRY_NEXT, None, facts) is not Performer.DATA_PLANE:
             return
         assert frame is not None and downstream is not None
-        plan = relay_plan(dispatch.message, frame, executor=executor, session_key=dispatch.key,
+        plan = relay_plan(template, frame, executor=executor, session_key=dispatch.key,
                           width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows,
-                          replies=replies)
+                          replies=replies, last=dispatch.message)
         if plan is None:
             return
         run = RelayRun(plan, executor=executor, scheduler=self.scheduler, stats=self.stats, upstream=upstream,

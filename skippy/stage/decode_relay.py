@@ -9,8 +9,10 @@ final stage: read, compute, sample, write its reply upstream).  After the lane h
 message in full (its one path: the protocol, the executor, the write-through, the reply relayed
 upstream or the direct reply), :func:`relay_plan` decides whether the
 next ones may go through :mod:`skippy.stage._relay` (its ``nogil`` loop; the twin ``skippy.stage._relay_py``
-with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered, no
-other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
+with ``SKIPPY_NO_EXTENSIONS=1``): the lane must have nothing queued, in flight or buffered (hop
+by hop on a non-final stage, messages in flight are allowed when the run may take them over,
+``StageLane.adoptable``: a pipelining upstream, such as the driver's speculation, never lets the
+lane go quiet), no other lane may have brought work lately (``Scheduler.hold``: their rows batch instead), both
 streams must be plain sockets with no simulated wire, the message of a kind whose rule has
 ``relay`` (a DecodeEmbd's one row, or a VerifyWindow of at most ``n_batch`` rows, which the
 executor runs as one batch) in f32/f16 with no sampling or metadata section, the runtime a
@@ -20,16 +22,22 @@ and of the other kind whose plan the lane kept from the last message of it it ha
 session (``StageLane.relay_kinds``: a decode's and a window's, so the driver's speculation, whose
 windows change size and alternate with decodes, rides one run), a window's of any rows up to
 the batch (the runtime's :class:`~skippy.runtime.row_batch.RowBatch` holds ``n_batch`` rows); a
-rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
-lock), runs the loop on a worker thread and waits.
+rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Hop by
+hop the templates are the last message of the kind whose reply came back (:class:`HopReplies`;
+until the kind's first reply, the lane waits for it unless the upstream sends more).  Then
+:func:`carry` holds the scheduler's runtime (and, on the final stage, the return lane's lock; hop
+by hop it moves the downstream link's relay task off the socket at a reply's boundary and takes
+the lane's messages in flight over, :meth:`RelayRun.adopt`), runs the loop on a worker thread and
+waits; the loop answers the replies of the messages it took over first, in order.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
 rollback and error keeps its one path.  Hop by hop, a downstream reply the loop does not carry
 (another shape, an Error frame, a lost downstream, or a stop while it waits) comes back the same
-way: :meth:`RelayRun.run` tells the lane the messages in flight (the loop pipelines: a message
-arriving while replies are outstanding is forwarded at once) were received, computed and
-forwarded (the events they would have had), feeds what was read of the reply to the downstream
+way: :meth:`RelayRun.run` gives the lane back the messages it took over and not answered (the
+oldest in flight, ``StageLane.take_back``), tells it the loop's own messages in flight (the loop
+pipelines: a message arriving while replies are outstanding is forwarded at once) were received,
+computed and forwarded (the events they would have had), feeds what was read of the reply to the downstream
 link's reader and gives it the socket back, and the reply takes the lane's path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
@@ -125,11 +133,13 @@ class RelayPlan:
 
 def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor", session_key: int,
                width: int, out_dtype: WireDType, position_end: int,
-               replies: tuple[bytes, bytes] | None = None) -> RelayPlan | None:
+               replies: tuple[bytes, bytes] | None = None, last: StageMessage | None = None) -> RelayPlan | None:
     """The plan for relaying the decode that follows ``message`` (just executed and forwarded as
     ``forwarded``; on the final stage, answered with the reply ``forwarded`` is the template of;
     hop by hop on a non-final stage, ``replies``: the downstream's reply and this stage's answer),
-    or None when the loop would not carry it exactly as the lane did."""
+    or None when the loop would not carry it exactly as the lane did.  ``last``: hop by hop, the
+    message the lane handled last when ``message`` (the template, whose reply came back) is an
+    earlier one of the session (the messages after it are in flight: the run takes them over)."""
     state = message.state
     final = executor.is_last
     direct = bool(state.flags & DIRECT_RETURN_FLAG)
@@ -159,7 +169,9 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
     if row_batch is None or seq is None or (final and sampler is None):
         return None  # the null runtime, a session already released, or tokens the loop cannot pick
     next_position = executor.context.length(seq)
-    if next_position != message.pos_start + rows:
+    if last is None:
+        last = message
+    if next_position != last.pos_start + last.token_count or last.session_id != message.session_id:
         return None
     in_template = codec.encode_message(message, in_dtype, width)
     if not final and any(forwarded[start:start + size] != in_template[start:start + size] for start, size in _SAME):
@@ -195,42 +207,63 @@ def _other_kind(plan: RelayPlan, lane: "StageLane | None") -> RelayPlan | None:
 
 
 class HopReplies:
-    """Hop by hop on a non-final stage, the last plain decode's (or verify window's) reply as the
-    lane relayed it upstream, for :func:`relay_plan`'s templates: the relay task reports each
-    (:meth:`relayed`), the receiving task waits for its message's (:meth:`wait`)."""
+    """Hop by hop on a non-final stage, the templates of the replies: each plain decode's (or
+    verify window's) message the lane handled and forwarded (:meth:`handled`), and once its reply
+    is relayed upstream (:meth:`relayed`) the last one of each kind with both replies as the lane
+    wrote them, for :func:`relay_plan`; the receiving task waits for its message's
+    (:meth:`wait`) while the upstream sends nothing more."""
+
+    #: Messages handled whose replies are still to come, kept at most.
+    LIMIT = 16
 
     def __init__(self) -> None:
-        self._last: "tuple[Ticket, Reply, Reply] | None" = None
+        self._handled: dict[Ticket, tuple[int, StageMessage, bytes]] = {}
+        #: By kind (a window's: True): (session key, message, frame forwarded, reply in, reply out).
+        self._kinds: dict[bool, tuple[int, StageMessage, bytes, "Reply", "Reply"]] = {}
+        self._last: "Ticket | None" = None
         self._waiter: trio.CancelScope | None = None
+
+    def handled(self, ticket: "Ticket | None", key: int, message: StageMessage, frame: bytes) -> None:
+        """``ticket``'s ``message`` (of session ``key``) was forwarded as ``frame``."""
+        if ticket is None:
+            return
+        handled = self._handled
+        if len(handled) >= self.LIMIT:  # (replies the lane never relayed: a run answered them)
+            del handled[next(iter(handled))]
+        handled[ticket] = (key, message, frame)
 
     def relayed(self, ticket: "Ticket", reply_in: "Reply", reply_out: "Reply") -> None:
         """``ticket``'s reply: the downstream's ``reply_in`` answered upstream as ``reply_out``
         (each a reply, its Timings frame and its §10 frames; call before writing it)."""
-        self._last = (ticket, reply_in, reply_out)
+        entry = self._handled.pop(ticket, None)
+        if entry is not None:
+            key, message, frame = entry
+            self._kinds[RULES[ticket.kind].window] = (key, message, frame, reply_in, reply_out)
+        self._last = ticket
 
     def written(self) -> None:
         """The reply reported last is written: a waiting :meth:`wait` returns."""
         if self._waiter is not None:
             self._waiter.cancel()
 
-    async def wait(self, ticket: "Ticket | None", upstream_fd: int) -> tuple[bytes, bytes] | None:
-        """The bytes of ``ticket``'s replies (the downstream's, this stage's) once it is written
-        upstream, or None when the upstream sends more first (its next message takes the lane's
-        path: the loop starts only on a quiet lane) or the reply is not a plain decode's."""
-        last = self._last
-        if last is None or last[0] is not ticket:
+    async def wait(self, ticket: "Ticket | None", upstream_fd: int) -> None:
+        """Return once ``ticket``'s reply is written upstream, or the upstream sends more first
+        (a pipelining upstream: the run takes the messages in flight over)."""
+        if self._last is not ticket:
             with trio.CancelScope() as scope:
                 self._waiter = scope
                 try:
                     await trio.lowlevel.wait_readable(upstream_fd)
                 finally:
                     self._waiter = None
-            last = self._last
-            if last is None or last[0] is not ticket:
-                return None
-        self._last = None
-        _, reply_in, reply_out = last
-        return extensions.reply_bytes(*reply_in), extensions.reply_bytes(*reply_out)
+
+    def template(self, key: int, window: bool) -> tuple[StageMessage, bytes, tuple[bytes, bytes]] | None:
+        """The last message of session ``key`` of the kind (``window``) whose reply was relayed:
+        the message, its forwarded frame and its replies' bytes (None: none yet)."""
+        kept = self._kinds.get(window)
+        if kept is None or kept[0] != key:
+            return None
+        return kept[1], kept[2], (extensions.reply_bytes(*kept[3]), extensions.reply_bytes(*kept[4]))
 
 
 class RelayRun:
@@ -284,6 +317,26 @@ class RelayRun:
         self.steps = self.compute_us = self.write_us = 0
         #: The outcome of a run whose wait was cancelled, to account before the lane closes.
         self._unaccounted: Any = None
+        #: Hop by hop: the lane's messages in flight the run took over and has not answered yet.
+        self._adopted: "tuple[Forward, ...]" = ()
+
+    def adopt(self) -> bool:
+        """Hop by hop, with the downstream link's relay task off the socket: take the lane's
+        messages in flight over (:meth:`~skippy.lane.protocol.StageLane.hand_over`; the run answers
+        their replies first).  False: the run may not start (the lane keeps them)."""
+        lane = self._lane
+        if self.link is None or lane is None:
+            return True
+        forwards = lane.hand_over(self._session_key)
+        if forwards is None:
+            return False
+        if len(forwards) >= _implementation.MAX_IN_FLIGHT or not all(
+                forward.ticket is not None and self._relay.adopts(int(forward.ticket.kind), forward.message.token_count)
+                for forward in forwards):
+            lane.take_back(forwards)
+            return False
+        self._adopted = forwards
+        return True
 
     def close(self) -> None:
         """Release the descriptors (after the run, or for a run that never ran); idempotent."""
@@ -316,9 +369,13 @@ class RelayRun:
                 or was cut off by the return lane closing.
         """
         pending = b""
+        adopted = tuple((int(forward.ticket.kind), forward.message.token_count, forward.compute_us,  # type: ignore[union-attr]
+                         forward.write_us, forward.sent_us, (forward.sent_us + forward.write_us) * 1000,
+                         forward.received_us * 1000) for forward in self._adopted)
         try:
             while True:
-                outcome = await self._run_once(pending)
+                outcome = await self._run_once(pending, adopted)
+                adopted = ()
                 self._unaccounted = None
                 self._account(outcome)
                 log.debug("decode relay (%s%s): %d tokens, then %s with %d bytes unread", IMPLEMENTATION,
@@ -331,6 +388,9 @@ class RelayRun:
             if self._unaccounted is not None:  # cancelled: the thread's run still happened
                 self._account(self._unaccounted)
                 self._unaccounted = None
+            if self._adopted:  # taken over and not answered: the oldest in flight, the lane's again
+                self._lane.take_back(self._adopted)  # type: ignore[union-attr]
+                self._adopted = ()
             self.close()
         if outcome.status == _implementation.REPLY_PENDING:
             pending = self._take_over(outcome)
@@ -356,7 +416,11 @@ class RelayRun:
         assert lane is not None and link is not None
         rest = outcome.leftover
         stats = self._stats
+        computed = False
         for length, compute_us, write_us, sent_us in outcome.in_flight:
+            if not length:  # taken over from the lane: it has it back (run)
+                continue
+            computed = True
             frame, rest = rest[:length], rest[length:]
             decoder = codec.MessageDecoder(self._width)
             decoder.receive_data(frame)
@@ -379,14 +443,15 @@ class RelayRun:
             stats.write_throughs += 1
             stats.forward_write_us += write_us
             self._executor.resume_stats.computed_positions += message.token_count
-        self._rows.finished(1, outcome.last_rows)
+        if computed:
+            self._rows.finished(1, outcome.last_rows)
         if outcome.reply_leftover:
             link.reader.decoder.receive_data(outcome.reply_leftover)  # type: ignore[union-attr]
         return rest
 
-    async def _run_once(self, pending: bytes) -> Any:
+    async def _run_once(self, pending: bytes, adopted: tuple[tuple[int, ...], ...] = ()) -> Any:
         def relay() -> Any:  # the worker thread: the outcome is kept even if the wait is cancelled
-            self._unaccounted = self._relay.run(pending)
+            self._unaccounted = self._relay.run(pending, adopted)
             return self._unaccounted
 
         async with trio.open_nursery() as nursery:
@@ -412,6 +477,9 @@ class RelayRun:
         self.steps += steps
         stats = self._stats
         stats.decode_relay_runs += 1
+        if outcome.adopted:  # the lane's messages the run took over, answered
+            self._lane.adopted_answered(outcome.adopted)  # type: ignore[union-attr]
+            self._adopted = self._adopted[outcome.adopted:]
         if outcome.trims:  # rollbacks trimmed in the loop, as the scheduler counts the executor's
             stats.auto_aligns += outcome.trims
             stats.trimmed_tokens += outcome.trimmed
@@ -470,6 +538,11 @@ async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_
         return
     link = run.link
     if link is not None and not await link.pause_relay():
+        scheduler.release_hold()
+        run.close()
+        return
+    if link is not None and not run.adopt():
+        link.resume_relay()
         scheduler.release_hold()
         run.close()
         return

@@ -257,17 +257,20 @@ class DownstreamLink:
             await self._relay(self.reader)
 
     async def pause_relay(self) -> bool:
-        """Move the relay task off the socket (parked with nothing expected, nothing buffered) until
-        :meth:`resume_relay`: the decode relay reads the replies meanwhile.  False: it is not
-        parked so (nothing is paused)."""
+        """Move the relay task off the socket (waiting there for a reply's first byte: nothing of a
+        reply read) until :meth:`resume_relay`: the decode relay reads the replies meanwhile (the
+        lane's in flight too, :meth:`~skippy.lane.protocol.StageLane.hand_over`).  False: it is
+        not waiting so (nothing is paused)."""
         parked, reader = self._parked, self.reader
-        if parked is None or reader is None or reader.decoder.buffered_bytes:  # type: ignore[attr-defined]
+        if parked is None or reader is None or reader.mid_reply:
             return False
         self._off, self._resume = trio.Event(), trio.Event()
         parked.cancel()
         await self._off.wait()
         if self._parked is None and self._resume is not None:
-            return True
+            if not reader.mid_reply:
+                return True
+            self.resume_relay()  # (part of a reply came before the cancel: the relay task reads on)
         return False
 
     def resume_relay(self) -> None:
@@ -279,29 +282,27 @@ class DownstreamLink:
     async def _relay(self, reader: ReplyReader) -> None:
         lane, stats = self.lane, self.stats
         while True:
-            if lane.expecting:
-                reply, timings = await reader.next()
-            else:
-                if lane.forwarding_done:
-                    return
-                self._relay_idle = True
-                parked = self._parked = trio.CancelScope()
-                try:
-                    with parked:
-                        reply, timings = await reader.next()
-                finally:
-                    self._relay_idle = False
-                    self._parked = None
-                    off, self._off = self._off, None
-                    if off is not None:
-                        if not parked.cancelled_caught:
-                            self._resume = None  # (pause_relay sees it did not pause)
-                        off.set()
-                if parked.cancelled_caught:  # the decode relay reads the replies: wait for the socket
-                    resume = self._resume
-                    if resume is not None:
-                        await resume.wait()
-                    continue
+            expecting = lane.expecting
+            if not expecting and lane.forwarding_done:
+                return
+            self._relay_idle = not expecting
+            parked = self._parked = trio.CancelScope()
+            try:
+                with parked:  # (the decode relay may move it off the socket, replies expected or not)
+                    reply, timings = await reader.next()
+            finally:
+                self._relay_idle = False
+                self._parked = None
+                off, self._off = self._off, None
+                if off is not None:
+                    if not parked.cancelled_caught:
+                        self._resume = None  # (pause_relay sees it did not pause)
+                    off.set()
+            if parked.cancelled_caught:  # the decode relay reads the replies: wait for the socket
+                resume = self._resume
+                if resume is not None:
+                    await resume.wait()
+                continue
             relay = lane.downstream_replied(reply, self.name)
             item = relay.forward
             wait_us = max(0, now_us() - item.sent_us - item.write_us)

@@ -449,7 +449,9 @@ class Scheduler:
         lane ``lane``: a cheap test (nothing changes), so that each of many sessions' lanes does
         not plan a decode relay per message only to have it refused."""
         now = time.monotonic()
-        return any(other != lane and now - when <= RECENT_WORK_S for other, when in self._last_work.items())
+        lanes = self.lanes
+        return any(other != lane and now - when <= RECENT_WORK_S and other in lanes
+                   for other, when in self._last_work.items())
 
     def forget(self, session: int) -> None:
         """Session ``session`` was released: the decode groups stop expecting its rows."""

@@ -175,6 +175,17 @@ class ReplyReader(_Reader):
         #: The annotation frames (docs/protocol.md §10) that preceded the last reply :meth:`next`
         #: returned, to relay with it.
         self.annotations: tuple[Annotation, ...] = ()
+        #: A reply's leading frames read by a :meth:`next` that was cancelled before the reply came
+        #: (kept for the next call), and whether ``annotations`` are the last reply's.
+        self._timings: TimingsFrame | None = None
+        self._returned = True
+
+    @property
+    def mid_reply(self) -> bool:
+        """Part of a reply is read (bytes buffered, or its leading frames): the next bytes on the
+        stream are not a reply's first."""
+        return bool(self.decoder.buffered_bytes or self._timings is not None  # type: ignore[attr-defined]
+                    or (self.annotations and not self._returned))
 
     async def next(self) -> tuple[StageReply, TimingsFrame | None]:
         """The next reply and the Timings frame that preceded it (None without one).
@@ -183,9 +194,10 @@ class ReplyReader(_Reader):
             DownstreamError: the downstream sent an Error frame (it closes the lane after it).
             DownstreamLost: end of stream (the downstream stage is gone) or a malformed reply.
         """
-        timings: TimingsFrame | None = None
-        if self.annotations:
-            self.annotations = ()
+        if self._returned:
+            self._returned = False
+            if self.annotations:
+                self.annotations = ()
         while True:
             try:
                 result = self.decoder.next_reply()  # type: ignore[attr-defined]
@@ -196,9 +208,11 @@ class ReplyReader(_Reader):
             if result is NEED_DATA:
                 await self._fill()
             elif type(result) is StageReply:
+                timings, self._timings = self._timings, None
+                self._returned = True
                 return result, timings
             elif type(result) is TimingsFrame:
-                timings = result  # at most one precedes a reply; a second one replaces it
+                self._timings = result  # at most one precedes a reply; a second one replaces it
             elif type(result) is LogprobsFrame or type(result) is SamplingAcceptedFrame:
                 self.annotations += (result,)  # docs/protocol.md §10: relayed with the reply
             else:
