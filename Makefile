@@ -68,14 +68,18 @@ browser:
 			>/dev/null; } || echo "could not install chromium and chromium-driver: the browser test will skip"; \
 	else echo "chromium or chromedriver missing (not root with apt-get): the browser test will skip"; fi
 
-# The fast suite (under 90 s on the 2-vCPU development host): no test marked slow.  It keeps
+# The fast suite (under 90 s on the 2-vCPU development host): no test marked slow, in
+# TEST_WORKERS processes (pytest-xdist; each test file runs whole in one of them, so a module's
+# fixtures start once; TEST_WORKERS=0 runs it in this process).  Much of a serial run waits
+# (stage processes starting, a decode relay going idle) while the other core idles.  It keeps
 # bytecode caching on even where the environment turns it off (PYTHONDONTWRITEBYTECODE, as some
 # containers do): pytest rewrites the asserts of every test module and of its plugins' packages
 # (hypothesis, ...) on import, and without the cached result it redoes that on every run (about
 # 5 s of CPU at collection), as does every Python process the suite starts for each module of
 # skippy it imports.  The caches land in __pycache__ folders, which git ignores.
+TEST_WORKERS ?= 2
 test-fast: install
-	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -m "not slow"
+	PYTHONDONTWRITEBYTECODE= $(BIN)/python -m pytest -m "not slow" -n $(TEST_WORKERS) --dist loadfile
 
 # Benchmarks.  `make bench-save` stores a baseline for this machine (pytest-benchmark's storage,
 # under .benchmarks/<host name>/, which git ignores); `make bench-compare` runs the suites again

@@ -14,6 +14,10 @@ header facts a load reads first (``read_gguf_info``, ``model_identity``: pure fu
 file) are read once per file as it is on disk.  Not shared: a load with a progress callback (the
 callback must run).  A test marked ``own_loads`` (one that checks loading itself: leaks, file
 descriptors) loads afresh.
+
+A :class:`StageContext` made on a shared model holds its load until the context closes: the
+weights are not freed under an open context however the test orders its closes (a context closed
+after its model, or never), neither by an eviction nor at the session's end.
 """
 
 from __future__ import annotations
@@ -27,11 +31,19 @@ from typing import Any
 import skippy.runtime
 import skippy.runtime.local
 import skippy.runtime.model
+from skippy.runtime.context import StageContext
 from skippy.runtime.ffi import ffi
 from skippy.runtime.model import Model
 from skippy.runtime.tokenizer import Tokenizer
 
 _Key = tuple[object, ...]
+#: The classes' own methods and the header readers, as imported (before any install): what every
+#: :class:`SharedLoads` loads and frees with, however many are installed at once.
+_PATCHED = (Model, Tokenizer, StageContext)
+_ORIGINALS = {cls: (cls.__init__, cls.close) for cls in _PATCHED}
+_FACTS = [(module, name) for module in (skippy.runtime, skippy.runtime.model, skippy.runtime.local)
+          for name in ("read_gguf_info", "model_identity") if hasattr(module, name)]
+_ORIGINAL_FACTS = [getattr(module, name) for module, name in _FACTS]
 
 
 class SharedLoads:
@@ -41,18 +53,19 @@ class SharedLoads:
         self.enabled = True
         self.loads = self.reuses = 0
         #: key -> [the owning object, shared objects open, how to free the owner, its weights' bytes]
+        #: (the users count each shared object open and each context open on one)
         self._entries: OrderedDict[_Key, list[Any]] = OrderedDict()
         self._lock = threading.Lock()
-        self._originals = {cls: (cls.__init__, cls.close) for cls in (Model, Tokenizer)}
-        #: the header facts every load reads first, wherever a module holds them
-        self._facts = [(module, name) for module in (skippy.runtime, skippy.runtime.model, skippy.runtime.local)
-                       for name in ("read_gguf_info", "model_identity") if hasattr(module, name)]
-        self._original_facts = [getattr(module, name) for module, name in self._facts]
+        #: loads freed (evicted or at uninstall)
+        self.frees = 0
+        #: what install replaced, put back by uninstall (another SharedLoads's methods when nested)
+        self._saved: list[tuple[object, str, object]] = []
 
     def install(self) -> None:
         shared = self
-        model_init, model_close = self._originals[Model]
-        tokenizer_init, tokenizer_close = self._originals[Tokenizer]
+        model_init, model_close = _ORIGINALS[Model]
+        tokenizer_init, tokenizer_close = _ORIGINALS[Tokenizer]
+        context_init, context_close = _ORIGINALS[StageContext]
 
         def init_model(model: Model, path: Any, layers: Any = None, *, progress: Any = None,
                        use_mmap: bool | None = None, n_gpu_layers: int = -1, offload: Any = None,
@@ -78,16 +91,34 @@ class SharedLoads:
                 return
             shared._share(tokenizer, key, lambda owner: tokenizer_init(owner, path), tokenizer_close)
 
+        # (an object shared by another SharedLoads, installed before or after this one, goes back to it)
         def close_model(model: Model) -> None:
-            shared._give_back(model, "_ptr", model_close)
+            model.__dict__.get("_shared_by", shared)._give_back(model, "_ptr", model_close)
 
         def close_tokenizer(tokenizer: Tokenizer) -> None:
-            shared._give_back(tokenizer, "_model", tokenizer_close)
+            tokenizer.__dict__.get("_shared_by", shared)._give_back(tokenizer, "_model", tokenizer_close)
 
-        Model.__init__, Model.close = init_model, close_model  # type: ignore[method-assign]
-        Tokenizer.__init__, Tokenizer.close = init_tokenizer, close_tokenizer  # type: ignore[method-assign]
-        for module, name in self._facts:
-            setattr(module, name, self._remembered(getattr(module, name)))
+        def init_context(context: StageContext, model: Any, *args: Any, **kwargs: Any) -> None:
+            context_init(context, model, *args, **kwargs)
+            owner = getattr(model, "__dict__", {}).get("_shared_by")
+            if owner is not None:
+                owner._hold(context, model.__dict__["_shared_key"])
+
+        def close_context(context: StageContext) -> None:
+            context_close(context)
+            hold = context.__dict__.get("_shared_hold")
+            if hold is not None:
+                hold[0]._release(context)
+
+        patches: list[tuple[object, str, object]] = [
+            (Model, "__init__", init_model), (Model, "close", close_model),
+            (Tokenizer, "__init__", init_tokenizer), (Tokenizer, "close", close_tokenizer),
+            (StageContext, "__init__", init_context), (StageContext, "close", close_context)]
+        patches += [(module, name, self._remembered(original))
+                    for (module, name), original in zip(_FACTS, _ORIGINAL_FACTS)]
+        self._saved = [(target, name, getattr(target, name)) for target, name, _ in patches]
+        for target, name, value in patches:
+            setattr(target, name, value)
 
     def _remembered(self, read: Callable[[Any], Any]) -> Callable[[Any], Any]:
         """``read`` (a pure function of the file) once per file as it is on disk and spelling of its path."""
@@ -104,15 +135,22 @@ class SharedLoads:
         return remembered
 
     def uninstall(self) -> None:
-        for cls, (init, close) in self._originals.items():
-            cls.__init__, cls.close = init, close  # type: ignore[method-assign]
-        for (module, name), original in zip(self._facts, self._original_facts):
-            setattr(module, name, original)
+        for target, name, value in reversed(self._saved):
+            setattr(target, name, value)
+        self._saved = []
         with self._lock:
             for key, (owner, users, free, _) in list(self._entries.items()):
-                if users == 0:  # (one still open belongs to a test that never closed it)
+                if users == 0:  # (one still open, or with a context open on it, is left loaded)
                     free(owner)
+                    self.frees += 1
                     del self._entries[key]
+
+    def users(self, obj: Any) -> int:
+        """Shared objects and contexts open on the load ``obj`` (a model or tokenizer) shares; 0 once freed."""
+        key = obj.__dict__.get("_shared_key")
+        with self._lock:
+            entry = self._entries.get(key) if key is not None else None
+            return 0 if entry is None else int(entry[1])
 
     def _key(self, path: Any, *arguments: object) -> _Key | None:
         if not self.enabled:
@@ -143,12 +181,26 @@ class SharedLoads:
             self._adopt(obj, key, entry)
             self._evict()
 
-    @staticmethod
-    def _adopt(obj: Any, key: _Key, entry: list[Any]) -> None:
+    def _adopt(self, obj: Any, key: _Key, entry: list[Any]) -> None:
         entry[1] += 1
         obj.__dict__.update(entry[0].__dict__)
         obj._lock = threading.Lock()
         obj._shared_key = key
+        obj._shared_by = self
+
+    def _hold(self, context: StageContext, key: _Key) -> None:
+        """``context`` keeps the load of ``key`` until it closes (its model may be closed first)."""
+        with self._lock:
+            self._entries[key][1] += 1  # (its model is open: the entry is there)
+            context.__dict__["_shared_hold"] = (self, key)
+
+    def _release(self, context: StageContext) -> None:
+        with self._lock:
+            hold = context.__dict__.pop("_shared_hold", None)  # (once: close is idempotent)
+            if hold is None:
+                return
+            self._entries[hold[1]][1] -= 1
+            self._evict()
 
     def _give_back(self, obj: Any, pointer: str, close: Callable[[Any], None]) -> None:
         key = obj.__dict__.get("_shared_key")
@@ -173,3 +225,4 @@ class SharedLoads:
             owner, _, free, size = self._entries.pop(key)
             idle_bytes -= size
             free(owner)
+            self.frees += 1

@@ -133,6 +133,7 @@ class HeadShardServer:
         self._lock = lock or threading.Lock()
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
+        self._serving: set[threading.Thread] = set()
         self._listener: socket.socket | None = None
         self.address: tuple[str, int] = ("", 0)
         self._thread: threading.Thread | None = None
@@ -155,6 +156,7 @@ class HeadShardServer:
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._connections.add(conn)
         thread = threading.Thread(target=self._serve, args=(conn,), name="head-shard", daemon=True)
+        self._serving.add(thread)
         thread.start()
         return thread
 
@@ -194,6 +196,8 @@ class HeadShardServer:
                 hidden = np.frombuffer(_read_exact(conn, rows * width * 4), dtype="<f4").reshape(rows, width)
                 try:
                     with self._lock:
+                        if self._closed.is_set():  # (the compute's owner may free it once close returns)
+                            return
                         logits = np.ascontiguousarray(compute.compute(hidden))
                 except (NativeError, InvalidBatch) as exc:
                     self._refuse(conn, f"the head shard failed: {exc}")
@@ -203,6 +207,7 @@ class HeadShardServer:
             pass
         finally:
             self._connections.discard(conn)
+            self._serving.discard(threading.current_thread())
             conn.close()
 
     @staticmethod
@@ -215,8 +220,13 @@ class HeadShardServer:
             pass
 
     def close(self) -> None:
+        """Stop serving; on return no computation runs (the caller may close the compute)."""
         self._closed.set()
         if self._listener is not None:
+            try:  # (wakes the accepting thread: closing alone leaves accept() blocked)
+                self._listener.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
             self._listener.close()
         for conn in list(self._connections):
             try:
@@ -225,6 +235,9 @@ class HeadShardServer:
                 pass
         if self._thread is not None:
             self._thread.join(timeout=2)
+        for thread in list(self._serving):
+            if thread is not threading.current_thread():
+                thread.join(timeout=10)
 
 
 @final
