@@ -21,7 +21,7 @@ session (``StageLane.relay_kinds``: a decode's and a window's, so the driver's s
 windows change size and alternate with decodes, rides one run), a window's of any rows up to
 the batch (the runtime's :class:`~skippy.runtime.row_batch.RowBatch` holds ``n_batch`` rows); a
 rollback (rejected drafts) is trimmed in the loop as the executor's auto-align trims it.  Then :meth:`RelayRun.run` holds the scheduler's runtime (and, on the final stage, the return lane's
-lock), runs the loop on a worker thread and waits.
+lock), runs the loop on the runtime thread (where every batch runs) and waits.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
@@ -385,14 +385,15 @@ class RelayRun:
         return rest
 
     async def _run_once(self, pending: bytes) -> Any:
-        def relay() -> Any:  # the worker thread: the outcome is kept even if the wait is cancelled
+        def relay() -> Any:  # the runtime thread: the outcome is kept even if the wait is cancelled
             self._unaccounted = self._relay.run(pending)
             return self._unaccounted
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
-            # never abandoned: a cancel ends the loop (above) and waits for the thread to return
-            outcome = await trio.to_thread.run_sync(relay)
+            # never abandoned: a cancel ends the loop (above) and waits for the thread to return;
+            # on the runtime thread, as every batch: one OpenMP pool per stage (skippy.stage.scheduler)
+            outcome = await self._scheduler.run_native(relay)
             nursery.cancel_scope.cancel()
         return outcome
 
