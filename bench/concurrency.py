@@ -25,15 +25,17 @@ stock one.
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
   false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
-  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop][-nohead]`` is understood; ``-nohead``:
+  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop][-nohead][-fa]`` is understood; ``-nohead``:
   ``--head-split off``, the whole output head on the final stage as before the head split).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
+  ``-fa`` passes ``--flash-attn on`` (llama-server's default ``auto`` turns flash attention on
+  for the CPU; ``stock-2t-nofa`` / ``stock-1t-nofa`` run it with ``-fa off``, as skippy's default).
   ``-hop`` passes ``--direct-return off`` (predictions back through
   every stage; a request that does not speculate then decodes as a run the first stage drives,
   docs/protocol.md §11).  ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
   its environment (how the compute threads wait, over ``--thread-wait auto``: skippy.stage.threads).
   For these, from each stage's metrics port, per N (each point's rounds added up, never N's
-  mixed: at N = 1 a chain's decode relay carries the rows outside the runtime thread, so one
+  mixed: at N = 1 a chain's decode relay carries the rows outside the scheduler's batches, so one
   figure over N = 1 and 8 reads as fewer rows per batch, less busy and more CPU outside the
   runtime than either): the runtime's busy time (``skippy_stage_runtime_busy_seconds_total``:
   wall time in batches, each batch once; and its thread's CPU time in them), rows per decode
@@ -81,7 +83,10 @@ PROMPTS = [
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
 #: Any skippy variant: stages x threads, then the modifiers in this order.
-SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?(-nohead)?")
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?(-nohead)?(-fa)?")
+#: A stock variant: ``-nofa`` runs llama-server with ``-fa off`` (its default is ``auto``: flash
+#: attention on the CPU; skippy's stages default to off).
+STOCK_VARIANT = re.compile(r"stock-([12])t(-nofa)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -164,11 +169,12 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, *,
-                rpc: Sequence[str] = (), tensor_split: str = "") -> Running:
+                rpc: Sequence[str] = (), tensor_split: str = "", extra: Sequence[str] = ()) -> Running:
     port = free_port()
     command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-np", str(slots), "-c", str(slots * SLOT_CTX), "--no-warmup"]
     command += ["-ngl", "99", "--rpc", ",".join(rpc), "-ts", tensor_split] if rpc else ["-ngl", "0"]
+    command += extra
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -279,10 +285,10 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
             directory = log_dir / name
             directory.mkdir(parents=True, exist_ok=True)
             print(f"starting {name} ...", file=sys.stderr, flush=True)
-            if name in ("stock-2t", "stock-1t"):
+            if stock := STOCK_VARIANT.fullmatch(name):
                 assert peer is not None and peer.llama_server is not None
-                running = start_stock(peer.llama_server, model, 2 if name == "stock-2t" else 1, slots,
-                                      directory / "server.log")
+                running = start_stock(peer.llama_server, model, int(stock.group(1)), slots, directory / "server.log",
+                                      extra=["-fa", "off"] if stock.group(2) else [])
             elif name == "rpc-2x1t":
                 assert peer is not None and peer.llama_server is not None
                 servers, addresses = start_rpc_servers(peer.rpc_server, 2, directory)
@@ -312,7 +318,8 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain,
                                        environment=environment,
                                        extra=[*(["--direct-return", "off"] if shape_match.group(7) else []),
-                                              *(["--head-split", "off"] if shape_match.group(8) else [])])
+                                              *(["--head-split", "off"] if shape_match.group(8) else []),
+                                              *(["--flash-attn", "on"] if shape_match.group(9) else [])])
                 if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name
@@ -509,7 +516,8 @@ def main() -> int:
     IGNORE_EOS = not args.no_ignore_eos
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = {v for v in args.variants if v not in VARIANTS and not SKIPPY_VARIANT.fullmatch(v)}
+    unknown = {v for v in args.variants
+               if v not in VARIANTS and not SKIPPY_VARIANT.fullmatch(v) and not STOCK_VARIANT.fullmatch(v)}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     if args.quick:
