@@ -41,7 +41,9 @@ stock one.
   wall time in batches, each batch once; and its thread's CPU time in them), rows per decode
   batch.  Per N for every variant: the CPU time per generated token of each process
   (``/proc/PID/stat`` utime + stime): the stages (for RPC, the two servers), the API process
-  (skippy's driver too; stock: llama-server) and this process (the client threads).  On a shared
+  (skippy's driver too; stock: llama-server) and this process (the client threads); and of each
+  server process its threads' (``/proc/PID/task``, those above 0.05 ms per token, busiest first):
+  a stage of T compute threads shows T busy ones (its one OpenMP pool, docs/throughput.md).  On a shared
   host the busy wall time includes time the thread waited for a CPU, and tokens/s move with the
   other load: the CPU per token is the figure to compare there.
 
@@ -166,6 +168,16 @@ def cpu_seconds(pid: int) -> float:
     """utime + stime of a process (all its threads), in seconds."""
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """utime + stime of each live thread of a process, in seconds (a thread that ended is gone)."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            found[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return found
 
 
 def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, *,
@@ -363,6 +375,8 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                     point, run = tally[variant][clients], running[variant]
                     began = time.perf_counter()
                     cpu_was = [cpu_seconds(pid) for pid in (os.getpid(), run.api_pid, *run.stage_pids) if pid]
+                    processes = {"api": run.api_pid, **{f"stage {i}": pid for i, pid in enumerate(run.stage_pids)}}
+                    threads_were = {label: thread_cpu_seconds(pid) for label, pid in processes.items() if pid}
                     metrics_were = stage_metrics(run)
                     counted = [0]
                     rate = measure(run, model_id, clients, args.seconds, args.max_tokens, compute[variant], counted)
@@ -372,6 +386,8 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                               bool(run.api_pid),
                               [{key: now[key] - was[key] for key in now}
                                for now, was in zip(stage_metrics(run), metrics_were)])
+                    for label, were in threads_were.items():
+                        point.add_threads(label, were, thread_cpu_seconds(processes[label]))
                     results[variant][clients].append(rate)
                     print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
@@ -393,6 +409,14 @@ class Tally:
     stage_cpu_s: list[float] = dataclasses.field(default_factory=list)
     #: each stage's :data:`STAGE_METRICS` growth
     stage_metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    #: per process ("api", "stage 0", ...), each thread's CPU s (a stage of T compute threads
+    #: should show T busy threads: one OpenMP pool, docs/throughput.md)
+    thread_cpu_s: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+
+    def add_threads(self, label: str, were: dict[int, float], now: dict[int, float]) -> None:
+        threads = self.thread_cpu_s.setdefault(label, {})
+        for tid, seconds in now.items():
+            threads[tid] = threads.get(tid, 0.0) + seconds - were.get(tid, 0.0)
 
     def add(self, wall: float, tokens: int, cpu: list[float], api: bool, metrics: list[dict[str, float]]) -> None:
         self.wall_s += wall
@@ -438,6 +462,10 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
             cpu = point["stage_cpu_s"]
             per = [f"stage {i} {1000 * c / made:.2f}" for i, c in enumerate(cpu)]
             per += [f"api {1000 * point['api_cpu_s'] / made:.2f}", f"clients {1000 * point['client_cpu_s'] / made:.2f}"]
+            # each process's threads above 0.05 ms per token, busiest first (the compute pool shows)
+            per += [f"{label} by thread " + " / ".join(f"{1000 * s / made:.2f}" for s in sorted(threads.values(), reverse=True)
+                                                         if 1000 * s / made >= 0.05)
+                    for label, threads in point.get("thread_cpu_s", {}).items()]
             text = (f"- {variant} N={clients}, {made} tokens over {wall:.0f} s: CPU ms per token "
                     + ", ".join(per))
             stages = point["stage_metrics"]
