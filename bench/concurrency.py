@@ -25,21 +25,25 @@ stock one.
 * **skippy-1x2t / skippy-2x1t**: ``skippy up --stages S --threads T --max-sessions P`` (the cut
   balanced by cost, speculation at its default; ``skippy-2x1t-nospec`` sends ``speculation:
   false``; ``skippy-2x1t-even`` cuts the layers in halves, as ``--stages 2`` did before; any
-  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop][-nohead]`` is understood; ``-nohead``:
+  ``skippy-SxTt[-nospec][-even][-greedy][-passive|-spinN][-hop][-nohead][-fa]`` is understood; ``-nohead``:
   ``--head-split off``, the whole output head on the final stage as before the head split).  A skippy variant with ``-greedy`` runs its stages with ``decode_policy = "greedy"`` (every
   ready decode row at once, the scheduler before issue 31's decode groups; through a plan file).
+  ``-fa`` passes ``--flash-attn on`` (llama-server's default ``auto`` turns flash attention on
+  for the CPU; ``stock-2t-nofa`` / ``stock-1t-nofa`` run it with ``-fa off``, as skippy's default).
   ``-hop`` passes ``--direct-return off`` (predictions back through
   every stage; a request that does not speculate then decodes as a run the first stage drives,
   docs/protocol.md §11).  ``-passive`` / ``-spinN`` start it with ``OMP_WAIT_POLICY=PASSIVE`` / ``GOMP_SPINCOUNT=N`` in
   its environment (how the compute threads wait, over ``--thread-wait auto``: skippy.stage.threads).
   For these, from each stage's metrics port, per N (each point's rounds added up, never N's
-  mixed: at N = 1 a chain's decode relay carries the rows outside the runtime thread, so one
+  mixed: at N = 1 a chain's decode relay carries the rows outside the scheduler's batches, so one
   figure over N = 1 and 8 reads as fewer rows per batch, less busy and more CPU outside the
   runtime than either): the runtime's busy time (``skippy_stage_runtime_busy_seconds_total``:
   wall time in batches, each batch once; and its thread's CPU time in them), rows per decode
   batch.  Per N for every variant: the CPU time per generated token of each process
   (``/proc/PID/stat`` utime + stime): the stages (for RPC, the two servers), the API process
-  (skippy's driver too; stock: llama-server) and this process (the client threads).  On a shared
+  (skippy's driver too; stock: llama-server) and this process (the client threads); and of each
+  server process its threads' (``/proc/PID/task``, those above 0.05 ms per token, busiest first):
+  a stage of T compute threads shows T busy ones (its one OpenMP pool, docs/throughput.md).  On a shared
   host the busy wall time includes time the thread waited for a CPU, and tokens/s move with the
   other load: the CPU per token is the figure to compare there.
 
@@ -81,7 +85,10 @@ PROMPTS = [
 ]
 VARIANTS = ("stock-2t", "stock-1t", "rpc-2x1t", "skippy-1x2t", "skippy-2x1t", "skippy-2x1t-nospec", "skippy-2x1t-even")
 #: Any skippy variant: stages x threads, then the modifiers in this order.
-SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?(-nohead)?")
+SKIPPY_VARIANT = re.compile(r"skippy-(\d+)x(\d+)t(-nospec)?(-even)?(-greedy)?(-passive|-spin\d+)?(-hop)?(-nohead)?(-fa)?")
+#: A stock variant: ``-nofa`` runs llama-server with ``-fa off`` (its default is ``auto``: flash
+#: attention on the CPU; skippy's stages default to off).
+STOCK_VARIANT = re.compile(r"stock-([12])t(-nofa)?")
 #: Context cells per slot / session (prompt + max_tokens fit with room).
 SLOT_CTX = 256
 #: Send ``ignore_eos`` (every request makes max_tokens tokens); --no-ignore-eos clears it.
@@ -163,12 +170,23 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def thread_cpu_seconds(pid: int) -> dict[int, float]:
+    """utime + stime of each live thread of a process, in seconds (a thread that ended is gone)."""
+    found = {}
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with contextlib.suppress(OSError):
+            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
+            found[int(tid)] = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return found
+
+
 def start_stock(binary: Path, model: Path, threads: int, slots: int, log: Path, *,
-                rpc: Sequence[str] = (), tensor_split: str = "") -> Running:
+                rpc: Sequence[str] = (), tensor_split: str = "", extra: Sequence[str] = ()) -> Running:
     port = free_port()
     command = [str(binary), "-m", str(model), "--host", "127.0.0.1", "--port", str(port), "-t", str(threads),
                "-tb", str(threads), "-np", str(slots), "-c", str(slots * SLOT_CTX), "--no-warmup"]
     command += ["-ngl", "99", "--rpc", ",".join(rpc), "-ts", tensor_split] if rpc else ["-ngl", "0"]
+    command += extra
     with log.open("wb") as output:
         process = subprocess.Popen(command, stdout=output, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -279,10 +297,10 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
             directory = log_dir / name
             directory.mkdir(parents=True, exist_ok=True)
             print(f"starting {name} ...", file=sys.stderr, flush=True)
-            if name in ("stock-2t", "stock-1t"):
+            if stock := STOCK_VARIANT.fullmatch(name):
                 assert peer is not None and peer.llama_server is not None
-                running = start_stock(peer.llama_server, model, 2 if name == "stock-2t" else 1, slots,
-                                      directory / "server.log")
+                running = start_stock(peer.llama_server, model, int(stock.group(1)), slots, directory / "server.log",
+                                      extra=["-fa", "off"] if stock.group(2) else [])
             elif name == "rpc-2x1t":
                 assert peer is not None and peer.llama_server is not None
                 servers, addresses = start_rpc_servers(peer.rpc_server, 2, directory)
@@ -312,7 +330,8 @@ def variants(names: Sequence[str], model: Path, slots: int, log_dir: Path) -> It
                 running = start_skippy(model, stages, threads, slots, directory, layers=layers, chain=chain,
                                        environment=environment,
                                        extra=[*(["--direct-return", "off"] if shape_match.group(7) else []),
-                                              *(["--head-split", "off"] if shape_match.group(8) else [])])
+                                              *(["--head-split", "off"] if shape_match.group(8) else []),
+                                              *(["--flash-attn", "on"] if shape_match.group(9) else [])])
                 if "-nospec" in name:
                     running.request_extra = {"speculation": False}
             running.name = name
@@ -356,6 +375,8 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                     point, run = tally[variant][clients], running[variant]
                     began = time.perf_counter()
                     cpu_was = [cpu_seconds(pid) for pid in (os.getpid(), run.api_pid, *run.stage_pids) if pid]
+                    processes = {"api": run.api_pid, **{f"stage {i}": pid for i, pid in enumerate(run.stage_pids)}}
+                    threads_were = {label: thread_cpu_seconds(pid) for label, pid in processes.items() if pid}
                     metrics_were = stage_metrics(run)
                     counted = [0]
                     rate = measure(run, model_id, clients, args.seconds, args.max_tokens, compute[variant], counted)
@@ -365,6 +386,8 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                               bool(run.api_pid),
                               [{key: now[key] - was[key] for key in now}
                                for now, was in zip(stage_metrics(run), metrics_were)])
+                    for label, were in threads_were.items():
+                        point.add_threads(label, were, thread_cpu_seconds(processes[label]))
                     results[variant][clients].append(rate)
                     print(f"  {name} round {round_index + 1} N={clients:<2} {variant:<20} {rate:7.1f} tok/s",
                           file=sys.stderr, flush=True)
@@ -386,6 +409,14 @@ class Tally:
     stage_cpu_s: list[float] = dataclasses.field(default_factory=list)
     #: each stage's :data:`STAGE_METRICS` growth
     stage_metrics: list[dict[str, float]] = dataclasses.field(default_factory=list)
+    #: per process ("api", "stage 0", ...), each thread's CPU s (a stage of T compute threads
+    #: should show T busy threads: one OpenMP pool, docs/throughput.md)
+    thread_cpu_s: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+
+    def add_threads(self, label: str, were: dict[int, float], now: dict[int, float]) -> None:
+        threads = self.thread_cpu_s.setdefault(label, {})
+        for tid, seconds in now.items():
+            threads[tid] = threads.get(tid, 0.0) + seconds - were.get(tid, 0.0)
 
     def add(self, wall: float, tokens: int, cpu: list[float], api: bool, metrics: list[dict[str, float]]) -> None:
         self.wall_s += wall
@@ -431,6 +462,10 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
             cpu = point["stage_cpu_s"]
             per = [f"stage {i} {1000 * c / made:.2f}" for i, c in enumerate(cpu)]
             per += [f"api {1000 * point['api_cpu_s'] / made:.2f}", f"clients {1000 * point['client_cpu_s'] / made:.2f}"]
+            # each process's threads above 0.05 ms per token, busiest first (the compute pool shows)
+            per += [f"{label} by thread " + " / ".join(f"{1000 * s / made:.2f}" for s in sorted(threads.values(), reverse=True)
+                                                         if 1000 * s / made >= 0.05)
+                    for label, threads in point.get("thread_cpu_s", {}).items()]
             text = (f"- {variant} N={clients}, {made} tokens over {wall:.0f} s: CPU ms per token "
                     + ", ".join(per))
             stages = point["stage_metrics"]
@@ -509,7 +544,8 @@ def main() -> int:
     IGNORE_EOS = not args.no_ignore_eos
     args.concurrency = [int(n) for n in args.concurrency.split(",")]
     args.variants = [v for v in args.variants.split(",") if v]
-    unknown = {v for v in args.variants if v not in VARIANTS and not SKIPPY_VARIANT.fullmatch(v)}
+    unknown = {v for v in args.variants
+               if v not in VARIANTS and not SKIPPY_VARIANT.fullmatch(v) and not STOCK_VARIANT.fullmatch(v)}
     if unknown:
         parser.error(f"unknown variants {sorted(unknown)} (known: {', '.join(VARIANTS)})")
     if args.quick:

@@ -61,6 +61,22 @@ def test_the_cap_splits_the_active_sessions_into_the_groups() -> None:
         DecodeGroups(0)
 
 
+def test_a_row_that_waited_through_a_long_batch_counts_for_the_cap() -> None:
+    """A new session's first row queued behind a 70 ms batch is no longer "active" by its
+    arrival alone (ACTIVE_MIN_S), but the turn it waited for must take it: one stage, 8 rows."""
+    groups = DecodeGroups(1)
+    for session in range(1, 8):
+        groups.arrived(session, 0.0)
+    groups.ran(list(range(1, 8)), 0.07, 0.07)
+    groups.arrived(8, 0.005)  # the newcomer, while that batch ran
+    for session in range(1, 8):
+        groups.arrived(session, 0.0705)
+    assert groups.active(0.071) == 7  # the newcomer's row is 66 ms old
+    chosen, until = groups.plan(list(range(1, 9)), 0.071)
+    assert chosen == list(range(1, 9)) and until == 0.071
+    assert groups.cap(0.071, range(1, 9)) == 8 and DecodeGroups(2).cap(0.0, [1, 2, 3]) == 2
+
+
 def _back(groups: DecodeGroups, ran_at: float, turns: dict[int, float]) -> None:
     """Each session of ``turns`` sends its next row ``turns[session]`` after ``ran_at``."""
     for session, turn in sorted(turns.items(), key=lambda item: item[1]):
@@ -193,6 +209,7 @@ class _Runtime:
     recorded (a prefill chunk's session negated)."""
 
     blocking = True
+    compute_threads = 1
 
     def __init__(self, seconds: float = 0.002, fixed: float = 0.0) -> None:
         self.seconds = seconds

@@ -31,8 +31,10 @@ class _BlockingNull(NullContext):
         super().decode(**kwargs)  # type: ignore[arg-type]
 
 
-def _scheduler(inline: bool, lanes: int, return_lanes: int = 0) -> tuple[Scheduler, _BlockingNull]:
+def _scheduler(inline: bool, lanes: int, return_lanes: int = 0,
+               compute_threads: int = 1) -> tuple[Scheduler, _BlockingNull]:
     context = _BlockingNull(NullModel(NullSpec(n_embd=8, n_layer=2), "0:2"))
+    context.compute_threads = compute_threads  # type: ignore[misc]
     registry = LaneRegistry()
     for lane in range(lanes):  # a return lane never registers: it brings no work
         registry.opened(lane + 1)
@@ -70,6 +72,22 @@ async def test_a_lone_decode_runs_on_the_trio_thread_only_when_inline_and_one_la
     assert prefill_thread != here  # a prefill chunk always goes to the runtime thread
     assert (decode_thread == here) is on_trio_thread
     assert result.tokens == [6]
+
+
+async def test_a_stage_of_several_compute_threads_computes_on_the_runtime_thread_only() -> None:
+    """With more than one compute thread every native call runs on the one runtime thread (a lone
+    decode too, and a decode relay's loop through ``run_native``): libgomp keeps a pool of helper
+    threads per calling thread, and a second pool throttles every wait of the process."""
+    scheduler, context = _scheduler(True, 1, compute_threads=2)
+    assert not scheduler.inline_decode
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        await scheduler.execute(_prefill())
+        await scheduler.execute(_decode(4))
+        relay_thread = await scheduler.run_native(threading.get_ident)
+        nursery.cancel_scope.cancel()
+    prefill_thread, decode_thread = context.threads
+    assert decode_thread == prefill_thread == relay_thread != threading.get_ident()
 
 
 def _lane_decode(lane: int, position: int) -> WorkItem:

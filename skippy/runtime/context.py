@@ -192,6 +192,11 @@ class StageContext:
         self.kv_streams = kv_streams
         self.n_batch = int(lib.llama_n_batch(pointer))
         self.max_sessions = max_sessions
+        #: The threads a batch computes on (the larger of the decode and prefill counts).  Above
+        #: one, ggml runs every graph in an OpenMP team led by the calling thread, and libgomp
+        #: keeps one pool of helper threads per calling thread: the caller must keep every compute
+        #: of the process on one thread (:attr:`skippy.stage.executor.Executor.compute_threads`).
+        self.compute_threads = max(threads, threads_batch or threads)
         self.n_embd = model.n_embd
         #: Width of an activation row taken (other stages) and handed on (all but the last): the
         #: hidden state, then any sideband the architecture carries beside it (patch 0012).

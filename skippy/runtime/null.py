@@ -118,6 +118,8 @@ class NullContext:
 
     #: The stage scheduler runs a null context inline (no worker thread): it never blocks.
     blocking = False
+    #: No compute, so no compute threads beside the caller (``StageContext.compute_threads``).
+    compute_threads = 1
 
     def __init__(self, model: NullModel, *, n_ctx: int = 4096, max_sessions: int = 8,
                  n_batch: int = 512, n_ubatch: int | None = None, threads: int | None = None) -> None:

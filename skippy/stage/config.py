@@ -303,7 +303,8 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                      "outside Python (skippy.stage._relay); off: every token takes the lane's path "
                      "(bench/RESULTS-stage.md has both figures)"),
     "inline_decode": (_bool, "on: a lone decode row on a stage with one lane open is computed on the trio thread, "
-                      "without the runtime thread's hand-off; off: always on the runtime thread "
+                      "without the runtime thread's hand-off (one compute thread only: with more, every compute "
+                      "runs on the runtime thread, one OpenMP pool); off: always on the runtime thread "
                       "(bench/RESULTS-stage.md has both figures)"),
     "decode_batching": (_bool, "on: single-row decodes of different sessions that are ready together run as one "
                         "llama.cpp batch (throughput); off: each runs alone, so a session's logits never "

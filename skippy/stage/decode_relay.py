@@ -27,8 +27,9 @@ hop the templates are the last message of the kind whose reply came back (:class
 until the kind's first reply, the lane waits for it unless the upstream sends more).  Then
 :func:`carry` holds the scheduler's runtime (and, on the final stage, the return lane's lock; hop
 by hop it moves the downstream link's relay task off the socket at a reply's boundary and takes
-the lane's messages in flight over, :meth:`RelayRun.adopt`), runs the loop on a worker thread and
-waits; the loop answers the replies of the messages it took over first, in order.
+the lane's messages in flight over, :meth:`RelayRun.adopt`), runs the loop on the runtime thread
+(where every batch runs) and waits; the loop answers the replies of the messages it took over
+first, in order.
 
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
@@ -450,14 +451,15 @@ class RelayRun:
         return rest
 
     async def _run_once(self, pending: bytes, adopted: tuple[tuple[int, ...], ...] = ()) -> Any:
-        def relay() -> Any:  # the worker thread: the outcome is kept even if the wait is cancelled
+        def relay() -> Any:  # the runtime thread: the outcome is kept even if the wait is cancelled
             self._unaccounted = self._relay.run(pending, adopted)
             return self._unaccounted
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
-            # never abandoned: a cancel ends the loop (above) and waits for the thread to return
-            outcome = await trio.to_thread.run_sync(relay)
+            # never abandoned: a cancel ends the loop (above) and waits for the thread to return;
+            # on the runtime thread, as every batch: one OpenMP pool per stage (skippy.stage.scheduler)
+            outcome = await self._scheduler.run_native(relay)
             nursery.cancel_scope.cancel()
         return outcome
 

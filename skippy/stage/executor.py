@@ -228,6 +228,11 @@ class Executor:
         self.kv_bytes_per_cell: int = int(getattr(context, "kv_bytes_per_cell", 0))
         #: The null runtime never blocks; the scheduler runs it inline.
         self.blocking: bool = bool(getattr(context, "blocking", True))
+        #: The runtime's compute threads: above one, every native compute of the stage must run on
+        #: one thread (the scheduler's runtime thread), since libgomp keeps a pool of helper
+        #: threads per calling thread, and two pools on a host's cores throttle every wait to a
+        #: sleep (``StageContext.compute_threads``).
+        self.compute_threads: int = int(getattr(context, "compute_threads", 1))
         self._sessions: dict[int, _Session] = {}
         #: docs/protocol.md §14: what this stage sent downstream per session, the sessions parked
         #: after a lost stage, and their counters (:mod:`skippy.stage.activation_log`).

@@ -21,7 +21,13 @@ no other lane), and the hand-off it saves is on every token's critical path: the
 wakes the runtime thread, the GIL passing back and forth, the completion's wake-up fd and run-loop
 pass -- 0.2-0.3 ms of CPU per stage per token on the 2-core bench host
 (``bench/RESULTS-stage.md``, "Per-boundary cost with real compute").  Prefill chunks, verify
-windows, control calls and every job once a second lane is open still go to the runtime thread.  A job's requester that is cancelled simply
+windows, control calls and every job once a second lane is open still go to the runtime thread.
+With more than one compute thread (``Executor.compute_threads``) inline decode is off: ggml then
+runs each graph in an OpenMP team led by the calling thread, libgomp keeps a pool of helper threads
+per calling thread, and once a process has more pool threads than cores libgomp cuts every wait's
+spin to 100 rounds (its "throttled" spin) for good, so a stage of ``--threads`` = cores waits as if
+passive.  Every native compute of such a stage (decode relays too: :meth:`Scheduler.run_native`)
+runs on the one runtime thread, as llama-server runs all of its batches on one.  A job's requester that is cancelled simply
 stops waiting: the job still runs, so the runtime and the session table stay consistent.  Each
 connection has at most one job queued at a time, so per-session order is the submission order.
 
@@ -221,9 +227,14 @@ class DecodeGroups:
         """Sessions that sent a decode row lately (expected back)."""
         return sum(1 for member in self._members.values() if self._active(member, now))
 
-    def cap(self, now: float) -> int:
-        """The most decode rows one turn runs: ``ceil(active / G)``."""
-        return max(1, -(-self.active(now) // self.groups))
+    def cap(self, now: float, ready: Collection[int] = ()) -> int:
+        """The most decode rows one turn runs: ``ceil(active / G)``, a session whose row is
+        ``ready`` counted as active however long it has waited (a new session's first row that
+        queued behind a batch longer than :data:`ACTIVE_MIN_S` must not be left for the next)."""
+        members = self._members
+        late = sum(1 for session in ready
+                   if (member := members.get(session)) is None or not self._active(member, now))
+        return max(1, -(-(self.active(now) + late) // self.groups))
 
     def gather_s(self) -> float:
         """How long a turn waits for more rows, at most."""
@@ -251,7 +262,7 @@ class DecodeGroups:
             return [], now
         if limit is None:
             limit = now + self.gather_s()
-        cap = self.cap(now)
+        cap = self.cap(now, ready)
         here = set(ready)
         soon: dict[int, list[float]] = {}  # group -> when its rows on their way by ``limit`` are given up
         for session, member in self._members.items():
@@ -280,7 +291,7 @@ class DecodeGroups:
         self._batches += 1
         members = [m for m in (self._members.get(session) for session in sessions) if m is not None]
         if members:
-            cap = self.cap(now)
+            cap = self.cap(now, sessions)
             size = [0] * self.groups
             inside = set(map(id, members))
             for member in self._members.values():
@@ -400,7 +411,8 @@ class Scheduler:
         self.batch_window = batch_window
         #: False (``--decode-batching off``): every decode row runs as its own native batch.
         self.decode_batching = decode_batching
-        self.inline_decode = inline_decode
+        #: Off with several compute threads: one OpenMP pool per process (the module header).
+        self.inline_decode = inline_decode and executor.compute_threads == 1
         #: The decode-group policy (None: greedy, or batching off).
         self.groups = DecodeGroups(decode_groups) if decode_groups > 0 and decode_batching else None
         #: Jobs submitted and not yet started, in arrival order.
@@ -422,6 +434,12 @@ class Scheduler:
         trace = os.environ.get(TRACE_ENV)
         #: The per-turn trace (:class:`TurnTrace`; None: off).
         self._trace = TurnTrace(trace) if trace else None
+
+    async def run_native(self, function: Callable[[], T]) -> T:
+        """Run ``function()`` (a decode relay's loop, while it holds the runtime) on the runtime
+        thread, where every batch runs: a stage's native compute stays on one thread (the module
+        header).  Never abandoned: a cancelled caller waits for it to return."""
+        return await self._thread.run_sync(function)
 
     def hold(self, stop: Callable[[], None], lane: int, idle_since: Callable[[], float] | None = None) -> bool:
         """Claim the idle runtime for a decode relay (:mod:`skippy.stage.decode_relay`) of lane
@@ -586,7 +604,7 @@ class Scheduler:
                 with trio.CancelScope(deadline=deadline, shield=True):
                     await self._arrival.wait()
             now = time.monotonic()
-            cap = groups.cap(now)
+            cap = groups.cap(now, _ready_sessions([*lead, *self._pending]))
             decoding = groups.active(now) > 0
         jobs, left = select_turn([*lead, *self._pending], cap, decoding=decoding, chosen=chosen)
         for job in lead:
