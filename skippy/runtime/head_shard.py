@@ -86,6 +86,37 @@ class HeadCompute:
         self.context.close()
 
 
+# -- the serving end's messages (sans-IO: HeadShardServer's threads and a stage's scheduled
+# service, skippy.stage.head_split, both use them) --------------------------------------------
+def check_request(header: bytes, compute: HeadCompute) -> tuple[int, str]:
+    """A request header's rows (0: the handshake) and the refusal it earns ("" when none)."""
+    magic, rows, width, zero_a, zero_b = HEADER.unpack(header)
+    if magic != MAGIC or zero_a or zero_b:
+        return 0, "not a head shard request"
+    if width != compute.n_embd or rows > compute.n_batch:
+        return 0, (f"a request of {rows} rows x {width} (this shard: rows of {compute.n_embd}, "
+                   f"at most {compute.n_batch})")
+    return rows, ""
+
+
+def handshake_reply(compute: HeadCompute) -> bytes:
+    """The handshake's reply: the shard's rows and its model's identity."""
+    r0, r1 = compute.rows
+    identity = compute.model.identity.encode()[:IDENTITY_BYTES].ljust(IDENTITY_BYTES, b" ")
+    return HEADER.pack(MAGIC, 0, 0, r0, r1) + identity
+
+
+def rows_reply_header(compute: HeadCompute, rows: int) -> bytes:
+    """The header of a reply carrying ``rows`` rows of the shard's columns (float32 after it)."""
+    return HEADER.pack(MAGIC, 0, rows, *compute.rows)
+
+
+def refusal_reply(message: str) -> bytes:
+    """A refusal: status 1 and the (cut) UTF-8 message."""
+    data = message.encode()[:MAX_MESSAGE]
+    return HEADER.pack(MAGIC, 1, len(data), 0, 0) + data
+
+
 @final
 class LocalHeadShard:
     """A shard computed in this process when its columns are asked for (tests, one host)."""
@@ -176,29 +207,23 @@ class HeadShardServer:
 
     def _serve(self, conn: socket.socket) -> None:
         compute = self._compute
-        r0, r1 = compute.rows
         try:
             while True:
-                magic, rows, width, zero_a, zero_b = HEADER.unpack(_read_exact(conn, HEADER.size))
-                if magic != MAGIC or zero_a or zero_b:
-                    self._refuse(conn, "not a head shard request")
-                    return
-                if width != compute.n_embd or rows > compute.n_batch:
-                    self._refuse(conn, f"a request of {rows} rows x {width} (this shard: rows of {compute.n_embd}, "
-                                       f"at most {compute.n_batch})")
+                rows, refusal = check_request(_read_exact(conn, HEADER.size), compute)
+                if refusal:
+                    self._refuse(conn, refusal)
                     return
                 if rows == 0:
-                    identity = compute.model.identity.encode()[:IDENTITY_BYTES].ljust(IDENTITY_BYTES, b" ")
-                    conn.sendall(HEADER.pack(MAGIC, 0, 0, r0, r1) + identity)
+                    conn.sendall(handshake_reply(compute))
                     continue
-                hidden = np.frombuffer(_read_exact(conn, rows * width * 4), dtype="<f4").reshape(rows, width)
+                hidden = np.frombuffer(_read_exact(conn, rows * compute.n_embd * 4), dtype="<f4").reshape(rows, -1)
                 try:
                     with self._lock:
                         logits = np.ascontiguousarray(compute.compute(hidden))
                 except (NativeError, InvalidBatch) as exc:
                     self._refuse(conn, f"the head shard failed: {exc}")
                     return
-                conn.sendall(HEADER.pack(MAGIC, 0, rows, r0, r1) + logits.astype("<f4", copy=False).tobytes())
+                conn.sendall(rows_reply_header(compute, rows) + logits.astype("<f4", copy=False).tobytes())
         except (ConnectionError, OSError):
             pass
         finally:
@@ -207,10 +232,9 @@ class HeadShardServer:
 
     @staticmethod
     def _refuse(conn: socket.socket, message: str) -> None:
-        data = message.encode()[:MAX_MESSAGE]
         log.warning("head shard: %s", message)
         try:
-            conn.sendall(HEADER.pack(MAGIC, 1, len(data), 0, 0) + data)
+            conn.sendall(refusal_reply(message))
         except OSError:
             pass
 

@@ -314,6 +314,12 @@ class _Job(Generic[T]):
     result: Any = None
     error: BaseException | None = None
     wait_us: int = 0
+    #: Head shard rows (:meth:`Scheduler.head_rows`): first in its turn, which never gathers.
+    urgent: bool = False
+
+
+def _has_urgent(jobs: Sequence[_Job[Any]]) -> bool:
+    return any(job.urgent for job in jobs)
 
 
 def _ready_sessions(jobs: Sequence[_Job[Any]]) -> list[int]:
@@ -419,6 +425,9 @@ class Scheduler:
         #: When each lane (a session key's upper bits) last submitted a work item.
         self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
+        #: Head shard rows running on the runtime thread beside a decode relay (:meth:`head_rows`):
+        #: no decode runs inline on the trio thread meanwhile.
+        self._beside_relay = 0
         trace = os.environ.get(TRACE_ENV)
         #: The per-turn trace (:class:`TurnTrace`; None: off).
         self._trace = TurnTrace(trace) if trace else None
@@ -504,6 +513,38 @@ class Scheduler:
         result: T = await self._submit(job)
         return result
 
+    async def head_rows(self, compute: Callable[[], T]) -> T:
+        """Run ``compute``, a head shard's rows for the final stage (:mod:`skippy.stage.head_split`),
+        on the runtime thread: the stage's one compute thread, so the shard never competes with
+        the stage's own batches for its core.
+
+        Placement (docs/throughput.md, "Head shard rows"): the runtime idle, it runs at once; a
+        turn running, it runs first in the next turn, before its decode batch, and a turn
+        gathering rows stops gathering; a decode relay holding the runtime is not stopped: the
+        shard's rows run at once beside it (the relay carries this stage's only working lane,
+        whose next step waits on these very rows, so the two never compute at once).
+        """
+        if self._holder_stop is not None and not self._pending:
+            started = time.perf_counter_ns()
+            cpu: list[int] = []
+
+            def timed() -> T:
+                began = time.thread_time_ns()
+                try:
+                    return compute()
+                finally:
+                    cpu.append(time.thread_time_ns() - began)
+            self._beside_relay += 1
+            try:
+                return await self._thread.run_sync(timed)
+            finally:
+                self._beside_relay -= 1
+                self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
+                self.stats.runtime_cpu_us += sum(cpu) // 1000
+        job: _Job[T] = _Job(None, compute, time.perf_counter_ns(), urgent=True)
+        result: T = await self._submit(job)
+        return result
+
     async def _submit(self, job: _Job[T]) -> T:
         item = job.item
         if item is not None:
@@ -520,7 +561,7 @@ class Scheduler:
             self._pending.append(job)
             self._wake.set()
             self._arrival.set()
-            if self._holder_stop is not None:  # a decode relay holds the runtime: end its run
+            if self._holder_stop is not None and not job.urgent:  # a decode relay holds the runtime: end its run
                 self._holder_stop()
             await job.done.wait()
         if job.error is not None:
@@ -574,8 +615,8 @@ class Scheduler:
                 now = time.monotonic()
                 chosen, until = groups.plan(_ready_sessions([*lead, *self._pending]), now,
                                             now + (limit - trio.current_time()))
-                if not self.executor.blocking:  # the null runtime: nothing to wait for
-                    break
+                if not self.executor.blocking or _has_urgent(lead) or _has_urgent(self._pending):
+                    break  # the null runtime, or a head shard's rows wait: no gathering
                 deadline = min(limit, trio.current_time() + (until - now))
                 if deadline <= trio.current_time():
                     break
@@ -672,7 +713,7 @@ class Scheduler:
 
     def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
         """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
-        if not self.inline_decode or len(jobs) != 1 or self.lanes.working != 1:
+        if not self.inline_decode or len(jobs) != 1 or self.lanes.working != 1 or self._beside_relay:
             return False
         item = jobs[0].item
         return item is not None and item.batchable
@@ -697,6 +738,11 @@ class Scheduler:
             trip.cpu_ns = time.thread_time_ns() - cpu
 
     def _run_trip(self, jobs: list[_Job[Any]], trip: _Trip) -> None:
+        if len(jobs) > 1 and _has_urgent(jobs):  # head shard rows first: another stage waits on them
+            urgent = [job for job in jobs if job.urgent]
+            for job in urgent:
+                self._run_one(job, trip)
+            jobs = [job for job in jobs if not job.urgent]
         if len(jobs) == 1 or not self.decode_batching:  # no batch to form / every row alone, in order
             for job in jobs:
                 self._run_one(job, trip)
