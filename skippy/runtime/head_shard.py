@@ -366,7 +366,8 @@ class RemoteHeadShard:
                 raise HeadShardError(f"the head shard at {self._address} answered {count} rows of head rows "
                                      f"{r0}:{r1} (status {status}); wanted {rows} of {self.rows[0]}:{self.rows[1]}")
             if into is not None:
-                _read_into(sock, memoryview(into).cast("B"))
+                for row in into:  # a row of a wider logits array is contiguous; the array may not be
+                    _read_into(sock, memoryview(row).cast("B"))
                 return b""
             return _read_exact(sock, body_bytes)
         except (ConnectionError, OSError) as exc:
@@ -385,16 +386,24 @@ class RemoteHeadShard:
         self._pending = rows
 
     def finish(self, out: FloatArray) -> None:
+        """Write the columns straight into ``out``'s rows (each a contiguous run of a logits row:
+        no copy beside the socket's); ``out`` is left partly written when this raises."""
         rows, self._pending = self._pending, 0
         cols = self.rows[1] - self.rows[0]
         if rows == 0 or out.shape != (rows, cols):
             raise InvalidBatch(f"a head shard's columns for {rows} rows into {out.shape}")
-        values = np.empty((rows, cols), dtype="<f4")
-        self._reply(rows, rows * cols * 4, into=values)
-        if not np.isfinite(values).all():
+        if out.dtype == np.float32 and out.strides[1] == 4:
+            self._reply(rows, rows * cols * 4, into=out)
+            values = out
+        else:
+            values = np.empty((rows, cols), dtype="<f4")
+            self._reply(rows, rows * cols * 4, into=values)
+        # NaN survives min and max, infinities are their own bounds: two passes, no temporary
+        if not (np.isfinite(values.min()) and np.isfinite(values.max())):
             self.close()
             raise HeadShardError(f"the head shard at {self._address} answered a non-finite logit")
-        out[...] = values
+        if values is not out:
+            out[...] = values
 
     def close(self) -> None:
         """Drop the connection (the next use makes a new one)."""

@@ -114,13 +114,12 @@ async def _serve_link(stream: trio.SocketStream, scheduler: "Scheduler", compute
         body = await _receive_exactly(stream, rows * compute.n_embd * 4)
         hidden = np.frombuffer(body, dtype="<f4").reshape(rows, compute.n_embd)
 
-        def run() -> bytearray:  # on the runtime thread: the reply, header and columns, in one buffer
+        def run() -> memoryview:  # on the runtime thread: the reply, header and columns, in one buffer
             r0, r1 = compute.rows
-            reply = bytearray(HEADER.size + rows * (r1 - r0) * 4)
-            reply[:HEADER.size] = rows_reply_header(compute, rows)
-            columns = np.frombuffer(reply, dtype="<f4", offset=HEADER.size).reshape(rows, r1 - r0)
-            columns[...] = compute.compute(hidden)
-            return reply
+            reply = np.empty(HEADER.size + rows * (r1 - r0) * 4, dtype=np.uint8)  # not zeroed first
+            reply[:HEADER.size] = np.frombuffer(rows_reply_header(compute, rows), dtype=np.uint8)
+            reply[HEADER.size:].view("<f4").reshape(rows, r1 - r0)[...] = compute.compute(hidden)
+            return memoryview(reply)
         try:
             reply = await scheduler.head_rows(run)
         except (NativeError, InvalidBatch) as exc:
