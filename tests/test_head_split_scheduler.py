@@ -1,9 +1,9 @@
 """A head shard's rows go through the serving stage's scheduler (issue 31; skippy.stage.head_split).
 
 The placement (``Scheduler.head_rows``) is checked with a fake blocking runtime that records each
-native batch's interval: the shard's rows run on the runtime thread, never while a batch runs,
-first in the next turn, ending a gathering turn's wait, and beside a decode relay without
-stopping it.  The stage's shard service (``serve_head_shard``, a trio task) is checked over TCP
+native batch's interval and thread: the shard's rows never run while a batch runs; they run first
+in the next turn on the runtime thread, ending a gathering turn's wait; on an idle runtime with at
+most one working lane and beside a decode relay (without stopping it) on the trio thread.  The stage's shard service (``serve_head_shard``, a trio task) is checked over TCP
 against the head computed directly: bitwise the same columns, computed on the runtime thread,
 and a request of the wrong width refused.
 """
@@ -118,7 +118,7 @@ async def test_shard_rows_end_a_gathering_turns_wait() -> None:
     _no_overlap(runtime.log)
 
 
-async def test_shard_rows_run_beside_a_decode_relay_without_stopping_it() -> None:
+async def test_shard_rows_run_beside_a_decode_relay_without_stopping_it_on_the_trio_thread() -> None:
     runtime = _Runtime(0.01)
     scheduler = Scheduler(runtime, StageStats(), decode_groups=2)  # type: ignore[arg-type]
     stops: list[int] = []
@@ -143,7 +143,28 @@ async def test_shard_rows_run_beside_a_decode_relay_without_stopping_it() -> Non
             await done.wait()
         nursery.cancel_scope.cancel()
     assert runtime.order() == [[1], "shard", [2]]
-    assert runtime.log[1][3] == "skippy-runtime"
+    assert runtime.log[1][3] == threading.current_thread().name  # the relay's thread is not the runtime's
+
+
+@pytest.mark.parametrize(("lanes", "inline", "thread"), [
+    (1, True, "here"), (0, True, "here"), (2, True, "skippy-runtime"), (1, False, "skippy-runtime")])
+async def test_shard_rows_on_an_idle_runtime_run_inline_with_one_working_lane(
+        lanes: int, inline: bool, thread: str) -> None:
+    """As inline decode: with at most one working lane nothing else can need the trio thread
+    meanwhile, and the hand-off to the runtime thread is saved (``--inline-decode off``: never)."""
+    from skippy.lane.registry import LaneRegistry
+
+    registry = LaneRegistry()
+    for lane in range(lanes):
+        registry.opened(lane + 1)
+    runtime = _Runtime(0.005)
+    scheduler = Scheduler(runtime, StageStats(), decode_groups=2, lanes=registry,  # type: ignore[arg-type]
+                          inline_decode=inline)
+    async with trio.open_nursery() as nursery:
+        await nursery.start(scheduler.run)
+        assert await scheduler.head_rows(runtime.shard) == "rows"
+        nursery.cancel_scope.cancel()
+    assert runtime.log[0][3] == (threading.current_thread().name if thread == "here" else thread)
 
 
 # -- the stage's shard service over TCP --------------------------------------------------------------
@@ -177,7 +198,12 @@ async def test_the_stage_serves_its_shard_through_its_scheduler(llama_path: Path
     recording = _RecordingCompute(served)
     context = NullContext(NullModel(NullSpec(n_embd=8, n_layer=2), "0:1"))
     context.blocking = True  # type: ignore[misc]
-    scheduler = Scheduler(Executor(context), StageStats())
+    from skippy.lane.registry import LaneRegistry
+
+    lanes = LaneRegistry()
+    lanes.opened(1)
+    lanes.opened(2)  # two working lanes: the rows go to the runtime thread
+    scheduler = Scheduler(Executor(context), StageStats(), lanes=lanes)
     port = HeadShardPort()
     hidden = np.random.default_rng(3).standard_normal((3, head.n_embd)).astype(np.float32)
     try:

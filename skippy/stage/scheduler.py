@@ -425,9 +425,6 @@ class Scheduler:
         #: When each lane (a session key's upper bits) last submitted a work item.
         self._last_work: dict[int, float] = {}
         self._thread = RuntimeThread()
-        #: Head shard rows running on the runtime thread beside a decode relay (:meth:`head_rows`):
-        #: no decode runs inline on the trio thread meanwhile.
-        self._beside_relay = 0
         trace = os.environ.get(TRACE_ENV)
         #: The per-turn trace (:class:`TurnTrace`; None: off).
         self._trace = TurnTrace(trace) if trace else None
@@ -515,32 +512,26 @@ class Scheduler:
 
     async def head_rows(self, compute: Callable[[], T]) -> T:
         """Run ``compute``, a head shard's rows for the final stage (:mod:`skippy.stage.head_split`),
-        on the runtime thread: the stage's one compute thread, so the shard never competes with
-        the stage's own batches for its core.
+        where the stage's own work runs, one thing at a time: the shard never competes with the
+        stage's batches for its core.
 
-        Placement (docs/throughput.md, "Head shard rows"): the runtime idle, it runs at once; a
-        turn running, it runs first in the next turn, before its decode batch, and a turn
-        gathering rows stops gathering; a decode relay holding the runtime is not stopped: the
-        shard's rows run at once beside it (the relay carries this stage's only working lane,
-        whose next step waits on these very rows, so the two never compute at once).
+        Placement (docs/throughput.md, "The head split"): with a turn running or jobs queued, it
+        runs first in the next turn, before its decode batch, on the runtime thread, and a turn
+        gathering rows stops gathering; with the runtime idle it runs at once, on the trio thread
+        itself (as inline decode does) when the stage has at most one working lane, else on the
+        runtime thread; a decode relay holding the runtime is not stopped: the rows run at once on
+        the trio thread (the relay carries the stage's only working lane, whose next step waits on
+        these very rows, so the two never compute at once).
         """
-        if self._holder_stop is not None and not self._pending:
-            started = time.perf_counter_ns()
-            cpu: list[int] = []
-
-            def timed() -> T:
-                began = time.thread_time_ns()
-                try:
-                    return compute()
-                finally:
-                    cpu.append(time.thread_time_ns() - began)
-            self._beside_relay += 1
+        idle = not self._busy and not self._pending
+        beside = self._holder_stop is not None and not self._pending
+        if self.executor.blocking and self.inline_decode and (beside or (idle and self.lanes.working <= 1)):
+            started, cpu = time.perf_counter_ns(), time.thread_time_ns()
             try:
-                return await self._thread.run_sync(timed)
+                return compute()
             finally:
-                self._beside_relay -= 1
                 self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
-                self.stats.runtime_cpu_us += sum(cpu) // 1000
+                self.stats.runtime_cpu_us += (time.thread_time_ns() - cpu) // 1000
         job: _Job[T] = _Job(None, compute, time.perf_counter_ns(), urgent=True)
         result: T = await self._submit(job)
         return result
@@ -713,7 +704,7 @@ class Scheduler:
 
     def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
         """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
-        if not self.inline_decode or len(jobs) != 1 or self.lanes.working != 1 or self._beside_relay:
+        if not self.inline_decode or len(jobs) != 1 or self.lanes.working != 1:
             return False
         item = jobs[0].item
         return item is not None and item.batchable
