@@ -91,16 +91,17 @@ async def test_shard_rows_wait_for_the_running_batch_then_go_first_on_the_runtim
     assert scheduler.stats.runtime_busy_us > 0
 
 
-async def test_shard_rows_end_a_gathering_turns_wait() -> None:
-    runtime = _Runtime(0.03)
+async def test_shard_rows_run_at_once_in_a_gathering_turn_which_keeps_its_group() -> None:
+    runtime = _Runtime(0.05)
     scheduler = Scheduler(runtime, StageStats(), decode_groups=1)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         await nursery.start(scheduler.run)
+
         async def late(session: int) -> None:
-            await trio.sleep(0.02)
+            await trio.sleep(0.04)
             await scheduler.execute(_row(session))
 
-        for _ in range(4):  # sessions 2 and 3 come back 20 ms after 1: a turn waits for them
+        for _ in range(4):  # sessions 2 and 3 come back 40 ms after 1: a turn waits for them
             async with trio.open_nursery() as rows:
                 rows.start_soon(scheduler.execute, _row(1))
                 rows.start_soon(late, 2)
@@ -112,9 +113,12 @@ async def test_shard_rows_end_a_gathering_turns_wait() -> None:
             rows.start_soon(late, 2)
             rows.start_soon(late, 3)
             await trio.sleep(0.002)
-            await scheduler.head_rows(runtime.shard)  # ... until the shard's rows come
+            asked = time.monotonic()
+            await scheduler.head_rows(runtime.shard)  # ... and runs the shard's rows meanwhile
         nursery.cancel_scope.cancel()
-    assert runtime.order() == ["shard", [1], [2, 3]]
+    assert runtime.order() == ["shard", [1, 2, 3]]  # the group stays one batch
+    assert runtime.log[0][1] - asked < 0.025  # the shard did not wait for the gather (40 ms)
+    assert runtime.log[0][3] == "skippy-runtime"
     _no_overlap(runtime.log)
 
 

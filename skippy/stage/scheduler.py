@@ -516,8 +516,8 @@ class Scheduler:
         stage's batches for its core.
 
         Placement (docs/throughput.md, "The head split"): with a turn running or jobs queued, it
-        runs first in the next turn, before its decode batch, on the runtime thread, and a turn
-        gathering rows stops gathering; with the runtime idle it runs at once, on the trio thread
+        runs first in the next turn, before its decode batch, on the runtime thread; a turn
+        gathering its decode rows runs it at once and goes on gathering; with the runtime idle it runs at once, on the trio thread
         itself (as inline decode does) when the stage has at most one working lane, else on the
         runtime thread; a decode relay holding the runtime is not stopped: the rows run at once on
         the trio thread (the relay carries the stage's only working lane, whose next step waits on
@@ -606,8 +606,11 @@ class Scheduler:
                 now = time.monotonic()
                 chosen, until = groups.plan(_ready_sessions([*lead, *self._pending]), now,
                                             now + (limit - trio.current_time()))
-                if not self.executor.blocking or _has_urgent(lead) or _has_urgent(self._pending):
-                    break  # the null runtime, or a head shard's rows wait: no gathering
+                if not self.executor.blocking:  # the null runtime: nothing to wait for
+                    break
+                if _has_urgent(self._pending):  # head shard rows: run now, on the runtime this turn holds
+                    await self._run_urgent()
+                    continue
                 deadline = min(limit, trio.current_time() + (until - now))
                 if deadline <= trio.current_time():
                     break
@@ -701,6 +704,25 @@ class Scheduler:
             self.groups.ran(trip.batch_sessions, trip.batch_s, time.monotonic())
         for job in jobs:
             self._account(job)
+
+    async def _run_urgent(self) -> None:
+        """A gathering turn's head shard rows (:meth:`head_rows`), at once on the runtime thread it
+        holds, the turn's rows still to come (its decode group stays whole)."""
+        jobs = [job for job in self._pending if job.urgent]
+        self._pending = [job for job in self._pending if not job.urgent]
+        trip = _Trip()
+        started = time.perf_counter_ns()
+        for job in jobs:
+            job.wait_us = (started - job.submitted_ns) // 1000
+        try:
+            await self._thread.run_sync(lambda: self._run_jobs(jobs, trip))
+        finally:
+            for job in jobs:
+                assert job.done is not None
+                job.done.set()
+        self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
+        self.stats.runtime_cpu_us += trip.cpu_ns // 1000
+        self.stats.touch()
 
     def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
         """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
