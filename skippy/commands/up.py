@@ -283,8 +283,9 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         split, head, head_how = _head(args, model, split)
         if head is not None and getattr(args, "ray", None):
             if getattr(args, "head_split", None) not in (None, "auto"):
-                raise ValueError("--head-split ROWS: the Ray launcher does not split the head yet (--head-split off)")
-            head, head_how = None, "; head not split (not on Ray yet)"
+                raise ValueError("--head-split ROWS: the Ray launcher does not split the head: it runs every link on "
+                                 "TLS and the head shard link has none yet (--head-split off)")
+            head, head_how = None, "; head not split (Ray runs every link on TLS; the head shard link has none yet)"
         if head is not None and getattr(args, "standby", False):
             if getattr(args, "head_split", None) not in (None, "auto"):
                 raise ValueError("--head-split ROWS with --standby: a final stage's warm standby cannot hold the "
