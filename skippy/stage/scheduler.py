@@ -60,6 +60,12 @@ waits, else control calls and prefill / verify jobs up to :data:`PREFILL_ROWS_PE
 "greedy" (before issue 31): every ready job in one turn.  Either way a batch holds only rows
 that are ready; what differs is which rows share a batch, which batching already may change
 (above); with ``decode_batching`` off every job runs alone, in arrival order, as before.
+
+*Head shard rows* (issue 31, :meth:`Scheduler.head_rows`): the output head's rows this stage
+computes for a split head's final stage are a job of their own kind, on the same one compute
+thread as the stage's batches: first in their turn (the final stage waits on them), at once in a
+turn that gathers decode rows (which goes on gathering), inline on an idle runtime with one
+working lane or beside a decode relay (never stopping it).
 """
 
 from __future__ import annotations
@@ -314,7 +320,7 @@ class _Job(Generic[T]):
     result: Any = None
     error: BaseException | None = None
     wait_us: int = 0
-    #: Head shard rows (:meth:`Scheduler.head_rows`): first in its turn, which never gathers.
+    #: Head shard rows (:meth:`Scheduler.head_rows`): first in its turn; a gathering turn runs it at once.
     urgent: bool = False
 
 
@@ -517,9 +523,9 @@ class Scheduler:
 
         Placement (docs/throughput.md, "The head split"): with a turn running or jobs queued, it
         runs first in the next turn, before its decode batch, on the runtime thread; a turn
-        gathering its decode rows runs it at once and goes on gathering; with the runtime idle it runs at once, on the trio thread
-        itself (as inline decode does) when the stage has at most one working lane, else on the
-        runtime thread; a decode relay holding the runtime is not stopped: the rows run at once on
+        gathering its decode rows runs it at once and goes on gathering; with the runtime idle it
+        runs at once, on the trio thread itself (as inline decode does) when the stage has at most
+        one working lane, else on the runtime thread; a decode relay holding the runtime is not stopped: the rows run at once on
         the trio thread (the relay carries the stage's only working lane, whose next step waits on
         these very rows, so the two never compute at once).
         """
@@ -609,7 +615,8 @@ class Scheduler:
                 if not self.executor.blocking:  # the null runtime: nothing to wait for
                     break
                 if _has_urgent(self._pending):  # head shard rows: run now, on the runtime this turn holds
-                    await self._run_urgent()
+                    with trio.CancelScope(shield=True):  # as the gathering: a started fast-path job runs
+                        await self._run_urgent()
                     continue
                 deadline = min(limit, trio.current_time() + (until - now))
                 if deadline <= trio.current_time():
