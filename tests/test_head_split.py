@@ -177,6 +177,38 @@ def test_split_head_other_families(arch: str, dtype: str) -> None:
     assert all(np.array_equal(a, b) for a, b in zip(rows, ref_rows))
 
 
+@pytest.mark.parametrize("arch,dtype", [("llama", "F32"), ("llama", "F16"), ("gemma3", "Q8_0")])
+def test_odd_output_rows_are_padded_and_bitwise_unsplit(arch: str, dtype: str) -> None:
+    """A head-only context computes an odd count of 3+ rows with the last row once more (batched
+    kernels take longer for an odd count of columns): the rows are bitwise the unsplit ones, and
+    the padded batch's rows are bitwise the unpadded batch's."""
+    path = ensure_model(tiny(arch, dtype=dtype))  # type: ignore[arg-type]
+    whole = Chain(path, 3, None)
+    split = Chain(path, 3, "local")
+    try:
+        for chain in (whole, split):
+            chain.decode(LONG_PROMPT[:7], 0, outputs=np.array([1, 0, 1, 1, 0, 0, 1], dtype=bool))  # 4 rows
+            chain.decode(LONG_PROMPT[7:12], 7, outputs=np.array([1, 1, 0, 1, 0], dtype=bool))  # 3 rows
+        assert all(np.array_equal(split.c1.logits(i), whole.c1.logits(i)) for i in (0, 1, 3))
+        for chain in (whole, split):
+            chain.decode(LONG_PROMPT[12:17], 12, outputs=np.ones(5, dtype=bool))  # 5 rows
+        assert all(np.array_equal(split.c1.logits(i), whole.c1.logits(i)) for i in range(5))
+        assert split.compute is not None
+        hidden = np.random.default_rng(1).standard_normal((6, split.compute.n_embd)).astype(np.float32)
+        context, rows = split.compute.context, []
+        decode = context.decode
+        context.decode = lambda **kw: (rows.append(len(kw["positions"])), decode(**kw))[1]  # type: ignore[method-assign]
+        split.compute.compute(hidden[:2])
+        for count in (3, 5):
+            padded = split.compute.compute(hidden[:count]).copy()  # computed as count + 1 rows
+            assert padded.shape == (count, split.compute.rows[1])
+            assert np.array_equal(padded, split.compute.compute(hidden[:count + 1])[:count])
+        assert rows == [2, 4, 4, 6, 6]
+    finally:
+        whole.close()
+        split.close()
+
+
 def test_split_head_needs_its_shard(llama_path: Path) -> None:
     model = Model(llama_path, LayerRange(2, 4), split_head=_split_rows(32000))
     try:

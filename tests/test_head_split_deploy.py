@@ -14,7 +14,7 @@ import pytest
 from api_helpers import UpProcess
 from skippy.deploy.cost import HEAD_ROW_ALIGN, HeadSplit, head_split, split_head_times, split_times
 from skippy.deploy.launch import StageChild, _head_options
-from skippy.deploy.plan import ModelShape, balanced_stages, choose_head_split, parse_head_split
+from skippy.deploy.plan import ModelShape, Plan, balanced_stages, choose_head_split, parse_head_split
 from skippy.net.address import Address
 
 
@@ -140,3 +140,131 @@ def test_a_head_shard_link_off_loopback_needs_tls_off() -> None:
         StageConfig(model="m", layers="0:1", serve_head_rows=5).validated()
     with pytest.raises(ValueError, match="head_split is for the final stage"):
         StageConfig(model="m", layers="0:1", head_split=5, downstream=Address("127.0.0.1", 9)).validated()
+
+
+# -- plan files carry the split; a replaced final stage keeps its shard port ---------------------------
+
+def _local_plan(tiny_llama: Path, names: tuple[str, str] = ("127.0.0.1", "127.0.0.1")) -> Plan:
+    from skippy.deploy.plan import HostSpec, PlanSettings, plan_chain
+
+    shape = ModelShape.from_gguf(tiny_llama)
+    hosts = [HostSpec.parse(f"{name}=8GiB,port={7000 + index}") for index, name in enumerate(names)]
+    return plan_chain(shape, hosts, PlanSettings(ctx_size=256, max_sessions=2))
+
+
+def test_a_plan_file_carries_the_head_split_and_reads_back(tiny_llama: Path, tmp_path: Path) -> None:
+    from skippy.deploy.plan import PlanError, load_plan, plan_head
+    from skippy.stage.config import load_config_file
+
+    plan = _local_plan(tiny_llama)
+    n_vocab = ModelShape.from_gguf(tiny_llama).n_vocab
+    split = plan.with_head_split(HeadSplit(0, 4096), 2.0, n_vocab)
+    assert split.head_port == 7002  # the final stage's host has 7000 and 7001 taken
+    assert [stage.decode_ms for stage in split.stages] == pytest.approx(
+        split_head_times([stage.decode_ms for stage in plan.stages], 2.0, n_vocab, HeadSplit(0, 4096)))
+    assert sum(stage.share for stage in split.stages) == pytest.approx(1.0)
+    assert "head rows 0:4096" in split.describe() and f"head rows 4096:{n_vocab}" in split.describe()
+    path = tmp_path / "plan.toml"
+    path.write_text(split.to_toml())
+    chain, stages = load_plan(path)
+    assert plan_head(path, stages) == HeadSplit(0, 4096)
+    assert stages[0]["expected"]["head_rows"] == "0:4096" and stages[1]["expected"]["head_rows"] == f"4096:{n_vocab}"
+    final, first = load_config_file(path, 1), load_config_file(path, 0)  # each host's stage settings
+    assert (final["head_split"], final["head_shard_listen"]) == (4096, "127.0.0.1:7002")
+    assert (first["serve_head_rows"], first["head_shard_dial"]) == (4096, "127.0.0.1:7002")
+    path.write_text(plan.to_toml())  # no split: the whole head on the final stage
+    assert plan_head(path, load_plan(path)[1]) is None and "head_split" not in path.read_text()
+    with pytest.raises(PlanError, match="would leave the host"):  # the shard link has no TLS yet
+        _local_plan(tiny_llama, ("10.0.0.1", "10.0.0.2")).with_head_split(HeadSplit(0, 4096), 2.0, n_vocab)
+    with pytest.raises(PlanError, match="does not fit"):
+        plan.with_head_split(HeadSplit(1, 4096), 2.0, n_vocab)  # the final stage cannot serve its own rows
+    path.write_text(split.to_toml().replace("serve_head_rows = 4096", "serve_head_rows = 2048"))
+    with pytest.raises(PlanError, match="the same rows"):
+        plan_head(path, load_plan(path)[1])
+
+
+def test_up_takes_the_plans_head_split(tiny_llama: Path, tmp_path: Path) -> None:
+    from skippy.commands.up import _apply_plan, _head
+
+    path = tmp_path / "plan.toml"
+    plan = _local_plan(tiny_llama)
+    path.write_text(plan.with_head_split(HeadSplit(0, 4096), 2.0, ModelShape.from_gguf(tiny_llama).n_vocab).to_toml())
+    args = argparse.Namespace(plan=path, model=None, ctx_size=512, max_sessions=8, wire_dtype="f32", threads=0,
+                              layers=None, head_split=None)
+    _apply_plan(args)
+    split = [(stage.start, stage.end) for stage in plan.stages]
+    assert _head(args, tiny_llama, split) == (split, HeadSplit(0, 4096), "; head split as planned: rows 0:4096 on stage 0")
+    args.head_split = "off"  # the flag overrides the plan
+    assert _head(args, tiny_llama, split)[1] is None
+
+
+def test_a_replaced_final_stage_listens_on_its_shard_port_and_a_standby_is_refused() -> None:
+    import trio
+
+    from skippy.deploy.launch import Replacement, _listening_on, run_chain
+
+    command = ["python", "-m", "skippy.stage", "--listen", "127.0.0.1:0", "--head-split", "512"]
+    pinned = _listening_on(command, Address("127.0.0.1", 9000), Address("127.0.0.1", 9001))
+    assert pinned == ["python", "-m", "skippy.stage", "--listen", "127.0.0.1:9000", "--head-split", "512",
+                      "--head-shard-listen", "127.0.0.1:9001"]
+    assert _listening_on(pinned, Address("127.0.0.1", 9000), Address("127.0.0.1", 9002))[-1] == "127.0.0.1:9002"
+    assert _listening_on(command, Address("127.0.0.1", 9000))[4] == "127.0.0.1:9000"
+
+    async def standby() -> None:
+        await run_chain(Path("m.gguf"), [(0, 1), (1, 2)], log_dir=Path("/nonexistent/never-made"),
+                        replacement=Replacement(restarts=1, standby=True), head=HeadSplit(0, 512))
+    with pytest.raises(ValueError, match="no head split with --standby"):
+        trio.run(standby)
+
+
+def test_up_refuses_head_rows_with_a_standby(tiny_llama: Path, tmp_path: Path) -> None:
+    up = UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:2,2:4", "--head-split", "4096", "--standby",
+                    "--port", "0", "--log-dir", str(tmp_path / "logs")], tmp_path)
+    with pytest.raises(RuntimeError, match="--head-split ROWS with --standby"):
+        up.start()
+
+
+@pytest.mark.slow
+def test_up_runs_a_plans_head_split_and_a_killed_final_stage_comes_back_on_its_shard_port(
+        tiny_llama: Path, tmp_path: Path) -> None:
+    """``skippy up --plan`` with the plan's head split; the final stage SIGKILLed is restarted on
+    its address and its head shard port, which stage 0 dials again: the next answer is the same."""
+    import os
+    import re
+    import signal
+    import time
+
+    path = tmp_path / "plan.toml"
+    path.write_text(_local_plan(tiny_llama).with_head_split(
+        HeadSplit(0, 4096), 2.0, ModelShape.from_gguf(tiny_llama).n_vocab).to_toml())
+    up = UpProcess(["up", "--plan", str(path), "--port", "0", "--threads", "1", "--restarts", "2",
+                    "--log-dir", str(tmp_path / "logs")], tmp_path)
+    up.start()
+
+    def answer() -> str:
+        model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
+        reply = httpx.post(up.url + "/v1/completions", timeout=60, json={
+            "model": model, "prompt": "The quick brown fox", "max_tokens": 8, "temperature": 0})
+        assert reply.status_code == 200, reply.text
+        return str(reply.json()["choices"][0]["text"])
+
+    try:
+        before = answer()
+        logs = tmp_path / "logs"
+        text = "".join(p.read_text() for p in logs.glob("stage-*.log"))
+        port = re.search(r"head shard port on (\S+)", text)
+        assert port is not None and "serving head rows 0:4096" in text
+        final = int(re.findall(r"stage 1 \(layers \S+\) pid (\d+) ready", up.stderr())[0])
+        os.kill(final, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while "ready again" not in up.stderr():
+            assert time.monotonic() < deadline, up.stderr()
+            time.sleep(0.05)
+        again = re.search(r"stage 1 \(layers \S+\) pid (\d+) restarted", up.stderr())
+        assert again is not None
+        up.stage_pids.append(int(again.group(1)))
+        assert answer() == before
+        text = "".join(p.read_text() for p in logs.glob("stage-*.log"))
+        assert text.count(f"head shard port on {port.group(1)}") == 2  # the replacement took the same port
+    finally:
+        up.stop()

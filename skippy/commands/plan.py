@@ -92,8 +92,10 @@ def run(args: argparse.Namespace) -> int:
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    plan, note = _head_split(plan, shape, settings, host_times)
     print(plan.describe())
-    _say_head_split(plan, shape, settings, host_times)
+    if note:
+        print(note)
     text = plan.to_toml()
     if args.output is None:
         print()
@@ -106,19 +108,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _say_head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | None) -> None:
-    """Say the head split (issue 31) that would bring the final stage to the others' time: not in
-    the plan file yet, so its flags are given by hand (docs/throughput.md, "The head split")."""
-    from skippy.deploy.plan import estimated_times, plan_head_split
+def _head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | None) -> tuple[Any, str]:
+    """The plan with the head split (issue 31) that brings the final stage to the others' time,
+    where the stage serving the rows is on the final stage's host (:meth:`Plan.with_head_split`),
+    and a line on it; elsewhere the plan as it is and how to split by hand."""
+    from skippy.deploy.plan import PlanError, estimated_times, plan_head_split
 
     head_ms = (host_times[-1] if host_times else estimated_times(shape, settings)).head_ms
     head, fractions = plan_head_split(plan, shape, head_ms)
     if head is None:
-        return
-    print(f"  head split: the final stage is above its share; with the head's rows 0:{head.rows} on stage "
-          f"{head.host} the shares would be " + ", ".join(f"{share:.0%}" for share in fractions)
-          + f" (by hand: the final stage --head-split {head.rows} --head-shard-listen HOST:PORT, stage {head.host} "
-          f"--serve-head-rows {head.rows} --head-shard-dial HOST:PORT; on one machine skippy up --stages does it)")
+        return plan, ""
+    try:
+        plan = plan.with_head_split(head, head_ms, shape.n_vocab)
+    except PlanError as exc:
+        return plan, (f"  head split not planned: {exc}. With the head's rows 0:{head.rows} on stage {head.host} "
+                      "the shares would be " + ", ".join(f"{share:.0%}" for share in fractions)
+                      + f" (by hand on a trusted network: the final stage --head-split {head.rows} "
+                      f"--head-shard-listen HOST:PORT --tls off, stage {head.host} --serve-head-rows {head.rows} "
+                      "--head-shard-dial HOST:PORT --tls off)")
+    return plan, (f"  head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on the final "
+                  f"stage (its head shard port {plan.head_port}, on loopback)")
 
 
 def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any]) -> tuple[list[Any], list[Any] | None]:

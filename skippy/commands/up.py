@@ -211,9 +211,10 @@ def _apply_plan(args: argparse.Namespace) -> list[str]:
     Raises:
         ValueError: not a readable plan (PlanError).
     """
-    from skippy.deploy.plan import PLAN_ONLY_CHAIN_KEYS, load_plan
+    from skippy.deploy.plan import PLAN_ONLY_CHAIN_KEYS, load_plan, plan_head
 
     chain, stages = load_plan(args.plan)
+    args.plan_head = plan_head(args.plan, stages)  # issue 31: the plan's head split (_head)
     if args.model is None:
         args.model = Path(str(chain["model"]))
     args.layers = ",".join(str(stage["layers"]) for stage in stages)
@@ -236,6 +237,9 @@ def _head(args: argparse.Namespace, model: Path,
     are cut again with it: :func:`skippy.deploy.plan.balanced_stages_head`) and a note on them."""
     from skippy.deploy.plan import ModelShape, balanced_stages_head, choose_head_split, parse_head_split
 
+    planned = getattr(args, "plan_head", None)
+    if planned is not None and getattr(args, "head_split", None) is None:  # --plan: the plan's rows
+        return split, planned, f"; head split as planned: rows 0:{planned.rows} on stage {planned.host}"
     text = getattr(args, "head_split", None) or ("off" if args.layers or len(split) < 2 else "auto")
     mode = parse_head_split(text)
     if mode == "off" or len(split) < 2:
@@ -279,8 +283,14 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         split, head, head_how = _head(args, model, split)
         if head is not None and getattr(args, "ray", None):
             if getattr(args, "head_split", None) not in (None, "auto"):
-                raise ValueError("--head-split ROWS: the Ray launcher does not split the head yet (--head-split off)")
-            head, head_how = None, "; head not split (not on Ray yet)"
+                raise ValueError("--head-split ROWS: the Ray launcher does not split the head: it runs every link on "
+                                 "TLS and the head shard link has none yet (--head-split off)")
+            head, head_how = None, "; head not split (Ray runs every link on TLS; the head shard link has none yet)"
+        if head is not None and getattr(args, "standby", False):
+            if getattr(args, "head_split", None) not in (None, "auto"):
+                raise ValueError("--head-split ROWS with --standby: a final stage's warm standby cannot hold the "
+                                 "head shard port the running one listens on (--head-split off)")
+            head, head_how = None, "; head not split (--standby: a warm final stage cannot take over its shard port)"
         how += head_how
         settings = api_settings(args)
         gpu = gpu_options(args)

@@ -133,10 +133,19 @@ def stage_command(model: Path, layers: str, *, downstream: Address | None, host:
     return command
 
 
-def _listening_on(command: list[str], address: Address) -> list[str]:
-    """``command`` with its ``--listen`` value replaced by ``address`` (a replacement's)."""
+def _listening_on(command: list[str], address: Address, head_shard: Address | None = None) -> list[str]:
+    """``command`` with its ``--listen`` value replaced by ``address`` (a replacement's) and, for
+    the final stage of a split head, its head shard port pinned to ``head_shard``: the port the
+    stage serving the other rows dials again after the loss (issue 31)."""
     at = command.index("--listen") + 1
-    return [*command[:at], str(address), *command[at + 1:]]
+    command = [*command[:at], str(address), *command[at + 1:]]
+    if head_shard is not None:
+        if "--head-shard-listen" in command:
+            at = command.index("--head-shard-listen") + 1
+            command = [*command[:at], str(head_shard), *command[at + 1:]]
+        else:
+            command += ["--head-shard-listen", str(head_shard)]
+    return command
 
 
 async def _read_log(child: StageChild, process: trio.Process, progress: Progress | None, count: int) -> None:
@@ -351,7 +360,7 @@ class _Chain:
                     standby.process.kill()
             fresh = StageChild(child.index, child.layers, [], child.log_path)
             fresh.tail = child.tail
-            await self.spawn(fresh, _listening_on(child.command, address), progress=False)
+            await self.spawn(fresh, _listening_on(child.command, address, child.head_shard), progress=False)
             await self.wait_for(fresh, fresh.ready, "ready")
             how = "restarted"
             self._take_over(child, fresh)
@@ -365,6 +374,8 @@ class _Chain:
         child.process, child.metrics, child.tail, child.log_path = new.process, new.metrics, new.tail, new.log_path
         if new.address != child.address:
             raise child.failure(f"replacement listens on {new.address}, not {child.address}")
+        if child.head_shard is not None and new.head_shard != child.head_shard:  # the shard's host dials the old one
+            raise child.failure(f"replacement's head shard port is {new.head_shard}, not {child.head_shard}")
 
     async def keep_standby(self, child: StageChild) -> None:
         """Start ``child``'s warm standby (loaded, waiting to be activated on the stage's address)."""
@@ -409,12 +420,16 @@ async def run_chain(model: Path, split: Sequence[tuple[int, int]], *, host: str 
         on_replaced: called once a replacement of a stage is ready, with its "ready" event.
         head: the output head split by vocabulary rows (issue 31): the final stage computes the rows
             ``head.rows:``, stage ``head.host`` the rows ``0:head.rows``, dialling the final stage's
-            head shard port (which its log names before READY).
+            head shard port (which its log names before READY); a replaced final stage listens on
+            the same port (the serving stage dials it again); a warm standby cannot (refused).
 
     Raises:
         ChildFailed: a stage was lost for good (without ``on_child_exit``), or did not get READY
             within ``ready_timeout``.
     """
+    if head is not None and replacement.standby:
+        raise ValueError("a warm standby of the final stage cannot hold the head shard port the running one "
+                         "listens on: no head split with --standby (--head-split off)")
     log_dir.mkdir(parents=True, exist_ok=True)
     children = [StageChild(index, f"{a}:{b}", [], log_dir / f"stage-{index}-{a}-{b}.log")
                 for index, (a, b) in enumerate(split)]

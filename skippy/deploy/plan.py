@@ -41,7 +41,11 @@ Strategy
   and by how much.
 * **File** (:meth:`Plan.to_toml`, :func:`load_plan`): a ``[chain]`` table of settings every stage
   shares, one ``[[stage]]`` table per host (``host``, ``layers``, ``listen``, ``downstream`` and an
-  ``[stage.expected]`` table of the figures).  ``python -m skippy.stage --config plan.toml
+  ``[stage.expected]`` table of the figures).  A head split (issue 31, :meth:`Plan.with_head_split`;
+  only where the stage serving the rows is on the final stage's host: the head shard link has no
+  TLS yet) adds the final stage's ``head_split`` and ``head_shard_listen``, the serving stage's
+  ``serve_head_rows`` and ``head_shard_dial`` (on loopback) and each one's ``head_rows``;
+  :func:`plan_head` reads it back.  ``python -m skippy.stage --config plan.toml
   --plan-stage N`` runs stage N of it (:func:`skippy.stage.config.load_config_file`), and
   ``skippy up --plan plan.toml`` runs all of it.
 """
@@ -77,7 +81,7 @@ from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
     "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+    "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
 ]
 
 MIB: Final = 1 << 20
@@ -533,6 +537,44 @@ class Plan:
     settings: PlanSettings
     stages: tuple[StagePlan, ...]
     measured: bool = False
+    #: The output head split by vocabulary rows (issue 31; :meth:`with_head_split`): rows
+    #: ``0:head.rows`` on stage ``head.host``, the rest on the final stage; None: the whole head there.
+    head: HeadSplit | None = None
+    #: The vocabulary's rows (the final stage's rows end there) and the final stage's head shard port.
+    n_vocab: int = 0
+    head_port: int = 0
+
+    def with_head_split(self, head: HeadSplit | None, head_ms: float, n_vocab: int) -> "Plan":
+        """This plan with the head's rows ``0:head.rows`` on stage ``head.host`` (None: as it is):
+        each stage's time and share with them (the final stage's ``head_ms`` in part), and a head
+        shard port on the final stage's host that no stage of that host listens on.
+
+        Raises:
+            PlanError: the split's stage is not a stage of the chain before the final one, its
+                rows are not below the vocabulary's, or it is on another host than the final
+                stage (the head shard link has no TLS yet: docs/protocol.md §15).
+        """
+        if head is None:
+            return self
+        if not 0 <= head.host < len(self.stages) - 1 or not 0 < head.rows < n_vocab:
+            raise PlanError(f"a head split of rows 0:{head.rows} on stage {head.host} does not fit a chain of "
+                            f"{len(self.stages)} stages and {n_vocab} rows")
+        here, final = self.stages[head.host].host.name, self.stages[-1].host.name
+        if here != final:
+            raise PlanError(f"the head shard link from stage {head.host} on {here} to the final stage on {final} "
+                            "would leave the host, and it has no TLS yet")
+        times = split_head_times([stage.decode_ms for stage in self.stages], head_ms, n_vocab, head)
+        fractions = shares(times)
+        stages = tuple(dataclasses.replace(stage, decode_ms=time_ms, share=share)
+                       for stage, time_ms, share in zip(self.stages, times, fractions))
+        final = self.stages[-1].host
+        taken = {stage.host.port for stage in self.stages if stage.host.name == final.name}
+        port = final.port + 1
+        while port in taken:
+            port += 1
+        if port > 65535:
+            raise PlanError(f"no port above {final.port} for the head shard on {final.name}")
+        return dataclasses.replace(self, stages=stages, head=head, n_vocab=n_vocab, head_port=port)
 
     def describe(self) -> str:
         """The human-readable plan: one line per stage with its memory and time."""
@@ -551,6 +593,9 @@ class Plan:
                    if stage.host.gpu_memory else "")
             where = stage.host.name + (f" (Ray node {stage.host.node_id[:12]})" if stage.host.node_id else "")
             source = "" if common else f" ({stage.decode_source})"
+            rows = self.head_rows(stage.index)
+            if rows:
+                source += f"; head rows {rows}"
             lines.append(
                 f"  stage {stage.index} on {where}: layers {stage.layers:>7}  "
                 f"memory {memory.resident / GIB:.2f} GiB (peak {memory.peak / GIB:.2f} {budget}; weights "
@@ -564,6 +609,15 @@ class Plan:
         lines.append(f"  per token: {total:.2f} ms through the chain (slowest stage {slowest.index}: "
                      f"{slowest.decode_ms:.2f} ms) plus the network")
         return "\n".join(lines)
+
+    def head_rows(self, index: int) -> str:
+        """The head's rows stage ``index`` computes, ``START:END`` ("" where none, or no split)."""
+        head = self.head
+        if head is None:
+            return ""
+        if index == len(self.stages) - 1:
+            return f"{head.rows}:{self.n_vocab}"
+        return f"0:{head.rows}" if index == head.host else ""
 
     def to_toml(self) -> str:
         """The plan file (see the module notes)."""
@@ -593,6 +647,12 @@ class Plan:
             if stage.index + 1 < len(self.stages):
                 nxt = self.stages[stage.index + 1].host
                 out.append(f"downstream = {_quote(_address(nxt.name, nxt.port))}")
+            if self.head is not None:  # issue 31: the head's rows, and the shard link on the final stage's host
+                link = _address("127.0.0.1", self.head_port)
+                if stage.index == len(self.stages) - 1:
+                    out += [f"head_split = {self.head.rows}", f"head_shard_listen = {_quote(link)}"]
+                elif stage.index == self.head.host:
+                    out += [f"serve_head_rows = {self.head.rows}", f"head_shard_dial = {_quote(link)}"]
             # links off loopback use mutual TLS: `skippy certs certs --stages N` makes these (docs/security.md)
             out += [f"tls_cert = {_quote(f'certs/stage-{stage.index}.pem')}",
                     f"tls_key = {_quote(f'certs/stage-{stage.index}.key')}", f"tls_ca = {_quote('certs/ca.pem')}"]
@@ -602,7 +662,8 @@ class Plan:
                     f"compute_bytes = {memory.compute}", f"gpu_bytes = {memory.gpu}",
                     f"host_memory_bytes = {stage.host.memory}", f"host_gpu_memory_bytes = {stage.host.gpu_memory}",
                     f"decode_ms = {stage.decode_ms:.4f}", f"decode_share = {stage.share:.4f}",
-                    f"decode_source = {_quote(stage.decode_source)}"]
+                    f"decode_source = {_quote(stage.decode_source)}",
+                    *([f"head_rows = {_quote(self.head_rows(stage.index))}"] if self.head_rows(stage.index) else [])]
         return "\n".join(out) + "\n"
 
 
@@ -640,6 +701,32 @@ def load_plan(path: Path) -> tuple[dict[str, Any], list[dict[str, Any]]]:
             raise PlanError(f"{path}: stage {index} layers {layers!r} do not continue the chain at {expected}")
         expected = int(match.group(2))
     return chain, stages
+
+
+def plan_head(path: Path, stages: Sequence[dict[str, Any]]) -> HeadSplit | None:
+    """The head split of a plan file's stage tables (the final stage's ``head_split``, the
+    ``serve_head_rows`` of the stage serving the other rows; None: the whole head on the final stage).
+
+    Raises:
+        PlanError: one without the other, rows that differ, more than one serving stage, or the
+            final stage serving rows.
+    """
+    def rows(stage: dict[str, Any], key: str) -> int:
+        value = stage.get(key, stage.get(key.replace("_", "-"), 0))
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise PlanError(f"{path}: {key} = {value!r} is not a row count")
+        return value
+
+    split = rows(stages[-1], "head_split")
+    servers = [(index, rows(stage, "serve_head_rows")) for index, stage in enumerate(stages)
+               if rows(stage, "serve_head_rows")]
+    if not split and not servers:
+        return None
+    if len(servers) != 1 or not split or servers[0][1] != split or servers[0][0] == len(stages) - 1:
+        raise PlanError(f"{path}: a head split needs the final stage's head_split and one other stage's "
+                        f"serve_head_rows, the same rows (got head_split = {split}, serve_head_rows on stages "
+                        + (", ".join(f"{index}: {count}" for index, count in servers) or "none") + ")")
+    return HeadSplit(servers[0][0], split)
 
 
 def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSettings, *,

@@ -86,6 +86,37 @@ class HeadCompute:
         self.context.close()
 
 
+# -- the serving end's messages (sans-IO: HeadShardServer's threads and a stage's scheduled
+# service, skippy.stage.head_split, both use them) --------------------------------------------
+def check_request(header: bytes, compute: HeadCompute) -> tuple[int, str]:
+    """A request header's rows (0: the handshake) and the refusal it earns ("" when none)."""
+    magic, rows, width, zero_a, zero_b = HEADER.unpack(header)
+    if magic != MAGIC or zero_a or zero_b:
+        return 0, "not a head shard request"
+    if width != compute.n_embd or rows > compute.n_batch:
+        return 0, (f"a request of {rows} rows x {width} (this shard: rows of {compute.n_embd}, "
+                   f"at most {compute.n_batch})")
+    return rows, ""
+
+
+def handshake_reply(compute: HeadCompute) -> bytes:
+    """The handshake's reply: the shard's rows and its model's identity."""
+    r0, r1 = compute.rows
+    identity = compute.model.identity.encode()[:IDENTITY_BYTES].ljust(IDENTITY_BYTES, b" ")
+    return HEADER.pack(MAGIC, 0, 0, r0, r1) + identity
+
+
+def rows_reply_header(compute: HeadCompute, rows: int) -> bytes:
+    """The header of a reply carrying ``rows`` rows of the shard's columns (float32 after it)."""
+    return HEADER.pack(MAGIC, 0, rows, *compute.rows)
+
+
+def refusal_reply(message: str) -> bytes:
+    """A refusal: status 1 and the (cut) UTF-8 message."""
+    data = message.encode()[:MAX_MESSAGE]
+    return HEADER.pack(MAGIC, 1, len(data), 0, 0) + data
+
+
 @final
 class LocalHeadShard:
     """A shard computed in this process when its columns are asked for (tests, one host)."""
@@ -178,22 +209,16 @@ class HeadShardServer:
 
     def _serve(self, conn: socket.socket) -> None:
         compute = self._compute
-        r0, r1 = compute.rows
         try:
             while True:
-                magic, rows, width, zero_a, zero_b = HEADER.unpack(_read_exact(conn, HEADER.size))
-                if magic != MAGIC or zero_a or zero_b:
-                    self._refuse(conn, "not a head shard request")
-                    return
-                if width != compute.n_embd or rows > compute.n_batch:
-                    self._refuse(conn, f"a request of {rows} rows x {width} (this shard: rows of {compute.n_embd}, "
-                                       f"at most {compute.n_batch})")
+                rows, refusal = check_request(_read_exact(conn, HEADER.size), compute)
+                if refusal:
+                    self._refuse(conn, refusal)
                     return
                 if rows == 0:
-                    identity = compute.model.identity.encode()[:IDENTITY_BYTES].ljust(IDENTITY_BYTES, b" ")
-                    conn.sendall(HEADER.pack(MAGIC, 0, 0, r0, r1) + identity)
+                    conn.sendall(handshake_reply(compute))
                     continue
-                hidden = np.frombuffer(_read_exact(conn, rows * width * 4), dtype="<f4").reshape(rows, width)
+                hidden = np.frombuffer(_read_exact(conn, rows * compute.n_embd * 4), dtype="<f4").reshape(rows, -1)
                 try:
                     with self._lock:
                         if self._closed.is_set():  # (the compute's owner may free it once close returns)
@@ -202,7 +227,7 @@ class HeadShardServer:
                 except (NativeError, InvalidBatch) as exc:
                     self._refuse(conn, f"the head shard failed: {exc}")
                     return
-                conn.sendall(HEADER.pack(MAGIC, 0, rows, r0, r1) + logits.astype("<f4", copy=False).tobytes())
+                conn.sendall(rows_reply_header(compute, rows) + logits.astype("<f4", copy=False).tobytes())
         except (ConnectionError, OSError):
             pass
         finally:
@@ -212,10 +237,9 @@ class HeadShardServer:
 
     @staticmethod
     def _refuse(conn: socket.socket, message: str) -> None:
-        data = message.encode()[:MAX_MESSAGE]
         log.warning("head shard: %s", message)
         try:
-            conn.sendall(HEADER.pack(MAGIC, 1, len(data), 0, 0) + data)
+            conn.sendall(refusal_reply(message))
         except OSError:
             pass
 
@@ -355,7 +379,8 @@ class RemoteHeadShard:
                 raise HeadShardError(f"the head shard at {self._address} answered {count} rows of head rows "
                                      f"{r0}:{r1} (status {status}); wanted {rows} of {self.rows[0]}:{self.rows[1]}")
             if into is not None:
-                _read_into(sock, memoryview(into).cast("B"))
+                for row in into:  # a row of a wider logits array is contiguous; the array may not be
+                    _read_into(sock, memoryview(row).cast("B"))
                 return b""
             return _read_exact(sock, body_bytes)
         except (ConnectionError, OSError) as exc:
@@ -374,16 +399,24 @@ class RemoteHeadShard:
         self._pending = rows
 
     def finish(self, out: FloatArray) -> None:
+        """Write the columns straight into ``out``'s rows (each a contiguous run of a logits row:
+        no copy beside the socket's); ``out`` is left partly written when this raises."""
         rows, self._pending = self._pending, 0
         cols = self.rows[1] - self.rows[0]
         if rows == 0 or out.shape != (rows, cols):
             raise InvalidBatch(f"a head shard's columns for {rows} rows into {out.shape}")
-        values = np.empty((rows, cols), dtype="<f4")
-        self._reply(rows, rows * cols * 4, into=values)
-        if not np.isfinite(values).all():
+        if out.dtype == np.float32 and out.strides[1] == 4:
+            self._reply(rows, rows * cols * 4, into=out)
+            values = out
+        else:
+            values = np.empty((rows, cols), dtype="<f4")
+            self._reply(rows, rows * cols * 4, into=values)
+        # NaN survives min and max, infinities are their own bounds: two passes, no temporary
+        if not (np.isfinite(values.min()) and np.isfinite(values.max())):
             self.close()
             raise HeadShardError(f"the head shard at {self._address} answered a non-finite logit")
-        out[...] = values
+        if values is not out:
+            out[...] = values
 
     def close(self) -> None:
         """Drop the connection (the next use makes a new one)."""

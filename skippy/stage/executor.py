@@ -239,6 +239,9 @@ class Executor:
         self.resume_stats = LogStats()
         self.activation_log = ActivationLog(0 if self.is_last else DEFAULT_LOG_BYTES, self.resume_stats)
         self.parked = ParkedSessions(stats=self.resume_stats)
+        #: Issue 31: the head-only context of the head rows this stage serves to the final stage
+        #: (``--serve-head-rows``; skippy.stage.head_split), computed through the scheduler; closed here.
+        self.head_shard: Any = None
 
     # -- sessions ----------------------------------------------------------------------------
     @property
@@ -809,3 +812,7 @@ class Executor:
             self.release(key)
         if self.cache is not None:
             self.cache.close()
+        head, self.head_shard = self.head_shard, None
+        if head is not None:
+            head.close()
+            head.model.close()

@@ -66,6 +66,12 @@ waits, else control calls and prefill / verify jobs up to :data:`PREFILL_ROWS_PE
 "greedy" (before issue 31): every ready job in one turn.  Either way a batch holds only rows
 that are ready; what differs is which rows share a batch, which batching already may change
 (above); with ``decode_batching`` off every job runs alone, in arrival order, as before.
+
+*Head shard rows* (issue 31, :meth:`Scheduler.head_rows`): the output head's rows this stage
+computes for a split head's final stage are a job of their own kind, on the same one compute
+thread as the stage's batches: first in their turn (the final stage waits on them), at once in a
+turn that gathers decode rows (which goes on gathering), inline on an idle runtime with one
+working lane or beside a decode relay (never stopping it).
 """
 
 from __future__ import annotations
@@ -325,6 +331,12 @@ class _Job(Generic[T]):
     result: Any = None
     error: BaseException | None = None
     wait_us: int = 0
+    #: Head shard rows (:meth:`Scheduler.head_rows`): first in its turn; a gathering turn runs it at once.
+    urgent: bool = False
+
+
+def _has_urgent(jobs: Sequence[_Job[Any]]) -> bool:
+    return any(job.urgent for job in jobs)
 
 
 def _ready_sessions(jobs: Sequence[_Job[Any]]) -> list[int]:
@@ -524,6 +536,32 @@ class Scheduler:
         result: T = await self._submit(job)
         return result
 
+    async def head_rows(self, compute: Callable[[], T]) -> T:
+        """Run ``compute``, a head shard's rows for the final stage (:mod:`skippy.stage.head_split`),
+        where the stage's own work runs, one thing at a time: the shard never competes with the
+        stage's batches for its core.
+
+        Placement (docs/throughput.md, "The head split"): with a turn running or jobs queued, it
+        runs first in the next turn, before its decode batch, on the runtime thread; a turn
+        gathering its decode rows runs it at once and goes on gathering; with the runtime idle it
+        runs at once, on the trio thread itself (as inline decode does) when the stage has at most
+        one working lane, else on the runtime thread; a decode relay holding the runtime is not stopped: the rows run at once on
+        the trio thread (the relay carries the stage's only working lane, whose next step waits on
+        these very rows, so the two never compute at once).
+        """
+        idle = not self._busy and not self._pending
+        beside = self._holder_stop is not None and not self._pending
+        if self.executor.blocking and self.inline_decode and (beside or (idle and self.lanes.working <= 1)):
+            started, cpu = time.perf_counter_ns(), time.thread_time_ns()
+            try:
+                return compute()
+            finally:
+                self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
+                self.stats.runtime_cpu_us += (time.thread_time_ns() - cpu) // 1000
+        job: _Job[T] = _Job(None, compute, time.perf_counter_ns(), urgent=True)
+        result: T = await self._submit(job)
+        return result
+
     async def _submit(self, job: _Job[T]) -> T:
         item = job.item
         if item is not None:
@@ -540,7 +578,7 @@ class Scheduler:
             self._pending.append(job)
             self._wake.set()
             self._arrival.set()
-            if self._holder_stop is not None:  # a decode relay holds the runtime: end its run
+            if self._holder_stop is not None and not job.urgent:  # a decode relay holds the runtime: end its run
                 self._holder_stop()
             await job.done.wait()
         if job.error is not None:
@@ -596,6 +634,10 @@ class Scheduler:
                                             now + (limit - trio.current_time()))
                 if not self.executor.blocking:  # the null runtime: nothing to wait for
                     break
+                if _has_urgent(self._pending):  # head shard rows: run now, on the runtime this turn holds
+                    with trio.CancelScope(shield=True):  # as the gathering: a started fast-path job runs
+                        await self._run_urgent()
+                    continue
                 deadline = min(limit, trio.current_time() + (until - now))
                 if deadline <= trio.current_time():
                     break
@@ -690,6 +732,25 @@ class Scheduler:
         for job in jobs:
             self._account(job)
 
+    async def _run_urgent(self) -> None:
+        """A gathering turn's head shard rows (:meth:`head_rows`), at once on the runtime thread it
+        holds, the turn's rows still to come (its decode group stays whole)."""
+        jobs = [job for job in self._pending if job.urgent]
+        self._pending = [job for job in self._pending if not job.urgent]
+        trip = _Trip()
+        started = time.perf_counter_ns()
+        for job in jobs:
+            job.wait_us = (started - job.submitted_ns) // 1000
+        try:
+            await self._thread.run_sync(lambda: self._run_jobs(jobs, trip))
+        finally:
+            for job in jobs:
+                assert job.done is not None
+                job.done.set()
+        self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
+        self.stats.runtime_cpu_us += trip.cpu_ns // 1000
+        self.stats.touch()
+
     def _runs_inline(self, jobs: list[_Job[Any]]) -> bool:
         """Inline decode (module header): one decode row, and this stage's only lane asked for it."""
         if not self.inline_decode or len(jobs) != 1 or self.lanes.working != 1:
@@ -717,6 +778,11 @@ class Scheduler:
             trip.cpu_ns = time.thread_time_ns() - cpu
 
     def _run_trip(self, jobs: list[_Job[Any]], trip: _Trip) -> None:
+        if len(jobs) > 1 and _has_urgent(jobs):  # head shard rows first: another stage waits on them
+            urgent = [job for job in jobs if job.urgent]
+            for job in urgent:
+                self._run_one(job, trip)
+            jobs = [job for job in jobs if not job.urgent]
         if len(jobs) == 1 or not self.decode_batching:  # no batch to form / every row alone, in order
             for job in jobs:
                 self._run_one(job, trip)

@@ -114,14 +114,16 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
         context.close()
         model.close()
         raise ValueError(message)
+    head_shard = None
     if config.head_split or config.serve_head_rows:  # issue 31: the head split by vocabulary rows
         from skippy.stage.head_split import attach_head_port, serve_head_rows
 
         if config.head_split:
             attach_head_port(config, context)
         if config.serve_head_rows:
-            serve_head_rows(config)
+            head_shard = serve_head_rows(config)
     executor = Executor(context, build_cache(config, context) if prefix_cache else None)
+    executor.head_shard = head_shard
     executor.configure_resume(int(config.resume_log_mib * (1 << 20)), config.resume_hold_s)
     return executor
 
@@ -370,6 +372,12 @@ class StageServer:
                 accept_scope = trio.CancelScope()
                 self.waiting = WaitingLanes.create()  # closed by _accept, whichever way it ends
                 lanes.start_soon(self._accept, listeners, lanes, accept_scope)
+                if self.executor.head_shard is not None and config.head_shard_dial is not None:
+                    from skippy.stage.head_split import serve_head_shard  # issue 31: through the scheduler
+
+                    # among the lanes: cancelled with them, before the runtime is closed
+                    lanes.start_soon(serve_head_shard, self.scheduler, self.executor.head_shard,
+                                     config.head_shard_dial)
                 log.info("stage layers %s ready on %s (downstream: %s, wire %s)", config.layers,
                          self.address, config.downstream or "none (final stage)",
                          config.wire_dtype.name.lower())
