@@ -60,7 +60,8 @@ class Ggml:
         b.ggml_tensor_overhead.restype = ctypes.c_size_t
         b.ggml_graph_overhead.restype = ctypes.c_size_t
         c.ggml_cpu_init.argtypes = []
-        c.ggml_graph_compute_with_ctx.argtypes, c.ggml_graph_compute_with_ctx.restype = [p, p, ctypes.c_int], ctypes.c_int
+        c.ggml_graph_compute_with_ctx.argtypes = [p, p, ctypes.c_int]
+        c.ggml_graph_compute_with_ctx.restype = ctypes.c_int
         for name, code in TYPES.items():
             if b.ggml_type_name(code).decode() != name:
                 raise RuntimeError(f"ggml type {code} is {b.ggml_type_name(code)!r}, not {name}")

@@ -30,21 +30,25 @@ COUNTS = [2, 3, 4, 5, 6, 7, 8, 9, 12]
 THREADS = [1, 2]
 
 
+Case = tuple[str, int, int, int, int]  # type, k, m, n, threads
+Digests = dict[bool, dict[Case, list[str]]]  # kernel on / off -> case -> sha256 per column
+
+
 @pytest.fixture(scope="module")
-def digests() -> dict[bool, dict[tuple[str, int, int, int, int], list[str]]]:
+def digests() -> Digests:
     if not (small_batch.LIB_DIR / "libggml-cpu.so").exists():
         pytest.skip("no single libggml-cpu.so (a CPU-variants build)")
     cases = [(t, k, m, n, th) for t, k, m in SHAPES for n in COUNTS for th in THREADS]
-    out = {}
+    out: Digests = {}
     for kernel in (False, True):
         answer = small_batch.run_child({"what": "digests", "cases": cases}, kernel, timeout=300)
         assert isinstance(answer, list) and len(answer) == len(cases)
-        out[kernel] = {case: cols for case, cols in zip(cases, answer)}
+        out[kernel] = dict(zip(cases, answer))
     return out
 
 
-@pytest.mark.parametrize("type_name,k,m", SHAPES)
-def test_small_batches_give_stock_tinyblas_bits(digests, type_name: str, k: int, m: int) -> None:
+@pytest.mark.parametrize(("type_name", "k", "m"), SHAPES)
+def test_small_batches_give_stock_tinyblas_bits(digests: Digests, type_name: str, k: int, m: int) -> None:
     for n in COUNTS:
         for threads in THREADS:
             case = (type_name, k, m, n, threads)
@@ -54,10 +58,11 @@ def test_small_batches_give_stock_tinyblas_bits(digests, type_name: str, k: int,
             assert not bad, f"{case}: columns {bad} differ from stock tinyBLAS"
 
 
-@pytest.mark.parametrize("type_name,k,m", SHAPES)
-def test_a_column_does_not_depend_on_the_batch(digests, type_name: str, k: int, m: int) -> None:
+@pytest.mark.parametrize(("type_name", "k", "m"), SHAPES)
+def test_a_column_does_not_depend_on_the_batch(digests: Digests, type_name: str, k: int, m: int) -> None:
     widest = digests[True][(type_name, k, m, COUNTS[-1], 1)]
     for n in COUNTS:
         for threads in THREADS:
             cols = digests[True][(type_name, k, m, n, threads)]
-            assert cols == widest[:n], f"{type_name} k={k} m={m}: n={n} on {threads} thread(s) differs from n={COUNTS[-1]}"
+            assert cols == widest[:n], \
+                f"{type_name} k={k} m={m}: n={n} on {threads} thread(s) differs from n={COUNTS[-1]}"
