@@ -42,8 +42,9 @@ class _Runtime:
 
     blocking = True
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, compute_threads: int = 1) -> None:
         self.seconds = seconds
+        self.compute_threads = compute_threads  # > 1: every computation on the runtime thread
         self.log: list[tuple[Any, float, float, str]] = []  # (what, start, end, thread name)
 
     def _ran(self, what: Any, seconds: float) -> None:
@@ -147,21 +148,23 @@ async def test_shard_rows_run_beside_a_decode_relay_without_stopping_it_on_the_t
             await done.wait()
         nursery.cancel_scope.cancel()
     assert runtime.order() == [[1], "shard", [2]]
-    assert runtime.log[1][3] == threading.current_thread().name  # the relay's thread is not the runtime's
+    assert runtime.log[1][3] == threading.current_thread().name  # the relay holds the runtime thread
 
 
-@pytest.mark.parametrize(("lanes", "inline", "thread"), [
-    (1, True, "here"), (0, True, "here"), (2, True, "skippy-runtime"), (1, False, "skippy-runtime")])
+@pytest.mark.parametrize(("lanes", "inline", "threads", "thread"), [
+    (1, True, 1, "here"), (0, True, 1, "here"), (2, True, 1, "skippy-runtime"),
+    (1, False, 1, "skippy-runtime"), (1, True, 2, "skippy-runtime")])
 async def test_shard_rows_on_an_idle_runtime_run_inline_with_one_working_lane(
-        lanes: int, inline: bool, thread: str) -> None:
+        lanes: int, inline: bool, threads: int, thread: str) -> None:
     """As inline decode: with at most one working lane nothing else can need the trio thread
-    meanwhile, and the hand-off to the runtime thread is saved (``--inline-decode off``: never)."""
+    meanwhile, and the hand-off to the runtime thread is saved (``--inline-decode off``: never;
+    a stage of several compute threads: never either, one OpenMP pool per stage)."""
     from skippy.lane.registry import LaneRegistry
 
     registry = LaneRegistry()
     for lane in range(lanes):
         registry.opened(lane + 1)
-    runtime = _Runtime(0.005)
+    runtime = _Runtime(0.005, compute_threads=threads)
     scheduler = Scheduler(runtime, StageStats(), decode_groups=2, lanes=registry,  # type: ignore[arg-type]
                           inline_decode=inline)
     async with trio.open_nursery() as nursery:
