@@ -6,7 +6,10 @@ and 4 stages against stock and RPC 2 / 4, one interleaved run): ``... --issue27 
 speculation alone: ``... --speculation --no-prefill [--spec-loop] [--spec-ab] [--spec-trace]``.
 
 Strategy: every variant stays up for the whole run (three skippy chains of stage processes, six
-``ggml-rpc-server`` processes) and the rounds are interleaved: each round measures every variant
+``ggml-rpc-server`` processes; with ``--fresh-chains``, part of ``--issue27``, skippy's chains
+start again before every round, so that each round meets a new page placement of the stage
+processes as each llama-bench run does, instead of one placement biasing a chain's every round)
+and the rounds are interleaved: each round measures every variant
 once, decode then prefill, in an order rotated by one each round, so slow drifts of this shared
 host's load hit them alike.  Medians over rounds and the per-round ratios to stock are printed.
 
@@ -95,7 +98,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 import trio
@@ -587,19 +590,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spec-plain", action="store_true",
                         help="with --speculation: also the generator's requests without speculation (nospec)")
     parser.add_argument("--issue27", action="store_true",
-                        help="issue 27's peer run: --direct-return --speculation --spec-loop --no-prefill")
+                        help="issue 27's peer run: --direct-return --speculation --spec-loop --no-prefill --fresh-chains")
     parser.add_argument("--decode-runs", action="store_true",
                         help="also decode each skippy chain as one decode run (docs/protocol.md §11)")
     parser.add_argument("--preset", default=MODEL_PRESET,
                         help="generated model (skippy.models preset; a llama-spm vocabulary)")
     parser.add_argument("--quick", action="store_true", help="1 round, 8 decode tokens, a 64-token prompt")
+    parser.add_argument("--fresh-chains", action="store_true",
+                        help="start skippy's chains again before every round (each round a new page placement "
+                             "of the stage processes, as llama-bench's process is; otherwise one placement "
+                             "per run biases every round of a chain alike)")
     parser.add_argument("--no-build", action="store_true",
                         help="use the peer binaries already in build/peer-*; never configure or build")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.prompt = 1, 8, 64
     if args.issue27:
-        args.direct_return = args.speculation = args.spec_loop = args.no_prefill = True
+        args.direct_return = args.speculation = args.spec_loop = args.no_prefill = args.fresh_chains = True
     if args.steps < 2:
         parser.error("--steps must be >= 2")
 
@@ -628,14 +635,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             variant = BenchVariant(peer.llama_bench, model, ["-ngl", "99", "--rpc", endpoints, "-ts", split], pids)
             print(f"RPC {count}: -ts {split} -> {check_rpc_layout(variant, layouts[count], n_layer)}", flush=True)
             benches[f"RPC {count}"] = variant
-        chains = {f"skippy {count}": stack.enter_context(chain(str(model), layouts[count], STAGE_FLAGS))
-                  for count in STAGE_COUNTS}
-        if args.direct_return and args.relay_off:  # the same splits without the decode relay
-            for count in (2, 4):
-                chains[f"skippy {count} relay-off"] = stack.enter_context(
-                    chain(str(model), layouts[count], [*STAGE_FLAGS, "--decode-relay", "off"]))
-        for address in chains.values():  # the stages' first-request paths
-            trio.run(stage_decode, address, 2)
+        def start_chains(chain_stack: contextlib.ExitStack) -> dict[str, Any]:
+            started = {f"skippy {count}": chain_stack.enter_context(chain(str(model), layouts[count], STAGE_FLAGS))
+                       for count in STAGE_COUNTS}
+            if args.direct_return and args.relay_off:  # the same splits without the decode relay
+                for count in (2, 4):
+                    started[f"skippy {count} relay-off"] = chain_stack.enter_context(
+                        chain(str(model), layouts[count], [*STAGE_FLAGS, "--decode-relay", "off"]))
+            for address in started.values():  # the stages' first-request paths
+                trio.run(stage_decode, address, 2)
+            return started
+
+        chain_stack = stack.enter_context(contextlib.ExitStack())
+        chains = start_chains(chain_stack)
 
         inproc = InProcess(model)
         stack.callback(inproc.close)
@@ -677,6 +689,12 @@ def main(argv: Sequence[str] | None = None) -> int:
                 prefill_runs[f"{name} /{micro}"] = []
         names = list(decode_runs)
         for round_index in range(args.rounds):
+            if args.fresh_chains and round_index > 0:  # new stage processes: a new page placement
+                chain_stack.close()
+                chains.clear()
+                chains.update(start_chains(chain_stack))
+                for speculation, chain_name in speculations.values():
+                    trio.run(speculation.decode, chains[chain_name])  # the new stages' first request
             order = names[round_index % len(names):] + names[:round_index % len(names)]
             prompt = [BOS] + [int(t) for t in rng.integers(1000, 31000, args.prompt - 1)]
             for name in order:
