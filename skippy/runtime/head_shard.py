@@ -270,12 +270,13 @@ class HeadShardServer:
                 try:
                     conn = secure(plain, tls, server_side=not host, host=host, timeout=self._handshake_timeout)
                 except HeadShardError as exc:
-                    log.warning("head shard: %s %s: %s", "dialled" if host else "accepted a connection",
-                                host or "", exc)
+                    log.warning("head shard: %s: %s", f"dialled {host}" if host else "accepted a connection", exc)
                     return
                 finally:
                     self._connections.discard(plain)
                 self._connections.add(conn)
+                if self._closed.is_set():  # closed during the handshake: close() may have missed it
+                    return
             while True:
                 rows, refusal = check_request(_read_exact(conn, HEADER.size), compute)
                 if refusal:
