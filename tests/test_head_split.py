@@ -447,7 +447,7 @@ def test_a_listening_tls_shard_refuses_and_is_refused_by_another_ca(llama_path: 
     server = HeadShardServer(compute, tls=_contexts(certs, "stage-0")[0])
     impostor = _impostor_client(certs)
     try:  # TLS 1.3: the client's handshake ends before the server checks its certificate; the alert comes next
-        with pytest.raises(HeadShardError, match="is gone: TLSV1_ALERT_UNKNOWN_CA"):
+        with pytest.raises(HeadShardError, match=r"is gone: .*\(right after the TLS handshake: did the shard refuse"):
             RemoteHeadShard.dial(*server.address, rows=(0, 64), n_embd=head.n_embd, tls=impostor, timeout=5.0)
     finally:
         server.close()

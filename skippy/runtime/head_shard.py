@@ -458,8 +458,14 @@ class RemoteHeadShard:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
-            self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
-            body = self._reply(0, IDENTITY_BYTES)
+            try:
+                self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
+                body = self._reply(0, IDENTITY_BYTES)
+            except HeadShardError as exc:  # TLS 1.3: a peer refusing this end's certificate says so only now
+                if isinstance(sock, ssl.SSLSocket) and "is gone" in str(exc):
+                    raise HeadShardError(f"{exc} (right after the TLS handshake: did the shard refuse this end's "
+                                         "certificate?)") from exc
+                raise
             if self._identity is not None and body.decode(errors="replace").strip() != self._identity[:IDENTITY_BYTES]:
                 self.close()
                 raise HeadShardError(f"the head shard at {self._address} serves another model file")
