@@ -2,22 +2,29 @@
 
 A final stage ``[k, n)`` with ``split_head=r0`` runs its layers without the head, its head
 rows in a head-only context and the rows ``[0, r0)`` in a head shard (in process, and over TCP
-as another stage's process would serve them: dialled by the final stage, or dialling it); with f32 activations every output row's logits,
-greedy tokens, a seeded sampling chain's tokens, a grammar's tokens and the log-probabilities are
-bitwise those of the unsplit model.  Hostile shard replies and a shard that dies are refused.
+as another stage's process would serve them: dialled by the final stage, or dialling it; plain
+or mutual TLS); with f32 activations every output row's logits, greedy tokens, a seeded sampling
+chain's tokens, a grammar's tokens and the log-probabilities are bitwise those of the unsplit
+model.  Hostile shard replies (plain and TLS) and a shard that dies are refused; over TLS a
+certificate of another CA or none is refused at the handshake, and a plain end facing a TLS end
+fails with an error that says so, within the handshake timeout.
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import threading
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import PROMPT
+from skippy.deploy.certs import make_chain_certificates
 from skippy.models import ensure_model, tiny
+from skippy.net.tls import TlsFiles, client_context, server_context
 from skippy.runtime import LayerRange, Model, Sampler, SamplingParams, StageContext
 from skippy.runtime.errors import ContextError, LayerRangeError
 from skippy.runtime.head_shard import (
@@ -40,10 +47,30 @@ def _split_rows(n_vocab: int) -> int:
     return (n_vocab // 3) // 32 * 32 + 32  # not a power of two: whole Q8_0 blocks only
 
 
-class Chain:
-    """Stage 0 ``[0, k)`` and a final stage ``[k, n)``, the head whole or split (``shard``: "local" / "tcp")."""
+Tls = tuple[ssl.SSLContext, ssl.SSLContext]
 
-    def __init__(self, path: Path, cut: int, shard: str | None) -> None:
+
+def _contexts(certs: Path, name: str) -> Tls:
+    """The server and client contexts of the chain member ``name`` (as a stage's head shard link makes them)."""
+    files = TlsFiles.in_directory(certs, name)
+    return server_context(files), client_context(files)
+
+
+@pytest.fixture(scope="module")
+def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The chain's CA with stage-0 and stage-1; ``other/``: another CA's stage-0."""
+    directory = tmp_path_factory.mktemp("certs")
+    make_chain_certificates(directory, ["stage-0", "stage-1"])
+    make_chain_certificates(directory / "other", ["stage-0"], chain_name="another chain")
+    return directory
+
+
+class Chain:
+    """Stage 0 ``[0, k)`` and a final stage ``[k, n)``, the head whole or split (``shard``: "local" /
+    "tcp" / "dial"; with ``tls``, the final stage's and the shard's contexts, both ends use TLS)."""
+
+    def __init__(self, path: Path, cut: int, shard: str | None, tls: tuple[Tls, Tls] | None = None) -> None:
+        final_tls, shard_tls = tls or ((None, None), (None, None))
         info_model = Model(path, LayerRange(0, cut))
         self.first = info_model
         n = info_model.info.n_layer
@@ -65,16 +92,16 @@ class Chain:
             self.c1.attach_shard(LocalHeadShard(self.compute))
         elif shard == "tcp":
             assert self.compute is not None
-            self.server = HeadShardServer(self.compute)
+            self.server = HeadShardServer(self.compute, tls=shard_tls[0])
             host, port = self.server.address
             self.remote = RemoteHeadShard.dial(host, port, rows=self.compute.rows, identity=self.head.identity,
-                                               n_embd=self.head.n_embd)
+                                               n_embd=self.head.n_embd, tls=final_tls[1])
             self.c1.attach_shard(self.remote)
         elif shard == "dial":  # the shard's host dials the final stage (a chain's start order)
             assert self.compute is not None
-            self.port = HeadShardPort()
+            self.port = HeadShardPort(tls=final_tls[0])
             self.server = HeadShardServer(self.compute, host=None)
-            self.server.dial(*self.port.address)
+            self.server.dial(*self.port.address, tls=shard_tls[1])
             self.remote = RemoteHeadShard.through(self.port, rows=self.compute.rows, identity=self.head.identity,
                                                   n_embd=self.head.n_embd, timeout=10.0)
             self.c1.attach_shard(self.remote)
@@ -161,6 +188,27 @@ def test_split_head_is_bitwise_unsplit(llama_path: Path, shard: str, params: Sam
     assert np.std(ref_rows[-1]) > 0.02
 
 
+@pytest.mark.parametrize("shard,params", [
+    pytest.param("dial", None, id="dial-greedy"), pytest.param("tcp", None, id="tcp-greedy"),
+    pytest.param("dial", _SEEDED, id="dial-seeded", marks=_SLOW),
+])
+def test_split_head_over_tls_is_bitwise_unsplit(llama_path: Path, certs: Path, shard: str,
+                                                params: SamplingParams | None) -> None:
+    """The same bits with the head shard link on mutual TLS (each end its own chain certificate)."""
+    whole = Chain(llama_path, 2, None)
+    split = Chain(llama_path, 2, shard, tls=(_contexts(certs, "stage-1"), _contexts(certs, "stage-0")))
+    try:
+        ref_rows, ref_tokens, ref_logprobs = _run(whole, params)
+        assert split.remote is not None
+        rows, tokens, logprobs = _run(split, params)
+        assert isinstance(split.remote.connection(), ssl.SSLSocket)
+    finally:
+        whole.close()
+        split.close()
+    assert (tokens, logprobs) == (ref_tokens, ref_logprobs)
+    assert len(rows) == len(ref_rows) and all(np.array_equal(got, want) for got, want in zip(rows, ref_rows))
+
+
 @pytest.mark.parametrize("arch,dtype", [("gemma3", "Q8_0"), ("llama", "F16")])
 def test_split_head_other_families(arch: str, dtype: str) -> None:
     """gemma3's final logit softcap runs on both halves; quantized rows are whole blocks."""
@@ -226,25 +274,37 @@ def test_split_head_needs_its_shard(llama_path: Path) -> None:
         Model(llama_path, LayerRange(4, 4), head_rows=(20, 10))
 
 
-class _FakeShard:
-    """A TCP peer that answers the handshake as a shard of ``rows`` and then ``reply(rows, width)``."""
+def _exactly(conn: socket.socket, size: int) -> bytes:
+    data = b""
+    while len(data) < size:  # (a TLS socket takes no MSG_WAITALL)
+        chunk = conn.recv(size - len(data))
+        assert chunk, "the client closed"
+        data += chunk
+    return data
 
-    def __init__(self, rows: tuple[int, int], reply) -> None:  # type: ignore[no-untyped-def]
+
+class _FakeShard:
+    """A TCP peer (over TLS with ``tls``, a server context) that answers the handshake as a shard of
+    ``rows`` and then ``reply(rows, width)``."""
+
+    def __init__(self, rows: tuple[int, int], reply, tls: ssl.SSLContext | None = None) -> None:  # type: ignore[no-untyped-def]
         self.listener = socket.create_server(("127.0.0.1", 0))
         self.address = self.listener.getsockname()[:2]
         self.rows = rows
         self.reply = reply
+        self.tls = tls
         self.thread = threading.Thread(target=self._serve, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
         conn, _ = self.listener.accept()
+        if self.tls is not None:
+            conn = self.tls.wrap_socket(conn, server_side=True)
         with conn:
-            conn.recv(HEADER.size)
+            _exactly(conn, HEADER.size)
             conn.sendall(HEADER.pack(MAGIC, 0, 0, *self.rows) + b"x" * 24)
-            header = conn.recv(HEADER.size, socket.MSG_WAITALL)
-            _, n, width, _, _ = HEADER.unpack(header)
-            conn.recv(n * width * 4, socket.MSG_WAITALL)
+            _, n, width, _, _ = HEADER.unpack(_exactly(conn, HEADER.size))
+            _exactly(conn, n * width * 4)
             data = self.reply(n, width)
             if data is not None:
                 conn.sendall(data)
@@ -257,22 +317,25 @@ def _cols(rows: tuple[int, int]) -> int:
     return rows[1] - rows[0]
 
 
-@pytest.mark.parametrize("case", ["count", "rows", "nan", "status", "dies"])
-def test_hostile_shard_replies_are_refused(case: str) -> None:
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+@pytest.mark.parametrize("case", ["count", "rows", "nan", "inf", "status", "dies"])
+def test_hostile_shard_replies_are_refused(case: str, tls: bool, certs: Path) -> None:
     rows = (0, 64)
     replies = {
         "count": lambda n, w: HEADER.pack(MAGIC, 0, n + 1, *rows) + b"\0" * ((n + 1) * 64 * 4),
         "rows": lambda n, w: HEADER.pack(MAGIC, 0, n, 0, 32) + b"\0" * (n * 32 * 4),
         "nan": lambda n, w: HEADER.pack(MAGIC, 0, n, *rows) + np.full(n * 64, np.nan, "<f4").tobytes(),
+        "inf": lambda n, w: HEADER.pack(MAGIC, 0, n, *rows) + np.full(n * 64, -np.inf, "<f4").tobytes(),
         "status": lambda n, w: HEADER.pack(MAGIC, 1, 4, 0, 0) + b"oops",
         "dies": lambda n, w: None,
     }
-    peer = _FakeShard(rows, replies[case])
-    client = RemoteHeadShard.dial(*peer.address, rows=rows, n_embd=8)
+    server_tls, client_tls = _contexts(certs, "stage-0") if tls else (None, None)
+    peer = _FakeShard(rows, replies[case], tls=server_tls)
+    client = RemoteHeadShard.dial(*peer.address, rows=rows, n_embd=8, tls=client_tls)
     try:
         client.start(np.ones((2, 8), np.float32))
         with pytest.raises(HeadShardError, match={"count": "answered 3 rows", "rows": "head rows 0:32",
-                                                   "nan": "non-finite", "status": "refused: oops",
+                                                   "nan": "non-finite", "inf": "non-finite", "status": "refused: oops",
                                                    "dies": "is gone"}[case]):
             client.finish(np.zeros((2, 64), np.float32))
     finally:
@@ -323,3 +386,109 @@ def test_a_shard_that_dies_is_a_clear_error_and_a_new_one_is_taken(llama_path: P
     finally:
         chain.close()
         whole.close()
+
+
+# -- TLS: a certificate of another CA, or none, is refused; a plain end facing a TLS end fails clearly --
+
+def _no_certificate_client(certs: Path) -> ssl.SSLContext:
+    """A client that trusts the chain CA but presents no certificate of its own."""
+    context = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=str(certs / "ca.pem"))
+    context.minimum_version = ssl.TLSVersion.TLSv1_3
+    context.check_hostname = False
+    return context
+
+
+def _impostor_client(certs: Path) -> ssl.SSLContext:
+    """A client that trusts the chain CA and presents another CA's certificate."""
+    context = _no_certificate_client(certs)
+    context.load_cert_chain(str(certs / "other" / "stage-0.pem"), str(certs / "other" / "stage-0.key"))
+    return context
+
+
+@pytest.mark.parametrize("who", ["other-ca", "no-certificate"])
+def test_the_final_stages_tls_port_refuses_a_shard_without_the_chains_certificate(
+        llama_path: Path, certs: Path, who: str) -> None:
+    """A shard dialling with another CA's certificate or none is refused at the handshake: the
+    port counts and names it, and the final stage's wait for a shard says why none came."""
+    head = Model(llama_path, LayerRange(4, 4), head_rows=(0, 64))
+    compute = HeadCompute(head, n_batch=8, threads=1)
+    port = HeadShardPort(tls=_contexts(certs, "stage-1")[0], handshake_timeout=2.0)
+    server = HeadShardServer(compute, host=None)
+    dialler = _impostor_client(certs) if who == "other-ca" else _no_certificate_client(certs)
+    server.dial(*port.address, retry_s=0.1, tls=dialler)
+    client = RemoteHeadShard.through(port, rows=(0, 64), identity=head.identity, n_embd=head.n_embd, timeout=3.0)
+    try:
+        started = time.monotonic()
+        reason = "CERTIFICATE_VERIFY_FAILED" if who == "other-ca" else "PEER_DID_NOT_RETURN_A_CERTIFICATE"
+        with pytest.raises(HeadShardError, match=rf"no head shard has connected .* refused at the TLS handshake, "
+                                                 rf"the last from 127.0.0.1:\d+ \(TLS handshake failed: ({reason})"):
+            client.connection()
+        assert time.monotonic() - started < 6 and port.refused >= 1
+    finally:
+        client.close()
+        server.close()
+        port.close()
+        compute.close()
+        head.close()
+
+
+def test_a_listening_tls_shard_refuses_and_is_refused_by_another_ca(llama_path: Path, certs: Path) -> None:
+    """The final stage dialling a TLS shard: a shard certified by another CA fails its handshake
+    (the final stage names the reason), and so does a final stage of another CA at the shard."""
+    head = Model(llama_path, LayerRange(4, 4), head_rows=(0, 64))
+    compute = HeadCompute(head, n_batch=8, threads=1)
+    server = HeadShardServer(compute, tls=_contexts(certs / "other", "stage-0")[0])
+    try:
+        with pytest.raises(HeadShardError, match="TLS handshake failed: CERTIFICATE_VERIFY_FAILED"):
+            RemoteHeadShard.dial(*server.address, rows=(0, 64), n_embd=head.n_embd,
+                                 tls=_contexts(certs, "stage-1")[1], timeout=5.0)
+    finally:
+        server.close()
+    server = HeadShardServer(compute, tls=_contexts(certs, "stage-0")[0])
+    impostor = _impostor_client(certs)
+    try:  # TLS 1.3: the client's handshake ends before the server checks its certificate; the alert comes next
+        with pytest.raises(HeadShardError, match=r"is gone: .*\(right after the TLS handshake: did the shard refuse"):
+            RemoteHeadShard.dial(*server.address, rows=(0, 64), n_embd=head.n_embd, tls=impostor, timeout=5.0)
+    finally:
+        server.close()
+        compute.close()
+        head.close()
+
+
+@pytest.mark.parametrize("final,shard", [("tls", "plain"), ("plain", "tls")])
+def test_a_plain_end_facing_a_tls_end_fails_clearly(llama_path: Path, certs: Path, final: str, shard: str) -> None:
+    """Either end plain, the other TLS, either end listening: an error naming the mismatch (or the
+    handshake that never came) within the handshake timeout, never a hang."""
+    head = Model(llama_path, LayerRange(4, 4), head_rows=(0, 64))
+    compute = HeadCompute(head, n_batch=8, threads=1)
+    final_tls = _contexts(certs, "stage-1") if final == "tls" else (None, None)
+    shard_tls = _contexts(certs, "stage-0") if shard == "tls" else (None, None)
+    try:
+        # the final stage listens (a chain's order): its port, the shard dialling it
+        port = HeadShardPort(tls=final_tls[0], handshake_timeout=1.0)
+        server = HeadShardServer(compute, host=None, handshake_timeout=1.0)
+        server.dial(*port.address, retry_s=0.1, tls=shard_tls[1])
+        client = RemoteHeadShard.through(port, rows=(0, 64), identity=head.identity, n_embd=head.n_embd, timeout=3.0)
+        started = time.monotonic()
+        want = ("no TLS handshake within 1 s" if final == "tls" else "sent a TLS record on a plain head shard link")
+        try:
+            with pytest.raises(HeadShardError, match=want):
+                client.connection()
+        finally:
+            client.close()
+            server.close()
+            port.close()
+        assert time.monotonic() - started < 6
+        # the shard listens, the final stage dials it
+        server = HeadShardServer(compute, tls=shard_tls[0], handshake_timeout=1.0)
+        started = time.monotonic()
+        want = ("is gone|TLS record" if final == "plain" else "TLS handshake failed: (WRONG_VERSION_NUMBER|RECORD_LAYER)")
+        try:
+            with pytest.raises(HeadShardError, match=want):
+                RemoteHeadShard.dial(*server.address, rows=(0, 64), n_embd=head.n_embd, tls=final_tls[1], timeout=5.0)
+        finally:
+            server.close()
+        assert time.monotonic() - started < 6
+    finally:
+        compute.close()
+        head.close()

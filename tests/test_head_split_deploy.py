@@ -1,6 +1,7 @@
 """Choosing and wiring the head split (issue 31): the rows moved, the shares, ``skippy up``'s
-choice and the launcher's flags; and, slow, a whole ``skippy up`` chain with the head split
-answering exactly what it answers without it."""
+choice and the launcher's flags, plan files (one host and across hosts, the link then on TLS) and
+``skippy plan``'s output; and, slow, whole ``skippy up`` chains with the head split (plain and
+``--tls``) answering exactly what they answer without it."""
 
 from __future__ import annotations
 
@@ -100,17 +101,19 @@ def test_the_launcher_wires_the_shard_port() -> None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("direct", ["on", "off"], ids=["direct-return", "hop-by-hop"])
-def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: Path, direct: str) -> None:
+@pytest.mark.parametrize("direct,tls", [("on", False), ("off", False), ("on", True)],
+                         ids=["direct-return", "hop-by-hop", "direct-return-tls"])
+def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: Path, direct: str, tls: bool) -> None:
     """Greedy (speculation on and off), seeded sampling and log-probabilities through ``skippy up``
-    with the head's rows 0:9600 on stage 0: the same as the whole head on the final stage (f32 wire)."""
+    with the head's rows 0:9600 on stage 0: the same as the whole head on the final stage (f32
+    wire); with ``--tls`` every link, the head shard link too, on mutual TLS."""
     answers = {}
     for mode in ("off", "9600"):
         directory = tmp_path / mode
         directory.mkdir()
         up = UpProcess(["up", "--model", str(tiny_llama), "--layers", "0:2,2:4", "--head-split", mode, "--port", "0",
                         "--ctx-size", "256", "--threads", "1", "--direct-return", direct,
-                        "--log-dir", str(directory / "logs")], directory)
+                        *(["--tls"] if tls else []), "--log-dir", str(directory / "logs")], directory)
         up.start()
         try:
             model = httpx.get(up.url + "/v1/models").json()["data"][0]["id"]
@@ -123,18 +126,30 @@ def test_up_with_the_head_split_answers_as_without(tiny_llama: Path, tmp_path: P
             up.stop()
         if mode != "off":
             assert "serving head rows 0:9600" in logs and "head shard port on" in logs
+            assert ("head shard port on 127.0.0.1:" in logs and "(TLS)" in logs) == tls, logs
     assert json.dumps(answers["off"]) == json.dumps(answers["9600"])
 
 
-def test_a_head_shard_link_off_loopback_needs_tls_off() -> None:
-    """The head shard protocol has no TLS yet: a link leaving loopback is refused under the TLS rule."""
+def test_a_head_shard_link_off_loopback_needs_the_tls_files() -> None:
+    """The head shard link follows the stage links' TLS rule: off loopback (or ``--tls on``) its
+    ends need the stage's certificate, key and CA, and use them."""
     from skippy.stage.config import StageConfig
+    from skippy.stage.head_split import head_shard_tls
 
-    StageConfig(model="m", layers="1:2", head_split=5).validated()
-    with pytest.raises(ValueError, match="head shard link to 10.0.0.1:0 would leave loopback"):
-        StageConfig(model="m", layers="1:2", head_split=5, listen=Address("10.0.0.1", 0)).validated()
-    with pytest.raises(ValueError, match="head shard link to 10.0.0.2:7"):
+    files = {"tls_cert": Path("c.pem"), "tls_key": Path("c.key"), "tls_ca": Path("ca.pem")}
+    plain = StageConfig(model="m", layers="1:2", head_split=5).validated()
+    assert head_shard_tls(plain, listening=True) is None
+    with pytest.raises(ValueError, match="the head shard port 10.0.0.1:0 is not a loopback address: TLS is on"):
+        StageConfig(model="m", layers="1:2", head_split=5, head_shard_listen=Address("10.0.0.1", 0)).validated()
+    with pytest.raises(ValueError, match="the head shard link to 10.0.0.2:7 is not a loopback address: TLS is on"):
         StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7)).validated()
+    on = StageConfig(model="m", layers="1:2", head_split=5, tls="on", **files)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot load the stage's TLS files for its head shard link"):
+        head_shard_tls(on.validated(), listening=True)  # --tls on: on loopback too (the files are not there)
+    dialling = StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7),
+                           **files).validated()  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="cannot load the stage's TLS files for its head shard link"):
+        head_shard_tls(dialling, listening=False)  # (the files are not there)
     StageConfig(model="m", layers="0:1", serve_head_rows=5, head_shard_dial=Address("10.0.0.2", 7), tls="off").validated()
     with pytest.raises(ValueError, match="needs --head-shard-dial"):
         StageConfig(model="m", layers="0:1", serve_head_rows=5).validated()
@@ -174,13 +189,42 @@ def test_a_plan_file_carries_the_head_split_and_reads_back(tiny_llama: Path, tmp
     assert (first["serve_head_rows"], first["head_shard_dial"]) == (4096, "127.0.0.1:7002")
     path.write_text(plan.to_toml())  # no split: the whole head on the final stage
     assert plan_head(path, load_plan(path)[1]) is None and "head_split" not in path.read_text()
-    with pytest.raises(PlanError, match="would leave the host"):  # the shard link has no TLS yet
-        _local_plan(tiny_llama, ("10.0.0.1", "10.0.0.2")).with_head_split(HeadSplit(0, 4096), 2.0, n_vocab)
     with pytest.raises(PlanError, match="does not fit"):
         plan.with_head_split(HeadSplit(1, 4096), 2.0, n_vocab)  # the final stage cannot serve its own rows
     path.write_text(split.to_toml().replace("serve_head_rows = 4096", "serve_head_rows = 2048"))
     with pytest.raises(PlanError, match="the same rows"):
         plan_head(path, load_plan(path)[1])
+
+
+def test_a_cross_host_plan_carries_the_split_on_tls(tiny_llama: Path, tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """``skippy plan`` over two hosts: the head split is planned (no longer refused for leaving the
+    host), said with its link, and the plan file's stages take it with the link on TLS: the final
+    stage listens on 0.0.0.0, the serving stage dials the final stage's host, both with their files."""
+    from skippy.__main__ import main
+    from skippy.deploy.plan import load_plan, plan_head
+    from skippy.stage.config import parse_config
+    from skippy.net.tls import link_uses_tls
+
+    out = tmp_path / "plan.toml"
+    status = main(["plan", "--model", str(tiny_llama), "--hosts", "10.0.0.1=8GiB", "10.0.0.2=8GiB", "--ctx-size",
+                   "256", "-o", str(out)])
+    printed = capsys.readouterr()
+    assert status == 0, printed.err
+    head = plan_head(out, load_plan(out)[1])
+    assert head is not None and head.host == 0  # the tiny model's 32000-row head outweighs its layers
+    n_vocab = ModelShape.from_gguf(tiny_llama).n_vocab
+    assert (f"  head split: rows 0:{head.rows} on stage 0, {head.rows}:{n_vocab} on the final stage (its head "
+            "shard port 7001, dialled from 10.0.0.1, mutual TLS)") in printed.out, printed.out
+    assert f"head rows 0:{head.rows}" in printed.out and "not planned" not in printed.out
+    first = parse_config(["--config", str(out), "--plan-stage", "0"])
+    final = parse_config(["--config", str(out), "--plan-stage", "1"])
+    assert (first.serve_head_rows, str(first.head_shard_dial)) == (head.rows, "10.0.0.2:7001")
+    assert (final.head_split, str(final.head_shard_listen)) == (head.rows, "0.0.0.0:7001")
+    assert str(final.listen) == "0.0.0.0:7000" and str(first.downstream) == "10.0.0.2:7000"
+    for config, end in ((first, first.head_shard_dial), (final, final.head_shard_listen)):
+        assert end is not None and link_uses_tls(config.tls, end.host)
+        assert config.tls_cert is not None and config.tls_cert.name == f"stage-{1 if config is final else 0}.pem"
 
 
 def test_up_takes_the_plans_head_split(tiny_llama: Path, tmp_path: Path) -> None:

@@ -5,11 +5,13 @@ native batch's interval and thread: the shard's rows never run while a batch run
 in the next turn on the runtime thread, ending a gathering turn's wait; on an idle runtime with at
 most one working lane and beside a decode relay (without stopping it) on the trio thread.  The stage's shard service (``serve_head_shard``, a trio task) is checked over TCP
 against the head computed directly: bitwise the same columns, computed on the runtime thread,
-and a request of the wrong width refused.
+and a request of the wrong width refused; and over mutual TLS, where a serving stage without the
+chain's certificate is refused.
 """
 
 from __future__ import annotations
 
+import functools
 import socket
 import threading
 import time
@@ -24,7 +26,7 @@ from skippy.lane.work import WorkItem, WorkResult
 from skippy.models import ensure_model, tiny
 from skippy.net.address import Address
 from skippy.runtime import LayerRange, Model
-from skippy.runtime.head_shard import HEADER, MAGIC, HeadCompute, HeadShardPort, RemoteHeadShard
+from skippy.runtime.head_shard import HEADER, MAGIC, HeadCompute, HeadShardError, HeadShardPort, RemoteHeadShard
 from skippy.runtime.null import NullContext, NullModel, NullSpec
 from skippy.stage.executor import Executor
 from skippy.stage.head_split import serve_head_shard
@@ -249,3 +251,58 @@ async def test_the_stage_serves_its_shard_through_its_scheduler(llama_path: Path
         head.close()
     assert recording.threads == ["skippy-runtime"] * 3
     assert HEADER.size == 20 and MAGIC == b"SKH1"
+
+
+async def test_the_stage_serves_its_shard_over_tls_and_is_refused_without_the_chains_certificate(
+        llama_path: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The same columns over mutual TLS (each end its chain certificate); a serving stage holding
+    another CA's certificate is refused at the final stage's port, which names the refusal, and
+    says so once in its log though it dials again."""
+    from skippy.deploy.certs import make_chain_certificates
+    from skippy.net.tls import TlsFiles, client_context, server_context
+
+    make_chain_certificates(tmp_path, ["stage-0", "stage-1"])
+    make_chain_certificates(tmp_path / "other", ["stage-0"], chain_name="another chain")
+    impostor = client_context(TlsFiles(tmp_path / "other" / "stage-0.pem", tmp_path / "other" / "stage-0.key",
+                                       tmp_path / "ca.pem"))
+    head = Model(llama_path, LayerRange(4, 4), head_rows=(0, 96))
+    direct = HeadCompute(head, n_batch=8, threads=1)
+    served = HeadCompute(head, n_batch=8, threads=1)
+    context = NullContext(NullModel(NullSpec(n_embd=8, n_layer=2), "0:1"))
+    context.blocking = True  # type: ignore[misc]
+    scheduler = Scheduler(Executor(context), StageStats())
+    port = HeadShardPort(tls=server_context(TlsFiles.in_directory(tmp_path, "stage-1")), handshake_timeout=2.0)
+    refusing = HeadShardPort(tls=server_context(TlsFiles.in_directory(tmp_path, "stage-1")), handshake_timeout=2.0)
+    hidden = np.random.default_rng(5).standard_normal((3, head.n_embd)).astype(np.float32)
+    try:
+        async with trio.open_nursery() as nursery:
+            await nursery.start(scheduler.run)
+            nursery.start_soon(functools.partial(serve_head_shard, scheduler, served, Address(*port.address),
+                                                 tls=client_context(TlsFiles.in_directory(tmp_path, "stage-0"))))
+            client = RemoteHeadShard.through(port, rows=(0, 96), identity=head.identity, n_embd=head.n_embd,
+                                             timeout=10.0)
+
+            def ask(rows: np.ndarray) -> np.ndarray:
+                out = np.empty((rows.shape[0], 96), dtype=np.float32)
+                client.start(rows)
+                client.finish(out)
+                return out
+
+            for count in (3, 1):
+                got = await trio.to_thread.run_sync(ask, hidden[:count])
+                assert np.array_equal(got, direct.compute(hidden[:count]).copy())
+            client.close()
+            nursery.start_soon(functools.partial(serve_head_shard, scheduler, served, Address(*refusing.address),
+                                                 tls=impostor, retry_s=0.05))
+            with pytest.raises(HeadShardError, match="refused at the TLS handshake.*CERTIFICATE_VERIFY_FAILED"):
+                await trio.to_thread.run_sync(refusing.take, 2.0)
+            assert refusing.refused >= 2  # dialled again (backing off), refused again
+            nursery.cancel_scope.cancel()
+    finally:
+        port.close()
+        refusing.close()
+        direct.close()
+        served.close()
+        head.close()
+    said = [r.getMessage() for r in caplog.records if "failed before a request" in r.getMessage()]
+    assert len(said) == 1 and "TLS" in said[0], said

@@ -109,9 +109,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | None) -> tuple[Any, str]:
-    """The plan with the head split (issue 31) that brings the final stage to the others' time,
-    where the stage serving the rows is on the final stage's host (:meth:`Plan.with_head_split`),
-    and a line on it; elsewhere the plan as it is and how to split by hand."""
+    """The plan with the head split (issue 31) that brings the final stage to the others' time
+    (:meth:`Plan.with_head_split`) and a line on it; the plan as it is and why where none fits."""
     from skippy.deploy.plan import PlanError, estimated_times, plan_head_split
 
     head_ms = (host_times[-1] if host_times else estimated_times(shape, settings)).head_ms
@@ -122,12 +121,11 @@ def _head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | No
         plan = plan.with_head_split(head, head_ms, shape.n_vocab)
     except PlanError as exc:
         return plan, (f"  head split not planned: {exc}. With the head's rows 0:{head.rows} on stage {head.host} "
-                      "the shares would be " + ", ".join(f"{share:.0%}" for share in fractions)
-                      + f" (by hand on a trusted network: the final stage --head-split {head.rows} "
-                      f"--head-shard-listen HOST:PORT --tls off, stage {head.host} --serve-head-rows {head.rows} "
-                      "--head-shard-dial HOST:PORT --tls off)")
+                      "the shares would be " + ", ".join(f"{share:.0%}" for share in fractions))
+    final, serving = plan.stages[-1].host.name, plan.stages[head.host].host.name
+    link = "on loopback" if final == serving else f"dialled from {serving}, mutual TLS"
     return plan, (f"  head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on the final "
-                  f"stage (its head shard port {plan.head_port}, on loopback)")
+                  f"stage (its head shard port {plan.head_port}, {link})")
 
 
 def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any]) -> tuple[list[Any], list[Any] | None]:

@@ -281,11 +281,6 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
         info = read_gguf_info(model)
         split, how = _split(args, model, info.n_layer, info.kv_groups, threads=args.threads)
         split, head, head_how = _head(args, model, split)
-        if head is not None and getattr(args, "ray", None):
-            if getattr(args, "head_split", None) not in (None, "auto"):
-                raise ValueError("--head-split ROWS: the Ray launcher does not split the head: it runs every link on "
-                                 "TLS and the head shard link has none yet (--head-split off)")
-            head, head_how = None, "; head not split (Ray runs every link on TLS; the head shard link has none yet)"
         if head is not None and getattr(args, "standby", False):
             if getattr(args, "head_split", None) not in (None, "auto"):
                 raise ValueError("--head-split ROWS with --standby: a final stage's warm standby cannot hold the "
@@ -358,7 +353,7 @@ async def run_up(args: argparse.Namespace, on_ready: OnReady | None = None) -> i
                 if getattr(args, "ray", None):
                     stages = await nursery.start(lambda task_status: _run_on_ray(
                         args.ray, model, split, options, log_dir / "certs", getattr(args, "plan", None), bar, pools,
-                        task_status))
+                        task_status, head=head))
                 else:
                     replacement = Replacement(restarts=getattr(args, "restarts", 0),
                                               standby=getattr(args, "standby", False),
@@ -426,9 +421,10 @@ def _provision_tls(directory: Path, count: int) -> tuple[ssl.SSLContext, Callabl
 
 async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], options: list[str], certificates: Path,
                       plan: Path | None, bar: ProgressBar, pools: list[Any],
-                      task_status: trio.TaskStatus[list[Any]]) -> None:
+                      task_status: trio.TaskStatus[list[Any]], head: Any = None) -> None:
     """The chain on Ray (:mod:`skippy.deploy.ray_launch`), reported as the API's StageInfo list; a
-    restarted stage re-points the API's lanes (and its health report) at its new address."""
+    restarted stage re-points the API's lanes (and its health report) at its new address.  ``head``:
+    the head split (its link on the chain's mutual TLS, as every link)."""
     from skippy.api.lanes import StageInfo
     from skippy.deploy.launch import ChildFailed
 
@@ -472,7 +468,7 @@ async def _run_on_ray(address: str, model: Path, split: list[tuple[int, int]], o
         nodes = [str(stage.get("ray_node", "")) for stage in planned]
     await run_ray_chain(model, split, stage_options=options, address=None if address == "auto" else address,
                         certificates=certificates, memory_per_stage=memory, gpus_per_stage=gpus, nodes=nodes,
-                        announce=announce, on_restart=restarted, task_status=Relay())
+                        head=head, announce=announce, on_restart=restarted, task_status=Relay())
 
 
 def _metrics_address(url: str) -> Any:

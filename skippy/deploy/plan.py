@@ -41,10 +41,11 @@ Strategy
   and by how much.
 * **File** (:meth:`Plan.to_toml`, :func:`load_plan`): a ``[chain]`` table of settings every stage
   shares, one ``[[stage]]`` table per host (``host``, ``layers``, ``listen``, ``downstream`` and an
-  ``[stage.expected]`` table of the figures).  A head split (issue 31, :meth:`Plan.with_head_split`;
-  only where the stage serving the rows is on the final stage's host: the head shard link has no
-  TLS yet) adds the final stage's ``head_split`` and ``head_shard_listen``, the serving stage's
-  ``serve_head_rows`` and ``head_shard_dial`` (on loopback) and each one's ``head_rows``;
+  ``[stage.expected]`` table of the figures).  A head split (issue 31, :meth:`Plan.with_head_split`)
+  adds the final stage's ``head_split`` and ``head_shard_listen``, the serving stage's
+  ``serve_head_rows`` and ``head_shard_dial`` (on loopback where both are on one host, else
+  ``0.0.0.0`` and the final stage's host: mutual TLS with the stages' certificates, as the stage
+  links) and each one's ``head_rows``;
   :func:`plan_head` reads it back.  ``python -m skippy.stage --config plan.toml
   --plan-stage N`` runs stage N of it (:func:`skippy.stage.config.load_config_file`), and
   ``skippy up --plan plan.toml`` runs all of it.
@@ -550,19 +551,14 @@ class Plan:
         shard port on the final stage's host that no stage of that host listens on.
 
         Raises:
-            PlanError: the split's stage is not a stage of the chain before the final one, its
-                rows are not below the vocabulary's, or it is on another host than the final
-                stage (the head shard link has no TLS yet: docs/protocol.md §15).
+            PlanError: the split's stage is not a stage of the chain before the final one, or its
+                rows are not below the vocabulary's.
         """
         if head is None:
             return self
         if not 0 <= head.host < len(self.stages) - 1 or not 0 < head.rows < n_vocab:
             raise PlanError(f"a head split of rows 0:{head.rows} on stage {head.host} does not fit a chain of "
                             f"{len(self.stages)} stages and {n_vocab} rows")
-        here, final = self.stages[head.host].host.name, self.stages[-1].host.name
-        if here != final:
-            raise PlanError(f"the head shard link from stage {head.host} on {here} to the final stage on {final} "
-                            "would leave the host, and it has no TLS yet")
         times = split_head_times([stage.decode_ms for stage in self.stages], head_ms, n_vocab, head)
         fractions = shares(times)
         stages = tuple(dataclasses.replace(stage, decode_ms=time_ms, share=share)
@@ -647,11 +643,14 @@ class Plan:
             if stage.index + 1 < len(self.stages):
                 nxt = self.stages[stage.index + 1].host
                 out.append(f"downstream = {_quote(_address(nxt.name, nxt.port))}")
-            if self.head is not None:  # issue 31: the head's rows, and the shard link on the final stage's host
-                link = _address("127.0.0.1", self.head_port)
+            if self.head is not None:  # issue 31: the head's rows, and the shard link (TLS off loopback)
+                final = self.stages[-1].host.name
+                local = self.stages[self.head.host].host.name == final
                 if stage.index == len(self.stages) - 1:
+                    link = _address("127.0.0.1" if local else "0.0.0.0", self.head_port)
                     out += [f"head_split = {self.head.rows}", f"head_shard_listen = {_quote(link)}"]
                 elif stage.index == self.head.host:
+                    link = _address("127.0.0.1" if local else final, self.head_port)
                     out += [f"serve_head_rows = {self.head.rows}", f"head_shard_dial = {_quote(link)}"]
             # links off loopback use mutual TLS: `skippy certs certs --stages N` makes these (docs/security.md)
             out += [f"tls_cert = {_quote(f'certs/stage-{stage.index}.pem')}",

@@ -28,6 +28,12 @@ Strategy
 * **Links.** With a certificate directory (``skippy certs``), each actor writes its stage's
   certificate, key and the chain CA on its node and starts the stage with ``--tls on``: every link
   between nodes is mutual TLS, and the launcher's driver uses the ``driver-0`` certificate.
+* **Head split** (issue 31; ``head``): the final stage gets ``--head-split ROWS`` and its actor
+  reports the head shard port it logs (on its node's IP); the stage serving the rows ``0:ROWS``
+  gets ``--serve-head-rows ROWS`` and that port in a ``--head-shard-dial-file`` its actor holds.
+  The head shard link runs on the same mutual TLS as the stage links.  A restarted final stage
+  listens on a new port (perhaps on another node): the serving stage's file is rewritten and its
+  next dial reaches it; a restarted serving stage is started with the final stage's current port.
 * **A lost stage** (:meth:`RayChain.watch`): every ``poll_interval`` the launcher asks each actor
   whether its process lives.  A dead process or an unreachable actor (its node left) restarts that
   stage: a new actor in the same bundle (Ray has moved the bundle if the node is gone), the same
@@ -64,6 +70,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from skippy.deploy.cost import HeadSplit
 from skippy.net.address import Address
 
 __all__ = ["RayChain", "RayStage", "StageActor"]
@@ -72,6 +79,7 @@ log = logging.getLogger("skippy.ray")
 
 _READY = re.compile(r"ready on (\S+):(\d+)")
 _METRICS = re.compile(r"metrics on (http://\S+/metrics)")
+_HEAD_PORT = re.compile(r"head shard port on (\S+):(\d+)")
 
 
 @ray.remote(num_cpus=0)
@@ -85,15 +93,20 @@ class StageActor:
         self.tail: collections.deque[str] = collections.deque(maxlen=30)
         self.directory = Path(tempfile.mkdtemp(prefix="skippy-ray-stage-"))
         self.downstream_file = self.directory / "downstream"
+        self.head_shard_file = self.directory / "head_shard"
 
     def start(self, arguments: Sequence[str], downstream: str | None, ready_timeout: float = 300.0,
-              metrics: bool = False, tls: dict[str, bytes] | None = None, gpus: int = 0) -> dict[str, Any]:
+              metrics: bool = False, tls: dict[str, bytes] | None = None, gpus: int = 0,
+              head_shard: str | None = None) -> dict[str, Any]:
         """Start the stage; once it is READY: ``host``, ``port``, ``node`` (id), ``pid``,
-        ``metrics`` (URL or ""), ``command``, ``environment`` (what it adds) and ``gpu_ids``.
+        ``metrics`` (URL or ""), ``command``, ``environment`` (what it adds), ``gpu_ids`` and
+        ``head_shard`` (the final stage of a split head: its head shard port, ``HOST:PORT``; else "").
 
         ``tls``: the stage's certificate, key and the chain CA (PEM bytes), written to this node
         for ``--tls on``.  ``gpus``: the actor holds that many of the bundle's GPUs; the stage
-        sees only those (``CUDA_VISIBLE_DEVICES``) and offloads every layer.
+        sees only those (``CUDA_VISIBLE_DEVICES``) and offloads every layer.  ``head_shard``: the
+        final stage's head shard port, for a stage serving head rows (``--serve-head-rows`` in
+        ``arguments``): dialled through a file this actor rewrites (:meth:`set_head_shard`).
 
         Raises:
             RuntimeError: the stage exited or was not READY in time (with its last log lines).
@@ -106,6 +119,9 @@ class StageActor:
             command += ["--downstream", downstream]
         if metrics:
             command += ["--metrics-listen", f"{host}:0"]
+        if head_shard is not None:
+            self.set_head_shard(head_shard)
+            command += ["--head-shard-dial", head_shard, "--head-shard-dial-file", str(self.head_shard_file)]
         if tls is not None:
             paths = {}
             for part in ("cert", "key", "ca"):
@@ -124,6 +140,7 @@ class StageActor:
                                         stderr=subprocess.PIPE, env={**os.environ, **self.environment})
         ready: list[tuple[str, int]] = []
         metrics_url: list[str] = []
+        head_port: list[str] = []
         got = threading.Event()
 
         def read_log() -> None:
@@ -134,6 +151,9 @@ class StageActor:
                 found = _METRICS.search(line)
                 if found:
                     metrics_url.append(found.group(1))
+                port = _HEAD_PORT.search(line)
+                if port:
+                    head_port.append(f"{port.group(1)}:{port.group(2)}")
                 match = _READY.search(line)
                 if match and not got.is_set():
                     ready.append((match.group(1), int(match.group(2))))
@@ -147,13 +167,20 @@ class StageActor:
             raise RuntimeError("stage did not get ready; its last log lines:\n" + "\n".join(self.tail))
         return {"host": ready[0][0], "port": ready[0][1], "node": ray.get_runtime_context().get_node_id(),
                 "pid": self.process.pid, "metrics": metrics_url[0] if metrics_url else "", "command": command,
-                "environment": dict(self.environment), "gpu_ids": gpu_ids}
+                "environment": dict(self.environment), "gpu_ids": gpu_ids,
+                "head_shard": head_port[-1] if head_port else ""}
 
     def set_downstream(self, address: str) -> None:
         """Point the stage's next downstream dial at ``address`` (atomic rewrite of its file)."""
         temporary = self.downstream_file.with_suffix(".tmp")
         temporary.write_text(address)
         os.replace(temporary, self.downstream_file)
+
+    def set_head_shard(self, address: str) -> None:
+        """Point the serving stage's next head shard dial at ``address`` (atomic rewrite of its file)."""
+        temporary = self.head_shard_file.with_suffix(".tmp")
+        temporary.write_text(address)
+        os.replace(temporary, self.head_shard_file)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -190,6 +217,8 @@ class RayStage:
     command: list[str] = dataclasses.field(default_factory=list)  #: the stage process's command line
     environment: dict[str, str] = dataclasses.field(default_factory=dict)  #: what its environment adds
     gpu_ids: list[str] = dataclasses.field(default_factory=list)  #: the GPU ids Ray assigned its actor
+    #: The final stage of a split head: its head shard port (where the serving stage dials).
+    head_shard: Address | None = None
 
     @property
     def name(self) -> str:
@@ -212,13 +241,19 @@ class RayChain:
         memory_per_stage: each bundle's ``memory`` (a plan's expected peak).
         gpus_per_stage: each bundle's ``GPU`` (0: none).
         nodes: the Ray node id each stage's bundle is pinned to ("" or None: Ray chooses).
+        head: the output head split by vocabulary rows (issue 31; None: the whole head on the
+            final stage): rows ``0:head.rows`` on stage ``head.host``.
     """
 
     def __init__(self, model: Path, split: Sequence[tuple[int, int]], *, stage_options: Sequence[str] = (),
                  address: str | None = None, cpus_per_stage: float = 1.0, metrics: bool = True,
                  certificates: Path | None = None, memory_per_stage: Sequence[int] | None = None,
-                 gpus_per_stage: Sequence[int] | None = None, nodes: Sequence[str | None] | None = None) -> None:
+                 gpus_per_stage: Sequence[int] | None = None, nodes: Sequence[str | None] | None = None,
+                 head: HeadSplit | None = None) -> None:
         self.metrics = metrics
+        if head is not None and not 0 <= head.host < len(split) - 1:
+            raise ValueError(f"head rows on stage {head.host}: not a stage before the final one of {len(split)}")
+        self.head = head
         for name, values in (("memory figures", memory_per_stage), ("GPU counts", gpus_per_stage), ("nodes", nodes)):
             if values is not None and len(values) != len(split):
                 raise ValueError(f"{len(values)} {name} for {len(split)} stages")
@@ -265,6 +300,10 @@ class RayChain:
         except ray.exceptions.GetTimeoutError as exc:
             raise RuntimeError(f"Ray could not place {len(self.stages)} bundles ({bundles}, {strategy}) "
                                f"within {timeout:g} s") from exc
+        self._start_all(announce, timeout)
+
+    def _start_all(self, announce: Callable[[RayStage], None] | None, timeout: float) -> None:
+        """Start every stage in its bundle, final first (each gets the next one's address)."""
         downstream: Address | None = None
         for stage in reversed(self.stages):
             self._start_stage(stage, downstream, timeout)
@@ -294,6 +333,15 @@ class RayChain:
             scheduling_strategy=strategy, max_restarts=0, num_cpus=0, num_gpus=stage.gpus,
             name=f"skippy-{self.chain_id}-stage{stage.index}-{next(self._attempts)}", namespace="skippy").remote()
         arguments = ["--model", str(self.model), "--layers", stage.layers, *self.options, *self._host_threads(stage)]
+        head_shard = None
+        if self.head is not None and stage.index == len(self.stages) - 1:
+            arguments += ["--head-split", str(self.head.rows)]
+        elif self.head is not None and stage.index == self.head.host:
+            final = self.stages[-1]
+            if final.head_shard is None:
+                raise RuntimeError(f"{stage.name} serves head rows but {final.name} named no head shard port")
+            arguments += ["--serve-head-rows", str(self.head.rows)]
+            head_shard = str(final.head_shard)
         tls = None
         if self.certificates is not None:
             name = f"stage-{stage.index}"
@@ -302,8 +350,8 @@ class RayChain:
                    "ca": (self.certificates / "ca.pem").read_bytes()}
         try:
             started = ray.get(stage.actor.start.remote(
-                arguments, None if downstream is None else str(downstream), timeout, self.metrics, tls, stage.gpus),
-                timeout=timeout + 60)
+                arguments, None if downstream is None else str(downstream), timeout, self.metrics, tls, stage.gpus,
+                head_shard), timeout=timeout + 60)
         except (ray.exceptions.RayError, RuntimeError) as exc:  # RayTaskError wraps the actor's RuntimeError
             try:
                 ray.kill(stage.actor, no_restart=True)
@@ -314,6 +362,10 @@ class RayChain:
         stage.node_id, stage.pid = started["node"], started["pid"]
         stage.metrics_url, stage.command = started["metrics"], started["command"]
         stage.environment, stage.gpu_ids = started["environment"], started["gpu_ids"]
+        if self.head is not None and stage.index == len(self.stages) - 1:
+            if not started.get("head_shard"):
+                raise RuntimeError(f"{stage.name} did not name its head shard port")
+            stage.head_shard = Address.parse(started["head_shard"])
 
     def _host_threads(self, stage: RayStage) -> list[str]:
         """``--host-threads``: the compute threads of the chain's stages on ``stage``'s node."""
@@ -380,6 +432,13 @@ class RayChain:
         if stage.index > 0:
             upstream = self.stages[stage.index - 1]
             ray.get(upstream.actor.set_downstream.remote(str(stage.address)), timeout=30)
+        if self.head is not None and stage.index == len(self.stages) - 1:  # its new head shard port
+            serving = self.stages[self.head.host]
+            try:
+                ray.get(serving.actor.set_head_shard.remote(str(stage.head_shard)), timeout=30)
+            except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError):  # lost too: it restarts with the port
+                log.warning("%s: cannot re-point its head shard dial now; it gets %s when it restarts",
+                            serving.name, stage.head_shard)
 
     @staticmethod
     def _alive(node_id: str) -> bool:
@@ -419,7 +478,7 @@ async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_
                         address: str | None = None, certificates: Path | None = None,
                         memory_per_stage: Sequence[int] | None = None,
                         gpus_per_stage: Sequence[int] | None = None, nodes: Sequence[str | None] | None = None,
-                        announce: Callable[[RayStage], None] | None = None,
+                        head: HeadSplit | None = None, announce: Callable[[RayStage], None] | None = None,
                         on_restart: Callable[[RayStage], Any] | None = None, poll_interval: float = 0.5,
                         task_status: Any = None) -> None:
     """``skippy up --ray``: place and run the chain until cancelled (trio; Ray calls in a thread).
@@ -431,7 +490,7 @@ async def run_ray_chain(model: Path, split: Sequence[tuple[int, int]], *, stage_
     import trio
 
     chain = RayChain(model, split, stage_options=stage_options, address=address, certificates=certificates,
-                     memory_per_stage=memory_per_stage, gpus_per_stage=gpus_per_stage, nodes=nodes)
+                     memory_per_stage=memory_per_stage, gpus_per_stage=gpus_per_stage, nodes=nodes, head=head)
     try:
         await trio.to_thread.run_sync(lambda: chain.start(announce), abandon_on_cancel=False)
         if task_status is not None:

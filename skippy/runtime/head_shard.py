@@ -19,12 +19,20 @@ the handshake.  A reply is ``SKH1, status, rows, r0, r1``: status 0 with ``rows 
 float32 (the handshake: the model identity, 24 bytes), status 1 with a UTF-8 message of ``rows``
 bytes.  Both ends check every count against what they sent or serve and refuse the rest; the
 client refuses a reply with a non-finite logit.
+
+TLS: every class takes the stage links' contexts (:mod:`skippy.net.tls`: TLS 1.3, a certificate
+from the chain CA required of both ends; the listening end gets the server context, the dialling
+end the client context) and runs the same messages inside it.  A listening end completes each
+handshake on a thread of its own within ``handshake_timeout`` and logs and counts a refusal
+(:meth:`HeadShardPort.take` names the last one when no shard came); a plain end facing a TLS end
+sees a TLS record where a header should be and names the mismatch.
 """
 
 from __future__ import annotations
 
 import logging
 import socket
+import ssl
 import struct
 import threading
 from typing import Callable, Final, Protocol, final
@@ -43,10 +51,48 @@ HEADER: Final = struct.Struct("<4sIIII")
 IDENTITY_BYTES: Final = 24
 #: Longest error message a reply may carry.
 MAX_MESSAGE: Final = 4096
+#: Seconds a TLS handshake may take before the connection is dropped (the stages' --header-timeout).
+HANDSHAKE_TIMEOUT: Final = 10.0
+_TLS_MISMATCH: Final = ("a TLS record on a plain head shard link: the other end uses TLS and this one does not "
+                        "(give both stages the same --tls)")
 
 
 class HeadShardError(NativeError):
     """A head shard failed, died or answered something it should not have."""
+
+
+def is_tls_record(data: bytes) -> bool:
+    """Whether ``data`` starts like a TLS record (a handshake or an alert): a TLS peer on a plain link."""
+    return len(data) >= 2 and data[0] in (0x15, 0x16) and data[1] == 0x03
+
+
+def tls_reason(exc: BaseException) -> str:
+    """What a failed TLS handshake or TLS read says (the TLS reason where there is one)."""
+    for cause in (exc, exc.__cause__, exc.__context__):
+        if isinstance(cause, ssl.SSLError):
+            return cause.reason or str(cause)
+    return str(exc) or type(exc).__name__
+
+
+def secure(conn: socket.socket, tls: ssl.SSLContext, *, server_side: bool, host: str = "",
+           timeout: float = HANDSHAKE_TIMEOUT) -> ssl.SSLSocket:
+    """``conn`` with a completed TLS handshake (blocking; ``conn`` is closed when it fails).
+
+    Raises:
+        HeadShardError: the handshake failed or took longer than ``timeout`` s (the TLS reason named).
+    """
+    wrapped: ssl.SSLSocket | None = None
+    try:
+        conn.settimeout(timeout if timeout > 0 else None)
+        wrapped = tls.wrap_socket(conn, server_side=server_side, do_handshake_on_connect=False,
+                                  server_hostname=None if server_side else (host or None))
+        wrapped.do_handshake()
+        wrapped.settimeout(None)
+        return wrapped
+    except (OSError, ValueError) as exc:  # ssl.SSLError, a timeout and a reset are OSErrors
+        (wrapped or conn).close()  # (wrapping detaches conn: the wrapped socket owns it then)
+        reason = f"no TLS handshake within {timeout:g} s" if isinstance(exc, TimeoutError) else tls_reason(exc)
+        raise HeadShardError(f"TLS handshake failed: {reason}") from exc
 
 
 class HeadShard(Protocol):
@@ -91,6 +137,8 @@ class HeadCompute:
 def check_request(header: bytes, compute: HeadCompute) -> tuple[int, str]:
     """A request header's rows (0: the handshake) and the refusal it earns ("" when none)."""
     magic, rows, width, zero_a, zero_b = HEADER.unpack(header)
+    if is_tls_record(header):
+        return 0, _TLS_MISMATCH
     if magic != MAGIC or zero_a or zero_b:
         return 0, "not a head shard request"
     if width != compute.n_embd or rows > compute.n_batch:
@@ -158,9 +206,13 @@ class HeadShardServer:
     at a time under ``lock`` (give the stage's runtime lock to share its compute thread)."""
 
     def __init__(self, compute: HeadCompute, host: str | None = "127.0.0.1", port: int = 0, *,
-                 lock: threading.Lock | None = None) -> None:
-        """Serve ``compute``; listen on ``host:port`` (None: only :meth:`dial`)."""
+                 lock: threading.Lock | None = None, tls: ssl.SSLContext | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
+        """Serve ``compute``; listen on ``host:port`` (None: only :meth:`dial`), with ``tls`` (a
+        server context) on every accepted connection."""
         self._compute = compute
+        self._tls = tls
+        self._handshake_timeout = handshake_timeout
         self._lock = lock or threading.Lock()
         self._closed = threading.Event()
         self._connections: set[socket.socket] = set()
@@ -181,19 +233,22 @@ class HeadShardServer:
                 conn, _ = self._listener.accept()
             except OSError:
                 return
-            self._start(conn)
+            self._start(conn, self._tls)
 
-    def _start(self, conn: socket.socket) -> threading.Thread:
+    def _start(self, conn: socket.socket, tls: ssl.SSLContext | None = None, host: str = "") -> threading.Thread:
+        """Serve ``conn`` on a thread of its own (after a TLS handshake there with ``tls``: as the
+        server when listening, as the client, to ``host``, when dialling)."""
         conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._connections.add(conn)
-        thread = threading.Thread(target=self._serve, args=(conn,), name="head-shard", daemon=True)
+        thread = threading.Thread(target=self._serve, args=(conn, tls, host), name="head-shard", daemon=True)
         self._serving.add(thread)
         thread.start()
         return thread
 
-    def dial(self, host: str, port: int, *, retry_s: float = 0.2) -> None:
+    def dial(self, host: str, port: int, *, retry_s: float = 0.2, tls: ssl.SSLContext | None = None) -> None:
         """Serve the final stage listening on ``host:port`` (:class:`HeadShardPort`) from a thread
-        of its own: dialled until it answers, and again whenever the connection is lost."""
+        of its own: dialled until it answers, and again whenever the connection is lost (over
+        TLS with ``tls``, a client context)."""
         def run() -> None:
             while not self._closed.is_set():
                 try:
@@ -203,13 +258,25 @@ class HeadShardServer:
                     continue
                 conn.settimeout(None)
                 log.info("head shard: serving head rows %d:%d to %s:%d", *self._compute.rows, host, port)
-                self._start(conn).join()
+                self._start(conn, tls, host).join()
                 self._closed.wait(retry_s)
         threading.Thread(target=run, name="head-shard-dial", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, tls: ssl.SSLContext | None, host: str) -> None:
         compute = self._compute
         try:
+            if tls is not None:
+                plain = conn
+                try:
+                    conn = secure(plain, tls, server_side=not host, host=host, timeout=self._handshake_timeout)
+                except HeadShardError as exc:
+                    log.warning("head shard: %s: %s", f"dialled {host}" if host else "accepted a connection", exc)
+                    return
+                finally:
+                    self._connections.discard(plain)
+                self._connections.add(conn)
+                if self._closed.is_set():  # closed during the handshake: close() may have missed it
+                    return
             while True:
                 rows, refusal = check_request(_read_exact(conn, HEADER.size), compute)
                 if refusal:
@@ -228,8 +295,9 @@ class HeadShardServer:
                     self._refuse(conn, f"the head shard failed: {exc}")
                     return
                 conn.sendall(rows_reply_header(compute, rows) + logits.astype("<f4", copy=False).tobytes())
-        except (ConnectionError, OSError):
-            pass
+        except (ConnectionError, OSError) as exc:
+            if isinstance(exc, ssl.SSLError):
+                log.warning("head shard: the link failed: %s", tls_reason(exc))
         finally:
             self._connections.discard(conn)
             self._serving.discard(threading.current_thread())
@@ -266,41 +334,76 @@ class HeadShardServer:
 
 @final
 class HeadShardPort:
-    """The final stage's end when the shard's host dials: listens, keeps the newest connection."""
+    """The final stage's end when the shard's host dials: listens, keeps the newest connection
+    (with ``tls``, a server context: the newest that completed its handshake)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, tls: ssl.SSLContext | None = None,
+                 handshake_timeout: float = HANDSHAKE_TIMEOUT) -> None:
         self._listener = socket.create_server((host, port))
         self.address: tuple[str, int] = self._listener.getsockname()[:2]
+        self._tls = tls
+        self._handshake_timeout = handshake_timeout
         self._ready = threading.Condition()
         self._newest: socket.socket | None = None
+        self._closed = False
+        #: Connections refused at the TLS handshake, and the last refusal (peer and reason).
+        self.refused = 0
+        self.last_refusal = ""
         threading.Thread(target=self._accept, name="head-shard-port", daemon=True).start()
 
     def _accept(self) -> None:
         while True:
             try:
-                conn, _ = self._listener.accept()
+                conn, peer = self._listener.accept()
             except OSError:
                 return
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is None:
+                self._keep(conn)
+            else:  # a peer that never completes its handshake holds only its own thread
+                threading.Thread(target=self._handshake, args=(conn, peer), name="head-shard-tls",
+                                 daemon=True).start()
+
+    def _handshake(self, conn: socket.socket, peer: tuple[str, int]) -> None:
+        assert self._tls is not None
+        try:
+            self._keep(secure(conn, self._tls, server_side=True, timeout=self._handshake_timeout))
+        except HeadShardError as exc:
             with self._ready:
-                if self._newest is not None:
-                    self._newest.close()
-                self._newest = conn
-                self._ready.notify_all()
+                self.refused += 1
+                self.last_refusal = f"{peer[0]}:{peer[1]} ({exc})"
+            log.warning("head shard port: refused a connection from %s:%s: %s", peer[0], peer[1], exc)
+
+    def _keep(self, conn: socket.socket) -> None:
+        with self._ready:
+            if self._closed:
+                conn.close()
+                return
+            if self._newest is not None:
+                self._newest.close()
+            self._newest = conn
+            self._ready.notify_all()
 
     def take(self, timeout: float) -> socket.socket:
         """The newest connection from the shard's host, waiting up to ``timeout`` seconds for one."""
         with self._ready:
             if not self._ready.wait_for(lambda: self._newest is not None, timeout):
+                refused = (f"; {self.refused} connection(s) refused at the TLS handshake, the last from "
+                           + self.last_refusal if self.refused else "")
                 raise HeadShardError(f"no head shard has connected to {self.address[0]}:{self.address[1]} "
-                                     f"in {timeout:.0f} s (the stage serving the other head rows)")
+                                     f"in {timeout:.0f} s (the stage serving the other head rows){refused}")
             conn, self._newest = self._newest, None
             assert conn is not None
             return conn
 
     def close(self) -> None:
+        try:  # (wakes the accepting thread)
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
         self._listener.close()
         with self._ready:
+            self._closed = True
             if self._newest is not None:
                 self._newest.close()
                 self._newest = None
@@ -323,13 +426,20 @@ class RemoteHeadShard:
 
     @classmethod
     def dial(cls, host: str, port: int, *, rows: tuple[int, int], identity: str | None = None, n_embd: int,
-             timeout: float = 30.0) -> "RemoteHeadShard":
-        """A client dialling the shard at ``host:port`` (connected and checked now)."""
+             timeout: float = 30.0, tls: ssl.SSLContext | None = None) -> "RemoteHeadShard":
+        """A client dialling the shard at ``host:port`` (connected and checked now; over TLS with
+        ``tls``, a client context)."""
         def connect() -> socket.socket:
             try:
-                return socket.create_connection((host, port), timeout=timeout)
+                conn = socket.create_connection((host, port), timeout=timeout)
             except OSError as exc:
                 raise HeadShardError(f"cannot reach the head shard at {host}:{port}: {exc}") from exc
+            if tls is None:
+                return conn
+            try:
+                return secure(conn, tls, server_side=False, host=host, timeout=timeout)
+            except HeadShardError as exc:
+                raise HeadShardError(f"the head shard at {host}:{port}: {exc}") from exc.__cause__
         shard = cls(connect, address=f"{host}:{port}", rows=rows, identity=identity, n_embd=n_embd)
         shard.connection()
         return shard
@@ -348,8 +458,14 @@ class RemoteHeadShard:
             sock.settimeout(None)
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock = sock
-            self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
-            body = self._reply(0, IDENTITY_BYTES)
+            try:
+                self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
+                body = self._reply(0, IDENTITY_BYTES)
+            except HeadShardError as exc:  # TLS 1.3: a peer refusing this end's certificate says so only now
+                if isinstance(sock, ssl.SSLSocket) and "is gone" in str(exc):
+                    raise HeadShardError(f"{exc} (right after the TLS handshake: did the shard refuse this end's "
+                                         "certificate?)") from exc
+                raise
             if self._identity is not None and body.decode(errors="replace").strip() != self._identity[:IDENTITY_BYTES]:
                 self.close()
                 raise HeadShardError(f"the head shard at {self._address} serves another model file")
@@ -369,7 +485,10 @@ class RemoteHeadShard:
         if sock is None:
             raise HeadShardError(f"the head shard at {self._address} is gone")
         try:
-            magic, status, count, r0, r1 = HEADER.unpack(_read_exact(sock, HEADER.size))
+            header = _read_exact(sock, HEADER.size)
+            magic, status, count, r0, r1 = HEADER.unpack(header)
+            if is_tls_record(header):
+                raise HeadShardError(f"the head shard at {self._address} sent {_TLS_MISMATCH}")
             if magic != MAGIC:
                 raise HeadShardError(f"the head shard at {self._address} answered something else")
             if status == 1:
@@ -385,7 +504,8 @@ class RemoteHeadShard:
             return _read_exact(sock, body_bytes)
         except (ConnectionError, OSError) as exc:
             self.close()
-            raise HeadShardError(f"the head shard at {self._address} is gone: {exc}") from exc
+            reason = tls_reason(exc) if isinstance(exc, ssl.SSLError) else exc
+            raise HeadShardError(f"the head shard at {self._address} is gone: {reason}") from exc
         except HeadShardError:
             self.close()
             raise

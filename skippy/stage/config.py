@@ -85,6 +85,7 @@ class StageConfig:
     head_shard_listen: Address | None = None
     serve_head_rows: int = 0
     head_shard_dial: Address | None = None
+    head_shard_dial_file: Path | None = None
 
     @property
     def offload(self) -> OffloadSettings:
@@ -114,19 +115,6 @@ class StageConfig:
         return max(1, self.max_inflight - 1)
 
     @property
-    def head_shard_link_needs_tls(self) -> str:
-        """The head shard link's address when the TLS rule wants TLS on it ("" otherwise): the
-        head shard protocol (docs/protocol.md §15) has none yet."""
-        from skippy.net.tls import link_uses_tls
-
-        ends = []
-        if self.head_split:
-            ends.append(self.head_shard_listen or Address(self.listen.host, 0))
-        if self.serve_head_rows and self.head_shard_dial is not None:
-            ends.append(self.head_shard_dial)
-        return next((str(end) for end in ends if link_uses_tls(self.tls, end.host)), "")
-
-    @property
     def tls_files_needed(self) -> str:
         """Why this stage needs TLS files ("" when none of its links uses TLS)."""
         from skippy.net.tls import link_uses_tls
@@ -135,6 +123,12 @@ class StageConfig:
             return f"the stage listens on {self.listen}" + ("" if self.tls == "on" else ", not a loopback address")
         if self.downstream is not None and link_uses_tls(self.tls, self.downstream.host):
             return f"the downstream {self.downstream}" + ("" if self.tls == "on" else " is not a loopback address")
+        shard = self.head_shard_listen or Address(self.listen.host, 0)  # the head split's link (issue 31)
+        if self.head_split and link_uses_tls(self.tls, shard.host):
+            return f"the head shard port {shard}" + ("" if self.tls == "on" else " is not a loopback address")
+        dial = self.head_shard_dial
+        if self.serve_head_rows and dial is not None and link_uses_tls(self.tls, dial.host):
+            return f"the head shard link to {dial}" + ("" if self.tls == "on" else " is not a loopback address")
         return ""
 
     def validated(self) -> "StageConfig":
@@ -184,9 +178,6 @@ class StageConfig:
              "head_split is for the final stage (no --downstream); another stage serves the rows with serve_head_rows"),
             (not self.serve_head_rows or self.head_shard_dial is not None,
              "serve_head_rows needs --head-shard-dial (the final stage's head shard port)"),
-            (not self.head_shard_link_needs_tls,
-             f"the head shard link to {self.head_shard_link_needs_tls} would leave loopback, and it does not use TLS "
-             "yet: keep the head split on one host, or pass --tls off on a trusted network"),
             (self.session_quota is None or self.session_quota >= 0,
              f"session_quota must be >= 0, 0 = no quota (got {self.session_quota})"),
             (self.max_connections >= 0, f"max_connections must be >= 0, 0 = no limit (got {self.max_connections})"),
@@ -353,7 +344,11 @@ _OPTIONS: Final[dict[str, tuple[Any, str]]] = {
                           "default: the --listen host, any port"),
     "serve_head_rows": (int, "serve the head's vocabulary rows 0:N of this model file to the final stage of a split "
                         "head (beside this stage's layers, on a thread of its own), dialling --head-shard-dial"),
-    "head_shard_dial": (_optional_address, "HOST:PORT of the final stage's head shard port (with serve_head_rows)"),
+    "head_shard_dial": (_optional_address, "HOST:PORT of the final stage's head shard port (with serve_head_rows); "
+                        "the link uses TLS under the --tls rule, as the stage links do"),
+    "head_shard_dial_file": (_optional_path, "a file holding HOST:PORT of the final stage's head shard port, read at "
+                             "every dial (overrides --head-shard-dial while it exists): a launcher re-wires a "
+                             "serving stage by rewriting it"),
     "n_gpu_layers": (_gpu_layers, "how many of the stage's layers run on the GPU (its last ones); default: all "
                      "of them when the build has a GPU backend and the host a GPU, else 0 (docs/gpu.md)"),
     "device": (_optional_str, "GPU device(s) the stage uses, comma-separated (CUDA0,CUDA1); none = CPU only; "

@@ -21,6 +21,7 @@ before any session opens (:func:`build_cache`); the executor owns it and closes 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import os
 import selectors
@@ -373,11 +374,11 @@ class StageServer:
                 self.waiting = WaitingLanes.create()  # closed by _accept, whichever way it ends
                 lanes.start_soon(self._accept, listeners, lanes, accept_scope)
                 if self.executor.head_shard is not None and config.head_shard_dial is not None:
-                    from skippy.stage.head_split import serve_head_shard  # issue 31: through the scheduler
+                    from skippy.stage.head_split import head_shard_link, serve_head_shard  # issue 31
 
                     # among the lanes: cancelled with them, before the runtime is closed
-                    lanes.start_soon(serve_head_shard, self.scheduler, self.executor.head_shard,
-                                     config.head_shard_dial)
+                    lanes.start_soon(functools.partial(serve_head_shard, self.scheduler, self.executor.head_shard,
+                                                       config.head_shard_dial, **head_shard_link(config)))
                 log.info("stage layers %s ready on %s (downstream: %s, wire %s)", config.layers,
                          self.address, config.downstream or "none (final stage)",
                          config.wire_dtype.name.lower())
