@@ -189,20 +189,23 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
             raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {n_layer} layers")
         check_split(split, n_layer, groups)
         return split, "layers as given"
-    from skippy.deploy.plan import LayerTimes, ModelShape, balanced_stages, measure_layer_times
+    from skippy.deploy.cost import load_rows
+    from skippy.deploy.plan import ModelShape, balanced_stages, measure_times
 
     shape = ModelShape.from_gguf(model)
     times = None
     stages = args.stages or 2
+    sessions = getattr(args, "max_sessions", None) or 8  # the cut is priced for this many (skippy.deploy.cost)
+    rows = load_rows(sessions, stages)
     if getattr(args, "measure", False) and stages > 1:
-        layer_ms, head_ms = measure_layer_times(
-            shape, threads=threads or max(1, (os.cpu_count() or 1) // stages))
-        times = LayerTimes(tuple(layer_ms), head_ms, "measured on this machine")
+        times = measure_times(shape, rows=rows, threads=threads or max(1, (os.cpu_count() or 1) // stages))
         args.layer_times = times  # the head split takes them too (_head)
-    split, fractions = balanced_stages(shape, stages, times)
+    split, fractions = balanced_stages(shape, stages, times, sessions=sessions)
     how = "measured here" if times is not None else "estimated from the shapes"
-    return split, (f"cut by compute cost ({how}): " + ", ".join(
-        f"{start}:{end} {share:.0%}" for (start, end), share in zip(split, fractions)) + " of a token's time")
+    return split, (f"cut by compute cost ({how}, {rows} row{'s' if rows > 1 else ''} a stage's batch at "
+                   f"{sessions} sessions): " + ", ".join(
+                       f"{start}:{end} {share:.0%}" for (start, end), share in zip(split, fractions))
+                   + " of a token's time")
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -246,12 +249,13 @@ def _head(args: argparse.Namespace, model: Path,
         return split, None, ""
     shape = ModelShape.from_gguf(model)
     times = getattr(args, "layer_times", None)
+    sessions = getattr(args, "max_sessions", None) or 8
     if mode == "auto" and not args.layers:
-        split, head, fractions = balanced_stages_head(shape, len(split), times)
+        split, head, fractions = balanced_stages_head(shape, len(split), times, sessions=sessions)
     else:
-        head, fractions = choose_head_split(shape, split, mode, times)
+        head, fractions = choose_head_split(shape, split, mode, times, sessions=sessions)
     if head is None:
-        return split, None, "; head not split (the final stage is within its share)"
+        return split, None, "; head not split (it would not make the slowest stage 5% faster)"
     return split, head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on "
                          "the final stage; with it " + ", ".join(
                              f"{a}:{b} {share:.0%}" for (a, b), share in zip(split, fractions)))
