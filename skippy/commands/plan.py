@@ -34,7 +34,9 @@ def add_parser(subparsers: Any) -> None:
                              "with --measure, every host that is a node is measured on it (needs skippy-llm[ray])")
     parser.add_argument("--ctx-size", type=int, default=4096, help="KV cells per stage, shared by its sessions "
                         "(default 4096)")
-    parser.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
+    parser.add_argument("--max-sessions", type=int, default=8,
+                        help="concurrent sessions (default 8); the cut is priced for each stage's batch under them "
+                             "and for one row")
     parser.add_argument("--kv-streams", action="store_true",
                         help="plan for stages run with --kv-streams on: ctx-size KV cells per session and cache "
                              "slot instead of shared")
@@ -51,8 +53,9 @@ def add_parser(subparsers: Any) -> None:
                         help="compute assumed per stage for decode-time estimates without --measure, in billions "
                              "of multiply-adds a second (default 8: one core of a recent x86 on quantized weights)")
     parser.add_argument("--measure", action="store_true",
-                        help="time each layer and the output head with the runtime on a short batch (loads each "
-                             "layer once) instead of estimating from the shapes: on each Ray node with --ray, else on "
+                        help="time each layer and the output head with the runtime in each stage's batch under "
+                             "--max-sessions and at one row (loads each layer once) instead of estimating from the "
+                             "shapes: on each Ray node with --ray, else on "
                              "this machine; a host that is neither is given this machine's figure and the plan says so")
     parser.add_argument("--output", "-o", type=Path, help="write the TOML plan here (default: print it)")
     parser.set_defaults(run=run)

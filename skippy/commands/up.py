@@ -55,18 +55,20 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
                              "one is installed")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stages", type=int, help="number of stages, cut by compute cost: each layer's, the input "
-                       "embedding's and the output head's, from the model's shapes (default 2)")
+                       "embedding's and the output head's, from the model's shapes, in each stage's batch under "
+                       "--max-sessions sessions and at one row (default 2)")
     group.add_argument("--layers", help="contiguous layer ranges, e.g. 0:8,8:16,16:24")
     group.add_argument("--plan", type=Path, help="a plan file of skippy plan: its model, layer ranges and chain "
                        "settings, every stage on this machine (its hosts are for per-host starts)")
     parser.add_argument("--measure", action="store_true",
-                        help="with --stages: cut by timings of each layer and the output head on this machine "
-                             "(loads each layer once, seconds) instead of the estimate from the shapes")
+                        help="with --stages: cut by timings of each layer and the output head on this machine, "
+                             "in each stage's batch under --max-sessions and at one row (loads each layer once, "
+                             "seconds) instead of the estimate from the shapes")
     parser.add_argument("--head-split", default=None, metavar="off|auto|ROWS",
                         help="split the output head by vocabulary rows (issue 31): the head's rows 0:ROWS run on the "
                              "least loaded other stage, beside its layers, at the same time as the final stage's "
-                             "rest; auto (the default with --stages): when the final stage is above its fair share, "
-                             "as many rows as make the two equal; off with --layers unless ROWS is given")
+                             "rest; auto (the default with --stages): where moving rows makes the slowest stage 5% "
+                             "faster, as many as make the two equal; off with --layers unless ROWS is given")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
@@ -190,12 +192,12 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
         check_split(split, n_layer, groups)
         return split, "layers as given"
     from skippy.deploy.cost import load_rows
-    from skippy.deploy.plan import ModelShape, balanced_stages, measure_times
+    from skippy.deploy.plan import DEFAULT_SESSIONS, ModelShape, balanced_stages, measure_times
 
     shape = ModelShape.from_gguf(model)
     times = None
     stages = args.stages or 2
-    sessions = getattr(args, "max_sessions", None) or 8  # the cut is priced for this many (skippy.deploy.cost)
+    sessions = getattr(args, "max_sessions", None) or DEFAULT_SESSIONS  # the cut is priced for them
     rows = load_rows(sessions, stages)
     if getattr(args, "measure", False) and stages > 1:
         times = measure_times(shape, rows=rows, threads=threads or max(1, (os.cpu_count() or 1) // stages))
@@ -238,7 +240,13 @@ def _head(args: argparse.Namespace, model: Path,
           split: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], Any, str]:
     """The layer ranges and head split (``--head-split``; with ``--stages`` and ``auto`` the layers
     are cut again with it: :func:`skippy.deploy.plan.balanced_stages_head`) and a note on them."""
-    from skippy.deploy.plan import ModelShape, balanced_stages_head, choose_head_split, parse_head_split
+    from skippy.deploy.plan import (
+        DEFAULT_SESSIONS,
+        ModelShape,
+        balanced_stages_head,
+        choose_head_split,
+        parse_head_split,
+    )
 
     planned = getattr(args, "plan_head", None)
     if planned is not None and getattr(args, "head_split", None) is None:  # --plan: the plan's rows
@@ -249,7 +257,7 @@ def _head(args: argparse.Namespace, model: Path,
         return split, None, ""
     shape = ModelShape.from_gguf(model)
     times = getattr(args, "layer_times", None)
-    sessions = getattr(args, "max_sessions", None) or 8
+    sessions = getattr(args, "max_sessions", None) or DEFAULT_SESSIONS
     if mode == "auto" and not args.layers:
         split, head, fractions = balanced_stages_head(shape, len(split), times, sessions=sessions)
     else:

@@ -42,10 +42,12 @@ from skippy.runtime.cuts import KvGroup, legal_cuts
 from skippy.runtime.gguf_header import TensorEntry
 from skippy.runtime.layer_kinds import recurrent_layers, state_values_per_layer
 
-__all__ = ["ATTENDED_TOKENS", "BATCH_ROWS", "LAYER_ROW_MACS", "HEAD_ROW_ALIGN", "HEAD_SPLIT_MIN_GAIN", "LAYER_FIXED_MACS", "LOAD_TOLERANCE",
-           "REFERENCE_GMACS", "ROW_NS_PER_MAC", "HeadSplit", "PartCosts", "Regime", "balanced_split",
-           "balanced_split_head", "choose_cut", "head_split", "load_rows", "part_costs", "row_ns_per_mac", "shares",
-           "split_head_times", "split_times"]
+__all__ = [
+    "ATTENDED_TOKENS", "BATCH_ROWS", "HEAD_ROW_ALIGN", "HEAD_SPLIT_MIN_GAIN", "LAYER_FIXED_MACS", "LAYER_ROW_MACS",
+    "LOAD_TOLERANCE", "REFERENCE_GMACS", "ROW_NS_PER_MAC", "HeadSplit", "PartCosts", "Regime", "balanced_split",
+    "balanced_split_head", "choose_cut", "head_split", "load_rows", "part_costs", "row_ns_per_mac", "shares",
+    "split_head_times", "split_times",
+]
 
 #: Context a decode row is assumed to attend to (tokens) when estimating attention's cost.
 ATTENDED_TOKENS: Final = 512

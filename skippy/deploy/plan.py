@@ -82,8 +82,10 @@ from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_diges
 from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
-    "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head", "plan_head_split", "measure_layer_times", "measure_times", "parse_size", "plan_chain", "stage_memory",
+    "DEFAULT_SESSIONS", "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan",
+    "load_plan", "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head",
+    "plan_head_split", "measure_layer_times", "measure_times", "parse_size", "plan_chain", "stage_memory",
+    "stage_times",
 ]
 
 MIB: Final = 1 << 20
@@ -882,7 +884,7 @@ def stage_times(shape: ModelShape, n_stages: int, times: LayerTimes | None = Non
     and at one row."""
     if times is not None:
         return times
-    settings = settings or PlanSettings()
+    settings = settings or PlanSettings(max_sessions=DEFAULT_SESSIONS)
     return estimated_times(shape, settings, rows=load_rows(sessions or settings.max_sessions, n_stages))
 
 
