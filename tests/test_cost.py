@@ -147,9 +147,10 @@ def test_plan_charges_the_head_and_prints_shares() -> None:
     layer_ms = shape.costs.layer_ms(gmacs=settings.compute_gmacs, bandwidth_gbs=settings.bandwidth_gbs)
     # a head that takes as long as two layers (untyped MACs are priced at compute_gmacs)
     heavy = dataclasses.replace(shape, costs=dataclasses.replace(
-        shape.costs, head_macs=layer_ms[0] * 2 * settings.compute_gmacs * 1e6, head_read_bytes=0, head_matrices=()))
+        shape.costs, head_macs=layer_ms[0] * 2 * settings.compute_gmacs * 1e6, head_read_bytes=0, head_matrices=(),
+        head_logits=0))
     light = dataclasses.replace(shape, costs=dataclasses.replace(shape.costs, head_macs=0, head_read_bytes=0,
-                                                                 head_matrices=()))
+                                                                 head_matrices=(), head_logits=0))
     assert [s.layers for s in plan_chain(light, hosts, settings).stages] == ["0:2", "2:4"]
     plan = plan_chain(heavy, hosts, settings)
     assert [s.layers for s in plan.stages] == ["0:3", "3:4"]
@@ -185,27 +186,35 @@ def test_measured_times_isolate_the_head() -> None:
     assert split[0][0] == 0 and split[-1][1] == shape.n_layer and sum(fractions) == pytest.approx(1.0)
 
 
-def test_real_gemma_two_stages_are_cut_for_the_load(real_model: Path) -> None:
+def test_real_gemma_is_cut_for_the_load(real_model: Path) -> None:
     """Gemma 3 270M: its tied 262,144-row Q8_0 head costs about as much as its 18 K-quant / Q5_0
-    layers at one row, but patch 0018 makes it 2-3x cheaper a row in the 4-row batches each stage
-    runs at 8 sessions while the layers' matrices gain much less.  So one row (one or two
-    sessions: each stage's batch is a row) gives the last stage one layer, 8 sessions two; no head
-    split pays in either; neither stage passes 60% of a token's time in either regime."""
+    layers at one row, and patch 0018 makes it 2.2x cheaper a row in the batches each stage runs
+    under load while the layers gain less.  Two stages: 0:17 | 17:18 at 1 and 8 sessions, the head
+    whole (a split would not gain 10%), neither stage over 60% in either regime.  Three stages at
+    8 sessions (3 rows a stage's batch): more head rows on stage 0 and a different cut than at one
+    session, which a batch-blind model (the one-row figures at every load) would keep."""
+    from skippy.deploy.plan import balanced_stages_head
+
     shape = ModelShape.from_gguf(real_model)
-    split, fractions = balanced_stages(shape, 2, sessions=1)
-    assert split == [(0, 17), (17, 18)] and max(fractions) < 0.6
-    split, fractions = balanced_stages(shape, 2)  # the default: 8 sessions, 4 rows a stage's batch
-    assert split == [(0, 16), (16, 18)] and max(fractions) < 0.6
     settings = PlanSettings()
+    for sessions in (1, 8):
+        split, head, fractions = balanced_stages_head(shape, 2, sessions=sessions)
+        assert (split, head) == ([(0, 17), (17, 18)], None) and max(fractions) < 0.6
+        one = estimated_times(shape, settings, rows=1).regimes()[0]
+        assert max(shares(one.stage_times(split, None, shape.n_vocab))) < 0.6
+    light = balanced_stages_head(shape, 3, sessions=1)
+    loaded = balanced_stages_head(shape, 3, sessions=8)
+    assert light[1] is not None and loaded[1] is not None and loaded[1].rows > light[1].rows
+    assert loaded[0] != light[0] and max(loaded[2]) < 0.36
     one = estimated_times(shape, settings, rows=1).regimes()[0]
-    assert max(shares(one.stage_times(split, None, shape.n_vocab))) < 0.6
-    # a batch-blind model (the one-row figures at every load) keeps the one-row cut
-    blind = LayerTimes(one.layer_ms, one.head_ms, "estimated", 4)
-    assert balanced_stages(shape, 2, blind)[0] == [(0, 17), (17, 18)]
-    hosts = [HostSpec("127.0.0.1", 8 * GIB, port=7000), HostSpec("127.0.0.1", 8 * GIB, port=7001)]
-    for sessions, layers in ((1, ["0:17", "17:18"]), (8, ["0:16", "16:18"])):  # skippy plan: the same cuts
+    blind = LayerTimes(one.layer_ms, one.head_ms, "estimated", 3)  # one row's figures at 8 sessions
+    assert balanced_stages_head(shape, 3, blind)[:2] == light[:2]
+    # skippy plan on two hosts: the same cut and shares under its --max-sessions
+    hosts = [HostSpec("127.0.0.1", 8 * GIB, port=7000 + index) for index in range(2)]
+    for sessions in (1, 8):
         plan = plan_chain(shape, hosts, PlanSettings(max_sessions=sessions))
-        assert [stage.layers for stage in plan.stages] == layers and max(s.share for s in plan.stages) < 0.6
+        assert [stage.layers for stage in plan.stages] == ["0:17", "17:18"]
+        assert [stage.share for stage in plan.stages] == pytest.approx(balanced_stages(shape, 2, sessions=sessions)[1])
 
 
 def _typed_costs(head_type: int, head_macs: float, *, layer_type: int = 12, n_layer: int = 8,
@@ -237,20 +246,24 @@ def test_the_table_has_the_small_batch_kernels_gain() -> None:
 
 
 def test_a_q8_0_head_and_a_q4_k_head_of_the_same_one_row_time_cut_differently_under_load() -> None:
-    """Two models whose heads take the same time at one row: at 8 sessions (4 rows a stage's
-    batch) the Q8_0 head costs 0.62 of that a row, the Q4_K head 0.86, so the Q4_K model needs a
-    head split there and the Q8_0 model does not; at one session both cut alike (what a
-    batch-blind model would do at any load)."""
-    one_row = 6 * 20e6 * row_ns_per_mac(12, 1)  # as long as six layers' matrices
-    q8 = _typed_costs(8, one_row / row_ns_per_mac(8, 1))
-    q4k = _typed_costs(12, one_row / row_ns_per_mac(12, 1))
+    """Two models of 4 Q4_K layers whose heads take the same time at one row (as long as four
+    layers' matrices): at one session both need a head split (3 layers | 1 layer + the head).  At 8
+    sessions (4 rows a stage's batch) the Q8_0 head costs 0.62 of that a row, the Q4_K head 0.86
+    and the layers about 0.8: the Q8_0 model's cut is even enough without a split, the Q4_K
+    model's is not.  A batch-blind model would split both heads at every load."""
+    one_row = 4 * 20e6 * row_ns_per_mac(12, 1)
+    q8 = _typed_costs(8, one_row / row_ns_per_mac(8, 1), n_layer=4)
+    q4k = _typed_costs(12, one_row / row_ns_per_mac(12, 1), n_layer=4)
     assert q8.head_ms(gmacs=8.0, bandwidth_gbs=1e9) == pytest.approx(q4k.head_ms(gmacs=8.0, bandwidth_gbs=1e9))
-    assert choose_cut(_regimes(q8, 1), 2, 65536) == choose_cut(_regimes(q4k, 1), 2, 65536) == ([(0, 6), (6, 8)], None)
-    assert choose_cut(_regimes(q8, 4), 2, 65536) == ([(0, 6), (6, 8)], None)
+    for costs in (q8, q4k):
+        split, head = choose_cut(_regimes(costs, 1), 2, 65536)
+        assert split == [(0, 3), (3, 4)] and head is not None and head.host == 0
+    assert choose_cut(_regimes(q8, 4), 2, 65536) == ([(0, 3), (3, 4)], None)
     split, head = choose_cut(_regimes(q4k, 4), 2, 65536)
     assert head is not None and head.host == 0
-    times = _regimes(q4k, 4)[0].stage_times(split, head, 65536)
-    assert max(times) * (1 + HEAD_SPLIT_MIN_GAIN) < max(_regimes(q4k, 4)[0].stage_times([(0, 6), (6, 8)], None, 65536))
+    load = _regimes(q4k, 4)[0]
+    assert max(load.stage_times(split, head, 65536)) * (1 + HEAD_SPLIT_MIN_GAIN) < max(
+        load.stage_times([(0, 3), (3, 4)], None, 65536))
 
 
 def test_the_load_decides_and_one_row_chooses_among_equals() -> None:

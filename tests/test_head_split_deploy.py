@@ -80,11 +80,15 @@ def test_real_gemma_head_split_pays_on_three_stages_not_on_two(real_model: Path)
 def test_up_chooses_the_head_split(tiny_llama: Path) -> None:
     from skippy.commands.up import _head
 
-    split = [(0, 2), (2, 4)]
+    # three stages of the tiny model: its 32000-row head outweighs two of its layers
     args = argparse.Namespace(layers=None, head_split=None)
-    cut, head, how = _head(args, tiny_llama, split)  # the tiny model's 32000-row head outweighs its layers
+    cut, head, how = _head(args, tiny_llama, [(0, 1), (1, 2), (2, 4)])
     assert head is not None and head.host == 0 and f"rows 0:{head.rows} on stage 0" in how
-    assert cut[0][0] == 0 and cut[-1][1] == 4 and len(cut) == 2
+    assert cut[0][0] == 0 and cut[-1][1] == 4 and len(cut) == 3
+    # two: 0:3 | 3:4 is within 10% of even, not worth a split
+    split = [(0, 2), (2, 4)]
+    cut, head, how = _head(args, tiny_llama, split)
+    assert head is None and cut == [(0, 3), (3, 4)] and "head not split" in how
     args = argparse.Namespace(layers="0:2,2:4", head_split=None)
     assert _head(args, tiny_llama, split) == (split, None, "")  # --layers: manual
     args = argparse.Namespace(layers="0:2,2:4", head_split="4096")

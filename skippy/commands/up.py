@@ -67,7 +67,7 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--head-split", default=None, metavar="off|auto|ROWS",
                         help="split the output head by vocabulary rows (issue 31): the head's rows 0:ROWS run on the "
                              "least loaded other stage, beside its layers, at the same time as the final stage's "
-                             "rest; auto (the default with --stages): where moving rows makes the slowest stage 5% "
+                             "rest; auto (the default with --stages): where moving rows makes the slowest stage 10% "
                              "faster, as many as make the two equal; off with --layers unless ROWS is given")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
@@ -263,7 +263,7 @@ def _head(args: argparse.Namespace, model: Path,
     else:
         head, fractions = choose_head_split(shape, split, mode, times, sessions=sessions)
     if head is None:
-        return split, None, "; head not split (it would not make the slowest stage 5% faster)"
+        return split, None, "; head not split (it would not make the slowest stage 10% faster)"
     return split, head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on "
                          "the final stage; with it " + ", ".join(
                              f"{a}:{b} {share:.0%}" for (a, b), share in zip(split, fractions)))

@@ -1,33 +1,47 @@
 """What one token costs each part of a model (layers, input embedding, output head), from the
-GGUF header, and the split of the layers into stages that balances it.
+GGUF header, priced in decode batches of a given size, and the cut of the layers (and the head)
+into stages that balances it.
 
 Strategy
 --------
-* **Units**: multiply-adds (MACs) per token row, plus the bytes a row reads.  A weight matrix
+* **Units**: multiply-adds (MACs) per token row, plus the bytes a batch reads.  A weight matrix
   costs one MAC per element; the input embedding copies one row (``n_embd``); the output head is
   a ``n_vocab x n_embd`` matrix (``output.weight``, or ``token_embd`` when tied: Gemma 3 270M's
-  262,144-row head costs as much as 30 of its layers).  MoE expert tensors (3-D, one slice per
-  expert) count ``expert_used_count / expert_count`` of their elements: only the routed experts
-  run.  An attention layer adds its scores and weighted sum over the context a row attends to
-  (``n_head x (key_length + value_length) x min(sliding_window, ATTENDED_TOKENS)``); a recurrent
-  layer (:mod:`skippy.runtime.layer_kinds`) adds a read and a write of its state instead
-  (``2 x n_embd_r + n_embd_s``); every layer adds :data:`LAYER_FIXED_MACS` for its small ops
-  (norms, rope, activations and the threads' barriers between them), which dominate only in tiny
-  models.
-* **Time** (:meth:`PartCosts.time_ms`): a part takes the longer of reading its weights at the
-  assumed bandwidth and computing its MACs at the assumed rate (a roofline): decode on a CPU is
-  compute bound for the quantized matrices of small models (the head of Gemma 3 270M: about
-  8 GMAC/s on one core of the development host whether a batch has 1 row or 8) and memory bound
-  for large F16 ones.  ``--measure`` replaces the estimate by timings (:func:`skippy.deploy.plan.measure_layer_times`).
-* **Split** (:func:`balanced_split`): the contiguous ranges, cut only where
+  262,144-row head costs about as much as its 18 layers at one row).  MoE expert tensors (3-D, one
+  slice per expert) count ``expert_used_count / expert_count`` of their elements: only the routed
+  experts run.  An attention layer adds its scores and weighted sum over the context a row
+  attends to (``n_head x (key_length + value_length) x min(sliding_window, ATTENDED_TOKENS)``); a
+  recurrent layer (:mod:`skippy.runtime.layer_kinds`) adds a read and a write of its state instead
+  (``2 x n_embd_r + n_embd_s``); every layer adds its small ops (norms, rope, activations and the
+  threads' barriers): :data:`LAYER_FIXED_MACS` once a batch and :data:`LAYER_ROW_MACS` a row;
+  the head adds :data:`HEAD_LOGIT_NS` for each logit a row writes.
+* **Time of a row in a batch of n rows** (:meth:`PartCosts.time_ms`): the longer of computing it
+  and reading the part's weights (once per batch: ``1 / n`` of them a row) at the assumed
+  bandwidth, plus the small ops.  Matrices are priced by weight type and ``n``
+  (:data:`ROW_NS_PER_MAC`, measured on the development host by ``bench/type_costs.py``): patch
+  0018 makes F32 / F16 / Q8_0 products 1.5-2.4x cheaper a row in batches of 2..8 than alone, the
+  K-quants gain little.  Attention is priced as an F16 product of the batch's rows, the rest at
+  ``compute_gmacs``, which also scales the table.  ``--measure`` replaces the estimate by timings
+  at the same batch sizes (:func:`skippy.deploy.plan.measure_times`).
+* **Regimes** (:class:`Regime`): under the expected load of S sessions through P pipelined stages
+  each stage runs batches of ``ceil(S / P)`` rows (:func:`load_rows`); a single stream runs
+  batches of one row.  A cut is priced in both.
+* **Split** (:func:`balanced_split`, per regime): the contiguous ranges, cut only where
   :func:`skippy.runtime.cuts.legal_cuts` allows, that minimise the slowest stage's time (the
   output head charged to the last stage, the embedding to the first), by a dynamic programme over
   (stage, end layer); among the splits as fast as that, the one with the least sum of squared stage
-  times (stages closest to equal).  :func:`shares` gives
-  each stage's expected share of a token's time, which ``skippy up`` and ``skippy plan`` print.
-* **Head split** (:func:`head_split`, issue 31): when the final stage is still above its fair share
-  (the head alone can be more than half a token, as Gemma 3 270M's is), the head's first
-  vocabulary rows move to the least loaded other stage, as many as make the two equal.
+  times (stages closest to equal).  :func:`shares` gives each stage's expected share of a token's
+  time, which ``skippy up`` and ``skippy plan`` print (under the load).
+* **Choice across regimes** (:func:`choose_cut`): the load decides (it caps a served chain's
+  throughput; a single stream runs the stages one after the other, so the cut changes its time
+  little): among the candidates (each regime's balanced cut, and with a head split those below),
+  the ones within :data:`LOAD_TOLERANCE` of the fastest under load; of those, the fastest at one
+  row; then the fewest head rows moved and the most even under load.
+* **Head split** (:func:`head_split`, :func:`choose_cut`; issue 31): the head's first vocabulary
+  rows move to the least loaded other stage (or to stage 0 with the layers cut again around them)
+  only where that makes the slowest stage under load more than :data:`HEAD_SPLIT_MIN_GAIN`
+  faster than the best cut without one: the split adds a link, the moved rows' logits on it and a
+  wait the model does not count.
 """
 
 from __future__ import annotations
@@ -43,7 +57,7 @@ from skippy.runtime.gguf_header import TensorEntry
 from skippy.runtime.layer_kinds import recurrent_layers, state_values_per_layer
 
 __all__ = [
-    "ATTENDED_TOKENS", "BATCH_ROWS", "HEAD_ROW_ALIGN", "HEAD_SPLIT_MIN_GAIN", "LAYER_FIXED_MACS", "LAYER_ROW_MACS",
+    "ATTENDED_TOKENS", "BATCH_ROWS", "HEAD_LOGIT_NS", "HEAD_ROW_ALIGN", "HEAD_SPLIT_MIN_GAIN", "LAYER_FIXED_MACS", "LAYER_ROW_MACS",
     "LOAD_TOLERANCE", "REFERENCE_GMACS", "ROW_NS_PER_MAC", "HeadSplit", "PartCosts", "Regime", "balanced_split",
     "balanced_split_head", "choose_cut", "head_split", "load_rows", "part_costs", "row_ns_per_mac", "shares",
     "split_head_times", "split_times",
@@ -57,6 +71,10 @@ ATTENDED_TOKENS: Final = 512
 #: come out within about 15% of the measured batch times, the stages' shares within 2 points).
 LAYER_FIXED_MACS: Final = 1_000_000
 LAYER_ROW_MACS: Final = 500_000
+#: CPU ns per logit of a row beside the head's matrix (writing the row's logits out, the ops on
+#: them), at ``REFERENCE_GMACS``: Gemma 3 270M's head-only contexts on the development host take
+#: 0.5-0.55 ms a row more than their Q8_0 product at 2, 4 and 8 rows (262,144 logits).
+HEAD_LOGIT_NS: Final = 2.0
 #: The compute rate (GMAC/s) ``ROW_NS_PER_MAC`` stands for: ``compute_gmacs`` above it scales
 #: the table down (a faster host), below it up.
 REFERENCE_GMACS: Final = 8.0
@@ -86,10 +104,11 @@ _TYPE_CLASS: Final[Mapping[int, str]] = {
     0: "f32", 1: "f16", 2: "q4_0", 3: "q5_0", 6: "q5_0", 7: "q5_0", 8: "q8_0", 10: "q4_K", 11: "q5_K", 12: "q4_K",
     13: "q5_K", 14: "q6_K", 20: "q4_0", 39: "q4_0",
 }
-#: A head split must make the cut's slowest stage this much faster than the best cut without one
-#: (the model's figures agree with measured stage times to a few per cent on the development
-#: host, and the split adds a link, the moved rows' logits on it and a wait the model does not count).
-HEAD_SPLIT_MIN_GAIN: Final = 0.05
+#: A head split must make the cut's slowest stage this much faster than the best cut without one:
+#: it costs what the model does not count, the link and the moved rows' logits on it, a wait, and
+#: the final stage's decode relay (a split-head final stage runs every row through the lane path:
+#: about 0.7 ms more CPU a token, 7% of Gemma 3 270M's final stage at one row; docs/throughput.md).
+HEAD_SPLIT_MIN_GAIN: Final = 0.10
 #: Cuts whose slowest stage under load is within this of the fastest are equals there; among
 #: them the one best at one row a batch is taken (see :func:`choose_cut`).
 LOAD_TOLERANCE: Final = 0.02
@@ -130,6 +149,8 @@ class PartCosts:
     head_matrices: tuple[tuple[int, float], ...] = ()
     #: each layer's attention MACs per row (part of ``layer_macs``): F16 products over the KV cells
     layer_attention: tuple[float, ...] = ()
+    #: logits a row of the head writes (its vocabulary rows): :data:`HEAD_LOGIT_NS` each
+    head_logits: float = 0.0
 
     def time_ms(self, macs: float, read_bytes: float, *, gmacs: float, bandwidth_gbs: float,
                 rows: int = 1, matrices: Sequence[tuple[int, float]] = (), attention: float = 0.0,
@@ -160,9 +181,10 @@ class PartCosts:
                      for m, b, typed, a in zip(self.layer_macs, self.layer_read_bytes, matrices, attention))
 
     def head_ms(self, *, gmacs: float, bandwidth_gbs: float, rows: int = 1) -> float:
-        """The output head's time per row in a batch of ``rows`` rows."""
-        return self.time_ms(self.head_macs, self.head_read_bytes, gmacs=gmacs, bandwidth_gbs=bandwidth_gbs,
-                            rows=rows, matrices=self.head_matrices)
+        """The output head's time per row in a batch of ``rows`` rows (its logits included)."""
+        return (self.time_ms(self.head_macs, self.head_read_bytes, gmacs=gmacs, bandwidth_gbs=bandwidth_gbs,
+                             rows=rows, matrices=self.head_matrices)
+                + self.head_logits * HEAD_LOGIT_NS * REFERENCE_GMACS / gmacs / 1e6)
 
     def embed_ms(self, *, gmacs: float, bandwidth_gbs: float, rows: int = 1) -> float:
         return self.time_ms(self.embed_macs, self.embed_macs * 4, gmacs=gmacs, bandwidth_gbs=bandwidth_gbs)
@@ -226,8 +248,9 @@ def part_costs(arch: str, n_layer: int, metadata: Mapping[str, object], tensors:
         both = arch == "falcon-h1"  # every layer runs attention and an SSM
         attends.append(float(attention if il not in recurrent or both else 0))
         macs[il] += (2 * state if il in recurrent else 0) + attends[-1]
+    logits = head_macs / n_embd if n_embd else 0.0  # the head is n_vocab x n_embd
     return PartCosts(tuple(macs), tuple(read), float(n_embd), head_macs, head_read, matrices,
-                     tuple(sorted(head_typed.items())), tuple(attends))
+                     tuple(sorted(head_typed.items())), tuple(attends), logits)
 
 
 def split_times(layer_ms: Sequence[float], head_ms: float, bounds: Sequence[int], *,
@@ -402,6 +425,39 @@ def _head_candidates(regime: Regime, n_stages: int, n_vocab: int, groups: Sequen
     return candidates + grid
 
 
+def _best_within(load: Regime, other: Regime, n_stages: int, groups: Sequence[KvGroup],
+                 limit: float) -> list[tuple[int, int]] | None:
+    """The ranges whose slowest stage in ``other`` is fastest among those whose every stage takes
+    at most ``limit`` in ``load`` (the head whole on the last stage); None: none."""
+    n_layer = len(load.layer_ms)
+    cuts = [0, *legal_cuts(n_layer, groups), n_layer]
+
+    def stage_time(regime: Regime, start: int, end: int) -> float:
+        return (sum(regime.layer_ms[start:end]) + (regime.embed_ms if start == 0 else 0.0)
+                + (regime.head_ms if end == n_layer else 0.0))
+
+    best = [{end: math.inf for end in cuts} for _ in range(n_stages)]
+    choice: list[dict[int, int]] = [{} for _ in range(n_stages)]
+    for s in range(n_stages):
+        for end in cuts[1:]:
+            for start in [0] if s == 0 else cuts[1:]:
+                if start >= end or (s > 0 and best[s - 1][start] == math.inf):
+                    continue
+                if stage_time(load, start, end) > limit:
+                    continue
+                value = max(0.0 if s == 0 else best[s - 1][start], stage_time(other, start, end))
+                if value < best[s][end]:
+                    best[s][end], choice[s][end] = value, start
+    if best[n_stages - 1][n_layer] == math.inf:
+        return None
+    bounds, end = [n_layer], n_layer
+    for s in range(n_stages - 1, -1, -1):
+        end = choice[s][end]
+        bounds.append(end)
+    bounds.reverse()
+    return list(zip(bounds, bounds[1:]))
+
+
 def choose_cut(regimes: Sequence[Regime], n_stages: int, n_vocab: int, groups: Sequence[KvGroup] = (), *,
                head: bool = True) -> Candidate:
     """The layer ranges and head split for a chain priced in several regimes (see the module
@@ -425,6 +481,11 @@ def choose_cut(regimes: Sequence[Regime], n_stages: int, n_vocab: int, groups: S
     def slowest(regime: Regime, candidate: Candidate) -> float:
         return max(regime.stage_times(*candidate, n_vocab))
 
+    fastest_plain = min(slowest(load, c) for c in plain)
+    for regime in regimes[1:]:  # the cut best in this regime among those near the fastest under load
+        within = _best_within(load, regime, n_stages, groups, fastest_plain * (1 + LOAD_TOLERANCE))
+        if within is not None and (within, None) not in plain:
+            plain.append((within, None))
     candidates = list(plain)
     if head and n_stages >= 2 and load.head_ms > 0 and n_vocab > 2 * HEAD_ROW_ALIGN:
         split_heads = [c for regime in regimes

@@ -25,18 +25,21 @@ Strategy
   ``skippy.cache.prefix_cache_refusal``).  DeepSeek V4 has terms of its own (``_dsv4_memory``:
   its per-sequence compressed caches, and a reserve fitted to its wide query heads).
 * **Time of a stage**: per-token decode time of its layers, plus the output head on the last
-  stage.  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.deploy.cost`: the
-  longer of computing each part's multiply-adds at ``compute_gmacs`` and reading its weights at
-  ``bandwidth_gbs``; MoE layers count their routed experts, attention and recurrent layers their
-  own work); with it, each legal segment of layers is timed with the runtime on a short batch and
-  the head is timed apart (:func:`measure_layer_times`): on each Ray node
+  stage, in the batch each stage runs under ``max_sessions`` sessions (about ``max_sessions /
+  stages`` rows) and at one row (:class:`LayerTimes`; the cut: :func:`skippy.deploy.cost.choose_cut`).
+  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.deploy.cost`: the
+  longer of computing each part at its weight type's cost in that batch and reading its weights
+  once a batch at ``bandwidth_gbs``; MoE layers count their routed experts, attention and
+  recurrent layers their own work); with it, each legal segment of layers is timed with the
+  runtime in batches of both sizes and the head is timed apart (:func:`measure_times`): on each Ray node
   for a cluster's hosts (:mod:`skippy.deploy.ray_plan`, one :class:`LayerTimes` per host), else on this
   machine, and a named host that could not be measured keeps this machine's figure, which the
   plan says on that stage's line and in its file (``decode_source``).  A host's ``speed`` divides
   its time.
 * **Split** (:func:`plan_chain`): hosts keep their order (the chain's order); each gets one
   non-empty contiguous range.  A dynamic programme over (host, end layer) minimises the slowest
-  stage among splits where every stage fits its host; when none fits, a second programme finds the
+  stage under load among splits where every stage fits its host, and a second one takes, among
+  those within ``LOAD_TOLERANCE`` of it, the fastest at one row; when none fits, a programme finds the
   split with the smallest worst overshoot and :class:`PlanError` names each host that is short
   and by how much.
 * **File** (:meth:`Plan.to_toml`, :func:`load_plan`): a ``[chain]`` table of settings every stage
