@@ -186,6 +186,24 @@ def test_measured_times_isolate_the_head() -> None:
     assert split[0][0] == 0 and split[-1][1] == shape.n_layer and sum(fractions) == pytest.approx(1.0)
 
 
+def test_measured_times_at_the_load_and_at_one_row() -> None:
+    """``--measure`` times every segment in the stages' batch under load and at one row (one load
+    each); the cut takes both regimes as from the estimate."""
+    from skippy.deploy.plan import measure_times
+
+    shape = ModelShape.from_gguf(model_path("llama"))
+    times = measure_times(shape, rows=4, steps=4, threads=1)
+    assert times.rows == 4 and times.one_row is not None and times.source == "measured on this machine"
+    layer_ms, head_ms = times.one_row
+    assert len(layer_ms) == len(times.layer_ms) == shape.n_layer and all(t > 0 for t in layer_ms)
+    assert head_ms > 0 and times.head_ms > 0
+    assert [regime.rows for regime in times.regimes()] == [4, 1]
+    split, fractions = balanced_stages(shape, 2, times)
+    assert split[0][0] == 0 and split[-1][1] == shape.n_layer and sum(fractions) == pytest.approx(1.0)
+    single = measure_times(shape, rows=1, steps=2, threads=1)
+    assert single.one_row is None and [regime.rows for regime in single.regimes()] == [1]
+
+
 def test_real_gemma_is_cut_for_the_load(real_model: Path) -> None:
     """Gemma 3 270M: its tied 262,144-row Q8_0 head costs about as much as its 18 K-quant / Q5_0
     layers at one row, and patch 0018 makes it 2.2x cheaper a row in the batches each stage runs
