@@ -186,7 +186,8 @@ class PartCosts:
                              rows=rows, matrices=self.head_matrices)
                 + self.head_logits * HEAD_LOGIT_NS * REFERENCE_GMACS / gmacs / 1e6)
 
-    def embed_ms(self, *, gmacs: float, bandwidth_gbs: float, rows: int = 1) -> float:
+    def embed_ms(self, *, gmacs: float, bandwidth_gbs: float) -> float:
+        """The input embedding's time per row (one row copied, in any batch)."""
         return self.time_ms(self.embed_macs, self.embed_macs * 4, gmacs=gmacs, bandwidth_gbs=bandwidth_gbs)
 
 
@@ -390,7 +391,7 @@ class Regime:
         return split_head_times(times, self.head_ms, n_vocab, head)
 
 
-Candidate = tuple[list[tuple[int, int]], "HeadSplit | None"]
+Candidate = tuple[list[tuple[int, int]], HeadSplit | None]
 
 
 def _head_candidates(regime: Regime, n_stages: int, n_vocab: int, groups: Sequence[KvGroup],
