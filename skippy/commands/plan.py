@@ -34,7 +34,9 @@ def add_parser(subparsers: Any) -> None:
                              "with --measure, every host that is a node is measured on it (needs skippy-llm[ray])")
     parser.add_argument("--ctx-size", type=int, default=4096, help="KV cells per stage, shared by its sessions "
                         "(default 4096)")
-    parser.add_argument("--max-sessions", type=int, default=8, help="concurrent sessions (default 8)")
+    parser.add_argument("--max-sessions", type=int, default=8,
+                        help="concurrent sessions (default 8); the cut is priced for each stage's batch under them "
+                             "and for one row")
     parser.add_argument("--kv-streams", action="store_true",
                         help="plan for stages run with --kv-streams on: ctx-size KV cells per session and cache "
                              "slot instead of shared")
@@ -51,8 +53,9 @@ def add_parser(subparsers: Any) -> None:
                         help="compute assumed per stage for decode-time estimates without --measure, in billions "
                              "of multiply-adds a second (default 8: one core of a recent x86 on quantized weights)")
     parser.add_argument("--measure", action="store_true",
-                        help="time each layer and the output head with the runtime on a short batch (loads each "
-                             "layer once) instead of estimating from the shapes: on each Ray node with --ray, else on "
+                        help="time each layer and the output head with the runtime in each stage's batch under "
+                             "--max-sessions and at one row (loads each layer once) instead of estimating from the "
+                             "shapes: on each Ray node with --ray, else on "
                              "this machine; a host that is neither is given this machine's figure and the plan says so")
     parser.add_argument("--output", "-o", type=Path, help="write the TOML plan here (default: print it)")
     parser.set_defaults(run=run)
@@ -75,9 +78,9 @@ def run(args: argparse.Namespace) -> int:
         shape = ModelShape.from_gguf(args.model.resolve())
         host_times = None
         if args.ray:
-            hosts, host_times = _from_ray(args, shape, hosts)
+            hosts, host_times = _from_ray(args, shape, hosts, settings.max_sessions)
         elif args.measure:
-            host_times = _measured_here(shape, hosts, {})
+            host_times = _measured_here(shape, hosts, {}, settings.max_sessions)
     except PlanError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -111,9 +114,11 @@ def run(args: argparse.Namespace) -> int:
 def _head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | None) -> tuple[Any, str]:
     """The plan with the head split (issue 31) that brings the final stage to the others' time
     (:meth:`Plan.with_head_split`) and a line on it; the plan as it is and why where none fits."""
+    from skippy.deploy.cost import load_rows
     from skippy.deploy.plan import PlanError, estimated_times, plan_head_split
 
-    head_ms = (host_times[-1] if host_times else estimated_times(shape, settings)).head_ms
+    rows = load_rows(settings.max_sessions, len(plan.stages))  # the stages' batch the plan is priced at
+    head_ms = (host_times[-1] if host_times else estimated_times(shape, settings, rows=rows)).head_ms
     head, fractions = plan_head_split(plan, shape, head_ms)
     if head is None:
         return plan, ""
@@ -128,41 +133,50 @@ def _head_split(plan: Any, shape: Any, settings: Any, host_times: list[Any] | No
                   f"stage (its head shard port {plan.head_port}, {link})")
 
 
-def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any]) -> tuple[list[Any], list[Any] | None]:
+def _from_ray(args: argparse.Namespace, shape: Any, named: list[Any],
+              sessions: int) -> tuple[list[Any], list[Any] | None]:
     """The hosts (named, else the cluster's nodes) and, with ``--measure``, each host's times:
     measured on its node where it is one, else :func:`_measured_here`'s."""
     from skippy.deploy import ray_plan
+
+    from skippy.deploy.cost import load_rows
 
     with ray_plan.connect(None if args.ray == "auto" else args.ray):
         hosts = named or ray_plan.cluster_hosts()
         if not args.measure:
             return hosts, None
         node_ids = ray_plan.match_nodes(hosts)
-        on_nodes = ray_plan.measure_on_nodes(shape, [node for node in node_ids if node])
-    return hosts, _measured_here(shape, hosts, {index: on_nodes[node] for index, node in enumerate(node_ids) if node})
+        on_nodes = ray_plan.measure_on_nodes(shape, [node for node in node_ids if node],
+                                             rows=load_rows(sessions, len(hosts)))
+    return hosts, _measured_here(shape, hosts, {index: on_nodes[node] for index, node in enumerate(node_ids) if node},
+                                 sessions)
 
 
-def _measured_here(shape: Any, hosts: list[Any], known: dict[int, Any]) -> list[Any]:
+def _measured_here(shape: Any, hosts: list[Any], known: dict[int, Any], sessions: int = 8) -> list[Any]:
     """Each host's :class:`LayerTimes`: ``known`` ones as they are; the rest from one measurement
-    on this machine, labelled as this machine's where the host is, and as a stand-in elsewhere.
+    on this machine (at each stage's batch under ``sessions`` sessions and at one row), labelled
+    as this machine's where the host is, and as a stand-in elsewhere.
 
     Raises:
         skippy.runtime.NativeError: the model cannot be loaded here.
     """
-    from skippy.deploy.plan import LayerTimes, measure_layer_times
+    import dataclasses
+
+    from skippy.deploy.cost import load_rows
+    from skippy.deploy.plan import measure_times
 
     if len(known) == len(hosts):
         return [known[index] for index in range(len(hosts))]
-    layer_ms, head_ms = measure_layer_times(shape)
+    here = measure_times(shape, rows=load_rows(sessions, len(hosts)))
     local = _local_names()
     times = []
     for index, host in enumerate(hosts):
         if index in known:
             times.append(known[index])
         elif host.name in local:
-            times.append(LayerTimes(tuple(layer_ms), head_ms, "measured on this machine"))
+            times.append(here)
         else:
-            times.append(LayerTimes(tuple(layer_ms), head_ms, f"this machine's figure: {host.name} was not measured"))
+            times.append(dataclasses.replace(here, source=f"this machine's figure: {host.name} was not measured"))
     return times
 
 

@@ -55,18 +55,20 @@ def add_chain_arguments(parser: argparse.ArgumentParser) -> None:
                              "one is installed")
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--stages", type=int, help="number of stages, cut by compute cost: each layer's, the input "
-                       "embedding's and the output head's, from the model's shapes (default 2)")
+                       "embedding's and the output head's, from the model's shapes, in each stage's batch under "
+                       "--max-sessions sessions and at one row (default 2)")
     group.add_argument("--layers", help="contiguous layer ranges, e.g. 0:8,8:16,16:24")
     group.add_argument("--plan", type=Path, help="a plan file of skippy plan: its model, layer ranges and chain "
                        "settings, every stage on this machine (its hosts are for per-host starts)")
     parser.add_argument("--measure", action="store_true",
-                        help="with --stages: cut by timings of each layer and the output head on this machine "
-                             "(loads each layer once, seconds) instead of the estimate from the shapes")
+                        help="with --stages: cut by timings of each layer and the output head on this machine, "
+                             "in each stage's batch under --max-sessions and at one row (loads each layer once, "
+                             "seconds) instead of the estimate from the shapes")
     parser.add_argument("--head-split", default=None, metavar="off|auto|ROWS",
                         help="split the output head by vocabulary rows (issue 31): the head's rows 0:ROWS run on the "
                              "least loaded other stage, beside its layers, at the same time as the final stage's "
-                             "rest; auto (the default with --stages): when the final stage is above its fair share, "
-                             "as many rows as make the two equal; off with --layers unless ROWS is given")
+                             "rest; auto (the default with --stages): where moving rows makes the slowest stage 10% "
+                             "faster, as many as make the two equal; off with --layers unless ROWS is given")
     parser.add_argument("--host", default="127.0.0.1", help="API listen address (default 127.0.0.1)")
     parser.add_argument("--ctx-size", type=int, default=2048, help="KV cells per stage (default 2048)")
     parser.add_argument("--max-sessions", type=int, default=8, help="concurrent requests (default 8)")
@@ -189,20 +191,23 @@ def _split(args: argparse.Namespace, model: Path, n_layer: int, groups: Sequence
             raise ValueError(f"the ranges end at layer {split[-1][1]} but the model has {n_layer} layers")
         check_split(split, n_layer, groups)
         return split, "layers as given"
-    from skippy.deploy.plan import LayerTimes, ModelShape, balanced_stages, measure_layer_times
+    from skippy.deploy.cost import load_rows
+    from skippy.deploy.plan import DEFAULT_SESSIONS, ModelShape, balanced_stages, measure_times
 
     shape = ModelShape.from_gguf(model)
     times = None
     stages = args.stages or 2
+    sessions = getattr(args, "max_sessions", None) or DEFAULT_SESSIONS  # the cut is priced for them
+    rows = load_rows(sessions, stages)
     if getattr(args, "measure", False) and stages > 1:
-        layer_ms, head_ms = measure_layer_times(
-            shape, threads=threads or max(1, (os.cpu_count() or 1) // stages))
-        times = LayerTimes(tuple(layer_ms), head_ms, "measured on this machine")
+        times = measure_times(shape, rows=rows, threads=threads or max(1, (os.cpu_count() or 1) // stages))
         args.layer_times = times  # the head split takes them too (_head)
-    split, fractions = balanced_stages(shape, stages, times)
+    split, fractions = balanced_stages(shape, stages, times, sessions=sessions)
     how = "measured here" if times is not None else "estimated from the shapes"
-    return split, (f"cut by compute cost ({how}): " + ", ".join(
-        f"{start}:{end} {share:.0%}" for (start, end), share in zip(split, fractions)) + " of a token's time")
+    return split, (f"cut by compute cost ({how}, {rows} row{'s' if rows > 1 else ''} a stage's batch at "
+                   f"{sessions} sessions): " + ", ".join(
+                       f"{start}:{end} {share:.0%}" for (start, end), share in zip(split, fractions))
+                   + " of a token's time")
 
 
 def _apply_plan(args: argparse.Namespace) -> list[str]:
@@ -235,7 +240,13 @@ def _head(args: argparse.Namespace, model: Path,
           split: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], Any, str]:
     """The layer ranges and head split (``--head-split``; with ``--stages`` and ``auto`` the layers
     are cut again with it: :func:`skippy.deploy.plan.balanced_stages_head`) and a note on them."""
-    from skippy.deploy.plan import ModelShape, balanced_stages_head, choose_head_split, parse_head_split
+    from skippy.deploy.plan import (
+        DEFAULT_SESSIONS,
+        ModelShape,
+        balanced_stages_head,
+        choose_head_split,
+        parse_head_split,
+    )
 
     planned = getattr(args, "plan_head", None)
     if planned is not None and getattr(args, "head_split", None) is None:  # --plan: the plan's rows
@@ -246,12 +257,13 @@ def _head(args: argparse.Namespace, model: Path,
         return split, None, ""
     shape = ModelShape.from_gguf(model)
     times = getattr(args, "layer_times", None)
+    sessions = getattr(args, "max_sessions", None) or DEFAULT_SESSIONS
     if mode == "auto" and not args.layers:
-        split, head, fractions = balanced_stages_head(shape, len(split), times)
+        split, head, fractions = balanced_stages_head(shape, len(split), times, sessions=sessions)
     else:
-        head, fractions = choose_head_split(shape, split, mode, times)
+        head, fractions = choose_head_split(shape, split, mode, times, sessions=sessions)
     if head is None:
-        return split, None, "; head not split (the final stage is within its share)"
+        return split, None, "; head not split (it would not make the slowest stage 10% faster)"
     return split, head, (f"; head split: rows 0:{head.rows} on stage {head.host}, {head.rows}:{shape.n_vocab} on "
                          "the final stage; with it " + ", ".join(
                              f"{a}:{b} {share:.0%}" for (a, b), share in zip(split, fractions)))

@@ -25,18 +25,21 @@ Strategy
   ``skippy.cache.prefix_cache_refusal``).  DeepSeek V4 has terms of its own (``_dsv4_memory``:
   its per-sequence compressed caches, and a reserve fitted to its wide query heads).
 * **Time of a stage**: per-token decode time of its layers, plus the output head on the last
-  stage.  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.deploy.cost`: the
-  longer of computing each part's multiply-adds at ``compute_gmacs`` and reading its weights at
-  ``bandwidth_gbs``; MoE layers count their routed experts, attention and recurrent layers their
-  own work); with it, each legal segment of layers is timed with the runtime on a short batch and
-  the head is timed apart (:func:`measure_layer_times`): on each Ray node
+  stage, in the batch each stage runs under ``max_sessions`` sessions (about ``max_sessions /
+  stages`` rows) and at one row (:class:`LayerTimes`; the cut: :func:`skippy.deploy.cost.choose_cut`).
+  Without ``--measure`` it is estimated from the model's shapes (:mod:`skippy.deploy.cost`: the
+  longer of computing each part at its weight type's cost in that batch and reading its weights
+  once a batch at ``bandwidth_gbs``; MoE layers count their routed experts, attention and
+  recurrent layers their own work); with it, each legal segment of layers is timed with the
+  runtime in batches of both sizes and the head is timed apart (:func:`measure_times`): on each Ray node
   for a cluster's hosts (:mod:`skippy.deploy.ray_plan`, one :class:`LayerTimes` per host), else on this
   machine, and a named host that could not be measured keeps this machine's figure, which the
   plan says on that stage's line and in its file (``decode_source``).  A host's ``speed`` divides
   its time.
 * **Split** (:func:`plan_chain`): hosts keep their order (the chain's order); each gets one
   non-empty contiguous range.  A dynamic programme over (host, end layer) minimises the slowest
-  stage among splits where every stage fits its host; when none fits, a second programme finds the
+  stage under load among splits where every stage fits its host, and a second one takes, among
+  those within ``LOAD_TOLERANCE`` of it, the fastest at one row; when none fits, a programme finds the
   split with the smallest worst overshoot and :class:`PlanError` names each host that is short
   and by how much.
 * **File** (:meth:`Plan.to_toml`, :func:`load_plan`): a ``[chain]`` table of settings every stage
@@ -67,9 +70,11 @@ from skippy.cache.stage_cache import prefix_cache_refusal
 from skippy.deploy.cost import (
     HeadSplit,
     PartCosts,
-    balanced_split,
-    balanced_split_head,
+    LOAD_TOLERANCE,
+    Regime,
+    choose_cut,
     head_split,
+    load_rows,
     part_costs,
     shares,
     split_head_times,
@@ -81,8 +86,10 @@ from skippy.runtime.gguf_header import GGUFHeaderError, GGUFLayout, header_diges
 from skippy.runtime.layer_kinds import layer_memory, stage_kv_bytes
 
 __all__ = [
-    "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan", "load_plan",
-    "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head", "plan_head_split", "measure_layer_times", "parse_size", "plan_chain", "stage_memory",
+    "DEFAULT_SESSIONS", "HostSpec", "LayerTimes", "ModelShape", "Plan", "PlanError", "PlanSettings", "StagePlan",
+    "load_plan", "balanced_stages", "balanced_stages_head", "choose_head_split", "estimated_times", "plan_head",
+    "plan_head_split", "measure_layer_times", "measure_times", "parse_size", "plan_chain", "stage_memory",
+    "stage_times",
 ]
 
 MIB: Final = 1 << 20
@@ -498,12 +505,23 @@ def sequence_ids(settings: PlanSettings, architecture: str = "") -> int:
 @final
 @dataclasses.dataclass(frozen=True, slots=True)
 class LayerTimes:
-    """Per-layer and output-head decode time (ms) of one host, and where the figure comes from
-    (``source``: e.g. ``measured on Ray node 1a2b...``, ``this machine's figure``)."""
+    """Per-layer and output-head decode time (ms per token row) of one host in decode batches of
+    ``rows`` rows, and where the figure comes from (``source``: e.g. ``measured on Ray node
+    1a2b...``, ``this machine's figure``); ``one_row``: the same parts at one row a batch, where
+    ``rows`` > 1 (the cut is priced in both: :func:`skippy.deploy.cost.choose_cut`)."""
 
     layer_ms: tuple[float, ...]
     head_ms: float
     source: str
+    rows: int = 1
+    one_row: tuple[tuple[float, ...], float] | None = None
+
+    def regimes(self) -> list[Regime]:
+        """The figures as cost regimes: the batch of ``rows`` first, then one row (where given)."""
+        found = [Regime(self.rows, tuple(self.layer_ms), self.head_ms)]
+        if self.one_row is not None and self.rows > 1:
+            found.append(Regime(1, tuple(self.one_row[0]), self.one_row[1]))
+        return found
 
 
 @final
@@ -578,8 +596,10 @@ class Plan:
         common = sources.pop() if len(sources) == 1 else ""
         estimate = (f"estimated from the shapes at {self.settings.compute_gmacs:g} GMAC/s, "
                     f"{self.settings.bandwidth_gbs:g} GB/s")
+        rows = load_rows(self.settings.max_sessions, len(self.stages))
         timing = ("decode times " + (estimate if common == "estimated" else common) if common
                   else "decode times per stage as noted")
+        timing += f", per token in a stage's batch of {rows} row{'s' if rows > 1 else ''} under that load"
         lines = [f"plan for {self.model.name} ({len(self.stages)} stages, ctx {self.settings.ctx_size}, "
                  f"{self.settings.max_sessions} sessions, batch {self.settings.batch_size}; {timing})"]
         for stage in self.stages:
@@ -750,7 +770,7 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
         raise PlanError(f"{count} hosts but {shape.path.name} has only {n_layer} layers (one stage per host)")
     if host_times is None:
         if layer_ms is None:
-            common = estimated_times(shape, settings)
+            common = estimated_times(shape, settings, rows=load_rows(settings.max_sessions, count))
         else:
             common = LayerTimes(tuple(layer_ms), head_ms or 0.0, "measured on this machine")
         host_times = [common] * count
@@ -761,14 +781,19 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
     if count - 1 > len(legal):
         raise PlanError(f"{count} hosts need {count - 1} cuts but {shape.path.name} allows only "
                         f"{sorted(legal)} (" + "; ".join(g.describe() for g in shape.kv_groups) + ")")
-    prefixes = []
-    for times in host_times:
-        if len(times.layer_ms) != n_layer:
-            raise PlanError(f"{len(times.layer_ms)} layer times for {n_layer} layers")
+
+    def prefix_of(values: Sequence[float]) -> list[float]:
+        if len(values) != n_layer:
+            raise PlanError(f"{len(values)} layer times for {n_layer} layers")
         prefix = [0.0]
-        for value in times.layer_ms:
+        for value in values:
             prefix.append(prefix[-1] + value)
-        prefixes.append(prefix)
+        return prefix
+
+    prefixes = [prefix_of(times.layer_ms) for times in host_times]
+    # the same at one row a batch (the cut's second regime, skippy.deploy.cost.choose_cut)
+    single = [prefix_of(times.one_row[0]) if times.one_row is not None else prefix
+              for times, prefix in zip(host_times, prefixes)]
 
     def cost(host_index: int, start: int, end: int) -> tuple[float, int, StageMemory]:
         host, prefix = hosts[host_index], prefixes[host_index]
@@ -780,7 +805,12 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
             over = max(over, memory.gpu - host.gpu_memory)
         return time_ms, over, memory
 
-    def solve(objective: str) -> list[int] | None:
+    def single_time(host_index: int, start: int, end: int) -> float:
+        times, prefix = host_times[host_index], single[host_index]
+        head_time = (times.one_row[1] if times.one_row is not None else times.head_ms) if end == n_layer else 0.0
+        return (prefix[end] - prefix[start] + head_time) / hosts[host_index].speed
+
+    def solve(objective: str, limit: float = math.inf) -> list[int] | None:
         # best[s][j]: best value of hosts 0..s covering layers 0..j-1; choice[s][j]: start of stage s
         inf = math.inf
         best = [[inf] * (n_layer + 1) for _ in range(count)]
@@ -796,9 +826,13 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
                         continue
                     time_ms, over, _ = cost(s, start, end)
                     if objective == "time":
-                        if over > 0:
+                        if over > 0 or time_ms > limit:
                             continue
                         value = max(before, time_ms)
+                    elif objective == "single":  # among the cuts as fast under load, the best at one row
+                        if over > 0 or time_ms > limit:
+                            continue
+                        value = max(before, single_time(s, start, end))
                     else:
                         value = max(before, float(over))
                     if value < best[s][end]:
@@ -812,6 +846,9 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
         return bounds[::-1]
 
     bounds = solve("time")
+    if bounds is not None and any(times.one_row is not None for times in host_times):
+        fastest = max(cost(s, bounds[s], bounds[s + 1])[0] for s in range(count))
+        bounds = solve("single", fastest * (1 + LOAD_TOLERANCE)) or bounds
     if bounds is None:
         closest = solve("overshoot")
         assert closest is not None  # without the fit constraint every split is allowed
@@ -836,21 +873,40 @@ def plan_chain(shape: ModelShape, hosts: Sequence[HostSpec], settings: PlanSetti
     return Plan(shape.path, shape.digest, settings, tuple(stages), measured)
 
 
+#: Sessions a one-machine chain's cut is priced for where no plan settings say (``skippy up``'s
+#: ``--max-sessions`` default).
+DEFAULT_SESSIONS: Final = 8
+
+
+def stage_times(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
+                settings: PlanSettings | None = None, *, sessions: int | None = None) -> LayerTimes:
+    """The figures a chain of ``n_stages`` is cut by: ``times`` (measured) as given, else
+    estimated from the shapes at each stage's batch under ``sessions`` sessions (default
+    ``settings.max_sessions``: about ``sessions / n_stages`` rows, :func:`skippy.deploy.cost.load_rows`)
+    and at one row."""
+    if times is not None:
+        return times
+    settings = settings or PlanSettings(max_sessions=DEFAULT_SESSIONS)
+    return estimated_times(shape, settings, rows=load_rows(sessions or settings.max_sessions, n_stages))
+
+
 def balanced_stages(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
-                    settings: PlanSettings | None = None) -> tuple[list[tuple[int, int]], list[float]]:
-    """``n_stages`` ranges of one machine's chain balanced by cost (:func:`skippy.deploy.cost.balanced_split`,
-    at the legal cuts), and each stage's expected share of a token's time.
+                    settings: PlanSettings | None = None, *,
+                    sessions: int | None = None) -> tuple[list[tuple[int, int]], list[float]]:
+    """``n_stages`` ranges of one machine's chain balanced by cost at each stage's batch under
+    ``sessions`` sessions and at one row (:func:`skippy.deploy.cost.choose_cut`, at the legal
+    cuts), and each stage's expected share of a token's time under that load.
 
     Args:
-        times: measured figures (:func:`measure_layer_times`); None: estimated from the shapes.
+        times: measured figures (:func:`measure_times`); None: estimated from the shapes.
 
     Raises:
         ValueError: more stages than layers or legal cuts.
     """
-    times = times or estimated_times(shape, settings or PlanSettings())
-    split = balanced_split(times.layer_ms, times.head_ms, n_stages, shape.kv_groups)
-    bounds = [start for start, _ in split] + [shape.n_layer]
-    return split, shares(split_times(times.layer_ms, times.head_ms, bounds))
+    times = stage_times(shape, n_stages, times, settings, sessions=sessions)
+    regimes = times.regimes()
+    split, _ = choose_cut(regimes, n_stages, shape.n_vocab, shape.kv_groups, head=False)
+    return split, shares(regimes[0].stage_times(split, None, shape.n_vocab))
 
 
 def parse_head_split(text: str) -> str | int:
@@ -871,15 +927,16 @@ def parse_head_split(text: str) -> str | int:
 
 
 def choose_head_split(shape: ModelShape, split: Sequence[tuple[int, int]], mode: str | int,
-                      times: LayerTimes | None = None,
-                      settings: PlanSettings | None = None) -> tuple[HeadSplit | None, list[float]]:
+                      times: LayerTimes | None = None, settings: PlanSettings | None = None, *,
+                      sessions: int | None = None) -> tuple[HeadSplit | None, list[float]]:
     """The head split of a one-machine chain ``split`` (``mode``: off, auto or a row count;
-    :func:`skippy.deploy.cost.head_split`) and each stage's expected share of a token's time with it.
+    :func:`skippy.deploy.cost.head_split` at each stage's batch under ``sessions`` sessions) and
+    each stage's expected share of a token's time with it.
 
     Raises:
         ValueError: a row count not below the vocabulary.
     """
-    times = times or estimated_times(shape, settings or PlanSettings())
+    times = stage_times(shape, len(split), times, settings, sessions=sessions)
     bounds = [start for start, _ in split] + [shape.n_layer]
     stage_ms = split_times(times.layer_ms, times.head_ms, bounds)
     chosen: HeadSplit | None = None
@@ -891,49 +948,77 @@ def choose_head_split(shape: ModelShape, split: Sequence[tuple[int, int]], mode:
 
 
 def balanced_stages_head(shape: ModelShape, n_stages: int, times: LayerTimes | None = None,
-                         settings: PlanSettings | None = None
+                         settings: PlanSettings | None = None, *, sessions: int | None = None
                          ) -> tuple[list[tuple[int, int]], HeadSplit | None, list[float]]:
-    """``n_stages`` ranges and the head split cut together (:func:`skippy.deploy.cost.balanced_split_head`)
-    and each stage's expected share of a token's time with them.
+    """``n_stages`` ranges and the head split cut together (:func:`skippy.deploy.cost.choose_cut`:
+    a split only where it pays at each stage's batch under ``sessions`` sessions) and each
+    stage's expected share of a token's time with them under that load.
 
     Raises:
         ValueError: more stages than layers or legal cuts.
     """
-    times = times or estimated_times(shape, settings or PlanSettings())
-    split, chosen = balanced_split_head(times.layer_ms, times.head_ms, n_stages, shape.n_vocab, shape.kv_groups)
-    bounds = [start for start, _ in split] + [shape.n_layer]
-    stage_ms = split_times(times.layer_ms, times.head_ms, bounds)
-    return split, chosen, shares(split_head_times(stage_ms, times.head_ms, shape.n_vocab, chosen))
+    times = stage_times(shape, n_stages, times, settings, sessions=sessions)
+    regimes = times.regimes()
+    split, chosen = choose_cut(regimes, n_stages, shape.n_vocab, shape.kv_groups)
+    return split, chosen, shares(regimes[0].stage_times(split, chosen, shape.n_vocab))
 
 
 def plan_head_split(plan: "Plan", shape: ModelShape, head_ms: float) -> tuple[HeadSplit | None, list[float]]:
     """The head split a plan's chain would take (:func:`skippy.deploy.cost.head_split` over its
-    stages' decode times, the final stage's head taking ``head_ms``) and the shares with it."""
+    stages' decode times, the final stage's head taking ``head_ms``: both at the plan's batch
+    under load) and the shares with it."""
     times = [stage.decode_ms for stage in plan.stages]
     chosen = head_split(times, head_ms, shape.n_vocab)
     return chosen, shares(split_head_times(times, head_ms, shape.n_vocab, chosen))
 
 
-def estimated_times(shape: ModelShape, settings: PlanSettings) -> LayerTimes:
-    """Per-layer and head decode time estimated from the shapes (:mod:`skippy.deploy.cost`; a shape
-    without costs: its weight bytes read at ``bandwidth_gbs``)."""
+def estimated_times(shape: ModelShape, settings: PlanSettings, *, rows: int = 1) -> LayerTimes:
+    """Per-layer and head decode time per row estimated from the shapes (:mod:`skippy.deploy.cost`)
+    in batches of ``rows`` rows, and at one row beside it; a shape without costs: its weight
+    bytes read at ``bandwidth_gbs``, a batch's reads shared by its rows."""
     if shape.costs is None:
         per_byte = 1e3 / (settings.bandwidth_gbs * 1e9)
-        return LayerTimes(tuple(b * per_byte for b in shape.layer_bytes), shape.head_bytes * per_byte, "estimated")
+        one = (tuple(b * per_byte for b in shape.layer_bytes), shape.head_bytes * per_byte)
+        return LayerTimes(tuple(t / rows for t in one[0]), one[1] / rows, "estimated", rows, one)
     rates = {"gmacs": settings.compute_gmacs, "bandwidth_gbs": settings.bandwidth_gbs}
-    return LayerTimes(shape.costs.layer_ms(**rates), shape.costs.head_ms(**rates), "estimated")
+    one_row = (shape.costs.layer_ms(**rates), shape.costs.head_ms(**rates))
+    return LayerTimes(shape.costs.layer_ms(**rates, rows=rows), shape.costs.head_ms(**rates, rows=rows),
+                      "estimated", rows, one_row)
 
 
 def measure_layer_times(shape: ModelShape, *, rows: int = 4, steps: int = 6,
                         threads: int = 0) -> tuple[list[float], float]:
-    """Per-layer and head decode time (ms per token row) measured here with the runtime.
+    """Per-layer and head decode time (ms per token row) in batches of ``rows`` rows, measured
+    here with the runtime (:func:`measure_times`)."""
+    measured = _measure(shape, (rows,), steps=steps, threads=threads)
+    return measured[rows]
+
+
+def measure_times(shape: ModelShape, *, rows: int = 4, steps: int = 6, threads: int = 0,
+                  source: str = "measured on this machine") -> LayerTimes:
+    """Per-layer and head decode time measured here in batches of ``rows`` rows and of one row
+    (one load of each segment for both: see :func:`_measure`).
+
+    Raises:
+        skippy.runtime.NativeError: the model cannot be loaded here.
+    """
+    rows = max(1, rows)
+    measured = _measure(shape, tuple(dict.fromkeys((rows, 1))), steps=steps, threads=threads)
+    layer_ms, head_ms = measured[rows]
+    one = measured[1]
+    return LayerTimes(tuple(layer_ms), head_ms, source, rows, (tuple(one[0]), one[1]) if rows > 1 else None)
+
+
+def _measure(shape: ModelShape, batches: tuple[int, ...], *, steps: int,
+             threads: int) -> dict[int, tuple[list[float], float]]:
+    """Per-layer and head decode time (ms per token row) measured here for each batch size.
 
     Each segment between two legal cuts (one layer, or a KV-sharing group) is loaded as a stage of
-    its own and decodes ``steps`` batches of ``rows`` rows (one per session, activations of the
+    its own and decodes ``steps`` batches of each size (one row per session, activations of the
     right width, tokens where the layers read them); the fastest batch (other load on the host
-    only adds time) over ``rows`` is the segment's time, shared among a group's layers by their
+    only adds time) over its rows is the segment's time, shared among a group's layers by their
     estimated cost.  The last segment alternates batches with every row's logits wanted and with
-    one row's: the difference of the two is the output head's time.
+    none: the difference of the two is the output head's time.
 
     Raises:
         skippy.runtime.NativeError: the model cannot be loaded here.
@@ -945,42 +1030,43 @@ def measure_layer_times(shape: ModelShape, *, rows: int = 4, steps: int = 6,
     from skippy.runtime import Model, StageContext
     from skippy.runtime.model import LayerRange
 
-    rows = max(2, rows)
+    most = max(batches)
     threads = threads or max(1, os.cpu_count() or 1)
     n_layer = shape.n_layer
     bounds = [0, *legal_cuts(n_layer, shape.kv_groups), n_layer]
     noise = np.random.default_rng(0)
-    layer_ms = [0.0] * n_layer
-    head_ms = 0.0
+    layer_ms = {rows: [0.0] * n_layer for rows in batches}
+    head_ms = dict.fromkeys(batches, 0.0)
     for start, end in zip(bounds, bounds[1:]):
-        cells = max(64, rows * 2 * (steps + 2))
+        cells = max(64, most * 2 * (steps + 2) * len(batches))
+        segment: dict[int, float] = {}
         with Model(shape.path, LayerRange(start, end)) as model, StageContext(
-                model, n_ctx=cells, max_sessions=rows, n_batch=rows, threads=threads) as context:
-            activations = (noise.standard_normal((rows, context.input_width)).astype(np.float32)
-                           if not model.is_first else None)
-            tokens = [1 + row for row in range(rows)] if model.is_first or model.reads_tokens else None
+                model, n_ctx=cells, max_sessions=most, n_batch=most, threads=threads) as context:
             position = 0
-            # the last segment alternates batches with every row's logits wanted and with one
-            # row's, so that the two see the same load
-            flags: list[list[bool] | None] = ([[True] * rows, [True] + [False] * (rows - 1)] if model.is_last
-                                              else [None])
-            times: list[list[float]] = [[] for _ in flags]
-            for step in range(steps + 1):
-                for which, outputs in enumerate(flags):
-                    started = time.perf_counter()
-                    context.decode(positions=[position] * rows, seq_ids=list(range(rows)), tokens=tokens,
-                                   activations=activations, outputs=outputs)
-                    if step:  # the first batch warms up
-                        times[which].append((time.perf_counter() - started) * 1e3)
-                    position += 1
-            fastest = [min(values) for values in times]  # other load on the host only adds time
-            segment = fastest[0]
-            if model.is_last:
-                head_ms = max(0.0, fastest[0] - fastest[1]) / (rows - 1)
-                segment -= head_ms * rows
+            for rows in batches:
+                activations = (noise.standard_normal((rows, context.input_width)).astype(np.float32)
+                               if not model.is_first else None)
+                tokens = [1 + row for row in range(rows)] if model.is_first or model.reads_tokens else None
+                # the last segment alternates batches with every row's logits wanted and with none,
+                # so that the two see the same load
+                flags: list[list[bool] | None] = ([[True] * rows, [False] * rows] if model.is_last else [None])
+                times: list[list[float]] = [[] for _ in flags]
+                for step in range(steps + 1):
+                    for which, outputs in enumerate(flags):
+                        started = time.perf_counter()
+                        context.decode(positions=[position] * rows, seq_ids=list(range(rows)), tokens=tokens,
+                                       activations=activations, outputs=outputs)
+                        if step:  # the first batch warms up
+                            times[which].append((time.perf_counter() - started) * 1e3)
+                        position += 1
+                fastest = [min(values) for values in times]  # other load on the host only adds time
+                segment[rows] = fastest[-1]
+                if model.is_last:
+                    head_ms[rows] = max(0.0, fastest[0] - fastest[1]) / rows
         weights = (shape.costs.layer_macs[start:end] if shape.costs is not None
                    else shape.layer_bytes[start:end])
         total = sum(weights) or 1
-        for il in range(start, end):
-            layer_ms[il] = max(0.0, segment) / rows * weights[il - start] / total
-    return layer_ms, head_ms
+        for rows in batches:
+            for il in range(start, end):
+                layer_ms[rows][il] = max(0.0, segment[rows]) / rows * weights[il - start] / total
+    return {rows: (layer_ms[rows], head_ms[rows]) for rows in batches}

@@ -11,8 +11,9 @@ Strategy
   --num-gpus 1 --resources '{"gpu_memory": 25769803776}'``) or, without one, from ``nvidia-smi``
   run on the node (the smallest GPU's ``memory.total``); a GPU node where neither tells is refused
   with that advice rather than planned as if it had none.
-* **Measurement** (:func:`measure_on_nodes`): :func:`skippy.deploy.plan.measure_layer_times` (each
-  segment of layers and the output head timed with the runtime on a short batch) runs as a Ray
+* **Measurement** (:func:`measure_on_nodes`): :func:`skippy.deploy.plan.measure_times` (each
+  segment of layers and the output head timed with the runtime in batches of the stages' rows
+  under load and of one row) runs as a Ray
   task pinned to each node (``NodeAffinitySchedulingStrategy(soft=False)``, one CPU), all nodes at
   once; each task reports the node it ran on, and the figure is that host's own
   (:class:`skippy.deploy.plan.LayerTimes`, ``measured on Ray node ...``).  The model must be at the same
@@ -75,11 +76,12 @@ def _probe_gpu_memory() -> int:
 
 
 @ray.remote(num_cpus=1)
-def _measure(path: str, steps: int) -> tuple[str, list[float], float]:
-    from skippy.deploy.plan import measure_layer_times
+def _measure(path: str, steps: int, rows: int) -> tuple[str, LayerTimes]:
+    from skippy.deploy.plan import measure_times
 
-    layer_ms, head_ms = measure_layer_times(ModelShape.from_gguf(Path(path)), steps=steps)
-    return ray.get_runtime_context().get_node_id(), layer_ms, head_ms
+    node = ray.get_runtime_context().get_node_id()
+    return node, measure_times(ModelShape.from_gguf(Path(path)), rows=rows, steps=steps,
+                               source=f"measured on Ray node {node[:12]}")
 
 
 def _pinned(node_id: str) -> NodeAffinitySchedulingStrategy:
@@ -137,24 +139,25 @@ def match_nodes(hosts: Sequence[HostSpec]) -> list[str]:
     return matched
 
 
-def measure_on_nodes(shape: ModelShape, node_ids: Sequence[str], *, steps: int = 6,
+def measure_on_nodes(shape: ModelShape, node_ids: Sequence[str], *, steps: int = 6, rows: int = 4,
                      timeout: float = 600.0) -> dict[str, LayerTimes]:
-    """Each node's own per-layer decode time (a pinned Ray task per node, all at once).
+    """Each node's own per-layer decode time in batches of ``rows`` rows and of one row (a pinned
+    Ray task per node, all at once).
 
     Raises:
         PlanError: a node could not measure (the model is not at this path there, the node left),
             naming it; or a task ran on another node than the one it was pinned to.
     """
     unique = list(dict.fromkeys(node_ids))
-    refs: dict[str, Any] = {node: _measure.options(scheduling_strategy=_pinned(node)).remote(str(shape.path), steps)
+    refs: dict[str, Any] = {node: _measure.options(scheduling_strategy=_pinned(node)).remote(str(shape.path), steps, rows)
                             for node in unique}
     times = {}
     for node, ref in refs.items():
         try:
-            ran_on, layer_ms, head_ms = ray.get(ref, timeout=timeout)
+            ran_on, measured = ray.get(ref, timeout=timeout)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:  # task failed there, node gone
             raise PlanError(f"cannot measure {shape.path.name} on Ray node {node}: {exc}") from exc
         if ran_on != node:
             raise PlanError(f"the measurement pinned to Ray node {node} ran on {ran_on}")
-        times[node] = LayerTimes(tuple(layer_ms), head_ms, f"measured on Ray node {node[:12]}")
+        times[node] = measured
     return times

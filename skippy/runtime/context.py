@@ -425,19 +425,16 @@ class StageContext:
         """A head-only context: the logits of every row of ``hidden`` (``n x n_vocab``, a view valid
         until the next decode; only the model's head rows written).
 
-        An odd count of 3 or more rows is computed with the last row once more (issue 31): llama.cpp's
-        batched kernels (tinyBLAS) take longer for an odd count of columns than for one more (Gemma
-        3 270M's Q8_0 head, 35,840 rows, one thread: 3 rows 9.4 ms, 4 rows 6.9 ms; 5 / 6: 10.5 /
-        7.7), and a row's result does not depend on the batch's count from 2 rows up (the prefix
-        cache relies on it too), so the rows are bitwise what they are alone in their batch."""
+        Every count of rows is computed as it comes.  Before patch 0018 an odd count of 3 or more
+        was padded with the last row once more (stock tinyBLAS ran odd Q8_0 column counts in two
+        passes); with 0018's small-batch kernel the padding costs instead (Gemma 3 270M's Q8_0 head,
+        rows 0:35,840 / 35,840:262,144, one thread, CPU ms unpadded against padded: 3 rows 2.20 /
+        2.71 and 13.1 / 16.1, 5 rows 3.35 / 3.88 and 20.8 / 24.0, 7 rows 4.56 / 5.12 and 28.6 /
+        31.6).  A row's result does not depend on the batch's count from 2 rows up (the prefix
+        cache relies on it too)."""
         if not self.model.head_only:
             raise InvalidBatch(f"stage {self.model.layers} is not the head alone")
         count = hidden.shape[0]
-        if count >= 3 and count % 2 and count < self.n_batch:
-            padded = np.empty((count + 1, hidden.shape[1]), dtype=np.float32)
-            padded[:count] = hidden
-            padded[count] = hidden[count - 1]
-            return self.decode_head(padded)[:count]
         lib.llama_memory_clear(self._memory, False)  # no layers: its cells hold nothing
         self.decode(positions=np.arange(count, dtype=np.int32), seq_ids=np.zeros(count, dtype=np.int32),
                     activations=hidden, outputs=np.ones(count, dtype=bool))
