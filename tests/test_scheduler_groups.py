@@ -9,7 +9,6 @@ tokens with batching off, and batches no more than a group with it on.
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 from typing import Any, Callable, Sequence, TypeVar
@@ -223,8 +222,6 @@ class _VirtualTime:
     def __init__(self, clock: MockClock) -> None:
         self.clock = clock
         self.computing = 0.0  #: seconds of compute of the native call running now
-        #: trio's choices of the order of the tasks it wakes together (the ``clock`` fixture)
-        self.order = random.Random(0)
 
     def monotonic(self) -> float:
         return self.clock.current_time() + self.computing
@@ -265,12 +262,10 @@ class _VirtualThread:
 @pytest.fixture
 def clock(monkeypatch: pytest.MonkeyPatch, autojump_clock: MockClock) -> _VirtualTime:
     """The scheduler's clocks in virtual time (:class:`_VirtualTime`; the test takes
-    ``autojump_clock`` too); trio's shuffles of the tasks woken together drawn from
-    :attr:`_VirtualTime.order`."""
+    ``autojump_clock`` too)."""
     assert isinstance(autojump_clock, MockClock)
     virtual = _VirtualTime(autojump_clock)
     monkeypatch.setattr(scheduler_module, "time", virtual)
-    monkeypatch.setattr(trio._core._run, "_r", virtual.order)
     return virtual
 
 
@@ -390,15 +385,14 @@ async def test_groups_rotate_through_a_two_stage_pipeline(clock: _VirtualTime, a
     so in each of 300 of trio's orders of the tasks woken together tried (the only thing left
     to chance); the test runs 4."""
     steps = 16
-    for seed in range(4):
-        clock.order.seed(seed)
+    for run in range(4):
         runtimes, done = await _pipeline(clock, steps, 0.002)
         step_s = [max(done[s]) - max(done[s - 1]) for s in range(steps // 2, steps)]
-        assert max(step_s) < 0.75 * 0.032, (seed, step_s)
+        assert max(step_s) < 0.75 * 0.032, (run, step_s)
         formed, first_done = max(done[2]), min(done[-1])
         for runtime in runtimes:
             steady = [batch for batch, end in zip(runtime.batches, runtime.ends) if formed < end < first_done]
-            assert len(steady) >= 20 and _alternating_groups(steady), (seed, runtime.batches)
+            assert len(steady) >= 20 and _alternating_groups(steady), (run, runtime.batches)
 
 
 def _rows_per_batch(batches: Sequence[Sequence[int]]) -> float:
@@ -439,8 +433,7 @@ async def test_two_stages_fill_with_two_groups_though_rows_come_back_spread(cloc
     chance: in each of 300 orders tried the middle third ran at least 3.6 rows a batch and kept
     both stages at least 71% busy (fragments that never merge: 2.6-2.7 rows; lockstep: 41%).
     The test runs 4."""
-    for seed in range(4):
-        clock.order.seed(seed)
+    for run in range(4):
         runtimes, _ = await _pipeline(clock, 30, 0.001, fixed=0.01, turnaround=0.001)
         # the middle third of the run: the groups have formed, and no session has finished yet
         began = min(runtime.ends[0] for runtime in runtimes)
@@ -448,9 +441,9 @@ async def test_two_stages_fill_with_two_groups_though_rows_come_back_spread(cloc
         start, stop = began + (ended - began) / 3, began + 2 * (ended - began) / 3
         for runtime in runtimes:
             middle = [batch for batch, end in zip(runtime.batches, runtime.ends) if start < end <= stop]
-            assert len(middle) >= 15 and sum(map(len, middle)) / len(middle) >= 3.3, (seed, middle)
+            assert len(middle) >= 15 and sum(map(len, middle)) / len(middle) >= 3.3, (run, middle)
             busy = sum(0.01 + 0.001 * len(batch) for batch in middle)
-            assert busy / (stop - start) > 0.55, (seed, busy, stop - start)  # lockstep: 18 ms of every 44
+            assert busy / (stop - start) > 0.55, (run, busy, stop - start)  # lockstep: 18 ms of every 44
 
 
 async def test_a_groups_late_rows_are_gathered_into_one_batch(clock: _VirtualTime, autojump_clock: MockClock) -> None:
