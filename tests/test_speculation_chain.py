@@ -55,13 +55,23 @@ def generator(tiny_llama: Path) -> Iterator[Generator]:
     gen.close()
 
 
+#: A session id no request uses: :class:`ProbingClient` stops it to end the stages' decode relays.
+IDLE_SESSION = 1 << 40
+
+
 class ProbingClient(StageClient):
-    """A lane that reads every stage's KV cell count just before it sends Stop."""
+    """A lane that reads every stage's KV cell count just before it sends Stop.
+
+    A decode relay still holding a stage's runtime keeps its stats file from reading the figures
+    until it has waited ``skippy.stage.server.RELAY_IDLE_READ_S`` (0.5 s) for its next frame; a
+    Stop of a session that does not exist, sent first on the same lane, ends the relay on every
+    stage at once (the loop hands back a frame it does not carry) and changes no KV."""
 
     stages: Sequence[StageProcess] = ()
     kv: list[int] = []
 
     async def stop(self, session_id: int, *, request_id: int = 0) -> StageReply:
+        await super().stop(IDLE_SESSION)
         self.kv = await settled_kv(self.stages)
         return await super().stop(session_id, request_id=request_id)
 
