@@ -29,6 +29,8 @@ LIB_DIR = ROOT / "skippy" / "lib"
 SWITCH = "SKIPPY_SMALL_BATCH_KERNEL"
 #: ggml's type ids (ggml.h), checked against ggml_type_name at load
 TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q8_0": 8, "q4_K": 12}
+#: The most columns a product here takes (the kernel takes F16 / F32 up to 16)
+MAX_COLUMNS = 24
 
 
 class _InitParams(ctypes.Structure):
@@ -74,8 +76,8 @@ class Product:
     def __init__(self, g: Ggml, type_name: str, k: int, m: int, n: int, seed: int = 1) -> None:
         self.g, self.m, self.n = g, m, n
         t = TYPES[type_name]
-        if not 1 <= n <= 16:
-            raise ValueError(f"n = {n}: 1 to 16 columns")
+        if not 1 <= n <= MAX_COLUMNS:
+            raise ValueError(f"n = {n}: 1 to {MAX_COLUMNS} columns")
         rng = np.random.default_rng(seed)
         weight_bytes = g.base.ggml_row_size(t, k) * m
         size = weight_bytes + 4 * (k + m) * n * 3 + 16 * g.base.ggml_tensor_overhead() + g.base.ggml_graph_overhead()
@@ -90,8 +92,8 @@ class Product:
             g.base.ggml_fp32_to_fp16_row(weights.ctypes.data, wdata, k * m)
         else:
             g.base.ggml_quantize_chunk(t, weights.ctypes.data, wdata, 0, m, k, None)
-        # the first n of the seed's 16 columns: a product of fewer columns has the same leading columns
-        columns = np.ascontiguousarray(rng.uniform(-1.0, 1.0, (16, k)).astype(np.float32)[:n])
+        # the first n of the seed's columns: a product of fewer columns has the same leading columns
+        columns = np.ascontiguousarray(rng.uniform(-1.0, 1.0, (MAX_COLUMNS, k)).astype(np.float32)[:n])
         ctypes.memmove(g.base.ggml_get_data(x), columns.ctypes.data, 4 * k * n)
         self.y = g.base.ggml_mul_mat(self.ctx, w, x)
         self.graph = g.base.ggml_new_graph(self.ctx)

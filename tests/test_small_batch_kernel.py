@@ -1,12 +1,13 @@
-"""Patch 0018's small-batch kernel (2..8 columns) gives stock tinyBLAS's bits, column by column.
+"""Patch 0018's small-batch kernel (2..8 columns; F16 / F32 2..16) gives stock tinyBLAS's bits, column by column.
 
 The prefix cache (copy + short suffix = fresh prefill), chunked replay and the recurrent rollback on
 a chain rely on a row's result being the same for every batch of n >= 2 rows.  So the kernel must
 give tinyBLAS's bits exactly: each product is computed in a child process with the kernel and with
 ``SKIPPY_SMALL_BATCH_KERNEL=0`` (stock tinyBLAS), and every output column must match, for F16, F32
 and Q8_0 weights whose row counts (m) and lengths (k) are and are not multiples of the tiles, on 1
-and 2 threads; and each column must be the same in every product of 2..12 columns (9 and 12 are past the
-kernel, stock tinyBLAS either way).
+and 2 threads; and each column must be the same in every product of 2..17 columns (Q8_0 from 9 and F16 /
+F32 at 17 are past the kernel: stock tinyBLAS either way; 9..16 F16 / F32 columns take the kernel's passes
+given at run time).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import small_batch  # noqa: E402
 SHAPES = [("f16", 1000, 36), ("f16", 72, 148), ("f16", 104, 150), ("f16", 100, 64),
           ("f32", 256, 100), ("f32", 40, 66),
           ("q8_0", 224, 103), ("q8_0", 640, 102), ("q8_0", 96, 101), ("q8_0", 32, 4), ("q8_0", 1024, 64)]
-COUNTS = [2, 3, 4, 5, 6, 7, 8, 9, 12]
+COUNTS = [2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 16, 17]
 THREADS = [1, 2]
 
 

@@ -242,6 +242,10 @@ class Executor:
         #: Issue 31: the head-only context of the head rows this stage serves to the final stage
         #: (``--serve-head-rows``; skippy.stage.head_split), computed through the scheduler; closed here.
         self.head_shard: Any = None
+        #: The native decode calls of decode batches (``run_decode_batch``): wall and this
+        #: thread's CPU nanoseconds, summed (the scheduler's trace reads them per turn).
+        self.native_wall_ns = 0
+        self.native_cpu_ns = 0
 
     # -- sessions ----------------------------------------------------------------------------
     @property
@@ -776,8 +780,11 @@ class Executor:
             activations = np.concatenate([i.activations for _, i, _, _ in ready if i.activations is not None])
         outputs = np.ones(count, dtype=bool) if self.is_last else None
         started = time.perf_counter_ns()
+        cpu = time.thread_time_ns()
         try:
             self._decode(positions, seqs, tokens, activations, outputs)
+            self.native_cpu_ns += time.thread_time_ns() - cpu
+            self.native_wall_ns += time.perf_counter_ns() - started
             if self.is_last:
                 samplers = [self._sampler(s) for _, _, s, _ in ready]
                 try:

@@ -127,12 +127,15 @@ class TurnTrace:
     its batch has run::
 
         t=<ms> via=<fast|serve> idle=<ms> wait=<ms> active=<n> cap=<n> rows=<s>@<ms>,... left=<n> jobs=<n> batch=<ms>
+        cpu=<ms> native=<ms>/<ms> at=<ms>
 
     ``t``: the turn's start (claiming the runtime), ms since the trace began; ``idle``: since the
     previous turn's runtime work ended; ``wait``: how long the turn gathered; ``rows``: the decode
     rows it ran, each a small session number and when it was submitted, ms after the previous
     turn's end (negative: it queued during that turn); ``left``: decode rows left queued;
-    ``jobs``: the turn's other jobs; ``batch``: the runtime's wall time for the turn.
+    ``jobs``: the turn's other jobs; ``batch``: the runtime's wall time for the turn; ``cpu``: its
+    thread's CPU time; ``native``: the wall / CPU time of its native decode batch; ``at``: the
+    turn's start on ``time.perf_counter`` (CLOCK_MONOTONIC: one clock for every stage of a host).
     """
 
     _count = 0
@@ -160,11 +163,19 @@ class TurnTrace:
                      f"wait={(now - started_ns) / 1e6:.1f} active={active} cap={cap} rows={rows} left={waiting} "
                      f"jobs={others}")
 
-    def ran(self, started_ns: int) -> None:
-        """The turn's runtime work ended."""
+    def ran(self, started_ns: int, cpu_ns: int, native: tuple[int, int]) -> None:
+        """The turn's runtime work ended (``cpu_ns``: the runtime thread's CPU in it; ``native``:
+        the wall and CPU ns of its native decode batch)."""
         self.ended = time.perf_counter_ns()
-        self.file.write(f"{self.line} batch={(self.ended - started_ns) / 1e6:.1f}\n")
+        self.file.write(f"{self.line} batch={(self.ended - started_ns) / 1e6:.1f} cpu={cpu_ns / 1e6:.2f} "
+                        f"native={native[0] / 1e6:.2f}/{native[1] / 1e6:.2f} "
+                        f"at={started_ns / 1e6:.2f}\n")
         self.line = ""
+
+
+def _native_ns(executor: Executor) -> tuple[int, int]:
+    """The executor's native decode wall and CPU ns so far (0 for a stand-in without them)."""
+    return getattr(executor, "native_wall_ns", 0), getattr(executor, "native_cpu_ns", 0)
 
 
 def decode_groups(policy: str, chain_stages: int, executor: Executor) -> int:
@@ -710,6 +721,7 @@ class Scheduler:
         release it, account."""
         self._busy = True
         trip = _Trip()
+        native = _native_ns(self.executor) if self._trace is not None else (0, 0)
         try:
             started = time.perf_counter_ns()
             for job in jobs:
@@ -721,7 +733,8 @@ class Scheduler:
         finally:
             self._release()
         if self._trace is not None:
-            self._trace.ran(started)
+            now = _native_ns(self.executor)
+            self._trace.ran(started, trip.cpu_ns, (now[0] - native[0], now[1] - native[1]))
         self.stats.runtime_busy_us += (time.perf_counter_ns() - started) // 1000
         self.stats.runtime_cpu_us += trip.cpu_ns // 1000
         self.stats.native_batches += trip.native
