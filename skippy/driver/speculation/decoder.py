@@ -269,8 +269,9 @@ class SpeculativeDecoder:
             self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
                                               shared=shared)
             cost = self.controller.cost
-            if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
-                self.load.row_cost_ratio = cost.extra_row / cost.single_row
+            if not shared and self.load is not None and cost.windows_measured and cost.single_row > 0:
+                if cost.extra_row is not None:
+                    self.load.row_cost_ratio = cost.extra_row / cost.single_row
                 self.load.costs[self.controller.config.stages] = cost
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
