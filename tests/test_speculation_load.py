@@ -11,6 +11,7 @@ import trio
 
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver.speculation import (
+    ControllerConfig,
     CostModel,
     SessionLoad,
     SpeculationConfig,
@@ -44,17 +45,25 @@ def test_gain_falls_with_sessions_and_never_pays_when_rows_dominate() -> None:
 
 
 def test_single_stream_speculates_and_concurrent_sessions_back_off() -> None:
-    """A CPU chain on loopback (2 ms round trip, 5 ms a step, 2.5 ms a further row)."""
+    """A CPU chain on loopback (2 ms round trip, 5 ms a step, 2.5 ms a further row; a window's own
+    traversal of 5 rows 15 ms): a window runs after the others' batch as a traversal of its own,
+    so with one other session it costs that session a window's compute, and stays off."""
     control = controller(0.002, 0.005, 0.0025, max_depth=4, stages=2, probe_interval=4)
     feed(control, 0.9, 30, seed=1)
     alone = control.plan(8, 6)
     assert alone.window >= 1 and alone.speedup > 1.3  # today's plan, unchanged (pipelined windows)
-    two = control.plan(8, 6, sessions=2)
-    assert two.window >= 1 and two.depth == 1 and 1.03 <= two.speedup < alone.speedup
-    crowded = [control.plan(8, 6, sessions=16) for _ in range(10)]
-    assert all(plan.window == 0 and not plan.probe for plan in crowded)  # off, and no probe windows either
+    for sessions in (2, 4, 16):
+        crowded = [control.plan(8, 6, sessions=sessions) for _ in range(10)]
+        assert all(plan.window == 0 and not plan.probe for plan in crowded)  # off, and no probe windows either
     assert not control.enabled
     assert control.plan(8, 6) == alone and control.enabled  # alone again: back on
+    # windows that cost about a step (a GPU; 2-3 rows on a CPU after patch 0018): with a few
+    # others near-certain drafts still pay, serial; with many they do not
+    cheap = controller(0.002, 0.005, 0.0002, max_depth=4, stages=2)
+    feed(cheap, 0.95, 40, seed=1)
+    two = cheap.plan(8, 6, sessions=2)
+    assert two.window >= 1 and two.depth == 1 and 1.03 <= two.speedup < cheap.plan(8, 6).speedup
+    assert cheap.plan(8, 6, sessions=16).window == 0
     # a chain whose round trip dwarfs its compute still gains from drafts with a few others
     network = controller(0.020, 0.005, 0.0005)
     feed(network, 0.9, 30, seed=1)
@@ -129,10 +138,11 @@ def test_waiting_behind_other_sessions_is_not_a_round_trip() -> None:
 
 
 def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
-    """A session that starts under load never measures c_row; the prior (0.25 of a step) is far
-    under a CPU chain's (traced: a further row of Gemma 3 270M, its 262k-row head included, cost
-    about what a one-row step did), so near-certain drafts looked worth it at S = 8.  The ratio a
-    session measured alone on the chain is shared through the SessionLoad."""
+    """A session that starts under load never measures c_row nor a window; the prior (0.25 of a
+    step) is far under a CPU chain's (traced: a further row of Gemma 3 270M, its 262k-row head
+    included, cost about what a one-row step did).  The ratio and the window prices a session
+    measured alone on the chain are shared through the SessionLoad; with them, and with the
+    prior alone (a window is a traversal of its own), near-certain drafts stay plain at S = 8."""
     load = SessionLoad()
     first = Session()
     load.enter(first)
@@ -140,7 +150,19 @@ def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
     drive(single, 60, queueing=0.002)  # alone: plain steps then windows, c_row measured
     assert single.controller.cost.extra_row == pytest.approx(0.015)
     assert load.row_cost_ratio == pytest.approx(0.015 / 0.090)
-    load.row_cost_ratio = 1.2  # what the Gemma chain measured alone
+    gemma = SessionLoad()  # what the Gemma chain measured alone: a further row ~1.2 steps
+    gemma_first = Session()
+    gemma.enter(gemma_first)
+    measured = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=gemma)
+    for _ in range(60):
+        request = measured.next_window()
+        assert request is not None
+        rows = len(request.tokens)
+        measured.on_reply(request.window_id, (29871,) * rows, wall_seconds=0.092 + 0.108 * (rows - 1),
+                          compute_seconds=0.090 + 0.108 * (rows - 1))
+    assert gemma.row_cost_ratio == pytest.approx(1.2, rel=0.2) and gemma.costs
+    load = gemma
+    first = gemma_first
     others = [Session() for _ in range(7)]
     for session in others:
         load.enter(session)
@@ -153,11 +175,11 @@ def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
         assert request is not None
         return request.is_decode
 
-    assert plain_under_load(load)  # the measured ratio: a plain step
+    assert plain_under_load(load)  # the measured ratio and prices: a plain step
     prior = SessionLoad()
     for session in [first, *others]:
         prior.enter(session)
-    assert not plain_under_load(prior)  # the prior alone would send a window
+    assert plain_under_load(prior)  # the prior alone: a plain step too (it sent windows before)
     assert single.controller.cost.row_cost_ratio == 0.25  # the lone session kept its own
 
 
@@ -228,3 +250,52 @@ def test_a_lone_session_adopts_the_window_cost_measured_before() -> None:
     # the bets (and the probes' clock) come with the costs, as a copy
     assert cost.bets.bets == first.controller.bets.bets > 0 and cost.bets.bands == first.controller.bets.bands
     assert cost.bets is not first.controller.bets and cost.bets.bands is not first.controller.bets.bands
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_busy_chain_sends_no_window_from_its_start(stages: int) -> None:
+    """Issue 31 item 3, traced at N = 8 on one stage (twothread): a run that started straight at
+    N = 8 sent verify windows (70 of 144 batches held all 8 rows, 118 with speculation off).  On a
+    chain busy with 7 other sessions (a fake load: the SessionLoad counts them) requests on a
+    looping stream send no window from their first token (no learning period), on the kernels
+    of patch 0018 or with a cost model measured alone before; a lone stream then speculates and
+    gains as alone, and a request whose company leaves midway speculates from then on."""
+    from test_speculation_controller import load_sim
+
+    sim = load_sim()
+
+    def stage_cost(rows: int) -> float:
+        return float(sim.table_cost(sim.CPU_F16_0018, rows)) / stages
+
+    chain = sim.ChainModel([stage_cost] * stages, 0.0002, 0.0005, cores=2)
+    config = SpeculationConfig(controller=ControllerConfig(stages=stages))
+    prompt, stream = [101, 102] * 20, [103] * 64
+    plain = sim.simulate(prompt, stream, chain, SpeculationConfig(enabled=False), driver_time=False)
+    load = SessionLoad()
+    others = [Session() for _ in range(7)]
+    for session in others:
+        load.enter(session)
+    for _ in range(3):  # busy from the start: never a window
+        busy = sim.simulate(prompt, stream, chain, config, driver_time=False, load=load)
+        assert busy.windows == [] and busy.usage.proposed == 0
+    for session in others:
+        load.leave(session)
+    lone = [sim.simulate(prompt, stream, chain, config, driver_time=False, load=load) for _ in range(2)]
+    assert all(run.windows and plain.seconds / run.seconds >= 1.8 for run in lone)
+    for session in others:  # busy again, with a cost model measured alone: still no window
+        load.enter(session)
+    assert load.costs and sim.simulate(prompt, stream, chain, config, driver_time=False, load=load).windows == []
+
+    class Leaving(SessionLoad):
+        """The other sessions leave after the load was read 30 times (about 10 plain steps)."""
+
+        reads = 0
+
+        @property
+        def sessions(self) -> int:
+            Leaving.reads += 1
+            return 8 if Leaving.reads <= 30 else 1
+
+    midway = sim.simulate(prompt, stream, chain, config, driver_time=False, load=Leaving())
+    assert midway.window_sizes[:8] == [1] * 8 and midway.windows  # plain while busy, windows once alone
+    assert plain.seconds / midway.seconds >= 1.3

@@ -64,19 +64,27 @@
 # loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1; a chain's bets that
 # keep losing send no more windows (q), so the loss is paid about once per chain.
 #
-# Load (docs/throughput.md): the plan is per session, but the rows of a window share the stages'
-# batches with the other sessions' rows.  With S sessions decoding on the chain (`SessionLoad`,
-# counted by the Generator), a step of all of them is L_S = L(1) + c_row (S - 1); K drafts make it
-# L_S + c_row K for every session, and commit E(K) tokens here against 1 for each other session.
-# The aggregate gain is G(K) = (S - 1 + E(K)) / S * L_S / (L_S + c_row K) (`shared_gain`; S = 1 is
-# the serial speedup above).  With S >= 2 only serial windows are weighed (a pipelined window
-# takes the bottleneck stage from the others too), a window is sent only when G >= min_gain, and
-# no probe windows are sent (shadow scoring still tracks acceptance).  Even perfect drafts give
-# G <= 1 once the rows dominate the step (c_row S >= L_S), so enough sessions keep it off.
+# Load (docs/throughput.md): the plan is per session, but a window's compute delays the other
+# sessions.  With S sessions decoding on the chain (`SessionLoad`, counted by the Generator), a
+# step of all of them is L_S = L(1) + c_row (S - 1).  A stage's scheduler runs the decode rows of
+# all sessions as one batch and a verify window as a job of its own after it (skippy.stage.
+# scheduler), so a session that sends K drafts instead of its row makes that step L(1) + c_row
+# (S - 2) + C(K + 1) for every session (its window a traversal of its own, c_w included), and
+# commits E(K) tokens against 1 for each other session: G(K) = (S - 1 + E(K)) / S * L_S / that
+# (`shared_gain`; S = 1 is the serial speedup above).  Pricing the window's rows as rows of the
+# batch (c_row K) sent windows of near-certain drafts at N = 8 (one stage, twothread: 70 of 144
+# batches held all 8 rows, 118 with speculation off; 2 x 1t Gemma 94 against 101 tok/s).  Even
+# perfect drafts now give G <= 1 at S >= K + 1 on a CPU (C(K + 1) >= c_1 + c_row K).  With S >= 2
+# only serial windows are weighed (a pipelined window takes the bottleneck stage from the others
+# too; a pipelined epoch under way sends no more continuations once others run), a window is sent
+# only when G >= min_gain, and no probe windows are sent (shadow scoring still tracks
+# acceptance): a session that starts on a busy chain sends none before it has measured anything.
 # Timing under load: a traversal that shared the chain with other sessions (S >= 2 when sent or
 # answered) waited behind their rows and was batched with them, so it teaches neither R nor c_row
-# (only a first c_1); the shared rule takes R = 0 until a traversal alone on the chain shows it,
-# and c_row / c_1 from the last session that measured it alone (`SessionLoad.row_cost_ratio`).
+# nor a window's price (only a first c_1); the shared rule takes R = 0 until a traversal alone on
+# the chain shows it, c_row / c_1 from the last session that measured it alone
+# (`SessionLoad.row_cost_ratio`), and the window sizes' prices relative to c_1 from that
+# session's cost model (`CostModel.shape`).
 from __future__ import annotations
 
 import bisect
@@ -310,6 +318,9 @@ class CostModel:
     _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: The bets and the probes' clock, carried with the costs (:meth:`adopt`).
     bets: BetRecord = field(default_factory=BetRecord)
+    #: A model measured alone on the same chain: under load, where no window teaches a price,
+    #: its window prices relative to its c_1 (:meth:`shared_compute`).
+    shape: CostModel | None = None
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
         """Discounted mean, quick to come down: noise (a stall, a fresh stage's first batches)
@@ -459,6 +470,14 @@ class CostModel:
     def latency(self, rows: int) -> float:
         return self.round_trip + self.compute(rows)
 
+    def shared_compute(self, rows: int) -> float:
+        """C(n) for the shared rule: this model's own price once it measured a window, else the
+        price relative to c_1 of :attr:`shape` (a model measured alone on the chain) times c_1."""
+        shape = self.shape
+        if self._sizes or shape is None or shape.single_row <= 0 or rows <= 1:
+            return self.compute(rows)
+        return shape.compute(rows) / shape.single_row * self.single_row
+
     @property
     def row(self) -> float:
         """The marginal compute of one more row in a window (c_row)."""
@@ -494,11 +513,14 @@ class SessionLoad:
 
 def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel, later: float | None = None) -> float:
     """Aggregate throughput gain of one serial window of ``window`` drafts for one of ``sessions``
-    sessions sharing every batch (see the module header; 1 session: the serial speedup)."""
+    sessions (see the module header: the others' rows batch, the window is a traversal of its
+    own; 1 session: the serial speedup)."""
     sessions = max(1, sessions)
     step = cost.latency(1) + cost.row * (sessions - 1)
+    others = cost.single_row + cost.row * (sessions - 2) if sessions >= 2 else 0.0
+    with_window = cost.round_trip + others + cost.shared_compute(window + 1)
     committed = sessions - 1 + expected_tokens(acceptance, window, later)
-    return committed / sessions * step / max(step + cost.row * window, 1e-12)
+    return committed / sessions * step / max(with_window, 1e-12)
 
 
 def serial_rate(acceptance: float, window: int, cost: CostModel, later: float | None = None) -> float:
