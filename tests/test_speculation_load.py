@@ -299,3 +299,48 @@ def test_a_busy_chain_sends_no_window_from_its_start(stages: int) -> None:
     midway = sim.simulate(prompt, stream, chain, config, driver_time=False, load=Leaving())
     assert midway.window_sizes[:8] == [1] * 8 and midway.windows  # plain while busy, windows once alone
     assert plain.seconds / midway.seconds >= 1.3
+
+
+def test_a_request_on_a_busy_chain_takes_the_plain_path() -> None:
+    """A request that starts where even drafts that are all kept could not pay the others does not
+    speculate at all: its plain steps would cost more per token than the plain path (a decode run,
+    direct return; 2 x 1t Gemma at N = 8: 94.3 against 100.8 tok/s with speculation off).  A lone
+    stream, a few sessions and an explicit opt-in still speculate."""
+    from skippy.driver.speculation import speculation_pays
+
+    config = ControllerConfig()
+    load = SessionLoad()
+    sessions = [Session() for _ in range(8)]
+    load.enter(sessions[0])
+    assert speculation_pays(load, config)
+    for session in sessions[1:]:
+        load.enter(session)
+    assert not speculation_pays(load, config)  # the prior: 8 sessions
+    for session in sessions[2:]:
+        load.leave(session)
+    assert speculation_pays(load, config)  # two: a loop's windows may pay
+    from test_speculation_controller import cpu_0018
+
+    cpu = CostModel(0.25, 16.0)  # a session alone measured c_1 and windows of 2-9 rows (patch 0018's CPU)
+    for rows in [1] * 4 + [*range(2, 10)] * 2:
+        cpu.observe(rows, cpu_0018(rows) + 0.0005, cpu_0018(rows))
+    load.costs[1] = cpu
+    for session in sessions[2:4]:
+        load.enter(session)
+    assert load.sessions == 4 and speculation_pays(load, config)  # an 8-row window beside 3 rows: 7 ms a token
+    for session in sessions[4:]:
+        load.enter(session)
+    assert load.sessions == 8 and not speculation_pays(load, config)
+
+    class Busy(SessionLoad):
+        @property
+        def sessions(self) -> int:
+            return 8
+
+    generator = Generator.__new__(Generator)  # its load and settings only
+    generator.load, generator.controller, generator.speculation = Busy(), ControllerConfig(), True
+    greedy = GenerationRequest((1, 2, 3), 16)
+    assert generator.speculates(greedy) and not generator.speculates(greedy, load_aware=True)
+    assert generator.speculates(GenerationRequest((1, 2, 3), 16, speculation=True), load_aware=True)
+    generator.load = SessionLoad()
+    assert generator.speculates(greedy, load_aware=True)

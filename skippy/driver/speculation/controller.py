@@ -84,7 +84,9 @@
 # nor a window's price (only a first c_1); the shared rule takes R = 0 until a traversal alone on
 # the chain shows it, c_row / c_1 from the last session that measured it alone
 # (`SessionLoad.row_cost_ratio`), and the window sizes' prices relative to c_1 from that
-# session's cost model (`CostModel.shape`).
+# session's cost model (`CostModel.shape`).  A request that starts where even drafts that are all
+# kept would not pay (`speculation_pays`: S = 8 on a CPU chain) does not speculate at all: the
+# Generator gives it the plain path (a decode run, direct return), cheaper than plain steps.
 from __future__ import annotations
 
 import bisect
@@ -106,6 +108,7 @@ __all__ = [
     "pipelined_waits",
     "serial_rate",
     "shared_gain",
+    "speculation_pays",
 ]
 
 #: Acceptance is clamped below this so the pipelined formula stays finite.
@@ -381,7 +384,8 @@ class CostModel:
         for rows, samples in self._sizes.items():
             price = self._prices[rows] = min(samples)
             x, y, weight = rows - 1.0, max(price - self.single_row, 0.0), float(len(samples))
-            w, sx, sy, sxx, sxy = w + weight, sx + weight * x, sy + weight * y, sxx + weight * x * x, sxy + weight * x * y
+            w, sx, sy = w + weight, sx + weight * x, sy + weight * y
+            sxx, sxy = sxx + weight * x * x, sxy + weight * x * y
         self._sums = (w, sx, sy, sxx, sxy)
         if w <= 0:
             return
@@ -521,6 +525,25 @@ def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel, 
     with_window = cost.round_trip + others + cost.shared_compute(window + 1)
     committed = sessions - 1 + expected_tokens(acceptance, window, later)
     return committed / sessions * step / max(with_window, 1e-12)
+
+
+def speculation_pays(load: SessionLoad, config: ControllerConfig) -> bool:
+    """Whether a request that starts now, with ``load.sessions`` sessions on the chain (itself
+    included), could gain from a window at all: False when even drafts that are all kept give
+    every window size a shared gain under ``min_gain`` (:func:`shared_gain` at the window prices
+    and c_row / c_1 a session measured alone on the chain, ``load.costs``; without one the prior,
+    ``row_cost_ratio``, and c_w = 0).  Such a request does not speculate at all: it takes the plain
+    path (a decode run, direct return), which costs the stages and the driver less per token than
+    a speculating request's plain steps (2 x 1t Gemma at N = 8: 94.3 against 100.8 tok/s)."""
+    sessions = load.sessions
+    if sessions <= 1:
+        return True
+    alone = load.costs.get(config.stages) or next(reversed(load.costs.values()), None)
+    if alone is None or alone.single_row <= 0:
+        alone = CostModel(config.row_cost_ratio if load.row_cost_ratio is None else load.row_cost_ratio, 1.0)
+        alone.single_row, alone._seen_single = 1.0, True
+    return any(shared_gain(1.0, window, sessions, alone) >= config.min_gain
+               for window in range(1, config.max_window + 1))
 
 
 def serial_rate(acceptance: float, window: int, cost: CostModel, later: float | None = None) -> float:
@@ -691,7 +714,8 @@ class SpeculationController:
         ``shared``: other sessions ran on the chain meanwhile, :meth:`CostModel.observe`)."""
         self.cost.observe(rows, wall_seconds, compute_seconds, alone=alone, shared=shared)
 
-    def best(self, acceptance: float, max_window: int, later: float | None = None, max_depth: int | None = None) -> Plan:
+    def best(self, acceptance: float, max_window: int, later: float | None = None,
+             max_depth: int | None = None) -> Plan:
         """The best (K, D) for a first-draft acceptance and a later one (None: the same), with
         K <= ``max_window`` (and D <= ``max_depth``, None: the config's)."""
         if max_window < 1 or not self.cost.ready:
