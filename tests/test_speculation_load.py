@@ -344,3 +344,61 @@ def test_a_request_on_a_busy_chain_takes_the_plain_path() -> None:
     assert generator.speculates(GenerationRequest((1, 2, 3), 16, speculation=True), load_aware=True)
     generator.load = SessionLoad()
     assert generator.speculates(greedy, load_aware=True)
+
+
+async def test_a_run_that_finds_the_chain_busy_decodes_on_plainly(tiny_llama: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that started alone speculates; once the chain is busy (a fake load: 8 sessions
+    once it committed 12 tokens) it ends its speculation between windows (a pipelined epoch sends
+    no more continuations), the KV trimmed to what the plain loop leaves, and decodes on as a
+    decode run: the same tokens as without speculation.  A request that starts on the busy chain
+    never speculates."""
+    from skippy.driver import generator as generator_module
+
+    class Recording(SpeculativeDecoder):
+        last: "Recording | None" = None
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            Recording.last = self
+
+    class Rising(SessionLoad):
+        mode = "alone"  # "alone", "rising", "busy"
+
+        @property
+        def sessions(self) -> int:
+            last = Recording.last
+            if Rising.mode == "busy" or (Rising.mode == "rising" and last is not None and len(last.generated) >= 12):
+                return 8
+            return 1
+
+    monkeypatch.setattr(generator_module, "SpeculativeDecoder", Recording)
+    # on the tiny llama a window costs about a step and the round trip dominates: windows would pay
+    # even at S = 8 (speculation_pays, tested above); here the switch itself is tested
+    monkeypatch.setattr(generator_module, "speculation_pays", lambda load, config: load.sessions <= 1)
+    generator = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=16, credit=2)
+    try:
+        async with stage_chain(str(tiny_llama), ["0:2", "2:4"], tmp_path) as stages:
+            assert stages[0].address is not None
+            address = stages[0].address
+            async with await StageClient.connect(address) as client:
+                plain = await generator.generate(client, GenerationRequest(tuple(LOOP), 96, speculation=False), 400)
+            generator.load = Rising()
+            async with await StageClient.connect(address) as client:  # alone: what windows cost is learnt
+                alone = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 401)
+            assert alone.tokens == plain.tokens and alone.speculation is not None and alone.speculation.windows
+            Rising.mode, Recording.last = "rising", None
+            async with await StageClient.connect(address) as client:
+                switched = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 402)
+            assert switched.tokens == plain.tokens and switched.speculation is not None
+            assert Recording.last is not None and 12 <= len(Recording.last.generated) < len(switched.tokens) - 8
+            Rising.mode, Recording.last = "busy", None
+            async with await StageClient.connect(address) as client:
+                busy = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 403)
+            assert busy.tokens == plain.tokens and busy.speculation is None and Recording.last is None
+            Rising.mode = "alone"
+            async with await StageClient.connect(address) as client:
+                again = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 404)
+            assert again.tokens == plain.tokens and again.speculation is not None
+    finally:
+        generator.close()

@@ -420,6 +420,9 @@ class Generation:
         self._touched = True
         if self._speculates is None:
             self._speculates = self._generator.speculates(request, load_aware=True)
+        elif self._runner is not None and request.speculation is None and self._runner.decoder.tracker.in_flight == 0 \
+                and not speculation_pays(self._generator.load, self._generator.controller):
+            await self._stop_speculating()  # the chain got busy: the plain path from here on
         if not self.tokens:
             self._started = time.perf_counter()
             if self._fork is not None:
@@ -530,6 +533,22 @@ class Generation:
         decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens,
                                      load=generator.load)
         self._runner = SpeculativeRunner(self._client, self.session_id, decoder)
+
+    async def _stop_speculating(self) -> None:
+        """End the speculative run between windows, leaving the KV the plain loop would (every
+        token received but the last), and decode on as a plain request (a decode run)."""
+        runner = self._runner
+        assert runner is not None
+        length = len(self.request.prompt) + len(self.tokens) - 1
+        try:
+            await runner.finish(length)
+        except StageClientError:
+            await self._client.aclose()
+            raise
+        self.timing.add_frames(self._client.take_timings())
+        runner.replies.clear()
+        self._spec_usage, self._runner = runner.decoder.usage, None
+        self._position = length
 
     async def _finish(self, reason: str, text: str, *, flushed: bool = False, eog: bool = False) -> str:
         if self._runner is not None:
