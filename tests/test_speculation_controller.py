@@ -492,3 +492,18 @@ def test_a_pipelined_start_keeps_its_continuations() -> None:
         plan = control.plan(8, 6)
         if plan.depth >= 2:
             assert control.continuation_plan(6, plan).depth >= 2, seed
+
+
+def test_a_size_costs_at_most_a_larger_one() -> None:
+    """Traced on a 2-stage chain: its 2-row windows read 3 c_1 from its first request (slow ones),
+    so it never sent one again while 3-row windows cost 1.2 c_1; more rows never cost less."""
+    cost = CostModel(0.25, 16.0)
+    for _ in range(4):
+        cost.observe(1, cpu_0018(1) + 0.001, cpu_0018(1))
+    for _ in range(2):
+        cost.observe(2, 3 * cpu_0018(1), 3 * cpu_0018(1))
+    assert cost.compute(2) == pytest.approx(3 * cpu_0018(1))
+    cost.observe(3, cpu_0018(3) + 0.001, cpu_0018(3))
+    assert cost.compute(2) == pytest.approx(cpu_0018(3)) and cost.compute(3) == pytest.approx(cpu_0018(3))
+    cost.observe(9, cpu_0018(9) + 0.001, cpu_0018(9))
+    assert cost.compute(5) <= cost.compute(9) and cost.compute(3) == pytest.approx(cpu_0018(3))

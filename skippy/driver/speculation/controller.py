@@ -19,8 +19,9 @@
 #   others by c_w and c_row, a line through the measured sizes (slope prior `row_cost_ratio` c_1):
 #   after patch 0018 2 and 3 rows cost ~1.2 one-row steps, 4-8 rows 1.7-2.8 and 9 rows 4.6,
 #   which no line fits.  Noise only slows a traversal, so one slow sample decides nothing: a
-#   size's price is its fastest recent window, R and c_1 take a faster sample at once and a
-#   slower one as at most twice the estimate (R: R + c_1).  Traced on peer_compare's rounds:
+#   size's price is its fastest recent window (and at most a larger size's: more rows never
+#   cost less), R and c_1 take a faster sample at once and a slower one as at most twice the
+#   estimate (R: R + c_1).  Traced on peer_compare's rounds:
 #   one slow early window priced windows out of a chain for good, so chains of 1 and 2 stages
 #   that cost the same made different decisions (speculation's 2-stage figure swung by ms).
 # * Serial plan (D = 1): E(K) = 1 + a_1 (1 - a^K) / (1 - a) tokens per L(K + 1).
@@ -315,8 +316,10 @@ class CostModel:
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
     #: The last _SIZE_SAMPLES windows' compute (capped, seconds) by rows.
     _sizes: dict[int, list[float]] = field(default_factory=dict)
-    #: By rows: the price of a window of that size (the fastest of its last ones in _sizes).
+    #: By rows: the price of a window of that size (the fastest of its last ones in _sizes, at
+    #: most a larger size's), and the sizes measured, in order.
     _prices: dict[int, float] = field(default_factory=dict)
+    _measured_sizes: list[int] = field(default_factory=list)
     #: By plan kind (1: serial windows, 2: pipelined), discounted: (priced wait, realized wait).
     _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: The bets and the probes' clock, carried with the costs (:meth:`adopt`).
@@ -381,8 +384,12 @@ class CostModel:
         line through the sizes' prices (each weighted by its samples, up to _SIZE_SAMPLES),
         which prices the sizes not measured."""
         w = sx = sy = sxx = sxy = 0.0
+        ceiling = float("inf")  # more rows never cost less: a size costs at most any larger one
+        for rows in sorted(self._sizes, reverse=True):
+            ceiling = self._prices[rows] = min(min(self._sizes[rows]), ceiling)
+        self._measured_sizes = sorted(self._sizes)
         for rows, samples in self._sizes.items():
-            price = self._prices[rows] = min(samples)
+            price = self._prices[rows]
             x, y, weight = rows - 1.0, max(price - self.single_row, 0.0), float(len(samples))
             w, sx, sy = w + weight, sx + weight * x, sy + weight * y
             sxx, sxy = sxx + weight * x * x, sxy + weight * x * y
@@ -438,7 +445,7 @@ class CostModel:
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
         self._sizes = {rows: list(samples) for rows, samples in other._sizes.items()}
-        self._prices = dict(other._prices)
+        self._prices, self._measured_sizes = dict(other._prices), list(other._measured_sizes)
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
         self._waits = dict(other._waits)
         self.bets = dataclasses.replace(other.bets, bands=list(other.bets.bands))
@@ -465,11 +472,18 @@ class CostModel:
         return sum(len(samples) for samples in self._sizes.values()) >= _SETTLED_WINDOWS
 
     def compute(self, rows: int) -> float:
-        """C(n): c_1; a size measured, its fastest recent window; else the line c_1 + c_w + c_row (n - 1)."""
+        """C(n): c_1; a size measured, its fastest recent window; else the line c_1 + c_w + c_row (n - 1);
+        either at most what a larger size measured costs (a slow size otherwise stays priced out:
+        traced, a 2-stage chain's 2-row windows at 3 c_1 from its first request, never sent
+        again, while 3-row ones cost 1.2 c_1)."""
         if rows <= 1:
             return self.single_row
         price = self._prices.get(rows)
-        return self.single_row + self.window_step + self.row * (rows - 1) if price is None else price
+        if price is not None:
+            return price
+        line = self.single_row + self.window_step + self.row * (rows - 1)
+        larger = bisect.bisect_right(self._measured_sizes, rows)  # the nearest larger size measured caps it
+        return line if larger == len(self._measured_sizes) else min(line, self._prices[self._measured_sizes[larger]])
 
     def latency(self, rows: int) -> float:
         return self.round_trip + self.compute(rows)
