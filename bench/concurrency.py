@@ -250,10 +250,13 @@ def start_skippy(model: Path, stages: int, threads: int, slots: int, log_dir: Pa
 def measure(running: Running, model_id: str, clients: int, seconds: float, max_tokens: int,
             stage_compute: dict[int, float], counted: list[int] | None = None) -> float:
     """Aggregate completion tokens/s of ``clients`` threads for ``seconds`` (see the module notes);
-    ``counted[0]`` gains the completion tokens made."""
+    ``counted[0]`` gains the completion tokens made, ``counted[1]`` / ``[2]`` (when there) the
+    verify windows and drafts the requests sent (``usage.skippy_speculation``)."""
     started = time.perf_counter()
     deadline = started + seconds
     tokens = [0] * clients
+    windows = [0] * clients
+    drafts = [0] * clients
     ends = [started] * clients
 
     def client(index: int) -> None:
@@ -267,6 +270,9 @@ def measure(running: Running, model_id: str, clients: int, seconds: float, max_t
                 reply.raise_for_status()
                 usage = reply.json()["usage"]
                 tokens[index] += int(usage["completion_tokens"])
+                spec = usage.get("skippy_speculation") or {}
+                windows[index] += int(spec.get("windows", 0))
+                drafts[index] += int(spec.get("proposed", 0))
                 ends[index] = time.perf_counter()
                 for stage in usage.get("skippy_timing", {}).get("stages", []):
                     stage_compute[stage["stage"]] = stage_compute.get(stage["stage"], 0.0) + stage["compute_ms"]
@@ -276,6 +282,9 @@ def measure(running: Running, model_id: str, clients: int, seconds: float, max_t
             future.result()
     if counted is not None:
         counted[0] += sum(tokens)
+        if len(counted) >= 3:
+            counted[1] += sum(windows)
+            counted[2] += sum(drafts)
     return sum(tokens) / max(max(ends) - started, 1e-9)
 
 
@@ -378,7 +387,7 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                     processes = {"api": run.api_pid, **{f"stage {i}": pid for i, pid in enumerate(run.stage_pids)}}
                     threads_were = {label: thread_cpu_seconds(pid) for label, pid in processes.items() if pid}
                     metrics_were = stage_metrics(run)
-                    counted = [0]
+                    counted = [0, 0, 0]
                     rate = measure(run, model_id, clients, args.seconds, args.max_tokens, compute[variant], counted)
                     point.add(time.perf_counter() - began, counted[0],
                               [cpu_seconds(pid) - was for pid, was
@@ -386,6 +395,8 @@ def run_model(name: str, args: argparse.Namespace, log_dir: Path) -> dict[str, A
                               bool(run.api_pid),
                               [{key: now[key] - was[key] for key in now}
                                for now, was in zip(stage_metrics(run), metrics_were)])
+                    point.spec_windows += counted[1]
+                    point.spec_drafts += counted[2]
                     for label, were in threads_were.items():
                         point.add_threads(label, were, thread_cpu_seconds(processes[label]))
                     results[variant][clients].append(rate)
@@ -412,6 +423,9 @@ class Tally:
     #: per process ("api", "stage 0", ...), each thread's CPU s (a stage of T compute threads
     #: should show T busy threads: one OpenMP pool, docs/throughput.md)
     thread_cpu_s: dict[str, dict[int, float]] = dataclasses.field(default_factory=dict)
+    #: verify windows and drafts the requests sent (usage.skippy_speculation)
+    spec_windows: int = 0
+    spec_drafts: int = 0
 
     def add_threads(self, label: str, were: dict[int, float], now: dict[int, float]) -> None:
         threads = self.thread_cpu_s.setdefault(label, {})
@@ -468,6 +482,8 @@ def report(name: str, data: dict[str, Any], args: argparse.Namespace) -> str:
                     for label, threads in point.get("thread_cpu_s", {}).items()]
             text = (f"- {variant} N={clients}, {made} tokens over {wall:.0f} s: CPU ms per token "
                     + ", ".join(per))
+            if point.get("spec_windows"):
+                text += f"; speculation: {point['spec_windows']} verify windows, {point.get('spec_drafts', 0)} drafts"
             stages = point["stage_metrics"]
             if stages:
                 text += "; " + "; ".join(

@@ -587,6 +587,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--spec-ab", action="store_true",
                         help="with --speculation: also each with the bets not calibrating the controller (raw)")
     parser.add_argument("--spec-trace", action="store_true", help="print each speculating request's windows")
+    parser.add_argument("--spec-only", action="store_true",
+                        help="with --speculation: measure only the speculating rows (no stock, RPC, in-process "
+                             "or plain skippy rows; the chains are still started)")
     parser.add_argument("--spec-plain", action="store_true",
                         help="with --speculation: also the generator's requests without speculation (nospec)")
     parser.add_argument("--issue27", action="store_true",
@@ -613,7 +616,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     from skippy.models.cache import ensure_model
     from skippy.models.spec import preset
 
-    peer = existing_peer() if args.no_build else built_peer()
+    if args.spec_only and not args.speculation:
+        parser.error("--spec-only needs --speculation (or --issue27)")
+    peer = None if args.spec_only else existing_peer() if args.no_build else built_peer()
     spec = preset(args.preset)
     model = ensure_model(spec)
     n_layer = spec.n_layer
@@ -687,6 +692,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.pipelined:
             for name in ("RPC 2", "RPC 4", "skippy 2", "skippy 4") if peer is not None else ("skippy 2", "skippy 4"):
                 prefill_runs[f"{name} /{micro}"] = []
+        if args.spec_only:  # the speculating rows alone (their chains are up all the same)
+            for name in [name for name in decode_runs if name not in speculations]:
+                del decode_runs[name]
+                prefill_runs.pop(name, None)
         names = list(decode_runs)
         for round_index in range(args.rounds):
             if args.fresh_chains and round_index > 0:  # new stage processes: a new page placement
@@ -739,7 +748,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name, runs in decode_runs.items()) + " | prefill " + "; ".join(
                 f"{name} {runs[-1][0]:.1f}" for name, runs in prefill_runs.items() if runs), flush=True)
 
-    reference = "stock" if peer is not None else "skippy 1"
+    reference = "stock" if peer is not None else "skippy 1" if "skippy 1" in decode_runs else "skippy 1 spec"
     lines = summary(f"decode (tg{args.steps}), medians of {args.rounds} rounds:", decode_runs, reference)
     lines += boundary_lines(decode_runs, BOUNDARY_PAIRS)
     if not args.no_prefill:

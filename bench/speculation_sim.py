@@ -16,10 +16,12 @@
 # rejected draft get the stream's token too: they are discarded by the acceptance rule anyway.
 #
 # Usage: PYTHONPATH=. python bench/speculation_sim.py [--tokens 160] [--delay-ms 5] [--stages 2]
-#        PYTHONPATH=. python bench/speculation_sim.py --peer-requests 8   (consecutive requests)
+#        PYTHONPATH=. python bench/speculation_sim.py --peer-requests 8 [--spikes 0.05] [--old-kernels]
+#        (peer_compare's speculation rounds: requests on fresh chains, a noisy host)
 from __future__ import annotations
 
 import argparse
+import random
 import re
 import statistics
 import sys
@@ -184,11 +186,40 @@ def cpu_f16(rows: int) -> float:
     return CPU_F16[below] + (CPU_F16[above] - CPU_F16[below]) * (rows - below) / (above - below)
 
 
-def peer_requests(requests: int, steps: int) -> None:
+#: The same after patch 0018 (small batches on a kernel that reads the weights once; thread time of
+#: ``LocalChain`` decodes of 1..17 rows in process, 2026-12-06, shared host, rounded): 2 and 3 rows cost
+#: ~1.2 one-row steps, 4-8 rows 1.7-2.8, 9 rows (past the kernel's 8 columns) 4.6.
+CPU_F16_0018 = {1: 0.0194, 2: 0.0225, 3: 0.0230, 4: 0.0330, 5: 0.0370, 6: 0.0430, 7: 0.0500, 8: 0.0540,
+                9: 0.0900, 12: 0.1120, 17: 0.1500}
+
+
+def table_cost(table: dict[int, float], rows: int) -> float:
+    """``table`` interpolated between its sizes (extrapolated past the largest by its last slope)."""
+    if rows in table:
+        return table[rows]
+    below = max(n for n in table if n < rows)
+    above = min((n for n in table if n > rows), default=None)
+    if above is None:
+        previous = max(n for n in table if n < below)
+        return table[below] + (rows - below) * (table[below] - table[previous]) / (below - previous)
+    return table[below] + (table[above] - table[below]) * (rows - below) / (above - below)
+
+
+def noisy(cost: StageCost, rng: random.Random, spikes: float, low: float = 2.0, high: float = 6.0) -> StageCost:
+    """``cost`` slowed ``low``..``high`` times on a fraction ``spikes`` of traversals (a shared
+    host's stalls: noise only slows a traversal)."""
+    return lambda rows: cost(rows) * (rng.uniform(low, high) if rng.random() < spikes else 1.0)
+
+
+def peer_requests(requests: int, steps: int, *, table: dict[int, float] = CPU_F16_0018, spikes: float = 0.0,
+                  seed: int = 1) -> None:
     """bench/peer_compare.py's speculation as consecutive requests on one chain (their
     SessionLoad shared, as the Generator's): the llama-16x1024 greedy streams of its code prompt
-    and of its LOOP, through chains of 1, 2 and 4 stages on 2 shared cores (CPU_F16 split evenly,
-    0.2 ms each way, 0.5 ms a message); each request's extra ms per token over plain decode."""
+    and of its LOOP, through chains of 1, 2 and 4 stages on 2 shared cores (``table`` split
+    evenly, 0.2 ms each way, 0.5 ms a message; ``spikes``: that fraction of each stage's
+    traversals 2-6x slower, :func:`noisy`, seeded), each request on a fresh chain after one request
+    of its own as ``peer_compare --fresh-chains`` measures; each measured request's extra ms per
+    token over plain decode (under the same noise), and the windows it sent."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from peer_compare import CODE, LOOP, MODEL_PRESET
 
@@ -209,17 +240,26 @@ def peer_requests(requests: int, steps: int) -> None:
         for name, prompt in (("code", code), ("loop", list(LOOP))):
             workloads[name] = (prompt, chain.generate(prompt, steps, SamplingParams(), stop_at_eog=False))
             chain.each("remove", 0)
+    rng = random.Random(seed)
     for name, (prompt, stream) in workloads.items():
         for stages in (1, 2, 4):
-            model = ChainModel([lambda rows, s=stages: cpu_f16(rows) / s] * stages, 0.0002, 0.0005, cores=2)
+            def chain() -> ChainModel:
+                def stage_cost(rows: int) -> float:
+                    return table_cost(table, rows) / stages
+                return ChainModel([noisy(stage_cost, rng, spikes)] * stages, 0.0002, 0.0005, cores=2)
             config = SpeculationConfig(controller=ControllerConfig(stages=stages))
-            plain = simulate(prompt, stream, model, SpeculationConfig(enabled=False), driver_time=False)
             load = SessionLoad()
-            runs = [simulate(prompt, stream, model, config, driver_time=False, load=load) for _ in range(requests)]
-            extra = [(run.seconds - plain.seconds) / len(stream) * 1e3 for run in runs]
-            print(f"{name} {stages} stage(s): plain {1e3 * plain.seconds / len(stream):.2f} ms/token; speculation's "
-                  f"extra ms/token by request {' '.join(f'{x:+.2f}' for x in extra)}; requests 2..: mean "
-                  f"{statistics.mean(extra[1:] or extra):+.2f}", flush=True)
+            extra, windows = [], []
+            for _ in range(requests):
+                model = chain()
+                simulate(prompt, stream, model, config, driver_time=False, load=load)  # the fresh chain's first
+                run = simulate(prompt, stream, model, config, driver_time=False, load=load)
+                plain = simulate(prompt, stream, chain(), SpeculationConfig(enabled=False), driver_time=False)
+                extra.append((run.seconds - plain.seconds) / len(stream) * 1e3)
+                windows.append(len(run.windows))
+            print(f"{name} {stages} stage(s): speculation's extra ms/token by request "
+                  f"{' '.join(f'{x:+.2f}' for x in extra)}; median {statistics.median(extra):+.2f}; windows "
+                  f"{' '.join(map(str, windows))}", flush=True)
 
 
 def main() -> None:
@@ -235,9 +275,15 @@ def main() -> None:
     parser.add_argument("--row-ms", type=float, default=None, help="fixed extra compute per row, summed")
     parser.add_argument("--peer-requests", type=int, default=0,
                         help="only peer_compare's speculation, N consecutive requests per chain (peer_requests)")
+    parser.add_argument("--spikes", type=float, default=0.0,
+                        help="with --peer-requests: the fraction of stage traversals 2-6x slower (seeded noise)")
+    parser.add_argument("--old-kernels", action="store_true",
+                        help="with --peer-requests: the costs before patch 0018 (CPU_F16) instead of CPU_F16_0018")
+    parser.add_argument("--seed", type=int, default=1)
     args = parser.parse_args()
     if args.peer_requests:
-        peer_requests(args.peer_requests, 64)
+        peer_requests(args.peer_requests, 64, table=CPU_F16 if args.old_kernels else CPU_F16_0018,
+                      spikes=args.spikes, seed=args.seed)
         return
 
     from skippy.runtime.local import LocalChain, even_split

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import random
 import sys
 from pathlib import Path
 from types import ModuleType
@@ -177,12 +178,14 @@ def test_window_step_is_learned_from_windows_of_any_size() -> None:
     window at 28 ms after one of 9 rows): the fit keeps the step from one row to a window."""
     after_two = CostModel(0.25, 16.0)
     after_two.observe(1, cpu_f16(1), cpu_f16(1))
-    after_two.observe(2, cpu_f16(2), cpu_f16(2))
+    for _ in range(2):  # a size measured once is not believed above the line (see the next test)
+        after_two.observe(2, cpu_f16(2), cpu_f16(2))
     assert after_two.compute(2) == pytest.approx(cpu_f16(2))
     assert after_two.compute(9) < 1.2 * cpu_f16(9)
     after_nine = CostModel(0.25, 16.0)
     after_nine.observe(1, cpu_f16(1), cpu_f16(1))
-    after_nine.observe(9, cpu_f16(9), cpu_f16(9))
+    for _ in range(2):
+        after_nine.observe(9, cpu_f16(9), cpu_f16(9))
     assert after_nine.compute(9) == pytest.approx(cpu_f16(9))
     assert after_nine.compute(2) > 0.8 * cpu_f16(2)
     mixed = CostModel(0.25, 16.0)
@@ -337,26 +340,28 @@ def requests_on_a_chain(stages: int, streams: list[tuple[list[int], list[int]]],
 def test_a_chain_whose_bets_lose_stops_betting_across_requests(stages: int) -> None:
     """Acceptance is per request: on peer_compare's stream every 64-token request grew sure of a
     loop just before it broke and sent a window (at 2 and 4 stages a pipelined pair) that lost.
-    The chain's bets (kept over expected drafts, shared by its requests) stop that after one or
-    two requests, not once per request; with calibrate off (the controller before) every request
-    still loses."""
+    The chain's bets (kept over expected drafts, shared by its requests) stop that after at most
+    three requests (windows priced at their sizes' own costs are marginal bets here, on the
+    kernels before patch 0018: 2 and 3 rows both 2.6 one-row steps), not once per request; with
+    calibrate off (the controller before) every request still loses."""
     streams = [benchmark_like()] * 6
     before = requests_on_a_chain(stages, streams, calibrate=False)
     assert all(windows for _, windows in before[1:]) and max(speedup for speedup, _ in before[1:]) < 0.99, before
     after = requests_on_a_chain(stages, streams)
-    assert sum(1 for _, windows in after if windows) <= 2, after
-    assert all(windows == 0 and speedup == pytest.approx(1.0) for speedup, windows in after[2:]), after
+    assert sum(1 for _, windows in after if windows) <= 3, after
+    assert all(windows == 0 and speedup == pytest.approx(1.0) for speedup, windows in after[3:]), after
 
 
 @pytest.mark.parametrize("stages", [1, 2, 4])
 def test_lost_bets_keep_a_loops_gain(stages: int) -> None:
     """Bets are kept by band of the first-draft rate: marginal bets that lost do not stop a loop's
-    sure ones, and declined bets scored in shadow bring a band back; a run of loops alone is as
-    before."""
+    sure ones, and declined bets scored in shadow bring a band back (the code requests right
+    after a loop pay for that, a little: the loop's kept drafts restored the sure band); a run of
+    loops alone is as before."""
     loop = ([101, 102] * 20, [103] * 64)
     mixed = requests_on_a_chain(stages, [benchmark_like()] * 4 + [loop] + [benchmark_like()] * 2 + [loop])
     assert mixed[4][0] >= 1.25 and mixed[7][0] >= 1.35, mixed
-    assert all(speedup == pytest.approx(1.0) for speedup, _ in mixed[5:7]), mixed
+    assert all(speedup >= 0.96 for speedup, _ in mixed[5:7]), mixed
     loops = requests_on_a_chain(stages, [loop] * 3)
     assert loops == requests_on_a_chain(stages, [loop] * 3, calibrate=False)
     assert min(speedup for speedup, _ in loops) >= 1.35, loops
@@ -379,7 +384,9 @@ def test_bets_are_kept_by_band() -> None:
 def test_short_requests_still_probe() -> None:
     """Windows measured while the host was loaded (5x their cost) are adopted by every request;
     probes come every refresh_interval plain steps, which a 64-token request never reached: the
-    chain's plain steps are counted across its requests now, so a loop is probed again."""
+    chain's plain steps are counted across its requests now, so a loop is probed again; a probe
+    prices its size at what it costs now (a size's fastest recent window), so the loop gains again
+    from then on."""
     loaded = CostModel(0.25, 16.0)
     for _ in range(3):
         loaded.observe(1, cpu_f16(1) + 0.001, cpu_f16(1))
@@ -387,8 +394,9 @@ def test_short_requests_still_probe() -> None:
         loaded.observe(rows, 5 * cpu_f16(rows), 5 * cpu_f16(rows))
     loop = ([101, 102] * 20, [103] * 64)
     runs = requests_on_a_chain(2, [loop] * 10, costs=loaded)
-    probes = [windows for _, windows in runs if windows]
-    assert 1 <= len(probes) <= 3 and max(probes) == 1, runs
+    first = next(index for index, (_, windows) in enumerate(runs) if windows)
+    assert 1 <= first <= 5 and all(windows == 0 for _, windows in runs[:first]), runs
+    assert all(speedup >= 1.3 for speedup, _ in runs[first:]), runs
 
 
 def test_a_stalled_window_does_not_price_windows_out() -> None:
@@ -402,3 +410,100 @@ def test_a_stalled_window_does_not_price_windows_out() -> None:
     for rows in (2, 5, 9) * 10:
         cost.observe(rows, cpu_f16(rows) + 0.001, cpu_f16(rows))
     assert cost.compute(2) == pytest.approx(cpu_f16(2), rel=0.25)
+
+
+def cpu_0018(rows: int) -> float:
+    """bench/speculation_sim.py's CPU_F16_0018 (llama-16x1024 F16 on one thread after patch 0018)."""
+    sim = sys.modules.get("speculation_sim") or load_sim()
+    return float(sim.table_cost(sim.CPU_F16_0018, rows))
+
+
+def test_one_slow_sample_moves_no_price() -> None:
+    """Noise only slows a traversal: a size is priced at its fastest recent window, so one stall
+    moves no size's price; c_1 and R take a slow sample as at most twice the estimate (a few
+    percent), and a faster one at once."""
+    cost = CostModel(0.25, 16.0)
+    for _ in range(4):
+        cost.observe(1, cpu_0018(1) + 0.001, cpu_0018(1))
+    for rows in (2, 3, 5) * 2:
+        cost.observe(rows, cpu_0018(rows) + 0.001, cpu_0018(rows))
+    before = {rows: cost.compute(rows) for rows in range(1, 10)}
+    cost.observe(3, 10 * cpu_0018(3), 10 * cpu_0018(3))
+    assert all(cost.compute(rows) == before[rows] for rows in (2, 3, 5))
+    assert all(cost.compute(rows) == pytest.approx(before[rows], rel=0.05) for rows in range(2, 10))
+    cost.observe(1, 10.0, 10 * cpu_0018(1))  # a stalled plain step: compute and wall
+    assert cost.single_row < 1.05 * cpu_0018(1) and cost.round_trip < 0.002
+    cost.observe(1, cpu_0018(1) + 0.001, cpu_0018(1))
+    assert cost.single_row < 1.04 * cpu_0018(1)
+    first = CostModel(0.25, 16.0)  # a size's first window, slow, is taken at most twice the line's price
+    for _ in range(4):
+        first.observe(1, cpu_0018(1) + 0.001, cpu_0018(1))
+    for _ in range(2):
+        first.observe(2, cpu_0018(2) + 0.001, cpu_0018(2))
+    line = first.compute(4)
+    first.observe(4, 50 * cpu_0018(4), 50 * cpu_0018(4))
+    assert first.compute(4) <= 2 * line + 1e-12
+    first.observe(4, cpu_0018(4) + 0.001, cpu_0018(4))  # measured again: its true cost at once
+    assert first.compute(4) == pytest.approx(cpu_0018(4))
+
+
+@pytest.mark.parametrize("stages", [1, 2, 4])
+def test_a_noisy_host_turns_no_chain_off(stages: int) -> None:
+    """peer_compare's rounds (each request on a fresh chain after one of its own) on the kernels of
+    patch 0018, 5% of the stages' traversals 2-6x slower: one slow early window or step priced
+    windows out of a chain for good (main at 61daa0c: 0 windows in every request at 1 stage, a loop's
+    included), so chains of 1, 2 and 4 stages made different decisions on the same costs.  Every
+    chain now keeps speculating, and gains, in every request."""
+    sim = load_sim()
+    loop = ([101, 102] * 20, [103] * 64)
+    for name, (prompt, stream) in {"benchmark-like": benchmark_like(), "loop": loop}.items():
+        rng = random.Random(stages)
+
+        def chain() -> object:
+            def stage_cost(rows: int) -> float:
+                return float(sim.table_cost(sim.CPU_F16_0018, rows)) / stages
+            return sim.ChainModel([sim.noisy(stage_cost, rng, 0.05)] * stages, 0.0002, 0.0005, cores=2)
+
+        load = SessionLoad()
+        config = SpeculationConfig(controller=ControllerConfig(stages=stages))
+        for _ in range(5):
+            model = chain()
+            sim.simulate(prompt, stream, model, config, driver_time=False, load=load)  # the fresh chain's first
+            spec = sim.simulate(prompt, stream, model, config, driver_time=False, load=load)
+            plain = sim.simulate(prompt, stream, chain(), SpeculationConfig(enabled=False), driver_time=False)
+            assert len(spec.windows) >= 8, (name, len(spec.windows))
+            assert plain.seconds / spec.seconds >= (1.8 if name == "loop" else 1.05), name
+
+
+def test_a_pipelined_start_keeps_its_continuations() -> None:
+    """An epoch start priced as pipelined whose continuations the later rate (its own band's q)
+    would not send is a serial window at a loss: such a start is planned serial."""
+    for seed in range(40):
+        control = SpeculationController(ControllerConfig(stages=2))
+        for _ in range(4):
+            control.observe_traversal(1, cpu_0018(1) + 0.001, cpu_0018(1))
+            control.observe_traversal(4, cpu_0018(4) + 0.001, cpu_0018(4))
+        rng = np.random.default_rng(seed)
+        feed(control, float(rng.uniform(0.4, 0.95)), 30, seed=seed)
+        for _ in range(int(rng.integers(0, 6))):
+            control.bets.observe(float(rng.uniform(0.5, 1.0)), 2.0, int(rng.integers(0, 3)))
+        for _ in range(int(rng.integers(0, 30))):
+            control.observe_later(6, int(rng.integers(0, 2)), 1)
+        plan = control.plan(8, 6)
+        if plan.depth >= 2:
+            assert control.continuation_plan(6, plan).depth >= 2, seed
+
+
+def test_a_size_costs_at_most_a_larger_one() -> None:
+    """Traced on a 2-stage chain: its 2-row windows read 3 c_1 from its first request (slow ones),
+    so it never sent one again while 3-row windows cost 1.2 c_1; more rows never cost less."""
+    cost = CostModel(0.25, 16.0)
+    for _ in range(4):
+        cost.observe(1, cpu_0018(1) + 0.001, cpu_0018(1))
+    for _ in range(2):
+        cost.observe(2, 3 * cpu_0018(1), 3 * cpu_0018(1))
+    assert cost.compute(2) == pytest.approx(3 * cpu_0018(1))
+    cost.observe(3, cpu_0018(3) + 0.001, cpu_0018(3))
+    assert cost.compute(2) == pytest.approx(cpu_0018(3)) and cost.compute(3) == pytest.approx(cpu_0018(3))
+    cost.observe(9, cpu_0018(9) + 0.001, cpu_0018(9))
+    assert cost.compute(5) <= cost.compute(9) and cost.compute(3) == pytest.approx(cpu_0018(3))

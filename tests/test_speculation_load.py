@@ -11,6 +11,7 @@ import trio
 
 from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver.speculation import (
+    ControllerConfig,
     CostModel,
     SessionLoad,
     SpeculationConfig,
@@ -44,17 +45,25 @@ def test_gain_falls_with_sessions_and_never_pays_when_rows_dominate() -> None:
 
 
 def test_single_stream_speculates_and_concurrent_sessions_back_off() -> None:
-    """A CPU chain on loopback (2 ms round trip, 5 ms a step, 2.5 ms a further row)."""
+    """A CPU chain on loopback (2 ms round trip, 5 ms a step, 2.5 ms a further row; a window's own
+    traversal of 5 rows 15 ms): a window runs after the others' batch as a traversal of its own,
+    so with one other session it costs that session a window's compute, and stays off."""
     control = controller(0.002, 0.005, 0.0025, max_depth=4, stages=2, probe_interval=4)
     feed(control, 0.9, 30, seed=1)
     alone = control.plan(8, 6)
     assert alone.window >= 1 and alone.speedup > 1.3  # today's plan, unchanged (pipelined windows)
-    two = control.plan(8, 6, sessions=2)
-    assert two.window >= 1 and two.depth == 1 and 1.03 <= two.speedup < alone.speedup
-    crowded = [control.plan(8, 6, sessions=16) for _ in range(10)]
-    assert all(plan.window == 0 and not plan.probe for plan in crowded)  # off, and no probe windows either
+    for sessions in (2, 4, 16):
+        crowded = [control.plan(8, 6, sessions=sessions) for _ in range(10)]
+        assert all(plan.window == 0 and not plan.probe for plan in crowded)  # off, and no probe windows either
     assert not control.enabled
     assert control.plan(8, 6) == alone and control.enabled  # alone again: back on
+    # windows that cost about a step (a GPU; 2-3 rows on a CPU after patch 0018): with a few
+    # others near-certain drafts still pay, serial; with many they do not
+    cheap = controller(0.002, 0.005, 0.0002, max_depth=4, stages=2)
+    feed(cheap, 0.95, 40, seed=1)
+    two = cheap.plan(8, 6, sessions=2)
+    assert two.window >= 1 and two.depth == 1 and 1.03 <= two.speedup < cheap.plan(8, 6).speedup
+    assert cheap.plan(8, 6, sessions=16).window == 0
     # a chain whose round trip dwarfs its compute still gains from drafts with a few others
     network = controller(0.020, 0.005, 0.0005)
     feed(network, 0.9, 30, seed=1)
@@ -129,10 +138,11 @@ def test_waiting_behind_other_sessions_is_not_a_round_trip() -> None:
 
 
 def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
-    """A session that starts under load never measures c_row; the prior (0.25 of a step) is far
-    under a CPU chain's (traced: a further row of Gemma 3 270M, its 262k-row head included, cost
-    about what a one-row step did), so near-certain drafts looked worth it at S = 8.  The ratio a
-    session measured alone on the chain is shared through the SessionLoad."""
+    """A session that starts under load never measures c_row nor a window; the prior (0.25 of a
+    step) is far under a CPU chain's (traced: a further row of Gemma 3 270M, its 262k-row head
+    included, cost about what a one-row step did).  The ratio and the window prices a session
+    measured alone on the chain are shared through the SessionLoad; with them, and with the
+    prior alone (a window is a traversal of its own), near-certain drafts stay plain at S = 8."""
     load = SessionLoad()
     first = Session()
     load.enter(first)
@@ -140,7 +150,19 @@ def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
     drive(single, 60, queueing=0.002)  # alone: plain steps then windows, c_row measured
     assert single.controller.cost.extra_row == pytest.approx(0.015)
     assert load.row_cost_ratio == pytest.approx(0.015 / 0.090)
-    load.row_cost_ratio = 1.2  # what the Gemma chain measured alone
+    gemma = SessionLoad()  # what the Gemma chain measured alone: a further row ~1.2 steps
+    gemma_first = Session()
+    gemma.enter(gemma_first)
+    measured = SpeculativeDecoder(LOOP, 29871, config=SpeculationConfig(), load=gemma)
+    for _ in range(60):
+        request = measured.next_window()
+        assert request is not None
+        rows = len(request.tokens)
+        measured.on_reply(request.window_id, (29871,) * rows, wall_seconds=0.092 + 0.108 * (rows - 1),
+                          compute_seconds=0.090 + 0.108 * (rows - 1))
+    assert gemma.row_cost_ratio == pytest.approx(1.2, rel=0.2) and gemma.costs
+    load = gemma
+    first = gemma_first
     others = [Session() for _ in range(7)]
     for session in others:
         load.enter(session)
@@ -153,11 +175,11 @@ def test_a_session_under_load_takes_the_row_cost_measured_alone() -> None:
         assert request is not None
         return request.is_decode
 
-    assert plain_under_load(load)  # the measured ratio: a plain step
+    assert plain_under_load(load)  # the measured ratio and prices: a plain step
     prior = SessionLoad()
     for session in [first, *others]:
         prior.enter(session)
-    assert not plain_under_load(prior)  # the prior alone would send a window
+    assert plain_under_load(prior)  # the prior alone: a plain step too (it sent windows before)
     assert single.controller.cost.row_cost_ratio == 0.25  # the lone session kept its own
 
 
@@ -228,3 +250,155 @@ def test_a_lone_session_adopts_the_window_cost_measured_before() -> None:
     # the bets (and the probes' clock) come with the costs, as a copy
     assert cost.bets.bets == first.controller.bets.bets > 0 and cost.bets.bands == first.controller.bets.bands
     assert cost.bets is not first.controller.bets and cost.bets.bands is not first.controller.bets.bands
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_a_busy_chain_sends_no_window_from_its_start(stages: int) -> None:
+    """Issue 31 item 3, traced at N = 8 on one stage (twothread): a run that started straight at
+    N = 8 sent verify windows (70 of 144 batches held all 8 rows, 118 with speculation off).  On a
+    chain busy with 7 other sessions (a fake load: the SessionLoad counts them) requests on a
+    looping stream send no window from their first token (no learning period), on the kernels
+    of patch 0018 or with a cost model measured alone before; a lone stream then speculates and
+    gains as alone, and a request whose company leaves midway speculates from then on."""
+    from test_speculation_controller import load_sim
+
+    sim = load_sim()
+
+    def stage_cost(rows: int) -> float:
+        return float(sim.table_cost(sim.CPU_F16_0018, rows)) / stages
+
+    chain = sim.ChainModel([stage_cost] * stages, 0.0002, 0.0005, cores=2)
+    config = SpeculationConfig(controller=ControllerConfig(stages=stages))
+    prompt, stream = [101, 102] * 20, [103] * 64
+    plain = sim.simulate(prompt, stream, chain, SpeculationConfig(enabled=False), driver_time=False)
+    load = SessionLoad()
+    others = [Session() for _ in range(7)]
+    for session in others:
+        load.enter(session)
+    for _ in range(3):  # busy from the start: never a window
+        busy = sim.simulate(prompt, stream, chain, config, driver_time=False, load=load)
+        assert busy.windows == [] and busy.usage.proposed == 0
+    for session in others:
+        load.leave(session)
+    lone = [sim.simulate(prompt, stream, chain, config, driver_time=False, load=load) for _ in range(2)]
+    assert all(run.windows and plain.seconds / run.seconds >= 1.8 for run in lone)
+    for session in others:  # busy again, with a cost model measured alone: still no window
+        load.enter(session)
+    assert load.costs and sim.simulate(prompt, stream, chain, config, driver_time=False, load=load).windows == []
+
+    class Leaving(SessionLoad):
+        """The other sessions leave after the load was read 30 times (about 10 plain steps)."""
+
+        reads = 0
+
+        @property
+        def sessions(self) -> int:
+            Leaving.reads += 1
+            return 8 if Leaving.reads <= 30 else 1
+
+    midway = sim.simulate(prompt, stream, chain, config, driver_time=False, load=Leaving())
+    assert midway.window_sizes[:8] == [1] * 8 and midway.windows  # plain while busy, windows once alone
+    assert plain.seconds / midway.seconds >= 1.3
+
+
+def test_a_request_on_a_busy_chain_takes_the_plain_path() -> None:
+    """A request that starts where even drafts that are all kept could not pay the others does not
+    speculate at all: its plain steps would cost more per token than the plain path (a decode run,
+    direct return; 2 x 1t Gemma at N = 8: 94.3 against 100.8 tok/s with speculation off).  A lone
+    stream, a few sessions and an explicit opt-in still speculate."""
+    from skippy.driver.speculation import speculation_pays
+
+    config = ControllerConfig()
+    load = SessionLoad()
+    sessions = [Session() for _ in range(8)]
+    load.enter(sessions[0])
+    assert speculation_pays(load, config)
+    for session in sessions[1:]:
+        load.enter(session)
+    assert not speculation_pays(load, config)  # the prior: 8 sessions
+    for session in sessions[2:]:
+        load.leave(session)
+    assert speculation_pays(load, config)  # two: a loop's windows may pay
+    from test_speculation_controller import cpu_0018
+
+    cpu = CostModel(0.25, 16.0)  # a session alone measured c_1 and windows of 2-9 rows (patch 0018's CPU)
+    for rows in [1] * 4 + [*range(2, 10)] * 2:
+        cpu.observe(rows, cpu_0018(rows) + 0.0005, cpu_0018(rows))
+    load.costs[1] = cpu
+    for session in sessions[2:4]:
+        load.enter(session)
+    assert load.sessions == 4 and speculation_pays(load, config)  # an 8-row window beside 3 rows: 7 ms a token
+    for session in sessions[4:]:
+        load.enter(session)
+    assert load.sessions == 8 and not speculation_pays(load, config)
+
+    class Busy(SessionLoad):
+        @property
+        def sessions(self) -> int:
+            return 8
+
+    generator = Generator.__new__(Generator)  # its load and settings only
+    generator.load, generator.controller, generator.speculation = Busy(), ControllerConfig(), True
+    greedy = GenerationRequest((1, 2, 3), 16)
+    assert generator.speculates(greedy) and not generator.speculates(greedy, load_aware=True)
+    assert generator.speculates(GenerationRequest((1, 2, 3), 16, speculation=True), load_aware=True)
+    generator.load = SessionLoad()
+    assert generator.speculates(greedy, load_aware=True)
+
+
+async def test_a_run_that_finds_the_chain_busy_decodes_on_plainly(tiny_llama: Path, tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request that started alone speculates; once the chain is busy (a fake load: 8 sessions
+    once it committed 12 tokens) it ends its speculation between windows (a pipelined epoch sends
+    no more continuations), the KV trimmed to what the plain loop leaves, and decodes on as a
+    decode run: the same tokens as without speculation.  A request that starts on the busy chain
+    never speculates."""
+    from skippy.driver import generator as generator_module
+
+    class Recording(SpeculativeDecoder):
+        last: "Recording | None" = None
+
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
+            Recording.last = self
+
+    class Rising(SessionLoad):
+        mode = "alone"  # "alone", "rising", "busy"
+
+        @property
+        def sessions(self) -> int:
+            last = Recording.last
+            if Rising.mode == "busy" or (Rising.mode == "rising" and last is not None and len(last.generated) >= 12):
+                return 8
+            return 1
+
+    monkeypatch.setattr(generator_module, "SpeculativeDecoder", Recording)
+    # on the tiny llama a window costs about a step and the round trip dominates: windows would pay
+    # even at S = 8 (speculation_pays, tested above); here the switch itself is tested
+    monkeypatch.setattr(generator_module, "speculation_pays", lambda load, config: load.sessions <= 1)
+    generator = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=16, credit=2)
+    try:
+        async with stage_chain(str(tiny_llama), ["0:2", "2:4"], tmp_path) as stages:
+            assert stages[0].address is not None
+            address = stages[0].address
+            async with await StageClient.connect(address) as client:
+                plain = await generator.generate(client, GenerationRequest(tuple(LOOP), 96, speculation=False), 400)
+            generator.load = Rising()
+            async with await StageClient.connect(address) as client:  # alone: what windows cost is learnt
+                alone = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 401)
+            assert alone.tokens == plain.tokens and alone.speculation is not None and alone.speculation.windows
+            Rising.mode, Recording.last = "rising", None
+            async with await StageClient.connect(address) as client:
+                switched = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 402)
+            assert switched.tokens == plain.tokens and switched.speculation is not None
+            assert Recording.last is not None and 12 <= len(Recording.last.generated) < len(switched.tokens) - 8
+            Rising.mode, Recording.last = "busy", None
+            async with await StageClient.connect(address) as client:
+                busy = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 403)
+            assert busy.tokens == plain.tokens and busy.speculation is None and Recording.last is None
+            Rising.mode = "alone"
+            async with await StageClient.connect(address) as client:
+                again = await generator.generate(client, GenerationRequest(tuple(LOOP), 96), 404)
+            assert again.tokens == plain.tokens and again.speculation is not None
+    finally:
+        generator.close()

@@ -50,7 +50,7 @@ from skippy.driver.chat_templates import FALLBACK_CHAT_TEMPLATE as FALLBACK_CHAT
 from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoice, choose_chat_template
 from skippy.driver.client import StageClient, StageClientError, StageLost, StageRemoteError
 from skippy.driver.prefill_chunking import PrefillChunker, observation_from
-from skippy.driver.speculation.controller import ControllerConfig, SessionLoad
+from skippy.driver.speculation.controller import ControllerConfig, SessionLoad, speculation_pays
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
@@ -326,6 +326,9 @@ class Generation:
         self._last = 0.0
         self._position = len(request.prompt)
         self._runner: SpeculativeRunner | None = None
+        #: Whether this request speculates, decided at its first step (the load then): a request
+        #: that starts on a chain too busy for any window to pay takes the plain path throughout.
+        self._speculates: bool | None = None
         self.cached_tokens = 0
         self._exchanging = False  # inside a step (or interrupted in one)
         self._touched = False  # a message was sent for the session
@@ -415,6 +418,11 @@ class Generation:
     async def _step(self) -> str:
         client, request = self._client, self.request
         self._touched = True
+        if self._speculates is None:
+            self._speculates = self._generator.speculates(request, load_aware=True)
+        elif self._runner is not None and request.speculation is None and self._runner.decoder.tracker.in_flight == 0 \
+                and not speculation_pays(self._generator.load, self._generator.controller):
+            await self._stop_speculating()  # the chain got busy: the plain path from here on
         if not self.tokens:
             self._started = time.perf_counter()
             if self._fork is not None:
@@ -425,7 +433,8 @@ class Generation:
                                                    chunk_size=self._generator.prefill_chunk_size,
                                                    credit=self._generator.credit,
                                                    extension=request.sampling_extension,
-                                                   direct_return=self._generator.direct_return_for(request))
+                                                   direct_return=self._generator.direct_return_for(
+                                                       request, self._speculates))
             else:
                 cached = await prefix.prefill(client, self.session_id, request.prompt,
                                               sampling=sampling_config(request.sampling),
@@ -433,7 +442,8 @@ class Generation:
                                               chunk_size=self._generator.prefill_chunk_size,
                                               credit=self._generator.credit,
                                               extension=request.sampling_extension,
-                                              direct_return=self._generator.direct_return_for(request),
+                                              direct_return=self._generator.direct_return_for(
+                                                  request, self._speculates),
                                               resumable=self._generator.resume_attempts > 0)
             self._frames = _prefill_frames(len(request.prompt), cached.cached_tokens, cached.chunk_size)
             self.cached_tokens, prefill = cached.cached_tokens, cached.result
@@ -446,7 +456,7 @@ class Generation:
                                                 client.last_timings)
             self.timing.add_frames(client.take_timings())
             tokens: tuple[int, ...] = (int(reply.predicted),)
-            if request.max_tokens > 1 and self._generator.speculates(request):
+            if request.max_tokens > 1 and self._speculates:
                 self._start_speculation(tokens[0], self.timing.chain_stages)
         elif self._runner is not None:
             runner = self._runner
@@ -523,6 +533,22 @@ class Generation:
         decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens,
                                      load=generator.load)
         self._runner = SpeculativeRunner(self._client, self.session_id, decoder)
+
+    async def _stop_speculating(self) -> None:
+        """End the speculative run between windows, leaving the KV the plain loop would (every
+        token received but the last), and decode on as a plain request (a decode run)."""
+        runner = self._runner
+        assert runner is not None
+        length = len(self.request.prompt) + len(self.tokens) - 1
+        try:
+            await runner.finish(length)
+        except StageClientError:
+            await self._client.aclose()
+            raise
+        self.timing.add_frames(self._client.take_timings())
+        runner.replies.clear()
+        self._spec_usage, self._runner = runner.decoder.usage, None
+        self._position = length
 
     async def _finish(self, reason: str, text: str, *, flushed: bool = False, eog: bool = False) -> str:
         if self._runner is not None:
@@ -816,29 +842,36 @@ class Generator:
         enabled = self.prefix_cache if request.prefix_cache is None else request.prefix_cache
         return prefix.CacheRequest(enabled=enabled, namespace=request.cache_namespace, page_size=self.cache_page_size)
 
-    def direct_return_for(self, request: GenerationRequest) -> Address | None:
+    def direct_return_for(self, request: GenerationRequest, speculates: bool | None = None) -> Address | None:
         """The final stage ``request``'s predictions return from directly (None: hop by hop).
 
-        Only for requests that do not speculate and need more than the first token (a single
-        token gains nothing from a second connection)."""
-        if self.direct_return is None or request.max_tokens <= 1 or self.speculates(request):
+        Only for requests that do not speculate (``speculates``: as decided for the run; None:
+        :meth:`speculates`) and need more than the first token (a single token gains nothing from
+        a second connection)."""
+        if speculates is None:
+            speculates = self.speculates(request)
+        if self.direct_return is None or request.max_tokens <= 1 or speculates:
             return None
         return self.direct_return()
 
-    def speculates(self, request: GenerationRequest) -> bool:
+    def speculates(self, request: GenerationRequest, *, load_aware: bool = False) -> bool:
         """Whether ``request`` runs speculatively.
 
         Penalised sampling never does (the final stage's sampler history would keep rejected rows),
         nor does a request with a grammar (the grammar's state would advance over rejected drafts
         and verify rows would be sampled under the wrong state) or with logprobs (reported per
         committed token only); otherwise the request's own choice wins, and by default only greedy
-        requests speculate.
+        requests speculate, and (``load_aware``: as a run decides at its start) only while the
+        chain is not so busy that no window could pay (:func:`speculation_pays`: then the plain
+        path, a decode run or direct return, is the cheaper one).
         """
         if request.sampling.uses_penalties or request.grammar is not None or request.logprobs is not None:
             return False
         if request.speculation is not None:
             return request.speculation
-        return self.speculation and request.sampling.greedy
+        if not (self.speculation and request.sampling.greedy):
+            return False
+        return not load_aware or speculation_pays(self.load, self.controller)
 
     @classmethod
     def from_model(cls, path: str | Path, *, n_ctx: int | None = None, chunk_size: int | None = None,

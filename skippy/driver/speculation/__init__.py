@@ -29,6 +29,7 @@ from skippy.driver.speculation.controller import (
     pipelined_waits,
     serial_rate,
     shared_gain,
+    speculation_pays,
 )
 from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder, WindowRequest
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
@@ -51,5 +52,5 @@ __all__ = [
     "WindowOutcome", "WindowRequest", "WindowShapeError", "WindowTracker", "accept_greedy",
     "accept_point_mass", "accept_point_mass_batch", "accept_speculative", "accept_tokens",
     "expected_tokens", "pipelined_rate", "pipelined_waits", "residual_distribution", "serial_rate", "shared_gain",
-    "target_probabilities",
+    "speculation_pays", "target_probabilities",
 ]

@@ -15,7 +15,15 @@
 #   C(n) = c_1 + c_w + c_row (n - 1) for n >= 2 (`CostModel`: on a CPU two rows can cost 2.6
 #   one-row steps, the matmuls leaving their one-row kernel, and each further row ~0.3).  R (network
 #   + protocol) is the discounted mean of wall - compute over traversals sent alone; c_1 from
-#   single-row steps; c_w and c_row a line through the windows (slope prior `row_cost_ratio` c_1).
+#   single-row steps; a window size measured is priced at the fastest of its last 5 windows, the
+#   others by c_w and c_row, a line through the measured sizes (slope prior `row_cost_ratio` c_1):
+#   after patch 0018 2 and 3 rows cost ~1.2 one-row steps, 4-8 rows 1.7-2.8 and 9 rows 4.6,
+#   which no line fits.  Noise only slows a traversal, so one slow sample decides nothing: a
+#   size's price is its fastest recent window (and at most a larger size's: more rows never
+#   cost less), R and c_1 take a faster sample at once and a slower one as at most twice the
+#   estimate (R: R + c_1).  Traced on peer_compare's rounds:
+#   one slow early window priced windows out of a chain for good, so chains of 1 and 2 stages
+#   that cost the same made different decisions (speculation's 2-stage figure swung by ms).
 # * Serial plan (D = 1): E(K) = 1 + a_1 (1 - a^K) / (1 - a) tokens per L(K + 1).
 # * Pipelined plan (D >= 2): an epoch streams windows of n = K + 1 rows (the first carries the
 #   committed token and K drafts, the rest K + 1 drafts) until the first rejection; it commits
@@ -30,10 +38,12 @@
 #   sharing a host's cores (a pipeline that does not overlap), stale windows' compute delaying
 #   the next epoch.  Every plain step ages the record, so pipelining is tried again within ~100.
 # * Each continuation window re-plans (K, D) on the later rate: an epoch of a loop never ends.
+#   An epoch start priced as pipelined whose first continuation that re-plan would not send is
+#   planned serial instead (it would be a serial window priced on continuations that never come).
 # * Baseline: 1 token per L(1).  A plan is used only when its expected speedup >= `min_gain`;
 #   otherwise the step is a plain decode ("off").  While off, after `probe_interval` plain steps
-#   with a draft available one small real window (K <= 2) is allowed while no window's cost was
-#   measured, after `refresh_interval` once one was (shadow scores keep a_1 current meanwhile);
+#   with a draft available one small real window (K <= 2) is allowed while fewer than 3 windows'
+#   costs were measured, after `refresh_interval` once they were (shadow scores keep a_1 current);
 #   so a wrong prior can neither lock speculation on nor off.  The steps are counted per chain
 #   (`BetRecord.plain_steps`): requests shorter than the interval still probe.
 # * Each request has its own controller; a request that starts alone on the chain adopts the cost
@@ -55,19 +65,29 @@
 # loss is bounded by C(K + 1) - c_1, which the model weighs against R + c_1; a chain's bets that
 # keep losing send no more windows (q), so the loss is paid about once per chain.
 #
-# Load (docs/throughput.md): the plan is per session, but the rows of a window share the stages'
-# batches with the other sessions' rows.  With S sessions decoding on the chain (`SessionLoad`,
-# counted by the Generator), a step of all of them is L_S = L(1) + c_row (S - 1); K drafts make it
-# L_S + c_row K for every session, and commit E(K) tokens here against 1 for each other session.
-# The aggregate gain is G(K) = (S - 1 + E(K)) / S * L_S / (L_S + c_row K) (`shared_gain`; S = 1 is
-# the serial speedup above).  With S >= 2 only serial windows are weighed (a pipelined window
-# takes the bottleneck stage from the others too), a window is sent only when G >= min_gain, and
-# no probe windows are sent (shadow scoring still tracks acceptance).  Even perfect drafts give
-# G <= 1 once the rows dominate the step (c_row S >= L_S), so enough sessions keep it off.
+# Load (docs/throughput.md): the plan is per session, but a window's compute delays the other
+# sessions.  With S sessions decoding on the chain (`SessionLoad`, counted by the Generator), a
+# step of all of them is L_S = L(1) + c_row (S - 1).  A stage's scheduler runs the decode rows of
+# all sessions as one batch and a verify window as a job of its own after it (skippy.stage.
+# scheduler), so a session that sends K drafts instead of its row makes that step L(1) + c_row
+# (S - 2) + C(K + 1) for every session (its window a traversal of its own, c_w included), and
+# commits E(K) tokens against 1 for each other session: G(K) = (S - 1 + E(K)) / S * L_S / that
+# (`shared_gain`; S = 1 is the serial speedup above).  Pricing the window's rows as rows of the
+# batch (c_row K) sent windows of near-certain drafts at N = 8 (one stage, twothread: 70 of 144
+# batches held all 8 rows, 118 with speculation off; 2 x 1t Gemma 94 against 101 tok/s).  Even
+# perfect drafts now give G <= 1 at S >= K + 1 on a CPU (C(K + 1) >= c_1 + c_row K).  With S >= 2
+# only serial windows are weighed (a pipelined window takes the bottleneck stage from the others
+# too; a pipelined epoch under way sends no more continuations once others run), a window is sent
+# only when G >= min_gain, and no probe windows are sent (shadow scoring still tracks
+# acceptance): a session that starts on a busy chain sends none before it has measured anything.
 # Timing under load: a traversal that shared the chain with other sessions (S >= 2 when sent or
 # answered) waited behind their rows and was batched with them, so it teaches neither R nor c_row
-# (only a first c_1); the shared rule takes R = 0 until a traversal alone on the chain shows it,
-# and c_row / c_1 from the last session that measured it alone (`SessionLoad.row_cost_ratio`).
+# nor a window's price (only a first c_1); the shared rule takes R = 0 until a traversal alone on
+# the chain shows it, c_row / c_1 from the last session that measured it alone
+# (`SessionLoad.row_cost_ratio`), and the window sizes' prices relative to c_1 from that
+# session's cost model (`CostModel.shape`).  A request that starts where even drafts that are all
+# kept would not pay (`speculation_pays`: S = 8 on a CPU chain) does not speculate at all: the
+# Generator gives it the plain path (a decode run, direct return), cheaper than plain steps.
 from __future__ import annotations
 
 import bisect
@@ -89,6 +109,7 @@ __all__ = [
     "pipelined_waits",
     "serial_rate",
     "shared_gain",
+    "speculation_pays",
 ]
 
 #: Acceptance is clamped below this so the pipelined formula stays finite.
@@ -104,6 +125,15 @@ _REALIZED_HALFLIFE: Final = 32.0
 _REALIZED_EVIDENCE: Final = 4.0
 #: A window's compute is taken as at most this many times its rows' one-row steps (spikes).
 _WINDOW_SPIKE: Final = 4.0
+#: A timing sample counts at most this many times the model's estimate of it (one slow sample
+#: must not decide the controller's fate; a lasting change still moves it, geometrically).
+_SPIKE: Final = 2.0
+#: Windows of one size whose fastest prices that size (recent ones: the host's load moves).
+_SIZE_SAMPLES: Final = 5
+#: Windows measured before probes slow from ``probe_interval`` to ``refresh_interval``.
+_SETTLED_WINDOWS: Final = 3
+#: The weight of a sample below the estimate of R or c_1 (see CostModel._blend).
+_DOWN_WEIGHT: Final = 0.25
 #: Bounds of the raw first-draft rate's bands in which bets are recorded apart (`BetRecord`).
 _BET_BANDS: Final = (0.55, 0.7, 0.85)
 
@@ -256,18 +286,20 @@ class BetRecord:
 @final
 @dataclass(slots=True)
 class CostModel:
-    """Discounted estimates of round-trip overhead and per-row compute (seconds).
+    """Estimates of round-trip overhead and per-row compute (seconds).
 
-    A traversal of n rows computes C(1) = c_1, and C(n) = c_1 + c_w + c_row (n - 1) for n >= 2:
+    A traversal of n rows computes C(1) = c_1; a window size measured costs the fastest of its last
+    _SIZE_SAMPLES windows, and one not measured C(n) = c_1 + c_w + c_row (n - 1):
     on a CPU a batch of two rows can cost far more than one (llama.cpp's F16 matmuls leave the
     one-row vector kernel: 19.4 ms for one row of llama-16x1024, 50.3 ms for 2 and 3, 65 for 4
     and 5, 88 for 9, 140 for 17 rows; bench/RESULTS-stage.md), so a line through c_1 either
     underprices a 2-row window threefold or overprices a 9-row one.  c_w (the window step) and
-    c_row come from a discounted least-squares line through the windows' extra compute over
-    c_1 (x = n - 1 rows), its slope shrunk towards the prior ``row_cost_ratio * c_1`` (weight
-    ``_SLOPE_PRIOR`` in x^2 units) so that windows of one or two nearby sizes (rows are costed in
-    pairs) cannot extrapolate a slope of 0 to large windows; c_w >= 0, and c_row at least half
-    the prior unless the windows' own mean says less.
+    c_row come from a least-squares line through the measured sizes' extra compute over c_1
+    (x = n - 1 rows, each size weighted by its samples), its slope shrunk towards the prior
+    ``row_cost_ratio * c_1`` (weight ``_SLOPE_PRIOR`` in x^2 units) so that windows of one or two
+    nearby sizes cannot extrapolate a slope of 0 to large windows; c_w >= 0, and c_row at least
+    half the prior unless the windows' own mean says less.  (Patch 0018 made 2 and 3 rows cost
+    ~1.2 one-row steps and 9 rows 4.6: a size's own price, not the line, is what fits.)
     """
 
     row_cost_ratio: float
@@ -280,18 +312,29 @@ class CostModel:
     window_step: float = 0.0
     _seen_round_trip: bool = False
     _seen_single: bool = False
-    #: Discounted sums over the windows' (x = rows - 1, y = compute - c_1): weight, x, y, xx, xy.
+    #: Sums over the sizes' prices (x = rows - 1, y = price - c_1, weighted by samples): w, x, y, xx, xy.
     _sums: tuple[float, float, float, float, float] = (0.0, 0.0, 0.0, 0.0, 0.0)
+    #: The last _SIZE_SAMPLES windows' compute (capped, seconds) by rows.
+    _sizes: dict[int, list[float]] = field(default_factory=dict)
+    #: By rows: the price of a window of that size (the fastest of its last ones in _sizes, at
+    #: most a larger size's), and the sizes measured, in order.
+    _prices: dict[int, float] = field(default_factory=dict)
+    _measured_sizes: list[int] = field(default_factory=list)
     #: By plan kind (1: serial windows, 2: pipelined), discounted: (priced wait, realized wait).
     _waits: dict[int, tuple[float, float]] = field(default_factory=dict)
     #: The bets and the probes' clock, carried with the costs (:meth:`adopt`).
     bets: BetRecord = field(default_factory=BetRecord)
+    #: A model measured alone on the same chain: under load, where no window teaches a price,
+    #: its window prices relative to its c_1 (:meth:`shared_compute`).
+    shape: CostModel | None = None
 
     def _blend(self, old: float, new: float, seen: bool) -> float:
+        """Discounted mean, quick to come down: noise (a stall, a fresh stage's first batches)
+        only slows a traversal, so a faster sample is believed at once, a slower one slowly."""
         if not seen:
             return new
         weight = 1.0 - 0.5 ** (1.0 / self.halflife)
-        return old + weight * (new - old)
+        return old + (max(weight, _DOWN_WEIGHT) if new < old else weight) * (new - old)
 
     def observe(self, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
                 shared: bool = False) -> None:
@@ -309,28 +352,48 @@ class CostModel:
                 self.single_row = compute_seconds
                 self._seen_single = True
             return
+        # One slow sample (a host stall, a fresh stage's first batch of a shape) moves no estimate
+        # by more than its weight times the estimate: a sample counts at most _SPIKE times what
+        # the model expects (R: R + c_1 more).  Faster samples count in full (noise only slows).
         if alone:
-            self.round_trip = self._blend(self.round_trip, max(wall_seconds - compute_seconds, 0.0),
-                                          self._seen_round_trip)
+            overhead = max(wall_seconds - compute_seconds, 0.0)
+            if self._seen_round_trip and self._seen_single:
+                overhead = min(overhead, self.round_trip + self.single_row)
+            self.round_trip = self._blend(self.round_trip, overhead, self._seen_round_trip)
             self._seen_round_trip = True
         if rows == 1:
-            self.single_row = self._blend(self.single_row, compute_seconds, self._seen_single)
+            single = min(compute_seconds, _SPIKE * self.single_row) if self._seen_single else compute_seconds
+            self.single_row = self._blend(self.single_row, single, self._seen_single)
             self._seen_single = True
         elif self._seen_single:
-            # A spike (a host stall: 11.4 s for a 2-row window on a loaded host, once) would price
-            # windows out for hundreds of steps; no window costs more than _WINDOW_SPIKE times its
-            # rows' sequential steps.
+            # A window's spike (11.4 s for a 2-row window on a loaded host, once) priced windows
+            # out for good: nothing re-measured them.  A size is priced at its fastest recent
+            # window, so a slow one counts only while it is the size's only one, and then at most
+            # _SPIKE times what the line through the other sizes says (and never more than
+            # _WINDOW_SPIKE times its rows' sequential steps).
             compute = min(compute_seconds, _WINDOW_SPIKE * max(rows, 3) * self.single_row)
-            self._observe_window(rows - 1, max(compute - self.single_row, 0.0))
-
-    def _observe_window(self, x: float, y: float) -> None:
-        decay = 0.5 ** (1.0 / self.halflife)
-        w, sx, sy, sxx, sxy = (value * decay for value in self._sums)
-        self._sums = (w + 1.0, sx + x, sy + y, sxx + x * x, sxy + x * y)
-        self._fit()
+            if rows not in self._sizes and self._sizes:
+                compute = min(compute, _SPIKE * self.compute(rows))
+            samples = self._sizes.setdefault(rows, [])
+            samples.append(compute)
+            del samples[:-_SIZE_SAMPLES]
+            self._fit()
 
     def _fit(self) -> None:
-        w, sx, sy, sxx, sxy = self._sums
+        """Each size's price (its fastest recent window: noise only slows a traversal), and the
+        line through the sizes' prices (each weighted by its samples, up to _SIZE_SAMPLES),
+        which prices the sizes not measured."""
+        w = sx = sy = sxx = sxy = 0.0
+        ceiling = float("inf")  # more rows never cost less: a size costs at most any larger one
+        for rows in sorted(self._sizes, reverse=True):
+            ceiling = self._prices[rows] = min(min(self._sizes[rows]), ceiling)
+        self._measured_sizes = sorted(self._sizes)
+        for rows, samples in self._sizes.items():
+            price = self._prices[rows]
+            x, y, weight = rows - 1.0, max(price - self.single_row, 0.0), float(len(samples))
+            w, sx, sy = w + weight, sx + weight * x, sy + weight * y
+            sxx, sxy = sxx + weight * x * x, sxy + weight * x * y
+        self._sums = (w, sx, sy, sxx, sxy)
         if w <= 0:
             return
         mean_x, mean_y = sx / w, sy / w
@@ -381,6 +444,8 @@ class CostModel:
         traversals then take over."""
         self.round_trip, self.single_row = other.round_trip, other.single_row
         self.extra_row, self.window_step, self._sums = other.extra_row, other.window_step, other._sums
+        self._sizes = {rows: list(samples) for rows, samples in other._sizes.items()}
+        self._prices, self._measured_sizes = dict(other._prices), list(other._measured_sizes)
         self._seen_round_trip, self._seen_single = other._seen_round_trip, other._seen_single
         self._waits = dict(other._waits)
         self.bets = dataclasses.replace(other.bets, bands=list(other.bets.bands))
@@ -396,16 +461,40 @@ class CostModel:
 
     @property
     def windows_measured(self) -> bool:
-        """A window's compute has been seen (the window cost is measured, not the prior)."""
-        return self.extra_row is not None
+        """A window's compute has been seen (the window cost is measured, not only the prior)."""
+        return bool(self._sizes)
+
+    @property
+    def windows_settled(self) -> bool:
+        """Enough windows were measured (_SETTLED_WINDOWS) that probes come every
+        ``refresh_interval``, not every ``probe_interval``: a chain whose first window was slow
+        (a stall) re-measures soon instead of pricing windows out for hundreds of steps."""
+        return sum(len(samples) for samples in self._sizes.values()) >= _SETTLED_WINDOWS
 
     def compute(self, rows: int) -> float:
+        """C(n): c_1; a size measured, its fastest recent window; else the line c_1 + c_w + c_row (n - 1);
+        either at most what a larger size measured costs (a slow size otherwise stays priced out:
+        traced, a 2-stage chain's 2-row windows at 3 c_1 from its first request, never sent
+        again, while 3-row ones cost 1.2 c_1)."""
         if rows <= 1:
             return self.single_row
-        return self.single_row + self.window_step + self.row * (rows - 1)
+        price = self._prices.get(rows)
+        if price is not None:
+            return price
+        line = self.single_row + self.window_step + self.row * (rows - 1)
+        larger = bisect.bisect_right(self._measured_sizes, rows)  # the nearest larger size measured caps it
+        return line if larger == len(self._measured_sizes) else min(line, self._prices[self._measured_sizes[larger]])
 
     def latency(self, rows: int) -> float:
         return self.round_trip + self.compute(rows)
+
+    def shared_compute(self, rows: int) -> float:
+        """C(n) for the shared rule: this model's own price once it measured a window, else the
+        price relative to c_1 of :attr:`shape` (a model measured alone on the chain) times c_1."""
+        shape = self.shape
+        if self._sizes or shape is None or shape.single_row <= 0 or rows <= 1:
+            return self.compute(rows)
+        return shape.compute(rows) / shape.single_row * self.single_row
 
     @property
     def row(self) -> float:
@@ -442,11 +531,33 @@ class SessionLoad:
 
 def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel, later: float | None = None) -> float:
     """Aggregate throughput gain of one serial window of ``window`` drafts for one of ``sessions``
-    sessions sharing every batch (see the module header; 1 session: the serial speedup)."""
+    sessions (see the module header: the others' rows batch, the window is a traversal of its
+    own; 1 session: the serial speedup)."""
     sessions = max(1, sessions)
     step = cost.latency(1) + cost.row * (sessions - 1)
+    others = cost.single_row + cost.row * (sessions - 2) if sessions >= 2 else 0.0
+    with_window = cost.round_trip + others + cost.shared_compute(window + 1)
     committed = sessions - 1 + expected_tokens(acceptance, window, later)
-    return committed / sessions * step / max(step + cost.row * window, 1e-12)
+    return committed / sessions * step / max(with_window, 1e-12)
+
+
+def speculation_pays(load: SessionLoad, config: ControllerConfig) -> bool:
+    """Whether a request that starts now, with ``load.sessions`` sessions on the chain (itself
+    included), could gain from a window at all: False when even drafts that are all kept give
+    every window size a shared gain under ``min_gain`` (:func:`shared_gain` at the window prices
+    and c_row / c_1 a session measured alone on the chain, ``load.costs``; without one the prior,
+    ``row_cost_ratio``, and c_w = 0).  Such a request does not speculate at all: it takes the plain
+    path (a decode run, direct return), which costs the stages and the driver less per token than
+    a speculating request's plain steps (2 x 1t Gemma at N = 8: 94.3 against 100.8 tok/s)."""
+    sessions = load.sessions
+    if sessions <= 1:
+        return True
+    alone = load.costs.get(config.stages) or next(reversed(load.costs.values()), None)
+    if alone is None or alone.single_row <= 0:
+        alone = CostModel(config.row_cost_ratio if load.row_cost_ratio is None else load.row_cost_ratio, 1.0)
+        alone.single_row, alone._seen_single = 1.0, True
+    return any(shared_gain(1.0, window, sessions, alone) >= config.min_gain
+               for window in range(1, config.max_window + 1))
 
 
 def serial_rate(acceptance: float, window: int, cost: CostModel, later: float | None = None) -> float:
@@ -617,9 +728,10 @@ class SpeculationController:
         ``shared``: other sessions ran on the chain meanwhile, :meth:`CostModel.observe`)."""
         self.cost.observe(rows, wall_seconds, compute_seconds, alone=alone, shared=shared)
 
-    def best(self, acceptance: float, max_window: int, later: float | None = None) -> Plan:
+    def best(self, acceptance: float, max_window: int, later: float | None = None,
+             max_depth: int | None = None) -> Plan:
         """The best (K, D) for a first-draft acceptance and a later one (None: the same), with
-        K <= ``max_window``."""
+        K <= ``max_window`` (and D <= ``max_depth``, None: the config's)."""
         if max_window < 1 or not self.cost.ready:
             return _PLAIN
         cost = self.cost
@@ -638,7 +750,7 @@ class SpeculationController:
             latency = cost.latency(rows)
             bottleneck = cost.compute(rows) * share
             windows = 1.0 + first * a ** (window - 1) / (1.0 - a ** rows)
-            for depth in range(1, self.config.max_depth + 1):
+            for depth in range(1, (self.config.max_depth if max_depth is None else max_depth) + 1):
                 if depth == 1:
                     rate = expected_tokens(acceptance, window, later) / max(latency, 1e-12)
                 else:
@@ -696,6 +808,10 @@ class SpeculationController:
             return _PLAIN  # the first plain steps measure R and c_1
         raw = self.best(first, draft_length, later)
         choice = raw if q >= 1.0 or not raw.window else self.best(first * q, draft_length, later)
+        if choice.depth >= 2 and self.continuation_plan(match_length, choice).depth < 2:
+            # Priced as the start of a pipelined epoch whose continuations would not be sent
+            # (they are re-planned on the later rate, its own band's q): a serial window then.
+            choice = self.best(first * min(q, 1.0), draft_length, later, max_depth=1)
         self._sessions = 1
         if raw.window and raw.speedup >= self.config.min_gain:
             self.bet = (raw.window, expected_tokens(first, raw.window, later) - 1.0, first)
@@ -703,7 +819,7 @@ class SpeculationController:
             self.plain_steps_since_window = 0
             return choice
         self.plain_steps_since_window += 1
-        interval = self.config.refresh_interval if self.cost.windows_measured else self.config.probe_interval
+        interval = self.config.refresh_interval if self.cost.windows_settled else self.config.probe_interval
         if self.plain_steps_since_window >= interval:
             self.plain_steps_since_window = 0
             return Plan(min(2, draft_length), 1, choice.speedup, probe=True)

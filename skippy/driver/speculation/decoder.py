@@ -7,7 +7,9 @@
 # decoder never blocks, reads clocks or touches sockets; timings come in with the replies.
 #
 # * Epoch start (no live window): propose up to K drafts from the committed history; the
-#   controller picks (K, D) or a plain step, weighing the other sessions on the chain (`load`).
+#   controller picks (K, D) or a plain step, weighing the other sessions on the chain (`load`):
+#   with others, serial windows only, priced as traversals of their own, and a pipelined epoch
+#   under way sends no more continuations.
 #   A plain step with a draft available is scored in shadow (its first draft against the token
 #   the chain returns), so acceptance keeps being measured while speculation is off.
 # * Pipelining: while fewer than D live windows are in flight, propose K + 1 more drafts from the
@@ -108,7 +110,7 @@ class SpeculativeDecoder:
         self._shadow_kept = 0  # its drafts the plain steps confirmed so far
         self._alone: dict[int, bool] = {}
         self._shared: dict[int, bool] = {}  # other sessions ran on the chain when it was sent
-        self._adopted = False  # the first epoch looked at the chain's shared cost model
+        self._adopted = False  # an epoch alone on the chain looked at its shared cost model
         #: Most drafts the next window may carry ("slow start"): 2 a + 1 after a rejection past a
         #: kept drafts, twice a run that was kept whole; so a loop that breaks costs one long
         #: window, not one per epoch until the estimates catch up (the peer benchmark's stream).
@@ -184,14 +186,19 @@ class SpeculativeDecoder:
                 draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
             sessions = self._sessions()
             cost = self.controller.cost
-            if sessions >= 2 and cost.extra_row is None and self.load is not None \
-                    and self.load.row_cost_ratio is not None:
-                cost.row_cost_ratio = self.load.row_cost_ratio  # measured alone by another session
-            elif sessions == 1 and not self._adopted and self.load is not None and not cost.windows_measured:
+            if sessions >= 2 and self.load is not None:  # what windows cost, from a session alone on the chain
+                if cost.extra_row is None and self.load.row_cost_ratio is not None:
+                    cost.row_cost_ratio = self.load.row_cost_ratio
+                alone = self.load.costs.get(self.controller.config.stages)
+                if alone is not cost:
+                    cost.shape = alone
+            elif sessions == 1 and not self._adopted and self.load is not None:
+                # a session alone (from its start, or once the others left) takes what a window
+                # costs on this chain, measured alone before
+                self._adopted = True
                 measured = self.load.costs.get(self.controller.config.stages)
-                if measured is not None and measured is not cost:
-                    cost.adopt(measured)  # what a window costs on this chain, measured alone before
-            self._adopted = True
+                if measured is not None and measured is not cost and not cost.windows_measured:
+                    cost.adopt(measured)
             self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
                           else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
@@ -209,8 +216,8 @@ class SpeculativeDecoder:
             else:
                 self._kind[window.id] = (0, 0.0)
             return WindowRequest(window.id, window.base_position, window.inputs, not drafts)
-        if self._plan.window == 0 or len(live) >= self._plan.depth:
-            return None
+        if self._plan.window == 0 or len(live) >= self._plan.depth or self._sessions() >= 2:
+            return None  # (with other sessions on the chain a pipelined epoch ends with what is in flight)
         if self._plan.depth >= 2:  # every draft of a continuation follows kept ones: re-plan on that
             self._plan = self.controller.continuation_plan(live[-1].match_length, self._plan)
             if len(live) >= self._plan.depth:
@@ -269,8 +276,9 @@ class SpeculativeDecoder:
             self.controller.observe_traversal(len(window.inputs), wall_seconds, compute_seconds, alone=alone,
                                               shared=shared)
             cost = self.controller.cost
-            if not shared and self.load is not None and cost.extra_row is not None and cost.single_row > 0:
-                self.load.row_cost_ratio = cost.extra_row / cost.single_row
+            if not shared and self.load is not None and cost.windows_measured and cost.single_row > 0:
+                if cost.extra_row is not None:
+                    self.load.row_cost_ratio = cost.extra_row / cost.single_row
                 self.load.costs[self.controller.config.stages] = cost
         if window.epoch != tracker.epoch:  # stale: drained and counted, never emitted
             return tracker.commit(window, Verdict(0, (int(predicted[0]),)))
