@@ -68,11 +68,11 @@ def pinned_plan(self: SpeculationController, draft_length: int, match_length: in
 
 
 async def run(hybrid: Path, generator: Generator, stages: int, speculation: bool):  # type: ignore[no-untyped-def]
-    """The tokens, every logits row the final stage computed (decode call by call), the positions
-    each stage held at the end, and the runner's 1-row windows."""
+    """The completion, every logits row the final stage computed (decode call by call: its
+    positions and logits), the positions each stage held before the Stop, and the 1-row windows
+    the runner sent again."""
     calls: list[tuple[tuple[int, ...], np.ndarray]] = []
     held: list[int] = []
-    redone: list[int] = []
     async with inprocess_chain(CHAINS[stages], model=str(hybrid), ctx_size=512, threads=1) as servers:
         last = servers[-1].executor.context  # type: ignore[attr-defined]
         decode = last.decode
@@ -85,25 +85,52 @@ async def run(hybrid: Path, generator: Generator, stages: int, speculation: bool
             return out
 
         last.decode = recording
-        contexts = [server.executor.context for server in servers]  # type: ignore[attr-defined]
-        stop_lengths = [c.length for c in contexts]
-
         async with await StageClient.connect(servers[0].address) as client:
-            handle = generator.start(client, GenerationRequest(PROMPT, STEPS, speculation=speculation), 1)
-            finish = handle._finish
+            stop = client.stop
 
-            async def finish_and_look(*args, **kwargs):  # type: ignore[no-untyped-def]
-                if handle._runner is not None:
-                    redone.append(handle._runner.redone)
-                    await handle._runner.finish(len(PROMPT) + len(handle.tokens) - 1)
-                for server, length in zip(servers, stop_lengths):
+            async def look_and_stop(*args, **kwargs):  # type: ignore[no-untyped-def]
+                for server in servers:
                     (session,) = server.executor._sessions.values()  # type: ignore[attr-defined]
-                    held.append(length(session.seq))
-                return await finish(*args, **kwargs)
+                    held.append(server.executor.context.length(session.seq))  # type: ignore[attr-defined]
+                return await stop(*args, **kwargs)
 
-            handle._finish = finish_and_look
+            client.stop = look_and_stop  # type: ignore[method-assign]
+            handle = generator.start(client, GenerationRequest(PROMPT, STEPS, speculation=speculation), 1)
             completion = await handle.run()
-    return completion, calls, held, redone
+    return completion, calls, held, 0 if handle._runner is None else handle._runner.redone
+
+
+def windows_cut_to_their_head(calls: Sequence[tuple[tuple[int, ...], np.ndarray]]) -> list[int]:
+    """Starts of the multi-row decodes after the prompt decoded again as one row right after."""
+    return [a[0][0] for a, b in zip(calls, calls[1:])
+            if len(a[0]) > 1 and a[0][0] >= len(PROMPT) and b[0] == a[0][:1]]
+
+
+async def compare(hybrid: Path, generator: Generator, stages: int, plain: Sequence[int]):  # type: ignore[no-untyped-def]
+    """Speculation on the unsplit model and on ``stages``: both equal to the plain tokens, and
+    bitwise to each other; the unsplit run's calls."""
+    OracleProposer.calls = itertools.count()
+    unsplit, unsplit_calls, unsplit_held, unsplit_redone = await run(hybrid, generator, 1, True)
+    OracleProposer.calls = itertools.count()
+    chained, chained_calls, chained_held, chained_redone = await run(hybrid, generator, stages, True)
+    assert unsplit.tokens == chained.tokens == list(plain)
+    usage = chained.speculation
+    assert usage is not None and usage.accepted > 0 and usage.rollbacks > 0, usage
+    # windows cut to their head: replayed on the unsplit stage, sent again on the chain
+    assert unsplit_redone == 0 and chained_redone == len(windows_cut_to_their_head(unsplit_calls)) > 0
+    assert [positions for positions, _ in unsplit_calls] == [positions for positions, _ in chained_calls]
+    for (positions, a), (_, b) in zip(unsplit_calls, chained_calls):
+        assert np.array_equal(a, b), (positions, np.abs(a - b).max())
+    assert len(unsplit_held) == 1 and chained_held == unsplit_held * stages
+    return unsplit_calls, unsplit_held[0]
+
+
+@pytest.fixture
+def pinned(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Windows of 3 drafts, serial, from the oracle."""
+    monkeypatch.setattr(decoder_module, "NgramProposer", OracleProposer)
+    monkeypatch.setattr(SpeculationController, "plan", pinned_plan)
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_window_cap", lambda self: DRAFTS)
 
 
 @pytest.mark.parametrize("stages", [2, 3])
@@ -114,15 +141,29 @@ async def test_greedy_speculation_on_a_chain_is_bitwise_the_unsplit_run(hybrid: 
     monkeypatch.setattr(decoder_module, "NgramProposer", OracleProposer)
     monkeypatch.setattr(SpeculationController, "plan", pinned_plan)
     monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_window_cap", lambda self: DRAFTS)
+    _, held = await compare(hybrid, generator, stages, plain.tokens)
+    assert held == len(PROMPT) + STEPS - 1
+
+
+@pytest.mark.parametrize("stages", [2, 3])
+async def test_an_end_right_after_a_windows_first_row_is_bitwise_the_unsplit_run(
+        hybrid: Path, generator: Generator, stages: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The generation ends (an end-of-generation token) on a window's first draft, which is kept:
+    the final trim keeps only the window's first row (``SpeculativeRunner.finish``)."""
+    plain, _, _, _ = await run(hybrid, generator, 1, False)
+    OracleProposer.script = (*PROMPT, *plain.tokens)
+    monkeypatch.setattr(decoder_module, "NgramProposer", OracleProposer)
+    monkeypatch.setattr(SpeculationController, "plan", pinned_plan)
+    monkeypatch.setattr(decoder_module.SpeculativeDecoder, "_window_cap", lambda self: DRAFTS)
     OracleProposer.calls = itertools.count()
-    unsplit, unsplit_calls, unsplit_held, unsplit_redone = await run(hybrid, generator, 1, True)
-    OracleProposer.calls = itertools.count()
-    chained, chained_calls, chained_held, chained_redone = await run(hybrid, generator, stages, True)
-    assert unsplit.tokens == chained.tokens == plain.tokens
-    usage = chained.speculation
-    assert usage is not None and usage.accepted > 0 and usage.rollbacks > 0, usage
-    assert unsplit_redone == [0] and chained_redone[0] > 0  # windows cut to their head: sent again on the chain
-    assert [positions for positions, _ in unsplit_calls] == [positions for positions, _ in chained_calls]
-    for (positions, a), (_, b) in zip(unsplit_calls, chained_calls):
-        assert np.array_equal(a, b), (positions, np.abs(a - b).max())
-    assert unsplit_held == [len(PROMPT) + STEPS - 1] and chained_held == unsplit_held * stages
+    _, calls, _, _ = await run(hybrid, generator, 1, True)
+    # the last window [token j - 1, token j, ...] keeping token j, which appears nowhere before it
+    starts = sorted({positions[0] for positions, _ in calls if len(positions) > 1 and positions[0] >= len(PROMPT)})
+    tokens = plain.tokens
+    j = max(j for j in (c - len(PROMPT) + 1 for c in starts)
+            if 0 < j < len(tokens) - 1 and tokens[j] not in tokens[:j] and j + len(PROMPT) - 1 not in
+            windows_cut_to_their_head(calls))
+    end = tokens[j]
+    monkeypatch.setattr(generator.tokenizer, "is_end_of_generation", lambda token: token == end)
+    _, held = await compare(hybrid, generator, stages, tokens[:j])
+    assert held == len(PROMPT) + j

@@ -21,7 +21,9 @@
 # stage trims to its checkpoint before the window (a restore, nothing replayed) and computes the
 # row from its upstream's 1-row output, which is what the unsplit replay computes.  Its reply is
 # drained here, never shown to the decoder; it costs one 1-row traversal per such window,
-# pipelined (no round trip is waited for).  A head of two or more rows is replayed exactly (the
+# pipelined (no round trip is waited for).  `finish(length)` does the same when `length` keeps
+# only the first row of the last message that wrote there (a stop string or an end of generation
+# right after a window's first row).  A head of two or more rows is replayed exactly (the
 # batch kernels give each row the same bits whatever the batch's length).  Done in the driver,
 # not in the stages, because only the driver knows the row is the whole head before the next
 # message: a stage would have to hold the trim back and rewrite the next message (positions,
@@ -32,6 +34,7 @@
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Final, final
 
 import numpy as np
@@ -45,6 +48,8 @@ from skippy.driver.speculation.window import WindowError
 __all__ = ["SpeculationProtocolError", "SpeculativeRunner"]
 
 _PREDICTIONS: Final = (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS)
+#: Messages remembered for `finish` (a stop cuts into the last committed window: far fewer back).
+_REMEMBERED: Final = 256
 
 
 class SpeculationProtocolError(StageClientError):
@@ -75,6 +80,8 @@ class SpeculativeRunner:
         self._redos: set[int] = set()
         #: 1-row windows sent again (for the stats and the tests).
         self.redone = 0
+        #: The last messages sent: (position, tokens), oldest first.
+        self._written: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=_REMEMBERED)
         #: Send time of every message in flight, by window id (FIFO order).
         self._sent: dict[int, float] = {}
         #: When the last reply was read (the wait for the next one starts there or at its send).
@@ -110,6 +117,7 @@ class SpeculativeRunner:
         while (request := self.decoder.next_window()) is not None:
             await self.client.send(self._message(request))
             self._sent[int(request.window_id)] = time.perf_counter()
+            self._written.append((request.base_position, tuple(request.tokens)))
             self.kv_high_water = max(self.kv_high_water, request.base_position + len(request.tokens))
 
     async def _receive(self) -> tuple[int, StageReply]:
@@ -179,8 +187,17 @@ class SpeculativeRunner:
             state_changes={"seq_id": window_id, "current_token": int(token)},
         ))
         self._sent[window_id] = time.perf_counter()
+        self._written.append((position, (int(token),)))
         self._redos.add(window_id)
         self.redone += 1
+
+    def _head_of(self, length: int) -> int | None:
+        """The token at ``length - 1`` when the last message that wrote that position started
+        there with more rows (a trim to ``length`` would cut it to a 1-row head); else None."""
+        for position, tokens in reversed(self._written):
+            if position <= length - 1 < position + len(tokens):
+                return tokens[0] if position == length - 1 and len(tokens) > 1 else None
+        return None
 
     def _drained_redo(self, window_id: int, reply: StageReply) -> bool:
         """Whether ``reply`` answers a 1-row window sent again (then it is taken off the FIFO)."""
@@ -198,9 +215,14 @@ class SpeculativeRunner:
         """End the run with every stage's KV exactly ``length`` positions long.
 
         Sends TrimSession(``length``) behind the windows in flight when any message wrote past
-        ``length``, then drains the in-flight replies (checking their FIFO order) and the ACK.
+        ``length`` (a 1-row window instead when ``length`` keeps only the first row of a message,
+        with ``redo_heads``: module header), then drains the in-flight replies (checking their
+        FIFO order) and the ACK.
         """
-        trim = self.kv_high_water > length
+        head = self._head_of(length) if self.redo_heads else None
+        if head is not None:
+            await self._redo(length - 1, head)
+        trim = self.kv_high_water > length and head is None
         if trim:
             await self.client.send(StageMessage.create(
                 MessageKind.TRIM_SESSION, token_count=length, request_id=self.request_id,
