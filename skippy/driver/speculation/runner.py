@@ -246,6 +246,7 @@ class SpeculativeRunner:
                     f"first stage {self.client.address} answered {ReplyKind(ack.kind).reference_name} "
                     "to TrimSession; expected ACK"
                 )
+        if trim or head is not None:
             self.kv_high_water = length
 
 
