@@ -9,8 +9,9 @@ and an attention layer), 1 thread:
   by the authoritative position);
 * a decode run ended early leaves every stage's session at the driver's position (the stage
   statistics' KV cells and the session's held positions) and the session goes on exactly;
-* ``n = 4`` forks of a prompt give the tokens of four ``n = 1`` requests, forked (the parent's
-  last prefill chunk rolled back by one position on every stage);
+* ``n = 4`` forks of a prompt give the tokens of four ``n = 1`` requests, forked at the parent's
+  last prefill chunk (a restore on every stage), or refused one position short of it (the fork
+  would keep only the first row of a 2-row chunk: :mod:`skippy.runtime.rollback`);
 * a prefix-cache hit reports ``cached_tokens > 0`` and gives the uncached answer.
 """
 
@@ -152,9 +153,13 @@ async def test_four_forks_equal_four_single_requests(hybrid: Path, generator: Ge
                 await parent.__anext__()  # the prompt is prefilled once, its first token computed
                 forks = []
                 for index in range(3):
-                    fork = generator.start(client, request, 2 + index, fork=(1, stages))
+                    # as the API forks (at the parent's last prefill chunk), and (the first) one
+                    # position short of the prompt, which would keep only the first row of the
+                    # parent's 2-row last chunk: refused on every stage, the prompt computed in full
+                    at = None if index == 0 else parent.fork_point
+                    fork = generator.start(client, request, 2 + index, fork=(1, stages), fork_at=at)
                     forks.append((await fork.run()).tokens)
-                    assert fork.cached_tokens == len(PROMPT) - 1  # the fork held on every stage
+                    assert fork.cached_tokens == (0 if at is None else 16)  # the fork held on every stage
                 forks.append((await parent.run()).tokens)
                 assert forks == singles
         for server in servers:

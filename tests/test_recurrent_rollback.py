@@ -8,7 +8,8 @@ multi-row window give bitwise the logits of a session that never decoded the rol
 the same micro-batch partition); a prefix copy (a fork, a prefix-cache record) likewise; a rollback
 past the oldest checkpoint is refused naming it and leaves the session as it was.  On 2- and
 3-stage chains a chunk cut to its head (a window's rejected drafts, a fork) gives bitwise the
-unsplit run's logits, except a 1-row head on a later recurrent stage (a known gap, strict xfail).
+unsplit run's logits; a 1-row head is made as the driver makes it (the row decoded again alone)
+or refused (a prefix copy).
 """
 
 from __future__ import annotations
@@ -167,30 +168,27 @@ def test_a_long_way_back_through_thinned_checkpoints(models: ChainModels, hybrid
 
 
 CHAINS = {"2 stages": [(0, 2), (2, 4)], "3 stages": SPLITS["3 stages"]}
-#: Known to differ from unsplit in the last bits (1e-6): a chunk cut to a 1-row head, replayed on a
-#: stage with recurrent layers after the first (Nemotron-H's 2-stage cut leaves none there).  A
-#: later stage replays the row it received, which the upstream computed in the chunk's batch
-#: (ggml's n >= 2 kernels; Qwen3.5's chunked delta net), while unsplit replays it as one row
-#: through every layer (vec_dot; the autoregressive delta net): no stage can make the other's bits.
-#: Strict: a fix turns these into failures until the mark goes.
-ONE_ROW_HEAD_GAP = {("qwen35", "2 stages"), ("qwen35", "3 stages"), ("nemotron_h", "3 stages")}
 
 
 @pytest.mark.parametrize("split", list(CHAINS))
 @pytest.mark.parametrize("head", [1, 2])
 @pytest.mark.parametrize("case", ["window", "fork"])
-def test_a_chunk_cut_to_its_head_on_a_chain_is_the_unsplit_run(request: pytest.FixtureRequest, models: ChainModels,
-                                                               hybrid: Path, split: str, head: int, case: str) -> None:
+def test_a_chunk_cut_to_its_head_on_a_chain_is_the_unsplit_run(models: ChainModels, hybrid: Path, split: str,
+                                                               head: int, case: str) -> None:
     """A multi-row chunk cut to its first ``head`` rows: a verify window whose drafts are rejected
     (a trim), or a prompt's last prefill chunk forked one position short (a prefix copy).  Each
     stage restores its checkpoint and decodes the kept rows again, a later stage from the
-    activations it received, which the whole chunk's batch computed.  The chain must give bitwise
-    the logits (so the greedy tokens) of the unsplit model doing the same, whose replay computes
-    the head from its tokens through every layer.  A 1-row head does not yet
-    (:data:`ONE_ROW_HEAD_GAP`)."""
-    if head == 1 and (request.node.callspec.params["hybrid"], split) in ONE_ROW_HEAD_GAP:
-        request.applymarker(pytest.mark.xfail(strict=True, reason="a 1-row head replayed on a later recurrent "
-                                              "stage from the chunk's batch rows (ONE_ROW_HEAD_GAP)"))
+    activations it received, which the whole chunk's batch computed; with 2 rows or more the
+    chain gives bitwise the logits (so the greedy tokens) of the unsplit model doing the same.
+
+    A 1-row head is not made so (:mod:`skippy.runtime.rollback`): the unsplit model replays that
+    row alone from its token, a later stage could only replay the row its upstream computed in
+    the batch.  A window cut to its first row is what the speculation driver sends again as a
+    1-row window on a chain (tests/test_recurrent_speculation.py runs it end to end): every stage
+    trims to the window's start (a restore, nothing replayed) and decodes the row alone, from its
+    upstream's 1-row output, which is bitwise the unsplit trim's replay.  A prefix copy that
+    keeps a chunk's first row only is refused on every stage, the unsplit one too (a fork then
+    computes its prompt in full; a prefix-cache record is not made)."""
     n = len(PROMPT)
     window = [8, 9, 10, 11, 12]
     after = [[t] for t in AFTER]
@@ -199,14 +197,28 @@ def test_a_chunk_cut_to_its_head_on_a_chain_is_the_unsplit_run(request: pytest.F
         with models.chain(hybrid, ranges, n_ctx=256, max_sessions=4, n_batch=64, threads=THREADS) as stages:
             if case == "window":
                 feed(stages, 0, 0, [PROMPT, [5], window])
-                stages.each("trim", 0, n + 1 + head)
-                for context in stages.contexts:
-                    assert context.rollback_stats.rollbacks == 1 and context.rollback_stats.replayed_rows == head
+                if head == 1 and name != "unsplit":  # the driver's form on a chain: the row again, alone
+                    stages.each("trim", 0, n + 1)
+                    for context in stages.contexts:
+                        assert context.rollback_stats.replayed_rows == 0
+                    feed(stages, 0, n + 1, [window[:1]])
+                else:
+                    stages.each("trim", 0, n + 1 + head)
+                    for context in stages.contexts:
+                        assert context.rollback_stats.rollbacks == 1 and context.rollback_stats.replayed_rows == head
                 runs[name] = feed(stages, 0, n + 1 + head, after)[1]
             else:  # the prompt's last chunk: head + 1 rows
                 feed(stages, 0, 0, [PROMPT[:-head - 1], PROMPT[-head - 1:], [5]])
-                stages.each("copy", 0, 1, 0, n - 1)
-                runs[name] = feed(stages, 1, n - 1, [PROMPT[-1:], *after])[1]
-    for unsplit, chained in zip(runs["unsplit"], runs[split]):
+                if head == 1:
+                    for context in stages.contexts:
+                        with pytest.raises(SessionError, match=r"keep only the first row of a 2-row chunk"):
+                            context.copy(0, 1, 0, n - 1)
+                        assert context.length(1) == 0 and context.length(0) == n + 1
+                    stages.each("copy", 0, 1, 0, n - 2)  # at the chunk's start: a restore
+                    runs[name] = feed(stages, 1, n - 2, [PROMPT[-2:-1], PROMPT[-1:], *after])[1]
+                else:
+                    stages.each("copy", 0, 1, 0, n - 1)
+                    runs[name] = feed(stages, 1, n - 1, [PROMPT[-1:], *after])[1]
+    for unsplit, chained in zip(runs["unsplit"], runs[split], strict=True):
         assert int(np.argmax(unsplit)) == int(np.argmax(chained))
         assert np.array_equal(unsplit, chained), np.abs(unsplit - chained).max()

@@ -56,6 +56,7 @@ from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
 from skippy.net.address import Address
 from skippy.runtime.gguf_header import read_header
+from skippy.runtime.layer_kinds import recurrent_layers
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
 
@@ -532,7 +533,10 @@ class Generation:
         config = SpeculationConfig(controller=dataclasses.replace(generator.controller, stages=max(1, stages)))
         decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens,
                                      load=generator.load)
-        self._runner = SpeculativeRunner(self._client, self.session_id, decoder)
+        # on one stage a row cut from a window is replayed from its token, as the unsplit run does;
+        # on a chain (or an unknown stage count: 0) of a recurrent model it is sent again
+        redo = generator.recurrent is not False and stages != 1
+        self._runner = SpeculativeRunner(self._client, self.session_id, decoder, redo_heads=redo)
 
     async def _stop_speculating(self) -> None:
         """End the speculative run between windows, leaving the KV the plain loop would (every
@@ -713,7 +717,7 @@ class Generation:
             # trimmed by the next window, or by finish()
             decoder = self._runner.decoder
             decoder.restart(length)
-            runner = SpeculativeRunner(client, self.session_id, decoder)
+            runner = SpeculativeRunner(client, self.session_id, decoder, redo_heads=self._runner.redo_heads)
             runner.kv_high_water = max([length, *(f[0] + len(f[2]) for f in frames if len(f) == 3)])
             self._runner = runner
         return "replay"
@@ -800,6 +804,11 @@ class Generator:
         #: (None: where the lost lane went; a launcher that moves stages points it at its pool).
         self.first_stage: Callable[[], Address | None] | None = None
         self.controller = controller
+        #: Whether the model has recurrent layers (None: not known, taken as yes): speculation on a
+        #: chain of such a model sends a window cut to its first row again as a 1-row window
+        #: (:mod:`skippy.driver.speculation.runner`: the split stays bitwise the unsplit run).
+        #: :meth:`from_model` reads it from the GGUF.
+        self.recurrent: bool | None = None
         #: The requests running now (from their first step to their end): speculation weighs a
         #: window's cost to the others by it (docs/throughput.md).
         self.load = SessionLoad()
@@ -908,9 +917,14 @@ class Generator:
             tokenizer.close()  # a bad name or file: do not leak the vocabulary load
             raise
         log.info("%s: %s", Path(path).name, choice.describe())
-        return cls(tokenizer, chat_template=choice.source, n_ctx=n_ctx or min(trained, 4096), chunk_size=chunk_size,
-                   credit=credit, speculation=speculation, controller=controller, chat_template_choice=choice,
-                   decode_runs=decode_runs)
+        generator = cls(tokenizer, chat_template=choice.source, n_ctx=n_ctx or min(trained, 4096),
+                        chunk_size=chunk_size, credit=credit, speculation=speculation, controller=controller,
+                        chat_template_choice=choice, decode_runs=decode_runs)
+        arch = metadata.get("general.architecture")
+        n_layer = metadata.get(f"{arch}.block_count")
+        if isinstance(arch, str) and isinstance(n_layer, int):
+            generator.recurrent = bool(recurrent_layers(arch, n_layer, metadata))
+        return generator
 
     def close(self) -> None:
         self.tokenizer.close()

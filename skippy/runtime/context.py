@@ -619,7 +619,11 @@ class StageContext:
         ``kv_streams`` a prefix ``[0, end)`` only, copied into the destination's stream).
 
         A recurrent model copies a prefix ``[0, end)`` only: the whole session, then a rollback
-        of the copy (through the source's checkpoints, which the copy does not keep).
+        of the copy (through the source's checkpoints, which the copy does not keep).  It refuses
+        a prefix that keeps only the first row of a chunk of several (:mod:`skippy.runtime.rollback`:
+        a later stage would replay that row as computed inside its chunk, not alone as the
+        unsplit model does), on every stage alike: a fork then computes its prompt in full, a
+        prefix-cache record is not made.
 
         Raises:
             SessionError: a recurrent prefix that cannot be made (``destination`` is left empty).
@@ -637,6 +641,12 @@ class StageContext:
         with self._lock:
             lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, -1, -1)
         if 0 <= end < self.length(source):
+            cut = next((c for r in self._rings.get(source, []) for c in r.chunks if c.start == end - 1), None)
+            if cut is not None and cut.rows > 1:
+                self.remove(destination)
+                raise SessionError(f"cannot copy positions [0, {end}) of session {source}: they keep only the "
+                                   f"first row of a {cut.rows}-row chunk (replayed alone it would not be the "
+                                   "row the chain computed)")
             # the copy borrows the source's checkpoints for its rollback and keeps none of them
             self._rings[destination] = [dataclasses.replace(c, chunks=list(c.chunks))
                                         for c in self._rings.get(source, [])]

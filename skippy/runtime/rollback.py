@@ -14,6 +14,16 @@ shorter chunk, as a session that never saw the rolled-back rows would have decod
 rollback is local to the stage: each stage replays its own inputs, which are the rows the
 previous stage really sent for those positions.
 
+One cut is not bitwise on a chain: a chunk of several rows cut to its first row.  A later stage
+replays the row it received, which its upstream computed inside the chunk's batch (ggml's
+n >= 2 kernels; Qwen3.5's chunked delta net), while the unsplit model replays it alone through
+every layer (vec_dot; the autoregressive delta net); a head of two rows or more gets the same
+bits either way.  No stage can make its upstream's one-row bits, so such a cut is never asked
+for: the speculation driver sends a window cut to its first row again as a 1-row window instead
+of trimming into it (:mod:`skippy.driver.speculation.runner`), and a prefix copy (a fork, a
+prefix-cache record) that would make it is refused on every stage alike
+(:meth:`StageContext.copy`).  A trim still makes it if a driver asks (exact on one stage).
+
 When: a checkpoint is taken before every decode that brings a session more than one row (a
 prefill chunk, a verify window) and before a one-row decode once ``interval`` rows were logged
 since the newest one (decode steps, decode runs).  At most ``depth`` checkpoints are kept: the

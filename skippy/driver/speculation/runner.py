@@ -11,11 +11,30 @@
 # KV past `length`) is sent right behind the windows still in flight, their replies are drained,
 # then the trim's ACK, so every stage ends with exactly the KV a non-speculative run leaves.
 #
+# One-row heads (`redo_heads`, set on chains of a recurrent model): a window of several rows that
+# keeps only its first row (every draft rejected) would leave each stage to roll back to the
+# window's start and replay that row alone (skippy.runtime.rollback); a later stage replays the
+# activation its upstream computed inside the window's batch (ggml's n >= 2 kernels, a chunked
+# delta net), while one stage replays it through every layer as one row: the chain would differ
+# from the unsplit run in the last bits.  So the runner sends that row again at once as a 1-row
+# VerifyWindow at the window's start (behind the windows in flight, before the next epoch): every
+# stage trims to its checkpoint before the window (a restore, nothing replayed) and computes the
+# row from its upstream's 1-row output, which is what the unsplit replay computes.  Its reply is
+# drained here, never shown to the decoder; it costs one 1-row traversal per such window,
+# pipelined (no round trip is waited for).  `finish(length)` does the same when `length` keeps
+# only the first row of the last message that wrote there (a stop string or an end of generation
+# right after a window's first row).  A head of two or more rows is replayed exactly (the
+# batch kernels give each row the same bits whatever the batch's length).  Done in the driver,
+# not in the stages, because only the driver knows the row is the whole head before the next
+# message: a stage would have to hold the trim back and rewrite the next message (positions,
+# rows, the reply's predictions) on a data plane that relays it hop by hop.
+#
 # Any reply that does not fit (wrong kind, wrong id) raises `SpeculationProtocolError`, a
 # `StageClientError`: the lane cannot be trusted afterwards and the caller closes it.
 from __future__ import annotations
 
 import time
+from collections import deque
 from typing import Final, final
 
 import numpy as np
@@ -29,6 +48,8 @@ from skippy.driver.speculation.window import WindowError
 __all__ = ["SpeculationProtocolError", "SpeculativeRunner"]
 
 _PREDICTIONS: Final = (ReplyKind.PREDICTED_TOKEN, ReplyKind.PREDICTED_TOKENS)
+#: Messages remembered for `finish` (a stop cuts into the last committed window: far fewer back).
+_REMEMBERED: Final = 256
 
 
 class SpeculationProtocolError(StageClientError):
@@ -44,14 +65,23 @@ class SpeculativeRunner:
         session_id: the request's session.
         decoder: the per-request decoder (created after the prefill).
         request_id: stamped on every message.
+        redo_heads: send a window cut to its first row again as a 1-row window (module header):
+            a chain of a recurrent model.
     """
 
     def __init__(self, client: StageClient, session_id: int, decoder: SpeculativeDecoder, *,
-                 request_id: int = 0) -> None:
+                 request_id: int = 0, redo_heads: bool = False) -> None:
         self.client = client
         self.session_id = session_id
         self.decoder = decoder
         self.request_id = request_id
+        self.redo_heads = redo_heads
+        #: Ids of the 1-row windows sent again (their replies are drained, not decoded).
+        self._redos: set[int] = set()
+        #: 1-row windows sent again (for the stats and the tests).
+        self.redone = 0
+        #: The last messages sent: (position, tokens), oldest first.
+        self._written: deque[tuple[int, tuple[int, ...]]] = deque(maxlen=_REMEMBERED)
         #: Send time of every message in flight, by window id (FIFO order).
         self._sent: dict[int, float] = {}
         #: When the last reply was read (the wait for the next one starts there or at its send).
@@ -87,6 +117,7 @@ class SpeculativeRunner:
         while (request := self.decoder.next_window()) is not None:
             await self.client.send(self._message(request))
             self._sent[int(request.window_id)] = time.perf_counter()
+            self._written.append((request.base_position, tuple(request.tokens)))
             self.kv_high_water = max(self.kv_high_water, request.base_position + len(request.tokens))
 
     async def _receive(self) -> tuple[int, StageReply]:
@@ -117,6 +148,9 @@ class SpeculativeRunner:
         while True:
             await self._fill()
             window_id, reply = await self._receive()
+            if self._drained_redo(window_id, reply):
+                self._last_reply = time.perf_counter()
+                continue
             self.replies.append(reply)
             sent = self._sent.get(window_id)
             now = time.perf_counter()
@@ -135,18 +169,60 @@ class SpeculativeRunner:
             del self._sent[window_id]
             if not outcome.stale:
                 window = outcome.window
-                self.committed.append((window.base_position, outcome.next_position - window.base_position,
-                                       window.inputs))
+                kept = outcome.next_position - window.base_position
+                if self.redo_heads and kept == 1 and len(window.inputs) > 1:
+                    await self._redo(window.base_position, window.inputs[0])
+                    self.committed.append((window.base_position, 1, window.inputs[:1]))
+                else:
+                    self.committed.append((window.base_position, kept, window.inputs))
             if outcome.tokens:
                 return outcome.tokens
+
+    async def _redo(self, position: int, token: int) -> None:
+        """Send ``token`` at ``position`` again as a 1-row window (module header)."""
+        window_id = int(self.decoder.tracker.reserve_id())
+        await self.client.send(StageMessage.create(
+            MessageKind.VERIFY_WINDOW, pos_start=position, token_count=1, request_id=self.request_id,
+            session_id=self.session_id, tokens=np.asarray([token], dtype=np.int32),
+            state_changes={"seq_id": window_id, "current_token": int(token)},
+        ))
+        self._sent[window_id] = time.perf_counter()
+        self._written.append((position, (int(token),)))
+        self._redos.add(window_id)
+        self.redone += 1
+
+    def _head_of(self, length: int) -> int | None:
+        """The token at ``length - 1`` when the last message that wrote that position started
+        there with more rows (a trim to ``length`` would cut it to a 1-row head); else None."""
+        for position, tokens in reversed(self._written):
+            if position <= length - 1 < position + len(tokens):
+                return tokens[0] if position == length - 1 and len(tokens) > 1 else None
+        return None
+
+    def _drained_redo(self, window_id: int, reply: StageReply) -> bool:
+        """Whether ``reply`` answers a 1-row window sent again (then it is taken off the FIFO)."""
+        if window_id not in self._redos:
+            return False
+        if next(iter(self._sent)) != window_id or reply.kind != ReplyKind.PREDICTED_TOKENS \
+                or len(reply.predicted_tokens) != 1:
+            raise SpeculationProtocolError(f"first stage {self.client.address}: the reply to the 1-row window "
+                                           f"{window_id} is out of order or misshapen")
+        self._redos.discard(window_id)
+        del self._sent[window_id]
+        return True
 
     async def finish(self, length: int) -> None:
         """End the run with every stage's KV exactly ``length`` positions long.
 
         Sends TrimSession(``length``) behind the windows in flight when any message wrote past
-        ``length``, then drains the in-flight replies (checking their FIFO order) and the ACK.
+        ``length`` (a 1-row window instead when ``length`` keeps only the first row of a message,
+        with ``redo_heads``: module header), then drains the in-flight replies (checking their
+        FIFO order) and the ACK.
         """
-        trim = self.kv_high_water > length
+        head = self._head_of(length) if self.redo_heads else None
+        if head is not None:
+            await self._redo(length - 1, head)
+        trim = self.kv_high_water > length and head is None
         if trim:
             await self.client.send(StageMessage.create(
                 MessageKind.TRIM_SESSION, token_count=length, request_id=self.request_id,
@@ -155,6 +231,8 @@ class SpeculativeRunner:
         tracker = self.decoder.tracker
         while self._sent:
             window_id, reply = await self._receive()
+            if self._drained_redo(window_id, reply):
+                continue
             count = len(reply.predicted_tokens) if reply.kind == ReplyKind.PREDICTED_TOKENS else 1
             try:
                 tracker.take_reply(window_id, count)
@@ -168,6 +246,7 @@ class SpeculativeRunner:
                     f"first stage {self.client.address} answered {ReplyKind(ack.kind).reference_name} "
                     "to TrimSession; expected ACK"
                 )
+        if trim or head is not None:
             self.kv_high_water = length
 
 

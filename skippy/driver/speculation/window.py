@@ -183,6 +183,10 @@ class WindowTracker:
             tail.extend(window.drafts[1:] if index == 0 and window.continuation else window.drafts)
         return tuple(tail)
 
+    def reserve_id(self) -> WindowId:
+        """An id no window of this tracker uses (a message the runner answers itself)."""
+        return self._allocate_id()
+
     def _allocate_id(self) -> WindowId:
         value = self._next_id
         self._next_id = value + 1 if value < _MAX_WINDOW_ID else 1
