@@ -69,7 +69,8 @@ class Chain:
     """Stage 0 ``[0, k)`` and a final stage ``[k, n)``, the head whole or split (``shard``: "local" /
     "tcp" / "dial"; with ``tls``, the final stage's and the shard's contexts, both ends use TLS)."""
 
-    def __init__(self, path: Path, cut: int, shard: str | None, tls: tuple[Tls, Tls] | None = None) -> None:
+    def __init__(self, path: Path, cut: int, shard: str | None, tls: tuple[Tls, Tls] | None = None,
+                 timeout: float = 10.0) -> None:
         final_tls, shard_tls = tls or ((None, None), (None, None))
         info_model = Model(path, LayerRange(0, cut))
         self.first = info_model
@@ -103,7 +104,7 @@ class Chain:
             self.server = HeadShardServer(self.compute, host=None)
             self.server.dial(*self.port.address, tls=shard_tls[1])
             self.remote = RemoteHeadShard.through(self.port, rows=self.compute.rows, identity=self.head.identity,
-                                                  n_embd=self.head.n_embd, timeout=10.0)
+                                                  n_embd=self.head.n_embd, timeout=timeout)
             self.c1.attach_shard(self.remote)
 
     def decode(self, tokens: list[int], pos: int, outputs: np.ndarray | None = None) -> None:
@@ -366,13 +367,15 @@ def test_server_refuses_a_wrong_width(llama_path: Path) -> None:
 
 
 def test_a_shard_that_dies_is_a_clear_error_and_a_new_one_is_taken(llama_path: Path) -> None:
-    chain = Chain(llama_path, 2, "dial")
+    """A shard's host gone for good: the request waits the port's timeout for it to dial again,
+    then fails naming both; a replacement that dials later is taken."""
+    chain = Chain(llama_path, 2, "dial", timeout=1.0)
     whole = Chain(llama_path, 2, None)
     try:
         chain.decode(LONG_PROMPT[:4], 0)
         assert chain.server is not None
         chain.server.close()  # the shard's host is gone
-        with pytest.raises(HeadShardError, match="is gone"):
+        with pytest.raises(HeadShardError, match="is gone.*no head shard has connected"):
             chain.decode([5], 4)
         assert chain.compute is not None and chain.port is not None
         chain.server = HeadShardServer(chain.compute, host=None)  # its replacement dials again
@@ -381,6 +384,37 @@ def test_a_shard_that_dies_is_a_clear_error_and_a_new_one_is_taken(llama_path: P
         chain.c1.remove(0, 4)
         chain.decode([5], 4)
         whole.decode(LONG_PROMPT[:4], 0)
+        whole.decode([5], 4)
+        assert np.array_equal(chain.c1.logits(0), whole.c1.logits(0))
+    finally:
+        chain.close()
+        whole.close()
+
+
+@pytest.mark.parametrize("when", ["before", "during"])
+def test_a_restarted_shard_serves_the_next_request_without_an_error(llama_path: Path, when: str) -> None:
+    """The shard's host restarted while the final stage was idle (a launcher's restart of the stage
+    serving the head rows): the next request is answered, bitwise, on the new connection, whether
+    it dialled before the request came ("before": taken in place of the old one) or only while the
+    request was waiting ("during": the request, lost on the old one, is sent again)."""
+    chain = Chain(llama_path, 2, "dial", timeout=10.0)
+    whole = Chain(llama_path, 2, None)
+    try:
+        chain.decode(LONG_PROMPT[:4], 0)
+        whole.decode(LONG_PROMPT[:4], 0)
+        assert chain.server is not None and chain.compute is not None and chain.port is not None
+        chain.server.close()
+        replacement = HeadShardServer(chain.compute, host=None)
+        if when == "before":
+            replacement.dial(*chain.port.address)
+            deadline = time.monotonic() + 10
+            while chain.port._newest is None and time.monotonic() < deadline:
+                time.sleep(0.01)
+        else:
+            timer = threading.Timer(0.3, replacement.dial, args=chain.port.address)
+            timer.start()
+        chain.server = replacement
+        chain.decode([5], 4)
         whole.decode([5], 4)
         assert np.array_equal(chain.c1.logits(0), whole.c1.logits(0))
     finally:

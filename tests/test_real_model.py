@@ -201,7 +201,8 @@ def test_skippy_up_two_stages_answers_with_the_unsplit_text(real_model: Path, tm
         assert "using the real model gemma-3-270m-q4_k_m.gguf" in up.stderr()
         assert "as 2 stages" in up.stderr()
         # the tied 262,144-row head outweighs the layers: the last stage keeps one (docs/throughput.md)
-        assert "cut by compute cost (estimated from the shapes): 0:17 " in up.stderr()
+        assert ("cut by compute cost (estimated from the shapes, 1 row a stage's batch at 2 sessions): 0:17 "
+                in up.stderr())
         body = json.dumps({"model": "gemma-3-270m-q4_k_m", "messages": [{"role": "user", "content": QUESTION}],
                            "max_tokens": 32, "temperature": 0}).encode()
         request = urllib.request.Request(up.url + "/v1/chat/completions", data=body,

@@ -12,7 +12,11 @@ everything that reads the final stage's logits sees full rows.
 (tests, one host); :class:`HeadShardServer` serves one over TCP (beside another stage's layers)
 and :class:`RemoteHeadShard` is its client.  Either end may dial: a chain starts its final stage
 first, so there the final stage listens (:class:`HeadShardPort`) and the shard's host dials it
-(:meth:`HeadShardServer.dial`, again after a loss); the messages are the same either way.  The wire (docs/protocol.md, "Head shard"): every
+(:meth:`HeadShardServer.dial`, again after a loss); the messages are the same either way.
+A request is stateless, so the client sends one again, once, on the next connection when a
+connection that has answered before ends before any byte of its reply (the shard's host restarted
+while this end idled); where the shard's host dials, a connection it made since the last request
+replaces the old one before the request is sent.  The wire (docs/protocol.md, "Head shard"): every
 message is a 20-byte header ``<4sIIII`` (magic ``SKH1``, then four counts) and a body.
 A request is ``SKH1, rows, n_embd, 0, 0`` and ``rows x n_embd`` float32 (little-endian); rows 0 is
 the handshake.  A reply is ``SKH1, status, rows, r0, r1``: status 0 with ``rows x (r1 - r0)``
@@ -59,6 +63,10 @@ _TLS_MISMATCH: Final = ("a TLS record on a plain head shard link: the other end 
 
 class HeadShardError(NativeError):
     """A head shard failed, died or answered something it should not have."""
+
+
+class HeadShardLost(HeadShardError):
+    """The shard's connection ended before any byte of a reply: the request may be sent again."""
 
 
 def is_tls_record(data: bytes) -> bool:
@@ -384,6 +392,12 @@ class HeadShardPort:
             self._newest = conn
             self._ready.notify_all()
 
+    def newer(self) -> socket.socket | None:
+        """A connection made since the last :meth:`take` (the shard's host came back), else None."""
+        with self._ready:
+            conn, self._newest = self._newest, None
+            return conn
+
     def take(self, timeout: float) -> socket.socket:
         """The newest connection from the shard's host, waiting up to ``timeout`` seconds for one."""
         with self._ready:
@@ -414,9 +428,17 @@ class RemoteHeadShard:
     """The client of a :class:`HeadShardServer`: checks the shard's rows and model on connect."""
 
     def __init__(self, connect: Callable[[], socket.socket], *, address: str, rows: tuple[int, int],
-                 identity: str | None = None, n_embd: int) -> None:
-        """A client that gets its connection from ``connect`` when it needs one (first use, after a loss)."""
+                 identity: str | None = None, n_embd: int,
+                 newer: Callable[[], socket.socket | None] | None = None) -> None:
+        """A client that gets its connection from ``connect`` when it needs one (first use, after a
+        loss), and from ``newer`` (where the shard's host dials) one made since, when there is one."""
         self.rows = rows
+        self._newer = newer
+        self._request = b""
+        #: Whether the connection has answered a request (then a loss before this request's reply
+        #: is the shard's host having gone while this end was idle: the request is sent again).
+        self._served = False
+        self._reused = False
         self._n_embd = n_embd
         self._identity = identity
         self._address = address
@@ -449,27 +471,34 @@ class RemoteHeadShard:
                 timeout: float = 60.0) -> "RemoteHeadShard":
         """A client over the connections the shard's host makes to ``port``."""
         return cls(lambda: port.take(timeout), address=f"{port.address[0]}:{port.address[1]}", rows=rows,
-                   identity=identity, n_embd=n_embd)
+                   identity=identity, n_embd=n_embd, newer=port.newer)
 
     def connection(self) -> socket.socket:
         """The connection, made and checked (handshake: the shard's rows and model) if there is none."""
         if self._sock is None:
-            sock = self._connect()
-            sock.settimeout(None)
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            self._sock = sock
-            try:
-                self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
-                body = self._reply(0, IDENTITY_BYTES)
-            except HeadShardError as exc:  # TLS 1.3: a peer refusing this end's certificate says so only now
-                if isinstance(sock, ssl.SSLSocket) and "is gone" in str(exc):
-                    raise HeadShardError(f"{exc} (right after the TLS handshake: did the shard refuse this end's "
-                                         "certificate?)") from exc
-                raise
-            if self._identity is not None and body.decode(errors="replace").strip() != self._identity[:IDENTITY_BYTES]:
-                self.close()
-                raise HeadShardError(f"the head shard at {self._address} serves another model file")
+            self._adopt(self._connect())
+        assert self._sock is not None
         return self._sock
+
+    def _adopt(self, sock: socket.socket) -> None:
+        """Take ``sock`` as the connection, checked by the handshake (the shard's rows and model,
+        answered within :data:`HANDSHAKE_TIMEOUT`)."""
+        sock.settimeout(HANDSHAKE_TIMEOUT)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._sock = sock
+        self._served = False
+        try:
+            self._send(HEADER.pack(MAGIC, 0, self._n_embd, 0, 0))
+            body = self._reply(0, IDENTITY_BYTES)
+            sock.settimeout(None)
+        except HeadShardError as exc:  # TLS 1.3: a peer refusing this end's certificate says so only now
+            if isinstance(sock, ssl.SSLSocket) and "is gone" in str(exc):
+                raise HeadShardError(f"{exc} (right after the TLS handshake: did the shard refuse this end's "
+                                     "certificate?)") from exc
+            raise
+        if self._identity is not None and body.decode(errors="replace").strip() != self._identity[:IDENTITY_BYTES]:
+            self.close()
+            raise HeadShardError(f"the head shard at {self._address} serves another model file")
 
     def _send(self, data: bytes) -> None:
         assert self._sock is not None
@@ -485,7 +514,13 @@ class RemoteHeadShard:
         if sock is None:
             raise HeadShardError(f"the head shard at {self._address} is gone")
         try:
-            header = _read_exact(sock, HEADER.size)
+            try:
+                header = _read_exact(sock, HEADER.size)
+            except (ConnectionError, OSError) as exc:
+                if "after 0 of" not in str(exc) and not isinstance(exc, (ConnectionResetError, BrokenPipeError)):
+                    raise  # a reply cut after its first bytes: not sent again
+                self.close()
+                raise HeadShardLost(f"the head shard at {self._address} is gone: {exc}") from exc
             magic, status, count, r0, r1 = HEADER.unpack(header)
             if is_tls_record(header):
                 raise HeadShardError(f"the head shard at {self._address} sent {_TLS_MISMATCH}")
@@ -514,8 +549,21 @@ class RemoteHeadShard:
         rows, width = hidden.shape
         if width != self._n_embd or rows == 0:
             raise InvalidBatch(f"{rows} hidden rows x {width} for a head shard of rows of {self._n_embd}")
+        fresher = self._newer() if self._newer is not None else None
+        if fresher is not None:  # the shard's host came back (restarted): its new connection, not the old one
+            self.close()
+            self._adopt(fresher)
+        self._reused = self._sock is not None and self._served
         self.connection()
-        self._send(HEADER.pack(MAGIC, rows, width, 0, 0) + np.ascontiguousarray(hidden, dtype="<f4").tobytes())
+        self._request = HEADER.pack(MAGIC, rows, width, 0, 0) + np.ascontiguousarray(hidden, dtype="<f4").tobytes()
+        try:
+            self._send(self._request)
+        except HeadShardError:
+            if not self._reused:
+                raise
+            self._reused = False  # a connection that died while idle: once more on a new one
+            self.connection()
+            self._send(self._request)
         self._pending = rows
 
     def finish(self, out: FloatArray) -> None:
@@ -525,12 +573,25 @@ class RemoteHeadShard:
         cols = self.rows[1] - self.rows[0]
         if rows == 0 or out.shape != (rows, cols):
             raise InvalidBatch(f"a head shard's columns for {rows} rows into {out.shape}")
-        if out.dtype == np.float32 and out.strides[1] == 4:
-            self._reply(rows, rows * cols * 4, into=out)
-            values = out
-        else:
-            values = np.empty((rows, cols), dtype="<f4")
+        values = out if out.dtype == np.float32 and out.strides[1] == 4 else np.empty((rows, cols), dtype="<f4")
+        try:
             self._reply(rows, rows * cols * 4, into=values)
+        except HeadShardLost as exc:
+            if not self._reused:
+                raise
+            # the connection predates this request and ended before answering it (the shard's host
+            # restarted while this end was idle): the request is stateless, send it once more on
+            # the next connection (where the shard's host dials: waiting for it to dial again)
+            self._reused = False
+            try:
+                self.connection()
+            except HeadShardError as again:
+                raise HeadShardError(f"{exc}; {again}") from again
+            self._send(self._request)
+            self._reply(rows, rows * cols * 4, into=values)
+        finally:
+            self._request = b""
+        self._served = True
         # NaN survives min and max, infinities are their own bounds: two passes, no temporary
         if not (np.isfinite(values.min()) and np.isfinite(values.max())):
             self.close()
