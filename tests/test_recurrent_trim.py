@@ -17,7 +17,8 @@ Nemotron-H-shaped hybrids, 1 thread:
   no checkpoint left) and the chain serves the next lane; a plain v11 client (no extensions) sees
   its lane closed;
 * one stage of the hybrid takes the same trim (the greedy tokens then), and a chain of an
-  attention-only model takes any trim (the unsplit chain's tokens).
+  attention-only model takes any trim (the unsplit chain's tokens);
+* the driver knows every architecture whose stages roll back (it sends the row again on them).
 """
 
 from __future__ import annotations
@@ -34,7 +35,10 @@ from skippy.codec.protocol_ext import ErrorCode
 from skippy.driver import StageClient
 from skippy.driver.client import StageLost, StageRemoteError
 from skippy.models import ensure_model, tiny
-from skippy.runtime import SessionError
+from skippy.models.spec import ARCHITECTURES
+from skippy.runtime import Model, SessionError
+from skippy.runtime.ffi import lib
+from skippy.runtime.layer_kinds import rolls_back
 from skippy.stage.server import StageServer
 
 from stage_helpers import inprocess_chain, reference_greedy
@@ -172,3 +176,17 @@ async def test_an_attention_only_chain_takes_any_trim(tiny_llama: Path, stages: 
             runs[count] = await _cut_and_decode(servers)
             assert all(server.stats.connection_errors == 0 for server in servers)
     assert runs[stages] == runs[1]
+
+
+@pytest.mark.slow
+def test_the_driver_knows_every_architecture_whose_stages_roll_back() -> None:
+    """``Generator.recurrent`` (:func:`rolls_back`, read from the GGUF) is what each stage's
+    context is (llama.cpp's recurrent or hybrid flag) for every tiny architecture: a driver that
+    took a chain of one for attention-only would cut a window to its first row and be refused."""
+    wrong = []
+    for arch in sorted(ARCHITECTURES):
+        with Model(ensure_model(tiny(arch))) as model:
+            stages_roll_back = bool(lib.llama_model_is_recurrent(model.pointer) or lib.llama_model_is_hybrid(model.pointer))
+            if rolls_back(model.architecture) != stages_roll_back:
+                wrong.append((model.architecture, stages_roll_back))
+    assert not wrong
