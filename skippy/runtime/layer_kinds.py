@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 
 from skippy.runtime.gguf_header import TensorEntry
 
-__all__ = ["recurrent_layers", "recurrent_tensor_refusal", "rolls_back", "state_values_per_layer", "layer_memory", "stage_kv_bytes"]
+__all__ = ["recurrent_layers", "recurrent_tensor_refusal", "rolls_back", "state_values_per_layer", "layer_memory",
+           "stage_kv_bytes"]
 
 #: llm_arch_is_recurrent (src/llama-arch.cpp) and Falcon-H1 (every layer runs attention + SSM).
 _ALL_RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "falcon-h1"})
