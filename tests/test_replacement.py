@@ -1,8 +1,9 @@
 """A lost stage of ``skippy up`` is seen fast and replaced on its address (issue 29 items 1-2).
 
-Real processes on the tiny 4-layer llama, three stages.  A stage killed with SIGKILL is seen by
-its upstream neighbour (its log) and by the API (``/health``) within 200 ms; one stopped with
-SIGSTOP within 2 s (heartbeats, docs/protocol.md §13).  The launcher replaces it on the same
+Real processes on the tiny 4-layer llama, three stages.  A stage killed with SIGKILL is seen at
+once by its upstream neighbour (its log: the heartbeat connection closed) and by the API
+(``/health``: the launcher saw the exit), some milliseconds; one stopped with SIGSTOP within 2 s
+(heartbeats, docs/protocol.md §13).  The launcher replaces it on the same
 address (a fresh start, or the warm standby with ``--standby``), after which a request answers
 as before the loss; after ``--restarts`` replacements the next loss stops the chain.  Nothing is
 left running afterwards, the replaced processes included.
@@ -36,7 +37,7 @@ import trio
 from skippy.codec import wire as codec
 from skippy.codec.protocol import NEED_DATA, READY_BYTES, MessageKind, ReplyKind, StageMessage, StageReply, WireDType
 from skippy.codec.protocol_ext import ErrorFrame, liveness_query, with_extensions_flag
-from skippy.net.liveness import ChainEvents, HeartbeatRefused, StageEvent, heartbeat
+from skippy.net.liveness import SILENCE, ChainEvents, HeartbeatRefused, StageEvent, heartbeat
 from skippy.net.address import Address
 
 from api_helpers import ROOT, UpProcess, pid_alive
@@ -97,15 +98,20 @@ def wait_for(predicate, timeout: float, what: str) -> None:  # type: ignore[no-u
         time.sleep(0.01)
 
 
-def health_down_after(up: UpProcess, since: float, timeout: float = 5.0) -> float:
-    """Seconds from ``since`` (time.monotonic()) until ``/health`` says 503."""
+def health_down_after(up: UpProcess, since: float, timeout: float = 5.0, saying: str = "") -> float:
+    """Seconds from ``since`` (time.monotonic()) until ``/health`` says 503 (with an error that
+    contains ``saying``)."""
+    answers: list[str] = []
     with httpx.Client(timeout=5) as client:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if client.get(up.url + "/health").status_code == 503:
-                return time.monotonic() - since
+            response = client.get(up.url + "/health")
+            if response.status_code == 503:
+                if saying in response.json().get("error", ""):
+                    return time.monotonic() - since
+                answers.append(response.text)
             time.sleep(0.005)
-    raise AssertionError("/health never reported the loss")
+    raise AssertionError(f"/health never reported the loss{f' as {saying!r}' if saying else ''}: {answers[-3:]}")
 
 
 def logged_at(log: Path, pattern: str) -> float:
@@ -127,16 +133,21 @@ def stage_log(tmp_path: Path, index: int) -> Path:
 
 
 def test_a_killed_stage_is_seen_at_once_and_replaced_on_its_address(up: UpProcess, tmp_path: Path) -> None:
+    """"At once" is asserted by what saw the loss, not by a clock: the launcher saw the process
+    exit (not its heartbeats' silence) and told the API, and stage 0 saw its heartbeat connection
+    to stage 1 closed (not silent).  Those take some milliseconds (the figures are printed; about
+    20-50 ms on a loaded 2-core host); the bound asserted is only that both came before a
+    heartbeat could have timed out (``SILENCE``), far above any scheduling delay."""
     before = answer(up)
     pid, address = stages(up)[1]
     killed_wall, killed = time.time(), time.monotonic()
     os.kill(pid, signal.SIGKILL)
-    api_seen = health_down_after(up, killed)
-    assert api_seen < 0.2, f"/health reported the loss after {api_seen:.3f} s"
+    api_seen = health_down_after(up, killed, saying=f"stage 1 (layers 1:3) at {address} lost: exited with status -9")
     replaced = ready_again(up)[0]
     # the upstream neighbour (stage 0) saw its downstream go (log stamps are to the millisecond)
-    neighbour_seen = logged_at(stage_log(tmp_path, 0), r"downstream stage 1 \(.*\) lost") - killed_wall
-    assert neighbour_seen < 0.2, f"stage 0 saw the loss after {neighbour_seen:.3f} s"
+    neighbour_seen = logged_at(stage_log(tmp_path, 0), rf"downstream stage 1 \({re.escape(address)}\) lost: "
+                               rf"{re.escape(address)} closed its heartbeat connection") - killed_wall
+    assert max(api_seen, neighbour_seen) < SILENCE, (api_seen, neighbour_seen)
     assert replaced.group(1) == "1" and replaced.group(3) == "restarted"
     assert replaced.group(5) == address  # the same address: neighbours and the API re-dial it
     assert int(replaced.group(2)) != pid and pid_alive(int(replaced.group(2))) and not pid_alive(pid)
@@ -235,13 +246,20 @@ def test_a_stream_refused_before_it_starts_is_an_error_not_an_empty_text(up: UpP
 def test_an_in_flight_request_ends_at_once_naming_the_lost_stage(tiny_llama: Path, tmp_path: Path,
                                                                  number: int) -> None:
     """Without resume (``--resume-attempts 0``) the driver's lane gets the chain's DOWNSTREAM_LOST
-    Error frame naming stage 1, and the stream ends with it at once."""
+    Error frame naming stage 1, and the stream ends with it at once: on a SIGKILL, stage 0 saw a
+    connection to stage 1 closed (asserted; some milliseconds, printed, under a generous bound:
+    before a heartbeat could have timed out), on a SIGSTOP its heartbeats go unanswered (within 2 s)."""
     up = start(tiny_llama, tmp_path, "--restarts", "2", "--resume-attempts", "0")
     try:
         pid, address = stages(up)[1]
         _, error, took, _ = stream_completion(up, (pid, number))
         assert f"downstream_lost at stage 1 ({address}), reported by stage 0" in error, error
-        assert took < (0.2 if number == signal.SIGKILL else 2.0), took
+        if number == signal.SIGKILL:
+            assert re.search(rf"downstream stage 1 \({re.escape(address)}\) (lost: {re.escape(address)} closed its "
+                             r"heartbeat connection|closed the lane)", error), error
+            assert took < SILENCE, took
+        else:
+            assert "answered no heartbeat" in error and took < 2.0, (took, error)
         print(f"{signal.Signals(number).name}: the stream ended {took * 1000:.0f} ms after with {error[:120]}")
     finally:
         up.stop()

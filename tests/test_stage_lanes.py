@@ -5,7 +5,7 @@ compute nothing: a chain of null stages answers token ``t`` with ``t + 1`` (see
 ``skippy/runtime/null.py``).  Real models and processes are in ``test_stage_chain.py``.
 
 Every test runs twice, with the lane's shortcuts (write-through, inline hand-offs) on and off
-(the ``shortcuts`` fixture), and under trio's autojump clock: a sleep here costs no real time.
+(the ``shortcuts`` fixture), and in virtual time (``virtual_time``): a sleep here costs no real time.
 ``test_shortcuts_change_no_byte`` runs one scripted exchange under each combination and compares
 what the client and the next stage receive.
 """
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import logging
 import struct
 from typing import Iterator
@@ -21,6 +22,7 @@ from typing import Iterator
 import numpy as np
 import pytest
 import trio
+from trio.testing import MockClock
 
 from skippy.codec.protocol import MessageKind, ReplyKind, StageMessage, StageReply, WireDType
 from skippy.driver import StageClient, StageClientError, StageLost
@@ -32,9 +34,24 @@ from stage_helpers import inprocess_chain
 WIDTH = 8
 
 
+@pytest.fixture
+def virtual_time() -> MockClock:
+    """Trio's clock jumps to the next timeout once every task has waited 10 ms of real time with
+    nothing to do: a sleep or a timeout here costs no real time, and a sleep before a check ends
+    only when the stages have done all they could.  (Not 0: the sockets are real, and the clock
+    must not jump while bytes are in flight, trio.testing.MockClock.)
+
+    pytest-trio hands trio.run a clock that the *test function* takes as an argument, never one
+    that a fixture takes: every async test here takes this one (``shortcuts`` checks it)."""
+    return MockClock(autojump_threshold=0.01)
+
+
 @pytest.fixture(autouse=True, params=["shortcuts-on", "shortcuts-off"])
-def shortcuts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, autojump_clock: object) -> Iterator[bool]:
+def shortcuts(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[bool]:
     """Run the test with both lane shortcuts on, then off (every StageServer it starts)."""
+    if inspect.iscoroutinefunction(request.function):
+        assert "virtual_time" in inspect.signature(request.function).parameters, \
+            f"{request.function.__name__} must take virtual_time itself to run in virtual time"
     on = request.param == "shortcuts-on"
     _with_shortcuts(monkeypatch, write_through=on, inline_hand_offs=on)
     yield on
@@ -49,7 +66,11 @@ def _with_shortcuts(monkeypatch: pytest.MonkeyPatch, **switches: bool) -> None:
     monkeypatch.setattr(StageServer, "__init__", init)
 
 
-async def test_chain_of_null_stages_answers_in_order(shortcuts: bool) -> None:
+async def test_the_tests_here_run_in_virtual_time(virtual_time: MockClock) -> None:
+    assert trio.lowlevel.current_clock() is virtual_time
+
+
+async def test_chain_of_null_stages_answers_in_order(virtual_time: MockClock, shortcuts: bool) -> None:
     async with inprocess_chain(["0:1", "1:3", "3:4"]) as servers:
         async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
             tokens = await client.generate_greedy(7, list(range(1, 30)), 5, chunk_size=8)
@@ -68,7 +89,7 @@ async def test_chain_of_null_stages_answers_in_order(shortcuts: bool) -> None:
         assert [server.stats.write_throughs for server in servers] == ([5, 5, 4] if shortcuts else [0, 0, 0])
 
 
-async def test_prefix_cache_kinds_are_misses_and_trim_is_acked() -> None:
+async def test_prefix_cache_kinds_are_misses_and_trim_is_acked(virtual_time: MockClock) -> None:
     async with inprocess_chain(["0:2", "2:4"]) as servers:
         async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
             await client.prefill(1, [1, 2, 3, 4])
@@ -82,7 +103,7 @@ async def test_prefix_cache_kinds_are_misses_and_trim_is_acked() -> None:
             await client.stop(1)
 
 
-async def test_decode_behind_the_kv_trims_it_first() -> None:
+async def test_decode_behind_the_kv_trims_it_first(virtual_time: MockClock) -> None:
     async with inprocess_chain(["0:2", "2:4"]) as servers:
         async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
             await client.prefill(1, [1, 2, 3])
@@ -139,7 +160,7 @@ class RecordingDownstream:
                     return
 
 
-async def test_credit_limit_bounds_unacknowledged_chunks() -> None:
+async def test_credit_limit_bounds_unacknowledged_chunks(virtual_time: MockClock) -> None:
     downstream = RecordingDownstream()
     async with trio.open_nursery() as nursery:
         listeners = await nursery.start(functools.partial(trio.serve_tcp, downstream.serve, 0, host="127.0.0.1"))
@@ -177,7 +198,7 @@ def _frame(kind: int, *, source: int = -1, token_count: int = 1, tokens: int = 1
         ("kind mismatch", _frame(2), "does not match message kind"),
     ],
 )
-async def test_bad_frame_closes_only_its_connection(case: str, frame: object, reason: str,
+async def test_bad_frame_closes_only_its_connection(virtual_time: MockClock, case: str, frame: object, reason: str,
                                                     caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="skippy.stage")
     async with inprocess_chain(["0:2", "2:4"]) as servers:
@@ -204,7 +225,8 @@ async def test_bad_frame_closes_only_its_connection(case: str, frame: object, re
     assert any(reason in record.getMessage() and "closing lane" in record.getMessage() for record in caplog.records)
 
 
-async def test_lost_downstream_fails_the_client_fast_and_stage_keeps_serving(caplog: pytest.LogCaptureFixture) -> None:
+async def test_lost_downstream_fails_the_client_fast_and_stage_keeps_serving(virtual_time: MockClock,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="skippy.stage")
     async with trio.open_nursery() as outer:
         async with inprocess_chain(["0:2", "2:4"]) as servers:
@@ -221,7 +243,8 @@ async def test_lost_downstream_fails_the_client_fast_and_stage_keeps_serving(cap
         outer.cancel_scope.cancel()
 
 
-async def test_downstream_unreachable_is_a_clear_error(caplog: pytest.LogCaptureFixture) -> None:
+async def test_downstream_unreachable_is_a_clear_error(virtual_time: MockClock,
+                                                      caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="skippy.stage")
     with trio.socket.socket() as probe:
         await probe.bind(("127.0.0.1", 0))
@@ -234,7 +257,7 @@ async def test_downstream_unreachable_is_a_clear_error(caplog: pytest.LogCapture
     assert any("cannot reach downstream stage" in r.getMessage() for r in caplog.records)
 
 
-async def test_many_sessions_return_to_idle() -> None:
+async def test_many_sessions_return_to_idle(virtual_time: MockClock) -> None:
     async with inprocess_chain(["0:2", "2:4"], max_sessions=4) as servers:
         for batch in range(20):
             async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
@@ -255,7 +278,7 @@ async def test_many_sessions_return_to_idle() -> None:
             assert server.stats.connection_errors == 0
 
 
-async def test_concurrent_decodes_share_a_batch() -> None:
+async def test_concurrent_decodes_share_a_batch(virtual_time: MockClock) -> None:
     async with inprocess_chain(["0:2", "2:4"], batch_window_ms=5) as servers:
         async def session(number: int) -> None:
             async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
@@ -268,7 +291,7 @@ async def test_concurrent_decodes_share_a_batch() -> None:
         assert servers[0].stats.max_decode_batch > 1
 
 
-async def test_client_reports_unexpected_reply_kind() -> None:
+async def test_client_reports_unexpected_reply_kind(virtual_time: MockClock) -> None:
     async with inprocess_chain(["0:4"]) as servers:
         async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
             message = StageMessage.create(MessageKind.PREFILL_FINAL_EMBD, token_count=1, session_id=1,
@@ -321,7 +344,7 @@ async def _stage_before(downstream: SlowDownstream, nursery: trio.Nursery) -> ob
     return server
 
 
-async def test_an_early_ack_waits_for_the_reply_ahead_of_it() -> None:
+async def test_an_early_ack_waits_for_the_reply_ahead_of_it(virtual_time: MockClock) -> None:
     # The verify window's reply is written directly (idle lane) but only after the slow
     # downstream answers; the chunk's early ACK, ready at once, must still come second.
     async with trio.open_nursery() as nursery:
@@ -341,7 +364,8 @@ async def test_an_early_ack_waits_for_the_reply_ahead_of_it() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_an_unsolicited_downstream_reply_closes_the_lane(caplog: pytest.LogCaptureFixture) -> None:
+async def test_an_unsolicited_downstream_reply_closes_the_lane(virtual_time: MockClock,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.ERROR, logger="skippy.stage")
     async with trio.open_nursery() as nursery:
         server = await _stage_before(SlowDownstream(delay=0, extra_reply=True), nursery)
@@ -355,7 +379,7 @@ async def test_an_unsolicited_downstream_reply_closes_the_lane(caplog: pytest.Lo
     assert any("with no frame outstanding" in r.getMessage() for r in caplog.records)
 
 
-async def test_runtime_thread_runs_calls_in_order_off_the_trio_thread() -> None:
+async def test_runtime_thread_runs_calls_in_order_off_the_trio_thread(virtual_time: MockClock) -> None:
     import threading
 
     from skippy.stage.worker import RuntimeThread
@@ -383,7 +407,7 @@ async def test_runtime_thread_runs_calls_in_order_off_the_trio_thread() -> None:
 
 # -- negotiated extensions (docs/protocol.md §2-§4) ------------------------------------------------
 
-async def test_negotiated_client_gets_one_timing_record_per_stage() -> None:
+async def test_negotiated_client_gets_one_timing_record_per_stage(virtual_time: MockClock) -> None:
     async with inprocess_chain(["0:1", "1:3", "3:4"]) as servers:
         async with await StageClient.connect(servers[0].address) as client:  # type: ignore[arg-type]
             await client.configure(1)
@@ -417,7 +441,7 @@ async def _read_plain(stream: trio.SocketStream, decoder: object) -> object:
             return result
 
 
-async def test_plain_v11_client_gets_plain_replies_and_no_error_frame() -> None:
+async def test_plain_v11_client_gets_plain_replies_and_no_error_frame(virtual_time: MockClock) -> None:
     from skippy.codec.protocol import END_OF_STREAM, check_ready
 
     async with inprocess_chain(["0:2", "2:4"]) as servers:
@@ -446,7 +470,8 @@ _NEGOTIATED_BAD_FRAMES = [
 
 
 @pytest.mark.parametrize("case, frame, code", _NEGOTIATED_BAD_FRAMES)
-async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(case: str, frame: object, code: str) -> None:
+async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(virtual_time: MockClock, case: str,
+                                                                       frame: object, code: str) -> None:
     from skippy.driver import StageRemoteError
     from skippy.codec.protocol_ext import ErrorCode
 
@@ -471,7 +496,7 @@ async def test_bad_frame_on_a_negotiated_lane_is_named_before_the_close(case: st
         assert code.lower() in str(raised.value) and "stage 0" in str(raised.value)
 
 
-async def test_lost_downstream_is_named_and_a_drain_says_shutting_down() -> None:
+async def test_lost_downstream_is_named_and_a_drain_says_shutting_down(virtual_time: MockClock) -> None:
     from skippy.codec.protocol_ext import ErrorCode
 
     async with trio.open_nursery() as outer:
@@ -610,7 +635,7 @@ async def _run_script(write_through: bool, inline_hand_offs: bool) -> tuple[byte
     return bytes(replies), bytes(tap.sent), write_throughs
 
 
-async def test_shortcuts_change_no_byte(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_shortcuts_change_no_byte(virtual_time: MockClock, monkeypatch: pytest.MonkeyPatch) -> None:
     # (every kind, null stages; tests/test_placements.py::test_shortcuts_change_no_byte_on_any_path
     # runs every placement on the real runtime through the driver, decode relay included)
     from skippy.lane.protocol import RULES, Handling
@@ -650,7 +675,7 @@ async def _refusal(servers: list[StageServer], action: object) -> object:
         ("no free session", "OVERLOADED", "cannot open session"),
     ],
 )
-async def test_each_refusal_carries_its_own_code(case: str, code: str, text: str) -> None:
+async def test_each_refusal_carries_its_own_code(virtual_time: MockClock, case: str, code: str, text: str) -> None:
     from skippy.codec.protocol_ext import ErrorCode
 
     async def act(client: StageClient) -> None:
@@ -673,7 +698,7 @@ async def test_each_refusal_carries_its_own_code(case: str, code: str, text: str
         assert all(server.executor.session_count == 0 for server in servers)
 
 
-async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(
+async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(virtual_time: MockClock, 
         caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
     from skippy.codec.protocol_ext import ErrorCode
 
@@ -703,7 +728,7 @@ async def test_a_bug_is_logged_with_its_traceback_and_reported_as_internal(
 
 # -- a lane over memory streams (no socket: the trio-side write path) ------------------------------
 
-async def test_a_final_stage_lane_over_memory_streams() -> None:
+async def test_a_final_stage_lane_over_memory_streams(virtual_time: MockClock) -> None:
     import trio.testing
 
     from skippy.codec.protocol_ext import ErrorCode, ErrorFrame, TimingsFrame, with_extensions_flag
@@ -761,7 +786,7 @@ async def test_a_final_stage_lane_over_memory_streams() -> None:
         nursery.cancel_scope.cancel()
 
 
-async def test_a_refused_decode_on_a_lone_final_stage_still_says_why() -> None:
+async def test_a_refused_decode_on_a_lone_final_stage_still_says_why(virtual_time: MockClock) -> None:
     # the final stage's decode is answered by write-through: a refusal before its compute has
     # written nothing, so the Error frame still follows
     from skippy.codec.protocol_ext import ErrorCode

@@ -56,7 +56,7 @@ from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
 from skippy.net.address import Address
 from skippy.runtime.gguf_header import read_header
-from skippy.runtime.layer_kinds import recurrent_layers
+from skippy.runtime.layer_kinds import rolls_back
 from skippy.runtime.sampling import GREEDY, SamplingParams
 from skippy.runtime.tokenizer import TextStream, Tokenizer
 
@@ -804,7 +804,8 @@ class Generator:
         #: (None: where the lost lane went; a launcher that moves stages points it at its pool).
         self.first_stage: Callable[[], Address | None] | None = None
         self.controller = controller
-        #: Whether the model has recurrent layers (None: not known, taken as yes): speculation on a
+        #: Whether the model's stages roll back through checkpoints, as recurrent and hybrid
+        #: architectures' do (None: not known, taken as yes): speculation on a
         #: chain of such a model sends a window cut to its first row again as a 1-row window
         #: (:mod:`skippy.driver.speculation.runner`: the split stays bitwise the unsplit run).
         #: :meth:`from_model` reads it from the GGUF.
@@ -921,9 +922,8 @@ class Generator:
                         chunk_size=chunk_size, credit=credit, speculation=speculation, controller=controller,
                         chat_template_choice=choice, decode_runs=decode_runs)
         arch = metadata.get("general.architecture")
-        n_layer = metadata.get(f"{arch}.block_count")
-        if isinstance(arch, str) and isinstance(n_layer, int):
-            generator.recurrent = bool(recurrent_layers(arch, n_layer, metadata))
+        if isinstance(arch, str):
+            generator.recurrent = rolls_back(arch)
         return generator
 
     def close(self) -> None:

@@ -33,6 +33,7 @@ from skippy.runtime.errors import (
     ClosedError,
     ContextError,
     InvalidBatch,
+    RollbackRefused,
     SessionError,
     StateMismatch,
     decode_error,
@@ -225,10 +226,13 @@ class StageContext:
         self._last_activation_rows = 0
         #: A recurrent or hybrid model: sessions roll back through checkpoints, not seq_rm.
         self.recurrent = bool(lib.llama_model_is_recurrent(model.pointer) or lib.llama_model_is_hybrid(model.pointer))
+        #: This stage runs some of the model's layers but not all: a rollback that keeps only the
+        #: first row of a multi-row chunk would replay it inexactly here (skippy.runtime.rollback).
+        self._partial_layers = 0 < model.layers.end - model.layers.start < model.n_layer
         self.checkpoint_depth = checkpoint_depth
         self.checkpoint_interval = checkpoint_interval
         self.checkpoint_rows = checkpoint_rows
-        self.rollback_stats = RollbackStats()
+        self._rollback_stats = RollbackStats()
         self._rings: dict[int, list[Checkpoint]] = {}
         self._replaying = False
         #: A split head (issue 31): the head's local rows in a head-only context, the others from
@@ -604,13 +608,21 @@ class StageContext:
     def trim(self, seq: int, length: int) -> None:
         """Keep only positions ``[0, length)`` of a session (the rollback rule).
 
+        A recurrent session on a stage that runs some but not all of the model's layers refuses
+        a ``length`` that keeps only the first row of a chunk of several (:mod:`skippy.runtime.rollback`:
+        that row would be replayed as computed inside its chunk, not alone as the unsplit model
+        does); every stage of a chain refuses it alike.  One stage running every layer trims it
+        exactly.  Nothing is changed by a refusal.
+
         Raises:
-            SessionError: not possible (a recurrent session: ``length`` is before its oldest checkpoint).
+            RollbackRefused: a recurrent session: ``length`` is before its oldest checkpoint, or
+                keeps a chunk's first row only on a stage of a chain.
+            SessionError: an attention KV that cannot be trimmed.
         """
         if self.recurrent:
             refusal = self._roll_back(seq, length)
             if refusal is not None:
-                raise SessionError(f"cannot trim session {seq} to {length} positions: {refusal}")
+                raise RollbackRefused(seq, length, refusal)
         elif not self.remove(seq, length, -1):
             raise SessionError(f"cannot trim session {seq} to {length} positions")
 
@@ -641,11 +653,11 @@ class StageContext:
         with self._lock:
             lib.llama_memory_seq_cp(self._memory_ptr(), source, destination, -1, -1)
         if 0 <= end < self.length(source):
-            cut = next((c for r in self._rings.get(source, []) for c in r.chunks if c.start == end - 1), None)
-            if cut is not None and cut.rows > 1:
+            rows = self._head_of_chunk(source, end)
+            if rows:
                 self.remove(destination)
                 raise SessionError(f"cannot copy positions [0, {end}) of session {source}: they keep only the "
-                                   f"first row of a {cut.rows}-row chunk (replayed alone it would not be the "
+                                   f"first row of a {rows}-row chunk (replayed alone it would not be the "
                                    "row the chain computed)")
             # the copy borrows the source's checkpoints for its rollback and keeps none of them
             self._rings[destination] = [dataclasses.replace(c, chunks=list(c.chunks))
@@ -741,9 +753,8 @@ class StageContext:
         ring.append(Checkpoint(position, state))
         while len(ring) > 1 and sum(c.rows for c in ring) > self.checkpoint_rows:
             del ring[0]  # the rows logged since the oldest checkpoint are bounded too
-        stats = self.rollback_stats
+        stats = self._rollback_stats
         stats.checkpoints += 1
-        stats.checkpoint_bytes = sum(len(c.state) for r in self._rings.values() for c in r if c.state is not None)
         stats.checkpoint_ns += time.perf_counter_ns() - started
 
     def _thin(self, ring: list[Checkpoint]) -> Checkpoint:
@@ -777,12 +788,26 @@ class StageContext:
             )
             ring[-1].chunks.append(chunk)
 
+    @property
+    def rollback_stats(self) -> RollbackStats:
+        """What checkpoints cost this context so far; ``checkpoint_bytes``: the states held now
+        (a released session's are gone)."""
+        stats = self._rollback_stats
+        stats.checkpoint_bytes = sum(len(c.state) for r in self._rings.values() for c in r if c.state is not None)
+        return stats
+
     def checkpoint_bytes(self, seq: int) -> int:
         """Bytes the checkpoints of a session hold (states and logged rows; 0 when not recurrent)."""
         return sum(c.nbytes for c in self._rings.get(seq, []))
 
+    def _head_of_chunk(self, seq: int, length: int) -> int:
+        """The rows of the logged chunk of which ``[0, length)`` keeps the first row only (0: none)."""
+        cut = next((c for r in self._rings.get(seq, []) for c in r.chunks if c.start == length - 1), None)
+        return cut.rows if cut is not None and cut.rows > 1 else 0
+
     def _roll_back(self, seq: int, length: int) -> str | None:
-        """Make a recurrent session hold ``[0, length)``; None when done, else why it cannot."""
+        """Make a recurrent session hold ``[0, length)``; None when done, else why it cannot
+        (nothing changed then)."""
         held = self.length(seq)
         if length >= held:
             return None
@@ -793,6 +818,12 @@ class StageContext:
             return None
         started = time.perf_counter_ns()
         ring = self._rings.get(seq, [])
+        rows = self._head_of_chunk(seq, length) if self._partial_layers else 0
+        if rows:
+            self._rollback_stats.refused += 1
+            return (f"that keeps only the first row of a {rows}-row chunk, which a stage of a split recurrent "
+                    "model would replay as computed inside the chunk, not alone as the unsplit model does; "
+                    f"trim to {length - 1} and send that row again as a 1-row message")
         index = next((i for i in range(len(ring) - 1, -1, -1) if ring[i].position <= length), None)
         replay: list[Chunk] = []
         reached = -1
@@ -804,7 +835,7 @@ class StageContext:
                 replay.append(chunk if chunk.start + chunk.rows <= length else chunk.head(length - chunk.start))
                 reached = min(length, chunk.start + chunk.rows)
         if reached != length:
-            self.rollback_stats.refused += 1
+            self._rollback_stats.refused += 1
             oldest = f"its oldest checkpoint is at {ring[0].position}" if ring else "it has no checkpoint"
             return (f"recurrent state cannot go back from {held} to {length} positions: {oldest} "
                     f"(depth {self.checkpoint_depth}, interval {self.checkpoint_interval})")
@@ -834,7 +865,7 @@ class StageContext:
             self._replaying = False
         if self.length(seq) != length:
             raise SessionError(f"session {seq} holds {self.length(seq)} positions after a rollback to {length}")
-        stats = self.rollback_stats
+        stats = self._rollback_stats
         stats.rollbacks += 1
         stats.replayed_rows += length - base.position
         stats.rollback_ns += time.perf_counter_ns() - started

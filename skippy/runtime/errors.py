@@ -52,6 +52,14 @@ class SessionError(NativeError, ValueError):
     """Unknown, closed or exhausted session ids."""
 
 
+class RollbackRefused(SessionError):
+    """A recurrent session cannot go back to ``length`` positions (``reason``: why); nothing changed."""
+
+    def __init__(self, seq: int, length: int, reason: str) -> None:
+        super().__init__(f"cannot trim session {seq} to {length} positions: {reason}")
+        self.reason = reason
+
+
 class StateMismatch(NativeError, ValueError):
     """A saved sequence state belongs to another model, layer range or shape."""
 

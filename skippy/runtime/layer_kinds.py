@@ -23,7 +23,8 @@ from collections.abc import Mapping, Sequence
 
 from skippy.runtime.gguf_header import TensorEntry
 
-__all__ = ["recurrent_layers", "recurrent_tensor_refusal", "state_values_per_layer", "layer_memory", "stage_kv_bytes"]
+__all__ = ["recurrent_layers", "recurrent_tensor_refusal", "rolls_back", "state_values_per_layer", "layer_memory",
+           "stage_kv_bytes"]
 
 #: llm_arch_is_recurrent (src/llama-arch.cpp) and Falcon-H1 (every layer runs attention + SSM).
 _ALL_RECURRENT = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "falcon-h1"})
@@ -34,6 +35,9 @@ _KV_AND_FF = frozenset({"nemotron_h", "nemotron_h_moe"})
 #: A layer is recurrent iff its head_count_kv is 0.
 _KV_ONLY = frozenset({"jamba", "granitehybrid", "lfm2", "lfm2moe", "glm5-next", "bailingmoe3", "plamo2",
                       "kimi-linear", "kimi-k3"})
+#: llm_arch_is_hybrid's one architecture without a recurrent layer kind (DeepSeek V4's compressed
+#: KV): its stages keep checkpoints as well.
+_CHECKPOINTED_ONLY = frozenset({"deepseek4"})
 _RECURRENT_TENSOR = re.compile(r"^blk\.(\d+)\.(ssm_\w+|shortconv\.\w+|time_mix_\w+)\.(weight|bias)$|"
                                r"^blk\.(\d+)\.(ssm_a|ssm_d)$")
 #: The tensor every recurrent layer of a family holds (its convolution); the first found names it.
@@ -72,6 +76,15 @@ def recurrent_layers(arch: str, n_layer: int, metadata: Mapping[str, object]) ->
         ff = _per_layer(metadata, f"{arch}.feed_forward_length", n_layer, 0)
         return frozenset(il for il in range(n_layer) if kv[il] == 0 and (arch in _KV_ONLY or ff[il] == 0))
     return None
+
+
+def rolls_back(arch: str) -> bool:
+    """Whether llama.cpp counts the architecture recurrent or hybrid (``llm_arch_is_recurrent`` /
+    ``llm_arch_is_hybrid``), whatever a file's layers are: its stages roll a session back through
+    checkpoints (:mod:`skippy.runtime.rollback`), so a driver never cuts a multi-row chunk to its
+    first row on a chain of it."""
+    return (arch in _ALL_RECURRENT or arch in _INTERVAL or arch in _KV_AND_FF or arch in _KV_ONLY
+            or arch in _CHECKPOINTED_ONLY)
 
 
 def recurrent_tensor_refusal(arch: str, n_layer: int, metadata: Mapping[str, object],

@@ -22,7 +22,9 @@ bits either way.  No stage can make its upstream's one-row bits, so such a cut i
 for: the speculation driver sends a window cut to its first row again as a 1-row window instead
 of trimming into it (:mod:`skippy.driver.speculation.runner`), and a prefix copy (a fork, a
 prefix-cache record) that would make it is refused on every stage alike
-(:meth:`StageContext.copy`).  A trim still makes it if a driver asks (exact on one stage).
+(:meth:`StageContext.copy`); a trim to it (another driver's TrimSession, a message's
+authoritative position) is refused on every stage that runs some but not all of the layers
+(:meth:`StageContext.trim`), and made on one stage running them all (exact there).
 
 When: a checkpoint is taken before every decode that brings a session more than one row (a
 prefill chunk, a verify window) and before a one-row decode once ``interval`` rows were logged

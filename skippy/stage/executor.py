@@ -40,7 +40,7 @@ from skippy.codec.protocol_ext import SamplingRequest, TokenLogprobs
 from skippy.lane.errors import InvalidMessage, Overloaded, RuntimeFailure, StageError
 from skippy.lane.protocol import Outputs
 from skippy.lane.work import FloatArray, IntArray, WorkItem, WorkResult
-from skippy.runtime.errors import KvSlotUnavailable, NativeError
+from skippy.runtime.errors import KvSlotUnavailable, NativeError, RollbackRefused, SessionError
 from skippy.runtime.sampling import GREEDY, GrammarDeadEnd, Sampler, SamplingParams
 from skippy.stage.activation_log import DEFAULT_LOG_BYTES, ActivationLog, LogStats, ParkedSessions
 
@@ -354,11 +354,20 @@ class Executor:
         if session is None:
             return 0
         held = self.context.length(session.seq)
+        if held > length:  # a refusal first: nothing changed
+            self._trim_context(session.seq, length, "TrimSession refused")
         self.activation_log.trim(key, length)
-        if held > length:
-            self.context.trim(session.seq, length)
-            return held - length
-        return 0
+        return max(0, held - length)
+
+    def _trim_context(self, seq: int, length: int, what: str) -> None:
+        """``context.trim``; a rollback it refuses (out of reach, or inexact on a stage of a chain:
+        :mod:`skippy.runtime.rollback`) refuses the message, naming why."""
+        try:
+            self.context.trim(seq, length)
+        except RollbackRefused as exc:
+            raise InvalidMessage(f"{what}: the session cannot go back to {length} positions: {exc.reason}") from exc
+        except SessionError as exc:
+            raise InvalidMessage(f"{what}: {exc}") from exc
 
     def release(self, key: int) -> bool:
         """Drop a session's KV, sequence id and sampler; False when it was not open."""
@@ -625,7 +634,7 @@ class Executor:
         start = int(item.positions[0])
         if item.align_to is not None:
             if held > item.align_to:
-                self.context.trim(session.seq, item.align_to)
+                self._trim_context(session.seq, item.align_to, f"a message at position {item.align_to} refused")
                 return held - item.align_to
             if held < item.align_to:
                 raise InvalidMessage(
