@@ -306,6 +306,29 @@ def check_rpc_layout(variant: BenchVariant, splits: Sequence[str], n_layer: int)
                      for name, units in devices.items())
 
 
+def cpu_list(text: str) -> set[int]:
+    """``--cpus``: "1", "0,1" or "0-3" (as taskset -c reads them) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, _, last = part.strip().partition("-")
+        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) < int(first):
+            raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1, 0,1 or 0-3)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def check_affinity(pids: Sequence[int], cpus: set[int]) -> None:
+    """Raise unless every thread of ``pids`` may run on exactly ``cpus`` (``--cpus``: a process
+    that set its own affinity would make the variants unlike)."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                got = os.sched_getaffinity(int(task.name))
+                if got != cpus:
+                    raise RuntimeError(f"--cpus: thread {task.name} of process {pid} runs on {sorted(got)}, "
+                                       f"not {sorted(cpus)}")
+
+
 # -- skippy chains --------------------------------------------------------------------------------
 async def stage_decode(address: Address, steps: int, run: bool = False, direct: bool = False) -> Sample:
     """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS.
@@ -605,6 +628,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "per run biases every round of a chain alike)")
     parser.add_argument("--no-build", action="store_true",
                         help="use the peer binaries already in build/peer-*; never configure or build")
+    parser.add_argument("--cpus", type=cpu_list, default=None,
+                        help="run every variant's processes on these CPUs only (e.g. 1 or 0,1): this process and "
+                             "so every process it starts (llama-bench, ggml-rpc-server, the stage processes, "
+                             "the in-process runtime) inherit the affinity; default: wherever the kernel "
+                             "places them")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.prompt = 1, 8, 64
@@ -612,7 +640,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.direct_return = args.speculation = args.spec_loop = args.no_prefill = args.fresh_chains = True
     if args.steps < 2:
         parser.error("--steps must be >= 2")
+    if args.cpus is None:
+        return _run(args, parser)
+    previous = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, args.cpus)  # inherited by every process started from here on
+    except OSError as exc:
+        parser.error(f"--cpus {','.join(map(str, sorted(args.cpus)))}: {exc}")
+    try:
+        return _run(args, parser)
+    finally:
+        os.sched_setaffinity(0, previous)
 
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from skippy.models.cache import ensure_model
     from skippy.models.spec import preset
 
@@ -627,6 +668,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"peer {peer.build_dir if peer else 'none (skipped)'} ({peer_build_dir().name}); model {model.name}; 1 compute thread per process; "
           f"{args.steps} decode tokens, {args.prompt}-token prefill; {args.rounds} interleaved rounds; "
+          f"CPUs {','.join(map(str, sorted(os.sched_getaffinity(0))))}{' (--cpus)' if args.cpus else ''}; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     rng = np.random.default_rng(1234)
     micro = min(128, max(1, args.prompt // 4))
@@ -636,6 +678,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             benches["stock"] = BenchVariant(peer.llama_bench, model, ["-ngl", "0"], [])
         for count in (2, 4) if peer is not None else ():
             endpoints, pids = stack.enter_context(rpc_servers(peer, count, Path(tmp)))
+            if args.cpus:
+                check_affinity(pids, args.cpus)
             split = tensor_split(layouts[count], n_layer)
             variant = BenchVariant(peer.llama_bench, model, ["-ngl", "99", "--rpc", endpoints, "-ts", split], pids)
             print(f"RPC {count}: -ts {split} -> {check_rpc_layout(variant, layouts[count], n_layer)}", flush=True)
@@ -649,6 +693,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         chain(str(model), layouts[count], [*STAGE_FLAGS, "--decode-relay", "off"]))
             for address in started.values():  # the stages' first-request paths
                 trio.run(stage_decode, address, 2)
+                if args.cpus:
+                    check_affinity([process.pid for process in PROCESSES[address]], args.cpus)
             return started
 
         chain_stack = stack.enter_context(contextlib.ExitStack())
