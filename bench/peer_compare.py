@@ -310,8 +310,8 @@ def cpu_list(text: str) -> set[int]:
     """``--cpus``: "1", "0,1" or "0-3" (as taskset -c reads them) as a set of CPU numbers."""
     cpus: set[int] = set()
     for part in text.split(","):
-        first, _, last = part.strip().partition("-")
-        if not first.isdigit() or (last and not last.isdigit()) or int(last or first) < int(first):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
             raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1, 0,1 or 0-3)")
         cpus.update(range(int(first), int(last or first) + 1))
     return cpus
