@@ -329,21 +329,95 @@ def check_affinity(pids: Sequence[int], cpus: set[int]) -> None:
                                        f"not {sorted(cpus)}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Sched:
+    """``--sched``: where a skippy decode's wall time went, ms per token: thread CPU (``run``) of
+    this client and of each stage (``stages``, stage 0 first; the stage's threads other than its
+    main trio thread in ``compute``: the runtime thread, where the decode relay computes), time
+    threads were runnable but waited for a CPU (``wait``), and the wall time no thread of the
+    chain ran (``gap``: wall - run; wake-ups and transfers on the critical path, or CPUs taken by
+    others)."""
+
+    wall: float
+    client: float
+    stages: tuple[float, ...]
+    compute: tuple[float, ...]
+    wait: float
+
+    @property
+    def run(self) -> float:
+        return self.client + sum(self.stages)
+
+    @property
+    def gap(self) -> float:
+        return self.wall - self.run
+
+
+def _thread_times(pids: Sequence[int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(pid, tid) -> (ns on a CPU, ns runnable waiting for one) from every thread's schedstat."""
+    times: dict[tuple[int, int], tuple[int, int]] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                run, wait, _ = (task / "schedstat").read_text().split()
+                times[pid, int(task.name)] = int(run), int(wait)
+    return times
+
+
+def _sched(before: dict[tuple[int, int], tuple[int, int]], after: dict[tuple[int, int], tuple[int, int]],
+           pids: Sequence[int], wall: float, steps: int) -> Sched:
+    """The :class:`Sched` of one measurement (``pids``: this process, then the stages, stage 0
+    first); a thread that exited between the snapshots is lost (the stages' threads live on)."""
+    run: dict[int, float] = {pid: 0.0 for pid in pids}
+    compute: dict[int, float] = {pid: 0.0 for pid in pids}
+    wait = 0.0
+    for (pid, tid), (ran, waited) in after.items():
+        ran0, waited0 = before.get((pid, tid), (0, 0))
+        run[pid] += (ran - ran0) / 1e6 / steps
+        if tid != pid:
+            compute[pid] += (ran - ran0) / 1e6 / steps
+        wait += (waited - waited0) / 1e6 / steps
+    return Sched(wall * 1e3 / steps, run[pids[0]], tuple(run[pid] for pid in pids[1:]),
+                 tuple(compute[pid] for pid in pids[1:]), wait)
+
+
+def sched_lines(scheds: dict[str, list[Sched]]) -> list[str]:
+    """``--sched``'s report: per skippy variant, medians and per-round values (ms per token)."""
+    lines = ["  where skippy's decode time went (ms per token, median (rounds)): wall = run + gap; run = client + "
+             "stages (each stage's runtime-thread share in brackets); wait = runnable, not running"]
+    for name, samples in scheds.items():
+        if not samples:
+            continue
+        def rounds(values: Sequence[float]) -> str:
+            return f"{_median(values):6.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+        stages = " + ".join(f"{_median([s.stages[i] for s in samples]):.2f} "
+                            f"[{_median([s.compute[i] for s in samples]):.2f}]"
+                            for i in range(len(samples[0].stages)))
+        lines.append(f"    {name:<20} wall {rounds([s.wall for s in samples])}; run {rounds([s.run for s in samples])} "
+                     f"= client {_median([s.client for s in samples]):.2f} + {stages}; "
+                     f"gap {rounds([s.gap for s in samples])}; wait {rounds([s.wait for s in samples])}")
+    return lines
+
+
 # -- skippy chains --------------------------------------------------------------------------------
-async def stage_decode(address: Address, steps: int, run: bool = False, direct: bool = False) -> Sample:
+async def stage_decode(address: Address, steps: int, run: bool = False, direct: bool = False,
+                       sched: list[Sched] | None = None) -> Sample:
     """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS.
 
     ``run``: the ``steps`` tokens as one decode run (docs/protocol.md §11: the first stage feeds
     each prediction to the next step itself) instead of one DecodeEmbd per token.  ``direct``:
-    the final stage sends the predictions over a return lane (docs/protocol.md §8).
+    the final stage sends the predictions over a return lane (docs/protocol.md §8).  ``sched``:
+    the same measurement's :class:`Sched` is appended to it.
     """
     pids = [process.pid for process in PROCESSES.get(address, [])]
+    ordered = [os.getpid(), *reversed(pids)]  # (chain() starts the final stage first)
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
         if direct and not await client.open_direct_return(FINALS[address], 1):
             raise AssertionError(f"the final stage {FINALS[address]} refused the return lane")
         token = (await client.prefill(1, [BOS], chunk_size=512)).token
+        threads = _thread_times(ordered) if sched is not None else {}
         started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         if run:
             token = (await client.start_run(1, token, 1, max_tokens=steps)).predicted
@@ -356,7 +430,10 @@ async def stage_decode(address: Address, steps: int, run: bool = False, direct: 
         else:
             for position in range(1, steps + 1):
                 token = (await client.decode(1, token, position)).predicted
-        rate, cpu = steps / (time.perf_counter() - started), (cpu_seconds(pids) - cpu_started) / steps
+        wall = time.perf_counter() - started
+        rate, cpu = steps / wall, (cpu_seconds(pids) - cpu_started) / steps
+        if sched is not None:
+            sched.append(_sched(threads, _thread_times(ordered), ordered, wall, steps))
         await client.stop(1)
         return rate, cpu
     finally:
@@ -628,6 +705,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "per run biases every round of a chain alike)")
     parser.add_argument("--no-build", action="store_true",
                         help="use the peer binaries already in build/peer-*; never configure or build")
+    parser.add_argument("--sched", action="store_true",
+                        help="also report where each skippy decode's wall time went: each process's thread CPU, "
+                             "the time threads waited for a CPU, and the gap no thread of the chain ran")
     parser.add_argument("--cpus", type=cpu_list, default=None,
                         help="run every variant's processes on these CPUs only (e.g. 1 or 0,1): this process and "
                              "so every process it starts (llama-bench, ggml-rpc-server, the stage processes, "
@@ -743,6 +823,9 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 del decode_runs[name]
                 prefill_runs.pop(name, None)
         names = list(decode_runs)
+        #: ``--sched``: per skippy variant decoded by stage_decode, where its time went.
+        scheds: dict[str, list[Sched]] = {name: [] for name in names if args.sched and name.startswith("skippy")
+                                          and name not in speculations}
         for round_index in range(args.rounds):
             if args.fresh_chains and round_index > 0:  # new stage processes: a new page placement
                 chain_stack.close()
@@ -774,15 +857,19 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                           + (f"; windows {' '.join(speculation.windows) or '-'}" if args.spec_trace else ""),
                           flush=True)
                 elif name.endswith(" run"):
-                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
+                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True, False,
+                                                      scheds.get(name)))
                 elif name.endswith(" direct"):
-                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-7]], args.steps, False, True))
+                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-7]], args.steps, False, True,
+                                                      scheds.get(name)))
                 elif name.endswith(" direct relay-off"):
                     chain_name = name[:-len(" direct relay-off")] + " relay-off"
-                    decode_runs[name].append(trio.run(stage_decode, chains[chain_name], args.steps, False, True))
+                    decode_runs[name].append(trio.run(stage_decode, chains[chain_name], args.steps, False, True,
+                                                      scheds.get(name)))
                 else:
                     address = chains[name]
-                    decode_runs[name].append(trio.run(stage_decode, address, args.steps))
+                    decode_runs[name].append(trio.run(stage_decode, address, args.steps, False, False,
+                                                      scheds.get(name)))
                     if not args.no_prefill:
                         prefill_runs[name].append(trio.run(stage_prefill, address, prompt, args.prompt))
                         if f"{name} /{micro}" in prefill_runs:
@@ -797,6 +884,8 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     reference = "stock" if peer is not None else "skippy 1" if "skippy 1" in decode_runs else "skippy 1 spec"
     lines = summary(f"decode (tg{args.steps}), medians of {args.rounds} rounds:", decode_runs, reference)
     lines += boundary_lines(decode_runs, BOUNDARY_PAIRS)
+    if args.sched:
+        lines += sched_lines(scheds)
     if not args.no_prefill:
         lines += summary(f"prefill (pp{args.prompt}, one {args.prompt}-token batch/chunk unless /N), medians:",
                          prefill_runs, reference)
