@@ -1,6 +1,7 @@
 """skippy 1/2/4 stages against stock llama.cpp unsplit and its RPC backend (2/4 servers), one run.
 
-Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]``;
+Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]
+[--cpus 1] [--sched]``;
 issue 27's peer benchmark (decode only: hop by hop, direct return and greedy speculation at 1, 2
 and 4 stages against stock and RPC 2 / 4, one interleaved run): ``... --issue27 [--rounds 5]``;
 speculation alone: ``... --speculation --no-prefill [--spec-loop] [--spec-ab] [--spec-trace]``.
@@ -64,6 +65,21 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   a message saying so and skippy 1 stage is the reference of the ratios.
 * ``--pipelined`` adds the micro-batched prefills: RPC with ``-ub 128`` (llama.cpp pipelines
   micro-batches across servers) and skippy 2/4 stages with 128-token chunks (credit 2).
+
+* ``--cpus LIST`` runs every variant on the same CPUs: this process sets its affinity before it
+  starts anything, so llama-bench, the RPC servers, the stage processes and the in-process
+  runtime inherit it (each server's and stage's threads are checked).  With one CPU a
+  single-stream decode is serial on one core for every variant alike: wall time is CPU time plus
+  context switches, with no wake-up of an idle CPU and no placement of the chain's processes on
+  the host's (here virtual) CPUs.  Unpinned on this 2-vCPU host, a hop-by-hop token of a 2-stage
+  chain crosses CPUs at two more wake-ups than a 1-stage one, and its stages' compute took more
+  CPU in some placements: that, not work on the chain's path, is what moved issue 27's 2-stage
+  rounds (bench/RESULTS-stage.md, "Where a 2-stage hop-by-hop token goes").  On a shared host
+  pinning also keeps the variants from escaping the neighbours on that CPU.
+* ``--sched`` reports, per skippy variant, where its decode time went (:class:`Sched`): the
+  client's and each stage's thread CPU (the runtime thread's share: the decode relay computes
+  there), the time threads were runnable but not running, and the wall time no thread of the
+  chain ran (the gap: wake-ups on the critical path, or CPUs taken by others).
 
 CPU per token (the host is shared; CPU time is the steadier figure): in-process: the calling
 thread (llama.cpp computes on it with one thread); skippy: this client process
