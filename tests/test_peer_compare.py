@@ -96,9 +96,22 @@ def test_quick_run_reports_every_variant(capsys: pytest.CaptureFixture[str]) -> 
 def test_quick_run_on_one_cpu_pins_every_variant_and_gives_the_cpus_back(capsys: pytest.CaptureFixture[str]) -> None:
     before = os.sched_getaffinity(0)
     cpu = min(before)
-    assert peer_compare.main(["--quick", "--no-build", "--preset", "tiny-llama", "--no-prefill", "--cpus", str(cpu)]) == 0
+    assert peer_compare.main(["--quick", "--no-build", "--preset", "tiny-llama", "--no-prefill", "--cpus", str(cpu),
+                              "--sched"]) == 0
     assert os.sched_getaffinity(0) == before
     out = capsys.readouterr().out
     assert f"CPUs {cpu} (--cpus)" in out  # (check_affinity raised had a stage or server run elsewhere)
     for name in ("stock", "RPC 2", "RPC 4", "skippy 1", "skippy 2", "skippy 4"):
         assert f"  {name} " in out
+    sched = out.split("where skippy's decode time went", 1)[1].splitlines()[1:4]
+    for count, line in zip((1, 2, 4), sched):  # the client, then each stage with its runtime-thread share
+        assert line.split()[:2] == ["skippy", str(count)] and line.count("[") == count
+
+
+def test_sched_splits_wall_into_run_and_gap() -> None:
+    me = os.getpid()
+    before = {(me, me): (1_000_000, 0), (7, 7): (0, 0), (7, 8): (0, 500_000)}
+    after = {(me, me): (3_000_000, 0), (7, 7): (1_000_000, 0), (7, 8): (5_000_000, 2_500_000), (7, 9): (1_000_000, 0)}
+    sched = peer_compare._sched(before, after, [me, 7], wall=0.010, steps=2)
+    assert sched.client == 1.0 and sched.stages == (3.5,) and sched.compute == (3.0,)  # ms per token
+    assert sched.wait == 1.0 and sched.run == 4.5 and sched.wall == 5.0 and sched.gap == 0.5
