@@ -74,8 +74,9 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   the host's (here virtual) CPUs.  Unpinned on this 2-vCPU host, a hop-by-hop token of a 2-stage
   chain crosses CPUs at two more wake-ups than a 1-stage one, and its stages' compute took more
   CPU in some placements: that, not work on the chain's path, is what moved issue 27's 2-stage
-  rounds (bench/RESULTS-stage.md, "Where a 2-stage hop-by-hop token goes").  On a shared host
-  pinning also keeps the variants from escaping the neighbours on that CPU.
+  rounds (bench/RESULTS-stage.md, "Where a 2-stage hop-by-hop token goes").  On a shared
+  host, use it only while the host is quiet: a pinned process cannot move away from a neighbour
+  on its CPU, and a chain with more wake-ups per token loses more to one.
 * ``--sched`` reports, per skippy variant, where its decode time went (:class:`Sched`): the
   client's and each stage's thread CPU (the runtime thread's share: the decode relay computes
   there), the time threads were runnable but not running, and the wall time no thread of the
