@@ -1,6 +1,7 @@
 """skippy 1/2/4 stages against stock llama.cpp unsplit and its RPC backend (2/4 servers), one run.
 
-Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]``;
+Run: ``.venv/bin/python bench/peer_compare.py [--rounds 5] [--steps 64] [--prompt 512] [--pipelined] [--quick]
+[--cpus 1] [--sched]``;
 issue 27's peer benchmark (decode only: hop by hop, direct return and greedy speculation at 1, 2
 and 4 stages against stock and RPC 2 / 4, one interleaved run): ``... --issue27 [--rounds 5]``;
 speculation alone: ``... --speculation --no-prefill [--spec-loop] [--spec-ab] [--spec-trace]``.
@@ -64,6 +65,22 @@ host's load hit them alike.  Medians over rounds and the per-round ratios to sto
   a message saying so and skippy 1 stage is the reference of the ratios.
 * ``--pipelined`` adds the micro-batched prefills: RPC with ``-ub 128`` (llama.cpp pipelines
   micro-batches across servers) and skippy 2/4 stages with 128-token chunks (credit 2).
+
+* ``--cpus LIST`` runs every variant on the same CPUs: this process sets its affinity before it
+  starts anything, so llama-bench, the RPC servers, the stage processes and the in-process
+  runtime inherit it (each server's and stage's threads are checked).  With one CPU a
+  single-stream decode is serial on one core for every variant alike: wall time is CPU time plus
+  context switches, with no wake-up of an idle CPU and no placement of the chain's processes on
+  the host's (here virtual) CPUs.  Unpinned on this 2-vCPU host, a hop-by-hop token of a 2-stage
+  chain crosses CPUs at two more wake-ups than a 1-stage one, and its stages' compute took more
+  CPU in some placements: that, not work on the chain's path, is what moved issue 27's 2-stage
+  rounds (bench/RESULTS-stage.md, "Where a 2-stage hop-by-hop token goes").  On a shared
+  host, use it only while the host is quiet: a pinned process cannot move away from a neighbour
+  on its CPU, and a chain with more wake-ups per token loses more to one.
+* ``--sched`` reports, per skippy variant, where its decode time went (:class:`Sched`): the
+  client's and each stage's thread CPU (the runtime thread's share: the decode relay computes
+  there), the time threads were runnable but not running, and the wall time no thread of the
+  chain ran (the gap: wake-ups on the critical path, or CPUs taken by others).
 
 CPU per token (the host is shared; CPU time is the steadier figure): in-process: the calling
 thread (llama.cpp computes on it with one thread); skippy: this client process
@@ -306,21 +323,118 @@ def check_rpc_layout(variant: BenchVariant, splits: Sequence[str], n_layer: int)
                      for name, units in devices.items())
 
 
+def cpu_list(text: str) -> set[int]:
+    """``--cpus``: "1", "0,1" or "0-3" (as taskset -c reads them) as a set of CPU numbers."""
+    cpus: set[int] = set()
+    for part in text.split(","):
+        first, dash, last = part.strip().partition("-")
+        if not first.isdigit() or (dash and not last.isdigit()) or int(last or first) < int(first):
+            raise argparse.ArgumentTypeError(f"not a CPU list: {text!r} (e.g. 1, 0,1 or 0-3)")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def check_affinity(pids: Sequence[int], cpus: set[int]) -> None:
+    """Raise unless every thread of ``pids`` may run on exactly ``cpus`` (``--cpus``: a process
+    that set its own affinity would make the variants unlike)."""
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                got = os.sched_getaffinity(int(task.name))
+                if got != cpus:
+                    raise RuntimeError(f"--cpus: thread {task.name} of process {pid} runs on {sorted(got)}, "
+                                       f"not {sorted(cpus)}")
+
+
+@dataclasses.dataclass(frozen=True)
+class Sched:
+    """``--sched``: where a skippy decode's wall time went, ms per token: thread CPU (``run``) of
+    this client and of each stage (``stages``, stage 0 first; the stage's threads other than its
+    main trio thread in ``compute``: the runtime thread, where the decode relay computes), time
+    threads were runnable but waited for a CPU (``wait``), and the wall time no thread of the
+    chain ran (``gap``: wall - run; wake-ups and transfers on the critical path, or CPUs taken by
+    others)."""
+
+    wall: float
+    client: float
+    stages: tuple[float, ...]
+    compute: tuple[float, ...]
+    wait: float
+
+    @property
+    def run(self) -> float:
+        return self.client + sum(self.stages)
+
+    @property
+    def gap(self) -> float:
+        return self.wall - self.run
+
+
+def _thread_times(pids: Sequence[int]) -> dict[tuple[int, int], tuple[int, int]]:
+    """(pid, tid) -> (ns on a CPU, ns runnable waiting for one) from every thread's schedstat."""
+    times: dict[tuple[int, int], tuple[int, int]] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").iterdir():
+            with contextlib.suppress(FileNotFoundError, ProcessLookupError):
+                run, wait, _ = (task / "schedstat").read_text().split()
+                times[pid, int(task.name)] = int(run), int(wait)
+    return times
+
+
+def _sched(before: dict[tuple[int, int], tuple[int, int]], after: dict[tuple[int, int], tuple[int, int]],
+           pids: Sequence[int], wall: float, steps: int) -> Sched:
+    """The :class:`Sched` of one measurement (``pids``: this process, then the stages, stage 0
+    first); a thread that exited between the snapshots is lost (the stages' threads live on)."""
+    run: dict[int, float] = {pid: 0.0 for pid in pids}
+    compute: dict[int, float] = {pid: 0.0 for pid in pids}
+    wait = 0.0
+    for (pid, tid), (ran, waited) in after.items():
+        ran0, waited0 = before.get((pid, tid), (0, 0))
+        run[pid] += (ran - ran0) / 1e6 / steps
+        if tid != pid:
+            compute[pid] += (ran - ran0) / 1e6 / steps
+        wait += (waited - waited0) / 1e6 / steps
+    return Sched(wall * 1e3 / steps, run[pids[0]], tuple(run[pid] for pid in pids[1:]),
+                 tuple(compute[pid] for pid in pids[1:]), wait)
+
+
+def sched_lines(scheds: dict[str, list[Sched]]) -> list[str]:
+    """``--sched``'s report: per skippy variant, medians and per-round values (ms per token)."""
+    lines = ["  where skippy's decode time went (ms per token, median (rounds)): wall = run + gap; run = client + "
+             "stages (each stage's runtime-thread share in brackets); wait = runnable, not running"]
+    for name, samples in scheds.items():
+        if not samples:
+            continue
+        def rounds(values: Sequence[float]) -> str:
+            return f"{_median(values):6.2f} ({', '.join(f'{v:.2f}' for v in values)})"
+        stages = " + ".join(f"{_median([s.stages[i] for s in samples]):.2f} "
+                            f"[{_median([s.compute[i] for s in samples]):.2f}]"
+                            for i in range(len(samples[0].stages)))
+        lines.append(f"    {name:<20} wall {rounds([s.wall for s in samples])}; run {rounds([s.run for s in samples])} "
+                     f"= client {_median([s.client for s in samples]):.2f} + {stages}; "
+                     f"gap {rounds([s.gap for s in samples])}; wait {rounds([s.wait for s in samples])}")
+    return lines
+
+
 # -- skippy chains --------------------------------------------------------------------------------
-async def stage_decode(address: Address, steps: int, run: bool = False, direct: bool = False) -> Sample:
+async def stage_decode(address: Address, steps: int, run: bool = False, direct: bool = False,
+                       sched: list[Sched] | None = None) -> Sample:
     """(tokens/s, CPU s/token of this client + the chain's processes) of ``steps`` decodes after BOS.
 
     ``run``: the ``steps`` tokens as one decode run (docs/protocol.md §11: the first stage feeds
     each prediction to the next step itself) instead of one DecodeEmbd per token.  ``direct``:
-    the final stage sends the predictions over a return lane (docs/protocol.md §8).
+    the final stage sends the predictions over a return lane (docs/protocol.md §8).  ``sched``:
+    the same measurement's :class:`Sched` is appended to it.
     """
     pids = [process.pid for process in PROCESSES.get(address, [])]
+    ordered = [os.getpid(), *reversed(pids)]  # (chain() starts the final stage first)
     client = await StageClient.connect(address)
     try:
         await client.configure(1)
         if direct and not await client.open_direct_return(FINALS[address], 1):
             raise AssertionError(f"the final stage {FINALS[address]} refused the return lane")
         token = (await client.prefill(1, [BOS], chunk_size=512)).token
+        threads = _thread_times(ordered) if sched is not None else {}
         started, cpu_started = time.perf_counter(), cpu_seconds(pids)
         if run:
             token = (await client.start_run(1, token, 1, max_tokens=steps)).predicted
@@ -333,7 +447,10 @@ async def stage_decode(address: Address, steps: int, run: bool = False, direct: 
         else:
             for position in range(1, steps + 1):
                 token = (await client.decode(1, token, position)).predicted
-        rate, cpu = steps / (time.perf_counter() - started), (cpu_seconds(pids) - cpu_started) / steps
+        wall = time.perf_counter() - started
+        rate, cpu = steps / wall, (cpu_seconds(pids) - cpu_started) / steps
+        if sched is not None:
+            sched.append(_sched(threads, _thread_times(ordered), ordered, wall, steps))
         await client.stop(1)
         return rate, cpu
     finally:
@@ -605,6 +722,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "per run biases every round of a chain alike)")
     parser.add_argument("--no-build", action="store_true",
                         help="use the peer binaries already in build/peer-*; never configure or build")
+    parser.add_argument("--sched", action="store_true",
+                        help="also report where each skippy decode's wall time went: each process's thread CPU, "
+                             "the time threads waited for a CPU, and the gap no thread of the chain ran")
+    parser.add_argument("--cpus", type=cpu_list, default=None,
+                        help="run every variant's processes on these CPUs only (e.g. 1 or 0,1): this process and "
+                             "so every process it starts (llama-bench, ggml-rpc-server, the stage processes, "
+                             "the in-process runtime) inherit the affinity; default: wherever the kernel "
+                             "places them")
     args = parser.parse_args(argv)
     if args.quick:
         args.rounds, args.steps, args.prompt = 1, 8, 64
@@ -612,7 +737,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.direct_return = args.speculation = args.spec_loop = args.no_prefill = args.fresh_chains = True
     if args.steps < 2:
         parser.error("--steps must be >= 2")
+    if args.cpus is None:
+        return _run(args, parser)
+    previous = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, args.cpus)  # inherited by every process started from here on
+    except OSError as exc:
+        parser.error(f"--cpus {','.join(map(str, sorted(args.cpus)))}: {exc}")
+    try:
+        return _run(args, parser)
+    finally:
+        os.sched_setaffinity(0, previous)
 
+
+def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from skippy.models.cache import ensure_model
     from skippy.models.spec import preset
 
@@ -627,6 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"peer {peer.build_dir if peer else 'none (skipped)'} ({peer_build_dir().name}); model {model.name}; 1 compute thread per process; "
           f"{args.steps} decode tokens, {args.prompt}-token prefill; {args.rounds} interleaved rounds; "
+          f"CPUs {','.join(map(str, sorted(os.sched_getaffinity(0))))}{' (--cpus)' if args.cpus else ''}; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}", flush=True)
     rng = np.random.default_rng(1234)
     micro = min(128, max(1, args.prompt // 4))
@@ -636,6 +775,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             benches["stock"] = BenchVariant(peer.llama_bench, model, ["-ngl", "0"], [])
         for count in (2, 4) if peer is not None else ():
             endpoints, pids = stack.enter_context(rpc_servers(peer, count, Path(tmp)))
+            if args.cpus:
+                check_affinity(pids, args.cpus)
             split = tensor_split(layouts[count], n_layer)
             variant = BenchVariant(peer.llama_bench, model, ["-ngl", "99", "--rpc", endpoints, "-ts", split], pids)
             print(f"RPC {count}: -ts {split} -> {check_rpc_layout(variant, layouts[count], n_layer)}", flush=True)
@@ -649,6 +790,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         chain(str(model), layouts[count], [*STAGE_FLAGS, "--decode-relay", "off"]))
             for address in started.values():  # the stages' first-request paths
                 trio.run(stage_decode, address, 2)
+                if args.cpus:
+                    check_affinity([process.pid for process in PROCESSES[address]], args.cpus)
             return started
 
         chain_stack = stack.enter_context(contextlib.ExitStack())
@@ -697,6 +840,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 del decode_runs[name]
                 prefill_runs.pop(name, None)
         names = list(decode_runs)
+        #: ``--sched``: per skippy variant decoded by stage_decode, where its time went.
+        scheds: dict[str, list[Sched]] = {name: [] for name in names if args.sched and name.startswith("skippy")
+                                          and name not in speculations}
         for round_index in range(args.rounds):
             if args.fresh_chains and round_index > 0:  # new stage processes: a new page placement
                 chain_stack.close()
@@ -728,15 +874,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                           + (f"; windows {' '.join(speculation.windows) or '-'}" if args.spec_trace else ""),
                           flush=True)
                 elif name.endswith(" run"):
-                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True))
+                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-4]], args.steps, True, False,
+                                                      scheds.get(name)))
                 elif name.endswith(" direct"):
-                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-7]], args.steps, False, True))
+                    decode_runs[name].append(trio.run(stage_decode, chains[name[:-7]], args.steps, False, True,
+                                                      scheds.get(name)))
                 elif name.endswith(" direct relay-off"):
                     chain_name = name[:-len(" direct relay-off")] + " relay-off"
-                    decode_runs[name].append(trio.run(stage_decode, chains[chain_name], args.steps, False, True))
+                    decode_runs[name].append(trio.run(stage_decode, chains[chain_name], args.steps, False, True,
+                                                      scheds.get(name)))
                 else:
                     address = chains[name]
-                    decode_runs[name].append(trio.run(stage_decode, address, args.steps))
+                    decode_runs[name].append(trio.run(stage_decode, address, args.steps, False, False,
+                                                      scheds.get(name)))
                     if not args.no_prefill:
                         prefill_runs[name].append(trio.run(stage_prefill, address, prompt, args.prompt))
                         if f"{name} /{micro}" in prefill_runs:
@@ -751,6 +901,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     reference = "stock" if peer is not None else "skippy 1" if "skippy 1" in decode_runs else "skippy 1 spec"
     lines = summary(f"decode (tg{args.steps}), medians of {args.rounds} rounds:", decode_runs, reference)
     lines += boundary_lines(decode_runs, BOUNDARY_PAIRS)
+    if args.sched:
+        lines += sched_lines(scheds)
     if not args.no_prefill:
         lines += summary(f"prefill (pp{args.prompt}, one {args.prompt}-token batch/chunk unless /N), medians:",
                          prefill_runs, reference)

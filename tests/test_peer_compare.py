@@ -8,6 +8,9 @@ variant (stock, RPC 2/4, skippy 1/2/4) starts, is measured once and is reported.
 
 from __future__ import annotations
 
+import argparse
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -47,6 +50,29 @@ def test_layers_by_device_reads_the_first_load_only() -> None:
     assert peer_compare.layers_by_device(log) == {"RPC0": [0, 1], "RPC1": [2, 3, 4]}
 
 
+def test_cpu_list_reads_taskset_lists() -> None:
+    assert peer_compare.cpu_list("1") == {1}
+    assert peer_compare.cpu_list("0,1") == {0, 1}
+    assert peer_compare.cpu_list("0-2,5") == {0, 1, 2, 5}
+    for bad in ("", "a", "1-", "3-1", "1,,2", "-1"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            peer_compare.cpu_list(bad)
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs")
+def test_check_affinity_names_a_thread_on_other_cpus() -> None:
+    first, second = sorted(os.sched_getaffinity(0))[:2]
+    process = subprocess.Popen(["sleep", "30"])
+    try:
+        os.sched_setaffinity(process.pid, {first})
+        peer_compare.check_affinity([process.pid], {first})
+        with pytest.raises(RuntimeError, match=f"process {process.pid} runs on \\[{first}\\]"):
+            peer_compare.check_affinity([process.pid], {first, second})
+    finally:
+        process.kill()
+        process.wait()
+
+
 _PEER = peer_build_dir() / "bin"
 
 
@@ -62,3 +88,30 @@ def test_quick_run_reports_every_variant(capsys: pytest.CaptureFixture[str]) -> 
         assert f"  {name} " in out
     assert out.count("per-boundary cost") == 2  # decode and prefill
     assert "skippy 4 vs skippy 2" in out and "RPC 4 vs RPC 2" in out
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not ((_PEER / "llama-bench").exists() and (_PEER / "ggml-rpc-server").exists()),
+                    reason="stock peer not built (run bench/peer_build.py; tests do not build it)")
+def test_quick_run_on_one_cpu_pins_every_variant_and_gives_the_cpus_back(capsys: pytest.CaptureFixture[str]) -> None:
+    before = os.sched_getaffinity(0)
+    cpu = min(before)
+    assert peer_compare.main(["--quick", "--no-build", "--preset", "tiny-llama", "--no-prefill", "--cpus", str(cpu),
+                              "--sched"]) == 0
+    assert os.sched_getaffinity(0) == before
+    out = capsys.readouterr().out
+    assert f"CPUs {cpu} (--cpus)" in out  # (check_affinity raised had a stage or server run elsewhere)
+    for name in ("stock", "RPC 2", "RPC 4", "skippy 1", "skippy 2", "skippy 4"):
+        assert f"  {name} " in out
+    sched = out.split("where skippy's decode time went", 1)[1].splitlines()[1:4]
+    for count, line in zip((1, 2, 4), sched):  # the client, then each stage with its runtime-thread share
+        assert line.split()[:2] == ["skippy", str(count)] and line.count("[") == count
+
+
+def test_sched_splits_wall_into_run_and_gap() -> None:
+    me = os.getpid()
+    before = {(me, me): (1_000_000, 0), (7, 7): (0, 0), (7, 8): (0, 500_000)}
+    after = {(me, me): (3_000_000, 0), (7, 7): (1_000_000, 0), (7, 8): (5_000_000, 2_500_000), (7, 9): (1_000_000, 0)}
+    sched = peer_compare._sched(before, after, [me, 7], wall=0.010, steps=2)
+    assert sched.client == 1.0 and sched.stages == (3.5,) and sched.compute == (3.0,)  # ms per token
+    assert sched.wait == 1.0 and sched.run == 4.5 and sched.wall == 5.0 and sched.gap == 0.5
