@@ -533,9 +533,10 @@ def test_a_rollback_is_trimmed_as_the_lanes_auto_align_trims_it(implementation: 
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layers", ["1:2", "0:4"], ids=["middle", "first-and-final"])
 def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(implementation: Any,
-                                                                         make_bench: Any) -> None:
-    bench = make_bench(implementation, "1:2", max_steps=2)
+                                                                         make_bench: Any, layers: str) -> None:
+    bench = make_bench(implementation, layers, max_steps=2)
     # stopped while waiting for a frame (from another thread, as the lane's trio side does)
     threading.Timer(0.05, os.eventfd_write, (bench.stop_fd, 1)).start()
     assert bench.run(b"").status == implementation.STOPPED
@@ -549,14 +550,14 @@ def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(impleme
     assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 0, frames[2][:50])
     bench.forwarded(2)
     # the downstream goes away: the write fails
-    other = make_bench(implementation, "1:2")
+    other = make_bench(implementation, layers)
     other.downstream.close()
     outcome = other.run(other.frame(other.message(other.position)))
     assert outcome.status == implementation.DOWNSTREAM_FAILED
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("layers", ["1:2", "1:4"], ids=["middle", "final"])
+@pytest.mark.parametrize("layers", ["1:2", "1:4", "0:4"], ids=["middle", "final", "first-and-final"])
 def test_an_abort_cuts_a_write_the_downstream_does_not_take(implementation: Any, make_bench: Any,
                                                             layers: str) -> None:
     bench = make_bench(implementation, layers)
@@ -1313,12 +1314,14 @@ async def test_the_relay_sends_the_bytes_the_lane_sends_and_the_unsplit_tokens(t
     assert all(len(frames) > 2 * 24 * 76 for frames in sent[True])
 
 
-async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("splits", [SPLITS, ["0:4"]], ids=["three-stages", "one-stage"])
+async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(tiny_llama: Path,
+                                                                              splits: list[str]) -> None:
     """The driver drops the return lane while the final stage's relay holds it: the lane's close
     aborts the run (no write into a closed socket, no close waiting on the run), and the session
     goes on hop by hop with the same tokens."""
     async with trio.open_nursery() as nursery:
-        chain = await _tapped_chain(nursery, tiny_llama, True)
+        chain = await _tapped_chain(nursery, tiny_llama, True, splits)
         final = chain.servers[-1]
         async with await StageClient.connect(chain.first) as client:
             await client.configure(1, prompt_token_count=len(PROMPT))
@@ -1340,12 +1343,13 @@ async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(t
         nursery.cancel_scope.cancel()
 
 
-async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("splits", [SPLITS, ["0:4"]], ids=["three-stages", "one-stage"])
+async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: Path, splits: list[str]) -> None:
     other_prompt = [1, 13, 4013, 338, 263, 1243]
     results: dict[bool, tuple[list[int], list[int], list[int]]] = {}
     for relay in (True, False):
         async with trio.open_nursery() as nursery:
-            chain = await _tapped_chain(nursery, tiny_llama, relay)
+            chain = await _tapped_chain(nursery, tiny_llama, relay, splits)
             async with await StageClient.connect(chain.first) as client:
                 # a session decoding (relayed after its first decode) while a second lane runs a
                 # whole request in the middle of it: its jobs stop the runs, the second lane's
