@@ -107,7 +107,7 @@ class Side:
         outputs = [True] * rows if self.final else None
         if self.first:
             self.context.decode(tokens=message.tokens[:rows] if rows > 1 else [int(message.tokens[0])],
-                                positions=positions, seq_ids=seqs)
+                                positions=positions, seq_ids=seqs, outputs=outputs)
         else:
             self.context.decode(activations=np.ascontiguousarray(message.activation, dtype=np.float32),
                                 positions=positions, seq_ids=seqs, outputs=outputs)
@@ -383,9 +383,11 @@ def test_the_relay_forwards_exactly_the_lanes_frames(implementation: Any, make_b
                                     SamplingParams(temperature=0.7, repeat_penalty=1.3, seed=3)],
                          ids=["greedy", "temperature", "penalties"])
 @pytest.mark.parametrize("timings", [True, False], ids=["timings", "plain"])
-def test_a_final_stage_answers_exactly_the_lanes_replies(implementation: Any, make_bench: Any,
+@pytest.mark.parametrize("layers", ["1:4", "0:4"], ids=["final", "first-and-final"])
+def test_a_final_stage_answers_exactly_the_lanes_replies(implementation: Any, make_bench: Any, layers: str,
                                                          params: SamplingParams, timings: bool) -> None:
-    bench = make_bench(implementation, "1:4", params=params, timings=timings)
+    """A final stage (after another, or a one-stage chain's: token ids in) answers the lane's bytes."""
+    bench = make_bench(implementation, layers, params=params, timings=timings)
     messages = [bench.message(bench.position + index) for index in range(8)]
     outcome = bench.run(b"".join(bench.frame(message) for message in messages), close=True)
     assert outcome.status == implementation.HANDED_BACK and outcome.steps == 8 and outcome.leftover == b""
@@ -482,20 +484,22 @@ def _window_variants(bench: Bench) -> dict[str, bytes]:
 
 
 _COMMON = ["position-before-zero", "gap", "other-session", "not-direct", "other-kind", "sampling"]
-REFUSED = ([("0:1", name) for name in [*_COMMON, "token-out-of-vocabulary"]]
+REFUSED = ([(layers, name) for layers in ("0:1", "0:4") for name in [*_COMMON, "token-out-of-vocabulary"]]
            + [("1:2", name) for name in [*_COMMON, "nan", "beyond-the-limit"]])
 
 
 #: Verify windows (of 4 rows) the loop must not carry after one it carries (_window_variants).
-WINDOW_REFUSED = ([("0:1", name) for name in ["gap", "position-before-zero", "more-rows-than-the-batch", "a-decode",
-                                              "other-session", "short-token-sideband", "token-out-of-vocabulary"]]
+WINDOW_REFUSED = ([(layers, name) for layers in ("0:1", "0:4")
+                   for name in ["gap", "position-before-zero", "more-rows-than-the-batch", "a-decode",
+                                "other-session", "short-token-sideband", "token-out-of-vocabulary"]]
                   + [("1:2", name) for name in ["gap", "more-rows-than-the-batch", "a-decode", "nan-in-the-last-row"]])
+LAYER_NAMES = {"0:1": "first", "1:2": "middle", "1:4": "final", "0:4": "first-and-final"}
 HANDED_BACK_CASES = [(1, *case) for case in REFUSED] + [(4, *case) for case in WINDOW_REFUSED]
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize(("rows", "layers", "name"), HANDED_BACK_CASES, ids=[
-    f"{'window-' if rows > 1 else ''}{'first' if layers == '0:1' else 'middle'}-{name}"
+    f"{'window-' if rows > 1 else ''}{LAYER_NAMES[layers]}-{name}"
     for rows, layers, name in HANDED_BACK_CASES])
 def test_what_the_relay_does_not_carry_is_handed_back_unread(implementation: Any, make_bench: Any, rows: int,
                                                              layers: str, name: str) -> None:
@@ -504,12 +508,16 @@ def test_what_the_relay_does_not_carry_is_handed_back_unread(implementation: Any
     refused = (_variants if rows == 1 else _window_variants)(bench)[name]
     outcome = bench.run(bench.frame(carried) + refused)
     assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 1, refused)
-    assert bench.forwarded(1) == [bench.lane_side.lane_frame(carried, WireDType.F32)]
+    expected = bench.lane_side.lane_frame(carried, WireDType.F32)
+    forwarded = bench.read_exactly(bench.downstream, [len(expected)])
+    if bench.final:
+        expected, forwarded = without_compute_time(expected), [without_compute_time(frame) for frame in forwarded]
+    assert forwarded == [expected]
     assert bench.relay_side.context.length(bench.relay_side.seq) == bench.position + rows  # nothing else ran
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("layers", ["0:1", "1:2", "1:4"], ids=["first", "middle", "final"])
+@pytest.mark.parametrize("layers", ["0:1", "1:2", "1:4", "0:4"], ids=["first", "middle", "final", "first-and-final"])
 def test_a_rollback_is_trimmed_as_the_lanes_auto_align_trims_it(implementation: Any, make_bench: Any,
                                                                layers: str) -> None:
     bench = make_bench(implementation, layers)
@@ -525,9 +533,10 @@ def test_a_rollback_is_trimmed_as_the_lanes_auto_align_trims_it(implementation: 
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("layers", ["1:2", "0:4"], ids=["middle", "first-and-final"])
 def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(implementation: Any,
-                                                                         make_bench: Any) -> None:
-    bench = make_bench(implementation, "1:2", max_steps=2)
+                                                                         make_bench: Any, layers: str) -> None:
+    bench = make_bench(implementation, layers, max_steps=2)
     # stopped while waiting for a frame (from another thread, as the lane's trio side does)
     threading.Timer(0.05, os.eventfd_write, (bench.stop_fd, 1)).start()
     assert bench.run(b"").status == implementation.STOPPED
@@ -541,14 +550,14 @@ def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(impleme
     assert (outcome.status, outcome.steps, outcome.leftover) == (implementation.HANDED_BACK, 0, frames[2][:50])
     bench.forwarded(2)
     # the downstream goes away: the write fails
-    other = make_bench(implementation, "1:2")
+    other = make_bench(implementation, layers)
     other.downstream.close()
     outcome = other.run(other.frame(other.message(other.position)))
     assert outcome.status == implementation.DOWNSTREAM_FAILED
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("layers", ["1:2", "1:4"], ids=["middle", "final"])
+@pytest.mark.parametrize("layers", ["1:2", "1:4", "0:4"], ids=["middle", "final", "first-and-final"])
 def test_an_abort_cuts_a_write_the_downstream_does_not_take(implementation: Any, make_bench: Any,
                                                             layers: str) -> None:
     bench = make_bench(implementation, layers)
@@ -597,7 +606,9 @@ WINDOW_STARTS = [0, 4, 6, 10, 11, 15]
 @pytest.mark.parametrize(("layers", "in_dtype", "params"), [
     ("0:1", WireDType.F32, GREEDY), ("1:2", WireDType.F32, GREEDY), ("1:2", WireDType.F16, GREEDY),
     ("1:4", WireDType.F32, GREEDY), ("1:4", WireDType.F32, SamplingParams(temperature=0.9, top_k=40, seed=11)),
-], ids=["first", "middle", "middle-f16", "final-greedy", "final-sampled"])
+    ("0:4", WireDType.F32, GREEDY), ("0:4", WireDType.F32, SamplingParams(temperature=0.9, top_k=40, seed=11)),
+], ids=["first", "middle", "middle-f16", "final-greedy", "final-sampled", "first-and-final-greedy",
+        "first-and-final-sampled"])
 def test_windows_are_relayed_exactly_as_the_lane_with_rollbacks_trimmed(implementation: Any, make_bench: Any,
                                                                         layers: str, in_dtype: WireDType,
                                                                         params: SamplingParams) -> None:
@@ -662,7 +673,8 @@ def speculation(bench: Bench) -> tuple[list[StageMessage], int, int]:
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize(("layers", "params"), [
     ("0:1", GREEDY), ("1:2", GREEDY), ("1:4", GREEDY), ("1:4", SamplingParams(temperature=0.9, top_k=40, seed=11)),
-], ids=["first", "middle", "final-greedy", "final-sampled"])
+    ("0:4", SamplingParams(temperature=0.9, top_k=40, seed=11)),
+], ids=["first", "middle", "final-greedy", "final-sampled", "first-and-final-sampled"])
 def test_one_run_carries_windows_of_every_size_and_decodes_interleaved(implementation: Any, make_bench: Any,
                                                                        layers: str, params: SamplingParams) -> None:
     """A run from a decode's and a window's templates carries the driver's speculation: windows of
@@ -718,7 +730,7 @@ HOSTILE = ["no-rows", "negative-rows", "rows-past-the-batch", "rows-at-the-i32-l
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
-@pytest.mark.parametrize("layers", ["0:1", "1:2"], ids=["first", "middle"])
+@pytest.mark.parametrize("layers", ["0:1", "1:2", "0:4"], ids=["first", "middle", "first-and-final"])
 @pytest.mark.parametrize("name", HOSTILE)
 def test_hostile_row_counts_and_positions_are_handed_back_unread(implementation: Any, make_bench: Any, layers: str,
                                                                  name: str) -> None:
@@ -1244,11 +1256,11 @@ class TappedChain:
         return address
 
 
-async def _tapped_chain(nursery: trio.Nursery, model: Path, relay: bool) -> TappedChain:
+async def _tapped_chain(nursery: trio.Nursery, model: Path, relay: bool, splits: list[str] = SPLITS) -> TappedChain:
     servers: list[StageServer] = []
     taps: list[Tap] = []
     downstream: Address | None = None
-    for index, layers in reversed(list(enumerate(SPLITS))):
+    for index, layers in reversed(list(enumerate(splits))):
         config = config_from_mapping({"model": str(model), "layers": layers, "downstream": downstream,
                                       "batch_size": 64, "ctx_size": 512, "connect_timeout": 2,
                                       "decode_relay": relay, "threads": 1})
@@ -1302,12 +1314,14 @@ async def test_the_relay_sends_the_bytes_the_lane_sends_and_the_unsplit_tokens(t
     assert all(len(frames) > 2 * 24 * 76 for frames in sent[True])
 
 
-async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("splits", [SPLITS, ["0:4"]], ids=["three-stages", "one-stage"])
+async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(tiny_llama: Path,
+                                                                              splits: list[str]) -> None:
     """The driver drops the return lane while the final stage's relay holds it: the lane's close
     aborts the run (no write into a closed socket, no close waiting on the run), and the session
     goes on hop by hop with the same tokens."""
     async with trio.open_nursery() as nursery:
-        chain = await _tapped_chain(nursery, tiny_llama, True)
+        chain = await _tapped_chain(nursery, tiny_llama, True, splits)
         final = chain.servers[-1]
         async with await StageClient.connect(chain.first) as client:
             await client.configure(1, prompt_token_count=len(PROMPT))
@@ -1329,12 +1343,13 @@ async def test_a_return_lane_closing_under_the_final_stages_relay_ends_the_run(t
         nursery.cancel_scope.cancel()
 
 
-async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: Path) -> None:
+@pytest.mark.parametrize("splits", [SPLITS, ["0:4"]], ids=["three-stages", "one-stage"])
+async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: Path, splits: list[str]) -> None:
     other_prompt = [1, 13, 4013, 338, 263, 1243]
     results: dict[bool, tuple[list[int], list[int], list[int]]] = {}
     for relay in (True, False):
         async with trio.open_nursery() as nursery:
-            chain = await _tapped_chain(nursery, tiny_llama, relay)
+            chain = await _tapped_chain(nursery, tiny_llama, relay, splits)
             async with await StageClient.connect(chain.first) as client:
                 # a session decoding (relayed after its first decode) while a second lane runs a
                 # whole request in the middle of it: its jobs stop the runs, the second lane's
@@ -1372,14 +1387,17 @@ async def test_other_work_a_rollback_and_a_shutdown_interrupt_a_run(tiny_llama: 
     assert results[True][0] == reference and results[True][2] == reference[:11]  # the rollback re-ran two
 
 
+@pytest.mark.parametrize("splits", [SPLITS, ["0:4"]], ids=["three-stages", "one-stage"])
 @pytest.mark.parametrize("hostile", ["gap", "short-token-sideband"])
-async def test_a_hostile_window_during_relayed_windows_is_refused_by_the_lane(tiny_llama: Path, hostile: str) -> None:
-    """Windows relayed hop by hop on every stage (a rejection trimmed), then a window the loop
-    does not carry: handed back unread, the lane refuses it with its own error (the lane closes)."""
+async def test_a_hostile_window_during_relayed_windows_is_refused_by_the_lane(tiny_llama: Path, hostile: str,
+                                                                              splits: list[str]) -> None:
+    """Windows relayed hop by hop on every stage (a rejection trimmed; a one-stage chain's stage
+    is first and final), then a window the loop does not carry: handed back unread, the lane
+    refuses it with its own error (the lane closes)."""
     from skippy.driver.client import StageClientError
 
     async with trio.open_nursery() as nursery:
-        chain = await _tapped_chain(nursery, tiny_llama, True)
+        chain = await _tapped_chain(nursery, tiny_llama, True, splits)
         async with await StageClient.connect(chain.first) as client:
             await client.configure(1, prompt_token_count=len(PROMPT))
             token = (await client.prefill(1, PROMPT, chunk_size=3)).token

@@ -271,8 +271,8 @@ def _no_wall_clock_decisions(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CostModel, "adopt", lambda self, other: None)
 
 
-#: Speculation at 2, 3 and 4 stages (the tiny llama's 4 layers).
-SPECULATION_SPLITS = {2: ["0:2", "2:4"], 3: SPLITS, 4: ["0:1", "1:2", "2:3", "3:4"]}
+#: Speculation at 1 (one stage, first and final), 2, 3 and 4 stages (the tiny llama's 4 layers).
+SPECULATION_SPLITS = {1: ["0:4"], 2: ["0:2", "2:4"], 3: SPLITS, 4: ["0:1", "1:2", "2:3", "3:4"]}
 #: How the driver speculates: one window at a time (max depth 1), its default (pipelined once its
 #: estimates say so), or pipelined from its first window (a high prior acceptance: the first
 #: epoch's windows are all in flight before the first reply, and the lane never goes quiet).
@@ -334,6 +334,50 @@ def _same_boundaries(mine: list[list[tuple[bytes, list[object]]]], theirs: list[
             assert up == other_up, f"replies across boundary {index}"
 
 
+#: A one-stage chain (its stage first and final): the paths whose steady decodes or windows its
+#: data plane carries (1), and those its lane keeps (0: a grammar or logprobs session samples in
+#: Python, a decode run is driven by the first stage in Python).
+ONE_STAGE_RELAYED = {"hop": 1, "direct": 1, "grammar": 0, "logprobs": 0, "run": 0, "speculation": 1,
+                     "speculation-long": 1}
+
+
+@pytest.mark.parametrize("implementation", ["cython", "python"])
+@pytest.mark.parametrize("path", sorted(ONE_STAGE_RELAYED))
+async def test_a_one_stage_chain_relays_its_steady_decodes_with_the_lanes_bytes(
+        generator: Generator, tiny_llama: Path, path: str, implementation: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A one-stage chain (token ids in, the stage's own sampling and reply out) with the data plane
+    on (either implementation) and off: the same bytes both ways on its boundary and its return
+    lane, the unsplit tokens, the same KV cells; hop by hop, with direct return and speculating,
+    the data plane carries every decode or window after the first of each kind; a grammar,
+    logprobs or decode-run session stays on the lane's path."""
+    from skippy.stage import _relay_py, decode_relay
+
+    if implementation == "python":
+        monkeypatch.setattr(decode_relay, "_implementation", _relay_py)
+    elif decode_relay.IMPLEMENTATION != "cython":
+        pytest.skip("skippy.stage._relay not built")
+    observe = CostModel.observe
+
+    def steady(self: CostModel, rows: int, wall_seconds: float, compute_seconds: float, *, alone: bool = True,
+               shared: bool = False) -> None:
+        observe(self, rows, 0.002 + 0.0002 * rows, 0.001 + 0.0002 * rows, alone=alone, shared=shared)
+
+    monkeypatch.setattr(CostModel, "observe", steady)
+    _no_wall_clock_decisions(monkeypatch)
+    reference = await unsplit(generator, tiny_llama, path)
+    runs = {relay: await run_path(generator, tiny_llama, path, ["0:4"], write_through=True, inline_hand_offs=True,
+                                  decode_relay=relay) for relay in (True, False)}
+    (tokens, boundaries, on), (other_tokens, other_boundaries, off) = runs[True], runs[False]
+    assert tokens == other_tokens == reference
+    _same_boundaries(boundaries, other_boundaries, 1)
+    assert bool(boundaries[-1]) == settings_direct(path)
+    assert off["relay_steps"] == 0 and on["relay_stages"] == ONE_STAGE_RELAYED[path], on
+    assert on["messages"] == off["messages"] and on["cells"] == off["cells"] and on["trims"] == off["trims"]
+    if ONE_STAGE_RELAYED[path]:  # all but the first of each kind (a decode's, a window's)
+        assert on["carried"][0] >= on["messages"][0] - 2 > 0, on
+
+
 #: The prompt of the client-driven windows (token ids of the tiny llama's vocabulary).
 WINDOW_PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
 
@@ -368,7 +412,7 @@ async def _speculate(client: StageClient, reference: list[int], return_address: 
     return committed, rejected
 
 
-@pytest.mark.parametrize("stages", [2, 3])
+@pytest.mark.parametrize("stages", [1, 2, 3])
 @pytest.mark.parametrize("direct", [False, True], ids=["hop", "direct"])
 async def test_client_driven_windows_ride_the_data_plane_hop_by_hop_and_with_direct_return(
         tiny_llama: Path, stages: int, direct: bool) -> None:

@@ -42,15 +42,14 @@ class RowBatch:
 
     Raises:
         InvalidBatch: ``seq`` out of range, a final stage without a sampler or with one the
-            relay cannot run (a grammar's checked sampler), a stage that is first and final, or
+            relay cannot run (a grammar's checked sampler), or
             ``rows`` outside 1..``n_batch`` (the executor splits a larger item into micro-batches).
     """
 
     def __init__(self, context: "StageContext", seq: int, sampler: "Sampler | None" = None, rows: int = 1) -> None:
         self.final = bool(context.model.is_last)
-        if self.final and (sampler is None or sampler.checked or sampler.pointer is None
-                           or context.model.is_first):
-            raise InvalidBatch("a final stage's relay batch needs a plain sampler, after another stage")
+        if self.final and (sampler is None or sampler.checked or sampler.pointer is None):
+            raise InvalidBatch("a final stage's relay batch needs a plain sampler")
         self._sampler = sampler
         self._greedy = sampler is not None and sampler.plain_greedy
         if not 0 <= seq < context.max_sessions:

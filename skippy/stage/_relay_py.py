@@ -314,10 +314,12 @@ class TemplateLayout(NamedTuple):
 
 
 def template_layout(in_template: bytes, out_template: bytes, *, width: int,
-                    first: bool, final: bool = False) -> TemplateLayout:
+                    first: bool, final: bool = False, tokens_only: bool = False) -> TemplateLayout:
     """The layout of a session's template frames (a decode's, or a verify window's of any rows;
     a final stage's outgoing template is its reply, :func:`reply_layout`, and its out fields
-    are 0).
+    are 0; a stage that is first and final takes token ids and answers with its reply).
+    ``tokens_only``: ``in_template`` checked against itself as a frame of token ids only (the
+    incoming side of a stage that is first and final: no activation, any dtype field).
 
     Raises:
         ValueError: a pair of frames the relay cannot carry (the glue checks first; this keeps
@@ -327,10 +329,8 @@ def template_layout(in_template: bytes, out_template: bytes, *, width: int,
         raise ValueError("a template is shorter than the fixed header")
     kind, _, rows = struct.unpack_from("<iii", in_template, 0)
     window = kind == MessageKind.VERIFY_WINDOW
-    if final:
-        if first:
-            raise ValueError("a final stage that is also the first takes its decodes hop by hop")
-        inner = template_layout(in_template, in_template, width=width, first=False)
+    if final:  # the incoming side checked as a frame passed on unchanged (its own out template)
+        inner = template_layout(in_template, in_template, width=width, first=False, tokens_only=first)
         reply_layout(out_template, rows=inner.rows, window=window)
         return TemplateLayout(inner.in_length, len(out_template), inner.in_activation, 0, inner.in_dtype, 0,
                               inner.rows, window)
@@ -351,9 +351,13 @@ def template_layout(in_template: bytes, out_template: bytes, *, width: int,
         raise ValueError("the templates' sidebands differ")
     in_dtype = _I32.unpack_from(in_template, _DTYPE)[0]
     out_dtype = _I32.unpack_from(out_template, _DTYPE)[0]
+    activation = FIXED_HEADER + sidebands
+    if tokens_only:
+        if len(in_template) != activation:
+            raise ValueError("a template's length does not match its layout")
+        return TemplateLayout(activation, activation, activation, activation, in_dtype, in_dtype, rows, window)
     if out_dtype not in _DTYPE_BYTES or (not first and in_dtype not in _DTYPE_BYTES):
         raise ValueError("the relay carries f32 and f16 activations only")
-    activation = FIXED_HEADER + sidebands
     in_length = activation + (0 if first else rows * width * _DTYPE_BYTES[in_dtype])
     out_length = activation + rows * width * _DTYPE_BYTES[out_dtype]
     if len(in_template) != in_length or len(out_template) != out_length:

@@ -17,7 +17,8 @@ streams must be plain sockets with no simulated wire, the message of a kind whos
 ``relay`` (a DecodeEmbd's one row, or a VerifyWindow of at most ``n_batch`` rows, which the
 executor runs as one batch) in f32/f16 with no sampling or metadata section, the runtime a
 native context, and on the final stage the session's sampler one the loop can run as the
-executor would (no grammar, no logprobs).  The run carries messages of the template's kind
+executor would (no grammar, no logprobs); a one-stage chain's stage, first and final, takes the
+token ids and answers with its own pick, as either stage alone does.  The run carries messages of the template's kind
 and of the other kind whose plan the lane kept from the last message of it it handled for the
 session (``StageLane.relay_kinds``: a decode's and a window's, so the driver's speculation, whose
 windows change size and alternate with decodes, rides one run), a window's of any rows up to
@@ -151,7 +152,7 @@ def relay_plan(message: StageMessage, forwarded: bytes, *, executor: "Executor",
             or message.sampling is not None
             or message.chat_sampling_metadata is not None or state.activation_row_multiplier != 1
             or message.positions.shape[0] != 0 or (not final and out_dtype not in _CARRIED_DTYPES)
-            or (final and executor.is_first) or getattr(executor, "reads_tokens", False)
+            or getattr(executor, "reads_tokens", False)
             or getattr(executor, "sideband_flag", 0) or getattr(executor, "output_flag", 0)):
         return None  # (a stage that reads the token ids or a sideband beside the activation: the lane path)
     try:
