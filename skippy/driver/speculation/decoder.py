@@ -24,6 +24,14 @@
 #   continuation whose boundary guess missed: 0, its compute spent for nothing); a plain step the
 #   raw estimates would have made a window scores that window in shadow, its first K shadow drafts
 #   against the plain steps' tokens.
+# * Idle epochs (`idle`): plain steps in a row for which the proposer offered no draft at all.
+#   The Generator ends speculation after `IDLE_STEPS` of them on a lone request and decodes on as
+#   a plain request (a decode run or direct return, cheaper per token than plain steps); it then
+#   feeds the tokens it decodes to `follow()` (the proposer grows, shadow drafts are scored as
+#   plain steps score them) and asks `wants_window()` at each token whether an epoch worth ending
+#   the run for would start now (docs/throughput.md, "A lone request whose drafts do not come").
+#   A draft the controller declines does not count: it is scored in shadow, and that is how a
+#   loop starts (the prior declines a loop's first drafts until a few are scored).
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -35,6 +43,7 @@ from skippy.driver.speculation.controller import (
     Plan,
     SessionLoad,
     SpeculationController,
+    expected_tokens,
     pipelined_waits,
 )
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
@@ -47,6 +56,16 @@ from skippy.driver.speculation.window import (
 )
 
 __all__ = ["SpeculationConfig", "SpeculativeDecoder", "WindowRequest"]
+
+
+#: Plain steps in a row with no draft after which a lone request stops speculating and decodes on
+#: as a plain request (module header): such a step costs ~0.1 step more than a decode run's (the
+#: driver's round trip), so 8 of them cost about what ending a run to speculate again costs.
+IDLE_STEPS = 8
+#: Expected kept drafts (calibrated) an epoch must bring for a request that stopped speculating to
+#: end its decode run and speculate again: ending a run throws away the step(s) the first stage had
+#: started (about one) and waits for a TrimSession's round trip (about one more step).
+RESUME_KEPT = 2.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +138,8 @@ class SpeculativeDecoder:
         self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
         self._bets: dict[int, tuple[float, float]] = {}  # by window id: expected kept drafts, raw first rate
         self._shadow_bet: tuple[int, float, float] | None = None  # the shadow draft's bet (`SpeculationController.bet`)
+        #: Plain steps sent since the last window with drafts (module header: idle epochs).
+        self.idle = 0
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -205,6 +226,7 @@ class SpeculativeDecoder:
             if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
                 self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
                 self._shadow_bet = self.controller.bet if draft.tokens and not drafts else None
+            self.idle = 0 if draft.tokens else self.idle + 1
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             if drafts:
                 self._bets[window.id] = self.controller.expected_kept(draft.match_length, len(drafts))
@@ -302,22 +324,72 @@ class SpeculativeDecoder:
             if outcome.diverged and following and outcome.accepted == outcome.proposed:
                 self.controller.observe_later(following[0].match_length, 0, 1)  # its boundary guess missed
         elif self._shadow.tokens:  # a plain step: its token judges the shadow draft's next one
-            shadow = self._shadow
-            hit = int(shadow.tokens[self._shadow_kept] == outcome.tokens[0])
-            if self._shadow_kept == 0:
-                self.controller.observe_outcome(shadow.match_length, hit, 1)
-            else:  # the drafts before it were kept
-                self.controller.observe_later(shadow.match_length, hit, 1)
-            self._shadow_kept += hit
-            if self._shadow_bet is not None and (not hit or self._shadow_kept >= self._shadow_bet[0]):
-                drafts, expected, rate = self._shadow_bet
-                bets.observe(rate, expected, min(self._shadow_kept, drafts))
-                self._shadow_bet = None  # the declined window is judged
-            if not hit or self._shadow_kept == len(shadow.tokens):
-                self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
-                self._shadow, self._shadow_kept = NO_DRAFT, 0
-                self._shadow_bet = None
+            self._score_shadow(outcome.tokens[0])
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
         self.proposer.extend(outcome.tokens)
         return outcome
+
+    def _score_shadow(self, token: int) -> None:
+        """A plain step's ``token`` judges the shadow draft's next token."""
+        shadow = self._shadow
+        hit = int(shadow.tokens[self._shadow_kept] == token)
+        if self._shadow_kept == 0:
+            self.controller.observe_outcome(shadow.match_length, hit, 1)
+        else:  # the drafts before it were kept
+            self.controller.observe_later(shadow.match_length, hit, 1)
+        self._shadow_kept += hit
+        if self._shadow_bet is not None and (not hit or self._shadow_kept >= self._shadow_bet[0]):
+            drafts, expected, rate = self._shadow_bet
+            self.controller.bets.observe(rate, expected, min(self._shadow_kept, drafts))
+            self._shadow_bet = None  # the declined window is judged
+        if not hit or self._shadow_kept == len(shadow.tokens):
+            self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
+            self._shadow, self._shadow_kept = NO_DRAFT, 0
+            self._shadow_bet = None
+
+    # -- a request that stopped speculating (module header: idle epochs) ------------------------
+    def follow(self, tokens: Sequence[int]) -> None:
+        """Commit ``tokens`` decoded without windows (a decode run, direct return), in order, as
+        plain steps' replies: the proposer grows by them and they score the shadow draft.  Only
+        with nothing in flight (the runner finished)."""
+        if self.tracker.in_flight:
+            raise ValueError("follow() with windows in flight")
+        for token in tokens:
+            if self.done:
+                break
+            if self._shadow.tokens:
+                self._score_shadow(int(token))
+            self.controller.cost.age()
+            self.generated.append(int(token))
+            self.proposer.append(int(token))
+
+    def _epoch_kept(self, match_length: int, plan: Plan) -> float:
+        """Drafts an epoch of ``plan`` is expected to keep, the first-draft rate calibrated by the
+        bets: a serial window's E(K) - 1; a pipelined epoch's a_1 / (1 - a) (it streams windows
+        until the first rejection)."""
+        controller = self.controller
+        first, later = controller.acceptance(match_length), controller.later_acceptance(match_length)
+        first *= controller.calibration(first)
+        if plan.depth == 1:
+            return expected_tokens(first, plan.window, later) - 1.0
+        return first / (1.0 - min(later, 0.995))
+
+    def wants_window(self) -> bool:
+        """Whether the next epoch would send a window worth ending a decode run for: this session
+        alone on the chain, and a draft the controller plans a window of (not a probe: a probe
+        measures a window's cost, and the window that ends the run measures it as well) whose
+        epoch is expected to keep :data:`RESUME_KEPT` drafts (:meth:`_epoch_kept`).  Otherwise the
+        step is planned as a plain step is (the draft, if any, scored in shadow by the next tokens
+        :meth:`follow` gets)."""
+        budget = self._budget() if not self.done else 0
+        if not self.config.enabled or budget <= 0 or self._sessions() >= 2:
+            return False
+        draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
+        plan = self.controller.plan(len(draft), draft.match_length, 1) if draft.tokens else Plan(0, 1, 1.0)
+        if plan.window and not plan.probe and self._epoch_kept(draft.match_length, plan) >= RESUME_KEPT:
+            return True
+        if not self._shadow.tokens:
+            self._shadow, self._shadow_kept = draft, 0
+            self._shadow_bet = self.controller.bet if draft.tokens else None
+        return False
