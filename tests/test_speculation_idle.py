@@ -32,12 +32,14 @@ from skippy.driver import GenerationRequest, Generator, StageClient
 from skippy.driver import generator as generator_module
 from skippy.driver.generator import Completion, Generation
 from skippy.driver.speculation import decoder as decoder_module
-from skippy.driver.speculation.controller import Plan, SpeculationController
+from skippy.driver.speculation.controller import Plan, SessionLoad, SpeculationController
+from skippy.driver.speculation.decoder import SpeculativeDecoder
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
 from skippy.models import ensure_model, tiny
 
 from stage_helpers import inprocess_chain
 from test_speculation_chain import LOOP
+from test_speculation_controller import cost
 
 CHAINS = {1: ["0:4"], 2: ["0:2", "2:4"], 3: ["0:1", "1:3", "3:4"]}
 PROMPT = (1, 15043, 3186, 29892, 920, 526, 366, 2599, 3681, 338, 263, 1243, 310, 278, 7934, 29889, 450, 4996)
@@ -269,3 +271,65 @@ async def test_a_looping_continuation_speculates_from_its_start(tiny_llama: Path
             assert counts["stopped"] == 0, counts
     finally:
         generator.close()
+
+
+# -- the decoder's side, sans-IO ------------------------------------------------------------------
+def plain_step(decoder: SpeculativeDecoder, token: int) -> bool:
+    """One epoch answered with ``token`` as the next token; whether it was a plain step."""
+    request = decoder.next_window()
+    assert request is not None
+    decoder.on_reply(request.window_id, (token,) * len(request.tokens) if not request.is_decode else (token,))
+    return request.is_decode
+
+
+def test_idle_counts_the_steps_with_no_draft_and_a_declined_draft_resets_it() -> None:
+    decoder = SpeculativeDecoder(tuple(range(100, 120)), 500, max_tokens=500)
+    decoder.controller.cost = cost(0.020, 0.010, 0.001)
+    for token in range(600, 610):
+        assert plain_step(decoder, token)
+    assert decoder.idle == 10
+    assert plain_step(decoder, 600) and decoder.idle == 11  # (one token matches no 2-gram yet)
+    plain_step(decoder, 601)  # "600 601" again: the proposer drafts 602 ..., a window or a declined draft
+    assert decoder.idle == 12
+    request = decoder.next_window()
+    assert request is not None and decoder.idle == 0
+
+
+def test_a_decoder_that_follows_a_run_wants_a_window_once_a_loop_pays() -> None:
+    """Stopped after idle steps, the decoder follows the run's tokens: no draft, no window; a loop
+    whose shadow-scored drafts keep hitting wants one once its epoch is expected to keep
+    ``RESUME_KEPT`` drafts (not at its first draft); never with other sessions on the chain."""
+    def follower(load: SessionLoad | None = None) -> SpeculativeDecoder:
+        decoder = SpeculativeDecoder(tuple(range(100, 120)), 500, max_tokens=500, load=load)
+        decoder.controller.cost = cost(0.020, 0.010, 0.001)
+        for token in range(600, 610):
+            plain_step(decoder, token)
+        return decoder
+
+    decoder = follower()
+    with pytest.raises(ValueError):  # only with nothing in flight
+        live = SpeculativeDecoder(tuple(range(100, 120)), 500, max_tokens=500)
+        live.next_window()
+        live.follow((1,))
+    assert not decoder.wants_window()
+    wanted = []
+    for index, token in enumerate([7, 8, 9] * 12):
+        decoder.follow((token,))
+        if decoder.wants_window():
+            wanted.append(index)
+    # the controller alone would send a window from the loop's 6th token; ending the run waits
+    # until the epoch is expected to keep RESUME_KEPT drafts (the 16th here)
+    assert wanted and 8 <= wanted[0] <= 20, wanted
+    assert decoder.generated[-3:] == [7, 8, 9] and decoder.proposer.propose(2).tokens == (7, 8)
+    # the request speculates again from there: the next window drafts the loop
+    decoder.restart(len(decoder.proposer) - 1)
+    request = decoder.next_window()
+    assert request is not None and not request.is_decode and request.tokens[1:3] == (7, 8)
+
+    class Busy(SessionLoad):
+        sessions = 3  # type: ignore[assignment]
+
+    busy = follower(Busy())
+    for token in [7, 8, 9] * 12:
+        busy.follow((token,))
+        assert not busy.wants_window()
