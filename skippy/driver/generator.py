@@ -55,7 +55,9 @@ from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoi
 from skippy.driver.client import StageClient, StageClientError, StageLost, StageRemoteError
 from skippy.driver.prefill_chunking import PrefillChunker, observation_from
 from skippy.driver.speculation.controller import ControllerConfig, SessionLoad, speculation_pays
-from skippy.driver.speculation.decoder import IDLE_STEPS, SpeculationConfig, SpeculativeDecoder
+from skippy.driver.speculation.decoder import (
+    IDLE_STEPS, RESUME_KEPT, RUN_CHUNK_MAX, RUN_CHUNK_MIN, SpeculationConfig, SpeculativeDecoder,
+)
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
 from skippy.net.address import Address
@@ -358,6 +360,8 @@ class Generation:
         #: The decoder of a lone request that stopped speculating because its drafts did not come
         #: (:meth:`_step`): it follows the plain path's tokens and says when a window would go.
         self._dormant: SpeculativeDecoder | None = None
+        #: The next decode run's length while dormant (doubling from RUN_CHUNK_MIN).
+        self._run_chunk = RUN_CHUNK_MIN
         #: When the loss being resumed was noticed (0: none in progress).
         self._resume_started = 0.0
         self._finishing = False
@@ -434,11 +438,13 @@ class Generation:
             elif self._runner.decoder.idle >= IDLE_STEPS and self._plain_path_differs():
                 decoder = self._runner.decoder
                 await self._stop_speculating()  # drafts do not come: the plain path until they do
-                self._dormant = decoder
+                self._dormant, self._run_chunk = decoder, RUN_CHUNK_MIN
         elif self._dormant is not None:
             decoder = self._dormant
             decoder.follow(self.tokens[len(decoder.generated):])
-            if decoder.wants_window() and speculation_pays(self._generator.load, self._generator.controller):
+            # free between decode runs (and with direct return); mid-run, the window must repay the run's end
+            if decoder.wants_window(RESUME_KEPT if self._client.running else 0.0) \
+                    and speculation_pays(self._generator.load, self._generator.controller):
                 await self._resume_speculating()
         if not self.tokens:
             self._started = time.perf_counter()
@@ -496,8 +502,11 @@ class Generation:
             if client.running:  # docs/protocol.md §11: the first stage feeds each token to the next step
                 reply = await client.next_run_token(self.session_id)
             elif self._generator.decode_runs and client.extensions and not client.returns_directly(self.session_id):
+                budget = request.max_tokens - len(self.tokens)
+                if self._dormant is not None:  # runs of a few tokens: speculation may come back at each end
+                    budget, self._run_chunk = min(budget, self._run_chunk), min(2 * self._run_chunk, RUN_CHUNK_MAX)
                 reply = await client.start_run(self.session_id, self.tokens[-1], self._position,
-                                               max_tokens=request.max_tokens - len(self.tokens),
+                                               max_tokens=budget,
                                                stop_tokens=self._generator.tokenizer.end_of_generation_tokens(),
                                                decode_step=len(self.tokens) - 1)
             else:

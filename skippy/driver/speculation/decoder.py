@@ -66,6 +66,12 @@ IDLE_STEPS = 8
 #: end its decode run and speculate again: ending a run throws away the step(s) the first stage had
 #: started (about one) and waits for a TrimSession's round trip (about one more step).
 RESUME_KEPT = 2.0
+#: A request that stopped speculating decodes in runs of RUN_CHUNK_MIN tokens, doubling up to
+#: RUN_CHUNK_MAX: at a run's end the session holds the plain loop's KV and nothing is in flight,
+#: so speculation comes back there for any window the controller would send, at no cost; each
+#: run's start costs one driver round trip (1/8 to 1/64 of what plain steps cost per token).
+RUN_CHUNK_MIN = 8
+RUN_CHUNK_MAX = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,8 +144,10 @@ class SpeculativeDecoder:
         self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
         self._bets: dict[int, tuple[float, float]] = {}  # by window id: expected kept drafts, raw first rate
         self._shadow_bet: tuple[int, float, float] | None = None  # the shadow draft's bet (`SpeculationController.bet`)
-        #: Plain steps sent since the last window with drafts (module header: idle epochs).
+        #: Plain steps in a row with no draft (module header: idle epochs).
         self.idle = 0
+        #: The draft and plan :meth:`wants_window` accepted: the next epoch's.
+        self._wanted: tuple[Draft, Plan] | None = None
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -203,7 +211,10 @@ class SpeculativeDecoder:
         if not live:
             budget = self._budget()
             draft = NO_DRAFT
-            if self.config.enabled and budget > 0:
+            wanted, self._wanted = self._wanted, None
+            if wanted is not None:  # the epoch `wants_window` planned (its plan is not made twice)
+                draft = wanted[0]
+            elif self.config.enabled and budget > 0:
                 draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
             sessions = self._sessions()
             cost = self.controller.cost
@@ -220,8 +231,11 @@ class SpeculativeDecoder:
                 measured = self.load.costs.get(self.controller.config.stages)
                 if measured is not None and measured is not cost and not cost.windows_measured:
                     cost.adopt(measured)
-            self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
-                          else Plan(0, 1, 1.0))
+            if wanted is not None:
+                self._plan = wanted[1]
+            else:
+                self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
+                              else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
             if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
                 self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
@@ -355,6 +369,8 @@ class SpeculativeDecoder:
         with nothing in flight (the runner finished)."""
         if self.tracker.in_flight:
             raise ValueError("follow() with windows in flight")
+        if tokens:
+            self._wanted = None
         for token in tokens:
             if self.done:
                 break
@@ -375,19 +391,23 @@ class SpeculativeDecoder:
             return expected_tokens(first, plan.window, later) - 1.0
         return first / (1.0 - min(later, 0.995))
 
-    def wants_window(self) -> bool:
-        """Whether the next epoch would send a window worth ending a decode run for: this session
-        alone on the chain, and a draft the controller plans a window of (not a probe: a probe
-        measures a window's cost, and the window that ends the run measures it as well) whose
-        epoch is expected to keep :data:`RESUME_KEPT` drafts (:meth:`_epoch_kept`).  Otherwise the
-        step is planned as a plain step is (the draft, if any, scored in shadow by the next tokens
-        :meth:`follow` gets)."""
+    def wants_window(self, min_kept: float = RESUME_KEPT) -> bool:
+        """Whether the next epoch would send a window: this session alone on the chain, a draft,
+        and a plan with a window whose epoch is expected to keep ``min_kept`` drafts
+        (:meth:`_epoch_kept`; 0: any window the controller would send, a probe included, where
+        speculating again costs nothing: at the end of a decode run, or with direct return).
+        With ``min_kept`` above 0 a probe does not count (it measures a window's cost, and the
+        window that ends the run measures it as well).  When it would, that epoch is the next
+        one :meth:`next_window` opens (after :meth:`restart`); otherwise the step is planned as a
+        plain step is (the draft, if any, scored in shadow by the next tokens :meth:`follow` gets)."""
         budget = self._budget() if not self.done else 0
         if not self.config.enabled or budget <= 0 or self._sessions() >= 2:
             return False
         draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
         plan = self.controller.plan(len(draft), draft.match_length, 1) if draft.tokens else Plan(0, 1, 1.0)
-        if plan.window and not plan.probe and self._epoch_kept(draft.match_length, plan) >= RESUME_KEPT:
+        if plan.window and (min_kept <= 0
+                            or (not plan.probe and self._epoch_kept(draft.match_length, plan) >= min_kept)):
+            self._wanted = (draft, plan)
             return True
         if not self._shadow.tokens:
             self._shadow, self._shadow_kept = draft, 0
