@@ -80,10 +80,10 @@ def pin(monkeypatch: pytest.MonkeyPatch, resume: str = "mid-run") -> dict[str, i
         return Plan(min(draft_length, DRAFTS), 1, 2.0) if draft_length > 0 else Plan(0, 1, 1.0)
 
     monkeypatch.setattr(decoder_module, "NgramProposer", ScriptedProposer)
-    if resume == "mid-run":  # (the prior's acceptance would not repay the run's end)
-        monkeypatch.setattr(generator_module, "RESUME_KEPT", 0.0)
+    if resume == "mid-run":  # (no shadow draft is scored: the script drafts only where windows go)
+        monkeypatch.setattr(decoder_module, "RESUME_HITS", 0)
     else:
-        monkeypatch.setattr(generator_module, "RESUME_KEPT", float("inf"))
+        monkeypatch.setattr(decoder_module, "RESUME_HITS", 10**9)
         monkeypatch.setattr(generator_module, "RUN_CHUNK_MIN", 4)
         monkeypatch.setattr(generator_module, "RUN_CHUNK_MAX", 4)
     monkeypatch.setattr(SpeculationController, "plan", plan)
@@ -306,10 +306,11 @@ def test_idle_counts_the_steps_with_no_draft_and_a_declined_draft_resets_it() ->
     assert request is not None and decoder.idle == 0
 
 
-def test_a_decoder_that_follows_a_run_wants_a_window_once_a_loop_pays() -> None:
-    """Stopped after idle steps, the decoder follows the run's tokens: no draft, no window; a loop
-    whose shadow-scored drafts keep hitting wants one once its epoch is expected to keep
-    ``RESUME_KEPT`` drafts (not at its first draft); never with other sessions on the chain."""
+def test_a_decoder_that_follows_a_run_wants_a_window_once_a_loop_shows() -> None:
+    """Stopped after idle steps, the decoder follows the run's tokens: no draft, no window.  On a
+    loop it wants the window the controller would send at a run's end (``mid_run=False``); mid-run
+    only once ``RESUME_HITS`` tokens in a row confirmed a shadow draft; never with other sessions
+    on the chain.  The window it wants is the next epoch's."""
     def follower(load: SessionLoad | None = None) -> SpeculativeDecoder:
         decoder = SpeculativeDecoder(tuple(range(100, 120)), 500, max_tokens=500, load=load)
         decoder.controller.cost = cost(0.020, 0.010, 0.001)
@@ -317,22 +318,22 @@ def test_a_decoder_that_follows_a_run_wants_a_window_once_a_loop_pays() -> None:
             plain_step(decoder, token)
         return decoder
 
-    decoder = follower()
     with pytest.raises(ValueError):  # only with nothing in flight
         live = SpeculativeDecoder(tuple(range(100, 120)), 500, max_tokens=500)
         live.next_window()
         live.follow((1,))
-    assert not decoder.wants_window()
-    wanted = []
-    for index, token in enumerate([7, 8, 9] * 12):
-        decoder.follow((token,))
-        if decoder.wants_window():
-            wanted.append(index)
-    # the controller alone would send a window from the loop's 6th token; ending the run waits
-    # until the epoch is expected to keep RESUME_KEPT drafts (the 16th here)
-    assert wanted and 8 <= wanted[0] <= 20, wanted
-    assert decoder.generated[-3:] == [7, 8, 9] and decoder.proposer.propose(2).tokens == (7, 8)
-    # the request speculates again from there: the next window drafts the loop
+    wanted: dict[bool, list[int]] = {}
+    for mid_run in (False, True):
+        decoder = follower()
+        assert not decoder.wants_window(mid_run)
+        wanted[mid_run] = []
+        for index, token in enumerate([7, 8, 9] * 12):
+            decoder.follow((token,))
+            if decoder.wants_window(mid_run):
+                wanted[mid_run].append(index)
+                assert not mid_run or decoder.hits >= decoder_module.RESUME_HITS
+    assert wanted[False] and wanted[True] and wanted[False][0] < wanted[True][0], wanted
+    # the request speculates again from there: the next window drafts the loop (the plan wanted)
     decoder.restart(len(decoder.proposer) - 1)
     request = decoder.next_window()
     assert request is not None and not request.is_decode and request.tokens[1:3] == (7, 8)
@@ -343,4 +344,4 @@ def test_a_decoder_that_follows_a_run_wants_a_window_once_a_loop_pays() -> None:
     busy = follower(Busy())
     for token in [7, 8, 9] * 12:
         busy.follow((token,))
-        assert not busy.wants_window()
+        assert not busy.wants_window(False) and not busy.wants_window(True)

@@ -56,7 +56,7 @@ from skippy.driver.client import StageClient, StageClientError, StageLost, Stage
 from skippy.driver.prefill_chunking import PrefillChunker, observation_from
 from skippy.driver.speculation.controller import ControllerConfig, SessionLoad, speculation_pays
 from skippy.driver.speculation.decoder import (
-    IDLE_STEPS, RESUME_KEPT, RUN_CHUNK_MAX, RUN_CHUNK_MIN, SpeculationConfig, SpeculativeDecoder,
+    IDLE_STEPS, RUN_CHUNK_MAX, RUN_CHUNK_MIN, SpeculationConfig, SpeculativeDecoder,
 )
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
@@ -442,8 +442,8 @@ class Generation:
         elif self._dormant is not None:
             decoder = self._dormant
             decoder.follow(self.tokens[len(decoder.generated):])
-            # free between decode runs (and with direct return); mid-run, the window must repay the run's end
-            if decoder.wants_window(RESUME_KEPT if self._client.running else 0.0) \
+            # free between decode runs (and with direct return); mid-run, only once a loop shows
+            if decoder.wants_window(mid_run=self._client.running) \
                     and speculation_pays(self._generator.load, self._generator.controller):
                 await self._resume_speculating()
         if not self.tokens:

@@ -28,8 +28,8 @@
 #   The Generator ends speculation after `IDLE_STEPS` of them on a lone request and decodes on as
 #   a plain request (a decode run or direct return, cheaper per token than plain steps); it then
 #   feeds the tokens it decodes to `follow()` (the proposer grows, shadow drafts are scored as
-#   plain steps score them) and asks `wants_window()` at each token whether an epoch worth ending
-#   the run for would start now (docs/throughput.md, "A lone request whose drafts do not come").
+#   plain steps score them) and asks `wants_window()` at each token whether a window would go now
+#   (docs/throughput.md, "A lone request whose drafts do not come").
 #   A draft the controller declines does not count: it is scored in shadow, and that is how a
 #   loop starts (the prior declines a loop's first drafts until a few are scored).
 from __future__ import annotations
@@ -43,7 +43,6 @@ from skippy.driver.speculation.controller import (
     Plan,
     SessionLoad,
     SpeculationController,
-    expected_tokens,
     pipelined_waits,
 )
 from skippy.driver.speculation.proposer import NO_DRAFT, Draft, NgramProposer
@@ -62,10 +61,13 @@ __all__ = ["SpeculationConfig", "SpeculativeDecoder", "WindowRequest"]
 #: as a plain request (module header): such a step costs ~0.1 step more than a decode run's (the
 #: driver's round trip), so 8 of them cost about what ending a run to speculate again costs.
 IDLE_STEPS = 8
-#: Expected kept drafts (calibrated) an epoch must bring for a request that stopped speculating to
-#: end its decode run and speculate again: ending a run throws away the step(s) the first stage had
-#: started (about one) and waits for a TrimSession's round trip (about one more step).
-RESUME_KEPT = 2.0
+#: Tokens in a row that confirmed a shadow draft's next token before a request that stopped
+#: speculating ends its decode run mid-way to speculate again (:meth:`SpeculativeDecoder.wants_window`):
+#: ending a run throws away the step(s) the first stage had started (about one) and waits for a
+#: TrimSession's round trip, which one window rarely repays, while a loop that confirmed two drafts
+#: in a row usually goes on (Gemma 3's stretches of hits run 5-12 tokens; the generated llama's
+#: text confirms two in a row almost only inside such loops).
+RESUME_HITS = 2
 #: A request that stopped speculating decodes in runs of RUN_CHUNK_MIN tokens, doubling up to
 #: RUN_CHUNK_MAX: at a run's end the session holds the plain loop's KV and nothing is in flight,
 #: so speculation comes back there for any window the controller would send, at no cost; each
@@ -148,6 +150,8 @@ class SpeculativeDecoder:
         self.idle = 0
         #: The draft and plan :meth:`wants_window` accepted: the next epoch's.
         self._wanted: tuple[Draft, Plan] | None = None
+        #: Tokens :meth:`follow` got in a row that confirmed the shadow draft's next token.
+        self.hits = 0
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -375,38 +379,30 @@ class SpeculativeDecoder:
             if self.done:
                 break
             if self._shadow.tokens:
+                scored = self._shadow.tokens[self._shadow_kept]
                 self._score_shadow(int(token))
+                self.hits = self.hits + 1 if scored == int(token) else 0
+            else:
+                self.hits = 0
             self.controller.cost.age()
             self.generated.append(int(token))
             self.proposer.append(int(token))
 
-    def _epoch_kept(self, match_length: int, plan: Plan) -> float:
-        """Drafts an epoch of ``plan`` is expected to keep, the first-draft rate calibrated by the
-        bets: a serial window's E(K) - 1; a pipelined epoch's a_1 / (1 - a) (it streams windows
-        until the first rejection)."""
-        controller = self.controller
-        first, later = controller.acceptance(match_length), controller.later_acceptance(match_length)
-        first *= controller.calibration(first)
-        if plan.depth == 1:
-            return expected_tokens(first, plan.window, later) - 1.0
-        return first / (1.0 - min(later, 0.995))
-
-    def wants_window(self, min_kept: float = RESUME_KEPT) -> bool:
+    def wants_window(self, mid_run: bool = True) -> bool:
         """Whether the next epoch would send a window: this session alone on the chain, a draft,
-        and a plan with a window whose epoch is expected to keep ``min_kept`` drafts
-        (:meth:`_epoch_kept`; 0: any window the controller would send, a probe included, where
-        speculating again costs nothing: at the end of a decode run, or with direct return).
-        With ``min_kept`` above 0 a probe does not count (it measures a window's cost, and the
-        window that ends the run measures it as well).  When it would, that epoch is the next
-        one :meth:`next_window` opens (after :meth:`restart`); otherwise the step is planned as a
-        plain step is (the draft, if any, scored in shadow by the next tokens :meth:`follow` gets)."""
+        and a plan with a window.  ``mid_run`` (a decode run would have to be ended for it): only a
+        plan that is not a probe (a probe measures a window's cost; the window that ends the run
+        measures it as well), after :data:`RESUME_HITS` tokens in a row confirmed a shadow draft;
+        else (at the end of a decode run, or with direct return: speculating again costs nothing
+        there) any window the controller would send.  When it would, that epoch is the next one
+        :meth:`next_window` opens (after :meth:`restart`); otherwise the step is planned as a plain
+        step is (the draft, if any, scored in shadow by the next tokens :meth:`follow` gets)."""
         budget = self._budget() if not self.done else 0
         if not self.config.enabled or budget <= 0 or self._sessions() >= 2:
             return False
         draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
         plan = self.controller.plan(len(draft), draft.match_length, 1) if draft.tokens else Plan(0, 1, 1.0)
-        if plan.window and (min_kept <= 0
-                            or (not plan.probe and self._epoch_kept(draft.match_length, plan) >= min_kept)):
+        if plan.window and (not mid_run or (not plan.probe and self.hits >= RESUME_HITS)):
             self._wanted = (draft, plan)
             return True
         if not self._shadow.tokens:
