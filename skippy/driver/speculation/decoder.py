@@ -58,11 +58,12 @@ __all__ = ["SpeculationConfig", "SpeculativeDecoder", "WindowRequest"]
 
 
 #: Plain steps in a row with no draft after which a lone request stops speculating and decodes on
-#: as a plain request (module header): such a step costs ~0.1 step more than a decode run's (the
-#: driver's round trip), so 8 of them cost about what ending a run to speculate again costs.
+#: as a plain request (module header): each costs the driver's round trip more than a decode run's
+#: step, and leaving costs nothing (speculation comes back at the next run's end for free), so the
+#: count only lets a request's first drafts arrive.
 IDLE_STEPS = 8
 #: Tokens in a row that confirmed a shadow draft's next token before a request that stopped
-#: speculating ends its decode run mid-way to speculate again (:meth:`SpeculativeDecoder.wants_window`):
+#: speculating ends its decode run mid-way to speculate again (`SpeculativeDecoder.wants_window`):
 #: ending a run throws away the step(s) the first stage had started (about one) and waits for a
 #: TrimSession's round trip, which one window rarely repays, while a loop that confirmed two drafts
 #: in a row usually goes on (Gemma 3's stretches of hits run 5-12 tokens; the generated llama's
