@@ -24,9 +24,13 @@ trims every stage to the KV length the plain loop would leave.  Requests with re
 frequency / presence penalties never speculate (the stage's sampler history is not rolled back).
 The Generator counts the requests running (:class:`SessionLoad`); a window's controller weighs
 what its drafts cost the others in the stages' batches, so under load speculation stays off
-(docs/throughput.md).  Timings come from the clock here (TTFT, inter-token gaps) and from the reply stats the
-stages fill in on the way back (compute / forward-write / downstream-wait microseconds summed over
-the stages, with the stage count).
+(docs/throughput.md): a request that finds the chain busy ends its speculation between windows
+and decodes on as a plain request (a decode run, direct return).  So does a request alone on the
+chain whose proposer offered no draft for ``IDLE_STEPS`` steps in a row; its decoder follows the
+plain path's tokens and, once it would start an epoch worth it, the decode run is ended (a
+TrimSession) and the request speculates again (docs/throughput.md).  Timings come from the clock
+here (TTFT, inter-token gaps) and from the reply stats the stages fill in on the way back (compute /
+forward-write / downstream-wait microseconds summed over the stages, with the stage count).
 """
 
 from __future__ import annotations
@@ -51,7 +55,9 @@ from skippy.driver.chat_templates import PLAIN_TRANSCRIPT_STOP, ChatTemplateChoi
 from skippy.driver.client import StageClient, StageClientError, StageLost, StageRemoteError
 from skippy.driver.prefill_chunking import PrefillChunker, observation_from
 from skippy.driver.speculation.controller import ControllerConfig, SessionLoad, speculation_pays
-from skippy.driver.speculation.decoder import SpeculationConfig, SpeculativeDecoder
+from skippy.driver.speculation.decoder import (
+    IDLE_STEPS, RUN_CHUNK_MAX, RUN_CHUNK_MIN, SpeculationConfig, SpeculativeDecoder,
+)
 from skippy.driver.speculation.runner import SpeculativeRunner
 from skippy.driver.speculation.window import SpeculationUsage
 from skippy.net.address import Address
@@ -351,6 +357,11 @@ class Generation:
         self._own_lanes: list[StageClient] = []
         #: A speculative run's counters once a resume ended its speculation.
         self._spec_usage: SpeculationUsage | None = None
+        #: The decoder of a lone request that stopped speculating because its drafts did not come
+        #: (:meth:`_step`): it follows the plain path's tokens and says when a window would go.
+        self._dormant: SpeculativeDecoder | None = None
+        #: The next decode run's length while dormant (doubling from RUN_CHUNK_MIN).
+        self._run_chunk = RUN_CHUNK_MIN
         #: When the loss being resumed was noticed (0: none in progress).
         self._resume_started = 0.0
         self._finishing = False
@@ -421,9 +432,20 @@ class Generation:
         self._touched = True
         if self._speculates is None:
             self._speculates = self._generator.speculates(request, load_aware=True)
-        elif self._runner is not None and request.speculation is None and self._runner.decoder.tracker.in_flight == 0 \
-                and not speculation_pays(self._generator.load, self._generator.controller):
-            await self._stop_speculating()  # the chain got busy: the plain path from here on
+        elif self._runner is not None and request.speculation is None and self._runner.decoder.tracker.in_flight == 0:
+            if not speculation_pays(self._generator.load, self._generator.controller):
+                await self._stop_speculating()  # the chain got busy: the plain path from here on
+            elif self._runner.decoder.idle >= IDLE_STEPS and self._plain_path_differs():
+                decoder = self._runner.decoder
+                await self._stop_speculating()  # drafts do not come: the plain path until they do
+                self._dormant, self._run_chunk = decoder, RUN_CHUNK_MIN
+        elif self._dormant is not None:
+            decoder = self._dormant
+            decoder.follow(self.tokens[len(decoder.generated):])
+            # free between decode runs (and with direct return); mid-run, only once a loop shows
+            if decoder.wants_window(mid_run=self._client.running) \
+                    and speculation_pays(self._generator.load, self._generator.controller):
+                await self._resume_speculating()
         if not self.tokens:
             self._started = time.perf_counter()
             if self._fork is not None:
@@ -480,8 +502,11 @@ class Generation:
             if client.running:  # docs/protocol.md §11: the first stage feeds each token to the next step
                 reply = await client.next_run_token(self.session_id)
             elif self._generator.decode_runs and client.extensions and not client.returns_directly(self.session_id):
+                budget = request.max_tokens - len(self.tokens)
+                if self._dormant is not None:  # runs of a few tokens: speculation may come back at each end
+                    budget, self._run_chunk = min(budget, self._run_chunk), min(2 * self._run_chunk, RUN_CHUNK_MAX)
                 reply = await client.start_run(self.session_id, self.tokens[-1], self._position,
-                                               max_tokens=request.max_tokens - len(self.tokens),
+                                               max_tokens=budget,
                                                stop_tokens=self._generator.tokenizer.end_of_generation_tokens(),
                                                decode_step=len(self.tokens) - 1)
             else:
@@ -533,10 +558,43 @@ class Generation:
         config = SpeculationConfig(controller=dataclasses.replace(generator.controller, stages=max(1, stages)))
         decoder = SpeculativeDecoder(request.prompt, first_token, config=config, max_tokens=request.max_tokens,
                                      load=generator.load)
+        self._runner = SpeculativeRunner(self._client, self.session_id, decoder, redo_heads=self._redo_heads(stages))
+
+    def _plain_path_differs(self) -> bool:
+        """Whether the plain path is cheaper per token than a speculating request's plain steps:
+        a decode run (docs/protocol.md §11) or direct return (§8) is open to it."""
+        client = self._client
+        if self._generator.decode_runs and client.extensions:
+            return True
+        return self._generator.direct_return_for(self.request, False) is not None
+
+    async def _resume_speculating(self) -> None:
+        """Speculate again after :meth:`_stop_speculating` left a dormant decoder: end the decode
+        run (a TrimSession removes what the steps the first stage had started wrote) and start a
+        runner at the next position with the same decoder (its drafts, estimates and counters)."""
+        decoder, client = self._dormant, self._client
+        assert decoder is not None and decoder.generated == self.tokens
+        if client.running:
+            try:
+                position = await client.end_run(self.session_id)
+            except StageClientError:
+                await client.aclose()
+                raise
+            if position != self._position:
+                raise StageClientError(f"the decode run of session {self.session_id} ended at position {position}, "
+                                       f"expected {self._position}")
+            self.timing.add_frames(client.take_timings())
+        # (a return lane, if one was opened, stays: the runner's messages are not flagged, so they
+        # and their replies go hop by hop)
+        decoder.restart(self._position)
+        self._dormant, self._spec_usage = None, None
+        self._runner = SpeculativeRunner(client, self.session_id, decoder,
+                                         redo_heads=self._redo_heads(self.timing.chain_stages))
+
+    def _redo_heads(self, stages: int) -> bool:
         # on one stage a row cut from a window is replayed from its token, as the unsplit run does;
         # on a chain (or an unknown stage count: 0) of a recurrent model it is sent again
-        redo = generator.recurrent is not False and stages != 1
-        self._runner = SpeculativeRunner(self._client, self.session_id, decoder, redo_heads=redo)
+        return self._generator.recurrent is not False and stages != 1
 
     async def _stop_speculating(self) -> None:
         """End the speculative run between windows, leaving the KV the plain loop would (every
@@ -553,6 +611,9 @@ class Generation:
         runner.replies.clear()
         self._spec_usage, self._runner = runner.decoder.usage, None
         self._position = length
+        address = self._generator.direct_return_for(self.request, False)
+        if address is not None and not self._client.returns_directly(self.session_id):
+            await self._client.open_direct_return(address, self.session_id)  # §8: as the plain path has it
 
     async def _finish(self, reason: str, text: str, *, flushed: bool = False, eog: bool = False) -> str:
         if self._runner is not None:

@@ -24,6 +24,14 @@
 #   continuation whose boundary guess missed: 0, its compute spent for nothing); a plain step the
 #   raw estimates would have made a window scores that window in shadow, its first K shadow drafts
 #   against the plain steps' tokens.
+# * Idle epochs (`idle`): plain steps in a row for which the proposer offered no draft at all.
+#   The Generator ends speculation after `IDLE_STEPS` of them on a lone request and decodes on as
+#   a plain request (a decode run or direct return, cheaper per token than plain steps); it then
+#   feeds the tokens it decodes to `follow()` (the proposer grows, shadow drafts are scored as
+#   plain steps score them) and asks `wants_window()` at each token whether a window would go now
+#   (docs/throughput.md, "A lone request whose drafts do not come").
+#   A draft the controller declines does not count: it is scored in shadow, and that is how a
+#   loop starts (the prior declines a loop's first drafts until a few are scored).
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -47,6 +55,26 @@ from skippy.driver.speculation.window import (
 )
 
 __all__ = ["SpeculationConfig", "SpeculativeDecoder", "WindowRequest"]
+
+
+#: Plain steps in a row with no draft after which a lone request stops speculating and decodes on
+#: as a plain request (module header): each costs the driver's round trip more than a decode run's
+#: step, and leaving costs nothing (speculation comes back at the next run's end for free), so the
+#: count only lets a request's first drafts arrive.
+IDLE_STEPS = 8
+#: Tokens in a row that confirmed a shadow draft's next token before a request that stopped
+#: speculating ends its decode run mid-way to speculate again (`SpeculativeDecoder.wants_window`):
+#: ending a run throws away the step(s) the first stage had started (about one) and waits for a
+#: TrimSession's round trip, which one window rarely repays, while a loop that confirmed two drafts
+#: in a row usually goes on (Gemma 3's stretches of hits run 5-12 tokens; the generated llama's
+#: text confirms two in a row almost only inside such loops).
+RESUME_HITS = 2
+#: A request that stopped speculating decodes in runs of RUN_CHUNK_MIN tokens, doubling up to
+#: RUN_CHUNK_MAX: at a run's end the session holds the plain loop's KV and nothing is in flight,
+#: so speculation comes back there for any window the controller would send, at no cost; each
+#: run's start costs one driver round trip (1/8 to 1/64 of what plain steps cost per token).
+RUN_CHUNK_MIN = 8
+RUN_CHUNK_MAX = 64
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +147,12 @@ class SpeculativeDecoder:
         self._kind: dict[int, tuple[int, float]] = {}  # plan kind (0 plain, 1 serial, 2 pipelined), priced wait
         self._bets: dict[int, tuple[float, float]] = {}  # by window id: expected kept drafts, raw first rate
         self._shadow_bet: tuple[int, float, float] | None = None  # the shadow draft's bet (`SpeculationController.bet`)
+        #: Plain steps in a row with no draft (module header: idle epochs).
+        self.idle = 0
+        #: The draft and plan :meth:`wants_window` accepted: the next epoch's.
+        self._wanted: tuple[Draft, Plan] | None = None
+        #: Tokens :meth:`follow` got in a row that confirmed the shadow draft's next token.
+        self.hits = 0
 
     def restart(self, pending_position: int) -> None:
         """Forget the windows in flight (their lane is gone, docs/protocol.md §14): the next
@@ -182,7 +216,10 @@ class SpeculativeDecoder:
         if not live:
             budget = self._budget()
             draft = NO_DRAFT
-            if self.config.enabled and budget > 0:
+            wanted, self._wanted = self._wanted, None
+            if wanted is not None:  # the epoch `wants_window` planned (its plan is not made twice)
+                draft = wanted[0]
+            elif self.config.enabled and budget > 0:
                 draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
             sessions = self._sessions()
             cost = self.controller.cost
@@ -199,12 +236,16 @@ class SpeculativeDecoder:
                 measured = self.load.costs.get(self.controller.config.stages)
                 if measured is not None and measured is not cost and not cost.windows_measured:
                     cost.adopt(measured)
-            self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
-                          else Plan(0, 1, 1.0))
+            if wanted is not None:
+                self._plan = wanted[1]
+            else:
+                self._plan = (self.controller.plan(len(draft), draft.match_length, sessions) if draft.tokens
+                              else Plan(0, 1, 1.0))
             drafts = draft.tokens[:self._plan.window]
             if drafts or not self._shadow.tokens:  # a window scores itself; else keep scoring
                 self._shadow, self._shadow_kept = (NO_DRAFT if drafts else draft), 0
                 self._shadow_bet = self.controller.bet if draft.tokens and not drafts else None
+            self.idle = 0 if draft.tokens else self.idle + 1
             window = tracker.open_epoch(drafts, match_length=draft.match_length)
             if drafts:
                 self._bets[window.id] = self.controller.expected_kept(draft.match_length, len(drafts))
@@ -302,22 +343,70 @@ class SpeculativeDecoder:
             if outcome.diverged and following and outcome.accepted == outcome.proposed:
                 self.controller.observe_later(following[0].match_length, 0, 1)  # its boundary guess missed
         elif self._shadow.tokens:  # a plain step: its token judges the shadow draft's next one
-            shadow = self._shadow
-            hit = int(shadow.tokens[self._shadow_kept] == outcome.tokens[0])
-            if self._shadow_kept == 0:
-                self.controller.observe_outcome(shadow.match_length, hit, 1)
-            else:  # the drafts before it were kept
-                self.controller.observe_later(shadow.match_length, hit, 1)
-            self._shadow_kept += hit
-            if self._shadow_bet is not None and (not hit or self._shadow_kept >= self._shadow_bet[0]):
-                drafts, expected, rate = self._shadow_bet
-                bets.observe(rate, expected, min(self._shadow_kept, drafts))
-                self._shadow_bet = None  # the declined window is judged
-            if not hit or self._shadow_kept == len(shadow.tokens):
-                self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
-                self._shadow, self._shadow_kept = NO_DRAFT, 0
-                self._shadow_bet = None
+            self._score_shadow(outcome.tokens[0])
         room = len(outcome.tokens) if self.max_tokens is None else self.max_tokens - len(self.generated)
         self.generated.extend(outcome.tokens[:room])
         self.proposer.extend(outcome.tokens)
         return outcome
+
+    def _score_shadow(self, token: int) -> None:
+        """A plain step's ``token`` judges the shadow draft's next token."""
+        shadow = self._shadow
+        hit = int(shadow.tokens[self._shadow_kept] == token)
+        if self._shadow_kept == 0:
+            self.controller.observe_outcome(shadow.match_length, hit, 1)
+        else:  # the drafts before it were kept
+            self.controller.observe_later(shadow.match_length, hit, 1)
+        self._shadow_kept += hit
+        if self._shadow_bet is not None and (not hit or self._shadow_kept >= self._shadow_bet[0]):
+            drafts, expected, rate = self._shadow_bet
+            self.controller.bets.observe(rate, expected, min(self._shadow_kept, drafts))
+            self._shadow_bet = None  # the declined window is judged
+        if not hit or self._shadow_kept == len(shadow.tokens):
+            self._grow(self._shadow_kept, self._shadow_kept + 1 - hit)
+            self._shadow, self._shadow_kept = NO_DRAFT, 0
+            self._shadow_bet = None
+
+    # -- a request that stopped speculating (module header: idle epochs) ------------------------
+    def follow(self, tokens: Sequence[int]) -> None:
+        """Commit ``tokens`` decoded without windows (a decode run, direct return), in order, as
+        plain steps' replies: the proposer grows by them and they score the shadow draft.  Only
+        with nothing in flight (the runner finished)."""
+        if self.tracker.in_flight:
+            raise ValueError("follow() with windows in flight")
+        if tokens:
+            self._wanted = None
+        for token in tokens:
+            if self.done:
+                break
+            if self._shadow.tokens:
+                scored = self._shadow.tokens[self._shadow_kept]
+                self._score_shadow(int(token))
+                self.hits = self.hits + 1 if scored == int(token) else 0
+            else:
+                self.hits = 0
+            self.controller.cost.age()
+            self.generated.append(int(token))
+            self.proposer.append(int(token))
+
+    def wants_window(self, mid_run: bool = True) -> bool:
+        """Whether the next epoch would send a window: this session alone on the chain, a draft,
+        and a plan with a window.  ``mid_run`` (a decode run would have to be ended for it): only a
+        plan that is not a probe (a probe measures a window's cost; the window that ends the run
+        measures it as well), after :data:`RESUME_HITS` tokens in a row confirmed a shadow draft;
+        else (at the end of a decode run, or with direct return: speculating again costs nothing
+        there) any window the controller would send.  When it would, that epoch is the next one
+        :meth:`next_window` opens (after :meth:`restart`); otherwise the step is planned as a plain
+        step is (the draft, if any, scored in shadow by the next tokens :meth:`follow` gets)."""
+        budget = self._budget() if not self.done else 0
+        if not self.config.enabled or budget <= 0 or self._sessions() >= 2:
+            return False
+        draft = self.proposer.propose(min(budget, self.controller.config.max_window, self._window_cap()))
+        plan = self.controller.plan(len(draft), draft.match_length, 1) if draft.tokens else Plan(0, 1, 1.0)
+        if plan.window and (not mid_run or (not plan.probe and self.hits >= RESUME_HITS)):
+            self._wanted = (draft, plan)
+            return True
+        if not self._shadow.tokens:
+            self._shadow, self._shadow_kept = draft, 0
+            self._shadow_bet = self.controller.bet if draft.tokens else None
+        return False
