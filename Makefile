@@ -52,9 +52,9 @@ TWIN_TESTS := tests/test_wire.py tests/test_wire_extensions.py tests/test_wire_h
 # Everything (CI runs this through .ci/run): the whole suite, the twins' tests with
 # SKIPPY_NO_EXTENSIONS=1, and every benchmark once with --benchmark-disable (so none rots; the
 # suites use their small models then).  Any non-zero pytest status fails, 5 (nothing collected)
-# included.
+# included.  The whole suite lists its 40 slowest tests: CI's log says where its time goes.
 test: install browser
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest --durations=40
 	SKIPPY_NO_EXTENSIONS=1 $(BIN)/python -m pytest -q $(TWIN_TESTS)
 	$(BIN)/python -m pytest -q bench --benchmark-disable
 

@@ -177,9 +177,13 @@ CASES = [("llama", 1, "mid-run"), ("llama", 1, "run-end"), ("llama", 2, "mid-run
          ("llama", 2, "direct"), ("llama", 3, "mid-run"), ("llama", 3, "direct"),
          ("qwen35", 2, "mid-run"), ("qwen35", 2, "run-end"), ("qwen35", 2, "direct"), ("qwen35", 3, "mid-run"),
          ("qwen35", 3, "direct")]
+#: The fast suite's share: every path once, on 2 stages of both models; the rest is marked slow.
+FAST_CASES = {("llama", 2, "mid-run"), ("llama", 2, "direct"), ("qwen35", 2, "run-end")}
 
 
-@pytest.mark.parametrize(("arch", "stages", "path"), CASES, ids=[f"{a}-{s}-{p}" for a, s, p in CASES])
+@pytest.mark.parametrize(("arch", "stages", "path"), [
+    pytest.param(*case, id="-".join(map(str, case)), marks=() if case in FAST_CASES else pytest.mark.slow)
+    for case in CASES])
 async def test_a_request_whose_drafts_stop_decodes_on_plainly_and_speculates_again(
         generators: dict[str, Generator], arch: str, stages: int, path: str,
         monkeypatch: pytest.MonkeyPatch) -> None:
