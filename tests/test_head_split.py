@@ -439,7 +439,7 @@ def _impostor_client(certs: Path) -> ssl.SSLContext:
     return context
 
 
-@pytest.mark.parametrize("who", ["other-ca", "no-certificate"])
+@pytest.mark.parametrize("who", ["other-ca", pytest.param("no-certificate", marks=pytest.mark.slow)])  # each waits out a timeout
 def test_the_final_stages_tls_port_refuses_a_shard_without_the_chains_certificate(
         llama_path: Path, certs: Path, who: str) -> None:
     """A shard dialling with another CA's certificate or none is refused at the handshake: the
@@ -489,7 +489,8 @@ def test_a_listening_tls_shard_refuses_and_is_refused_by_another_ca(llama_path: 
         head.close()
 
 
-@pytest.mark.parametrize("final,shard", [("tls", "plain"), ("plain", "tls")])
+@pytest.mark.parametrize("final,shard", [pytest.param("tls", "plain", marks=pytest.mark.slow),  # waits out a timeout
+                                         ("plain", "tls")])
 def test_a_plain_end_facing_a_tls_end_fails_clearly(llama_path: Path, certs: Path, final: str, shard: str) -> None:
     """Either end plain, the other TLS, either end listening: an error naming the mismatch (or the
     handshake that never came) within the handshake timeout, never a hang."""
