@@ -313,3 +313,149 @@ async def test_the_generator_decodes_as_runs_with_the_per_token_results(stages: 
         assert all(server.stats.sessions_in_use == 0 for server in servers)
     finally:
         generator.close()
+
+
+# -- a one-stage chain's run on the data plane (the real tiny llama, this trio run) -----------------
+@pytest.fixture(params=["cython", "python"])
+def relay_implementation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Which loop carries the data plane's runs: the Cython module or its twin."""
+    from skippy.stage import _relay_py, decode_relay
+
+    if request.param == "python":
+        monkeypatch.setattr(decode_relay, "_implementation", _relay_py)
+    elif decode_relay.IMPLEMENTATION != "cython":
+        pytest.skip("skippy.stage._relay not built")
+    return str(request.param)
+
+
+ONE_STAGE_PROMPT = [1, 15043, 3186, 29892, 920, 526, 366, 2599]
+
+
+async def _start(client: StageClient, session: int, *, max_tokens: int, stop_tokens: frozenset[int] = frozenset()
+                 ) -> list[int]:
+    await client.configure(session, prompt_token_count=len(ONE_STAGE_PROMPT))
+    tokens = [(await client.prefill(session, ONE_STAGE_PROMPT, chunk_size=4)).token]
+    tokens.append((await client.start_run(session, tokens[-1], len(ONE_STAGE_PROMPT), max_tokens=max_tokens,
+                                          stop_tokens=stop_tokens)).predicted)
+    return tokens
+
+
+async def test_a_one_stage_run_on_the_data_plane_gives_the_lanes_tokens_to_its_budget_or_stop_token(
+        tiny_llama: Path, relay_implementation: str) -> None:
+    """The data plane drives the run's steps after its first or second (each from the last one's pick):
+    the unsplit tokens, the lane's step count, to the budget and to a stop token, with no
+    overshoot; with the relay off the lane drives every step."""
+    reference = reference_greedy(tiny_llama, ONE_STAGE_PROMPT, 30, chunk_size=4)
+    for relay in (True, False):
+        async with inprocess_chain(SPLITS[1], model=str(tiny_llama), ctx_size=512, decode_relay=relay) as servers:
+            stage = servers[0]
+            async with await StageClient.connect(stage.address) as client:
+                tokens = await _start(client, 1, max_tokens=29)
+                while client.running:
+                    tokens.append((await client.next_run_token(1)).predicted)
+                assert tokens == reference and client.run_overshoot == 0
+                await client.stop(1)
+                carried = stage.stats.decode_relay_steps
+                assert stage.stats.decode_run_steps == 28
+                assert (carried >= 27) if relay else carried == 0, carried  # (the lane's path: the first one or two)
+                stop = reference[16]
+                tokens = await _start(client, 2, max_tokens=100, stop_tokens=frozenset({stop}))
+                while client.running:
+                    tokens.append((await client.next_run_token(2)).predicted)
+                assert tokens == reference[:reference.index(stop) + 1] and client.run_overshoot == 0
+                await client.stop(2)
+                assert (stage.stats.decode_relay_steps > carried) == relay
+                # the runtime's busy time counts the data plane's computes as the lane's
+                assert stage.stats.runtime_busy_us >= stage.stats.compute_us > 0
+            await trio.sleep(0.05)
+            assert stage.stats.sessions_in_use == 0 and stage.stats.connection_errors == 0
+
+
+async def test_a_stop_or_end_run_during_a_data_plane_run_ends_it_between_steps(
+        tiny_llama: Path, relay_implementation: str) -> None:
+    """A message from upstream stops the loop between steps: a Stop ends the run (no step after
+    it, the lane carries on with a new run); ``end_run`` trims to the driver's position and the
+    session goes on where the driver is."""
+    reference = reference_greedy(tiny_llama, ONE_STAGE_PROMPT, 24, chunk_size=4)
+    async with inprocess_chain(SPLITS[1], model=str(tiny_llama), ctx_size=512) as servers:
+        stage = servers[0]
+        async with await StageClient.connect(stage.address) as client:
+            tokens = await _start(client, 1, max_tokens=100_000)
+            for _ in range(6):
+                tokens.append((await client.next_run_token(1)).predicted)
+            await trio.sleep(0.05)  # the loop runs ahead meanwhile
+            await client.stop(1)
+            assert not client.running and tokens == reference[:8]
+            assert stage.stats.decode_relay_steps > 0
+            steps = stage.stats.decode_run_steps
+            await trio.sleep(0.1)
+            assert stage.stats.decode_run_steps == steps  # no step started after the Stop
+            tokens = await _start(client, 2, max_tokens=100)
+            for _ in range(5):
+                tokens.append((await client.next_run_token(2)).predicted)
+            await trio.sleep(0.05)
+            position = await client.end_run(2)
+            assert position == len(ONE_STAGE_PROMPT) + len(tokens) - 1 and not client.running
+            await stage.refresh_runtime_stats()
+            assert stage.stats.kv_cells_used == position
+            while len(tokens) < 12:
+                tokens.append((await client.decode(2, tokens[-1], len(ONE_STAGE_PROMPT) + len(tokens) - 1)).predicted)
+            tokens.append((await client.start_run(2, tokens[-1], len(ONE_STAGE_PROMPT) + len(tokens) - 1,
+                                                  max_tokens=24 - len(tokens))).predicted)
+            while client.running:
+                tokens.append((await client.next_run_token(2)).predicted)
+            assert tokens == reference
+            await client.stop(2)
+        await trio.sleep(0.05)
+        await stage.refresh_runtime_stats()
+        assert stage.stats.sessions_in_use == 0 and stage.stats.connection_errors == 0
+
+
+async def test_other_lanes_and_the_step_limit_hand_a_data_plane_run_back_to_the_lane(
+        tiny_llama: Path, relay_implementation: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another lane's work stops the loop between steps (the run's next steps take the lane's
+    path, batched with the other lane's rows, and the data plane takes the run again once the
+    other lane is quiet); every five steps the loop hands its counts over and goes on: both
+    sessions get the unsplit tokens."""
+    from skippy.stage import decode_relay
+
+    monkeypatch.setattr(decode_relay, "MAX_STEPS", 5)
+    monkeypatch.setattr("skippy.stage.scheduler.RECENT_WORK_S", 0.05)
+    reference = reference_greedy(tiny_llama, ONE_STAGE_PROMPT, 400, chunk_size=4)
+    async with inprocess_chain(SPLITS[1], model=str(tiny_llama), ctx_size=512) as servers:
+        stage = servers[0]
+        async with await StageClient.connect(stage.address) as running, \
+                await StageClient.connect(stage.address) as other:
+            tokens = await _start(running, 1, max_tokens=399)
+            for _ in range(6):
+                tokens.append((await running.next_run_token(1)).predicted)
+            assert await other.generate_greedy(7, ONE_STAGE_PROMPT, 8, chunk_size=4) == reference[:8]
+            while running.running:
+                tokens.append((await running.next_run_token(1)).predicted)
+            assert tokens == reference
+            await running.stop(1)
+        stats = stage.stats
+        assert stats.decode_run_steps == 398
+        assert stats.decode_relay_runs >= 300 // 5, stats.decode_relay_runs
+        assert stats.decode_run_steps - stats.decode_relay_steps > 2  # (the lane's path took steps beside the other's)
+        await trio.sleep(0.05)
+        await stage.refresh_runtime_stats()
+        assert stats.sessions_in_use == 0 and stats.connection_errors == 0
+
+
+async def test_a_lost_upstream_ends_a_data_plane_run_and_frees_the_session(tiny_llama: Path,
+                                                                          relay_implementation: str) -> None:
+    async with inprocess_chain(SPLITS[1], model=str(tiny_llama), ctx_size=512) as servers:
+        stage = servers[0]
+        client = await StageClient.connect(stage.address)
+        await _start(client, 1, max_tokens=100_000)
+        for _ in range(4):
+            await client.next_run_token(1)
+        await client.aclose()
+        with trio.fail_after(5):
+            while stage.stats.sessions_in_use or stage.connections:
+                await trio.sleep(0.02)
+        assert stage.stats.decode_relay_steps > 0
+        steps = stage.stats.decode_run_steps
+        await trio.sleep(0.2)
+        assert stage.stats.decode_run_steps == steps and steps < 1000

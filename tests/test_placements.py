@@ -335,9 +335,9 @@ def _same_boundaries(mine: list[list[tuple[bytes, list[object]]]], theirs: list[
 
 
 #: A one-stage chain (its stage first and final): the paths whose steady decodes or windows its
-#: data plane carries (1), and those its lane keeps (0: a grammar or logprobs session samples in
-#: Python, a decode run is driven by the first stage in Python).
-ONE_STAGE_RELAYED = {"hop": 1, "direct": 1, "grammar": 0, "logprobs": 0, "run": 0, "speculation": 1,
+#: data plane carries (1: a decode run's steps too, each made from the last one's pick), and those
+#: its lane keeps (0: a grammar or logprobs session samples in Python).
+ONE_STAGE_RELAYED = {"hop": 1, "direct": 1, "grammar": 0, "logprobs": 0, "run": 1, "speculation": 1,
                      "speculation-long": 1}
 
 
@@ -349,8 +349,9 @@ async def test_a_one_stage_chain_relays_its_steady_decodes_with_the_lanes_bytes(
     """A one-stage chain (token ids in, the stage's own sampling and reply out) with the data plane
     on (either implementation) and off: the same bytes both ways on its boundary and its return
     lane, the unsplit tokens, the same KV cells; hop by hop, with direct return and speculating,
-    the data plane carries every decode or window after the first of each kind; a grammar,
-    logprobs or decode-run session stays on the lane's path."""
+    the data plane carries every decode or window after the first of each kind, and a decode
+    run's steps after its first one or two; a grammar or logprobs
+    session stays on the lane's path."""
     from skippy.stage import _relay_py, decode_relay
 
     if implementation == "python":

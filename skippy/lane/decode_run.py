@@ -88,6 +88,15 @@ class DecodeRun:
             state=self._header(self.decode_step, token), request_id=self.request_id, session_id=self.session_id,
             tokens=np.array((token,), dtype=np.int32))
 
+    def carried(self, steps: int) -> None:
+        """The data plane drove ``steps`` more steps after the one in flight (skippy.stage.decode_relay):
+        the last of them is now the step in flight, as :meth:`advance` would have left it."""
+        self.left -= steps
+        self.position += steps
+        if self.decode_step >= 0:
+            self.decode_step += steps
+        self.steps += steps
+
     @property
     def over(self) -> bool:
         """No step of the run is in flight or to come."""

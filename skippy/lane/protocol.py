@@ -728,6 +728,56 @@ class StageLane(LaneProtocol):
         run.announced = True
         return first, step
 
+    def run_handover(self, ticket: Ticket, token: int) -> StageMessage | None:
+        """§11, the data plane drives the run (a one-stage chain): ``ticket``'s step predicted
+        ``token`` and its reply is out; the next step's message, which the lane does not queue
+        (:meth:`run_carried` says what the data plane did with it), or None when the run is over."""
+        run = ticket.run
+        assert run is not None
+        run.announced = True
+        message = run.advance(token)
+        if message is None and self.runs.get(run.session_id) is run:
+            del self.runs[run.session_id]
+        return message
+
+    def run_alone(self, run: DecodeRun) -> bool:
+        """Nothing on the lane but ``run`` (its step being handled, counted in the compute
+        backlog, the caller's): nothing else queued, in flight or being written, no other run, no
+        stats pending for the next reply (the data plane's replies carry none)."""
+        return (self.compute_backlog == 1 and not self.run_steps
+                and not (self.forward_backlog or self.inflight or self.expecting or self._writing
+                         or self.credits_in_use)
+                and len(self.runs) == 1 and self.runs.get(run.session_id) is run
+                and self.pending_stats == EMPTY_REPLY_STATS)
+
+    def run_carried(self, run: DecodeRun, message: StageMessage, steps: int, token: int, over: bool
+                    ) -> StageMessage | None:
+        """The data plane computed and answered ``steps`` of the run's steps from ``message`` (the
+        one :meth:`run_handover` gave) on, the last predicting ``token`` (``over``: the run's last
+        prediction); the step the lane's path takes next (None: the run is over or cancelled)."""
+        if steps <= 0:
+            return None if run.cancelled else message
+        run.carried(steps - 1)
+        if over:
+            run.left = 0
+            if self.runs.get(run.session_id) is run:
+                del self.runs[run.session_id]
+            return None
+        message_next = run.advance(token)
+        if message_next is None and self.runs.get(run.session_id) is run:
+            del self.runs[run.session_id]
+        return message_next
+
+    def run_resume(self, run: DecodeRun, message: StageMessage, received_us: int) -> Dispatch:
+        """The lane's path takes the run's step ``message`` (queued in :attr:`run_steps` for the
+        compute task), as :meth:`run_predicted` queues one."""
+        step = self.message_received(message)
+        assert step.ticket is not None
+        step.ticket.run = run
+        self.compute_backlog += 1
+        self.run_steps.append((step, received_us, 0))
+        return step
+
     def end_runs(self) -> None:
         """The upstream ended: no run starts another step."""
         for run in self.runs.values():

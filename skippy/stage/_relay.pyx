@@ -120,6 +120,7 @@ cdef extern from "<time.h>" nogil:
         CLOCK_MONOTONIC
 
 import os as _os
+import struct as _struct
 
 from skippy.stage import _relay_py as _twin
 
@@ -135,12 +136,13 @@ cdef enum:
     _ABORTED = 4
     _REPLY_PENDING = 5
     _UPSTREAM_FAILED = 6
+    _RUN_ENDED = 7
 
-HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED = (
-    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED, _REPLY_PENDING, _UPSTREAM_FAILED)
-if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED) != (
+HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED, RUN_ENDED = (
+    _HANDED_BACK, _STOPPED, _STEP_LIMIT, _DOWNSTREAM_FAILED, _ABORTED, _REPLY_PENDING, _UPSTREAM_FAILED, _RUN_ENDED)
+if (HANDED_BACK, STOPPED, STEP_LIMIT, DOWNSTREAM_FAILED, ABORTED, REPLY_PENDING, UPSTREAM_FAILED, RUN_ENDED) != (
         _twin.HANDED_BACK, _twin.STOPPED, _twin.STEP_LIMIT, _twin.DOWNSTREAM_FAILED, _twin.ABORTED,
-        _twin.REPLY_PENDING, _twin.UPSTREAM_FAILED):
+        _twin.REPLY_PENDING, _twin.UPSTREAM_FAILED, _twin.RUN_ENDED):
     raise ImportError("skippy.stage._relay and its twin disagree on the outcome codes")
 RelayOutcome = _twin.RelayOutcome
 hop_layout = _twin.hop_layout
@@ -294,9 +296,22 @@ cdef class DecodeRelay:
     cdef Py_ssize_t _logged, _log_capacity, _entries
     cdef int64_t *_entry_start
     cdef int64_t *_entry_count
+    # a one-stage chain's decode run (the twin's ``run``): its next step's frame, the predictions
+    # left, its stop tokens; the steps carried, the last pick, whether it is over
+    cdef unsigned char *_run_frame
+    cdef Py_ssize_t _run_length
+    cdef int64_t _run_left
+    cdef int32_t *_run_stops
+    cdef Py_ssize_t _run_stop_count
+    cdef readonly int64_t run_steps
+    cdef readonly int32_t run_token
+    cdef readonly bint run_over
+    cdef int32_t _last_pick
 
     def __cinit__(self):
         self._buffer = NULL
+        self._run_frame = NULL
+        self._run_stops = NULL
         self._log = NULL
         self._entry_start = NULL
         self._entry_count = NULL
@@ -308,11 +323,28 @@ cdef class DecodeRelay:
                  bytes out_template, Py_ssize_t width, bint first, int n_vocab, int64_t next_position,
                  int64_t position_end, double activation_limit, object runtime, bint final=False,
                  int64_t max_steps=1024, bytes reply_in=b"", bytes reply_out=b"", object other=None,
-                 bint log_rows=False):
+                 bint log_rows=False, object run=None):
         cdef Py_ssize_t largest_reply = 0, largest_answer = 0, largest_out, index
         cdef _Family *family
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        if run is not None and not (first and final and not reply_in):
+            raise ValueError("the loop drives a decode run on a one-stage chain's stage only")
+        self.run_steps, self.run_token, self.run_over, self._last_pick = 0, -1, False, -1
+        if run is not None:
+            run_frame, self._run_left, stops = bytes(run[0]), run[1], tuple(run[2])
+            rows, token_n = _struct.unpack_from("<2i", run_frame, FRAME_TOKEN_COUNT)
+            if rows != 1 or token_n not in (0, 1) or len(run_frame) != FRAME_FIXED_HEADER + 4 * token_n:
+                raise ValueError("a decode run's step is one DecodeEmbd row of token ids")
+            self._run_length = len(run_frame)
+            self._run_frame = <unsigned char *>malloc(self._run_length)
+            self._run_stops = <int32_t *>malloc(sizeof(int32_t) * (len(stops) + 1))
+            if self._run_frame == NULL or self._run_stops == NULL:
+                raise MemoryError()
+            memcpy(self._run_frame, PyBytes_AS_STRING(run_frame), self._run_length)
+            for index, stop in enumerate(stops):
+                self._run_stops[index] = stop
+            self._run_stop_count = len(stops)
         self._capacity_rows = getattr(runtime, "rows", 1)
         shapes = [_twin.family_layout(in_template, out_template, width=width, first=first, final=final,
                                       reply_in=reply_in, reply_out=reply_out)]
@@ -414,6 +446,8 @@ cdef class DecodeRelay:
         free(self._log)
         free(self._entry_start)
         free(self._entry_count)
+        free(self._run_frame)
+        free(self._run_stops)
 
     def adopts(self, int kind, int rows):
         """Whether ``run`` may take over a message of ``kind`` and ``rows``; see the twin's ``adopts``."""
@@ -493,6 +527,8 @@ cdef class DecodeRelay:
         cdef Py_ssize_t sums
         if self._hop:
             return self._loop_hop(counters)
+        if self._run_frame != NULL:
+            return self._loop_run(counters)
         while counters[10] < self._max_steps:
             status = self._fill(bytes_in)
             if status >= 0:
@@ -526,6 +562,68 @@ cdef class DecodeRelay:
             if self._f.window:
                 counters[11] += 1
         return _STEP_LIMIT
+
+    cdef int _loop_run(self, int64_t *counters) noexcept nogil:
+        """A one-stage chain's decode run (the twin's _loop_run): each step made from the last
+        one's pick, computed and answered upstream; nothing is read from the upstream."""
+        cdef int status
+        cdef int64_t started, elapsed
+        cdef int32_t token, step
+        cdef Py_ssize_t index
+        cdef bint stop
+        cdef pollfd fds[2]
+        while True:
+            if self.run_over:
+                return _RUN_ENDED
+            if counters[0] > 0 and counters[10] + 1 > self._max_steps:
+                return _STEP_LIMIT
+            fds[0].fd, fds[0].events, fds[0].revents = self._stop, POLLIN, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
+            if poll(fds, 2, 0) != 0:  # (readable, or poll failed: the lane decides)
+                return _STOPPED
+            memcpy(self._buffer, self._run_frame, self._run_length)
+            self._base = 0
+            self._filled = self._run_length
+            self.last_frame_ns = _now_ns()
+            if not self._carries():  # (the lane runs the step and says why)
+                self._filled = 0
+                return _STOPPED
+            started = _now_ns()
+            self._received_ns = started
+            if self._step(counters) != 0:
+                self._filled = 0
+                return _STOPPED
+            self._filled = 0
+            elapsed = _now_ns() - started
+            counters[1] += elapsed
+            if self._f.compute_offset >= 0:  # the Timings record's compute_us, as the lane measures it
+                skippy_store_i64(self._out + self._f.compute_offset, elapsed // 1000)
+            started = _now_ns()
+            status = self._write(self._downstream, self._out, self._out_length, _DOWNSTREAM_FAILED)
+            if status >= 0:
+                return status
+            counters[2] += _now_ns() - started
+            counters[4] += self._out_length
+            counters[0] += 1
+            counters[10] += 1
+            token = self._last_pick
+            self.run_steps += 1
+            self.run_token = token
+            self._run_left -= 1
+            stop = self._run_left <= 0
+            for index in range(self._run_stop_count):
+                if self._run_stops[index] == token:
+                    stop = True
+            if stop:
+                self.run_over = True
+                continue
+            skippy_store_i32(self._run_frame + FRAME_POS_START, skippy_load_i32(self._run_frame + FRAME_POS_START) + 1)
+            step = skippy_load_i32(self._run_frame + FRAME_DECODE_STEP)
+            if step >= 0:
+                skippy_store_i32(self._run_frame + FRAME_DECODE_STEP, step + 1)
+            skippy_store_i32(self._run_frame + FRAME_CURRENT_TOKEN, token)
+            if self._run_length > FRAME_FIXED_HEADER:  # the token sideband
+                skippy_store_i32(self._run_frame + FRAME_FIXED_HEADER, token)
 
     cdef int _loop_hop(self, int64_t *counters) noexcept nogil:
         """Hop by hop on a non-final stage, pipelined as the lane's path is (the twin's _loop_hop):
@@ -773,6 +871,7 @@ cdef class DecodeRelay:
                     return 1
                 if row == 0:  # the prediction: the first row's
                     skippy_store_i32(out + family.token_offset, token)
+                    self._last_pick = token
                 skippy_store_i32(out + vector + 4 * row, token)  # the token vector's entry
             if family.window_offset >= 0:
                 skippy_store_i32(out + family.token_offset + 4, rows)

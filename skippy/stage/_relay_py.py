@@ -53,6 +53,8 @@ ABORTED = 4
 REPLY_PENDING = 5
 #: Hop by hop: writing the reply upstream failed or was cut off by the abort descriptor.
 UPSTREAM_FAILED = 6
+#: A decode run's steps (``run``): the run made its last prediction (its budget, or a stop token).
+RUN_ENDED = 7
 
 #: A final stage's reply to a decode: PredictedToken (kind, token, a token vector of that one
 #: token, window id, no draft, 23 i64 stats); with a Timings frame of one record in front (head,
@@ -487,15 +489,26 @@ class DecodeRelay:
             run, unless it is the run's first).
         log_rows: a non-final stage keeps the f32 output rows of every message it computes, for
             the stage's activation log (:meth:`take_log`, after each run).
+        run: a one-stage chain's decode run (docs/protocol.md §11) the loop drives itself, as
+            ``(frame, left, stop_tokens)``: the run's next step as the lane would execute it (a
+            DecodeEmbd of the template's shape), the predictions still to make (that step's
+            included) and the tokens that end it.  The loop reads nothing from the upstream
+            then: it computes the step, writes its reply upstream and, unless the run is over,
+            makes the next step from its own pick (the next position and decode step, the pick
+            as its token); the stop descriptor (the lane received a message) ends it between
+            steps.  :attr:`run_steps`, :attr:`run_token` and :attr:`run_over` say how far it got.
     """
 
     def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
                  out_template: bytes, width: int, first: bool, n_vocab: int, next_position: int,
                  position_end: int, activation_limit: float, runtime: Any, final: bool = False,
                  max_steps: int = 1024, reply_in: bytes = b"", reply_out: bytes = b"",
-                 other: tuple[bytes, bytes, bytes, bytes] | None = None, log_rows: bool = False) -> None:
+                 other: tuple[bytes, bytes, bytes, bytes] | None = None, log_rows: bool = False,
+                 run: tuple[bytes, int, tuple[int, ...]] | None = None) -> None:
         if reply_in and final:
             raise ValueError("a final stage answers hop by hop with its reply as the outgoing template")
+        if run is not None and not (first and final and not reply_in):
+            raise ValueError("the loop drives a decode run on a one-stage chain's stage only")
         self._capacity_rows = int(getattr(runtime, "rows", 1))
         families = [family_layout(in_template, out_template, width=width, first=first, final=final,
                                   reply_in=reply_in, reply_out=reply_out)]
@@ -530,6 +543,9 @@ class DecodeRelay:
         self._poll.register(upstream_fd, select.POLLIN)
         self._poll.register(stop_fd, select.POLLIN)
         self._poll.register(abort_fd, select.POLLIN)
+        self._poll_stop = select.poll()  # (a decode run's check between steps)
+        self._poll_stop.register(stop_fd, select.POLLIN)
+        self._poll_stop.register(abort_fd, select.POLLIN)
         self.last_frame_ns = time.monotonic_ns()
         #: The rows of the messages computed this run (None: not logging), as (start, count,
         #: rows) entries: a message that starts where the last one ended extends it.
@@ -541,6 +557,19 @@ class DecodeRelay:
         self._family = families[0]
         self._rows = self._length = self._shift = self._position = 0
         self._received_ns = 0
+        #: A decode run's next step (a frame of the template's shape), its predictions left and
+        #: stop tokens; the steps it carried, the last one's pick and whether the run is over.
+        self._run_frame = bytearray(run[0]) if run is not None else None
+        self._run_left = run[1] if run is not None else 0
+        self._run_stops = frozenset(run[2]) if run is not None else frozenset()
+        if self._run_frame is not None:
+            rows, token_n = struct.unpack_from("<2i", self._run_frame, layout.TOKEN_COUNT)
+            if rows != 1 or token_n not in (0, 1) or len(self._run_frame) != FIXED_HEADER + 4 * token_n:
+                raise ValueError("a decode run's step is one DecodeEmbd row of token ids")
+        self.run_steps = 0
+        self.run_token = -1
+        self.run_over = False
+        self._pick = -1
 
     def take_log(self) -> list[tuple[int, int, bytes]]:
         """The f32 output rows the last :meth:`run` computed (the message in flight when it ended
@@ -606,6 +635,8 @@ class DecodeRelay:
     def _loop(self, counters: list[int]) -> int:
         if self._hop:
             return self._loop_hop(counters)
+        if self._run_frame is not None:
+            return self._loop_run(counters)
         while counters[10] < self._max_steps:
             status = self._fill(counters)
             if status >= 0:
@@ -632,6 +663,56 @@ class DecodeRelay:
             counters[10] += self._rows
             counters[11] += self._family.window
         return STEP_LIMIT
+
+    def _loop_run(self, counters: list[int]) -> int:
+        """A one-stage chain's decode run: each step made from the last one's pick, computed and
+        answered upstream; nothing is read from the upstream (the lane's receiving task reads
+        it and writes the stop descriptor when a message comes)."""
+        frame = self._run_frame
+        assert frame is not None
+        while True:
+            if self.run_over:
+                return RUN_ENDED
+            if counters[0] and counters[10] + 1 > self._max_steps:
+                return STEP_LIMIT
+            ready = dict(self._poll_stop.poll(0))
+            if ready.get(self._stop) or ready.get(self._abort):
+                return STOPPED
+            self._buffer = bytearray(frame)
+            self.last_frame_ns = time.monotonic_ns()
+            if not self._carries():  # (the lane runs the step and says why)
+                self._buffer = bytearray()
+                return STOPPED
+            self._received_ns = started = time.perf_counter_ns()
+            if not self._step(counters):
+                self._buffer = bytearray()
+                return STOPPED
+            elapsed = time.perf_counter_ns() - started
+            counters[1] += elapsed
+            self._patch_reply(elapsed)
+            started = time.perf_counter_ns()
+            self._buffer = bytearray()
+            written = self._write(self._downstream, self._out, DOWNSTREAM_FAILED)
+            if written is not None:
+                return written
+            counters[2] += time.perf_counter_ns() - started
+            counters[4] += len(self._out)
+            counters[0] += 1
+            counters[10] += 1
+            token = self._pick
+            self.run_steps += 1
+            self.run_token = token
+            self._run_left -= 1
+            if self._run_left <= 0 or token in self._run_stops:
+                self.run_over = True
+                continue
+            struct.pack_into("<i", frame, _POS_START, _I32.unpack_from(frame, _POS_START)[0] + 1)
+            step = _I32.unpack_from(frame, _DECODE_STEP)[0]
+            if step >= 0:
+                struct.pack_into("<i", frame, _DECODE_STEP, step + 1)
+            struct.pack_into("<i", frame, _CURRENT_TOKEN, token)
+            if len(frame) > FIXED_HEADER:  # the token sideband
+                struct.pack_into("<i", frame, FIXED_HEADER, token)
 
     def _loop_hop(self, counters: list[int]) -> int:
         """Hop by hop on a non-final stage, pipelined as the lane's path is: every whole message
@@ -840,6 +921,7 @@ class DecodeRelay:
                 if token < 0:
                     return False
                 tokens.append(token)
+            self._pick = tokens[0]
             self.next_position = position + rows
             vector = shape.token + layout.REPLY_VECTOR_ENTRY - layout.REPLY_TOKEN
             reply = family.reply  # one row's, spread to this message's rows

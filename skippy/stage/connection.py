@@ -213,7 +213,7 @@ class Connection:
     # -- limits (skippy.stage.limits) ----------------------------------------------------------
     def overdue(self, now: float, limits: StageLimits) -> Exception | None:
         """The read or idle timeout this lane has passed (the server's watchdog asks), or None."""
-        relay = self._relay_run
+        relay = self._relay_run or self.up.run_carry
         return self.up.overdue(now, limits, None if relay is None else relay.idle_since())
 
     def abort(self, error: StageError) -> None:
@@ -249,8 +249,14 @@ class Connection:
                 return
             if self.identity.index < 0:
                 self.identity.observe(message)
+            carrying = up.run_carry
+            if carrying is not None:  # §11: the data plane drives a run; it ends between steps
+                carrying.stop()
             dispatch, run = protocol.received(message, run_flagged=bool(message.state.flags & DECODE_RUN_FLAG),
                                               is_first=self.scheduler.executor.is_first)
+            carried = up.run_carried
+            if carried is not None:  # (its last steps' replies are out before anything of this message)
+                await carried.wait()
             if dispatch is None:  # docs/protocol.md §9: an identity query, answered; the lane ends
                 await up.answer_identity()
                 return
@@ -263,9 +269,11 @@ class Connection:
                 await up.reply(dispatch.ticket, StageReply.ack())
             facts = self._facts(early_ack=dispatch.early_ack)
             if placement(Step.HANDLE, dispatch.rule, facts) is Performer.RECEIVING_TASK:
+                up.receiving_inline = True
                 try:
                     await self._handle(dispatch, received_us)  # shortcut: the compute task is idle
                 finally:
+                    up.receiving_inline = False
                     up.release_held(held)
                 if protocol.relay_frame is not None:  # shortcut 3: the next decodes may leave Python
                     await self._relay_decode(reader, dispatch)

@@ -32,6 +32,13 @@ the lane's messages in flight over, :meth:`RelayRun.adopt`), runs the loop on th
 (where every batch runs) and waits; the loop answers the replies of the messages it took over
 first, in order.
 
+A one-stage chain's decode run (docs/protocol.md §11) rides the same loop without reading the
+upstream: :meth:`UpstreamLink.carry_run <skippy.stage.upstream.UpstreamLink.carry_run>` hands it
+the run's next step (``run``), and the loop computes each step, answers it upstream and makes the
+next one from its pick until the run's budget or a stop token; a message from upstream (the
+receiving task writes the stop descriptor and waits for the loop), another lane's work or
+``max_steps`` hand the run back between steps, and the lane's path takes the next one.
+
 Whatever the loop does not carry comes back unread (:mod:`skippy.stage._relay`'s header): the lane
 feeds those bytes to its reader and goes on as if the loop had never run, so every refusal,
 rollback and error keeps its one path.  Hop by hop, a downstream reply the loop does not carry
@@ -100,7 +107,7 @@ log = logging.getLogger("skippy.stage")
 _OUTCOMES = {_implementation.HANDED_BACK: "handed back", _implementation.STOPPED: "stopped",
              _implementation.STEP_LIMIT: "step limit", _implementation.DOWNSTREAM_FAILED: "downstream write failed",
              _implementation.ABORTED: "aborted", _implementation.REPLY_PENDING: "reply handed back",
-             _implementation.UPSTREAM_FAILED: "upstream write failed"}
+             _implementation.UPSTREAM_FAILED: "upstream write failed", _implementation.RUN_ENDED: "run ended"}
 
 #: Rows one run relays before handing its counts to the stage's statistics.
 MAX_STEPS = 1024
@@ -277,12 +284,15 @@ class RelayRun:
             downstream is the session's return lane, whose lock the caller holds).
         reader: the lane's message reader (empty: the caller checked).
         downstream_name: for the error of a failed write.
+        run: a one-stage chain's decode run the loop drives (docs/protocol.md §11): its next
+            step's frame, the predictions left and its stop tokens (the loop's ``run``).
     """
 
     def __init__(self, plan: RelayPlan, *, executor: "Executor", scheduler: "Scheduler", stats: "StageStats",
                  upstream: "SocketIO", downstream: "SocketIO", reader: "MessageReader", downstream_name: str,
                  width: int, position_end: int, lane: "StageLane | None" = None,
-                 link: "DownstreamLink | None" = None, upstream_name: str = "") -> None:
+                 link: "DownstreamLink | None" = None, upstream_name: str = "",
+                 run: tuple[bytes, int, tuple[int, ...]] | None = None) -> None:
         self._executor, self._scheduler, self._stats = executor, scheduler, stats
         self._upstream, self._downstream, self._reader = upstream, downstream, reader
         self._downstream_name, self._upstream_name = downstream_name, upstream_name
@@ -310,7 +320,7 @@ class RelayRun:
                 max_steps=MAX_STEPS, reply_in=plan.reply_in, reply_out=plan.reply_out,
                 other=None if other is None else (other.in_template, other.out_template, other.reply_in,
                                                   other.reply_out),
-                log_rows=self._log is not None)
+                log_rows=self._log is not None, **({} if run is None else {"run": run}))
         except BaseException:
             self.close()
             raise
@@ -319,6 +329,8 @@ class RelayRun:
         self.steps = self.compute_us = self.write_us = 0
         #: The outcome of a run whose wait was cancelled, to account before the lane closes.
         self._unaccounted: Any = None
+        #: The runtime thread's CPU time in the last loop run (microseconds).
+        self._cpu_us = 0
         #: Hop by hop: the lane's messages in flight the run took over and has not answered yet.
         self._adopted: "tuple[Forward, ...]" = ()
 
@@ -339,6 +351,12 @@ class RelayRun:
             return False
         self._adopted = forwards
         return True
+
+    def run_progress(self) -> tuple[int, int, bool]:
+        """A decode run's: the steps the loop computed and answered, the last one's pick (-1:
+        none) and whether that was the run's last prediction."""
+        relay = self._relay
+        return int(relay.run_steps), int(relay.run_token), bool(relay.run_over)
 
     def close(self) -> None:
         """Release the descriptors (after the run, or for a run that never ran); idempotent."""
@@ -453,8 +471,11 @@ class RelayRun:
 
     async def _run_once(self, pending: bytes, adopted: tuple[tuple[int, ...], ...] = ()) -> Any:
         def relay() -> Any:  # the runtime thread: the outcome is kept even if the wait is cancelled
-            self._unaccounted = self._relay.run(pending, adopted)
-            return self._unaccounted
+            cpu = time.thread_time_ns()
+            outcome = self._relay.run(pending, adopted)
+            self._cpu_us = (time.thread_time_ns() - cpu) // 1000
+            self._unaccounted = outcome
+            return outcome
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._stop_when_cancelled)
@@ -480,6 +501,10 @@ class RelayRun:
         self.steps += steps
         stats = self._stats
         stats.decode_relay_runs += 1
+        # the runtime's busy time: the loop's computes (not its waits for the upstream), its CPU
+        stats.runtime_busy_us += outcome.compute_us
+        stats.runtime_cpu_us += self._cpu_us
+        self._cpu_us = 0
         if outcome.adopted:  # the lane's messages the run took over, answered
             self._lane.adopted_answered(outcome.adopted)  # type: ignore[union-attr]
             self._adopted = self._adopted[outcome.adopted:]
@@ -528,27 +553,27 @@ class RelayRun:
 
 async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_key: int,
                 return_lane: "ReturnLane | None", timings: "DirectTimings",
-                running: Callable[[RelayRun | None], None]) -> None:
+                running: Callable[[RelayRun | None], None]) -> bool:
     """Run ``run`` while this lane is the stage's only work (``Scheduler.hold``; else it is
     closed unrun): on the final stage with direct return as the return lane's one writer (its
     close aborts the run); hop by hop on a non-final stage as the downstream's one reader (the
     link's relay task parks off the socket until the run ends; if it cannot, the run is closed
     unrun); with direct return elsewhere adding what it carried to the session's direct-return
     ``timings``.  ``running`` is told the run reading the upstream (the watchdog's idle clock),
-    then None."""
+    then None.  Returns whether the run ran."""
     if not scheduler.hold(run.stop, lane_id, run.idle_since):
         run.close()
-        return
+        return False
     link = run.link
     if link is not None and not await link.pause_relay():
         scheduler.release_hold()
         run.close()
-        return
+        return False
     if link is not None and not run.adopt():
         link.resume_relay()
         scheduler.release_hold()
         run.close()
-        return
+        return False
     running(run)
     try:
         if return_lane is None:
@@ -559,13 +584,14 @@ async def carry(run: RelayRun, *, scheduler: "Scheduler", lane_id: int, session_
                     timings.add(session_key, compute_us=run.compute_us, write_us=run.write_us, messages=run.steps)
                 if link is not None:  # after the run handed back a reply in flight: the relay task reads it
                     link.resume_relay()
-            return
+            return True
         async with return_lane.lock:  # the return lane's one writer until the run ends
             return_lane.relay_abort = run.abort
             try:
                 await run.run()
             finally:
                 return_lane.relay_abort = None
+        return True
     finally:
         running(None)
         scheduler.release_hold()

@@ -15,7 +15,10 @@ negotiated lane.  Direct return (``docs/protocol.md`` §8, :mod:`skippy.stage.di
 this lane may become a session's return lane (:meth:`UpstreamLink.return_open`), and a final
 stage writes a flagged message's prediction into its session's return lane
 (:meth:`UpstreamLink.reply_direct`).  Decode runs (§11): a run's predicted step queues the next
-one before its reply is written (:meth:`UpstreamLink.run_step` wakes the compute task).
+one before its reply is written (:meth:`UpstreamLink.run_step` wakes the compute task); on a
+one-stage chain whose lane holds nothing but the run, the data plane drives its next steps
+(:meth:`UpstreamLink.carry_run`: the runtime thread makes each step from its own pick and writes
+its reply; a message from upstream stops it between steps, :attr:`UpstreamLink.run_carry`).
 
 The lane closes with :meth:`UpstreamLink.close`: the return lanes first, then the Error frame,
 never after a reply cut mid-frame (``torn``).
@@ -38,7 +41,8 @@ from skippy.lane.work import WorkItem, WorkResult
 from skippy.net.socket_io import SocketIO
 from skippy.stage import control, direct_return, extensions, liveness
 from skippy.stage.control import OwnPart, StageParts
-from skippy.stage.decode_relay import HopReplies
+from skippy.codec.protocol import WireDType
+from skippy.stage.decode_relay import HopReplies, RelayRun, carry, relay_plan
 from skippy.stage.direct_return import ReturnHub, ReturnLane
 from skippy.stage.extensions import StageIdentity
 from skippy.stage.lane import now_us
@@ -98,6 +102,13 @@ class UpstreamLink:
         #: Hop by hop: the last plain decode's reply as relayed upstream, for the decode relay's
         #: templates (:class:`skippy.stage.decode_relay.HopReplies`, set by the connection).
         self.hop_replies: HopReplies | None = None
+        #: §11: the data plane's run driving a decode run's steps now (a message from upstream
+        #: stops it; the receiving task waits for :attr:`run_carried` before handling it).
+        self.run_carry: RelayRun | None = None
+        self.run_carried: trio.Event | None = None
+        #: The receiving task is handling a message itself (it must not drive a run: it would
+        #: not read the upstream's Stop meanwhile).
+        self.receiving_inline = False
 
     # -- step 1: the reader and its budget ---------------------------------------------------
     def open_reader(self) -> MessageReader:
@@ -253,9 +264,15 @@ class UpstreamLink:
         reply, timings, annotations = replies.prediction(
             dispatch, result, stats, identity=self.identity, queue_us=queue_us,
             negotiated=self.lane.extensions.enabled, window=action.window, total_us=now_us() - received_us)
-        if dispatch.ticket.run is not None:  # §11: the run's next step starts before this reply is out
+        run = dispatch.ticket.run
+        carried = run is not None and not annotations and self.run_carriable(dispatch)
+        if carried and not run.announced:  # §11: the run's first reply says the stage runs it
+            annotations += replies.RUN_ACCEPTED
+        elif run is not None and not carried:  # §11: the run's next step starts before this reply is out
             annotations += self.run_step(dispatch.ticket, reply.predicted)
         await self.reply(dispatch.ticket, reply, timings, annotations)
+        if carried:
+            await self.carry_run(dispatch, dispatch.ticket, reply.predicted)
         if self.settings.decode_relay and action.window and dispatch.rule.relay and not annotations:
             # shortcut 3 may answer the next windows (a window's reply is never written through)
             self.lane.relay_frame = extensions.reply_bytes(*replies.prediction_template(
@@ -302,7 +319,8 @@ class UpstreamLink:
         run = ticket.run
         through = self.through = WriteThrough(self.gate, self.io, build)
         await self.parts.scheduler.execute(item, through)
-        if run is not None and ticket.reply is not None:  # §11: the run's next step
+        carried = run is not None and ticket.reply is not None and self.run_carriable(dispatch)
+        if run is not None and ticket.reply is not None and not carried:  # §11: the run's next step
             self.run_step(ticket, ticket.reply.predicted)
         self.torn = True  # until the whole reply is out: a cancel may cut it
         await through.finish(self.peer, downstream=False)
@@ -310,6 +328,9 @@ class UpstreamLink:
         self.through = None
         self.stats.write_throughs += 1
         await self.write_due(self.lane.replies_written(1))
+        if carried:
+            assert ticket.reply is not None
+            await self.carry_run(dispatch, ticket, ticket.reply.predicted)
         if (self.settings.decode_relay and run is None and not ticket.annotations
                 and dispatch.rule.relay):  # shortcut 3 may answer the next ones
             self.lane.relay_frame = extensions.reply_bytes(
@@ -347,13 +368,85 @@ class UpstreamLink:
         first, step = self.lane.run_predicted(ticket, token, now_us())
         if step is not None:
             self.stats.decode_run_steps += 1
-            wake = self.wake_compute
-            if wake is not None:
-                try:
-                    wake.send_nowait(None)
-                except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
-                    pass  # busy (it takes run_steps first when it comes back), or the lane is ending
+            self._wake_compute()
         return replies.RUN_ACCEPTED if first else ()
+
+    def _wake_compute(self) -> None:
+        wake = self.wake_compute
+        if wake is not None:
+            try:
+                wake.send_nowait(None)
+            except (trio.WouldBlock, trio.ClosedResourceError, trio.BrokenResourceError):
+                pass  # busy (it takes run_steps first when it comes back), or the lane is ending
+
+    def run_carriable(self, dispatch: Dispatch) -> bool:
+        """§11: whether the data plane may drive the next steps of ``dispatch``'s run (decided
+        before its reply is out; :meth:`carry_run` checks the lane once it is): the relay on, a
+        one-stage chain's stage (first and final) on a plain socket with no simulated wire, and
+        no frame beside the step's reply but the run's announcement."""
+        ticket = dispatch.ticket
+        executor = self.parts.scheduler.executor
+        return (self.settings.decode_relay and not self.receiving_inline and ticket is not None and ticket.run is not None
+                and ticket.annotations in ((), replies.RUN_ACCEPTED) and dispatch.rule.relay
+                and executor.is_first and executor.is_last and self.settings.downstream is None
+                and not self.settings.reply_delay_s and self.io.is_socket and self.reader is not None
+                and not self.parts.scheduler.others_working(self.lane.lane_id))
+
+    async def carry_run(self, dispatch: Dispatch, ticket: Ticket, token: int) -> None:
+        """§11 on a one-stage chain: ``ticket``'s step (its reply out) predicted ``token``; while
+        the lane holds nothing but the run, the data plane (:mod:`skippy.stage.decode_relay`)
+        computes and answers its next steps, each from the last one's pick; the lane's path takes
+        the step after the last it carried (or the next one, when it may not run)."""
+        lane, run = self.lane, ticket.run
+        assert run is not None
+        message = lane.run_handover(ticket, token)
+        if message is None:
+            return
+        steps, last, over = 0, -1, False
+        relay = self._run_relay(dispatch, message) if lane.run_alone(run) else None
+        if relay is not None:
+            done = self.run_carried = trio.Event()
+            try:
+                ran = await carry(relay, scheduler=self.parts.scheduler, lane_id=lane.lane_id,
+                                  session_key=dispatch.key, return_lane=None, timings=lane.direct_timings,
+                                  running=self._carrying)
+            finally:
+                self.run_carried = None
+                done.set()
+            if ran:
+                steps, last, over = relay.run_progress()
+                self.stats.decode_run_steps += steps
+        following = lane.run_carried(run, message, steps, last, over)
+        if following is not None:
+            lane.run_resume(run, following, now_us())
+            self.stats.decode_run_steps += 1
+            self._wake_compute()
+
+    def _carrying(self, relay: RelayRun | None) -> None:
+        self.run_carry = relay
+
+    def _run_relay(self, dispatch: Dispatch, message: StageMessage) -> RelayRun | None:
+        """The data plane's run for a decode run's step ``message`` (after ``dispatch``'s, the
+        template), or None when the loop would not carry it exactly as the lane does."""
+        settings, executor, run = self.settings, self.parts.scheduler.executor, message
+        assert dispatch.ticket is not None and dispatch.ticket.run is not None and self.reader is not None
+        if self.reader.decoder.buffered_bytes:  # type: ignore[attr-defined]
+            return None  # (the upstream sent more: the lane reads it first)
+        extensions_on = self.lane.extensions.enabled
+        template = extensions.reply_bytes(*replies.prediction_template(self.identity, negotiated=extensions_on))
+        plan = relay_plan(dispatch.message, template, executor=executor, session_key=dispatch.key,
+                          width=settings.width, out_dtype=settings.wire_dtype, position_end=settings.max_rows)
+        if plan is None:
+            return None
+        try:
+            frame = codec.encode_message(run, WireDType(run.state.reserved), settings.width)
+        except ValueError:
+            return None
+        decode_run = dispatch.ticket.run
+        return RelayRun(plan, executor=executor, scheduler=self.parts.scheduler, stats=self.stats, upstream=self.io,
+                        downstream=self.io, reader=self.reader, downstream_name=self.peer, width=settings.width,
+                        position_end=settings.max_rows, upstream_name=self.peer,
+                        run=(frame, decode_run.left, tuple(decode_run.stop_tokens)))
 
     # -- direct return (§8) ------------------------------------------------------------------
     def return_open(self, dispatch: Dispatch) -> OwnPart:
