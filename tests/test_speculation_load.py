@@ -3,6 +3,7 @@ sessions in the stages' batches (``shared_gain``); a single stream keeps today's
 concurrent sessions keep speculation off, and greedy outputs stay exact under concurrency."""
 
 from __future__ import annotations
+import dataclasses
 
 from pathlib import Path
 
@@ -402,3 +403,31 @@ async def test_a_run_that_finds_the_chain_busy_decodes_on_plainly(tiny_llama: Pa
             assert again.tokens == plain.tokens and again.speculation is not None
     finally:
         generator.close()
+
+
+def test_a_busy_chain_takes_the_speculating_path_only_with_a_margin_over_the_plain_path() -> None:
+    """The costs a 2 x 1t Gemma chain measured alone (session 19's probe: R 0.15 ms, c_1 18.5 ms,
+    windows of 2-9 rows 21.7-72.9 ms): drafts all kept gain at most 1.38, 1.19, 1.10, 1.05, 1.02,
+    1.00, 0.99 at S = 2..8.  A request takes the speculating path up to S = 3, from S = 4 on the
+    plain path, whose steps cost less per token; with min_gain alone as the margin it speculated
+    up to S = 5 (and in a run whose costs were noisier, at S = 8: docs/throughput.md)."""
+    from skippy.driver.speculation import speculation_pays
+
+    prices = {1: 18.52, 2: 21.66, 3: 46.01, 4: 38.9, 5: 50.44, 6: 52.48, 7: 59.28, 8: 66.07, 9: 72.86}
+    measured = CostModel(0.25, 16.0)
+    for rows in [1] * 4 + [*range(2, 10)] * 2:
+        measured.observe(rows, (prices[rows] + 0.15) / 1000, prices[rows] / 1000)
+    config = ControllerConfig(stages=2)
+    lenient = dataclasses.replace(config, load_min_gain=config.min_gain)
+    load = SessionLoad()
+    load.costs[2] = measured
+    sessions = [Session() for _ in range(8)]
+    pays, pays_lenient = [], []
+    for session in sessions:
+        load.enter(session)
+        pays.append(speculation_pays(load, config))
+        pays_lenient.append(speculation_pays(load, lenient))
+    assert pays == [True] * 3 + [False] * 5
+    assert pays_lenient == [True] * 5 + [False] * 3
+    with pytest.raises(ValueError, match="load_min_gain"):
+        ControllerConfig(load_min_gain=0.9)

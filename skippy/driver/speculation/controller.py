@@ -86,8 +86,9 @@
 # the chain shows it, c_row / c_1 from the last session that measured it alone
 # (`SessionLoad.row_cost_ratio`), and the window sizes' prices relative to c_1 from that
 # session's cost model (`CostModel.shape`).  A request that starts where even drafts that are all
-# kept would not pay (`speculation_pays`: S = 8 on a CPU chain) does not speculate at all: the
-# Generator gives it the plain path (a decode run, direct return), cheaper than plain steps.
+# kept would not gain `load_min_gain` (`speculation_pays`: min_gain and the plain path's lead;
+# S >= 4 on a 2 x 1t CPU chain) does not speculate at all: the Generator gives it the plain path
+# (a decode run, direct return), cheaper than a speculating request's plain steps.
 from __future__ import annotations
 
 import bisect
@@ -164,6 +165,11 @@ class ControllerConfig:
         bottleneck_share: the slowest stage's share of the summed compute (None: conservatively
             max(1 / stages, 0.5), since the last stage also runs the output head).
         min_gain: expected speedup needed to speculate on a step.
+        load_min_gain: the speedup that drafts all kept must promise before a request on a chain
+            other sessions share takes the speculating path at all (:func:`speculation_pays`):
+            min_gain and the plain path's lead, whose steps cost less per token than a
+            speculating request's plain steps (2 x 1t Gemma at N = 8: 100.8 against 94.3 tok/s,
+            6.9%).
         prior_acceptance: acceptance assumed before any observation.
         prior_weight: pseudo-observations behind the prior.
         halflife: draft outcomes after which an observation's weight halves.
@@ -184,6 +190,7 @@ class ControllerConfig:
     stages: int = 1
     bottleneck_share: float | None = None
     min_gain: float = 1.03
+    load_min_gain: float = 1.10
     prior_acceptance: float = 0.3
     prior_weight: float = 2.0
     halflife: float = 24.0
@@ -202,8 +209,9 @@ class ControllerConfig:
             raise ValueError(f"max_depth must be in 1..64 (got {self.max_depth})")
         if self.probe_interval < 1 or self.refresh_interval < 1:
             raise ValueError("probe_interval and refresh_interval must be >= 1")
-        if self.stages < 1 or self.min_gain < 1.0 or self.halflife <= 0 or self.timing_halflife <= 0:
-            raise ValueError("stages >= 1, min_gain >= 1 and positive half-lives are required")
+        if (self.stages < 1 or self.min_gain < 1.0 or self.load_min_gain < 1.0 or self.halflife <= 0
+                or self.timing_halflife <= 0):
+            raise ValueError("stages >= 1, min_gain >= 1, load_min_gain >= 1 and positive half-lives are required")
         if self.bottleneck_share is not None and not 0.0 < self.bottleneck_share <= 1.0:
             raise ValueError(f"bottleneck_share must be in (0, 1] (got {self.bottleneck_share})")
         if not 0.0 <= self.prior_acceptance < 1.0 or self.prior_weight <= 0 or self.row_cost_ratio < 0:
@@ -544,11 +552,16 @@ def shared_gain(acceptance: float, window: int, sessions: int, cost: CostModel, 
 def speculation_pays(load: SessionLoad, config: ControllerConfig) -> bool:
     """Whether a request that starts now, with ``load.sessions`` sessions on the chain (itself
     included), could gain from a window at all: False when even drafts that are all kept give
-    every window size a shared gain under ``min_gain`` (:func:`shared_gain` at the window prices
+    every window size a shared gain under ``load_min_gain`` (:func:`shared_gain` at the window prices
     and c_row / c_1 a session measured alone on the chain, ``load.costs``; without one the prior,
     ``row_cost_ratio``, and c_w = 0).  Such a request does not speculate at all: it takes the plain
     path (a decode run, direct return), which costs the stages and the driver less per token than
-    a speculating request's plain steps (2 x 1t Gemma at N = 8: 94.3 against 100.8 tok/s)."""
+    a speculating request's plain steps (2 x 1t Gemma at N = 8: 94.3 against 100.8 tok/s), hence
+    the margin of ``load_min_gain`` over ``min_gain``: with the costs one such chain measured alone
+    (c_1 18.5 ms, c_row 6.5 ms, windows of 2-9 rows 21.7-72.9 ms) kept drafts gain at most 1.19,
+    1.10, 1.05, 1.02, 1.00 and 0.99 at S = 3..8: a margin of min_gain alone let requests speculate
+    up to S = 5, and in a run whose costs came out noisier at S = 8 (docs/throughput.md, session
+    19)."""
     sessions = load.sessions
     if sessions <= 1:
         return True
@@ -556,7 +569,7 @@ def speculation_pays(load: SessionLoad, config: ControllerConfig) -> bool:
     if alone is None or alone.single_row <= 0:
         alone = CostModel(config.row_cost_ratio if load.row_cost_ratio is None else load.row_cost_ratio, 1.0)
         alone.single_row, alone._seen_single = 1.0, True
-    return any(shared_gain(1.0, window, sessions, alone) >= config.min_gain
+    return any(shared_gain(1.0, window, sessions, alone) >= config.load_min_gain
                for window in range(1, config.max_window + 1))
 
 
