@@ -149,7 +149,7 @@ SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("lost", [pytest.param(1, id="middle"), pytest.param(0, id="first", marks=SLOW),
-                                  pytest.param(2, id="final")])  # (final: the middle's log holds relayed steps)
+                                  pytest.param(2, id="final", marks=SLOW)])  # (final: the middle's log holds relayed steps)
 @pytest.mark.parametrize("sampling", ["greedy", pytest.param("seeded", marks=SLOW)])
 def test_a_killed_stage_is_replaced_and_the_run_completes_equal(tiny_llama: Path, generator: Generator,
                                                                 tmp_path: Path, lost: int, sampling: str) -> None:
