@@ -104,10 +104,10 @@ class StageCollector(Collector):
         yield counter("decode_tokens", "decode rows computed", stats.decode_items)
         yield counter("verify_windows", "speculative verify windows computed", stats.verify_windows)
         yield counter("native_batches", "llama.cpp batches run", stats.native_batches)
-        yield counter("runtime_busy_seconds", "wall time the runtime ran the scheduler's batches (each once)",
-                      stats.runtime_busy_us / 1e6)
-        yield counter("runtime_cpu_seconds", "CPU time of the thread running those batches, during them",
-                      stats.runtime_cpu_us / 1e6)
+        yield counter("runtime_busy_seconds", "wall time the runtime ran the scheduler's batches (each once) and "
+                      "computed the decode relay's steps", stats.runtime_busy_us / 1e6)
+        yield counter("runtime_cpu_seconds", "CPU time of the thread running those batches and the relay's loop, "
+                      "during them", stats.runtime_cpu_us / 1e6)
         yield counter("decode_relay_tokens", "decode rows the decode relay carried outside Python (also in "
                       "decode_tokens)", stats.decode_relay_steps)
         yield counter("decode_relay_windows", "verify windows the decode relay carried outside Python (also in "

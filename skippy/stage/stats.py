@@ -81,11 +81,12 @@ class StageStats:
     orphan_sessions_released: int = 0
     compute_us: int = 0
     #: Wall time the runtime was claimed by the scheduler's batches (each batch once, however many
-    #: sessions share it; the decode relay's runs not included): the stage's busy time.
+    #: sessions share it) and spent computing the decode relay's steps (its waits for the upstream
+    #: not included): the stage's busy time.
     runtime_busy_us: int = 0
-    #: CPU time of the thread that ran those batches, during them (one compute thread's share: with
-    #: --threads > 1 the other compute threads are not in it); below ``runtime_busy_us`` when the
-    #: host takes the CPU away.
+    #: CPU time of the thread that ran those batches and the relay's loop, during them (one compute
+    #: thread's share: with --threads > 1 the other compute threads are not in it); below
+    #: ``runtime_busy_us`` when the host takes the CPU away.
     runtime_cpu_us: int = 0
     forward_write_us: int = 0
     #: Frames (downstream activations, final-stage predictions) the runtime thread wrote itself.
