@@ -459,3 +459,30 @@ async def test_a_lost_upstream_ends_a_data_plane_run_and_frees_the_session(tiny_
         steps = stage.stats.decode_run_steps
         await trio.sleep(0.2)
         assert stage.stats.decode_run_steps == steps and steps < 1000
+
+
+async def test_an_upstream_that_stops_reading_a_data_plane_run_does_not_hold_the_runtime(
+        tiny_llama: Path, relay_implementation: str) -> None:
+    """A driver that stops reading its run's predictions (its socket's buffers full): the loop
+    hands the run back before a step whose reply has no room (the lane's path waits for the
+    reader, not the runtime), so another lane's request is served meanwhile."""
+    import socket
+
+    async with inprocess_chain(SPLITS[1], model=str(tiny_llama), ctx_size=8192) as servers:
+        stage = servers[0]
+        async with await StageClient.connect(stage.address) as silent, \
+                await StageClient.connect(stage.address) as other:
+            silent.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            for connection in stage.connections:  # the stage's side of every lane: small send buffers
+                connection.up.io.stream.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+            await _start(silent, 1, max_tokens=8000)  # then reads nothing more
+            reference = reference_greedy(tiny_llama, ONE_STAGE_PROMPT, 8, chunk_size=4)
+            with trio.fail_after(30):  # until the silent run's replies fill the buffers
+                steps = -1
+                while steps != stage.stats.decode_run_steps:
+                    steps = stage.stats.decode_run_steps
+                    await trio.sleep(0.3)
+            with trio.fail_after(10):
+                assert await other.generate_greedy(7, ONE_STAGE_PROMPT, 8, chunk_size=4) == reference
+            # the data plane carried the silent run until its replies had no room; it still waits
+            assert stage.stats.decode_relay_steps > 0 and stage.stats.decode_run_steps < 7999

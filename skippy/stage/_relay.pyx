@@ -571,7 +571,7 @@ cdef class DecodeRelay:
         cdef int32_t token, step
         cdef Py_ssize_t index
         cdef bint stop
-        cdef pollfd fds[2]
+        cdef pollfd fds[3]
         while True:
             if self.run_over:
                 return _RUN_ENDED
@@ -579,7 +579,10 @@ cdef class DecodeRelay:
                 return _STEP_LIMIT
             fds[0].fd, fds[0].events, fds[0].revents = self._stop, POLLIN, 0
             fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
-            if poll(fds, 2, 0) != 0:  # (readable, or poll failed: the lane decides)
+            fds[2].fd, fds[2].events, fds[2].revents = self._downstream, POLLOUT, 0
+            if poll(fds, 3, 0) < 0 or fds[0].revents or fds[1].revents or not (fds[2].revents & POLLOUT):
+                # (a stop, an abort, a failed poll, or an upstream with no room for a reply: one
+                # that does not read waits on the lane's path, not on the runtime)
                 return _STOPPED
             memcpy(self._buffer, self._run_frame, self._run_length)
             self._base = 0

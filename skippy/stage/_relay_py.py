@@ -496,7 +496,8 @@ class DecodeRelay:
             then: it computes the step, writes its reply upstream and, unless the run is over,
             makes the next step from its own pick (the next position and decode step, the pick
             as its token); the stop descriptor (the lane received a message) ends it between
-            steps.  :attr:`run_steps`, :attr:`run_token` and :attr:`run_over` say how far it got.
+            steps, and so does an upstream socket with no room for a reply (an upstream that does
+            not read: the lane's path waits for it, the runtime does not).  :attr:`run_steps`, :attr:`run_token` and :attr:`run_over` say how far it got.
     """
 
     def __init__(self, *, upstream_fd: int, downstream_fd: int, stop_fd: int, abort_fd: int, in_template: bytes,
@@ -546,6 +547,8 @@ class DecodeRelay:
         self._poll_stop = select.poll()  # (a decode run's check between steps)
         self._poll_stop.register(stop_fd, select.POLLIN)
         self._poll_stop.register(abort_fd, select.POLLIN)
+        if run is not None:
+            self._poll_stop.register(downstream_fd, select.POLLOUT)
         self.last_frame_ns = time.monotonic_ns()
         #: The rows of the messages computed this run (None: not logging), as (start, count,
         #: rows) entries: a message that starts where the last one ended extends it.
@@ -676,8 +679,8 @@ class DecodeRelay:
             if counters[0] and counters[10] + 1 > self._max_steps:
                 return STEP_LIMIT
             ready = dict(self._poll_stop.poll(0))
-            if ready.get(self._stop) or ready.get(self._abort):
-                return STOPPED
+            if ready.get(self._stop) or ready.get(self._abort) or not ready.get(self._downstream, 0) & select.POLLOUT:
+                return STOPPED  # (an upstream that does not read its replies: the lane's path waits, not the runtime)
             self._buffer = bytearray(frame)
             self.last_frame_ns = time.monotonic_ns()
             if not self._carries():  # (the lane runs the step and says why)
