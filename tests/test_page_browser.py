@@ -74,7 +74,7 @@ def test_the_page_draws_the_chain_chats_and_marks_a_killed_stage_down(tiny_llama
     try:
         assert f"page {up.url}/" in up.stdout()
         browser.get(up.url + "/")
-        browser.wait(lambda: [s["status"] for s in stage_states(browser)] == ["up"] * 3, 20, "three stages up")
+        browser.wait(lambda: [s["status"] for s in stage_states(browser)] == ["up"] * 3, 60, "three stages up")
         stages = stage_states(browser)
         assert [stage["range"] for stage in stages] == LAYERS
         assert [stage["index"] for stage in stages] == ["0", "1", "2"]
@@ -150,7 +150,7 @@ def test_with_a_key_nothing_of_the_chain_shows_until_it_is_entered(tiny_llama: P
 
         browser.type("#key-input", KEY)
         browser.click("#key-submit")
-        browser.wait(lambda: [s["status"] for s in stage_states(browser)] == ["up"] * 3, 20, "three stages up")
+        browser.wait(lambda: [s["status"] for s in stage_states(browser)] == ["up"] * 3, 60, "three stages up")
         assert [stage["range"] for stage in stage_states(browser)] == LAYERS
         browser.screenshot(tmp_path / "2-unlocked.png")
         errors = [entry for entry in browser.console()
