@@ -268,11 +268,16 @@ async def test_a_request_that_asks_for_speculation_keeps_it(tiny_llama: Path, mo
         generator.close()
 
 
-@pytest.mark.parametrize("stages", [1, 2])
+@pytest.mark.parametrize("stages", [2, 3])
 async def test_a_looping_continuation_speculates_from_its_start(tiny_llama: Path, stages: int,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """The real proposer and controller on a continuation that loops: windows from the first
-    steps, and the request never stops speculating (its drafts come)."""
+    steps, and the request never stops speculating (its drafts come).
+
+    On chains with a boundary: on one in-process stage of the tiny model the round trip is
+    ~0.02 ms and a 6-row window costs ~3 c_1, so the real controller's gains there sit at
+    1.0-1.6 and whether windows pay is the host's noise (a CI run under memory pressure sent 3
+    windows and stopped); the controller's own tests decide that case with fixed costs."""
     counts = count_switches(monkeypatch)
     generator = Generator.from_model(tiny_llama, n_ctx=512, chunk_size=16, credit=2)
     try:
