@@ -556,27 +556,56 @@ def test_a_stop_end_of_stream_a_full_run_and_a_lost_downstream_end_a_run(impleme
     assert outcome.status == implementation.DOWNSTREAM_FAILED
 
 
+def _drain(sock: socket.socket) -> None:
+    sock.setblocking(False)
+    while True:
+        try:
+            if not sock.recv(1 << 16):
+                return
+        except BlockingIOError:
+            return
+
+
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layers", ["1:2", "1:4", "0:4"], ids=["middle", "final", "first-and-final"])
-def test_an_abort_cuts_a_write_the_downstream_does_not_take(implementation: Any, make_bench: Any,
-                                                            layers: str) -> None:
+def test_a_reader_that_falls_behind_gets_the_messages_back_unread(implementation: Any, make_bench: Any,
+                                                                  layers: str) -> None:
+    """Nobody reads what the loop writes (the next stage, or the driver its replies): once the
+    socket has no room, the loop hands the next message back before computing it, so the lane's
+    path waits for the reader in trio and the runtime thread serves the stage's other lanes
+    (before, the loop waited in its write, on the runtime thread, until an abort)."""
     bench = make_bench(implementation, layers)
-    relay_end = bench._ends[1]
-    relay_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    bench._ends[1].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     bench.downstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    frames = b"".join(bench.frame(bench.message(bench.position + index)) for index in range(200))
+    frames = [bench.frame(bench.message(bench.position + index)) for index in range(200)]
+    watchdog = threading.Timer(10, os.eventfd_write, (bench.abort_fd, 1))
+    watchdog.start()
+    try:
+        outcome = bench.run(b"".join(frames))
+    finally:
+        watchdog.cancel()
+    assert outcome.status == implementation.HANDED_BACK and 0 < outcome.steps < 200, outcome.status
+    rest = b"".join(frames[outcome.steps:])  # from the first message not computed, unread
+    assert len(outcome.leftover) >= len(frames[outcome.steps]) and rest.startswith(outcome.leftover)
+    assert bench.relay.next_position == bench.position + outcome.steps
+    _drain(bench.downstream)
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+def test_an_abort_cuts_a_write_the_downstream_does_not_take(implementation: Any, make_bench: Any) -> None:
+    """A frame larger than the room the downstream had (a window's activations): its write waits
+    for the reader, and an abort ends the wait."""
+    bench = make_bench(implementation, "1:2", rows=48, capacity=48)
+    bench._ends[1].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    bench.downstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    frames = b"".join(bench.frame(bench.message(bench.position + 48 * index)) for index in range(4))
+    assert len(frames) > 4 * 8192
     writer = threading.Thread(target=bench.upstream.sendall, args=(frames,))
     writer.start()
     threading.Timer(0.3, os.eventfd_write, (bench.abort_fd, 1)).start()
-    outcome = bench.relay.run(b"")  # nobody reads downstream: it blocks on a full socket until the abort
-    assert outcome.status == implementation.ABORTED and 0 < outcome.steps < 200
-    bench.downstream.setblocking(False)
-    while True:  # drain, so the writer thread can finish
-        try:
-            if not bench.downstream.recv(1 << 16):
-                break
-        except BlockingIOError:
-            break
+    outcome = bench.relay.run(b"")  # nobody reads downstream: the first window's write waits until the abort
+    assert outcome.status == implementation.ABORTED and outcome.steps == 0
+    _drain(bench.downstream)
     bench.upstream.shutdown(socket.SHUT_WR)
     bench._ends[0].close()
     writer.join(5)
@@ -836,6 +865,37 @@ def test_a_middle_stage_answers_hop_by_hop_exactly_as_the_lane(implementation: A
     assert read_answers(bench, 5) == [lane_answer(reply, negotiated) for reply in downstream]
     assert outcome.replies_in == sum(map(len, downstream)) and outcome.replies_out == 5 * len(bench.hop[1])
     assert outcome.reply_leftover == b""
+
+
+@pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
+@pytest.mark.parametrize("behind", ["upstream", "downstream"])
+def test_hop_by_hop_a_reader_that_falls_behind_gets_the_run_back(implementation: Any, make_bench: Any,
+                                                                 behind: str) -> None:
+    """A middle stage hop by hop whose upstream stops reading its answers, or whose next stage
+    stops reading its frames: the loop neither computes nor answers into a socket with no room
+    (its write would hold the runtime thread): answers wait for the lane (REPLY_PENDING, with
+    the messages in flight), frames come back unread once the replies in flight are answered."""
+    bench = make_hop_bench(make_bench, implementation, 1, True)
+    relay_end = bench._ends[0] if behind == "upstream" else bench._ends[1]
+    relay_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    messages = [bench.message(bench.position + index) for index in range(200)]
+    frames = [bench.frame(message) for message in messages]
+    bench.downstream.sendall(b"".join(downstream_reply(100 + index, 1) for index in range(200)))
+    watchdog = threading.Timer(10, os.eventfd_write, (bench.abort_fd, 1))
+    watchdog.start()
+    try:
+        outcome = bench.run(b"".join(frames))
+    finally:
+        watchdog.cancel()
+    if behind == "upstream":
+        assert outcome.status == implementation.REPLY_PENDING and 0 < outcome.steps < 200, outcome.status
+        assert outcome.in_flight  # (the lane reads their replies and answers them in trio)
+    else:
+        assert outcome.status == implementation.HANDED_BACK and 0 < outcome.steps < 200, outcome.status
+        assert b"".join(frames[outcome.steps:]).startswith(outcome.leftover)
+        assert len(outcome.leftover) >= len(frames[outcome.steps])
+    _drain(bench.upstream)
+    _drain(bench.downstream)
 
 
 def _replies_not_carried() -> dict[str, bytes]:

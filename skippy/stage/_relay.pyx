@@ -537,6 +537,8 @@ cdef class DecodeRelay:
                 return _HANDED_BACK
             if steps[0] > 0 and counters[10] + self._rows > self._max_steps:
                 return _STEP_LIMIT  # (the next run starts with it)
+            if self._full(self._downstream):
+                return _HANDED_BACK  # (its reader is behind: the lane's path waits for it, the runtime does not)
             started = _now_ns()
             self._received_ns = started
             if self._step(counters) != 0:
@@ -654,6 +656,8 @@ cdef class DecodeRelay:
                     ending = _HANDED_BACK
                 elif (counters[0] > 0 or self._flying > 0) and counters[10] + flying_rows + self._rows > self._max_steps:
                     ending = _STEP_LIMIT  # (the next run starts with it)
+                elif self._full(self._downstream):
+                    ending = _HANDED_BACK  # (the next stage is behind: the lane's path waits for it)
                 else:
                     status = self._forward(counters)
                     if status >= 0:
@@ -672,6 +676,8 @@ cdef class DecodeRelay:
             if fds[0].revents or fds[1].revents:
                 return _REPLY_PENDING if self._flying > 0 else _STOPPED  # (the lane reads the replies)
             if fds[2].revents:
+                if self._full(self._upstream):  # (an upstream that does not read its replies: the lane's)
+                    return _REPLY_PENDING
                 status = self._read_reply(counters)
                 if status == _HANDED_BACK or status == _UPSTREAM_FAILED:  # answered (or its write failed): done
                     head = &self._flight[0]
@@ -945,6 +951,17 @@ cdef class DecodeRelay:
                 continue
             return failed
         return -1
+
+    cdef bint _full(self, int fd) noexcept nogil:
+        """``fd`` has no room for a frame now (the twin's _full): the loop hands the message back
+        before computing it, so that a peer that does not read waits on the lane's path (in trio)
+        and not on the runtime thread.  A failed poll or a socket in error is not full: its write
+        says what happened."""
+        cdef pollfd fds[1]
+        fds[0].fd, fds[0].events, fds[0].revents = fd, POLLOUT, 0
+        if poll(fds, 1, 0) < 0:
+            return False
+        return not (fds[0].revents & (POLLOUT | POLLERR | POLLHUP))
 
     cdef int _read_reply(self, int64_t *counters) noexcept nogil:
         """Hop by hop: read what the downstream has of the oldest message in flight's reply (never

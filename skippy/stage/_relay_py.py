@@ -648,6 +648,8 @@ class DecodeRelay:
                 return HANDED_BACK
             if counters[0] and counters[10] + self._rows > self._max_steps:
                 return STEP_LIMIT  # (the next run starts with it)
+            if self._full(self._downstream):
+                return HANDED_BACK  # (its reader is behind: the lane's path waits for it, the runtime does not)
             self._received_ns = started = time.perf_counter_ns()
             if not self._step(counters):
                 return HANDED_BACK
@@ -735,6 +737,8 @@ class DecodeRelay:
                     ending = HANDED_BACK
                 elif (counters[0] or in_flight) and counters[10] + flying + self._rows > self._max_steps:
                     ending = STEP_LIMIT  # (the next run starts with it)
+                elif self._full(self._downstream):
+                    ending = HANDED_BACK  # (the next stage is behind: the lane's path waits for it)
                 else:
                     status = self._forward(counters)
                     if status >= 0:
@@ -752,6 +756,8 @@ class DecodeRelay:
             if ready.get(self._stop) or ready.get(self._abort):
                 return REPLY_PENDING if in_flight else STOPPED  # (the lane reads the replies)
             if ready.get(self._downstream):
+                if self._full(self._upstream):  # (an upstream that does not read its replies: the lane's)
+                    return REPLY_PENDING
                 status = self._read_reply(counters)
                 if status in (HANDED_BACK, UPSTREAM_FAILED):  # answered (or its write failed): it is done
                     entry = in_flight.popleft()
@@ -979,6 +985,16 @@ class DecodeRelay:
                     continue
                 return failed
         return None
+
+    @staticmethod
+    def _full(fd: int) -> bool:
+        """``fd`` has no room for a frame now: the loop hands the message back before computing
+        it, so that a peer that does not read waits on the lane's path (in trio) and not on the
+        runtime thread.  A socket in error is not full: its write says what happened."""
+        waiter = select.poll()
+        waiter.register(fd, select.POLLOUT)
+        ready = dict(waiter.poll(0)).get(fd, 0)
+        return not ready & (select.POLLOUT | select.POLLERR | select.POLLHUP)
 
     def _read_reply(self, counters: list[int]) -> int:
         """Hop by hop: read what the downstream has of the oldest message in flight's reply (never
