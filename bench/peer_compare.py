@@ -528,28 +528,35 @@ class Speculation:
         #: The last run's windows (``trace``): see :class:`_TracedDecoder`.
         self.windows: list[str] = []
 
-    async def _generate(self, address: Address, tokens: int) -> tuple[Completion, float]:
+    async def _generate(self, address: Address, tokens: int,
+                        sched: list[Sched] | None = None) -> tuple[Completion, float]:
         pids = [process.pid for process in PROCESSES.get(address, [])]
+        ordered = [os.getpid(), *reversed(pids)]  # (chain() starts the final stage first)
         self.session += 1
         request = GenerationRequest(self.prompt, tokens, speculation=self.speculate)
         async with await StageClient.connect(address) as client:
-            cpu_started = cpu_seconds(pids)
+            threads = _thread_times(ordered) if sched is not None else {}
+            started, cpu_started = time.perf_counter(), cpu_seconds(pids)
             if self.trace:
                 generator_module.SpeculativeDecoder = _TracedDecoder  # type: ignore[misc]
             try:
                 done = await self.generator.generate(client, request, self.session)
             finally:
                 generator_module.SpeculativeDecoder = SpeculativeDecoder  # type: ignore[misc]
+            if sched is not None:  # (the whole request: its prefill and first token are a small share)
+                sched.append(_sched(threads, _thread_times(ordered), ordered, time.perf_counter() - started,
+                                    max(1, len(done.tokens))))
             traced = _TracedDecoder.last
             self.windows = [*traced.trace, _controller_state(traced)] if self.trace and traced else []
             _TracedDecoder.last = None
             return done, cpu_seconds(pids) - cpu_started
 
-    async def decode(self, address: Address) -> Sample:
+    async def decode(self, address: Address, sched: list[Sched] | None = None) -> Sample:
         """(decode tokens/s, CPU s/token): the CPU of a 1-token request (the prompt's prefill and
-        first token) is taken off and the rest spread over the tokens after the first."""
+        first token) is taken off and the rest spread over the tokens after the first.
+        ``sched``: the request's :class:`Sched` is appended to it."""
         _, baseline = await self._generate(address, 1)
-        done, cpu = await self._generate(address, self.steps)
+        done, cpu = await self._generate(address, self.steps, sched)
         self.tokens = done.tokens
         self.acceptance = done.speculation.acceptance_rate if done.speculation else 0.0
         self.usage = done.speculation.as_dict() if done.speculation else {}
@@ -841,8 +848,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                 prefill_runs.pop(name, None)
         names = list(decode_runs)
         #: ``--sched``: per skippy variant decoded by stage_decode, where its time went.
-        scheds: dict[str, list[Sched]] = {name: [] for name in names if args.sched and name.startswith("skippy")
-                                          and name not in speculations}
+        scheds: dict[str, list[Sched]] = {name: [] for name in names if args.sched and name.startswith("skippy")}
         for round_index in range(args.rounds):
             if args.fresh_chains and round_index > 0:  # new stage processes: a new page placement
                 chain_stack.close()
@@ -867,7 +873,7 @@ def _run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
                         prefill_runs[name].append(inproc.prefill(prompt))
                 elif name in speculations:
                     speculation, chain_name = speculations[name]
-                    decode_runs[name].append(trio.run(speculation.decode, chains[chain_name]))
+                    decode_runs[name].append(trio.run(speculation.decode, chains[chain_name], scheds.get(name)))
                     spec_tokens.setdefault(str(speculation.prompt[:4]), {})[name] = speculation.tokens
                     print(f"  {name}: acceptance {speculation.acceptance:.2f}, "
                           + ", ".join(f"{key} {value}" for key, value in speculation.usage.items())
