@@ -10,6 +10,7 @@ tokens, and what happens when other work, a rollback or a shutdown interrupts a 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import socket
@@ -568,27 +569,51 @@ def _drain(sock: socket.socket) -> None:
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("layers", ["1:2", "1:4", "0:4"], ids=["middle", "final", "first-and-final"])
-def test_a_reader_that_falls_behind_gets_the_messages_back_unread(implementation: Any, make_bench: Any,
-                                                                  layers: str) -> None:
-    """Nobody reads what the loop writes (the next stage, or the driver its replies): once the
-    socket has no room, the loop hands the next message back before computing it, so the lane's
-    path waits for the reader in trio and the runtime thread serves the stage's other lanes
-    (before, the loop waited in its write, on the runtime thread, until an abort)."""
+def test_a_reader_that_falls_behind_is_waited_for_until_the_runtime_is_wanted(implementation: Any, make_bench: Any,
+                                                                              layers: str) -> None:
+    """Nobody reads what the loop writes (the next stage, or the driver its replies): the loop
+    computes nothing while the socket has no room, and the scheduler's stop (another lane wants
+    the runtime) hands the next message back unread, so the lane's path waits for the reader in
+    trio (before, the loop waited in its write, on the runtime thread, until an abort).  A
+    reader that is only slow gets every message."""
     bench = make_bench(implementation, layers)
     bench._ends[1].setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
     bench.downstream.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     frames = [bench.frame(bench.message(bench.position + index)) for index in range(200)]
     watchdog = threading.Timer(10, os.eventfd_write, (bench.abort_fd, 1))
     watchdog.start()
+    threading.Timer(0.3, os.eventfd_write, (bench.stop_fd, 1)).start()
     try:
         outcome = bench.run(b"".join(frames))
     finally:
         watchdog.cancel()
-    assert outcome.status == implementation.HANDED_BACK and 0 < outcome.steps < 200, outcome.status
+    assert outcome.status == implementation.STOPPED and 0 < outcome.steps < 200, outcome.status
     rest = b"".join(frames[outcome.steps:])  # from the first message not computed, unread
     assert len(outcome.leftover) >= len(frames[outcome.steps]) and rest.startswith(outcome.leftover)
     assert bench.relay.next_position == bench.position + outcome.steps
     _drain(bench.downstream)
+    os.eventfd_read(bench.stop_fd)
+    # a slow reader: the loop waits for it and carries every message
+    done = threading.Event()
+
+    def slow_reader() -> None:
+        bench.downstream.setblocking(True)
+        bench.downstream.settimeout(0.05)
+        while not done.is_set():
+            with contextlib.suppress(TimeoutError):
+                bench.downstream.recv(512)
+            time.sleep(0.001)
+
+    reader = threading.Thread(target=slow_reader)
+    reader.start()
+    try:
+        bench.upstream.shutdown(socket.SHUT_WR)  # (the rest of the frames are in the socket still)
+        outcome = bench.relay.run(outcome.leftover)
+    finally:
+        done.set()
+        reader.join(5)
+    assert outcome.status == implementation.HANDED_BACK and outcome.leftover == b"", outcome.status
+    assert bench.relay.next_position == bench.position + 200
 
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
@@ -869,12 +894,13 @@ def test_a_middle_stage_answers_hop_by_hop_exactly_as_the_lane(implementation: A
 
 @pytest.mark.parametrize("implementation", IMPLEMENTATIONS)
 @pytest.mark.parametrize("behind", ["upstream", "downstream"])
-def test_hop_by_hop_a_reader_that_falls_behind_gets_the_run_back(implementation: Any, make_bench: Any,
-                                                                 behind: str) -> None:
+def test_hop_by_hop_a_reader_that_falls_behind_is_waited_for_until_the_runtime_is_wanted(
+        implementation: Any, make_bench: Any, behind: str) -> None:
     """A middle stage hop by hop whose upstream stops reading its answers, or whose next stage
     stops reading its frames: the loop neither computes nor answers into a socket with no room
-    (its write would hold the runtime thread): answers wait for the lane (REPLY_PENDING, with
-    the messages in flight), frames come back unread once the replies in flight are answered."""
+    (a write would hold the runtime thread): it waits in its poll, and the scheduler's stop
+    hands the run back: answers to the lane (REPLY_PENDING, with the messages in flight), frames
+    unread (the replies of those it forwarded are still read and answered meanwhile)."""
     bench = make_hop_bench(make_bench, implementation, 1, True)
     relay_end = bench._ends[0] if behind == "upstream" else bench._ends[1]
     relay_end.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
@@ -883,6 +909,7 @@ def test_hop_by_hop_a_reader_that_falls_behind_gets_the_run_back(implementation:
     bench.downstream.sendall(b"".join(downstream_reply(100 + index, 1) for index in range(200)))
     watchdog = threading.Timer(10, os.eventfd_write, (bench.abort_fd, 1))
     watchdog.start()
+    threading.Timer(0.3, os.eventfd_write, (bench.stop_fd, 1)).start()  # another lane wants the runtime
     try:
         outcome = bench.run(b"".join(frames))
     finally:
@@ -890,8 +917,8 @@ def test_hop_by_hop_a_reader_that_falls_behind_gets_the_run_back(implementation:
     if behind == "upstream":
         assert outcome.status == implementation.REPLY_PENDING and 0 < outcome.steps < 200, outcome.status
         assert outcome.in_flight  # (the lane reads their replies and answers them in trio)
-    else:
-        assert outcome.status == implementation.HANDED_BACK and 0 < outcome.steps < 200, outcome.status
+    else:  # (the replies of the messages it forwarded were read and answered meanwhile)
+        assert outcome.status == implementation.STOPPED and 0 < outcome.steps < 200, outcome.status
         assert b"".join(frames[outcome.steps:]).startswith(outcome.leftover)
         assert len(outcome.leftover) >= len(frames[outcome.steps])
     _drain(bench.upstream)

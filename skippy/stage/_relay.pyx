@@ -537,8 +537,9 @@ cdef class DecodeRelay:
                 return _HANDED_BACK
             if steps[0] > 0 and counters[10] + self._rows > self._max_steps:
                 return _STEP_LIMIT  # (the next run starts with it)
-            if self._full(self._downstream):
-                return _HANDED_BACK  # (its reader is behind: the lane's path waits for it, the runtime does not)
+            status = self._wait_room(self._downstream)  # (before computing: a stop may still hand it back)
+            if status >= 0:
+                return status
             started = _now_ns()
             self._received_ns = started
             if self._step(counters) != 0:
@@ -643,9 +644,11 @@ cdef class DecodeRelay:
         cdef pollfd fds[4]
         cdef unsigned long count
         cdef bint reading
+        cdef bint forward_waits = False  # a whole message waits for room downstream
+        cdef bint answer_waits = False  # a reply waits for room upstream
         cdef _InFlight *head
         while True:
-            while ending < 0 and self._flying < _MAX_IN_FLIGHT:
+            while ending < 0 and self._flying < _MAX_IN_FLIGHT and not forward_waits:
                 buffered = self._filled - self._base
                 if buffered < FRAME_FIXED_HEADER or (self._header_matches() and buffered < self._length):
                     break  # (more bytes to read)
@@ -657,27 +660,41 @@ cdef class DecodeRelay:
                 elif (counters[0] > 0 or self._flying > 0) and counters[10] + flying_rows + self._rows > self._max_steps:
                     ending = _STEP_LIMIT  # (the next run starts with it)
                 elif self._full(self._downstream):
-                    ending = _HANDED_BACK  # (the next stage is behind: the lane's path waits for it)
+                    forward_waits = True  # (the next stage is behind: its replies are still read meanwhile)
                 else:
                     status = self._forward(counters)
                     if status >= 0:
                         return status
             if self._flying == 0 and (ending >= 0 or counters[10] >= self._max_steps):
                 return ending if ending >= 0 else _STEP_LIMIT
-            reading = ending < 0 and self._flying < _MAX_IN_FLIGHT
+            # A socket with no room is waited for here, not in a write: a stop (the scheduler wants
+            # the runtime) then hands the run back, and a reader that fell behind waits on the
+            # lane's path, in trio, not on the runtime thread.
+            reading = ending < 0 and self._flying < _MAX_IN_FLIGHT and not forward_waits
             fds[0].fd, fds[0].events, fds[0].revents = self._stop, POLLIN, 0
             fds[1].fd, fds[1].events, fds[1].revents = self._abort, POLLIN, 0
-            fds[2].fd, fds[2].events, fds[2].revents = self._downstream if self._flying > 0 else -1, POLLIN, 0
-            fds[3].fd, fds[3].events, fds[3].revents = self._upstream if reading else -1, POLLIN, 0
+            fds[2].fd, fds[2].revents = self._downstream, 0
+            fds[2].events = (POLLIN if self._flying > 0 and not answer_waits else 0) | (POLLOUT if forward_waits else 0)
+            if fds[2].events == 0:
+                fds[2].fd = -1
+            fds[3].fd, fds[3].revents = self._upstream, 0
+            fds[3].events = (POLLIN if reading else 0) | (POLLOUT if answer_waits else 0)
+            if fds[3].events == 0:
+                fds[3].fd = -1
             if poll(fds, 4, -1) < 0:
                 if errno == EINTR:
                     continue
                 return _REPLY_PENDING if self._flying > 0 else _HANDED_BACK
             if fds[0].revents or fds[1].revents:
                 return _REPLY_PENDING if self._flying > 0 else _STOPPED  # (the lane reads the replies)
-            if fds[2].revents:
-                if self._full(self._upstream):  # (an upstream that does not read its replies: the lane's)
-                    return _REPLY_PENDING
+            if forward_waits and fds[2].revents & (POLLOUT | POLLERR | POLLHUP):
+                forward_waits = False  # (room, or an error its write reports)
+            if answer_waits and fds[3].revents & (POLLOUT | POLLERR | POLLHUP):
+                answer_waits = False
+            if fds[2].revents and fds[2].events & POLLIN:
+                if self._full(self._upstream):  # the answer has no room: wait for it (or a stop)
+                    answer_waits = True
+                    continue
                 status = self._read_reply(counters)
                 if status == _HANDED_BACK or status == _UPSTREAM_FAILED:  # answered (or its write failed): done
                     head = &self._flight[0]
@@ -694,7 +711,7 @@ cdef class DecodeRelay:
                     memmove(&self._flight[0], &self._flight[1], self._flying * sizeof(_InFlight))
                 if status != -1 and status != _HANDED_BACK:
                     return status
-            if fds[3].revents:
+            if fds[3].revents and fds[3].events & POLLIN:
                 got = recv(self._upstream, self._buffer + self._filled, self._capacity - self._filled, 0)
                 if got > 0:
                     if self._filled == self._base:
@@ -953,15 +970,33 @@ cdef class DecodeRelay:
         return -1
 
     cdef bint _full(self, int fd) noexcept nogil:
-        """``fd`` has no room for a frame now (the twin's _full): the loop hands the message back
-        before computing it, so that a peer that does not read waits on the lane's path (in trio)
-        and not on the runtime thread.  A failed poll or a socket in error is not full: its write
-        says what happened."""
+        """``fd`` has no room for a frame now (the twin's _full).  A failed poll or a socket in
+        error is not full: its write says what happened."""
         cdef pollfd fds[1]
         fds[0].fd, fds[0].events, fds[0].revents = fd, POLLOUT, 0
         if poll(fds, 1, 0) < 0:
             return False
         return not (fds[0].revents & (POLLOUT | POLLERR | POLLHUP))
+
+    cdef int _wait_room(self, int fd) noexcept nogil:
+        """Wait until ``fd`` has room for a frame (the twin's _wait_room): -1 then, else the
+        outcome: _STOPPED when the scheduler wants the runtime meanwhile (a reader that fell
+        behind waits on the lane's path, in trio, not on the runtime thread), _ABORTED."""
+        cdef pollfd fds[3]
+        while True:
+            fds[0].fd, fds[0].events, fds[0].revents = fd, POLLOUT, 0
+            fds[1].fd, fds[1].events, fds[1].revents = self._stop, POLLIN, 0
+            fds[2].fd, fds[2].events, fds[2].revents = self._abort, POLLIN, 0
+            if poll(fds, 3, -1) < 0:
+                if errno == EINTR:
+                    continue
+                return -1  # (the write says what happened)
+            if fds[2].revents:
+                return _ABORTED
+            if fds[0].revents & (POLLOUT | POLLERR | POLLHUP):
+                return -1
+            if fds[1].revents:
+                return _STOPPED
 
     cdef int _read_reply(self, int64_t *counters) noexcept nogil:
         """Hop by hop: read what the downstream has of the oldest message in flight's reply (never

@@ -648,8 +648,9 @@ class DecodeRelay:
                 return HANDED_BACK
             if counters[0] and counters[10] + self._rows > self._max_steps:
                 return STEP_LIMIT  # (the next run starts with it)
-            if self._full(self._downstream):
-                return HANDED_BACK  # (its reader is behind: the lane's path waits for it, the runtime does not)
+            status = self._wait_room(self._downstream)  # (before computing: a stop may still hand it back)
+            if status >= 0:
+                return status
             self._received_ns = started = time.perf_counter_ns()
             if not self._step(counters):
                 return HANDED_BACK
@@ -727,8 +728,9 @@ class DecodeRelay:
         flight are answered."""
         held, in_flight = self._held, self._in_flight
         ending = -1  # the outcome once the messages in flight are answered (nothing more is read)
+        forward_waits = answer_waits = False  # a whole message waits for room downstream; a reply, upstream
         while True:
-            while ending < 0 and len(in_flight) < MAX_IN_FLIGHT:
+            while ending < 0 and len(in_flight) < MAX_IN_FLIGHT and not forward_waits:
                 buffered = len(self._buffer)
                 if buffered < FIXED_HEADER or (self._header_matches() and buffered < self._length):
                     break  # (more bytes to read)
@@ -738,26 +740,38 @@ class DecodeRelay:
                 elif (counters[0] or in_flight) and counters[10] + flying + self._rows > self._max_steps:
                     ending = STEP_LIMIT  # (the next run starts with it)
                 elif self._full(self._downstream):
-                    ending = HANDED_BACK  # (the next stage is behind: the lane's path waits for it)
+                    forward_waits = True  # (the next stage is behind: its replies are still read meanwhile)
                 else:
                     status = self._forward(counters)
                     if status >= 0:
                         return status
             if not in_flight and (ending >= 0 or counters[10] >= self._max_steps):
                 return ending if ending >= 0 else STEP_LIMIT
+            # A socket with no room is waited for here, not in a write: a stop (the scheduler wants
+            # the runtime) then hands the run back, and a reader that fell behind waits on the
+            # lane's path, in trio, not on the runtime thread.
             poller = select.poll()
             for fd in (self._stop, self._abort):
                 poller.register(fd, select.POLLIN)
-            if in_flight:
-                poller.register(self._downstream, select.POLLIN)
-            if ending < 0 and len(in_flight) < MAX_IN_FLIGHT:
-                poller.register(self._upstream, select.POLLIN)
+            room = select.POLLOUT | select.POLLERR | select.POLLHUP
+            down = (select.POLLIN if in_flight and not answer_waits else 0) | (select.POLLOUT if forward_waits else 0)
+            reading = ending < 0 and len(in_flight) < MAX_IN_FLIGHT and not forward_waits
+            up = (select.POLLIN if reading else 0) | (select.POLLOUT if answer_waits else 0)
+            if down:
+                poller.register(self._downstream, down)
+            if up:
+                poller.register(self._upstream, up)
             ready = dict(poller.poll())
             if ready.get(self._stop) or ready.get(self._abort):
                 return REPLY_PENDING if in_flight else STOPPED  # (the lane reads the replies)
-            if ready.get(self._downstream):
-                if self._full(self._upstream):  # (an upstream that does not read its replies: the lane's)
-                    return REPLY_PENDING
+            if forward_waits and ready.get(self._downstream, 0) & room:
+                forward_waits = False  # (room, or an error its write reports)
+            if answer_waits and ready.get(self._upstream, 0) & room:
+                answer_waits = False
+            if ready.get(self._downstream) and down & select.POLLIN:
+                if self._full(self._upstream):  # the answer has no room: wait for it (or a stop)
+                    answer_waits = True
+                    continue
                 status = self._read_reply(counters)
                 if status in (HANDED_BACK, UPSTREAM_FAILED):  # answered (or its write failed): it is done
                     entry = in_flight.popleft()
@@ -770,7 +784,7 @@ class DecodeRelay:
                         counters[13] += 1
                 if status not in (-1, HANDED_BACK):
                     return status
-            if ready.get(self._upstream):
+            if ready.get(self._upstream) and up & select.POLLIN:
                 try:
                     data = os.read(self._upstream, self._capacity - len(self._buffer))
                 except (BlockingIOError, InterruptedError):
@@ -988,13 +1002,29 @@ class DecodeRelay:
 
     @staticmethod
     def _full(fd: int) -> bool:
-        """``fd`` has no room for a frame now: the loop hands the message back before computing
-        it, so that a peer that does not read waits on the lane's path (in trio) and not on the
-        runtime thread.  A socket in error is not full: its write says what happened."""
+        """``fd`` has no room for a frame now.  A socket in error is not full: its write says
+        what happened."""
         waiter = select.poll()
         waiter.register(fd, select.POLLOUT)
         ready = dict(waiter.poll(0)).get(fd, 0)
         return not ready & (select.POLLOUT | select.POLLERR | select.POLLHUP)
+
+    def _wait_room(self, fd: int) -> int:
+        """Wait until ``fd`` has room for a frame: -1 then, else the outcome: STOPPED when the
+        scheduler wants the runtime meanwhile (a reader that fell behind waits on the lane's
+        path, in trio, not on the runtime thread), ABORTED."""
+        waiter = select.poll()
+        waiter.register(fd, select.POLLOUT)
+        waiter.register(self._stop, select.POLLIN)
+        waiter.register(self._abort, select.POLLIN)
+        while True:
+            ready = dict(waiter.poll())
+            if ready.get(self._abort):
+                return ABORTED
+            if ready.get(fd, 0) & (select.POLLOUT | select.POLLERR | select.POLLHUP):
+                return -1
+            if ready.get(self._stop):
+                return STOPPED
 
     def _read_reply(self, counters: list[int]) -> int:
         """Hop by hop: read what the downstream has of the oldest message in flight's reply (never

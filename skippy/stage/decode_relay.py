@@ -50,11 +50,13 @@ computed and forwarded (the events they would have had), feeds what was read of 
 link's reader and gives it the socket back, and the reply takes the lane's path.  The run ends early when anything else needs the
 runtime (the scheduler writes the stop descriptor), when the lane is cancelled or its return
 lane closes (the abort descriptor, which also cuts a write waiting on a full socket; the wait
-for the thread is never abandoned, so no socket is closed under it), when a socket it writes has
-no room (a reader that fell behind: the next stage, or an upstream that stops reading its
-answers; the loop computes nothing whose frame it could not write at once, and the lane's path
-waits for the reader in trio while the runtime serves the stage's other lanes), and every ``max_steps``
-tokens so the stage's statistics stay current.  On a non-final stage the loop also keeps the
+for the thread is never abandoned, so no socket is closed under it), and every ``max_steps``
+tokens so the stage's statistics stay current.  A socket the loop writes that has no room (a
+reader that fell behind: the next stage, or an upstream slow to read its answers) is waited for
+in the loop's poll before it computes, never inside a write: a slow reader keeps the run (hop by
+hop its replies are still read and answered meanwhile), and the scheduler's stop still ends it,
+so a reader that stopped reading waits on the lane's path, in trio, while the runtime serves the
+stage's other lanes.  On a non-final stage the loop also keeps the
 output row of each step it computes; after every run they go into the stage's activation log
 (skippy.stage.activation_log), as the executor's rows do.
 """
