@@ -7,6 +7,7 @@ this process with the same chunking and batch size, so f32 chains must match it 
 
 from __future__ import annotations
 
+import contextlib
 import signal
 from pathlib import Path
 
@@ -93,13 +94,17 @@ async def test_concurrent_sessions_match_sequential_and_batch(tiny_llama: Path, 
                 sequential.append(await client.generate_greedy(100 + index, prompt, 12, chunk_size=CHUNK))
         concurrent: dict[int, list[int]] = {}
 
-        async def run(index: int) -> None:
-            async with await StageClient.connect(address) as client:  # type: ignore[arg-type]
-                concurrent[index] = await client.generate_greedy(index + 1, prompts[index], 12, chunk_size=CHUNK)
+        async def run(client: StageClient, index: int) -> None:
+            concurrent[index] = await client.generate_greedy(index + 1, prompts[index], 12, chunk_size=CHUNK)
 
-        async with trio.open_nursery() as nursery:
-            for index in range(8):
-                nursery.start_soon(run, index)
+        # every lane connected before any generates: on a loaded host (a CI run) lanes that
+        # connected one by one ran one after another, and no rows met (69 batches, all of 1 row)
+        async with contextlib.AsyncExitStack() as lanes:
+            clients = [await lanes.enter_async_context(await StageClient.connect(address))  # type: ignore[arg-type]
+                       for _ in range(8)]
+            async with trio.open_nursery() as nursery:
+                for index, client in enumerate(clients):
+                    nursery.start_soon(run, client, index)
         stats = [await wait_for_stats(stage, lambda s: s["sessions_in_use"] == 0) for stage in chain]
     assert [concurrent[i] for i in range(8)] == sequential
     print(f"\ndecode batch sizes per stage: {[each['decode_batch_sizes'] for each in stats]}")
