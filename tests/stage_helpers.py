@@ -24,7 +24,7 @@ import trio
 from skippy.net.address import Address
 from skippy.runtime import Model, StageContext
 from skippy.stage.config import config_from_mapping
-from skippy.stage.server import StageServer, load_runtime
+from skippy.stage.server import StageServer, close_runtime, load_runtime
 
 ROOT = Path(__file__).resolve().parent.parent
 _READY = re.compile(r"ready on (\S+):(\d+)")
@@ -143,19 +143,23 @@ async def inprocess_chain(splits: Sequence[str], *, model: str = "null:n_embd=8,
 
     One compute thread unless ``threads`` is given (as the stage processes of `StageProcess`)."""
     servers: list[StageServer] = []
-    async with trio.open_nursery() as nursery:
-        downstream: Address | None = None
-        for layers in reversed(splits):
-            config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
-                                          "batch_size": 64, "connect_timeout": 2, "threads": 1, **settings})
-            server = StageServer(config, load_runtime(config))
-            downstream = await nursery.start(server.serve)
-            servers.insert(0, server)
-        try:
-            yield servers
-        finally:
-            for server in servers:
-                server.shutdown()
+    try:
+        async with trio.open_nursery() as nursery:
+            downstream: Address | None = None
+            for layers in reversed(splits):
+                config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
+                                              "batch_size": 64, "connect_timeout": 2, "threads": 1, **settings})
+                server = StageServer(config, load_runtime(config))
+                servers.insert(0, server)
+                downstream = await nursery.start(server.serve)
+            try:
+                yield servers
+            finally:
+                for server in servers:
+                    server.shutdown()
+    finally:  # the servers have returned: their weights and KV go now, not with the test session
+        for server in servers:
+            close_runtime(server.executor)
 
 
 def reference_greedy(path: Path, prompt: Sequence[int], steps: int, *, chunk_size: int,

@@ -124,7 +124,10 @@ def model_file(arch: str, dtype: str, tied: bool) -> Path:
     return ensure_model(spec_of(arch, dtype, tied))
 
 
-@functools.lru_cache(maxsize=None)
+#: The splits of one configuration run one after another (``cases()``), so the unsplit run of the
+#: last few is all that is worth keeping: ~8 MB of logits each (32000-token vocabulary), and the
+#: full suite's ~300 configurations, all kept, held 2.3 GB of its process to the end.
+@functools.lru_cache(maxsize=4)
 def unsplit(arch: str, dtype: str, tied: bool) -> tuple[tuple[np.ndarray, ...], tuple[int, ...]]:
     with chain(model_file(arch, dtype, tied), [(0, N_LAYER)]) as whole:
         logits, tokens = greedy_run(whole, LONG_PROMPT, steps=STEPS)

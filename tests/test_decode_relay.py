@@ -1275,7 +1275,7 @@ from stage_helpers import reference_greedy  # noqa: E402
 from skippy.driver import StageClient  # noqa: E402
 from skippy.net.address import Address  # noqa: E402
 from skippy.stage.config import config_from_mapping  # noqa: E402
-from skippy.stage.server import StageServer, load_runtime  # noqa: E402
+from skippy.stage.server import StageServer, close_runtime, load_runtime  # noqa: E402
 
 SPLITS = ["0:1", "1:2", "2:4"]
 
@@ -1343,6 +1343,17 @@ class TappedChain:
         return address
 
 
+#: The stage servers a test started (:func:`_tapped_chain`): their runtimes are freed after it.
+_STARTED: list[StageServer] = []
+
+
+@pytest.fixture(autouse=True)
+def _free_runtimes() -> Iterator[None]:
+    yield  # (the test's trio run has ended: its servers returned)
+    while _STARTED:
+        close_runtime(_STARTED.pop().executor)
+
+
 async def _tapped_chain(nursery: trio.Nursery, model: Path, relay: bool, splits: list[str] = SPLITS) -> TappedChain:
     servers: list[StageServer] = []
     taps: list[Tap] = []
@@ -1352,6 +1363,7 @@ async def _tapped_chain(nursery: trio.Nursery, model: Path, relay: bool, splits:
                                       "batch_size": 64, "ctx_size": 512, "connect_timeout": 2,
                                       "decode_relay": relay, "threads": 1})
         server = StageServer(config, load_runtime(config))
+        _STARTED.append(server)
         address = await nursery.start(server.serve)
         servers.insert(0, server)
         if index > 0:

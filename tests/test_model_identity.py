@@ -17,7 +17,7 @@ from skippy.net.address import Address
 from skippy.runtime.gguf_header import header_digest
 from skippy.stage.config import config_from_mapping
 from skippy.stage.identity_check import DownstreamIdentities
-from skippy.stage.server import StageServer, load_runtime
+from skippy.stage.server import StageServer, close_runtime, load_runtime
 
 from conftest import PROMPT, model_path
 from stage_helpers import inprocess_chain, stage_chain
@@ -50,22 +50,26 @@ async def test_mismatched_downstream_refused_at_connect(case: str, tiny_llama: P
         final_layers = "3:4"
     else:
         final_ctx = 512
-    async with trio.open_nursery() as nursery:
-        servers: list[StageServer] = []
-        downstream: Address | None = None
-        for model, layers, ctx in ((final_model, final_layers, final_ctx), (str(tiny_llama), "0:2", 256)):
-            config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
-                                          "ctx_size": ctx, "connect_timeout": 5, "threads": 1})
-            servers.append(StageServer(config, load_runtime(config)))
-            downstream = await nursery.start(servers[-1].serve)
-        try:
-            with trio.fail_after(20):
-                async with await StageClient.connect(downstream) as client:  # type: ignore[arg-type]
-                    with pytest.raises(StageRemoteError) as caught:
-                        await client.generate_greedy(1, PROMPT, 4)
-        finally:
-            for server in servers:
-                server.shutdown()
+    servers: list[StageServer] = []
+    try:
+        async with trio.open_nursery() as nursery:
+            downstream: Address | None = None
+            for model, layers, ctx in ((final_model, final_layers, final_ctx), (str(tiny_llama), "0:2", 256)):
+                config = config_from_mapping({"model": model, "layers": layers, "downstream": downstream,
+                                              "ctx_size": ctx, "connect_timeout": 5, "threads": 1})
+                servers.append(StageServer(config, load_runtime(config)))
+                downstream = await nursery.start(servers[-1].serve)
+            try:
+                with trio.fail_after(20):
+                    async with await StageClient.connect(downstream) as client:  # type: ignore[arg-type]
+                        with pytest.raises(StageRemoteError) as caught:
+                            await client.generate_greedy(1, PROMPT, 4)
+            finally:
+                for server in servers:
+                    server.shutdown()
+    finally:
+        for server in servers:
+            close_runtime(server.executor)
     text = str(caught.value)
     assert caught.value.frame is not None and caught.value.frame.code is ErrorCode.MODEL_MISMATCH
     assert "model mismatch with downstream stage" in text

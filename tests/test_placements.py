@@ -31,7 +31,7 @@ from skippy.driver.speculation.controller import CostModel
 from skippy.net.address import Address
 from skippy.runtime.sampling import SamplingParams
 from skippy.stage.config import config_from_mapping
-from skippy.stage.server import StageServer, load_runtime
+from skippy.stage.server import StageServer, close_runtime, load_runtime
 from skippy.stage.transport import codec
 
 SPLITS = ["0:1", "1:3", "3:4"]
@@ -121,6 +121,18 @@ class Chain:
 @asynccontextmanager
 async def tapped_chain(model: Path, splits: list[str] = SPLITS, **switches: bool) -> AsyncIterator[Chain]:
     """Stages ``splits`` of ``model``, each behind a tap, and a tap for return lanes."""
+    servers: list[StageServer] = []
+    try:
+        async with _tapped_chain(model, splits, servers, **switches) as chain:
+            yield chain
+    finally:  # the servers have returned (cancelled): their weights and KV go now
+        for server in servers:
+            close_runtime(server.executor)
+
+
+@asynccontextmanager
+async def _tapped_chain(model: Path, splits: list[str], servers: list[StageServer], **switches: bool
+                        ) -> AsyncIterator[Chain]:
     async with trio.open_nursery() as nursery:
 
         async def tap_in_front(address: Address) -> tuple[Tap, Address]:
@@ -128,7 +140,6 @@ async def tapped_chain(model: Path, splits: list[str] = SPLITS, **switches: bool
             listeners = await nursery.start(functools.partial(trio.serve_tcp, tap.serve, 0, host="127.0.0.1"))
             return tap, Address("127.0.0.1", listeners[0].socket.getsockname()[1])
 
-        servers: list[StageServer] = []
         taps: list[Tap] = []
         downstream: Address | None = None
         for layers in reversed(splits):
@@ -136,9 +147,9 @@ async def tapped_chain(model: Path, splits: list[str] = SPLITS, **switches: bool
                                           "ctx_size": 512, "batch_size": 64, "connect_timeout": 2, "threads": 1,
                                           **switches})
             server = StageServer(config, load_runtime(config))
+            servers.insert(0, server)
             address = await nursery.start(server.serve)
             tap, downstream = await tap_in_front(address)
-            servers.insert(0, server)
             taps.insert(0, tap)
         returns, return_address = await tap_in_front(servers[-1].address)  # type: ignore[arg-type]
         assert downstream is not None

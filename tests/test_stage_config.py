@@ -105,7 +105,7 @@ def test_the_weights_are_read_unless_the_file_is_mapped(caplog: pytest.LogCaptur
     """--mmap off (the default) reads the stage's tensors into memory; on maps the file; the log
     says which, and how much of the process the kernel put on huge pages."""
     from conftest import model_path
-    from skippy.stage.server import load_runtime
+    from skippy.stage.server import close_runtime, load_runtime
 
     base = ["--model", str(model_path()), "--layers", "0:2", "--downstream", "127.0.0.1:9", "--ctx-size", "64",
             "--max-sessions", "1", "--prefix-cache", "off"]
@@ -119,4 +119,4 @@ def test_the_weights_are_read_unless_the_file_is_mapped(caplog: pytest.LogCaptur
             expected = "mapped from the file" if mapped else "read into memory"
             assert any(expected in line and "on 2 MiB pages" in line for line in caplog.messages), caplog.messages
         finally:
-            executor.close()
+            close_runtime(executor)

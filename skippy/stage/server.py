@@ -129,6 +129,18 @@ def load_runtime(config: StageConfig, progress: Callable[[float], object] | None
     return executor
 
 
+def close_runtime(executor: Executor) -> None:
+    """Free what :func:`load_runtime` made: the sessions and prefix cache, the context, then the
+    weights (idempotent).  Only once nothing runs on it any more: after :meth:`StageServer.serve`
+    returned, cancelled or not (its scheduler joins the runtime thread on the way out).  A stage
+    process need not call it (its exit frees all); a process that serves stages one after
+    another must, or each keeps its weights and KV cache to the end."""
+    executor.close()
+    context = executor.context
+    context.close()
+    context.model.close()
+
+
 def build_cache(config: StageConfig, context: Any) -> StageCache:
     """The stage's prefix cache over a fresh context (claims the ids above ``max_sessions``)."""
     dtype = config.cache_input_dtype
